@@ -1,0 +1,46 @@
+// Device helpers shared by the fused elementwise kernels.
+//
+// Eager PyTorch runs a chain such as `x * (1 + scale) + shift` as one kernel per operator: each loads its
+// fp16/bf16 operands into fp32 ("opmath"), performs exactly one IEEE operation, and rounds the result back to
+// the storage dtype. A fused kernel is bit-identical to that chain only if it keeps every one of those rounding
+// points and performs every multiply and add as a separate, correctly rounded operation. The intrinsics
+// __fmul_rn/__fadd_rn are never contracted into an FMA by nvcc (the build also passes --fmad=false), and
+// round_to<T>() reproduces the store-and-reload of an intermediate tensor.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace diffusers_fastpath {
+
+template <typename T>
+struct Storage;
+
+template <>
+struct Storage<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Storage<__half> {
+  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
+};
+
+// The value an eager op leaves in memory: fp32 result rounded (to nearest even) to T, read back as fp32.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return Storage<T>::load(Storage<T>::store(v));
+}
+
+// 16 bytes of T: one vectorised global load or store (LDG.128 / STG.128) when the address is 16-byte aligned.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+}  // namespace diffusers_fastpath

@@ -1,0 +1,117 @@
+// Fused adaLN modulate: out = x * (1 + scale[:, None]) + shift[:, None], bit-identical to eager PyTorch.
+//
+// Eager runs three kernels and rounds to the storage dtype after each:
+//   t1  = round(1 + scale)          (add with a wrapped scalar, fp32 opmath)
+//   t2  = round(x * t1)             (mul, fp32 opmath)
+//   out = round(t2 + shift)         (add, fp32 opmath)
+// This kernel keeps all three rounding points and uses __fadd_rn/__fmul_rn so that nvcc cannot contract the
+// multiply and the add into an FMA (which would skip the rounding of t2 and change about one output in ten).
+//
+// Layout: x and out are [batch, seq, dim] contiguous; scale and shift are [batch, dim] rows (any batch stride,
+// including the `emb.chunk(6, dim=1)` views of diffusers' AdaLayerNormZero, or 0 to broadcast one row). Each
+// thread owns one 16-byte column vector and walks rows with a grid stride, so any seq length works; it keeps
+// round(1 + scale) and shift for its column in registers while consecutive rows stay in the same batch.
+#include "elementwise.cuh"
+#include "fastpath.h"
+
+namespace diffusers_fastpath {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRowsInFlight = 4;  // independent 16-byte loads issued per thread before the first use
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) modulate_scale_shift_kernel(
+    T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ scale, const T* __restrict__ shift,
+    int64_t rows, int64_t seq, int32_t vecs_per_row, int64_t scale_batch_stride, int64_t shift_batch_stride) {
+  using P = Pack<T>;
+  constexpr int kVec = P::kSize;
+  const int32_t col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= vecs_per_row) return;
+
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  int64_t batch_begin = 0, batch_end = 0;  // rows [batch_begin, batch_end) share the cached scale/shift
+  float one_plus_scale[kVec];
+  float shift_f[kVec];
+
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < rows;
+       row0 += row_step * kRowsInFlight) {
+    P xin[kRowsInFlight];
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const int64_t row = row0 + r * row_step;
+      if (row < rows) xin[r] = reinterpret_cast<const P*>(x)[row * vecs_per_row + col];
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const int64_t row = row0 + r * row_step;
+      if (row >= rows) break;
+      if (row < batch_begin || row >= batch_end) {
+        const int64_t b = row / seq;
+        batch_begin = b * seq;
+        batch_end = batch_begin + seq;
+        const P s = reinterpret_cast<const P*>(scale + b * scale_batch_stride)[col];
+        const P h = reinterpret_cast<const P*>(shift + b * shift_batch_stride)[col];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          one_plus_scale[i] = round_to<T>(__fadd_rn(Storage<T>::load(s.v[i]), 1.0f));
+          shift_f[i] = Storage<T>::load(h.v[i]);
+        }
+      }
+      P o;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float scaled = round_to<T>(__fmul_rn(Storage<T>::load(xin[r].v[i]), one_plus_scale[i]));
+        o.v[i] = Storage<T>::store(__fadd_rn(scaled, shift_f[i]));
+      }
+      reinterpret_cast<P*>(out)[row * vecs_per_row + col] = o;
+    }
+  }
+}
+
+int num_sms() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  static int cached[64] = {0};
+  if (device < 64 && cached[device]) return cached[device];
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) count = 132;
+  if (device < 64) cached[device] = count;
+  return count;
+}
+
+template <typename T>
+cudaError_t launch(const ModulateScaleShiftArgs& a, cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  const int64_t rows = a.batch * a.seq;
+  if (rows == 0 || a.dim == 0) return cudaSuccess;
+  const int32_t vecs_per_row = static_cast<int32_t>(a.dim / kVec);
+  const int tx = vecs_per_row < 128 ? vecs_per_row : 128;
+  const int ty = kThreads / tx;
+  const dim3 block(tx, ty);
+  const int64_t grid_x = (vecs_per_row + tx - 1) / tx;
+  const int64_t rows_per_block = static_cast<int64_t>(ty) * kRowsInFlight;
+  int64_t grid_y = (rows + rows_per_block - 1) / rows_per_block;
+  // About eight resident blocks of 256 threads per SM fill it; more rows are covered by the grid stride.
+  const int64_t cap_y = (static_cast<int64_t>(num_sms()) * 8 + grid_x - 1) / grid_x;
+  if (grid_y > cap_y) grid_y = cap_y;
+  if (grid_y > 65535) grid_y = 65535;
+  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
+  modulate_scale_shift_kernel<T><<<grid, block, 0, stream>>>(
+      static_cast<T*>(a.out), static_cast<const T*>(a.x), static_cast<const T*>(a.scale),
+      static_cast<const T*>(a.shift), rows, a.seq, vecs_per_row, a.scale_batch_stride, a.shift_batch_stride);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_modulate_scale_shift(const ModulateScaleShiftArgs& args, cudaStream_t stream) {
+  switch (args.dtype) {
+    case DType::kHalf:
+      return launch<__half>(args, stream);
+    case DType::kBFloat16:
+      return launch<__nv_bfloat16>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace diffusers_fastpath

@@ -1,0 +1,349 @@
+"""FLUX.1 adapter: diffusers' ``FluxTransformer2DModel`` (FLUX.1 dev, schnell, Kontext, Fill).
+
+What `patch` changes, all by ``__class__`` swap on the live modules (same parameters, same state dict) or through
+diffusers' own extension points:
+
+- ``AdaLayerNormZero`` (``norm1``, ``norm1_context``) and ``AdaLayerNormZeroSingle`` (``norm``):
+  the modulate ``norm(x) * (1 + scale) + shift`` runs as the fused `modulate_scale_shift` op.
+- ``FluxTransformerBlock``: the ``norm2``/``norm2_context`` modulates run through the same op (the block's
+  ``forward`` mirrors diffusers 0.42.1's, checked by source digest at patch time).
+- ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
+  (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`
+  that also carries the broadcast views the attention processor reads.
+- ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
+  ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`.
+
+Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused modulate sites, 57 attention processors and
+one rotary cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxPosEmbed,
+    FluxTransformer2DModel,
+    FluxTransformerBlock,
+    _get_qkv_projections,
+)
+
+from ..ops import modulate_scale_shift
+from ..patching import PatchState, register_adapter
+from ._mirror import mirrors
+
+MODULATE = "modulate_scale_shift"
+ROPE_STATS_ATTR = "_fastpath_rope_stats"
+_IDS_KEY_ATTR = "_fastpath_ids_key"
+_ROPE_CACHE_ATTR = "_fastpath_rope_cache"
+_ROPE_CACHE_ENTRIES = 4  # e.g. a true-CFG run alternates two sets of text ids
+
+# sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
+_ADALN_ZERO_FORWARD = "93374820c014f812"
+_ADALN_ZERO_SINGLE_FORWARD = "d48dfb2b1e75e64f"
+_BLOCK_FORWARD = "0b184cbe172708b6"
+_PROCESSOR_CALL = "d5b36134887ebe45"
+
+
+class FastpathAdaLayerNormZero(AdaLayerNormZero):
+    """``AdaLayerNormZero`` whose modulate is the fused, bit-exact `modulate_scale_shift`. Adds no state."""
+
+    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+        if self.emb is not None:
+            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        x = modulate_scale_shift(self.norm(x), scale_msa, shift_msa, self._fastpath_site)
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
+    """``AdaLayerNormZeroSingle`` whose modulate is the fused, bit-exact `modulate_scale_shift`. Adds no state."""
+
+    def forward(self, x, emb=None):
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+        x = modulate_scale_shift(self.norm(x), scale_msa, shift_msa, self._fastpath_site)
+        return x, gate_msa
+
+
+class FastpathFluxTransformerBlock(FluxTransformerBlock):
+    """``FluxTransformerBlock`` with its ``norm2``/``norm2_context`` modulates fused.
+
+    ``forward`` mirrors diffusers 0.42.1's line for line; only the two modulate lines differ.
+    """
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb
+        )
+        joint_attention_kwargs = joint_attention_kwargs or {}
+
+        attention_outputs = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+
+        if len(attention_outputs) == 2:
+            attn_output, context_attn_output = attention_outputs
+        elif len(attention_outputs) == 3:
+            attn_output, context_attn_output, ip_attn_output = attention_outputs
+
+        attn_output = gate_msa.unsqueeze(1) * attn_output
+        hidden_states = hidden_states + attn_output
+
+        norm_hidden_states = modulate_scale_shift(
+            self.norm2(hidden_states), scale_mlp, shift_mlp, self.norm2._fastpath_site
+        )
+
+        ff_output = self.ff(norm_hidden_states)
+        ff_output = gate_mlp.unsqueeze(1) * ff_output
+
+        hidden_states = hidden_states + ff_output
+        if len(attention_outputs) == 3:
+            hidden_states = hidden_states + ip_attn_output
+
+        context_attn_output = c_gate_msa.unsqueeze(1) * context_attn_output
+        encoder_hidden_states = encoder_hidden_states + context_attn_output
+
+        norm_encoder_hidden_states = modulate_scale_shift(
+            self.norm2_context(encoder_hidden_states), c_scale_mlp, c_shift_mlp, self.norm2_context._fastpath_site
+        )
+
+        context_ff_output = self.ff_context(norm_encoder_hidden_states)
+        encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+
+        return encoder_hidden_states, hidden_states
+
+
+class FluxRotaryCache(tuple):
+    """``(freqs_cos, freqs_sin)`` exactly as ``FluxPosEmbed`` returns them, built once per set of position ids.
+
+    Still a tuple, so every processor that unpacks ``cos, sin = image_rotary_emb`` (IP-adapter, a user's own)
+    keeps working; `FastpathFluxAttnProcessor` reads the ``[1, S, 1, D]`` broadcast views made once here instead
+    of re-deriving them in each of the 57 attention calls of a step.
+    """
+
+    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor) -> "FluxRotaryCache":
+        self = super().__new__(cls, (cos, sin))
+        self.cos_view = cos[None, :, None, :]
+        self.sin_view = sin[None, :, None, :]
+        return self
+
+
+class RopeStats:
+    """How often the rotary cache was built (new position ids) and reused (same ids, another step)."""
+
+    __slots__ = ("built", "reused")
+
+    def __init__(self) -> None:
+        self.built = 0
+        self.reused = 0
+
+    def reset(self) -> None:
+        self.built = self.reused = 0
+
+
+class _IdsKey:
+    """Identity of the ``(txt_ids, img_ids)`` a forward was called with: the same tensor objects, unmodified.
+
+    Compared without reading the tensors (no host sync): the objects (held by weak reference, so a freed tensor
+    never matches a new one at the same address), their version counters (bumped by any in-place write, also
+    through a view), shape, dtype and device.
+    """
+
+    __slots__ = ("refs", "meta")
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.meta = tuple((t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
+
+    def same(self, other: "_IdsKey") -> bool:
+        if self.meta != other.meta:
+            return False
+        for mine, theirs in zip(self.refs, other.refs):
+            t = mine()
+            if t is None or t is not theirs():
+                return False
+        return True
+
+
+class FastpathFluxPosEmbed(FluxPosEmbed):
+    """``FluxPosEmbed`` that returns a cached `FluxRotaryCache` while the transformer's position ids are unchanged.
+
+    The transformer concatenates ``txt_ids`` and ``img_ids`` into a new tensor every forward, so the key is taken
+    from the forward's own arguments by a pre-hook (`_capture_ids`) and consumed here; a call outside a patched
+    forward (no key) computes as diffusers does.
+    """
+
+    def forward(self, ids: torch.Tensor):
+        key = self.__dict__.pop(_IDS_KEY_ATTR, None)
+        if key is None or torch.compiler.is_compiling():
+            return super().forward(ids)
+        cache: list = self.__dict__[_ROPE_CACHE_ATTR]
+        stats: RopeStats = self.__dict__[ROPE_STATS_ATTR]
+        for i, (cached_key, value) in enumerate(cache):
+            if cached_key.same(key) and value[0].shape[0] == ids.shape[0]:
+                if i:
+                    cache.insert(0, cache.pop(i))
+                stats.reused += 1
+                return value
+        value = FluxRotaryCache(*super().forward(ids))
+        cache.insert(0, (key, value))
+        del cache[_ROPE_CACHE_ENTRIES:]
+        stats.built += 1
+        return value
+
+
+def _capture_ids(model: FluxTransformer2DModel, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():
+        return
+    # forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, ...)
+    img_ids = kwargs.get("img_ids", args[4] if len(args) > 4 else None)
+    txt_ids = kwargs.get("txt_ids", args[5] if len(args) > 5 else None)
+    if isinstance(txt_ids, torch.Tensor) and isinstance(img_ids, torch.Tensor):
+        model.pos_embed.__dict__[_IDS_KEY_ATTR] = _IdsKey((txt_ids, img_ids))
+
+
+def _release_ids(model: FluxTransformer2DModel, args: tuple, kwargs: dict, output: Any) -> None:
+    model.pos_embed.__dict__.pop(_IDS_KEY_ATTR, None)
+
+
+def _apply_rotary_emb(x: torch.Tensor, rope) -> torch.Tensor:
+    """``apply_rotary_emb(x, rope, sequence_dim=1)``, reading a `FluxRotaryCache`'s prebuilt broadcast views."""
+    if type(rope) is not FluxRotaryCache:
+        return apply_rotary_emb(x, rope, sequence_dim=1)
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    return (x.float() * rope.cos_view + x_rotated.float() * rope.sin_view).to(x.dtype)
+
+
+class FastpathFluxAttnProcessor(FluxAttnProcessor):
+    """``FluxAttnProcessor`` that consumes the hoisted `FluxRotaryCache`.
+
+    ``__call__`` mirrors diffusers 0.42.1's (checked by source digest at patch time); only the rotary lines differ.
+    """
+
+    def __call__(
+        self,
+        attn: FluxAttention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+
+            encoder_query = attn.norm_added_q(encoder_query)
+            encoder_key = attn.norm_added_k(encoder_key)
+
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+
+        if image_rotary_emb is not None:
+            query = _apply_rotary_emb(query, image_rotary_emb)
+            key = _apply_rotary_emb(key, image_rotary_emb)
+
+        hidden_states = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[0](hidden_states.contiguous())
+            hidden_states = attn.to_out[1](hidden_states)
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+
+            return hidden_states, encoder_hidden_states
+        else:
+            return hidden_states
+
+
+def _fastpath_processor_for(old: FluxAttnProcessor) -> FastpathFluxAttnProcessor:
+    new = FastpathFluxAttnProcessor()
+    for name in ("_attention_backend", "_parallel_config"):  # set per instance by set_attention_backend & co.
+        if name in vars(old):
+            setattr(new, name, getattr(old, name))
+    return new
+
+
+@register_adapter(FluxTransformer2DModel)
+def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
+    """Swap FLUX.1's adaLN modules, dual blocks, rotary embedding and attention processors (see module doc)."""
+    swap_adaln = mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD)
+    swap_adaln_single = mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD)
+    swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
+    swap_processor = mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL)
+    kept_processors: dict[str, int] = {}
+
+    for name, module in model.named_modules():
+        kind = type(module)
+        if kind is AdaLayerNormZero and swap_adaln:
+            state.swap_class(module, FastpathAdaLayerNormZero)
+            state.add_site(module, MODULATE)
+        elif kind is AdaLayerNormZeroSingle and swap_adaln_single:
+            state.swap_class(module, FastpathAdaLayerNormZeroSingle)
+            state.add_site(module, MODULATE)
+        elif kind is FluxTransformerBlock and swap_block:
+            state.swap_class(module, FastpathFluxTransformerBlock)
+            state.add_site(module.norm2, MODULATE)
+            state.add_site(module.norm2_context, MODULATE)
+        elif kind is FluxPosEmbed:
+            state.swap_class(module, FastpathFluxPosEmbed)
+            state.set_attr(module, _ROPE_CACHE_ATTR, [])
+            state.set_attr(module, ROPE_STATS_ATTR, RopeStats())
+            state.add_hook(model.register_forward_pre_hook(_capture_ids, with_kwargs=True))
+            state.add_hook(model.register_forward_hook(_release_ids, with_kwargs=True, always_call=True))
+        elif isinstance(module, FluxAttention):
+            processor = module.processor
+            if type(processor) is FluxAttnProcessor and swap_processor:
+                state.set_processor(module, _fastpath_processor_for(processor))
+            elif type(processor) is not FastpathFluxAttnProcessor:
+                why = type(processor).__name__
+                kept_processors[why] = kept_processors.get(why, 0) + 1
+    for why, count in kept_processors.items():
+        state.notes.append(f"kept {count} attention processor(s) of type {why} (not diffusers' FluxAttnProcessor)")

@@ -1,0 +1,6 @@
+"""Fused ops, one file each: guard, eager reference, custom op with its fake, and the fallback wiring."""
+
+from ._policy import OPS, FusedOp, Site
+from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
+
+__all__ = ["OPS", "FusedOp", "Site", "modulate_scale_shift", "modulate_scale_shift_ref"]

@@ -1,0 +1,131 @@
+"""Fused adaLN modulate: ``x * (1 + scale[:, None]) + shift[:, None]`` in one pass over ``x``.
+
+Formula and rounding points (T is the storage dtype, fp16 or bf16; every operation runs in fp32 and
+``round`` rounds to nearest even in T), exactly those of the three eager kernels it replaces::
+
+    out = round(round(x * round(1 + scale)) + shift)
+
+so the result is ``torch.equal`` to eager PyTorch on any input. Shapes: ``x`` is ``[B, L, D]`` and contiguous;
+``scale`` and ``shift`` are ``[B, D]`` (or ``[1, D]``) rows with unit innermost stride, such as the views that
+``emb.chunk(6, dim=1)`` makes in diffusers' ``AdaLayerNormZero``: a size-1 dimension does not count against
+contiguity, and for ``B > 1`` any row stride that keeps rows 16-byte aligned is taken without a copy. The kernel
+is ``csrc/modulate_scale_shift.cu``.
+
+Eager calls reach the CUDA op ``diffusers_fastpath::_modulate_scale_shift_cuda`` directly; ``torch.compile`` sees
+the registered custom op ``diffusers_fastpath::modulate_scale_shift`` (device-generic, with a fake), because a
+Python ``torch.library.custom_op`` adds host time to every eager call (17.7 µs against 7.4 µs for a plain
+``x.add(1)``, measured on the H200 machine with torch 2.11).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._build import load_extension
+from ._policy import FusedOp, Site
+
+_VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
+
+
+def modulate_scale_shift_ref(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The eager expression of diffusers' ``AdaLayerNormZero`` (and of the FLUX blocks' ``norm2`` sites)."""
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def _rows_ok(t: torch.Tensor, batch: int, dim: int, vec: int) -> bool:
+    rows = t.shape[0]
+    if t.shape[1] != dim or (rows != batch and rows != 1):
+        return False
+    return t.stride(1) == 1 and (rows == 1 or t.stride(0) % vec == 0)
+
+
+def _guard(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    dtype = x.dtype
+    if dtype is not torch.bfloat16 and dtype is not torch.float16:
+        return f"dtype {str(dtype).removeprefix('torch.')}"
+    if scale.dtype is not dtype or shift.dtype is not dtype:
+        return "mixed dtypes"
+    if x.dim() != 3 or scale.dim() != 2 or shift.dim() != 2:
+        return "shape"
+    batch, _, dim = x.shape
+    vec = _VEC_BYTES // x.element_size()
+    if dim % vec:
+        return f"D not a multiple of {vec}"
+    if scale.shape[1] != dim or shift.shape[1] != dim or scale.shape[0] not in (1, batch) or shift.shape[0] not in (1, batch):
+        return "shape"
+    if x.numel() == 0:
+        return "empty"
+    if not x.is_contiguous():
+        return "x not contiguous"
+    if not (_rows_ok(scale, batch, dim, vec) and _rows_ok(shift, batch, dim, vec)):
+        return "scale/shift strided"
+    if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if scale.device != x.device or shift.device != x.device:
+        return "devices differ"
+    if check_pointers and (x.data_ptr() % _VEC_BYTES or scale.data_ptr() % _VEC_BYTES or shift.data_ptr() % _VEC_BYTES):
+        return "not 16-byte aligned"
+    return None
+
+
+_cuda_op = None
+
+
+def _kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    global _cuda_op
+    if _cuda_op is None:
+        load_extension()
+        _cuda_op = torch.ops.diffusers_fastpath._modulate_scale_shift_cuda.default
+    return _cuda_op(x, scale, shift)
+
+
+@torch.library.custom_op("diffusers_fastpath::modulate_scale_shift", mutates_args=())
+def _modulate_scale_shift_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    # The real implementation behind torch.compile: the kernel where the guard (now with real pointers) allows,
+    # the eager expression elsewhere, so the op is exact on every device and every input.
+    if _guard(x, scale, shift) is None:
+        return _kernel(x, scale, shift)
+    return modulate_scale_shift_ref(x, scale, shift).contiguous()
+
+
+@_modulate_scale_shift_op.register_fake
+def _modulate_scale_shift_fake(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 3, lambda: f"modulate_scale_shift: x must be [B, L, D], got {tuple(x.shape)}")
+    torch._check(scale.dim() == 2 and shift.dim() == 2, lambda: "modulate_scale_shift: scale/shift must be [B, D]")
+    shape = torch.broadcast_shapes(x.shape, (scale.shape[0], 1, scale.shape[1]), (shift.shape[0], 1, shift.shape[1]))
+    dtype = torch.promote_types(torch.promote_types(x.dtype, scale.dtype), shift.dtype)
+    return x.new_empty(shape, dtype=dtype)
+
+
+MODULATE_SCALE_SHIFT = FusedOp(
+    "modulate_scale_shift",
+    ref=modulate_scale_shift_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=torch.ops.diffusers_fastpath.modulate_scale_shift.default,
+)
+
+
+def modulate_scale_shift(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site: Site | None = None
+) -> torch.Tensor:
+    """``x * (1 + scale[:, None]) + shift[:, None]``, fused on CUDA and bit-identical to eager everywhere.
+
+    Args:
+        x: ``[B, L, D]`` activations (the output of the adaLN LayerNorm).
+        scale: ``[B, D]`` or ``[1, D]`` modulation scale.
+        shift: ``[B, D]`` or ``[1, D]`` modulation shift.
+        site: the call site's counters (fast calls, fallbacks with reasons), shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import modulate_scale_shift, modulate_scale_shift_ref
+        >>> x, emb = torch.randn(1, 16, 64), torch.randn(1, 6 * 64)
+        >>> shift, scale = emb.chunk(6, dim=1)[:2]
+        >>> torch.equal(modulate_scale_shift(x, scale, shift), modulate_scale_shift_ref(x, scale, shift))
+        True
+    """
+    return MODULATE_SCALE_SHIFT(site, x, scale, shift)

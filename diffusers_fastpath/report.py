@@ -1,0 +1,116 @@
+"""`report`: what is patched, which op each site uses, and how many calls took the fast path or fell back."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .ops import OPS, _build
+from .patching import SITE_ATTR, patched_models
+
+
+@dataclass
+class SiteRow:
+    model: str
+    site: str
+    module: str
+    op: str
+    fast: int
+    fallback: int
+    reasons: dict[str, int]
+
+
+@dataclass
+class ModelRow:
+    name: str
+    cls: str
+    quality: str
+    processors: int
+    rope_built: int | None
+    rope_reused: int | None
+    notes: list[str]
+
+
+@dataclass
+class Report:
+    """Printable (``print(report)``) and machine-readable (`to_dict`) state of the fast path."""
+
+    models: list[ModelRow] = field(default_factory=list)
+    sites: list[SiteRow] = field(default_factory=list)
+    ops: dict[str, str] = field(default_factory=dict)
+    extension: str = "not loaded"
+
+    @property
+    def fast(self) -> int:
+        return sum(s.fast for s in self.sites)
+
+    @property
+    def fallback(self) -> int:
+        return sum(s.fallback for s in self.sites)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = []
+        for m in self.models:
+            rope = "n/a" if m.rope_built is None else f"built {m.rope_built}, reused {m.rope_reused}"
+            lines.append(
+                f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}, "
+                f"rotary cache: {rope}"
+            )
+            lines += [f"  note: {n}" for n in m.notes]
+        lines.append("ops: " + ", ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
+        header = ("site", "op", "fast", "fallback", "fallback reasons")
+        rows = [
+            (f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), ", ".join(f"{r}: {n}" for r, n in s.reasons.items()) or "-")
+            for s in self.sites
+        ]
+        rows.append(("total", "", str(self.fast), str(self.fallback), ""))
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+        lines += [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)]
+        return "\n".join(lines)
+
+
+def report(obj: Any) -> Report:
+    """Per fusion site: the op it uses, calls on the fast path, fallbacks and their reasons.
+
+    Args:
+        obj: a pipeline or model given to `patch` (an unpatched one gives an empty report).
+
+    Returns:
+        A `Report`; ``print(report(pipe))`` shows it as a table, ``report(pipe).to_dict()`` as plain data.
+
+    Example:
+        >>> print(fp.report(pipe))  # doctest: +SKIP
+    """
+    from .models.flux import ROPE_STATS_ATTR, FastpathFluxAttnProcessor
+
+    rep = Report(ops={name: op.status for name, op in OPS.items()})
+    if _build.load_seconds is not None:
+        rep.extension = f"{'built' if _build.cold_build else 'loaded'} in {_build.load_seconds:.1f} s"
+    for name, model, state in patched_models(obj):
+        processors = 0
+        rope = None
+        for site_name, module in model.named_modules():
+            site = module.__dict__.get(SITE_ATTR)
+            if site is not None:
+                rep.sites.append(
+                    SiteRow(name, site_name, type(module).__name__, site.op, site.fast, sum(site.fallback.values()), dict(site.fallback))
+                )
+            if type(getattr(module, "processor", None)) is FastpathFluxAttnProcessor:
+                processors += 1
+            rope = module.__dict__.get(ROPE_STATS_ATTR, rope)
+        rep.models.append(
+            ModelRow(
+                name,
+                type(model).__name__,
+                state.quality,
+                processors,
+                None if rope is None else rope.built,
+                None if rope is None else rope.reused,
+                list(state.notes),
+            )
+        )
+    return rep

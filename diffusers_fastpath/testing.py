@@ -1,0 +1,132 @@
+"""Models built from published configs with random weights (no downloads), for tests, examples and benchmarks.
+
+Bit-exactness holds for any weights, so a model built from the published config with random weights measures
+the real shapes and the real speed; `randomize_` makes sure no parameter is left at a zero or identity init
+(a fused path fed zeros proves nothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json
+FLUX_DEV_CONFIG = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=[16, 56, 56],
+)
+TINY_FLUX_CONFIG = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    guidance_embeds=False,
+    axes_dims_rope=[4, 4, 8],
+)
+FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Fresh random values for every parameter, scaled so that activations stay in range through deep stacks:
+    matrices N(0, 1/fan_in), norm weights N(1, 0.1), other vectors (biases) N(0, 0.05)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
+        elif "norm" in name and name.endswith("weight"):
+            p.normal_(1.0, 0.1, generator=gen)
+        else:
+            p.normal_(0.0, 0.05, generator=gen)
+    return model
+
+
+def build_flux_transformer(config="flux-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``FluxTransformer2DModel`` from a named config (``"flux-dev"``, ``"flux-tiny"``) or a dict, random weights."""
+    from diffusers import FluxTransformer2DModel
+
+    cfg = {**(FLUX_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with torch.device(device):
+        model = FluxTransformer2DModel(**cfg)
+    return randomize_(model.to(dtype), seed).eval()
+
+
+def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
+    """Fresh random transformer inputs, as ``FluxPipeline`` passes them: ``grid`` is the packed latent grid
+    (64x64 for a 1024x1024 image), image ids laid out on it, zero text ids."""
+    device = device or next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    h, w = grid
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    inputs = dict(
+        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=gen).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(dtype),
+        timestep=torch.rand(batch, generator=gen).to(dtype),
+        img_ids=img_ids.reshape(-1, 3),
+        txt_ids=torch.zeros(txt_tokens, 3),
+    )
+    if cfg.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 3.5)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def tiny_flux_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """A ``FluxPipeline`` with a tiny random VAE and no text encoders: call it with `prompt_embeddings`."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    transformer = transformer if transformer is not None else build_flux_transformer("flux-tiny", dtype, device, seed)
+    with torch.device(device):
+        vae = AutoencoderKL(
+            sample_size=32,
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            latent_channels=transformer.config.in_channels // 4,
+            norm_num_groups=4,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+    vae = randomize_(vae.to(dtype), seed + 1).eval()
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
+    )
+
+
+def prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2):
+    """Random ``prompt_embeds``/``pooled_prompt_embeds`` for a pipeline without text encoders."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = pipe.transformer.config
+    dtype = pipe.transformer.dtype
+    device = pipe.transformer.device
+    return dict(
+        prompt_embeds=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(device, dtype),
+        pooled_prompt_embeds=torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(device, dtype),
+    )

@@ -1,0 +1,52 @@
+"""Shared fixtures. Models come from `diffusers_fastpath.testing` (published or tiny configs, random weights)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.ops import OPS
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ops():
+    """Every test starts with every op enabled (a test may disable one on purpose)."""
+    for op in OPS.values():
+        op.reset()
+    yield
+    for op in OPS.values():
+        op.reset()
+
+
+@pytest.fixture
+def unpatch_after():
+    """Collects objects to unpatch at teardown, so a failing test leaves nothing patched."""
+    objs = []
+    yield objs.append
+    for obj in objs:
+        fp.unpatch(obj)
+
+
+@pytest.fixture
+def fastpath_log(caplog):
+    """Records of the package logger (diffusers' loggers do not propagate to the root, where caplog listens)."""
+    from diffusers_fastpath._logging import logger
+
+    logger.addHandler(caplog.handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(old)
