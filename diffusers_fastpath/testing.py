@@ -7,6 +7,7 @@ the real shapes and the real speed; `randomize_` makes sure no parameter is left
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -39,6 +40,18 @@ TINY_FLUX_CONFIG = dict(
 FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
 
 
+@contextlib.contextmanager
+def _construct(device, dtype):
+    """Build modules directly on `device` in `dtype` (no fp32 copy first, and no cast warning from diffusers)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Fresh random values for every parameter, scaled so that activations stay in range through deep stacks:
@@ -60,9 +73,9 @@ def build_flux_transformer(config="flux-tiny", dtype=torch.bfloat16, device="cpu
     from diffusers import FluxTransformer2DModel
 
     cfg = {**(FLUX_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with torch.device(device):
+    with _construct(device, dtype):
         model = FluxTransformer2DModel(**cfg)
-    return randomize_(model.to(dtype), seed).eval()
+    return randomize_(model, seed).eval()
 
 
 def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
@@ -90,16 +103,17 @@ def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, d
 
 
 def tiny_flux_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
-    """A ``FluxPipeline`` with a tiny random VAE and no text encoders: call it with `prompt_embeddings`."""
+    """A ``FluxPipeline`` with a tiny random VAE (FLUX's 8x downsampling, 8 channels) and no text encoders: call it
+    with `prompt_embeddings`. Works with any FLUX transformer, the full-size one included."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     transformer = transformer if transformer is not None else build_flux_transformer("flux-tiny", dtype, device, seed)
-    with torch.device(device):
+    with _construct(device, dtype):
         vae = AutoencoderKL(
             sample_size=32,
             in_channels=3,
             out_channels=3,
-            block_out_channels=(8, 8),
+            block_out_channels=(8, 8, 8, 8),
             layers_per_block=1,
             latent_channels=transformer.config.in_channels // 4,
             norm_num_groups=4,
@@ -108,7 +122,7 @@ def tiny_flux_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", see
             shift_factor=0.0609,
             scaling_factor=1.5035,
         )
-    vae = randomize_(vae.to(dtype), seed + 1).eval()
+    vae = randomize_(vae, seed + 1).eval()
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,

@@ -44,9 +44,10 @@ def fastpath_log(caplog):
     """Records of the package logger (diffusers' loggers do not propagate to the root, where caplog listens)."""
     from diffusers_fastpath._logging import logger
 
+    old = logger.level, logger.propagate
     logger.addHandler(caplog.handler)
-    old = logger.level
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # where diffusers' root logger does propagate, caplog would see each record twice
     yield caplog
     logger.removeHandler(caplog.handler)
-    logger.setLevel(old)
+    logger.level, logger.propagate = old

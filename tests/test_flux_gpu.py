@@ -64,3 +64,28 @@ def test_tiny_pipeline_generation_is_md5_identical_on_cuda(dtype, unpatch_after)
     assert generate() == ref
     rep = fp.report(pipe)
     assert rep.fast > 0 and rep.fallback == 0, str(rep)
+
+
+@torch.no_grad()
+def test_flux_dev_pipeline_28_steps_1024_is_md5_identical(flux_dev, unpatch_after):
+    """A whole generation: 28 denoising steps at 1024x1024 and the VAE decode, image md5 equal to unpatched."""
+    import hashlib
+
+    pipe = tiny_flux_pipeline(transformer=flux_dev, device="cuda", seed=7)
+    pipe.set_progress_bar_config(disable=True)
+    emb = prompt_embeddings(pipe, txt_tokens=512, seed=8)
+
+    def generate():
+        gen = torch.Generator("cuda").manual_seed(9)
+        out = pipe(**emb, height=1024, width=1024, num_inference_steps=28, generator=gen, output_type="np")
+        return hashlib.md5(out.images.tobytes()).hexdigest(), out.images
+
+    ref_md5, ref = generate()
+    assert ref.std() > 0.01
+    fp.patch(pipe)
+    unpatch_after(pipe)
+    md5, _ = generate()
+    assert md5 == ref_md5
+    rep = fp.report(pipe)
+    assert rep.models[0].rope_built == 1 and rep.models[0].rope_reused == 27
+    assert all(s.fast == 28 and s.fallback == 0 for s in rep.sites)

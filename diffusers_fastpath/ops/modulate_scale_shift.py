@@ -12,9 +12,11 @@ contiguity, and for ``B > 1`` any row stride that keeps rows 16-byte aligned is 
 is ``csrc/modulate_scale_shift.cu``.
 
 Eager calls reach the CUDA op ``diffusers_fastpath::_modulate_scale_shift_cuda`` directly; ``torch.compile`` sees
-the registered custom op ``diffusers_fastpath::modulate_scale_shift`` (device-generic, with a fake), because a
-Python ``torch.library.custom_op`` adds host time to every eager call (17.7 µs against 7.4 µs for a plain
-``x.add(1)``, measured on the H200 machine with torch 2.11).
+the registered custom op ``diffusers_fastpath::modulate_scale_shift`` (device-generic, with a fake). Host time per
+call, measured on an H200 with torch 2.11 (``examples/benchmark_flux_lossless.py``): Python custom op 22.5 µs,
+direct CUDA op 7.8 µs (a plain ``x.add(1)``: 7.7 µs), this module's public entry with its guard and counters
+13.0 µs, the eager chain of three kernels 27.7 µs. GPU time at (1, 4096, 3072) bf16: 17.0 µs against 70.4 µs
+eager, 88% of a device-to-device copy's bandwidth.
 """
 
 from __future__ import annotations

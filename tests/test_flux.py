@@ -1,0 +1,316 @@
+"""FLUX.1 adapter on CPU: exactness, state dicts, reversibility, the rotary cache, processors, errors."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxIPAdapterAttnProcessor,
+    FluxPosEmbed,
+    FluxTransformerBlock,
+)
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import flux as flux_adapter
+from diffusers_fastpath.patching import SITE_ATTR, STATE_ATTR
+from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def snapshot(model):
+    """Everything unpatch must restore: module types, processor objects, hooks, instance attributes."""
+    return [
+        (
+            name,
+            type(m),
+            getattr(m, "processor", None),
+            dict(m._forward_hooks),
+            dict(m._forward_pre_hooks),
+            sorted(k for k in vars(m) if k.startswith("_fastpath")),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,guidance", [(1, False), (2, True)])
+def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, unpatch_after):
+    model = build_flux_transformer("flux-tiny", dtype, seed=batch, guidance_embeds=guidance)
+    inputs = flux_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=10 + batch)
+    ref = run(model, inputs)
+    assert ref.std() > 0.01  # random weights everywhere: nothing collapses to zeros
+    fp.patch(model)
+    unpatch_after(model)
+    for _ in range(2):  # second call: rotary cache reused
+        assert torch.equal(run(model, inputs), ref)
+    rep = fp.report(model)
+    assert len(rep.sites) == 2 * 4 + 2 and rep.fast == 0  # CPU: every site fell back, each counted
+    assert all(s.fallback == 2 and s.reasons for s in rep.sites)
+
+
+def test_patched_pipeline_matches_unpatched(unpatch_after):
+    pipe = tiny_flux_pipeline(seed=4)
+    emb = prompt_embeddings(pipe, txt_tokens=6, seed=5)
+
+    def generate():
+        gen = torch.Generator().manual_seed(7)
+        out = pipe(**emb, height=64, width=64, num_inference_steps=3, generator=gen, output_type="np")
+        return hashlib.md5(out.images.tobytes()).hexdigest(), out.images
+
+    ref_md5, ref = generate()
+    assert ref.std() > 0.01
+    assert fp.patch(pipe) is pipe
+    unpatch_after(pipe)
+    md5, _ = generate()
+    assert md5 == ref_md5
+    rep = fp.report(pipe)
+    assert [m.name for m in rep.models] == ["transformer"]
+    assert rep.models[0].rope_built == 1 and rep.models[0].rope_reused == 2  # 3 steps, one build
+
+
+def test_state_dict_is_unchanged(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=3)
+    before = model.state_dict()
+    fp.patch(model)
+    unpatch_after(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] or torch.equal(after[k], before[k]) for k in before)
+    model.load_state_dict(before)  # loads into the patched modules too
+
+
+def test_save_pretrained_round_trip(tmp_path, unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=8)
+    inputs = flux_transformer_inputs(model, seed=9)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    model.save_pretrained(tmp_path)
+    loaded = FluxTransformer2DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).eval()
+    assert type(loaded) is FluxTransformer2DModel
+    assert type(loaded.transformer_blocks[0]) is FluxTransformerBlock
+    assert torch.equal(run(loaded, inputs), ref)
+    fp.patch(loaded)
+    unpatch_after(loaded)
+    assert torch.equal(run(loaded, inputs), ref)
+
+
+def test_unpatch_restores_everything(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=11)
+    inputs = flux_transformer_inputs(model, seed=12)
+    ref = run(model, inputs)
+    before = snapshot(model)
+    fp.patch(model)
+    unpatch_after(model)
+    assert type(model.transformer_blocks[0].norm1).__name__ == "FastpathAdaLayerNormZero"
+    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FastpathFluxAttnProcessor"
+    run(model, inputs)
+    assert fp.unpatch(model) is model
+    assert snapshot(model) == before  # same types, the very same processor objects, no hooks or attributes left
+    assert STATE_ATTR not in vars(model)
+    assert torch.equal(run(model, inputs), ref)
+    fp.unpatch(model)  # unpatching an unpatched model is a no-op
+    assert snapshot(model) == before
+
+
+def test_patch_twice_changes_nothing(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=13)
+    before = snapshot(model)
+    fp.patch(model)
+    unpatch_after(model)
+    once = snapshot(model)
+    state = vars(model)[STATE_ATTR]
+    fp.patch(model)
+    assert vars(model)[STATE_ATTR] is state
+    assert snapshot(model) == once
+    fp.unpatch(model)
+    assert snapshot(model) == before
+
+
+def test_hooks_and_parameters_survive_the_class_swap(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=14)
+    norm1 = model.transformer_blocks[0].norm1
+    weight = norm1.linear.weight
+    seen = []
+    norm1.register_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    fp.patch(model)
+    unpatch_after(model)
+    run(model, flux_transformer_inputs(model, seed=15))
+    assert seen == ["FastpathAdaLayerNormZero"] and norm1.linear.weight is weight
+    assert isinstance(norm1, type(norm1).__mro__[1])  # still an AdaLayerNormZero for isinstance checks
+
+
+def test_gradients_flow_through_the_eager_path(unpatch_after):
+    """Autograd (LoRA training) is guarded out of the kernels: gradients equal unpatched ones."""
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=16)
+    inputs = flux_transformer_inputs(model, seed=17)
+
+    def grads():
+        model.zero_grad()
+        model(**inputs).sample.square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = grads()
+    fp.patch(model)
+    unpatch_after(model)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), ref))
+    assert {r for s in fp.report(model).sites for r in s.reasons} == {"dtype float32"}
+
+
+def test_rotary_cache_is_reused_for_same_ids_and_rebuilt_when_they_change(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=18)
+    fp.patch(model)
+    unpatch_after(model)
+    stats = vars(model.pos_embed)[flux_adapter.ROPE_STATS_ATTR]
+    inputs = flux_transformer_inputs(model, grid=(4, 4), seed=19)
+    for _ in range(3):  # three denoising steps with the same ids: one build
+        run(model, inputs)
+    assert (stats.built, stats.reused) == (1, 2)
+
+    other = flux_transformer_inputs(model, grid=(6, 4), seed=19)  # another resolution
+    ref_model = build_flux_transformer("flux-tiny", seed=18)
+    assert torch.equal(run(model, other), run(ref_model, other))
+    assert (stats.built, stats.reused) == (2, 2)
+    run(model, inputs)  # back to the first ids: still cached
+    assert (stats.built, stats.reused) == (2, 3)
+
+    inputs["img_ids"][0, 1] += 1  # an in-place edit bumps the version counter: rebuilt, and exact
+    assert torch.equal(run(model, inputs), run(ref_model, inputs))
+    assert stats.built == 3
+
+    inputs["img_ids"] = inputs["img_ids"].clone()  # equal values, new tensor: rebuilt (no host sync to compare)
+    run(model, inputs)
+    assert stats.built == 4
+
+
+def test_rotary_cache_holds_exactly_what_diffusers_computes(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=20)
+    inputs = flux_transformer_inputs(model, grid=(3, 5), txt_tokens=4, seed=21)
+    ids = torch.cat((inputs["txt_ids"], inputs["img_ids"]))
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=model.config.axes_dims_rope)(ids)
+    fp.patch(model)
+    unpatch_after(model)
+    captured = []
+    model.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: captured.append(kwargs["image_rotary_emb"]), with_kwargs=True
+    )
+    run(model, inputs)
+    rope = captured[0]
+    assert isinstance(rope, flux_adapter.FluxRotaryCache) and isinstance(rope, tuple)
+    assert torch.equal(rope[0], cos) and torch.equal(rope[1], sin)
+    assert model.pos_embed(ids)[0] is not rope[0]  # called outside a forward: computed, not cached
+
+
+def test_ip_adapter_and_user_processors_are_left_alone(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=22)
+    ip = FluxIPAdapterAttnProcessor(hidden_size=32, cross_attention_dim=32)
+    model.transformer_blocks[1].attn.set_processor(ip)
+    fp.patch(model)
+    unpatch_after(model)
+    assert model.transformer_blocks[1].attn.processor is ip
+    rep = fp.report(model)
+    assert rep.models[0].processors == 3
+    assert any("FluxIPAdapterAttnProcessor" in note for note in rep.models[0].notes)
+
+    mine = FluxAttnProcessor()
+    model.transformer_blocks[0].attn.set_processor(mine)  # set by the user after patching
+    fp.unpatch(model)
+    assert model.transformer_blocks[0].attn.processor is mine
+    assert model.transformer_blocks[1].attn.processor is ip
+
+
+def test_attention_backend_settings_carry_over(unpatch_after):
+    model = build_flux_transformer("flux-tiny", seed=23)
+    attn = model.single_transformer_blocks[0].attn
+    attn.processor._attention_backend = "native"
+    fp.patch(model)
+    unpatch_after(model)
+    assert attn.processor._attention_backend == "native"
+    assert model.single_transformer_blocks[1].attn.processor._attention_backend is None
+
+
+def test_a_changed_diffusers_source_leaves_that_part_unpatched(monkeypatch, fastpath_log, unpatch_after):
+    monkeypatch.setattr(flux_adapter, "_BLOCK_FORWARD", "0" * 16)
+    model = build_flux_transformer("flux-tiny", seed=24)
+    inputs = flux_transformer_inputs(model, seed=25)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert type(model.transformer_blocks[0]) is FluxTransformerBlock
+    assert SITE_ATTR not in vars(model.transformer_blocks[0].norm2)
+    assert type(model.transformer_blocks[0].norm1).__name__ == "FastpathAdaLayerNormZero"
+    assert torch.equal(run(model, inputs), ref)
+    assert any("FluxTransformerBlock.forward is not the version" in r.getMessage() for r in fastpath_log.records)
+
+
+def test_mirrored_sources_match_the_installed_diffusers():
+    """The pinned digests are those of the diffusers this package targets; a mismatch means re-mirroring."""
+    from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    from diffusers_fastpath.models._mirror import source_digest
+
+    assert source_digest(FluxTransformerBlock.forward) == flux_adapter._BLOCK_FORWARD
+    assert source_digest(FluxAttnProcessor.__call__) == flux_adapter._PROCESSOR_CALL
+    assert source_digest(AdaLayerNormZero.forward) == flux_adapter._ADALN_ZERO_FORWARD
+    assert source_digest(AdaLayerNormZeroSingle.forward) == flux_adapter._ADALN_ZERO_SINGLE_FORWARD
+
+
+class _VaeOnlyPipeline(DiffusionPipeline):
+    def __init__(self, vae):
+        super().__init__()
+        self.register_modules(vae=vae)
+
+
+def test_clear_errors():
+    with pytest.raises(TypeError, match="does not support Linear.*Supported: FluxTransformer2DModel"):
+        fp.patch(torch.nn.Linear(2, 2))
+    pipe = _VaeOnlyPipeline(tiny_flux_pipeline().vae)
+    with pytest.raises(ValueError, match="holds no supported model \\(vae=AutoencoderKL\\).*FluxTransformer2DModel"):
+        fp.patch(pipe)
+    with pytest.raises(ValueError, match="unknown quality tier 'ultra'"):
+        fp.patch(build_flux_transformer("flux-tiny"), quality="ultra")
+    with pytest.raises(TypeError, match="expected a diffusers DiffusionPipeline or a model"):
+        fp.patch("black-forest-labs/FLUX.1-dev")
+    with pytest.raises(TypeError, match="patch the model first, then compile"):
+        fp.patch(torch.compile(build_flux_transformer("flux-tiny")))
+    assert fp.supported_classes() == ["FluxTransformer2DModel"]
+
+
+def test_report_prints_a_table_and_plain_data(unpatch_after):
+    pipe = tiny_flux_pipeline(seed=26)
+    fp.patch(pipe)
+    unpatch_after(pipe)
+    pipe(**prompt_embeddings(pipe), height=32, width=32, num_inference_steps=2, output_type="latent")
+    rep = fp.report(pipe)
+    text = str(rep)
+    assert "| site" in text and "transformer.transformer_blocks.0.norm1 " in text and "device cpu: 2" in text
+    assert "| total" in text and "rotary cache: built 1, reused 1" in text
+    data = rep.to_dict()
+    assert data["ops"] == {"modulate_scale_shift": "enabled"}
+    assert len(data["sites"]) == 10 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
+
+
+def test_env_switch_is_reported(monkeypatch, unpatch_after):
+    from diffusers_fastpath.ops import OPS
+    from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV
+
+    monkeypatch.setenv(ENV_DISABLE, "1")
+    for op in OPS.values():
+        op.reset()
+    model = build_flux_transformer("flux-tiny", seed=27)
+    fp.patch(model)
+    unpatch_after(model)
+    run(model, flux_transformer_inputs(model, seed=28))
+    rep = fp.report(model)
+    assert rep.ops["modulate_scale_shift"] == REASON_ENV
+    assert all(s.reasons == {REASON_ENV: 1} for s in rep.sites)
