@@ -5,7 +5,8 @@
 //   t2  = round(x * t1)             (mul, fp32 opmath)
 //   out = round(t2 + shift)         (add, fp32 opmath)
 // This kernel keeps all three rounding points and uses __fadd_rn/__fmul_rn so that nvcc cannot contract the
-// multiply and the add into an FMA (which would skip the rounding of t2 and change about one output in ten).
+// multiply and the add into an FMA (which would skip the rounding of t2 and change about a quarter of the outputs
+// on random bf16 data).
 //
 // Layout: x and out are [batch, seq, dim] contiguous; scale and shift are [batch, dim] rows (any batch stride,
 // including the `emb.chunk(6, dim=1)` views of diffusers' AdaLayerNormZero, or 0 to broadcast one row). Each

@@ -314,3 +314,14 @@ def test_env_switch_is_reported(monkeypatch, unpatch_after):
     rep = fp.report(model)
     assert rep.ops["modulate_scale_shift"] == REASON_ENV
     assert all(s.reasons == {REASON_ENV: 1} for s in rep.sites)
+
+
+def test_patched_model_compiles_with_fullgraph(unpatch_after):
+    """The patched forward (hooks, rotary cache, fused-op dispatch) traces without graph breaks."""
+    model = build_flux_transformer("flux-tiny", seed=29)
+    inputs = flux_transformer_inputs(model, seed=30)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(run(compiled, inputs), ref)
