@@ -197,8 +197,10 @@ class FastpathFluxPosEmbed(FluxPosEmbed):
     """
 
     def forward(self, ids: torch.Tensor):
+        if torch.compiler.is_compiling():  # first, so that dynamo never traces the cache's dict operations
+            return super().forward(ids)
         key = self.__dict__.pop(_IDS_KEY_ATTR, None)
-        if key is None or torch.compiler.is_compiling():
+        if key is None:
             return super().forward(ids)
         cache: list = self.__dict__[_ROPE_CACHE_ATTR]
         stats: RopeStats = self.__dict__[ROPE_STATS_ATTR]
@@ -226,7 +228,8 @@ def _capture_ids(model: FluxTransformer2DModel, args: tuple, kwargs: dict) -> No
 
 
 def _release_ids(model: FluxTransformer2DModel, args: tuple, kwargs: dict, output: Any) -> None:
-    model.pos_embed.__dict__.pop(_IDS_KEY_ATTR, None)
+    if not torch.compiler.is_compiling():
+        model.pos_embed.__dict__.pop(_IDS_KEY_ATTR, None)
 
 
 def _apply_rotary_emb(x: torch.Tensor, rope) -> torch.Tensor:
