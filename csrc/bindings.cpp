@@ -1,9 +1,8 @@
-// Registers the CUDA kernels as torch operators in the `diffusers_fastpath` namespace:
-//   diffusers_fastpath::_modulate_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift) -> Tensor
-//   diffusers_fastpath::_modulate_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift) -> ()
-// These are the raw CUDA entry points. The public, device-generic op `diffusers_fastpath::modulate_scale_shift`
-// (with its fake implementation for torch.compile) is defined in Python, in ops/modulate_scale_shift.py; eager
-// calls reach these directly to skip the Python custom-op layer (see that file's docstring for the numbers).
+// Registers the CUDA kernels as torch operators in the `diffusers_fastpath` namespace (`_*_cuda` and their
+// `_out` variants, see TORCH_LIBRARY_FRAGMENT below). These are the raw CUDA entry points; the public,
+// device-generic ops (with their fake implementations for torch.compile) are defined in Python, one file per op
+// in ops/; eager calls reach these directly to skip the Python custom-op layer (see ops/modulate_scale_shift.py
+// for the numbers).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -80,15 +79,119 @@ at::Tensor modulate_scale_shift(const at::Tensor& x, const at::Tensor& scale, co
   return out;
 }
 
+Rows rows_of(const at::Tensor& t) {
+  return Rows{t.data_ptr(), t.stride(0), t.stride(1)};
+}
+
+// The Python guard admits [seq, batch, dim] operands with unit innermost stride, row strides that keep rows
+// 8-byte aligned, dim a multiple of 128 and one dtype; these checks keep a direct call with bad input from
+// reading out of bounds.
+void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.device() == like.device(), "rmsnorm_scale_shift: ", name,
+              " must match x in dtype and device");
+  TORCH_CHECK(t.dim() == 3 && t.sizes() == like.sizes() && t.stride(2) == 1, "rmsnorm_scale_shift: ", name,
+              " must be [seq, batch, dim] with unit innermost stride");
+  TORCH_CHECK(t.stride(0) % 4 == 0 && t.stride(1) % 4 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0,
+              "rmsnorm_scale_shift: ", name, " rows must be 8-byte aligned");
+}
+
+void rmsnorm_scale_shift_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_out, const at::Tensor& x,
+                                const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& update,
+                                const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& shift,
+                                double eps) {
+  TORCH_CHECK(x.is_cuda(), "rmsnorm_scale_shift: x must be a CUDA tensor");
+  check_rows(x, x, "x");
+  const int64_t dim = x.size(2);
+  TORCH_CHECK(dim % 128 == 0, "rmsnorm_scale_shift: dim must be a multiple of 128");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
+              "rmsnorm_scale_shift: weight must be a contiguous [dim] vector of x's dtype");
+  check_rows(scale, x, "scale");
+  check_rows(shift, x, "shift");
+  check_rows(out, x, "out");
+  TORCH_CHECK(out.is_contiguous(), "rmsnorm_scale_shift: out must be contiguous");
+  const bool gated = gate.has_value();
+  if (gated) {
+    check_rows(*gate, x, "gate");
+    check_rows(*update, x, "update");
+    check_rows(*residual_out, x, "residual_out");
+    TORCH_CHECK(residual_out->is_contiguous(), "rmsnorm_scale_shift: residual_out must be contiguous");
+  }
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  RmsNormScaleShiftArgs args;
+  args.out = out.data_ptr();
+  args.residual_out = gated ? residual_out->data_ptr() : nullptr;
+  args.x = rows_of(x);
+  args.gate = gated ? rows_of(*gate) : Rows{nullptr, 0, 0};
+  args.update = gated ? rows_of(*update) : Rows{nullptr, 0, 0};
+  args.scale = rows_of(scale);
+  args.shift = rows_of(shift);
+  args.weight = weight.data_ptr();
+  args.seq = x.size(0);
+  args.batch = x.size(1);
+  args.dim = dim;
+  args.eps = static_cast<float>(eps);  // the Python scalar eps, as the eager add's opmath (float) sees it
+  const int64_t rows = args.seq * args.batch;
+  // aten's MeanOps factor: static_cast<float>(num_output_elements) / numel (an int64, converted to float)
+  args.mean_factor = static_cast<float>(rows) / static_cast<float>(rows * dim);
+  args.gated = gated;
+  args.dtype = to_dtype(x);
+  const cudaError_t err = launch_rmsnorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rmsnorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void rmsnorm_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                             const at::Tensor& shift, double eps) {
+  rmsnorm_scale_shift_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, scale, shift, eps);
+}
+
+at::Tensor rmsnorm_scale_shift(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                               const at::Tensor& shift, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_scale_shift_out(out, x, weight, scale, shift, eps);
+  return out;
+}
+
+void gated_rmsnorm_scale_shift_out(at::Tensor& residual_out, at::Tensor& out, const at::Tensor& residual,
+                                   const at::Tensor& gate, const at::Tensor& update, const at::Tensor& weight,
+                                   const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  rmsnorm_scale_shift_launch(out, residual_out, residual, gate, update, weight, scale, shift, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& residual, const at::Tensor& gate,
+                                                             const at::Tensor& update, const at::Tensor& weight,
+                                                             const at::Tensor& scale, const at::Tensor& shift,
+                                                             double eps) {
+  at::Tensor residual_out = at::empty(residual.sizes(), residual.options());
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  gated_rmsnorm_scale_shift_out(residual_out, out, residual, gate, update, weight, scale, shift, eps);
+  return {residual_out, out};
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
 TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_modulate_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift) -> Tensor");
   m.def("_modulate_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift) -> ()");
+  m.def("_rmsnorm_scale_shift_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps) -> Tensor");
+  m.def(
+      "_rmsnorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, Tensor shift, "
+      "float eps) -> ()");
+  m.def(
+      "_gated_rmsnorm_scale_shift_cuda(Tensor residual, Tensor gate, Tensor update, Tensor weight, Tensor scale, "
+      "Tensor shift, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "_gated_rmsnorm_scale_shift_cuda_out(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, "
+      "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_modulate_scale_shift_cuda", &diffusers_fastpath::modulate_scale_shift);
   m.impl("_modulate_scale_shift_cuda_out", &diffusers_fastpath::modulate_scale_shift_out);
+  m.impl("_rmsnorm_scale_shift_cuda", &diffusers_fastpath::rmsnorm_scale_shift);
+  m.impl("_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::rmsnorm_scale_shift_out);
+  m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);
+  m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
 }

@@ -27,4 +27,34 @@ struct ModulateScaleShiftArgs {
 
 cudaError_t launch_modulate_scale_shift(const ModulateScaleShiftArgs& args, cudaStream_t stream);
 
+// One [seq, batch, dim] operand: row (s, b) starts at ptr + s * stride_s + b * stride_b; unit innermost stride.
+struct Rows {
+  const void* ptr;
+  int64_t stride_s;
+  int64_t stride_b;
+};
+
+// diffusers RMSNorm followed by ERNIE-Image's fp32 modulate (see rmsnorm_scale_shift.cu for every rounding point):
+//   x   = gated ? round(residual + round(gate * update)) : x        (written to residual_out when gated)
+//   out = round(round(round(x * rsqrt(mean(x^2) + eps)) * weight) * (1 + scale) + shift)
+struct RmsNormScaleShiftArgs {
+  void* out;           // [seq, batch, dim], contiguous
+  void* residual_out;  // [seq, batch, dim], contiguous; gated only
+  Rows x;              // the norm input, or the residual when gated
+  Rows gate;           // gated only
+  Rows update;         // gated only
+  Rows scale;
+  Rows shift;
+  const void* weight;  // [dim]
+  int64_t seq;
+  int64_t batch;
+  int64_t dim;         // a multiple of 128
+  float eps;
+  float mean_factor;   // what aten's mean multiplies the sum by: float(rows) / float(rows * dim)
+  bool gated;
+  DType dtype;
+};
+
+cudaError_t launch_rmsnorm_scale_shift(const RmsNormScaleShiftArgs& args, cudaStream_t stream);
+
 }  // namespace diffusers_fastpath

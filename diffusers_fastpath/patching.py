@@ -72,6 +72,26 @@ class PatchState:
 
         self._undo.append(undo)
 
+    def replace_processors(self, model: nn.Module, attention_cls: type, default_cls: type, make: Callable[[], Any]) -> None:
+        """Give every ``attention_cls`` module of `model` whose processor is exactly diffusers' `default_cls` a new
+        processor from `make()`, carrying over per-instance attention-backend settings; any other processor
+        (IP-adapter, a user's own) is left in place and noted for `report`."""
+        kept: dict[str, int] = {}
+        for module in model.modules():
+            if not isinstance(module, attention_cls):
+                continue
+            old = module.processor
+            if type(old) is default_cls:
+                new = make()
+                for name in ("_attention_backend", "_parallel_config"):  # set per instance by set_attention_backend
+                    if name in vars(old):
+                        setattr(new, name, getattr(old, name))
+                self.set_processor(module, new)
+            elif not type(old).__module__.startswith(__package__):
+                kept[type(old).__name__] = kept.get(type(old).__name__, 0) + 1
+        for name, count in kept.items():
+            self.notes.append(f"kept {count} attention processor(s) of type {name} (not diffusers' {default_cls.__name__})")
+
     def add_hook(self, handle: torch.utils.hooks.RemovableHandle) -> None:
         self._undo.append(handle.remove)
 

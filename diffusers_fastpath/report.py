@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
 from .patching import SITE_ATTR, patched_models
 
@@ -25,10 +26,17 @@ class ModelRow:
     name: str
     cls: str
     quality: str
-    processors: int
-    rope_built: int | None
-    rope_reused: int | None
+    processors: int  # attention processors of this package in use
+    caches: dict[str, dict[str, int]]  # e.g. {"rotary_cache": {"built": 1, "reused": 27}}
     notes: list[str]
+
+    @property
+    def rope_built(self) -> int | None:
+        return self.caches.get("rotary_cache", {}).get("built")
+
+    @property
+    def rope_reused(self) -> int | None:
+        return self.caches.get("rotary_cache", {}).get("reused")
 
 
 @dataclass
@@ -54,13 +62,12 @@ class Report:
     def __str__(self) -> str:
         lines = []
         for m in self.models:
-            rope = "n/a" if m.rope_built is None else f"built {m.rope_built}, reused {m.rope_reused}"
-            lines.append(
-                f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}, "
-                f"rotary cache: {rope}"
+            caches = "".join(
+                f", {name.replace('_', ' ')}: built {c['built']}, reused {c['reused']}" for name, c in m.caches.items()
             )
+            lines.append(f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}{caches}")
             lines += [f"  note: {n}" for n in m.notes]
-        lines.append("ops: " + ", ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
+        lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
         header = ("site", "op", "fast", "fallback", "fallback reasons")
         rows = [
             (f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), ", ".join(f"{r}: {n}" for r, n in s.reasons.items()) or "-")
@@ -85,32 +92,22 @@ def report(obj: Any) -> Report:
     Example:
         >>> print(fp.report(pipe))  # doctest: +SKIP
     """
-    from .models.flux import ROPE_STATS_ATTR, FastpathFluxAttnProcessor
-
     rep = Report(ops={name: op.status for name, op in OPS.items()})
     if _build.load_seconds is not None:
         rep.extension = f"{'built' if _build.cold_build else 'loaded'} in {_build.load_seconds:.1f} s"
     for name, model, state in patched_models(obj):
         processors = 0
-        rope = None
+        caches: dict[str, dict[str, int]] = {}
         for site_name, module in model.named_modules():
             site = module.__dict__.get(SITE_ATTR)
             if site is not None:
                 rep.sites.append(
                     SiteRow(name, site_name, type(module).__name__, site.op, site.fast, sum(site.fallback.values()), dict(site.fallback))
                 )
-            if type(getattr(module, "processor", None)) is FastpathFluxAttnProcessor:
+            if type(getattr(module, "processor", None)).__module__.startswith(__package__):
                 processors += 1
-            rope = module.__dict__.get(ROPE_STATS_ATTR, rope)
-        rep.models.append(
-            ModelRow(
-                name,
-                type(model).__name__,
-                state.quality,
-                processors,
-                None if rope is None else rope.built,
-                None if rope is None else rope.reused,
-                list(state.notes),
-            )
-        )
+            for attr, stats in module.__dict__.items():
+                if attr.startswith(STATS_PREFIX):
+                    caches[attr[len(STATS_PREFIX):]] = {"built": stats.built, "reused": stats.reused}
+        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, list(state.notes)))
     return rep

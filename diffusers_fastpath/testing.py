@@ -39,6 +39,26 @@ TINY_FLUX_CONFIG = dict(
 )
 FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
 
+# https://huggingface.co/baidu/ERNIE-Image/blob/main/transformer/config.json
+ERNIE_IMAGE_CONFIG = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_layers=36,
+    ffn_hidden_size=12288,
+    in_channels=128,
+    out_channels=128,
+    patch_size=1,
+    text_in_dim=3072,
+    rope_theta=256,
+    rope_axes_dim=(32, 48, 48),
+    eps=1e-6,
+    qk_layernorm=True,
+)
+# Small, but with a row length (768) inside the fused RMSNorm's domain, so the kernel runs on a GPU.
+TINY_ERNIE_IMAGE_CONFIG = dict(ERNIE_IMAGE_CONFIG, hidden_size=768, num_attention_heads=6, num_layers=2,
+                               ffn_hidden_size=1024, in_channels=16, out_channels=16, text_in_dim=64)
+ERNIE_IMAGE_CONFIGS = {"ernie-image": ERNIE_IMAGE_CONFIG, "ernie-image-tiny": TINY_ERNIE_IMAGE_CONFIG}
+
 
 @contextlib.contextmanager
 def _construct(device, dtype):
@@ -54,14 +74,17 @@ def _construct(device, dtype):
 
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Fresh random values for every parameter, scaled so that activations stay in range through deep stacks:
-    matrices N(0, 1/fan_in), norm weights N(1, 0.1), other vectors (biases) N(0, 0.05)."""
+    """Fresh random values for every parameter (zero-initialised layers included), scaled so that activations stay
+    in range through deep stacks: matrices N(0, 1/fan_in), norm weights N(1, 0.1), other vectors N(0, 0.05)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    norm_weights = {
+        id(m.weight) for m in model.modules() if "Norm" in type(m).__name__ and isinstance(getattr(m, "weight", None), torch.Tensor)
+    }
+    for p in model.parameters():
         if p.dim() >= 2:
             p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
-        elif "norm" in name and name.endswith("weight"):
+        elif id(p) in norm_weights:
             p.normal_(1.0, 0.1, generator=gen)
         else:
             p.normal_(0.0, 0.05, generator=gen)
@@ -76,6 +99,37 @@ def build_flux_transformer(config="flux-tiny", dtype=torch.bfloat16, device="cpu
     with _construct(device, dtype):
         model = FluxTransformer2DModel(**cfg)
     return randomize_(model, seed).eval()
+
+
+def build_ernie_image_transformer(config="ernie-image-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """An ``ErnieImageTransformer2DModel`` from a named config (``"ernie-image"``, ``"ernie-image-tiny"``) or a
+    dict, every parameter random (the model zero-initialises its modulation and output layers)."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    cfg = {**(ERNIE_IMAGE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = ErnieImageTransformer2DModel(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def ernie_image_inputs(model, batch=1, grid=(8, 8), text_lens=(12,), seed=1, device=None):
+    """Fresh random ``ErnieImageTransformer2DModel`` inputs: latents on a ``grid`` (64x64 for 1024x1024) and
+    per-sample text lengths (padded to the longest, as the pipeline does)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    lens = (list(text_lens) * batch)[:batch]
+    text = torch.zeros(batch, max(lens), cfg.text_in_dim)
+    for i, n in enumerate(lens):
+        text[i, :n] = torch.randn(n, cfg.text_in_dim, generator=gen)
+    inputs = dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, *grid, generator=gen).to(dtype),
+        timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
+        text_bth=text.to(dtype),
+        text_lens=torch.tensor(lens, dtype=torch.long),
+    )
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
@@ -144,3 +198,22 @@ def prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2):
         prompt_embeds=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(device, dtype),
         pooled_prompt_embeds=torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(device, dtype),
     )
+
+
+def ernie_image_pipeline(transformer):
+    """An ``ErnieImagePipeline`` around `transformer` with no VAE or text encoder: call it with
+    `ernie_prompt_embeddings` and ``output_type="latent"``."""
+    from diffusers import ErnieImagePipeline, FlowMatchEulerDiscreteScheduler
+
+    return ErnieImagePipeline(
+        transformer=transformer, vae=None, text_encoder=None, tokenizer=None, scheduler=FlowMatchEulerDiscreteScheduler()
+    )
+
+
+def ernie_prompt_embeddings(pipe, lengths=(12, 5), seed=2):
+    """Random ``prompt_embeds``/``negative_prompt_embeds`` (one prompt) of the given token counts."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.text_in_dim
+    dtype, device = pipe.transformer.dtype, pipe.transformer.device
+    pos, neg = (torch.randn(n, dim, generator=gen).to(device, dtype) for n in lengths)
+    return dict(prompt_embeds=[pos], negative_prompt_embeds=[neg])

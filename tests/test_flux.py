@@ -170,7 +170,7 @@ def test_rotary_cache_is_reused_for_same_ids_and_rebuilt_when_they_change(unpatc
     model = build_flux_transformer("flux-tiny", seed=18)
     fp.patch(model)
     unpatch_after(model)
-    stats = vars(model.pos_embed)[flux_adapter.ROPE_STATS_ATTR]
+    stats = vars(model.pos_embed)["_fastpath_stats_rotary_cache"]
     inputs = flux_transformer_inputs(model, grid=(4, 4), seed=19)
     for _ in range(3):  # three denoising steps with the same ids: one build
         run(model, inputs)
@@ -271,7 +271,7 @@ class _VaeOnlyPipeline(DiffusionPipeline):
 
 
 def test_clear_errors():
-    with pytest.raises(TypeError, match="does not support Linear.*Supported: FluxTransformer2DModel"):
+    with pytest.raises(TypeError, match="does not support Linear.*Supported: ErnieImageTransformer2DModel, FluxTransformer2DModel"):
         fp.patch(torch.nn.Linear(2, 2))
     pipe = _VaeOnlyPipeline(tiny_flux_pipeline().vae)
     with pytest.raises(ValueError, match="holds no supported model \\(vae=AutoencoderKL\\).*FluxTransformer2DModel"):
@@ -282,7 +282,7 @@ def test_clear_errors():
         fp.patch("black-forest-labs/FLUX.1-dev")
     with pytest.raises(TypeError, match="patch the model first, then compile"):
         fp.patch(torch.compile(build_flux_transformer("flux-tiny")))
-    assert fp.supported_classes() == ["FluxTransformer2DModel"]
+    assert fp.supported_classes() == ["ErnieImageTransformer2DModel", "FluxTransformer2DModel"]
 
 
 def test_report_prints_a_table_and_plain_data(unpatch_after):
@@ -295,7 +295,7 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| site" in text and "transformer.transformer_blocks.0.norm1 " in text and "device cpu: 2" in text
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
-    assert data["ops"] == {"modulate_scale_shift": "enabled"}
+    assert data["ops"]["modulate_scale_shift"] == "enabled"
     assert len(data["sites"]) == 10 and data["sites"][0]["reasons"] == {"device cpu": 2}
     assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
 

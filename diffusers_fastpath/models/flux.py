@@ -19,7 +19,6 @@ one rotary cache.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -37,13 +36,10 @@ from diffusers.models.transformers.transformer_flux import (
 
 from ..ops import modulate_scale_shift
 from ..patching import PatchState, register_adapter
+from . import _rope_cache
 from ._mirror import mirrors
 
 MODULATE = "modulate_scale_shift"
-ROPE_STATS_ATTR = "_fastpath_rope_stats"
-_IDS_KEY_ATTR = "_fastpath_ids_key"
-_ROPE_CACHE_ATTR = "_fastpath_rope_cache"
-_ROPE_CACHE_ENTRIES = 4  # e.g. a true-CFG run alternates two sets of text ids
 
 # sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
 _ADALN_ZERO_FORWARD = "93374820c014f812"
@@ -151,85 +147,24 @@ class FluxRotaryCache(tuple):
         return self
 
 
-class RopeStats:
-    """How often the rotary cache was built (new position ids) and reused (same ids, another step)."""
-
-    __slots__ = ("built", "reused")
-
-    def __init__(self) -> None:
-        self.built = 0
-        self.reused = 0
-
-    def reset(self) -> None:
-        self.built = self.reused = 0
-
-
-class _IdsKey:
-    """Identity of the ``(txt_ids, img_ids)`` a forward was called with: the same tensor objects, unmodified.
-
-    Compared without reading the tensors (no host sync): the objects (held by weak reference, so a freed tensor
-    never matches a new one at the same address), their version counters (bumped by any in-place write, also
-    through a view), shape, dtype and device.
-    """
-
-    __slots__ = ("refs", "meta")
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.refs = tuple(weakref.ref(t) for t in tensors)
-        self.meta = tuple((t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
-
-    def same(self, other: "_IdsKey") -> bool:
-        if self.meta != other.meta:
-            return False
-        for mine, theirs in zip(self.refs, other.refs):
-            t = mine()
-            if t is None or t is not theirs():
-                return False
-        return True
-
-
 class FastpathFluxPosEmbed(FluxPosEmbed):
     """``FluxPosEmbed`` that returns a cached `FluxRotaryCache` while the transformer's position ids are unchanged.
 
     The transformer concatenates ``txt_ids`` and ``img_ids`` into a new tensor every forward, so the key is taken
-    from the forward's own arguments by a pre-hook (`_capture_ids`) and consumed here; a call outside a patched
-    forward (no key) computes as diffusers does.
+    from the forward's own arguments (`_ids_key`); a call outside a patched forward computes as diffusers does.
     """
 
     def forward(self, ids: torch.Tensor):
-        if torch.compiler.is_compiling():  # first, so that dynamo never traces the cache's dict operations
-            return super().forward(ids)
-        key = self.__dict__.pop(_IDS_KEY_ATTR, None)
-        if key is None:
-            return super().forward(ids)
-        cache: list = self.__dict__[_ROPE_CACHE_ATTR]
-        stats: RopeStats = self.__dict__[ROPE_STATS_ATTR]
-        for i, (cached_key, value) in enumerate(cache):
-            if cached_key.same(key) and value[0].shape[0] == ids.shape[0]:
-                if i:
-                    cache.insert(0, cache.pop(i))
-                stats.reused += 1
-                return value
-        value = FluxRotaryCache(*super().forward(ids))
-        cache.insert(0, (key, value))
-        del cache[_ROPE_CACHE_ENTRIES:]
-        stats.built += 1
-        return value
+        return _rope_cache.cached(self, lambda: FluxRotaryCache(*super(FastpathFluxPosEmbed, self).forward(ids)))
 
 
-def _capture_ids(model: FluxTransformer2DModel, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():
-        return
+def _ids_key(args: tuple, kwargs: dict) -> _rope_cache.ForwardKey | None:
     # forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, ...)
-    img_ids = kwargs.get("img_ids", args[4] if len(args) > 4 else None)
-    txt_ids = kwargs.get("txt_ids", args[5] if len(args) > 5 else None)
+    img_ids = _rope_cache.argument(args, kwargs, "img_ids", 4)
+    txt_ids = _rope_cache.argument(args, kwargs, "txt_ids", 5)
     if isinstance(txt_ids, torch.Tensor) and isinstance(img_ids, torch.Tensor):
-        model.pos_embed.__dict__[_IDS_KEY_ATTR] = _IdsKey((txt_ids, img_ids))
-
-
-def _release_ids(model: FluxTransformer2DModel, args: tuple, kwargs: dict, output: Any) -> None:
-    if not torch.compiler.is_compiling():
-        model.pos_embed.__dict__.pop(_IDS_KEY_ATTR, None)
+        return _rope_cache.ForwardKey((txt_ids, img_ids))
+    return None
 
 
 def _apply_rotary_emb(x: torch.Tensor, rope) -> torch.Tensor:
@@ -306,22 +241,12 @@ class FastpathFluxAttnProcessor(FluxAttnProcessor):
             return hidden_states
 
 
-def _fastpath_processor_for(old: FluxAttnProcessor) -> FastpathFluxAttnProcessor:
-    new = FastpathFluxAttnProcessor()
-    for name in ("_attention_backend", "_parallel_config"):  # set per instance by set_attention_backend & co.
-        if name in vars(old):
-            setattr(new, name, getattr(old, name))
-    return new
-
-
 @register_adapter(FluxTransformer2DModel)
 def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     """Swap FLUX.1's adaLN modules, dual blocks, rotary embedding and attention processors (see module doc)."""
     swap_adaln = mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD)
     swap_adaln_single = mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD)
     swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
-    swap_processor = mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL)
-    kept_processors: dict[str, int] = {}
 
     for name, module in model.named_modules():
         kind = type(module)
@@ -336,17 +261,6 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             state.add_site(module.norm2, MODULATE)
             state.add_site(module.norm2_context, MODULATE)
         elif kind is FluxPosEmbed:
-            state.swap_class(module, FastpathFluxPosEmbed)
-            state.set_attr(module, _ROPE_CACHE_ATTR, [])
-            state.set_attr(module, ROPE_STATS_ATTR, RopeStats())
-            state.add_hook(model.register_forward_pre_hook(_capture_ids, with_kwargs=True))
-            state.add_hook(model.register_forward_hook(_release_ids, with_kwargs=True, always_call=True))
-        elif isinstance(module, FluxAttention):
-            processor = module.processor
-            if type(processor) is FluxAttnProcessor and swap_processor:
-                state.set_processor(module, _fastpath_processor_for(processor))
-            elif type(processor) is not FastpathFluxAttnProcessor:
-                why = type(processor).__name__
-                kept_processors[why] = kept_processors.get(why, 0) + 1
-    for why, count in kept_processors.items():
-        state.notes.append(f"kept {count} attention processor(s) of type {why} (not diffusers' FluxAttnProcessor)")
+            _rope_cache.install(state, model, module, FastpathFluxPosEmbed, _ids_key)
+    if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):
+        state.replace_processors(model, FluxAttention, FluxAttnProcessor, FastpathFluxAttnProcessor)

@@ -2,5 +2,21 @@
 
 from ._policy import OPS, FusedOp, Site
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
+from .rmsnorm_scale_shift import (
+    gated_rmsnorm_scale_shift,
+    gated_rmsnorm_scale_shift_ref,
+    rmsnorm_scale_shift,
+    rmsnorm_scale_shift_ref,
+)
 
-__all__ = ["OPS", "FusedOp", "Site", "modulate_scale_shift", "modulate_scale_shift_ref"]
+__all__ = [
+    "OPS",
+    "FusedOp",
+    "Site",
+    "gated_rmsnorm_scale_shift",
+    "gated_rmsnorm_scale_shift_ref",
+    "modulate_scale_shift",
+    "modulate_scale_shift_ref",
+    "rmsnorm_scale_shift",
+    "rmsnorm_scale_shift_ref",
+]

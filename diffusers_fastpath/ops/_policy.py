@@ -6,6 +6,10 @@
   for the process; its calls run the eager reference from then on.
 - Inside ``torch.compile`` tracing nothing is swallowed: the op is emitted as its registered custom op (with a fake
   implementation), and any error is raised. A fallback baked into a graph would lose the fast path for good.
+- An op whose exactness depends on the platform (a reduction that must match the order of the kernel eager
+  dispatches to) verifies itself: the first fast call of each signature is compared with the eager result by
+  ``torch.equal``; a mismatch disables the op for the process, with one warning saying why, and that call returns
+  the eager result. Under ``torch.compile`` such an op is emitted only for signatures already verified.
 - Every call site counts its fast calls and its fallbacks with their reasons, which `diffusers_fastpath.report`
   shows.
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -26,6 +30,7 @@ from .._logging import logger
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
+REASON_UNVERIFIED = "signature not verified yet"
 
 
 def _env_disabled() -> bool:
@@ -60,6 +65,8 @@ class FusedOp:
             else a short reason. Pointer checks are skipped while tracing (fake tensors have no storage).
         kernel: the eager fast path (calls the CUDA extension directly, without the Python custom-op layer).
         custom_op: the registered ``torch.library`` op that ``torch.compile`` sees.
+        verify_key: for ops that verify themselves, ``verify_key(*args)`` names the signature (whatever decides the
+            platform kernel's order, e.g. dtype and row length) that one ``torch.equal`` check vouches for.
     """
 
     def __init__(
@@ -70,12 +77,15 @@ class FusedOp:
         guard: Callable[..., str | None],
         kernel: Callable[..., torch.Tensor],
         custom_op: Callable[..., torch.Tensor],
+        verify_key: Callable[..., Hashable] | None = None,
     ) -> None:
         self.name = name
         self.ref = ref
         self.guard = guard
         self.kernel = kernel
         self.custom_op = custom_op
+        self.verify_key = verify_key
+        self.verified: set = set()  # signatures whose first fast call matched eager bit for bit
         self.disabled: str | None = None  # why the op was disabled for this process, if it was
         self.env_disabled = _env_disabled()
         OPS[name] = self
@@ -83,7 +93,12 @@ class FusedOp:
     def __call__(self, site: Site | None, *args: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # No try/except here: an error while tracing or running the compiled graph is raised, never swallowed.
-            if self.disabled is None and not self.env_disabled and self.guard(*args, check_pointers=False) is None:
+            if (
+                self.disabled is None
+                and not self.env_disabled
+                and self.guard(*args, check_pointers=False) is None
+                and (self.verify_key is None or self.verify_key(*args) in self.verified)
+            ):
                 return self.custom_op(*args)
             return self.ref(*args)
 
@@ -100,12 +115,31 @@ class FusedOp:
                     self.disable(exc)
                     reason = REASON_DISABLED
                 else:
-                    if site is not None:
-                        site.fast += 1
-                    return out
+                    if self.verify_key is not None and not self._verified(out, args):
+                        reason = REASON_DISABLED
+                    else:
+                        if site is not None:
+                            site.fast += 1
+                        return out
         if site is not None:
             site.fallback[reason] += 1
         return self.ref(*args)
+
+    def _verified(self, out, args) -> bool:
+        key = self.verify_key(*args)
+        if key in self.verified:
+            return True
+        ref = self.ref(*args)
+        if _equal(out, ref):
+            self.verified.add(key)
+            return True
+        self.disable(
+            RuntimeError(
+                f"the fused kernel is not bit-exact against this platform's eager result for {key} (the eager kernel's "
+                "reduction order is not the one the fused kernel reproduces)"
+            )
+        )
+        return False
 
     def disable(self, exc: BaseException) -> None:
         """Turn the fast path off for this process after `exc`, with one warning."""
@@ -118,6 +152,7 @@ class FusedOp:
     def reset(self) -> None:
         """Re-enable the op (after fixing what disabled it) and re-read the environment switch."""
         self.disabled = None
+        self.verified.clear()
         self.env_disabled = _env_disabled()
 
     @property
@@ -126,7 +161,16 @@ class FusedOp:
             return REASON_ENV
         if self.disabled is not None:
             return f"disabled ({self.disabled})"
+        if self.verify_key is not None:
+            verified = ", ".join("/".join(map(str, key)) for key in sorted(self.verified))
+            return f"enabled, verified for {verified or 'no signature yet'}"
         return "enabled"
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
 
 
 OPS: dict[str, FusedOp] = {}

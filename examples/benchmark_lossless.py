@@ -1,11 +1,12 @@
 """Measure the lossless fast path on a GPU: the fused kernels against their eager chains and a device-to-device
-copy, the host cost of one call, and a FLUX transformer step patched against unpatched, in one process.
+copy, the host cost of one call, and a transformer step patched against unpatched, in one process.
 
-    python examples/benchmark_flux_lossless.py                      # FLUX.1-dev config, random bf16 weights, 1024x1024
-    python examples/benchmark_flux_lossless.py --height 512 --width 512 --json results.json
+    python examples/benchmark_lossless.py                           # FLUX.1-dev config, random bf16 weights, 1024x1024
+    python examples/benchmark_lossless.py --model ernie-image       # ERNIE-Image config
+    python examples/benchmark_lossless.py --height 512 --width 512 --json results.json
 
-No weights are downloaded: the transformer is built from the published FLUX.1-dev config with random weights
-(speed and exactness do not depend on the weights).
+No weights are downloaded: the transformer is built from the published config with random weights (speed and
+exactness do not depend on the weights).
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ import time
 import torch
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.ops import modulate_scale_shift, modulate_scale_shift_ref
+from diffusers_fastpath.ops import (
+    gated_rmsnorm_scale_shift_ref,
+    modulate_scale_shift,
+    modulate_scale_shift_ref,
+    rmsnorm_scale_shift_ref,
+)
 from diffusers_fastpath.ops._build import load_extension
-from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+from diffusers_fastpath.testing import (
+    build_ernie_image_transformer,
+    build_flux_transformer,
+    ernie_image_inputs,
+    flux_transformer_inputs,
+)
 
 
 def gpu_time_us(fn, sets, iters=40, rounds=5):
@@ -41,6 +52,59 @@ def gpu_time_us(fn, sets, iters=40, rounds=5):
     return statistics.median(times)
 
 
+def _row(op, shape, dtype, eager, fused, copy, nbytes, copy_bytes):
+    return dict(
+        op=op,
+        shape=list(shape),
+        dtype=str(dtype).removeprefix("torch."),
+        eager_us=eager,
+        fused_us=fused,
+        copy_us=copy,
+        fused_GBps=nbytes / fused / 1e3,
+        copy_GBps=copy_bytes / copy / 1e3,
+        pct_of_copy=100 * (nbytes / fused) / (copy_bytes / copy),
+        speedup=eager / fused,
+    )
+
+
+def bench_rmsnorm_kernels(dtype):
+    """ERNIE-Image's fused adaLN chains at the model's [seq, batch, dim] shapes (1024x1024, and CFG at 512x512)."""
+    from diffusers.models.normalization import RMSNorm
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    rows = []
+    for shape in [(4216, 1, 4096), (1140, 2, 4096)]:
+        seq, batch, dim = shape
+        norm = RMSNorm(dim, eps=1e-6).to("cuda", dtype).requires_grad_(False)
+        sets = []
+        for _ in range(3):
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            rows_ = [torch.randn(1, batch, dim, device="cuda", dtype=dtype).expand(seq, -1, -1).contiguous() for _ in range(3)]
+            update = torch.randn(batch, seq, dim, device="cuda", dtype=dtype).permute(1, 0, 2)
+            sets.append((x, *rows_, update, torch.empty_like(x)))
+        x, scale, shift, gate, update, _ = sets[0]
+        assert torch.equal(ops._rmsnorm_scale_shift_cuda(x, norm.weight, scale, shift, norm.eps), rmsnorm_scale_shift_ref(norm, x, scale, shift))
+        got = ops._gated_rmsnorm_scale_shift_cuda(x, gate, update, norm.weight, scale, shift, norm.eps)
+        want = gated_rmsnorm_scale_shift_ref(norm, x, gate, update, scale, shift)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        e = x.element_size() * x.numel()
+        copy = gpu_time_us(lambda x, s, h, g, u, o: o.copy_(x), sets)
+        rows.append(_row(
+            "rmsnorm_scale_shift", shape, dtype,
+            gpu_time_us(lambda x, s, h, g, u, o: rmsnorm_scale_shift_ref(norm, x, s, h), sets),
+            gpu_time_us(lambda x, s, h, g, u, o: ops._rmsnorm_scale_shift_cuda(x, norm.weight, s, h, norm.eps), sets),
+            copy, 4 * e, 2 * e,
+        ))
+        rows.append(_row(
+            "gated_rmsnorm_scale_shift", shape, dtype,
+            gpu_time_us(lambda x, s, h, g, u, o: gated_rmsnorm_scale_shift_ref(norm, x, g, u, s, h), sets),
+            gpu_time_us(lambda x, s, h, g, u, o: ops._gated_rmsnorm_scale_shift_cuda(x, g, u, norm.weight, s, h, norm.eps), sets),
+            copy, 7 * e, 2 * e,
+        ))
+    return rows
+
+
 def bench_kernels(dtype):
     load_extension()
     cuda_op = torch.ops.diffusers_fastpath._modulate_scale_shift_cuda.default
@@ -57,20 +121,7 @@ def bench_kernels(dtype):
         fused = gpu_time_us(lambda x, s, h, o: cuda_op(x, s, h), sets)
         copy = gpu_time_us(lambda x, s, h, o: o.copy_(x), sets)
         nbytes = 2 * x.numel() * x.element_size() + 2 * scale.numel() * scale.element_size()
-        rows.append(
-            dict(
-                op="modulate_scale_shift",
-                shape=list(shape),
-                dtype=str(dtype).removeprefix("torch."),
-                eager_us=eager,
-                fused_us=fused,
-                copy_us=copy,
-                fused_GBps=nbytes / fused / 1e3,
-                copy_GBps=2 * x.numel() * x.element_size() / copy / 1e3,
-                pct_of_copy=100 * copy / fused * (nbytes / (2 * x.numel() * x.element_size())),
-                speedup=eager / fused,
-            )
-        )
+        rows.append(_row("modulate_scale_shift", shape, dtype, eager, fused, copy, nbytes, 2 * x.numel() * x.element_size()))
     return rows
 
 
@@ -103,9 +154,13 @@ def host_us_per_call(dtype, calls=2000):
 @torch.no_grad()
 def bench_step(config, height, width, repeats, dtype):
     t0 = time.perf_counter()
-    model = build_flux_transformer(config, dtype, "cuda", seed=0)
+    if config.startswith("ernie"):
+        model = build_ernie_image_transformer(config, dtype, "cuda", seed=0)
+        inputs = ernie_image_inputs(model, grid=(height // 16, width // 16), text_lens=(120,), seed=1)
+    else:
+        model = build_flux_transformer(config, dtype, "cuda", seed=0)
+        inputs = flux_transformer_inputs(model, grid=(height // 16, width // 16), txt_tokens=512, seed=1)
     build_s = time.perf_counter() - t0
-    inputs = flux_transformer_inputs(model, grid=(height // 16, width // 16), txt_tokens=512, seed=1)
 
     def timed():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,7 +225,7 @@ def conditions():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="flux-dev", choices=["flux-dev", "flux-tiny"])
+    parser.add_argument("--model", default="flux-dev", choices=["flux-dev", "flux-tiny", "ernie-image", "ernie-image-tiny"])
     parser.add_argument("--height", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
@@ -186,10 +241,12 @@ def main():
     t0 = time.perf_counter()
     load_extension()
     result = dict(conditions=conditions(), extension_load_s=time.perf_counter() - t0)
-    result["kernels"] = [] if args.skip_kernels else bench_kernels(dtype)
+    result["kernels"] = [] if args.skip_kernels else (
+        bench_rmsnorm_kernels(dtype) if args.model.startswith("ernie") else bench_kernels(dtype)
+    )
     result["host_us_per_call"] = {} if args.skip_kernels else host_us_per_call(dtype)
     if not args.skip_step:
-        result["step"] = bench_step(args.config, args.height, args.width, args.repeats, dtype)
+        result["step"] = bench_step(args.model, args.height, args.width, args.repeats, dtype)
 
     c = result["conditions"]
     print(f"\n{c['gpu']}, torch {c['torch']} (CUDA {c['cuda']}), diffusers {c['diffusers']}, commit {c['commit']}, {args.dtype}")

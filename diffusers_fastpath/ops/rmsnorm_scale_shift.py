@@ -1,0 +1,229 @@
+"""ERNIE-Image's adaLN in one pass: diffusers' ``RMSNorm`` then the fp32 modulate, optionally preceded by the
+gated residual add of the attention branch, bit-identical to the eager chain.
+
+Eager (``ErnieImageSharedAdaLNBlock``), T the storage dtype::
+
+    x = residual + (gate.float() * update.float()).to(T)            # gated variant only; x is also returned
+    y = norm(x)                                                     # diffusers RMSNorm, see _rms_norm below
+    out = (y.float() * (1 + scale.float()) + shift.float()).to(T)
+
+The kernel (``csrc/rmsnorm_scale_shift.cu``) keeps every rounding point of that chain and reproduces the order in
+which aten's reduce kernel sums ``x.float().pow(2)`` over the last dimension (Reduce.cuh: input vectorised by 4,
+one warp per row, four accumulators per lane, shuffle-down tree). That order is a property of the aten build it
+runs against, so the op verifies itself: the first fast call of each signature (dtype, row length, gated) is
+compared with eager by ``torch.equal``, and a mismatch disables it for the process with one warning. The guard
+admits only rows where aten uses that configuration: row length D a multiple of 128 with 512 < D < 8192, at least
+16 rows, fp32 squares addressable with 32-bit offsets.
+
+Shapes follow the block: ``[seq, batch, dim]`` operands; ``x``/``residual`` contiguous; ``scale``, ``shift``,
+``gate`` and ``update`` any row strides with unit innermost stride (``update`` is the attention output permuted
+back to sequence-first, strided for batch > 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._build import load_extension
+from ._policy import FusedOp, Site
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers' ``RMSNorm.forward`` (weight, no bias, not NPU) as a function, for the custom ops' eager path."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(variance + eps)
+    if weight.dtype in _HALF:
+        y = y.to(weight.dtype)
+    return y * weight
+
+
+def _modulate(y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return (y.float() * (1 + scale.float()) + shift.float()).to(y.dtype)
+
+
+def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    return residual + (gate.float() * update.float()).to(residual.dtype)
+
+
+def rmsnorm_scale_shift_ref(norm, x, scale, shift):
+    """The eager chain, through the diffusers ``RMSNorm`` module itself."""
+    return _modulate(norm(x), scale, shift)
+
+
+def gated_rmsnorm_scale_shift_ref(norm, residual, gate, update, scale, shift):
+    x = _gated_residual(residual, gate, update)
+    return x, _modulate(norm(x), scale, shift)
+
+
+def _rows_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return (
+        t.dtype is like.dtype
+        and t.shape == like.shape
+        and t.stride(2) == 1
+        and t.stride(0) % 4 == 0
+        and t.stride(1) % 4 == 0
+        and t.device == like.device
+    )
+
+
+def _guard_rows(norm, x, operands, check_pointers) -> str | None:
+    weight = getattr(norm, "weight", None)
+    if weight is None or getattr(norm, "bias", None) is not None:
+        return "norm without weight or with bias"
+    if x.dtype not in _HALF:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if weight.dtype is not x.dtype:
+        return "mixed dtypes"
+    if x.dim() != 3:
+        return "shape"
+    seq, batch, dim = x.shape
+    if dim % 128 or not 512 < dim < 8192:
+        return "D outside the reproduced reduction"
+    if seq * batch < 16:
+        return "fewer than 16 rows"
+    if seq * batch * dim * 4 >= 2**31:
+        return "too large for aten's 32-bit reduction"
+    if not x.is_contiguous():
+        return "x not contiguous"
+    if not all(_rows_ok(t, x) for t in operands):
+        return "operands strided or mismatched"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or any(t.requires_grad for t in operands)):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if weight.device != x.device:
+        return "devices differ"
+    if check_pointers and any(t.data_ptr() % 8 for t in (x, weight, *operands)):
+        return "not 8-byte aligned"
+    return None
+
+
+def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
+    return _guard_rows(norm, x, (scale, shift), check_pointers)
+
+
+def _gated_guard(norm, residual, gate, update, scale, shift, check_pointers: bool = True) -> str | None:
+    return _guard_rows(norm, residual, (gate, update, scale, shift), check_pointers)
+
+
+def _cuda_ops():
+    load_extension()
+    return torch.ops.diffusers_fastpath
+
+
+def _kernel(norm, x, scale, shift):
+    return _cuda_ops()._rmsnorm_scale_shift_cuda.default(x, norm.weight, scale, shift, norm.eps)
+
+
+def _gated_kernel(norm, residual, gate, update, scale, shift):
+    return _cuda_ops()._gated_rmsnorm_scale_shift_cuda.default(residual, gate, update, norm.weight, scale, shift, norm.eps)
+
+
+class _Norm:
+    """What the guard reads of an ``RMSNorm`` module, for the custom ops (which take tensors and floats)."""
+
+    __slots__ = ("weight", "eps")
+    bias = None
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight, self.eps = weight, eps
+
+
+@torch.library.custom_op("diffusers_fastpath::rmsnorm_scale_shift", mutates_args=())
+def _rmsnorm_scale_shift_op(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _guard(norm, x, scale, shift) is None:
+        return _kernel(norm, x, scale, shift)
+    return _modulate(_rms_norm(x, weight, eps), scale, shift).contiguous()
+
+
+@_rmsnorm_scale_shift_op.register_fake
+def _(x, weight, scale, shift, eps):
+    torch._check(x.dim() == 3, lambda: "rmsnorm_scale_shift: x must be [seq, batch, dim]")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("diffusers_fastpath::gated_rmsnorm_scale_shift", mutates_args=())
+def _gated_rmsnorm_scale_shift_op(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    update: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = _Norm(weight, eps)
+    if _gated_guard(norm, residual, gate, update, scale, shift) is None:
+        return _gated_kernel(norm, residual, gate, update, scale, shift)
+    x = _gated_residual(residual, gate, update).contiguous()
+    return x, _modulate(_rms_norm(x, weight, eps), scale, shift).contiguous()
+
+
+@_gated_rmsnorm_scale_shift_op.register_fake
+def _(residual, gate, update, weight, scale, shift, eps):
+    torch._check(residual.dim() == 3, lambda: "gated_rmsnorm_scale_shift: residual must be [seq, batch, dim]")
+    like = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    return like, torch.empty_like(like)
+
+
+def _signature(norm, x, *rest):
+    return (str(x.dtype).removeprefix("torch."), x.shape[-1])
+
+
+RMSNORM_SCALE_SHIFT = FusedOp(
+    "rmsnorm_scale_shift",
+    ref=rmsnorm_scale_shift_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=lambda norm, x, scale, shift: torch.ops.diffusers_fastpath.rmsnorm_scale_shift.default(
+        x, norm.weight, scale, shift, norm.eps
+    ),
+    verify_key=_signature,
+)
+
+GATED_RMSNORM_SCALE_SHIFT = FusedOp(
+    "gated_rmsnorm_scale_shift",
+    ref=gated_rmsnorm_scale_shift_ref,
+    guard=_gated_guard,
+    kernel=_gated_kernel,
+    custom_op=lambda norm, residual, gate, update, scale, shift: (
+        torch.ops.diffusers_fastpath.gated_rmsnorm_scale_shift.default(
+            residual, gate, update, norm.weight, scale, shift, norm.eps
+        )
+    ),
+    verify_key=_signature,
+)
+
+
+def rmsnorm_scale_shift(norm, x, scale, shift, site: Site | None = None) -> torch.Tensor:
+    """``(norm(x).float() * (1 + scale.float()) + shift.float()).to(dtype)``, fused and bit-identical.
+
+    Args:
+        norm: the diffusers ``RMSNorm`` module (its ``weight`` and ``eps`` are used; it runs itself on fallback).
+        x: ``[seq, batch, dim]`` activations.
+        scale, shift: ``[seq, batch, dim]`` modulation (ERNIE-Image expands its adaLN rows to this shape).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers.models.normalization import RMSNorm
+        >>> from diffusers_fastpath.ops import rmsnorm_scale_shift, rmsnorm_scale_shift_ref
+        >>> norm, x, s, h = RMSNorm(768, eps=1e-6), *torch.randn(3, 32, 1, 768)
+        >>> torch.equal(rmsnorm_scale_shift(norm, x, s, h), rmsnorm_scale_shift_ref(norm, x, s, h))
+        True
+    """
+    return RMSNORM_SCALE_SHIFT(site, norm, x, scale, shift)
+
+
+def gated_rmsnorm_scale_shift(norm, residual, gate, update, scale, shift, site: Site | None = None):
+    """``x = residual + (gate.float() * update.float()).to(dtype)``, then `rmsnorm_scale_shift` of ``x``.
+
+    Returns:
+        ``(x, out)``: the new residual stream and the modulated norm, both bit-identical to eager.
+    """
+    return GATED_RMSNORM_SCALE_SHIFT(site, norm, residual, gate, update, scale, shift)

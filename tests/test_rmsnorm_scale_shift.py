@@ -1,0 +1,191 @@
+"""rmsnorm_scale_shift / gated_rmsnorm_scale_shift: bit-exact on GPU at ERNIE-Image's shapes with the fast path
+verified, and their guards, self-verification and fallbacks everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+
+from diffusers_fastpath.ops import (
+    Site,
+    gated_rmsnorm_scale_shift,
+    gated_rmsnorm_scale_shift_ref,
+    rmsnorm_scale_shift,
+    rmsnorm_scale_shift_ref,
+)
+from diffusers_fastpath.ops import _policy
+from diffusers_fastpath.ops.rmsnorm_scale_shift import GATED_RMSNORM_SCALE_SHIFT, RMSNORM_SCALE_SHIFT, _rms_norm
+
+# [seq, batch, dim] as ErnieImageSharedAdaLNBlock sees them: 1024x1024 (4096 image + 120 text tokens), a CFG
+# batch at 512x512, and a 2048-wide row.
+ERNIE_SHAPES = [(4216, 1, 4096), (1140, 2, 4096), (128, 1, 2048)]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def make_inputs(shape, dtype, device, seed):
+    """x, scale, shift and gate laid out as the block has them, and the attention output permuted back from
+    [batch, seq, dim] (strided for batch > 1), with a random-weight RMSNorm."""
+    seq, batch, dim = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device=device) * std).to(dtype)  # noqa: E731
+    norm = RMSNorm(dim, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + rnd(dim, std=0.1))
+    norm.weight.requires_grad_(False)
+    x = rnd(seq, batch, dim, std=3.0)
+    rows = lambda: rnd(1, batch, dim).expand(seq, -1, -1).contiguous()  # noqa: E731  (the model's expanded rows)
+    scale, shift, gate = rows(), rows(), rows()
+    update = rnd(batch, seq, dim).permute(1, 0, 2)
+    return norm, x, scale, shift, gate, update
+
+
+# --- GPU: the contract ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ERNIE_SHAPES, ids=str)
+def test_rmsnorm_scale_shift_matches_eager_bitwise_and_verifies(shape, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    for seed in range(2):  # fresh inputs each round
+        norm, x, scale, shift, gate, update = make_inputs(shape, dtype, "cuda", seed)
+        ref = rmsnorm_scale_shift_ref(norm, x, scale, shift)
+        out = torch.full_like(x, float("nan"))  # poisoned
+        ops._rmsnorm_scale_shift_cuda_out(out, x, norm.weight, scale, shift, norm.eps)
+        assert torch.equal(out, ref)
+
+        ref_res, ref_out = gated_rmsnorm_scale_shift_ref(norm, x, gate, update, scale, shift)
+        res_out, out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        ops._gated_rmsnorm_scale_shift_cuda_out(res_out, out, x, gate, update, norm.weight, scale, shift, norm.eps)
+        assert torch.equal(res_out, ref_res) and torch.equal(out, ref_out)
+
+        site, gated_site = Site("rmsnorm_scale_shift"), Site("gated_rmsnorm_scale_shift")
+        assert torch.equal(rmsnorm_scale_shift(norm, x, scale, shift, site), ref)
+        got_res, got_out = gated_rmsnorm_scale_shift(norm, x, gate, update, scale, shift, gated_site)
+        assert torch.equal(got_res, ref_res) and torch.equal(got_out, ref_out)
+        # the fast path really ran, verified itself and stayed enabled
+        assert site.fast == 1 and gated_site.fast == 1 and not site.fallback and not gated_site.fallback
+    for op in (RMSNORM_SCALE_SHIFT, GATED_RMSNORM_SCALE_SHIFT):
+        assert op.disabled is None and (str(dtype).removeprefix("torch."), shape[2]) in op.verified
+
+
+@pytest.mark.gpu
+def test_rmsnorm_opcheck_cuda():
+    norm, x, scale, shift, gate, update = make_inputs((64, 2, 1024), torch.bfloat16, "cuda", 0)
+    ops = torch.ops.diffusers_fastpath
+    torch.library.opcheck(ops.rmsnorm_scale_shift.default, (x, norm.weight, scale, shift, norm.eps))
+    torch.library.opcheck(ops.gated_rmsnorm_scale_shift.default, (x, gate, update, norm.weight, scale, shift, norm.eps))
+
+
+# --- CPU: reference, guards, self-verification ------------------------------------------------------------------
+
+
+def test_functional_reference_is_diffusers_rmsnorm():
+    norm, x, *_ = make_inputs((40, 2, 768), torch.bfloat16, "cpu", 0)
+    assert torch.equal(_rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("fp32", "dtype float32"),
+        ("short_rows", "D outside the reproduced reduction"),
+        ("few_rows", "fewer than 16 rows"),
+        ("strided_x", "x not contiguous"),
+        ("strided_scale", "operands strided or mismatched"),
+        ("no_weight", "norm without weight or with bias"),
+        ("requires_grad", "requires grad"),
+        ("cpu", "device cpu"),
+    ],
+)
+def test_guard_falls_back_with_reason(case, reason, monkeypatch):
+    shape = (8, 1, 768) if case == "few_rows" else (40, 2, 512 if case == "short_rows" else 768)
+    norm, x, scale, shift, gate, update = make_inputs(shape, torch.bfloat16, "cpu", 1)
+    if case == "fp32":
+        norm, x, scale, shift = norm.float(), x.float(), scale.float(), shift.float()
+    elif case == "strided_x":
+        x = torch.cat([x, x], dim=2)[..., ::2]
+    elif case == "strided_scale":
+        scale = torch.cat([scale, scale], dim=2)[..., ::2]
+    elif case == "no_weight":
+        norm = RMSNorm(768, eps=1e-6, elementwise_affine=False)
+    elif case == "requires_grad":
+        x = x.clone().requires_grad_()
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    site = Site("rmsnorm_scale_shift")
+    assert torch.equal(rmsnorm_scale_shift(norm, x, scale, shift, site), rmsnorm_scale_shift_ref(norm, x, scale, shift))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
+def test_ernie_layouts_pass_the_guard(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    for shape in [(40, 1, 768), (40, 2, 2048)]:
+        norm, x, scale, shift, gate, update = make_inputs(shape, torch.bfloat16, "cpu", 0)
+        assert RMSNORM_SCALE_SHIFT.guard(norm, x, scale, shift) is None
+        assert GATED_RMSNORM_SCALE_SHIFT.guard(norm, x, gate, update, scale, shift) is None
+
+
+@pytest.fixture
+def guard_open(monkeypatch):
+    for op in (RMSNORM_SCALE_SHIFT, GATED_RMSNORM_SCALE_SHIFT):
+        monkeypatch.setattr(op, "guard", lambda *a, **k: None)
+
+
+def test_a_kernel_that_is_not_bit_exact_is_disabled_and_eager_returned(guard_open, monkeypatch, fastpath_log):
+    def off_by_one_ulp(norm, x, scale, shift):
+        out = rmsnorm_scale_shift_ref(norm, x, scale, shift)
+        return (out.view(torch.int16) + 1).view(out.dtype)  # wrong in the last bit everywhere
+
+    monkeypatch.setattr(RMSNORM_SCALE_SHIFT, "kernel", off_by_one_ulp)
+    norm, x, scale, shift, *_ = make_inputs((40, 1, 768), torch.bfloat16, "cpu", 2)
+    ref = rmsnorm_scale_shift_ref(norm, x, scale, shift)
+    site = Site("rmsnorm_scale_shift")
+    for _ in range(3):
+        assert torch.equal(rmsnorm_scale_shift(norm, x, scale, shift, site), ref)
+    assert "not bit-exact against this platform's eager result for ('bfloat16', 768)" in RMSNORM_SCALE_SHIFT.disabled
+    assert not RMSNORM_SCALE_SHIFT.verified and site.fast == 0
+    assert dict(site.fallback) == {_policy.REASON_DISABLED: 3}
+    warnings = [r for r in fastpath_log.records if "disabling the fused op 'rmsnorm_scale_shift'" in r.getMessage()]
+    assert len(warnings) == 1 and "not bit-exact" in warnings[0].getMessage()
+
+
+def test_a_bit_exact_kernel_is_verified_once_per_signature(guard_open, monkeypatch):
+    calls = {"ref": 0}
+    real_ref = GATED_RMSNORM_SCALE_SHIFT.ref
+
+    def counting_ref(*args):
+        calls["ref"] += 1
+        return real_ref(*args)
+
+    monkeypatch.setattr(GATED_RMSNORM_SCALE_SHIFT, "ref", counting_ref)
+    monkeypatch.setattr(GATED_RMSNORM_SCALE_SHIFT, "kernel", real_ref)  # exact by construction
+    site = Site("gated_rmsnorm_scale_shift")
+    for seed in range(3):
+        norm, x, scale, shift, gate, update = make_inputs((40, 2, 768), torch.bfloat16, "cpu", seed)
+        gated_rmsnorm_scale_shift(norm, x, gate, update, scale, shift, site)
+    assert calls["ref"] == 1 and site.fast == 3  # verified on the first call only
+    assert GATED_RMSNORM_SCALE_SHIFT.verified == {("bfloat16", 768)}
+    assert GATED_RMSNORM_SCALE_SHIFT.status == "enabled, verified for bfloat16/768"
+
+
+def test_unverified_signatures_stay_eager_under_compile(guard_open, monkeypatch):
+    monkeypatch.setattr(RMSNORM_SCALE_SHIFT, "custom_op", lambda *a: (_ for _ in ()).throw(AssertionError("emitted")))
+    norm, x, scale, shift, *_ = make_inputs((40, 1, 768), torch.bfloat16, "cpu", 3)
+    fn = torch.compile(lambda *a: rmsnorm_scale_shift(*a), fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(norm, x, scale, shift), rmsnorm_scale_shift_ref(norm, x, scale, shift))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_custom_ops_opcheck_cpu(batch):
+    norm, x, scale, shift, gate, update = make_inputs((24, batch, 768), torch.bfloat16, "cpu", 0)
+    ops = torch.ops.diffusers_fastpath
+    torch.library.opcheck(ops.rmsnorm_scale_shift.default, (x, norm.weight, scale, shift, norm.eps))
+    torch.library.opcheck(ops.gated_rmsnorm_scale_shift.default, (x, gate, update, norm.weight, scale, shift, norm.eps))
+    res, out = ops.gated_rmsnorm_scale_shift(x, gate, update, norm.weight, scale, shift, norm.eps)
+    ref_res, ref_out = gated_rmsnorm_scale_shift_ref(norm, x, gate, update, scale, shift)
+    assert torch.equal(res, ref_res) and torch.equal(out, ref_out)
