@@ -12,9 +12,11 @@
 // The sum reproduces aten's reduce kernel (Reduce.cuh, setReduceConfig) for a contiguous fp32 [R, D] input
 // reduced over its last dimension, with D/4 > 128, D/32 < 256 and R >= 16: input vectorised by 4, block (32, 16)
 // with one warp per row; lane l keeps four accumulators a_j (starting at 0) and adds sq[4 * (l + 32 k) + j] for
-// k = 0, 1, ...; then ((a_0 + a_1) + a_2) + a_3; then a shuffle-down tree over offsets 1, 2, 4, 8, 16, read at
-// lane 0. The Python guard admits only that domain, and the op verifies itself against eager on its first call
-// per signature, because the order is a property of the aten build it runs against.
+// k = 0, 1, ...; then ((a_0 + a_1) + a_2) + a_3; then a shuffle-down tree over offsets 16, 8, 4, 2, 1, read at
+// lane 0. (Measured on the H200 with torch 2.11: this order matched aten's mean on all 4216 rows of a
+// (4216, 4096) input, the ascending tree 1, 2, ..., 16 of older Reduce.cuh versions on 71%, and eight other
+// candidate orders on 64-70%.) The Python guard admits only that domain, and the op verifies itself against
+// eager on its first call per signature, because the order is a property of the aten build it runs against.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   }
   float total = __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
 #pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
     total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
   }
   total = __shfl_sync(0xffffffffu, total, 0);
