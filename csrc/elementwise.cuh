@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "fastpath.h"
+
 namespace diffusers_fastpath {
 
 template <typename T>
@@ -42,5 +44,17 @@ struct alignas(16) Pack {
   static constexpr int kSize = 16 / sizeof(T);
   T v[kSize];
 };
+
+// Calls f(T{}) with T the storage type named by `dtype`: one switch for every launcher.
+template <typename F>
+cudaError_t dispatch_storage_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kHalf:
+      return f(__half{});
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
 
 }  // namespace diffusers_fastpath

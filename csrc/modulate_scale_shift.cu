@@ -106,13 +106,7 @@ cudaError_t launch(const ModulateScaleShiftArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_modulate_scale_shift(const ModulateScaleShiftArgs& args, cudaStream_t stream) {
-  switch (args.dtype) {
-    case DType::kHalf:
-      return launch<__half>(args, stream);
-    case DType::kBFloat16:
-      return launch<__nv_bfloat16>(args, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
 
 }  // namespace diffusers_fastpath
