@@ -248,7 +248,7 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     swap_adaln_single = mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD)
     swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
 
-    for name, module in model.named_modules():
+    for module in model.modules():
         kind = type(module)
         if kind is AdaLayerNormZero and swap_adaln:
             state.swap_class(module, FastpathAdaLayerNormZero)
