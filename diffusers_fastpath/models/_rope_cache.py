@@ -18,6 +18,7 @@ KEY_ATTR = "_fastpath_forward_key"
 CACHE_ATTR = "_fastpath_rope_cache"
 STATS_PREFIX = "_fastpath_stats_"  # `report` lists every such attribute of a patched model's modules
 ENTRIES = 4  # e.g. a true-CFG run alternates two sets of text ids
+_STATS_ATTR = STATS_PREFIX + "rotary_cache"
 
 
 class CacheStats:
@@ -61,7 +62,7 @@ def cached(module: nn.Module, compute: Callable[[], Any]) -> Any:
     if key is None:  # called outside a patched forward: compute as diffusers does
         return compute()
     cache: list = module.__dict__[CACHE_ATTR]
-    stats: CacheStats = module.__dict__[STATS_PREFIX + "rotary_cache"]
+    stats: CacheStats = module.__dict__[_STATS_ATTR]
     for i, (cached_key, value) in enumerate(cache):
         if cached_key.same(key):
             if i:
@@ -82,7 +83,7 @@ def install(state, model: nn.Module, pos_embed: nn.Module, cls: type, key_of: Ca
     """
     state.swap_class(pos_embed, cls)
     state.set_attr(pos_embed, CACHE_ATTR, [])
-    state.set_attr(pos_embed, STATS_PREFIX + "rotary_cache", CacheStats())
+    state.set_attr(pos_embed, _STATS_ATTR, CacheStats())
 
     def capture(module, args, kwargs):
         if not torch.compiler.is_compiling():

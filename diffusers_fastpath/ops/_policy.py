@@ -30,7 +30,6 @@ from .._logging import logger
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
-REASON_UNVERIFIED = "signature not verified yet"
 
 
 def _env_disabled() -> bool:

@@ -10,8 +10,9 @@ Eager (``ErnieImageSharedAdaLNBlock``), T the storage dtype::
 The kernel (``csrc/rmsnorm_scale_shift.cu``) keeps every rounding point of that chain and reproduces the order in
 which aten's reduce kernel sums ``x.float().pow(2)`` over the last dimension (Reduce.cuh: input vectorised by 4,
 one warp per row, four accumulators per lane, shuffle-down tree). That order is a property of the aten build it
-runs against, so the op verifies itself: the first fast call of each signature (dtype, row length, gated) is
-compared with eager by ``torch.equal``, and a mismatch disables it for the process with one warning. The guard
+runs against, so the op verifies itself: the first fast call of each signature (dtype, row length; each of the
+two ops keeps its own) is compared with eager by ``torch.equal``, and a mismatch disables it for the process with
+one warning. The guard
 admits only rows where aten uses that configuration: row length D a multiple of 128 with 512 < D < 8192, at least
 16 rows, fp32 squares addressable with 32-bit offsets.
 
