@@ -12,6 +12,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxAttnProcessor,
     FluxIPAdapterAttnProcessor,
     FluxPosEmbed,
+    FluxSingleTransformerBlock,
     FluxTransformerBlock,
 )
 
@@ -259,6 +260,7 @@ def test_mirrored_sources_match_the_installed_diffusers():
     from diffusers_fastpath.models._mirror import source_digest
 
     assert source_digest(FluxTransformerBlock.forward) == flux_adapter._BLOCK_FORWARD
+    assert source_digest(FluxSingleTransformerBlock.forward) == flux_adapter._SINGLE_BLOCK_FORWARD
     assert source_digest(FluxAttnProcessor.__call__) == flux_adapter._PROCESSOR_CALL
     assert source_digest(AdaLayerNormZero.forward) == flux_adapter._ADALN_ZERO_FORWARD
     assert source_digest(AdaLayerNormZeroSingle.forward) == flux_adapter._ADALN_ZERO_SINGLE_FORWARD

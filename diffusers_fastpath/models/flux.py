@@ -29,6 +29,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxAttention,
     FluxAttnProcessor,
     FluxPosEmbed,
+    FluxSingleTransformerBlock,
     FluxTransformer2DModel,
     FluxTransformerBlock,
     _get_qkv_projections,
@@ -45,6 +46,7 @@ MODULATE = "modulate_scale_shift"
 _ADALN_ZERO_FORWARD = "93374820c014f812"
 _ADALN_ZERO_SINGLE_FORWARD = "d48dfb2b1e75e64f"
 _BLOCK_FORWARD = "0b184cbe172708b6"
+_SINGLE_BLOCK_FORWARD = "57350a6dab842b40"
 _PROCESSOR_CALL = "d5b36134887ebe45"
 
 
@@ -129,6 +131,44 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
 
+        return encoder_hidden_states, hidden_states
+
+
+class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
+    """``FluxSingleTransformerBlock`` whose elementwise chains run through the fused ops.
+
+    ``forward`` mirrors diffusers 0.42.1's line for line (checked by source digest at patch time).
+    """
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+        residual = hidden_states
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+
+        hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+        gate = gate.unsqueeze(1)
+        hidden_states = gate * self.proj_out(hidden_states)
+        hidden_states = residual + hidden_states
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+
+        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
         return encoder_hidden_states, hidden_states
 
 
@@ -247,6 +287,7 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     swap_adaln = mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD)
     swap_adaln_single = mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD)
     swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
+    swap_single_block = mirrors(FluxSingleTransformerBlock.forward, _SINGLE_BLOCK_FORWARD)
 
     for module in model.modules():
         kind = type(module)
@@ -260,6 +301,8 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             state.swap_class(module, FastpathFluxTransformerBlock)
             state.add_site(module.norm2, MODULATE)
             state.add_site(module.norm2_context, MODULATE)
+        elif kind is FluxSingleTransformerBlock and swap_single_block:
+            state.swap_class(module, FastpathFluxSingleTransformerBlock)
         elif kind is FluxPosEmbed:
             _rope_cache.install(state, model, module, FastpathFluxPosEmbed, _ids_key)
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):
