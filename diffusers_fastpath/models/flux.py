@@ -50,6 +50,12 @@ _SINGLE_BLOCK_FORWARD = "57350a6dab842b40"
 _PROCESSOR_CALL = "d5b36134887ebe45"
 
 
+def _norm_modulate(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of every FLUX adaLN site
+    (``site`` counts its calls)."""
+    return modulate_scale_shift(norm(x), scale, shift, site)
+
+
 class FastpathAdaLayerNormZero(AdaLayerNormZero):
     """``AdaLayerNormZero`` whose modulate is the fused, bit-exact `modulate_scale_shift`. Adds no state."""
 
@@ -58,7 +64,7 @@ class FastpathAdaLayerNormZero(AdaLayerNormZero):
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = modulate_scale_shift(self.norm(x), scale_msa, shift_msa, self._fastpath_site)
+        x = _norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
@@ -68,7 +74,7 @@ class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
     def forward(self, x, emb=None):
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-        x = modulate_scale_shift(self.norm(x), scale_msa, shift_msa, self._fastpath_site)
+        x = _norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
         return x, gate_msa
 
 
@@ -108,9 +114,7 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
         attn_output = gate_msa.unsqueeze(1) * attn_output
         hidden_states = hidden_states + attn_output
 
-        norm_hidden_states = modulate_scale_shift(
-            self.norm2(hidden_states), scale_mlp, shift_mlp, self.norm2._fastpath_site
-        )
+        norm_hidden_states = _norm_modulate(self.norm2, hidden_states, scale_mlp, shift_mlp, self.norm2._fastpath_site)
 
         ff_output = self.ff(norm_hidden_states)
         ff_output = gate_mlp.unsqueeze(1) * ff_output
@@ -122,8 +126,8 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
         context_attn_output = c_gate_msa.unsqueeze(1) * context_attn_output
         encoder_hidden_states = encoder_hidden_states + context_attn_output
 
-        norm_encoder_hidden_states = modulate_scale_shift(
-            self.norm2_context(encoder_hidden_states), c_scale_mlp, c_shift_mlp, self.norm2_context._fastpath_site
+        norm_encoder_hidden_states = _norm_modulate(
+            self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context._fastpath_site
         )
 
         context_ff_output = self.ff_context(norm_encoder_hidden_states)
