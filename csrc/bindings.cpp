@@ -3,6 +3,8 @@
 // device-generic ops (with their fake implementations for torch.compile) are defined in Python, one file per op
 // in ops/; eager calls reach these directly to skip the Python custom-op layer (see ops/modulate_scale_shift.py
 // for the numbers).
+#include <limits>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -169,6 +171,53 @@ std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& r
   return {residual_out, out};
 }
 
+// The Python guard admits the modulate's layout (checked by check_modulate_inputs, whose messages name that op)
+// with dim at most 4096, the widest row the kernel keeps in registers.
+void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
+                                  const at::Tensor& shift, double eps, bool probe, int64_t variant) {
+  check_modulate_inputs(out, x, scale, shift);
+  TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 4096,
+              "layernorm_scale_shift: dim must be a multiple of 4, at most 4096");
+  TORCH_CHECK(x.size(0) * x.size(1) <= std::numeric_limits<int32_t>::max(), "layernorm_scale_shift: too many rows");
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  LayerNormScaleShiftArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.scale = scale.data_ptr();
+  args.shift = shift.data_ptr();
+  args.batch = x.size(0);
+  args.seq = x.size(1);
+  args.dim = x.size(2);
+  args.scale_batch_stride = scale.size(0) == 1 ? 0 : scale.stride(0);
+  args.shift_batch_stride = shift.size(0) == 1 ? 0 : shift.stride(0);
+  args.eps = static_cast<float>(eps);  // aten's LayerNormKernelImpl: static_cast<acc_t>(eps)
+  args.variant = static_cast<int>(variant);
+  args.probe = probe;
+  args.dtype = to_dtype(x);
+  const cudaError_t err = launch_layernorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "layernorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void layernorm_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                               double eps) {
+  layernorm_scale_shift_launch(out, x, scale, shift, eps, /*probe=*/false, 0);
+}
+
+at::Tensor layernorm_scale_shift(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  layernorm_scale_shift_out(out, x, scale, shift, eps);
+  return out;
+}
+
+// examples/layernorm_order_probe.py: the same kernel with a reduction variant chosen at run time.
+at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                                       double eps, int64_t variant) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  layernorm_scale_shift_launch(out, x, scale, shift, eps, /*probe=*/true, variant);
+  return out;
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -185,6 +234,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_gated_rmsnorm_scale_shift_cuda_out(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, "
       "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
+  m.def("_layernorm_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor");
+  m.def("_layernorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift, float eps) -> ()");
+  m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -194,4 +246,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::rmsnorm_scale_shift_out);
   m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);
   m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
+  m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);
+  m.impl("_layernorm_scale_shift_cuda_out", &diffusers_fastpath::layernorm_scale_shift_out);
+  m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
 }

@@ -57,4 +57,25 @@ struct RmsNormScaleShiftArgs {
 
 cudaError_t launch_rmsnorm_scale_shift(const RmsNormScaleShiftArgs& args, cudaStream_t stream);
 
+// torch.nn.LayerNorm without affine followed by the adaLN modulate (see layernorm_scale_shift.cu for every rounding
+// point and aten's reduction order):
+//   out[b, l, :] = round(round(round(rstd * (x - mean)) * round(1 + scale[b, :])) + shift[b, :])
+struct LayerNormScaleShiftArgs {
+  void* out;           // [batch, seq, dim], contiguous
+  const void* x;       // [batch, seq, dim], contiguous
+  const void* scale;   // [batch or 1, dim], innermost stride 1
+  const void* shift;   // [batch or 1, dim], innermost stride 1
+  int64_t batch;
+  int64_t seq;
+  int64_t dim;                 // a multiple of 4, at most 4096
+  int64_t scale_batch_stride;  // in elements; 0 broadcasts one row over the batch
+  int64_t shift_batch_stride;
+  float eps;
+  int variant;  // probe only: which reduction variant to run (production runs the default)
+  bool probe;
+  DType dtype;
+};
+
+cudaError_t launch_layernorm_scale_shift(const LayerNormScaleShiftArgs& args, cudaStream_t stream);
+
 }  // namespace diffusers_fastpath

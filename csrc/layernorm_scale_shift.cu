@@ -1,0 +1,211 @@
+// FLUX.1's adaLN: torch.nn.LayerNorm without affine, then the modulate, in one kernel that reads x once and writes
+// once, bit-identical to eager F.layer_norm followed by `y * (1 + scale[:, None]) + shift[:, None]`.
+//
+// The eager chain, with its rounding points (T = bf16 or fp16 storage, every operation in fp32):
+//   (mean, m2)  = aten's Welford statistics of the row (below)
+//   rstd        = rsqrtf(m2 / float(D) + eps)          (c10::cuda::compat::rsqrt is ::rsqrtf)
+//   y           = round_T(rstd * (x - mean))           (no gamma/beta: aten's expression has no add here)
+//   out         = round_T(round_T(y * round_T(1 + scale)) + shift)   (the three modulate kernels)
+//
+// aten (torch 2.11, aten/src/ATen/native/cuda/layer_norm_kernel.cu) runs `vectorized_layer_norm_kernel` for a
+// contiguous fp16/bf16/fp32 row of length D with D % 4 == 0, D <= 2^24 and X/Y 8-byte aligned (without gamma/beta
+// nothing else is checked): one block of (32, num_threads() / 32) = (32, 4) threads per row. Its `compute_stats`:
+//   - thread t = threadIdx.x + 32 * threadIdx.y loads 4-element vectors t, t + 128, ... and folds each element, in
+//     order, into its (mean, m2, count) with `cuWelfordOnlineSum`:
+//       delta = x - mean; count = count + 1; mean = mean + delta * (1 / count); m2 = m2 + delta * (x - mean)
+//   - a shuffle-down tree over offsets 16, 8, 4, 2, 1, each step `cuWelfordCombine(own, shuffled)`:
+//       delta = own.mean - other.mean; count = other.count + own.count; (count == 0: zeros)
+//       coef = 1 / count; nA = other.count * coef; nB = own.count * coef
+//       mean = nA * other.mean + nB * own.mean; m2 = other.m2 + own.m2 + delta * delta * other.count * nB
+//   - lane 0 of each warp then combines through shared memory: warps 2, 3 into 0, 1, then warp 1 into warp 0.
+// aten is built with nvcc's default --fmad=true, so nvcc contracts each `a + b * c` of those expressions into an
+// FMA. nvcc 13.0 (the CUDA of torch 2.11's cu130 wheels) compiling these expressions for sm_90 emits exactly four:
+//   mean  = fma(delta, 1 / count, mean)           m2 = fma(delta, x - mean, m2)              (online update)
+//   mean  = fma(nA, other.mean, nB * own.mean)    m2 = fma(delta * delta * other.count, nB, other.m2 + own.m2)
+// (every other product is rounded on its own; 1 / count is rcp.rn, m2 / D div.rn). This file is built with
+// --fmad=false, so each of those choices is spelled out with __fmaf_rn / __fmul_rn / __fadd_rn and cannot drift
+// with the compiler. That is variant 0 below; the other variants (alternative contraction choices, the argument
+// order of the combine, eight warps per row) exist only for examples/layernorm_order_probe.py, which asks the GPU
+// which of them matches the aten build it runs against. The Python op verifies itself against eager on its first
+// call per (dtype, D) as well, because all of this is a property of the aten build.
+#include "elementwise.cuh"
+#include "fastpath.h"
+
+namespace diffusers_fastpath {
+namespace {
+
+// The variant production runs (see the bits below). Change it here if the probe names another one.
+constexpr int kDefaultVariant = 0;
+
+// Each bit departs from aten-as-compiled-by-nvcc-13 in one place.
+constexpr int kOnlineMeanUnfused = 1;     // online update: mean + round(delta * (1 / count))
+constexpr int kOnlineM2Unfused = 2;       // online update: m2 + round(delta * (x - mean))
+constexpr int kCombineMeanOtherFma = 4;   // combine: fma(nB, own.mean, round(nA * other.mean))
+constexpr int kCombineMeanUnfused = 8;    // combine: round(nA * other.mean) + round(nB * own.mean)
+constexpr int kCombineM2Unfused = 16;     // combine: (other.m2 + own.m2) + round(delta * delta * other.count * nB)
+constexpr int kCombineSwapped = 32;       // combine(shuffled, own) instead of combine(own, shuffled)
+constexpr int kEightWarps = 64;           // block (32, 8): num_threads() = 256
+constexpr int kVariantMask = 127;
+
+constexpr int kWarpsMax = 8;
+constexpr int kVec = 4;                   // aten's vec_size: 4 elements per load, whatever the dtype
+constexpr int kVecsPerThreadMax = 8;      // 4 warps x 32 lanes x 8 vectors x 4 elements: D <= 4096 in registers
+
+// 4 elements of T: the vector one aten thread loads.
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+  T v[kVec];
+};
+
+struct Welford {
+  float mean;
+  float m2;
+  float count;
+};
+
+__device__ __forceinline__ Welford online_update(float x, const Welford& w, int variant) {
+  const float delta = __fsub_rn(x, w.mean);
+  const float count = __fadd_rn(w.count, 1.0f);
+  const float inv = __frcp_rn(count);  // 1.f / count without fast math: rcp.rn
+  const float mean = (variant & kOnlineMeanUnfused) ? __fadd_rn(w.mean, __fmul_rn(delta, inv))
+                                                    : __fmaf_rn(delta, inv, w.mean);
+  const float d2 = __fsub_rn(x, mean);
+  const float m2 = (variant & kOnlineM2Unfused) ? __fadd_rn(w.m2, __fmul_rn(delta, d2)) : __fmaf_rn(delta, d2, w.m2);
+  return {mean, m2, count};
+}
+
+// aten's cuWelfordCombine(dataB = b, dataA = a).
+__device__ __forceinline__ Welford combine_ba(const Welford& b, const Welford& a, int variant) {
+  const float delta = __fsub_rn(b.mean, a.mean);
+  const float count = __fadd_rn(a.count, b.count);
+  if (!(count > 0.0f)) return {0.0f, 0.0f, count};
+  const float coef = __frcp_rn(count);
+  const float na = __fmul_rn(a.count, coef);
+  const float nb = __fmul_rn(b.count, coef);
+  float mean;
+  if (variant & kCombineMeanUnfused) {
+    mean = __fadd_rn(__fmul_rn(na, a.mean), __fmul_rn(nb, b.mean));
+  } else if (variant & kCombineMeanOtherFma) {
+    mean = __fmaf_rn(nb, b.mean, __fmul_rn(na, a.mean));
+  } else {
+    mean = __fmaf_rn(na, a.mean, __fmul_rn(nb, b.mean));
+  }
+  const float m2s = __fadd_rn(a.m2, b.m2);
+  const float t = __fmul_rn(__fmul_rn(delta, delta), a.count);
+  const float m2 = (variant & kCombineM2Unfused) ? __fadd_rn(m2s, __fmul_rn(t, nb)) : __fmaf_rn(t, nb, m2s);
+  return {mean, m2, count};
+}
+
+__device__ __forceinline__ Welford combine(const Welford& own, const Welford& other, int variant) {
+  return (variant & kCombineSwapped) ? combine_ba(other, own, variant) : combine_ba(own, other, variant);
+}
+
+// One block per row, laid out as aten's: blockDim = (32, warps). kProbe reads the variant from the arguments
+// (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
+template <typename T, bool kProbe>
+__global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
+  const int variant = kProbe ? a.variant : kDefaultVariant;
+  __shared__ float partial[3][kWarpsMax / 2];
+  __shared__ float stats[2];
+
+  const int lane = threadIdx.x;
+  const int warp = threadIdx.y;
+  const int warps = blockDim.y;
+  const int thread = lane + 32 * warp;
+  const int threads = 32 * warps;
+  const int64_t row = blockIdx.x;
+  const int vecs = static_cast<int>(a.dim / kVec);
+  const Quad<T>* x = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.x) + row * a.dim);
+
+  // Statistics, in aten's order; the row stays in registers for the second pass.
+  Quad<T> data[kVecsPerThreadMax];
+#pragma unroll
+  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+    const int i = thread + k * threads;
+    if (i < vecs) data[k] = x[i];
+  }
+  Welford w{0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+    if (thread + k * threads < vecs) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) w = online_update(Storage<T>::load(data[k].v[j]), w, variant);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Welford other{__shfl_down_sync(0xffffffffu, w.mean, offset), __shfl_down_sync(0xffffffffu, w.m2, offset),
+                        __shfl_down_sync(0xffffffffu, w.count, offset)};
+    w = combine(w, other, variant);
+  }
+  for (int offset = warps / 2; offset > 0; offset /= 2) {
+    if (lane == 0 && warp >= offset && warp < 2 * offset) {
+      partial[0][warp - offset] = w.mean;
+      partial[1][warp - offset] = w.m2;
+      partial[2][warp - offset] = w.count;
+    }
+    __syncthreads();
+    if (lane == 0 && warp < offset) {
+      w = combine(w, Welford{partial[0][warp], partial[1][warp], partial[2][warp]}, variant);
+    }
+    __syncthreads();
+  }
+  if (thread == 0) {
+    stats[0] = w.mean;
+    stats[1] = __fdiv_rn(w.m2, static_cast<float>(a.dim));  // sigma2 / float(N): div.rn
+  }
+  __syncthreads();
+  const float mean = stats[0];
+  const float rstd = rsqrtf(__fadd_rn(stats[1], a.eps));
+
+  // Normalise, round to T, modulate with eager's three rounding points.
+  const int64_t b = row / a.seq;
+  const Quad<T>* scale = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.scale) + b * a.scale_batch_stride);
+  const Quad<T>* shift = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.shift) + b * a.shift_batch_stride);
+  Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
+#pragma unroll
+  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+    const int i = thread + k * threads;
+    if (i < vecs) {
+      const Quad<T> s = scale[i];
+      const Quad<T> h = shift[i];
+      Quad<T> o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float y = round_to<T>(__fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean)));
+        const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
+        const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
+        o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
+      }
+      out[i] = o;
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
+  const int64_t rows = a.batch * a.seq;
+  if (rows == 0) return cudaSuccess;
+  const int variant = a.probe ? a.variant : kDefaultVariant;
+  if ((variant & ~kVariantMask) != 0) return cudaErrorInvalidValue;
+  const int warps = (variant & kEightWarps) ? 8 : 4;
+  if (a.dim % kVec != 0 || a.dim / kVec > static_cast<int64_t>(32) * 4 * kVecsPerThreadMax || rows > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(rows));
+  const dim3 block(32, warps);
+  if (a.probe) {
+    layernorm_scale_shift_kernel<T, true><<<grid, block, 0, stream>>>(a);
+  } else {
+    layernorm_scale_shift_kernel<T, false><<<grid, block, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_layernorm_scale_shift(const LayerNormScaleShiftArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+
+}  // namespace diffusers_fastpath
