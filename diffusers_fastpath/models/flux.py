@@ -4,7 +4,7 @@ What `patch` changes, all by ``__class__`` swap on the live modules (same parame
 diffusers' own extension points:
 
 - ``AdaLayerNormZero`` (``norm1``, ``norm1_context``) and ``AdaLayerNormZeroSingle`` (``norm``):
-  the modulate ``norm(x) * (1 + scale) + shift`` runs as the fused `modulate_scale_shift` op.
+  the LayerNorm and modulate ``norm(x) * (1 + scale) + shift`` run as the fused `layernorm_scale_shift` op.
 - ``FluxTransformerBlock``: the ``norm2``/``norm2_context`` modulates run through the same op (the block's
   ``forward`` mirrors diffusers 0.42.1's, checked by source digest at patch time).
 - ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
@@ -35,12 +35,12 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import modulate_scale_shift
+from ..ops import layernorm_scale_shift
 from ..patching import PatchState, register_adapter
 from . import _rope_cache
 from ._mirror import mirrors
 
-MODULATE = "modulate_scale_shift"
+MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 
 # sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
 _ADALN_ZERO_FORWARD = "93374820c014f812"
@@ -51,13 +51,14 @@ _PROCESSOR_CALL = "d5b36134887ebe45"
 
 
 def _norm_modulate(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
-    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of every FLUX adaLN site
-    (``site`` counts its calls)."""
-    return modulate_scale_shift(norm(x), scale, shift, site)
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of every FLUX adaLN site, as the
+    fused `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts)."""
+    return layernorm_scale_shift(norm, x, scale, shift, site)
 
 
 class FastpathAdaLayerNormZero(AdaLayerNormZero):
-    """``AdaLayerNormZero`` whose modulate is the fused, bit-exact `modulate_scale_shift`. Adds no state."""
+    """``AdaLayerNormZero`` whose LayerNorm + modulate is the fused, bit-exact `layernorm_scale_shift`. Adds no
+    state."""
 
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         if self.emb is not None:
@@ -69,7 +70,8 @@ class FastpathAdaLayerNormZero(AdaLayerNormZero):
 
 
 class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
-    """``AdaLayerNormZeroSingle`` whose modulate is the fused, bit-exact `modulate_scale_shift`. Adds no state."""
+    """``AdaLayerNormZeroSingle`` whose LayerNorm + modulate is the fused, bit-exact `layernorm_scale_shift`. Adds no
+    state."""
 
     def forward(self, x, emb=None):
         emb = self.linear(self.silu(emb))

@@ -1,6 +1,7 @@
 """Fused ops, one file each: guard, eager reference, custom op with its fake, and the fallback wiring."""
 
 from ._policy import OPS, FusedOp, Site
+from .layernorm_scale_shift import layernorm_scale_shift, layernorm_scale_shift_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
@@ -15,6 +16,8 @@ __all__ = [
     "Site",
     "gated_rmsnorm_scale_shift",
     "gated_rmsnorm_scale_shift_ref",
+    "layernorm_scale_shift",
+    "layernorm_scale_shift_ref",
     "modulate_scale_shift",
     "modulate_scale_shift_ref",
     "rmsnorm_scale_shift",

@@ -1,0 +1,136 @@
+"""FLUX.1's adaLN in one pass: ``norm(x) * (1 + scale[:, None]) + shift[:, None]`` with ``norm`` a
+``torch.nn.LayerNorm`` without affine, bit-identical to eager.
+
+Eager runs four kernels (T the storage dtype, every operation in fp32, ``round`` to nearest even in T)::
+
+    y   = F.layer_norm(x, (D,), None, None, eps)        # aten's vectorized_layer_norm_kernel
+    out = round(round(y * round(1 + scale)) + shift)     # the modulate, see modulate_scale_shift
+
+The kernel (``csrc/layernorm_scale_shift.cu``) reads ``x`` once and writes ``out`` once. It reproduces aten's
+LayerNorm statistics step by step: the per-thread Welford updates over 4-element loads, the warp shuffle tree and the
+shared-memory combine of a (32, 4) block, and the FMAs that nvcc contracts in aten's build (the file lists them and
+where they come from); then ``rstd * (x - mean)`` rounded to T and the modulate's three rounding points. Which FMAs
+nvcc contracted is a property of the aten build, so the op verifies itself: the first fast call of each signature
+(dtype, D) is compared with the reference by ``torch.equal``, and a mismatch disables it for the process with one
+warning. ``examples/layernorm_order_probe.py`` tells which of the kernel's reduction variants a given aten matches.
+
+The reference, used for the fallback and for that check, is the LayerNorm module itself followed by the fused
+`modulate_scale_shift` op: the lossless path FLUX.1 ran before this op existed, bit-identical to eager's four kernels
+(its modulate kernel is exact on any input), so a guarded-out or disabled call loses only the LayerNorm fusion.
+
+Shapes and layouts are the modulate's (its guard is reused): ``x`` ``[B, L, D]`` contiguous and 16-byte aligned,
+``scale``/``shift`` ``[B, D]`` or ``[1, D]`` rows with unit innermost stride and 16-byte aligned rows (the
+``emb.chunk(6, dim=1)`` views of ``AdaLayerNormZero`` are taken without a copy). On top of that: ``norm`` is exactly
+``torch.nn.LayerNorm`` over the last dimension without weight or bias (so ``FP32LayerNorm`` and affine norms stay
+eager), and D is at most 4096 (the row is kept in registers between the two passes). aten takes its vectorized path
+for every such input (a contiguous row, D a multiple of 4, 8-byte aligned): the configuration the kernel reproduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._build import load_extension
+from ._policy import FusedOp, Site
+from .modulate_scale_shift import _guard as _modulate_guard
+from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
+
+MAX_DIM = 4096  # 4 warps x 32 lanes x 8 four-element vectors held in registers
+
+
+def layernorm_scale_shift_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The eager chain: ``norm(x) * (1 + scale[:, None]) + shift[:, None]`` in plain PyTorch (four kernels)."""
+    return modulate_scale_shift_ref(norm(x), scale, shift)
+
+
+def _norm_then_modulate(norm, x, scale, shift):
+    # The FusedOp reference: eager LayerNorm, then the exact fused modulate (same numbers as the eager chain).
+    return modulate_scale_shift(norm(x), scale, shift)
+
+
+def _guard_tensors(x, scale, shift, check_pointers: bool = True) -> str | None:
+    reason = _modulate_guard(x, scale, shift, check_pointers)
+    if reason is not None:
+        return reason
+    if x.shape[2] > MAX_DIM:
+        return f"D above {MAX_DIM}"
+    if x.shape[0] * x.shape[1] > 2**31 - 1:
+        return "too many rows"
+    return None
+
+
+def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if (
+        type(norm) is not torch.nn.LayerNorm
+        or norm.weight is not None
+        or norm.bias is not None
+        or x.dim() == 0
+        or tuple(norm.normalized_shape) != (x.shape[-1],)
+    ):
+        return "norm not a LayerNorm over the last dim without affine"
+    return _guard_tensors(x, scale, shift, check_pointers)
+
+
+def _cuda_ops():
+    load_extension()
+    return torch.ops.diffusers_fastpath
+
+
+def _kernel(norm, x, scale, shift):
+    return _cuda_ops()._layernorm_scale_shift_cuda.default(x, scale, shift, norm.eps)
+
+
+@torch.library.custom_op("diffusers_fastpath::layernorm_scale_shift", mutates_args=())
+def _layernorm_scale_shift_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    # What torch.compile runs: the kernel where the guard (with real pointers) allows, the eager chain elsewhere.
+    if _guard_tensors(x, scale, shift) is None:
+        return _cuda_ops()._layernorm_scale_shift_cuda.default(x, scale, shift, eps)
+    y = F.layer_norm(x, (x.shape[-1],), None, None, eps)
+    return modulate_scale_shift_ref(y, scale, shift).contiguous()
+
+
+@_layernorm_scale_shift_op.register_fake
+def _(x, scale, shift, eps):
+    torch._check(x.dim() == 3, lambda: f"layernorm_scale_shift: x must be [B, L, D], got {tuple(x.shape)}")
+    torch._check(scale.dim() == 2 and shift.dim() == 2, lambda: "layernorm_scale_shift: scale/shift must be [B, D]")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _signature(norm, x, *rest):
+    return (str(x.dtype).removeprefix("torch."), x.shape[-1])
+
+
+LAYERNORM_SCALE_SHIFT = FusedOp(
+    "layernorm_scale_shift",
+    ref=_norm_then_modulate,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=lambda norm, x, scale, shift: torch.ops.diffusers_fastpath.layernorm_scale_shift.default(
+        x, scale, shift, norm.eps
+    ),
+    verify_key=_signature,
+)
+
+
+def layernorm_scale_shift(norm, x, scale, shift, site: Site | None = None) -> torch.Tensor:
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``, LayerNorm and modulate fused and bit-identical to eager.
+
+    Args:
+        norm: the ``torch.nn.LayerNorm`` (no affine) of the adaLN site; its ``eps`` is used, and it runs itself on
+            fallback.
+        x: ``[B, L, D]`` activations.
+        scale, shift: ``[B, D]`` or ``[1, D]`` modulation rows (chunks of the adaLN linear's output).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import layernorm_scale_shift, layernorm_scale_shift_ref
+        >>> norm = torch.nn.LayerNorm(64, elementwise_affine=False, eps=1e-6)
+        >>> x, emb = torch.randn(1, 16, 64), torch.randn(1, 6 * 64)
+        >>> shift, scale = emb.chunk(6, dim=1)[:2]
+        >>> torch.equal(layernorm_scale_shift(norm, x, scale, shift), layernorm_scale_shift_ref(norm, x, scale, shift))
+        True
+    """
+    return LAYERNORM_SCALE_SHIFT(site, norm, x, scale, shift)
