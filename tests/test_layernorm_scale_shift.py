@@ -1,0 +1,292 @@
+"""layernorm_scale_shift: bit-exact against eager F.layer_norm + modulate on GPU at FLUX.1's shapes with the fast
+path verified (full-size FLUX.1-dev step included), and its guards, self-verification and fallbacks everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.normalization import FP32LayerNorm
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.ops import Site, layernorm_scale_shift, layernorm_scale_shift_ref
+from diffusers_fastpath.ops import _policy
+from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT
+from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
+from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+
+# [B, L, D]: 1024x1024 image tokens, 512 text tokens, the single blocks' 4096 + 512, a CFG batch, 512x512 with CFG,
+# short and odd sequences.
+SHAPES = [(1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072), (2, 1024, 3072), (2, 77, 3072), (1, 17, 64)]
+DTYPES = [torch.bfloat16, torch.float16]
+# How the adaLN modules hand over scale/shift: chunks of the linear's output (AdaLayerNormZero: 6 chunks,
+# AdaLayerNormZeroSingle: 3), or one row broadcast over the batch.
+LAYOUTS = ["chunk6", "chunk3", "broadcast_row"]
+
+
+def make_inputs(shape, dtype, layout, device, seed):
+    """A plain ``nn.LayerNorm`` as FLUX.1 has it, activations like a residual stream (per-row offset and spread, rare
+    large outliers: the mean matters, not only the variance) and scale/shift laid out as the adaLN modules make them."""
+    b, l, d = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    x = rnd(b, l, d) * (0.5 + 4 * torch.rand(b, l, 1, generator=gen, device=device)) + 3 * rnd(b, l, 1)
+    x = torch.where(torch.rand(b, l, d, generator=gen, device=device) < 1e-3, 40 * x, x).to(dtype)
+    if layout == "broadcast_row":
+        scale, shift = rnd(1, d).to(dtype), rnd(1, d).to(dtype)
+    else:
+        chunks = 6 if layout == "chunk6" else 3
+        shift, scale = rnd(b, chunks * d).to(dtype).chunk(chunks, dim=1)[:2]
+    norm = torch.nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+    return norm, x, scale, shift
+
+
+# --- GPU: the contract ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_layernorm_scale_shift_matches_eager_bitwise_and_verifies(shape, dtype, layout):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    for seed in range(2):  # fresh inputs each round
+        norm, x, scale, shift = make_inputs(shape, dtype, layout, "cuda", seed)
+        if layout != "broadcast_row":
+            assert scale.stride(0) == (6 if layout == "chunk6" else 3) * shape[2]  # views, not copies
+        ref = layernorm_scale_shift_ref(norm, x, scale, shift)  # eager: F.layer_norm, then three kernels
+        out = torch.full_like(x, float("nan"))  # poisoned: every element must be written
+        torch.ops.diffusers_fastpath._layernorm_scale_shift_cuda_out(out, x, scale, shift, norm.eps)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+        site = Site("layernorm_scale_shift")
+        assert torch.equal(layernorm_scale_shift(norm, x, scale, shift, site), ref)
+        assert site.fast == 1 and not site.fallback, site  # the fast path ran and passed its own check
+    key = (str(dtype).removeprefix("torch."), shape[2])
+    assert LAYERNORM_SCALE_SHIFT.disabled is None and LAYERNORM_SCALE_SHIFT.verified == {key}
+    assert LAYERNORM_SCALE_SHIFT.status == f"enabled, verified for {key[0]}/{key[1]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_scale_shift_special_rows_match_eager(dtype):
+    """Rows that are constant (variance 0: rstd = rsqrt(eps)), all zero, near the dtype's limits, or hold an inf or a
+    NaN: every element has eager's bits, NaN in the same places (torch.equal can never hold for NaN)."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    norm, x, scale, shift = make_inputs((2, 64, 3072), dtype, "chunk6", "cuda", 7)
+    big = torch.finfo(dtype).max / 4
+    x[0, 0] = 1.5
+    x[0, 1] = 0.0
+    x[0, 2, ::2], x[0, 2, 1::2] = big, -big
+    x[0, 3, 5] = float("inf")
+    x[0, 4, 9] = float("nan")
+    x[1, 5] = torch.finfo(dtype).tiny
+    ref = layernorm_scale_shift_ref(norm, x, scale, shift)
+    out = torch.full_like(x, 1.2345)
+    torch.ops.diffusers_fastpath._layernorm_scale_shift_cuda_out(out, x, scale, shift, norm.eps)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.masked_fill(out.isnan(), 0), ref.masked_fill(ref.isnan(), 0))
+
+
+@pytest.mark.gpu
+def test_layernorm_opcheck_cuda():
+    norm, x, scale, shift = make_inputs((2, 64, 3072), torch.bfloat16, "chunk6", "cuda", 0)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.layernorm_scale_shift.default, (x, scale, shift, norm.eps))
+
+
+@pytest.mark.gpu
+def test_compiled_patched_flux_runs_the_verified_op_exactly(unpatch_after):
+    """Once a signature is verified in eager, fullgraph torch.compile (aot_eager keeps aten's kernels) emits the fused
+    op at all 10 adaLN sites of the tiny FLUX, and the output stays bit-identical to unpatched eager."""
+    model = build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=41)
+    inputs = flux_transformer_inputs(model, batch=2, grid=(8, 8), txt_tokens=16, seed=42)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(model(**inputs).sample, ref)  # eager: verifies (bfloat16, 32)
+        assert LAYERNORM_SCALE_SHIFT.verified == {("bfloat16", 32)} and LAYERNORM_SCALE_SHIFT.disabled is None
+        out = torch.compile(model, fullgraph=True, backend=backend)(**inputs).sample
+    assert torch.equal(out, ref)
+    assert graphs[0].code.count("diffusers_fastpath.layernorm_scale_shift") == 10
+
+
+@torch.no_grad()
+@pytest.mark.gpu
+def test_flux_dev_one_step_1024_uses_the_verified_fused_layernorm(unpatch_after):
+    """Full-size FLUX.1-dev, one step at 1024x1024 (4096 image + 512 text tokens): patched == unpatched bit for bit,
+    all 114 adaLN sites on the fused op, which verified itself and stayed enabled."""
+    model = build_flux_transformer("flux-dev", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = flux_transformer_inputs(model, grid=(64, 64), txt_tokens=512, seed=5)
+        ref = model(**inputs).sample
+        assert torch.isfinite(ref).all() and ref.std() > 0.01
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(model(**inputs).sample, ref)
+        rep = fp.report(model)
+        assert len(rep.sites) == 19 * 4 + 38 and all(s.op == "layernorm_scale_shift" for s in rep.sites)
+        assert all(s.fast == 1 and s.fallback == 0 for s in rep.sites), str(rep)
+        assert LAYERNORM_SCALE_SHIFT.disabled is None and LAYERNORM_SCALE_SHIFT.verified == {("bfloat16", 3072)}
+    finally:
+        del model
+        torch.cuda.empty_cache()
+
+
+# --- CPU: reference, guards, self-verification ------------------------------------------------------------------
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """Tensors claim to be on CUDA, so the guard gets past the device check; the modulate op that the fallback calls
+    then runs its own eager expression as its 'kernel' (exact by construction) instead of building the extension."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(MODULATE_SCALE_SHIFT, "kernel", modulate_scale_shift_ref)
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("cpu", "device cpu"),
+        ("fp32", "dtype float32"),
+        ("mixed_dtypes", "mixed dtypes"),
+        ("affine", "norm not a LayerNorm over the last dim without affine"),
+        ("fp32_layer_norm", "norm not a LayerNorm over the last dim without affine"),
+        ("wide", "D above 4096"),
+        ("odd_dim", "D not a multiple of 8"),
+        ("strided_x", "x not contiguous"),
+        ("strided_scale", "scale/shift strided"),
+        ("requires_grad", "requires grad"),
+    ],
+)
+def test_guard_falls_back_to_exact_eager_with_reason(case, reason, request):
+    dim = {"wide": 4104, "odd_dim": 36}.get(case, 64)
+    norm, x, scale, shift = make_inputs((2, 24, dim), torch.bfloat16, "chunk6", "cpu", 1)
+    if case != "cpu":
+        request.getfixturevalue("pretend_cuda")
+    if case == "fp32":
+        x, scale, shift = x.float(), scale.float(), shift.float()
+    elif case == "mixed_dtypes":
+        scale = scale.half()
+    elif case == "affine":
+        norm = torch.nn.LayerNorm(dim, eps=1e-6).to(torch.bfloat16)
+    elif case == "fp32_layer_norm":
+        norm = FP32LayerNorm(dim, elementwise_affine=False, bias=False)
+    elif case == "strided_x":
+        x = torch.cat([x, x], dim=2)[..., ::2]
+    elif case == "strided_scale":
+        scale = torch.cat([scale, scale], dim=1)[:, ::2]
+    elif case == "requires_grad":
+        x = x.clone().requires_grad_()
+    site = Site("layernorm_scale_shift")
+    out = layernorm_scale_shift(norm, x, scale, shift, site)
+    assert torch.equal(out, layernorm_scale_shift_ref(norm, x, scale, shift))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
+def test_flux_layouts_pass_the_guard(pretend_cuda):
+    for shape, layout in [((1, 8, 3072), "chunk6"), ((2, 8, 3072), "chunk6"), ((2, 8, 3072), "chunk3"), ((1, 5, 32), "chunk6")]:
+        norm, x, scale, shift = make_inputs(shape, torch.bfloat16, layout, "cpu", 0)
+        assert LAYERNORM_SCALE_SHIFT.guard(norm, x, scale, shift) is None, (shape, layout)
+
+
+@pytest.fixture
+def guard_open(monkeypatch):
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "guard", lambda *a, **k: None)
+
+
+def test_a_kernel_that_is_not_bit_exact_is_disabled_and_eager_returned(guard_open, monkeypatch, fastpath_log):
+    def off_by_one_ulp(norm, x, scale, shift):
+        out = layernorm_scale_shift_ref(norm, x, scale, shift)
+        return (out.view(torch.int16) + 1).view(out.dtype)  # wrong in the last bit everywhere
+
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "kernel", off_by_one_ulp)
+    site = Site("layernorm_scale_shift")
+    for seed in range(3):
+        norm, x, scale, shift = make_inputs((1, 40, 64), torch.bfloat16, "chunk6", "cpu", seed)
+        assert torch.equal(layernorm_scale_shift(norm, x, scale, shift, site), layernorm_scale_shift_ref(norm, x, scale, shift))
+    assert "not bit-exact against this platform's eager result for ('bfloat16', 64)" in LAYERNORM_SCALE_SHIFT.disabled
+    assert not LAYERNORM_SCALE_SHIFT.verified and site.fast == 0
+    assert dict(site.fallback) == {_policy.REASON_DISABLED: 3}
+    warnings = [r for r in fastpath_log.records if "disabling the fused op 'layernorm_scale_shift'" in r.getMessage()]
+    assert len(warnings) == 1 and "not bit-exact" in warnings[0].getMessage()
+
+
+def test_a_bit_exact_kernel_is_verified_once_per_signature(guard_open, monkeypatch):
+    calls = {"ref": 0}
+    real_ref = LAYERNORM_SCALE_SHIFT.ref
+
+    def counting_ref(*args):
+        calls["ref"] += 1
+        return real_ref(*args)
+
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "ref", counting_ref)
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "kernel", layernorm_scale_shift_ref)  # exact by construction
+    site = Site("layernorm_scale_shift")
+    for seed in range(3):
+        layernorm_scale_shift(*make_inputs((2, 24, 64), torch.bfloat16, "chunk6", "cpu", seed), site)
+    assert calls["ref"] == 1 and site.fast == 3  # verified on the first call only
+    layernorm_scale_shift(*make_inputs((2, 24, 128), torch.bfloat16, "chunk3", "cpu", 3), site)
+    layernorm_scale_shift(*make_inputs((2, 24, 64), torch.float16, "chunk3", "cpu", 4), site)
+    assert calls["ref"] == 3 and site.fast == 5  # a new row length or dtype is a new signature
+    assert LAYERNORM_SCALE_SHIFT.verified == {("bfloat16", 64), ("bfloat16", 128), ("float16", 64)}
+    assert LAYERNORM_SCALE_SHIFT.status == "enabled, verified for bfloat16/64, bfloat16/128, float16/64"
+
+
+def test_unverified_signatures_stay_eager_under_compile(guard_open, monkeypatch):
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "custom_op", lambda *a: (_ for _ in ()).throw(AssertionError("emitted")))
+    norm, x, scale, shift = make_inputs((1, 40, 64), torch.bfloat16, "chunk6", "cpu", 3)
+    fn = torch.compile(lambda *a: layernorm_scale_shift(*a), fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(norm, x, scale, shift), layernorm_scale_shift_ref(norm, x, scale, shift))
+
+
+def test_verified_signatures_compile_to_the_custom_op(guard_open):
+    LAYERNORM_SCALE_SHIFT.verified.add(("bfloat16", 64))
+    norm, x, scale, shift = make_inputs((2, 40, 64), torch.bfloat16, "chunk6", "cpu", 4)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda *a: layernorm_scale_shift(*a), fullgraph=True, backend=backend)
+    assert torch.equal(fn(norm, x, scale, shift), layernorm_scale_shift_ref(norm, x, scale, shift))
+    assert graphs[0].code.count("diffusers_fastpath.layernorm_scale_shift") == 1
+
+
+@pytest.mark.parametrize("batch, layout", [(1, "chunk6"), (2, "chunk3"), (2, "broadcast_row")])
+def test_custom_op_opcheck_and_eager_fallback_cpu(batch, layout):
+    norm, x, scale, shift = make_inputs((batch, 24, 64), torch.bfloat16, layout, "cpu", 0)
+    op = torch.ops.diffusers_fastpath.layernorm_scale_shift.default
+    torch.library.opcheck(op, (x, scale, shift, norm.eps))
+    assert torch.equal(op(x, scale, shift, norm.eps), layernorm_scale_shift_ref(norm, x, scale, shift))
+
+
+def test_patched_tiny_flux_with_the_fast_path_taken_matches_unpatched(monkeypatch, unpatch_after):
+    """With the guard open and an exact stand-in for the kernel, every adaLN site of a patched FLUX takes the fast
+    path (counted), the op verifies its one signature once, and the output equals unpatched diffusers bit for bit."""
+    model = build_flux_transformer("flux-tiny", torch.bfloat16, seed=43)
+    inputs = flux_transformer_inputs(model, batch=2, grid=(4, 6), txt_tokens=7, seed=44)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "guard", lambda *a, **k: None)
+        monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "kernel", layernorm_scale_shift_ref)
+        fp.patch(model)
+        unpatch_after(model)
+        out = model(**inputs).sample
+    assert torch.equal(out, ref)
+    rep = fp.report(model)
+    assert len(rep.sites) == 10 and all(s.op == "layernorm_scale_shift" and s.fast == 1 for s in rep.sites)
+    assert LAYERNORM_SCALE_SHIFT.verified == {("bfloat16", 32)}
