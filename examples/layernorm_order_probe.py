@@ -63,8 +63,9 @@ def make_x(shape, dtype, seed):
     """Activations like a transformer's residual stream: per-row offsets, spread and a few large outliers."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     b, s, d = shape
-    x = torch.randn(b, s, d, generator=gen, device="cuda") * (0.5 + 4 * torch.rand(b, s, 1, generator=gen, device="cuda"))
-    x = x + 3 * torch.randn(b, s, 1, generator=gen, device="cuda")
+    spread = 0.5 + 4 * torch.rand(b, s, 1, generator=gen, device="cuda")
+    offset = 3 * torch.randn(b, s, 1, generator=gen, device="cuda")
+    x = torch.randn(b, s, d, generator=gen, device="cuda") * spread + offset
     spikes = torch.rand(b, s, d, generator=gen, device="cuda") < 1e-3
     x = torch.where(spikes, x * 40, x)
     return x.to(dtype)

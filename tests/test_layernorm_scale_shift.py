@@ -16,7 +16,9 @@ from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_
 
 # [B, L, D]: 1024x1024 image tokens, 512 text tokens, the single blocks' 4096 + 512, a CFG batch, 512x512 with CFG,
 # short and odd sequences.
-SHAPES = [(1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072), (2, 1024, 3072), (2, 77, 3072), (1, 17, 64)]
+SHAPES = [
+    (1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072), (2, 1024, 3072), (2, 77, 3072), (1, 17, 64)
+]
 DTYPES = [torch.bfloat16, torch.float16]
 # How the adaLN modules hand over scale/shift: chunks of the linear's output (AdaLayerNormZero: 6 chunks,
 # AdaLayerNormZeroSingle: 3), or one row broadcast over the batch.
@@ -197,7 +199,8 @@ def test_guard_falls_back_to_exact_eager_with_reason(case, reason, request):
 
 
 def test_flux_layouts_pass_the_guard(pretend_cuda):
-    for shape, layout in [((1, 8, 3072), "chunk6"), ((2, 8, 3072), "chunk6"), ((2, 8, 3072), "chunk3"), ((1, 5, 32), "chunk6")]:
+    layouts = [((1, 8, 3072), "chunk6"), ((2, 8, 3072), "chunk6"), ((2, 8, 3072), "chunk3"), ((1, 5, 32), "chunk6")]
+    for shape, layout in layouts:
         norm, x, scale, shift = make_inputs(shape, torch.bfloat16, layout, "cpu", 0)
         assert LAYERNORM_SCALE_SHIFT.guard(norm, x, scale, shift) is None, (shape, layout)
 
@@ -216,7 +219,8 @@ def test_a_kernel_that_is_not_bit_exact_is_disabled_and_eager_returned(guard_ope
     site = Site("layernorm_scale_shift")
     for seed in range(3):
         norm, x, scale, shift = make_inputs((1, 40, 64), torch.bfloat16, "chunk6", "cpu", seed)
-        assert torch.equal(layernorm_scale_shift(norm, x, scale, shift, site), layernorm_scale_shift_ref(norm, x, scale, shift))
+        ref = layernorm_scale_shift_ref(norm, x, scale, shift)
+        assert torch.equal(layernorm_scale_shift(norm, x, scale, shift, site), ref)
     assert "not bit-exact against this platform's eager result for ('bfloat16', 64)" in LAYERNORM_SCALE_SHIFT.disabled
     assert not LAYERNORM_SCALE_SHIFT.verified and site.fast == 0
     assert dict(site.fallback) == {_policy.REASON_DISABLED: 3}
