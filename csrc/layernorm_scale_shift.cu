@@ -18,16 +18,21 @@
 //       coef = 1 / count; nA = other.count * coef; nB = own.count * coef
 //       mean = nA * other.mean + nB * own.mean; m2 = other.m2 + own.m2 + delta * delta * other.count * nB
 //   - lane 0 of each warp then combines through shared memory: warps 2, 3 into 0, 1, then warp 1 into warp 0.
-// aten is built with nvcc's default --fmad=true, so nvcc contracts each `a + b * c` of those expressions into an
-// FMA. nvcc 13.0 (the CUDA of torch 2.11's cu130 wheels) compiling these expressions for sm_90 emits exactly four:
+// aten is built with nvcc's default --fmad=true, so nvcc contracts `a + b * c` into an FMA. The sm_90 SASS of
+// torch 2.11.0+cu130's vectorized_layer_norm_kernel<BFloat16 or Half, float, rms_norm=false> (cuobjdump of
+// libtorch_cuda.so, git 70d99e99) has exactly these FFMAs in the statistics, and nvcc 13.0 compiling the expressions
+// above emits the same:
 //   mean  = fma(delta, 1 / count, mean)           m2 = fma(delta, x - mean, m2)              (online update)
 //   mean  = fma(nA, other.mean, nB * own.mean)    m2 = fma(delta * delta * other.count, nB, other.m2 + own.m2)
-// (every other product is rounded on its own; 1 / count is rcp.rn, m2 / D div.rn). This file is built with
-// --fmad=false, so each of those choices is spelled out with __fmaf_rn / __fmul_rn / __fadd_rn and cannot drift
-// with the compiler. That is variant 0 below; the other variants (alternative contraction choices, the argument
-// order of the combine, eight warps per row) exist only for examples/layernorm_order_probe.py, which asks the GPU
-// which of them matches the aten build it runs against. The Python op verifies itself against eager on its first
-// call per (dtype, D) as well, because all of this is a property of the aten build.
+// Every other product is rounded on its own; 1 / count is the IEEE reciprocal (MUFU.RCP + Newton step + slow path:
+// rcp.rn), m2 / D the IEEE division (div.rn), rsqrt MUFU.RSQ with rsqrtf's denormal scaling, and without gamma/beta
+// the output is FADD then FMUL, rounded to T (F2FP, nearest even). This file is built with --fmad=false, so each of
+// those choices is spelled out with __fmaf_rn / __fmul_rn / __fadd_rn and cannot drift with the compiler. That is
+// variant 0 below; the other variants (alternative contraction choices, the argument order of the combine, eight warps
+// per row) exist only for examples/layernorm_order_probe.py, which asks the GPU which of them matches the aten build
+// it runs against (the SASS does not show the block shape: (32, 4) is thread_constants.h's num_threads() = 128 on
+// CUDA). The Python op verifies itself against eager on its first call per (dtype, D) as well, because all of this is
+// a property of the aten build.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
