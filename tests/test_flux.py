@@ -27,6 +27,18 @@ def run(model, inputs):
         return model(**inputs).sample
 
 
+FUSED_OPS = {"modulate_scale_shift", "gated_residual"}
+
+
+def fused_sites(rep):
+    """The sites of fused kernels (not the concatenation rewrites, which need no kernel)."""
+    return [s for s in rep.sites if s.op in FUSED_OPS]
+
+
+def sites_by_op(rep, op):
+    return {s.site: s for s in rep.sites if s.op == op}
+
+
 def snapshot(model):
     """Everything unpatch must restore: module types, processor objects, hooks, instance attributes."""
     return [
@@ -54,8 +66,16 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     for _ in range(2):  # second call: rotary cache reused
         assert torch.equal(run(model, inputs), ref)
     rep = fp.report(model)
-    assert len(rep.sites) == 2 * 4 + 2 and rep.fast == 0  # CPU: every site fell back, each counted
-    assert all(s.fallback == 2 and s.reasons for s in rep.sites)
+    # per dual block 4 modulate + 4 gated residual sites; per single block 1 + 1, and 2 concatenation sites
+    assert len(rep.sites) == 2 * 8 + 2 * 4
+    assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
+    reason = "dtype float32" if dtype == torch.float32 else "device cpu"
+    assert all(s.fast == 0 and s.reasons == {reason: 2} for s in fused_sites(rep))  # CPU: every call fell back
+    cat_tokens = sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)
+    assert cat_tokens["single_transformer_blocks.0:cat_tokens"].reasons == {"text and image are separate tensors": 2}
+    assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 2  # the previous block's output, no copy
+    cat_mlp = sites_by_op(rep, flux_adapter.CONCAT_IN_PLACE)
+    assert all(s.fast == 0 and s.reasons == {"device cpu": 2} for s in cat_mlp.values())
 
 
 def test_patched_pipeline_matches_unpatched(unpatch_after):
@@ -164,7 +184,11 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
     fp.patch(model)
     unpatch_after(model)
     assert all(torch.equal(a, b) for a, b in zip(grads(), ref))
-    assert {r for s in fp.report(model).sites for r in s.reasons} == {"dtype float32"}
+    rep = fp.report(model)
+    assert {r for s in fused_sites(rep) for r in s.reasons} == {"dtype float32"}
+    assert sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)["single_transformer_blocks.1:cat_tokens"].reasons == {
+        "requires grad": 1
+    }
 
 
 def test_rotary_cache_is_reused_for_same_ids_and_rebuilt_when_they_change(unpatch_after):
@@ -298,7 +322,9 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 10 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 24 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
+    assert data["ops"]["gated_residual"] == "enabled"
     assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
 
 
@@ -315,7 +341,8 @@ def test_env_switch_is_reported(monkeypatch, unpatch_after):
     run(model, flux_transformer_inputs(model, seed=28))
     rep = fp.report(model)
     assert rep.ops["modulate_scale_shift"] == REASON_ENV
-    assert all(s.reasons == {REASON_ENV: 1} for s in rep.sites)
+    assert rep.ops["gated_residual"] == REASON_ENV
+    assert all(s.reasons == {REASON_ENV: 1} for s in fused_sites(rep))
 
 
 def test_patched_model_compiles_with_fullgraph(unpatch_after):

@@ -1,6 +1,7 @@
 """Fused ops, one file each: guard, eager reference, custom op with its fake, and the fallback wiring."""
 
 from ._policy import OPS, FusedOp, Site
+from .gated_residual import gated_residual, gated_residual_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
@@ -13,6 +14,8 @@ __all__ = [
     "OPS",
     "FusedOp",
     "Site",
+    "gated_residual",
+    "gated_residual_ref",
     "gated_rmsnorm_scale_shift",
     "gated_rmsnorm_scale_shift_ref",
     "modulate_scale_shift",
