@@ -106,6 +106,11 @@ def _joint_tokens(encoder_hidden_states: torch.Tensor, hidden_states: torch.Tens
     return torch.cat([encoder_hidden_states, hidden_states], dim=1)
 
 
+# Devices where aten's GELU gives the same bits into a strided view as into a tensor of its own: on CUDA every
+# element goes through the same per-element functor whatever the layout. Not the CPU (see `_mlp_into_concat`).
+_GELU_INTO_VIEW_DEVICES = ("cuda",)
+
+
 def _mlp_into_concat(block: FluxSingleTransformerBlock, norm_hidden_states: torch.Tensor, site):
     """``block.act_mlp(block.proj_mlp(norm_hidden_states))``, written straight into the right-hand columns of the
     ``[B, S, D + D_mlp]`` buffer that `_concat_attn_mlp` completes (``D`` the attention output width, equal to the
@@ -113,17 +118,18 @@ def _mlp_into_concat(block: FluxSingleTransformerBlock, norm_hidden_states: torc
     ran instead (with the reason counted).
 
     The GELU is aten's own kernel with an ``out=`` view (``torch._C._nn.gelu``, what ``nn.GELU`` calls): the same
-    values, stored with the buffer's row stride instead of into a tensor of their own, and no hidden copy. CUDA
-    only: aten's CPU GELU computes a run of elements with its vectorised or its scalar code depending on where
-    the run starts, which a strided output can move.
+    values, stored with the buffer's row stride instead of into a tensor of their own, and no hidden copy. Only
+    the tanh form FLUX uses, and only on CUDA: aten's CPU GELU computes a run of elements with its vectorised or
+    its scalar code depending on where the run starts, which a strided output can move, and its oneDNN path for
+    the erf form (torch 2.13) leaves a strided ``out`` unwritten.
     """
     act = block.act_mlp
     mlp = block.proj_mlp(norm_hidden_states)
     if torch.compiler.is_compiling():  # the compiler plans the cat itself
         return act(mlp), None
-    if type(act) is not torch.nn.GELU:
-        reason = "act_mlp is not nn.GELU"
-    elif not mlp.is_cuda:
+    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
+        reason = "act_mlp is not the tanh GELU"
+    elif mlp.device.type not in _GELU_INTO_VIEW_DEVICES:
         reason = f"device {mlp.device.type}"
     elif torch.is_grad_enabled() and mlp.requires_grad:
         reason = "requires grad"
