@@ -11,7 +11,7 @@ block, ``residual + gate * proj_out(...)`` in the single block). Shapes: ``resid
 ``[B, L, D]`` and contiguous; ``gate`` is ``[B, 1, D]`` (or ``[1, 1, D]``), a row per batch such as diffusers'
 ``gate.unsqueeze(1)`` of an ``emb.chunk(6, dim=1)`` view (any batch stride that keeps rows 16-byte aligned, taken
 without a copy), or a full ``[B, L, D]`` gate with such strides. The kernel is ``csrc/gated_residual.cu``; it moves
-3 (row gate) or 4 (full gate) bytes per output byte against eager's 6 (or 7).
+3 (row gate) or 4 (full gate) bytes per output byte against eager's 5 (or 6).
 
 Eager calls reach the CUDA op ``diffusers_fastpath::_gated_residual_cuda`` directly; ``torch.compile`` sees the
 registered custom op ``diffusers_fastpath::gated_residual`` (device-generic, with a fake), as for
