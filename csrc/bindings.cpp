@@ -81,6 +81,60 @@ at::Tensor modulate_scale_shift(const at::Tensor& x, const at::Tensor& scale, co
   return out;
 }
 
+// The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
+// input raises instead of reading out of bounds.
+void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
+                                 const at::Tensor& update) {
+  TORCH_CHECK(residual.is_cuda(), "gated_residual: residual must be a CUDA tensor");
+  TORCH_CHECK(residual.dim() == 3, "gated_residual: residual must be [batch, seq, dim], got ", residual.sizes());
+  const int64_t batch = residual.size(0), seq = residual.size(1), dim = residual.size(2);
+  const int64_t vec = 16 / residual.element_size();
+  to_dtype(residual);
+  for (const at::Tensor* t : {&out, &gate, &update}) {
+    TORCH_CHECK(t->scalar_type() == residual.scalar_type(), "gated_residual: dtype mismatch");
+    TORCH_CHECK(t->device() == residual.device(), "gated_residual: device mismatch");
+  }
+  for (const at::Tensor* t : {&out, &residual, &gate, &update}) {
+    TORCH_CHECK(aligned16(*t), "gated_residual: pointers must be 16-byte aligned");
+  }
+  TORCH_CHECK(out.sizes() == residual.sizes() && update.sizes() == residual.sizes() && out.is_contiguous() &&
+                  residual.is_contiguous() && update.is_contiguous(),
+              "gated_residual: out, residual and update must be contiguous and of one shape");
+  TORCH_CHECK(dim % vec == 0, "gated_residual: dim must be a multiple of ", vec);
+  TORCH_CHECK(gate.dim() == 3 && gate.size(2) == dim && (gate.size(0) == batch || gate.size(0) == 1) &&
+                  (gate.size(1) == seq || gate.size(1) == 1),
+              "gated_residual: gate must be [batch or 1, seq or 1, dim], got ", gate.sizes());
+  TORCH_CHECK(gate.stride(2) == 1 && (gate.size(0) == 1 || gate.stride(0) % vec == 0) &&
+                  (gate.size(1) == 1 || gate.stride(1) % vec == 0),
+              "gated_residual: gate rows must have unit innermost stride and stay 16-byte aligned");
+}
+
+void gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
+                        const at::Tensor& update) {
+  check_gated_residual_inputs(out, residual, gate, update);
+  if (residual.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(residual.device());
+  GatedResidualArgs args;
+  args.out = out.data_ptr();
+  args.residual = residual.data_ptr();
+  args.gate = gate.data_ptr();
+  args.update = update.data_ptr();
+  args.batch = residual.size(0);
+  args.seq = residual.size(1);
+  args.dim = residual.size(2);
+  args.gate_batch_stride = gate.size(0) == 1 ? 0 : gate.stride(0);
+  args.gate_seq_stride = gate.size(1) == 1 ? 0 : gate.stride(1);
+  args.dtype = to_dtype(residual);
+  const cudaError_t err = launch_gated_residual(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "gated_residual: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  gated_residual_out(out, residual, gate, update);
+  return out;
+}
+
 Rows rows_of(const at::Tensor& t) {
   return Rows{t.data_ptr(), t.stride(0), t.stride(1)};
 }
@@ -237,6 +291,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor");
   m.def("_layernorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
+  m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
+  m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -249,4 +305,6 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);
   m.impl("_layernorm_scale_shift_cuda_out", &diffusers_fastpath::layernorm_scale_shift_out);
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
+  m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
+  m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
 }

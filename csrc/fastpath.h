@@ -27,6 +27,22 @@ struct ModulateScaleShiftArgs {
 
 cudaError_t launch_modulate_scale_shift(const ModulateScaleShiftArgs& args, cudaStream_t stream);
 
+// out[b, s, :] = round(residual[b, s, :] + round(gate[b, s or 0, :] * update[b, s, :]))
+struct GatedResidualArgs {
+  void* out;             // [batch, seq, dim], contiguous
+  const void* residual;  // [batch, seq, dim], contiguous
+  const void* gate;      // row (b, s) at gate + b * gate_batch_stride + s * gate_seq_stride; innermost stride 1
+  const void* update;    // [batch, seq, dim], contiguous
+  int64_t batch;
+  int64_t seq;
+  int64_t dim;                // a multiple of 16 / sizeof(element)
+  int64_t gate_batch_stride;  // in elements; 0 broadcasts one gate over the batch
+  int64_t gate_seq_stride;    // in elements; 0 for one gate row per batch (diffusers' `gate.unsqueeze(1)`)
+  DType dtype;
+};
+
+cudaError_t launch_gated_residual(const GatedResidualArgs& args, cudaStream_t stream);
+
 // One [seq, batch, dim] operand: row (s, b) starts at ptr + s * stride_s + b * stride_b; unit innermost stride.
 struct Rows {
   const void* ptr;

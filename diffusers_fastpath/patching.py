@@ -21,6 +21,22 @@ STATE_ATTR = "_fastpath_state"
 SITE_ATTR = "_fastpath_site"  # read directly (``self._fastpath_site``) by the patched forwards
 QUALITIES = ("lossless",)
 
+
+
+def site_attr(name: str | None = None) -> str:
+    """The attribute that holds a module's site named `name` (``None``: its one unnamed site)."""
+    return SITE_ATTR if name is None else f"{SITE_ATTR}_{name}"
+
+
+def sites_of(module: nn.Module) -> list[tuple[str | None, Site]]:
+    """The fusion sites attached to `module` by `PatchState.add_site`, as ``(name or None, site)``."""
+    return [
+        (None if attr == SITE_ATTR else attr[len(SITE_ATTR) + 1 :], value)
+        for attr, value in module.__dict__.items()
+        if isinstance(value, Site)
+    ]
+
+
 Adapter = Callable[[nn.Module, "PatchState"], None]
 ADAPTERS: dict[type, Adapter] = {}
 
@@ -57,9 +73,11 @@ class PatchState:
         module.__dict__[name] = value
         self._undo.append(lambda: module.__dict__.pop(name, None))
 
-    def add_site(self, module: nn.Module, op: str) -> Site:
+    def add_site(self, module: nn.Module, op: str, name: str | None = None) -> Site:
+        """Attach a `Site` (the counters of one fusion site) to `module`: as ``_fastpath_site``, or, for a module
+        with several sites, as ``_fastpath_site_<name>`` (`report` shows it as ``<module path>:<name>``)."""
         site = Site(op)
-        self.set_attr(module, SITE_ATTR, site)
+        self.set_attr(module, site_attr(name), site)
         return site
 
     def set_processor(self, attn: nn.Module, processor: Any) -> None:
@@ -199,7 +217,7 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
             state.undo()
             raise
         model.__dict__[STATE_ATTR] = state
-        sites = sum(1 for m in model.modules() if SITE_ATTR in m.__dict__)
+        sites = sum(len(sites_of(m)) for m in model.modules())
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
     return obj
 

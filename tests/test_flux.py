@@ -18,6 +18,7 @@ from diffusers.models.transformers.transformer_flux import (
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux as flux_adapter
+from diffusers_fastpath.ops import Site
 from diffusers_fastpath.patching import SITE_ATTR, STATE_ATTR
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
 
@@ -25,6 +26,18 @@ from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_
 def run(model, inputs):
     with torch.no_grad():
         return model(**inputs).sample
+
+
+FUSED_OPS = {"modulate_scale_shift", "gated_residual"}
+
+
+def fused_sites(rep):
+    """The sites of fused kernels (not the concatenation rewrites, which need no kernel)."""
+    return [s for s in rep.sites if s.op in FUSED_OPS]
+
+
+def sites_by_op(rep, op):
+    return {s.site: s for s in rep.sites if s.op == op}
 
 
 def snapshot(model):
@@ -54,8 +67,17 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     for _ in range(2):  # second call: rotary cache reused
         assert torch.equal(run(model, inputs), ref)
     rep = fp.report(model)
-    assert len(rep.sites) == 2 * 4 + 2 and rep.fast == 0  # CPU: every site fell back, each counted
-    assert all(s.fallback == 2 and s.reasons for s in rep.sites)
+    # per dual block 4 modulate + 4 gated residual sites; per single block 1 + 1, and 2 concatenation sites (the
+    # first single block's token concatenation is no site: its inputs are always two tensors)
+    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1
+    assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
+    reason = "dtype float32" if dtype == torch.float32 else "device cpu"
+    assert all(s.fast == 0 and s.reasons == {reason: 2} for s in fused_sites(rep))  # CPU: every call fell back
+    cat_tokens = sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)
+    assert "single_transformer_blocks.0:cat_tokens" not in cat_tokens
+    assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 2  # the previous block's output, no copy
+    cat_mlp = sites_by_op(rep, flux_adapter.CONCAT_IN_PLACE)
+    assert all(s.fast == 0 and s.reasons == {"device cpu": 2} for s in cat_mlp.values())
 
 
 def test_patched_pipeline_matches_unpatched(unpatch_after):
@@ -164,7 +186,11 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
     fp.patch(model)
     unpatch_after(model)
     assert all(torch.equal(a, b) for a, b in zip(grads(), ref))
-    assert {r for s in fp.report(model).sites for r in s.reasons} == {"dtype float32"}
+    rep = fp.report(model)
+    assert {r for s in fused_sites(rep) for r in s.reasons} == {"dtype float32"}
+    assert sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)["single_transformer_blocks.1:cat_tokens"].reasons == {
+        "requires grad": 1
+    }
 
 
 def test_rotary_cache_is_reused_for_same_ids_and_rebuilt_when_they_change(unpatch_after):
@@ -298,7 +324,9 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 10 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 23 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
+    assert data["ops"]["gated_residual"] == "enabled"
     assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
 
 
@@ -315,7 +343,8 @@ def test_env_switch_is_reported(monkeypatch, unpatch_after):
     run(model, flux_transformer_inputs(model, seed=28))
     rep = fp.report(model)
     assert rep.ops["modulate_scale_shift"] == REASON_ENV
-    assert all(s.reasons == {REASON_ENV: 1} for s in rep.sites)
+    assert rep.ops["gated_residual"] == REASON_ENV
+    assert all(s.reasons == {REASON_ENV: 1} for s in fused_sites(rep))
 
 
 def test_patched_model_compiles_with_fullgraph(unpatch_after):
@@ -327,3 +356,186 @@ def test_patched_model_compiles_with_fullgraph(unpatch_after):
     unpatch_after(model)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     assert torch.equal(run(compiled, inputs), ref)
+
+
+# --- gated residual sites and the single block's concatenations ---------------------------------------------------
+
+
+def _kernel_arithmetic(residual, gate, update):
+    """What csrc/gated_residual.cu computes, written with torch: fp32 math, rounded to T after the multiply and the
+    add. Run as the 'kernel' on CPU, it exercises the fast path's wiring and the rounding model together."""
+    product = (gate.float() * update.float()).to(residual.dtype)
+    return (residual.float() + product.float()).to(residual.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gated_residual_sites_on_the_fast_path_are_exact(dtype, batch, monkeypatch, unpatch_after):
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+
+    model = build_flux_transformer("flux-tiny", dtype, seed=40 + batch)
+    inputs = flux_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=41)
+    ref = run(model, inputs)
+    monkeypatch.setattr(GATED_RESIDUAL, "guard", lambda *a, check_pointers=True: None)
+    monkeypatch.setattr(GATED_RESIDUAL, "kernel", _kernel_arithmetic)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    sites = sites_by_op(fp.report(model), "gated_residual")
+    assert sorted(sites) == sorted(
+        [f"transformer_blocks.{i}:{g}" for i in range(2) for g in ("gate_msa", "gate_mlp", "c_gate_msa", "c_gate_mlp")]
+        + [f"single_transformer_blocks.{i}:gate" for i in range(2)]
+    )
+    assert all(s.fast == 1 and s.fallback == 0 for s in sites.values())
+
+
+def test_a_failing_gated_residual_kernel_is_disabled_once_and_the_model_stays_exact(
+    monkeypatch, unpatch_after, fastpath_log
+):
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+
+    model = build_flux_transformer("flux-tiny", seed=42)
+    inputs = flux_transformer_inputs(model, seed=43)
+    ref = run(model, inputs)
+
+    def failing(*args):
+        raise RuntimeError("injected kernel failure")
+
+    monkeypatch.setattr(GATED_RESIDUAL, "guard", lambda *a, check_pointers=True: None)
+    monkeypatch.setattr(GATED_RESIDUAL, "kernel", failing)
+    fp.patch(model)
+    unpatch_after(model)
+    for _ in range(2):
+        assert torch.equal(run(model, inputs), ref)
+    rep = fp.report(model)
+    assert rep.ops["gated_residual"] == "disabled (RuntimeError: injected kernel failure)"
+    assert rep.ops["modulate_scale_shift"] == "enabled"
+    assert all(s.fast == 0 and s.reasons == {"op disabled after an error": 2} for s in sites_by_op(rep, "gated_residual").values())
+    assert sum("disabling the fused op 'gated_residual'" in r.getMessage() for r in fastpath_log.records) == 1
+
+
+def test_joint_tokens_is_the_base_of_two_adjacent_halves():
+    base = torch.randn(2, 11, 32)
+    site = Site(flux_adapter.JOINT_TOKENS_VIEW)
+    text, image = base[:, :4], base[:, 4:]
+    assert flux_adapter._joint_tokens(text, image, site) is base
+    assert torch.equal(base, torch.cat([text, image], dim=1))
+    other = base.clone()
+    cases = {
+        "separate": (text.clone(), image.clone(), "text and image are separate tensors"),
+        "mixed bases": (text, other[:, 4:], "text and image are separate tensors"),
+        "swapped": (base[:, 7:], base[:, :7], "not the two halves of one tensor"),
+        "gap": (base[:, :4], base[:, 5:], "not the two halves of one tensor"),
+        "overlap": (base[:, :5], base[:, 4:], "not the two halves of one tensor"),
+        "column slices": (base[..., :16], base[..., 16:], "not the two halves of one tensor"),
+        "batch halves": (base[:1], base[1:], "not the two halves of one tensor"),
+        "transposed base": (*torch.randn(11, 2, 32).transpose(0, 1).split([4, 7], dim=1), "not the two halves of one tensor"),
+    }
+    for name, (a, b, reason) in cases.items():
+        site = Site(flux_adapter.JOINT_TOKENS_VIEW)
+        out = flux_adapter._joint_tokens(a, b, site)
+        assert torch.equal(out, torch.cat([a, b], dim=1)) and out is not base, name
+        assert site.fast == 0 and dict(site.fallback) == {reason: 1}, name
+
+    leaf = torch.randn(2, 11, 32, requires_grad=True)
+    grown = leaf * 2
+    site = Site(flux_adapter.JOINT_TOKENS_VIEW)
+    out = flux_adapter._joint_tokens(grown[:, :4], grown[:, 4:], site)
+    assert out is not grown and out.grad_fn is not None and dict(site.fallback) == {"requires grad": 1}
+    with torch.no_grad():
+        assert flux_adapter._joint_tokens(grown[:, :4], grown[:, 4:], site) is grown
+
+
+def test_single_blocks_never_write_into_their_inputs(unpatch_after):
+    """The joint-token view hands the previous block's output to the next block as its residual: the block must
+    only read it. Every single block's input is compared before and after the block runs."""
+    model = build_flux_transformer("flux-tiny", seed=44)
+    inputs = flux_transformer_inputs(model, batch=2, seed=45)
+    fp.patch(model)
+    unpatch_after(model)
+    seen = []
+
+    def before(mod, args, kwargs):
+        text, image = kwargs["encoder_hidden_states"], kwargs["hidden_states"]
+        seen.append(((text, image), (text.clone(), image.clone())))
+
+    def after(mod, args, kwargs, output):
+        (text, image), (text0, image0) = seen[-1]
+        assert torch.equal(text, text0) and torch.equal(image, image0)
+        assert all(o.data_ptr() != t.data_ptr() for o in output for t in (text, image))  # fresh outputs
+
+    for block in model.single_transformer_blocks:
+        block.register_forward_pre_hook(before, with_kwargs=True)
+        block.register_forward_hook(after, with_kwargs=True)
+    run(model, inputs)
+    assert len(seen) == 2
+    assert fp.report(model).sites  # the hooks ran on the patched blocks
+    cat_tokens = sites_by_op(fp.report(model), flux_adapter.JOINT_TOKENS_VIEW)
+    assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gelu_into_a_strided_view_is_exact_and_writes_in_place(dtype):
+    """``torch._C._nn.gelu(x, approximate="tanh", out=buffer[..., D:])``: the values of ``nn.GELU`` (and so of the
+    ``cat``), written where the view points with no temporary and no copy (aten's only op is the GELU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = (torch.randn(2, 37, 256) * 3).to(dtype)
+    attn = torch.randn(2, 37, 64).to(dtype)
+    ref = torch.cat([attn, torch.nn.GELU(approximate="tanh")(x)], dim=2)
+    buffer = torch.empty(2, 37, 64 + 256, dtype=dtype)
+    view = buffer[:, :, 64:]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = torch._C._nn.gelu(x, approximate="tanh", out=view)
+    assert got is view and got.stride() == buffer.stride()
+    assert [e.name for e in prof.events()] == ["aten::gelu"]
+    buffer[:, :, :64].copy_(attn)
+    assert torch.equal(buffer, ref)
+
+
+@pytest.fixture
+def concat_in_place_on_cpu(monkeypatch):
+    """Let the in-place concatenation run on CPU. Exact here because each GELU row is one vectorised run (row
+    length a multiple of the vector width, one thread for these sizes); on CPU in general it is not enabled."""
+    monkeypatch.setattr(flux_adapter, "_GELU_INTO_VIEW_DEVICES", ("cuda", "cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_concat_in_place_matches_cat(dtype, batch, concat_in_place_on_cpu, unpatch_after):
+    model = build_flux_transformer("flux-tiny", dtype, seed=46 + batch)
+    inputs = flux_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=47)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    seen = []
+    block = model.single_transformer_blocks[1]
+    block.proj_out.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    for _ in range(2):
+        assert torch.equal(run(model, inputs), ref)
+    assert seen[0].shape == (batch, 7 + 24, block.proj_out.in_features) and seen[0].is_contiguous()
+    rep = fp.report(model)
+    assert all(s.fast == 2 and s.fallback == 0 for s in sites_by_op(rep, flux_adapter.CONCAT_IN_PLACE).values())
+
+
+def test_concat_in_place_falls_back_exactly(concat_in_place_on_cpu, unpatch_after):
+    """Another activation (or GELU's erf form): diffusers' expression, counted. An attention output that does not
+    fit the buffer: the cat of diffusers, with the GELU values already in the buffer."""
+    model = build_flux_transformer("flux-tiny", seed=48)
+    inputs = flux_transformer_inputs(model, seed=49)
+    model.single_transformer_blocks[0].act_mlp = torch.nn.SiLU()
+    model.single_transformer_blocks[1].act_mlp = torch.nn.GELU()  # the erf form
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    sites = sites_by_op(fp.report(model), flux_adapter.CONCAT_IN_PLACE)
+    assert all(s.fast == 0 and s.reasons == {"act_mlp is not the tanh GELU": 1} for s in sites.values())
+
+    buffer = torch.empty(1, 5, 8 + 16, dtype=torch.bfloat16)
+    mlp = buffer[:, :, 8:].copy_(torch.randn(1, 5, 16))
+    site = Site(flux_adapter.CONCAT_IN_PLACE)
+    for attn in (torch.randn(1, 5, 8), torch.randn(1, 5, 4).to(torch.bfloat16)):  # float32; too narrow
+        out = flux_adapter._concat_attn_mlp(attn, mlp, buffer, site)
+        assert out is not buffer and torch.equal(out, torch.cat([attn, mlp], dim=2))
+    assert dict(site.fallback) == {"attention output of another shape, dtype or device": 2}

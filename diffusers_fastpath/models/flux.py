@@ -5,16 +5,23 @@ diffusers' own extension points:
 
 - ``AdaLayerNormZero`` (``norm1``, ``norm1_context``) and ``AdaLayerNormZeroSingle`` (``norm``):
   the LayerNorm and modulate ``norm(x) * (1 + scale) + shift`` run as the fused `layernorm_scale_shift` op.
-- ``FluxTransformerBlock``: the ``norm2``/``norm2_context`` modulates run through the same op (the block's
-  ``forward`` mirrors diffusers 0.42.1's, checked by source digest at patch time).
+- ``FluxTransformerBlock``: the ``norm2``/``norm2_context`` modulates run through the same op, and the four gated
+  residual adds (``hidden_states + gate_msa.unsqueeze(1) * attn_output`` and its siblings for ``gate_mlp``,
+  ``c_gate_msa``, ``c_gate_mlp``) through the fused `gated_residual` (the block's ``forward`` mirrors diffusers
+  0.42.1's, checked by source digest at patch time).
+- ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(...)`` runs as `gated_residual`; the leading
+  ``cat([encoder_hidden_states, hidden_states], dim=1)`` becomes the tensor both halves are views of when they are
+  (every single block after the first: no copy), and the ``cat([attn_output, mlp_hidden_states], dim=2)`` before
+  ``proj_out`` is built in place: the tanh-GELU writes into the right columns of the concatenation buffer and only
+  the attention output is copied into the left ones (CUDA). Both rewrites move values, never change them.
 - ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
   (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`
   that also carries the broadcast views the attention processor reads.
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
   ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`.
 
-Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused modulate sites, 57 attention processors and
-one rotary cache.
+Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused modulate sites, 114 gated residual sites,
+2 x 38 concatenation sites, 57 attention processors and one rotary cache.
 """
 
 from __future__ import annotations
@@ -35,12 +42,18 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import layernorm_scale_shift
-from ..patching import PatchState, register_adapter
+from ..ops import gated_residual, layernorm_scale_shift
+from ..patching import PatchState, register_adapter, site_attr
 from . import _rope_cache
 from ._mirror import mirrors
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
+GATED_RESIDUAL = "gated_residual"
+JOINT_TOKENS_VIEW = "joint_tokens_view"  # cat([text, image], dim=1) of two adjacent views: their base, no copy
+CONCAT_IN_PLACE = "concat_in_place"  # cat([attn, gelu(mlp)], dim=2) built in one buffer: GELU writes into it
+
+# The sites of a dual block, named after diffusers' gate variables, and of a single block.
+_BLOCK_GATES = ("gate_msa", "gate_mlp", "c_gate_msa", "c_gate_mlp")
 
 # sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
 _ADALN_ZERO_FORWARD = "93374820c014f812"
@@ -54,6 +67,99 @@ def _norm_modulate(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tenso
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of every FLUX adaLN site, as the
     fused `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts)."""
     return layernorm_scale_shift(norm, x, scale, shift, site)
+
+
+def _joint_tokens(encoder_hidden_states: torch.Tensor, hidden_states: torch.Tensor, site) -> torch.Tensor:
+    """``torch.cat([encoder_hidden_states, hidden_states], dim=1)``, without the copy when it is not needed.
+
+    Between single blocks the two streams are ``out[:, :T]`` and ``out[:, T:]`` of the previous block's output
+    ``out``: their concatenation is ``out`` itself, element for element, so that is returned (exact by
+    construction). The single block only reads it (LayerNorm, the residual add, both out of place), and every
+    later write in diffusers' ``FluxTransformer2DModel.forward`` (the ControlNet residuals) is out of place too.
+    Anything else (autograd, which needs the ``cat`` node; inputs that are not two such halves) concatenates as
+    diffusers does, counted with the reason. The first single block, whose inputs are always the dual blocks' two
+    separate tensors, has no site (``site`` is ``None``) and concatenates.
+    """
+    if site is None or torch.compiler.is_compiling():  # no storage to inspect while tracing: the compiler plans it
+        return torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    base = hidden_states._base
+    if base is None or encoder_hidden_states._base is not base:
+        reason = "text and image are separate tensors"
+    elif torch.is_grad_enabled() and base.requires_grad:
+        reason = "requires grad"
+    else:
+        text = encoder_hidden_states.shape[1]
+        strides = base.stride()
+        if (
+            base.dim() == 3
+            and encoder_hidden_states.shape == (base.shape[0], text, base.shape[2])
+            and hidden_states.shape == (base.shape[0], base.shape[1] - text, base.shape[2])
+            and encoder_hidden_states.stride() == strides
+            and hidden_states.stride() == strides
+            and encoder_hidden_states.storage_offset() == base.storage_offset()
+            and hidden_states.storage_offset() == base.storage_offset() + text * strides[1]
+            and base.is_contiguous()
+        ):
+            site.fast += 1
+            return base
+        reason = "not the two halves of one tensor"
+    site.fallback[reason] += 1
+    return torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+
+# Devices where aten's GELU gives the same bits into a strided view as into a tensor of its own: on CUDA every
+# element goes through the same per-element functor whatever the layout. Not the CPU (see `_mlp_into_concat`).
+_GELU_INTO_VIEW_DEVICES = ("cuda",)
+
+
+def _mlp_into_concat(block: FluxSingleTransformerBlock, norm_hidden_states: torch.Tensor, site):
+    """``block.act_mlp(block.proj_mlp(norm_hidden_states))``, written straight into the right-hand columns of the
+    ``[B, S, D + D_mlp]`` buffer that `_concat_attn_mlp` completes (``D`` the attention output width, equal to the
+    block width in FLUX). Returns ``(mlp_hidden_states, buffer)``, ``buffer`` ``None`` where diffusers' expression
+    ran instead (with the reason counted).
+
+    The GELU is aten's own kernel with an ``out=`` view (``torch._C._nn.gelu``, what ``nn.GELU`` calls): the same
+    values, stored with the buffer's row stride instead of into a tensor of their own, and no hidden copy. Only
+    the tanh form FLUX uses, and only on CUDA: aten's CPU GELU computes a run of elements with its vectorised or
+    its scalar code depending on where the run starts, which a strided output can move, and its oneDNN path for
+    the erf form (torch 2.13) leaves a strided ``out`` unwritten.
+    """
+    act = block.act_mlp
+    mlp = block.proj_mlp(norm_hidden_states)
+    if torch.compiler.is_compiling():  # the compiler plans the cat itself
+        return act(mlp), None
+    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
+        reason = "act_mlp is not the tanh GELU"
+    elif mlp.device.type not in _GELU_INTO_VIEW_DEVICES:
+        reason = f"device {mlp.device.type}"
+    elif torch.is_grad_enabled() and mlp.requires_grad:
+        reason = "requires grad"
+    elif mlp.dim() != 3 or norm_hidden_states.dim() != 3:
+        reason = "shape"
+    else:
+        width = norm_hidden_states.shape[2]
+        buffer = mlp.new_empty((mlp.shape[0], mlp.shape[1], width + mlp.shape[2]))
+        return torch._C._nn.gelu(mlp, approximate=act.approximate, out=buffer[:, :, width:]), buffer
+    site.fallback[reason] += 1
+    return act(mlp), None
+
+
+def _concat_attn_mlp(attn_output: torch.Tensor, mlp_hidden_states: torch.Tensor, buffer, site) -> torch.Tensor:
+    """``torch.cat([attn_output, mlp_hidden_states], dim=2)``: with a `_mlp_into_concat` buffer, only the
+    attention output is copied into its left-hand columns (counted as fast); otherwise diffusers' ``cat``."""
+    if buffer is not None:
+        width = buffer.shape[2] - mlp_hidden_states.shape[2]
+        if (
+            attn_output.shape == (*buffer.shape[:2], width)
+            and attn_output.dtype is buffer.dtype
+            and attn_output.device == buffer.device
+            and not (torch.is_grad_enabled() and attn_output.requires_grad)
+        ):
+            buffer[:, :, :width].copy_(attn_output)
+            site.fast += 1
+            return buffer
+        site.fallback["attention output of another shape, dtype or device"] += 1
+    return torch.cat([attn_output, mlp_hidden_states], dim=2)
 
 
 class FastpathAdaLayerNormZero(AdaLayerNormZero):
@@ -81,9 +187,10 @@ class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
 
 
 class FastpathFluxTransformerBlock(FluxTransformerBlock):
-    """``FluxTransformerBlock`` with its ``norm2``/``norm2_context`` modulates fused.
+    """``FluxTransformerBlock`` with its ``norm2``/``norm2_context`` modulates and its four gated residual adds fused.
 
-    ``forward`` mirrors diffusers 0.42.1's line for line; only the two modulate lines differ.
+    ``forward`` mirrors diffusers 0.42.1's line for line; only the two modulate lines and the four residual updates
+    differ (each ``gate.unsqueeze(1) * update`` then ``residual + that`` pair is one `gated_residual` call).
     """
 
     def forward(
@@ -113,27 +220,27 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
         elif len(attention_outputs) == 3:
             attn_output, context_attn_output, ip_attn_output = attention_outputs
 
-        attn_output = gate_msa.unsqueeze(1) * attn_output
-        hidden_states = hidden_states + attn_output
+        hidden_states = gated_residual(hidden_states, gate_msa.unsqueeze(1), attn_output, self._fastpath_site_gate_msa)
 
         norm_hidden_states = _norm_modulate(self.norm2, hidden_states, scale_mlp, shift_mlp, self.norm2._fastpath_site)
 
         ff_output = self.ff(norm_hidden_states)
-        ff_output = gate_mlp.unsqueeze(1) * ff_output
-
-        hidden_states = hidden_states + ff_output
+        hidden_states = gated_residual(hidden_states, gate_mlp.unsqueeze(1), ff_output, self._fastpath_site_gate_mlp)
         if len(attention_outputs) == 3:
             hidden_states = hidden_states + ip_attn_output
 
-        context_attn_output = c_gate_msa.unsqueeze(1) * context_attn_output
-        encoder_hidden_states = encoder_hidden_states + context_attn_output
+        encoder_hidden_states = gated_residual(
+            encoder_hidden_states, c_gate_msa.unsqueeze(1), context_attn_output, self._fastpath_site_c_gate_msa
+        )
 
         norm_encoder_hidden_states = _norm_modulate(
             self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context._fastpath_site
         )
 
         context_ff_output = self.ff_context(norm_encoder_hidden_states)
-        encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
+        encoder_hidden_states = gated_residual(
+            encoder_hidden_states, c_gate_mlp.unsqueeze(1), context_ff_output, self._fastpath_site_c_gate_mlp
+        )
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
 
@@ -141,9 +248,11 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
 
 
 class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
-    """``FluxSingleTransformerBlock`` whose elementwise chains run through the fused ops.
+    """``FluxSingleTransformerBlock`` whose gated residual add is fused and whose two concatenations copy less.
 
-    ``forward`` mirrors diffusers 0.42.1's line for line (checked by source digest at patch time).
+    ``forward`` mirrors diffusers 0.42.1's line for line (checked by source digest at patch time); the two ``cat``
+    lines go through `_joint_tokens` and `_mlp_into_concat`/`_concat_attn_mlp`, the residual update through
+    `gated_residual`.
     """
 
     def forward(
@@ -155,11 +264,11 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        hidden_states = _joint_tokens(encoder_hidden_states, hidden_states, self._fastpath_site_cat_tokens)
 
         residual = hidden_states
         norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+        mlp_hidden_states, concat = _mlp_into_concat(self, norm_hidden_states, self._fastpath_site_cat_attn_mlp)
         joint_attention_kwargs = joint_attention_kwargs or {}
         attn_output = self.attn(
             hidden_states=norm_hidden_states,
@@ -167,10 +276,9 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
             **joint_attention_kwargs,
         )
 
-        hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+        hidden_states = _concat_attn_mlp(attn_output, mlp_hidden_states, concat, self._fastpath_site_cat_attn_mlp)
         gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(hidden_states)
-        hidden_states = residual + hidden_states
+        hidden_states = gated_residual(residual, gate, self.proj_out(hidden_states), self._fastpath_site_gate)
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
 
@@ -295,6 +403,7 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
     swap_single_block = mirrors(FluxSingleTransformerBlock.forward, _SINGLE_BLOCK_FORWARD)
 
+    first_single = model.single_transformer_blocks[0] if len(model.single_transformer_blocks) else None
     for module in model.modules():
         kind = type(module)
         if kind is AdaLayerNormZero and swap_adaln:
@@ -307,8 +416,16 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             state.swap_class(module, FastpathFluxTransformerBlock)
             state.add_site(module.norm2, MODULATE)
             state.add_site(module.norm2_context, MODULATE)
+            for gate in _BLOCK_GATES:
+                state.add_site(module, GATED_RESIDUAL, gate)
         elif kind is FluxSingleTransformerBlock and swap_single_block:
             state.swap_class(module, FastpathFluxSingleTransformerBlock)
+            if module is first_single:  # its inputs are the dual blocks' two tensors: nothing to save
+                state.set_attr(module, site_attr("cat_tokens"), None)
+            else:
+                state.add_site(module, JOINT_TOKENS_VIEW, "cat_tokens")
+            state.add_site(module, CONCAT_IN_PLACE, "cat_attn_mlp")
+            state.add_site(module, GATED_RESIDUAL, "gate")
         elif kind is FluxPosEmbed:
             _rope_cache.install(state, model, module, FastpathFluxPosEmbed, _ids_key)
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):

@@ -2,6 +2,7 @@
 
 from ._policy import OPS, FusedOp, Site
 from .layernorm_scale_shift import layernorm_scale_shift, layernorm_scale_shift_ref
+from .gated_residual import gated_residual, gated_residual_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
@@ -14,6 +15,8 @@ __all__ = [
     "OPS",
     "FusedOp",
     "Site",
+    "gated_residual",
+    "gated_residual_ref",
     "gated_rmsnorm_scale_shift",
     "gated_rmsnorm_scale_shift_ref",
     "layernorm_scale_shift",

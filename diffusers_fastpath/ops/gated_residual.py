@@ -1,0 +1,128 @@
+"""Fused gated residual add: ``residual + gate * update`` in one pass.
+
+Formula and rounding points (T is the storage dtype, fp16 or bf16; every operation runs in fp32 and ``round``
+rounds to nearest even in T), exactly those of the two eager kernels it replaces::
+
+    out = round(residual + round(gate * update))
+
+so the result is ``torch.equal`` to eager PyTorch on any input. This is the residual update that closes every
+FLUX.1 block branch (``hidden_states + gate_msa.unsqueeze(1) * attn_output`` and its three siblings in the dual
+block, ``residual + gate * proj_out(...)`` in the single block). Shapes: ``residual`` and ``update`` are
+``[B, L, D]`` and contiguous; ``gate`` is ``[B, 1, D]`` (or ``[1, 1, D]``), a row per batch such as diffusers'
+``gate.unsqueeze(1)`` of an ``emb.chunk(6, dim=1)`` view (any batch stride that keeps rows 16-byte aligned, taken
+without a copy), or a full ``[B, L, D]`` gate with such strides. The kernel is ``csrc/gated_residual.cu``; it moves
+3 (row gate) or 4 (full gate) bytes per output byte against eager's 5 (or 6).
+
+Eager calls reach the CUDA op ``diffusers_fastpath::_gated_residual_cuda`` directly; ``torch.compile`` sees the
+registered custom op ``diffusers_fastpath::gated_residual`` (device-generic, with a fake), as for
+`modulate_scale_shift` (whose docstring has the host-cost numbers that motivate this split).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._build import load_extension
+from ._policy import FusedOp, Site
+
+_VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
+
+
+def gated_residual_ref(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """The eager expression: ``residual + gate * update`` (``gate`` already broadcastable, e.g. ``[B, 1, D]``)."""
+    return residual + gate * update
+
+
+def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    dtype = residual.dtype
+    if dtype is not torch.bfloat16 and dtype is not torch.float16:
+        return f"dtype {str(dtype).removeprefix('torch.')}"
+    if gate.dtype is not dtype or update.dtype is not dtype:
+        return "mixed dtypes"
+    if residual.dim() != 3 or gate.dim() != 3 or update.shape != residual.shape:
+        return "shape"
+    batch, seq, dim = residual.shape
+    gate_batch, gate_seq, gate_dim = gate.shape
+    if gate_dim != dim or (gate_batch != batch and gate_batch != 1) or (gate_seq != seq and gate_seq != 1):
+        return "shape"
+    vec = _VEC_BYTES // residual.element_size()
+    if dim % vec:
+        return f"D not a multiple of {vec}"
+    if residual.numel() == 0:
+        return "empty"
+    if not (residual.is_contiguous() and update.is_contiguous()):
+        return "residual/update not contiguous"
+    # Size-1 dimensions are broadcast (their strides are never read); the others must keep rows 16-byte aligned.
+    if gate.stride(2) != 1 or (gate_batch != 1 and gate.stride(0) % vec) or (gate_seq != 1 and gate.stride(1) % vec):
+        return "gate strided"
+    if torch.is_grad_enabled() and (residual.requires_grad or gate.requires_grad or update.requires_grad):
+        return "requires grad"
+    if not residual.is_cuda:
+        return f"device {residual.device.type}"
+    if gate.device != residual.device or update.device != residual.device:
+        return "devices differ"
+    if check_pointers and (residual.data_ptr() % _VEC_BYTES or update.data_ptr() % _VEC_BYTES or gate.data_ptr() % _VEC_BYTES):
+        return "not 16-byte aligned"
+    return None
+
+
+_cuda_op = None
+
+
+def _kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    global _cuda_op
+    if _cuda_op is None:
+        load_extension()
+        _cuda_op = torch.ops.diffusers_fastpath._gated_residual_cuda.default
+    return _cuda_op(residual, gate, update)
+
+
+@torch.library.custom_op("diffusers_fastpath::gated_residual", mutates_args=())
+def _gated_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    # The real implementation behind torch.compile: the kernel where the guard (now with real pointers) allows,
+    # the eager expression elsewhere, so the op is exact on every device and every input.
+    if _guard(residual, gate, update) is None:
+        return _kernel(residual, gate, update)
+    return gated_residual_ref(residual, gate, update).contiguous()
+
+
+@_gated_residual_op.register_fake
+def _gated_residual_fake(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    torch._check(residual.dim() == 3, lambda: f"gated_residual: residual must be [B, L, D], got {tuple(residual.shape)}")
+    torch._check(gate.dim() == 3, lambda: f"gated_residual: gate must be [B, 1 or L, D], got {tuple(gate.shape)}")
+    shape = torch.broadcast_shapes(residual.shape, gate.shape, update.shape)
+    dtype = torch.promote_types(torch.promote_types(residual.dtype, gate.dtype), update.dtype)
+    return residual.new_empty(shape, dtype=dtype)
+
+
+GATED_RESIDUAL = FusedOp(
+    "gated_residual",
+    ref=gated_residual_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=torch.ops.diffusers_fastpath.gated_residual.default,
+)
+
+
+def gated_residual(
+    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, site: Site | None = None
+) -> torch.Tensor:
+    """``residual + gate * update``, fused on CUDA and bit-identical to eager everywhere.
+
+    Args:
+        residual: ``[B, L, D]`` residual stream.
+        gate: ``[B, 1, D]`` (or ``[1, 1, D]``) gate row per batch, e.g. ``gate_msa.unsqueeze(1)``, or a full
+            ``[B, L, D]`` gate.
+        update: ``[B, L, D]`` branch output (attention, feed-forward, ``proj_out``).
+        site: the call site's counters (fast calls, fallbacks with reasons), shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import gated_residual, gated_residual_ref
+        >>> x, out, emb = torch.randn(1, 16, 64), torch.randn(1, 16, 64), torch.randn(1, 6 * 64)
+        >>> gate = emb.chunk(6, dim=1)[2].unsqueeze(1)
+        >>> torch.equal(gated_residual(x, gate, out), gated_residual_ref(x, gate, out))
+        True
+    """
+    return GATED_RESIDUAL(site, residual, gate, update)
