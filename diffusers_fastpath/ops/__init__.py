@@ -1,6 +1,8 @@
 """Fused ops, one file each: guard, eager reference, custom op with its fake, and the fallback wiring."""
 
 from ._policy import OPS, FusedOp, Site
+from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
+from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
@@ -15,6 +17,10 @@ __all__ = [
     "Site",
     "gated_rmsnorm_scale_shift",
     "gated_rmsnorm_scale_shift_ref",
+    "layer_norm_affine",
+    "layer_norm_affine_ref",
+    "linear_gelu",
+    "linear_gelu_ref",
     "modulate_scale_shift",
     "modulate_scale_shift_ref",
     "rmsnorm_scale_shift",
