@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from ._policy import FusedOp, Site
 
 _HALF = (torch.bfloat16, torch.float16)
+_DEVICE_TYPES = ("cuda",)  # where cuBLASLt's epilogue exists; elsewhere the eager path runs
 
 # The contract against eager (``linear_gelu_ref``), per dtype: (rtol, atol) for ``torch.testing.assert_close``.
 TOLERANCES = {torch.bfloat16: (2**-6, 2**-7), torch.float16: (2**-9, 2**-10)}
@@ -72,7 +73,7 @@ def _guard(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, che
         return "empty"
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return "requires grad"
-    if not x.is_cuda:
+    if x.device.type not in _DEVICE_TYPES:
         return f"device {x.device.type}"
     if weight.device != x.device or bias.device != x.device:
         return "devices differ"
