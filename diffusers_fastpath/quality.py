@@ -103,7 +103,8 @@ def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tupl
     if approximate != "tanh":
         return "activation is not the tanh GELU"
     if type(linear) is not nn.Linear:
-        return f"{type(linear).__name__} is not a plain nn.Linear (quantized or wrapped, e.g. by LoRA)"
+        cls = type(linear)  # qualified: PEFT's LoRA layer is also called "Linear"
+        return f"{cls.__module__}.{cls.__qualname__} is not a plain nn.Linear (quantized or wrapped, e.g. by LoRA)"
     weight = linear.weight
     if type(weight) not in (nn.Parameter, torch.Tensor) or not weight.is_floating_point() or weight.element_size() < 2:
         return f"weight is not a plain floating-point tensor ({type(weight).__name__}, {weight.dtype}: quantized)"

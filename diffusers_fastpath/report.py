@@ -136,11 +136,12 @@ def report(obj: Any) -> Report:
         for site_name, module, site in tier_sites(model):
             c = site.counters
             rep.tier_sites.append(
-                SiteRow(name, site_name, type(module).__name__, site.op, c.fast, sum(c.fallback.values()), dict(c.fallback),
-                        site.mounted, site.cannot)
+                SiteRow(name, site_name, type(module).__name__, site.op, c.fast, sum(c.fallback.values()),
+                        dict(c.fallback), site.mounted, site.cannot)
             )
             if site.cannot is not None:
                 cannot[site.cannot] = cannot.get(site.cannot, 0) + 1
-        notes += [f"{n} high-tier site(s) cannot take their fusion and run the lossless path: {why}" for why, n in cannot.items()]
+        notes += [f"{n} high-tier site(s) cannot take their fusion and run the lossless path: {why}"
+                  for why, n in cannot.items()]
         rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, notes))
     return rep
