@@ -19,7 +19,7 @@ from .ops import Site
 
 STATE_ATTR = "_fastpath_state"
 SITE_ATTR = "_fastpath_site"  # read directly (``self._fastpath_site``) by the patched forwards
-QUALITIES = ("lossless",)
+QUALITIES = ("lossless", "high")
 
 
 
@@ -185,11 +185,15 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
     fused CUDA kernels that reproduce eager PyTorch's rounding exactly, the rotary embedding is built once per
     set of position ids instead of once per step, and attention runs through a fastpath processor. Inputs the
     kernels cannot take (CPU, fp32, odd strides, autograd) run the eager expressions, so the output is still
-    ``torch.equal`` to unpatched diffusers. Patching twice changes nothing.
+    ``torch.equal`` to unpatched diffusers. Patching twice with the same quality changes nothing; patching a
+    patched model with another quality makes that its tier (mounting or unmounting the approximate fusions).
 
     Args:
         obj: a ``DiffusionPipeline`` or a supported model (see `supported_classes`).
-        quality: ``"lossless"`` (the default): bit-identical to unpatched diffusers.
+        quality: the default tier. ``"lossless"`` (the default): bit-identical to unpatched diffusers. ``"high"``:
+            the approximate fusions are mounted too (see `diffusers_fastpath.quality`; PSNR >= 35 dB and
+            SSIM >= 0.97 against lossless on the decoded image). ``diffusers_fastpath.quality(obj, tier)`` switches
+            tiers for the duration of a ``with`` block.
 
     Returns:
         ``obj``, patched in place.
@@ -204,11 +208,14 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
         >>> image = pipe(prompt).images[0]  # doctest: +SKIP
         >>> print(fp.report(pipe))  # doctest: +SKIP
     """
+    from .quality import set_tier
+
     _check_quality(quality)
     for name, model in _models_of(obj, for_patch=True):
         state = getattr(model, STATE_ATTR, None)
         if state is not None:
-            state.quality = quality
+            if state.quality != quality:
+                set_tier(name, model, state, quality)  # re-patching with another tier changes the default tier
             continue
         state = PatchState(quality)
         try:
@@ -219,6 +226,7 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
         model.__dict__[STATE_ATTR] = state
         sites = sum(len(sites_of(m)) for m in model.modules())
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
+        set_tier(name, model, state, quality)  # mounts the high-tier sites if asked; checks every site's fitness
     return obj
 
 

@@ -1,4 +1,6 @@
-"""`report`: what is patched, which op each site uses, and how many calls took the fast path or fell back."""
+"""`report`: what is patched, which op each site uses, and how many calls took the fast path or fell back; the
+quality tier of each model and, per high-tier site, whether it is mounted and how many calls took the approximate
+path."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
 from .patching import patched_models, sites_of
+from .quality import tier_sites
 
 
 @dataclass
@@ -19,6 +22,9 @@ class SiteRow:
     fast: int
     fallback: int
     reasons: dict[str, int]
+    mounted: bool | None = None  # high-tier sites: whether the approximate fusion is on (None: a lossless site)
+    cannot: str | None = None  # high-tier sites: why the module cannot take the fusion
+
 
 
 @dataclass
@@ -45,6 +51,8 @@ class Report:
 
     models: list[ModelRow] = field(default_factory=list)
     sites: list[SiteRow] = field(default_factory=list)
+    # high-tier sites: ``fast`` counts calls on the approximate path, ``fallback`` calls sent to the lossless path
+    tier_sites: list[SiteRow] = field(default_factory=list)
     ops: dict[str, str] = field(default_factory=dict)
     extension: str = "not loaded"
 
@@ -68,20 +76,34 @@ class Report:
             lines.append(f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}{caches}")
             lines += [f"  note: {n}" for n in m.notes]
         lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
+        reasons = lambda s: ", ".join(f"{r}: {n}" for r, n in s.reasons.items()) or "-"  # noqa: E731
         header = ("site", "op", "fast", "fallback", "fallback reasons")
-        rows = [
-            (f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), ", ".join(f"{r}: {n}" for r, n in s.reasons.items()) or "-")
-            for s in self.sites
-        ]
+        rows = [(f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), reasons(s)) for s in self.sites]
         rows.append(("total", "", str(self.fast), str(self.fallback), ""))
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-        lines += [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)]
+        lines += _table(header, rows)
+        if self.tier_sites:
+            header = ("high-tier site", "op", "mounted", "approximate", "lossless", "lossless reasons")
+            rows = [
+                (f"{s.model}.{s.site}", s.op, "yes" if s.mounted else f"cannot: {s.cannot}" if s.cannot else "no",
+                 str(s.fast), str(s.fallback), reasons(s))
+                for s in self.tier_sites
+            ]
+            lines += _table(header, rows)
         return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)]
 
 
 def report(obj: Any) -> Report:
     """Per fusion site: the op it uses, calls on the fast path, fallbacks and their reasons.
+
+    ``quality`` of each model row is its current tier; ``tier_sites`` lists the high-tier sites (mounted or not,
+    calls on the approximate path, calls sent to the lossless path and why), and a model's notes say which sites
+    cannot take their fusion.
 
     Args:
         obj: a pipeline or model given to `patch` (an unpatched one gives an empty report).
@@ -109,5 +131,17 @@ def report(obj: Any) -> Report:
             for attr, stats in module.__dict__.items():
                 if attr.startswith(STATS_PREFIX):
                     caches[attr[len(STATS_PREFIX):]] = {"built": stats.built, "reused": stats.reused}
-        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, list(state.notes)))
+        notes = list(state.notes)
+        cannot: dict[str, int] = {}
+        for site_name, module, site in tier_sites(model):
+            c = site.counters
+            rep.tier_sites.append(
+                SiteRow(name, site_name, type(module).__name__, site.op, c.fast, sum(c.fallback.values()),
+                        dict(c.fallback), site.mounted, site.cannot)
+            )
+            if site.cannot is not None:
+                cannot[site.cannot] = cannot.get(site.cannot, 0) + 1
+        notes += [f"{n} high-tier site(s) cannot take their fusion and run the lossless path: {why}"
+                  for why, n in cannot.items()]
+        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, notes))
     return rep

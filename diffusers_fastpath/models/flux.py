@@ -19,9 +19,13 @@ diffusers' own extension points:
   that also carries the broadcast views the attention processor reads.
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
   ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`.
+- ``GELU`` (the dual blocks' ``ff.net.0``/``ff_context.net.0``): `FastpathGELU`, the lossless forward until the
+  ``"high"`` tier mounts its site.
 
-Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused modulate sites, 114 gated residual sites,
-2 x 38 concatenation sites, 57 attention processors and one rotary cache.
+Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
+sites, 75 concatenation sites, 57 attention processors and one rotary cache; and for the ``"high"`` tier
+(`diffusers_fastpath.quality`) 114 LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue
+sites (the FFN up-projections: 2 per dual block, 1 per single block).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers.models.activations import GELU
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
@@ -42,8 +47,9 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import gated_residual, layernorm_scale_shift
+from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift, linear_gelu
 from ..patching import PatchState, register_adapter, site_attr
+from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
 from . import _rope_cache
 from ._mirror import mirrors
 
@@ -65,7 +71,11 @@ _PROCESSOR_CALL = "d5b36134887ebe45"
 
 def _norm_modulate(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of every FLUX adaLN site, as the
-    fused `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts)."""
+    fused `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts);
+    where the ``"high"`` tier is mounted, the modulate folded into the LayerNorm's affine (B == 1, else lossless)."""
+    tier = norm._fastpath_tier
+    if tier.mounted:
+        return layer_norm_affine(norm, x, scale, shift, tier.counters)
     return layernorm_scale_shift(norm, x, scale, shift, site)
 
 
@@ -125,6 +135,9 @@ def _mlp_into_concat(block: FluxSingleTransformerBlock, norm_hidden_states: torc
     the erf form (torch 2.13) leaves a strided ``out`` unwritten.
     """
     act = block.act_mlp
+    tier = block._fastpath_tier
+    if tier.mounted:  # quality="high": the up-projection and its GELU in one GEMM (no concatenation buffer)
+        return _up_proj_gelu(block.proj_mlp, act, norm_hidden_states, tier), None
     mlp = block.proj_mlp(norm_hidden_states)
     if torch.compiler.is_compiling():  # the compiler plans the cat itself
         return act(mlp), None
@@ -160,6 +173,25 @@ def _concat_attn_mlp(attn_output: torch.Tensor, mlp_hidden_states: torch.Tensor,
             return buffer
         site.fallback["attention output of another shape, dtype or device"] += 1
     return torch.cat([attn_output, mlp_hidden_states], dim=2)
+
+
+def _up_proj_gelu(linear: torch.nn.Linear, act: torch.nn.Module, x: torch.Tensor, tier) -> torch.Tensor:
+    """``act(linear(x))``, a FLUX FFN up-projection and its tanh-GELU: one cuBLASLt call with the GELU epilogue
+    where the tier site is mounted (quality="high"), else the two eager modules."""
+    if tier.mounted and type(linear) is torch.nn.Linear:  # a LoRA layer swapped in since mounting: lossless
+        return linear_gelu(x, linear.weight, linear.bias, tier.counters)
+    return act(linear(x))
+
+
+class FastpathGELU(GELU):
+    """diffusers' ``GELU`` (``proj`` + GELU) of a FLUX FFN, the up-projection and tanh-GELU fused into one GEMM while
+    its tier site is mounted (quality="high"); otherwise diffusers' own forward. Adds no state."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tier = self._fastpath_tier
+        if tier.mounted and type(self.proj) is torch.nn.Linear:
+            return linear_gelu(hidden_states, self.proj.weight, self.proj.bias, tier.counters)
+        return super().forward(hidden_states)
 
 
 class FastpathAdaLayerNormZero(AdaLayerNormZero):
@@ -251,8 +283,8 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
     """``FluxSingleTransformerBlock`` whose gated residual add is fused and whose two concatenations copy less.
 
     ``forward`` mirrors diffusers 0.42.1's line for line (checked by source digest at patch time); the two ``cat``
-    lines go through `_joint_tokens` and `_mlp_into_concat`/`_concat_attn_mlp`, the residual update through
-    `gated_residual`.
+    lines go through `_joint_tokens` and `_mlp_into_concat`/`_concat_attn_mlp` (the MLP line too: the block is the
+    ``linear_gelu`` tier site of its ``proj_mlp`` + ``act_mlp``), the residual update through `gated_residual`.
     """
 
     def forward(
@@ -395,6 +427,14 @@ class FastpathFluxAttnProcessor(FluxAttnProcessor):
             return hidden_states
 
 
+def _single_block_mlp_unfit(block: FluxSingleTransformerBlock) -> str | None:
+    return linear_gelu_unfit(block.proj_mlp, getattr(block.act_mlp, "approximate", None), bypassed=(block.act_mlp,))
+
+
+def _gelu_unfit(gelu: GELU) -> str | None:
+    return linear_gelu_unfit(gelu.proj, gelu.approximate)
+
+
 @register_adapter(FluxTransformer2DModel)
 def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     """Swap FLUX.1's adaLN modules, dual blocks, rotary embedding and attention processors (see module doc)."""
@@ -409,13 +449,17 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
         if kind is AdaLayerNormZero and swap_adaln:
             state.swap_class(module, FastpathAdaLayerNormZero)
             state.add_site(module, MODULATE)
+            mark_site(state, module.norm, LAYER_NORM_AFFINE, layer_norm_unfit)
         elif kind is AdaLayerNormZeroSingle and swap_adaln_single:
             state.swap_class(module, FastpathAdaLayerNormZeroSingle)
             state.add_site(module, MODULATE)
+            mark_site(state, module.norm, LAYER_NORM_AFFINE, layer_norm_unfit)
         elif kind is FluxTransformerBlock and swap_block:
             state.swap_class(module, FastpathFluxTransformerBlock)
             state.add_site(module.norm2, MODULATE)
             state.add_site(module.norm2_context, MODULATE)
+            mark_site(state, module.norm2, LAYER_NORM_AFFINE, layer_norm_unfit)
+            mark_site(state, module.norm2_context, LAYER_NORM_AFFINE, layer_norm_unfit)
             for gate in _BLOCK_GATES:
                 state.add_site(module, GATED_RESIDUAL, gate)
         elif kind is FluxSingleTransformerBlock and swap_single_block:
@@ -426,6 +470,10 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
                 state.add_site(module, JOINT_TOKENS_VIEW, "cat_tokens")
             state.add_site(module, CONCAT_IN_PLACE, "cat_attn_mlp")
             state.add_site(module, GATED_RESIDUAL, "gate")
+            mark_site(state, module, LINEAR_GELU, _single_block_mlp_unfit)
+        elif kind is GELU:
+            state.swap_class(module, FastpathGELU)
+            mark_site(state, module, LINEAR_GELU, _gelu_unfit)
         elif kind is FluxPosEmbed:
             _rope_cache.install(state, model, module, FastpathFluxPosEmbed, _ids_key)
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):

@@ -3,6 +3,8 @@
 from ._policy import OPS, FusedOp, Site
 from .layernorm_scale_shift import layernorm_scale_shift, layernorm_scale_shift_ref
 from .gated_residual import gated_residual, gated_residual_ref
+from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
+from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
@@ -21,6 +23,10 @@ __all__ = [
     "gated_rmsnorm_scale_shift_ref",
     "layernorm_scale_shift",
     "layernorm_scale_shift_ref",
+    "layer_norm_affine",
+    "layer_norm_affine_ref",
+    "linear_gelu",
+    "linear_gelu_ref",
     "modulate_scale_shift",
     "modulate_scale_shift_ref",
     "rmsnorm_scale_shift",

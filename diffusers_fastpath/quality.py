@@ -1,0 +1,200 @@
+"""Quality tiers: ``"lossless"`` (the default, bit-identical to unpatched diffusers) and ``"high"`` (opt-in
+approximate fusions, close to lossless).
+
+At patch time an adapter marks every place where an approximate fusion can run, a *tier site* (`TierSite`, kept
+on the module as ``module._fastpath_tier`` through the model's `PatchState`, so `unpatch` removes it). Mounting
+the ``"high"`` tier sets ``mounted`` on each site that can take its fusion; the patched forwards read that flag
+per call. All state lives on the modules of one model: two pipelines in one process can run different tiers.
+
+FLUX.1 has two kinds of site (114 + 57 per FLUX.1-dev step):
+
+- ``layer_norm_affine`` on each adaLN LayerNorm (``norm1.norm``, ``norm1_context.norm``, ``norm2``,
+  ``norm2_context``, the single blocks' ``norm.norm``): the modulate folded into the LayerNorm's affine
+  (`diffusers_fastpath.ops.layer_norm_affine`), one sample per call, else the lossless path;
+- ``linear_gelu`` on each FFN up-projection + tanh-GELU (the dual blocks' ``ff.net.0`` and ``ff_context.net.0``,
+  each single block's ``proj_mlp`` + ``act_mlp``): the GELU as the GEMM's cuBLASLt epilogue
+  (`diffusers_fastpath.ops.linear_gelu`).
+
+A site whose module cannot take its fusion (a quantized or LoRA-wrapped linear, a linear without bias, an
+activation that is not tanh-GELU, a module with hooks that a direct call would bypass) is not mounted; the mount log
+line and `report` say which and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ._logging import logger
+from .ops import Site
+from .patching import STATE_ATTR, PatchState, _check_quality, patched_models
+
+LOSSLESS = "lossless"
+HIGH = "high"
+TIER_ATTR = "_fastpath_tier"  # read directly (``norm._fastpath_tier``) by the patched forwards
+
+LAYER_NORM_AFFINE = "layer_norm_affine"
+LINEAR_GELU = "linear_gelu"
+
+
+class TierSite:
+    """One place where a ``"high"``-tier fusion can run.
+
+    Attributes:
+        op: the fused op that runs here when mounted.
+        mounted: whether the approximate path is on (read per call by the patched forward).
+        cannot: why this site's module cannot take the fusion (``None`` if it can); set at each mount/unmount.
+        counters: calls on the approximate path (``fast``) and calls sent to the lossless path, by reason.
+    """
+
+    def __init__(self, op: str, check: Callable[[nn.Module], str | None]) -> None:
+        self.op = op
+        self.check = check  # check(module) -> None if the fusion fits the module, else the reason it does not
+        self.mounted = False
+        self.cannot: str | None = None
+        self.counters = Site(op)
+
+    def __repr__(self) -> str:
+        return f"TierSite(op={self.op!r}, mounted={self.mounted}, cannot={self.cannot!r}, {self.counters})"
+
+
+def mark_site(state: PatchState, module: nn.Module, op: str, check: Callable[[nn.Module], str | None]) -> TierSite:
+    """Mark `module` as a site of the approximate `op` (unmounted), recorded in `state` so that `unpatch` removes it."""
+    site = TierSite(op, check)
+    state.set_attr(module, TIER_ATTR, site)
+    return site
+
+
+def tier_sites(model: nn.Module) -> Iterator[tuple[str, nn.Module, TierSite]]:
+    """``(name, module, site)`` for every tier site of `model`, in module order."""
+    for name, module in model.named_modules():
+        site = module.__dict__.get(TIER_ATTR)
+        if site is not None:
+            yield name, module, site
+
+
+# --- whether a module can take a fusion (checked at each mount) ----------------------------------------------------
+
+
+def _hooked(module: nn.Module) -> bool:
+    # A fused call reads the parameters directly, bypassing the module's forward: hooks (accelerate's offloading,
+    # diffusers' layerwise casting, which also replace ``forward`` on the instance) would not run.
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+
+
+def layer_norm_unfit(norm: nn.Module) -> str | None:
+    """Why the LayerNorm `norm` cannot take the affine fold, or ``None``."""
+    if type(norm) is not nn.LayerNorm:
+        return f"{type(norm).__name__} is not a plain nn.LayerNorm"
+    if norm.weight is not None or norm.bias is not None:
+        return "LayerNorm has its own affine"
+    if _hooked(norm):
+        return "LayerNorm has hooks"
+    return None
+
+
+def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tuple[nn.Module, ...] = ()) -> str | None:
+    """Why ``gelu(linear(x), approximate)`` cannot run as one GEMM with a tanh-GELU epilogue, or ``None``.
+    `bypassed` are further modules whose forward the fused call skips (their hooks would not run)."""
+    if approximate != "tanh":
+        return "activation is not the tanh GELU"
+    if type(linear) is not nn.Linear:
+        cls = type(linear)  # qualified: PEFT's LoRA layer is also called "Linear"
+        return f"{cls.__module__}.{cls.__qualname__} is not a plain nn.Linear (quantized or wrapped, e.g. by LoRA)"
+    weight = linear.weight
+    if type(weight) not in (nn.Parameter, torch.Tensor) or not weight.is_floating_point() or weight.element_size() < 2:
+        return f"weight is not a plain floating-point tensor ({type(weight).__name__}, {weight.dtype}: quantized)"
+    if linear.bias is None:
+        return "Linear has no bias"
+    if any(_hooked(m) for m in (linear, *bypassed)):
+        return "Linear or activation has hooks"
+    return None
+
+
+# --- mounting -----------------------------------------------------------------------------------------------------
+
+
+def set_tier(name: str, model: nn.Module, state: PatchState, tier: str) -> None:
+    """Make `tier` the current tier of the patched `model`: mount (``"high"``) or unmount (``"lossless"``) its sites.
+
+    Every site's fitness is re-checked (a LoRA adapter may have been loaded since). Mounting logs one line saying
+    what was mounted and what cannot be, and why (a warning when some site cannot).
+    """
+    _check_quality(tier)
+    sites = list(tier_sites(model))
+    was_mounted = sum(site.mounted for _, _, site in sites)
+    cannot: Counter[str] = Counter()
+    per_op: dict[str, list[int]] = {}
+    for _, module, site in sites:
+        site.cannot = site.check(module)
+        site.mounted = tier == HIGH and site.cannot is None
+        counts = per_op.setdefault(site.op, [0, 0])
+        counts[0] += site.mounted
+        counts[1] += 1
+        if site.cannot is not None:
+            cannot[site.cannot] += 1
+    state.quality = tier
+
+    mounted = sum(site.mounted for _, _, site in sites)
+    where = f"diffusers_fastpath: {name} ({type(model).__name__}): quality={tier}"
+    if tier == HIGH:
+        if not sites:
+            logger.info(f"{where}: this model has no high-tier fusion sites; it runs the lossless path")
+            return
+        ops = ", ".join(f"{op} {n}/{m}" for op, (n, m) in per_op.items())
+        line = f"{where}: mounted {mounted} of {len(sites)} sites ({ops})"
+        if cannot:
+            reasons = "; ".join(f"{reason}: {n}" for reason, n in cannot.items())
+            logger.warning(f"{line}; {sum(cannot.values())} cannot ({reasons}), they run the lossless path")
+        else:
+            logger.info(line)
+    elif was_mounted:
+        logger.info(f"{where}: unmounted {was_mounted} sites, every call takes the lossless path")
+
+
+@contextlib.contextmanager
+def quality(obj: Any, tier: str) -> Iterator[Any]:
+    """Run a patched pipeline or model at quality `tier` inside a ``with`` block; the previous tier comes back on exit.
+
+    ``"high"`` mounts the approximate fusions (output close to lossless: PSNR >= 35 dB and SSIM >= 0.97 on the decoded
+    image of a whole generation), ``"lossless"`` unmounts them (output ``torch.equal`` to unpatched diffusers). On
+    exit, also on an exception and when nested, every model gets back the tier it had on entry. The default tier is
+    the one given to `diffusers_fastpath.patch`.
+
+    Args:
+        obj: a pipeline or model patched with `diffusers_fastpath.patch`.
+        tier: ``"lossless"`` or ``"high"``.
+
+    Yields:
+        ``obj``.
+
+    Raises:
+        ValueError: `tier` is not a known tier, or `obj` is not patched.
+
+    Example:
+        >>> import diffusers_fastpath as fp
+        >>> fp.patch(pipe)  # doctest: +SKIP
+        >>> with fp.quality(pipe, "high"):  # doctest: +SKIP
+        ...     image = pipe(prompt).images[0]
+        >>> print(fp.report(pipe))  # doctest: +SKIP
+    """
+    _check_quality(tier)
+    models = patched_models(obj)
+    if not models:
+        raise ValueError(
+            f"diffusers_fastpath.quality: this {type(obj).__name__} is not patched; call diffusers_fastpath.patch(...) "
+            "on it first."
+        )
+    previous = [state.quality for _, _, state in models]
+    try:
+        for name, model, state in models:
+            set_tier(name, model, state, tier)
+        yield obj
+    finally:
+        for (name, model, state), tier_before in zip(models, previous):
+            if model.__dict__.get(STATE_ATTR) is state:  # unpatched inside the block: nothing left to restore
+                set_tier(name, model, state, tier_before)
