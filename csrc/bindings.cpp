@@ -169,6 +169,77 @@ std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& r
   return {residual_out, out};
 }
 
+
+// The Python guards admit [batch, seq, heads, dim] sources with unit innermost stride and 8-byte aligned rows, fp32
+// cos/sin [seq, dim] contiguous and 16-byte aligned, dim a multiple of 4 (at most 128 with norm); these checks keep
+// a direct call with bad input from reading out of bounds.
+RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
+                           double eps, const char* name) {
+  TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
+              "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == img.scalar_type() && x.device() == img.device(), "rotary: ", name,
+              " must match the image part in dtype and device");
+  TORCH_CHECK(x.stride(3) == 1 && x.stride(0) % 4 == 0 && x.stride(1) % 4 == 0 && x.stride(2) % 4 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "rotary: ", name, " rows must have unit innermost stride and be 8-byte aligned");
+  RotarySource src{x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), x.size(1), nullptr, 0.f};
+  if (weight.has_value()) {
+    const at::Tensor& w = *weight;
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(3) && w.is_contiguous() && w.scalar_type() == x.scalar_type() &&
+                    w.device() == x.device() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0,
+                "rotary: the RMSNorm weight must be a contiguous, 8-byte aligned [dim] vector of x's dtype");
+    src.weight = w.data_ptr();
+    src.eps = static_cast<float>(eps);  // aten's static_cast<acc_t>(eps) of the module's Python float
+  }
+  return src;
+}
+
+at::Tensor rotary_launch(const std::optional<at::Tensor>& x_txt, const std::optional<at::Tensor>& weight_txt,
+                         double eps_txt, const at::Tensor& x_img, const std::optional<at::Tensor>& weight_img,
+                         double eps_img, const at::Tensor& cos, const at::Tensor& sin, bool norm) {
+  TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
+  TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", x_img.sizes());
+  const int64_t dim = x_img.size(3);
+  TORCH_CHECK(dim % 4 == 0 && (!norm || dim <= 128), "rotary: dim must be a multiple of 4",
+              norm ? " and at most 128" : "");
+  RotaryArgs args;
+  args.dtype = to_dtype(x_img);
+  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x");
+  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt")
+                               : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
+  const int64_t seq = args.txt.seq + args.img.seq;
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == x_img.device() && t->is_contiguous() &&
+                    t->dim() == 2 && t->size(0) == seq && t->size(1) == dim &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "rotary: cos/sin must be contiguous, 16-byte aligned float32 [seq, dim] on x's device");
+  }
+  at::Tensor out = at::empty({x_img.size(0), seq, x_img.size(2), dim}, x_img.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x_img.device());
+  args.out = out.data_ptr();
+  args.cos = cos.data_ptr<float>();
+  args.sin = sin.data_ptr<float>();
+  args.batch = x_img.size(0);
+  args.heads = x_img.size(2);
+  args.dim = dim;
+  args.norm = norm;
+  const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rotary: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+at::Tensor rotary_emb(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rotary_launch(std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, /*norm=*/false);
+}
+
+at::Tensor qk_norm_rope(const std::optional<at::Tensor>& x_txt, const std::optional<at::Tensor>& weight_txt,
+                        double eps_txt, const at::Tensor& x_img, const at::Tensor& weight_img, double eps_img,
+                        const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x_txt.has_value() == weight_txt.has_value(), "qk_norm_rope: x_txt and weight_txt go together");
+  return rotary_launch(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, /*norm=*/true);
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -185,6 +256,10 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_gated_rmsnorm_scale_shift_cuda_out(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, "
       "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
+  m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
+      "float eps_img, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -194,4 +269,6 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::rmsnorm_scale_shift_out);
   m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);
   m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
+  m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);
+  m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
 }

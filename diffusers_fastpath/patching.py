@@ -19,6 +19,20 @@ from .ops import Site
 
 STATE_ATTR = "_fastpath_state"
 SITE_ATTR = "_fastpath_site"  # read directly (``self._fastpath_site``) by the patched forwards
+
+
+def site_attr(name: str | None = None) -> str:
+    """The attribute holding a module's site: ``SITE_ATTR``, or ``SITE_ATTR_<name>`` for a module with several."""
+    return SITE_ATTR if name is None else f"{SITE_ATTR}_{name}"
+
+
+def sites_of(module: nn.Module) -> list[tuple[str | None, Site]]:
+    """``(name, site)`` of every site `PatchState.add_site` put on `module` (name None for the unnamed one)."""
+    return [
+        (None if attr == SITE_ATTR else attr[len(SITE_ATTR) + 1 :], value)
+        for attr, value in module.__dict__.items()
+        if isinstance(value, Site) and (attr == SITE_ATTR or attr.startswith(SITE_ATTR + "_"))
+    ]
 QUALITIES = ("lossless",)
 
 Adapter = Callable[[nn.Module, "PatchState"], None]
@@ -57,9 +71,10 @@ class PatchState:
         module.__dict__[name] = value
         self._undo.append(lambda: module.__dict__.pop(name, None))
 
-    def add_site(self, module: nn.Module, op: str) -> Site:
+    def add_site(self, module: nn.Module, op: str, name: str | None = None) -> Site:
+        """Mark `module` as a call site of `op`; a module with several sites names each (see `site_attr`)."""
         site = Site(op)
-        self.set_attr(module, SITE_ATTR, site)
+        self.set_attr(module, site_attr(name), site)
         return site
 
     def set_processor(self, attn: nn.Module, processor: Any) -> None:
@@ -199,7 +214,7 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
             state.undo()
             raise
         model.__dict__[STATE_ATTR] = state
-        sites = sum(1 for m in model.modules() if SITE_ATTR in m.__dict__)
+        sites = sum(len(sites_of(m)) for m in model.modules())
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
     return obj
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
-from .patching import SITE_ATTR, patched_models
+from .patching import patched_models, sites_of
 
 
 @dataclass
@@ -99,10 +99,10 @@ def report(obj: Any) -> Report:
         processors = 0
         caches: dict[str, dict[str, int]] = {}
         for site_name, module in model.named_modules():
-            site = module.__dict__.get(SITE_ATTR)
-            if site is not None:
+            for suffix, site in sites_of(module):
+                label = site_name if suffix is None else f"{site_name}[{suffix}]"
                 rep.sites.append(
-                    SiteRow(name, site_name, type(module).__name__, site.op, site.fast, sum(site.fallback.values()), dict(site.fallback))
+                    SiteRow(name, label, type(module).__name__, site.op, site.fast, sum(site.fallback.values()), dict(site.fallback))
                 )
             if type(getattr(module, "processor", None)).__module__.startswith(__package__):
                 processors += 1

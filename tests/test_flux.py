@@ -54,8 +54,10 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     for _ in range(2):  # second call: rotary cache reused
         assert torch.equal(run(model, inputs), ref)
     rep = fp.report(model)
-    assert len(rep.sites) == 2 * 4 + 2 and rep.fast == 0  # CPU: every site fell back, each counted
-    assert all(s.fallback == 2 and s.reasons for s in rep.sites)
+    assert rep.fast == 0  # CPU: every site fell back, each counted
+    calls = {"modulate_scale_shift": 2, "qk_norm_rope": 4, "rotary_emb": 4}  # two forwards; q and k per attention
+    assert sorted(s.op for s in rep.sites) == sorted(["modulate_scale_shift"] * (2 * 4 + 2) + ["qk_norm_rope", "rotary_emb"] * 4)
+    assert all(s.fallback == calls[s.op] and len(s.reasons) == 1 for s in rep.sites), str(rep)
 
 
 def test_patched_pipeline_matches_unpatched(unpatch_after):
@@ -298,7 +300,9 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 10 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 10 + 2 * 4 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert "transformer.transformer_blocks.0.attn[qk_norm_rope] " in text
+    assert {"site": "transformer_blocks.0.attn[rotary_emb]", "op": "rotary_emb"}.items() <= data["sites"][3].items()
     assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
 
 
@@ -315,7 +319,7 @@ def test_env_switch_is_reported(monkeypatch, unpatch_after):
     run(model, flux_transformer_inputs(model, seed=28))
     rep = fp.report(model)
     assert rep.ops["modulate_scale_shift"] == REASON_ENV
-    assert all(s.reasons == {REASON_ENV: 1} for s in rep.sites)
+    assert all(s.reasons == {REASON_ENV: 2 if s.op in ("qk_norm_rope", "rotary_emb") else 1} for s in rep.sites)
 
 
 def test_patched_model_compiles_with_fullgraph(unpatch_after):
