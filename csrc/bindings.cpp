@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "fastpath.h"
 
 namespace diffusers_fastpath {
@@ -194,9 +196,11 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
   return src;
 }
 
-at::Tensor rotary_launch(const std::optional<at::Tensor>& x_txt, const std::optional<at::Tensor>& weight_txt,
-                         double eps_txt, const at::Tensor& x_img, const std::optional<at::Tensor>& weight_img,
-                         double eps_img, const at::Tensor& cos, const at::Tensor& sin, bool norm) {
+// Writes into `out` ([batch, seq_txt + seq_img, heads, dim], contiguous), or allocates it when `out` is undefined.
+at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
+                         const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
+                         const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
+                         const at::Tensor& sin, bool norm) {
   TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
   TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", x_img.sizes());
   const int64_t dim = x_img.size(3);
@@ -214,7 +218,15 @@ at::Tensor rotary_launch(const std::optional<at::Tensor>& x_txt, const std::opti
                     reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                 "rotary: cos/sin must be contiguous, 16-byte aligned float32 [seq, dim] on x's device");
   }
-  at::Tensor out = at::empty({x_img.size(0), seq, x_img.size(2), dim}, x_img.options());
+  const std::vector<int64_t> shape{x_img.size(0), seq, x_img.size(2), dim};
+  if (out.defined()) {
+    TORCH_CHECK(out.sizes() == at::IntArrayRef(shape) && out.is_contiguous() &&
+                    out.scalar_type() == x_img.scalar_type() && out.device() == x_img.device() &&
+                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
+                "rotary: out must be a contiguous, 8-byte aligned [batch, seq, heads, dim] tensor like x");
+  } else {
+    out = at::empty(shape, x_img.options());
+  }
   if (out.numel() == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x_img.device());
   args.out = out.data_ptr();
@@ -230,14 +242,33 @@ at::Tensor rotary_launch(const std::optional<at::Tensor>& x_txt, const std::opti
 }
 
 at::Tensor rotary_emb(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  return rotary_launch(std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, /*norm=*/false);
+  return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false);
+}
+
+void rotary_emb_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(out.defined(), "rotary_emb: out must be defined");
+  rotary_launch(out, std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false);
+}
+
+at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
+                             const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
+                             const at::Tensor& weight_img, double eps_img, const at::Tensor& cos,
+                             const at::Tensor& sin) {
+  TORCH_CHECK(x_txt.has_value() == weight_txt.has_value(), "qk_norm_rope: x_txt and weight_txt go together");
+  return rotary_launch(out, x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, /*norm=*/true);
 }
 
 at::Tensor qk_norm_rope(const std::optional<at::Tensor>& x_txt, const std::optional<at::Tensor>& weight_txt,
                         double eps_txt, const at::Tensor& x_img, const at::Tensor& weight_img, double eps_img,
                         const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x_txt.has_value() == weight_txt.has_value(), "qk_norm_rope: x_txt and weight_txt go together");
-  return rotary_launch(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, /*norm=*/true);
+  return qk_norm_rope_impl(at::Tensor(), x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin);
+}
+
+void qk_norm_rope_out(at::Tensor& out, const std::optional<at::Tensor>& x_txt,
+                      const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
+                      const at::Tensor& weight_img, double eps_img, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(out.defined(), "qk_norm_rope: out must be defined");
+  qk_norm_rope_impl(out, x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin);
 }
 
 }  // namespace
@@ -257,9 +288,13 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_gated_rmsnorm_scale_shift_cuda_out(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, "
       "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("_rotary_emb_cuda_out(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
   m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "_qk_norm_rope_cuda_out(Tensor(a!) out, Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, "
+      "Tensor weight_img, float eps_img, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -270,5 +305,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);
   m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
   m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);
+  m.impl("_rotary_emb_cuda_out", &diffusers_fastpath::rotary_emb_out);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
+  m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
 }
