@@ -416,3 +416,28 @@ def test_flux_output_stays_exact_and_rope_fused_when_the_norm_fails_verification
     assert all(s.fast == 4 and s.fallback == 0 for s in rope_sites)  # the pure rotary op took over
     assert fp.report(model).ops["qk_norm_rope"].startswith("disabled (RuntimeError: the fused kernel is not bit-exact")
     assert len([r for r in fastpath_log.records if "disabling the fused op 'qk_norm_rope'" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("joint", [True, False])
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_processor_matches_diffusers_on_a_lone_attention_module(joint, with_rope, guards_open, monkeypatch):
+    """The processor outside a patched model (no sites): dual- and single-stream attention, with and without a
+    rotary embedding, equal to diffusers' ``FluxAttnProcessor``."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+
+    from diffusers_fastpath.models.flux import FastpathFluxAttnProcessor
+    from diffusers_fastpath.testing import randomize_
+
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", QK_NORM_ROPE.ref)
+    kw = dict(added_kv_proj_dim=32, context_pre_only=False) if joint else dict(pre_only=True)
+    attn = randomize_(FluxAttention(query_dim=32, heads=2, dim_head=16, bias=True, eps=1e-6, **kw), seed=50)
+    attn = attn.to(torch.bfloat16).requires_grad_(False)
+    gen = torch.Generator().manual_seed(51)
+    hidden = torch.randn(2, 12, 32, generator=gen).to(torch.bfloat16)
+    context = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16) if joint else None
+    rope = rope_tables(12 + (5 if joint else 0), 16, "cpu", 52) if with_rope else None
+    ref = FluxAttnProcessor()(attn, hidden, context, None, rope)
+    out = FastpathFluxAttnProcessor()(attn, hidden, context, None, rope)
+    for got, want in zip(out if joint else (out,), ref if joint else (ref,)):
+        assert torch.equal(got, want)
+    assert QK_NORM_ROPE.verified == ({("bfloat16", 16)} if with_rope else set())

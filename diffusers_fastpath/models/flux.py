@@ -8,8 +8,7 @@ diffusers' own extension points:
 - ``FluxTransformerBlock``: the ``norm2``/``norm2_context`` modulates run through the same op (the block's
   ``forward`` mirrors diffusers 0.42.1's, checked by source digest at patch time).
 - ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
-  (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`
-  that also carries the broadcast views the attention processor reads.
+  (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`.
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
   ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`. The
   processor runs the QK RMSNorm, the text/image concatenation and the rotary embedding of q and of k as one fused
@@ -217,7 +216,8 @@ def _ids_key(args: tuple, kwargs: dict) -> _rope_cache.ForwardKey | None:
 class FastpathFluxAttnProcessor(FluxAttnProcessor):
     """``FluxAttnProcessor`` whose QK RMSNorm, text/image concatenation of q and k, and rotary embedding run as one
     fused op per tensor (`qk_norm_rope`; where the norm cannot be fused, its fallback keeps the exact fused
-    `rotary_emb`). Counts its calls on the attention module's sites ``QK_NORM_ROPE_SITE`` and ``ROTARY_SITE``.
+    `rotary_emb`). Counts its calls on the attention module's two sites (``[qk_norm_rope]``, ``[rotary_emb]`` in
+    `report`); a module without them (not patched by `patch`) runs the same code uncounted.
 
     ``__call__`` mirrors diffusers 0.42.1's (checked by source digest at patch time); the q/k norm, cat and rotary
     lines are replaced by the fused op, the rest is unchanged (``value`` is still concatenated by ``torch.cat``).
