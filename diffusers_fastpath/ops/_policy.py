@@ -1,7 +1,8 @@
 """The one fallback policy that every fused op follows.
 
 - A *guard* decides per call whether the fused kernel can take these inputs. When it cannot, the eager reference
-  runs and the result is still exact; the reason is counted at the call site.
+  runs (or the op's exact *fallback*, e.g. eager for a self-verified part and a smaller fused op for the rest) and
+  the result is still exact; the reason is counted at the call site.
 - The first exception from a fused kernel (a failed build, a launch error) logs one warning and disables that op
   for the process; its calls run the eager reference from then on.
 - Inside ``torch.compile`` tracing nothing is swallowed: the op is emitted as its registered custom op (with a fake
