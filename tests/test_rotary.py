@@ -195,6 +195,26 @@ def test_references_are_the_flux_processor_expressions():
         assert torch.equal(rotary_emb_ref(x_img, cos[5:], sin[5:]), apply_rotary_emb(x_img, (cos[5:], sin[5:]), sequence_dim=1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernels_rope_formula_is_eager_bit_for_bit(dtype):
+    """csrc/rotary.cu's per-pair formula, emulated with separate fp32 ops, against diffusers' apply_rotary_emb on
+    random and special values (NaN, inf, signed zeros): the same bits."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 16, 3, 32, generator=gen).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, torch.finfo(dtype).max], dtype=dtype)
+    mask = torch.rand(x.shape, generator=gen) < 0.3
+    x = torch.where(mask, specials[torch.randint(0, 6, x.shape, generator=gen)], x)
+    cos, sin = rope_tables(16, 32, "cpu", 9)
+    cos[::3, ::4], sin[1::5, ::3] = -0.0, float("inf")
+    xf, c, s = x.float(), cos[None, :, None, :], sin[None, :, None, :]
+    a, b = xf[..., 0::2], xf[..., 1::2]
+    out = torch.empty_like(xf)
+    out[..., 0::2] = a * c[..., 0::2] + (-b) * s[..., 0::2]
+    out[..., 1::2] = b * c[..., 1::2] + a * s[..., 1::2]
+    ref = rotary_emb_ref(x, cos, sin)
+    assert ref.isnan().any() and torch.equal(out.to(dtype).view(torch.int16), ref.view(torch.int16))
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
