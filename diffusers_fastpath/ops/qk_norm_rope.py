@@ -12,8 +12,8 @@ has the input's dtype: ``aten::rms_norm`` -> ``_fused_rms_norm`` -> ``_fused_rms
 (``aten/src/ATen/native/layer_norm.cpp``, ``rms_norm_symint``; ``aten/src/ATen/native/cuda/layer_norm_kernel.cu``,
 ``vectorized_layer_norm_kernel<T, float, rms_norm=true>`` with block (32, 16) and four elements per lane). Its sum of
 squares is a per-lane FMA chain over four elements, then a shuffle-down tree (16, 8, 4, 2, 1), then ``/ D``,
-``+ eps``, ``rsqrtf``, and ``round(w * (rstd * x))`` (every step is in ``csrc/rotary.cu``). That order belongs to
-the aten build, so the op verifies itself: the first fast call of each (dtype, head_dim) is compared with the eager
+``+ eps``, ``rsqrtf``, and ``round(w * (rstd * x))`` (every step is in ``csrc/rotary.cu``; read off the sm_90 SASS
+of torch 2.11.0+cu130's kernel, bf16 and fp16). That order belongs to the aten build, so the op verifies itself: the first fast call of each (dtype, head_dim) is compared with the eager
 chain by ``torch.equal``; on a mismatch the op is disabled for the process with one warning, and its calls run the
 norms and the concatenation eagerly followed by the exact fused `rotary_emb`, so only the norm fusion is lost.
 
