@@ -11,6 +11,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "fastpath.h"
 
 namespace diffusers_fastpath {
@@ -272,6 +274,105 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
   return out;
 }
 
+// The Python guards admit [batch, seq, heads, dim] sources with unit innermost stride and 8-byte aligned rows, fp32
+// cos/sin [seq, dim] contiguous and 16-byte aligned, dim a multiple of 4 (at most 128 with norm); these checks keep
+// a direct call with bad input from reading out of bounds.
+RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
+                           double eps, const char* name) {
+  TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
+              "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == img.scalar_type() && x.device() == img.device(), "rotary: ", name,
+              " must match the image part in dtype and device");
+  TORCH_CHECK(x.stride(3) == 1 && x.stride(0) % 4 == 0 && x.stride(1) % 4 == 0 && x.stride(2) % 4 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "rotary: ", name, " rows must have unit innermost stride and be 8-byte aligned");
+  RotarySource src{x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), x.size(1), nullptr, 0.f};
+  if (weight.has_value()) {
+    const at::Tensor& w = *weight;
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(3) && w.is_contiguous() && w.scalar_type() == x.scalar_type() &&
+                    w.device() == x.device() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0,
+                "rotary: the RMSNorm weight must be a contiguous, 8-byte aligned [dim] vector of x's dtype");
+    src.weight = w.data_ptr();
+    src.eps = static_cast<float>(eps);  // aten's static_cast<acc_t>(eps) of the module's Python float
+  }
+  return src;
+}
+
+// Writes into `out` ([batch, seq_txt + seq_img, heads, dim], contiguous), or allocates it when `out` is undefined.
+at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
+                         const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
+                         const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
+                         const at::Tensor& sin, bool norm) {
+  TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
+  TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", x_img.sizes());
+  const int64_t dim = x_img.size(3);
+  TORCH_CHECK(dim % 4 == 0 && (!norm || dim <= 128), "rotary: dim must be a multiple of 4",
+              norm ? " and at most 128" : "");
+  RotaryArgs args;
+  args.dtype = to_dtype(x_img);
+  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x");
+  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt")
+                               : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
+  const int64_t seq = args.txt.seq + args.img.seq;
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == x_img.device() && t->is_contiguous() &&
+                    t->dim() == 2 && t->size(0) == seq && t->size(1) == dim &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "rotary: cos/sin must be contiguous, 16-byte aligned float32 [seq, dim] on x's device");
+  }
+  const std::vector<int64_t> shape{x_img.size(0), seq, x_img.size(2), dim};
+  if (out.defined()) {
+    TORCH_CHECK(out.sizes() == at::IntArrayRef(shape) && out.is_contiguous() &&
+                    out.scalar_type() == x_img.scalar_type() && out.device() == x_img.device() &&
+                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
+                "rotary: out must be a contiguous, 8-byte aligned [batch, seq, heads, dim] tensor like x");
+  } else {
+    out = at::empty(shape, x_img.options());
+  }
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x_img.device());
+  args.out = out.data_ptr();
+  args.cos = cos.data_ptr<float>();
+  args.sin = sin.data_ptr<float>();
+  args.batch = x_img.size(0);
+  args.heads = x_img.size(2);
+  args.dim = dim;
+  args.norm = norm;
+  const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rotary: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+at::Tensor rotary_emb(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false);
+}
+
+void rotary_emb_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(out.defined(), "rotary_emb: out must be defined");
+  rotary_launch(out, std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false);
+}
+
+at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
+                             const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
+                             const at::Tensor& weight_img, double eps_img, const at::Tensor& cos,
+                             const at::Tensor& sin) {
+  TORCH_CHECK(x_txt.has_value() == weight_txt.has_value(), "qk_norm_rope: x_txt and weight_txt go together");
+  return rotary_launch(out, x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, /*norm=*/true);
+}
+
+at::Tensor qk_norm_rope(const std::optional<at::Tensor>& x_txt, const std::optional<at::Tensor>& weight_txt,
+                        double eps_txt, const at::Tensor& x_img, const at::Tensor& weight_img, double eps_img,
+                        const at::Tensor& cos, const at::Tensor& sin) {
+  return qk_norm_rope_impl(at::Tensor(), x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin);
+}
+
+void qk_norm_rope_out(at::Tensor& out, const std::optional<at::Tensor>& x_txt,
+                      const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
+                      const at::Tensor& weight_img, double eps_img, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(out.defined(), "qk_norm_rope: out must be defined");
+  qk_norm_rope_impl(out, x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin);
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -293,6 +394,14 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
+  m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("_rotary_emb_cuda_out(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
+      "float eps_img, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "_qk_norm_rope_cuda_out(Tensor(a!) out, Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, "
+      "Tensor weight_img, float eps_img, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -307,4 +416,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
+  m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);
+  m.impl("_rotary_emb_cuda_out", &diffusers_fastpath::rotary_emb_out);
+  m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
+  m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
 }

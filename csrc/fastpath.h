@@ -94,4 +94,36 @@ struct LayerNormScaleShiftArgs {
 
 cudaError_t launch_layernorm_scale_shift(const LayerNormScaleShiftArgs& args, cudaStream_t stream);
 
+// One [batch, seq, heads, dim] source of the rotary kernel: row (b, s, h) starts at
+// ptr + b * stride_b + s * stride_s + h * stride_h; unit innermost stride.
+struct RotarySource {
+  const void* ptr;
+  int64_t stride_b;
+  int64_t stride_s;
+  int64_t stride_h;
+  int64_t seq;
+  const void* weight;  // [dim] RMSNorm weight (norm only)
+  float eps;           // RMSNorm eps as aten's float opmath sees it (norm only)
+};
+
+// diffusers' apply_rotary_emb(x, (cos, sin), sequence_dim=1) on the concatenation [txt; img] along the sequence,
+// optionally after torch.nn.RMSNorm over dim of each source (see rotary.cu for every rounding point):
+//   y        = norm ? round(w * (rsqrt(sum(x^2) / dim + eps) * x)) : x
+//   out[2i]   = round(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i])
+//   out[2i+1] = round(y[2i+1] * cos[2i+1] + y[2i] * sin[2i+1])
+struct RotaryArgs {
+  void* out;           // [batch, txt.seq + img.seq, heads, dim], contiguous
+  RotarySource txt;    // first along the sequence; txt.seq may be 0
+  RotarySource img;
+  const float* cos;    // [txt.seq + img.seq, dim], contiguous
+  const float* sin;
+  int64_t batch;
+  int64_t heads;
+  int64_t dim;         // a multiple of 4; at most 128 with norm
+  bool norm;
+  DType dtype;
+};
+
+cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
+
 }  // namespace diffusers_fastpath

@@ -22,7 +22,6 @@ SITE_ATTR = "_fastpath_site"  # read directly (``self._fastpath_site``) by the p
 QUALITIES = ("lossless", "high")
 
 
-
 def site_attr(name: str | None = None) -> str:
     """The attribute that holds a module's site named `name` (``None``: its one unnamed site)."""
     return SITE_ATTR if name is None else f"{SITE_ATTR}_{name}"

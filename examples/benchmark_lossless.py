@@ -25,7 +25,9 @@ from diffusers_fastpath.ops import (
     gated_rmsnorm_scale_shift_ref,
     modulate_scale_shift,
     modulate_scale_shift_ref,
+    qk_norm_rope_ref,
     rmsnorm_scale_shift_ref,
+    rotary_emb_ref,
 )
 from diffusers_fastpath.ops._build import load_extension
 from diffusers_fastpath.testing import (
@@ -125,6 +127,51 @@ def bench_kernels(dtype):
     return rows
 
 
+def bench_rotary_kernels(dtype):
+    """FLUX.1-dev's attention at 1024x1024: the rotary embedding alone (single block, text part) and fused with the
+    QK RMSNorm and the text/image concatenation (dual block: 512 + 4096 tokens; single block: 4608)."""
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    heads, dim = 24, 128
+    rows = []
+    norms = [torch.nn.RMSNorm(dim, eps=1e-6).to("cuda", dtype).requires_grad_(False) for _ in range(2)]
+    for norm in norms:
+        norm.weight.normal_(1.0, 0.1)
+    for txt, img in [(0, 4608), (0, 512), (512, 4096)]:
+        seq = txt + img
+        cos, sin = (torch.rand(seq, dim, device="cuda") * 2 - 1 for _ in range(2))
+        sets = []
+        for _ in range(6):  # 6 x 28 MB inputs (+ outputs) rotate well past the 60 MB L2
+            x_txt = torch.randn(1, txt, heads, dim, device="cuda", dtype=dtype) if txt else None
+            x_img = torch.randn(1, img, heads, dim, device="cuda", dtype=dtype)
+            sets.append((x_txt, x_img, torch.empty(1, seq, heads, dim, device="cuda", dtype=dtype)))
+        e = sets[0][2].numel() * sets[0][2].element_size()
+        tables = 2 * cos.numel() * 4
+        copy_sets = [tuple(torch.empty_like(sets[0][2]) for _ in range(2)) for _ in range(6)]
+        copy = gpu_time_us(lambda a, b: b.copy_(a), copy_sets)
+        if txt == 0:
+            x = sets[0][1]
+            assert torch.equal(ops._rotary_emb_cuda(x, cos, sin), rotary_emb_ref(x, cos, sin))
+            rows.append(_row(
+                "rotary_emb", (1, seq, heads, dim), dtype,
+                gpu_time_us(lambda t, i, o: rotary_emb_ref(i, cos, sin), sets),
+                gpu_time_us(lambda t, i, o: ops._rotary_emb_cuda(i, cos, sin), sets),
+                copy, 2 * e + tables, 2 * e,
+            ))
+        n_txt, n_img = (norms[0] if txt else None), norms[1]
+        w_txt, eps_txt = (n_txt.weight, n_txt.eps) if txt else (None, 0.0)
+        fused = lambda t, i, o: ops._qk_norm_rope_cuda(t, w_txt, eps_txt, i, n_img.weight, n_img.eps, cos, sin)  # noqa: E731
+        x_txt, x_img, _ = sets[0]
+        exact = torch.equal(fused(x_txt, x_img, None), qk_norm_rope_ref(n_txt, x_txt, n_img, x_img, cos, sin))
+        rows.append(_row(
+            "qk_norm_rope" + ("" if exact else " (NOT bit-exact here: the op disables itself)"), (1, seq, heads, dim), dtype,
+            gpu_time_us(lambda t, i, o: qk_norm_rope_ref(n_txt, t, n_img, i, cos, sin), sets),
+            gpu_time_us(fused, sets),
+            copy, 2 * e + tables, 2 * e,
+        ))
+    return rows
+
+
 def host_us_per_call(dtype, calls=2000):
     """Host time to enqueue one call (tiny tensors, so the GPU is never the limit)."""
     x = torch.randn(1, 17, 64, device="cuda", dtype=dtype)
@@ -200,7 +247,8 @@ def bench_step(config, height, width, repeats, dtype):
         lossless_ms_all=times["lossless"],
         bitwise_identical=bool(torch.equal(outs["eager"], outs["lossless"])),
         sites=len(rep.sites),
-        sites_all_fast=all(s.fallback == 0 and s.fast > 0 for s in rep.sites),
+        # a rotary_emb site runs only where its attention's fused QK norm cannot: 0 calls there is the fast case
+        sites_all_fast=all(s.fallback == 0 and (s.fast > 0 or s.op == "rotary_emb") for s in rep.sites),
         report=str(rep).splitlines()[:3],
     )
 
@@ -242,7 +290,7 @@ def main():
     load_extension()
     result = dict(conditions=conditions(), extension_load_s=time.perf_counter() - t0)
     result["kernels"] = [] if args.skip_kernels else (
-        bench_rmsnorm_kernels(dtype) if args.model.startswith("ernie") else bench_kernels(dtype)
+        bench_rmsnorm_kernels(dtype) if args.model.startswith("ernie") else bench_kernels(dtype) + bench_rotary_kernels(dtype)
     )
     result["host_us_per_call"] = {} if args.skip_kernels else host_us_per_call(dtype)
     if not args.skip_step:

@@ -28,7 +28,7 @@ def run(model, inputs):
         return model(**inputs).sample
 
 
-FUSED_OPS = {"modulate_scale_shift", "gated_residual"}
+FUSED_OPS = {"modulate_scale_shift", "layernorm_scale_shift", "gated_residual", "qk_norm_rope", "rotary_emb"}
 
 
 def fused_sites(rep):
@@ -67,12 +67,14 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     for _ in range(2):  # second call: rotary cache reused
         assert torch.equal(run(model, inputs), ref)
     rep = fp.report(model)
-    # per dual block 4 modulate + 4 gated residual sites; per single block 1 + 1, and 2 concatenation sites (the
-    # first single block's token concatenation is no site: its inputs are always two tensors)
-    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1
+    # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, and 2 concatenation sites
+    # (the first single block's token concatenation is no site: its inputs are always two tensors); per attention
+    # module 2 (the fused QK norm + rotary, and the pure rotary it falls back to)
+    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2
     assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
     reason = "dtype float32" if dtype == torch.float32 else "device cpu"
-    assert all(s.fast == 0 and s.reasons == {reason: 2} for s in fused_sites(rep))  # CPU: every call fell back
+    calls = {"qk_norm_rope": 4, "rotary_emb": 4}  # two forwards; q and k per attention
+    assert all(s.fast == 0 and s.reasons == {reason: calls.get(s.op, 2)} for s in fused_sites(rep)), str(rep)
     cat_tokens = sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)
     assert "single_transformer_blocks.0:cat_tokens" not in cat_tokens
     assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 2  # the previous block's output, no copy
@@ -324,9 +326,11 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 23 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 23 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
     assert data["ops"]["gated_residual"] == "enabled"
+    assert "transformer.transformer_blocks.0.attn:qk_norm_rope " in text
+    assert any({"site": "transformer_blocks.0.attn:rotary_emb", "op": "rotary_emb"}.items() <= row.items() for row in data["sites"])
     assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
 
 
@@ -344,7 +348,7 @@ def test_env_switch_is_reported(monkeypatch, unpatch_after):
     rep = fp.report(model)
     assert rep.ops["modulate_scale_shift"] == REASON_ENV
     assert rep.ops["gated_residual"] == REASON_ENV
-    assert all(s.reasons == {REASON_ENV: 1} for s in fused_sites(rep))
+    assert all(s.reasons == {REASON_ENV: 2 if s.op in ("qk_norm_rope", "rotary_emb") else 1} for s in fused_sites(rep))
 
 
 def test_patched_model_compiles_with_fullgraph(unpatch_after):

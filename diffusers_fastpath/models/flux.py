@@ -15,17 +15,19 @@ diffusers' own extension points:
   ``proj_out`` is built in place: the tanh-GELU writes into the right columns of the concatenation buffer and only
   the attention output is copied into the left ones (CUDA). Both rewrites move values, never change them.
 - ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
-  (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`
-  that also carries the broadcast views the attention processor reads.
+  (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`.
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
-  ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`.
+  ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`. The
+  processor runs the QK RMSNorm, the text/image concatenation and the rotary embedding of q and of k as one fused
+  `qk_norm_rope` each (self-verified; where it cannot run, the norms run eagerly and the rotary embedding as the
+  exact fused `rotary_emb`). Each such module carries two sites, ``qk_norm_rope`` and ``rotary_emb``.
 - ``GELU`` (the dual blocks' ``ff.net.0``/``ff_context.net.0``): `FastpathGELU`, the lossless forward until the
   ``"high"`` tier mounts its site.
 
 Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
-sites, 75 concatenation sites, 57 attention processors and one rotary cache; and for the ``"high"`` tier
-(`diffusers_fastpath.quality`) 114 LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue
-sites (the FFN up-projections: 2 per dual block, 1 per single block).
+sites, 75 concatenation sites, 57 attention processors with 114 fused QK norm + rotary calls, and one rotary
+cache; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114 LayerNorm-affine-folding sites (the adaLN
+LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual block, 1 per single block).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from typing import Any
 import torch
 from diffusers.models.activations import GELU
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 from diffusers.models.transformers.transformer_flux import (
     FluxAttention,
@@ -47,7 +48,7 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift, linear_gelu
+from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
 from ..patching import PatchState, register_adapter, site_attr
 from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
 from . import _rope_cache
@@ -60,6 +61,10 @@ CONCAT_IN_PLACE = "concat_in_place"  # cat([attn, gelu(mlp)], dim=2) built in on
 
 # The sites of a dual block, named after diffusers' gate variables, and of a single block.
 _BLOCK_GATES = ("gate_msa", "gate_mlp", "c_gate_msa", "c_gate_mlp")
+QK_NORM_ROPE = "qk_norm_rope"  # an attention module's fused QK norm + concatenation + rotary embedding
+ROTARY = "rotary_emb"  # the fused rotary embedding it falls back to where the norm cannot be fused
+_QK_NORM_ROPE_ATTR = site_attr(QK_NORM_ROPE)
+_ROTARY_ATTR = site_attr(ROTARY)
 
 # sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
 _ADALN_ZERO_FORWARD = "93374820c014f812"
@@ -321,16 +326,13 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
 class FluxRotaryCache(tuple):
     """``(freqs_cos, freqs_sin)`` exactly as ``FluxPosEmbed`` returns them, built once per set of position ids.
 
-    Still a tuple, so every processor that unpacks ``cos, sin = image_rotary_emb`` (IP-adapter, a user's own)
-    keeps working; `FastpathFluxAttnProcessor` reads the ``[1, S, 1, D]`` broadcast views made once here instead
-    of re-deriving them in each of the 57 attention calls of a step.
+    A plain tuple, so every processor that unpacks ``cos, sin = image_rotary_emb`` (IP-adapter, a user's own)
+    keeps working; `FastpathFluxAttnProcessor` hands the fp32 ``[S, D]`` tables to the fused rotary kernels as they
+    are.
     """
 
     def __new__(cls, cos: torch.Tensor, sin: torch.Tensor) -> "FluxRotaryCache":
-        self = super().__new__(cls, (cos, sin))
-        self.cos_view = cos[None, :, None, :]
-        self.sin_view = sin[None, :, None, :]
-        return self
+        return super().__new__(cls, (cos, sin))
 
 
 class FastpathFluxPosEmbed(FluxPosEmbed):
@@ -353,19 +355,14 @@ def _ids_key(args: tuple, kwargs: dict) -> _rope_cache.ForwardKey | None:
     return None
 
 
-def _apply_rotary_emb(x: torch.Tensor, rope) -> torch.Tensor:
-    """``apply_rotary_emb(x, rope, sequence_dim=1)``, reading a `FluxRotaryCache`'s prebuilt broadcast views."""
-    if type(rope) is not FluxRotaryCache:
-        return apply_rotary_emb(x, rope, sequence_dim=1)
-    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
-    return (x.float() * rope.cos_view + x_rotated.float() * rope.sin_view).to(x.dtype)
-
-
 class FastpathFluxAttnProcessor(FluxAttnProcessor):
-    """``FluxAttnProcessor`` that consumes the hoisted `FluxRotaryCache`.
+    """``FluxAttnProcessor`` whose QK RMSNorm, text/image concatenation of q and k, and rotary embedding run as one
+    fused op per tensor (`qk_norm_rope`; where the norm cannot be fused, its fallback keeps the exact fused
+    `rotary_emb`). Counts its calls on the attention module's two sites (``[qk_norm_rope]``, ``[rotary_emb]`` in
+    `report`); a module without them (not patched by `patch`) runs the same code uncounted.
 
-    ``__call__`` mirrors diffusers 0.42.1's (checked by source digest at patch time); only the rotary lines differ.
+    ``__call__`` mirrors diffusers 0.42.1's (checked by source digest at patch time); the q/k norm, cat and rotary
+    lines are replaced by the fused op, the rest is unchanged (``value`` is still concatenated by ``torch.cat``).
     """
 
     def __call__(
@@ -384,24 +381,31 @@ class FastpathFluxAttnProcessor(FluxAttnProcessor):
         key = key.unflatten(-1, (-1, attn.head_dim))
         value = value.unflatten(-1, (-1, attn.head_dim))
 
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
-
-        if attn.added_kv_proj_dim is not None:
+        joint = attn.added_kv_proj_dim is not None
+        if joint:
             encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
             encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
             encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-
-            encoder_query = attn.norm_added_q(encoder_query)
-            encoder_key = attn.norm_added_k(encoder_key)
-
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
             value = torch.cat([encoder_value, value], dim=1)
 
         if image_rotary_emb is not None:
-            query = _apply_rotary_emb(query, image_rotary_emb)
-            key = _apply_rotary_emb(key, image_rotary_emb)
+            cos, sin = image_rotary_emb
+            site = attn.__dict__.get(_QK_NORM_ROPE_ATTR)
+            rope_site = attn.__dict__.get(_ROTARY_ATTR)
+            if joint:
+                query = qk_norm_rope(attn.norm_added_q, encoder_query, attn.norm_q, query, cos, sin, site, rope_site)
+                key = qk_norm_rope(attn.norm_added_k, encoder_key, attn.norm_k, key, cos, sin, site, rope_site)
+            else:
+                query = qk_norm_rope(None, None, attn.norm_q, query, cos, sin, site, rope_site)
+                key = qk_norm_rope(None, None, attn.norm_k, key, cos, sin, site, rope_site)
+        else:  # diffusers' lines: nothing to fuse the norms with
+            query = attn.norm_q(query)
+            key = attn.norm_k(key)
+            if joint:
+                encoder_query = attn.norm_added_q(encoder_query)
+                encoder_key = attn.norm_added_k(encoder_key)
+                query = torch.cat([encoder_query, query], dim=1)
+                key = torch.cat([encoder_key, key], dim=1)
 
         hidden_states = dispatch_attention_fn(
             query,
@@ -478,3 +482,7 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             _rope_cache.install(state, model, module, FastpathFluxPosEmbed, _ids_key)
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):
         state.replace_processors(model, FluxAttention, FluxAttnProcessor, FastpathFluxAttnProcessor)
+        for module in model.modules():
+            if isinstance(module, FluxAttention) and type(module.processor) is FastpathFluxAttnProcessor:
+                state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
+                state.add_site(module, ROTARY, name=ROTARY)

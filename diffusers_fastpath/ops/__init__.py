@@ -6,12 +6,14 @@ from .gated_residual import gated_residual, gated_residual_ref
 from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
     gated_rmsnorm_scale_shift_ref,
     rmsnorm_scale_shift,
     rmsnorm_scale_shift_ref,
 )
+from .rotary import rotary_emb, rotary_emb_ref
 
 __all__ = [
     "OPS",
@@ -29,6 +31,10 @@ __all__ = [
     "linear_gelu_ref",
     "modulate_scale_shift",
     "modulate_scale_shift_ref",
+    "qk_norm_rope",
+    "qk_norm_rope_ref",
     "rmsnorm_scale_shift",
     "rmsnorm_scale_shift_ref",
+    "rotary_emb",
+    "rotary_emb_ref",
 ]

@@ -1,7 +1,8 @@
 """The one fallback policy that every fused op follows.
 
 - A *guard* decides per call whether the fused kernel can take these inputs. When it cannot, the eager reference
-  runs and the result is still exact; the reason is counted at the call site.
+  runs (or the op's exact *fallback*, e.g. eager for a self-verified part and a smaller fused op for the rest) and
+  the result is still exact; the reason is counted at the call site.
 - The first exception from a fused kernel (a failed build, a launch error) logs one warning and disables that op
   for the process; its calls run the eager reference from then on.
 - Inside ``torch.compile`` tracing nothing is swallowed: the op is emitted as its registered custom op (with a fake
@@ -66,6 +67,10 @@ class FusedOp:
         custom_op: the registered ``torch.library`` op that ``torch.compile`` sees.
         verify_key: for ops that verify themselves, ``verify_key(*args)`` names the signature (whatever decides the
             platform kernel's order, e.g. dtype and row length) that one ``torch.equal`` check vouches for.
+        fallback: what runs instead of the kernel (guard refused, op disabled, unverified under ``torch.compile``);
+            defaults to ``ref``. An op that fuses an exact-by-construction op with a self-verified one falls back to
+            eager for the verified part only and keeps the other fused; ``ref`` stays the pure eager expression
+            that verification compares against.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class FusedOp:
         kernel: Callable[..., torch.Tensor],
         custom_op: Callable[..., torch.Tensor],
         verify_key: Callable[..., Hashable] | None = None,
+        fallback: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.name = name
         self.ref = ref
@@ -84,6 +90,7 @@ class FusedOp:
         self.kernel = kernel
         self.custom_op = custom_op
         self.verify_key = verify_key
+        self.fallback = fallback
         self.verified: set = set()  # signatures whose first fast call matched eager bit for bit
         self.disabled: str | None = None  # why the op was disabled for this process, if it was
         self.env_disabled = _env_disabled()
@@ -99,7 +106,7 @@ class FusedOp:
                 and (self.verify_key is None or self.verify_key(*args) in self.verified)
             ):
                 return self.custom_op(*args)
-            return self.ref(*args)
+            return self._fall_back(*args)
 
         if self.env_disabled:
             reason = REASON_ENV
@@ -122,7 +129,10 @@ class FusedOp:
                         return out
         if site is not None:
             site.fallback[reason] += 1
-        return self.ref(*args)
+        return self._fall_back(*args)
+
+    def _fall_back(self, *args):
+        return (self.fallback or self.ref)(*args)
 
     def _verified(self, out, args) -> bool:
         key = self.verify_key(*args)

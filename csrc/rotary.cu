@@ -1,0 +1,144 @@
+// diffusers' rotary embedding on q or k, optionally fused with the torch.nn.RMSNorm before it and with the
+// text/image concatenation of FLUX's dual blocks, bit-identical to the eager chain.
+//
+// RoPE, eager (diffusers.models.embeddings.apply_rotary_emb, use_real=True, use_real_unbind_dim=-1), x in T = bf16
+// or fp16, cos/sin fp32 [S, D]:
+//   x_rotated = stack([-x_imag, x_real], -1).flatten(3)   # T; negation is exact
+//   out = (x.float() * cos + x_rotated.float() * sin).to(T)
+// i.e. two fp32 products, one fp32 add (aten's add is `a + alpha * b` with alpha = 1, exact even if contracted),
+// one rounding to T:
+//   out[2i]   = round(x[2i] * cos[2i] + (-x[2i+1]) * sin[2i])
+//   out[2i+1] = round(x[2i+1] * cos[2i+1] + x[2i] * sin[2i+1])
+// with __fmul_rn/__fadd_rn so that nvcc cannot contract a product into the add. Exact by construction on any
+// input: every NaN, inf and signed zero comes out of the same IEEE operations as in eager.
+//
+// RMSNorm (norm = true), eager torch.nn.RMSNorm(D) with a weight of x's dtype on CUDA: aten::rms_norm calls
+// _fused_rms_norm, whose CUDA kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu,
+// vectorized_layer_norm_kernel<T, float, rms_norm=true>, taken for 8-byte aligned rows with D % 4 == 0) runs one
+// block (32, 16) per row. For D <= 128 only the first D/4 lanes of warp 0 hold data, four elements each
+// (aligned_vector<T, 4>), and:
+//   s_l  = fma(x3, x3, fma(x2, x2, fma(x1, x1, fma(x0, x0, 0))))  # `sigma2 + val * val`, contracted by nvcc
+//   tot  = shuffle-down tree over offsets 16, 8, 4, 2, 1             # lanes without data add 0
+//          (the shared-memory combine with the other 15 warps then adds exact zeros)
+//   rstd = rsqrtf(tot / D + eps)                                     # IEEE division, c10::cuda::compat::rsqrt
+//   y    = round(w * (rstd * x))                                     # two fp32 products, one rounding
+// Checked against the sm_90 SASS of that kernel in torch 2.11.0+cu130's libtorch_cuda.so (bf16 and fp16): an FFMA
+// chain over x0..x3 from 0, SHFL.DOWN + FADD over 16..1, the IEEE division (MUFU.RCP, Newton step, FCHK slow path),
+// FADD eps, MUFU.RSQ with rsqrtf's denormal scaling, FMUL rstd * x then FMUL w * that, F2FP round-to-nearest. The
+// order is still a property of the aten build, so the Python op verifies itself once per signature against eager.
+//
+// Layout: one block per (s, b) output row of `heads * dim` elements; each warp handles heads warp, warp + 8, ...
+// (several loads in flight), lane l the four elements 4l..4l+3 of a head (and, for dim > 128 without norm, 4(l+32)...).
+// The lane's cos/sin quads are loaded once per block and reused across heads.
+#include "elementwise.cuh"
+#include "fastpath.h"
+
+namespace diffusers_fastpath {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kHeadsInFlight = 4;  // independent 8-byte loads per lane before the first use (24 heads / 8 warps = 3)
+
+template <typename T>
+struct alignas(8) Quad {
+  T v[4];
+};
+
+// The rotated pair (a, b) = (x[2i], x[2i+1]) of one quad, written as T.
+template <typename T>
+__device__ __forceinline__ void rotate_pair(float a, float b, float c0, float c1, float s0, float s1, T& out0, T& out1) {
+  out0 = Storage<T>::store(__fadd_rn(__fmul_rn(a, c0), __fmul_rn(-b, s0)));
+  out1 = Storage<T>::store(__fadd_rn(__fmul_rn(b, c1), __fmul_rn(a, s1)));
+}
+
+template <typename T, bool kNorm>
+__global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t s = blockIdx.x;
+  const int64_t b = blockIdx.y;
+  const bool is_txt = s < a.txt.seq;
+  const RotarySource src = is_txt ? a.txt : a.img;
+  const int64_t s_src = is_txt ? s : s - a.txt.seq;
+  const T* x_row = static_cast<const T*>(src.ptr) + b * src.stride_b + s_src * src.stride_s;
+  const int64_t seq = a.txt.seq + a.img.seq;
+  T* out_row = static_cast<T*>(a.out) + (b * seq + s) * a.heads * a.dim;
+  const int quads = static_cast<int>(a.dim / 4);
+  const float4* cos_row = reinterpret_cast<const float4*>(a.cos + s * a.dim);
+  const float4* sin_row = reinterpret_cast<const float4*>(a.sin + s * a.dim);
+
+  // kNorm: quads <= 32, one pass in which every lane takes part in the shuffles.
+  for (int q0 = 0; q0 < quads; q0 += 32) {
+    const int q = q0 + lane;
+    const bool active = q < quads;
+    float4 c = make_float4(0.f, 0.f, 0.f, 0.f), sn = c;
+    float w[4] = {0.f, 0.f, 0.f, 0.f};
+    if (active) {
+      c = cos_row[q];
+      sn = sin_row[q];
+      if (kNorm) {
+        const Quad<T> wq = reinterpret_cast<const Quad<T>*>(src.weight)[q];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
+      }
+    }
+    for (int64_t h0 = warp; h0 < a.heads; h0 += kWarps * kHeadsInFlight) {
+      Quad<T> xin[kHeadsInFlight];
+#pragma unroll
+      for (int i = 0; i < kHeadsInFlight; ++i) {
+        const int64_t h = h0 + i * kWarps;
+        if (active && h < a.heads) xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
+      }
+#pragma unroll
+      for (int i = 0; i < kHeadsInFlight; ++i) {
+        const int64_t h = h0 + i * kWarps;
+        if (h >= a.heads) break;  // warp-uniform: the whole warp leaves together
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[i].v[j]) : 0.f;
+        if (kNorm) {
+          float acc = 0.f;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc = __fmaf_rn(v[j], v[j], acc);
+#pragma unroll
+          for (int offset = 16; offset > 0; offset >>= 1) {
+            acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+          }
+          const float total = __shfl_sync(0xffffffffu, acc, 0);
+          const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.dim)), src.eps));
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
+        }
+        if (active) {
+          Quad<T> o;
+          rotate_pair<T>(v[0], v[1], c.x, c.y, sn.x, sn.y, o.v[0], o.v[1]);
+          rotate_pair<T>(v[2], v[3], c.z, c.w, sn.z, sn.w, o.v[2], o.v[3]);
+          reinterpret_cast<Quad<T>*>(out_row + h * a.dim)[q] = o;
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
+  const int64_t seq = a.txt.seq + a.img.seq;
+  if (seq == 0 || a.batch == 0 || a.heads == 0 || a.dim == 0) return cudaSuccess;
+  if (a.batch > 65535 || seq > 0x7fffffff || (a.norm && a.dim > 128)) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
+  if (a.norm) {
+    rotary_kernel<T, true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    rotary_kernel<T, false><<<grid, kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+
+}  // namespace diffusers_fastpath

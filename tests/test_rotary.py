@@ -1,0 +1,463 @@
+"""rotary_emb (exact by construction) and qk_norm_rope (QK RMSNorm + text/image cat + RoPE, self-verified): bit-exact
+on GPU at FLUX.1-dev's shapes with the fast path verified, and their guards, verification and fallbacks everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+from diffusers_fastpath.ops import Site, qk_norm_rope, qk_norm_rope_ref, rotary_emb, rotary_emb_ref
+from diffusers_fastpath.ops import _policy
+from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE
+from diffusers_fastpath.ops.rotary import ROTARY_EMB
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def rope_tables(seq, dim, device, seed=0, txt=0, grid=None):
+    """fp32 [seq, dim] cos/sin: FLUX.1's own (axes 16/56/56; `txt` text ids 0, then image ids (0, row, col) of
+    `grid`) when a grid is given, random in [-1, 1] otherwise."""
+    if grid is None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return tuple(torch.rand(seq, dim, generator=gen, device=device) * 2 - 1 for _ in range(2))
+    h, w = grid
+    assert dim == 128 and seq == txt + h * w
+    img = torch.zeros(h, w, 3)
+    img[..., 1] = torch.arange(h)[:, None]
+    img[..., 2] = torch.arange(w)[None, :]
+    ids = torch.cat([torch.zeros(txt, 3), img.reshape(-1, 3)]).to(device)
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids)
+    return cos.contiguous(), sin.contiguous()
+
+
+def activations(shape, dtype, device, gen, strided=False):
+    """[B, S, H, D] with per-head scales spread over decades (as q/k projections have); `strided` lays it out as
+    the q part of a fused qkv projection (``to_qkv(x).chunk(3, -1)[0].unflatten(-1, (H, D))``)."""
+    b, s, h, d = shape
+    heads = 3 * h if strided else h
+    buf = torch.randn(b, s, heads, d, generator=gen, device=device)
+    buf = buf * torch.exp(torch.randn(b, s, heads, 1, generator=gen, device=device))
+    return buf.to(dtype)[:, :, :h]
+
+
+def norm_of(dim, dtype, device, gen, eps=1e-6):
+    norm = torch.nn.RMSNorm(dim, eps=eps).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(dim, generator=gen, device=device))
+    return norm.requires_grad_(False)
+
+
+def qk_inputs(txt, img, heads, dim, dtype, device, seed, batch=1, grid=None, strided=False):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    norm_txt, norm_img = norm_of(dim, dtype, device, gen), norm_of(dim, dtype, device, gen)
+    x_txt = activations((batch, txt, heads, dim), dtype, device, gen, strided) if txt else None
+    x_img = activations((batch, img, heads, dim), dtype, device, gen, strided)
+    cos, sin = rope_tables(txt + img, dim, device, seed, txt, grid)
+    return (norm_txt if txt else None), x_txt, norm_img, x_img, cos, sin
+
+
+# --- GPU: the contract ---------------------------------------------------------------------------------------
+
+# (batch, seq, heads, dim): FLUX.1-dev 1024x1024 single-stream and text parts, CFG batch, odd lengths, D > 128 (the
+# kernel's second lane pass), D = 12 (three of 32 lanes busy).
+ROPE_SHAPES = [(1, 4608, 24, 128), (2, 4608, 24, 128), (1, 512, 24, 128), (2, 1037, 24, 128), (1, 17, 3, 64),
+               (2, 33, 5, 256), (1, 9, 2, 12)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rotary_emb_matches_eager_bitwise(shape, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    b, s, h, d = shape
+    for seed, strided in [(0, False), (1, True)]:  # fresh inputs each round; the second as a fused-qkv view
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = activations(shape, dtype, "cuda", gen, strided)
+        cos, sin = rope_tables(s, d, "cuda", seed, grid=(1, s) if d == 128 else None)
+        ref = rotary_emb_ref(x, cos, sin)
+        out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")  # poisoned
+        ops._rotary_emb_cuda_out(out, x, cos, sin)
+        assert torch.equal(out, ref)
+        site = Site("rotary_emb")
+        assert torch.equal(rotary_emb(x, cos, sin, site), ref)
+        assert site.fast == 1 and not site.fallback
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_emb_special_values_bitwise(dtype):
+    """NaN, inf, signed zeros, subnormals and the largest finite values in x and in the tables: the same bits as
+    eager (compared as integers, since NaN != NaN)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    info = torch.finfo(dtype)
+    specials = torch.tensor(
+        [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max,
+         -info.max, 1.0, -1.0],
+        dtype=dtype,
+    )
+    x = torch.randn(2, 64, 4, 128, generator=gen, device="cuda").to(dtype)
+    pick = torch.randint(0, len(specials), x.shape, generator=gen, device="cuda")
+    x = torch.where(torch.rand(x.shape, generator=gen, device="cuda") < 0.3, specials.cuda()[pick], x)
+    cos, sin = rope_tables(64, 128, "cuda", 4)
+    table_specials = torch.tensor([float("nan"), float("inf"), -0.0, 0.0, 1e-42, -1.0], device="cuda")
+    cos[::7, ::5] = table_specials[torch.arange(cos[::7, ::5].numel(), device="cuda") % 6].view_as(cos[::7, ::5])
+    sin[3::11, 1::3] = -table_specials[torch.arange(sin[3::11, 1::3].numel(), device="cuda") % 6].view_as(
+        sin[3::11, 1::3]
+    )
+    ref = rotary_emb_ref(x, cos, sin)
+    assert ref.isnan().any() and ref.isinf().any() and (_bits(ref) == _bits(torch.tensor(-0.0, dtype=dtype))).any()
+    out = torch.full_like(x, float("nan"))
+    torch.ops.diffusers_fastpath._rotary_emb_cuda_out(out, x, cos, sin)
+    assert torch.equal(_bits(out), _bits(ref))
+
+
+# (txt, img, heads, dim, batch, grid): FLUX.1-dev dual block at 1024x1024, single block (all 4608 tokens as one
+# source), a CFG batch at 384x640 with 77 text tokens, odd small ones, head_dim 64.
+QK_CASES = [
+    (512, 4096, 24, 128, 1, (64, 64)),
+    (0, 4608, 24, 128, 1, None),
+    (77, 960, 24, 128, 2, (24, 40)),
+    (7, 13, 3, 128, 2, None),
+    (5, 11, 2, 64, 1, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", QK_CASES, ids=str)
+def test_qk_norm_rope_matches_eager_bitwise_and_verifies(case, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    txt, img, heads, dim, batch, grid = case
+    for seed, strided in [(0, False), (1, True)]:
+        norm_txt, x_txt, norm_img, x_img, cos, sin = qk_inputs(txt, img, heads, dim, dtype, "cuda", seed, batch, grid, strided)
+        ref = qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin)
+        assert torch.isfinite(ref).all() and ref.std() > 0.1
+        out = torch.full_like(ref, float("nan"))  # poisoned
+        w_txt, eps_txt = (None, 0.0) if x_txt is None else (norm_txt.weight, norm_txt.eps)
+        ops._qk_norm_rope_cuda_out(out, x_txt, w_txt, eps_txt, x_img, norm_img.weight, norm_img.eps, cos, sin)
+        assert torch.equal(out, ref)
+        site, rope_site = Site("qk_norm_rope"), Site("rotary_emb")
+        assert torch.equal(qk_norm_rope(norm_txt, x_txt, norm_img, x_img, cos, sin, site, rope_site), ref)
+        # the fused path really ran, verified itself against eager and stayed enabled
+        assert site.fast == 1 and not site.fallback and rope_site.fast == 0
+    assert QK_NORM_ROPE.disabled is None and (str(dtype).removeprefix("torch."), dim) in QK_NORM_ROPE.verified
+
+
+@pytest.mark.gpu
+def test_qk_norm_rope_fallback_keeps_the_fused_rope_on_cuda(monkeypatch):
+    """A norm kernel that fails verification: eager result, the op disabled once, the exact rotary kernel still runs."""
+    def off_by_one_ulp(*args):
+        out = qk_norm_rope_ref(*args)
+        return (out.view(torch.int16) + 1).view(out.dtype)
+
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", off_by_one_ulp)
+    args = qk_inputs(512, 1024, 24, 128, torch.bfloat16, "cuda", 5, grid=(32, 32))
+    ref = qk_norm_rope_ref(*args)
+    site, rope_site = Site("qk_norm_rope"), Site("rotary_emb")
+    for _ in range(2):
+        assert torch.equal(qk_norm_rope(*args, site, rope_site), ref)
+    assert QK_NORM_ROPE.disabled and site.fast == 0 and rope_site.fast == 2 and not rope_site.fallback
+
+
+@pytest.mark.gpu
+def test_rotary_opcheck_cuda():
+    norm_txt, x_txt, norm_img, x_img, cos, sin = qk_inputs(7, 13, 3, 128, torch.bfloat16, "cuda", 0, batch=2)
+    ops = torch.ops.diffusers_fastpath
+    torch.library.opcheck(ops.rotary_emb.default, (x_img, cos[7:], sin[7:]))
+    torch.library.opcheck(
+        ops.qk_norm_rope.default, (x_txt, norm_txt.weight, norm_txt.eps, x_img, norm_img.weight, norm_img.eps, cos, sin)
+    )
+    torch.library.opcheck(ops.qk_norm_rope.default, (None, None, 0.0, x_img, norm_img.weight, norm_img.eps, cos[7:], sin[7:]))
+
+
+# --- CPU: references, guards, self-verification, fallbacks --------------------------------------------------------
+
+
+def test_references_are_the_flux_processor_expressions():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    norm_txt, x_txt, norm_img, x_img, cos, sin = qk_inputs(5, 11, 2, 16, torch.bfloat16, "cpu", 0, batch=2)
+    with torch.no_grad():
+        expected = apply_rotary_emb(torch.cat([norm_txt(x_txt), norm_img(x_img)], dim=1), (cos, sin), sequence_dim=1)
+        assert torch.equal(qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin), expected)
+        assert torch.equal(rotary_emb_ref(x_img, cos[5:], sin[5:]), apply_rotary_emb(x_img, (cos[5:], sin[5:]), sequence_dim=1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernels_rope_formula_is_eager_bit_for_bit(dtype):
+    """csrc/rotary.cu's per-pair formula, emulated with separate fp32 ops, against diffusers' apply_rotary_emb on
+    random and special values (NaN, inf, signed zeros): the same bits."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 16, 3, 32, generator=gen).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, torch.finfo(dtype).max], dtype=dtype)
+    mask = torch.rand(x.shape, generator=gen) < 0.3
+    x = torch.where(mask, specials[torch.randint(0, 6, x.shape, generator=gen)], x)
+    cos, sin = rope_tables(16, 32, "cpu", 9)
+    cos[::3, ::4], sin[1::5, ::3] = -0.0, float("inf")
+    xf, c, s = x.float(), cos[None, :, None, :], sin[None, :, None, :]
+    a, b = xf[..., 0::2], xf[..., 1::2]
+    out = torch.empty_like(xf)
+    out[..., 0::2] = a * c[..., 0::2] + (-b) * s[..., 0::2]
+    out[..., 1::2] = b * c[..., 1::2] + a * s[..., 1::2]
+    ref = rotary_emb_ref(x, cos, sin)
+    assert ref.isnan().any() and torch.equal(out.to(dtype).view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("fp32", "dtype float32"),
+        ("odd_dim", "D not a multiple of 4"),
+        ("strided_x", "x strided"),
+        ("fp64_tables", "cos/sin not float32"),
+        ("strided_tables", "cos/sin strided"),
+        ("requires_grad", "requires grad"),
+        ("cpu", "device cpu"),
+    ],
+)
+def test_rotary_guard_falls_back_with_reason(case, reason, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    d = 6 if case == "odd_dim" else 16
+    x = torch.randn(2, 9, 3, d, generator=gen).to(torch.float32 if case == "fp32" else torch.bfloat16)
+    cos, sin = rope_tables(9, d, "cpu", 1)
+    if case == "strided_x":
+        x = torch.cat([x, x], dim=3)[..., ::2]
+    elif case == "fp64_tables":
+        cos, sin = cos.double(), sin.double()
+    elif case == "strided_tables":
+        cos = torch.cat([cos, cos], dim=1)[:, ::2]
+    elif case == "requires_grad":
+        x = x.clone().requires_grad_()
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    site = Site("rotary_emb")
+    assert torch.equal(rotary_emb(x, cos, sin, site), rotary_emb_ref(x, cos, sin))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("fp32", "dtype float32"),
+        ("wide_head", "D outside the reproduced reduction"),
+        ("no_weight", "norm not a plain torch.nn.RMSNorm with weight"),
+        ("diffusers_rmsnorm", "norm not a plain torch.nn.RMSNorm with weight"),
+        ("eps_none", "norm not a plain torch.nn.RMSNorm with weight"),
+        ("hooked", "norm not a plain torch.nn.RMSNorm with weight"),
+        ("fp32_weight", "norm weight dtype differs"),
+        ("strided_x", "x strided"),
+        ("requires_grad", "requires grad"),
+        ("cpu", "device cpu"),
+    ],
+)
+def test_qk_norm_rope_guard_falls_back_to_the_fused_rope(case, reason, monkeypatch):
+    """Each refusal: the eager result, the reason counted, and the rotary part still on its (exact) fast path."""
+    dim = 256 if case == "wide_head" else 16
+    norm_txt, x_txt, norm_img, x_img, cos, sin = qk_inputs(5, 11, 2, dim, torch.bfloat16, "cpu", 2, batch=2)
+    if case == "fp32":
+        norm_txt, x_txt, norm_img, x_img = norm_txt.float(), x_txt.float(), norm_img.float(), x_img.float()
+    elif case == "no_weight":
+        norm_img = torch.nn.RMSNorm(dim, eps=1e-6, elementwise_affine=False)
+    elif case == "diffusers_rmsnorm":
+        norm_img = DiffusersRMSNorm(dim, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
+    elif case == "eps_none":
+        norm_txt = torch.nn.RMSNorm(dim).to(torch.bfloat16).requires_grad_(False)
+    elif case == "hooked":
+        norm_img.register_forward_hook(lambda m, i, o: o)
+    elif case == "fp32_weight":
+        norm_img = norm_img.float()
+    elif case == "strided_x":
+        x_img = torch.cat([x_img, x_img], dim=3)[..., ::2]
+    elif case == "requires_grad":
+        x_txt = x_txt.clone().requires_grad_()
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        monkeypatch.setattr(ROTARY_EMB, "kernel", rotary_emb_ref)  # stands in for the exact CUDA kernel
+    site, rope_site = Site("qk_norm_rope"), Site("rotary_emb")
+    out = qk_norm_rope(norm_txt, x_txt, norm_img, x_img, cos, sin, site, rope_site)
+    assert torch.equal(out, qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+    rope_fast = case not in ("cpu", "fp32", "requires_grad")  # the rotary guard's own refusals
+    assert rope_site.fast == int(rope_fast) and sum(rope_site.fallback.values()) == int(not rope_fast)
+
+
+def test_flux_layouts_pass_the_guards(fake_cuda):
+    for txt, strided in [(5, False), (0, False), (5, True)]:
+        args = qk_inputs(txt, 11, 2, 128, torch.bfloat16, "cpu", 0, batch=2, strided=strided)
+        assert QK_NORM_ROPE.guard(*args) is None
+        assert ROTARY_EMB.guard(args[3], args[4][txt:], args[5][txt:]) is None
+
+
+@pytest.fixture
+def guards_open(monkeypatch):
+    for op in (QK_NORM_ROPE, ROTARY_EMB):
+        monkeypatch.setattr(op, "guard", lambda *a, **k: None)
+    monkeypatch.setattr(ROTARY_EMB, "kernel", rotary_emb_ref)  # exact by construction, like the CUDA kernel
+
+
+def _off_by_one_ulp(*args):
+    out = qk_norm_rope_ref(*args)
+    return (out.view(torch.int16) + 1).view(out.dtype)  # wrong in the last bit everywhere
+
+
+def test_a_norm_kernel_that_is_not_bit_exact_is_disabled_and_the_fused_rope_kept(guards_open, monkeypatch, fastpath_log):
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", _off_by_one_ulp)
+    args = qk_inputs(5, 11, 2, 16, torch.bfloat16, "cpu", 3, batch=2)
+    ref = qk_norm_rope_ref(*args)
+    site, rope_site = Site("qk_norm_rope"), Site("rotary_emb")
+    for _ in range(3):
+        assert torch.equal(qk_norm_rope(*args, site, rope_site), ref)
+    assert "not bit-exact against this platform's eager result for ('bfloat16', 16)" in QK_NORM_ROPE.disabled
+    assert not QK_NORM_ROPE.verified and site.fast == 0 and dict(site.fallback) == {_policy.REASON_DISABLED: 3}
+    assert rope_site.fast == 3 and not rope_site.fallback  # the rotary embedding stayed fused
+    warnings = [r for r in fastpath_log.records if "disabling the fused op 'qk_norm_rope'" in r.getMessage()]
+    assert len(warnings) == 1 and "not bit-exact" in warnings[0].getMessage()
+
+
+def test_a_bit_exact_norm_kernel_is_verified_once_per_signature(guards_open, monkeypatch):
+    calls = {"ref": 0}
+    real_ref = QK_NORM_ROPE.ref
+
+    def counting_ref(*args):
+        calls["ref"] += 1
+        return real_ref(*args)
+
+    monkeypatch.setattr(QK_NORM_ROPE, "ref", counting_ref)
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", real_ref)  # exact by construction
+    site = Site("qk_norm_rope")
+    for seed, txt in [(0, 5), (1, 0), (2, 7)]:
+        qk_norm_rope(*qk_inputs(txt, 11, 2, 16, torch.bfloat16, "cpu", seed, batch=2), site)
+    qk_norm_rope(*qk_inputs(5, 11, 2, 32, torch.bfloat16, "cpu", 3), site)  # another head_dim: verified again
+    assert calls["ref"] == 2 and site.fast == 4
+    assert QK_NORM_ROPE.verified == {("bfloat16", 16), ("bfloat16", 32)}
+    assert QK_NORM_ROPE.status == "enabled, verified for bfloat16/16, bfloat16/32"
+
+
+def test_unverified_norm_stays_eager_under_compile_and_the_rope_is_the_custom_op(guards_open, monkeypatch):
+    emitted = []
+    monkeypatch.setattr(QK_NORM_ROPE, "custom_op", lambda *a: (_ for _ in ()).throw(AssertionError("emitted")))
+    monkeypatch.setattr(ROTARY_EMB, "custom_op", lambda *a: emitted.append(1) or rotary_emb_ref(*a))
+    args = qk_inputs(5, 11, 2, 16, torch.bfloat16, "cpu", 4, batch=2)
+    fn = torch.compile(lambda *a: qk_norm_rope(*a), fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(*args), qk_norm_rope_ref(*args))
+    assert emitted  # traced through the rotary op's custom-op branch
+
+
+def test_verified_norm_is_the_custom_op_under_compile(guards_open, monkeypatch):
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", QK_NORM_ROPE.ref)
+    args = qk_inputs(5, 11, 2, 16, torch.bfloat16, "cpu", 5, batch=2)
+    qk_norm_rope(*args)  # eager: verifies ("bfloat16", 16)
+    emitted = []
+    monkeypatch.setattr(QK_NORM_ROPE, "custom_op", lambda *a: emitted.append(1) or qk_norm_rope_ref(*a))
+    fn = torch.compile(lambda *a: qk_norm_rope(*a), fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(*args), qk_norm_rope_ref(*args)) and emitted
+
+
+@pytest.mark.parametrize("txt", [0, 5])
+def test_custom_ops_opcheck_cpu(txt):
+    norm_txt, x_txt, norm_img, x_img, cos, sin = qk_inputs(txt, 11, 2, 16, torch.bfloat16, "cpu", 0, batch=2)
+    ops = torch.ops.diffusers_fastpath
+    w_txt, eps_txt = (None, 0.0) if x_txt is None else (norm_txt.weight, norm_txt.eps)
+    qk_args = (x_txt, w_txt, eps_txt, x_img, norm_img.weight, norm_img.eps, cos, sin)
+    torch.library.opcheck(ops.qk_norm_rope.default, qk_args)
+    torch.library.opcheck(ops.rotary_emb.default, (x_img, cos[txt:], sin[txt:]))
+    assert torch.equal(ops.qk_norm_rope(*qk_args), qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin))
+
+
+# --- the FLUX attention processor, on CPU, with stand-ins for the CUDA kernels ----------------------------------
+
+
+def _flux_run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def _attention_sites(model):
+    import diffusers_fastpath as fp
+
+    rep = fp.report(model)
+    return [s for s in rep.sites if s.op == "qk_norm_rope"], [s for s in rep.sites if s.op == "rotary_emb"]
+
+
+@pytest.mark.parametrize("fused_projections", [False, True])
+def test_flux_processor_runs_the_fused_op_for_q_and_k(fused_projections, guards_open, monkeypatch, unpatch_after):
+    import diffusers_fastpath as fp
+    from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", QK_NORM_ROPE.ref)  # exact by construction: verifies
+    model = build_flux_transformer("flux-tiny", torch.bfloat16, seed=40)
+    if fused_projections:
+        model.fuse_qkv_projections()
+    inputs = flux_transformer_inputs(model, batch=2, grid=(4, 6), txt_tokens=7, seed=41)
+    ref = _flux_run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(_flux_run(model, inputs), ref)
+    qk_sites, rope_sites = _attention_sites(model)
+    assert len(qk_sites) == len(rope_sites) == 4
+    assert all(s.fast == 2 and s.fallback == 0 for s in qk_sites)  # q and k of each attention
+    assert all(s.fast == 0 and s.fallback == 0 for s in rope_sites)
+    assert QK_NORM_ROPE.verified == {("bfloat16", 16)}
+
+
+def test_flux_output_stays_exact_and_rope_fused_when_the_norm_fails_verification(
+    guards_open, monkeypatch, unpatch_after, fastpath_log
+):
+    import diffusers_fastpath as fp
+    from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", _off_by_one_ulp)
+    model = build_flux_transformer("flux-tiny", torch.bfloat16, seed=42)
+    inputs = flux_transformer_inputs(model, batch=2, grid=(4, 6), txt_tokens=7, seed=43)
+    ref = _flux_run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    for _ in range(2):
+        assert torch.equal(_flux_run(model, inputs), ref)
+    qk_sites, rope_sites = _attention_sites(model)
+    assert all(s.fast == 0 and s.reasons == {_policy.REASON_DISABLED: 4} for s in qk_sites)
+    assert all(s.fast == 4 and s.fallback == 0 for s in rope_sites)  # the pure rotary op took over
+    assert fp.report(model).ops["qk_norm_rope"].startswith("disabled (RuntimeError: the fused kernel is not bit-exact")
+    assert len([r for r in fastpath_log.records if "disabling the fused op 'qk_norm_rope'" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("joint", [True, False])
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_processor_matches_diffusers_on_a_lone_attention_module(joint, with_rope, guards_open, monkeypatch):
+    """The processor outside a patched model (no sites): dual- and single-stream attention, with and without a
+    rotary embedding, equal to diffusers' ``FluxAttnProcessor``."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+
+    from diffusers_fastpath.models.flux import FastpathFluxAttnProcessor
+    from diffusers_fastpath.testing import randomize_
+
+    monkeypatch.setattr(QK_NORM_ROPE, "kernel", QK_NORM_ROPE.ref)
+    kw = dict(added_kv_proj_dim=32, context_pre_only=False) if joint else dict(pre_only=True)
+    attn = randomize_(FluxAttention(query_dim=32, heads=2, dim_head=16, bias=True, eps=1e-6, **kw), seed=50)
+    attn = attn.to(torch.bfloat16).requires_grad_(False)
+    gen = torch.Generator().manual_seed(51)
+    hidden = torch.randn(2, 12, 32, generator=gen).to(torch.bfloat16)
+    context = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16) if joint else None
+    rope = rope_tables(12 + (5 if joint else 0), 16, "cpu", 52) if with_rope else None
+    ref = FluxAttnProcessor()(attn, hidden, context, None, rope)
+    out = FastpathFluxAttnProcessor()(attn, hidden, context, None, rope)
+    for got, want in zip(out if joint else (out,), ref if joint else (ref,)):
+        assert torch.equal(got, want)
+    assert QK_NORM_ROPE.verified == ({("bfloat16", 16)} if with_rope else set())
