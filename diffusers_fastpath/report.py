@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
 from .patching import SITE_ATTR, patched_models
@@ -29,6 +30,9 @@ class ModelRow:
     processors: int  # attention processors of this package in use
     caches: dict[str, dict[str, int]]  # e.g. {"rotary_cache": {"built": 1, "reused": 27}}
     notes: list[str]
+    # with cuda_graphs=True: status, captured signatures, replays, captures, invalidations, eager calls by reason,
+    # pool_mib (the graphs' shared memory pool), static_inputs_mib; empty otherwise
+    graphs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rope_built(self) -> int | None:
@@ -67,6 +71,13 @@ class Report:
             )
             lines.append(f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}{caches}")
             lines += [f"  note: {n}" for n in m.notes]
+            if m.graphs:
+                g = m.graphs
+                eager = ", ".join(f"{r}: {n}" for r, n in g["eager"].items()) or "none"
+                lines.append(
+                    f"  cuda graphs: {g['status']}; {g['captured']} captured, {g['replays']} replays, pool "
+                    f"{g['pool_mib']} MiB + {g['static_inputs_mib']} MiB static inputs; eager calls: {eager}"
+                )
         lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
         header = ("site", "op", "fast", "fallback", "fallback reasons")
         rows = [
@@ -109,5 +120,7 @@ def report(obj: Any) -> Report:
             for attr, stats in module.__dict__.items():
                 if attr.startswith(STATS_PREFIX):
                     caches[attr[len(STATS_PREFIX):]] = {"built": stats.built, "reused": stats.reused}
-        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, list(state.notes)))
+        runner = model.__dict__.get(GRAPHS_ATTR)
+        graphs = runner.stats() if runner is not None else {}
+        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, list(state.notes), graphs))
     return rep
