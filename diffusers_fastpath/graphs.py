@@ -146,9 +146,10 @@ class ModelFingerprint:
     and of every attention processor (and its attributes, e.g. the attention backend); and each tensor's data
     pointer (``.to()`` keeps the Parameter object and changes its storage).
 
-    `matches` is one C-level pass per list: about 280 µs for FLUX.1-dev (1279 modules, 1160 weights) on a busy
-    2-core CI VM, less on a GPU host. The replay it guards is enqueued asynchronously and the GPU step takes tens
-    of milliseconds, so this host time is hidden behind the GPU work.
+    `matches` is one C-level ``map`` per list, no Python loop: for FLUX.1-dev (1279 modules, 1160 weights, 7731
+    dicts, 2725 entries) 290 µs per call on the 2-core CI VM (best of 20x50 calls; building it takes 3.5 ms),
+    against 48.5 ms of eager host time per 512x512 step. A replay is enqueued asynchronously and the GPU step
+    takes tens of milliseconds, so this host time is hidden behind the GPU work.
 
     `blocker` is the reason no graph may stand for the model as it is (weights off the GPU, offload hooks, PEFT
     layers, submodule hooks), or None.
