@@ -385,12 +385,13 @@ class GraphRunner:
         static = [torch.empty_like(t) for t in tensors]  # same strides where the input is dense
         for s, t in zip(static, tensors):
             s.copy_(t)
+        # By name, in the forward's parameter order: the order in which `call_signature` listed the tensors.
+        call = dict(zip(self.names, args), **kwargs)
         it = iter(static)
-        static_args = _substitute(args, it)
-        static_kwargs = {k: _substitute(v, it) for k, v in kwargs.items()}
+        static_call = {name: _substitute(call[name], it) for name in self.names if name in call}
         if self.pool is None:  # one pool for all graphs of the model (and a fresh one after they were dropped)
             self.pool = self.backend.new_pool(self.fingerprint.device)
-        graph, out = self.backend.record(self.pool, lambda: forward(*static_args, **static_kwargs))
+        graph, out = self.backend.record(self.pool, lambda: forward(**static_call))
         outputs, spec = pytree.tree_flatten(out)
         return _Graph(graph, static, outputs, spec)
 

@@ -252,6 +252,19 @@ def test_runner_replays_equal_eager_and_never_alias(simulated):
     assert len(runner.graphs) == 3 and runner.backend.pools == 1  # one pool for all graphs of the model
 
 
+def test_runner_maps_inputs_by_name_whatever_the_call_order(simulated):
+    model, twin, runner = simulated()
+    # FluxPipeline's order, not the forward's; and positional hidden_states
+    names = ["timestep", "pooled_projections", "encoder_hidden_states", "txt_ids", "img_ids"]
+    cases = [flux_transformer_inputs(model, seed=s, txt_tokens=8) for s in (1, 2)]
+    for inputs in cases:
+        call = {name: inputs[name] for name in names}
+        with torch.no_grad():
+            out = model(inputs["hidden_states"], **call, return_dict=False)[0]
+        assert torch.equal(out, eager(twin, inputs).sample)
+    assert runner.replays == 1 and runner.stats()["captured"] == 1
+
+
 def test_runner_runs_eager_with_reasons(simulated):
     model, twin, runner = simulated()
     inputs = flux_transformer_inputs(model, seed=1)
