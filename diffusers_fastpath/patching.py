@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import graphs
 from ._logging import logger
 from .ops import Site
 
@@ -112,6 +113,10 @@ class PatchState:
     def add_hook(self, handle: torch.utils.hooks.RemovableHandle) -> None:
         self._undo.append(handle.remove)
 
+    def on_undo(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` when the patch is undone (in reverse order with everything else)."""
+        self._undo.append(fn)
+
     def undo(self) -> None:
         while self._undo:
             self._undo.pop()()
@@ -176,7 +181,7 @@ def _check_quality(quality: str) -> None:
         )
 
 
-def patch(obj: Any, quality: str = "lossless") -> Any:
+def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> Any:
     """Make a diffusers pipeline or model faster with output bit-identical to unpatched diffusers.
 
     Patches every supported model a pipeline holds (``transformer``, ``transformer_2``, ...) in place: the adaLN
@@ -193,6 +198,11 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
             the approximate fusions are mounted too (see `diffusers_fastpath.quality`; PSNR >= 35 dB and
             SSIM >= 0.97 against lossless on the decoded image). ``diffusers_fastpath.quality(obj, tier)`` switches
             tiers for the duration of a ``with`` block.
+        cuda_graphs: also capture each model's forward as a CUDA graph per input signature and replay it, which
+            removes the host's per-kernel launch cost and stays bit-identical (every graph's first replay is checked
+            against eager with ``torch.equal``). Calls a graph cannot stand for run eager, with the reason in
+            `report`; on a machine without CUDA it has no effect. See `diffusers_fastpath.graphs`. Asking again
+            with ``True`` on a patched model turns graphs on; they go away with `unpatch`.
 
     Returns:
         ``obj``, patched in place.
@@ -200,6 +210,7 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
     Raises:
         TypeError: ``obj`` is a model of an unsupported class (the message names the supported ones).
         ValueError: the pipeline holds no supported model, or ``quality`` is not a known tier.
+        TypeError: ``cuda_graphs`` is not a bool.
 
     Example:
         >>> import diffusers_fastpath as fp
@@ -210,11 +221,15 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
     from .quality import set_tier
 
     _check_quality(quality)
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"diffusers_fastpath: cuda_graphs must be True or False, got {cuda_graphs!r}.")
     for name, model in _models_of(obj, for_patch=True):
         state = getattr(model, STATE_ATTR, None)
         if state is not None:
             if state.quality != quality:
                 set_tier(name, model, state, quality)  # re-patching with another tier changes the default tier
+            if cuda_graphs:
+                graphs.install(model, state, name)
             continue
         state = PatchState(quality)
         try:
@@ -223,6 +238,8 @@ def patch(obj: Any, quality: str = "lossless") -> Any:
             state.undo()
             raise
         model.__dict__[STATE_ATTR] = state
+        if cuda_graphs:
+            graphs.install(model, state, name)
         sites = sum(len(sites_of(m)) for m in model.modules())
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
         set_tier(name, model, state, quality)  # mounts the high-tier sites if asked; checks every site's fitness

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
 from .patching import patched_models, sites_of
@@ -35,6 +36,9 @@ class ModelRow:
     processors: int  # attention processors of this package in use
     caches: dict[str, dict[str, int]]  # e.g. {"rotary_cache": {"built": 1, "reused": 27}}
     notes: list[str]
+    # with cuda_graphs=True: status, captured signatures, replays, captures, invalidations, eager calls by reason,
+    # pool_mib (the graphs' shared memory pool), static_inputs_mib; empty otherwise
+    graphs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rope_built(self) -> int | None:
@@ -75,6 +79,13 @@ class Report:
             )
             lines.append(f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}{caches}")
             lines += [f"  note: {n}" for n in m.notes]
+            if m.graphs:
+                g = m.graphs
+                eager = ", ".join(f"{r}: {n}" for r, n in g["eager"].items()) or "none"
+                lines.append(
+                    f"  cuda graphs: {g['status']}; {g['captured']} captured, {g['replays']} replays, pool "
+                    f"{g['pool_mib']} MiB + {g['static_inputs_mib']} MiB static inputs; eager calls: {eager}"
+                )
         lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
         reasons = lambda s: ", ".join(f"{r}: {n}" for r, n in s.reasons.items()) or "-"  # noqa: E731
         header = ("site", "op", "fast", "fallback", "fallback reasons")
@@ -143,5 +154,7 @@ def report(obj: Any) -> Report:
                 cannot[site.cannot] = cannot.get(site.cannot, 0) + 1
         notes += [f"{n} high-tier site(s) cannot take their fusion and run the lossless path: {why}"
                   for why, n in cannot.items()]
-        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, notes))
+        runner = model.__dict__.get(GRAPHS_ATTR)
+        graphs = runner.stats() if runner is not None else {}
+        rep.models.append(ModelRow(name, type(model).__name__, state.quality, processors, caches, notes, graphs))
     return rep

@@ -1,7 +1,8 @@
 """Rotary embeddings built once per set of positions and reused across denoising steps, with no host sync.
 
 A transformer recomputes its rotary table from position ids in every forward, although a pipeline passes the same
-ids (or the same tensors that determine them) at every step. The patched pos-embed module returns a cached table
+ids (or the same tensors that determine them) at every step. Inside a CUDA graph capture the cache is bypassed
+(see `cached`). The patched pos-embed module returns a cached table
 while a `ForwardKey`, taken from the transformer forward's own arguments by a pre-hook, matches; the key compares
 tensor identity and version counters, never values, so it costs no device synchronisation.
 """
@@ -13,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from ..ops._policy import capturing
 
 KEY_ATTR = "_fastpath_forward_key"
 CACHE_ATTR = "_fastpath_rope_cache"
@@ -60,6 +63,11 @@ def cached(module: nn.Module, compute: Callable[[], Any]) -> Any:
         return compute()
     key = module.__dict__.pop(KEY_ATTR, None)
     if key is None:  # called outside a patched forward: compute as diffusers does
+        return compute()
+    if capturing():
+        # In a CUDA graph the table must be computed by the graph itself, from the graph's static position-id
+        # buffers: a cached table would be read at its old address on every replay (whatever ids the replay has),
+        # and a table built into the graph's memory pool is overwritten by later replays.
         return compute()
     cache: list = module.__dict__[CACHE_ATTR]
     stats: CacheStats = module.__dict__[_STATS_ATTR]

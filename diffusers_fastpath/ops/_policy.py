@@ -5,6 +5,7 @@
   the result is still exact; the reason is counted at the call site.
 - The first exception from a fused kernel (a failed build, a launch error) logs one warning and disables that op
   for the process; its calls run the eager reference from then on.
+- Inside a CUDA graph capture an error is raised too (the capture failed, not the kernel; see `graphs`).
 - Inside ``torch.compile`` tracing nothing is swallowed: the op is emitted as its registered custom op (with a fake
   implementation), and any error is raised. A fallback baked into a graph would lose the fast path for good.
 - An op whose exactness depends on the platform (a reduction that must match the order of the kernel eager
@@ -31,6 +32,11 @@ from .._logging import logger
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph (False, at no cost, if CUDA is unused)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _env_disabled() -> bool:
@@ -118,6 +124,8 @@ class FusedOp:
                 try:
                     out = self.kernel(*args)
                 except Exception as exc:  # noqa: BLE001 - any kernel failure falls back, once, loudly
+                    if capturing():  # the capture failed, not the kernel: the graph runner says why, eager runs
+                        raise
                     self.disable(exc)
                     reason = REASON_DISABLED
                 else:

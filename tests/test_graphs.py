@@ -1,0 +1,343 @@
+"""CUDA graphs (`patch(..., cuda_graphs=True)`) on CPU: the switch, the signature and fingerprint logic, and the
+runner's logic against a simulated graph backend. Real captures and replays are in `test_graphs_gpu.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import diffusers_fastpath as fp
+from diffusers_fastpath import graphs
+from diffusers_fastpath.graphs import GRAPHS_ATTR, ModelFingerprint, Unsupported, call_signature
+from diffusers_fastpath.patching import STATE_ATTR
+from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+
+NAMES = ("hidden_states", "encoder_hidden_states", "timestep", "joint_attention_kwargs", "return_dict", "samples")
+CPU = torch.device("cpu")
+
+
+def snapshot(model):
+    """Everything unpatch must restore: module types, instance attributes (forward included), processors, hooks."""
+    return [
+        (name, type(m), sorted(vars(m)), getattr(m, "processor", None), dict(m._forward_hooks), dict(m._forward_pre_hooks))
+        for name, m in model.named_modules()
+    ]
+
+
+class SimulatedGraphs:
+    """A CPU stand-in for `graphs.CudaGraphs` with a CUDA graph's memory semantics: `record` runs the forward once
+    and keeps its outputs as the static outputs; a replay runs it again on the static inputs and writes the result
+    into those same output tensors, as a graph replay overwrites its output memory. (Unlike a real graph it runs
+    Python on replay, so the RoPE-cache and stale-weights hazards are tested on the GPU.) ``skew`` adds to every
+    replayed output, to provoke a verification mismatch; ``fail`` makes the capture raise."""
+
+    device_type = "cpu"
+
+    def __init__(self, skew: float = 0.0, fail: Exception | None = None) -> None:
+        self.skew, self.fail, self.pools, self.recorded = skew, fail, 0, 0
+
+    def new_pool(self, device):
+        self.pools += 1
+        return ("pool", self.pools)
+
+    def record(self, pool, fn):
+        if self.fail is not None:
+            raise self.fail
+        self.recorded += 1
+        out = fn()
+        skew = self.skew
+
+        class Replay:
+            def replay(self):
+                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
+                    static.copy_(new + skew)
+
+        return Replay(), out
+
+    def pool_bytes(self, pool):
+        return 0
+
+
+def eager(model, inputs, **extra):
+    with torch.no_grad():
+        return model(**inputs, **extra)
+
+
+@pytest.fixture
+def simulated(unpatch_after):
+    """A patched tiny FLUX whose forward goes through a GraphRunner with `SimulatedGraphs`, and its eager twin."""
+
+    def make(backend=None, dtype=torch.float32):
+        model = build_flux_transformer("flux-tiny", dtype, seed=4)
+        twin = build_flux_transformer("flux-tiny", dtype, seed=4)
+        fp.patch(model)
+        unpatch_after(model)
+        runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend or SimulatedGraphs())
+        return model, twin, runner
+
+    return make
+
+
+# --- the switch --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA behaviour")
+def test_cuda_graphs_without_cuda_is_a_noop_with_a_reason(fastpath_log):
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=1)
+    inputs = flux_transformer_inputs(model, seed=2)
+    ref = eager(model, inputs).sample
+    before = snapshot(model)
+    fp.patch(model, cuda_graphs=True)
+    assert "forward" not in vars(model)  # nothing hooked
+    assert torch.equal(eager(model, inputs).sample, ref)
+    graphs_row = fp.report(model).models[0].graphs
+    assert graphs_row["status"] == "off: CUDA is not available" and graphs_row["replays"] == 0
+    assert "cuda graphs: off: CUDA is not available" in str(fp.report(model))
+    lines = [r.getMessage() for r in fastpath_log.records if "cuda_graphs" in r.getMessage()]
+    assert lines == ["diffusers_fastpath: cuda_graphs=True has no effect on FluxTransformer2DModel: CUDA is not available; it runs eager"]
+    fp.unpatch(model)
+    assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_cuda_graphs_must_be_a_bool(value):
+    model = build_flux_transformer("flux-tiny", torch.float32)
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        fp.patch(model, cuda_graphs=value)
+    assert STATE_ATTR not in vars(model)
+
+
+def test_graphs_can_be_asked_for_on_an_already_patched_model(simulated):
+    model = build_flux_transformer("flux-tiny", torch.float32)
+    fp.patch(model)
+    assert GRAPHS_ATTR not in vars(model)
+    fp.patch(model, cuda_graphs=True)
+    assert GRAPHS_ATTR in vars(model)
+    fp.unpatch(model)
+    assert GRAPHS_ATTR not in vars(model) and "forward" not in vars(model)
+
+
+def test_no_report_row_without_cuda_graphs():
+    model = fp.patch(build_flux_transformer("flux-tiny", torch.float32))
+    assert fp.report(model).models[0].graphs == {} and "cuda graphs" not in str(fp.report(model))
+    fp.unpatch(model)
+
+
+# --- signatures --------------------------------------------------------------------------------------------------
+
+
+def test_signature_is_the_same_by_position_or_keyword():
+    x, y, t = torch.randn(2, 16, 4), torch.randn(2, 8, 32), torch.rand(2)
+    by_position, tensors1 = call_signature(NAMES, (x, y, t), {}, CPU)
+    by_keyword, tensors2 = call_signature(NAMES, (), dict(timestep=t, hidden_states=x, encoder_hidden_states=y), CPU)
+    assert by_position == by_keyword and hash(by_position) == hash(by_keyword)
+    assert all(a is b for a, b in zip(tensors1, tensors2)) and [id(a) for a in tensors1] == [id(x), id(y), id(t)]
+
+
+def test_signature_tells_apart_what_changes_the_kernels():
+    x = torch.randn(2, 16, 4)
+    base, _ = call_signature(NAMES, (x,), {}, CPU)
+    variants = [
+        (torch.randn(1, 16, 4),),  # batch
+        (torch.randn(2, 32, 4),),  # resolution
+        (x.to(torch.bfloat16),),  # dtype
+        (torch.randn(2, 4, 16).transpose(1, 2),),  # strides
+    ]
+    sigs = {base} | {call_signature(NAMES, v, {}, CPU)[0] for v in variants}
+    assert len(sigs) == 5
+    # present-but-None, absent, and plain values by value (and by type: True == 1 but is not the same constant)
+    a = call_signature(NAMES, (x,), dict(joint_attention_kwargs=None), CPU)[0]
+    b = call_signature(NAMES, (x,), dict(return_dict=False), CPU)[0]
+    c = call_signature(NAMES, (x,), dict(return_dict=True), CPU)[0]
+    d = call_signature(NAMES, (x,), dict(return_dict=1), CPU)[0]
+    assert len({base, a, b, c, d}) == 5
+    # values of tensors are not part of it: new inputs of the same layout reuse the graph
+    assert call_signature(NAMES, (torch.randn(2, 16, 4),), {}, CPU)[0] == base
+
+
+def test_signature_flattens_lists_of_tensors_in_order():
+    blocks = [torch.randn(1, 4, 8) for _ in range(3)]
+    sig, tensors = call_signature(NAMES, (torch.randn(1, 4, 8),), dict(samples=blocks), CPU)
+    assert [id(t) for t in tensors[1:]] == [id(t) for t in blocks]
+    assert sig != call_signature(NAMES, (torch.randn(1, 4, 8),), dict(samples=blocks[:2]), CPU)[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        (dict(joint_attention_kwargs={"scale": 0.5}), "unsupported kwargs: joint_attention_kwargs with keys ['scale']"),
+        (dict(samples=object()), "unsupported argument samples of type object"),
+        (dict(encoder_hidden_states=torch.randn(2, 2, device="meta")), "input encoder_hidden_states is on meta"),
+        (dict(unknown=1), "unexpected argument unknown"),
+    ],
+)
+def test_signature_refuses_what_a_graph_cannot_stand_for(kwargs, reason):
+    with pytest.raises(Unsupported, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        call_signature(NAMES, (torch.randn(2, 4),), kwargs, CPU)
+
+
+def test_empty_kwargs_dict_is_fine():
+    sig, _ = call_signature(NAMES, (torch.randn(2, 4),), dict(joint_attention_kwargs={}), CPU)
+    assert sig[1] == ("joint_attention_kwargs", (dict,))
+
+
+# --- the model fingerprint ---------------------------------------------------------------------------------------
+
+
+def test_fingerprint_keeps_in_place_weight_writes_and_catches_replacements():
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=1)
+    fingerprint = ModelFingerprint(model, "cpu")
+    assert fingerprint.matches() and fingerprint.blocker is None and fingerprint.device == CPU
+    assert len(fingerprint.tensors) == len(list(model.parameters())) + len(list(model.buffers()))
+
+    new = build_flux_transformer("flux-tiny", torch.float32, seed=2).state_dict()
+    model.load_state_dict(new)  # in place: a replay reads the new values from the same memory
+    assert fingerprint.matches()
+
+    changes = {
+        "to(dtype)": lambda m: m.to(torch.float64),  # same Parameter objects, new storage
+        "assign": lambda m: m.load_state_dict(new, assign=True),
+        "new child": lambda m: setattr(m.transformer_blocks[0].attn, "to_q", torch.nn.Linear(32, 32)),
+        "new parameter": lambda m: m.norm_out.register_parameter("extra", torch.nn.Parameter(torch.ones(1))),
+        "processor": lambda m: m.transformer_blocks[0].attn.set_processor(type(m.transformer_blocks[0].attn.processor)()),
+        "class": lambda m: setattr(m.proj_out, "__class__", type("MyLinear", (torch.nn.Linear,), {})),
+        "hook": lambda m: m.single_transformer_blocks[1].register_forward_hook(lambda *a: None),
+        "attribute": lambda m: setattr(m.transformer_blocks[1], "_diffusers_hook", object()),
+    }
+    for what, change in changes.items():
+        model = build_flux_transformer("flux-tiny", torch.float32, seed=1)
+        fingerprint = ModelFingerprint(model, "cpu")
+        change(model)
+        assert not fingerprint.matches(), what
+
+
+@pytest.mark.parametrize(
+    "change,blocker",
+    [
+        (lambda m: m.transformer_blocks[0].norm1.register_forward_pre_hook(lambda *a: None), "forward hooks on transformer_blocks.0.norm1"),
+        (lambda m: setattr(m.context_embedder, "_hf_hook", object()), "accelerate hook on context_embedder"),
+        (lambda m: setattr(m.transformer_blocks[0], "_diffusers_hook", object()), "diffusers hook on transformer_blocks.0"),
+        (lambda m: setattr(m.proj_out, "forward", lambda x: x), "proj_out.forward is replaced per instance"),
+        (lambda m: m.to("meta"), "weights on meta"),
+    ],
+)
+def test_fingerprint_names_what_keeps_graphs_off(change, blocker):
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=1)
+    change(model)
+    assert blocker in ModelFingerprint(model, "cpu").blocker
+    assert "need one cuda device" in ModelFingerprint(build_flux_transformer("flux-tiny"), "cuda").blocker
+
+
+# --- the runner, against simulated graphs ------------------------------------------------------------------------
+
+
+def test_runner_replays_equal_eager_and_never_alias(simulated):
+    model, twin, runner = simulated()
+    first = flux_transformer_inputs(model, batch=2, seed=1)
+    second = flux_transformer_inputs(model, batch=2, seed=2)
+    out1 = eager(model, first).sample  # eager reference, then capture (and a verified replay)
+    kept = out1.clone()
+    out2 = eager(model, second).sample  # a replay
+    out3 = eager(model, first).sample  # a replay with other values in the static inputs
+    assert torch.equal(out1, eager(twin, first).sample) and torch.equal(out2, eager(twin, second).sample)
+    assert torch.equal(out3, out1) and torch.equal(out1, kept)  # the second replay did not overwrite the first result
+    assert out2.data_ptr() != out3.data_ptr()
+    stats = fp.report(model).models[0].graphs
+    assert stats["captured"] == 1 and stats["replays"] == 2 and stats["eager"] == {} and stats["captures"] == 1
+
+    tuple_out = eager(model, first, return_dict=False)  # another signature: another graph
+    assert isinstance(tuple_out, tuple) and torch.equal(tuple_out[0], out1)
+    eager(model, flux_transformer_inputs(model, batch=1, grid=(2, 4), seed=3))
+    assert len(runner.graphs) == 3 and runner.backend.pools == 1  # one pool for all graphs of the model
+
+
+def test_runner_maps_inputs_by_name_whatever_the_call_order(simulated):
+    model, twin, runner = simulated()
+    # FluxPipeline's order, not the forward's; and positional hidden_states
+    names = ["timestep", "pooled_projections", "encoder_hidden_states", "txt_ids", "img_ids"]
+    cases = [flux_transformer_inputs(model, seed=s, txt_tokens=8) for s in (1, 2)]
+    for inputs in cases:
+        call = {name: inputs[name] for name in names}
+        with torch.no_grad():
+            out = model(inputs["hidden_states"], **call, return_dict=False)[0]
+        assert torch.equal(out, eager(twin, inputs).sample)
+    assert runner.replays == 1 and runner.stats()["captured"] == 1
+
+
+def test_runner_runs_eager_with_reasons(simulated):
+    model, twin, runner = simulated()
+    inputs = flux_transformer_inputs(model, seed=1)
+    ref = eager(twin, inputs).sample
+    assert torch.equal(eager(model, inputs, joint_attention_kwargs={"scale": 1.0}).sample, ref)
+    assert torch.equal(model(**inputs).sample, ref)  # grad enabled
+    model.train()
+    assert torch.equal(eager(model, inputs).sample, ref)
+    model.eval()
+    model.__dict__[STATE_ATTR].quality = "high"
+    assert torch.equal(eager(model, inputs).sample, ref)
+    model.__dict__[STATE_ATTR].quality = "lossless"
+    stats = runner.stats()
+    assert stats["eager"] == {
+        "unsupported kwargs: joint_attention_kwargs with keys ['scale']": 1,
+        graphs.REASON_GRAD: 1,
+        graphs.REASON_TRAINING: 1,
+        "quality 'high': CUDA graphs serve the lossless tier only": 1,
+    }
+    assert stats["captured"] == 0 and runner.backend.recorded == 0
+    assert "eager calls: unsupported kwargs" in str(fp.report(model))
+
+
+def test_runner_recaptures_after_weights_move_and_reads_in_place_writes(simulated):
+    model, twin, runner = simulated()
+    inputs = flux_transformer_inputs(model, seed=1)
+    eager(model, inputs)
+    new = build_flux_transformer("flux-tiny", torch.float32, seed=9).state_dict()
+    model.load_state_dict(new)
+    twin.load_state_dict(new)
+    assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert runner.invalidations == 0 and runner.replays == 1  # same memory, new values: the graph reads them
+    model.load_state_dict(build_flux_transformer("flux-tiny", torch.float32, seed=10).state_dict(), assign=True)
+    twin.load_state_dict(model.state_dict())
+    assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert runner.invalidations == 1 and runner.captures == 2 and runner.backend.pools == 2
+
+
+def test_runner_disables_itself_for_good_on_a_mismatch(simulated, fastpath_log):
+    model, twin, runner = simulated(SimulatedGraphs(skew=1.0))
+    inputs = flux_transformer_inputs(model, seed=1)
+    ref = eager(twin, inputs).sample
+    for _ in range(3):
+        assert torch.equal(eager(model, inputs).sample, ref)
+    warnings = [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "differed from the eager forward" in warnings[0]
+    stats = runner.stats()
+    assert stats["status"].startswith("disabled: the first replay") and stats["captured"] == 0
+    assert stats["eager"] == {graphs.REASON_DISABLED: 2} and runner.pool is None
+
+
+def test_runner_runs_a_signature_it_cannot_capture_eager(simulated, fastpath_log):
+    model, twin, runner = simulated(SimulatedGraphs(fail=RuntimeError("operation not permitted when stream is capturing")))
+    for seed in (1, 2):
+        inputs = flux_transformer_inputs(model, seed=seed)
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    eager(model, flux_transformer_inputs(model, batch=2, seed=3))  # another signature: tried once more
+    warnings = [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "could not capture a CUDA graph" in warnings[0]
+    reason = "capture failed: RuntimeError: operation not permitted when stream is capturing"
+    assert runner.stats()["eager"] == {reason: 1} and runner.captures == 2 and runner.stats()["status"] == "on"
+
+
+def test_unpatch_restores_the_forward_and_drops_the_graphs(simulated):
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    before = snapshot(model)
+    fp.patch(model)
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", SimulatedGraphs())
+    import inspect
+
+    assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
+    eager(model, flux_transformer_inputs(model, seed=1))
+    assert runner.graphs
+    fp.unpatch(model)
+    assert snapshot(model) == before
+    assert not runner.graphs and runner.pool is None and runner.fingerprint is None and runner.status == "off: unpatched"
