@@ -136,7 +136,7 @@ def _quality_missing(quality: str) -> Callable[[Context], str | None]:
         from .patching import QUALITIES
 
         if quality not in QUALITIES:
-            return f"quality tier {quality!r} is not in this build (diffusers_fastpath.patching.QUALITIES = {QUALITIES})"
+            return f"quality tier {quality!r} is not in this build (diffusers_fastpath.patching.QUALITIES: {QUALITIES})"
         return None
 
     return unavailable
@@ -548,7 +548,8 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
         ("attention", r"flash|fmha|attention|attn|sdpa|scaled_dot_product|softmax"),
         ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|triton_tem|aten::(mm|addmm|bmm|baddbmm|matmul|linear)\b"),
         ("norm", r"norm"),
-        ("copy/cat", r"copy|\bcat\b|_cat_|CatArray|aten::(cat|to|_to_copy|contiguous|clone|stack)\b|memcpy|memset|index|gather|scatter"),
+        ("copy/cat", r"copy|\bcat\b|_cat_|CatArray|memcpy|memset|index|gather|scatter|"
+                     r"aten::(cat|to|_to_copy|contiguous|clone|stack)\b"),
         ("elementwise", r"elementwise|vectorized|unrolled|reduce|triton_(poi|per|red)|aten::\w+"),
     ]
 ]
@@ -808,120 +809,165 @@ def _unavailable_row(name: str, reason: str) -> dict[str, Any]:
     return dict(mode=name, available=False, reason=reason)
 
 
+class _Runner:
+    """One benchmark run: the subject, the clock, and what each mode gave at each level."""
+
+    def __init__(self, args: argparse.Namespace, subject: Subject, ctx: Context, modes_info: dict[str, dict]) -> None:
+        self.args, self.subject, self.ctx, self.modes_info = args, subject, ctx, modes_info
+        self.device = ctx.device
+        self.clock = Clock(ctx.device)
+        self.show = not args.no_progress and sys.stderr.isatty()
+        self.step: dict[str, Samples] = {}
+        self.gen: dict[str, Samples] = {}
+        self.prof: dict[str, dict] = {}
+        self.phases: dict[str, float] = {}
+
+    def phase(self, name: str, t0: float) -> None:
+        self.phases[name] = time.perf_counter() - t0
+        print(f"[bench] {name}: {self.phases[name]:.1f} s", file=sys.stderr, flush=True)
+
+    def failed(self, mode: Mode, exc: Exception) -> None:
+        reason = f"failed: {type(exc).__name__}: {exc}".strip()
+        logger.warning(f"diffusers_fastpath.bench: mode {mode.name} {reason}")
+        self.modes_info[mode.name].update(available=False, reason=reason)
+        for level in (self.step, self.gen, self.prof):
+            level.pop(mode.name, None)
+
+    def probe(self, modes: list[Mode]) -> list[Mode]:
+        """The modes that apply and run one step; the others are reported as failed, with the error."""
+        ok = []
+        for mode in modes:
+            try:
+                with _applied(mode, self.subject.transformer, self.ctx):
+                    self.clock.time(self.subject.step)
+            except Exception as exc:  # noqa: BLE001 - one broken mode must not cost the whole run
+                self.failed(mode, exc)
+            else:
+                ok.append(mode)
+        return ok
+
+    def plain_modes(self, modes: list[Mode], do_step: bool, do_gen: bool, do_prof: bool) -> None:
+        """Every non-compiled mode, round-robin: each applied around each of its calls."""
+        subject, clock, args = self.subject, self.clock, self.args
+        if do_step or do_prof:
+            t0 = time.perf_counter()
+            if do_step:
+                with _progress(args.repeats * len(modes), "step", self.show) as bar:
+                    def body(mode: Mode, r: int) -> None:
+                        _step_once(subject, clock, self.step.setdefault(mode.name, Samples()))
+                        bar.update()
+
+                    _round_robin(modes, args.repeats, subject.transformer, self.ctx, body)
+            if do_prof:
+                for mode in modes:
+                    with _applied(mode, subject.transformer, self.ctx):
+                        clock.time(subject.step)
+                        self.prof[mode.name] = _profile_step(subject, clock)
+            self.phase("step", t0)
+        if do_gen:
+            t0 = time.perf_counter()
+            with _progress(args.gen_repeats * len(modes), "generation", self.show) as bar:
+                def body(mode: Mode, r: int) -> None:
+                    _generation_once(subject, args, self.device, clock, self.gen.setdefault(mode.name, Samples()))
+                    bar.update()
+
+                _round_robin(modes, args.gen_repeats, subject.transformer, self.ctx, body)
+            self.phase("generation", t0)
+
+    def compiled_mode(self, mode: Mode, do_step: bool, do_gen: bool, do_prof: bool) -> None:
+        """One compiled mode, after ``torch._dynamo.reset()``: its first call is the compile time, then each level."""
+        subject, clock, args = self.subject, self.clock, self.args
+        t0 = time.perf_counter()
+        torch._dynamo.reset()
+        try:
+            with _applied(mode, subject.transformer, self.ctx):
+                c0 = time.perf_counter()
+                if do_step or do_prof:
+                    subject.step()
+                else:
+                    _generate(subject, args, self.device, steps=1)
+                clock.sync()
+                compile_s = time.perf_counter() - c0
+                print(f"[bench] {mode.name}: compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
+                if do_step:
+                    samples = self.step[mode.name] = Samples(compile_s=compile_s)
+                    with _progress(args.repeats, f"step {mode.name}", self.show) as bar:
+                        for _ in range(args.repeats):
+                            _step_once(subject, clock, samples)
+                            bar.update()
+                if do_prof:
+                    self.prof[mode.name] = _profile_step(subject, clock)
+                if do_gen:
+                    samples = self.gen[mode.name] = Samples(compile_s=None if (do_step or do_prof) else compile_s)
+                    for _ in range(args.gen_repeats):
+                        _generation_once(subject, args, self.device, clock, samples)
+        except Exception as exc:  # noqa: BLE001 - e.g. a backend that cannot compile this model here
+            self.failed(mode, exc)
+        finally:
+            torch._dynamo.reset()
+        self.phase(mode.name, t0)
+
+    def rows(self, samples: dict[str, Samples], make_row) -> list[dict[str, Any]]:
+        ref = samples.get("eager")
+        out = []
+        for name, info in self.modes_info.items():
+            if not info["available"]:
+                out.append(_unavailable_row(name, info["reason"]))
+            elif name in samples:
+                out.append(make_row(MODES[name], samples[name], ref))
+        return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the arguments describe; returns the JSON-able result."""
     device = torch.device(args.device)
     levels = args.levels
     ctx = Context(device, {k: v for k, v in (("backend", args.compile_backend), ("mode", args.compile_mode)) if v})
-    show = not args.no_progress and sys.stderr.isatty()
-    clock = Clock(device)
-    phases: dict[str, float] = {}
-
-    def phase(name: str, t0: float) -> None:
-        phases[name] = time.perf_counter() - t0
-        print(f"[bench] {name}: {phases[name]:.1f} s", file=sys.stderr, flush=True)
-
-    result: dict[str, Any] = dict(schema=SCHEMA, conditions=conditions(args, device), levels=levels, phases_s=phases)
     modes_info = {}
-    runnable: list[Mode] = []
     for name in args.modes:
         mode = MODES[name]
         reason = mode.unavailable(ctx)
         modes_info[name] = dict(description=mode.description, exact=mode.exact, compiled=mode.compiled,
                                 available=reason is None, reason=reason)
-        if reason is None:
-            runnable.append(mode)
-    result["modes"] = modes_info
+    result: dict[str, Any] = dict(schema=SCHEMA, conditions=conditions(args, device), levels=levels,
+                                  modes=modes_info)
 
     t0 = time.perf_counter()
     need_pipe = "generation" in levels
     subject = build_subject(args, device, need_pipe)
-    phase("build", t0)
-    eager_modes = [m for m in runnable if not m.compiled]
-    compiled_modes = [m for m in runnable if m.compiled]
-    step: dict[str, Samples] = {}
-    gen: dict[str, Samples] = {}
-    prof: dict[str, dict] = {}
+    runner = _Runner(args, subject, ctx, modes_info)
+    runner.phase("build", t0)
     do_step, do_prof = "step" in levels, "profile" in levels
     do_gen = need_pipe and subject.no_generation is None
 
     with torch.no_grad():
-        if do_step or do_prof:
-            t0 = time.perf_counter()
+        if do_step or do_gen or do_prof:
             for _ in range(2):  # the process's first calls (allocator, cuBLAS handles, ...) count for no mode
-                clock.time(subject.step)
-            if do_step:
-                with _progress(args.repeats * len(eager_modes), "step", show) as bar:
-                    def body(mode: Mode, r: int) -> None:
-                        _step_once(subject, clock, step.setdefault(mode.name, Samples()))
-                        bar.update()
-
-                    _round_robin(eager_modes, args.repeats, subject.transformer, ctx, body)
-            if do_prof:
-                for mode in eager_modes:
-                    with _applied(mode, subject.transformer, ctx):
-                        clock.time(subject.step)
-                        prof[mode.name] = _profile_step(subject, clock)
-            phase("step", t0)
-        if do_gen:
-            t0 = time.perf_counter()
-            with _progress(args.gen_repeats * len(eager_modes), "generation", show) as bar:
-                def body(mode: Mode, r: int) -> None:
-                    _generation_once(subject, args, device, clock, gen.setdefault(mode.name, Samples()))
-                    bar.update()
-
-                _round_robin(eager_modes, args.gen_repeats, subject.transformer, ctx, body)
-            phase("generation", t0)
-        for mode in compiled_modes:
-            t0 = time.perf_counter()
-            torch._dynamo.reset()
-            with _applied(mode, subject.transformer, ctx):
-                c0 = time.perf_counter()
-                subject.step() if (do_step or do_prof) else _generate(subject, args, device, steps=1)
-                clock.sync()
-                compile_s = time.perf_counter() - c0
-                print(f"[bench] {mode.name}: compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
-                if do_step:
-                    s = step[mode.name] = Samples(compile_s=compile_s)
-                    with _progress(args.repeats, f"step {mode.name}", show) as bar:
-                        def body(m: Mode, r: int) -> None:
-                            _step_once(subject, clock, s)
-                            bar.update()
-
-                        _round_robin([mode], args.repeats, subject.transformer, ctx, body, apply=False)
-                if do_prof:
-                    prof[mode.name] = _profile_step(subject, clock)
-                if do_gen:
-                    g = gen[mode.name] = Samples(compile_s=None if (do_step or do_prof) else compile_s)
-                    for _ in range(args.gen_repeats):
-                        _generation_once(subject, args, device, clock, g)
-            torch._dynamo.reset()
-            phase(mode.name, t0)
-
-    def rows(samples: dict[str, Samples], make_row) -> list[dict[str, Any]]:
-        ref = samples.get("eager")
-        out = []
-        for name in args.modes:
-            if not modes_info[name]["available"]:
-                out.append(_unavailable_row(name, modes_info[name]["reason"]))
-            elif name in samples:
-                out.append(make_row(MODES[name], samples[name], ref))
-        return out
+                runner.clock.time(subject.step)
+            available = [MODES[name] for name, info in modes_info.items() if info["available"]]
+            plain = runner.probe([m for m in available if not m.compiled])
+            if "eager" not in [m.name for m in plain]:
+                raise RuntimeError(f"the eager reference failed: {modes_info['eager']['reason']}")
+            runner.plain_modes(plain, do_step, do_gen, do_prof)
+            for mode in available:
+                if mode.compiled:
+                    runner.compiled_mode(mode, do_step, do_gen, do_prof)
 
     result["step"] = dict(ran=do_step, reason=None if do_step else "not requested", repeats=args.repeats,
-                          rows=rows(step, _step_row) if do_step else [])
+                          rows=runner.rows(runner.step, _step_row) if do_step else [])
     gen_reason = None if do_gen else ("not requested" if not need_pipe else subject.no_generation)
     result["generation"] = dict(ran=do_gen, reason=gen_reason, repeats=args.gen_repeats, steps=args.steps,
-                                rows=rows(gen, _generation_row) if do_gen else [])
+                                rows=runner.rows(runner.gen, _generation_row) if do_gen else [])
     result["profile"] = dict(ran=do_prof, reason=None if do_prof else "not requested",
-                             rows=[dict(mode=name, **p) for name, p in prof.items()])
+                             rows=[dict(mode=name, **p) for name, p in runner.prof.items()])
     if "kernels" in levels:
         t0 = time.perf_counter()
         with torch.no_grad():
-            result["kernels"] = run_kernels(subject, args, device, show)
-        phase("kernels", t0)
+            result["kernels"] = run_kernels(subject, args, device, runner.show)
+        runner.phase("kernels", t0)
     else:
         result["kernels"] = dict(ran=False, reason="not requested", rows=[], host_us_per_call={})
+    result["phases_s"] = runner.phases
     return result
 
 
@@ -1053,8 +1099,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     """A PNG bar chart of time per mode (step and generation), each bar annotated with its ratio to eager and
     whether it is bit-identical."""
     plt = _import_pyplot()
-    panels = [(lvl, key, unit) for lvl, key, unit in (("step", "ms", "ms per step"), ("generation", "s", "s per generation"))
-              if result[lvl]["ran"] and any(r["available"] for r in result[lvl]["rows"])]
+    panels = [(level, key, unit) for level, key, unit in (("step", "ms", "ms per step"), ("generation", "s", "s"))
+              if result[level]["ran"] and any(r["available"] for r in result[level]["rows"])]
     if not panels:
         raise RuntimeError("nothing to plot: the result has no step or generation timings")
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
@@ -1068,11 +1114,12 @@ def plot(result: dict[str, Any], path: str) -> None:
             exact = "bit-identical" if r["bit_identical"] in (True, None) else (
                 f"PSNR {r['psnr_db']:.1f} dB" if isinstance(r["psnr_db"], float) else "not identical")
             ratio = f"{r['ratio']:.3f}x" if r["ratio"] is not None else ""
-            ax.annotate(f"{ratio}\n{exact}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            compiled = f"\ncompile {r['compile_s']:.0f} s" if r.get("compile_s") else ""
+            ax.annotate(f"{ratio}\n{exact}{compiled}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=8)
         ax.set_ylabel(unit)
         ax.set_title(level)
-        ax.set_ylim(0, max(values) * 1.25)
+        ax.set_ylim(0, max(values) * 1.3)
         ax.tick_params(axis="x", labelrotation=20)
     c = result["conditions"]
     fig.suptitle(f"{c['model']}, {c['dtype']}, {c['width']}x{c['height']}, batch {c['batch']}, {c['steps']} steps - "
