@@ -108,9 +108,11 @@ def register_mode(mode: Mode) -> Mode:
     return mode
 
 
-def _patched(quality: str | None = None) -> Callable[[nn.Module, Context], Undo]:
+def _patched(**patch_kwargs: Any) -> Callable[[nn.Module, Context], Undo]:
+    """``fp.patch(model, **patch_kwargs)``, undone by ``fp.unpatch``."""
+
     def apply(model: nn.Module, ctx: Context) -> Undo:
-        fp.patch(model) if quality is None else fp.patch(model, quality=quality)
+        fp.patch(model, **patch_kwargs)
         return lambda: fp.unpatch(model)
 
     return apply
@@ -157,7 +159,7 @@ def _compile_missing(ctx: Context) -> str | None:
 
 register_mode(Mode("eager", "unpatched diffusers, the reference", lambda model, ctx: (lambda: None), exact=True))
 register_mode(Mode("lossless", "fp.patch(model): bit-identical to eager", _patched(), exact=True))
-register_mode(Mode("high", 'fp.patch(model, quality="high"): approximate fusions', _patched("high"),
+register_mode(Mode("high", 'fp.patch(model, quality="high"): approximate fusions', _patched(quality="high"),
                    unavailable=_quality_missing("high")))
 register_mode(Mode("compile", "torch.compile of the unpatched transformer", _compiled(), compiled=True,
                    unavailable=_compile_missing))
@@ -921,6 +923,8 @@ class _Runner:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark the arguments describe; returns the JSON-able result."""
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # CUDA events and the kernels level use the current device
     levels = args.levels
     ctx = Context(device, {k: v for k, v in (("backend", args.compile_backend), ("mode", args.compile_mode)) if v})
     modes_info = {}
