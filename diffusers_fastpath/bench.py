@@ -933,8 +933,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reason = mode.unavailable(ctx)
         modes_info[name] = dict(description=mode.description, exact=mode.exact, compiled=mode.compiled,
                                 available=reason is None, reason=reason)
-    result: dict[str, Any] = dict(schema=SCHEMA, conditions=conditions(args, device), levels=levels,
-                                  modes=modes_info)
+    result: dict[str, Any] = dict(schema=SCHEMA, conditions=conditions(args, device), args=vars(args).copy(),
+                                  levels=levels, modes=modes_info)
 
     t0 = time.perf_counter()
     need_pipe = "generation" in levels

@@ -82,6 +82,7 @@ def test_json_has_every_field(tiny_run):
     c = result["conditions"]
     assert (c["model"], c["height"], c["width"], c["steps"], c["dtype"]) == ("flux-tiny", 64, 64, 2, "bfloat16")
     assert c["commit"] and c["torch"] == torch.__version__
+    assert result["args"]["repeats"] == 2 and result["levels"] == ["step", "generation", "profile", "kernels"]
     assert list(result["modes"]) == ["eager", "lossless", "perturbed", "missing", "broken"]
     for name in ("eager", "lossless", "perturbed"):
         assert STEP_FIELDS == _rows(result, "step")[name].keys()
@@ -208,6 +209,18 @@ def test_modes_undo_what_they_apply():
     assert model._compiled_call_impl is not None and STATE_ATTR in model.__dict__
     undo()
     assert model._compiled_call_impl is None and STATE_ATTR not in model.__dict__ and type(model) is cls
+
+
+def test_ernie_image_step_level_on_cpu(tmp_path):
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", "ernie-image-tiny", "--device", "cpu", "--height", "32", "--width", "32",
+                     "--text-tokens", "8", "--repeats", "1", "--modes", "lossless", "--no-progress",
+                     "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    assert _rows(result, "step")["lossless"]["bit_identical"] is True
+    assert _rows(result, "step")["lossless"]["fastpath"]["sites"] == 2 * 2  # two adaLN sites per layer
+    assert result["generation"]["ran"] is False and "ERNIE-Image" in result["generation"]["reason"]
 
 
 def test_compiled_modes_are_left_out_by_default_on_cpu():
@@ -338,7 +351,11 @@ def test_bench_compile_modes_on_gpu_tiny(tmp_path):
     assert rc == 0
     result = json.loads(path.read_text())
     for level in ("step", "generation"):
-        for name in ("compile", "lossless+compile"):
-            row = _rows(result, level)[name]
-            assert row["available"] and row["bit_identical"] in (True, False) and row["ratio"] > 0
+        rows = _rows(result, level)
+        assert rows["compile"]["available"] and rows["lossless+compile"]["available"]
+        assert rows["compile"]["ratio"] > 0 and rows["lossless+compile"]["ratio"] > 0
+        assert rows["compile"]["fastpath"] is None  # the unpatched transformer
+        assert rows["lossless+compile"]["fastpath"]["sites"] == 2 * 4 + 2  # patched under the compile
+        assert rows["eager"]["bit_identical"] is True
     assert all(_rows(result, "step")[n]["compile_s"] > 0 for n in ("compile", "lossless+compile"))
+    assert _rows(result, "generation")["compile"]["compile_s"] is None  # compiled once, at the step level
