@@ -156,27 +156,58 @@ def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, d
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def tiny_flux_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
-    """A ``FluxPipeline`` with a tiny random VAE (FLUX's 8x downsampling, 8 channels) and no text encoders: call it
-    with `prompt_embeddings`. Works with any FLUX transformer, the full-size one included."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+# https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/vae/config.json
+FLUX_VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    act_fn="silu",
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+# FLUX's 8x downsampling (four blocks, as FluxPipeline's vae_scale_factor assumes) with 8 channels; the
+# latent_channels of a tiny pipeline follow its transformer (in_channels // 4).
+TINY_FLUX_VAE_CONFIG = dict(
+    sample_size=32,
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(8, 8, 8, 8),
+    layers_per_block=1,
+    latent_channels=1,
+    norm_num_groups=4,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    shift_factor=0.0609,
+    scaling_factor=1.5035,
+)
+FLUX_VAE_CONFIGS = {"flux-dev": FLUX_VAE_CONFIG, "flux-tiny": TINY_FLUX_VAE_CONFIG}
 
-    transformer = transformer if transformer is not None else build_flux_transformer("flux-tiny", dtype, device, seed)
+
+def build_flux_vae(config="flux-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """An ``AutoencoderKL`` from a named config (``"flux-dev"``: FLUX.1's published VAE; ``"flux-tiny"``) or a dict,
+    random weights."""
+    from diffusers import AutoencoderKL
+
+    cfg = {**(FLUX_VAE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
     with _construct(device, dtype):
-        vae = AutoencoderKL(
-            sample_size=32,
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            latent_channels=transformer.config.in_channels // 4,
-            norm_num_groups=4,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        )
-    vae = randomize_(vae, seed + 1).eval()
+        vae = AutoencoderKL(**cfg)
+    return randomize_(vae, seed).eval()
+
+
+def flux_pipeline(transformer, vae):
+    """A ``FluxPipeline`` around `transformer` and `vae` with no text encoders: call it with `prompt_embeddings`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
@@ -186,6 +217,21 @@ def tiny_flux_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", see
         tokenizer_2=None,
         transformer=transformer,
     )
+
+
+def tiny_flux_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """A ``FluxPipeline`` with a tiny random VAE (FLUX's 8x downsampling, 8 channels) and no text encoders: call it
+    with `prompt_embeddings`. Works with any FLUX transformer, the full-size one included."""
+    transformer = transformer if transformer is not None else build_flux_transformer("flux-tiny", dtype, device, seed)
+    vae = build_flux_vae("flux-tiny", dtype, device, seed + 1, latent_channels=transformer.config.in_channels // 4)
+    return flux_pipeline(transformer, vae)
+
+
+def flux_dev_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """A ``FluxPipeline`` with FLUX.1-dev's transformer and VAE configs, random weights, no text encoders: call it
+    with `prompt_embeddings` (``txt_tokens=512`` as FLUX.1-dev's T5 gives)."""
+    transformer = transformer if transformer is not None else build_flux_transformer("flux-dev", dtype, device, seed)
+    return flux_pipeline(transformer, build_flux_vae("flux-dev", dtype, device, seed + 1))
 
 
 def prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2):

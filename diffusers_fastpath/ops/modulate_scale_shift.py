@@ -13,7 +13,7 @@ is ``csrc/modulate_scale_shift.cu``.
 
 Eager calls reach the CUDA op ``diffusers_fastpath::_modulate_scale_shift_cuda`` directly; ``torch.compile`` sees
 the registered custom op ``diffusers_fastpath::modulate_scale_shift`` (device-generic, with a fake). Host time per
-call on the H200 machine with torch 2.11 (``examples/benchmark_lossless.py``, four runs on VMs whose host
+call on the H200 machine with torch 2.11 (``diffusers_fastpath.bench --kernels``, four runs on VMs whose host
 speed varied by 1.8x): a plain ``x.add(1)`` 7.7-13.7 µs; the direct CUDA op the same; the Python custom op about
 2.9x that (22.5-44.6 µs); this module's public entry with its guard and counters about 1.7x (12.6-24.0 µs); the
 eager chain of three kernels about 3.6x. GPU time at (1, 4096, 3072) bf16: 16.8 µs against 69.7 µs eager, 88% of
