@@ -168,6 +168,9 @@ class ModelFingerprint:
             for d in (m._parameters, m._buffers, m._modules):
                 for k, v in d.items():
                     owners.append(d), keys.append(k), values.append(v)
+            registry = m.__dict__.get("_diffusers_hook")
+            if registry is not None and isinstance(getattr(registry, "hooks", None), dict):
+                self.dicts.append(registry.hooks)  # a hook registered later shows as a longer dict
             processor = m.__dict__.get("processor")
             if processor is not None:
                 owners.append(m.__dict__), keys.append("processor"), values.append(processor)
@@ -190,7 +193,9 @@ class ModelFingerprint:
             label = name or "the model"
             if "_hf_hook" in m.__dict__:
                 return f"accelerate hook on {label} (offloading): it runs Python on every call"
-            if "_diffusers_hook" in m.__dict__:
+            # diffusers' HookRegistry: pipelines create an empty one on the transformer (``cache_context``), which
+            # runs nothing; a registered hook (offloading, caching) runs Python on every call
+            if getattr(m.__dict__.get("_diffusers_hook"), "hooks", None):
                 return f"diffusers hook on {label} (offloading or caching): it runs Python on every call"
             if _is_peft_layer(m):
                 return (
@@ -236,6 +241,11 @@ class CudaGraphs:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # return the warm-up's blocks (cached for the side stream), as torch.cuda.graph does
             graph = torch.cuda.CUDAGraph()
+            # A capture registers the device's default generator and puts its state in capture mode until
+            # capture_end; an invalidated capture's capture_end raises before it puts the state back, and every
+            # later random op on the device would fail. Keep a copy to reinstate if the capture fails.
+            generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+            saved = generator.clone_state() if hasattr(generator, "clone_state") else None
             with torch.cuda.stream(stream):
                 graph.capture_begin(handle)
                 try:
@@ -244,7 +254,8 @@ class CudaGraphs:
                     try:
                         graph.capture_end()
                     except Exception:  # noqa: BLE001 - the capture is invalid anyway; the forward's error is the cause
-                        pass
+                        if saved is not None:
+                            generator.graphsafe_set_state(saved)
                     raise
                 graph.capture_end()
             current.wait_stream(stream)

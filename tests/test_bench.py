@@ -307,15 +307,19 @@ def test_python_dash_m_smoke():
 
 @pytest.mark.gpu
 def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
-    for model, ops in (("flux-dev", {"modulate_scale_shift"}), ("ernie-image", {"rmsnorm_scale_shift",
-                                                                                 "gated_rmsnorm_scale_shift"})):
+    flux_ops = {"modulate_scale_shift", "layernorm_scale_shift", "layer_norm_affine (high)", "gated_residual",
+                "rotary_emb", "qk_norm_rope", "qk_norm_rope (text+image)", "linear_gelu (high)"}
+    for model, ops in (("flux-dev", flux_ops), ("ernie-image", {"rmsnorm_scale_shift", "gated_rmsnorm_scale_shift"})):
         path = tmp_path / f"{model}.json"
         assert bench.main(["--model", model, "--levels", "kernels", "--no-progress", "--json", str(path)]) == 0
         kern = json.loads(path.read_text())["kernels"]
         assert kern["ran"] and {r["op"] for r in kern["rows"]} == ops
-        assert all(r["equal"] and r["fused_us"] > 0 and 0 < r["pct_of_copy"] for r in kern["rows"])
+        assert all(r["equal"] for r in kern["rows"] if r["exact"]), kern["rows"]
+        assert all(r["fused_us"] > 0 and 0 < r["pct_of_copy"] for r in kern["rows"])
+        assert all(0 < r["max_abs_diff"] < 0.25 for r in kern["rows"] if not r["exact"]), kern["rows"]
         assert len(kern["host_us_per_call"]) == 5
-    shapes = [r["shape"] for r in json.loads((tmp_path / "flux-dev.json").read_text())["kernels"]["rows"]]
+    rows = json.loads((tmp_path / "flux-dev.json").read_text())["kernels"]["rows"]
+    shapes = [r["shape"] for r in rows if r["op"] == "modulate_scale_shift"]
     assert shapes == [[1, 4096, 3072], [1, 512, 3072], [1, 4608, 3072]]  # image, text, single at 1024x1024
 
 

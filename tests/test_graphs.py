@@ -217,7 +217,7 @@ def test_fingerprint_keeps_in_place_weight_writes_and_catches_replacements():
     [
         (lambda m: m.transformer_blocks[0].norm1.register_forward_pre_hook(lambda *a: None), "forward hooks on transformer_blocks.0.norm1"),
         (lambda m: setattr(m.context_embedder, "_hf_hook", object()), "accelerate hook on context_embedder"),
-        (lambda m: setattr(m.transformer_blocks[0], "_diffusers_hook", object()), "diffusers hook on transformer_blocks.0"),
+        (lambda m: _register_diffusers_hook(m.transformer_blocks[0]), "diffusers hook on transformer_blocks.0"),
         (lambda m: setattr(m.proj_out, "forward", lambda x: x), "proj_out.forward is replaced per instance"),
         (lambda m: m.to("meta"), "weights on meta"),
     ],
@@ -227,6 +227,26 @@ def test_fingerprint_names_what_keeps_graphs_off(change, blocker):
     change(model)
     assert blocker in ModelFingerprint(model, "cpu").blocker
     assert "need one cuda device" in ModelFingerprint(build_flux_transformer("flux-tiny"), "cuda").blocker
+
+
+def _register_diffusers_hook(module):
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(ModelHook(), "test_hook")
+
+
+def test_an_empty_diffusers_hook_registry_keeps_graphs_on_and_a_later_hook_is_seen():
+    """Pipelines wrap every transformer call in ``transformer.cache_context(...)``, which creates an empty
+    HookRegistry on the model: nothing runs, so graphs stay on; a hook registered later invalidates."""
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=1)
+    with model.cache_context("cond"):
+        pass
+    assert "_diffusers_hook" in model.__dict__
+    fingerprint = ModelFingerprint(model, "cpu")
+    assert fingerprint.blocker is None and fingerprint.matches()
+    _register_diffusers_hook(model)
+    assert not fingerprint.matches()
+    assert "diffusers hook on the model" in ModelFingerprint(model, "cpu").blocker
 
 
 # --- the runner, against simulated graphs ------------------------------------------------------------------------

@@ -92,7 +92,8 @@ def test_flux_dev_512_and_batch2_replays_are_bitwise_identical(flux_dev, unpatch
     assert 0 < stats["pool_mib"] * 2**20 < 0.1 * model_bytes, stats  # modest next to the model
     assert stats["static_inputs_mib"] > 8  # two signatures, each with a (B, 512, 4096) bf16 text input
     rep = fp.report(flux_dev)
-    assert len(rep.sites) == 19 * 4 + 38 and all(s.fallback == 0 for s in rep.sites), str(rep)
+    # the eager first call of each signature counts its fused sites; replays run no Python
+    assert len(rep.sites) == 417 and all(s.fallback == 0 for s in rep.sites), str(rep)
     print(f"flux-dev 512x512 graphs: {stats}")
 
 
@@ -210,6 +211,9 @@ def test_a_forward_that_cannot_be_captured_runs_eager(unpatch_after, fastpath_lo
     warnings = [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "could not capture a CUDA graph" in warnings[0]
     assert all(op.disabled is None for op in OPS.values())  # a failed capture disables no fused op
+    # the failed capture left the device's random generator usable (its capture-mode state is put back)
+    assert torch.randn(4, device="cuda").isfinite().all()
+    build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=18)  # random init on the device
 
 
 def test_unpatch_frees_the_graph_pool():
