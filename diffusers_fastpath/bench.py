@@ -196,8 +196,10 @@ def _repo_root() -> Path:
 
 
 def commit() -> str:
-    """``git rev-parse --short HEAD`` (``-dirty`` with uncommitted changes) when the package sits in a git checkout,
-    else ``$GIT_COMMIT`` (set by copies of the tree without ``.git``), else ``"unknown"``."""
+    """``$GIT_COMMIT`` when set (copies of the tree made for a run elsewhere set it), else ``git rev-parse --short
+    HEAD`` (``-dirty`` with uncommitted changes) when the package sits in a git checkout, else ``"unknown"``."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     root = _repo_root()
     if (root / ".git").exists():
         try:
@@ -208,7 +210,7 @@ def commit() -> str:
                 return head + ("-dirty" if dirty.returncode == 1 else "")
         except (OSError, subprocess.SubprocessError):
             pass
-    return os.environ.get("GIT_COMMIT") or "unknown"
+    return "unknown"
 
 
 def _driver_version() -> str | None:
@@ -334,6 +336,8 @@ def md5(x: Any) -> str:
 
 
 def _max_abs_diff(a: Any, b: Any) -> float:
+    if isinstance(a, (tuple, list)):  # ops with several outputs (the gated RMSNorm: residual and normed)
+        return max((_max_abs_diff(x, y) for x, y in zip(a, b)), default=0.0)
     a, b = torch.as_tensor(a).detach(), torch.as_tensor(b).detach()
     return (a.double() - b.to(a.device).double()).abs().max().item() if a.numel() else 0.0  # on a's device
 

@@ -50,7 +50,7 @@ def test_tiny_pipeline_high_generation_is_close_and_lossless_stays_identical(dty
     unpatch_after(pipe)
     with fp.quality(pipe, "high"):
         high = generate()
-    rep = fp.report(pipe)
+        rep = fp.report(pipe)
     lossless = generate()
     assert md5(lossless) == md5(unpatched)
     assert not (high == unpatched).all()  # the approximate path ran
@@ -91,7 +91,7 @@ def test_flux_dev_one_step_high_runs_every_site_and_stays_close(flux_dev, unpatc
     unpatch_after(flux_dev)
     with fp.quality(flux_dev, "high"):
         out = flux_dev(**inputs).sample
-    rep = fp.report(flux_dev)
+        rep = fp.report(flux_dev)
     assert torch.equal(flux_dev(**inputs).sample, ref)  # lossless again after the context
     ops = [t.op for t in rep.tier_sites]
     assert ops.count("layer_norm_affine") == FLUX_DEV_LN_SITES and ops.count("linear_gelu") == FLUX_DEV_GELU_SITES
