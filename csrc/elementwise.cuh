@@ -45,6 +45,37 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
+// The launch shape of the row kernels (modulate, gated residual): blocks of `threads` threads, `tx` of them
+// across a row's 16-byte vectors and `threads / tx` rows, each thread keeping `rows_in_flight` rows' loads in
+// flight; the grid covers a row's vectors in x and, in y, at most about eight resident blocks per SM (a grid
+// stride covers the remaining rows).
+struct RowGrid {
+  dim3 grid;
+  dim3 block;
+};
+
+inline int num_sms() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  static int cached[64] = {0};
+  if (device < 64 && cached[device]) return cached[device];
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) count = 132;
+  if (device < 64) cached[device] = count;
+  return count;
+}
+
+inline RowGrid row_grid(int64_t rows, int32_t vecs_per_row, int threads, int rows_in_flight) {
+  const int tx = vecs_per_row < 128 ? vecs_per_row : 128;
+  const int ty = threads / tx;
+  const int64_t grid_x = (vecs_per_row + tx - 1) / tx;
+  const int64_t rows_per_block = static_cast<int64_t>(ty) * rows_in_flight;
+  int64_t grid_y = (rows + rows_per_block - 1) / rows_per_block;
+  const int64_t cap_y = (static_cast<int64_t>(num_sms()) * 8 + grid_x - 1) / grid_x;
+  if (grid_y > cap_y) grid_y = cap_y;
+  if (grid_y > 65535) grid_y = 65535;
+  return {dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), dim3(tx, ty)};
+}
+
 // Calls f(T{}) with T the storage type named by `dtype`: one switch for every launcher.
 template <typename F>
 cudaError_t dispatch_storage_type(DType dtype, F&& f) {

@@ -81,43 +81,23 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
   }
 }
 
-int num_sms() {
-  int device = 0, count = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 132;
-  static int cached[64] = {0};
-  if (device < 64 && cached[device]) return cached[device];
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) count = 132;
-  if (device < 64) cached[device] = count;
-  return count;
-}
-
 template <typename T>
 cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
   const int64_t rows = a.batch * a.seq;
   if (rows == 0 || a.dim == 0) return cudaSuccess;
   const int32_t vecs_per_row = static_cast<int32_t>(a.dim / kVec);
-  const int tx = vecs_per_row < 128 ? vecs_per_row : 128;
-  const int ty = kThreads / tx;
-  const dim3 block(tx, ty);
-  const int64_t grid_x = (vecs_per_row + tx - 1) / tx;
-  const int64_t rows_per_block = static_cast<int64_t>(ty) * kRowsInFlight;
-  int64_t grid_y = (rows + rows_per_block - 1) / rows_per_block;
-  // About eight resident blocks of 256 threads per SM fill it; more rows are covered by the grid stride.
-  const int64_t cap_y = (static_cast<int64_t>(num_sms()) * 8 + grid_x - 1) / grid_x;
-  if (grid_y > cap_y) grid_y = cap_y;
-  if (grid_y > 65535) grid_y = 65535;
-  const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
+  const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight);
   auto* out = static_cast<T*>(a.out);
   const auto* residual = static_cast<const T*>(a.residual);
   const auto* gate = static_cast<const T*>(a.gate);
   const auto* update = static_cast<const T*>(a.update);
   if (a.gate_seq_stride == 0) {
-    gated_residual_kernel<T, true><<<grid, block, 0, stream>>>(out, residual, gate, update, rows, a.seq, vecs_per_row,
-                                                               a.gate_batch_stride, 0);
+    gated_residual_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(
+        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0);
   } else {
-    gated_residual_kernel<T, false><<<grid, block, 0, stream>>>(out, residual, gate, update, rows, a.seq,
-                                                                vecs_per_row, a.gate_batch_stride, a.gate_seq_stride);
+    gated_residual_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(
+        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride);
   }
   return cudaGetLastError();
 }

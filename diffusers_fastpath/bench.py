@@ -579,6 +579,9 @@ def categorize(kernel_name: str) -> str:
     return "other"
 
 
+PROFILE_TOP = 15  # the kernels (by name) that took the most time, per mode, kept in the JSON and the report
+
+
 def _profile_step(subject: Subject, clock: Clock) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -602,11 +605,18 @@ def _profile_step(subject: Subject, clock: Clock) -> dict[str, Any]:
 
         events = [e for e in prof.events() if aten(e) and not _METADATA_OPS.match(e.name) and outermost(e)]
     per = {name: {"count": 0, "ms": 0.0} for name in CATEGORY_NAMES}
+    by_name: dict[str, list] = {}
     for e in events:
         c = per[categorize(e.name)]
+        ms = e.time_range.elapsed_us() / 1e3
         c["count"] += 1
-        c["ms"] += e.time_range.elapsed_us() / 1e3
+        c["ms"] += ms
+        entry = by_name.setdefault(e.name, [categorize(e.name), 0, 0.0])
+        entry[1] += 1
+        entry[2] += ms
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:PROFILE_TOP]
     return dict(kernels=len(events), ms=sum(c["ms"] for c in per.values()), categories=per,
+                top=[dict(name=name[:160], category=cat, count=n, ms=ms) for name, (cat, n, ms) in top],
                 unit="CUDA kernels" if clock.cuda else "outermost aten ops on CPU")
 
 
@@ -1190,6 +1200,14 @@ def markdown(result: dict[str, Any]) -> str:
                  *(f"{p['categories'][c]['count']} / {p['categories'][c]['ms']:.2f}" for c in CATEGORY_NAMES)]
                 for p in prof["rows"]]
         lines += _table(header, body) + [""]
+        for p in prof["rows"]:
+            if p.get("top"):
+                lines += [f"<details><summary>{p['mode']}: the {len(p['top'])} kernels that took the most time</summary>",
+                          ""]
+                lines += _table(["kernel", "category", "count", "ms"],
+                                [[f"`{t['name'][:90]}`", t["category"], str(t["count"]), f"{t['ms']:.2f}"]
+                                 for t in p["top"]])
+                lines += ["", "</details>", ""]
     kern = result["kernels"]
     if kern["ran"]:
         lines += ["### Fused kernels against their eager chains (inputs rotated past the L2; GB/s = bytes read + "

@@ -13,57 +13,16 @@ path (the fused ops are CUDA-only); the report says so, and the images are then 
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import sys
-import time
-
-import numpy as np
-import torch
 
 import diffusers_fastpath as fp
+from _pipeline import md5, parse_args, pipeline  # examples/_pipeline.py
 from diffusers_fastpath.metrics import psnr, ssim
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="FLUX pipeline to load with from_pretrained (default: a tiny random one)")
-    parser.add_argument("--prompt", default="a photo of a cat holding a sign that says hello world")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--height", type=int, default=None, help="default: 1024 with --model, else 128")
-    parser.add_argument("--width", type=int, default=None, help="default: 1024 with --model, else 128")
-    parser.add_argument("--steps", type=int, default=None, help="default: 28 with --model, else 4")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    size = 1024 if args.model else 128
-    height, width = args.height or size, args.width or size
-    steps = args.steps or (28 if args.model else 4)
-
-    if args.model:
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
-        call_kwargs = dict(prompt=args.prompt)
-    else:
-        from diffusers_fastpath.testing import prompt_embeddings, tiny_flux_pipeline
-
-        pipe = tiny_flux_pipeline(dtype=dtype, device=args.device, seed=args.seed)
-        call_kwargs = prompt_embeddings(pipe, txt_tokens=64, seed=args.seed + 1)
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate() -> tuple[np.ndarray, float]:
-        generator = torch.Generator(args.device).manual_seed(args.seed)
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        images = pipe(
-            **call_kwargs, height=height, width=width, num_inference_steps=steps, generator=generator, output_type="np"
-        ).images
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return images, time.perf_counter() - start
+    args = parse_args(__doc__)
+    pipe, generate, title = pipeline(args)
 
     generate()  # warm-up
     unpatched, eager_s = generate()
@@ -75,10 +34,9 @@ def main() -> int:
         rep = fp.report(pipe)
     after, _ = generate()  # outside the context: lossless again
 
-    md5 = lambda a: hashlib.md5(a.tobytes()).hexdigest()  # noqa: E731
     approx = sum(s.fast for s in rep.tier_sites)
     sent_back = sum(s.fallback for s in rep.tier_sites)
-    print(f"{'real' if args.model else 'tiny random'} FLUX pipeline on {args.device}, {args.dtype}, {width}x{height}, {steps} steps")
+    print(title)
     print(f"unpatched: {eager_s * 1000:.1f} ms  md5 {md5(unpatched)}")
     print(f"lossless:  {lossless_s * 1000:.1f} ms  md5 {md5(lossless)}  ({lossless_s / eager_s:.3f}x)")
     print(f"lossless identical to unpatched: {md5(lossless) == md5(unpatched)}")

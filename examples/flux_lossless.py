@@ -11,54 +11,17 @@ with random prompt embeddings (no text encoders). With ``--model`` the real weig
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import sys
-import time
 
 import numpy as np
-import torch
 
 import diffusers_fastpath as fp
+from _pipeline import md5, parse_args, pipeline  # examples/_pipeline.py
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="FLUX pipeline to load with from_pretrained (default: a tiny random one)")
-    parser.add_argument("--prompt", default="a photo of a cat holding a sign that says hello world")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--height", type=int, default=None, help="default: 1024 with --model, else 128")
-    parser.add_argument("--width", type=int, default=None, help="default: 1024 with --model, else 128")
-    parser.add_argument("--steps", type=int, default=None, help="default: 28 with --model, else 4")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    size = 1024 if args.model else 128
-    height, width = args.height or size, args.width or size
-    steps = args.steps or (28 if args.model else 4)
-
-    if args.model:
-        from diffusers import FluxPipeline
-
-        pipe = FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
-        call_kwargs = dict(prompt=args.prompt)
-    else:
-        from diffusers_fastpath.testing import prompt_embeddings, tiny_flux_pipeline
-
-        pipe = tiny_flux_pipeline(dtype=dtype, device=args.device, seed=args.seed)
-        call_kwargs = prompt_embeddings(pipe, txt_tokens=64, seed=args.seed + 1)
-    pipe.set_progress_bar_config(disable=True)
-
-    def generate() -> tuple[np.ndarray, float]:
-        generator = torch.Generator(args.device).manual_seed(args.seed)
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        images = pipe(
-            **call_kwargs, height=height, width=width, num_inference_steps=steps, generator=generator, output_type="np"
-        ).images
-        return images, time.perf_counter() - start
+    args = parse_args(__doc__)
+    pipe, generate, title = pipeline(args)
 
     generate()  # warm-up
     reference, eager_s = generate()
@@ -67,8 +30,7 @@ def main() -> int:
     patched, fast_s = generate()
 
     identical = np.array_equal(reference, patched)
-    md5 = lambda a: hashlib.md5(a.tobytes()).hexdigest()  # noqa: E731
-    print(f"{'real' if args.model else 'tiny random'} FLUX pipeline on {args.device}, {args.dtype}, {width}x{height}, {steps} steps")
+    print(title)
     print(f"unpatched: {eager_s * 1000:.1f} ms  md5 {md5(reference)}")
     print(f"patched:   {fast_s * 1000:.1f} ms  md5 {md5(patched)}  ({fast_s / eager_s:.3f}x)")
     print(f"bit-identical: {identical}\n")

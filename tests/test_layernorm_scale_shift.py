@@ -141,7 +141,7 @@ def test_flux_dev_one_step_1024_uses_the_verified_fused_layernorm(unpatch_after)
         rep = fp.report(model)
         adaln = [s for s in rep.sites if s.op == "layernorm_scale_shift"]
         assert len(adaln) == 19 * 4 + 38, str(rep)
-        assert all(s.fast == 1 and s.fallback == 0 for s in rep.sites), str(rep)
+        assert all(s.fast == 1 and s.fallback == 0 for s in adaln), str(rep)
         assert LAYERNORM_SCALE_SHIFT.disabled is None and LAYERNORM_SCALE_SHIFT.verified == {("bfloat16", 3072)}
     finally:
         del model
