@@ -107,8 +107,8 @@ def test_lossless_is_bit_identical_to_eager_on_cpu(tiny_run):
     step = _rows(result, "step")["lossless"]
     assert step["md5"] == _rows(result, "step")["eager"]["md5"] and step["max_abs_diff"] == 0
     # the patched model really was in place: every site counted its calls (eager fallbacks on CPU)
-    # tiny FLUX: 2 dual blocks (8 sites each), 2 single (4 each, the first without its token cat), 4 attentions (2)
-    assert step["fastpath"]["sites"] == 2 * 8 + 2 * 4 - 1 + 4 * 2 and step["fastpath"]["fallback"] > 0
+    # tiny FLUX: 2 dual blocks (8 sites each), 2 single (3 each, the first without its token cat), 4 attentions (2)
+    assert step["fastpath"]["sites"] == 2 * 8 + 2 * 3 - 1 + 4 * 2 and step["fastpath"]["fallback"] > 0
     assert _rows(result, "step")["eager"]["fastpath"] is None
     gen = _rows(result, "generation")["lossless"]
     assert gen["latents_md5"] == _rows(result, "generation")["eager"]["latents_md5"] and gen["ssim"] == 1.0
@@ -362,7 +362,7 @@ def test_bench_compile_modes_on_gpu_tiny(tmp_path):
         assert rows["compile"]["available"] and rows["lossless+compile"]["available"]
         assert rows["compile"]["ratio"] > 0 and rows["lossless+compile"]["ratio"] > 0
         assert rows["compile"]["fastpath"] is None  # the unpatched transformer
-        assert rows["lossless+compile"]["fastpath"]["sites"] == 2 * 8 + 2 * 4 - 1 + 4 * 2  # patched under the compile
+        assert rows["lossless+compile"]["fastpath"]["sites"] == 2 * 8 + 2 * 3 - 1 + 4 * 2  # patched under the compile
         assert rows["eager"]["bit_identical"] is True
     assert all(_rows(result, "step")[n]["compile_s"] > 0 for n in ("compile", "lossless+compile"))
     assert _rows(result, "generation")["compile"]["compile_s"] is None  # compiled once, at the step level

@@ -66,10 +66,10 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     for _ in range(2):  # second call: rotary cache reused
         assert torch.equal(run(model, inputs), ref)
     rep = fp.report(model)
-    # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, and 2 concatenation sites
-    # (the first single block's token concatenation is no site: its inputs are always two tensors); per attention
-    # module 2 (the fused QK norm + rotary, and the pure rotary it falls back to)
-    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2
+    # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, and the token
+    # concatenation (not in the first single block: its inputs are always two tensors); per attention module 2 (the
+    # fused QK norm + rotary, and the pure rotary it falls back to)
+    assert len(rep.sites) == 2 * 8 + 2 * 3 - 1 + 4 * 2
     assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
     reason = "dtype float32" if dtype == torch.float32 else "device cpu"
     calls = {"qk_norm_rope": 4, "rotary_emb": 4}  # two forwards; q and k per attention
@@ -77,8 +77,6 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     cat_tokens = sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)
     assert "single_transformer_blocks.0:cat_tokens" not in cat_tokens
     assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 2  # the previous block's output, no copy
-    cat_mlp = sites_by_op(rep, flux_adapter.CONCAT_IN_PLACE)
-    assert all(s.fast == 0 and s.reasons == {"device cpu": 2} for s in cat_mlp.values())
 
 
 def test_patched_pipeline_matches_unpatched(unpatch_after):
@@ -325,7 +323,7 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 23 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 21 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
     assert data["ops"]["gated_residual"] == "enabled"
     assert "transformer.transformer_blocks.0.attn:qk_norm_rope " in text
@@ -475,72 +473,3 @@ def test_single_blocks_never_write_into_their_inputs(unpatch_after):
     assert fp.report(model).sites  # the hooks ran on the patched blocks
     cat_tokens = sites_by_op(fp.report(model), flux_adapter.JOINT_TOKENS_VIEW)
     assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 1
-
-
-def test_gelu_into_a_strided_view_is_exact_and_writes_in_place(dtype=torch.float32):
-    """``torch._C._nn.gelu(x, approximate="tanh", out=buffer[..., D:])``: the values of ``nn.GELU`` (and so of the
-    ``cat``), written where the view points with no temporary and no copy (aten's only op is the GELU). In fp32
-    only on the CPU: its bf16/fp16 GELU may split a strided row between its vector and scalar code differently
-    (seen on the GPU machine's CPU), which is why the in-place concatenation runs on CUDA only; CUDA's bf16/fp16
-    are checked by the GPU test of the concatenation buffer."""
-    from torch.profiler import ProfilerActivity, profile
-
-    x = (torch.randn(2, 37, 256) * 3).to(dtype)
-    attn = torch.randn(2, 37, 64).to(dtype)
-    ref = torch.cat([attn, torch.nn.GELU(approximate="tanh")(x)], dim=2)
-    buffer = torch.empty(2, 37, 64 + 256, dtype=dtype)
-    view = buffer[:, :, 64:]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        got = torch._C._nn.gelu(x, approximate="tanh", out=view)
-    assert got is view and got.stride() == buffer.stride()
-    assert [e.name for e in prof.events()] == ["aten::gelu"]
-    buffer[:, :, :64].copy_(attn)
-    assert torch.equal(buffer, ref)
-
-
-@pytest.fixture
-def concat_in_place_on_cpu(monkeypatch):
-    """Let the in-place concatenation run on CPU. Exact here because each GELU row is one vectorised run (row
-    length a multiple of the vector width, one thread for these sizes); on CPU in general it is not enabled."""
-    monkeypatch.setattr(flux_adapter, "_GELU_INTO_VIEW_DEVICES", ("cuda", "cpu"))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("batch", [1, 2])
-def test_concat_in_place_matches_cat(dtype, batch, concat_in_place_on_cpu, unpatch_after):
-    model = build_flux_transformer("flux-tiny", dtype, seed=46 + batch)
-    inputs = flux_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=47)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    seen = []
-    block = model.single_transformer_blocks[1]
-    block.proj_out.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
-    for _ in range(2):
-        assert torch.equal(run(model, inputs), ref)
-    assert seen[0].shape == (batch, 7 + 24, block.proj_out.in_features) and seen[0].is_contiguous()
-    rep = fp.report(model)
-    assert all(s.fast == 2 and s.fallback == 0 for s in sites_by_op(rep, flux_adapter.CONCAT_IN_PLACE).values())
-
-
-def test_concat_in_place_falls_back_exactly(concat_in_place_on_cpu, unpatch_after):
-    """Another activation (or GELU's erf form): diffusers' expression, counted. An attention output that does not
-    fit the buffer: the cat of diffusers, with the GELU values already in the buffer."""
-    model = build_flux_transformer("flux-tiny", seed=48)
-    inputs = flux_transformer_inputs(model, seed=49)
-    model.single_transformer_blocks[0].act_mlp = torch.nn.SiLU()
-    model.single_transformer_blocks[1].act_mlp = torch.nn.GELU()  # the erf form
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    sites = sites_by_op(fp.report(model), flux_adapter.CONCAT_IN_PLACE)
-    assert all(s.fast == 0 and s.reasons == {"act_mlp is not the tanh GELU": 1} for s in sites.values())
-
-    buffer = torch.empty(1, 5, 8 + 16, dtype=torch.bfloat16)
-    mlp = buffer[:, :, 8:].copy_(torch.randn(1, 5, 16))
-    site = Site(flux_adapter.CONCAT_IN_PLACE)
-    for attn in (torch.randn(1, 5, 8), torch.randn(1, 5, 4).to(torch.bfloat16)):  # float32; too narrow
-        out = flux_adapter._concat_attn_mlp(attn, mlp, buffer, site)
-        assert out is not buffer and torch.equal(out, torch.cat([attn, mlp], dim=2))
-    assert dict(site.fallback) == {"attention output of another shape, dtype or device": 2}
