@@ -48,6 +48,7 @@ from torch.utils import _pytree as pytree
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ._logging import logger
+from .ops._policy import outputs_equal
 
 GRAPHS_ATTR = "_fastpath_graphs"
 MAX_SIGNATURES = 8  # per model; a pipeline needs one or two (CFG, two text lengths), resolutions add one each
@@ -288,15 +289,6 @@ class _Graph:
         return pytree.tree_unflatten([o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs], self.spec)
 
 
-def _equal(a: Any, b: Any) -> bool:
-    la, sa = pytree.tree_flatten(a)
-    lb, sb = pytree.tree_flatten(b)
-    return sa == sb and len(la) == len(lb) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else (type(x) is type(y) and x == y)
-        for x, y in zip(la, lb)
-    )
-
-
 class GraphRunner:
     """Captures and replays one model's forward per input signature (see the module doc); `stats` feeds `report`."""
 
@@ -382,7 +374,7 @@ class GraphRunner:
                     f"eager (same numbers, more host time). Cause: {reason}"
                 )
             return ref
-        if not _equal(out, ref):
+        if not outputs_equal(out, ref):
             self.disable(
                 f"the first replay of a captured graph differed from the eager forward ({_describe(sig)}); "
                 "graphs are off for this model for good"

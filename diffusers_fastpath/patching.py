@@ -111,7 +111,7 @@ class PatchState:
             self.notes.append(f"kept {count} attention processor(s) of type {name} (not diffusers' {default_cls.__name__})")
 
     def add_hook(self, handle: torch.utils.hooks.RemovableHandle) -> None:
-        self._undo.append(handle.remove)
+        self.on_undo(handle.remove)
 
     def on_undo(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` when the patch is undone (in reverse order with everything else)."""

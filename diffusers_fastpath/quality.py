@@ -6,7 +6,7 @@ on the module as ``module._fastpath_tier`` through the model's `PatchState`, so 
 the ``"high"`` tier sets ``mounted`` on each site that can take its fusion; the patched forwards read that flag
 per call. All state lives on the modules of one model: two pipelines in one process can run different tiers.
 
-FLUX.1 has two kinds of site (114 + 57 per FLUX.1-dev step):
+FLUX.1 has two kinds of site (114 + 76 per FLUX.1-dev step):
 
 - ``layer_norm_affine`` on each adaLN LayerNorm (``norm1.norm``, ``norm1_context.norm``, ``norm2``,
   ``norm2_context``, the single blocks' ``norm.norm``): the modulate folded into the LayerNorm's affine
@@ -33,7 +33,6 @@ from ._logging import logger
 from .ops import Site
 from .patching import STATE_ATTR, PatchState, _check_quality, patched_models
 
-LOSSLESS = "lossless"
 HIGH = "high"
 TIER_ATTR = "_fastpath_tier"  # read directly (``norm._fastpath_tier``) by the patched forwards
 

@@ -26,6 +26,7 @@ from collections import Counter
 from typing import Callable, Hashable
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .._logging import logger
 
@@ -147,7 +148,7 @@ class FusedOp:
         if key in self.verified:
             return True
         ref = self.ref(*args)
-        if _equal(out, ref):
+        if outputs_equal(out, ref):
             self.verified.add(key)
             return True
         self.disable(
@@ -184,10 +185,15 @@ class FusedOp:
         return "enabled"
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+def outputs_equal(a, b) -> bool:
+    """Bit-identity of two outputs of any structure (a tensor, tuples, a diffusers output): the same structure,
+    ``torch.equal`` tensors and equal other leaves. What a fused op's and a CUDA graph's first call are checked by."""
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    return sa == sb and len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else (type(x) is type(y) and x == y)
+        for x, y in zip(la, lb)
+    )
 
 
 OPS: dict[str, FusedOp] = {}
