@@ -137,6 +137,60 @@ at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, co
   return out;
 }
 
+// The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
+// input raises instead of reading out of bounds.
+void check_gelu_cat_inputs(const at::Tensor& out, const at::Tensor& attn, const at::Tensor& mlp) {
+  TORCH_CHECK(attn.is_cuda(), "gelu_cat: attn must be a CUDA tensor");
+  TORCH_CHECK(attn.dim() == 3 && mlp.dim() == 3 && attn.size(0) == mlp.size(0) && attn.size(1) == mlp.size(1),
+              "gelu_cat: attn and mlp must be [batch, seq, dim] of one batch and seq, got ", attn.sizes(), " and ",
+              mlp.sizes());
+  const int64_t vec = 16 / attn.element_size();
+  to_dtype(attn);
+  for (const at::Tensor* t : {&out, &mlp}) {
+    TORCH_CHECK(t->scalar_type() == attn.scalar_type(), "gelu_cat: dtype mismatch");
+    TORCH_CHECK(t->device() == attn.device(), "gelu_cat: device mismatch");
+  }
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == attn.size(0) && out.size(1) == attn.size(1) &&
+                  out.size(2) == attn.size(2) + mlp.size(2) && out.is_contiguous(),
+              "gelu_cat: out must be [batch, seq, attn dim + mlp dim] and contiguous");
+  for (const at::Tensor* t : {&out, &attn, &mlp}) {
+    TORCH_CHECK(aligned16(*t), "gelu_cat: pointers must be 16-byte aligned");
+  }
+  for (const at::Tensor* t : {&attn, &mlp}) {
+    TORCH_CHECK(t->size(2) % vec == 0, "gelu_cat: dims must be multiples of ", vec);
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) % vec == 0 && t->stride(0) % vec == 0,
+                "gelu_cat: rows must have unit innermost stride and stay 16-byte aligned");
+  }
+}
+
+void gelu_cat_out(at::Tensor& out, const at::Tensor& attn, const at::Tensor& mlp) {
+  check_gelu_cat_inputs(out, attn, mlp);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(attn.device());
+  GeluCatArgs args;
+  args.out = out.data_ptr();
+  args.attn = attn.data_ptr();
+  args.mlp = mlp.data_ptr();
+  args.batch = attn.size(0);
+  args.seq = attn.size(1);
+  args.attn_dim = attn.size(2);
+  args.mlp_dim = mlp.size(2);
+  args.attn_stride_b = attn.stride(0);
+  args.attn_stride_s = attn.stride(1);
+  args.mlp_stride_b = mlp.stride(0);
+  args.mlp_stride_s = mlp.stride(1);
+  args.dtype = to_dtype(attn);
+  const cudaError_t err = launch_gelu_cat(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "gelu_cat: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor gelu_cat(const at::Tensor& attn, const at::Tensor& mlp) {
+  TORCH_CHECK(attn.dim() == 3 && mlp.dim() == 3, "gelu_cat: attn and mlp must be [batch, seq, dim]");
+  at::Tensor out = at::empty({attn.size(0), attn.size(1), attn.size(2) + mlp.size(2)}, attn.options());
+  gelu_cat_out(out, attn, mlp);
+  return out;
+}
+
 Rows rows_of(const at::Tensor& t) {
   return Rows{t.data_ptr(), t.stride(0), t.stride(1)};
 }
@@ -394,6 +448,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
+  m.def("_gelu_cat_cuda(Tensor attn, Tensor mlp) -> Tensor");
+  m.def("_gelu_cat_cuda_out(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()");
   m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_emb_cuda_out(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
   m.def(
@@ -416,6 +472,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
+  m.impl("_gelu_cat_cuda", &diffusers_fastpath::gelu_cat);
+  m.impl("_gelu_cat_cuda_out", &diffusers_fastpath::gelu_cat_out);
   m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);
   m.impl("_rotary_emb_cuda_out", &diffusers_fastpath::rotary_emb_out);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);

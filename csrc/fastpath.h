@@ -43,6 +43,24 @@ struct GatedResidualArgs {
 
 cudaError_t launch_gated_residual(const GatedResidualArgs& args, cudaStream_t stream);
 
+// out[b, s, :] = cat(attn[b, s, :], round(gelu_tanh(mlp[b, s, :]))), the tanh-GELU exactly as aten computes it
+struct GeluCatArgs {
+  void* out;             // [batch, seq, attn_dim + mlp_dim], contiguous
+  const void* attn;      // row (b, s) at attn + b * attn_stride_b + s * attn_stride_s; unit innermost stride
+  const void* mlp;       // row (b, s) at mlp + b * mlp_stride_b + s * mlp_stride_s; unit innermost stride
+  int64_t batch;
+  int64_t seq;
+  int64_t attn_dim;      // a multiple of 16 / sizeof(element)
+  int64_t mlp_dim;       // a multiple of 16 / sizeof(element)
+  int64_t attn_stride_b;  // in elements, multiples of 16 / sizeof(element)
+  int64_t attn_stride_s;
+  int64_t mlp_stride_b;
+  int64_t mlp_stride_s;
+  DType dtype;
+};
+
+cudaError_t launch_gelu_cat(const GeluCatArgs& args, cudaStream_t stream);
+
 // One [seq, batch, dim] operand: row (s, b) starts at ptr + s * stride_s + b * stride_b; unit innermost stride.
 struct Rows {
   const void* ptr;

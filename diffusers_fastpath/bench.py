@@ -591,8 +591,10 @@ def _profile_step(subject: Subject, clock: Clock) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         subject.step()
         clock.sync()
+    idle = None
     if clock.cuda:  # the kernels (and memcpy/memset) the GPU ran
         events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        idle = _idle_gaps(events, {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU})
     else:  # on CPU, the outermost aten ops (what the model's code calls), without views and allocations
         def aten(e) -> bool:
             return e.device_type == DeviceType.CPU and e.name.startswith("aten::")
@@ -617,7 +619,41 @@ def _profile_step(subject: Subject, clock: Clock) -> dict[str, Any]:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:PROFILE_TOP]
     return dict(kernels=len(events), ms=sum(c["ms"] for c in per.values()), categories=per,
                 top=[dict(name=name[:160], category=cat, count=n, ms=ms) for name, (cat, n, ms) in top],
-                unit="CUDA kernels" if clock.cuda else "outermost aten ops on CPU")
+                unit="CUDA kernels" if clock.cuda else "outermost aten ops on CPU", idle=idle)
+
+
+IDLE_GAP_US = 5.0  # a gap between kernels at least this long is attributed to the op that launched the next kernel
+
+
+def _idle_gaps(kernels: list, cpu_events: dict) -> dict[str, Any]:
+    """Where the GPU sat idle during the step: the time between its first kernel's start and last kernel's end that
+    no kernel covers, how much of it the host caused (the op launching the next kernel began only after the GPU had
+    run dry), and the longest-waiting launching ops."""
+    if not kernels:
+        return dict(span_ms=0.0, ms=0.0, host_bound_ms=0.0, gaps=0, by_op=[])
+    kernels = sorted(kernels, key=lambda e: e.time_range.start)
+    busy_until = kernels[0].time_range.start
+    idle_us = host_us = 0.0
+    gaps = 0
+    by_op: dict[str, list] = {}
+    for e in kernels:
+        start = e.time_range.start
+        if start > busy_until:
+            gap = start - busy_until
+            idle_us += gap
+            launcher = cpu_events.get(getattr(e, "linked_correlation_id", 0))
+            if launcher is not None and launcher.time_range.start >= busy_until:
+                host_us += gap
+            if gap >= IDLE_GAP_US:
+                gaps += 1
+                entry = by_op.setdefault(launcher.name if launcher is not None else e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += gap
+        busy_until = max(busy_until, e.time_range.end)
+    top = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:8]
+    span_us = busy_until - kernels[0].time_range.start
+    return dict(span_ms=span_us / 1e3, ms=idle_us / 1e3, host_bound_ms=host_us / 1e3, gaps=gaps,
+                by_op=[dict(op=name[:120], count=n, ms=us / 1e3) for name, (n, us) in top])
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -759,6 +795,21 @@ def gated_residual_cases(sh: Shapes) -> list[KernelCase]:
         cases.append(KernelCase("gated_residual", (b, tokens, d), sets, gated_residual_ref, op,
                                 3 * _nbytes(x) + _nbytes(gate)))
     return cases
+
+
+@kernel_cases
+def gelu_cat_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's single block: ``cat([attn_output, gelu_tanh(proj_mlp(x))], dim=2)`` in one pass."""
+    if sh.family != "flux":
+        return []
+    from .ops import gelu_cat_ref
+
+    op = torch.ops.diffusers_fastpath._gelu_cat_cuda.default
+    b, d, tokens = sh.batch, sh.hidden, sh.image_tokens + sh.text_tokens
+    mlp_dim = int(getattr(sh.model.single_transformer_blocks[0].proj_mlp, "out_features", 4 * d))
+    sets = _input_sets(lambda: (sh.randn(b, tokens, d), sh.randn(b, tokens, mlp_dim) * 4))
+    attn, mlp = sets[0]
+    return [KernelCase("gelu_cat", (b, tokens, d + mlp_dim), sets, gelu_cat_ref, op, 2 * (_nbytes(attn) + _nbytes(mlp)))]
 
 
 @kernel_cases
@@ -1200,6 +1251,16 @@ def markdown(result: dict[str, Any]) -> str:
                  *(f"{p['categories'][c]['count']} / {p['categories'][c]['ms']:.2f}" for c in CATEGORY_NAMES)]
                 for p in prof["rows"]]
         lines += _table(header, body) + [""]
+        idle_rows = [p for p in prof["rows"] if p.get("idle")]
+        if idle_rows:
+            lines += [f"GPU idle between the step's first and last kernel (gaps of {IDLE_GAP_US:g} µs or more "
+                      "attributed to the op that launched the next kernel; host-bound: that op started only after "
+                      "the GPU ran dry):", ""]
+            lines += _table(["mode", "idle ms", "host-bound ms", "gaps", "longest waits (op: count / ms)"],
+                            [[p["mode"], f"{p['idle']['ms']:.2f}", f"{p['idle']['host_bound_ms']:.2f}",
+                              str(p["idle"]["gaps"]),
+                              "; ".join(f"`{g['op'][:40]}`: {g['count']} / {g['ms']:.2f}" for g in p["idle"]["by_op"][:4])]
+                             for p in idle_rows]) + [""]
         for p in prof["rows"]:
             if p.get("top"):
                 lines += [f"<details><summary>{p['mode']}: the {len(p['top'])} kernels that took the most time</summary>",

@@ -66,10 +66,10 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     for _ in range(2):  # second call: rotary cache reused
         assert torch.equal(run(model, inputs), ref)
     rep = fp.report(model)
-    # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, and the token
-    # concatenation (not in the first single block: its inputs are always two tensors); per attention module 2 (the
-    # fused QK norm + rotary, and the pure rotary it falls back to)
-    assert len(rep.sites) == 2 * 8 + 2 * 3 - 1 + 4 * 2
+    # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, the GELU + concatenation,
+    # and the token concatenation (not in the first single block: its inputs are always two tensors); per attention
+    # module 2 (the fused QK norm + rotary, and the pure rotary it falls back to)
+    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2
     assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
     reason = "dtype float32" if dtype == torch.float32 else "device cpu"
     calls = {"qk_norm_rope": 4, "rotary_emb": 4}  # two forwards; q and k per attention
@@ -323,8 +323,9 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert "| total" in text and "rotary cache: built 1, reused 1" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 21 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 23 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
+    assert "transformer.single_transformer_blocks.0:gelu_cat " in text and data["ops"]["gelu_cat"].startswith("enabled")
     assert data["ops"]["gated_residual"] == "enabled"
     assert "transformer.transformer_blocks.0.attn:qk_norm_rope " in text
     assert any({"site": "transformer_blocks.0.attn:rotary_emb", "op": "rotary_emb"}.items() <= row.items() for row in data["sites"])

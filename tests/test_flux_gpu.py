@@ -21,6 +21,7 @@ FLUX_DEV_SITES = {
     "layernorm_scale_shift": 114,
     "gated_residual": 114,
     "joint_tokens_view": 37,
+    "gelu_cat": 38,
     "qk_norm_rope": 57,
     "rotary_emb": 57,
 }

@@ -11,10 +11,9 @@ diffusers' own extension points:
   0.42.1's, checked by source digest at patch time).
 - ``FluxSingleTransformerBlock``: ``residual + gate * proj_out(...)`` runs as `gated_residual`; the leading
   ``cat([encoder_hidden_states, hidden_states], dim=1)`` becomes the tensor both halves are views of when they are
-  (every single block after the first: no copy; values are moved, never changed). The
-  ``cat([attn_output, mlp_hidden_states], dim=2)`` stays diffusers' own: writing the GELU straight into that
-  buffer's columns was measured slower on an H200 (aten's GELU into a strided view takes its non-vectorised path:
-  170 µs against about 65 + 75 µs for a contiguous GELU and the cat, at 4608 x 12288).
+  (every single block after the first: no copy; values are moved, never changed). The ``act_mlp`` GELU and the
+  ``cat([attn_output, mlp_hidden_states], dim=2)`` run as one `gelu_cat` (the GELU proven exact on every value of
+  the dtype): the MLP activations are read and written once instead of twice.
 - ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
   (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`.
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
@@ -26,7 +25,7 @@ diffusers' own extension points:
   ``"high"`` tier mounts its site.
 
 Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
-sites, 37 token-concatenation sites, 57 attention processors with 114 fused QK norm + rotary calls, and one rotary
+sites, 37 token-concatenation sites, 38 GELU + concatenation sites, 57 attention processors with 114 fused QK norm + rotary calls, and one rotary
 cache; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114 LayerNorm-affine-folding sites (the adaLN
 LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual block, 1 per single block).
 """
@@ -49,7 +48,7 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
+from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
 from ..patching import PatchState, register_adapter, site_attr
 from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
 from . import _rope_cache
@@ -58,6 +57,7 @@ from ._mirror import mirrors
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 GATED_RESIDUAL = "gated_residual"
 JOINT_TOKENS_VIEW = "joint_tokens_view"  # cat([text, image], dim=1) of two adjacent views: their base, no copy
+GELU_CAT = "gelu_cat"  # a single block's act_mlp GELU and cat([attn_output, mlp], dim=2) in one kernel
 
 # The sites of a dual block, named after diffusers' gate variables, and of a single block.
 _BLOCK_GATES = ("gate_msa", "gate_mlp", "c_gate_msa", "c_gate_mlp")
@@ -128,6 +128,28 @@ def _up_proj_gelu(linear: torch.nn.Linear, act: torch.nn.Module, x: torch.Tensor
     if tier.mounted and type(linear) is torch.nn.Linear:  # a LoRA layer swapped in since mounting: lossless
         return linear_gelu(x, linear.weight, linear.bias, tier.counters)
     return act(linear(x))
+
+
+def _gelu_in_cat(block: FluxSingleTransformerBlock) -> bool:
+    """Whether the single block's ``act_mlp`` runs inside `gelu_cat`: it has the site, its ``act_mlp`` is still a
+    plain tanh ``nn.GELU`` without hooks (checked per call: skipping it must skip nothing else), and the ``"high"``
+    tier has not fused the GELU into the up-projection."""
+    site = block._fastpath_site_gelu_cat
+    if site is None or (block._fastpath_tier.mounted and type(block.proj_mlp) is torch.nn.Linear):
+        return False
+    reason = gelu_cat_unfit(block.act_mlp)
+    if reason is not None:
+        site.fallback[reason] += 1
+    return reason is None
+
+
+def gelu_cat_unfit(act: torch.nn.Module) -> str | None:
+    """Why a single block's ``act_mlp`` cannot run inside `gelu_cat`, or ``None``."""
+    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
+        return "act_mlp is not torch.nn.GELU(approximate='tanh')"
+    if act._forward_hooks or act._forward_pre_hooks or "forward" in vars(act):
+        return "act_mlp has hooks"
+    return None
 
 
 class FastpathGELU(GELU):
@@ -230,8 +252,9 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
     """``FluxSingleTransformerBlock`` whose gated residual add is fused and whose token concatenation copies nothing.
 
     ``forward`` mirrors diffusers 0.42.1's line for line (checked by source digest at patch time); the leading
-    ``cat`` goes through `_joint_tokens`, the MLP line through `_up_proj_gelu` (the block is the ``linear_gelu``
-    tier site of its ``proj_mlp`` + ``act_mlp``), the residual update through `gated_residual`.
+    ``cat`` goes through `_joint_tokens`; the MLP's GELU runs inside the fused `gelu_cat` of the attention and MLP
+    outputs (`_gelu_in_cat`), or, where the ``"high"`` tier has mounted the block's ``linear_gelu`` site, as the
+    up-projection's epilogue (`_up_proj_gelu`); the residual update goes through `gated_residual`.
     """
 
     def forward(
@@ -247,7 +270,11 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
 
         residual = hidden_states
         norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = _up_proj_gelu(self.proj_mlp, self.act_mlp, norm_hidden_states, self._fastpath_tier)
+        gelu_in_cat = _gelu_in_cat(self)  # the GELU runs inside the concatenation below
+        if gelu_in_cat:
+            mlp_hidden_states = self.proj_mlp(norm_hidden_states)
+        else:
+            mlp_hidden_states = _up_proj_gelu(self.proj_mlp, self.act_mlp, norm_hidden_states, self._fastpath_tier)
         joint_attention_kwargs = joint_attention_kwargs or {}
         attn_output = self.attn(
             hidden_states=norm_hidden_states,
@@ -255,7 +282,10 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
             **joint_attention_kwargs,
         )
 
-        hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+        if gelu_in_cat:
+            hidden_states = gelu_cat(attn_output, mlp_hidden_states, self._fastpath_site_gelu_cat)
+        else:
+            hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
         gate = gate.unsqueeze(1)
         hidden_states = gated_residual(residual, gate, self.proj_out(hidden_states), self._fastpath_site_gate)
         if hidden_states.dtype == torch.float16:
@@ -415,6 +445,10 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             else:
                 state.add_site(module, JOINT_TOKENS_VIEW, "cat_tokens")
             state.add_site(module, GATED_RESIDUAL, "gate")
+            if gelu_cat_unfit(module.act_mlp) is None:
+                state.add_site(module, GELU_CAT, GELU_CAT)
+            else:
+                state.set_attr(module, site_attr(GELU_CAT), None)
             mark_site(state, module, LINEAR_GELU, _single_block_mlp_unfit)
         elif kind is GELU:
             state.swap_class(module, FastpathGELU)

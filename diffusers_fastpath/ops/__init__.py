@@ -3,6 +3,7 @@
 from ._policy import OPS, FusedOp, Site
 from .layernorm_scale_shift import layernorm_scale_shift, layernorm_scale_shift_ref
 from .gated_residual import gated_residual, gated_residual_ref
+from .gelu_cat import gelu_cat, gelu_cat_ref
 from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
@@ -22,6 +23,8 @@ __all__ = [
     "gated_residual",
     "gated_residual_ref",
     "gated_rmsnorm_scale_shift",
+    "gelu_cat",
+    "gelu_cat_ref",
     "gated_rmsnorm_scale_shift_ref",
     "layernorm_scale_shift",
     "layernorm_scale_shift_ref",

@@ -78,6 +78,10 @@ class FusedOp:
             defaults to ``ref``. An op that fuses an exact-by-construction op with a self-verified one falls back to
             eager for the verified part only and keeps the other fused; ``ref`` stays the pure eager expression
             that verification compares against.
+        prove: for a self-verified op whose result is a function of a small domain, ``prove(*args) -> bool`` checks
+            the kernel against ``ref`` on the whole domain of the call's signature (e.g. every bit pattern of a
+            unary function's dtype); run once per signature, with the first-call comparison, and a ``False``
+            disables the op like a mismatch there.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class FusedOp:
         custom_op: Callable[..., torch.Tensor],
         verify_key: Callable[..., Hashable] | None = None,
         fallback: Callable[..., torch.Tensor] | None = None,
+        prove: Callable[..., bool] | None = None,
     ) -> None:
         self.name = name
         self.ref = ref
@@ -98,6 +103,7 @@ class FusedOp:
         self.custom_op = custom_op
         self.verify_key = verify_key
         self.fallback = fallback
+        self.prove = prove
         self.verified: set = set()  # signatures whose first fast call matched eager bit for bit
         self.disabled: str | None = None  # why the op was disabled for this process, if it was
         self.env_disabled = _env_disabled()
@@ -148,7 +154,7 @@ class FusedOp:
         if key in self.verified:
             return True
         ref = self.ref(*args)
-        if outputs_equal(out, ref):
+        if outputs_equal(out, ref) and (self.prove is None or self.prove(*args)):
             self.verified.add(key)
             return True
         self.disable(
@@ -185,13 +191,28 @@ class FusedOp:
         return "enabled"
 
 
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensors_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """``torch.equal``, or else the same dtype, shape and bits: NaNs at the same places with the same payload are
+    equal (``torch.equal`` calls NaN unequal to itself), so a NaN that eager produces too is not a mismatch."""
+    if torch.equal(x, y):
+        return True
+    if x.dtype != y.dtype or x.shape != y.shape or not x.is_floating_point() or x.device != y.device:
+        return False
+    as_int = _SAME_SIZE_INT.get(x.element_size())
+    return as_int is not None and torch.equal(x.view(as_int), y.view(as_int))
+
+
 def outputs_equal(a, b) -> bool:
     """Bit-identity of two outputs of any structure (a tensor, tuples, a diffusers output): the same structure,
-    ``torch.equal`` tensors and equal other leaves. What a fused op's and a CUDA graph's first call are checked by."""
+    bit-identical tensors (`tensors_equal`) and equal other leaves. What a fused op's and a CUDA graph's first call
+    are checked by."""
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
     return sa == sb and len(la) == len(lb) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else (type(x) is type(y) and x == y)
+        tensors_equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else (type(x) is type(y) and x == y)
         for x, y in zip(la, lb)
     )
 
