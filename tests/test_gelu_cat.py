@@ -41,6 +41,9 @@ def make_inputs(shape, dtype, device, seed, strided_attn=False):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gelu_matches_eager_on_every_value_of_the_dtype(dtype):
     """The proof the op runs on its first call, spelled out: all 65536 bit patterns, NaNs and infinities included."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
     values = every_value(dtype, "cuda")
     assert torch.unique(values.view(torch.int16)).numel() == 1 << 16
     attn = torch.randn(1, 8, 64, device="cuda").to(dtype)
