@@ -39,7 +39,9 @@ __device__ __forceinline__ float gelu_tanh(float x) {
   return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
 }
 
-template <typename T>
+// kFlat: both sources' rows are evenly spaced across the batch too (stride_b == seq * stride_s, as for any
+// contiguous or column-sliced tensor), so row r starts at r * stride_s and no division by seq is needed.
+template <typename T, bool kFlat>
 __global__ void __launch_bounds__(kThreads) gelu_cat_kernel(GeluCatArgs a, int32_t attn_vecs, int32_t vecs_per_row) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
@@ -60,8 +62,12 @@ __global__ void __launch_bounds__(kThreads) gelu_cat_kernel(GeluCatArgs a, int32
     for (int r = 0; r < kRowsInFlight; ++r) {
       const int64_t row = row0 + r * row_step;
       if (row < rows) {
-        const int64_t b = row / a.seq;
-        v[r] = *reinterpret_cast<const P*>(src + b * stride_b + (row - b * a.seq) * stride_s);
+        int64_t offset = row * stride_s;
+        if constexpr (!kFlat) {
+          const int64_t b = row / a.seq;
+          offset = b * stride_b + (row - b * a.seq) * stride_s;
+        }
+        v[r] = *reinterpret_cast<const P*>(src + offset);
       }
     }
 #pragma unroll
@@ -87,7 +93,13 @@ cudaError_t launch(const GeluCatArgs& a, cudaStream_t stream) {
   const int32_t attn_vecs = static_cast<int32_t>(a.attn_dim / kVec);
   const int32_t vecs_per_row = static_cast<int32_t>((a.attn_dim + a.mlp_dim) / kVec);
   const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight);
-  gelu_cat_kernel<T><<<shape.grid, shape.block, 0, stream>>>(a, attn_vecs, vecs_per_row);
+  const bool flat =
+      a.batch == 1 || (a.attn_stride_b == a.seq * a.attn_stride_s && a.mlp_stride_b == a.seq * a.mlp_stride_s);
+  if (flat) {
+    gelu_cat_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(a, attn_vecs, vecs_per_row);
+  } else {
+    gelu_cat_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(a, attn_vecs, vecs_per_row);
+  }
   return cudaGetLastError();
 }
 

@@ -21,13 +21,16 @@ SHAPES = [(1, 4608, 3072, 12288), (1, 1536, 3072, 12288), (2, 1024, 3072, 12288)
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def make_inputs(shape, dtype, device, seed, strided_attn=False):
-    """attn ``[B, S, Da]`` (or a column slice of a wider tensor) and the GELU's input ``[B, S, Dm]``, wide enough
-    (x 4) to reach both of tanh's saturated tails."""
+def make_inputs(shape, dtype, device, seed, attn_layout="contiguous"):
+    """attn ``[B, S, Da]`` (contiguous, a column slice of a wider tensor, or the first S rows of a longer sequence:
+    batches not evenly spaced) and the GELU's input ``[B, S, Dm]``, wide enough (x 4) to reach both of tanh's
+    saturated tails."""
     b, s, da, dm = shape
     gen = torch.Generator(device=device).manual_seed(seed)
-    if strided_attn:
+    if attn_layout == "columns":
         attn = torch.randn(b, s, 2 * da, generator=gen, device=device).to(dtype)[..., da:]
+    elif attn_layout == "rows":
+        attn = torch.randn(b, s + 3, da, generator=gen, device=device).to(dtype)[:, 3:]
     else:
         attn = torch.randn(b, s, da, generator=gen, device=device).to(dtype)
     mlp = (torch.randn(b, s, dm, generator=gen, device=device) * 4).to(dtype)
@@ -56,15 +59,15 @@ def test_gelu_matches_eager_on_every_value_of_the_dtype(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("strided_attn", [False, True], ids=["attn_contiguous", "attn_strided"])
+@pytest.mark.parametrize("attn_layout", ["contiguous", "columns", "rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_gelu_cat_matches_eager_bitwise(shape, dtype, strided_attn):
+def test_gelu_cat_matches_eager_bitwise(shape, dtype, attn_layout):
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
     for seed in range(2):  # fresh inputs each round
-        attn, mlp = make_inputs(shape, dtype, "cuda", seed, strided_attn)
+        attn, mlp = make_inputs(shape, dtype, "cuda", seed, attn_layout)
         ref = gelu_cat_ref(attn, mlp)
         out = torch.full_like(ref, float("nan"))  # poisoned: every element must be written
         torch.ops.diffusers_fastpath._gelu_cat_cuda_out(out, attn, mlp)
