@@ -45,10 +45,10 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
-// The launch shape of the row kernels (modulate, gated residual): blocks of `threads` threads, `tx` of them
-// across a row's 16-byte vectors and `threads / tx` rows, each thread keeping `rows_in_flight` rows' loads in
-// flight; the grid covers a row's vectors in x and, in y, at most about eight resident blocks per SM (a grid
-// stride covers the remaining rows).
+// The launch shape of the row kernels (modulate, gated residual, gelu_cat): blocks of `threads` threads, `tx` of
+// them across a row's 16-byte vectors and `threads / tx` rows, each thread keeping `rows_in_flight` rows' loads in
+// flight; the grid covers a row's vectors in x and, in y, at most about `blocks_per_sm` resident blocks per SM (a
+// grid stride covers the remaining rows).
 struct RowGrid {
   dim3 grid;
   dim3 block;
@@ -64,13 +64,13 @@ inline int num_sms() {
   return count;
 }
 
-inline RowGrid row_grid(int64_t rows, int32_t vecs_per_row, int threads, int rows_in_flight) {
+inline RowGrid row_grid(int64_t rows, int32_t vecs_per_row, int threads, int rows_in_flight, int blocks_per_sm = 8) {
   const int tx = vecs_per_row < 128 ? vecs_per_row : 128;
   const int ty = threads / tx;
   const int64_t grid_x = (vecs_per_row + tx - 1) / tx;
   const int64_t rows_per_block = static_cast<int64_t>(ty) * rows_in_flight;
   int64_t grid_y = (rows + rows_per_block - 1) / rows_per_block;
-  const int64_t cap_y = (static_cast<int64_t>(num_sms()) * 8 + grid_x - 1) / grid_x;
+  const int64_t cap_y = (static_cast<int64_t>(num_sms()) * blocks_per_sm + grid_x - 1) / grid_x;
   if (grid_y > cap_y) grid_y = cap_y;
   if (grid_y > 65535) grid_y = 65535;
   return {dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), dim3(tx, ty)};

@@ -26,8 +26,13 @@
 namespace diffusers_fastpath {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kRowsInFlight = 2;
+// The launch shape measured fastest on an H200 at FLUX.1-dev's 4608 x (3072 + 12288) among 1, 2 or 4 rows in flight,
+// 256 or 512 threads and 4, 8 or 16 blocks per SM: 95.7 us against 109.5 us for the row kernels' shape (2 rows,
+// 256 threads, 8 blocks per SM) and 87.3 us for a copy of the same bytes. The GELU's arithmetic makes this kernel
+// need more warps in flight than a pure copy.
+constexpr int kThreads = 512;
+constexpr int kRowsInFlight = 1;
+constexpr int kBlocksPerSm = 16;
 
 // aten's constants, evaluated as it does: the double product M_SQRT2 * M_2_SQRTPI * 0.5f, then converted to float.
 constexpr float kBeta = 1.41421356237309504880 * 1.12837916709551257390 * float(0.5);
@@ -92,7 +97,7 @@ cudaError_t launch(const GeluCatArgs& a, cudaStream_t stream) {
   if (a.attn_dim % kVec || a.mlp_dim % kVec || (a.attn_dim + a.mlp_dim) / kVec > 0x7fffffff) return cudaErrorInvalidValue;
   const int32_t attn_vecs = static_cast<int32_t>(a.attn_dim / kVec);
   const int32_t vecs_per_row = static_cast<int32_t>((a.attn_dim + a.mlp_dim) / kVec);
-  const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight);
+  const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight, kBlocksPerSm);
   const bool flat =
       a.batch == 1 || (a.attn_stride_b == a.seq * a.attn_stride_s && a.mlp_stride_b == a.seq * a.mlp_stride_s);
   if (flat) {

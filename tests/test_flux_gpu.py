@@ -198,5 +198,5 @@ def test_flux_dev_sized_blocks_are_bitwise_identical_in_both_dtypes(dtype, unpat
     unpatch_after(model)
     assert torch.equal(model(**inputs).sample, ref)
     rep = fp.report(model)
-    assert len(rep.sites) == 8 + 3 * 3 - 1 + 4 * 2  # and two sites per attention module
+    assert len(rep.sites) == 8 + 3 * 4 - 1 + 4 * 2  # and two sites per attention module
     assert all_fast(rep), str(rep)
