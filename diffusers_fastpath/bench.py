@@ -806,7 +806,8 @@ def gelu_cat_cases(sh: Shapes) -> list[KernelCase]:
     mlp_dim = int(getattr(sh.model.single_transformer_blocks[0].proj_mlp, "out_features", 4 * d))
     sets = _input_sets(lambda: (sh.randn(b, tokens, d), sh.randn(b, tokens, mlp_dim) * 4))
     attn, mlp = sets[0]
-    return [KernelCase("gelu_cat", (b, tokens, d + mlp_dim), sets, gelu_cat_ref, op, 2 * (_nbytes(attn) + _nbytes(mlp)))]
+    nbytes = 2 * (_nbytes(attn) + _nbytes(mlp))
+    return [KernelCase("gelu_cat", (b, tokens, d + mlp_dim), sets, gelu_cat_ref, op, nbytes)]
 
 
 @kernel_cases

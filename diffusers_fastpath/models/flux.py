@@ -25,9 +25,10 @@ diffusers' own extension points:
   ``"high"`` tier mounts its site.
 
 Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
-sites, 37 token-concatenation sites, 38 GELU + concatenation sites, 57 attention processors with 114 fused QK norm + rotary calls, and one rotary
-cache; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114 LayerNorm-affine-folding sites (the adaLN
-LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual block, 1 per single block).
+sites, 37 token-concatenation sites, 38 GELU + concatenation sites, 57 attention processors with 114 fused QK
+norm + rotary calls, and one rotary cache; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114
+LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual
+block, 1 per single block).
 """
 
 from __future__ import annotations
