@@ -79,9 +79,10 @@ def tier_sites(model: nn.Module) -> Iterator[tuple[str, nn.Module, TierSite]]:
 # --- whether a module can take a fusion (checked at each mount) ----------------------------------------------------
 
 
-def _hooked(module: nn.Module) -> bool:
-    # A fused call reads the parameters directly, bypassing the module's forward: hooks (accelerate's offloading,
-    # diffusers' layerwise casting, which also replace ``forward`` on the instance) would not run.
+def hooked(module: nn.Module) -> bool:
+    """Whether skipping `module`'s forward would skip more than its computation. A fused call reads the parameters
+    directly, bypassing the module's forward: hooks (accelerate's offloading, diffusers' layerwise casting, which
+    also replace ``forward`` on the instance) would not run."""
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
@@ -91,7 +92,7 @@ def layer_norm_unfit(norm: nn.Module) -> str | None:
         return f"{type(norm).__name__} is not a plain nn.LayerNorm"
     if norm.weight is not None or norm.bias is not None:
         return "LayerNorm has its own affine"
-    if _hooked(norm):
+    if hooked(norm):
         return "LayerNorm has hooks"
     return None
 
@@ -109,7 +110,7 @@ def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tupl
         return f"weight is not a plain floating-point tensor ({type(weight).__name__}, {weight.dtype}: quantized)"
     if linear.bias is None:
         return "Linear has no bias"
-    if any(_hooked(m) for m in (linear, *bypassed)):
+    if any(hooked(m) for m in (linear, *bypassed)):
         return "Linear or activation has hooks"
     return None
 

@@ -51,7 +51,7 @@ from diffusers.models.transformers.transformer_flux import (
 
 from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
 from ..patching import PatchState, register_adapter, site_attr
-from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
+from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, hooked, layer_norm_unfit, linear_gelu_unfit, mark_site
 from . import _rope_cache
 from ._mirror import mirrors
 
@@ -123,10 +123,16 @@ def _joint_tokens(encoder_hidden_states: torch.Tensor, hidden_states: torch.Tens
     return torch.cat([encoder_hidden_states, hidden_states], dim=1)
 
 
+def _epilogue_mounted(tier, linear: torch.nn.Module) -> bool:
+    """Whether an FFN up-projection's tanh-GELU runs as its GEMM's epilogue: the tier site is mounted
+    (quality="high") and `linear` is still a plain ``nn.Linear`` (a LoRA layer swapped in since mounting: lossless)."""
+    return tier.mounted and type(linear) is torch.nn.Linear
+
+
 def _up_proj_gelu(linear: torch.nn.Linear, act: torch.nn.Module, x: torch.Tensor, tier) -> torch.Tensor:
     """``act(linear(x))``, a FLUX FFN up-projection and its tanh-GELU: one cuBLASLt call with the GELU epilogue
     where the tier site is mounted (quality="high"), else the two eager modules."""
-    if tier.mounted and type(linear) is torch.nn.Linear:  # a LoRA layer swapped in since mounting: lossless
+    if _epilogue_mounted(tier, linear):
         return linear_gelu(x, linear.weight, linear.bias, tier.counters)
     return act(linear(x))
 
@@ -136,7 +142,7 @@ def _gelu_in_cat(block: FluxSingleTransformerBlock) -> bool:
     plain tanh ``nn.GELU`` without hooks (checked per call: skipping it must skip nothing else), and the ``"high"``
     tier has not fused the GELU into the up-projection."""
     site = block._fastpath_site_gelu_cat
-    if site is None or (block._fastpath_tier.mounted and type(block.proj_mlp) is torch.nn.Linear):
+    if site is None or _epilogue_mounted(block._fastpath_tier, block.proj_mlp):
         return False
     reason = gelu_cat_unfit(block.act_mlp)
     if reason is not None:
@@ -148,7 +154,7 @@ def gelu_cat_unfit(act: torch.nn.Module) -> str | None:
     """Why a single block's ``act_mlp`` cannot run inside `gelu_cat`, or ``None``."""
     if type(act) is not torch.nn.GELU or act.approximate != "tanh":
         return "act_mlp is not torch.nn.GELU(approximate='tanh')"
-    if act._forward_hooks or act._forward_pre_hooks or "forward" in vars(act):
+    if hooked(act):
         return "act_mlp has hooks"
     return None
 
@@ -159,7 +165,7 @@ class FastpathGELU(GELU):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tier = self._fastpath_tier
-        if tier.mounted and type(self.proj) is torch.nn.Linear:
+        if _epilogue_mounted(tier, self.proj):
             return linear_gelu(hidden_states, self.proj.weight, self.proj.bias, tier.counters)
         return super().forward(hidden_states)
 

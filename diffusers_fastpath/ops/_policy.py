@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from .._logging import logger
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
@@ -194,6 +195,11 @@ class FusedOp:
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor's bit patterns: a view as the integer type of its element size."""
+    return t.view(_SAME_SIZE_INT[t.element_size()])
+
+
 def tensors_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     """``torch.equal``, or else the same dtype, shape and bits: NaNs at the same places with the same payload are
     equal (``torch.equal`` calls NaN unequal to itself), so a NaN that eager produces too is not a mismatch."""
@@ -201,8 +207,7 @@ def tensors_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
         return True
     if x.dtype != y.dtype or x.shape != y.shape or not x.is_floating_point() or x.device != y.device:
         return False
-    as_int = _SAME_SIZE_INT.get(x.element_size())
-    return as_int is not None and torch.equal(x.view(as_int), y.view(as_int))
+    return x.element_size() in _SAME_SIZE_INT and torch.equal(bits(x), bits(y))
 
 
 def outputs_equal(a, b) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
-from ._policy import FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -36,7 +36,7 @@ def gated_residual_ref(residual: torch.Tensor, gate: torch.Tensor, update: torch
 def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     dtype = residual.dtype
-    if dtype is not torch.bfloat16 and dtype is not torch.float16:
+    if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if gate.dtype is not dtype or update.dtype is not dtype:
         return "mixed dtypes"

@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ._build import load_extension
-from ._policy import FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site, bits
 
 _VEC_BYTES = 16
-_BITS_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def gelu_cat_ref(attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
@@ -44,7 +43,7 @@ def _rows_ok(t: torch.Tensor, vec: int) -> bool:
 def _guard(attn: torch.Tensor, mlp: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     dtype = attn.dtype
-    if dtype is not torch.bfloat16 and dtype is not torch.float16:
+    if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if mlp.dtype is not dtype:
         return "mixed dtypes"
@@ -90,8 +89,7 @@ def _prove(attn: torch.Tensor, mlp: torch.Tensor) -> bool:
     values = every_value(mlp.dtype, mlp.device)
     ref = gelu_cat_ref(values[:, :, :64], values)
     out = _kernel(values[:, :, :64], values)
-    as_int = _BITS_INT[mlp.dtype]
-    return torch.equal(out.view(as_int), ref.view(as_int))
+    return torch.equal(bits(out), bits(ref))
 
 
 @torch.library.custom_op("diffusers_fastpath::gelu_cat", mutates_args=())

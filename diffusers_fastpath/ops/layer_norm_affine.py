@@ -34,10 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._policy import FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site
 from .layernorm_scale_shift import layernorm_scale_shift
 
-_HALF = (torch.bfloat16, torch.float16)
 # Where the fold runs. On other devices the lossless path runs (the tier's contract is stated and tested for CUDA).
 _DEVICE_TYPES = ("cuda",)
 
@@ -62,7 +61,7 @@ def _guard(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, chec
     if norm.weight is not None or norm.bias is not None:
         return "LayerNorm has its own affine"
     dtype = x.dtype
-    if dtype not in _HALF:
+    if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if scale.dtype is not dtype or shift.dtype is not dtype:
         return "mixed dtypes"

@@ -36,9 +36,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._policy import FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site
 
-_HALF = (torch.bfloat16, torch.float16)
 _DEVICE_TYPES = ("cuda",)  # where cuBLASLt's epilogue exists; elsewhere the eager path runs
 
 # The contract against eager (``linear_gelu_ref``), per dtype: (rtol, atol) for ``torch.testing.assert_close``.
@@ -61,7 +60,7 @@ def _guard(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, che
     if bias is None:
         return "no bias"
     dtype = x.dtype
-    if dtype not in _HALF:
+    if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if weight.dtype is not dtype or bias.dtype is not dtype:
         return "mixed dtypes"

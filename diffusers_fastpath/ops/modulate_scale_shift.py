@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
-from ._policy import FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -45,7 +45,7 @@ def _rows_ok(t: torch.Tensor, batch: int, dim: int, vec: int) -> bool:
 def _guard(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     dtype = x.dtype
-    if dtype is not torch.bfloat16 and dtype is not torch.float16:
+    if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if scale.dtype is not dtype or shift.dtype is not dtype:
         return "mixed dtypes"

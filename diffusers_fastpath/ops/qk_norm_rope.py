@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ._build import load_extension
-from ._policy import FusedOp, Site
-from .rotary import _HALF, cos_sin_reason, rotary_emb, rotary_emb_ref, rows_ok
+from ._policy import HALF_DTYPES, FusedOp, Site
+from .rotary import cos_sin_reason, rotary_emb, rotary_emb_ref, rows_ok
 
 MAX_HEAD_DIM = 128  # the reproduced reduction: one warp per row, at most four elements per lane
 
@@ -79,7 +79,7 @@ def _plain_rms_norm(norm, dim: int) -> bool:
 def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     dtype = x_img.dtype
-    if dtype not in _HALF:
+    if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if x_img.dim() != 4 or (x_txt is not None and (x_txt.dim() != 4 or x_txt.dtype is not dtype)):
         return "shape"

@@ -26,16 +26,14 @@ from __future__ import annotations
 import torch
 
 from ._build import load_extension
-from ._policy import FusedOp, Site
-
-_HALF = (torch.bfloat16, torch.float16)
+from ._policy import HALF_DTYPES, FusedOp, Site
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """diffusers' ``RMSNorm.forward`` (weight, no bias, not NPU) as a function, for the custom ops' eager path."""
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     y = x * torch.rsqrt(variance + eps)
-    if weight.dtype in _HALF:
+    if weight.dtype in HALF_DTYPES:
         y = y.to(weight.dtype)
     return y * weight
 
@@ -73,7 +71,7 @@ def _guard_rows(norm, x, operands, check_pointers) -> str | None:
     weight = getattr(norm, "weight", None)
     if weight is None or getattr(norm, "bias", None) is not None:
         return "norm without weight or with bias"
-    if x.dtype not in _HALF:
+    if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if weight.dtype is not x.dtype:
         return "mixed dtypes"

@@ -24,9 +24,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from ._build import load_extension
-from ._policy import FusedOp, Site
-
-_HALF = (torch.bfloat16, torch.float16)
+from ._policy import HALF_DTYPES, FusedOp, Site
 
 
 def rotary_emb_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,7 +54,7 @@ def cos_sin_reason(cos: torch.Tensor, sin: torch.Tensor, seq: int, dim: int, dev
 
 def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    if x.dtype not in _HALF:
+    if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if x.dim() != 4 or cos.dim() != 2 or sin.dim() != 2:
         return "shape"
