@@ -135,7 +135,7 @@ def _compiled(inner: Callable[[nn.Module, Context], Undo] | None = None) -> Call
 
 def _quality_missing(quality: str) -> Callable[[Context], str | None]:
     def unavailable(ctx: Context) -> str | None:
-        from .patching import QUALITIES
+        from ._state import QUALITIES
 
         if quality not in QUALITIES:
             return f"quality tier {quality!r} is not in this build (diffusers_fastpath.patching.QUALITIES: {QUALITIES})"
@@ -180,7 +180,7 @@ def _applied(mode: Mode, model: nn.Module, ctx: Context):
 
 def _fastpath_summary(model: nn.Module) -> dict[str, int] | None:
     """Fused-site counters of a patched model (None when it is not patched): shows the fast path really ran."""
-    from .patching import STATE_ATTR
+    from ._state import STATE_ATTR
 
     if STATE_ATTR not in model.__dict__:
         return None

@@ -35,6 +35,7 @@ How it works, per patched model (`GraphRunner`):
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 import weakref
@@ -47,7 +48,7 @@ from torch.utils import _pytree as pytree
 
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-from ._logging import logger
+from ._logging import logger, warn_once
 from .ops._policy import outputs_equal
 
 GRAPHS_ATTR = "_fastpath_graphs"
@@ -416,6 +417,14 @@ class GraphRunner:
         self._drop_graphs()
         self.fingerprint = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (copy.deepcopy, pickle, torch.save) keeps the settings and the counters but no CUDA state: graphs,
+        # static buffers, the pool and its stream belong to this process and this model's memory. The copy
+        # captures its own graphs on demand (its first call per signature runs eager, as after an invalidation).
+        state = dict(self.__dict__)
+        state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0, _warned_capture=False)
+        return state
+
     @property
     def status(self) -> str:
         if self.off is not None:
@@ -443,6 +452,42 @@ def _describe(sig: tuple) -> str:
     return ", ".join(f"{name}={tuple(leaf[0])}" if isinstance(leaf[0], torch.Size) else f"{name}" for name, leaf in args)
 
 
+class GraphForward:
+    """The per-instance ``model.forward`` that routes calls through the model's `GraphRunner`.
+
+    A module-level class, not a closure, so that a patched model pickles and deep-copies: it holds the model by weak
+    reference (no reference cycle through the model's ``__dict__``) and, when copied, is rebuilt around the copied
+    runner and the copied model (`__reduce__`, `__deepcopy__`). It looks like the forward it replaces to
+    ``inspect.signature`` and to the hooks of accelerate and diffusers that wrap it (``functools.update_wrapper``).
+    """
+
+    def __init__(self, runner: GraphRunner, model: nn.Module) -> None:
+        bound = type(model).forward.__get__(model)
+        self.runner = runner
+        self.model_ref = weakref.ref(model)
+        self.__signature__ = inspect.signature(bound)  # what inspect.signature(model.forward) gave before
+        self.__doc__ = bound.__doc__
+        self.__name__ = self.__qualname__ = "forward"
+
+    def __call__(self, *args, **kwargs):
+        return self.runner(self.model_ref(), args, kwargs)
+
+    def undo(self) -> None:
+        """Drop every graph and give the model its class's forward back (`unpatch`). An accelerate/diffusers hook
+        added since then wraps this forward and stays: it now passes straight through."""
+        self.runner.off = "unpatched"
+        self.runner.close()
+        model = self.model_ref()
+        if model is not None and model.__dict__.get("forward") is self:
+            del model.__dict__["forward"]
+
+    def __reduce__(self):
+        return (GraphForward, (self.runner, self.model_ref()))
+
+    def __deepcopy__(self, memo: dict) -> "GraphForward":
+        return GraphForward(copy.deepcopy(self.runner, memo), copy.deepcopy(self.model_ref(), memo))
+
+
 def install(model: nn.Module, state, name: str, backend: CudaGraphs | None = None) -> GraphRunner:
     """Route `model`'s forward through a `GraphRunner`, reversibly (`state`'s undo log); on a machine without
     CUDA, or where the forward is already wrapped per instance, only record why graphs are off. (``backend``
@@ -460,33 +505,18 @@ def install(model: nn.Module, state, name: str, backend: CudaGraphs | None = Non
         runner.backend = backend
     state.set_attr(model, GRAPHS_ATTR, runner)
     if off is not None:
-        logger.warning(f"diffusers_fastpath: cuda_graphs=True has no effect on {name}: {off}; it runs eager")
+        warn_once(f"diffusers_fastpath: cuda_graphs=True has no effect on {name}: {off}; it runs eager")
         return runner
     bound = type(model).forward.__get__(model)
     signature = inspect.signature(bound)
     kinds = {p.kind for p in signature.parameters.values()}
     if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}:
         runner.off = "the forward takes *args, **kwargs or positional-only arguments"
-        logger.warning(f"diffusers_fastpath: cuda_graphs=True has no effect on {name}: {runner.off}")
+        warn_once(f"diffusers_fastpath: cuda_graphs=True has no effect on {name}: {runner.off}")
         return runner
     runner.names = tuple(signature.parameters)
-    model_ref = weakref.ref(model)
-
-    def forward(*args, **kwargs):
-        return runner(model_ref(), args, kwargs)
-
-    forward.__signature__ = signature  # what inspect.signature(model.forward) gave before
-    forward.__doc__ = bound.__doc__
-    forward.__name__ = forward.__qualname__ = "forward"
+    forward = GraphForward(runner, model)
     model.__dict__["forward"] = forward
-
-    def undo() -> None:
-        # An accelerate/diffusers hook added since then wraps our forward and stays: it now passes straight through.
-        runner.off = "unpatched"
-        runner.close()
-        if model.__dict__.get("forward") is forward:
-            del model.__dict__["forward"]
-
-    state.on_undo(undo)
+    state.on_undo(forward.undo)
     logger.info(f"diffusers_fastpath: CUDA graphs on for {name} (captured per input signature on first use)")
     return runner

@@ -31,7 +31,7 @@ from torch import nn
 
 from ._logging import logger
 from .ops import Site
-from .patching import STATE_ATTR, PatchState, _check_quality, patched_models
+from ._state import STATE_ATTR, PatchState, _check_quality, patched_models
 
 HIGH = "high"
 TIER_ATTR = "_fastpath_tier"  # read directly (``norm._fastpath_tier``) by the patched forwards
@@ -118,12 +118,15 @@ def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tupl
 # --- mounting -----------------------------------------------------------------------------------------------------
 
 
-def set_tier(name: str, model: nn.Module, state: PatchState, tier: str) -> None:
-    """Make `tier` the current tier of the patched `model`: mount (``"high"``) or unmount (``"lossless"``) its sites.
+def set_tier(name: str, model: nn.Module, state: PatchState) -> None:
+    """Mount (``"high"``) or unmount (``"lossless"``) the sites of the patched `model` to match its effective tier,
+    ``state.quality`` (the newest active `quality` request, else the default given to `patch`).
 
     Every site's fitness is re-checked (a LoRA adapter may have been loaded since). Mounting logs one line saying
-    what was mounted and what cannot be, and why (a warning when some site cannot).
+    what was mounted and what cannot be, and why (a warning when some site cannot). Callers that change the tier
+    hold ``state.lock`` around the change and this call, so that the mounted sites always match the tier.
     """
+    tier = state.quality
     _check_quality(tier)
     sites = list(tier_sites(model))
     was_mounted = sum(site.mounted for _, _, site in sites)
@@ -137,7 +140,6 @@ def set_tier(name: str, model: nn.Module, state: PatchState, tier: str) -> None:
         counts[1] += 1
         if site.cannot is not None:
             cannot[site.cannot] += 1
-    state.quality = tier
 
     mounted = sum(site.mounted for _, _, site in sites)
     where = f"diffusers_fastpath: {name} ({type(model).__name__}): quality={tier}"
@@ -158,12 +160,17 @@ def set_tier(name: str, model: nn.Module, state: PatchState, tier: str) -> None:
 
 @contextlib.contextmanager
 def quality(obj: Any, tier: str) -> Iterator[Any]:
-    """Run a patched pipeline or model at quality `tier` inside a ``with`` block; the previous tier comes back on exit.
+    """Run a patched pipeline or model at quality `tier` inside a ``with`` block; on exit the model's tier is what the
+    other requests say.
 
     ``"high"`` mounts the approximate fusions (output close to lossless: PSNR >= 35 dB and SSIM >= 0.97 on the decoded
-    image of a whole generation), ``"lossless"`` unmounts them (output ``torch.equal`` to unpatched diffusers). On
-    exit, also on an exception and when nested, every model gets back the tier it had on entry. The default tier is
-    the one given to `diffusers_fastpath.patch`.
+    image of a whole generation), ``"lossless"`` unmounts them (output ``torch.equal`` to unpatched diffusers).
+
+    The tier is per model, not per thread: while a block is active, every caller of that model (every thread) runs
+    at its tier. Each model keeps a stack of the active requests over the default tier given to
+    `diffusers_fastpath.patch`: entering pushes this block's request, exiting removes it wherever it is (blocks may
+    exit out of order, from other threads, or on an exception), and the model runs at the newest active request,
+    or at the default when none is left. Re-patching with another quality changes the default underneath.
 
     Args:
         obj: a pipeline or model patched with `diffusers_fastpath.patch`.
@@ -189,12 +196,16 @@ def quality(obj: Any, tier: str) -> Iterator[Any]:
             f"diffusers_fastpath.quality: this {type(obj).__name__} is not patched; call diffusers_fastpath.patch(...) "
             "on it first."
         )
-    previous = [state.quality for _, _, state in models]
+    entered = []
     try:
         for name, model, state in models:
-            set_tier(name, model, state, tier)
+            with state.lock:
+                entered.append((name, model, state, state.push_quality(tier)))
+                set_tier(name, model, state)
         yield obj
     finally:
-        for (name, model, state), tier_before in zip(models, previous):
-            if model.__dict__.get(STATE_ATTR) is state:  # unpatched inside the block: nothing left to restore
-                set_tier(name, model, state, tier_before)
+        for name, model, state, token in entered:
+            with state.lock:
+                state.pop_quality(token)
+                if model.__dict__.get(STATE_ATTR) is state:  # unpatched inside the block: nothing left to restore
+                    set_tier(name, model, state)

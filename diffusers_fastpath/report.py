@@ -10,7 +10,7 @@ from typing import Any
 from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
-from .patching import patched_models, sites_of
+from ._state import patched_models, sites_of
 from .quality import tier_sites
 
 

@@ -160,7 +160,7 @@ def test_a_mode_that_fails_is_reported_and_the_run_goes_on(tiny_run):
 
 
 def test_high_mode_is_available_exactly_when_the_tier_exists():
-    from diffusers_fastpath.patching import QUALITIES
+    from diffusers_fastpath._state import QUALITIES
 
     reason = bench.MODES["high"].unavailable(bench.Context(torch.device("cpu")))
     assert (reason is None) == ("high" in QUALITIES)
@@ -201,7 +201,7 @@ def test_compile_mode_runs_and_reports_compile_time(capsys, tmp_path):
 
 
 def test_modes_undo_what_they_apply():
-    from diffusers_fastpath.patching import STATE_ATTR
+    from diffusers_fastpath._state import STATE_ATTR
     from diffusers_fastpath.testing import build_flux_transformer
 
     model = build_flux_transformer("flux-tiny")

@@ -18,7 +18,7 @@ from diffusers.models.transformers.transformer_flux import (
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux as flux_adapter
 from diffusers_fastpath.ops import Site
-from diffusers_fastpath.patching import SITE_ATTR, STATE_ATTR
+from diffusers_fastpath._state import SITE_ATTR, STATE_ATTR
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
 
 

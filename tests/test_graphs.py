@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 import diffusers_fastpath as fp
 from diffusers_fastpath import graphs
 from diffusers_fastpath.graphs import GRAPHS_ATTR, ModelFingerprint, Unsupported, call_signature
-from diffusers_fastpath.patching import STATE_ATTR
+from diffusers_fastpath._state import STATE_ATTR
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
 
 NAMES = ("hidden_states", "encoder_hidden_states", "timestep", "joint_attention_kwargs", "return_dict", "samples")

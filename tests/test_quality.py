@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.metrics import psnr, ssim
-from diffusers_fastpath.patching import STATE_ATTR
+from diffusers_fastpath._state import STATE_ATTR
 from diffusers_fastpath.quality import TIER_ATTR, tier_sites
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,

@@ -29,7 +29,7 @@ from diffusers.models.transformers.transformer_ernie_image import (
 )
 
 from ..ops import gated_rmsnorm_scale_shift, rmsnorm_scale_shift
-from ..patching import PatchState, register_adapter
+from .._state import PatchState, register_adapter
 from . import _rope_cache
 from ._mirror import mirrors
 

@@ -50,7 +50,7 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
-from ..patching import PatchState, register_adapter, site_attr
+from .._state import PatchState, register_adapter, site_attr
 from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, hooked, layer_norm_unfit, linear_gelu_unfit, mark_site
 from . import _rope_cache
 from ._mirror import mirrors

@@ -1,0 +1,339 @@
+"""What a patch did to one model, as data: the undo log, the fusion-site marks, the quality tiers, the adapter registry.
+
+This module is the one owner of the state that `patching` (the public ``patch``/``unpatch``), `quality` (the tiers
+and their sites) and the adapters in `models` share; it imports none of them, so the package's imports form a
+DAG: ``_state`` <- ``quality`` <- ``models`` <- ``patching``.
+
+The undo log is a list of plain records (tuples naming the module and what to restore), not closures, so that a
+patched model stays an ordinary module to everything that copies it: `copy.deepcopy` maps every module a record
+names through its memo onto the copy (each copy then unpatches on its own), and `pickle`/`torch.save` store the
+records with the model and load them patched (every class a record names is a module-level class).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .ops import Site
+
+STATE_ATTR = "_fastpath_state"
+SITE_ATTR = "_fastpath_site"  # read directly (``self._fastpath_site``) by the patched forwards
+QUALITIES = ("lossless", "high")
+REPEATED_BLOCKS_ATTR = "_repeated_blocks"  # ModelMixin's class-name list behind compile_repeated_blocks
+
+# Per-instance attention-backend settings that diffusers' ``set_attention_backend``/``reset_attention_backend``
+# (and context parallelism) write on a processor; the class default of each is None.
+BACKEND_ATTRS = ("_attention_backend", "_parallel_config")
+
+_MISSING = object()
+
+
+def site_attr(name: str | None = None) -> str:
+    """The attribute that holds a module's site named `name` (``None``: its one unnamed site)."""
+    return SITE_ATTR if name is None else f"{SITE_ATTR}_{name}"
+
+
+def sites_of(module: nn.Module) -> list[tuple[str | None, Site]]:
+    """The fusion sites attached to `module` by `PatchState.add_site`, as ``(name or None, site)``."""
+    return [
+        (None if attr == SITE_ATTR else attr[len(SITE_ATTR) + 1 :], value)
+        for attr, value in module.__dict__.items()
+        if isinstance(value, Site)
+    ]
+
+
+def _check_quality(quality: str) -> None:
+    if quality not in QUALITIES:
+        raise ValueError(
+            f"diffusers_fastpath: unknown quality tier {quality!r}; available: {', '.join(map(repr, QUALITIES))}."
+        )
+
+
+Adapter = Callable[[nn.Module, "PatchState"], None]
+ADAPTERS: dict[type, Adapter] = {}
+
+
+def register_adapter(model_cls: type) -> Callable[[Adapter], Adapter]:
+    """Register ``adapter(model, state)`` as the way to patch instances of ``model_cls`` (and its subclasses)."""
+
+    def decorator(adapter: Adapter) -> Adapter:
+        ADAPTERS[model_cls] = adapter
+        return adapter
+
+    return decorator
+
+
+# --- diffusers' block and processor registries -----------------------------------------------------------------
+
+
+def register_like(registry: Any, base: type, cls: type) -> bool:
+    """Register our subclass `cls` in a diffusers class registry (``TransformerBlockRegistry``,
+    ``AttentionProcessorRegistry``) with the metadata of the nearest registered class of `base`'s MRO.
+
+    diffusers looks those registries up by exact class (``registry.get(module.__class__)``: first-block cache,
+    MagCache, SeaCache, layer skip), so a swapped class must be registered itself. The registration is additive: a
+    copy of the base's metadata under our own class (``register`` sets the copy's ``_cls``, whose ``forward``
+    signature is the mirrored one); diffusers' own entries are never modified. Returns whether `cls` is registered.
+    """
+    try:
+        registry.get(cls)
+        return True
+    except ValueError:
+        pass
+    for klass in base.__mro__:
+        try:
+            metadata = registry.get(klass)
+        except ValueError:
+            continue
+        fields = {f.name for f in dataclasses.fields(metadata)}
+        reset = {name: None for name in ("_cls", "_cached_parameter_indices") if name in fields}
+        registry.register(cls, dataclasses.replace(metadata, **reset))
+        return True
+    return False
+
+
+def _block_registry():
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    return TransformerBlockRegistry
+
+
+def _processor_registry():
+    from diffusers.hooks._helpers import AttentionProcessorRegistry
+
+    return AttentionProcessorRegistry
+
+
+# --- the undo log ---------------------------------------------------------------------------------------------
+#
+# Records, replayed backwards by `PatchState.undo`:
+#   ("class", module, old_cls, new_cls)            module.__class__ = old_cls, if it is still new_cls
+#   ("attr", module, name, old_value or _MISSING)  module.__dict__[name] put back (or removed)
+#   ("processor", attn, old, new)                  attn.set_processor(old), if it is still new, with the backend
+#                                                  settings made on `new` since then carried over to `old`
+#   ("hook", handle)                               handle.remove() (a torch RemovableHandle)
+#   ("call", fn, args)                             fn(*args): fn a module-level function or a bound method, so
+#                                                  that it pickles by reference and deepcopy maps its object
+
+
+def _undo_class(module: nn.Module, old: type, new: type) -> None:
+    if type(module) is new:
+        module.__class__ = old
+
+
+def _undo_attr(module: nn.Module, name: str, old: Any) -> None:
+    if old is _MISSING:
+        module.__dict__.pop(name, None)
+    else:
+        module.__dict__[name] = old
+
+
+def carry_backend(source: Any, target: Any) -> None:
+    """Give `target` the per-instance attention-backend settings of `source` (each present or absent as there)."""
+    for name in BACKEND_ATTRS:
+        value = vars(source).get(name, _MISSING) if hasattr(source, "__dict__") else _MISSING
+        if value is _MISSING:
+            if hasattr(target, "__dict__"):
+                vars(target).pop(name, None)
+        else:
+            setattr(target, name, value)
+
+
+def _undo_processor(attn: nn.Module, old: Any, new: Any) -> None:
+    if attn.processor is new:  # a processor the user set since then stays
+        # set_attention_backend / reset_attention_backend while patched wrote on `new`: keep what they chose
+        carry_backend(new, old)
+        attn.set_processor(old)
+
+
+def _undo_hook(handle: torch.utils.hooks.RemovableHandle) -> None:
+    handle.remove()
+
+
+def _undo_call(fn: Callable[..., None], args: tuple) -> None:
+    fn(*args)
+
+
+_UNDO = {"class": _undo_class, "attr": _undo_attr, "processor": _undo_processor, "hook": _undo_hook, "call": _undo_call}
+
+
+class PatchState:
+    """What `patch` did to one model, as an undo log of records; lives on the model as ``model._fastpath_state``.
+
+    Also the model's quality tier: the default given to `patch` and a stack of the requests of the
+    `diffusers_fastpath.quality` contexts active on this model; `quality` reads the effective tier.
+
+    Attributes:
+        notes: things left alone on purpose, with the reason (shown by `report`).
+        default_quality: the tier given to `patch` (re-patching with another tier changes it).
+    """
+
+    def __init__(self, quality: str) -> None:
+        self.default_quality = quality
+        self.notes: list[str] = []
+        self.records: list[tuple] = []
+        self._requests: list[tuple[object, str]] = []  # (token, tier) of active quality contexts, oldest first
+        self.lock = threading.RLock()  # taken by `quality` around a request and the mounting it causes
+
+    # --- the tier -------------------------------------------------------------------------------------------
+    @property
+    def quality(self) -> str:
+        """The effective tier: the newest active `diffusers_fastpath.quality` request, else the default."""
+        requests = self._requests
+        return requests[-1][1] if requests else self.default_quality
+
+    @quality.setter
+    def quality(self, tier: str) -> None:
+        """Assigning sets the default tier (what the model runs at when no `quality` request is active)."""
+        _check_quality(tier)
+        self.default_quality = tier
+
+    def push_quality(self, tier: str) -> object:
+        """Record a request for `tier` (newest wins) and return its token for `pop_quality`."""
+        token = object()
+        with self.lock:
+            self._requests.append((token, tier))
+        return token
+
+    def pop_quality(self, token: object) -> None:
+        """Remove the request of `token`, wherever it is in the stack (contexts may exit out of order)."""
+        with self.lock:
+            self._requests = [r for r in self._requests if r[0] is not token]
+
+    # --- recording changes ----------------------------------------------------------------------------------
+    def swap_class(self, module: nn.Module, cls: type) -> None:
+        """Make `module` an instance of `cls` (a subclass of its class), and register `cls` in diffusers' block
+        registry like its base class if that is registered (caches and layer skip look blocks up by exact class)."""
+        old = type(module)
+        module.__class__ = cls
+        self.records.append(("class", module, old, cls))
+        register_like(_block_registry(), old, cls)
+
+    def set_attr(self, module: nn.Module, name: str, value: Any) -> None:
+        """Set ``module.__dict__[name]``; undo puts back what was there (or removes it)."""
+        old = module.__dict__.get(name, _MISSING)
+        module.__dict__[name] = value
+        self.records.append(("attr", module, name, old))
+
+    def add_site(self, module: nn.Module, op: str, name: str | None = None) -> Site:
+        """Attach a `Site` (the counters of one fusion site) to `module`: as ``_fastpath_site``, or, for a module
+        with several sites, as ``_fastpath_site_<name>`` (`report` shows it as ``<module path>:<name>``)."""
+        site = Site(op)
+        self.set_attr(module, site_attr(name), site)
+        return site
+
+    def set_processor(self, attn: nn.Module, processor: Any) -> None:
+        """``attn.set_processor(processor)``, and register the processor's class in diffusers' processor registry
+        like the one it replaces (layer skip looks processors up by exact class)."""
+        old = attn.processor
+        attn.set_processor(processor)
+        self.records.append(("processor", attn, old, processor))
+        register_like(_processor_registry(), type(old), type(processor))
+
+    def replace_processors(self, model: nn.Module, attention_cls: type, default_cls: type, make: Callable[[], Any]) -> None:
+        """Give every ``attention_cls`` module of `model` whose processor is exactly diffusers' `default_cls` a new
+        processor from `make()`, carrying over per-instance attention-backend settings; any other processor
+        (IP-adapter, a user's own) is left in place and noted for `report`."""
+        kept: dict[str, int] = {}
+        for module in model.modules():
+            if not isinstance(module, attention_cls):
+                continue
+            old = module.processor
+            if type(old) is default_cls:
+                new = make()
+                carry_backend(old, new)  # set per instance by set_attention_backend
+                self.set_processor(module, new)
+            elif not type(old).__module__.startswith(__package__):
+                kept[type(old).__name__] = kept.get(type(old).__name__, 0) + 1
+        for name, count in kept.items():
+            self.notes.append(f"kept {count} attention processor(s) of type {name} (not diffusers' {default_cls.__name__})")
+
+    def add_hook(self, handle: torch.utils.hooks.RemovableHandle) -> None:
+        """Remove the hook of `handle` on undo."""
+        self.records.append(("hook", handle))
+
+    def on_undo(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` when the patch is undone (in reverse order with everything else).
+
+        `fn` must be a module-level function or a bound method (it is stored by reference: a closure would neither
+        pickle nor follow a `copy.deepcopy` of the model); pass the modules it acts on in `args`.
+        """
+        if "<locals>" in getattr(fn, "__qualname__", ""):
+            raise TypeError(
+                f"diffusers_fastpath: PatchState.on_undo needs a module-level function or a bound method, not the "
+                f"local {fn.__qualname__} (it could not be pickled or follow copy.deepcopy)"
+            )
+        self.records.append(("call", fn, args))
+
+    def name_repeated_blocks(self, model: nn.Module) -> None:
+        """Where `model` lists its repeated block classes by name (``_repeated_blocks``, read by diffusers'
+        ``compile_repeated_blocks``), add the names of the subclasses swapped in for them, as an instance attribute
+        recorded in the undo log, so that regional compilation finds the patched blocks."""
+        names = list(getattr(model, REPEATED_BLOCKS_ATTR, None) or ())
+        added = []
+        for record in self.records:
+            if record[0] == "class" and record[2].__name__ in names:
+                new = record[3].__name__
+                if new not in names and new not in added:
+                    added.append(new)
+        if added:
+            self.set_attr(model, REPEATED_BLOCKS_ATTR, [*names, *added])
+
+    def undo(self) -> None:
+        """Replay the undo log backwards (each record once)."""
+        while self.records:
+            kind, *args = self.records.pop()
+            _UNDO[kind](*args)
+
+    # --- copies ---------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle) is governed by no quality context: it keeps the tier it was copied at as its
+        # default, which is also what its mounted sites say. The lock is per object.
+        state = dict(self.__dict__)
+        state["default_quality"] = self.quality
+        state["_requests"] = []
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+        # In a fresh process diffusers' registries know nothing of our classes yet: register them again.
+        for record in self.records:
+            if record[0] == "class":
+                register_like(_block_registry(), record[2], record[3])
+            elif record[0] == "processor":
+                register_like(_processor_registry(), type(record[2]), type(record[3]))
+
+
+# --- what patch/unpatch/report act on ---------------------------------------------------------------------------
+
+
+def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
+    """The ``(name, model)`` candidates of a pipeline (its ``nn.Module`` components) or a model, with a clear error
+    for anything else."""
+    from diffusers import DiffusionPipeline
+
+    if isinstance(obj, DiffusionPipeline):
+        return [(name, comp) for name, comp in obj.components.items() if isinstance(comp, nn.Module)]
+    if isinstance(obj, nn.Module):
+        if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
+            raise TypeError(
+                "diffusers_fastpath: this model is already wrapped by torch.compile; patch the model first, then "
+                "compile it (fp.patch(model); model = torch.compile(model))."
+            )
+        return [(type(obj).__name__, obj)]
+    raise TypeError(
+        f"diffusers_fastpath: expected a diffusers DiffusionPipeline or a model (torch.nn.Module), "
+        f"got {type(obj).__name__}."
+    )
+
+
+def patched_models(obj: Any) -> list[tuple[str, nn.Module, PatchState]]:
+    """``(name, model, state)`` for every patched model of a pipeline, or of a model itself."""
+    return [(name, model, model.__dict__[STATE_ATTR]) for name, model in models_in(obj) if STATE_ATTR in model.__dict__]
