@@ -47,21 +47,22 @@ def supported_classes() -> list[str]:
     return sorted(cls.__name__ for cls in ADAPTERS)
 
 
-def _models_of(obj: Any) -> list[tuple[str, nn.Module]]:
-    """The (name, model) pairs `patch` acts on, with a clear error for anything else."""
+def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module]]:
+    """The (name, model) pairs `patch` acts on (``for_patch``: with a clear error for an unsupported object), or
+    those a pipeline holds that `patch` could act on or did."""
     from diffusers import DiffusionPipeline
 
     candidates = models_in(obj)
     if isinstance(obj, DiffusionPipeline):
         found = [(name, comp) for name, comp in candidates if _adapter_for(comp) is not None or hasattr(comp, STATE_ATTR)]
-        if not found:
+        if not found and for_patch:
             held = ", ".join(f"{name}={type(comp).__name__}" for name, comp in candidates)
             raise ValueError(
                 f"diffusers_fastpath: {type(obj).__name__} holds no supported model ({held or 'no models'}). "
                 f"Supported: {', '.join(supported_classes())}."
             )
         return found
-    if _adapter_for(obj) is None:
+    if for_patch and _adapter_for(obj) is None:
         raise TypeError(
             f"diffusers_fastpath does not support {type(obj).__name__}. Supported: {', '.join(supported_classes())}."
         )

@@ -11,6 +11,7 @@ from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
 from ._state import patched_models, sites_of
+from .patching import _models_of
 from .quality import tier_sites
 
 
@@ -34,24 +35,20 @@ class ModelRow:
     cls: str
     quality: str
     processors: int  # attention processors of this package in use
-    caches: dict[str, dict[str, int]]  # e.g. {"rotary_cache": {"built": 1, "reused": 27}}
+    caches: dict[str, dict[str, int]]  # e.g. {"rotary_cos_sin": {"built": 1, "reused": 71}}
     notes: list[str]
     # with cuda_graphs=True: status, captured signatures, replays, captures, invalidations, eager calls by reason,
     # pool_mib (the graphs' shared memory pool), static_inputs_mib; empty otherwise
     graphs: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def rope_built(self) -> int | None:
-        return self.caches.get("rotary_cache", {}).get("built")
-
-    @property
-    def rope_reused(self) -> int | None:
-        return self.caches.get("rotary_cache", {}).get("reused")
-
 
 @dataclass
 class Report:
-    """Printable (``print(report)``) and machine-readable (`to_dict`) state of the fast path."""
+    """Printable (``print(report)``) and machine-readable (`to_dict`) state of the fast path.
+
+    ``str(report)`` leads with the kernels' status and one summary per model (sites fast / fallback per op, the
+    fallback reasons, the tier, CUDA graphs); with ``verbose=True`` it adds the table of every site.
+    """
 
     models: list[ModelRow] = field(default_factory=list)
     sites: list[SiteRow] = field(default_factory=list)
@@ -59,6 +56,9 @@ class Report:
     tier_sites: list[SiteRow] = field(default_factory=list)
     ops: dict[str, str] = field(default_factory=dict)
     extension: str = "not loaded"
+    kernels: str = ""  # one line: where the CUDA kernels come from, or why there are none (`_build.kernels_status`)
+    not_patched: str | None = None  # the one line shown for an object with nothing patched
+    verbose: bool = False
 
     @property
     def fast(self) -> int:
@@ -72,35 +72,73 @@ class Report:
         return asdict(self)
 
     def __str__(self) -> str:
-        lines = []
+        if self.not_patched is not None:
+            return self.not_patched
+        lines = [f"diffusers_fastpath: {self.kernels}"]
         for m in self.models:
-            caches = "".join(
-                f", {name.replace('_', ' ')}: built {c['built']}, reused {c['reused']}" for name, c in m.caches.items()
-            )
-            lines.append(f"{m.name} ({m.cls}): quality={m.quality}, fastpath attention processors={m.processors}{caches}")
-            lines += [f"  note: {n}" for n in m.notes]
-            if m.graphs:
-                g = m.graphs
-                eager = ", ".join(f"{r}: {n}" for r, n in g["eager"].items()) or "none"
-                lines.append(
-                    f"  cuda graphs: {g['status']}; {g['captured']} captured, {g['replays']} replays, pool "
-                    f"{g['pool_mib']} MiB + {g['static_inputs_mib']} MiB static inputs; eager calls: {eager}"
-                )
+            lines += _model_summary(m, [s for s in self.sites if s.model == m.name],
+                                    [s for s in self.tier_sites if s.model == m.name])
+        unusual = {k: v for k, v in self.ops.items() if v != "enabled" and not v.startswith("enabled,")}
+        lines.append("ops: " + ("; ".join(f"{k} {v}" for k, v in unusual.items()) if unusual else "all enabled"))
+        if not self.verbose:
+            lines.append("(fp.report(obj, verbose=True) lists every site)")
+            return "\n".join(lines)
         lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
-        reasons = lambda s: ", ".join(f"{r}: {n}" for r, n in s.reasons.items()) or "-"  # noqa: E731
         header = ("site", "op", "fast", "fallback", "fallback reasons")
-        rows = [(f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), reasons(s)) for s in self.sites]
+        rows = [(f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), _reasons(s.reasons)) for s in self.sites]
         rows.append(("total", "", str(self.fast), str(self.fallback), ""))
         lines += _table(header, rows)
         if self.tier_sites:
             header = ("high-tier site", "op", "mounted", "approximate", "lossless", "lossless reasons")
             rows = [
                 (f"{s.model}.{s.site}", s.op, "yes" if s.mounted else f"cannot: {s.cannot}" if s.cannot else "no",
-                 str(s.fast), str(s.fallback), reasons(s))
+                 str(s.fast), str(s.fallback), _reasons(s.reasons))
                 for s in self.tier_sites
             ]
             lines += _table(header, rows)
         return "\n".join(lines)
+
+
+def _reasons(reasons: dict[str, int]) -> str:
+    return ", ".join(f"{r}: {n}" for r, n in reasons.items()) or "-"
+
+
+def _model_summary(m: ModelRow, sites: list[SiteRow], tier_sites: list[SiteRow]) -> list[str]:
+    """A few lines per model: totals, then one row per op, the tier and the graphs."""
+    fast, fallback = sum(s.fast for s in sites), sum(s.fallback for s in sites)
+    caches = "".join(
+        f", {name.replace('_', ' ')}: built {c['built']}, reused {c['reused']}" for name, c in m.caches.items()
+    )
+    lines = [
+        f"{m.name} ({m.cls}): quality={m.quality}; {len(sites)} fused sites, {fast} fast calls, {fallback} fallbacks; "
+        f"fastpath attention processors={m.processors}{caches}"
+    ]
+    per_op: dict[str, list] = {}
+    for s in sites:
+        row = per_op.setdefault(s.op, [0, 0, 0, {}])
+        row[0] += 1
+        row[1] += s.fast
+        row[2] += s.fallback
+        for reason, n in s.reasons.items():
+            row[3][reason] = row[3].get(reason, 0) + n
+    if per_op:
+        header = ("op", "sites", "fast", "fallback", "fallback reasons")
+        lines += ["  " + line for line in _table(header, [
+            (op, str(n), str(f), str(b), _reasons(r)) for op, (n, f, b, r) in per_op.items()
+        ])]
+    if tier_sites:
+        mounted = sum(bool(s.mounted) for s in tier_sites)
+        approx = sum(s.fast for s in tier_sites)
+        lines.append(f"  high tier: {mounted} of {len(tier_sites)} sites mounted, {approx} approximate calls")
+    lines += [f"  note: {n}" for n in m.notes]
+    if m.graphs:
+        g = m.graphs
+        eager = ", ".join(f"{r}: {n}" for r, n in g["eager"].items()) or "none"
+        lines.append(
+            f"  cuda graphs: {g['status']}; {g['captured']} captured, {g['replays']} replays, pool "
+            f"{g['pool_mib']} MiB + {g['static_inputs_mib']} MiB static inputs; eager calls: {eager}"
+        )
+    return lines
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -109,26 +147,43 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)]
 
 
-def report(obj: Any) -> Report:
-    """Per fusion site: the op it uses, calls on the fast path, fallbacks and their reasons.
+def _not_patched_line(obj: Any) -> str:
+    from .patching import supported_classes
+
+    what = type(obj).__name__
+    supported = ", ".join(supported_classes())
+    try:
+        models = _models_of(obj, for_patch=True)
+    except (TypeError, ValueError):
+        return f"diffusers_fastpath: {what} is not supported (supported: {supported}); nothing is patched."
+    names = ", ".join(f"{name} ({type(model).__name__})" for name, model in models)
+    return f"diffusers_fastpath: {what} is not patched ({names}); call diffusers_fastpath.patch on it first."
+
+
+def report(obj: Any, verbose: bool = False) -> Report:
+    """What the fast path did: the kernels' status, and per model the sites fast / falling back per op and why.
 
     ``quality`` of each model row is its current tier; ``tier_sites`` lists the high-tier sites (mounted or not,
     calls on the approximate path, calls sent to the lossless path and why), and a model's notes say which sites
-    cannot take their fusion.
+    cannot take their fusion. An object with nothing patched gives a report that says so in one line.
 
     Args:
-        obj: a pipeline or model given to `patch` (an unpatched one gives an empty report).
+        obj: a pipeline or model given to `patch`.
+        verbose: also print the table of every site (the data is in the report either way).
 
     Returns:
-        A `Report`; ``print(report(pipe))`` shows it as a table, ``report(pipe).to_dict()`` as plain data.
+        A `Report`; ``print(report(pipe))`` shows the summary, ``report(pipe).to_dict()`` the data.
 
     Example:
         >>> print(fp.report(pipe))  # doctest: +SKIP
     """
-    rep = Report(ops={name: op.status for name, op in OPS.items()})
+    rep = Report(ops={name: op.status for name, op in OPS.items()}, kernels=_build.kernels_status(), verbose=verbose)
     if _build.load_seconds is not None:
         rep.extension = f"{'built' if _build.cold_build else 'loaded'} in {_build.load_seconds:.1f} s"
-    for name, model, state in patched_models(obj):
+    models = patched_models(obj)
+    if not models:
+        rep.not_patched = _not_patched_line(obj)
+    for name, model, state in models:
         processors = 0
         caches: dict[str, dict[str, int]] = {}
         for site_name, module in model.named_modules():

@@ -1,4 +1,4 @@
-"""FLUX.1 adapter on CPU: exactness, state dicts, reversibility, the rotary cache, processors, errors."""
+"""FLUX.1 adapter on CPU: exactness, state dicts, reversibility, the rotary tables, processors, errors."""
 
 from __future__ import annotations
 
@@ -96,7 +96,6 @@ def test_patched_pipeline_matches_unpatched(unpatch_after):
     assert md5 == ref_md5
     rep = fp.report(pipe)
     assert [m.name for m in rep.models] == ["transformer"]
-    assert rep.models[0].rope_built == 1 and rep.models[0].rope_reused == 2  # 3 steps, one build
 
 
 def test_state_dict_is_unchanged(unpatch_after):
@@ -192,48 +191,28 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
     }
 
 
-def test_rotary_cache_is_reused_for_same_ids_and_rebuilt_when_they_change(unpatch_after):
-    model = build_flux_transformer("flux-tiny", seed=18)
-    fp.patch(model)
-    unpatch_after(model)
-    stats = vars(model.pos_embed)["_fastpath_stats_rotary_cache"]
-    inputs = flux_transformer_inputs(model, grid=(4, 4), seed=19)
-    for _ in range(3):  # three denoising steps with the same ids: one build
-        run(model, inputs)
-    assert (stats.built, stats.reused) == (1, 2)
-
-    other = flux_transformer_inputs(model, grid=(6, 4), seed=19)  # another resolution
-    ref_model = build_flux_transformer("flux-tiny", seed=18)
-    assert torch.equal(run(model, other), run(ref_model, other))
-    assert (stats.built, stats.reused) == (2, 2)
-    run(model, inputs)  # back to the first ids: still cached
-    assert (stats.built, stats.reused) == (2, 3)
-
-    inputs["img_ids"][0, 1] += 1  # an in-place edit bumps the version counter: rebuilt, and exact
-    assert torch.equal(run(model, inputs), run(ref_model, inputs))
-    assert stats.built == 3
-
-    inputs["img_ids"] = inputs["img_ids"].clone()  # equal values, new tensor: rebuilt (no host sync to compare)
-    run(model, inputs)
-    assert stats.built == 4
-
-
-def test_rotary_cache_holds_exactly_what_diffusers_computes(unpatch_after):
+def test_rotary_tables_are_diffusers_own_built_once_per_forward(unpatch_after):
+    """No cache across forwards: every block of one forward gets the one (cos, sin) that diffusers' own FluxPosEmbed
+    built from this forward's ids, and the next forward builds its own."""
     model = build_flux_transformer("flux-tiny", seed=20)
     inputs = flux_transformer_inputs(model, grid=(3, 5), txt_tokens=4, seed=21)
     ids = torch.cat((inputs["txt_ids"], inputs["img_ids"]))
     cos, sin = FluxPosEmbed(theta=10000, axes_dim=model.config.axes_dims_rope)(ids)
     fp.patch(model)
     unpatch_after(model)
+    assert type(model.pos_embed) is FluxPosEmbed
     captured = []
-    model.transformer_blocks[0].attn.register_forward_pre_hook(
-        lambda mod, args, kwargs: captured.append(kwargs["image_rotary_emb"]), with_kwargs=True
-    )
+    for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+        block.attn.register_forward_pre_hook(
+            lambda mod, args, kwargs: captured.append(kwargs["image_rotary_emb"]), with_kwargs=True
+        )
     run(model, inputs)
-    rope = captured[0]
-    assert isinstance(rope, flux_adapter.FluxRotaryCache) and isinstance(rope, tuple)
-    assert torch.equal(rope[0], cos) and torch.equal(rope[1], sin)
-    assert model.pos_embed(ids)[0] is not rope[0]  # called outside a forward: computed, not cached
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    first = captured[0]
+    assert type(first) is tuple and all(r is first for r in captured[:blocks])
+    assert torch.equal(first[0], cos) and torch.equal(first[1], sin)
+    run(model, inputs)
+    assert captured[blocks] is not first and captured[blocks][0] is not first[0]
 
 
 def test_ip_adapter_and_user_processors_are_left_alone(unpatch_after):
@@ -312,15 +291,27 @@ def test_clear_errors():
     assert fp.supported_classes() == ["ErnieImageTransformer2DModel", "FluxTransformer2DModel"]
 
 
-def test_report_prints_a_table_and_plain_data(unpatch_after):
+def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     pipe = tiny_flux_pipeline(seed=26)
     fp.patch(pipe)
     unpatch_after(pipe)
     pipe(**prompt_embeddings(pipe), height=32, width=32, num_inference_steps=2, output_type="latent")
     rep = fp.report(pipe)
-    text = str(rep)
+    summary = str(rep).splitlines()
+    assert summary[0].startswith("diffusers_fastpath: CUDA kernels not loaded")  # CPU: no kernel was ever needed
+    # 2 dual + 2 single blocks, 2 steps: only the second single block's token concatenation is no kernel (no copy)
+    assert summary[1].startswith("transformer (FluxTransformer2DModel): quality=lossless; 31 fused sites, 2 fast calls, "
+                                 "76 fallbacks;")
+    per_op = {cells[0]: cells[1:] for line in summary if line.startswith("  | ")
+              for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
+    assert per_op["layernorm_scale_shift"] == ["10", "0", "20", "device cpu: 20"]  # 4 per dual block, 1 per single
+    assert per_op["joint_tokens_view"] == ["1", "2", "0", "-"]
+    assert "  high tier: 0 of 16 sites mounted, 0 approximate calls" in summary and len(summary) < 15
+    assert summary[-1] == "(fp.report(obj, verbose=True) lists every site)"
+
+    text = str(fp.report(pipe, verbose=True))
     assert "| site" in text and "transformer.transformer_blocks.0.norm1 " in text and "device cpu: 2" in text
-    assert "| total" in text and "rotary cache: built 1, reused 1" in text
+    assert "| total" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
     assert len(data["sites"]) == 23 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
@@ -329,7 +320,21 @@ def test_report_prints_a_table_and_plain_data(unpatch_after):
     assert data["ops"]["gated_residual"] == "enabled"
     assert "transformer.transformer_blocks.0.attn:qk_norm_rope " in text
     assert any({"site": "transformer_blocks.0.attn:rotary_emb", "op": "rotary_emb"}.items() <= row.items() for row in data["sites"])
-    assert fp.report(tiny_flux_pipeline()).sites == []  # an unpatched pipeline: empty report
+
+
+def test_report_of_an_unpatched_or_unsupported_object_says_so_in_one_line():
+    pipe = tiny_flux_pipeline()
+    rep = fp.report(pipe)
+    assert rep.sites == [] and rep.models == []
+    assert str(rep) == (
+        "diffusers_fastpath: FluxPipeline is not patched (transformer (FluxTransformer2DModel)); "
+        "call diffusers_fastpath.patch on it first."
+    )
+    assert str(fp.report(pipe.transformer)).startswith("diffusers_fastpath: FluxTransformer2DModel is not patched")
+    assert str(fp.report(torch.nn.Linear(2, 2))) == (
+        "diffusers_fastpath: Linear is not supported (supported: ErnieImageTransformer2DModel, FluxTransformer2DModel); "
+        "nothing is patched."
+    )
 
 
 def test_env_switch_is_reported(monkeypatch, unpatch_after):

@@ -60,7 +60,7 @@ def test_flux_dev_one_step_1024_is_bitwise_identical(flux_dev, unpatch_after):
     rep = fp.report(flux_dev)
     assert_all_fast(rep)
     assert rep.ops["qk_norm_rope"] == "enabled, verified for bfloat16/128"  # the aten RMSNorm order reproduced
-    assert rep.models[0].processors == 19 + 38 and rep.models[0].rope_built == 1
+    assert rep.models[0].processors == 19 + 38
 
 
 @torch.no_grad()
@@ -152,7 +152,6 @@ def test_flux_dev_pipeline_28_steps_1024_is_md5_identical(flux_dev, unpatch_afte
     md5, _ = generate()
     assert md5 == ref_md5
     rep = fp.report(pipe)
-    assert rep.models[0].rope_built == 1 and rep.models[0].rope_reused == 27
     assert_all_fast(rep, forwards=28)
 
 

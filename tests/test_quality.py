@@ -191,7 +191,8 @@ def test_sites_that_cannot_take_a_fusion_are_reported(fastpath_log, unpatch_afte
     assert set(cannot) == {"transformer_blocks.0.ff.net.0", "single_transformer_blocks.1", "transformer_blocks.1.ff_context.net.0"}
     assert sum(not s.mounted for s in rep.tier_sites) == 3
     assert any("cannot take their fusion" in n and "no bias" in n for n in rep.models[0].notes)
-    assert "cannot: Linear has no bias" in str(rep)
+    assert "cannot: Linear has no bias" in str(fp.report(model, verbose=True))
+    assert "  note: 1 high-tier site(s) cannot take their fusion and run the lossless path: Linear has no bias" in str(rep)
 
 
 def test_a_layer_swapped_in_after_mounting_takes_the_lossless_path(high_on_cpu, unpatch_after):

@@ -1,31 +1,32 @@
-"""Rotary embeddings built once per set of positions and reused across denoising steps, with no host sync.
+"""Rotary values derived once per forward and shared by every layer, owned by the tensor they derive from.
 
-A transformer recomputes its rotary table from position ids in every forward, although a pipeline passes the same
-ids (or the same tensors that determine them) at every step. Inside a CUDA graph capture the cache is bypassed
-(see `cached`). The patched pos-embed module returns a cached table
-while a `ForwardKey`, taken from the transformer forward's own arguments by a pre-hook, matches; the key compares
-tensor identity and version counters, never values, so it costs no device synchronisation.
+Diffusers builds a transformer's rotary table once per forward (``FluxTransformer2DModel.forward`` calls
+``pos_embed(ids)`` once and hands the result to every block), which is exact by construction: this package keeps
+that and adds no cache across forwards. What some attention processors still recompute in every layer from that
+one table (ERNIE-Image's ``torch.cos``/``torch.sin`` of the angles, for q and for k) is derived here once per table
+tensor and stored *on that tensor* (`derived`): the value lives exactly as long as the table, belongs to the forward
+that built it (two threads, two forwards, two tables), and needs no key at all.
+
+Why not a cache across denoising steps keyed on the position ids: a key made of tensor identity, ``data_ptr`` and
+``_version`` misses writes through ``.data`` or ``.numpy()`` and fails on inference tensors (they have no version
+counter), a key taken from the model's arguments misses ids that a hook or a subclass changes before ``pos_embed``
+sees them, and a key parked on a module is shared by two threads; a key by value needs a host sync per step. What
+such a cache saved is a handful of small kernels per step (`FluxPosEmbed` on FLUX.1-dev's 4608 ids), which CUDA
+graphs replay at no host cost anyway.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
-from torch import nn
 
-from ..ops._policy import capturing
-
-KEY_ATTR = "_fastpath_forward_key"
-CACHE_ATTR = "_fastpath_rope_cache"
 STATS_PREFIX = "_fastpath_stats_"  # `report` lists every such attribute of a patched model's modules
-ENTRIES = 4  # e.g. a true-CFG run alternates two sets of text ids
-_STATS_ATTR = STATS_PREFIX + "rotary_cache"
+_DERIVED_ATTR = "_fastpath_derived"
 
 
 class CacheStats:
-    """How often a cached value was built (new key) and reused (same key, another step or layer)."""
+    """How often a derived value was built (a new table) and reused (another layer of the same forward)."""
 
     __slots__ = ("built", "reused")
 
@@ -33,79 +34,34 @@ class CacheStats:
         self.built = 0
         self.reused = 0
 
+    def __getstate__(self):
+        return (self.built, self.reused)
 
-class ForwardKey:
-    """Identity of the inputs a table was built from: the same tensor objects, unmodified, plus static metadata.
+    def __setstate__(self, state) -> None:
+        self.built, self.reused = state
 
-    Tensors are held by weak reference (a freed tensor never matches a new one at the same address) and compared
-    by identity, version counter (bumped by any in-place write, also through a view), shape, dtype and device.
+
+def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stats: CacheStats | None = None) -> Any:
+    """``compute()`` for `table`, computed once per (`table` tensor, `key`) and stored on the tensor itself.
+
+    `compute` must be a pure function of ``table``'s values (and of `key`). The stored value is dropped if the table
+    is written in place since (its version counter moved; inference tensors, which have none, can only be written
+    inside ``torch.inference_mode`` by code that holds them: the forward that built them). While ``torch.compile``
+    traces, nothing is stored: the graph computes it (the compiler deduplicates).
     """
-
-    __slots__ = ("refs", "meta")
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...], static: tuple = ()) -> None:
-        self.refs = tuple(weakref.ref(t) for t in tensors)
-        self.meta = (static, tuple((t._version, t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors))
-
-    def same(self, other: "ForwardKey") -> bool:
-        if self.meta != other.meta:
-            return False
-        for mine, theirs in zip(self.refs, other.refs):
-            t = mine()
-            if t is None or t is not theirs():
-                return False
-        return True
-
-
-def cached(module: nn.Module, compute: Callable[[], Any]) -> Any:
-    """``compute()``, or the value it returned for this forward's key before (see `install`)."""
-    if torch.compiler.is_compiling():  # first, so that dynamo never traces the cache's dict operations
+    if torch.compiler.is_compiling():
         return compute()
-    key = module.__dict__.pop(KEY_ATTR, None)
-    if key is None:  # called outside a patched forward: compute as diffusers does
-        return compute()
-    if capturing():
-        # In a CUDA graph the table must be computed by the graph itself, from the graph's static position-id
-        # buffers: a cached table would be read at its old address on every replay (whatever ids the replay has),
-        # and a table built into the graph's memory pool is overwritten by later replays.
-        return compute()
-    cache: list = module.__dict__[CACHE_ATTR]
-    stats: CacheStats = module.__dict__[_STATS_ATTR]
-    for i, (cached_key, value) in enumerate(cache):
-        if cached_key.same(key):
-            if i:
-                cache.insert(0, cache.pop(i))
+    version = None if table.is_inference() else table._version
+    store = table.__dict__.get(_DERIVED_ATTR)
+    if store is None:
+        store = table.__dict__[_DERIVED_ATTR] = {}
+    entry = store.get(key)
+    if entry is not None and entry[0] == version:
+        if stats is not None:
             stats.reused += 1
-            return value
+        return entry[1]
     value = compute()
-    cache.insert(0, (key, value))
-    del cache[ENTRIES:]
-    stats.built += 1
+    store[key] = (version, value)
+    if stats is not None:
+        stats.built += 1
     return value
-
-
-def install(state, model: nn.Module, pos_embed: nn.Module, cls: type, key_of: Callable[[tuple, dict], Any]) -> None:
-    """Swap `pos_embed` to `cls` (whose forward calls `cached`) and key it from `model`'s forward arguments.
-
-    ``key_of(args, kwargs)`` returns a `ForwardKey` for a forward call, or None when it cannot tell.
-    """
-    state.swap_class(pos_embed, cls)
-    state.set_attr(pos_embed, CACHE_ATTR, [])
-    state.set_attr(pos_embed, _STATS_ATTR, CacheStats())
-
-    def capture(module, args, kwargs):
-        if not torch.compiler.is_compiling():
-            key = key_of(args, kwargs)
-            if key is not None:
-                pos_embed.__dict__[KEY_ATTR] = key
-
-    def release(module, args, kwargs, output):
-        if not torch.compiler.is_compiling():
-            pos_embed.__dict__.pop(KEY_ATTR, None)
-
-    state.add_hook(model.register_forward_pre_hook(capture, with_kwargs=True))
-    state.add_hook(model.register_forward_hook(release, with_kwargs=True, always_call=True))
-
-
-def argument(args: tuple, kwargs: dict, name: str, position: int) -> Any:
-    return kwargs[name] if name in kwargs else (args[position] if len(args) > position else None)

@@ -9,9 +9,9 @@ diffusers' ``set_processor``:
   (checked by source digest at patch time).
 - ``ErnieImageSingleStreamAttnProcessor`` -> `FastpathErnieImageAttnProcessor`: diffusers computes
   ``torch.cos``/``torch.sin`` of the rotary angles (and casts them) for q and k in every attention call; here they
-  are computed once per angle table and shared by every layer (`RotaryTrig`).
-- ``ErnieImageEmbedND3``: the angle table is built once per set of positions (image size, text lengths) and
-  reused across denoising steps, so the cos/sin above are built once per generation, not once per step.
+  are computed once per angle table, i.e. once per forward, and shared by every layer (`RotaryTrig`, stored on the
+  table tensor itself: see `diffusers_fastpath.models._rope_cache`). The angle table itself is diffusers' own,
+  built once per forward by ``ErnieImageEmbedND3`` as unpatched.
 
 Per step of the published model (36 layers) that is 72 fused norm sites and 36 attention processors.
 """
@@ -22,7 +22,6 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_ernie_image import (
     ErnieImageAttention,
-    ErnieImageEmbedND3,
     ErnieImageSharedAdaLNBlock,
     ErnieImageSingleStreamAttnProcessor,
     ErnieImageTransformer2DModel,
@@ -49,32 +48,24 @@ class FastpathErnieImageSharedAdaLNBlock(ErnieImageSharedAdaLNBlock):
         attn_out = self.self_attention(x_bsh, attention_mask=attention_mask, image_rotary_emb=rotary_pos_emb)
         attn_out = attn_out.permute(1, 0, 2)  # [B, S, H] → [S, B, H]
         residual, x = gated_rmsnorm_scale_shift(
-            self.adaLN_mlp_ln, residual, gate_msa, attn_out, scale_mlp, shift_mlp, self.adaLN_mlp_ln._fastpath_site
+            self.adaLN_mlp_ln, residual, gate_msa, attn_out, scale_mlp, shift_mlp, self.adaLN_mlp_ln._fastpath_site,
+            x.dtype,  # diffusers casts the gated product to the modulate output's dtype, not the residual's
         )
         return residual + (gate_mlp.float() * self.mlp(x).float()).to(x.dtype)
 
 
 class RotaryTrig:
-    """``torch.cos``/``torch.sin`` of one rotary angle table, cast to the attention dtype, shared by all layers.
-
-    Keyed on the identity and version of the angle tensor (no host sync); `stats` counts builds and reuses.
-    """
+    """``torch.cos``/``torch.sin`` of one rotary angle table, cast to the attention dtype, shared by all layers of the
+    forward that built the table (`_rope_cache.derived`); `stats` counts builds and reuses."""
 
     def __init__(self, stats: _rope_cache.CacheStats) -> None:
         self.stats = stats
-        self._key = None
-        self._value = None
 
     def get(self, freqs_cis: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
-            return torch.cos(freqs_cis).to(dtype), torch.sin(freqs_cis).to(dtype)
-        key = _rope_cache.ForwardKey((freqs_cis,), (dtype,))
-        if self._key is not None and self._key.same(key):
-            self.stats.reused += 1
-            return self._value
-        self._key, self._value = key, (torch.cos(freqs_cis).to(dtype), torch.sin(freqs_cis).to(dtype))
-        self.stats.built += 1
-        return self._value
+        return _rope_cache.derived(
+            freqs_cis, ("cos_sin", dtype), lambda: (torch.cos(freqs_cis).to(dtype), torch.sin(freqs_cis).to(dtype)),
+            self.stats,
+        )
 
 
 class FastpathErnieImageAttnProcessor(ErnieImageSingleStreamAttnProcessor):
@@ -138,27 +129,9 @@ class FastpathErnieImageAttnProcessor(ErnieImageSingleStreamAttnProcessor):
         return output
 
 
-class FastpathErnieImageEmbedND3(ErnieImageEmbedND3):
-    """``ErnieImageEmbedND3`` that returns the cached angle table while the positions are unchanged."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _rope_cache.cached(self, lambda: super(FastpathErnieImageEmbedND3, self).forward(ids))
-
-
-def _positions_key(args: tuple, kwargs: dict) -> _rope_cache.ForwardKey | None:
-    # forward(hidden_states, timestep, text_bth, text_lens): the ids are built from the latent grid, the padded
-    # text length and the per-sample text lengths.
-    hidden_states = _rope_cache.argument(args, kwargs, "hidden_states", 0)
-    text_bth = _rope_cache.argument(args, kwargs, "text_bth", 2)
-    text_lens = _rope_cache.argument(args, kwargs, "text_lens", 3)
-    if not all(isinstance(t, torch.Tensor) for t in (hidden_states, text_bth, text_lens)):
-        return None
-    return _rope_cache.ForwardKey((text_lens,), (hidden_states.shape, text_bth.shape[:2], hidden_states.device))
-
-
 @register_adapter(ErnieImageTransformer2DModel)
 def patch_ernie_image(model: ErnieImageTransformer2DModel, state: PatchState) -> None:
-    """Swap ERNIE-Image's blocks, rotary table and attention processors (see module doc)."""
+    """Swap ERNIE-Image's blocks and attention processors (see module doc)."""
     swap_block = mirrors(ErnieImageSharedAdaLNBlock.forward, _BLOCK_FORWARD)
     for module in model.modules():
         kind = type(module)
@@ -166,8 +139,6 @@ def patch_ernie_image(model: ErnieImageTransformer2DModel, state: PatchState) ->
             state.swap_class(module, FastpathErnieImageSharedAdaLNBlock)
             state.add_site(module.adaLN_sa_ln, "rmsnorm_scale_shift")
             state.add_site(module.adaLN_mlp_ln, "gated_rmsnorm_scale_shift")
-        elif kind is ErnieImageEmbedND3 and module is model.pos_embed:
-            _rope_cache.install(state, model, module, FastpathErnieImageEmbedND3, _positions_key)
     if mirrors(ErnieImageSingleStreamAttnProcessor.__call__, _PROCESSOR_CALL):
         trig_stats = _rope_cache.CacheStats()
         state.set_attr(model, _rope_cache.STATS_PREFIX + "rotary_cos_sin", trig_stats)

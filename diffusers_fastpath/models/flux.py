@@ -14,8 +14,9 @@ diffusers' own extension points:
   (every single block after the first: no copy; values are moved, never changed). The ``act_mlp`` GELU and the
   ``cat([attn_output, mlp_hidden_states], dim=2)`` run as one `gelu_cat` (the GELU proven exact on every value of
   the dtype): the MLP activations are read and written once instead of twice.
-- ``FluxPosEmbed``: the rotary cos/sin is built once per set of position ids and reused across denoising steps
-  (keyed on the identity and version counter of ``txt_ids``/``img_ids``: no host sync), as a `FluxRotaryCache`.
+- ``FluxPosEmbed`` is left as it is: diffusers builds the rotary cos/sin once per forward and hands the same fp32
+  ``[S, D]`` tables to every block, which the fused rotary kernels read as they are (no cache across forwards: see
+  `diffusers_fastpath.models._rope_cache` for why).
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
   ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`. The
   processor runs the QK RMSNorm, the text/image concatenation and the rotary embedding of q and of k as one fused
@@ -26,7 +27,7 @@ diffusers' own extension points:
 
 Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
 sites, 37 token-concatenation sites, 38 GELU + concatenation sites, 57 attention processors with 114 fused QK
-norm + rotary calls, and one rotary cache; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114
+norm + rotary calls; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114
 LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual
 block, 1 per single block).
 """
@@ -42,7 +43,6 @@ from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSin
 from diffusers.models.transformers.transformer_flux import (
     FluxAttention,
     FluxAttnProcessor,
-    FluxPosEmbed,
     FluxSingleTransformerBlock,
     FluxTransformer2DModel,
     FluxTransformerBlock,
@@ -52,7 +52,6 @@ from diffusers.models.transformers.transformer_flux import (
 from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
 from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, hooked, layer_norm_unfit, linear_gelu_unfit, mark_site
-from . import _rope_cache
 from ._mirror import mirrors
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -302,38 +301,6 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         return encoder_hidden_states, hidden_states
 
 
-class FluxRotaryCache(tuple):
-    """``(freqs_cos, freqs_sin)`` exactly as ``FluxPosEmbed`` returns them, built once per set of position ids.
-
-    A plain tuple, so every processor that unpacks ``cos, sin = image_rotary_emb`` (IP-adapter, a user's own)
-    keeps working; `FastpathFluxAttnProcessor` hands the fp32 ``[S, D]`` tables to the fused rotary kernels as they
-    are.
-    """
-
-    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor) -> "FluxRotaryCache":
-        return super().__new__(cls, (cos, sin))
-
-
-class FastpathFluxPosEmbed(FluxPosEmbed):
-    """``FluxPosEmbed`` that returns a cached `FluxRotaryCache` while the transformer's position ids are unchanged.
-
-    The transformer concatenates ``txt_ids`` and ``img_ids`` into a new tensor every forward, so the key is taken
-    from the forward's own arguments (`_ids_key`); a call outside a patched forward computes as diffusers does.
-    """
-
-    def forward(self, ids: torch.Tensor):
-        return _rope_cache.cached(self, lambda: FluxRotaryCache(*super(FastpathFluxPosEmbed, self).forward(ids)))
-
-
-def _ids_key(args: tuple, kwargs: dict) -> _rope_cache.ForwardKey | None:
-    # forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, ...)
-    img_ids = _rope_cache.argument(args, kwargs, "img_ids", 4)
-    txt_ids = _rope_cache.argument(args, kwargs, "txt_ids", 5)
-    if isinstance(txt_ids, torch.Tensor) and isinstance(img_ids, torch.Tensor):
-        return _rope_cache.ForwardKey((txt_ids, img_ids))
-    return None
-
-
 class FastpathFluxAttnProcessor(FluxAttnProcessor):
     """``FluxAttnProcessor`` whose QK RMSNorm, text/image concatenation of q and k, and rotary embedding run as one
     fused op per tensor (`qk_norm_rope`; where the norm cannot be fused, its fallback keeps the exact fused
@@ -420,7 +387,7 @@ def _gelu_unfit(gelu: GELU) -> str | None:
 
 @register_adapter(FluxTransformer2DModel)
 def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
-    """Swap FLUX.1's adaLN modules, dual blocks, rotary embedding and attention processors (see module doc)."""
+    """Swap FLUX.1's adaLN modules, blocks, GELUs and attention processors (see module doc)."""
     swap_adaln = mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD)
     swap_adaln_single = mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD)
     swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
@@ -460,8 +427,6 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
         elif kind is GELU:
             state.swap_class(module, FastpathGELU)
             mark_site(state, module, LINEAR_GELU, _gelu_unfit)
-        elif kind is FluxPosEmbed:
-            _rope_cache.install(state, model, module, FastpathFluxPosEmbed, _ids_key)
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):
         state.replace_processors(model, FluxAttention, FluxAttnProcessor, FastpathFluxAttnProcessor)
         for module in model.modules():

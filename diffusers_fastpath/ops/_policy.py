@@ -15,8 +15,11 @@
 - Every call site counts its fast calls and its fallbacks with their reasons, which `diffusers_fastpath.report`
   shows.
 
+- When no kernels can be had at all (no CUDA compiler, a ROCm build of torch, a failed build: see `_build`), the
+  loader warns once for the process and every op disables itself without a warning of its own.
+
 Set ``DIFFUSERS_FASTPATH_DISABLE=1`` to send every fused op to its eager reference (an A/B switch that needs no
-code change; `report` then says why).
+code change; read on every call, so setting it after import takes effect; `report` then says why).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._logging import logger
+from ._build import KernelsUnavailable
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
+REASON_NO_KERNELS = "no CUDA kernels in this process"
 
 
 def capturing() -> bool:
@@ -107,8 +112,13 @@ class FusedOp:
         self.prove = prove
         self.verified: set = set()  # signatures whose first fast call matched eager bit for bit
         self.disabled: str | None = None  # why the op was disabled for this process, if it was
-        self.env_disabled = _env_disabled()
+        self.disabled_reason = REASON_DISABLED  # what its call sites count while it is
         OPS[name] = self
+
+    @property
+    def env_disabled(self) -> bool:
+        """``DIFFUSERS_FASTPATH_DISABLE`` is set now (read per call: a dict lookup, about 0.3 us)."""
+        return _env_disabled()
 
     def __call__(self, site: Site | None, *args: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -125,7 +135,7 @@ class FusedOp:
         if self.env_disabled:
             reason = REASON_ENV
         elif self.disabled is not None:
-            reason = REASON_DISABLED
+            reason = self.disabled_reason
         else:
             reason = self.guard(*args)
             if reason is None:
@@ -135,7 +145,7 @@ class FusedOp:
                     if capturing():  # the capture failed, not the kernel: the graph runner says why, eager runs
                         raise
                     self.disable(exc)
-                    reason = REASON_DISABLED
+                    reason = self.disabled_reason
                 else:
                     if self.verify_key is not None and not self._verified(out, args):
                         reason = REASON_DISABLED
@@ -167,18 +177,22 @@ class FusedOp:
         return False
 
     def disable(self, exc: BaseException) -> None:
-        """Turn the fast path off for this process after `exc`, with one warning."""
+        """Turn the fast path off for this process after `exc`, with one warning (none where the kernels are missing
+        altogether: the loader has said so once for every op)."""
         self.disabled = f"{type(exc).__name__}: {exc}".strip()
+        if isinstance(exc, KernelsUnavailable):
+            self.disabled_reason = REASON_NO_KERNELS
+            return
+        self.disabled_reason = REASON_DISABLED
         logger.warning(
             f"diffusers_fastpath: disabling the fused op '{self.name}' for this process; its calls now run the "
             f"eager PyTorch expression (same numbers, slower). Cause: {self.disabled}"
         )
 
     def reset(self) -> None:
-        """Re-enable the op (after fixing what disabled it) and re-read the environment switch."""
+        """Re-enable the op (after fixing what disabled it)."""
         self.disabled = None
         self.verified.clear()
-        self.env_disabled = _env_disabled()
 
     @property
     def status(self) -> str:

@@ -3,10 +3,12 @@ gated residual add of the attention branch, bit-identical to the eager chain.
 
 Eager (``ErnieImageSharedAdaLNBlock``), T the storage dtype::
 
-    x = residual + (gate.float() * update.float()).to(T)            # gated variant only; x is also returned
+    x = residual + (gate.float() * update.float()).to(T2)           # gated variant only; x is also returned
     y = norm(x)                                                     # diffusers RMSNorm, see _rms_norm below
     out = (y.float() * (1 + scale.float()) + shift.float()).to(T)
 
+(T2 is the dtype of the block's previous modulate output: T, except where autocast or an fp32 norm weight make it
+fp32 while the residual stream is T; the kernel takes only T2 == T, the eager chain runs otherwise.)
 The kernel (``csrc/rmsnorm_scale_shift.cu``) keeps every rounding point of that chain and reproduces the order in
 which aten's reduce kernel sums ``x.float().pow(2)`` over the last dimension (Reduce.cuh: input vectorised by 4,
 one warp per row, four accumulators per lane, shuffle-down tree). That order is a property of the aten build it
@@ -42,8 +44,8 @@ def _modulate(y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torc
     return (y.float() * (1 + scale.float()) + shift.float()).to(y.dtype)
 
 
-def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    return residual + (gate.float() * update.float()).to(residual.dtype)
+def _gated_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, dtype=None) -> torch.Tensor:
+    return residual + (gate.float() * update.float()).to(residual.dtype if dtype is None else dtype)
 
 
 def rmsnorm_scale_shift_ref(norm, x, scale, shift):
@@ -51,8 +53,10 @@ def rmsnorm_scale_shift_ref(norm, x, scale, shift):
     return _modulate(norm(x), scale, shift)
 
 
-def gated_rmsnorm_scale_shift_ref(norm, residual, gate, update, scale, shift):
-    x = _gated_residual(residual, gate, update)
+def gated_rmsnorm_scale_shift_ref(norm, residual, gate, update, scale, shift, dtype=None):
+    """The eager chain; ``dtype`` is what the gated product is cast to (diffusers: its previous modulate output's
+    dtype; default ``residual.dtype``)."""
+    x = _gated_residual(residual, gate, update, dtype)
     return x, _modulate(norm(x), scale, shift)
 
 
@@ -103,7 +107,9 @@ def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
     return _guard_rows(norm, x, (scale, shift), check_pointers)
 
 
-def _gated_guard(norm, residual, gate, update, scale, shift, check_pointers: bool = True) -> str | None:
+def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_pointers: bool = True) -> str | None:
+    if dtype is not None and dtype is not residual.dtype:
+        return "mixed dtypes"
     return _guard_rows(norm, residual, (gate, update, scale, shift), check_pointers)
 
 
@@ -116,7 +122,7 @@ def _kernel(norm, x, scale, shift):
     return _cuda_ops()._rmsnorm_scale_shift_cuda.default(x, norm.weight, scale, shift, norm.eps)
 
 
-def _gated_kernel(norm, residual, gate, update, scale, shift):
+def _gated_kernel(norm, residual, gate, update, scale, shift, dtype=None):
     return _cuda_ops()._gated_rmsnorm_scale_shift_cuda.default(residual, gate, update, norm.weight, scale, shift, norm.eps)
 
 
@@ -190,7 +196,7 @@ GATED_RMSNORM_SCALE_SHIFT = FusedOp(
     ref=gated_rmsnorm_scale_shift_ref,
     guard=_gated_guard,
     kernel=_gated_kernel,
-    custom_op=lambda norm, residual, gate, update, scale, shift: (
+    custom_op=lambda norm, residual, gate, update, scale, shift, dtype=None: (
         torch.ops.diffusers_fastpath.gated_rmsnorm_scale_shift.default(
             residual, gate, update, norm.weight, scale, shift, norm.eps
         )
@@ -219,10 +225,13 @@ def rmsnorm_scale_shift(norm, x, scale, shift, site: Site | None = None) -> torc
     return RMSNORM_SCALE_SHIFT(site, norm, x, scale, shift)
 
 
-def gated_rmsnorm_scale_shift(norm, residual, gate, update, scale, shift, site: Site | None = None):
+def gated_rmsnorm_scale_shift(norm, residual, gate, update, scale, shift, site: Site | None = None, dtype=None):
     """``x = residual + (gate.float() * update.float()).to(dtype)``, then `rmsnorm_scale_shift` of ``x``.
+
+    ``dtype`` (default ``residual.dtype``) is the dtype diffusers casts the gated product to: its block's previous
+    modulate output's. Where it differs from the residual's (autocast, an fp32 norm weight), the eager chain runs.
 
     Returns:
         ``(x, out)``: the new residual stream and the modulated norm, both bit-identical to eager.
     """
-    return GATED_RMSNORM_SCALE_SHIFT(site, norm, residual, gate, update, scale, shift)
+    return GATED_RMSNORM_SCALE_SHIFT(site, norm, residual, gate, update, scale, shift, dtype)
