@@ -73,7 +73,8 @@ def register_adapter(model_cls: type) -> Callable[[Adapter], Adapter]:
 
 def register_like(registry: Any, base: type, cls: type) -> bool:
     """Register our subclass `cls` in a diffusers class registry (``TransformerBlockRegistry``,
-    ``AttentionProcessorRegistry``) with the metadata of the nearest registered class of `base`'s MRO.
+    ``AttentionProcessorRegistry``) with the metadata of `base`, the diffusers class it was swapped in for, if `base`
+    is registered there.
 
     diffusers looks those registries up by exact class (``registry.get(module.__class__)``: first-block cache,
     MagCache, SeaCache, layer skip), so a swapped class must be registered itself. The registration is additive: a
@@ -85,16 +86,14 @@ def register_like(registry: Any, base: type, cls: type) -> bool:
         return True
     except ValueError:
         pass
-    for klass in base.__mro__:
-        try:
-            metadata = registry.get(klass)
-        except ValueError:
-            continue
-        fields = {f.name for f in dataclasses.fields(metadata)}
-        reset = {name: None for name in ("_cls", "_cached_parameter_indices") if name in fields}
-        registry.register(cls, dataclasses.replace(metadata, **reset))
-        return True
-    return False
+    try:
+        metadata = registry.get(base)
+    except ValueError:
+        return False
+    fields = {f.name for f in dataclasses.fields(metadata)}
+    reset = {name: None for name in ("_cls", "_cached_parameter_indices") if name in fields}
+    registry.register(cls, dataclasses.replace(metadata, **reset))
+    return True
 
 
 def _block_registry():
@@ -113,7 +112,7 @@ def _processor_registry():
 #
 # Records, replayed backwards by `PatchState.undo`:
 #   ("class", module, old_cls, new_cls)            module.__class__ = old_cls, if it is still new_cls
-#   ("attr", module, name, old_value or _MISSING)  module.__dict__[name] put back (or removed)
+#   ("attr", module, name[, old_value])            module.__dict__[name] put back (or removed, if it was absent)
 #   ("processor", attn, old, new)                  attn.set_processor(old), if it is still new, with the backend
 #                                                  settings made on `new` since then carried over to `old`
 #   ("hook", handle)                               handle.remove() (a torch RemovableHandle)
@@ -126,11 +125,11 @@ def _undo_class(module: nn.Module, old: type, new: type) -> None:
         module.__class__ = old
 
 
-def _undo_attr(module: nn.Module, name: str, old: Any) -> None:
-    if old is _MISSING:
-        module.__dict__.pop(name, None)
+def _undo_attr(module: nn.Module, name: str, *old: Any) -> None:
+    if old:
+        module.__dict__[name] = old[0]
     else:
-        module.__dict__[name] = old
+        module.__dict__.pop(name, None)
 
 
 def carry_backend(source: Any, target: Any) -> None:
@@ -216,9 +215,10 @@ class PatchState:
 
     def set_attr(self, module: nn.Module, name: str, value: Any) -> None:
         """Set ``module.__dict__[name]``; undo puts back what was there (or removes it)."""
-        old = module.__dict__.get(name, _MISSING)
+        had = name in module.__dict__
+        old = module.__dict__.get(name)
         module.__dict__[name] = value
-        self.records.append(("attr", module, name, old))
+        self.records.append(("attr", module, name, old) if had else ("attr", module, name))
 
     def add_site(self, module: nn.Module, op: str, name: str | None = None) -> Site:
         """Attach a `Site` (the counters of one fusion site) to `module`: as ``_fastpath_site``, or, for a module

@@ -98,6 +98,20 @@ def test_two_threads_exiting_in_the_order_entered(model):
     assert tier(model) == "lossless" and mounted(model) == 0
 
 
+def test_an_exception_inside_a_block_that_outlived_an_earlier_one(model):
+    """``a`` (high) enters, ``b`` (lossless) enters, ``a`` exits first, then ``b`` exits by an exception: nothing is
+    left but the default. With one saved value per context ``b`` would restore the "high" it saw on entry."""
+    a = fp.quality(model, "high")
+    a.__enter__()
+    with pytest.raises(RuntimeError, match="boom"):
+        with fp.quality(model, "lossless"):
+            assert tier(model) == "lossless"
+            a.__exit__(None, None, None)
+            assert tier(model) == "lossless" and mounted(model) == 0
+            raise RuntimeError("boom")
+    assert tier(model) == "lossless" and mounted(model) == 0
+
+
 def test_an_exception_inside_the_block_removes_its_request(model):
     keep = fp.quality(model, "high")
     keep.__enter__()
