@@ -85,7 +85,8 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> 
         quality: the default tier. ``"lossless"`` (the default): bit-identical to unpatched diffusers. ``"high"``:
             the approximate fusions are mounted too (see `diffusers_fastpath.quality`; PSNR >= 35 dB and
             SSIM >= 0.97 against lossless on the decoded image). ``diffusers_fastpath.quality(obj, tier)`` switches
-            tiers for the duration of a ``with`` block.
+            tiers for the duration of a ``with`` block; the default is the tier when no such block is active (patching
+            again with another quality changes it, also under an active block).
         cuda_graphs: also capture each model's forward as a CUDA graph per input signature and replay it, which
             removes the host's per-kernel launch cost and stays bit-identical (every graph's first replay is checked
             against eager with ``torch.equal``). Calls a graph cannot stand for run eager, with the reason in
@@ -93,7 +94,9 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> 
             with ``True`` on a patched model turns graphs on; they go away with `unpatch`.
 
     Returns:
-        ``obj``, patched in place.
+        ``obj``, patched in place. A patched model stays an ordinary module: ``copy.deepcopy`` gives an independently
+        patched copy (its own undo log and counters; each unpatches on its own), and ``pickle``/``torch.save`` store
+        it patched: it loads patched (CUDA graphs are captured again on demand) and `unpatch` restores it there.
 
     Raises:
         TypeError: ``obj`` is a model of an unsupported class (the message names the supported ones).
