@@ -531,3 +531,24 @@ def test_disable_switch_set_after_import_takes_effect(monkeypatch, unpatch_after
     assert rep.ops["gated_residual"] == REASON_ENV
     monkeypatch.delenv(ENV_DISABLE)
     assert fp.report(model).ops["gated_residual"] == "enabled"
+
+
+def test_ip_adapter_processors_run_beside_the_patched_ones(unpatch_after):
+    """IP-adapter processors stay in place (their blocks return three outputs: the mirrored block adds the IP
+    attention output as diffusers does) and the others are patched."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    ref_model, model, inputs = twins("flux", seed=27)
+    for m in (ref_model, model):
+        for i, block in enumerate(m.transformer_blocks):
+            torch.manual_seed(i)
+            ip = FluxIPAdapterAttnProcessor(hidden_size=m.inner_dim, cross_attention_dim=m.inner_dim, num_tokens=(4,))
+            block.attn.set_processor(ip.to(torch.bfloat16))
+    fp.patch(model)
+    unpatch_after(model)
+    assert fp.report(model).models[0].processors == len(model.single_transformer_blocks)
+    gen = torch.Generator().manual_seed(28)
+    ip_tokens, other = (torch.randn(1, 4, model.inner_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    call = lambda m, t: out(m, inputs, joint_attention_kwargs={"ip_hidden_states": [t]})  # noqa: E731
+    ref = call(ref_model, ip_tokens)
+    assert torch.equal(call(model, ip_tokens), ref) and not torch.equal(ref, call(ref_model, other))
