@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .._logging import logger
+from . import quant
 from .modes import MODES
 from .render import import_pyplot, markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-repeats", type=int, default=1, help="timed generations per mode (default: 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--quant", default="none", choices=quant.CHOICES,
+                   help="build the transformer quantized through diffusers' backend (default: none). "
+                        + "; ".join(f"{q.name}: {q.description}" for q in quant.QUANTS.values()))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="a photo of a cat holding a sign that says hello world",
                    help="prompt for a real model's text encoders")
@@ -82,6 +86,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--device {args.device!r}: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here (use --device cpu)")
+    if args.quant != "none":
+        if args.dtype != "bf16":
+            p.error(f"--quant {args.quant}: the quantized backends compute in bf16 (use --dtype bf16)")
+        reason = quant.unavailable(args.quant, device)
+        if reason is not None:
+            p.error(f"--quant {args.quant}: {reason}")
     levels = _split(args.levels) + ["kernels"] * args.kernels + ["profile"] * args.profile
     unknown = [lv for lv in levels if lv not in LEVELS]
     if unknown:
@@ -117,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--from-json {args.from_json}: not a benchmark result of schema {SCHEMA}")
     else:
         _check_args(p, args)
-        logger.info(f"diffusers_fastpath.bench: {args.model}, modes {args.modes}, levels {args.levels}")
+        logger.info(f"diffusers_fastpath.bench: {args.model} (quant {args.quant}), modes {args.modes}, "
+                    f"levels {args.levels}")
         result = run(args)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

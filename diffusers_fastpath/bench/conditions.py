@@ -78,6 +78,7 @@ def conditions(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         steps=args.steps,
         batch=args.batch,
         text_tokens=args.text_tokens,
+        quant=args.quant,
         commit=commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

@@ -27,8 +27,16 @@ def describe_conditions(c: dict[str, Any]) -> str:
     hw = f"{c['gpu']} (driver {c['driver'] or 'unknown'})" if c.get("gpu") else f"CPU ({c.get('cpu') or 'unknown'})"
     return (f"{hw}; torch {c['torch']} (CUDA {c['cuda']}), diffusers {c['diffusers']}, diffusers_fastpath "
             f"{c['diffusers_fastpath']}, commit `{c['commit']}`; model {c['model']}, {c['dtype']}, "
-            f"{c['width']}x{c['height']}, batch {c['batch']}, {c['steps']} steps, {c['text_tokens']} text tokens; "
-            f"{c['date']}")
+            f"{c['width']}x{c['height']}, batch {c['batch']}, {c['steps']} steps, {c['text_tokens']} text tokens"
+            f"{'; ' + describe_weights(c) if 'quant' in c else ''}; {c['date']}")
+
+
+def describe_weights(c: dict[str, Any]) -> str:
+    """The transformer's weights: the ``--quant`` backend and what the weights hold (runs before ``--quant`` have
+    neither)."""
+    quant = c.get("quant") or "none"
+    held = f", {c['weights_gib']:.3g} GiB" if c.get("weights_gib") is not None else ""
+    return f"weights {c['dtype'] if quant == 'none' else quant}{held}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -41,7 +49,8 @@ def markdown(result: dict[str, Any]) -> str:
     step = result["step"]
     if step["ran"]:
         unit = "GPU ms" if result["conditions"].get("gpu") else "ms"
-        lines += [f"### Transformer step (median of {step['repeats']}, warm-up excluded)", ""]
+        weights = f"; {describe_weights(result['conditions'])}" if "quant" in result["conditions"] else ""
+        lines += [f"### Transformer step (median of {step['repeats']}, warm-up excluded{weights})", ""]
         header = ["mode", unit, "host ms", "vs eager", "peak GiB", "compile s", "bit-identical", "max abs diff",
                   "PSNR dB", "md5", "fused sites (fast/fallback)"]
         body = []

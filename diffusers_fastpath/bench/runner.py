@@ -17,6 +17,7 @@ from .levels.kernels import run_kernels
 from .levels.profile import profile_step
 from .levels.step import step_once, step_row
 from .modes import MODES, Context, Mode, applied
+from .quant import weights_gib
 from .subject import Subject, build_subject, generate
 from .timing import Clock, Samples, progress
 
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     need_pipe = "generation" in levels
     subject = build_subject(args, device, need_pipe)
+    result["conditions"]["weights_gib"] = weights_gib(subject.transformer)
     runner = _Runner(args, subject, ctx, modes_info)
     runner.phase("build", t0)
     do_step, do_prof = "step" in levels, "profile" in levels

@@ -31,20 +31,23 @@ class Subject:
 
 
 def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool) -> Subject:
-    """The model the arguments name, with random weights unless it is a real pipeline."""
+    """The model the arguments name, with random weights unless it is a real pipeline, quantized as ``--quant``
+    says (`quant.quantize`)."""
     from .. import testing
 
     dtype = DTYPES[args.dtype]
     grid = (args.height // 16, args.width // 16)
     if args.model in ERNIE_MODELS:
         model = testing.build_ernie_image_transformer(args.model, dtype, device, seed=args.seed)
+        # before quantizing: the inputs take the dtype of the model's weights (float8 storage under layerwise casting)
         inputs = testing.ernie_image_inputs(model, batch=args.batch, grid=grid, text_lens=(args.text_tokens,),
                                             seed=args.seed + 1)
+        model = _quantized(model, args, device)
         return Subject(args.model, "ernie", model, inputs,
                        no_generation="not for ERNIE-Image here (no VAE config is published with this package); "
                                      "use the step level")
     if args.model in FLUX_MODELS:
-        model = testing.build_flux_transformer(args.model, dtype, device, seed=args.seed)
+        model = _quantized(testing.build_flux_transformer(args.model, dtype, device, seed=args.seed), args, device)
         vae = None
         if need_vae:
             vae = testing.build_flux_vae(args.model, dtype, device, seed=args.seed + 1,
@@ -55,7 +58,7 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         from diffusers import FluxPipeline
 
         pipe = FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(device)
-        model = pipe.transformer
+        pipe.transformer = model = _quantized(pipe.transformer, args, device)
         with torch.no_grad():
             embeds, pooled, _ = pipe.encode_prompt(prompt=args.prompt, prompt_2=None, device=device,
                                                    num_images_per_prompt=args.batch,
@@ -65,6 +68,14 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
     subject = Subject(args.model, "flux", model, {}, pipe=pipe, call_kwargs=call_kwargs)
     subject.step_inputs = _pipeline_step_inputs(subject, args, device)
     return subject
+
+
+def _quantized(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    if args.quant == "none":
+        return model
+    from .quant import quantize
+
+    return quantize(model, args.quant, device)
 
 
 def _pipeline_step_inputs(subject: Subject, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
