@@ -25,7 +25,7 @@ GEN_FIELDS = {"mode", "available", "reason", "s", "s_all", "host_s", "ratio", "p
               "latents_md5", "image_md5", "image_shape", "bit_identical", "latents_identical", "image_identical",
               "max_abs_diff_latents", "psnr_db", "ssim", "repeatable", "interleaved", "fastpath"}
 CONDITION_FIELDS = {"device", "gpu", "driver", "torch", "cuda", "diffusers", "diffusers_fastpath", "dtype", "height",
-                    "width", "steps", "batch", "text_tokens", "model", "commit", "date"}
+                    "width", "steps", "batch", "text_tokens", "model", "commit", "date", "quant", "weights_gib"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,6 +84,7 @@ def test_json_has_every_field(tiny_run):
     assert CONDITION_FIELDS <= result["conditions"].keys()
     c = result["conditions"]
     assert (c["model"], c["height"], c["width"], c["steps"], c["dtype"]) == ("flux-tiny", 64, 64, 2, "bfloat16")
+    assert c["quant"] == "none" and 0 < c["weights_gib"] < 0.01  # the tiny FLUX's bf16 weights
     assert c["commit"] and c["torch"] == torch.__version__
     assert result["args"]["repeats"] == 2 and result["levels"] == ["step", "generation", "profile", "kernels"]
     assert list(result["modes"]) == ["eager", "lossless", "perturbed", "missing", "broken"]

@@ -57,7 +57,8 @@ def bf16_model():
 
 @pytest.fixture
 def quantized(bf16_model, unpatch_after):
-    """``make(name) -> (quantized model, inputs, its unpatched output)``, each call a fresh build from the same weights."""
+    """``make(name) -> (quantized model, inputs, its unpatched output)``, each call a fresh build from the same
+    weights."""
 
     def make(name: str):
         needs(name)
@@ -291,7 +292,8 @@ def test_bench_quant_on_cuda_step_table(name, tmp_path):
     needs(name, torch.device("cuda"))
     path = tmp_path / "r.json"
     rc = bench.main(["--model", "flux-tiny", "--height", "128", "--width", "128", "--repeats", "2", "--levels", "step",
-                     "--modes", "eager,lossless,lossless+graphs", "--quant", name, "--no-progress", "--json", str(path)])
+                     "--modes", "eager,lossless,lossless+graphs", "--quant", name, "--no-progress",
+                     "--json", str(path)])
     assert rc == 0
     result = json.loads(path.read_text())
     rows = {r["mode"]: r for r in result["step"]["rows"]}
