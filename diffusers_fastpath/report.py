@@ -68,6 +68,11 @@ class Report:
     def fallback(self) -> int:
         return sum(s.fallback for s in self.sites)
 
+    @property
+    def kernel_calls(self) -> int:
+        """Fast calls that ran a fused kernel (not counting sites whose fast path is no kernel, e.g. a view)."""
+        return sum(s.fast for s in self.sites if s.op in self.ops)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from diffusers_fastpath import bench
+from diffusers_fastpath.bench.cli import _check_args, _parser
+from diffusers_fastpath.bench.levels.profile import idle_gaps
 
 TINY = ["--model", "flux-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
         "--text-tokens", "8", "--no-progress"]
@@ -23,7 +25,7 @@ GEN_FIELDS = {"mode", "available", "reason", "s", "s_all", "host_s", "ratio", "p
               "latents_md5", "image_md5", "image_shape", "bit_identical", "latents_identical", "image_identical",
               "max_abs_diff_latents", "psnr_db", "ssim", "repeatable", "interleaved", "fastpath"}
 CONDITION_FIELDS = {"device", "gpu", "driver", "torch", "cuda", "diffusers", "diffusers_fastpath", "dtype", "height",
-                    "width", "steps", "batch", "text_tokens", "model", "commit", "date"}
+                    "width", "steps", "batch", "text_tokens", "model", "commit", "date", "quant", "weights_gib"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,6 +84,7 @@ def test_json_has_every_field(tiny_run):
     assert CONDITION_FIELDS <= result["conditions"].keys()
     c = result["conditions"]
     assert (c["model"], c["height"], c["width"], c["steps"], c["dtype"]) == ("flux-tiny", 64, 64, 2, "bfloat16")
+    assert c["quant"] == "none" and 0 < c["weights_gib"] < 0.01  # the tiny FLUX's bf16 weights
     assert c["commit"] and c["torch"] == torch.__version__
     assert result["args"]["repeats"] == 2 and result["levels"] == ["step", "generation", "profile", "kernels"]
     assert list(result["modes"]) == ["eager", "lossless", "perturbed", "missing", "broken"]
@@ -226,12 +229,12 @@ def test_ernie_image_step_level_on_cpu(tmp_path):
 
 
 def test_compiled_modes_are_left_out_by_default_on_cpu():
-    p = bench._parser()
+    p = _parser()
     args = p.parse_args(TINY)
-    bench._check_args(p, args)
+    _check_args(p, args)
     assert args.modes == [m for m in bench.MODES if not bench.MODES[m].compiled]
     args = p.parse_args([*TINY, "--compile-backend", "eager"])
-    bench._check_args(p, args)
+    _check_args(p, args)
     assert args.modes == list(bench.MODES)
 
 
@@ -297,7 +300,7 @@ def test_python_dash_m_smoke():
         [sys.executable, "-m", "diffusers_fastpath.bench", *TINY, "--repeats", "1", "--levels", "step"],
         capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
-             "PYTHONPATH": os.pathsep.join([str(Path(bench.__file__).resolve().parents[1]),
+             "PYTHONPATH": os.pathsep.join([str(Path(bench.__file__).resolve().parents[2]),
                                             *filter(None, [os.environ.get("PYTHONPATH")])])},
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -379,8 +382,8 @@ def test_idle_gaps_are_the_uncovered_time_between_kernels():
 
     # a (0-10), b overlaps a (5-12), gap of 8 before c (20-30), gap of 2 before d (32-40), gap of 10 before c again
     kernels = [kernel("c", 20, 30), kernel("a", 0, 10), kernel("b", 5, 12), kernel("d", 32, 40), kernel("c", 50, 51)]
-    idle = bench._idle_gaps(kernels)
+    idle = idle_gaps(kernels)
     assert idle["span_ms"] == pytest.approx(0.051) and idle["ms"] == pytest.approx(0.020)
     assert idle["gaps"] == 2  # the 2 µs gap is under IDLE_GAP_US
     assert idle["by_kernel"] == [dict(kernel="c", count=2, ms=pytest.approx(0.018))]
-    assert bench._idle_gaps([]) == dict(span_ms=0.0, ms=0.0, gaps=0, by_kernel=[])
+    assert idle_gaps([]) == dict(span_ms=0.0, ms=0.0, gaps=0, by_kernel=[])

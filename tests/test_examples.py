@@ -24,6 +24,7 @@ def run_example(name: str, *args: str) -> str:
 def test_lossless_example_is_bit_identical_on_cpu():
     out = run_example("flux_lossless.py", "--height", "64", "--width", "64", "--steps", "2")
     assert "bit-identical: True" in out and "quality=lossless" in out
+    assert "no fused kernel ran" in out and "x, one run each" not in out  # no time ratio where no kernel ran
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
@@ -31,3 +32,4 @@ def test_high_quality_example_reports_the_tier_on_cpu():
     out = run_example("flux_high_quality.py", "--height", "64", "--width", "64", "--steps", "2")
     assert "lossless identical to unpatched: True" in out and "after the context: identical to unpatched: True" in out
     assert "quality=high" in out  # the report printed inside the context
+    assert "lossless:  md5" in out and "(no fused kernel ran)" in out and " ms, " not in out

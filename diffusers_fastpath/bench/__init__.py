@@ -1,0 +1,55 @@
+"""The benchmark command: eager, lossless, high and torch.compile side by side, exactness proven in the same run.
+
+    python -m diffusers_fastpath.bench                                    # flux-tiny: runs anywhere, CPU included
+    python -m diffusers_fastpath.bench --model flux-dev --kernels --profile --json run.json
+    python -m diffusers_fastpath.bench --model ernie-image --levels step --modes eager,lossless
+    python -m diffusers_fastpath.bench --model black-forest-labs/FLUX.1-dev     # real weights (a Hub id or a folder)
+    python -m diffusers_fastpath.bench --from-json run.json --plot run.png      # re-render a saved run, run nothing
+
+Models: ``flux-tiny`` (default), ``flux-dev`` (the published FLUX.1-dev transformer and VAE configs with random
+weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``ernie-image`` and
+``ernie-image-tiny`` (step level and kernels), or any FLUX pipeline path/id for ``FluxPipeline.from_pretrained``.
+
+Levels (``--levels``, default ``step,generation``; ``--kernels`` adds ``kernels``, ``--profile`` adds ``profile``):
+
+- **step**: one transformer forward; median of ``--repeats`` timed calls (CUDA events; ``perf_counter`` on CPU),
+  warm-up excluded, host enqueue time (the Python call returning, before the GPU finishes) beside it. The
+  non-compiled modes run round-robin, one warm-up and one timed call per mode and round, so clock drift lands in
+  the spread, not in the ratio.
+- **generation**: a whole ``FluxPipeline`` call from precomputed prompt embeddings (no text encoder), VAE decode
+  included; md5 of the final latents (captured by a step-end callback of the same call) and of the decoded image.
+- **profile**: one step per mode under ``torch.profiler``: kernel count and time per category (`CATEGORIES`).
+- **kernels**: every fused op at the model's real shapes, eager chain against fused kernel, with the GB/s of a
+  device-to-device copy measured in the same run, and the host cost of one call.
+
+Exactness is computed in the run: every mode's output is compared with eager's by ``torch.equal`` and by md5 of
+its raw bytes, with max abs diff, PSNR and (images) SSIM. Compiled modes run after the others, each after
+``torch._dynamo.reset()`` on the same weights, with the first call reported as compile time. The exit status is 1
+when a mode that promises bit-identity (eager, lossless) or a fused kernel is not bit-identical, 2 on a usage error.
+
+Modes are the `MODES` registry: adding one is one `register_mode` call.
+
+The package, one file per part: ``cli`` (arguments, `main`), ``modes`` (`MODES`), ``subject`` (the model and its
+inputs), ``quant`` (quantized builds, ``--quant``), ``timing`` (`Clock`, `Samples`, output comparison), ``levels/``
+(``step``, ``generation``, ``profile``, ``kernels``), ``runner`` (one run, `violations`), ``conditions`` and
+``render`` (markdown, plot).
+"""
+
+from __future__ import annotations
+
+from .cli import main
+from .conditions import commit, conditions
+from .levels.kernels import KERNEL_CASES, KernelCase, Shapes, kernel_cases
+from .levels.profile import CATEGORIES, CATEGORY_NAMES, categorize, idle_gaps
+from .modes import MODES, Context, Mode, register_mode
+from .render import markdown, plot
+from .runner import LEVELS, SCHEMA, run, violations
+from .subject import DTYPES, ERNIE_MODELS, FLUX_MODELS, Subject, build_subject
+from .timing import Clock, Samples, md5
+
+__all__ = [
+    "CATEGORIES", "CATEGORY_NAMES", "Clock", "Context", "DTYPES", "ERNIE_MODELS", "FLUX_MODELS", "KERNEL_CASES",
+    "KernelCase", "LEVELS", "MODES", "Mode", "SCHEMA", "Samples", "Shapes", "Subject", "build_subject", "categorize",
+    "commit", "conditions", "idle_gaps", "kernel_cases", "main", "markdown", "md5", "plot", "register_mode", "run",
+    "violations",
+]

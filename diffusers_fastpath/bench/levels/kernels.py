@@ -1,0 +1,341 @@
+"""The kernels level: every fused op at the model's real shapes against its eager chain (`KERNEL_CASES`), with the
+GB/s of a device-to-device copy measured in the same run and the host cost of one call."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..subject import DTYPES, Subject
+from ..timing import equal, max_abs_diff, progress
+
+
+@dataclass
+class Shapes:
+    """The shapes a model really gives its fused ops at the benchmark's resolution, batch and text length."""
+
+    family: str
+    model: nn.Module
+    hidden: int
+    image_tokens: int
+    text_tokens: int
+    batch: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=self.device, dtype=self.dtype)
+
+
+@dataclass
+class KernelCase:
+    """One fused op at one shape: ``eager(*s)`` and ``fused(*s)`` for each input set ``s`` in `sets` (rotated past
+    the L2 cache; ``s[0]`` is the activation, which the reference copy moves), `nbytes` read plus written by the
+    fused kernel per call."""
+
+    op: str
+    shape: tuple[int, ...]
+    sets: list[tuple[Any, ...]]
+    eager: Callable[..., Any]
+    fused: Callable[..., Any]
+    nbytes: int
+    exact: bool = True  # False for the "high" tier's approximate fusions: the row gives the max abs difference
+
+
+KERNEL_CASES: dict[str, Callable[[Shapes], list[KernelCase]]] = {}
+
+
+def kernel_cases(fn: Callable[[Shapes], list[KernelCase]]) -> Callable[[Shapes], list[KernelCase]]:
+    """Register ``fn(shapes) -> [KernelCase, ...]`` (an empty list where the op is not used by the model)."""
+    KERNEL_CASES[fn.__name__] = fn
+    return fn
+
+
+def _input_sets(make: Callable[[], tuple[Any, ...]], budget_bytes: int = 256 * 2**20, most: int = 16) -> list:
+    """Fresh input sets until they span `budget_bytes` (well past an H200's 60 MB L2), at least 2, at most `most`."""
+    sets, total = [], 0
+    while len(sets) < 2 or (total < budget_bytes and len(sets) < most):
+        s = make()
+        sets.append(s)
+        total += sum(t.numel() * t.element_size() for t in s if isinstance(t, torch.Tensor))
+    return sets
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _flux_adaln_inputs(sh: Shapes, tokens: int):
+    """An adaLN site's inputs: activations and the (shift, scale) chunk views of the adaLN linear output."""
+    b, d = sh.batch, sh.hidden
+
+    def make():
+        shift, scale = sh.randn(b, 6 * d).chunk(6, dim=1)[:2]  # the AdaLayerNormZero views
+        return sh.randn(b, tokens, d), scale, shift
+
+    return _input_sets(make)
+
+
+def _flux_token_counts(sh: Shapes) -> tuple[int, ...]:
+    return (sh.image_tokens, sh.text_tokens, sh.image_tokens + sh.text_tokens)
+
+
+@kernel_cases
+def modulate_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's adaLN modulate: image, text and single-block (image + text) rows."""
+    if sh.family != "flux":
+        return []
+    from ...ops import modulate_scale_shift_ref
+
+    op = torch.ops.diffusers_fastpath._modulate_scale_shift_cuda.default
+    cases = []
+    for tokens in _flux_token_counts(sh):
+        sets = _flux_adaln_inputs(sh, tokens)
+        x, scale, shift = sets[0]
+        cases.append(KernelCase("modulate_scale_shift", (sh.batch, tokens, sh.hidden), sets, modulate_scale_shift_ref,
+                                op, 2 * _nbytes(x) + 2 * _nbytes(scale)))
+    return cases
+
+
+@kernel_cases
+def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's adaLN LayerNorm + modulate (lossless, one kernel) and its "high"-tier fold into the LayerNorm affine."""
+    if sh.family != "flux":
+        return []
+    from ...ops import layernorm_scale_shift_ref
+    from ...ops.layer_norm_affine import folded_layer_norm
+
+    ops = torch.ops.diffusers_fastpath
+    norm = nn.LayerNorm(sh.hidden, elementwise_affine=False, eps=1e-6)
+    cases = []
+    for tokens in _flux_token_counts(sh):
+        sets = _flux_adaln_inputs(sh, tokens)
+        x, scale, shift = sets[0]
+        shape, nbytes = (sh.batch, tokens, sh.hidden), 2 * _nbytes(x) + 2 * _nbytes(scale)
+        eager = lambda x, s, h: layernorm_scale_shift_ref(norm, x, s, h)  # noqa: E731
+        cases.append(KernelCase("layernorm_scale_shift", shape, sets, eager,
+                                lambda x, s, h: ops._layernorm_scale_shift_cuda(x, s, h, norm.eps), nbytes))
+        if sh.batch == 1:  # the fold takes one row of scale/shift
+            cases.append(KernelCase("layer_norm_affine (high)", shape, sets, eager,
+                                    lambda x, s, h: folded_layer_norm(x, s, h, norm.eps), nbytes, exact=False))
+    return cases
+
+
+@kernel_cases
+def gated_residual_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's ``residual + gate.unsqueeze(1) * update`` at the image, text and single-block sites."""
+    if sh.family != "flux":
+        return []
+    from ...ops import gated_residual_ref
+
+    op = torch.ops.diffusers_fastpath._gated_residual_cuda.default
+    b, d = sh.batch, sh.hidden
+    cases = []
+    for tokens in _flux_token_counts(sh):
+        def make():
+            gate = sh.randn(b, 6 * d).chunk(6, dim=1)[2].unsqueeze(1)  # gate_msa, as the block passes it
+            return sh.randn(b, tokens, d), gate, sh.randn(b, tokens, d)
+
+        sets = _input_sets(make)
+        x, gate, _ = sets[0]
+        cases.append(KernelCase("gated_residual", (b, tokens, d), sets, gated_residual_ref, op,
+                                3 * _nbytes(x) + _nbytes(gate)))
+    return cases
+
+
+@kernel_cases
+def gelu_cat_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's single block: ``cat([attn_output, gelu_tanh(proj_mlp(x))], dim=2)`` in one pass."""
+    if sh.family != "flux":
+        return []
+    from ...ops import gelu_cat_ref
+
+    op = torch.ops.diffusers_fastpath._gelu_cat_cuda.default
+    b, d, tokens = sh.batch, sh.hidden, sh.image_tokens + sh.text_tokens
+    mlp_dim = int(getattr(sh.model.single_transformer_blocks[0].proj_mlp, "out_features", 4 * d))
+    sets = _input_sets(lambda: (sh.randn(b, tokens, d), sh.randn(b, tokens, mlp_dim) * 4))
+    attn, mlp = sets[0]
+    nbytes = 2 * (_nbytes(attn) + _nbytes(mlp))
+    return [KernelCase("gelu_cat", (b, tokens, d + mlp_dim), sets, gelu_cat_ref, op, nbytes)]
+
+
+@kernel_cases
+def rotary_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's attention: the rotary embedding alone, and fused with the QK RMSNorm and the text/image
+    concatenation (dual blocks: text + image sources; single blocks: one joint source)."""
+    if sh.family != "flux":
+        return []
+    from ...ops import qk_norm_rope_ref, rotary_emb_ref
+
+    ops = torch.ops.diffusers_fastpath
+    cfg = sh.model.config
+    heads, dim, b = cfg.num_attention_heads, cfg.attention_head_dim, sh.batch
+    norms = [torch.nn.RMSNorm(dim, eps=1e-6).to(sh.device, sh.dtype).requires_grad_(False) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.normal_(1.0, 0.1)
+
+    def cases_for(txt: int, img: int) -> list[KernelCase]:
+        seq = txt + img
+        cos, sin = (torch.rand(seq, dim, device=sh.device) * 2 - 1 for _ in range(2))
+        sets = _input_sets(lambda: (sh.randn(b, img, heads, dim), sh.randn(b, txt, heads, dim) if txt else None))
+        nbytes = 2 * _nbytes(sets[0][0]) * seq // img + 2 * _nbytes(cos)
+        n_txt, n_img = (norms[0] if txt else None), norms[1]
+        w_txt, eps_txt = (n_txt.weight, n_txt.eps) if txt else (None, 0.0)
+        out = []
+        if not txt:
+            out.append(KernelCase("rotary_emb", (b, seq, heads, dim), sets, lambda i, t: rotary_emb_ref(i, cos, sin),
+                                  lambda i, t: ops._rotary_emb_cuda(i, cos, sin), nbytes))
+        out.append(KernelCase(
+            "qk_norm_rope" + (" (text+image)" if txt else ""), (b, seq, heads, dim), sets,
+            lambda i, t: qk_norm_rope_ref(n_txt, t, n_img, i, cos, sin),
+            lambda i, t: ops._qk_norm_rope_cuda(t, w_txt, eps_txt, i, n_img.weight, n_img.eps, cos, sin), nbytes))
+        return out
+
+    return cases_for(sh.text_tokens, sh.image_tokens) + cases_for(0, sh.image_tokens + sh.text_tokens)
+
+
+@kernel_cases
+def linear_gelu_cases(sh: Shapes) -> list[KernelCase]:
+    """The "high" tier's FFN up-projection + tanh-GELU in one cuBLASLt call (GEMM-bound: bytes are the operands)."""
+    if sh.family != "flux":
+        return []
+    from ...ops.linear_gelu import linear_gelu_epilogue, linear_gelu_ref
+
+    d, b = sh.hidden, sh.batch
+    tokens = sh.image_tokens + sh.text_tokens  # the single block's proj_mlp
+    weight, bias = sh.randn(4 * d, d) / d**0.5, sh.randn(4 * d) * 0.05
+    sets = _input_sets(lambda: (sh.randn(b, tokens, d),), budget_bytes=64 * 2**20, most=4)
+    nbytes = _nbytes(sets[0][0]) + _nbytes(weight) + _nbytes(bias) + 4 * _nbytes(sets[0][0])
+    return [KernelCase("linear_gelu (high)", (b, tokens, d), sets,
+                       lambda x: linear_gelu_ref(x, weight, bias), lambda x: linear_gelu_epilogue(x, weight, bias),
+                       nbytes, exact=False)]
+
+
+@kernel_cases
+def rmsnorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
+    """ERNIE-Image's adaLN: RMSNorm + fp32 modulate, and its gated-residual variant, at [seq, batch, dim]."""
+    if sh.family != "ernie":
+        return []
+    from diffusers.models.normalization import RMSNorm
+
+    from ...ops import gated_rmsnorm_scale_shift_ref, rmsnorm_scale_shift_ref
+
+    ops = torch.ops.diffusers_fastpath
+    seq, b, d = sh.image_tokens + sh.text_tokens, sh.batch, sh.hidden
+    norm = RMSNorm(d, eps=1e-6).to(sh.device, sh.dtype).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+
+    def make():
+        rows = [sh.randn(1, b, d).expand(seq, -1, -1).contiguous() for _ in range(3)]  # scale, shift, gate
+        update = sh.randn(b, seq, d).permute(1, 0, 2)  # the attention output, back to sequence-first
+        return (sh.randn(seq, b, d), *rows, update)
+
+    sets = _input_sets(make)
+    e = _nbytes(sets[0][0])
+    return [
+        KernelCase("rmsnorm_scale_shift", (seq, b, d), sets,
+                   lambda x, s, h, g, u: rmsnorm_scale_shift_ref(norm, x, s, h),
+                   lambda x, s, h, g, u: ops._rmsnorm_scale_shift_cuda(x, norm.weight, s, h, norm.eps), 4 * e),
+        KernelCase("gated_rmsnorm_scale_shift", (seq, b, d), sets,
+                   lambda x, s, h, g, u: gated_rmsnorm_scale_shift_ref(norm, x, g, u, s, h),
+                   lambda x, s, h, g, u: ops._gated_rmsnorm_scale_shift_cuda(x, g, u, norm.weight, s, h, norm.eps),
+                   7 * e),
+    ]
+
+
+def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> float:
+    """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets."""
+    for s in sets[:2]:
+        fn(*s)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def _kernel_row(case: KernelCase) -> dict[str, Any]:
+    x = case.sets[0][0]
+    copies = [(s[0], torch.empty_like(s[0])) for s in case.sets]
+    eager_us = gpu_time_us(case.eager, case.sets)
+    fused_us = gpu_time_us(case.fused, case.sets)
+    copy_us = gpu_time_us(lambda src, dst: dst.copy_(src), copies)
+    fused_gbps = case.nbytes / fused_us / 1e3
+    copy_gbps = 2 * _nbytes(x) / copy_us / 1e3
+    return dict(
+        op=case.op,
+        shape=list(case.shape),
+        dtype=str(x.dtype).removeprefix("torch."),
+        eager_us=eager_us,
+        fused_us=fused_us,
+        speedup=eager_us / fused_us,
+        bytes=case.nbytes,
+        fused_GBps=fused_gbps,
+        copy_us=copy_us,
+        copy_GBps=copy_gbps,
+        pct_of_copy=100 * fused_gbps / copy_gbps,
+        exact=case.exact,
+        equal=all(equal(case.fused(*s), case.eager(*s)) for s in case.sets[:2]),
+        max_abs_diff=max(max_abs_diff(case.fused(*s), case.eager(*s)) for s in case.sets[:2]),
+    )
+
+
+def host_us_per_call(sh: Shapes, calls: int = 2000) -> dict[str, float]:
+    """Host time to enqueue one call of the modulate in its forms (tiny tensors, so the GPU is never the limit)."""
+    from ...ops import modulate_scale_shift, modulate_scale_shift_ref
+
+    x = torch.randn(1, 17, 64, device=sh.device, dtype=sh.dtype)
+    shift, scale = torch.randn(1, 6 * 64, device=sh.device, dtype=sh.dtype).chunk(6, dim=1)[:2]
+    ops = torch.ops.diffusers_fastpath
+    candidates = {
+        "x.add(1) (baseline)": lambda: x.add(1),
+        "eager chain (3 kernels)": lambda: modulate_scale_shift_ref(x, scale, shift),
+        "fused, direct CUDA op": lambda: ops._modulate_scale_shift_cuda.default(x, scale, shift),
+        "fused, Python custom op": lambda: ops.modulate_scale_shift.default(x, scale, shift),
+        "fused, public entry (guard + policy)": lambda: modulate_scale_shift(x, scale, shift),
+    }
+    out = {}
+    for name, fn in candidates.items():
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
+def run_kernels(subject: Subject, args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
+    if device.type != "cuda":
+        return dict(ran=False, reason="needs CUDA (the fused kernels are CUDA kernels)", rows=[], host_us_per_call={})
+    from ...ops._build import load_extension
+
+    load_extension()
+    cfg = subject.transformer.config
+    hidden = cfg.num_attention_heads * cfg.attention_head_dim if subject.family == "flux" else cfg.hidden_size
+    sh = Shapes(subject.family, subject.transformer, hidden, (args.height // 16) * (args.width // 16),
+                args.text_tokens, args.batch, DTYPES[args.dtype], device)
+    builders = list(KERNEL_CASES.values())
+    rows = []
+    with progress(len(builders), "kernels", show) as bar:
+        for build in builders:
+            for case in build(sh):
+                rows.append(_kernel_row(case))
+                del case
+            bar.update()
+    return dict(ran=True, reason=None, rows=rows, host_us_per_call=host_us_per_call(sh))

@@ -1,0 +1,177 @@
+"""The report of a run: markdown tables (what stdout gets) and a PNG bar chart."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .levels.profile import CATEGORY_NAMES, IDLE_GAP_US
+from .runner import violations
+
+
+def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
+    if v is None:
+        return none
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "yes" if v else "**no**"
+    return format(v, spec)
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def describe_conditions(c: dict[str, Any]) -> str:
+    hw = f"{c['gpu']} (driver {c['driver'] or 'unknown'})" if c.get("gpu") else f"CPU ({c.get('cpu') or 'unknown'})"
+    return (f"{hw}; torch {c['torch']} (CUDA {c['cuda']}), diffusers {c['diffusers']}, diffusers_fastpath "
+            f"{c['diffusers_fastpath']}, commit `{c['commit']}`; model {c['model']}, {c['dtype']}, "
+            f"{c['width']}x{c['height']}, batch {c['batch']}, {c['steps']} steps, {c['text_tokens']} text tokens"
+            f"{'; ' + describe_weights(c) if 'quant' in c else ''}; {c['date']}")
+
+
+def describe_weights(c: dict[str, Any]) -> str:
+    """The transformer's weights: the ``--quant`` backend and what the weights hold (runs before ``--quant`` have
+    neither)."""
+    quant = c.get("quant") or "none"
+    held = f", {c['weights_gib']:.3g} GiB" if c.get("weights_gib") is not None else ""
+    return f"weights {c['dtype'] if quant == 'none' else quant}{held}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The report as markdown (what stdout gets, and what ``--from-json`` re-renders)."""
+    lines = ["## diffusers_fastpath benchmark", "", describe_conditions(result["conditions"]), ""]
+
+    def unavailable(row: dict[str, Any], width: int) -> list[str]:
+        return [row["mode"], f"unavailable: {row['reason']}"] + [""] * (width - 2)
+
+    step = result["step"]
+    if step["ran"]:
+        unit = "GPU ms" if result["conditions"].get("gpu") else "ms"
+        weights = f"; {describe_weights(result['conditions'])}" if "quant" in result["conditions"] else ""
+        lines += [f"### Transformer step (median of {step['repeats']}, warm-up excluded{weights})", ""]
+        header = ["mode", unit, "host ms", "vs eager", "peak GiB", "compile s", "bit-identical", "max abs diff",
+                  "PSNR dB", "md5", "fused sites (fast/fallback)"]
+        body = []
+        for r in step["rows"]:
+            if not r["available"]:
+                body.append(unavailable(r, len(header)))
+                continue
+            fpath = r["fastpath"]
+            body.append([r["mode"], _fmt(r["ms"], ".2f"), _fmt(r["host_ms"], ".2f"), _fmt(r["ratio"], ".3f"),
+                         _fmt(r["peak_mem_gib"], ".2f"), _fmt(r["compile_s"]), _fmt(r["bit_identical"]),
+                         _fmt(r["max_abs_diff"], ".3g"), _fmt(r["psnr_db"], ".1f"), f"`{r['md5'][:10]}`",
+                         f"{fpath['sites']} ({fpath['fast']}/{fpath['fallback']})" if fpath else "-"])
+        lines += _table(header, body) + [""]
+        if any(not r.get("interleaved", True) for r in step["rows"] if r["available"]):
+            lines += ["Compiled modes ran after the others (each after `torch._dynamo.reset()`); the rest ran "
+                      "round-robin. Compile s is the first call.", ""]
+    gen = result["generation"]
+    if gen["ran"]:
+        lines += [f"### Generation ({gen['steps']} steps + VAE decode, median of {gen['repeats']}, after a 1-step "
+                  "warm-up)", ""]
+        header = ["mode", "s", "vs eager", "peak GiB", "compile s", "bit-identical", "PSNR dB", "SSIM",
+                  "latents md5", "image md5"]
+        body = []
+        for r in gen["rows"]:
+            if not r["available"]:
+                body.append(unavailable(r, len(header)))
+                continue
+            body.append([r["mode"], _fmt(r["s"], ".3f"), _fmt(r["ratio"], ".3f"), _fmt(r["peak_mem_gib"], ".2f"),
+                         _fmt(r["compile_s"]), _fmt(r["bit_identical"]), _fmt(r["psnr_db"], ".1f"),
+                         _fmt(r["ssim"], ".4f"), f"`{r['latents_md5'][:10]}`", f"`{r['image_md5'][:10]}`"])
+        lines += _table(header, body) + [""]
+    elif gen["reason"] != "not requested":
+        lines += [f"Generation level: {gen['reason']}.", ""]
+    prof = result["profile"]
+    if prof["ran"] and prof["rows"]:
+        unit = prof["rows"][0]["unit"]
+        lines += [f"### Profile of one step ({unit}: count / ms per category)", ""]
+        header = ["mode", "total", *CATEGORY_NAMES]
+        body = [[p["mode"], f"{p['kernels']} / {p['ms']:.2f}",
+                 *(f"{p['categories'][c]['count']} / {p['categories'][c]['ms']:.2f}" for c in CATEGORY_NAMES)]
+                for p in prof["rows"]]
+        lines += _table(header, body) + [""]
+        idle_rows = [p for p in prof["rows"] if p.get("idle")]
+        if idle_rows:
+            lines += [f"GPU idle in the profiled step, between its first and last kernel (under the profiler, "
+                      f"whose host overhead lengthens launch-bound gaps; gaps of {IDLE_GAP_US:g} µs or more listed by "
+                      "the kernel that waited):", ""]
+            lines += _table(["mode", "idle ms", "gaps", "longest waits (kernel: count / ms)"],
+                            [[p["mode"], f"{p['idle']['ms']:.2f}", str(p["idle"]["gaps"]),
+                              "; ".join(f"`{g['kernel'][:40]}`: {g['count']} / {g['ms']:.2f}"
+                                        for g in p["idle"]["by_kernel"][:4])]
+                             for p in idle_rows]) + [""]
+        for p in prof["rows"]:
+            if p.get("top"):
+                lines += [f"<details><summary>{p['mode']}: the {len(p['top'])} kernels that took the most time</summary>",
+                          ""]
+                lines += _table(["kernel", "category", "count", "ms"],
+                                [[f"`{t['name'][:90]}`", t["category"], str(t["count"]), f"{t['ms']:.2f}"]
+                                 for t in p["top"]])
+                lines += ["", "</details>", ""]
+    kern = result["kernels"]
+    if kern["ran"]:
+        lines += ["### Fused kernels against their eager chains (inputs rotated past the L2; GB/s = bytes read + "
+                  "written over time)", ""]
+        header = ["op", "shape", "dtype", "eager µs", "fused µs", "speedup", "fused GB/s", "copy GB/s",
+                  "% of copy", "equal"]
+        body = [[r["op"], str(tuple(r["shape"])), r["dtype"], _fmt(r["eager_us"]), _fmt(r["fused_us"]),
+                 f"{r['speedup']:.2f}x", _fmt(r["fused_GBps"], ".0f"), _fmt(r["copy_GBps"], ".0f"),
+                 f"{r['pct_of_copy']:.0f}%", _fmt(r["equal"])] for r in kern["rows"]]
+        lines += _table(header, body) + [""]
+        if kern["host_us_per_call"]:
+            lines += _table(["host cost per call", "µs"],
+                            ([k, f"{v:.1f}"] for k, v in kern["host_us_per_call"].items())) + [""]
+    elif kern["reason"] != "not requested":
+        lines += [f"Kernels level: {kern['reason']}.", ""]
+    for v in violations(result):
+        lines.append(f"**FAILED: {v}**")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def import_pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or pip install "
+                           "'diffusers_fastpath[plot]')") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """A PNG bar chart of time per mode (step and generation), each bar annotated with its ratio to eager and
+    whether it is bit-identical."""
+    plt = import_pyplot()
+    panels = [(level, key, unit) for level, key, unit in (("step", "ms", "ms per step"), ("generation", "s", "s"))
+              if result[level]["ran"] and any(r["available"] for r in result[level]["rows"])]
+    if not panels:
+        raise RuntimeError("nothing to plot: the result has no step or generation timings")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (level, key, unit) in zip(axes[0], panels):
+        rows = [r for r in result[level]["rows"] if r["available"]]
+        names = [r["mode"] for r in rows]
+        values = [r[key] for r in rows]
+        colors = ["#4c72b0" if r["bit_identical"] in (True, None) else "#dd8452" for r in rows]
+        bars = ax.bar(names, values, color=colors)
+        for bar, r in zip(bars, rows):
+            exact = "bit-identical" if r["bit_identical"] in (True, None) else (
+                f"PSNR {r['psnr_db']:.1f} dB" if isinstance(r["psnr_db"], float) else "not identical")
+            ratio = f"{r['ratio']:.3f}x" if r["ratio"] is not None else ""
+            compiled = f"\ncompile {r['compile_s']:.0f} s" if r.get("compile_s") else ""
+            ax.annotate(f"{ratio}\n{exact}{compiled}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel(unit)
+        ax.set_title(level)
+        ax.set_ylim(0, max(values) * 1.3)
+        ax.tick_params(axis="x", labelrotation=20)
+    c = result["conditions"]
+    fig.suptitle(f"{c['model']}, {c['dtype']}, {c['width']}x{c['height']}, batch {c['batch']}, {c['steps']} steps - "
+                 f"{c.get('gpu') or 'CPU'}, torch {c['torch']}, commit {c['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,112 @@
+"""The model under test (`Subject`): built from the arguments, with one step's inputs as its pipeline passes them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+FLUX_MODELS = ("flux-tiny", "flux-dev")
+ERNIE_MODELS = ("ernie-image-tiny", "ernie-image")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Subject:
+    """The model under test: its transformer, one step's inputs and, for FLUX, a pipeline around it."""
+
+    name: str
+    family: str  # "flux" or "ernie"
+    transformer: nn.Module
+    step_inputs: dict[str, Any]
+    pipe: Any = None
+    call_kwargs: dict[str, Any] = field(default_factory=dict)
+    no_generation: str | None = None  # why the generation level cannot run for this model
+
+    def step(self) -> torch.Tensor:
+        return self.transformer(**self.step_inputs, return_dict=False)[0]
+
+
+def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool) -> Subject:
+    """The model the arguments name, with random weights unless it is a real pipeline, quantized as ``--quant``
+    says (`quant.quantize`)."""
+    from .. import testing
+
+    dtype = DTYPES[args.dtype]
+    grid = (args.height // 16, args.width // 16)
+    if args.model in ERNIE_MODELS:
+        model = testing.build_ernie_image_transformer(args.model, dtype, device, seed=args.seed)
+        # before quantizing: the inputs take the dtype of the model's weights (float8 storage under layerwise casting)
+        inputs = testing.ernie_image_inputs(model, batch=args.batch, grid=grid, text_lens=(args.text_tokens,),
+                                            seed=args.seed + 1)
+        model = _quantized(model, args, device)
+        return Subject(args.model, "ernie", model, inputs,
+                       no_generation="not for ERNIE-Image here (no VAE config is published with this package); "
+                                     "use the step level")
+    if args.model in FLUX_MODELS:
+        model = _quantized(testing.build_flux_transformer(args.model, dtype, device, seed=args.seed), args, device)
+        vae = None
+        if need_vae:
+            vae = testing.build_flux_vae(args.model, dtype, device, seed=args.seed + 1,
+                                         latent_channels=model.config.in_channels // 4)
+        pipe = testing.flux_pipeline(model, vae)
+        call_kwargs = testing.prompt_embeddings(pipe, batch=args.batch, txt_tokens=args.text_tokens, seed=args.seed + 2)
+    else:  # a real FLUX pipeline (Hub id or folder); prompt embeddings from its own text encoders
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(device)
+        pipe.transformer = model = _quantized(pipe.transformer, args, device)
+        with torch.no_grad():
+            embeds, pooled, _ = pipe.encode_prompt(prompt=args.prompt, prompt_2=None, device=device,
+                                                   num_images_per_prompt=args.batch,
+                                                   max_sequence_length=args.text_tokens)
+        call_kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
+    pipe.set_progress_bar_config(disable=True)
+    subject = Subject(args.model, "flux", model, {}, pipe=pipe, call_kwargs=call_kwargs)
+    subject.step_inputs = _pipeline_step_inputs(subject, args, device)
+    return subject
+
+
+def _quantized(model: nn.Module, args: argparse.Namespace, device: torch.device) -> nn.Module:
+    if args.quant == "none":
+        return model
+    from .quant import quantize
+
+    return quantize(model, args.quant, device)
+
+
+def _pipeline_step_inputs(subject: Subject, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The transformer's inputs exactly as the pipeline passes them at its first step (dtypes and strides
+    included, so that a compiled step and a compiled generation share one graph)."""
+    captured: dict[str, Any] = {}
+
+    def grab(module, posargs, kwargs):
+        if not captured:
+            captured.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    handle = subject.transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        generate(subject, args, device, steps=1, output_type="latent")
+    finally:
+        handle.remove()
+    captured.pop("return_dict", None)
+    return captured
+
+
+def generate(subject: Subject, args: argparse.Namespace, device: torch.device, steps: int,
+             output_type: str = "np") -> dict[str, Any]:
+    """One pipeline call from the subject's prompt embeddings: its final latents (captured by a step-end callback
+    of the same call) and its output."""
+    captured = {}
+
+    def on_step_end(pipe, i, t, kwargs):
+        captured["latents"] = kwargs["latents"]  # the final latents, before unpacking and decoding
+        return {}
+
+    generator = torch.Generator(device).manual_seed(args.seed + 3)
+    images = subject.pipe(**subject.call_kwargs, height=args.height, width=args.width, num_inference_steps=steps,
+                          generator=generator, output_type=output_type, callback_on_step_end=on_step_end).images
+    return dict(latents=captured["latents"], image=images)

@@ -1,0 +1,554 @@
+"""The compatibility contract on CPU: the ordinary ways of running diffusers, each `torch.equal` to unpatched
+diffusers under the same setup (README, "Works with", names each cell's test).
+
+Every cell builds two models from the same seed (`twins`), applies the same setup to both, patches one, and compares
+outputs (and, for training, every gradient) bit for bit. On a CPU the fused kernels never run, so these cells check
+the patched Python path: the mirrored forwards, the processors, the fallbacks, what the patch adds to a model.
+The cells that need CUDA (offloading to an accelerator, streams, CUDA attention backends) are in
+`tests/test_compat_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.ops import OPS, _build
+from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV, REASON_NO_KERNELS
+from diffusers_fastpath.testing import (
+    build_ernie_image_transformer,
+    build_flux_transformer,
+    ernie_image_inputs,
+    flux_transformer_inputs,
+    prompt_embeddings,
+    tiny_flux_pipeline,
+)
+
+FAMILIES = {
+    "flux": (lambda dtype, seed: build_flux_transformer("flux-tiny", dtype, seed=seed), flux_transformer_inputs),
+    "ernie": (lambda dtype, seed: build_ernie_image_transformer(dtype=dtype, seed=seed), ernie_image_inputs),
+}
+
+
+def twins(family: str, dtype=torch.bfloat16, seed=0):
+    """Two identical models (the reference stays unpatched) and fresh random inputs for them."""
+    build, make_inputs = FAMILIES[family]
+    ref, model = build(dtype, seed), build(dtype, seed)
+    return ref, model, make_inputs(model, seed=seed + 100)
+
+
+def out(model, inputs, **kwargs):
+    with torch.no_grad():
+        return model(**inputs, **kwargs).sample
+
+
+def _batch_inputs(family, model, seed, **kwargs):
+    return FAMILIES[family][1](model, seed=seed, **kwargs)
+
+
+# --- execution modes -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("inputs_made", ["outside", "inside"])
+def test_inference_mode(family, inputs_made, unpatch_after):
+    """Inference tensors have no version counter: nothing in the patched path may read one."""
+    ref_model, model, inputs = twins(family, seed=1)
+    fp.patch(model)
+    unpatch_after(model)
+    for _ in range(2):  # two denoising steps
+        with torch.inference_mode():
+            if inputs_made == "inside":
+                inputs = _batch_inputs(family, model, seed=7)
+            got, ref = model(**inputs).sample, ref_model(**inputs).sample
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_of_an_fp32_model(family, unpatch_after):
+    """Under autocast the residual stream and the modulated norms have different dtypes: every fallback must cast
+    where diffusers casts (ERNIE-Image's gated residual goes to the modulate output's dtype, not the residual's)."""
+    ref_model, model, inputs = twins(family, torch.float32, seed=2)
+    fp.patch(model)
+    unpatch_after(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, got = out(ref_model, inputs), out(model, inputs)
+    assert ref.dtype == got.dtype and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_outputs_and_every_gradient(family, checkpointing, dtype, unpatch_after):
+    ref_model, model, inputs = twins(family, dtype, seed=3)
+    fp.patch(model)
+    unpatch_after(model)
+
+    def step(m):
+        m.train()
+        if checkpointing:
+            m.enable_gradient_checkpointing()
+        latents = inputs["hidden_states"].clone().requires_grad_()
+        sample = m(**{**inputs, "hidden_states": latents}).sample
+        sample.float().square().mean().backward()
+        return sample.detach(), latents.grad, {n: p.grad for n, p in m.named_parameters()}
+
+    (ref, ref_input_grad, ref_grads), (got, input_grad, grads) = step(ref_model), step(model)
+    assert torch.equal(got, ref) and torch.equal(input_grad, ref_input_grad)
+    assert grads.keys() == ref_grads.keys()
+    missing = [n for n, g in ref_grads.items() if g is None]
+    assert len(missing) < len(ref_grads) // 4  # the loss reaches (nearly) every parameter
+    assert all((grads[n] is None) == (g is None) and (g is None or torch.equal(grads[n], g)) for n, g in ref_grads.items())
+
+
+# --- memory features -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+@pytest.mark.parametrize("order", ["offload_then_patch", "patch_then_offload"])
+def test_group_offload(family, offload_type, order, unpatch_after):
+    """accelerate's ``send_to_device`` rebuilds tuples (and tuple subclasses) from an iterator: the rotary tables
+    must survive it (they are diffusers' own plain tuple)."""
+    ref_model, model, inputs = twins(family, seed=4)
+    cpu = torch.device("cpu")
+    kwargs = dict(onload_device=cpu, offload_device=cpu, offload_type=offload_type)
+    if offload_type == "block_level":
+        kwargs["num_blocks_per_group"] = 1
+    ref_model.enable_group_offload(**kwargs)
+    if order == "offload_then_patch":
+        model.enable_group_offload(**kwargs)
+    fp.patch(model)
+    unpatch_after(model)
+    if order == "patch_then_offload":
+        model.enable_group_offload(**kwargs)
+    for _ in range(2):
+        assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_to_dtype_after_patch(family, unpatch_after):
+    ref_model, model, inputs = twins(family, seed=5)
+    fp.patch(model)
+    unpatch_after(model)
+    model.to(torch.float16)
+    ref_model.to(torch.float16)
+    inputs = {k: v.to(torch.float16) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v
+              for k, v in inputs.items()}
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+# --- the rotary tables follow what pos_embed receives ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("write", ["numpy", "data"])
+def test_flux_ids_written_without_a_version_bump(write, unpatch_after):
+    """Writes through ``.numpy()`` or ``.data`` do not move a tensor's version counter: no table may outlive them."""
+    ref_model, model, inputs = twins("flux", seed=6)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    if write == "numpy":
+        inputs["img_ids"].numpy()[:, 1] += 7
+    else:
+        inputs["img_ids"].data[:, 1] += 7
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+def test_ernie_text_lens_written_without_a_version_bump(unpatch_after):
+    ref_model, model, _ = twins("ernie", seed=7)
+    inputs = ernie_image_inputs(model, batch=2, text_lens=(12, 5), seed=8)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    inputs["text_lens"].numpy()[1] = 2
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+def _rescale_ids(module, args, kwargs):
+    return args, {**kwargs, "img_ids": kwargs["img_ids"] * 2}
+
+
+class ShiftedFlux(FluxTransformer2DModel):
+    """A user's subclass that moves the image positions (by an offset it may change) before diffusers' forward sees
+    them."""
+
+    offset = 3
+
+    def forward(self, *args, img_ids=None, **kwargs):
+        return super().forward(*args, img_ids=img_ids + self.offset, **kwargs)
+
+
+def test_a_hook_added_later_that_changes_the_ids(unpatch_after):
+    ref_model, model, inputs = twins("flux", seed=9)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    for m in (model, ref_model):
+        m.register_forward_pre_hook(_rescale_ids, with_kwargs=True)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+def test_a_subclass_that_changes_the_ids(unpatch_after):
+    ref_model, base, inputs = twins("flux", seed=10)
+    model = ShiftedFlux.from_config(base.config).to(torch.bfloat16)
+    model.load_state_dict(base.state_dict())
+    shifted_ref = ShiftedFlux.from_config(base.config).to(torch.bfloat16)
+    shifted_ref.load_state_dict(base.state_dict())
+    fp.patch(model)
+    unpatch_after(model)
+    for offset in (3, 3, 5):
+        model.offset = shifted_ref.offset = offset
+        assert torch.equal(out(model, inputs), out(shifted_ref, inputs))
+    assert not torch.equal(out(model, inputs), out(ref_model, inputs))  # the shift matters
+
+
+# --- concurrency -----------------------------------------------------------------------------------------------
+
+
+def _interleaved(model, first_inputs, second_inputs):
+    """Run `model` on `first_inputs` in thread A and on `second_inputs` in thread B, interleaved the way that would
+    hand one thread's rotary table to the other if any state were shared: A enters the forward and stops before
+    ``pos_embed``; B enters the forward and stops there too; A builds its table and goes on; then B. Events force
+    this order every time."""
+    results, errors = {}, []
+    a_at, b_at, a_past = threading.Event(), threading.Event(), threading.Event()
+
+    def before(module, args):
+        name = threading.current_thread().name
+        if name == "A" and not a_at.is_set():
+            a_at.set()
+            assert b_at.wait(60)
+        elif name == "B" and not b_at.is_set():
+            b_at.set()
+            assert a_past.wait(60)
+
+    def after(module, args, output):
+        if threading.current_thread().name == "A":
+            a_past.set()
+
+    handles = [model.pos_embed.register_forward_pre_hook(before), model.pos_embed.register_forward_hook(after)]
+
+    def work(name, inputs, start=None):
+        try:
+            if start is not None:
+                assert start.wait(60)
+            results[name] = out(model, inputs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            a_past.set(), b_at.set()
+
+    threads = [threading.Thread(target=work, args=("A", first_inputs), name="A"),
+               threading.Thread(target=work, args=("B", second_inputs, a_at), name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for h in handles:
+        h.remove()
+    assert not errors, errors
+    return results["A"], results["B"]
+
+
+def test_two_threads_on_one_flux_model(unpatch_after):
+    """Same token count, other positions (grids 4x8 and 8x4): no table of one thread may reach the other."""
+    ref_model, model, _ = twins("flux", seed=11)
+    wide, tall = (flux_transformer_inputs(model, grid=g, seed=12) for g in ((4, 8), (8, 4)))
+    fp.patch(model)
+    unpatch_after(model)
+    got_wide, got_tall = _interleaved(model, wide, tall)
+    assert torch.equal(got_wide, out(ref_model, wide)) and torch.equal(got_tall, out(ref_model, tall))
+    assert torch.equal(out(model, tall), out(ref_model, tall))  # and nothing stale is left behind
+
+
+def test_two_threads_on_one_ernie_model(unpatch_after):
+    ref_model, model, _ = twins("ernie", seed=13)
+    first, second = (ernie_image_inputs(model, batch=2, text_lens=lens, seed=14) for lens in ((9, 4), (4, 9)))
+    fp.patch(model)
+    unpatch_after(model)
+    got_first, got_second = _interleaved(model, first, second)
+    assert torch.equal(got_first, out(ref_model, first)) and torch.equal(got_second, out(ref_model, second))
+    assert torch.equal(out(model, second), out(ref_model, second))
+
+
+def test_two_pipelines_in_two_threads(unpatch_after):
+    pipes = [tiny_flux_pipeline(seed=s) for s in (15, 16)]
+    refs = [tiny_flux_pipeline(seed=s) for s in (15, 16)]
+
+    def generate(pipe, seed):
+        pipe.set_progress_bar_config(disable=True)
+        emb = prompt_embeddings(pipe, seed=seed)
+        return pipe(**emb, height=32, width=32, num_inference_steps=2, output_type="latent",
+                    generator=torch.Generator().manual_seed(seed)).images
+
+    expected = [generate(p, s) for p, s in zip(refs, (1, 2))]
+    for p in pipes:
+        fp.patch(p)
+        unpatch_after(p)
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(pipes[i], i + 1))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(torch.equal(r, e) for r, e in zip(results, expected))
+
+
+# --- adapters, ControlNet, fused projections ---------------------------------------------------------------------
+
+
+def _lora_config(rank=4):
+    from peft import LoraConfig
+
+    # init_lora_weights=False: random A and B, so the adapter really changes the output
+    return LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp"],
+                      init_lora_weights=False)
+
+
+@pytest.mark.parametrize("order", ["adapter_then_patch", "patch_then_adapter"])
+def test_peft_lora_adapters(order, unpatch_after):
+    pytest.importorskip("peft")
+    ref_model, model, inputs = twins("flux", seed=17)
+
+    def add(m):
+        torch.manual_seed(0)
+        m.add_adapter(_lora_config(), adapter_name="a")
+        torch.manual_seed(1)
+        m.add_adapter(_lora_config(), adapter_name="b")
+
+    add(ref_model)
+    if order == "adapter_then_patch":
+        add(model)
+    fp.patch(model)
+    unpatch_after(model)
+    if order == "patch_then_adapter":
+        add(model)
+    base = None
+    for setup in (
+        lambda m: m.set_adapters(["a", "b"], weights=[0.5, 1.0]),
+        lambda m: m.set_adapters("a"),
+        lambda m: m.disable_adapters(),
+        lambda m: m.enable_adapters(),
+        lambda m: m.fuse_lora(lora_scale=0.7),
+        lambda m: m.unfuse_lora(),
+        lambda m: m.delete_adapters("b"),
+        lambda m: m.unload_lora(),
+    ):
+        setup(ref_model)
+        setup(model)
+        ref = out(ref_model, inputs)
+        assert torch.equal(out(model, inputs), ref)
+        base = ref if base is None else base
+    assert not torch.equal(base, ref)  # the adapters changed the output (and unloading took them away)
+
+
+def test_pipeline_load_unload_and_hotswap_lora(tmp_path, unpatch_after):
+    peft = pytest.importorskip("peft")
+    from diffusers import FluxPipeline
+
+    donor = build_flux_transformer("flux-tiny", seed=18)
+    paths = []
+    for i in range(2):
+        torch.manual_seed(i)
+        donor.add_adapter(_lora_config(), adapter_name=f"l{i}")
+        FluxPipeline.save_lora_weights(
+            tmp_path / f"l{i}", transformer_lora_layers=peft.get_peft_model_state_dict(donor, adapter_name=f"l{i}")
+        )
+        paths.append(tmp_path / f"l{i}")
+    ref_pipe, pipe = tiny_flux_pipeline(seed=19), tiny_flux_pipeline(seed=19)
+    emb = prompt_embeddings(pipe, seed=3)
+
+    def generate(p):
+        p.set_progress_bar_config(disable=True)
+        return p(**emb, height=32, width=32, num_inference_steps=2, output_type="latent",
+                 generator=torch.Generator().manual_seed(4)).images
+
+    fp.patch(pipe)
+    unpatch_after(pipe)
+    for p in (ref_pipe, pipe):
+        p.enable_lora_hotswap(target_rank=4)
+        p.load_lora_weights(paths[0], adapter_name="x")
+    assert torch.equal(generate(pipe), generate(ref_pipe))
+    for p in (ref_pipe, pipe):
+        p.load_lora_weights(paths[1], adapter_name="x", hotswap=True)
+    assert torch.equal(generate(pipe), generate(ref_pipe))
+    for p in (ref_pipe, pipe):
+        p.unload_lora_weights()
+    assert torch.equal(generate(pipe), generate(ref_pipe))
+
+
+def test_controlnet_residuals(unpatch_after):
+    ref_model, model, inputs = twins("flux", seed=20)
+    fp.patch(model)
+    unpatch_after(model)
+    gen = torch.Generator().manual_seed(21)
+    tokens, inner = inputs["hidden_states"].shape[1], model.inner_dim
+    dual = [torch.randn(1, tokens, inner, generator=gen).to(torch.bfloat16) for _ in model.transformer_blocks]
+    single = [torch.randn(1, tokens, inner, generator=gen).to(torch.bfloat16) for _ in model.single_transformer_blocks]
+    kwargs = dict(controlnet_block_samples=dual, controlnet_single_block_samples=single)
+    ref = out(ref_model, inputs, **kwargs)
+    assert torch.equal(out(model, inputs, **kwargs), ref)
+    assert not torch.equal(ref, out(ref_model, inputs))
+
+
+@pytest.mark.parametrize("order", ["fuse_then_patch", "patch_then_fuse"])
+def test_fuse_qkv_projections(order, unpatch_after):
+    ref_model, model, inputs = twins("flux", seed=22)
+    ref_model.fuse_qkv_projections()
+    if order == "fuse_then_patch":
+        model.fuse_qkv_projections()
+    fp.patch(model)
+    unpatch_after(model)
+    if order == "patch_then_fuse":
+        model.fuse_qkv_projections()
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    for m in (model, ref_model):
+        m.unfuse_qkv_projections()
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+# --- attention backends ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["native", "_native_math"])
+def test_attention_backend_set_while_patched(family, backend, unpatch_after):
+    """The patched processors follow ``set_attention_backend`` as diffusers' do (the backends a CPU has)."""
+    ref_model, model, inputs = twins(family, seed=23)
+    fp.patch(model)
+    unpatch_after(model)
+    for m in (model, ref_model):
+        m.set_attention_backend(backend)
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    assert processors and all(type(p).__module__.startswith("diffusers_fastpath") for p in processors)
+    assert all(str(p._attention_backend) in (backend, f"AttentionBackendName.{backend.upper().lstrip('_')}")
+               or getattr(p._attention_backend, "value", None) == backend for p in processors)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+# --- platforms -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_kernels_yet(monkeypatch):
+    """A process that has not tried to load the kernels yet; the loader state is restored afterwards."""
+    monkeypatch.setattr(_build, "unavailable", None)
+    monkeypatch.setattr(_build, "load_seconds", None)
+    builds = []
+    monkeypatch.setattr(_build, "_build_and_load", lambda: builds.append(1))
+    return builds
+
+
+def _force_kernel_path(monkeypatch):
+    """Let every op's guard admit CPU tensors, so that the op reaches its kernel (and so the loader)."""
+    for op in OPS.values():
+        monkeypatch.setattr(op, "guard", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("platform", ["rocm", "no_nvcc", "no_ninja"])
+def test_no_way_to_get_kernels_warns_once_and_stays_exact(platform, monkeypatch, no_kernels_yet, fastpath_log,
+                                                          unpatch_after):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    if platform == "rocm":
+        monkeypatch.setattr(torch.version, "hip", "7.0.0", raising=False)
+        expected = "this is a ROCm build of torch (7.0.0)"
+    elif platform == "no_nvcc":
+        monkeypatch.setattr(cpp_extension, "_find_cuda_home", lambda: None)
+        expected = "no CUDA compiler found (nvcc: CUDA_HOME=unset, none on PATH)"
+    else:
+        nvcc_home = _fake_toolkit(monkeypatch)
+        monkeypatch.setattr(cpp_extension, "_find_cuda_home", lambda: nvcc_home)
+        monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+        expected = "ninja is not installed"
+    ref_model, model, inputs = twins("flux", seed=24)
+    ref = out(ref_model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    _force_kernel_path(monkeypatch)
+    for _ in range(2):
+        assert torch.equal(out(model, inputs), ref)
+    warnings = [r.getMessage() for r in fastpath_log.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and expected in warnings[0], warnings
+    assert no_kernels_yet == []  # no build was attempted, let alone one per op
+    rep = fp.report(model)
+    assert str(rep).splitlines()[0] == f"diffusers_fastpath: no CUDA kernels: {_build.unavailable}"
+    assert all(s.fast == 0 and set(s.reasons) == {REASON_NO_KERNELS} for s in rep.sites if s.op != "joint_tokens_view")
+
+
+def _fake_toolkit(monkeypatch):
+    import tempfile
+    from pathlib import Path
+
+    home = Path(tempfile.mkdtemp())
+    (home / "bin").mkdir()
+    (home / "bin" / "nvcc").write_text("")
+    return str(home)
+
+
+def test_a_failed_build_is_tried_once(monkeypatch, no_kernels_yet, fastpath_log, unpatch_after):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setenv("CUDA_HOME", _fake_toolkit(monkeypatch))
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    attempts = []
+
+    def failing_build():
+        attempts.append(1)
+        raise OSError("Could not load this library: diffusers_fastpath_C.so")
+
+    monkeypatch.setattr(_build, "_build_and_load", failing_build)
+    ref_model, model, inputs = twins("flux", seed=25)
+    fp.patch(model)
+    unpatch_after(model)
+    _force_kernel_path(monkeypatch)
+    for _ in range(2):
+        assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    assert attempts == [1]
+    warnings = [r.getMessage() for r in fastpath_log.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "failed to build or load (OSError: Could not load" in warnings[0]
+
+
+def test_disable_switch_set_after_import_takes_effect(monkeypatch, unpatch_after):
+    ref_model, model, inputs = twins("flux", seed=26)
+    fp.patch(model)
+    unpatch_after(model)
+    out(model, inputs)
+    monkeypatch.setenv(ENV_DISABLE, "1")  # after import, after patch: read per call
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    rep = fp.report(model)
+    assert all(s.reasons.get(REASON_ENV) for s in rep.sites if s.op != "joint_tokens_view")
+    assert rep.ops["gated_residual"] == REASON_ENV
+    monkeypatch.delenv(ENV_DISABLE)
+    assert fp.report(model).ops["gated_residual"] == "enabled"
+
+
+def test_ip_adapter_processors_run_beside_the_patched_ones(unpatch_after):
+    """IP-adapter processors stay in place (their blocks return three outputs: the mirrored block adds the IP
+    attention output as diffusers does) and the others are patched."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    ref_model, model, inputs = twins("flux", seed=27)
+    for m in (ref_model, model):
+        for i, block in enumerate(m.transformer_blocks):
+            torch.manual_seed(i)
+            ip = FluxIPAdapterAttnProcessor(hidden_size=m.inner_dim, cross_attention_dim=m.inner_dim, num_tokens=(4,))
+            block.attn.set_processor(ip.to(torch.bfloat16))
+    fp.patch(model)
+    unpatch_after(model)
+    assert fp.report(model).models[0].processors == len(model.single_transformer_blocks)
+    gen = torch.Generator().manual_seed(28)
+    ip_tokens, other = (torch.randn(1, 4, model.inner_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    call = lambda m, t: out(m, inputs, joint_attention_kwargs={"ip_hidden_states": [t]})  # noqa: E731
+    ref = call(ref_model, ip_tokens)
+    assert torch.equal(call(model, ip_tokens), ref) and not torch.equal(ref, call(ref_model, other))
