@@ -159,22 +159,25 @@ def test_a_model_saved_patched_loads_in_a_fresh_process_with_diffusers_registrie
     again (enable_cache finds the blocks), and unpatch there restores diffusers' classes."""
     seed = fresh_seed()
     model = build_flux_transformer("flux-tiny", torch.float32, seed=seed)
-    twin = build_flux_transformer("flux-tiny", torch.float32, seed=seed)
     fp.patch(model)
     inputs = flux_transformer_inputs(model, seed=seed + 1)
-    torch.save({"model": model, "inputs": inputs, "expected": run(twin, inputs)}, tmp_path / "patched.pt")
+    torch.save({"model": model, "inputs": inputs}, tmp_path / "patched.pt")
     fp.unpatch(model)
+    # The unpatched reference is built there (same seed), under that process's settings.
     script = f"""
 import torch
 import diffusers_fastpath as fp
 from diffusers.hooks import FirstBlockCacheConfig
+from diffusers_fastpath.testing import build_flux_transformer
 saved = torch.load({str(tmp_path / 'patched.pt')!r}, weights_only=False)
 model, inputs = saved["model"], saved["inputs"]
+twin = build_flux_transformer("flux-tiny", torch.float32, seed={seed})
 with torch.no_grad():
-    assert torch.equal(model(**inputs).sample, saved["expected"])
+    expected = twin(**inputs).sample
+    assert torch.equal(model(**inputs).sample, expected)
     model.enable_cache(FirstBlockCacheConfig(threshold=0.0))
     with model.cache_context("cond"):
-        assert torch.equal(model(**inputs).sample, saved["expected"])
+        assert torch.equal(model(**inputs).sample, expected)
     model.disable_cache()
 fp.unpatch(model)
 assert all(type(m).__module__.startswith(("diffusers.", "torch.")) for m in model.modules())

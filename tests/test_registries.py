@@ -164,6 +164,16 @@ def processors(model):
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_active_attention_backend():
+    """``set_attention_backend`` also sets diffusers' process-wide active backend: put it back for later tests."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(active)
+
+
 @pytest.mark.parametrize("build", [build_flux_transformer, build_ernie_image_transformer], ids=["flux", "ernie-image"])
 def test_set_attention_backend_while_patched_survives_unpatch(build):
     model = build(dtype=torch.float32, seed=fresh_seed())
