@@ -30,6 +30,23 @@ def _fresh_ops():
         op.reset()
 
 
+@pytest.fixture(autouse=True)
+def _process_wide_state():
+    """What one test may change for the whole process, put back: diffusers' active attention backend (which
+    ``set_attention_backend`` sets process-wide) and the package's once-per-process warnings."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    from diffusers_fastpath import _logging
+
+    backend = _AttentionBackendRegistry._active_backend
+    warned = set(_logging._warned)
+    _logging._warned.clear()
+    yield
+    _AttentionBackendRegistry.set_active_backend(backend)
+    _logging._warned.clear()
+    _logging._warned.update(warned)
+
+
 @pytest.fixture
 def unpatch_after():
     """Collects objects to unpatch at teardown, so a failing test leaves nothing patched."""
