@@ -13,6 +13,7 @@ cold and warm; host time per call of both ways.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import logging
@@ -357,6 +358,125 @@ def test_argument_packing_is_cheaper_than_a_ctypes_struct_per_call():
     args = (1 << 40, 2 << 40, 3 << 40, 4 << 40, 4096, 4096, 384, 18432, 18432)
     cost = _nvrtc.measure_host_cost(modulate_mod._NVRTC, args, number=2000)
     assert cost["slot+pack"] < cost["ctypes struct"], cost
+
+
+@pytest.fixture
+def captured_launches(monkeypatch):
+    """Run the Python launchers on CPU tensors: the driver call, stream and device queries stubbed; each launch is
+    recorded as (kernel, key, grid, block, the packed arguments decoded by field name)."""
+    launches = []
+    monkeypatch.setattr(_nvrtc, "num_sms", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    for kernel in _nvrtc.KERNELS:
+        monkeypatch.setitem(kernel._functions, None, {key: key for key in kernel.names})
+
+    def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        # extra = {BUFFER_POINTER, &buffer, BUFFER_SIZE, &size, END}: find whose buffer it is, decode it
+        (kernel,) = [k for k in _nvrtc.KERNELS if getattr(k._tls, "slot", None) and ctypes.addressof(k._tls.slot[0]) == extra[1]]
+        raw = ctypes.string_at(extra[1], ctypes.c_size_t.from_address(extra[3]).value)
+        launches.append((kernel, fn, (gx, gy, gz), (bx, by, bz), kernel.params.ctype.from_buffer_copy(raw)))
+        return 0
+
+    monkeypatch.setattr(_nvrtc, "_launch", launch)
+    return launches
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
+    """Each launcher's arguments, field by field, as bindings.cpp and the .cu launch() fill them (catches a value in
+    the wrong slot, which the layout tests cannot see)."""
+    # modulate: adaLN chunk views (batch stride 6 * D), one broadcast row
+    x, emb = _bf16(2, 33, 128), _bf16(2, 6 * 128)
+    shift, scale = emb.chunk(6, dim=1)[:2]
+    out = modulate_mod._nvrtc_kernel(x, scale, shift)
+    kernel, key, grid, block, a = captured_launches[-1]
+    assert (kernel, key) == (modulate_mod._NVRTC, torch.bfloat16) and out.shape == x.shape
+    assert (a.out, a.x, a.scale, a.shift) == (out.data_ptr(), x.data_ptr(), scale.data_ptr(), shift.data_ptr())
+    assert (a.rows, a.seq, a.vecs_per_row, a.scale_batch_stride, a.shift_batch_stride) == (66, 33, 16, 768, 768)
+    assert (grid, block) == _nvrtc.row_grid(66, 16, 256, 4, 132)
+    modulate_mod._nvrtc_kernel(x, scale[:1], shift[:1])
+    assert (captured_launches[-1][4].scale_batch_stride, captured_launches[-1][4].shift_batch_stride) == (0, 0)
+
+    # gated residual: a row gate (gate.unsqueeze(1)) and a full gate
+    residual, update = _bf16(2, 33, 128), _bf16(2, 33, 128)
+    gate = emb.chunk(6, dim=1)[2].unsqueeze(1)
+    gated_residual_mod._nvrtc_kernel(residual, gate, update)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, True) and (a.gate_batch_stride, a.gate_seq_stride) == (768, 0)
+    assert (a.residual, a.gate, a.update, a.rows, a.seq, a.vecs_per_row) == (
+        residual.data_ptr(), gate.data_ptr(), update.data_ptr(), 66, 33, 16)
+    gated_residual_mod._nvrtc_kernel(residual, update, update)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False) and (a.gate_batch_stride, a.gate_seq_stride) == (33 * 128, 128)
+
+    # gelu_cat: attn a column slice of a wider tensor (strided rows, not flat at batch 2), fp16
+    wide, mlp = torch.randn(2, 17, 96).half(), torch.randn(2, 17, 256).half()
+    attn = wide[:, :, :64]
+    out = gelu_cat_mod._nvrtc_kernel(attn, mlp)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.float16, True) and out.shape == (2, 17, 320)  # stride_b == seq * stride_s: flat
+    assert (a.a.attn, a.a.mlp, a.a.batch, a.a.seq, a.a.attn_dim, a.a.mlp_dim) == (
+        attn.data_ptr(), mlp.data_ptr(), 2, 17, 64, 256)
+    assert (a.a.attn_stride_b, a.a.attn_stride_s, a.a.mlp_stride_b, a.a.mlp_stride_s) == (17 * 96, 96, 17 * 256, 256)
+    assert (a.a.dtype, a.attn_vecs, a.vecs_per_row) == (0, 8, 40)
+    assert (grid, block) == _nvrtc.row_grid(34, 40, 512, 1, 132, 16)
+    gelu_cat_mod._nvrtc_kernel(torch.randn(2, 40, 96).half()[:, :17, :64], mlp)
+    assert captured_launches[-1][1] == (torch.float16, False)  # attn's batch stride is not seq * row stride
+
+    # layernorm: one block of (32, 4) per row; the probe's eight-warp bit
+    x = _bf16(2, 17, 64)
+    layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False) and (grid, block) == ((34, 1, 1), (32, 4, 1))
+    assert (a.a.batch, a.a.seq, a.a.dim, a.a.scale_batch_stride, a.a.variant, a.a.probe, a.a.dtype) == (
+        2, 17, 64, 768, 0, False, 1)
+    assert a.a.eps == struct.unpack("f", struct.pack("f", 1e-6))[0]
+    layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6, variant=64 + 3, probe=True)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, True) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
+
+    # rmsnorm: [seq, batch, dim] operands as Rows (pointer, stride(0), stride(1)); gated writes residual_out
+    seq, batch, dim = 20, 2, 1024
+    xs = [_bf16(seq, batch, dim) for _ in range(5)]
+    weight = _bf16(dim)
+    res_out, out = rmsnorm_mod._nvrtc_gated_kernel(xs[0], xs[1], xs[2], weight, xs[3], xs[4], 1e-5)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, True) and (grid, block) == ((5, 1, 1), (256, 1, 1))
+    assert (a.a.out, a.a.residual_out, a.a.weight) == (out.data_ptr(), res_out.data_ptr(), weight.data_ptr())
+    for field, t in zip(("x", "gate", "update", "scale", "shift"), xs):
+        rows = getattr(a.a, field)
+        assert (rows.ptr, rows.stride_s, rows.stride_b) == (t.data_ptr(), batch * dim, dim), field
+    f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]  # noqa: E731
+    assert (a.a.seq, a.a.batch, a.a.dim, a.a.gated, a.a.eps) == (seq, batch, dim, True, f32(1e-5))
+    assert a.a.mean_factor == f32(f32(40) / f32(40 * dim))
+    rmsnorm_mod._nvrtc_kernel(xs[0], weight, xs[3], xs[4], 1e-5)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False) and a.a.residual_out is None and a.a.gate.ptr is None
+
+    # rotary with the norm and a text part; without a text part
+    x_img, x_txt = _bf16(1, 17, 3, 64), _bf16(1, 5, 3, 64)
+    cos = torch.randn(22, 64)
+    w_txt, w_img = _bf16(64), _bf16(64)
+    out = qk_mod._nvrtc_kernel(x_txt, w_txt, 1e-6, x_img, w_img, 1e-5, cos, cos)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, True) and (grid, block) == ((22, 1, 1), (256, 1, 1)) and out.shape == (1, 22, 3, 64)
+    assert (a.a.txt.ptr, a.a.txt.seq, a.a.txt.weight, a.a.txt.eps) == (x_txt.data_ptr(), 5, w_txt.data_ptr(), f32(1e-6))
+    assert (a.a.img.stride_b, a.a.img.stride_s, a.a.img.stride_h, a.a.img.seq) == (17 * 192, 192, 64, 17)
+    assert (a.a.img.weight, a.a.img.eps, a.a.batch, a.a.heads, a.a.dim, a.a.norm) == (w_img.data_ptr(), f32(1e-5), 1, 3, 64, True)
+    rotary_mod._nvrtc_kernel(x_img, cos[:17], cos[:17])
+    _, key, grid, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False) and grid == (17, 1, 1) and (a.a.txt.ptr, a.a.txt.seq, a.a.img.weight) == (None, 0, None)
+
+    # an _out variant's output is checked as bindings.cpp checks it, before anything is launched
+    count = len(captured_launches)
+    for bad in (torch.empty(1, 17, 3, 64, dtype=torch.float16), torch.empty(1, 17, 3, 128, dtype=torch.bfloat16)[..., :64]):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            rotary_mod._nvrtc_kernel(x_img, cos[:17], cos[:17], out=bad)
+    assert len(captured_launches) == count
 
 
 # --- CPU: which way ------------------------------------------------------------------------------------------------

@@ -301,6 +301,15 @@ class Params:
         return {name: (getattr(self.ctype, name).offset, getattr(self.ctype, name).size) for name, _ in self.fields}
 
 
+def check_out(op: str, out: torch.Tensor, shape, like: torch.Tensor, align: int) -> None:
+    """An ``_out`` variant's output as bindings.cpp checks it: the shape, ``like``'s dtype and device, contiguous,
+    ``align``-byte aligned (the kernels' vector width)."""
+    if (tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device
+            or not out.is_contiguous() or out.data_ptr() % align):
+        raise ValueError(f"{op}: out must be a contiguous, {align}-byte aligned {tuple(shape)} tensor of the input's "
+                         f"dtype and device")
+
+
 DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}  # csrc/fastpath.h's DType
 STORAGE_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 

@@ -88,9 +88,8 @@ def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     batch, seq, dim = residual.shape
     if out is None:
         out = residual.new_empty(residual.shape)
-    elif (out.shape != residual.shape or out.dtype != residual.dtype or out.device != residual.device
-          or not out.is_contiguous() or out.data_ptr() % 16):
-        raise ValueError("gated_residual: out must be a contiguous, 16-byte aligned tensor like residual")
+    else:
+        _nvrtc.check_out("gated_residual", out, residual.shape, residual, 16)
     rows, vecs, device = batch * seq, dim * residual.element_size() // _VEC_BYTES, residual.device.index
     gate_batch_stride = 0 if gate.shape[0] == 1 else gate.stride(0)
     gate_seq_stride = 0 if gate.shape[1] == 1 else gate.stride(1)

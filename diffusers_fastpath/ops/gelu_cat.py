@@ -89,9 +89,8 @@ def _nvrtc_kernel(attn: torch.Tensor, mlp: torch.Tensor, out: torch.Tensor | Non
     mlp_dim = mlp.shape[2]
     if out is None:
         out = attn.new_empty((batch, seq, attn_dim + mlp_dim))
-    elif (out.shape != (batch, seq, attn_dim + mlp_dim) or out.dtype != attn.dtype or out.device != attn.device
-          or not out.is_contiguous() or out.data_ptr() % 16):
-        raise ValueError("gelu_cat: out must be a contiguous, 16-byte aligned [batch, seq, attn dim + mlp dim] tensor")
+    else:
+        _nvrtc.check_out("gelu_cat", out, (batch, seq, attn_dim + mlp_dim), attn, 16)
     vec = _VEC_BYTES // attn.element_size()
     attn_vecs, vecs, device = attn_dim // vec, (attn_dim + mlp_dim) // vec, attn.device.index
     asb, ass, msb, mss = attn.stride(0), attn.stride(1), mlp.stride(0), mlp.stride(1)

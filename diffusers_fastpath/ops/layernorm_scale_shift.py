@@ -101,8 +101,8 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError("layernorm_scale_shift: out must be a contiguous, 16-byte aligned tensor like x")
+    else:
+        _nvrtc.check_out("layernorm_scale_shift", out, x.shape, x, 16)
     if probe and variant & ~_VARIANT_MASK:
         raise ValueError(f"layernorm_scale_shift: no reduction variant {variant}")
     variant = variant if probe else 0

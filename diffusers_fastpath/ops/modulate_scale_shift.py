@@ -94,8 +94,8 @@ def _nvrtc_kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous() or out.data_ptr() % 16:
-        raise ValueError("modulate_scale_shift: out must be a contiguous, 16-byte aligned tensor like x")
+    else:
+        _nvrtc.check_out("modulate_scale_shift", out, x.shape, x, 16)
     rows, vecs, device = batch * seq, dim * x.element_size() // _VEC_BYTES, x.device.index
     grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
     _NVRTC.launch(device, x.dtype, grid, block, out.data_ptr(), x.data_ptr(), scale.data_ptr(), shift.data_ptr(), rows,

@@ -133,7 +133,8 @@ _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P
 _NVRTC = _nvrtc.Kernel(
     "rmsnorm_scale_shift.cu",
     "diffusers_fastpath::rmsnorm_scale_shift_kernel",
-    {(dtype, gated): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(gated).lower()}" for dtype in HALF_DTYPES for gated in (False, True)},
+    {(dtype, gated): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(gated).lower()}"
+     for dtype in HALF_DTYPES for gated in (False, True)},
     _nvrtc.Params("rmsnorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _WARPS_PER_BLOCK = 8
@@ -147,8 +148,7 @@ def _nvrtc_launch(out, residual_out, x, gate, update, weight, scale, shift, eps:
     seq, batch, dim = x.shape
     rows, device, gated = seq * batch, x.device.index, gate is not None
     for t in (out, residual_out) if gated else (out,):
-        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() or t.data_ptr() % 8:
-            raise ValueError("rmsnorm_scale_shift: out and residual_out must be contiguous, 8-byte aligned, like x")
+        _nvrtc.check_out("rmsnorm_scale_shift", t, x.shape, x, 8)
     none = (0, 0, 0)
     _NVRTC.launch(
         device, (x.dtype, gated), ((rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, 1, 1), (_WARPS_PER_BLOCK * 32, 1, 1),
@@ -207,7 +207,8 @@ def _gated_kernel(norm, residual, gate, update, scale, shift, dtype=None):
     global _gated_launch
     if _gated_launch is None:
         nvrtc = load_extension() == "nvrtc"
-        _gated_launch = _nvrtc_gated_kernel if nvrtc else torch.ops.diffusers_fastpath._gated_rmsnorm_scale_shift_cuda.default
+        ops = torch.ops.diffusers_fastpath
+        _gated_launch = _nvrtc_gated_kernel if nvrtc else ops._gated_rmsnorm_scale_shift_cuda.default
     return _gated_launch(residual, gate, update, norm.weight, scale, shift, norm.eps)
 
 

@@ -103,11 +103,10 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     seq = seq_img + (0 if x_txt is None else x_txt.shape[1])
     if out is None:
         out = x_img.new_empty((batch, seq, heads, dim))
-    elif (out.shape != (batch, seq, heads, dim) or out.dtype != x_img.dtype or out.device != x_img.device
-          or not out.is_contiguous() or out.data_ptr() % 8):
-        raise ValueError("rotary: out must be a contiguous, 8-byte aligned [batch, seq, heads, dim] tensor like x")
-    txt = _NO_SOURCE if x_txt is None else (
-        x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1], weight_txt.data_ptr() if norm else 0, eps_txt if norm else 0.0)
+    else:
+        _nvrtc.check_out("rotary", out, (batch, seq, heads, dim), x_img, 8)
+    txt = _NO_SOURCE if x_txt is None else (x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1],
+                                            weight_txt.data_ptr() if norm else 0, eps_txt if norm else 0.0)
     img = (x_img.data_ptr(), *x_img.stride()[:3], seq_img, weight_img.data_ptr() if norm else 0, eps_img if norm else 0.0)
     _NVRTC.launch(x_img.device.index, (x_img.dtype, norm), (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(), *txt, *img,
                   cos.data_ptr(), sin.data_ptr(), batch, heads, dim, norm, _nvrtc.DTYPE_CODE[x_img.dtype])
