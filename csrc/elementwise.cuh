@@ -8,8 +8,12 @@
 // round_to<T>() reproduces the store-and-reload of an intermediate tensor.
 #pragma once
 
+#ifndef __CUDACC_RTC__
 #include <cstdint>
+#endif
 
+// Under NVRTC these are the headers NVRTC is pointed at (ops/_nvrtc.py: the CUDA runtime wheel's include directory
+// that CUDA builds of torch install, or NVRTC's bundled headers); they need no host headers there.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -45,6 +49,8 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
+#ifndef __CUDACC_RTC__
+// Host only (NVRTC compiles the device code alone; ops/_nvrtc.py's row_grid is the Python twin of this one).
 // The launch shape of the row kernels (modulate, gated residual, gelu_cat): blocks of `threads` threads, `tx` of
 // them across a row's 16-byte vectors and `threads / tx` rows, each thread keeping `rows_in_flight` rows' loads in
 // flight; the grid covers a row's vectors in x and, in y, at most about `blocks_per_sm` resident blocks per SM (a
@@ -87,5 +93,6 @@ cudaError_t dispatch_storage_type(DType dtype, F&& f) {
   }
   return cudaErrorInvalidValue;
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace diffusers_fastpath

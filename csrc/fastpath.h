@@ -1,11 +1,27 @@
 // Host-side interface between the torch bindings (bindings.cpp, compiled by the host compiler with torch's
 // headers) and the CUDA kernels (*.cu, compiled by nvcc without them). Keeping torch's headers out of the .cu
 // files keeps the one-time JIT build short.
+//
+// The same .cu files are also compiled by NVRTC (ops/_nvrtc.py, for machines without a CUDA toolkit), which
+// defines __CUDACC_RTC__ and has no host headers: there this header gives only the argument structs (passed to
+// the kernels by value, so both compilers must lay them out alike: plain C types, no host-only members) and the
+// fixed-width integers that <cstdint> would, and leaves out the host launchers.
 #pragma once
 
+#ifdef __CUDACC_RTC__
+// <cstdint>'s widths on the data models NVRTC targets: LP64 (Linux, where __LP64__ is predefined) and LLP64
+// (Windows). `long` on LP64 is what glibc's int64_t is, so kernel signatures mangle as under nvcc.
+#if defined(__LP64__)
+typedef long int64_t;
+#else
+typedef long long int64_t;
+#endif
+typedef int int32_t;
+#else
 #include <cstdint>
 
 #include <cuda_runtime.h>
+#endif
 
 namespace diffusers_fastpath {
 
@@ -25,7 +41,9 @@ struct ModulateScaleShiftArgs {
   DType dtype;
 };
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_modulate_scale_shift(const ModulateScaleShiftArgs& args, cudaStream_t stream);
+#endif
 
 // out[b, s, :] = round(residual[b, s, :] + round(gate[b, s or 0, :] * update[b, s, :]))
 struct GatedResidualArgs {
@@ -41,7 +59,9 @@ struct GatedResidualArgs {
   DType dtype;
 };
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_gated_residual(const GatedResidualArgs& args, cudaStream_t stream);
+#endif
 
 // out[b, s, :] = cat(attn[b, s, :], round(gelu_tanh(mlp[b, s, :]))), the tanh-GELU exactly as aten computes it
 struct GeluCatArgs {
@@ -59,7 +79,9 @@ struct GeluCatArgs {
   DType dtype;
 };
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_gelu_cat(const GeluCatArgs& args, cudaStream_t stream);
+#endif
 
 // One [seq, batch, dim] operand: row (s, b) starts at ptr + s * stride_s + b * stride_b; unit innermost stride.
 struct Rows {
@@ -89,7 +111,9 @@ struct RmsNormScaleShiftArgs {
   DType dtype;
 };
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_rmsnorm_scale_shift(const RmsNormScaleShiftArgs& args, cudaStream_t stream);
+#endif
 
 // torch.nn.LayerNorm without affine followed by the adaLN modulate (see layernorm_scale_shift.cu for every rounding
 // point and aten's reduction order):
@@ -110,7 +134,9 @@ struct LayerNormScaleShiftArgs {
   DType dtype;
 };
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_layernorm_scale_shift(const LayerNormScaleShiftArgs& args, cudaStream_t stream);
+#endif
 
 // One [batch, seq, heads, dim] source of the rotary kernel: row (b, s, h) starts at
 // ptr + b * stride_b + s * stride_s + h * stride_h; unit innermost stride.
@@ -142,6 +168,8 @@ struct RotaryArgs {
   DType dtype;
 };
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
+#endif
 
 }  // namespace diffusers_fastpath

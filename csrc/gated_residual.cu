@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
   }
 }
 
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
@@ -101,11 +102,14 @@ cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_gated_residual(const GatedResidualArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
+#endif
 
 }  // namespace diffusers_fastpath

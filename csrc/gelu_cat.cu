@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(kThreads) gelu_cat_kernel(GeluCatArgs a, int32
   }
 }
 
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const GeluCatArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
@@ -107,11 +108,14 @@ cudaError_t launch(const GeluCatArgs& a, cudaStream_t stream) {
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_gelu_cat(const GeluCatArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
+#endif
 
 }  // namespace diffusers_fastpath

@@ -187,6 +187,7 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
   }
 }
 
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.batch * a.seq;
@@ -206,11 +207,14 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_layernorm_scale_shift(const LayerNormScaleShiftArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
+#endif
 
 }  // namespace diffusers_fastpath

@@ -70,6 +70,7 @@ __global__ void __launch_bounds__(kThreads) modulate_scale_shift_kernel(
   }
 }
 
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const ModulateScaleShiftArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
@@ -82,11 +83,14 @@ cudaError_t launch(const ModulateScaleShiftArgs& a, cudaStream_t stream) {
       static_cast<const T*>(a.shift), rows, a.seq, vecs_per_row, a.scale_batch_stride, a.shift_batch_stride);
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_modulate_scale_shift(const ModulateScaleShiftArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
+#endif
 
 }  // namespace diffusers_fastpath

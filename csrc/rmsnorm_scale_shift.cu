@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   }
 }
 
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.seq * a.batch;
@@ -109,11 +110,14 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_rmsnorm_scale_shift(const RmsNormScaleShiftArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
+#endif
 
 }  // namespace diffusers_fastpath

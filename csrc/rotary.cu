@@ -121,6 +121,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   }
 }
 
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const int64_t seq = a.txt.seq + a.img.seq;
@@ -134,11 +135,14 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 
+#ifndef __CUDACC_RTC__
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
+#endif
 
 }  // namespace diffusers_fastpath

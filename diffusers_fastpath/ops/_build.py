@@ -1,4 +1,14 @@
-"""JIT build of the CUDA sources in ``csrc/`` into one torch extension.
+"""The CUDA kernels of ``csrc/``, two ways: a JIT-built torch extension (nvcc) or NVRTC (no toolkit needed).
+
+Which way (`backend`): with a CUDA toolkit (nvcc and ninja) the extension below, as before; without one, NVRTC
+(`_nvrtc`: the NVRTC library that CUDA builds of torch install, the driver API to load and launch), which compiles
+the same ``.cu`` files with the same device flags; ``tests/test_nvrtc.py`` shows the two give byte-identical machine
+code for every kernel (docs/kernels.md). ``DIFFUSERS_FASTPATH_KERNELS=nvcc`` or ``=nvrtc`` forces one. Each op's
+``_kernel`` asks `load_extension` which way it got and calls the extension's ``torch.ops.diffusers_fastpath._*_cuda``
+op or its own NVRTC launcher. On the NVRTC way the same ``_*_cuda`` ops are registered too (Python implementations
+over the launchers), so tests, examples and the bench call one name on both.
+
+The nvcc way:
 
 The extension is built on the first CUDA call of any fused op with ``torch.utils.cpp_extension.load`` and ninja,
 for the architecture of the GPU that is present only, and cached on disk in a directory named by a hash of the
@@ -14,7 +24,9 @@ its eager expression (the same numbers), and `diffusers_fastpath.report` says so
 (`kernels_status`).
 
 Environment:
-    DIFFUSERS_FASTPATH_CACHE: the root of the build cache (default ``~/.cache/diffusers_fastpath``).
+    DIFFUSERS_FASTPATH_CACHE: the root of the build cache (default ``~/.cache/diffusers_fastpath``), both ways.
+    DIFFUSERS_FASTPATH_KERNELS: ``nvcc`` or ``nvrtc`` to take only that way (default: nvcc if a toolkit is there,
+        else NVRTC).
 """
 
 from __future__ import annotations
@@ -34,10 +46,22 @@ EXTENSION_NAME = "diffusers_fastpath_C"
 # __fmul_rn/__fadd_rn where it matters, and this flag keeps any other arithmetic honest too.
 _CUDA_FLAGS = ("-O3", "--fmad=false", "-lineinfo")
 _CXX_FLAGS = ("-O3",)
+# What torch.utils.cpp_extension adds to every nvcc command (COMMON_NVCC_FLAGS' defines): NVRTC gets them too, so that
+# cuda_fp16.h / cuda_bf16.h expand the same way under both compilers.
+KERNEL_DEFINES = (
+    "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+)
+# The NVRTC flags of the nvcc build's device code: nvcc's -O3 is the host compiler's level (device code gets ptxas'
+# default -O3 under both; NVRTC rejects -O3), --expt-relaxed-constexpr is not an NVRTC option and no kernel needs it.
+NVRTC_FLAGS = ("--fmad=false", "-lineinfo", "-std=c++17", *KERNEL_DEFINES)
+ENV_KERNELS = "DIFFUSERS_FASTPATH_KERNELS"
+BACKENDS = ("nvcc", "nvrtc")
 
 _lock = threading.Lock()
 load_seconds: float | None = None  # wall time of the (cold or warm) load, for `report`
 cold_build: bool | None = None
+backend: str | None = None  # "nvcc" or "nvrtc": the way this process got its kernels
 unavailable: str | None = None  # why no kernels can be had in this process (set once, by the first attempt)
 _EAGER = "every fused op runs its eager PyTorch expression (same numbers, no speedup)"
 
@@ -77,17 +101,28 @@ def _build_dir(arch: str) -> Path:
             digest.update(path.read_bytes())
     for part in (torch.__version__, str(torch.version.cuda), arch, *_CUDA_FLAGS, *_CXX_FLAGS):
         digest.update(part.encode())
-    cache = Path(os.environ.get("DIFFUSERS_FASTPATH_CACHE", Path.home() / ".cache" / "diffusers_fastpath"))
-    return cache / f"{EXTENSION_NAME}_{digest.hexdigest()[:16]}"
+    return cache_root() / f"{EXTENSION_NAME}_{digest.hexdigest()[:16]}"
 
 
-def _toolkit_missing() -> str | None:
-    """Why the extension cannot be built here (platform, compiler, ninja), or None; checked before any attempt."""
+def cache_root() -> Path:
+    return Path(os.environ.get("DIFFUSERS_FASTPATH_CACHE", Path.home() / ".cache" / "diffusers_fastpath"))
+
+
+def _platform_missing() -> str | None:
+    """Why no way can give CUDA kernels in this build of torch, or None."""
     if getattr(torch.version, "hip", None):
         return (f"this is a ROCm build of torch ({torch.version.hip}); the fused kernels are CUDA-only, so none is built. "
                 f"{_EAGER}.")
     if torch.version.cuda is None:
         return f"this build of torch has no CUDA. {_EAGER}."
+    return None
+
+
+def _toolkit_missing() -> str | None:
+    """Why the extension cannot be built here (platform, compiler, ninja), or None; checked before any attempt."""
+    platform = _platform_missing()
+    if platform is not None:
+        return platform
     from torch.utils import cpp_extension
 
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or cpp_extension._find_cuda_home()
@@ -110,43 +145,113 @@ def _give_up(cause: str) -> KernelsUnavailable:
     return KernelsUnavailable(cause)
 
 
+def _nvrtc_missing() -> str | None:
+    """Why NVRTC cannot give the kernels here (no library, no headers, no driver, no GPU, an arch it does not know),
+    or None; checked before any compilation, without logging."""
+    from . import _nvrtc
+
+    try:
+        _nvrtc.nvrtc_library()
+        _nvrtc.include_dir(cache_root())
+    except OSError as exc:
+        return str(exc)
+    try:
+        _nvrtc.driver()
+    except OSError as exc:
+        return f"no CUDA driver ({exc})"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    major, minor = torch.cuda.get_device_capability()
+    if major * 10 + minor not in _nvrtc.supported_archs():
+        return f"NVRTC {'%d.%d' % _nvrtc.nvrtc_version()} cannot compile for this GPU (sm_{major}{minor})"
+    return None
+
+
+def _nvrtc_fix() -> str:
+    return (f"NVRTC, the way that needs no toolkit, is not usable either: {{}}. It needs the NVRTC library of CUDA "
+            f"{torch.version.cuda} (pip install nvidia-cuda-nvrtc, which CUDA builds of torch install) and a CUDA GPU "
+            "with its driver.")
+
+
 def kernels_status() -> str:
     """One line: where this process's CUDA kernels come from, or why it has none (`report`'s first line)."""
     if unavailable is not None:
         return f"no CUDA kernels: {unavailable}"
     if load_seconds is not None:
-        return f"CUDA kernels {'built' if cold_build else 'loaded'} in {load_seconds:.1f} s"
+        how = ("compiled with NVRTC" if cold_build else "loaded (NVRTC cache)") if backend == "nvrtc" else (
+            "built" if cold_build else "loaded")
+        return f"CUDA kernels {how} in {load_seconds:.1f} s"
     return "CUDA kernels not loaded (they load on the first CUDA call of a fused op)"
 
 
-def load_extension() -> None:
-    """Build (once per machine) and load the extension; registers the ``diffusers_fastpath::_*_cuda`` ops.
+def load_extension() -> str:
+    """Get the kernels once per process, the first way that works; returns it (``"nvcc"`` or ``"nvrtc"``).
+
+    nvcc: build (once per machine) and load the extension, which registers the ``diffusers_fastpath::_*_cuda`` ops.
+    NVRTC: compile (once per machine) and load the cubins, and register the same ops over the Python launchers.
 
     Raises:
-        KernelsUnavailable: no kernels can be had in this process (the cause is logged once, on the first call;
-            every later call raises at once, without another attempt). The caller's fallback policy turns that into
-            the eager path.
+        KernelsUnavailable: no kernels can be had in this process (the cause of each way is logged once, in one
+            warning, on the first call; every later call raises at once, without another attempt). The caller's
+            fallback policy turns that into the eager path.
     """
     if load_seconds is not None:
-        return
+        return backend
     if unavailable is not None:
         raise KernelsUnavailable(unavailable)
     with _lock:
         if load_seconds is not None:
-            return
+            return backend
         if unavailable is not None:
             raise KernelsUnavailable(unavailable)
-        missing = _toolkit_missing()
-        if missing is not None:
-            raise _give_up(missing)
-        try:
-            _build_and_load()
-        except Exception as exc:  # noqa: BLE001 - a failed build is reported once and remembered
-            raise _give_up(f"the CUDA extension failed to build or load ({type(exc).__name__}: {exc}); {_EAGER}.") from exc
+        platform = _platform_missing()
+        if platform is not None:
+            raise _give_up(platform)
+        forced = os.environ.get(ENV_KERNELS, "").strip().lower()
+        if forced and forced not in BACKENDS:
+            raise _give_up(f"{ENV_KERNELS}={forced!r} names no way to get kernels (nvcc or nvrtc); {_EAGER}.")
+        causes, failed_build = [], None
+        if forced in ("", "nvcc"):
+            missing = _toolkit_missing()
+            if missing is None:
+                try:
+                    _build_and_load()
+                    return backend
+                except Exception as exc:  # noqa: BLE001 - a failed build is reported once and remembered
+                    missing = failed_build = (f"the CUDA extension failed to build or load ({type(exc).__name__}: "
+                                              f"{exc}); {_EAGER}.")
+            causes.append(missing)
+        if forced in ("", "nvrtc"):
+            missing = _nvrtc_missing()
+            if missing is None:
+                try:
+                    _compile_and_load_nvrtc()
+                    if failed_build:  # a toolkit is there but its build failed: say so once; the kernels still run
+                        logger.warning(f"diffusers_fastpath: {failed_build.split('; ')[0]}. Using the NVRTC kernels "
+                                       "instead (same code, see docs/kernels.md).")
+                    return backend
+                except Exception as exc:  # noqa: BLE001 - reported once and remembered, like a failed build
+                    missing = f"NVRTC failed to compile or load the kernels ({type(exc).__name__}: {exc})"
+            causes.append(_nvrtc_fix().format(missing) if causes else f"{missing}; {_EAGER}.")
+        raise _give_up(" ".join(causes))
+
+
+def _compile_and_load_nvrtc() -> None:
+    global load_seconds, cold_build, backend
+    from . import _nvrtc
+
+    start = time.perf_counter()
+    major, minor = torch.cuda.get_device_capability()
+    cold = _nvrtc.build(csrc_dir(), cache_root(), f"{major}{minor}", NVRTC_FLAGS)
+    # the cubins load into each device's context on that device's first launch (`_nvrtc.load_module`)
+    _nvrtc.define_raw_ops()
+    cold_build, backend = cold, "nvrtc"
+    load_seconds = time.perf_counter() - start
+    logger.info(f"diffusers_fastpath: NVRTC kernels {'compiled' if cold else 'loaded'} in {load_seconds:.1f} s")
 
 
 def _build_and_load() -> None:
-    global load_seconds, cold_build
+    global load_seconds, cold_build, backend
     from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
@@ -169,6 +274,6 @@ def _build_and_load() -> None:
         is_python_module=False,
         verbose=False,
     )
-    cold_build = cold
+    cold_build, backend = cold, "nvcc"
     load_seconds = time.perf_counter() - start
     logger.info(f"diffusers_fastpath: CUDA extension {'built' if cold else 'loaded'} in {load_seconds:.1f} s")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site
 
@@ -67,14 +68,49 @@ def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, che
     return None
 
 
+# The NVRTC way (ops/_nvrtc.py): csrc/gated_residual.cu's kernel, launched as its launch() and bindings.cpp's
+# gated_residual(_out) do. Duplicated from there: kThreads 256 and kRowsInFlight 4 (tests/test_nvrtc.py reads them from
+# the .cu), the gate strides (0 where the gate broadcasts), the row-gate variant (gate_seq_stride 0) and the output
+# allocation; the guard stands for bindings.cpp's input checks.
+_NVRTC = _nvrtc.Kernel(
+    "gated_residual.cu",
+    "diffusers_fastpath::gated_residual_kernel",
+    {(dtype, row_gate): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(row_gate).lower()}"
+     for dtype in HALF_DTYPES for row_gate in (True, False)},
+    _nvrtc.Params("gated_residual_kernel", ("out", "P"), ("residual", "P"), ("gate", "P"), ("update", "P"),
+                  ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("gate_batch_stride", "q"),
+                  ("gate_seq_stride", "q")),
+)
+_THREADS, _ROWS_IN_FLIGHT = 256, 4
+
+
+def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, out: torch.Tensor | None = None):
+    batch, seq, dim = residual.shape
+    if out is None:
+        out = residual.new_empty(residual.shape)
+    else:
+        _nvrtc.check_out("gated_residual", out, residual.shape, residual, 16)
+    rows, vecs, device = batch * seq, dim * residual.element_size() // _VEC_BYTES, residual.device.index
+    gate_batch_stride = 0 if gate.shape[0] == 1 else gate.stride(0)
+    gate_seq_stride = 0 if gate.shape[1] == 1 else gate.stride(1)
+    grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
+    _NVRTC.launch(device, (residual.dtype, gate_seq_stride == 0), grid, block, out.data_ptr(), residual.data_ptr(),
+                  gate.data_ptr(), update.data_ptr(), rows, seq, vecs, gate_batch_stride, gate_seq_stride)
+    return out
+
+
+_nvrtc.raw_op("_gated_residual_cuda", "(Tensor residual, Tensor gate, Tensor update) -> Tensor", _guard, _nvrtc_kernel)
+_nvrtc.raw_op("_gated_residual_cuda_out", "(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()",
+              _guard, _nvrtc_kernel, outs=1)
+
 _cuda_op = None
 
 
 def _kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        load_extension()
-        _cuda_op = torch.ops.diffusers_fastpath._gated_residual_cuda.default
+        nvrtc = load_extension() == "nvrtc"
+        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._gated_residual_cuda.default
     return _cuda_op(residual, gate, update)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site, bits
 
@@ -67,14 +68,50 @@ def _guard(attn: torch.Tensor, mlp: torch.Tensor, check_pointers: bool = True) -
     return None
 
 
+# The NVRTC way (ops/_nvrtc.py): csrc/gelu_cat.cu's kernel, launched as its launch() and bindings.cpp's gelu_cat(_out)
+# do. Duplicated from there: kThreads 512, kRowsInFlight 1, kBlocksPerSm 16 (tests/test_nvrtc.py reads them from the
+# .cu), the GeluCatArgs fields (fastpath.h), the flat-rows variant and the output allocation; the guard stands for
+# bindings.cpp's input checks.
+_ARGS = _nvrtc.Params("GeluCatArgs", ("out", "P"), ("attn", "P"), ("mlp", "P"), ("batch", "q"), ("seq", "q"),
+                      ("attn_dim", "q"), ("mlp_dim", "q"), ("attn_stride_b", "q"), ("attn_stride_s", "q"),
+                      ("mlp_stride_b", "q"), ("mlp_stride_s", "q"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel(
+    "gelu_cat.cu",
+    "diffusers_fastpath::gelu_cat_kernel",
+    {(dtype, flat): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(flat).lower()}" for dtype in HALF_DTYPES for flat in (True, False)},
+    _nvrtc.Params("gelu_cat_kernel", ("a", _ARGS), ("attn_vecs", "i"), ("vecs_per_row", "i")),
+)
+_THREADS, _ROWS_IN_FLIGHT, _BLOCKS_PER_SM = 512, 1, 16
+
+
+def _nvrtc_kernel(attn: torch.Tensor, mlp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    batch, seq, attn_dim = attn.shape
+    mlp_dim = mlp.shape[2]
+    if out is None:
+        out = attn.new_empty((batch, seq, attn_dim + mlp_dim))
+    else:
+        _nvrtc.check_out("gelu_cat", out, (batch, seq, attn_dim + mlp_dim), attn, 16)
+    vec = _VEC_BYTES // attn.element_size()
+    attn_vecs, vecs, device = attn_dim // vec, (attn_dim + mlp_dim) // vec, attn.device.index
+    asb, ass, msb, mss = attn.stride(0), attn.stride(1), mlp.stride(0), mlp.stride(1)
+    flat = batch == 1 or (asb == seq * ass and msb == seq * mss)
+    grid, block = _nvrtc.row_grid(batch * seq, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device), _BLOCKS_PER_SM)
+    _NVRTC.launch(device, (attn.dtype, flat), grid, block, out.data_ptr(), attn.data_ptr(), mlp.data_ptr(), batch, seq,
+                  attn_dim, mlp_dim, asb, ass, msb, mss, _nvrtc.DTYPE_CODE[attn.dtype], attn_vecs, vecs)
+    return out
+
+
+_nvrtc.raw_op("_gelu_cat_cuda", "(Tensor attn, Tensor mlp) -> Tensor", _guard, _nvrtc_kernel)
+_nvrtc.raw_op("_gelu_cat_cuda_out", "(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()", _guard, _nvrtc_kernel, outs=1)
+
 _cuda_op = None
 
 
 def _kernel(attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        load_extension()
-        _cuda_op = torch.ops.diffusers_fastpath._gelu_cat_cuda.default
+        nvrtc = load_extension() == "nvrtc"
+        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._gelu_cat_cuda.default
     return _cuda_op(attn, mlp)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import FusedOp, Site
 from .modulate_scale_shift import _guard as _modulate_guard
@@ -78,8 +79,59 @@ def _cuda_ops():
     return torch.ops.diffusers_fastpath
 
 
+# The NVRTC way (ops/_nvrtc.py): csrc/layernorm_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
+# layernorm_scale_shift_launch do: one block (32, 4) per row, (32, 8) for the probe's kEightWarps variant bit (64).
+# Duplicated from there: those shapes, the LayerNormScaleShiftArgs fields (fastpath.h), the batch strides, eps as
+# static_cast<float> (struct's 'f' rounds a Python float to nearest, the same) and the output allocation; the guard
+# stands for bindings.cpp's input checks.
+_ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
+                      ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
+                      ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel(
+    "layernorm_scale_shift.cu",
+    "diffusers_fastpath::layernorm_scale_shift_kernel",
+    {(dtype, probe): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}" for dtype in (torch.bfloat16, torch.float16)
+     for probe in (False, True)},
+    _nvrtc.Params("layernorm_scale_shift_kernel", ("a", _ARGS)),
+)
+_EIGHT_WARPS, _VARIANT_MASK = 64, 127
+
+
+def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None) -> torch.Tensor:
+    batch, seq, dim = x.shape
+    if out is None:
+        out = x.new_empty(x.shape)
+    else:
+        _nvrtc.check_out("layernorm_scale_shift", out, x.shape, x, 16)
+    if probe and variant & ~_VARIANT_MASK:
+        raise ValueError(f"layernorm_scale_shift: no reduction variant {variant}")
+    variant = variant if probe else 0
+    device = x.device.index
+    block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
+    _NVRTC.launch(device, (x.dtype, probe), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(), scale.data_ptr(),
+                  shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
+                  0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype])
+    return out
+
+
+_nvrtc.raw_op("_layernorm_scale_shift_cuda", "(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor",
+              lambda x, scale, shift, eps: _guard_tensors(x, scale, shift), _nvrtc_kernel)
+_nvrtc.raw_op("_layernorm_scale_shift_cuda_out", "(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift, float eps) -> ()",
+              lambda x, scale, shift, eps: _guard_tensors(x, scale, shift), _nvrtc_kernel, outs=1)
+_nvrtc.raw_op("_layernorm_scale_shift_probe_cuda",
+              "(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor",
+              lambda x, scale, shift, eps, variant: _guard_tensors(x, scale, shift),
+              lambda x, scale, shift, eps, variant: _nvrtc_kernel(x, scale, shift, eps, variant, probe=True))
+
+_launch = None
+
+
 def _kernel(norm, x, scale, shift):
-    return _cuda_ops()._layernorm_scale_shift_cuda.default(x, scale, shift, norm.eps)
+    global _launch
+    if _launch is None:
+        nvrtc = load_extension() == "nvrtc"
+        _launch = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._layernorm_scale_shift_cuda.default
+    return _launch(x, scale, shift, norm.eps)
 
 
 @torch.library.custom_op("diffusers_fastpath::layernorm_scale_shift", mutates_args=())

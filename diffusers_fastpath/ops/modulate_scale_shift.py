@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site
 
@@ -74,14 +75,46 @@ def _guard(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, check_poin
     return None
 
 
+# The NVRTC way (ops/_nvrtc.py): csrc/modulate_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
+# modulate_scale_shift(_out) do. Duplicated from there: kThreads 256 and kRowsInFlight 4 (tests/test_nvrtc.py reads
+# them from the .cu), the batch strides (0 for a broadcast row) and the output allocation; the guard stands for
+# bindings.cpp's input checks.
+_NVRTC = _nvrtc.Kernel(
+    "modulate_scale_shift.cu",
+    "diffusers_fastpath::modulate_scale_shift_kernel",
+    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+    _nvrtc.Params("modulate_scale_shift_kernel", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
+                  ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("scale_batch_stride", "q"),
+                  ("shift_batch_stride", "q")),
+)
+_THREADS, _ROWS_IN_FLIGHT = 256, 4
+
+
+def _nvrtc_kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = None):
+    batch, seq, dim = x.shape
+    if out is None:
+        out = x.new_empty(x.shape)
+    else:
+        _nvrtc.check_out("modulate_scale_shift", out, x.shape, x, 16)
+    rows, vecs, device = batch * seq, dim * x.element_size() // _VEC_BYTES, x.device.index
+    grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
+    _NVRTC.launch(device, x.dtype, grid, block, out.data_ptr(), x.data_ptr(), scale.data_ptr(), shift.data_ptr(), rows,
+                  seq, vecs, 0 if scale.shape[0] == 1 else scale.stride(0), 0 if shift.shape[0] == 1 else shift.stride(0))
+    return out
+
+
+_nvrtc.raw_op("_modulate_scale_shift_cuda", "(Tensor x, Tensor scale, Tensor shift) -> Tensor", _guard, _nvrtc_kernel)
+_nvrtc.raw_op("_modulate_scale_shift_cuda_out", "(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift) -> ()",
+              _guard, _nvrtc_kernel, outs=1)
+
 _cuda_op = None
 
 
 def _kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        load_extension()
-        _cuda_op = torch.ops.diffusers_fastpath._modulate_scale_shift_cuda.default
+        nvrtc = load_extension() == "nvrtc"
+        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._modulate_scale_shift_cuda.default
     return _cuda_op(x, scale, shift)
 
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .rotary import cos_sin_reason, rotary_emb, rotary_emb_ref, rows_ok
+from .rotary import cos_sin_reason, nvrtc_rotary, rotary_emb, rotary_emb_ref, rows_ok
 
 MAX_HEAD_DIM = 128  # the reproduced reduction: one warp per row, at most four elements per lane
 
@@ -115,14 +116,29 @@ def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_poi
     return reason
 
 
+def _nvrtc_kernel(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, out=None) -> torch.Tensor:
+    # bindings.cpp's qk_norm_rope(_out) on the NVRTC way: csrc/rotary.cu's kernel with norm (see ops/rotary.py).
+    return nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, True, out)
+
+
+def _raw_guard(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin):
+    norm_txt, norm_img = _norms(weight_txt, eps_txt, weight_img, eps_img)
+    return _guard(norm_txt, x_txt, norm_img, x_img, cos, sin)
+
+
+_QK_SCHEMA = ("Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, float eps_img, "
+              "Tensor cos, Tensor sin")
+_nvrtc.raw_op("_qk_norm_rope_cuda", f"({_QK_SCHEMA}) -> Tensor", _raw_guard, _nvrtc_kernel)
+_nvrtc.raw_op("_qk_norm_rope_cuda_out", f"(Tensor(a!) out, {_QK_SCHEMA}) -> ()", _raw_guard, _nvrtc_kernel, outs=1)
+
 _cuda_op = None
 
 
 def _kernel(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        load_extension()
-        _cuda_op = torch.ops.diffusers_fastpath._qk_norm_rope_cuda.default
+        nvrtc = load_extension() == "nvrtc"
+        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._qk_norm_rope_cuda.default
     if x_txt is None:
         return _cuda_op(None, None, 0.0, x_img, norm_img.weight, norm_img.eps, cos, sin)
     return _cuda_op(x_txt, norm_txt.weight, norm_txt.eps, x_img, norm_img.weight, norm_img.eps, cos, sin)

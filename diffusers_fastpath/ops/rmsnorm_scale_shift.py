@@ -25,8 +25,11 @@ back to sequence-first, strided for batch > 1).
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site
 
@@ -118,12 +121,95 @@ def _cuda_ops():
     return torch.ops.diffusers_fastpath
 
 
+# The NVRTC way (ops/_nvrtc.py): csrc/rmsnorm_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
+# rmsnorm_scale_shift_launch do: kWarpsPerBlock 8 rows per block of 256 threads (tests/test_nvrtc.py reads it from the
+# .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
+# stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32 and
+# the output allocation; the guard stands for bindings.cpp's input checks.
+_ROWS = _nvrtc.Params("Rows", ("ptr", "P"), ("stride_s", "q"), ("stride_b", "q"))
+_ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P"), ("x", _ROWS), ("gate", _ROWS),
+                      ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("weight", "P"), ("seq", "q"),
+                      ("batch", "q"), ("dim", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel(
+    "rmsnorm_scale_shift.cu",
+    "diffusers_fastpath::rmsnorm_scale_shift_kernel",
+    {(dtype, gated): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(gated).lower()}"
+     for dtype in HALF_DTYPES for gated in (False, True)},
+    _nvrtc.Params("rmsnorm_scale_shift_kernel", ("a", _ARGS)),
+)
+_WARPS_PER_BLOCK = 8
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _nvrtc_launch(out, residual_out, x, gate, update, weight, scale, shift, eps: float) -> None:
+    seq, batch, dim = x.shape
+    rows, device, gated = seq * batch, x.device.index, gate is not None
+    for t in (out, residual_out) if gated else (out,):
+        _nvrtc.check_out("rmsnorm_scale_shift", t, x.shape, x, 8)
+    none = (0, 0, 0)
+    _NVRTC.launch(
+        device, (x.dtype, gated), ((rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, 1, 1), (_WARPS_PER_BLOCK * 32, 1, 1),
+        out.data_ptr(), residual_out.data_ptr() if gated else 0,
+        x.data_ptr(), x.stride(0), x.stride(1),
+        *((gate.data_ptr(), gate.stride(0), gate.stride(1)) if gated else none),
+        *((update.data_ptr(), update.stride(0), update.stride(1)) if gated else none),
+        scale.data_ptr(), scale.stride(0), scale.stride(1), shift.data_ptr(), shift.stride(0), shift.stride(1),
+        weight.data_ptr(), seq, batch, dim, eps, _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype])
+
+
+def _nvrtc_kernel(x, weight, scale, shift, eps: float, out=None) -> torch.Tensor:
+    out = x.new_empty(x.shape) if out is None else out
+    _nvrtc_launch(out, None, x, None, None, weight, scale, shift, eps)
+    return out
+
+
+def _nvrtc_gated_kernel(residual, gate, update, weight, scale, shift, eps: float, out=None):
+    residual_out, out = (residual.new_empty(residual.shape), residual.new_empty(residual.shape)) if out is None else out
+    _nvrtc_launch(out, residual_out, residual, gate, update, weight, scale, shift, eps)
+    return residual_out, out
+
+
+def _raw_guard(x, weight, scale, shift, eps):
+    return _guard(_Norm(weight, eps), x, scale, shift)
+
+
+def _raw_gated_guard(residual, gate, update, weight, scale, shift, eps):
+    return _gated_guard(_Norm(weight, eps), residual, gate, update, scale, shift)
+
+
+_nvrtc.raw_op("_rmsnorm_scale_shift_cuda", "(Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps) -> Tensor",
+              _raw_guard, _nvrtc_kernel)
+_nvrtc.raw_op("_rmsnorm_scale_shift_cuda_out",
+              "(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()",
+              _raw_guard, _nvrtc_kernel, outs=1)
+_nvrtc.raw_op("_gated_rmsnorm_scale_shift_cuda",
+              "(Tensor residual, Tensor gate, Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> "
+              "(Tensor, Tensor)", _raw_gated_guard, _nvrtc_gated_kernel)
+_nvrtc.raw_op("_gated_rmsnorm_scale_shift_cuda_out",
+              "(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, Tensor update, Tensor weight, "
+              "Tensor scale, Tensor shift, float eps) -> ()", _raw_gated_guard, _nvrtc_gated_kernel, outs=2)
+
+_launch = _gated_launch = None
+
+
 def _kernel(norm, x, scale, shift):
-    return _cuda_ops()._rmsnorm_scale_shift_cuda.default(x, norm.weight, scale, shift, norm.eps)
+    global _launch
+    if _launch is None:
+        nvrtc = load_extension() == "nvrtc"
+        _launch = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._rmsnorm_scale_shift_cuda.default
+    return _launch(x, norm.weight, scale, shift, norm.eps)
 
 
 def _gated_kernel(norm, residual, gate, update, scale, shift, dtype=None):
-    return _cuda_ops()._gated_rmsnorm_scale_shift_cuda.default(residual, gate, update, norm.weight, scale, shift, norm.eps)
+    global _gated_launch
+    if _gated_launch is None:
+        nvrtc = load_extension() == "nvrtc"
+        ops = torch.ops.diffusers_fastpath
+        _gated_launch = _nvrtc_gated_kernel if nvrtc else ops._gated_rmsnorm_scale_shift_cuda.default
+    return _gated_launch(residual, gate, update, norm.weight, scale, shift, norm.eps)
 
 
 class _Norm:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
+from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site
 
@@ -77,14 +78,57 @@ def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers
     return reason
 
 
+# The NVRTC way (ops/_nvrtc.py): csrc/rotary.cu's kernel (also qk_norm_rope's, with norm), launched as its launch()
+# and bindings.cpp's rotary_launch do: one block of kThreads 256 per (sequence position, batch) (tests/test_nvrtc.py
+# reads it from the .cu). Duplicated from there: that shape, the RotaryArgs and RotarySource fields (fastpath.h), a
+# source as (pointer, stride(0), stride(1), stride(2), size(1), weight, eps as static_cast<float>), an absent text part
+# as zeros and the output allocation; the guards stand for bindings.cpp's input checks.
+_SOURCE = _nvrtc.Params("RotarySource", ("ptr", "P"), ("stride_b", "q"), ("stride_s", "q"), ("stride_h", "q"),
+                        ("seq", "q"), ("weight", "P"), ("eps", "f"))
+_ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOURCE), ("cos", "P"), ("sin", "P"),
+                      ("batch", "q"), ("heads", "q"), ("dim", "q"), ("norm", "?"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel(
+    "rotary.cu",
+    "diffusers_fastpath::rotary_kernel",
+    {(dtype, norm): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(norm).lower()}" for dtype in HALF_DTYPES for norm in (False, True)},
+    _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
+)
+_THREADS = 256
+_NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
+
+
+def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None) -> torch.Tensor:
+    """rotary_launch of bindings.cpp on the NVRTC way: [txt; img] rotated (after the RMSNorm when ``norm``)."""
+    batch, seq_img, heads, dim = x_img.shape
+    seq = seq_img + (0 if x_txt is None else x_txt.shape[1])
+    if out is None:
+        out = x_img.new_empty((batch, seq, heads, dim))
+    else:
+        _nvrtc.check_out("rotary", out, (batch, seq, heads, dim), x_img, 8)
+    txt = _NO_SOURCE if x_txt is None else (x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1],
+                                            weight_txt.data_ptr() if norm else 0, eps_txt if norm else 0.0)
+    img = (x_img.data_ptr(), *x_img.stride()[:3], seq_img, weight_img.data_ptr() if norm else 0, eps_img if norm else 0.0)
+    _NVRTC.launch(x_img.device.index, (x_img.dtype, norm), (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(), *txt, *img,
+                  cos.data_ptr(), sin.data_ptr(), batch, heads, dim, norm, _nvrtc.DTYPE_CODE[x_img.dtype])
+    return out
+
+
+def _nvrtc_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return nvrtc_rotary(None, None, 0.0, x, None, 0.0, cos, sin, False, out)
+
+
+_nvrtc.raw_op("_rotary_emb_cuda", "(Tensor x, Tensor cos, Tensor sin) -> Tensor", _guard, _nvrtc_kernel)
+_nvrtc.raw_op("_rotary_emb_cuda_out", "(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()", _guard, _nvrtc_kernel,
+              outs=1)
+
 _cuda_op = None
 
 
 def _kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        load_extension()
-        _cuda_op = torch.ops.diffusers_fastpath._rotary_emb_cuda.default
+        nvrtc = load_extension() == "nvrtc"
+        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._rotary_emb_cuda.default
     return _cuda_op(x, cos, sin)
 
 
