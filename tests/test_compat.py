@@ -440,7 +440,10 @@ def no_kernels_yet(monkeypatch):
     monkeypatch.setattr(_build, "unavailable", None)
     monkeypatch.setattr(_build, "load_seconds", None)
     builds = []
-    monkeypatch.setattr(_build, "_build_and_load", lambda: builds.append(1))
+    monkeypatch.setattr(_build, "_build_and_load", lambda: builds.append("nvcc"))
+    # the second way, NVRTC, is absent too in these tests (on a GPU machine it would succeed where nvcc is missing)
+    monkeypatch.setattr(_build, "_nvrtc_missing", lambda: "no NVRTC library (simulated)")
+    monkeypatch.setattr(_build, "_compile_and_load_nvrtc", lambda: builds.append("nvrtc"))
     return builds
 
 
@@ -478,6 +481,8 @@ def test_no_way_to_get_kernels_warns_once_and_stays_exact(platform, monkeypatch,
         assert torch.equal(out(model, inputs), ref)
     warnings = [r.getMessage() for r in fastpath_log.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and expected in warnings[0], warnings
+    if platform != "rocm":  # the one warning names both ways and what would fix each
+        assert "no NVRTC library (simulated)" in warnings[0] and "pip install nvidia-cuda-nvrtc" in warnings[0]
     assert no_kernels_yet == []  # no build was attempted, let alone one per op
     rep = fp.report(model)
     assert str(rep).splitlines()[0] == f"diffusers_fastpath: no CUDA kernels: {_build.unavailable}"
