@@ -188,12 +188,12 @@ CHOICES = ("none", *QUANTS)
 def unavailable(name: str, device: torch.device) -> str | None:
     """Why the backend `name` cannot run on `device` here (a package missing, no CUDA), or ``None``."""
     q = QUANTS[name]
+    if q.cuda_only is not None and device.type != "cuda":  # first: installing a package would not help
+        return q.cuda_only
     missing = [p for p in q.packages if importlib.util.find_spec(p.split(".")[0]) is None
                or importlib.util.find_spec(p) is None]
     if missing:
         return f"needs {', '.join(missing)} (pip install {' '.join(PIP_NAMES[p] for p in missing)})"
-    if q.cuda_only is not None and device.type != "cuda":
-        return q.cuda_only
     return None
 
 
