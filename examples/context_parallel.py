@@ -85,20 +85,26 @@ def main() -> int:
                     times["patched CP + graphs"] = _time(model, inputs, args.steps)
                     results["patched CP + graphs"] = model(**inputs, return_dict=False)[0]
         if patched and rank == 0:
-            print(fp.report(model))
+            _say(str(fp.report(model)))
         del model
     ref = results["unpatched CP"]
     same = {name: torch.equal(out, ref) for name, out in results.items() if name != "unpatched CP"}
     mode = f"{'ring' if args.ring else 'ulysses'} degree {world}"
     line = ", ".join(f"{name} bit-identical: {ok}" for name, ok in same.items())
-    print(f"rank {rank}: {args.model} {args.dtype} {mode}, patched {args.order} enable_parallelism: {line}", flush=True)
+    _say(f"rank {rank}: {args.model} {args.dtype} {mode}, patched {args.order} enable_parallelism: {line}")
     if times and rank == 0:
         base = times["unpatched CP"]
-        print("  ".join(f"{name}: {ms:.2f} ms ({ms / base:.3f}x)" for name, ms in times.items()))
+        _say("  ".join(f"{name}: {ms:.2f} ms ({ms / base:.3f}x)" for name, ms in times.items()))
     ok = torch.tensor(int(all(same.values())), device=ref.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     dist.destroy_process_group()
     return 0 if ok.item() else 1
+
+
+def _say(text: str) -> None:
+    """One write per message: the ranks share stdout, and print's separate writes of text and newline interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _time(model, inputs, steps: int) -> float:
