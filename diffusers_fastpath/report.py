@@ -55,7 +55,6 @@ class Report:
     # high-tier sites: ``fast`` counts calls on the approximate path, ``fallback`` calls sent to the lossless path
     tier_sites: list[SiteRow] = field(default_factory=list)
     ops: dict[str, str] = field(default_factory=dict)
-    extension: str = "not loaded"
     kernels: str = ""  # one line: where the CUDA kernels come from, or why there are none (`_build.kernels_status`)
     not_patched: str | None = None  # the one line shown for an object with nothing patched
     verbose: bool = False
@@ -83,12 +82,12 @@ class Report:
         for m in self.models:
             lines += _model_summary(m, [s for s in self.sites if s.model == m.name],
                                     [s for s in self.tier_sites if s.model == m.name])
-        unusual = {k: v for k, v in self.ops.items() if v != "enabled" and not v.startswith("enabled,")}
-        lines.append("ops: " + ("; ".join(f"{k} {v}" for k, v in unusual.items()) if unusual else "all enabled"))
-        if not self.verbose:
+        if not self.verbose:  # the ops that are not simply on, else one word
+            unusual = {k: v for k, v in self.ops.items() if v != "enabled" and not v.startswith("enabled,")}
+            lines.append("ops: " + ("; ".join(f"{k} {v}" for k, v in unusual.items()) if unusual else "all enabled"))
             lines.append("(fp.report(obj, verbose=True) lists every site)")
             return "\n".join(lines)
-        lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()) + f"; CUDA extension {self.extension}")
+        lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()))
         header = ("site", "op", "fast", "fallback", "fallback reasons")
         rows = [(f"{s.model}.{s.site}", s.op, str(s.fast), str(s.fallback), _reasons(s.reasons)) for s in self.sites]
         rows.append(("total", "", str(self.fast), str(self.fallback), ""))
@@ -183,8 +182,6 @@ def report(obj: Any, verbose: bool = False) -> Report:
         >>> print(fp.report(pipe))  # doctest: +SKIP
     """
     rep = Report(ops={name: op.status for name, op in OPS.items()}, kernels=_build.kernels_status(), verbose=verbose)
-    if _build.load_seconds is not None:
-        rep.extension = f"{'built' if _build.cold_build else 'loaded'} in {_build.load_seconds:.1f} s"
     models = patched_models(obj)
     if not models:
         rep.not_patched = _not_patched_line(obj)

@@ -34,12 +34,6 @@ class CacheStats:
         self.built = 0
         self.reused = 0
 
-    def __getstate__(self):
-        return (self.built, self.reused)
-
-    def __setstate__(self, state) -> None:
-        self.built, self.reused = state
-
 
 def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stats: CacheStats | None = None) -> Any:
     """``compute()`` for `table`, computed once per (`table` tensor, `key`) and stored on the tensor itself.

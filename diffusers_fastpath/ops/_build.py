@@ -119,10 +119,8 @@ def _platform_missing() -> str | None:
 
 
 def _toolkit_missing() -> str | None:
-    """Why the extension cannot be built here (platform, compiler, ninja), or None; checked before any attempt."""
-    platform = _platform_missing()
-    if platform is not None:
-        return platform
+    """Why the extension cannot be built here (compiler, ninja), or None; checked before any attempt, after
+    `_platform_missing` (`load_extension` asks that first, for both ways)."""
     from torch.utils import cpp_extension
 
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or cpp_extension._find_cuda_home()
