@@ -234,12 +234,14 @@ def flux_dev_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed
     return flux_pipeline(transformer, build_flux_vae("flux-dev", dtype, device, seed + 1))
 
 
-def prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2):
-    """Random ``prompt_embeds``/``pooled_prompt_embeds`` for a pipeline without text encoders."""
+def prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None):
+    """Random ``prompt_embeds``/``pooled_prompt_embeds`` for a pipeline without text encoders, on `device` (default:
+    the transformer's; with model offloading, give the execution device: ``FluxPipeline`` does not move given
+    embeddings)."""
     gen = torch.Generator().manual_seed(seed)
     cfg = pipe.transformer.config
     dtype = pipe.transformer.dtype
-    device = pipe.transformer.device
+    device = device or pipe.transformer.device
     return dict(
         prompt_embeds=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(device, dtype),
         pooled_prompt_embeds=torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(device, dtype),

@@ -50,6 +50,15 @@ def test_training_one_backward_per_process(tmp_path, checkpointing, backend):
                for n, g in ref["grads"].items())
 
 
+def assert_graphs_replay_or_say_why(graphs: dict, calls: int) -> None:
+    """After `calls` forwards: replayed from the second on, or eager with the reason counted per call, or off from
+    the start with the reason in the status (a hook that wraps the forward per instance)."""
+    replayed = graphs["replays"] == calls - 1
+    eager_counted = graphs["replays"] == 0 and sum(graphs["eager"].values()) >= calls - 1
+    off_said = graphs["replays"] == graphs["captures"] == 0 and graphs["status"].startswith("off: ")
+    assert replayed or eager_counted or off_said, graphs
+
+
 def _generate(pipe, emb):
     pipe.set_progress_bar_config(disable=True)
     return pipe(**emb, height=64, width=64, num_inference_steps=3, output_type="latent",
@@ -60,17 +69,15 @@ def _generate(pipe, emb):
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_pipeline_offloading(feature, cuda_graphs, unpatch_after):
     ref_pipe, pipe = tiny_flux_pipeline(seed=1), tiny_flux_pipeline(seed=1)
-    emb = prompt_embeddings(pipe, seed=2)
+    emb = prompt_embeddings(pipe, seed=2, device="cuda")  # the execution device: the pipeline moves none of them
     for p in (ref_pipe, pipe):
         getattr(p, f"enable_{feature}")()
     ref = _generate(ref_pipe, emb)
     fp.patch(pipe, cuda_graphs=cuda_graphs)
     unpatch_after(pipe)
     assert torch.equal(_generate(pipe, emb), ref)
-    rep = fp.report(pipe)
     if cuda_graphs:  # offloading hooks move weights per call: graphs run eager and say why
-        assert rep.models[0].graphs["status"] in ("on", "off") and (rep.models[0].graphs["eager"] or
-                                                                   rep.models[0].graphs["replays"])
+        assert_graphs_replay_or_say_why(fp.report(pipe).models[0].graphs, calls=3)
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
@@ -160,13 +167,12 @@ def test_cuda_graphs_under_each_cell_replay_or_say_why(setup, unpatch_after):
         pytest.importorskip("peft")
     ref_model = build_flux_transformer("flux-tiny", device="cuda", seed=9)
     model = build_flux_transformer("flux-tiny", device="cuda", seed=9)
-    for m in (ref_model, model):
+    inputs = flux_transformer_inputs(model, grid=(8, 8), txt_tokens=16, seed=10, device="cuda")  # bf16, before
+    for m in (ref_model, model):                                                                 # fp8 storage
         SETUPS[setup](m)
-    inputs = flux_transformer_inputs(model, grid=(8, 8), txt_tokens=16, seed=10, device="cuda")
     ref = out(ref_model, inputs)
     fp.patch(model, cuda_graphs=True)
     unpatch_after(model)
     for _ in range(3):
         assert torch.equal(out(model, inputs), ref)
-    graphs = fp.report(model).models[0].graphs
-    assert graphs["replays"] == 2 or (graphs["replays"] == 0 and sum(graphs["eager"].values()) >= 2), graphs
+    assert_graphs_replay_or_say_why(fp.report(model).models[0].graphs, calls=3)

@@ -1,6 +1,6 @@
 """One training step of a FLUX transformer in a fresh process, for `tests/test_compat_gpu.py`.
 
-    python tests/train_once.py OUT.pt [--patched] [--checkpointing] [--backend NAME]
+    python tests/train_once.py OUT.pt [--patched] [--checkpointing] [--backend NAME] [--deterministic]
 
 Builds the FLUX transformer that the compatibility issue trained (2 dual + 4 single blocks, hidden 3072, 24 heads,
 bf16, 16x16 latents, 32 text tokens), runs one forward in training mode and one backward of
@@ -13,6 +13,7 @@ same setup.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -28,7 +29,12 @@ def main() -> None:
     p.add_argument("--backend", default=None, help="diffusers attention backend (default: diffusers' default)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the tiny test config instead (a quick run on a CPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) (and cuBLAS's fixed workspace), set before any CUDA work")
     args = p.parse_args()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if args.tiny:
         model = build_flux_transformer("flux-tiny", torch.bfloat16, args.device, seed=0)
         inputs = flux_transformer_inputs(model, grid=(4, 4), txt_tokens=8, seed=1)
