@@ -26,24 +26,40 @@ def out(model, inputs):
         return model(**inputs).sample
 
 
-def _train(tmp_path, *flags) -> dict:
-    """One backward in a fresh process (see train_once.py); an environment fault is a failed run, not a skip."""
+def _train(tmp_path, *flags) -> tuple[dict | None, str]:
+    """One backward in a fresh process (see train_once.py): (saved tensors, or None where the process failed; the
+    end of its stderr)."""
     path = tmp_path / ("_".join(f.strip("-").replace("=", "-") for f in flags) or "plain")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRAIN_ONCE.parent.parent), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(TRAIN_ONCE), f"{path}.pt", *flags], env=env, capture_output=True,
                          text=True, timeout=600)
-    assert run.returncode == 0, f"train_once {' '.join(flags)} failed:\n{run.stderr[-4000:]}"
-    return torch.load(f"{path}.pt")
+    return (torch.load(f"{path}.pt") if run.returncode == 0 else None), run.stderr[-4000:]
+
+
+def _fault(stderr: str) -> str:
+    return next((line for line in reversed(stderr.splitlines()) if "Error" in line), stderr[-300:])
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-@pytest.mark.parametrize("backend", [None, "_native_flash"], ids=["default_backend", "flash"])
+@pytest.mark.parametrize("backend", [None, "_native_flash", "_native_math"], ids=["default_backend", "flash", "math"])
 def test_training_one_backward_per_process(tmp_path, checkpointing, backend):
     """Outputs, the latents' gradient and every parameter's gradient of a patched training step are `torch.equal`
-    to the unpatched step of the same setup, each in its own process."""
-    flags = (["--checkpointing"] if checkpointing else []) + ([f"--backend={backend}"] if backend else [])
-    ref = _train(tmp_path, *flags)
-    got = _train(tmp_path, "--patched", *flags)
+    to the unpatched step of the same setup, each in its own process, with deterministic algorithms on.
+
+    Measured on the H200 (issue 12): without them two *unpatched* runs with the flash backend differ in 119 of 140
+    parameter gradients (its backward accumulates dq with atomics), so no comparison could hold; with them unpatched,
+    unpatched and patched are bitwise equal. Where the unpatched step itself faults (the default backend on the H200
+    image: CUBLAS_STATUS_EXECUTION_FAILED in a bf16 GEMM of the backward), there is nothing to compare with: the test
+    is an expected failure that says so and whether the patched step ran; a patched fault where unpatched ran fails.
+    """
+    flags = ["--deterministic"] + (["--checkpointing"] if checkpointing else []) + (
+        [f"--backend={backend}"] if backend else [])
+    ref, ref_err = _train(tmp_path, *flags)
+    got, got_err = _train(tmp_path, "--patched", *flags)
+    if ref is None:
+        pytest.xfail(f"unpatched diffusers faults here too ({_fault(ref_err)}); patched: "
+                     f"{'ran' if got is not None else _fault(got_err)}")
+    assert got is not None, f"the patched step faulted where the unpatched one ran:\n{got_err}"
     assert torch.equal(got["out"], ref["out"]) and torch.equal(got["latents"], ref["latents"])
     assert got["grads"].keys() == ref["grads"].keys()
     assert all((g is None) == (got["grads"][n] is None) and (g is None or torch.equal(got["grads"][n], g))

@@ -541,21 +541,3 @@ def measure_host_cost(kernel: Kernel, args: Sequence, number: int = 20000) -> di
     return {name: min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
             for name, fn in (("pack", packed), ("slot+pack", slot_and_pack), ("ctypes struct", percall_ctypes))}
 
-
-def host_time_per_call(calls: dict, number: int = 2000, repeat: int = 5) -> dict[str, float]:
-    """Host microseconds per call of each zero-argument callable (best of ``repeat`` runs of ``number`` calls; the
-    device is synchronised around each, so the GPU's queue never throttles the host). For the bench's kernel level:
-    ``{"nvrtc": lambda: op._nvrtc_kernel(*args), "nvcc": lambda: torch.ops.diffusers_fastpath._<op>_cuda(*args),
-    "x.add(1)": lambda: x.add(1)}`` for each op, which tests/test_nvrtc.py does for the modulate."""
-    import timeit
-
-    out = {}
-    for name, fn in calls.items():
-        fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(repeat):
-            best = min(best, timeit.timeit(fn, number=number))
-            torch.cuda.synchronize()
-        out[name] = best / number * 1e6
-    return out
