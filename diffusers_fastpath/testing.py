@@ -39,6 +39,26 @@ TINY_FLUX_CONFIG = dict(
 )
 FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
 
+# https://huggingface.co/lodestones/Chroma1-HD/blob/main/transformer/config.json: diffusers' class defaults (FLUX.1's
+# 19 + 38 blocks at hidden 3072, the 5-layer distilled guidance approximator at 5120)
+CHROMA_CONFIG = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    axes_dims_rope=(16, 56, 56),
+    approximator_num_channels=64,
+    approximator_hidden_dim=5120,
+    approximator_layers=5,
+)
+TINY_CHROMA_CONFIG = dict(CHROMA_CONFIG, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                          num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8),
+                          approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=1)
+CHROMA_CONFIGS = {"chroma": CHROMA_CONFIG, "chroma-tiny": TINY_CHROMA_CONFIG}
+
 # https://huggingface.co/baidu/ERNIE-Image/blob/main/transformer/config.json
 ERNIE_IMAGE_CONFIG = dict(
     hidden_size=4096,
@@ -101,6 +121,86 @@ def build_flux_transformer(config="flux-tiny", dtype=torch.bfloat16, device="cpu
     return randomize_(model, seed).eval()
 
 
+def _latents_and_ids(cfg, batch, grid, txt_tokens, gen, dtype) -> dict:
+    """The packed latents and text states of a FLUX-style transformer, image ids laid out on ``grid``, zero text ids."""
+    h, w = grid
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    return dict(
+        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=gen).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
+        img_ids=img_ids.reshape(-1, 3),
+        txt_ids=torch.zeros(txt_tokens, 3),
+    )
+
+
+def assert_every_site_fast(report, counts: dict[str, int], calls: dict[str, int], forwards: int = 1) -> None:
+    """`report` (of one model) has `counts` sites per op, and each took its fast path ``calls[op]`` (default 1) times
+    per forward on each of `forwards` forwards, never falling back."""
+    import collections
+
+    assert collections.Counter(s.op for s in report.sites) == counts, str(report)
+    assert all(s.fast == calls.get(s.op, 1) * forwards and s.fallback == 0 for s in report.sites), str(report)
+
+
+def build_chroma_transformer(config="chroma-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``ChromaTransformer2DModel`` from a named config (``"chroma"``: Chroma1-HD; ``"chroma-tiny"``) or a dict,
+    random weights."""
+    from diffusers import ChromaTransformer2DModel
+
+    cfg = {**(CHROMA_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = ChromaTransformer2DModel(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def chroma_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, masked=0):
+    """Fresh random ``ChromaTransformer2DModel`` inputs, as ``ChromaPipeline`` passes them; with ``masked`` > 0 the
+    last ``masked`` text tokens of every sample are padding (the pipeline's attention mask over text and image)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    inputs = dict(_latents_and_ids(model.config, batch, grid, txt_tokens, gen, dtype),
+                  timestep=torch.rand(batch, generator=gen).to(dtype))
+    if masked:
+        mask = torch.ones(batch, txt_tokens + grid[0] * grid[1], dtype=torch.bool)
+        mask[:, txt_tokens - masked:txt_tokens] = False
+        inputs["attention_mask"] = mask
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def chroma_pipeline(transformer, vae):
+    """A ``ChromaPipeline`` around `transformer` and `vae` with no text encoder: call it with
+    `chroma_prompt_embeddings`."""
+    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+
+    return ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                          transformer=transformer)
+
+
+def tiny_chroma_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """A ``ChromaPipeline`` with a tiny random VAE and no text encoder (see `tiny_flux_pipeline`)."""
+    transformer = transformer if transformer is not None else build_chroma_transformer("chroma-tiny", dtype, device, seed)
+    vae = build_flux_vae("flux-tiny", dtype, device, seed + 1, latent_channels=transformer.config.in_channels // 4)
+    return chroma_pipeline(transformer, vae)
+
+
+def chroma_prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None, padding=3):
+    """Random ``prompt_embeds`` and ``negative_prompt_embeds`` with their attention masks (the last `padding`
+    tokens of the prompt masked out, as T5 padding is), for classifier-free guidance."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.joint_attention_dim
+    dtype, device = pipe.transformer.dtype, device or pipe.transformer.device
+    mask = torch.ones(batch, txt_tokens, dtype=torch.bool)
+    mask[:, txt_tokens - padding:] = False
+    return dict(
+        prompt_embeds=torch.randn(batch, txt_tokens, dim, generator=gen).to(device, dtype),
+        negative_prompt_embeds=torch.randn(batch, txt_tokens, dim, generator=gen).to(device, dtype),
+        prompt_attention_mask=mask.to(device), negative_prompt_attention_mask=torch.ones_like(mask).to(device),
+    )
+
+
 def build_ernie_image_transformer(config="ernie-image-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
     """An ``ErnieImageTransformer2DModel`` from a named config (``"ernie-image"``, ``"ernie-image-tiny"``) or a
     dict, every parameter random (the model zero-initialises its modulation and output layers)."""
@@ -139,17 +239,10 @@ def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, d
     gen = torch.Generator().manual_seed(seed)
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    h, w = grid
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
     inputs = dict(
-        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=gen).to(dtype),
-        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
+        _latents_and_ids(cfg, batch, grid, txt_tokens, gen, dtype),
         pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(dtype),
         timestep=torch.rand(batch, generator=gen).to(dtype),
-        img_ids=img_ids.reshape(-1, 3),
-        txt_ids=torch.zeros(txt_tokens, 3),
     )
     if cfg.guidance_embeds:
         inputs["guidance"] = torch.full((batch,), 3.5)

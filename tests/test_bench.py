@@ -228,6 +228,17 @@ def test_ernie_image_step_level_on_cpu(tmp_path):
     assert result["generation"]["ran"] is False and "ERNIE-Image" in result["generation"]["reason"]
 
 
+def test_chroma_step_and_generation_on_cpu(tmp_path):
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", "chroma-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
+                     "--text-tokens", "8", "--repeats", "1", "--modes", "lossless", "--no-progress", "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    lossless = _rows(result, "step")["lossless"]
+    assert lossless["bit_identical"] is True and lossless["fastpath"]["sites"] == 28  # 2 dual + 2 single blocks
+    assert _rows(result, "generation")["lossless"]["bit_identical"] is True
+
+
 def test_compiled_modes_are_left_out_by_default_on_cpu():
     p = _parser()
     args = p.parse_args(TINY)

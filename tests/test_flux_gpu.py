@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
+from diffusers_fastpath.testing import assert_every_site_fast, build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -34,8 +33,7 @@ def all_fast(rep, forwards: int = 1) -> bool:
 
 def assert_all_fast(rep, forwards: int = 1):
     """Every site of FLUX.1-dev is there and took its fast path on each of `forwards` forwards."""
-    assert collections.Counter(s.op for s in rep.sites) == FLUX_DEV_SITES, str(rep)
-    assert all_fast(rep, forwards), str(rep)
+    assert_every_site_fast(rep, FLUX_DEV_SITES, ATTENTION_CALLS, forwards)
 
 
 @pytest.fixture(scope="module")

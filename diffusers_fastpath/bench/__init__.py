@@ -7,8 +7,10 @@
     python -m diffusers_fastpath.bench --from-json run.json --plot run.png      # re-render a saved run, run nothing
 
 Models: ``flux-tiny`` (default), ``flux-dev`` (the published FLUX.1-dev transformer and VAE configs with random
-weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``ernie-image`` and
-``ernie-image-tiny`` (step level and kernels), or any FLUX pipeline path/id for ``FluxPipeline.from_pretrained``.
+weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``chroma`` and
+``chroma-tiny`` (Chroma1-HD's transformer config with FLUX.1's VAE, a half-padded prompt with guidance),
+``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), or any FLUX pipeline path/id for
+``FluxPipeline.from_pretrained``.
 
 Levels (``--levels``, default ``step,generation``; ``--kernels`` adds ``kernels``, ``--profile`` adds ``profile``):
 
@@ -44,11 +46,11 @@ from .levels.profile import CATEGORIES, CATEGORY_NAMES, categorize, idle_gaps
 from .modes import MODES, Context, Mode, register_mode
 from .render import markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
-from .subject import DTYPES, ERNIE_MODELS, FLUX_MODELS, Subject, build_subject
+from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX_MODELS, Subject, build_subject
 from .timing import Clock, Samples, md5
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_NAMES", "Clock", "Context", "DTYPES", "ERNIE_MODELS", "FLUX_MODELS", "KERNEL_CASES",
+    "CATEGORIES", "CATEGORY_NAMES", "CHROMA_MODELS", "Clock", "Context", "DTYPES", "ERNIE_MODELS", "FLUX_MODELS", "KERNEL_CASES",
     "KernelCase", "LEVELS", "MODES", "Mode", "SCHEMA", "Samples", "Shapes", "Subject", "build_subject", "categorize",
     "commit", "conditions", "idle_gaps", "kernel_cases", "main", "markdown", "md5", "plot", "register_mode", "run",
     "violations",

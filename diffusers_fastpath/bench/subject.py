@@ -11,6 +11,7 @@ from torch import nn
 
 FLUX_MODELS = ("flux-tiny", "flux-dev")
 ERNIE_MODELS = ("ernie-image-tiny", "ernie-image")
+CHROMA_MODELS = ("chroma-tiny", "chroma")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -19,7 +20,7 @@ class Subject:
     """The model under test: its transformer, one step's inputs and, for FLUX, a pipeline around it."""
 
     name: str
-    family: str  # "flux" or "ernie"
+    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes) or "ernie"
     transformer: nn.Module
     step_inputs: dict[str, Any]
     pipe: Any = None
@@ -54,6 +55,15 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
                                          latent_channels=model.config.in_channels // 4)
         pipe = testing.flux_pipeline(model, vae)
         call_kwargs = testing.prompt_embeddings(pipe, batch=args.batch, txt_tokens=args.text_tokens, seed=args.seed + 2)
+    elif args.model in CHROMA_MODELS:
+        model = _quantized(testing.build_chroma_transformer(args.model, dtype, device, seed=args.seed), args, device)
+        vae = None
+        if need_vae:  # Chroma uses FLUX.1's VAE
+            vae = testing.build_flux_vae("flux-tiny" if args.model == "chroma-tiny" else "flux-dev", dtype, device,
+                                         seed=args.seed + 1, latent_channels=model.config.in_channels // 4)
+        pipe = testing.chroma_pipeline(model, vae)
+        call_kwargs = testing.chroma_prompt_embeddings(pipe, batch=args.batch, txt_tokens=args.text_tokens,
+                                                       seed=args.seed + 2, padding=args.text_tokens // 2)
     else:  # a real FLUX pipeline (Hub id or folder); prompt embeddings from its own text encoders
         from diffusers import FluxPipeline
 

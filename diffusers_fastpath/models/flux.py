@@ -427,6 +427,12 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
         elif kind is GELU:
             state.swap_class(module, FastpathGELU)
             mark_site(state, module, LINEAR_GELU, _gelu_unfit)
+    patch_flux_attention(model, state)
+
+
+def patch_flux_attention(model: torch.nn.Module, state: PatchState) -> None:
+    """Give every ``FluxAttention`` of `model` that runs diffusers' ``FluxAttnProcessor`` the fused
+    `FastpathFluxAttnProcessor`, with its two sites (FLUX.1 and every family built on FLUX's attention: Chroma)."""
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):
         state.replace_processors(model, FluxAttention, FluxAttnProcessor, FastpathFluxAttnProcessor)
         for module in model.modules():

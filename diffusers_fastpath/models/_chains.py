@@ -1,0 +1,298 @@
+"""The elementwise chains that sit inline in diffusers' block forwards, fused by rewriting the installed source.
+
+A FLUX-style block computes its gated residuals and its second adaLN modulate inline, in its own ``forward``
+(``hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output``). The same lines recur, under other class
+names and around other small differences, in Chroma, FLUX.2, Qwen-Image, SD3, Wan, HunyuanVideo and the FLUX
+derivatives. Rather than keep a copy of each forward per family (which each diffusers release can silently outdate,
+and which a source digest then switches off), `fused_subclass` reads the forward that is *installed*, parses it,
+replaces the statements that match one of the chain patterns below with a call of the fused op, and compiles the
+result as the forward of a subclass. Every other line is diffusers' own, as installed; a forward where no pattern
+matches is left alone (and the adapter says so).
+
+Patterns (``G``, ``E``, ``R``, ``X``, ``S``, ``T`` any expressions; ``U``, ``H``, ``N`` names; ``A`` an attribute
+of ``self``):
+
+- gated residual, into `diffusers_fastpath.ops.gated_residual` (whose fallback is this very expression):
+
+  - ``U = G * E`` directly followed by ``H = R + U``, ``U`` not read again  ->  ``H = gated_residual(R, G, E, site)``
+  - ``H = R + G * E``                                                       ->  the same
+
+  where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
+- LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift`, or the ``"high"`` tier's folded
+  affine where mounted; the fallback is the LayerNorm module and the exact modulate):
+
+  - ``N = self.A(X)`` directly followed by ``N = N * (1 + S[:, None]) + T[:, None]``  ->  ``N = norm_modulate(self.A, X, S, T, site)``
+  - ``N = self.A(X) * (1 + S[:, None]) + T[:, None]``                               ->  the same
+
+  with the site on the module ``self.A`` (`report`: ``<block>.<A>``).
+
+Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
+any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
+expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
+is the original's.
+
+The generated source is registered with `linecache`, so tracebacks and ``inspect.getsource`` show the rewritten
+lines; the subclasses are created when the adapter module is imported, so pickles of patched models find them by
+name.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import linecache
+import textwrap
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .._logging import logger
+from .._state import PatchState, site_attr
+from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift
+from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
+
+MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
+GATED_RESIDUAL = "gated_residual"
+_NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
+
+
+def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of an adaLN site, as the fused
+    `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts); where
+    the ``"high"`` tier is mounted on `norm`, the modulate folded into the LayerNorm's affine (B == 1, else
+    lossless)."""
+    tier = norm.__dict__.get("_fastpath_tier")
+    if tier is not None and tier.mounted:
+        return layer_norm_affine(norm, x, scale, shift, tier.counters)
+    return layernorm_scale_shift(norm, x, scale, shift, site)
+
+
+@dataclass
+class Rewrite:
+    """What `rewrite_forward` found in one forward: the sites the rewritten statements count on."""
+
+    gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
+    norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
+
+    def __bool__(self) -> bool:
+        return bool(self.gates or self.norms)
+
+
+def _call(func: str, args: list[ast.expr]) -> ast.Call:
+    return ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr=func, ctx=ast.Load()), args=args,
+                    keywords=[])
+
+
+def _self_attr(*names: str) -> ast.expr:
+    node: ast.expr = ast.Name("self", ast.Load())
+    for name in names:
+        node = ast.Attribute(value=node, attr=name, ctx=ast.Load())
+    return node
+
+
+def _gate_name(gate: ast.expr) -> str | None:
+    """The site name of a gate expression: ``g.unsqueeze(1)`` or ``g`` gives ``g``."""
+    if isinstance(gate, ast.Name):
+        return gate.id
+    if (isinstance(gate, ast.Call) and isinstance(gate.func, ast.Attribute) and gate.func.attr == "unsqueeze"
+            and isinstance(gate.func.value, ast.Name) and len(gate.args) == 1 and not gate.keywords
+            and isinstance(gate.args[0], ast.Constant) and gate.args[0].value == 1):
+        return gate.func.value.id
+    return None
+
+
+def _is_none_row(node: ast.expr) -> ast.expr | None:
+    """``S`` if `node` is ``S[:, None]``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
+        first, second = node.slice.elts
+        if (isinstance(first, ast.Slice) and first.lower is None and first.upper is None and first.step is None
+                and isinstance(second, ast.Constant) and second.value is None):
+            return node.value
+    return None
+
+
+def _modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
+    """``(N, S, T)`` if `node` is ``N * (1 + S[:, None]) + T[:, None]``."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.BinOp)
+            and isinstance(node.left.op, ast.Mult)):
+        return None
+    factor = node.left.right
+    if not (isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Add) and isinstance(factor.left, ast.Constant)
+            and factor.left.value == 1 and type(factor.left.value) is int):
+        return None
+    scale, shift = _is_none_row(factor.right), _is_none_row(node.right)
+    if scale is None or shift is None:
+        return None
+    return node.left.left, scale, shift
+
+
+def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """``(A, X)`` if `node` is ``self.A(X)``."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self" and len(node.args) == 1 and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)):
+        return node.func.attr, node.args[0]
+    return None
+
+
+def _single_target(stmt: ast.stmt) -> str | None:
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id
+    return None
+
+
+def _reads_after(body_after: list[ast.stmt], name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+               for stmt in body_after for n in ast.walk(stmt))
+
+
+class _Rewriter:
+    def __init__(self) -> None:
+        self.found = Rewrite()
+
+    def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt) -> ast.stmt | None:
+        name = _gate_name(gate)
+        if name is None or name in self.found.gates:
+            return None
+        self.found.gates.append(name)
+        call = _call("gated_residual", [residual, gate, update, _self_attr(site_attr(name))])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
+
+    def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, like: ast.stmt) -> ast.stmt:
+        if attr not in self.found.norms:
+            self.found.norms.append(attr)
+        call = _call("norm_modulate", [_self_attr(attr), x, scale, shift, _self_attr(attr, site_attr())])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
+
+    def one(self, stmt: ast.stmt) -> ast.stmt | None:
+        """A one-statement pattern, rewritten, or None."""
+        target = _single_target(stmt)
+        if target is None:
+            return None
+        value = stmt.value
+        if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
+                and isinstance(value.right.op, ast.Mult)):
+            return self._gated(target, value.left, value.right.left, value.right.right, stmt)
+        modulate = _modulate_of(value)
+        if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
+            return self._modulated(target, called[0], called[1], modulate[1], modulate[2], stmt)
+        return None
+
+    def two(self, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
+        """A two-statement pattern (`first` directly followed by `second`), rewritten as one statement, or None."""
+        u, h = _single_target(first), _single_target(second)
+        if u is None or h is None:
+            return None
+        a, b = first.value, second.value
+        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
+                and isinstance(b.op, ast.Add) and isinstance(b.right, ast.Name) and b.right.id == u
+                and isinstance(b.left, ast.Name) and b.left.id != u  # R a plain name: evaluating it first changes nothing
+                and (h == u or not _reads_after(rest, u))):
+            return self._gated(h, b.left, a.left, a.right, second)
+        called = _self_module_call(a)
+        modulate = _modulate_of(b)
+        if (called is not None and modulate is not None and h == u and isinstance(modulate[0], ast.Name)
+                and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)):
+            return self._modulated(h, called[0], called[1], modulate[1], modulate[2], second)
+        return None
+
+    def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        i = 0
+        while i < len(body):
+            stmt = body[i]
+            for name in ("body", "orelse", "finalbody"):  # if / for / while / with / try blocks
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    setattr(stmt, name, self.body(inner))
+            if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1], body[i + 2:])) is not None:
+                out.append(merged)
+                i += 2
+                continue
+            out.append(self.one(stmt) or stmt)
+            i += 1
+        return out
+
+
+def _uses(node: ast.expr, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def rewrite_forward(fn, qualname: str) -> tuple[object, Rewrite] | None:
+    """`fn` (a method of a diffusers block) with its chains routed through the fused ops, and what was found; or
+    ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern matched."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    if fn.__code__.co_freevars:
+        return None
+    tree = ast.parse(source)
+    (func,) = tree.body
+    if not isinstance(func, ast.FunctionDef):
+        return None
+    func.decorator_list = []  # the function is wrapped below, never re-decorated
+    rewriter = _Rewriter()
+    func.body = rewriter.body(copy.deepcopy(func.body))
+    if not rewriter.found:
+        return None
+    ast.fix_missing_locations(tree)
+    text = ast.unparse(tree) + "\n"
+    filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace: dict = {}
+    module_globals = fn.__globals__
+    module_globals.setdefault(_NS, _ChainsNamespace)
+    exec(compile(text, filename, "exec"), module_globals, namespace)  # noqa: S102 (diffusers' own source, rewritten)
+    new = namespace[func.name]
+    new.__qualname__ = qualname
+    new.__doc__ = fn.__doc__
+    return new, rewriter.found
+
+
+class _ChainsNamespace:
+    """What the rewritten forwards call. A pattern is matched by its syntax alone, so an operand may turn out not to
+    be a tensor at run time: then the replaced expression runs as written."""
+
+    @staticmethod
+    def gated_residual(residual, gate, update, site):
+        if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
+            return residual + gate * update
+        return gated_residual(residual, gate, update, site)
+
+    @staticmethod
+    def norm_modulate(norm, x, scale, shift, site):
+        if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
+            return norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return norm_modulate(norm, x, scale, shift, site)
+
+
+def fused_subclass(cls: type, name: str, module: str) -> tuple[type, Rewrite] | tuple[None, None]:
+    """A subclass of the diffusers block `cls` named `name` (defined in the adapter module `module`) whose forward
+    is `cls.forward` with its chains fused, and what was rewritten; ``(None, None)`` with a warning where nothing
+    could be."""
+    rewritten = rewrite_forward(cls.forward, f"{name}.forward")
+    if rewritten is None:
+        logger.warning(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.forward; "
+                       "it stays unpatched (exact, no speedup)")
+        return None, None
+    forward, found = rewritten
+    doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``forward`` fused "
+           f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'}, LayerNorm + modulate "
+           f"of {found.norms or '-'}. Adds no state beyond the fusion sites.")
+    sub = type(name, (cls,), {"forward": forward, "__module__": module, "__qualname__": name, "__doc__": doc})
+    forward.__module__ = module
+    return sub, found
+
+
+def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None:
+    """The sites the rewritten forward of `block` counts on: one `gated_residual` per gate, one LayerNorm +
+    modulate per norm (with the ``"high"`` tier's LayerNorm-affine site on the same norm)."""
+    for gate in found.gates:
+        state.add_site(block, GATED_RESIDUAL, gate)
+    for attr in found.norms:
+        norm = getattr(block, attr)
+        state.add_site(norm, MODULATE)
+        mark_site(state, norm, LAYER_NORM_AFFINE, layer_norm_unfit)

@@ -1,0 +1,60 @@
+"""Chroma adapter: diffusers' ``ChromaTransformer2DModel`` (Chroma1-HD, Chroma1-Base, Chroma1-Flash).
+
+Chroma is FLUX.1's architecture with the per-block adaLN projections pruned into one ``distilled_guidance_layer``:
+its blocks take their modulation rows as input. Everything it shares with FLUX.1 is fused by the same pieces, and
+nothing of its own is copied here:
+
+- the inline chains of its four forwards (``ChromaAdaLayerNormZeroPruned``, ``ChromaAdaLayerNormZeroSinglePruned``,
+  ``ChromaTransformerBlock``, ``ChromaSingleTransformerBlock``) are rewritten from the installed diffusers source by
+  `diffusers_fastpath.models._chains`: every adaLN LayerNorm + modulate runs as the fused `layernorm_scale_shift`
+  and every gated residual as the fused `gated_residual`;
+- its attention is FLUX's (``FluxAttention`` with ``FluxAttnProcessor``): the fused `FastpathFluxAttnProcessor`
+  (QK RMSNorm + concatenation + rotary in one `qk_norm_rope` each), also with Chroma's attention mask;
+- ``FluxPosEmbed`` builds the rotary tables once per forward, as in FLUX.1.
+
+Per Chroma1-HD step (19 dual + 38 single blocks): 114 LayerNorm + modulate sites (38 + 38 in the adaLN modules, 38
+``norm2``/``norm2_context`` in the dual blocks), 114 gated residual sites, 57 attention processors. Not fused yet: the
+single block's GELU and concatenation (`gelu_cat` in FLUX.1) and the FFN GELUs of the ``"high"`` tier.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.transformers.transformer_chroma import (
+    ChromaAdaLayerNormZeroPruned,
+    ChromaAdaLayerNormZeroSinglePruned,
+    ChromaSingleTransformerBlock,
+    ChromaTransformer2DModel,
+    ChromaTransformerBlock,
+)
+
+from .._state import PatchState, register_adapter
+from ._chains import add_chain_sites, fused_subclass
+from .flux import patch_flux_attention
+
+# Created at import, so that a pickled patched model finds them here by name.
+FastpathChromaAdaLayerNormZeroPruned, _ADALN = fused_subclass(
+    ChromaAdaLayerNormZeroPruned, "FastpathChromaAdaLayerNormZeroPruned", __name__)
+FastpathChromaAdaLayerNormZeroSinglePruned, _ADALN_SINGLE = fused_subclass(
+    ChromaAdaLayerNormZeroSinglePruned, "FastpathChromaAdaLayerNormZeroSinglePruned", __name__)
+FastpathChromaTransformerBlock, _BLOCK = fused_subclass(ChromaTransformerBlock, "FastpathChromaTransformerBlock", __name__)
+FastpathChromaSingleTransformerBlock, _SINGLE_BLOCK = fused_subclass(
+    ChromaSingleTransformerBlock, "FastpathChromaSingleTransformerBlock", __name__)
+
+_SWAPS = {
+    ChromaAdaLayerNormZeroPruned: (FastpathChromaAdaLayerNormZeroPruned, _ADALN),
+    ChromaAdaLayerNormZeroSinglePruned: (FastpathChromaAdaLayerNormZeroSinglePruned, _ADALN_SINGLE),
+    ChromaTransformerBlock: (FastpathChromaTransformerBlock, _BLOCK),
+    ChromaSingleTransformerBlock: (FastpathChromaSingleTransformerBlock, _SINGLE_BLOCK),
+}
+
+
+@register_adapter(ChromaTransformer2DModel)
+def patch_chroma(model: ChromaTransformer2DModel, state: PatchState) -> None:
+    """Swap Chroma's adaLN modules and blocks for their chain-fused subclasses and its attention processors for
+    FLUX's fused one (see module doc)."""
+    for module in model.modules():
+        swap = _SWAPS.get(type(module))
+        if swap is not None and swap[0] is not None:
+            state.swap_class(module, swap[0])
+            add_chain_sites(state, module, swap[1])
+    patch_flux_attention(model, state)

@@ -1,0 +1,134 @@
+"""The chain rewriter (`diffusers_fastpath.models._chains`): which statements it fuses, which it must leave alone,
+and that FLUX.1's hand-mirrored forwards (the oracle) are what it finds in diffusers' FLUX sources."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+import torch
+from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
+from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+from diffusers_fastpath.models import _chains, flux
+from diffusers_fastpath.ops import Site
+
+
+class Block(torch.nn.Module):
+    """A block in the style of diffusers' forwards, with every pattern and the near misses the rewriter must skip."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, emb, gate_a, gate_b, gate_c, scale, shift, k):
+        h = self.norm(x)
+        h = h * (1 + scale[:, None]) + shift[:, None]          # two-statement modulate
+        y = self.norm(x) * (1 + scale[:, None]) + shift[:, None]  # inline modulate
+        u = gate_a.unsqueeze(1) * self.proj(h)
+        x = x + u                                             # two-statement gated residual
+        x = x + gate_b.unsqueeze(1) * y                       # inline gated residual
+        v = gate_c.unsqueeze(1) * y
+        z = x + v                                             # near miss: v is read again below
+        w = k * 2
+        w2 = w + 1                                            # near miss: a constant, not a gated residual
+        return x, y, z + v, w2
+
+
+def _inputs(seed=0, dim=8):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16)  # noqa: E731
+    return dict(x=r(2, 5, dim), emb=r(2, dim), gate_a=r(2, dim), gate_b=r(2, dim), gate_c=r(2, dim), scale=r(2, dim),
+                shift=r(2, dim), k=3)
+
+
+def _fused_block():
+    sub, found = _chains.fused_subclass(Block, "FusedBlock", __name__)
+    return sub, found
+
+
+def test_finds_the_patterns_and_skips_the_near_misses():
+    sub, found = _fused_block()
+    assert found.gates == ["gate_a", "gate_b"] and found.norms == ["norm"]
+    source = inspect.getsource(sub.forward)  # the rewritten source, registered with linecache
+    assert source.count("_diffusers_fastpath_chains.gated_residual(") == 2
+    assert source.count("_diffusers_fastpath_chains.norm_modulate(") == 2
+    assert "v = gate_c.unsqueeze(1) * y" in source and "z = x + v" in source and "w2 = w + 1" in source
+
+
+def _with_sites(block, found):
+    for gate in found.gates:
+        setattr(block, f"_fastpath_site_{gate}", Site("gated_residual"))
+    block.norm._fastpath_site = Site("layernorm_scale_shift")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rewritten_forward_is_bit_identical_and_counts_on_its_sites(seed, monkeypatch):
+    """The fused ops' fast paths are exercised on CPU with their kernels replaced by torch code of the same rounding
+    (gated residual) and by the reference (LayerNorm + modulate): the rewrite's wiring, not the kernels, is tested."""
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
+
+    torch.manual_seed(seed)
+    ref_block = Block().to(torch.bfloat16)
+    sub, found = _fused_block()
+    block = sub().to(torch.bfloat16)
+    block.load_state_dict(ref_block.state_dict())
+    _with_sites(block, found)
+    inputs = _inputs(seed)
+    ref = ref_block(**inputs)
+    monkeypatch.setattr(GATED_RESIDUAL, "guard", lambda *a, check_pointers=True: None)
+    monkeypatch.setattr(GATED_RESIDUAL, "kernel", lambda r, g, u: (r.float() + (g.float() * u.float()).to(r.dtype).float()).to(r.dtype))
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "guard", lambda *a, check_pointers=True: None)
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "kernel", layernorm_scale_shift_ref)
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "verify_key", None, raising=False)
+    got = block(**inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], ref[:3])) and got[3] == ref[3] == 7
+    assert block._fastpath_site_gate_a.fast == block._fastpath_site_gate_b.fast == 1
+    assert block.norm._fastpath_site.fast == 2
+
+
+def test_operands_that_are_not_tensors_run_the_original_expression():
+    ns = _chains._ChainsNamespace
+    assert ns.gated_residual(1, 2, 3, None) == 7
+    norm = torch.nn.Identity()  # not a LayerNorm: the module runs as written
+    x, s = torch.ones(2, 3, 4), torch.full((2, 4), 0.5)
+    assert torch.equal(ns.norm_modulate(norm, x, s, s, None), x * (1 + s[:, None]) + s[:, None])
+
+
+def test_nothing_to_fuse_warns_and_gives_none(fastpath_log):
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    assert _chains.fused_subclass(Plain, "FusedPlain", __name__) == (None, None)
+    assert any("found no chain to fuse" in r.getMessage() for r in fastpath_log.records)
+
+
+def test_forwards_with_a_closure_are_left_alone():
+    class WithSuper(torch.nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            return x + y.unsqueeze(1) * y
+
+    assert _chains.rewrite_forward(WithSuper.forward, "WithSuper.forward") is None
+
+
+def test_flux_hand_mirrors_are_what_the_rewriter_finds():
+    """FLUX.1's hand-mirrored forwards are the oracle: in diffusers' own FLUX block and adaLN sources the rewriter
+    finds exactly the gated residuals and LayerNorm + modulates that the hand path fuses."""
+    _, found = _chains.rewrite_forward(FluxTransformerBlock.forward, "X.forward")
+    assert found.gates == list(flux._BLOCK_GATES) and found.norms == ["norm2", "norm2_context"]
+    for cls in (AdaLayerNormZero, AdaLayerNormZeroSingle):
+        _, found = _chains.rewrite_forward(cls.forward, "X.forward")
+        assert found.gates == [] and found.norms == ["norm"]
+
+
+def test_rewritten_classes_pickle_by_name():
+    from diffusers_fastpath.models import chroma
+
+    cls = chroma.FastpathChromaTransformerBlock
+    assert pickle.loads(pickle.dumps(cls)) is cls
+    assert cls.forward.__module__ == chroma.__name__ and cls.__qualname__ == "FastpathChromaTransformerBlock"

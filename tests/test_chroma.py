@@ -1,0 +1,117 @@
+"""Chroma (``ChromaTransformer2DModel``) on CPU: exactness with and without the attention mask, the fused paths'
+wiring (kernels emulated), pipelines with guidance, state dicts, reversibility, pickling, the report."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock, ChromaTransformerBlock
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import chroma
+from diffusers_fastpath.testing import (build_chroma_transformer, chroma_prompt_embeddings, chroma_transformer_inputs,
+                                        tiny_chroma_pipeline)
+
+# the tiny config: 2 dual + 2 single blocks
+TINY_SITES = {"layernorm_scale_shift": 2 * 4 + 2, "gated_residual": 2 * 4 + 2, "qk_norm_rope": 4, "rotary_emb": 4}
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def test_chroma_is_supported():
+    assert "ChromaTransformer2DModel" in fp.supported_classes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,masked", [(1, 0), (2, 3)], ids=["b1", "b2-masked"])
+def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, masked, unpatch_after):
+    ref_model = build_chroma_transformer(dtype=dtype, seed=3)
+    model = build_chroma_transformer(dtype=dtype, seed=3)
+    inputs = chroma_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=4, masked=masked)
+    ref = run(ref_model, inputs)
+    assert torch.isfinite(ref).all() and ref.std() > 0.1
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert collections.Counter(s.op for s in fp.report(model).sites) == TINY_SITES
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_site_on_the_fast_path_is_exact(batch, monkeypatch, unpatch_after):
+    """The fused paths' wiring on CPU, kernels replaced by torch code of the same rounding (gated residual) and by
+    the reference (LayerNorm + modulate): every site fast once, and the output still bit-identical."""
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
+
+    model = build_chroma_transformer(seed=5)
+    inputs = chroma_transformer_inputs(model, batch=batch, grid=(4, 4), txt_tokens=6, seed=6, masked=batch - 1)
+    ref = run(model, inputs)
+    monkeypatch.setattr(GATED_RESIDUAL, "guard", lambda *a, check_pointers=True: None)
+    monkeypatch.setattr(GATED_RESIDUAL, "kernel", lambda r, g, u: (r.float() + (g.float() * u.float()).to(r.dtype).float()).to(r.dtype))
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "guard", lambda *a, check_pointers=True: None)
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "kernel", layernorm_scale_shift_ref)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    sites = {s.site: s for s in fp.report(model).sites if s.op in ("gated_residual", "layernorm_scale_shift")}
+    gates = ("gate_msa", "gate_mlp", "c_gate_msa", "c_gate_mlp")
+    assert sorted(sites) == sorted(
+        [f"transformer_blocks.{i}:{g}" for i in range(2) for g in gates]
+        + [f"single_transformer_blocks.{i}:gate" for i in range(2)]
+        + [f"transformer_blocks.{i}.{n}" for i in range(2) for n in ("norm1.norm", "norm1_context.norm", "norm2", "norm2_context")]
+        + [f"single_transformer_blocks.{i}.norm.norm" for i in range(2)]
+    )
+    assert all(s.fast == 1 and s.fallback == 0 for s in sites.values()), fp.report(model, verbose=True)
+
+
+def test_pipeline_with_guidance_and_a_padded_prompt_matches_unpatched(unpatch_after):
+    ref_pipe, pipe = tiny_chroma_pipeline(seed=7), tiny_chroma_pipeline(seed=7)
+    emb = chroma_prompt_embeddings(pipe, batch=1, txt_tokens=8, padding=3)
+
+    def generate(p):
+        p.set_progress_bar_config(disable=True)
+        return p(**emb, height=64, width=64, num_inference_steps=3, guidance_scale=4.0, output_type="latent",
+                 generator=torch.Generator().manual_seed(8)).images
+
+    ref = generate(ref_pipe)
+    fp.patch(pipe)
+    unpatch_after(pipe)
+    assert torch.equal(generate(pipe), ref)
+
+
+def test_state_dict_unpatch_and_pickle(unpatch_after):
+    model = build_chroma_transformer(seed=9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    fp.patch(model)
+    assert isinstance(model.transformer_blocks[0], chroma.FastpathChromaTransformerBlock)
+    assert isinstance(model.single_transformer_blocks[0], chroma.FastpathChromaSingleTransformerBlock)
+    assert isinstance(model.transformer_blocks[0], ChromaTransformerBlock)  # a subclass: isinstance keeps working
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    inputs = chroma_transformer_inputs(model, seed=10)
+    loaded = pickle.loads(pickle.dumps(model))  # loads patched, finds the rewritten classes by name
+    unpatch_after(loaded)
+    assert type(loaded.single_transformer_blocks[1]) is chroma.FastpathChromaSingleTransformerBlock
+    assert torch.equal(run(loaded, inputs), run(model, inputs))
+    fp.unpatch(model)
+    assert [type(m) for m in model.modules()] == types
+    assert type(model.single_transformer_blocks[0]) is ChromaSingleTransformerBlock
+    assert not any(k.startswith("_fastpath") for m in model.modules() for k in vars(m))
+
+
+def test_gradients_flow_through_the_eager_path(unpatch_after):
+    ref_model, model = build_chroma_transformer(dtype=torch.float32, seed=11), build_chroma_transformer(dtype=torch.float32, seed=11)
+    inputs = chroma_transformer_inputs(model, seed=12)
+    fp.patch(model)
+    unpatch_after(model)
+    for m in (ref_model, model):
+        m(**inputs).sample.square().mean().backward()
+    for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
