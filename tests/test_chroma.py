@@ -115,3 +115,32 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
         m(**inputs).sample.square().mean().backward()
     for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+
+
+def test_patched_model_compiles_with_fullgraph(unpatch_after):
+    """The rewritten forwards trace without graph breaks (the fused ops are custom ops; the chains namespace is a
+    plain class)."""
+    model = build_chroma_transformer(seed=13)
+    inputs = chroma_transformer_inputs(model, seed=14, masked=2)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(run(compiled, inputs), ref)
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offload_on_a_patched_chroma(offload_type, unpatch_after):
+    """diffusers' group offloading (CPU to CPU here; the GPU cells are FLUX's), patched after it is enabled, against
+    the unpatched model with the same setup. (diffusers' caches do not register Chroma's blocks: unpatched
+    ``enable_cache`` raises, so there is nothing to compare.)"""
+    ref_model, model = build_chroma_transformer(seed=15), build_chroma_transformer(seed=15)
+    kwargs = dict(num_blocks_per_group=1) if offload_type == "block_level" else {}
+    for m in (ref_model, model):
+        m.enable_group_offload(onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                               offload_type=offload_type, **kwargs)
+    inputs = chroma_transformer_inputs(model, seed=16)
+    fp.patch(model)
+    unpatch_after(model)
+    for _ in range(2):
+        assert torch.equal(run(model, inputs), run(ref_model, inputs))
