@@ -201,6 +201,44 @@ def chroma_prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None, p
     )
 
 
+# FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
+# class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
+_TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+                       joint_attention_dim=32, axes_dims_rope=(4, 4, 8))
+FLUX_CLONE_CONFIGS = {
+    "LongCatImageTransformer2DModel": dict(_TINY_FLUX_LIKE, pooled_projection_dim=32),
+    "OvisImageTransformer2DModel": dict(_TINY_FLUX_LIKE, out_channels=4),
+    "BriaTransformer2DModel": dict(_TINY_FLUX_LIKE),
+}
+
+
+def build_flux_clone(class_name: str, dtype=torch.bfloat16, device="cpu", seed=0, tiny=True, **overrides):
+    """One of the FLUX-architecture transformers of `FLUX_CLONE_CONFIGS` by class name, tiny (or at the class
+    defaults, ``tiny=False``), random weights."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    cfg = {**(FLUX_CLONE_CONFIGS[class_name] if tiny else {}), **overrides}
+    with _construct(device, dtype):
+        model = cls(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def flux_clone_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
+    """Fresh random inputs for a `build_flux_clone` model: FLUX's latents and ids, a timestep, and pooled projections
+    where the model takes them."""
+    import inspect
+
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    inputs = dict(_latents_and_ids(model.config, batch, grid, txt_tokens, gen, dtype),
+                  timestep=torch.rand(batch, generator=gen).to(dtype))
+    if "pooled_projections" in inspect.signature(model.forward).parameters and model.config.get("pooled_projection_dim"):
+        inputs["pooled_projections"] = torch.randn(batch, model.config.pooled_projection_dim, generator=gen).to(dtype)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 def build_ernie_image_transformer(config="ernie-image-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
     """An ``ErnieImageTransformer2DModel`` from a named config (``"ernie-image"``, ``"ernie-image-tiny"``) or a
     dict, every parameter random (the model zero-initialises its modulation and output layers)."""

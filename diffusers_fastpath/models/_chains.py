@@ -25,6 +25,13 @@ of ``self``):
   - ``N = self.A(X) * (1 + S[:, None]) + T[:, None]``                               ->  the same
 
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``).
+- rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
+  attention processors:
+
+  - ``Q = apply_rotary_emb(X, E, sequence_dim=1)`` (diffusers' ``embeddings.apply_rotary_emb``, real cos/sin
+    tables)  ->  ``Q = rotary(X, E, site)``
+
+  with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument).
 
 Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
 any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
@@ -50,11 +57,14 @@ from torch import nn
 
 from .._logging import logger
 from .._state import PatchState, site_attr
-from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift
+from diffusers.models import embeddings
+
+from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift, rotary_emb
 from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 GATED_RESIDUAL = "gated_residual"
+ROTARY = "rotary_emb"
 _NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
 
 
@@ -75,9 +85,10 @@ class Rewrite:
 
     gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
     norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
+    rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
 
     def __bool__(self) -> bool:
-        return bool(self.gates or self.norms)
+        return bool(self.gates or self.norms or self.rotary)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -148,9 +159,21 @@ def _reads_after(body_after: list[ast.stmt], name: str) -> bool:
                for stmt in body_after for n in ast.walk(stmt))
 
 
+def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    """``(X, E)`` if `node` is ``apply_rotary_emb(X, E, sequence_dim=1)``."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "apply_rotary_emb"
+            and len(node.args) == 2 and not any(isinstance(a, ast.Starred) for a in node.args)
+            and len(node.keywords) == 1 and node.keywords[0].arg == "sequence_dim"
+            and isinstance(node.keywords[0].value, ast.Constant) and node.keywords[0].value.value == 1):
+        return node.args[0], node.args[1]
+    return None
+
+
 class _Rewriter:
-    def __init__(self) -> None:
+    def __init__(self, owner: str, rotary_ok: bool) -> None:
         self.found = Rewrite()
+        self.owner = owner  # the name of the module the rotary site lives on
+        self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
 
     def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt) -> ast.stmt | None:
         name = _gate_name(gate)
@@ -178,6 +201,13 @@ class _Rewriter:
         modulate = _modulate_of(value)
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
             return self._modulated(target, called[0], called[1], modulate[1], modulate[2], stmt)
+        rotary = _rotary_call(value) if self.rotary_ok else None
+        if rotary is not None:
+            self.found.rotary += 1
+            site = ast.Call(func=ast.Name("getattr", ast.Load()), args=[
+                ast.Name(self.owner, ast.Load()), ast.Constant(site_attr(ROTARY)), ast.Constant(None)], keywords=[])
+            call = _call("rotary", [rotary[0], rotary[1], site])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         return None
 
     def two(self, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
@@ -221,8 +251,9 @@ def _uses(node: ast.expr, name: str) -> bool:
 
 
 def rewrite_forward(fn, qualname: str) -> tuple[object, Rewrite] | None:
-    """`fn` (a method of a diffusers block) with its chains routed through the fused ops, and what was found; or
-    ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern matched."""
+    """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
+    what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
+    matched."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -234,7 +265,9 @@ def rewrite_forward(fn, qualname: str) -> tuple[object, Rewrite] | None:
     if not isinstance(func, ast.FunctionDef):
         return None
     func.decorator_list = []  # the function is wrapped below, never re-decorated
-    rewriter = _Rewriter()
+    params = [a.arg for a in func.args.args]
+    owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
+    rewriter = _Rewriter(owner, fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb)
     func.body = rewriter.body(copy.deepcopy(func.body))
     if not rewriter.found:
         return None
@@ -268,23 +301,52 @@ class _ChainsNamespace:
             return norm(x) * (1 + scale[:, None]) + shift[:, None]
         return norm_modulate(norm, x, scale, shift, site)
 
+    @staticmethod
+    def rotary(x, freqs, site):
+        if not (isinstance(x, torch.Tensor) and isinstance(freqs, (tuple, list)) and len(freqs) == 2
+                and all(isinstance(t, torch.Tensor) for t in freqs)):
+            return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
+        return rotary_emb(x, freqs[0], freqs[1], site)
 
-def fused_subclass(cls: type, name: str, module: str) -> tuple[type, Rewrite] | tuple[None, None]:
-    """A subclass of the diffusers block `cls` named `name` (defined in the adapter module `module`) whose forward
-    is `cls.forward` with its chains fused, and what was rewritten; ``(None, None)`` with a warning where nothing
-    could be."""
-    rewritten = rewrite_forward(cls.forward, f"{name}.forward")
+
+def fused_subclass(cls: type, name: str, module: str, method: str = "forward") -> tuple[type, Rewrite] | tuple[None, None]:
+    """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
+    defined in the adapter module `module`, whose `method` is the installed one with its chains fused, and what was
+    rewritten; ``(None, None)`` with a warning where nothing could be."""
+    rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}")
     if rewritten is None:
-        logger.warning(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.forward; "
+        logger.warning(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.{method}; "
                        "it stays unpatched (exact, no speedup)")
         return None, None
-    forward, found = rewritten
-    doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``forward`` fused "
+    fn, found = rewritten
+    doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'}, LayerNorm + modulate "
-           f"of {found.norms or '-'}. Adds no state beyond the fusion sites.")
-    sub = type(name, (cls,), {"forward": forward, "__module__": module, "__qualname__": name, "__doc__": doc})
-    forward.__module__ = module
+           f"of {found.norms or '-'}, rotary embeddings {found.rotary}. Adds no state beyond the fusion sites.")
+    sub = type(name, (cls,), {method: fn, "__module__": module, "__qualname__": name, "__doc__": doc})
+    fn.__module__ = module
     return sub, found
+
+
+def replace_processors(state: PatchState, model: nn.Module, attention_cls: type, default_cls: type,
+                       fused_cls: type | None) -> None:
+    """Give every `attention_cls` module of `model` running diffusers' `default_cls` the rewritten `fused_cls`
+    (`fused_subclass` of it, ``method="__call__"``) and its ``rotary_emb`` site; others are left and noted."""
+    if fused_cls is None:
+        return
+    state.replace_processors(model, attention_cls, default_cls, fused_cls)
+    for module in model.modules():
+        if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
+            state.add_site(module, ROTARY, name=ROTARY)
+
+
+def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[type | None, Rewrite | None]]) -> None:
+    """Swap every module of `model` whose exact class is a key of `swaps` for its `fused_subclass`, with its sites
+    (a class that had nothing to rewrite maps to ``(None, None)`` and stays)."""
+    for module in model.modules():
+        fused, found = swaps.get(type(module), (None, None))
+        if fused is not None:
+            state.swap_class(module, fused)
+            add_chain_sites(state, module, found)
 
 
 def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None:

@@ -28,7 +28,7 @@ from diffusers.models.transformers.transformer_chroma import (
 )
 
 from .._state import PatchState, register_adapter
-from ._chains import add_chain_sites, fused_subclass
+from ._chains import fused_subclass, swap_rewritten
 from .flux import patch_flux_attention
 
 # Created at import, so that a pickled patched model finds them here by name.
@@ -52,9 +52,5 @@ _SWAPS = {
 def patch_chroma(model: ChromaTransformer2DModel, state: PatchState) -> None:
     """Swap Chroma's adaLN modules and blocks for their chain-fused subclasses and its attention processors for
     FLUX's fused one (see module doc)."""
-    for module in model.modules():
-        swap = _SWAPS.get(type(module))
-        if swap is not None and swap[0] is not None:
-            state.swap_class(module, swap[0])
-            add_chain_sites(state, module, swap[1])
+    swap_rewritten(state, model, _SWAPS)
     patch_flux_attention(model, state)

@@ -385,26 +385,33 @@ def _gelu_unfit(gelu: GELU) -> str | None:
     return linear_gelu_unfit(gelu.proj, gelu.approximate)
 
 
+def patch_adaln(module: torch.nn.Module, state: PatchState) -> bool:
+    """Swap `module` if it is one of diffusers' shared ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` (FLUX.1 and
+    every family built on them) for its fused subclass, with its site and its ``"high"`` tier site; True if it was."""
+    kind = type(module)
+    if kind is AdaLayerNormZero and mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD):
+        state.swap_class(module, FastpathAdaLayerNormZero)
+    elif kind is AdaLayerNormZeroSingle and mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD):
+        state.swap_class(module, FastpathAdaLayerNormZeroSingle)
+    else:
+        return False
+    state.add_site(module, MODULATE)
+    mark_site(state, module.norm, LAYER_NORM_AFFINE, layer_norm_unfit)
+    return True
+
+
 @register_adapter(FluxTransformer2DModel)
 def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     """Swap FLUX.1's adaLN modules, blocks, GELUs and attention processors (see module doc)."""
-    swap_adaln = mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD)
-    swap_adaln_single = mirrors(AdaLayerNormZeroSingle.forward, _ADALN_ZERO_SINGLE_FORWARD)
     swap_block = mirrors(FluxTransformerBlock.forward, _BLOCK_FORWARD)
     swap_single_block = mirrors(FluxSingleTransformerBlock.forward, _SINGLE_BLOCK_FORWARD)
 
     first_single = model.single_transformer_blocks[0] if len(model.single_transformer_blocks) else None
     for module in model.modules():
         kind = type(module)
-        if kind is AdaLayerNormZero and swap_adaln:
-            state.swap_class(module, FastpathAdaLayerNormZero)
-            state.add_site(module, MODULATE)
-            mark_site(state, module.norm, LAYER_NORM_AFFINE, layer_norm_unfit)
-        elif kind is AdaLayerNormZeroSingle and swap_adaln_single:
-            state.swap_class(module, FastpathAdaLayerNormZeroSingle)
-            state.add_site(module, MODULATE)
-            mark_site(state, module.norm, LAYER_NORM_AFFINE, layer_norm_unfit)
-        elif kind is FluxTransformerBlock and swap_block:
+        if patch_adaln(module, state):
+            continue
+        if kind is FluxTransformerBlock and swap_block:
             state.swap_class(module, FastpathFluxTransformerBlock)
             state.add_site(module.norm2, MODULATE)
             state.add_site(module.norm2_context, MODULATE)

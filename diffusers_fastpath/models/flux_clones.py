@@ -1,0 +1,67 @@
+"""FLUX.1's architecture under other class names: LongCat-Image, Ovis-Image and Bria (``LongCatImageTransformer2DModel``,
+``OvisImageTransformer2DModel``, ``BriaTransformer2DModel``), one table row each.
+
+Each of these diffusers files carries its own copies of FLUX.1's dual and single blocks, attention module and
+attention processor, named after the family, and uses diffusers' shared ``AdaLayerNormZero`` /
+``AdaLayerNormZeroSingle``. Nothing of theirs is copied here:
+
+- the shared adaLN modules get FLUX.1's fused subclasses (`flux.patch_adaln`): LayerNorm + modulate in one kernel;
+- the blocks' forwards and the processor's ``__call__`` are rewritten from the installed source
+  (`diffusers_fastpath.models._chains`): the second adaLN modulate of each dual-block stream as the fused
+  `layernorm_scale_shift`, every gated residual as `gated_residual`, and the processor's rotary embedding of q and
+  k as the exact fused `rotary_emb` (their QK RMSNorms stay eager: FLUX.1's `qk_norm_rope` processor is
+  hand-mirrored, and these processors differ from it in their head reshapes).
+
+The rewritten classes are created at import, as module attributes named ``Fastpath<diffusers name>``, so that a
+pickled patched model finds them. A family that the installed diffusers lacks is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .._state import PatchState, register_adapter
+from ._chains import fused_subclass, replace_processors, swap_rewritten
+from .flux import patch_adaln
+
+# diffusers module (under diffusers.models.transformers) -> the prefix of its class names
+FAMILIES = {
+    "transformer_longcat_image": "LongCatImage",
+    "transformer_ovis_image": "OvisImage",
+    "transformer_bria": "Bria",
+}
+
+
+def _fused(cls: type, method: str = "forward"):
+    name = f"Fastpath{cls.__name__}"
+    fused, found = fused_subclass(cls, name, __name__, method)
+    globals()[name] = fused
+    return fused, found
+
+
+def _register(module_name: str, prefix: str) -> None:
+    try:
+        mod = importlib.import_module(f"diffusers.models.transformers.{module_name}")
+        model_cls, attention_cls, processor_cls = (getattr(mod, prefix + s) for s in
+                                                   ("Transformer2DModel", "Attention", "AttnProcessor"))
+        blocks = [getattr(mod, prefix + s) for s in ("TransformerBlock", "SingleTransformerBlock")]
+    except (ImportError, AttributeError):  # an older or newer diffusers without this family (or with other names)
+        return
+    swaps = {cls: _fused(cls) for cls in blocks}
+    processor, _ = _fused(processor_cls, "__call__")
+
+    def adapter(model: torch.nn.Module, state: PatchState) -> None:
+        for module in model.modules():
+            patch_adaln(module, state)
+        swap_rewritten(state, model, swaps)
+        replace_processors(state, model, attention_cls, processor_cls, processor)
+
+    adapter.__name__ = adapter.__qualname__ = f"patch_{prefix}"
+    adapter.__doc__ = f"Patch a ``{model_cls.__name__}`` (see `diffusers_fastpath.models.flux_clones`)."
+    register_adapter(model_cls)(adapter)
+
+
+for _module_name, _prefix in FAMILIES.items():
+    _register(_module_name, _prefix)

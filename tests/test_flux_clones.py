@@ -1,0 +1,124 @@
+"""The FLUX-architecture families under other names (`diffusers_fastpath.models.flux_clones`: LongCat-Image,
+Ovis-Image, Bria) on CPU, and at full size on the GPU: exactness, the fused paths' wiring (kernels emulated on CPU),
+reversibility, pickling, compilation."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import pytest
+import torch
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import flux_clones
+from diffusers_fastpath.testing import FLUX_CLONE_CONFIGS, assert_every_site_fast, build_flux_clone, flux_clone_inputs
+
+CLONES = sorted(FLUX_CLONE_CONFIGS)
+TINY_SITES = {"layernorm_scale_shift": 2 * 4 + 2, "gated_residual": 2 * 4 + 2, "rotary_emb": 4}
+CALLS = {"rotary_emb": 2}  # q and k per forward
+
+
+def processors(model):
+    return [m.processor for m in model.modules() if hasattr(m, "processor")]
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    """The fused ops' kernels replaced by torch code of the same rounding (gated residual) or by their references
+    (exact by construction or self-verified on the GPU), their guards opened: the wiring runs on a CPU."""
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
+    from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
+
+    for op, kernel in ((GATED_RESIDUAL, lambda r, g, u: (r.float() + (g.float() * u.float()).to(r.dtype).float()).to(r.dtype)),
+                       (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref), (ROTARY_EMB, rotary_emb_ref)):
+        monkeypatch.setattr(op, "guard", lambda *a, check_pointers=True: None)
+        monkeypatch.setattr(op, "kernel", kernel)
+
+
+@pytest.mark.parametrize("name", CLONES)
+def test_supported(name):
+    assert name in fp.supported_classes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", CLONES)
+def test_patched_matches_unpatched_bitwise(name, dtype, unpatch_after):
+    ref_model, model = build_flux_clone(name, dtype, seed=1), build_flux_clone(name, dtype, seed=1)
+    inputs = flux_clone_inputs(model, batch=2, grid=(4, 6), txt_tokens=7, seed=2)
+    ref = run(ref_model, inputs)
+    assert torch.isfinite(ref).all() and ref.std() > 0.1
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert collections.Counter(s.op for s in fp.report(model).sites) == TINY_SITES
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", CLONES)
+def test_every_site_on_the_fast_path_is_exact(name, batch, emulated_kernels, unpatch_after):
+    model = build_flux_clone(name, seed=3)
+    inputs = flux_clone_inputs(model, batch=batch, seed=4)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert_every_site_fast(fp.report(model), TINY_SITES, CALLS)
+
+
+@pytest.mark.parametrize("name", CLONES)
+def test_unpatch_pickle_and_state_dict(name, unpatch_after):
+    model = build_flux_clone(name, seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    before_processors = [type(p) for p in processors(model)]
+    fp.patch(model)
+    assert processors(model) and all(type(p).__name__.startswith("Fastpath") for p in processors(model))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items()) and model.state_dict().keys() == before.keys()
+    inputs = flux_clone_inputs(model, seed=6)
+    loaded = pickle.loads(pickle.dumps(model))
+    unpatch_after(loaded)
+    assert type(loaded.transformer_blocks[0]).__module__ == flux_clones.__name__
+    assert torch.equal(run(loaded, inputs), run(model, inputs))
+    fp.unpatch(model)
+    assert [type(m) for m in model.modules()] == types and [type(p) for p in processors(model)] == before_processors
+
+
+@pytest.mark.parametrize("name", CLONES)
+def test_compiles_with_fullgraph(name, unpatch_after):
+    model = build_flux_clone(name, seed=7)
+    inputs = flux_clone_inputs(model, seed=8)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(torch.compile(model, fullgraph=True, backend="aot_eager"), inputs), ref)
+
+
+# --- GPU: the class defaults (FLUX.1's 19 + 38 blocks, Ovis-Image's 6 + 27), one step at 1024x1024 -----------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CLONES)
+@torch.no_grad()
+def test_full_size_one_step_1024_is_bitwise_identical_and_fully_fused(name, unpatch_after):
+    model = build_flux_clone(name, torch.bfloat16, "cuda", seed=0, tiny=False)
+    try:
+        inputs = flux_clone_inputs(model, grid=(64, 64), txt_tokens=512, seed=9)
+        ref = model(**inputs).sample
+        assert torch.isfinite(ref).all() and ref.std() > 0.01
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(model(**inputs).sample, ref)
+        dual, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
+        sites = {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single,
+                 "rotary_emb": dual + single}
+        assert_every_site_fast(fp.report(model), sites, CALLS)
+    finally:
+        del model
+        torch.cuda.empty_cache()
