@@ -68,3 +68,22 @@ def fastpath_log(caplog):
     yield caplog
     logger.removeHandler(caplog.handler)
     logger.level, logger.propagate = old
+
+
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    """The fused ops of the shared chains with their guards open and their kernels replaced by torch code of the
+    same rounding (gated residual: fp32 math, rounded after the multiply and the add, as csrc/gated_residual.cu) or
+    by their references (LayerNorm + modulate, self-verified on the GPU; rotary, exact by construction): the fast
+    paths' wiring runs, and is checked, on a CPU."""
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
+    from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
+
+    def gated_residual_arithmetic(residual, gate, update):
+        return (residual.float() + (gate.float() * update.float()).to(residual.dtype).float()).to(residual.dtype)
+
+    for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
+                       (ROTARY_EMB, rotary_emb_ref)):
+        monkeypatch.setattr(op, "guard", lambda *a, check_pointers=True: None)
+        monkeypatch.setattr(op, "kernel", kernel)

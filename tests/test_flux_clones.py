@@ -28,20 +28,6 @@ def run(model, inputs):
         return model(**inputs).sample
 
 
-@pytest.fixture
-def emulated_kernels(monkeypatch):
-    """The fused ops' kernels replaced by torch code of the same rounding (gated residual) or by their references
-    (exact by construction or self-verified on the GPU), their guards opened: the wiring runs on a CPU."""
-    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
-    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
-    from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
-
-    for op, kernel in ((GATED_RESIDUAL, lambda r, g, u: (r.float() + (g.float() * u.float()).to(r.dtype).float()).to(r.dtype)),
-                       (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref), (ROTARY_EMB, rotary_emb_ref)):
-        monkeypatch.setattr(op, "guard", lambda *a, check_pointers=True: None)
-        monkeypatch.setattr(op, "kernel", kernel)
-
-
 @pytest.mark.parametrize("name", CLONES)
 def test_supported(name):
     assert name in fp.supported_classes()
