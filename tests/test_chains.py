@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
-from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
 from diffusers_fastpath.models import _chains, flux
 from diffusers_fastpath.ops import Site
@@ -111,7 +111,9 @@ def test_flux_hand_mirrors_are_what_the_rewriter_finds():
     """FLUX.1's hand-mirrored forwards are the oracle: in diffusers' own FLUX block and adaLN sources the rewriter
     finds exactly the gated residuals and LayerNorm + modulates that the hand path fuses."""
     _, found = _chains.rewrite_forward(FluxTransformerBlock.forward, "X.forward")
-    assert found.gates == list(flux._BLOCK_GATES) and found.norms == ["norm2", "norm2_context"]
+    assert found.gates == list(flux._BLOCK_GATES) and found.norms == ["norm2", "norm2_context"] and not found.gelu_cat
+    _, found = _chains.rewrite_forward(FluxSingleTransformerBlock.forward, "X.forward")
+    assert found.gates == ["gate"] and found.norms == [] and found.gelu_cat  # the hand path's gate and gelu_cat sites
     for cls in (AdaLayerNormZero, AdaLayerNormZeroSingle):
         _, found = _chains.rewrite_forward(cls.forward, "X.forward")
         assert found.gates == [] and found.norms == ["norm"]

@@ -16,7 +16,8 @@ from diffusers_fastpath.testing import (build_chroma_transformer, chroma_prompt_
                                         tiny_chroma_pipeline)
 
 # the tiny config: 2 dual + 2 single blocks
-TINY_SITES = {"layernorm_scale_shift": 2 * 4 + 2, "gated_residual": 2 * 4 + 2, "qk_norm_rope": 4, "rotary_emb": 4}
+TINY_SITES = {"layernorm_scale_shift": 2 * 4 + 2, "gated_residual": 2 * 4 + 2, "gelu_cat": 2, "qk_norm_rope": 4,
+              "rotary_emb": 4}
 
 
 def run(model, inputs):
@@ -52,11 +53,11 @@ def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_a
     fp.patch(model)
     unpatch_after(model)
     assert torch.equal(run(model, inputs), ref)
-    sites = {s.site: s for s in fp.report(model).sites if s.op in ("gated_residual", "layernorm_scale_shift")}
+    sites = {s.site: s for s in fp.report(model).sites if s.op in ("gated_residual", "layernorm_scale_shift", "gelu_cat")}
     gates = ("gate_msa", "gate_mlp", "c_gate_msa", "c_gate_mlp")
     assert sorted(sites) == sorted(
         [f"transformer_blocks.{i}:{g}" for i in range(2) for g in gates]
-        + [f"single_transformer_blocks.{i}:gate" for i in range(2)]
+        + [f"single_transformer_blocks.{i}:{n}" for i in range(2) for n in ("gate", "gelu_cat")]
         + [f"transformer_blocks.{i}.{n}" for i in range(2) for n in ("norm1.norm", "norm1_context.norm", "norm2", "norm2_context")]
         + [f"single_transformer_blocks.{i}.norm.norm" for i in range(2)]
     )

@@ -15,7 +15,7 @@ from diffusers_fastpath.testing import (assert_every_site_fast, build_chroma_tra
 pytestmark = pytest.mark.gpu
 
 # 19 dual blocks (norm1, norm1_context, norm2, norm2_context; four gates) and 38 single blocks (norm; one gate)
-CHROMA_SITES = {"layernorm_scale_shift": 19 * 4 + 38, "gated_residual": 19 * 4 + 38, "qk_norm_rope": 57,
+CHROMA_SITES = {"layernorm_scale_shift": 19 * 4 + 38, "gated_residual": 19 * 4 + 38, "gelu_cat": 38, "qk_norm_rope": 57,
                 "rotary_emb": 57}
 CALLS = {"qk_norm_rope": 2, "rotary_emb": 0}  # per forward: q and k; the pure rotary op only where the norm cannot fuse
 

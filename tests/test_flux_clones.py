@@ -15,7 +15,15 @@ from diffusers_fastpath.models import flux_clones
 from diffusers_fastpath.testing import FLUX_CLONE_CONFIGS, assert_every_site_fast, build_flux_clone, flux_clone_inputs
 
 CLONES = sorted(FLUX_CLONE_CONFIGS)
-TINY_SITES = {"layernorm_scale_shift": 2 * 4 + 2, "gated_residual": 2 * 4 + 2, "rotary_emb": 4}
+def sites(dual: int, single: int, name: str) -> dict[str, int]:
+    """The sites of a model of `name` with that many dual and single blocks (Ovis-Image's single block has no tanh-GELU
+    MLP: no GELU + concatenation site)."""
+    counts = {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single}
+    if name != "OvisImageTransformer2DModel":
+        counts["gelu_cat"] = single
+    return counts
+
+
 CALLS = {"rotary_emb": 2}  # q and k per forward
 
 
@@ -43,7 +51,7 @@ def test_patched_matches_unpatched_bitwise(name, dtype, unpatch_after):
     fp.patch(model)
     unpatch_after(model)
     assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == TINY_SITES
+    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2, 2, name)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -55,7 +63,7 @@ def test_every_site_on_the_fast_path_is_exact(name, batch, emulated_kernels, unp
     fp.patch(model)
     unpatch_after(model)
     assert torch.equal(run(model, inputs), ref)
-    assert_every_site_fast(fp.report(model), TINY_SITES, CALLS)
+    assert_every_site_fast(fp.report(model), sites(2, 2, name), CALLS)
 
 
 @pytest.mark.parametrize("name", CLONES)
@@ -101,10 +109,8 @@ def test_full_size_one_step_1024_is_bitwise_identical_and_fully_fused(name, unpa
         fp.patch(model)
         unpatch_after(model)
         assert torch.equal(model(**inputs).sample, ref)
-        dual, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
-        sites = {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single,
-                 "rotary_emb": dual + single}
-        assert_every_site_fast(fp.report(model), sites, CALLS)
+        counts = sites(len(model.transformer_blocks), len(model.single_transformer_blocks), name)
+        assert_every_site_fast(fp.report(model), counts, CALLS)
     finally:
         del model
         torch.cuda.empty_cache()

@@ -237,6 +237,23 @@ def test_an_exact_kernel_is_proven_once_per_dtype(guard_open, monkeypatch):
     assert GELU_CAT.status == "enabled, verified for bfloat16, float16"
 
 
+def test_a_proof_that_fails_falls_back_once_with_one_warning(guard_open, monkeypatch, fastpath_log):
+    """The proof runs the kernel on every value of the dtype: where that raises (a launch failure, missing kernels),
+    the call falls back to eager, the op is disabled with one warning, and nothing reaches the caller."""
+    def failing_prove(attn, mlp):
+        raise RuntimeError("injected failure in the proof")
+
+    monkeypatch.setattr(GELU_CAT, "kernel", gelu_cat_ref)
+    monkeypatch.setattr(GELU_CAT, "prove", failing_prove)
+    site = Site("gelu_cat")
+    for seed in range(2):
+        attn, mlp = make_inputs((1, 8, 16, 64), torch.bfloat16, "cpu", seed)
+        assert torch.equal(gelu_cat(attn, mlp, site), gelu_cat_ref(attn, mlp))
+    assert GELU_CAT.disabled == "RuntimeError: injected failure in the proof" and site.fast == 0
+    assert dict(site.fallback) == {_policy.REASON_DISABLED: 2}
+    assert sum("disabling the fused op 'gelu_cat'" in r.getMessage() for r in fastpath_log.records) == 1
+
+
 def test_nan_with_eagers_bits_is_not_a_mismatch():
     x = torch.tensor([1.0, float("nan"), -float("inf")], dtype=torch.bfloat16)
     assert not torch.equal(x, x.clone()) and _policy.tensors_equal(x, x.clone())

@@ -32,6 +32,14 @@ of ``self``):
     tables)  ->  ``Q = rotary(X, E, site)``
 
   with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument).
+- tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
+  dtype; the fallback is the two eager calls):
+
+  - ``M = self.ACT(self.PROJ(X))`` and, later in the same block of statements, ``H = torch.cat([A, M], dim=2)``,
+    ``M`` read nowhere else  ->  ``M = self.PROJ(X)`` ... ``H = gelu_cat(A, M, site)`` when ``self.ACT`` is a plain
+    ``nn.GELU(approximate="tanh")`` without hooks (checked per call), else the original two statements
+
+  with the site ``gelu_cat`` on the block.
 
 Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
 any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
@@ -59,12 +67,14 @@ from .._logging import logger
 from .._state import PatchState, site_attr
 from diffusers.models import embeddings
 
-from ..ops import gated_residual, layer_norm_affine, layernorm_scale_shift, rotary_emb
-from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
+from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, rotary_emb
+from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 GATED_RESIDUAL = "gated_residual"
 ROTARY = "rotary_emb"
+GELU_CAT = "gelu_cat"
+_GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
 
 
@@ -86,9 +96,10 @@ class Rewrite:
     gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
     norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
+    gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
 
     def __bool__(self) -> bool:
-        return bool(self.gates or self.norms or self.rotary)
+        return bool(self.gates or self.norms or self.rotary or self.gelu_cat)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -157,6 +168,35 @@ def _single_target(stmt: ast.stmt) -> str | None:
 def _reads_after(body_after: list[ast.stmt], name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
                for stmt in body_after for n in ast.walk(stmt))
+
+
+def gelu_cat_unfit(act: nn.Module) -> str | None:
+    """Why a block's MLP activation cannot run inside `gelu_cat`, or ``None``."""
+    if type(act) is not nn.GELU or act.approximate != "tanh":
+        return "act_mlp is not torch.nn.GELU(approximate='tanh')"
+    if hooked(act):
+        return "act_mlp has hooks"
+    return None
+
+
+def _act_of_proj(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """``(ACT, self.PROJ(X))`` if `node` is ``self.ACT(self.PROJ(X))``."""
+    outer = _self_module_call(node)
+    if outer is not None and _self_module_call(outer[1]) is not None:
+        return outer
+    return None
+
+
+def _cat_dim2(node: ast.expr) -> tuple[ast.expr, str] | None:
+    """``(A, M)`` if `node` is ``torch.cat([A, M], dim=2)`` with ``M`` a name."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
+            and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
+            and isinstance(node.args[0].elts[1], ast.Name) and len(node.keywords) == 1
+            and node.keywords[0].arg == "dim" and isinstance(node.keywords[0].value, ast.Constant)
+            and node.keywords[0].value.value == 2):
+        return None
+    return node.args[0].elts[0], node.args[0].elts[1].id
 
 
 def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -228,7 +268,35 @@ class _Rewriter:
             return self._modulated(h, called[0], called[1], modulate[1], modulate[2], second)
         return None
 
-    def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+    def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        """The GELU + concatenation pattern over one block of statements (see the module doc)."""
+        for i, stmt in enumerate(body):
+            m = _single_target(stmt)
+            act = _act_of_proj(stmt.value) if m is not None else None
+            if act is None or self.found.gelu_cat:
+                continue
+            for j in range(i + 1, len(body)):
+                h = _single_target(body[j])
+                cat = _cat_dim2(body[j].value) if h is not None else None
+                if cat is None or cat[1] != m:
+                    continue
+                reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
+                if reads != 1 or _uses(cat[0], m):
+                    break
+                flag = ast.Name(_GELU_FLAG, ast.Load())
+                decide = ast.Assign(targets=[ast.Name(_GELU_FLAG, ast.Store())], value=_call(
+                    "gelu_in_cat", [_self_attr(act[0]), ast.Call(func=ast.Name("getattr", ast.Load()), args=[
+                        ast.Name("self", ast.Load()), ast.Constant(site_attr(GELU_CAT)), ast.Constant(None)], keywords=[])]))
+                up = ast.Assign(targets=[ast.Name(m, ast.Store())], value=ast.IfExp(test=flag, body=act[1], orelse=stmt.value))
+                joined = ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.IfExp(test=flag, body=_call(
+                    "gelu_cat", [cat[0], ast.Name(m, ast.Load()), _self_attr(site_attr(GELU_CAT))]), orelse=body[j].value))
+                self.found.gelu_cat = True
+                return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(up, stmt), *body[i + 1:j],
+                        ast.copy_location(joined, body[j]), *body[j + 1:]]
+        return body
+
+    def body(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        body = self.gelu_cat(body, function)
         out: list[ast.stmt] = []
         i = 0
         while i < len(body):
@@ -236,7 +304,7 @@ class _Rewriter:
             for name in ("body", "orelse", "finalbody"):  # if / for / while / with / try blocks
                 inner = getattr(stmt, name, None)
                 if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                    setattr(stmt, name, self.body(inner))
+                    setattr(stmt, name, self.body(inner, function))
             if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1], body[i + 2:])) is not None:
                 out.append(merged)
                 i += 2
@@ -268,7 +336,7 @@ def rewrite_forward(fn, qualname: str) -> tuple[object, Rewrite] | None:
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
     rewriter = _Rewriter(owner, fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb)
-    func.body = rewriter.body(copy.deepcopy(func.body))
+    func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.found:
         return None
     ast.fix_missing_locations(tree)
@@ -302,6 +370,19 @@ class _ChainsNamespace:
         return norm_modulate(norm, x, scale, shift, site)
 
     @staticmethod
+    def gelu_in_cat(act, site) -> bool:
+        if site is None:
+            return False
+        reason = gelu_cat_unfit(act)
+        if reason is not None:
+            site.fallback[reason] += 1
+        return reason is None
+
+    @staticmethod
+    def gelu_cat(attn, mlp, site):
+        return gelu_cat(attn, mlp, site)
+
+    @staticmethod
     def rotary(x, freqs, site):
         if not (isinstance(x, torch.Tensor) and isinstance(freqs, (tuple, list)) and len(freqs) == 2
                 and all(isinstance(t, torch.Tensor) for t in freqs)):
@@ -321,7 +402,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward") -
     fn, found = rewritten
     doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'}, LayerNorm + modulate "
-           f"of {found.norms or '-'}, rotary embeddings {found.rotary}. Adds no state beyond the fusion sites.")
+           f"of {found.norms or '-'}, rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}. Adds no "
+           "state beyond the fusion sites.")
     sub = type(name, (cls,), {method: fn, "__module__": module, "__qualname__": name, "__doc__": doc})
     fn.__module__ = module
     return sub, found
@@ -354,6 +436,8 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
     modulate per norm (with the ``"high"`` tier's LayerNorm-affine site on the same norm)."""
     for gate in found.gates:
         state.add_site(block, GATED_RESIDUAL, gate)
+    if found.gelu_cat:
+        state.add_site(block, GELU_CAT, GELU_CAT)
     for attr in found.norms:
         norm = getattr(block, attr)
         state.add_site(norm, MODULATE)

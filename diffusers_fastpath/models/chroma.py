@@ -6,15 +6,17 @@ nothing of its own is copied here:
 
 - the inline chains of its four forwards (``ChromaAdaLayerNormZeroPruned``, ``ChromaAdaLayerNormZeroSinglePruned``,
   ``ChromaTransformerBlock``, ``ChromaSingleTransformerBlock``) are rewritten from the installed diffusers source by
-  `diffusers_fastpath.models._chains`: every adaLN LayerNorm + modulate runs as the fused `layernorm_scale_shift`
-  and every gated residual as the fused `gated_residual`;
+  `diffusers_fastpath.models._chains`: every adaLN LayerNorm + modulate runs as the fused `layernorm_scale_shift`,
+  every gated residual as the fused `gated_residual`, and each single block's tanh-GELU with the attention/MLP
+  concatenation as the fused `gelu_cat`;
 - its attention is FLUX's (``FluxAttention`` with ``FluxAttnProcessor``): the fused `FastpathFluxAttnProcessor`
   (QK RMSNorm + concatenation + rotary in one `qk_norm_rope` each), also with Chroma's attention mask;
 - ``FluxPosEmbed`` builds the rotary tables once per forward, as in FLUX.1.
 
-Per Chroma1-HD step (19 dual + 38 single blocks): 114 LayerNorm + modulate sites (38 + 38 in the adaLN modules, 38
-``norm2``/``norm2_context`` in the dual blocks), 114 gated residual sites, 57 attention processors. Not fused yet: the
-single block's GELU and concatenation (`gelu_cat` in FLUX.1) and the FFN GELUs of the ``"high"`` tier.
+Per Chroma1-HD step (19 dual + 38 single blocks): 114 LayerNorm + modulate sites (19 x 2 in the dual blocks' adaLN
+modules, 38 in the single blocks', 19 x 2 ``norm2``/``norm2_context``), 114 gated residual sites, 38 GELU +
+concatenation sites, 57 attention processors. Not fused yet: the FFN GELUs of the ``"high"`` tier, and the text/image
+concatenation FLUX.1 saves between single blocks (Chroma concatenates once, before them).
 """
 
 from __future__ import annotations

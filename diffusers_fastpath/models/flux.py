@@ -52,6 +52,7 @@ from diffusers.models.transformers.transformer_flux import (
 from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
 from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, hooked, layer_norm_unfit, linear_gelu_unfit, mark_site
+from ._chains import gelu_cat_unfit
 from ._mirror import mirrors
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -147,15 +148,6 @@ def _gelu_in_cat(block: FluxSingleTransformerBlock) -> bool:
     if reason is not None:
         site.fallback[reason] += 1
     return reason is None
-
-
-def gelu_cat_unfit(act: torch.nn.Module) -> str | None:
-    """Why a single block's ``act_mlp`` cannot run inside `gelu_cat`, or ``None``."""
-    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
-        return "act_mlp is not torch.nn.GELU(approximate='tanh')"
-    if hooked(act):
-        return "act_mlp has hooks"
-    return None
 
 
 class FastpathGELU(GELU):
