@@ -201,6 +201,54 @@ def chroma_prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None, p
     )
 
 
+# https://huggingface.co/black-forest-labs/FLUX.2-dev/blob/main/transformer/config.json: diffusers' class defaults
+# (8 dual + 48 single blocks at hidden 6144, 48 heads); a tiny one with the same structure (4 rotary axes)
+FLUX2_DEV_CONFIG = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                        num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
+                        mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6,
+                        guidance_embeds=True)
+TINY_FLUX2_CONFIG = dict(FLUX2_DEV_CONFIG, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                         num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16,
+                         axes_dims_rope=(4, 4, 4, 4))
+FLUX2_CONFIGS = {"flux2-dev": FLUX2_DEV_CONFIG, "flux2-tiny": TINY_FLUX2_CONFIG}
+
+
+def build_flux2_transformer(config="flux2-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``Flux2Transformer2DModel`` from a named config (``"flux2-dev"``, ``"flux2-tiny"``) or a dict, random
+    weights."""
+    from diffusers import Flux2Transformer2DModel
+
+    cfg = {**(FLUX2_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = Flux2Transformer2DModel(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def flux2_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
+    """Fresh random ``Flux2Transformer2DModel`` inputs as ``Flux2Pipeline`` passes them: latents on a ``grid``,
+    4-axis ids (time, height, width, layer), a timestep and a guidance scale."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    h, w = grid
+    img_ids = torch.zeros(h, w, 4)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    txt_ids = torch.zeros(txt_tokens, 4)
+    txt_ids[:, 3] = torch.arange(txt_tokens)
+    inputs = dict(
+        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=gen).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
+        timestep=torch.rand(batch, generator=gen).to(dtype),
+        img_ids=img_ids.reshape(-1, 4).expand(batch, -1, -1),
+        txt_ids=txt_ids.expand(batch, -1, -1),
+    )
+    if cfg.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 4.0)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

@@ -235,7 +235,7 @@ def test_chroma_step_and_generation_on_cpu(tmp_path):
     assert rc == 0
     result = json.loads(path.read_text())
     lossless = _rows(result, "step")["lossless"]
-    assert lossless["bit_identical"] is True and lossless["fastpath"]["sites"] == 28  # 2 dual + 2 single blocks
+    assert lossless["bit_identical"] is True and lossless["fastpath"]["sites"] == 30  # 2 dual + 2 single blocks
     assert _rows(result, "generation")["lossless"]["bit_identical"] is True
 
 

@@ -23,6 +23,9 @@ of ``self``):
 
   - ``N = self.A(X)`` directly followed by ``N = N * (1 + S[:, None]) + T[:, None]``  ->  ``N = norm_modulate(self.A, X, S, T, site)``
   - ``N = self.A(X) * (1 + S[:, None]) + T[:, None]``                               ->  the same
+  - the same with rows already broadcast, ``N * (1 + S) + T`` or ``(1 + S) * N + T`` (FLUX.2): ``S[:, 0]`` and
+    ``T[:, 0]`` go to the op where they are ``[B, 1, D]`` (the same products and sums element by element:
+    multiplication and addition commute exactly), else the expression runs as written
 
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``).
 - rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
@@ -135,19 +138,34 @@ def _is_none_row(node: ast.expr) -> ast.expr | None:
     return None
 
 
-def _modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
-    """``(N, S, T)`` if `node` is ``N * (1 + S[:, None]) + T[:, None]``."""
+def _one_plus(node: ast.expr) -> ast.expr | None:
+    """``S`` if `node` is ``1 + S``."""
+    if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.Constant)
+            and type(node.left.value) is int and node.left.value == 1):
+        return node.right
+    return None
+
+
+def _modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr, bool] | None:
+    """``(N, S, T, rows)`` if `node` is ``N * (1 + S[:, None]) + T[:, None]`` (``rows`` False: ``S``, ``T`` are
+    ``[B, D]``), or ``N * (1 + S) + T`` / ``(1 + S) * N + T`` (``rows`` True: ``S``, ``T`` already broadcast as
+    ``[B, 1, D]``, checked per call)."""
     if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.BinOp)
             and isinstance(node.left.op, ast.Mult)):
         return None
-    factor = node.left.right
-    if not (isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Add) and isinstance(factor.left, ast.Constant)
-            and factor.left.value == 1 and type(factor.left.value) is int):
+    product, shift = node.left, node.right
+    if (scale := _one_plus(product.right)) is not None:
+        normed = product.left
+    elif (scale := _one_plus(product.left)) is not None:
+        normed = product.right
+    else:
         return None
-    scale, shift = _is_none_row(factor.right), _is_none_row(node.right)
-    if scale is None or shift is None:
-        return None
-    return node.left.left, scale, shift
+    scale_row, shift_row = _is_none_row(scale), _is_none_row(shift)
+    if scale_row is not None and shift_row is not None and normed is product.left:
+        return normed, scale_row, shift_row, False
+    if scale_row is None and shift_row is None:
+        return normed, scale, shift, True
+    return None
 
 
 def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
@@ -223,10 +241,12 @@ class _Rewriter:
         call = _call("gated_residual", [residual, gate, update, _self_attr(site_attr(name))])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
-    def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, like: ast.stmt) -> ast.stmt:
+    def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, rows: bool,
+                   like: ast.stmt) -> ast.stmt:
         if attr not in self.found.norms:
             self.found.norms.append(attr)
-        call = _call("norm_modulate", [_self_attr(attr), x, scale, shift, _self_attr(attr, site_attr())])
+        call = _call("norm_modulate_rows" if rows else "norm_modulate",
+                     [_self_attr(attr), x, scale, shift, _self_attr(attr, site_attr())])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
     def one(self, stmt: ast.stmt) -> ast.stmt | None:
@@ -240,7 +260,7 @@ class _Rewriter:
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
         modulate = _modulate_of(value)
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
-            return self._modulated(target, called[0], called[1], modulate[1], modulate[2], stmt)
+            return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
         rotary = _rotary_call(value) if self.rotary_ok else None
         if rotary is not None:
             self.found.rotary += 1
@@ -265,7 +285,7 @@ class _Rewriter:
         modulate = _modulate_of(b)
         if (called is not None and modulate is not None and h == u and isinstance(modulate[0], ast.Name)
                 and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)):
-            return self._modulated(h, called[0], called[1], modulate[1], modulate[2], second)
+            return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second)
         return None
 
     def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
@@ -368,6 +388,13 @@ class _ChainsNamespace:
         if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
             return norm(x) * (1 + scale[:, None]) + shift[:, None]
         return norm_modulate(norm, x, scale, shift, site)
+
+    @staticmethod
+    def norm_modulate_rows(norm, x, scale, shift, site):
+        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
+            return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
+        return norm(x) * (1 + scale) + shift
 
     @staticmethod
     def gelu_in_cat(act, site) -> bool:

@@ -1,0 +1,51 @@
+"""FLUX.2 adapter: diffusers' ``Flux2Transformer2DModel`` (FLUX.2-dev, the klein models), through the shared pieces.
+
+Nothing of FLUX.2 is copied here. Its blocks' forwards and its two attention processors are rewritten from the
+installed diffusers source (`diffusers_fastpath.models._chains`):
+
+- every LayerNorm + modulate (``(1 + scale) * norm(x) + shift`` and ``norm(x) * (1 + scale) + shift``, with the rows
+  of one ``Flux2Modulation`` output) runs as the fused `layernorm_scale_shift` where its row fits the kernel (D up
+  to 4096: the klein models at hidden 3072); at FLUX.2-dev's 6144 the op falls back to the LayerNorm and the fused,
+  exact modulate;
+- every gated residual (``hidden_states + gate * update``) as the fused `gated_residual`;
+- the rotary embedding of q and k in ``Flux2AttnProcessor`` and ``Flux2ParallelSelfAttnProcessor`` as the exact fused
+  `rotary_emb` (their QK RMSNorms stay eager).
+
+Not fused yet (issue 13): the SwiGLU of the feed-forwards and of the parallel single-block MLP, the QK RMSNorms, and
+the LayerNorm + modulate at D = 6144. The KV-cache processors (``Flux2KV...``) are left as they are.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2Attention,
+    Flux2AttnProcessor,
+    Flux2ParallelSelfAttention,
+    Flux2ParallelSelfAttnProcessor,
+    Flux2SingleTransformerBlock,
+    Flux2Transformer2DModel,
+    Flux2TransformerBlock,
+)
+
+from .._state import PatchState, register_adapter
+from ._chains import fused_subclass, replace_processors, swap_rewritten
+
+# Created at import, so that a pickled patched model finds them here by name.
+FastpathFlux2TransformerBlock, _BLOCK = fused_subclass(Flux2TransformerBlock, "FastpathFlux2TransformerBlock", __name__)
+FastpathFlux2SingleTransformerBlock, _SINGLE = fused_subclass(
+    Flux2SingleTransformerBlock, "FastpathFlux2SingleTransformerBlock", __name__)
+FastpathFlux2AttnProcessor, _ = fused_subclass(Flux2AttnProcessor, "FastpathFlux2AttnProcessor", __name__, "__call__")
+FastpathFlux2ParallelSelfAttnProcessor, _ = fused_subclass(
+    Flux2ParallelSelfAttnProcessor, "FastpathFlux2ParallelSelfAttnProcessor", __name__, "__call__")
+
+_SWAPS = {Flux2TransformerBlock: (FastpathFlux2TransformerBlock, _BLOCK),
+          Flux2SingleTransformerBlock: (FastpathFlux2SingleTransformerBlock, _SINGLE)}
+
+
+@register_adapter(Flux2Transformer2DModel)
+def patch_flux2(model: Flux2Transformer2DModel, state: PatchState) -> None:
+    """Swap FLUX.2's blocks and default attention processors for their chain-fused subclasses (see module doc)."""
+    swap_rewritten(state, model, _SWAPS)
+    replace_processors(state, model, Flux2Attention, Flux2AttnProcessor, FastpathFlux2AttnProcessor)
+    replace_processors(state, model, Flux2ParallelSelfAttention, Flux2ParallelSelfAttnProcessor,
+                       FastpathFlux2ParallelSelfAttnProcessor)

@@ -1,0 +1,108 @@
+"""FLUX.2 (``Flux2Transformer2DModel``) through the shared pieces: on CPU exactness, the fused paths' wiring (kernels
+emulated, the already-broadcast modulation rows included), reversibility, pickling, compilation; on the GPU the
+FLUX.2-dev config at 1024x1024."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock, Flux2TransformerBlock
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import flux2
+from diffusers_fastpath.testing import assert_every_site_fast, build_flux2_transformer, flux2_transformer_inputs
+
+
+def sites(dual: int, single: int) -> dict[str, int]:
+    return {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single}
+
+
+CALLS = {"rotary_emb": 2}  # q and k per forward
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def test_flux2_is_supported():
+    assert "Flux2Transformer2DModel" in fp.supported_classes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
+    ref_model, model = build_flux2_transformer(dtype=dtype, seed=1), build_flux2_transformer(dtype=dtype, seed=1)
+    inputs = flux2_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=2)
+    ref = run(ref_model, inputs)
+    assert torch.isfinite(ref).all() and ref.std() > 0.1
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2, 2)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_after):
+    model = build_flux2_transformer(seed=3)
+    inputs = flux2_transformer_inputs(model, batch=batch, seed=4)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert_every_site_fast(fp.report(model), sites(2, 2), CALLS)
+
+
+def test_unpatch_pickle_and_state_dict(unpatch_after):
+    model = build_flux2_transformer(seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    fp.patch(model)
+    assert isinstance(model.transformer_blocks[0], Flux2TransformerBlock)
+    assert type(model.single_transformer_blocks[0]) is flux2.FastpathFlux2SingleTransformerBlock
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    inputs = flux2_transformer_inputs(model, seed=6)
+    loaded = pickle.loads(pickle.dumps(model))
+    unpatch_after(loaded)
+    assert torch.equal(run(loaded, inputs), run(model, inputs))
+    fp.unpatch(model)
+    assert [type(m) for m in model.modules()] == types
+    assert type(model.single_transformer_blocks[0]) is Flux2SingleTransformerBlock
+
+
+def test_compiles_with_fullgraph(unpatch_after):
+    model = build_flux2_transformer(seed=7)
+    inputs = flux2_transformer_inputs(model, seed=8)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(torch.compile(model, fullgraph=True, backend="aot_eager"), inputs), ref)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_flux2_dev_one_step_1024_is_bitwise_identical(unpatch_after):
+    """FLUX.2-dev's config (60 GiB of bf16 weights): bit-identical; the gated residuals and rotary embeddings run
+    fused; the LayerNorm + modulate rows (D = 6144) are past the LayerNorm kernel's D <= 4096 and fall back, each
+    with that reason, to the LayerNorm and the exact fused modulate."""
+    model = build_flux2_transformer("flux2-dev", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = flux2_transformer_inputs(model, grid=(64, 64), txt_tokens=512, seed=9)
+        ref = model(**inputs).sample
+        assert torch.isfinite(ref).all() and ref.std() > 0.01
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(model(**inputs).sample, ref)
+        rep = fp.report(model)
+        assert collections.Counter(s.op for s in rep.sites) == sites(8, 48)
+        for s in rep.sites:
+            if s.op == "layernorm_scale_shift":
+                assert s.fast == 0 and s.reasons == {"D above 4096": 1}, str(rep)
+            else:
+                assert s.fast == CALLS.get(s.op, 1) and s.fallback == 0, str(rep)
+    finally:
+        del model
+        torch.cuda.empty_cache()
