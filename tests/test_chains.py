@@ -89,13 +89,22 @@ def test_operands_that_are_not_tensors_run_the_original_expression():
     assert torch.equal(ns.norm_modulate(norm, x, s, s, None), x * (1 + s[:, None]) + s[:, None])
 
 
-def test_nothing_to_fuse_warns_and_gives_none(fastpath_log):
+def test_nothing_to_fuse_stays_unpatched_and_says_so_once_when_patched(fastpath_log):
+    """A forward with no chain left (a changed or unreadable diffusers source) gives no subclass and no warning at
+    import; patching a model that has it leaves it as it is, with one warning."""
+    from diffusers_fastpath._state import PatchState
+
     class Plain(torch.nn.Module):
         def forward(self, x):
             return x * 2
 
     assert _chains.fused_subclass(Plain, "FusedPlain", __name__) == (None, None)
-    assert any("found no chain to fuse" in r.getMessage() for r in fastpath_log.records)
+    assert not any("found no chain to fuse" in r.getMessage() for r in fastpath_log.records)
+    model = torch.nn.Sequential(Plain(), Plain())
+    for _ in range(2):
+        _chains.swap_rewritten(PatchState("lossless"), model, {Plain: (None, None)})
+    assert all(type(m) is Plain for m in model)
+    assert sum("found no chain to fuse in the installed" in r.getMessage() for r in fastpath_log.records) == 1
 
 
 def test_forwards_with_a_closure_are_left_alone():

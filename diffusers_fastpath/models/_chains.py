@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._logging import logger
+from .._logging import warn_once
 from .._state import PatchState, site_attr
 from diffusers.models import embeddings
 
@@ -420,11 +420,9 @@ class _ChainsNamespace:
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward") -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in the adapter module `module`, whose `method` is the installed one with its chains fused, and what was
-    rewritten; ``(None, None)`` with a warning where nothing could be."""
+    rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it)."""
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}")
-    if rewritten is None:
-        logger.warning(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.{method}; "
-                       "it stays unpatched (exact, no speedup)")
+    if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
     doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
@@ -441,6 +439,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
     """Give every `attention_cls` module of `model` running diffusers' `default_cls` the rewritten `fused_cls`
     (`fused_subclass` of it, ``method="__call__"``) and its ``rotary_emb`` site; others are left and noted."""
     if fused_cls is None:
+        if any(type(getattr(m, "processor", None)) is default_cls for m in model.modules()):
+            _nothing_to_fuse(default_cls, "__call__")
         return
     state.replace_processors(model, attention_cls, default_cls, fused_cls)
     for module in model.modules():
@@ -452,10 +452,19 @@ def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[
     """Swap every module of `model` whose exact class is a key of `swaps` for its `fused_subclass`, with its sites
     (a class that had nothing to rewrite maps to ``(None, None)`` and stays)."""
     for module in model.modules():
-        fused, found = swaps.get(type(module), (None, None))
-        if fused is not None:
-            state.swap_class(module, fused)
-            add_chain_sites(state, module, found)
+        if type(module) not in swaps:
+            continue
+        fused, found = swaps[type(module)]
+        if fused is None:
+            _nothing_to_fuse(type(module), "forward")
+            continue
+        state.swap_class(module, fused)
+        add_chain_sites(state, module, found)
+
+
+def _nothing_to_fuse(cls: type, method: str) -> None:
+    warn_once(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.{method} (its source "
+              "is unreadable or has changed); it stays unpatched: exact, no speedup")
 
 
 def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None:
