@@ -49,10 +49,10 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, linear_gelu, qk_norm_rope
+from ..ops import gated_residual, gelu_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
-from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, hooked, layer_norm_unfit, linear_gelu_unfit, mark_site
-from ._chains import gelu_cat_unfit
+from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
+from ._chains import gelu_cat_unfit, norm_modulate
 from ._mirror import mirrors
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -73,16 +73,6 @@ _ADALN_ZERO_SINGLE_FORWARD = "d48dfb2b1e75e64f"
 _BLOCK_FORWARD = "0b184cbe172708b6"
 _SINGLE_BLOCK_FORWARD = "57350a6dab842b40"
 _PROCESSOR_CALL = "d5b36134887ebe45"
-
-
-def _norm_modulate(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
-    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of every FLUX adaLN site, as the
-    fused `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts);
-    where the ``"high"`` tier is mounted, the modulate folded into the LayerNorm's affine (B == 1, else lossless)."""
-    tier = norm._fastpath_tier
-    if tier.mounted:
-        return layer_norm_affine(norm, x, scale, shift, tier.counters)
-    return layernorm_scale_shift(norm, x, scale, shift, site)
 
 
 def _joint_tokens(encoder_hidden_states: torch.Tensor, hidden_states: torch.Tensor, site) -> torch.Tensor:
@@ -170,7 +160,7 @@ class FastpathAdaLayerNormZero(AdaLayerNormZero):
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = _norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
+        x = norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
@@ -181,7 +171,7 @@ class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
     def forward(self, x, emb=None):
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-        x = _norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
+        x = norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
         return x, gate_msa
 
 
@@ -221,7 +211,7 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
 
         hidden_states = gated_residual(hidden_states, gate_msa.unsqueeze(1), attn_output, self._fastpath_site_gate_msa)
 
-        norm_hidden_states = _norm_modulate(self.norm2, hidden_states, scale_mlp, shift_mlp, self.norm2._fastpath_site)
+        norm_hidden_states = norm_modulate(self.norm2, hidden_states, scale_mlp, shift_mlp, self.norm2._fastpath_site)
 
         ff_output = self.ff(norm_hidden_states)
         hidden_states = gated_residual(hidden_states, gate_mlp.unsqueeze(1), ff_output, self._fastpath_site_gate_mlp)
@@ -232,7 +222,7 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
             encoder_hidden_states, c_gate_msa.unsqueeze(1), context_attn_output, self._fastpath_site_c_gate_msa
         )
 
-        norm_encoder_hidden_states = _norm_modulate(
+        norm_encoder_hidden_states = norm_modulate(
             self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context._fastpath_site
         )
 
