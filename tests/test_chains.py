@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
@@ -79,6 +80,30 @@ def test_rewritten_forward_is_bit_identical_and_counts_on_its_sites(seed, emulat
     assert all(torch.equal(a, b) for a, b in zip(got[:3], ref[:3])) and got[3] == ref[3] == 7
     assert block._fastpath_site_gate_a.fast == block._fastpath_site_gate_b.fast == 1
     assert block.norm._fastpath_site.fast == 2
+
+
+class Processor:
+    """A processor in diffusers' style: its ``self`` holds no sites, so only the rotary pattern applies (on `attn`)."""
+
+    def __call__(self, attn, hidden_states, gate, image_rotary_emb=None):
+        query = attn(hidden_states).unflatten(-1, (2, -1))
+        hidden_states = hidden_states + gate * hidden_states
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        return query, hidden_states
+
+
+def test_processors_take_only_the_rotary_pattern_with_the_site_on_their_module(emulated_kernels):
+    sub, found = _chains.fused_subclass(Processor, "FusedProcessor", __name__, "__call__")
+    assert found.rotary == 1 and found.gates == [] and found.norms == [] and not found.gelu_cat
+    attn = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb = Site("rotary_emb")
+    gen = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16), torch.randn(2, 1, 8, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    with torch.no_grad():
+        got, ref = sub()(attn, x, gate, (cos, sin)), Processor()(attn, x, gate, (cos, sin))
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert attn._fastpath_site_rotary_emb.fast == 1
 
 
 def test_operands_that_are_not_tensors_run_the_original_expression():

@@ -64,12 +64,11 @@ import textwrap
 from dataclasses import dataclass, field
 
 import torch
+from diffusers.models import embeddings
 from torch import nn
 
 from .._logging import warn_once
 from .._state import PatchState, site_attr
-from diffusers.models import embeddings
-
 from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, rotary_emb
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
@@ -115,6 +114,12 @@ def _self_attr(*names: str) -> ast.expr:
     for name in names:
         node = ast.Attribute(value=node, attr=name, ctx=ast.Load())
     return node
+
+
+def _site_of(owner: ast.expr, name: str | None = None) -> ast.expr:
+    """``getattr(owner, "_fastpath_site[_name]", None)``: the site, or no counting on a module that has none."""
+    return ast.Call(func=ast.Name("getattr", ast.Load()), args=[owner, ast.Constant(site_attr(name)),
+                                                               ast.Constant(None)], keywords=[])
 
 
 def _gate_name(gate: ast.expr) -> str | None:
@@ -232,13 +237,14 @@ class _Rewriter:
         self.found = Rewrite()
         self.owner = owner  # the name of the module the rotary site lives on
         self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
+        self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
 
     def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt) -> ast.stmt | None:
         name = _gate_name(gate)
         if name is None or name in self.found.gates:
             return None
         self.found.gates.append(name)
-        call = _call("gated_residual", [residual, gate, update, _self_attr(site_attr(name))])
+        call = _call("gated_residual", [residual, gate, update, _site_of(_self_attr(), name)])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
     def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, rows: bool,
@@ -246,7 +252,7 @@ class _Rewriter:
         if attr not in self.found.norms:
             self.found.norms.append(attr)
         call = _call("norm_modulate_rows" if rows else "norm_modulate",
-                     [_self_attr(attr), x, scale, shift, _self_attr(attr, site_attr())])
+                     [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
     def one(self, stmt: ast.stmt) -> ast.stmt | None:
@@ -255,25 +261,28 @@ class _Rewriter:
         if target is None:
             return None
         value = stmt.value
+        if not self.block:
+            return self._rotary(target, value, stmt)
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
         modulate = _modulate_of(value)
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
             return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
+        return self._rotary(target, value, stmt)
+
+    def _rotary(self, target: str, value: ast.expr, stmt: ast.stmt) -> ast.stmt | None:
         rotary = _rotary_call(value) if self.rotary_ok else None
-        if rotary is not None:
-            self.found.rotary += 1
-            site = ast.Call(func=ast.Name("getattr", ast.Load()), args=[
-                ast.Name(self.owner, ast.Load()), ast.Constant(site_attr(ROTARY)), ast.Constant(None)], keywords=[])
-            call = _call("rotary", [rotary[0], rotary[1], site])
-            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
-        return None
+        if rotary is None:
+            return None
+        self.found.rotary += 1
+        call = _call("rotary", [rotary[0], rotary[1], _site_of(ast.Name(self.owner, ast.Load()), ROTARY)])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
     def two(self, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
         """A two-statement pattern (`first` directly followed by `second`), rewritten as one statement, or None."""
         u, h = _single_target(first), _single_target(second)
-        if u is None or h is None:
+        if u is None or h is None or not self.block:
             return None
         a, b = first.value, second.value
         if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
@@ -305,18 +314,18 @@ class _Rewriter:
                     break
                 flag = ast.Name(_GELU_FLAG, ast.Load())
                 decide = ast.Assign(targets=[ast.Name(_GELU_FLAG, ast.Store())], value=_call(
-                    "gelu_in_cat", [_self_attr(act[0]), ast.Call(func=ast.Name("getattr", ast.Load()), args=[
-                        ast.Name("self", ast.Load()), ast.Constant(site_attr(GELU_CAT)), ast.Constant(None)], keywords=[])]))
+                    "gelu_in_cat", [_self_attr(act[0]), _site_of(_self_attr(), GELU_CAT)]))
                 up = ast.Assign(targets=[ast.Name(m, ast.Store())], value=ast.IfExp(test=flag, body=act[1], orelse=stmt.value))
                 joined = ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.IfExp(test=flag, body=_call(
-                    "gelu_cat", [cat[0], ast.Name(m, ast.Load()), _self_attr(site_attr(GELU_CAT))]), orelse=body[j].value))
+                    "gelu_cat", [cat[0], ast.Name(m, ast.Load()), _site_of(_self_attr(), GELU_CAT)]), orelse=body[j].value))
                 self.found.gelu_cat = True
                 return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(up, stmt), *body[i + 1:j],
                         ast.copy_location(joined, body[j]), *body[j + 1:]]
         return body
 
     def body(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
-        body = self.gelu_cat(body, function)
+        if self.block:
+            body = self.gelu_cat(body, function)
         out: list[ast.stmt] = []
         i = 0
         while i < len(body):
