@@ -249,6 +249,44 @@ def flux2_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, 
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+# https://huggingface.co/stabilityai/stable-diffusion-3.5-large/blob/main/transformer/config.json; a tiny config with
+# SD3.5's QK RMSNorm and one dual-attention block (SD3.5 medium's layout)
+SD35_LARGE_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                         num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                         pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
+TINY_SD3_CONFIG = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                       pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16, qk_norm="rms_norm",
+                       dual_attention_layers=(0,))
+SD3_CONFIGS = {"sd3.5-large": SD35_LARGE_CONFIG, "sd3-tiny": TINY_SD3_CONFIG}
+
+
+def build_sd3_transformer(config="sd3-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """An ``SD3Transformer2DModel`` from a named config (``"sd3.5-large"``, ``"sd3-tiny"``) or a dict, random weights."""
+    from diffusers import SD3Transformer2DModel
+
+    cfg = {**(SD3_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = SD3Transformer2DModel(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def sd3_transformer_inputs(model, batch=1, size=(8, 8), txt_tokens=8, seed=1, device=None):
+    """Fresh random ``SD3Transformer2DModel`` inputs: latents of ``size`` (128x128 for a 1024x1024 image), text
+    states, pooled projections and a timestep in the scheduler's range."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    inputs = dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, *size, generator=gen).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(dtype),
+        timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
+    )
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

@@ -18,6 +18,8 @@ of ``self``):
   - ``H = R + G * E``                                                       ->  the same
 
   where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
+  ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
+  way round, bit for bit).
 - LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift`, or the ``"high"`` tier's folded
   affine where mounted; the fallback is the LayerNorm module and the exact modulate):
 
@@ -122,13 +124,18 @@ def _site_of(owner: ast.expr, name: str | None = None) -> ast.expr:
                                                                ast.Constant(None)], keywords=[])
 
 
+def _unsqueezed(node: ast.expr) -> bool:
+    """Whether `node` is ``g.unsqueeze(1)`` with ``g`` a name (a gate row broadcast over the sequence)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze"
+            and isinstance(node.func.value, ast.Name) and len(node.args) == 1 and not node.keywords
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value == 1)
+
+
 def _gate_name(gate: ast.expr) -> str | None:
     """The site name of a gate expression: ``g.unsqueeze(1)`` or ``g`` gives ``g``."""
     if isinstance(gate, ast.Name):
         return gate.id
-    if (isinstance(gate, ast.Call) and isinstance(gate.func, ast.Attribute) and gate.func.attr == "unsqueeze"
-            and isinstance(gate.func.value, ast.Name) and len(gate.args) == 1 and not gate.keywords
-            and isinstance(gate.args[0], ast.Constant) and gate.args[0].value == 1):
+    if _unsqueezed(gate):
         return gate.func.value.id
     return None
 
@@ -240,6 +247,8 @@ class _Rewriter:
         self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
 
     def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt) -> ast.stmt | None:
+        if not _unsqueezed(gate) and _unsqueezed(update):  # ``R + E * g.unsqueeze(1)``: the product commutes exactly
+            gate, update = update, gate
         name = _gate_name(gate)
         if name is None or name in self.found.gates:
             return None
@@ -485,5 +494,7 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         state.add_site(block, GELU_CAT, GELU_CAT)
     for attr in found.norms:
         norm = getattr(block, attr)
+        if not isinstance(norm, nn.Module):  # e.g. SD3's last block, whose norm2_context is None (never reached)
+            continue
         state.add_site(norm, MODULATE)
         mark_site(state, norm, LAYER_NORM_AFFINE, layer_norm_unfit)

@@ -1,0 +1,39 @@
+"""SD3 adapter: diffusers' ``SD3Transformer2DModel`` (Stable Diffusion 3 and 3.5: medium, large, large turbo),
+through the shared pieces.
+
+- The shared ``AdaLayerNormZero`` modules (``norm1``, and ``norm1_context`` in every block but the last) get FLUX.1's
+  fused subclass (`flux.patch_adaln`): LayerNorm + modulate in one kernel.
+- The blocks (``JointTransformerBlock``, shared with other MMDiT models in ``diffusers.models.attention``, swapped
+  here only inside an SD3 model; and ``SD3SingleTransformerBlock``) are rewritten from the installed source
+  (`diffusers_fastpath.models._chains`): the second modulate of each stream (``norm2``, ``norm2_context``) as the
+  fused `layernorm_scale_shift`, every gated residual (``gate_msa``, SD3.5's ``gate_msa2``, ``gate_mlp``, and the
+  context stream's) as the fused `gated_residual`.
+
+Not fused yet (issue 14): SD3.5's ``SD35AdaLayerNormZeroX`` (one LayerNorm, two modulates), the last block's
+``AdaLayerNormContinuous``, the QK RMSNorms, the FFN GELUs. SD3 has no rotary embedding.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.attention import JointTransformerBlock
+from diffusers.models.transformers.transformer_sd3 import SD3SingleTransformerBlock, SD3Transformer2DModel
+
+from .._state import PatchState, register_adapter
+from ._chains import fused_subclass, swap_rewritten
+from .flux import patch_adaln
+
+# Created at import, so that a pickled patched model finds them here by name.
+FastpathJointTransformerBlock, _JOINT = fused_subclass(JointTransformerBlock, "FastpathJointTransformerBlock", __name__)
+FastpathSD3SingleTransformerBlock, _SINGLE = fused_subclass(
+    SD3SingleTransformerBlock, "FastpathSD3SingleTransformerBlock", __name__)
+
+_SWAPS = {JointTransformerBlock: (FastpathJointTransformerBlock, _JOINT),
+          SD3SingleTransformerBlock: (FastpathSD3SingleTransformerBlock, _SINGLE)}
+
+
+@register_adapter(SD3Transformer2DModel)
+def patch_sd3(model: SD3Transformer2DModel, state: PatchState) -> None:
+    """Swap SD3's adaLN modules and blocks for their fused subclasses (see module doc)."""
+    for module in model.modules():
+        patch_adaln(module, state)
+    swap_rewritten(state, model, _SWAPS)

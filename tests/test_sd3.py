@@ -1,0 +1,102 @@
+"""SD3 / SD3.5 (``SD3Transformer2DModel``) through the shared pieces: on CPU exactness (SD3.5's QK RMSNorm and a
+dual-attention block included), the fused paths' wiring (kernels emulated), reversibility, pickling, compilation; on
+the GPU the SD3.5-large config at 1024x1024."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import pytest
+import torch
+from diffusers.models.attention import JointTransformerBlock
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import sd3
+from diffusers_fastpath.testing import build_sd3_transformer, sd3_transformer_inputs
+
+# the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX, not fused), the last context-pre-only
+TINY_SITES = {"layernorm_scale_shift": 9, "gated_residual": 15}
+TINY_FAST = {"layernorm_scale_shift": 9, "gated_residual": 5 + 4 + 2}  # gates that run: the dual one only in block 0,
+                                                                         # the context ones not in the last block
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def fast_calls(rep) -> dict[str, int]:
+    assert all(s.fallback == 0 and s.fast <= 1 for s in rep.sites), str(rep)
+    calls = collections.Counter()
+    for s in rep.sites:
+        calls[s.op] += s.fast
+    return dict(calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
+    assert "SD3Transformer2DModel" in fp.supported_classes()
+    ref_model, model = build_sd3_transformer(dtype=dtype, seed=1), build_sd3_transformer(dtype=dtype, seed=1)
+    inputs = sd3_transformer_inputs(model, batch=batch, seed=2)
+    ref = run(ref_model, inputs)
+    assert torch.isfinite(ref).all() and ref.std() > 0.1
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert collections.Counter(s.op for s in fp.report(model).sites) == TINY_SITES
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_reached_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_after):
+    model = build_sd3_transformer(seed=3)
+    inputs = sd3_transformer_inputs(model, batch=batch, seed=4)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert fast_calls(fp.report(model)) == TINY_FAST
+
+
+def test_unpatch_pickle_and_state_dict(unpatch_after):
+    model = build_sd3_transformer(seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    fp.patch(model)
+    assert type(model.transformer_blocks[1]) is sd3.FastpathJointTransformerBlock
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    inputs = sd3_transformer_inputs(model, seed=6)
+    loaded = pickle.loads(pickle.dumps(model))
+    unpatch_after(loaded)
+    assert torch.equal(run(loaded, inputs), run(model, inputs))
+    fp.unpatch(model)
+    assert [type(m) for m in model.modules()] == types and type(model.transformer_blocks[1]) is JointTransformerBlock
+
+
+def test_compiles_with_fullgraph(unpatch_after):
+    model = build_sd3_transformer(seed=7)
+    inputs = sd3_transformer_inputs(model, seed=8)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(torch.compile(model, fullgraph=True, backend="aot_eager"), inputs), ref)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_sd35_large_one_step_1024_is_bitwise_identical_and_fused(unpatch_after):
+    model = build_sd3_transformer("sd3.5-large", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = sd3_transformer_inputs(model, size=(128, 128), txt_tokens=333, seed=9)  # CLIP 77 + T5 256
+        ref = model(**inputs).sample
+        assert torch.isfinite(ref).all() and ref.std() > 0.01
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(model(**inputs).sample, ref)
+        blocks = len(model.transformer_blocks)  # 38: every one AdaLayerNormZero, the last context-pre-only
+        assert fast_calls(fp.report(model)) == {"layernorm_scale_shift": 4 * blocks - 2,
+                                                "gated_residual": 4 * blocks - 2}
+    finally:
+        del model
+        torch.cuda.empty_cache()
