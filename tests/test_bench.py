@@ -239,6 +239,17 @@ def test_chroma_step_and_generation_on_cpu(tmp_path):
     assert _rows(result, "generation")["lossless"]["bit_identical"] is True
 
 
+@pytest.mark.parametrize("model", ["flux2-tiny", "sd3-tiny"])
+def test_step_only_families_on_cpu(model, tmp_path):
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", model, "--device", "cpu", "--height", "64", "--width", "64", "--text-tokens", "8",
+                     "--repeats", "1", "--modes", "lossless", "--no-progress", "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    assert _rows(result, "step")["lossless"]["bit_identical"] is True and _rows(result, "step")["lossless"]["fastpath"]["sites"] > 0
+    assert result["generation"]["ran"] is False and model in result["generation"]["reason"]
+
+
 def test_compiled_modes_are_left_out_by_default_on_cpu():
     p = _parser()
     args = p.parse_args(TINY)

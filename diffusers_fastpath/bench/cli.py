@@ -16,7 +16,9 @@ from . import quant
 from .modes import MODES
 from .render import import_pyplot, markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
-from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX_MODELS
+from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX_MODELS, STEP_MODELS
+
+KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m diffusers_fastpath.bench", description=sys.modules[__package__].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux-tiny",
-                   help=f"{', '.join(FLUX_MODELS + CHROMA_MODELS + ERNIE_MODELS)}, or a FLUX pipeline's Hub id or folder "
+                   help=f"{', '.join(KNOWN_MODELS)}, or a FLUX pipeline's Hub id or folder "
                         "(default: flux-tiny)")
     p.add_argument("--modes", help=f"comma-separated subset (default: every available one); eager is always "
                                    f"included. {mode_help}")
@@ -63,7 +65,7 @@ def _split(value: str | None) -> list[str]:
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    tiny = args.model in ("flux-tiny", "chroma-tiny", "ernie-image-tiny")
+    tiny = args.model.endswith("-tiny")
     ernie = args.model in ERNIE_MODELS
     args.height = args.height or (128 if tiny else 1024)
     args.width = args.width or (128 if tiny else 1024)
@@ -76,9 +78,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("steps", "batch", "text_tokens", "repeats", "gen_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    known = args.model in FLUX_MODELS + CHROMA_MODELS + ERNIE_MODELS
+    known = args.model in KNOWN_MODELS
     if not known and not (os.path.isdir(args.model) or re.fullmatch(r"[\w.-]+/[\w.-]+", args.model)):
-        p.error(f"--model {args.model!r}: give one of {', '.join(FLUX_MODELS + CHROMA_MODELS + ERNIE_MODELS)}, a local "
+        p.error(f"--model {args.model!r}: give one of {', '.join(KNOWN_MODELS)}, a local "
                 "folder or a Hub id (owner/name)")
     try:
         device = torch.device(args.device)

@@ -12,6 +12,14 @@ from torch import nn
 FLUX_MODELS = ("flux-tiny", "flux-dev")
 ERNIE_MODELS = ("ernie-image-tiny", "ernie-image")
 CHROMA_MODELS = ("chroma-tiny", "chroma")
+# step level only (no VAE config of theirs is published with this package): model name -> (builder, config,
+# inputs builder, how the latent size follows from the image size)
+STEP_MODELS = {
+    "flux2-dev": ("build_flux2_transformer", "flux2-dev", "flux2_transformer_inputs", "grid"),
+    "flux2-tiny": ("build_flux2_transformer", "flux2-tiny", "flux2_transformer_inputs", "grid"),
+    "sd3.5-large": ("build_sd3_transformer", "sd3.5-large", "sd3_transformer_inputs", "size"),
+    "sd3-tiny": ("build_sd3_transformer", "sd3-tiny", "sd3_transformer_inputs", "size"),
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -20,7 +28,7 @@ class Subject:
     """The model under test: its transformer, one step's inputs and, for FLUX, a pipeline around it."""
 
     name: str
-    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes) or "ernie"
+    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", or "other" (no kernel cases)
     transformer: nn.Module
     step_inputs: dict[str, Any]
     pipe: Any = None
@@ -47,6 +55,16 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         return Subject(args.model, "ernie", model, inputs,
                        no_generation="not for ERNIE-Image here (no VAE config is published with this package); "
                                      "use the step level")
+    if args.model in STEP_MODELS:
+        build, config, make_inputs, layout = STEP_MODELS[args.model]
+        model = getattr(testing, build)(config, dtype, device, seed=args.seed)
+        latent = {"grid": dict(grid=grid), "size": dict(size=(args.height // 8, args.width // 8))}[layout]
+        inputs = getattr(testing, make_inputs)(model, batch=args.batch, txt_tokens=args.text_tokens,
+                                               seed=args.seed + 1, **latent)
+        model = _quantized(model, args, device)
+        return Subject(args.model, "other", model, inputs,
+                       no_generation=f"not for {args.model} here (no pipeline with a VAE config of its own is "
+                                     "published with this package); use the step level")
     if args.model in FLUX_MODELS:
         model = _quantized(testing.build_flux_transformer(args.model, dtype, device, seed=args.seed), args, device)
         vae = None
