@@ -144,6 +144,50 @@ def assert_every_site_fast(report, counts: dict[str, int], calls: dict[str, int]
     assert all(s.fast == calls.get(s.op, 1) * forwards and s.fallback == 0 for s in report.sites), str(report)
 
 
+@contextlib.contextmanager
+def patch_round_trip(model, inputs: dict):
+    """The reversibility checks every family's CPU tests share, around a block where `model` is patched (for the
+    family's own checks of what was swapped in): patching keeps the state dict, keys and values; a pickle of the
+    patched model loads patched and computes the same output; on leaving, ``unpatch`` gives every module its class
+    back and leaves no attribute of this package behind."""
+    import pickle
+
+    from . import patch, unpatch
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    patch(model)
+    loaded = None
+    try:
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+        loaded = pickle.loads(pickle.dumps(model))  # loads patched: the swapped-in classes are found by name
+        assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+        with torch.no_grad():
+            assert torch.equal(loaded(**inputs).sample, model(**inputs).sample)
+        yield model
+    finally:
+        if loaded is not None:
+            unpatch(loaded)
+        unpatch(model)
+    assert [type(m) for m in model.modules()] == types
+    assert not any(k.startswith("_fastpath") for m in model.modules() for k in vars(m))
+
+
+def assert_compiles_fullgraph_exactly(model, inputs: dict) -> None:
+    """Patched `model` traces with ``torch.compile(fullgraph=True)`` (no graph break) and the compiled call is
+    `torch.equal` to the unpatched eager output; `model` is unpatched again afterwards."""
+    from . import patch, unpatch
+
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        patch(model)
+        try:
+            assert torch.equal(torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs).sample, ref)
+        finally:
+            unpatch(model)
+
+
 def build_chroma_transformer(config="chroma-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
     """A ``ChromaTransformer2DModel`` from a named config (``"chroma"``: Chroma1-HD; ``"chroma-tiny"``) or a dict,
     random weights."""

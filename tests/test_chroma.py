@@ -4,7 +4,6 @@ wiring (kernels emulated), pipelines with guidance, state dicts, reversibility, 
 from __future__ import annotations
 
 import collections
-import pickle
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ from diffusers.models.transformers.transformer_chroma import ChromaSingleTransfo
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import chroma
-from diffusers_fastpath.testing import (build_chroma_transformer, chroma_prompt_embeddings, chroma_transformer_inputs,
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, build_chroma_transformer,
+                                        chroma_prompt_embeddings, chroma_transformer_inputs, patch_round_trip,
                                         tiny_chroma_pipeline)
 
 # the tiny config: 2 dual + 2 single blocks
@@ -79,25 +79,14 @@ def test_pipeline_with_guidance_and_a_padded_prompt_matches_unpatched(unpatch_af
     assert torch.equal(generate(pipe), ref)
 
 
-def test_state_dict_unpatch_and_pickle(unpatch_after):
+def test_state_dict_unpatch_and_pickle():
     model = build_chroma_transformer(seed=9)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    types = [type(m) for m in model.modules()]
-    fp.patch(model)
-    assert isinstance(model.transformer_blocks[0], chroma.FastpathChromaTransformerBlock)
-    assert isinstance(model.single_transformer_blocks[0], chroma.FastpathChromaSingleTransformerBlock)
-    assert isinstance(model.transformer_blocks[0], ChromaTransformerBlock)  # a subclass: isinstance keeps working
-    after = model.state_dict()
-    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
-    inputs = chroma_transformer_inputs(model, seed=10)
-    loaded = pickle.loads(pickle.dumps(model))  # loads patched, finds the rewritten classes by name
-    unpatch_after(loaded)
-    assert type(loaded.single_transformer_blocks[1]) is chroma.FastpathChromaSingleTransformerBlock
-    assert torch.equal(run(loaded, inputs), run(model, inputs))
-    fp.unpatch(model)
-    assert [type(m) for m in model.modules()] == types
+    with patch_round_trip(model, chroma_transformer_inputs(model, seed=10)):
+        assert isinstance(model.transformer_blocks[0], chroma.FastpathChromaTransformerBlock)
+        assert isinstance(model.single_transformer_blocks[0], chroma.FastpathChromaSingleTransformerBlock)
+        assert isinstance(model.transformer_blocks[0], ChromaTransformerBlock)  # a subclass: isinstance keeps working
+        assert type(model.single_transformer_blocks[1]) is chroma.FastpathChromaSingleTransformerBlock
     assert type(model.single_transformer_blocks[0]) is ChromaSingleTransformerBlock
-    assert not any(k.startswith("_fastpath") for m in model.modules() for k in vars(m))
 
 
 def test_gradients_flow_through_the_eager_path(unpatch_after):
@@ -111,16 +100,11 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
 
 
-def test_patched_model_compiles_with_fullgraph(unpatch_after):
+def test_patched_model_compiles_with_fullgraph():
     """The rewritten forwards trace without graph breaks (the fused ops are custom ops; the chains namespace is a
     plain class)."""
     model = build_chroma_transformer(seed=13)
-    inputs = chroma_transformer_inputs(model, seed=14, masked=2)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    assert torch.equal(run(compiled, inputs), ref)
+    assert_compiles_fullgraph_exactly(model, chroma_transformer_inputs(model, seed=14, masked=2))
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])

@@ -5,7 +5,6 @@ FLUX.2-dev config at 1024x1024."""
 from __future__ import annotations
 
 import collections
-import pickle
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransform
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux2
-from diffusers_fastpath.testing import assert_every_site_fast, build_flux2_transformer, flux2_transformer_inputs
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_every_site_fast, build_flux2_transformer,
+                                        flux2_transformer_inputs, patch_round_trip)
 
 
 def sites(dual: int, single: int) -> dict[str, int]:
@@ -56,30 +56,17 @@ def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_a
     assert_every_site_fast(fp.report(model), sites(2, 2), CALLS)
 
 
-def test_unpatch_pickle_and_state_dict(unpatch_after):
+def test_unpatch_pickle_and_state_dict():
     model = build_flux2_transformer(seed=5)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    types = [type(m) for m in model.modules()]
-    fp.patch(model)
-    assert isinstance(model.transformer_blocks[0], Flux2TransformerBlock)
-    assert type(model.single_transformer_blocks[0]) is flux2.FastpathFlux2SingleTransformerBlock
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    inputs = flux2_transformer_inputs(model, seed=6)
-    loaded = pickle.loads(pickle.dumps(model))
-    unpatch_after(loaded)
-    assert torch.equal(run(loaded, inputs), run(model, inputs))
-    fp.unpatch(model)
-    assert [type(m) for m in model.modules()] == types
+    with patch_round_trip(model, flux2_transformer_inputs(model, seed=6)):
+        assert isinstance(model.transformer_blocks[0], Flux2TransformerBlock)
+        assert type(model.single_transformer_blocks[0]) is flux2.FastpathFlux2SingleTransformerBlock
     assert type(model.single_transformer_blocks[0]) is Flux2SingleTransformerBlock
 
 
-def test_compiles_with_fullgraph(unpatch_after):
+def test_compiles_with_fullgraph():
     model = build_flux2_transformer(seed=7)
-    inputs = flux2_transformer_inputs(model, seed=8)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(torch.compile(model, fullgraph=True, backend="aot_eager"), inputs), ref)
+    assert_compiles_fullgraph_exactly(model, flux2_transformer_inputs(model, seed=8))
 
 
 @pytest.mark.gpu

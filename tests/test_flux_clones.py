@@ -5,14 +5,14 @@ reversibility, pickling, compilation."""
 from __future__ import annotations
 
 import collections
-import pickle
 
 import pytest
 import torch
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux_clones
-from diffusers_fastpath.testing import FLUX_CLONE_CONFIGS, assert_every_site_fast, build_flux_clone, flux_clone_inputs
+from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_fullgraph_exactly, assert_every_site_fast,
+                                        build_flux_clone, flux_clone_inputs, patch_round_trip)
 
 CLONES = sorted(FLUX_CLONE_CONFIGS)
 def sites(dual: int, single: int, name: str) -> dict[str, int]:
@@ -67,31 +67,19 @@ def test_every_site_on_the_fast_path_is_exact(name, batch, emulated_kernels, unp
 
 
 @pytest.mark.parametrize("name", CLONES)
-def test_unpatch_pickle_and_state_dict(name, unpatch_after):
+def test_unpatch_pickle_and_state_dict(name):
     model = build_flux_clone(name, seed=5)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    types = [type(m) for m in model.modules()]
     before_processors = [type(p) for p in processors(model)]
-    fp.patch(model)
-    assert processors(model) and all(type(p).__name__.startswith("Fastpath") for p in processors(model))
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items()) and model.state_dict().keys() == before.keys()
-    inputs = flux_clone_inputs(model, seed=6)
-    loaded = pickle.loads(pickle.dumps(model))
-    unpatch_after(loaded)
-    assert type(loaded.transformer_blocks[0]).__module__ == flux_clones.__name__
-    assert torch.equal(run(loaded, inputs), run(model, inputs))
-    fp.unpatch(model)
-    assert [type(m) for m in model.modules()] == types and [type(p) for p in processors(model)] == before_processors
+    with patch_round_trip(model, flux_clone_inputs(model, seed=6)):
+        assert processors(model) and all(type(p).__name__.startswith("Fastpath") for p in processors(model))
+        assert type(model.transformer_blocks[0]).__module__ == flux_clones.__name__
+    assert [type(p) for p in processors(model)] == before_processors
 
 
 @pytest.mark.parametrize("name", CLONES)
-def test_compiles_with_fullgraph(name, unpatch_after):
+def test_compiles_with_fullgraph(name):
     model = build_flux_clone(name, seed=7)
-    inputs = flux_clone_inputs(model, seed=8)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(torch.compile(model, fullgraph=True, backend="aot_eager"), inputs), ref)
+    assert_compiles_fullgraph_exactly(model, flux_clone_inputs(model, seed=8))
 
 
 # --- GPU: the class defaults (FLUX.1's 19 + 38 blocks, Ovis-Image's 6 + 27), one step at 1024x1024 -----------------

@@ -5,7 +5,6 @@ the GPU the SD3.5-large config at 1024x1024."""
 from __future__ import annotations
 
 import collections
-import pickle
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from diffusers.models.attention import JointTransformerBlock
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import sd3
-from diffusers_fastpath.testing import build_sd3_transformer, sd3_transformer_inputs
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, build_sd3_transformer, patch_round_trip,
+                                        sd3_transformer_inputs)
 
 # the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX, not fused), the last context-pre-only
 TINY_SITES = {"layernorm_scale_shift": 9, "gated_residual": 15}
@@ -59,28 +59,16 @@ def test_every_reached_site_on_the_fast_path_is_exact(batch, emulated_kernels, u
     assert fast_calls(fp.report(model)) == TINY_FAST
 
 
-def test_unpatch_pickle_and_state_dict(unpatch_after):
+def test_unpatch_pickle_and_state_dict():
     model = build_sd3_transformer(seed=5)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    types = [type(m) for m in model.modules()]
-    fp.patch(model)
-    assert type(model.transformer_blocks[1]) is sd3.FastpathJointTransformerBlock
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    inputs = sd3_transformer_inputs(model, seed=6)
-    loaded = pickle.loads(pickle.dumps(model))
-    unpatch_after(loaded)
-    assert torch.equal(run(loaded, inputs), run(model, inputs))
-    fp.unpatch(model)
-    assert [type(m) for m in model.modules()] == types and type(model.transformer_blocks[1]) is JointTransformerBlock
+    with patch_round_trip(model, sd3_transformer_inputs(model, seed=6)):
+        assert type(model.transformer_blocks[1]) is sd3.FastpathJointTransformerBlock
+    assert type(model.transformer_blocks[1]) is JointTransformerBlock
 
 
-def test_compiles_with_fullgraph(unpatch_after):
+def test_compiles_with_fullgraph():
     model = build_sd3_transformer(seed=7)
-    inputs = sd3_transformer_inputs(model, seed=8)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(torch.compile(model, fullgraph=True, backend="aot_eager"), inputs), ref)
+    assert_compiles_fullgraph_exactly(model, sd3_transformer_inputs(model, seed=8))
 
 
 @pytest.mark.gpu
