@@ -31,6 +31,15 @@ def _fresh_ops():
 
 
 @pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from an empty dynamo cache: many tests compile the same diffusers forwards, each with its
+    own backend callable, and the ninth such compile in one process (one pytest-xdist worker) would hit dynamo's
+    recompile limit, which under ``fullgraph=True`` raises ``FailOnRecompileLimitHit``, whatever that test checks."""
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
 def _process_wide_state():
     """What one test may change for the whole process, put back: diffusers' active attention backend (which
     ``set_attention_backend`` sets process-wide) and the package's once-per-process warnings."""

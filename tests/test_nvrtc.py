@@ -561,6 +561,7 @@ def test_neither_way_warns_once_naming_both(monkeypatch, fresh_loader, fastpath_
     assert _build.kernels_status() == f"no CUDA kernels: {_build.unavailable}"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer; the GPU tests below take NVRTC's")
 def test_nvrtc_missing_names_the_cause_without_a_gpu():
     """On this machine (no GPU, maybe no driver) the real check says why NVRTC cannot run, and logs nothing."""
     reason = _build._nvrtc_missing()
