@@ -282,12 +282,12 @@ std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& r
 }
 
 // The Python guard admits the modulate's layout (checked by check_modulate_inputs, whose messages name that op)
-// with dim at most 4096, the widest row the kernel keeps in registers.
+// with dim at most 6144, the widest row the kernel keeps in registers.
 void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
                                   const at::Tensor& shift, double eps, bool probe, int64_t variant) {
   check_modulate_inputs(out, x, scale, shift);
-  TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 4096,
-              "layernorm_scale_shift: dim must be a multiple of 4, at most 4096");
+  TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
+              "layernorm_scale_shift: dim must be a multiple of 4, at most 6144");
   TORCH_CHECK(x.size(0) * x.size(1) <= std::numeric_limits<int32_t>::max(), "layernorm_scale_shift: too many rows");
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());

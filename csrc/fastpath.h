@@ -125,7 +125,7 @@ struct LayerNormScaleShiftArgs {
   const void* shift;   // [batch or 1, dim], innermost stride 1
   int64_t batch;
   int64_t seq;
-  int64_t dim;                 // a multiple of 4, at most 4096
+  int64_t dim;                 // a multiple of 4, at most 6144
   int64_t scale_batch_stride;  // in elements; 0 broadcasts one row over the batch
   int64_t shift_batch_stride;
   float eps;

@@ -54,7 +54,7 @@ constexpr int kVariantMask = 127;
 
 constexpr int kWarpsMax = 8;
 constexpr int kVec = 4;                   // aten's vec_size: 4 elements per load, whatever the dtype
-constexpr int kVecsPerThreadMax = 8;      // 4 warps x 32 lanes x 8 vectors x 4 elements: D <= 4096 in registers
+constexpr int kVecsPerThreadMax = 12;     // 4 warps x 32 lanes x 12 vectors x 4 elements: D <= 6144 (FLUX.2) in registers
 
 // 4 elements of T: the vector one aten thread loads.
 template <typename T>

@@ -137,6 +137,13 @@ def _is_peft_layer(module: nn.Module) -> bool:
     return type(module).__module__.split(".")[0] == "peft"
 
 
+def _is_bnb_int8_layer(module: nn.Module) -> bool:
+    # bitsandbytes' LLM.int8() linear (diffusers' BitsAndBytesConfig(load_in_8bit=True)): on the H200 its forward
+    # fails under capture (bitsandbytes 0.50.2: "operation not permitted when stream is capturing")
+    kind = type(module)
+    return kind.__module__.split(".")[0] == "bitsandbytes" and kind.__name__ == "Linear8bitLt"
+
+
 class ModelFingerprint:
     """What a captured graph bakes in about a model, re-checked before every replay.
 
@@ -154,7 +161,7 @@ class ModelFingerprint:
     takes tens of milliseconds, so this host time is hidden behind the GPU work.
 
     `blocker` is the reason no graph may stand for the model as it is (weights off the GPU, offload hooks, PEFT
-    layers, submodule hooks), or None.
+    layers, bitsandbytes int8 layers, submodule hooks), or None.
     """
 
     def __init__(self, model: nn.Module, device_type: str = "cuda") -> None:
@@ -204,6 +211,8 @@ class ModelFingerprint:
                     f"PEFT/LoRA layer {label}: its adapter scales are Python state a graph would freeze "
                     "(fuse and unload the LoRA to use CUDA graphs)"
                 )
+            if _is_bnb_int8_layer(m):
+                return f"bitsandbytes int8 layer {label}: its matmul cannot be captured in a CUDA graph"
             if name and (m._forward_hooks or m._forward_pre_hooks):
                 return f"forward hooks on {label} (a replay would skip them)"
             if name and "forward" in m.__dict__:
@@ -309,7 +318,6 @@ class GraphRunner:
         self.invalidations = 0
         self.eager: Counter[str] = Counter()
         self.pool_bytes = 0
-        self._warned_capture = False
 
     # --- the per-call path -------------------------------------------------------------------------------------
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
@@ -368,12 +376,10 @@ class GraphRunner:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             reason = f"capture failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")
             self.failed[sig] = reason
-            if not self._warned_capture:
-                self._warned_capture = True
-                logger.warning(
-                    f"diffusers_fastpath: could not capture a CUDA graph of {self.name}; this input signature runs "
-                    f"eager (same numbers, more host time). Cause: {reason}"
-                )
+            warn_once(  # once per process for each model class and cause, however many signatures or patches
+                f"diffusers_fastpath: could not capture a CUDA graph of {self.name}; input signatures where this "
+                f"happens run eager (same numbers, more host time). Cause: {reason}"
+            )
             return ref
         if not outputs_equal(out, ref):
             self.disable(
@@ -422,7 +428,7 @@ class GraphRunner:
         # static buffers, the pool and its stream belong to this process and this model's memory. The copy
         # captures its own graphs on demand (its first call per signature runs eager, as after an invalidation).
         state = dict(self.__dict__)
-        state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0, _warned_capture=False)
+        state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0)
         return state
 
     @property

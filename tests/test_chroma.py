@@ -4,10 +4,14 @@ wiring (kernels emulated), pipelines with guidance, state dicts, reversibility, 
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
-from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock, ChromaTransformerBlock
+from diffusers.models.transformers.transformer_chroma import (ChromaCombinedTimestepTextProjEmbeddings,
+                                                              ChromaSingleTransformerBlock, ChromaTransformerBlock)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import chroma
@@ -86,7 +90,48 @@ def test_state_dict_unpatch_and_pickle():
         assert isinstance(model.single_transformer_blocks[0], chroma.FastpathChromaSingleTransformerBlock)
         assert isinstance(model.transformer_blocks[0], ChromaTransformerBlock)  # a subclass: isinstance keeps working
         assert type(model.single_transformer_blocks[1]) is chroma.FastpathChromaSingleTransformerBlock
+        assert type(model.time_text_embed) is chroma.FastpathChromaCombinedTimestepTextProjEmbeddings
     assert type(model.single_transformer_blocks[0]) is ChromaSingleTransformerBlock
+    assert type(model.time_text_embed) is ChromaCombinedTimestepTextProjEmbeddings
+
+
+class HostCopies(TorchDispatchMode):
+    """Records every op that takes a CPU tensor and returns a tensor on another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t.device.type for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if "cpu" in ins and any(d != "cpu" for d in outs):
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("batch, dtype", [(1, torch.bfloat16), (3, torch.float32)], ids=["b1-bf16", "b3-fp32"])
+def test_time_embedding_is_exact_and_takes_nothing_from_the_host(batch, dtype, unpatch_after):
+    """The patched ``time_text_embed`` gives diffusers' bits for random timesteps, and on a device other than the
+    host (meta here; CUDA on a GPU, where a graph capture refuses such a copy) copies nothing from the host; diffusers'
+    own does (its guidance 0 is a host tensor), which shows the check can see one."""
+    model = build_chroma_transformer(dtype=dtype, seed=11)
+    timestep = (torch.rand(batch, generator=torch.Generator().manual_seed(12)) * 1000).to(dtype)
+    ref = model.time_text_embed(timestep)
+    assert ref.abs().amax() > 0.5 and not torch.equal(ref[:, :1], ref[:, 1:2])
+    fp.patch(model)
+    unpatch_after(model)
+    embed = model.time_text_embed
+    assert type(embed) is chroma.FastpathChromaCombinedTimestepTextProjEmbeddings
+    assert torch.equal(embed(timestep), ref)
+
+    original = ChromaCombinedTimestepTextProjEmbeddings(embed.time_proj.num_channels, embed.mod_proj.shape[0])
+    for module, expected in ((embed, []), (original, ["aten._to_copy.default"])):
+        meta, meta_timestep = copy.deepcopy(module).to("meta"), timestep.to("meta")
+        with HostCopies() as copies:
+            out = meta(meta_timestep)
+        assert out.device.type == "meta" and out.shape == ref.shape and copies.ops == expected
 
 
 def test_gradients_flow_through_the_eager_path(unpatch_after):

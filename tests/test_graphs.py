@@ -212,6 +212,10 @@ def test_fingerprint_keeps_in_place_weight_writes_and_catches_replacements():
         assert not fingerprint.matches(), what
 
 
+# bitsandbytes' int8 linear as the fingerprint sees it (the package needs CUDA to import): its class name and module
+_FAKE_BNB_INT8 = type("Linear8bitLt", (torch.nn.Linear,), {"__module__": "bitsandbytes.nn.modules"})
+
+
 @pytest.mark.parametrize(
     "change,blocker",
     [
@@ -220,6 +224,8 @@ def test_fingerprint_keeps_in_place_weight_writes_and_catches_replacements():
         (lambda m: _register_diffusers_hook(m.transformer_blocks[0]), "diffusers hook on transformer_blocks.0"),
         (lambda m: setattr(m.proj_out, "forward", lambda x: x), "proj_out.forward is replaced per instance"),
         (lambda m: m.to("meta"), "weights on meta"),
+        (lambda m: setattr(m.transformer_blocks[1].ff.net[2], "__class__", _FAKE_BNB_INT8),
+         "bitsandbytes int8 layer transformer_blocks.1.ff.net.2: its matmul cannot be captured"),
     ],
 )
 def test_fingerprint_names_what_keeps_graphs_off(change, blocker):

@@ -15,9 +15,11 @@ from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, mo
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
 
 # [B, L, D]: 1024x1024 image tokens, 512 text tokens, the single blocks' 4096 + 512, a CFG batch, 512x512 with CFG,
-# short and odd sequences.
+# short and odd sequences; FLUX.2-dev's D = 6144 (the widest row the kernel holds; its single blocks' 4096 + 512
+# tokens), and widths whose last vectors leave threads idle (5120: Wan 14B; 3840: Z-Image; 4100).
 SHAPES = [
-    (1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072), (2, 1024, 3072), (2, 77, 3072), (1, 17, 64)
+    (1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072), (2, 1024, 3072), (2, 77, 3072), (1, 17, 64),
+    (1, 4608, 6144), (2, 512, 6144), (1, 333, 5120), (1, 257, 3840), (1, 65, 4100),
 ]
 DTYPES = [torch.bfloat16, torch.float16]
 # How the adaLN modules hand over scale/shift: chunks of the linear's output (AdaLayerNormZero: 6 chunks,
@@ -167,7 +169,7 @@ def pretend_cuda(monkeypatch):
         ("mixed_dtypes", "mixed dtypes"),
         ("affine", "norm not a LayerNorm over the last dim without affine"),
         ("fp32_layer_norm", "norm not a LayerNorm over the last dim without affine"),
-        ("wide", "D above 4096"),
+        ("wide", "D above 6144"),
         ("odd_dim", "D not a multiple of 8"),
         ("strided_x", "x not contiguous"),
         ("strided_scale", "scale/shift strided"),
@@ -175,7 +177,7 @@ def pretend_cuda(monkeypatch):
     ],
 )
 def test_guard_falls_back_to_exact_eager_with_reason(case, reason, request):
-    dim = {"wide": 4104, "odd_dim": 36}.get(case, 64)
+    dim = {"wide": 6152, "odd_dim": 36}.get(case, 64)
     norm, x, scale, shift = make_inputs((2, 24, dim), torch.bfloat16, "chunk6", "cpu", 1)
     if case != "cpu":
         request.getfixturevalue("pretend_cuda")

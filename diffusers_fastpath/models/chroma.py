@@ -11,7 +11,11 @@ nothing of its own is copied here:
   concatenation as the fused `gelu_cat`;
 - its attention is FLUX's (``FluxAttention`` with ``FluxAttnProcessor``): the fused `FastpathFluxAttnProcessor`
   (QK RMSNorm + concatenation + rotary in one `qk_norm_rope` each), also with Chroma's attention mask;
-- ``FluxPosEmbed`` builds the rotary tables once per forward, as in FLUX.1.
+- ``FluxPosEmbed`` builds the rotary tables once per forward, as in FLUX.1;
+- ``ChromaCombinedTimestepTextProjEmbeddings`` embeds its constant guidance 0 from a tensor made on the host and
+  copied to the GPU on every forward, a copy from pageable memory that a CUDA graph cannot capture (so
+  ``cuda_graphs=True`` ran every Chroma step eager). Its subclass here makes that zero on the timestep's device;
+  ``sin(0) = 0`` and ``cos(0) = 1`` on every device, so the rows are the same bits.
 
 Per Chroma1-HD step (19 dual + 38 single blocks): 114 LayerNorm + modulate sites (19 x 2 in the dual blocks' adaLN
 modules, 38 in the single blocks', 19 x 2 ``norm2``/``norm2_context``), 114 gated residual sites, 38 GELU +
@@ -21,8 +25,10 @@ concatenation FLUX.1 saves between single blocks (Chroma concatenates once, befo
 
 from __future__ import annotations
 
+import torch
 from diffusers.models.transformers.transformer_chroma import (
     ChromaAdaLayerNormZeroPruned,
+    ChromaCombinedTimestepTextProjEmbeddings,
     ChromaAdaLayerNormZeroSinglePruned,
     ChromaSingleTransformerBlock,
     ChromaTransformer2DModel,
@@ -31,7 +37,36 @@ from diffusers.models.transformers.transformer_chroma import (
 
 from .._state import PatchState, register_adapter
 from ._chains import fused_subclass, swap_rewritten
+from ._mirror import mirrors
 from .flux import patch_flux_attention
+
+# sha256[:16] of diffusers 0.42.1's ChromaCombinedTimestepTextProjEmbeddings.forward, mirrored below.
+_TIME_EMBED_FORWARD = "b2748b8b2d737c62"
+
+
+class FastpathChromaCombinedTimestepTextProjEmbeddings(ChromaCombinedTimestepTextProjEmbeddings):
+    """``forward`` mirrors diffusers 0.42.1's (checked by source digest at patch time) with one change: the guidance
+    timestep 0 is ``torch.zeros`` on the timestep's device instead of ``torch.tensor([0] * batch_size)`` on the host
+    moved there afterwards. Its embedding is ``sin(0 * f) = 0`` and ``cos(0 * f) = 1`` for every frequency ``f``,
+    exact on every device, so the output is the same bits; the forward no longer copies from pageable host memory,
+    which CUDA graph capture refuses."""
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        mod_index_length = self.mod_proj.shape[0]
+        batch_size = timestep.shape[0]
+
+        timesteps_proj = self.time_proj(timestep).to(dtype=timestep.dtype)
+        guidance_proj = self.guidance_proj(torch.zeros(batch_size, dtype=torch.long, device=timestep.device)).to(
+            dtype=timestep.dtype, device=timestep.device
+        )
+
+        mod_proj = self.mod_proj.to(dtype=timesteps_proj.dtype, device=timesteps_proj.device).repeat(batch_size, 1, 1)
+        timestep_guidance = (
+            torch.cat([timesteps_proj, guidance_proj], dim=1).unsqueeze(1).repeat(1, mod_index_length, 1)
+        )
+        input_vec = torch.cat([timestep_guidance, mod_proj], dim=-1)
+        return input_vec.to(timestep.dtype)
+
 
 # Created at import, so that a pickled patched model finds them here by name.
 FastpathChromaAdaLayerNormZeroPruned, _ADALN = fused_subclass(
@@ -56,3 +91,6 @@ def patch_chroma(model: ChromaTransformer2DModel, state: PatchState) -> None:
     FLUX's fused one (see module doc)."""
     swap_rewritten(state, model, _SWAPS)
     patch_flux_attention(model, state)
+    embed = model.time_text_embed
+    if type(embed) is ChromaCombinedTimestepTextProjEmbeddings and mirrors(ChromaCombinedTimestepTextProjEmbeddings.forward, _TIME_EMBED_FORWARD):
+        state.swap_class(embed, FastpathChromaCombinedTimestepTextProjEmbeddings)

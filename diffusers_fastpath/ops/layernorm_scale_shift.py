@@ -22,7 +22,7 @@ Shapes and layouts are the modulate's (its guard is reused): ``x`` ``[B, L, D]``
 ``scale``/``shift`` ``[B, D]`` or ``[1, D]`` rows with unit innermost stride and 16-byte aligned rows (the
 ``emb.chunk(6, dim=1)`` views of ``AdaLayerNormZero`` are taken without a copy). On top of that: ``norm`` is exactly
 ``torch.nn.LayerNorm`` over the last dimension without weight or bias (so ``FP32LayerNorm`` and affine norms stay
-eager), and D is at most 4096 (the row is kept in registers between the two passes). aten takes its vectorized path
+eager), and D is at most 6144 (the row is kept in registers between the two passes). aten takes its vectorized path
 for every such input (a contiguous row, D a multiple of 4, 8-byte aligned): the configuration the kernel reproduces.
 """
 
@@ -37,7 +37,7 @@ from ._policy import FusedOp, Site
 from .modulate_scale_shift import _guard as _modulate_guard
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 
-MAX_DIM = 4096  # 4 warps x 32 lanes x 8 four-element vectors held in registers
+MAX_DIM = 6144  # 4 warps x 32 lanes x 12 four-element vectors held in registers (FLUX.2-dev: D = 6144)
 
 
 def layernorm_scale_shift_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
