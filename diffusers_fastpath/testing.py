@@ -331,6 +331,53 @@ def sd3_transformer_inputs(model, batch=1, size=(8, 8), txt_tokens=8, seed=1, de
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+# https://huggingface.co/Qwen/Qwen-Image/blob/main/transformer/config.json (the class defaults); a tiny config with
+# the same layout (rotary axes summing to the head dim)
+QWEN_IMAGE_CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                         num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                         axes_dims_rope=(16, 56, 56))
+TINY_QWEN_IMAGE_CONFIG = dict(QWEN_IMAGE_CONFIG, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+                              num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+QWEN_IMAGE_CONFIGS = {"qwen-image": QWEN_IMAGE_CONFIG, "qwen-image-tiny": TINY_QWEN_IMAGE_CONFIG}
+
+
+def build_qwenimage_transformer(config="qwen-image-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``QwenImageTransformer2DModel`` from a named config (``"qwen-image"``, ``"qwen-image-tiny"``) or a dict,
+    random weights."""
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = {**(QWEN_IMAGE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = QwenImageTransformer2DModel(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def qwenimage_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, padding=0,
+                                 edit_grids=()):
+    """Fresh random ``QwenImageTransformer2DModel`` inputs as ``QwenImagePipeline`` passes them: packed latents on a
+    ``grid`` (64x64 for 1024x1024), text states with their mask (the last `padding` tokens of the first prompt
+    masked out), ``timestep / 1000`` and ``img_shapes``; `edit_grids` appends reference-image latents as the Edit
+    pipelines do (the ``zero_cond_t`` models modulate those tokens with the second timestep)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    shapes = [(1, *grid), *((1, *g) for g in edit_grids)]
+    tokens = sum(f * h * w for f, h, w in shapes)
+    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
+    if padding:
+        mask[0, txt_tokens - padding:] = 0
+    inputs = dict(
+        hidden_states=torch.randn(batch, tokens, cfg.in_channels, generator=gen).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.rand(batch, generator=gen).to(dtype),
+    )
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    inputs["img_shapes"] = [shapes] * batch
+    return inputs
+
+
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

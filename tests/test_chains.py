@@ -82,6 +82,54 @@ def test_rewritten_forward_is_bit_identical_and_counts_on_its_sites(seed, emulat
     assert block.norm._fastpath_site.fast == 2
 
 
+class MethodBlock(torch.nn.Module):
+    """Qwen-Image's style: the modulate in a method of the block, fed by a LayerNorm in the statement before."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.norm2 = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def _mod(self, x, params, index=None):
+        shift, scale, gate = params.chunk(3, dim=-1)
+        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
+
+    def forward(self, x, params, index=None):
+        n = self.norm1(x)
+        a, g = self._mod(n, params, index)                    # fused: n is read nowhere else
+        m = self.norm2(x)
+        b, h = self._mod(m, params)                           # near miss: m is read again below
+        c = self.norm1(x)
+        d = self._other(c, params)                            # near miss: not the named method
+        return a * g + b * h + m + d
+
+    def _other(self, x, params):
+        return x + params[:, None, : x.shape[-1]]
+
+
+def _fused_mod(self, norm, x, params, index=None):
+    site = getattr(norm, "_fastpath_site", None)
+    if site is not None:
+        site.fast += 1
+    return self._mod(norm(x), params, index)
+
+
+def test_a_layernorm_feeding_a_modulate_method_is_handed_to_its_fused_counterpart():
+    sub, found = _chains.fused_subclass(MethodBlock, "FusedMethodBlock", __name__,
+                                        norm_methods={"_mod": ("_mod_norm", _fused_mod)})
+    assert found.norms == ["norm1"] and found.gates == []
+    source = inspect.getsource(sub.forward)
+    assert "a, g = self._mod_norm(self.norm1, x, params, index)" in source
+    assert "b, h = self._mod(m, params)" in source and "d = self._other(c, params)" in source
+    assert _chains.rewrite_forward(MethodBlock.forward, "X.forward") is None  # without the method named: nothing
+    torch.manual_seed(3)
+    ref_block = MethodBlock().to(torch.bfloat16)
+    block = sub().to(torch.bfloat16)
+    block.norm1._fastpath_site = Site("layernorm_scale_shift")
+    x, params = torch.randn(2, 5, 8).to(torch.bfloat16), torch.randn(2, 24).to(torch.bfloat16)
+    assert torch.equal(block(x, params), ref_block(x, params)) and block.norm1._fastpath_site.fast == 1
+
+
 class Processor:
     """A processor in diffusers' style: its ``self`` holds no sites, so only the rotary pattern applies (on `attn`)."""
 

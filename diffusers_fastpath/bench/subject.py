@@ -19,6 +19,8 @@ STEP_MODELS = {
     "flux2-tiny": ("build_flux2_transformer", "flux2-tiny", "flux2_transformer_inputs", "grid"),
     "sd3.5-large": ("build_sd3_transformer", "sd3.5-large", "sd3_transformer_inputs", "size"),
     "sd3-tiny": ("build_sd3_transformer", "sd3-tiny", "sd3_transformer_inputs", "size"),
+    "qwen-image": ("build_qwenimage_transformer", "qwen-image", "qwenimage_transformer_inputs", "grid"),
+    "qwen-image-tiny": ("build_qwenimage_transformer", "qwen-image-tiny", "qwenimage_transformer_inputs", "grid"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -30,6 +30,13 @@ of ``self``):
     multiplication and addition commute exactly), else the expression runs as written
 
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``).
+- LayerNorm into a modulate method, for a block that modulates in a method of its own (Qwen-Image's
+  ``_modulate``); the adapter names the method ``M`` and a fused counterpart ``F`` (``norm_methods={M: F}``),
+  which it defines and checks against the installed ``M``:
+
+  - ``N = self.A(X)`` directly followed by ``T = self.M(N, ...)``, ``N`` not read again  ->  ``T = self.F(self.A, X, ...)``
+
+  with the site on ``self.A``, as above.
 - rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
   attention processors:
 
@@ -240,8 +247,9 @@ def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
 
 
 class _Rewriter:
-    def __init__(self, owner: str, rotary_ok: bool) -> None:
+    def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None) -> None:
         self.found = Rewrite()
+        self.norm_methods = norm_methods or {}
         self.owner = owner  # the name of the module the rotary site lives on
         self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
         self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
@@ -291,6 +299,8 @@ class _Rewriter:
     def two(self, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
         """A two-statement pattern (`first` directly followed by `second`), rewritten as one statement, or None."""
         u, h = _single_target(first), _single_target(second)
+        if u is not None and self.block and (merged := self._norm_method(u, first, second, rest)) is not None:
+            return merged
         if u is None or h is None or not self.block:
             return None
         a, b = first.value, second.value
@@ -305,6 +315,23 @@ class _Rewriter:
                 and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)):
             return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second)
         return None
+
+    def _norm_method(self, u: str, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
+        """``N = self.A(X)`` then ``T = self.M(N, ...)`` with ``M`` a modulate method: ``T = self.F(self.A, X, ...)``."""
+        called = _self_module_call(first.value)
+        call = second.value if isinstance(second, ast.Assign) and len(second.targets) == 1 else None
+        if (called is None or not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute)
+                or not (isinstance(call.func.value, ast.Name) and call.func.value.id == "self")
+                or call.func.attr not in self.norm_methods or call.keywords or not call.args
+                or not (isinstance(call.args[0], ast.Name) and call.args[0].id == u)
+                or any(_uses(a, u) or isinstance(a, ast.Starred) for a in call.args[1:])
+                or _uses(second.targets[0], u) or _reads_after(rest, u)):
+            return None
+        if called[0] not in self.found.norms:
+            self.found.norms.append(called[0])
+        fused = ast.Call(func=_self_attr(self.norm_methods[call.func.attr]),
+                         args=[_self_attr(called[0]), called[1], *call.args[1:]], keywords=[])
+        return ast.copy_location(ast.Assign(targets=second.targets, value=fused), second)
 
     def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         """The GELU + concatenation pattern over one block of statements (see the module doc)."""
@@ -356,10 +383,10 @@ def _uses(node: ast.expr, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
 
 
-def rewrite_forward(fn, qualname: str) -> tuple[object, Rewrite] | None:
+def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
-    matched."""
+    matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -373,7 +400,7 @@ def rewrite_forward(fn, qualname: str) -> tuple[object, Rewrite] | None:
     func.decorator_list = []  # the function is wrapped below, never re-decorated
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
-    rewriter = _Rewriter(owner, fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb)
+    rewriter = _Rewriter(owner, fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb, norm_methods)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.found:
         return None
@@ -435,11 +462,16 @@ class _ChainsNamespace:
         return rotary_emb(x, freqs[0], freqs[1], site)
 
 
-def fused_subclass(cls: type, name: str, module: str, method: str = "forward") -> tuple[type, Rewrite] | tuple[None, None]:
+def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
+                   norm_methods: dict[str, tuple[str, object]] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in the adapter module `module`, whose `method` is the installed one with its chains fused, and what was
-    rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it)."""
-    rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}")
+    rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
+    `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
+    (the LayerNorm-into-method pattern of the module doc)."""
+    norm_methods = norm_methods or {}
+    rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
+                                {m: fused_name for m, (fused_name, _) in norm_methods.items()})
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
@@ -447,7 +479,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward") -
            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'}, LayerNorm + modulate "
            f"of {found.norms or '-'}, rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}. Adds no "
            "state beyond the fusion sites.")
-    sub = type(name, (cls,), {method: fn, "__module__": module, "__qualname__": name, "__doc__": doc})
+    extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
+    sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc})
     fn.__module__ = module
     return sub, found
 

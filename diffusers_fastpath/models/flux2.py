@@ -4,15 +4,14 @@ Nothing of FLUX.2 is copied here. Its blocks' forwards and its two attention pro
 installed diffusers source (`diffusers_fastpath.models._chains`):
 
 - every LayerNorm + modulate (``(1 + scale) * norm(x) + shift`` and ``norm(x) * (1 + scale) + shift``, with the rows
-  of one ``Flux2Modulation`` output) runs as the fused `layernorm_scale_shift` where its row fits the kernel (D up
-  to 4096: the klein models at hidden 3072); at FLUX.2-dev's 6144 the op falls back to the LayerNorm and the fused,
-  exact modulate;
+  of one ``Flux2Modulation`` output) runs as the fused `layernorm_scale_shift` (D up to 6144: FLUX.2-dev and the
+  klein models);
 - every gated residual (``hidden_states + gate * update``) as the fused `gated_residual`;
 - the rotary embedding of q and k in ``Flux2AttnProcessor`` and ``Flux2ParallelSelfAttnProcessor`` as the exact fused
   `rotary_emb` (their QK RMSNorms stay eager).
 
-Not fused yet (issue 13): the SwiGLU of the feed-forwards and of the parallel single-block MLP, the QK RMSNorms, and
-the LayerNorm + modulate at D = 6144. The KV-cache processors (``Flux2KV...``) are left as they are.
+Not fused yet (issue 13): the SwiGLU of the feed-forwards and of the parallel single-block MLP, and the QK RMSNorms.
+The KV-cache processors (``Flux2KV...``) are left as they are.
 """
 
 from __future__ import annotations
