@@ -378,6 +378,68 @@ def qwenimage_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed
     return inputs
 
 
+# https://huggingface.co/hunyuanvideo-community/HunyuanVideo/blob/main/transformer/config.json and HunyuanImage-2.1's
+# (https://huggingface.co/hunyuanvideo-community/HunyuanImage-2.1-Diffusers/blob/main/transformer/config.json); tiny
+# configs with the same layout (rotary axes summing to the head dim, a refiner, guidance or a second text encoder)
+HUNYUAN_VIDEO_CONFIG = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
+                            num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
+                            patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
+                            pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+TINY_HUNYUAN_VIDEO_CONFIG = dict(HUNYUAN_VIDEO_CONFIG, in_channels=4, out_channels=4, num_attention_heads=2,
+                                 attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
+                                 text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6))
+HUNYUAN_IMAGE_CONFIG = dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128,
+                            num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1),
+                            qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472,
+                            rope_theta=256.0, rope_axes_dim=(64, 64))
+TINY_HUNYUAN_IMAGE_CONFIG = dict(HUNYUAN_IMAGE_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
+                                 attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
+                                 text_embed_dim=32, text_embed_2_dim=24, rope_axes_dim=(8, 8))
+HUNYUAN_CONFIGS = {"hunyuan-video": HUNYUAN_VIDEO_CONFIG, "hunyuan-video-tiny": TINY_HUNYUAN_VIDEO_CONFIG,
+                   "hunyuan-image": HUNYUAN_IMAGE_CONFIG, "hunyuan-image-tiny": TINY_HUNYUAN_IMAGE_CONFIG}
+
+
+def build_hunyuan_transformer(config="hunyuan-video-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``HunyuanVideoTransformer3DModel`` (configs ``"hunyuan-video"``, ``"hunyuan-video-tiny"``) or
+    ``HunyuanImageTransformer2DModel`` (``"hunyuan-image"``, ``"hunyuan-image-tiny"``), random weights."""
+    from diffusers import HunyuanImageTransformer2DModel, HunyuanVideoTransformer3DModel
+
+    cls = HunyuanImageTransformer2DModel if config.startswith("hunyuan-image") else HunyuanVideoTransformer3DModel
+    with _construct(device, dtype):
+        model = cls(**{**HUNYUAN_CONFIGS[config], **overrides})
+    return randomize_(model, seed).eval()
+
+
+def hunyuan_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, frames=1, padding=0):
+    """Fresh random inputs as the HunyuanVideo / HunyuanImage-2.1 pipelines pass them: latents on a ``grid`` (video:
+    ``frames`` latent frames, 2x2 patches; image: 1x1 patches), text states with their mask (the last `padding`
+    tokens of the first prompt masked out), the timestep in the scheduler's range, and HunyuanVideo's pooled text
+    projection and embedded guidance or HunyuanImage's second text encoder."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    video = "pooled_projection_dim" in cfg
+    shape = (batch, cfg.in_channels, frames, *grid) if video else (batch, cfg.in_channels, *grid)
+    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
+    if padding:
+        mask[0, txt_tokens - padding:] = 0
+    inputs = dict(
+        hidden_states=torch.randn(*shape, generator=gen).to(dtype),
+        timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.text_embed_dim, generator=gen).to(dtype),
+        encoder_attention_mask=mask,
+    )
+    if video:
+        inputs["pooled_projections"] = torch.randn(batch, cfg.pooled_projection_dim, generator=gen).to(dtype)
+    elif cfg.text_embed_2_dim:
+        inputs["encoder_hidden_states_2"] = torch.randn(batch, 4, cfg.text_embed_2_dim, generator=gen).to(dtype)
+        inputs["encoder_attention_mask_2"] = torch.ones(batch, 4, dtype=torch.long)
+    if cfg.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 6000.0).to(dtype)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

@@ -130,6 +130,48 @@ def test_a_layernorm_feeding_a_modulate_method_is_handed_to_its_fused_counterpar
     assert torch.equal(block(x, params), ref_block(x, params)) and block.norm1._fastpath_site.fast == 1
 
 
+class DeferredBlock(torch.nn.Module):
+    """HunyuanVideo's style: both streams normalised, then both modulated; a residual written ``U + R``; a gate
+    unsqueezed before it is used; and the near misses of each."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm2 = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.norm2_context = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, c, scale, shift, gate_a, gate_b):
+        n = self.norm2(x)
+        m = self.norm2_context(c)
+        n = n * (1 + scale[:, None]) + shift[:, None]         # fused: only an unrelated norm between
+        m = m * (1 + scale[:, None]) + shift[:, None]         # fused: adjacent after the first is merged
+        p = self.norm2(x)
+        x = x * 2                                             # near miss: X rebound in between
+        p = p * (1 + scale[:, None]) + shift[:, None]
+        q = self.norm2(c)
+        r = c.mul_(1)                                         # near miss: an in-place call in between
+        q = q * (1 + scale[:, None]) + shift[:, None]
+        y = gate_a.unsqueeze(1) * n
+        y = y + x                                             # fused: U + R
+        gate_c = gate_b.unsqueeze(1)
+        z = c + m * gate_c                                    # fused: the gate is the name that says so
+        return y, z, p, q, r
+
+
+def test_deferred_norms_sums_either_way_round_and_gate_names():
+    sub, found = _chains.fused_subclass(DeferredBlock, "FusedDeferredBlock", __name__)
+    assert found.norms == ["norm2", "norm2_context"] and found.gates == ["gate_a", "gate_c"]
+    source = inspect.getsource(sub.forward)
+    assert "n = self.norm2(x)" not in source and "m = self.norm2_context(c)" not in source
+    assert source.count("norm_modulate(") == 2 and "p = self.norm2(x)" in source and "q = self.norm2(c)" in source
+    assert "gated_residual(x, gate_a.unsqueeze(1), n," in source and "gated_residual(c, gate_c, m," in source
+    torch.manual_seed(4)
+    block = sub().to(torch.bfloat16)
+    r = lambda *shape: torch.randn(*shape).to(torch.bfloat16)  # noqa: E731
+    args = (r(2, 5, 8), r(2, 3, 8), r(2, 8), r(2, 8), r(2, 8), r(2, 8))
+    ref = DeferredBlock().to(torch.bfloat16)(*[a.clone() for a in args])
+    assert all(torch.equal(a, b) for a, b in zip(block(*[a.clone() for a in args]), ref))
+
+
 class Processor:
     """A processor in diffusers' style: its ``self`` holds no sites, so only the rotary pattern applies (on `attn`)."""
 
@@ -151,6 +193,32 @@ def test_processors_take_only_the_rotary_pattern_with_the_site_on_their_module(e
     with torch.no_grad():
         got, ref = sub()(attn, x, gate, (cos, sin)), Processor()(attn, x, gate, (cos, sin))
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert attn._fastpath_site_rotary_emb.fast == 1
+
+
+class JointProcessor:
+    """HunyuanVideo's style: ``apply_rotary_emb`` imported inside the call, and applied to the image part of a joint
+    sequence inside a ``torch.cat``."""
+
+    def __call__(self, attn, hidden_states, text_tokens, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        query = attn(hidden_states).unflatten(-1, (2, -1))
+        query = torch.cat([apply_rotary_emb(query[:, :-text_tokens], image_rotary_emb, sequence_dim=1),
+                           query[:, -text_tokens:]], dim=1)
+        return query
+
+
+def test_a_rotary_inside_an_expression_with_a_local_import_is_fused(emulated_kernels):
+    sub, found = _chains.fused_subclass(JointProcessor, "FusedJointProcessor", __name__, "__call__")
+    assert found.rotary == 1 and "_diffusers_fastpath_chains.rotary(query[:, :-text_tokens]" in inspect.getsource(sub.__call__)
+    attn = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb = Site("rotary_emb")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 7, 8, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(sub()(attn, x, 2, (cos, sin)), JointProcessor()(attn, x, 2, (cos, sin)))
     assert attn._fastpath_site_rotary_emb.fast == 1
 
 

@@ -15,11 +15,12 @@ of ``self``):
 - gated residual, into `diffusers_fastpath.ops.gated_residual` (whose fallback is this very expression):
 
   - ``U = G * E`` directly followed by ``H = R + U``, ``U`` not read again  ->  ``H = gated_residual(R, G, E, site)``
+    (also ``H = U + R`` with ``R`` a name: a sum of two numbers is the same either way round, bit for bit)
   - ``H = R + G * E``                                                       ->  the same
 
   where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
   ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
-  way round, bit for bit).
+  way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
 - LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift`, or the ``"high"`` tier's folded
   affine where mounted; the fallback is the LayerNorm module and the exact modulate):
 
@@ -29,7 +30,10 @@ of ``self``):
     ``T[:, 0]`` go to the op where they are ``[B, 1, D]`` (the same products and sums element by element:
     multiplication and addition commute exactly), else the expression runs as written
 
-  with the site on the module ``self.A`` (`report`: ``<block>.<A>``).
+  with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
+  others between them (HunyuanVideo normalises both streams, then modulates both) where those are plain
+  assignments to other names that neither read ``N`` nor rebind a name ``X`` reads, and call no in-place method:
+  the LayerNorm then runs at the modulate, on the same ``X``.
 - LayerNorm into a modulate method, for a block that modulates in a method of its own (Qwen-Image's
   ``_modulate``); the adapter names the method ``M`` and a fused counterpart ``F`` (``norm_methods={M: F}``),
   which it defines and checks against the installed ``M``:
@@ -43,7 +47,9 @@ of ``self``):
   - ``Q = apply_rotary_emb(X, E, sequence_dim=1)`` (diffusers' ``embeddings.apply_rotary_emb``, real cos/sin
     tables)  ->  ``Q = rotary(X, E, site)``
 
-  with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument).
+  with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument); also
+  where the call is part of a larger expression (HunyuanVideo's ``torch.cat([apply_rotary_emb(...), ...])``), and
+  where the processor imports ``apply_rotary_emb`` itself (``from ..embeddings import apply_rotary_emb``).
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -67,6 +73,8 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib
+import importlib.util
 import inspect
 import linecache
 import textwrap
@@ -257,6 +265,9 @@ class _Rewriter:
     def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt) -> ast.stmt | None:
         if not _unsqueezed(gate) and _unsqueezed(update):  # ``R + E * g.unsqueeze(1)``: the product commutes exactly
             gate, update = update, gate
+        elif (not _unsqueezed(gate) and isinstance(gate, ast.Name) and isinstance(update, ast.Name)
+              and "gate" in update.id and "gate" not in gate.id):  # ``R + E * gate``, the gate unsqueezed before
+            gate, update = update, gate
         name = _gate_name(gate)
         if name is None or name in self.found.gates:
             return None
@@ -274,12 +285,14 @@ class _Rewriter:
 
     def one(self, stmt: ast.stmt) -> ast.stmt | None:
         """A one-statement pattern, rewritten, or None."""
+        if not self.block:
+            return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
         target = _single_target(stmt)
         if target is None:
             return None
         value = stmt.value
         if not self.block:
-            return self._rotary(target, value, stmt)
+            return None
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
@@ -287,6 +300,26 @@ class _Rewriter:
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
             return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
         return self._rotary(target, value, stmt)
+
+    def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
+        """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused, or None."""
+        if not self.rotary_ok:
+            return None
+        rewriter = self
+
+        class Calls(ast.NodeTransformer):
+            def visit_Call(self, node: ast.Call) -> ast.expr:
+                node = self.generic_visit(node)
+                rotary = _rotary_call(node)
+                if rotary is None:
+                    return node
+                rewriter.found.rotary += 1
+                site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                return ast.copy_location(_call("rotary", [rotary[0], rotary[1], site]), node)
+
+        before = self.found.rotary
+        new = Calls().visit(copy.deepcopy(stmt))
+        return new if self.found.rotary > before else None
 
     def _rotary(self, target: str, value: ast.expr, stmt: ast.stmt) -> ast.stmt | None:
         rotary = _rotary_call(value) if self.rotary_ok else None
@@ -309,6 +342,11 @@ class _Rewriter:
                 and isinstance(b.left, ast.Name) and b.left.id != u  # R a plain name: evaluating it first changes nothing
                 and (h == u or not _reads_after(rest, u))):
             return self._gated(h, b.left, a.left, a.right, second)
+        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
+                and isinstance(b.op, ast.Add) and isinstance(b.left, ast.Name) and b.left.id == u
+                and isinstance(b.right, ast.Name) and b.right.id != u  # ``H = U + R``: the sum commutes exactly
+                and (h == u or not _reads_after(rest, u))):
+            return self._gated(h, b.right, a.left, a.right, second)
         called = _self_module_call(a)
         modulate = _modulate_of(b)
         if (called is not None and modulate is not None and h == u and isinstance(modulate[0], ast.Name)
@@ -359,9 +397,37 @@ class _Rewriter:
                         ast.copy_location(joined, body[j]), *body[j + 1:]]
         return body
 
+    def deferred_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """``N = self.A(X)``, other plain assignments, then ``N = N * (1 + S[:, None]) + T[:, None]`` (see the module
+        doc): the norm statement dropped, the modulate rewritten."""
+        out = list(body)
+        i = 0
+        while i < len(out):
+            n = _single_target(out[i])
+            called = _self_module_call(out[i].value) if n is not None else None
+            if called is None:
+                i += 1
+                continue
+            x_names = {m.id for m in ast.walk(called[1]) if isinstance(m, ast.Name)}
+            for j in range(i + 1, len(out)):
+                stmt, target = out[j], _single_target(out[j])
+                modulate = _modulate_of(stmt.value) if target == n else None
+                if (modulate is not None and isinstance(modulate[0], ast.Name) and modulate[0].id == n
+                        and not _uses(modulate[1], n) and not _uses(modulate[2], n)):
+                    if j > i + 1:  # adjacent pairs are `two`'s
+                        out[j] = self._modulated(n, called[0], called[1], *modulate[1:], stmt)
+                        del out[i]
+                        i -= 1
+                    break
+                if (target is None or target == n or target in x_names or _uses(stmt.value, n)
+                        or _calls_inplace(stmt.value)):
+                    break
+            i += 1
+        return out
+
     def body(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         if self.block:
-            body = self.gelu_cat(body, function)
+            body = self.deferred_norms(self.gelu_cat(body, function))
         out: list[ast.stmt] = []
         i = 0
         while i < len(body):
@@ -379,8 +445,32 @@ class _Rewriter:
         return out
 
 
+def _calls_inplace(node: ast.expr) -> bool:
+    """Whether `node` calls a method whose name ends in ``_`` (PyTorch's in-place convention)."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
+               and not n.func.attr.startswith("_") for n in ast.walk(node))
+
+
 def _uses(node: ast.expr, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _diffusers_rotary(fn, func: ast.FunctionDef) -> bool:
+    """Whether the name ``apply_rotary_emb`` in `fn` is diffusers' ``embeddings.apply_rotary_emb``: a module global,
+    or a ``from ..embeddings import apply_rotary_emb`` (or absolute) of its own that resolves to it."""
+    if fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb:
+        return True
+    for node in ast.walk(func):
+        if (isinstance(node, ast.ImportFrom) and node.module
+                and any(a.name == "apply_rotary_emb" and a.asname is None for a in node.names)):
+            package = fn.__module__.rsplit(".", 1)[0]
+            try:
+                name = importlib.util.resolve_name("." * node.level + node.module, package) if node.level else node.module
+                module = importlib.import_module(name)
+            except (ImportError, ValueError):
+                return False
+            return getattr(module, "apply_rotary_emb", None) is embeddings.apply_rotary_emb
+    return False
 
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None) -> tuple[object, Rewrite] | None:
@@ -400,7 +490,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     func.decorator_list = []  # the function is wrapped below, never re-decorated
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
-    rewriter = _Rewriter(owner, fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb, norm_methods)
+    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.found:
         return None

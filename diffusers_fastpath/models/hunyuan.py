@@ -1,0 +1,66 @@
+"""Hunyuan DiT adapter: diffusers' ``HunyuanVideoTransformer3DModel`` (HunyuanVideo, its I2V and token-replace
+variants, FramePack's backbone aside) and ``HunyuanImageTransformer2DModel`` (HunyuanImage-2.1), through the shared
+pieces. Both are FLUX.1's architecture with a text token refiner in front; nothing of theirs is copied here:
+
+- the shared ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` modules get FLUX.1's fused subclasses
+  (`flux.patch_adaln`): LayerNorm + modulate in one kernel;
+- the blocks' forwards are rewritten from the installed diffusers source (`diffusers_fastpath.models._chains`): the
+  dual blocks' second modulates (``norm2``, ``norm2_context``: normalised together, then modulated together) as the
+  fused `layernorm_scale_shift`, every gated residual (dual blocks, single blocks, the refiner's) as the fused
+  `gated_residual`, the single blocks' tanh-GELU + concatenation as the fused `gelu_cat`;
+- the attention processors (``HunyuanVideoAttnProcessor2_0``, ``HunyuanImageAttnProcessor``) are rewritten for the
+  exact fused `rotary_emb` of q and k (the joint single-stream path's image part too: a view of the joint sequence,
+  which the op takes where it is contiguous, batch 1, and otherwise leaves to diffusers' function).
+
+Not fused yet (issue 15): the QK RMSNorms, the FFN GELUs, the output ``AdaLayerNormContinuous``, and HunyuanVideo
+1.5 (``HunyuanVideo15Transformer3DModel``, its own blocks).
+"""
+
+from __future__ import annotations
+
+from diffusers.models.attention_processor import Attention
+from diffusers.models.transformers import transformer_hunyuan_video as video
+from diffusers.models.transformers import transformer_hunyuanimage as image
+
+from .._state import PatchState, register_adapter
+from ._chains import fused_subclass, replace_processors, swap_rewritten
+from .flux import patch_adaln
+
+
+def _fused(module, class_name: str, method: str = "forward"):
+    cls = getattr(module, class_name)
+    return cls, fused_subclass(cls, f"Fastpath{class_name}", __name__, method)
+
+
+# Created at import (module globals, so that a pickled patched model finds them here by name).
+_VIDEO_BLOCKS = dict(_fused(video, n) for n in ("HunyuanVideoTransformerBlock", "HunyuanVideoSingleTransformerBlock",
+                                                "HunyuanVideoTokenReplaceTransformerBlock",
+                                                "HunyuanVideoTokenReplaceSingleTransformerBlock",
+                                                "HunyuanVideoIndividualTokenRefinerBlock"))
+_IMAGE_BLOCKS = dict(_fused(image, n) for n in ("HunyuanImageTransformerBlock", "HunyuanImageSingleTransformerBlock",
+                                                "HunyuanImageIndividualTokenRefinerBlock"))
+_PROCESSORS = dict(_fused(m, n, "__call__") for m, n in ((video, "HunyuanVideoAttnProcessor2_0"),
+                                                          (image, "HunyuanImageAttnProcessor")))
+for _cls, (_sub, _) in (*_VIDEO_BLOCKS.items(), *_IMAGE_BLOCKS.items(), *_PROCESSORS.items()):
+    if _sub is not None:
+        globals()[_sub.__name__] = _sub
+del _cls, _sub
+
+
+def _patch(model, state: PatchState, blocks: dict, processor: type) -> None:
+    for module in model.modules():
+        patch_adaln(module, state)
+    swap_rewritten(state, model, blocks)
+    replace_processors(state, model, Attention, processor, _PROCESSORS[processor][0])
+
+
+@register_adapter(video.HunyuanVideoTransformer3DModel)
+def patch_hunyuan_video(model: video.HunyuanVideoTransformer3DModel, state: PatchState) -> None:
+    """Swap HunyuanVideo's adaLN modules, blocks and attention processors for their fused subclasses (module doc)."""
+    _patch(model, state, _VIDEO_BLOCKS, video.HunyuanVideoAttnProcessor2_0)
+
+
+@register_adapter(image.HunyuanImageTransformer2DModel)
+def patch_hunyuan_image(model: image.HunyuanImageTransformer2DModel, state: PatchState) -> None:
+    """Swap HunyuanImage-2.1's adaLN modules, blocks and attention processors for their fused subclasses."""
+    _patch(model, state, _IMAGE_BLOCKS, image.HunyuanImageAttnProcessor)
