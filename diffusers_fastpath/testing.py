@@ -144,6 +144,25 @@ def assert_every_site_fast(report, counts: dict[str, int], calls: dict[str, int]
     assert all(s.fast == calls.get(s.op, 1) * forwards and s.fallback == 0 for s in report.sites), str(report)
 
 
+def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, int], calls: dict[str, int]) -> None:
+    """The full-size GPU check of a family: one forward of `model` (real-looking output, not zeros), then patched
+    into an output poisoned with NaN first is `torch.equal` to it, with every site fast (`assert_every_site_fast`);
+    `model` is unpatched again afterwards."""
+    from . import patch, report, unpatch
+
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        assert torch.isfinite(ref).all() and ref.std() > 0.01
+        patch(model)
+        try:
+            out = torch.full_like(ref, float("nan"))
+            out.copy_(model(**inputs).sample)
+            assert torch.equal(out, ref)
+            assert_every_site_fast(report(model), counts, calls)
+        finally:
+            unpatch(model)
+
+
 @contextlib.contextmanager
 def patch_round_trip(model, inputs: dict):
     """The reversibility checks every family's CPU tests share, around a block where `model` is patched (for the
