@@ -467,6 +467,7 @@ FLUX_CLONE_CONFIGS = {
     "LongCatImageTransformer2DModel": dict(_TINY_FLUX_LIKE, pooled_projection_dim=32),
     "OvisImageTransformer2DModel": dict(_TINY_FLUX_LIKE, out_channels=4),
     "BriaTransformer2DModel": dict(_TINY_FLUX_LIKE),
+    "BriaFiboTransformer2DModel": dict(_TINY_FLUX_LIKE, text_encoder_dim=24),
 }
 
 
@@ -484,7 +485,7 @@ def build_flux_clone(class_name: str, dtype=torch.bfloat16, device="cpu", seed=0
 
 def flux_clone_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
     """Fresh random inputs for a `build_flux_clone` model: FLUX's latents and ids, a timestep, and pooled projections
-    where the model takes them."""
+    or (Bria-FIBO) one text-encoder layer per block where the model takes them."""
     import inspect
 
     device = device or next(model.parameters()).device
@@ -494,7 +495,13 @@ def flux_clone_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=
                   timestep=torch.rand(batch, generator=gen).to(dtype))
     if "pooled_projections" in inspect.signature(model.forward).parameters and model.config.get("pooled_projection_dim"):
         inputs["pooled_projections"] = torch.randn(batch, model.config.pooled_projection_dim, generator=gen).to(dtype)
-    return {k: v.to(device) for k, v in inputs.items()}
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if "text_encoder_layers" in inspect.signature(model.forward).parameters:
+        cfg = model.config
+        inputs["text_encoder_layers"] = [
+            torch.randn(batch, txt_tokens, cfg.text_encoder_dim, generator=gen).to(device, dtype)
+            for _ in range(cfg.num_layers + cfg.num_single_layers)]
+    return inputs
 
 
 def build_ernie_image_transformer(config="ernie-image-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):

@@ -1,5 +1,6 @@
-"""FLUX.1's architecture under other class names: LongCat-Image, Ovis-Image and Bria (``LongCatImageTransformer2DModel``,
-``OvisImageTransformer2DModel``, ``BriaTransformer2DModel``), one table row each.
+"""FLUX.1's architecture under other class names: LongCat-Image, Ovis-Image, Bria and Bria-FIBO
+(``LongCatImageTransformer2DModel``, ``OvisImageTransformer2DModel``, ``BriaTransformer2DModel``,
+``BriaFiboTransformer2DModel``: FLUX's blocks fed a projected text-encoder layer each), one table row each.
 
 Each of these diffusers files carries its own copies of FLUX.1's dual and single blocks, attention module and
 attention processor, named after the family, and uses diffusers' shared ``AdaLayerNormZero`` /
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+from diffusers.models.attention_processor import Attention
 
 from .._state import PatchState, register_adapter
 from ._chains import fused_subclass, replace_processors, swap_rewritten
@@ -31,7 +33,13 @@ FAMILIES = {
     "transformer_longcat_image": "LongCatImage",
     "transformer_ovis_image": "OvisImage",
     "transformer_bria": "Bria",
+    "transformer_bria_fibo": "BriaFibo",
 }
+
+
+# each family's attention processor -> its rewritten subclass. A family may run another's processor on diffusers'
+# generic `Attention` (Bria-FIBO's single blocks run Bria's): those are swapped too.
+_PROCESSORS: dict[type, type | None] = {}
 
 
 def _fused(cls: type, method: str = "forward"):
@@ -51,11 +59,16 @@ def _register(module_name: str, prefix: str) -> None:
         return
     swaps = {cls: _fused(cls) for cls in blocks}
     processor, _ = _fused(processor_cls, "__call__")
+    _PROCESSORS[processor_cls] = processor
 
     def adapter(model: torch.nn.Module, state: PatchState) -> None:
         for module in model.modules():
             patch_adaln(module, state)
         swap_rewritten(state, model, swaps)
+        for other, fused in _PROCESSORS.items():  # another family's processor on a generic Attention module
+            if other is not processor_cls and fused is not None and any(
+                    type(m) is Attention and type(m.processor) is other for m in model.modules()):
+                replace_processors(state, model, Attention, other, fused)
         replace_processors(state, model, attention_cls, processor_cls, processor)
 
     adapter.__name__ = adapter.__qualname__ = f"patch_{prefix}"
