@@ -1,6 +1,6 @@
 """The FLUX-architecture families under other names (`diffusers_fastpath.models.flux_clones`: LongCat-Image,
-Ovis-Image, Bria, Bria-FIBO) on CPU, and at full size on the GPU: exactness, the fused paths' wiring (kernels emulated on CPU),
-reversibility, pickling, compilation."""
+Ovis-Image, Bria, Bria-FIBO) on CPU, and at full size on the GPU: exactness, the fused paths' wiring (kernels
+emulated on CPU), reversibility, pickling, compilation."""
 
 from __future__ import annotations
 
