@@ -9,8 +9,9 @@
 Models: ``flux-tiny`` (default), ``flux-dev`` (the published FLUX.1-dev transformer and VAE configs with random
 weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``chroma`` and
 ``chroma-tiny`` (Chroma1-HD's transformer config with FLUX.1's VAE, a half-padded prompt with guidance),
-``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``flux2-dev``, ``sd3.5-large``, ``qwen-image``
-and their ``flux2-tiny``, ``sd3-tiny``, ``qwen-image-tiny`` (step level), or any FLUX pipeline path/id for
+``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``flux2-dev``, ``sd3.5-large``, ``qwen-image``,
+``hunyuan-image`` (HunyuanImage-2.1: give ``--height 2048 --width 2048``) and their ``flux2-tiny``, ``sd3-tiny``,
+``qwen-image-tiny``, ``hunyuan-image-tiny`` (step level), or any FLUX pipeline path/id for
 ``FluxPipeline.from_pretrained``.
 
 Levels (``--levels``, default ``step,generation``; ``--kernels`` adds ``kernels``, ``--profile`` adds ``profile``):

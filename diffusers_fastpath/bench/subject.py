@@ -13,7 +13,8 @@ FLUX_MODELS = ("flux-tiny", "flux-dev")
 ERNIE_MODELS = ("ernie-image-tiny", "ernie-image")
 CHROMA_MODELS = ("chroma-tiny", "chroma")
 # step level only (no VAE config of theirs is published with this package): model name -> (builder, config,
-# inputs builder, how the latent size follows from the image size)
+# inputs builder, how the latent size follows from the image size: "grid" 16x16 pixels per token, "size" the 8x latent,
+# "latent32" the 32x latent)
 STEP_MODELS = {
     "flux2-dev": ("build_flux2_transformer", "flux2-dev", "flux2_transformer_inputs", "grid"),
     "flux2-tiny": ("build_flux2_transformer", "flux2-tiny", "flux2_transformer_inputs", "grid"),
@@ -21,6 +22,8 @@ STEP_MODELS = {
     "sd3-tiny": ("build_sd3_transformer", "sd3-tiny", "sd3_transformer_inputs", "size"),
     "qwen-image": ("build_qwenimage_transformer", "qwen-image", "qwenimage_transformer_inputs", "grid"),
     "qwen-image-tiny": ("build_qwenimage_transformer", "qwen-image-tiny", "qwenimage_transformer_inputs", "grid"),
+    "hunyuan-image": ("build_hunyuan_transformer", "hunyuan-image", "hunyuan_transformer_inputs", "latent32"),
+    "hunyuan-image-tiny": ("build_hunyuan_transformer", "hunyuan-image-tiny", "hunyuan_transformer_inputs", "latent32"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +63,8 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
     if args.model in STEP_MODELS:
         build, config, make_inputs, layout = STEP_MODELS[args.model]
         model = getattr(testing, build)(config, dtype, device, seed=args.seed)
-        latent = {"grid": dict(grid=grid), "size": dict(size=(args.height // 8, args.width // 8))}[layout]
+        latent = {"grid": dict(grid=grid), "size": dict(size=(args.height // 8, args.width // 8)),
+                  "latent32": dict(grid=(args.height // 32, args.width // 32))}[layout]  # HunyuanImage: 32x VAE, 1x1 patches
         inputs = getattr(testing, make_inputs)(model, batch=args.batch, txt_tokens=args.text_tokens,
                                                seed=args.seed + 1, **latent)
         model = _quantized(model, args, device)
