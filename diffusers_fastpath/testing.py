@@ -144,6 +144,17 @@ def assert_every_site_fast(report, counts: dict[str, int], calls: dict[str, int]
     assert all(s.fast == calls.get(s.op, 1) * forwards and s.fallback == 0 for s in report.sites), str(report)
 
 
+def outputs_equal(a, b) -> bool:
+    """`torch.equal` of two model outputs: tensors, or lists of them (Z-Image returns one tensor per sample)."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(outputs_equal, a, b))
+    return isinstance(b, torch.Tensor) and torch.equal(a, b)
+
+
+def _flat(out) -> torch.Tensor:
+    return torch.cat([o.flatten() for o in out]) if isinstance(out, (list, tuple)) else out
+
+
 def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, int], calls: dict[str, int]) -> None:
     """The full-size GPU check of a family: one forward of `model` (real-looking output, not zeros), then patched
     into an output poisoned with NaN first is `torch.equal` to it, with every site fast (`assert_every_site_fast`);
@@ -152,12 +163,14 @@ def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, i
 
     with torch.no_grad():
         ref = model(**inputs).sample
-        assert torch.isfinite(ref).all() and ref.std() > 0.01
+        assert torch.isfinite(_flat(ref)).all() and _flat(ref).float().std() > 0.01
         patch(model)
         try:
-            out = torch.full_like(ref, float("nan"))
-            out.copy_(model(**inputs).sample)
-            assert torch.equal(out, ref)
+            got = model(**inputs).sample
+            out = [torch.full_like(g, float("nan")) for g in got] if isinstance(got, list) else torch.full_like(got, float("nan"))
+            for o, g in zip(out, got) if isinstance(got, list) else [(out, got)]:
+                o.copy_(g)
+            assert outputs_equal(out, ref)
             assert_every_site_fast(report(model), counts, calls)
         finally:
             unpatch(model)
@@ -183,7 +196,7 @@ def patch_round_trip(model, inputs: dict):
         loaded = pickle.loads(pickle.dumps(model))  # loads patched: the swapped-in classes are found by name
         assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
         with torch.no_grad():
-            assert torch.equal(loaded(**inputs).sample, model(**inputs).sample)
+            assert outputs_equal(loaded(**inputs).sample, model(**inputs).sample)
         yield model
     finally:
         if loaded is not None:
@@ -202,7 +215,7 @@ def assert_compiles_fullgraph_exactly(model, inputs: dict) -> None:
         ref = model(**inputs).sample
         patch(model)
         try:
-            assert torch.equal(torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs).sample, ref)
+            assert outputs_equal(torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs).sample, ref)
         finally:
             unpatch(model)
 
@@ -457,6 +470,43 @@ def hunyuan_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1
     if cfg.guidance_embeds:
         inputs["guidance"] = torch.full((batch,), 6000.0).to(dtype)
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+# https://huggingface.co/Tongyi-MAI/Z-Image-Turbo/blob/main/transformer/config.json (the class defaults); a tiny config
+# with the same layout
+Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
+                      n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
+                      rope_theta=256.0, t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1024, 512, 512))
+TINY_Z_IMAGE_CONFIG = dict(Z_IMAGE_CONFIG, in_channels=4, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2,
+                           n_kv_heads=2, cap_feat_dim=32, axes_dims=(8, 12, 12), axes_lens=(64, 32, 32))
+Z_IMAGE_CONFIGS = {"z-image": Z_IMAGE_CONFIG, "z-image-tiny": TINY_Z_IMAGE_CONFIG}
+
+
+def build_zimage_transformer(config="z-image-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``ZImageTransformer2DModel`` from a named config (``"z-image"``, ``"z-image-tiny"``) or a dict, random
+    weights."""
+    from diffusers import ZImageTransformer2DModel
+
+    cfg = {**(Z_IMAGE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = ZImageTransformer2DModel(**{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()})
+    return randomize_(model, seed).eval()
+
+
+def zimage_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1, device=None):
+    """Fresh random ``ZImageTransformer2DModel`` inputs as ``ZImagePipeline`` passes them: one latent ``[C, 1, H, W]``
+    per sample (``grid`` = the 8x latent: 128x128 for 1024x1024), ``(1000 - t) / 1000`` timesteps, and one caption
+    embedding per sample (the second one shorter, as prompts of different lengths give)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    return dict(
+        x=[torch.randn(cfg.in_channels, 1, *grid, generator=gen).to(device, dtype) for _ in range(batch)],
+        t=torch.rand(batch, generator=gen).to(device, dtype),
+        cap_feats=[torch.randn(max(1, txt_tokens - 3 * i), cfg.cap_feat_dim, generator=gen).to(device, dtype)
+                   for i in range(batch)],
+    )
 
 
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the

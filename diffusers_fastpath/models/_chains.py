@@ -581,7 +581,7 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
     (`fused_subclass` of it, ``method="__call__"``) and its ``rotary_emb`` site; others are left and noted."""
     if fused_cls is None:
         if any(type(getattr(m, "processor", None)) is default_cls for m in model.modules()):
-            _nothing_to_fuse(default_cls, "__call__")
+            warn_nothing_to_fuse(default_cls, "__call__")
         return
     state.replace_processors(model, attention_cls, default_cls, fused_cls)
     for module in model.modules():
@@ -597,13 +597,13 @@ def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[
             continue
         fused, found = swaps[type(module)]
         if fused is None:
-            _nothing_to_fuse(type(module), "forward")
+            warn_nothing_to_fuse(type(module), "forward")
             continue
         state.swap_class(module, fused)
         add_chain_sites(state, module, found)
 
 
-def _nothing_to_fuse(cls: type, method: str) -> None:
+def warn_nothing_to_fuse(cls: type, method: str = "forward") -> None:
     warn_once(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.{method} (its source "
               "is unreadable or has changed); it stays unpatched: exact, no speedup")
 

@@ -1,0 +1,36 @@
+"""Z-Image adapter: diffusers' ``ZImageTransformer2DModel`` (Z-Image, Z-Image-Turbo), through the shared pieces.
+
+Z-Image's ``ZImageTransformerBlock`` modulates with RMSNorms (``attention_norm1(x) * scale_msa``) and adds its
+branches through a tanh gate: ``x = x + gate_msa * self.attention_norm2(attn_out)`` and the same for the FFN. Its
+forward is rewritten from the installed diffusers source (`diffusers_fastpath.models._chains`): both gated residuals
+of every modulated block (the main layers and the noise refiner; the context refiner's blocks have no modulation
+and stay as they are) as the fused `gated_residual`, with per-token gates (the omni mode's noisy/clean tokens) taken
+as full ``[B, L, D]`` gates.
+
+Per Z-Image step (30 layers, 2 noise-refiner blocks): 64 gated residual sites. Not fused yet (issue 14): the RMSNorm
++ scale of each branch, the QK RMSNorms and the complex rotary embedding of ``ZSingleStreamAttnProcessor``, SwiGLU.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel, ZImageTransformerBlock
+
+from .._state import PatchState, register_adapter
+from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
+
+# Created at import, so that a pickled patched model finds it here by name.
+FastpathZImageTransformerBlock, _BLOCK = fused_subclass(ZImageTransformerBlock, "FastpathZImageTransformerBlock",
+                                                        __name__)
+
+
+@register_adapter(ZImageTransformer2DModel)
+def patch_zimage(model: ZImageTransformer2DModel, state: PatchState) -> None:
+    """Swap Z-Image's modulated blocks for their chain-fused subclass (see module doc)."""
+    for module in model.modules():
+        if type(module) is not ZImageTransformerBlock or not module.modulation:
+            continue
+        if FastpathZImageTransformerBlock is None:
+            warn_nothing_to_fuse(ZImageTransformerBlock)
+            return
+        state.swap_class(module, FastpathZImageTransformerBlock)
+        add_chain_sites(state, module, _BLOCK)

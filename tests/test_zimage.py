@@ -1,0 +1,85 @@
+"""Z-Image (``ZImageTransformer2DModel``) through the shared pieces: on CPU exactness (captions of different
+lengths in one batch), the fused paths' wiring (kernels emulated), the unmodulated context refiner left alone,
+reversibility, pickling, compilation; on the GPU the Z-Image config at 1024x1024."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import zimage
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_every_site_fast,
+                                        assert_patched_step_exact_and_fused, build_zimage_transformer, outputs_equal,
+                                        patch_round_trip, zimage_transformer_inputs)
+
+
+def sites(modulated_blocks: int) -> dict[str, int]:
+    return {"gated_residual": 2 * modulated_blocks}
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def test_zimage_is_supported_and_only_its_modulated_blocks_are_swapped(unpatch_after):
+    assert "ZImageTransformer2DModel" in fp.supported_classes()
+    assert zimage._BLOCK.gates == ["gate_msa", "gate_mlp"]
+    model = build_zimage_transformer(seed=1)
+    fp.patch(model)
+    unpatch_after(model)
+    assert all(type(b) is zimage.FastpathZImageTransformerBlock for b in [*model.layers, *model.noise_refiner])
+    assert all(type(b) is ZImageTransformerBlock for b in model.context_refiner)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
+    ref_model, model = build_zimage_transformer(dtype=dtype, seed=2), build_zimage_transformer(dtype=dtype, seed=2)
+    inputs = zimage_transformer_inputs(model, batch=batch, grid=(8, 6), txt_tokens=9, seed=3)
+    ref = run(ref_model, inputs)
+    assert all(torch.isfinite(r).all() and r.float().std() > 0.1 for r in ref)
+    fp.patch(model)
+    unpatch_after(model)
+    assert outputs_equal(run(model, inputs), ref)
+    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(3)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_after):
+    model = build_zimage_transformer(seed=4)
+    inputs = zimage_transformer_inputs(model, batch=batch, seed=5)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert outputs_equal(run(model, inputs), ref)
+    assert_every_site_fast(fp.report(model), sites(3), {})
+
+
+def test_unpatch_pickle_and_state_dict():
+    model = build_zimage_transformer(seed=6)
+    with patch_round_trip(model, zimage_transformer_inputs(model, seed=7)):
+        assert type(model.layers[0]) is zimage.FastpathZImageTransformerBlock
+    assert type(model.layers[0]) is ZImageTransformerBlock
+
+
+def test_compiles_with_fullgraph():
+    model = build_zimage_transformer(seed=8)
+    assert_compiles_fullgraph_exactly(model, zimage_transformer_inputs(model, seed=9))
+
+
+@pytest.mark.gpu
+def test_z_image_one_step_1024_is_bitwise_identical_and_fused():
+    """Z-Image's config (6B, 12 GiB of bf16 weights), 1024x1024 (a 128x128 latent, 4,096 image tokens), a batch of
+    two prompts of different lengths: bit-identical, every gated residual fused."""
+    model = build_zimage_transformer("z-image", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = zimage_transformer_inputs(model, batch=2, grid=(128, 128), txt_tokens=128, seed=10)
+        assert_patched_step_exact_and_fused(model, inputs, sites(32), {})
+    finally:
+        del model
+        torch.cuda.empty_cache()
