@@ -83,19 +83,21 @@ def fastpath_log(caplog):
 def emulated_kernels(monkeypatch):
     """The fused ops of the shared chains with their guards open and their kernels replaced by torch code of the
     same rounding (gated residual: fp32 math, rounded after the multiply and the add, as csrc/gated_residual.cu) or
-    by their references (LayerNorm + modulate, self-verified on the GPU; rotary, exact by construction; GELU +
-    concatenation, proven exact on every value): the fast
+    by their references (LayerNorm + modulate, self-verified on the GPU; the modulate and the rotary, exact by
+    construction; GELU + concatenation, proven exact on every value): the fast
     paths' wiring runs, and is checked, on a CPU."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
+    from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
 
     def gated_residual_arithmetic(residual, gate, update):
         return (residual.float() + (gate.float() * update.float()).to(residual.dtype).float()).to(residual.dtype)
 
     for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
-                       (ROTARY_EMB, rotary_emb_ref), (GELU_CAT, gelu_cat_ref)):
+                       (ROTARY_EMB, rotary_emb_ref), (GELU_CAT, gelu_cat_ref),
+                       (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", lambda *a, check_pointers=True: None)
         monkeypatch.setattr(op, "kernel", kernel)
     monkeypatch.setattr(GELU_CAT, "prove", None)  # its proof runs the CUDA kernel on every value of the dtype

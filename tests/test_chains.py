@@ -160,9 +160,11 @@ class DeferredBlock(torch.nn.Module):
 def test_deferred_norms_sums_either_way_round_and_gate_names():
     sub, found = _chains.fused_subclass(DeferredBlock, "FusedDeferredBlock", __name__)
     assert found.norms == ["norm2", "norm2_context"] and found.gates == ["gate_a", "gate_c"]
+    assert found.modulates == ["p", "q"]  # the near misses' modulates alone: their LayerNorms stay where they are
     source = inspect.getsource(sub.forward)
     assert "n = self.norm2(x)" not in source and "m = self.norm2_context(c)" not in source
     assert source.count("norm_modulate(") == 2 and "p = self.norm2(x)" in source and "q = self.norm2(c)" in source
+    assert "p = _diffusers_fastpath_chains.modulate(p, scale, shift," in source
     assert "gated_residual(x, gate_a.unsqueeze(1), n," in source and "gated_residual(c, gate_c, m," in source
     torch.manual_seed(4)
     block = sub().to(torch.bfloat16)

@@ -15,10 +15,11 @@ from diffusers_fastpath.models import sd3
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, build_sd3_transformer, patch_round_trip,
                                         sd3_transformer_inputs)
 
-# the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX, not fused), the last context-pre-only
-TINY_SITES = {"layernorm_scale_shift": 9, "gated_residual": 15}
-TINY_FAST = {"layernorm_scale_shift": 9, "gated_residual": 5 + 4 + 2}  # gates that run: the dual one only in block 0,
-                                                                         # the context ones not in the last block
+# the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX: its two modulates fused, its
+# LayerNorm eager), the last context-pre-only
+TINY_SITES = {"layernorm_scale_shift": 9, "gated_residual": 15, "modulate_scale_shift": 2}
+TINY_FAST = {"layernorm_scale_shift": 9, "gated_residual": 5 + 4 + 2,  # gates that run: the dual one only in block 0,
+             "modulate_scale_shift": 2}                                 # the context ones not in the last block
 
 
 def run(model, inputs):

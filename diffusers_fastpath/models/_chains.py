@@ -41,6 +41,13 @@ of ``self``):
   - ``N = self.A(X)`` directly followed by ``T = self.M(N, ...)``, ``N`` not read again  ->  ``T = self.F(self.A, X, ...)``
 
   with the site on ``self.A``, as above.
+- modulate of an already-normalised tensor, into `diffusers_fastpath.ops.modulate_scale_shift` (exact on any input;
+  the fallback is this very expression), where none of the LayerNorm forms above took it (SD3.5's
+  ``SD35AdaLayerNormZeroX`` modulates one LayerNorm output twice):
+
+  - ``H = N * (1 + S[:, None]) + T[:, None]``, ``N`` a name  ->  ``H = modulate(N, S, T, site)``
+
+  with the site ``modulate_scale_shift_<H>`` on the block.
 - rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
   attention processors:
 
@@ -86,10 +93,11 @@ from torch import nn
 
 from .._logging import warn_once
 from .._state import PatchState, site_attr
-from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, rotary_emb
+from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, modulate_scale_shift, rotary_emb
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
+MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
 GATED_RESIDUAL = "gated_residual"
 ROTARY = "rotary_emb"
 GELU_CAT = "gelu_cat"
@@ -114,11 +122,12 @@ class Rewrite:
 
     gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
     norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
+    modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
 
     def __bool__(self) -> bool:
-        return bool(self.gates or self.norms or self.rotary or self.gelu_cat)
+        return bool(self.gates or self.norms or self.modulates or self.rotary or self.gelu_cat)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -299,6 +308,11 @@ class _Rewriter:
         modulate = _modulate_of(value)
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
             return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
+        if (modulate is not None and not modulate[3] and isinstance(modulate[0], ast.Name)
+                and target not in self.found.modulates):  # a tensor normalised earlier, modulated here
+            self.found.modulates.append(target)
+            call = _call("modulate", [modulate[0], modulate[1], modulate[2], _site_of(_self_attr(), f"{MODULATE_ONLY}_{target}")])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         return self._rotary(target, value, stmt)
 
     def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
@@ -525,6 +539,12 @@ class _ChainsNamespace:
         return norm_modulate(norm, x, scale, shift, site)
 
     @staticmethod
+    def modulate(x, scale, shift, site):
+        if not all(isinstance(t, torch.Tensor) for t in (x, scale, shift)):
+            return x * (1 + scale[:, None]) + shift[:, None]
+        return modulate_scale_shift(x, scale, shift, site)
+
+    @staticmethod
     def norm_modulate_rows(norm, x, scale, shift, site):
         if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
                 and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
@@ -613,6 +633,8 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
     modulate per norm (with the ``"high"`` tier's LayerNorm-affine site on the same norm)."""
     for gate in found.gates:
         state.add_site(block, GATED_RESIDUAL, gate)
+    for target in found.modulates:
+        state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     if found.gelu_cat:
         state.add_site(block, GELU_CAT, GELU_CAT)
     for attr in found.norms:

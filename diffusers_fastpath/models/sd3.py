@@ -9,13 +9,18 @@ through the shared pieces.
   fused `layernorm_scale_shift`, every gated residual (``gate_msa``, SD3.5's ``gate_msa2``, ``gate_mlp``, and the
   context stream's) as the fused `gated_residual`.
 
-Not fused yet (issue 14): SD3.5's ``SD35AdaLayerNormZeroX`` (one LayerNorm, two modulates), the last block's
-``AdaLayerNormContinuous``, the QK RMSNorms, the FFN GELUs. SD3 has no rotary embedding.
+- SD3.5's ``SD35AdaLayerNormZeroX`` (the dual-attention blocks of SD3.5 medium: one LayerNorm, two modulates of its
+  output) is rewritten too: its LayerNorm stays eager and both modulates run as the fused, exact
+  `modulate_scale_shift`.
+
+Not fused yet (issue 14): the last block's ``AdaLayerNormContinuous``, the QK RMSNorms, the FFN GELUs. SD3 has no
+rotary embedding.
 """
 
 from __future__ import annotations
 
 from diffusers.models.attention import JointTransformerBlock
+from diffusers.models.normalization import SD35AdaLayerNormZeroX
 from diffusers.models.transformers.transformer_sd3 import SD3SingleTransformerBlock, SD3Transformer2DModel
 
 from .._state import PatchState, register_adapter
@@ -26,9 +31,11 @@ from .flux import patch_adaln
 FastpathJointTransformerBlock, _JOINT = fused_subclass(JointTransformerBlock, "FastpathJointTransformerBlock", __name__)
 FastpathSD3SingleTransformerBlock, _SINGLE = fused_subclass(
     SD3SingleTransformerBlock, "FastpathSD3SingleTransformerBlock", __name__)
+FastpathSD35AdaLayerNormZeroX, _NORM_X = fused_subclass(SD35AdaLayerNormZeroX, "FastpathSD35AdaLayerNormZeroX", __name__)
 
 _SWAPS = {JointTransformerBlock: (FastpathJointTransformerBlock, _JOINT),
-          SD3SingleTransformerBlock: (FastpathSD3SingleTransformerBlock, _SINGLE)}
+          SD3SingleTransformerBlock: (FastpathSD3SingleTransformerBlock, _SINGLE),
+          SD35AdaLayerNormZeroX: (FastpathSD35AdaLayerNormZeroX, _NORM_X)}
 
 
 @register_adapter(SD3Transformer2DModel)
