@@ -509,6 +509,47 @@ def zimage_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1,
     )
 
 
+# https://huggingface.co/Lightricks/LTX-Video/blob/main/transformer/config.json (the class defaults); a tiny config
+LTX_VIDEO_CONFIG = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                        attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
+                        qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
+                        caption_channels=4096, attention_bias=True, attention_out_bias=True)
+TINY_LTX_VIDEO_CONFIG = dict(LTX_VIDEO_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
+                             attention_head_dim=16, cross_attention_dim=32, num_layers=2, caption_channels=24)
+LTX_VIDEO_CONFIGS = {"ltx-video": LTX_VIDEO_CONFIG, "ltx-video-tiny": TINY_LTX_VIDEO_CONFIG}
+
+
+def build_ltx_transformer(config="ltx-video-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """An ``LTXVideoTransformer3DModel`` from a named config (``"ltx-video"``, ``"ltx-video-tiny"``) or a dict,
+    random weights."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    cfg = {**(LTX_VIDEO_CONFIGS[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = LTXVideoTransformer3DModel(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def ltx_transformer_inputs(model, batch=1, grid=(4, 4), frames=2, txt_tokens=8, seed=1, device=None, padding=0):
+    """Fresh random ``LTXVideoTransformer3DModel`` inputs as ``LTXPipeline`` passes them: packed latents of
+    ``frames`` x ``grid`` tokens (1x1 patches of the 32x, 8-frame latent: 512x768x121 gives 16x24x16), text states
+    with their mask (the last `padding` tokens of the first prompt masked out), the timestep, and the latent sizes."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
+    if padding:
+        mask[0, txt_tokens - padding:] = 0
+    inputs = dict(
+        hidden_states=torch.randn(batch, frames * grid[0] * grid[1], cfg.in_channels, generator=gen).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.caption_channels, generator=gen).to(dtype),
+        timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
+        encoder_attention_mask=mask,
+    )
+    return dict({k: v.to(device) for k, v in inputs.items()}, num_frames=frames, height=grid[0], width=grid[1])
+
+
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

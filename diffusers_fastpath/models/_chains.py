@@ -639,7 +639,7 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         state.add_site(block, GELU_CAT, GELU_CAT)
     for attr in found.norms:
         norm = getattr(block, attr)
-        if not isinstance(norm, nn.Module):  # e.g. SD3's last block, whose norm2_context is None (never reached)
-            continue
+        if not isinstance(norm, nn.LayerNorm):  # SD3's last block's norm2_context is None (never reached); an
+            continue                            # RMSNorm (LTX-Video) runs the expression as written, uncounted
         state.add_site(norm, MODULATE)
         mark_site(state, norm, LAYER_NORM_AFFINE, layer_norm_unfit)

@@ -1,0 +1,82 @@
+"""LTX-Video (``LTXVideoTransformer3DModel``) through the shared pieces: on CPU exactness (padded prompts, several
+latent frames), the fused gated residuals' wiring (kernels emulated), the RMSNorm modulates left as written,
+reversibility, pickling, compilation; on the GPU the LTX-Video config at 768x512x121 (6,144 tokens)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlock
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import ltx
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_every_site_fast,
+                                        assert_patched_step_exact_and_fused, build_ltx_transformer,
+                                        ltx_transformer_inputs, patch_round_trip)
+
+
+def sites(blocks: int) -> dict[str, int]:
+    return {"gated_residual": 2 * blocks}  # the RMSNorm modulates hold no site: they run as written
+
+
+def run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def test_ltx_is_supported():
+    assert "LTXVideoTransformer3DModel" in fp.supported_classes()
+    assert ltx._BLOCK.gates == ["gate_msa", "gate_mlp"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch, padding", [(1, 0), (2, 3)], ids=["b1", "b2-padded"])
+def test_patched_matches_unpatched_bitwise(dtype, batch, padding, unpatch_after):
+    ref_model, model = build_ltx_transformer(dtype=dtype, seed=1), build_ltx_transformer(dtype=dtype, seed=1)
+    inputs = ltx_transformer_inputs(model, batch=batch, grid=(4, 6), frames=3, txt_tokens=7, seed=2, padding=padding)
+    ref = run(ref_model, inputs)
+    assert torch.isfinite(ref).all() and ref.std() > 0.1
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), ref)
+    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_after):
+    model = build_ltx_transformer(seed=3)
+    inputs = ltx_transformer_inputs(model, batch=batch, seed=4)
+    ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    out = torch.full_like(ref, float("nan"))
+    out.copy_(run(model, inputs))
+    assert torch.equal(out, ref)
+    assert_every_site_fast(fp.report(model), sites(2), {})
+
+
+def test_unpatch_pickle_and_state_dict():
+    model = build_ltx_transformer(seed=5)
+    with patch_round_trip(model, ltx_transformer_inputs(model, seed=6)):
+        assert type(model.transformer_blocks[0]) is ltx.FastpathLTXVideoTransformerBlock
+    assert type(model.transformer_blocks[0]) is LTXVideoTransformerBlock
+
+
+def test_compiles_with_fullgraph():
+    model = build_ltx_transformer(seed=7)
+    assert_compiles_fullgraph_exactly(model, ltx_transformer_inputs(model, seed=8))
+
+
+@pytest.mark.gpu
+def test_ltx_video_one_step_is_bitwise_identical_and_fused():
+    """LTX-Video's config (2B) at 768x512, 121 frames (16 latent frames of 16x24: 6,144 tokens), a padded prompt:
+    bit-identical, every gated residual fused."""
+    model = build_ltx_transformer("ltx-video", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = ltx_transformer_inputs(model, grid=(16, 24), frames=16, txt_tokens=128, seed=9, padding=30)
+        assert_patched_step_exact_and_fused(model, inputs, sites(28), {})
+    finally:
+        del model
+        torch.cuda.empty_cache()
