@@ -300,8 +300,6 @@ class _Rewriter:
         if target is None:
             return None
         value = stmt.value
-        if not self.block:
-            return None
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
@@ -311,7 +309,8 @@ class _Rewriter:
         if (modulate is not None and not modulate[3] and isinstance(modulate[0], ast.Name)
                 and target not in self.found.modulates):  # a tensor normalised earlier, modulated here
             self.found.modulates.append(target)
-            call = _call("modulate", [modulate[0], modulate[1], modulate[2], _site_of(_self_attr(), f"{MODULATE_ONLY}_{target}")])
+            site = _site_of(_self_attr(), f"{MODULATE_ONLY}_{target}")
+            call = _call("modulate", [modulate[0], modulate[1], modulate[2], site])
             return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         return self._rotary(target, value, stmt)
 
