@@ -111,14 +111,28 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def _random_model(cls: type, configs: dict, config, dtype, device, seed: int, overrides: dict) -> torch.nn.Module:
+    """`cls` from a named config of `configs` (or a config dict) with `overrides`, built on `device` in `dtype`,
+    with `randomize_`'s weights, in eval mode: what every ``build_*`` below does for its family."""
+    cfg = {**(configs[config] if isinstance(config, str) else config), **overrides}
+    with _construct(device, dtype):
+        model = cls(**cfg)
+    return randomize_(model, seed).eval()
+
+
+def _text_mask(batch: int, txt_tokens: int, padding: int) -> torch.Tensor:
+    """A ``[batch, txt_tokens]`` long attention mask of ones, the last `padding` tokens of the first prompt zero."""
+    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
+    if padding:
+        mask[0, txt_tokens - padding:] = 0
+    return mask
+
+
 def build_flux_transformer(config="flux-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
     """A ``FluxTransformer2DModel`` from a named config (``"flux-dev"``, ``"flux-tiny"``) or a dict, random weights."""
     from diffusers import FluxTransformer2DModel
 
-    cfg = {**(FLUX_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = FluxTransformer2DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(FluxTransformer2DModel, FLUX_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def _latents_and_ids(cfg, batch, grid, txt_tokens, gen, dtype) -> dict:
@@ -225,10 +239,7 @@ def build_chroma_transformer(config="chroma-tiny", dtype=torch.bfloat16, device=
     random weights."""
     from diffusers import ChromaTransformer2DModel
 
-    cfg = {**(CHROMA_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = ChromaTransformer2DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(ChromaTransformer2DModel, CHROMA_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def chroma_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, masked=0):
@@ -294,10 +305,7 @@ def build_flux2_transformer(config="flux2-tiny", dtype=torch.bfloat16, device="c
     weights."""
     from diffusers import Flux2Transformer2DModel
 
-    cfg = {**(FLUX2_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = Flux2Transformer2DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(Flux2Transformer2DModel, FLUX2_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def flux2_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
@@ -341,10 +349,7 @@ def build_sd3_transformer(config="sd3-tiny", dtype=torch.bfloat16, device="cpu",
     """An ``SD3Transformer2DModel`` from a named config (``"sd3.5-large"``, ``"sd3-tiny"``) or a dict, random weights."""
     from diffusers import SD3Transformer2DModel
 
-    cfg = {**(SD3_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = SD3Transformer2DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(SD3Transformer2DModel, SD3_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def sd3_transformer_inputs(model, batch=1, size=(8, 8), txt_tokens=8, seed=1, device=None):
@@ -378,10 +383,7 @@ def build_qwenimage_transformer(config="qwen-image-tiny", dtype=torch.bfloat16, 
     random weights."""
     from diffusers import QwenImageTransformer2DModel
 
-    cfg = {**(QWEN_IMAGE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = QwenImageTransformer2DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(QwenImageTransformer2DModel, QWEN_IMAGE_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def qwenimage_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, padding=0,
@@ -396,9 +398,7 @@ def qwenimage_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed
     cfg = model.config
     shapes = [(1, *grid), *((1, *g) for g in edit_grids)]
     tokens = sum(f * h * w for f, h, w in shapes)
-    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
-    if padding:
-        mask[0, txt_tokens - padding:] = 0
+    mask = _text_mask(batch, txt_tokens, padding)
     inputs = dict(
         hidden_states=torch.randn(batch, tokens, cfg.in_channels, generator=gen).to(dtype),
         encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.joint_attention_dim, generator=gen).to(dtype),
@@ -437,9 +437,7 @@ def build_hunyuan_transformer(config="hunyuan-video-tiny", dtype=torch.bfloat16,
     from diffusers import HunyuanImageTransformer2DModel, HunyuanVideoTransformer3DModel
 
     cls = HunyuanImageTransformer2DModel if config.startswith("hunyuan-image") else HunyuanVideoTransformer3DModel
-    with _construct(device, dtype):
-        model = cls(**{**HUNYUAN_CONFIGS[config], **overrides})
-    return randomize_(model, seed).eval()
+    return _random_model(cls, HUNYUAN_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def hunyuan_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, frames=1, padding=0):
@@ -453,9 +451,7 @@ def hunyuan_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1
     cfg = model.config
     video = "pooled_projection_dim" in cfg
     shape = (batch, cfg.in_channels, frames, *grid) if video else (batch, cfg.in_channels, *grid)
-    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
-    if padding:
-        mask[0, txt_tokens - padding:] = 0
+    mask = _text_mask(batch, txt_tokens, padding)
     inputs = dict(
         hidden_states=torch.randn(*shape, generator=gen).to(dtype),
         timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
@@ -487,10 +483,7 @@ def build_zimage_transformer(config="z-image-tiny", dtype=torch.bfloat16, device
     weights."""
     from diffusers import ZImageTransformer2DModel
 
-    cfg = {**(Z_IMAGE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = ZImageTransformer2DModel(**{k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()})
-    return randomize_(model, seed).eval()
+    return _random_model(ZImageTransformer2DModel, Z_IMAGE_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def zimage_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1, device=None):
@@ -524,10 +517,7 @@ def build_ltx_transformer(config="ltx-video-tiny", dtype=torch.bfloat16, device=
     random weights."""
     from diffusers import LTXVideoTransformer3DModel
 
-    cfg = {**(LTX_VIDEO_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = LTXVideoTransformer3DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(LTXVideoTransformer3DModel, LTX_VIDEO_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def ltx_transformer_inputs(model, batch=1, grid=(4, 4), frames=2, txt_tokens=8, seed=1, device=None, padding=0):
@@ -538,9 +528,7 @@ def ltx_transformer_inputs(model, batch=1, grid=(4, 4), frames=2, txt_tokens=8, 
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
     cfg = model.config
-    mask = torch.ones(batch, txt_tokens, dtype=torch.long)
-    if padding:
-        mask[0, txt_tokens - padding:] = 0
+    mask = _text_mask(batch, txt_tokens, padding)
     inputs = dict(
         hidden_states=torch.randn(batch, frames * grid[0] * grid[1], cfg.in_channels, generator=gen).to(dtype),
         encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.caption_channels, generator=gen).to(dtype),
@@ -567,11 +555,8 @@ def build_flux_clone(class_name: str, dtype=torch.bfloat16, device="cpu", seed=0
     defaults, ``tiny=False``), random weights."""
     import diffusers
 
-    cls = getattr(diffusers, class_name)
-    cfg = {**(FLUX_CLONE_CONFIGS[class_name] if tiny else {}), **overrides}
-    with _construct(device, dtype):
-        model = cls(**cfg)
-    return randomize_(model, seed).eval()
+    config = FLUX_CLONE_CONFIGS[class_name] if tiny else {}
+    return _random_model(getattr(diffusers, class_name), FLUX_CLONE_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def flux_clone_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
@@ -600,10 +585,7 @@ def build_ernie_image_transformer(config="ernie-image-tiny", dtype=torch.bfloat1
     dict, every parameter random (the model zero-initialises its modulation and output layers)."""
     from diffusers import ErnieImageTransformer2DModel
 
-    cfg = {**(ERNIE_IMAGE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        model = ErnieImageTransformer2DModel(**cfg)
-    return randomize_(model, seed).eval()
+    return _random_model(ErnieImageTransformer2DModel, ERNIE_IMAGE_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def ernie_image_inputs(model, batch=1, grid=(8, 8), text_lens=(12,), seed=1, device=None):
@@ -685,10 +667,7 @@ def build_flux_vae(config="flux-tiny", dtype=torch.bfloat16, device="cpu", seed=
     random weights."""
     from diffusers import AutoencoderKL
 
-    cfg = {**(FLUX_VAE_CONFIGS[config] if isinstance(config, str) else config), **overrides}
-    with _construct(device, dtype):
-        vae = AutoencoderKL(**cfg)
-    return randomize_(vae, seed).eval()
+    return _random_model(AutoencoderKL, FLUX_VAE_CONFIGS, config, dtype, device, seed, overrides)
 
 
 def flux_pipeline(transformer, vae):
