@@ -170,9 +170,9 @@ def _flat(out) -> torch.Tensor:
 
 
 def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, int], calls: dict[str, int]) -> None:
-    """The full-size GPU check of a family: one forward of `model` (real-looking output, not zeros), then patched
-    into an output poisoned with NaN first is `torch.equal` to it, with every site fast (`assert_every_site_fast`);
-    `model` is unpatched again afterwards."""
+    """The check every family runs, on a CPU with the kernels emulated and on the GPU at full size: one forward of
+    `model` (real-looking output, not zeros), then patched into an output poisoned with NaN first is `torch.equal`
+    to it, with every site fast (`assert_every_site_fast`); `model` is unpatched again afterwards."""
     from . import patch, report, unpatch
 
     with torch.no_grad():

@@ -12,8 +12,8 @@ from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransform
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux2
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_every_site_fast, build_flux2_transformer,
-                                        flux2_transformer_inputs, patch_round_trip)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_step_exact_and_fused,
+                                        build_flux2_transformer, flux2_transformer_inputs, patch_round_trip)
 
 
 def sites(dual: int, single: int) -> dict[str, int]:
@@ -46,14 +46,9 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_after):
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_flux2_transformer(seed=3)
-    inputs = flux2_transformer_inputs(model, batch=batch, seed=4)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert_every_site_fast(fp.report(model), sites(2, 2), CALLS)
+    assert_patched_step_exact_and_fused(model, flux2_transformer_inputs(model, batch=batch, seed=4), sites(2, 2), CALLS)
 
 
 def test_unpatch_pickle_and_state_dict():

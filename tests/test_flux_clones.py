@@ -11,7 +11,7 @@ import torch
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux_clones
-from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_fullgraph_exactly, assert_every_site_fast,
+from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_fullgraph_exactly, assert_every_site_fast, assert_patched_step_exact_and_fused,
                                         build_flux_clone, flux_clone_inputs, patch_round_trip)
 
 CLONES = sorted(FLUX_CLONE_CONFIGS)
@@ -56,14 +56,9 @@ def test_patched_matches_unpatched_bitwise(name, dtype, unpatch_after):
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", CLONES)
-def test_every_site_on_the_fast_path_is_exact(name, batch, emulated_kernels, unpatch_after):
+def test_every_site_on_the_fast_path_is_exact(name, batch, emulated_kernels):
     model = build_flux_clone(name, seed=3)
-    inputs = flux_clone_inputs(model, batch=batch, seed=4)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert_every_site_fast(fp.report(model), sites(2, 2, name), CALLS)
+    assert_patched_step_exact_and_fused(model, flux_clone_inputs(model, batch=batch, seed=4), sites(2, 2, name), CALLS)
 
 
 @pytest.mark.parametrize("name", CLONES)

@@ -12,9 +12,9 @@ from diffusers.models.transformers.transformer_z_image import ZImageTransformerB
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import zimage
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_every_site_fast,
-                                        assert_patched_step_exact_and_fused, build_zimage_transformer, outputs_equal,
-                                        patch_round_trip, zimage_transformer_inputs)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_step_exact_and_fused,
+                                        build_zimage_transformer, outputs_equal, patch_round_trip,
+                                        zimage_transformer_inputs)
 
 
 def sites(modulated_blocks: int) -> dict[str, int]:
@@ -50,14 +50,9 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels, unpatch_after):
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_zimage_transformer(seed=4)
-    inputs = zimage_transformer_inputs(model, batch=batch, seed=5)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
-    assert outputs_equal(run(model, inputs), ref)
-    assert_every_site_fast(fp.report(model), sites(3), {})
+    assert_patched_step_exact_and_fused(model, zimage_transformer_inputs(model, batch=batch, seed=5), sites(3), {})
 
 
 def test_unpatch_pickle_and_state_dict():
