@@ -84,6 +84,7 @@ import importlib
 import importlib.util
 import inspect
 import linecache
+import sys
 import textwrap
 from dataclasses import dataclass, field
 
@@ -574,8 +575,8 @@ class _ChainsNamespace:
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    norm_methods: dict[str, tuple[str, object]] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
-    defined in the adapter module `module`, whose `method` is the installed one with its chains fused, and what was
-    rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
+    defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
+    chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
     `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
     (the LayerNorm-into-method pattern of the module doc)."""
     norm_methods = norm_methods or {}
@@ -591,6 +592,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc})
     fn.__module__ = module
+    if module in sys.modules:  # an attribute of its module from the start, so that pickles find it by name
+        setattr(sys.modules[module], name, sub)
     return sub, found
 
 

@@ -43,10 +43,7 @@ _PROCESSORS: dict[type, type | None] = {}
 
 
 def _fused(cls: type, method: str = "forward"):
-    name = f"Fastpath{cls.__name__}"
-    fused, found = fused_subclass(cls, name, __name__, method)
-    globals()[name] = fused
-    return fused, found
+    return fused_subclass(cls, f"Fastpath{cls.__name__}", __name__, method)  # an attribute of this module
 
 
 def _register(module_name: str, prefix: str) -> None:

@@ -32,7 +32,8 @@ def _fused(module, class_name: str, method: str = "forward"):
     return cls, fused_subclass(cls, f"Fastpath{class_name}", __name__, method)
 
 
-# Created at import (module globals, so that a pickled patched model finds them here by name).
+# Created at import, as attributes of this module named Fastpath<diffusers name> (`fused_subclass` sets them), so
+# that a pickled patched model finds them here by name.
 _VIDEO_BLOCKS = dict(_fused(video, n) for n in ("HunyuanVideoTransformerBlock", "HunyuanVideoSingleTransformerBlock",
                                                 "HunyuanVideoTokenReplaceTransformerBlock",
                                                 "HunyuanVideoTokenReplaceSingleTransformerBlock",
@@ -41,10 +42,6 @@ _IMAGE_BLOCKS = dict(_fused(image, n) for n in ("HunyuanImageTransformerBlock", 
                                                 "HunyuanImageIndividualTokenRefinerBlock"))
 _PROCESSORS = dict(_fused(m, n, "__call__") for m, n in ((video, "HunyuanVideoAttnProcessor2_0"),
                                                           (image, "HunyuanImageAttnProcessor")))
-for _cls, (_sub, _) in (*_VIDEO_BLOCKS.items(), *_IMAGE_BLOCKS.items(), *_PROCESSORS.items()):
-    if _sub is not None:
-        globals()[_sub.__name__] = _sub
-del _cls, _sub
 
 
 def _patch(model, state: PatchState, blocks: dict, processor: type) -> None:
