@@ -13,7 +13,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.testing import (assert_every_site_fast, build_chroma_transformer, build_flux_vae,
                                         chroma_pipeline, chroma_prompt_embeddings, chroma_transformer_inputs)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.full_size]
 
 # 19 dual blocks (norm1, norm1_context, norm2, norm2_context; four gates) and 38 single blocks (norm; one gate)
 CHROMA_SITES = {"layernorm_scale_shift": 19 * 4 + 38, "gated_residual": 19 * 4 + 38, "gelu_cat": 38, "qk_norm_rope": 57,

@@ -65,6 +65,7 @@ def test_compiles_with_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
 @torch.no_grad()
 def test_flux2_dev_one_step_1024_is_bitwise_identical(unpatch_after):
     """FLUX.2-dev's config (60 GiB of bf16 weights): bit-identical, and every site fused: the gated residuals, the

@@ -80,6 +80,7 @@ def test_compiles_with_fullgraph(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
 @pytest.mark.parametrize("config, grid, frames", [("hunyuan-video", (68, 120), 16), ("hunyuan-image", (64, 64), 1)],
                          ids=["video-544x960x61", "image-2048"])
 def test_full_size_one_step_is_bitwise_identical_and_fused(config, grid, frames):

@@ -62,6 +62,7 @@ def test_compiles_with_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
 def test_ltx_video_one_step_is_bitwise_identical_and_fused():
     """LTX-Video's config (2B) at 768x512, 121 frames (16 latent frames of 16x24: 6,144 tokens), a padded prompt:
     bit-identical, every gated residual fused."""

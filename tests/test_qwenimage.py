@@ -83,6 +83,7 @@ def test_compiles_with_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
 def test_qwen_image_one_step_1024_is_bitwise_identical_and_fused():
     """Qwen-Image's config (38 GiB of bf16 weights), 1024x1024 with a padded prompt: bit-identical, and every
     LayerNorm + modulate and gated residual site fused."""

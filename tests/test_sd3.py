@@ -73,6 +73,7 @@ def test_compiles_with_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
 @torch.no_grad()
 def test_sd35_large_one_step_1024_is_bitwise_identical_and_fused(unpatch_after):
     model = build_sd3_transformer("sd3.5-large", torch.bfloat16, "cuda", seed=0)

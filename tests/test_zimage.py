@@ -68,6 +68,7 @@ def test_compiles_with_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
 def test_z_image_one_step_1024_is_bitwise_identical_and_fused():
     """Z-Image's config (6B, 12 GiB of bf16 weights), 1024x1024 (a 128x128 latent, 4,096 image tokens), a batch of
     two prompts of different lengths: bit-identical, every gated residual fused."""
