@@ -81,7 +81,7 @@ def fastpath_log(caplog):
 
 @pytest.fixture
 def emulated_kernels(monkeypatch):
-    """The fused ops of the shared chains with their guards open and their kernels replaced by torch code of the
+    """The fused ops of the shared chains with their guards taking CPU tensors as CUDA ones and their kernels replaced by torch code of the
     same rounding (gated residual: fp32 math, rounded after the multiply and the add, as csrc/gated_residual.cu) or
     by their references (LayerNorm + modulate, self-verified on the GPU; the modulate and the rotary, exact by
     construction; GELU + concatenation, proven exact on every value): the fast
@@ -98,6 +98,16 @@ def emulated_kernels(monkeypatch):
     for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (ROTARY_EMB, rotary_emb_ref), (GELU_CAT, gelu_cat_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
-        monkeypatch.setattr(op, "guard", lambda *a, check_pointers=True: None)
+        monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
     monkeypatch.setattr(GELU_CAT, "prove", None)  # its proof runs the CUDA kernel on every value of the dtype
+
+
+def _as_if_on_cuda(guard):
+    """The op's own guard (dtypes, shapes, strides, contiguity: what a model's layout decides), with the device and
+    the pointers it checks last taken as a GPU's: a site whose tensors the kernel would refuse on the GPU falls back
+    here too (a view that is contiguous only at batch 1, say)."""
+    def on_cpu(*args, check_pointers=True):
+        reason = guard(*args, check_pointers=False)
+        return None if reason == "device cpu" else reason
+    return on_cpu

@@ -66,6 +66,8 @@ def test_unpatch_pickle_and_state_dict(config):
     with patch_round_trip(model, hunyuan_transformer_inputs(model, seed=6)):
         assert all(type(b).__module__ == hunyuan.__name__ for b in model.single_transformer_blocks)
         assert all(type(b.attn.processor).__module__ == hunyuan.__name__ for b in model.transformer_blocks)
+        assert type(model.x_embedder).__module__ == hunyuan.__name__
+    assert type(model.x_embedder).__module__ != hunyuan.__name__
     if config == "hunyuan-video-tiny":
         assert type(model.single_transformer_blocks[0]) is HunyuanVideoSingleTransformerBlock
         assert type(model.transformer_blocks[0].attn.processor) is HunyuanVideoAttnProcessor2_0

@@ -16,10 +16,10 @@ from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_
 
 # [B, L, D]: 1024x1024 image tokens, 512 text tokens, the single blocks' 4096 + 512, a CFG batch, 512x512 with CFG,
 # short and odd sequences; FLUX.2-dev's D = 6144 (the widest row the kernel holds; its single blocks' 4096 + 512
-# tokens), and widths whose last vectors leave threads idle (5120: Wan 14B; 3840: Z-Image; 4100).
+# tokens), and widths whose last vectors leave threads idle (5120: Wan 14B; 3840: Z-Image; 4104).
 SHAPES = [
     (1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072), (2, 1024, 3072), (2, 77, 3072), (1, 17, 64),
-    (1, 4608, 6144), (2, 512, 6144), (1, 333, 5120), (1, 257, 3840), (1, 65, 4100),
+    (1, 4608, 6144), (2, 512, 6144), (1, 333, 5120), (1, 257, 3840), (1, 65, 4104),
 ]
 DTYPES = [torch.bfloat16, torch.float16]
 # How the adaLN modules hand over scale/shift: chunks of the linear's output (AdaLayerNormZero: 6 chunks,

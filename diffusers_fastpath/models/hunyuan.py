@@ -8,6 +8,9 @@ pieces. Both are FLUX.1's architecture with a text token refiner in front; nothi
   dual blocks' second modulates (``norm2``, ``norm2_context``: normalised together, then modulated together) as the
   fused `layernorm_scale_shift`, every gated residual (dual blocks, single blocks, the refiner's) as the fused
   `gated_residual`, the single blocks' tanh-GELU + concatenation as the fused `gelu_cat`;
+- the patch embeddings hand the blocks their tokens contiguous (`FastpathHunyuanVideoPatchEmbed`: diffusers' are a
+  transposed view, a layout the dual blocks' image stream keeps, so every one of their LayerNorm + modulate and gated
+  residual sites would fall back);
 - the attention processors (``HunyuanVideoAttnProcessor2_0``, ``HunyuanImageAttnProcessor``) are rewritten for the
   exact fused `rotary_emb` of q and k (the joint single-stream path's image part too: a view of the joint sequence,
   which the op takes where it is contiguous, batch 1, and otherwise leaves to diffusers' function).
@@ -44,9 +47,34 @@ _PROCESSORS = dict(_fused(m, n, "__call__") for m, n in ((video, "HunyuanVideoAt
                                                           (image, "HunyuanImageAttnProcessor")))
 
 
+class FastpathHunyuanVideoPatchEmbed(video.HunyuanVideoPatchEmbed):
+    """diffusers' ``HunyuanVideoPatchEmbed`` with its tokens made contiguous once. diffusers returns the convolution's
+    ``[B, C, F, H, W]`` output as a transposed ``[B, N, C]`` view; the dual blocks' residual adds keep that layout, so
+    each of their LayerNorms copies it and the fused kernels (rows in memory) refuse it. Until the single blocks'
+    concatenation (contiguous either way) the image stream feeds only elementwise ops and LayerNorms, which read a
+    contiguous copy of it: the same bits, one copy instead of two per dual block. No state of its own."""
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states).contiguous()
+
+
+class FastpathHunyuanImagePatchEmbed(image.HunyuanImagePatchEmbed):
+    """HunyuanImage-2.1's ``HunyuanImagePatchEmbed`` with its tokens made contiguous once (as
+    `FastpathHunyuanVideoPatchEmbed`, for the same reason and with the same bits)."""
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states).contiguous()
+
+
+_EMBEDS = {video.HunyuanVideoPatchEmbed: FastpathHunyuanVideoPatchEmbed,
+           image.HunyuanImagePatchEmbed: FastpathHunyuanImagePatchEmbed}
+
+
 def _patch(model, state: PatchState, blocks: dict, processor: type) -> None:
     for module in model.modules():
         patch_adaln(module, state)
+        if type(module) in _EMBEDS:
+            state.swap_class(module, _EMBEDS[type(module)])
     swap_rewritten(state, model, blocks)
     replace_processors(state, model, Attention, processor, _PROCESSORS[processor][0])
 
