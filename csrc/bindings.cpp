@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
 #include "fastpath.h"
@@ -29,6 +30,16 @@ DType to_dtype(const at::Tensor& t) {
   }
 }
 
+// The checks' messages format numbers with std::to_string, never through an ostream: on the H200 image (torch 2.11
+// cu130, this file built by g++ 13.3) every failed check whose message streamed an integer or a shape (c10::str)
+// segfaulted instead of raising, while those streaming only text raised (a num_put facet of another libstdc++ than
+// the headers' is the likely cause). tests/test_bindings_gpu.py calls each op with bad input in a subprocess.
+std::string shape_str(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
@@ -36,7 +47,7 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 void check_modulate_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
                            const at::Tensor& shift) {
   TORCH_CHECK(x.is_cuda(), "modulate_scale_shift: x must be a CUDA tensor");
-  TORCH_CHECK(x.dim() == 3, "modulate_scale_shift: x must be [batch, seq, dim], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 3, "modulate_scale_shift: x must be [batch, seq, dim], got ", shape_str(x.sizes()));
   const int64_t batch = x.size(0), dim = x.size(2);
   const int64_t vec = 16 / x.element_size();
   to_dtype(x);
@@ -47,10 +58,10 @@ void check_modulate_inputs(const at::Tensor& out, const at::Tensor& x, const at:
   }
   TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && x.is_contiguous(),
               "modulate_scale_shift: x and out must be contiguous and of one shape");
-  TORCH_CHECK(aligned16(x) && dim % vec == 0, "modulate_scale_shift: dim must be a multiple of ", vec);
+  TORCH_CHECK(aligned16(x) && dim % vec == 0, "modulate_scale_shift: dim must be a multiple of ", std::to_string(vec));
   for (const at::Tensor* t : {&scale, &shift}) {
     TORCH_CHECK(t->dim() == 2 && t->size(1) == dim && (t->size(0) == batch || t->size(0) == 1),
-                "modulate_scale_shift: scale/shift must be [batch or 1, dim], got ", t->sizes());
+                "modulate_scale_shift: scale/shift must be [batch or 1, dim], got ", shape_str(t->sizes()));
     TORCH_CHECK(t->stride(1) == 1, "modulate_scale_shift: scale/shift must have unit innermost stride");
     TORCH_CHECK(t->size(0) == 1 || t->stride(0) % vec == 0,
                 "modulate_scale_shift: scale/shift batch stride must keep rows 16-byte aligned");
@@ -88,7 +99,8 @@ at::Tensor modulate_scale_shift(const at::Tensor& x, const at::Tensor& scale, co
 void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
                                  const at::Tensor& update) {
   TORCH_CHECK(residual.is_cuda(), "gated_residual: residual must be a CUDA tensor");
-  TORCH_CHECK(residual.dim() == 3, "gated_residual: residual must be [batch, seq, dim], got ", residual.sizes());
+  TORCH_CHECK(residual.dim() == 3, "gated_residual: residual must be [batch, seq, dim], got ",
+              shape_str(residual.sizes()));
   const int64_t batch = residual.size(0), seq = residual.size(1), dim = residual.size(2);
   const int64_t vec = 16 / residual.element_size();
   to_dtype(residual);
@@ -102,10 +114,10 @@ void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residu
   TORCH_CHECK(out.sizes() == residual.sizes() && update.sizes() == residual.sizes() && out.is_contiguous() &&
                   residual.is_contiguous() && update.is_contiguous(),
               "gated_residual: out, residual and update must be contiguous and of one shape");
-  TORCH_CHECK(dim % vec == 0, "gated_residual: dim must be a multiple of ", vec);
+  TORCH_CHECK(dim % vec == 0, "gated_residual: dim must be a multiple of ", std::to_string(vec));
   TORCH_CHECK(gate.dim() == 3 && gate.size(2) == dim && (gate.size(0) == batch || gate.size(0) == 1) &&
                   (gate.size(1) == seq || gate.size(1) == 1),
-              "gated_residual: gate must be [batch or 1, seq or 1, dim], got ", gate.sizes());
+              "gated_residual: gate must be [batch or 1, seq or 1, dim], got ", shape_str(gate.sizes()));
   TORCH_CHECK(gate.stride(2) == 1 && (gate.size(0) == 1 || gate.stride(0) % vec == 0) &&
                   (gate.size(1) == 1 || gate.stride(1) % vec == 0),
               "gated_residual: gate rows must have unit innermost stride and stay 16-byte aligned");
@@ -142,8 +154,8 @@ at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, co
 void check_gelu_cat_inputs(const at::Tensor& out, const at::Tensor& attn, const at::Tensor& mlp) {
   TORCH_CHECK(attn.is_cuda(), "gelu_cat: attn must be a CUDA tensor");
   TORCH_CHECK(attn.dim() == 3 && mlp.dim() == 3 && attn.size(0) == mlp.size(0) && attn.size(1) == mlp.size(1),
-              "gelu_cat: attn and mlp must be [batch, seq, dim] of one batch and seq, got ", attn.sizes(), " and ",
-              mlp.sizes());
+              "gelu_cat: attn and mlp must be [batch, seq, dim] of one batch and seq, got ", shape_str(attn.sizes()),
+              " and ", shape_str(mlp.sizes()));
   const int64_t vec = 16 / attn.element_size();
   to_dtype(attn);
   for (const at::Tensor* t : {&out, &mlp}) {
@@ -157,7 +169,7 @@ void check_gelu_cat_inputs(const at::Tensor& out, const at::Tensor& attn, const 
     TORCH_CHECK(aligned16(*t), "gelu_cat: pointers must be 16-byte aligned");
   }
   for (const at::Tensor* t : {&attn, &mlp}) {
-    TORCH_CHECK(t->size(2) % vec == 0, "gelu_cat: dims must be multiples of ", vec);
+    TORCH_CHECK(t->size(2) % vec == 0, "gelu_cat: dims must be multiples of ", std::to_string(vec));
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) % vec == 0 && t->stride(0) % vec == 0,
                 "gelu_cat: rows must have unit innermost stride and stay 16-byte aligned");
   }
@@ -334,7 +346,7 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
                            double eps, const char* name) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
-              "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", x.sizes());
+              "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", shape_str(x.sizes()));
   TORCH_CHECK(x.scalar_type() == img.scalar_type() && x.device() == img.device(), "rotary: ", name,
               " must match the image part in dtype and device");
   TORCH_CHECK(x.stride(3) == 1 && x.stride(0) % 4 == 0 && x.stride(1) % 4 == 0 && x.stride(2) % 4 == 0 &&
@@ -358,7 +370,7 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                          const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
                          const at::Tensor& sin, bool norm) {
   TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
-  TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", x_img.sizes());
+  TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", shape_str(x_img.sizes()));
   const int64_t dim = x_img.size(3);
   TORCH_CHECK(dim % 4 == 0 && (!norm || dim <= 128), "rotary: dim must be a multiple of 4",
               norm ? " and at most 128" : "");

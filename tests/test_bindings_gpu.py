@@ -1,0 +1,62 @@
+"""The raw CUDA ops (csrc/bindings.cpp's ``_*_cuda``) called directly with input their checks refuse: each raises a
+RuntimeError naming the problem, none crashes. The Python guards never hand them such input; a direct call must still
+not take the process down (on the H200 image every check whose message formatted a number or a shape through an
+ostream segfaulted). Each call runs in its own interpreter, so a crash fails its case instead of the test worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# (op, arguments as tensor shapes (bf16 on the GPU; "f32:" for float32), the message the check gives)
+CASES = {
+    "modulate-2d-x": ("_modulate_scale_shift_cuda", [(65, 4104), (1, 4104), (1, 4104)], "got [65, 4104]"),
+    "modulate-odd-width": ("_modulate_scale_shift_cuda", [(1, 65, 4100), (1, 4100), (1, 4100)], "multiple of 8"),
+    "modulate-scale-width": ("_modulate_scale_shift_cuda", [(1, 65, 4104), (1, 4096), (1, 4096)], "got [1, 4096]"),
+    "modulate-fp32": ("_modulate_scale_shift_cuda", ["f32:1,65,64", "f32:1,64", "f32:1,64"], "got Float"),
+    "layernorm-odd-width": ("_layernorm_scale_shift_cuda", [(1, 65, 4100), (1, 4100), (1, 4100), 1e-6],
+                            "multiple of 8"),
+    "gated-residual-odd-width": ("_gated_residual_cuda", [(1, 65, 4100), (1, 1, 4100), (1, 65, 4100)],
+                                 "multiple of 8"),
+    "gated-residual-gate-shape": ("_gated_residual_cuda", [(1, 65, 64), (1, 2, 64), (1, 65, 64)], "got [1, 2, 64]"),
+    "gelu-cat-seq-mismatch": ("_gelu_cat_cuda", [(1, 65, 64), (1, 64, 256)], "got [1, 65, 64] and [1, 64, 256]"),
+    "rotary-3d-x": ("_rotary_emb_cuda", [(1, 65, 64), "f32:65,64", "f32:65,64"], "got [1, 65, 64]"),
+}
+
+SCRIPT = """
+import sys, torch
+from diffusers_fastpath.ops._build import load_extension
+assert load_extension() == "nvcc"
+def arg(a):
+    if isinstance(a, float):
+        return a
+    if isinstance(a, str):
+        return torch.randn(*map(int, a[4:].split(",")), device="cuda")
+    return torch.randn(*a, device="cuda").bfloat16()
+op, args = sys.argv[1], eval(sys.argv[2])
+try:
+    getattr(torch.ops.diffusers_fastpath, op)(*map(arg, args))
+except RuntimeError as e:
+    print("RAISED", str(e).splitlines()[0])
+else:
+    print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_raw_op_with_refused_input_raises_instead_of_crashing(case):
+    from diffusers_fastpath.ops import _build
+
+    if _build.load_extension() != "nvcc":
+        pytest.skip("the bindings are the nvcc build's (the NVRTC way checks in Python)")
+    op, args, message = CASES[case]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, op, repr(args)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))
+    assert proc.returncode == 0, f"{op} crashed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+    line = next(line for line in proc.stdout.splitlines() if line.startswith(("RAISED", "NO ERROR")))
+    assert line.startswith("RAISED") and message in line, line
