@@ -103,9 +103,11 @@ void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residu
               shape_str(residual.sizes()));
   const int64_t batch = residual.size(0), seq = residual.size(1), dim = residual.size(2);
   const int64_t vec = 16 / residual.element_size();
+  const int64_t gate_vec = 16 / gate.element_size();  // an fp32 gate (Wan's chain) keeps its rows 16-byte aligned
   to_dtype(residual);
   for (const at::Tensor* t : {&out, &gate, &update}) {
-    TORCH_CHECK(t->scalar_type() == residual.scalar_type(), "gated_residual: dtype mismatch");
+    TORCH_CHECK(t->scalar_type() == residual.scalar_type() || (t == &gate && t->scalar_type() == at::kFloat),
+                "gated_residual: dtype mismatch (the gate may be float32)");
     TORCH_CHECK(t->device() == residual.device(), "gated_residual: device mismatch");
   }
   for (const at::Tensor* t : {&out, &residual, &gate, &update}) {
@@ -118,8 +120,8 @@ void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residu
   TORCH_CHECK(gate.dim() == 3 && gate.size(2) == dim && (gate.size(0) == batch || gate.size(0) == 1) &&
                   (gate.size(1) == seq || gate.size(1) == 1),
               "gated_residual: gate must be [batch or 1, seq or 1, dim], got ", shape_str(gate.sizes()));
-  TORCH_CHECK(gate.stride(2) == 1 && (gate.size(0) == 1 || gate.stride(0) % vec == 0) &&
-                  (gate.size(1) == 1 || gate.stride(1) % vec == 0),
+  TORCH_CHECK(gate.stride(2) == 1 && (gate.size(0) == 1 || gate.stride(0) % gate_vec == 0) &&
+                  (gate.size(1) == 1 || gate.stride(1) % gate_vec == 0),
               "gated_residual: gate rows must have unit innermost stride and stay 16-byte aligned");
 }
 
@@ -139,6 +141,7 @@ void gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::T
   args.gate_batch_stride = gate.size(0) == 1 ? 0 : gate.stride(0);
   args.gate_seq_stride = gate.size(1) == 1 ? 0 : gate.stride(1);
   args.dtype = to_dtype(residual);
+  args.gate_fp32 = gate.scalar_type() == at::kFloat;
   const cudaError_t err = launch_gated_residual(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gated_residual: kernel launch failed: ", cudaGetErrorString(err));
 }

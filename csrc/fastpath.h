@@ -57,6 +57,7 @@ struct GatedResidualArgs {
   int64_t gate_batch_stride;  // in elements; 0 broadcasts one gate over the batch
   int64_t gate_seq_stride;    // in elements; 0 for one gate row per batch (diffusers' `gate.unsqueeze(1)`)
   DType dtype;
+  bool gate_fp32;             // the gate is fp32 and the math stays fp32 until the one rounding (Wan); else of dtype
 };
 
 #ifndef __CUDACC_RTC__

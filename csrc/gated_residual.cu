@@ -7,6 +7,10 @@
 // This kernel keeps both rounding points and uses __fmul_rn/__fadd_rn so that nvcc cannot contract the multiply
 // and the add into an FMA (which would skip the rounding of t).
 //
+// With an fp32 gate (Wan's blocks: `(hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)`, the gate
+// an fp32 adaLN chunk) the product and the sum are fp32 results, rounded to T once at the end:
+//   out = round(float(residual) + float(update) * gate)      (mul and add each rounded to fp32)
+//
 // Layout: residual, update and out are [batch, seq, dim] contiguous. The gate row of (b, s) starts at
 // gate + b * gate_batch_stride + s * gate_seq_stride (unit innermost stride): gate_seq_stride == 0 is diffusers'
 // `gate.unsqueeze(1)` of an adaLN chunk (one row per batch, any batch stride, 0 to broadcast one row), anything
@@ -21,12 +25,44 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsInFlight = 4;  // independent 16-byte loads per operand issued per thread before the first use
 
-template <typename T, bool kRowGate>
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
+// The kVec gate values of column vector `col` of one gate row, as floats: one 16-byte load of T, or kVec / 4 of fp32.
+template <typename T, typename G>
+__device__ __forceinline__ void load_gate(const G* row, int32_t col, float (&g)[Pack<T>::kSize]) {
+  constexpr int kVec = Pack<T>::kSize;
+  if constexpr (SameType<G, float>::value) {
+    const float4* f = reinterpret_cast<const float4*>(row) + static_cast<int64_t>(col) * (kVec / 4);
+#pragma unroll
+    for (int j = 0; j < kVec / 4; ++j) {
+      const float4 v = f[j];
+      g[4 * j] = v.x;
+      g[4 * j + 1] = v.y;
+      g[4 * j + 2] = v.z;
+      g[4 * j + 3] = v.w;
+    }
+  } else {
+    const Pack<T> gp = reinterpret_cast<const Pack<T>*>(row)[col];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) g[i] = Storage<T>::load(gp.v[i]);
+  }
+}
+
+// G: the gate's type, T (FLUX's chain) or float (Wan's).
+template <typename T, typename G, bool kRowGate>
 __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
-    T* __restrict__ out, const T* __restrict__ residual, const T* __restrict__ gate, const T* __restrict__ update,
+    T* __restrict__ out, const T* __restrict__ residual, const G* __restrict__ gate, const T* __restrict__ update,
     int64_t rows, int64_t seq, int32_t vecs_per_row, int64_t gate_batch_stride, int64_t gate_seq_stride) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
+  constexpr bool kFloatGate = SameType<G, float>::value;
   const int32_t col = blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= vecs_per_row) return;
 
@@ -36,7 +72,8 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
 
   for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row0 < rows;
        row0 += row_step * kRowsInFlight) {
-    P res[kRowsInFlight], upd[kRowsInFlight], gat[kRowGate ? 1 : kRowsInFlight];
+    P res[kRowsInFlight], upd[kRowsInFlight], gat[kRowGate || kFloatGate ? 1 : kRowsInFlight];
+    float gat_f[kRowGate || !kFloatGate ? 1 : kRowsInFlight][kVec];
 #pragma unroll
     for (int r = 0; r < kRowsInFlight; ++r) {
       const int64_t row = row0 + r * row_step;
@@ -45,8 +82,12 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
         upd[r] = reinterpret_cast<const P*>(update)[row * vecs_per_row + col];
         if constexpr (!kRowGate) {
           const int64_t b = row / seq;
-          const T* g = gate + b * gate_batch_stride + (row - b * seq) * gate_seq_stride;
-          gat[r] = reinterpret_cast<const P*>(g)[col];
+          const G* g = gate + b * gate_batch_stride + (row - b * seq) * gate_seq_stride;
+          if constexpr (kFloatGate) {
+            load_gate<T, G>(g, col, gat_f[r]);
+          } else {
+            gat[r] = reinterpret_cast<const P*>(g)[col];
+          }
         }
       }
     }
@@ -60,12 +101,13 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
           const int64_t b = row / seq;
           batch_begin = b * seq;
           batch_end = batch_begin + seq;
-          const P gp = reinterpret_cast<const P*>(gate + b * gate_batch_stride)[col];
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) gate_row[i] = Storage<T>::load(gp.v[i]);
+          load_gate<T, G>(gate + b * gate_batch_stride, col, gate_row);
         }
 #pragma unroll
         for (int i = 0; i < kVec; ++i) g[i] = gate_row[i];
+      } else if constexpr (kFloatGate) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) g[i] = gat_f[r][i];
       } else {
 #pragma unroll
         for (int i = 0; i < kVec; ++i) g[i] = Storage<T>::load(gat[r].v[i]);
@@ -73,8 +115,13 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
       P o;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
-        const float gated = round_to<T>(__fmul_rn(g[i], Storage<T>::load(upd[r].v[i])));
-        o.v[i] = Storage<T>::store(__fadd_rn(Storage<T>::load(res[r].v[i]), gated));
+        if constexpr (kFloatGate) {  // float(update) * gate and the sum stay fp32; one rounding to T
+          o.v[i] = Storage<T>::store(__fadd_rn(Storage<T>::load(res[r].v[i]),
+                                               __fmul_rn(Storage<T>::load(upd[r].v[i]), g[i])));
+        } else {
+          const float gated = round_to<T>(__fmul_rn(g[i], Storage<T>::load(upd[r].v[i])));
+          o.v[i] = Storage<T>::store(__fadd_rn(Storage<T>::load(res[r].v[i]), gated));
+        }
       }
       reinterpret_cast<P*>(out)[row * vecs_per_row + col] = o;
     }
@@ -82,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
-template <typename T>
+template <typename T, typename G>
 cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
   const int64_t rows = a.batch * a.seq;
@@ -91,13 +138,13 @@ cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight);
   auto* out = static_cast<T*>(a.out);
   const auto* residual = static_cast<const T*>(a.residual);
-  const auto* gate = static_cast<const T*>(a.gate);
+  const auto* gate = static_cast<const G*>(a.gate);
   const auto* update = static_cast<const T*>(a.update);
   if (a.gate_seq_stride == 0) {
-    gated_residual_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(
+    gated_residual_kernel<T, G, true><<<shape.grid, shape.block, 0, stream>>>(
         out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0);
   } else {
-    gated_residual_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(
+    gated_residual_kernel<T, G, false><<<shape.grid, shape.block, 0, stream>>>(
         out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride);
   }
   return cudaGetLastError();
@@ -108,7 +155,10 @@ cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_gated_residual(const GatedResidualArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_type(args.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return args.gate_fp32 ? launch<T, float>(args, stream) : launch<T, T>(args, stream);
+  });
 }
 #endif
 

@@ -538,6 +538,42 @@ def ltx_transformer_inputs(model, batch=1, grid=(4, 4), frames=2, txt_tokens=8, 
     return dict({k: v.to(device) for k, v in inputs.items()}, num_frames=frames, height=grid[0], width=grid[1])
 
 
+# https://huggingface.co/Wan-AI/Wan2.1-T2V-14B-Diffusers/blob/main/transformer/config.json; a tiny config of the same
+# layout (the rotary splits the head dim in three: 16 -> 8 + 4 + 4)
+WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                  text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                  rope_max_seq_len=1024)
+TINY_WAN_CONFIG = dict(WAN_CONFIG, num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                       text_dim=32, ffn_dim=64, num_layers=2)
+WAN_CONFIGS = {"wan-14b": WAN_CONFIG, "wan-tiny": TINY_WAN_CONFIG}
+
+
+def build_wan_transformer(config="wan-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``WanTransformer3DModel`` from a named config (``"wan-14b"``: Wan 2.1 T2V 14B, ``"wan-tiny"``) or a dict,
+    random weights."""
+    from diffusers import WanTransformer3DModel
+
+    return _random_model(WanTransformer3DModel, WAN_CONFIGS, config, dtype, device, seed, overrides)
+
+
+def wan_transformer_inputs(model, batch=1, grid=(4, 4), frames=2, txt_tokens=8, seed=1, device=None, padding=0):
+    """Fresh random ``WanTransformer3DModel`` inputs as ``WanPipeline`` passes them: latents ``[B, C, frames, *grid]``
+    (2x2 patches; 832x480x81 is 21 x 60 x 104: 32,760 tokens), the timestep, and text states whose last `padding`
+    tokens of the first prompt are zeros (the pipeline pads every prompt to 512 tokens with zeros, no mask)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    text = torch.randn(batch, txt_tokens, cfg.text_dim, generator=gen) * _text_mask(batch, txt_tokens, padding)[..., None]
+    inputs = dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, frames, *grid, generator=gen).to(dtype),
+        timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
+        encoder_hidden_states=text.to(dtype),
+    )
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,

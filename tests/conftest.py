@@ -86,7 +86,7 @@ def emulated_kernels(monkeypatch):
     by their references (LayerNorm + modulate, self-verified on the GPU; the modulate and the rotary, exact by
     construction; GELU + concatenation, proven exact on every value): the fast
     paths' wiring runs, and is checked, on a CPU."""
-    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
@@ -95,7 +95,11 @@ def emulated_kernels(monkeypatch):
     def gated_residual_arithmetic(residual, gate, update):
         return (residual.float() + (gate.float() * update.float()).to(residual.dtype).float()).to(residual.dtype)
 
-    for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
+    def gated_residual_fp32_arithmetic(residual, gate, update):  # fp32 product and sum, one rounding
+        return (residual.float() + update.float() * gate).to(residual.dtype)
+
+    for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (GATED_RESIDUAL_FP32, gated_residual_fp32_arithmetic),
+                       (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (ROTARY_EMB, rotary_emb_ref), (GELU_CAT, gelu_cat_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))

@@ -283,3 +283,80 @@ def test_compiled_call_uses_the_custom_op_and_stays_exact(monkeypatch):
     fn = torch.compile(lambda a, b, c: gated_residual(a, b, c), fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(residual, gate, update), gated_residual_ref(residual, gate, update))
     assert False in calls  # traced with pointer checks off, i.e. through the custom op
+
+
+# --- gated_residual_fp32: Wan's chain (an fp32 gate, fp32 math, one rounding) -------------------------------------
+
+# Wan 2.1 14B at 832x480x81 (21 latent frames of 30x52 patches: 32,760 tokens, D = 5120), a CFG batch, a small case
+WAN_SHAPES = [(1, 32760, 5120), (2, 1560, 5120), (1, 17, 64)]
+
+
+def make_fp32_gate_inputs(shape, dtype, layout, device, seed):
+    """residual, update in `dtype` and an fp32 gate as Wan makes it: a chunk of ``scale_shift_table + temb.float()``
+    (``[B, 6, D]`` chunked on dim 1: ``[B, 1, D]`` rows of batch stride 6D), or Wan 2.2 TI2V's per-token
+    ``[B, L, 6, D]`` table's squeezed chunk (a full gate of row stride 6D)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, l, d = shape
+    residual = (torch.randn(shape, generator=gen, device=device) * 4).to(dtype)
+    update = (torch.randn(shape, generator=gen, device=device) * 4).to(dtype)
+    if layout == "table_chunk":
+        gate = torch.randn(b, 6, d, generator=gen, device=device).chunk(6, dim=1)[2]
+    else:  # "per_token"
+        gate = torch.randn(b, l, 6, d, generator=gen, device=device).chunk(6, dim=2)[2].squeeze(2)
+    return residual, gate, update
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["table_chunk", "per_token"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", WAN_SHAPES, ids=str)
+def test_gated_residual_fp32_matches_eager_bitwise(shape, dtype, layout):
+    from diffusers_fastpath.ops import gated_residual_fp32, gated_residual_fp32_ref
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    if layout == "per_token" and shape[1] > 2000:
+        shape = (shape[0], 2000, shape[2])  # the [B, L, 6, D] fp32 table of 32,760 tokens alone is 4 GiB
+    for seed in range(2):
+        residual, gate, update = make_fp32_gate_inputs(shape, dtype, layout, "cuda", seed)
+        ref = gated_residual_fp32_ref(residual, gate, update)
+        assert ref.dtype == dtype
+        out = torch.full_like(residual, float("nan"))
+        torch.ops.diffusers_fastpath._gated_residual_cuda_out(out, residual, gate, update)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+        site = Site("gated_residual_fp32")
+        assert torch.equal(gated_residual_fp32(residual, gate, update, site), ref)
+        assert site.fast == 1 and not site.fallback, site
+
+
+def test_rounding_the_product_is_not_wans_chain():
+    """The fp32 chain differs from the half one: rounding the product to bf16 (FLUX's chain) changes many outputs,
+    so only a kernel that keeps the product in fp32 passes the GPU test above."""
+    from diffusers_fastpath.ops import gated_residual_fp32_ref
+
+    residual, gate, update = make_fp32_gate_inputs((1, 256, 256), torch.bfloat16, "table_chunk", "cpu", 0)
+    rounded = gated_residual_ref(residual, gate.to(residual.dtype), update)
+    mismatch = (rounded != gated_residual_fp32_ref(residual, gate, update)).float().mean().item()
+    assert mismatch > 0.05
+
+
+@pytest.mark.parametrize("layout", ["table_chunk", "per_token"])
+def test_fp32_gate_layouts_pass_the_guard_and_half_gates_do_not(layout):
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_FP32
+
+    residual, gate, update = make_fp32_gate_inputs((2, 24, 64), torch.bfloat16, layout, "cpu", 1)
+    assert GATED_RESIDUAL_FP32.guard(residual, gate, update, check_pointers=False) == "device cpu"
+    assert GATED_RESIDUAL_FP32.guard(residual, gate.bfloat16(), update) == "mixed dtypes"
+    assert GATED_RESIDUAL.guard(residual, gate, update) == "mixed dtypes"  # FLUX's chain wants a gate of its dtype
+    assert GATED_RESIDUAL_FP32.guard(residual.float(), gate, update.float()) == "dtype float32"
+
+
+@pytest.mark.parametrize("layout", ["table_chunk", "per_token"])
+def test_fp32_custom_op_opcheck_cpu(layout):
+    residual, gate, update = make_fp32_gate_inputs((2, 24, 64), torch.bfloat16, layout, "cpu", 2)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.gated_residual_fp32.default, (residual, gate, update))
+    out = torch.ops.diffusers_fastpath.gated_residual_fp32(residual, gate, update)
+    from diffusers_fastpath.ops import gated_residual_fp32_ref
+
+    assert out.dtype == torch.bfloat16 and torch.equal(out, gated_residual_fp32_ref(residual, gate, update))

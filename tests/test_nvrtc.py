@@ -406,12 +406,18 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     gate = emb.chunk(6, dim=1)[2].unsqueeze(1)
     gated_residual_mod._nvrtc_kernel(residual, gate, update)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, True) and (a.gate_batch_stride, a.gate_seq_stride) == (768, 0)
+    assert key == (torch.bfloat16, torch.bfloat16, True) and (a.gate_batch_stride, a.gate_seq_stride) == (768, 0)
     assert (a.residual, a.gate, a.update, a.rows, a.seq, a.vecs_per_row) == (
         residual.data_ptr(), gate.data_ptr(), update.data_ptr(), 66, 33, 16)
     gated_residual_mod._nvrtc_kernel(residual, update, update)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, False) and (a.gate_batch_stride, a.gate_seq_stride) == (33 * 128, 128)
+    assert key == (torch.bfloat16, torch.bfloat16, False) and (a.gate_batch_stride, a.gate_seq_stride) == (33 * 128, 128)
+    # Wan's chain: an fp32 gate, a chunk of an fp32 [B, 6, D] adaLN table (strides in fp32 elements)
+    gate32 = torch.randn(2, 6, 128).chunk(6, dim=1)[2]
+    gated_residual_mod._nvrtc_kernel(residual, gate32, update)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, torch.float32, True) and (a.gate, a.gate_batch_stride, a.gate_seq_stride) == (
+        gate32.data_ptr(), 768, 0)
 
     # gelu_cat: attn a column slice of a wider tensor (strided rows, not flat at batch 2), fp16
     wide, mlp = torch.randn(2, 17, 96).half(), torch.randn(2, 17, 256).half()

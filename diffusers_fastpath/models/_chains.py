@@ -18,6 +18,9 @@ of ``self``):
     (also ``H = U + R`` with ``R`` a name: a sum of two numbers is the same either way round, bit for bit)
   - ``H = R + G * E``                                                       ->  the same
 
+  - ``H = (R.float() + E * G).type_as(R)`` (also ``E.float() * G``), ``R`` a name: Wan's fp32 chain, into
+    `diffusers_fastpath.ops.gated_residual_fp32` (an fp32 gate, the product and sum fp32, one rounding)
+
   where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
   ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
   way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
@@ -94,12 +97,13 @@ from torch import nn
 
 from .._logging import warn_once
 from .._state import PatchState, site_attr
-from ..ops import gated_residual, gelu_cat, layer_norm_affine, layernorm_scale_shift, modulate_scale_shift, rotary_emb
+from ..ops import gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift, modulate_scale_shift, rotary_emb
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
 GATED_RESIDUAL = "gated_residual"
+GATED_RESIDUAL_FP32 = "gated_residual_fp32"
 ROTARY = "rotary_emb"
 GELU_CAT = "gelu_cat"
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
@@ -122,13 +126,14 @@ class Rewrite:
     """What `rewrite_forward` found in one forward: the sites the rewritten statements count on."""
 
     gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
+    gates_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
     norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
     modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
 
     def __bool__(self) -> bool:
-        return bool(self.gates or self.norms or self.modulates or self.rotary or self.gelu_cat)
+        return bool(self.gates or self.gates_fp32 or self.norms or self.modulates or self.rotary or self.gelu_cat)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -205,6 +210,31 @@ def _modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr, bool] | 
     return None
 
 
+def _float_of(node: ast.expr) -> ast.expr | None:
+    """``X`` if `node` is ``X.float()``."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float"
+            and not node.args and not node.keywords):
+        return node.func.value
+    return None
+
+
+def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
+    """``(R, E, G)`` if `node` is ``(R.float() + E * G).type_as(R)`` or ``(R.float() + E.float() * G).type_as(R)``
+    with ``R`` a name (Wan's gated residuals)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "type_as"
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)):
+        return None
+    total = node.func.value
+    if not (isinstance(total, ast.BinOp) and isinstance(total.op, ast.Add) and isinstance(total.right, ast.BinOp)
+            and isinstance(total.right.op, ast.Mult)):
+        return None
+    residual = _float_of(total.left)
+    if not (isinstance(residual, ast.Name) and residual.id == node.args[0].id):
+        return None
+    update = total.right.left
+    return residual, _float_of(update) or update, total.right.right
+
+
 def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
     """``(A, X)`` if `node` is ``self.A(X)``."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
@@ -272,17 +302,19 @@ class _Rewriter:
         self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
         self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
 
-    def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt) -> ast.stmt | None:
+    def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt,
+               fp32: bool = False) -> ast.stmt | None:
         if not _unsqueezed(gate) and _unsqueezed(update):  # ``R + E * g.unsqueeze(1)``: the product commutes exactly
             gate, update = update, gate
         elif (not _unsqueezed(gate) and isinstance(gate, ast.Name) and isinstance(update, ast.Name)
               and "gate" in update.id and "gate" not in gate.id):  # ``R + E * gate``, the gate unsqueezed before
             gate, update = update, gate
         name = _gate_name(gate)
-        if name is None or name in self.found.gates:
+        if name is None or name in self.found.gates or name in self.found.gates_fp32:
             return None
-        self.found.gates.append(name)
-        call = _call("gated_residual", [residual, gate, update, _site_of(_self_attr(), name)])
+        (self.found.gates_fp32 if fp32 else self.found.gates).append(name)
+        call = _call("gated_residual_fp32" if fp32 else "gated_residual",
+                     [residual, gate, update, _site_of(_self_attr(), name)])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
     def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, rows: bool,
@@ -301,6 +333,8 @@ class _Rewriter:
         if target is None:
             return None
         value = stmt.value
+        if (wan := _fp32_gated_of(value)) is not None:
+            return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True)
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
@@ -533,6 +567,12 @@ class _ChainsNamespace:
         return gated_residual(residual, gate, update, site)
 
     @staticmethod
+    def gated_residual_fp32(residual, gate, update, site):
+        if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
+            return (residual.float() + update.float() * gate).type_as(residual)
+        return gated_residual_fp32(residual, gate, update, site)
+
+    @staticmethod
     def norm_modulate(norm, x, scale, shift, site):
         if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
             return norm(x) * (1 + scale[:, None]) + shift[:, None]
@@ -635,6 +675,8 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
     modulate per norm (with the ``"high"`` tier's LayerNorm-affine site on the same norm)."""
     for gate in found.gates:
         state.add_site(block, GATED_RESIDUAL, gate)
+    for gate in found.gates_fp32:
+        state.add_site(block, GATED_RESIDUAL_FP32, gate)
     for target in found.modulates:
         state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     if found.gelu_cat:

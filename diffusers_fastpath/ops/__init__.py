@@ -2,7 +2,7 @@
 
 from ._policy import OPS, FusedOp, Site
 from .layernorm_scale_shift import layernorm_scale_shift, layernorm_scale_shift_ref
-from .gated_residual import gated_residual, gated_residual_ref
+from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
@@ -21,6 +21,8 @@ __all__ = [
     "FusedOp",
     "Site",
     "gated_residual",
+    "gated_residual_fp32",
+    "gated_residual_fp32_ref",
     "gated_residual_ref",
     "gated_rmsnorm_scale_shift",
     "gelu_cat",

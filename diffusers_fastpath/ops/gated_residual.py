@@ -36,10 +36,15 @@ def gated_residual_ref(residual: torch.Tensor, gate: torch.Tensor, update: torch
 
 def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    return _check(residual, gate, update, residual.dtype, check_pointers)
+
+
+def _check(residual, gate, update, gate_dtype: torch.dtype, check_pointers: bool) -> str | None:
+    """The guard of both chains: the gate of `gate_dtype` (the residual's, or float32 for `gated_residual_fp32`)."""
     dtype = residual.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
-    if gate.dtype is not dtype or update.dtype is not dtype:
+    if gate.dtype is not gate_dtype or update.dtype is not dtype:
         return "mixed dtypes"
     if residual.dim() != 3 or gate.dim() != 3 or update.shape != residual.shape:
         return "shape"
@@ -55,7 +60,9 @@ def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, che
     if not (residual.is_contiguous() and update.is_contiguous()):
         return "residual/update not contiguous"
     # Size-1 dimensions are broadcast (their strides are never read); the others must keep rows 16-byte aligned.
-    if gate.stride(2) != 1 or (gate_batch != 1 and gate.stride(0) % vec) or (gate_seq != 1 and gate.stride(1) % vec):
+    gate_vec = _VEC_BYTES // gate.element_size()
+    if (gate.stride(2) != 1 or (gate_batch != 1 and gate.stride(0) % gate_vec)
+            or (gate_seq != 1 and gate.stride(1) % gate_vec)):
         return "gate strided"
     if torch.is_grad_enabled() and (residual.requires_grad or gate.requires_grad or update.requires_grad):
         return "requires grad"
@@ -71,12 +78,14 @@ def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, che
 # The NVRTC way (ops/_nvrtc.py): csrc/gated_residual.cu's kernel, launched as its launch() and bindings.cpp's
 # gated_residual(_out) do. Duplicated from there: kThreads 256 and kRowsInFlight 4 (tests/test_nvrtc.py reads them from
 # the .cu), the gate strides (0 where the gate broadcasts), the row-gate variant (gate_seq_stride 0) and the output
-# allocation; the guard stands for bindings.cpp's input checks.
+# allocation, the kernel of the gate's dtype (an fp32 gate: gated_residual_fp32's chain); the guard stands for
+# bindings.cpp's input checks.
 _NVRTC = _nvrtc.Kernel(
     "gated_residual.cu",
     "diffusers_fastpath::gated_residual_kernel",
-    {(dtype, row_gate): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(row_gate).lower()}"
-     for dtype in HALF_DTYPES for row_gate in (True, False)},
+    {(dtype, gate_dtype, row_gate): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
+     f"{'float' if gate_dtype is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {str(row_gate).lower()}"
+     for dtype in HALF_DTYPES for gate_dtype in (dtype, torch.float32) for row_gate in (True, False)},
     _nvrtc.Params("gated_residual_kernel", ("out", "P"), ("residual", "P"), ("gate", "P"), ("update", "P"),
                   ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("gate_batch_stride", "q"),
                   ("gate_seq_stride", "q")),
@@ -94,7 +103,7 @@ def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     gate_batch_stride = 0 if gate.shape[0] == 1 else gate.stride(0)
     gate_seq_stride = 0 if gate.shape[1] == 1 else gate.stride(1)
     grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
-    _NVRTC.launch(device, (residual.dtype, gate_seq_stride == 0), grid, block, out.data_ptr(), residual.data_ptr(),
+    _NVRTC.launch(device, (residual.dtype, gate.dtype, gate_seq_stride == 0), grid, block, out.data_ptr(), residual.data_ptr(),
                   gate.data_ptr(), update.data_ptr(), rows, seq, vecs, gate_batch_stride, gate_seq_stride)
     return out
 
@@ -162,3 +171,57 @@ def gated_residual(
         True
     """
     return GATED_RESIDUAL(site, residual, gate, update)
+
+
+# --- Wan's chain: the same kernel with an fp32 gate ---------------------------------------------------------------
+
+
+def gated_residual_fp32_ref(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """The eager expression of Wan's blocks: ``(residual.float() + update.float() * gate).type_as(residual)``, with
+    ``gate`` float32 (diffusers writes ``attn_output * gate_msa`` for the first, which promotes to the same fp32
+    product)."""
+    return (residual.float() + update.float() * gate).type_as(residual)
+
+
+def _guard_fp32(residual, gate, update, check_pointers: bool = True) -> str | None:
+    return _check(residual, gate, update, torch.float32, check_pointers)
+
+
+@torch.library.custom_op("diffusers_fastpath::gated_residual_fp32", mutates_args=())
+def _gated_residual_fp32_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    if _guard_fp32(residual, gate, update) is None:
+        return _kernel(residual, gate, update)
+    return gated_residual_fp32_ref(residual, gate, update).contiguous()
+
+
+@_gated_residual_fp32_op.register_fake
+def _gated_residual_fp32_fake(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    torch._check(residual.dim() == 3, lambda: f"gated_residual_fp32: residual must be [B, L, D], got {tuple(residual.shape)}")
+    torch._check(gate.dim() == 3, lambda: f"gated_residual_fp32: gate must be [B, 1 or L, D], got {tuple(gate.shape)}")
+    return residual.new_empty(torch.broadcast_shapes(residual.shape, gate.shape, update.shape))
+
+
+GATED_RESIDUAL_FP32 = FusedOp(
+    "gated_residual_fp32",
+    ref=gated_residual_fp32_ref,
+    guard=_guard_fp32,
+    kernel=_kernel,  # the raw op takes the fp32 gate and computes this chain (csrc/gated_residual.cu)
+    custom_op=torch.ops.diffusers_fastpath.gated_residual_fp32.default,
+)
+
+
+def gated_residual_fp32(
+    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, site: Site | None = None
+) -> torch.Tensor:
+    """``(residual.float() + update.float() * gate).type_as(residual)`` (Wan's gated residuals: fp16/bf16 streams,
+    an fp32 gate), fused on CUDA and bit-identical to eager everywhere: the product and the sum are fp32 results
+    (``__fmul_rn``, ``__fadd_rn``), rounded to the residual's dtype once.
+
+    Args:
+        residual: ``[B, L, D]`` residual stream (fp16 or bf16 for the kernel).
+        gate: float32 ``[B, 1, D]`` (or ``[1, 1, D]``) row per batch, or a full ``[B, L, D]`` gate (Wan 2.2 TI2V's
+            per-token modulation), rows 16-byte aligned.
+        update: ``[B, L, D]`` branch output of the residual's dtype.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return GATED_RESIDUAL_FP32(site, residual, gate, update)
