@@ -45,14 +45,16 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
 // input raises instead of reading out of bounds.
 void check_modulate_inputs(const at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
-                           const at::Tensor& shift) {
+                           const at::Tensor& shift, bool fp32_rows = false) {
   TORCH_CHECK(x.is_cuda(), "modulate_scale_shift: x must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 3, "modulate_scale_shift: x must be [batch, seq, dim], got ", shape_str(x.sizes()));
   const int64_t batch = x.size(0), dim = x.size(2);
   const int64_t vec = 16 / x.element_size();
   to_dtype(x);
+  const int64_t row_vec = fp32_rows ? 4 : vec;  // fp32 scale/shift rows (the LayerNorm's fp32 modulate) stay aligned
   for (const at::Tensor* t : {&out, &scale, &shift}) {
-    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "modulate_scale_shift: dtype mismatch");
+    TORCH_CHECK(t->scalar_type() == (fp32_rows && t != &out ? at::kFloat : x.scalar_type()),
+                "modulate_scale_shift: dtype mismatch");
     TORCH_CHECK(t->device() == x.device(), "modulate_scale_shift: device mismatch");
     TORCH_CHECK(aligned16(*t), "modulate_scale_shift: pointers must be 16-byte aligned");
   }
@@ -63,7 +65,7 @@ void check_modulate_inputs(const at::Tensor& out, const at::Tensor& x, const at:
     TORCH_CHECK(t->dim() == 2 && t->size(1) == dim && (t->size(0) == batch || t->size(0) == 1),
                 "modulate_scale_shift: scale/shift must be [batch or 1, dim], got ", shape_str(t->sizes()));
     TORCH_CHECK(t->stride(1) == 1, "modulate_scale_shift: scale/shift must have unit innermost stride");
-    TORCH_CHECK(t->size(0) == 1 || t->stride(0) % vec == 0,
+    TORCH_CHECK(t->size(0) == 1 || t->stride(0) % row_vec == 0,
                 "modulate_scale_shift: scale/shift batch stride must keep rows 16-byte aligned");
   }
 }
@@ -297,10 +299,12 @@ std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& r
 }
 
 // The Python guard admits the modulate's layout (checked by check_modulate_inputs, whose messages name that op)
-// with dim at most 6144, the widest row the kernel keeps in registers.
+// with dim at most 6144, the widest row the kernel keeps in registers; fp32 scale/shift rows select the fp32
+// modulate (layernorm_scale_shift_fp32, Wan's chain).
 void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
                                   const at::Tensor& shift, double eps, bool probe, int64_t variant) {
-  check_modulate_inputs(out, x, scale, shift);
+  const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
               "layernorm_scale_shift: dim must be a multiple of 4, at most 6144");
   TORCH_CHECK(x.size(0) * x.size(1) <= std::numeric_limits<int32_t>::max(), "layernorm_scale_shift: too many rows");
@@ -320,6 +324,7 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   args.variant = static_cast<int>(variant);
   args.probe = probe;
   args.dtype = to_dtype(x);
+  args.modulate_fp32 = modulate_fp32;
   const cudaError_t err = launch_layernorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "layernorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
 }

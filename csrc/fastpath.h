@@ -133,6 +133,7 @@ struct LayerNormScaleShiftArgs {
   int variant;  // probe only: which reduction variant to run (production runs the default)
   bool probe;
   DType dtype;
+  bool modulate_fp32;  // scale/shift are fp32 and the modulate runs in fp32, one rounding (Wan); else of dtype
 };
 
 #ifndef __CUDACC_RTC__

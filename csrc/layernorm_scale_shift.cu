@@ -33,6 +33,13 @@
 // it runs against (the SASS does not show the block shape: (32, 4) is thread_constants.h's num_threads() = 128 on
 // CUDA). The Python op verifies itself against eager on its first call per (dtype, D) as well, because all of this is
 // a property of the aten build.
+//
+// With fp32 scale/shift (Wan's blocks: `(self.norm1(x.float()) * (1 + scale) + shift).type_as(x)`, an fp32 LayerNorm
+// of the upcast stream, then an fp32 modulate) the statistics are the same (aten's fp32 instantiation of the same
+// vectorized kernel over the same floats; the op verifies itself against eager per (dtype, D) all the same) and the
+// chain rounds once, at the end:
+//   y   = rstd * (x - mean)                                   (fp32, not rounded: the LayerNorm's output is fp32)
+//   out = round_T((y * (1 + scale)) + shift)                  (each operation rounded to fp32)
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -107,8 +114,19 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
 
 // One block per row, laid out as aten's: blockDim = (32, warps). kProbe reads the variant from the arguments
 // (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
-template <typename T, bool kProbe>
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
+// S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's fp32 modulate).
+template <typename T, typename S, bool kProbe>
 __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
+  constexpr bool kFloatModulate = SameType<S, float>::value;
   const int variant = kProbe ? a.variant : kDefaultVariant;
   __shared__ float partial[3][kWarpsMax / 2];
   __shared__ float stats[2];
@@ -165,22 +183,27 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
 
   // Normalise, round to T, modulate with eager's three rounding points.
   const int64_t b = row / a.seq;
-  const Quad<T>* scale = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.scale) + b * a.scale_batch_stride);
-  const Quad<T>* shift = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.shift) + b * a.shift_batch_stride);
+  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
+  const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
   Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
 #pragma unroll
   for (int k = 0; k < kVecsPerThreadMax; ++k) {
     const int i = thread + k * threads;
     if (i < vecs) {
-      const Quad<T> s = scale[i];
-      const Quad<T> h = shift[i];
+      const Quad<S> s = scale[i];
+      const Quad<S> h = shift[i];
       Quad<T> o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float y = round_to<T>(__fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean)));
-        const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
-        const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
-        o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
+        const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean));
+        if constexpr (kFloatModulate) {
+          o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
+        } else {
+          const float y = round_to<T>(normed);
+          const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
+          const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
+          o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
+        }
       }
       out[i] = o;
     }
@@ -188,7 +211,7 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
-template <typename T>
+template <typename T, typename S>
 cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.batch * a.seq;
   if (rows == 0) return cudaSuccess;
@@ -201,9 +224,9 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows));
   const dim3 block(32, warps);
   if (a.probe) {
-    layernorm_scale_shift_kernel<T, true><<<grid, block, 0, stream>>>(a);
+    layernorm_scale_shift_kernel<T, S, true><<<grid, block, 0, stream>>>(a);
   } else {
-    layernorm_scale_shift_kernel<T, false><<<grid, block, 0, stream>>>(a);
+    layernorm_scale_shift_kernel<T, S, false><<<grid, block, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }
@@ -213,7 +236,10 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_layernorm_scale_shift(const LayerNormScaleShiftArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_type(args.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return args.modulate_fp32 ? launch<T, float>(args, stream) : launch<T, T>(args, stream);
+  });
 }
 #endif
 

@@ -298,3 +298,77 @@ def test_patched_tiny_flux_with_the_fast_path_taken_matches_unpatched(monkeypatc
     adaln = [s for s in rep.sites if s.op == "layernorm_scale_shift"]
     assert len(adaln) == 10 and all(s.fast == 1 for s in adaln)
     assert LAYERNORM_SCALE_SHIFT.verified == {("bfloat16", 32)}
+
+
+# --- layernorm_scale_shift_fp32: Wan's chain (an fp32 LayerNorm of the upcast stream, an fp32 modulate) -----------
+
+# Wan 2.1 14B at 832x480x81 (32,760 tokens of D = 5120), a CFG batch at 480p, Wan 2.1 1.3B's D = 1536, a small case
+WAN_SHAPES = [(1, 32760, 5120), (2, 1560, 5120), (1, 1000, 1536), (1, 17, 64)]
+
+
+def make_wan_inputs(shape, dtype, device, seed):
+    """Wan's adaLN site: diffusers' ``FP32LayerNorm`` without affine, activations like a residual stream, and fp32
+    scale/shift rows of the ``[B, 6, D]`` table ``scale_shift_table + temb.float()`` (row batch stride 6D)."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    norm, x, _, _ = make_inputs(shape, dtype, "chunk6", device, seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 100)
+    table = torch.randn(shape[0], 6, shape[2], generator=gen, device=device)
+    return FP32LayerNorm(shape[2], eps=1e-6, elementwise_affine=False), x, table[:, 1], table[:, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", WAN_SHAPES, ids=str)
+def test_layernorm_scale_shift_fp32_matches_eager_bitwise_and_verifies(shape, dtype):
+    from diffusers_fastpath.ops import layernorm_scale_shift_fp32, layernorm_scale_shift_fp32_ref
+    from diffusers_fastpath.ops._build import load_extension
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT_FP32
+
+    load_extension()
+    for seed in range(2):
+        norm, x, scale, shift = make_wan_inputs(shape, dtype, "cuda", seed)
+        assert scale.stride(0) == 6 * shape[2]  # views of the table, not copies
+        ref = layernorm_scale_shift_fp32_ref(norm, x, scale, shift)
+        # diffusers' own line, with the [B, 1, D] chunks it takes
+        assert torch.equal(ref, (norm(x.float()) * (1 + scale[:, None]) + shift[:, None]).type_as(x))
+        out = torch.full_like(x, float("nan"))
+        torch.ops.diffusers_fastpath._layernorm_scale_shift_cuda_out(out, x, scale, shift, norm.eps)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+        site = Site("layernorm_scale_shift_fp32")
+        assert torch.equal(layernorm_scale_shift_fp32(norm, x, scale, shift, site), ref)
+        assert site.fast == 1 and not site.fallback, site
+    key = (str(dtype).removeprefix("torch."), shape[2])
+    assert LAYERNORM_SCALE_SHIFT_FP32.disabled is None and LAYERNORM_SCALE_SHIFT_FP32.verified == {key}
+
+
+def test_fp32_chain_guards_apart_from_flux_chain():
+    """Each op takes only its own chain's dtypes: fp32 rows go to the fp32 op, rows of x's dtype to FLUX's."""
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT_FP32
+
+    norm, x, scale, shift = make_wan_inputs((2, 9, 64), torch.bfloat16, "cpu", 3)
+    assert LAYERNORM_SCALE_SHIFT_FP32.guard(norm, x, scale, shift) == "device cpu"
+    assert LAYERNORM_SCALE_SHIFT.guard(torch.nn.LayerNorm(64, elementwise_affine=False), x, scale, shift) == "mixed dtypes"
+    assert LAYERNORM_SCALE_SHIFT_FP32.guard(norm, x, scale.bfloat16(), shift.bfloat16()) == "mixed dtypes"
+    affine = FP32LayerNorm(64, eps=1e-6, elementwise_affine=True)  # Wan's norm2: an affine, not this chain
+    assert LAYERNORM_SCALE_SHIFT_FP32.guard(affine, x, scale, shift).startswith("norm not a LayerNorm")
+
+
+def test_fp32_chain_rounds_once():
+    """Rounding the LayerNorm's output to bf16 before the modulate (FLUX's chain) is not Wan's: many outputs change."""
+    from diffusers_fastpath.ops import layernorm_scale_shift_fp32_ref
+
+    norm, x, scale, shift = make_wan_inputs((1, 64, 256), torch.bfloat16, "cpu", 4)
+    rounded = (norm(x.float()).to(x.dtype).float() * (1 + scale[:, None]) + shift[:, None]).to(x.dtype)
+    mismatch = (rounded != layernorm_scale_shift_fp32_ref(norm, x, scale, shift)).float().mean().item()
+    assert mismatch > 0.05
+
+
+def test_fp32_custom_op_opcheck_cpu():
+    norm, x, scale, shift = make_wan_inputs((2, 9, 64), torch.bfloat16, "cpu", 5)
+    op = torch.ops.diffusers_fastpath.layernorm_scale_shift_fp32.default
+    torch.library.opcheck(op, (x, scale, shift, norm.eps))
+    from diffusers_fastpath.ops import layernorm_scale_shift_fp32_ref
+
+    assert torch.equal(op(x, scale, shift, norm.eps), layernorm_scale_shift_fp32_ref(norm, x, scale, shift))

@@ -437,13 +437,18 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     x = _bf16(2, 17, 64)
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, False) and (grid, block) == ((34, 1, 1), (32, 4, 1))
-    assert (a.a.batch, a.a.seq, a.a.dim, a.a.scale_batch_stride, a.a.variant, a.a.probe, a.a.dtype) == (
-        2, 17, 64, 768, 0, False, 1)
+    assert key == (torch.bfloat16, torch.bfloat16, False) and (grid, block) == ((34, 1, 1), (32, 4, 1))
+    assert (a.a.batch, a.a.seq, a.a.dim, a.a.scale_batch_stride, a.a.variant, a.a.probe, a.a.dtype,
+            a.a.modulate_fp32) == (2, 17, 64, 768, 0, False, 1, False)
     assert a.a.eps == struct.unpack("f", struct.pack("f", 1e-6))[0]
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6, variant=64 + 3, probe=True)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, True) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
+    assert key == (torch.bfloat16, torch.bfloat16, True) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
+    # Wan's fp32 modulate: fp32 rows of an fp32 [B, 6, D] table (batch stride 6 * 64 fp32 elements)
+    table = torch.randn(2, 6, 64)
+    layernorm_mod._nvrtc_kernel(x, table[:, 1], table[:, 0], 1e-6)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, torch.float32, False) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
 
     # rmsnorm: [seq, batch, dim] operands as Rows (pointer, stride(0), stride(1)); gated writes residual_out
     seq, batch, dim = 20, 2, 1024

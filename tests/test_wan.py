@@ -17,7 +17,8 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(blocks: int) -> dict[str, int]:
-    return {"gated_residual_fp32": 2 * blocks}  # self-attention's and the FFN's; the cross-attention adds no gate
+    # self-attention's and the FFN's (the cross-attention adds no gate, and its norm2 has an affine)
+    return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks}
 
 
 def run(model, inputs):
@@ -28,6 +29,7 @@ def run(model, inputs):
 def test_wan_is_supported():
     assert "WanTransformer3DModel" in fp.supported_classes()
     assert wan._BLOCK.gates_fp32 == ["gate_msa", "c_gate_msa"] and not wan._BLOCK.gates
+    assert wan._BLOCK.norms_fp32 == ["norm1", "norm3"] and not wan._BLOCK.norms
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -65,7 +67,8 @@ def test_compiles_with_fullgraph():
 @pytest.mark.full_size
 def test_wan_14b_one_step_832x480x81_is_bitwise_identical_and_fused():
     """Wan 2.1 T2V 14B's config (28 GiB of bf16 weights) at 832x480x81 (21 latent frames of 30x52 patches: 32,760
-    tokens), a prompt zero-padded to 512 tokens: bit-identical, every fp32 gated residual fused."""
+    tokens), a prompt zero-padded to 512 tokens: bit-identical, every fp32 gated residual and LayerNorm + modulate
+    fused (the latter verified against eager on its first call)."""
     model = build_wan_transformer("wan-14b", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = wan_transformer_inputs(model, grid=(60, 104), frames=21, txt_tokens=512, seed=9, padding=400)

@@ -33,6 +33,10 @@ of ``self``):
     ``T[:, 0]`` go to the op where they are ``[B, 1, D]`` (the same products and sums element by element:
     multiplication and addition commute exactly), else the expression runs as written
 
+  - ``N = (self.A(X.float()) * (1 + S) + T).type_as(X)``, ``X`` a name (Wan: an fp32 LayerNorm of the upcast
+    stream, fp32 ``[B, 1, D]`` rows)  ->  `layernorm_scale_shift_fp32` (the LayerNorm kernel with an fp32 modulate
+    and one rounding; the fallback is this very expression), the site op ``layernorm_scale_shift_fp32``
+
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
   others between them (HunyuanVideo normalises both streams, then modulates both) where those are plain
   assignments to other names that neither read ``N`` nor rebind a name ``X`` reads, and call no in-place method:
@@ -97,10 +101,12 @@ from torch import nn
 
 from .._logging import warn_once
 from .._state import PatchState, site_attr
-from ..ops import gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift, modulate_scale_shift, rotary_emb
+from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
+                   layernorm_scale_shift_fp32, modulate_scale_shift, rotary_emb)
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
+MODULATE_FP32 = "layernorm_scale_shift_fp32"  # Wan's: an fp32 LayerNorm and modulate of the upcast stream
 MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
 GATED_RESIDUAL = "gated_residual"
 GATED_RESIDUAL_FP32 = "gated_residual_fp32"
@@ -128,12 +134,14 @@ class Rewrite:
     gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
     gates_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
     norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
+    norms_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
     modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
 
     def __bool__(self) -> bool:
-        return bool(self.gates or self.gates_fp32 or self.norms or self.modulates or self.rotary or self.gelu_cat)
+        return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
+                    or self.gelu_cat)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -233,6 +241,23 @@ def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None
         return None
     update = total.right.left
     return residual, _float_of(update) or update, total.right.right
+
+
+def _fp32_modulate_of(node: ast.expr) -> tuple[str, ast.expr, ast.expr, ast.expr] | None:
+    """``(A, X, S, T)`` if `node` is ``(self.A(X.float()) * (1 + S) + T).type_as(X)`` with ``X`` a name (Wan)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "type_as"
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)):
+        return None
+    modulate = _modulate_of(node.func.value)
+    if modulate is None or not modulate[3]:
+        return None
+    called = _self_module_call(modulate[0])
+    if called is None:
+        return None
+    x = _float_of(called[1])
+    if not (isinstance(x, ast.Name) and x.id == node.args[0].id):
+        return None
+    return called[0], x, modulate[1], modulate[2]
 
 
 def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
@@ -335,6 +360,12 @@ class _Rewriter:
         value = stmt.value
         if (wan := _fp32_gated_of(value)) is not None:
             return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True)
+        if (wan := _fp32_modulate_of(value)) is not None:
+            attr, x, scale, shift = wan
+            if attr not in self.found.norms_fp32:
+                self.found.norms_fp32.append(attr)
+            call = _call("norm_modulate_fp32", [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
@@ -573,6 +604,13 @@ class _ChainsNamespace:
         return gated_residual_fp32(residual, gate, update, site)
 
     @staticmethod
+    def norm_modulate_fp32(norm, x, scale, shift, site):
+        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
+            return layernorm_scale_shift_fp32(norm, x, scale[:, 0], shift[:, 0], site)  # per element the same
+        return (norm(x.float()) * (1 + scale) + shift).type_as(x)
+
+    @staticmethod
     def norm_modulate(norm, x, scale, shift, site):
         if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
             return norm(x) * (1 + scale[:, None]) + shift[:, None]
@@ -626,8 +664,9 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
         return None, None
     fn, found = rewritten
     doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
-           f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'}, LayerNorm + modulate "
-           f"of {found.norms or '-'}, rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}. Adds no "
+           f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
+           f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
+           f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc})
@@ -681,6 +720,9 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     if found.gelu_cat:
         state.add_site(block, GELU_CAT, GELU_CAT)
+    for attr in found.norms_fp32:
+        if isinstance(getattr(block, attr), nn.LayerNorm):
+            state.add_site(getattr(block, attr), MODULATE_FP32)
     for attr in found.norms:
         norm = getattr(block, attr)
         if not isinstance(norm, nn.LayerNorm):  # SD3's last block's norm2_context is None (never reached); an

@@ -9,10 +9,14 @@ stream, the bf16 update and the fp32 gate, with eager's fp32 product and sum and
 multiply, a cast, an add and a cast, over 32,760 x 5,120 elements at 832x480x81). Wan 2.2 TI2V's per-token gates
 (``[B, L, D]`` of row stride 6D) go to the same kernel.
 
-Per Wan 2.1 14B step (40 blocks): 80 gated residual sites. Not fused yet (issue 15): the fp32 LayerNorm + modulates
-(``(self.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa).type_as(hidden_states)``: the LayerNorm kernel
-in fp32 with an fp32 modulate), the cross-attention's plain residual, the QK RMSNorms across heads, Wan's rotary
-embedding, the GELUs.
+Its two adaLN sites, ``(self.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa).type_as(hidden_states)``
+and ``norm3``'s, go to the fused `layernorm_scale_shift_fp32`: the LayerNorm kernel reading the bf16 stream, its
+statistics those of aten's fp32 LayerNorm, the normalised value and the modulate in fp32, one rounding (verified
+against eager on its first call per dtype and width).
+
+Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites. Not fused yet (issue 15):
+``norm2`` (an fp32 LayerNorm with an affine, before the cross-attention) and its plain residual, the QK RMSNorms
+across heads, Wan's rotary embedding, the GELUs.
 """
 
 from __future__ import annotations

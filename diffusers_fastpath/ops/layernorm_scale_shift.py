@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.normalization import FP32LayerNorm
 
 from . import _nvrtc
 from ._build import load_extension
 from ._policy import FusedOp, Site
-from .modulate_scale_shift import _guard as _modulate_guard
-from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
+from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref, rows_guard
 
 MAX_DIM = 6144  # 4 warps x 32 lanes x 12 four-element vectors held in registers (FLUX.2-dev: D = 6144)
 
@@ -50,8 +50,11 @@ def _norm_then_modulate(norm, x, scale, shift):
     return modulate_scale_shift(norm(x), scale, shift)
 
 
-def _guard_tensors(x, scale, shift, check_pointers: bool = True) -> str | None:
-    reason = _modulate_guard(x, scale, shift, check_pointers)
+def _guard_tensors(x, scale, shift, check_pointers: bool = True, rows_dtype: torch.dtype | None = None) -> str | None:
+    # rows_dtype None (the raw ops): fp32 scale/shift rows select the fp32 modulate, as bindings.cpp does
+    if rows_dtype is None:
+        rows_dtype = torch.float32 if scale.dtype is torch.float32 else x.dtype
+    reason = rows_guard(x, scale, shift, rows_dtype, check_pointers)
     if reason is not None:
         return reason
     if x.shape[2] > MAX_DIM:
@@ -71,7 +74,7 @@ def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
         or tuple(norm.normalized_shape) != (x.shape[-1],)
     ):
         return "norm not a LayerNorm over the last dim without affine"
-    return _guard_tensors(x, scale, shift, check_pointers)
+    return _guard_tensors(x, scale, shift, check_pointers, x.dtype)
 
 
 def _cuda_ops():
@@ -86,12 +89,14 @@ def _cuda_ops():
 # stands for bindings.cpp's input checks.
 _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
                       ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
-                      ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"))
+                      ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
+                      ("modulate_fp32", "?"))
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
     "diffusers_fastpath::layernorm_scale_shift_kernel",
-    {(dtype, probe): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}" for dtype in (torch.bfloat16, torch.float16)
-     for probe in (False, True)},
+    {(dtype, rows, probe): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
+     f"{'float' if rows is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}"
+     for dtype in (torch.bfloat16, torch.float16) for rows in (dtype, torch.float32) for probe in (False, True)},
     _nvrtc.Params("layernorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _EIGHT_WARPS, _VARIANT_MASK = 64, 127
@@ -108,9 +113,10 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     variant = variant if probe else 0
     device = x.device.index
     block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
-    _NVRTC.launch(device, (x.dtype, probe), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(), scale.data_ptr(),
-                  shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
-                  0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype])
+    fp32 = scale.dtype is torch.float32
+    _NVRTC.launch(device, (x.dtype, scale.dtype, probe), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(),
+                  scale.data_ptr(), shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
+                  0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32)
     return out
 
 
@@ -186,3 +192,64 @@ def layernorm_scale_shift(norm, x, scale, shift, site: Site | None = None) -> to
         True
     """
     return LAYERNORM_SCALE_SHIFT(site, norm, x, scale, shift)
+
+
+# --- Wan's chain: an fp32 LayerNorm of the upcast stream and an fp32 modulate, one rounding --------------------------
+
+_FP32_NORMS = (torch.nn.LayerNorm, FP32LayerNorm)  # on an fp32 input both are F.layer_norm in fp32
+
+
+def layernorm_scale_shift_fp32_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The eager chain of Wan's blocks: ``(norm(x.float()) * (1 + scale[:, None]) + shift[:, None]).type_as(x)`` with
+    fp32 ``[B, D]`` scale/shift rows (diffusers writes ``(1 + scale_msa)`` of ``[B, 1, D]`` chunks: the same sums and
+    products element by element)."""
+    return (norm(x.float()) * (1 + scale[:, None]) + shift[:, None]).type_as(x)
+
+
+def _guard_fp32(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
+    if (type(norm) not in _FP32_NORMS or norm.weight is not None or norm.bias is not None or x.dim() == 0
+            or tuple(norm.normalized_shape) != (x.shape[-1],)):
+        return "norm not a LayerNorm over the last dim without affine"
+    return _guard_tensors(x, scale, shift, check_pointers, torch.float32)
+
+
+@torch.library.custom_op("diffusers_fastpath::layernorm_scale_shift_fp32", mutates_args=())
+def _layernorm_scale_shift_fp32_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    if _guard_tensors(x, scale, shift, True, torch.float32) is None:
+        return _cuda_ops()._layernorm_scale_shift_cuda.default(x, scale, shift, eps)
+    y = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
+    return (y * (1 + scale[:, None]) + shift[:, None]).to(x.dtype).contiguous()
+
+
+@_layernorm_scale_shift_fp32_op.register_fake
+def _(x, scale, shift, eps):
+    torch._check(x.dim() == 3, lambda: f"layernorm_scale_shift_fp32: x must be [B, L, D], got {tuple(x.shape)}")
+    torch._check(scale.dim() == 2 and shift.dim() == 2, lambda: "layernorm_scale_shift_fp32: scale/shift must be [B, D]")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+LAYERNORM_SCALE_SHIFT_FP32 = FusedOp(
+    "layernorm_scale_shift_fp32",
+    ref=layernorm_scale_shift_fp32_ref,
+    guard=_guard_fp32,
+    kernel=_kernel,  # the raw op takes fp32 rows and runs this chain (csrc/layernorm_scale_shift.cu)
+    custom_op=lambda norm, x, scale, shift: torch.ops.diffusers_fastpath.layernorm_scale_shift_fp32.default(
+        x, scale, shift, norm.eps
+    ),
+    verify_key=_signature,
+)
+
+
+def layernorm_scale_shift_fp32(norm, x, scale, shift, site: Site | None = None) -> torch.Tensor:
+    """``(norm(x.float()) * (1 + scale[:, None]) + shift[:, None]).type_as(x)`` (Wan's adaLN sites: an fp16/bf16
+    stream, its fp32 LayerNorm, fp32 scale/shift rows), fused on CUDA and bit-identical to eager: the LayerNorm's
+    statistics as `layernorm_scale_shift` computes them, its output and the modulate in fp32, one rounding. Verified
+    against eager on its first call per (dtype, D), like `layernorm_scale_shift`.
+
+    Args:
+        norm: the ``torch.nn.LayerNorm`` or diffusers ``FP32LayerNorm`` (no affine) of the site.
+        x: ``[B, L, D]`` activations of fp16 or bf16 for the kernel.
+        scale, shift: float32 ``[B, D]`` or ``[1, D]`` rows (16-byte aligned; any batch stride of 4 floats).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return LAYERNORM_SCALE_SHIFT_FP32(site, norm, x, scale, shift)

@@ -45,10 +45,16 @@ def _rows_ok(t: torch.Tensor, batch: int, dim: int, vec: int) -> bool:
 
 def _guard(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    return rows_guard(x, scale, shift, x.dtype, check_pointers)
+
+
+def rows_guard(x, scale, shift, rows_dtype: torch.dtype, check_pointers: bool = True) -> str | None:
+    """The layout checks of a modulate with ``[B or 1, D]`` scale/shift rows of `rows_dtype` (x's, or float32 for
+    the LayerNorm kernel's fp32 modulate, `layernorm_scale_shift_fp32`)."""
     dtype = x.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
-    if scale.dtype is not dtype or shift.dtype is not dtype:
+    if scale.dtype is not rows_dtype or shift.dtype is not rows_dtype:
         return "mixed dtypes"
     if x.dim() != 3 or scale.dim() != 2 or shift.dim() != 2:
         return "shape"
@@ -62,7 +68,8 @@ def _guard(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, check_poin
         return "empty"
     if not x.is_contiguous():
         return "x not contiguous"
-    if not (_rows_ok(scale, batch, dim, vec) and _rows_ok(shift, batch, dim, vec)):
+    rows_vec = _VEC_BYTES // scale.element_size()
+    if not (_rows_ok(scale, batch, dim, rows_vec) and _rows_ok(shift, batch, dim, rows_vec)):
         return "scale/shift strided"
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
         return "requires grad"
