@@ -82,11 +82,10 @@ def fastpath_log(caplog):
 @pytest.fixture
 def emulated_kernels(monkeypatch):
     """The fused ops of the shared chains with their guards taking CPU tensors as CUDA ones and their kernels
-    replaced by torch code of the
-    same rounding (gated residual: fp32 math, rounded after the multiply and the add, as csrc/gated_residual.cu) or
-    by their references (LayerNorm + modulate, self-verified on the GPU; the modulate and the rotary, exact by
-    construction; GELU + concatenation, proven exact on every value): the fast
-    paths' wiring runs, and is checked, on a CPU."""
+    replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
+    as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates,
+    self-verified on the GPU; the modulate and the rotary, exact by construction; GELU + concatenation, proven exact
+    on every value): the fast paths' wiring runs, and is checked, on a CPU."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="add the profile level (one step per mode, by category)")
     p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: 1024; 128 for the tiny models)")
     p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: 1024; 128 for the tiny models)")
+    p.add_argument("--frames", type=int, default=81,
+                   help="video frames, for the video models (wan-14b: 4k + 1; default: 81)")
     p.add_argument("--steps", type=int, help="denoising steps of a generation (default: 28; 4 for the tiny models)")
     p.add_argument("--batch", type=int, default=1, help="images per call (default: 1)")
     p.add_argument("--text-tokens", type=int,
