@@ -7,6 +7,7 @@ the real shapes and the real speed; `randomize_` makes sure no parameter is left
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 
@@ -152,8 +153,6 @@ def _latents_and_ids(cfg, batch, grid, txt_tokens, gen, dtype) -> dict:
 def assert_every_site_fast(report, counts: dict[str, int], calls: dict[str, int], forwards: int = 1) -> None:
     """`report` (of one model) has `counts` sites per op, and each took its fast path ``calls[op]`` (default 1) times
     per forward on each of `forwards` forwards, never falling back."""
-    import collections
-
     assert collections.Counter(s.op for s in report.sites) == counts, str(report)
     assert all(s.fast == calls.get(s.op, 1) * forwards and s.fallback == 0 for s in report.sites), str(report)
 
@@ -167,6 +166,27 @@ def outputs_equal(a, b) -> bool:
 
 def _flat(out) -> torch.Tensor:
     return torch.cat([o.flatten() for o in out]) if isinstance(out, (list, tuple)) else out
+
+
+def assert_patched_equals_unpatched(build, make_inputs, counts: dict[str, int], dtype=torch.bfloat16, seed: int = 1,
+                                    **input_kwargs) -> None:
+    """The CPU check every family runs first: two models ``build(dtype=dtype, seed=seed)`` (the same random weights),
+    fresh inputs ``make_inputs(model, seed=seed + 1, **input_kwargs)``, the patched model's output `torch.equal` to
+    the unpatched one's (a real-looking output: finite, not zeros) and `report`'s sites per op equal to `counts`;
+    the model is unpatched again afterwards."""
+    from . import patch, report, unpatch
+
+    ref_model, model = build(dtype=dtype, seed=seed), build(dtype=dtype, seed=seed)
+    inputs = make_inputs(model, seed=seed + 1, **input_kwargs)
+    with torch.no_grad():
+        ref = ref_model(**inputs).sample
+        assert torch.isfinite(_flat(ref)).all() and _flat(ref).float().std() > 0.1
+        patch(model)
+        try:
+            assert outputs_equal(model(**inputs).sample, ref)
+            assert collections.Counter(s.op for s in report(model).sites) == counts
+        finally:
+            unpatch(model)
 
 
 def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, int], calls: dict[str, int]) -> None:

@@ -12,8 +12,9 @@ from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransform
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux2
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_step_exact_and_fused,
-                                        build_flux2_transformer, flux2_transformer_inputs, patch_round_trip)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
+                                        assert_patched_step_exact_and_fused, build_flux2_transformer,
+                                        flux2_transformer_inputs, patch_round_trip)
 
 
 def sites(dual: int, single: int) -> dict[str, int]:
@@ -23,10 +24,6 @@ def sites(dual: int, single: int) -> dict[str, int]:
 CALLS = {"rotary_emb": 2}  # q and k per forward
 
 
-def run(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).sample
-
 
 def test_flux2_is_supported():
     assert "Flux2Transformer2DModel" in fp.supported_classes()
@@ -34,15 +31,9 @@ def test_flux2_is_supported():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
-    ref_model, model = build_flux2_transformer(dtype=dtype, seed=1), build_flux2_transformer(dtype=dtype, seed=1)
-    inputs = flux2_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=2)
-    ref = run(ref_model, inputs)
-    assert torch.isfinite(ref).all() and ref.std() > 0.1
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2, 2)
+def test_patched_matches_unpatched_bitwise(dtype, batch):
+    assert_patched_equals_unpatched(build_flux2_transformer, flux2_transformer_inputs, sites(2, 2), dtype, batch=batch,
+                                    grid=(4, 6), txt_tokens=7)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -4,14 +4,15 @@ emulated on CPU), reversibility, pickling, compilation."""
 
 from __future__ import annotations
 
-import collections
+import functools
 
 import pytest
 import torch
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux_clones
-from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_fullgraph_exactly, assert_every_site_fast, assert_patched_step_exact_and_fused,
+from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_fullgraph_exactly, assert_every_site_fast,
+                                        assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
                                         build_flux_clone, flux_clone_inputs, patch_round_trip)
 
 CLONES = sorted(FLUX_CLONE_CONFIGS)
@@ -31,10 +32,6 @@ def processors(model):
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
 
 
-def run(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).sample
-
 
 @pytest.mark.parametrize("name", CLONES)
 def test_supported(name):
@@ -43,15 +40,9 @@ def test_supported(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", CLONES)
-def test_patched_matches_unpatched_bitwise(name, dtype, unpatch_after):
-    ref_model, model = build_flux_clone(name, dtype, seed=1), build_flux_clone(name, dtype, seed=1)
-    inputs = flux_clone_inputs(model, batch=2, grid=(4, 6), txt_tokens=7, seed=2)
-    ref = run(ref_model, inputs)
-    assert torch.isfinite(ref).all() and ref.std() > 0.1
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2, 2, name)
+def test_patched_matches_unpatched_bitwise(name, dtype):
+    assert_patched_equals_unpatched(functools.partial(build_flux_clone, name), flux_clone_inputs, sites(2, 2, name),
+                                    dtype, batch=2, grid=(4, 6), txt_tokens=7)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

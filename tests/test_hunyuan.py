@@ -5,7 +5,7 @@ HunyuanImage-2.1 at 2048x2048."""
 
 from __future__ import annotations
 
-import collections
+import functools
 
 import pytest
 import torch
@@ -14,8 +14,9 @@ from diffusers.models.transformers.transformer_hunyuan_video import (HunyuanVide
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import hunyuan
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_step_exact_and_fused,
-                                        build_hunyuan_transformer, hunyuan_transformer_inputs, patch_round_trip)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
+                                        assert_patched_step_exact_and_fused, build_hunyuan_transformer,
+                                        hunyuan_transformer_inputs, patch_round_trip)
 
 CONFIGS = ["hunyuan-video-tiny", "hunyuan-image-tiny"]
 CALLS = {"rotary_emb": 2}  # q and k of each attention module per forward
@@ -28,10 +29,6 @@ def sites(dual: int, single: int, refiner: int) -> dict[str, int]:
             "gelu_cat": single, "rotary_emb": dual + single}
 
 
-def run(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).sample
-
 
 def test_both_are_supported():
     assert {"HunyuanVideoTransformer3DModel", "HunyuanImageTransformer2DModel"} <= set(fp.supported_classes())
@@ -40,16 +37,10 @@ def test_both_are_supported():
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("batch, padding", [(1, 0), (2, 3)], ids=["b1", "b2-padded"])
-def test_patched_matches_unpatched_bitwise(config, dtype, batch, padding, unpatch_after):
-    ref_model, model = (build_hunyuan_transformer(config, dtype, seed=1) for _ in range(2))
-    inputs = hunyuan_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=2, frames=2,
-                                        padding=padding)
-    ref = run(ref_model, inputs)
-    assert torch.isfinite(ref).all() and ref.std() > 0.1
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2, 2, 1)
+def test_patched_matches_unpatched_bitwise(config, dtype, batch, padding):
+    assert_patched_equals_unpatched(functools.partial(build_hunyuan_transformer, config), hunyuan_transformer_inputs,
+                                    sites(2, 2, 1), dtype, batch=batch, grid=(4, 6), txt_tokens=7, frames=2,
+                                    padding=padding)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -4,7 +4,6 @@ the fusion computes, reversibility, pickling, compilation; on the GPU the Qwen-I
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import qwenimage
 from diffusers_fastpath.models._mirror import source_digest
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_step_exact_and_fused,
-                                        build_qwenimage_transformer, patch_round_trip, qwenimage_transformer_inputs)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
+                                        assert_patched_step_exact_and_fused, build_qwenimage_transformer,
+                                        patch_round_trip, qwenimage_transformer_inputs)
 
 
 def sites(blocks: int) -> dict[str, int]:
@@ -35,15 +35,9 @@ def test_qwenimage_is_supported_and_its_modulate_is_the_mirrored_one():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("batch, padding", [(1, 0), (2, 3)], ids=["b1", "b2-padded"])
-def test_patched_matches_unpatched_bitwise(dtype, batch, padding, unpatch_after):
-    ref_model, model = build_qwenimage_transformer(dtype=dtype, seed=1), build_qwenimage_transformer(dtype=dtype, seed=1)
-    inputs = qwenimage_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=7, seed=2, padding=padding)
-    ref = run(ref_model, inputs)
-    assert torch.isfinite(ref).all() and ref.std() > 0.1
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2)
+def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
+    assert_patched_equals_unpatched(build_qwenimage_transformer, qwenimage_transformer_inputs, sites(2), dtype,
+                                    batch=batch, grid=(4, 6), txt_tokens=7, padding=padding)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -12,8 +12,8 @@ from diffusers.models.attention import JointTransformerBlock
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import sd3
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, build_sd3_transformer, patch_round_trip,
-                                        sd3_transformer_inputs)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
+                                        build_sd3_transformer, patch_round_trip, sd3_transformer_inputs)
 
 # the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX: its two modulates fused, its
 # LayerNorm eager), the last context-pre-only
@@ -37,16 +37,9 @@ def fast_calls(rep) -> dict[str, int]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_patched_matches_unpatched_bitwise(dtype, batch, unpatch_after):
+def test_patched_matches_unpatched_bitwise(dtype, batch):
     assert "SD3Transformer2DModel" in fp.supported_classes()
-    ref_model, model = build_sd3_transformer(dtype=dtype, seed=1), build_sd3_transformer(dtype=dtype, seed=1)
-    inputs = sd3_transformer_inputs(model, batch=batch, seed=2)
-    ref = run(ref_model, inputs)
-    assert torch.isfinite(ref).all() and ref.std() > 0.1
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == TINY_SITES
+    assert_patched_equals_unpatched(build_sd3_transformer, sd3_transformer_inputs, TINY_SITES, dtype, batch=batch)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -4,7 +4,6 @@ on the GPU the Wan 2.1 14B config at 832x480x81 (32,760 tokens)."""
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
@@ -12,18 +11,15 @@ from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import wan
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_step_exact_and_fused,
-                                        build_wan_transformer, patch_round_trip, wan_transformer_inputs)
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
+                                        assert_patched_step_exact_and_fused, build_wan_transformer, patch_round_trip,
+                                        wan_transformer_inputs)
 
 
 def sites(blocks: int) -> dict[str, int]:
     # self-attention's and the FFN's (the cross-attention adds no gate, and its norm2 has an affine)
     return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks}
 
-
-def run(model, inputs):
-    with torch.no_grad():
-        return model(**inputs).sample
 
 
 def test_wan_is_supported():
@@ -34,15 +30,9 @@ def test_wan_is_supported():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("batch, padding", [(1, 0), (2, 3)], ids=["b1", "b2-padded"])
-def test_patched_matches_unpatched_bitwise(dtype, batch, padding, unpatch_after):
-    ref_model, model = build_wan_transformer(dtype=dtype, seed=1), build_wan_transformer(dtype=dtype, seed=1)
-    inputs = wan_transformer_inputs(model, batch=batch, grid=(4, 6), frames=3, txt_tokens=7, seed=2, padding=padding)
-    ref = run(ref_model, inputs)
-    assert torch.isfinite(ref).all() and ref.std() > 0.1
-    fp.patch(model)
-    unpatch_after(model)
-    assert torch.equal(run(model, inputs), ref)
-    assert collections.Counter(s.op for s in fp.report(model).sites) == sites(2)
+def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
+    assert_patched_equals_unpatched(build_wan_transformer, wan_transformer_inputs, sites(2), dtype, batch=batch,
+                                    grid=(4, 6), frames=3, txt_tokens=7, padding=padding)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
