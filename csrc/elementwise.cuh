@@ -21,6 +21,16 @@
 
 namespace diffusers_fastpath {
 
+// std::is_same without <type_traits> (NVRTC builds these headers without the standard library).
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
 template <typename T>
 struct Storage;
 

@@ -25,15 +25,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsInFlight = 4;  // independent 16-byte loads per operand issued per thread before the first use
 
-template <typename A, typename B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
-
 // The kVec gate values of column vector `col` of one gate row, as floats: one 16-byte load of T, or kVec / 4 of fp32.
 template <typename T, typename G>
 __device__ __forceinline__ void load_gate(const G* row, int32_t col, float (&g)[Pack<T>::kSize]) {

@@ -114,15 +114,6 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
 
 // One block per row, laid out as aten's: blockDim = (32, warps). kProbe reads the variant from the arguments
 // (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
-template <typename A, typename B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
-
 // S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's fp32 modulate).
 template <typename T, typename S, bool kProbe>
 __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
