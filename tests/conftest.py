@@ -83,14 +83,15 @@ def fastpath_log(caplog):
 def emulated_kernels(monkeypatch):
     """The fused ops of the shared chains with their guards taking CPU tensors as CUDA ones and their kernels
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
-    as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates,
-    self-verified on the GPU; the modulate and the rotary, exact by construction; GELU + concatenation, proven exact
-    on every value): the fast paths' wiring runs, and is checked, on a CPU."""
+    as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
+    and the QK norm + rotary, self-verified on the GPU; the modulate and the rotary, exact by construction; GELU +
+    concatenation, proven exact on every value): the fast paths' wiring runs, and is checked, on a CPU."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
                                                               layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
+    from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, qk_norm_rope_ref
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
 
     def gated_residual_arithmetic(residual, gate, update):
@@ -102,7 +103,7 @@ def emulated_kernels(monkeypatch):
     for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (GATED_RESIDUAL_FP32, gated_residual_fp32_arithmetic),
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
-                       (ROTARY_EMB, rotary_emb_ref), (GELU_CAT, gelu_cat_ref),
+                       (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)

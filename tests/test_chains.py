@@ -225,6 +225,75 @@ def test_a_rotary_inside_an_expression_with_a_local_import_is_fused(emulated_ker
     assert attn._fastpath_site_rotary_emb.fast == 1
 
 
+class QKAttention(torch.nn.Module):
+    """FLUX.2's attention module in miniature: q/k projections and the four QK RMSNorms."""
+
+    def __init__(self, dim=16, head=8):
+        super().__init__()
+        self.to_q, self.to_k, self.add_q, self.add_k = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q, self.norm_k, self.norm_added_q, self.norm_added_k = (torch.nn.RMSNorm(head, eps=1e-6)
+                                                                          for _ in range(4))
+        for norm in (self.norm_q, self.norm_k, self.norm_added_q, self.norm_added_k):
+            torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+        self.head = head
+
+
+class QKProcessor:
+    """FLUX.2's ``Flux2AttnProcessor`` in miniature: the QK norms, the text/image concatenation of q, the rotary
+    embedding of q and k when tables are given, then reads of q and k after it."""
+
+    def __call__(self, attn, hidden_states, text, image_rotary_emb=None):
+        query = attn.to_q(hidden_states).unflatten(-1, (-1, attn.head))
+        key = attn.to_k(hidden_states).unflatten(-1, (-1, attn.head))
+        encoder_query = attn.add_q(text).unflatten(-1, (-1, attn.head))
+        encoder_key = attn.add_k(text).unflatten(-1, (-1, attn.head))
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        if text is not None:
+            encoder_query = attn.norm_added_q(encoder_query)
+            encoder_key = attn.norm_added_k(encoder_key)
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        return query.float().sum(-1), key
+
+
+class QKReadProcessor:
+    """The same, but q is read between its norm and its rotary embedding: the norms must run as written."""
+
+    def __call__(self, attn, hidden_states, text, image_rotary_emb=None):
+        query = attn.norm_q(attn.to_q(hidden_states).unflatten(-1, (-1, attn.head)))
+        query = attn.norm_q(query)
+        scale = query.shape[-1]
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        return query * scale
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["rotary", "no-rotary"])
+def test_qk_norms_run_inside_the_fused_rotary(tables, emulated_kernels):
+    sub, found = _chains.fused_subclass(QKProcessor, "FusedQKProcessor", __name__, "__call__")
+    assert found.rotary == 2 and found.qk_norms == ["norm_q", "norm_k", "norm_added_q", "norm_added_k"]
+    attn = QKAttention().to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb, attn._fastpath_site_qk_norm_rope = Site("rotary_emb"), Site("qk_norm_rope")
+    gen = torch.Generator().manual_seed(2)
+    x, text = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16), torch.randn(2, 3, 16, generator=gen).to(torch.bfloat16)
+    # without tables the pending norms and concatenations become tensors after the rotary's `if` (materialize)
+    freqs = (torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)) if tables else None
+    with torch.no_grad():
+        got, ref = sub()(attn, x, text, freqs), QKProcessor()(attn, x, text, freqs)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    qk, rope = attn._fastpath_site_qk_norm_rope, attn._fastpath_site_rotary_emb
+    assert (qk.fast, rope.fast, qk.fallback, rope.fallback) == ((2, 0, {}, {}) if tables else (0, 0, {}, {}))
+
+
+def test_qk_norms_read_elsewhere_are_left_as_written():
+    sub, found = _chains.fused_subclass(QKReadProcessor, "FusedQKReadProcessor", __name__, "__call__")
+    assert found.rotary == 1 and found.qk_norms == []
+    assert "norm_later" not in inspect.getsource(sub.__call__)
+
+
 def test_operands_that_are_not_tensors_run_the_original_expression():
     ns = _chains._ChainsNamespace
     assert ns.gated_residual(1, 2, 3, None) == 7

@@ -18,10 +18,12 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(dual: int, single: int) -> dict[str, int]:
-    return {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single}
+    return {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single,
+            "qk_norm_rope": dual + single}
 
 
-CALLS = {"rotary_emb": 2}  # q and k per forward
+# q and k per forward through the fused QK norm + rotary; its fallback, the plain rotary, never runs
+CALLS = {"qk_norm_rope": 2, "rotary_emb": 0}
 
 
 

@@ -16,16 +16,24 @@ from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_full
                                         build_flux_clone, flux_clone_inputs, patch_round_trip)
 
 CLONES = sorted(FLUX_CLONE_CONFIGS)
+FIBO = "BriaFiboTransformer2DModel"
+
+
 def sites(dual: int, single: int, name: str) -> dict[str, int]:
     """The sites of a model of `name` with that many dual and single blocks (Ovis-Image's single block has no tanh-GELU
-    MLP: no GELU + concatenation site)."""
-    counts = {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single}
+    MLP: no GELU + concatenation site; Bria-FIBO's single blocks normalise q and k with diffusers' RMSNorm, which the
+    fused QK norm does not take: no QK norm site there)."""
+    counts = {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single,
+              "qk_norm_rope": dual + (0 if name == FIBO else single)}
     if name != "OvisImageTransformer2DModel":
         counts["gelu_cat"] = single
     return counts
 
 
-CALLS = {"rotary_emb": 2}  # q and k per forward
+def calls(name: str) -> dict:
+    """Fast calls per site and forward: q and k, fused with their QK norms (the plain rotary, their fallback, never
+    runs), but in Bria-FIBO's single blocks, whose rotary runs alone."""
+    return {"qk_norm_rope": 2, "rotary_emb": (0, 2) if name == FIBO else 0}
 
 
 def processors(model):
@@ -49,7 +57,7 @@ def test_patched_matches_unpatched_bitwise(name, dtype):
 @pytest.mark.parametrize("name", CLONES)
 def test_every_site_on_the_fast_path_is_exact(name, batch, emulated_kernels):
     model = build_flux_clone(name, seed=3)
-    assert_patched_step_exact_and_fused(model, flux_clone_inputs(model, batch=batch, seed=4), sites(2, 2, name), CALLS)
+    assert_patched_step_exact_and_fused(model, flux_clone_inputs(model, batch=batch, seed=4), sites(2, 2, name), calls(name))
 
 
 @pytest.mark.parametrize("name", CLONES)
@@ -84,7 +92,7 @@ def test_full_size_one_step_1024_is_bitwise_identical_and_fully_fused(name, unpa
         unpatch_after(model)
         assert torch.equal(model(**inputs).sample, ref)
         counts = sites(len(model.transformer_blocks), len(model.single_transformer_blocks), name)
-        assert_every_site_fast(fp.report(model), counts, CALLS)
+        assert_every_site_fast(fp.report(model), counts, calls(name))
     finally:
         del model
         torch.cuda.empty_cache()

@@ -64,6 +64,18 @@ of ``self``):
   with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument); also
   where the call is part of a larger expression (HunyuanVideo's ``torch.cat([apply_rotary_emb(...), ...])``), and
   where the processor imports ``apply_rotary_emb`` itself (``from ..embeddings import apply_rotary_emb``).
+- QK RMSNorm + concatenation + rotary embedding, into `diffusers_fastpath.ops.qk_norm_rope` (self-verified; the
+  fallback is the norms, ``torch.cat`` and the fused rotary), in attention processors whose rotary embedding the
+  pattern above took (FLUX.2, the FLUX derivatives):
+
+  - ``Q = A.N(Q)`` with ``N`` one of ``norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k`` (``A`` the attention
+    module)  ->  ``Q = norm_later(A.N, Q)``: the norm, not yet run
+  - ``Q = torch.cat([E, Q], dim=1)`` of two such  ->  ``Q = cat_later(E, Q)``
+  - the rotary call of such a ``Q`` runs all three as one `qk_norm_rope` (site ``qk_norm_rope`` on the attention
+    module); after the last statement holding a rotary call, each such name read later is made a tensor
+    (``materialize``: the norm and the cat as written, where no rotary embedding ran)
+
+  taken only where those names are read nowhere else before that point (else the norms run as written).
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -102,7 +114,7 @@ from torch import nn
 from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
-                   layernorm_scale_shift_fp32, modulate_scale_shift, rotary_emb)
+                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rotary_emb)
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -111,6 +123,8 @@ MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by a
 GATED_RESIDUAL = "gated_residual"
 GATED_RESIDUAL_FP32 = "gated_residual_fp32"
 ROTARY = "rotary_emb"
+QK_NORM_ROPE = "qk_norm_rope"
+_QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
 GELU_CAT = "gelu_cat"
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
@@ -137,6 +151,7 @@ class Rewrite:
     norms_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
     modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
+    qk_norms: list[str] = field(default_factory=list)  # a processor's QK norms run inside qk_norm_rope, by name
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
 
     def __bool__(self) -> bool:
@@ -307,6 +322,25 @@ def _cat_dim2(node: ast.expr) -> tuple[ast.expr, str] | None:
             and node.keywords[0].value.value == 2):
         return None
     return node.args[0].elts[0], node.args[0].elts[1].id
+
+
+def _cat_dim1_names(node: ast.expr) -> tuple[str, str] | None:
+    """``(A, B)`` if `node` is ``torch.cat([A, B], dim=1)`` with two names."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
+            and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
+            and all(isinstance(e, ast.Name) for e in node.args[0].elts) and len(node.keywords) == 1
+            and node.keywords[0].arg == "dim" and isinstance(node.keywords[0].value, ast.Constant)
+            and node.keywords[0].value.value == 1):
+        return node.args[0].elts[0].id, node.args[0].elts[1].id
+    return None
+
+
+def _ns_call(node: ast.AST, name: str | None = None) -> bool:
+    """Whether `node` is a call of this module's namespace (``_diffusers_fastpath_chains.<name>(...)``)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == _NS
+            and (name is None or node.func.attr == name))
 
 
 def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
@@ -504,6 +538,51 @@ class _Rewriter:
             i += 1
         return out
 
+    def qk_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The QK-norm form of the module doc over a processor's top-level `body` (its rotary calls rewritten
+        already), or `body` as it was."""
+        owner, deferred, order = self.owner, set(), []
+
+        class Defer(ast.NodeTransformer):
+            def visit_Assign(self, node: ast.Assign) -> ast.stmt:
+                target, value = _single_target(node), node.value
+                if (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                        and isinstance(value.func.value, ast.Name) and value.func.value.id == owner
+                        and value.func.attr in _QK_NORMS and len(value.args) == 1 and not value.keywords
+                        and isinstance(value.args[0], ast.Name) and value.args[0].id == target):
+                    deferred.add(target)
+                    order.append(value.func.attr)
+                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                        "norm_later", [value.func, value.args[0]])), node)
+                cat = _cat_dim1_names(value) if target is not None else None
+                if cat is not None and cat[1] == target and set(cat) <= deferred:
+                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                        "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
+                return node
+
+        new = [Defer().visit(copy.deepcopy(stmt)) for stmt in body]
+        last = max((i for i, stmt in enumerate(new) if any(_ns_call(n, "rotary") for n in ast.walk(stmt))), default=None)
+        if not deferred or last is None:
+            return body
+        allowed = set()  # the Name nodes that may see a pending norm: cat_later's arguments, rotary's first
+        for stmt in new[:last + 1]:
+            for node in ast.walk(stmt):
+                if _ns_call(node, "cat_later"):
+                    allowed.update(id(a) for a in node.args)
+                elif _ns_call(node, "rotary"):
+                    allowed.add(id(node.args[0]))
+        if not _PendingReads(allowed).clean(new[:last + 1]):
+            return body  # a pending name read elsewhere before the rotary: the norms run as written
+        for stmt in new[:last + 1]:
+            for node in ast.walk(stmt):
+                if _ns_call(node, "rotary"):
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))
+        later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
+                            value=_call("materialize", [ast.Name(name, ast.Load())]))
+                 for name in sorted(deferred) if _reads_after(new[last + 1:], name)]
+        self.found.qk_norms = order
+        return [*new[:last + 1], *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
+
     def body(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         if self.block:
             body = self.deferred_norms(self.gelu_cat(body, function))
@@ -522,6 +601,40 @@ class _Rewriter:
             out.append(self.one(stmt) or stmt)
             i += 1
         return out
+
+
+class _PendingReads(ast.NodeVisitor):
+    """Walks statements in evaluation order, tracking the names bound to a pending norm (``norm_later`` or
+    ``cat_later``), and finds any read of one that is not in `allowed` (a binding inside a nested block keeps the
+    name pending: the block may not run)."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed, self.pending, self.depth, self.ok = allowed, set(), 0, True
+
+    def clean(self, stmts: list[ast.stmt]) -> bool:
+        for stmt in stmts:
+            self.visit(stmt)
+        return self.ok
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.visit(node.value)
+        target = _single_target(node)
+        if target is not None and (_ns_call(node.value, "norm_later") or _ns_call(node.value, "cat_later")):
+            self.pending.add(target)
+        elif self.depth == 0:
+            for t in node.targets:
+                self.pending -= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+    def _nested(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_If = visit_For = visit_While = visit_With = visit_Try = _nested
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load) and node.id in self.pending and id(node) not in self.allowed:
+            self.ok = False
 
 
 def _calls_inplace(node: ast.expr) -> bool:
@@ -571,6 +684,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
     rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
+    if not rewriter.block and rewriter.found.rotary:
+        func.body = rewriter.qk_norms(func.body)
     if not rewriter.found:
         return None
     ast.fix_missing_locations(tree)
@@ -585,6 +700,34 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     new.__qualname__ = qualname
     new.__doc__ = fn.__doc__
     return new, rewriter.found
+
+
+class _NormLater:
+    """``norm(x)`` not yet run: what a rewritten processor hands from a QK norm to the concatenation and the rotary
+    embedding after it (the QK-norm form of the module doc). Only the namespace's calls ever see one."""
+
+    __slots__ = ("norm", "x")
+
+    def __init__(self, norm, x: torch.Tensor) -> None:
+        self.norm, self.x = norm, x
+
+
+class _CatLater:
+    """``torch.cat([norm_txt(x_txt), norm_img(x_img)], dim=1)`` not yet run (two `_NormLater`)."""
+
+    __slots__ = ("txt", "img")
+
+    def __init__(self, txt: _NormLater, img: _NormLater) -> None:
+        self.txt, self.img = txt, img
+
+
+def _materialize(x):
+    """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
+    if isinstance(x, _NormLater):
+        return x.norm(x.x)
+    if isinstance(x, _CatLater):
+        return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
+    return x
 
 
 class _ChainsNamespace:
@@ -643,11 +786,32 @@ class _ChainsNamespace:
         return gelu_cat(attn, mlp, site)
 
     @staticmethod
-    def rotary(x, freqs, site):
-        if not (isinstance(x, torch.Tensor) and isinstance(freqs, (tuple, list)) and len(freqs) == 2
-                and all(isinstance(t, torch.Tensor) for t in freqs)):
+    def rotary(x, freqs, site, qk_site=None):
+        tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
+                  and all(isinstance(t, torch.Tensor) for t in freqs))
+        if isinstance(x, (_NormLater, _CatLater)):
+            if tables:
+                txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
+                return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
+                                    site)
+            x = _materialize(x)
+        if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
         return rotary_emb(x, freqs[0], freqs[1], site)
+
+    @staticmethod
+    def norm_later(norm, x):
+        # only a norm `qk_norm_rope` can run waits (another, e.g. diffusers' RMSNorm of Bria-FIBO's single blocks, runs
+        # here, as written, and the rotary embedding after it is the plain fused one)
+        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) is nn.RMSNorm else norm(x)
+
+    @staticmethod
+    def cat_later(a, b):
+        if isinstance(a, _NormLater) and isinstance(b, _NormLater):
+            return _CatLater(a, b)
+        return torch.cat([_materialize(a), _materialize(b)], dim=1)
+
+    materialize = staticmethod(lambda x: _materialize(x))
 
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
@@ -669,7 +833,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
-    sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc})
+    sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
+                              "_fastpath_rewrite": found})
     fn.__module__ = module
     if module in sys.modules:  # an attribute of its module from the start, so that pickles find it by name
         setattr(sys.modules[module], name, sub)
@@ -685,9 +850,12 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             warn_nothing_to_fuse(default_cls, "__call__")
         return
     state.replace_processors(model, attention_cls, default_cls, fused_cls)
+    qk = bool(getattr(fused_cls, "_fastpath_rewrite", Rewrite()).qk_norms)
     for module in model.modules():
         if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
             state.add_site(module, ROTARY, name=ROTARY)
+            if qk and type(getattr(module, "norm_q", None)) is nn.RMSNorm:  # what `norm_later` defers
+                state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
 
 
 def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[type | None, Rewrite | None]]) -> None:

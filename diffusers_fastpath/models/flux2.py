@@ -7,10 +7,12 @@ installed diffusers source (`diffusers_fastpath.models._chains`):
   of one ``Flux2Modulation`` output) runs as the fused `layernorm_scale_shift` (D up to 6144: FLUX.2-dev and the
   klein models);
 - every gated residual (``hidden_states + gate * update``) as the fused `gated_residual`;
-- the rotary embedding of q and k in ``Flux2AttnProcessor`` and ``Flux2ParallelSelfAttnProcessor`` as the exact fused
-  `rotary_emb` (their QK RMSNorms stay eager).
+- in ``Flux2AttnProcessor`` and ``Flux2ParallelSelfAttnProcessor``, the QK ``torch.nn.RMSNorm``s, the text/image
+  concatenation and the rotary embedding of q and of k as one `qk_norm_rope` each (FLUX.1's kernel, self-verified per
+  dtype and head dim; where it cannot run, the norms run eagerly and the rotary embedding as the exact fused
+  `rotary_emb`).
 
-Not fused yet (issue 13): the SwiGLU of the feed-forwards and of the parallel single-block MLP, and the QK RMSNorms.
+Not fused yet (issue 13): the SwiGLU of the feed-forwards and of the parallel single-block MLP.
 The KV-cache processors (``Flux2KV...``) are left as they are.
 """
 
