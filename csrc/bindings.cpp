@@ -156,6 +156,50 @@ at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, co
 
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
 // input raises instead of reading out of bounds.
+void check_silu_mul_inputs(const at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.is_cuda(), "silu_mul: gate must be a CUDA tensor");
+  TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && out.sizes() == gate.sizes() && out.is_contiguous(),
+              "silu_mul: gate, up and a contiguous out must be [batch, seq, dim] of one shape, got ",
+              shape_str(gate.sizes()), " and ", shape_str(up.sizes()));
+  const int64_t vec = 16 / gate.element_size();
+  to_dtype(gate);
+  for (const at::Tensor* t : {&out, &gate, &up}) {
+    TORCH_CHECK(t->scalar_type() == gate.scalar_type(), "silu_mul: dtype mismatch");
+    TORCH_CHECK(t->device() == gate.device(), "silu_mul: device mismatch");
+    TORCH_CHECK(aligned16(*t), "silu_mul: pointers must be 16-byte aligned");
+    TORCH_CHECK(t->size(2) % vec == 0 && t->stride(2) == 1 && t->stride(1) % vec == 0 && t->stride(0) % vec == 0,
+                "silu_mul: rows must have unit innermost stride, stay 16-byte aligned and hold whole vectors");
+  }
+}
+
+void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul_inputs(out, gate, up);
+  if (gate.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(gate.device());
+  SiluMulArgs args;
+  args.out = out.data_ptr();
+  args.gate = gate.data_ptr();
+  args.up = up.data_ptr();
+  args.batch = gate.size(0);
+  args.seq = gate.size(1);
+  args.dim = gate.size(2);
+  args.gate_stride_b = gate.stride(0);
+  args.gate_stride_s = gate.stride(1);
+  args.up_stride_b = up.stride(0);
+  args.up_stride_s = up.stride(1);
+  args.dtype = to_dtype(gate);
+  const cudaError_t err = launch_silu_mul(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "silu_mul: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  silu_mul_out(out, gate, up);
+  return out;
+}
+
+// The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
+// input raises instead of reading out of bounds.
 void check_gelu_cat_inputs(const at::Tensor& out, const at::Tensor& attn, const at::Tensor& mlp) {
   TORCH_CHECK(attn.is_cuda(), "gelu_cat: attn must be a CUDA tensor");
   TORCH_CHECK(attn.dim() == 3 && mlp.dim() == 3 && attn.size(0) == mlp.size(0) && attn.size(1) == mlp.size(1),
@@ -468,6 +512,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
+  m.def("_silu_mul_cuda(Tensor gate, Tensor up) -> Tensor");
+  m.def("_silu_mul_cuda_out(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def("_gelu_cat_cuda(Tensor attn, Tensor mlp) -> Tensor");
   m.def("_gelu_cat_cuda_out(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()");
   m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
@@ -492,6 +538,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
+  m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);
+  m.impl("_silu_mul_cuda_out", &diffusers_fastpath::silu_mul_out);
   m.impl("_gelu_cat_cuda", &diffusers_fastpath::gelu_cat);
   m.impl("_gelu_cat_cuda_out", &diffusers_fastpath::gelu_cat_out);
   m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);

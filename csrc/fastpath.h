@@ -84,6 +84,25 @@ struct GeluCatArgs {
 cudaError_t launch_gelu_cat(const GeluCatArgs& args, cudaStream_t stream);
 #endif
 
+// out[b, s, :] = round(round(silu(gate[b, s, :])) * up[b, s, :]), SwiGLU's elementwise half as aten computes it
+struct SiluMulArgs {
+  void* out;            // [batch, seq, dim], contiguous
+  const void* gate;     // row (b, s) at gate + b * gate_stride_b + s * gate_stride_s; unit innermost stride
+  const void* up;       // row (b, s) at up + b * up_stride_b + s * up_stride_s; unit innermost stride
+  int64_t batch;
+  int64_t seq;
+  int64_t dim;            // a multiple of 16 / sizeof(element)
+  int64_t gate_stride_b;  // in elements, multiples of 16 / sizeof(element)
+  int64_t gate_stride_s;
+  int64_t up_stride_b;
+  int64_t up_stride_s;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
+#endif
+
 // One [seq, batch, dim] operand: row (s, b) starts at ptr + s * stride_s + b * stride_b; unit innermost stride.
 struct Rows {
   const void* ptr;

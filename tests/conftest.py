@@ -85,7 +85,8 @@ def emulated_kernels(monkeypatch):
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
     as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
     and the QK norm + rotary, self-verified on the GPU; the modulate and the rotary, exact by construction; GELU +
-    concatenation, proven exact on every value): the fast paths' wiring runs, and is checked, on a CPU."""
+    concatenation and the SiLU-gated product, proven exact on every value): the fast paths' wiring runs, and is
+    checked, on a CPU."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
@@ -93,6 +94,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, qk_norm_rope_ref
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
+    from diffusers_fastpath.ops.silu_mul import SILU_MUL, silu_mul_ref
 
     def gated_residual_arithmetic(residual, gate, update):
         return (residual.float() + (gate.float() * update.float()).to(residual.dtype).float()).to(residual.dtype)
@@ -104,10 +106,12 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
+                       (SILU_MUL, silu_mul_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
-    monkeypatch.setattr(GELU_CAT, "prove", None)  # its proof runs the CUDA kernel on every value of the dtype
+    for op in (GELU_CAT, SILU_MUL):
+        monkeypatch.setattr(op, "prove", None)  # their proofs run the CUDA kernel on every value of the dtype
 
 
 def _as_if_on_cuda(guard):

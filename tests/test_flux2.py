@@ -18,8 +18,9 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(dual: int, single: int) -> dict[str, int]:
+    # silu_mul: the dual blocks' two feed-forwards' Flux2SwiGLU, the single blocks' MLP one
     return {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single,
-            "qk_norm_rope": dual + single}
+            "qk_norm_rope": dual + single, "silu_mul": 2 * dual + single}
 
 
 # q and k per forward through the fused QK norm + rotary; its fallback, the plain rotary, never runs

@@ -32,6 +32,7 @@ from diffusers_fastpath.ops import _build, _nvrtc  # importing ops runs the op f
 # the op modules themselves (ops/__init__ binds each module's name to its public function)
 gated_residual_mod = importlib.import_module("diffusers_fastpath.ops.gated_residual")
 gelu_cat_mod = importlib.import_module("diffusers_fastpath.ops.gelu_cat")
+silu_mul_mod = importlib.import_module("diffusers_fastpath.ops.silu_mul")
 layernorm_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_scale_shift")
 modulate_mod = importlib.import_module("diffusers_fastpath.ops.modulate_scale_shift")
 qk_mod = importlib.import_module("diffusers_fastpath.ops.qk_norm_rope")
@@ -276,6 +277,8 @@ def test_launch_constants_match_the_sources():
         _constant("gated_residual.cu", "kThreads"), _constant("gated_residual.cu", "kRowsInFlight"))
     assert (gelu_cat_mod._THREADS, gelu_cat_mod._ROWS_IN_FLIGHT, gelu_cat_mod._BLOCKS_PER_SM) == tuple(
         _constant("gelu_cat.cu", n) for n in ("kThreads", "kRowsInFlight", "kBlocksPerSm"))
+    assert (silu_mul_mod._THREADS, silu_mul_mod._ROWS_IN_FLIGHT, silu_mul_mod._BLOCKS_PER_SM) == tuple(
+        _constant("silu_mul.cu", n) for n in ("kThreads", "kRowsInFlight", "kBlocksPerSm"))
     assert rmsnorm_mod._WARPS_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock")
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
@@ -432,6 +435,18 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert (grid, block) == _nvrtc.row_grid(34, 40, 512, 1, 132, 16)
     gelu_cat_mod._nvrtc_kernel(torch.randn(2, 40, 96).half()[:, :17, :64], mlp)
     assert captured_launches[-1][1] == (torch.float16, False)  # attn's batch stride is not seq * row stride
+
+    # silu_mul: the two chunk(2, dim=-1) halves of one [2, 17, 256] bf16 projection (row stride 256, the second half
+    # 128 elements in)
+    gate, up = _bf16(2, 17, 256).chunk(2, dim=-1)
+    out = silu_mul_mod._nvrtc_kernel(gate, up)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == torch.bfloat16 and out.shape == (2, 17, 128) and out.is_contiguous()
+    assert (a.a.out, a.a.gate, a.a.up, a.a.batch, a.a.seq, a.a.dim) == (
+        out.data_ptr(), gate.data_ptr(), up.data_ptr(), 2, 17, 128)
+    assert (a.a.gate_stride_b, a.a.gate_stride_s, a.a.up_stride_b, a.a.up_stride_s, a.a.dtype, a.vecs_per_row) == (
+        17 * 256, 256, 17 * 256, 256, 1, 16)
+    assert (grid, block) == _nvrtc.row_grid(34, 16, 512, 1, 132, 16)
 
     # layernorm: one block of (32, 4) per row; the probe's eight-warp bit
     x = _bf16(2, 17, 64)

@@ -76,6 +76,12 @@ of ``self``):
     (``materialize``: the norm and the cat as written, where no rotary embedding ran)
 
   taken only where those names are read nowhere else before that point (else the norms run as written).
+- SiLU-gated product (SwiGLU's elementwise half), into `diffusers_fastpath.ops.silu_mul` (the SiLU proven on every
+  value of the dtype; the fallback is the expression as written), in blocks whose adapter names the activation
+  (``activations=("gate_fn",)``: FLUX.2's ``Flux2SwiGLU``):
+
+  - ``H = self.ACT(E) * F``  ->  ``H = silu_mul(self.ACT, E, F, site)`` when ``self.ACT`` is a plain ``nn.SiLU``
+    without hooks (checked per call), with the site ``silu_mul`` on the block
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -114,7 +120,7 @@ from torch import nn
 from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
-                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rotary_emb)
+                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rotary_emb, silu_mul)
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -126,6 +132,7 @@ ROTARY = "rotary_emb"
 QK_NORM_ROPE = "qk_norm_rope"
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
 GELU_CAT = "gelu_cat"
+SILU_MUL = "silu_mul"
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
 
@@ -153,10 +160,11 @@ class Rewrite:
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
     qk_norms: list[str] = field(default_factory=list)  # a processor's QK norms run inside qk_norm_rope, by name
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
+    silu_mul: bool = False  # a SiLU-gated product fused (the site ``silu_mul`` on the block)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
-                    or self.gelu_cat)
+                    or self.gelu_cat or self.silu_mul)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -354,8 +362,10 @@ def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
 
 
 class _Rewriter:
-    def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None) -> None:
+    def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
+                 activations: tuple[str, ...] = ()) -> None:
         self.found = Rewrite()
+        self.activations = activations  # the block's attributes that may be a SiLU (the SwiGLU form)
         self.norm_methods = norm_methods or {}
         self.owner = owner  # the name of the module the rotary site lives on
         self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
@@ -392,6 +402,11 @@ class _Rewriter:
         if target is None:
             return None
         value = stmt.value
+        if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult) and not self.found.silu_mul
+                and (act := _self_module_call(value.left)) is not None and act[0] in self.activations):
+            self.found.silu_mul = True
+            call = _call("silu_mul", [_self_attr(act[0]), act[1], value.right, _site_of(_self_attr(), SILU_MUL)])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (wan := _fp32_gated_of(value)) is not None:
             return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True)
         if (wan := _fp32_modulate_of(value)) is not None:
@@ -665,7 +680,8 @@ def _diffusers_rotary(fn, func: ast.FunctionDef) -> bool:
     return False
 
 
-def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None) -> tuple[object, Rewrite] | None:
+def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
+                    activations: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -682,7 +698,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     func.decorator_list = []  # the function is wrapped below, never re-decorated
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
-    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods)
+    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.block and rewriter.found.rotary:
         func.body = rewriter.qk_norms(func.body)
@@ -800,6 +816,12 @@ class _ChainsNamespace:
         return rotary_emb(x, freqs[0], freqs[1], site)
 
     @staticmethod
+    def silu_mul(act, x, y, site):
+        if type(act) is not nn.SiLU or hooked(act) or not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            return act(x) * y
+        return silu_mul(x, y, site)
+
+    @staticmethod
     def norm_later(norm, x):
         # only a norm `qk_norm_rope` can run waits (another, e.g. diffusers' RMSNorm of Bria-FIBO's single blocks, runs
         # here, as written, and the rotary embedding after it is the plain fused one)
@@ -815,22 +837,25 @@ class _ChainsNamespace:
 
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
-                   norm_methods: dict[str, tuple[str, object]] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
+                   norm_methods: dict[str, tuple[str, object]] | None = None,
+                   activations: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
     chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
     `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
-    (the LayerNorm-into-method pattern of the module doc)."""
+    (the LayerNorm-into-method pattern of the module doc); `activations` names the attributes of `cls` that the
+    SwiGLU form may take as its SiLU."""
     norm_methods = norm_methods or {}
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
-                                {m: fused_name for m, (fused_name, _) in norm_methods.items()})
+                                {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations)
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
     doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
            f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
-           f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}. Adds no "
+           f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
+           f"{found.silu_mul}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
@@ -888,6 +913,8 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     if found.gelu_cat:
         state.add_site(block, GELU_CAT, GELU_CAT)
+    if found.silu_mul:
+        state.add_site(block, SILU_MUL, SILU_MUL)
     for attr in found.norms_fp32:
         if isinstance(getattr(block, attr), nn.LayerNorm):
             state.add_site(getattr(block, attr), MODULATE_FP32)

@@ -16,6 +16,7 @@ from .rmsnorm_scale_shift import (
     rmsnorm_scale_shift_ref,
 )
 from .rotary import rotary_emb, rotary_emb_ref
+from .silu_mul import silu_mul, silu_mul_ref
 
 __all__ = [
     "OPS",
@@ -44,5 +45,7 @@ __all__ = [
     "rmsnorm_scale_shift",
     "rmsnorm_scale_shift_ref",
     "rotary_emb",
+    "silu_mul",
+    "silu_mul_ref",
     "rotary_emb_ref",
 ]

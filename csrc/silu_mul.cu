@@ -1,0 +1,75 @@
+// SwiGLU's elementwise half, `F.silu(gate) * up` (FLUX.2's Flux2SwiGLU on the two halves of one projection, Z-Image's
+// feed-forward on two), in one pass, bit-identical to the two eager kernels:
+//   s   = round(silu(gate))      aten's silu_kernel (aten/src/ATen/native/cuda/ActivationSiluKernel.cu) in fp32
+//                                opmath: x / (1 + c10::cuda::compat::exp(-x)), i.e. expf, an IEEE add and division
+//   out = round(s * up)          the mul kernel, fp32 opmath
+// expf is CUDA's libdevice function under both builds; whether the rest matches aten's build (which nvcc compiled
+// with --fmad=true: no product feeds an add here) is checked the way gelu_cat is: the result is a function of one
+// 16-bit value, so the Python op proves it on all 65536 bf16 or fp16 bit patterns once per dtype (ops/silu_mul.py)
+// and falls back for good where it differs. The multiply is exact by construction (__fmul_rn, one rounding).
+//
+// Layout: gate and up are [batch, seq, dim] rows with unit innermost stride and 16-byte aligned row starts (the two
+// `chunk(2, dim=-1)` halves of a contiguous projection qualify, as do two contiguous tensors); out is contiguous.
+// Each thread moves one 16-byte vector of a row; threads walk rows with a grid stride.
+#include "elementwise.cuh"
+#include "fastpath.h"
+
+namespace diffusers_fastpath {
+namespace {
+
+// gelu_cat's launch shape (an activation with an exp or tanh needs more warps in flight than a copy)
+constexpr int kThreads = 512;
+constexpr int kRowsInFlight = 1;
+constexpr int kBlocksPerSm = 16;
+
+__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32_t vecs_per_row) {
+  using P = Pack<T>;
+  constexpr int kVec = P::kSize;
+  const int32_t col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= vecs_per_row) return;
+  const int64_t rows = a.batch * a.seq;
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  const T* gate = static_cast<const T*>(a.gate) + static_cast<int64_t>(col) * kVec;
+  const T* up = static_cast<const T*>(a.up) + static_cast<int64_t>(col) * kVec;
+  P* out = reinterpret_cast<P*>(a.out) + col;
+  for (int64_t row = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < rows; row += row_step) {
+    const int64_t b = row / a.seq;
+    const int64_t s = row - b * a.seq;
+    const P g = *reinterpret_cast<const P*>(gate + b * a.gate_stride_b + s * a.gate_stride_s);
+    const P u = *reinterpret_cast<const P*>(up + b * a.up_stride_b + s * a.up_stride_s);
+    P o;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float act = round_to<T>(silu(Storage<T>::load(g.v[i])));
+      o.v[i] = Storage<T>::store(__fmul_rn(act, Storage<T>::load(u.v[i])));
+    }
+    out[row * vecs_per_row] = o;
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
+template <typename T>
+cudaError_t launch(const SiluMulArgs& a, cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  const int64_t rows = a.batch * a.seq;
+  if (rows == 0 || a.dim == 0) return cudaSuccess;
+  if (a.dim % kVec || a.dim / kVec > 0x7fffffff) return cudaErrorInvalidValue;
+  const int32_t vecs_per_row = static_cast<int32_t>(a.dim / kVec);
+  const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight, kBlocksPerSm);
+  silu_mul_kernel<T><<<shape.grid, shape.block, 0, stream>>>(a, vecs_per_row);
+  return cudaGetLastError();
+}
+#endif  // __CUDACC_RTC__
+
+}  // namespace
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+#endif
+
+}  // namespace diffusers_fastpath

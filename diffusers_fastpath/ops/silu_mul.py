@@ -1,0 +1,160 @@
+"""SwiGLU's elementwise half, ``F.silu(gate) * up``, in one pass (FLUX.2's ``Flux2SwiGLU`` on the two
+``chunk(2, dim=-1)`` halves of one projection; the same line in other feed-forwards).
+
+Formula and rounding points (T = fp16 or bf16, fp32 arithmetic, ``round`` to nearest even in T), those of the two
+eager kernels it replaces::
+
+    out = round(round(gate / (1 + exp(-gate))) * up)
+
+The SiLU is aten's ``silu_kernel`` expression with CUDA's ``expf``; it is a function of one 16-bit value, so on its
+first call per dtype the op runs all 65536 bit patterns through the kernel and through eager ``F.silu`` and compares
+the bits (as `gelu_cat` proves its GELU): equal, or the op disables itself for the process with one warning and runs
+the eager expression. The multiply is exact by construction. The kernel is ``csrc/silu_mul.cu``; it reads each
+input once and writes once (eager: the SiLU reads and writes, the multiply reads two and writes).
+
+Shapes: ``gate`` and ``up`` are ``[B, L, D]`` with unit innermost stride and 16-byte aligned rows (any row and batch
+strides that keep them so: the halves of a contiguous ``[B, L, 2D]`` qualify without a copy); the output is
+contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _nvrtc
+from ._build import load_extension
+from ._policy import HALF_DTYPES, FusedOp, Site, bits
+from .gelu_cat import every_value
+
+_VEC_BYTES = 16
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The eager expression: ``F.silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+def _guard(gate: torch.Tensor, up: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    dtype = gate.dtype
+    if dtype not in HALF_DTYPES:
+        return f"dtype {str(dtype).removeprefix('torch.')}"
+    if up.dtype is not dtype:
+        return "mixed dtypes"
+    if gate.dim() != 3 or up.shape != gate.shape:
+        return "shape"
+    vec = _VEC_BYTES // gate.element_size()
+    if gate.shape[2] % vec:
+        return f"D not a multiple of {vec}"
+    if gate.numel() == 0:
+        return "empty"
+    if not all(t.stride(2) == 1 and t.stride(1) % vec == 0 and t.stride(0) % vec == 0 for t in (gate, up)):
+        return "rows strided"
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return "requires grad"
+    if not gate.is_cuda:
+        return f"device {gate.device.type}"
+    if up.device != gate.device:
+        return "devices differ"
+    if check_pointers and (gate.data_ptr() % _VEC_BYTES or up.data_ptr() % _VEC_BYTES):
+        return "not 16-byte aligned"
+    return None
+
+
+# The NVRTC way (ops/_nvrtc.py): csrc/silu_mul.cu's kernel, launched as its launch() and bindings.cpp's silu_mul(_out)
+# do. Duplicated from there: kThreads 512, kRowsInFlight 1, kBlocksPerSm 16 (tests/test_nvrtc.py reads them from the
+# .cu), the SiluMulArgs fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
+_ARGS = _nvrtc.Params("SiluMulArgs", ("out", "P"), ("gate", "P"), ("up", "P"), ("batch", "q"), ("seq", "q"),
+                      ("dim", "q"), ("gate_stride_b", "q"), ("gate_stride_s", "q"), ("up_stride_b", "q"),
+                      ("up_stride_s", "q"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel(
+    "silu_mul.cu",
+    "diffusers_fastpath::silu_mul_kernel",
+    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+    _nvrtc.Params("silu_mul_kernel", ("a", _ARGS), ("vecs_per_row", "i")),
+)
+_THREADS, _ROWS_IN_FLIGHT, _BLOCKS_PER_SM = 512, 1, 16
+
+
+def _nvrtc_kernel(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    batch, seq, dim = gate.shape
+    if out is None:
+        out = gate.new_empty(gate.shape)
+    else:
+        _nvrtc.check_out("silu_mul", out, gate.shape, gate, 16)
+    vecs, device = dim * gate.element_size() // _VEC_BYTES, gate.device.index
+    grid, block = _nvrtc.row_grid(batch * seq, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device), _BLOCKS_PER_SM)
+    _NVRTC.launch(device, gate.dtype, grid, block, out.data_ptr(), gate.data_ptr(), up.data_ptr(), batch, seq, dim,
+                  gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), _nvrtc.DTYPE_CODE[gate.dtype], vecs)
+    return out
+
+
+_nvrtc.raw_op("_silu_mul_cuda", "(Tensor gate, Tensor up) -> Tensor", _guard, _nvrtc_kernel)
+_nvrtc.raw_op("_silu_mul_cuda_out", "(Tensor(a!) out, Tensor gate, Tensor up) -> ()", _guard, _nvrtc_kernel, outs=1)
+
+_cuda_op = None
+
+
+def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    global _cuda_op
+    if _cuda_op is None:
+        nvrtc = load_extension() == "nvrtc"
+        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._silu_mul_cuda.default
+    return _cuda_op(gate, up)
+
+
+def _prove(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """The kernel's SiLU equals eager's, bit for bit, on every value of the dtype (times one: exact)."""
+    values = every_value(gate.dtype, gate.device)
+    ones = torch.ones_like(values)
+    return torch.equal(bits(_kernel(values, ones)), bits(F.silu(values)))
+
+
+@torch.library.custom_op("diffusers_fastpath::silu_mul", mutates_args=())
+def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # What torch.compile runs: the kernel where the guard (with real pointers) allows, the eager expression elsewhere.
+    # torch.compile emits this op only for dtypes already proven (see FusedOp).
+    if _guard(gate, up) is None:
+        return _kernel(gate, up)
+    return silu_mul_ref(gate, up).contiguous()
+
+
+@_silu_mul_op.register_fake
+def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    torch._check(gate.dim() == 3 and up.shape == gate.shape, lambda: "silu_mul: gate and up must be one [B, S, D]")
+    return gate.new_empty(gate.shape)
+
+
+def _signature(gate: torch.Tensor, up: torch.Tensor):
+    return (str(gate.dtype).removeprefix("torch."),)
+
+
+SILU_MUL = FusedOp(
+    "silu_mul",
+    ref=silu_mul_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=torch.ops.diffusers_fastpath.silu_mul.default,
+    verify_key=_signature,
+    prove=_prove,
+)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``F.silu(gate) * up``, fused on CUDA and bit-identical to eager everywhere (the SiLU proven on every value of
+    the dtype on first use).
+
+    Args:
+        gate: ``[B, L, D]`` input of the SiLU (e.g. the first ``chunk(2, dim=-1)`` half of the FFN's projection).
+        up: ``[B, L, D]`` the other factor, of gate's dtype and shape.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import silu_mul, silu_mul_ref
+        >>> gate, up = torch.randn(1, 16, 128).chunk(2, dim=-1)
+        >>> torch.equal(silu_mul(gate, up), silu_mul_ref(gate, up))
+        True
+    """
+    return SILU_MUL(site, gate, up)
