@@ -16,8 +16,9 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
                                         zimage_transformer_inputs)
 
 
-def sites(modulated_blocks: int) -> dict[str, int]:
-    return {"gated_residual": 2 * modulated_blocks}
+def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
+    """Two gated residuals per modulated block; one SwiGLU per block, the context refiner's (unmodulated) too."""
+    return {"gated_residual": 2 * modulated_blocks, "silu_mul": modulated_blocks + context_refiner_blocks}
 
 
 
@@ -34,14 +35,14 @@ def test_zimage_is_supported_and_only_its_modulated_blocks_are_swapped(unpatch_a
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_patched_matches_unpatched_bitwise(dtype, batch):
-    assert_patched_equals_unpatched(build_zimage_transformer, zimage_transformer_inputs, sites(3), dtype, seed=2,
+    assert_patched_equals_unpatched(build_zimage_transformer, zimage_transformer_inputs, sites(3, 1), dtype, seed=2,
                                     batch=batch, grid=(8, 6), txt_tokens=9)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_zimage_transformer(seed=4)
-    assert_patched_step_exact_and_fused(model, zimage_transformer_inputs(model, batch=batch, seed=5), sites(3), {})
+    assert_patched_step_exact_and_fused(model, zimage_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), {})
 
 
 def test_unpatch_pickle_and_state_dict():
@@ -64,7 +65,7 @@ def test_z_image_one_step_1024_is_bitwise_identical_and_fused():
     model = build_zimage_transformer("z-image", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = zimage_transformer_inputs(model, batch=2, grid=(128, 128), txt_tokens=128, seed=10)
-        assert_patched_step_exact_and_fused(model, inputs, sites(32), {})
+        assert_patched_step_exact_and_fused(model, inputs, sites(32, 2), {})
     finally:
         del model
         torch.cuda.empty_cache()

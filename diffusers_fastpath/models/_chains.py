@@ -82,6 +82,8 @@ of ``self``):
 
   - ``H = self.ACT(E) * F``  ->  ``H = silu_mul(self.ACT, E, F, site)`` when ``self.ACT`` is a plain ``nn.SiLU``
     without hooks (checked per call), with the site ``silu_mul`` on the block
+  - ``return F.silu(E) * G`` or ``H = F.silu(E) * G`` with ``F`` the module's ``torch.nn.functional``
+    (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``)  ->  the same op
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -114,6 +116,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from diffusers.models import embeddings
 from torch import nn
 
@@ -394,18 +397,34 @@ class _Rewriter:
                      [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
+    def _silu_mul(self, value: ast.expr) -> ast.Call | None:
+        """The SwiGLU form's call for ``self.ACT(E) * G`` or ``F.silu(E) * G`` (see the module doc), or None."""
+        if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)) or self.found.silu_mul:
+            return None
+        act = _self_module_call(value.left)
+        if act is not None and act[0] in self.activations:
+            module: ast.expr = _self_attr(act[0])
+        elif ("F.silu" in self.activations and isinstance(value.left, ast.Call) and len(value.left.args) == 1
+              and not value.left.keywords and isinstance(value.left.func, ast.Attribute)
+              and value.left.func.attr == "silu" and isinstance(value.left.func.value, ast.Name)
+              and value.left.func.value.id == "F"):
+            act, module = ("F.silu", value.left.args[0]), ast.Constant(None)
+        else:
+            return None
+        self.found.silu_mul = True
+        return _call("silu_mul", [module, act[1], value.right, _site_of(_self_attr(), SILU_MUL)])
+
     def one(self, stmt: ast.stmt) -> ast.stmt | None:
         """A one-statement pattern, rewritten, or None."""
         if not self.block:
             return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
+        if isinstance(stmt, ast.Return) and stmt.value is not None and (call := self._silu_mul(stmt.value)) is not None:
+            return ast.copy_location(ast.Return(value=call), stmt)
         target = _single_target(stmt)
         if target is None:
             return None
         value = stmt.value
-        if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult) and not self.found.silu_mul
-                and (act := _self_module_call(value.left)) is not None and act[0] in self.activations):
-            self.found.silu_mul = True
-            call = _call("silu_mul", [_self_attr(act[0]), act[1], value.right, _site_of(_self_attr(), SILU_MUL)])
+        if (call := self._silu_mul(value)) is not None:
             return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (wan := _fp32_gated_of(value)) is not None:
             return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True)
@@ -698,6 +717,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     func.decorator_list = []  # the function is wrapped below, never re-decorated
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
+    if "F.silu" in activations and fn.__globals__.get("F") is not F:  # the functional form needs torch's F
+        activations = tuple(a for a in activations if a != "F.silu")
     rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.block and rewriter.found.rotary:
@@ -817,8 +838,11 @@ class _ChainsNamespace:
 
     @staticmethod
     def silu_mul(act, x, y, site):
-        if type(act) is not nn.SiLU or hooked(act) or not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        # act: the block's activation module, or None for the functional F.silu (resolved at rewrite time)
+        if act is not None and (type(act) is not nn.SiLU or hooked(act)):
             return act(x) * y
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            return F.silu(x) * y
         return silu_mul(x, y, site)
 
     @staticmethod

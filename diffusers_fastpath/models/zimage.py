@@ -7,13 +7,18 @@ of every modulated block (the main layers and the noise refiner; the context ref
 and stay as they are) as the fused `gated_residual`, with per-token gates (the omni mode's noisy/clean tokens) taken
 as full ``[B, L, D]`` gates.
 
-Per Z-Image step (30 layers, 2 noise-refiner blocks): 64 gated residual sites. Not fused yet (issue 14): the RMSNorm
-+ scale of each branch, the QK RMSNorms and the complex rotary embedding of ``ZSingleStreamAttnProcessor``, SwiGLU.
+Every block's ``FeedForward`` (the context refiner's too) has its SwiGLU gating, ``F.silu(x1) * x3`` in
+``_forward_silu_gating``, rewritten into the fused `silu_mul` (its SiLU proven on every bf16/fp16 value on first use).
+
+Per Z-Image step (30 layers, 2 noise-refiner and 2 context-refiner blocks): 64 gated residual and 34 SwiGLU sites.
+Not fused yet (issue 14): the RMSNorm + scale of each branch, the QK RMSNorms and the complex rotary embedding of
+``ZSingleStreamAttnProcessor``.
 """
 
 from __future__ import annotations
 
-from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel, ZImageTransformerBlock
+from diffusers.models.transformers.transformer_z_image import (FeedForward, ZImageTransformer2DModel,
+                                                                ZImageTransformerBlock)
 
 from .._state import PatchState, register_adapter
 from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
@@ -21,12 +26,17 @@ from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
 # Created at import, so that a pickled patched model finds it here by name.
 FastpathZImageTransformerBlock, _BLOCK = fused_subclass(ZImageTransformerBlock, "FastpathZImageTransformerBlock",
                                                         __name__)
+FastpathZImageFeedForward, _FEED_FORWARD = fused_subclass(FeedForward, "FastpathZImageFeedForward", __name__,
+                                                          "_forward_silu_gating", activations=("F.silu",))
 
 
 @register_adapter(ZImageTransformer2DModel)
 def patch_zimage(model: ZImageTransformer2DModel, state: PatchState) -> None:
     """Swap Z-Image's modulated blocks for their chain-fused subclass (see module doc)."""
     for module in model.modules():
+        if type(module) is FeedForward and FastpathZImageFeedForward is not None:
+            state.swap_class(module, FastpathZImageFeedForward)
+            add_chain_sites(state, module, _FEED_FORWARD)
         if type(module) is not ZImageTransformerBlock or not module.modulation:
             continue
         if FastpathZImageTransformerBlock is None:
