@@ -51,7 +51,7 @@ void check_modulate_inputs(const at::Tensor& out, const at::Tensor& x, const at:
   const int64_t batch = x.size(0), dim = x.size(2);
   const int64_t vec = 16 / x.element_size();
   to_dtype(x);
-  const int64_t row_vec = fp32_rows ? 4 : vec;  // fp32 scale/shift rows (the LayerNorm's fp32 modulate) stay aligned
+  const int64_t row_vec = 16 / scale.element_size();  // fp32 rows (the LayerNorm's fp32 modulate) stay aligned too
   for (const at::Tensor* t : {&out, &scale, &shift}) {
     TORCH_CHECK(t->scalar_type() == (fp32_rows && t != &out ? at::kFloat : x.scalar_type()),
                 "modulate_scale_shift: dtype mismatch");

@@ -252,18 +252,26 @@ def _float_of(node: ast.expr) -> ast.expr | None:
     return None
 
 
+def _type_as_of(node: ast.expr) -> tuple[ast.expr, str] | None:
+    """``(E, X)`` if `node` is ``E.type_as(X)`` with ``X`` a name (Wan's fp32 chains end so)."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "type_as"
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)):
+        return node.func.value, node.args[0].id
+    return None
+
+
 def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
     """``(R, E, G)`` if `node` is ``(R.float() + E * G).type_as(R)`` or ``(R.float() + E.float() * G).type_as(R)``
     with ``R`` a name (Wan's gated residuals)."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "type_as"
-            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)):
+    cast = _type_as_of(node)
+    if cast is None:
         return None
-    total = node.func.value
+    total, like = cast
     if not (isinstance(total, ast.BinOp) and isinstance(total.op, ast.Add) and isinstance(total.right, ast.BinOp)
             and isinstance(total.right.op, ast.Mult)):
         return None
     residual = _float_of(total.left)
-    if not (isinstance(residual, ast.Name) and residual.id == node.args[0].id):
+    if not (isinstance(residual, ast.Name) and residual.id == like):
         return None
     update = total.right.left
     return residual, _float_of(update) or update, total.right.right
@@ -271,17 +279,15 @@ def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None
 
 def _fp32_modulate_of(node: ast.expr) -> tuple[str, ast.expr, ast.expr, ast.expr] | None:
     """``(A, X, S, T)`` if `node` is ``(self.A(X.float()) * (1 + S) + T).type_as(X)`` with ``X`` a name (Wan)."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "type_as"
-            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)):
-        return None
-    modulate = _modulate_of(node.func.value)
+    cast = _type_as_of(node)
+    modulate = _modulate_of(cast[0]) if cast is not None else None
     if modulate is None or not modulate[3]:
         return None
     called = _self_module_call(modulate[0])
     if called is None:
         return None
     x = _float_of(called[1])
-    if not (isinstance(x, ast.Name) and x.id == node.args[0].id):
+    if not (isinstance(x, ast.Name) and x.id == cast[1]):
         return None
     return called[0], x, modulate[1], modulate[2]
 
@@ -605,12 +611,9 @@ class _Rewriter:
                     allowed.update(id(a) for a in node.args)
                 elif _ns_call(node, "rotary"):
                     allowed.add(id(node.args[0]))
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))  # `new` is ours to change
         if not _PendingReads(allowed).clean(new[:last + 1]):
             return body  # a pending name read elsewhere before the rotary: the norms run as written
-        for stmt in new[:last + 1]:
-            for node in ast.walk(stmt):
-                if _ns_call(node, "rotary"):
-                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))
         later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
                             value=_call("materialize", [ast.Name(name, ast.Load())]))
                  for name in sorted(deferred) if _reads_after(new[last + 1:], name)]
@@ -857,7 +860,7 @@ class _ChainsNamespace:
             return _CatLater(a, b)
         return torch.cat([_materialize(a), _materialize(b)], dim=1)
 
-    materialize = staticmethod(lambda x: _materialize(x))
+    materialize = staticmethod(_materialize)
 
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
@@ -899,7 +902,7 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             warn_nothing_to_fuse(default_cls, "__call__")
         return
     state.replace_processors(model, attention_cls, default_cls, fused_cls)
-    qk = bool(getattr(fused_cls, "_fastpath_rewrite", Rewrite()).qk_norms)
+    qk = bool(fused_cls._fastpath_rewrite.qk_norms)  # `fused_subclass` records what it rewrote
     for module in model.modules():
         if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
             state.add_site(module, ROTARY, name=ROTARY)

@@ -64,17 +64,17 @@ def _guard_tensors(x, scale, shift, check_pointers: bool = True, rows_dtype: tor
     return None
 
 
+def _norm_unfit(norm, x, kinds: tuple[type, ...]) -> str | None:
+    """Why `norm` is not a LayerNorm of one of `kinds` over x's last dim without affine (the kernel's), or None."""
+    if (type(norm) not in kinds or norm.weight is not None or norm.bias is not None or x.dim() == 0
+            or tuple(norm.normalized_shape) != (x.shape[-1],)):
+        return "norm not a LayerNorm over the last dim without affine"
+    return None
+
+
 def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    if (
-        type(norm) is not torch.nn.LayerNorm
-        or norm.weight is not None
-        or norm.bias is not None
-        or x.dim() == 0
-        or tuple(norm.normalized_shape) != (x.shape[-1],)
-    ):
-        return "norm not a LayerNorm over the last dim without affine"
-    return _guard_tensors(x, scale, shift, check_pointers, x.dtype)
+    return _norm_unfit(norm, x, (torch.nn.LayerNorm,)) or _guard_tensors(x, scale, shift, check_pointers, x.dtype)
 
 
 def _cuda_ops():
@@ -207,10 +207,7 @@ def layernorm_scale_shift_fp32_ref(norm, x: torch.Tensor, scale: torch.Tensor, s
 
 
 def _guard_fp32(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
-    if (type(norm) not in _FP32_NORMS or norm.weight is not None or norm.bias is not None or x.dim() == 0
-            or tuple(norm.normalized_shape) != (x.shape[-1],)):
-        return "norm not a LayerNorm over the last dim without affine"
-    return _guard_tensors(x, scale, shift, check_pointers, torch.float32)
+    return _norm_unfit(norm, x, _FP32_NORMS) or _guard_tensors(x, scale, shift, check_pointers, torch.float32)
 
 
 @torch.library.custom_op("diffusers_fastpath::layernorm_scale_shift_fp32", mutates_args=())
