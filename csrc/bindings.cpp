@@ -268,10 +268,13 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
               "rmsnorm_scale_shift: ", name, " rows must be 8-byte aligned");
 }
 
-void rmsnorm_scale_shift_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_out, const at::Tensor& x,
-                                const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& update,
-                                const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& shift,
-                                double eps) {
+// One launcher for every variant: `update` given is ERNIE-Image's gated prologue (with `gate` and `residual_out`);
+// `scale`/`shift`/`gate`/`residual` are the epilogue's operands (fastpath.h's RmsEpilogue says which it reads).
+void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_out, const at::Tensor& x,
+                    const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& update,
+                    const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& residual,
+                    RmsEpilogue epilogue, double eps) {
   TORCH_CHECK(x.is_cuda(), "rmsnorm_scale_shift: x must be a CUDA tensor");
   check_rows(x, x, "x");
   const int64_t dim = x.size(2);
@@ -279,27 +282,30 @@ void rmsnorm_scale_shift_launch(at::Tensor& out, const std::optional<at::Tensor>
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
               "rmsnorm_scale_shift: weight must be a contiguous [dim] vector of x's dtype");
-  check_rows(scale, x, "scale");
-  check_rows(shift, x, "shift");
+  const std::pair<const std::optional<at::Tensor>*, const char*> operands[] = {
+      {&scale, "scale"}, {&shift, "shift"}, {&gate, "gate"}, {&update, "update"}, {&residual, "residual"}};
+  for (const auto& [t, name] : operands) {
+    if (t->has_value()) check_rows(**t, x, name);
+  }
   check_rows(out, x, "out");
   TORCH_CHECK(out.is_contiguous(), "rmsnorm_scale_shift: out must be contiguous");
-  const bool gated = gate.has_value();
+  const bool gated = update.has_value();
   if (gated) {
-    check_rows(*gate, x, "gate");
-    check_rows(*update, x, "update");
     check_rows(*residual_out, x, "residual_out");
     TORCH_CHECK(residual_out->is_contiguous(), "rmsnorm_scale_shift: residual_out must be contiguous");
   }
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
+  const auto rows_or_none = [](const std::optional<at::Tensor>& t) { return t ? rows_of(*t) : Rows{nullptr, 0, 0}; };
   RmsNormScaleShiftArgs args;
   args.out = out.data_ptr();
   args.residual_out = gated ? residual_out->data_ptr() : nullptr;
   args.x = rows_of(x);
-  args.gate = gated ? rows_of(*gate) : Rows{nullptr, 0, 0};
-  args.update = gated ? rows_of(*update) : Rows{nullptr, 0, 0};
-  args.scale = rows_of(scale);
-  args.shift = rows_of(shift);
+  args.gate = rows_or_none(gate);
+  args.update = rows_or_none(update);
+  args.scale = rows_or_none(scale);
+  args.shift = rows_or_none(shift);
+  args.residual = rows_or_none(residual);
   args.weight = weight.data_ptr();
   args.seq = x.size(0);
   args.batch = x.size(1);
@@ -310,13 +316,15 @@ void rmsnorm_scale_shift_launch(at::Tensor& out, const std::optional<at::Tensor>
   args.mean_factor = static_cast<float>(rows) / static_cast<float>(rows * dim);
   args.gated = gated;
   args.dtype = to_dtype(x);
+  args.epilogue = epilogue;
   const cudaError_t err = launch_rmsnorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rmsnorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
 }
 
 void rmsnorm_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                              const at::Tensor& shift, double eps) {
-  rmsnorm_scale_shift_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, scale, shift, eps);
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, scale, shift, std::nullopt,
+                 RmsEpilogue::kScaleShift, eps);
 }
 
 at::Tensor rmsnorm_scale_shift(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -329,7 +337,8 @@ at::Tensor rmsnorm_scale_shift(const at::Tensor& x, const at::Tensor& weight, co
 void gated_rmsnorm_scale_shift_out(at::Tensor& residual_out, at::Tensor& out, const at::Tensor& residual,
                                    const at::Tensor& gate, const at::Tensor& update, const at::Tensor& weight,
                                    const at::Tensor& scale, const at::Tensor& shift, double eps) {
-  rmsnorm_scale_shift_launch(out, residual_out, residual, gate, update, weight, scale, shift, eps);
+  rmsnorm_launch(out, residual_out, residual, gate, update, weight, scale, shift, std::nullopt,
+                 RmsEpilogue::kScaleShift, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& residual, const at::Tensor& gate,
@@ -340,6 +349,31 @@ std::tuple<at::Tensor, at::Tensor> gated_rmsnorm_scale_shift(const at::Tensor& r
   at::Tensor out = at::empty(residual.sizes(), residual.options());
   gated_rmsnorm_scale_shift_out(residual_out, out, residual, gate, update, weight, scale, shift, eps);
   return {residual_out, out};
+}
+
+void rmsnorm_scale_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       double eps) {
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, scale, std::nullopt, std::nullopt,
+                 RmsEpilogue::kScale, eps);
+}
+
+at::Tensor rmsnorm_scale(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_scale_out(out, x, weight, scale, eps);
+  return out;
+}
+
+void rmsnorm_gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
+                                const at::Tensor& x, const at::Tensor& weight, double eps) {
+  rmsnorm_launch(out, std::nullopt, x, gate, std::nullopt, weight, std::nullopt, std::nullopt, residual,
+                 RmsEpilogue::kGatedResidual, eps);
+}
+
+at::Tensor rmsnorm_gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& x,
+                                  const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_gated_residual_out(out, residual, gate, x, weight, eps);
+  return out;
 }
 
 // The Python guard admits the modulate's layout (checked by check_modulate_inputs, whose messages name that op)
@@ -507,6 +541,12 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_gated_rmsnorm_scale_shift_cuda_out(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, "
       "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
+  m.def("_rmsnorm_scale_cuda(Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor");
+  m.def("_rmsnorm_scale_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()");
+  m.def("_rmsnorm_gated_residual_cuda(Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "_rmsnorm_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, "
+      "float eps) -> ()");
   m.def("_layernorm_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor");
   m.def("_layernorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
@@ -533,6 +573,10 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::rmsnorm_scale_shift_out);
   m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);
   m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
+  m.impl("_rmsnorm_scale_cuda", &diffusers_fastpath::rmsnorm_scale);
+  m.impl("_rmsnorm_scale_cuda_out", &diffusers_fastpath::rmsnorm_scale_out);
+  m.impl("_rmsnorm_gated_residual_cuda", &diffusers_fastpath::rmsnorm_gated_residual);
+  m.impl("_rmsnorm_gated_residual_cuda_out", &diffusers_fastpath::rmsnorm_gated_residual_out);
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);
   m.impl("_layernorm_scale_shift_cuda_out", &diffusers_fastpath::layernorm_scale_shift_out);
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);

@@ -110,17 +110,26 @@ struct Rows {
   int64_t stride_b;
 };
 
-// diffusers RMSNorm followed by ERNIE-Image's fp32 modulate (see rmsnorm_scale_shift.cu for every rounding point):
-//   x   = gated ? round(residual + round(gate * update)) : x        (written to residual_out when gated)
-//   out = round(round(round(x * rsqrt(mean(x^2) + eps)) * weight) * (1 + scale) + shift)
+// What follows diffusers' RMSNorm in rmsnorm_scale_shift.cu (y = the norm's output; see there for every rounding point).
+enum class RmsEpilogue : int32_t {
+  kScaleShift = 0,    // ERNIE-Image's fp32 modulate: out = round(y * (1 + scale) + shift)
+  kScale = 1,         // Z-Image, Lumina2: out = round(y * scale)
+  kGatedResidual = 2  // Z-Image, Lumina2: out = round(residual + round(gate * y))
+};
+
+// diffusers RMSNorm followed by an epilogue:
+//   x   = gated ? round(residual + round(gate * update)) : x        (written to residual_out when gated; kScaleShift)
+//   y   = round(round(x * rsqrt(mean(x^2) + eps)) * weight)
+//   out = the epilogue of y
 struct RmsNormScaleShiftArgs {
   void* out;           // [seq, batch, dim], contiguous
   void* residual_out;  // [seq, batch, dim], contiguous; gated only
   Rows x;              // the norm input, or the residual when gated
-  Rows gate;           // gated only
+  Rows gate;           // gated: the gate before the norm; kGatedResidual: the gate after it
   Rows update;         // gated only
-  Rows scale;
-  Rows shift;
+  Rows scale;          // kScaleShift, kScale
+  Rows shift;          // kScaleShift
+  Rows residual;       // kGatedResidual: the stream the gated norm is added to
   const void* weight;  // [dim]
   int64_t seq;
   int64_t batch;
@@ -129,6 +138,7 @@ struct RmsNormScaleShiftArgs {
   float mean_factor;   // what aten's mean multiplies the sum by: float(rows) / float(rows * dim)
   bool gated;
   DType dtype;
+  RmsEpilogue epilogue;
 };
 
 #ifndef __CUDACC_RTC__

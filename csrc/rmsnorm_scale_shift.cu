@@ -1,5 +1,7 @@
-// ERNIE-Image's adaLN: diffusers' RMSNorm followed by an fp32 modulate, optionally preceded by the gated residual
-// add of the attention branch, in one kernel that is bit-identical to the eager chain.
+// diffusers' RMSNorm and the elementwise step after it, in one kernel that is bit-identical to the eager chain. The
+// norm is the same in every variant; what follows it (the epilogue, fastpath.h's RmsEpilogue) is the family's:
+// ERNIE-Image's fp32 modulate, optionally preceded by the gated residual add of the attention branch; Z-Image's and
+// Lumina2's scale (norm(x) * scale) and their gated residual of a normalised branch (residual + gate * norm(x)).
 //
 // The eager chain, with its rounding points (T = bf16 or fp16 storage, every operation in fp32):
 //   gated:  x = round_T(residual + round_T(gate * update))            (also returned: the next residual)
@@ -7,7 +9,10 @@
 //   var  = sum(sq) * factor                       (mean(-1): aten's reduction order, then * float(R)/float(R*D))
 //   rstd = rsqrtf(var + eps)                      (torch.rsqrt on CUDA is ::rsqrt(float), i.e. rsqrtf)
 //   y    = round_T(round_T(x * rstd) * weight)    (x * rstd is fp32; .to(T); * weight in T)
-//   out  = round_T((y * (1 + scale)) + shift)     (x.float() * (1 + scale.float()) + shift.float(), then .to(T))
+//   then one of
+//   kScaleShift:    out = round_T((y * (1 + scale)) + shift)   (y.float() * (1 + scale.float()) + shift.float(), .to(T))
+//   kScale:         out = round_T(y * scale)                   (norm(x) * scale, both T)
+//   kGatedResidual: out = round_T(residual + round_T(gate * y))  (residual + gate * norm(x), all T)
 //
 // The sum reproduces aten's reduce kernel (Reduce.cuh, setReduceConfig) for a contiguous fp32 [R, D] input
 // reduced over its last dimension, with D/4 > 128, D/32 < 256 and R >= 16: input vectorised by 4, block (32, 16)
@@ -31,13 +36,20 @@ struct alignas(8) Quad {
   T v[4];
 };
 
+// round_T(round_T(x * rstd) * weight): diffusers' RMSNorm output for one element (x * rstd in fp32, .to(T), * weight).
+template <typename T>
+__device__ __forceinline__ float weighted_norm(T x, float rstd, T weight) {
+  return round_to<T>(__fmul_rn(round_to<T>(__fmul_rn(Storage<T>::load(x), rstd)), Storage<T>::load(weight)));
+}
+
 template <typename T>
 __device__ __forceinline__ Quad<T> load_quad(const Rows& r, int64_t s, int64_t b, int64_t col4) {
   return reinterpret_cast<const Quad<T>*>(static_cast<const T*>(r.ptr) + s * r.stride_s + b * r.stride_b)[col4];
 }
 
-template <typename T, bool kGated>
+template <typename T, bool kGated, RmsEpilogue kEpilogue>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kernel(RmsNormScaleShiftArgs a) {
+  static_assert(!kGated || kEpilogue == RmsEpilogue::kScaleShift, "the gated prologue is ERNIE-Image's alone");
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= a.seq * a.batch) return;
@@ -76,21 +88,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   total = __shfl_sync(0xffffffffu, total, 0);
   const float rstd = rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
 
-  // Pass 2: normalise, weight, modulate (x is re-read from L1/L2: this row was just loaded).
+  // Pass 2: normalise, weight, then the epilogue (x is re-read from L1/L2: this row was just loaded).
   const T* weight = static_cast<const T*>(a.weight);
 #pragma unroll 4
   for (int64_t q = lane; q < quads; q += 32) {
     const Quad<T> xq = kGated ? reinterpret_cast<const Quad<T>*>(residual_out)[q] : load_quad<T>(a.x, s, b, q);
     const Quad<T> w = reinterpret_cast<const Quad<T>*>(weight)[q];
-    const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
-    const Quad<T> sh = load_quad<T>(a.shift, s, b, q);
     Quad<T> o;
+    if constexpr (kEpilogue == RmsEpilogue::kScaleShift) {
+      const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
+      const Quad<T> sh = load_quad<T>(a.shift, s, b, q);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float normed = round_to<T>(__fmul_rn(Storage<T>::load(xq.v[j]), rstd));
-      const float weighted = round_to<T>(__fmul_rn(normed, Storage<T>::load(w.v[j])));
-      const float one_plus_scale = __fadd_rn(1.0f, Storage<T>::load(sc.v[j]));
-      o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(weighted, one_plus_scale), Storage<T>::load(sh.v[j])));
+      for (int j = 0; j < 4; ++j) {
+        const float weighted = weighted_norm<T>(xq.v[j], rstd, w.v[j]);
+        const float one_plus_scale = __fadd_rn(1.0f, Storage<T>::load(sc.v[j]));
+        o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(weighted, one_plus_scale), Storage<T>::load(sh.v[j])));
+      }
+    } else if constexpr (kEpilogue == RmsEpilogue::kScale) {
+      const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o.v[j] = Storage<T>::store(__fmul_rn(weighted_norm<T>(xq.v[j], rstd, w.v[j]), Storage<T>::load(sc.v[j])));
+      }
+    } else {  // kGatedResidual
+      const Quad<T> g = load_quad<T>(a.gate, s, b, q);
+      const Quad<T> r = load_quad<T>(a.residual, s, b, q);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float gy = round_to<T>(__fmul_rn(Storage<T>::load(g.v[j]), weighted_norm<T>(xq.v[j], rstd, w.v[j])));
+        o.v[j] = Storage<T>::store(__fadd_rn(Storage<T>::load(r.v[j]), gy));
+      }
     }
     reinterpret_cast<Quad<T>*>(out)[q] = o;
   }
@@ -104,9 +131,13 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
   const dim3 block(kWarpsPerBlock * 32);
   if (a.gated) {
-    rmsnorm_scale_shift_kernel<T, true><<<grid, block, 0, stream>>>(a);
+    rmsnorm_scale_shift_kernel<T, true, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kScale) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScale><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kGatedResidual) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kGatedResidual><<<grid, block, 0, stream>>>(a);
   } else {
-    rmsnorm_scale_shift_kernel<T, false><<<grid, block, 0, stream>>>(a);
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }

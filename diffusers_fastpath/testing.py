@@ -499,9 +499,10 @@ def hunyuan_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1
 Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
                       n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
                       rope_theta=256.0, t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1024, 512, 512))
-TINY_Z_IMAGE_CONFIG = dict(Z_IMAGE_CONFIG, in_channels=4, dim=96, n_layers=2, n_refiner_layers=1, n_heads=3,
-                           n_kv_heads=3, cap_feat_dim=32, axes_dims=(8, 12, 12), axes_lens=(64, 32, 32))
-# (dim 96: the feed-forward's int(dim / 3 * 8) = 256 keeps the SwiGLU's rows whole 16-byte vectors, as 3840's 10240)
+TINY_Z_IMAGE_CONFIG = dict(Z_IMAGE_CONFIG, in_channels=4, dim=768, n_layers=2, n_refiner_layers=1, n_heads=6,
+                           n_kv_heads=6, cap_feat_dim=32, axes_dims=(32, 48, 48), axes_lens=(64, 32, 32))
+# (dim 768: a row length inside the RMSNorm kernel's reproduced reduction (a multiple of 128 above 512), as 3840; and
+# the feed-forward's int(dim / 3 * 8) = 2048 keeps the SwiGLU's rows whole 16-byte vectors, as 3840's 10240)
 Z_IMAGE_CONFIGS = {"z-image": Z_IMAGE_CONFIG, "z-image-tiny": TINY_Z_IMAGE_CONFIG}
 
 
@@ -526,6 +527,42 @@ def zimage_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1,
         t=torch.rand(batch, generator=gen).to(device, dtype),
         cap_feats=[torch.randn(max(1, txt_tokens - 3 * i), cfg.cap_feat_dim, generator=gen).to(device, dtype)
                    for i in range(batch)],
+    )
+
+
+# https://huggingface.co/Alpha-VLLM/Lumina-Image-2.0/blob/main/transformer/config.json (Gemma-2-2B captions: 2304);
+# a tiny config (hidden 768, as the tiny Z-Image: a row length inside the RMSNorm kernel's reduction)
+LUMINA2_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=26,
+                      num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
+                      ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(32, 32, 32),
+                      axes_lens=(300, 512, 512), cap_feat_dim=2304)
+TINY_LUMINA2_CONFIG = dict(LUMINA2_CONFIG, sample_size=16, in_channels=4, hidden_size=768, num_layers=2,
+                           num_refiner_layers=1, num_attention_heads=6, num_kv_heads=2, axes_dim_rope=(32, 48, 48),
+                           axes_lens=(64, 32, 32), cap_feat_dim=32)
+LUMINA2_CONFIGS = {"lumina2": LUMINA2_CONFIG, "lumina2-tiny": TINY_LUMINA2_CONFIG}
+
+
+def build_lumina2_transformer(config="lumina2-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """A ``Lumina2Transformer2DModel`` from a named config (``"lumina2"``, ``"lumina2-tiny"``) or a dict, random
+    weights."""
+    from diffusers import Lumina2Transformer2DModel
+
+    return _random_model(Lumina2Transformer2DModel, LUMINA2_CONFIGS, config, dtype, device, seed, overrides)
+
+
+def lumina2_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1, device=None):
+    """Fresh random ``Lumina2Transformer2DModel`` inputs as ``Lumina2Pipeline`` passes them: latents ``[B, C, H, W]``
+    (``grid`` = the 8x latent: 128x128 for 1024x1024), timesteps in [0, 1), caption embeddings and their boolean
+    mask (the second prompt shorter: its last tokens masked)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    return dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, *grid, generator=gen).to(device, dtype),
+        timestep=torch.rand(batch, generator=gen).to(device, dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.cap_feat_dim, generator=gen).to(device, dtype),
+        encoder_attention_mask=_text_mask(batch, txt_tokens, min(3, txt_tokens - 1) if batch > 1 else 0).bool().to(device),
     )
 
 

@@ -84,7 +84,8 @@ def emulated_kernels(monkeypatch):
     """The fused ops of the shared chains with their guards taking CPU tensors as CUDA ones and their kernels
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
     as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
-    and the QK norm + rotary, self-verified on the GPU; the modulate and the rotary, exact by construction; GELU +
+    and the QK norm + rotary and the RMSNorm + scale / gated residual, self-verified on the GPU; the modulate and the
+    rotary, exact by construction; GELU +
     concatenation and the SiLU-gated product, proven exact on every value): the fast paths' wiring runs, and is
     checked, on a CPU."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
@@ -93,6 +94,8 @@ def emulated_kernels(monkeypatch):
                                                               layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, qk_norm_rope_ref
+    from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
+                                                            rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
     from diffusers_fastpath.ops.silu_mul import SILU_MUL, silu_mul_ref
 
@@ -106,7 +109,8 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
-                       (SILU_MUL, silu_mul_ref),
+                       (SILU_MUL, silu_mul_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
+                       (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)

@@ -239,7 +239,8 @@ def test_chroma_step_and_generation_on_cpu(tmp_path):
     assert _rows(result, "generation")["lossless"]["bit_identical"] is True
 
 
-@pytest.mark.parametrize("model", ["flux2-tiny", "sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny"])
+@pytest.mark.parametrize("model", ["flux2-tiny", "sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",
+                                   "z-image-tiny", "lumina2-tiny"])
 def test_step_only_families_on_cpu(model, tmp_path):
     path = tmp_path / "r.json"
     rc = bench.main(["--model", model, "--device", "cpu", "--height", "64", "--width", "64", "--text-tokens", "8",

@@ -471,17 +471,29 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     weight = _bf16(dim)
     res_out, out = rmsnorm_mod._nvrtc_gated_kernel(xs[0], xs[1], xs[2], weight, xs[3], xs[4], 1e-5)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, True) and (grid, block) == ((5, 1, 1), (256, 1, 1))
+    assert key == (torch.bfloat16, True, 0) and (grid, block) == ((5, 1, 1), (256, 1, 1))
     assert (a.a.out, a.a.residual_out, a.a.weight) == (out.data_ptr(), res_out.data_ptr(), weight.data_ptr())
     for field, t in zip(("x", "gate", "update", "scale", "shift"), xs):
         rows = getattr(a.a, field)
         assert (rows.ptr, rows.stride_s, rows.stride_b) == (t.data_ptr(), batch * dim, dim), field
     f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]  # noqa: E731
-    assert (a.a.seq, a.a.batch, a.a.dim, a.a.gated, a.a.eps) == (seq, batch, dim, True, f32(1e-5))
-    assert a.a.mean_factor == f32(f32(40) / f32(40 * dim))
+    assert (a.a.seq, a.a.batch, a.a.dim, a.a.gated, a.a.eps, a.a.epilogue) == (seq, batch, dim, True, f32(1e-5), 0)
+    assert a.a.mean_factor == f32(f32(40) / f32(40 * dim)) and a.a.residual.ptr is None
     rmsnorm_mod._nvrtc_kernel(xs[0], weight, xs[3], xs[4], 1e-5)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, False) and a.a.residual_out is None and a.a.gate.ptr is None
+    assert key == (torch.bfloat16, False, 0) and a.a.residual_out is None and a.a.gate.ptr is None
+    # Z-Image's sandwich norms: the scale (kScale = 1) and the gated residual after the norm (kGatedResidual = 2), with
+    # rows broadcast over the sequence (stride 0)
+    row = xs[1][:1].expand(seq, -1, -1)
+    rmsnorm_mod._nvrtc_scale_kernel(xs[0], weight, row, 1e-5)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False, 1) and a.a.epilogue == 1 and not a.a.gated
+    assert (a.a.scale.ptr, a.a.scale.stride_s, a.a.scale.stride_b, a.a.shift.ptr) == (row.data_ptr(), 0, dim, None)
+    rmsnorm_mod._nvrtc_gated_residual_kernel(xs[2], row, xs[0], weight, 1e-5)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False, 2) and a.a.epilogue == 2 and a.a.update.ptr is None
+    assert (a.a.gate.ptr, a.a.gate.stride_s, a.a.residual.ptr, a.a.x.ptr) == (
+        row.data_ptr(), 0, xs[2].data_ptr(), xs[0].data_ptr())
 
     # rotary with the norm and a text part; without a text part
     x_img, x_txt = _bf16(1, 17, 3, 64), _bf16(1, 5, 3, 64)
@@ -674,6 +686,25 @@ def test_rotary_ops_through_nvrtc_equal_nvcc_and_eager(seq_txt, seq_img, dtype, 
         if both_ways:
             args = (x_txt, norm_txt.weight if x_txt is not None else None, 1e-6, x_img, norm_img.weight, 1e-6, cos, sin)
             assert torch.equal(got, torch.ops.diffusers_fastpath._qk_norm_rope_cuda(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sandwich_rmsnorms_through_nvrtc_equal_nvcc_and_eager(dtype, both_ways):
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    batch, seq, dim = 1, 4608, 3840  # Z-Image at 1024x1024
+    x, residual = (_rand((batch, seq, dim), dtype, gen, 1.0) for _ in range(2))
+    scale, gate = (_rand((batch, 1, dim), dtype, gen, 0.5).expand(batch, seq, dim) for _ in range(2))
+    weight = (torch.rand(dim, generator=gen, device="cuda") + 0.5).to(dtype)
+    normed = rmsnorm_mod._rms_norm(x, weight, 1e-5)
+    got = rmsnorm_mod._nvrtc_scale_kernel(x, weight, scale, 1e-5)
+    assert torch.equal(got, normed * scale)
+    got_residual = rmsnorm_mod._nvrtc_gated_residual_kernel(residual, gate, x, weight, 1e-5)
+    assert torch.equal(got_residual, residual + gate * normed)
+    if both_ways:
+        ops = torch.ops.diffusers_fastpath
+        assert torch.equal(got, ops._rmsnorm_scale_cuda(x, weight, scale, 1e-5))
+        assert torch.equal(got_residual, ops._rmsnorm_gated_residual_cuda(residual, gate, x, weight, 1e-5))
 
 
 @pytest.mark.gpu

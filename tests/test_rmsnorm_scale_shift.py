@@ -1,5 +1,6 @@
-"""rmsnorm_scale_shift / gated_rmsnorm_scale_shift: bit-exact on GPU at ERNIE-Image's shapes with the fast path
-verified, and their guards, self-verification and fallbacks everywhere."""
+"""rmsnorm_scale_shift / gated_rmsnorm_scale_shift (ERNIE-Image) and rmsnorm_scale / rmsnorm_gated_residual (the
+sandwich norms of Z-Image and Lumina2): bit-exact on GPU at the families' shapes with the fast path verified, and
+their guards, self-verification and fallbacks everywhere."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from diffusers_fastpath.ops import (
     Site,
     gated_rmsnorm_scale_shift,
     gated_rmsnorm_scale_shift_ref,
+    rmsnorm_gated_residual,
+    rmsnorm_gated_residual_ref,
+    rmsnorm_scale,
+    rmsnorm_scale_ref,
     rmsnorm_scale_shift,
     rmsnorm_scale_shift_ref,
 )
 from diffusers_fastpath.ops import _policy
-from diffusers_fastpath.ops.rmsnorm_scale_shift import GATED_RMSNORM_SCALE_SHIFT, RMSNORM_SCALE_SHIFT, _rms_norm
+from diffusers_fastpath.ops.rmsnorm_scale_shift import (GATED_RMSNORM_SCALE_SHIFT, RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
+                                                        RMSNORM_SCALE_SHIFT, _rms_norm)
 
 # [seq, batch, dim] as ErnieImageSharedAdaLNBlock sees them: 1024x1024 (4096 image + 120 text tokens), a CFG
 # batch at 512x512, and a 2048-wide row.
@@ -189,3 +195,154 @@ def test_custom_ops_opcheck_cpu(batch):
     res, out = ops.gated_rmsnorm_scale_shift(x, gate, update, norm.weight, scale, shift, norm.eps)
     ref_res, ref_out = gated_rmsnorm_scale_shift_ref(norm, x, gate, update, scale, shift)
     assert torch.equal(res, ref_res) and torch.equal(out, ref_out)
+
+
+# --- the sandwich norms (Z-Image, Lumina2): rmsnorm_scale and rmsnorm_gated_residual -----------------------------
+
+# [batch, seq, dim] as ZImageTransformerBlock sees them: 1024x1024 (4096 image + 512 caption tokens), a batch of two
+# (4096 + 128 padded), Lumina2's 2304-wide rows, and a short sequence.
+SANDWICH_SHAPES = [(1, 4608, 3840), (2, 4224, 3840), (1, 4352, 2304), (2, 33, 1024)]
+
+
+def make_sandwich_inputs(shape, dtype, device, seed, per_token=False):
+    """x (the norm input), residual, and scale/gate rows ``[batch, 1, dim]`` (or full per-token ``[batch, seq, dim]``,
+    Z-Image's omni mode), with a random-weight RMSNorm (weights around 1, not ones: every product is exercised)."""
+    batch, seq, dim = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device=device) * std).to(dtype)  # noqa: E731
+    norm = RMSNorm(dim, eps=1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + rnd(dim, std=0.1))
+    norm.weight.requires_grad_(False)
+    rows = (batch, seq if per_token else 1, dim)
+    x, residual = rnd(batch, seq, dim, std=3.0), rnd(batch, seq, dim)
+    scale, gate = 1 + rnd(*rows, std=0.3), rnd(*rows, std=0.5).tanh()
+    return norm, x, residual, scale, gate
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_token", [False, True], ids=["rows", "per_token"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SANDWICH_SHAPES, ids=str)
+def test_sandwich_norms_match_eager_bitwise_and_verify(shape, dtype, per_token):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    for seed in range(2):  # fresh inputs each round
+        norm, x, residual, scale, gate = make_sandwich_inputs(shape, dtype, "cuda", seed, per_token)
+        ref = rmsnorm_scale_ref(norm, x, scale)
+        out = torch.full_like(x, float("nan"))  # poisoned
+        ops._rmsnorm_scale_cuda_out(out, x, norm.weight, scale.expand_as(x), norm.eps)
+        assert torch.equal(out, ref)
+        ref_res = rmsnorm_gated_residual_ref(norm, residual, gate, x)
+        out = torch.full_like(x, float("nan"))
+        ops._rmsnorm_gated_residual_cuda_out(out, residual, gate.expand_as(x), x, norm.weight, norm.eps)
+        assert torch.equal(out, ref_res)
+
+        site, gated_site = Site("rmsnorm_scale"), Site("rmsnorm_gated_residual")
+        assert torch.equal(rmsnorm_scale(norm, x, scale, site), ref)
+        assert torch.equal(rmsnorm_gated_residual(norm, residual, gate, x, gated_site), ref_res)
+        assert site.fast == 1 and gated_site.fast == 1 and not site.fallback and not gated_site.fallback
+    for op in (RMSNORM_SCALE, RMSNORM_GATED_RESIDUAL):
+        assert op.disabled is None and (str(dtype).removeprefix("torch."), shape[2]) in op.verified
+
+
+@pytest.mark.gpu
+def test_sandwich_norms_opcheck_cuda():
+    norm, x, residual, scale, gate = make_sandwich_inputs((2, 64, 1024), torch.bfloat16, "cuda", 0)
+    ops = torch.ops.diffusers_fastpath
+    torch.library.opcheck(ops.rmsnorm_scale.default, (x, norm.weight, scale, norm.eps))
+    torch.library.opcheck(ops.rmsnorm_gated_residual.default, (residual, gate, x, norm.weight, norm.eps))
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["rows", "per_token"])
+def test_sandwich_layouts_pass_the_guard(per_token, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    for shape in [(1, 40, 768), (2, 40, 3840)]:
+        norm, x, residual, scale, gate = make_sandwich_inputs(shape, torch.bfloat16, "cpu", 0, per_token)
+        assert RMSNORM_SCALE.guard(norm, x, scale) is None
+        assert RMSNORM_GATED_RESIDUAL.guard(norm, residual, gate, x) is None
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("fp32", "dtype float32"),
+        ("fp32_scale", "operands strided or mismatched"),
+        ("short_rows", "D outside the reproduced reduction"),
+        ("scale_other_batch", "operands strided or mismatched"),
+        ("strided_x", "x not contiguous"),
+        ("requires_grad", "requires grad"),
+        ("cpu", "device cpu"),
+    ],
+)
+def test_sandwich_guards_fall_back_with_reason(case, reason, monkeypatch):
+    shape = (2, 40, 512 if case == "short_rows" else 768)
+    norm, x, residual, scale, gate = make_sandwich_inputs(shape, torch.bfloat16, "cpu", 1)
+    if case == "fp32":
+        norm, x, residual, scale, gate = norm.float(), x.float(), residual.float(), scale.float(), gate.float()
+    elif case == "fp32_scale":
+        scale, gate = scale.float(), gate.float()  # eager promotes the product to fp32; the kernel stays out
+    elif case == "scale_other_batch":
+        scale, gate = scale[:1].expand(3, 1, -1), gate[:1].expand(3, 1, -1)
+    elif case == "strided_x":
+        x = torch.cat([x, x], dim=2)[..., ::2]
+    elif case == "requires_grad":
+        x = x.clone().requires_grad_()
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    site, gated_site = Site("rmsnorm_scale"), Site("rmsnorm_gated_residual")
+    if case == "scale_other_batch":  # eager cannot broadcast these either: the same error both ways
+        with pytest.raises(RuntimeError):
+            rmsnorm_scale_ref(norm, x, scale)
+        with pytest.raises(RuntimeError):
+            rmsnorm_scale(norm, x, scale, site)
+        assert dict(site.fallback) == {reason: 1}
+        return
+    assert torch.equal(rmsnorm_scale(norm, x, scale, site), rmsnorm_scale_ref(norm, x, scale))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+    got = rmsnorm_gated_residual(norm, residual, gate, x, gated_site)
+    ref = rmsnorm_gated_residual_ref(norm, residual, gate, x)
+    assert torch.equal(got, ref) and got.dtype == ref.dtype
+    assert gated_site.fast == 0 and dict(gated_site.fallback) == {reason: 1}
+
+
+def test_sandwich_gated_residual_falls_back_to_the_fused_gated_residual(monkeypatch):
+    """Where the norm cannot run fused, the norm runs as written and the gated residual after it is still the exact
+    fused `gated_residual`."""
+    import sys
+
+    mod = sys.modules["diffusers_fastpath.ops.rmsnorm_scale_shift"]  # the package exports a function of that name
+    calls = []
+    monkeypatch.setattr(mod, "gated_residual", lambda r, g, u: calls.append(u.shape) or r + g * u)
+    norm, x, residual, scale, gate = make_sandwich_inputs((1, 40, 512), torch.bfloat16, "cpu", 2)
+    got = rmsnorm_gated_residual(norm, residual, gate, x, Site("rmsnorm_gated_residual"))
+    assert torch.equal(got, rmsnorm_gated_residual_ref(norm, residual, gate, x)) and calls == [x.shape]
+
+
+def test_a_sandwich_kernel_that_is_not_bit_exact_is_disabled(monkeypatch, fastpath_log):
+    monkeypatch.setattr(RMSNORM_SCALE, "guard", lambda *a, **k: None)
+
+    def off_by_one_ulp(norm, x, scale):
+        out = rmsnorm_scale_ref(norm, x, scale)
+        return (out.view(torch.int16) + 1).view(out.dtype)
+
+    monkeypatch.setattr(RMSNORM_SCALE, "kernel", off_by_one_ulp)
+    norm, x, residual, scale, gate = make_sandwich_inputs((1, 40, 768), torch.bfloat16, "cpu", 3)
+    site = Site("rmsnorm_scale")
+    for _ in range(2):
+        assert torch.equal(rmsnorm_scale(norm, x, scale, site), rmsnorm_scale_ref(norm, x, scale))
+    assert "not bit-exact" in RMSNORM_SCALE.disabled and site.fast == 0
+    assert dict(site.fallback) == {_policy.REASON_DISABLED: 2}
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["rows", "per_token"])
+def test_sandwich_custom_ops_opcheck_cpu(per_token):
+    norm, x, residual, scale, gate = make_sandwich_inputs((2, 24, 768), torch.bfloat16, "cpu", 0, per_token)
+    ops = torch.ops.diffusers_fastpath
+    torch.library.opcheck(ops.rmsnorm_scale.default, (x, norm.weight, scale, norm.eps))
+    torch.library.opcheck(ops.rmsnorm_gated_residual.default, (residual, gate, x, norm.weight, norm.eps))
+    assert torch.equal(ops.rmsnorm_scale(x, norm.weight, scale, norm.eps), rmsnorm_scale_ref(norm, x, scale))
+    assert torch.equal(ops.rmsnorm_gated_residual(residual, gate, x, norm.weight, norm.eps),
+                       rmsnorm_gated_residual_ref(norm, residual, gate, x))

@@ -17,14 +17,17 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
-    """Two gated residuals per modulated block; one SwiGLU per block, the context refiner's (unmodulated) too."""
-    return {"gated_residual": 2 * modulated_blocks, "silu_mul": modulated_blocks + context_refiner_blocks}
+    """Per modulated block two RMSNorm + scale (the branch inputs) and two RMSNorm + gated residual (the branch
+    outputs); one SwiGLU per block, the context refiner's (unmodulated) too."""
+    return {"rmsnorm_scale": 2 * modulated_blocks, "rmsnorm_gated_residual": 2 * modulated_blocks,
+            "silu_mul": modulated_blocks + context_refiner_blocks}
 
 
 
 def test_zimage_is_supported_and_only_its_modulated_blocks_are_swapped(unpatch_after):
     assert "ZImageTransformer2DModel" in fp.supported_classes()
-    assert zimage._BLOCK.gates == ["gate_msa", "gate_mlp"]
+    assert zimage._BLOCK.rms_scales == ["attention_norm1", "ffn_norm1"]
+    assert zimage._BLOCK.rms_gated == ["attention_norm2", "ffn_norm2"] and not zimage._BLOCK.gates
     model = build_zimage_transformer(seed=1)
     fp.patch(model)
     unpatch_after(model)
@@ -61,7 +64,7 @@ def test_compiles_with_fullgraph():
 @pytest.mark.full_size
 def test_z_image_one_step_1024_is_bitwise_identical_and_fused():
     """Z-Image's config (6B, 12 GiB of bf16 weights), 1024x1024 (a 128x128 latent, 4,096 image tokens), a batch of
-    two prompts of different lengths: bit-identical, every gated residual fused."""
+    two prompts of different lengths: bit-identical, every sandwich norm and SwiGLU fused."""
     model = build_zimage_transformer("z-image", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = zimage_transformer_inputs(model, batch=2, grid=(128, 128), txt_tokens=128, seed=10)

@@ -14,7 +14,7 @@ ERNIE_MODELS = ("ernie-image-tiny", "ernie-image")
 CHROMA_MODELS = ("chroma-tiny", "chroma")
 # step level only (no VAE config of theirs is published with this package): model name -> (builder, config,
 # inputs builder, how the latent size follows from the image size: "grid" 16x16 pixels per token, "size" the 8x latent,
-# "latent32" the 32x latent, "video8" Wan's 8x, 4-frame latent of --frames frames)
+# "latent8" the 8x latent as a grid, "latent32" the 32x latent, "video8" Wan's 8x, 4-frame latent of --frames frames)
 STEP_MODELS = {
     "flux2-dev": ("build_flux2_transformer", "flux2-dev", "flux2_transformer_inputs", "grid"),
     "flux2-tiny": ("build_flux2_transformer", "flux2-tiny", "flux2_transformer_inputs", "grid"),
@@ -24,6 +24,10 @@ STEP_MODELS = {
     "qwen-image-tiny": ("build_qwenimage_transformer", "qwen-image-tiny", "qwenimage_transformer_inputs", "grid"),
     "hunyuan-image": ("build_hunyuan_transformer", "hunyuan-image", "hunyuan_transformer_inputs", "latent32"),
     "hunyuan-image-tiny": ("build_hunyuan_transformer", "hunyuan-image-tiny", "hunyuan_transformer_inputs", "latent32"),
+    "z-image": ("build_zimage_transformer", "z-image", "zimage_transformer_inputs", "latent8"),
+    "z-image-tiny": ("build_zimage_transformer", "z-image-tiny", "zimage_transformer_inputs", "latent8"),
+    "lumina2": ("build_lumina2_transformer", "lumina2", "lumina2_transformer_inputs", "latent8"),
+    "lumina2-tiny": ("build_lumina2_transformer", "lumina2-tiny", "lumina2_transformer_inputs", "latent8"),
     "wan-14b": ("build_wan_transformer", "wan-14b", "wan_transformer_inputs", "video8"),
     "wan-tiny": ("build_wan_transformer", "wan-tiny", "wan_transformer_inputs", "video8"),
 }
@@ -43,7 +47,8 @@ class Subject:
     no_generation: str | None = None  # why the generation level cannot run for this model
 
     def step(self) -> torch.Tensor:
-        return self.transformer(**self.step_inputs, return_dict=False)[0]
+        out = self.transformer(**self.step_inputs, return_dict=False)[0]
+        return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one latent per sample
 
 
 def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool) -> Subject:
@@ -66,6 +71,7 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         build, config, make_inputs, layout = STEP_MODELS[args.model]
         model = getattr(testing, build)(config, dtype, device, seed=args.seed)
         latent = {"grid": dict(grid=grid), "size": dict(size=(args.height // 8, args.width // 8)),
+                  "latent8": dict(grid=(args.height // 8, args.width // 8)),  # Z-Image, Lumina2: [C, H/8, W/8]
                   "latent32": dict(grid=(args.height // 32, args.width // 32)),  # HunyuanImage: 32x VAE, 1x1 patches
                   "video8": dict(grid=(args.height // 8, args.width // 8), frames=(args.frames - 1) // 4 + 1)}[layout]
         inputs = getattr(testing, make_inputs)(model, batch=args.batch, txt_tokens=args.text_tokens,

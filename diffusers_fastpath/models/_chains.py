@@ -84,6 +84,18 @@ of ``self``):
     without hooks (checked per call), with the site ``silu_mul`` on the block
   - ``return F.silu(E) * G`` or ``H = F.silu(E) * G`` with ``F`` the module's ``torch.nn.functional``
     (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``)  ->  the same op
+  - either product inside a larger expression (``return self.linear_2(self.silu(E) * F)``: Lumina's
+    ``LuminaFeedForward``, whose ``FP32SiLU`` the op's proof covers too)  ->  the same op, in place
+- RMSNorm + scale and RMSNorm + gated residual (sandwich norms: Z-Image, Lumina2), into
+  `diffusers_fastpath.ops.rmsnorm_scale` and `diffusers_fastpath.ops.rmsnorm_gated_residual` (self-verified; the
+  fallback is the expression as written, the gated residual still the exact fused one), in blocks whose adapter names
+  the norms (``rms_norms=("attention_norm1", ...)``):
+
+  - ``H = R + G * self.A(E)``, ``G`` any expression (``gate.unsqueeze(1).tanh()``)  ->  ``H = rms_gated_residual(self.A, R, G, E, site)``
+  - ``self.A(X) * S`` anywhere in a statement, ``S`` any expression (``scale_msa``, ``(1 + scale[:, None])``)  ->
+    ``rms_scale(self.A, X, S, site)``
+
+  each when ``self.A`` is diffusers' ``RMSNorm`` without hooks (checked per call), with the site on ``self.A``.
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -118,12 +130,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from diffusers.models import embeddings
+from diffusers.models.activations import FP32SiLU
+from diffusers.models.normalization import RMSNorm
 from torch import nn
 
 from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
-                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rotary_emb, silu_mul)
+                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
+                   rmsnorm_scale, rotary_emb, silu_mul)
 from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -136,6 +151,9 @@ QK_NORM_ROPE = "qk_norm_rope"
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
 GELU_CAT = "gelu_cat"
 SILU_MUL = "silu_mul"
+RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
+RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
+_SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
 
@@ -164,10 +182,12 @@ class Rewrite:
     qk_norms: list[str] = field(default_factory=list)  # a processor's QK norms run inside qk_norm_rope, by name
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
     silu_mul: bool = False  # a SiLU-gated product fused (the site ``silu_mul`` on the block)
+    rms_scales: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + scale sites
+    rms_gated: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + gated residual sites
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
-                    or self.gelu_cat or self.silu_mul)
+                    or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated)
 
 
 def _call(func: str, args: list[ast.expr]) -> ast.Call:
@@ -372,9 +392,10 @@ def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
 
 class _Rewriter:
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
-                 activations: tuple[str, ...] = ()) -> None:
+                 activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> None:
         self.found = Rewrite()
         self.activations = activations  # the block's attributes that may be a SiLU (the SwiGLU form)
+        self.rms_norms = rms_norms  # the block's attributes that may be diffusers' RMSNorm (the sandwich-norm forms)
         self.norm_methods = norm_methods or {}
         self.owner = owner  # the name of the module the rotary site lives on
         self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
@@ -442,6 +463,13 @@ class _Rewriter:
             return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
+            normed = _self_module_call(value.right.right)
+            if normed is not None and normed[0] in self.rms_norms:
+                if normed[0] not in self.found.rms_gated:
+                    self.found.rms_gated.append(normed[0])
+                call = _call("rms_gated_residual", [_self_attr(normed[0]), value.left, value.right.left, normed[1],
+                                                    _site_of(_self_attr(normed[0]), RMS_GATED)])
+                return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
         modulate = _modulate_of(value)
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
@@ -453,6 +481,27 @@ class _Rewriter:
             call = _call("modulate", [modulate[0], modulate[1], modulate[2], site])
             return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         return self._rotary(target, value, stmt)
+
+    def nested(self, stmt: ast.stmt) -> ast.stmt:
+        """`stmt` with every ``self.A(X) * S`` in it (``A`` one of the adapter's RMSNorms) as ``rms_scale``, and a
+        SwiGLU product inside a larger expression (``self.linear_2(self.silu(E) * F)``, Lumina's) as ``silu_mul``."""
+        if not (self.rms_norms or self.activations) or not isinstance(stmt, (ast.Assign, ast.Return, ast.Expr)):
+            return stmt
+        rewriter = self
+
+        class Scales(ast.NodeTransformer):
+            def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+                node = self.generic_visit(node)
+                normed = _self_module_call(node.left) if isinstance(node.op, ast.Mult) else None
+                if normed is None or normed[0] not in rewriter.rms_norms:
+                    swiglu = rewriter._silu_mul(node) if rewriter.activations else None
+                    return node if swiglu is None else ast.copy_location(swiglu, node)
+                if normed[0] not in rewriter.found.rms_scales:
+                    rewriter.found.rms_scales.append(normed[0])
+                return ast.copy_location(_call("rms_scale", [_self_attr(normed[0]), normed[1], node.right,
+                                                             _site_of(_self_attr(normed[0]), RMS_SCALE)]), node)
+
+        return Scales().visit(stmt)
 
     def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
         """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused, or None."""
@@ -632,10 +681,11 @@ class _Rewriter:
                 if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
                     setattr(stmt, name, self.body(inner, function))
             if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1], body[i + 2:])) is not None:
-                out.append(merged)
+                out.append(self.nested(merged) if self.block else merged)
                 i += 2
                 continue
-            out.append(self.one(stmt) or stmt)
+            new = self.one(stmt) or stmt
+            out.append(self.nested(new) if self.block else new)
             i += 1
         return out
 
@@ -703,7 +753,7 @@ def _diffusers_rotary(fn, func: ast.FunctionDef) -> bool:
 
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
-                    activations: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
+                    activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -722,7 +772,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
     if "F.silu" in activations and fn.__globals__.get("F") is not F:  # the functional form needs torch's F
         activations = tuple(a for a in activations if a != "F.silu")
-    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations)
+    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations, rms_norms)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.block and rewriter.found.rotary:
         func.body = rewriter.qk_norms(func.body)
@@ -841,12 +891,27 @@ class _ChainsNamespace:
 
     @staticmethod
     def silu_mul(act, x, y, site):
-        # act: the block's activation module, or None for the functional F.silu (resolved at rewrite time)
-        if act is not None and (type(act) is not nn.SiLU or hooked(act)):
+        # act: the block's activation module (nn.SiLU, or diffusers' FP32SiLU: the op's proof covers both), or None for
+        # the functional F.silu (resolved at rewrite time)
+        if act is not None and (type(act) not in _SILUS or hooked(act)):
             return act(x) * y
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return F.silu(x) * y
         return silu_mul(x, y, site)
+
+    @staticmethod
+    def rms_scale(norm, x, scale, site):
+        if not (type(norm) is RMSNorm and not hooked(norm) and isinstance(x, torch.Tensor)
+                and isinstance(scale, torch.Tensor)):
+            return norm(x) * scale
+        return rmsnorm_scale(norm, x, scale, site)
+
+    @staticmethod
+    def rms_gated_residual(norm, residual, gate, x, site):
+        if not (type(norm) is RMSNorm and not hooked(norm)
+                and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
+            return residual + gate * norm(x)
+        return rmsnorm_gated_residual(norm, residual, gate, x, site)
 
     @staticmethod
     def norm_later(norm, x):
@@ -865,16 +930,16 @@ class _ChainsNamespace:
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    norm_methods: dict[str, tuple[str, object]] | None = None,
-                   activations: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
+                   activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
     chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
     `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
     (the LayerNorm-into-method pattern of the module doc); `activations` names the attributes of `cls` that the
-    SwiGLU form may take as its SiLU."""
+    SwiGLU form may take as its SiLU; `rms_norms` those the sandwich-norm forms may take as diffusers' RMSNorm."""
     norm_methods = norm_methods or {}
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
-                                {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations)
+                                {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms)
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
@@ -882,7 +947,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
            f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
-           f"{found.silu_mul}. Adds no "
+           f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
+           f"{found.rms_gated or '-'}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
@@ -942,6 +1008,10 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         state.add_site(block, GELU_CAT, GELU_CAT)
     if found.silu_mul:
         state.add_site(block, SILU_MUL, SILU_MUL)
+    for op, attrs in ((RMS_SCALE, found.rms_scales), (RMS_GATED, found.rms_gated)):
+        for attr in attrs:
+            if type(getattr(block, attr, None)) is RMSNorm:
+                state.add_site(getattr(block, attr), op, op)
     for attr in found.norms_fp32:
         if isinstance(getattr(block, attr), nn.LayerNorm):
             state.add_site(getattr(block, attr), MODULATE_FP32)

@@ -12,6 +12,10 @@ from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
     gated_rmsnorm_scale_shift_ref,
+    rmsnorm_gated_residual,
+    rmsnorm_gated_residual_ref,
+    rmsnorm_scale,
+    rmsnorm_scale_ref,
     rmsnorm_scale_shift,
     rmsnorm_scale_shift_ref,
 )
@@ -42,6 +46,10 @@ __all__ = [
     "modulate_scale_shift_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "rmsnorm_gated_residual",
+    "rmsnorm_gated_residual_ref",
+    "rmsnorm_scale",
+    "rmsnorm_scale_ref",
     "rmsnorm_scale_shift",
     "rmsnorm_scale_shift_ref",
     "rotary_emb",

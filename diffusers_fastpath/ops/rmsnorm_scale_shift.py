@@ -1,26 +1,34 @@
-"""ERNIE-Image's adaLN in one pass: diffusers' ``RMSNorm`` then the fp32 modulate, optionally preceded by the
-gated residual add of the attention branch, bit-identical to the eager chain.
+"""diffusers' ``RMSNorm`` and the elementwise step after it, in one pass, bit-identical to the eager chain: one kernel
+(``csrc/rmsnorm_scale_shift.cu``), four ops by what follows the norm.
 
-Eager (``ErnieImageSharedAdaLNBlock``), T the storage dtype::
+ERNIE-Image's adaLN (``ErnieImageSharedAdaLNBlock``), T the storage dtype::
 
     x = residual + (gate.float() * update.float()).to(T2)           # gated variant only; x is also returned
     y = norm(x)                                                     # diffusers RMSNorm, see _rms_norm below
-    out = (y.float() * (1 + scale.float()) + shift.float()).to(T)
+    out = (y.float() * (1 + scale.float()) + shift.float()).to(T)   # rmsnorm_scale_shift / gated_rmsnorm_scale_shift
 
 (T2 is the dtype of the block's previous modulate output: T, except where autocast or an fp32 norm weight make it
 fp32 while the residual stream is T; the kernel takes only T2 == T, the eager chain runs otherwise.)
-The kernel (``csrc/rmsnorm_scale_shift.cu``) keeps every rounding point of that chain and reproduces the order in
+
+Z-Image's and Lumina2's sandwich norms (``ZImageTransformerBlock``, ``Lumina2TransformerBlock``), all in T::
+
+    out = norm(x) * scale                                           # rmsnorm_scale: the branch input
+    out = residual + gate * norm(x)                                 # rmsnorm_gated_residual: the branch output
+
+The kernel keeps every rounding point of these chains and reproduces the order in
 which aten's reduce kernel sums ``x.float().pow(2)`` over the last dimension (Reduce.cuh: input vectorised by 4,
 one warp per row, four accumulators per lane, shuffle-down tree). That order is a property of the aten build it
-runs against, so the op verifies itself: the first fast call of each signature (dtype, row length; each of the
-two ops keeps its own) is compared with eager by ``torch.equal``, and a mismatch disables it for the process with
+runs against, so each op verifies itself: the first fast call of each signature (dtype, row length; each op
+keeps its own) is compared with eager by ``torch.equal``, and a mismatch disables it for the process with
 one warning. The guard
 admits only rows where aten uses that configuration: row length D a multiple of 128 with 512 < D < 8192, at least
 16 rows, fp32 squares addressable with 32-bit offsets.
 
-Shapes follow the block: ``[seq, batch, dim]`` operands; ``x``/``residual`` contiguous; ``scale``, ``shift``,
-``gate`` and ``update`` any row strides with unit innermost stride (``update`` is the attention output permuted
-back to sequence-first, strided for batch > 1).
+Shapes: three-dimensional operands, ``[seq, batch, dim]`` for ERNIE-Image, ``[batch, seq, dim]`` for Z-Image (the
+kernel only needs row ``(i, j)`` of each at ``i * stride(0) + j * stride(1)``); ``x``/``residual`` of the ERNIE ops
+and the norm input of the others contiguous; the other operands any row strides with unit innermost stride
+(``update`` is ERNIE's attention output permuted back to sequence-first, strided for batch > 1). The scale and gate
+of `rmsnorm_scale` and `rmsnorm_gated_residual` may be rows broadcast over the sequence (``[batch, 1, dim]``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 from . import _nvrtc
 from ._build import load_extension
 from ._policy import HALF_DTYPES, FusedOp, Site
+from .gated_residual import gated_residual
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +70,21 @@ def gated_rmsnorm_scale_shift_ref(norm, residual, gate, update, scale, shift, dt
     dtype; default ``residual.dtype``)."""
     x = _gated_residual(residual, gate, update, dtype)
     return x, _modulate(norm(x), scale, shift)
+
+
+def rmsnorm_scale_ref(norm, x, scale):
+    """The eager chain: ``norm(x) * scale``, through the diffusers ``RMSNorm`` module itself."""
+    return norm(x) * scale
+
+
+def rmsnorm_gated_residual_ref(norm, residual, gate, x):
+    """The eager chain: ``residual + gate * norm(x)``, through the diffusers ``RMSNorm`` module itself."""
+    return residual + gate * norm(x)
+
+
+def _rmsnorm_gated_residual_fallback(norm, residual, gate, x):
+    # the norm as written, its gated residual still the exact fused one (which has its own guard)
+    return gated_residual(residual, gate, norm(x))
 
 
 def _rows_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
@@ -110,6 +134,30 @@ def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
     return _guard_rows(norm, x, (scale, shift), check_pointers)
 
 
+def _broadcast_rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """`t` as a view of `like`'s shape where it is `like`'s shape or rows broadcast over dims 0 and/or 1 (a
+    ``[batch, 1, dim]`` scale or gate), else None."""
+    if t.dim() != 3 or like.dim() != 3 or t.shape[2] != like.shape[2]:
+        return None
+    if any(t.shape[i] not in (1, like.shape[i]) for i in (0, 1)):
+        return None
+    return t if t.shape == like.shape else t.expand(like.shape)
+
+
+def _scale_guard(norm, x, scale, check_pointers: bool = True) -> str | None:
+    scale = _broadcast_rows(scale, x)
+    if scale is None:
+        return "operands strided or mismatched"
+    return _guard_rows(norm, x, (scale,), check_pointers)
+
+
+def _gated_residual_guard(norm, residual, gate, x, check_pointers: bool = True) -> str | None:
+    gate = _broadcast_rows(gate, x)
+    if gate is None or residual.shape != x.shape:
+        return "operands strided or mismatched"
+    return _guard_rows(norm, x, (gate, residual), check_pointers)
+
+
 def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_pointers: bool = True) -> str | None:
     if dtype is not None and dtype is not residual.dtype:
         return "mixed dtypes"
@@ -122,54 +170,74 @@ def _cuda_ops():
 
 
 # The NVRTC way (ops/_nvrtc.py): csrc/rmsnorm_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
-# rmsnorm_scale_shift_launch do: kWarpsPerBlock 8 rows per block of 256 threads (tests/test_nvrtc.py reads it from the
+# rmsnorm_launch do: kWarpsPerBlock 8 rows per block of 256 threads (tests/test_nvrtc.py reads it from the
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
-# stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32 and
-# the output allocation; the guard stands for bindings.cpp's input checks.
+# stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32,
+# the RmsEpilogue values and the output allocation; the guard stands for bindings.cpp's input checks.
+SCALE_SHIFT, SCALE, GATED_RESIDUAL = 0, 1, 2  # fastpath.h's RmsEpilogue
+_EPILOGUE_NAME = {SCALE_SHIFT: "kScaleShift", SCALE: "kScale", GATED_RESIDUAL: "kGatedResidual"}
 _ROWS = _nvrtc.Params("Rows", ("ptr", "P"), ("stride_s", "q"), ("stride_b", "q"))
 _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P"), ("x", _ROWS), ("gate", _ROWS),
-                      ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("weight", "P"), ("seq", "q"),
-                      ("batch", "q"), ("dim", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"))
+                      ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("residual", _ROWS), ("weight", "P"),
+                      ("seq", "q"), ("batch", "q"), ("dim", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"),
+                      ("dtype", "i"), ("epilogue", "i"))
+_VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL))
 _NVRTC = _nvrtc.Kernel(
     "rmsnorm_scale_shift.cu",
     "diffusers_fastpath::rmsnorm_scale_shift_kernel",
-    {(dtype, gated): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(gated).lower()}"
-     for dtype in HALF_DTYPES for gated in (False, True)},
+    {(dtype, gated, epilogue): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(gated).lower()}, "
+                               f"diffusers_fastpath::RmsEpilogue::{_EPILOGUE_NAME[epilogue]}"
+     for dtype in HALF_DTYPES for gated, epilogue in _VARIANTS},
     _nvrtc.Params("rmsnorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _WARPS_PER_BLOCK = 8
+_NONE = (0, 0, 0)
 
 
 def _f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def _nvrtc_launch(out, residual_out, x, gate, update, weight, scale, shift, eps: float) -> None:
+def _rows(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return _NONE if t is None else (t.data_ptr(), t.stride(0), t.stride(1))
+
+
+def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCALE_SHIFT, gate=None, update=None,
+                  scale=None, shift=None, residual=None) -> None:
     seq, batch, dim = x.shape
-    rows, device, gated = seq * batch, x.device.index, gate is not None
+    rows, device, gated = seq * batch, x.device.index, update is not None
     for t in (out, residual_out) if gated else (out,):
         _nvrtc.check_out("rmsnorm_scale_shift", t, x.shape, x, 8)
-    none = (0, 0, 0)
     _NVRTC.launch(
-        device, (x.dtype, gated), ((rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, 1, 1), (_WARPS_PER_BLOCK * 32, 1, 1),
-        out.data_ptr(), residual_out.data_ptr() if gated else 0,
-        x.data_ptr(), x.stride(0), x.stride(1),
-        *((gate.data_ptr(), gate.stride(0), gate.stride(1)) if gated else none),
-        *((update.data_ptr(), update.stride(0), update.stride(1)) if gated else none),
-        scale.data_ptr(), scale.stride(0), scale.stride(1), shift.data_ptr(), shift.stride(0), shift.stride(1),
-        weight.data_ptr(), seq, batch, dim, eps, _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype])
+        device, (x.dtype, gated, epilogue), ((rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, 1, 1),
+        (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
+        *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual),
+        weight.data_ptr(), seq, batch, dim, eps, _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype],
+        epilogue)
 
 
 def _nvrtc_kernel(x, weight, scale, shift, eps: float, out=None) -> torch.Tensor:
     out = x.new_empty(x.shape) if out is None else out
-    _nvrtc_launch(out, None, x, None, None, weight, scale, shift, eps)
+    _nvrtc_launch(out, None, x, weight, eps, scale=scale, shift=shift)
     return out
 
 
 def _nvrtc_gated_kernel(residual, gate, update, weight, scale, shift, eps: float, out=None):
     residual_out, out = (residual.new_empty(residual.shape), residual.new_empty(residual.shape)) if out is None else out
-    _nvrtc_launch(out, residual_out, residual, gate, update, weight, scale, shift, eps)
+    _nvrtc_launch(out, residual_out, residual, weight, eps, gate=gate, update=update, scale=scale, shift=shift)
     return residual_out, out
+
+
+def _nvrtc_scale_kernel(x, weight, scale, eps: float, out=None) -> torch.Tensor:
+    out = x.new_empty(x.shape) if out is None else out
+    _nvrtc_launch(out, None, x, weight, eps, SCALE, scale=scale)
+    return out
+
+
+def _nvrtc_gated_residual_kernel(residual, gate, x, weight, eps: float, out=None) -> torch.Tensor:
+    out = x.new_empty(x.shape) if out is None else out
+    _nvrtc_launch(out, None, x, weight, eps, GATED_RESIDUAL, gate=gate, residual=residual)
+    return out
 
 
 def _raw_guard(x, weight, scale, shift, eps):
@@ -178,6 +246,14 @@ def _raw_guard(x, weight, scale, shift, eps):
 
 def _raw_gated_guard(residual, gate, update, weight, scale, shift, eps):
     return _gated_guard(_Norm(weight, eps), residual, gate, update, scale, shift)
+
+
+def _raw_scale_guard(x, weight, scale, eps):
+    return _guard_rows(_Norm(weight, eps), x, (scale,), True)  # bindings.cpp takes operands of x's shape only
+
+
+def _raw_gated_residual_guard(residual, gate, x, weight, eps):
+    return _guard_rows(_Norm(weight, eps), x, (gate, residual), True)
 
 
 _nvrtc.raw_op("_rmsnorm_scale_shift_cuda", "(Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps) -> Tensor",
@@ -192,7 +268,18 @@ _nvrtc.raw_op("_gated_rmsnorm_scale_shift_cuda_out",
               "(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, Tensor update, Tensor weight, "
               "Tensor scale, Tensor shift, float eps) -> ()", _raw_gated_guard, _nvrtc_gated_kernel, outs=2)
 
-_launch = _gated_launch = None
+_nvrtc.raw_op("_rmsnorm_scale_cuda", "(Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor",
+              _raw_scale_guard, _nvrtc_scale_kernel)
+_nvrtc.raw_op("_rmsnorm_scale_cuda_out", "(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()",
+              _raw_scale_guard, _nvrtc_scale_kernel, outs=1)
+_nvrtc.raw_op("_rmsnorm_gated_residual_cuda",
+              "(Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> Tensor",
+              _raw_gated_residual_guard, _nvrtc_gated_residual_kernel)
+_nvrtc.raw_op("_rmsnorm_gated_residual_cuda_out",
+              "(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> ()",
+              _raw_gated_residual_guard, _nvrtc_gated_residual_kernel, outs=1)
+
+_launch = _gated_launch = _scale_launch = _gated_residual_launch = None
 
 
 def _kernel(norm, x, scale, shift):
@@ -210,6 +297,23 @@ def _gated_kernel(norm, residual, gate, update, scale, shift, dtype=None):
         ops = torch.ops.diffusers_fastpath
         _gated_launch = _nvrtc_gated_kernel if nvrtc else ops._gated_rmsnorm_scale_shift_cuda.default
     return _gated_launch(residual, gate, update, norm.weight, scale, shift, norm.eps)
+
+
+def _scale_kernel(norm, x, scale):
+    global _scale_launch
+    if _scale_launch is None:
+        nvrtc = load_extension() == "nvrtc"
+        _scale_launch = _nvrtc_scale_kernel if nvrtc else torch.ops.diffusers_fastpath._rmsnorm_scale_cuda.default
+    return _scale_launch(x, norm.weight, _broadcast_rows(scale, x), norm.eps)
+
+
+def _gated_residual_kernel(norm, residual, gate, x):
+    global _gated_residual_launch
+    if _gated_residual_launch is None:
+        nvrtc = load_extension() == "nvrtc"
+        _gated_residual_launch = (_nvrtc_gated_residual_kernel if nvrtc
+                                  else torch.ops.diffusers_fastpath._rmsnorm_gated_residual_cuda.default)
+    return _gated_residual_launch(residual, _broadcast_rows(gate, x), x, norm.weight, norm.eps)
 
 
 class _Norm:
@@ -262,8 +366,41 @@ def _(residual, gate, update, weight, scale, shift, eps):
     return like, torch.empty_like(like)
 
 
+@torch.library.custom_op("diffusers_fastpath::rmsnorm_scale", mutates_args=())
+def _rmsnorm_scale_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _scale_guard(norm, x, scale) is None:
+        return _scale_kernel(norm, x, scale)
+    return (_rms_norm(x, weight, eps) * scale).contiguous()
+
+
+@_rmsnorm_scale_op.register_fake
+def _(x, weight, scale, eps):
+    torch._check(x.dim() == 3, lambda: "rmsnorm_scale: x must be three-dimensional")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("diffusers_fastpath::rmsnorm_gated_residual", mutates_args=())
+def _rmsnorm_gated_residual_op(residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _gated_residual_guard(norm, residual, gate, x) is None:
+        return _gated_residual_kernel(norm, residual, gate, x)
+    return (residual + gate * _rms_norm(x, weight, eps)).contiguous()
+
+
+@_rmsnorm_gated_residual_op.register_fake
+def _(residual, gate, x, weight, eps):
+    torch._check(x.dim() == 3, lambda: "rmsnorm_gated_residual: x must be three-dimensional")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _signature(norm, x, *rest):
     return (str(x.dtype).removeprefix("torch."), x.shape[-1])
+
+
+def _gated_residual_signature(norm, residual, gate, x):
+    return _signature(norm, x)
 
 
 RMSNORM_SCALE_SHIFT = FusedOp(
@@ -321,3 +458,58 @@ def gated_rmsnorm_scale_shift(norm, residual, gate, update, scale, shift, site: 
         ``(x, out)``: the new residual stream and the modulated norm, both bit-identical to eager.
     """
     return GATED_RMSNORM_SCALE_SHIFT(site, norm, residual, gate, update, scale, shift, dtype)
+
+
+RMSNORM_SCALE = FusedOp(
+    "rmsnorm_scale",
+    ref=rmsnorm_scale_ref,
+    guard=_scale_guard,
+    kernel=_scale_kernel,
+    custom_op=lambda norm, x, scale: torch.ops.diffusers_fastpath.rmsnorm_scale.default(x, norm.weight, scale, norm.eps),
+    verify_key=_signature,
+)
+
+RMSNORM_GATED_RESIDUAL = FusedOp(
+    "rmsnorm_gated_residual",
+    ref=rmsnorm_gated_residual_ref,
+    guard=_gated_residual_guard,
+    kernel=_gated_residual_kernel,
+    custom_op=lambda norm, residual, gate, x: torch.ops.diffusers_fastpath.rmsnorm_gated_residual.default(
+        residual, gate, x, norm.weight, norm.eps),
+    verify_key=_gated_residual_signature,
+    fallback=_rmsnorm_gated_residual_fallback,
+)
+
+
+def rmsnorm_scale(norm, x, scale, site: Site | None = None) -> torch.Tensor:
+    """``norm(x) * scale``, fused and bit-identical (Z-Image's and Lumina2's branch inputs).
+
+    Args:
+        norm: the diffusers ``RMSNorm`` module (its ``weight`` and ``eps`` are used; it runs itself on fallback).
+        x: ``[batch, seq, dim]`` activations (any three dimensions; contiguous for the kernel).
+        scale: ``x``'s shape, or rows broadcast over the sequence (``[batch, 1, dim]``), of ``x``'s dtype.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers.models.normalization import RMSNorm
+        >>> from diffusers_fastpath.ops import rmsnorm_scale, rmsnorm_scale_ref
+        >>> norm, x, s = RMSNorm(768, eps=1e-6), torch.randn(1, 32, 768), torch.randn(1, 1, 768)
+        >>> torch.equal(rmsnorm_scale(norm, x, s), rmsnorm_scale_ref(norm, x, s))
+        True
+    """
+    return RMSNORM_SCALE(site, norm, x, scale)
+
+
+def rmsnorm_gated_residual(norm, residual, gate, x, site: Site | None = None) -> torch.Tensor:
+    """``residual + gate * norm(x)``, fused and bit-identical (Z-Image's and Lumina2's branch outputs).
+
+    Args:
+        norm: the diffusers ``RMSNorm`` module; where the kernel cannot run, it runs itself and the gated residual is
+            the exact fused `gated_residual`.
+        residual: the ``[batch, seq, dim]`` stream.
+        gate: ``x``'s shape, or rows broadcast over the sequence (``[batch, 1, dim]``), of ``x``'s dtype.
+        x: the branch output to normalise, ``residual``'s shape (contiguous for the kernel).
+        site: the call site's counters.
+    """
+    return RMSNORM_GATED_RESIDUAL(site, norm, residual, gate, x)

@@ -8,8 +8,8 @@ eager kernels it replaces::
 
 The SiLU is aten's ``silu_kernel`` expression with CUDA's ``expf``; it is a function of one 16-bit value, so on its
 first call per dtype the op runs all 65536 bit patterns through the kernel and through eager ``F.silu`` and compares
-the bits (as `gelu_cat` proves its GELU): equal, or the op disables itself for the process with one warning and runs
-the eager expression. The multiply is exact by construction. The kernel is ``csrc/silu_mul.cu``; it reads each
+the bits (as `gelu_cat` proves its GELU), and the SiLU of the fp32 upcast rounded back (diffusers' ``FP32SiLU``) too:
+equal, or the op disables itself for the process with one warning and runs the eager expression. The multiply is exact by construction. The kernel is ``csrc/silu_mul.cu``; it reads each
 input once and writes once (eager: the SiLU reads and writes, the multiply reads two and writes).
 
 Shapes: ``gate`` and ``up`` are ``[B, L, D]`` with unit innermost stride and 16-byte aligned rows (any row and batch
@@ -105,10 +105,14 @@ def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _prove(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """The kernel's SiLU equals eager's, bit for bit, on every value of the dtype (times one: exact)."""
+    """The kernel's SiLU equals eager's, bit for bit, on every value of the dtype (times one: exact); and so does
+    the SiLU of the upcast value rounded back (diffusers' ``FP32SiLU``, Lumina's feed-forward activation), so the
+    kernel stands for either."""
     values = every_value(gate.dtype, gate.device)
     ones = torch.ones_like(values)
-    return torch.equal(bits(_kernel(values, ones)), bits(F.silu(values)))
+    eager = bits(F.silu(values))
+    return (torch.equal(bits(_kernel(values, ones)), eager)
+            and torch.equal(bits(F.silu(values.float()).to(values.dtype)), eager))
 
 
 @torch.library.custom_op("diffusers_fastpath::silu_mul", mutates_args=())

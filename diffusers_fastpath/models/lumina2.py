@@ -1,0 +1,55 @@
+"""Lumina2 adapter: diffusers' ``Lumina2Transformer2DModel`` (Lumina-Image 2.0, ``Lumina2Pipeline``), through the
+shared pieces: Z-Image's sandwich norms and SwiGLU, nothing copied.
+
+Lumina2 is Z-Image's ancestor: RMSNorms on both sides of each branch, tanh gates. Rewritten from the installed
+diffusers source (`diffusers_fastpath.models._chains`):
+
+- ``LuminaRMSNormZero.forward`` (every modulated block's ``norm1``): ``self.norm(x) * (1 + scale_msa[:, None])`` as
+  the fused `rmsnorm_scale`;
+- ``Lumina2TransformerBlock.forward``, in the modulated blocks (the joint layers and the noise refiner; the context
+  refiner has no modulation and stays as it is): the FFN input ``self.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1))``
+  as `rmsnorm_scale`, both branch outputs ``x + gate.unsqueeze(1).tanh() * self.norm2(attn_output)`` (and the FFN's)
+  as `rmsnorm_gated_residual`;
+- ``LuminaFeedForward.forward`` (every block's): ``self.silu(self.linear_1(x)) * self.linear_3(x)`` inside
+  ``self.linear_2(...)`` as `silu_mul` (the activation is diffusers' ``FP32SiLU``, which the op's proof covers).
+
+Per Lumina-Image 2.0 step (26 layers, 2 noise-refiner and 2 context-refiner blocks): 56 + 56 RMSNorm + scale, 56
+RMSNorm + gated residual and 30 SwiGLU sites. Not fused yet (issue 14): the QK RMSNorms and the complex rotary
+embedding of ``Lumina2AttnProcessor2_0``.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.attention import LuminaFeedForward
+from diffusers.models.normalization import LuminaRMSNormZero
+from diffusers.models.transformers.transformer_lumina2 import Lumina2Transformer2DModel, Lumina2TransformerBlock
+
+from .._state import PatchState, register_adapter
+from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
+
+# Created at import, so that a pickled patched model finds them here by name.
+FastpathLuminaRMSNormZero, _NORM_ZERO = fused_subclass(LuminaRMSNormZero, "FastpathLuminaRMSNormZero", __name__,
+                                                       rms_norms=("norm",))
+FastpathLumina2TransformerBlock, _BLOCK = fused_subclass(Lumina2TransformerBlock, "FastpathLumina2TransformerBlock",
+                                                         __name__, rms_norms=("norm2", "ffn_norm1", "ffn_norm2"))
+FastpathLuminaFeedForward, _FEED_FORWARD = fused_subclass(LuminaFeedForward, "FastpathLuminaFeedForward", __name__,
+                                                          activations=("silu",))
+
+_SWAPS = {LuminaRMSNormZero: (FastpathLuminaRMSNormZero, _NORM_ZERO),
+          Lumina2TransformerBlock: (FastpathLumina2TransformerBlock, _BLOCK),
+          LuminaFeedForward: (FastpathLuminaFeedForward, _FEED_FORWARD)}
+
+
+@register_adapter(Lumina2Transformer2DModel)
+def patch_lumina2(model: Lumina2Transformer2DModel, state: PatchState) -> None:
+    """Swap Lumina2's modulated blocks, their ``LuminaRMSNormZero`` and every feed-forward for their chain-fused
+    subclasses (see module doc)."""
+    for module in model.modules():
+        if type(module) not in _SWAPS or (type(module) is Lumina2TransformerBlock and not module.modulation):
+            continue
+        fused, found = _SWAPS[type(module)]
+        if fused is None:
+            warn_nothing_to_fuse(type(module))
+            continue
+        state.swap_class(module, fused)
+        add_chain_sites(state, module, found)

@@ -1,0 +1,113 @@
+"""Lumina2 (``Lumina2Transformer2DModel``, Lumina-Image 2.0) through the shared pieces: on CPU exactness (captions
+of different lengths in one batch), the fused paths' wiring (kernels emulated), the unmodulated context refiner left
+alone, reversibility, pickling, compilation; on the GPU the published config at 1024x1024."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.attention import LuminaFeedForward
+from diffusers.models.normalization import LuminaRMSNormZero
+from diffusers.models.transformers.transformer_lumina2 import Lumina2TransformerBlock
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import lumina2
+from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
+                                        build_lumina2_transformer, lumina2_transformer_inputs, patch_round_trip)
+
+
+def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
+    """Per modulated block two RMSNorm + scale (``norm1``'s inside ``LuminaRMSNormZero``, the FFN input) and two
+    RMSNorm + gated residual (the branch outputs); one SwiGLU per block, the context refiner's too."""
+    return {"rmsnorm_scale": 2 * modulated_blocks, "rmsnorm_gated_residual": 2 * modulated_blocks,
+            "silu_mul": modulated_blocks + context_refiner_blocks}
+
+
+def test_lumina2_is_supported_and_only_its_modulated_blocks_are_swapped(unpatch_after):
+    assert "Lumina2Transformer2DModel" in fp.supported_classes()
+    assert lumina2._NORM_ZERO.rms_scales == ["norm"]
+    assert lumina2._BLOCK.rms_scales == ["ffn_norm1"] and lumina2._BLOCK.rms_gated == ["norm2", "ffn_norm2"]
+    assert lumina2._FEED_FORWARD.silu_mul
+    model = build_lumina2_transformer(seed=1)
+    fp.patch(model)
+    unpatch_after(model)
+    modulated = [*model.layers, *model.noise_refiner]
+    assert all(type(b) is lumina2.FastpathLumina2TransformerBlock for b in modulated)
+    assert all(type(b.norm1) is lumina2.FastpathLuminaRMSNormZero for b in modulated)
+    assert all(type(b) is Lumina2TransformerBlock for b in model.context_refiner)
+    assert all(type(b.feed_forward) is lumina2.FastpathLuminaFeedForward for b in [*modulated, *model.context_refiner])
+    fp.unpatch(model)
+    assert not any(type(m).__name__.startswith("Fastpath") for m in model.modules())
+    assert all(type(b.norm1) is LuminaRMSNormZero and type(b.feed_forward) is LuminaFeedForward for b in modulated)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_patched_matches_unpatched_bitwise(dtype, batch):
+    assert_patched_equals_unpatched(build_lumina2_transformer, lumina2_transformer_inputs, sites(3, 1), dtype, seed=2,
+                                    batch=batch, grid=(8, 6), txt_tokens=9)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
+    model = build_lumina2_transformer(seed=4)
+    assert_patched_step_exact_and_fused(model, lumina2_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), {})
+
+
+def test_a_hooked_or_replaced_norm_runs_as_written(emulated_kernels, unpatch_after):
+    """The rewritten forwards take a norm only where it is diffusers' RMSNorm without hooks: a hook on one (a LoRA
+    or offloading wrapper's) makes that site run the expression as written, still exact."""
+    model = build_lumina2_transformer(seed=6)
+    inputs = lumina2_transformer_inputs(model, seed=7)
+    seen = []
+    model.layers[0].ffn_norm2.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    with torch.no_grad():
+        ref = model(**inputs).sample
+    fp.patch(model)
+    unpatch_after(model)
+    with torch.no_grad():
+        got = model(**inputs).sample
+    assert torch.equal(got, ref) and len(seen) == 2  # the hook ran in both forwards
+    site = model.layers[0].ffn_norm2._fastpath_site_rmsnorm_gated_residual
+    assert site.fast == 0 and not site.fallback  # the site was not entered: the expression ran as written
+    assert model.layers[1].ffn_norm2._fastpath_site_rmsnorm_gated_residual.fast == 1
+
+
+def test_unpatch_pickle_and_state_dict():
+    model = build_lumina2_transformer(seed=8)
+    with patch_round_trip(model, lumina2_transformer_inputs(model, seed=9)):
+        assert type(model.layers[0]) is lumina2.FastpathLumina2TransformerBlock
+    assert type(model.layers[0]) is Lumina2TransformerBlock
+
+
+def test_compiles_exactly_and_each_patched_block_without_a_graph_break(unpatch_after):
+    """diffusers' Lumina2 forward itself breaks the graph (its sequence lengths are read from the mask), so the
+    model compiles in pieces; each patched block (its norm, gated residuals and SwiGLU) traces as one graph."""
+    model = build_lumina2_transformer(seed=10)
+    inputs = lumina2_transformer_inputs(model, batch=2, seed=11)
+    calls = []
+    handle = model.layers[0].register_forward_pre_hook(lambda m, a, kw: calls.append((a, kw)), with_kwargs=True)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        handle.remove()
+        (args, kwargs), block = calls[0], model.layers[0]
+        block_ref = block(*args, **kwargs)
+        fp.patch(model)
+        unpatch_after(model)
+        assert type(block) is lumina2.FastpathLumina2TransformerBlock
+        assert torch.equal(torch.compile(block, fullgraph=True, backend="aot_eager")(*args, **kwargs), block_ref)
+        assert torch.equal(torch.compile(model, backend="aot_eager")(**inputs).sample, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_lumina2_one_step_1024_is_bitwise_identical_and_fused():
+    """Lumina-Image 2.0's config (2.6B, 5 GiB of bf16 weights), 1024x1024 (a 128x128 latent, 4,096 image tokens), a
+    batch of two prompts of different lengths (a CFG pair's shape): bit-identical, every site fused."""
+    model = build_lumina2_transformer("lumina2", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = lumina2_transformer_inputs(model, batch=2, grid=(128, 128), txt_tokens=256, seed=12)
+        assert_patched_step_exact_and_fused(model, inputs, sites(28, 2), {})
+    finally:
+        del model
+        torch.cuda.empty_cache()
