@@ -25,6 +25,8 @@ CASES = {
                                  "multiple of 8"),
     "gated-residual-gate-shape": ("_gated_residual_cuda", [(1, 65, 64), (1, 2, 64), (1, 65, 64)], "got [1, 2, 64]"),
     "gelu-cat-seq-mismatch": ("_gelu_cat_cuda", [(1, 65, 64), (1, 64, 256)], "got [1, 65, 64] and [1, 64, 256]"),
+    "rmsnorm-scale-odd-width": ("_rmsnorm_scale_cuda", [(1, 65, 4100), (4100,), (1, 65, 4100), 1e-6],
+                                "multiple of 128"),
     "rotary-3d-x": ("_rotary_emb_cuda", [(1, 65, 64), "f32:65,64", "f32:65,64"], "got [1, 65, 64]"),
 }
 
