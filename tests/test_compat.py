@@ -23,28 +23,45 @@ from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV, REASON_NO_KE
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,
     build_flux_transformer,
+    build_lumina2_transformer,
+    build_zimage_transformer,
     ernie_image_inputs,
     flux_transformer_inputs,
+    lumina2_transformer_inputs,
     prompt_embeddings,
     tiny_flux_pipeline,
+    zimage_transformer_inputs,
 )
 
+# family -> (build, make_inputs, the input the training cell differentiates through)
 FAMILIES = {
-    "flux": (lambda dtype, seed: build_flux_transformer("flux-tiny", dtype, seed=seed), flux_transformer_inputs),
-    "ernie": (lambda dtype, seed: build_ernie_image_transformer(dtype=dtype, seed=seed), ernie_image_inputs),
+    "flux": (lambda dtype, seed: build_flux_transformer("flux-tiny", dtype, seed=seed), flux_transformer_inputs,
+             "hidden_states"),
+    "ernie": (lambda dtype, seed: build_ernie_image_transformer(dtype=dtype, seed=seed), ernie_image_inputs,
+              "hidden_states"),
+    # the sandwich-norm families (their rewritten blocks, the RMSNorm + scale / gated residual sites)
+    "zimage": (lambda dtype, seed: build_zimage_transformer(dtype=dtype, seed=seed), zimage_transformer_inputs, "x"),
+    "lumina2": (lambda dtype, seed: build_lumina2_transformer(dtype=dtype, seed=seed), lumina2_transformer_inputs,
+                "hidden_states"),
 }
+
+
+def _tensors(x, fn):
+    """`fn` applied to a tensor, or to each tensor of a list (Z-Image takes and returns one latent per sample)."""
+    return [fn(t) for t in x] if isinstance(x, list) else fn(x)
 
 
 def twins(family: str, dtype=torch.bfloat16, seed=0):
     """Two identical models (the reference stays unpatched) and fresh random inputs for them."""
-    build, make_inputs = FAMILIES[family]
+    build, make_inputs, _ = FAMILIES[family]
     ref, model = build(dtype, seed), build(dtype, seed)
     return ref, model, make_inputs(model, seed=seed + 100)
 
 
 def out(model, inputs, **kwargs):
     with torch.no_grad():
-        return model(**inputs, **kwargs).sample
+        sample = model(**inputs, **kwargs).sample
+    return torch.stack(sample) if isinstance(sample, list) else sample
 
 
 def _batch_inputs(family, model, seed, **kwargs):
@@ -66,6 +83,7 @@ def test_inference_mode(family, inputs_made, unpatch_after):
             if inputs_made == "inside":
                 inputs = _batch_inputs(family, model, seed=7)
             got, ref = model(**inputs).sample, ref_model(**inputs).sample
+            got, ref = (torch.stack(t) if isinstance(t, list) else t for t in (got, ref))
         assert torch.equal(got, ref)
 
 
@@ -93,10 +111,13 @@ def test_training_outputs_and_every_gradient(family, checkpointing, dtype, unpat
         m.train()
         if checkpointing:
             m.enable_gradient_checkpointing()
-        latents = inputs["hidden_states"].clone().requires_grad_()
-        sample = m(**{**inputs, "hidden_states": latents}).sample
+        key = FAMILIES[family][2]
+        latents = _tensors(inputs[key], lambda t: t.clone().requires_grad_())
+        sample = m(**{**inputs, key: latents}).sample
+        sample = torch.stack(sample) if isinstance(sample, list) else sample
         sample.float().square().mean().backward()
-        return sample.detach(), latents.grad, {n: p.grad for n, p in m.named_parameters()}
+        grad = torch.stack(_tensors(latents, lambda t: t.grad)) if isinstance(latents, list) else latents.grad
+        return sample.detach(), grad, {n: p.grad for n, p in m.named_parameters()}
 
     (ref, ref_input_grad, ref_grads), (got, input_grad, grads) = step(ref_model), step(model)
     assert torch.equal(got, ref) and torch.equal(input_grad, ref_input_grad)
@@ -138,8 +159,8 @@ def test_to_dtype_after_patch(family, unpatch_after):
     unpatch_after(model)
     model.to(torch.float16)
     ref_model.to(torch.float16)
-    inputs = {k: v.to(torch.float16) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v
-              for k, v in inputs.items()}
+    half = lambda t: t.to(torch.float16) if t.is_floating_point() else t  # noqa: E731
+    inputs = {k: _tensors(v, half) if k not in ("img_ids", "txt_ids") else v for k, v in inputs.items()}
     assert torch.equal(out(model, inputs), out(ref_model, inputs))
 
 
@@ -425,9 +446,13 @@ def test_attention_backend_set_while_patched(family, backend, unpatch_after):
     for m in (model, ref_model):
         m.set_attention_backend(backend)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    assert processors and all(type(p).__module__.startswith("diffusers_fastpath") for p in processors)
+    fused = [p for p in processors if type(p).__module__.startswith("diffusers_fastpath")]
+    # FLUX and ERNIE-Image run fused processors everywhere; Z-Image and Lumina2 keep diffusers' (none fused yet)
+    assert processors and len(fused) == (len(processors) if family in ("flux", "ernie") else 0)
+    dispatching = [p for p in processors if hasattr(p, "_attention_backend")]  # Lumina2's calls SDPA itself
+    assert dispatching or family == "lumina2"
     assert all(str(p._attention_backend) in (backend, f"AttentionBackendName.{backend.upper().lstrip('_')}")
-               or getattr(p._attention_backend, "value", None) == backend for p in processors)
+               or getattr(p._attention_backend, "value", None) == backend for p in dispatching)
     assert torch.equal(out(model, inputs), out(ref_model, inputs))
 
 
