@@ -494,6 +494,57 @@ def hunyuan_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+# HunyuanVideo-1.5 480p (https://huggingface.co/hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v: the
+# class defaults, 54 dual-stream blocks of 16 x 128; target_size and task_type change no compute); a tiny config with
+# the same layout
+HUNYUAN_VIDEO15_CONFIG = dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
+                              num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
+                              qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,
+                              rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+TINY_HUNYUAN_VIDEO15_CONFIG = dict(HUNYUAN_VIDEO15_CONFIG, in_channels=9, out_channels=4, num_attention_heads=2,
+                                   attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32,
+                                   text_embed_2_dim=24, image_embed_dim=16, rope_axes_dim=(4, 6, 6))
+HUNYUAN_VIDEO15_CONFIGS = {"hunyuanvideo-1.5": HUNYUAN_VIDEO15_CONFIG, "hunyuanvideo-1.5-tiny": TINY_HUNYUAN_VIDEO15_CONFIG}
+
+
+def build_hunyuan_video15_transformer(config="hunyuanvideo-1.5-tiny", dtype=torch.bfloat16, device="cpu", seed=0,
+                                      **overrides):
+    """A ``HunyuanVideo15Transformer3DModel`` from a named config (``"hunyuanvideo-1.5"``, ``"hunyuanvideo-1.5-tiny"``)
+    or a dict, random weights."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return _random_model(HunyuanVideo15Transformer3DModel, HUNYUAN_VIDEO15_CONFIGS, config, dtype, device, seed,
+                         overrides)
+
+
+def hunyuan_video15_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None, frames=2,
+                                       valid=None, txt2_tokens=4, image_tokens=5):
+    """Fresh random inputs as ``HunyuanVideo15Pipeline`` (text to video) passes them: latents ``[B, C, F, H, W]`` on a
+    ``grid`` (the 16x latent) of ``frames`` latent frames, the noise channels random and the image-condition channels
+    zero; Qwen2.5-VL text states of which the first ``valid`` tokens are real (the rest masked; the second prompt
+    three shorter), ByT5 glyph states all masked (no quoted text), zero image embeddings; the timestep in [0, 1000)."""
+    device = device or next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    noise = torch.randn(batch, cfg.out_channels, frames, *grid, generator=gen)
+    cond = torch.zeros(batch, cfg.in_channels - cfg.out_channels, frames, *grid)
+    valid = txt_tokens if valid is None else valid
+    mask = torch.zeros(batch, txt_tokens, dtype=torch.long)
+    for i in range(batch):
+        mask[i, :max(1, valid - 3 * i)] = 1
+    inputs = dict(
+        hidden_states=torch.cat([noise, cond], dim=1).to(dtype),
+        timestep=(torch.rand(batch, generator=gen) * 1000).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.text_embed_dim, generator=gen).to(dtype),
+        encoder_attention_mask=mask,
+        encoder_hidden_states_2=torch.zeros(batch, txt2_tokens, cfg.text_embed_2_dim).to(dtype),
+        encoder_attention_mask_2=torch.zeros(batch, txt2_tokens, dtype=torch.long),
+        image_embeds=torch.zeros(batch, image_tokens, cfg.image_embed_dim).to(dtype),
+    )
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 # https://huggingface.co/Tongyi-MAI/Z-Image-Turbo/blob/main/transformer/config.json (the class defaults); a tiny config
 # with the same layout
 Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,

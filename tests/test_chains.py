@@ -294,6 +294,76 @@ def test_qk_norms_read_elsewhere_are_left_as_written():
     assert "norm_later" not in inspect.getsource(sub.__call__)
 
 
+class LateTextProcessor:
+    """HunyuanVideo-1.5's order in miniature: the image q/k normalised and rotated first, the text q/k projected and
+    normalised only after the rotary embedding (inside a later block), then the joint concatenation."""
+
+    def __call__(self, attn, hidden_states, text, image_rotary_emb=None):
+        query = attn.norm_q(attn.to_q(hidden_states).unflatten(-1, (-1, attn.head)))
+        key = attn.to_k(hidden_states).unflatten(-1, (-1, attn.head))
+        key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        if text is not None:
+            encoder_query = attn.add_q(text).unflatten(-1, (-1, attn.head))
+            encoder_key = attn.add_k(text).unflatten(-1, (-1, attn.head))
+            encoder_query = attn.norm_added_q(encoder_query)
+            encoder_key = attn.norm_added_k(encoder_key)
+            query = torch.cat([query, encoder_query], dim=1)
+            key = torch.cat([key, encoder_key], dim=1)
+        return query, key
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["rotary", "no-rotary"])
+def test_qk_norms_after_the_rotary_run_as_written(tables, emulated_kernels):
+    """Only norms before the last rotary statement wait for it: one written after it (the text q and k here) is
+    never deferred, nor made a tensor before it is even assigned."""
+    sub, found = _chains.fused_subclass(LateTextProcessor, "FusedLateTextProcessor", __name__, "__call__")
+    assert found.rotary == 2 and found.qk_norms == ["norm_k"]
+    source = inspect.getsource(sub.__call__)
+    assert "norm_later(attn.norm_added_q" not in source and "materialize(encoder_query)" not in source
+    attn = QKAttention().to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb, attn._fastpath_site_qk_norm_rope = Site("rotary_emb"), Site("qk_norm_rope")
+    gen = torch.Generator().manual_seed(4)
+    x, text = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16), torch.randn(2, 3, 16, generator=gen).to(torch.bfloat16)
+    freqs = (torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)) if tables else None
+    with torch.no_grad():
+        got, ref = sub()(attn, x, text, freqs), LateTextProcessor()(attn, x, text, freqs)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+class MaskBlock(torch.nn.Module):
+    """Hunyuan's pairwise attention mask, and two near misses: a mask whose repeat is read again, and one whose
+    transpose is of other dimensions."""
+
+    def forward(self, attention_mask, seq_len):
+        batch_size = attention_mask.shape[0]
+        mask_1 = attention_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        mask_2 = mask_1.transpose(2, 3)
+        mask = (mask_1 & mask_2).bool()
+        kept_1 = attention_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        kept_2 = kept_1.transpose(2, 3)
+        kept = (kept_1 & kept_2).bool()
+        other_1 = attention_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        other_2 = other_1.transpose(1, 3)
+        other = (other_1 & other_2).bool()
+        return mask, kept, kept_1.sum(), other
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long], ids=str)
+def test_the_pairwise_mask_is_built_by_broadcasting_with_the_same_bits_and_layout(dtype):
+    sub, found = _chains.fused_subclass(MaskBlock, "FusedMaskBlock", __name__)
+    assert found.pairwise_masks == 1
+    source = inspect.getsource(sub.forward)
+    assert source.count("pairwise_mask(") == 1 and "mask_2" not in source and "kept_2 = kept_1.transpose(2, 3)" in source
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.randint(0, 3, (3, 11), generator=gen).to(dtype)  # long: 2 & 1 is 0, so the AND must be bitwise
+    got, ref = sub()(mask, 11), MaskBlock()(mask, 11)
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
+
+
 def test_operands_that_are_not_tensors_run_the_original_expression():
     ns = _chains._ChainsNamespace
     assert ns.gated_residual(1, 2, 3, None) == 7

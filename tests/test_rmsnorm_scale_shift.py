@@ -29,16 +29,23 @@ ERNIE_SHAPES = [(4216, 1, 4096), (1140, 2, 4096), (128, 1, 2048)]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
+def random_norm(dim, eps, dtype, device, seed):
+    """A draw of fresh random tensors (``rnd(*shape, std=...)``) and a diffusers RMSNorm whose weights are around 1,
+    not ones (every product is exercised), from one generator."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device=device) * std).to(dtype)  # noqa: E731
+    norm = RMSNorm(dim, eps=eps).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + rnd(dim, std=0.1))
+    norm.weight.requires_grad_(False)
+    return rnd, norm
+
+
 def make_inputs(shape, dtype, device, seed):
     """x, scale, shift and gate laid out as the block has them, and the attention output permuted back from
     [batch, seq, dim] (strided for batch > 1), with a random-weight RMSNorm."""
     seq, batch, dim = shape
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device=device) * std).to(dtype)  # noqa: E731
-    norm = RMSNorm(dim, eps=1e-6).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        norm.weight.copy_(1 + rnd(dim, std=0.1))
-    norm.weight.requires_grad_(False)
+    rnd, norm = random_norm(dim, 1e-6, dtype, device, seed)
     x = rnd(seq, batch, dim, std=3.0)
     rows = lambda: rnd(1, batch, dim).expand(seq, -1, -1).contiguous()  # noqa: E731  (the model's expanded rows)
     scale, shift, gate = rows(), rows(), rows()
@@ -208,12 +215,7 @@ def make_sandwich_inputs(shape, dtype, device, seed, per_token=False):
     """x (the norm input), residual, and scale/gate rows ``[batch, 1, dim]`` (or full per-token ``[batch, seq, dim]``,
     Z-Image's omni mode), with a random-weight RMSNorm (weights around 1, not ones: every product is exercised)."""
     batch, seq, dim = shape
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *s, std=1.0: (torch.randn(*s, generator=gen, device=device) * std).to(dtype)  # noqa: E731
-    norm = RMSNorm(dim, eps=1e-5).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        norm.weight.copy_(1 + rnd(dim, std=0.1))
-    norm.weight.requires_grad_(False)
+    rnd, norm = random_norm(dim, 1e-5, dtype, device, seed)
     rows = (batch, seq if per_token else 1, dim)
     x, residual = rnd(batch, seq, dim, std=3.0), rnd(batch, seq, dim)
     scale, gate = 1 + rnd(*rows, std=0.3), rnd(*rows, std=0.5).tanh()

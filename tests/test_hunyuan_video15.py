@@ -1,0 +1,96 @@
+"""HunyuanVideo-1.5 (``HunyuanVideo15Transformer3DModel``) through the shared pieces: on CPU exactness (prompts of
+different lengths, several latent frames), the fused paths' wiring (kernels emulated), the pairwise attention mask
+built by broadcasting, reversibility, pickling; on the GPU the 480p config at 848x480x33."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.transformers import transformer_hunyuan_video15 as video15
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import _chains, hunyuan
+from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
+                                        build_hunyuan_video15_transformer, hunyuan_video15_transformer_inputs,
+                                        patch_round_trip)
+
+CALLS = {"rotary_emb": 2}  # q and k of each block's attention per forward
+
+
+def sites(blocks: int, refiner: int) -> dict[str, int]:
+    """Per dual-stream block norm1, norm1_context, norm2, norm2_context and four gates; two gates per refiner block;
+    one rotary site per block's attention."""
+    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks + 2 * refiner, "rotary_emb": blocks}
+
+
+def test_supported_and_what_is_rewritten():
+    assert "HunyuanVideo15Transformer3DModel" in fp.supported_classes()
+    processor = hunyuan._PROCESSORS[video15.HunyuanVideo15AttnProcessor2_0][1]
+    assert processor.rotary == 2 and processor.pairwise_masks == 1
+    refiner = hunyuan._VIDEO15_BLOCKS[video15.HunyuanVideo15IndividualTokenRefiner][1]
+    assert refiner.pairwise_masks == 1 and not refiner.gates
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_patched_matches_unpatched_bitwise(dtype, batch):
+    assert_patched_equals_unpatched(build_hunyuan_video15_transformer, hunyuan_video15_transformer_inputs,
+                                    sites(2, 1), dtype, seed=2, batch=batch, grid=(4, 6), txt_tokens=9, valid=6,
+                                    frames=2)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
+    model = build_hunyuan_video15_transformer(seed=3)
+    inputs = hunyuan_video15_transformer_inputs(model, batch=batch, seed=4, frames=3, valid=5)
+    assert_patched_step_exact_and_fused(model, inputs, sites(2, 1), CALLS)
+
+
+def test_the_pairwise_masks_are_built_by_broadcasting(monkeypatch, unpatch_after):
+    """The processor's and the refiner's masks go through `pairwise_mask` (one per attention and one for the
+    refiner per forward), and the patched forward stays bit-identical."""
+    built = []
+    real = _chains._ChainsNamespace.pairwise_mask
+
+    def spy(mask, batch, seq):
+        out = real(mask, batch, seq)
+        built.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(_chains._ChainsNamespace, "pairwise_mask", staticmethod(spy))
+    model = build_hunyuan_video15_transformer(seed=5)
+    inputs = hunyuan_video15_transformer_inputs(model, batch=2, seed=6, txt_tokens=7, valid=4)
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        fp.patch(model)
+        unpatch_after(model)
+        got = model(**inputs).sample
+    assert torch.equal(got, ref)
+    image_tokens, text_tokens = 2 * 4 * 4, 7 + 4 + 5  # frames x grid; Qwen text + ByT5 + image embeddings
+    assert built == [(2, 1, 7, 7)] + [(2, 1, image_tokens + text_tokens, image_tokens + text_tokens)] * 2
+
+
+def test_unpatch_pickle_and_state_dict():
+    model = build_hunyuan_video15_transformer(seed=7)
+    with patch_round_trip(model, hunyuan_video15_transformer_inputs(model, seed=8)):
+        assert all(type(b).__module__ == hunyuan.__name__ for b in model.transformer_blocks)
+        assert all(type(b.attn.processor).__module__ == hunyuan.__name__ for b in model.transformer_blocks)
+        assert type(model.x_embedder) is hunyuan.FastpathHunyuanVideo15PatchEmbed
+    assert type(model.x_embedder) is video15.HunyuanVideo15PatchEmbed
+    assert all(type(b) is video15.HunyuanVideo15TransformerBlock for b in model.transformer_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_hunyuan_video15_480p_one_step_is_bitwise_identical_and_fused():
+    """HunyuanVideo-1.5 480p (8.3B, 16 GiB of bf16 weights) at 848x480x33 (9 latent frames of 30x53: 14,310 image
+    tokens; 1,000 Qwen text tokens of which 256 real, 256 masked ByT5, 729 zero image tokens): bit-identical, every
+    site fast."""
+    model = build_hunyuan_video15_transformer("hunyuanvideo-1.5", torch.bfloat16, "cuda", seed=0)
+    try:
+        inputs = hunyuan_video15_transformer_inputs(model, grid=(30, 53), frames=9, txt_tokens=1000, valid=256,
+                                                    txt2_tokens=256, image_tokens=729, seed=9)
+        assert_patched_step_exact_and_fused(model, inputs, sites(54, 2), CALLS)
+    finally:
+        del model
+        torch.cuda.empty_cache()
