@@ -12,7 +12,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-from diffusers_fastpath.models import _chains, flux
+from diffusers_fastpath.models import _chain_calls, _chains, flux
 from diffusers_fastpath.ops import Site
 
 
@@ -365,7 +365,7 @@ def test_the_pairwise_mask_is_built_by_broadcasting_with_the_same_bits_and_layou
 
 
 def test_operands_that_are_not_tensors_run_the_original_expression():
-    ns = _chains._ChainsNamespace
+    ns = _chain_calls._ChainsNamespace
     assert ns.gated_residual(1, 2, 3, None) == 7
     norm = torch.nn.Identity()  # not a LayerNorm: the module runs as written
     x, s = torch.ones(2, 3, 4), torch.full((2, 4), 0.5)

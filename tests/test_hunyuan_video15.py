@@ -9,7 +9,7 @@ import torch
 from diffusers.models.transformers import transformer_hunyuan_video15 as video15
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.models import _chains, hunyuan
+from diffusers_fastpath.models import _chain_calls, hunyuan
 from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
                                         build_hunyuan_video15_transformer, hunyuan_video15_transformer_inputs,
                                         patch_round_trip)
@@ -50,14 +50,14 @@ def test_the_pairwise_masks_are_built_by_broadcasting(monkeypatch, unpatch_after
     """The processor's and the refiner's masks go through `pairwise_mask` (one per attention and one for the
     refiner per forward), and the patched forward stays bit-identical."""
     built = []
-    real = _chains._ChainsNamespace.pairwise_mask
+    real = _chain_calls._ChainsNamespace.pairwise_mask
 
     def spy(mask, batch, seq):
         out = real(mask, batch, seq)
         built.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(_chains._ChainsNamespace, "pairwise_mask", staticmethod(spy))
+    monkeypatch.setattr(_chain_calls._ChainsNamespace, "pairwise_mask", staticmethod(spy))
     model = build_hunyuan_video15_transformer(seed=5)
     inputs = hunyuan_video15_transformer_inputs(model, batch=2, seed=6, txt_tokens=7, valid=4)
     with torch.no_grad():

@@ -118,6 +118,10 @@ any input it does not take (another dtype, autograd, a layout, a norm that is no
 expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
 is the original's.
 
+The module is in three parts: this one (the rewriter: which statements a forward has, what replaces them, the
+subclasses and their sites), `_chain_syntax` (what each pattern's statements look like, as AST) and `_chain_calls`
+(what the rewritten forwards call at run time).
+
 The generated source is registered with `linecache`, so tracebacks and ``inspect.getsource`` show the rewritten
 lines; the subclasses are created when the adapter module is imported, so pickles of patched models find them by
 name.
@@ -127,27 +131,24 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib
-import importlib.util
 import inspect
 import linecache
 import sys
 import textwrap
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn.functional as F
-from diffusers.models import embeddings
-from diffusers.models.activations import FP32SiLU
 from diffusers.models.normalization import RMSNorm
 from torch import nn
 
 from .._logging import warn_once
-from .._state import PatchState, site_attr
-from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
-                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_scale, rotary_emb, silu_mul)
-from ..quality import LAYER_NORM_AFFINE, hooked, layer_norm_unfit, mark_site
+from .._state import PatchState
+from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
+from ._chain_calls import _ChainsNamespace
+from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_dim2, _diffusers_rotary,
+                            _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _pairwise_mask_of,
+                            _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
+                            _site_of, _unsqueezed, _uses)
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 MODULATE_FP32 = "layernorm_scale_shift_fp32"  # Wan's: an fp32 LayerNorm and modulate of the upcast stream
@@ -161,20 +162,7 @@ GELU_CAT = "gelu_cat"
 SILU_MUL = "silu_mul"
 RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
 RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
-_SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
-_NS = "_diffusers_fastpath_chains"  # the name this module goes by in the rewritten forwards' module globals
-
-
-def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
-    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of an adaLN site, as the fused
-    `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts); where
-    the ``"high"`` tier is mounted on `norm`, the modulate folded into the LayerNorm's affine (B == 1, else
-    lossless)."""
-    tier = norm.__dict__.get("_fastpath_tier")
-    if tier is not None and tier.mounted:
-        return layer_norm_affine(norm, x, scale, shift, tier.counters)
-    return layernorm_scale_shift(norm, x, scale, shift, site)
 
 
 @dataclass
@@ -197,206 +185,6 @@ class Rewrite:
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks)
-
-
-def _call(func: str, args: list[ast.expr]) -> ast.Call:
-    return ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr=func, ctx=ast.Load()), args=args,
-                    keywords=[])
-
-
-def _self_attr(*names: str) -> ast.expr:
-    node: ast.expr = ast.Name("self", ast.Load())
-    for name in names:
-        node = ast.Attribute(value=node, attr=name, ctx=ast.Load())
-    return node
-
-
-def _site_of(owner: ast.expr, name: str | None = None) -> ast.expr:
-    """``getattr(owner, "_fastpath_site[_name]", None)``: the site, or no counting on a module that has none."""
-    return ast.Call(func=ast.Name("getattr", ast.Load()), args=[owner, ast.Constant(site_attr(name)),
-                                                               ast.Constant(None)], keywords=[])
-
-
-def _unsqueezed(node: ast.expr) -> bool:
-    """Whether `node` is ``g.unsqueeze(1)`` with ``g`` a name (a gate row broadcast over the sequence)."""
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "unsqueeze"
-            and isinstance(node.func.value, ast.Name) and len(node.args) == 1 and not node.keywords
-            and isinstance(node.args[0], ast.Constant) and node.args[0].value == 1)
-
-
-def _gate_name(gate: ast.expr) -> str | None:
-    """The site name of a gate expression: ``g.unsqueeze(1)`` or ``g`` gives ``g``."""
-    if isinstance(gate, ast.Name):
-        return gate.id
-    if _unsqueezed(gate):
-        return gate.func.value.id
-    return None
-
-
-def _is_none_row(node: ast.expr) -> ast.expr | None:
-    """``S`` if `node` is ``S[:, None]``."""
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 2:
-        first, second = node.slice.elts
-        if (isinstance(first, ast.Slice) and first.lower is None and first.upper is None and first.step is None
-                and isinstance(second, ast.Constant) and second.value is None):
-            return node.value
-    return None
-
-
-def _one_plus(node: ast.expr) -> ast.expr | None:
-    """``S`` if `node` is ``1 + S``."""
-    if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.Constant)
-            and type(node.left.value) is int and node.left.value == 1):
-        return node.right
-    return None
-
-
-def _modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr, bool] | None:
-    """``(N, S, T, rows)`` if `node` is ``N * (1 + S[:, None]) + T[:, None]`` (``rows`` False: ``S``, ``T`` are
-    ``[B, D]``), or ``N * (1 + S) + T`` / ``(1 + S) * N + T`` (``rows`` True: ``S``, ``T`` already broadcast as
-    ``[B, 1, D]``, checked per call)."""
-    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.BinOp)
-            and isinstance(node.left.op, ast.Mult)):
-        return None
-    product, shift = node.left, node.right
-    if (scale := _one_plus(product.right)) is not None:
-        normed = product.left
-    elif (scale := _one_plus(product.left)) is not None:
-        normed = product.right
-    else:
-        return None
-    scale_row, shift_row = _is_none_row(scale), _is_none_row(shift)
-    if scale_row is not None and shift_row is not None and normed is product.left:
-        return normed, scale_row, shift_row, False
-    if scale_row is None and shift_row is None:
-        return normed, scale, shift, True
-    return None
-
-
-def _float_of(node: ast.expr) -> ast.expr | None:
-    """``X`` if `node` is ``X.float()``."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float"
-            and not node.args and not node.keywords):
-        return node.func.value
-    return None
-
-
-def _type_as_of(node: ast.expr) -> tuple[ast.expr, str] | None:
-    """``(E, X)`` if `node` is ``E.type_as(X)`` with ``X`` a name (Wan's fp32 chains end so)."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "type_as"
-            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)):
-        return node.func.value, node.args[0].id
-    return None
-
-
-def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
-    """``(R, E, G)`` if `node` is ``(R.float() + E * G).type_as(R)`` or ``(R.float() + E.float() * G).type_as(R)``
-    with ``R`` a name (Wan's gated residuals)."""
-    cast = _type_as_of(node)
-    if cast is None:
-        return None
-    total, like = cast
-    if not (isinstance(total, ast.BinOp) and isinstance(total.op, ast.Add) and isinstance(total.right, ast.BinOp)
-            and isinstance(total.right.op, ast.Mult)):
-        return None
-    residual = _float_of(total.left)
-    if not (isinstance(residual, ast.Name) and residual.id == like):
-        return None
-    update = total.right.left
-    return residual, _float_of(update) or update, total.right.right
-
-
-def _fp32_modulate_of(node: ast.expr) -> tuple[str, ast.expr, ast.expr, ast.expr] | None:
-    """``(A, X, S, T)`` if `node` is ``(self.A(X.float()) * (1 + S) + T).type_as(X)`` with ``X`` a name (Wan)."""
-    cast = _type_as_of(node)
-    modulate = _modulate_of(cast[0]) if cast is not None else None
-    if modulate is None or not modulate[3]:
-        return None
-    called = _self_module_call(modulate[0])
-    if called is None:
-        return None
-    x = _float_of(called[1])
-    if not (isinstance(x, ast.Name) and x.id == cast[1]):
-        return None
-    return called[0], x, modulate[1], modulate[2]
-
-
-def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
-    """``(A, X)`` if `node` is ``self.A(X)``."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self" and len(node.args) == 1 and not node.keywords
-            and not isinstance(node.args[0], ast.Starred)):
-        return node.func.attr, node.args[0]
-    return None
-
-
-def _single_target(stmt: ast.stmt) -> str | None:
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-        return stmt.targets[0].id
-    return None
-
-
-def _reads_after(body_after: list[ast.stmt], name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
-               for stmt in body_after for n in ast.walk(stmt))
-
-
-def gelu_cat_unfit(act: nn.Module) -> str | None:
-    """Why a block's MLP activation cannot run inside `gelu_cat`, or ``None``."""
-    if type(act) is not nn.GELU or act.approximate != "tanh":
-        return "act_mlp is not torch.nn.GELU(approximate='tanh')"
-    if hooked(act):
-        return "act_mlp has hooks"
-    return None
-
-
-def _act_of_proj(node: ast.expr) -> tuple[str, ast.expr] | None:
-    """``(ACT, self.PROJ(X))`` if `node` is ``self.ACT(self.PROJ(X))``."""
-    outer = _self_module_call(node)
-    if outer is not None and _self_module_call(outer[1]) is not None:
-        return outer
-    return None
-
-
-def _cat_dim2(node: ast.expr) -> tuple[ast.expr, str] | None:
-    """``(A, M)`` if `node` is ``torch.cat([A, M], dim=2)`` with ``M`` a name."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
-            and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
-            and isinstance(node.args[0].elts[1], ast.Name) and len(node.keywords) == 1
-            and node.keywords[0].arg == "dim" and isinstance(node.keywords[0].value, ast.Constant)
-            and node.keywords[0].value.value == 2):
-        return None
-    return node.args[0].elts[0], node.args[0].elts[1].id
-
-
-def _cat_dim1_names(node: ast.expr) -> tuple[str, str] | None:
-    """``(A, B)`` if `node` is ``torch.cat([A, B], dim=1)`` with two names."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
-            and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
-            and all(isinstance(e, ast.Name) for e in node.args[0].elts) and len(node.keywords) == 1
-            and node.keywords[0].arg == "dim" and isinstance(node.keywords[0].value, ast.Constant)
-            and node.keywords[0].value.value == 1):
-        return node.args[0].elts[0].id, node.args[0].elts[1].id
-    return None
-
-
-def _ns_call(node: ast.AST, name: str | None = None) -> bool:
-    """Whether `node` is a call of this module's namespace (``_diffusers_fastpath_chains.<name>(...)``)."""
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == _NS
-            and (name is None or node.func.attr == name))
-
-
-def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
-    """``(X, E)`` if `node` is ``apply_rotary_emb(X, E, sequence_dim=1)``."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "apply_rotary_emb"
-            and len(node.args) == 2 and not any(isinstance(a, ast.Starred) for a in node.args)
-            and len(node.keywords) == 1 and node.keywords[0].arg == "sequence_dim"
-            and isinstance(node.keywords[0].value, ast.Constant) and node.keywords[0].value.value == 1):
-        return node.args[0], node.args[1]
-    return None
 
 
 class _Rewriter:
@@ -717,107 +505,6 @@ class _Rewriter:
         return out
 
 
-def _method_call(node: ast.expr, name: str) -> tuple[ast.expr, list[ast.expr]] | None:
-    """``(X, args)`` if `node` is ``X.name(*args)`` with plain positional arguments."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
-            and not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args)):
-        return node.func.value, node.args
-    return None
-
-
-def _constants(args: list[ast.expr], *values) -> bool:
-    return len(args) == len(values) and all(
-        v is None or (isinstance(a, ast.Constant) and type(a.value) is int and a.value == v) for a, v in zip(args, values))
-
-
-def _pairwise_mask_of(three: list[ast.stmt], rest: list[ast.stmt]) -> ast.stmt | None:
-    """``X = pairwise_mask(A, B, S)`` for the three statements of the pairwise-mask form (module doc), or None."""
-    m1, m2, x = (_single_target(s) for s in three)
-    if m1 is None or m2 is None or x is None or len({m1, m2}) < 2:
-        return None
-    repeat = _method_call(three[0].value, "repeat")
-    view = _method_call(repeat[0], "view") if repeat is not None else None
-    if view is None or len(view[1]) != 4 or not _constants(view[1], None, 1, 1, None):
-        return None
-    (a, (batch, _, _, seq)), (_, reps) = view, repeat
-    if not (_constants(reps, 1, 1, None, 1) and ast.dump(reps[2]) == ast.dump(seq)):
-        return None
-    transpose = _method_call(three[1].value, "transpose")
-    if not (transpose and isinstance(transpose[0], ast.Name) and transpose[0].id == m1 and _constants(transpose[1], 2, 3)):
-        return None
-    cast = _method_call(three[2].value, "bool")
-    both = cast[0] if cast is not None and not cast[1] else None
-    if not (isinstance(both, ast.BinOp) and isinstance(both.op, ast.BitAnd) and isinstance(both.left, ast.Name)
-            and both.left.id == m1 and isinstance(both.right, ast.Name) and both.right.id == m2):
-        return None
-    if any(_uses(e, n) for e in (a, batch, seq) for n in (m1, m2)) or _reads_after(rest, m1) or _reads_after(rest, m2):
-        return None
-    return ast.copy_location(ast.Assign(targets=[ast.Name(x, ast.Store())], value=_call("pairwise_mask", [a, batch, seq])),
-                             three[2])
-
-
-class _PendingReads(ast.NodeVisitor):
-    """Walks statements in evaluation order, tracking the names bound to a pending norm (``norm_later`` or
-    ``cat_later``), and finds any read of one that is not in `allowed` (a binding inside a nested block keeps the
-    name pending: the block may not run)."""
-
-    def __init__(self, allowed: set[int]) -> None:
-        self.allowed, self.pending, self.depth, self.ok = allowed, set(), 0, True
-
-    def clean(self, stmts: list[ast.stmt]) -> bool:
-        for stmt in stmts:
-            self.visit(stmt)
-        return self.ok
-
-    def visit_Assign(self, node: ast.Assign) -> None:
-        self.visit(node.value)
-        target = _single_target(node)
-        if target is not None and (_ns_call(node.value, "norm_later") or _ns_call(node.value, "cat_later")):
-            self.pending.add(target)
-        elif self.depth == 0:
-            for t in node.targets:
-                self.pending -= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-
-    def _nested(self, node: ast.AST) -> None:
-        self.depth += 1
-        self.generic_visit(node)
-        self.depth -= 1
-
-    visit_If = visit_For = visit_While = visit_With = visit_Try = _nested
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if isinstance(node.ctx, ast.Load) and node.id in self.pending and id(node) not in self.allowed:
-            self.ok = False
-
-
-def _calls_inplace(node: ast.expr) -> bool:
-    """Whether `node` calls a method whose name ends in ``_`` (PyTorch's in-place convention)."""
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
-               and not n.func.attr.startswith("_") for n in ast.walk(node))
-
-
-def _uses(node: ast.expr, name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
-
-
-def _diffusers_rotary(fn, func: ast.FunctionDef) -> bool:
-    """Whether the name ``apply_rotary_emb`` in `fn` is diffusers' ``embeddings.apply_rotary_emb``: a module global,
-    or a ``from ..embeddings import apply_rotary_emb`` (or absolute) of its own that resolves to it."""
-    if fn.__globals__.get("apply_rotary_emb") is embeddings.apply_rotary_emb:
-        return True
-    for node in ast.walk(func):
-        if (isinstance(node, ast.ImportFrom) and node.module
-                and any(a.name == "apply_rotary_emb" and a.asname is None for a in node.names)):
-            package = fn.__module__.rsplit(".", 1)[0]
-            try:
-                name = importlib.util.resolve_name("." * node.level + node.module, package) if node.level else node.module
-                module = importlib.import_module(name)
-            except (ImportError, ValueError):
-                return False
-            return getattr(module, "apply_rotary_emb", None) is embeddings.apply_rotary_emb
-    return False
-
-
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
@@ -856,149 +543,6 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     new.__qualname__ = qualname
     new.__doc__ = fn.__doc__
     return new, rewriter.found
-
-
-class _NormLater:
-    """``norm(x)`` not yet run: what a rewritten processor hands from a QK norm to the concatenation and the rotary
-    embedding after it (the QK-norm form of the module doc). Only the namespace's calls ever see one."""
-
-    __slots__ = ("norm", "x")
-
-    def __init__(self, norm, x: torch.Tensor) -> None:
-        self.norm, self.x = norm, x
-
-
-class _CatLater:
-    """``torch.cat([norm_txt(x_txt), norm_img(x_img)], dim=1)`` not yet run (two `_NormLater`)."""
-
-    __slots__ = ("txt", "img")
-
-    def __init__(self, txt: _NormLater, img: _NormLater) -> None:
-        self.txt, self.img = txt, img
-
-
-def _materialize(x):
-    """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
-    if isinstance(x, _NormLater):
-        return x.norm(x.x)
-    if isinstance(x, _CatLater):
-        return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
-    return x
-
-
-class _ChainsNamespace:
-    """What the rewritten forwards call. A pattern is matched by its syntax alone, so an operand may turn out not to
-    be a tensor at run time: then the replaced expression runs as written."""
-
-    @staticmethod
-    def gated_residual(residual, gate, update, site):
-        if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
-            return residual + gate * update
-        return gated_residual(residual, gate, update, site)
-
-    @staticmethod
-    def gated_residual_fp32(residual, gate, update, site):
-        if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
-            return (residual.float() + update.float() * gate).type_as(residual)
-        return gated_residual_fp32(residual, gate, update, site)
-
-    @staticmethod
-    def norm_modulate_fp32(norm, x, scale, shift, site):
-        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
-                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
-            return layernorm_scale_shift_fp32(norm, x, scale[:, 0], shift[:, 0], site)  # per element the same
-        return (norm(x.float()) * (1 + scale) + shift).type_as(x)
-
-    @staticmethod
-    def norm_modulate(norm, x, scale, shift, site):
-        if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
-            return norm(x) * (1 + scale[:, None]) + shift[:, None]
-        return norm_modulate(norm, x, scale, shift, site)
-
-    @staticmethod
-    def modulate(x, scale, shift, site):
-        if not all(isinstance(t, torch.Tensor) for t in (x, scale, shift)):
-            return x * (1 + scale[:, None]) + shift[:, None]
-        return modulate_scale_shift(x, scale, shift, site)
-
-    @staticmethod
-    def norm_modulate_rows(norm, x, scale, shift, site):
-        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
-                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
-            return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
-        return norm(x) * (1 + scale) + shift
-
-    @staticmethod
-    def gelu_in_cat(act, site) -> bool:
-        if site is None:
-            return False
-        reason = gelu_cat_unfit(act)
-        if reason is not None:
-            site.fallback[reason] += 1
-        return reason is None
-
-    @staticmethod
-    def gelu_cat(attn, mlp, site):
-        return gelu_cat(attn, mlp, site)
-
-    @staticmethod
-    def rotary(x, freqs, site, qk_site=None):
-        tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
-                  and all(isinstance(t, torch.Tensor) for t in freqs))
-        if isinstance(x, (_NormLater, _CatLater)):
-            if tables:
-                txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
-                return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
-                                    site)
-            x = _materialize(x)
-        if not (isinstance(x, torch.Tensor) and tables):
-            return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
-        return rotary_emb(x, freqs[0], freqs[1], site)
-
-    @staticmethod
-    def silu_mul(act, x, y, site):
-        # act: the block's activation module (nn.SiLU, or diffusers' FP32SiLU: the op's proof covers both), or None for
-        # the functional F.silu (resolved at rewrite time)
-        if act is not None and (type(act) not in _SILUS or hooked(act)):
-            return act(x) * y
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-            return F.silu(x) * y
-        return silu_mul(x, y, site)
-
-    @staticmethod
-    def pairwise_mask(mask, batch, seq):
-        # mask.view(B, 1, 1, S).repeat(1, 1, S, 1) & (the same).transpose(2, 3), then .bool(): element [b, 0, i, j] is
-        # mask[b, j] & mask[b, i] either way; here the two operands are broadcast views, nothing is materialised or
-        # read transposed. The AND of the same values in the same dtype, the same contiguous [B, 1, S, S] result.
-        return (mask.view(batch, 1, 1, seq) & mask.view(batch, 1, seq, 1)).bool().contiguous()
-
-    @staticmethod
-    def rms_scale(norm, x, scale, site):
-        if not (type(norm) is RMSNorm and not hooked(norm) and isinstance(x, torch.Tensor)
-                and isinstance(scale, torch.Tensor)):
-            return norm(x) * scale
-        return rmsnorm_scale(norm, x, scale, site)
-
-    @staticmethod
-    def rms_gated_residual(norm, residual, gate, x, site):
-        if not (type(norm) is RMSNorm and not hooked(norm)
-                and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
-            return residual + gate * norm(x)
-        return rmsnorm_gated_residual(norm, residual, gate, x, site)
-
-    @staticmethod
-    def norm_later(norm, x):
-        # only a norm `qk_norm_rope` can run waits (another, e.g. diffusers' RMSNorm of Bria-FIBO's single blocks, runs
-        # here, as written, and the rotary embedding after it is the plain fused one)
-        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) is nn.RMSNorm else norm(x)
-
-    @staticmethod
-    def cat_later(a, b):
-        if isinstance(a, _NormLater) and isinstance(b, _NormLater):
-            return _CatLater(a, b)
-        return torch.cat([_materialize(a), _materialize(b)], dim=1)
-
-    materialize = staticmethod(_materialize)
 
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",

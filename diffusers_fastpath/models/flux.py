@@ -52,7 +52,7 @@ from diffusers.models.transformers.transformer_flux import (
 from ..ops import gated_residual, gelu_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
 from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
-from ._chains import gelu_cat_unfit, norm_modulate
+from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._mirror import mirrors
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel

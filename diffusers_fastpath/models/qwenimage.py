@@ -26,7 +26,8 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from torch import nn
 
 from .._state import PatchState, register_adapter, site_attr
-from ._chains import fused_subclass, norm_modulate, swap_rewritten
+from ._chain_calls import norm_modulate
+from ._chains import fused_subclass, swap_rewritten
 from ._mirror import mirrors, source_digest
 
 # sha256[:16] of diffusers 0.42.1's QwenImageTransformerBlock._modulate, whose index-free path `_modulate_norm`

@@ -1,0 +1,183 @@
+"""What the rewritten forwards call (`diffusers_fastpath.models._chains`): `_ChainsNamespace`, whose methods each
+run one fused op where its operands allow and otherwise the replaced expression as written, and the pending QK
+norms of the QK-norm form. Also used directly by the hand-written FLUX.1 mirrors (`norm_modulate`,
+`gelu_cat_unfit`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models import embeddings
+from diffusers.models.activations import FP32SiLU
+from diffusers.models.normalization import RMSNorm
+from torch import nn
+
+from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
+                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
+                   rmsnorm_scale, rotary_emb, silu_mul)
+from ..quality import hooked
+
+_SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
+
+
+def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
+    """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of an adaLN site, as the fused
+    `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts); where
+    the ``"high"`` tier is mounted on `norm`, the modulate folded into the LayerNorm's affine (B == 1, else
+    lossless)."""
+    tier = norm.__dict__.get("_fastpath_tier")
+    if tier is not None and tier.mounted:
+        return layer_norm_affine(norm, x, scale, shift, tier.counters)
+    return layernorm_scale_shift(norm, x, scale, shift, site)
+
+
+def gelu_cat_unfit(act: nn.Module) -> str | None:
+    """Why a block's MLP activation cannot run inside `gelu_cat`, or ``None``."""
+    if type(act) is not nn.GELU or act.approximate != "tanh":
+        return "act_mlp is not torch.nn.GELU(approximate='tanh')"
+    if hooked(act):
+        return "act_mlp has hooks"
+    return None
+
+
+class _NormLater:
+    """``norm(x)`` not yet run: what a rewritten processor hands from a QK norm to the concatenation and the rotary
+    embedding after it (the QK-norm form of the module doc). Only the namespace's calls ever see one."""
+
+    __slots__ = ("norm", "x")
+
+    def __init__(self, norm, x: torch.Tensor) -> None:
+        self.norm, self.x = norm, x
+
+
+class _CatLater:
+    """``torch.cat([norm_txt(x_txt), norm_img(x_img)], dim=1)`` not yet run (two `_NormLater`)."""
+
+    __slots__ = ("txt", "img")
+
+    def __init__(self, txt: _NormLater, img: _NormLater) -> None:
+        self.txt, self.img = txt, img
+
+
+def _materialize(x):
+    """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
+    if isinstance(x, _NormLater):
+        return x.norm(x.x)
+    if isinstance(x, _CatLater):
+        return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
+    return x
+
+
+class _ChainsNamespace:
+    """What the rewritten forwards call. A pattern is matched by its syntax alone, so an operand may turn out not to
+    be a tensor at run time: then the replaced expression runs as written."""
+
+    @staticmethod
+    def gated_residual(residual, gate, update, site):
+        if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
+            return residual + gate * update
+        return gated_residual(residual, gate, update, site)
+
+    @staticmethod
+    def gated_residual_fp32(residual, gate, update, site):
+        if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
+            return (residual.float() + update.float() * gate).type_as(residual)
+        return gated_residual_fp32(residual, gate, update, site)
+
+    @staticmethod
+    def norm_modulate_fp32(norm, x, scale, shift, site):
+        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
+            return layernorm_scale_shift_fp32(norm, x, scale[:, 0], shift[:, 0], site)  # per element the same
+        return (norm(x.float()) * (1 + scale) + shift).type_as(x)
+
+    @staticmethod
+    def norm_modulate(norm, x, scale, shift, site):
+        if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
+            return norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return norm_modulate(norm, x, scale, shift, site)
+
+    @staticmethod
+    def modulate(x, scale, shift, site):
+        if not all(isinstance(t, torch.Tensor) for t in (x, scale, shift)):
+            return x * (1 + scale[:, None]) + shift[:, None]
+        return modulate_scale_shift(x, scale, shift, site)
+
+    @staticmethod
+    def norm_modulate_rows(norm, x, scale, shift, site):
+        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
+            return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
+        return norm(x) * (1 + scale) + shift
+
+    @staticmethod
+    def gelu_in_cat(act, site) -> bool:
+        if site is None:
+            return False
+        reason = gelu_cat_unfit(act)
+        if reason is not None:
+            site.fallback[reason] += 1
+        return reason is None
+
+    @staticmethod
+    def gelu_cat(attn, mlp, site):
+        return gelu_cat(attn, mlp, site)
+
+    @staticmethod
+    def rotary(x, freqs, site, qk_site=None):
+        tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
+                  and all(isinstance(t, torch.Tensor) for t in freqs))
+        if isinstance(x, (_NormLater, _CatLater)):
+            if tables:
+                txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
+                return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
+                                    site)
+            x = _materialize(x)
+        if not (isinstance(x, torch.Tensor) and tables):
+            return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
+        return rotary_emb(x, freqs[0], freqs[1], site)
+
+    @staticmethod
+    def silu_mul(act, x, y, site):
+        # act: the block's activation module (nn.SiLU, or diffusers' FP32SiLU: the op's proof covers both), or None for
+        # the functional F.silu (resolved at rewrite time)
+        if act is not None and (type(act) not in _SILUS or hooked(act)):
+            return act(x) * y
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            return F.silu(x) * y
+        return silu_mul(x, y, site)
+
+    @staticmethod
+    def pairwise_mask(mask, batch, seq):
+        # mask.view(B, 1, 1, S).repeat(1, 1, S, 1) & (the same).transpose(2, 3), then .bool(): element [b, 0, i, j] is
+        # mask[b, j] & mask[b, i] either way; here the two operands are broadcast views, nothing is materialised or
+        # read transposed. The AND of the same values in the same dtype, the same contiguous [B, 1, S, S] result.
+        return (mask.view(batch, 1, 1, seq) & mask.view(batch, 1, seq, 1)).bool().contiguous()
+
+    @staticmethod
+    def rms_scale(norm, x, scale, site):
+        if not (type(norm) is RMSNorm and not hooked(norm) and isinstance(x, torch.Tensor)
+                and isinstance(scale, torch.Tensor)):
+            return norm(x) * scale
+        return rmsnorm_scale(norm, x, scale, site)
+
+    @staticmethod
+    def rms_gated_residual(norm, residual, gate, x, site):
+        if not (type(norm) is RMSNorm and not hooked(norm)
+                and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
+            return residual + gate * norm(x)
+        return rmsnorm_gated_residual(norm, residual, gate, x, site)
+
+    @staticmethod
+    def norm_later(norm, x):
+        # only a norm `qk_norm_rope` can run waits (another, e.g. diffusers' RMSNorm of Bria-FIBO's single blocks, runs
+        # here, as written, and the rotary embedding after it is the plain fused one)
+        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) is nn.RMSNorm else norm(x)
+
+    @staticmethod
+    def cat_later(a, b):
+        if isinstance(a, _NormLater) and isinstance(b, _NormLater):
+            return _CatLater(a, b)
+        return torch.cat([_materialize(a), _materialize(b)], dim=1)
+
+    materialize = staticmethod(_materialize)
