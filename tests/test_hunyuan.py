@@ -32,6 +32,9 @@ def sites(dual: int, single: int, refiner: int) -> dict[str, int]:
 
 def test_both_are_supported():
     assert {"HunyuanVideoTransformer3DModel", "HunyuanImageTransformer2DModel"} <= set(fp.supported_classes())
+    refiners = [found for cls, (_, found) in {**hunyuan._VIDEO_BLOCKS, **hunyuan._IMAGE_BLOCKS}.items()
+                if cls.__name__.endswith("IndividualTokenRefiner")]
+    assert len(refiners) == 2 and all(f.pairwise_masks == 1 for f in refiners)  # their masks built by broadcasting
 
 
 @pytest.mark.parametrize("config", CONFIGS)

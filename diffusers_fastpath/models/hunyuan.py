@@ -8,6 +8,8 @@ pieces. Both are FLUX.1's architecture with a text token refiner in front; nothi
   dual blocks' second modulates (``norm2``, ``norm2_context``: normalised together, then modulated together) as the
   fused `layernorm_scale_shift`, every gated residual (dual blocks, single blocks, the refiner's) as the fused
   `gated_residual`, the single blocks' tanh-GELU + concatenation as the fused `gelu_cat`;
+- the text token refiners build their pairwise attention mask by broadcasting (the rewriter's pairwise-mask form,
+  exact by construction);
 - the patch embeddings hand the blocks their tokens contiguous (`FastpathHunyuanVideoPatchEmbed`: diffusers' are a
   transposed view, a layout the dual blocks' image stream keeps, so every one of their LayerNorm + modulate and gated
   residual sites would fall back);
@@ -47,9 +49,11 @@ def _fused(module, class_name: str, method: str = "forward"):
 _VIDEO_BLOCKS = dict(_fused(video, n) for n in ("HunyuanVideoTransformerBlock", "HunyuanVideoSingleTransformerBlock",
                                                 "HunyuanVideoTokenReplaceTransformerBlock",
                                                 "HunyuanVideoTokenReplaceSingleTransformerBlock",
-                                                "HunyuanVideoIndividualTokenRefinerBlock"))
+                                                "HunyuanVideoIndividualTokenRefinerBlock",
+                                                "HunyuanVideoIndividualTokenRefiner"))
 _IMAGE_BLOCKS = dict(_fused(image, n) for n in ("HunyuanImageTransformerBlock", "HunyuanImageSingleTransformerBlock",
-                                                "HunyuanImageIndividualTokenRefinerBlock"))
+                                                "HunyuanImageIndividualTokenRefinerBlock",
+                                                "HunyuanImageIndividualTokenRefiner"))
 _VIDEO15_BLOCKS = dict(_fused(video15, n) for n in ("HunyuanVideo15TransformerBlock",
                                                     "HunyuanVideo15IndividualTokenRefinerBlock",
                                                     "HunyuanVideo15IndividualTokenRefiner"))
