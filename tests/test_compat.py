@@ -39,10 +39,13 @@ FAMILIES = {
              "hidden_states"),
     "ernie": (lambda dtype, seed: build_ernie_image_transformer(dtype=dtype, seed=seed), ernie_image_inputs,
               "hidden_states"),
-    # the sandwich-norm families (their rewritten blocks, the RMSNorm + scale / gated residual sites)
-    "zimage": (lambda dtype, seed: build_zimage_transformer(dtype=dtype, seed=seed), zimage_transformer_inputs, "x"),
-    "lumina2": (lambda dtype, seed: build_lumina2_transformer(dtype=dtype, seed=seed), lumina2_transformer_inputs,
-                "hidden_states"),
+    # the sandwich-norm families (their rewritten blocks, the RMSNorm + scale / gated residual sites), narrower and
+    # shallower than their tiny configs: on a CPU every site takes its fallback at any width
+    "zimage": (lambda dtype, seed: build_zimage_transformer(dtype=dtype, seed=seed, dim=256, n_heads=2, n_kv_heads=2,
+                                                            n_layers=1), zimage_transformer_inputs, "x"),
+    "lumina2": (lambda dtype, seed: build_lumina2_transformer(dtype=dtype, seed=seed, hidden_size=256,
+                                                              num_attention_heads=2, num_kv_heads=1, num_layers=1),
+                lumina2_transformer_inputs, "hidden_states"),
 }
 
 
