@@ -865,6 +865,64 @@ def prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None):
     )
 
 
+def zimage_pipeline(transformer):
+    """A ``ZImagePipeline`` around `transformer` with no VAE or text encoder: call it with `caption_embeddings`
+    (lists) and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    return ZImagePipeline(transformer=transformer, vae=None, text_encoder=None, tokenizer=None,
+                          scheduler=FlowMatchEulerDiscreteScheduler())
+
+
+def lumina2_pipeline(transformer):
+    """A ``Lumina2Pipeline`` around `transformer` with no VAE or text encoder: call it with `caption_embeddings`
+    (``masked=True``) and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline
+
+    return Lumina2Pipeline(transformer=transformer, vae=None, text_encoder=None, tokenizer=None,
+                           scheduler=FlowMatchEulerDiscreteScheduler())
+
+
+def caption_embeddings(pipe, lengths=(10, 4), seed=2, masked=False):
+    """Random caption embeddings for one prompt and its negative, of the given token counts: as lists of ``[L, D]``
+    (Z-Image), or ``masked``: ``[1, L, D]`` padded to the longer with their ``[1, L]`` masks (Lumina2)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+    if not masked:
+        pos, neg = (torch.randn(n, cfg.cap_feat_dim, generator=gen).to(device, dtype) for n in lengths)
+        return dict(prompt_embeds=[pos], negative_prompt_embeds=[neg])
+    width = max(lengths)
+    embeds = [torch.randn(1, width, cfg.cap_feat_dim, generator=gen).to(device, dtype) for _ in lengths]
+    masks = [(torch.arange(width) < n).long()[None].to(device) for n in lengths]
+    return dict(prompt_embeds=embeds[0], prompt_attention_mask=masks[0], negative_prompt_embeds=embeds[1],
+                negative_prompt_attention_mask=masks[1])
+
+
+def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
+    """A 3-step generation of `pipe` (CFG as `call` asks) patched is md5-identical to unpatched on the latents, with
+    every site taking its fast path (on a CPU: under emulated kernels) and never falling back; `pipe` is unpatched
+    again afterwards."""
+    import hashlib
+
+    from . import patch, report, unpatch
+
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        out = pipe(**call, height=128, width=128, num_inference_steps=3, generator=torch.Generator().manual_seed(1),
+                   output_type="latent")
+        return hashlib.md5(out.images.float().cpu().numpy().tobytes()).hexdigest()
+
+    ref = generate()
+    patch(pipe)
+    try:
+        assert generate() == ref
+        sites = report(pipe).sites
+        assert sites and all(s.fast > 0 and s.fallback == 0 for s in sites), str(report(pipe))
+    finally:
+        unpatch(pipe)
+
+
 def ernie_image_pipeline(transformer):
     """An ``ErnieImagePipeline`` around `transformer` with no VAE or text encoder: call it with
     `ernie_prompt_embeddings` and ``output_type="latent"``."""

@@ -13,7 +13,9 @@ from diffusers.models.transformers.transformer_lumina2 import Lumina2Transformer
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import lumina2
 from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
-                                        build_lumina2_transformer, lumina2_transformer_inputs, patch_round_trip)
+                                        assert_pipeline_generation_exact_and_fused, build_lumina2_transformer,
+                                        caption_embeddings, lumina2_pipeline, lumina2_transformer_inputs,
+                                        patch_round_trip)
 
 
 def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
@@ -71,6 +73,11 @@ def test_a_hooked_or_replaced_norm_runs_as_written(emulated_kernels, unpatch_aft
     site = model.layers[0].ffn_norm2._fastpath_site_rmsnorm_gated_residual
     assert site.fast == 0 and not site.fallback  # the site was not entered: the expression ran as written
     assert model.layers[1].ffn_norm2._fastpath_site_rmsnorm_gated_residual.fast == 1
+
+
+def test_pipeline_generation_with_cfg_is_identical_and_fused(emulated_kernels):
+    pipe = lumina2_pipeline(build_lumina2_transformer(seed=12))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(**caption_embeddings(pipe, masked=True), guidance_scale=4.0))
 
 
 def test_unpatch_pickle_and_state_dict():

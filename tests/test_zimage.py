@@ -12,7 +12,8 @@ from diffusers.models.transformers.transformer_z_image import ZImageTransformerB
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import zimage
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
-                                        assert_patched_step_exact_and_fused, build_zimage_transformer, patch_round_trip,
+                                        assert_patched_step_exact_and_fused, assert_pipeline_generation_exact_and_fused,
+                                        build_zimage_transformer, caption_embeddings, patch_round_trip, zimage_pipeline,
                                         zimage_transformer_inputs)
 
 
@@ -46,6 +47,11 @@ def test_patched_matches_unpatched_bitwise(dtype, batch):
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_zimage_transformer(seed=4)
     assert_patched_step_exact_and_fused(model, zimage_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), {})
+
+
+def test_pipeline_generation_with_cfg_is_identical_and_fused(emulated_kernels):
+    pipe = zimage_pipeline(build_zimage_transformer(seed=12))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(**caption_embeddings(pipe), guidance_scale=4.0))
 
 
 def test_unpatch_pickle_and_state_dict():
