@@ -116,3 +116,15 @@ def test_each_warning_is_printed_once_per_process(fastpath_log, monkeypatch, unp
     _logging.warn_once("another message")
     _logging.warn_once("another message")
     assert sum(r.getMessage() == "another message" for r in fastpath_log.records) == 1
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists its packages by hand: a subpackage missing there is left out of a (non-editable) install."""
+    import tomllib
+
+    pyproject = PACKAGE.parent / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("installed without its source tree")
+    listed = set(tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -1,0 +1,145 @@
+"""The checks every family's tests run (on a CPU with the kernels emulated, and on the GPU at full size): patched ==
+unpatched bit for bit, every site on its fast path, a patch round trip (unpatch, pickle, state dict), fullgraph
+compilation, a pipeline generation md5-identical."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import torch
+
+
+def assert_every_site_fast(report, counts: dict[str, int], calls: dict, forwards: int = 1) -> None:
+    """`report` (of one model) has `counts` sites per op, and each took its fast path ``calls[op]`` (default 1; a tuple:
+    any of those) times per forward on each of `forwards` forwards, never falling back."""
+    assert collections.Counter(s.op for s in report.sites) == counts, str(report)
+
+    def expected(op):
+        n = calls.get(op, 1)
+        return {c * forwards for c in (n if isinstance(n, tuple) else (n,))}
+
+    assert all(s.fast in expected(s.op) and s.fallback == 0 for s in report.sites), str(report)
+
+
+def outputs_equal(a, b) -> bool:
+    """`torch.equal` of two model outputs: tensors, or lists of them (Z-Image returns one tensor per sample)."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(outputs_equal, a, b))
+    return isinstance(b, torch.Tensor) and torch.equal(a, b)
+
+
+def _flat(out) -> torch.Tensor:
+    return torch.cat([o.flatten() for o in out]) if isinstance(out, (list, tuple)) else out
+
+
+def assert_patched_equals_unpatched(build, make_inputs, counts: dict[str, int], dtype=torch.bfloat16, seed: int = 1,
+                                    **input_kwargs) -> None:
+    """The CPU check every family runs first: two models ``build(dtype=dtype, seed=seed)`` (the same random weights),
+    fresh inputs ``make_inputs(model, seed=seed + 1, **input_kwargs)``, the patched model's output `torch.equal` to
+    the unpatched one's (a real-looking output: finite, not zeros) and `report`'s sites per op equal to `counts`;
+    the model is unpatched again afterwards."""
+    from .. import patch, report, unpatch
+
+    ref_model, model = build(dtype=dtype, seed=seed), build(dtype=dtype, seed=seed)
+    inputs = make_inputs(model, seed=seed + 1, **input_kwargs)
+    with torch.no_grad():
+        ref = ref_model(**inputs).sample
+        assert torch.isfinite(_flat(ref)).all() and _flat(ref).float().std() > 0.1
+        patch(model)
+        try:
+            assert outputs_equal(model(**inputs).sample, ref)
+            found = collections.Counter(s.op for s in report(model).sites)
+            assert found == counts, f"sites {dict(found)}, expected {counts}"
+        finally:
+            unpatch(model)
+
+
+def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, int], calls: dict[str, int]) -> None:
+    """The check every family runs, on a CPU with the kernels emulated and on the GPU at full size: one forward of
+    `model` (real-looking output, not zeros), then patched into an output poisoned with NaN first is `torch.equal`
+    to it, with every site fast (`assert_every_site_fast`); `model` is unpatched again afterwards."""
+    from .. import patch, report, unpatch
+
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        assert torch.isfinite(_flat(ref)).all() and _flat(ref).float().std() > 0.01
+        patch(model)
+        try:
+            got = model(**inputs).sample
+            out = [torch.full_like(g, float("nan")) for g in got] if isinstance(got, list) else torch.full_like(got, float("nan"))
+            for o, g in zip(out, got) if isinstance(got, list) else [(out, got)]:
+                o.copy_(g)
+            assert outputs_equal(out, ref)
+            assert_every_site_fast(report(model), counts, calls)
+        finally:
+            unpatch(model)
+
+
+@contextlib.contextmanager
+def patch_round_trip(model, inputs: dict):
+    """The reversibility checks every family's CPU tests share, around a block where `model` is patched (for the
+    family's own checks of what was swapped in): patching keeps the state dict, keys and values; a pickle of the
+    patched model loads patched and computes the same output; on leaving, ``unpatch`` gives every module its class
+    back and leaves no attribute of this package behind."""
+    import pickle
+
+    from .. import patch, unpatch
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    patch(model)
+    loaded = None
+    try:
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+        loaded = pickle.loads(pickle.dumps(model))  # loads patched: the swapped-in classes are found by name
+        assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+        with torch.no_grad():
+            assert outputs_equal(loaded(**inputs).sample, model(**inputs).sample)
+        yield model
+    finally:
+        if loaded is not None:
+            unpatch(loaded)
+        unpatch(model)
+    assert [type(m) for m in model.modules()] == types
+    assert not any(k.startswith("_fastpath") for m in model.modules() for k in vars(m))
+
+
+def assert_compiles_fullgraph_exactly(model, inputs: dict) -> None:
+    """Patched `model` traces with ``torch.compile(fullgraph=True)`` (no graph break) and the compiled call is
+    `torch.equal` to the unpatched eager output; `model` is unpatched again afterwards."""
+    from .. import patch, unpatch
+
+    with torch.no_grad():
+        ref = model(**inputs).sample
+        patch(model)
+        try:
+            assert outputs_equal(torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs).sample, ref)
+        finally:
+            unpatch(model)
+
+
+def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
+    """A 3-step generation of `pipe` (CFG as `call` asks) patched is md5-identical to unpatched on the latents, with
+    every site taking its fast path (on a CPU: under emulated kernels) and never falling back; `pipe` is unpatched
+    again afterwards."""
+    import hashlib
+
+    from .. import patch, report, unpatch
+
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        out = pipe(**call, height=128, width=128, num_inference_steps=3, generator=torch.Generator().manual_seed(1),
+                   output_type="latent")
+        return hashlib.md5(out.images.float().cpu().numpy().tobytes()).hexdigest()
+
+    ref = generate()
+    patch(pipe)
+    try:
+        assert generate() == ref
+        sites = report(pipe).sites
+        assert sites and all(s.fast > 0 and s.fallback == 0 for s in sites), str(report(pipe))
+    finally:
+        unpatch(pipe)
