@@ -60,12 +60,14 @@ def test_compiles_with_fullgraph():
 
 @pytest.mark.gpu
 @pytest.mark.full_size
+@pytest.mark.parametrize("config, blocks", [("flux2-dev", (8, 48)), ("flux2-klein", (5, 20))])
 @torch.no_grad()
-def test_flux2_dev_one_step_1024_is_bitwise_identical(unpatch_after):
-    """FLUX.2-dev's config (60 GiB of bf16 weights): bit-identical, and every site fused: the gated residuals, the
-    rotary embeddings and the LayerNorm + modulate rows at D = 6144 (the widest the LayerNorm kernel holds; its
-    first call per signature verified against eager)."""
-    model = build_flux2_transformer("flux2-dev", torch.bfloat16, "cuda", seed=0)
+def test_flux2_one_step_1024_is_bitwise_identical(config, blocks, unpatch_after):
+    """FLUX.2-dev's config (60 GiB of bf16 weights) and FLUX.2-klein-4B's (7 GiB, hidden 3072, no guidance
+    embedding): bit-identical, and every site fused: the gated residuals, the rotary embeddings and the LayerNorm +
+    modulate rows (dev: D = 6144, the widest the LayerNorm kernel holds; its first call per signature verified
+    against eager)."""
+    model = build_flux2_transformer(config, torch.bfloat16, "cuda", seed=0)
     try:
         inputs = flux2_transformer_inputs(model, grid=(64, 64), txt_tokens=512, seed=9)
         ref = model(**inputs).sample
@@ -74,7 +76,7 @@ def test_flux2_dev_one_step_1024_is_bitwise_identical(unpatch_after):
         unpatch_after(model)
         assert torch.equal(model(**inputs).sample, ref)
         rep = fp.report(model)
-        assert collections.Counter(s.op for s in rep.sites) == sites(8, 48)
+        assert collections.Counter(s.op for s in rep.sites) == sites(*blocks)
         for s in rep.sites:
             assert s.fast == CALLS.get(s.op, 1) and s.fallback == 0, str(rep)
     finally:

@@ -9,7 +9,8 @@
 Models: ``flux-tiny`` (default), ``flux-dev`` (the published FLUX.1-dev transformer and VAE configs with random
 weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``chroma`` and
 ``chroma-tiny`` (Chroma1-HD's transformer config with FLUX.1's VAE, a half-padded prompt with guidance),
-``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``flux2-dev``, ``sd3.5-large``, ``qwen-image``,
+``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``flux2-dev``, ``flux2-klein`` (4B),
+``sd3.5-large``, ``qwen-image``,
 ``hunyuan-image`` (HunyuanImage-2.1: give ``--height 2048 --width 2048``), ``z-image``, ``lumina2`` (Lumina-Image
 2.0), ``wan-14b`` (Wan 2.1 T2V 14B: give ``--height 480 --width 832 --frames 81``), ``hunyuanvideo-1.5`` (480p:
 give ``--height 480 --width 848 --frames 33 --text-tokens 1000``) and their ``flux2-tiny``, ``sd3-tiny``,

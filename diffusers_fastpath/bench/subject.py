@@ -18,6 +18,7 @@ CHROMA_MODELS = ("chroma-tiny", "chroma")
 # "video16" HunyuanVideo-1.5's 16x, 4-frame latent)
 STEP_MODELS = {
     "flux2-dev": ("build_flux2_transformer", "flux2-dev", "flux2_transformer_inputs", "grid"),
+    "flux2-klein": ("build_flux2_transformer", "flux2-klein", "flux2_transformer_inputs", "grid"),
     "flux2-tiny": ("build_flux2_transformer", "flux2-tiny", "flux2_transformer_inputs", "grid"),
     "sd3.5-large": ("build_sd3_transformer", "sd3.5-large", "sd3_transformer_inputs", "size"),
     "sd3-tiny": ("build_sd3_transformer", "sd3-tiny", "sd3_transformer_inputs", "size"),

@@ -29,8 +29,6 @@ ERNIE_IMAGE_CONFIG = dict(
 # Small, but with a row length (768) inside the fused RMSNorm's domain, so the kernel runs on a GPU.
 TINY_ERNIE_IMAGE_CONFIG = dict(ERNIE_IMAGE_CONFIG, hidden_size=768, num_attention_heads=6, num_layers=2,
                                ffn_hidden_size=1024, in_channels=16, out_channels=16, text_in_dim=64)
-
-
 ERNIE_IMAGE_CONFIGS = {"ernie-image": ERNIE_IMAGE_CONFIG, "ernie-image-tiny": TINY_ERNIE_IMAGE_CONFIG}
 
 
@@ -39,14 +37,10 @@ ERNIE_IMAGE_CONFIGS = {"ernie-image": ERNIE_IMAGE_CONFIG, "ernie-image-tiny": TI
 SD35_LARGE_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
                          num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
                          pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
-
-
 TINY_SD3_CONFIG = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
                        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
                        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16, qk_norm="rms_norm",
                        dual_attention_layers=(0,))
-
-
 SD3_CONFIGS = {"sd3.5-large": SD35_LARGE_CONFIG, "sd3-tiny": TINY_SD3_CONFIG}
 
 
@@ -78,12 +72,8 @@ def sd3_transformer_inputs(model, batch=1, size=(8, 8), txt_tokens=8, seed=1, de
 QWEN_IMAGE_CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                          num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
                          axes_dims_rope=(16, 56, 56))
-
-
 TINY_QWEN_IMAGE_CONFIG = dict(QWEN_IMAGE_CONFIG, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
-
-
 QWEN_IMAGE_CONFIGS = {"qwen-image": QWEN_IMAGE_CONFIG, "qwen-image-tiny": TINY_QWEN_IMAGE_CONFIG}
 
 
@@ -126,24 +116,16 @@ HUNYUAN_VIDEO_CONFIG = dict(in_channels=16, out_channels=16, num_attention_heads
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
                             patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
                             pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
-
-
 TINY_HUNYUAN_VIDEO_CONFIG = dict(HUNYUAN_VIDEO_CONFIG, in_channels=4, out_channels=4, num_attention_heads=2,
                                  attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
                                  text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6))
-
-
 HUNYUAN_IMAGE_CONFIG = dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1),
                             qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472,
                             rope_theta=256.0, rope_axes_dim=(64, 64))
-
-
 TINY_HUNYUAN_IMAGE_CONFIG = dict(HUNYUAN_IMAGE_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
                                  attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
                                  text_embed_dim=32, text_embed_2_dim=24, rope_axes_dim=(8, 8))
-
-
 HUNYUAN_CONFIGS = {"hunyuan-video": HUNYUAN_VIDEO_CONFIG, "hunyuan-video-tiny": TINY_HUNYUAN_VIDEO_CONFIG,
                    "hunyuan-image": HUNYUAN_IMAGE_CONFIG, "hunyuan-image-tiny": TINY_HUNYUAN_IMAGE_CONFIG}
 
@@ -192,13 +174,9 @@ HUNYUAN_VIDEO15_CONFIG = dict(in_channels=65, out_channels=32, num_attention_hea
                               num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
                               qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,
                               rope_theta=256.0, rope_axes_dim=(16, 56, 56))
-
-
 TINY_HUNYUAN_VIDEO15_CONFIG = dict(HUNYUAN_VIDEO15_CONFIG, in_channels=9, out_channels=4, num_attention_heads=2,
                                    attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32,
                                    text_embed_2_dim=24, image_embed_dim=16, rope_axes_dim=(4, 6, 6))
-
-
 HUNYUAN_VIDEO15_CONFIGS = {"hunyuanvideo-1.5": HUNYUAN_VIDEO15_CONFIG, "hunyuanvideo-1.5-tiny": TINY_HUNYUAN_VIDEO15_CONFIG}
 
 
@@ -245,8 +223,6 @@ def hunyuan_video15_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8
 Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
                       n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
                       rope_theta=256.0, t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1024, 512, 512))
-
-
 TINY_Z_IMAGE_CONFIG = dict(Z_IMAGE_CONFIG, in_channels=4, dim=768, n_layers=2, n_refiner_layers=1, n_heads=6,
                            n_kv_heads=6, cap_feat_dim=32, axes_dims=(32, 48, 48), axes_lens=(64, 32, 32))
 
@@ -286,13 +262,9 @@ LUMINA2_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, hidden_size
                       num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
                       ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(32, 32, 32),
                       axes_lens=(300, 512, 512), cap_feat_dim=2304)
-
-
 TINY_LUMINA2_CONFIG = dict(LUMINA2_CONFIG, sample_size=16, in_channels=4, hidden_size=768, num_layers=2,
                            num_refiner_layers=1, num_attention_heads=6, num_kv_heads=2, axes_dim_rope=(32, 48, 48),
                            axes_lens=(64, 32, 32), cap_feat_dim=32)
-
-
 LUMINA2_CONFIGS = {"lumina2": LUMINA2_CONFIG, "lumina2-tiny": TINY_LUMINA2_CONFIG}
 
 
@@ -325,12 +297,8 @@ LTX_VIDEO_CONFIG = dict(in_channels=128, out_channels=128, patch_size=1, patch_s
                         attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
                         qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
                         caption_channels=4096, attention_bias=True, attention_out_bias=True)
-
-
 TINY_LTX_VIDEO_CONFIG = dict(LTX_VIDEO_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
                              attention_head_dim=16, cross_attention_dim=32, num_layers=2, caption_channels=24)
-
-
 LTX_VIDEO_CONFIGS = {"ltx-video": LTX_VIDEO_CONFIG, "ltx-video-tiny": TINY_LTX_VIDEO_CONFIG}
 
 
@@ -366,12 +334,8 @@ WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_d
                   text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                   qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
                   rope_max_seq_len=1024)
-
-
 TINY_WAN_CONFIG = dict(WAN_CONFIG, num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
                        text_dim=32, ffn_dim=64, num_layers=2)
-
-
 WAN_CONFIGS = {"wan-14b": WAN_CONFIG, "wan-tiny": TINY_WAN_CONFIG}
 
 

@@ -21,8 +21,6 @@ FLUX_DEV_CONFIG = dict(
     guidance_embeds=True,
     axes_dims_rope=[16, 56, 56],
 )
-
-
 TINY_FLUX_CONFIG = dict(
     patch_size=1,
     in_channels=4,
@@ -35,8 +33,6 @@ TINY_FLUX_CONFIG = dict(
     guidance_embeds=False,
     axes_dims_rope=[4, 4, 8],
 )
-
-
 FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
 
 
@@ -55,13 +51,9 @@ CHROMA_CONFIG = dict(
     approximator_hidden_dim=5120,
     approximator_layers=5,
 )
-
-
 TINY_CHROMA_CONFIG = dict(CHROMA_CONFIG, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
                           num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8),
                           approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=1)
-
-
 CHROMA_CONFIGS = {"chroma": CHROMA_CONFIG, "chroma-tiny": TINY_CHROMA_CONFIG}
 
 
@@ -132,19 +124,20 @@ FLUX2_DEV_CONFIG = dict(patch_size=1, in_channels=128, num_layers=8, num_single_
                         num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
                         mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6,
                         guidance_embeds=True)
-
-
 TINY_FLUX2_CONFIG = dict(FLUX2_DEV_CONFIG, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16,
                          axes_dims_rope=(4, 4, 4, 4))
-
-
-FLUX2_CONFIGS = {"flux2-dev": FLUX2_DEV_CONFIG, "flux2-tiny": TINY_FLUX2_CONFIG}
+# FLUX.2-klein-4B: 5 dual + 20 single blocks at hidden 3072 (24 heads), 128 latent channels, Qwen3-4B text (three
+# hidden layers of 2560 stacked: 7680), no guidance embedding (the distilled model). diffusers ships no copy of its
+# config.json; these are the published block counts and widths (black-forest-labs/FLUX.2-klein-4B)
+FLUX2_KLEIN_CONFIG = dict(FLUX2_DEV_CONFIG, num_layers=5, num_single_layers=20, num_attention_heads=24,
+                          joint_attention_dim=7680, guidance_embeds=False)
+FLUX2_CONFIGS = {"flux2-dev": FLUX2_DEV_CONFIG, "flux2-klein": FLUX2_KLEIN_CONFIG, "flux2-tiny": TINY_FLUX2_CONFIG}
 
 
 def build_flux2_transformer(config="flux2-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
-    """A ``Flux2Transformer2DModel`` from a named config (``"flux2-dev"``, ``"flux2-tiny"``) or a dict, random
-    weights."""
+    """A ``Flux2Transformer2DModel`` from a named config (``"flux2-dev"``, ``"flux2-klein"``, ``"flux2-tiny"``) or a
+    dict, random weights."""
     from diffusers import Flux2Transformer2DModel
 
     return _random_model(Flux2Transformer2DModel, FLUX2_CONFIGS, config, dtype, device, seed, overrides)
@@ -179,8 +172,6 @@ def flux2_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, 
 # class defaults (LongCat-Image, Ovis-Image; Bria 3.2 at FLUX.1's size)
 _TINY_FLUX_LIKE = dict(in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
                        joint_attention_dim=32, axes_dims_rope=(4, 4, 8))
-
-
 FLUX_CLONE_CONFIGS = {
     "LongCatImageTransformer2DModel": dict(_TINY_FLUX_LIKE, pooled_projection_dim=32),
     "OvisImageTransformer2DModel": dict(_TINY_FLUX_LIKE, out_channels=4),
@@ -272,8 +263,6 @@ TINY_FLUX_VAE_CONFIG = dict(
     shift_factor=0.0609,
     scaling_factor=1.5035,
 )
-
-
 FLUX_VAE_CONFIGS = {"flux-dev": FLUX_VAE_CONFIG, "flux-tiny": TINY_FLUX_VAE_CONFIG}
 
 
