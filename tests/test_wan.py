@@ -12,8 +12,8 @@ from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import wan
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
-                                        assert_patched_step_exact_and_fused, build_wan_transformer, patch_round_trip,
-                                        wan_transformer_inputs)
+                                        assert_patched_step_exact_and_fused, assert_pipeline_generation_exact_and_fused,
+                                        build_wan_transformer, patch_round_trip, wan22_pipeline, wan_transformer_inputs)
 
 
 def sites(blocks: int) -> dict[str, int]:
@@ -39,6 +39,21 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_wan_transformer(seed=3)
     assert_patched_step_exact_and_fused(model, wan_transformer_inputs(model, batch=batch, seed=4), sites(2), {})
+
+
+def test_wan22_pipeline_patches_both_experts_and_is_identical(emulated_kernels):
+    """Wan 2.2 runs two transformers (high-noise steps, then low-noise): `fp.patch(pipe)` patches both, and a 4-step
+    generation with CFG (each expert's own guidance scale) is md5-identical, every site of both fast."""
+    pipe = wan22_pipeline(build_wan_transformer(seed=13), build_wan_transformer(seed=14))
+    fp.patch(pipe)
+    assert [m.name for m in fp.report(pipe).models] == ["transformer", "transformer_2"]
+    fp.unpatch(pipe)
+    gen = torch.Generator().manual_seed(15)
+    dim = pipe.transformer.config.text_dim
+    pos, neg = (torch.randn(1, 12, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(
+        prompt_embeds=pos, negative_prompt_embeds=neg, height=32, width=32, num_frames=5, num_inference_steps=4,
+        guidance_scale=4.0, guidance_scale_2=3.0))
 
 
 def test_unpatch_pickle_and_state_dict():

@@ -410,6 +410,17 @@ def lumina2_pipeline(transformer):
                            scheduler=FlowMatchEulerDiscreteScheduler())
 
 
+def wan22_pipeline(transformer, transformer_2, boundary_ratio=0.5):
+    """A ``WanPipeline`` with Wan 2.2's two experts (`transformer` for the high-noise steps, `transformer_2` after
+    `boundary_ratio`), no VAE or text encoder: call it with ``prompt_embeds``/``negative_prompt_embeds`` of the
+    transformer's ``text_dim`` and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    return WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), transformer_2=transformer_2,
+                       boundary_ratio=boundary_ratio)
+
+
 def caption_embeddings(pipe, lengths=(10, 4), seed=2, masked=False):
     """Random caption embeddings for one prompt and its negative, of the given token counts: as lists of ``[L, D]``
     (Z-Image), or ``masked``: ``[1, L, D]`` padded to the longer with their ``[1, L]`` masks (Lumina2)."""
