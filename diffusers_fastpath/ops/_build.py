@@ -234,6 +234,13 @@ def load_extension() -> str:
         raise _give_up(" ".join(causes))
 
 
+def launcher(nvrtc_fn, raw_op: str):
+    """What an op's fast path launches its kernel through, decided on its first use (which loads the kernels, see
+    `load_extension`): `nvrtc_fn`, the op's ops/_nvrtc.py launcher, on the NVRTC way; else the nvcc extension's
+    ``torch.ops.diffusers_fastpath.<raw_op>`` (a direct C++ call). The op keeps the result for later calls."""
+    return nvrtc_fn if load_extension() == "nvrtc" else getattr(torch.ops.diffusers_fastpath, raw_op).default
+
+
 def _compile_and_load_nvrtc() -> None:
     global load_seconds, cold_build, backend
     from . import _nvrtc

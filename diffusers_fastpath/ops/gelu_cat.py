@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site, bits
 
 _VEC_BYTES = 16
@@ -110,8 +110,7 @@ _cuda_op = None
 def _kernel(attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        nvrtc = load_extension() == "nvrtc"
-        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._gelu_cat_cuda.default
+        _cuda_op = launcher(_nvrtc_kernel, "_gelu_cat_cuda")
     return _cuda_op(attn, mlp)
 
 

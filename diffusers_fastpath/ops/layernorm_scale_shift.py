@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from diffusers.models.normalization import FP32LayerNorm
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher, load_extension
 from ._policy import FusedOp, Site
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref, rows_guard
 
@@ -135,8 +135,7 @@ _launch = None
 def _kernel(norm, x, scale, shift):
     global _launch
     if _launch is None:
-        nvrtc = load_extension() == "nvrtc"
-        _launch = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._layernorm_scale_shift_cuda.default
+        _launch = launcher(_nvrtc_kernel, "_layernorm_scale_shift_cuda")
     return _launch(x, scale, shift, norm.eps)
 
 

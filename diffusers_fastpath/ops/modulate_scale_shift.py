@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
@@ -120,8 +120,7 @@ _cuda_op = None
 def _kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        nvrtc = load_extension() == "nvrtc"
-        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._modulate_scale_shift_cuda.default
+        _cuda_op = launcher(_nvrtc_kernel, "_modulate_scale_shift_cuda")
     return _cuda_op(x, scale, shift)
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .rotary import cos_sin_reason, nvrtc_rotary, rotary_emb, rotary_emb_ref, rows_ok
 
@@ -137,8 +137,7 @@ _cuda_op = None
 def _kernel(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        nvrtc = load_extension() == "nvrtc"
-        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._qk_norm_rope_cuda.default
+        _cuda_op = launcher(_nvrtc_kernel, "_qk_norm_rope_cuda")
     if x_txt is None:
         return _cuda_op(None, None, 0.0, x_img, norm_img.weight, norm_img.eps, cos, sin)
     return _cuda_op(x_txt, norm_txt.weight, norm_txt.eps, x_img, norm_img.weight, norm_img.eps, cos, sin)

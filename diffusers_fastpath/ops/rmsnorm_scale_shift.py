@@ -38,7 +38,7 @@ import struct
 import torch
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .gated_residual import gated_residual
 
@@ -164,11 +164,6 @@ def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_p
     return _guard_rows(norm, residual, (gate, update, scale, shift), check_pointers)
 
 
-def _cuda_ops():
-    load_extension()
-    return torch.ops.diffusers_fastpath
-
-
 # The NVRTC way (ops/_nvrtc.py): csrc/rmsnorm_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
 # rmsnorm_launch do: kWarpsPerBlock 8 rows per block of 256 threads (tests/test_nvrtc.py reads it from the
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
@@ -285,34 +280,28 @@ _launch = _gated_launch = _scale_launch = _gated_residual_launch = None
 def _kernel(norm, x, scale, shift):
     global _launch
     if _launch is None:
-        nvrtc = load_extension() == "nvrtc"
-        _launch = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._rmsnorm_scale_shift_cuda.default
+        _launch = launcher(_nvrtc_kernel, "_rmsnorm_scale_shift_cuda")
     return _launch(x, norm.weight, scale, shift, norm.eps)
 
 
 def _gated_kernel(norm, residual, gate, update, scale, shift, dtype=None):
     global _gated_launch
     if _gated_launch is None:
-        nvrtc = load_extension() == "nvrtc"
-        ops = torch.ops.diffusers_fastpath
-        _gated_launch = _nvrtc_gated_kernel if nvrtc else ops._gated_rmsnorm_scale_shift_cuda.default
+        _gated_launch = launcher(_nvrtc_gated_kernel, "_gated_rmsnorm_scale_shift_cuda")
     return _gated_launch(residual, gate, update, norm.weight, scale, shift, norm.eps)
 
 
 def _scale_kernel(norm, x, scale):
     global _scale_launch
     if _scale_launch is None:
-        nvrtc = load_extension() == "nvrtc"
-        _scale_launch = _nvrtc_scale_kernel if nvrtc else torch.ops.diffusers_fastpath._rmsnorm_scale_cuda.default
+        _scale_launch = launcher(_nvrtc_scale_kernel, "_rmsnorm_scale_cuda")
     return _scale_launch(x, norm.weight, _broadcast_rows(scale, x), norm.eps)
 
 
 def _gated_residual_kernel(norm, residual, gate, x):
     global _gated_residual_launch
     if _gated_residual_launch is None:
-        nvrtc = load_extension() == "nvrtc"
-        _gated_residual_launch = (_nvrtc_gated_residual_kernel if nvrtc
-                                  else torch.ops.diffusers_fastpath._rmsnorm_gated_residual_cuda.default)
+        _gated_residual_launch = launcher(_nvrtc_gated_residual_kernel, "_rmsnorm_gated_residual_cuda")
     return _gated_residual_launch(residual, _broadcast_rows(gate, x), x, norm.weight, norm.eps)
 
 

@@ -24,7 +24,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
 
 
@@ -127,8 +127,7 @@ _cuda_op = None
 def _kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        nvrtc = load_extension() == "nvrtc"
-        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._rotary_emb_cuda.default
+        _cuda_op = launcher(_nvrtc_kernel, "_rotary_emb_cuda")
     return _cuda_op(x, cos, sin)
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvrtc
-from ._build import load_extension
+from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site, bits
 from .gelu_cat import every_value
 
@@ -99,8 +99,7 @@ _cuda_op = None
 def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
-        nvrtc = load_extension() == "nvrtc"
-        _cuda_op = _nvrtc_kernel if nvrtc else torch.ops.diffusers_fastpath._silu_mul_cuda.default
+        _cuda_op = launcher(_nvrtc_kernel, "_silu_mul_cuda")
     return _cuda_op(gate, up)
 
 
