@@ -35,6 +35,7 @@ How it works, per patched model (`GraphRunner`):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
@@ -81,6 +82,36 @@ def _global_state() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         getattr(_AttentionBackendRegistry, "_active_backend", None),
     )
+
+
+# Module-level functions that a model's forward calls by their global name and that cannot run inside a capture as
+# written (a host-to-device copy of a Python number, say), by the model class whose forward calls them:
+# ``[(module, name, original, twin)]``. While a forward of such a model records (warm-up and capture, `_record`),
+# ``module.name`` is bound to `twin` (same results, nothing that waits on the host) and put back after; the first
+# replay is compared with the eager forward as always. Outside a recording the name is diffusers' own function.
+CAPTURE_TWINS: dict[type, list[tuple[Any, str, Callable, Callable]]] = {}
+
+
+def register_capture_twin(model_cls: type, module: Any, name: str, twin: Callable) -> None:
+    """Record `twin` as what ``module.name`` (as installed now) is bound to while a `model_cls` forward records."""
+    CAPTURE_TWINS.setdefault(model_cls, []).append((module, name, getattr(module, name), twin))
+
+
+@contextlib.contextmanager
+def capture_twins_bound(model_cls: type):
+    """Bind the capture twins of `model_cls` (and its bases) for the duration; a name that something else has
+    rebound since its registration is left alone."""
+    bound = []
+    for cls, twins in CAPTURE_TWINS.items():
+        for module, name, original, twin in twins if issubclass(model_cls, cls) else ():
+            if getattr(module, name) is original:
+                setattr(module, name, twin)
+                bound.append((module, name, original))
+    try:
+        yield
+    finally:
+        for module, name, original in bound:
+            setattr(module, name, original)
 
 
 class Unsupported(Exception):
@@ -401,7 +432,8 @@ class GraphRunner:
         static_call = {name: _substitute(call[name], it) for name in self.names if name in call}
         if self.pool is None:  # one pool for all graphs of the model (and a fresh one after they were dropped)
             self.pool = self.backend.new_pool(self.fingerprint.device)
-        graph, out = self.backend.record(self.pool, lambda: forward(**static_call))
+        with capture_twins_bound(type(forward.__self__)):
+            graph, out = self.backend.record(self.pool, lambda: forward(**static_call))
         outputs, spec = pytree.tree_flatten(out)
         return _Graph(graph, static, outputs, spec)
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import diffusers_fastpath as fp
 from diffusers_fastpath import graphs
 from diffusers_fastpath.graphs import GRAPHS_ATTR, ModelFingerprint, Unsupported, call_signature
 from diffusers_fastpath._state import STATE_ATTR
-from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+from diffusers_fastpath.testing import SimulatedGraphs, build_flux_transformer, flux_transformer_inputs
 
 NAMES = ("hidden_states", "encoder_hidden_states", "timestep", "joint_attention_kwargs", "return_dict", "samples")
 CPU = torch.device("cpu")
@@ -23,40 +22,6 @@ def snapshot(model):
         (name, type(m), sorted(vars(m)), getattr(m, "processor", None), dict(m._forward_hooks), dict(m._forward_pre_hooks))
         for name, m in model.named_modules()
     ]
-
-
-class SimulatedGraphs:
-    """A CPU stand-in for `graphs.CudaGraphs` with a CUDA graph's memory semantics: `record` runs the forward once
-    and keeps its outputs as the static outputs; a replay runs it again on the static inputs and writes the result
-    into those same output tensors, as a graph replay overwrites its output memory. (Unlike a real graph it runs
-    Python on replay, so the RoPE-cache and stale-weights hazards are tested on the GPU.) ``skew`` adds to every
-    replayed output, to provoke a verification mismatch; ``fail`` makes the capture raise."""
-
-    device_type = "cpu"
-
-    def __init__(self, skew: float = 0.0, fail: Exception | None = None) -> None:
-        self.skew, self.fail, self.pools, self.recorded = skew, fail, 0, 0
-
-    def new_pool(self, device):
-        self.pools += 1
-        return ("pool", self.pools)
-
-    def record(self, pool, fn):
-        if self.fail is not None:
-            raise self.fail
-        self.recorded += 1
-        out = fn()
-        skew = self.skew
-
-        class Replay:
-            def replay(self):
-                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
-                    static.copy_(new + skew)
-
-        return Replay(), out
-
-    def pool_bytes(self, pool):
-        return 0
 
 
 def eager(model, inputs, **extra):

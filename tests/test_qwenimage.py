@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+from diffusers.models.transformers import transformer_qwenimage
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock, compute_text_seq_len_from_mask
 
 import diffusers_fastpath as fp
+from diffusers_fastpath import graphs
+from diffusers_fastpath._state import STATE_ATTR
 from diffusers_fastpath.models import qwenimage
 from diffusers_fastpath.models._mirror import source_digest
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
-                                        assert_patched_step_exact_and_fused, build_qwenimage_transformer,
-                                        patch_round_trip, qwenimage_transformer_inputs)
+from diffusers_fastpath.testing import (SimulatedGraphs, assert_compiles_fullgraph_exactly,
+                                        assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
+                                        build_qwenimage_transformer, patch_round_trip, qwenimage_transformer_inputs)
 
 
 def sites(blocks: int) -> dict[str, int]:
@@ -31,6 +34,73 @@ def test_qwenimage_is_supported_and_its_modulate_is_the_mirrored_one():
     assert source_digest(QwenImageTransformerBlock._modulate) == qwenimage._MODULATE
     assert qwenimage._BLOCK.norms == ["img_norm1", "txt_norm1", "img_norm2", "txt_norm2"]
     assert qwenimage._BLOCK.gates == ["img_gate1", "txt_gate1", "img_gate2", "txt_gate2"]
+
+
+def _mask(kind: str, gen: torch.Generator) -> torch.Tensor | None:
+    valid = torch.rand(3, 9, generator=gen) < 0.6
+    valid[1] = False  # a prompt with no valid token: diffusers' length is then the full sequence
+    return {"none": None, "bool": valid, "long": valid.long(), "float": valid.float(),
+            "last": valid | (torch.arange(9) == 8)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "long", "float", "last"])
+def test_text_seq_len_on_device_is_diffusers_function(kind):
+    """The capture twin returns what diffusers' ``compute_text_seq_len_from_mask`` returns: values, dtypes, devices
+    (masks with holes, a prompt without any valid token, non-bool masks)."""
+    assert source_digest(compute_text_seq_len_from_mask) == qwenimage._TEXT_SEQ_LEN
+    gen = torch.Generator().manual_seed(len(kind))
+    states = torch.randn(3, 9, 4, generator=gen)
+    mask = _mask(kind, gen)
+    want, got = compute_text_seq_len_from_mask(states, mask), qwenimage.text_seq_len_on_device(states, mask)
+    assert want[0] == got[0] == 9
+    for w, g in zip(want[1:], got[1:]):
+        assert (w is None and g is None) or (torch.equal(w, g) and w.dtype == g.dtype and w.device == g.device)
+    if mask is not None:
+        assert got[1].tolist()[1] == 9 and got[1].dtype == torch.long
+
+
+def test_text_seq_len_on_device_raises_diffusers_error_for_a_mask_of_another_shape():
+    with pytest.raises(ValueError, match="must match"):
+        qwenimage.text_seq_len_on_device(torch.randn(2, 5, 4), torch.ones(2, 4, dtype=torch.bool))
+
+
+class _RecordingGraphs(SimulatedGraphs):
+    """`SimulatedGraphs` that notes which ``compute_text_seq_len_from_mask`` diffusers' module holds at each record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bound = []
+
+    def record(self, pool, fn):
+        self.bound.append(transformer_qwenimage.compute_text_seq_len_from_mask)
+        return super().record(pool, fn)
+
+
+def test_graphs_record_the_forward_with_the_capture_twin_bound_and_put_diffusers_function_back(unpatch_after):
+    """While a graph of Qwen-Image's forward records, diffusers' module calls the twin (no host-to-device copy);
+    before and after, its own function; the replayed forward equals the unpatched model."""
+    model, twin = build_qwenimage_transformer(seed=3), build_qwenimage_transformer(seed=3)
+    inputs = qwenimage_transformer_inputs(model, batch=2, padding=3, seed=4)
+    fp.patch(model)
+    unpatch_after(model)
+    backend = _RecordingGraphs()
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+    ref = run(twin, inputs)
+    first, second = run(model, inputs), run(model, inputs)
+    assert backend.bound == [qwenimage.text_seq_len_on_device]
+    assert transformer_qwenimage.compute_text_seq_len_from_mask is compute_text_seq_len_from_mask
+    assert (runner.captures, runner.replays, len(runner.graphs)) == (1, 1, 1)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+
+
+def test_a_capture_twin_is_not_bound_over_a_function_someone_else_replaced(monkeypatch):
+    def theirs(*args):
+        return compute_text_seq_len_from_mask(*args)
+
+    monkeypatch.setattr(transformer_qwenimage, "compute_text_seq_len_from_mask", theirs)
+    with graphs.capture_twins_bound(type(build_qwenimage_transformer())):
+        assert transformer_qwenimage.compute_text_seq_len_from_mask is theirs
+    assert transformer_qwenimage.compute_text_seq_len_from_mask is theirs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -88,3 +158,19 @@ def test_qwen_image_one_step_1024_is_bitwise_identical_and_fused():
     finally:
         del model
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_qwen_image_graphs_capture_and_replay_equal_eager(unpatch_after, fastpath_log):
+    """On the GPU the forward's ``compute_text_seq_len_from_mask`` no longer stops the capture (it did: a CUDA
+    tensor made from a host int in every forward): captured, replayed, equal to eager, with and without padding."""
+    model = build_qwenimage_transformer(dtype=torch.bfloat16, device="cuda", seed=5)
+    cases = [qwenimage_transformer_inputs(model, batch=2, padding=3, seed=s) for s in (1, 2)]
+    refs = [run(model, inputs) for inputs in cases]
+    fp.patch(model, cuda_graphs=True)
+    unpatch_after(model)
+    for inputs, ref in zip(cases, refs):
+        assert torch.equal(run(model, inputs), ref)
+    stats = fp.report(model).models[0].graphs
+    assert stats["captured"] == 1 and stats["replays"] == 1 and stats["eager"] == {}, stats
+    assert "could not capture" not in fastpath_log.text

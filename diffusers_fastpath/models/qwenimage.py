@@ -14,6 +14,12 @@ installed diffusers source (`diffusers_fastpath.models._chains`):
 - the four gated residuals (``hidden_states + img_gate1 * img_attn_output`` and the like) as the fused
   `gated_residual`.
 
+CUDA graphs: the model's forward calls diffusers' ``compute_text_seq_len_from_mask`` every step, which makes a CUDA
+tensor of a Python int (``torch.as_tensor(text_seq_len, device=...)``: a host-to-device copy, which no capture
+takes). While a graph of the forward records, that name is bound to `text_seq_len_on_device` below (the same three
+results, the scalar made on the device by ``new_full``; `diffusers_fastpath.graphs.register_capture_twin`); the
+first replay is then checked against the eager forward as for every graph.
+
 Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites. Not fused yet (issue 14):
 the attention processor's QK RMSNorms and complex-valued rotary embedding (``apply_rotary_emb_qwen``), the FFN
 GELUs, the output ``AdaLayerNormContinuous``.
@@ -22,9 +28,15 @@ GELUs, the output ``AdaLayerNormContinuous``.
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel, QwenImageTransformerBlock
+from diffusers.models.transformers import transformer_qwenimage
+from diffusers.models.transformers.transformer_qwenimage import (
+    QwenImageTransformer2DModel,
+    QwenImageTransformerBlock,
+    compute_text_seq_len_from_mask,
+)
 from torch import nn
 
+from .. import graphs
 from .._state import PatchState, register_adapter, site_attr
 from ._chain_calls import norm_modulate
 from ._chains import fused_subclass, swap_rewritten
@@ -34,6 +46,8 @@ from ._mirror import mirrors, source_digest
 # computes with the LayerNorm fused in.
 _MODULATE = "9ee78b512057d504"
 REASON_INDEX = "per-token modulate_index (zero_cond_t)"
+# ... and of compute_text_seq_len_from_mask, which `text_seq_len_on_device` computes without the host-to-device copy.
+_TEXT_SEQ_LEN = "7df03db69ecf3bef"
 
 
 def _modulate_norm(self, norm: nn.Module, x, mod_params, index=None):
@@ -49,6 +63,28 @@ def _modulate_norm(self, norm: nn.Module, x, mod_params, index=None):
     shift, scale, gate = mod_params.chunk(3, dim=-1)
     return norm_modulate(norm, x, scale, shift, site), gate.unsqueeze(1)
 
+
+def text_seq_len_on_device(encoder_hidden_states, encoder_hidden_states_mask):
+    """diffusers' ``compute_text_seq_len_from_mask`` with its one host-to-device copy made on the device: returns
+    ``(text_seq_len, per_sample_len, bool mask)``, the same values, dtypes and devices; no mask, or one of the wrong
+    shape, goes to diffusers' function itself (``None``s, or its ValueError)."""
+    if encoder_hidden_states_mask is None or encoder_hidden_states_mask.shape[:2] != encoder_hidden_states.shape[:2]:
+        return compute_text_seq_len_from_mask(encoder_hidden_states, encoder_hidden_states_mask)
+    text_seq_len = encoder_hidden_states.shape[1]
+    mask = encoder_hidden_states_mask
+    if mask.dtype != torch.bool:
+        mask = mask.to(torch.bool)
+    position_ids = torch.arange(text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    active_positions = torch.where(mask, position_ids, position_ids.new_zeros(()))
+    # diffusers: torch.as_tensor(text_seq_len, device=...), a copy from the host; new_full is a fill on the device
+    per_sample_len = torch.where(mask.any(dim=1), active_positions.max(dim=1).values + 1,
+                                 position_ids.new_full((), text_seq_len))
+    return text_seq_len, per_sample_len, mask
+
+
+if source_digest(compute_text_seq_len_from_mask) == _TEXT_SEQ_LEN:  # else its graphs fail to capture: eager, one warning
+    graphs.register_capture_twin(QwenImageTransformer2DModel, transformer_qwenimage, "compute_text_seq_len_from_mask",
+                                 text_seq_len_on_device)
 
 # Created at import, so that a pickled patched model finds it here by name. The LayerNorm fusion only where the
 # installed `_modulate` is the one `_modulate_norm` computes (else: the gated residuals alone).

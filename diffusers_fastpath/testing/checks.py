@@ -8,6 +8,7 @@ import collections
 import contextlib
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 def assert_every_site_fast(report, counts: dict[str, int], calls: dict, forwards: int = 1) -> None:
@@ -145,3 +146,37 @@ def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
         assert sites and all(s.fast > 0 and s.fallback == 0 for s in sites), str(report(pipe))
     finally:
         unpatch(pipe)
+
+
+class SimulatedGraphs:
+    """A CPU stand-in for `graphs.CudaGraphs` with a CUDA graph's memory semantics: `record` runs the forward once
+    and keeps its outputs as the static outputs; a replay runs it again on the static inputs and writes the result
+    into those same output tensors, as a graph replay overwrites its output memory. (Unlike a real graph it runs
+    Python on replay, so the RoPE-cache and stale-weights hazards are tested on the GPU.) ``skew`` adds to every
+    replayed output, to provoke a verification mismatch; ``fail`` makes the capture raise."""
+
+    device_type = "cpu"
+
+    def __init__(self, skew: float = 0.0, fail: Exception | None = None) -> None:
+        self.skew, self.fail, self.pools, self.recorded = skew, fail, 0, 0
+
+    def new_pool(self, device):
+        self.pools += 1
+        return ("pool", self.pools)
+
+    def record(self, pool, fn):
+        if self.fail is not None:
+            raise self.fail
+        self.recorded += 1
+        out = fn()
+        skew = self.skew
+
+        class Replay:
+            def replay(self):
+                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
+                    static.copy_(new + skew)
+
+        return Replay(), out
+
+    def pool_bytes(self, pool):
+        return 0
