@@ -240,7 +240,7 @@ def test_chroma_step_and_generation_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["flux2-tiny", "sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",
-                                   "z-image-tiny", "lumina2-tiny", "hunyuanvideo-1.5-tiny"])
+                                   "z-image-tiny", "lumina2-tiny", "hunyuanvideo-1.5-tiny", "ltx-video-tiny"])
 def test_step_only_families_on_cpu(model, tmp_path):
     path = tmp_path / "r.json"
     rc = bench.main(["--model", model, "--device", "cpu", "--height", "64", "--width", "64", "--text-tokens", "8",

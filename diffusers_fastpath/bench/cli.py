@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: 1024; 128 for the tiny models)")
     p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: 1024; 128 for the tiny models)")
     p.add_argument("--frames", type=int, default=81,
-                   help="video frames, for the video models (wan-14b, hunyuanvideo-1.5: 4k + 1; default: 81)")
+                   help="video frames, for the video models (wan-14b, hunyuanvideo-1.5: 4k + 1; ltx-video: 8k + 1; default: 81)")
     p.add_argument("--steps", type=int, help="denoising steps of a generation (default: 28; 4 for the tiny models)")
     p.add_argument("--batch", type=int, default=1, help="images per call (default: 1)")
     p.add_argument("--text-tokens", type=int,

@@ -15,7 +15,7 @@ CHROMA_MODELS = ("chroma-tiny", "chroma")
 # step level only (no VAE config of theirs is published with this package): model name -> (builder, config,
 # inputs builder, how the latent size follows from the image size: "grid" 16x16 pixels per token, "size" the 8x latent,
 # "latent8" the 8x latent as a grid, "latent32" the 32x latent, "video8" Wan's 8x, 4-frame latent of --frames frames,
-# "video16" HunyuanVideo-1.5's 16x, 4-frame latent)
+# "video16" HunyuanVideo-1.5's 16x, 4-frame latent, "video32" LTX-Video's 32x, 8-frame latent)
 STEP_MODELS = {
     "flux2-dev": ("build_flux2_transformer", "flux2-dev", "flux2_transformer_inputs", "grid"),
     "flux2-klein": ("build_flux2_transformer", "flux2-klein", "flux2_transformer_inputs", "grid"),
@@ -34,6 +34,8 @@ STEP_MODELS = {
                          "video16"),
     "hunyuanvideo-1.5-tiny": ("build_hunyuan_video15_transformer", "hunyuanvideo-1.5-tiny",
                               "hunyuan_video15_transformer_inputs", "video16"),
+    "ltx-video": ("build_ltx_transformer", "ltx-video", "ltx_transformer_inputs", "video32"),
+    "ltx-video-tiny": ("build_ltx_transformer", "ltx-video-tiny", "ltx_transformer_inputs", "video32"),
     "wan-14b": ("build_wan_transformer", "wan-14b", "wan_transformer_inputs", "video8"),
     "wan-tiny": ("build_wan_transformer", "wan-tiny", "wan_transformer_inputs", "video8"),
 }
@@ -80,7 +82,8 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
                   "latent8": dict(grid=(args.height // 8, args.width // 8)),  # Z-Image, Lumina2: [C, H/8, W/8]
                   "latent32": dict(grid=(args.height // 32, args.width // 32)),  # HunyuanImage: 32x VAE, 1x1 patches
                   "video8": dict(grid=(args.height // 8, args.width // 8), frames=(args.frames - 1) // 4 + 1),
-                  "video16": dict(grid=(args.height // 16, args.width // 16), frames=(args.frames - 1) // 4 + 1)}[layout]
+                  "video16": dict(grid=(args.height // 16, args.width // 16), frames=(args.frames - 1) // 4 + 1),
+                  "video32": dict(grid=(args.height // 32, args.width // 32), frames=(args.frames - 1) // 8 + 1)}[layout]
         inputs = getattr(testing, make_inputs)(model, batch=args.batch, txt_tokens=args.text_tokens,
                                                seed=args.seed + 1, **latent)
         model = _quantized(model, args, device)
