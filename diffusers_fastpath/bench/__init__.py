@@ -13,9 +13,10 @@ weights: speed and exactness do not depend on the weights, and nothing is downlo
 ``sd3.5-large``, ``qwen-image``,
 ``hunyuan-image`` (HunyuanImage-2.1: give ``--height 2048 --width 2048``), ``z-image``, ``lumina2`` (Lumina-Image
 2.0), ``wan-14b`` (Wan 2.1 T2V 14B: give ``--height 480 --width 832 --frames 81``), ``hunyuanvideo-1.5`` (480p:
-give ``--height 480 --width 848 --frames 33 --text-tokens 1000``) and their ``flux2-tiny``, ``sd3-tiny``,
-``qwen-image-tiny``, ``hunyuan-image-tiny``, ``z-image-tiny``, ``lumina2-tiny``, ``wan-tiny``,
-``hunyuanvideo-1.5-tiny`` (step level), or any FLUX pipeline path/id for
+give ``--height 480 --width 848 --frames 33 --text-tokens 1000``), ``ltx-video`` (LTX-Video 2B: give ``--height 512
+--width 768 --frames 121 --text-tokens 128``) and their ``flux2-tiny``, ``sd3-tiny``, ``qwen-image-tiny``,
+``hunyuan-image-tiny``, ``z-image-tiny``, ``lumina2-tiny``, ``wan-tiny``, ``hunyuanvideo-1.5-tiny``,
+``ltx-video-tiny`` (step level), or any FLUX pipeline path/id for
 ``FluxPipeline.from_pretrained``.
 
 Levels (``--levels``, default ``step,generation``; ``--kernels`` adds ``kernels``, ``--profile`` adds ``profile``):
