@@ -4,7 +4,8 @@ A fused RMSNorm is bit-identical to eager only if it adds the squares in the ord
 ``mean`` dispatches to, which depends on the torch build. This script emulates candidate orders exactly (every
 fp32 addition is a separate, correctly rounded torch op) and reports, for each, the fraction of rows whose mean
 matches aten bit for bit. On an H200 with torch 2.11 only "lanes=32 vec=4 tree=16..1" matched all rows; that is
-the order ``csrc/rmsnorm_scale_shift.cu`` implements.
+the order ``csrc/rmsnorm_scale_shift.cu`` implements. Short rows (``--dim 128``: the per-head QK norms of Qwen-Image,
+Z-Image, Lumina2) may take aten's unvectorised path, whose lanes hold strided elements ("strided" below).
 
     python examples/reduction_order_probe.py [--rows 4216] [--dim 4096]
 """
@@ -30,6 +31,20 @@ def lane_sums(sq: torch.Tensor, lanes: int, vec: int) -> torch.Tensor:
     return total
 
 
+def strided_lane_sums(sq: torch.Tensor, lanes: int, vt: int) -> torch.Tensor:
+    """aten's unvectorised thread reduce: lane l keeps `vt` accumulators; accumulator i adds sq[l + lanes * (i + vt * k)]
+    for k = 0, 1, ...; then ((a_0 + a_1) + a_2) + ..."""
+    rows, dim = sq.shape
+    s = sq.reshape(rows, dim // (vt * lanes), vt, lanes)
+    acc = torch.zeros(rows, vt, lanes, device=sq.device)
+    for k in range(s.shape[1]):
+        acc = acc + s[:, k]
+    total = acc[:, 0]
+    for i in range(1, vt):
+        total = total + acc[:, i]
+    return total
+
+
 def shuffle_tree(v: torch.Tensor, offsets) -> torch.Tensor:
     """``value += shfl_down(value, offset)`` for each offset, read at lane 0."""
     for off in offsets:
@@ -49,16 +64,15 @@ def main() -> None:
     aten = x.float().pow(2).mean(-1)
     sq = x.float().pow(2)
     factor = torch.tensor(float(args.rows) / float(args.rows * args.dim), dtype=torch.float32, device=device)
-    for lanes in (16, 32, 64):
-        for vec in (2, 4, 8):
-            if args.dim % (lanes * vec):
-                continue
-            sums = lane_sums(sq, lanes, vec)
-            for name, offsets in (("1..", [2**i for i in range(lanes.bit_length() - 1)]),
-                                  ("..1", [2**i for i in reversed(range(lanes.bit_length() - 1))])):
-                mean = shuffle_tree(sums, offsets) * factor
-                match = (mean == aten).float().mean().item()
-                print(f"lanes={lanes:<3d} vec={vec} tree={offsets[0]}..{offsets[-1]}: {100 * match:6.2f}% of rows match")
+    for lanes, vec, layout in [(l, v, k) for l in (16, 32, 64) for v in (2, 4, 8) for k in ("vec", "strided")]:
+        if args.dim % (lanes * vec):
+            continue
+        sums = (lane_sums if layout == "vec" else strided_lane_sums)(sq, lanes, vec)
+        for name, offsets in (("1..", [2**i for i in range(lanes.bit_length() - 1)]),
+                              ("..1", [2**i for i in reversed(range(lanes.bit_length() - 1))])):
+            mean = shuffle_tree(sums, offsets) * factor
+            match = (mean == aten).float().mean().item()
+            print(f"{layout:7s} lanes={lanes:<3d} vec={vec} tree={offsets[0]}..{offsets[-1]}: {100 * match:6.2f}% of rows match")
 
 
 if __name__ == "__main__":
