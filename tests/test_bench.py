@@ -345,7 +345,9 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
         assert all(r["equal"] for r in kern["rows"] if r["exact"]), kern["rows"]
         assert all(r["fused_us"] > 0 and 0 < r["pct_of_copy"] for r in kern["rows"])
         assert all(0 < r["max_abs_diff"] < 0.25 for r in kern["rows"] if not r["exact"]), kern["rows"]
-        assert len(kern["host_us_per_call"]) == 5
+        from diffusers_fastpath.ops import _build
+        # the NVRTC way adds its launcher, the call the public entry makes there
+        assert len(kern["host_us_per_call"]) == 5 + (_build.backend == "nvrtc"), kern["host_us_per_call"]
     rows = json.loads((tmp_path / "flux-dev.json").read_text())["kernels"]["rows"]
     shapes = [r["shape"] for r in rows if r["op"] == "modulate_scale_shift"]
     assert shapes == [[1, 4096, 3072], [1, 512, 3072], [1, 4608, 3072]]  # image, text, single at 1024x1024

@@ -219,7 +219,9 @@ def test_launchers_pack_the_parameter_tables_of_the_kernels(cubins):
         expected = {i: v for i, v in enumerate(kernel.params.offsets().values())}
         for name in kernel.names.values():
             info = kernels[_normal(_nvrtc.module_symbols[kernel.source][name])][".nv.info."]
-            assert _param_table(info) == expected, name
+            table = _param_table(info)
+            assert table == expected, name
+            assert kernel.arg_bytes == max(off + size for off, size in table.values()), name  # the param space
 
 
 def _all_params() -> dict[str, _nvrtc.Params]:
@@ -261,6 +263,17 @@ def test_param_structs_match_fastpath_h(tmp_path):
         size, *fields = layout[name]
         assert size == p.size, name
         assert [(f, off, sz) for f, off, sz in fields] == [(f, *p.offsets()[f]) for f, _ in p.fields], name
+
+
+def test_launch_buffers_end_at_the_last_parameter():
+    """cuLaunchKernel refuses a parameter buffer longer than the kernel's parameter space ("too many resources
+    requested for launch", CUDA error 701, seen on the H200 without a toolkit): silu_mul's list, an 88-byte struct and
+    an int, is 92 bytes, not the 96 of the ctypes.Structure that lays it out."""
+    sizes = {k.params.name: (k.arg_bytes, k.params.size) for k in _nvrtc.KERNELS}
+    assert sizes["silu_mul_kernel"] == (92, 96)
+    for kernel in _nvrtc.KERNELS:
+        buf, _, size = kernel._slot()
+        assert kernel.arg_bytes == kernel.params.end == size.value == len(buf), kernel.names
 
 
 def _constant(source: str, name: str) -> int:
@@ -343,6 +356,11 @@ def test_raw_ops_refuse_what_the_guard_refuses():
         impl["_modulate_scale_shift_cuda"](x, x[:, 0], x[:, 0])
     with pytest.raises(ValueError, match="device cpu"):
         impl["_gated_residual_cuda_out"](torch.empty_like(x), x, x[:, :1], x)
+    # bindings.cpp takes an fp32 gate (Wan's chain), so the NVRTC raw op does too: the dtypes pass, the device not
+    with pytest.raises(ValueError, match="device cpu"):
+        impl["_gated_residual_cuda"](x, x[:, :1].float(), x)
+    with pytest.raises(ValueError, match="mixed dtypes"):
+        impl["_gated_residual_cuda"](x, x[:, :1].half(), x)
 
 
 @needs_nvrtc
@@ -377,7 +395,10 @@ def captured_launches(monkeypatch):
     def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         # extra = {BUFFER_POINTER, &buffer, BUFFER_SIZE, &size, END}: find whose buffer it is, decode it
         (kernel,) = [k for k in _nvrtc.KERNELS if getattr(k._tls, "slot", None) and ctypes.addressof(k._tls.slot[0]) == extra[1]]
-        raw = ctypes.string_at(extra[1], ctypes.c_size_t.from_address(extra[3]).value)
+        size = ctypes.c_size_t.from_address(extra[3]).value
+        # the buffer ends at the last parameter: a list's tail padding makes the driver refuse the launch (701)
+        assert size == kernel.params.end <= kernel.params.size, (kernel.names, size)
+        raw = ctypes.string_at(extra[1], size).ljust(kernel.params.size, b"\0")
         launches.append((kernel, fn, (gx, gy, gz), (bx, by, bz), kernel.params.ctype.from_buffer_copy(raw)))
         return 0
 
@@ -613,9 +634,7 @@ def test_nvrtc_missing_names_the_cause_without_a_gpu():
 def both_ways():
     """The nvcc extension (when a toolkit is there) and the NVRTC cubins, in one process: the NVRTC launchers are
     called directly, the extension through its ops."""
-    nvcc = _build._toolkit_missing() is None and os.environ.get(_build.ENV_KERNELS, "") != "nvrtc"
-    if nvcc:
-        _build.load_extension()
+    nvcc = _build.load_extension() == "nvcc"  # the raw ops: the extension's, else the NVRTC ones
     major, minor = torch.cuda.get_device_capability()
     _nvrtc.build(CSRC, _build.cache_root(), f"{major}{minor}", _build.NVRTC_FLAGS)
     return nvcc
@@ -655,10 +674,18 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
                       (x, scale, shift, 1e-6)))
     mlp = _rand((b, l, 4 * d), dtype, gen)
     cases.append((gelu_cat_mod._nvrtc_kernel(x, mlp), gelu_cat_mod.gelu_cat_ref(x, mlp), "_gelu_cat_cuda", (x, mlp)))
+    gate_half, up_half = mlp.chunk(2, dim=-1)  # FLUX.2's SwiGLU: the two halves of one projection
+    cases.append((silu_mul_mod._nvrtc_kernel(gate_half, up_half), silu_mul_mod.silu_mul_ref(gate_half, up_half),
+                  "_silu_mul_cuda", (gate_half, up_half)))
+    gate32 = gate.unsqueeze(1).float()  # Wan's chain: an fp32 gate, through the raw op's own guard
+    cases.append((gated_residual_mod._nvrtc_kernel(x, gate32, update),
+                  gated_residual_mod.gated_residual_fp32_ref(x, gate32, update), "_gated_residual_cuda",
+                  (x, gate32, update)))
     for got, ref, op, args in cases:
         assert torch.equal(got, ref), op
-        if both_ways:
-            assert torch.equal(got, getattr(ops, op)(*args)), op
+        # the raw op: nvcc's where a toolkit is there, else the NVRTC one (through the guard that stands for
+        # bindings.cpp's checks)
+        assert torch.equal(got, getattr(ops, op)(*args)), op
 
 
 @pytest.mark.gpu

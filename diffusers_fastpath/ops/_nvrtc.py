@@ -283,9 +283,18 @@ class Params:
             fmt += f"{offset - pos}x" if offset > pos else ""
             fmt += code
             pos = offset + struct.calcsize("=" + code)
-        fmt += f"{self.size - pos}x" if self.size > pos else ""
-        self.struct = struct.Struct(fmt)
-        assert self.struct.size == self.size, (self.name, fmt)
+        self._body, self._body_end = fmt, pos
+        self.struct = self.packer(self.size)
+        # A kernel's parameter list ends at its last parameter: the driver rejects a buffer padded to the list's
+        # alignment (cuLaunchKernel: "too many resources requested for launch"), so a `Kernel` packs `end` bytes.
+        last = getattr(self.ctype, fields[-1][0])
+        self.end = last.offset + last.size
+
+    def packer(self, size: int) -> struct.Struct:
+        """The flattened fields, padded to ``size`` bytes (``size``: the struct's ``sizeof`` or the list's `end`)."""
+        packer = struct.Struct(self._body + (f"{size - self._body_end}x" if size > self._body_end else ""))
+        assert packer.size == size, (self.name, packer.format, size)
+        return packer
 
     @staticmethod
     def _flatten(params: "Params", base: int, out: list) -> None:
@@ -328,7 +337,8 @@ class Kernel:
         self.source = source
         self.names = {key: f"{template}<{args}>" for key, args in variants.items()}
         self.params = params
-        self._pack_into = params.struct.pack_into
+        self.arg_bytes = params.end  # the parameter buffer's size: no tail padding after the last parameter
+        self._pack_into = params.packer(params.end).pack_into
         self._functions: dict[int, dict] = {}  # device -> key -> CUfunction (an int)
         self._tls = threading.local()
         KERNELS.append(self)
@@ -336,8 +346,8 @@ class Kernel:
     def _slot(self):
         """This thread's argument buffer and the ``extra`` array that points at it (cuLaunchKernel copies the
         arguments before it returns, so one buffer per thread is enough and two threads never share one)."""
-        buf = ctypes.create_string_buffer(self.params.size)
-        size = ctypes.c_size_t(self.params.size)
+        buf = ctypes.create_string_buffer(self.arg_bytes)
+        size = ctypes.c_size_t(self.arg_bytes)
         extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf),
                                       _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), _CU_LAUNCH_PARAM_END)
         slot = self._tls.slot = (buf, extra, size)

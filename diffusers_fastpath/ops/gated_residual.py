@@ -108,9 +108,18 @@ def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     return out
 
 
-_nvrtc.raw_op("_gated_residual_cuda", "(Tensor residual, Tensor gate, Tensor update) -> Tensor", _guard, _nvrtc_kernel)
+
+
+def _raw_guard(residual, gate, update, check_pointers: bool = True) -> str | None:
+    """bindings.cpp's checks: the gate of the residual's dtype, or float32 (`gated_residual_fp32`'s chain)."""
+    gate_dtype = torch.float32 if gate.dtype is torch.float32 else residual.dtype
+    return _check(residual, gate, update, gate_dtype, check_pointers)
+
+
+_nvrtc.raw_op("_gated_residual_cuda", "(Tensor residual, Tensor gate, Tensor update) -> Tensor", _raw_guard,
+              _nvrtc_kernel)
 _nvrtc.raw_op("_gated_residual_cuda_out", "(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()",
-              _guard, _nvrtc_kernel, outs=1)
+              _raw_guard, _nvrtc_kernel, outs=1)
 
 _cuda_op = None
 
