@@ -158,8 +158,8 @@ at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, co
 // input raises instead of reading out of bounds.
 void check_silu_mul_inputs(const at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.is_cuda(), "silu_mul: gate must be a CUDA tensor");
-  TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && out.sizes() == gate.sizes() && out.is_contiguous(),
-              "silu_mul: gate, up and a contiguous out must be [batch, seq, dim] of one shape, got ",
+  TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && out.sizes() == gate.sizes(),
+              "silu_mul: gate, up and out must be [batch, seq, dim] of one shape, got ",
               shape_str(gate.sizes()), " and ", shape_str(up.sizes()));
   const int64_t vec = 16 / gate.element_size();
   to_dtype(gate);
@@ -170,6 +170,9 @@ void check_silu_mul_inputs(const at::Tensor& out, const at::Tensor& gate, const 
     TORCH_CHECK(t->size(2) % vec == 0 && t->stride(2) == 1 && t->stride(1) % vec == 0 && t->stride(0) % vec == 0,
                 "silu_mul: rows must have unit innermost stride, stay 16-byte aligned and hold whole vectors");
   }
+  TORCH_CHECK((out.size(1) == 1 || out.stride(1) >= out.size(2)) &&
+                  (out.size(0) == 1 || out.stride(0) >= out.size(1) * out.stride(1)),
+              "silu_mul: out rows must not overlap");
 }
 
 void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
@@ -187,6 +190,8 @@ void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up)
   args.gate_stride_s = gate.stride(1);
   args.up_stride_b = up.stride(0);
   args.up_stride_s = up.stride(1);
+  args.out_stride_b = out.stride(0);
+  args.out_stride_s = out.stride(1);
   args.dtype = to_dtype(gate);
   const cudaError_t err = launch_silu_mul(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "silu_mul: kernel launch failed: ", cudaGetErrorString(err));

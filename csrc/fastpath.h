@@ -86,7 +86,8 @@ cudaError_t launch_gelu_cat(const GeluCatArgs& args, cudaStream_t stream);
 
 // out[b, s, :] = round(round(silu(gate[b, s, :])) * up[b, s, :]), SwiGLU's elementwise half as aten computes it
 struct SiluMulArgs {
-  void* out;            // [batch, seq, dim], contiguous
+  void* out;            // [batch, seq, dim]: row (b, s) at out + b * out_stride_b + s * out_stride_s, unit innermost
+                        // stride (contiguous, or the SwiGLU columns of swiglu_cat's concatenation buffer)
   const void* gate;     // row (b, s) at gate + b * gate_stride_b + s * gate_stride_s; unit innermost stride
   const void* up;       // row (b, s) at up + b * up_stride_b + s * up_stride_s; unit innermost stride
   int64_t batch;
@@ -96,6 +97,8 @@ struct SiluMulArgs {
   int64_t gate_stride_s;
   int64_t up_stride_b;
   int64_t up_stride_s;
+  int64_t out_stride_b;
+  int64_t out_stride_s;
   DType dtype;
 };
 

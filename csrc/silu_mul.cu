@@ -9,7 +9,8 @@
 // and falls back for good where it differs. The multiply is exact by construction (__fmul_rn, one rounding).
 //
 // Layout: gate and up are [batch, seq, dim] rows with unit innermost stride and 16-byte aligned row starts (the two
-// `chunk(2, dim=-1)` halves of a contiguous projection qualify, as do two contiguous tensors); out is contiguous.
+// `chunk(2, dim=-1)` halves of a contiguous projection qualify, as do two contiguous tensors); out rows likewise
+// (a contiguous out, or swiglu_cat's: the SwiGLU columns of the [batch, seq, attn_dim + dim] concatenation).
 // Each thread moves one 16-byte vector of a row; threads walk rows with a grid stride.
 #include "elementwise.cuh"
 #include "fastpath.h"
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   const T* gate = static_cast<const T*>(a.gate) + static_cast<int64_t>(col) * kVec;
   const T* up = static_cast<const T*>(a.up) + static_cast<int64_t>(col) * kVec;
-  P* out = reinterpret_cast<P*>(a.out) + col;
+  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(col) * kVec;
   for (int64_t row = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < rows; row += row_step) {
     const int64_t b = row / a.seq;
     const int64_t s = row - b * a.seq;
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32
       const float act = round_to<T>(silu(Storage<T>::load(g.v[i])));
       o.v[i] = Storage<T>::store(__fmul_rn(act, Storage<T>::load(u.v[i])));
     }
-    out[row * vecs_per_row] = o;
+    *reinterpret_cast<P*>(out + b * a.out_stride_b + s * a.out_stride_s) = o;
   }
 }
 

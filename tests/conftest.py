@@ -86,7 +86,7 @@ def emulated_kernels(monkeypatch):
     as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
     and the QK norm + rotary and the RMSNorm + scale / gated residual, self-verified on the GPU; the modulate and the
     rotary, exact by construction; GELU +
-    concatenation and the SiLU-gated product, proven exact on every value): the fast paths' wiring runs, and is
+    concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value): the fast paths' wiring runs, and is
     checked, on a CPU."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
@@ -97,7 +97,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
-    from diffusers_fastpath.ops.silu_mul import SILU_MUL, silu_mul_ref
+    from diffusers_fastpath.ops.silu_mul import SILU_MUL, SWIGLU_CAT, silu_mul_ref, swiglu_cat_ref
 
     def gated_residual_arithmetic(residual, gate, update):
         return (residual.float() + (gate.float() * update.float()).to(residual.dtype).float()).to(residual.dtype)
@@ -109,12 +109,12 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
-                       (SILU_MUL, silu_mul_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
+                       (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
-    for op in (GELU_CAT, SILU_MUL):
+    for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):
         monkeypatch.setattr(op, "prove", None)  # their proofs run the CUDA kernel on every value of the dtype
 
 

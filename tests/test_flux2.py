@@ -18,9 +18,10 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(dual: int, single: int) -> dict[str, int]:
-    # silu_mul: the dual blocks' two feed-forwards' Flux2SwiGLU, the single blocks' MLP one
+    # silu_mul: the dual blocks' two feed-forwards' Flux2SwiGLU; swiglu_cat: the single blocks' MLP one, written into
+    # the concatenation with the attention output
     return {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single,
-            "qk_norm_rope": dual + single, "silu_mul": 2 * dual + single}
+            "qk_norm_rope": dual + single, "silu_mul": 2 * dual, "swiglu_cat": single}
 
 
 # q and k per forward through the fused QK norm + rotary; its fallback, the plain rotary, never runs
@@ -51,6 +52,35 @@ def test_unpatch_pickle_and_state_dict():
         assert isinstance(model.transformer_blocks[0], Flux2TransformerBlock)
         assert type(model.single_transformer_blocks[0]) is flux2.FastpathFlux2SingleTransformerBlock
     assert type(model.single_transformer_blocks[0]) is Flux2SingleTransformerBlock
+
+
+def test_swiglu_cat_counts_where_the_act_cannot_run_inside_it(emulated_kernels, monkeypatch):
+    """The single blocks' SwiGLU + concatenation: a forward hook on one block's ``mlp_act_fn`` (it runs, and the
+    output is the unpatched model's with the same hook), or a SwiGLU class this package has not checked by digest
+    (`register_swiglu`), runs the two statements as written and counts the reason on the ``swiglu_cat`` site."""
+    from diffusers_fastpath.models import _chain_calls
+
+    ref, model = build_flux2_transformer(seed=11), build_flux2_transformer(seed=11)
+    inputs = flux2_transformer_inputs(model, seed=12)
+    calls = []
+    for m in (ref, model):
+        m.single_transformer_blocks[0].attn.mlp_act_fn.register_forward_hook(lambda mod, i, o: calls.append(1) or o * 2)
+    fp.patch(model)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).sample, ref(**inputs).sample)
+            assert len(calls) == 2
+            rows = {s.site: s for s in fp.report(model).sites if s.op == "swiglu_cat"}
+            hooked, free = (rows[f"single_transformer_blocks.{i}.attn.mlp_act_fn:swiglu_cat"] for i in (0, 1))
+            assert (hooked.fast, dict(hooked.reasons)) == (0, {"FastpathFlux2SwiGLU has hooks": 1})
+            assert (free.fast, free.fallback) == (1, 0)
+            monkeypatch.setattr(_chain_calls, "SWIGLU_MODULES", {})  # as if the installed forward's digest differed
+            assert torch.equal(model(**inputs).sample, ref(**inputs).sample)
+            rows = {s.site: s for s in fp.report(model).sites if s.op == "swiglu_cat"}
+            free = rows["single_transformer_blocks.1.attn.mlp_act_fn:swiglu_cat"]
+            assert (free.fast, dict(free.reasons)) == (1, {"FastpathFlux2SwiGLU is not a SwiGLU this package knows": 1})
+    finally:
+        fp.unpatch(model)
 
 
 def test_compiles_with_fullgraph():

@@ -267,10 +267,10 @@ def test_param_structs_match_fastpath_h(tmp_path):
 
 def test_launch_buffers_end_at_the_last_parameter():
     """cuLaunchKernel refuses a parameter buffer longer than the kernel's parameter space ("too many resources
-    requested for launch", CUDA error 701, seen on the H200 without a toolkit): silu_mul's list, an 88-byte struct and
-    an int, is 92 bytes, not the 96 of the ctypes.Structure that lays it out."""
+    requested for launch", CUDA error 701, seen on the H200 without a toolkit): silu_mul's list, a 104-byte struct and
+    an int, is 108 bytes, not the 112 of the ctypes.Structure that lays it out."""
     sizes = {k.params.name: (k.arg_bytes, k.params.size) for k in _nvrtc.KERNELS}
-    assert sizes["silu_mul_kernel"] == (92, 96)
+    assert sizes["silu_mul_kernel"] == (108, 112)
     for kernel in _nvrtc.KERNELS:
         buf, _, size = kernel._slot()
         assert kernel.arg_bytes == kernel.params.end == size.value == len(buf), kernel.names
@@ -467,7 +467,15 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
         out.data_ptr(), gate.data_ptr(), up.data_ptr(), 2, 17, 128)
     assert (a.a.gate_stride_b, a.a.gate_stride_s, a.a.up_stride_b, a.a.up_stride_s, a.a.dtype, a.vecs_per_row) == (
         17 * 256, 256, 17 * 256, 256, 1, 16)
+    assert (a.a.out_stride_b, a.a.out_stride_s) == (17 * 128, 128)  # a contiguous out
     assert (grid, block) == _nvrtc.row_grid(34, 16, 512, 1, 132, 16)
+    # swiglu_cat's out: the SwiGLU columns of a [2, 17, 64 + 128] concatenation buffer (rows 192 wide, 64 in)
+    buf = torch.empty(2, 17, 64 + 128).to(torch.bfloat16)
+    silu_mul_mod._nvrtc_kernel(gate, up, buf[..., 64:])
+    a = captured_launches[-1][-1]
+    assert (a.a.out, a.a.out_stride_b, a.a.out_stride_s) == (buf[..., 64:].data_ptr(), 17 * 192, 192)
+    with pytest.raises(ValueError, match="aligned-rows"):  # overlapping rows
+        silu_mul_mod._nvrtc_kernel(gate, up, buf.as_strided((2, 17, 128), (17 * 192, 64, 1)))
 
     # layernorm: one block of (32, 4) per row; the probe's eight-warp bit
     x = _bf16(2, 17, 64)
@@ -677,6 +685,11 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
     gate_half, up_half = mlp.chunk(2, dim=-1)  # FLUX.2's SwiGLU: the two halves of one projection
     cases.append((silu_mul_mod._nvrtc_kernel(gate_half, up_half), silu_mul_mod.silu_mul_ref(gate_half, up_half),
                   "_silu_mul_cuda", (gate_half, up_half)))
+    # swiglu_cat's strided out: the SwiGLU columns of a poisoned [B, L, D + 2D] buffer, the first D left alone
+    buf = torch.full((b, l, 3 * d), float("nan"), dtype=dtype, device="cuda")
+    silu_mul_mod._nvrtc_kernel(gate_half, up_half, buf[..., d:])
+    assert buf[..., :d].isnan().all()
+    cases.append((buf[..., d:], silu_mul_mod.silu_mul_ref(gate_half, up_half), "_silu_mul_cuda", (gate_half, up_half)))
     gate32 = gate.unsqueeze(1).float()  # Wan's chain: an fp32 gate, through the raw op's own guard
     cases.append((gated_residual_mod._nvrtc_kernel(x, gate32, update),
                   gated_residual_mod.gated_residual_fp32_ref(x, gate32, update), "_gated_residual_cuda",

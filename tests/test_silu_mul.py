@@ -1,5 +1,5 @@
-"""silu_mul (SwiGLU's ``F.silu(gate) * up``): the bit-exact contract and the proof on every value on the GPU, its
-guards, fallback and custom op everywhere."""
+"""silu_mul (SwiGLU's ``F.silu(gate) * up``) and swiglu_cat (the same written into a concatenation after it): the
+bit-exact contract and the proof on every value on the GPU, their guards, fallback and custom ops everywhere."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_fastpath.ops import Site, silu_mul, silu_mul_ref
-from diffusers_fastpath.ops.silu_mul import SILU_MUL
+from diffusers_fastpath.ops import Site, silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
+from diffusers_fastpath.ops.silu_mul import SILU_MUL, SWIGLU_CAT
 
 # [B, L, 2D] projections whose chunk(2, dim=-1) halves feed the op: FLUX.2-dev's feed-forward at 1024x1024 (4096 image
 # tokens, D = 18432) and its single blocks' MLP (4608 joint tokens), a CFG batch, FLUX.2-klein's width, a small case
@@ -95,3 +95,71 @@ def test_flux2_swiglu_is_rewritten_and_hooks_keep_it_as_written(emulated_kernels
         ref.gate_fn.register_forward_hook(lambda m, i, o: o * 2)
         assert torch.equal(fused(x), ref(x))
     assert fused._fastpath_site_silu_mul.fast == 1  # the hooked call did not take the fused path
+
+
+# --- swiglu_cat ---------------------------------------------------------------------------------------------------
+
+# (tokens, attention width, MLP hidden width) of FLUX.2's parallel single blocks: dev at 1024x1024 (4096 image + 512
+# text tokens), klein-4B, a small case
+CAT_SHAPES = [(4608, 6144, 18432), (4608, 3072, 9216), (17, 64, 128)]
+
+
+def make_cat_inputs(batch, tokens, width, hidden, dtype, device, seed):
+    """FLUX.2's layout: x the MLP part of the fused projection's output (a column slice, row stride 3 * width + 2 *
+    hidden), the attention output a transposed [B, S, H, D] view flattened (not contiguous in general)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    proj = (torch.randn(batch, tokens, 3 * width + 2 * hidden, generator=gen, device=device) * 3).to(dtype)
+    heads = width // 64 if width >= 64 else 1
+    attn = torch.randn(batch, heads, tokens, width // heads, generator=gen, device=device).to(dtype)
+    return attn.transpose(1, 2).flatten(2, 3), proj[..., 3 * width:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("shape", CAT_SHAPES, ids=str)
+def test_swiglu_cat_matches_eager_bitwise_and_writes_only_its_columns(shape, batch, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    tokens, width, hidden = shape
+    for seed in range(2):
+        attn, x = make_cat_inputs(batch, tokens, width, hidden, dtype, "cuda", seed)
+        ref = swiglu_cat_ref(attn, x)
+        # the raw kernel into the SwiGLU columns of a poisoned buffer: those all written, the others untouched
+        buf = torch.full_like(ref, float("nan"))
+        torch.ops.diffusers_fastpath._silu_mul_cuda_out(buf[..., width:], x[..., :hidden], x[..., hidden:])
+        torch.cuda.synchronize()
+        assert torch.equal(buf[..., width:], ref[..., width:])
+        assert buf[..., :width].isnan().all()
+        site = Site("swiglu_cat")
+        got = swiglu_cat(attn, x, site)
+        assert got.is_contiguous() and torch.equal(got, ref)
+        assert site.fast == 1 and not site.fallback, site  # first call verified, SiLU proven on every value
+    assert SWIGLU_CAT.disabled is None and (str(dtype).removeprefix("torch."),) in SWIGLU_CAT.verified
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("fp32", "dtype float32"), ("mixed", "mixed dtypes"), ("odd", "odd width"), ("narrow", "D not a multiple of 8"),
+    ("attn_width", "attention width not a multiple of 8"), ("batch", "shape"), ("cpu", "device cpu")])
+def test_swiglu_cat_guard_falls_back_with_reason(case, reason):
+    attn, x = make_cat_inputs(2, 9, 64, 128, torch.bfloat16, "cpu", 3)
+    args = {
+        "fp32": (attn.float(), x.float()), "mixed": (attn.half(), x), "odd": (attn, x[..., :255]),
+        "narrow": (attn, x[..., :120]), "attn_width": (attn[..., :60], x), "batch": (attn[:1], x), "cpu": (attn, x),
+    }[case]
+    assert SWIGLU_CAT.guard(*args) == reason
+    site = Site("swiglu_cat")
+    if case in ("odd", "batch"):  # halves of different widths, operands of different batches: eager raises, and
+        # so does the fallback
+        with pytest.raises(RuntimeError):
+            swiglu_cat(*args, site)
+    else:
+        assert torch.equal(swiglu_cat(*args, site), swiglu_cat_ref(*args))
+    assert site.fast == 0 and site.fallback == {reason: 1}
+
+
+def test_swiglu_cat_custom_op_opcheck_cpu():
+    attn, x = make_cat_inputs(2, 9, 64, 128, torch.bfloat16, "cpu", 4)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.swiglu_cat.default, (attn, x))
+    assert torch.equal(torch.ops.diffusers_fastpath.swiglu_cat(attn, x), swiglu_cat_ref(attn, x))

@@ -14,10 +14,30 @@ from torch import nn
 
 from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_scale, rotary_emb, silu_mul)
+                   rmsnorm_scale, rotary_emb, silu_mul, swiglu_cat)
 from ..quality import hooked
 
 _SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
+SWIGLU_MODULES: dict[type, str] = {}  # SwiGLU module class -> the attribute holding its SiLU (`register_swiglu`)
+
+
+def register_swiglu(cls: type, gate: str) -> None:
+    """Let the SwiGLU + concatenation form take modules of exactly `cls`: its adapter has checked (by the digest of
+    the installed source) that ``cls.forward(x)`` is ``self.<gate>(x[..., :h]) * x[..., h:]`` with ``h = x.shape[-1]
+    // 2``, which `swiglu_cat` computes when ``self.<gate>`` is a plain SiLU."""
+    SWIGLU_MODULES[cls] = gate
+
+
+def swiglu_cat_unfit(act: nn.Module) -> str | None:
+    """Why the SwiGLU module `act` cannot run inside `swiglu_cat`, or ``None``."""
+    gate = SWIGLU_MODULES.get(type(act))
+    if gate is None:
+        return f"{type(act).__name__} is not a SwiGLU this package knows"
+    if type(getattr(act, gate, None)) not in _SILUS:
+        return f"{type(act).__name__}.{gate} is not a SiLU"
+    if hooked(act) or hooked(getattr(act, gate)):
+        return f"{type(act).__name__} has hooks"
+    return None
 
 
 def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
@@ -122,6 +142,21 @@ class _ChainsNamespace:
     @staticmethod
     def gelu_cat(attn, mlp, site):
         return gelu_cat(attn, mlp, site)
+
+    @staticmethod
+    def swiglu_in_cat(act, site) -> bool:
+        if site is None:
+            return False
+        reason = swiglu_cat_unfit(act)
+        if reason is not None:
+            site.fallback[reason] += 1
+        return reason is None
+
+    @staticmethod
+    def swiglu_cat(act, attn, x, site):
+        if not (isinstance(attn, torch.Tensor) and isinstance(x, torch.Tensor)):
+            return torch.cat([attn, act(x)], dim=-1)
+        return swiglu_cat(attn, x, site)
 
     @staticmethod
     def rotary(x, freqs, site, qk_site=None):

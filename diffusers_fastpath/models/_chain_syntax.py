@@ -165,14 +165,22 @@ def _act_of_proj(node: ast.expr) -> tuple[str, ast.expr] | None:
     return None
 
 
-def _cat_dim2(node: ast.expr) -> tuple[ast.expr, str] | None:
-    """``(A, M)`` if `node` is ``torch.cat([A, M], dim=2)`` with ``M`` a name."""
+def _int_literal(node: ast.expr) -> int | None:
+    """The value of an integer literal (``2``, ``-1``), or None."""
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if type(value) is int else None
+
+
+def _cat_dim2(node: ast.expr, dim: int = 2) -> tuple[ast.expr, str] | None:
+    """``(A, M)`` if `node` is ``torch.cat([A, M], dim=2)`` (or `dim`) with ``M`` a name."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
             and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
             and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
             and isinstance(node.args[0].elts[1], ast.Name) and len(node.keywords) == 1
-            and node.keywords[0].arg == "dim" and isinstance(node.keywords[0].value, ast.Constant)
-            and node.keywords[0].value.value == 2):
+            and node.keywords[0].arg == "dim" and _int_literal(node.keywords[0].value) == dim):
         return None
     return node.args[0].elts[0], node.args[0].elts[1].id
 

@@ -113,6 +113,18 @@ of ``self``):
 
   with the site ``gelu_cat`` on the block.
 
+- SwiGLU + concatenation (FLUX.2's parallel single-block processor), into `diffusers_fastpath.ops.swiglu_cat` (its
+  SiLU proven exact on every value; the fallback is the two statements as written), in processors whose adapter
+  names the attention module's SwiGLU attributes (``swiglus=("mlp_act_fn",)``):
+
+  - ``M = attn.ACT(X)`` and, later in the same block of statements, ``H = torch.cat([A, M], dim=-1)``, ``M`` read
+    nowhere else, nothing in between assigning a name of ``X`` or calling an in-place method  ->
+    ``M = X`` ... ``H = swiglu_cat(A, M, site)`` when ``attn.ACT`` is a registered SwiGLU module (`register_swiglu`:
+    a class whose installed forward is, by digest, ``gate(x[..., :h]) * x[..., h:]``) with a plain SiLU gate and
+    no hooks (checked per call), else the original two statements
+
+  with the site ``swiglu_cat`` on ``attn.ACT`` (which then counts nothing as ``silu_mul``).
+
 Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
 any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
 expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
@@ -142,9 +154,10 @@ from diffusers.models.normalization import RMSNorm
 from torch import nn
 
 from .._logging import warn_once
-from .._state import PatchState
+from .._state import PatchState, site_attr
+from ..ops import Site
 from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
-from ._chain_calls import _ChainsNamespace
+from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_dim2, _diffusers_rotary,
                             _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
@@ -162,7 +175,9 @@ GELU_CAT = "gelu_cat"
 SILU_MUL = "silu_mul"
 RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
 RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
+SWIGLU_CAT = "swiglu_cat"
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
+_SWIGLU_FLAG = "_fastpath_swiglu_in_cat"  # the same for the SwiGLU + concatenation form
 
 
 @dataclass
@@ -181,16 +196,20 @@ class Rewrite:
     rms_scales: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + scale sites
     rms_gated: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + gated residual sites
     pairwise_masks: int = 0  # pairwise attention masks built by broadcasting (no site: exact by construction)
+    swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
-                    or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks)
+                    or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
+                    or self.swiglu_cats)
 
 
 class _Rewriter:
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
-                 activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> None:
+                 activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
+                 swiglus: tuple[str, ...] = ()) -> None:
         self.found = Rewrite()
+        self.swiglus = swiglus  # the owner's attributes that may be a registered SwiGLU (the SwiGLU + cat form)
         self.activations = activations  # the block's attributes that may be a SiLU (the SwiGLU form)
         self.rms_norms = rms_norms  # the block's attributes that may be diffusers' RMSNorm (the sandwich-norm forms)
         self.norm_methods = norm_methods or {}
@@ -396,6 +415,48 @@ class _Rewriter:
                         ast.copy_location(joined, body[j]), *body[j + 1:]]
         return body
 
+    def swiglu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        """The SwiGLU + concatenation form over one block of statements (see the module doc)."""
+        for i, stmt in enumerate(body):
+            m = _single_target(stmt)
+            value = stmt.value if m is not None else None
+            if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                    and isinstance(value.func.value, ast.Name) and value.func.value.id == self.owner
+                    and value.func.attr in self.swiglus and value.func.attr not in self.found.swiglu_cats
+                    and len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred)):
+                continue
+            x = value.args[0]
+            x_names = {n.id for n in ast.walk(x) if isinstance(n, ast.Name)}
+            for j in range(i + 1, len(body)):
+                h = _single_target(body[j])
+                cat = _cat_dim2(body[j].value, -1) if h is not None else None
+                if cat is None or cat[1] != m:
+                    between = body[j]
+                    stores = {n.id for n in ast.walk(between) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                    if stores & (x_names | {m}) or any(_calls_inplace(e) for e in ast.walk(between)
+                                                         if isinstance(e, ast.expr)):
+                        break  # X (or M) may hold another value at the concatenation
+                    continue
+                reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load)
+                            for n in ast.walk(function))
+                reads -= sum(isinstance(n, ast.Name) and n.id == m for n in ast.walk(x))  # ``M = attn.ACT(M)``
+                if reads != 1 or _uses(cat[0], m):
+                    break
+                act = value.func
+                site = _site_of(copy.deepcopy(act), SWIGLU_CAT)
+                flag = ast.Name(_SWIGLU_FLAG, ast.Load())
+                decide = ast.Assign(targets=[ast.Name(_SWIGLU_FLAG, ast.Store())],
+                                    value=_call("swiglu_in_cat", [copy.deepcopy(act), site]))
+                deferred = ast.Assign(targets=[ast.Name(m, ast.Store())],
+                                      value=ast.IfExp(test=flag, body=copy.deepcopy(x), orelse=value))
+                joined = ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.IfExp(test=flag, body=_call(
+                    "swiglu_cat", [copy.deepcopy(act), cat[0], ast.Name(m, ast.Load()), copy.deepcopy(site)]),
+                    orelse=body[j].value))
+                self.found.swiglu_cats.append(act.attr)
+                return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(deferred, stmt), *body[i + 1:j],
+                        ast.copy_location(joined, body[j]), *body[j + 1:]]
+        return body
+
     def deferred_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
         """``N = self.A(X)``, other plain assignments, then ``N = N * (1 + S[:, None]) + T[:, None]`` (see the module
         doc): the norm statement dropped, the modulate rewritten."""
@@ -487,6 +548,8 @@ class _Rewriter:
         body = self.pairwise_masks(body)
         if self.block:
             body = self.deferred_norms(self.gelu_cat(body, function))
+        elif self.swiglus:
+            body = self.swiglu_cat(body, function)
         out: list[ast.stmt] = []
         i = 0
         while i < len(body):
@@ -506,7 +569,8 @@ class _Rewriter:
 
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
-                    activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
+                    activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
+                    swiglus: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -525,7 +589,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
     if "F.silu" in activations and fn.__globals__.get("F") is not F:  # the functional form needs torch's F
         activations = tuple(a for a in activations if a != "F.silu")
-    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations, rms_norms)
+    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations, rms_norms, swiglus)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.block and rewriter.found.rotary:
         func.body = rewriter.qk_norms(func.body)
@@ -547,16 +611,19 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    norm_methods: dict[str, tuple[str, object]] | None = None,
-                   activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
+                   activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
+                   swiglus: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
     chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
     `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
     (the LayerNorm-into-method pattern of the module doc); `activations` names the attributes of `cls` that the
-    SwiGLU form may take as its SiLU; `rms_norms` those the sandwich-norm forms may take as diffusers' RMSNorm."""
+    SwiGLU form may take as its SiLU; `rms_norms` those the sandwich-norm forms may take as diffusers' RMSNorm;
+    `swiglus` (a processor's) the attention module's attributes the SwiGLU + concatenation form may take."""
     norm_methods = norm_methods or {}
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
-                                {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms)
+                                {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms,
+                                swiglus)
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
@@ -565,7 +632,7 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
            f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
            f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
-           f"{found.rms_gated or '-'}. Adds no "
+           f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
@@ -591,6 +658,12 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             state.add_site(module, ROTARY, name=ROTARY)
             if qk and type(getattr(module, "norm_q", None)) is nn.RMSNorm:  # what `norm_later` defers
                 state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
+            for attr in fused_cls._fastpath_rewrite.swiglu_cats:
+                act = getattr(module, attr, None)
+                if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul
+                    state.add_site(act, SWIGLU_CAT, SWIGLU_CAT)
+                    if isinstance(act.__dict__.get(site_attr(SILU_MUL)), Site):
+                        state.set_attr(act, site_attr(SILU_MUL), None)
 
 
 def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[type | None, Rewrite | None]]) -> None:

@@ -20,7 +20,7 @@ from .rmsnorm_scale_shift import (
     rmsnorm_scale_shift_ref,
 )
 from .rotary import rotary_emb, rotary_emb_ref
-from .silu_mul import silu_mul, silu_mul_ref
+from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
 
 __all__ = [
     "OPS",
@@ -55,5 +55,7 @@ __all__ = [
     "rotary_emb",
     "silu_mul",
     "silu_mul_ref",
+    "swiglu_cat",
+    "swiglu_cat_ref",
     "rotary_emb_ref",
 ]

@@ -310,12 +310,21 @@ class Params:
         return {name: (getattr(self.ctype, name).offset, getattr(self.ctype, name).size) for name, _ in self.fields}
 
 
-def check_out(op: str, out: torch.Tensor, shape, like: torch.Tensor, align: int) -> None:
+def check_out(op: str, out: torch.Tensor, shape, like: torch.Tensor, align: int, rows: bool = False) -> None:
     """An ``_out`` variant's output as bindings.cpp checks it: the shape, ``like``'s dtype and device, contiguous,
-    ``align``-byte aligned (the kernels' vector width)."""
+    ``align``-byte aligned (the kernels' vector width); with `rows`, a ``[B, S, D]`` output need only have aligned,
+    non-overlapping rows of unit innermost stride (a kernel that takes the output's row strides)."""
+    vec = align // out.element_size()
+    if rows and out.dim() == 3:
+        laid_out = (out.stride(2) == 1 and out.stride(1) % vec == 0 and out.stride(0) % vec == 0
+                    and (out.shape[1] == 1 or out.stride(1) >= out.shape[2])
+                    and (out.shape[0] == 1 or out.stride(0) >= out.shape[1] * out.stride(1)))
+    else:
+        laid_out = out.is_contiguous()
     if (tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device
-            or not out.is_contiguous() or out.data_ptr() % align):
-        raise ValueError(f"{op}: out must be a contiguous, {align}-byte aligned {tuple(shape)} tensor of the input's "
+            or not laid_out or out.data_ptr() % align):
+        kind = "an aligned-rows" if rows else "a contiguous"
+        raise ValueError(f"{op}: out must be {kind}, {align}-byte aligned {tuple(shape)} tensor of the input's "
                          f"dtype and device")
 
 

@@ -15,6 +15,11 @@ input once and writes once (eager: the SiLU reads and writes, the multiply reads
 Shapes: ``gate`` and ``up`` are ``[B, L, D]`` with unit innermost stride and 16-byte aligned rows (any row and batch
 strides that keep them so: the halves of a contiguous ``[B, L, 2D]`` qualify without a copy); the output is
 contiguous.
+
+`swiglu_cat` is the same kernel where a concatenation follows the SwiGLU (FLUX.2's parallel single blocks:
+``torch.cat([attn_output, swiglu(mlp)], dim=-1)`` before the output projection): it writes the SwiGLU straight into
+its columns of the concatenation buffer (the kernel's output rows may be strided) and copies the attention output
+into the others, so the activation is never written, read back and copied (eager: SiLU, multiply, cat).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, check_pointers: bool = True) ->
 # .cu), the SiluMulArgs fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
 _ARGS = _nvrtc.Params("SiluMulArgs", ("out", "P"), ("gate", "P"), ("up", "P"), ("batch", "q"), ("seq", "q"),
                       ("dim", "q"), ("gate_stride_b", "q"), ("gate_stride_s", "q"), ("up_stride_b", "q"),
-                      ("up_stride_s", "q"), ("dtype", "i"))
+                      ("up_stride_s", "q"), ("out_stride_b", "q"), ("out_stride_s", "q"), ("dtype", "i"))
 _NVRTC = _nvrtc.Kernel(
     "silu_mul.cu",
     "diffusers_fastpath::silu_mul_kernel",
@@ -82,18 +87,19 @@ def _nvrtc_kernel(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None
     if out is None:
         out = gate.new_empty(gate.shape)
     else:
-        _nvrtc.check_out("silu_mul", out, gate.shape, gate, 16)
+        _nvrtc.check_out("silu_mul", out, gate.shape, gate, 16, rows=True)
     vecs, device = dim * gate.element_size() // _VEC_BYTES, gate.device.index
     grid, block = _nvrtc.row_grid(batch * seq, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device), _BLOCKS_PER_SM)
     _NVRTC.launch(device, gate.dtype, grid, block, out.data_ptr(), gate.data_ptr(), up.data_ptr(), batch, seq, dim,
-                  gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), _nvrtc.DTYPE_CODE[gate.dtype], vecs)
+                  gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), out.stride(0), out.stride(1),
+                  _nvrtc.DTYPE_CODE[gate.dtype], vecs)
     return out
 
 
 _nvrtc.raw_op("_silu_mul_cuda", "(Tensor gate, Tensor up) -> Tensor", _guard, _nvrtc_kernel)
 _nvrtc.raw_op("_silu_mul_cuda_out", "(Tensor(a!) out, Tensor gate, Tensor up) -> ()", _guard, _nvrtc_kernel, outs=1)
 
-_cuda_op = None
+_cuda_op = _cuda_out_op = None
 
 
 def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -101,6 +107,17 @@ def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if _cuda_op is None:
         _cuda_op = launcher(_nvrtc_kernel, "_silu_mul_cuda")
     return _cuda_op(gate, up)
+
+
+def _nvrtc_kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    _nvrtc_kernel(gate, up, out)
+
+
+def _kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    global _cuda_out_op
+    if _cuda_out_op is None:
+        _cuda_out_op = launcher(_nvrtc_kernel_out, "_silu_mul_cuda_out")
+    _cuda_out_op(out, gate, up)
 
 
 def _prove(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -161,3 +178,96 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None) -> 
         True
     """
     return SILU_MUL(site, gate, up)
+
+
+# --- FLUX.2's parallel single blocks: the SwiGLU written into the concatenation after it ------------------------
+
+
+def swiglu_cat_ref(attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The eager expression: ``torch.cat([attn, F.silu(x[..., :h]) * x[..., h:]], dim=-1)``, ``h = x.shape[-1] // 2``
+    (``Flux2SwiGLU`` on the MLP half of the fused projection, then the concatenation before ``to_out``)."""
+    half = x.shape[-1] // 2
+    return torch.cat([attn, F.silu(x[..., :half]) * x[..., half:]], dim=-1)
+
+
+def _cat_guard(attn: torch.Tensor, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs: `x`'s halves as `silu_mul` takes them, `attn` of their dtype,
+    batch and length with whole 16-byte vectors per row (so the SwiGLU columns start aligned in every output row)."""
+    if not isinstance(attn, torch.Tensor) or attn.dim() != 3 or x.dim() != 3 or attn.shape[:2] != x.shape[:2]:
+        return "shape"
+    if x.shape[2] % 2:
+        return "odd width"
+    if attn.dtype is not x.dtype:
+        return "mixed dtypes"
+    if attn.dtype in HALF_DTYPES and attn.shape[2] % (_VEC_BYTES // attn.element_size()):
+        return f"attention width not a multiple of {_VEC_BYTES // attn.element_size()}"
+    half = x.shape[2] // 2
+    reason = _guard(x[..., :half], x[..., half:], check_pointers)
+    if reason is not None:
+        return reason
+    if torch.is_grad_enabled() and attn.requires_grad:
+        return "requires grad"
+    if attn.device != x.device:
+        return "devices differ"
+    return None
+
+
+def _cat_kernel(attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    batch, seq, width = attn.shape
+    half = x.shape[2] // 2
+    out = attn.new_empty(batch, seq, width + half)
+    out[..., :width].copy_(attn)  # the concatenation's copy of the first operand (exact)
+    _kernel_out(out[..., width:], x[..., :half], x[..., half:])
+    return out
+
+
+@torch.library.custom_op("diffusers_fastpath::swiglu_cat", mutates_args=())
+def _swiglu_cat_op(attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if _cat_guard(attn, x) is None:
+        return _cat_kernel(attn, x)
+    return swiglu_cat_ref(attn, x).contiguous()
+
+
+@_swiglu_cat_op.register_fake
+def _swiglu_cat_fake(attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    torch._check(attn.dim() == 3 and x.dim() == 3, lambda: "swiglu_cat: attn and x must be [B, S, D]")
+    return attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[2] + x.shape[2] // 2)
+
+
+def _cat_signature(attn: torch.Tensor, x: torch.Tensor):
+    return (str(x.dtype).removeprefix("torch."),)
+
+
+def _cat_prove(attn: torch.Tensor, x: torch.Tensor) -> bool:
+    return _prove(x, x)  # the SiLU on every value of the dtype, as silu_mul proves it
+
+
+SWIGLU_CAT = FusedOp(
+    "swiglu_cat",
+    ref=swiglu_cat_ref,
+    guard=_cat_guard,
+    kernel=_cat_kernel,
+    custom_op=torch.ops.diffusers_fastpath.swiglu_cat.default,
+    verify_key=_cat_signature,
+    prove=_cat_prove,
+)
+
+
+def swiglu_cat(attn: torch.Tensor, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``torch.cat([attn, F.silu(x[..., :h]) * x[..., h:]], dim=-1)`` with ``h = x.shape[-1] // 2``, fused on CUDA
+    (the SwiGLU written into its columns of the result) and bit-identical to eager everywhere.
+
+    Args:
+        attn: ``[B, L, Da]`` the attention output (any layout: it is copied).
+        x: ``[B, L, 2H]`` the MLP half of the projection (e.g. the second ``torch.split`` part of FLUX.2's
+            ``to_qkv_mlp_proj`` output: a strided view, taken without a copy).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import swiglu_cat, swiglu_cat_ref
+        >>> attn, x = torch.randn(1, 16, 64), torch.randn(1, 16, 256)
+        >>> torch.equal(swiglu_cat(attn, x), swiglu_cat_ref(attn, x))
+        True
+    """
+    return SWIGLU_CAT(site, attn, x)
