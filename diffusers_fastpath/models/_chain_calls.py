@@ -60,6 +60,17 @@ def gelu_cat_unfit(act: nn.Module) -> str | None:
     return None
 
 
+def _fits_in_cat(unfit, act: nn.Module, site) -> bool:
+    """Whether the activation + concatenation form runs fused here (a rewritten forward's flag): the site exists and
+    `unfit(act)` finds nothing; a reason it finds is counted on the site."""
+    if site is None:
+        return False
+    reason = unfit(act)
+    if reason is not None:
+        site.fallback[reason] += 1
+    return reason is None
+
+
 class _NormLater:
     """``norm(x)`` not yet run: what a rewritten processor hands from a QK norm to the concatenation and the rotary
     embedding after it (the QK-norm form of the module doc). Only the namespace's calls ever see one."""
@@ -132,12 +143,7 @@ class _ChainsNamespace:
 
     @staticmethod
     def gelu_in_cat(act, site) -> bool:
-        if site is None:
-            return False
-        reason = gelu_cat_unfit(act)
-        if reason is not None:
-            site.fallback[reason] += 1
-        return reason is None
+        return _fits_in_cat(gelu_cat_unfit, act, site)
 
     @staticmethod
     def gelu_cat(attn, mlp, site):
@@ -145,12 +151,7 @@ class _ChainsNamespace:
 
     @staticmethod
     def swiglu_in_cat(act, site) -> bool:
-        if site is None:
-            return False
-        reason = swiglu_cat_unfit(act)
-        if reason is not None:
-            site.fallback[reason] += 1
-        return reason is None
+        return _fits_in_cat(swiglu_cat_unfit, act, site)
 
     @staticmethod
     def swiglu_cat(act, attn, x, site):
