@@ -279,7 +279,8 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
                     const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& update,
                     const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& residual,
-                    RmsEpilogue epilogue, double eps) {
+                    RmsEpilogue epilogue, double eps, Rows freqs = Rows{nullptr, 0, 0}, int64_t heads = 1,
+                    int64_t tokens = 1) {
   TORCH_CHECK(x.is_cuda(), "rmsnorm_scale_shift: x must be a CUDA tensor");
   check_rows(x, x, "x");
   const int64_t dim = x.size(2);
@@ -311,6 +312,9 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   args.scale = rows_or_none(scale);
   args.shift = rows_or_none(shift);
   args.residual = rows_or_none(residual);
+  args.freqs = freqs;
+  args.heads = heads;
+  args.tokens = tokens;
   args.weight = weight.data_ptr();
   args.seq = x.size(0);
   args.batch = x.size(1);
@@ -378,6 +382,31 @@ at::Tensor rmsnorm_gated_residual(const at::Tensor& residual, const at::Tensor& 
                                   const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   rmsnorm_gated_residual_out(out, residual, gate, x, weight, eps);
+  return out;
+}
+
+// Qwen-Image's QK norm + complex rotary: x the [batch * tokens * heads, 1, dim] rows of a contiguous
+// [batch, tokens, heads, dim] q or k; freqs the float32 view of the complex64 [batch or 1, tokens, dim / 2] factors
+// ([..., dim] floats, pairs adjacent).
+void rmsnorm_rope_complex_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& freqs,
+                              int64_t heads, int64_t tokens, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && heads > 0 && tokens > 0 && x.size(0) % (heads * tokens) == 0,
+              "rmsnorm_rope_complex: x must be [batch * tokens * heads, 1, dim]");
+  const int64_t batch = x.size(0) / (heads * tokens);
+  TORCH_CHECK(freqs.is_cuda() && freqs.device() == x.device() && freqs.scalar_type() == at::kFloat &&
+                  freqs.dim() == 3 && (freqs.size(0) == 1 || freqs.size(0) == batch) && freqs.size(1) == tokens &&
+                  freqs.size(2) == x.size(2) && freqs.stride(2) == 1 && freqs.stride(1) % 2 == 0 &&
+                  freqs.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(freqs.data_ptr()) % 8 == 0,
+              "rmsnorm_rope_complex: freqs must be the float32 [batch or 1, tokens, dim] view of complex pairs");
+  const Rows pairs{freqs.data_ptr(), freqs.stride(1) / 2, freqs.size(0) == 1 ? 0 : freqs.stride(0) / 2};
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, std::nullopt, std::nullopt, std::nullopt,
+                 RmsEpilogue::kRopeComplex, eps, pairs, heads, tokens);
+}
+
+at::Tensor rmsnorm_rope_complex(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& freqs, int64_t heads,
+                                int64_t tokens, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_rope_complex_out(out, x, weight, freqs, heads, tokens, eps);
   return out;
 }
 
@@ -548,6 +577,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_rmsnorm_scale_cuda(Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor");
   m.def("_rmsnorm_scale_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()");
+  m.def("_rmsnorm_rope_complex_cuda(Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, float eps) -> Tensor");
   m.def("_rmsnorm_gated_residual_cuda(Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "_rmsnorm_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, "
@@ -580,6 +610,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
   m.impl("_rmsnorm_scale_cuda", &diffusers_fastpath::rmsnorm_scale);
   m.impl("_rmsnorm_scale_cuda_out", &diffusers_fastpath::rmsnorm_scale_out);
+  m.impl("_rmsnorm_rope_complex_cuda", &diffusers_fastpath::rmsnorm_rope_complex);
   m.impl("_rmsnorm_gated_residual_cuda", &diffusers_fastpath::rmsnorm_gated_residual);
   m.impl("_rmsnorm_gated_residual_cuda_out", &diffusers_fastpath::rmsnorm_gated_residual_out);
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);

@@ -117,7 +117,8 @@ struct Rows {
 enum class RmsEpilogue : int32_t {
   kScaleShift = 0,    // ERNIE-Image's fp32 modulate: out = round(y * (1 + scale) + shift)
   kScale = 1,         // Z-Image, Lumina2: out = round(y * scale)
-  kGatedResidual = 2  // Z-Image, Lumina2: out = round(residual + round(gate * y))
+  kGatedResidual = 2,  // Z-Image, Lumina2: out = round(residual + round(gate * y))
+  kRopeComplex = 3     // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
 };
 
 // diffusers RMSNorm followed by an epilogue:
@@ -133,10 +134,15 @@ struct RmsNormScaleShiftArgs {
   Rows scale;          // kScaleShift, kScale
   Rows shift;          // kScaleShift
   Rows residual;       // kGatedResidual: the stream the gated norm is added to
+  Rows freqs;          // kRopeComplex: complex64 (cos, sin) pairs, row (t, b) of [batch or 1, tokens, dim / 2] at
+                       // t * stride_s + b * stride_b (in pairs), for norm row r: t = (r / heads) % tokens,
+                       // b = r / (heads * tokens)
   const void* weight;  // [dim]
   int64_t seq;
   int64_t batch;
   int64_t dim;         // a multiple of 128
+  int64_t heads;       // kRopeComplex: norm rows per token (x is [batch, tokens, heads, dim] as [rows, 1, dim])
+  int64_t tokens;      // kRopeComplex
   float eps;
   float mean_factor;   // what aten's mean multiplies the sum by: float(rows) / float(rows * dim)
   bool gated;

@@ -13,6 +13,10 @@
 //   kScaleShift:    out = round_T((y * (1 + scale)) + shift)   (y.float() * (1 + scale.float()) + shift.float(), .to(T))
 //   kScale:         out = round_T(y * scale)                   (norm(x) * scale, both T)
 //   kGatedResidual: out = round_T(residual + round_T(gate * y))  (residual + gate * norm(x), all T)
+//   kRopeComplex:   (a, b) = (y[2i], y[2i+1]), (c, d) = freqs[t, i]  (complex64; Qwen-Image's apply_rotary_emb_qwen,
+//                   use_real=False: view_as_complex(y.float()) * freqs, .type_as(y)): aten's c10::complex multiply
+//                   as nvcc compiled it (examples/complex_rotary_probe.py, H200, torch 2.11: 100% of elements)
+//                   out[2i] = round_T(fma(a, c, -(b * d))), out[2i+1] = round_T(fma(a, d, b * c))
 //
 // The sum reproduces aten's reduce kernel (Reduce.cuh, setReduceConfig) for a contiguous fp32 [R, D] input
 // reduced over its last dimension, with D/4 > 128, D/32 < 256 and R >= 16: input vectorised by 4, block (32, 16)
@@ -110,6 +114,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
       for (int j = 0; j < 4; ++j) {
         o.v[j] = Storage<T>::store(__fmul_rn(weighted_norm<T>(xq.v[j], rstd, w.v[j]), Storage<T>::load(sc.v[j])));
       }
+    } else if constexpr (kEpilogue == RmsEpilogue::kRopeComplex) {
+      const int64_t token = (row / a.heads) % a.tokens;
+      const int64_t fb = row / (a.heads * a.tokens);
+      const float2* f = static_cast<const float2*>(a.freqs.ptr) + token * a.freqs.stride_s + fb * a.freqs.stride_b +
+                        2 * q;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const float re = weighted_norm<T>(xq.v[2 * p], rstd, w.v[2 * p]);
+        const float im = weighted_norm<T>(xq.v[2 * p + 1], rstd, w.v[2 * p + 1]);
+        const float2 c = f[p];
+        o.v[2 * p] = Storage<T>::store(__fmaf_rn(re, c.x, -__fmul_rn(im, c.y)));
+        o.v[2 * p + 1] = Storage<T>::store(__fmaf_rn(re, c.y, __fmul_rn(im, c.x)));
+      }
     } else {  // kGatedResidual
       const Quad<T> g = load_quad<T>(a.gate, s, b, q);
       const Quad<T> r = load_quad<T>(a.residual, s, b, q);
@@ -136,6 +153,8 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScale><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kGatedResidual) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kGatedResidual><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kRopeComplex) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeComplex><<<grid, block, 0, stream>>>(a);
   } else {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);
   }

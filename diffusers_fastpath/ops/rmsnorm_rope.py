@@ -1,0 +1,174 @@
+"""A QK norm (diffusers' ``RMSNorm`` over each head) and the complex-form rotary embedding after it, in one pass:
+Qwen-Image's attention processor (``attn.norm_q(q)`` then ``apply_rotary_emb_qwen(q, freqs, use_real=False)``, and
+the same for k and for the text stream).
+
+The eager chain, T = bf16 or fp16, ``x`` a ``[B, S, H, D]`` q or k, ``freqs`` complex64 ``[S, D/2]`` (or ``[B, S,
+D/2]``), broadcast over the heads::
+
+    y = norm(x)                                                   # diffusers RMSNorm: see rmsnorm_scale_shift.py
+    z = torch.view_as_complex(y.float().reshape(B, S, H, D // 2, 2)) * freqs.unsqueeze(-2)
+    out = torch.view_as_real(z).flatten(3).type_as(y)
+
+The kernel is ``csrc/rmsnorm_scale_shift.cu``'s, with the ``kRopeComplex`` epilogue: the norm in aten's reduction
+order (each [D] row of the ``[B * S * H, D]`` view is one warp's row; on the H200 with torch 2.11 the order of the
+longer rows also matched aten's ``mean`` on every one of 98304 rows of 128, ``examples/reduction_order_probe.py
+--dim 128``), then the complex multiply as aten's ``c10::complex`` operator rounds it there (``real = fma(a, c,
+-(b * d))``, ``imag = fma(a, d, b * c)``: ``examples/complex_rotary_probe.py``, 100% of elements). Both are
+properties of the aten build, so the op verifies itself: the first fast call of each (dtype, D) is compared with
+eager by ``torch.equal``; a mismatch disables it for the process with one warning and runs the eager chain.
+
+The guard admits D = 128 (the probed rows), a contiguous ``x`` of at least 16 rows, freqs of complex64 whose rows
+are the tokens (unit innermost stride), the norm with a weight of ``x``'s dtype and no bias, no autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _nvrtc
+from ._build import launcher
+from ._policy import HALF_DTYPES, FusedOp, Site
+from .rmsnorm_scale_shift import ROPE_COMPLEX, _Norm, _nvrtc_launch, _rms_norm
+
+HEAD_DIM = 128  # the probed row length
+
+
+def rope_complex(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's ``apply_rotary_emb_qwen(y, freqs, use_real=False)`` (and diffusers' complex form), written for
+    ``[B, S, H, D]`` and freqs of ``[S, D/2]`` or ``[B, S, D/2]``."""
+    z = torch.view_as_complex(y.float().reshape(*y.shape[:-1], -1, 2)) * freqs.unsqueeze(-2)
+    return torch.view_as_real(z).flatten(3).type_as(y)
+
+
+def rmsnorm_rope_complex_ref(norm, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The eager chain, through the ``RMSNorm`` module itself."""
+    return rope_complex(norm(x), freqs)
+
+
+def _guard(norm, x: torch.Tensor, freqs: torch.Tensor, check_pointers: bool = True) -> str | None:
+    weight = getattr(norm, "weight", None)
+    if weight is None or getattr(norm, "bias", None) is not None:
+        return "norm without weight or with bias"
+    if x.dtype not in HALF_DTYPES:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if weight.dtype is not x.dtype:
+        return "mixed dtypes"
+    if x.dim() != 4 or freqs.dim() not in (2, 3) or freqs.dtype is not torch.complex64:
+        return "shape"
+    batch, tokens, heads, dim = x.shape
+    if tuple(freqs.shape[-2:]) != (tokens, dim // 2) or (freqs.dim() == 3 and freqs.shape[0] not in (1, batch)):
+        return "shape"
+    if dim != HEAD_DIM:
+        return "D outside the reproduced reduction"
+    rows = batch * tokens * heads
+    if rows < 16:
+        return "fewer than 16 rows"
+    if rows * dim * 4 >= 2**31:
+        return "too large for aten's 32-bit reduction"
+    if not x.is_contiguous():
+        return "x not contiguous"
+    if freqs.stride(-1) != 1:
+        return "freqs strided"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or freqs.requires_grad):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if weight.device != x.device or freqs.device != x.device:
+        return "devices differ"
+    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8 or freqs.data_ptr() % 8):
+        return "not 8-byte aligned"
+    return None
+
+
+def _pairs(freqs: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[batch or 1, tokens, dim]`` view of the complex factors (a pair per two floats), no copy."""
+    real = torch.view_as_real(freqs).flatten(-2)
+    return real if real.dim() == 3 else real.unsqueeze(0)
+
+
+# The NVRTC way: rmsnorm_scale_shift.py's launcher of the shared kernel with the kRopeComplex epilogue; duplicated
+# from bindings.cpp's rmsnorm_rope_complex: the rows view, the pair strides (in pairs; 0 where freqs broadcast
+# over the batch) and the output allocation.
+def _nvrtc_kernel(x, weight, freqs, heads: int, tokens: int, eps: float, out=None) -> torch.Tensor:
+    out = x.new_empty(x.shape) if out is None else out
+    pairs = (freqs.data_ptr(), freqs.stride(1) // 2, 0 if freqs.shape[0] == 1 else freqs.stride(0) // 2)
+    _nvrtc_launch(out, None, x, weight, eps, ROPE_COMPLEX, freqs=pairs, heads=heads, tokens=tokens)
+    return out
+
+
+def _raw_guard(x, weight, freqs, heads, tokens, eps):
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] % (heads * tokens) or freqs.dim() != 3:
+        return "shape"
+    view = x.view(x.shape[0] // (heads * tokens), tokens, heads, x.shape[2])
+    as_complex = torch.view_as_complex(freqs.unflatten(-1, (-1, 2))) if freqs.dtype is torch.float32 else freqs
+    return _guard(_Norm(weight, eps), view, as_complex)
+
+
+_nvrtc.raw_op("_rmsnorm_rope_complex_cuda",
+              "(Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, float eps) -> Tensor",
+              _raw_guard, _nvrtc_kernel)
+
+_launch = None
+
+
+def _kernel(norm, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    global _launch
+    if _launch is None:
+        _launch = launcher(_nvrtc_kernel, "_rmsnorm_rope_complex_cuda")
+    batch, tokens, heads, dim = x.shape
+    out = _launch(x.view(batch * tokens * heads, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps)
+    return out.view(x.shape)
+
+
+@torch.library.custom_op("diffusers_fastpath::rmsnorm_rope_complex", mutates_args=())
+def _rmsnorm_rope_complex_op(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _guard(norm, x, freqs) is None:
+        return _kernel(norm, x, freqs)
+    return rope_complex(_rms_norm(x, weight, eps), freqs).contiguous()
+
+
+@_rmsnorm_rope_complex_op.register_fake
+def _(x, weight, freqs, eps):
+    torch._check(x.dim() == 4, lambda: "rmsnorm_rope_complex: x must be [batch, tokens, heads, dim]")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _custom_op(norm, x, freqs):
+    return torch.ops.diffusers_fastpath.rmsnorm_rope_complex.default(x, norm.weight, freqs, norm.eps)
+
+
+def _signature(norm, x, freqs):
+    return (str(x.dtype).removeprefix("torch."), x.shape[-1])
+
+
+RMSNORM_ROPE_COMPLEX = FusedOp(
+    "rmsnorm_rope_complex",
+    ref=rmsnorm_rope_complex_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=_custom_op,
+    verify_key=_signature,
+)
+
+
+def rmsnorm_rope_complex(norm, x: torch.Tensor, freqs: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``rope_complex(norm(x), freqs)`` (diffusers' ``RMSNorm`` over each head, then the complex-form rotary
+    embedding), fused on CUDA (self-verified) and bit-identical to eager everywhere.
+
+    Args:
+        norm: a diffusers ``RMSNorm`` (weight, no bias), e.g. ``attn.norm_q``.
+        x: ``[B, S, H, D]`` q or k of one stream.
+        freqs: complex64 ``[S, D/2]`` or ``[B, S, D/2]`` rotation factors (broadcast over the heads).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers.models.normalization import RMSNorm
+        >>> from diffusers_fastpath.ops import rmsnorm_rope_complex, rmsnorm_rope_complex_ref
+        >>> norm, x = RMSNorm(128, eps=1e-6), torch.randn(1, 8, 2, 128)
+        >>> freqs = torch.polar(torch.ones(8, 64), torch.rand(8, 64))
+        >>> torch.equal(rmsnorm_rope_complex(norm, x, freqs), rmsnorm_rope_complex_ref(norm, x, freqs))
+        True
+    """
+    return RMSNORM_ROPE_COMPLEX(site, norm, x, freqs)

@@ -1,0 +1,99 @@
+"""rmsnorm_rope_complex (Qwen-Image's QK norm + complex rotary): the reference is diffusers' chain, the bit-exact
+contract on the GPU at Qwen-Image's shapes, guards, fallback and custom op everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+from diffusers_fastpath.ops import Site, rmsnorm_rope_complex, rmsnorm_rope_complex_ref
+from diffusers_fastpath.ops.rmsnorm_rope import RMSNORM_ROPE_COMPLEX
+
+# [B, S, H, D] q or k of Qwen-Image at 1024x1024 (24 heads of 128): the image stream, the text stream, a CFG batch
+SHAPES = [(1, 4096, 24, 128), (1, 512, 24, 128), (2, 1024, 24, 128), (1, 7, 3, 128)]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def make(shape, dtype, device, seed, per_batch=False):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    batch, tokens, heads, dim = shape
+    norm = RMSNorm(dim, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen, device=device))  # not ones: the weight matters
+    x = (torch.randn(shape, generator=gen, device=device) * 3).to(dtype)
+    angles = torch.rand((batch, tokens, dim // 2) if per_batch else (tokens, dim // 2), generator=gen, device=device)
+    freqs = torch.polar(torch.ones_like(angles), angles * 100)  # complex64, as the pipelines build it
+    return norm, x, freqs
+
+
+def test_reference_is_diffusers_chain():
+    """The op's reference is, bit for bit, ``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)``."""
+    for dtype in DTYPES:
+        norm, x, freqs = make((2, 9, 3, 128), dtype, "cpu", 0)
+        with torch.no_grad():
+            assert torch.equal(rmsnorm_rope_complex_ref(norm, x, freqs),
+                               apply_rotary_emb_qwen(norm(x), freqs, use_real=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_batch", [False, True], ids=["freqs_tokens", "freqs_per_batch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_eager_bitwise_on_the_gpu(shape, dtype, per_batch):
+    from diffusers_fastpath.ops._build import load_extension
+    from diffusers_fastpath.ops.rmsnorm_rope import _pairs
+
+    load_extension()
+    batch, tokens, heads, dim = shape
+    with torch.no_grad():
+        for seed in range(2):
+            norm, x, freqs = make(shape, dtype, "cuda", seed, per_batch)
+            ref = apply_rotary_emb_qwen(norm(x), freqs, use_real=False)
+            out = torch.full((batch * tokens * heads, 1, dim), float("nan"), dtype=dtype, device="cuda")
+            got = torch.ops.diffusers_fastpath._rmsnorm_rope_complex_cuda(
+                x.view(-1, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps)
+            out.copy_(got)
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(shape), ref)
+            site = Site("rmsnorm_rope_complex")
+            assert torch.equal(rmsnorm_rope_complex(norm, x, freqs, site), ref)
+            assert site.fast == 1 and not site.fallback, site
+    assert RMSNORM_ROPE_COMPLEX.disabled is None
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
+    ("few", "fewer than 16 rows"), ("strided", "x not contiguous"), ("freqs", "shape"), ("cpu", "device cpu")])
+def test_guard_falls_back_with_reason(case, reason):
+    norm, x, freqs = make((1, 9, 4, 128), torch.bfloat16, "cpu", 1)
+    if case == "fp32":
+        norm, x = norm.float(), x.float()
+    elif case == "weight":
+        norm = norm.float()
+    elif case == "dim":
+        norm, x, freqs = make((1, 9, 4, 64), torch.bfloat16, "cpu", 1)
+    elif case == "few":
+        norm, x, freqs = make((1, 3, 2, 128), torch.bfloat16, "cpu", 1)
+    elif case == "strided":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif case == "freqs":
+        freqs = freqs[:4]
+    site = Site("rmsnorm_rope_complex")
+    with torch.no_grad():  # the norm's weight is a parameter: with grad enabled the guard says "requires grad"
+        assert RMSNORM_ROPE_COMPLEX.guard(norm, x, freqs) == reason
+        if case == "freqs":  # eager cannot broadcast these either
+            with pytest.raises(RuntimeError):
+                rmsnorm_rope_complex(norm, x, freqs, site)
+        else:
+            assert torch.equal(rmsnorm_rope_complex(norm, x, freqs, site), rmsnorm_rope_complex_ref(norm, x, freqs))
+    assert site.fast == 0 and site.fallback == {reason: 1}
+
+
+def test_custom_op_opcheck_cpu():
+    norm, x, freqs = make((1, 9, 4, 128), torch.bfloat16, "cpu", 2)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.rmsnorm_rope_complex.default, (x, norm.weight.detach(), freqs, 1e-6))
+    with torch.no_grad():
+        assert torch.equal(torch.ops.diffusers_fastpath.rmsnorm_rope_complex(x, norm.weight, freqs, 1e-6),
+                           rmsnorm_rope_complex_ref(norm, x, freqs))
