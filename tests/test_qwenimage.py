@@ -21,7 +21,11 @@ from diffusers_fastpath.testing import (SimulatedGraphs, assert_compiles_fullgra
 
 
 def sites(blocks: int) -> dict[str, int]:
-    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks}
+    # rmsnorm_rope_complex: one site per attention module, four calls (the two streams' q and k)
+    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks, "rmsnorm_rope_complex": blocks}
+
+
+CALLS = {"rmsnorm_rope_complex": 4}
 
 
 def run(model, inputs):
@@ -113,7 +117,7 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_qwenimage_transformer(seed=3)
-    assert_patched_step_exact_and_fused(model, qwenimage_transformer_inputs(model, batch=batch, seed=4), sites(2), {})
+    assert_patched_step_exact_and_fused(model, qwenimage_transformer_inputs(model, batch=batch, seed=4), sites(2), CALLS)
 
 
 def test_per_token_modulation_runs_diffusers_modulate_and_says_why(emulated_kernels, unpatch_after):
@@ -130,7 +134,35 @@ def test_per_token_modulation_runs_diffusers_modulate_and_says_why(emulated_kern
         if s.op == "layernorm_scale_shift" and s.site.split(".")[-1].startswith("img_norm"):
             assert s.fast == 0 and s.reasons == {qwenimage.REASON_INDEX: 1}, s
         else:
-            assert s.fast == 1 and s.fallback == 0, s
+            assert s.fast == CALLS.get(s.op, 1) and s.fallback == 0, s
+
+
+def test_qk_norms_that_cannot_run_fused_run_as_written_and_say_why(emulated_kernels, monkeypatch, unpatch_after):
+    """A forward hook on one attention's ``norm_q`` (it runs; the output is the unpatched model's with the same hook),
+    or an ``apply_rotary_emb_qwen`` whose installed source this package has not checked: the norms and the rotary
+    run as written and the QK norm + rotary site counts why."""
+    from diffusers_fastpath.models import _chain_calls
+
+    ref, model = build_qwenimage_transformer(seed=7), build_qwenimage_transformer(seed=7)
+    inputs = qwenimage_transformer_inputs(model, seed=8)
+    calls = []
+    for m in (ref, model):
+        m.transformer_blocks[0].attn.norm_q.register_forward_hook(lambda mod, i, o: calls.append(1) or o * 2)
+    expected = run(ref, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs), expected) and len(calls) == 2
+
+    def rows():
+        return {s.site: s for s in fp.report(model).sites if s.op == "rmsnorm_rope_complex"}
+
+    hooked, free = rows()["transformer_blocks.0.attn:rmsnorm_rope_complex"], rows()["transformer_blocks.1.attn:rmsnorm_rope_complex"]
+    assert (hooked.fast, dict(hooked.reasons)) == (3, {"norm has hooks": 1})  # the other three norms have none
+    assert (free.fast, free.fallback) == (4, 0)
+    monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", set())  # as if the installed function's digest differed
+    assert torch.equal(run(model, inputs), expected)
+    free = rows()["transformer_blocks.1.attn:rmsnorm_rope_complex"]
+    assert (free.fast, dict(free.reasons)) == (4, {"apply_rotary_emb_qwen is not the rotary this package checked": 4})
 
 
 def test_unpatch_pickle_and_state_dict():
@@ -150,11 +182,11 @@ def test_compiles_with_fullgraph():
 @pytest.mark.full_size
 def test_qwen_image_one_step_1024_is_bitwise_identical_and_fused():
     """Qwen-Image's config (38 GiB of bf16 weights), 1024x1024 with a padded prompt: bit-identical, and every
-    LayerNorm + modulate and gated residual site fused."""
+    LayerNorm + modulate, gated residual and QK norm + complex rotary site fused."""
     model = build_qwenimage_transformer("qwen-image", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = qwenimage_transformer_inputs(model, grid=(64, 64), txt_tokens=256, seed=9, padding=40)
-        assert_patched_step_exact_and_fused(model, inputs, sites(60), {})
+        assert_patched_step_exact_and_fused(model, inputs, sites(60), CALLS)
     finally:
         del model
         torch.cuda.empty_cache()

@@ -19,9 +19,14 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
     """Per modulated block two RMSNorm + scale (the branch inputs) and two RMSNorm + gated residual (the branch
-    outputs); one SwiGLU per block, the context refiner's (unmodulated) too."""
+    outputs); one SwiGLU and one QK norm + complex rotary (q and k: two calls) per block, the context refiner's
+    (unmodulated) too."""
     return {"rmsnorm_scale": 2 * modulated_blocks, "rmsnorm_gated_residual": 2 * modulated_blocks,
-            "silu_mul": modulated_blocks + context_refiner_blocks}
+            "silu_mul": modulated_blocks + context_refiner_blocks,
+            "rmsnorm_rope_complex": modulated_blocks + context_refiner_blocks}
+
+
+CALLS = {"rmsnorm_rope_complex": 2}
 
 
 
@@ -46,12 +51,26 @@ def test_patched_matches_unpatched_bitwise(dtype, batch):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_zimage_transformer(seed=4)
-    assert_patched_step_exact_and_fused(model, zimage_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), {})
+    assert_patched_step_exact_and_fused(model, zimage_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), CALLS)
 
 
 def test_pipeline_generation_with_cfg_is_identical_and_fused(emulated_kernels):
     pipe = zimage_pipeline(build_zimage_transformer(seed=12))
     assert_pipeline_generation_exact_and_fused(pipe, dict(**caption_embeddings(pipe), guidance_scale=4.0))
+
+
+def test_attention_is_rewritten_only_where_its_local_rotary_is_the_known_one():
+    """The processor's QK norms wait for its local ``apply_rotary_emb`` only when that function's source has the
+    digest the adapter knows; with another (a changed diffusers), nothing in the processor is rewritten."""
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+    from diffusers_fastpath.models._chains import fused_subclass
+
+    assert zimage.FastpathZSingleStreamAttnProcessor._fastpath_rewrite.rotary_complex == 2
+    assert zimage.FastpathZSingleStreamAttnProcessor._fastpath_rewrite.qk_norms == ["norm_q", "norm_k"]
+    other = fused_subclass(ZSingleStreamAttnProcessor, "Other", __name__, "__call__",
+                           local_rotary=("apply_rotary_emb", "0" * 16))
+    assert other == (None, None)
 
 
 def test_unpatch_pickle_and_state_dict():
@@ -74,7 +93,7 @@ def test_z_image_one_step_1024_is_bitwise_identical_and_fused():
     model = build_zimage_transformer("z-image", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = zimage_transformer_inputs(model, batch=2, grid=(128, 128), txt_tokens=128, seed=10)
-        assert_patched_step_exact_and_fused(model, inputs, sites(32, 2), {})
+        assert_patched_step_exact_and_fused(model, inputs, sites(32, 2), CALLS)
     finally:
         del model
         torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_scale, rotary_emb, silu_mul, swiglu_cat)
+                   rmsnorm_rope_complex, rmsnorm_scale, rotary_emb, silu_mul, swiglu_cat)
 from ..quality import hooked
 
 _SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
@@ -26,6 +26,28 @@ def register_swiglu(cls: type, gate: str) -> None:
     the installed source) that ``cls.forward(x)`` is ``self.<gate>(x[..., :h]) * x[..., h:]`` with ``h = x.shape[-1]
     // 2``, which `swiglu_cat` computes when ``self.<gate>`` is a plain SiLU."""
     SWIGLU_MODULES[cls] = gate
+
+
+COMPLEX_ROTARIES: set = set()  # complex-form rotary functions checked by digest (`register_complex_rotary`)
+
+
+def register_complex_rotary(fn) -> None:
+    """Let a QK norm waiting for `fn` run fused with it (`rmsnorm_rope_complex`): its adapter has checked (by the
+    digest of the installed source) that ``fn(x, freqs, use_real=False)`` is `diffusers_fastpath.ops.rmsnorm_rope.
+    rope_complex`'s complex multiply."""
+    COMPLEX_ROTARIES.add(fn)
+
+
+def rotary_complex_unfit(fn, norm: nn.Module) -> str | None:
+    """Why the QK norm `norm` and the complex-form rotary `fn` after it cannot run as `rmsnorm_rope_complex`, or
+    ``None``."""
+    if fn is not None and fn not in COMPLEX_ROTARIES:  # None: the rewriter checked a local function's source
+        return f"{getattr(fn, '__name__', fn)} is not the rotary this package checked"
+    if type(norm) is not RMSNorm:
+        return f"{type(norm).__name__} is not diffusers' RMSNorm"
+    if hooked(norm):
+        return "norm has hooks"
+    return None
 
 
 def swiglu_cat_unfit(act: nn.Module) -> str | None:
@@ -164,7 +186,7 @@ class _ChainsNamespace:
         tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
                   and all(isinstance(t, torch.Tensor) for t in freqs))
         if isinstance(x, (_NormLater, _CatLater)):
-            if tables:
+            if tables and all(type(n.norm) is nn.RMSNorm for n in ((x.txt, x.img) if isinstance(x, _CatLater) else (x,))):
                 txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
                 return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
                                     site)
@@ -172,6 +194,20 @@ class _ChainsNamespace:
         if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
         return rotary_emb(x, freqs[0], freqs[1], site)
+
+    @staticmethod
+    def rotary_complex(fn, x, freqs, site, local=False):
+        # fn: the processor's complex-form rotary: a module function checked by digest (Qwen-Image's
+        # apply_rotary_emb_qwen, called with use_real=False), or with `local` one the forward defines, whose source the
+        # rewriter checked (Z-Image's, called with two arguments); x a pending QK norm where the rewriter deferred it
+        # (Z-Image's local function unsqueezes freqs at dim 2: the op's [B, S, D/2] form only)
+        if isinstance(x, _NormLater) and isinstance(freqs, torch.Tensor) and (not local or freqs.dim() == 3):
+            reason = rotary_complex_unfit(None if local else fn, x.norm)
+            if reason is None:
+                return rmsnorm_rope_complex(x.norm, x.x, freqs, site)
+            if site is not None:
+                site.fallback[reason] += 1
+        return fn(_materialize(x), freqs) if local else fn(_materialize(x), freqs, use_real=False)
 
     @staticmethod
     def silu_mul(act, x, y, site):
@@ -206,9 +242,10 @@ class _ChainsNamespace:
 
     @staticmethod
     def norm_later(norm, x):
-        # only a norm `qk_norm_rope` can run waits (another, e.g. diffusers' RMSNorm of Bria-FIBO's single blocks, runs
-        # here, as written, and the rotary embedding after it is the plain fused one)
-        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) is nn.RMSNorm else norm(x)
+        # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_complex`;
+        # before the real-form rotary, as in Bria-FIBO's single blocks, it runs there as written and the rotary
+        # embedding after it is the plain fused one); any other runs here, as written
+        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) else norm(x)
 
     @staticmethod
     def cat_later(a, b):

@@ -214,6 +214,28 @@ def _rotary_call(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
     return None
 
 
+def _complex_rotary_call(node: ast.expr, name: str | None, local: bool = False) -> tuple[ast.expr, ast.expr] | None:
+    """``(X, F)`` if `node` is ``NAME(X, F, use_real=False)`` with NAME the adapter's complex-form rotary function
+    (`local`: ``NAME(X, F)``, NAME a function defined in the forward itself)."""
+    if not (name is not None and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+            and len(node.args) == 2 and not any(isinstance(a, ast.Starred) for a in node.args)):
+        return None
+    if local and not node.keywords:
+        return node.args[0], node.args[1]
+    if (not local and len(node.keywords) == 1 and node.keywords[0].arg == "use_real"
+            and isinstance(node.keywords[0].value, ast.Constant) and node.keywords[0].value.value is False):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _local_def(body: list[ast.stmt], name: str) -> ast.FunctionDef | None:
+    """The function `name` defined by a top-level statement of `body` (the only binding of that name there), or None."""
+    defs = [s for s in body if isinstance(s, ast.FunctionDef) and s.name == name]
+    stores = [n for n in ast.walk(ast.Module(body=body, type_ignores=[]))
+              if isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load)]
+    return defs[0] if len(defs) == 1 and not stores else None
+
+
 def _method_call(node: ast.expr, name: str) -> tuple[ast.expr, list[ast.expr]] | None:
     """``(X, args)`` if `node` is ``X.name(*args)`` with plain positional arguments."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name

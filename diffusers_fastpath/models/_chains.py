@@ -76,6 +76,15 @@ of ``self``):
     (``materialize``: the norm and the cat as written, where no rotary embedding ran)
 
   taken only where those names are read nowhere else before that point (else the norms run as written).
+- QK RMSNorm + complex-form rotary embedding, into `diffusers_fastpath.ops.rmsnorm_rope_complex` (self-verified; the
+  fallback is the norm and the rotary function as written), in processors whose adapter names the rotary function:
+  ``complex_rotary="apply_rotary_emb_qwen"`` (a module function, called ``NAME(X, F, use_real=False)``; its source
+  checked by digest at patch time, `register_complex_rotary`) or ``local_rotary=(name, digest)`` (a function the
+  processor defines itself, called ``NAME(X, F)``, taken where ``ast.unparse`` of its definition has that digest):
+
+  - ``Q = NAME(X, F, ...)``  ->  ``Q = rotary_complex(NAME, X, F, site, local)``; the QK norms before it wait as in
+    the form above, and a pending diffusers ``RMSNorm`` without hooks runs with the rotary as one op (site
+    ``rmsnorm_rope_complex`` on the attention module; Qwen-Image, Z-Image)
 - SiLU-gated product (SwiGLU's elementwise half), into `diffusers_fastpath.ops.silu_mul` (the SiLU proven on every
   value of the dtype; the fallback is the expression as written), in blocks whose adapter names the activation
   (``activations=("gate_fn",)``: FLUX.2's ``Flux2SwiGLU``):
@@ -143,6 +152,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import inspect
 import linecache
 import sys
@@ -158,7 +168,8 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
-from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_dim2, _diffusers_rotary,
+from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_dim2, _complex_rotary_call,
+                            _diffusers_rotary, _local_def,
                             _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
                             _site_of, _unsqueezed, _uses)
@@ -176,6 +187,7 @@ SILU_MUL = "silu_mul"
 RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
 RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
 SWIGLU_CAT = "swiglu_cat"
+RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _SWIGLU_FLAG = "_fastpath_swiglu_in_cat"  # the same for the SwiGLU + concatenation form
 
@@ -197,18 +209,21 @@ class Rewrite:
     rms_gated: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + gated residual sites
     pairwise_masks: int = 0  # pairwise attention masks built by broadcasting (no site: exact by construction)
     swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
+    rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
-                    or self.swiglu_cats)
+                    or self.swiglu_cats or self.rotary_complex)
 
 
 class _Rewriter:
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
-                 swiglus: tuple[str, ...] = ()) -> None:
+                 swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False) -> None:
         self.found = Rewrite()
+        self.complex_rotary = complex_rotary  # the complex-form rotary function's name (the adapter's)
+        self.local_rotary = local_rotary  # ... a function the forward defines itself (its source checked by digest)
         self.swiglus = swiglus  # the owner's attributes that may be a registered SwiGLU (the SwiGLU + cat form)
         self.activations = activations  # the block's attributes that may be a SiLU (the SwiGLU form)
         self.rms_norms = rms_norms  # the block's attributes that may be diffusers' RMSNorm (the sandwich-norm forms)
@@ -320,24 +335,31 @@ class _Rewriter:
         return Scales().visit(stmt)
 
     def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
-        """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused, or None."""
-        if not self.rotary_ok:
+        """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused (and every
+        call of the adapter's complex-form rotary, ``NAME(X, F, use_real=False)``), or None."""
+        if not (self.rotary_ok or self.complex_rotary):
             return None
         rewriter = self
 
         class Calls(ast.NodeTransformer):
             def visit_Call(self, node: ast.Call) -> ast.expr:
                 node = self.generic_visit(node)
-                rotary = _rotary_call(node)
+                rotary = _rotary_call(node) if rewriter.rotary_ok else None
+                if rotary is not None:
+                    rewriter.found.rotary += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return ast.copy_location(_call("rotary", [rotary[0], rotary[1], site]), node)
+                rotary = _complex_rotary_call(node, rewriter.complex_rotary, rewriter.local_rotary)
                 if rotary is None:
                     return node
-                rewriter.found.rotary += 1
-                site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
-                return ast.copy_location(_call("rotary", [rotary[0], rotary[1], site]), node)
+                rewriter.found.rotary_complex += 1
+                site = _site_of(ast.Name(rewriter.owner, ast.Load()), RMSNORM_ROPE)
+                return ast.copy_location(_call("rotary_complex", [node.func, rotary[0], rotary[1], site,
+                                                                  ast.Constant(rewriter.local_rotary)]), node)
 
-        before = self.found.rotary
+        before = self.found.rotary + self.found.rotary_complex
         new = Calls().visit(copy.deepcopy(stmt))
-        return new if self.found.rotary > before else None
+        return new if self.found.rotary + self.found.rotary_complex > before else None
 
     def _rotary(self, target: str, value: ast.expr, stmt: ast.stmt) -> ast.stmt | None:
         rotary = _rotary_call(value) if self.rotary_ok else None
@@ -507,7 +529,8 @@ class _Rewriter:
                         "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
                 return node
 
-        last = max((i for i, stmt in enumerate(body) if any(_ns_call(n, "rotary") for n in ast.walk(stmt))), default=None)
+        last = max((i for i, stmt in enumerate(body)
+                    if any(_ns_call(n, "rotary") or _ns_call(n, "rotary_complex") for n in ast.walk(stmt))), default=None)
         if last is None:
             return body
         # only norms before the rotary embedding wait for it (HunyuanVideo-1.5 normalises its text q and k after it)
@@ -522,6 +545,8 @@ class _Rewriter:
                 elif _ns_call(node, "rotary"):
                     allowed.add(id(node.args[0]))
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))  # `new` is ours to change
+                elif _ns_call(node, "rotary_complex"):
+                    allowed.add(id(node.args[1]))
         if not _PendingReads(allowed).clean(new[:last + 1]):
             return body  # a pending name read elsewhere before the rotary: the norms run as written
         later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
@@ -570,7 +595,8 @@ class _Rewriter:
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
-                    swiglus: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
+                    swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
+                    local_rotary: str | None = None) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -589,9 +615,20 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
     if "F.silu" in activations and fn.__globals__.get("F") is not F:  # the functional form needs torch's F
         activations = tuple(a for a in activations if a != "F.silu")
-    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func), norm_methods, activations, rms_norms, swiglus)
+    if complex_rotary is not None and complex_rotary not in fn.__globals__:
+        complex_rotary = None
+    local = None
+    if local_rotary is not None:  # (name, digest): a complex-form rotary the forward defines, checked by its source
+        name, digest = local_rotary
+        local = _local_def(func.body, name)
+        if local is not None and hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16] == digest:
+            complex_rotary = name
+        else:
+            local = None
+    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func) and local is None, norm_methods, activations, rms_norms,
+                         swiglus, complex_rotary, local is not None)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
-    if not rewriter.block and rewriter.found.rotary:
+    if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex):
         func.body = rewriter.qk_norms(func.body)
     if not rewriter.found:
         return None
@@ -612,18 +649,22 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    norm_methods: dict[str, tuple[str, object]] | None = None,
                    activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
-                   swiglus: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
+                   swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
+                   local_rotary: tuple[str, str] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
     chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
     `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
     (the LayerNorm-into-method pattern of the module doc); `activations` names the attributes of `cls` that the
     SwiGLU form may take as its SiLU; `rms_norms` those the sandwich-norm forms may take as diffusers' RMSNorm;
-    `swiglus` (a processor's) the attention module's attributes the SwiGLU + concatenation form may take."""
+    `swiglus` (a processor's) the attention module's attributes the SwiGLU + concatenation form may take;
+    `complex_rotary` (a processor's) the name of its module's complex-form rotary function (`register_complex_rotary`);
+    `local_rotary` ``(name, digest)``: one the forward defines itself, taken where its normalised source
+    (``ast.unparse``) has that sha256 digest prefix."""
     norm_methods = norm_methods or {}
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
                                 {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms,
-                                swiglus)
+                                swiglus, complex_rotary, local_rotary)
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
@@ -632,7 +673,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
            f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
            f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
-           f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}. Adds no "
+           f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
+           f"{found.rotary_complex}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
@@ -652,12 +694,16 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             warn_nothing_to_fuse(default_cls, "__call__")
         return
     state.replace_processors(model, attention_cls, default_cls, fused_cls)
-    qk = bool(fused_cls._fastpath_rewrite.qk_norms)  # `fused_subclass` records what it rewrote
+    found = fused_cls._fastpath_rewrite  # `fused_subclass` records what it rewrote
+    qk = bool(found.qk_norms)
     for module in model.modules():
         if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
-            state.add_site(module, ROTARY, name=ROTARY)
-            if qk and type(getattr(module, "norm_q", None)) is nn.RMSNorm:  # what `norm_later` defers
+            if found.rotary:
+                state.add_site(module, ROTARY, name=ROTARY)
+            if found.rotary and qk and type(getattr(module, "norm_q", None)) is nn.RMSNorm:  # what `norm_later` defers
                 state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
+            if found.rotary_complex and qk and type(getattr(module, "norm_q", None)) is RMSNorm:
+                state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
             for attr in fused_cls._fastpath_rewrite.swiglu_cats:
                 act = getattr(module, attr, None)
                 if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul

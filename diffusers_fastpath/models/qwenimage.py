@@ -20,26 +20,34 @@ takes). While a graph of the forward records, that name is bound to `text_seq_le
 results, the scalar made on the device by ``new_full``; `diffusers_fastpath.graphs.register_capture_twin`); the
 first replay is then checked against the eager forward as for every graph.
 
-Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites. Not fused yet (issue 14):
-the attention processor's QK RMSNorms and complex-valued rotary embedding (``apply_rotary_emb_qwen``), the FFN
-GELUs, the output ``AdaLayerNormContinuous``.
+The attention processor (``QwenDoubleStreamAttnProcessor2_0``) is rewritten too: each of its four QK norms
+(diffusers' ``RMSNorm`` over each head) waits for the ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` that
+follows it, and the two run as the fused `rmsnorm_rope_complex` (the rewriter's QK-norm form; the installed
+``apply_rotary_emb_qwen`` checked by digest; where the norm cannot run fused, both run as written).
+
+Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites, 60 QK norm + rotary sites
+(four calls each). Not fused yet (issue 14): the joint concatenation of the streams' q, k and v, the FFN GELUs, the
+output ``AdaLayerNormContinuous``.
 """
 
 from __future__ import annotations
 
 import torch
 from diffusers.models.transformers import transformer_qwenimage
+from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import (
+    QwenDoubleStreamAttnProcessor2_0,
     QwenImageTransformer2DModel,
     QwenImageTransformerBlock,
+    apply_rotary_emb_qwen,
     compute_text_seq_len_from_mask,
 )
 from torch import nn
 
 from .. import graphs
 from .._state import PatchState, register_adapter, site_attr
-from ._chain_calls import norm_modulate
-from ._chains import fused_subclass, swap_rewritten
+from ._chain_calls import norm_modulate, register_complex_rotary
+from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._mirror import mirrors, source_digest
 
 # sha256[:16] of diffusers 0.42.1's QwenImageTransformerBlock._modulate, whose index-free path `_modulate_norm`
@@ -48,6 +56,8 @@ _MODULATE = "9ee78b512057d504"
 REASON_INDEX = "per-token modulate_index (zero_cond_t)"
 # ... and of compute_text_seq_len_from_mask, which `text_seq_len_on_device` computes without the host-to-device copy.
 _TEXT_SEQ_LEN = "7df03db69ecf3bef"
+# ... and of apply_rotary_emb_qwen, whose use_real=False branch `rmsnorm_rope_complex` computes after the norm.
+_ROTARY = "62c3cf93c5e4d4eb"
 
 
 def _modulate_norm(self, norm: nn.Module, x, mod_params, index=None):
@@ -92,10 +102,16 @@ _MODULATE_MIRRORED = source_digest(QwenImageTransformerBlock._modulate) == _MODU
 FastpathQwenImageTransformerBlock, _BLOCK = fused_subclass(
     QwenImageTransformerBlock, "FastpathQwenImageTransformerBlock", __name__,
     norm_methods={"_modulate": ("_modulate_norm", _modulate_norm)} if _MODULATE_MIRRORED else None)
+FastpathQwenDoubleStreamAttnProcessor, _ = fused_subclass(
+    QwenDoubleStreamAttnProcessor2_0, "FastpathQwenDoubleStreamAttnProcessor", __name__, "__call__",
+    complex_rotary="apply_rotary_emb_qwen")
 
 
 @register_adapter(QwenImageTransformer2DModel)
 def patch_qwenimage(model: QwenImageTransformer2DModel, state: PatchState) -> None:
     """Swap Qwen-Image's blocks for their chain-fused subclass (see module doc)."""
     mirrors(QwenImageTransformerBlock._modulate, _MODULATE)  # one warning where the LayerNorm fusion was left out
+    if mirrors(apply_rotary_emb_qwen, _ROTARY):  # else the QK norms run as written, before diffusers' rotary
+        register_complex_rotary(apply_rotary_emb_qwen)
     swap_rewritten(state, model, {QwenImageTransformerBlock: (FastpathQwenImageTransformerBlock, _BLOCK)})
+    replace_processors(state, model, Attention, QwenDoubleStreamAttnProcessor2_0, FastpathQwenDoubleStreamAttnProcessor)

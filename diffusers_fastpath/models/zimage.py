@@ -16,18 +16,28 @@ modulation and stay as they are):
 Every block's ``FeedForward`` (the context refiner's too) has its SwiGLU gating, ``F.silu(x1) * x3`` in
 ``_forward_silu_gating``, rewritten into the fused `silu_mul` (its SiLU proven on every bf16/fp16 value on first use).
 
+Its attention processor, ``ZSingleStreamAttnProcessor``, defines its complex-form rotary as a local function
+(``apply_rotary_emb(x_in, freqs_cis)``: ``view_as_complex(x_in.float()) * freqs_cis.unsqueeze(2)``); where that
+function's source is the one this package knows (digest of ``ast.unparse``), the processor is rewritten: each QK norm
+(diffusers' ``RMSNorm`` over each head) waits for the rotary call after it, and the two run as the fused
+`rmsnorm_rope_complex` (Qwen-Image's op, with Z-Image's per-sample ``[B, S, D/2]`` factors).
+
 Per Z-Image step (30 layers, 2 noise-refiner and 2 context-refiner blocks): 64 RMSNorm + scale, 64 RMSNorm + gated
-residual and 34 SwiGLU sites. Not fused yet (issue 14): the QK RMSNorms and the complex rotary embedding of
-``ZSingleStreamAttnProcessor``.
+residual, 34 SwiGLU and 34 QK norm + rotary sites (two calls each: q and k).
 """
 
 from __future__ import annotations
 
+from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_z_image import (FeedForward, ZImageTransformer2DModel,
-                                                                ZImageTransformerBlock)
+                                                                ZImageTransformerBlock, ZSingleStreamAttnProcessor)
 
 from .._state import PatchState, register_adapter
-from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
+from ._chains import add_chain_sites, fused_subclass, replace_processors, warn_nothing_to_fuse
+
+# sha256[:16] of ast.unparse of the processor's local `apply_rotary_emb` in diffusers 0.42.1 (rmsnorm_rope_complex's
+# complex multiply; the autocast it disables changes nothing for the op, whose dtypes are explicit)
+_LOCAL_ROTARY = ("apply_rotary_emb", "eaca8f0d9ea5b1ea")
 
 # Created at import, so that a pickled patched model finds it here by name.
 FastpathZImageTransformerBlock, _BLOCK = fused_subclass(
@@ -35,11 +45,14 @@ FastpathZImageTransformerBlock, _BLOCK = fused_subclass(
     rms_norms=("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"))
 FastpathZImageFeedForward, _FEED_FORWARD = fused_subclass(FeedForward, "FastpathZImageFeedForward", __name__,
                                                           "_forward_silu_gating", activations=("F.silu",))
+FastpathZSingleStreamAttnProcessor, _ = fused_subclass(
+    ZSingleStreamAttnProcessor, "FastpathZSingleStreamAttnProcessor", __name__, "__call__", local_rotary=_LOCAL_ROTARY)
 
 
 @register_adapter(ZImageTransformer2DModel)
 def patch_zimage(model: ZImageTransformer2DModel, state: PatchState) -> None:
     """Swap Z-Image's modulated blocks for their chain-fused subclass (see module doc)."""
+    replace_processors(state, model, Attention, ZSingleStreamAttnProcessor, FastpathZSingleStreamAttnProcessor)
     for module in model.modules():
         if type(module) is FeedForward and FastpathZImageFeedForward is not None:
             state.swap_class(module, FastpathZImageFeedForward)

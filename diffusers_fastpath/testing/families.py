@@ -72,8 +72,9 @@ def sd3_transformer_inputs(model, batch=1, size=(8, 8), txt_tokens=8, seed=1, de
 QWEN_IMAGE_CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                          num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
                          axes_dims_rope=(16, 56, 56))
-TINY_QWEN_IMAGE_CONFIG = dict(QWEN_IMAGE_CONFIG, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                              num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+# head dim 128 as in the published config: the QK norm + complex rotary kernel takes only that row length
+TINY_QWEN_IMAGE_CONFIG = dict(QWEN_IMAGE_CONFIG, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=128,
+                              num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(16, 56, 56))
 QWEN_IMAGE_CONFIGS = {"qwen-image": QWEN_IMAGE_CONFIG, "qwen-image-tiny": TINY_QWEN_IMAGE_CONFIG}
 
 
