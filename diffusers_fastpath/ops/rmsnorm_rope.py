@@ -27,8 +27,8 @@ import torch
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site
-from .rmsnorm_scale_shift import ROPE_COMPLEX, _Norm, _nvrtc_launch, _rms_norm
+from ._policy import FusedOp, Site
+from .rmsnorm_scale_shift import ROPE_COMPLEX, _Norm, _nvrtc_launch, _rms_norm, norm_reason
 
 HEAD_DIM = 128  # the probed row length
 
@@ -46,13 +46,10 @@ def rmsnorm_rope_complex_ref(norm, x: torch.Tensor, freqs: torch.Tensor) -> torc
 
 
 def _guard(norm, x: torch.Tensor, freqs: torch.Tensor, check_pointers: bool = True) -> str | None:
-    weight = getattr(norm, "weight", None)
-    if weight is None or getattr(norm, "bias", None) is not None:
-        return "norm without weight or with bias"
-    if x.dtype not in HALF_DTYPES:
-        return f"dtype {str(x.dtype).removeprefix('torch.')}"
-    if weight.dtype is not x.dtype:
-        return "mixed dtypes"
+    reason = norm_reason(norm, x)
+    if reason is not None:
+        return reason
+    weight = norm.weight
     if x.dim() != 4 or freqs.dim() not in (2, 3) or freqs.dtype is not torch.complex64:
         return "shape"
     batch, tokens, heads, dim = x.shape

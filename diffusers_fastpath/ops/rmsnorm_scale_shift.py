@@ -98,7 +98,8 @@ def _rows_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
     )
 
 
-def _guard_rows(norm, x, operands, check_pointers) -> str | None:
+def norm_reason(norm, x) -> str | None:
+    """What the kernel needs of the norm and the input's dtype: a weight of that dtype, no bias (fp16 or bf16)."""
     weight = getattr(norm, "weight", None)
     if weight is None or getattr(norm, "bias", None) is not None:
         return "norm without weight or with bias"
@@ -106,6 +107,14 @@ def _guard_rows(norm, x, operands, check_pointers) -> str | None:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if weight.dtype is not x.dtype:
         return "mixed dtypes"
+    return None
+
+
+def _guard_rows(norm, x, operands, check_pointers) -> str | None:
+    reason = norm_reason(norm, x)
+    if reason is not None:
+        return reason
+    weight = norm.weight
     if x.dim() != 3:
         return "shape"
     seq, batch, dim = x.shape
