@@ -450,8 +450,8 @@ def test_attention_backend_set_while_patched(family, backend, unpatch_after):
         m.set_attention_backend(backend)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
     fused = [p for p in processors if type(p).__module__.startswith("diffusers_fastpath")]
-    # FLUX and ERNIE-Image run fused processors everywhere; Z-Image and Lumina2 keep diffusers' (none fused yet)
-    assert processors and len(fused) == (len(processors) if family in ("flux", "ernie") else 0)
+    # FLUX, ERNIE-Image and Z-Image run fused processors everywhere; Lumina2 keeps diffusers' (none fused yet)
+    assert processors and len(fused) == (len(processors) if family in ("flux", "ernie", "zimage") else 0)
     dispatching = [p for p in processors if hasattr(p, "_attention_backend")]  # Lumina2's calls SDPA itself
     assert dispatching or family == "lumina2"
     assert all(str(p._attention_backend) in (backend, f"AttentionBackendName.{backend.upper().lstrip('_')}")
