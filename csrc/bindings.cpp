@@ -280,7 +280,7 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
                     const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& residual,
                     RmsEpilogue epilogue, double eps, Rows freqs = Rows{nullptr, 0, 0}, int64_t heads = 1,
-                    int64_t tokens = 1) {
+                    int64_t tokens = 1, Rows sin = Rows{nullptr, 0, 0}) {
   TORCH_CHECK(x.is_cuda(), "rmsnorm_scale_shift: x must be a CUDA tensor");
   check_rows(x, x, "x");
   const int64_t dim = x.size(2);
@@ -313,6 +313,7 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   args.shift = rows_or_none(shift);
   args.residual = rows_or_none(residual);
   args.freqs = freqs;
+  args.sin = sin;
   args.heads = heads;
   args.tokens = tokens;
   args.weight = weight.data_ptr();
@@ -407,6 +408,30 @@ at::Tensor rmsnorm_rope_complex(const at::Tensor& x, const at::Tensor& weight, c
                                 int64_t tokens, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   rmsnorm_rope_complex_out(out, x, weight, freqs, heads, tokens, eps);
+  return out;
+}
+
+// HunyuanVideo-1.5's QK norm + real rotary: x as for rmsnorm_rope_complex; cos and sin the float32 [tokens, dim]
+// tables of diffusers' apply_rotary_emb (contiguous, 16-byte aligned).
+void rmsnorm_rope_real_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                           const at::Tensor& sin, int64_t heads, int64_t tokens, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && heads > 0 && tokens > 0 && x.size(0) % (heads * tokens) == 0,
+              "rmsnorm_rope_real: x must be [batch * tokens * heads, 1, dim]");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == x.device() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                    t->size(0) == tokens && t->size(1) == x.size(2) && t->is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "rmsnorm_rope_real: cos and sin must be contiguous, 16-byte aligned float32 [tokens, dim] tables");
+  }
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, std::nullopt, std::nullopt, std::nullopt,
+                 RmsEpilogue::kRopeReal, eps, Rows{cos.data_ptr(), cos.stride(0), 0}, heads, tokens,
+                 Rows{sin.data_ptr(), sin.stride(0), 0});
+}
+
+at::Tensor rmsnorm_rope_real(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& cos,
+                             const at::Tensor& sin, int64_t heads, int64_t tokens, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_rope_real_out(out, x, weight, cos, sin, heads, tokens, eps);
   return out;
 }
 
@@ -578,6 +603,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rmsnorm_scale_cuda(Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor");
   m.def("_rmsnorm_scale_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()");
   m.def("_rmsnorm_rope_complex_cuda(Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, float eps) -> Tensor");
+  m.def("_rmsnorm_rope_real_cuda(Tensor x, Tensor weight, Tensor cos, Tensor sin, int heads, int tokens, float eps) -> "
+        "Tensor");
   m.def("_rmsnorm_gated_residual_cuda(Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "_rmsnorm_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, "
@@ -611,6 +638,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_cuda", &diffusers_fastpath::rmsnorm_scale);
   m.impl("_rmsnorm_scale_cuda_out", &diffusers_fastpath::rmsnorm_scale_out);
   m.impl("_rmsnorm_rope_complex_cuda", &diffusers_fastpath::rmsnorm_rope_complex);
+  m.impl("_rmsnorm_rope_real_cuda", &diffusers_fastpath::rmsnorm_rope_real);
   m.impl("_rmsnorm_gated_residual_cuda", &diffusers_fastpath::rmsnorm_gated_residual);
   m.impl("_rmsnorm_gated_residual_cuda_out", &diffusers_fastpath::rmsnorm_gated_residual_out);
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);

@@ -118,7 +118,8 @@ enum class RmsEpilogue : int32_t {
   kScaleShift = 0,    // ERNIE-Image's fp32 modulate: out = round(y * (1 + scale) + shift)
   kScale = 1,         // Z-Image, Lumina2: out = round(y * scale)
   kGatedResidual = 2,  // Z-Image, Lumina2: out = round(residual + round(gate * y))
-  kRopeComplex = 3     // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
+  kRopeComplex = 3,    // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
+  kRopeReal = 4        // HunyuanVideo-1.5's QK norms + real rotary: out = round(y * cos + rotate(y) * sin)
 };
 
 // diffusers RMSNorm followed by an epilogue:
@@ -136,7 +137,8 @@ struct RmsNormScaleShiftArgs {
   Rows residual;       // kGatedResidual: the stream the gated norm is added to
   Rows freqs;          // kRopeComplex: complex64 (cos, sin) pairs, row (t, b) of [batch or 1, tokens, dim / 2] at
                        // t * stride_s + b * stride_b (in pairs), for norm row r: t = (r / heads) % tokens,
-                       // b = r / (heads * tokens)
+                       // b = r / (heads * tokens); kRopeReal: the float32 cos table [tokens, dim] (stride_s in floats)
+  Rows sin;            // kRopeReal: the float32 sin table, laid out as cos
   const void* weight;  // [dim]
   int64_t seq;
   int64_t batch;

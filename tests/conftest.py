@@ -96,7 +96,8 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, qk_norm_rope_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
-    from diffusers_fastpath.ops.rmsnorm_rope import RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref
+    from diffusers_fastpath.ops.rmsnorm_rope import (RMSNORM_ROPE_COMPLEX, RMSNORM_ROPE_REAL, rmsnorm_rope_complex_ref,
+                                                     rmsnorm_rope_real_ref)
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, rotary_emb_ref
     from diffusers_fastpath.ops.silu_mul import SILU_MUL, SWIGLU_CAT, silu_mul_ref, swiglu_cat_ref
 
@@ -112,7 +113,7 @@ def emulated_kernels(monkeypatch):
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref),
-                       (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref),
+                       (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)

@@ -21,10 +21,12 @@ FIBO = "BriaFiboTransformer2DModel"
 
 def sites(dual: int, single: int, name: str) -> dict[str, int]:
     """The sites of a model of `name` with that many dual and single blocks (Ovis-Image's single block has no tanh-GELU
-    MLP: no GELU + concatenation site; Bria-FIBO's single blocks normalise q and k with diffusers' RMSNorm, which the
-    fused QK norm does not take: no QK norm site there)."""
+    MLP: no GELU + concatenation site; Bria-FIBO's single blocks normalise q and k with diffusers' RMSNorm: their QK
+    norm + rotary site is `rmsnorm_rope_real`'s, not FLUX's `qk_norm_rope`)."""
     counts = {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single, "rotary_emb": dual + single,
               "qk_norm_rope": dual + (0 if name == FIBO else single)}
+    if name == FIBO:
+        counts["rmsnorm_rope_real"] = single
     if name != "OvisImageTransformer2DModel":
         counts["gelu_cat"] = single
     return counts
@@ -32,8 +34,8 @@ def sites(dual: int, single: int, name: str) -> dict[str, int]:
 
 def calls(name: str) -> dict:
     """Fast calls per site and forward: q and k, fused with their QK norms (the plain rotary, their fallback, never
-    runs), but in Bria-FIBO's single blocks, whose rotary runs alone."""
-    return {"qk_norm_rope": 2, "rotary_emb": (0, 2) if name == FIBO else 0}
+    runs)."""
+    return {"qk_norm_rope": 2, "rmsnorm_rope_real": 2, "rotary_emb": 0}
 
 
 def processors(model):

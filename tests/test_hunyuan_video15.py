@@ -14,13 +14,15 @@ from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_
                                         build_hunyuan_video15_transformer, hunyuan_video15_transformer_inputs,
                                         patch_round_trip)
 
-CALLS = {"rotary_emb": 2}  # q and k of each block's attention per forward
+CALLS = {"rmsnorm_rope_real": 2, "rotary_emb": 0}  # q and k of each block's attention per forward, norm and rotary fused
 
 
 def sites(blocks: int, refiner: int) -> dict[str, int]:
     """Per dual-stream block norm1, norm1_context, norm2, norm2_context and four gates; two gates per refiner block;
-    one rotary site per block's attention."""
-    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks + 2 * refiner, "rotary_emb": blocks}
+    one rotary site and one QK norm + rotary site per block's attention (the image q and k: two calls; the plain
+    rotary, its fallback, none)."""
+    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks + 2 * refiner, "rotary_emb": blocks,
+            "rmsnorm_rope_real": blocks}
 
 
 def test_supported_and_what_is_rewritten():

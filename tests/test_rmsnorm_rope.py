@@ -97,3 +97,79 @@ def test_custom_op_opcheck_cpu():
     with torch.no_grad():
         assert torch.equal(torch.ops.diffusers_fastpath.rmsnorm_rope_complex(x, norm.weight, freqs, 1e-6),
                            rmsnorm_rope_complex_ref(norm, x, freqs))
+
+
+# --- the real form (HunyuanVideo-1.5, Bria-FIBO's single blocks) ---------------------------------------------------
+
+from diffusers.models.embeddings import apply_rotary_emb, get_1d_rotary_pos_embed  # noqa: E402
+
+from diffusers_fastpath.ops import rmsnorm_rope_real, rmsnorm_rope_real_ref  # noqa: E402
+from diffusers_fastpath.ops.rmsnorm_rope import RMSNORM_ROPE_REAL  # noqa: E402
+
+# HunyuanVideo-1.5 at 848x480x33 (9 x 30 x 53 latent tokens, 16 heads of 128), a batch of two, a small case
+REAL_SHAPES = [(1, 14310, 16, 128), (2, 1024, 16, 128), (1, 7, 3, 128)]
+
+
+def make_real(shape, dtype, device, seed):
+    norm, x, _ = make(shape, dtype, device, seed)
+    cos, sin = get_1d_rotary_pos_embed(shape[3], torch.arange(shape[1]).float() * 1.7, use_real=True)
+    return norm, x, cos.float().to(device), sin.float().to(device)
+
+
+def test_real_reference_is_diffusers_chain():
+    norm, x, cos, sin = make_real((2, 9, 3, 128), torch.bfloat16, "cpu", 0)
+    with torch.no_grad():
+        assert torch.equal(rmsnorm_rope_real_ref(norm, x, cos, sin),
+                           apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", REAL_SHAPES, ids=str)
+def test_real_matches_eager_bitwise_on_the_gpu(shape, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    batch, tokens, heads, dim = shape
+    with torch.no_grad():
+        for seed in range(2):
+            norm, x, cos, sin = make_real(shape, dtype, "cuda", seed)
+            ref = apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)
+            got = torch.ops.diffusers_fastpath._rmsnorm_rope_real_cuda(x.view(-1, 1, dim), norm.weight, cos, sin, heads,
+                                                                      tokens, norm.eps)
+            torch.cuda.synchronize()
+            assert torch.equal(got.view(shape), ref)
+            site = Site("rmsnorm_rope_real")
+            assert torch.equal(rmsnorm_rope_real(norm, x, cos, sin, site), ref)
+            assert site.fast == 1 and not site.fallback, site
+    assert RMSNORM_ROPE_REAL.disabled is None
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("fp32", "dtype float32"), ("tables", "cos/sin not float32"), ("dim", "D outside the reproduced reduction"),
+    ("shape", "shape"), ("cpu", "device cpu")])
+def test_real_guard_falls_back_with_reason(case, reason):
+    norm, x, cos, sin = make_real((1, 9, 4, 128), torch.bfloat16, "cpu", 1)
+    if case == "fp32":
+        norm, x = norm.float(), x.float()
+    elif case == "tables":
+        cos, sin = cos.half(), sin.half()
+    elif case == "dim":
+        norm, x, cos, sin = make_real((1, 9, 4, 64), torch.bfloat16, "cpu", 1)
+    elif case == "shape":
+        cos, sin = cos[:4], sin[:4]
+    site = Site("rmsnorm_rope_real")
+    with torch.no_grad():
+        assert RMSNORM_ROPE_REAL.guard(norm, x, cos, sin) == reason
+        if case == "shape":
+            with pytest.raises(RuntimeError):
+                rmsnorm_rope_real(norm, x, cos, sin, site)
+        else:
+            assert torch.equal(rmsnorm_rope_real(norm, x, cos, sin, site), rmsnorm_rope_real_ref(norm, x, cos, sin))
+    assert site.fast == 0 and site.fallback == {reason: 1}
+
+
+def test_real_custom_op_opcheck_cpu():
+    norm, x, cos, sin = make_real((1, 9, 4, 128), torch.bfloat16, "cpu", 2)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.rmsnorm_rope_real.default,
+                          (x, norm.weight.detach(), cos, sin, 1e-6))

@@ -14,7 +14,8 @@ from torch import nn
 
 from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_rope_complex, rmsnorm_scale, rotary_emb, silu_mul, swiglu_cat)
+                   rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
+                   swiglu_cat)
 from ..quality import hooked
 
 _SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
@@ -182,7 +183,7 @@ class _ChainsNamespace:
         return swiglu_cat(attn, x, site)
 
     @staticmethod
-    def rotary(x, freqs, site, qk_site=None):
+    def rotary(x, freqs, site, qk_site=None, rms_site=None):
         tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
                   and all(isinstance(t, torch.Tensor) for t in freqs))
         if isinstance(x, (_NormLater, _CatLater)):
@@ -190,6 +191,9 @@ class _ChainsNamespace:
                 txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
                 return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
                                     site)
+            if tables and isinstance(x, _NormLater) and type(x.norm) is RMSNorm and not hooked(x.norm):
+                # diffusers' RMSNorm (HunyuanVideo-1.5, Bria-FIBO's single blocks): its own fused op
+                return rmsnorm_rope_real(x.norm, x.x, freqs[0], freqs[1], rms_site, site)
             x = _materialize(x)
         if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)

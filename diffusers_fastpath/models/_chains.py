@@ -72,7 +72,8 @@ of ``self``):
     module)  ->  ``Q = norm_later(A.N, Q)``: the norm, not yet run
   - ``Q = torch.cat([E, Q], dim=1)`` of two such  ->  ``Q = cat_later(E, Q)``
   - the rotary call of such a ``Q`` runs all three as one `qk_norm_rope` (site ``qk_norm_rope`` on the attention
-    module); after the last statement holding a rotary call, each such name read later is made a tensor
+    module), or, for a lone diffusers ``RMSNorm`` (HunyuanVideo-1.5, Bria-FIBO's single blocks), the norm and the
+    rotary as one `rmsnorm_rope_real` (site ``rmsnorm_rope_real``); after the last statement holding a rotary call, each such name read later is made a tensor
     (``materialize``: the norm and the cat as written, where no rotary embedding ran)
 
   taken only where those names are read nowhere else before that point (else the norms run as written).
@@ -188,6 +189,7 @@ RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
 RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
 SWIGLU_CAT = "swiglu_cat"
 RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
+RMSNORM_ROPE_REAL = "rmsnorm_rope_real"  # ... diffusers' RMSNorm + the real-form rotary (HunyuanVideo-1.5)
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _SWIGLU_FLAG = "_fastpath_swiglu_in_cat"  # the same for the SwiGLU + concatenation form
 
@@ -545,6 +547,7 @@ class _Rewriter:
                 elif _ns_call(node, "rotary"):
                     allowed.add(id(node.args[0]))
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))  # `new` is ours to change
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), RMSNORM_ROPE_REAL))
                 elif _ns_call(node, "rotary_complex"):
                     allowed.add(id(node.args[1]))
         if not _PendingReads(allowed).clean(new[:last + 1]):
@@ -702,6 +705,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, ROTARY, name=ROTARY)
             if found.rotary and qk and type(getattr(module, "norm_q", None)) is nn.RMSNorm:  # what `norm_later` defers
                 state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
+            if found.rotary and qk and type(getattr(module, "norm_q", None)) is RMSNorm:
+                state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
             if found.rotary_complex and qk and type(getattr(module, "norm_q", None)) is RMSNorm:
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
             for attr in fused_cls._fastpath_rewrite.swiglu_cats:

@@ -19,7 +19,7 @@ from .rmsnorm_scale_shift import (
     rmsnorm_scale_shift,
     rmsnorm_scale_shift_ref,
 )
-from .rmsnorm_rope import rmsnorm_rope_complex, rmsnorm_rope_complex_ref
+from .rmsnorm_rope import rmsnorm_rope_complex, rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref
 from .rotary import rotary_emb, rotary_emb_ref
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
 
@@ -50,6 +50,8 @@ __all__ = [
     "rmsnorm_gated_residual",
     "rmsnorm_rope_complex",
     "rmsnorm_rope_complex_ref",
+    "rmsnorm_rope_real",
+    "rmsnorm_rope_real_ref",
     "rmsnorm_gated_residual_ref",
     "rmsnorm_scale",
     "rmsnorm_scale_ref",

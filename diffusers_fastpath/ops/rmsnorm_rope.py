@@ -1,6 +1,7 @@
-"""A QK norm (diffusers' ``RMSNorm`` over each head) and the complex-form rotary embedding after it, in one pass:
-Qwen-Image's attention processor (``attn.norm_q(q)`` then ``apply_rotary_emb_qwen(q, freqs, use_real=False)``, and
-the same for k and for the text stream).
+"""A QK norm (diffusers' ``RMSNorm`` over each head) and the rotary embedding after it, in one pass: the complex form
+(`rmsnorm_rope_complex`: Qwen-Image's ``attn.norm_q(q)`` then ``apply_rotary_emb_qwen(q, freqs, use_real=False)``,
+Z-Image's processor-local equivalent) and the real form (`rmsnorm_rope_real`: HunyuanVideo-1.5's, Bria-FIBO's
+single blocks': ``apply_rotary_emb(norm(q), (cos, sin), sequence_dim=1)``).
 
 The eager chain, T = bf16 or fp16, ``x`` a ``[B, S, H, D]`` q or k, ``freqs`` complex64 ``[S, D/2]`` (or ``[B, S,
 D/2]``), broadcast over the heads::
@@ -28,7 +29,8 @@ import torch
 from . import _nvrtc
 from ._build import launcher
 from ._policy import FusedOp, Site
-from .rmsnorm_scale_shift import ROPE_COMPLEX, _Norm, _nvrtc_launch, _rms_norm, norm_reason
+from .rmsnorm_scale_shift import ROPE_COMPLEX, ROPE_REAL, _Norm, _nvrtc_launch, _rms_norm, norm_reason
+from .rotary import cos_sin_reason, rotary_emb, rotary_emb_ref
 
 HEAD_DIM = 128  # the probed row length
 
@@ -45,16 +47,34 @@ def rmsnorm_rope_complex_ref(norm, x: torch.Tensor, freqs: torch.Tensor) -> torc
     return rope_complex(norm(x), freqs)
 
 
-def _guard(norm, x: torch.Tensor, freqs: torch.Tensor, check_pointers: bool = True) -> str | None:
+def _rows_reason(norm, x: torch.Tensor) -> str | None:
+    """What both ops need of the norm and of ``x``'s rows (the parts of the guard before the rotary operands)."""
     reason = norm_reason(norm, x)
     if reason is not None:
         return reason
-    weight = norm.weight
-    if x.dim() != 4 or freqs.dim() not in (2, 3) or freqs.dtype is not torch.complex64:
+    if x.dim() != 4:
+        return "shape"
+    return None
+
+
+def _guard(norm, x: torch.Tensor, freqs: torch.Tensor, check_pointers: bool = True) -> str | None:
+    reason = _rows_reason(norm, x)
+    if reason is not None:
+        return reason
+    if freqs.dim() not in (2, 3) or freqs.dtype is not torch.complex64:
         return "shape"
     batch, tokens, heads, dim = x.shape
     if tuple(freqs.shape[-2:]) != (tokens, dim // 2) or (freqs.dim() == 3 and freqs.shape[0] not in (1, batch)):
         return "shape"
+    if freqs.stride(-1) != 1:
+        return "freqs strided"
+    return _layout_reason(norm, x, (freqs,), check_pointers)
+
+
+def _layout_reason(norm, x: torch.Tensor, tables, check_pointers: bool) -> str | None:
+    """The rest of both guards: the probed row length, the row count, contiguity, autograd, devices, alignment."""
+    weight = norm.weight
+    batch, tokens, heads, dim = x.shape
     if dim != HEAD_DIM:
         return "D outside the reproduced reduction"
     rows = batch * tokens * heads
@@ -64,15 +84,13 @@ def _guard(norm, x: torch.Tensor, freqs: torch.Tensor, check_pointers: bool = Tr
         return "too large for aten's 32-bit reduction"
     if not x.is_contiguous():
         return "x not contiguous"
-    if freqs.stride(-1) != 1:
-        return "freqs strided"
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or freqs.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or any(t.requires_grad for t in tables)):
         return "requires grad"
     if not x.is_cuda:
         return f"device {x.device.type}"
-    if weight.device != x.device or freqs.device != x.device:
+    if weight.device != x.device or any(t.device != x.device for t in tables):
         return "devices differ"
-    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8 or freqs.data_ptr() % 8):
+    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8 or any(t.data_ptr() % 8 for t in tables)):
         return "not 8-byte aligned"
     return None
 
@@ -169,3 +187,95 @@ def rmsnorm_rope_complex(norm, x: torch.Tensor, freqs: torch.Tensor, site: Site 
         True
     """
     return RMSNORM_ROPE_COMPLEX(site, norm, x, freqs)
+
+
+# --- the real form: diffusers' apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1) -------------------------------
+
+
+def rmsnorm_rope_real_ref(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_site=None) -> torch.Tensor:
+    """The eager chain, through the ``RMSNorm`` module and diffusers' ``apply_rotary_emb`` themselves."""
+    return rotary_emb_ref(norm(x), cos, sin)
+
+
+def _real_fallback(norm, x, cos, sin, rope_site=None) -> torch.Tensor:
+    # the norm as written, the rotary still the exact fused one (counted on its own site)
+    return rotary_emb(norm(x), cos, sin, rope_site)
+
+
+def _real_guard(norm, x, cos, sin, rope_site=None, check_pointers: bool = True) -> str | None:
+    reason = _rows_reason(norm, x)
+    if reason is None:
+        reason = cos_sin_reason(cos, sin, x.shape[1], x.shape[3], x.device, check_pointers)
+    return reason if reason is not None else _layout_reason(norm, x, (cos, sin), check_pointers)
+
+
+def _nvrtc_real_kernel(x, weight, cos, sin, heads: int, tokens: int, eps: float, out=None) -> torch.Tensor:
+    out = x.new_empty(x.shape) if out is None else out
+    _nvrtc_launch(out, None, x, weight, eps, ROPE_REAL, freqs=(cos.data_ptr(), cos.stride(0), 0), heads=heads,
+                  tokens=tokens, sin=(sin.data_ptr(), sin.stride(0), 0))
+    return out
+
+
+def _raw_real_guard(x, weight, cos, sin, heads, tokens, eps):
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] % (heads * tokens):
+        return "shape"
+    return _real_guard(_Norm(weight, eps), x.view(x.shape[0] // (heads * tokens), tokens, heads, x.shape[2]), cos, sin,
+                       None)
+
+
+_nvrtc.raw_op("_rmsnorm_rope_real_cuda",
+              "(Tensor x, Tensor weight, Tensor cos, Tensor sin, int heads, int tokens, float eps) -> Tensor",
+              _raw_real_guard, _nvrtc_real_kernel)
+
+_real_launch = None
+
+
+def _real_kernel(norm, x, cos, sin, rope_site=None) -> torch.Tensor:
+    global _real_launch
+    if _real_launch is None:
+        _real_launch = launcher(_nvrtc_real_kernel, "_rmsnorm_rope_real_cuda")
+    batch, tokens, heads, dim = x.shape
+    return _real_launch(x.view(-1, 1, dim), norm.weight, cos, sin, heads, tokens, norm.eps).view(x.shape)
+
+
+@torch.library.custom_op("diffusers_fastpath::rmsnorm_rope_real", mutates_args=())
+def _rmsnorm_rope_real_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _real_guard(norm, x, cos, sin) is None:
+        return _real_kernel(norm, x, cos, sin)
+    return rotary_emb_ref(_rms_norm(x, weight, eps), cos, sin).contiguous()
+
+
+@_rmsnorm_rope_real_op.register_fake
+def _(x, weight, cos, sin, eps):
+    torch._check(x.dim() == 4, lambda: "rmsnorm_rope_real: x must be [batch, tokens, heads, dim]")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+RMSNORM_ROPE_REAL = FusedOp(
+    "rmsnorm_rope_real",
+    ref=rmsnorm_rope_real_ref,
+    guard=_real_guard,
+    kernel=_real_kernel,
+    custom_op=lambda norm, x, cos, sin, rope_site=None: torch.ops.diffusers_fastpath.rmsnorm_rope_real.default(
+        x, norm.weight, cos, sin, norm.eps),
+    verify_key=lambda norm, x, cos, sin, rope_site=None: (str(x.dtype).removeprefix("torch."), x.shape[-1]),
+    fallback=_real_fallback,
+)
+
+
+def rmsnorm_rope_real(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: Site | None = None,
+                      rope_site: Site | None = None) -> torch.Tensor:
+    """``apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)`` (diffusers' ``RMSNorm`` over each head, then the
+    real-form rotary embedding with FLUX-style tables), fused on CUDA (the norm self-verified, the rotary exact by
+    construction as in `rotary_emb`) and bit-identical to eager everywhere.
+
+    Args:
+        norm: a diffusers ``RMSNorm`` (weight, no bias), e.g. ``attn.norm_q``.
+        x: ``[B, S, H, D]`` q or k.
+        cos, sin: float32 ``[S, D]`` tables (diffusers' ``get_1d_rotary_pos_embed(..., use_real=True)`` layout).
+        site: the call site's counters, shown by `diffusers_fastpath.report`; ``rope_site``: those of the fused
+            `rotary_emb` that runs after the norm where the norm cannot be fused (the guard said why).
+    """
+    return RMSNORM_ROPE_REAL(site, norm, x, cos, sin, rope_site)

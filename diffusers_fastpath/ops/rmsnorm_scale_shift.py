@@ -178,15 +178,16 @@ def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_p
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
 # stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32,
 # the RmsEpilogue values and the output allocation; the guard stands for bindings.cpp's input checks.
-SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX = 0, 1, 2, 3  # fastpath.h's RmsEpilogue
+SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL = 0, 1, 2, 3, 4  # fastpath.h's RmsEpilogue
 _EPILOGUE_NAME = {SCALE_SHIFT: "kScaleShift", SCALE: "kScale", GATED_RESIDUAL: "kGatedResidual",
-                  ROPE_COMPLEX: "kRopeComplex"}
+                  ROPE_COMPLEX: "kRopeComplex", ROPE_REAL: "kRopeReal"}
 _ROWS = _nvrtc.Params("Rows", ("ptr", "P"), ("stride_s", "q"), ("stride_b", "q"))
 _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P"), ("x", _ROWS), ("gate", _ROWS),
                       ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("residual", _ROWS), ("freqs", _ROWS),
-                      ("weight", "P"), ("seq", "q"), ("batch", "q"), ("dim", "q"), ("heads", "q"), ("tokens", "q"),
-                      ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"))
-_VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL), (False, ROPE_COMPLEX))
+                      ("sin", _ROWS), ("weight", "P"), ("seq", "q"), ("batch", "q"), ("dim", "q"), ("heads", "q"),
+                      ("tokens", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"))
+_VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL), (False, ROPE_COMPLEX),
+             (False, ROPE_REAL))
 _NVRTC = _nvrtc.Kernel(
     "rmsnorm_scale_shift.cu",
     "diffusers_fastpath::rmsnorm_scale_shift_kernel",
@@ -208,7 +209,8 @@ def _rows(t: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCALE_SHIFT, gate=None, update=None,
-                  scale=None, shift=None, residual=None, freqs=_NONE, heads: int = 1, tokens: int = 1) -> None:
+                  scale=None, shift=None, residual=None, freqs=_NONE, heads: int = 1, tokens: int = 1,
+                  sin=_NONE) -> None:
     seq, batch, dim = x.shape
     rows, device, gated = seq * batch, x.device.index, update is not None
     for t in (out, residual_out) if gated else (out,):
@@ -216,7 +218,7 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
     _NVRTC.launch(
         device, (x.dtype, gated, epilogue), ((rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, 1, 1),
         (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
-        *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs,
+        *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs, *sin,
         weight.data_ptr(), seq, batch, dim, heads, tokens, eps, _f32(_f32(rows) / _f32(rows * dim)), gated,
         _nvrtc.DTYPE_CODE[x.dtype], epilogue)
 

@@ -175,9 +175,10 @@ HUNYUAN_VIDEO15_CONFIG = dict(in_channels=65, out_channels=32, num_attention_hea
                               num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
                               qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,
                               rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+# head dim 128 as published: the QK norm + rotary kernel takes only that row length
 TINY_HUNYUAN_VIDEO15_CONFIG = dict(HUNYUAN_VIDEO15_CONFIG, in_channels=9, out_channels=4, num_attention_heads=2,
-                                   attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32,
-                                   text_embed_2_dim=24, image_embed_dim=16, rope_axes_dim=(4, 6, 6))
+                                   attention_head_dim=128, num_layers=2, num_refiner_layers=1, text_embed_dim=32,
+                                   text_embed_2_dim=24, image_embed_dim=16, rope_axes_dim=(16, 56, 56))
 HUNYUAN_VIDEO15_CONFIGS = {"hunyuanvideo-1.5": HUNYUAN_VIDEO15_CONFIG, "hunyuanvideo-1.5-tiny": TINY_HUNYUAN_VIDEO15_CONFIG}
 
 

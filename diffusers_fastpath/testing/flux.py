@@ -176,7 +176,9 @@ FLUX_CLONE_CONFIGS = {
     "LongCatImageTransformer2DModel": dict(_TINY_FLUX_LIKE, pooled_projection_dim=32),
     "OvisImageTransformer2DModel": dict(_TINY_FLUX_LIKE, out_channels=4),
     "BriaTransformer2DModel": dict(_TINY_FLUX_LIKE),
-    "BriaFiboTransformer2DModel": dict(_TINY_FLUX_LIKE, text_encoder_dim=24),
+    # head dim 128: its single blocks' diffusers RMSNorm + rotary kernel takes only that row length
+    "BriaFiboTransformer2DModel": dict(_TINY_FLUX_LIKE, text_encoder_dim=24, attention_head_dim=128,
+                                       axes_dims_rope=(16, 56, 56)),
 }
 
 
