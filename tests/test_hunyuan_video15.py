@@ -48,6 +48,25 @@ def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     assert_patched_step_exact_and_fused(model, inputs, sites(2, 1), CALLS)
 
 
+def test_a_hooked_qk_norm_runs_as_written_and_says_why(emulated_kernels, unpatch_after):
+    """A forward hook on one block's ``norm_k`` runs (the output is the unpatched model's with the same hook); that
+    norm and its rotary run as the norm as written + the fused rotary, and the QK norm + rotary site counts why."""
+    ref, model = build_hunyuan_video15_transformer(seed=13), build_hunyuan_video15_transformer(seed=13)
+    inputs = hunyuan_video15_transformer_inputs(model, seed=14, frames=2, valid=5)
+    calls = []
+    for m in (ref, model):
+        m.transformer_blocks[0].attn.norm_k.register_forward_hook(lambda mod, i, o: calls.append(1) or o * 2)
+    with torch.no_grad():
+        expected = ref(**inputs).sample
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(model(**inputs).sample, expected) and len(calls) == 2
+    rows = {s.site: s for s in fp.report(model).sites}
+    fused, rotary = (rows[f"transformer_blocks.0.attn:{op}"] for op in ("rmsnorm_rope_real", "rotary_emb"))
+    assert (fused.fast, dict(fused.reasons)) == (1, {"norm has hooks": 1})  # q fused, k as written
+    assert (rotary.fast, rotary.fallback) == (1, 0)  # k's rotary, still the fused one
+
+
 def test_the_pairwise_masks_are_built_by_broadcasting(monkeypatch, unpatch_after):
     """The processor's and the refiner's masks go through `pairwise_mask` (one per attention and one for the
     refiner per forward), and the patched forward stays bit-identical."""

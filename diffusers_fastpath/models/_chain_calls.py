@@ -191,9 +191,12 @@ class _ChainsNamespace:
                 txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
                 return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
                                     site)
-            if tables and isinstance(x, _NormLater) and type(x.norm) is RMSNorm and not hooked(x.norm):
+            if tables and isinstance(x, _NormLater) and type(x.norm) is RMSNorm:
                 # diffusers' RMSNorm (HunyuanVideo-1.5, Bria-FIBO's single blocks): its own fused op
-                return rmsnorm_rope_real(x.norm, x.x, freqs[0], freqs[1], rms_site, site)
+                if not hooked(x.norm):
+                    return rmsnorm_rope_real(x.norm, x.x, freqs[0], freqs[1], rms_site, site)
+                if rms_site is not None:
+                    rms_site.fallback["norm has hooks"] += 1
             x = _materialize(x)
         if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
