@@ -23,12 +23,16 @@ from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV, REASON_NO_KE
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,
     build_flux_transformer,
+    build_hunyuan_video15_transformer,
     build_lumina2_transformer,
+    build_qwenimage_transformer,
     build_zimage_transformer,
     ernie_image_inputs,
     flux_transformer_inputs,
+    hunyuan_video15_transformer_inputs,
     lumina2_transformer_inputs,
     prompt_embeddings,
+    qwenimage_transformer_inputs,
     tiny_flux_pipeline,
     zimage_transformer_inputs,
 )
@@ -46,6 +50,11 @@ FAMILIES = {
     "lumina2": (lambda dtype, seed: build_lumina2_transformer(dtype=dtype, seed=seed, hidden_size=256,
                                                               num_attention_heads=2, num_kv_heads=1, num_layers=1),
                 lumina2_transformer_inputs, "hidden_states"),
+    # the QK norm + rotary families (their rewritten processors: the complex form, the real form), one block each
+    "qwenimage": (lambda dtype, seed: build_qwenimage_transformer(dtype=dtype, seed=seed, num_layers=1),
+                  qwenimage_transformer_inputs, "hidden_states"),
+    "hunyuanvideo15": (lambda dtype, seed: build_hunyuan_video15_transformer(dtype=dtype, seed=seed, num_layers=1),
+                       hunyuan_video15_transformer_inputs, "hidden_states"),
 }
 
 
@@ -162,7 +171,7 @@ def test_to_dtype_after_patch(family, unpatch_after):
     unpatch_after(model)
     model.to(torch.float16)
     ref_model.to(torch.float16)
-    half = lambda t: t.to(torch.float16) if t.is_floating_point() else t  # noqa: E731
+    half = lambda t: t.to(torch.float16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     inputs = {k: _tensors(v, half) if k not in ("img_ids", "txt_ids") else v for k, v in inputs.items()}
     assert torch.equal(out(model, inputs), out(ref_model, inputs))
 
@@ -450,8 +459,11 @@ def test_attention_backend_set_while_patched(family, backend, unpatch_after):
         m.set_attention_backend(backend)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
     fused = [p for p in processors if type(p).__module__.startswith("diffusers_fastpath")]
-    # FLUX, ERNIE-Image and Z-Image run fused processors everywhere; Lumina2 keeps diffusers' (none fused yet)
-    assert processors and len(fused) == (len(processors) if family in ("flux", "ernie", "zimage") else 0)
+    # FLUX, ERNIE-Image, Z-Image, Qwen-Image and HunyuanVideo-1.5 run fused processors everywhere (HunyuanVideo-1.5's
+    # token refiner keeps diffusers'); Lumina2 keeps diffusers' (none fused yet)
+    expected = {"lumina2": 0, "hunyuanvideo15": len([p for p in processors if "HunyuanVideo15" in type(p).__name__])
+                }.get(family, len(processors))
+    assert processors and len(fused) == expected, processors
     dispatching = [p for p in processors if hasattr(p, "_attention_backend")]  # Lumina2's calls SDPA itself
     assert dispatching or family == "lumina2"
     assert all(str(p._attention_backend) in (backend, f"AttentionBackendName.{backend.upper().lstrip('_')}")
