@@ -17,7 +17,9 @@ from diffusers_fastpath.models import qwenimage
 from diffusers_fastpath.models._mirror import source_digest
 from diffusers_fastpath.testing import (SimulatedGraphs, assert_compiles_fullgraph_exactly,
                                         assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
-                                        build_qwenimage_transformer, patch_round_trip, qwenimage_transformer_inputs)
+                                        assert_pipeline_generation_exact_and_fused, build_qwenimage_transformer,
+                                        patch_round_trip, qwenimage_pipeline, qwenimage_prompt_embeddings,
+                                        qwenimage_transformer_inputs)
 
 
 def sites(blocks: int) -> dict[str, int]:
@@ -118,6 +120,13 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_qwenimage_transformer(seed=3)
     assert_patched_step_exact_and_fused(model, qwenimage_transformer_inputs(model, batch=batch, seed=4), sites(2), CALLS)
+
+
+def test_pipeline_generation_with_cfg_is_identical_and_fused(emulated_kernels):
+    """A 3-step ``QwenImagePipeline`` generation with true CFG (a padded prompt, a negative prompt of another length):
+    md5-identical latents, every site of the transformer on its fast path."""
+    pipe = qwenimage_pipeline(build_qwenimage_transformer(seed=12))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(**qwenimage_prompt_embeddings(pipe), true_cfg_scale=4.0))
 
 
 def test_per_token_modulation_runs_diffusers_modulate_and_says_why(emulated_kernels, unpatch_after):

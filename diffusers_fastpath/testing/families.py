@@ -412,6 +412,27 @@ def lumina2_pipeline(transformer):
                            scheduler=FlowMatchEulerDiscreteScheduler())
 
 
+def qwenimage_pipeline(transformer):
+    """A ``QwenImagePipeline`` around `transformer` with no VAE or text encoder: call it with
+    `qwenimage_prompt_embeddings` and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                             transformer=transformer)
+
+
+def qwenimage_prompt_embeddings(pipe, lengths=(12, 9), padding=2, seed=2):
+    """Random prompt and negative-prompt embeddings with their masks (the prompt's last `padding` tokens masked out),
+    of the given token counts, for `qwenimage_pipeline` with ``true_cfg_scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+    pos, neg = (torch.randn(1, n, cfg.joint_attention_dim, generator=gen).to(device, dtype) for n in lengths)
+    pos_mask = (torch.arange(lengths[0]) < lengths[0] - padding).long()[None].to(device)
+    neg_mask = torch.ones(1, lengths[1], dtype=torch.long, device=device)
+    return dict(prompt_embeds=pos, prompt_embeds_mask=pos_mask, negative_prompt_embeds=neg,
+                negative_prompt_embeds_mask=neg_mask)
+
+
 def wan22_pipeline(transformer, transformer_2, boundary_ratio=0.5):
     """A ``WanPipeline`` with Wan 2.2's two experts (`transformer` for the high-noise steps, `transformer_2` after
     `boundary_ratio`), no VAE or text encoder: call it with ``prompt_embeds``/``negative_prompt_embeds`` of the
