@@ -59,6 +59,15 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
+// diffusers' real-form rotary embedding of one pair (a, b) = (x[2i], x[2i+1]), written as T: apply_rotary_emb's
+// `(x.float() * cos + x_rotated.float() * sin).to(T)`, each product and the sum a separate fp32 kernel in eager
+// (csrc/rotary.cu; the kRopeReal epilogue of csrc/rmsnorm_scale_shift.cu).
+template <typename T>
+__device__ __forceinline__ void rotate_pair(float a, float b, float c0, float c1, float s0, float s1, T& out0, T& out1) {
+  out0 = Storage<T>::store(__fadd_rn(__fmul_rn(a, c0), __fmul_rn(-b, s0)));
+  out1 = Storage<T>::store(__fadd_rn(__fmul_rn(b, c1), __fmul_rn(a, s1)));
+}
+
 #ifndef __CUDACC_RTC__
 // Host only (NVRTC compiles the device code alone; ops/_nvrtc.py's row_grid is the Python twin of this one).
 // The launch shape of the row kernels (modulate, gated residual, gelu_cat): blocks of `threads` threads, `tx` of

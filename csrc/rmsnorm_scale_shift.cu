@@ -17,7 +17,7 @@
 //                   use_real=False: view_as_complex(y.float()) * freqs, .type_as(y)): aten's c10::complex multiply
 //                   as nvcc compiled it (examples/complex_rotary_probe.py, H200, torch 2.11: 100% of elements)
 //                   out[2i] = round_T(fma(a, c, -(b * d))), out[2i+1] = round_T(fma(a, d, b * c))
-//   kRopeReal:      diffusers' apply_rotary_emb(y, (cos, sin), sequence_dim=1), csrc/rotary.cu's expression:
+//   kRopeReal:      diffusers' apply_rotary_emb(y, (cos, sin), sequence_dim=1), rotate_pair (elementwise.cuh):
 //                   out[2i] = round_T(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i]),
 //                   out[2i+1] = round_T(y[2i+1] * cos[2i+1] + y[2i] * sin[2i+1])   (separate fp32 products and sum)
 //
@@ -134,12 +134,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
       const int64_t token = (row / a.heads) % a.tokens;
       const float4 c = reinterpret_cast<const float4*>(static_cast<const float*>(a.freqs.ptr) + token * a.freqs.stride_s)[q];
       const float4 n = reinterpret_cast<const float4*>(static_cast<const float*>(a.sin.ptr) + token * a.sin.stride_s)[q];
-      const float y0 = weighted_norm<T>(xq.v[0], rstd, w.v[0]), y1 = weighted_norm<T>(xq.v[1], rstd, w.v[1]);
-      const float y2 = weighted_norm<T>(xq.v[2], rstd, w.v[2]), y3 = weighted_norm<T>(xq.v[3], rstd, w.v[3]);
-      o.v[0] = Storage<T>::store(__fadd_rn(__fmul_rn(y0, c.x), __fmul_rn(-y1, n.x)));
-      o.v[1] = Storage<T>::store(__fadd_rn(__fmul_rn(y1, c.y), __fmul_rn(y0, n.y)));
-      o.v[2] = Storage<T>::store(__fadd_rn(__fmul_rn(y2, c.z), __fmul_rn(-y3, n.z)));
-      o.v[3] = Storage<T>::store(__fadd_rn(__fmul_rn(y3, c.w), __fmul_rn(y2, n.w)));
+      rotate_pair<T>(weighted_norm<T>(xq.v[0], rstd, w.v[0]), weighted_norm<T>(xq.v[1], rstd, w.v[1]), c.x, c.y, n.x,
+                     n.y, o.v[0], o.v[1]);
+      rotate_pair<T>(weighted_norm<T>(xq.v[2], rstd, w.v[2]), weighted_norm<T>(xq.v[3], rstd, w.v[3]), c.z, c.w, n.z,
+                     n.w, o.v[2], o.v[3]);
     } else {  // kGatedResidual
       const Quad<T> g = load_quad<T>(a.gate, s, b, q);
       const Quad<T> r = load_quad<T>(a.residual, s, b, q);

@@ -45,13 +45,6 @@ struct alignas(8) Quad {
   T v[4];
 };
 
-// The rotated pair (a, b) = (x[2i], x[2i+1]) of one quad, written as T.
-template <typename T>
-__device__ __forceinline__ void rotate_pair(float a, float b, float c0, float c1, float s0, float s1, T& out0, T& out1) {
-  out0 = Storage<T>::store(__fadd_rn(__fmul_rn(a, c0), __fmul_rn(-b, s0)));
-  out1 = Storage<T>::store(__fadd_rn(__fmul_rn(b, c1), __fmul_rn(a, s1)));
-}
-
 template <typename T, bool kNorm>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;

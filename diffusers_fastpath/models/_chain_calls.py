@@ -39,16 +39,21 @@ def register_complex_rotary(fn) -> None:
     COMPLEX_ROTARIES.add(fn)
 
 
-def rotary_complex_unfit(fn, norm: nn.Module) -> str | None:
-    """Why the QK norm `norm` and the complex-form rotary `fn` after it cannot run as `rmsnorm_rope_complex`, or
-    ``None``."""
-    if fn is not None and fn not in COMPLEX_ROTARIES:  # None: the rewriter checked a local function's source
-        return f"{getattr(fn, '__name__', fn)} is not the rotary this package checked"
+def _rms_qk_norm_unfit(norm: nn.Module) -> str | None:
+    """Why a pending QK norm cannot run inside `rmsnorm_rope_complex` or `rmsnorm_rope_real`, or ``None``."""
     if type(norm) is not RMSNorm:
         return f"{type(norm).__name__} is not diffusers' RMSNorm"
     if hooked(norm):
         return "norm has hooks"
     return None
+
+
+def rotary_complex_unfit(fn, norm: nn.Module) -> str | None:
+    """Why the QK norm `norm` and the complex-form rotary `fn` after it cannot run as `rmsnorm_rope_complex`, or
+    ``None``."""
+    if fn is not None and fn not in COMPLEX_ROTARIES:  # None: the rewriter checked a local function's source
+        return f"{getattr(fn, '__name__', fn)} is not the rotary this package checked"
+    return _rms_qk_norm_unfit(norm)
 
 
 def swiglu_cat_unfit(act: nn.Module) -> str | None:
@@ -193,10 +198,11 @@ class _ChainsNamespace:
                                     site)
             if tables and isinstance(x, _NormLater) and type(x.norm) is RMSNorm:
                 # diffusers' RMSNorm (HunyuanVideo-1.5, Bria-FIBO's single blocks): its own fused op
-                if not hooked(x.norm):
+                reason = _rms_qk_norm_unfit(x.norm)
+                if reason is None:
                     return rmsnorm_rope_real(x.norm, x.x, freqs[0], freqs[1], rms_site, site)
                 if rms_site is not None:
-                    rms_site.fallback["norm has hooks"] += 1
+                    rms_site.fallback[reason] += 1
             x = _materialize(x)
         if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
@@ -249,9 +255,8 @@ class _ChainsNamespace:
 
     @staticmethod
     def norm_later(norm, x):
-        # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_complex`;
-        # before the real-form rotary, as in Bria-FIBO's single blocks, it runs there as written and the rotary
-        # embedding after it is the plain fused one); any other runs here, as written
+        # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_real`
+        # before the real-form rotary, `rmsnorm_rope_complex` before the complex one); any other runs here, as written
         return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) else norm(x)
 
     @staticmethod

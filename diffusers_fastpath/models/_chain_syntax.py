@@ -174,8 +174,8 @@ def _int_literal(node: ast.expr) -> int | None:
     return value if type(value) is int else None
 
 
-def _cat_dim2(node: ast.expr, dim: int = 2) -> tuple[ast.expr, str] | None:
-    """``(A, M)`` if `node` is ``torch.cat([A, M], dim=2)`` (or `dim`) with ``M`` a name."""
+def _cat_of(node: ast.expr, dim: int) -> tuple[ast.expr, str] | None:
+    """``(A, M)`` if `node` is ``torch.cat([A, M], dim=<dim>)`` (an integer literal) with ``M`` a name."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
             and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
             and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
@@ -309,8 +309,8 @@ class _PendingReads(ast.NodeVisitor):
             self.ok = False
 
 
-def _calls_inplace(node: ast.expr) -> bool:
-    """Whether `node` calls a method whose name ends in ``_`` (PyTorch's in-place convention)."""
+def _calls_inplace(node: ast.AST) -> bool:
+    """Whether `node` (an expression or a statement) calls a method whose name ends in ``_`` (PyTorch's in-place convention)."""
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
                and not n.func.attr.startswith("_") for n in ast.walk(node))
 

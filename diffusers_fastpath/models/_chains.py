@@ -73,8 +73,9 @@ of ``self``):
   - ``Q = torch.cat([E, Q], dim=1)`` of two such  ->  ``Q = cat_later(E, Q)``
   - the rotary call of such a ``Q`` runs all three as one `qk_norm_rope` (site ``qk_norm_rope`` on the attention
     module), or, for a lone diffusers ``RMSNorm`` (HunyuanVideo-1.5, Bria-FIBO's single blocks), the norm and the
-    rotary as one `rmsnorm_rope_real` (site ``rmsnorm_rope_real``); after the last statement holding a rotary call, each such name read later is made a tensor
-    (``materialize``: the norm and the cat as written, where no rotary embedding ran)
+    rotary as one `rmsnorm_rope_real` (site ``rmsnorm_rope_real``); after the last statement holding a rotary call,
+    each such name read later is made a tensor (``materialize``: the norm and the cat as written, where no rotary
+    embedding ran)
 
   taken only where those names are read nowhere else before that point (else the norms run as written).
 - QK RMSNorm + complex-form rotary embedding, into `diffusers_fastpath.ops.rmsnorm_rope_complex` (self-verified; the
@@ -169,7 +170,7 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
-from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_dim2, _complex_rotary_call,
+from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_of, _complex_rotary_call,
                             _diffusers_rotary, _local_def,
                             _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
@@ -422,7 +423,7 @@ class _Rewriter:
                 continue
             for j in range(i + 1, len(body)):
                 h = _single_target(body[j])
-                cat = _cat_dim2(body[j].value) if h is not None else None
+                cat = _cat_of(body[j].value, 2) if h is not None else None
                 if cat is None or cat[1] != m:
                     continue
                 reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
@@ -453,12 +454,11 @@ class _Rewriter:
             x_names = {n.id for n in ast.walk(x) if isinstance(n, ast.Name)}
             for j in range(i + 1, len(body)):
                 h = _single_target(body[j])
-                cat = _cat_dim2(body[j].value, -1) if h is not None else None
+                cat = _cat_of(body[j].value, -1) if h is not None else None
                 if cat is None or cat[1] != m:
                     between = body[j]
                     stores = {n.id for n in ast.walk(between) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-                    if stores & (x_names | {m}) or any(_calls_inplace(e) for e in ast.walk(between)
-                                                         if isinstance(e, ast.expr)):
+                    if stores & (x_names | {m}) or _calls_inplace(between):
                         break  # X (or M) may hold another value at the concatenation
                     continue
                 reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load)
@@ -599,7 +599,7 @@ class _Rewriter:
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                     swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
-                    local_rotary: str | None = None) -> tuple[object, Rewrite] | None:
+                    local_rotary: tuple[str, str] | None = None) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -701,15 +701,16 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
     qk = bool(found.qk_norms)
     for module in model.modules():
         if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
+            norm = type(getattr(module, "norm_q", None)) if qk else None  # what `norm_later` defers, by its type
             if found.rotary:
                 state.add_site(module, ROTARY, name=ROTARY)
-            if found.rotary and qk and type(getattr(module, "norm_q", None)) is nn.RMSNorm:  # what `norm_later` defers
-                state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
-            if found.rotary and qk and type(getattr(module, "norm_q", None)) is RMSNorm:
-                state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
-            if found.rotary_complex and qk and type(getattr(module, "norm_q", None)) is RMSNorm:
+                if norm is nn.RMSNorm:
+                    state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
+                elif norm is RMSNorm:
+                    state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
+            if found.rotary_complex and norm is RMSNorm:
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
-            for attr in fused_cls._fastpath_rewrite.swiglu_cats:
+            for attr in found.swiglu_cats:
                 act = getattr(module, attr, None)
                 if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul
                     state.add_site(act, SWIGLU_CAT, SWIGLU_CAT)

@@ -263,9 +263,9 @@ class Params:
     ``fields`` are ``(name, code)`` with code one of ``P`` (pointer), ``q`` (int64_t), ``i`` (int32_t or an enum),
     ``f`` (float), ``?`` (bool), or another `Params` for a struct passed by value. The layout comes from a
     ``ctypes.Structure`` of the same fields (CUDA lays out kernel parameters and by-value structs as the host
-    compiler does, each at its natural alignment), flattened into one `struct.Struct` with explicit padding:
-    ``pack_into`` writes every argument in one call, which is what keeps a launch's Python cost low (measured in
-    `measure_host_cost`). These mirror csrc/fastpath.h by hand; tests/test_nvrtc.py checks them against the header
+    compiler does, each at its natural alignment), flattened into one `struct.Struct` with explicit padding that
+    ends at the last field (`end`): ``pack_into`` writes every argument in one call, which is what keeps a launch's
+    Python cost low (measured in `measure_host_cost`). These mirror csrc/fastpath.h by hand; tests/test_nvrtc.py checks them against the header
     compiled by the host compiler and against the parameter table (EIATTR_KPARAM_INFO) of the compiled kernels.
     """
 
@@ -283,18 +283,12 @@ class Params:
             fmt += f"{offset - pos}x" if offset > pos else ""
             fmt += code
             pos = offset + struct.calcsize("=" + code)
-        self._body, self._body_end = fmt, pos
-        self.struct = self.packer(self.size)
         # A kernel's parameter list ends at its last parameter: the driver rejects a buffer padded to the list's
-        # alignment (cuLaunchKernel: "too many resources requested for launch"), so a `Kernel` packs `end` bytes.
+        # alignment (cuLaunchKernel: "too many resources requested for launch"), so the packer stops at `end`.
         last = getattr(self.ctype, fields[-1][0])
         self.end = last.offset + last.size
-
-    def packer(self, size: int) -> struct.Struct:
-        """The flattened fields, padded to ``size`` bytes (``size``: the struct's ``sizeof`` or the list's `end`)."""
-        packer = struct.Struct(self._body + (f"{size - self._body_end}x" if size > self._body_end else ""))
-        assert packer.size == size, (self.name, packer.format, size)
-        return packer
+        self.struct = struct.Struct(fmt + (f"{self.end - pos}x" if self.end > pos else ""))
+        assert self.struct.size == self.end, (self.name, self.struct.format)
 
     @staticmethod
     def _flatten(params: "Params", base: int, out: list) -> None:
@@ -347,7 +341,7 @@ class Kernel:
         self.names = {key: f"{template}<{args}>" for key, args in variants.items()}
         self.params = params
         self.arg_bytes = params.end  # the parameter buffer's size: no tail padding after the last parameter
-        self._pack_into = params.packer(params.end).pack_into
+        self._pack_into = params.struct.pack_into
         self._functions: dict[int, dict] = {}  # device -> key -> CUfunction (an int)
         self._tls = threading.local()
         KERNELS.append(self)
