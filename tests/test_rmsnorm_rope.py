@@ -28,6 +28,18 @@ def make(shape, dtype, device, seed, per_batch=False):
     return norm, x, freqs
 
 
+def zimage_rotary(x_in, freqs_cis):
+    """Z-Image's processor-local complex rotary (diffusers 0.42 ``ZSingleStreamAttnProcessor``), the form that takes
+    per-sample ``[B, S, D/2]`` factors (Qwen-Image's ``apply_rotary_emb_qwen`` unsqueezes dim 1: ``[S, D/2]`` only)."""
+    x = torch.view_as_complex(x_in.float().reshape(*x_in.shape[:-1], -1, 2))
+    return torch.view_as_real(x * freqs_cis.unsqueeze(2)).flatten(3).type_as(x_in)
+
+
+def eager(norm, x, freqs):
+    """The diffusers chain each factor layout comes from: Qwen-Image's for ``[S, D/2]``, Z-Image's for ``[B, S, D/2]``."""
+    return (zimage_rotary if freqs.dim() == 3 else lambda y, f: apply_rotary_emb_qwen(y, f, use_real=False))(norm(x), freqs)
+
+
 def test_reference_is_diffusers_chain():
     """The op's reference is, bit for bit, ``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)``."""
     for dtype in DTYPES:
@@ -35,6 +47,9 @@ def test_reference_is_diffusers_chain():
         with torch.no_grad():
             assert torch.equal(rmsnorm_rope_complex_ref(norm, x, freqs),
                                apply_rotary_emb_qwen(norm(x), freqs, use_real=False))
+        norm, x, freqs = make((2, 9, 3, 128), dtype, "cpu", 1, per_batch=True)
+        with torch.no_grad():
+            assert torch.equal(rmsnorm_rope_complex_ref(norm, x, freqs), zimage_rotary(norm(x), freqs))
 
 
 @pytest.mark.gpu
@@ -50,7 +65,7 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, per_batch):
     with torch.no_grad():
         for seed in range(2):
             norm, x, freqs = make(shape, dtype, "cuda", seed, per_batch)
-            ref = apply_rotary_emb_qwen(norm(x), freqs, use_real=False)
+            ref = eager(norm, x, freqs)
             out = torch.full((batch * tokens * heads, 1, dim), float("nan"), dtype=dtype, device="cuda")
             got = torch.ops.diffusers_fastpath._rmsnorm_rope_complex_cuda(
                 x.view(-1, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps)
@@ -173,3 +188,34 @@ def test_real_custom_op_opcheck_cpu():
     norm, x, cos, sin = make_real((1, 9, 4, 128), torch.bfloat16, "cpu", 2)
     torch.library.opcheck(torch.ops.diffusers_fastpath.rmsnorm_rope_real.default,
                           (x, norm.weight.detach(), cos, sin, 1e-6))
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["apply_rotary_emb_qwen", "zimage_local"])
+def test_processor_call_fuses_only_the_factor_layout_its_function_broadcasts_like_the_op(local, emulated_kernels,
+                                                                                        monkeypatch):
+    """The rewritten processors' call: Qwen-Image's ``apply_rotary_emb_qwen`` unsqueezes the factors at dim 1, the op's
+    broadcast for ``[S, D/2]`` factors only; Z-Image's local function unsqueezes dim 2, the op's for ``[B, S, D/2]``.
+    The other layout runs the function as written (here S == H, so that Qwen-Image's broadcasts ``[B, S, D/2]`` its
+    own way; Z-Image's raises diffusers' error for ``[S, D/2]``), and the site is not counted; the function's own
+    layout fuses."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    from diffusers_fastpath.models import _chain_calls
+    from diffusers_fastpath.models._chain_calls import _ChainsNamespace, _NormLater
+
+    fn = zimage_rotary if local else apply_rotary_emb_qwen
+    monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", {apply_rotary_emb_qwen})  # as the adapter registers it
+    call = (lambda y, f: fn(y, f)) if local else (lambda y, f: fn(y, f, use_real=False))
+    for per_batch, fused in ((not local, False), (local, True)):
+        norm, x, freqs = make((2, 8, 8, 128), torch.bfloat16, "cpu", 3, per_batch=per_batch)
+        site = Site("rmsnorm_rope_complex")
+        with torch.no_grad():
+            if local and not fused:  # Z-Image's function cannot broadcast [S, D/2] factors: diffusers' error, as written
+                for attempt in (lambda: call(norm(x), freqs),
+                                lambda: _ChainsNamespace.rotary_complex(fn, _NormLater(norm, x), freqs, site, local=True)):
+                    with pytest.raises(RuntimeError, match="must match the size"):
+                        attempt()
+            else:
+                got = _ChainsNamespace.rotary_complex(fn, _NormLater(norm, x), freqs, site, local=local)
+                assert torch.equal(got, call(norm(x), freqs))
+        assert (site.fast, dict(site.fallback)) == ((1, {}) if fused else (0, {})), site

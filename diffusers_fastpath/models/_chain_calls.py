@@ -213,8 +213,10 @@ class _ChainsNamespace:
         # fn: the processor's complex-form rotary: a module function checked by digest (Qwen-Image's
         # apply_rotary_emb_qwen, called with use_real=False), or with `local` one the forward defines, whose source the
         # rewriter checked (Z-Image's, called with two arguments); x a pending QK norm where the rewriter deferred it
-        # (Z-Image's local function unsqueezes freqs at dim 2: the op's [B, S, D/2] form only)
-        if isinstance(x, _NormLater) and isinstance(freqs, torch.Tensor) and (not local or freqs.dim() == 3):
+        # (Z-Image's local function unsqueezes freqs at dim 2: the op's [B, S, D/2] form only; apply_rotary_emb_qwen
+        # unsqueezes dim 1, which is the op's broadcast for [S, D/2] factors only: [B, S, D/2] ones broadcast
+        # differently there, and run as written)
+        if isinstance(x, _NormLater) and isinstance(freqs, torch.Tensor) and freqs.dim() == (3 if local else 2):
             reason = rotary_complex_unfit(None if local else fn, x.norm)
             if reason is None:
                 return rmsnorm_rope_complex(x.norm, x.x, freqs, site)
