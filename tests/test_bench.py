@@ -20,7 +20,7 @@ from diffusers_fastpath.bench.levels.profile import idle_gaps
 TINY = ["--model", "flux-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
         "--text-tokens", "8", "--no-progress"]
 STEP_FIELDS = {"mode", "available", "reason", "ms", "host_ms", "ms_all", "host_ms_all", "ratio", "peak_mem_gib",
-               "compile_s", "md5", "bit_identical", "max_abs_diff", "psnr_db", "repeatable", "interleaved", "fastpath"}
+               "compile_s", "md5", "bit_identical", "max_abs_diff", "psnr_db", "repeatable", "interleaved", "fastpath", "sensors"}
 GEN_FIELDS = {"mode", "available", "reason", "s", "s_all", "host_s", "ratio", "peak_mem_gib", "compile_s", "warmup_s",
               "latents_md5", "image_md5", "image_shape", "bit_identical", "latents_identical", "image_identical",
               "max_abs_diff_latents", "psnr_db", "ssim", "repeatable", "interleaved", "fastpath"}

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", metavar="PATH", help="also write the markdown report here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--from-json", metavar="PATH", help="re-render the report (and --plot) of a saved run; runs nothing")
+    p.add_argument("--sensors", action="store_true",
+                   help="read the GPU's SM clock, power, temperature and clock-event reasons (NVML, read only) while "
+                        "each step is timed")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they go to stderr, on a TTY)")
     return p
 

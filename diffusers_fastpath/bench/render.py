@@ -39,6 +39,29 @@ def describe_weights(c: dict[str, Any]) -> str:
     return f"weights {c['dtype'] if quant == 'none' else quant}{held}"
 
 
+def _sensors(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The GPU's readings during each mode's timed steps (``--sensors``), or why there are none."""
+    sensors = result.get("sensors") or dict(reason="not requested")
+    if not sensors.get("ran"):
+        return [] if sensors["reason"] == "not requested" else [f"Sensors: {sensors['reason']}.", ""]
+    limits = sensors["limits"]
+    lines = [f"GPU during the timed steps (NVML, read only, every {sensors['interval_ms']:g} ms; SM clock at most "
+             f"{limits['max_sm_mhz']} MHz, power limit {limits['power_limit_w']:.0f} W; capped / thermal: the share of "
+             "readings whose clock-event reasons name power capping or heat):", ""]
+    body = []
+    for r in rows:
+        s = r.get("sensors") if r["available"] else None
+        if s and s["samples"]:
+            body.append([r["mode"], f"{s['sm_mhz_median']:.0f} ({s['sm_mhz_min']})",
+                         f"{s['power_w_mean']:.0f} ({s['power_w_max']:.0f})", f"{s['power_capped']:.0%}",
+                         f"{s['thermal']:.0%}", str(s["temp_c_max"]), str(s["samples"])])
+    lines += _table(["mode", "SM MHz median (min)", "power W mean (max)", "capped", "thermal", "max °C", "readings"],
+                    body) + [""]
+    if sensors.get("error"):
+        lines += [f"The readings stopped early: {sensors['error']}.", ""]
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The report as markdown (what stdout gets, and what ``--from-json`` re-renders)."""
     lines = ["## diffusers_fastpath benchmark", "", describe_conditions(result["conditions"]), ""]
@@ -67,6 +90,7 @@ def markdown(result: dict[str, Any]) -> str:
         if any(not r.get("interleaved", True) for r in step["rows"] if r["available"]):
             lines += ["Compiled modes ran after the others (each after `torch._dynamo.reset()`); the rest ran "
                       "round-robin. Compile s is the first call.", ""]
+        lines += _sensors(result, step["rows"])
     gen = result["generation"]
     if gen["ran"]:
         lines += [f"### Generation ({gen['steps']} steps + VAE decode, median of {gen['repeats']}, after a 1-step "

@@ -18,6 +18,7 @@ from .levels.profile import profile_step
 from .levels.step import step_once, step_row
 from .modes import MODES, Context, Mode, applied
 from .quant import weights_gib
+from .sensors import INTERVAL_S, Sensors
 from .subject import Subject, build_subject, generate
 from .timing import Clock, Samples, progress
 
@@ -45,10 +46,11 @@ def _unavailable_row(name: str, reason: str) -> dict[str, Any]:
 class _Runner:
     """One benchmark run: the subject, the clock, and what each mode gave at each level."""
 
-    def __init__(self, args: argparse.Namespace, subject: Subject, ctx: Context, modes_info: dict[str, dict]) -> None:
+    def __init__(self, args: argparse.Namespace, subject: Subject, ctx: Context, modes_info: dict[str, dict],
+                 sensors: Sensors | None = None) -> None:
         self.args, self.subject, self.ctx, self.modes_info = args, subject, ctx, modes_info
         self.device = ctx.device
-        self.clock = Clock(ctx.device)
+        self.clock = Clock(ctx.device, sensors)
         self.show = not args.no_progress and sys.stderr.isatty()
         self.step: dict[str, Samples] = {}
         self.gen: dict[str, Samples] = {}
@@ -171,7 +173,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     need_pipe = "generation" in levels
     subject = build_subject(args, device, need_pipe)
     result["conditions"]["weights_gib"] = weights_gib(subject.transformer)
-    runner = _Runner(args, subject, ctx, modes_info)
+    wanted = getattr(args, "sensors", False)
+    sensors, why_not = Sensors.open(device) if wanted else (None, "not requested")
+    if wanted and sensors is None:
+        logger.warning(f"diffusers_fastpath.bench: --sensors: {why_not}; the run goes on without readings")
+    result["sensors"] = dict(ran=sensors is not None, reason=why_not, interval_ms=INTERVAL_S * 1e3,
+                             limits=sensors.limits if sensors is not None else None)
+    runner = _Runner(args, subject, ctx, modes_info, sensors)
     runner.phase("build", t0)
     do_step, do_prof = "step" in levels, "profile" in levels
     do_gen = need_pipe and subject.no_generation is None
@@ -203,6 +211,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runner.phase("kernels", t0)
     else:
         result["kernels"] = dict(ran=False, reason="not requested", rows=[], host_us_per_call={})
+    if sensors is not None:
+        sensors.close()
+        result["sensors"]["error"] = sensors.error
     result["phases_s"] = runner.phases
     return result
 

@@ -13,18 +13,26 @@ import torch
 
 
 class Clock:
-    """Times one call: device time (CUDA events; wall time on CPU) and host time until the call returns."""
+    """Times one call: device time (CUDA events; wall time on CPU) and host time until the call returns; with
+    `sensors` (`bench.sensors.Sensors`) and a call's `readings`, what the GPU reported while that call ran."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sensors: Any = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self.sensors = sensors
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def time(self, fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    def time(self, fn: Callable[[], Any], readings: Any = None) -> tuple[Any, float, float]:
         """``(result, ms, host_ms)``."""
+        if readings is not None and self.sensors is not None:
+            with self.sensors.window(readings):
+                return self._time(fn)
+        return self._time(fn)
+
+    def _time(self, fn: Callable[[], Any]) -> tuple[Any, float, float]:
         self.sync()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -58,6 +66,7 @@ class Samples:
     compile_s: float | None = None
     warmup_s: float | None = None
     fastpath: dict[str, int] | None = None
+    readings: Any = None  # bench.sensors.Readings of the timed calls, with --sensors
 
     def add(self, out: Any, ms: float, host_ms: float, peak: float | None) -> None:
         if self.out is None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...metrics import psnr
 from ..modes import Mode, fastpath_summary
+from ..sensors import Readings
 from ..subject import Subject
 from ..timing import Clock, Samples, equal, finite, max_abs_diff, md5
 
@@ -14,7 +15,9 @@ from ..timing import Clock, Samples, equal, finite, max_abs_diff, md5
 def step_once(subject: Subject, clock: Clock, samples: Samples) -> None:
     clock.reset_peak()
     clock.time(subject.step)  # warm-up: the first call after patching builds caches (rotary table, ...)
-    out, ms, host_ms = clock.time(subject.step)
+    if clock.sensors is not None and samples.readings is None:
+        samples.readings = Readings()
+    out, ms, host_ms = clock.time(subject.step, samples.readings)
     samples.add(out, ms, host_ms, clock.peak_gib())
     if samples.fastpath is None:
         samples.fastpath = fastpath_summary(subject.transformer)
@@ -43,4 +46,5 @@ def step_row(mode: Mode, s: Samples, ref: Samples | None) -> dict[str, Any]:
         repeatable=s.repeatable,
         interleaved=not mode.compiled,
         fastpath=s.fastpath,
+        sensors=s.readings.summary() if s.readings is not None else None,
     )
