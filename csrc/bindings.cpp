@@ -284,7 +284,9 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   TORCH_CHECK(x.is_cuda(), "rmsnorm_scale_shift: x must be a CUDA tensor");
   check_rows(x, x, "x");
   const int64_t dim = x.size(2);
-  TORCH_CHECK(dim % 128 == 0, "rmsnorm_scale_shift: dim must be a multiple of 128");
+  // rows shorter than 128: aten's scalar reduction order (see rmsnorm_scale_shift.cu), not for the gated prologue
+  TORCH_CHECK(dim % 128 == 0 || (!update.has_value() && dim >= 32 && dim < 128 && dim % 4 == 0),
+              "rmsnorm_scale_shift: dim must be a multiple of 128 (or, not gated, a multiple of 4 in [32, 128))");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
               "rmsnorm_scale_shift: weight must be a contiguous [dim] vector of x's dtype");
@@ -432,6 +434,14 @@ at::Tensor rmsnorm_rope_real(const at::Tensor& x, const at::Tensor& weight, cons
                              const at::Tensor& sin, int64_t heads, int64_t tokens, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   rmsnorm_rope_real_out(out, x, weight, cos, sin, heads, tokens, eps);
+  return out;
+}
+
+// SD3's QK norm alone: x the [rows, 1, dim] rows of a q or k (the Python op views any dense layout so).
+at::Tensor rmsnorm_plain(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, std::nullopt, std::nullopt, std::nullopt,
+                 RmsEpilogue::kPlain, eps);
   return out;
 }
 
@@ -605,6 +615,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rmsnorm_rope_complex_cuda(Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, float eps) -> Tensor");
   m.def("_rmsnorm_rope_real_cuda(Tensor x, Tensor weight, Tensor cos, Tensor sin, int heads, int tokens, float eps) -> "
         "Tensor");
+  m.def("_rmsnorm_plain_cuda(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("_rmsnorm_gated_residual_cuda(Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
       "_rmsnorm_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, "
@@ -639,6 +650,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_cuda_out", &diffusers_fastpath::rmsnorm_scale_out);
   m.impl("_rmsnorm_rope_complex_cuda", &diffusers_fastpath::rmsnorm_rope_complex);
   m.impl("_rmsnorm_rope_real_cuda", &diffusers_fastpath::rmsnorm_rope_real);
+  m.impl("_rmsnorm_plain_cuda", &diffusers_fastpath::rmsnorm_plain);
   m.impl("_rmsnorm_gated_residual_cuda", &diffusers_fastpath::rmsnorm_gated_residual);
   m.impl("_rmsnorm_gated_residual_cuda_out", &diffusers_fastpath::rmsnorm_gated_residual_out);
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);

@@ -119,7 +119,8 @@ enum class RmsEpilogue : int32_t {
   kScale = 1,         // Z-Image, Lumina2: out = round(y * scale)
   kGatedResidual = 2,  // Z-Image, Lumina2: out = round(residual + round(gate * y))
   kRopeComplex = 3,    // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
-  kRopeReal = 4        // HunyuanVideo-1.5's QK norms + real rotary: out = round(y * cos + rotate(y) * sin)
+  kRopeReal = 4,       // HunyuanVideo-1.5's QK norms + real rotary: out = round(y * cos + rotate(y) * sin)
+  kPlain = 5           // SD3's QK norms: out = y
 };
 
 // diffusers RMSNorm followed by an epilogue:
@@ -142,7 +143,7 @@ struct RmsNormScaleShiftArgs {
   const void* weight;  // [dim]
   int64_t seq;
   int64_t batch;
-  int64_t dim;         // a multiple of 128
+  int64_t dim;         // a multiple of 128, or (not gated) a multiple of 4 in [32, 128)
   int64_t heads;       // kRopeComplex: norm rows per token (x is [batch, tokens, heads, dim] as [rows, 1, dim])
   int64_t tokens;      // kRopeComplex
   float eps;

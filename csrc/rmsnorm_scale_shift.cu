@@ -20,6 +20,7 @@
 //   kRopeReal:      diffusers' apply_rotary_emb(y, (cos, sin), sequence_dim=1), rotate_pair (elementwise.cuh):
 //                   out[2i] = round_T(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i]),
 //                   out[2i+1] = round_T(y[2i+1] * cos[2i+1] + y[2i] * sin[2i+1])   (separate fp32 products and sum)
+//   kPlain:         out = y                                    (SD3's QK norms: the norm alone)
 //
 // The sum reproduces aten's reduce kernel (Reduce.cuh, setReduceConfig) for a contiguous fp32 [R, D] input
 // reduced over its last dimension, with D/4 > 128, D/32 < 256 and R >= 16: input vectorised by 4, block (32, 16)
@@ -27,8 +28,12 @@
 // k = 0, 1, ...; then ((a_0 + a_1) + a_2) + a_3; then a shuffle-down tree over offsets 16, 8, 4, 2, 1, read at
 // lane 0. (Measured on the H200 with torch 2.11: this order matched aten's mean on all 4216 rows of a
 // (4216, 4096) input, the ascending tree 1, 2, ..., 16 of older Reduce.cuh versions on 71%, and eight other
-// candidate orders on 64-70%.) The Python guard admits only that domain, and the op verifies itself against
-// eager on its first call per signature, because the order is a property of the aten build it runs against.
+// candidate orders on 64-70%.) Rows shorter than 128 (SD3's head_dim 64, Lumina2's 96) are below aten's threshold
+// for vectorising the input (Reduce.cuh: dim0 >= 128): thread_reduce_impl with block width min(last_pow2(D), 32) =
+// 32 for 32 <= D < 128 and vt0 = 4, so lane l keeps accumulator k = 0 + sq[l + 32 k] for each k < D / 32 (the
+// others stay 0) and combines them ((a_0 + a_1) + a_2) + a_3, then the same shuffle-down tree. The Python guard
+// admits only these domains, and the op verifies itself against eager on its first call per signature, because
+// the order is a property of the aten build it runs against.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -68,8 +73,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
 
   // Pass 1: the sum of squares in aten's order (and, gated, the new residual stream).
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (!kGated && a.dim < 128) {  // aten's scalar order: accumulator k holds element lane + 32 k
+    const T* xr = static_cast<const T*>(a.x.ptr) + s * a.x.stride_s + b * a.x.stride_b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = lane + 32 * k;
+      if (i < a.dim) {
+        const float xf = Storage<T>::load(xr[i]);
+        acc[k] = __fadd_rn(0.f, __fmul_rn(xf, xf));
+      }
+    }
+  }
 #pragma unroll 4
-  for (int64_t q = lane; q < quads; q += 32) {
+  for (int64_t q = lane; q < (!kGated && a.dim < 128 ? 0 : quads); q += 32) {
     Quad<T> xq = load_quad<T>(a.x, s, b, q);
     if (kGated) {
       const Quad<T> g = load_quad<T>(a.gate, s, b, q);
@@ -138,6 +154,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
                      n.y, o.v[0], o.v[1]);
       rotate_pair<T>(weighted_norm<T>(xq.v[2], rstd, w.v[2]), weighted_norm<T>(xq.v[3], rstd, w.v[3]), c.z, c.w, n.z,
                      n.w, o.v[2], o.v[3]);
+    } else if constexpr (kEpilogue == RmsEpilogue::kPlain) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o.v[j] = Storage<T>::store(weighted_norm<T>(xq.v[j], rstd, w.v[j]));
     } else {  // kGatedResidual
       const Quad<T> g = load_quad<T>(a.gate, s, b, q);
       const Quad<T> r = load_quad<T>(a.residual, s, b, q);
@@ -168,6 +187,8 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeComplex><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kRopeReal) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeReal><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kPlain) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kPlain><<<grid, block, 0, stream>>>(a);
   } else {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);
   }

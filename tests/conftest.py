@@ -119,6 +119,16 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "kernel", kernel)
     for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):
         monkeypatch.setattr(op, "prove", None)  # their proofs run the CUDA kernel on every value of the dtype
+    # the plain QK norm: its own kernel wrapper (the rows in memory order, the result in x's strides), the launch
+    # replaced by the eager norm of those rows
+    import sys
+
+    from diffusers_fastpath.ops.rmsnorm_scale_shift import _rms_norm
+
+    rmsnorm_module = sys.modules["diffusers_fastpath.ops.rmsnorm"]  # (the package's `rmsnorm` is the op function)
+
+    monkeypatch.setattr(rmsnorm_module.RMSNORM, "guard", _as_if_on_cuda(rmsnorm_module.RMSNORM.guard))
+    monkeypatch.setattr(rmsnorm_module, "_launch", lambda x, weight, eps: _rms_norm(x, weight, eps).contiguous())
 
 
 def _as_if_on_cuda(guard):

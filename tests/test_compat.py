@@ -26,6 +26,7 @@ from diffusers_fastpath.testing import (
     build_hunyuan_video15_transformer,
     build_lumina2_transformer,
     build_qwenimage_transformer,
+    build_sd3_transformer,
     build_zimage_transformer,
     ernie_image_inputs,
     flux_transformer_inputs,
@@ -33,6 +34,7 @@ from diffusers_fastpath.testing import (
     lumina2_transformer_inputs,
     prompt_embeddings,
     qwenimage_transformer_inputs,
+    sd3_transformer_inputs,
     tiny_flux_pipeline,
     zimage_transformer_inputs,
 )
@@ -55,6 +57,9 @@ FAMILIES = {
                   qwenimage_transformer_inputs, "hidden_states"),
     "hunyuanvideo15": (lambda dtype, seed: build_hunyuan_video15_transformer(dtype=dtype, seed=seed, num_layers=1),
                        hunyuan_video15_transformer_inputs, "hidden_states"),
+    # the swapped QK norm modules (FastpathRMSNorm) and SD3's rewritten blocks, a dual-attention block among them
+    "sd3": (lambda dtype, seed: build_sd3_transformer(dtype=dtype, seed=seed, num_layers=2),
+            sd3_transformer_inputs, "hidden_states"),
 }
 
 
@@ -460,12 +465,13 @@ def test_attention_backend_set_while_patched(family, backend, unpatch_after):
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
     fused = [p for p in processors if type(p).__module__.startswith("diffusers_fastpath")]
     # FLUX, ERNIE-Image, Z-Image, Qwen-Image and HunyuanVideo-1.5 run fused processors everywhere (HunyuanVideo-1.5's
-    # token refiner keeps diffusers'); Lumina2 keeps diffusers' (none fused yet)
-    expected = {"lumina2": 0, "hunyuanvideo15": len([p for p in processors if "HunyuanVideo15" in type(p).__name__])
+    # token refiner keeps diffusers'); Lumina2 and SD3 keep diffusers' (SD3's QK norms are swapped modules instead)
+    expected = {"lumina2": 0, "sd3": 0,
+                "hunyuanvideo15": len([p for p in processors if "HunyuanVideo15" in type(p).__name__])
                 }.get(family, len(processors))
     assert processors and len(fused) == expected, processors
-    dispatching = [p for p in processors if hasattr(p, "_attention_backend")]  # Lumina2's calls SDPA itself
-    assert dispatching or family == "lumina2"
+    dispatching = [p for p in processors if hasattr(p, "_attention_backend")]  # Lumina2's, SD3's call SDPA themselves
+    assert dispatching or family in ("lumina2", "sd3")
     assert all(str(p._attention_backend) in (backend, f"AttentionBackendName.{backend.upper().lstrip('_')}")
                or getattr(p._attention_backend, "value", None) == backend for p in dispatching)
     assert torch.equal(out(model, inputs), out(ref_model, inputs))

@@ -37,6 +37,7 @@ layernorm_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_scale_
 modulate_mod = importlib.import_module("diffusers_fastpath.ops.modulate_scale_shift")
 qk_mod = importlib.import_module("diffusers_fastpath.ops.qk_norm_rope")
 rmsnorm_mod = importlib.import_module("diffusers_fastpath.ops.rmsnorm_scale_shift")
+rmsnorm_plain_mod = importlib.import_module("diffusers_fastpath.ops.rmsnorm")
 rotary_mod = importlib.import_module("diffusers_fastpath.ops.rotary")
 
 CSRC = _build.csrc_dir()
@@ -745,6 +746,20 @@ def test_sandwich_rmsnorms_through_nvrtc_equal_nvcc_and_eager(dtype, both_ways):
         ops = torch.ops.diffusers_fastpath
         assert torch.equal(got, ops._rmsnorm_scale_cuda(x, weight, scale, 1e-5))
         assert torch.equal(got_residual, ops._rmsnorm_gated_residual_cuda(residual, gate, x, weight, 1e-5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_plain_qk_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dim, dtype, both_ways):
+    """SD3.5's QK norm (head_dim 64: aten's scalar reduction order), Lumina2's 96, the vectorised 128."""
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    x = _rand((4429 * 38, 1, dim), dtype, gen, 1.0)  # SD3.5-large at 1024x1024: 4096 + 333 tokens, 38 heads
+    weight = (torch.rand(dim, generator=gen, device="cuda") + 0.5).to(dtype)
+    got = rmsnorm_plain_mod._nvrtc_kernel(x, weight, 1e-6)
+    assert torch.equal(got, rmsnorm_mod._rms_norm(x, weight, 1e-6))
+    if both_ways:
+        assert torch.equal(got, torch.ops.diffusers_fastpath._rmsnorm_plain_cuda(x, weight, 1e-6))
 
 
 @pytest.mark.gpu

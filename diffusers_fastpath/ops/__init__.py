@@ -9,6 +9,7 @@ from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
+from .rmsnorm import rmsnorm, rmsnorm_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
     gated_rmsnorm_scale_shift_ref,
@@ -47,7 +48,9 @@ __all__ = [
     "modulate_scale_shift_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "rmsnorm",
     "rmsnorm_gated_residual",
+    "rmsnorm_ref",
     "rmsnorm_rope_complex",
     "rmsnorm_rope_complex_ref",
     "rmsnorm_rope_real",

@@ -37,8 +37,8 @@ ERNIE_IMAGE_CONFIGS = {"ernie-image": ERNIE_IMAGE_CONFIG, "ernie-image-tiny": TI
 SD35_LARGE_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
                          num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
                          pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
-TINY_SD3_CONFIG = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
-                       num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+TINY_SD3_CONFIG = dict(sample_size=16, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=64,  # SD3.5's
+                       num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=128,
                        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16, qk_norm="rms_norm",
                        dual_attention_layers=(0,))
 SD3_CONFIGS = {"sd3.5-large": SD35_LARGE_CONFIG, "sd3-tiny": TINY_SD3_CONFIG}

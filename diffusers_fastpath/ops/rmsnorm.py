@@ -1,0 +1,144 @@
+"""diffusers' ``RMSNorm`` alone over short rows (a QK norm over each head: SD3 and SD3.5's ``attn.norm_q``,
+``norm_k``, ``norm_added_q``, ``norm_added_k``, head_dim 64), in one pass, bit-identical to its forward::
+
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    y = (x * torch.rsqrt(variance + eps)).to(T) * weight          # T = bf16 or fp16, the weight's dtype
+
+seven eager kernels (the fp32 copy, the square, the mean, the add, the rsqrt, the multiply and cast, the weight),
+each reading or writing the whole q or k in fp32, against one that reads it once in T and writes it once.
+
+The kernel is ``csrc/rmsnorm_scale_shift.cu``'s with the ``kPlain`` epilogue. For rows shorter than 128 aten's
+reduce kernel does not vectorise its input (Reduce.cuh: ``dim0 >= 128``): each of 32 lanes keeps one accumulator
+per element ``l + 32 k`` and combines them in order, then the shuffle-down tree; rows of 128 are the vectorised
+order of `rmsnorm_rope_complex`. The order is a property of the aten build, so the op verifies itself: the first
+fast call of each (dtype, D) is compared with eager by ``torch.equal``; a mismatch disables it for the process with
+one warning and runs the norm as written.
+
+``x`` may be any dense layout with unit innermost stride (SD3's processors normalise ``[B, H, S, D]`` views of
+``[B, S, H, D]`` projections): the kernel runs over the rows in memory order and the result has ``x``'s strides, as
+eager's has. The guard admits 32 <= D < 128 with D a multiple of 4, and D = 128; at least 16 rows; fp16/bf16 ``x``
+with a weight of its dtype and no bias; no autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.normalization import RMSNorm
+
+from . import _nvrtc
+from ._build import launcher
+from ._policy import FusedOp, Site
+from .rmsnorm_scale_shift import PLAIN, _Norm, _nvrtc_launch, _rms_norm, norm_reason
+
+
+def rmsnorm_ref(norm, x: torch.Tensor) -> torch.Tensor:
+    """The eager norm: diffusers' ``RMSNorm.forward`` (called as the class's, so that a subclass whose forward runs
+    this op falls back to diffusers' code, not to itself)."""
+    return RMSNorm.forward(norm, x) if isinstance(norm, RMSNorm) else _rms_norm(x, norm.weight, norm.eps)
+
+
+def _dense_order(x: torch.Tensor) -> list[int] | None:
+    """The permutation that makes `x` contiguous (its dims by decreasing stride, the last one innermost), or None
+    where no permutation does."""
+    order = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+    reason = norm_reason(norm, x)
+    if reason is not None:
+        return reason
+    if x.dim() < 2:
+        return "shape"
+    dim = x.shape[-1]
+    if not (dim == 128 or (32 <= dim < 128 and dim % 4 == 0)):
+        return "D outside the reproduced reduction"
+    rows = x.numel() // dim
+    if rows < 16:
+        return "fewer than 16 rows"
+    if x.numel() * 4 >= 2**31:
+        return "too large for aten's 32-bit reduction"
+    if x.stride(-1) != 1 or _dense_order(x) is None:
+        return "x not dense"
+    weight = norm.weight
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if weight.device != x.device:
+        return "devices differ"
+    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8):
+        return "not 8-byte aligned"
+    return None
+
+
+# The NVRTC way: the shared launcher with the kPlain epilogue (bindings.cpp's rmsnorm_plain: the output allocation).
+def _nvrtc_kernel(x, weight, eps: float, out=None) -> torch.Tensor:
+    out = x.new_empty(x.shape) if out is None else out
+    _nvrtc_launch(out, None, x, weight, eps, PLAIN)
+    return out
+
+
+def _raw_guard(x, weight, eps):
+    if x.dim() != 3 or x.shape[1] != 1:
+        return "shape"
+    return _guard(_Norm(weight, eps), x)
+
+
+_nvrtc.raw_op("_rmsnorm_plain_cuda", "(Tensor x, Tensor weight, float eps) -> Tensor", _raw_guard, _nvrtc_kernel)
+
+_launch = None
+
+
+def _kernel(norm, x: torch.Tensor) -> torch.Tensor:
+    global _launch
+    if _launch is None:
+        _launch = launcher(_nvrtc_kernel, "_rmsnorm_plain_cuda")
+    order = _dense_order(x)
+    xp = x.permute(order)  # contiguous: the rows in memory order
+    out = _launch(xp.reshape(-1, 1, x.shape[-1]), norm.weight, norm.eps).view(xp.shape)
+    inverse = sorted(range(x.dim()), key=order.__getitem__)
+    return out.permute(inverse)  # x's strides, as eager's result has
+
+
+@torch.library.custom_op("diffusers_fastpath::rmsnorm", mutates_args=())
+def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _guard(norm, x) is None:
+        return _kernel(norm, x)
+    return _rms_norm(x, weight, eps).clone()
+
+
+@_rmsnorm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)  # dense x: its strides, as the kernel's and eager's results have
+
+
+RMSNORM = FusedOp(
+    "rmsnorm",
+    ref=rmsnorm_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=lambda norm, x: torch.ops.diffusers_fastpath.rmsnorm.default(x, norm.weight, norm.eps),
+    verify_key=lambda norm, x: (str(x.dtype).removeprefix("torch."), x.shape[-1]),
+)
+
+
+def rmsnorm(norm, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``norm(x)`` for a diffusers ``RMSNorm`` over short rows (a QK norm), fused on CUDA (self-verified) and
+    bit-identical to eager everywhere.
+
+    Args:
+        norm: a diffusers ``RMSNorm`` (weight, no bias), e.g. SD3's ``attn.norm_q``.
+        x: ``[..., D]`` q or k, any dense layout with unit innermost stride (the result has its strides).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers.models.normalization import RMSNorm
+        >>> from diffusers_fastpath.ops import rmsnorm, rmsnorm_ref
+        >>> norm, x = RMSNorm(64, eps=1e-6), torch.randn(1, 2, 16, 64)
+        >>> torch.equal(rmsnorm(norm, x), rmsnorm_ref(norm, x))
+        True
+    """
+    return RMSNORM(site, norm, x)

@@ -1,0 +1,117 @@
+"""rmsnorm (diffusers' RMSNorm alone over short rows: SD3 and SD3.5's QK norms): the reference is diffusers' forward,
+the bit-exact contract on the GPU at SD3.5's shapes (the [B, H, S, D] views of its projections, the result in their
+strides), guards, fallback and custom op everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+
+from diffusers_fastpath.ops import Site, rmsnorm, rmsnorm_ref
+from diffusers_fastpath.ops.rmsnorm import RMSNORM
+
+DTYPES = [torch.bfloat16, torch.float16]
+# [B, S, H, D] projections seen as [B, H, S, D]: SD3.5-large at 1024x1024 (38 heads of 64; 4096 image tokens, 333
+# text), a CFG batch, Lumina2's head_dim 96, the vectorised 128, a small odd one
+SHAPES = [(1, 4096, 38, 64), (2, 333, 38, 64), (1, 4096, 24, 96), (1, 1024, 24, 128), (1, 7, 3, 64), (2, 5, 4, 32)]
+
+
+def make(shape, dtype, device, seed, transposed=True):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dim = shape[-1]
+    norm = RMSNorm(dim, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen, device=device))  # not ones: the weight matters
+    x = (torch.randn(shape, generator=gen, device=device) * 3).to(dtype)
+    return norm, (x.transpose(1, 2) if transposed else x)
+
+
+def test_reference_is_diffusers_forward():
+    for dtype in DTYPES:
+        norm, x = make((2, 9, 3, 64), dtype, "cpu", 0)
+        with torch.no_grad():
+            ref = rmsnorm_ref(norm, x)
+            assert torch.equal(ref, norm(x)) and ref.stride() == x.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [True, False], ids=["BHSD_view", "contiguous"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_eager_bitwise_on_the_gpu(shape, dtype, transposed):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    with torch.no_grad():
+        for seed in range(2):
+            norm, x = make(shape, dtype, "cuda", seed, transposed)
+            ref = norm(x)
+            rows = x.permute(0, 2, 1, 3) if transposed else x  # the memory order
+            poisoned = torch.full_like(rows.reshape(-1, 1, shape[-1]), float("nan"))
+            poisoned.copy_(torch.ops.diffusers_fastpath._rmsnorm_plain_cuda(rows.reshape(-1, 1, shape[-1]),
+                                                                             norm.weight, norm.eps))
+            torch.cuda.synchronize()
+            assert torch.equal(poisoned.view(rows.shape), ref.permute(0, 2, 1, 3) if transposed else ref)
+            site = Site("rmsnorm")
+            got = rmsnorm(norm, x, site)
+            assert torch.equal(got, ref) and got.stride() == ref.stride() == x.stride()
+            assert site.fast == 1 and not site.fallback, site
+    assert RMSNORM.disabled is None
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
+    ("odd", "D outside the reproduced reduction"), ("few", "fewer than 16 rows"), ("strided", "x not dense"),
+    ("bias", "norm without weight or with bias"), ("cpu", "device cpu")])
+def test_guard_falls_back_with_reason(case, reason):
+    norm, x = make((1, 9, 4, 64), torch.bfloat16, "cpu", 1)
+    if case == "fp32":
+        norm, x = norm.float(), x.float()
+    elif case == "weight":
+        norm = norm.float()
+    elif case == "dim":
+        norm, x = make((1, 9, 4, 256), torch.bfloat16, "cpu", 1)
+    elif case == "odd":
+        norm, x = make((1, 9, 4, 66), torch.bfloat16, "cpu", 1)
+    elif case == "few":
+        norm, x = make((1, 3, 2, 64), torch.bfloat16, "cpu", 1)
+    elif case == "strided":
+        x = x[:, :, ::2]  # every other token: not dense
+    elif case == "bias":
+        norm = RMSNorm(64, eps=1e-6, bias=True).to(torch.bfloat16)
+    site = Site("rmsnorm")
+    with torch.no_grad():  # the norm's weight is a parameter: with grad enabled the guard says "requires grad"
+        assert RMSNORM.guard(norm, x) == reason
+        assert torch.equal(rmsnorm(norm, x, site), norm(x))
+    assert site.fast == 0 and site.fallback == {reason: 1}
+
+
+def test_requires_grad_falls_back_and_keeps_the_graph():
+    norm, x = make((1, 9, 4, 64), torch.bfloat16, "cpu", 2)
+    x = x.detach().requires_grad_()
+    site = Site("rmsnorm")
+    out = rmsnorm(norm, x, site)
+    out.float().sum().backward()
+    assert site.fallback == {"requires grad": 1} and x.grad is not None and norm.weight.grad is not None
+
+
+def test_custom_op_opcheck_cpu():
+    norm, x = make((1, 9, 4, 64), torch.bfloat16, "cpu", 3)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.rmsnorm.default, (x, norm.weight.detach(), 1e-6))
+    with torch.no_grad():
+        got = torch.ops.diffusers_fastpath.rmsnorm(x, norm.weight, 1e-6)
+        assert torch.equal(got, norm(x)) and got.stride() == x.stride()
+
+
+def test_kernel_wrapper_runs_the_rows_in_memory_order_and_returns_x_strides(emulated_kernels):
+    """The wrapper around the launch (emulated here: the eager norm of the rows it is given): any dense layout goes
+    in as its rows in memory order and comes back in its own strides, equal to eager."""
+    for shape, perm in (((2, 9, 4, 64), (0, 2, 1, 3)), ((3, 4, 5, 32), (2, 0, 1, 3)), ((1, 16, 64), (1, 0, 2))):
+        norm, x = make(shape, torch.bfloat16, "cpu", 4, transposed=False)
+        x = x.permute(perm)
+        site = Site("rmsnorm")
+        with torch.no_grad():
+            got = rmsnorm(norm, x, site)
+            assert torch.equal(got, norm(x)) and got.stride() == x.stride()
+        assert site.fast == 1, site
