@@ -239,7 +239,19 @@ def test_chroma_step_and_generation_on_cpu(tmp_path):
     assert _rows(result, "generation")["lossless"]["bit_identical"] is True
 
 
-@pytest.mark.parametrize("model", ["flux2-tiny", "sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",
+def test_flux2_step_and_generation_on_cpu(tmp_path):
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", "flux2-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
+                     "--text-tokens", "8", "--repeats", "1", "--modes", "lossless", "--no-progress", "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    lossless = _rows(result, "step")["lossless"]
+    assert lossless["bit_identical"] is True and lossless["fastpath"]["sites"] == 34  # 2 dual + 2 single blocks
+    gen = _rows(result, "generation")["lossless"]
+    assert gen["bit_identical"] is True and gen["image_identical"] is True and gen["image_shape"] == [1, 64, 64, 3]
+
+
+@pytest.mark.parametrize("model", ["sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",
                                    "z-image-tiny", "lumina2-tiny", "hunyuanvideo-1.5-tiny", "ltx-video-tiny"])
 def test_step_only_families_on_cpu(model, tmp_path):
     path = tmp_path / "r.json"

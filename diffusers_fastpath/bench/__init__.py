@@ -9,12 +9,12 @@
 Models: ``flux-tiny`` (default), ``flux-dev`` (the published FLUX.1-dev transformer and VAE configs with random
 weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``chroma`` and
 ``chroma-tiny`` (Chroma1-HD's transformer config with FLUX.1's VAE, a half-padded prompt with guidance),
-``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``flux2-dev``, ``flux2-klein`` (4B),
-``sd3.5-large``, ``qwen-image``,
+``flux2-dev``, ``flux2-klein`` (4B, distilled: through ``Flux2KleinPipeline``, with FLUX.2-dev's VAE config) and
+``flux2-tiny``, ``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``sd3.5-large``, ``qwen-image``,
 ``hunyuan-image`` (HunyuanImage-2.1: give ``--height 2048 --width 2048``), ``z-image``, ``lumina2`` (Lumina-Image
 2.0), ``wan-14b`` (Wan 2.1 T2V 14B: give ``--height 480 --width 832 --frames 81``), ``hunyuanvideo-1.5`` (480p:
 give ``--height 480 --width 848 --frames 33 --text-tokens 1000``), ``ltx-video`` (LTX-Video 2B: give ``--height 512
---width 768 --frames 121 --text-tokens 128``) and their ``flux2-tiny``, ``sd3-tiny``, ``qwen-image-tiny``,
+--width 768 --frames 121 --text-tokens 128``) and their ``sd3-tiny``, ``qwen-image-tiny``,
 ``hunyuan-image-tiny``, ``z-image-tiny``, ``lumina2-tiny``, ``wan-tiny``, ``hunyuanvideo-1.5-tiny``,
 ``ltx-video-tiny`` (step level), or any FLUX pipeline path/id for
 ``FluxPipeline.from_pretrained``.
@@ -25,8 +25,9 @@ Levels (``--levels``, default ``step,generation``; ``--kernels`` adds ``kernels`
   warm-up excluded, host enqueue time (the Python call returning, before the GPU finishes) beside it. The
   non-compiled modes run round-robin, one warm-up and one timed call per mode and round, so clock drift lands in
   the spread, not in the ratio.
-- **generation**: a whole ``FluxPipeline`` call from precomputed prompt embeddings (no text encoder), VAE decode
-  included; md5 of the final latents (captured by a step-end callback of the same call) and of the decoded image.
+- **generation**: a whole pipeline call (FLUX.1, Chroma, FLUX.2) from precomputed prompt embeddings (no text
+  encoder), VAE decode included; md5 of the final latents (captured by a step-end callback of the same call) and
+  of the decoded image.
 - **profile**: one step per mode under ``torch.profiler``: kernel count and time per category (`CATEGORIES`).
 - **kernels**: every fused op at the model's real shapes, eager chain against fused kernel, with the GB/s of a
   device-to-device copy measured in the same run, and the host cost of one call.
@@ -53,12 +54,12 @@ from .levels.profile import CATEGORIES, CATEGORY_NAMES, categorize, idle_gaps
 from .modes import MODES, Context, Mode, register_mode
 from .render import markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
-from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX_MODELS, Subject, build_subject
+from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, Subject, build_subject
 from .timing import Clock, Samples, md5
 
 __all__ = [
-    "CATEGORIES", "CATEGORY_NAMES", "CHROMA_MODELS", "Clock", "Context", "DTYPES", "ERNIE_MODELS", "FLUX_MODELS", "KERNEL_CASES",
-    "KernelCase", "LEVELS", "MODES", "Mode", "SCHEMA", "Samples", "Shapes", "Subject", "build_subject", "categorize",
-    "commit", "conditions", "idle_gaps", "kernel_cases", "main", "markdown", "md5", "plot", "register_mode", "run",
-    "violations",
+    "CATEGORIES", "CATEGORY_NAMES", "CHROMA_MODELS", "Clock", "Context", "DTYPES", "ERNIE_MODELS", "FLUX2_MODELS",
+    "FLUX_MODELS", "KERNEL_CASES", "KernelCase", "LEVELS", "MODES", "Mode", "SCHEMA", "Samples", "Shapes", "Subject",
+    "build_subject", "categorize", "commit", "conditions", "idle_gaps", "kernel_cases", "main", "markdown", "md5", "plot",
+    "register_mode", "run", "violations",
 ]

@@ -16,9 +16,9 @@ from . import quant
 from .modes import MODES
 from .render import import_pyplot, markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
-from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX_MODELS, STEP_MODELS
+from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, STEP_MODELS
 
-KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
+KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -9,17 +9,27 @@ from typing import Any
 import torch
 from torch import nn
 
-FLUX_MODELS = ("flux-tiny", "flux-dev")
+# the generation level too: a pipeline around the transformer with a random VAE and no text encoder, called with
+# random prompt embeddings. Per family: (the family of its kernel cases, transformer builder, VAE builder, pipeline,
+# prompt embeddings); per model: (family, its VAE's config; the model's name is its transformer's config)
+PIPELINE_FAMILIES = {
+    "flux": ("flux", "build_flux_transformer", "build_flux_vae", "flux_pipeline", "prompt_embeddings"),
+    "chroma": ("flux", "build_chroma_transformer", "build_flux_vae", "chroma_pipeline", "chroma_prompt_embeddings"),
+    "flux2": ("other", "build_flux2_transformer", "build_flux2_vae", "flux2_pipeline", "flux2_prompt_embeddings"),
+}
+PIPELINE_MODELS = {
+    "flux-tiny": ("flux", "flux-tiny"), "flux-dev": ("flux", "flux-dev"),
+    "chroma-tiny": ("chroma", "flux-tiny"), "chroma": ("chroma", "flux-dev"),  # Chroma uses FLUX.1's VAE
+    "flux2-dev": ("flux2", "flux2-dev"), "flux2-klein": ("flux2", "flux2-dev"), "flux2-tiny": ("flux2", "flux2-tiny"),
+}
+FLUX_MODELS, CHROMA_MODELS, FLUX2_MODELS = (
+    tuple(m for m, (f, _) in PIPELINE_MODELS.items() if f == family) for family in ("flux", "chroma", "flux2"))
 ERNIE_MODELS = ("ernie-image-tiny", "ernie-image")
-CHROMA_MODELS = ("chroma-tiny", "chroma")
 # step level only (no VAE config of theirs is published with this package): model name -> (builder, config,
 # inputs builder, how the latent size follows from the image size: "grid" 16x16 pixels per token, "size" the 8x latent,
 # "latent8" the 8x latent as a grid, "latent32" the 32x latent, "video8" Wan's 8x, 4-frame latent of --frames frames,
 # "video16" HunyuanVideo-1.5's 16x, 4-frame latent, "video32" LTX-Video's 32x, 8-frame latent)
 STEP_MODELS = {
-    "flux2-dev": ("build_flux2_transformer", "flux2-dev", "flux2_transformer_inputs", "grid"),
-    "flux2-klein": ("build_flux2_transformer", "flux2-klein", "flux2_transformer_inputs", "grid"),
-    "flux2-tiny": ("build_flux2_transformer", "flux2-tiny", "flux2_transformer_inputs", "grid"),
     "sd3.5-large": ("build_sd3_transformer", "sd3.5-large", "sd3_transformer_inputs", "size"),
     "sd3-tiny": ("build_sd3_transformer", "sd3-tiny", "sd3_transformer_inputs", "size"),
     "qwen-image": ("build_qwenimage_transformer", "qwen-image", "qwenimage_transformer_inputs", "grid"),
@@ -44,7 +54,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class Subject:
-    """The model under test: its transformer, one step's inputs and, for FLUX, a pipeline around it."""
+    """The model under test: its transformer, one step's inputs and, for the `PIPELINE_MODELS` and a real FLUX
+    pipeline, a pipeline around it."""
 
     name: str
     family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", or "other" (no kernel cases)
@@ -90,23 +101,18 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         return Subject(args.model, "other", model, inputs,
                        no_generation=f"not for {args.model} here (no pipeline with a VAE config of its own is "
                                      "published with this package); use the step level")
-    if args.model in FLUX_MODELS:
-        model = _quantized(testing.build_flux_transformer(args.model, dtype, device, seed=args.seed), args, device)
+    if args.model in PIPELINE_MODELS:
+        pipeline_family, vae_config = PIPELINE_MODELS[args.model]
+        family, build, build_vae, make_pipe, embeddings = PIPELINE_FAMILIES[pipeline_family]
+        model = _quantized(getattr(testing, build)(args.model, dtype, device, seed=args.seed), args, device)
         vae = None
         if need_vae:
-            vae = testing.build_flux_vae(args.model, dtype, device, seed=args.seed + 1,
-                                         latent_channels=model.config.in_channels // 4)
-        pipe = testing.flux_pipeline(model, vae)
-        call_kwargs = testing.prompt_embeddings(pipe, batch=args.batch, txt_tokens=args.text_tokens, seed=args.seed + 2)
-    elif args.model in CHROMA_MODELS:
-        model = _quantized(testing.build_chroma_transformer(args.model, dtype, device, seed=args.seed), args, device)
-        vae = None
-        if need_vae:  # Chroma uses FLUX.1's VAE
-            vae = testing.build_flux_vae("flux-tiny" if args.model == "chroma-tiny" else "flux-dev", dtype, device,
-                                         seed=args.seed + 1, latent_channels=model.config.in_channels // 4)
-        pipe = testing.chroma_pipeline(model, vae)
-        call_kwargs = testing.chroma_prompt_embeddings(pipe, batch=args.batch, txt_tokens=args.text_tokens,
-                                                       seed=args.seed + 2, padding=args.text_tokens // 2)
+            vae = getattr(testing, build_vae)(vae_config, dtype, device, seed=args.seed + 1,
+                                              latent_channels=model.config.in_channels // 4)
+        pipe = getattr(testing, make_pipe)(model, vae)
+        padding = dict(padding=args.text_tokens // 2) if pipeline_family == "chroma" else {}  # a half-padded prompt
+        call_kwargs = getattr(testing, embeddings)(pipe, batch=args.batch, txt_tokens=args.text_tokens,
+                                                   seed=args.seed + 2, **padding)
     else:  # a real FLUX pipeline (Hub id or folder); prompt embeddings from its own text encoders
         from diffusers import FluxPipeline
 
@@ -117,8 +123,9 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
                                                    num_images_per_prompt=args.batch,
                                                    max_sequence_length=args.text_tokens)
         call_kwargs = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
+        family = "flux"
     pipe.set_progress_bar_config(disable=True)
-    subject = Subject(args.model, "flux", model, {}, pipe=pipe, call_kwargs=call_kwargs)
+    subject = Subject(args.model, family, model, {}, pipe=pipe, call_kwargs=call_kwargs)
     subject.step_inputs = _pipeline_step_inputs(subject, args, device)
     return subject
 

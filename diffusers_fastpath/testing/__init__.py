@@ -6,7 +6,7 @@ the real shapes and the real speed; `randomize_` makes sure no parameter is left
 (a fused path fed zeros proves nothing).
 
 One import for all of it (``from diffusers_fastpath.testing import build_flux_transformer, ...``), in four parts:
-`checks` (the assertions), `flux` (FLUX.1, Chroma, the FLUX clones, FLUX.2, the VAE and FLUX pipelines),
+`checks` (the assertions), `flux` (FLUX.1, Chroma, the FLUX clones, FLUX.2, their VAEs and pipelines),
 `families` (every other family), `_common` (what the builders share).
 """
 

@@ -1,5 +1,5 @@
 """The FLUX architecture's families, from their published configs with random weights: FLUX.1, Chroma, the FLUX
-clones, FLUX.2; FLUX.1's VAE and the FLUX pipelines without text encoders."""
+clones, FLUX.2; FLUX.1's and FLUX.2's VAEs and the FLUX and FLUX.2 pipelines without text encoders."""
 
 from __future__ import annotations
 
@@ -166,6 +166,85 @@ def flux2_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, 
     if cfg.guidance_embeds:
         inputs["guidance"] = torch.full((batch,), 4.0)
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+# https://huggingface.co/black-forest-labs/FLUX.2-dev/blob/main/vae/config.json: diffusers' class defaults (four blocks
+# of 128 to 512 channels, 32 latent channels, the quant convs, a batch norm over the 2x2-patchified latents, whose
+# running stats Flux2Pipeline (de)normalises with); FLUX.2-klein uses the same VAE. A tiny one with the same structure
+# (the 8x downsampling Flux2Pipeline's vae_scale_factor assumes, 8 channels); the latent_channels of a tiny pipeline
+# follow its transformer (in_channels // 4)
+FLUX2_VAE_CONFIG = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    act_fn="silu",
+    latent_channels=32,
+    norm_num_groups=32,
+    sample_size=1024,
+    use_quant_conv=True,
+    use_post_quant_conv=True,
+    mid_block_add_attention=True,
+    batch_norm_eps=1e-4,
+    batch_norm_momentum=0.1,
+    patch_size=(2, 2),
+)
+TINY_FLUX2_VAE_CONFIG = dict(FLUX2_VAE_CONFIG, block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=2,
+                             norm_num_groups=4, sample_size=32)
+FLUX2_VAE_CONFIGS = {"flux2-dev": FLUX2_VAE_CONFIG, "flux2-tiny": TINY_FLUX2_VAE_CONFIG}
+
+
+def build_flux2_vae(config="flux2-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
+    """An ``AutoencoderKLFlux2`` from a named config (``"flux2-dev"``: FLUX.2's published VAE, klein's too;
+    ``"flux2-tiny"``) or a dict, random weights, and random running stats in its latent batch norm (a buffer,
+    not a parameter: at its init of zero mean and unit variance the pipeline's (de)normalisation would be the
+    identity)."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = _random_model(AutoencoderKLFlux2, FLUX2_VAE_CONFIGS, config, dtype, device, seed, overrides)
+    gen = torch.Generator().manual_seed(seed)
+    bn = vae.bn
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(bn.num_features, generator=gen) * 0.5)
+        bn.running_var.copy_(torch.rand(bn.num_features, generator=gen) * 1.5 + 0.25)
+    return vae
+
+
+def flux2_pipeline(transformer, vae):
+    """A FLUX.2 pipeline around `transformer` and `vae` with no text encoder: call it with
+    `flux2_prompt_embeddings`. ``Flux2Pipeline`` for a transformer with a guidance embedding (FLUX.2-dev, the
+    tiny config), ``Flux2KleinPipeline`` (step-distilled: no CFG, no guidance) for one without (FLUX.2-klein)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline
+
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                 transformer=transformer)
+    if transformer.config.guidance_embeds:
+        return Flux2Pipeline(**parts)
+    return Flux2KleinPipeline(**parts, is_distilled=True)
+
+
+def tiny_flux2_pipeline(transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """A FLUX.2 pipeline (`flux2_pipeline`) with a tiny random VAE (8x downsampling, 8 channels, random latent
+    batch-norm stats) and no text encoder: call it with `flux2_prompt_embeddings`. Works with any FLUX.2
+    transformer, the full-size ones included."""
+    transformer = transformer if transformer is not None else build_flux2_transformer("flux2-tiny", dtype, device, seed)
+    vae = build_flux2_vae("flux2-tiny", dtype, device, seed + 1, latent_channels=transformer.config.in_channels // 4)
+    return flux2_pipeline(transformer, vae)
+
+
+def flux2_prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None):
+    """Random ``prompt_embeds`` for a FLUX.2 pipeline without a text encoder (``joint_attention_dim`` wide: the
+    text encoder's three hidden layers stacked), on `device` (default: the transformer's); for klein's distilled
+    pipeline with ``guidance_scale=1.0``, as its model card calls it (above 1 it is ignored, with a warning)."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.joint_attention_dim
+    dtype, device = pipe.transformer.dtype, device or pipe.transformer.device
+    call = dict(prompt_embeds=torch.randn(batch, txt_tokens, dim, generator=gen).to(device, dtype))
+    if not pipe.transformer.config.guidance_embeds:
+        call["guidance_scale"] = 1.0
+    return call
 
 
 # FLUX.1's architecture under other names (models/flux_clones.py): tiny configs, and the published configs at the
