@@ -20,9 +20,9 @@ CALLS = {"rmsnorm_rope_real": 2, "rotary_emb": 0}  # q and k of each block's att
 def sites(blocks: int, refiner: int) -> dict[str, int]:
     """Per dual-stream block norm1, norm1_context, norm2, norm2_context and four gates; two gates per refiner block;
     one rotary site and one QK norm + rotary site per block's attention (the image q and k: two calls; the plain
-    rotary, its fallback, none)."""
+    rotary, its fallback, none); the text stream's two QK norms, alone."""
     return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks + 2 * refiner, "rotary_emb": blocks,
-            "rmsnorm_rope_real": blocks}
+            "rmsnorm_rope_real": blocks, "rmsnorm": 2 * blocks}
 
 
 def test_supported_and_what_is_rewritten():

@@ -20,9 +20,10 @@ from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_
 
 def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
     """Per modulated block two RMSNorm + scale (``norm1``'s inside ``LuminaRMSNormZero``, the FFN input) and two
-    RMSNorm + gated residual (the branch outputs); one SwiGLU per block, the context refiner's too."""
+    RMSNorm + gated residual (the branch outputs); one SwiGLU and two QK norms per block, the context refiner's too."""
     return {"rmsnorm_scale": 2 * modulated_blocks, "rmsnorm_gated_residual": 2 * modulated_blocks,
-            "silu_mul": modulated_blocks + context_refiner_blocks}
+            "silu_mul": modulated_blocks + context_refiner_blocks,
+            "rmsnorm": 2 * (modulated_blocks + context_refiner_blocks)}
 
 
 def test_lumina2_is_supported_and_only_its_modulated_blocks_are_swapped(unpatch_after):

@@ -24,7 +24,12 @@ pairwise attention mask its processor rebuilds in every layer (``repeat``, a tra
 1,134 ms 480p step) built by broadcasting instead, exact by construction (the rewriter's pairwise-mask form; the
 text refiner's mask too).
 
-Not fused yet (issue 15): the QK RMSNorms, the FFN GELUs, the output ``AdaLayerNormContinuous``.
+HunyuanVideo-1.5's QK norms: the image q and k's with the rotary after them as one kernel (`rmsnorm_rope_real`, in
+the rewritten processor), the text stream's (``norm_added_q``, ``norm_added_k``) as the fused `rmsnorm`
+(`_qk_norms.FastpathRMSNorm`).
+
+Not fused yet (issue 15): HunyuanVideo's and HunyuanImage-2.1's QK RMSNorms, the FFN GELUs, the output
+``AdaLayerNormContinuous``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from diffusers.models.transformers import transformer_hunyuanimage as image
 
 from .._state import PatchState, register_adapter
 from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._qk_norms import patch_qk_rmsnorms
 from .flux import patch_adaln
 
 
@@ -120,3 +126,6 @@ def patch_hunyuan_video15(model: video15.HunyuanVideo15Transformer3DModel, state
     """Swap HunyuanVideo-1.5's adaLN modules, blocks, text refiner and attention processors for their fused
     subclasses (module doc)."""
     _patch(model, state, _VIDEO15_BLOCKS, video15.HunyuanVideo15AttnProcessor2_0)
+    for module in model.modules():  # the text stream's QK norms: no rotary after them, the fused norm alone
+        if isinstance(module, Attention):
+            patch_qk_rmsnorms(module, state, ("norm_added_q", "norm_added_k"))

@@ -11,21 +11,25 @@ diffusers source (`diffusers_fastpath.models._chains`):
   as `rmsnorm_scale`, both branch outputs ``x + gate.unsqueeze(1).tanh() * self.norm2(attn_output)`` (and the FFN's)
   as `rmsnorm_gated_residual`;
 - ``LuminaFeedForward.forward`` (every block's): ``self.silu(self.linear_1(x)) * self.linear_3(x)`` inside
-  ``self.linear_2(...)`` as `silu_mul` (the activation is diffusers' ``FP32SiLU``, which the op's proof covers).
+  ``self.linear_2(...)`` as `silu_mul` (the activation is diffusers' ``FP32SiLU``, which the op's proof covers);
+- every attention's QK norms (``norm_q``, ``norm_k``: diffusers' RMSNorm over head_dim 96) as the fused `rmsnorm`
+  (`_qk_norms.FastpathRMSNorm`; diffusers' ``Lumina2AttnProcessor2_0`` calls them as written).
 
 Per Lumina-Image 2.0 step (26 layers, 2 noise-refiner and 2 context-refiner blocks): 56 + 56 RMSNorm + scale, 56
-RMSNorm + gated residual and 30 SwiGLU sites. Not fused yet (issue 14): the QK RMSNorms and the complex rotary
-embedding of ``Lumina2AttnProcessor2_0``.
+RMSNorm + gated residual, 30 SwiGLU and 60 QK-norm sites. Not fused yet (issue 14): the complex rotary embedding of
+``Lumina2AttnProcessor2_0`` (after the fused norm, eager).
 """
 
 from __future__ import annotations
 
 from diffusers.models.attention import LuminaFeedForward
+from diffusers.models.attention_processor import Attention
 from diffusers.models.normalization import LuminaRMSNormZero
 from diffusers.models.transformers.transformer_lumina2 import Lumina2Transformer2DModel, Lumina2TransformerBlock
 
 from .._state import PatchState, register_adapter
 from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
+from ._qk_norms import patch_qk_rmsnorms
 
 # Created at import, so that a pickled patched model finds them here by name.
 FastpathLuminaRMSNormZero, _NORM_ZERO = fused_subclass(LuminaRMSNormZero, "FastpathLuminaRMSNormZero", __name__,
@@ -45,6 +49,8 @@ def patch_lumina2(model: Lumina2Transformer2DModel, state: PatchState) -> None:
     """Swap Lumina2's modulated blocks, their ``LuminaRMSNormZero`` and every feed-forward for their chain-fused
     subclasses (see module doc)."""
     for module in model.modules():
+        if isinstance(module, Attention):
+            patch_qk_rmsnorms(module, state, ("norm_q", "norm_k"))
         if type(module) not in _SWAPS or (type(module) is Lumina2TransformerBlock and not module.modulation):
             continue
         fused, found = _SWAPS[type(module)]

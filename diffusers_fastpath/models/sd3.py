@@ -14,8 +14,9 @@ through the shared pieces.
   `modulate_scale_shift`.
 
 - The QK norms of every attention (``norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k``: diffusers' ``RMSNorm``
-  over head_dim 64 rows of the ``[B, H, S, D]`` views) get `FastpathRMSNorm`, whose forward is the fused,
-  self-verified `diffusers_fastpath.ops.rmsnorm` (seven eager kernels, each over the whole q or k in fp32, as one).
+  over head_dim 64 rows of the ``[B, H, S, D]`` views) get `_qk_norms.FastpathRMSNorm`, whose forward is the
+  fused, self-verified `diffusers_fastpath.ops.rmsnorm` (seven eager kernels, each over the whole q or k in fp32, as
+  one).
 
 Not fused yet (issue 14): the last block's ``AdaLayerNormContinuous``, the FFN GELUs. SD3 has no rotary embedding.
 """
@@ -24,12 +25,12 @@ from __future__ import annotations
 
 from diffusers.models.attention import JointTransformerBlock
 from diffusers.models.attention_processor import Attention
-from diffusers.models.normalization import RMSNorm, SD35AdaLayerNormZeroX
+from diffusers.models.normalization import SD35AdaLayerNormZeroX
 from diffusers.models.transformers.transformer_sd3 import SD3SingleTransformerBlock, SD3Transformer2DModel
 
 from .._state import PatchState, register_adapter
-from ..ops.rmsnorm import RMSNORM, rmsnorm
 from ._chains import fused_subclass, swap_rewritten
+from ._qk_norms import patch_qk_rmsnorms
 from .flux import patch_adaln
 
 # Created at import, so that a pickled patched model finds them here by name.
@@ -37,27 +38,6 @@ FastpathJointTransformerBlock, _JOINT = fused_subclass(JointTransformerBlock, "F
 FastpathSD3SingleTransformerBlock, _SINGLE = fused_subclass(
     SD3SingleTransformerBlock, "FastpathSD3SingleTransformerBlock", __name__)
 FastpathSD35AdaLayerNormZeroX, _NORM_X = fused_subclass(SD35AdaLayerNormZeroX, "FastpathSD35AdaLayerNormZeroX", __name__)
-
-
-class FastpathRMSNorm(RMSNorm):
-    """diffusers' ``RMSNorm`` as a QK norm: its forward is the fused, self-verified `rmsnorm` (diffusers' own forward
-    wherever the guard refuses the input). Adds no state."""
-
-    def forward(self, hidden_states):
-        return rmsnorm(self, hidden_states, self._fastpath_site)
-
-
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
-
-
-def patch_qk_rmsnorms(attn, state: PatchState) -> None:
-    """Swap each QK norm of the attention module `attn` that is diffusers' ``RMSNorm`` for `FastpathRMSNorm`, with
-    its site."""
-    for name in QK_NORMS:
-        norm = getattr(attn, name, None)
-        if type(norm) is RMSNorm:
-            state.swap_class(norm, FastpathRMSNorm)
-            state.add_site(norm, RMSNORM.name)
 
 
 _SWAPS = {JointTransformerBlock: (FastpathJointTransformerBlock, _JOINT),
