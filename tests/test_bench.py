@@ -239,6 +239,17 @@ def test_chroma_step_and_generation_on_cpu(tmp_path):
     assert _rows(result, "generation")["lossless"]["bit_identical"] is True
 
 
+def test_a_graphs_mode_that_did_not_replay_says_why(tmp_path):
+    """Without CUDA the graphs mode runs eager: its row carries the runner's status and the report says so under the
+    step table (on the GPU the same line tells a failed capture from a replayed step)."""
+    path, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = bench.main([*TINY, "--levels", "step", "--modes", "lossless+graphs", "--json", str(path), "--markdown", str(md)])
+    assert rc == 0
+    graphs = _rows(json.loads(path.read_text()), "step")["lossless+graphs"]["fastpath"]["graphs"]
+    assert graphs["status"].startswith("off") and graphs["replays"] == 0 and graphs["captured"] == 0
+    assert "lossless+graphs: CUDA graphs off" in md.read_text()
+
+
 def test_flux2_step_and_generation_on_cpu(tmp_path):
     path = tmp_path / "r.json"
     rc = bench.main(["--model", "flux2-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
@@ -261,6 +272,18 @@ def test_step_only_families_on_cpu(model, tmp_path):
     result = json.loads(path.read_text())
     assert _rows(result, "step")["lossless"]["bit_identical"] is True and _rows(result, "step")["lossless"]["fastpath"]["sites"] > 0
     assert result["generation"]["ran"] is False and model in result["generation"]["reason"]
+
+
+@pytest.mark.parametrize("model, tokens", [("lumina2", 256), ("lumina2-tiny", 32), ("flux-dev", 512),
+                                           ("ernie-image", 120), ("z-image", 512)])
+def test_default_text_tokens_fit_the_model(model, tokens):
+    p = _parser()
+    args = p.parse_args(["--model", model, "--device", "cpu"])
+    _check_args(p, args)
+    assert args.text_tokens == tokens
+    args = p.parse_args(["--model", model, "--device", "cpu", "--text-tokens", "77"])
+    _check_args(p, args)
+    assert args.text_tokens == 77
 
 
 def test_compiled_modes_are_left_out_by_default_on_cpu():

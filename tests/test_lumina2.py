@@ -119,3 +119,14 @@ def test_lumina2_one_step_1024_is_bitwise_identical_and_fused():
     finally:
         del model
         torch.cuda.empty_cache()
+
+
+def test_inputs_past_the_rotary_table_are_refused_before_a_device_assert():
+    """Lumina2's caption axis holds axes_lens[0] positions (300 at the published config); image tokens sit at the
+    caption's length on it, so 300 tokens or more would gather past the table (a device-side assert on the GPU)."""
+    model = build_lumina2_transformer(seed=0)  # the tiny config: axes_lens (64, 32, 32), 2x2 patches
+    assert lumina2_transformer_inputs(model, txt_tokens=63)["encoder_hidden_states"].shape[1] == 63
+    with pytest.raises(ValueError, match="max_sequence_length is 256"):
+        lumina2_transformer_inputs(model, txt_tokens=64)
+    with pytest.raises(ValueError, match="rotary table"):
+        lumina2_transformer_inputs(model, grid=(66, 8))

@@ -18,6 +18,9 @@ from .render import import_pyplot, markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
 from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, STEP_MODELS
 
+# the default prompt length where the model's own pipeline or its rotary table holds fewer than FLUX's 512 (Lumina2's
+# caption axis has axes_lens[0] = 300 positions: Lumina2Pipeline's max_sequence_length is 256)
+TEXT_TOKENS = {"lumina2": 256, "lumina2-tiny": 32}
 KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
 
 
@@ -41,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="denoising steps of a generation (default: 28; 4 for the tiny models)")
     p.add_argument("--batch", type=int, default=1, help="images per call (default: 1)")
     p.add_argument("--text-tokens", type=int,
-                   help="prompt tokens (default: 512 for FLUX, as FLUX.1-dev's T5 gives; 120 for ERNIE-Image)")
+                   help="prompt tokens (default: 512 for FLUX, as FLUX.1-dev's T5 gives; 120 for ERNIE-Image; 256 for "
+                        "Lumina2, its pipeline's max_sequence_length, and 32 for lumina2-tiny)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per mode (default: 10)")
     p.add_argument("--gen-repeats", type=int, default=1, help="timed generations per mode (default: 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +79,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.height = args.height or (128 if tiny else 1024)
     args.width = args.width or (128 if tiny else 1024)
     args.steps = args.steps or (4 if tiny else 28)
-    args.text_tokens = args.text_tokens or (120 if ernie else 512)
+    args.text_tokens = args.text_tokens or TEXT_TOKENS.get(args.model, 120 if ernie else 512)
     for name in ("height", "width"):
         if getattr(args, name) <= 0 or getattr(args, name) % 16:
             p.error(f"--{name} must be a positive multiple of 16 (the VAE's 8x and the 2x2 patches), "

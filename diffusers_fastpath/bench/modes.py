@@ -130,4 +130,8 @@ def fastpath_summary(model: nn.Module) -> dict[str, int] | None:
     if STATE_ATTR not in model.__dict__:
         return None
     rep = fp.report(model)
-    return {"sites": len(rep.sites), "fast": rep.fast, "fallback": rep.fallback}
+    summary = {"sites": len(rep.sites), "fast": rep.fast, "fallback": rep.fallback}
+    graphs = next((m.graphs for m in rep.models if m.graphs), None)
+    if graphs:  # cuda_graphs=True: whether the step really replayed, and why calls ran eager when they did not
+        summary["graphs"] = {k: graphs[k] for k in ("status", "captured", "replays", "eager")}
+    return summary

@@ -18,6 +18,19 @@ def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
     return format(v, spec)
 
 
+def _graphs_notes(rows: list[dict]) -> list[str]:
+    """One line per CUDA-graphs mode whose step did not replay (a capture failed or calls ran eager): the numbers
+    of that row are the eager forward's, and the reader is told why."""
+    lines = []
+    for r in rows:
+        g = (r.get("fastpath") or {}).get("graphs") if r["available"] else None
+        if g and (not g["replays"] or g["eager"]):
+            eager = "; ".join(f"{reason} ({n})" for reason, n in g["eager"].items()) or "none"
+            lines.append(f"{r['mode']}: CUDA graphs {g['status']}, {g['captured']} captured, {g['replays']} replays; "
+                         f"eager calls: {eager}")
+    return lines + [""] if lines else []
+
+
 def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
             *("| " + " | ".join(r) + " |" for r in rows)]
@@ -87,6 +100,7 @@ def markdown(result: dict[str, Any]) -> str:
                          _fmt(r["max_abs_diff"], ".3g"), _fmt(r["psnr_db"], ".1f"), f"`{r['md5'][:10]}`",
                          f"{fpath['sites']} ({fpath['fast']}/{fpath['fallback']})" if fpath else "-"])
         lines += _table(header, body) + [""]
+        lines += _graphs_notes(step["rows"])
         if any(not r.get("interleaved", True) for r in step["rows"] if r["available"]):
             lines += ["Compiled modes ran after the others (each after `torch._dynamo.reset()`); the rest ran "
                       "round-robin. Compile s is the first call.", ""]

@@ -282,10 +282,17 @@ def lumina2_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1
     """Fresh random ``Lumina2Transformer2DModel`` inputs as ``Lumina2Pipeline`` passes them: latents ``[B, C, H, W]``
     (``grid`` = the 8x latent: 128x128 for 1024x1024), timesteps in [0, 1), caption embeddings and their boolean
     mask (the second prompt shorter: its last tokens masked)."""
+    cfg = model.config
+    # the rotary table's positions: a caption's tokens count 0..L-1 and every image token sits at L on the first axis,
+    # rows and columns of patches on the others; past the table, eager's gather asserts on the GPU
+    rows, cols = grid[0] // cfg.patch_size, grid[1] // cfg.patch_size
+    if txt_tokens >= cfg.axes_lens[0] or rows > cfg.axes_lens[1] or cols > cfg.axes_lens[2]:
+        raise ValueError(f"Lumina2Transformer2DModel's rotary table (axes_lens={tuple(cfg.axes_lens)}) holds fewer than "
+                         f"{txt_tokens} + 1 caption positions or {rows}x{cols} patches: give fewer text tokens "
+                         f"(Lumina2Pipeline's max_sequence_length is 256) or a smaller image")
     device = device or next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
-    cfg = model.config
     return dict(
         hidden_states=torch.randn(batch, cfg.in_channels, *grid, generator=gen).to(device, dtype),
         timestep=torch.rand(batch, generator=gen).to(device, dtype),
