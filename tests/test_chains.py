@@ -364,6 +364,42 @@ def test_the_pairwise_mask_is_built_by_broadcasting_with_the_same_bits_and_layou
         assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
 
 
+class OuterMaskBlock(torch.nn.Module):
+    """Chroma's outer-product mask, and near misses: the factors swapped, two masks, and a forward that rebinds its
+    rotary table (no anchor: nothing of it is rewritten)."""
+
+    def forward(self, attention_mask, other_mask, image_rotary_emb=None):
+        attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+        swapped = other_mask[:, None, :, None] * other_mask[:, None, None, :]
+        mixed = other_mask[:, None, None, :] * attention_mask[:, 0, :1, :, None]
+        return attention_mask, swapped, mixed
+
+
+class RebindingOuterMaskBlock(torch.nn.Module):
+    def forward(self, attention_mask, image_rotary_emb=None):
+        image_rotary_emb = None
+        return attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long], ids=str)
+def test_the_outer_mask_is_kept_on_the_rotary_table_with_the_same_bits(dtype):
+    sub, found = _chains.fused_subclass(OuterMaskBlock, "FusedOuterMaskBlock", __name__)
+    assert found.outer_masks == 1 and inspect.getsource(sub.forward).count("outer_mask(") == 1
+    assert _chains.fused_subclass(RebindingOuterMaskBlock, "FusedRebinding", __name__) == (None, None)
+    gen = torch.Generator().manual_seed(6)
+    mask, other = (torch.randint(0, 3, (2, 9), generator=gen).to(dtype) for _ in range(2))
+    table = (torch.randn(9, 4, generator=gen), torch.randn(9, 4, generator=gen))
+    for rotary in (table, table, None):  # kept on the table the second time; without one, computed as written
+        got, ref = sub()(mask, other, rotary), OuterMaskBlock()(mask, other, rotary)
+        for g, r in zip(got, ref):
+            assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
+    kept = sub()(mask, other, table)[0]
+    assert sub()(mask, other, table)[0] is kept  # the same tensor for the same mask, table and version
+    assert sub()(mask.clone(), other, table)[0] is not kept  # another mask object: its own product
+    mask[0, 0] = 1 - mask[0, 0] if dtype is torch.long else ~mask[0, 0]
+    assert torch.equal(sub()(mask, other, table)[0], OuterMaskBlock()(mask, other, table)[0])  # written in place
+
+
 def test_operands_that_are_not_tensors_run_the_original_expression():
     ns = _chain_calls._ChainsNamespace
     assert ns.gated_residual(1, 2, 3, None) == 7

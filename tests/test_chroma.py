@@ -167,3 +167,64 @@ def test_group_offload_on_a_patched_chroma(offload_type, unpatch_after):
     unpatch_after(model)
     for _ in range(2):
         assert torch.equal(run(model, inputs), run(ref_model, inputs))
+
+
+class MaskProducts(TorchDispatchMode):
+    """Counts the boolean [B, 1, S, S] products (the outer-product attention mask) a forward computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mul.Tensor and out.dtype == torch.bool and out.dim() == 4:
+            self.count += 1
+        return out
+
+
+def test_the_outer_mask_is_built_once_per_forward_with_the_same_bits(unpatch_after):
+    """Each Chroma block expands the forward's [B, S] mask to [B, 1, S, S] again; patched, the first block's product
+    is handed to the others (kept on the forward's rotary table), and the output is the same bits."""
+    model = build_chroma_transformer(dtype=torch.float32, seed=21)
+    inputs = chroma_transformer_inputs(model, batch=2, grid=(4, 4), txt_tokens=7, seed=22, masked=3)
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    with MaskProducts() as eager:
+        ref = run(model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    with MaskProducts() as patched:
+        out = run(model, inputs)
+        again = run(model, inputs)  # a second forward builds its own (a new table: nothing kept across forwards)
+    assert eager.count == blocks and patched.count == 2
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+
+
+@pytest.mark.parametrize("change", ["new-mask", "in-place"])
+def test_a_mask_changed_between_blocks_is_expanded_again(change, unpatch_after):
+    """A hook that gives a later block another mask, or writes the forward's mask in place before it, gets that
+    block the product of what it sees, as unpatched (the kept product is for one mask object at one version)."""
+    model = build_chroma_transformer(dtype=torch.float32, seed=23)
+    inputs = chroma_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=7, seed=24, masked=2)
+
+    def hook(module, args, kwargs):
+        mask = kwargs["attention_mask"]
+        if change == "new-mask":
+            kwargs["attention_mask"] = torch.ones_like(mask)
+        else:
+            mask[:, 2] = False
+        return args, kwargs
+
+    def with_hook(m):
+        handle = m.single_transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                return m(**{k: v.clone() for k, v in inputs.items()}).sample
+        finally:
+            handle.remove()
+
+    ref, plain = with_hook(model), run(model, inputs)
+    assert not torch.equal(ref, plain)  # the hook's change reaches the output
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(with_hook(model), ref)

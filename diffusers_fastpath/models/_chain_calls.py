@@ -17,6 +17,7 @@ from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_aff
                    rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
                    swiglu_cat)
 from ..quality import hooked
+from ._rope_cache import derived
 
 _SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
 SWIGLU_MODULES: dict[type, str] = {}  # SwiGLU module class -> the attribute holding its SiLU (`register_swiglu`)
@@ -240,6 +241,26 @@ class _ChainsNamespace:
         # mask[b, j] & mask[b, i] either way; here the two operands are broadcast views, nothing is materialised or
         # read transposed. The AND of the same values in the same dtype, the same contiguous [B, 1, S, S] result.
         return (mask.view(batch, 1, 1, seq) & mask.view(batch, 1, seq, 1)).bool().contiguous()
+
+    @staticmethod
+    def outer_mask(mask, table):
+        # mask[:, None, None, :] * mask[:, None, :, None] (Chroma's blocks), computed once per rotary table: `table` is
+        # built once per forward and handed to every block with the same mask; the product is kept on it for this mask
+        # object at this version (a hook's new mask, or a write in place, computes it again), so each block gets the
+        # same bits the expression gives (the same product of the same tensor)
+        def product():
+            return mask[:, None, None, :] * mask[:, None, :, None]
+
+        anchor = table[0] if isinstance(table, (tuple, list)) and table else table
+        if torch.compiler.is_compiling() or not (isinstance(mask, torch.Tensor) and isinstance(anchor, torch.Tensor)):
+            return product()
+        version = None if mask.is_inference() else mask._version
+
+        def compute():
+            return mask, version, product()
+
+        return derived(anchor, ("outer_mask", id(mask)), compute,
+                       valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
 
     @staticmethod
     def rms_scale(norm, x, scale, site):

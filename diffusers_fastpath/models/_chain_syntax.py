@@ -275,6 +275,32 @@ def _pairwise_mask_of(three: list[ast.stmt], rest: list[ast.stmt]) -> ast.stmt |
                              three[2])
 
 
+def _outer_index(node: ast.expr, name: str, last: bool) -> bool:
+    """Whether `node` is ``name[:, None, None, :]`` (`last`) or ``name[:, None, :, None]``."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name
+            and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 4):
+        return False
+    full = lambda e: isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None  # noqa: E731
+    none = lambda e: isinstance(e, ast.Constant) and e.value is None  # noqa: E731
+    a, b, c, d = node.slice.elts
+    return full(a) and none(b) and (none(c) and full(d) if last else full(c) and none(d))
+
+
+def _outer_mask_of(stmt: ast.stmt, anchor: str) -> ast.stmt | None:
+    """``X = outer_mask(A, anchor)`` for ``X = A[:, None, None, :] * A[:, None, :, None]`` (the outer-mask form of
+    the module doc), or None."""
+    target = _single_target(stmt)
+    value = stmt.value if target is not None else None
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult) and isinstance(value.left, ast.Subscript)
+            and isinstance(value.left.value, ast.Name)):
+        return None
+    mask = value.left.value.id
+    if not (_outer_index(value.left, mask, True) and _outer_index(value.right, mask, False)):
+        return None
+    call = _call("outer_mask", [ast.Name(mask, ast.Load()), ast.Name(anchor, ast.Load())])
+    return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+
 class _PendingReads(ast.NodeVisitor):
     """Walks statements in evaluation order, tracking the names bound to a pending norm (``norm_later`` or
     ``cat_later``), and finds any read of one that is not in `allowed` (a binding inside a nested block keeps the

@@ -115,6 +115,15 @@ of ``self``):
     A.view(B, 1, S, 1)``, broadcast instead of materialised and read transposed (HunyuanVideo-1.5 spent 97.5 ms of a
     1,134 ms 480p step on that transposed read)
 
+- outer-product attention mask (Chroma's blocks, each of which expands the forward's one ``[B, S]`` mask again), in
+  blocks whose forward takes the rotary table ``image_rotary_emb`` and never rebinds it, exact by construction (the
+  same product of the same tensor, computed once and handed to the later blocks):
+
+  - ``X = A[:, None, None, :] * A[:, None, :, None]``  ->  ``X = outer_mask(A, image_rotary_emb)``: the product is
+    kept on the table (`diffusers_fastpath.models._rope_cache.derived`), which the transformer builds once per forward,
+    for that very ``A`` object at its version; another mask, one written in place, no table or a ``torch.compile``
+    trace computes it as written (Chroma1-HD: 57 products of ``[1, 1, 4608, 4608]`` a step, 2.9 ms of GPU time)
+
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -172,7 +181,8 @@ from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_of, _complex_rotary_call,
                             _diffusers_rotary, _local_def,
-                            _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _pairwise_mask_of,
+                            _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _outer_mask_of,
+                            _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
                             _site_of, _unsqueezed, _uses)
 
@@ -211,13 +221,26 @@ class Rewrite:
     rms_scales: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + scale sites
     rms_gated: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + gated residual sites
     pairwise_masks: int = 0  # pairwise attention masks built by broadcasting (no site: exact by construction)
+    outer_masks: int = 0  # outer-product attention masks built once per rotary table (no site: exact by construction)
     swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
     rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
-                    or self.swiglu_cats or self.rotary_complex)
+                    or self.outer_masks or self.swiglu_cats or self.rotary_complex)
+
+
+# the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
+# handed to every block, it anchors what the blocks would otherwise derive again each from the same inputs
+_ROTARY_TABLE = "image_rotary_emb"
+
+
+def _unassigned_parameter(function: ast.FunctionDef, name: str) -> bool:
+    """Whether `name` is a parameter of `function` that its body never rebinds."""
+    params = [a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)]
+    return name in params and not any(
+        isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in ast.walk(function))
 
 
 class _Rewriter:
@@ -558,22 +581,26 @@ class _Rewriter:
         self.found.qk_norms = order
         return [*new[:last + 1], *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
 
-    def pairwise_masks(self, body: list[ast.stmt]) -> list[ast.stmt]:
-        """The pairwise-mask form of the module doc over one block of statements."""
+    def pairwise_masks(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        """The pairwise-mask and outer-mask forms of the module doc over one block of statements."""
+        anchor = _ROTARY_TABLE if _unassigned_parameter(function, _ROTARY_TABLE) else None
         out, i = [], 0
         while i < len(body):
             merged = _pairwise_mask_of(body[i:i + 3], body[i + 3:]) if i + 3 <= len(body) else None
-            if merged is None:
-                out.append(body[i])
-                i += 1
+            if merged is not None:
+                self.found.pairwise_masks += 1
+                out.append(merged)
+                i += 3
                 continue
-            self.found.pairwise_masks += 1
-            out.append(merged)
-            i += 3
+            outer = _outer_mask_of(body[i], anchor) if anchor is not None else None
+            if outer is not None:
+                self.found.outer_masks += 1
+            out.append(outer or body[i])
+            i += 1
         return out
 
     def body(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
-        body = self.pairwise_masks(body)
+        body = self.pairwise_masks(body, function)
         if self.block:
             body = self.deferred_norms(self.gelu_cat(body, function))
         elif self.swiglus:

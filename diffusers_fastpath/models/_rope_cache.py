@@ -35,13 +35,15 @@ class CacheStats:
         self.reused = 0
 
 
-def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stats: CacheStats | None = None) -> Any:
+def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stats: CacheStats | None = None,
+            valid: Callable[[Any], bool] | None = None) -> Any:
     """``compute()`` for `table`, computed once per (`table` tensor, `key`) and stored on the tensor itself.
 
     `compute` must be a pure function of ``table``'s values (and of `key`). The stored value is dropped if the table
     is written in place since (its version counter moved; inference tensors, which have none, can only be written
     inside ``torch.inference_mode`` by code that holds them: the forward that built them). While ``torch.compile``
-    traces, nothing is stored: the graph computes it (the compiler deduplicates).
+    traces, nothing is stored: the graph computes it (the compiler deduplicates). With `valid`, a stored value that
+    it refuses (one derived from an input other than the caller's) is computed again and replaces it.
     """
     if torch.compiler.is_compiling():
         return compute()
@@ -50,7 +52,7 @@ def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stat
     if store is None:
         store = table.__dict__[_DERIVED_ATTR] = {}
     entry = store.get(key)
-    if entry is not None and entry[0] == version:
+    if entry is not None and entry[0] == version and (valid is None or valid(entry[1])):
         if stats is not None:
             stats.reused += 1
         return entry[1]
