@@ -181,6 +181,20 @@ def test_markdown_lists_every_mode_and_the_conditions(tiny_run):
     assert "Kernels level: needs CUDA" in md
 
 
+def test_profile_table_says_what_fusion_removed_outside_gemms_and_attention(tiny_run):
+    """Each profiled mode's time outside GEMMs and attention, and the share of eager's that it no longer spends (the
+    families' goal metric), computed from the row's own categories."""
+    from diffusers_fastpath.bench.render import rest_ms
+
+    rows = {p["mode"]: p for p in tiny_run["result"]["profile"]["rows"]}
+    eager, lossless = rest_ms(rows["eager"]), rest_ms(rows["lossless"])
+    c = rows["lossless"]["categories"]
+    assert lossless == pytest.approx(sum(c[n]["ms"] for n in bench.CATEGORY_NAMES if n not in ("gemm", "attention")))
+    line = next(l for l in tiny_run["markdown"].splitlines() if l.startswith("| lossless |") and f"{lossless:.2f} (" in l)
+    assert line.endswith(f"{lossless:.2f} ({1 - lossless / eager:.0%}) |")
+    assert "outside GEMMs and attention: ms (removed)" in tiny_run["markdown"]
+
+
 def test_from_json_re_renders_the_same_report(tiny_run, capsys):
     capsys.readouterr()
     assert bench.main(["--from-json", str(tiny_run["json"])]) == 0
