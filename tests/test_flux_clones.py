@@ -1,6 +1,8 @@
 """The FLUX-architecture families under other names (`diffusers_fastpath.models.flux_clones`: LongCat-Image,
 Ovis-Image, Bria, Bria-FIBO) on CPU, and at full size on the GPU: exactness, the fused paths' wiring (kernels
-emulated on CPU), reversibility, pickling, compilation."""
+emulated on CPU), reversibility, pickling, compilation; a pipeline generation (``OvisImagePipeline``,
+``BriaPipeline``; LongCat-Image's and Bria-FIBO's pipelines cannot run without their text encoders) on CPU and at
+1024x1024 on the GPU."""
 
 from __future__ import annotations
 
@@ -10,13 +12,22 @@ import pytest
 import torch
 
 import diffusers_fastpath as fp
+from diffusers_fastpath.bench.timing import md5
 from diffusers_fastpath.models import flux_clones
-from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, assert_compiles_fullgraph_exactly, assert_every_site_fast,
+from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, FLUX_CLONE_PIPELINES, FLUX_CLONES_WITHOUT_PIPELINE,
+                                        assert_compiles_fullgraph_exactly, assert_every_site_fast,
                                         assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
-                                        build_flux_clone, flux_clone_inputs, patch_round_trip)
+                                        build_flux_clone, build_flux_vae, flux_clone_inputs, flux_clone_pipeline,
+                                        flux_clone_prompt_embeddings, patch_round_trip, tiny_flux_clone_pipeline)
 
 CLONES = sorted(FLUX_CLONE_CONFIGS)
 FIBO = "BriaFiboTransformer2DModel"
+# the clones with a pipeline that runs from given embeddings; the others' params are skipped, with the reason
+PIPELINE_CLONES = [pytest.param(name, marks=pytest.mark.skip(reason=FLUX_CLONES_WITHOUT_PIPELINE[name]))
+                   if name in FLUX_CLONES_WITHOUT_PIPELINE else name for name in CLONES]
+# transformer forwards per denoising step under true CFG: Ovis-Image runs the negative prompt as a second forward,
+# Bria batches the two prompts into one
+FORWARDS_PER_STEP = {"OvisImagePipeline": 2, "BriaPipeline": 1}
 
 
 def sites(dual: int, single: int, name: str) -> dict[str, int]:
@@ -41,6 +52,35 @@ def calls(name: str) -> dict:
 def processors(model):
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
 
+
+def _generation(pipe, call: dict, steps: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two generations of `pipe` from the same noise: the final (packed) latents (``output_type="latent"``) and the
+    decoded image (``output_type="pt"``)."""
+    def generate(output_type):
+        return pipe(**call, height=size, width=size, num_inference_steps=steps, output_type=output_type,
+                    generator=torch.Generator().manual_seed(1)).images
+
+    return generate("latent"), generate("pt")
+
+
+def assert_generation_identical_and_fused(pipe, call: dict, counts: dict[str, int], name: str, steps: int,
+                                          size: int) -> None:
+    """`pipe`'s generation patched is md5-identical to unpatched on the final latents and on the decoded image (a
+    real-looking one: finite, not flat), with every transformer site fast on each forward of the two generations
+    (`FORWARDS_PER_STEP` forwards a step); `pipe` is unpatched again afterwards."""
+    pipe.set_progress_bar_config(disable=True)
+    ref_latents, ref_image = _generation(pipe, call, steps, size)
+    for ref in (ref_latents, ref_image):
+        assert torch.isfinite(ref).all() and ref.float().std() > 0.01
+    fp.patch(pipe)
+    try:
+        latents, image = _generation(pipe, call, steps, size)
+        assert torch.equal(latents, ref_latents) and md5(latents) == md5(ref_latents)
+        assert torch.equal(image, ref_image) and md5(image) == md5(ref_image)
+        forwards = 2 * steps * FORWARDS_PER_STEP[type(pipe).__name__]
+        assert_every_site_fast(fp.report(pipe), counts, calls(name), forwards=forwards)
+    finally:
+        fp.unpatch(pipe)
 
 
 @pytest.mark.parametrize("name", CLONES)
@@ -78,7 +118,26 @@ def test_compiles_with_fullgraph(name):
     assert_compiles_fullgraph_exactly(model, flux_clone_inputs(model, seed=8))
 
 
-# --- GPU: the class defaults (FLUX.1's 19 + 38 blocks, Ovis-Image's 6 + 27), one step at 1024x1024 -----------------
+@pytest.mark.parametrize("name", PIPELINE_CLONES)
+def test_pipeline_generation_is_identical_and_fused(name, emulated_kernels):
+    """A 3-step generation at 64x64 through the clone's pipeline (tiny random VAE, no text encoder) with true
+    classifier-free guidance from random prompt and negative-prompt embeddings (the prompt zero-padded, as the
+    pipelines pad): md5-identical latents and decoded image, every site fast at every forward."""
+    pipe = tiny_flux_clone_pipeline(name, seed=13)
+    assert type(pipe).__name__ == FLUX_CLONE_PIPELINES[name]
+    call = flux_clone_prompt_embeddings(pipe, seed=14)
+    assert_generation_identical_and_fused(pipe, dict(call, guidance_scale=4.0), sites(2, 2, name), name, steps=3,
+                                          size=64)
+
+
+@pytest.mark.parametrize("name", sorted(FLUX_CLONES_WITHOUT_PIPELINE))
+def test_no_pipeline_without_a_text_encoder(name):
+    """LongCat-Image's and Bria-FIBO's pipelines cannot run from embeddings: `flux_clone_pipeline` says why."""
+    with pytest.raises(ValueError, match="no pipeline without a text encoder"):
+        flux_clone_pipeline(build_flux_clone(name), build_flux_vae())
+
+
+# --- GPU: the class defaults (FLUX.1's 19 + 38 blocks, Ovis-Image's 6 + 27) at 1024x1024: one step, a generation ---
 
 
 @pytest.mark.gpu
@@ -97,4 +156,25 @@ def test_full_size_one_step_1024_is_bitwise_identical_and_fully_fused(name, unpa
         assert_every_site_fast(fp.report(model), counts, calls(name))
     finally:
         del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+@pytest.mark.parametrize("name", PIPELINE_CLONES)
+def test_full_size_generation_1024_is_md5_identical_and_fused(name):
+    """A 4-step generation at 1024x1024 with the class defaults (Ovis-Image's 6 + 27 blocks, Bria 3.2's 19 + 38)
+    and FLUX.1's published VAE (random weights) decoding, true CFG from random embeddings as long as the pipeline's
+    text encoder gives (Ovis-Image: 256 tokens; Bria: 128): latents and image md5-identical patched and unpatched,
+    every site fast at every forward."""
+    model = build_flux_clone(name, torch.bfloat16, "cuda", seed=0, tiny=False)
+    pipe = None
+    try:
+        pipe = flux_clone_pipeline(model, build_flux_vae("flux-dev", torch.bfloat16, "cuda", seed=1))
+        txt_tokens = {"OvisImagePipeline": 256, "BriaPipeline": 128}[type(pipe).__name__]
+        call = flux_clone_prompt_embeddings(pipe, txt_tokens=txt_tokens, seed=2, padding=txt_tokens // 2)
+        counts = sites(len(model.transformer_blocks), len(model.single_transformer_blocks), name)
+        assert_generation_identical_and_fused(pipe, dict(call, guidance_scale=4.0), counts, name, steps=4, size=1024)
+    finally:
+        del model, pipe
         torch.cuda.empty_cache()

@@ -1,5 +1,6 @@
 """The FLUX architecture's families, from their published configs with random weights: FLUX.1, Chroma, the FLUX
-clones, FLUX.2; FLUX.1's and FLUX.2's VAEs and the FLUX and FLUX.2 pipelines without text encoders."""
+clones, FLUX.2; FLUX.1's and FLUX.2's VAEs and the FLUX, Chroma, FLUX.2 and FLUX-clone (Ovis-Image, Bria) pipelines
+without text encoders."""
 
 from __future__ import annotations
 
@@ -289,6 +290,60 @@ def flux_clone_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=
             torch.randn(batch, txt_tokens, cfg.text_encoder_dim, generator=gen).to(device, dtype)
             for _ in range(cfg.num_layers + cfg.num_single_layers)]
     return inputs
+
+
+# The FLUX clones' pipelines that run from given embeddings (no text encoder), by transformer class. LongCat-Image's
+# and Bria-FIBO's do not (diffusers 0.42): `FLUX_CLONES_WITHOUT_PIPELINE` says why
+FLUX_CLONE_PIPELINES = {"OvisImageTransformer2DModel": "OvisImagePipeline", "BriaTransformer2DModel": "BriaPipeline"}
+FLUX_CLONES_WITHOUT_PIPELINE = {
+    "LongCatImageTransformer2DModel": "LongCatImagePipeline takes prompt_embeds but its encode_prompt calls "
+                                      "len(prompt) on prompt=None first, a TypeError (diffusers 0.42.1)",
+    "BriaFiboTransformer2DModel": "BriaFiboPipeline takes no prompt embeddings: its __call__ always runs the "
+                                  "text encoder (SmolLM3) on the prompt",
+}
+
+
+def flux_clone_pipeline(transformer, vae):
+    """The pipeline of a `build_flux_clone` transformer (`FLUX_CLONE_PIPELINES`: ``OvisImagePipeline``,
+    ``BriaPipeline``) around it and `vae` (an ``AutoencoderKL`` of FLUX.1's kind, `build_flux_vae`), with no text
+    encoder: call it with `flux_clone_prompt_embeddings`. LongCat-Image's and Bria-FIBO's pipelines cannot run
+    without their text encoders (`FLUX_CLONES_WITHOUT_PIPELINE`): a ``ValueError`` says why."""
+    import diffusers
+
+    name = type(transformer).__name__
+    if name in FLUX_CLONES_WITHOUT_PIPELINE:
+        raise ValueError(f"no pipeline without a text encoder for {name}: {FLUX_CLONES_WITHOUT_PIPELINE[name]}")
+    return getattr(diffusers, FLUX_CLONE_PIPELINES[name])(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+        transformer=transformer)
+
+
+def tiny_flux_clone_pipeline(name, transformer=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """`flux_clone_pipeline` for the clone `name` (a transformer class name of `FLUX_CLONE_PIPELINES`) with a tiny
+    random VAE (FLUX's 8x downsampling, 8 channels, ``in_channels // 4`` latent channels) and no text encoder: call
+    it with `flux_clone_prompt_embeddings`. Works with any transformer of that class, the full-size ones included."""
+    transformer = transformer if transformer is not None else build_flux_clone(name, dtype, device, seed)
+    vae = build_flux_vae("flux-tiny", dtype, device, seed + 1, latent_channels=transformer.config.in_channels // 4)
+    return flux_clone_pipeline(transformer, vae)
+
+
+def flux_clone_prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2, device=None, padding=3):
+    """Random ``prompt_embeds`` and ``negative_prompt_embeds`` (``joint_attention_dim`` wide, `txt_tokens` long:
+    ``BriaPipeline`` wants the two of one shape) for a `flux_clone_pipeline`, for true classifier-free guidance
+    (``guidance_scale`` > 1, both pipelines' default). The prompt's last `padding` tokens are zeros, as both pipelines
+    pad their text encoder's output (no attention mask: their transformers take none). For ``OvisImagePipeline``
+    also ``negative_prompt=None`` (its default ``""`` with ``negative_prompt_embeds`` is refused). On `device`
+    (default: the transformer's)."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.joint_attention_dim
+    dtype, device = pipe.transformer.dtype, device or pipe.transformer.device
+    prompt = torch.randn(batch, txt_tokens, dim, generator=gen)
+    prompt[:, txt_tokens - padding:] = 0
+    call = dict(prompt_embeds=prompt.to(device, dtype),
+                negative_prompt_embeds=torch.randn(batch, txt_tokens, dim, generator=gen).to(device, dtype))
+    if type(pipe).__name__ == "OvisImagePipeline":
+        call["negative_prompt"] = None
+    return call
 
 
 def flux_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1, device=None):
