@@ -198,6 +198,11 @@ def test_the_outer_mask_is_built_once_per_forward_with_the_same_bits(unpatch_aft
         again = run(model, inputs)  # a second forward builds its own (a new table: nothing kept across forwards)
     assert eager.count == blocks and patched.count == 2
     assert torch.equal(out, ref) and torch.equal(again, ref)
+    with torch.inference_mode():  # an inference mask has no version counter: expanded in every block, as written
+        inference_inputs = {k: v.clone() for k, v in inputs.items()}
+        with MaskProducts() as inference:
+            assert torch.equal(model(**inference_inputs).sample, ref)
+    assert inference.count == blocks
 
 
 @pytest.mark.parametrize("change", ["new-mask", "in-place"])

@@ -247,14 +247,17 @@ class _ChainsNamespace:
         # mask[:, None, None, :] * mask[:, None, :, None] (Chroma's blocks), computed once per rotary table: `table` is
         # built once per forward and handed to every block with the same mask; the product is kept on it for this mask
         # object at this version (a hook's new mask, or a write in place, computes it again), so each block gets the
-        # same bits the expression gives (the same product of the same tensor)
+        # same bits the expression gives (the same product of the same tensor). An inference tensor has no version
+        # counter to tell a write in place (a hook of a later block may hold the mask): its product is computed as
+        # written, in every block
         def product():
             return mask[:, None, None, :] * mask[:, None, :, None]
 
         anchor = table[0] if isinstance(table, (tuple, list)) and table else table
-        if torch.compiler.is_compiling() or not (isinstance(mask, torch.Tensor) and isinstance(anchor, torch.Tensor)):
+        if (torch.compiler.is_compiling() or not (isinstance(mask, torch.Tensor) and isinstance(anchor, torch.Tensor))
+                or mask.is_inference()):
             return product()
-        version = None if mask.is_inference() else mask._version
+        version = mask._version
 
         def compute():
             return mask, version, product()

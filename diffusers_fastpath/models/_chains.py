@@ -121,8 +121,8 @@ of ``self``):
 
   - ``X = A[:, None, None, :] * A[:, None, :, None]``  ->  ``X = outer_mask(A, image_rotary_emb)``: the product is
     kept on the table (`diffusers_fastpath.models._rope_cache.derived`), which the transformer builds once per forward,
-    for that very ``A`` object at its version; another mask, one written in place, no table or a ``torch.compile``
-    trace computes it as written (Chroma1-HD: 57 products of ``[1, 1, 4608, 4608]`` a step, 2.9 ms of GPU time)
+    for that very ``A`` object at its version; another mask, one written in place, an inference tensor (no version
+    counter), no table or a ``torch.compile`` trace computes it as written (Chroma1-HD: 57 products of ``[1, 1, 4608, 4608]`` a step, 2.9 ms of GPU time)
 
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
