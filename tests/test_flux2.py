@@ -12,9 +12,9 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock, Flux2TransformerBlock
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.bench.timing import md5
 from diffusers_fastpath.models import flux2
-from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_every_site_fast,
+from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly,
+                                        assert_generation_and_image_exact_and_fused,
                                         assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
                                         build_flux2_transformer, build_flux2_vae, flux2_pipeline,
                                         flux2_prompt_embeddings, flux2_transformer_inputs, patch_round_trip,
@@ -30,39 +30,6 @@ def sites(dual: int, single: int) -> dict[str, int]:
 
 # q and k per forward through the fused QK norm + rotary; its fallback, the plain rotary, never runs
 CALLS = {"qk_norm_rope": 2, "rotary_emb": 0}
-
-
-def _generation(pipe, call: dict, steps: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One generation of `pipe`: its final latents (captured by a step-end callback of the same call, before
-    unpacking) and its decoded image."""
-    captured = {}
-
-    def on_step_end(pipe, i, t, kwargs):
-        captured["latents"] = kwargs["latents"]
-        return {}
-
-    image = pipe(**call, height=size, width=size, num_inference_steps=steps, generator=torch.Generator().manual_seed(1),
-                 output_type="pt", callback_on_step_end=on_step_end).images
-    return captured["latents"], image
-
-
-def assert_generation_identical_and_fused(pipe, call: dict, counts: dict[str, int], steps: int, size: int) -> None:
-    """`pipe`'s generation patched is md5-identical to unpatched on the final latents and on the decoded image (a
-    real-looking one: finite, not flat), with every transformer site fast on each of the `steps` forwards; `pipe`
-    is unpatched again afterwards. (The shared `assert_pipeline_generation_exact_and_fused` compares the latents
-    alone.)"""
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_image = _generation(pipe, call, steps, size)
-    for ref in (ref_latents, ref_image):
-        assert torch.isfinite(ref).all() and ref.float().std() > 0.01
-    fp.patch(pipe)
-    try:
-        latents, image = _generation(pipe, call, steps, size)
-        assert torch.equal(latents, ref_latents) and md5(latents) == md5(ref_latents)
-        assert torch.equal(image, ref_image) and md5(image) == md5(ref_image)
-        assert_every_site_fast(fp.report(pipe), counts, CALLS, forwards=steps)
-    finally:
-        fp.unpatch(pipe)
 
 
 def test_flux2_is_supported():
@@ -91,7 +58,8 @@ def test_pipeline_generation_is_identical_and_fused(guidance_embeds, pipeline, e
     ``Flux2KleinPipeline``."""
     pipe = tiny_flux2_pipeline(build_flux2_transformer(seed=13, guidance_embeds=guidance_embeds), seed=13)
     assert type(pipe).__name__ == pipeline
-    assert_generation_identical_and_fused(pipe, flux2_prompt_embeddings(pipe, seed=14), sites(2, 2), steps=3, size=128)
+    assert_generation_and_image_exact_and_fused(pipe, flux2_prompt_embeddings(pipe, seed=14), sites(2, 2), CALLS,
+                                                steps=3, size=128)
 
 
 def test_unpatch_pickle_and_state_dict():
@@ -175,7 +143,7 @@ def test_flux2_generation_1024_is_md5_identical_and_fused(config, blocks):
     try:
         pipe = flux2_pipeline(model, build_flux2_vae("flux2-dev", torch.bfloat16, "cuda", seed=1))
         call = flux2_prompt_embeddings(pipe, txt_tokens=512, seed=2)
-        assert_generation_identical_and_fused(pipe, call, sites(*blocks), steps=4, size=1024)
+        assert_generation_and_image_exact_and_fused(pipe, call, sites(*blocks), CALLS, steps=4, size=1024)
     finally:
         del model, pipe
         torch.cuda.empty_cache()

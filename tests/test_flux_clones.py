@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.bench.timing import md5
 from diffusers_fastpath.models import flux_clones
 from diffusers_fastpath.testing import (FLUX_CLONE_CONFIGS, FLUX_CLONE_PIPELINES, FLUX_CLONES_WITHOUT_PIPELINE,
                                         assert_compiles_fullgraph_exactly, assert_every_site_fast,
+                                        assert_generation_and_image_exact_and_fused,
                                         assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
                                         build_flux_clone, build_flux_vae, flux_clone_inputs, flux_clone_pipeline,
                                         flux_clone_prompt_embeddings, patch_round_trip, tiny_flux_clone_pipeline)
@@ -51,36 +51,6 @@ def calls(name: str) -> dict:
 
 def processors(model):
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
-
-
-def _generation(pipe, call: dict, steps: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two generations of `pipe` from the same noise: the final (packed) latents (``output_type="latent"``) and the
-    decoded image (``output_type="pt"``)."""
-    def generate(output_type):
-        return pipe(**call, height=size, width=size, num_inference_steps=steps, output_type=output_type,
-                    generator=torch.Generator().manual_seed(1)).images
-
-    return generate("latent"), generate("pt")
-
-
-def assert_generation_identical_and_fused(pipe, call: dict, counts: dict[str, int], name: str, steps: int,
-                                          size: int) -> None:
-    """`pipe`'s generation patched is md5-identical to unpatched on the final latents and on the decoded image (a
-    real-looking one: finite, not flat), with every transformer site fast on each forward of the two generations
-    (`FORWARDS_PER_STEP` forwards a step); `pipe` is unpatched again afterwards."""
-    pipe.set_progress_bar_config(disable=True)
-    ref_latents, ref_image = _generation(pipe, call, steps, size)
-    for ref in (ref_latents, ref_image):
-        assert torch.isfinite(ref).all() and ref.float().std() > 0.01
-    fp.patch(pipe)
-    try:
-        latents, image = _generation(pipe, call, steps, size)
-        assert torch.equal(latents, ref_latents) and md5(latents) == md5(ref_latents)
-        assert torch.equal(image, ref_image) and md5(image) == md5(ref_image)
-        forwards = 2 * steps * FORWARDS_PER_STEP[type(pipe).__name__]
-        assert_every_site_fast(fp.report(pipe), counts, calls(name), forwards=forwards)
-    finally:
-        fp.unpatch(pipe)
 
 
 @pytest.mark.parametrize("name", CLONES)
@@ -126,7 +96,8 @@ def test_pipeline_generation_is_identical_and_fused(name, emulated_kernels):
     pipe = tiny_flux_clone_pipeline(name, seed=13)
     assert type(pipe).__name__ == FLUX_CLONE_PIPELINES[name]
     call = flux_clone_prompt_embeddings(pipe, seed=14)
-    assert_generation_identical_and_fused(pipe, dict(call, guidance_scale=4.0), sites(2, 2, name), name, steps=3,
+    assert_generation_and_image_exact_and_fused(pipe, dict(call, guidance_scale=4.0), sites(2, 2, name), calls(name),
+                                                forwards_per_step=FORWARDS_PER_STEP[type(pipe).__name__], steps=3,
                                           size=64)
 
 
@@ -174,7 +145,8 @@ def test_full_size_generation_1024_is_md5_identical_and_fused(name):
         txt_tokens = {"OvisImagePipeline": 256, "BriaPipeline": 128}[type(pipe).__name__]
         call = flux_clone_prompt_embeddings(pipe, txt_tokens=txt_tokens, seed=2, padding=txt_tokens // 2)
         counts = sites(len(model.transformer_blocks), len(model.single_transformer_blocks), name)
-        assert_generation_identical_and_fused(pipe, dict(call, guidance_scale=4.0), counts, name, steps=4, size=1024)
+        assert_generation_and_image_exact_and_fused(pipe, dict(call, guidance_scale=4.0), counts, calls(name), steps=4,
+                                                    size=1024, forwards_per_step=FORWARDS_PER_STEP[type(pipe).__name__])
     finally:
         del model, pipe
         torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 
 import torch
 from torch.utils import _pytree as pytree
@@ -125,8 +126,6 @@ def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
     """A generation of `pipe` (3 steps at 128x128 unless `call` says otherwise; CFG as `call` asks) patched is
     md5-identical to unpatched on the latents, with every site of every patched model taking its fast path (on a
     CPU: under emulated kernels) and never falling back; `pipe` is unpatched again afterwards."""
-    import hashlib
-
     from .. import patch, report, unpatch
 
     pipe.set_progress_bar_config(disable=True)
@@ -144,6 +143,46 @@ def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
         assert generate() == ref
         sites = report(pipe).sites
         assert sites and all(s.fast > 0 and s.fallback == 0 for s in sites), str(report(pipe))
+    finally:
+        unpatch(pipe)
+
+
+def generation_latents_and_image(pipe, call: dict, steps: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One generation of `pipe` (``size`` x ``size``, `steps` steps, a fixed seed): its final latents (captured by a
+    step-end callback of the same call, before unpacking) and its decoded image (``output_type="pt"``)."""
+    captured = {}
+
+    def on_step_end(pipe, i, t, kwargs):
+        captured["latents"] = kwargs["latents"]
+        return {}
+
+    image = pipe(**call, height=size, width=size, num_inference_steps=steps, generator=torch.Generator().manual_seed(1),
+                 output_type="pt", callback_on_step_end=on_step_end).images
+    return captured["latents"], image
+
+
+def assert_generation_and_image_exact_and_fused(pipe, call: dict, counts: dict[str, int], calls: dict, steps: int,
+                                                size: int, forwards_per_step: int = 1) -> None:
+    """`pipe`'s generation patched is md5-identical to unpatched on the final latents and on the decoded image (a
+    real-looking one: finite, not flat), with `counts` sites, each fast ``calls[op]`` times on every one of the
+    ``steps * forwards_per_step`` transformer forwards (2 a step for a pipeline that runs its negative prompt as a
+    forward of its own); `pipe` is unpatched again afterwards. (`assert_pipeline_generation_exact_and_fused`
+    compares the latents alone, for any pipeline and site layout.)"""
+    from .. import patch, report, unpatch
+
+    def md5(t: torch.Tensor) -> str:
+        return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
+
+    pipe.set_progress_bar_config(disable=True)
+    ref_latents, ref_image = generation_latents_and_image(pipe, call, steps, size)
+    for ref in (ref_latents, ref_image):
+        assert torch.isfinite(ref).all() and ref.float().std() > 0.01
+    patch(pipe)
+    try:
+        latents, image = generation_latents_and_image(pipe, call, steps, size)
+        assert torch.equal(latents, ref_latents) and md5(latents) == md5(ref_latents)
+        assert torch.equal(image, ref_image) and md5(image) == md5(ref_image)
+        assert_every_site_fast(report(pipe), counts, calls, forwards=steps * forwards_per_step)
     finally:
         unpatch(pipe)
 
