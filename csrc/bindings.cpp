@@ -154,8 +154,48 @@ at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, co
   return out;
 }
 
-// The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
-// input raises instead of reading out of bounds.
+// The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad input
+// raises instead of reading out of bounds.
+at::Tensor cat_heads(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.is_cuda(), "cat_heads: a must be a CUDA tensor");
+  TORCH_CHECK(a.dim() == 4 && b.dim() == 4 && a.size(0) == b.size(0) && a.size(1) == b.size(1) &&
+                  a.size(3) == b.size(3),
+              "cat_heads: a and b must be [batch, heads, seq, dim] of one batch, heads and dim, got ",
+              shape_str(a.sizes()), " and ", shape_str(b.sizes()));
+  const int64_t vec = 16 / a.element_size();
+  to_dtype(a);
+  for (const at::Tensor* t : {&a, &b}) {
+    TORCH_CHECK(t->scalar_type() == a.scalar_type(), "cat_heads: dtype mismatch");
+    TORCH_CHECK(t->device() == a.device(), "cat_heads: device mismatch");
+    TORCH_CHECK(aligned16(*t), "cat_heads: pointers must be 16-byte aligned");
+    TORCH_CHECK(t->size(3) % vec == 0 && t->stride(3) == 1 && t->stride(2) % vec == 0 && t->stride(1) % vec == 0 &&
+                    t->stride(0) % vec == 0,
+                "cat_heads: rows must have unit innermost stride, stay 16-byte aligned and hold whole vectors");
+  }
+  at::Tensor out = at::empty({a.size(0), a.size(1), a.size(2) + b.size(2), a.size(3)}, a.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(a.device());
+  CatHeadsArgs args;
+  args.out = out.data_ptr();
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.batch = a.size(0);
+  args.heads = a.size(1);
+  args.seq_a = a.size(2);
+  args.seq_b = b.size(2);
+  args.dim = a.size(3);
+  args.a_stride_b = a.stride(0);
+  args.a_stride_h = a.stride(1);
+  args.a_stride_s = a.stride(2);
+  args.b_stride_b = b.stride(0);
+  args.b_stride_h = b.stride(1);
+  args.b_stride_s = b.stride(2);
+  args.dtype = to_dtype(a);
+  const cudaError_t err = launch_cat_heads(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "cat_heads: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 void check_silu_mul_inputs(const at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.is_cuda(), "silu_mul: gate must be a CUDA tensor");
   TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && out.sizes() == gate.sizes(),
@@ -627,6 +667,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
   m.def("_silu_mul_cuda(Tensor gate, Tensor up) -> Tensor");
   m.def("_silu_mul_cuda_out(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
+  m.def("_cat_heads_cuda(Tensor a, Tensor b) -> Tensor");
   m.def("_gelu_cat_cuda(Tensor attn, Tensor mlp) -> Tensor");
   m.def("_gelu_cat_cuda_out(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()");
   m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
@@ -660,6 +701,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
   m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);
   m.impl("_silu_mul_cuda_out", &diffusers_fastpath::silu_mul_out);
+  m.impl("_cat_heads_cuda", &diffusers_fastpath::cat_heads);
   m.impl("_gelu_cat_cuda", &diffusers_fastpath::gelu_cat);
   m.impl("_gelu_cat_cuda_out", &diffusers_fastpath::gelu_cat_out);
   m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);

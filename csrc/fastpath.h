@@ -106,6 +106,31 @@ struct SiluMulArgs {
 cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
 #endif
 
+// out[b, h, s, :] = s < seq_a ? a[b, h, s, :] : b[b, h, s - seq_a, :]: torch.cat([a, b], dim=2) of two [B, H, S, D]
+// operands (SD3's joint attention concatenates its image and text q, k and v, each a [B, H, S, D] view of a
+// [B, S, H, D] projection, so aten's cat cannot vectorise); a copy, exact by construction
+struct CatHeadsArgs {
+  void* out;           // [batch, heads, seq_a + seq_b, dim], contiguous
+  const void* a;       // row (b, h, s) at a + b * a_stride_b + h * a_stride_h + s * a_stride_s; unit innermost stride
+  const void* b;       // row (b, h, s) at b + b * b_stride_b + h * b_stride_h + s * b_stride_s; unit innermost stride
+  int64_t batch;
+  int64_t heads;
+  int64_t seq_a;
+  int64_t seq_b;
+  int64_t dim;         // a multiple of 16 / sizeof(element)
+  int64_t a_stride_b;  // in elements, multiples of 16 / sizeof(element)
+  int64_t a_stride_h;
+  int64_t a_stride_s;
+  int64_t b_stride_b;
+  int64_t b_stride_h;
+  int64_t b_stride_s;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_cat_heads(const CatHeadsArgs& args, cudaStream_t stream);
+#endif
+
 // One [seq, batch, dim] operand: row (s, b) starts at ptr + s * stride_s + b * stride_b; unit innermost stride.
 struct Rows {
   const void* ptr;

@@ -85,9 +85,10 @@ def emulated_kernels(monkeypatch):
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
     as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
     and the QK norm + rotary (both forms) and the RMSNorm + scale / gated residual, self-verified on the GPU; the modulate and the
-    rotary, exact by construction; GELU +
+    rotary and the head concatenation, exact by construction; GELU +
     concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value): the fast paths' wiring runs, and is
     checked, on a CPU."""
+    from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
@@ -114,7 +115,7 @@ def emulated_kernels(monkeypatch):
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref),
                        (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
-                       (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref)):
+                       (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
     for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):

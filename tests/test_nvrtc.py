@@ -33,6 +33,7 @@ from diffusers_fastpath.ops import _build, _nvrtc  # importing ops runs the op f
 gated_residual_mod = importlib.import_module("diffusers_fastpath.ops.gated_residual")
 gelu_cat_mod = importlib.import_module("diffusers_fastpath.ops.gelu_cat")
 silu_mul_mod = importlib.import_module("diffusers_fastpath.ops.silu_mul")
+cat_heads_mod = importlib.import_module("diffusers_fastpath.ops.cat_heads")
 layernorm_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_scale_shift")
 modulate_mod = importlib.import_module("diffusers_fastpath.ops.modulate_scale_shift")
 qk_mod = importlib.import_module("diffusers_fastpath.ops.qk_norm_rope")
@@ -293,6 +294,8 @@ def test_launch_constants_match_the_sources():
         _constant("gelu_cat.cu", n) for n in ("kThreads", "kRowsInFlight", "kBlocksPerSm"))
     assert (silu_mul_mod._THREADS, silu_mul_mod._ROWS_IN_FLIGHT, silu_mul_mod._BLOCKS_PER_SM) == tuple(
         _constant("silu_mul.cu", n) for n in ("kThreads", "kRowsInFlight", "kBlocksPerSm"))
+    assert (cat_heads_mod._THREADS, cat_heads_mod._ROWS_IN_FLIGHT, cat_heads_mod._BLOCKS_PER_SM) == tuple(
+        _constant("cat_heads.cu", n) for n in ("kThreads", "kRowsInFlight", "kBlocksPerSm"))
     assert rmsnorm_mod._WARPS_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock")
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
@@ -457,6 +460,17 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert (grid, block) == _nvrtc.row_grid(34, 40, 512, 1, 132, 16)
     gelu_cat_mod._nvrtc_kernel(torch.randn(2, 40, 96).half()[:, :17, :64], mlp)
     assert captured_launches[-1][1] == (torch.float16, False)  # attn's batch stride is not seq * row stride
+
+    # cat_heads: SD3's operands, [B, H, S, D] views of [B, S, H, D] projections (image 12 tokens, text 5), fp16
+    img, txt = torch.randn(2, 12, 3, 64).half().transpose(1, 2), torch.randn(2, 5, 3, 64).half().transpose(1, 2)
+    out = cat_heads_mod._nvrtc_kernel(img, txt)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == torch.float16 and out.shape == (2, 3, 17, 64) and out.is_contiguous()
+    assert (a.a.out, a.a.a, a.a.b, a.a.batch, a.a.heads, a.a.seq_a, a.a.seq_b, a.a.dim) == (
+        out.data_ptr(), img.data_ptr(), txt.data_ptr(), 2, 3, 12, 5, 64)
+    assert (a.a.a_stride_b, a.a.a_stride_h, a.a.a_stride_s) == (12 * 3 * 64, 64, 3 * 64)
+    assert (a.a.b_stride_b, a.a.b_stride_h, a.a.b_stride_s, a.a.dtype, a.vecs_per_row) == (5 * 3 * 64, 64, 3 * 64, 0, 8)
+    assert (grid, block) == _nvrtc.row_grid(2 * 3 * 17, 8, 256, 4, 132, 8)
 
     # silu_mul: the two chunk(2, dim=-1) halves of one [2, 17, 256] bf16 projection (row stride 256, the second half
     # 128 elements in)
@@ -760,6 +774,22 @@ def test_plain_qk_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dim, dtype, both_w
     assert torch.equal(got, rmsnorm_mod._rms_norm(x, weight, 1e-6))
     if both_ways:
         assert torch.equal(got, torch.ops.diffusers_fastpath._rmsnorm_plain_cuda(x, weight, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_head_concatenation_through_nvrtc_equals_nvcc_and_eager(batch, dtype, both_ways):
+    """SD3.5-large's joint q at 1024x1024: [B, 38, S, 64] views of the image (4096) and text (333) projections."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    img = _rand((batch, 4096, 38, 64), dtype, gen, 1.0).transpose(1, 2)
+    txt = _rand((batch, 333, 38, 64), dtype, gen, 1.0).transpose(1, 2)
+    ref = torch.cat([img, txt], dim=2)
+    torch.full((ref.numel() + 4096,), float("nan"), device="cuda", dtype=dtype)  # poisons the memory the output gets
+    got = cat_heads_mod._nvrtc_kernel(img, txt)
+    assert torch.equal(got, ref) and got.stride() == ref.stride()
+    if both_ways:
+        assert torch.equal(got, torch.ops.diffusers_fastpath._cat_heads_cuda(img, txt))
 
 
 @pytest.mark.gpu

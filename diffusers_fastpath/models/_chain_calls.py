@@ -12,7 +12,7 @@ from diffusers.models.activations import FP32SiLU
 from diffusers.models.normalization import RMSNorm
 from torch import nn
 
-from ..ops import (gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
+from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
                    rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
                    swiglu_cat)
@@ -234,6 +234,12 @@ class _ChainsNamespace:
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return F.silu(x) * y
         return silu_mul(x, y, site)
+
+    @staticmethod
+    def cat_heads(a, b, site):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return torch.cat([a, b], dim=2)
+        return cat_heads(a, b, site)
 
     @staticmethod
     def pairwise_mask(mask, batch, seq):

@@ -124,6 +124,13 @@ of ``self``):
     for that very ``A`` object at its version; another mask, one written in place, an inference tensor (no version
     counter), no table or a ``torch.compile`` trace computes it as written (Chroma1-HD: 57 products of ``[1, 1, 4608, 4608]`` a step, 2.9 ms of GPU time)
 
+- head concatenation (SD3's joint attention: the image and text q, k and v, each a ``[B, H, S, D]`` view), into
+  `diffusers_fastpath.ops.cat_heads` (a vectorised copy, exact by construction, its addressing checked on first use
+  per layout), in processors whose adapter asks for it (``head_cats=True``):
+
+  - ``X = torch.cat([A, B], dim=2)``, ``A`` and ``B`` names  ->  ``X = cat_heads(A, B, site)``, the site
+    ``cat_heads`` on the attention module; anything the op's guard refuses runs ``torch.cat`` as written
+
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
 
@@ -179,7 +186,7 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
-from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_dim1_names, _cat_of, _complex_rotary_call,
+from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_names, _cat_of, _complex_rotary_call,
                             _diffusers_rotary, _local_def,
                             _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _outer_mask_of,
                             _pairwise_mask_of,
@@ -192,6 +199,7 @@ MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by a
 GATED_RESIDUAL = "gated_residual"
 GATED_RESIDUAL_FP32 = "gated_residual_fp32"
 ROTARY = "rotary_emb"
+CAT_HEADS = "cat_heads"
 QK_NORM_ROPE = "qk_norm_rope"
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
 GELU_CAT = "gelu_cat"
@@ -224,11 +232,13 @@ class Rewrite:
     outer_masks: int = 0  # outer-product attention masks built once per rotary table (no site: exact by construction)
     swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
     rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
+    head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
-                    or self.outer_masks or self.swiglu_cats or self.rotary_complex)
+                    or self.outer_masks or self.swiglu_cats or self.rotary_complex
+                    or self.head_cats)
 
 
 # the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
@@ -246,8 +256,10 @@ def _unassigned_parameter(function: ast.FunctionDef, name: str) -> bool:
 class _Rewriter:
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
-                 swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False) -> None:
+                 swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False,
+                 head_cats: bool = False) -> None:
         self.found = Rewrite()
+        self.head_cats = head_cats  # a processor's ``torch.cat([A, B], dim=2)`` of [B, H, S, D] names as `cat_heads`
         self.complex_rotary = complex_rotary  # the complex-form rotary function's name (the adapter's)
         self.local_rotary = local_rotary  # ... a function the forward defines itself (its source checked by digest)
         self.swiglus = swiglus  # the owner's attributes that may be a registered SwiGLU (the SwiGLU + cat form)
@@ -301,6 +313,8 @@ class _Rewriter:
     def one(self, stmt: ast.stmt) -> ast.stmt | None:
         """A one-statement pattern, rewritten, or None."""
         if not self.block:
+            if self.head_cats and (cat := self._head_cat(stmt)) is not None:
+                return cat
             return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
         if isinstance(stmt, ast.Return) and stmt.value is not None and (call := self._silu_mul(stmt.value)) is not None:
             return ast.copy_location(ast.Return(value=call), stmt)
@@ -359,6 +373,17 @@ class _Rewriter:
                                                              _site_of(_self_attr(normed[0]), RMS_SCALE)]), node)
 
         return Scales().visit(stmt)
+
+    def _head_cat(self, stmt: ast.stmt) -> ast.stmt | None:
+        """The head-concatenation form: ``X = torch.cat([A, B], dim=2)`` of two names, as ``cat_heads``."""
+        target = _single_target(stmt)
+        pair = _cat_names(stmt.value, 2) if target is not None else None
+        if pair is None:
+            return None
+        self.found.head_cats += 1
+        site = _site_of(ast.Name(self.owner, ast.Load()), CAT_HEADS)
+        call = _call("cat_heads", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()), site])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
     def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
         """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused (and every
@@ -548,7 +573,7 @@ class _Rewriter:
                     order.append(value.func.attr)
                     return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
                         "norm_later", [value.func, value.args[0]])), node)
-                cat = _cat_dim1_names(value) if target is not None else None
+                cat = _cat_names(value, 1) if target is not None else None
                 if cat is not None and cat[1] == target and set(cat) <= deferred:
                     return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
                         "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
@@ -626,7 +651,7 @@ class _Rewriter:
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                     swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
-                    local_rotary: tuple[str, str] | None = None) -> tuple[object, Rewrite] | None:
+                    local_rotary: tuple[str, str] | None = None, head_cats: bool = False) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -656,7 +681,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         else:
             local = None
     rewriter = _Rewriter(owner, _diffusers_rotary(fn, func) and local is None, norm_methods, activations, rms_norms,
-                         swiglus, complex_rotary, local is not None)
+                         swiglus, complex_rotary, local is not None, head_cats and owner != "self")
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex):
         func.body = rewriter.qk_norms(func.body)
@@ -680,7 +705,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    norm_methods: dict[str, tuple[str, object]] | None = None,
                    activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                    swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
-                   local_rotary: tuple[str, str] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
+                   local_rotary: tuple[str, str] | None = None,
+                   head_cats: bool = False) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
     chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
@@ -690,11 +716,12 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     `swiglus` (a processor's) the attention module's attributes the SwiGLU + concatenation form may take;
     `complex_rotary` (a processor's) the name of its module's complex-form rotary function (`register_complex_rotary`);
     `local_rotary` ``(name, digest)``: one the forward defines itself, taken where its normalised source
-    (``ast.unparse``) has that sha256 digest prefix."""
+    (``ast.unparse``) has that sha256 digest prefix; `head_cats` (a processor's) takes its ``torch.cat([A, B], dim=2)``
+    of two names (SD3's joint q, k and v of ``[B, H, S, D]``) as the fused `cat_heads`."""
     norm_methods = norm_methods or {}
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
                                 {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms,
-                                swiglus, complex_rotary, local_rotary)
+                                swiglus, complex_rotary, local_rotary, head_cats)
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
@@ -704,7 +731,7 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
            f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
            f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
-           f"{found.rotary_complex}. Adds no "
+           f"{found.rotary_complex}, head concatenations {found.head_cats}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
@@ -737,6 +764,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                     state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
             if found.rotary_complex and norm is RMSNorm:
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
+            if found.head_cats:
+                state.add_site(module, CAT_HEADS, name=CAT_HEADS)
             for attr in found.swiglu_cats:
                 act = getattr(module, attr, None)
                 if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul

@@ -18,18 +18,24 @@ through the shared pieces.
   fused, self-verified `diffusers_fastpath.ops.rmsnorm` (seven eager kernels, each over the whole q or k in fp32, as
   one).
 
+- The joint attention's processor (``JointAttnProcessor2_0``, diffusers' default for SD3's attention) is rewritten:
+  its three concatenations of the image and text q, k and v (``[B, H, S, D]`` views of ``[B, S, H, D]``
+  projections, which aten's ``cat`` copies element by element) run as the fused `diffusers_fastpath.ops.cat_heads`,
+  one vectorised copy each (the rewriter's head-concatenation form). Attention modules running another processor
+  keep it.
+
 Not fused yet (issue 14): the last block's ``AdaLayerNormContinuous``, the FFN GELUs. SD3 has no rotary embedding.
 """
 
 from __future__ import annotations
 
 from diffusers.models.attention import JointTransformerBlock
-from diffusers.models.attention_processor import Attention
+from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 from diffusers.models.normalization import SD35AdaLayerNormZeroX
 from diffusers.models.transformers.transformer_sd3 import SD3SingleTransformerBlock, SD3Transformer2DModel
 
 from .._state import PatchState, register_adapter
-from ._chains import fused_subclass, swap_rewritten
+from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._qk_norms import patch_qk_rmsnorms
 from .flux import patch_adaln
 
@@ -39,6 +45,9 @@ FastpathSD3SingleTransformerBlock, _SINGLE = fused_subclass(
     SD3SingleTransformerBlock, "FastpathSD3SingleTransformerBlock", __name__)
 FastpathSD35AdaLayerNormZeroX, _NORM_X = fused_subclass(SD35AdaLayerNormZeroX, "FastpathSD35AdaLayerNormZeroX", __name__)
 
+
+FastpathJointAttnProcessor2_0, _PROCESSOR = fused_subclass(
+    JointAttnProcessor2_0, "FastpathJointAttnProcessor2_0", __name__, "__call__", head_cats=True)
 
 _SWAPS = {JointTransformerBlock: (FastpathJointTransformerBlock, _JOINT),
           SD3SingleTransformerBlock: (FastpathSD3SingleTransformerBlock, _SINGLE),
@@ -53,3 +62,4 @@ def patch_sd3(model: SD3Transformer2DModel, state: PatchState) -> None:
         if isinstance(module, Attention):
             patch_qk_rmsnorms(module, state)
     swap_rewritten(state, model, _SWAPS)
+    replace_processors(state, model, Attention, JointAttnProcessor2_0, FastpathJointAttnProcessor2_0)

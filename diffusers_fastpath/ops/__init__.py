@@ -4,6 +4,7 @@ from ._policy import OPS, FusedOp, Site
 from .layernorm_scale_shift import (layernorm_scale_shift, layernorm_scale_shift_fp32, layernorm_scale_shift_fp32_ref,
                                     layernorm_scale_shift_ref)
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
+from .cat_heads import cat_heads, cat_heads_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .layer_norm_affine import layer_norm_affine, layer_norm_affine_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
@@ -28,6 +29,8 @@ __all__ = [
     "OPS",
     "FusedOp",
     "Site",
+    "cat_heads",
+    "cat_heads_ref",
     "gated_residual",
     "gated_residual_fp32",
     "gated_residual_fp32_ref",
