@@ -24,9 +24,10 @@ CALLS = {"rotary_emb": 2}  # q and k of each attention module per forward
 
 def sites(dual: int, single: int, refiner: int) -> dict[str, int]:
     """dual blocks: norm1, norm1_context, norm2, norm2_context and four gates; single: one norm, one gate, the GELU
-    + concatenation; the refiner's blocks: two gates; one rotary site per dual and single attention."""
+    + concatenation; the refiner's blocks: two gates; one rotary site per dual and single attention; the QK norms
+    (diffusers' RMSNorm, the fused norm alone: their rotary takes a slice): four per dual attention, two per single."""
     return {"layernorm_scale_shift": 4 * dual + single, "gated_residual": 4 * dual + single + 2 * refiner,
-            "gelu_cat": single, "rotary_emb": dual + single}
+            "gelu_cat": single, "rotary_emb": dual + single, "rmsnorm": 4 * dual + 2 * single}
 
 
 

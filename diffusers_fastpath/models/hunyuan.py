@@ -24,12 +24,12 @@ pairwise attention mask its processor rebuilds in every layer (``repeat``, a tra
 1,134 ms 480p step) built by broadcasting instead, exact by construction (the rewriter's pairwise-mask form; the
 text refiner's mask too).
 
-HunyuanVideo-1.5's QK norms: the image q and k's with the rotary after them as one kernel (`rmsnorm_rope_real`, in
-the rewritten processor), the text stream's (``norm_added_q``, ``norm_added_k``) as the fused `rmsnorm`
-(`_qk_norms.FastpathRMSNorm`).
+The QK norms (diffusers' ``RMSNorm`` over head_dim 128): HunyuanVideo-1.5's image q and k's with the rotary after
+them as one kernel (`rmsnorm_rope_real`, in the rewritten processor); every other one (HunyuanVideo's and
+HunyuanImage-2.1's four per attention, whose rotary takes a slice of the normalised q and k; HunyuanVideo-1.5's text
+stream's) as the fused `rmsnorm` alone (`_qk_norms.FastpathRMSNorm`).
 
-Not fused yet (issue 15): HunyuanVideo's and HunyuanImage-2.1's QK RMSNorms, the FFN GELUs, the output
-``AdaLayerNormContinuous``.
+Not fused yet (issue 15): the FFN GELUs, the output ``AdaLayerNormContinuous``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from diffusers.models.transformers import transformer_hunyuanimage as image
 
 from .._state import PatchState, register_adapter
 from ._chains import fused_subclass, replace_processors, swap_rewritten
-from ._qk_norms import patch_qk_rmsnorms
+from ._qk_norms import QK_NORMS, patch_qk_rmsnorms
 from .flux import patch_adaln
 
 
@@ -106,7 +106,15 @@ def _patch(model, state: PatchState, blocks: dict, processor: type) -> None:
         if type(module) in _EMBEDS:
             state.swap_class(module, _EMBEDS[type(module)])
     swap_rewritten(state, model, blocks)
-    replace_processors(state, model, Attention, processor, _PROCESSORS[processor][0])
+    fused, found = _PROCESSORS[processor]
+    replace_processors(state, model, Attention, processor, fused)
+    # the QK norms the rewritten processor does not run with the rotary after them (HunyuanVideo's and
+    # HunyuanImage-2.1's four: their rotary takes a slice of the normalised q and k; HunyuanVideo-1.5's text stream's)
+    # as the fused norm alone; those it fuses keep diffusers' class, by which the processor recognises them
+    alone = tuple(n for n in QK_NORMS if found is None or n not in found.qk_norms)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            patch_qk_rmsnorms(module, state, alone)
 
 
 @register_adapter(video.HunyuanVideoTransformer3DModel)
@@ -126,6 +134,3 @@ def patch_hunyuan_video15(model: video15.HunyuanVideo15Transformer3DModel, state
     """Swap HunyuanVideo-1.5's adaLN modules, blocks, text refiner and attention processors for their fused
     subclasses (module doc)."""
     _patch(model, state, _VIDEO15_BLOCKS, video15.HunyuanVideo15AttnProcessor2_0)
-    for module in model.modules():  # the text stream's QK norms: no rotary after them, the fused norm alone
-        if isinstance(module, Attention):
-            patch_qk_rmsnorms(module, state, ("norm_added_q", "norm_added_k"))

@@ -117,16 +117,17 @@ HUNYUAN_VIDEO_CONFIG = dict(in_channels=16, out_channels=16, num_attention_heads
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
                             patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
                             pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+# the tiny ones at the published head_dim 128, the one the fused QK norm's reduction order is reproduced for
 TINY_HUNYUAN_VIDEO_CONFIG = dict(HUNYUAN_VIDEO_CONFIG, in_channels=4, out_channels=4, num_attention_heads=2,
-                                 attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
-                                 text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6))
+                                 attention_head_dim=128, num_layers=2, num_single_layers=2, num_refiner_layers=1,
+                                 text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(16, 56, 56))
 HUNYUAN_IMAGE_CONFIG = dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128,
                             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1),
                             qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472,
                             rope_theta=256.0, rope_axes_dim=(64, 64))
 TINY_HUNYUAN_IMAGE_CONFIG = dict(HUNYUAN_IMAGE_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
-                                 attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1,
-                                 text_embed_dim=32, text_embed_2_dim=24, rope_axes_dim=(8, 8))
+                                 attention_head_dim=128, num_layers=2, num_single_layers=2, num_refiner_layers=1,
+                                 text_embed_dim=32, text_embed_2_dim=24, rope_axes_dim=(64, 64))
 HUNYUAN_CONFIGS = {"hunyuan-video": HUNYUAN_VIDEO_CONFIG, "hunyuan-video-tiny": TINY_HUNYUAN_VIDEO_CONFIG,
                    "hunyuan-image": HUNYUAN_IMAGE_CONFIG, "hunyuan-image-tiny": TINY_HUNYUAN_IMAGE_CONFIG}
 
