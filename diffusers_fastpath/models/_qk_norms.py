@@ -3,7 +3,8 @@
 processor runs with the norm in one kernel) get `FastpathRMSNorm`, whose forward is the fused, self-verified
 `diffusers_fastpath.ops.rmsnorm`. A shared module swap, so any family's processor (diffusers' own or a rewritten one)
 reaches it by calling the module as written: SD3 and SD3.5 (all four, head_dim 64), Lumina2 (``norm_q``,
-``norm_k``, 96), HunyuanVideo-1.5's text stream (``norm_added_q``, ``norm_added_k``, 128).
+``norm_k``, 96), HunyuanVideo and HunyuanImage-2.1 (all four, 128: their rotary takes a slice of the normalised
+q and k), HunyuanVideo-1.5's text stream (``norm_added_q``, ``norm_added_k``, 128).
 
 Norms that a rewritten processor fuses with the rotary after them (Qwen-Image's, Z-Image's, HunyuanVideo-1.5's image
 stream) stay diffusers' class: the processors recognise them by exact type.
