@@ -333,6 +333,37 @@ def test_qk_norms_after_the_rotary_run_as_written(tables, emulated_kernels):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+class HeadCatProcessor:
+    """SD3's joint concatenation in miniature, and near misses: along the heads, of three operands, of an
+    expression."""
+
+    def __call__(self, attn, hidden_states, text):
+        query = attn.to_q(hidden_states).unflatten(-1, (-1, attn.head)).transpose(1, 2)
+        text_query = attn.add_q(text).unflatten(-1, (-1, attn.head)).transpose(1, 2)
+        joint = torch.cat([query, text_query], dim=2)
+        along_heads = torch.cat([query, query], dim=1)
+        three = torch.cat([query, text_query, query], dim=2)
+        of_expression = torch.cat([query * 2, text_query], dim=2)
+        return joint, along_heads, three, of_expression
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_head_concatenation_form_takes_only_two_names_along_the_sequence(dtype, emulated_kernels):
+    sub, found = _chains.fused_subclass(HeadCatProcessor, "FusedHeadCatProcessor", __name__, "__call__", head_cats=True)
+    assert found.head_cats == 1 and inspect.getsource(sub.__call__).count("cat_heads(") == 1
+    assert _chains.fused_subclass(HeadCatProcessor, "PlainHeadCatProcessor", __name__, "__call__") == (None, None)
+    attn = QKAttention(dim=64, head=16).to(dtype)
+    attn._fastpath_site_cat_heads = Site("cat_heads")
+    gen = torch.Generator().manual_seed(9)
+    x, text = torch.randn(2, 5, 64, generator=gen).to(dtype), torch.randn(2, 3, 64, generator=gen).to(dtype)
+    with torch.no_grad():
+        got, ref = sub()(attn, x, text), HeadCatProcessor()(attn, x, text)
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r) and g.stride() == r.stride()
+    fast = 1 if dtype is torch.bfloat16 else 0  # the kernel takes fp16/bf16; fp32 runs torch.cat, counted
+    assert attn._fastpath_site_cat_heads.fast == fast and sum(attn._fastpath_site_cat_heads.fallback.values()) == 1 - fast
+
+
 class MaskBlock(torch.nn.Module):
     """Hunyuan's pairwise attention mask, and two near misses: a mask whose repeat is read again, and one whose
     transpose is of other dimensions."""

@@ -237,6 +237,7 @@ class _ChainsNamespace:
 
     @staticmethod
     def cat_heads(a, b, site):
+        a, b = _materialize(a), _materialize(b)  # a norm a processor deferred (none is, where the form is used today)
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return torch.cat([a, b], dim=2)
         return cat_heads(a, b, site)
