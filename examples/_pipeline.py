@@ -1,5 +1,5 @@
-"""What the FLUX examples share: their command line, the pipeline (a tiny random one offline, or real weights with
-``--model``), and a timed, seeded generation."""
+"""What the examples share: their command line, the pipeline (a tiny random one of a FLUX-architecture family
+offline, or any supported pipeline's real weights with ``--model``), and a timed, seeded generation."""
 
 from __future__ import annotations
 
@@ -9,9 +9,19 @@ import numpy as np
 import torch
 
 
+# the tiny random pipelines built offline: family -> (the `diffusers_fastpath.testing` builder, its prompt embeddings)
+TINY = {"flux": ("tiny_flux_pipeline", "prompt_embeddings"),
+        "chroma": ("tiny_chroma_pipeline", "chroma_prompt_embeddings"),
+        "flux2": ("tiny_flux2_pipeline", "flux2_prompt_embeddings")}
+
+
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="FLUX pipeline to load with from_pretrained (default: a tiny random one)")
+    parser.add_argument("--model", help="a pipeline to load with DiffusionPipeline.from_pretrained, a Hub id or a "
+                                        "folder (FLUX.1, FLUX.2, Chroma, SD3.5, Qwen-Image, Z-Image, ...; "
+                                        "default: a tiny random one of --family)")
+    parser.add_argument("--family", default="flux", choices=sorted(TINY),
+                        help="the tiny random pipeline built offline when no --model is given (default: flux)")
     parser.add_argument("--prompt", default="a photo of a cat holding a sign that says hello world")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -31,15 +41,16 @@ def pipeline(args: argparse.Namespace):
     images (numpy) and the seconds it took."""
     dtype = getattr(torch, args.dtype)
     if args.model:
-        from diffusers import FluxPipeline
+        from diffusers import DiffusionPipeline
 
-        pipe = FluxPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype).to(args.device)
         call_kwargs = dict(prompt=args.prompt)
     else:
-        from diffusers_fastpath.testing import prompt_embeddings, tiny_flux_pipeline
+        from diffusers_fastpath import testing
 
-        pipe = tiny_flux_pipeline(dtype=dtype, device=args.device, seed=args.seed)
-        call_kwargs = prompt_embeddings(pipe, txt_tokens=64, seed=args.seed + 1)
+        build, embeddings = TINY[args.family]
+        pipe = getattr(testing, build)(dtype=dtype, device=args.device, seed=args.seed)
+        call_kwargs = getattr(testing, embeddings)(pipe, txt_tokens=64, seed=args.seed + 1)
     pipe.set_progress_bar_config(disable=True)
     cuda = args.device.startswith("cuda")
 
@@ -54,8 +65,8 @@ def pipeline(args: argparse.Namespace):
             torch.cuda.synchronize()
         return images, time.perf_counter() - start
 
-    title = (f"{'real' if args.model else 'tiny random'} FLUX pipeline on {args.device}, {args.dtype}, "
-             f"{args.width}x{args.height}, {args.steps} steps")
+    name = type(pipe).__name__ if args.model else f"tiny random {type(pipe).__name__}"
+    title = f"{name} on {args.device}, {args.dtype}, {args.width}x{args.height}, {args.steps} steps"
     return pipe, generate, title
 
 

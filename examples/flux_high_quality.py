@@ -5,7 +5,8 @@
     python examples/flux_high_quality.py --model black-forest-labs/FLUX.1-dev --prompt "a tiny astronaut"
 
 By default nothing is downloaded: the pipeline is a tiny FLUX built from a config with random weights, called with
-random prompt embeddings. With ``--model`` the real weights are loaded with ``FluxPipeline.from_pretrained``.
+random prompt embeddings. With ``--model`` the real weights are loaded with ``DiffusionPipeline.from_pretrained``
+(the high tier's fusions are FLUX.1's; other families run lossless where they have none).
 The same seed gives an unpatched image, a lossless one (md5-identical to it) and a high one (within PSNR >= 35 dB
 and SSIM >= 0.97 of lossless). On a CPU the high tier's sites are mounted but every call falls back to the lossless
 path (the fused ops are CUDA-only); the report says so, and the images are then identical.

@@ -1,12 +1,14 @@
-"""Patch a FLUX pipeline, check that the output is bit-identical to unpatched diffusers, and show the report.
+"""Patch a pipeline, check that the output is bit-identical to unpatched diffusers, and show the report.
 
     python examples/flux_lossless.py                                   # offline: a tiny FLUX, random weights
+    python examples/flux_lossless.py --family chroma                   # offline: a tiny Chroma (or flux2)
     python examples/flux_lossless.py --device cuda --height 512 --width 512
     python examples/flux_lossless.py --model black-forest-labs/FLUX.1-dev --prompt "a tiny astronaut"
+    python examples/flux_lossless.py --model stabilityai/stable-diffusion-3.5-large   # any supported pipeline
 
-By default nothing is downloaded: the pipeline is a tiny FLUX built from a config with random weights, called
-with random prompt embeddings (no text encoders). With ``--model`` the real weights are loaded with
-``FluxPipeline.from_pretrained`` (a Hub id or a local folder).
+By default nothing is downloaded: the pipeline is a tiny FLUX (or ``--family``) built from a config with random
+weights, called with random prompt embeddings (no text encoders). With ``--model`` the real weights are loaded with
+``DiffusionPipeline.from_pretrained`` (a Hub id or a local folder), which picks the pipeline class of the model.
 """
 
 from __future__ import annotations

@@ -28,6 +28,13 @@ def test_lossless_example_is_bit_identical_on_cpu():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
+@pytest.mark.parametrize("family, pipeline", [("chroma", "ChromaPipeline"), ("flux2", "Flux2Pipeline")])
+def test_lossless_example_takes_another_family_offline(family, pipeline):
+    out = run_example("flux_lossless.py", "--family", family, "--height", "64", "--width", "64", "--steps", "2")
+    assert f"tiny random {pipeline} on cpu" in out and "bit-identical: True" in out and "quality=lossless" in out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
 def test_high_quality_example_reports_the_tier_on_cpu():
     out = run_example("flux_high_quality.py", "--height", "64", "--width", "64", "--steps", "2")
     assert "lossless identical to unpatched: True" in out and "after the context: identical to unpatched: True" in out
