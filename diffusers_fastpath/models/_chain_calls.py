@@ -12,7 +12,7 @@ from diffusers.models.activations import FP32SiLU
 from diffusers.models.normalization import RMSNorm
 from torch import nn
 
-from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layer_norm_affine, layernorm_scale_shift,
+from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
                    rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
                    swiglu_cat)
@@ -71,12 +71,8 @@ def swiglu_cat_unfit(act: nn.Module) -> str | None:
 
 def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of an adaLN site, as the fused
-    `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts); where
-    the ``"high"`` tier is mounted on `norm`, the modulate folded into the LayerNorm's affine (B == 1, else
-    lossless)."""
-    tier = norm.__dict__.get("_fastpath_tier")
-    if tier is not None and tier.mounted:
-        return layer_norm_affine(norm, x, scale, shift, tier.counters)
+    `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts), in
+    every tier: no approximation of it is faster."""
     return layernorm_scale_shift(norm, x, scale, shift, site)
 
 

@@ -24,8 +24,8 @@ of ``self``):
   where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
   ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
   way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
-- LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift`, or the ``"high"`` tier's folded
-  affine where mounted; the fallback is the LayerNorm module and the exact modulate):
+- LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift` in every tier; the fallback is the
+  LayerNorm module and the exact modulate):
 
   - ``N = self.A(X)`` directly followed by ``N = N * (1 + S[:, None]) + T[:, None]``  ->  ``N = norm_modulate(self.A, X, S, T, site)``
   - ``N = self.A(X) * (1 + S[:, None]) + T[:, None]``                               ->  the same
@@ -184,7 +184,6 @@ from torch import nn
 from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
-from ..quality import LAYER_NORM_AFFINE, layer_norm_unfit, mark_site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_names, _cat_of, _complex_rotary_call,
                             _diffusers_rotary, _local_def,
@@ -818,4 +817,3 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         if not isinstance(norm, nn.LayerNorm):  # SD3's last block's norm2_context is None (never reached); an
             continue                            # RMSNorm (LTX-Video) runs the expression as written, uncounted
         state.add_site(norm, MODULATE)
-        mark_site(state, norm, LAYER_NORM_AFFINE, layer_norm_unfit)

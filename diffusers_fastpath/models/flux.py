@@ -51,7 +51,7 @@ from diffusers.models.transformers.transformer_flux import (
 
 from ..ops import gated_residual, gelu_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
-from ..quality import LAYER_NORM_AFFINE, LINEAR_GELU, layer_norm_unfit, linear_gelu_unfit, mark_site
+from ..quality import LINEAR_GELU, linear_gelu_unfit, mark_site
 from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._mirror import mirrors
 
@@ -378,7 +378,6 @@ def patch_adaln(module: torch.nn.Module, state: PatchState) -> bool:
     else:
         return False
     state.add_site(module, MODULATE)
-    mark_site(state, module.norm, LAYER_NORM_AFFINE, layer_norm_unfit)
     return True
 
 
@@ -397,8 +396,6 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             state.swap_class(module, FastpathFluxTransformerBlock)
             state.add_site(module.norm2, MODULATE)
             state.add_site(module.norm2_context, MODULATE)
-            mark_site(state, module.norm2, LAYER_NORM_AFFINE, layer_norm_unfit)
-            mark_site(state, module.norm2_context, LAYER_NORM_AFFINE, layer_norm_unfit)
             for gate in _BLOCK_GATES:
                 state.add_site(module, GATED_RESIDUAL, gate)
         elif kind is FluxSingleTransformerBlock and swap_single_block:

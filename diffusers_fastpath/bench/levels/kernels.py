@@ -105,11 +105,10 @@ def modulate_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's adaLN LayerNorm + modulate (lossless, one kernel) and its "high"-tier fold into the LayerNorm affine."""
+    """FLUX's adaLN LayerNorm + modulate (lossless, one kernel)."""
     if sh.family != "flux":
         return []
     from ...ops import layernorm_scale_shift_ref
-    from ...ops.layer_norm_affine import folded_layer_norm
 
     ops = torch.ops.diffusers_fastpath
     norm = nn.LayerNorm(sh.hidden, elementwise_affine=False, eps=1e-6)
@@ -121,9 +120,6 @@ def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
         eager = lambda x, s, h: layernorm_scale_shift_ref(norm, x, s, h)  # noqa: E731
         cases.append(KernelCase("layernorm_scale_shift", shape, sets, eager,
                                 lambda x, s, h: ops._layernorm_scale_shift_cuda(x, s, h, norm.eps), nbytes))
-        if sh.batch == 1:  # the fold takes one row of scale/shift
-            cases.append(KernelCase("layer_norm_affine (high)", shape, sets, eager,
-                                    lambda x, s, h: folded_layer_norm(x, s, h, norm.eps), nbytes, exact=False))
     return cases
 
 
