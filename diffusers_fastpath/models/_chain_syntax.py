@@ -187,13 +187,8 @@ def _cat_of(node: ast.expr, dim: int) -> tuple[ast.expr, str] | None:
 
 def _cat_names(node: ast.expr, dim: int) -> tuple[str, str] | None:
     """``(A, B)`` if `node` is ``torch.cat([A, B], dim=<dim>)`` (an integer literal) with two names."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cat"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and len(node.args) == 1
-            and isinstance(node.args[0], ast.List) and len(node.args[0].elts) == 2
-            and all(isinstance(e, ast.Name) for e in node.args[0].elts) and len(node.keywords) == 1
-            and node.keywords[0].arg == "dim" and _int_literal(node.keywords[0].value) == dim):
-        return node.args[0].elts[0].id, node.args[0].elts[1].id
-    return None
+    cat = _cat_of(node, dim)
+    return (cat[0].id, cat[1]) if cat is not None and isinstance(cat[0], ast.Name) else None
 
 
 def _ns_call(node: ast.AST, name: str | None = None) -> bool:

@@ -101,20 +101,19 @@ _EMBEDS = {video.HunyuanVideoPatchEmbed: FastpathHunyuanVideoPatchEmbed,
 
 
 def _patch(model, state: PatchState, blocks: dict, processor: type) -> None:
-    for module in model.modules():
-        patch_adaln(module, state)
-        if type(module) in _EMBEDS:
-            state.swap_class(module, _EMBEDS[type(module)])
-    swap_rewritten(state, model, blocks)
     fused, found = _PROCESSORS[processor]
-    replace_processors(state, model, Attention, processor, fused)
     # the QK norms the rewritten processor does not run with the rotary after them (HunyuanVideo's and
     # HunyuanImage-2.1's four: their rotary takes a slice of the normalised q and k; HunyuanVideo-1.5's text stream's)
     # as the fused norm alone; those it fuses keep diffusers' class, by which the processor recognises them
     alone = tuple(n for n in QK_NORMS if found is None or n not in found.qk_norms)
     for module in model.modules():
-        if isinstance(module, Attention):
+        patch_adaln(module, state)
+        if type(module) in _EMBEDS:
+            state.swap_class(module, _EMBEDS[type(module)])
+        elif isinstance(module, Attention):
             patch_qk_rmsnorms(module, state, alone)
+    swap_rewritten(state, model, blocks)
+    replace_processors(state, model, Attention, processor, fused)
 
 
 @register_adapter(video.HunyuanVideoTransformer3DModel)

@@ -122,6 +122,11 @@ def assert_compiles_fullgraph_exactly(model, inputs: dict) -> None:
             unpatch(model)
 
 
+def _md5(t: torch.Tensor) -> str:
+    """md5 of a tensor's values as fp32 bytes (the generation checks' digest)."""
+    return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
+
+
 def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
     """A generation of `pipe` (3 steps at 128x128 unless `call` says otherwise; CFG as `call` asks) patched is
     md5-identical to unpatched on the latents, with every site of every patched model taking its fast path (on a
@@ -135,7 +140,7 @@ def assert_pipeline_generation_exact_and_fused(pipe, call: dict) -> None:
     def generate():
         out = pipe(**call, generator=torch.Generator().manual_seed(1), output_type="latent")
         latents = out.frames if hasattr(out, "frames") else out.images  # video pipelines return frames
-        return hashlib.md5(latents.float().cpu().numpy().tobytes()).hexdigest()
+        return _md5(latents)
 
     ref = generate()
     patch(pipe)
@@ -170,9 +175,6 @@ def assert_generation_and_image_exact_and_fused(pipe, call: dict, counts: dict[s
     compares the latents alone, for any pipeline and site layout.)"""
     from .. import patch, report, unpatch
 
-    def md5(t: torch.Tensor) -> str:
-        return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
-
     pipe.set_progress_bar_config(disable=True)
     ref_latents, ref_image = generation_latents_and_image(pipe, call, steps, size)
     for ref in (ref_latents, ref_image):
@@ -180,8 +182,8 @@ def assert_generation_and_image_exact_and_fused(pipe, call: dict, counts: dict[s
     patch(pipe)
     try:
         latents, image = generation_latents_and_image(pipe, call, steps, size)
-        assert torch.equal(latents, ref_latents) and md5(latents) == md5(ref_latents)
-        assert torch.equal(image, ref_image) and md5(image) == md5(ref_image)
+        assert torch.equal(latents, ref_latents) and _md5(latents) == _md5(ref_latents)
+        assert torch.equal(image, ref_image) and _md5(image) == _md5(ref_image)
         assert_every_site_fast(report(pipe), counts, calls, forwards=steps * forwards_per_step)
     finally:
         unpatch(pipe)
