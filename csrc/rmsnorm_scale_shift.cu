@@ -59,9 +59,73 @@ __device__ __forceinline__ Quad<T> load_quad(const Rows& r, int64_t s, int64_t b
   return reinterpret_cast<const Quad<T>*>(static_cast<const T*>(r.ptr) + s * r.stride_s + b * r.stride_b)[col4];
 }
 
+// The norm alone over rows of 64 (SD3's QK norms: 168k rows of 128 bytes per call at SD3.5-large's 1024x1024), where
+// a warp per row leaves half its lanes idle and loads 2 bytes per lane: eight lanes per row and two rows per group of
+// eight, so a warp holds eight rows and every load is 8 bytes. Lane m of a group holds elements 4m + j and
+// 32 + 4m + j (j < 4), so aten's lane accumulator a_l = sq[l] + sq[l + 32] (l = 4m + j) is local, and the shuffle-down
+// tree over l (offsets 16, 8, 4, 2, 1) becomes lane offsets 4, 2, 1 within the group, then j + 2 and j + 1 in the
+// lane: the same sums in the same order as the warp-per-row path above computes them.
+constexpr int kRows64PerGroup = 2;
+constexpr int kRows64PerBlock = kWarpsPerBlock * 4 * kRows64PerGroup;  // four groups of eight lanes per warp
+
+template <typename T>
+__device__ __forceinline__ void rmsnorm_plain64(const RmsNormScaleShiftArgs& a) {
+  const int lane = threadIdx.x & 31;
+  const int m = lane & 7;
+  const int64_t rows = a.seq * a.batch;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kRows64PerBlock + (threadIdx.x >> 5) * 4 * kRows64PerGroup +
+                        (lane >> 3);
+  const Quad<T> w0 = reinterpret_cast<const Quad<T>*>(a.weight)[m];
+  const Quad<T> w1 = reinterpret_cast<const Quad<T>*>(a.weight)[8 + m];
+  Quad<T> lo[kRows64PerGroup], hi[kRows64PerGroup];
+#pragma unroll
+  for (int r = 0; r < kRows64PerGroup; ++r) {  // both rows' loads in flight before any arithmetic
+    const int64_t row = first + 4 * r;  // a warp's four groups take four consecutive rows at a time
+    if (row < rows) {
+      const int64_t s = row / a.batch;
+      lo[r] = load_quad<T>(a.x, s, row - s * a.batch, m);
+      hi[r] = load_quad<T>(a.x, s, row - s * a.batch, 8 + m);
+    } else {
+      for (int j = 0; j < 4; ++j) lo[r].v[j] = hi[r].v[j] = Storage<T>::store(0.f);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows64PerGroup; ++r) {
+    float t[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // a_l: aten's accumulators 0 + sq[l] and 0 + sq[l + 32], combined (+ 0 + 0 exact)
+      const float x0 = Storage<T>::load(lo[r].v[j]), x1 = Storage<T>::load(hi[r].v[j]);
+      t[j] = __fadd_rn(__fmul_rn(x0, x0), __fmul_rn(x1, x1));
+    }
+#pragma unroll
+    for (int offset = 4; offset > 0; offset >>= 1) {  // tree offsets 16, 8, 4 over l
+#pragma unroll
+      for (int j = 0; j < 4; ++j) t[j] = __fadd_rn(t[j], __shfl_down_sync(0xffffffffu, t[j], offset, 8));
+    }
+    float total = __fadd_rn(__fadd_rn(t[0], t[2]), __fadd_rn(t[1], t[3]));  // offsets 2, 1 (valid at m = 0)
+    total = __shfl_sync(0xffffffffu, total, 0, 8);
+    const float rstd = rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+    const int64_t row = first + 4 * r;
+    if (row < rows) {
+      Quad<T> o0, o1;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o0.v[j] = Storage<T>::store(weighted_norm<T>(lo[r].v[j], rstd, w0.v[j]));
+        o1.v[j] = Storage<T>::store(weighted_norm<T>(hi[r].v[j], rstd, w1.v[j]));
+      }
+      Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * 64);
+      out[m] = o0;
+      out[8 + m] = o1;
+    }
+  }
+}
+
 template <typename T, bool kGated, RmsEpilogue kEpilogue>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kernel(RmsNormScaleShiftArgs a) {
   static_assert(!kGated || kEpilogue == RmsEpilogue::kScaleShift, "the gated prologue is ERNIE-Image's alone");
+  if constexpr (kEpilogue == RmsEpilogue::kPlain) {
+    if (a.dim == 64) return rmsnorm_plain64<T>(a);  // launched with kRows64PerBlock rows per block
+  }
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= a.seq * a.batch) return;
@@ -175,7 +239,8 @@ template <typename T>
 cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.seq * a.batch;
   if (rows == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  const int64_t per_block = a.epilogue == RmsEpilogue::kPlain && a.dim == 64 ? kRows64PerBlock : kWarpsPerBlock;
+  const dim3 grid(static_cast<unsigned>((rows + per_block - 1) / per_block));
   const dim3 block(kWarpsPerBlock * 32);
   if (a.gated) {
     rmsnorm_scale_shift_kernel<T, true, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);

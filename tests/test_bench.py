@@ -386,7 +386,9 @@ def test_python_dash_m_smoke():
 def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
     flux_ops = {"modulate_scale_shift", "layernorm_scale_shift", "gated_residual",
                 "rotary_emb", "qk_norm_rope", "qk_norm_rope (text+image)", "linear_gelu (high)", "gelu_cat"}
-    for model, ops in (("flux-dev", flux_ops), ("ernie-image", {"rmsnorm_scale_shift", "gated_rmsnorm_scale_shift"})):
+    sd3_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm (image q)", "rmsnorm (text q)", "cat_heads"}
+    for model, ops in (("flux-dev", flux_ops), ("ernie-image", {"rmsnorm_scale_shift", "gated_rmsnorm_scale_shift"}),
+                       ("sd3-tiny", sd3_ops)):  # SD3's head_dim 64 at 1024x1024's 4096 image tokens
         path = tmp_path / f"{model}.json"
         assert bench.main(["--model", model, "--levels", "kernels", "--no-progress", "--json", str(path)]) == 0
         kern = json.loads(path.read_text())["kernels"]
@@ -400,6 +402,17 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
     rows = json.loads((tmp_path / "flux-dev.json").read_text())["kernels"]["rows"]
     shapes = [r["shape"] for r in rows if r["op"] == "modulate_scale_shift"]
     assert shapes == [[1, 4096, 3072], [1, 512, 3072], [1, 4608, 3072]]  # image, text, single at 1024x1024
+    rows = json.loads((tmp_path / "sd3-tiny.json").read_text())["kernels"]["rows"]
+    assert [r["shape"][2:] for r in rows if r["op"].startswith("rmsnorm")] == [[4096, 64], [512, 64]]
+
+
+def test_bench_kernels_level_names_the_families_it_covers(tmp_path):
+    """A model without kernel cases at its shapes says so (and the profile level is what times its kernels)."""
+    path = tmp_path / "z.json"
+    assert bench.main(["--model", "z-image-tiny", "--levels", "kernels", "--no-progress", "--height", "64",
+                       "--width", "64", "--json", str(path)]) == 0
+    kern = json.loads(path.read_text())["kernels"]
+    assert kern["ran"] is False and "SD3 and SD3.5" in kern["reason"] and not kern["rows"]
 
 
 @pytest.mark.gpu

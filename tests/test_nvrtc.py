@@ -297,6 +297,8 @@ def test_launch_constants_match_the_sources():
     assert (cat_heads_mod._THREADS, cat_heads_mod._ROWS_IN_FLIGHT, cat_heads_mod._BLOCKS_PER_SM) == tuple(
         _constant("cat_heads.cu", n) for n in ("kThreads", "kRowsInFlight", "kBlocksPerSm"))
     assert rmsnorm_mod._WARPS_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock")
+    assert rmsnorm_mod._ROWS64_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock") * 4 * _constant(
+        "rmsnorm_scale_shift.cu", "kRows64PerGroup")
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))

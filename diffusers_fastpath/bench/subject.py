@@ -49,6 +49,7 @@ STEP_MODELS = {
     "wan-14b": ("build_wan_transformer", "wan-14b", "wan_transformer_inputs", "video8"),
     "wan-tiny": ("build_wan_transformer", "wan-tiny", "wan_transformer_inputs", "video8"),
 }
+STEP_FAMILIES = {"build_sd3_transformer": "sd3"}  # the family of a step model's kernel cases (default "other")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -58,7 +59,7 @@ class Subject:
     pipeline, a pipeline around it."""
 
     name: str
-    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", or "other" (no kernel cases)
+    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", "sd3", or "other" (none)
     transformer: nn.Module
     step_inputs: dict[str, Any]
     pipe: Any = None
@@ -98,7 +99,7 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         inputs = getattr(testing, make_inputs)(model, batch=args.batch, txt_tokens=args.text_tokens,
                                                seed=args.seed + 1, **latent)
         model = _quantized(model, args, device)
-        return Subject(args.model, "other", model, inputs,
+        return Subject(args.model, STEP_FAMILIES.get(build, "other"), model, inputs,
                        no_generation=f"not for {args.model} here (no pipeline with a VAE config of its own is "
                                      "published with this package); use the step level")
     if args.model in PIPELINE_MODELS:

@@ -197,6 +197,7 @@ _NVRTC = _nvrtc.Kernel(
     _nvrtc.Params("rmsnorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _WARPS_PER_BLOCK = 8
+_ROWS64_PER_BLOCK = 64  # kRows64PerBlock: the norm alone over rows of 64, eight rows per warp
 _NONE = (0, 0, 0)
 
 
@@ -215,8 +216,9 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
     rows, device, gated = seq * batch, x.device.index, update is not None
     for t in (out, residual_out) if gated else (out,):
         _nvrtc.check_out("rmsnorm_scale_shift", t, x.shape, x, 8)
+    per_block = _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK  # launch()'s grid
     _NVRTC.launch(
-        device, (x.dtype, gated, epilogue), ((rows + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, 1, 1),
+        device, (x.dtype, gated, epilogue), ((rows + per_block - 1) // per_block, 1, 1),
         (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
         *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs, *sin,
         weight.data_ptr(), seq, batch, dim, heads, tokens, eps, _f32(_f32(rows) / _f32(rows * dim)), gated,

@@ -49,6 +49,7 @@ class KernelCase:
 
 
 KERNEL_CASES: dict[str, Callable[[Shapes], list[KernelCase]]] = {}
+KERNEL_FAMILIES = {"flux": "FLUX.1 and Chroma", "ernie": "ERNIE-Image", "sd3": "SD3 and SD3.5"}  # Subject.family
 
 
 def kernel_cases(fn: Callable[[Shapes], list[KernelCase]]) -> Callable[[Shapes], list[KernelCase]]:
@@ -83,7 +84,10 @@ def _flux_adaln_inputs(sh: Shapes, tokens: int):
 
 
 def _flux_token_counts(sh: Shapes) -> tuple[int, ...]:
-    return (sh.image_tokens, sh.text_tokens, sh.image_tokens + sh.text_tokens)
+    """The rows of an adaLN site: image and text streams, and FLUX's single blocks (image + text); SD3 has no single
+    blocks."""
+    streams = (sh.image_tokens, sh.text_tokens)
+    return streams if sh.family == "sd3" else (*streams, sh.image_tokens + sh.text_tokens)
 
 
 @kernel_cases
@@ -105,8 +109,8 @@ def modulate_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's adaLN LayerNorm + modulate (lossless, one kernel)."""
-    if sh.family != "flux":
+    """FLUX's and SD3's adaLN LayerNorm + modulate (lossless, one kernel)."""
+    if sh.family not in ("flux", "sd3"):
         return []
     from ...ops import layernorm_scale_shift_ref
 
@@ -125,8 +129,8 @@ def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def gated_residual_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's ``residual + gate.unsqueeze(1) * update`` at the image, text and single-block sites."""
-    if sh.family != "flux":
+    """FLUX's and SD3's ``residual + gate.unsqueeze(1) * update`` at the image, text and single-block sites."""
+    if sh.family not in ("flux", "sd3"):
         return []
     from ...ops import gated_residual_ref
 
@@ -247,6 +251,57 @@ def rmsnorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
     ]
 
 
+def _sd3_heads_inputs(sh: Shapes) -> list:
+    """SD3's joint attention: image and text q (or k, v) as ``[B, H, S, D]`` views of their ``[B, S, H, D]``
+    projections."""
+    cfg = sh.model.config
+    heads, dim, b = cfg.num_attention_heads, cfg.attention_head_dim, sh.batch
+    return _input_sets(lambda: tuple(sh.randn(b, s, heads, dim).transpose(1, 2)
+                                     for s in (sh.image_tokens, sh.text_tokens)))
+
+
+@kernel_cases
+def rmsnorm_cases(sh: Shapes) -> list[KernelCase]:
+    """SD3's QK norms: diffusers' RMSNorm over the head_dim rows of the image and the text q."""
+    if sh.family != "sd3":
+        return []
+    from diffusers.models.normalization import RMSNorm
+
+    from ...ops import rmsnorm_ref
+
+    plain = torch.ops.diffusers_fastpath._rmsnorm_plain_cuda
+    dim = sh.model.config.attention_head_dim
+    norm = RMSNorm(dim, eps=1e-6).to(sh.device, sh.dtype).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+
+    def fused(x):  # the rows in memory order ([B, S, H, D]), the result back in x's layout
+        rows = x.transpose(1, 2)
+        return plain(rows.reshape(-1, 1, dim), norm.weight, norm.eps).view(rows.shape).transpose(1, 2)
+
+    cases = []
+    for stream, name in ((0, "image"), (1, "text")):
+        sets = [(s[stream],) for s in _sd3_heads_inputs(sh)]
+        x = sets[0][0]
+        cases.append(KernelCase(f"rmsnorm ({name} q)", tuple(x.shape), sets, lambda x: rmsnorm_ref(norm, x), fused,
+                                2 * _nbytes(x)))
+    return cases
+
+
+@kernel_cases
+def cat_heads_cases(sh: Shapes) -> list[KernelCase]:
+    """SD3's joint attention: ``torch.cat([image, text], dim=2)`` of its q, k and v."""
+    if sh.family != "sd3":
+        return []
+    from ...ops import cat_heads_ref
+
+    sets = _sd3_heads_inputs(sh)
+    a, b = sets[0]
+    shape = (a.shape[0], a.shape[1], a.shape[2] + b.shape[2], a.shape[3])
+    return [KernelCase("cat_heads", shape, sets, cat_heads_ref, torch.ops.diffusers_fastpath._cat_heads_cuda.default,
+                       2 * (_nbytes(a) + _nbytes(b)))]
+
+
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> float:
     """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets."""
     for s in sets[:2]:
@@ -320,13 +375,17 @@ def host_us_per_call(sh: Shapes, calls: int = 2000) -> dict[str, float]:
 
 
 def run_kernels(subject: Subject, args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
+    if subject.family not in KERNEL_FAMILIES:
+        return dict(ran=False, reason=f"no kernel cases at {subject.name}'s shapes yet (they cover "
+                                      f"{', '.join(KERNEL_FAMILIES.values())}); the profile level times every kernel",
+                    rows=[], host_us_per_call={})
     if device.type != "cuda":
         return dict(ran=False, reason="needs CUDA (the fused kernels are CUDA kernels)", rows=[], host_us_per_call={})
     from ...ops._build import load_extension
 
     load_extension()
     cfg = subject.transformer.config
-    hidden = cfg.num_attention_heads * cfg.attention_head_dim if subject.family == "flux" else cfg.hidden_size
+    hidden = cfg.hidden_size if subject.family == "ernie" else cfg.num_attention_heads * cfg.attention_head_dim
     sh = Shapes(subject.family, subject.transformer, hidden, (args.height // 16) * (args.width // 16),
                 args.text_tokens, args.batch, DTYPES[args.dtype], device)
     builders = list(KERNEL_CASES.values())
