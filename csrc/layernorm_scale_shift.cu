@@ -75,10 +75,14 @@ struct Welford {
   float count;
 };
 
-__device__ __forceinline__ Welford online_update(float x, const Welford& w, int variant) {
+// aten's cuWelfordOnlineSum for the n-th element a thread folds in (n = 1, 2, ...): its count, count + 1, is n
+// whatever the data (the guard on a thread's vectors is monotone in k), so the fully unrolled loop below passes n
+// as a constant and 1 / count folds to the correctly rounded quotient at compile time, the value rcp.rn gives (IEEE
+// division of two representable floats), instead of a dependent MUFU.RCP + Newton + slow-path check per element.
+__device__ __forceinline__ Welford online_update(float x, const Welford& w, int n, int variant) {
   const float delta = __fsub_rn(x, w.mean);
-  const float count = __fadd_rn(w.count, 1.0f);
-  const float inv = __frcp_rn(count);  // 1.f / count without fast math: rcp.rn
+  const float count = static_cast<float>(n);  // w.count + 1: small integers, exact
+  const float inv = 1.0f / static_cast<float>(n);  // folded (n is a constant): rcp.rn(count)
   const float mean = (variant & kOnlineMeanUnfused) ? __fadd_rn(w.mean, __fmul_rn(delta, inv))
                                                     : __fmaf_rn(delta, inv, w.mean);
   const float d2 = __fsub_rn(x, mean);
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
   for (int k = 0; k < kVecsPerThreadMax; ++k) {
     if (thread + k * threads < vecs) {
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) w = online_update(Storage<T>::load(data[k].v[j]), w, variant);
+      for (int j = 0; j < kVec; ++j) w = online_update(Storage<T>::load(data[k].v[j]), w, kVec * k + j + 1, variant);
     }
   }
 #pragma unroll

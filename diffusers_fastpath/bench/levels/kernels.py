@@ -275,16 +275,15 @@ def rmsnorm_cases(sh: Shapes) -> list[KernelCase]:
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.1)
 
-    def fused(x):  # the rows in memory order ([B, S, H, D]), the result back in x's layout
-        rows = x.transpose(1, 2)
-        return plain(rows.reshape(-1, 1, dim), norm.weight, norm.eps).view(rows.shape).transpose(1, 2)
+    def eager(x, rows):  # diffusers' forward on the [B, H, S, D] view, its result as the kernel's rows
+        return rmsnorm_ref(norm, x).transpose(1, 2).reshape(rows.shape)
 
     cases = []
-    for stream, name in ((0, "image"), (1, "text")):
-        sets = [(s[stream],) for s in _sd3_heads_inputs(sh)]
+    for stream, name in ((0, "image"), (1, "text")):  # x, and its rows in memory order ([B * S * H, 1, D], a view)
+        sets = [(s[stream], s[stream].transpose(1, 2).reshape(-1, 1, dim)) for s in _sd3_heads_inputs(sh)]
         x = sets[0][0]
-        cases.append(KernelCase(f"rmsnorm ({name} q)", tuple(x.shape), sets, lambda x: rmsnorm_ref(norm, x), fused,
-                                2 * _nbytes(x)))
+        cases.append(KernelCase(f"rmsnorm ({name} q)", tuple(x.shape), sets, eager,
+                                lambda x, rows: plain(rows, norm.weight, norm.eps), 2 * _nbytes(x)))
     return cases
 
 
@@ -302,28 +301,41 @@ def cat_heads_cases(sh: Shapes) -> list[KernelCase]:
                        2 * (_nbytes(a) + _nbytes(b)))]
 
 
-def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> float:
-    """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets."""
-    for s in sets[:2]:
+def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
+    """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets, and
+    whether they ran as one CUDA graph. They are captured as one where they can be: a stream of separately launched
+    calls measures the host wherever a call's enqueue takes longer than its kernels (tens of µs through the
+    dispatcher, more than many of these kernels run), and the replayed graph measures the kernels."""
+    for s in sets[:2]:  # warm-up: lazy initialisation and the ops' first-call self-verification, outside the capture
         fn(*s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(iters):
+                fn(*sets[i % len(sets)])
+        run, graphed = graph.replay, True
+    except RuntimeError:  # something in `fn` cannot be captured: time the launches as they come
+        torch.cuda.synchronize()
+        run, graphed = (lambda: [fn(*sets[i % len(sets)]) for i in range(iters)]), False
+    run()
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for i in range(iters):
-            fn(*sets[i % len(sets)])
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
+    return statistics.median(times), graphed
 
 
 def _kernel_row(case: KernelCase) -> dict[str, Any]:
     x = case.sets[0][0]
     copies = [(s[0], torch.empty_like(s[0])) for s in case.sets]
-    eager_us = gpu_time_us(case.eager, case.sets)
-    fused_us = gpu_time_us(case.fused, case.sets)
-    copy_us = gpu_time_us(lambda src, dst: dst.copy_(src), copies)
+    (eager_us, eager_graphed), (fused_us, fused_graphed), (copy_us, copy_graphed) = (
+        gpu_time_us(case.eager, case.sets), gpu_time_us(case.fused, case.sets),
+        gpu_time_us(lambda src, dst: dst.copy_(src), copies))
     fused_gbps = case.nbytes / fused_us / 1e3
     copy_gbps = 2 * _nbytes(x) / copy_us / 1e3
     return dict(
@@ -339,6 +351,7 @@ def _kernel_row(case: KernelCase) -> dict[str, Any]:
         copy_GBps=copy_gbps,
         pct_of_copy=100 * fused_gbps / copy_gbps,
         exact=case.exact,
+        graphed=eager_graphed and fused_graphed and copy_graphed,  # timed as replayed CUDA graphs (gpu_time_us)
         equal=all(equal(case.fused(*s), case.eager(*s)) for s in case.sets[:2]),
         max_abs_diff=max(max_abs_diff(case.fused(*s), case.eager(*s)) for s in case.sets[:2]),
     )
