@@ -59,6 +59,62 @@ __device__ __forceinline__ Quad<T> load_quad(const Rows& r, int64_t s, int64_t b
   return reinterpret_cast<const Quad<T>*>(static_cast<const T*>(r.ptr) + s * r.stride_s + b * r.stride_b)[col4];
 }
 
+// What follows the norm, for the four elements q of row `row` (= s * batch + b): the variant's epilogue (file head).
+template <typename T, RmsEpilogue kEpilogue>
+__device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, int64_t row, int64_t s, int64_t b,
+                                            int64_t q, const Quad<T>& xq, const Quad<T>& w, float rstd) {
+  Quad<T> o;
+  if constexpr (kEpilogue == RmsEpilogue::kScaleShift) {
+    const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
+    const Quad<T> sh = load_quad<T>(a.shift, s, b, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float weighted = weighted_norm<T>(xq.v[j], rstd, w.v[j]);
+      const float one_plus_scale = __fadd_rn(1.0f, Storage<T>::load(sc.v[j]));
+      o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(weighted, one_plus_scale), Storage<T>::load(sh.v[j])));
+    }
+  } else if constexpr (kEpilogue == RmsEpilogue::kScale) {
+    const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o.v[j] = Storage<T>::store(__fmul_rn(weighted_norm<T>(xq.v[j], rstd, w.v[j]), Storage<T>::load(sc.v[j])));
+    }
+  } else if constexpr (kEpilogue == RmsEpilogue::kRopeComplex) {
+    const int64_t token = (row / a.heads) % a.tokens;
+    const int64_t fb = row / (a.heads * a.tokens);
+    const float2* f = static_cast<const float2*>(a.freqs.ptr) + token * a.freqs.stride_s + fb * a.freqs.stride_b +
+                      2 * q;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const float re = weighted_norm<T>(xq.v[2 * p], rstd, w.v[2 * p]);
+      const float im = weighted_norm<T>(xq.v[2 * p + 1], rstd, w.v[2 * p + 1]);
+      const float2 c = f[p];
+      o.v[2 * p] = Storage<T>::store(__fmaf_rn(re, c.x, -__fmul_rn(im, c.y)));
+      o.v[2 * p + 1] = Storage<T>::store(__fmaf_rn(re, c.y, __fmul_rn(im, c.x)));
+    }
+  } else if constexpr (kEpilogue == RmsEpilogue::kRopeReal) {
+    const int64_t token = (row / a.heads) % a.tokens;
+    const float4 c = reinterpret_cast<const float4*>(static_cast<const float*>(a.freqs.ptr) + token * a.freqs.stride_s)[q];
+    const float4 n = reinterpret_cast<const float4*>(static_cast<const float*>(a.sin.ptr) + token * a.sin.stride_s)[q];
+    rotate_pair<T>(weighted_norm<T>(xq.v[0], rstd, w.v[0]), weighted_norm<T>(xq.v[1], rstd, w.v[1]), c.x, c.y, n.x,
+                   n.y, o.v[0], o.v[1]);
+    rotate_pair<T>(weighted_norm<T>(xq.v[2], rstd, w.v[2]), weighted_norm<T>(xq.v[3], rstd, w.v[3]), c.z, c.w, n.z,
+                   n.w, o.v[2], o.v[3]);
+  } else if constexpr (kEpilogue == RmsEpilogue::kPlain) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o.v[j] = Storage<T>::store(weighted_norm<T>(xq.v[j], rstd, w.v[j]));
+  } else {  // kGatedResidual
+    const Quad<T> g = load_quad<T>(a.gate, s, b, q);
+    const Quad<T> r = load_quad<T>(a.residual, s, b, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float gy = round_to<T>(__fmul_rn(Storage<T>::load(g.v[j]), weighted_norm<T>(xq.v[j], rstd, w.v[j])));
+      o.v[j] = Storage<T>::store(__fadd_rn(Storage<T>::load(r.v[j]), gy));
+    }
+  }
+  return o;
+}
+
 // The norm alone over rows of 64 (SD3's QK norms: 168k rows of 128 bytes per call at SD3.5-large's 1024x1024), where
 // a warp per row leaves half its lanes idle and loads 2 bytes per lane: eight lanes per row and two rows per group of
 // eight, so a warp holds eight rows and every load is 8 bytes. Lane m of a group holds elements 4m + j and
@@ -120,11 +176,65 @@ __device__ __forceinline__ void rmsnorm_plain64(const RmsNormScaleShiftArgs& a) 
   }
 }
 
+// Rows of 128 (the QK norms of head_dim 128: Qwen-Image's and Z-Image's with their complex rotary, HunyuanVideo's),
+// not gated: one quad per lane, so a warp per row held one 8-byte load per lane in flight; here each warp takes
+// kRows128PerWarp consecutive rows and loads them all before reducing any (the sums and their order are the
+// warp-per-row path's: lane l's four accumulators 0 + sq[4l + j], ((a_0 + a_1) + a_2) + a_3, the shuffle-down tree).
+constexpr int kRows128PerWarp = 4;
+constexpr int kRows128PerBlock = kWarpsPerBlock * kRows128PerWarp;
+
+template <typename T, RmsEpilogue kEpilogue>
+__device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = a.seq * a.batch;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kRows128PerWarp;
+  if (first >= rows) return;  // the whole warp: no shuffle below is left without its lanes
+  Quad<T> xq[kRows128PerWarp];
+#pragma unroll
+  for (int r = 0; r < kRows128PerWarp; ++r) {
+    const int64_t row = first + r;
+    if (row < rows) {
+      const int64_t s = row / a.batch;
+      xq[r] = load_quad<T>(a.x, s, row - s * a.batch, lane);
+    }
+  }
+  const Quad<T> w = reinterpret_cast<const Quad<T>*>(a.weight)[lane];
+#pragma unroll
+  for (int r = 0; r < kRows128PerWarp; ++r) {
+    const int64_t row = first + r;
+    if (row >= rows) break;  // uniform across the warp
+    float acc[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float xf = Storage<T>::load(xq[r].v[j]);
+      acc[j] = __fadd_rn(0.f, __fmul_rn(xf, xf));
+    }
+    float total = __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
+    }
+    total = __shfl_sync(0xffffffffu, total, 0);
+    const float rstd = rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+    const int64_t s = row / a.batch;
+    reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * 128)[lane] =
+        epilogue<T, kEpilogue>(a, row, s, row - s * a.batch, lane, xq[r], w, rstd);
+  }
+}
+
+// Rows per block of launch(): the row-length paths above take several rows per warp.
+__host__ __device__ inline int64_t rows_per_block(const RmsNormScaleShiftArgs& a) {
+  if (!a.gated && a.dim == 128) return kRows128PerBlock;
+  if (a.epilogue == RmsEpilogue::kPlain && a.dim == 64) return kRows64PerBlock;
+  return kWarpsPerBlock;
+}
+
 template <typename T, bool kGated, RmsEpilogue kEpilogue>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kernel(RmsNormScaleShiftArgs a) {
   static_assert(!kGated || kEpilogue == RmsEpilogue::kScaleShift, "the gated prologue is ERNIE-Image's alone");
-  if constexpr (kEpilogue == RmsEpilogue::kPlain) {
-    if (a.dim == 64) return rmsnorm_plain64<T>(a);  // launched with kRows64PerBlock rows per block
+  if constexpr (!kGated) {  // launched with rows_per_block(a) rows per block
+    if (a.dim == 128) return rmsnorm_rows128<T, kEpilogue>(a);
+    if (kEpilogue == RmsEpilogue::kPlain && a.dim == 64) return rmsnorm_plain64<T>(a);
   }
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -181,56 +291,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   for (int64_t q = lane; q < quads; q += 32) {
     const Quad<T> xq = kGated ? reinterpret_cast<const Quad<T>*>(residual_out)[q] : load_quad<T>(a.x, s, b, q);
     const Quad<T> w = reinterpret_cast<const Quad<T>*>(weight)[q];
-    Quad<T> o;
-    if constexpr (kEpilogue == RmsEpilogue::kScaleShift) {
-      const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
-      const Quad<T> sh = load_quad<T>(a.shift, s, b, q);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float weighted = weighted_norm<T>(xq.v[j], rstd, w.v[j]);
-        const float one_plus_scale = __fadd_rn(1.0f, Storage<T>::load(sc.v[j]));
-        o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(weighted, one_plus_scale), Storage<T>::load(sh.v[j])));
-      }
-    } else if constexpr (kEpilogue == RmsEpilogue::kScale) {
-      const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        o.v[j] = Storage<T>::store(__fmul_rn(weighted_norm<T>(xq.v[j], rstd, w.v[j]), Storage<T>::load(sc.v[j])));
-      }
-    } else if constexpr (kEpilogue == RmsEpilogue::kRopeComplex) {
-      const int64_t token = (row / a.heads) % a.tokens;
-      const int64_t fb = row / (a.heads * a.tokens);
-      const float2* f = static_cast<const float2*>(a.freqs.ptr) + token * a.freqs.stride_s + fb * a.freqs.stride_b +
-                        2 * q;
-#pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        const float re = weighted_norm<T>(xq.v[2 * p], rstd, w.v[2 * p]);
-        const float im = weighted_norm<T>(xq.v[2 * p + 1], rstd, w.v[2 * p + 1]);
-        const float2 c = f[p];
-        o.v[2 * p] = Storage<T>::store(__fmaf_rn(re, c.x, -__fmul_rn(im, c.y)));
-        o.v[2 * p + 1] = Storage<T>::store(__fmaf_rn(re, c.y, __fmul_rn(im, c.x)));
-      }
-    } else if constexpr (kEpilogue == RmsEpilogue::kRopeReal) {
-      const int64_t token = (row / a.heads) % a.tokens;
-      const float4 c = reinterpret_cast<const float4*>(static_cast<const float*>(a.freqs.ptr) + token * a.freqs.stride_s)[q];
-      const float4 n = reinterpret_cast<const float4*>(static_cast<const float*>(a.sin.ptr) + token * a.sin.stride_s)[q];
-      rotate_pair<T>(weighted_norm<T>(xq.v[0], rstd, w.v[0]), weighted_norm<T>(xq.v[1], rstd, w.v[1]), c.x, c.y, n.x,
-                     n.y, o.v[0], o.v[1]);
-      rotate_pair<T>(weighted_norm<T>(xq.v[2], rstd, w.v[2]), weighted_norm<T>(xq.v[3], rstd, w.v[3]), c.z, c.w, n.z,
-                     n.w, o.v[2], o.v[3]);
-    } else if constexpr (kEpilogue == RmsEpilogue::kPlain) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) o.v[j] = Storage<T>::store(weighted_norm<T>(xq.v[j], rstd, w.v[j]));
-    } else {  // kGatedResidual
-      const Quad<T> g = load_quad<T>(a.gate, s, b, q);
-      const Quad<T> r = load_quad<T>(a.residual, s, b, q);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float gy = round_to<T>(__fmul_rn(Storage<T>::load(g.v[j]), weighted_norm<T>(xq.v[j], rstd, w.v[j])));
-        o.v[j] = Storage<T>::store(__fadd_rn(Storage<T>::load(r.v[j]), gy));
-      }
-    }
-    reinterpret_cast<Quad<T>*>(out)[q] = o;
+    reinterpret_cast<Quad<T>*>(out)[q] = epilogue<T, kEpilogue>(a, row, s, b, q, xq, w, rstd);
   }
 }
 
@@ -239,7 +300,7 @@ template <typename T>
 cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.seq * a.batch;
   if (rows == 0) return cudaSuccess;
-  const int64_t per_block = a.epilogue == RmsEpilogue::kPlain && a.dim == 64 ? kRows64PerBlock : kWarpsPerBlock;
+  const int64_t per_block = rows_per_block(a);
   const dim3 grid(static_cast<unsigned>((rows + per_block - 1) / per_block));
   const dim3 block(kWarpsPerBlock * 32);
   if (a.gated) {

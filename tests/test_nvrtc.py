@@ -299,6 +299,8 @@ def test_launch_constants_match_the_sources():
     assert rmsnorm_mod._WARPS_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock")
     assert rmsnorm_mod._ROWS64_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock") * 4 * _constant(
         "rmsnorm_scale_shift.cu", "kRows64PerGroup")
+    assert rmsnorm_mod._ROWS128_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock") * _constant(
+        "rmsnorm_scale_shift.cu", "kRows128PerWarp")
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
@@ -393,6 +395,7 @@ def captured_launches(monkeypatch):
     recorded as (kernel, key, grid, block, the packed arguments decoded by field name)."""
     launches = []
     monkeypatch.setattr(_nvrtc, "num_sms", lambda device: 132)
+    monkeypatch.setattr(_nvrtc.Kernel, "blocks_per_sm", lambda self, device, key, threads: 3)  # the occupancy query
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     for kernel in _nvrtc.KERNELS:
@@ -505,11 +508,19 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6, variant=64 + 3, probe=True)
     _, key, grid, block, a = captured_launches[-1]
     assert key == (torch.bfloat16, torch.bfloat16, True) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
+    long = _bf16(1, 500, 64)  # more rows than resident blocks (132 SMs x 3): the grid-stride grid
+    layernorm_mod._nvrtc_kernel(long, scale[:1, :64], shift[:1, :64], 1e-6)
+    assert captured_launches[-1][2] == (396, 1, 1) and captured_launches[-1][4].a.seq == 500
     # Wan's fp32 modulate: fp32 rows of an fp32 [B, 6, D] table (batch stride 6 * 64 fp32 elements)
     table = torch.randn(2, 6, 64)
     layernorm_mod._nvrtc_kernel(x, table[:, 1], table[:, 0], 1e-6)
     _, key, _, _, a = captured_launches[-1]
     assert key == (torch.bfloat16, torch.float32, False) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
+
+    # rmsnorm alone over rows of 64 and 128: several rows per warp (kRows64PerBlock, kRows128PerBlock per block)
+    for d, per_block in ((64, 64), (128, 32), (96, 8)):
+        rmsnorm_plain_mod._nvrtc_kernel(_bf16(1000, 1, d), _bf16(d), 1e-6)
+        assert captured_launches[-1][2] == (-(-1000 // per_block), 1, 1), d
 
     # rmsnorm: [seq, batch, dim] operands as Rows (pointer, stride(0), stride(1)); gated writes residual_out
     seq, batch, dim = 20, 2, 1024

@@ -198,6 +198,7 @@ _NVRTC = _nvrtc.Kernel(
 )
 _WARPS_PER_BLOCK = 8
 _ROWS64_PER_BLOCK = 64  # kRows64PerBlock: the norm alone over rows of 64, eight rows per warp
+_ROWS128_PER_BLOCK = 32  # kRows128PerBlock: rows of 128, four per warp
 _NONE = (0, 0, 0)
 
 
@@ -216,7 +217,9 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
     rows, device, gated = seq * batch, x.device.index, update is not None
     for t in (out, residual_out) if gated else (out,):
         _nvrtc.check_out("rmsnorm_scale_shift", t, x.shape, x, 8)
-    per_block = _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK  # launch()'s grid
+    # launch()'s grid: rows_per_block() of rmsnorm_scale_shift.cu
+    per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 else
+                 _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK)
     _NVRTC.launch(
         device, (x.dtype, gated, epilogue), ((rows + per_block - 1) // per_block, 1, 1),
         (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
