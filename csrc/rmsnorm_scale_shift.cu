@@ -59,6 +59,18 @@ __device__ __forceinline__ Quad<T> load_quad(const Rows& r, int64_t s, int64_t b
   return reinterpret_cast<const Quad<T>*>(static_cast<const T*>(r.ptr) + s * r.stride_s + b * r.stride_b)[col4];
 }
 
+// A row's rstd from the four accumulators of each of a warp's lanes, in aten's order: ((a_0 + a_1) + a_2) + a_3 in the
+// lane, then the shuffle-down tree over offsets 16, 8, 4, 2, 1, read at lane 0; then rsqrt(mean + eps).
+__device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormScaleShiftArgs& a) {
+  float total = __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
+  }
+  total = __shfl_sync(0xffffffffu, total, 0);
+  return rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+}
+
 // What follows the norm, for the four elements q of row `row` (= s * batch + b): the variant's epilogue (file head).
 template <typename T, RmsEpilogue kEpilogue>
 __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, int64_t row, int64_t s, int64_t b,
@@ -209,13 +221,7 @@ __device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) 
       const float xf = Storage<T>::load(xq[r].v[j]);
       acc[j] = __fadd_rn(0.f, __fmul_rn(xf, xf));
     }
-    float total = __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
-    }
-    total = __shfl_sync(0xffffffffu, total, 0);
-    const float rstd = rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+    const float rstd = warp_rstd(acc, a);
     const int64_t s = row / a.batch;
     reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * 128)[lane] =
         epilogue<T, kEpilogue>(a, row, s, row - s * a.batch, lane, xq[r], w, rstd);
@@ -277,13 +283,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
       acc[j] = __fadd_rn(acc[j], __fmul_rn(xf, xf));
     }
   }
-  float total = __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
-  }
-  total = __shfl_sync(0xffffffffu, total, 0);
-  const float rstd = rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+  const float rstd = warp_rstd(acc, a);
 
   // Pass 2: normalise, weight, then the epilogue (x is re-read from L1/L2: this row was just loaded).
   const T* weight = static_cast<const T*>(a.weight);
