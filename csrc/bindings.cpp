@@ -317,7 +317,7 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
 // `scale`/`shift`/`gate`/`residual` are the epilogue's operands (fastpath.h's RmsEpilogue says which it reads).
 void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_out, const at::Tensor& x,
                     const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& update,
-                    const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& residual,
                     RmsEpilogue epilogue, double eps, Rows freqs = Rows{nullptr, 0, 0}, int64_t heads = 1,
                     int64_t tokens = 1, Rows sin = Rows{nullptr, 0, 0}) {
@@ -327,9 +327,12 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   // rows shorter than 128: aten's scalar reduction order (see rmsnorm_scale_shift.cu), not for the gated prologue
   TORCH_CHECK(dim % 128 == 0 || (!update.has_value() && dim >= 32 && dim < 128 && dim % 4 == 0),
               "rmsnorm_scale_shift: dim must be a multiple of 128 (or, not gated, a multiple of 4 in [32, 128))");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
-              "rmsnorm_scale_shift: weight must be a contiguous [dim] vector of x's dtype");
+  TORCH_CHECK(weight.has_value() || epilogue == RmsEpilogue::kModulate,
+              "rmsnorm_scale_shift: only the modulate epilogue takes a norm without weight");
+  TORCH_CHECK(!weight.has_value() || (weight->dim() == 1 && weight->size(0) == dim && weight->is_contiguous() &&
+                                      weight->scalar_type() == x.scalar_type() && weight->device() == x.device() &&
+                                      reinterpret_cast<uintptr_t>(weight->data_ptr()) % 8 == 0),
+              "rmsnorm_scale_shift: weight must be a contiguous, 8-byte aligned [dim] vector of x's dtype");
   const std::pair<const std::optional<at::Tensor>*, const char*> operands[] = {
       {&scale, "scale"}, {&shift, "shift"}, {&gate, "gate"}, {&update, "update"}, {&residual, "residual"}};
   for (const auto& [t, name] : operands) {
@@ -358,7 +361,7 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   args.sin = sin;
   args.heads = heads;
   args.tokens = tokens;
-  args.weight = weight.data_ptr();
+  args.weight = weight.has_value() ? weight->data_ptr() : nullptr;
   args.seq = x.size(0);
   args.batch = x.size(1);
   args.dim = dim;
@@ -412,6 +415,20 @@ void rmsnorm_scale_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 at::Tensor rmsnorm_scale(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   rmsnorm_scale_out(out, x, weight, scale, eps);
+  return out;
+}
+
+// LTX-Video's RMSNorm + modulate: norm(x) * (1 + scale) + shift, all in x's dtype, per-token scale/shift rows.
+void rmsnorm_modulate_out(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                          const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, scale, shift, std::nullopt,
+                 RmsEpilogue::kModulate, eps);
+}
+
+at::Tensor rmsnorm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& scale,
+                            const at::Tensor& shift, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_modulate_out(out, x, weight, scale, shift, eps);
   return out;
 }
 
@@ -650,6 +667,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_gated_rmsnorm_scale_shift_cuda_out(Tensor(a!) residual_out, Tensor(b!) out, Tensor residual, Tensor gate, "
       "Tensor update, Tensor weight, Tensor scale, Tensor shift, float eps) -> ()");
+  m.def("_rmsnorm_modulate_cuda(Tensor x, Tensor? weight, Tensor scale, Tensor shift, float eps) -> Tensor");
+  m.def("_rmsnorm_modulate_cuda_out(Tensor(a!) out, Tensor x, Tensor? weight, Tensor scale, Tensor shift, "
+        "float eps) -> ()");
   m.def("_rmsnorm_scale_cuda(Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor");
   m.def("_rmsnorm_scale_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()");
   m.def("_rmsnorm_rope_complex_cuda(Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, float eps) -> Tensor");
@@ -687,6 +707,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::rmsnorm_scale_shift_out);
   m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);
   m.impl("_gated_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::gated_rmsnorm_scale_shift_out);
+  m.impl("_rmsnorm_modulate_cuda", &diffusers_fastpath::rmsnorm_modulate);
+  m.impl("_rmsnorm_modulate_cuda_out", &diffusers_fastpath::rmsnorm_modulate_out);
   m.impl("_rmsnorm_scale_cuda", &diffusers_fastpath::rmsnorm_scale);
   m.impl("_rmsnorm_scale_cuda_out", &diffusers_fastpath::rmsnorm_scale_out);
   m.impl("_rmsnorm_rope_complex_cuda", &diffusers_fastpath::rmsnorm_rope_complex);

@@ -145,7 +145,8 @@ enum class RmsEpilogue : int32_t {
   kGatedResidual = 2,  // Z-Image, Lumina2: out = round(residual + round(gate * y))
   kRopeComplex = 3,    // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
   kRopeReal = 4,       // HunyuanVideo-1.5's QK norms + real rotary: out = round(y * cos + rotate(y) * sin)
-  kPlain = 5           // SD3's QK norms: out = y
+  kPlain = 5,          // SD3's QK norms: out = y
+  kModulate = 6        // LTX-Video: out = round(round(y * round(1 + scale)) + shift), weight optional (none: y = round(x * rstd))
 };
 
 // diffusers RMSNorm followed by an epilogue:
@@ -165,7 +166,7 @@ struct RmsNormScaleShiftArgs {
                        // t * stride_s + b * stride_b (in pairs), for norm row r: t = (r / heads) % tokens,
                        // b = r / (heads * tokens); kRopeReal: the float32 cos table [tokens, dim] (stride_s in floats)
   Rows sin;            // kRopeReal: the float32 sin table, laid out as cos
-  const void* weight;  // [dim]
+  const void* weight;  // [dim]; kModulate may have none (diffusers' RMSNorm without elementwise_affine)
   int64_t seq;
   int64_t batch;
   int64_t dim;         // a multiple of 128, or (not gated) a multiple of 4 in [32, 128)

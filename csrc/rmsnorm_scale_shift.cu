@@ -21,6 +21,8 @@
 //                   out[2i] = round_T(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i]),
 //                   out[2i+1] = round_T(y[2i+1] * cos[2i+1] + y[2i] * sin[2i+1])   (separate fp32 products and sum)
 //   kPlain:         out = y                                    (SD3's QK norms: the norm alone)
+//   kModulate:      out = round_T(round_T(y * round_T(1 + scale)) + shift)   (LTX-Video: norm(x) * (1 + scale) + shift,
+//                   all T, scale and shift per-token rows; its norms have no weight: y = round_T(x * rstd))
 //
 // The sum reproduces aten's reduce kernel (Reduce.cuh, setReduceConfig) for a contiguous fp32 [R, D] input
 // reduced over its last dimension, with D/4 > 128, D/32 < 256 and R >= 16: input vectorised by 4, block (32, 16)
@@ -52,6 +54,12 @@ struct alignas(8) Quad {
 template <typename T>
 __device__ __forceinline__ float weighted_norm(T x, float rstd, T weight) {
   return round_to<T>(__fmul_rn(round_to<T>(__fmul_rn(Storage<T>::load(x), rstd)), Storage<T>::load(weight)));
+}
+
+// The four weights at quad q, or none (kModulate's weightless norm: `a.weight` null, the quad never read).
+template <typename T>
+__device__ __forceinline__ Quad<T> weight_quad(const RmsNormScaleShiftArgs& a, int64_t q) {
+  return a.weight ? reinterpret_cast<const Quad<T>*>(a.weight)[q] : Quad<T>{};
 }
 
 template <typename T>
@@ -115,6 +123,16 @@ __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, int6
   } else if constexpr (kEpilogue == RmsEpilogue::kPlain) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) o.v[j] = Storage<T>::store(weighted_norm<T>(xq.v[j], rstd, w.v[j]));
+  } else if constexpr (kEpilogue == RmsEpilogue::kModulate) {
+    const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
+    const Quad<T> sh = load_quad<T>(a.shift, s, b, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y = a.weight ? weighted_norm<T>(xq.v[j], rstd, w.v[j])
+                               : round_to<T>(__fmul_rn(Storage<T>::load(xq.v[j]), rstd));
+      const float one_plus_scale = round_to<T>(__fadd_rn(1.0f, Storage<T>::load(sc.v[j])));
+      o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(y, one_plus_scale)), Storage<T>::load(sh.v[j])));
+    }
   } else {  // kGatedResidual
     const Quad<T> g = load_quad<T>(a.gate, s, b, q);
     const Quad<T> r = load_quad<T>(a.residual, s, b, q);
@@ -210,7 +228,7 @@ __device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) 
       xq[r] = load_quad<T>(a.x, s, row - s * a.batch, lane);
     }
   }
-  const Quad<T> w = reinterpret_cast<const Quad<T>*>(a.weight)[lane];
+  const Quad<T> w = weight_quad<T>(a, lane);
 #pragma unroll
   for (int r = 0; r < kRows128PerWarp; ++r) {
     const int64_t row = first + r;
@@ -286,11 +304,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   const float rstd = warp_rstd(acc, a);
 
   // Pass 2: normalise, weight, then the epilogue (x is re-read from L1/L2: this row was just loaded).
-  const T* weight = static_cast<const T*>(a.weight);
 #pragma unroll 4
   for (int64_t q = lane; q < quads; q += 32) {
     const Quad<T> xq = kGated ? reinterpret_cast<const Quad<T>*>(residual_out)[q] : load_quad<T>(a.x, s, b, q);
-    const Quad<T> w = reinterpret_cast<const Quad<T>*>(weight)[q];
+    const Quad<T> w = weight_quad<T>(a, q);
     reinterpret_cast<Quad<T>*>(out)[q] = epilogue<T, kEpilogue>(a, row, s, b, q, xq, w, rstd);
   }
 }
@@ -315,6 +332,8 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeReal><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kPlain) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kPlain><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kModulate) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kModulate><<<grid, block, 0, stream>>>(a);
   } else {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);
   }

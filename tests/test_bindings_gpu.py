@@ -30,6 +30,8 @@ CASES = {
     "gelu-cat-seq-mismatch": ("_gelu_cat_cuda", [(1, 65, 64), (1, 64, 256)], "got [1, 65, 64] and [1, 64, 256]"),
     "rmsnorm-scale-odd-width": ("_rmsnorm_scale_cuda", [(1, 65, 4100), (4100,), (1, 65, 4100), 1e-6],
                                 "multiple of 128"),
+    "rmsnorm-modulate-rows": ("_rmsnorm_modulate_cuda", [(1, 65, 2048), (2048,), (1, 64, 2048), (1, 65, 2048), 1e-6],
+                              "must be [seq, batch, dim]"),
     "rotary-3d-x": ("_rotary_emb_cuda", [(1, 65, 64), "f32:65,64", "f32:65,64"], "got [1, 65, 64]"),
 }
 

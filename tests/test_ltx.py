@@ -1,6 +1,6 @@
 """LTX-Video (``LTXVideoTransformer3DModel``) through the shared pieces: on CPU exactness (padded prompts, several
-latent frames), the fused gated residuals' wiring (kernels emulated), the RMSNorm modulates left as written,
-reversibility, pickling, compilation; on the GPU the LTX-Video config at 768x512x121 (6,144 tokens)."""
+latent frames), the fused gated residuals' and RMSNorm + modulates' wiring (kernels emulated), reversibility,
+pickling, compilation; on the GPU the LTX-Video config at 768x512x121 (6,144 tokens)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(blocks: int) -> dict[str, int]:
-    return {"gated_residual": 2 * blocks}  # the RMSNorm modulates hold no site: they run as written
+    # per block: both gated residuals, and norm1's and norm2's weightless RMSNorm with its per-token modulate
+    return {"gated_residual": 2 * blocks, "rmsnorm_modulate": 2 * blocks}
 
 
 def run(model, inputs):
@@ -27,7 +28,7 @@ def run(model, inputs):
 
 def test_ltx_is_supported():
     assert "LTXVideoTransformer3DModel" in fp.supported_classes()
-    assert ltx._BLOCK.gates == ["gate_msa", "gate_mlp"]
+    assert ltx._BLOCK.gates == ["gate_msa", "gate_mlp"] and ltx._BLOCK.norms == ["norm1", "norm2"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -59,7 +60,7 @@ def test_compiles_with_fullgraph():
 @pytest.mark.full_size
 def test_ltx_video_one_step_is_bitwise_identical_and_fused():
     """LTX-Video's config (2B) at 768x512, 121 frames (16 latent frames of 16x24: 6,144 tokens), a padded prompt:
-    bit-identical, every gated residual fused."""
+    bit-identical, every gated residual and RMSNorm + modulate fused."""
     model = build_ltx_transformer("ltx-video", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = ltx_transformer_inputs(model, grid=(16, 24), frames=16, txt_tokens=128, seed=9, padding=30)

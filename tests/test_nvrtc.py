@@ -39,6 +39,7 @@ modulate_mod = importlib.import_module("diffusers_fastpath.ops.modulate_scale_sh
 qk_mod = importlib.import_module("diffusers_fastpath.ops.qk_norm_rope")
 rmsnorm_mod = importlib.import_module("diffusers_fastpath.ops.rmsnorm_scale_shift")
 rmsnorm_plain_mod = importlib.import_module("diffusers_fastpath.ops.rmsnorm")
+rmsnorm_modulate_mod = importlib.import_module("diffusers_fastpath.ops.rmsnorm_modulate")
 rotary_mod = importlib.import_module("diffusers_fastpath.ops.rotary")
 
 CSRC = _build.csrc_dir()
@@ -521,6 +522,14 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     for d, per_block in ((64, 64), (128, 32), (96, 8)):
         rmsnorm_plain_mod._nvrtc_kernel(_bf16(1000, 1, d), _bf16(d), 1e-6)
         assert captured_launches[-1][2] == (-(-1000 // per_block), 1, 1), d
+    # rmsnorm_modulate (LTX-Video): a weightless norm passes a null weight; per-token rows of a [B, T, 6, D] table
+    xm = _bf16(2, 20, 640)
+    shift_m, scale_m = _bf16(2, 20, 6, 640).unbind(dim=2)[:2]
+    rmsnorm_modulate_mod._nvrtc_kernel(xm, None, scale_m, shift_m, 1e-6)
+    _, key, grid, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False, rmsnorm_mod.MODULATE) and not a.a.weight and a.a.epilogue == 6
+    assert (a.a.scale.ptr, a.a.scale.stride_s, a.a.scale.stride_b) == (scale_m.data_ptr(), 20 * 6 * 640, 6 * 640)
+    assert (a.a.seq, a.a.batch, a.a.dim, grid) == (2, 20, 640, (5, 1, 1))
 
     # rmsnorm: [seq, batch, dim] operands as Rows (pointer, stride(0), stride(1)); gated writes residual_out
     seq, batch, dim = 20, 2, 1024
@@ -773,6 +782,22 @@ def test_sandwich_rmsnorms_through_nvrtc_equal_nvcc_and_eager(dtype, both_ways):
         ops = torch.ops.diffusers_fastpath
         assert torch.equal(got, ops._rmsnorm_scale_cuda(x, weight, scale, 1e-5))
         assert torch.equal(got_residual, ops._rmsnorm_gated_residual_cuda(residual, gate, x, weight, 1e-5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["weightless", "weighted"])
+def test_rmsnorm_modulate_through_nvrtc_equals_nvcc_and_eager(weighted, dtype, both_ways):
+    """LTX-Video at 768x512x121: 6,144 tokens of 2048, per-token scale/shift rows of one [B, T, 6, D] table."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = _rand((1, 6144, 2048), dtype, gen, 1.0)
+    shift, scale = _rand((1, 6144, 6, 2048), dtype, gen, 0.5).unbind(dim=2)[:2]
+    weight = (torch.rand(2048, generator=gen, device="cuda") + 0.5).to(dtype) if weighted else None
+    normed = rmsnorm_mod._rms_norm(x, weight, 1e-6) if weighted else rmsnorm_modulate_mod._rms_norm(x, None, 1e-6)
+    got = rmsnorm_modulate_mod._nvrtc_kernel(x, weight, scale, shift, 1e-6)
+    assert torch.equal(got, normed * (1 + scale) + shift)
+    if both_ways:
+        assert torch.equal(got, torch.ops.diffusers_fastpath._rmsnorm_modulate_cuda(x, weight, scale, shift, 1e-6))
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
+                   rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
                    swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
@@ -161,9 +161,12 @@ class _ChainsNamespace:
 
     @staticmethod
     def norm_modulate_rows(norm, x, scale, shift, site):
-        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
-                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
+        tensors = all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+        if (isinstance(norm, nn.LayerNorm) and tensors and scale.dim() == shift.dim() == 3
+                and scale.shape[1] == shift.shape[1] == 1):
             return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
+        if type(norm) is RMSNorm and not hooked(norm) and tensors:  # LTX-Video: per-token rows, all in x's dtype
+            return rmsnorm_modulate(norm, x, scale, shift, site)
         return norm(x) * (1 + scale) + shift
 
     @staticmethod

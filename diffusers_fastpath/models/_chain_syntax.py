@@ -152,6 +152,15 @@ def _single_target(stmt: ast.stmt) -> str | None:
     return None
 
 
+def _assigned_names(stmt: ast.stmt) -> set[str] | None:
+    """The names a plain assignment binds (``a = ...``, ``a, b = ...``), or None for any other statement."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+        return None
+    target = stmt.targets[0]
+    elts = target.elts if isinstance(target, ast.Tuple) else [target]
+    return {e.id for e in elts} if all(isinstance(e, ast.Name) for e in elts) else None
+
+
 def _reads_after(body_after: list[ast.stmt], name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
                for stmt in body_after for n in ast.walk(stmt))

@@ -33,13 +33,18 @@ of ``self``):
     ``T[:, 0]`` go to the op where they are ``[B, 1, D]`` (the same products and sums element by element:
     multiplication and addition commute exactly), else the expression runs as written
 
+  - the rows form with ``self.A`` diffusers' ``RMSNorm`` (LTX-Video's weightless norms, per-token ``[B, T, D]``
+    rows, all in the stream's dtype)  ->  `diffusers_fastpath.ops.rmsnorm_modulate` (the RMSNorm kernel with a
+    modulate epilogue rounded as eager's three kernels; self-verified), the site op ``rmsnorm_modulate``
+
   - ``N = (self.A(X.float()) * (1 + S) + T).type_as(X)``, ``X`` a name (Wan: an fp32 LayerNorm of the upcast
     stream, fp32 ``[B, 1, D]`` rows)  ->  `layernorm_scale_shift_fp32` (the LayerNorm kernel with an fp32 modulate
     and one rounding; the fallback is this very expression), the site op ``layernorm_scale_shift_fp32``
 
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
-  others between them (HunyuanVideo normalises both streams, then modulates both) where those are plain
-  assignments to other names that neither read ``N`` nor rebind a name ``X`` reads, and call no in-place method:
+  others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
+  where those are plain assignments to other names (one or a tuple of them) that neither read ``N`` nor rebind a
+  name ``X`` reads, and call no in-place method:
   the LayerNorm then runs at the modulate, on the same ``X``.
 - LayerNorm into a modulate method, for a block that modulates in a method of its own (Qwen-Image's
   ``_modulate``); the adapter names the method ``M`` and a fused counterpart ``F`` (``norm_methods={M: F}``),
@@ -185,14 +190,15 @@ from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
-from ._chain_syntax import (_NS, _act_of_proj, _call, _calls_inplace, _cat_names, _cat_of, _complex_rotary_call,
-                            _diffusers_rotary, _local_def,
+from ._chain_syntax import (_NS, _act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
+                            _complex_rotary_call, _diffusers_rotary, _local_def,
                             _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _outer_mask_of,
                             _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
                             _site_of, _unsqueezed, _uses)
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
+RMS_MODULATE = "rmsnorm_modulate"  # a diffusers RMSNorm's modulate site (LTX-Video): the RMSNorm kernel's epilogue
 MODULATE_FP32 = "layernorm_scale_shift_fp32"  # Wan's: an fp32 LayerNorm and modulate of the upcast stream
 MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
 GATED_RESIDUAL = "gated_residual"
@@ -550,7 +556,8 @@ class _Rewriter:
                         del out[i]
                         i -= 1
                     break
-                if (target is None or target == n or target in x_names or _uses(stmt.value, n)
+                stores = _assigned_names(stmt)  # LTX-Video unpacks its adaLN rows in between: ``a, b = t.unbind(2)``
+                if (stores is None or n in stores or stores & x_names or _uses(stmt.value, n)
                         or _calls_inplace(stmt.value)):
                     break
             i += 1
@@ -814,6 +821,8 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
             state.add_site(getattr(block, attr), MODULATE_FP32)
     for attr in found.norms:
         norm = getattr(block, attr)
-        if not isinstance(norm, nn.LayerNorm):  # SD3's last block's norm2_context is None (never reached); an
-            continue                            # RMSNorm (LTX-Video) runs the expression as written, uncounted
+        if type(norm) is RMSNorm:  # LTX-Video's weightless norms: `rmsnorm_modulate` where the rows form took them
+            state.add_site(norm, RMS_MODULATE)
+        if not isinstance(norm, nn.LayerNorm):  # SD3's last block's norm2_context is None (never reached)
+            continue
         state.add_site(norm, MODULATE)

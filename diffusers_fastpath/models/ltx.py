@@ -1,13 +1,16 @@
 """LTX-Video adapter: diffusers' ``LTXVideoTransformer3DModel`` (LTX-Video 0.9.x), through the shared pieces.
 
-LTX-Video's ``LTXVideoTransformerBlock`` normalises with RMSNorms and modulates from a learnt table plus the timestep
-embedding; its two gated residuals (``hidden_states + attn_hidden_states * gate_msa`` and the FFN's) are rewritten
-from the installed diffusers source (`diffusers_fastpath.models._chains`) into the fused `gated_residual` (the
-product taken as ``gate * update``: it commutes bit for bit). The ``norm2`` modulate the rewriter also finds runs as
-written: an RMSNorm is not the LayerNorm the kernel reproduces.
+LTX-Video's ``LTXVideoTransformerBlock`` normalises with weightless RMSNorms and modulates from a learnt table plus
+the timestep embedding, per token. Rewritten from the installed diffusers source (`diffusers_fastpath.models._chains`):
 
-Per LTX-Video step (28 blocks): 56 gated residual sites. Not fused yet (issue 15): the RMSNorm + modulates, the QK
-RMSNorms (across heads) and LTX's own rotary embedding, the GELUs.
+- its two gated residuals (``hidden_states + attn_hidden_states * gate_msa`` and the FFN's) into the fused
+  `gated_residual` (the product taken as ``gate * update``: it commutes bit for bit);
+- both RMSNorm + modulates, ``norm1`` (``N = self.norm1(X)`` ... ``N = N * (1 + scale_msa) + shift_msa``) and
+  ``norm2`` (``self.norm2(X) * (1 + scale_mlp) + shift_mlp``), into `diffusers_fastpath.ops.rmsnorm_modulate`: the
+  RMSNorm kernel's T-rounded modulate epilogue over the per-token ``[B, T, D]`` rows, self-verified.
+
+Per LTX-Video step (28 blocks): 56 gated residual and 56 RMSNorm + modulate sites. Not fused yet (issue 15): the QK
+RMSNorms (``torch.nn.RMSNorm`` across heads) and LTX's own rotary embedding, the GELUs.
 """
 
 from __future__ import annotations

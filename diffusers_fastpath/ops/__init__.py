@@ -10,6 +10,7 @@ from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .rmsnorm import rmsnorm, rmsnorm_ref
+from .rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_ref
 from .rmsnorm_scale_shift import (
     gated_rmsnorm_scale_shift,
     gated_rmsnorm_scale_shift_ref,
@@ -50,6 +51,8 @@ __all__ = [
     "qk_norm_rope_ref",
     "rmsnorm",
     "rmsnorm_gated_residual",
+    "rmsnorm_modulate",
+    "rmsnorm_modulate_ref",
     "rmsnorm_ref",
     "rmsnorm_rope_complex",
     "rmsnorm_rope_complex_ref",

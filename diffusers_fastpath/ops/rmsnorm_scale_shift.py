@@ -98,23 +98,24 @@ def _rows_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
     )
 
 
-def norm_reason(norm, x) -> str | None:
-    """What the kernel needs of the norm and the input's dtype: a weight of that dtype, no bias (fp16 or bf16)."""
+def norm_reason(norm, x, weightless: bool = False) -> str | None:
+    """What the kernel needs of the norm and the input's dtype: a weight of that dtype (or, `weightless`, none), no
+    bias (fp16 or bf16)."""
     weight = getattr(norm, "weight", None)
-    if weight is None or getattr(norm, "bias", None) is not None:
+    if (weight is None and not weightless) or getattr(norm, "bias", None) is not None:
         return "norm without weight or with bias"
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
-    if weight.dtype is not x.dtype:
+    if weight is not None and weight.dtype is not x.dtype:
         return "mixed dtypes"
     return None
 
 
-def _guard_rows(norm, x, operands, check_pointers) -> str | None:
-    reason = norm_reason(norm, x)
+def _guard_rows(norm, x, operands, check_pointers, weightless: bool = False) -> str | None:
+    reason = norm_reason(norm, x, weightless)
     if reason is not None:
         return reason
-    weight = norm.weight
+    weight = norm.weight if norm.weight is not None else x  # a weightless norm: x stands in for its checks
     if x.dim() != 3:
         return "shape"
     seq, batch, dim = x.shape
@@ -178,16 +179,16 @@ def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_p
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
 # stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32,
 # the RmsEpilogue values and the output allocation; the guard stands for bindings.cpp's input checks.
-SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN = 0, 1, 2, 3, 4, 5  # fastpath.h's RmsEpilogue
+SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN, MODULATE = range(7)  # fastpath.h's RmsEpilogue
 _EPILOGUE_NAME = {SCALE_SHIFT: "kScaleShift", SCALE: "kScale", GATED_RESIDUAL: "kGatedResidual",
-                  ROPE_COMPLEX: "kRopeComplex", ROPE_REAL: "kRopeReal", PLAIN: "kPlain"}
+                  ROPE_COMPLEX: "kRopeComplex", ROPE_REAL: "kRopeReal", PLAIN: "kPlain", MODULATE: "kModulate"}
 _ROWS = _nvrtc.Params("Rows", ("ptr", "P"), ("stride_s", "q"), ("stride_b", "q"))
 _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P"), ("x", _ROWS), ("gate", _ROWS),
                       ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("residual", _ROWS), ("freqs", _ROWS),
                       ("sin", _ROWS), ("weight", "P"), ("seq", "q"), ("batch", "q"), ("dim", "q"), ("heads", "q"),
                       ("tokens", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"))
 _VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL), (False, ROPE_COMPLEX),
-             (False, ROPE_REAL), (False, PLAIN))
+             (False, ROPE_REAL), (False, PLAIN), (False, MODULATE))
 _NVRTC = _nvrtc.Kernel(
     "rmsnorm_scale_shift.cu",
     "diffusers_fastpath::rmsnorm_scale_shift_kernel",
@@ -224,7 +225,7 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
         device, (x.dtype, gated, epilogue), ((rows + per_block - 1) // per_block, 1, 1),
         (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
         *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs, *sin,
-        weight.data_ptr(), seq, batch, dim, heads, tokens, eps, _f32(_f32(rows) / _f32(rows * dim)), gated,
+        0 if weight is None else weight.data_ptr(), seq, batch, dim, heads, tokens, eps, _f32(_f32(rows) / _f32(rows * dim)), gated,
         _nvrtc.DTYPE_CODE[x.dtype], epilogue)
 
 
