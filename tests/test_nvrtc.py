@@ -793,7 +793,7 @@ def test_rmsnorm_modulate_through_nvrtc_equals_nvcc_and_eager(weighted, dtype, b
     x = _rand((1, 6144, 2048), dtype, gen, 1.0)
     shift, scale = _rand((1, 6144, 6, 2048), dtype, gen, 0.5).unbind(dim=2)[:2]
     weight = (torch.rand(2048, generator=gen, device="cuda") + 0.5).to(dtype) if weighted else None
-    normed = rmsnorm_mod._rms_norm(x, weight, 1e-6) if weighted else rmsnorm_modulate_mod._rms_norm(x, None, 1e-6)
+    normed = rmsnorm_mod._rms_norm(x, weight, 1e-6)
     got = rmsnorm_modulate_mod._nvrtc_kernel(x, weight, scale, shift, 1e-6)
     assert torch.equal(got, normed * (1 + scale) + shift)
     if both_ways:

@@ -30,7 +30,7 @@ from diffusers.models.normalization import RMSNorm
 from . import _nvrtc
 from ._build import launcher
 from ._policy import FusedOp, Site
-from .rmsnorm_scale_shift import MODULATE, _broadcast_rows, _guard_rows, _nvrtc_launch
+from .rmsnorm_scale_shift import MODULATE, _broadcast_rows, _guard_rows, _Norm, _nvrtc_launch, _rms_norm
 
 
 def rmsnorm_modulate_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -38,17 +38,6 @@ def rmsnorm_modulate_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torc
     class's, so that a subclass whose forward runs this op falls back to diffusers' code)."""
     y = RMSNorm.forward(norm, x) if isinstance(norm, RMSNorm) else _rms_norm(x, norm.weight, norm.eps)
     return y * (1 + scale) + shift
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """diffusers' ``RMSNorm.forward`` (no bias, not NPU), with or without a weight, for the custom op's eager path."""
-    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-    y = x * torch.rsqrt(variance + eps)
-    if weight is None:
-        return y.to(x.dtype)
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        y = y.to(weight.dtype)
-    return y * weight
 
 
 def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
@@ -85,16 +74,6 @@ def _kernel(norm, x, scale, shift):
     if _launch is None:
         _launch = launcher(_nvrtc_kernel, "_rmsnorm_modulate_cuda")
     return _launch(x, norm.weight, _broadcast_rows(scale, x), _broadcast_rows(shift, x), norm.eps)
-
-
-class _Norm:
-    """What the guard reads of an ``RMSNorm`` module, for the custom op (which takes tensors and floats)."""
-
-    __slots__ = ("weight", "eps")
-    bias = None
-
-    def __init__(self, weight: torch.Tensor | None, eps: float) -> None:
-        self.weight, self.eps = weight, eps
 
 
 @torch.library.custom_op("diffusers_fastpath::rmsnorm_modulate", mutates_args=())

@@ -43,10 +43,13 @@ from ._policy import HALF_DTYPES, FusedOp, Site
 from .gated_residual import gated_residual
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """diffusers' ``RMSNorm.forward`` (weight, no bias, not NPU) as a function, for the custom ops' eager path."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """diffusers' ``RMSNorm.forward`` (no bias, not NPU; a weight, or none as LTX-Video's) as a function, for the
+    custom ops' eager path."""
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     y = x * torch.rsqrt(variance + eps)
+    if weight is None:
+        return y.to(x.dtype)
     if weight.dtype in HALF_DTYPES:
         y = y.to(weight.dtype)
     return y * weight
@@ -329,7 +332,7 @@ class _Norm:
     __slots__ = ("weight", "eps")
     bias = None
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor | None, eps: float) -> None:
         self.weight, self.eps = weight, eps
 
 
