@@ -175,6 +175,38 @@ def test_deferred_norms_sums_either_way_round_and_gate_names():
     assert all(torch.equal(a, b) for a, b in zip(block(*[a.clone() for a in args]), ref))
 
 
+class UnpackBlock(torch.nn.Module):
+    """LTX-Video's style: the adaLN rows unpacked from a table between the norm and its modulate (rows already
+    broadcast), and the near miss where the unpack rebinds the norm's input."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.norm2 = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, table):
+        n = self.norm1(x)
+        shift, scale = table.unbind(dim=2)                    # fused: a tuple of other names in between
+        n = n * (1 + scale) + shift
+        m = self.norm2(x)
+        x, scale = table.unbind(dim=2)                        # near miss: the unpack rebinds X
+        m = m * (1 + scale) + shift
+        return n, m, x
+
+
+def test_deferred_norms_let_a_tuple_unpack_of_other_names_pass():
+    sub, found = _chains.fused_subclass(UnpackBlock, "FusedUnpackBlock", __name__)
+    assert found.norms == ["norm1"]
+    source = inspect.getsource(sub.forward)
+    assert "n = self.norm1(x)" not in source and "norm_modulate_rows(self.norm1, x, scale, shift," in source
+    assert "m = self.norm2(x)" in source and "m = m * (1 + scale) + shift" in source
+    torch.manual_seed(5)
+    block = sub().to(torch.bfloat16)
+    args = (torch.randn(2, 1, 8).to(torch.bfloat16), torch.randn(2, 1, 2, 8).to(torch.bfloat16))
+    ref = UnpackBlock().to(torch.bfloat16)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(block(*args), ref))
+
+
 class Processor:
     """A processor in diffusers' style: its ``self`` holds no sites, so only the rotary pattern applies (on `attn`)."""
 
