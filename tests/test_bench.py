@@ -387,8 +387,11 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
     flux_ops = {"modulate_scale_shift", "layernorm_scale_shift", "gated_residual",
                 "rotary_emb", "qk_norm_rope", "qk_norm_rope (text+image)", "linear_gelu (high)", "gelu_cat"}
     sd3_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm (image q)", "rmsnorm (text q)", "cat_heads"}
+    qwen_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm_rope_complex (image q)",
+                "rmsnorm_rope_complex (text q)"}
     for model, ops in (("flux-dev", flux_ops), ("ernie-image", {"rmsnorm_scale_shift", "gated_rmsnorm_scale_shift"}),
-                       ("sd3-tiny", sd3_ops)):  # SD3's head_dim 64 at 1024x1024's 4096 image tokens
+                       ("sd3-tiny", sd3_ops),  # SD3's head_dim 64 at 1024x1024's 4096 image tokens
+                       ("qwen-image-tiny", qwen_ops), ("ltx-video-tiny", {"rmsnorm_modulate"})):
         path = tmp_path / f"{model}.json"
         size = ["--height", "1024", "--width", "1024"]  # the tiny models' default is smaller
         assert bench.main(["--model", model, "--levels", "kernels", "--no-progress", *size, "--json", str(path)]) == 0

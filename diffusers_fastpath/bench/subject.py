@@ -49,7 +49,8 @@ STEP_MODELS = {
     "wan-14b": ("build_wan_transformer", "wan-14b", "wan_transformer_inputs", "video8"),
     "wan-tiny": ("build_wan_transformer", "wan-tiny", "wan_transformer_inputs", "video8"),
 }
-STEP_FAMILIES = {"build_sd3_transformer": "sd3"}  # the family of a step model's kernel cases (default "other")
+# the family of a step model's kernel cases (default "other")
+STEP_FAMILIES = {"build_sd3_transformer": "sd3", "build_qwenimage_transformer": "qwen", "build_ltx_transformer": "ltx"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -59,7 +60,8 @@ class Subject:
     pipeline, a pipeline around it."""
 
     name: str
-    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", "sd3", or "other" (none)
+    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", "sd3", "qwen", "ltx", or
+    # "other" (no kernel cases)
     transformer: nn.Module
     step_inputs: dict[str, Any]
     pipe: Any = None

@@ -49,7 +49,10 @@ class KernelCase:
 
 
 KERNEL_CASES: dict[str, Callable[[Shapes], list[KernelCase]]] = {}
-KERNEL_FAMILIES = {"flux": "FLUX.1 and Chroma", "ernie": "ERNIE-Image", "sd3": "SD3 and SD3.5"}  # Subject.family
+KERNEL_FAMILIES = {"flux": "FLUX.1 and Chroma", "ernie": "ERNIE-Image", "sd3": "SD3 and SD3.5", "qwen": "Qwen-Image",
+                   "ltx": "LTX-Video"}  # Subject.family
+# families whose step inputs are packed tokens ([B, T, C]): their image tokens are the inputs', not (H / 16) (W / 16)
+PACKED_FAMILIES = ("qwen", "ltx")
 
 
 def kernel_cases(fn: Callable[[Shapes], list[KernelCase]]) -> Callable[[Shapes], list[KernelCase]]:
@@ -84,10 +87,10 @@ def _flux_adaln_inputs(sh: Shapes, tokens: int):
 
 
 def _flux_token_counts(sh: Shapes) -> tuple[int, ...]:
-    """The rows of an adaLN site: image and text streams, and FLUX's single blocks (image + text); SD3 has no single
-    blocks."""
+    """The rows of an adaLN site: image and text streams, and FLUX's single blocks (image + text); SD3 and
+    Qwen-Image have no single blocks."""
     streams = (sh.image_tokens, sh.text_tokens)
-    return streams if sh.family == "sd3" else (*streams, sh.image_tokens + sh.text_tokens)
+    return (*streams, sh.image_tokens + sh.text_tokens) if sh.family == "flux" else streams
 
 
 @kernel_cases
@@ -109,8 +112,8 @@ def modulate_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's and SD3's adaLN LayerNorm + modulate (lossless, one kernel)."""
-    if sh.family not in ("flux", "sd3"):
+    """FLUX's, SD3's and Qwen-Image's adaLN LayerNorm + modulate (lossless, one kernel)."""
+    if sh.family not in ("flux", "sd3", "qwen"):
         return []
     from ...ops import layernorm_scale_shift_ref
 
@@ -129,8 +132,9 @@ def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def gated_residual_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's and SD3's ``residual + gate.unsqueeze(1) * update`` at the image, text and single-block sites."""
-    if sh.family not in ("flux", "sd3"):
+    """FLUX's, SD3's and Qwen-Image's ``residual + gate.unsqueeze(1) * update`` at the image, text and single-block
+    sites."""
+    if sh.family not in ("flux", "sd3", "qwen"):
         return []
     from ...ops import gated_residual_ref
 
@@ -301,6 +305,65 @@ def cat_heads_cases(sh: Shapes) -> list[KernelCase]:
                        2 * (_nbytes(a) + _nbytes(b)))]
 
 
+@kernel_cases
+def rmsnorm_rope_complex_cases(sh: Shapes) -> list[KernelCase]:
+    """Qwen-Image's QK norms with the complex rotary after them: image and text q, ``[B, S, H, 128]``."""
+    if sh.family != "qwen":
+        return []
+    from diffusers.models.normalization import RMSNorm
+
+    from ...ops import rmsnorm_rope_complex_ref
+    from ...ops.rmsnorm_rope import _pairs
+
+    op = torch.ops.diffusers_fastpath._rmsnorm_rope_complex_cuda
+    cfg = sh.model.config
+    heads, dim, b = cfg.num_attention_heads, cfg.attention_head_dim, sh.batch
+    norm = RMSNorm(dim, eps=1e-6).to(sh.device, sh.dtype).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    cases = []
+    for tokens, name in ((sh.image_tokens, "image"), (sh.text_tokens, "text")):
+        angle = torch.rand(tokens, dim // 2, device=sh.device) * 100
+        freqs = torch.polar(torch.ones_like(angle), angle)  # complex64 [S, D / 2], as the model's table
+        pairs = _pairs(freqs)
+
+        def make():
+            x = sh.randn(b, tokens, heads, dim)
+            return x, x.view(b * tokens * heads, 1, dim)
+
+        sets = _input_sets(make)
+        x = sets[0][0]
+        cases.append(KernelCase(
+            f"rmsnorm_rope_complex ({name} q)", tuple(x.shape), sets,
+            lambda x, rows, freqs=freqs: rmsnorm_rope_complex_ref(norm, x, freqs).view(rows.shape),
+            lambda x, rows, pairs=pairs, tokens=tokens: op(rows, norm.weight, pairs, heads, tokens, norm.eps),
+            2 * _nbytes(x) + _nbytes(freqs)))
+    return cases
+
+
+@kernel_cases
+def rmsnorm_modulate_cases(sh: Shapes) -> list[KernelCase]:
+    """LTX-Video's adaLN sites: its weightless RMSNorm and the per-token modulate, ``[B, T, D]``."""
+    if sh.family != "ltx":
+        return []
+    from diffusers.models.normalization import RMSNorm
+
+    from ...ops import rmsnorm_modulate_ref
+
+    op = torch.ops.diffusers_fastpath._rmsnorm_modulate_cuda
+    b, tokens, d = sh.batch, sh.image_tokens, sh.hidden
+    norm = RMSNorm(d, eps=1e-6, elementwise_affine=False)
+
+    def make():
+        shift, scale = sh.randn(b, tokens, 6, d).unbind(dim=2)[:2]  # views of the adaLN table, as the block has them
+        return sh.randn(b, tokens, d), scale, shift
+
+    sets = _input_sets(make)
+    x = sets[0][0]
+    return [KernelCase("rmsnorm_modulate", (b, tokens, d), sets, lambda x, s, h: rmsnorm_modulate_ref(norm, x, s, h),
+                       lambda x, s, h: op(x, None, s, h, norm.eps), 4 * _nbytes(x))]
+
+
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
     """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets, and
     whether they ran as one CUDA graph. They are captured as one where they can be: a stream of separately launched
@@ -399,8 +462,10 @@ def run_kernels(subject: Subject, args: argparse.Namespace, device: torch.device
     load_extension()
     cfg = subject.transformer.config
     hidden = cfg.hidden_size if subject.family == "ernie" else cfg.num_attention_heads * cfg.attention_head_dim
-    sh = Shapes(subject.family, subject.transformer, hidden, (args.height // 16) * (args.width // 16),
-                args.text_tokens, args.batch, DTYPES[args.dtype], device)
+    image_tokens = (subject.step_inputs["hidden_states"].shape[1] if subject.family in PACKED_FAMILIES
+                    else (args.height // 16) * (args.width // 16))
+    sh = Shapes(subject.family, subject.transformer, hidden, image_tokens, args.text_tokens, args.batch,
+                DTYPES[args.dtype], device)
     builders = list(KERNEL_CASES.values())
     rows = []
     with progress(len(builders), "kernels", show) as bar:
