@@ -39,6 +39,7 @@ import contextlib
 import copy
 import inspect
 import operator
+import threading
 import weakref
 from collections import Counter
 from typing import Any, Callable
@@ -95,6 +96,53 @@ CAPTURE_TWINS: dict[type, list[tuple[Any, str, Callable, Callable]]] = {}
 def register_capture_twin(model_cls: type, module: Any, name: str, twin: Callable) -> None:
     """Record `twin` as what ``module.name`` (as installed now) is bound to while a `model_cls` forward records."""
     CAPTURE_TWINS.setdefault(model_cls, []).append((module, name, getattr(module, name), twin))
+
+
+# What a model's forward reads from its inputs on the host and bakes into the graph (shapes and loop bounds that follow
+# from tensor values: Lumina2's caption lengths), by model class: ``fn(model, call) -> (key, side)`` with ``call`` the
+# forward's arguments by name. It runs before every call, outside any capture (where it may wait on the GPU: eager
+# waits there too); ``key`` joins the call's signature, so that a graph recorded for some values is never replayed
+# for others, and ``side()`` (called at most once, while that signature records) gives what the model's capture twins
+# read instead of waiting on the host (`capture_side`). ``key`` None: the call runs eager.
+HOST_KEYS: dict[type, Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]] = {}
+_recording = threading.local()
+
+
+def register_host_key(model_cls: type, fn: Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]) -> None:
+    """Record `fn` as the host key of `model_cls` forwards (see `HOST_KEYS`)."""
+    HOST_KEYS[model_cls] = fn
+
+
+def capture_side() -> Any:
+    """While a forward records, the side data of its host key (`HOST_KEYS`), else None."""
+    side = getattr(_recording, "side", None)
+    if side is None:
+        return None
+    if not hasattr(_recording, "value"):
+        _recording.value = side()
+    return _recording.value
+
+
+@contextlib.contextmanager
+def _side_bound(side: Callable[[], Any] | None):
+    _recording.side = side
+    try:
+        yield
+    finally:
+        _recording.side = None
+        if hasattr(_recording, "value"):
+            del _recording.value
+
+
+def _host_key(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict):
+    """``(key, side)`` of the model's host key, or None where its class has none; `Unsupported` where it says so."""
+    fn = next((f for cls, f in HOST_KEYS.items() if isinstance(model, cls)), None)
+    if fn is None:
+        return None
+    key, side = fn(model, dict(zip(names, args), **kwargs))
+    if key is None:
+        raise Unsupported(f"{type(model).__name__}: its host-read inputs are not what a graph can key on")
+    return key, side
 
 
 @contextlib.contextmanager
@@ -358,10 +406,11 @@ class GraphRunner:
         try:
             self._check_model(model)
             sig, tensors = call_signature(self.names, args, kwargs, self.fingerprint.device)
+            host = _host_key(model, self.names, args, kwargs)
         except Unsupported as exc:
             self.eager[str(exc)] += 1
             return forward(*args, **kwargs)
-        sig = (sig, _global_state())
+        sig = (sig, _global_state()) if host is None else (sig, _global_state(), host[0])
         graph = self.graphs.get(sig)
         if graph is not None:
             self.replays += 1
@@ -370,7 +419,7 @@ class GraphRunner:
         if reason is not None:
             self.eager[reason] += 1
             return forward(*args, **kwargs)
-        return self._capture(forward, sig, args, kwargs, tensors)
+        return self._capture(forward, sig, args, kwargs, tensors, host and host[1])
 
     def _check_model(self, model: nn.Module) -> None:
         if self.disabled is not None:
@@ -397,11 +446,12 @@ class GraphRunner:
             raise Unsupported(self.fingerprint.blocker)
 
     # --- capture and verification ------------------------------------------------------------------------------
-    def _capture(self, forward: Callable, sig: tuple, args: tuple, kwargs: dict, tensors: list[torch.Tensor]):
+    def _capture(self, forward: Callable, sig: tuple, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+                 side: Callable[[], Any] | None = None):
         ref = forward(*args, **kwargs)  # the eager result: returned, and the reference the first replay must equal
         self.captures += 1
         try:
-            graph = self._record(forward, args, kwargs, tensors)
+            graph = self._record(forward, args, kwargs, tensors, side)
             out = graph.replay(tensors)
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eager, once said why
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -422,7 +472,8 @@ class GraphRunner:
         self.pool_bytes = self.backend.pool_bytes(self.pool)
         return ref
 
-    def _record(self, forward: Callable, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> _Graph:
+    def _record(self, forward: Callable, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+                side: Callable[[], Any] | None = None) -> _Graph:
         static = [torch.empty_like(t) for t in tensors]  # same strides where the input is dense
         for s, t in zip(static, tensors):
             s.copy_(t)
@@ -432,7 +483,7 @@ class GraphRunner:
         static_call = {name: _substitute(call[name], it) for name in self.names if name in call}
         if self.pool is None:  # one pool for all graphs of the model (and a fresh one after they were dropped)
             self.pool = self.backend.new_pool(self.fingerprint.device)
-        with capture_twins_bound(type(forward.__self__)):
+        with capture_twins_bound(type(forward.__self__)), _side_bound(side):
             graph, out = self.backend.record(self.pool, lambda: forward(**static_call))
         outputs, spec = pytree.tree_flatten(out)
         return _Graph(graph, static, outputs, spec)
@@ -486,7 +537,7 @@ class GraphRunner:
 
 
 def _describe(sig: tuple) -> str:
-    args, _ = sig
+    args = sig[0]
     return ", ".join(f"{name}={tuple(leaf[0])}" if isinstance(leaf[0], torch.Size) else f"{name}" for name, leaf in args)
 
 

@@ -130,3 +130,58 @@ def test_inputs_past_the_rotary_table_are_refused_before_a_device_assert():
         lumina2_transformer_inputs(model, txt_tokens=64)
     with pytest.raises(ValueError, match="rotary table"):
         lumina2_transformer_inputs(model, grid=(66, 8))
+
+
+def test_graphs_key_on_the_caption_lengths_and_record_without_host_reads(unpatch_after, monkeypatch):
+    """CUDA graphs (simulated on the CPU): the caption lengths the forward reads on the host are part of the graph's
+    signature (a second set of lengths records a second graph; the first replays for its own lengths only), and while
+    a graph records, the rotary embedder gets the mask as a host copy and its tables already on the model's device."""
+    from diffusers.models.transformers.transformer_lumina2 import Lumina2RotaryPosEmbed
+
+    from diffusers_fastpath import graphs
+    from diffusers_fastpath._state import STATE_ATTR
+    from diffusers_fastpath.testing import SimulatedGraphs
+
+    model, twin = build_lumina2_transformer(seed=3), build_lumina2_transformer(seed=3)
+    fp.patch(model)
+    unpatch_after(model)
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", SimulatedGraphs())
+    seen = []
+    original = lumina2._ROPE_FORWARD
+
+    def spy(self, hidden_states, attention_mask):  # what the embedder is handed, outside and inside a recording
+        seen.append((attention_mask.device.type, graphs.capture_side() is not None))
+        return original(self, hidden_states, attention_mask)
+
+    monkeypatch.setattr(lumina2, "_ROPE_FORWARD", spy)
+    monkeypatch.setattr(Lumina2RotaryPosEmbed, "forward", spy)  # the eager forward, outside recordings
+    a = lumina2_transformer_inputs(model, batch=2, seed=4)
+    b = dict(a, encoder_attention_mask=a["encoder_attention_mask"].clone())
+    b["encoder_attention_mask"][1, -2:] = False  # the same shapes, other lengths
+    with torch.no_grad():
+        for inputs in (a, b, a, b):
+            assert torch.equal(model(**inputs).sample, twin(**inputs).sample)
+    assert runner.captures == 2 and runner.replays == 2 and len(runner.graphs) == 2, (runner.eager, runner.failed)
+    assert len({sig[2] for sig in runner.graphs}) == 2  # keyed on the two sets of caption lengths
+    assert ("cpu", True) in seen  # the recording's embedder saw the host copy through the capture twin
+    assert graphs.capture_side() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_lumina2_graphs_capture_and_replay_bitwise_per_caption_lengths(dtype, unpatch_after):
+    """On the GPU: a tiny Lumina2 with captions of two sets of lengths records a graph for each (no host read or
+    host-to-device copy inside the capture) and replays each bit-identically to unpatched eager, for its own lengths."""
+    model = build_lumina2_transformer(dtype=dtype, device="cuda", seed=5)
+    a = lumina2_transformer_inputs(model, batch=2, seed=6)
+    b = dict(a, encoder_attention_mask=a["encoder_attention_mask"].clone())
+    b["encoder_attention_mask"][1, -2:] = False
+    calls = [a, b, dict(a, hidden_states=torch.randn_like(a["hidden_states"])), b]
+    with torch.no_grad():
+        refs = [model(**inputs).sample for inputs in calls]
+    fp.patch(model, cuda_graphs=True)
+    unpatch_after(model)
+    with torch.no_grad():
+        assert all(torch.equal(model(**inputs).sample, ref) for inputs, ref in zip(calls, refs))
+    stats = fp.report(model).models[0].graphs
+    assert stats["status"] == "on" and stats["captured"] == 2 and stats["replays"] == 2 and not stats["eager"], stats

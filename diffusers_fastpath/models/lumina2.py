@@ -18,6 +18,15 @@ diffusers source (`diffusers_fastpath.models._chains`):
 Per Lumina-Image 2.0 step (26 layers, 2 noise-refiner and 2 context-refiner blocks): 56 + 56 RMSNorm + scale, 56
 RMSNorm + gated residual, 30 SwiGLU and 60 QK-norm sites. Not fused yet (issue 14): the complex rotary embedding of
 ``Lumina2AttnProcessor2_0`` (after the fused norm, eager).
+
+CUDA graphs: the forward reads its caption lengths on the host (``Lumina2RotaryPosEmbed.forward``:
+``attention_mask.sum(dim=1).tolist()``, which sets the sequence layout and every loop after it) and copies its CPU
+rotary tables to the device (``_get_freqs_cis``: ``self.freqs_cis[i].to(ids.device)``), neither of which a capture
+allows. So the lengths are the model's host key (`diffusers_fastpath.graphs.register_host_key`: read before each
+call, part of the graph's signature, so a graph recorded for some lengths is never replayed for others), and while a
+signature records, its capture twins give the rotary embedder a host copy of the mask (the same lengths, read without
+waiting on the GPU) and device copies of its tables (the same values): the recorded kernels are the eager ones, and
+the first replay is compared with the eager forward as always.
 """
 
 from __future__ import annotations
@@ -25,8 +34,11 @@ from __future__ import annotations
 from diffusers.models.attention import LuminaFeedForward
 from diffusers.models.attention_processor import Attention
 from diffusers.models.normalization import LuminaRMSNormZero
-from diffusers.models.transformers.transformer_lumina2 import Lumina2Transformer2DModel, Lumina2TransformerBlock
+import torch
+from diffusers.models.transformers.transformer_lumina2 import (Lumina2RotaryPosEmbed, Lumina2Transformer2DModel,
+                                                               Lumina2TransformerBlock)
 
+from .. import graphs
 from .._state import PatchState, register_adapter
 from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
 from ._qk_norms import patch_qk_rmsnorms
@@ -59,3 +71,45 @@ def patch_lumina2(model: Lumina2Transformer2DModel, state: PatchState) -> None:
             continue
         state.swap_class(module, fused)
         add_chain_sites(state, module, found)
+
+
+def _caption_lengths(model: Lumina2Transformer2DModel, call: dict):
+    """The host key of a Lumina2 forward (`graphs.HOST_KEYS`): the caption lengths its rotary embedder reads from
+    ``encoder_attention_mask``, and, for a recording, the mask on the host and the embedder's tables on the device."""
+    mask = call.get("encoder_attention_mask")
+    if not isinstance(mask, torch.Tensor):
+        return None, None
+    host_mask = mask.to("cpu")  # waits for the GPU, as the eager forward's .tolist() does
+    rope = model.rope_embedder
+
+    def side():
+        device = mask.device
+        return host_mask, {id(rope): [f.to(device) for f in rope.freqs_cis]}
+
+    return tuple(host_mask.sum(dim=1).tolist()), side
+
+
+def _rope_forward_twin(self, hidden_states, attention_mask):
+    """`Lumina2RotaryPosEmbed.forward` while a graph records: the host copy of the mask (the same lengths)."""
+    side = graphs.capture_side()
+    return _ROPE_FORWARD(self, hidden_states, attention_mask if side is None else side[0])
+
+
+def _freqs_twin(self, ids):
+    """`Lumina2RotaryPosEmbed._get_freqs_cis` while a graph records: its tables already on the device (``.to`` of
+    them is then no copy), the same values."""
+    side = graphs.capture_side()
+    tables = None if side is None else side[1].get(id(self))
+    if tables is None:
+        return _GET_FREQS(self, ids)
+    saved, self.freqs_cis = self.freqs_cis, tables
+    try:
+        return _GET_FREQS(self, ids)
+    finally:
+        self.freqs_cis = saved
+
+
+_ROPE_FORWARD, _GET_FREQS = Lumina2RotaryPosEmbed.forward, Lumina2RotaryPosEmbed._get_freqs_cis
+graphs.register_host_key(Lumina2Transformer2DModel, _caption_lengths)
+graphs.register_capture_twin(Lumina2Transformer2DModel, Lumina2RotaryPosEmbed, "forward", _rope_forward_twin)
+graphs.register_capture_twin(Lumina2Transformer2DModel, Lumina2RotaryPosEmbed, "_get_freqs_cis", _freqs_twin)
