@@ -15,7 +15,7 @@ from torch import nn
 PIPELINE_FAMILIES = {
     "flux": ("flux", "build_flux_transformer", "build_flux_vae", "flux_pipeline", "prompt_embeddings"),
     "chroma": ("flux", "build_chroma_transformer", "build_flux_vae", "chroma_pipeline", "chroma_prompt_embeddings"),
-    "flux2": ("other", "build_flux2_transformer", "build_flux2_vae", "flux2_pipeline", "flux2_prompt_embeddings"),
+    "flux2": ("flux2", "build_flux2_transformer", "build_flux2_vae", "flux2_pipeline", "flux2_prompt_embeddings"),
 }
 PIPELINE_MODELS = {
     "flux-tiny": ("flux", "flux-tiny"), "flux-dev": ("flux", "flux-dev"),
@@ -60,8 +60,8 @@ class Subject:
     pipeline, a pipeline around it."""
 
     name: str
-    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "ernie", "sd3", "qwen", "ltx", or
-    # "other" (no kernel cases)
+    family: str  # "flux" (FLUX.1 and Chroma: the same kernels at the same shapes), "flux2", "ernie", "sd3", "qwen",
+    # "ltx", or "other" (no kernel cases)
     transformer: nn.Module
     step_inputs: dict[str, Any]
     pipe: Any = None

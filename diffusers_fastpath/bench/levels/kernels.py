@@ -49,8 +49,8 @@ class KernelCase:
 
 
 KERNEL_CASES: dict[str, Callable[[Shapes], list[KernelCase]]] = {}
-KERNEL_FAMILIES = {"flux": "FLUX.1 and Chroma", "ernie": "ERNIE-Image", "sd3": "SD3 and SD3.5", "qwen": "Qwen-Image",
-                   "ltx": "LTX-Video"}  # Subject.family
+KERNEL_FAMILIES = {"flux": "FLUX.1 and Chroma", "flux2": "FLUX.2", "ernie": "ERNIE-Image", "sd3": "SD3 and SD3.5",
+                   "qwen": "Qwen-Image", "ltx": "LTX-Video"}  # Subject.family
 # families whose step inputs are packed tokens ([B, T, C]): their image tokens are the inputs', not (H / 16) (W / 16)
 PACKED_FAMILIES = ("qwen", "ltx")
 
@@ -90,7 +90,7 @@ def _flux_token_counts(sh: Shapes) -> tuple[int, ...]:
     """The rows of an adaLN site: image and text streams, and FLUX's single blocks (image + text); SD3 and
     Qwen-Image have no single blocks."""
     streams = (sh.image_tokens, sh.text_tokens)
-    return (*streams, sh.image_tokens + sh.text_tokens) if sh.family == "flux" else streams
+    return (*streams, sh.image_tokens + sh.text_tokens) if sh.family in ("flux", "flux2") else streams
 
 
 @kernel_cases
@@ -112,8 +112,9 @@ def modulate_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's, SD3's and Qwen-Image's adaLN LayerNorm + modulate (lossless, one kernel)."""
-    if sh.family not in ("flux", "sd3", "qwen"):
+    """The adaLN LayerNorm + modulate of FLUX.1, FLUX.2 (up to D = 6144), SD3 and Qwen-Image (lossless, one
+    kernel)."""
+    if sh.family not in ("flux", "flux2", "sd3", "qwen"):
         return []
     from ...ops import layernorm_scale_shift_ref
 
@@ -132,9 +133,9 @@ def layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def gated_residual_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's, SD3's and Qwen-Image's ``residual + gate.unsqueeze(1) * update`` at the image, text and single-block
-    sites."""
-    if sh.family not in ("flux", "sd3", "qwen"):
+    """``residual + gate.unsqueeze(1) * update`` at the image, text and single-block sites of FLUX.1, FLUX.2, SD3
+    and Qwen-Image."""
+    if sh.family not in ("flux", "flux2", "sd3", "qwen"):
         return []
     from ...ops import gated_residual_ref
 
@@ -171,9 +172,9 @@ def gelu_cat_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def rotary_cases(sh: Shapes) -> list[KernelCase]:
-    """FLUX's attention: the rotary embedding alone, and fused with the QK RMSNorm and the text/image
-    concatenation (dual blocks: text + image sources; single blocks: one joint source)."""
-    if sh.family != "flux":
+    """FLUX.1's and FLUX.2's attention: the rotary embedding alone, and fused with the QK RMSNorm and the
+    text/image concatenation (dual blocks: text + image sources; single blocks: one joint source)."""
+    if sh.family not in ("flux", "flux2"):
         return []
     from ...ops import qk_norm_rope_ref, rotary_emb_ref
 
@@ -193,7 +194,7 @@ def rotary_cases(sh: Shapes) -> list[KernelCase]:
         n_txt, n_img = (norms[0] if txt else None), norms[1]
         w_txt, eps_txt = (n_txt.weight, n_txt.eps) if txt else (None, 0.0)
         out = []
-        if not txt:
+        if not txt and sh.family == "flux":  # FLUX.1's single blocks' rotary alone (FLUX.2 fuses their QK norms too)
             out.append(KernelCase("rotary_emb", (b, seq, heads, dim), sets, lambda i, t: rotary_emb_ref(i, cos, sin),
                                   lambda i, t: ops._rotary_emb_cuda(i, cos, sin), nbytes))
         out.append(KernelCase(
@@ -303,6 +304,21 @@ def cat_heads_cases(sh: Shapes) -> list[KernelCase]:
     shape = (a.shape[0], a.shape[1], a.shape[2] + b.shape[2], a.shape[3])
     return [KernelCase("cat_heads", shape, sets, cat_heads_ref, torch.ops.diffusers_fastpath._cat_heads_cuda.default,
                        2 * (_nbytes(a) + _nbytes(b)))]
+
+
+@kernel_cases
+def silu_mul_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX.2's SwiGLU (``Flux2SwiGLU``): ``silu(x[..., :h]) * x[..., h:]`` of the dual blocks' FFN projection."""
+    if sh.family != "flux2":
+        return []
+    from ...ops import silu_mul_ref
+
+    op = torch.ops.diffusers_fastpath._silu_mul_cuda.default
+    b, tokens = sh.batch, sh.image_tokens
+    hidden = int(sh.hidden * sh.model.config.mlp_ratio)
+    sets = _input_sets(lambda: tuple(sh.randn(b, tokens, 2 * hidden).chunk(2, dim=-1)))
+    gate, _ = sets[0]
+    return [KernelCase("silu_mul", (b, tokens, hidden), sets, silu_mul_ref, op, 3 * _nbytes(gate))]
 
 
 @kernel_cases
