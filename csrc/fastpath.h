@@ -146,7 +146,8 @@ enum class RmsEpilogue : int32_t {
   kRopeComplex = 3,    // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
   kRopeReal = 4,       // HunyuanVideo-1.5's QK norms + real rotary: out = round(y * cos + rotate(y) * sin)
   kPlain = 5,          // SD3's QK norms: out = y
-  kModulate = 6        // LTX-Video: out = round(round(y * round(1 + scale)) + shift), weight optional (none: y = round(x * rstd))
+  kModulate = 6        // LTX-Video: out = round(round(y * round(1 + scale)) + shift); the weight optional (none:
+                       // y = round(x * rstd))
 };
 
 // diffusers RMSNorm followed by an epilogue:

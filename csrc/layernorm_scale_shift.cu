@@ -234,7 +234,8 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const auto kernel = a.probe ? layernorm_scale_shift_kernel<T, S, true> : layernorm_scale_shift_kernel<T, S, false>;
-  static int occupancy[2][2] = {};  // [probe][eight warps]: resident blocks per SM, asked once (a hint: any grid is exact)
+  // [probe][eight warps]: resident blocks per SM, asked once (only a launch shape: any grid gives the same result)
+  static int occupancy[2][2] = {};
   int& per_sm = occupancy[a.probe][warps == 8];
   if (per_sm == 0) {
     const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * warps, 0);
