@@ -67,6 +67,11 @@ __device__ __forceinline__ Quad<T> load_quad(const Rows& r, int64_t s, int64_t b
   return reinterpret_cast<const Quad<T>*>(static_cast<const T*>(r.ptr) + s * r.stride_s + b * r.stride_b)[col4];
 }
 
+// rsqrt(mean + eps) of a row whose sum of squares is `total` (aten's MeanOps factor, then the add and rsqrtf).
+__device__ __forceinline__ float rstd_of(float total, const RmsNormScaleShiftArgs& a) {
+  return rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+}
+
 // A row's rstd from the four accumulators of each of a warp's lanes, in aten's order: ((a_0 + a_1) + a_2) + a_3 in the
 // lane, then the shuffle-down tree over offsets 16, 8, 4, 2, 1, read at lane 0; then rsqrt(mean + eps).
 __device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormScaleShiftArgs& a) {
@@ -75,8 +80,7 @@ __device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormS
   for (int offset = 16; offset > 0; offset >>= 1) {
     total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
   }
-  total = __shfl_sync(0xffffffffu, total, 0);
-  return rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+  return rstd_of(__shfl_sync(0xffffffffu, total, 0), a);
 }
 
 // What follows the norm, for the four elements q of row `row` (= s * batch + b): the variant's epilogue (file head).
@@ -189,8 +193,7 @@ __device__ __forceinline__ void rmsnorm_plain64(const RmsNormScaleShiftArgs& a) 
       for (int j = 0; j < 4; ++j) t[j] = __fadd_rn(t[j], __shfl_down_sync(0xffffffffu, t[j], offset, 8));
     }
     float total = __fadd_rn(__fadd_rn(t[0], t[2]), __fadd_rn(t[1], t[3]));  // offsets 2, 1 (valid at m = 0)
-    total = __shfl_sync(0xffffffffu, total, 0, 8);
-    const float rstd = rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
+    const float rstd = rstd_of(__shfl_sync(0xffffffffu, total, 0, 8), a);
     const int64_t row = first + 4 * r;
     if (row < rows) {
       Quad<T> o0, o1;

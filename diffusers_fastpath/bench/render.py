@@ -165,7 +165,8 @@ def markdown(result: dict[str, Any]) -> str:
                   "and its launches were timed; GB/s = bytes read + written over time)", ""]
         header = ["op", "shape", "dtype", "eager µs", "fused µs", "speedup", "fused GB/s", "copy GB/s",
                   "% of copy", "equal"]
-        body = [[r["op"] + ("" if r.get("graphed", True) else " *"), str(tuple(r["shape"])), r["dtype"], _fmt(r["eager_us"]), _fmt(r["fused_us"]),
+        body = [[r["op"] + ("" if r.get("graphed", True) else " *"), str(tuple(r["shape"])), r["dtype"],
+                 _fmt(r["eager_us"]), _fmt(r["fused_us"]),
                  f"{r['speedup']:.2f}x", _fmt(r["fused_GBps"], ".0f"), _fmt(r["copy_GBps"], ".0f"),
                  f"{r['pct_of_copy']:.0f}%", _fmt(r["equal"])] for r in kern["rows"]]
         lines += _table(header, body) + [""]

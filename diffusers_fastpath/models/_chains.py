@@ -823,6 +823,5 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         norm = getattr(block, attr)
         if type(norm) is RMSNorm:  # LTX-Video's weightless norms: `rmsnorm_modulate` where the rows form took them
             state.add_site(norm, RMS_MODULATE)
-        if not isinstance(norm, nn.LayerNorm):  # SD3's last block's norm2_context is None (never reached)
-            continue
-        state.add_site(norm, MODULATE)
+        elif isinstance(norm, nn.LayerNorm):  # (SD3's last block's norm2_context is None: never reached)
+            state.add_site(norm, MODULATE)

@@ -31,10 +31,10 @@ the first replay is compared with the eager forward as always.
 
 from __future__ import annotations
 
+import torch
 from diffusers.models.attention import LuminaFeedForward
 from diffusers.models.attention_processor import Attention
 from diffusers.models.normalization import LuminaRMSNormZero
-import torch
 from diffusers.models.transformers.transformer_lumina2 import (Lumina2RotaryPosEmbed, Lumina2Transformer2DModel,
                                                                Lumina2TransformerBlock)
 

@@ -30,7 +30,8 @@ from diffusers.models.normalization import RMSNorm
 from . import _nvrtc
 from ._build import launcher
 from ._policy import FusedOp, Site
-from .rmsnorm_scale_shift import MODULATE, _broadcast_rows, _guard_rows, _Norm, _nvrtc_launch, _rms_norm
+from .rmsnorm_scale_shift import (MODULATE, _broadcast_rows, _guard_rows, _Norm, _nvrtc_launch, _rms_norm,
+                                  broadcast_guard)
 
 
 def rmsnorm_modulate_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -43,10 +44,7 @@ def rmsnorm_modulate_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torc
 def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
     if x.dim() != 3:
         return "shape"
-    rows = [_broadcast_rows(t, x) for t in (scale, shift)]
-    if any(t is None for t in rows):
-        return "operands strided or mismatched"
-    return _guard_rows(norm, x, rows, check_pointers, weightless=True)
+    return broadcast_guard(norm, x, (scale, shift), check_pointers, weightless=True)
 
 
 # The NVRTC way: the shared launcher with the kModulate epilogue (bindings.cpp's rmsnorm_modulate: the allocation).

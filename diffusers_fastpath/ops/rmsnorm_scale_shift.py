@@ -118,7 +118,7 @@ def _guard_rows(norm, x, operands, check_pointers, weightless: bool = False) -> 
     reason = norm_reason(norm, x, weightless)
     if reason is not None:
         return reason
-    weight = norm.weight if norm.weight is not None else x  # a weightless norm: x stands in for its checks
+    tensors = (x,) if norm.weight is None else (x, norm.weight)  # the norm's own (a weightless one has only x)
     if x.dim() != 3:
         return "shape"
     seq, batch, dim = x.shape
@@ -132,13 +132,13 @@ def _guard_rows(norm, x, operands, check_pointers, weightless: bool = False) -> 
         return "x not contiguous"
     if not all(_rows_ok(t, x) for t in operands):
         return "operands strided or mismatched"
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or any(t.requires_grad for t in operands)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *operands)):
         return "requires grad"
     if not x.is_cuda:
         return f"device {x.device.type}"
-    if weight.device != x.device:
+    if any(t.device != x.device for t in tensors):
         return "devices differ"
-    if check_pointers and any(t.data_ptr() % 8 for t in (x, weight, *operands)):
+    if check_pointers and any(t.data_ptr() % 8 for t in (*tensors, *operands)):
         return "not 8-byte aligned"
     return None
 
@@ -157,11 +157,16 @@ def _broadcast_rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
     return t if t.shape == like.shape else t.expand(like.shape)
 
 
-def _scale_guard(norm, x, scale, check_pointers: bool = True) -> str | None:
-    scale = _broadcast_rows(scale, x)
-    if scale is None:
+def broadcast_guard(norm, x, operands, check_pointers: bool = True, weightless: bool = False) -> str | None:
+    """`_guard_rows` for operands of x's shape or rows broadcast over its first two dims (`_broadcast_rows`)."""
+    rows = [_broadcast_rows(t, x) for t in operands]
+    if any(t is None for t in rows):
         return "operands strided or mismatched"
-    return _guard_rows(norm, x, (scale,), check_pointers)
+    return _guard_rows(norm, x, rows, check_pointers, weightless)
+
+
+def _scale_guard(norm, x, scale, check_pointers: bool = True) -> str | None:
+    return broadcast_guard(norm, x, (scale,), check_pointers)
 
 
 def _gated_residual_guard(norm, residual, gate, x, check_pointers: bool = True) -> str | None:
@@ -228,8 +233,8 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
         device, (x.dtype, gated, epilogue), ((rows + per_block - 1) // per_block, 1, 1),
         (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
         *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs, *sin,
-        0 if weight is None else weight.data_ptr(), seq, batch, dim, heads, tokens, eps, _f32(_f32(rows) / _f32(rows * dim)), gated,
-        _nvrtc.DTYPE_CODE[x.dtype], epilogue)
+        0 if weight is None else weight.data_ptr(), seq, batch, dim, heads, tokens, eps,
+        _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype], epilogue)
 
 
 def _nvrtc_kernel(x, weight, scale, shift, eps: float, out=None) -> torch.Tensor:
