@@ -60,11 +60,6 @@ constexpr int kEightWarps = 64;           // block (32, 8): num_threads() = 256
 constexpr int kVariantMask = 127;
 
 constexpr int kWarpsMax = 8;
-// The launch is grid-stride: as many blocks as fit on the GPU at once (the occupancy the driver reports), each
-// walking rows blockIdx.x, + gridDim.x, ... and prefetching its next row into L2 while it reduces the current one.
-// One block per row left DRAM idle through every block's reduction: 46% of copy bandwidth at FLUX's 4096 x 3072
-// (CUDA-graph timed on the H200 at 54cc343).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 constexpr int kVec = 4;                   // aten's vec_size: 4 elements per load, whatever the dtype
 constexpr int kVecsPerThreadMax = 12;     // 4 warps x 32 lanes x 12 vectors x 4 elements: D <= 6144 (FLUX.2) in registers
 
@@ -121,7 +116,9 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
   return (variant & kCombineSwapped) ? combine_ba(other, own, variant) : combine_ba(own, other, variant);
 }
 
-// One block per row, laid out as aten's: blockDim = (32, warps). kProbe reads the variant from the arguments
+// One block per row, laid out as aten's: blockDim = (32, warps). (A grid-stride launch of the resident blocks, each
+// prefetching its next row into L2 while reducing the current one, timed the same on the H200 at 4f6d200: 29.8 us
+// at 4096 x 3072 bf16, 46% of copy, as one block per row at 54cc343; so the simpler launch stays.) kProbe reads the variant from the arguments
 // (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
 // S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's fp32 modulate).
 template <typename T, typename S, bool kProbe>
@@ -131,95 +128,83 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
   __shared__ float partial[3][kWarpsMax / 2];
   __shared__ float stats[2];
 
-  const int64_t rows = a.batch * a.seq;
-  const int64_t first_row = blockIdx.x;
-  if (first_row >= rows) return;
   const int lane = threadIdx.x;
   const int warp = threadIdx.y;
   const int warps = blockDim.y;
   const int thread = lane + 32 * warp;
   const int threads = 32 * warps;
+  const int64_t row = blockIdx.x;
   const int vecs = static_cast<int>(a.dim / kVec);
-  for (int64_t row = first_row; row < rows; row += gridDim.x) {
-    // Statistics, in aten's order; the row stays in registers for the second pass. The block's next row is asked
-    // into L2 meanwhile (no registers held for it), so that DRAM works through this row's reduction.
-    const Quad<T>* x = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.x) + row * a.dim);
-    Quad<T> data[kVecsPerThreadMax];
+  const Quad<T>* x = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.x) + row * a.dim);
+
+  // Statistics, in aten's order; the row stays in registers for the second pass.
+  Quad<T> data[kVecsPerThreadMax];
 #pragma unroll
-    for (int k = 0; k < kVecsPerThreadMax; ++k) {
-      const int i = thread + k * threads;
-      if (i < vecs) data[k] = x[i];
-    }
-    if (row + gridDim.x < rows) {
-      const Quad<T>* x_next = x + static_cast<int64_t>(gridDim.x) * vecs;
+  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+    const int i = thread + k * threads;
+    if (i < vecs) data[k] = x[i];
+  }
+  Welford w{0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int k = 0; k < kVecsPerThreadMax; ++k) {
-        const int i = thread + k * threads;
-        if (i < vecs) prefetch_l2(x_next + i);
-      }
-    }
-    Welford w{0.0f, 0.0f, 0.0f};
+  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+    if (thread + k * threads < vecs) {
 #pragma unroll
-    for (int k = 0; k < kVecsPerThreadMax; ++k) {
-      if (thread + k * threads < vecs) {
+      for (int j = 0; j < kVec; ++j) w = online_update(Storage<T>::load(data[k].v[j]), w, kVec * k + j + 1, variant);
+    }
+  }
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) w = online_update(Storage<T>::load(data[k].v[j]), w, kVec * k + j + 1, variant);
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const Welford other{__shfl_down_sync(0xffffffffu, w.mean, offset), __shfl_down_sync(0xffffffffu, w.m2, offset),
-                          __shfl_down_sync(0xffffffffu, w.count, offset)};
-      w = combine(w, other, variant);
-    }
-    for (int offset = warps / 2; offset > 0; offset /= 2) {
-      if (lane == 0 && warp >= offset && warp < 2 * offset) {
-        partial[0][warp - offset] = w.mean;
-        partial[1][warp - offset] = w.m2;
-        partial[2][warp - offset] = w.count;
-      }
-      __syncthreads();
-      if (lane == 0 && warp < offset) {
-        w = combine(w, Welford{partial[0][warp], partial[1][warp], partial[2][warp]}, variant);
-      }
-      __syncthreads();
-    }
-    if (thread == 0) {
-      stats[0] = w.mean;
-      stats[1] = __fdiv_rn(w.m2, static_cast<float>(a.dim));  // sigma2 / float(N): div.rn
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Welford other{__shfl_down_sync(0xffffffffu, w.mean, offset), __shfl_down_sync(0xffffffffu, w.m2, offset),
+                        __shfl_down_sync(0xffffffffu, w.count, offset)};
+    w = combine(w, other, variant);
+  }
+  for (int offset = warps / 2; offset > 0; offset /= 2) {
+    if (lane == 0 && warp >= offset && warp < 2 * offset) {
+      partial[0][warp - offset] = w.mean;
+      partial[1][warp - offset] = w.m2;
+      partial[2][warp - offset] = w.count;
     }
     __syncthreads();
-    const float mean = stats[0];
-    const float rstd = rsqrtf(__fadd_rn(stats[1], a.eps));
-
-    // Normalise, round to T, modulate with eager's three rounding points.
-    const int64_t b = row / a.seq;
-    const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
-    const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
-    Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
-#pragma unroll
-    for (int k = 0; k < kVecsPerThreadMax; ++k) {
-      const int i = thread + k * threads;
-      if (i < vecs) {
-        const Quad<S> s = scale[i];
-        const Quad<S> h = shift[i];
-        Quad<T> o;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean));
-          if constexpr (kFloatModulate) {
-            o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
-          } else {
-            const float y = round_to<T>(normed);
-            const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
-            const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
-            o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
-          }
-        }
-        out[i] = o;
-      }
+    if (lane == 0 && warp < offset) {
+      w = combine(w, Welford{partial[0][warp], partial[1][warp], partial[2][warp]}, variant);
     }
-  }  // the next row rewrites `partial` and `stats` only after barriers that every thread reaches after reading them
+    __syncthreads();
+  }
+  if (thread == 0) {
+    stats[0] = w.mean;
+    stats[1] = __fdiv_rn(w.m2, static_cast<float>(a.dim));  // sigma2 / float(N): div.rn
+  }
+  __syncthreads();
+  const float mean = stats[0];
+  const float rstd = rsqrtf(__fadd_rn(stats[1], a.eps));
+
+  // Normalise, round to T, modulate with eager's three rounding points.
+  const int64_t b = row / a.seq;
+  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
+  const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
+  Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
+#pragma unroll
+  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+    const int i = thread + k * threads;
+    if (i < vecs) {
+      const Quad<S> s = scale[i];
+      const Quad<S> h = shift[i];
+      Quad<T> o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean));
+        if constexpr (kFloatModulate) {
+          o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
+        } else {
+          const float y = round_to<T>(normed);
+          const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
+          const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
+          o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
+        }
+      }
+      out[i] = o;
+    }
+  }
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
@@ -233,18 +218,13 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   if (a.dim % kVec != 0 || a.dim / kVec > static_cast<int64_t>(32) * 4 * kVecsPerThreadMax || rows > 0x7fffffff) {
     return cudaErrorInvalidValue;
   }
-  const auto kernel = a.probe ? layernorm_scale_shift_kernel<T, S, true> : layernorm_scale_shift_kernel<T, S, false>;
-  // [probe][eight warps]: resident blocks per SM, asked once (only a launch shape: any grid gives the same result)
-  static int occupancy[2][2] = {};
-  int& per_sm = occupancy[a.probe][warps == 8];
-  if (per_sm == 0) {
-    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * warps, 0);
-    if (err != cudaSuccess) return err;
-    per_sm = per_sm > 0 ? per_sm : 1;
+  const dim3 grid(static_cast<unsigned>(rows));
+  const dim3 block(32, warps);
+  if (a.probe) {
+    layernorm_scale_shift_kernel<T, S, true><<<grid, block, 0, stream>>>(a);
+  } else {
+    layernorm_scale_shift_kernel<T, S, false><<<grid, block, 0, stream>>>(a);
   }
-  const int64_t resident = static_cast<int64_t>(num_sms()) * per_sm;
-  const dim3 grid(static_cast<unsigned>(rows < resident ? rows : resident));
-  kernel<<<grid, dim3(32, warps), 0, stream>>>(a);
   return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__

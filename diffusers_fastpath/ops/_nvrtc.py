@@ -217,8 +217,6 @@ def driver() -> ctypes.CDLL:
         lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                                    ctypes.c_int, ctypes.c_size_t]
         _libcuda = lib
     return _libcuda
 
@@ -345,7 +343,6 @@ class Kernel:
         self.arg_bytes = params.end  # the parameter buffer's size: no tail padding after the last parameter
         self._pack_into = params.struct.pack_into
         self._functions: dict[int, dict] = {}  # device -> key -> CUfunction (an int)
-        self._occupancy: dict[tuple, int] = {}  # (device, key, threads) -> resident blocks per SM
         self._tls = threading.local()
         KERNELS.append(self)
 
@@ -382,18 +379,6 @@ class Kernel:
             _check_cu(driver().cuCtxSetCurrent(_contexts[device]), "cuCtxSetCurrent")
             err = _launch(function, *grid, *block, 0, stream, None, extra)
         _check_cu(err, f"cuLaunchKernel({self.names})")
-
-    def blocks_per_sm(self, device: int, key, threads: int) -> int:
-        """How many blocks of `threads` threads of variant ``key`` fit on one SM at once (the driver's occupancy, as
-        the nvcc build's cudaOccupancyMaxActiveBlocksPerMultiprocessor gives it), cached."""
-        cached = self._occupancy.get((device, key, threads))
-        if cached is None:
-            functions = self._functions.get(device) or self._load(device)
-            n = ctypes.c_int()
-            _check_cu(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), functions[key], threads, 0),
-                      "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-            cached = self._occupancy[(device, key, threads)] = max(n.value, 1)
-        return cached
 
     def _load(self, device: int) -> dict:
         with _lock:

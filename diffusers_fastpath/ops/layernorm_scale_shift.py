@@ -114,10 +114,7 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     device = x.device.index
     block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
     fp32 = scale.dtype is torch.float32
-    key = (x.dtype, scale.dtype, probe)
-    # launch()'s grid-stride grid: as many blocks as are resident at once
-    grid = min(batch * seq, _nvrtc.num_sms(device) * _NVRTC.blocks_per_sm(device, key, block[0] * block[1]))
-    _NVRTC.launch(device, key, (grid, 1, 1), block, out.data_ptr(), x.data_ptr(),
+    _NVRTC.launch(device, (x.dtype, scale.dtype, probe), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(),
                   scale.data_ptr(), shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
                   0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32)
     return out
