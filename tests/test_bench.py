@@ -276,6 +276,18 @@ def test_flux2_step_and_generation_on_cpu(tmp_path):
     assert gen["bit_identical"] is True and gen["image_identical"] is True and gen["image_shape"] == [1, 64, 64, 3]
 
 
+def test_flux2_klein_step_builds_the_vae_its_pipeline_reads(tmp_path):
+    """Flux2KleinPipeline reads its VAE's latent statistics at every call, output_type="latent" included: the step
+    level alone (no generation) still gives the klein pipeline a VAE (the H200 run at 4f6d200 failed without one)."""
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", "flux2-klein-tiny", "--device", "cpu", "--height", "64", "--width", "64",
+                     "--text-tokens", "8", "--repeats", "1", "--modes", "lossless", "--levels", "step", "--no-progress",
+                     "--json", str(path)])
+    assert rc == 0
+    lossless = _rows(json.loads(path.read_text()), "step")["lossless"]
+    assert lossless["bit_identical"] is True and lossless["fastpath"]["sites"] == 34
+
+
 @pytest.mark.parametrize("model", ["sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",
                                    "z-image-tiny", "lumina2-tiny", "hunyuanvideo-1.5-tiny", "ltx-video-tiny"])
 def test_step_only_families_on_cpu(model, tmp_path):

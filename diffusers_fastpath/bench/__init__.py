@@ -10,7 +10,7 @@ Models: ``flux-tiny`` (default), ``flux-dev`` (the published FLUX.1-dev transfor
 weights: speed and exactness do not depend on the weights, and nothing is downloaded), ``chroma`` and
 ``chroma-tiny`` (Chroma1-HD's transformer config with FLUX.1's VAE, a half-padded prompt with guidance),
 ``flux2-dev``, ``flux2-klein`` (4B, distilled: through ``Flux2KleinPipeline``, with FLUX.2-dev's VAE config) and
-``flux2-tiny``, ``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``sd3.5-large``, ``qwen-image``,
+``flux2-tiny``, ``flux2-klein-tiny``, ``ernie-image`` and ``ernie-image-tiny`` (step level and kernels), ``sd3.5-large``, ``qwen-image``,
 ``hunyuan-image`` (HunyuanImage-2.1: give ``--height 2048 --width 2048``), ``z-image``, ``lumina2`` (Lumina-Image
 2.0), ``wan-14b`` (Wan 2.1 T2V 14B: give ``--height 480 --width 832 --frames 81``), ``hunyuanvideo-1.5`` (480p:
 give ``--height 480 --width 848 --frames 33 --text-tokens 1000``), ``ltx-video`` (LTX-Video 2B: give ``--height 512

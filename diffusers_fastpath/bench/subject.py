@@ -21,6 +21,7 @@ PIPELINE_MODELS = {
     "flux-tiny": ("flux", "flux-tiny"), "flux-dev": ("flux", "flux-dev"),
     "chroma-tiny": ("chroma", "flux-tiny"), "chroma": ("chroma", "flux-dev"),  # Chroma uses FLUX.1's VAE
     "flux2-dev": ("flux2", "flux2-dev"), "flux2-klein": ("flux2", "flux2-dev"), "flux2-tiny": ("flux2", "flux2-tiny"),
+    "flux2-klein-tiny": ("flux2", "flux2-tiny"),
 }
 FLUX_MODELS, CHROMA_MODELS, FLUX2_MODELS = (
     tuple(m for m, (f, _) in PIPELINE_MODELS.items() if f == family) for family in ("flux", "chroma", "flux2"))
@@ -109,7 +110,9 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         family, build, build_vae, make_pipe, embeddings = PIPELINE_FAMILIES[pipeline_family]
         model = _quantized(getattr(testing, build)(args.model, dtype, device, seed=args.seed), args, device)
         vae = None
-        if need_vae:
+        # Flux2KleinPipeline un-normalises its latents with the VAE's batch-norm statistics before it looks at
+        # output_type (diffusers 0.42.1), so a klein pipeline needs its VAE for the step level's latent call too
+        if need_vae or (pipeline_family == "flux2" and not model.config.guidance_embeds):
             vae = getattr(testing, build_vae)(vae_config, dtype, device, seed=args.seed + 1,
                                               latent_channels=model.config.in_channels // 4)
         pipe = getattr(testing, make_pipe)(model, vae)

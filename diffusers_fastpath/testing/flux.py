@@ -133,12 +133,14 @@ TINY_FLUX2_CONFIG = dict(FLUX2_DEV_CONFIG, in_channels=8, num_layers=2, num_sing
 # config.json; these are the published block counts and widths (black-forest-labs/FLUX.2-klein-4B)
 FLUX2_KLEIN_CONFIG = dict(FLUX2_DEV_CONFIG, num_layers=5, num_single_layers=20, num_attention_heads=24,
                           joint_attention_dim=7680, guidance_embeds=False)
-FLUX2_CONFIGS = {"flux2-dev": FLUX2_DEV_CONFIG, "flux2-klein": FLUX2_KLEIN_CONFIG, "flux2-tiny": TINY_FLUX2_CONFIG}
+TINY_FLUX2_KLEIN_CONFIG = dict(TINY_FLUX2_CONFIG, guidance_embeds=False)  # klein's structure: no guidance embedding
+FLUX2_CONFIGS = {"flux2-dev": FLUX2_DEV_CONFIG, "flux2-klein": FLUX2_KLEIN_CONFIG, "flux2-tiny": TINY_FLUX2_CONFIG,
+                 "flux2-klein-tiny": TINY_FLUX2_KLEIN_CONFIG}
 
 
 def build_flux2_transformer(config="flux2-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
-    """A ``Flux2Transformer2DModel`` from a named config (``"flux2-dev"``, ``"flux2-klein"``, ``"flux2-tiny"``) or a
-    dict, random weights."""
+    """A ``Flux2Transformer2DModel`` from a named config (``"flux2-dev"``, ``"flux2-klein"``, ``"flux2-tiny"``,
+    ``"flux2-klein-tiny"``) or a dict, random weights."""
     from diffusers import Flux2Transformer2DModel
 
     return _random_model(Flux2Transformer2DModel, FLUX2_CONFIGS, config, dtype, device, seed, overrides)
