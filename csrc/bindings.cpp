@@ -553,7 +553,7 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 }
 
 // The Python guards admit [batch, seq, heads, dim] sources with unit innermost stride and 8-byte aligned rows, fp32
-// cos/sin [seq, dim] contiguous and 16-byte aligned, dim a multiple of 4 (at most 128 with norm); these checks keep
+// cos/sin [seq, dim] (or, for rotary_emb_rows, [batch or 1, seq, heads * dim]) contiguous and 16-byte aligned, dim a multiple of 4 (at most 128 with norm); these checks keep
 // a direct call with bad input from reading out of bounds.
 RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
                            double eps, const char* name) {
@@ -592,12 +592,25 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt")
                                : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
   const int64_t seq = args.txt.seq + args.img.seq;
+  const int64_t heads = x_img.size(2);
+  // [seq, dim] (one table for every head and sample) or, without norm or text, [batch or 1, seq, heads * dim] rows
+  const bool rows = cos.dim() == 3;
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == x_img.device() && t->is_contiguous() &&
-                    t->dim() == 2 && t->size(0) == seq && t->size(1) == dim &&
+                    t->dim() == cos.dim() && t->sizes() == cos.sizes() &&
                     reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
-                "rotary: cos/sin must be contiguous, 16-byte aligned float32 [seq, dim] on x's device");
+                "rotary: cos/sin must be contiguous, 16-byte aligned float32 tables of one shape on x's device");
   }
+  if (rows) {
+    TORCH_CHECK(!norm && !x_txt.has_value() && (cos.size(0) == 1 || cos.size(0) == x_img.size(0)) &&
+                    cos.size(1) == seq && cos.size(2) == heads * dim,
+                "rotary: [batch or 1, seq, heads * dim] cos/sin take one source without norm");
+  } else {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(0) == seq && cos.size(1) == dim, "rotary: cos/sin must be [seq, dim]");
+  }
+  args.cos_stride_b = rows && cos.size(0) != 1 ? seq * heads * dim : 0;
+  args.cos_stride_s = rows ? heads * dim : dim;
+  args.cos_stride_h = rows ? dim : 0;
   const std::vector<int64_t> shape{x_img.size(0), seq, x_img.size(2), dim};
   if (out.defined()) {
     TORCH_CHECK(out.sizes() == at::IntArrayRef(shape) && out.is_contiguous() &&
@@ -628,6 +641,17 @@ at::Tensor rotary_emb(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 void rotary_emb_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(out.defined(), "rotary_emb: out must be defined");
   rotary_launch(out, std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false);
+}
+
+// LTX-Video's rotary over [batch, seq, C] rows with [batch or 1, seq, C] tables: the rotary kernel over the rows
+// split into heads of `head_dim` (the Python op's choice; every pair is computed on its own, any split is the same).
+at::Tensor rotary_emb_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 3 && head_dim > 0 && head_dim % 4 == 0 && x.size(2) % head_dim == 0,
+              "rotary_emb_rows: x must be [batch, seq, C] with C a multiple of head_dim (a multiple of 4), got ",
+              shape_str(x.sizes()));
+  const at::Tensor heads = x.unflatten(2, {x.size(2) / head_dim, head_dim});
+  return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, heads, std::nullopt, 0.0, cos, sin, false)
+      .flatten(2);
 }
 
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
@@ -692,6 +716,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_gelu_cat_cuda_out(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()");
   m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_emb_cuda_out(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
+  m.def("_rotary_emb_rows_cuda(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor");
   m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");
@@ -728,6 +753,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gelu_cat_cuda_out", &diffusers_fastpath::gelu_cat_out);
   m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);
   m.impl("_rotary_emb_cuda_out", &diffusers_fastpath::rotary_emb_out);
+  m.impl("_rotary_emb_rows_cuda", &diffusers_fastpath::rotary_emb_rows);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
 }

@@ -220,7 +220,8 @@ struct RotarySource {
   float eps;           // RMSNorm eps as aten's float opmath sees it (norm only)
 };
 
-// diffusers' apply_rotary_emb(x, (cos, sin), sequence_dim=1) on the concatenation [txt; img] along the sequence,
+// diffusers' apply_rotary_emb(x, (cos, sin), sequence_dim=1) on the concatenation [txt; img] along the sequence (or
+// LTX-Video's apply_rotary_emb, the same expression over [batch, seq, heads * dim] rows with per-sample tables),
 // optionally after torch.nn.RMSNorm over dim of each source (see rotary.cu for every rounding point):
 //   y        = norm ? round(w * (rsqrt(sum(x^2) / dim + eps) * x)) : x
 //   out[2i]   = round(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i])
@@ -229,8 +230,11 @@ struct RotaryArgs {
   void* out;           // [batch, txt.seq + img.seq, heads, dim], contiguous
   RotarySource txt;    // first along the sequence; txt.seq may be 0
   RotarySource img;
-  const float* cos;    // [txt.seq + img.seq, dim], contiguous
-  const float* sin;
+  const float* cos;    // [txt.seq + img.seq, dim] contiguous (FLUX: the strides below 0, dim, 0), or the rows of
+  const float* sin;    // [batch or 1, seq, heads * dim] (LTX-Video: one table across all heads, per sample)
+  int64_t cos_stride_b;  // elements between samples' tables (0: one table for the batch)
+  int64_t cos_stride_s;  // between positions
+  int64_t cos_stride_h;  // between heads (0: every head reads the same [dim] row)
   int64_t batch;
   int64_t heads;
   int64_t dim;         // a multiple of 4; at most 128 with norm

@@ -29,7 +29,12 @@
 //
 // Layout: one block per (s, b) output row of `heads * dim` elements; each warp handles heads warp, warp + 8, ...
 // (several loads in flight), lane l the four elements 4l..4l+3 of a head (and, for dim > 128 without norm, 4(l+32)...).
-// The lane's cos/sin quads are loaded once per block and reused across heads.
+// The lane's cos/sin quads are loaded once per block and reused across heads, except where each head has its own
+// slice of the table (cos_stride_h != 0: LTX-Video's [batch, seq, heads * dim] tables), loaded per head.
+//
+// LTX-Video's apply_rotary_emb(x, (cos, sin)) (transformer_ltx.py) is the same expression over [batch, seq, C] rows,
+// x_rotated = stack([-x_imag, x_real], -1).flatten(2), with fp32 cos/sin [batch or 1, seq, C]: the kernel takes it as
+// heads * dim = C (any split: every pair is computed on its own) with the tables' strides.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -45,7 +50,9 @@ struct alignas(8) Quad {
   T v[4];
 };
 
-template <typename T, bool kNorm>
+// kPerHead: each head reads its own slice of the tables (cos_stride_h != 0; never with kNorm). A template parameter,
+// so that FLUX's kernels keep their registers (63 at most, four blocks per SM) without the per-head table loads.
+template <typename T, bool kNorm, bool kPerHead>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -58,8 +65,9 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int64_t seq = a.txt.seq + a.img.seq;
   T* out_row = static_cast<T*>(a.out) + (b * seq + s) * a.heads * a.dim;
   const int quads = static_cast<int>(a.dim / 4);
-  const float4* cos_row = reinterpret_cast<const float4*>(a.cos + s * a.dim);
-  const float4* sin_row = reinterpret_cast<const float4*>(a.sin + s * a.dim);
+  const int64_t table = b * a.cos_stride_b + s * a.cos_stride_s;  // this row's tables (cos and sin share strides)
+  const float* cos_row = a.cos + table;
+  const float* sin_row = a.sin + table;
 
   // kNorm: quads <= 32, one pass in which every lane takes part in the shuffles.
   for (int q0 = 0; q0 < quads; q0 += 32) {
@@ -67,21 +75,28 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
     const bool active = q < quads;
     float4 c = make_float4(0.f, 0.f, 0.f, 0.f), sn = c;
     float w[4] = {0.f, 0.f, 0.f, 0.f};
-    if (active) {
-      c = cos_row[q];
-      sn = sin_row[q];
-      if (kNorm) {
-        const Quad<T> wq = reinterpret_cast<const Quad<T>*>(src.weight)[q];
+    if (active && !kPerHead) {
+      c = reinterpret_cast<const float4*>(cos_row)[q];
+      sn = reinterpret_cast<const float4*>(sin_row)[q];
+    }
+    if (active && kNorm) {
+      const Quad<T> wq = reinterpret_cast<const Quad<T>*>(src.weight)[q];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
-      }
+      for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
     }
     for (int64_t h0 = warp; h0 < a.heads; h0 += kWarps * kHeadsInFlight) {
       Quad<T> xin[kHeadsInFlight];
+      float4 cin[kHeadsInFlight], sin_in[kHeadsInFlight];  // kPerHead: each head's table quads, loaded with its x
 #pragma unroll
       for (int i = 0; i < kHeadsInFlight; ++i) {
         const int64_t h = h0 + i * kWarps;
-        if (active && h < a.heads) xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
+        if (active && h < a.heads) {
+          xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
+          if (kPerHead) {
+            cin[i] = reinterpret_cast<const float4*>(cos_row + h * a.cos_stride_h)[q];
+            sin_in[i] = reinterpret_cast<const float4*>(sin_row + h * a.cos_stride_h)[q];
+          }
+        }
       }
 #pragma unroll
       for (int i = 0; i < kHeadsInFlight; ++i) {
@@ -104,6 +119,10 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
           for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
         }
         if (active) {
+          if (kPerHead) {
+            c = cin[i];
+            sn = sin_in[i];
+          }
           Quad<T> o;
           rotate_pair<T>(v[0], v[1], c.x, c.y, sn.x, sn.y, o.v[0], o.v[1]);
           rotate_pair<T>(v[2], v[3], c.z, c.w, sn.z, sn.w, o.v[2], o.v[3]);
@@ -122,9 +141,12 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   if (a.batch > 65535 || seq > 0x7fffffff || (a.norm && a.dim > 128)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if (a.norm) {
-    rotary_kernel<T, true><<<grid, kThreads, 0, stream>>>(a);
+    if (a.cos_stride_h != 0) return cudaErrorInvalidValue;
+    rotary_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(a);
+  } else if (a.cos_stride_h != 0) {
+    rotary_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    rotary_kernel<T, false><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }

@@ -33,6 +33,10 @@ CASES = {
     "rmsnorm-modulate-rows": ("_rmsnorm_modulate_cuda", [(1, 65, 2048), (2048,), (1, 64, 2048), (1, 65, 2048), 1e-6],
                               "must be [seq, batch, dim]"),
     "rotary-3d-x": ("_rotary_emb_cuda", [(1, 65, 64), "f32:65,64", "f32:65,64"], "got [1, 65, 64]"),
+    "rotary-rows-table-batch": ("_rotary_emb_rows_cuda", [(2, 65, 256), "f32:3,65,256", "f32:3,65,256", 128],
+                                "take one source without norm"),
+    "rotary-rows-head-dim": ("_rotary_emb_rows_cuda", [(2, 65, 256), "f32:2,65,256", "f32:2,65,256", 96],
+                             "got [2, 65, 256]"),
 }
 
 SCRIPT = """
@@ -40,7 +44,7 @@ import sys, torch
 from diffusers_fastpath.ops._build import load_extension
 assert load_extension() == "nvcc"
 def arg(a):
-    if isinstance(a, float):
+    if isinstance(a, (int, float)):
         return a
     if isinstance(a, str):
         return torch.randn(*map(int, a[4:].split(",")), device="cuda")

@@ -1,5 +1,5 @@
 """LTX-Video (``LTXVideoTransformer3DModel``) through the shared pieces: on CPU exactness (padded prompts, several
-latent frames), the fused gated residuals' and RMSNorm + modulates' wiring (kernels emulated), reversibility,
+latent frames), the fused gated residuals', RMSNorm + modulates' and rotary's wiring (kernels emulated), reversibility,
 pickling, compilation; on the GPU the LTX-Video config at 768x512x121 (6,144 tokens)."""
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 
 def sites(blocks: int) -> dict[str, int]:
-    # per block: both gated residuals, and norm1's and norm2's weightless RMSNorm with its per-token modulate
-    return {"gated_residual": 2 * blocks, "rmsnorm_modulate": 2 * blocks}
+    # per block: both gated residuals, norm1's and norm2's weightless RMSNorm with its per-token modulate, and the
+    # self-attention's rotary (q and k: one site)
+    return {"gated_residual": 2 * blocks, "rmsnorm_modulate": 2 * blocks, "rotary_emb": blocks}
+
+
+CALLS = {"rotary_emb": 2}  # the rotary site counts q and k
 
 
 def run(model, inputs):
@@ -41,7 +45,7 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_ltx_transformer(seed=3)
-    assert_patched_step_exact_and_fused(model, ltx_transformer_inputs(model, batch=batch, seed=4), sites(2), {})
+    assert_patched_step_exact_and_fused(model, ltx_transformer_inputs(model, batch=batch, seed=4), sites(2), CALLS)
 
 
 def test_unpatch_pickle_and_state_dict():
@@ -60,11 +64,11 @@ def test_compiles_with_fullgraph():
 @pytest.mark.full_size
 def test_ltx_video_one_step_is_bitwise_identical_and_fused():
     """LTX-Video's config (2B) at 768x512, 121 frames (16 latent frames of 16x24: 6,144 tokens), a padded prompt:
-    bit-identical, every gated residual and RMSNorm + modulate fused."""
+    bit-identical, every gated residual, RMSNorm + modulate and rotary fused."""
     model = build_ltx_transformer("ltx-video", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = ltx_transformer_inputs(model, grid=(16, 24), frames=16, txt_tokens=128, seed=9, padding=30)
-        assert_patched_step_exact_and_fused(model, inputs, sites(28), {})
+        assert_patched_step_exact_and_fused(model, inputs, sites(28), CALLS)
     finally:
         del model
         torch.cuda.empty_cache()

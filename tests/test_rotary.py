@@ -1,5 +1,6 @@
-"""rotary_emb (exact by construction) and qk_norm_rope (QK RMSNorm + text/image cat + RoPE, self-verified): bit-exact
-on GPU at FLUX.1-dev's shapes with the fast path verified, and their guards, verification and fallbacks everywhere."""
+"""rotary_emb (exact by construction), its rows form rotary_emb_rows (LTX-Video's) and qk_norm_rope (QK RMSNorm +
+text/image cat + RoPE, self-verified): bit-exact on GPU at FLUX.1-dev's and LTX-Video's shapes with the fast path
+verified, and their guards, verification and fallbacks everywhere."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-from diffusers_fastpath.ops import Site, qk_norm_rope, qk_norm_rope_ref, rotary_emb, rotary_emb_ref
+from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_apply_rotary_emb
+
+from diffusers_fastpath.ops import (Site, qk_norm_rope, qk_norm_rope_ref, rotary_emb, rotary_emb_ref, rotary_emb_rows,
+                                    rotary_emb_rows_ref)
 from diffusers_fastpath.ops import _policy
 from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE
 from diffusers_fastpath.ops.rotary import ROTARY_EMB
@@ -120,6 +124,59 @@ def test_rotary_emb_special_values_bitwise(dtype):
     assert torch.equal(_bits(out), _bits(ref))
 
 
+def ltx_tables(batch, seq, channels, device, seed):
+    """fp32 [batch, seq, C] cos/sin as LTXVideoRotaryPosEmbed lays them out (each angle twice, interleaved; a
+    different table per sample), angles random."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    angle = torch.rand(batch, seq, channels // 2, generator=gen, device=device) * 50
+    return tuple(f(angle).repeat_interleave(2, dim=-1).contiguous() for f in (torch.cos, torch.sin))
+
+
+# (batch, seq, C, table batch): LTX-Video 768x512x121 (6,144 tokens, 2048 channels: 32 heads of 64), its CFG batch
+# with a table per sample and with one for both, a qkv-strided view, odd small ones (C = 200: heads of 8; C = 12)
+ROWS_CASES = [(1, 6144, 2048, 1), (2, 6144, 2048, 2), (2, 6144, 2048, 1), (2, 37, 200, 2), (1, 5, 12, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ROWS_CASES, ids=str)
+def test_rotary_emb_rows_matches_ltx_bitwise(case, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    b, s, c, tb = case
+    for seed, strided in [(0, False), (1, True)]:  # fresh inputs each round; the second a view of a qkv projection
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = (torch.randn(b, s, 3 * c if strided else c, generator=gen, device="cuda") * 4).to(dtype)[..., :c]
+        cos, sin = ltx_tables(tb, s, c, "cuda", seed)
+        ref = ltx_apply_rotary_emb(x, (cos, sin))
+        assert torch.equal(ref, rotary_emb_rows_ref(x, cos, sin))
+        poison = torch.full((b, s, c), float("nan"), dtype=dtype, device="cuda")
+        del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
+        site = Site("rotary_emb")
+        assert torch.equal(rotary_emb_rows(x, cos, sin, site), ref)
+        assert site.fast == 1 and not site.fallback
+        for head_dim in {4, 128 if c % 128 == 0 else 4, c}:  # any split of the row into heads: the same bits
+            assert torch.equal(torch.ops.diffusers_fastpath._rotary_emb_rows_cuda(x, cos, sin, head_dim), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_emb_rows_special_values_bitwise(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, info.tiny / 4, info.max, -1.0],
+                            dtype=dtype, device="cuda")
+    x = torch.randn(2, 64, 512, generator=gen, device="cuda").to(dtype)
+    pick = torch.randint(0, len(specials), x.shape, generator=gen, device="cuda")
+    x = torch.where(torch.rand(x.shape, generator=gen, device="cuda") < 0.3, specials[pick], x)
+    cos, sin = ltx_tables(2, 64, 512, "cuda", 6)
+    cos[:, ::7, ::5], sin[:, 3::11, 1::3] = -0.0, float("inf")
+    ref = ltx_apply_rotary_emb(x, (cos, sin))
+    assert ref.isnan().any() and ref.isinf().any()
+    assert torch.equal(_bits(rotary_emb_rows(x, cos, sin)), _bits(ref))
+
+
 # (txt, img, heads, dim, batch, grid): FLUX.1-dev dual block at 1024x1024, single block (all 4608 tokens as one
 # source), a CFG batch at 384x640 with 77 text tokens, odd small ones, head_dim 64.
 QK_CASES = [
@@ -213,6 +270,64 @@ def test_the_kernels_rope_formula_is_eager_bit_for_bit(dtype):
     out[..., 1::2] = b * c[..., 1::2] + a * s[..., 1::2]
     ref = rotary_emb_ref(x, cos, sin)
     assert ref.isnan().any() and torch.equal(out.to(dtype).view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_rows_form_is_ltx_rotary_and_the_kernels_formula_bit_for_bit(dtype):
+    """LTX-Video's apply_rotary_emb (the reference, as the adapter's digest pins it) against csrc/rotary.cu's per-pair
+    formula with per-sample tables broadcast over the batch or not, on random and special values."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 16, 48, generator=gen).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, torch.finfo(dtype).max], dtype=dtype)
+    x = torch.where(torch.rand(x.shape, generator=gen) < 0.3, specials[torch.randint(0, 6, x.shape, generator=gen)], x)
+    for tb in (1, 2):
+        cos, sin = ltx_tables(tb, 16, 48, "cpu", tb)
+        cos[:, ::3, ::4], sin[:, 1::5, ::3] = -0.0, float("inf")
+        ref = ltx_apply_rotary_emb(x, (cos, sin))
+        assert torch.equal(_bits(rotary_emb_rows_ref(x, cos, sin)), _bits(ref)) and ref.isnan().any()
+        a, b = x.float()[..., 0::2], x.float()[..., 1::2]
+        out = torch.empty(2, 16, 48)
+        out[..., 0::2] = a * cos[..., 0::2] + (-b) * sin[..., 0::2]  # the negation first: a NaN's sign follows it
+        out[..., 1::2] = b * cos[..., 1::2] + a * sin[..., 1::2]
+        assert torch.equal(_bits(out.to(dtype)), _bits(ref))
+        assert torch.equal(_bits(rotary_emb_rows(x, cos, sin)), _bits(ref))  # CPU: the reference itself
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("fp32", "dtype float32"),
+        ("odd_width", "C not a multiple of 4"),
+        ("2d_tables", "shape"),
+        ("strided_x", "x strided"),
+        ("fp64_tables", "cos/sin not float32"),
+        ("table_batch", "cos/sin shape"),
+        ("strided_tables", "cos/sin strided"),
+        ("requires_grad", "requires grad"),
+        ("cpu", "device cpu"),
+    ],
+)
+def test_rotary_rows_guard_falls_back_with_reason(case, reason, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    c = 6 if case == "odd_width" else 16
+    batch = 1 if case == "table_batch" else 2
+    x = torch.randn(batch, 9, c, generator=gen).to(torch.float32 if case == "fp32" else torch.bfloat16)
+    cos, sin = ltx_tables(2, 9, c, "cpu", 2)
+    if case == "2d_tables":  # eager broadcasts them; the kernel takes LTX's [B or 1, S, C] only
+        cos, sin = cos[0], sin[0]
+    elif case == "strided_x":
+        x = torch.cat([x, x], dim=2)[..., ::2]
+    elif case == "fp64_tables":
+        cos, sin = cos.double(), sin.double()
+    elif case == "strided_tables":
+        cos = torch.cat([cos, cos], dim=2)[..., ::2]
+    elif case == "requires_grad":
+        x = x.clone().requires_grad_()
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    site = Site("rotary_emb")
+    assert torch.equal(rotary_emb_rows(x, cos, sin, site), rotary_emb_rows_ref(x, cos, sin))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
 
 
 @pytest.fixture
@@ -378,6 +493,8 @@ def test_custom_ops_opcheck_cpu(txt):
     qk_args = (x_txt, w_txt, eps_txt, x_img, norm_img.weight, norm_img.eps, cos, sin)
     torch.library.opcheck(ops.qk_norm_rope.default, qk_args)
     torch.library.opcheck(ops.rotary_emb.default, (x_img, cos[txt:], sin[txt:]))
+    rows_cos, rows_sin = ltx_tables(2, 11, 32, "cpu", txt)
+    torch.library.opcheck(ops.rotary_emb_rows.default, (x_img.flatten(2), rows_cos, rows_sin))
     assert torch.equal(ops.qk_norm_rope(*qk_args), qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin))
 
 

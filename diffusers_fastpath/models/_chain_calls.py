@@ -14,8 +14,8 @@ from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, silu_mul,
-                   swiglu_cat)
+                   rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb,
+                   rotary_emb_rows, silu_mul, swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -31,6 +31,14 @@ def register_swiglu(cls: type, gate: str) -> None:
 
 
 COMPLEX_ROTARIES: set = set()  # complex-form rotary functions checked by digest (`register_complex_rotary`)
+ROWS_ROTARIES: set = set()  # rows-form rotary functions checked by digest (`register_rows_rotary`)
+
+
+def register_rows_rotary(fn) -> None:
+    """Let the rows-form rotary calls ``fn(x, (cos, sin))`` run as `diffusers_fastpath.ops.rotary_emb_rows`: its
+    adapter has checked (by the digest of the installed source) that `fn` is LTX-Video's ``apply_rotary_emb``, the
+    op's reference expression."""
+    ROWS_ROTARIES.add(fn)
 
 
 def register_complex_rotary(fn) -> None:
@@ -223,6 +231,13 @@ class _ChainsNamespace:
             if site is not None:
                 site.fallback[reason] += 1
         return fn(_materialize(x), freqs) if local else fn(_materialize(x), freqs, use_real=False)
+
+    @staticmethod
+    def rotary_rows(fn, x, freqs, site):
+        # fn: the processor's module function NAME of the rows form (LTX-Video's apply_rotary_emb), checked by digest
+        if fn in ROWS_ROTARIES and isinstance(x, torch.Tensor) and isinstance(freqs, tuple) and len(freqs) == 2:
+            return rotary_emb_rows(x, freqs[0], freqs[1], site)
+        return fn(x, freqs)
 
     @staticmethod
     def silu_mul(act, x, y, site):

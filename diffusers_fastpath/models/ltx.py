@@ -9,23 +9,47 @@ the timestep embedding, per token. Rewritten from the installed diffusers source
   ``norm2`` (``self.norm2(X) * (1 + scale_mlp) + shift_mlp``), into `diffusers_fastpath.ops.rmsnorm_modulate`: the
   RMSNorm kernel's T-rounded modulate epilogue over the per-token ``[B, T, D]`` rows, self-verified.
 
-Per LTX-Video step (28 blocks): 56 gated residual and 56 RMSNorm + modulate sites. Not fused yet (issue 15): the QK
-RMSNorms (``torch.nn.RMSNorm`` across heads) and LTX's own rotary embedding, the GELUs.
+The attention processor (``LTXVideoAttnProcessor``) is rewritten too: its two calls of LTX's own rotary,
+``apply_rotary_emb(x, (cos, sin))`` over the ``[B, S, heads * head_dim]`` rows of q and k with per-sample fp32 tables,
+run as `diffusers_fastpath.ops.rotary_emb_rows` (the rotary kernel reading each head's slice of the tables; exact by
+construction), where the installed function's source has the digest below (else as written, with one warning).
+
+Per LTX-Video step (28 blocks): 56 gated residual and 56 RMSNorm + modulate sites, 28 rotary sites (the
+self-attentions; two calls each). Not fused yet (issue 15): the QK RMSNorms (``torch.nn.RMSNorm`` across heads), the
+GELUs.
 """
 
 from __future__ import annotations
 
-from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel, LTXVideoTransformerBlock
+from diffusers.models.transformers.transformer_ltx import (
+    LTXAttention,
+    LTXVideoAttnProcessor,
+    LTXVideoTransformer3DModel,
+    LTXVideoTransformerBlock,
+    apply_rotary_emb,
+)
 
 from .._state import PatchState, register_adapter
-from ._chains import fused_subclass, swap_rewritten
+from ._chain_calls import register_rows_rotary
+from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._mirror import mirrors
+
+# sha256[:16] of diffusers 0.42.1's transformer_ltx.apply_rotary_emb, `rotary_emb_rows_ref`'s expression
+_ROTARY = "fa3a0a3ad5c63101"
 
 # Created at import, so that a pickled patched model finds it here by name.
 FastpathLTXVideoTransformerBlock, _BLOCK = fused_subclass(LTXVideoTransformerBlock, "FastpathLTXVideoTransformerBlock",
                                                           __name__)
+FastpathLTXVideoAttnProcessor, _ = fused_subclass(LTXVideoAttnProcessor, "FastpathLTXVideoAttnProcessor", __name__,
+                                                  "__call__", rows_rotary="apply_rotary_emb")
 
 
 @register_adapter(LTXVideoTransformer3DModel)
 def patch_ltx(model: LTXVideoTransformer3DModel, state: PatchState) -> None:
-    """Swap LTX-Video's blocks for their chain-fused subclass (see module doc)."""
+    """Swap LTX-Video's blocks and attention processors for their chain-fused subclasses (see module doc)."""
+    if mirrors(apply_rotary_emb, _ROTARY):  # else the rotary calls run LTX's function as written
+        register_rows_rotary(apply_rotary_emb)
     swap_rewritten(state, model, {LTXVideoTransformerBlock: (FastpathLTXVideoTransformerBlock, _BLOCK)})
+    for block in model.modules():  # the self-attentions: the cross-attentions (attn2) get no rotary table
+        if isinstance(block, LTXVideoTransformerBlock) and isinstance(getattr(block, "attn1", None), LTXAttention):
+            replace_processors(state, block.attn1, LTXAttention, LTXVideoAttnProcessor, FastpathLTXVideoAttnProcessor)

@@ -22,7 +22,7 @@ from .rmsnorm_scale_shift import (
     rmsnorm_scale_shift_ref,
 )
 from .rmsnorm_rope import rmsnorm_rope_complex, rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref
-from .rotary import rotary_emb, rotary_emb_ref
+from .rotary import rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
 
 __all__ = [
@@ -64,6 +64,8 @@ __all__ = [
     "rmsnorm_scale_shift",
     "rmsnorm_scale_shift_ref",
     "rotary_emb",
+    "rotary_emb_rows",
+    "rotary_emb_rows_ref",
     "silu_mul",
     "silu_mul_ref",
     "swiglu_cat",

@@ -86,11 +86,13 @@ def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers
 _SOURCE = _nvrtc.Params("RotarySource", ("ptr", "P"), ("stride_b", "q"), ("stride_s", "q"), ("stride_h", "q"),
                         ("seq", "q"), ("weight", "P"), ("eps", "f"))
 _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOURCE), ("cos", "P"), ("sin", "P"),
-                      ("batch", "q"), ("heads", "q"), ("dim", "q"), ("norm", "?"), ("dtype", "i"))
+                      ("cos_stride_b", "q"), ("cos_stride_s", "q"), ("cos_stride_h", "q"), ("batch", "q"),
+                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("dtype", "i"))
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
-    {(dtype, norm): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(norm).lower()}" for dtype in HALF_DTYPES for norm in (False, True)},
+    {(dtype, norm, per_head): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(norm).lower()}, {str(per_head).lower()}"
+     for dtype in HALF_DTYPES for norm, per_head in ((False, False), (True, False), (False, True))},
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
 _THREADS = 256
@@ -108,8 +110,12 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     txt = _NO_SOURCE if x_txt is None else (x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1],
                                             weight_txt.data_ptr() if norm else 0, eps_txt if norm else 0.0)
     img = (x_img.data_ptr(), *x_img.stride()[:3], seq_img, weight_img.data_ptr() if norm else 0, eps_img if norm else 0.0)
-    _NVRTC.launch(x_img.device.index, (x_img.dtype, norm), (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(), *txt, *img,
-                  cos.data_ptr(), sin.data_ptr(), batch, heads, dim, norm, _nvrtc.DTYPE_CODE[x_img.dtype])
+    # bindings.cpp's table strides: [seq, dim] for every head and sample, or [batch or 1, seq, heads * dim] rows
+    rows = cos.dim() == 3
+    strides = ((0 if cos.shape[0] == 1 else seq * heads * dim), heads * dim, dim) if rows else (0, dim, 0)
+    _NVRTC.launch(x_img.device.index, (x_img.dtype, norm, rows), (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(),
+                  *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm,
+                  _nvrtc.DTYPE_CODE[x_img.dtype])
     return out
 
 
@@ -171,3 +177,111 @@ def rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: Site
         True
     """
     return ROTARY_EMB(site, x, cos, sin)
+
+
+# ------------------------------------------------------------------------------------------------ the rows form
+# LTX-Video's ``apply_rotary_emb(x, (cos, sin))`` (diffusers.models.transformers.transformer_ltx; its adapter checks the
+# installed source by digest): the same expression over ``[B, S, C]`` rows, all heads at once, with fp32 tables of
+# ``[B or 1, S, C]`` (one per sample). The kernel is the one above, reading each head's slice of the tables.
+
+
+def rotary_emb_rows_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The eager expression, as LTX-Video's ``apply_rotary_emb`` writes it (diffusers 0.42.1)."""
+    x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)  # [B, S, C // 2]
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def _rows_head_dim(channels: int) -> int:
+    """The split of a row into heads for the kernel's warps: any gives the same result (pairs are independent)."""
+    return next(d for d in (128, 64, 32, 16, 8, 4) if channels % d == 0)
+
+
+def _guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if x.dtype not in HALF_DTYPES:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if x.dim() != 3 or cos.dim() != 3 or sin.dim() != 3:
+        return "shape"
+    batch, seq, channels = x.shape
+    if channels % 4:
+        return "C not a multiple of 4"
+    if x.numel() == 0:
+        return "empty"
+    if batch > 65535:
+        return "batch above 65535"
+    if not (x.stride(2) == 1 and x.stride(0) % 4 == 0 and x.stride(1) % 4 == 0):
+        return "x strided"
+    if torch.is_grad_enabled() and x.requires_grad:
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
+        return "cos/sin not float32"
+    if cos.shape != sin.shape or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (seq, channels):
+        return "cos/sin shape"  # eager broadcasts other shapes (a [B, S, C] table of a batch-1 x makes B outputs)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        return "cos/sin strided"
+    if cos.device != x.device or sin.device != x.device:
+        return "devices differ"
+    if check_pointers and (cos.data_ptr() % 16 or sin.data_ptr() % 16 or x.data_ptr() % 8):
+        return "not aligned"
+    return None
+
+
+def _nvrtc_kernel_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    heads = x.unflatten(2, (x.shape[2] // head_dim, head_dim))
+    return nvrtc_rotary(None, None, 0.0, heads, None, 0.0, cos, sin, False).flatten(2)
+
+
+_nvrtc.raw_op("_rotary_emb_rows_cuda", "(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor",
+              lambda x, cos, sin, head_dim: _guard_rows(x, cos, sin), _nvrtc_kernel_rows)
+
+_cuda_rows_op = None
+
+
+def _kernel_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    global _cuda_rows_op
+    if _cuda_rows_op is None:
+        _cuda_rows_op = launcher(_nvrtc_kernel_rows, "_rotary_emb_rows_cuda")
+    return _cuda_rows_op(x, cos, sin, _rows_head_dim(x.shape[2]))
+
+
+@torch.library.custom_op("diffusers_fastpath::rotary_emb_rows", mutates_args=())
+def _rotary_emb_rows_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if _guard_rows(x, cos, sin) is None:
+        return _kernel_rows(x, cos, sin)
+    return rotary_emb_rows_ref(x, cos, sin).contiguous()
+
+
+@_rotary_emb_rows_op.register_fake
+def _rotary_emb_rows_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 3, lambda: f"rotary_emb_rows: x must be [B, S, C], got {tuple(x.shape)}")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+ROTARY_EMB_ROWS = FusedOp(
+    "rotary_emb_rows",
+    ref=rotary_emb_rows_ref,
+    guard=_guard_rows,
+    kernel=_kernel_rows,
+    custom_op=torch.ops.diffusers_fastpath.rotary_emb_rows.default,
+)
+
+
+def rotary_emb_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """LTX-Video's ``apply_rotary_emb(x, (cos, sin))``, fused on CUDA and bit-identical to eager everywhere.
+
+    Args:
+        x: ``[B, S, C]`` queries or keys, all heads in one row (fp16/bf16 take the kernel).
+        cos, sin: fp32 ``[B or 1, S, C]`` tables, as ``LTXVideoRotaryPosEmbed`` returns them.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import rotary_emb_rows, rotary_emb_rows_ref
+        >>> x, cos, sin = torch.randn(2, 16, 8), torch.randn(1, 16, 8), torch.randn(1, 16, 8)
+        >>> torch.equal(rotary_emb_rows(x, cos, sin), rotary_emb_rows_ref(x, cos, sin))
+        True
+    """
+    return ROTARY_EMB_ROWS(site, x, cos, sin)

@@ -380,6 +380,24 @@ def rmsnorm_modulate_cases(sh: Shapes) -> list[KernelCase]:
                        lambda x, s, h: op(x, None, s, h, norm.eps), 4 * _nbytes(x))]
 
 
+@kernel_cases
+def rotary_emb_rows_cases(sh: Shapes) -> list[KernelCase]:
+    """LTX-Video's rotary of q (and k): ``[B, T, D]`` rows of all heads, with its per-sample fp32 ``[B, T, D]`` tables."""
+    if sh.family != "ltx":
+        return []
+    from ...ops import rotary_emb_rows_ref
+    from ...ops.rotary import _rows_head_dim
+
+    op = torch.ops.diffusers_fastpath._rotary_emb_rows_cuda
+    b, tokens, d = sh.batch, sh.image_tokens, sh.hidden
+    angle = torch.rand(b, tokens, d // 2, device=sh.device) * 100
+    cos, sin = (f(angle).repeat_interleave(2, dim=-1).contiguous() for f in (torch.cos, torch.sin))
+    sets = _input_sets(lambda: (sh.randn(b, tokens, d),))
+    x = sets[0][0]
+    return [KernelCase("rotary_emb_rows (q)", (b, tokens, d), sets, lambda x: rotary_emb_rows_ref(x, cos, sin),
+                       lambda x: op(x, cos, sin, _rows_head_dim(d)), 2 * _nbytes(x) + 2 * _nbytes(cos))]
+
+
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
     """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets, and
     whether they ran as one CUDA graph. They are captured as one where they can be: a stream of separately launched
