@@ -580,7 +580,7 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
 at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                          const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                          const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
-                         const at::Tensor& sin, bool norm) {
+                         const at::Tensor& sin, bool norm, bool wan = false) {
   TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
   TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", shape_str(x_img.sizes()));
   const int64_t dim = x_img.size(3);
@@ -629,6 +629,8 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.heads = x_img.size(2);
   args.dim = dim;
   args.norm = norm;
+  args.wan = wan;
+  TORCH_CHECK(!wan || (!norm && !rows && !x_txt.has_value()), "rotary: Wan's pairing takes one source and one table");
   const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rotary: kernel launch failed: ", cudaGetErrorString(err));
   return out;
@@ -652,6 +654,12 @@ at::Tensor rotary_emb_rows(const at::Tensor& x, const at::Tensor& cos, const at:
   const at::Tensor heads = x.unflatten(2, {x.size(2) / head_dim, head_dim});
   return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, heads, std::nullopt, 0.0, cos, sin, false)
       .flatten(2);
+}
+
+// Wan's rotary (rotary.cu's rotate_pair_wan): x [batch, seq, heads, dim], cos/sin its [1, seq, 1, dim] tables as
+// [seq, dim] views.
+at::Tensor rotary_emb_wan(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false, true);
 }
 
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
@@ -717,6 +725,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rotary_emb_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_emb_cuda_out(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()");
   m.def("_rotary_emb_rows_cuda(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor");
+  m.def("_rotary_emb_wan_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");
@@ -754,6 +763,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_emb_cuda", &diffusers_fastpath::rotary_emb);
   m.impl("_rotary_emb_cuda_out", &diffusers_fastpath::rotary_emb_out);
   m.impl("_rotary_emb_rows_cuda", &diffusers_fastpath::rotary_emb_rows);
+  m.impl("_rotary_emb_wan_cuda", &diffusers_fastpath::rotary_emb_wan);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
 }

@@ -239,6 +239,7 @@ struct RotaryArgs {
   int64_t heads;
   int64_t dim;         // a multiple of 4; at most 128 with norm
   bool norm;
+  bool wan;            // Wan's pairing (rotary.cu's rotate_pair_wan) instead of diffusers' (no norm, one table)
   DType dtype;
 };
 

@@ -50,9 +50,26 @@ struct alignas(8) Quad {
   T v[4];
 };
 
-// kPerHead: each head reads its own slice of the tables (cos_stride_h != 0; never with kNorm). A template parameter,
-// so that FLUX's kernels keep their registers (63 at most, four blocks per SM) without the per-head table loads.
-template <typename T, bool kNorm, bool kPerHead>
+// The kernel's forms (a template parameter, so that FLUX's kernels keep their registers, 63 at most: four blocks per
+// SM, without the per-head table loads):
+constexpr int kShared = 0;   // diffusers' pairing, one [seq, dim] table for every head (FLUX, with or without norm)
+constexpr int kPerHead = 1;  // diffusers' pairing, each head its own slice of the tables (LTX-Video; never with norm)
+constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (never with norm)
+
+// Wan's apply_rotary_emb (a function its WanAttnProcessor defines; x [B, S, H, D] bf16, cos/sin fp32 [1, S, 1, D]):
+//   x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1); cos = freqs_cos[..., 0::2]; sin = freqs_sin[..., 1::2]
+//   out = torch.empty_like(x); out[..., 0::2] = x1 * cos - x2 * sin; out[..., 1::2] = x1 * sin + x2 * cos
+// i.e. per pair, every product and sum a separate fp32 operation and one rounding to T on the assignment:
+//   out[2i]   = round(x[2i] * cos[2i] - x[2i+1] * sin[2i+1])
+//   out[2i+1] = round(x[2i] * sin[2i+1] + x[2i+1] * cos[2i])
+// (aten's sub is `a + (-1) * b`: a - b exactly, contracted or not). Exact by construction.
+template <typename T>
+__device__ __forceinline__ void rotate_pair_wan(float a, float b, float c0, float s1, T& out0, T& out1) {
+  out0 = Storage<T>::store(__fsub_rn(__fmul_rn(a, c0), __fmul_rn(b, s1)));
+  out1 = Storage<T>::store(__fadd_rn(__fmul_rn(a, s1), __fmul_rn(b, c0)));
+}
+
+template <typename T, bool kNorm, int kForm>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -75,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
     const bool active = q < quads;
     float4 c = make_float4(0.f, 0.f, 0.f, 0.f), sn = c;
     float w[4] = {0.f, 0.f, 0.f, 0.f};
-    if (active && !kPerHead) {
+    if (active && kForm != kPerHead) {
       c = reinterpret_cast<const float4*>(cos_row)[q];
       sn = reinterpret_cast<const float4*>(sin_row)[q];
     }
@@ -92,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
         const int64_t h = h0 + i * kWarps;
         if (active && h < a.heads) {
           xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
-          if (kPerHead) {
+          if (kForm == kPerHead) {
             cin[i] = reinterpret_cast<const float4*>(cos_row + h * a.cos_stride_h)[q];
             sin_in[i] = reinterpret_cast<const float4*>(sin_row + h * a.cos_stride_h)[q];
           }
@@ -119,13 +136,18 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
           for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
         }
         if (active) {
-          if (kPerHead) {
+          if (kForm == kPerHead) {
             c = cin[i];
             sn = sin_in[i];
           }
           Quad<T> o;
-          rotate_pair<T>(v[0], v[1], c.x, c.y, sn.x, sn.y, o.v[0], o.v[1]);
-          rotate_pair<T>(v[2], v[3], c.z, c.w, sn.z, sn.w, o.v[2], o.v[3]);
+          if (kForm == kWan) {
+            rotate_pair_wan<T>(v[0], v[1], c.x, sn.y, o.v[0], o.v[1]);
+            rotate_pair_wan<T>(v[2], v[3], c.z, sn.w, o.v[2], o.v[3]);
+          } else {
+            rotate_pair<T>(v[0], v[1], c.x, c.y, sn.x, sn.y, o.v[0], o.v[1]);
+            rotate_pair<T>(v[2], v[3], c.z, c.w, sn.z, sn.w, o.v[2], o.v[3]);
+          }
           reinterpret_cast<Quad<T>*>(out_row + h * a.dim)[q] = o;
         }
       }
@@ -140,13 +162,16 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   if (seq == 0 || a.batch == 0 || a.heads == 0 || a.dim == 0) return cudaSuccess;
   if (a.batch > 65535 || seq > 0x7fffffff || (a.norm && a.dim > 128)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
+  if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
+  if (a.norm && a.wan) return cudaErrorInvalidValue;
   if (a.norm) {
-    if (a.cos_stride_h != 0) return cudaErrorInvalidValue;
-    rotary_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, true, kShared><<<grid, kThreads, 0, stream>>>(a);
+  } else if (a.wan) {
+    rotary_kernel<T, false, kWan><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.cos_stride_h != 0) {
-    rotary_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, false, kPerHead><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    rotary_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, false, kShared><<<grid, kThreads, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }

@@ -85,8 +85,8 @@ def emulated_kernels(monkeypatch):
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
     as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
     and the QK norm + rotary (both forms) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
-    rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary as its kernel's per-pair
-    arithmetic; GELU +
+    rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary and Wan's as their kernel's
+    per-pair arithmetic; GELU +
     concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value): the fast paths' wiring runs, and is
     checked, on a CPU."""
     from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
@@ -101,7 +101,7 @@ def emulated_kernels(monkeypatch):
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
     from diffusers_fastpath.ops.rmsnorm_rope import (RMSNORM_ROPE_COMPLEX, RMSNORM_ROPE_REAL, rmsnorm_rope_complex_ref,
                                                      rmsnorm_rope_real_ref)
-    from diffusers_fastpath.ops.rotary import ROTARY_EMB, ROTARY_EMB_ROWS, rotary_emb_ref
+    from diffusers_fastpath.ops.rotary import ROTARY_EMB, ROTARY_EMB_ROWS, ROTARY_EMB_WAN, rotary_emb_ref
     from diffusers_fastpath.ops.silu_mul import SILU_MUL, SWIGLU_CAT, silu_mul_ref, swiglu_cat_ref
 
     def gated_residual_arithmetic(residual, gate, update):
@@ -117,6 +117,10 @@ def emulated_kernels(monkeypatch):
         out[..., 1::2] = xf[..., 1::2] * cos[..., 1::2] + xf[..., 0::2] * sin[..., 1::2]
         return out.to(x.dtype)
 
+    def rotary_wan_arithmetic(x, cos, sin):  # csrc/rotary.cu's rotate_pair_wan, per pair
+        a, b, c0, s1 = x.float()[..., 0::2], x.float()[..., 1::2], cos[..., 0::2], sin[..., 1::2]
+        return torch.stack([a * c0 - b * s1, a * s1 + b * c0], dim=-1).flatten(-2).to(x.dtype)
+
     for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (GATED_RESIDUAL_FP32, gated_residual_fp32_arithmetic),
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
@@ -125,7 +129,7 @@ def emulated_kernels(monkeypatch):
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),
                        (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref),
-                       (ROTARY_EMB_ROWS, rotary_rows_arithmetic)):
+                       (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
     for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):

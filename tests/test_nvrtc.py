@@ -565,23 +565,27 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     w_txt, w_img = _bf16(64), _bf16(64)
     out = qk_mod._nvrtc_kernel(x_txt, w_txt, 1e-6, x_img, w_img, 1e-5, cos, cos)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, True, False) and (grid, block) == ((22, 1, 1), (256, 1, 1)) and out.shape == (1, 22, 3, 64)
+    assert key == (torch.bfloat16, True, 0) and (grid, block) == ((22, 1, 1), (256, 1, 1)) and out.shape == (1, 22, 3, 64)
     assert (a.a.txt.ptr, a.a.txt.seq, a.a.txt.weight, a.a.txt.eps) == (x_txt.data_ptr(), 5, w_txt.data_ptr(), f32(1e-6))
     assert (a.a.img.stride_b, a.a.img.stride_s, a.a.img.stride_h, a.a.img.seq) == (17 * 192, 192, 64, 17)
     assert (a.a.img.weight, a.a.img.eps, a.a.batch, a.a.heads, a.a.dim, a.a.norm) == (w_img.data_ptr(), f32(1e-5), 1, 3, 64, True)
     rotary_mod._nvrtc_kernel(x_img, cos[:17], cos[:17])
     _, key, grid, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, False, False) and grid == (17, 1, 1) and (a.a.txt.ptr, a.a.txt.seq, a.a.img.weight) == (None, 0, None)
+    assert key == (torch.bfloat16, False, 0) and grid == (17, 1, 1) and (a.a.txt.ptr, a.a.txt.seq, a.a.img.weight) == (None, 0, None)
     assert (a.a.cos_stride_b, a.a.cos_stride_s, a.a.cos_stride_h) == (0, 64, 0)  # one [seq, dim] table for all heads
     # LTX-Video's rows: [B, S, C] as heads of head_dim, per-sample [B or 1, S, C] tables read per head
     rows, table = _bf16(2, 9, 256), torch.randn(2, 9, 256)
     out = rotary_mod._nvrtc_kernel_rows(rows, table, table, 128)
     _, key, grid, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, False, True) and grid == (9, 2, 1) and out.shape == (2, 9, 256)
+    assert key == (torch.bfloat16, False, 1) and grid == (9, 2, 1) and out.shape == (2, 9, 256)
     assert (a.a.heads, a.a.dim, a.a.cos_stride_b, a.a.cos_stride_s, a.a.cos_stride_h) == (2, 128, 9 * 256, 256, 128)
     rotary_mod._nvrtc_kernel_rows(rows, table[:1], table[:1], 64)
     a = captured_launches[-1][4]
     assert (a.a.heads, a.a.dim, a.a.cos_stride_b, a.a.cos_stride_s, a.a.cos_stride_h) == (4, 64, 0, 256, 64)
+    # Wan's pairing: one [seq, dim] table, the wan flag
+    rotary_mod._nvrtc_kernel_wan(x_img, cos[:17], cos[:17])
+    _, key, grid, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False, 2) and grid == (17, 1, 1) and (a.a.wan, a.a.norm, a.a.cos_stride_h) == (True, False, 0)
 
     # an _out variant's output is checked as bindings.cpp checks it, before anything is launched
     count = len(captured_launches)
@@ -775,6 +779,11 @@ def test_rotary_ops_through_nvrtc_equal_nvcc_and_eager(seq_txt, seq_img, dtype, 
         assert torch.equal(rotary_mod._nvrtc_kernel_rows(rows, table_cos, table_sin, 128), ref_rows)
         if both_ways:
             assert torch.equal(torch.ops.diffusers_fastpath._rotary_emb_rows_cuda(rows, table_cos, table_sin, 64), ref_rows)
+        # Wan's pairing over the same [seq, dim] tables
+        ref_wan = rotary_mod.rotary_emb_wan_ref(full, cos[None, :, None], sin[None, :, None])
+        assert torch.equal(rotary_mod._nvrtc_kernel_wan(full, cos, sin), ref_wan)
+        if both_ways:
+            assert torch.equal(torch.ops.diffusers_fastpath._rotary_emb_wan_cuda(full, cos, sin), ref_wan)
         if both_ways:
             args = (x_txt, norm_txt.weight if x_txt is not None else None, 1e-6, x_img, norm_img.weight, 1e-6, cos, sin)
             assert torch.equal(got, torch.ops.diffusers_fastpath._qk_norm_rope_cuda(*args))

@@ -1,6 +1,6 @@
-"""rotary_emb (exact by construction), its rows form rotary_emb_rows (LTX-Video's) and qk_norm_rope (QK RMSNorm +
+"""rotary_emb (exact by construction), its rows form rotary_emb_rows (LTX-Video's), Wan's rotary_emb_wan and qk_norm_rope (QK RMSNorm +
 text/image cat + RoPE, self-verified): bit-exact on GPU at FLUX.1-dev's and LTX-Video's shapes with the fast path
-verified, and their guards, verification and fallbacks everywhere."""
+verified (and Wan's), and their guards, verification and fallbacks everywhere."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_apply_rotary_emb
 
 from diffusers_fastpath.ops import (Site, qk_norm_rope, qk_norm_rope_ref, rotary_emb, rotary_emb_ref, rotary_emb_rows,
-                                    rotary_emb_rows_ref)
+                                    rotary_emb_rows_ref, rotary_emb_wan, rotary_emb_wan_ref)
 from diffusers_fastpath.ops import _policy
 from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE
 from diffusers_fastpath.ops.rotary import ROTARY_EMB
@@ -177,6 +177,61 @@ def test_rotary_emb_rows_special_values_bitwise(dtype):
     assert torch.equal(_bits(rotary_emb_rows(x, cos, sin)), _bits(ref))
 
 
+def wan_tables(seq_shape, device):
+    """Wan's own fp32 [1, S, 1, 128] cos/sin (WanRotaryPosEmbed of head_dim 128, patch (1, 2, 2)) for a latent of
+    `seq_shape` (frames, height, width)."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    f, h, w = seq_shape
+    rope = WanRotaryPosEmbed(128, (1, 2, 2), 1024).to(device)
+    return rope(torch.empty(1, 16, f, 2 * h, 2 * w, device=device))
+
+
+# (batch, (frames, height, width) of the patched latent, heads): Wan 2.1 14B at 832x480x81 (21 x 30 x 52 = 32,760
+# tokens, 40 heads of 128), a CFG-sized batch, a small odd one
+WAN_CASES = [(1, (21, 30, 52), 40), (2, (3, 5, 7), 12), (1, (1, 3, 3), 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", WAN_CASES, ids=str)
+def test_rotary_emb_wan_matches_eager_bitwise(case, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    b, grid, heads = case
+    cos, sin = wan_tables(grid, "cuda")
+    seq = cos.shape[1]
+    for seed, own in [(0, True), (1, False)]:  # Wan's own tables, then random ones (each pair's two entries differ)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = activations((b, seq, heads, 128), dtype, "cuda", gen)
+        if not own:
+            cos, sin = (t.reshape(seq, 128).contiguous().view(1, seq, 1, 128) for t in rope_tables(seq, 128, "cuda", seed))
+        ref = rotary_emb_wan_ref(x, cos, sin)
+        poison = torch.full_like(x, float("nan"))
+        del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
+        site = Site("rotary_emb")
+        assert torch.equal(rotary_emb_wan(x, cos, sin, site), ref)
+        assert site.fast == 1 and not site.fallback
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_emb_wan_special_values_bitwise(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, info.tiny / 4, info.max, -1.0],
+                            dtype=dtype, device="cuda")
+    x = torch.randn(1, 64, 4, 128, generator=gen, device="cuda").to(dtype)
+    pick = torch.randint(0, len(specials), x.shape, generator=gen, device="cuda")
+    x = torch.where(torch.rand(x.shape, generator=gen, device="cuda") < 0.3, specials[pick], x)
+    cos, sin = (t.view(1, 64, 1, 128) for t in rope_tables(64, 128, "cuda", 8))
+    cos[:, ::7, :, ::5], sin[:, 3::11, :, 1::3] = -0.0, float("inf")
+    ref = rotary_emb_wan_ref(x, cos, sin)
+    assert ref.isnan().any() and ref.isinf().any()
+    assert torch.equal(_bits(rotary_emb_wan(x, cos, sin)), _bits(ref))
+
+
 # (txt, img, heads, dim, batch, grid): FLUX.1-dev dual block at 1024x1024, single block (all 4608 tokens as one
 # source), a CFG batch at 384x640 with 77 text tokens, odd small ones, head_dim 64.
 QK_CASES = [
@@ -291,6 +346,51 @@ def test_the_rows_form_is_ltx_rotary_and_the_kernels_formula_bit_for_bit(dtype):
         out[..., 1::2] = b * cos[..., 1::2] + a * sin[..., 1::2]
         assert torch.equal(_bits(out.to(dtype)), _bits(ref))
         assert torch.equal(_bits(rotary_emb_rows(x, cos, sin)), _bits(ref))  # CPU: the reference itself
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wans_rotary_is_the_reference_and_the_kernels_formula_bit_for_bit(dtype):
+    """The function Wan's processor defines (pinned by the adapter's digest: the rewritten processor fuses both its
+    calls) against `rotary_emb_wan_ref` and csrc/rotary.cu's rotate_pair_wan, on random and special values."""
+    from diffusers_fastpath.models import wan
+
+    assert wan._PROCESSOR.rotary_named == 2  # the installed definition has the digest: q and k rewritten
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 16, 3, 32, generator=gen).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, torch.finfo(dtype).max], dtype=dtype)
+    x = torch.where(torch.rand(x.shape, generator=gen) < 0.3, specials[torch.randint(0, 6, x.shape, generator=gen)], x)
+    cos, sin = (t.view(1, 16, 1, 32) for t in rope_tables(16, 32, "cpu", 12))
+    cos[:, ::3, :, ::4], sin[:, 1::5, :, ::3] = -0.0, float("inf")
+    ref = rotary_emb_wan_ref(x, cos, sin)
+    a, b, c0, s1 = x.float()[..., 0::2], x.float()[..., 1::2], cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty(x.shape)
+    out[..., 0::2], out[..., 1::2] = a * c0 - b * s1, a * s1 + b * c0  # rotate_pair_wan: fp32 ops, one rounding
+    out = out.to(dtype)
+    # bit for bit but a NaN's sign and payload, which the CPU's operations choose as they go (the GPU tests compare
+    # those too)
+    assert ref.isnan().any() and torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(_bits(out)[~ref.isnan()], _bits(ref)[~ref.isnan()])
+    assert torch.equal(_bits(rotary_emb_wan(x, cos, sin)), _bits(ref))  # CPU: the reference itself
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [("per_sample_tables", "cos/sin shape"), ("strided_tables", "cos/sin strided"), ("fp32", "dtype float32"),
+     ("cpu", "device cpu")],
+)
+def test_rotary_wan_guard_falls_back_with_reason(case, reason, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 3, 16, generator=gen).to(torch.float32 if case == "fp32" else torch.bfloat16)
+    cos, sin = (t.view(1, 9, 1, 16) for t in rope_tables(9, 16, "cpu", 3))
+    if case == "per_sample_tables":
+        cos, sin = cos.expand(2, -1, -1, -1), sin.expand(2, -1, -1, -1)
+    elif case == "strided_tables":
+        cos = torch.cat([cos, cos], dim=3)[..., ::2]
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    site = Site("rotary_emb")
+    assert torch.equal(rotary_emb_wan(x, cos, sin, site), rotary_emb_wan_ref(x, cos, sin))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
 
 
 @pytest.mark.parametrize(
@@ -495,6 +595,8 @@ def test_custom_ops_opcheck_cpu(txt):
     torch.library.opcheck(ops.rotary_emb.default, (x_img, cos[txt:], sin[txt:]))
     rows_cos, rows_sin = ltx_tables(2, 11, 32, "cpu", txt)
     torch.library.opcheck(ops.rotary_emb_rows.default, (x_img.flatten(2), rows_cos, rows_sin))
+    wan_cos, wan_sin = (t.view(1, 11, 1, 16) for t in rope_tables(11, 16, "cpu", txt))
+    torch.library.opcheck(ops.rotary_emb_wan.default, (x_img, wan_cos, wan_sin))
     assert torch.equal(ops.qk_norm_rope(*qk_args), qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin))
 
 

@@ -18,7 +18,10 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 def sites(blocks: int) -> dict[str, int]:
     # self-attention's and the FFN's (the cross-attention adds no gate, and its norm2 has an affine)
-    return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks}
+    return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks, "rotary_emb": blocks}
+
+
+CALLS = {"rotary_emb": 2}  # the self-attention's rotary site counts q and k
 
 
 
@@ -38,7 +41,7 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_wan_transformer(seed=3)
-    assert_patched_step_exact_and_fused(model, wan_transformer_inputs(model, batch=batch, seed=4), sites(2), {})
+    assert_patched_step_exact_and_fused(model, wan_transformer_inputs(model, batch=batch, seed=4), sites(2), CALLS)
 
 
 def test_wan22_pipeline_patches_both_experts_and_is_identical(emulated_kernels):
@@ -77,7 +80,7 @@ def test_wan_14b_one_step_832x480x81_is_bitwise_identical_and_fused():
     model = build_wan_transformer("wan-14b", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = wan_transformer_inputs(model, grid=(60, 104), frames=21, txt_tokens=512, seed=9, padding=400)
-        assert_patched_step_exact_and_fused(model, inputs, sites(40), {})
+        assert_patched_step_exact_and_fused(model, inputs, sites(40), CALLS)
     finally:
         del model
         torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ from torch import nn
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_scale_shift,
                    layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
                    rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb,
-                   rotary_emb_rows, silu_mul, swiglu_cat)
+                   rotary_emb_rows, rotary_emb_wan, silu_mul, swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -238,6 +238,14 @@ class _ChainsNamespace:
         if fn in ROWS_ROTARIES and isinstance(x, torch.Tensor) and isinstance(freqs, tuple) and len(freqs) == 2:
             return rotary_emb_rows(x, freqs[0], freqs[1], site)
         return fn(x, freqs)
+
+    @staticmethod
+    def rotary_wan(fn, x, freqs, site):
+        # fn: Wan's rotary, the function the processor defines (the rewriter checked its source), called NAME(X, *F)
+        if (isinstance(x, torch.Tensor) and isinstance(freqs, (tuple, list)) and len(freqs) == 2
+                and all(isinstance(f, torch.Tensor) for f in freqs)):
+            return rotary_emb_wan(x, freqs[0], freqs[1], site)
+        return fn(x, *freqs)
 
     @staticmethod
     def silu_mul(act, x, y, site):

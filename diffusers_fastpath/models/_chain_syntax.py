@@ -231,6 +231,15 @@ def _complex_rotary_call(node: ast.expr, name: str | None, local: bool = False) 
     return None
 
 
+def _starred_call(node: ast.expr, name: str | None) -> tuple[ast.expr, ast.expr] | None:
+    """``(X, F)`` if `node` is ``NAME(X, *F)`` (Wan's rotary call), else None."""
+    if not (name is not None and isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+            and not node.keywords and len(node.args) == 2 and not isinstance(node.args[0], ast.Starred)
+            and isinstance(node.args[1], ast.Starred)):
+        return None
+    return node.args[0], node.args[1].value
+
+
 def _local_def(body: list[ast.stmt], name: str) -> ast.FunctionDef | None:
     """The function `name` defined by a top-level statement of `body` (the only binding of that name there), or None."""
     defs = [s for s in body if isinstance(s, ast.FunctionDef) and s.name == name]

@@ -98,6 +98,12 @@ of ``self``):
   patch time, `register_rows_rotary`):
 
   - ``Q = NAME(X, F)``  ->  ``Q = rotary_rows(NAME, X, F, site)``, site ``rotary_emb`` on the attention module
+
+  and Wan's, into `diffusers_fastpath.ops.rotary_emb_wan` (exact by construction): ``wan_rotary=(name, digest)``, a
+  function the processor defines (in any block of its body), taken where ``ast.unparse`` of its definition has that
+  digest:
+
+  - ``Q = NAME(X, *F)``  ->  ``Q = rotary_wan(NAME, X, F, site)``, site ``rotary_emb`` on the attention module
 - SiLU-gated product (SwiGLU's elementwise half), into `diffusers_fastpath.ops.silu_mul` (the SiLU proven on every
   value of the dtype; the fallback is the expression as written), in blocks whose adapter names the activation
   (``activations=("gate_fn",)``: FLUX.2's ``Flux2SwiGLU``):
@@ -197,7 +203,7 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import (_NS, _act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
-                            _complex_rotary_call, _diffusers_rotary, _local_def,
+                            _complex_rotary_call, _diffusers_rotary, _local_def, _starred_call,
                             _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _outer_mask_of,
                             _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
@@ -244,13 +250,13 @@ class Rewrite:
     swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
     rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
-    rotary_rows: int = 0  # rows-form rotary calls of a processor (LTX-Video's: one site, ``rotary_emb``, as above)
+    rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
-                    or self.head_cats or self.rotary_rows)
+                    or self.head_cats or self.rotary_named)
 
 
 # the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
@@ -269,9 +275,10 @@ class _Rewriter:
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                  swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False,
-                 head_cats: bool = False, rows_rotary: str | None = None) -> None:
+                 head_cats: bool = False, rows_rotary: str | None = None, wan_rotary: str | None = None) -> None:
         self.found = Rewrite()
         self.rows_rotary = rows_rotary  # the rows-form rotary function's name (the adapter's; `register_rows_rotary`)
+        self.wan_rotary = wan_rotary  # ... Wan's, a function the forward defines (its source checked by digest)
         self.head_cats = head_cats  # a processor's ``torch.cat([A, B], dim=2)`` of [B, H, S, D] names as `cat_heads`
         self.complex_rotary = complex_rotary  # the complex-form rotary function's name (the adapter's)
         self.local_rotary = local_rotary  # ... a function the forward defines itself (its source checked by digest)
@@ -401,7 +408,7 @@ class _Rewriter:
     def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
         """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused (and every
         call of the adapter's complex-form rotary, ``NAME(X, F, use_real=False)``), or None."""
-        if not (self.rotary_ok or self.complex_rotary or self.rows_rotary):
+        if not (self.rotary_ok or self.complex_rotary or self.rows_rotary or self.wan_rotary):
             return None
         rewriter = self
 
@@ -413,9 +420,14 @@ class _Rewriter:
                     rewriter.found.rotary += 1
                     site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
                     return ast.copy_location(_call("rotary", [rotary[0], rotary[1], site]), node)
+                rotary = _starred_call(node, rewriter.wan_rotary)
+                if rotary is not None:  # Wan's ``NAME(X, *F)``
+                    rewriter.found.rotary_named += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return ast.copy_location(_call("rotary_wan", [node.func, rotary[0], rotary[1], site]), node)
                 rotary = _complex_rotary_call(node, rewriter.rows_rotary, local=True)
                 if rotary is not None:  # the rows form's ``NAME(X, F)``
-                    rewriter.found.rotary_rows += 1
+                    rewriter.found.rotary_named += 1
                     site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
                     return ast.copy_location(_call("rotary_rows", [node.func, rotary[0], rotary[1], site]), node)
                 rotary = _complex_rotary_call(node, rewriter.complex_rotary, rewriter.local_rotary)
@@ -426,7 +438,7 @@ class _Rewriter:
                 return ast.copy_location(_call("rotary_complex", [node.func, rotary[0], rotary[1], site,
                                                                   ast.Constant(rewriter.local_rotary)]), node)
 
-        count = lambda: self.found.rotary + self.found.rotary_complex + self.found.rotary_rows  # noqa: E731
+        count = lambda: self.found.rotary + self.found.rotary_complex + self.found.rotary_named  # noqa: E731
         before = count()
         new = Calls().visit(copy.deepcopy(stmt))
         return new if count() > before else None
@@ -672,7 +684,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                     swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
                     local_rotary: tuple[str, str] | None = None, head_cats: bool = False,
-                    rows_rotary: str | None = None) -> tuple[object, Rewrite] | None:
+                    rows_rotary: str | None = None,
+                    wan_rotary: tuple[str, str] | None = None) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
     matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see the module doc)."""
@@ -695,6 +708,13 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         complex_rotary = None
     if rows_rotary is not None and rows_rotary not in fn.__globals__:
         rows_rotary = None
+    wan = None
+    if wan_rotary is not None:  # (name, digest): Wan's rotary, a function the forward defines (in any block of it)
+        name, digest = wan_rotary
+        defs = [n for n in ast.walk(func) if isinstance(n, ast.FunctionDef) and n.name == name]
+        stores = [n for n in ast.walk(func) if isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load)]
+        if len(defs) == 1 and not stores and hashlib.sha256(ast.unparse(defs[0]).encode()).hexdigest()[:16] == digest:
+            wan = name
     local = None
     if local_rotary is not None:  # (name, digest): a complex-form rotary the forward defines, checked by its source
         name, digest = local_rotary
@@ -705,7 +725,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             local = None
     rewriter = _Rewriter(owner, _diffusers_rotary(fn, func) and local is None, norm_methods, activations, rms_norms,
                          swiglus, complex_rotary, local is not None, head_cats and owner != "self",
-                         rows_rotary if owner != "self" else None)
+                         rows_rotary if owner != "self" else None, wan if owner != "self" else None)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex):
         func.body = rewriter.qk_norms(func.body)
@@ -730,7 +750,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                    swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
                    local_rotary: tuple[str, str] | None = None,
-                   head_cats: bool = False, rows_rotary: str | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
+                   head_cats: bool = False, rows_rotary: str | None = None,
+                   wan_rotary: tuple[str, str] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
     chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
@@ -742,11 +763,13 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     `local_rotary` ``(name, digest)``: one the forward defines itself, taken where its normalised source
     (``ast.unparse``) has that sha256 digest prefix; `head_cats` (a processor's) takes its ``torch.cat([A, B], dim=2)``
     of two names (SD3's joint q, k and v of ``[B, H, S, D]``) as the fused `cat_heads`; `rows_rotary` (a
-    processor's) the name of its module's rows-form rotary function (`register_rows_rotary`: LTX-Video's)."""
+    processor's) the name of its module's rows-form rotary function (`register_rows_rotary`: LTX-Video's);
+    `wan_rotary` ``(name, digest)``: Wan's, a function the processor defines, taken where its normalised source has
+    that digest."""
     norm_methods = norm_methods or {}
     rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
                                 {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms,
-                                swiglus, complex_rotary, local_rotary, head_cats, rows_rotary)
+                                swiglus, complex_rotary, local_rotary, head_cats, rows_rotary, wan_rotary)
     if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
         return None, None
     fn, found = rewritten
@@ -756,7 +779,7 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
            f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
            f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
-           f"{found.rotary_complex}, rows-form rotary {found.rotary_rows}, head concatenations {found.head_cats}. Adds no "
+           f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}. Adds no "
            "state beyond the fusion sites.")
     extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
     sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
@@ -781,7 +804,7 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
     for module in model.modules():
         if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
             norm = type(getattr(module, "norm_q", None)) if qk else None  # what `norm_later` defers, by its type
-            if found.rotary or found.rotary_rows:
+            if found.rotary or found.rotary_named:
                 state.add_site(module, ROTARY, name=ROTARY)
             if found.rotary:
                 if norm is nn.RMSNorm:

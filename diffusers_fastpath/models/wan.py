@@ -14,23 +14,44 @@ and ``norm3``'s, go to the fused `layernorm_scale_shift_fp32`: the LayerNorm ker
 statistics those of aten's fp32 LayerNorm, the normalised value and the modulate in fp32, one rounding (verified
 against eager on its first call per dtype and width).
 
-Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites. Not fused yet (issue 15):
-``norm2`` (an fp32 LayerNorm with an affine, before the cross-attention) and its plain residual, the QK RMSNorms
-across heads, Wan's rotary embedding, the GELUs.
+The attention processor (``WanAttnProcessor``) is rewritten too: the rotary function it defines,
+``apply_rotary_emb(x, freqs_cos, freqs_sin)`` (Wan's own pairing: ``x1 * cos - x2 * sin`` and ``x1 * sin + x2 * cos``
+with ``cos[..., 0::2]``, ``sin[..., 1::2]``, in fp32, written into a tensor of x's dtype), runs for q and k as
+`diffusers_fastpath.ops.rotary_emb_wan` (the rotary kernel with that pairing, exact by construction) where its source
+has the digest below (else as written). Eager spends ten kernels per call on it, in fp32 over 32,760 x 5,120 elements
+at 832x480x81.
+
+Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites, 40 rotary sites (the
+self-attentions; q and k each). Not fused yet (issue 15): ``norm2`` (an fp32 LayerNorm with an affine, before the
+cross-attention) and its plain residual, the QK RMSNorms across heads, the GELUs.
 """
 
 from __future__ import annotations
 
-from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
+from diffusers.models.transformers.transformer_wan import (
+    WanAttention,
+    WanAttnProcessor,
+    WanTransformer3DModel,
+    WanTransformerBlock,
+)
 
 from .._state import PatchState, register_adapter
-from ._chains import fused_subclass, swap_rewritten
+from ._chains import fused_subclass, replace_processors, swap_rewritten
+
+# sha256[:16] of ast.unparse of the apply_rotary_emb that diffusers 0.42.1's WanAttnProcessor.__call__ defines,
+# `rotary_emb_wan_ref`'s expression
+_ROTARY = ("apply_rotary_emb", "249c95ee27579fd4")
 
 # Created at import, so that a pickled patched model finds it here by name.
 FastpathWanTransformerBlock, _BLOCK = fused_subclass(WanTransformerBlock, "FastpathWanTransformerBlock", __name__)
+FastpathWanAttnProcessor, _PROCESSOR = fused_subclass(WanAttnProcessor, "FastpathWanAttnProcessor", __name__,
+                                                      "__call__", wan_rotary=_ROTARY)
 
 
 @register_adapter(WanTransformer3DModel)
 def patch_wan(model: WanTransformer3DModel, state: PatchState) -> None:
-    """Swap Wan's blocks for their chain-fused subclass (see module doc)."""
+    """Swap Wan's blocks and self-attention processors for their chain-fused subclasses (see module doc)."""
     swap_rewritten(state, model, {WanTransformerBlock: (FastpathWanTransformerBlock, _BLOCK)})
+    for block in model.modules():  # the self-attentions: the cross-attentions (attn2) get no rotary table
+        if isinstance(block, WanTransformerBlock) and isinstance(getattr(block, "attn1", None), WanAttention):
+            replace_processors(state, block.attn1, WanAttention, WanAttnProcessor, FastpathWanAttnProcessor)

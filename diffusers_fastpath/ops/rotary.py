@@ -87,19 +87,21 @@ _SOURCE = _nvrtc.Params("RotarySource", ("ptr", "P"), ("stride_b", "q"), ("strid
                         ("seq", "q"), ("weight", "P"), ("eps", "f"))
 _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOURCE), ("cos", "P"), ("sin", "P"),
                       ("cos_stride_b", "q"), ("cos_stride_s", "q"), ("cos_stride_h", "q"), ("batch", "q"),
-                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("dtype", "i"))
+                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("dtype", "i"))
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
-    {(dtype, norm, per_head): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(norm).lower()}, {str(per_head).lower()}"
-     for dtype in HALF_DTYPES for norm, per_head in ((False, False), (True, False), (False, True))},
+    # (dtype, norm, form): rotary.cu's kShared 0, kPerHead 1 (LTX-Video's tables), kWan 2 (Wan's pairing)
+    {(dtype, norm, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(norm).lower()}, {form}"
+     for dtype in HALF_DTYPES for norm, form in ((False, 0), (True, 0), (False, 1), (False, 2))},
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
 _THREADS = 256
 _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 
 
-def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None) -> torch.Tensor:
+def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None,
+                 wan: bool = False) -> torch.Tensor:
     """rotary_launch of bindings.cpp on the NVRTC way: [txt; img] rotated (after the RMSNorm when ``norm``)."""
     batch, seq_img, heads, dim = x_img.shape
     seq = seq_img + (0 if x_txt is None else x_txt.shape[1])
@@ -113,8 +115,8 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     # bindings.cpp's table strides: [seq, dim] for every head and sample, or [batch or 1, seq, heads * dim] rows
     rows = cos.dim() == 3
     strides = ((0 if cos.shape[0] == 1 else seq * heads * dim), heads * dim, dim) if rows else (0, dim, 0)
-    _NVRTC.launch(x_img.device.index, (x_img.dtype, norm, rows), (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(),
-                  *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm,
+    _NVRTC.launch(x_img.device.index, (x_img.dtype, norm, 2 if wan else int(rows)), (seq, batch, 1), (_THREADS, 1, 1),
+                  out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm, wan,
                   _nvrtc.DTYPE_CODE[x_img.dtype])
     return out
 
@@ -285,3 +287,89 @@ def rotary_emb_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site:
         True
     """
     return ROTARY_EMB_ROWS(site, x, cos, sin)
+
+
+# ------------------------------------------------------------------------------------------------ Wan's form
+# Wan's ``apply_rotary_emb(x, freqs_cos, freqs_sin)``, the function ``WanAttnProcessor.__call__`` defines (its adapter
+# checks that definition's source by digest): x ``[B, S, H, D]``, fp32 tables ``[1, S, 1, D]``, a pairing of its own
+# (csrc/rotary.cu's rotate_pair_wan). The kernel is the one above, reading one ``[S, D]`` table for every head.
+
+
+def rotary_emb_wan_ref(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """The eager expression, as Wan's processor writes it (diffusers 0.42.1)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _guard_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if x.dim() != 4 or cos.dim() != 4 or sin.dim() != 4:
+        return "shape"
+    _, seq, _, dim = x.shape
+    if cos.shape != (1, seq, 1, dim) or sin.shape != cos.shape:
+        return "cos/sin shape"  # other shapes broadcast in eager (a table per sample or per head)
+    return _guard(x, cos.view(seq, dim) if cos.is_contiguous() else cos[0, :, 0],
+                  sin.view(seq, dim) if sin.is_contiguous() else sin[0, :, 0], check_pointers)
+
+
+def _nvrtc_kernel_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return nvrtc_rotary(None, None, 0.0, x, None, 0.0, cos, sin, False, wan=True)
+
+
+_nvrtc.raw_op("_rotary_emb_wan_cuda", "(Tensor x, Tensor cos, Tensor sin) -> Tensor", _guard, _nvrtc_kernel_wan)
+
+_cuda_wan_op = None
+
+
+def _kernel_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    global _cuda_wan_op
+    if _cuda_wan_op is None:
+        _cuda_wan_op = launcher(_nvrtc_kernel_wan, "_rotary_emb_wan_cuda")
+    seq, dim = x.shape[1], x.shape[3]
+    return _cuda_wan_op(x, cos.view(seq, dim), sin.view(seq, dim))  # the guard checked [1, S, 1, D], contiguous
+
+
+@torch.library.custom_op("diffusers_fastpath::rotary_emb_wan", mutates_args=())
+def _rotary_emb_wan_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if _guard_wan(x, cos, sin) is None:
+        return _kernel_wan(x, cos, sin)
+    return rotary_emb_wan_ref(x, cos, sin).contiguous()
+
+
+@_rotary_emb_wan_op.register_fake
+def _rotary_emb_wan_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 4, lambda: f"rotary_emb_wan: x must be [B, S, H, D], got {tuple(x.shape)}")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+ROTARY_EMB_WAN = FusedOp(
+    "rotary_emb_wan",
+    ref=rotary_emb_wan_ref,
+    guard=_guard_wan,
+    kernel=_kernel_wan,
+    custom_op=torch.ops.diffusers_fastpath.rotary_emb_wan.default,
+)
+
+
+def rotary_emb_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """Wan's rotary embedding (the ``apply_rotary_emb`` its attention processor defines), fused on CUDA and
+    bit-identical to eager everywhere.
+
+    Args:
+        x: ``[B, S, H, D]`` queries or keys (fp16/bf16 take the kernel).
+        cos, sin: fp32 ``[1, S, 1, D]`` tables, as ``WanRotaryPosEmbed`` returns them.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import rotary_emb_wan, rotary_emb_wan_ref
+        >>> x, cos, sin = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 1, 8), torch.randn(1, 16, 1, 8)
+        >>> torch.equal(rotary_emb_wan(x, cos, sin), rotary_emb_wan_ref(x, cos, sin))
+        True
+    """
+    return ROTARY_EMB_WAN(site, x, cos, sin)
