@@ -506,7 +506,8 @@ at::Tensor rmsnorm_plain(const at::Tensor& x, const at::Tensor& weight, double e
 // with dim at most 6144, the widest row the kernel keeps in registers; fp32 scale/shift rows select the fp32
 // modulate (layernorm_scale_shift_fp32, Wan's chain).
 void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
-                                  const at::Tensor& shift, double eps, bool probe, int64_t variant) {
+                                  const at::Tensor& shift, double eps, bool probe, int64_t variant,
+                                  bool affine = false) {
   const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
   check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
@@ -529,6 +530,9 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   args.probe = probe;
   args.dtype = to_dtype(x);
   args.modulate_fp32 = modulate_fp32;
+  args.affine = affine;
+  TORCH_CHECK(!affine || (modulate_fp32 && scale.size(0) == 1 && shift.size(0) == 1),
+              "layernorm_affine_fp32: weight and bias must be float32 rows");
   const cudaError_t err = launch_layernorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "layernorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -541,6 +545,16 @@ void layernorm_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::T
 at::Tensor layernorm_scale_shift(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   layernorm_scale_shift_out(out, x, scale, shift, eps);
+  return out;
+}
+
+// Wan's norm2: an FP32LayerNorm with weight and bias of the upcast stream, rounded back (x fp16/bf16 [batch, seq, dim];
+// weight and bias its float32 [dim] vectors).
+at::Tensor layernorm_affine_fp32(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  TORCH_CHECK(weight.dim() == 1 && bias.dim() == 1, "layernorm_affine_fp32: weight and bias must be [dim] vectors");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  layernorm_scale_shift_launch(out, x, weight.unsqueeze(0), bias.unsqueeze(0), eps, /*probe=*/false, 0,
+                               /*affine=*/true);
   return out;
 }
 
@@ -715,6 +729,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor");
   m.def("_layernorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
+  m.def("_layernorm_affine_fp32_cuda(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
   m.def("_silu_mul_cuda(Tensor gate, Tensor up) -> Tensor");
@@ -753,6 +768,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);
   m.impl("_layernorm_scale_shift_cuda_out", &diffusers_fastpath::layernorm_scale_shift_out);
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
+  m.impl("_layernorm_affine_fp32_cuda", &diffusers_fastpath::layernorm_affine_fp32);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
   m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);

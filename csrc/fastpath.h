@@ -202,6 +202,8 @@ struct LayerNormScaleShiftArgs {
   bool probe;
   DType dtype;
   bool modulate_fp32;  // scale/shift are fp32 and the modulate runs in fp32, one rounding (Wan); else of dtype
+  bool affine;         // with modulate_fp32: scale/shift are the norm's fp32 weight and bias rows (batch stride 0),
+                       // out = round(fma(weight, y, bias)): aten's `gamma * y + beta` as nvcc contracts it (Wan's norm2)
 };
 
 #ifndef __CUDACC_RTC__

@@ -40,6 +40,10 @@
 // chain rounds once, at the end:
 //   y   = rstd * (x - mean)                                   (fp32, not rounded: the LayerNorm's output is fp32)
 //   out = round_T((y * (1 + scale)) + shift)                  (each operation rounded to fp32)
+// and with the norm's own affine instead (`affine`: Wan's norm2, `self.norm2(x.float()).type_as(x)` of an
+// FP32LayerNorm with weight and bias, the rows being weight.float() and bias.float()), aten's vectorized epilogue
+// `gamma * (rstd * (x - mean)) + beta`, whose multiply-add nvcc contracts:
+//   out = round_T(fma(weight, y, bias))
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -194,7 +198,8 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
       for (int j = 0; j < kVec; ++j) {
         const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean));
         if constexpr (kFloatModulate) {
-          o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
+          o.v[j] = a.affine ? Storage<T>::store(__fmaf_rn(s.v[j], normed, h.v[j]))  // weight * y + bias
+                            : Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
         } else {
           const float y = round_to<T>(normed);
           const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));

@@ -92,7 +92,8 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
-    from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
+    from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_AFFINE_FP32, LAYERNORM_SCALE_SHIFT,
+                                                              LAYERNORM_SCALE_SHIFT_FP32, layernorm_affine_fp32_ref,
                                                               layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, qk_norm_rope_ref
@@ -124,6 +125,7 @@ def emulated_kernels(monkeypatch):
     for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (GATED_RESIDUAL_FP32, gated_residual_fp32_arithmetic),
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
+                       (LAYERNORM_AFFINE_FP32, layernorm_affine_fp32_ref),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),

@@ -21,6 +21,8 @@ CASES = {
     "modulate-fp32": ("_modulate_scale_shift_cuda", ["f32:1,65,64", "f32:1,64", "f32:1,64"], "got Float"),
     "layernorm-odd-width": ("_layernorm_scale_shift_cuda", [(1, 65, 4100), (1, 4100), (1, 4100), 1e-6],
                             "multiple of 8"),
+    "layernorm-affine-matrix-weight": ("_layernorm_affine_fp32_cuda", [(1, 65, 64), "f32:2,64", "f32:2,64", 1e-6],
+                                       "[dim] vectors"),
     "gated-residual-odd-width": ("_gated_residual_cuda", [(1, 65, 4100), (1, 1, 4100), (1, 65, 4100)],
                                  "multiple of 8"),
     "gated-residual-gate-shape": ("_gated_residual_cuda", [(1, 65, 64), (1, 2, 64), (1, 65, 64)], "got [1, 2, 64]"),

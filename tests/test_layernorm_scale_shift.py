@@ -372,3 +372,80 @@ def test_fp32_custom_op_opcheck_cpu():
     from diffusers_fastpath.ops import layernorm_scale_shift_fp32_ref
 
     assert torch.equal(op(x, scale, shift, norm.eps), layernorm_scale_shift_fp32_ref(norm, x, scale, shift))
+
+
+# --- layernorm_affine_fp32: Wan's norm2 (an FP32LayerNorm with weight and bias of the upcast stream) ----------------
+
+
+def make_norm2_inputs(shape, dtype, device, seed):
+    """Wan's ``norm2``: an ``FP32LayerNorm`` with random weight and bias of the model's dtype (its forward upcasts
+    them), activations like a residual stream."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    _, x, _, _ = make_inputs(shape, dtype, "chunk6", device, seed)
+    norm = FP32LayerNorm(shape[2], eps=1e-6, elementwise_affine=True).to(device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed + 200)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(shape[2], generator=gen, device=device))
+        norm.bias.copy_(0.1 * torch.randn(shape[2], generator=gen, device=device))
+    return norm.requires_grad_(False), x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", WAN_SHAPES, ids=str)
+def test_layernorm_affine_fp32_matches_eager_bitwise_and_verifies(shape, dtype):
+    from diffusers_fastpath.ops import layernorm_affine_fp32, layernorm_affine_fp32_ref
+    from diffusers_fastpath.ops._build import load_extension
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_AFFINE_FP32
+
+    load_extension()
+    for seed in range(2):
+        norm, x = make_norm2_inputs(shape, dtype, "cuda", seed)
+        ref = layernorm_affine_fp32_ref(norm, x)
+        assert torch.equal(ref, norm(x.float()).type_as(x))  # Wan's own line
+        poison = torch.full_like(x, float("nan"))
+        del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
+        raw = torch.ops.diffusers_fastpath._layernorm_affine_fp32_cuda(x, norm.weight.float(), norm.bias.float(), norm.eps)
+        assert torch.equal(raw, ref)
+        site = Site("layernorm_affine_fp32")
+        assert torch.equal(layernorm_affine_fp32(norm, x, site), ref)
+        assert site.fast == 1 and not site.fallback, site
+    key = (str(dtype).removeprefix("torch."), shape[2])
+    assert LAYERNORM_AFFINE_FP32.disabled is None and LAYERNORM_AFFINE_FP32.verified == {key}
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [("no_affine", "norm not an FP32LayerNorm over the last dim with weight and bias"),
+     ("plain_layer_norm", "norm not an FP32LayerNorm over the last dim with weight and bias"),
+     ("requires_grad", "requires grad"), ("fp32", "dtype float32"), ("cpu", "device cpu")],
+)
+def test_affine_fp32_guard_falls_back_to_exact_eager_with_reason(case, reason, request):
+    from diffusers.models.normalization import FP32LayerNorm
+
+    from diffusers_fastpath.ops import layernorm_affine_fp32, layernorm_affine_fp32_ref
+
+    norm, x = make_norm2_inputs((2, 9, 64), torch.float32 if case == "fp32" else torch.bfloat16, "cpu", 6)
+    if case == "no_affine":
+        norm = FP32LayerNorm(64, eps=1e-6, elementwise_affine=False)
+    elif case == "plain_layer_norm":
+        norm = torch.nn.LayerNorm(64, eps=1e-6).requires_grad_(False)
+    elif case == "requires_grad":
+        norm.requires_grad_(True)
+    if case != "cpu":
+        request.getfixturevalue("pretend_cuda")
+    site = Site("layernorm_affine_fp32")
+    with torch.set_grad_enabled(case == "requires_grad"):
+        out = layernorm_affine_fp32(norm, x, site)
+        assert torch.equal(out, layernorm_affine_fp32_ref(norm, x))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
+def test_affine_fp32_custom_op_opcheck_cpu():
+    from diffusers_fastpath.ops import layernorm_affine_fp32_ref
+
+    norm, x = make_norm2_inputs((2, 9, 64), torch.bfloat16, "cpu", 7)
+    op = torch.ops.diffusers_fastpath.layernorm_affine_fp32.default
+    torch.library.opcheck(op, (x, norm.weight, norm.bias, norm.eps))
+    assert torch.equal(op(x, norm.weight, norm.bias, norm.eps), layernorm_affine_fp32_ref(norm, x))

@@ -515,6 +515,14 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     layernorm_mod._nvrtc_kernel(x, table[:, 1], table[:, 0], 1e-6)
     _, key, _, _, a = captured_launches[-1]
     assert key == (torch.bfloat16, torch.float32, False) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
+    assert a.a.affine is False
+    # Wan's norm2: the norm's own fp32 weight and bias as [1, D] rows, the affine epilogue
+    weight, bias = torch.randn(64), torch.randn(64)
+    layernorm_mod._nvrtc_affine(x, weight, bias, 1e-6)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, torch.float32, False) and (a.a.affine, a.a.modulate_fp32) == (True, True)
+    assert (a.a.scale, a.a.shift, a.a.scale_batch_stride, a.a.shift_batch_stride) == (
+        weight.data_ptr(), bias.data_ptr(), 0, 0)
 
     # rmsnorm alone over rows of 64 and 128: several rows per warp (kRows64PerBlock, kRows128PerBlock per block)
     for d, per_block in ((64, 64), (128, 32), (96, 8)):
@@ -729,6 +737,15 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
         cases.append((layernorm_mod._nvrtc_kernel(x, scale, shift, 1e-6),
                       layernorm_mod.layernorm_scale_shift_ref(norm, x, scale, shift), "_layernorm_scale_shift_cuda",
                       (x, scale, shift, 1e-6)))
+        from diffusers.models.normalization import FP32LayerNorm  # Wan's norm2: fp32 affine, one rounding
+
+        norm2 = FP32LayerNorm(d, eps=1e-6).to(device="cuda", dtype=dtype)
+        with torch.no_grad():
+            norm2.weight.copy_(_rand((d,), dtype, gen, 0.2) + 1)
+            norm2.bias.copy_(_rand((d,), dtype, gen, 0.1))
+        w32, b32 = norm2.weight.float(), norm2.bias.float()
+        cases.append((layernorm_mod._nvrtc_affine(x, w32, b32, 1e-6), layernorm_mod.layernorm_affine_fp32_ref(norm2, x),
+                      "_layernorm_affine_fp32_cuda", (x, w32, b32, 1e-6)))
     mlp = _rand((b, l, 4 * d), dtype, gen)
     cases.append((gelu_cat_mod._nvrtc_kernel(x, mlp), gelu_cat_mod.gelu_cat_ref(x, mlp), "_gelu_cat_cuda", (x, mlp)))
     gate_half, up_half = mlp.chunk(2, dim=-1)  # FLUX.2's SwiGLU: the two halves of one projection

@@ -18,7 +18,8 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 def sites(blocks: int) -> dict[str, int]:
     # self-attention's and the FFN's (the cross-attention adds no gate, and its norm2 has an affine)
-    return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks, "rotary_emb": blocks}
+    return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks, "rotary_emb": blocks,
+            "layernorm_affine_fp32": blocks}  # norm2: its FP32LayerNorm with weight and bias
 
 
 CALLS = {"rotary_emb": 2}  # the self-attention's rotary site counts q and k

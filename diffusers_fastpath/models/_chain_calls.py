@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from diffusers.models import embeddings
 from diffusers.models.activations import FP32SiLU
-from diffusers.models.normalization import RMSNorm
+from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
-from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_scale_shift,
-                   layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, rmsnorm_gated_residual,
-                   rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb,
-                   rotary_emb_rows, rotary_emb_wan, silu_mul, swiglu_cat)
+from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
+                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope,
+                   rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale,
+                   rotary_emb, rotary_emb_rows, rotary_emb_wan, silu_mul, swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -154,6 +154,13 @@ class _ChainsNamespace:
                 and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
             return layernorm_scale_shift_fp32(norm, x, scale[:, 0], shift[:, 0], site)  # per element the same
         return (norm(x.float()) * (1 + scale) + shift).type_as(x)
+
+    @staticmethod
+    def norm_affine_fp32(norm, x, site):
+        # norm: Wan's norm2, an FP32LayerNorm with weight and bias (or nn.Identity where the model has none)
+        if type(norm) is FP32LayerNorm and isinstance(x, torch.Tensor) and not hooked(norm):
+            return layernorm_affine_fp32(norm, x, site)
+        return norm(x.float()).type_as(x)
 
     @staticmethod
     def norm_modulate(norm, x, scale, shift, site):

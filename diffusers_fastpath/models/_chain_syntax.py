@@ -137,6 +137,18 @@ def _fp32_modulate_of(node: ast.expr) -> tuple[str, ast.expr, ast.expr, ast.expr
     return called[0], x, modulate[1], modulate[2]
 
 
+def _fp32_norm_of(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """``(A, X)`` if `node` is ``self.A(X.float()).type_as(X)`` with ``X`` a name (Wan's ``norm2``)."""
+    cast = _type_as_of(node)
+    called = _self_module_call(cast[0]) if cast is not None else None
+    if called is None:
+        return None
+    x = _float_of(called[1])
+    if not (isinstance(x, ast.Name) and x.id == cast[1]):
+        return None
+    return called[0], x
+
+
 def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
     """``(A, X)`` if `node` is ``self.A(X)``."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)

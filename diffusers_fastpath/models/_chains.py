@@ -195,7 +195,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 import torch.nn.functional as F
-from diffusers.models.normalization import RMSNorm
+from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from .._logging import warn_once
@@ -204,14 +204,15 @@ from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import (_NS, _act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
                             _complex_rotary_call, _diffusers_rotary, _local_def, _starred_call,
-                            _fp32_gated_of, _fp32_modulate_of, _gate_name, _modulate_of, _ns_call, _outer_mask_of,
-                            _pairwise_mask_of,
+                            _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name, _modulate_of, _ns_call,
+                            _outer_mask_of, _pairwise_mask_of,
                             _PendingReads, _reads_after, _rotary_call, _self_attr, _self_module_call, _single_target,
                             _site_of, _unsqueezed, _uses)
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 RMS_MODULATE = "rmsnorm_modulate"  # a diffusers RMSNorm's modulate site (LTX-Video): the RMSNorm kernel's epilogue
 MODULATE_FP32 = "layernorm_scale_shift_fp32"  # Wan's: an fp32 LayerNorm and modulate of the upcast stream
+AFFINE_FP32 = "layernorm_affine_fp32"  # Wan's norm2: an FP32LayerNorm with weight and bias of the upcast stream
 MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
 GATED_RESIDUAL = "gated_residual"
 GATED_RESIDUAL_FP32 = "gated_residual_fp32"
@@ -238,6 +239,7 @@ class Rewrite:
     gates_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
     norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
     norms_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
+    affine_fp32: list[str] = field(default_factory=list)  # attributes of the block: FP32LayerNorms with affine (Wan)
     modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
     qk_norms: list[str] = field(default_factory=list)  # a processor's QK norms run inside qk_norm_rope, by name
@@ -253,7 +255,8 @@ class Rewrite:
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
 
     def __bool__(self) -> bool:
-        return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.modulates or self.rotary
+        return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32
+                    or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
                     or self.head_cats or self.rotary_named)
@@ -351,6 +354,12 @@ class _Rewriter:
             if attr not in self.found.norms_fp32:
                 self.found.norms_fp32.append(attr)
             call = _call("norm_modulate_fp32", [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        if (wan := _fp32_norm_of(value)) is not None:
+            attr, x = wan
+            if attr not in self.found.affine_fp32:
+                self.found.affine_fp32.append(attr)
+            call = _call("norm_affine_fp32", [_self_attr(attr), x, _site_of(_self_attr(attr))])
             return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
@@ -776,6 +785,7 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
            f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
+           f"fp32 affine LayerNorm of {found.affine_fp32 or '-'}, "
            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
            f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
            f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
@@ -862,6 +872,10 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
     for attr in found.norms_fp32:
         if isinstance(getattr(block, attr), nn.LayerNorm):
             state.add_site(getattr(block, attr), MODULATE_FP32)
+    for attr in found.affine_fp32:  # an nn.Identity where the model has no such norm (Wan's cross_attn_norm=False)
+        norm = getattr(block, attr)
+        if type(norm) is FP32LayerNorm and norm.weight is not None and norm.bias is not None:
+            state.add_site(norm, AFFINE_FP32)
     for attr in found.norms:
         norm = getattr(block, attr)
         if type(norm) is RMSNorm:  # LTX-Video's weightless norms: `rmsnorm_modulate` where the rows form took them

@@ -21,9 +21,14 @@ with ``cos[..., 0::2]``, ``sin[..., 1::2]``, in fp32, written into a tensor of x
 has the digest below (else as written). Eager spends ten kernels per call on it, in fp32 over 32,760 x 5,120 elements
 at 832x480x81.
 
-Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites, 40 rotary sites (the
-self-attentions; q and k each). Not fused yet (issue 15): ``norm2`` (an fp32 LayerNorm with an affine, before the
-cross-attention) and its plain residual, the QK RMSNorms across heads, the GELUs.
+``norm2`` before the cross-attention, ``self.norm2(hidden_states.float()).type_as(hidden_states)`` (an
+``FP32LayerNorm`` with weight and bias; ``nn.Identity`` in models built without ``cross_attn_norm``), goes to the fused
+`layernorm_affine_fp32`: the same LayerNorm kernel with aten's affine epilogue in fp32 and one rounding (self-verified;
+eager runs an upcast copy, the fp32 LayerNorm and a downcast copy over 32,760 x 5,120 elements).
+
+Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites, 40 ``norm2`` sites, 40 rotary
+sites (the self-attentions; q and k each). Not fused yet (issue 15): the cross-attention's plain residual, the QK
+RMSNorms across heads, the GELUs.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ Shapes and layouts are the modulate's (its guard is reused): ``x`` ``[B, L, D]``
 ``torch.nn.LayerNorm`` over the last dimension without weight or bias (so ``FP32LayerNorm`` and affine norms stay
 eager), and D is at most 6144 (the row is kept in registers between the two passes). aten takes its vectorized path
 for every such input (a contiguous row, D a multiple of 4, 8-byte aligned): the configuration the kernel reproduces.
+
+Wan's chains run the same kernel over the upcast stream (aten's fp32 instantiation, the same statistics): its adaLN
+sites with fp32 scale/shift rows (`layernorm_scale_shift_fp32`) and its ``norm2``, an ``FP32LayerNorm`` with weight
+and bias (`layernorm_affine_fp32`: aten's affine epilogue ``gamma * y + beta`` contracted to one FMA, then one
+rounding), each self-verified the same way.
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ def _cuda_ops():
 _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
                       ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
-                      ("modulate_fp32", "?"))
+                      ("modulate_fp32", "?"), ("affine", "?"))
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
     "diffusers_fastpath::layernorm_scale_shift_kernel",
@@ -102,7 +107,8 @@ _NVRTC = _nvrtc.Kernel(
 _EIGHT_WARPS, _VARIANT_MASK = 64, 127
 
 
-def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None) -> torch.Tensor:
+def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
+                  affine: bool = False) -> torch.Tensor:
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
@@ -116,7 +122,8 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     fp32 = scale.dtype is torch.float32
     _NVRTC.launch(device, (x.dtype, scale.dtype, probe), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(),
                   scale.data_ptr(), shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
-                  0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32)
+                  0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32,
+                  affine)
     return out
 
 
@@ -249,3 +256,85 @@ def layernorm_scale_shift_fp32(norm, x, scale, shift, site: Site | None = None) 
         site: the call site's counters, shown by `diffusers_fastpath.report`.
     """
     return LAYERNORM_SCALE_SHIFT_FP32(site, norm, x, scale, shift)
+
+
+# --- Wan's norm2: an FP32LayerNorm with weight and bias of the upcast stream, rounded once -----------------------------
+
+
+def layernorm_affine_fp32_ref(norm, x: torch.Tensor) -> torch.Tensor:
+    """The eager chain of Wan's ``norm2``: ``norm(x.float()).type_as(x)``, an ``FP32LayerNorm`` with weight and bias
+    (``F.layer_norm`` in fp32 with ``weight.float()`` and ``bias.float()``)."""
+    return norm(x.float()).type_as(x)
+
+
+def _guard_affine(norm, x, check_pointers: bool = True) -> str | None:
+    if (type(norm) is not FP32LayerNorm or norm.weight is None or norm.bias is None or x.dim() == 0
+            or tuple(norm.normalized_shape) != (x.shape[-1],) or norm.weight.shape != norm.bias.shape):
+        return "norm not an FP32LayerNorm over the last dim with weight and bias"
+    if torch.is_grad_enabled() and (norm.weight.requires_grad or norm.bias.requires_grad or x.requires_grad):
+        return "requires grad"
+    row = x.new_empty((1, x.shape[-1]), dtype=torch.float32)  # the kernel's weight.float() and bias.float(): new rows
+    return _guard_tensors(x, row, row, check_pointers, torch.float32)
+
+
+def _nvrtc_affine(x, weight, bias, eps: float) -> torch.Tensor:
+    return _nvrtc_kernel(x, weight[None], bias[None], eps, affine=True)
+
+
+def _raw_affine_guard(x, weight, bias, eps):
+    if weight.dim() != 1 or bias.dim() != 1:
+        return "weight and bias must be [dim] vectors"
+    return _guard_tensors(x, weight[None], bias[None])
+
+
+_nvrtc.raw_op("_layernorm_affine_fp32_cuda", "(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor",
+              _raw_affine_guard, _nvrtc_affine)
+
+_affine_launch = None
+
+
+def _kernel_affine(norm, x):
+    global _affine_launch
+    if _affine_launch is None:
+        _affine_launch = launcher(_nvrtc_affine, "_layernorm_affine_fp32_cuda")
+    return _affine_launch(x, norm.weight.float(), norm.bias.float(), norm.eps)  # as FP32LayerNorm.forward passes them
+
+
+@torch.library.custom_op("diffusers_fastpath::layernorm_affine_fp32", mutates_args=())
+def _layernorm_affine_fp32_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    weight, bias = weight.float(), bias.float()
+    if _raw_affine_guard(x, weight, bias, eps) is None:
+        return _cuda_ops()._layernorm_affine_fp32_cuda.default(x, weight, bias, eps)
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps).to(x.dtype).contiguous()
+
+
+@_layernorm_affine_fp32_op.register_fake
+def _(x, weight, bias, eps):
+    torch._check(x.dim() == 3, lambda: f"layernorm_affine_fp32: x must be [B, L, D], got {tuple(x.shape)}")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+LAYERNORM_AFFINE_FP32 = FusedOp(
+    "layernorm_affine_fp32",
+    ref=layernorm_affine_fp32_ref,
+    guard=_guard_affine,
+    kernel=_kernel_affine,
+    custom_op=lambda norm, x: torch.ops.diffusers_fastpath.layernorm_affine_fp32.default(
+        x, norm.weight, norm.bias, norm.eps
+    ),
+    verify_key=_signature,
+)
+
+
+def layernorm_affine_fp32(norm, x, site: Site | None = None) -> torch.Tensor:
+    """``norm(x.float()).type_as(x)`` (Wan's ``norm2``: an ``FP32LayerNorm`` with weight and bias of an fp16/bf16
+    stream), fused on CUDA and bit-identical to eager: the LayerNorm's statistics as `layernorm_scale_shift_fp32`
+    computes them, aten's affine epilogue ``fma(weight, y, bias)`` in fp32, one rounding. Verified against eager on
+    its first call per (dtype, D), like `layernorm_scale_shift`.
+
+    Args:
+        norm: the ``FP32LayerNorm`` of the site, with weight and bias (any dtype: upcast as its forward does).
+        x: ``[B, L, D]`` activations of fp16 or bf16 for the kernel.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return LAYERNORM_AFFINE_FP32(site, norm, x)
