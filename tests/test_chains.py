@@ -463,6 +463,92 @@ def test_the_outer_mask_is_kept_on_the_rotary_table_with_the_same_bits(dtype):
     assert torch.equal(sub()(mask, other, table)[0], OuterMaskBlock()(mask, other, table)[0])  # written in place
 
 
+class WanStyleProcessor:
+    """Wan's style: a rotary function defined inside the call (in a block) and called as ``NAME(X, *F)``; a near
+    miss calls it with its arguments spelt out."""
+
+    def __call__(self, attn, hidden_states, rotary_emb=None):
+        query = attn(hidden_states).unflatten(-1, (2, -1))
+        key = query * 2
+        if rotary_emb is not None:
+
+            def apply_rotary_emb(hidden_states, freqs_cos, freqs_sin):
+                x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+                cos = freqs_cos[..., 0::2]
+                sin = freqs_sin[..., 1::2]
+                out = torch.empty_like(hidden_states)
+                out[..., 0::2] = x1 * cos - x2 * sin
+                out[..., 1::2] = x1 * sin + x2 * cos
+                return out.type_as(hidden_states)
+
+            query = apply_rotary_emb(query, *rotary_emb)
+            key = apply_rotary_emb(key, rotary_emb[0], rotary_emb[1])  # near miss: not the starred call
+        return query, key
+
+
+def _wan_digest():
+    import ast
+    import hashlib
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(WanStyleProcessor.__call__)))
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "apply_rotary_emb"]
+    return hashlib.sha256(ast.unparse(fn).encode()).hexdigest()[:16]
+
+
+def test_wans_rotary_form_takes_the_starred_call_of_the_checked_definition_only(emulated_kernels):
+    sub, found = _chains.fused_subclass(WanStyleProcessor, "FusedWanStyleProcessor", __name__, "__call__",
+                                        wan_rotary=("apply_rotary_emb", _wan_digest()))
+    assert found.rotary_named == 1 and "rotary_wan(apply_rotary_emb, query, rotary_emb," in inspect.getsource(sub.__call__)
+    other = ("apply_rotary_emb", "0" * 16)  # a definition of another source: nothing taken
+    assert _chains.fused_subclass(WanStyleProcessor, "UnfusedWanStyleProcessor", __name__, "__call__",
+                                  wan_rotary=other) == (None, None)
+    attn = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb = Site("rotary_emb")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16)
+    tables = tuple(torch.randn(1, 5, 1, 4, generator=gen) for _ in range(2))
+    with torch.no_grad():
+        got, ref = sub()(attn, x, tables), WanStyleProcessor()(attn, x, tables)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert all(torch.equal(a, b) for a, b in zip(sub()(attn, x), WanStyleProcessor()(attn, x)))  # no table
+    assert attn._fastpath_site_rotary_emb.fast == 1
+
+
+class NormBlock(torch.nn.Module):
+    """Wan's ``norm2`` line and its near misses: the cast to another tensor, a norm of x not upcast."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        from diffusers.models.normalization import FP32LayerNorm
+
+        self.norm2 = FP32LayerNorm(dim, eps=1e-6, elementwise_affine=True)
+        with torch.no_grad():
+            self.norm2.weight.normal_(1.0, 0.2)
+            self.norm2.bias.normal_(0.0, 0.1)
+
+    def forward(self, x, y):
+        n = self.norm2(x.float()).type_as(x)
+        m = self.norm2(x.float()).type_as(y)  # near miss: cast like another tensor
+        k = self.norm2(x).type_as(x)  # near miss: no upcast
+        return n, m, k
+
+
+def test_the_fp32_norm_form_takes_an_upcast_norm_cast_back_only(emulated_kernels):
+    sub, found = _chains.fused_subclass(NormBlock, "FusedNormBlock", __name__)
+    assert found.affine_fp32 == ["norm2"]
+    source = inspect.getsource(sub.forward)
+    assert source.count("norm_affine_fp32(") == 1 and "m = self.norm2(x.float()).type_as(y)" in source
+    torch.manual_seed(6)
+    block, ref_block = sub().to(torch.bfloat16), NormBlock().to(torch.bfloat16)
+    ref_block.load_state_dict(block.state_dict())
+    block.norm2._fastpath_site = Site("layernorm_affine_fp32")
+    x, y = torch.randn(2, 5, 8).to(torch.bfloat16), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(block(x, y), ref_block(x, y)))
+    assert block.norm2._fastpath_site.fast == 1
+
+
 def test_operands_that_are_not_tensors_run_the_original_expression():
     ns = _chain_calls._ChainsNamespace
     assert ns.gated_residual(1, 2, 3, None) == 7
