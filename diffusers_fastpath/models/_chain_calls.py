@@ -106,7 +106,7 @@ def _fits_in_cat(unfit, act: nn.Module, site) -> bool:
 
 class _NormLater:
     """``norm(x)`` not yet run: what a rewritten processor hands from a QK norm to the concatenation and the rotary
-    embedding after it (the QK-norm form of the module doc). Only the namespace's calls ever see one."""
+    embedding after it (the QK-norm form of `_rewriter`). Only the namespace's calls ever see one."""
 
     __slots__ = ("norm", "x")
 

@@ -1,0 +1,662 @@
+"""The chain rewriter's patterns: which statements of an installed forward it takes and what replaces them
+(`diffusers_fastpath.models._chains` compiles the result into subclasses and puts their sites).
+
+Patterns (``G``, ``E``, ``R``, ``X``, ``S``, ``T`` any expressions; ``U``, ``H``, ``N`` names; ``A`` an attribute
+of ``self``):
+
+- gated residual, into `diffusers_fastpath.ops.gated_residual` (whose fallback is this very expression):
+
+  - ``U = G * E`` directly followed by ``H = R + U``, ``U`` not read again  ->  ``H = gated_residual(R, G, E, site)``
+    (also ``H = U + R`` with ``R`` a name: a sum of two numbers is the same either way round, bit for bit)
+  - ``H = R + G * E``                                                       ->  the same
+
+  - ``H = (R.float() + E * G).type_as(R)`` (also ``E.float() * G``), ``R`` a name: Wan's fp32 chain, into
+    `diffusers_fastpath.ops.gated_residual_fp32` (an fp32 gate, the product and sum fp32, one rounding)
+
+  where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
+  ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
+  way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
+- LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift` in every tier; the fallback is the
+  LayerNorm module and the exact modulate):
+
+  - ``N = self.A(X)`` directly followed by ``N = N * (1 + S[:, None]) + T[:, None]``  ->  ``N = norm_modulate(self.A, X, S, T, site)``
+  - ``N = self.A(X) * (1 + S[:, None]) + T[:, None]``                               ->  the same
+  - the same with rows already broadcast, ``N * (1 + S) + T`` or ``(1 + S) * N + T`` (FLUX.2): ``S[:, 0]`` and
+    ``T[:, 0]`` go to the op where they are ``[B, 1, D]`` (the same products and sums element by element:
+    multiplication and addition commute exactly), else the expression runs as written
+
+  - the rows form with ``self.A`` diffusers' ``RMSNorm`` (LTX-Video's weightless norms, per-token ``[B, T, D]``
+    rows, all in the stream's dtype)  ->  `diffusers_fastpath.ops.rmsnorm_modulate` (the RMSNorm kernel with a
+    modulate epilogue rounded as eager's three kernels; self-verified), the site op ``rmsnorm_modulate``
+
+  - ``N = (self.A(X.float()) * (1 + S) + T).type_as(X)``, ``X`` a name (Wan: an fp32 LayerNorm of the upcast
+    stream, fp32 ``[B, 1, D]`` rows)  ->  `layernorm_scale_shift_fp32` (the LayerNorm kernel with an fp32 modulate
+    and one rounding; the fallback is this very expression), the site op ``layernorm_scale_shift_fp32``
+
+  with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
+  others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
+  where those are plain assignments to other names (one or a tuple of them) that neither read ``N`` nor rebind a
+  name ``X`` reads, and call no in-place method:
+  the LayerNorm then runs at the modulate, on the same ``X``.
+- LayerNorm into a modulate method, for a block that modulates in a method of its own (Qwen-Image's
+  ``_modulate``); the adapter names the method ``M`` and a fused counterpart ``F`` (``norm_methods={M: F}``),
+  which it defines and checks against the installed ``M``:
+
+  - ``N = self.A(X)`` directly followed by ``T = self.M(N, ...)``, ``N`` not read again  ->  ``T = self.F(self.A, X, ...)``
+
+  with the site on ``self.A``, as above.
+- modulate of an already-normalised tensor, into `diffusers_fastpath.ops.modulate_scale_shift` (exact on any input;
+  the fallback is this very expression), where none of the LayerNorm forms above took it (SD3.5's
+  ``SD35AdaLayerNormZeroX`` modulates one LayerNorm output twice):
+
+  - ``H = N * (1 + S[:, None]) + T[:, None]``, ``N`` a name  ->  ``H = modulate(N, S, T, site)``
+
+  with the site ``modulate_scale_shift_<H>`` on the block.
+- rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
+  attention processors:
+
+  - ``Q = apply_rotary_emb(X, E, sequence_dim=1)`` (diffusers' ``embeddings.apply_rotary_emb``, real cos/sin
+    tables)  ->  ``Q = rotary(X, E, site)``
+
+  with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument); also
+  where the call is part of a larger expression (HunyuanVideo's ``torch.cat([apply_rotary_emb(...), ...])``), and
+  where the processor imports ``apply_rotary_emb`` itself (``from ..embeddings import apply_rotary_emb``).
+- QK RMSNorm + concatenation + rotary embedding, into `diffusers_fastpath.ops.qk_norm_rope` (self-verified; the
+  fallback is the norms, ``torch.cat`` and the fused rotary), in attention processors whose rotary embedding the
+  pattern above took (FLUX.2, the FLUX derivatives):
+
+  - ``Q = A.N(Q)`` with ``N`` one of ``norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k`` (``A`` the attention
+    module)  ->  ``Q = norm_later(A.N, Q)``: the norm, not yet run
+  - ``Q = torch.cat([E, Q], dim=1)`` of two such  ->  ``Q = cat_later(E, Q)``
+  - the rotary call of such a ``Q`` runs all three as one `qk_norm_rope` (site ``qk_norm_rope`` on the attention
+    module), or, for a lone diffusers ``RMSNorm`` (HunyuanVideo-1.5, Bria-FIBO's single blocks), the norm and the
+    rotary as one `rmsnorm_rope_real` (site ``rmsnorm_rope_real``); after the last statement holding a rotary call,
+    each such name read later is made a tensor (``materialize``: the norm and the cat as written, where no rotary
+    embedding ran)
+
+  taken only where those names are read nowhere else before that point (else the norms run as written).
+- QK RMSNorm + complex-form rotary embedding, into `diffusers_fastpath.ops.rmsnorm_rope_complex` (self-verified; the
+  fallback is the norm and the rotary function as written), in processors whose adapter names the rotary function:
+  ``complex_rotary="apply_rotary_emb_qwen"`` (a module function, called ``NAME(X, F, use_real=False)``; its source
+  checked by digest at patch time, `register_complex_rotary`) or ``local_rotary=(name, digest)`` (a function the
+  processor defines itself, called ``NAME(X, F)``, taken where ``ast.unparse`` of its definition has that digest):
+
+  - ``Q = NAME(X, F, ...)``  ->  ``Q = rotary_complex(NAME, X, F, site, local)``; the QK norms before it wait as in
+    the form above, and a pending diffusers ``RMSNorm`` without hooks runs with the rotary as one op (site
+    ``rmsnorm_rope_complex`` on the attention module; Qwen-Image, Z-Image)
+- rows-form rotary embedding, into `diffusers_fastpath.ops.rotary_emb_rows` (exact by construction; the fallback is
+  the function itself), in processors whose adapter names it: ``rows_rotary="apply_rotary_emb"`` (LTX-Video's module
+  function, called ``NAME(X, F)`` with ``F = (cos, sin)`` over ``[B, S, C]`` rows; its source checked by digest at
+  patch time, `register_rows_rotary`):
+
+  - ``Q = NAME(X, F)``  ->  ``Q = rotary_rows(NAME, X, F, site)``, site ``rotary_emb`` on the attention module
+
+  and Wan's, into `diffusers_fastpath.ops.rotary_emb_wan` (exact by construction): ``wan_rotary=(name, digest)``, a
+  function the processor defines (in any block of its body), taken where ``ast.unparse`` of its definition has that
+  digest:
+
+  - ``Q = NAME(X, *F)``  ->  ``Q = rotary_wan(NAME, X, F, site)``, site ``rotary_emb`` on the attention module
+- SiLU-gated product (SwiGLU's elementwise half), into `diffusers_fastpath.ops.silu_mul` (the SiLU proven on every
+  value of the dtype; the fallback is the expression as written), in blocks whose adapter names the activation
+  (``activations=("gate_fn",)``: FLUX.2's ``Flux2SwiGLU``):
+
+  - ``H = self.ACT(E) * F``  ->  ``H = silu_mul(self.ACT, E, F, site)`` when ``self.ACT`` is a plain ``nn.SiLU``
+    without hooks (checked per call), with the site ``silu_mul`` on the block
+  - ``return F.silu(E) * G`` or ``H = F.silu(E) * G`` with ``F`` the module's ``torch.nn.functional``
+    (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``)  ->  the same op
+  - either product inside a larger expression (``return self.linear_2(self.silu(E) * F)``: Lumina's
+    ``LuminaFeedForward``, whose ``FP32SiLU`` the op's proof covers too)  ->  the same op, in place
+- RMSNorm + scale and RMSNorm + gated residual (sandwich norms: Z-Image, Lumina2), into
+  `diffusers_fastpath.ops.rmsnorm_scale` and `diffusers_fastpath.ops.rmsnorm_gated_residual` (self-verified; the
+  fallback is the expression as written, the gated residual still the exact fused one), in blocks whose adapter names
+  the norms (``rms_norms=("attention_norm1", ...)``):
+
+  - ``H = R + G * self.A(E)``, ``G`` any expression (``gate.unsqueeze(1).tanh()``)  ->  ``H = rms_gated_residual(self.A, R, G, E, site)``
+  - ``self.A(X) * S`` anywhere in a statement, ``S`` any expression (``scale_msa``, ``(1 + scale[:, None])``)  ->
+    ``rms_scale(self.A, X, S, site)``
+
+  each when ``self.A`` is diffusers' ``RMSNorm`` without hooks (checked per call), with the site on ``self.A``.
+- pairwise attention mask (Hunyuan's token refiners, HunyuanVideo-1.5's every attention), in blocks and processors
+  alike, exact by construction (bitwise AND of the same values, no kernel of ours):
+
+  - ``M1 = A.view(B, 1, 1, S).repeat(1, 1, S, 1)``, ``M2 = M1.transpose(2, 3)``, ``X = (M1 & M2).bool()``, in that
+    order, ``M1`` and ``M2`` read nowhere after  ->  ``X = pairwise_mask(A, B, S)``: ``A.view(B, 1, 1, S) &
+    A.view(B, 1, S, 1)``, broadcast instead of materialised and read transposed (HunyuanVideo-1.5 spent 97.5 ms of a
+    1,134 ms 480p step on that transposed read)
+
+- outer-product attention mask (Chroma's blocks, each of which expands the forward's one ``[B, S]`` mask again), in
+  blocks whose forward takes the rotary table ``image_rotary_emb`` and never rebinds it, exact by construction (the
+  same product of the same tensor, computed once and handed to the later blocks):
+
+  - ``X = A[:, None, None, :] * A[:, None, :, None]``  ->  ``X = outer_mask(A, image_rotary_emb)``: the product is
+    kept on the table (`diffusers_fastpath.models._rope_cache.derived`), which the transformer builds once per forward,
+    for that very ``A`` object at its version; another mask, one written in place, an inference tensor (no version
+    counter), no table or a ``torch.compile`` trace computes it as written (Chroma1-HD: 57 products of ``[1, 1, 4608, 4608]`` a step, 2.9 ms of GPU time)
+
+- head concatenation (SD3's joint attention: the image and text q, k and v, each a ``[B, H, S, D]`` view), into
+  `diffusers_fastpath.ops.cat_heads` (a vectorised copy, exact by construction, its addressing checked on first use
+  per layout), in processors whose adapter asks for it (``head_cats=True``):
+
+  - ``X = torch.cat([A, B], dim=2)``, ``A`` and ``B`` names  ->  ``X = cat_heads(A, B, site)``, the site
+    ``cat_heads`` on the attention module; anything the op's guard refuses runs ``torch.cat`` as written
+
+- tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
+  dtype; the fallback is the two eager calls):
+
+  - ``M = self.ACT(self.PROJ(X))`` and, later in the same block of statements, ``H = torch.cat([A, M], dim=2)``,
+    ``M`` read nowhere else  ->  ``M = self.PROJ(X)`` ... ``H = gelu_cat(A, M, site)`` when ``self.ACT`` is a plain
+    ``nn.GELU(approximate="tanh")`` without hooks (checked per call), else the original two statements
+
+  with the site ``gelu_cat`` on the block.
+
+- SwiGLU + concatenation (FLUX.2's parallel single-block processor), into `diffusers_fastpath.ops.swiglu_cat` (its
+  SiLU proven exact on every value; the fallback is the two statements as written), in processors whose adapter
+  names the attention module's SwiGLU attributes (``swiglus=("mlp_act_fn",)``):
+
+  - ``M = attn.ACT(X)`` and, later in the same block of statements, ``H = torch.cat([A, M], dim=-1)``, ``M`` read
+    nowhere else, nothing in between assigning a name of ``X`` or calling an in-place method  ->
+    ``M = X`` ... ``H = swiglu_cat(A, M, site)`` when ``attn.ACT`` is a registered SwiGLU module (`register_swiglu`:
+    a class whose installed forward is, by digest, ``gate(x[..., :h]) * x[..., h:]``) with a plain SiLU gate and
+    no hooks (checked per call), else the original two statements
+
+  with the site ``swiglu_cat`` on ``attn.ACT`` (which then counts nothing as ``silu_mul``).
+
+Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
+any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
+expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
+is the original's.
+
+What each pattern's statements look like as AST is in `_chain_syntax`; what the rewritten statements call at run
+time is in `_chain_calls`.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from dataclasses import dataclass, field
+
+from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
+                            _complex_rotary_call, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
+                            _modulate_of, _ns_call, _outer_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
+                            _rotary_call, _self_attr, _self_module_call, _single_target, _site_of, _starred_call,
+                            _unsqueezed, _uses)
+
+MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
+RMS_MODULATE = "rmsnorm_modulate"  # a diffusers RMSNorm's modulate site (LTX-Video): the RMSNorm kernel's epilogue
+MODULATE_FP32 = "layernorm_scale_shift_fp32"  # Wan's: an fp32 LayerNorm and modulate of the upcast stream
+AFFINE_FP32 = "layernorm_affine_fp32"  # Wan's norm2: an FP32LayerNorm with weight and bias of the upcast stream
+MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
+GATED_RESIDUAL = "gated_residual"
+GATED_RESIDUAL_FP32 = "gated_residual_fp32"
+ROTARY = "rotary_emb"
+CAT_HEADS = "cat_heads"
+QK_NORM_ROPE = "qk_norm_rope"
+_QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
+GELU_CAT = "gelu_cat"
+SILU_MUL = "silu_mul"
+RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
+RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
+SWIGLU_CAT = "swiglu_cat"
+RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
+RMSNORM_ROPE_REAL = "rmsnorm_rope_real"  # ... diffusers' RMSNorm + the real-form rotary (HunyuanVideo-1.5)
+_GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
+_SWIGLU_FLAG = "_fastpath_swiglu_in_cat"  # the same for the SwiGLU + concatenation form
+
+
+@dataclass
+class Rewrite:
+    """What `rewrite_forward` found in one forward: the sites the rewritten statements count on."""
+
+    gates: list[str] = field(default_factory=list)  # gated residual sites on the block, by gate name
+    gates_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
+    norms: list[str] = field(default_factory=list)  # attributes of the block holding a LayerNorm + modulate site
+    norms_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
+    affine_fp32: list[str] = field(default_factory=list)  # attributes of the block: FP32LayerNorms with affine (Wan)
+    modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
+    rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
+    qk_norms: list[str] = field(default_factory=list)  # a processor's QK norms run inside qk_norm_rope, by name
+    gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
+    silu_mul: bool = False  # a SiLU-gated product fused (the site ``silu_mul`` on the block)
+    rms_scales: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + scale sites
+    rms_gated: list[str] = field(default_factory=list)  # attributes of the block: RMSNorm + gated residual sites
+    pairwise_masks: int = 0  # pairwise attention masks built by broadcasting (no site: exact by construction)
+    outer_masks: int = 0  # outer-product attention masks built once per rotary table (no site: exact by construction)
+    swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
+    rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
+    head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
+    rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
+
+    def __bool__(self) -> bool:
+        return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32
+                    or self.modulates or self.rotary
+                    or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
+                    or self.outer_masks or self.swiglu_cats or self.rotary_complex
+                    or self.head_cats or self.rotary_named)
+
+
+# the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
+# handed to every block, it anchors what the blocks would otherwise derive again each from the same inputs
+_ROTARY_TABLE = "image_rotary_emb"
+
+
+def _unassigned_parameter(function: ast.FunctionDef, name: str) -> bool:
+    """Whether `name` is a parameter of `function` that its body never rebinds."""
+    params = [a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)]
+    return name in params and not any(
+        isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in ast.walk(function))
+
+
+class _Rewriter:
+    def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
+                 activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
+                 swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False,
+                 head_cats: bool = False, rows_rotary: str | None = None, wan_rotary: str | None = None) -> None:
+        self.found = Rewrite()
+        self.rows_rotary = rows_rotary  # the rows-form rotary function's name (the adapter's; `register_rows_rotary`)
+        self.wan_rotary = wan_rotary  # ... Wan's, a function the forward defines (its source checked by digest)
+        self.head_cats = head_cats  # a processor's ``torch.cat([A, B], dim=2)`` of [B, H, S, D] names as `cat_heads`
+        self.complex_rotary = complex_rotary  # the complex-form rotary function's name (the adapter's)
+        self.local_rotary = local_rotary  # ... a function the forward defines itself (its source checked by digest)
+        self.swiglus = swiglus  # the owner's attributes that may be a registered SwiGLU (the SwiGLU + cat form)
+        self.activations = activations  # the block's attributes that may be a SiLU (the SwiGLU form)
+        self.rms_norms = rms_norms  # the block's attributes that may be diffusers' RMSNorm (the sandwich-norm forms)
+        self.norm_methods = norm_methods or {}
+        self.owner = owner  # the name of the module the rotary site lives on
+        self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
+        self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
+
+    def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt,
+               fp32: bool = False) -> ast.stmt | None:
+        if not _unsqueezed(gate) and _unsqueezed(update):  # ``R + E * g.unsqueeze(1)``: the product commutes exactly
+            gate, update = update, gate
+        elif (not _unsqueezed(gate) and isinstance(gate, ast.Name) and isinstance(update, ast.Name)
+              and "gate" in update.id and "gate" not in gate.id):  # ``R + E * gate``, the gate unsqueezed before
+            gate, update = update, gate
+        name = _gate_name(gate)
+        if name is None or name in self.found.gates or name in self.found.gates_fp32:
+            return None
+        (self.found.gates_fp32 if fp32 else self.found.gates).append(name)
+        call = _call("gated_residual_fp32" if fp32 else "gated_residual",
+                     [residual, gate, update, _site_of(_self_attr(), name)])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
+
+    def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, rows: bool,
+                   like: ast.stmt) -> ast.stmt:
+        if attr not in self.found.norms:
+            self.found.norms.append(attr)
+        call = _call("norm_modulate_rows" if rows else "norm_modulate",
+                     [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
+
+    def _silu_mul(self, value: ast.expr) -> ast.Call | None:
+        """The SwiGLU form's call for ``self.ACT(E) * G`` or ``F.silu(E) * G`` (see the module doc), or None."""
+        if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)) or self.found.silu_mul:
+            return None
+        act = _self_module_call(value.left)
+        if act is not None and act[0] in self.activations:
+            module: ast.expr = _self_attr(act[0])
+        elif ("F.silu" in self.activations and isinstance(value.left, ast.Call) and len(value.left.args) == 1
+              and not value.left.keywords and isinstance(value.left.func, ast.Attribute)
+              and value.left.func.attr == "silu" and isinstance(value.left.func.value, ast.Name)
+              and value.left.func.value.id == "F"):
+            act, module = ("F.silu", value.left.args[0]), ast.Constant(None)
+        else:
+            return None
+        self.found.silu_mul = True
+        return _call("silu_mul", [module, act[1], value.right, _site_of(_self_attr(), SILU_MUL)])
+
+    def one(self, stmt: ast.stmt) -> ast.stmt | None:
+        """A one-statement pattern, rewritten, or None."""
+        if not self.block:
+            if self.head_cats and (cat := self._head_cat(stmt)) is not None:
+                return cat
+            return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
+        if isinstance(stmt, ast.Return) and stmt.value is not None and (call := self._silu_mul(stmt.value)) is not None:
+            return ast.copy_location(ast.Return(value=call), stmt)
+        target = _single_target(stmt)
+        if target is None:
+            return None
+        value = stmt.value
+        if (call := self._silu_mul(value)) is not None:
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        if (wan := _fp32_gated_of(value)) is not None:
+            return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True)
+        if (wan := _fp32_modulate_of(value)) is not None:
+            attr, x, scale, shift = wan
+            if attr not in self.found.norms_fp32:
+                self.found.norms_fp32.append(attr)
+            call = _call("norm_modulate_fp32", [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        if (wan := _fp32_norm_of(value)) is not None:
+            attr, x = wan
+            if attr not in self.found.affine_fp32:
+                self.found.affine_fp32.append(attr)
+            call = _call("norm_affine_fp32", [_self_attr(attr), x, _site_of(_self_attr(attr))])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
+                and isinstance(value.right.op, ast.Mult)):
+            normed = _self_module_call(value.right.right)
+            if normed is not None and normed[0] in self.rms_norms:
+                if normed[0] not in self.found.rms_gated:
+                    self.found.rms_gated.append(normed[0])
+                call = _call("rms_gated_residual", [_self_attr(normed[0]), value.left, value.right.left, normed[1],
+                                                    _site_of(_self_attr(normed[0]), RMS_GATED)])
+                return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+            return self._gated(target, value.left, value.right.left, value.right.right, stmt)
+        modulate = _modulate_of(value)
+        if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
+            return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
+        if (modulate is not None and not modulate[3] and isinstance(modulate[0], ast.Name)
+                and target not in self.found.modulates):  # a tensor normalised earlier, modulated here
+            self.found.modulates.append(target)
+            site = _site_of(_self_attr(), f"{MODULATE_ONLY}_{target}")
+            call = _call("modulate", [modulate[0], modulate[1], modulate[2], site])
+            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        return self._rotary(target, value, stmt)
+
+    def nested(self, stmt: ast.stmt) -> ast.stmt:
+        """`stmt` with every ``self.A(X) * S`` in it (``A`` one of the adapter's RMSNorms) as ``rms_scale``, and a
+        SwiGLU product inside a larger expression (``self.linear_2(self.silu(E) * F)``, Lumina's) as ``silu_mul``."""
+        if not (self.rms_norms or self.activations) or not isinstance(stmt, (ast.Assign, ast.Return, ast.Expr)):
+            return stmt
+        rewriter = self
+
+        class Scales(ast.NodeTransformer):
+            def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+                node = self.generic_visit(node)
+                normed = _self_module_call(node.left) if isinstance(node.op, ast.Mult) else None
+                if normed is None or normed[0] not in rewriter.rms_norms:
+                    swiglu = rewriter._silu_mul(node) if rewriter.activations else None
+                    return node if swiglu is None else ast.copy_location(swiglu, node)
+                if normed[0] not in rewriter.found.rms_scales:
+                    rewriter.found.rms_scales.append(normed[0])
+                return ast.copy_location(_call("rms_scale", [_self_attr(normed[0]), normed[1], node.right,
+                                                             _site_of(_self_attr(normed[0]), RMS_SCALE)]), node)
+
+        return Scales().visit(stmt)
+
+    def _head_cat(self, stmt: ast.stmt) -> ast.stmt | None:
+        """The head-concatenation form: ``X = torch.cat([A, B], dim=2)`` of two names, as ``cat_heads``."""
+        target = _single_target(stmt)
+        pair = _cat_names(stmt.value, 2) if target is not None else None
+        if pair is None:
+            return None
+        self.found.head_cats += 1
+        site = _site_of(ast.Name(self.owner, ast.Load()), CAT_HEADS)
+        call = _call("cat_heads", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()), site])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
+        """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused (and every
+        call of the adapter's complex-form rotary, ``NAME(X, F, use_real=False)``), or None."""
+        if not (self.rotary_ok or self.complex_rotary or self.rows_rotary or self.wan_rotary):
+            return None
+        rewriter = self
+
+        class Calls(ast.NodeTransformer):
+            def visit_Call(self, node: ast.Call) -> ast.expr:
+                node = self.generic_visit(node)
+                rotary = _rotary_call(node) if rewriter.rotary_ok else None
+                if rotary is not None:
+                    rewriter.found.rotary += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return ast.copy_location(_call("rotary", [rotary[0], rotary[1], site]), node)
+                rotary = _starred_call(node, rewriter.wan_rotary)
+                if rotary is not None:  # Wan's ``NAME(X, *F)``
+                    rewriter.found.rotary_named += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return ast.copy_location(_call("rotary_wan", [node.func, rotary[0], rotary[1], site]), node)
+                rotary = _complex_rotary_call(node, rewriter.rows_rotary, local=True)
+                if rotary is not None:  # the rows form's ``NAME(X, F)``
+                    rewriter.found.rotary_named += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return ast.copy_location(_call("rotary_rows", [node.func, rotary[0], rotary[1], site]), node)
+                rotary = _complex_rotary_call(node, rewriter.complex_rotary, rewriter.local_rotary)
+                if rotary is None:
+                    return node
+                rewriter.found.rotary_complex += 1
+                site = _site_of(ast.Name(rewriter.owner, ast.Load()), RMSNORM_ROPE)
+                return ast.copy_location(_call("rotary_complex", [node.func, rotary[0], rotary[1], site,
+                                                                  ast.Constant(rewriter.local_rotary)]), node)
+
+        count = lambda: self.found.rotary + self.found.rotary_complex + self.found.rotary_named  # noqa: E731
+        before = count()
+        new = Calls().visit(copy.deepcopy(stmt))
+        return new if count() > before else None
+
+    def _rotary(self, target: str, value: ast.expr, stmt: ast.stmt) -> ast.stmt | None:
+        rotary = _rotary_call(value) if self.rotary_ok else None
+        if rotary is None:
+            return None
+        self.found.rotary += 1
+        call = _call("rotary", [rotary[0], rotary[1], _site_of(ast.Name(self.owner, ast.Load()), ROTARY)])
+        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def two(self, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
+        """A two-statement pattern (`first` directly followed by `second`), rewritten as one statement, or None."""
+        u, h = _single_target(first), _single_target(second)
+        if u is not None and self.block and (merged := self._norm_method(u, first, second, rest)) is not None:
+            return merged
+        if u is None or h is None or not self.block:
+            return None
+        a, b = first.value, second.value
+        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
+                and isinstance(b.op, ast.Add) and isinstance(b.right, ast.Name) and b.right.id == u
+                and isinstance(b.left, ast.Name) and b.left.id != u  # R a plain name: evaluating it first changes nothing
+                and (h == u or not _reads_after(rest, u))):
+            return self._gated(h, b.left, a.left, a.right, second)
+        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
+                and isinstance(b.op, ast.Add) and isinstance(b.left, ast.Name) and b.left.id == u
+                and isinstance(b.right, ast.Name) and b.right.id != u  # ``H = U + R``: the sum commutes exactly
+                and (h == u or not _reads_after(rest, u))):
+            return self._gated(h, b.right, a.left, a.right, second)
+        called = _self_module_call(a)
+        modulate = _modulate_of(b)
+        if (called is not None and modulate is not None and h == u and isinstance(modulate[0], ast.Name)
+                and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)):
+            return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second)
+        return None
+
+    def _norm_method(self, u: str, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
+        """``N = self.A(X)`` then ``T = self.M(N, ...)`` with ``M`` a modulate method: ``T = self.F(self.A, X, ...)``."""
+        called = _self_module_call(first.value)
+        call = second.value if isinstance(second, ast.Assign) and len(second.targets) == 1 else None
+        if (called is None or not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute)
+                or not (isinstance(call.func.value, ast.Name) and call.func.value.id == "self")
+                or call.func.attr not in self.norm_methods or call.keywords or not call.args
+                or not (isinstance(call.args[0], ast.Name) and call.args[0].id == u)
+                or any(_uses(a, u) or isinstance(a, ast.Starred) for a in call.args[1:])
+                or _uses(second.targets[0], u) or _reads_after(rest, u)):
+            return None
+        if called[0] not in self.found.norms:
+            self.found.norms.append(called[0])
+        fused = ast.Call(func=_self_attr(self.norm_methods[call.func.attr]),
+                         args=[_self_attr(called[0]), called[1], *call.args[1:]], keywords=[])
+        return ast.copy_location(ast.Assign(targets=second.targets, value=fused), second)
+
+    def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        """The GELU + concatenation pattern over one block of statements (see the module doc)."""
+        for i, stmt in enumerate(body):
+            m = _single_target(stmt)
+            act = _act_of_proj(stmt.value) if m is not None else None
+            if act is None or self.found.gelu_cat:
+                continue
+            for j in range(i + 1, len(body)):
+                h = _single_target(body[j])
+                cat = _cat_of(body[j].value, 2) if h is not None else None
+                if cat is None or cat[1] != m:
+                    continue
+                reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
+                if reads != 1 or _uses(cat[0], m):
+                    break
+                flag = ast.Name(_GELU_FLAG, ast.Load())
+                decide = ast.Assign(targets=[ast.Name(_GELU_FLAG, ast.Store())], value=_call(
+                    "gelu_in_cat", [_self_attr(act[0]), _site_of(_self_attr(), GELU_CAT)]))
+                up = ast.Assign(targets=[ast.Name(m, ast.Store())], value=ast.IfExp(test=flag, body=act[1], orelse=stmt.value))
+                joined = ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.IfExp(test=flag, body=_call(
+                    "gelu_cat", [cat[0], ast.Name(m, ast.Load()), _site_of(_self_attr(), GELU_CAT)]), orelse=body[j].value))
+                self.found.gelu_cat = True
+                return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(up, stmt), *body[i + 1:j],
+                        ast.copy_location(joined, body[j]), *body[j + 1:]]
+        return body
+
+    def swiglu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        """The SwiGLU + concatenation form over one block of statements (see the module doc)."""
+        for i, stmt in enumerate(body):
+            m = _single_target(stmt)
+            value = stmt.value if m is not None else None
+            if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                    and isinstance(value.func.value, ast.Name) and value.func.value.id == self.owner
+                    and value.func.attr in self.swiglus and value.func.attr not in self.found.swiglu_cats
+                    and len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred)):
+                continue
+            x = value.args[0]
+            x_names = {n.id for n in ast.walk(x) if isinstance(n, ast.Name)}
+            for j in range(i + 1, len(body)):
+                h = _single_target(body[j])
+                cat = _cat_of(body[j].value, -1) if h is not None else None
+                if cat is None or cat[1] != m:
+                    between = body[j]
+                    stores = {n.id for n in ast.walk(between) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                    if stores & (x_names | {m}) or _calls_inplace(between):
+                        break  # X (or M) may hold another value at the concatenation
+                    continue
+                reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load)
+                            for n in ast.walk(function))
+                reads -= sum(isinstance(n, ast.Name) and n.id == m for n in ast.walk(x))  # ``M = attn.ACT(M)``
+                if reads != 1 or _uses(cat[0], m):
+                    break
+                act = value.func
+                site = _site_of(copy.deepcopy(act), SWIGLU_CAT)
+                flag = ast.Name(_SWIGLU_FLAG, ast.Load())
+                decide = ast.Assign(targets=[ast.Name(_SWIGLU_FLAG, ast.Store())],
+                                    value=_call("swiglu_in_cat", [copy.deepcopy(act), site]))
+                deferred = ast.Assign(targets=[ast.Name(m, ast.Store())],
+                                      value=ast.IfExp(test=flag, body=copy.deepcopy(x), orelse=value))
+                joined = ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.IfExp(test=flag, body=_call(
+                    "swiglu_cat", [copy.deepcopy(act), cat[0], ast.Name(m, ast.Load()), copy.deepcopy(site)]),
+                    orelse=body[j].value))
+                self.found.swiglu_cats.append(act.attr)
+                return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(deferred, stmt), *body[i + 1:j],
+                        ast.copy_location(joined, body[j]), *body[j + 1:]]
+        return body
+
+    def deferred_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """``N = self.A(X)``, other plain assignments, then ``N = N * (1 + S[:, None]) + T[:, None]`` (see the module
+        doc): the norm statement dropped, the modulate rewritten."""
+        out = list(body)
+        i = 0
+        while i < len(out):
+            n = _single_target(out[i])
+            called = _self_module_call(out[i].value) if n is not None else None
+            if called is None:
+                i += 1
+                continue
+            x_names = {m.id for m in ast.walk(called[1]) if isinstance(m, ast.Name)}
+            for j in range(i + 1, len(out)):
+                stmt, target = out[j], _single_target(out[j])
+                modulate = _modulate_of(stmt.value) if target == n else None
+                if (modulate is not None and isinstance(modulate[0], ast.Name) and modulate[0].id == n
+                        and not _uses(modulate[1], n) and not _uses(modulate[2], n)):
+                    if j > i + 1:  # adjacent pairs are `two`'s
+                        out[j] = self._modulated(n, called[0], called[1], *modulate[1:], stmt)
+                        del out[i]
+                        i -= 1
+                    break
+                stores = _assigned_names(stmt)  # LTX-Video unpacks its adaLN rows in between: ``a, b = t.unbind(2)``
+                if (stores is None or n in stores or stores & x_names or _uses(stmt.value, n)
+                        or _calls_inplace(stmt.value)):
+                    break
+            i += 1
+        return out
+
+    def qk_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The QK-norm form of the module doc over a processor's top-level `body` (its rotary calls rewritten
+        already), or `body` as it was."""
+        owner, deferred, order = self.owner, set(), []
+
+        class Defer(ast.NodeTransformer):
+            def visit_Assign(self, node: ast.Assign) -> ast.stmt:
+                target, value = _single_target(node), node.value
+                if (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                        and isinstance(value.func.value, ast.Name) and value.func.value.id == owner
+                        and value.func.attr in _QK_NORMS and len(value.args) == 1 and not value.keywords
+                        and isinstance(value.args[0], ast.Name) and value.args[0].id == target):
+                    deferred.add(target)
+                    order.append(value.func.attr)
+                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                        "norm_later", [value.func, value.args[0]])), node)
+                cat = _cat_names(value, 1) if target is not None else None
+                if cat is not None and cat[1] == target and set(cat) <= deferred:
+                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                        "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
+                return node
+
+        last = max((i for i, stmt in enumerate(body)
+                    if any(_ns_call(n, "rotary") or _ns_call(n, "rotary_complex") for n in ast.walk(stmt))), default=None)
+        if last is None:
+            return body
+        # only norms before the rotary embedding wait for it (HunyuanVideo-1.5 normalises its text q and k after it)
+        new = [*(Defer().visit(copy.deepcopy(stmt)) for stmt in body[:last + 1]), *body[last + 1:]]
+        if not deferred:
+            return body
+        allowed = set()  # the Name nodes that may see a pending norm: cat_later's arguments, rotary's first
+        for stmt in new[:last + 1]:
+            for node in ast.walk(stmt):
+                if _ns_call(node, "cat_later"):
+                    allowed.update(id(a) for a in node.args)
+                elif _ns_call(node, "rotary"):
+                    allowed.add(id(node.args[0]))
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))  # `new` is ours to change
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), RMSNORM_ROPE_REAL))
+                elif _ns_call(node, "rotary_complex"):
+                    allowed.add(id(node.args[1]))
+        if not _PendingReads(allowed).clean(new[:last + 1]):
+            return body  # a pending name read elsewhere before the rotary: the norms run as written
+        later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
+                            value=_call("materialize", [ast.Name(name, ast.Load())]))
+                 for name in sorted(deferred) if _reads_after(new[last + 1:], name)]
+        self.found.qk_norms = order
+        return [*new[:last + 1], *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
+
+    def pairwise_masks(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        """The pairwise-mask and outer-mask forms of the module doc over one block of statements."""
+        anchor = _ROTARY_TABLE if _unassigned_parameter(function, _ROTARY_TABLE) else None
+        out, i = [], 0
+        while i < len(body):
+            merged = _pairwise_mask_of(body[i:i + 3], body[i + 3:]) if i + 3 <= len(body) else None
+            if merged is not None:
+                self.found.pairwise_masks += 1
+                out.append(merged)
+                i += 3
+                continue
+            outer = _outer_mask_of(body[i], anchor) if anchor is not None else None
+            if outer is not None:
+                self.found.outer_masks += 1
+            out.append(outer or body[i])
+            i += 1
+        return out
+
+    def body(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
+        body = self.pairwise_masks(body, function)
+        if self.block:
+            body = self.deferred_norms(self.gelu_cat(body, function))
+        elif self.swiglus:
+            body = self.swiglu_cat(body, function)
+        out: list[ast.stmt] = []
+        i = 0
+        while i < len(body):
+            stmt = body[i]
+            for name in ("body", "orelse", "finalbody"):  # if / for / while / with / try blocks
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    setattr(stmt, name, self.body(inner, function))
+            if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1], body[i + 2:])) is not None:
+                out.append(self.nested(merged) if self.block else merged)
+                i += 2
+                continue
+            new = self.one(stmt) or stmt
+            out.append(self.nested(new) if self.block else new)
+            i += 1
+        return out
