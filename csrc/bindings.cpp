@@ -567,8 +567,8 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 }
 
 // The Python guards admit [batch, seq, heads, dim] sources with unit innermost stride and 8-byte aligned rows, fp32
-// cos/sin [seq, dim] (or, for rotary_emb_rows, [batch or 1, seq, heads * dim]) contiguous and 16-byte aligned, dim a multiple of 4 (at most 128 with norm); these checks keep
-// a direct call with bad input from reading out of bounds.
+// cos/sin [seq, dim] (or, for rotary_emb_rows, [batch or 1, seq, heads * dim]) contiguous and 16-byte aligned, dim a
+// multiple of 4 (at most 128 with norm); these checks keep a direct call with bad input from reading out of bounds.
 RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
                            double eps, const char* name) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
@@ -640,7 +640,7 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.cos = cos.data_ptr<float>();
   args.sin = sin.data_ptr<float>();
   args.batch = x_img.size(0);
-  args.heads = x_img.size(2);
+  args.heads = heads;
   args.dim = dim;
   args.norm = norm;
   args.wan = wan;

@@ -122,8 +122,8 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
 
 // One block per row, laid out as aten's: blockDim = (32, warps). (A grid-stride launch of the resident blocks, each
 // prefetching its next row into L2 while reducing the current one, timed the same on the H200 at 4f6d200: 29.8 us
-// at 4096 x 3072 bf16, 46% of copy, as one block per row at 54cc343; so the simpler launch stays.) kProbe reads the variant from the arguments
-// (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
+// at 4096 x 3072 bf16, 46% of copy, as one block per row at 54cc343; so the simpler launch stays.) kProbe reads the
+// variant from the arguments (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
 // S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's fp32 modulate).
 template <typename T, typename S, bool kProbe>
 __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {

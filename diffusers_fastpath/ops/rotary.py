@@ -53,18 +53,13 @@ def cos_sin_reason(cos: torch.Tensor, sin: torch.Tensor, seq: int, dim: int, dev
     return None
 
 
-def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    if x.dtype not in HALF_DTYPES:
-        return f"dtype {str(x.dtype).removeprefix('torch.')}"
-    if x.dim() != 4 or cos.dim() != 2 or sin.dim() != 2:
-        return "shape"
-    batch, seq, _, dim = x.shape
-    if dim % 4:
+def _x_reason(x: torch.Tensor) -> str | None:
+    """Why the kernel cannot take ``[B, S, H, D]`` queries or keys `x` (of a half dtype), or None."""
+    if x.shape[3] % 4:
         return "D not a multiple of 4"
     if x.numel() == 0:
         return "empty"
-    if batch > 65535:
+    if x.shape[0] > 65535:
         return "batch above 65535"
     if not rows_ok(x):
         return "x strided"
@@ -72,6 +67,19 @@ def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers
         return "requires grad"
     if not x.is_cuda:
         return f"device {x.device.type}"
+    return None
+
+
+def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if x.dtype not in HALF_DTYPES:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if x.dim() != 4 or cos.dim() != 2 or sin.dim() != 2:
+        return "shape"
+    reason = _x_reason(x)
+    if reason is not None:
+        return reason
+    _, seq, _, dim = x.shape
     reason = cos_sin_reason(cos, sin, seq, dim, x.device, check_pointers)
     if reason is None and check_pointers and x.data_ptr() % 8:
         return "not 8-byte aligned"
@@ -208,16 +216,10 @@ def _guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_poi
     batch, seq, channels = x.shape
     if channels % 4:
         return "C not a multiple of 4"
-    if x.numel() == 0:
-        return "empty"
-    if batch > 65535:
-        return "batch above 65535"
-    if not (x.stride(2) == 1 and x.stride(0) % 4 == 0 and x.stride(1) % 4 == 0):
-        return "x strided"
-    if torch.is_grad_enabled() and x.requires_grad:
-        return "requires grad"
-    if not x.is_cuda:
-        return f"device {x.device.type}"
+    head_dim = _rows_head_dim(channels)
+    reason = _x_reason(x.unflatten(2, (channels // head_dim, head_dim)))  # the heads the kernel reads
+    if reason is not None:
+        return reason
     if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
         return "cos/sin not float32"
     if cos.shape != sin.shape or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (seq, channels):
