@@ -235,13 +235,14 @@ class PatchState:
         self.records.append(("processor", attn, old, processor))
         register_like(_processor_registry(), type(old), type(processor))
 
-    def replace_processors(self, model: nn.Module, attention_cls: type, default_cls: type, make: Callable[[], Any]) -> None:
-        """Give every ``attention_cls`` module of `model` whose processor is exactly diffusers' `default_cls` a new
-        processor from `make()`, carrying over per-instance attention-backend settings; any other processor
-        (IP-adapter, a user's own) is left in place and noted for `report`."""
+    def replace_processors(self, model: nn.Module, attention_cls: type, default_cls: type, make: Callable[[], Any],
+                           where: Callable[[nn.Module], bool] | None = None) -> None:
+        """Give every ``attention_cls`` module of `model` (those `where` accepts, if given) whose processor is exactly
+        diffusers' `default_cls` a new processor from `make()`, carrying over per-instance attention-backend settings;
+        any other processor (IP-adapter, a user's own) is left in place and noted for `report`."""
         kept: dict[str, int] = {}
         for module in model.modules():
-            if not isinstance(module, attention_cls):
+            if not isinstance(module, attention_cls) or (where is not None and not where(module)):
                 continue
             old = module.processor
             if type(old) is default_cls:

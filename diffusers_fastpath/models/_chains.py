@@ -159,14 +159,20 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
 
 
 def replace_processors(state: PatchState, model: nn.Module, attention_cls: type, default_cls: type,
-                       fused_cls: type | None) -> None:
+                       fused_cls: type | None, attribute: str | None = None) -> None:
     """Give every `attention_cls` module of `model` running diffusers' `default_cls` the rewritten `fused_cls`
-    (`fused_subclass` of it, ``method="__call__"``) and its ``rotary_emb`` site; others are left and noted."""
+    (`fused_subclass` of it, ``method="__call__"``) and its ``rotary_emb`` site; others are left and noted. With
+    `attribute`, only the modules that are that attribute of their parent (``"attn1"``: the self-attentions of
+    LTX-Video's and Wan's blocks, the only ones called with a rotary table)."""
     if fused_cls is None:
         if any(type(getattr(m, "processor", None)) is default_cls for m in model.modules()):
             warn_nothing_to_fuse(default_cls, "__call__")
         return
-    state.replace_processors(model, attention_cls, default_cls, fused_cls)
+    where = None
+    if attribute is not None:
+        chosen = {id(m._modules[attribute]) for m in model.modules() if attribute in m._modules}
+        where = lambda module: id(module) in chosen  # noqa: E731
+    state.replace_processors(model, attention_cls, default_cls, fused_cls, where)
     found = fused_cls._fastpath_rewrite  # `fused_subclass` records what it rewrote
     qk = bool(found.qk_norms)
     for module in model.modules():

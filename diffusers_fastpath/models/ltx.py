@@ -50,6 +50,5 @@ def patch_ltx(model: LTXVideoTransformer3DModel, state: PatchState) -> None:
     if mirrors(apply_rotary_emb, _ROTARY):  # else the rotary calls run LTX's function as written
         register_rows_rotary(apply_rotary_emb)
     swap_rewritten(state, model, {LTXVideoTransformerBlock: (FastpathLTXVideoTransformerBlock, _BLOCK)})
-    for block in model.modules():  # the self-attentions: the cross-attentions (attn2) get no rotary table
-        if isinstance(block, LTXVideoTransformerBlock) and isinstance(getattr(block, "attn1", None), LTXAttention):
-            replace_processors(state, block.attn1, LTXAttention, LTXVideoAttnProcessor, FastpathLTXVideoAttnProcessor)
+    # the self-attentions: the cross-attentions (attn2) get no rotary table
+    replace_processors(state, model, LTXAttention, LTXVideoAttnProcessor, FastpathLTXVideoAttnProcessor, attribute="attn1")

@@ -57,6 +57,5 @@ FastpathWanAttnProcessor, _PROCESSOR = fused_subclass(WanAttnProcessor, "Fastpat
 def patch_wan(model: WanTransformer3DModel, state: PatchState) -> None:
     """Swap Wan's blocks and self-attention processors for their chain-fused subclasses (see module doc)."""
     swap_rewritten(state, model, {WanTransformerBlock: (FastpathWanTransformerBlock, _BLOCK)})
-    for block in model.modules():  # the self-attentions: the cross-attentions (attn2) get no rotary table
-        if isinstance(block, WanTransformerBlock) and isinstance(getattr(block, "attn1", None), WanAttention):
-            replace_processors(state, block.attn1, WanAttention, WanAttnProcessor, FastpathWanAttnProcessor)
+    # the self-attentions: the cross-attentions (attn2) get no rotary table
+    replace_processors(state, model, WanAttention, WanAttnProcessor, FastpathWanAttnProcessor, attribute="attn1")
