@@ -570,7 +570,7 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 // cos/sin [seq, dim] (or, for rotary_emb_rows, [batch or 1, seq, heads * dim]) contiguous and 16-byte aligned, dim a
 // multiple of 4 (at most 128 with norm); these checks keep a direct call with bad input from reading out of bounds.
 RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
-                           double eps, const char* name) {
+                           double eps, const char* name, bool norm_rows = false) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
               "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", shape_str(x.sizes()));
   TORCH_CHECK(x.scalar_type() == img.scalar_type() && x.device() == img.device(), "rotary: ", name,
@@ -581,9 +581,11 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
   RotarySource src{x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), x.size(1), nullptr, 0.f};
   if (weight.has_value()) {
     const at::Tensor& w = *weight;
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(3) && w.is_contiguous() && w.scalar_type() == x.scalar_type() &&
-                    w.device() == x.device() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0,
-                "rotary: the RMSNorm weight must be a contiguous, 8-byte aligned [dim] vector of x's dtype");
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == (norm_rows ? x.size(2) * x.size(3) : x.size(3)) && w.is_contiguous() &&
+                    w.scalar_type() == x.scalar_type() && w.device() == x.device() &&
+                    reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0,
+                "rotary: the RMSNorm weight must be a contiguous, 8-byte aligned [dim] (row norm: [heads * dim]) "
+                "vector of x's dtype");
     src.weight = w.data_ptr();
     src.eps = static_cast<float>(eps);  // aten's static_cast<acc_t>(eps) of the module's Python float
   }
@@ -594,7 +596,8 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
 at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                          const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                          const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
-                         const at::Tensor& sin, bool norm, bool wan = false) {
+                         const at::Tensor& sin, bool norm, bool wan = false, bool norm_rows = false,
+                         int64_t norm_final = 0) {
   TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
   TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", shape_str(x_img.sizes()));
   const int64_t dim = x_img.size(3);
@@ -602,7 +605,7 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
               norm ? " and at most 128" : "");
   RotaryArgs args;
   args.dtype = to_dtype(x_img);
-  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x");
+  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x", norm_rows);
   args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt")
                                : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
   const int64_t seq = args.txt.seq + args.img.seq;
@@ -644,7 +647,12 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.dim = dim;
   args.norm = norm;
   args.wan = wan;
+  args.norm_rows = norm_rows;
+  args.norm_final = static_cast<int32_t>(norm_final);
   TORCH_CHECK(!wan || (!norm && !rows && !x_txt.has_value()), "rotary: Wan's pairing takes one source and one table");
+  TORCH_CHECK(!norm_rows || (!norm && !x_txt.has_value() && weight_img.has_value() && (wan || rows) &&
+                             norm_final >= 0 && norm_final <= 2),
+              "rotary: the row norm takes one source with its weight and LTX-Video's or Wan's tables");
   const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rotary: kernel launch failed: ", cudaGetErrorString(err));
   return out;
@@ -674,6 +682,16 @@ at::Tensor rotary_emb_rows(const at::Tensor& x, const at::Tensor& cos, const at:
 // [seq, dim] views.
 at::Tensor rotary_emb_wan(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, std::nullopt, 0.0, cos, sin, false, true);
+}
+
+// LTX-Video's and Wan's QK norm + rotary: torch.nn.RMSNorm(heads * dim) of each row of x [batch, seq, heads, dim]
+// (the Python op's split of LTX-Video's [batch, seq, C] rows, Wan's heads), then LTX-Video's rotary ([batch or 1, seq,
+// heads * dim] tables) or, with `wan`, Wan's ([seq, dim] views of its [1, seq, 1, dim] tables); `norm_final` the row
+// norm's mean square (rotary.cu's kFinal*).
+at::Tensor qk_norm_rows_rope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                             const at::Tensor& sin, bool wan, int64_t norm_final) {
+  return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, weight, eps, cos, sin, /*norm=*/false, wan,
+                       /*norm_rows=*/true, norm_final);
 }
 
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
@@ -742,6 +760,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rotary_emb_rows_cuda(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor");
   m.def("_rotary_emb_wan_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def(
+      "_qk_norm_rows_rope_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool wan, int norm_final) "
+      "-> Tensor");
+  m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");
   m.def(
@@ -780,6 +801,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_emb_cuda_out", &diffusers_fastpath::rotary_emb_out);
   m.impl("_rotary_emb_rows_cuda", &diffusers_fastpath::rotary_emb_rows);
   m.impl("_rotary_emb_wan_cuda", &diffusers_fastpath::rotary_emb_wan);
+  m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
 }

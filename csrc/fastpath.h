@@ -224,7 +224,8 @@ struct RotarySource {
 
 // diffusers' apply_rotary_emb(x, (cos, sin), sequence_dim=1) on the concatenation [txt; img] along the sequence (or
 // LTX-Video's apply_rotary_emb, the same expression over [batch, seq, heads * dim] rows with per-sample tables),
-// optionally after torch.nn.RMSNorm over dim of each source (see rotary.cu for every rounding point):
+// optionally after torch.nn.RMSNorm over dim of each source, or over all heads of a row (norm_rows; see rotary.cu for
+// every rounding point):
 //   y        = norm ? round(w * (rsqrt(sum(x^2) / dim + eps) * x)) : x
 //   out[2i]   = round(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i])
 //   out[2i+1] = round(y[2i+1] * cos[2i+1] + y[2i] * sin[2i+1])
@@ -242,7 +243,9 @@ struct RotaryArgs {
   int64_t dim;         // a multiple of 4; at most 128 with norm
   bool norm;
   bool wan;            // Wan's pairing (rotary.cu's rotate_pair_wan) instead of diffusers' (no norm, one table)
+  bool norm_rows;      // torch.nn.RMSNorm(heads * dim) of each row first (img only; weight [heads * dim]), not `norm`
   DType dtype;
+  int32_t norm_final;  // the row norm's mean square: 0 sum / C, 1 sum * (1 / C), 2 fma(sum, 1 / C, eps) (rotary.cu)
 };
 
 #ifndef __CUDACC_RTC__

@@ -35,6 +35,17 @@
 // LTX-Video's apply_rotary_emb(x, (cos, sin)) (transformer_ltx.py) is the same expression over [batch, seq, C] rows,
 // x_rotated = stack([-x_imag, x_real], -1).flatten(2), with fp32 cos/sin [batch or 1, seq, C]: the kernel takes it as
 // heads * dim = C (any split: every pair is computed on its own) with the tables' strides.
+//
+// The row norm (norm_rows: LTX-Video's and Wan's QK norms, torch.nn.RMSNorm(C) across all heads, C = heads * dim,
+// before their rotary): aten's same vectorised kernel over rows of C > 128 elements, one block of (32, 4) threads
+// (num_threads() = 128 on CUDA) per row. Thread t = lane + 32 * warp adds the squares of its 4-element vectors
+// t, t + 128, ... (one FMA each, `sigma2 + val * val`), a shuffle-down tree over 16..1 sums each warp, shared memory
+// sums warps 2, 3 into 0, 1 and then warp 1 into warp 0 (aten's halving), then rstd = rsqrtf(sum / C + eps) and
+// y = round(w * (rstd * x)) as for the per-head norm. examples/rms_norm_order_probe.py showed that order on the H200
+// (torch 2.11, D = 2048 / 3072 / 5120); how the sum becomes the mean square (kFinal*: an IEEE division, a product
+// with the rounded reciprocal, or that product and + eps as one FMA; they differ only when C is not a power of two)
+// is the argument norm_final, which the Python op takes from the probe. Warps 0..3 compute the statistics before
+// all eight warps run the rotary loop below, reading the row again (from L1/L2) with the per-head slice of the weight.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -54,7 +65,27 @@ struct alignas(8) Quad {
 // SM, without the per-head table loads):
 constexpr int kShared = 0;   // diffusers' pairing, one [seq, dim] table for every head (FLUX, with or without norm)
 constexpr int kPerHead = 1;  // diffusers' pairing, each head its own slice of the tables (LTX-Video; never with norm)
-constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (never with norm)
+constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (never with the per-head norm)
+
+// The norms (a template parameter too): none, torch.nn.RMSNorm(dim) of each head (FLUX's QK norms, kShared only),
+// or torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's, kPerHead or kWan; one source).
+constexpr int kNoNorm = 0;
+constexpr int kHeadNorm = 1;
+constexpr int kRowNorm = 2;
+constexpr int kRowThreads = 128;  // aten's block for the row norm's statistics: (32, 4)
+
+// The row norm's mean square from the sum of squares (RotaryArgs::norm_final).
+constexpr int kFinalDiv = 0;  // sum / C
+constexpr int kFinalMul = 1;  // sum * (1 / C)
+constexpr int kFinalFma = 2;  // fma(sum, 1 / C, eps)
+
+// aten's rstd of a row of `channels` elements from the block's sum of squares.
+__device__ __forceinline__ float row_rstd(float sum, float channels, float eps, int final_form) {
+  if (final_form == kFinalDiv) return rsqrtf(__fadd_rn(__fdiv_rn(sum, channels), eps));
+  const float inv = __frcp_rn(channels);
+  if (final_form == kFinalMul) return rsqrtf(__fadd_rn(__fmul_rn(sum, inv), eps));
+  return rsqrtf(__fmaf_rn(sum, inv, eps));
+}
 
 // Wan's apply_rotary_emb (a function its WanAttnProcessor defines; x [B, S, H, D] bf16, cos/sin fp32 [1, S, 1, D]):
 //   x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1); cos = freqs_cos[..., 0::2]; sin = freqs_sin[..., 1::2]
@@ -69,7 +100,43 @@ __device__ __forceinline__ void rotate_pair_wan(float a, float b, float c0, floa
   out1 = Storage<T>::store(__fadd_rn(__fmul_rn(a, s1), __fmul_rn(b, c0)));
 }
 
-template <typename T, bool kNorm, int kForm>
+// The row norm's statistics (kRowNorm): rsqrt(mean of squares + eps) of the row `x_row` (heads of `quads` 4-element
+// vectors, `stride_h` apart), in aten's order (above); every thread of the block gets it.
+template <typename T>
+__device__ float row_norm_rstd(const T* x_row, int64_t stride_h, int64_t heads, int quads, float eps, int final_form) {
+  __shared__ float partial[2];
+  __shared__ float rstd;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  float acc = 0.f;
+  if (threadIdx.x < kRowThreads) {  // warps 0..3: aten's (32, 4) block
+    const int64_t vecs = heads * quads;
+    for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
+      const int64_t h = v / quads;
+      const Quad<T> xq = reinterpret_cast<const Quad<T>*>(x_row + h * stride_h)[v - h * quads];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float x = Storage<T>::load(xq.v[j]);
+        acc = __fmaf_rn(x, x, acc);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+  }
+  if (lane == 0 && (warp == 2 || warp == 3)) partial[warp - 2] = acc;
+  __syncthreads();
+  if (lane == 0 && warp < 2) acc = __fadd_rn(acc, partial[warp]);
+  __syncthreads();
+  if (lane == 0 && warp == 1) partial[0] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    rstd = row_rstd(__fadd_rn(acc, partial[0]), static_cast<float>(heads * quads * 4), eps, final_form);
+  }
+  __syncthreads();
+  return rstd;
+}
+
+template <typename T, int kNorm, int kForm>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -85,8 +152,11 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int64_t table = b * a.cos_stride_b + s * a.cos_stride_s;  // this row's tables (cos and sin share strides)
   const float* cos_row = a.cos + table;
   const float* sin_row = a.sin + table;
+  const float rstd_row = kNorm == kRowNorm
+                             ? row_norm_rstd<T>(x_row, src.stride_h, a.heads, quads, src.eps, a.norm_final)
+                             : 0.f;
 
-  // kNorm: quads <= 32, one pass in which every lane takes part in the shuffles.
+  // kHeadNorm: quads <= 32, one pass in which every lane takes part in the shuffles.
   for (int q0 = 0; q0 < quads; q0 += 32) {
     const int q = q0 + lane;
     const bool active = q < quads;
@@ -96,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
       c = reinterpret_cast<const float4*>(cos_row)[q];
       sn = reinterpret_cast<const float4*>(sin_row)[q];
     }
-    if (active && kNorm) {
+    if (active && kNorm == kHeadNorm) {
       const Quad<T> wq = reinterpret_cast<const Quad<T>*>(src.weight)[q];
 #pragma unroll
       for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
@@ -104,11 +174,15 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
     for (int64_t h0 = warp; h0 < a.heads; h0 += kWarps * kHeadsInFlight) {
       Quad<T> xin[kHeadsInFlight];
       float4 cin[kHeadsInFlight], sin_in[kHeadsInFlight];  // kPerHead: each head's table quads, loaded with its x
+      Quad<T> win[kHeadsInFlight];                          // kRowNorm: each head's slice of the weight
 #pragma unroll
       for (int i = 0; i < kHeadsInFlight; ++i) {
         const int64_t h = h0 + i * kWarps;
         if (active && h < a.heads) {
           xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
+          if (kNorm == kRowNorm) {
+            win[i] = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(src.weight) + h * a.dim)[q];
+          }
           if (kForm == kPerHead) {
             cin[i] = reinterpret_cast<const float4*>(cos_row + h * a.cos_stride_h)[q];
             sin_in[i] = reinterpret_cast<const float4*>(sin_row + h * a.cos_stride_h)[q];
@@ -122,7 +196,13 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[i].v[j]) : 0.f;
-        if (kNorm) {
+        if (kNorm == kRowNorm && active) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            v[j] = round_to<T>(__fmul_rn(Storage<T>::load(win[i].v[j]), __fmul_rn(rstd_row, v[j])));
+          }
+        }
+        if (kNorm == kHeadNorm) {
           float acc = 0.f;
 #pragma unroll
           for (int j = 0; j < 4; ++j) acc = __fmaf_rn(v[j], v[j], acc);
@@ -163,15 +243,20 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   if (a.batch > 65535 || seq > 0x7fffffff || (a.norm && a.dim > 128)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
-  if (a.norm && a.wan) return cudaErrorInvalidValue;
-  if (a.norm) {
-    rotary_kernel<T, true, kShared><<<grid, kThreads, 0, stream>>>(a);
+  if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
+  if (a.norm_rows && (a.txt.seq != 0 || (a.wan == (a.cos_stride_h != 0)))) return cudaErrorInvalidValue;
+  if (a.norm_rows && a.wan) {
+    rotary_kernel<T, kRowNorm, kWan><<<grid, kThreads, 0, stream>>>(a);
+  } else if (a.norm_rows) {
+    rotary_kernel<T, kRowNorm, kPerHead><<<grid, kThreads, 0, stream>>>(a);
+  } else if (a.norm) {
+    rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {
-    rotary_kernel<T, false, kWan><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, kNoNorm, kWan><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.cos_stride_h != 0) {
-    rotary_kernel<T, false, kPerHead><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, kNoNorm, kPerHead><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    rotary_kernel<T, false, kShared><<<grid, kThreads, 0, stream>>>(a);
+    rotary_kernel<T, kNoNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }

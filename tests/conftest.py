@@ -84,7 +84,7 @@ def emulated_kernels(monkeypatch):
     """The fused ops of the shared chains with their guards taking CPU tensors as CUDA ones and their kernels
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
     as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
-    and the QK norm + rotary (both forms) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
+    and the QK norm + rotary (every form) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
     rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary and Wan's as their kernel's
     per-pair arithmetic; GELU +
     concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value): the fast paths' wiring runs, and is
@@ -96,7 +96,7 @@ def emulated_kernels(monkeypatch):
                                                               LAYERNORM_SCALE_SHIFT_FP32, layernorm_affine_fp32_ref,
                                                               layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
-    from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, qk_norm_rope_ref
+    from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, QK_NORM_ROWS_ROPE, qk_norm_rope_ref, qk_norm_rows_rope_ref
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
@@ -131,7 +131,8 @@ def emulated_kernels(monkeypatch):
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),
                        (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref),
-                       (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic)):
+                       (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic),
+                       (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
     for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):

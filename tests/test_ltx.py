@@ -12,17 +12,20 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlo
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import ltx
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
-                                        assert_patched_step_exact_and_fused, build_ltx_transformer,
+                                        assert_patched_step_exact_and_fused, assert_pipeline_generation_exact_and_fused,
+                                        build_ltx_transformer, ltx_pipeline, ltx_prompt_embeddings,
                                         ltx_transformer_inputs, patch_round_trip)
 
 
 def sites(blocks: int) -> dict[str, int]:
     # per block: both gated residuals, norm1's and norm2's weightless RMSNorm with its per-token modulate, and the
-    # self-attention's rotary (q and k: one site)
-    return {"gated_residual": 2 * blocks, "rmsnorm_modulate": 2 * blocks, "rotary_emb": blocks}
+    # self-attention's QK norms across all heads with its rotary (q and k: one site; the rotary's own site is the
+    # fallback's)
+    return {"gated_residual": 2 * blocks, "rmsnorm_modulate": 2 * blocks, "rotary_emb": blocks,
+            "qk_norm_rows_rope": blocks}
 
 
-CALLS = {"rotary_emb": 2}  # the rotary site counts q and k
+CALLS = {"qk_norm_rows_rope": 2, "rotary_emb": 0}  # the fused site counts q and k
 
 
 def run(model, inputs):
@@ -48,6 +51,14 @@ def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     assert_patched_step_exact_and_fused(model, ltx_transformer_inputs(model, batch=batch, seed=4), sites(2), CALLS)
 
 
+def test_pipeline_generation_with_cfg_is_identical(emulated_kernels):
+    """`LTXPipeline`, 3 steps with CFG (a padded prompt and its negative): md5-identical latents, every site fast."""
+    pipe = ltx_pipeline(build_ltx_transformer(seed=11))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(
+        ltx_prompt_embeddings(pipe, seed=12), height=64, width=96, num_frames=9, guidance_scale=3.0),
+        idle=("rotary_emb",))
+
+
 def test_unpatch_pickle_and_state_dict():
     model = build_ltx_transformer(seed=5)
     with patch_round_trip(model, ltx_transformer_inputs(model, seed=6)):
@@ -71,4 +82,19 @@ def test_ltx_video_one_step_is_bitwise_identical_and_fused():
         assert_patched_step_exact_and_fused(model, inputs, sites(28), CALLS)
     finally:
         del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_ltx_video_generation_with_cfg_is_md5_identical():
+    """`LTXPipeline` around the LTX-Video config at 768x512x121, 3 steps with CFG (a batch of 2 per forward: the
+    prompt, padded, and its negative): the latents md5-identical to unpatched, every site fast on every forward."""
+    pipe = ltx_pipeline(build_ltx_transformer("ltx-video", torch.bfloat16, "cuda", seed=0))
+    try:
+        assert_pipeline_generation_exact_and_fused(pipe, dict(
+            ltx_prompt_embeddings(pipe, tokens=128, padding=40, seed=12), height=512, width=768, num_frames=121,
+            guidance_scale=3.0), idle=("rotary_emb",))
+    finally:
+        del pipe
         torch.cuda.empty_cache()

@@ -804,6 +804,22 @@ def test_rotary_ops_through_nvrtc_equal_nvcc_and_eager(seq_txt, seq_img, dtype, 
         if both_ways:
             args = (x_txt, norm_txt.weight if x_txt is not None else None, 1e-6, x_img, norm_img.weight, 1e-6, cos, sin)
             assert torch.equal(got, torch.ops.diffusers_fastpath._qk_norm_rope_cuda(*args))
+        # LTX-Video's and Wan's QK norms across all heads (C = 3072) with their rotary: the row norm, each way of
+        # forming its mean square the same on both ways, the production one eager's
+        norm_rows = torch.nn.RMSNorm(heads * dim, eps=1e-6, device="cuda", dtype=dtype)
+        norm_rows.weight.copy_(torch.rand(heads * dim, generator=gen, device="cuda") + 0.5)
+        split = rows.unflatten(2, (heads, dim))
+        for wan, tables, ref_tables in ((False, (table_cos, table_sin), (table_cos, table_sin)),
+                                        (True, (cos, sin), (cos[None, :, None], sin[None, :, None]))):
+            ref_norm = qk_mod.qk_norm_rows_rope_ref(norm_rows, rows, *ref_tables, heads if wan else 0)
+            for final in (0, 1, 2):
+                got_rows = qk_mod._nvrtc_rows_kernel(split, norm_rows.weight, 1e-6, *tables, wan, final)
+                if both_ways:
+                    nvcc = torch.ops.diffusers_fastpath._qk_norm_rows_rope_cuda(split, norm_rows.weight, 1e-6, *tables,
+                                                                               wan, final)
+                    assert torch.equal(got_rows, nvcc)
+                if final == qk_mod.ROW_NORM_FINAL:
+                    assert torch.equal(got_rows if wan else got_rows.flatten(2), ref_norm)
 
 
 @pytest.mark.gpu

@@ -13,16 +13,18 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import wan
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
                                         assert_patched_step_exact_and_fused, assert_pipeline_generation_exact_and_fused,
-                                        build_wan_transformer, patch_round_trip, wan22_pipeline, wan_transformer_inputs)
+                                        build_wan_transformer, patch_round_trip, wan22_pipeline, wan_pipeline,
+                                        wan_transformer_inputs)
 
 
 def sites(blocks: int) -> dict[str, int]:
     # self-attention's and the FFN's (the cross-attention adds no gate, and its norm2 has an affine)
+    # and the self-attention's QK norms across all heads with its rotary (one site; the rotary's own is the fallback's)
     return {"gated_residual_fp32": 2 * blocks, "layernorm_scale_shift_fp32": 2 * blocks, "rotary_emb": blocks,
-            "layernorm_affine_fp32": blocks}  # norm2: its FP32LayerNorm with weight and bias
+            "qk_norm_rows_rope": blocks, "layernorm_affine_fp32": blocks}  # norm2: its FP32LayerNorm with weight and bias
 
 
-CALLS = {"rotary_emb": 2}  # the self-attention's rotary site counts q and k
+CALLS = {"qk_norm_rows_rope": 2, "rotary_emb": 0}  # the fused site counts q and k
 
 
 
@@ -57,7 +59,7 @@ def test_wan22_pipeline_patches_both_experts_and_is_identical(emulated_kernels):
     pos, neg = (torch.randn(1, 12, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
     assert_pipeline_generation_exact_and_fused(pipe, dict(
         prompt_embeds=pos, negative_prompt_embeds=neg, height=32, width=32, num_frames=5, num_inference_steps=4,
-        guidance_scale=4.0, guidance_scale_2=3.0))
+        guidance_scale=4.0, guidance_scale_2=3.0), idle=("rotary_emb",))
 
 
 def test_unpatch_pickle_and_state_dict():
@@ -84,4 +86,24 @@ def test_wan_14b_one_step_832x480x81_is_bitwise_identical_and_fused():
         assert_patched_step_exact_and_fused(model, inputs, sites(40), CALLS)
     finally:
         del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_wan_14b_generation_with_cfg_is_md5_identical():
+    """`WanPipeline` around the Wan 2.1 14B config at 832x480x81, 2 steps with CFG (a prompt zero-padded to 512
+    tokens and its negative, each its own forward): the latents md5-identical to unpatched, every site fast."""
+    pipe = wan_pipeline(build_wan_transformer("wan-14b", torch.bfloat16, "cuda", seed=0))
+    try:
+        gen = torch.Generator().manual_seed(16)
+        dim = pipe.transformer.config.text_dim
+        pos, neg = (torch.randn(1, 512, dim, generator=gen) for _ in range(2))
+        pos[:, 100:] = 0  # the pipeline zero-pads every prompt to 512 tokens
+        pos, neg = (t.to("cuda", torch.bfloat16) for t in (pos, neg))
+        assert_pipeline_generation_exact_and_fused(pipe, dict(
+            prompt_embeds=pos, negative_prompt_embeds=neg, height=480, width=832, num_frames=81, num_inference_steps=2,
+            guidance_scale=5.0), idle=("rotary_emb",))
+    finally:
+        del pipe
         torch.cuda.empty_cache()

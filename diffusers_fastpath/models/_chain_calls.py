@@ -14,8 +14,8 @@ from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
                    layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope,
-                   rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale,
-                   rotary_emb, rotary_emb_rows, rotary_emb_wan, silu_mul, swiglu_cat)
+                   qk_norm_rows_rope, rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real,
+                   rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, silu_mul, swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -106,12 +106,13 @@ def _fits_in_cat(unfit, act: nn.Module, site) -> bool:
 
 class _NormLater:
     """``norm(x)`` not yet run: what a rewritten processor hands from a QK norm to the concatenation and the rotary
-    embedding after it (the QK-norm form of `_rewriter`). Only the namespace's calls ever see one."""
+    embedding after it (the QK-norm form of `_rewriter`); with `heads`, ``norm(x).unflatten(2, (heads, -1))`` (Wan's
+    processor splits the heads before its rotary). Only the namespace's calls ever see one."""
 
-    __slots__ = ("norm", "x")
+    __slots__ = ("norm", "x", "heads")
 
-    def __init__(self, norm, x: torch.Tensor) -> None:
-        self.norm, self.x = norm, x
+    def __init__(self, norm, x: torch.Tensor, heads: int = 0) -> None:
+        self.norm, self.x, self.heads = norm, x, heads
 
 
 class _CatLater:
@@ -123,10 +124,16 @@ class _CatLater:
         self.txt, self.img = txt, img
 
 
+def _row_norm_waits(x) -> bool:
+    """Whether `x` is a pending torch ``RMSNorm`` across all heads (LTX-Video's, Wan's) of a ``[B, S, C]`` tensor."""
+    return (isinstance(x, _NormLater) and type(x.norm) is nn.RMSNorm and x.x.dim() == 3
+            and tuple(x.norm.normalized_shape) == (x.x.shape[-1],))
+
+
 def _materialize(x):
     """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
     if isinstance(x, _NormLater):
-        return x.norm(x.x)
+        return x.norm(x.x).unflatten(2, (x.heads, -1)) if x.heads else x.norm(x.x)
     if isinstance(x, _CatLater):
         return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
     return x
@@ -206,6 +213,8 @@ class _ChainsNamespace:
     def rotary(x, freqs, site, qk_site=None, rms_site=None):
         tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
                   and all(isinstance(t, torch.Tensor) for t in freqs))
+        if isinstance(x, _NormLater) and x.heads:
+            x = _materialize(x)
         if isinstance(x, (_NormLater, _CatLater)):
             if tables and all(type(n.norm) is nn.RMSNorm for n in ((x.txt, x.img) if isinstance(x, _CatLater) else (x,))):
                 txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
@@ -231,7 +240,8 @@ class _ChainsNamespace:
         # (Z-Image's local function unsqueezes freqs at dim 2: the op's [B, S, D/2] form only; apply_rotary_emb_qwen
         # unsqueezes dim 1, which is the op's broadcast for [S, D/2] factors only: [B, S, D/2] ones broadcast
         # differently there, and run as written)
-        if isinstance(x, _NormLater) and isinstance(freqs, torch.Tensor) and freqs.dim() == (3 if local else 2):
+        if (isinstance(x, _NormLater) and not x.heads and isinstance(freqs, torch.Tensor)
+                and freqs.dim() == (3 if local else 2)):
             reason = rotary_complex_unfit(None if local else fn, x.norm)
             if reason is None:
                 return rmsnorm_rope_complex(x.norm, x.x, freqs, site)
@@ -240,17 +250,27 @@ class _ChainsNamespace:
         return fn(_materialize(x), freqs) if local else fn(_materialize(x), freqs, use_real=False)
 
     @staticmethod
-    def rotary_rows(fn, x, freqs, site):
-        # fn: the processor's module function NAME of the rows form (LTX-Video's apply_rotary_emb), checked by digest
-        if fn in ROWS_ROTARIES and isinstance(x, torch.Tensor) and isinstance(freqs, tuple) and len(freqs) == 2:
+    def rotary_rows(fn, x, freqs, site, qk_site=None):
+        # fn: the processor's module function NAME of the rows form (LTX-Video's apply_rotary_emb), checked by digest;
+        # x a pending QK norm across all heads where the rewriter deferred it
+        tables = (isinstance(freqs, tuple) and len(freqs) == 2 and all(isinstance(f, torch.Tensor) for f in freqs))
+        if fn in ROWS_ROTARIES and tables and _row_norm_waits(x):
+            return qk_norm_rows_rope(x.norm, x.x, freqs[0], freqs[1], 0, qk_site, site)
+        x = _materialize(x)
+        if fn in ROWS_ROTARIES and isinstance(x, torch.Tensor) and tables:
             return rotary_emb_rows(x, freqs[0], freqs[1], site)
         return fn(x, freqs)
 
     @staticmethod
-    def rotary_wan(fn, x, freqs, site):
-        # fn: Wan's rotary, the function the processor defines (the rewriter checked its source), called NAME(X, *F)
-        if (isinstance(x, torch.Tensor) and isinstance(freqs, (tuple, list)) and len(freqs) == 2
-                and all(isinstance(f, torch.Tensor) for f in freqs)):
+    def rotary_wan(fn, x, freqs, site, qk_site=None):
+        # fn: Wan's rotary, the function the processor defines (the rewriter checked its source), called NAME(X, *F);
+        # x a pending QK norm across all heads, split into heads, where the rewriter deferred it
+        tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
+                  and all(isinstance(f, torch.Tensor) for f in freqs))
+        if tables and isinstance(x, _NormLater) and x.heads and _row_norm_waits(x):
+            return qk_norm_rows_rope(x.norm, x.x, freqs[0], freqs[1], x.heads, qk_site, site)
+        x = _materialize(x)
+        if isinstance(x, torch.Tensor) and tables:
             return rotary_emb_wan(x, freqs[0], freqs[1], site)
         return fn(x, *freqs)
 
@@ -322,8 +342,16 @@ class _ChainsNamespace:
         return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) else norm(x)
 
     @staticmethod
+    def unflatten_later(x, dim, sizes):
+        # Wan: ``x.unflatten(2, (attn.heads, -1))`` of a pending norm waits with it for the rotary
+        if (isinstance(x, _NormLater) and not x.heads and dim == 2 and isinstance(sizes, tuple) and len(sizes) == 2
+                and isinstance(sizes[0], int) and sizes[0] > 0 and sizes[1] == -1):
+            return _NormLater(x.norm, x.x, sizes[0])
+        return _materialize(x).unflatten(dim, sizes)
+
+    @staticmethod
     def cat_later(a, b):
-        if isinstance(a, _NormLater) and isinstance(b, _NormLater):
+        if isinstance(a, _NormLater) and isinstance(b, _NormLater) and not (a.heads or b.heads):
             return _CatLater(a, b)
         return torch.cat([_materialize(a), _materialize(b)], dim=1)
 

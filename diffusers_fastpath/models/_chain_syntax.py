@@ -341,7 +341,7 @@ class _PendingReads(ast.NodeVisitor):
     def visit_Assign(self, node: ast.Assign) -> None:
         self.visit(node.value)
         target = _single_target(node)
-        if target is not None and (_ns_call(node.value, "norm_later") or _ns_call(node.value, "cat_later")):
+        if target is not None and any(_ns_call(node.value, f) for f in ("norm_later", "cat_later", "unflatten_later")):
             self.pending.add(target)
         elif self.depth == 0:
             for t in node.targets:

@@ -44,7 +44,7 @@ from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
-                        MODULATE_ONLY, QK_NORM_ROPE, RMS_GATED, RMS_MODULATE, RMS_SCALE, RMSNORM_ROPE,
+                        MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, RMS_GATED, RMS_MODULATE, RMS_SCALE, RMSNORM_ROPE,
                         RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
@@ -94,7 +94,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                          swiglus, complex_rotary, local is not None, head_cats and owner != "self",
                          rows_rotary if owner != "self" else None, wan if owner != "self" else None)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
-    if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex):
+    if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
         func.body = rewriter.qk_norms(func.body)
     if not rewriter.found:
         return None
@@ -185,6 +185,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                     state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
                 elif norm is RMSNorm:
                     state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
+            if found.rotary_named and norm is nn.RMSNorm:  # LTX-Video's and Wan's norms across all heads
+                state.add_site(module, QK_NORM_ROWS, name=QK_NORM_ROWS)
             if found.rotary_complex and norm is RMSNorm:
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
             if found.head_cats:

@@ -192,6 +192,7 @@ GATED_RESIDUAL_FP32 = "gated_residual_fp32"
 ROTARY = "rotary_emb"
 CAT_HEADS = "cat_heads"
 QK_NORM_ROPE = "qk_norm_rope"
+QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
 GELU_CAT = "gelu_cat"
 SILU_MUL = "silu_mul"
@@ -591,10 +592,17 @@ class _Rewriter:
                 if cat is not None and cat[1] == target and set(cat) <= deferred:
                     return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
                         "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
+                if (target in deferred and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                        and value.func.attr == "unflatten" and isinstance(value.func.value, ast.Name)
+                        and value.func.value.id == target and len(value.args) == 2 and not value.keywords):
+                    # Wan: ``Q = Q.unflatten(2, (A.heads, -1))`` of a pending norm, before its rotary
+                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                        "unflatten_later", [value.func.value, *value.args])), node)
                 return node
 
+        rotaries = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")
         last = max((i for i, stmt in enumerate(body)
-                    if any(_ns_call(n, "rotary") or _ns_call(n, "rotary_complex") for n in ast.walk(stmt))), default=None)
+                    if any(_ns_call(n, name) for n in ast.walk(stmt) for name in rotaries)), default=None)
         if last is None:
             return body
         # only norms before the rotary embedding wait for it (HunyuanVideo-1.5 normalises its text q and k after it)
@@ -612,6 +620,11 @@ class _Rewriter:
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), RMSNORM_ROPE_REAL))
                 elif _ns_call(node, "rotary_complex"):
                     allowed.add(id(node.args[1]))
+                elif _ns_call(node, "rotary_rows") or _ns_call(node, "rotary_wan"):
+                    allowed.add(id(node.args[1]))
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROWS))
+                elif _ns_call(node, "unflatten_later"):
+                    allowed.add(id(node.args[0]))
         if not _PendingReads(allowed).clean(new[:last + 1]):
             return body  # a pending name read elsewhere before the rotary: the norms run as written
         later = [ast.Assign(targets=[ast.Name(name, ast.Store())],

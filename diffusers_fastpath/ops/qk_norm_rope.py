@@ -20,6 +20,11 @@ norms and the concatenation eagerly followed by the exact fused `rotary_emb`, so
 The guard admits what takes aten's vectorised kernel: exactly ``torch.nn.RMSNorm`` (no hooks, weight of the input's
 dtype, explicit eps), head_dim a multiple of 4 up to 128, sources with unit innermost stride and 8-byte aligned rows
 (aten copies a strided input to a contiguous one first, which does not change the result), no autograd.
+
+`qk_norm_rows_rope` is the same fusion for the QK norms across all heads (LTX-Video, Wan: ``torch.nn.RMSNorm(C)``
+of each ``[B, S, C]`` row of q or k, then the model's own rotary), through the same kernel's row norm: aten's
+(32, 4) block per row for C > 128 (``csrc/rotary.cu``; ``examples/rms_norm_order_probe.py`` shows the order on the
+GPU), self-verified per (dtype, C, form) the same way, falling back to the norm as written and the exact fused rotary.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import torch.nn.functional as F
 from . import _nvrtc
 from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .rotary import cos_sin_reason, nvrtc_rotary, rotary_emb, rotary_emb_ref, rows_ok
+from .rotary import (_x_reason, cos_sin_reason, guard_rows, guard_wan, nvrtc_rotary, rotary_emb, rotary_emb_ref,
+                     rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan, rotary_emb_wan_ref, rows_head_dim, rows_ok,
+                     rows_tables_reason)
 
 MAX_HEAD_DIM = 128  # the reproduced reduction: one warp per row, at most four elements per lane
 
@@ -229,3 +236,170 @@ def qk_norm_rope(
         True
     """
     return QK_NORM_ROPE(site, norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site)
+
+
+# ------------------------------------------------------------------------------------------ across all heads
+# LTX-Video's and Wan's self-attention processors (their adapters check the rotary functions by digest)::
+#
+#     query = attn.norm_q(query)                      # torch.nn.RMSNorm(C) over [B, S, C], all heads
+#     query = apply_rotary_emb(query, (cos, sin))     # LTX-Video: its rows form, tables [B or 1, S, C]
+#     query = apply_rotary_emb(query.unflatten(2, (heads, -1)), cos, sin)   # Wan: its pairing, tables [1, S, 1, D]
+#
+# `heads` 0 names LTX-Video's form, else Wan's with that many heads.
+
+# How the row norm's sum of squares becomes the mean square (csrc/rotary.cu's kFinal*: 0 an IEEE division, 1 the
+# product with the rounded reciprocal, 2 that product and + eps as one FMA), as examples/rms_norm_order_probe.py finds
+# it for the aten build; the first call of each signature checks it against eager all the same.
+ROW_NORM_FINAL = 0
+
+
+def qk_norm_rows_rope_ref(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int = 0,
+                          rope_site=None) -> torch.Tensor:
+    """The eager chain: the norm module, then LTX-Video's rotary (``heads=0``) or Wan's over `heads` heads."""
+    y = norm(x)
+    if heads:
+        return rotary_emb_wan_ref(y.unflatten(2, (heads, -1)), cos, sin)
+    return rotary_emb_rows_ref(y, cos, sin)
+
+
+def _rows_fallback(norm, x, cos, sin, heads=0, rope_site=None) -> torch.Tensor:
+    # the norm as written, the rotary still fused (exact by construction)
+    y = norm(x)
+    if heads:
+        return rotary_emb_wan(y.unflatten(2, (heads, -1)), cos, sin, rope_site)
+    return rotary_emb_rows(y, cos, sin, rope_site)
+
+
+def _rows_guard(norm, x, cos, sin, heads=0, rope_site=None, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if x.dtype not in HALF_DTYPES:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if x.dim() != 3 or (heads and x.shape[2] % heads):
+        return "shape"
+    channels = x.shape[2]
+    if not _plain_rms_norm(norm, channels):
+        return "norm not a plain torch.nn.RMSNorm with weight"
+    weight = norm.weight
+    if weight.dtype is not x.dtype:
+        return "norm weight dtype differs"  # aten then takes its composite path, another reduction
+    if heads:
+        reason = guard_wan(x.unflatten(2, (heads, -1)), cos, sin, check_pointers)
+    else:
+        reason = guard_rows(x, cos, sin, check_pointers)
+    if reason is not None:
+        return reason
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return "requires grad"
+    if weight.device != x.device:
+        return "devices differ"
+    if not weight.is_contiguous():
+        return "norm weight strided"
+    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8):
+        return "not 8-byte aligned"  # aten's vectorised kernel needs 8-byte aligned rows and weight
+    return None
+
+
+def _nvrtc_rows_kernel(x, weight, eps, cos, sin, wan, norm_final) -> torch.Tensor:
+    # bindings.cpp's qk_norm_rows_rope on the NVRTC way: csrc/rotary.cu's kernel with the row norm (see ops/rotary.py)
+    return nvrtc_rotary(None, None, 0.0, x, weight, eps, cos, sin, False, wan=wan, norm_rows=True,
+                        norm_final=norm_final)
+
+
+def _raw_rows_guard(x, weight, eps, cos, sin, wan, norm_final):
+    # the raw op's x is [B, S, H, D] (the Python op's split), its tables [S, D] (Wan) or [B or 1, S, H * D]
+    if x.dtype not in HALF_DTYPES or x.dim() != 4 or norm_final not in (0, 1, 2):
+        return "dtype, shape or norm_final"
+    reason = _x_reason(x)
+    if reason is not None:
+        return reason
+    batch, seq, heads, dim = x.shape
+    if (weight.dim() != 1 or weight.shape[0] != heads * dim or weight.dtype is not x.dtype or weight.device != x.device
+            or not weight.is_contiguous() or weight.data_ptr() % 8 or x.data_ptr() % 8):
+        return "weight"
+    if wan:
+        return cos_sin_reason(cos, sin, seq, dim, x.device, True)
+    return rows_tables_reason(cos, sin, batch, seq, heads * dim, x.device, True)
+
+
+_nvrtc.raw_op("_qk_norm_rows_rope_cuda",
+              "(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool wan, int norm_final) -> Tensor",
+              _raw_rows_guard, _nvrtc_rows_kernel)
+
+_cuda_rows_op = None
+
+
+def _rows_kernel(norm, x, cos, sin, heads=0, rope_site=None, norm_final: int | None = None) -> torch.Tensor:
+    global _cuda_rows_op
+    if _cuda_rows_op is None:
+        _cuda_rows_op = launcher(_nvrtc_rows_kernel, "_qk_norm_rows_rope_cuda")
+    final = ROW_NORM_FINAL if norm_final is None else norm_final
+    if heads:  # Wan: the guard checked [1, S, 1, D] contiguous tables
+        split = x.unflatten(2, (heads, -1))
+        seq, dim = split.shape[1], split.shape[3]
+        return _cuda_rows_op(split, norm.weight, norm.eps, cos.view(seq, dim), sin.view(seq, dim), True, final)
+    dim = rows_head_dim(x.shape[2])
+    split = x.unflatten(2, (x.shape[2] // dim, dim))
+    return _cuda_rows_op(split, norm.weight, norm.eps, cos, sin, False, final).flatten(2)
+
+
+@torch.library.custom_op("diffusers_fastpath::qk_norm_rows_rope", mutates_args=())
+def _qk_norm_rows_rope_op(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                          heads: int) -> torch.Tensor:
+    norm = _Norm(weight, eps)
+    if _rows_guard(norm, x, cos, sin, heads) is None:
+        return _rows_kernel(norm, x, cos, sin, heads)
+    return qk_norm_rows_rope_ref(norm, x, cos, sin, heads).contiguous()
+
+
+@_qk_norm_rows_rope_op.register_fake
+def _qk_norm_rows_rope_fake(x, weight, eps, cos, sin, heads):
+    torch._check(x.dim() == 3, lambda: f"qk_norm_rows_rope: x must be [B, S, C], got {tuple(x.shape)}")
+    if heads:
+        return x.new_empty((x.shape[0], x.shape[1], heads, x.shape[2] // heads))
+    return x.new_empty(x.shape)
+
+
+def _rows_custom_op(norm, x, cos, sin, heads=0, rope_site=None) -> torch.Tensor:
+    return torch.ops.diffusers_fastpath.qk_norm_rows_rope.default(x, norm.weight, norm.eps, cos, sin, heads)
+
+
+def _rows_signature(norm, x, cos, sin, heads=0, rope_site=None):
+    return (str(x.dtype).removeprefix("torch."), x.shape[-1], "wan" if heads else "rows")
+
+
+QK_NORM_ROWS_ROPE = FusedOp(
+    "qk_norm_rows_rope",
+    ref=qk_norm_rows_rope_ref,
+    guard=_rows_guard,
+    kernel=_rows_kernel,
+    custom_op=_rows_custom_op,
+    verify_key=_rows_signature,
+    fallback=_rows_fallback,
+)
+
+
+def qk_norm_rows_rope(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int = 0,
+                      site: Site | None = None, rope_site: Site | None = None) -> torch.Tensor:
+    """``apply_rotary_emb(norm(x), ...)`` of LTX-Video (``heads=0``) or Wan (`heads` its head count), fused.
+
+    Bit-identical to eager everywhere: where the norm cannot be fused (see the module doc), it runs as written and
+    the rotary embedding still runs fused and exact (`rotary_emb_rows`, `rotary_emb_wan`).
+
+    Args:
+        norm: the QK norm, ``torch.nn.RMSNorm(C)`` across all heads (``attn.norm_q``/``norm_k``).
+        x: ``[B, S, C]`` queries or keys, before the norm.
+        cos, sin: fp32 tables: LTX-Video's ``[B or 1, S, C]``, Wan's ``[1, S, 1, D]``.
+        heads: 0 for LTX-Video's rotary over the rows (the result ``[B, S, C]``), else Wan's over the rows split into
+            `heads` heads of ``C / heads`` (the result ``[B, S, heads, C / heads]``).
+        site: counters of this fused op at the call site; ``rope_site``: of the rotary it falls back to.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import qk_norm_rows_rope, qk_norm_rows_rope_ref
+        >>> norm, x = torch.nn.RMSNorm(16, eps=1e-6), torch.randn(1, 5, 16)
+        >>> cos, sin = torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)
+        >>> with torch.no_grad():
+        ...     torch.equal(qk_norm_rows_rope(norm, x, cos, sin, 2), qk_norm_rows_rope_ref(norm, x, cos, sin, 2))
+        True
+    """
+    return QK_NORM_ROWS_ROPE(site, norm, x, cos, sin, heads, rope_site)

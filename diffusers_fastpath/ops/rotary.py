@@ -95,13 +95,15 @@ _SOURCE = _nvrtc.Params("RotarySource", ("ptr", "P"), ("stride_b", "q"), ("strid
                         ("seq", "q"), ("weight", "P"), ("eps", "f"))
 _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOURCE), ("cos", "P"), ("sin", "P"),
                       ("cos_stride_b", "q"), ("cos_stride_s", "q"), ("cos_stride_h", "q"), ("batch", "q"),
-                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("dtype", "i"))
+                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("norm_rows", "?"), ("dtype", "i"),
+                      ("norm_final", "i"))
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
-    # (dtype, norm, form): rotary.cu's kShared 0, kPerHead 1 (LTX-Video's tables), kWan 2 (Wan's pairing)
-    {(dtype, norm, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(norm).lower()}, {form}"
-     for dtype in HALF_DTYPES for norm, form in ((False, 0), (True, 0), (False, 1), (False, 2))},
+    # (dtype, norm, form): rotary.cu's kNoNorm 0, kHeadNorm 1, kRowNorm 2; kShared 0, kPerHead 1 (LTX-Video's tables),
+    # kWan 2 (Wan's pairing)
+    {(dtype, norm, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {norm}, {form}"
+     for dtype in HALF_DTYPES for norm, form in ((0, 0), (1, 0), (0, 1), (0, 2), (2, 1), (2, 2))},
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
 _THREADS = 256
@@ -109,8 +111,9 @@ _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 
 
 def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None,
-                 wan: bool = False) -> torch.Tensor:
-    """rotary_launch of bindings.cpp on the NVRTC way: [txt; img] rotated (after the RMSNorm when ``norm``)."""
+                 wan: bool = False, norm_rows: bool = False, norm_final: int = 0) -> torch.Tensor:
+    """rotary_launch of bindings.cpp on the NVRTC way: [txt; img] rotated (after the RMSNorm of each head when
+    ``norm``, of each row of ``x_img`` when ``norm_rows``)."""
     batch, seq_img, heads, dim = x_img.shape
     seq = seq_img + (0 if x_txt is None else x_txt.shape[1])
     if out is None:
@@ -119,13 +122,15 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
         _nvrtc.check_out("rotary", out, (batch, seq, heads, dim), x_img, 8)
     txt = _NO_SOURCE if x_txt is None else (x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1],
                                             weight_txt.data_ptr() if norm else 0, eps_txt if norm else 0.0)
-    img = (x_img.data_ptr(), *x_img.stride()[:3], seq_img, weight_img.data_ptr() if norm else 0, eps_img if norm else 0.0)
+    normed = norm or norm_rows
+    img = (x_img.data_ptr(), *x_img.stride()[:3], seq_img, weight_img.data_ptr() if normed else 0,
+           eps_img if normed else 0.0)
     # bindings.cpp's table strides: [seq, dim] for every head and sample, or [batch or 1, seq, heads * dim] rows
     rows = cos.dim() == 3
     strides = ((0 if cos.shape[0] == 1 else seq * heads * dim), heads * dim, dim) if rows else (0, dim, 0)
-    _NVRTC.launch(x_img.device.index, (x_img.dtype, norm, 2 if wan else int(rows)), (seq, batch, 1), (_THREADS, 1, 1),
-                  out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm, wan,
-                  _nvrtc.DTYPE_CODE[x_img.dtype])
+    _NVRTC.launch(x_img.device.index, (x_img.dtype, 2 if norm_rows else int(norm), 2 if wan else int(rows)),
+                  (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(),
+                  *strides, batch, heads, dim, norm, wan, norm_rows, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
     return out
 
 
@@ -202,12 +207,12 @@ def rotary_emb_rows_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
-def _rows_head_dim(channels: int) -> int:
+def rows_head_dim(channels: int) -> int:
     """The split of a row into heads for the kernel's warps: any gives the same result (pairs are independent)."""
     return next(d for d in (128, 64, 32, 16, 8, 4) if channels % d == 0)
 
 
-def _guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+def guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
@@ -216,19 +221,28 @@ def _guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_poi
     batch, seq, channels = x.shape
     if channels % 4:
         return "C not a multiple of 4"
-    head_dim = _rows_head_dim(channels)
+    head_dim = rows_head_dim(channels)
     reason = _x_reason(x.unflatten(2, (channels // head_dim, head_dim)))  # the heads the kernel reads
     if reason is not None:
         return reason
+    reason = rows_tables_reason(cos, sin, batch, seq, channels, x.device, check_pointers)
+    if reason is None and check_pointers and x.data_ptr() % 8:
+        return "not aligned"
+    return reason
+
+
+def rows_tables_reason(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int, channels: int, device,
+                       check_pointers: bool) -> str | None:
+    """Why the kernel cannot read LTX-Video's ``[B or 1, S, C]`` tables for ``[B, S, C]`` rows, or None."""
     if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
         return "cos/sin not float32"
     if cos.shape != sin.shape or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (seq, channels):
         return "cos/sin shape"  # eager broadcasts other shapes (a [B, S, C] table of a batch-1 x makes B outputs)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         return "cos/sin strided"
-    if cos.device != x.device or sin.device != x.device:
+    if cos.device != device or sin.device != device:
         return "devices differ"
-    if check_pointers and (cos.data_ptr() % 16 or sin.data_ptr() % 16 or x.data_ptr() % 8):
+    if check_pointers and (cos.data_ptr() % 16 or sin.data_ptr() % 16):
         return "not aligned"
     return None
 
@@ -239,7 +253,7 @@ def _nvrtc_kernel_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 
 
 _nvrtc.raw_op("_rotary_emb_rows_cuda", "(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor",
-              lambda x, cos, sin, head_dim: _guard_rows(x, cos, sin), _nvrtc_kernel_rows)
+              lambda x, cos, sin, head_dim: guard_rows(x, cos, sin), _nvrtc_kernel_rows)
 
 _cuda_rows_op = None
 
@@ -248,12 +262,12 @@ def _kernel_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     global _cuda_rows_op
     if _cuda_rows_op is None:
         _cuda_rows_op = launcher(_nvrtc_kernel_rows, "_rotary_emb_rows_cuda")
-    return _cuda_rows_op(x, cos, sin, _rows_head_dim(x.shape[2]))
+    return _cuda_rows_op(x, cos, sin, rows_head_dim(x.shape[2]))
 
 
 @torch.library.custom_op("diffusers_fastpath::rotary_emb_rows", mutates_args=())
 def _rotary_emb_rows_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if _guard_rows(x, cos, sin) is None:
+    if guard_rows(x, cos, sin) is None:
         return _kernel_rows(x, cos, sin)
     return rotary_emb_rows_ref(x, cos, sin).contiguous()
 
@@ -267,7 +281,7 @@ def _rotary_emb_rows_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 ROTARY_EMB_ROWS = FusedOp(
     "rotary_emb_rows",
     ref=rotary_emb_rows_ref,
-    guard=_guard_rows,
+    guard=guard_rows,
     kernel=_kernel_rows,
     custom_op=torch.ops.diffusers_fastpath.rotary_emb_rows.default,
 )
@@ -308,7 +322,7 @@ def rotary_emb_wan_ref(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torc
     return out.type_as(x)
 
 
-def _guard_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+def guard_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     if x.dim() != 4 or cos.dim() != 4 or sin.dim() != 4:
         return "shape"
@@ -338,7 +352,7 @@ def _kernel_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 @torch.library.custom_op("diffusers_fastpath::rotary_emb_wan", mutates_args=())
 def _rotary_emb_wan_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if _guard_wan(x, cos, sin) is None:
+    if guard_wan(x, cos, sin) is None:
         return _kernel_wan(x, cos, sin)
     return rotary_emb_wan_ref(x, cos, sin).contiguous()
 
@@ -352,7 +366,7 @@ def _rotary_emb_wan_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 ROTARY_EMB_WAN = FusedOp(
     "rotary_emb_wan",
     ref=rotary_emb_wan_ref,
-    guard=_guard_wan,
+    guard=guard_wan,
     kernel=_kernel_wan,
     custom_op=torch.ops.diffusers_fastpath.rotary_emb_wan.default,
 )

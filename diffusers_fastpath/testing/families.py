@@ -443,6 +443,36 @@ def qwenimage_prompt_embeddings(pipe, lengths=(12, 9), padding=2, seed=2):
                 negative_prompt_embeds_mask=neg_mask)
 
 
+def wan_pipeline(transformer):
+    """A ``WanPipeline`` (Wan 2.1: one transformer) around `transformer`, no VAE or text encoder: call it with
+    ``prompt_embeds``/``negative_prompt_embeds`` of the transformer's ``text_dim`` and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    return WanPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
+def ltx_pipeline(transformer):
+    """An ``LTXPipeline`` around `transformer`, no VAE or text encoder: call it with `ltx_prompt_embeddings` and
+    ``output_type="latent"`` (the packed latents)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                       transformer=transformer)
+
+
+def ltx_prompt_embeddings(pipe, tokens=12, padding=3, seed=2):
+    """Random prompt and negative-prompt embeddings of `tokens` tokens with their masks (the prompt's last `padding`
+    tokens masked out, as T5's padding is), for `ltx_pipeline` with CFG."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+    pos, neg = (torch.randn(1, tokens, cfg.caption_channels, generator=gen).to(device, dtype) for _ in range(2))
+    pos_mask = (torch.arange(tokens) < tokens - padding).long()[None].to(device)
+    neg_mask = torch.ones(1, tokens, dtype=torch.long, device=device)
+    return dict(prompt_embeds=pos, prompt_attention_mask=pos_mask, negative_prompt_embeds=neg,
+                negative_prompt_attention_mask=neg_mask)
+
+
 def wan22_pipeline(transformer, transformer_2, boundary_ratio=0.5):
     """A ``WanPipeline`` with Wan 2.2's two experts (`transformer` for the high-noise steps, `transformer_2` after
     `boundary_ratio`), no VAE or text encoder: call it with ``prompt_embeds``/``negative_prompt_embeds`` of the

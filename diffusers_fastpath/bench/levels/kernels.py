@@ -386,7 +386,7 @@ def rotary_emb_rows_cases(sh: Shapes) -> list[KernelCase]:
     if sh.family != "ltx":
         return []
     from ...ops import rotary_emb_rows_ref
-    from ...ops.rotary import _rows_head_dim
+    from ...ops.rotary import rows_head_dim
 
     op = torch.ops.diffusers_fastpath._rotary_emb_rows_cuda
     b, tokens, d = sh.batch, sh.image_tokens, sh.hidden
@@ -395,7 +395,7 @@ def rotary_emb_rows_cases(sh: Shapes) -> list[KernelCase]:
     sets = _input_sets(lambda: (sh.randn(b, tokens, d),))
     x = sets[0][0]
     return [KernelCase("rotary_emb_rows (q)", (b, tokens, d), sets, lambda x: rotary_emb_rows_ref(x, cos, sin),
-                       lambda x: op(x, cos, sin, _rows_head_dim(d)), 2 * _nbytes(x) + 2 * _nbytes(cos))]
+                       lambda x: op(x, cos, sin, rows_head_dim(d)), 2 * _nbytes(x) + 2 * _nbytes(cos))]
 
 
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
