@@ -44,8 +44,7 @@
 // y = round(w * (rstd * x)) as for the per-head norm. examples/rms_norm_order_probe.py showed that order on the H200
 // (torch 2.11, D = 2048 / 3072 / 5120); how the sum becomes the mean square (kFinal*: an IEEE division, a product
 // with the rounded reciprocal, or that product and + eps as one FMA; they differ only when C is not a power of two)
-// is the argument norm_final, which the Python op takes from the probe. Warps 0..3 compute the statistics before
-// all eight warps run the rotary loop below, reading the row again (from L1/L2) with the per-head slice of the weight.
+// is the argument norm_final, which the Python op takes from the probe. row_norm_rotary_kernel below.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -67,12 +66,12 @@ constexpr int kShared = 0;   // diffusers' pairing, one [seq, dim] table for eve
 constexpr int kPerHead = 1;  // diffusers' pairing, each head its own slice of the tables (LTX-Video; never with norm)
 constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (never with the per-head norm)
 
-// The norms (a template parameter too): none, torch.nn.RMSNorm(dim) of each head (FLUX's QK norms, kShared only),
-// or torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's, kPerHead or kWan; one source).
+// The norms (a template parameter too): none, or torch.nn.RMSNorm(dim) of each head (FLUX's QK norms, kShared only).
+// torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's) is row_norm_rotary_kernel's, below.
 constexpr int kNoNorm = 0;
 constexpr int kHeadNorm = 1;
-constexpr int kRowNorm = 2;
-constexpr int kRowThreads = 128;  // aten's block for the row norm's statistics: (32, 4)
+constexpr int kRowThreads = 128;  // aten's block for the row norm: (32, 4)
+constexpr int kRowVecs = 16;      // vectors a thread of the row norm keeps in registers: C <= 128 * 4 * 16 = 8192
 
 // The row norm's mean square from the sum of squares (RotaryArgs::norm_final).
 constexpr int kFinalDiv = 0;  // sum / C
@@ -100,42 +99,6 @@ __device__ __forceinline__ void rotate_pair_wan(float a, float b, float c0, floa
   out1 = Storage<T>::store(__fadd_rn(__fmul_rn(a, s1), __fmul_rn(b, c0)));
 }
 
-// The row norm's statistics (kRowNorm): rsqrt(mean of squares + eps) of the row `x_row` (heads of `quads` 4-element
-// vectors, `stride_h` apart), in aten's order (above); every thread of the block gets it.
-template <typename T>
-__device__ float row_norm_rstd(const T* x_row, int64_t stride_h, int64_t heads, int quads, float eps, int final_form) {
-  __shared__ float partial[2];
-  __shared__ float rstd;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  float acc = 0.f;
-  if (threadIdx.x < kRowThreads) {  // warps 0..3: aten's (32, 4) block
-    const int64_t vecs = heads * quads;
-    for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
-      const int64_t h = v / quads;
-      const Quad<T> xq = reinterpret_cast<const Quad<T>*>(x_row + h * stride_h)[v - h * quads];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float x = Storage<T>::load(xq.v[j]);
-        acc = __fmaf_rn(x, x, acc);
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
-  }
-  if (lane == 0 && (warp == 2 || warp == 3)) partial[warp - 2] = acc;
-  __syncthreads();
-  if (lane == 0 && warp < 2) acc = __fadd_rn(acc, partial[warp]);
-  __syncthreads();
-  if (lane == 0 && warp == 1) partial[0] = acc;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    rstd = row_rstd(__fadd_rn(acc, partial[0]), static_cast<float>(heads * quads * 4), eps, final_form);
-  }
-  __syncthreads();
-  return rstd;
-}
-
 template <typename T, int kNorm, int kForm>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
@@ -152,9 +115,6 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int64_t table = b * a.cos_stride_b + s * a.cos_stride_s;  // this row's tables (cos and sin share strides)
   const float* cos_row = a.cos + table;
   const float* sin_row = a.sin + table;
-  const float rstd_row = kNorm == kRowNorm
-                             ? row_norm_rstd<T>(x_row, src.stride_h, a.heads, quads, src.eps, a.norm_final)
-                             : 0.f;
 
   // kHeadNorm: quads <= 32, one pass in which every lane takes part in the shuffles.
   for (int q0 = 0; q0 < quads; q0 += 32) {
@@ -174,15 +134,11 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
     for (int64_t h0 = warp; h0 < a.heads; h0 += kWarps * kHeadsInFlight) {
       Quad<T> xin[kHeadsInFlight];
       float4 cin[kHeadsInFlight], sin_in[kHeadsInFlight];  // kPerHead: each head's table quads, loaded with its x
-      Quad<T> win[kHeadsInFlight];                          // kRowNorm: each head's slice of the weight
 #pragma unroll
       for (int i = 0; i < kHeadsInFlight; ++i) {
         const int64_t h = h0 + i * kWarps;
         if (active && h < a.heads) {
           xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
-          if (kNorm == kRowNorm) {
-            win[i] = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(src.weight) + h * a.dim)[q];
-          }
           if (kForm == kPerHead) {
             cin[i] = reinterpret_cast<const float4*>(cos_row + h * a.cos_stride_h)[q];
             sin_in[i] = reinterpret_cast<const float4*>(sin_row + h * a.cos_stride_h)[q];
@@ -196,12 +152,6 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[i].v[j]) : 0.f;
-        if (kNorm == kRowNorm && active) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            v[j] = round_to<T>(__fmul_rn(Storage<T>::load(win[i].v[j]), __fmul_rn(rstd_row, v[j])));
-          }
-        }
         if (kNorm == kHeadNorm) {
           float acc = 0.f;
 #pragma unroll
@@ -235,6 +185,90 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   }
 }
 
+// The row norm (norm_rows): one block of aten's (32, 4) threads per (s, b) row of C = heads * dim elements. Thread t
+// loads its 4-element vectors t, t + 128, ... (at most kRowVecs, kept in registers: the row is read once), adds their
+// squares in aten's order (the header comment), and then normalises, rotates and writes those same vectors. The
+// tables: LTX-Video's [batch or 1, seq, C] rows (kPerHead: the quad at channel 4v), Wan's [seq, dim] (kWan: at 4v mod
+// dim); the weight [C].
+template <typename T, int kForm>
+__global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const RotaryArgs a) {
+  __shared__ float partial[3];  // two warps' sums, then the row's rstd (one array: one layout under nvcc and NVRTC)
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t s = blockIdx.x;
+  const int64_t b = blockIdx.y;
+  const RotarySource src = a.img;
+  const T* x_row = static_cast<const T*>(src.ptr) + b * src.stride_b + s * src.stride_s;
+  const int quads = static_cast<int>(a.dim / 4);
+  const int vecs = static_cast<int>(a.heads) * quads;
+
+  // Wan's table quad: the same for all of a thread's vectors (v = t + 128 k and quads divides 128: v mod quads = t mod
+  // quads)
+  const int wan_quad = kForm == kWan ? 4 * (static_cast<int>(threadIdx.x) % quads) : 0;
+  Quad<T> cache[kRowVecs];
+#pragma unroll
+  for (int k = 0; k < kRowVecs; ++k) {
+    const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
+    if (v < vecs) cache[k] = reinterpret_cast<const Quad<T>*>(x_row)[v];  // heads back to back (stride_h == dim)
+  }
+  float acc = 0.f;  // aten's `sigma2 + val * val` over the thread's elements in order, contracted: one FMA each
+#pragma unroll
+  for (int k = 0; k < kRowVecs; ++k) {
+    if (static_cast<int>(threadIdx.x) + k * kRowThreads < vecs) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float x = Storage<T>::load(cache[k].v[j]);
+        acc = __fmaf_rn(x, x, acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+  // aten's shared-memory halving: warps 2, 3 into 0, 1, then warp 1 into warp 0
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  for (int offset = warps / 2; offset > 0; offset /= 2) {
+    if (lane == 0 && warp >= offset && warp < 2 * offset) partial[warp - offset] = acc;
+    __syncthreads();
+    if (lane == 0 && warp < offset) acc = __fadd_rn(acc, partial[warp]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[2] = row_rstd(acc, static_cast<float>(4 * vecs), src.eps, a.norm_final);
+  __syncthreads();
+  const float rstd = partial[2];
+
+  const int64_t seq = a.img.seq;
+  T* out_row = static_cast<T*>(a.out) + (b * seq + s) * (4 * static_cast<int64_t>(vecs));
+  const int64_t table = b * a.cos_stride_b + s * a.cos_stride_s;
+  const float* cos_row = a.cos + table;
+  const float* sin_row = a.sin + table;
+  const T* weight = static_cast<const T*>(src.weight);
+#pragma unroll
+  for (int k = 0; k < kRowVecs; ++k) {
+    const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
+    if (v < vecs) {
+      const int c = 4 * v;
+      const Quad<T> wq = reinterpret_cast<const Quad<T>*>(weight)[v];
+      float y[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        y[j] = round_to<T>(__fmul_rn(Storage<T>::load(wq.v[j]), __fmul_rn(rstd, Storage<T>::load(cache[k].v[j]))));
+      }
+      const int t = kForm == kWan ? wan_quad : c;
+      const float4 cs = *reinterpret_cast<const float4*>(cos_row + t);
+      const float4 sn = *reinterpret_cast<const float4*>(sin_row + t);
+      Quad<T> o;
+      if (kForm == kWan) {
+        rotate_pair_wan<T>(y[0], y[1], cs.x, sn.y, o.v[0], o.v[1]);
+        rotate_pair_wan<T>(y[2], y[3], cs.z, sn.w, o.v[2], o.v[3]);
+      } else {
+        rotate_pair<T>(y[0], y[1], cs.x, cs.y, sn.x, sn.y, o.v[0], o.v[1]);
+        rotate_pair<T>(y[2], y[3], cs.z, cs.w, sn.z, sn.w, o.v[2], o.v[3]);
+      }
+      reinterpret_cast<Quad<T>*>(out_row + c)[0] = o;
+    }
+  }
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
@@ -244,11 +278,15 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
-  if (a.norm_rows && (a.txt.seq != 0 || (a.wan == (a.cos_stride_h != 0)))) return cudaErrorInvalidValue;
+  if (a.norm_rows && (a.txt.seq != 0 || (a.wan == (a.cos_stride_h != 0)) || a.dim % 4 != 0 ||
+                      a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim ||
+                      (a.wan && (4 * kRowThreads) % a.dim != 0))) {
+    return cudaErrorInvalidValue;
+  }
   if (a.norm_rows && a.wan) {
-    rotary_kernel<T, kRowNorm, kWan><<<grid, kThreads, 0, stream>>>(a);
+    row_norm_rotary_kernel<T, kWan><<<grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm_rows) {
-    rotary_kernel<T, kRowNorm, kPerHead><<<grid, kThreads, 0, stream>>>(a);
+    row_norm_rotary_kernel<T, kPerHead><<<grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {

@@ -56,8 +56,8 @@ def emulated_rstd(x: torch.Tensor, warps: int, final: str = "div") -> torch.Tens
         sums[:, :offset] = sums[:, :offset] + sums[:, offset:2 * offset]
         offset //= 2
     total = sums[:, 0]
-    if final == "div":
-        return torch.rsqrt(total / dim + EPS)
+    if final == "div":  # a tensor divisor: torch turns a division by a Python number into a product with 1 / D
+        return torch.rsqrt(total / torch.full_like(total, dim) + EPS)
     inv = torch.tensor(1.0, device=x.device) / dim  # fp32 1 / D, correctly rounded
     if final == "mul":
         return torch.rsqrt(total * inv + EPS)

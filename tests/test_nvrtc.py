@@ -303,6 +303,7 @@ def test_launch_constants_match_the_sources():
     assert rmsnorm_mod._ROWS128_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock") * _constant(
         "rmsnorm_scale_shift.cu", "kRows128PerWarp")
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
+    assert rotary_mod._ROW_THREADS == _constant("rotary.cu", "kRowThreads")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
 

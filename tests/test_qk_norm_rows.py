@@ -11,8 +11,7 @@ from test_rotary import activations, ltx_tables, norm_of, rope_tables, wan_table
 
 from diffusers_fastpath.ops import Site, qk_norm_rows_rope, qk_norm_rows_rope_ref, rotary_emb_rows_ref, rotary_emb_wan_ref
 from diffusers_fastpath.ops import _policy
-from diffusers_fastpath.ops import qk_norm_rope as qk_mod
-from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROWS_ROPE
+from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROWS_ROPE, ROW_NORM_FINAL, _rows_kernel
 from diffusers_fastpath.ops.rotary import ROTARY_EMB_ROWS, ROTARY_EMB_WAN
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -100,8 +99,8 @@ def test_the_production_row_norm_is_the_order_that_matches():
     norm, x, cos, sin, heads = rows_inputs(1, 4096, 5120, torch.bfloat16, "cuda", 4, heads=40)
     ref = qk_norm_rows_rope_ref(norm, x, cos, sin, heads)
     matching = [final for final in (0, 1, 2)
-                if torch.equal(qk_mod._rows_kernel(norm, x, cos, sin, heads, norm_final=final), ref)]
-    assert matching == [qk_mod.ROW_NORM_FINAL], matching
+                if torch.equal(_rows_kernel(norm, x, cos, sin, heads, norm_final=final), ref)]
+    assert matching == [ROW_NORM_FINAL], matching
 
 
 @pytest.mark.gpu

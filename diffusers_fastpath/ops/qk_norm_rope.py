@@ -251,6 +251,7 @@ def qk_norm_rope(
 # product with the rounded reciprocal, 2 that product and + eps as one FMA), as examples/rms_norm_order_probe.py finds
 # it for the aten build; the first call of each signature checks it against eager all the same.
 ROW_NORM_FINAL = 0
+MAX_ROW_CHANNELS = 8192  # csrc/rotary.cu's row norm: 128 threads of at most 16 four-element vectors each
 
 
 def qk_norm_rows_rope_ref(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int = 0,
@@ -277,6 +278,8 @@ def _rows_guard(norm, x, cos, sin, heads=0, rope_site=None, check_pointers: bool
     if x.dim() != 3 or (heads and x.shape[2] % heads):
         return "shape"
     channels = x.shape[2]
+    if channels > MAX_ROW_CHANNELS:
+        return "C above the row norm's registers"
     if not _plain_rms_norm(norm, channels):
         return "norm not a plain torch.nn.RMSNorm with weight"
     weight = norm.weight
@@ -313,6 +316,8 @@ def _raw_rows_guard(x, weight, eps, cos, sin, wan, norm_final):
     if reason is not None:
         return reason
     batch, seq, heads, dim = x.shape
+    if heads * dim > MAX_ROW_CHANNELS:
+        return "C above the row norm's registers"
     if (weight.dim() != 1 or weight.shape[0] != heads * dim or weight.dtype is not x.dtype or weight.device != x.device
             or not weight.is_contiguous() or weight.data_ptr() % 8 or x.data_ptr() % 8):
         return "weight"

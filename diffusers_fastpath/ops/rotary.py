@@ -100,12 +100,20 @@ _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOU
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
-    # (dtype, norm, form): rotary.cu's kNoNorm 0, kHeadNorm 1, kRowNorm 2; kShared 0, kPerHead 1 (LTX-Video's tables),
-    # kWan 2 (Wan's pairing)
+    # (dtype, norm, form): rotary.cu's kNoNorm 0, kHeadNorm 1; kShared 0, kPerHead 1 (LTX-Video's tables), kWan 2
+    # (Wan's pairing)
     {(dtype, norm, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {norm}, {form}"
-     for dtype in HALF_DTYPES for norm, form in ((0, 0), (1, 0), (0, 1), (0, 2), (2, 1), (2, 2))},
+     for dtype in HALF_DTYPES for norm, form in ((0, 0), (1, 0), (0, 1), (0, 2))},
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
+# The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2.
+_NVRTC_ROWS = _nvrtc.Kernel(
+    "rotary.cu",
+    "diffusers_fastpath::row_norm_rotary_kernel",
+    {(dtype, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}" for dtype in HALF_DTYPES for form in (1, 2)},
+    _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
+)
+_ROW_THREADS = 128
 _THREADS = 256
 _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 
@@ -128,9 +136,14 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     # bindings.cpp's table strides: [seq, dim] for every head and sample, or [batch or 1, seq, heads * dim] rows
     rows = cos.dim() == 3
     strides = ((0 if cos.shape[0] == 1 else seq * heads * dim), heads * dim, dim) if rows else (0, dim, 0)
-    _NVRTC.launch(x_img.device.index, (x_img.dtype, 2 if norm_rows else int(norm), 2 if wan else int(rows)),
-                  (seq, batch, 1), (_THREADS, 1, 1), out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(),
-                  *strides, batch, heads, dim, norm, wan, norm_rows, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
+    args = (out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm, wan,
+            norm_rows, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
+    if norm_rows:
+        _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1), (seq, batch, 1), (_ROW_THREADS, 1, 1),
+                           *args)
+    else:
+        _NVRTC.launch(x_img.device.index, (x_img.dtype, int(norm), 2 if wan else int(rows)), (seq, batch, 1),
+                      (_THREADS, 1, 1), *args)
     return out
 
 

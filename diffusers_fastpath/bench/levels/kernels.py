@@ -398,6 +398,26 @@ def rotary_emb_rows_cases(sh: Shapes) -> list[KernelCase]:
                        lambda x: op(x, cos, sin, rows_head_dim(d)), 2 * _nbytes(x) + 2 * _nbytes(cos))]
 
 
+@kernel_cases
+def qk_norm_rows_rope_cases(sh: Shapes) -> list[KernelCase]:
+    """LTX-Video's QK norm across all heads (``torch.nn.RMSNorm(D)``) with its rotary, of q (and k)."""
+    if sh.family != "ltx":
+        return []
+    from ...ops import qk_norm_rows_rope_ref
+    from ...ops.qk_norm_rope import _rows_kernel
+
+    b, tokens, d = sh.batch, sh.image_tokens, sh.hidden
+    norm = torch.nn.RMSNorm(d, eps=1e-6).to(device=sh.device, dtype=sh.dtype).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * sh.randn(d).float())
+    angle = torch.rand(b, tokens, d // 2, device=sh.device) * 100
+    cos, sin = (f(angle).repeat_interleave(2, dim=-1).contiguous() for f in (torch.cos, torch.sin))
+    sets = _input_sets(lambda: (sh.randn(b, tokens, d),))
+    x = sets[0][0]
+    return [KernelCase("qk_norm_rows_rope (q)", (b, tokens, d), sets, lambda x: qk_norm_rows_rope_ref(norm, x, cos, sin),
+                       lambda x: _rows_kernel(norm, x, cos, sin), 2 * _nbytes(x) + 2 * _nbytes(cos))]
+
+
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
     """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets, and
     whether they ran as one CUDA graph. They are captured as one where they can be: a stream of separately launched
