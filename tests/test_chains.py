@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
@@ -425,6 +426,39 @@ def test_the_pairwise_mask_is_built_by_broadcasting_with_the_same_bits_and_layou
     got, ref = sub()(mask, 11), MaskBlock()(mask, 11)
     for g, r in zip(got, ref):
         assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
+
+
+class PaddedMaskBlock(torch.nn.Module):
+    """HunyuanVideo-1.5's processor's padded pairwise mask, and a near miss: padded with False (another form)."""
+
+    def forward(self, attention_mask, other_mask, seq_len, image_rotary_emb=None):
+        batch_size = attention_mask.shape[0]
+        attention_mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True)
+        attention_mask = attention_mask.bool()
+        mask_1 = attention_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        mask_2 = mask_1.transpose(2, 3)
+        attention_mask = (mask_1 & mask_2).bool()
+        other_mask = F.pad(other_mask, (seq_len - other_mask.shape[1], 0), value=False)
+        other_mask = other_mask.bool()
+        other_1 = other_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        other_2 = other_1.transpose(2, 3)
+        other_mask = (other_1 & other_2).bool()
+        return attention_mask, other_mask
+
+
+def test_the_padded_pairwise_mask_is_built_once_per_table_with_the_same_bits():
+    sub, found = _chains.fused_subclass(PaddedMaskBlock, "FusedPaddedMaskBlock", __name__)
+    assert found.pairwise_masks == 2  # the padded form, and the near miss's plain three statements
+    source = inspect.getsource(sub.forward)
+    assert source.count("pairwise_mask_padded(") == 1 and source.count("pairwise_mask(") == 1
+    gen = torch.Generator().manual_seed(6)
+    mask, other = (torch.randint(0, 2, (2, 5), generator=gen) for _ in range(2))
+    table = torch.randn(9, 4)
+    block = sub()
+    first = block(mask, other, 9, table)
+    for g, r in zip(first, PaddedMaskBlock()(mask, other, 9, table)):
+        assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
+    assert block(mask, other, 9, table)[0] is first[0]  # the next layer of the same forward reuses it
 
 
 class OuterMaskBlock(torch.nn.Module):

@@ -68,8 +68,9 @@ def test_a_hooked_qk_norm_runs_as_written_and_says_why(emulated_kernels, unpatch
 
 
 def test_the_pairwise_masks_are_built_by_broadcasting(monkeypatch, unpatch_after):
-    """The processor's and the refiner's masks go through `pairwise_mask` (one per attention and one for the
-    refiner per forward), and the patched forward stays bit-identical."""
+    """The processor's and the refiner's masks go through `pairwise_mask`: the refiner's once, the processors' padded
+    joint mask once per forward (the first block builds it on the rotary table, the second reuses it; a second
+    forward builds its own), and the patched forward stays bit-identical."""
     built = []
     real = _chain_calls._ChainsNamespace.pairwise_mask
 
@@ -86,9 +87,41 @@ def test_the_pairwise_masks_are_built_by_broadcasting(monkeypatch, unpatch_after
         fp.patch(model)
         unpatch_after(model)
         got = model(**inputs).sample
-    assert torch.equal(got, ref)
+        again = model(**inputs).sample
+    assert torch.equal(got, ref) and torch.equal(again, ref)
     image_tokens, text_tokens = 2 * 4 * 4, 7 + 4 + 5  # frames x grid; Qwen text + ByT5 + image embeddings
-    assert built == [(2, 1, 7, 7)] + [(2, 1, image_tokens + text_tokens, image_tokens + text_tokens)] * 2
+    assert model.config.num_layers == 2
+    assert built == [(2, 1, 7, 7), (2, 1, image_tokens + text_tokens, image_tokens + text_tokens)] * 2
+
+
+def test_the_padded_mask_is_kept_for_that_mask_at_that_version_and_padding():
+    """`pairwise_mask_padded`: reused for the same mask object, version and padding on the same table; computed again
+    for another mask of the same values, after a write in place, for another padding, without a table, and with a
+    pad function that is not torch's; every result the expression's bits."""
+    import torch.nn.functional as F
+
+    ns = _chain_calls._ChainsNamespace
+    table = torch.randn(8, 4)
+
+    def expected(mask, padding):
+        m = F.pad(mask, padding, value=True).bool()
+        seq = m.shape[1]
+        m1 = m.view(2, 1, 1, seq).repeat(1, 1, seq, 1)
+        return (m1 & m1.transpose(2, 3)).bool()
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    first = ns.pairwise_mask_padded(F.pad, mask, (5, 0), 2, 8, table)
+    assert torch.equal(first, expected(mask, (5, 0)))
+    assert ns.pairwise_mask_padded(F.pad, mask, (5, 0), 2, 8, table) is first  # the next layer: reused
+    assert ns.pairwise_mask_padded(F.pad, mask.clone(), (5, 0), 2, 8, table) is not first  # another mask object
+    assert ns.pairwise_mask_padded(F.pad, mask, (6, 0), 2, 9, table) is not first  # another padding
+    assert ns.pairwise_mask_padded(F.pad, mask, (5, 0), 2, 8, None) is not first  # no table
+    spy = []
+    own = ns.pairwise_mask_padded(lambda *a, **k: spy.append(1) or F.pad(*a, **k), mask, (5, 0), 2, 8, table)
+    assert spy and torch.equal(own, first)  # another pad function: run as written, not cached
+    mask[1, 1] = 1  # written in place: its version moves
+    again = ns.pairwise_mask_padded(F.pad, mask, (5, 0), 2, 8, table)
+    assert again is not first and torch.equal(again, expected(mask, (5, 0)))
 
 
 def test_unpatch_pickle_and_state_dict():

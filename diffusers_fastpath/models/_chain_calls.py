@@ -299,6 +299,23 @@ class _ChainsNamespace:
         return (mask.view(batch, 1, 1, seq) & mask.view(batch, 1, seq, 1)).bool().contiguous()
 
     @staticmethod
+    def pairwise_mask_padded(pad, mask, padding, batch, seq, table):
+        # pad(mask, padding, value=True).bool(), then the pairwise mask above (HunyuanVideo-1.5's processor, every
+        # layer, from the forward's one [B, S_txt] mask): with torch's F.pad, computed once per rotary table (built
+        # once per forward) for this mask object at this version and this padding, as `outer_mask` does
+        def compute():
+            return _ChainsNamespace.pairwise_mask(pad(mask, padding, value=True).bool(), batch, seq)
+
+        anchor = table[0] if isinstance(table, (tuple, list)) and table else table
+        if (pad is not F.pad or torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor)
+                or not isinstance(anchor, torch.Tensor) or mask.is_inference()):
+            return compute()
+        version = mask._version
+        key = ("pairwise_mask", id(mask), tuple(padding), batch, seq)
+        return derived(anchor, key, lambda: (mask, version, compute()),
+                       valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
+
+    @staticmethod
     def outer_mask(mask, table):
         # mask[:, None, None, :] * mask[:, None, :, None] (Chroma's blocks), computed once per rotary table: `table` is
         # built once per forward and handed to every block with the same mask; the product is kept on it for this mask

@@ -299,6 +299,34 @@ def _pairwise_mask_of(three: list[ast.stmt], rest: list[ast.stmt]) -> ast.stmt |
                              three[2])
 
 
+def _padded_pairwise_mask_of(five: list[ast.stmt], rest: list[ast.stmt], anchor: str) -> ast.stmt | None:
+    """``X = pairwise_mask_padded(P, A, E, B, S, anchor)`` for ``A = P(A, E, value=True)``, ``A = A.bool()`` and the
+    pairwise-mask form of ``A`` into ``X`` (HunyuanVideo-1.5's processor; the padded form of the module doc), or
+    None."""
+    a = _single_target(five[0])
+    pad = five[0].value if a is not None else None
+    if not (isinstance(pad, ast.Call) and isinstance(pad.func, ast.Attribute) and pad.func.attr == "pad"
+            and len(pad.args) == 2 and isinstance(pad.args[0], ast.Name) and pad.args[0].id == a
+            and len(pad.keywords) == 1 and pad.keywords[0].arg == "value"
+            and isinstance(pad.keywords[0].value, ast.Constant) and pad.keywords[0].value.value is True):
+        return None
+    cast = _method_call(five[1].value, "bool") if _single_target(five[1]) == a else None
+    if not (cast and isinstance(cast[0], ast.Name) and cast[0].id == a and not cast[1]):
+        return None
+    merged = _pairwise_mask_of(five[2:], rest)
+    if merged is None:
+        return None
+    mask, batch, seq = merged.value.args
+    x = _single_target(merged)
+    if not (isinstance(mask, ast.Name) and mask.id == a) or (x != a and _reads_after(rest, a)):
+        return None
+    if any(_uses(e, a) for e in (batch, seq)):
+        return None
+    call = _call("pairwise_mask_padded", [pad.func, ast.Name(a, ast.Load()), pad.args[1], batch, seq,
+                                          ast.Name(anchor, ast.Load())])
+    return ast.copy_location(ast.Assign(targets=[ast.Name(x, ast.Store())], value=call), five[4])
+
+
 def _outer_index(node: ast.expr, name: str, last: bool) -> bool:
     """Whether `node` is ``name[:, None, None, :]`` (`last`) or ``name[:, None, :, None]``."""
     if not (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name

@@ -124,6 +124,15 @@ of ``self``):
     A.view(B, 1, S, 1)``, broadcast instead of materialised and read transposed (HunyuanVideo-1.5 spent 97.5 ms of a
     1,134 ms 480p step on that transposed read)
 
+  and, where the forward takes the rotary table ``image_rotary_emb`` and never rebinds it, with the padding before it
+  (HunyuanVideo-1.5's processor pads the forward's mask to the joint length and casts it in every layer):
+
+  - ``A = P(A, E, value=True)``, ``A = A.bool()``, then the three statements above of ``A``  ->  ``X =
+    pairwise_mask_padded(P, A, E, B, S, image_rotary_emb)``: with ``P`` torch's ``F.pad``, the padded mask and its
+    pairwise product are kept on the table (as the outer-product form below) for that very ``A`` at its version and
+    that padding, so the first layer builds it and the others reuse it (56 of ``[1, 1, S, S]`` a 480p step, ~0.5 ms
+    each); otherwise computed as written, broadcast
+
 - outer-product attention mask (Chroma's blocks, each of which expands the forward's one ``[B, S]`` mask again), in
   blocks whose forward takes the rotary table ``image_rotary_emb`` and never rebinds it, exact by construction (the
   same product of the same tensor, computed once and handed to the later blocks):
@@ -178,7 +187,7 @@ from dataclasses import dataclass, field
 
 from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
                             _complex_rotary_call, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
-                            _modulate_of, _ns_call, _outer_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
+                            _modulate_of, _ns_call, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
                             _rotary_call, _self_attr, _self_module_call, _single_target, _site_of, _starred_call,
                             _unsqueezed, _uses)
 
@@ -638,6 +647,13 @@ class _Rewriter:
         anchor = _ROTARY_TABLE if _unassigned_parameter(function, _ROTARY_TABLE) else None
         out, i = [], 0
         while i < len(body):
+            padded = (_padded_pairwise_mask_of(body[i:i + 5], body[i + 5:], anchor)
+                      if anchor is not None and i + 5 <= len(body) else None)
+            if padded is not None:
+                self.found.pairwise_masks += 1
+                out.append(padded)
+                i += 5
+                continue
             merged = _pairwise_mask_of(body[i:i + 3], body[i + 3:]) if i + 3 <= len(body) else None
             if merged is not None:
                 self.found.pairwise_masks += 1
