@@ -695,6 +695,51 @@ at::Tensor qk_norm_rows_rope(const at::Tensor& x, const at::Tensor& weight, doub
                        /*norm_rows=*/true, norm_final);
 }
 
+// LTX-Video's q and k together (rotary.cu's row-norm pair): each [batch, seq, heads, dim] with its own RMSNorm weight
+// [heads * dim] and eps, one [batch or 1, seq, heads * dim] pair of tables; returns [2, batch, seq, heads, dim] (q's
+// result, then k's).
+at::Tensor qk_norm_rows_rope_pair(const at::Tensor& q, const at::Tensor& weight_q, double eps_q, const at::Tensor& k,
+                                  const at::Tensor& weight_k, double eps_k, const at::Tensor& cos,
+                                  const at::Tensor& sin, int64_t norm_final) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.sizes() == q.sizes(),
+              "qk_norm_rows_rope_pair: q and k must be CUDA [batch, seq, heads, dim] tensors of one shape, got ",
+              shape_str(q.sizes()), " and ", shape_str(k.sizes()));
+  const int64_t batch = q.size(0), seq = q.size(1), heads = q.size(2), dim = q.size(3);
+  TORCH_CHECK(dim % 4 == 0 && heads * dim <= 4096 && q.stride(2) == dim && k.stride(2) == dim,
+              "qk_norm_rows_rope_pair: rows of at most 4096 elements, heads back to back");
+  TORCH_CHECK(norm_final >= 0 && norm_final <= 2, "qk_norm_rows_rope_pair: norm_final is 0, 1 or 2");
+  RotaryArgs args;
+  args.dtype = to_dtype(q);
+  args.img = rotary_source(q, q, weight_q, eps_q, "q", /*norm_rows=*/true);
+  args.txt = rotary_source(k, q, weight_k, eps_k, "k", /*norm_rows=*/true);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == q.device() && t->is_contiguous() && t->dim() == 3 &&
+                    t->sizes() == cos.sizes() && (cos.size(0) == 1 || cos.size(0) == batch) && cos.size(1) == seq &&
+                    cos.size(2) == heads * dim && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "qk_norm_rows_rope_pair: cos/sin must be contiguous, 16-byte aligned float32 [batch or 1, seq, C] "
+                "tables");
+  }
+  at::Tensor out = at::empty({2, batch, seq, heads, dim}, q.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  args.out = out.data_ptr();
+  args.cos = cos.data_ptr<float>();
+  args.sin = sin.data_ptr<float>();
+  args.cos_stride_b = cos.size(0) != 1 ? seq * heads * dim : 0;
+  args.cos_stride_s = heads * dim;
+  args.cos_stride_h = dim;
+  args.batch = batch;
+  args.heads = heads;
+  args.dim = dim;
+  args.norm = false;
+  args.wan = false;
+  args.norm_rows = true;
+  args.norm_final = static_cast<int32_t>(norm_final);
+  const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "qk_norm_rows_rope_pair: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                              const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                              const at::Tensor& weight_img, double eps_img, const at::Tensor& cos,
@@ -764,6 +809,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_qk_norm_rows_rope_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool wan, int norm_final) "
       "-> Tensor");
   m.def(
+      "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
+      "Tensor cos, Tensor sin, int norm_final) -> Tensor");
+  m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");
   m.def(
@@ -803,6 +851,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_emb_rows_cuda", &diffusers_fastpath::rotary_emb_rows);
   m.impl("_rotary_emb_wan_cuda", &diffusers_fastpath::rotary_emb_wan);
   m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
+  m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
 }

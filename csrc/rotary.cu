@@ -15,11 +15,11 @@
 // RMSNorm (norm = true), eager torch.nn.RMSNorm(D) with a weight of x's dtype on CUDA: aten::rms_norm calls
 // _fused_rms_norm, whose CUDA kernel (aten/src/ATen/native/cuda/layer_norm_kernel.cu,
 // vectorized_layer_norm_kernel<T, float, rms_norm=true>, taken for 8-byte aligned rows with D % 4 == 0) runs one
-// block (32, 16) per row. For D <= 128 only the first D/4 lanes of warp 0 hold data, four elements each
+// block (32, 4) per row. For D <= 128 only the first D/4 lanes of warp 0 hold data, four elements each
 // (aligned_vector<T, 4>), and:
 //   s_l  = fma(x3, x3, fma(x2, x2, fma(x1, x1, fma(x0, x0, 0))))  # `sigma2 + val * val`, contracted by nvcc
 //   tot  = shuffle-down tree over offsets 16, 8, 4, 2, 1             # lanes without data add 0
-//          (the shared-memory combine with the other 15 warps then adds exact zeros)
+//          (the shared-memory combine with the other 3 warps then adds exact zeros)
 //   rstd = rsqrtf(tot / D + eps)                                     # IEEE division, c10::cuda::compat::rsqrt
 //   y    = round(w * (rstd * x))                                     # two fp32 products, one rounding
 // Checked against the sm_90 SASS of that kernel in torch 2.11.0+cu130's libtorch_cuda.so (bf16 and fp16): an FFMA
@@ -72,6 +72,7 @@ constexpr int kNoNorm = 0;
 constexpr int kHeadNorm = 1;
 constexpr int kRowThreads = 128;  // aten's block for the row norm: (32, 4)
 constexpr int kRowVecs = 16;      // vectors a thread of the row norm keeps in registers: C <= 128 * 4 * 16 = 8192
+constexpr int kRowPairVecs = 8;   // ... of each of q and k, for the pair: C <= 4096
 
 // The row norm's mean square from the sum of squares (RotaryArgs::norm_final).
 constexpr int kFinalDiv = 0;  // sum / C
@@ -186,85 +187,113 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
 }
 
 // The row norm (norm_rows): one block of aten's (32, 4) threads per (s, b) row of C = heads * dim elements. Thread t
-// loads its 4-element vectors t, t + 128, ... (at most kRowVecs, kept in registers: the row is read once), adds their
+// loads its 4-element vectors t, t + 128, ... (at most kVecs, kept in registers: the row is read once), adds their
 // squares in aten's order (the header comment), and then normalises, rotates and writes those same vectors. The
 // tables: LTX-Video's [batch or 1, seq, C] rows (kPerHead: the quad at channel 4v), Wan's [seq, dim] (kWan: at 4v mod
-// dim); the weight [C].
-template <typename T, int kForm>
+// dim); the weight [C]. kPair (kPerHead only): the block does the same for a second source (txt: k, with its own
+// weight and eps) with the table quads it loaded once, writing it after the first's whole output (LTX-Video's q and
+// k share their large per-sample tables, four times the bytes of q: read once for both).
+template <typename T, int kForm, bool kPair>
 __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const RotaryArgs a) {
-  __shared__ float partial[3];  // two warps' sums, then the row's rstd (one array: one layout under nvcc and NVRTC)
+  constexpr int kParts = kPair ? 2 : 1;
+  constexpr int kVecs = kPair ? kRowPairVecs : kRowVecs;
+  __shared__ float partial[kParts][3];  // two warps' sums, then the row's rstd (one array: one layout everywhere)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int64_t s = blockIdx.x;
   const int64_t b = blockIdx.y;
-  const RotarySource src = a.img;
-  const T* x_row = static_cast<const T*>(src.ptr) + b * src.stride_b + s * src.stride_s;
   const int quads = static_cast<int>(a.dim / 4);
   const int vecs = static_cast<int>(a.heads) * quads;
-
   // Wan's table quad: the same for all of a thread's vectors (v = t + 128 k and quads divides 128: v mod quads = t mod
   // quads)
   const int wan_quad = kForm == kWan ? 4 * (static_cast<int>(threadIdx.x) % quads) : 0;
-  Quad<T> cache[kRowVecs];
+
+  Quad<T> cache[kParts][kVecs];
+  float acc[kParts];
 #pragma unroll
-  for (int k = 0; k < kRowVecs; ++k) {
-    const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
-    if (v < vecs) cache[k] = reinterpret_cast<const Quad<T>*>(x_row)[v];  // heads back to back (stride_h == dim)
-  }
-  float acc = 0.f;  // aten's `sigma2 + val * val` over the thread's elements in order, contracted: one FMA each
+  for (int p = 0; p < kParts; ++p) {
+    const RotarySource& src = p == 0 ? a.img : a.txt;
+    const T* x_row = static_cast<const T*>(src.ptr) + b * src.stride_b + s * src.stride_s;
 #pragma unroll
-  for (int k = 0; k < kRowVecs; ++k) {
-    if (static_cast<int>(threadIdx.x) + k * kRowThreads < vecs) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float x = Storage<T>::load(cache[k].v[j]);
-        acc = __fmaf_rn(x, x, acc);
-      }
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
+      if (v < vecs) cache[p][k] = reinterpret_cast<const Quad<T>*>(x_row)[v];  // heads back to back (stride_h == dim)
     }
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+  for (int p = 0; p < kParts; ++p) {
+    acc[p] = 0.f;  // aten's `sigma2 + val * val` over the thread's elements in order, contracted: one FMA each
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (static_cast<int>(threadIdx.x) + k * kRowThreads < vecs) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float x = Storage<T>::load(cache[p][k].v[j]);
+          acc[p] = __fmaf_rn(x, x, acc[p]);
+        }
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      acc[p] = __fadd_rn(acc[p], __shfl_down_sync(0xffffffffu, acc[p], offset));
+    }
+  }
   // aten's shared-memory halving: warps 2, 3 into 0, 1, then warp 1 into warp 0
   const int warps = static_cast<int>(blockDim.x) / 32;
   for (int offset = warps / 2; offset > 0; offset /= 2) {
-    if (lane == 0 && warp >= offset && warp < 2 * offset) partial[warp - offset] = acc;
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+      if (lane == 0 && warp >= offset && warp < 2 * offset) partial[p][warp - offset] = acc[p];
+    }
     __syncthreads();
-    if (lane == 0 && warp < offset) acc = __fadd_rn(acc, partial[warp]);
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+      if (lane == 0 && warp < offset) acc[p] = __fadd_rn(acc[p], partial[p][warp]);
+    }
     __syncthreads();
   }
-  if (threadIdx.x == 0) partial[2] = row_rstd(acc, static_cast<float>(4 * vecs), src.eps, a.norm_final);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+      partial[p][2] = row_rstd(acc[p], static_cast<float>(4 * vecs), (p == 0 ? a.img : a.txt).eps, a.norm_final);
+    }
+  }
   __syncthreads();
-  const float rstd = partial[2];
 
-  const int64_t seq = a.img.seq;
-  T* out_row = static_cast<T*>(a.out) + (b * seq + s) * (4 * static_cast<int64_t>(vecs));
+  const int64_t row = b * a.img.seq + s;
+  const int64_t part_stride = a.batch * a.img.seq * (4 * static_cast<int64_t>(vecs));  // kPair: k's output after q's
   const int64_t table = b * a.cos_stride_b + s * a.cos_stride_s;
   const float* cos_row = a.cos + table;
   const float* sin_row = a.sin + table;
-  const T* weight = static_cast<const T*>(src.weight);
 #pragma unroll
-  for (int k = 0; k < kRowVecs; ++k) {
+  for (int k = 0; k < kVecs; ++k) {
     const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
     if (v < vecs) {
       const int c = 4 * v;
-      const Quad<T> wq = reinterpret_cast<const Quad<T>*>(weight)[v];
-      float y[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        y[j] = round_to<T>(__fmul_rn(Storage<T>::load(wq.v[j]), __fmul_rn(rstd, Storage<T>::load(cache[k].v[j]))));
-      }
       const int t = kForm == kWan ? wan_quad : c;
       const float4 cs = *reinterpret_cast<const float4*>(cos_row + t);
       const float4 sn = *reinterpret_cast<const float4*>(sin_row + t);
-      Quad<T> o;
-      if (kForm == kWan) {
-        rotate_pair_wan<T>(y[0], y[1], cs.x, sn.y, o.v[0], o.v[1]);
-        rotate_pair_wan<T>(y[2], y[3], cs.z, sn.w, o.v[2], o.v[3]);
-      } else {
-        rotate_pair<T>(y[0], y[1], cs.x, cs.y, sn.x, sn.y, o.v[0], o.v[1]);
-        rotate_pair<T>(y[2], y[3], cs.z, cs.w, sn.z, sn.w, o.v[2], o.v[3]);
+#pragma unroll
+      for (int p = 0; p < kParts; ++p) {
+        const RotarySource& src = p == 0 ? a.img : a.txt;
+        const float rstd = partial[p][2];
+        const Quad<T> wq = reinterpret_cast<const Quad<T>*>(src.weight)[v];
+        float y[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          y[j] = round_to<T>(__fmul_rn(Storage<T>::load(wq.v[j]), __fmul_rn(rstd, Storage<T>::load(cache[p][k].v[j]))));
+        }
+        Quad<T> o;
+        if (kForm == kWan) {
+          rotate_pair_wan<T>(y[0], y[1], cs.x, sn.y, o.v[0], o.v[1]);
+          rotate_pair_wan<T>(y[2], y[3], cs.z, sn.w, o.v[2], o.v[3]);
+        } else {
+          rotate_pair<T>(y[0], y[1], cs.x, cs.y, sn.x, sn.y, o.v[0], o.v[1]);
+          rotate_pair<T>(y[2], y[3], cs.z, cs.w, sn.z, sn.w, o.v[2], o.v[3]);
+        }
+        T* out_row = static_cast<T*>(a.out) + p * part_stride + row * (4 * static_cast<int64_t>(vecs));
+        reinterpret_cast<Quad<T>*>(out_row + c)[0] = o;
       }
-      reinterpret_cast<Quad<T>*>(out_row + c)[0] = o;
     }
   }
 }
@@ -278,15 +307,22 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
-  if (a.norm_rows && (a.txt.seq != 0 || (a.wan == (a.cos_stride_h != 0)) || a.dim % 4 != 0 ||
-                      a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim ||
-                      (a.wan && (4 * kRowThreads) % a.dim != 0))) {
+  // the row norm's pair: a txt source (k) of the img source's (q) length; its own launch shape
+  const bool pair = a.norm_rows && a.txt.ptr != nullptr;
+  const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
+  if (a.norm_rows && ((pair ? a.txt.seq != a.img.seq || a.txt.stride_h != a.dim : a.txt.seq != 0) ||
+                      (a.wan == (a.cos_stride_h != 0)) || a.dim % 4 != 0 ||
+                      a.heads * a.dim > 4 * kRowThreads * (pair ? kRowPairVecs : kRowVecs) ||
+                      a.img.stride_h != a.dim || (a.wan && (4 * kRowThreads) % a.dim != 0))) {
     return cudaErrorInvalidValue;
   }
-  if (a.norm_rows && a.wan) {
-    row_norm_rotary_kernel<T, kWan><<<grid, kRowThreads, 0, stream>>>(a);
+  if (pair && a.wan) return cudaErrorInvalidValue;  // Wan's small [seq, dim] tables stay in L2: no pair form
+  if (pair) {
+    row_norm_rotary_kernel<T, kPerHead, true><<<row_grid, kRowThreads, 0, stream>>>(a);
+  } else if (a.norm_rows && a.wan) {
+    row_norm_rotary_kernel<T, kWan, false><<<row_grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm_rows) {
-    row_norm_rotary_kernel<T, kPerHead><<<grid, kRowThreads, 0, stream>>>(a);
+    row_norm_rotary_kernel<T, kPerHead, false><<<row_grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {

@@ -96,7 +96,8 @@ def emulated_kernels(monkeypatch):
                                                               LAYERNORM_SCALE_SHIFT_FP32, layernorm_affine_fp32_ref,
                                                               layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
-    from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE, QK_NORM_ROWS_ROPE, qk_norm_rope_ref, qk_norm_rows_rope_ref
+    from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
+                                                     qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
@@ -132,7 +133,8 @@ def emulated_kernels(monkeypatch):
                        (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref),
                        (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic),
-                       (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref)):
+                       (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref),
+                       (QK_NORM_ROWS_ROPE_PAIR, qk_norm_rows_rope_pair_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
     for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):

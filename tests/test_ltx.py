@@ -19,13 +19,13 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 
 def sites(blocks: int) -> dict[str, int]:
     # per block: both gated residuals, norm1's and norm2's weightless RMSNorm with its per-token modulate, and the
-    # self-attention's QK norms across all heads with its rotary (q and k: one site; the rotary's own site is the
-    # fallback's)
+    # self-attention's QK norms across all heads with its rotary (q and k: one call of one site; the rotary's own site is
+    # the fallback's)
     return {"gated_residual": 2 * blocks, "rmsnorm_modulate": 2 * blocks, "rotary_emb": blocks,
-            "qk_norm_rows_rope": blocks}
+            "qk_norm_rows_rope_pair": blocks}
 
 
-CALLS = {"qk_norm_rows_rope": 2, "rotary_emb": 0}  # the fused site counts q and k
+CALLS = {"qk_norm_rows_rope_pair": 1, "rotary_emb": 0}  # q and k in one call
 
 
 def run(model, inputs):

@@ -821,6 +821,17 @@ def test_rotary_ops_through_nvrtc_equal_nvcc_and_eager(seq_txt, seq_img, dtype, 
                     assert torch.equal(got_rows, nvcc)
                 if final == qk_mod.ROW_NORM_FINAL:
                     assert torch.equal(got_rows if wan else got_rows.flatten(2), ref_norm)
+        # LTX-Video's q and k as one pair (k: the rows reversed along the sequence), q's result then k's
+        k_rows = rows.flip(1).contiguous()
+        ref_pair = qk_mod.qk_norm_rows_rope_pair_ref(norm_rows, rows, norm_rows, k_rows, table_cos, table_sin)
+        k_split = k_rows.unflatten(2, (heads, dim))
+        pair_args = (split, norm_rows.weight, 1e-6, k_split, norm_rows.weight, 1e-6, table_cos, table_sin,
+                     qk_mod.ROW_NORM_FINAL)
+        got_pair = qk_mod._nvrtc_pair_kernel(*pair_args).flatten(3)
+        assert torch.equal(got_pair[0], ref_pair[0]) and torch.equal(got_pair[1], ref_pair[1])
+        if both_ways:
+            nvcc_pair = torch.ops.diffusers_fastpath._qk_norm_rows_rope_pair_cuda(*pair_args).flatten(3)
+            assert torch.equal(got_pair, nvcc_pair)
 
 
 @pytest.mark.gpu

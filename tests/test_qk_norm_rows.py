@@ -9,9 +9,10 @@ import torch
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from test_rotary import activations, ltx_tables, norm_of, rope_tables, wan_tables
 
-from diffusers_fastpath.ops import Site, qk_norm_rows_rope, qk_norm_rows_rope_ref, rotary_emb_rows_ref, rotary_emb_wan_ref
+from diffusers_fastpath.ops import (Site, qk_norm_rows_rope, qk_norm_rows_rope_pair, qk_norm_rows_rope_pair_ref,
+                                    qk_norm_rows_rope_ref, rotary_emb_rows_ref, rotary_emb_wan_ref)
 from diffusers_fastpath.ops import _policy
-from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROWS_ROPE, ROW_NORM_FINAL, _rows_kernel
+from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR, ROW_NORM_FINAL, _rows_kernel
 from diffusers_fastpath.ops.rotary import ROTARY_EMB_ROWS, ROTARY_EMB_WAN
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -127,7 +128,112 @@ def test_qk_norm_rows_rope_opcheck_cuda():
         torch.library.opcheck(ops.qk_norm_rows_rope.default, (x, norm.weight, norm.eps, cos, sin, heads))
 
 
+def pair_inputs(batch, seq, channels, dtype, device, seed, table_batch=1, strided=False):
+    """LTX-Video's q and k (each its own norm; with `strided` views of one fused qkv projection) and one pair of
+    ``[table_batch, S, C]`` tables."""
+    norm_q, q, cos, sin, _ = rows_inputs(batch, seq, channels, dtype, device, seed, 0, table_batch, strided)
+    norm_k, k, _, _, _ = rows_inputs(batch, seq, channels, dtype, device, seed + 100, 0, table_batch, strided)
+    return norm_q, q, norm_k, k, cos, sin
+
+
+# (batch, seq, C, table batch): LTX-Video 768x512x121 and its CFG batch (a table per sample, one for both), odd small
+PAIR_CASES = [(1, 6144, 2048, 1), (2, 6144, 2048, 2), (2, 6144, 2048, 1), (2, 37, 200, 2), (1, 5, 12, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PAIR_CASES, ids=str)
+def test_qk_norm_rows_rope_pair_matches_eager_bitwise_and_verifies(case, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    batch, seq, channels, table_batch = case
+    for seed, strided in [(0, False), (1, True)]:
+        args = pair_inputs(batch, seq, channels, dtype, "cuda", seed, table_batch, strided)
+        ref = qk_norm_rows_rope_pair_ref(*args)
+        assert all(torch.isfinite(r).all() and r.float().std() > 0.1 for r in ref)
+        poison = torch.full((2, *ref[0].shape), float("nan"), dtype=dtype, device="cuda")
+        del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
+        site, rope_site = Site("qk_norm_rows_rope_pair"), Site("rotary_emb")
+        got = qk_norm_rows_rope_pair(*args, site, rope_site)
+        for g, r in zip(got, ref):
+            assert torch.equal(g, r) and g.stride() == r.stride()
+        assert site.fast == 1 and not site.fallback and rope_site.fast == 0
+    assert (str(dtype).removeprefix("torch."), channels, "rows-pair") in QK_NORM_ROWS_ROPE_PAIR.verified
+
+
+@pytest.mark.gpu
+def test_qk_norm_rows_rope_pair_opcheck_cuda():
+    norm_q, q, norm_k, k, cos, sin = pair_inputs(2, 13, 512, torch.bfloat16, "cuda", 0, 2)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.qk_norm_rows_rope_pair.default,
+                          (q, norm_q.weight, norm_q.eps, k, norm_k.weight, norm_k.eps, cos, sin))
+
+
 # --- CPU: references, guards, self-verification, fallbacks --------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, reason", [("k_hooked", "norm not a plain torch.nn.RMSNorm with weight"),
+                                          ("shapes_differ", "q and k differ in shape or dtype"),
+                                          ("wide", "C above the pair's registers")])
+def test_the_pair_falls_back_to_each_on_its_own(case, reason, monkeypatch):
+    """A refused pair: its reason counted, each of q and k through `qk_norm_rows_rope` (itself fused where it can:
+    here with its kernel standing in), the results eager's."""
+    channels = 4104 if case == "wide" else 48
+    norm_q, q, norm_k, k, cos, sin = pair_inputs(2, 11, channels, torch.bfloat16, "cpu", 4, 2)
+    if case == "k_hooked":
+        norm_k.register_forward_hook(lambda m, i, o: o)
+    elif case == "shapes_differ":
+        k = k[:, :, :44]
+        norm_k = torch.nn.RMSNorm(44, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(QK_NORM_ROWS_ROPE, "kernel", lambda *a, **k: qk_norm_rows_rope_ref(*a[:5]))
+    monkeypatch.setattr(ROTARY_EMB_ROWS, "kernel", rotary_emb_rows_ref)
+    site = Site("qk_norm_rows_rope_pair")
+    if case == "shapes_differ":  # eager rotates k with tables of q's width: it raises, and so does the op
+        with pytest.raises(RuntimeError):
+            qk_norm_rows_rope_pair(norm_q, q, norm_k, k, cos, sin, site)
+        assert dict(site.fallback) == {reason: 1}
+        return
+    with torch.no_grad():
+        got = qk_norm_rows_rope_pair(norm_q, q, norm_k, k, cos, sin, site)
+        ref = qk_norm_rows_rope_pair_ref(norm_q, q, norm_k, k, cos, sin)
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
+def test_the_pair_verifies_once_and_is_the_custom_op_under_compile(monkeypatch):
+    for op in (QK_NORM_ROWS_ROPE_PAIR, QK_NORM_ROWS_ROPE, ROTARY_EMB_ROWS):
+        monkeypatch.setattr(op, "guard", lambda *a, **k: None)
+    real_ref = QK_NORM_ROWS_ROPE_PAIR.ref
+    calls = {"ref": 0}
+
+    def counting_ref(*args):
+        calls["ref"] += 1
+        return real_ref(*args)
+
+    monkeypatch.setattr(QK_NORM_ROWS_ROPE_PAIR, "ref", counting_ref)
+    monkeypatch.setattr(QK_NORM_ROWS_ROPE_PAIR, "kernel", lambda *a, **k: real_ref(*a[:6]))
+    site = Site("qk_norm_rows_rope_pair")
+    with torch.no_grad():
+        for seed in range(3):
+            qk_norm_rows_rope_pair(*pair_inputs(2, 11, 48, torch.bfloat16, "cpu", seed, 2), site)
+    assert calls["ref"] == 1 and site.fast == 3 and QK_NORM_ROWS_ROPE_PAIR.verified == {("bfloat16", 48, "rows-pair")}
+    emitted = []
+    monkeypatch.setattr(QK_NORM_ROWS_ROPE_PAIR, "custom_op", lambda *a: emitted.append(1) or real_ref(*a[:6]))
+    args = pair_inputs(2, 11, 48, torch.bfloat16, "cpu", 5, 2)
+    fn = torch.compile(lambda *a: qk_norm_rows_rope_pair(*a), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert all(torch.equal(g, r) for g, r in zip(fn(*args), qk_norm_rows_rope_pair_ref(*args))) and emitted
+
+
+def test_pair_custom_op_opcheck_cpu():
+    norm_q, q, norm_k, k, cos, sin = pair_inputs(2, 11, 48, torch.bfloat16, "cpu", 0, 2)
+    op = torch.ops.diffusers_fastpath.qk_norm_rows_rope_pair
+    torch.library.opcheck(op.default, (q, norm_q.weight, norm_q.eps, k, norm_k.weight, norm_k.eps, cos, sin))
+    with torch.no_grad():
+        out = op(q, norm_q.weight, norm_q.eps, k, norm_k.weight, norm_k.eps, cos, sin)
+        ref = qk_norm_rows_rope_pair_ref(norm_q, q, norm_k, k, cos, sin)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
 @pytest.mark.parametrize("heads", [0, 4])

@@ -14,8 +14,9 @@ from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
                    layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope,
-                   qk_norm_rows_rope, rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_real,
-                   rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, silu_mul, swiglu_cat)
+                   qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
+                   rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
+                   silu_mul, swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -260,6 +261,18 @@ class _ChainsNamespace:
         if fn in ROWS_ROTARIES and isinstance(x, torch.Tensor) and tables:
             return rotary_emb_rows(x, freqs[0], freqs[1], site)
         return fn(x, freqs)
+
+    @staticmethod
+    def rotary_rows_pair(fn, q, k, freqs, site, pair_site=None):
+        # LTX-Video's q and k (the rewriter's pair of rows-form rotary calls): both pending norms across all heads,
+        # of one shape, run as one kernel reading the tables once; otherwise each as `rotary_rows` would
+        tables = (isinstance(freqs, tuple) and len(freqs) == 2 and all(isinstance(f, torch.Tensor) for f in freqs))
+        if fn in ROWS_ROTARIES and tables and _row_norm_waits(q) and _row_norm_waits(k):
+            return qk_norm_rows_rope_pair(q.norm, q.x, k.norm, k.x, freqs[0], freqs[1], pair_site, site)
+        if pair_site is not None and (_row_norm_waits(q) or _row_norm_waits(k)):
+            pair_site.fallback["q or k not a pending torch.nn.RMSNorm, or tables not LTX-Video's"] += 1
+        rotary = _ChainsNamespace.rotary_rows
+        return rotary(fn, q, freqs, site), rotary(fn, k, freqs, site)
 
     @staticmethod
     def rotary_wan(fn, x, freqs, site, qk_site=None):

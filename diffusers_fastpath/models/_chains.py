@@ -44,8 +44,8 @@ from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
-                        MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, RMS_GATED, RMS_MODULATE, RMS_SCALE, RMSNORM_ROPE,
-                        RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
+                        MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
+                        RMS_SCALE, RMSNORM_ROPE, RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
@@ -186,7 +186,10 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 elif norm is RMSNorm:
                     state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
             if found.rotary_named and norm is nn.RMSNorm:  # LTX-Video's and Wan's norms across all heads
-                state.add_site(module, QK_NORM_ROWS, name=QK_NORM_ROWS)
+                if found.rows_pairs:  # LTX-Video's q and k as one call
+                    state.add_site(module, QK_NORM_ROWS_PAIR, name=QK_NORM_ROWS_PAIR)
+                if found.rotary_named > 2 * found.rows_pairs:
+                    state.add_site(module, QK_NORM_ROWS, name=QK_NORM_ROWS)
             if found.rotary_complex and norm is RMSNorm:
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
             if found.head_cats:

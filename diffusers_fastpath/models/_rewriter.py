@@ -202,6 +202,7 @@ ROTARY = "rotary_emb"
 CAT_HEADS = "cat_heads"
 QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
+QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
 GELU_CAT = "gelu_cat"
 SILU_MUL = "silu_mul"
@@ -236,6 +237,7 @@ class Rewrite:
     rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
+    rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32
@@ -640,7 +642,48 @@ class _Rewriter:
                             value=_call("materialize", [ast.Name(name, ast.Load())]))
                  for name in sorted(deferred) if _reads_after(new[last + 1:], name)]
         self.found.qk_norms = order
-        return [*new[:last + 1], *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
+        head = self._rows_pairs(new[:last + 1])
+        return [*head, *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
+
+    def _rows_pairs(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """``Q = rotary_rows(F, Q, E, s, qk)`` directly followed by ``K = rotary_rows(F, K, E, s, qk)`` (the same
+        function, table and sites; in any block) -> ``Q, K = rotary_rows_pair(F, Q, K, E, s, pair_site)``: LTX-Video's
+        q and k, whose pending norms and rotary then run as one kernel reading the tables once."""
+        def same(a: ast.expr, b: ast.expr) -> bool:
+            return ast.dump(a) == ast.dump(b)
+
+        def rows_call(stmt: ast.stmt):
+            target = _single_target(stmt)
+            value = stmt.value if target is not None else None
+            if (_ns_call(value, "rotary_rows") and len(value.args) == 5 and isinstance(value.args[1], ast.Name)
+                    and value.args[1].id == target):
+                return target, value
+            return None
+
+        out, i = [], 0
+        while i < len(body):
+            stmt = body[i]
+            for name in ("body", "orelse"):
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    setattr(stmt, name, self._rows_pairs(inner))
+            first = rows_call(stmt)
+            second = rows_call(body[i + 1]) if first is not None and i + 1 < len(body) else None
+            if (second is not None and first[0] != second[0]
+                    and all(same(first[1].args[j], second[1].args[j]) for j in (0, 2, 3, 4))
+                    and not _uses(second[1].args[2], first[0])):
+                (q, call), (k, _) = first, second
+                pair = _call("rotary_rows_pair", [call.args[0], ast.Name(q, ast.Load()), ast.Name(k, ast.Load()),
+                                                  call.args[2], call.args[3],
+                                                  _site_of(ast.Name(self.owner, ast.Load()), QK_NORM_ROWS_PAIR)])
+                target = ast.Tuple(elts=[ast.Name(q, ast.Store()), ast.Name(k, ast.Store())], ctx=ast.Store())
+                out.append(ast.copy_location(ast.Assign(targets=[target], value=pair), stmt))
+                self.found.rows_pairs += 1
+                i += 2
+                continue
+            out.append(stmt)
+            i += 1
+        return out
 
     def pairwise_masks(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         """The pairwise-mask and outer-mask forms of the module doc over one block of statements."""

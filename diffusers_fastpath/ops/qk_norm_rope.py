@@ -10,11 +10,11 @@ The kernel (``csrc/rotary.cu``) reads each source once and writes ``out`` once. 
 construction (see `rotary_emb`); the norm reproduces what torch runs for ``torch.nn.RMSNorm`` on CUDA when the weight
 has the input's dtype: ``aten::rms_norm`` -> ``_fused_rms_norm`` -> ``_fused_rms_norm_cuda``
 (``aten/src/ATen/native/layer_norm.cpp``, ``rms_norm_symint``; ``aten/src/ATen/native/cuda/layer_norm_kernel.cu``,
-``vectorized_layer_norm_kernel<T, float, rms_norm=true>`` with block (32, 16) and four elements per lane). Its sum of
+``vectorized_layer_norm_kernel<T, float, rms_norm=true>`` with block (32, 4) and four elements per lane). Its sum of
 squares is a per-lane FMA chain over four elements, then a shuffle-down tree (16, 8, 4, 2, 1), then ``/ D``,
 ``+ eps``, ``rsqrtf``, and ``round(w * (rstd * x))`` (every step is in ``csrc/rotary.cu``; read off the sm_90 SASS
-of torch 2.11.0+cu130's kernel, bf16 and fp16). That order belongs to the aten build, so the op verifies itself: the first fast call of each (dtype, head_dim) is compared with the eager
-chain by ``torch.equal``; on a mismatch the op is disabled for the process with one warning, and its calls run the
+of torch 2.11.0+cu130's kernel, bf16 and fp16). That order belongs to the aten build, so the op verifies itself:
+the first fast call of each (dtype, head_dim) is compared with the eager chain by ``torch.equal``; on a mismatch the op is disabled for the process with one warning, and its calls run the
 norms and the concatenation eagerly followed by the exact fused `rotary_emb`, so only the norm fusion is lost.
 
 The guard admits what takes aten's vectorised kernel: exactly ``torch.nn.RMSNorm`` (no hooks, weight of the input's
@@ -408,3 +408,134 @@ def qk_norm_rows_rope(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         True
     """
     return QK_NORM_ROWS_ROPE(site, norm, x, cos, sin, heads, rope_site)
+
+
+# ------------------------------------------------------------------------------------------ q and k together
+# LTX-Video's processor rotates q and then k with one pair of tables (fp32 ``[B or 1, S, C]``: four times the bytes
+# of q); the pair form reads them once for both (csrc/rotary.cu's row-norm pair), for rows of up to 4096 elements.
+
+MAX_PAIR_CHANNELS = 4096  # csrc/rotary.cu's pair: 128 threads of at most 8 four-element vectors of each of q and k
+
+
+def qk_norm_rows_rope_pair_ref(norm_q, q, norm_k, k, cos, sin, rope_site=None):
+    """The eager chain of q, then of k: each norm module, then LTX-Video's rotary."""
+    return qk_norm_rows_rope_ref(norm_q, q, cos, sin), qk_norm_rows_rope_ref(norm_k, k, cos, sin)
+
+
+def _pair_fallback(norm_q, q, norm_k, k, cos, sin, rope_site=None):
+    # each on its own fused op (itself self-verified, with its own fallback keeping the rotary fused)
+    return (qk_norm_rows_rope(norm_q, q, cos, sin, 0, None, rope_site),
+            qk_norm_rows_rope(norm_k, k, cos, sin, 0, None, rope_site))
+
+
+def _pair_guard(norm_q, q, norm_k, k, cos, sin, rope_site=None, check_pointers: bool = True) -> str | None:
+    """``None`` when the pair kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if q.shape != k.shape or q.dtype is not k.dtype:
+        return "q and k differ in shape or dtype"
+    if q.dim() == 3 and q.shape[2] > MAX_PAIR_CHANNELS:
+        return "C above the pair's registers"
+    return (_rows_guard(norm_q, q, cos, sin, 0, None, check_pointers)
+            or _rows_guard(norm_k, k, cos, sin, 0, None, check_pointers))
+
+
+def _nvrtc_pair_kernel(q, weight_q, eps_q, k, weight_k, eps_k, cos, sin, norm_final) -> torch.Tensor:
+    # bindings.cpp's qk_norm_rows_rope_pair on the NVRTC way (see ops/rotary.py)
+    return nvrtc_rotary(k, weight_k, eps_k, q, weight_q, eps_q, cos, sin, False, norm_rows=True, norm_final=norm_final)
+
+
+def _raw_pair_guard(q, weight_q, eps_q, k, weight_k, eps_k, cos, sin, norm_final):
+    if q.shape != k.shape or q.dim() != 4 or q.shape[2] * q.shape[3] > MAX_PAIR_CHANNELS:
+        return "q and k differ, or rows above 4096"
+    return (_raw_rows_guard(q, weight_q, eps_q, cos, sin, False, norm_final)
+            or _raw_rows_guard(k, weight_k, eps_k, cos, sin, False, norm_final))
+
+
+_nvrtc.raw_op("_qk_norm_rows_rope_pair_cuda",
+              "(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, Tensor cos, "
+              "Tensor sin, int norm_final) -> Tensor", _raw_pair_guard, _nvrtc_pair_kernel)
+
+_cuda_pair_op = None
+
+
+def _pair_stacked(norm_q, q, norm_k, k, cos, sin, norm_final: int | None = None) -> torch.Tensor:
+    """The kernel's ``[2, B, S, C]`` result (q's, then k's)."""
+    global _cuda_pair_op
+    if _cuda_pair_op is None:
+        _cuda_pair_op = launcher(_nvrtc_pair_kernel, "_qk_norm_rows_rope_pair_cuda")
+    final = ROW_NORM_FINAL if norm_final is None else norm_final
+    dim = rows_head_dim(q.shape[2])
+    q4, k4 = (x.unflatten(2, (x.shape[2] // dim, dim)) for x in (q, k))
+    return _cuda_pair_op(q4, norm_q.weight, norm_q.eps, k4, norm_k.weight, norm_k.eps, cos, sin, final).flatten(3)
+
+
+def _pair_kernel(norm_q, q, norm_k, k, cos, sin, rope_site=None, norm_final: int | None = None):
+    out = _pair_stacked(norm_q, q, norm_k, k, cos, sin, norm_final)
+    return out[0], out[1]  # two contiguous [B, S, C] views, as eager's two results
+
+
+@torch.library.custom_op("diffusers_fastpath::qk_norm_rows_rope_pair", mutates_args=())
+def _qk_norm_rows_rope_pair_op(q: torch.Tensor, weight_q: torch.Tensor, eps_q: float, k: torch.Tensor,
+                               weight_k: torch.Tensor, eps_k: float, cos: torch.Tensor,
+                               sin: torch.Tensor) -> torch.Tensor:
+    norm_q, norm_k = _Norm(weight_q, eps_q), _Norm(weight_k, eps_k)
+    if _pair_guard(norm_q, q, norm_k, k, cos, sin) is None:
+        return _pair_stacked(norm_q, q, norm_k, k, cos, sin)
+    return torch.stack(qk_norm_rows_rope_pair_ref(norm_q, q, norm_k, k, cos, sin))
+
+
+@_qk_norm_rows_rope_pair_op.register_fake
+def _qk_norm_rows_rope_pair_fake(q, weight_q, eps_q, k, weight_k, eps_k, cos, sin):
+    torch._check(q.dim() == 3 and k.shape == q.shape,
+                 lambda: "qk_norm_rows_rope_pair: q and k must be [B, S, C] of one shape")
+    return q.new_empty((2, *q.shape))
+
+
+def _pair_custom_op(norm_q, q, norm_k, k, cos, sin, rope_site=None):
+    out = torch.ops.diffusers_fastpath.qk_norm_rows_rope_pair.default(q, norm_q.weight, norm_q.eps, k, norm_k.weight,
+                                                                      norm_k.eps, cos, sin)
+    return out[0], out[1]
+
+
+def _pair_signature(norm_q, q, norm_k, k, cos, sin, rope_site=None):
+    return (str(q.dtype).removeprefix("torch."), q.shape[-1], "rows-pair")
+
+
+QK_NORM_ROWS_ROPE_PAIR = FusedOp(
+    "qk_norm_rows_rope_pair",
+    ref=qk_norm_rows_rope_pair_ref,
+    guard=_pair_guard,
+    kernel=_pair_kernel,
+    custom_op=_pair_custom_op,
+    verify_key=_pair_signature,
+    fallback=_pair_fallback,
+)
+
+
+def qk_norm_rows_rope_pair(norm_q, q: torch.Tensor, norm_k, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           site: Site | None = None, rope_site: Site | None = None):
+    """LTX-Video's ``apply_rotary_emb(norm_q(q), (cos, sin))`` and ``apply_rotary_emb(norm_k(k), (cos, sin))``,
+    fused into one kernel that reads the tables once; bit-identical to eager everywhere (where the pair cannot run,
+    each runs as `qk_norm_rows_rope`).
+
+    Args:
+        norm_q, norm_k: the QK norms, ``torch.nn.RMSNorm(C)`` across all heads.
+        q, k: ``[B, S, C]`` queries and keys before their norms (C at most 4096 for the pair kernel).
+        cos, sin: LTX-Video's fp32 ``[B or 1, S, C]`` tables.
+        site: counters of this fused op at the call site (one count for q and k); ``rope_site``: of the rotary the
+            single ops fall back to.
+
+    Returns:
+        ``(q_out, k_out)``, each ``[B, S, C]``.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import qk_norm_rows_rope_pair, qk_norm_rows_rope_pair_ref
+        >>> nq, nk, q, k = torch.nn.RMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6), *torch.randn(2, 1, 5, 16)
+        >>> cos, sin = torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+        >>> with torch.no_grad():
+        ...     got = qk_norm_rows_rope_pair(nq, q, nk, k, cos, sin)
+        ...     ref = qk_norm_rows_rope_pair_ref(nq, q, nk, k, cos, sin)
+        >>> all(torch.equal(g, r) for g, r in zip(got, ref))
+        True
+    """
+    return QK_NORM_ROWS_ROPE_PAIR(site, norm_q, q, norm_k, k, cos, sin, rope_site)

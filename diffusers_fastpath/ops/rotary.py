@@ -106,11 +106,13 @@ _NVRTC = _nvrtc.Kernel(
      for dtype in HALF_DTYPES for norm, form in ((0, 0), (1, 0), (0, 1), (0, 2))},
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
-# The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2.
+# The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2, and
+# the pair (kPerHead only: LTX-Video's q and k).
 _NVRTC_ROWS = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::row_norm_rotary_kernel",
-    {(dtype, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}" for dtype in HALF_DTYPES for form in (1, 2)},
+    {(dtype, form, pair): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}, {str(pair).lower()}"
+     for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
 _ROW_THREADS = 128
@@ -121,16 +123,19 @@ _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None,
                  wan: bool = False, norm_rows: bool = False, norm_final: int = 0) -> torch.Tensor:
     """rotary_launch of bindings.cpp on the NVRTC way: [txt; img] rotated (after the RMSNorm of each head when
-    ``norm``, of each row of ``x_img`` when ``norm_rows``)."""
+    ``norm``, of each row of ``x_img`` when ``norm_rows``); with ``norm_rows`` and ``x_txt``, qk_norm_rows_rope_pair's
+    q (``x_img``) and k (``x_txt``) into one ``[2, B, S, H, D]`` result."""
     batch, seq_img, heads, dim = x_img.shape
-    seq = seq_img + (0 if x_txt is None else x_txt.shape[1])
+    pair = norm_rows and x_txt is not None
+    seq = seq_img + (0 if x_txt is None or pair else x_txt.shape[1])
+    shape = (2, batch, seq, heads, dim) if pair else (batch, seq, heads, dim)
     if out is None:
-        out = x_img.new_empty((batch, seq, heads, dim))
+        out = x_img.new_empty(shape)
     else:
-        _nvrtc.check_out("rotary", out, (batch, seq, heads, dim), x_img, 8)
-    txt = _NO_SOURCE if x_txt is None else (x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1],
-                                            weight_txt.data_ptr() if norm else 0, eps_txt if norm else 0.0)
+        _nvrtc.check_out("rotary", out, shape, x_img, 8)
     normed = norm or norm_rows
+    txt = _NO_SOURCE if x_txt is None else (x_txt.data_ptr(), *x_txt.stride()[:3], x_txt.shape[1],
+                                            weight_txt.data_ptr() if normed else 0, eps_txt if normed else 0.0)
     img = (x_img.data_ptr(), *x_img.stride()[:3], seq_img, weight_img.data_ptr() if normed else 0,
            eps_img if normed else 0.0)
     # bindings.cpp's table strides: [seq, dim] for every head and sample, or [batch or 1, seq, heads * dim] rows
@@ -139,8 +144,8 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     args = (out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm, wan,
             norm_rows, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
     if norm_rows:
-        _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1), (seq, batch, 1), (_ROW_THREADS, 1, 1),
-                           *args)
+        _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1, pair), (seq, batch, 1),
+                           (_ROW_THREADS, 1, 1), *args)
     else:
         _NVRTC.launch(x_img.device.index, (x_img.dtype, int(norm), 2 if wan else int(rows)), (seq, batch, 1),
                       (_THREADS, 1, 1), *args)

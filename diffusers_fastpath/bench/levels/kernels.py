@@ -400,11 +400,12 @@ def rotary_emb_rows_cases(sh: Shapes) -> list[KernelCase]:
 
 @kernel_cases
 def qk_norm_rows_rope_cases(sh: Shapes) -> list[KernelCase]:
-    """LTX-Video's QK norm across all heads (``torch.nn.RMSNorm(D)``) with its rotary, of q (and k)."""
+    """LTX-Video's QK norm across all heads (``torch.nn.RMSNorm(D)``) with its rotary, of q alone and of q and k in one
+    call (the pair: the tables read once)."""
     if sh.family != "ltx":
         return []
-    from ...ops import qk_norm_rows_rope_ref
-    from ...ops.qk_norm_rope import _rows_kernel
+    from ...ops import qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref
+    from ...ops.qk_norm_rope import _pair_kernel, _rows_kernel
 
     b, tokens, d = sh.batch, sh.image_tokens, sh.hidden
     norm = torch.nn.RMSNorm(d, eps=1e-6).to(device=sh.device, dtype=sh.dtype).requires_grad_(False)
@@ -414,8 +415,12 @@ def qk_norm_rows_rope_cases(sh: Shapes) -> list[KernelCase]:
     cos, sin = (f(angle).repeat_interleave(2, dim=-1).contiguous() for f in (torch.cos, torch.sin))
     sets = _input_sets(lambda: (sh.randn(b, tokens, d),))
     x = sets[0][0]
+    pairs = _input_sets(lambda: (sh.randn(b, tokens, d), sh.randn(b, tokens, d)))
     return [KernelCase("qk_norm_rows_rope (q)", (b, tokens, d), sets, lambda x: qk_norm_rows_rope_ref(norm, x, cos, sin),
-                       lambda x: _rows_kernel(norm, x, cos, sin), 2 * _nbytes(x) + 2 * _nbytes(cos))]
+                       lambda x: _rows_kernel(norm, x, cos, sin), 2 * _nbytes(x) + 2 * _nbytes(cos)),
+            KernelCase("qk_norm_rows_rope_pair (q, k)", (b, tokens, d), pairs,
+                       lambda q, k: qk_norm_rows_rope_pair_ref(norm, q, norm, k, cos, sin),
+                       lambda q, k: _pair_kernel(norm, q, norm, k, cos, sin), 4 * _nbytes(x) + 2 * _nbytes(cos))]
 
 
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
