@@ -100,6 +100,20 @@ __device__ __forceinline__ void rotate_pair_wan(float a, float b, float c0, floa
   out1 = Storage<T>::store(__fadd_rn(__fmul_rn(a, s1), __fmul_rn(b, c0)));
 }
 
+// One quad (two pairs) of the kernel's form rotated and rounded: Wan's pairing (cos[2i], sin[2i+1]) or diffusers'.
+template <typename T, int kForm>
+__device__ __forceinline__ Quad<T> rotate_quad(const float (&v)[4], const float4& c, const float4& s) {
+  Quad<T> o;
+  if (kForm == kWan) {
+    rotate_pair_wan<T>(v[0], v[1], c.x, s.y, o.v[0], o.v[1]);
+    rotate_pair_wan<T>(v[2], v[3], c.z, s.w, o.v[2], o.v[3]);
+  } else {
+    rotate_pair<T>(v[0], v[1], c.x, c.y, s.x, s.y, o.v[0], o.v[1]);
+    rotate_pair<T>(v[2], v[3], c.z, c.w, s.z, s.w, o.v[2], o.v[3]);
+  }
+  return o;
+}
+
 template <typename T, int kNorm, int kForm>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
@@ -171,15 +185,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
             c = cin[i];
             sn = sin_in[i];
           }
-          Quad<T> o;
-          if (kForm == kWan) {
-            rotate_pair_wan<T>(v[0], v[1], c.x, sn.y, o.v[0], o.v[1]);
-            rotate_pair_wan<T>(v[2], v[3], c.z, sn.w, o.v[2], o.v[3]);
-          } else {
-            rotate_pair<T>(v[0], v[1], c.x, c.y, sn.x, sn.y, o.v[0], o.v[1]);
-            rotate_pair<T>(v[2], v[3], c.z, c.w, sn.z, sn.w, o.v[2], o.v[3]);
-          }
-          reinterpret_cast<Quad<T>*>(out_row + h * a.dim)[q] = o;
+          reinterpret_cast<Quad<T>*>(out_row + h * a.dim)[q] = rotate_quad<T, kForm>(v, c, sn);
         }
       }
     }
@@ -283,16 +289,8 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
         for (int j = 0; j < 4; ++j) {
           y[j] = round_to<T>(__fmul_rn(Storage<T>::load(wq.v[j]), __fmul_rn(rstd, Storage<T>::load(cache[p][k].v[j]))));
         }
-        Quad<T> o;
-        if (kForm == kWan) {
-          rotate_pair_wan<T>(y[0], y[1], cs.x, sn.y, o.v[0], o.v[1]);
-          rotate_pair_wan<T>(y[2], y[3], cs.z, sn.w, o.v[2], o.v[3]);
-        } else {
-          rotate_pair<T>(y[0], y[1], cs.x, cs.y, sn.x, sn.y, o.v[0], o.v[1]);
-          rotate_pair<T>(y[2], y[3], cs.z, cs.w, sn.z, sn.w, o.v[2], o.v[3]);
-        }
         T* out_row = static_cast<T*>(a.out) + p * part_stride + row * (4 * static_cast<int64_t>(vecs));
-        reinterpret_cast<Quad<T>*>(out_row + c)[0] = o;
+        reinterpret_cast<Quad<T>*>(out_row + c)[0] = rotate_quad<T, kForm>(y, cs, sn);
       }
     }
   }

@@ -9,8 +9,10 @@ vectors ``t, t + 32 W, ...`` with one FMA each (``sigma2 + x * x``, contracted b
 norms (D <= 128: warp 0 alone holds data) it does not matter, for the norms across all heads of LTX-Video
 (D = 2048) and Wan (D = 5120) it decides every sum. This script emulates each candidate W (every FMA as one fp64
 multiply-add rounded to fp32: exact but for a double rounding about once in 2^29 operations) and reports, per W, the
-fraction of rows whose ``rstd`` and output match aten bit for bit. ``csrc/rotary.cu``'s row norm reproduces the order that matches (W = 4 and `final` as its
-``kRowNormFinal`` says).
+fraction of rows whose ``rstd`` and output match aten bit for bit, for each way of forming the mean square. On the
+H200 (torch 2.11.0+cu130, docs/results/gpu_session12_813e546_fbdfd2d.txt) only W = 4 with the IEEE division matches
+every row at D = 2048, 3072 and 5120 (bf16 and fp16; the three forms agree at 2048, a power of two): the order
+``csrc/rotary.cu``'s row norm reproduces (``ops.qk_norm_rope.ROW_NORM_FINAL = 0``).
 
     python examples/rms_norm_order_probe.py [--rows 2048] [--dims 2048 3072 5120]
 """

@@ -9,14 +9,17 @@ the timestep embedding, per token. Rewritten from the installed diffusers source
   ``norm2`` (``self.norm2(X) * (1 + scale_mlp) + shift_mlp``), into `diffusers_fastpath.ops.rmsnorm_modulate`: the
   RMSNorm kernel's T-rounded modulate epilogue over the per-token ``[B, T, D]`` rows, self-verified.
 
-The attention processor (``LTXVideoAttnProcessor``) is rewritten too: its two calls of LTX's own rotary,
+The attention processor (``LTXVideoAttnProcessor``) is rewritten too: its QK norms (``torch.nn.RMSNorm(C)`` across
+all heads) wait for the rotary (the rewriter's QK-norm form), and its two calls of LTX's own rotary,
 ``apply_rotary_emb(x, (cos, sin))`` over the ``[B, S, heads * head_dim]`` rows of q and k with per-sample fp32 tables,
-run as `diffusers_fastpath.ops.rotary_emb_rows` (the rotary kernel reading each head's slice of the tables; exact by
-construction), where the installed function's source has the digest below (else as written, with one warning).
+run together with both norms as `diffusers_fastpath.ops.qk_norm_rows_rope_pair` (one kernel reading the tables once:
+aten's row-norm order, self-verified), where the installed function's source has the digest below (else as written,
+with one warning); its fallbacks are each as `qk_norm_rows_rope`, then the norm as written and
+`diffusers_fastpath.ops.rotary_emb_rows` (exact by construction).
 
-Per LTX-Video step (28 blocks): 56 gated residual and 56 RMSNorm + modulate sites, 28 rotary sites (the
-self-attentions; two calls each). Not fused yet (issue 15): the QK RMSNorms (``torch.nn.RMSNorm`` across heads), the
-GELUs.
+Per LTX-Video step (28 blocks): 56 gated residual and 56 RMSNorm + modulate sites, 28 QK norm + rotary pair sites
+(the self-attentions) with their 28 rotary fallback sites. Not fused yet (issue 15): the cross-attention's QK norms,
+the GELUs.
 """
 
 from __future__ import annotations

@@ -26,9 +26,13 @@ at 832x480x81.
 `layernorm_affine_fp32`: the same LayerNorm kernel with aten's affine epilogue in fp32 and one rounding (self-verified;
 eager runs an upcast copy, the fp32 LayerNorm and a downcast copy over 32,760 x 5,120 elements).
 
-Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites, 40 ``norm2`` sites, 40 rotary
-sites (the self-attentions; q and k each). Not fused yet (issue 15): the cross-attention's plain residual, the QK
-RMSNorms across heads, the GELUs.
+The self-attention's QK norms (``torch.nn.RMSNorm(5120)`` across all heads, before the ``unflatten`` into heads)
+wait for that rotary (the rewriter's QK-norm form) and run with it as `diffusers_fastpath.ops.qk_norm_rows_rope`
+(the rotary kernel's row norm in aten's order, self-verified; falling back to the norm and the fused rotary).
+
+Per Wan 2.1 14B step (40 blocks): 80 gated residual and 80 LayerNorm + modulate sites, 40 ``norm2`` sites, 40 QK norm
++ rotary sites (the self-attentions; q and k each) with their 40 rotary fallback sites. Not fused yet (issue 15): the
+cross-attention's plain residual and QK norms, the GELUs.
 """
 
 from __future__ import annotations
