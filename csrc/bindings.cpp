@@ -653,7 +653,8 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   TORCH_CHECK(!norm_rows || (!norm && !x_txt.has_value() && weight_img.has_value() && (wan || rows) &&
                              norm_final >= 0 && norm_final <= 2),
               "rotary: the row norm takes one source with its weight and LTX-Video's or Wan's tables");
-  TORCH_CHECK(!norm_rows || heads * dim <= 8192, "rotary: the row norm takes rows of at most 8192 elements");
+  TORCH_CHECK(!norm_rows || (heads * dim <= 8192 && (!wan || 512 % dim == 0)),
+              "rotary: the row norm takes rows of at most 8192 elements (Wan's: of heads whose dim divides 512)");
   const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rotary: kernel launch failed: ", cudaGetErrorString(err));
   return out;

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotary
 
 from diffusers_fastpath.models import _chain_calls, _chains, flux
 from diffusers_fastpath.ops import Site
@@ -547,6 +548,75 @@ def test_wans_rotary_form_takes_the_starred_call_of_the_checked_definition_only(
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
         assert all(torch.equal(a, b) for a, b in zip(sub()(attn, x), WanStyleProcessor()(attn, x)))  # no table
     assert attn._fastpath_site_rotary_emb.fast == 1
+
+
+class RowsAttention(torch.nn.Module):
+    """LTX-Video's and Wan's attention module in miniature: q/k projections and QK RMSNorms across all heads."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.to_q, self.to_k = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+        self.norm_q, self.norm_k = torch.nn.RMSNorm(dim, eps=1e-6), torch.nn.RMSNorm(dim, eps=1e-6)
+        for norm in (self.norm_q, self.norm_k):
+            torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+        self.heads = heads
+
+
+class LTXStyleProcessor:
+    """LTX-Video's style: the QK norms across all heads, then its rows-form rotary of q and of k with one table."""
+
+    def __call__(self, attn, hidden_states, image_rotary_emb=None):
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = ltx_rotary(query, image_rotary_emb)
+            key = ltx_rotary(key, image_rotary_emb)
+        return query.unflatten(2, (attn.heads, -1)), key
+
+
+class LTXStyleReadProcessor:
+    """A near miss: q's pending norm is read (its shape) before the rotary: the norms run as written."""
+
+    def __call__(self, attn, hidden_states, image_rotary_emb=None):
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        width = query.shape[-1]
+        if image_rotary_emb is not None:
+            query = ltx_rotary(query, image_rotary_emb)
+            key = ltx_rotary(key, image_rotary_emb)
+        return query, key, width
+
+
+def test_the_rows_form_pairs_q_and_k_with_their_pending_norms(emulated_kernels):
+    from diffusers_fastpath.models._chain_calls import register_rows_rotary
+
+    register_rows_rotary(ltx_rotary)  # as the LTX-Video adapter does, after checking its digest
+    sub, found = _chains.fused_subclass(LTXStyleProcessor, "FusedLTXStyleProcessor", __name__, "__call__",
+                                        rows_rotary="ltx_rotary")
+    assert found.qk_norms == ["norm_q", "norm_k"] and found.rows_pairs == 1 and found.rotary_named == 2
+    assert "query, key = _diffusers_fastpath_chains.rotary_rows_pair(ltx_rotary, query, key," in inspect.getsource(
+        sub.__call__)
+    read, read_found = _chains.fused_subclass(LTXStyleReadProcessor, "FusedLTXStyleReadProcessor", __name__,
+                                              "__call__", rows_rotary="ltx_rotary")
+    assert not read_found.qk_norms and not read_found.rows_pairs and read_found.rotary_named == 2
+    attn = RowsAttention().to(torch.bfloat16)
+    for name in ("rotary_emb", "qk_norm_rows_rope_pair"):
+        setattr(attn, f"_fastpath_site_{name}", Site(name))
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16)
+    angle = torch.rand(1, 5, 8, generator=gen) * 20
+    tables = tuple(f(angle).repeat_interleave(2, dim=-1) for f in (torch.cos, torch.sin))
+    with torch.no_grad():
+        for fused, plain in ((sub, LTXStyleProcessor), (read, LTXStyleReadProcessor)):
+            for table in (tables, None):  # without a table the pending norms are made tensors after the block
+                got, ref = fused()(attn, x, table), plain()(attn, x, table)
+                assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, ref))
+    assert attn._fastpath_site_qk_norm_rows_rope_pair.fast == 1  # the paired call; the near miss's rotary alone
+    assert attn._fastpath_site_rotary_emb.fast == 2 and not attn._fastpath_site_rotary_emb.fallback
 
 
 class NormBlock(torch.nn.Module):

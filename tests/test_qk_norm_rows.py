@@ -250,6 +250,7 @@ def test_the_reference_is_the_norm_then_the_models_rotary(heads):
     [
         ("fp32", "dtype float32"),
         ("heads_do_not_divide", "shape"),
+        ("wan_head_dim_96", "head_dim does not divide 512"),
         ("no_weight", "norm not a plain torch.nn.RMSNorm with weight"),
         ("diffusers_rmsnorm", "norm not a plain torch.nn.RMSNorm with weight"),
         ("eps_none", "norm not a plain torch.nn.RMSNorm with weight"),
@@ -264,18 +265,19 @@ def test_the_reference_is_the_norm_then_the_models_rotary(heads):
 )
 def test_qk_norm_rows_rope_guard_falls_back_to_the_fused_rope(case, reason, monkeypatch):
     """Each refusal: the eager result, the reason counted, and the rotary part still on its (exact) fast path."""
-    wan = case in ("heads_do_not_divide", "per_sample_wan_tables")
-    norm, x, cos, sin, heads = rows_inputs(2, 11, 48, torch.bfloat16, "cpu", 2, heads=4 if wan else 0)
+    wan = case in ("heads_do_not_divide", "per_sample_wan_tables", "wan_head_dim_96")
+    channels, heads = (192, 2) if case == "wan_head_dim_96" else (48, 4 if wan else 0)
+    norm, x, cos, sin, heads = rows_inputs(2, 11, channels, torch.bfloat16, "cpu", 2, heads=heads)
     if case == "fp32":
         norm, x = norm.float(), x.float()
     elif case == "heads_do_not_divide":
         heads = 5
     elif case == "no_weight":
-        norm = torch.nn.RMSNorm(48, eps=1e-6, elementwise_affine=False)
+        norm = torch.nn.RMSNorm(channels, eps=1e-6, elementwise_affine=False)
     elif case == "diffusers_rmsnorm":
-        norm = DiffusersRMSNorm(48, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
+        norm = DiffusersRMSNorm(channels, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
     elif case == "eps_none":
-        norm = torch.nn.RMSNorm(48).to(torch.bfloat16).requires_grad_(False)
+        norm = torch.nn.RMSNorm(channels).to(torch.bfloat16).requires_grad_(False)
     elif case == "hooked":
         norm.register_forward_hook(lambda m, i, o: o)
     elif case == "per_head_norm":  # a norm over the last two dims: not this chain

@@ -252,6 +252,7 @@ def qk_norm_rope(
 # it for the aten build; the first call of each signature checks it against eager all the same.
 ROW_NORM_FINAL = 0
 MAX_ROW_CHANNELS = 8192  # csrc/rotary.cu's row norm: 128 threads of at most 16 four-element vectors each
+ROW_THREADS = 128  # ... its block, aten's (32, 4)
 
 
 def qk_norm_rows_rope_ref(norm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int = 0,
@@ -287,6 +288,8 @@ def _rows_guard(norm, x, cos, sin, heads=0, rope_site=None, check_pointers: bool
         return "norm weight dtype differs"  # aten then takes its composite path, another reduction
     if heads:
         reason = guard_wan(x.unflatten(2, (heads, -1)), cos, sin, check_pointers)
+        if reason is None and (4 * ROW_THREADS) % (channels // heads):
+            reason = "head_dim does not divide 512"  # the kernel's Wan form: one table quad per thread for all
     else:
         reason = guard_rows(x, cos, sin, check_pointers)
     if reason is not None:
@@ -316,8 +319,8 @@ def _raw_rows_guard(x, weight, eps, cos, sin, wan, norm_final):
     if reason is not None:
         return reason
     batch, seq, heads, dim = x.shape
-    if heads * dim > MAX_ROW_CHANNELS:
-        return "C above the row norm's registers"
+    if heads * dim > MAX_ROW_CHANNELS or (wan and (4 * ROW_THREADS) % dim):
+        return "C above the row norm's registers, or a Wan head_dim that does not divide 512"
     if (weight.dim() != 1 or weight.shape[0] != heads * dim or weight.dtype is not x.dtype or weight.device != x.device
             or not weight.is_contiguous() or weight.data_ptr() % 8 or x.data_ptr() % 8):
         return "weight"
