@@ -11,8 +11,9 @@ from diffusers.models.transformers import transformer_hunyuan_video15 as video15
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import _chain_calls, hunyuan
 from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
-                                        build_hunyuan_video15_transformer, hunyuan_video15_transformer_inputs,
-                                        patch_round_trip)
+                                        assert_pipeline_generation_exact_and_fused, build_hunyuan_video15_transformer,
+                                        hunyuan_video15_pipeline, hunyuan_video15_prompt_embeddings,
+                                        hunyuan_video15_transformer_inputs, patch_round_trip)
 
 CALLS = {"rmsnorm_rope_real": 2, "rotary_emb": 0}  # q and k of each block's attention per forward, norm and rotary fused
 
@@ -124,6 +125,14 @@ def test_the_padded_mask_is_kept_for_that_mask_at_that_version_and_padding():
     assert again is not first and torch.equal(again, expected(mask, (5, 0)))
 
 
+def test_pipeline_generation_with_cfg_is_identical(emulated_kernels):
+    """`HunyuanVideo15Pipeline` with its CFG guider (a padded prompt and its negative, each its own forward), 3
+    steps: md5-identical latents, every site fast (the padded mask built once per forward)."""
+    pipe = hunyuan_video15_pipeline(build_hunyuan_video15_transformer(seed=11))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(
+        hunyuan_video15_prompt_embeddings(pipe, seed=12), height=64, width=64, num_frames=5), idle=("rotary_emb",))
+
+
 def test_unpatch_pickle_and_state_dict():
     model = build_hunyuan_video15_transformer(seed=7)
     with patch_round_trip(model, hunyuan_video15_transformer_inputs(model, seed=8)):
@@ -147,4 +156,21 @@ def test_hunyuan_video15_480p_one_step_is_bitwise_identical_and_fused():
         assert_patched_step_exact_and_fused(model, inputs, sites(54, 2), CALLS)
     finally:
         del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_hunyuan_video15_480p_generation_with_cfg_is_md5_identical():
+    """`HunyuanVideo15Pipeline` around the 480p config at 848x480x33, 2 steps with CFG (a 1,000-token prompt, 800
+    of them real, its negative, and ByT5 glyph states): the latents md5-identical to unpatched, every site fast."""
+    model = build_hunyuan_video15_transformer("hunyuanvideo-1.5", torch.bfloat16, "cuda", seed=0)
+    pipe = hunyuan_video15_pipeline(model)
+    del model
+    try:
+        call = hunyuan_video15_prompt_embeddings(pipe, tokens=1000, valid=800, tokens_2=256, valid_2=32, seed=12)
+        assert_pipeline_generation_exact_and_fused(pipe, dict(call, height=480, width=848, num_frames=33,
+                                                              num_inference_steps=2), idle=("rotary_emb",))
+    finally:
+        del pipe
         torch.cuda.empty_cache()

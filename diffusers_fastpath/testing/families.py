@@ -473,6 +473,40 @@ def ltx_prompt_embeddings(pipe, tokens=12, padding=3, seed=2):
                 negative_prompt_attention_mask=neg_mask)
 
 
+def hunyuan_video15_pipeline(transformer):
+    """A ``HunyuanVideo15Pipeline`` around `transformer` with classifier-free guidance (its guider), no text encoders
+    and a tiny random VAE (only its config is read for ``output_type="latent"``): call it with
+    `hunyuan_video15_prompt_embeddings`."""
+    from diffusers import AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=transformer.config.out_channels, block_out_channels=(8,) * 5,
+                                      layers_per_block=1)
+    return HunyuanVideo15Pipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+                                  scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None,
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def hunyuan_video15_prompt_embeddings(pipe, tokens=12, valid=9, tokens_2=6, valid_2=3, seed=2):
+    """Random Qwen2.5-VL and ByT5 prompt and negative-prompt embeddings with their masks (the prompt's first `valid`
+    and `valid_2` tokens real, the rest padding; the negative prompt's all real), for `hunyuan_video15_pipeline`."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+
+    def embeds(n, dim):
+        return torch.randn(1, n, dim, generator=gen).to(device, dtype)
+
+    def mask(n, v):
+        return (torch.arange(n) < v).long()[None].to(device)
+
+    return dict(prompt_embeds=embeds(tokens, cfg.text_embed_dim), prompt_embeds_mask=mask(tokens, valid),
+                negative_prompt_embeds=embeds(tokens, cfg.text_embed_dim),
+                negative_prompt_embeds_mask=mask(tokens, tokens),
+                prompt_embeds_2=embeds(tokens_2, cfg.text_embed_2_dim), prompt_embeds_mask_2=mask(tokens_2, valid_2),
+                negative_prompt_embeds_2=embeds(tokens_2, cfg.text_embed_2_dim),
+                negative_prompt_embeds_mask_2=mask(tokens_2, tokens_2))
+
+
 def wan22_pipeline(transformer, transformer_2, boundary_ratio=0.5):
     """A ``WanPipeline`` with Wan 2.2's two experts (`transformer` for the high-noise steps, `transformer_2` after
     `boundary_ratio`), no VAE or text encoder: call it with ``prompt_embeds``/``negative_prompt_embeds`` of the
