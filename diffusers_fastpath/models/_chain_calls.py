@@ -131,6 +131,26 @@ def _row_norm_waits(x) -> bool:
             and tuple(x.norm.normalized_shape) == (x.x.shape[-1],))
 
 
+def _two_tables(freqs, kinds=(tuple, list)) -> bool:
+    """Whether `freqs` is a rotary embedding's ``(cos, sin)`` pair of tensors (in one of `kinds`)."""
+    return isinstance(freqs, kinds) and len(freqs) == 2 and all(isinstance(t, torch.Tensor) for t in freqs)
+
+
+def _kept_on_table(mask, table, key: tuple, compute):
+    """``compute()``, a pure function of `mask`, kept on the forward's rotary `table` (built once per forward and handed
+    to every block with the same mask: `derived`) for this mask object at this version, so that each block gets the
+    same bits the expression gives (a hook's new mask, or a write in place, computes it again). An inference tensor
+    has no version counter to tell a write in place (a hook of a later block may hold the mask), and a
+    ``torch.compile`` trace stores nothing: computed as written, in every block."""
+    anchor = table[0] if isinstance(table, (tuple, list)) and table else table
+    if (torch.compiler.is_compiling() or not (isinstance(mask, torch.Tensor) and isinstance(anchor, torch.Tensor))
+            or mask.is_inference()):
+        return compute()
+    version = mask._version
+    return derived(anchor, (*key, id(mask)), lambda: (mask, version, compute()),
+                   valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
+
+
 def _materialize(x):
     """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
     if isinstance(x, _NormLater):
@@ -212,8 +232,7 @@ class _ChainsNamespace:
 
     @staticmethod
     def rotary(x, freqs, site, qk_site=None, rms_site=None):
-        tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
-                  and all(isinstance(t, torch.Tensor) for t in freqs))
+        tables = _two_tables(freqs)
         if isinstance(x, _NormLater) and x.heads:
             x = _materialize(x)
         if isinstance(x, (_NormLater, _CatLater)):
@@ -254,7 +273,7 @@ class _ChainsNamespace:
     def rotary_rows(fn, x, freqs, site, qk_site=None):
         # fn: the processor's module function NAME of the rows form (LTX-Video's apply_rotary_emb), checked by digest;
         # x a pending QK norm across all heads where the rewriter deferred it
-        tables = (isinstance(freqs, tuple) and len(freqs) == 2 and all(isinstance(f, torch.Tensor) for f in freqs))
+        tables = _two_tables(freqs, tuple)
         if fn in ROWS_ROTARIES and tables and _row_norm_waits(x):
             return qk_norm_rows_rope(x.norm, x.x, freqs[0], freqs[1], 0, qk_site, site)
         x = _materialize(x)
@@ -266,7 +285,7 @@ class _ChainsNamespace:
     def rotary_rows_pair(fn, q, k, freqs, site, pair_site=None):
         # LTX-Video's q and k (the rewriter's pair of rows-form rotary calls): both pending norms across all heads,
         # of one shape, run as one kernel reading the tables once; otherwise each as `rotary_rows` would
-        tables = (isinstance(freqs, tuple) and len(freqs) == 2 and all(isinstance(f, torch.Tensor) for f in freqs))
+        tables = _two_tables(freqs, tuple)
         if fn in ROWS_ROTARIES and tables and _row_norm_waits(q) and _row_norm_waits(k):
             return qk_norm_rows_rope_pair(q.norm, q.x, k.norm, k.x, freqs[0], freqs[1], pair_site, site)
         if pair_site is not None and (_row_norm_waits(q) or _row_norm_waits(k)):
@@ -278,9 +297,8 @@ class _ChainsNamespace:
     def rotary_wan(fn, x, freqs, site, qk_site=None):
         # fn: Wan's rotary, the function the processor defines (the rewriter checked its source), called NAME(X, *F);
         # x a pending QK norm across all heads, split into heads, where the rewriter deferred it
-        tables = (isinstance(freqs, (tuple, list)) and len(freqs) == 2
-                  and all(isinstance(f, torch.Tensor) for f in freqs))
-        if tables and isinstance(x, _NormLater) and x.heads and _row_norm_waits(x):
+        tables = _two_tables(freqs)
+        if tables and _row_norm_waits(x) and x.heads:
             return qk_norm_rows_rope(x.norm, x.x, freqs[0], freqs[1], x.heads, qk_site, site)
         x = _materialize(x)
         if isinstance(x, torch.Tensor) and tables:
@@ -319,37 +337,15 @@ class _ChainsNamespace:
         def compute():
             return _ChainsNamespace.pairwise_mask(pad(mask, padding, value=True).bool(), batch, seq)
 
-        anchor = table[0] if isinstance(table, (tuple, list)) and table else table
-        if (pad is not F.pad or torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor)
-                or not isinstance(anchor, torch.Tensor) or mask.is_inference()):
+        if pad is not F.pad:
             return compute()
-        version = mask._version
-        key = ("pairwise_mask", id(mask), tuple(padding), batch, seq)
-        return derived(anchor, key, lambda: (mask, version, compute()),
-                       valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
+        return _kept_on_table(mask, table, ("pairwise_mask", tuple(padding), batch, seq), compute)
 
     @staticmethod
     def outer_mask(mask, table):
-        # mask[:, None, None, :] * mask[:, None, :, None] (Chroma's blocks), computed once per rotary table: `table` is
-        # built once per forward and handed to every block with the same mask; the product is kept on it for this mask
-        # object at this version (a hook's new mask, or a write in place, computes it again), so each block gets the
-        # same bits the expression gives (the same product of the same tensor). An inference tensor has no version
-        # counter to tell a write in place (a hook of a later block may hold the mask): its product is computed as
-        # written, in every block
-        def product():
-            return mask[:, None, None, :] * mask[:, None, :, None]
-
-        anchor = table[0] if isinstance(table, (tuple, list)) and table else table
-        if (torch.compiler.is_compiling() or not (isinstance(mask, torch.Tensor) and isinstance(anchor, torch.Tensor))
-                or mask.is_inference()):
-            return product()
-        version = mask._version
-
-        def compute():
-            return mask, version, product()
-
-        return derived(anchor, ("outer_mask", id(mask)), compute,
-                       valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
+        # mask[:, None, None, :] * mask[:, None, :, None] (Chroma's blocks), computed once per rotary table
+        # (`_kept_on_table`: the same product of the same tensor for every block)
+        return _kept_on_table(mask, table, ("outer_mask",), lambda: mask[:, None, None, :] * mask[:, None, :, None])
 
     @staticmethod
     def rms_scale(norm, x, scale, site):
