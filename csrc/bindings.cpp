@@ -593,6 +593,8 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
 }
 
 // Writes into `out` ([batch, seq_txt + seq_img, heads, dim], contiguous), or allocates it when `out` is undefined.
+// With norm_rows and x_txt, the row norm's pair (qk_norm_rows_rope_pair): x_img is q, x_txt is k of the same shape,
+// each with its own weight, one [batch or 1, seq, heads * dim] pair of tables; out [2, batch, seq, heads, dim].
 at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                          const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                          const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
@@ -606,9 +608,12 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   RotaryArgs args;
   args.dtype = to_dtype(x_img);
   args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x", norm_rows);
-  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt")
+  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt", norm_rows)
                                : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
-  const int64_t seq = args.txt.seq + args.img.seq;
+  const bool pair = norm_rows && x_txt.has_value();
+  TORCH_CHECK(!pair || (weight_txt.has_value() && args.txt.seq == args.img.seq),
+              "rotary: the row norm's pair takes q and k of one shape, each with its weight");
+  const int64_t seq = pair ? args.img.seq : args.txt.seq + args.img.seq;
   const int64_t heads = x_img.size(2);
   // [seq, dim] (one table for every head and sample) or, without norm or text, [batch or 1, seq, heads * dim] rows
   const bool rows = cos.dim() == 3;
@@ -619,21 +624,23 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                 "rotary: cos/sin must be contiguous, 16-byte aligned float32 tables of one shape on x's device");
   }
   if (rows) {
-    TORCH_CHECK(!norm && !x_txt.has_value() && (cos.size(0) == 1 || cos.size(0) == x_img.size(0)) &&
+    TORCH_CHECK(!norm && (!x_txt.has_value() || pair) && (cos.size(0) == 1 || cos.size(0) == x_img.size(0)) &&
                     cos.size(1) == seq && cos.size(2) == heads * dim,
-                "rotary: [batch or 1, seq, heads * dim] cos/sin take one source without norm");
+                "rotary: [batch or 1, seq, heads * dim] cos/sin take one source (or the row norm's pair) without norm");
   } else {
     TORCH_CHECK(cos.dim() == 2 && cos.size(0) == seq && cos.size(1) == dim, "rotary: cos/sin must be [seq, dim]");
   }
   args.cos_stride_b = rows && cos.size(0) != 1 ? seq * heads * dim : 0;
   args.cos_stride_s = rows ? heads * dim : dim;
   args.cos_stride_h = rows ? dim : 0;
-  const std::vector<int64_t> shape{x_img.size(0), seq, x_img.size(2), dim};
+  std::vector<int64_t> shape{x_img.size(0), seq, x_img.size(2), dim};
+  if (pair) shape.insert(shape.begin(), 2);
   if (out.defined()) {
     TORCH_CHECK(out.sizes() == at::IntArrayRef(shape) && out.is_contiguous() &&
                     out.scalar_type() == x_img.scalar_type() && out.device() == x_img.device() &&
                     reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
-                "rotary: out must be a contiguous, 8-byte aligned [batch, seq, heads, dim] tensor like x");
+                "rotary: out must be a contiguous, 8-byte aligned [batch, seq, heads, dim] (the pair: [2, ...]) tensor "
+                "like x");
   } else {
     out = at::empty(shape, x_img.options());
   }
@@ -650,11 +657,11 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.norm_rows = norm_rows;
   args.norm_final = static_cast<int32_t>(norm_final);
   TORCH_CHECK(!wan || (!norm && !rows && !x_txt.has_value()), "rotary: Wan's pairing takes one source and one table");
-  TORCH_CHECK(!norm_rows || (!norm && !x_txt.has_value() && weight_img.has_value() && (wan || rows) &&
-                             norm_final >= 0 && norm_final <= 2),
-              "rotary: the row norm takes one source with its weight and LTX-Video's or Wan's tables");
-  TORCH_CHECK(!norm_rows || (heads * dim <= 8192 && (!wan || 512 % dim == 0)),
-              "rotary: the row norm takes rows of at most 8192 elements (Wan's: of heads whose dim divides 512)");
+  TORCH_CHECK(!norm_rows || (!norm && weight_img.has_value() && (wan || rows) && norm_final >= 0 && norm_final <= 2),
+              "rotary: the row norm takes one source (or q and k) with its weight and LTX-Video's or Wan's tables");
+  TORCH_CHECK(!norm_rows || (heads * dim <= (pair ? 4096 : 8192) && (!wan || 512 % dim == 0)),
+              "rotary: the row norm takes rows of at most 8192 elements (the pair: 4096; Wan's: of heads whose dim "
+              "divides 512)");
   const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rotary: kernel launch failed: ", cudaGetErrorString(err));
   return out;
@@ -702,43 +709,8 @@ at::Tensor qk_norm_rows_rope(const at::Tensor& x, const at::Tensor& weight, doub
 at::Tensor qk_norm_rows_rope_pair(const at::Tensor& q, const at::Tensor& weight_q, double eps_q, const at::Tensor& k,
                                   const at::Tensor& weight_k, double eps_k, const at::Tensor& cos,
                                   const at::Tensor& sin, int64_t norm_final) {
-  TORCH_CHECK(q.is_cuda() && q.dim() == 4 && k.sizes() == q.sizes(),
-              "qk_norm_rows_rope_pair: q and k must be CUDA [batch, seq, heads, dim] tensors of one shape, got ",
-              shape_str(q.sizes()), " and ", shape_str(k.sizes()));
-  const int64_t batch = q.size(0), seq = q.size(1), heads = q.size(2), dim = q.size(3);
-  TORCH_CHECK(dim % 4 == 0 && heads * dim <= 4096 && q.stride(2) == dim && k.stride(2) == dim,
-              "qk_norm_rows_rope_pair: rows of at most 4096 elements, heads back to back");
-  TORCH_CHECK(norm_final >= 0 && norm_final <= 2, "qk_norm_rows_rope_pair: norm_final is 0, 1 or 2");
-  RotaryArgs args;
-  args.dtype = to_dtype(q);
-  args.img = rotary_source(q, q, weight_q, eps_q, "q", /*norm_rows=*/true);
-  args.txt = rotary_source(k, q, weight_k, eps_k, "k", /*norm_rows=*/true);
-  for (const at::Tensor* t : {&cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == q.device() && t->is_contiguous() && t->dim() == 3 &&
-                    t->sizes() == cos.sizes() && (cos.size(0) == 1 || cos.size(0) == batch) && cos.size(1) == seq &&
-                    cos.size(2) == heads * dim && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
-                "qk_norm_rows_rope_pair: cos/sin must be contiguous, 16-byte aligned float32 [batch or 1, seq, C] "
-                "tables");
-  }
-  at::Tensor out = at::empty({2, batch, seq, heads, dim}, q.options());
-  if (out.numel() == 0) return out;
-  const c10::cuda::CUDAGuard device_guard(q.device());
-  args.out = out.data_ptr();
-  args.cos = cos.data_ptr<float>();
-  args.sin = sin.data_ptr<float>();
-  args.cos_stride_b = cos.size(0) != 1 ? seq * heads * dim : 0;
-  args.cos_stride_s = heads * dim;
-  args.cos_stride_h = dim;
-  args.batch = batch;
-  args.heads = heads;
-  args.dim = dim;
-  args.norm = false;
-  args.wan = false;
-  args.norm_rows = true;
-  args.norm_final = static_cast<int32_t>(norm_final);
-  const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "qk_norm_rows_rope_pair: kernel launch failed: ", cudaGetErrorString(err));
-  return out;
+  return rotary_launch(at::Tensor(), k, weight_k, eps_k, q, weight_q, eps_q, cos, sin, /*norm=*/false, /*wan=*/false,
+                       /*norm_rows=*/true, norm_final);
 }
 
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
