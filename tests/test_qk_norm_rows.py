@@ -204,15 +204,7 @@ def test_the_pair_falls_back_to_each_on_its_own(case, reason, monkeypatch):
 def test_the_pair_verifies_once_and_is_the_custom_op_under_compile(monkeypatch):
     for op in (QK_NORM_ROWS_ROPE_PAIR, QK_NORM_ROWS_ROPE, ROTARY_EMB_ROWS):
         monkeypatch.setattr(op, "guard", lambda *a, **k: None)
-    real_ref = QK_NORM_ROWS_ROPE_PAIR.ref
-    calls = {"ref": 0}
-
-    def counting_ref(*args):
-        calls["ref"] += 1
-        return real_ref(*args)
-
-    monkeypatch.setattr(QK_NORM_ROWS_ROPE_PAIR, "ref", counting_ref)
-    monkeypatch.setattr(QK_NORM_ROWS_ROPE_PAIR, "kernel", lambda *a, **k: real_ref(*a[:6]))
+    calls, real_ref = _exact_kernel_counting_refs(monkeypatch, QK_NORM_ROWS_ROPE_PAIR, 6)
     site = Site("qk_norm_rows_rope_pair")
     with torch.no_grad():
         for seed in range(3):
@@ -338,16 +330,22 @@ def test_a_row_norm_that_is_not_bit_exact_is_disabled_and_the_fused_rope_kept(gu
     assert len(warnings) == 1
 
 
-def test_verified_once_per_signature_and_the_custom_op_under_compile(guards_open, monkeypatch):
-    calls = {"ref": 0}
-    real_ref = QK_NORM_ROWS_ROPE.ref
+def _exact_kernel_counting_refs(monkeypatch, op, operands: int):
+    """`op`'s kernel replaced by its reference (exact) of the first `operands` arguments, and the reference the
+    verification runs counted: returns the counter and the real reference."""
+    calls, real_ref = {"ref": 0}, op.ref
 
     def counting_ref(*args):
         calls["ref"] += 1
         return real_ref(*args)
 
-    monkeypatch.setattr(QK_NORM_ROWS_ROPE, "ref", counting_ref)
-    monkeypatch.setattr(QK_NORM_ROWS_ROPE, "kernel", lambda *a, **k: real_ref(*a[:5]))
+    monkeypatch.setattr(op, "ref", counting_ref)
+    monkeypatch.setattr(op, "kernel", lambda *a, **k: real_ref(*a[:operands]))
+    return calls, real_ref
+
+
+def test_verified_once_per_signature_and_the_custom_op_under_compile(guards_open, monkeypatch):
+    calls, real_ref = _exact_kernel_counting_refs(monkeypatch, QK_NORM_ROWS_ROPE, 5)
     site = Site("qk_norm_rows_rope")
     with torch.no_grad():
         for seed, heads in [(0, 0), (1, 0), (2, 4), (3, 4)]:
