@@ -15,8 +15,9 @@ from diffusers.models.transformers.transformer_hunyuan_video import (HunyuanVide
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import hunyuan
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
-                                        assert_patched_step_exact_and_fused, build_hunyuan_transformer,
-                                        hunyuan_transformer_inputs, patch_round_trip)
+                                        assert_patched_step_exact_and_fused, assert_pipeline_generation_exact_and_fused,
+                                        build_hunyuan_transformer, hunyuan_transformer_inputs, hunyuan_video_pipeline,
+                                        hunyuan_video_prompt_embeddings, patch_round_trip)
 
 CONFIGS = ["hunyuan-video-tiny", "hunyuan-image-tiny"]
 CALLS = {"rotary_emb": 2}  # q and k of each attention module per forward
@@ -68,6 +69,14 @@ def test_unpatch_pickle_and_state_dict(config):
         assert type(model.transformer_blocks[0].attn.processor) is HunyuanVideoAttnProcessor2_0
 
 
+def test_pipeline_generation_with_true_cfg_is_identical(emulated_kernels):
+    """`HunyuanVideoPipeline` with its embedded guidance and true CFG (a padded prompt and its negative, each its
+    own forward), 3 steps over 3 latent frames: md5-identical latents, every site fast."""
+    pipe = hunyuan_video_pipeline(build_hunyuan_transformer(seed=11))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(
+        hunyuan_video_prompt_embeddings(pipe, seed=12), height=64, width=64, num_frames=9, true_cfg_scale=6.0))
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_compiles_with_fullgraph(config):
     # HunyuanImage's second text encoder merges its tokens by mask (data-dependent shapes: no full graph unpatched
@@ -92,4 +101,20 @@ def test_full_size_one_step_is_bitwise_identical_and_fused(config, grid, frames)
             model, inputs, sites(cfg.num_layers, cfg.num_single_layers, cfg.num_refiner_layers), CALLS)
     finally:
         del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_full_size_video_generation_with_true_cfg_is_md5_identical():
+    """`HunyuanVideoPipeline` around the published 13B config at 544x960x33 (9 latent frames of 34x60 patches:
+    18,360 image tokens), 2 steps with true CFG (a 256-token prompt, 200 of them real, and its negative): the latents
+    md5-identical to unpatched, every site fast."""
+    pipe = hunyuan_video_pipeline(build_hunyuan_transformer("hunyuan-video", torch.bfloat16, "cuda", seed=0))
+    try:
+        call = hunyuan_video_prompt_embeddings(pipe, tokens=256, padding=56, seed=12)
+        assert_pipeline_generation_exact_and_fused(pipe, dict(call, height=544, width=960, num_frames=33,
+                                                              num_inference_steps=2, true_cfg_scale=6.0))
+    finally:
+        del pipe
         torch.cuda.empty_cache()

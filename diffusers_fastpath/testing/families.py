@@ -473,6 +473,34 @@ def ltx_prompt_embeddings(pipe, tokens=12, padding=3, seed=2):
                 negative_prompt_attention_mask=neg_mask)
 
 
+def hunyuan_video_pipeline(transformer):
+    """A ``HunyuanVideoPipeline`` around `transformer` (its embedded guidance; true CFG when called with
+    ``true_cfg_scale`` > 1 and negative embeddings), no VAE or text encoders: call it with
+    `hunyuan_video_prompt_embeddings` and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+
+    return HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
+                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+                                tokenizer_2=None)
+
+
+def hunyuan_video_prompt_embeddings(pipe, tokens=12, padding=3, seed=2):
+    """Random Llama prompt and negative-prompt states of `tokens` tokens with their masks (the prompt's last
+    `padding` tokens masked out) and CLIP pooled projections, for `hunyuan_video_pipeline` with ``true_cfg_scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    pos_mask = (torch.arange(tokens) < tokens - padding).long()[None].to(device)
+    return dict(prompt_embeds=rand(1, tokens, cfg.text_embed_dim), prompt_attention_mask=pos_mask,
+                pooled_prompt_embeds=rand(1, cfg.pooled_projection_dim),
+                negative_prompt_embeds=rand(1, tokens, cfg.text_embed_dim),
+                negative_prompt_attention_mask=torch.ones(1, tokens, dtype=torch.long, device=device),
+                negative_pooled_prompt_embeds=rand(1, cfg.pooled_projection_dim))
+
+
 def hunyuan_video15_pipeline(transformer):
     """A ``HunyuanVideo15Pipeline`` around `transformer` with classifier-free guidance (its guider), no text encoders
     and a tiny random VAE (only its config is read for ``output_type="latent"``): call it with
