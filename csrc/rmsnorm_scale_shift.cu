@@ -83,10 +83,53 @@ __device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormS
   return rstd_of(__shfl_sync(0xffffffffu, total, 0), a);
 }
 
-// What follows the norm, for the four elements q of row `row` (= s * batch + b): the variant's epilogue (file head).
+// Where norm row `row` (= s * batch + b) lies: its (s, b), and for the rotary epilogues its table row (token,
+// fb; head = its place among the token's heads), for norm row r: token = (r / heads) % tokens,
+// fb = r / (heads * tokens). Found by division once, then stepped row by row: the divisions are index arithmetic,
+// not the data's, and at one quad per lane (rows of 128) they cost more issue slots than the norm itself.
+struct RowAt {
+  int64_t s, b;
+  int64_t head, token, fb;
+};
+
+template <RmsEpilogue kEpilogue>
+__device__ __forceinline__ RowAt row_at(const RmsNormScaleShiftArgs& a, int64_t row) {
+  RowAt at;
+  at.s = row / a.batch;
+  at.b = row - at.s * a.batch;
+  at.head = at.token = at.fb = 0;
+  if constexpr (kEpilogue == RmsEpilogue::kRopeComplex || kEpilogue == RmsEpilogue::kRopeReal) {
+    const int64_t t = row / a.heads;
+    at.head = row - t * a.heads;
+    at.fb = t / a.tokens;
+    at.token = t - at.fb * a.tokens;
+  }
+  return at;
+}
+
+// `at` of the next row (row + 1).
+template <RmsEpilogue kEpilogue>
+__device__ __forceinline__ void next_row(const RmsNormScaleShiftArgs& a, RowAt& at) {
+  if (++at.b == a.batch) {
+    at.b = 0;
+    ++at.s;
+  }
+  if constexpr (kEpilogue == RmsEpilogue::kRopeComplex || kEpilogue == RmsEpilogue::kRopeReal) {
+    if (++at.head == a.heads) {
+      at.head = 0;
+      if (++at.token == a.tokens) {
+        at.token = 0;
+        ++at.fb;
+      }
+    }
+  }
+}
+
+// What follows the norm, for the four elements q of the row at `at`: the variant's epilogue (file head).
 template <typename T, RmsEpilogue kEpilogue>
-__device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, int64_t row, int64_t s, int64_t b,
-                                            int64_t q, const Quad<T>& xq, const Quad<T>& w, float rstd) {
+__device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, const RowAt& at, int64_t q,
+                                            const Quad<T>& xq, const Quad<T>& w, float rstd) {
+  const int64_t s = at.s, b = at.b;
   Quad<T> o;
   if constexpr (kEpilogue == RmsEpilogue::kScaleShift) {
     const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
@@ -104,10 +147,8 @@ __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, int6
       o.v[j] = Storage<T>::store(__fmul_rn(weighted_norm<T>(xq.v[j], rstd, w.v[j]), Storage<T>::load(sc.v[j])));
     }
   } else if constexpr (kEpilogue == RmsEpilogue::kRopeComplex) {
-    const int64_t token = (row / a.heads) % a.tokens;
-    const int64_t fb = row / (a.heads * a.tokens);
-    const float2* f = static_cast<const float2*>(a.freqs.ptr) + token * a.freqs.stride_s + fb * a.freqs.stride_b +
-                      2 * q;
+    const float2* f = static_cast<const float2*>(a.freqs.ptr) + at.token * a.freqs.stride_s +
+                      at.fb * a.freqs.stride_b + 2 * q;
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const float re = weighted_norm<T>(xq.v[2 * p], rstd, w.v[2 * p]);
@@ -117,9 +158,9 @@ __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, int6
       o.v[2 * p + 1] = Storage<T>::store(__fmaf_rn(re, c.y, __fmul_rn(im, c.x)));
     }
   } else if constexpr (kEpilogue == RmsEpilogue::kRopeReal) {
-    const int64_t token = (row / a.heads) % a.tokens;
-    const float4 c = reinterpret_cast<const float4*>(static_cast<const float*>(a.freqs.ptr) + token * a.freqs.stride_s)[q];
-    const float4 n = reinterpret_cast<const float4*>(static_cast<const float*>(a.sin.ptr) + token * a.sin.stride_s)[q];
+    const float4 c =
+        reinterpret_cast<const float4*>(static_cast<const float*>(a.freqs.ptr) + at.token * a.freqs.stride_s)[q];
+    const float4 n = reinterpret_cast<const float4*>(static_cast<const float*>(a.sin.ptr) + at.token * a.sin.stride_s)[q];
     rotate_pair<T>(weighted_norm<T>(xq.v[0], rstd, w.v[0]), weighted_norm<T>(xq.v[1], rstd, w.v[1]), c.x, c.y, n.x,
                    n.y, o.v[0], o.v[1]);
     rotate_pair<T>(weighted_norm<T>(xq.v[2], rstd, w.v[2]), weighted_norm<T>(xq.v[3], rstd, w.v[3]), c.z, c.w, n.z,
@@ -222,16 +263,16 @@ __device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) 
   const int64_t rows = a.seq * a.batch;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * kRows128PerWarp;
   if (first >= rows) return;  // the whole warp: no shuffle below is left without its lanes
+  const RowAt at0 = row_at<kEpilogue>(a, first);
   Quad<T> xq[kRows128PerWarp];
+  RowAt at = at0;
 #pragma unroll
   for (int r = 0; r < kRows128PerWarp; ++r) {
-    const int64_t row = first + r;
-    if (row < rows) {
-      const int64_t s = row / a.batch;
-      xq[r] = load_quad<T>(a.x, s, row - s * a.batch, lane);
-    }
+    if (first + r < rows) xq[r] = load_quad<T>(a.x, at.s, at.b, lane);
+    next_row<RmsEpilogue::kPlain>(a, at);  // (s, b) only
   }
   const Quad<T> w = weight_quad<T>(a, lane);
+  at = at0;
 #pragma unroll
   for (int r = 0; r < kRows128PerWarp; ++r) {
     const int64_t row = first + r;
@@ -243,9 +284,9 @@ __device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) 
       acc[j] = __fadd_rn(0.f, __fmul_rn(xf, xf));
     }
     const float rstd = warp_rstd(acc, a);
-    const int64_t s = row / a.batch;
     reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * 128)[lane] =
-        epilogue<T, kEpilogue>(a, row, s, row - s * a.batch, lane, xq[r], w, rstd);
+        epilogue<T, kEpilogue>(a, at, lane, xq[r], w, rstd);
+    next_row<kEpilogue>(a, at);
   }
 }
 
@@ -266,8 +307,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= a.seq * a.batch) return;
-  const int64_t s = row / a.batch;
-  const int64_t b = row - s * a.batch;
+  const RowAt at = row_at<kEpilogue>(a, row);
+  const int64_t s = at.s, b = at.b;
   const int64_t quads = a.dim / 4;
   T* out = static_cast<T*>(a.out) + row * a.dim;
   T* residual_out = kGated ? static_cast<T*>(a.residual_out) + row * a.dim : nullptr;
@@ -311,7 +352,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   for (int64_t q = lane; q < quads; q += 32) {
     const Quad<T> xq = kGated ? reinterpret_cast<const Quad<T>*>(residual_out)[q] : load_quad<T>(a.x, s, b, q);
     const Quad<T> w = weight_quad<T>(a, q);
-    reinterpret_cast<Quad<T>*>(out)[q] = epilogue<T, kEpilogue>(a, row, s, b, q, xq, w, rstd);
+    reinterpret_cast<Quad<T>*>(out)[q] = epilogue<T, kEpilogue>(a, at, q, xq, w, rstd);
   }
 }
 
