@@ -50,8 +50,7 @@
 namespace diffusers_fastpath {
 namespace {
 
-// The variant production runs (see the bits below; layernorm_warp_row implements this one alone). Change it here if
-// the probe names another one.
+// The variant production runs (see the bits below). Change it here if the probe names another one.
 constexpr int kDefaultVariant = 0;
 
 // Each bit departs from aten-as-compiled-by-nvcc-13 in one place.
@@ -121,36 +120,15 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
   return (variant & kCombineSwapped) ? combine_ba(other, own, variant) : combine_ba(own, other, variant);
 }
 
-// The normalised, modulated quad i of a row (eager's rounding points, file head).
-template <typename T, typename S>
-__device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& a, const Quad<T>& xq, const Quad<S>& s,
-                                                 const Quad<S>& h, float mean, float rstd) {
+// One block per row, laid out as aten's: blockDim = (32, warps). (A grid-stride launch of the resident blocks, each
+// prefetching its next row into L2 while reducing the current one, timed the same on the H200 at 4f6d200: 29.8 us
+// at 4096 x 3072 bf16, 46% of copy, as one block per row at 54cc343; so the simpler launch stays.) kProbe reads the
+// variant from the arguments (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
+// S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's fp32 modulate).
+template <typename T, typename S, bool kProbe>
+__global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
   constexpr bool kFloatModulate = SameType<S, float>::value;
-  Quad<T> o;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(xq.v[j]), mean));
-    if constexpr (kFloatModulate) {
-      o.v[j] = a.affine ? Storage<T>::store(__fmaf_rn(s.v[j], normed, h.v[j]))  // weight * y + bias
-                        : Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
-    } else {
-      const float y = round_to<T>(normed);
-      const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
-      const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
-      o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
-    }
-  }
-  return o;
-}
-
-// The probe's kernel: one block per row, laid out as aten's: blockDim = (32, warps), the variant read from the
-// arguments (uniform branches). (A grid-stride launch of the resident blocks, each prefetching its next row into L2
-// while reducing the current one, timed the same on the H200 at 4f6d200: 29.8 us at 4096 x 3072 bf16, 46% of copy,
-// as one block per row at 54cc343.) S: the type of scale and shift, T (FLUX's chain, rounded after every operation)
-// or float (Wan's fp32 modulate).
-template <typename T, typename S>
-__device__ __forceinline__ void layernorm_block_row(const LayerNormScaleShiftArgs& a) {
-  const int variant = a.variant;
+  const int variant = kProbe ? a.variant : kDefaultVariant;
   __shared__ float partial[3][kWarpsMax / 2];
   __shared__ float stats[2];
 
@@ -204,6 +182,7 @@ __device__ __forceinline__ void layernorm_block_row(const LayerNormScaleShiftArg
   const float mean = stats[0];
   const float rstd = rsqrtf(__fadd_rn(stats[1], a.eps));
 
+  // Normalise, round to T, modulate with eager's three rounding points.
   const int64_t b = row / a.seq;
   const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
   const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
@@ -211,103 +190,26 @@ __device__ __forceinline__ void layernorm_block_row(const LayerNormScaleShiftArg
 #pragma unroll
   for (int k = 0; k < kVecsPerThreadMax; ++k) {
     const int i = thread + k * threads;
-    if (i < vecs) out[i] = modulate_quad<T, S>(a, data[k], scale[i], shift[i], mean, rstd);
-  }
-}
-
-// Production (variant 0): aten's (32, 4) block of one row emulated by one warp, so that a block holds kRowsPerBlock
-// rows and no row waits on __syncthreads. Lane l plays aten's thread l + 32 w of each of its four warps w: it keeps
-// their four Welford states, folds in their vectors (l + 32 w) + 128 k, k < kKv, in the same order, runs each
-// warp's shuffle-down tree (the trees are the same shuffles over the same lanes), and then does in registers what
-// aten's lane 0 does through shared memory: combine(w0, w2), combine(w1, w3), then the first with the second. The
-// same operations on the same values in the same order as layernorm_block_row with variant 0; what changes is that a
-// streaming multiprocessor holds several times more rows in flight (the block-per-row kernel is latency-bound at 46%
-// of copy). kKv: the vectors each of aten's threads holds, rounded up to an instantiated count (launch()).
-constexpr int kRowsPerBlock = 4;
-constexpr int kAtenWarps = 4;
-static_assert((kDefaultVariant & kEightWarps) == 0, "the warp-per-row kernel emulates aten's four warps");
-
-template <typename T, typename S, int kKv>
-__device__ __forceinline__ void layernorm_warp_row(const LayerNormScaleShiftArgs& a) {
-  constexpr int kThreads = 32 * kAtenWarps;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (threadIdx.x >> 5);
-  if (row >= a.batch * a.seq) return;  // the whole warp
-  const int vecs = static_cast<int>(a.dim / kVec);
-  const Quad<T>* x = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.x) + row * a.dim);
-
-  Quad<T> data[kAtenWarps][kKv];
+    if (i < vecs) {
+      const Quad<S> s = scale[i];
+      const Quad<S> h = shift[i];
+      Quad<T> o;
 #pragma unroll
-  for (int k = 0; k < kKv; ++k) {
-#pragma unroll
-    for (int w = 0; w < kAtenWarps; ++w) {
-      const int i = lane + 32 * w + k * kThreads;
-      if (i < vecs) data[w][k] = x[i];
-    }
-  }
-  Welford acc[kAtenWarps];
-#pragma unroll
-  for (int w = 0; w < kAtenWarps; ++w) acc[w] = Welford{0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int k = 0; k < kKv; ++k) {
-#pragma unroll
-    for (int w = 0; w < kAtenWarps; ++w) {
-      if (lane + 32 * w + k * kThreads < vecs) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          acc[w] = online_update(Storage<T>::load(data[w][k].v[j]), acc[w], kVec * k + j + 1, kDefaultVariant);
+      for (int j = 0; j < kVec; ++j) {
+        const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean));
+        if constexpr (kFloatModulate) {
+          o.v[j] = a.affine ? Storage<T>::store(__fmaf_rn(s.v[j], normed, h.v[j]))  // weight * y + bias
+                            : Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
+        } else {
+          const float y = round_to<T>(normed);
+          const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
+          const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
+          o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
         }
       }
+      out[i] = o;
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-    for (int w = 0; w < kAtenWarps; ++w) {
-      const Welford other{__shfl_down_sync(0xffffffffu, acc[w].mean, offset),
-                          __shfl_down_sync(0xffffffffu, acc[w].m2, offset),
-                          __shfl_down_sync(0xffffffffu, acc[w].count, offset)};
-      acc[w] = combine(acc[w], other, kDefaultVariant);
-    }
-  }
-  // aten's shared-memory stage at lane 0 (offset 2: warps 2, 3 into 0, 1; offset 1: warp 1 into warp 0)
-  const Welford w0 = combine(acc[0], acc[2], kDefaultVariant);
-  const Welford w1 = combine(acc[1], acc[3], kDefaultVariant);
-  const Welford total = combine(w0, w1, kDefaultVariant);
-  const float mean = __shfl_sync(0xffffffffu, total.mean, 0);
-  const float var = __shfl_sync(0xffffffffu, __fdiv_rn(total.m2, static_cast<float>(a.dim)), 0);  // div.rn
-  const float rstd = rsqrtf(__fadd_rn(var, a.eps));
-
-  const int64_t b = row / a.seq;
-  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
-  const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
-  Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
-#pragma unroll
-  for (int k = 0; k < kKv; ++k) {
-#pragma unroll
-    for (int w = 0; w < kAtenWarps; ++w) {
-      const int i = lane + 32 * w + k * kThreads;
-      if (i < vecs) out[i] = modulate_quad<T, S>(a, data[w][k], scale[i], shift[i], mean, rstd);
-    }
-  }
-}
-
-// kKv 0: the probe's block-per-row kernel (launched (32, 4) or (32, 8) per row); else the production warp-per-row
-// kernel (launched kRowsPerBlock warps of 32 per block).
-template <typename T, typename S, int kKv>
-__global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
-  if constexpr (kKv == 0) {
-    layernorm_block_row<T, S>(a);
-  } else {
-    layernorm_warp_row<T, S, kKv>(a);
-  }
-}
-
-// The vectors per aten thread the production kernel is instantiated for (kKv), each D taking the smallest that holds
-// its row: D = 3072 (FLUX.1, Qwen-Image, HunyuanVideo) 6, 2432 (SD3.5-large) 6, 1536 4, 5120 (Wan) 12, 6144 (FLUX.2) 12.
-__host__ __device__ constexpr int kv_for(int64_t dim) {
-  const int64_t per_thread = (dim / kVec + 32 * kAtenWarps - 1) / (32 * kAtenWarps);
-  return per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : per_thread <= 6 ? 6 : per_thread <= 8 ? 8 : 12;
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
@@ -317,22 +219,16 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int variant = a.probe ? a.variant : kDefaultVariant;
   if ((variant & ~kVariantMask) != 0) return cudaErrorInvalidValue;
+  const int warps = (variant & kEightWarps) ? 8 : 4;
   if (a.dim % kVec != 0 || a.dim / kVec > static_cast<int64_t>(32) * 4 * kVecsPerThreadMax || rows > 0x7fffffff) {
     return cudaErrorInvalidValue;
   }
+  const dim3 grid(static_cast<unsigned>(rows));
+  const dim3 block(32, warps);
   if (a.probe) {
-    const dim3 block(32, (variant & kEightWarps) ? 8 : 4);
-    layernorm_scale_shift_kernel<T, S, 0><<<dim3(static_cast<unsigned>(rows)), block, 0, stream>>>(a);
-    return cudaGetLastError();
-  }
-  const dim3 grid(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock));
-  const dim3 block(32 * kRowsPerBlock);
-  switch (kv_for(a.dim)) {
-    case 2: layernorm_scale_shift_kernel<T, S, 2><<<grid, block, 0, stream>>>(a); break;
-    case 4: layernorm_scale_shift_kernel<T, S, 4><<<grid, block, 0, stream>>>(a); break;
-    case 6: layernorm_scale_shift_kernel<T, S, 6><<<grid, block, 0, stream>>>(a); break;
-    case 8: layernorm_scale_shift_kernel<T, S, 8><<<grid, block, 0, stream>>>(a); break;
-    default: layernorm_scale_shift_kernel<T, S, 12><<<grid, block, 0, stream>>>(a); break;
+    layernorm_scale_shift_kernel<T, S, true><<<grid, block, 0, stream>>>(a);
+  } else {
+    layernorm_scale_shift_kernel<T, S, false><<<grid, block, 0, stream>>>(a);
   }
   return cudaGetLastError();
 }
