@@ -36,7 +36,7 @@ CASES = {
                               "must be [seq, batch, dim]"),
     "rotary-3d-x": ("_rotary_emb_cuda", [(1, 65, 64), "f32:65,64", "f32:65,64"], "got [1, 65, 64]"),
     "rotary-rows-table-batch": ("_rotary_emb_rows_cuda", [(2, 65, 256), "f32:3,65,256", "f32:3,65,256", 128],
-                                "take one source without norm"),
+                                "take one source (or the row norm's pair) without norm"),
     "rotary-wan-table-shape": ("_rotary_emb_wan_cuda", [(1, 65, 4, 64), "f32:1,65,1,64", "f32:1,65,1,64"],
                                "must be [seq, dim]"),
     "rotary-rows-head-dim": ("_rotary_emb_rows_cuda", [(2, 65, 256), "f32:2,65,256", "f32:2,65,256", 96],
