@@ -120,14 +120,40 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
   return (variant & kCombineSwapped) ? combine_ba(other, own, variant) : combine_ba(own, other, variant);
 }
 
-// One block per row, laid out as aten's: blockDim = (32, warps). (A grid-stride launch of the resident blocks, each
-// prefetching its next row into L2 while reducing the current one, timed the same on the H200 at 4f6d200: 29.8 us
-// at 4096 x 3072 bf16, 46% of copy, as one block per row at 54cc343; so the simpler launch stays.) kProbe reads the
-// variant from the arguments (uniform branches, for the probe only); production folds kDefaultVariant at compile time.
-// S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's fp32 modulate).
-template <typename T, typename S, bool kProbe>
-__global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
+// The normalised, modulated quad i of a row (eager's rounding points, file head).
+template <typename T, typename S>
+__device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& a, const Quad<T>& xq, const Quad<S>& s,
+                                                 const Quad<S>& h, float mean, float rstd) {
   constexpr bool kFloatModulate = SameType<S, float>::value;
+  Quad<T> o;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(xq.v[j]), mean));
+    if constexpr (kFloatModulate) {
+      o.v[j] = a.affine ? Storage<T>::store(__fmaf_rn(s.v[j], normed, h.v[j]))  // weight * y + bias
+                        : Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
+    } else {
+      const float y = round_to<T>(normed);
+      const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
+      const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
+      o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
+    }
+  }
+  return o;
+}
+
+// One block per row, laid out as aten's: blockDim = (32, warps). kKv: the vectors each thread holds, the production
+// launch's kv_for(D) (its registers, and so the rows resident per multiprocessor, follow the row length: at most
+// kVecsPerThreadMax would hold 24 registers of bf16 pairs for FLUX's 6); 0: the probe's kernel, which holds
+// kVecsPerThreadMax and reads its variant from the arguments (uniform branches). (A grid-stride launch of the resident
+// blocks, each prefetching its next row into L2 while reducing the current one, timed the same on the H200 at
+// 4f6d200: 29.8 us at 4096 x 3072 bf16, 46% of copy; so did one warp per row, emulating the block's four warps,
+// slower at 36.5 us, 2e9fc06.) S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or
+// float (Wan's fp32 modulate).
+template <typename T, typename S, int kKv>
+__global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
+  constexpr bool kProbe = kKv == 0;
+  constexpr int kHeld = kProbe ? kVecsPerThreadMax : kKv;
   const int variant = kProbe ? a.variant : kDefaultVariant;
   __shared__ float partial[3][kWarpsMax / 2];
   __shared__ float stats[2];
@@ -142,15 +168,15 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
   const Quad<T>* x = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.x) + row * a.dim);
 
   // Statistics, in aten's order; the row stays in registers for the second pass.
-  Quad<T> data[kVecsPerThreadMax];
+  Quad<T> data[kHeld];
 #pragma unroll
-  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+  for (int k = 0; k < kHeld; ++k) {
     const int i = thread + k * threads;
     if (i < vecs) data[k] = x[i];
   }
   Welford w{0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+  for (int k = 0; k < kHeld; ++k) {
     if (thread + k * threads < vecs) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) w = online_update(Storage<T>::load(data[k].v[j]), w, kVec * k + j + 1, variant);
@@ -188,28 +214,21 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
   const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
   Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
 #pragma unroll
-  for (int k = 0; k < kVecsPerThreadMax; ++k) {
+  for (int k = 0; k < kHeld; ++k) {
     const int i = thread + k * threads;
-    if (i < vecs) {
-      const Quad<S> s = scale[i];
-      const Quad<S> h = shift[i];
-      Quad<T> o;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const float normed = __fmul_rn(rstd, __fsub_rn(Storage<T>::load(data[k].v[j]), mean));
-        if constexpr (kFloatModulate) {
-          o.v[j] = a.affine ? Storage<T>::store(__fmaf_rn(s.v[j], normed, h.v[j]))  // weight * y + bias
-                            : Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
-        } else {
-          const float y = round_to<T>(normed);
-          const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
-          const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
-          o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
-        }
-      }
-      out[i] = o;
-    }
+    if (i < vecs) out[i] = modulate_quad<T, S>(a, data[k], scale[i], shift[i], mean, rstd);
   }
+}
+
+constexpr int kAtenWarps = 4;
+
+// The vectors per aten thread the production kernel is instantiated for (kKv), each D taking the smallest that holds
+// its row: D <= 3072 (FLUX.1, Qwen-Image, HunyuanVideo, SD3.5) 6, 4096 8, 6144 (FLUX.2, Wan's 5120) 12. (Fewer than 6
+// would save registers for short rows only, and NVRTC 13.0 schedules the kKv 2 and 4 instantiations differently from
+// nvcc: tests/test_nvrtc.py wants the same machine code both ways.)
+__host__ __device__ constexpr int kv_for(int64_t dim) {
+  const int64_t per_thread = (dim / kVec + 32 * kAtenWarps - 1) / (32 * kAtenWarps);
+  return per_thread <= 6 ? 6 : per_thread <= 8 ? 8 : 12;
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
@@ -219,16 +238,19 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int variant = a.probe ? a.variant : kDefaultVariant;
   if ((variant & ~kVariantMask) != 0) return cudaErrorInvalidValue;
-  const int warps = (variant & kEightWarps) ? 8 : 4;
   if (a.dim % kVec != 0 || a.dim / kVec > static_cast<int64_t>(32) * 4 * kVecsPerThreadMax || rows > 0x7fffffff) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(static_cast<unsigned>(rows));
-  const dim3 block(32, warps);
   if (a.probe) {
-    layernorm_scale_shift_kernel<T, S, true><<<grid, block, 0, stream>>>(a);
-  } else {
-    layernorm_scale_shift_kernel<T, S, false><<<grid, block, 0, stream>>>(a);
+    layernorm_scale_shift_kernel<T, S, 0><<<grid, dim3(32, (variant & kEightWarps) ? 8 : 4), 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  const dim3 block(32, kAtenWarps);
+  switch (kv_for(a.dim)) {
+    case 6: layernorm_scale_shift_kernel<T, S, 6><<<grid, block, 0, stream>>>(a); break;
+    case 8: layernorm_scale_shift_kernel<T, S, 8><<<grid, block, 0, stream>>>(a); break;
+    default: layernorm_scale_shift_kernel<T, S, 12><<<grid, block, 0, stream>>>(a); break;
   }
   return cudaGetLastError();
 }

@@ -306,6 +306,10 @@ def test_launch_constants_match_the_sources():
     assert rotary_mod._ROW_THREADS == _constant("rotary.cu", "kRowThreads")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
+    assert layernorm_mod._ATEN_THREADS == 32 * _constant("layernorm_scale_shift.cu", "kAtenWarps")
+    launched = re.findall(r"case (\d+): layernorm_scale_shift_kernel<T, S, (\d+)>",
+                          (CSRC / "layernorm_scale_shift.cu").read_text())
+    assert all(a == b for a, b in launched) and (0, *(int(a) for a, _ in launched), 12) == layernorm_mod._KVS
 
 
 ROW_GRID_CASES = [  # (rows, vecs_per_row, threads, rows_in_flight, blocks_per_sm): FLUX's shapes and the odd ones
@@ -330,6 +334,24 @@ def test_row_grid_matches_elementwise_cuh(tmp_path):
     for (r, v, t, f, b), line in zip(ROW_GRID_CASES, rows, strict=True):
         (gx, gy, _), (bx, by, _) = _nvrtc.row_grid(r, v, t, f, int(sms), b)
         assert line.split() == [str(gx), str(gy), str(bx), str(by)], (r, v, t, f, b)
+
+
+LAYERNORM_DIMS = [4, 64, 508, 512, 516, 1024, 1536, 2048, 2432, 3072, 3076, 4096, 4100, 5120, 6144]
+
+
+@needs_nvcc
+def test_layernorm_kv_matches_the_cu(tmp_path):
+    """The Python _kv_for (which kernel instantiation holds a row) against layernorm_scale_shift.cu's kv_for, compiled
+    and run on the host."""
+    calls = "".join(f'  std::printf("%d\\n", kv_for({d}));\n' for d in LAYERNORM_DIMS)
+    (tmp_path / "kv.cu").write_text('#include <cstdio>\n#include "layernorm_scale_shift.cu"\n'
+                                    f"using namespace diffusers_fastpath;\nint main() {{\n{calls}}}\n")
+    proc = subprocess.run([NVCC, "-std=c++17", f"-I{CSRC}", *_build.KERNEL_DEFINES, str(tmp_path / "kv.cu"), "-o",
+                           str(tmp_path / "kv")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = subprocess.run([str(tmp_path / "kv")], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(v) for v in out] == [layernorm_mod._kv_for(d) for d in LAYERNORM_DIMS]
+    assert [layernorm_mod._kv_for(d) for d in (64, 3072, 3076, 4096, 5120, 6144)] == [6, 6, 8, 8, 12, 12]
 
 
 def _binding_schemas() -> dict[str, str]:
@@ -498,30 +520,31 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     with pytest.raises(ValueError, match="aligned-rows"):  # overlapping rows
         silu_mul_mod._nvrtc_kernel(gate, up, buf.as_strided((2, 17, 128), (17 * 192, 64, 1)))
 
-    # layernorm: one block of (32, 4) per row; the probe's eight-warp bit
+    # layernorm: one block of (32, 4) per row, of the kernel holding the row's vectors; the probe's, its eight-warp bit
     x = _bf16(2, 17, 64)
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.bfloat16, False) and (grid, block) == ((34, 1, 1), (32, 4, 1))
+    assert key == (torch.bfloat16, torch.bfloat16, 6) and (grid, block) == ((34, 1, 1), (32, 4, 1))
     assert (a.a.batch, a.a.seq, a.a.dim, a.a.scale_batch_stride, a.a.variant, a.a.probe, a.a.dtype,
             a.a.modulate_fp32) == (2, 17, 64, 768, 0, False, 1, False)
     assert a.a.eps == struct.unpack("f", struct.pack("f", 1e-6))[0]
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6, variant=64 + 3, probe=True)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.bfloat16, True) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
-    layernorm_mod._nvrtc_kernel(_bf16(1, 500, 64), scale[:1, :64], shift[:1, :64], 1e-6)
-    assert captured_launches[-1][2] == (500, 1, 1)  # one block per row
+    assert key == (torch.bfloat16, torch.bfloat16, 0) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
+    assert grid == (34, 1, 1)
+    layernorm_mod._nvrtc_kernel(_bf16(1, 500, 6144), _bf16(1, 6144), _bf16(1, 6144), 1e-6)
+    assert captured_launches[-1][1:3] == ((torch.bfloat16, torch.bfloat16, 12), (500, 1, 1))  # one block per row
     # Wan's fp32 modulate: fp32 rows of an fp32 [B, 6, D] table (batch stride 6 * 64 fp32 elements)
     table = torch.randn(2, 6, 64)
     layernorm_mod._nvrtc_kernel(x, table[:, 1], table[:, 0], 1e-6)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.float32, False) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
+    assert key == (torch.bfloat16, torch.float32, 6) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
     assert a.a.affine is False
     # Wan's norm2: the norm's own fp32 weight and bias as [1, D] rows, the affine epilogue
     weight, bias = torch.randn(64), torch.randn(64)
     layernorm_mod._nvrtc_affine(x, weight, bias, 1e-6)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.float32, False) and (a.a.affine, a.a.modulate_fp32) == (True, True)
+    assert key == (torch.bfloat16, torch.float32, 6) and (a.a.affine, a.a.modulate_fp32) == (True, True)
     assert (a.a.scale, a.a.shift, a.a.scale_batch_stride, a.a.shift_batch_stride) == (
         weight.data_ptr(), bias.data_ptr(), 0, 0)
 

@@ -87,24 +87,33 @@ def _cuda_ops():
     return torch.ops.diffusers_fastpath
 
 
-# The NVRTC way (ops/_nvrtc.py): csrc/layernorm_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
-# layernorm_scale_shift_launch do: one block (32, 4) per row, (32, 8) for the probe's kEightWarps variant bit (64).
-# Duplicated from there: those shapes, the LayerNormScaleShiftArgs fields (fastpath.h), the batch strides, eps as
-# static_cast<float> (struct's 'f' rounds a Python float to nearest, the same) and the output allocation; the guard
-# stands for bindings.cpp's input checks.
+# The NVRTC way (ops/_nvrtc.py): csrc/layernorm_scale_shift.cu's kernels, launched as its launch() and bindings.cpp's
+# layernorm_scale_shift_launch do: one block (32, 4) per row, of the kKv = _kv_for(D) kernel (the vectors each thread
+# holds); the probe's kKv = 0, (32, 8) for its kEightWarps bit (64).
+# Duplicated from there: those shapes and kv_for (tests/test_nvrtc.py checks them against the .cu), the
+# LayerNormScaleShiftArgs fields (fastpath.h), the batch strides, eps as static_cast<float> (struct's 'f' rounds a
+# Python float to nearest, the same) and the output allocation; the guard stands for bindings.cpp's input checks.
 _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
                       ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
                       ("modulate_fp32", "?"), ("affine", "?"))
+_KVS = (0, 6, 8, 12)
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
     "diffusers_fastpath::layernorm_scale_shift_kernel",
-    {(dtype, rows, probe): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
-     f"{'float' if rows is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}"
-     for dtype in (torch.bfloat16, torch.float16) for rows in (dtype, torch.float32) for probe in (False, True)},
+    {(dtype, rows, kv): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
+     f"{'float' if rows is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {kv}"
+     for dtype in (torch.bfloat16, torch.float16) for rows in (dtype, torch.float32) for kv in _KVS},
     _nvrtc.Params("layernorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _EIGHT_WARPS, _VARIANT_MASK = 64, 127
+_ATEN_THREADS = 128
+
+
+def _kv_for(dim: int) -> int:
+    """csrc/layernorm_scale_shift.cu's kv_for: the instantiated vectors per aten thread that hold a row of `dim`."""
+    per_thread = -(-(dim // 4) // _ATEN_THREADS)
+    return next((kv for kv in _KVS[1:-1] if per_thread <= kv), _KVS[-1])
 
 
 def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
@@ -118,9 +127,10 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
         raise ValueError(f"layernorm_scale_shift: no reduction variant {variant}")
     variant = variant if probe else 0
     device = x.device.index
+    kv = 0 if probe else _kv_for(dim)
     block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
     fp32 = scale.dtype is torch.float32
-    _NVRTC.launch(device, (x.dtype, scale.dtype, probe), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(),
+    _NVRTC.launch(device, (x.dtype, scale.dtype, kv), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(),
                   scale.data_ptr(), shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
                   0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32,
                   affine)
