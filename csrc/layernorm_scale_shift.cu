@@ -143,9 +143,10 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
 }
 
 // One block per row, laid out as aten's: blockDim = (32, warps). kKv: the vectors each thread holds, the production
-// launch's kv_for(D) (its registers, and so the rows resident per multiprocessor, follow the row length: at most
-// kVecsPerThreadMax would hold 24 registers of bf16 pairs for FLUX's 6); 0: the probe's kernel, which holds
-// kVecsPerThreadMax and reads its variant from the arguments (uniform branches). (A grid-stride launch of the resident
+// launch's kv_for(D), so that the registers, and with them the rows resident per multiprocessor, follow the row length
+// (bf16 rows of 3072: 48 registers at kKv 6, 78 when every D held kVecsPerThreadMax; 22.6 against 30.0 us at
+// 4096 x 3072 on the H200, cd192d2); 0: the probe's kernel, which holds kVecsPerThreadMax and reads its variant from
+// the arguments (uniform branches). (A grid-stride launch of the resident
 // blocks, each prefetching its next row into L2 while reducing the current one, timed the same on the H200 at
 // 4f6d200: 29.8 us at 4096 x 3072 bf16, 46% of copy; so did one warp per row, emulating the block's four warps,
 // slower at 36.5 us, 2e9fc06.) S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or
