@@ -756,6 +756,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rmsnorm_scale_cuda(Tensor x, Tensor weight, Tensor scale, float eps) -> Tensor");
   m.def("_rmsnorm_scale_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, float eps) -> ()");
   m.def("_rmsnorm_rope_complex_cuda(Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, float eps) -> Tensor");
+  m.def("_rmsnorm_rope_complex_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor freqs, int heads, int tokens, "
+        "float eps) -> ()");
   m.def("_rmsnorm_rope_real_cuda(Tensor x, Tensor weight, Tensor cos, Tensor sin, int heads, int tokens, float eps) -> "
         "Tensor");
   m.def("_rmsnorm_plain_cuda(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -804,6 +806,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_scale_cuda", &diffusers_fastpath::rmsnorm_scale);
   m.impl("_rmsnorm_scale_cuda_out", &diffusers_fastpath::rmsnorm_scale_out);
   m.impl("_rmsnorm_rope_complex_cuda", &diffusers_fastpath::rmsnorm_rope_complex);
+  m.impl("_rmsnorm_rope_complex_cuda_out", &diffusers_fastpath::rmsnorm_rope_complex_out);
   m.impl("_rmsnorm_rope_real_cuda", &diffusers_fastpath::rmsnorm_rope_real);
   m.impl("_rmsnorm_plain_cuda", &diffusers_fastpath::rmsnorm_plain);
   m.impl("_rmsnorm_gated_residual_cuda", &diffusers_fastpath::rmsnorm_gated_residual);

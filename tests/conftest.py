@@ -149,6 +149,19 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(rmsnorm_module.RMSNORM, "guard", _as_if_on_cuda(rmsnorm_module.RMSNORM.guard))
     monkeypatch.setattr(rmsnorm_module, "_launch", lambda x, weight, eps: _rms_norm(x, weight, eps).contiguous())
+    # the two streams' QK norm + rotary written into their joint tensor: its own kernel wrapper (the slices of the
+    # joint output), each launch replaced by the eager chain of its rows written into its `out` slice
+    from diffusers_fastpath.ops import rmsnorm_rope as rmsnorm_rope_module
+    from diffusers_fastpath.ops.rmsnorm_rope import RMSNORM_ROPE_COMPLEX_CAT, rope_complex
+
+    def rope_complex_rows_out(out, x, weight, pairs, heads, tokens, eps):
+        rows, _, dim = x.shape
+        freqs = torch.view_as_complex(pairs.unflatten(-1, (-1, 2)))
+        y = rope_complex(_rms_norm(x.view(-1, tokens, heads, dim), weight, eps), freqs[0] if len(freqs) == 1 else freqs)
+        out.copy_(y.reshape(rows, 1, dim))
+
+    monkeypatch.setattr(RMSNORM_ROPE_COMPLEX_CAT, "guard", _as_if_on_cuda(RMSNORM_ROPE_COMPLEX_CAT.guard))
+    monkeypatch.setattr(rmsnorm_rope_module, "_launch_out", rope_complex_rows_out)
 
 
 def _as_if_on_cuda(guard):

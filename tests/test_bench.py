@@ -400,7 +400,7 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
                 "rotary_emb", "qk_norm_rope", "qk_norm_rope (text+image)", "linear_gelu (high)", "gelu_cat"}
     sd3_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm (image q)", "rmsnorm (text q)", "cat_heads"}
     qwen_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm_rope_complex (image q)",
-                "rmsnorm_rope_complex (text q)"}
+                "rmsnorm_rope_complex (text q)", "rmsnorm_rope_complex_cat (text+image q)"}
     for model, ops in (("flux-dev", flux_ops), ("ernie-image", {"rmsnorm_scale_shift", "gated_rmsnorm_scale_shift"}),
                        ("sd3-tiny", sd3_ops),  # SD3's head_dim 64 at 1024x1024's 4096 image tokens
                        ("qwen-image-tiny", qwen_ops), ("ltx-video-tiny", {"rmsnorm_modulate", "rotary_emb_rows (q)"}),

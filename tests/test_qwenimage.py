@@ -23,11 +23,14 @@ from diffusers_fastpath.testing import (SimulatedGraphs, assert_compiles_fullgra
 
 
 def sites(blocks: int) -> dict[str, int]:
-    # rmsnorm_rope_complex: one site per attention module, four calls (the two streams' q and k)
-    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks, "rmsnorm_rope_complex": blocks}
+    # per attention module: rmsnorm_rope_complex (each stream's q and k on its own) and rmsnorm_rope_complex_cat (both
+    # streams' q, then k, written into their joint concatenation)
+    return {"layernorm_scale_shift": 4 * blocks, "gated_residual": 4 * blocks, "rmsnorm_rope_complex": blocks,
+            "rmsnorm_rope_complex_cat": blocks}
 
 
-CALLS = {"rmsnorm_rope_complex": 4}
+CALLS = {"rmsnorm_rope_complex": 0, "rmsnorm_rope_complex_cat": 2}  # batch 1: q and k each one joint call
+CALLS_BATCHED = {"rmsnorm_rope_complex": 4, "rmsnorm_rope_complex_cat": 0}  # above: the streams' slices are strided
 
 
 def run(model, inputs):
@@ -119,14 +122,16 @@ def test_patched_matches_unpatched_bitwise(dtype, batch, padding):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_qwenimage_transformer(seed=3)
-    assert_patched_step_exact_and_fused(model, qwenimage_transformer_inputs(model, batch=batch, seed=4), sites(2), CALLS)
+    assert_patched_step_exact_and_fused(model, qwenimage_transformer_inputs(model, batch=batch, seed=4), sites(2),
+                                        CALLS if batch == 1 else CALLS_BATCHED)
 
 
 def test_pipeline_generation_with_cfg_is_identical_and_fused(emulated_kernels):
     """A 3-step ``QwenImagePipeline`` generation with true CFG (a padded prompt, a negative prompt of another length):
     md5-identical latents, every site of the transformer on its fast path."""
     pipe = qwenimage_pipeline(build_qwenimage_transformer(seed=12))
-    assert_pipeline_generation_exact_and_fused(pipe, dict(**qwenimage_prompt_embeddings(pipe), true_cfg_scale=4.0))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(**qwenimage_prompt_embeddings(pipe), true_cfg_scale=4.0),
+                                               idle=("rmsnorm_rope_complex",))
 
 
 def test_per_token_modulation_runs_diffusers_modulate_and_says_why(emulated_kernels, unpatch_after):
@@ -149,7 +154,8 @@ def test_per_token_modulation_runs_diffusers_modulate_and_says_why(emulated_kern
 def test_qk_norms_that_cannot_run_fused_run_as_written_and_say_why(emulated_kernels, monkeypatch, unpatch_after):
     """A forward hook on one attention's ``norm_q`` (it runs; the output is the unpatched model's with the same hook),
     or an ``apply_rotary_emb_qwen`` whose installed source this package has not checked: the norms and the rotary
-    run as written and the QK norm + rotary site counts why."""
+    run as written and the QK norm + rotary site counts why (its partner in the joint concatenation then runs fused on
+    its own)."""
     from diffusers_fastpath.models import _chain_calls
 
     ref, model = build_qwenimage_transformer(seed=7), build_qwenimage_transformer(seed=7)
@@ -162,16 +168,17 @@ def test_qk_norms_that_cannot_run_fused_run_as_written_and_say_why(emulated_kern
     unpatch_after(model)
     assert torch.equal(run(model, inputs), expected) and len(calls) == 2
 
-    def rows():
-        return {s.site: s for s in fp.report(model).sites if s.op == "rmsnorm_rope_complex"}
+    def rows(block, op="rmsnorm_rope_complex"):
+        return {s.site: s for s in fp.report(model).sites}[f"transformer_blocks.{block}.attn:{op}"]
 
-    hooked, free = rows()["transformer_blocks.0.attn:rmsnorm_rope_complex"], rows()["transformer_blocks.1.attn:rmsnorm_rope_complex"]
-    assert (hooked.fast, dict(hooked.reasons)) == (3, {"norm has hooks": 1})  # the other three norms have none
-    assert (free.fast, free.fallback) == (4, 0)
+    hooked, hooked_joint = rows(0), rows(0, "rmsnorm_rope_complex_cat")
+    assert (hooked.fast, dict(hooked.reasons)) == (1, {"norm has hooks": 1})  # the text q, alone; the k pair joint
+    assert (hooked_joint.fast, hooked_joint.fallback) == (1, 0)
+    assert (rows(1).fast, rows(1).fallback, rows(1, "rmsnorm_rope_complex_cat").fast) == (0, 0, 2)
     monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", set())  # as if the installed function's digest differed
     assert torch.equal(run(model, inputs), expected)
-    free = rows()["transformer_blocks.1.attn:rmsnorm_rope_complex"]
-    assert (free.fast, dict(free.reasons)) == (4, {"apply_rotary_emb_qwen is not the rotary this package checked": 4})
+    assert (rows(1).fast, dict(rows(1).reasons)) == (0, {"apply_rotary_emb_qwen is not the rotary this package checked": 4})
+    assert rows(1, "rmsnorm_rope_complex_cat").fast == 2  # the first forward's
 
 
 def test_unpatch_pickle_and_state_dict():

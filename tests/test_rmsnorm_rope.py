@@ -114,6 +114,110 @@ def test_custom_op_opcheck_cpu():
                            rmsnorm_rope_complex_ref(norm, x, freqs))
 
 
+# --- the two streams written into their joint concatenation (Qwen-Image's q and k) -------------------------------
+
+from diffusers_fastpath.ops import rmsnorm_rope_complex_cat, rmsnorm_rope_complex_cat_ref  # noqa: E402
+from diffusers_fastpath.ops.rmsnorm_rope import RMSNORM_ROPE_COMPLEX_CAT  # noqa: E402
+
+# (text tokens, image tokens, heads): Qwen-Image at 1024x1024, and an odd small one
+CAT_SHAPES = [(512, 4096, 24), (9, 11, 2)]
+
+
+def make_streams(tokens_a, tokens_b, heads, dtype, device, seed):
+    (norm_a, x_a, f_a), (norm_b, x_b, f_b) = (make((1, n, heads, 128), dtype, device, seed + i)
+                                              for i, n in enumerate((tokens_a, tokens_b)))
+    return norm_a, x_a, f_a, norm_b, x_b, f_b
+
+
+def test_cat_reference_is_the_processors_chain():
+    """The reference is Qwen-Image's lines: each stream's ``apply_rotary_emb_qwen(norm(x), f)``, then the cat."""
+    norm_a, x_a, f_a, norm_b, x_b, f_b = make_streams(5, 11, 3, torch.bfloat16, "cpu", 3)
+    with torch.no_grad():
+        expected = torch.cat([apply_rotary_emb_qwen(norm_a(x_a), f_a, use_real=False),
+                              apply_rotary_emb_qwen(norm_b(x_b), f_b, use_real=False)], dim=1)
+        assert torch.equal(rmsnorm_rope_complex_cat_ref(norm_a, x_a, f_a, norm_b, x_b, f_b), expected)
+
+
+def test_cat_kernel_writes_each_stream_into_its_slice(emulated_kernels):
+    """The fast path's own wrapper on a CPU (each launch emulated by the eager chain of its rows): two launches, each
+    into the contiguous slice of the joint tensor its stream's rows belong to, the whole equal to the reference."""
+    from diffusers_fastpath.ops import rmsnorm_rope as module
+
+    launches = []
+    emulated = module._launch_out
+
+    def recording(out, *args):
+        launches.append((out.data_ptr(), out.shape))
+        emulated(out, *args)
+
+    module._launch_out = recording
+    args = make_streams(9, 11, 2, torch.bfloat16, "cpu", 4)
+    site, single = Site("rmsnorm_rope_complex_cat"), Site("rmsnorm_rope_complex")
+    with torch.no_grad():
+        out = rmsnorm_rope_complex_cat(*args, site, single)
+        assert torch.equal(out, rmsnorm_rope_complex_cat_ref(*args))
+    row = 2 * 128 * out.element_size()  # one token's heads
+    assert launches == [(out.data_ptr(), (18, 1, 128)), (out.data_ptr() + 9 * row, (22, 1, 128))]
+    assert (site.fast, site.fallback, single.fast, single.fallback) == (1, {}, 0, {})
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("batch", "batch above 1 (the streams' slices of the joint tensor are strided)"),
+    ("dtypes", "streams of different heads, dtypes or devices"), ("few", "fewer than 16 rows")])
+def test_cat_guard_falls_back_to_the_single_op_with_reason(case, reason, emulated_kernels):
+    """What the joint kernel does not take runs each stream through `rmsnorm_rope_complex` (fused where it can, and
+    counted on the single op's site), then ``torch.cat``; the joint site counts why."""
+    norm_a, x_a, f_a, norm_b, x_b, f_b = make_streams(9, 11, 2, torch.bfloat16, "cpu", 5)
+    if case == "batch":
+        (norm_a, x_a, f_a), (norm_b, x_b, f_b) = (make((2, n, 2, 128), torch.bfloat16, "cpu", 6) for n in (9, 11))
+    elif case == "dtypes":  # (torch.cat promotes them; streams of different heads it refuses, as the guard does)
+        norm_b, x_b, f_b = make((1, 11, 2, 128), torch.float16, "cpu", 6)
+    elif case == "few":
+        norm_a, x_a, f_a = make((1, 3, 2, 128), torch.bfloat16, "cpu", 6)
+    site, single = Site("rmsnorm_rope_complex_cat"), Site("rmsnorm_rope_complex")
+    with torch.no_grad():
+        assert RMSNORM_ROPE_COMPLEX_CAT.guard(norm_a, x_a, f_a, norm_b, x_b, f_b, single) == reason
+        assert torch.equal(rmsnorm_rope_complex_cat(norm_a, x_a, f_a, norm_b, x_b, f_b, site, single),
+                           rmsnorm_rope_complex_cat_ref(norm_a, x_a, f_a, norm_b, x_b, f_b))
+    assert site.fast == 0 and site.fallback == {reason: 1}
+    assert single.fast + sum(single.fallback.values()) == 2  # each stream once through the single op
+
+
+def test_cat_custom_op_opcheck_cpu():
+    norm_a, x_a, f_a, norm_b, x_b, f_b = make_streams(7, 9, 2, torch.bfloat16, "cpu", 7)
+    op = torch.ops.diffusers_fastpath.rmsnorm_rope_complex_cat.default
+    torch.library.opcheck(op, (x_a, norm_a.weight.detach(), f_a, 1e-6, x_b, norm_b.weight.detach(), f_b, 1e-6))
+    with torch.no_grad():
+        assert torch.equal(op(x_a, norm_a.weight, f_a, 1e-6, x_b, norm_b.weight, f_b, 1e-6),
+                           rmsnorm_rope_complex_cat_ref(norm_a, x_a, f_a, norm_b, x_b, f_b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens_a, tokens_b, heads", CAT_SHAPES, ids=str)
+def test_cat_matches_eager_bitwise_on_the_gpu(tokens_a, tokens_b, heads, dtype):
+    """The raw ``_out`` launches into the slices of a NaN-poisoned joint tensor, and the public op: `torch.equal` to
+    the processor's chain at Qwen-Image's shapes."""
+    from diffusers_fastpath.ops._build import load_extension
+    from diffusers_fastpath.ops.rmsnorm_rope import _pairs
+
+    load_extension()
+    with torch.no_grad():
+        for seed in range(2):
+            args = make_streams(tokens_a, tokens_b, heads, dtype, "cuda", seed)
+            ref = rmsnorm_rope_complex_cat_ref(*args)
+            out = torch.full((1, tokens_a + tokens_b, heads, 128), float("nan"), dtype=dtype, device="cuda")
+            for (norm, x, freqs), part in zip((args[:3], args[3:]), (out[:, :tokens_a], out[:, tokens_a:])):
+                torch.ops.diffusers_fastpath._rmsnorm_rope_complex_cuda_out(
+                    part.view(-1, 1, 128), x.view(-1, 1, 128), norm.weight, _pairs(freqs), heads, x.shape[1], norm.eps)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref)
+            site = Site("rmsnorm_rope_complex_cat")
+            assert torch.equal(rmsnorm_rope_complex_cat(*args, site), ref)
+            assert site.fast == 1 and not site.fallback, site
+    assert RMSNORM_ROPE_COMPLEX_CAT.disabled is None
+
+
 # --- the real form (HunyuanVideo-1.5, Bria-FIBO's single blocks) ---------------------------------------------------
 
 from diffusers.models.embeddings import apply_rotary_emb, get_1d_rotary_pos_embed  # noqa: E402

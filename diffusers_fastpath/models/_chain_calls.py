@@ -15,7 +15,7 @@ from torch import nn
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
                    layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope,
                    qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
-                   rmsnorm_rope_complex, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
+                   rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
 from ..quality import hooked
 from ._rope_cache import derived
@@ -151,6 +151,26 @@ def _kept_on_table(mask, table, key: tuple, compute):
                    valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
 
 
+def _complex_waits(x, freqs, local: bool) -> bool:
+    """Whether `x` is a pending QK norm (of ``[B, S, H, D]``) whose complex-form rotary by `freqs` has the factor
+    layout `rmsnorm_rope_complex` computes (``[B, S, D/2]`` for a processor-local function, ``[S, D/2]`` else)."""
+    return (isinstance(x, _NormLater) and not x.heads and isinstance(freqs, torch.Tensor)
+            and freqs.dim() == (3 if local else 2))
+
+
+class _RotatedLater:
+    """``fn(norm(x), freqs, use_real=False)`` not yet run: a pending norm's complex-form rotary that only a joint
+    concatenation reads (the rewriter's joint form), run by `rmsnorm_rope_complex` once that concatenation is known."""
+
+    __slots__ = ("x", "freqs", "site")
+
+    def __init__(self, x: _NormLater, freqs: torch.Tensor, site) -> None:
+        self.x, self.freqs, self.site = x, freqs, site
+
+    def run(self) -> torch.Tensor:
+        return rmsnorm_rope_complex(self.x.norm, self.x.x, self.freqs, self.site)
+
+
 def _materialize(x):
     """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
     if isinstance(x, _NormLater):
@@ -260,14 +280,30 @@ class _ChainsNamespace:
         # (Z-Image's local function unsqueezes freqs at dim 2: the op's [B, S, D/2] form only; apply_rotary_emb_qwen
         # unsqueezes dim 1, which is the op's broadcast for [S, D/2] factors only: [B, S, D/2] ones broadcast
         # differently there, and run as written)
-        if (isinstance(x, _NormLater) and not x.heads and isinstance(freqs, torch.Tensor)
-                and freqs.dim() == (3 if local else 2)):
+        if _complex_waits(x, freqs, local):
             reason = rotary_complex_unfit(None if local else fn, x.norm)
             if reason is None:
                 return rmsnorm_rope_complex(x.norm, x.x, freqs, site)
             if site is not None:
                 site.fallback[reason] += 1
         return fn(_materialize(x), freqs) if local else fn(_materialize(x), freqs, use_real=False)
+
+    @staticmethod
+    def rotary_complex_later(fn, x, freqs, site, local=False):
+        # the joint form's rotary (a stream's q or k that only their concatenation reads): where `rotary_complex` would
+        # run `rmsnorm_rope_complex`, that waits for `cat_rotated`; otherwise `rotary_complex` runs now
+        if not local and _complex_waits(x, freqs, local) and rotary_complex_unfit(fn, x.norm) is None:
+            return _RotatedLater(x, freqs, site)
+        return _ChainsNamespace.rotary_complex(fn, x, freqs, site, local)
+
+    @staticmethod
+    def cat_rotated(a, b, site):
+        # ``torch.cat([a, b], dim=1)`` of two streams' rotated q (or k): at batch 1 both written into the joint tensor
+        # by one op; otherwise each as its rotary would have run (a pending norm where the rotary was skipped)
+        if (isinstance(a, _RotatedLater) and isinstance(b, _RotatedLater) and a.x.x.dim() == b.x.x.dim() == 4
+                and a.x.x.shape[0] == b.x.x.shape[0] == 1):
+            return rmsnorm_rope_complex_cat(a.x.norm, a.x.x, a.freqs, b.x.norm, b.x.x, b.freqs, site, a.site)
+        return torch.cat([t.run() if isinstance(t, _RotatedLater) else _materialize(t) for t in (a, b)], dim=1)
 
     @staticmethod
     def rotary_rows(fn, x, freqs, site, qk_site=None):

@@ -45,7 +45,7 @@ from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
-                        RMS_SCALE, RMSNORM_ROPE, RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
+                        RMS_SCALE, RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
@@ -192,6 +192,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                     state.add_site(module, QK_NORM_ROWS, name=QK_NORM_ROWS)
             if found.rotary_complex and norm is RMSNorm:
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
+                if found.rotary_cats:  # the streams' q and k written into their concatenations (Qwen-Image)
+                    state.add_site(module, RMSNORM_ROPE_CAT, name=RMSNORM_ROPE_CAT)
             if found.head_cats:
                 state.add_site(module, CAT_HEADS, name=CAT_HEADS)
             for attr in found.swiglu_cats:

@@ -84,6 +84,10 @@ of ``self``):
   - ``Q = NAME(X, F, ...)``  ->  ``Q = rotary_complex(NAME, X, F, site, local)``; the QK norms before it wait as in
     the form above, and a pending diffusers ``RMSNorm`` without hooks runs with the rotary as one op (site
     ``rmsnorm_rope_complex`` on the attention module; Qwen-Image, Z-Image)
+  - the joint form (module functions): ``J = torch.cat([A, B], dim=1)`` after the last rotary statement, of two such
+    ``Q`` that nothing else reads afterwards  ->  ``J = cat_rotated(A, B, site)`` and their rotary calls
+    ``rotary_complex_later``: the two streams' norms and rotary written into the joint tensor by
+    `diffusers_fastpath.ops.rmsnorm_rope_complex_cat` (site ``rmsnorm_rope_complex_cat``; Qwen-Image's q and k)
 - rows-form rotary embedding, into `diffusers_fastpath.ops.rotary_emb_rows` (exact by construction; the fallback is
   the function itself), in processors whose adapter names it: ``rows_rotary="apply_rotary_emb"`` (LTX-Video's module
   function, called ``NAME(X, F)`` with ``F = (cos, sin)`` over ``[B, S, C]`` rows; its source checked by digest at
@@ -210,6 +214,7 @@ RMS_SCALE = "rmsnorm_scale"  # a sandwich norm's input side: norm(x) * scale
 RMS_GATED = "rmsnorm_gated_residual"  # its output side: residual + gate * norm(x)
 SWIGLU_CAT = "swiglu_cat"
 RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
+RMSNORM_ROPE_CAT = "rmsnorm_rope_complex_cat"  # ... of two streams' q (or k) written into their joint concatenation
 RMSNORM_ROPE_REAL = "rmsnorm_rope_real"  # ... diffusers' RMSNorm + the real-form rotary (HunyuanVideo-1.5)
 _GELU_FLAG = "_fastpath_gelu_in_cat"  # the local the rewritten forward decides the GELU's place in
 _SWIGLU_FLAG = "_fastpath_swiglu_in_cat"  # the same for the SwiGLU + concatenation form
@@ -238,6 +243,7 @@ class Rewrite:
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
+    rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32
@@ -638,12 +644,59 @@ class _Rewriter:
                     allowed.add(id(node.args[0]))
         if not _PendingReads(allowed).clean(new[:last + 1]):
             return body  # a pending name read elsewhere before the rotary: the norms run as written
+        joint = self._rotary_cats(new, last, deferred) if self.complex_rotary and not self.local_rotary else set()
         later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
                             value=_call("materialize", [ast.Name(name, ast.Load())]))
-                 for name in sorted(deferred) if _reads_after(new[last + 1:], name)]
+                 for name in sorted(deferred - joint) if _reads_after(new[last + 1:], name)]
         self.found.qk_norms = order
         head = self._rows_pairs(new[:last + 1])
         return [*head, *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
+
+    def _rotary_cats(self, new: list[ast.stmt], last: int, deferred: set[str]) -> set[str]:
+        """The joint form over the QK-norm form's `new` body (its last rotary statement at `last`): each top-level
+        ``J = torch.cat([A, B], dim=1)`` after it of two names with pending norms that their complex-form rotary
+        (``A = rotary_complex(F, A, E, s, False)``, the last binding of A before) rotates and nothing but this
+        concatenation reads afterwards -> ``J = cat_rotated(A, B, joint_site)`` and those rotary calls ->
+        ``rotary_complex_later``: Qwen-Image's text and image q (and k), whose kernel then writes both into the
+        joint tensor. Rewrites `new` in place; returns the names that now wait for their concatenation."""
+        after = new[last + 1:]
+
+        def loads(name: str) -> int:
+            return sum(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+                       for stmt in after for n in ast.walk(stmt))
+
+        rotaries: dict[str, list[tuple[int, ast.Call]]] = {}  # name -> (line, call) of its rotary assignments
+        stores: dict[str, list[int]] = {}
+        for stmt in new[:last + 1]:
+            for node in ast.walk(stmt):
+                target = _single_target(node) if isinstance(node, ast.Assign) else None
+                if (target is not None and _ns_call(node.value, "rotary_complex")
+                        and isinstance(node.value.args[1], ast.Name) and node.value.args[1].id == target):
+                    rotaries.setdefault(target, []).append((node.lineno, node.value))
+                if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                    stores.setdefault(node.id, []).append(node.lineno)
+
+        def rotated(name: str) -> ast.Call | None:
+            calls = rotaries.get(name, [])
+            if len(calls) == 1 and calls[0][0] == max(stores[name]):
+                return calls[0][1]
+            return None
+
+        joint: set[str] = set()
+        for i, stmt in enumerate(after):
+            target = _single_target(stmt) if isinstance(stmt, ast.Assign) else None
+            pair = _cat_names(stmt.value, 1) if target is not None else None
+            if (pair is None or pair[0] == pair[1] or target in pair or not set(pair) <= deferred - joint
+                    or any(loads(n) != 1 or rotated(n) is None for n in pair)):
+                continue
+            for name in pair:
+                rotated(name).func.attr = "rotary_complex_later"
+            call = _call("cat_rotated", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()),
+                                         _site_of(ast.Name(self.owner, ast.Load()), RMSNORM_ROPE_CAT)])
+            new[last + 1 + i] = ast.copy_location(ast.Assign(targets=stmt.targets, value=call), stmt)
+            joint.update(pair)
+            self.found.rotary_cats += 1
+        return joint
 
     def _rows_pairs(self, body: list[ast.stmt]) -> list[ast.stmt]:
         """``Q = rotary_rows(F, Q, E, s, qk)`` directly followed by ``K = rotary_rows(F, K, E, s, qk)`` (the same

@@ -23,11 +23,14 @@ first replay is then checked against the eager forward as for every graph.
 The attention processor (``QwenDoubleStreamAttnProcessor2_0``) is rewritten too: each of its four QK norms
 (diffusers' ``RMSNorm`` over each head) waits for the ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` that
 follows it, and the two run as the fused `rmsnorm_rope_complex` (the rewriter's QK-norm form; the installed
-``apply_rotary_emb_qwen`` checked by digest; where the norm cannot run fused, both run as written).
+``apply_rotary_emb_qwen`` checked by digest; where the norm cannot run fused, both run as written). The text and
+image q that ``torch.cat([txt_query, img_query], dim=1)`` joins (and k) wait for that concatenation, and the kernel
+writes both streams into the joint tensor (`rmsnorm_rope_complex_cat`, the rewriter's joint form; at batch 1, where
+each stream's part of it is contiguous; above, each stream runs fused on its own and the concatenation as written).
 
-Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites, 60 QK norm + rotary sites
-(four calls each). Not fused yet (issue 14): the joint concatenation of the streams' q, k and v, the FFN GELUs, the
-output ``AdaLayerNormContinuous``.
+Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites, per attention one QK norm +
+rotary site and one joint site (q and k: two calls at batch 1). Not fused yet (issue 14): the concatenation of v, the
+FFN GELUs, the output ``AdaLayerNormContinuous``.
 """
 
 from __future__ import annotations

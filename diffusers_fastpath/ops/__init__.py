@@ -22,7 +22,8 @@ from .rmsnorm_scale_shift import (
     rmsnorm_scale_shift,
     rmsnorm_scale_shift_ref,
 )
-from .rmsnorm_rope import rmsnorm_rope_complex, rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref
+from .rmsnorm_rope import (rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_complex_cat_ref,
+                           rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref)
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
                      rotary_emb_wan_ref)
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
@@ -63,6 +64,8 @@ __all__ = [
     "rmsnorm_modulate_ref",
     "rmsnorm_ref",
     "rmsnorm_rope_complex",
+    "rmsnorm_rope_complex_cat",
+    "rmsnorm_rope_complex_cat_ref",
     "rmsnorm_rope_complex_ref",
     "rmsnorm_rope_real",
     "rmsnorm_rope_real_ref",

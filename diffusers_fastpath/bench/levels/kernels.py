@@ -354,6 +354,19 @@ def rmsnorm_rope_complex_cases(sh: Shapes) -> list[KernelCase]:
             lambda x, rows, freqs=freqs: rmsnorm_rope_complex_ref(norm, x, freqs).view(rows.shape),
             lambda x, rows, pairs=pairs, tokens=tokens: op(rows, norm.weight, pairs, heads, tokens, norm.eps),
             2 * _nbytes(x) + _nbytes(freqs)))
+    if b == 1:  # both streams written into their joint concatenation (the processor's torch.cat of q, and of k)
+        from ...ops.rmsnorm_rope import _cat_kernel, rmsnorm_rope_complex_cat_ref
+
+        f_txt, f_img = (torch.polar(torch.ones(n, dim // 2, device=sh.device),
+                                    torch.rand(n, dim // 2, device=sh.device) * 100)
+                        for n in (sh.text_tokens, sh.image_tokens))
+        sets = _input_sets(lambda: (sh.randn(1, sh.text_tokens, heads, dim), sh.randn(1, sh.image_tokens, heads, dim)))
+        txt, img = sets[0]
+        cases.append(KernelCase(
+            "rmsnorm_rope_complex_cat (text+image q)", (1, sh.text_tokens + sh.image_tokens, heads, dim), sets,
+            lambda t, i: rmsnorm_rope_complex_cat_ref(norm, t, f_txt, norm, i, f_img),
+            lambda t, i: _cat_kernel(norm, t, f_txt, norm, i, f_img),
+            2 * (_nbytes(txt) + _nbytes(img)) + _nbytes(f_txt) + _nbytes(f_img)))
     return cases
 
 
