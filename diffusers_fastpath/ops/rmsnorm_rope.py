@@ -251,8 +251,8 @@ def _rmsnorm_rope_complex_cat_op(x_a: torch.Tensor, weight_a: torch.Tensor, freq
     args = (_Norm(weight_a, eps_a), x_a, freqs_a, _Norm(weight_b, eps_b), x_b, freqs_b)
     if _cat_guard(*args) is None:
         return _cat_kernel(*args)
-    return torch.cat([rope_complex(_rms_norm(x_a, weight_a, eps_a), freqs_a),
-                      rope_complex(_rms_norm(x_b, weight_b, eps_b), freqs_b)], dim=1)
+    return torch.cat([_rmsnorm_rope_complex_op(x_a, weight_a, freqs_a, eps_a),
+                      _rmsnorm_rope_complex_op(x_b, weight_b, freqs_b, eps_b)], dim=1)  # each stream's own op
 
 
 @_rmsnorm_rope_complex_cat_op.register_fake

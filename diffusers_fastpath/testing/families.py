@@ -437,10 +437,8 @@ def qwenimage_prompt_embeddings(pipe, lengths=(12, 9), padding=2, seed=2):
     gen = torch.Generator().manual_seed(seed)
     cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
     pos, neg = (torch.randn(1, n, cfg.joint_attention_dim, generator=gen).to(device, dtype) for n in lengths)
-    pos_mask = (torch.arange(lengths[0]) < lengths[0] - padding).long()[None].to(device)
-    neg_mask = torch.ones(1, lengths[1], dtype=torch.long, device=device)
-    return dict(prompt_embeds=pos, prompt_embeds_mask=pos_mask, negative_prompt_embeds=neg,
-                negative_prompt_embeds_mask=neg_mask)
+    return dict(prompt_embeds=pos, prompt_embeds_mask=_text_mask(1, lengths[0], padding).to(device),
+                negative_prompt_embeds=neg, negative_prompt_embeds_mask=_text_mask(1, lengths[1], 0).to(device))
 
 
 def wan_pipeline(transformer):
@@ -467,10 +465,8 @@ def ltx_prompt_embeddings(pipe, tokens=12, padding=3, seed=2):
     gen = torch.Generator().manual_seed(seed)
     cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
     pos, neg = (torch.randn(1, tokens, cfg.caption_channels, generator=gen).to(device, dtype) for _ in range(2))
-    pos_mask = (torch.arange(tokens) < tokens - padding).long()[None].to(device)
-    neg_mask = torch.ones(1, tokens, dtype=torch.long, device=device)
-    return dict(prompt_embeds=pos, prompt_attention_mask=pos_mask, negative_prompt_embeds=neg,
-                negative_prompt_attention_mask=neg_mask)
+    return dict(prompt_embeds=pos, prompt_attention_mask=_text_mask(1, tokens, padding).to(device),
+                negative_prompt_embeds=neg, negative_prompt_attention_mask=_text_mask(1, tokens, 0).to(device))
 
 
 def hunyuan_video_pipeline(transformer):
@@ -493,11 +489,11 @@ def hunyuan_video_prompt_embeddings(pipe, tokens=12, padding=3, seed=2):
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
-    pos_mask = (torch.arange(tokens) < tokens - padding).long()[None].to(device)
-    return dict(prompt_embeds=rand(1, tokens, cfg.text_embed_dim), prompt_attention_mask=pos_mask,
+    return dict(prompt_embeds=rand(1, tokens, cfg.text_embed_dim),
+                prompt_attention_mask=_text_mask(1, tokens, padding).to(device),
                 pooled_prompt_embeds=rand(1, cfg.pooled_projection_dim),
                 negative_prompt_embeds=rand(1, tokens, cfg.text_embed_dim),
-                negative_prompt_attention_mask=torch.ones(1, tokens, dtype=torch.long, device=device),
+                negative_prompt_attention_mask=_text_mask(1, tokens, 0).to(device),
                 negative_pooled_prompt_embeds=rand(1, cfg.pooled_projection_dim))
 
 
@@ -524,8 +520,8 @@ def hunyuan_video15_prompt_embeddings(pipe, tokens=12, valid=9, tokens_2=6, vali
     def embeds(n, dim):
         return torch.randn(1, n, dim, generator=gen).to(device, dtype)
 
-    def mask(n, v):
-        return (torch.arange(n) < v).long()[None].to(device)
+    def mask(n, v):  # the first v of n tokens real
+        return _text_mask(1, n, n - v).to(device)
 
     return dict(prompt_embeds=embeds(tokens, cfg.text_embed_dim), prompt_embeds_mask=mask(tokens, valid),
                 negative_prompt_embeds=embeds(tokens, cfg.text_embed_dim),
