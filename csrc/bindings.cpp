@@ -447,20 +447,22 @@ at::Tensor rmsnorm_gated_residual(const at::Tensor& residual, const at::Tensor& 
 
 // Qwen-Image's QK norm + complex rotary: x the [batch * tokens * heads, 1, dim] rows of a contiguous
 // [batch, tokens, heads, dim] q or k; freqs the float32 view of the complex64 [batch or 1, tokens, dim / 2] factors
-// ([..., dim] floats, pairs adjacent).
+// ([..., dim] floats, pairs adjacent), or the float64 view of complex128 ones (Lumina2's: kRopeComplex128).
 void rmsnorm_rope_complex_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& freqs,
                               int64_t heads, int64_t tokens, double eps) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && heads > 0 && tokens > 0 && x.size(0) % (heads * tokens) == 0,
               "rmsnorm_rope_complex: x must be [batch * tokens * heads, 1, dim]");
   const int64_t batch = x.size(0) / (heads * tokens);
-  TORCH_CHECK(freqs.is_cuda() && freqs.device() == x.device() && freqs.scalar_type() == at::kFloat &&
+  const bool wide = freqs.scalar_type() == at::kDouble;
+  TORCH_CHECK(freqs.is_cuda() && freqs.device() == x.device() && (wide || freqs.scalar_type() == at::kFloat) &&
                   freqs.dim() == 3 && (freqs.size(0) == 1 || freqs.size(0) == batch) && freqs.size(1) == tokens &&
                   freqs.size(2) == x.size(2) && freqs.stride(2) == 1 && freqs.stride(1) % 2 == 0 &&
-                  freqs.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(freqs.data_ptr()) % 8 == 0,
-              "rmsnorm_rope_complex: freqs must be the float32 [batch or 1, tokens, dim] view of complex pairs");
+                  freqs.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(freqs.data_ptr()) % (wide ? 16 : 8) == 0,
+              "rmsnorm_rope_complex: freqs must be the float32 (float64) [batch or 1, tokens, dim] view of complex64 "
+              "(complex128) pairs");
   const Rows pairs{freqs.data_ptr(), freqs.stride(1) / 2, freqs.size(0) == 1 ? 0 : freqs.stride(0) / 2};
   rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, std::nullopt, std::nullopt, std::nullopt,
-                 RmsEpilogue::kRopeComplex, eps, pairs, heads, tokens);
+                 wide ? RmsEpilogue::kRopeComplex128 : RmsEpilogue::kRopeComplex, eps, pairs, heads, tokens);
 }
 
 at::Tensor rmsnorm_rope_complex(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& freqs, int64_t heads,

@@ -146,8 +146,10 @@ enum class RmsEpilogue : int32_t {
   kRopeComplex = 3,    // Qwen-Image's QK norms + complex rotary: (out[2i], out[2i+1]) = round((y[2i] + y[2i+1] j) * f[i])
   kRopeReal = 4,       // HunyuanVideo-1.5's QK norms + real rotary: out = round(y * cos + rotate(y) * sin)
   kPlain = 5,          // SD3's QK norms: out = y
-  kModulate = 6        // LTX-Video: out = round(round(y * round(1 + scale)) + shift); the weight optional (none:
+  kModulate = 6,       // LTX-Video: out = round(round(y * round(1 + scale)) + shift); the weight optional (none:
                        // y = round(x * rstd))
+  kRopeComplex128 = 7  // Lumina2's QK norms + complex rotary by complex128 factors: kRopeComplex in double, then
+                       // round(float(...))
 };
 
 // diffusers RMSNorm followed by an epilogue:
@@ -163,7 +165,7 @@ struct RmsNormScaleShiftArgs {
   Rows scale;          // kScaleShift, kScale
   Rows shift;          // kScaleShift
   Rows residual;       // kGatedResidual: the stream the gated norm is added to
-  Rows freqs;          // kRopeComplex: complex64 (cos, sin) pairs, row (t, b) of [batch or 1, tokens, dim / 2] at
+  Rows freqs;          // kRopeComplex(128): complex64 (complex128) (cos, sin) pairs, row (t, b) of [batch or 1, tokens, dim / 2] at
                        // t * stride_s + b * stride_b (in pairs), for norm row r: t = (r / heads) % tokens,
                        // b = r / (heads * tokens); kRopeReal: the float32 cos table [tokens, dim] (stride_s in floats)
   Rows sin;            // kRopeReal: the float32 sin table, laid out as cos

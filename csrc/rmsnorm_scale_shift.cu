@@ -17,6 +17,10 @@
 //                   use_real=False: view_as_complex(y.float()) * freqs, .type_as(y)): aten's c10::complex multiply
 //                   as nvcc compiled it (examples/complex_rotary_probe.py, H200, torch 2.11: 100% of elements)
 //                   out[2i] = round_T(fma(a, c, -(b * d))), out[2i+1] = round_T(fma(a, d, b * c))
+//   kRopeComplex128: the same with complex128 factors (Lumina2: diffusers' apply_rotary_emb(..., use_real=False) of
+//                   its float64-built table; aten promotes the product to complex128, then .type_as(y) converts
+//                   double -> float -> T): a, b, c, d in double, the same FMA placement (examples/complex_rotary_probe.py
+//                   --complex128, H200, torch 2.11: 100% of elements), out = round_T(float(fma(a, c, -(b * d)))), ...
 //   kRopeReal:      diffusers' apply_rotary_emb(y, (cos, sin), sequence_dim=1), rotate_pair (elementwise.cuh):
 //                   out[2i] = round_T(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i]),
 //                   out[2i+1] = round_T(y[2i+1] * cos[2i+1] + y[2i] * sin[2i+1])   (separate fp32 products and sum)
@@ -92,13 +96,18 @@ struct RowAt {
   int64_t head, token, fb;
 };
 
+// The epilogues that read a rotary table row per norm row.
+__host__ __device__ constexpr bool is_rotary(RmsEpilogue e) {
+  return e == RmsEpilogue::kRopeComplex || e == RmsEpilogue::kRopeComplex128 || e == RmsEpilogue::kRopeReal;
+}
+
 template <RmsEpilogue kEpilogue>
 __device__ __forceinline__ RowAt row_at(const RmsNormScaleShiftArgs& a, int64_t row) {
   RowAt at;
   at.s = row / a.batch;
   at.b = row - at.s * a.batch;
   at.head = at.token = at.fb = 0;
-  if constexpr (kEpilogue == RmsEpilogue::kRopeComplex || kEpilogue == RmsEpilogue::kRopeReal) {
+  if constexpr (is_rotary(kEpilogue)) {
     const int64_t t = row / a.heads;
     at.head = row - t * a.heads;
     at.fb = t / a.tokens;
@@ -114,7 +123,7 @@ __device__ __forceinline__ void next_row(const RmsNormScaleShiftArgs& a, RowAt& 
     at.b = 0;
     ++at.s;
   }
-  if constexpr (kEpilogue == RmsEpilogue::kRopeComplex || kEpilogue == RmsEpilogue::kRopeReal) {
+  if constexpr (is_rotary(kEpilogue)) {
     if (++at.head == a.heads) {
       at.head = 0;
       if (++at.token == a.tokens) {
@@ -156,6 +165,17 @@ __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, cons
       const float2 c = f[p];
       o.v[2 * p] = Storage<T>::store(__fmaf_rn(re, c.x, -__fmul_rn(im, c.y)));
       o.v[2 * p + 1] = Storage<T>::store(__fmaf_rn(re, c.y, __fmul_rn(im, c.x)));
+    }
+  } else if constexpr (kEpilogue == RmsEpilogue::kRopeComplex128) {
+    const double2* f = static_cast<const double2*>(a.freqs.ptr) + at.token * a.freqs.stride_s +
+                       at.fb * a.freqs.stride_b + 2 * q;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const double re = weighted_norm<T>(xq.v[2 * p], rstd, w.v[2 * p]);  // exact: a value of T
+      const double im = weighted_norm<T>(xq.v[2 * p + 1], rstd, w.v[2 * p + 1]);
+      const double2 c = f[p];
+      o.v[2 * p] = Storage<T>::store(__double2float_rn(__fma_rn(re, c.x, -__dmul_rn(im, c.y))));
+      o.v[2 * p + 1] = Storage<T>::store(__double2float_rn(__fma_rn(re, c.y, __dmul_rn(im, c.x))));
     }
   } else if constexpr (kEpilogue == RmsEpilogue::kRopeReal) {
     const float4 c =
@@ -372,6 +392,8 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kGatedResidual><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kRopeComplex) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeComplex><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kRopeComplex128) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeComplex128><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kRopeReal) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kRopeReal><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kPlain) {

@@ -9,12 +9,18 @@ the rounded addend, rounded once to float32) and reports, for the real and the i
 elements that match aten bit for bit. Run it once per torch build; the kernel takes the candidate that matches
 every element (and verifies itself on first use all the same).
 
-    python examples/complex_rotary_probe.py [--rows 65536] [--dim 128]
+``--complex128``: Lumina2's rotary table is complex128 (diffusers builds it in float64), so aten promotes the product
+to complex128 and ``.type_as`` converts the float64 result to the storage dtype; the candidates are then emulated in
+exact rational arithmetic (``fractions.Fraction``: a double FMA's product is not exact in float64) on a sample of
+``--sample`` pairs, and the conversion is checked as float64 -> float32 -> T.
+
+    python examples/complex_rotary_probe.py [--rows 65536] [--dim 128] [--complex128 [--sample 4000]]
 """
 
 from __future__ import annotations
 
 import argparse
+from fractions import Fraction
 
 import torch
 
@@ -39,12 +45,52 @@ def candidates(a, b, c, d):
     return real, imag
 
 
+def fma_exact(a: float, b: float, c: float) -> float:
+    """float64 ``fma(a, b, c)``: the exact rational result, rounded once (``float`` of a ``Fraction`` rounds to
+    nearest even)."""
+    return float(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def probe_complex128(rows: int, dim: int, sample: int, device: str) -> None:
+    """Lumina2's form: ``view_as_complex(x.float()) * freqs`` with complex128 ``freqs``, then ``.type_as(x)``."""
+    gen = torch.Generator(device).manual_seed(0)
+    real = {"ac - bd (no FMA)": lambda a, b, c, d: a * c - b * d,
+            "fma(a, c, -bd)": lambda a, b, c, d: fma_exact(a, c, -(b * d)),
+            "fma(-b, d, ac)": lambda a, b, c, d: fma_exact(-b, d, a * c)}
+    imag = {"ad + bc (no FMA)": lambda a, b, c, d: a * d + b * c,
+            "fma(a, d, bc)": lambda a, b, c, d: fma_exact(a, d, b * c),
+            "fma(b, c, ad)": lambda a, b, c, d: fma_exact(b, c, a * d)}
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(rows, dim, device=device, generator=gen) * 3).to(dtype)
+        angles = torch.rand(rows, dim // 2, device=device, generator=gen, dtype=torch.float64) * 1000
+        freqs = torch.polar(torch.ones_like(angles), angles)  # complex128, as Lumina2's embedder builds it
+        wide = torch.view_as_real(torch.view_as_complex(x.float().reshape(rows, -1, 2)) * freqs)  # float64
+        out = wide.flatten(1).type_as(x)
+        pick = torch.randperm(wide[..., 0].numel(), generator=torch.Generator().manual_seed(1))[:sample]
+        a, b = (x.float().reshape(rows, -1, 2)[..., i].flatten()[pick.to(device)].double().tolist() for i in (0, 1))
+        c, d = (t.flatten()[pick.to(device)].tolist() for t in (freqs.real, freqs.imag))
+        for part, cands, want in (("real", real, wide[..., 0]), ("imag", imag, wide[..., 1])):
+            want = want.flatten()[pick.to(device)].tolist()
+            for name, fn in cands.items():
+                match = sum(fn(*abcd) == w for abcd, w in zip(zip(a, b, c, d), want)) / len(want)
+                print(f"{str(dtype):15s} complex128 {part}: {name:18s} {100 * match:7.3f}% of {len(want)} float64 "
+                      "elements match")
+        via_float = torch.equal(wide.flatten(1).float().to(dtype), out)
+        print(f"{str(dtype):15s} complex128 cast: float64 -> float32 -> {str(dtype).split('.')[-1]} "
+              f"{'matches' if via_float else 'does NOT match'} .type_as on every element")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--complex128", action="store_true", help="Lumina2's complex128 factors")
+    parser.add_argument("--sample", type=int, default=4000, help="pairs emulated exactly with --complex128")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.complex128:
+        probe_complex128(args.rows, args.dim, args.sample, device)
+        return
     gen = torch.Generator(device).manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         x = (torch.randn(args.rows, args.dim, device=device, generator=gen) * 3).to(dtype)

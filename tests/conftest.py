@@ -162,6 +162,14 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(RMSNORM_ROPE_COMPLEX_CAT, "guard", _as_if_on_cuda(RMSNORM_ROPE_COMPLEX_CAT.guard))
     monkeypatch.setattr(rmsnorm_rope_module, "_launch_out", rope_complex_rows_out)
+    # SD3's token-major head concatenations and their attention: aten's ops, as on the GPU (the attention verifies
+    # itself on its first call per signature, here against the CPU's attention on contiguous copies)
+    from diffusers_fastpath.ops import attention_seq_major as attention_module
+
+    monkeypatch.setattr(attention_module, "ATTENTION_SEQ_MAJOR_GUARD",
+                        _as_if_on_cuda(attention_module.ATTENTION_SEQ_MAJOR_GUARD))
+    monkeypatch.setattr(attention_module.ATTENTION_SEQ_MAJOR, "guard",
+                        _as_if_on_cuda(attention_module.ATTENTION_SEQ_MAJOR.guard))
 
 
 def _as_if_on_cuda(guard):

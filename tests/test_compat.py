@@ -50,7 +50,8 @@ FAMILIES = {
     "zimage": (lambda dtype, seed: build_zimage_transformer(dtype=dtype, seed=seed, dim=256, n_heads=2, n_kv_heads=2,
                                                             n_layers=1), zimage_transformer_inputs, "x"),
     "lumina2": (lambda dtype, seed: build_lumina2_transformer(dtype=dtype, seed=seed, hidden_size=256,
-                                                              num_attention_heads=2, num_kv_heads=1, num_layers=1),
+                                                              num_attention_heads=2, num_kv_heads=1, num_layers=1,
+                                                              axes_dim_rope=(32, 48, 48)),
                 lumina2_transformer_inputs, "hidden_states"),
     # the QK norm + rotary families (their rewritten processors: the complex form, the real form), one block each
     "qwenimage": (lambda dtype, seed: build_qwenimage_transformer(dtype=dtype, seed=seed, num_layers=1),

@@ -20,10 +20,14 @@ from diffusers_fastpath.testing import (assert_patched_equals_unpatched, assert_
 
 def sites(modulated_blocks: int, context_refiner_blocks: int) -> dict[str, int]:
     """Per modulated block two RMSNorm + scale (``norm1``'s inside ``LuminaRMSNormZero``, the FFN input) and two
-    RMSNorm + gated residual (the branch outputs); one SwiGLU and two QK norms per block, the context refiner's too."""
+    RMSNorm + gated residual (the branch outputs); one SwiGLU and one QK norm + complex rotary site (q and k: two
+    calls) per block, the context refiner's too."""
     return {"rmsnorm_scale": 2 * modulated_blocks, "rmsnorm_gated_residual": 2 * modulated_blocks,
             "silu_mul": modulated_blocks + context_refiner_blocks,
-            "rmsnorm": 2 * (modulated_blocks + context_refiner_blocks)}
+            "rmsnorm_rope_complex": modulated_blocks + context_refiner_blocks}
+
+
+CALLS = {"rmsnorm_rope_complex": 2}  # q and k of each attention
 
 
 def test_lumina2_is_supported_and_only_its_modulated_blocks_are_swapped(unpatch_after):
@@ -54,7 +58,7 @@ def test_patched_matches_unpatched_bitwise(dtype, batch):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
     model = build_lumina2_transformer(seed=4)
-    assert_patched_step_exact_and_fused(model, lumina2_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), {})
+    assert_patched_step_exact_and_fused(model, lumina2_transformer_inputs(model, batch=batch, seed=5), sites(3, 1), CALLS)
 
 
 def test_a_hooked_or_replaced_norm_runs_as_written(emulated_kernels, unpatch_after):
@@ -115,7 +119,7 @@ def test_lumina2_one_step_1024_is_bitwise_identical_and_fused():
     model = build_lumina2_transformer("lumina2", torch.bfloat16, "cuda", seed=0)
     try:
         inputs = lumina2_transformer_inputs(model, batch=2, grid=(128, 128), txt_tokens=256, seed=12)
-        assert_patched_step_exact_and_fused(model, inputs, sites(28, 2), {})
+        assert_patched_step_exact_and_fused(model, inputs, sites(28, 2), CALLS)
     finally:
         del model
         torch.cuda.empty_cache()

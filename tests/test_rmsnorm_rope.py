@@ -1,10 +1,12 @@
-"""rmsnorm_rope_complex (Qwen-Image's QK norm + complex rotary): the reference is diffusers' chain, the bit-exact
-contract on the GPU at Qwen-Image's shapes, guards, fallback and custom op everywhere."""
+"""rmsnorm_rope_complex (Qwen-Image's, Z-Image's and Lumina2's QK norm + complex rotary): the reference is diffusers'
+chain, the bit-exact contract on the GPU at their shapes (Lumina2's: head_dim 96, complex128 factors), guards,
+fallback and custom op everywhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
@@ -13,10 +15,13 @@ from diffusers_fastpath.ops.rmsnorm_rope import RMSNORM_ROPE_COMPLEX
 
 # [B, S, H, D] q or k of Qwen-Image at 1024x1024 (24 heads of 128): the image stream, the text stream, a CFG batch
 SHAPES = [(1, 4096, 24, 128), (1, 512, 24, 128), (2, 1024, 24, 128), (1, 7, 3, 128)]
+# Lumina-Image 2.0 at 1024x1024 (head_dim 96; q of 24 heads, k of 8, over 4096 image + 256 caption tokens), a CFG
+# batch, a small case: per-sample complex128 factors, as its rotary embedder builds them
+LUMINA2_SHAPES = [(1, 4352, 24, 96), (1, 4352, 8, 96), (2, 1100, 24, 96), (1, 7, 3, 96)]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def make(shape, dtype, device, seed, per_batch=False):
+def make(shape, dtype, device, seed, per_batch=False, factors=torch.complex64):
     gen = torch.Generator(device=device).manual_seed(seed)
     batch, tokens, heads, dim = shape
     norm = RMSNorm(dim, eps=1e-6).to(device=device, dtype=dtype)
@@ -24,7 +29,8 @@ def make(shape, dtype, device, seed, per_batch=False):
         norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen, device=device))  # not ones: the weight matters
     x = (torch.randn(shape, generator=gen, device=device) * 3).to(dtype)
     angles = torch.rand((batch, tokens, dim // 2) if per_batch else (tokens, dim // 2), generator=gen, device=device)
-    freqs = torch.polar(torch.ones_like(angles), angles * 100)  # complex64, as the pipelines build it
+    angles = angles.to(torch.float64 if factors is torch.complex128 else torch.float32)
+    freqs = torch.polar(torch.ones_like(angles), angles * 100)  # complex64 (Lumina2: complex128), as the pipelines build it
     return norm, x, freqs
 
 
@@ -36,7 +42,10 @@ def zimage_rotary(x_in, freqs_cis):
 
 
 def eager(norm, x, freqs):
-    """The diffusers chain each factor layout comes from: Qwen-Image's for ``[S, D/2]``, Z-Image's for ``[B, S, D/2]``."""
+    """The diffusers chain each factor layout comes from: Qwen-Image's for ``[S, D/2]``, Z-Image's for ``[B, S, D/2]``
+    (Lumina2's, complex128: diffusers' ``apply_rotary_emb(y, f, use_real=False)``)."""
+    if freqs.dtype is torch.complex128:
+        return apply_rotary_emb(norm(x), freqs, use_real=False)
     return (zimage_rotary if freqs.dim() == 3 else lambda y, f: apply_rotary_emb_qwen(y, f, use_real=False))(norm(x), freqs)
 
 
@@ -50,13 +59,14 @@ def test_reference_is_diffusers_chain():
         norm, x, freqs = make((2, 9, 3, 128), dtype, "cpu", 1, per_batch=True)
         with torch.no_grad():
             assert torch.equal(rmsnorm_rope_complex_ref(norm, x, freqs), zimage_rotary(norm(x), freqs))
+        norm, x, freqs = make((2, 9, 3, 96), dtype, "cpu", 2, per_batch=True, factors=torch.complex128)
+        with torch.no_grad():
+            assert torch.equal(rmsnorm_rope_complex_ref(norm, x, freqs),
+                               apply_rotary_emb(norm(x), freqs, use_real=False))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("per_batch", [False, True], ids=["freqs_tokens", "freqs_per_batch"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_matches_eager_bitwise_on_the_gpu(shape, dtype, per_batch):
+def _check_on_the_gpu(shape, dtype, per_batch, factors=torch.complex64):
+    """The raw op into a NaN-poisoned output and the public op (fast, no fallback): `torch.equal` to diffusers' chain."""
     from diffusers_fastpath.ops._build import load_extension
     from diffusers_fastpath.ops.rmsnorm_rope import _pairs
 
@@ -64,18 +74,32 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, per_batch):
     batch, tokens, heads, dim = shape
     with torch.no_grad():
         for seed in range(2):
-            norm, x, freqs = make(shape, dtype, "cuda", seed, per_batch)
+            norm, x, freqs = make(shape, dtype, "cuda", seed, per_batch, factors)
             ref = eager(norm, x, freqs)
             out = torch.full((batch * tokens * heads, 1, dim), float("nan"), dtype=dtype, device="cuda")
-            got = torch.ops.diffusers_fastpath._rmsnorm_rope_complex_cuda(
-                x.view(-1, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps)
-            out.copy_(got)
+            torch.ops.diffusers_fastpath._rmsnorm_rope_complex_cuda_out(
+                out, x.view(-1, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps)
             torch.cuda.synchronize()
             assert torch.equal(out.view(shape), ref)
             site = Site("rmsnorm_rope_complex")
             assert torch.equal(rmsnorm_rope_complex(norm, x, freqs, site), ref)
             assert site.fast == 1 and not site.fallback, site
     assert RMSNORM_ROPE_COMPLEX.disabled is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_batch", [False, True], ids=["freqs_tokens", "freqs_per_batch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_eager_bitwise_on_the_gpu(shape, dtype, per_batch):
+    _check_on_the_gpu(shape, dtype, per_batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", LUMINA2_SHAPES, ids=str)
+def test_lumina2_rows_of_96_and_complex128_factors_match_eager_bitwise_on_the_gpu(shape, dtype):
+    _check_on_the_gpu(shape, dtype, True, torch.complex128)
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -88,7 +112,7 @@ def test_guard_falls_back_with_reason(case, reason):
     elif case == "weight":
         norm = norm.float()
     elif case == "dim":
-        norm, x, freqs = make((1, 9, 4, 64), torch.bfloat16, "cpu", 1)
+        norm, x, freqs = make((1, 9, 4, 160), torch.bfloat16, "cpu", 1)
     elif case == "few":
         norm, x, freqs = make((1, 3, 2, 128), torch.bfloat16, "cpu", 1)
     elif case == "strided":
@@ -308,7 +332,7 @@ def test_processor_call_fuses_only_the_factor_layout_its_function_broadcasts_lik
     from diffusers_fastpath.models._chain_calls import _ChainsNamespace, _NormLater
 
     fn = zimage_rotary if local else apply_rotary_emb_qwen
-    monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", {apply_rotary_emb_qwen})  # as the adapter registers it
+    monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", {apply_rotary_emb_qwen: 2})  # as the adapter registers it
     call = (lambda y, f: fn(y, f)) if local else (lambda y, f: fn(y, f, use_real=False))
     for per_batch, fused in ((not local, False), (local, True)):
         norm, x, freqs = make((2, 8, 8, 128), torch.bfloat16, "cpu", 3, per_batch=per_batch)

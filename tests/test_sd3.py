@@ -18,12 +18,13 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, asser
 # the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX: its two modulates fused, its
 # LayerNorm eager), the last context-pre-only
 # (and 14 QK norms: four in each block's joint attention, two in block 0's second, image-only attention; four
-# processors with the head-concatenation site, of which the three joint ones concatenate q, k and v)
+# processors with the head-concatenation and token-major attention sites, of which the three joint ones concatenate
+# q, k and v token-major and run their attention on them; the image-only attention runs as written)
 TINY_SITES = {"layernorm_scale_shift": 9, "gated_residual": 15, "modulate_scale_shift": 2, "rmsnorm": 14,
-              "cat_heads": 4}
+              "cat_heads": 4, "attention_seq_major": 4}
 TINY_FAST = {"layernorm_scale_shift": 9, "gated_residual": 5 + 4 + 2,  # gates that run: the dual one only in block 0,
              "modulate_scale_shift": 2, "rmsnorm": 14,                  # the context ones not in the last block
-             "cat_heads": 3 * 3}
+             "cat_heads": 3 * 3, "attention_seq_major": 3}
 
 
 def run(model, inputs):
@@ -84,7 +85,7 @@ def test_sd35_large_one_step_1024_is_bitwise_identical_and_fused(unpatch_after):
         blocks = len(model.transformer_blocks)  # 38: every one AdaLayerNormZero, the last context-pre-only
         assert fast_calls(fp.report(model)) == {"layernorm_scale_shift": 4 * blocks - 2,
                                                 "gated_residual": 4 * blocks - 2, "rmsnorm": 4 * blocks,
-                                                "cat_heads": 3 * blocks}
+                                                "cat_heads": 3 * blocks, "attention_seq_major": blocks}
     finally:
         del model
         torch.cuda.empty_cache()

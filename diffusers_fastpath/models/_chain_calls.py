@@ -17,6 +17,7 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
+from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -31,7 +32,10 @@ def register_swiglu(cls: type, gate: str) -> None:
     SWIGLU_MODULES[cls] = gate
 
 
-COMPLEX_ROTARIES: set = set()  # complex-form rotary functions checked by digest (`register_complex_rotary`)
+# complex-form rotary functions checked by digest (`register_complex_rotary`) -> the dims of the factors they take as
+# the op broadcasts them: 2 (``[S, D/2]``, Qwen-Image's, which unsqueezes dim 1) or 3 (``[B, S, D/2]``, diffusers'
+# ``apply_rotary_emb(..., use_real=False)``, which unsqueezes dim 2)
+COMPLEX_ROTARIES: dict = {}
 ROWS_ROTARIES: set = set()  # rows-form rotary functions checked by digest (`register_rows_rotary`)
 
 
@@ -42,11 +46,12 @@ def register_rows_rotary(fn) -> None:
     ROWS_ROTARIES.add(fn)
 
 
-def register_complex_rotary(fn) -> None:
+def register_complex_rotary(fn, per_sample: bool = False) -> None:
     """Let a QK norm waiting for `fn` run fused with it (`rmsnorm_rope_complex`): its adapter has checked (by the
     digest of the installed source) that ``fn(x, freqs, use_real=False)`` is `diffusers_fastpath.ops.rmsnorm_rope.
-    rope_complex`'s complex multiply."""
-    COMPLEX_ROTARIES.add(fn)
+    rope_complex`'s complex multiply for factors of ``[S, D/2]`` (`per_sample`: of ``[B, S, D/2]``, unsqueezed at
+    dim 2, as diffusers' ``apply_rotary_emb`` does)."""
+    COMPLEX_ROTARIES[fn] = 3 if per_sample else 2
 
 
 def _rms_qk_norm_unfit(norm: nn.Module) -> str | None:
@@ -151,11 +156,12 @@ def _kept_on_table(mask, table, key: tuple, compute):
                    valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
 
 
-def _complex_waits(x, freqs, local: bool) -> bool:
-    """Whether `x` is a pending QK norm (of ``[B, S, H, D]``) whose complex-form rotary by `freqs` has the factor
-    layout `rmsnorm_rope_complex` computes (``[B, S, D/2]`` for a processor-local function, ``[S, D/2]`` else)."""
+def _complex_waits(x, freqs, fn, local: bool) -> bool:
+    """Whether `x` is a pending QK norm (of ``[B, S, H, D]``) whose complex-form rotary `fn` by `freqs` has the factor
+    layout `rmsnorm_rope_complex` computes (``[B, S, D/2]`` for a processor-local function, else as `fn` was
+    registered)."""
     return (isinstance(x, _NormLater) and not x.heads and isinstance(freqs, torch.Tensor)
-            and freqs.dim() == (3 if local else 2))
+            and freqs.dim() == (3 if local else COMPLEX_ROTARIES.get(fn)))
 
 
 class _RotatedLater:
@@ -280,7 +286,7 @@ class _ChainsNamespace:
         # (Z-Image's local function unsqueezes freqs at dim 2: the op's [B, S, D/2] form only; apply_rotary_emb_qwen
         # unsqueezes dim 1, which is the op's broadcast for [S, D/2] factors only: [B, S, D/2] ones broadcast
         # differently there, and run as written)
-        if _complex_waits(x, freqs, local):
+        if _complex_waits(x, freqs, fn, local):
             reason = rotary_complex_unfit(None if local else fn, x.norm)
             if reason is None:
                 return rmsnorm_rope_complex(x.norm, x.x, freqs, site)
@@ -292,7 +298,7 @@ class _ChainsNamespace:
     def rotary_complex_later(fn, x, freqs, site, local=False):
         # the joint form's rotary (a stream's q or k that only their concatenation reads): where `rotary_complex` would
         # run `rmsnorm_rope_complex`, that waits for `cat_rotated`; otherwise `rotary_complex` runs now
-        if not local and _complex_waits(x, freqs, local) and rotary_complex_unfit(fn, x.norm) is None:
+        if not local and _complex_waits(x, freqs, fn, local) and rotary_complex_unfit(fn, x.norm) is None:
             return _RotatedLater(x, freqs, site)
         return _ChainsNamespace.rotary_complex(fn, x, freqs, site, local)
 
@@ -352,11 +358,24 @@ class _ChainsNamespace:
         return silu_mul(x, y, site)
 
     @staticmethod
-    def cat_heads(a, b, site):
+    def cat_heads(a, b, site, token_major=False):
+        # token_major: the rewriter saw that only the attention after it reads this concatenation (`attention_heads`):
+        # written token-major where that attention's op allows, otherwise as eager's layout
         a, b = _materialize(a), _materialize(b)  # a norm a processor deferred (none is, where the form is used today)
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return torch.cat([a, b], dim=2)
+        if token_major and cat_reason(a, b) is None:
+            if site is not None:
+                site.fast += 1
+            return cat_seq_major(a, b)
         return cat_heads(a, b, site)
+
+    @staticmethod
+    def attention_heads(fn, q, k, v, site, **arguments):
+        # fn(q, k, v, ...) of the three token-major concatenations above it (SD3's joint attention), or as written
+        if seq_major(q) and seq_major(k) and seq_major(v):
+            return attention_seq_major(fn, q, k, v, site, **arguments)
+        return fn(q, k, v, **arguments)
 
     @staticmethod
     def pairwise_mask(mask, batch, seq):

@@ -212,6 +212,28 @@ def _cat_names(node: ast.expr, dim: int) -> tuple[str, str] | None:
     return (cat[0].id, cat[1]) if cat is not None and isinstance(cat[0], ast.Name) else None
 
 
+def _transpose_reshape_of(stmt: ast.stmt, name: str) -> bool:
+    """Whether `stmt` is ``NAME = NAME.transpose(1, 2).reshape(...)``."""
+    value = stmt.value if _single_target(stmt) == name else None
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "reshape"):
+        return False
+    inner = value.func.value
+    return (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "transpose"
+            and isinstance(inner.func.value, ast.Name) and inner.func.value.id == name and not inner.keywords
+            and [getattr(a, "value", None) for a in inner.args] == [1, 2]
+            and all(isinstance(a, ast.Constant) for a in inner.args))
+
+
+def _reads_only_dtype(body: list[ast.stmt], name: str) -> bool:
+    """Whether every read of `name` in `body` is ``NAME.dtype`` (and nothing binds it: the same tensor throughout)."""
+    dtype_reads = set()
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.Attribute) and node.attr == "dtype" and isinstance(node.value, ast.Name):
+            dtype_reads.add(id(node.value))
+    return all(id(n) in dtype_reads for n in ast.walk(ast.Module(body=body, type_ignores=[]))
+               if isinstance(n, ast.Name) and n.id == name)
+
+
 def _ns_call(node: ast.AST, name: str | None = None) -> bool:
     """Whether `node` is a call of this module's namespace (``_diffusers_fastpath_chains.<name>(...)``)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)

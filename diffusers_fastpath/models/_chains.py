@@ -43,7 +43,7 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
-from ._rewriter import (AFFINE_FP32, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
+from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
                         RMS_SCALE, RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
 
@@ -94,6 +94,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                          swiglus, complex_rotary, local is not None, head_cats and owner != "self",
                          rows_rotary if owner != "self" else None, wan if owner != "self" else None)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
+    if rewriter.found.head_cats:
+        func.body = rewriter.seq_major_attention(func.body)
     if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
         func.body = rewriter.qk_norms(func.body)
     if not rewriter.found:
@@ -196,6 +198,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                     state.add_site(module, RMSNORM_ROPE_CAT, name=RMSNORM_ROPE_CAT)
             if found.head_cats:
                 state.add_site(module, CAT_HEADS, name=CAT_HEADS)
+            if found.seq_major_attention:
+                state.add_site(module, ATTENTION_SEQ_MAJOR, name=ATTENTION_SEQ_MAJOR)
             for attr in found.swiglu_cats:
                 act = getattr(module, attr, None)
                 if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul

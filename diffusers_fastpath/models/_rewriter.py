@@ -152,6 +152,13 @@ of ``self``):
 
   - ``X = torch.cat([A, B], dim=2)``, ``A`` and ``B`` names  ->  ``X = cat_heads(A, B, site)``, the site
     ``cat_heads`` on the attention module; anything the op's guard refuses runs ``torch.cat`` as written
+  - the attention of three such: ``H = F.scaled_dot_product_attention(Q, K, V, <constant keywords>)`` at the top
+    level of the body, directly followed by ``H = H.transpose(1, 2).reshape(...)``, where ``Q``, ``K`` and ``V`` were
+    last bound by those concatenations, are read by nothing between them and the attention, and after it only for
+    their ``.dtype``  ->  the three ``cat_heads(A, B, site, True)`` (written token-major) and ``H =
+    attention_heads(F.scaled_dot_product_attention, Q, K, V, site, ...)``: `diffusers_fastpath.ops.attention_seq_major`
+    (self-verified per signature; site ``attention_seq_major`` on the attention module), whose token-major output
+    makes the reshape a view
 
 - tanh-GELU + concatenation, into `diffusers_fastpath.ops.gelu_cat` (the GELU proven exact on every value of the
   dtype; the fallback is the two eager calls):
@@ -189,11 +196,11 @@ import ast
 import copy
 from dataclasses import dataclass, field
 
-from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
+from ._chain_syntax import (_NS, _act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
                             _complex_rotary_call, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
                             _modulate_of, _ns_call, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
-                            _rotary_call, _self_attr, _self_module_call, _single_target, _site_of, _starred_call,
-                            _unsqueezed, _uses)
+                            _reads_only_dtype, _rotary_call, _self_attr, _self_module_call, _single_target, _site_of,
+                            _starred_call, _transpose_reshape_of, _unsqueezed, _uses)
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 RMS_MODULATE = "rmsnorm_modulate"  # a diffusers RMSNorm's modulate site (LTX-Video): the RMSNorm kernel's epilogue
@@ -204,6 +211,7 @@ GATED_RESIDUAL = "gated_residual"
 GATED_RESIDUAL_FP32 = "gated_residual_fp32"
 ROTARY = "rotary_emb"
 CAT_HEADS = "cat_heads"
+ATTENTION_SEQ_MAJOR = "attention_seq_major"  # a processor's attention of three token-major head concatenations (SD3)
 QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
@@ -241,6 +249,7 @@ class Rewrite:
     swiglu_cats: list[str] = field(default_factory=list)  # a processor's SwiGLU + concatenation, by attribute
     rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
+    seq_major_attention: bool = False  # ... and the attention of three of them, token-major (`attention_seq_major`)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
@@ -263,6 +272,20 @@ def _unassigned_parameter(function: ast.FunctionDef, name: str) -> bool:
     params = [a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)]
     return name in params and not any(
         isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in ast.walk(function))
+
+
+def _own_nodes(body: list[ast.stmt]):
+    """``(stmt, node)`` for every node of `body` (in any block), with the innermost statement holding it (whose line
+    number the rewriter's new nodes lack)."""
+    stack = list(body)
+    while stack:
+        stmt = stack.pop()
+        todo = [stmt]
+        while todo:
+            node = todo.pop()
+            yield stmt, node
+            for child in ast.iter_child_nodes(node):
+                (stack if isinstance(child, ast.stmt) else todo).append(child)
 
 
 class _Rewriter:
@@ -404,6 +427,45 @@ class _Rewriter:
         site = _site_of(ast.Name(self.owner, ast.Load()), CAT_HEADS)
         call = _call("cat_heads", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()), site])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def seq_major_attention(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The head concatenations' attention form (see the module doc) over a processor's top-level `body` (its
+        concatenations rewritten already), or `body` as it was."""
+        for i, stmt in enumerate(body[:-1]):
+            h = _single_target(stmt)
+            call = stmt.value if h is not None else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "scaled_dot_product_attention" and isinstance(call.func.value, ast.Name)
+                    and len(call.args) == 3 and all(isinstance(a, ast.Name) for a in call.args)
+                    and all(k.arg is not None and isinstance(k.value, ast.Constant) for k in call.keywords)
+                    and _transpose_reshape_of(body[i + 1], h)):
+                continue
+            names = [a.id for a in call.args]
+            cats = [self._last_cat(body[:i], name) for name in names]
+            if len(set(names)) != 3 or None in cats or not all(_reads_only_dtype(body[i + 1:], n) for n in names):
+                continue
+            for cat in cats:
+                cat.args.append(ast.Constant(True))
+            self.found.seq_major_attention = True
+            site = _site_of(ast.Name(self.owner, ast.Load()), ATTENTION_SEQ_MAJOR)
+            new = ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr="attention_heads", ctx=ast.Load()),
+                           args=[call.func, *call.args, site], keywords=call.keywords)
+            return [*body[:i], ast.copy_location(ast.Assign(targets=stmt.targets, value=new), stmt), *body[i + 1:]]
+        return body
+
+    @staticmethod
+    def _last_cat(before: list[ast.stmt], name: str) -> ast.Call | None:
+        """The ``cat_heads`` call of ``name = cat_heads(A, B, site)``, `name`'s last binding in `before` (in any
+        block), if nothing in `before` reads `name` after it; else None."""
+        stores, loads, cats = [], [], []
+        for stmt, node in _own_nodes(before):
+            if isinstance(node, ast.Name) and node.id == name:
+                (loads if isinstance(node.ctx, ast.Load) else stores).append(stmt.lineno)
+            if node is stmt and _single_target(stmt) == name and _ns_call(stmt.value, "cat_heads") and len(stmt.value.args) == 3:
+                cats.append(stmt)
+        if len(cats) != 1 or max(stores, default=None) != cats[0].lineno or any(line > cats[0].lineno for line in loads):
+            return None
+        return cats[0].value
 
     def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
         """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused (and every

@@ -12,12 +12,15 @@ diffusers source (`diffusers_fastpath.models._chains`):
   as `rmsnorm_gated_residual`;
 - ``LuminaFeedForward.forward`` (every block's): ``self.silu(self.linear_1(x)) * self.linear_3(x)`` inside
   ``self.linear_2(...)`` as `silu_mul` (the activation is diffusers' ``FP32SiLU``, which the op's proof covers);
-- every attention's QK norms (``norm_q``, ``norm_k``: diffusers' RMSNorm over head_dim 96) as the fused `rmsnorm`
-  (`_qk_norms.FastpathRMSNorm`; diffusers' ``Lumina2AttnProcessor2_0`` calls them as written).
+- its attention processor, diffusers' ``Lumina2AttnProcessor2_0``, is rewritten: each QK norm (``norm_q``,
+  ``norm_k``: diffusers' RMSNorm over head_dim 96) waits for the complex-form rotary after it, diffusers'
+  ``apply_rotary_emb(x, freqs, use_real=False)`` (checked by the digest of its installed source), and the two run
+  as the fused `rmsnorm_rope_complex` (Qwen-Image's and Z-Image's op, with Lumina2's per-sample ``[B, S, D/2]``
+  factors, which its rotary embedder builds in complex128: the kernel's double-precision epilogue). Where the
+  processor is another, its QK norms run as the fused `rmsnorm` (`_qk_norms.FastpathRMSNorm`).
 
 Per Lumina-Image 2.0 step (26 layers, 2 noise-refiner and 2 context-refiner blocks): 56 + 56 RMSNorm + scale, 56
-RMSNorm + gated residual, 30 SwiGLU and 60 QK-norm sites. Not fused yet (issue 14): the complex rotary embedding of
-``Lumina2AttnProcessor2_0`` (after the fused norm, eager).
+RMSNorm + gated residual, 30 SwiGLU and 30 QK norm + rotary sites (two calls each: q and k).
 
 CUDA graphs: the forward reads its caption lengths on the host (``Lumina2RotaryPosEmbed.forward``:
 ``attention_mask.sum(dim=1).tolist()``, which sets the sequence layout and every loop after it) and copies its CPU
@@ -32,16 +35,23 @@ the first replay is compared with the eager forward as always.
 from __future__ import annotations
 
 import torch
+from diffusers.models import embeddings
 from diffusers.models.attention import LuminaFeedForward
 from diffusers.models.attention_processor import Attention
 from diffusers.models.normalization import LuminaRMSNormZero
-from diffusers.models.transformers.transformer_lumina2 import (Lumina2RotaryPosEmbed, Lumina2Transformer2DModel,
-                                                               Lumina2TransformerBlock)
+from diffusers.models.transformers.transformer_lumina2 import (Lumina2AttnProcessor2_0, Lumina2RotaryPosEmbed,
+                                                               Lumina2Transformer2DModel, Lumina2TransformerBlock)
 
 from .. import graphs
 from .._state import PatchState, register_adapter
-from ._chains import add_chain_sites, fused_subclass, warn_nothing_to_fuse
+from ._chain_calls import register_complex_rotary
+from ._chains import add_chain_sites, fused_subclass, replace_processors, warn_nothing_to_fuse
+from ._mirror import mirrors
 from ._qk_norms import patch_qk_rmsnorms
+
+# sha256[:16] of diffusers 0.42.1's embeddings.apply_rotary_emb: its use_real=False branch is rmsnorm_rope_complex's
+# reference for [B, S, D/2] factors (unsqueezed at dim 2)
+_ROTARY = "a25267d425f8c5ea"
 
 # Created at import, so that a pickled patched model finds them here by name.
 FastpathLuminaRMSNormZero, _NORM_ZERO = fused_subclass(LuminaRMSNormZero, "FastpathLuminaRMSNormZero", __name__,
@@ -50,6 +60,9 @@ FastpathLumina2TransformerBlock, _BLOCK = fused_subclass(Lumina2TransformerBlock
                                                          __name__, rms_norms=("norm2", "ffn_norm1", "ffn_norm2"))
 FastpathLuminaFeedForward, _FEED_FORWARD = fused_subclass(LuminaFeedForward, "FastpathLuminaFeedForward", __name__,
                                                           activations=("silu",))
+
+FastpathLumina2AttnProcessor, _ = fused_subclass(Lumina2AttnProcessor2_0, "FastpathLumina2AttnProcessor", __name__,
+                                                 "__call__", complex_rotary="apply_rotary_emb")
 
 _SWAPS = {LuminaRMSNormZero: (FastpathLuminaRMSNormZero, _NORM_ZERO),
           Lumina2TransformerBlock: (FastpathLumina2TransformerBlock, _BLOCK),
@@ -60,8 +73,14 @@ _SWAPS = {LuminaRMSNormZero: (FastpathLuminaRMSNormZero, _NORM_ZERO),
 def patch_lumina2(model: Lumina2Transformer2DModel, state: PatchState) -> None:
     """Swap Lumina2's modulated blocks, their ``LuminaRMSNormZero`` and every feed-forward for their chain-fused
     subclasses (see module doc)."""
+    fused_processor = FastpathLumina2AttnProcessor
+    if fused_processor is not None and not mirrors(embeddings.apply_rotary_emb, _ROTARY):
+        fused_processor = None  # diffusers' rotary is not the op's reference: its QK norms alone run fused
+    if fused_processor is not None:
+        register_complex_rotary(embeddings.apply_rotary_emb, per_sample=True)
+        replace_processors(state, model, Attention, Lumina2AttnProcessor2_0, fused_processor)
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) and type(module.processor) is not fused_processor:
             patch_qk_rmsnorms(module, state, ("norm_q", "norm_k"))
         if type(module) not in _SWAPS or (type(module) is Lumina2TransformerBlock and not module.modulation):
             continue

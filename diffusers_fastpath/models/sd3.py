@@ -21,8 +21,11 @@ through the shared pieces.
 - The joint attention's processor (``JointAttnProcessor2_0``, diffusers' default for SD3's attention) is rewritten:
   its three concatenations of the image and text q, k and v (``[B, H, S, D]`` views of ``[B, S, H, D]``
   projections, which aten's ``cat`` copies element by element) run as the fused `diffusers_fastpath.ops.cat_heads`,
-  one vectorised copy each (the rewriter's head-concatenation form). Attention modules running another processor
-  keep it.
+  one vectorised copy each (the rewriter's head-concatenation form); and, since only the attention reads them,
+  they are written token-major (``[B, S, H, D]`` memory, the projections' own layout) and the attention runs on them
+  as `diffusers_fastpath.ops.attention_seq_major` (self-verified per signature: its output is then token-major too,
+  and the processor's ``transpose(1, 2).reshape(...)`` after it a view instead of a copy). Attention modules running
+  another processor keep it.
 
 Not fused yet (issue 14): the last block's ``AdaLayerNormContinuous``, the FFN GELUs. SD3 has no rotary embedding.
 """

@@ -4,7 +4,7 @@ Z-Image's processor-local equivalent) and the real form (`rmsnorm_rope_real`: Hu
 single blocks': ``apply_rotary_emb(norm(q), (cos, sin), sequence_dim=1)``).
 
 The eager chain, T = bf16 or fp16, ``x`` a ``[B, S, H, D]`` q or k, ``freqs`` complex64 ``[S, D/2]`` (or ``[B, S,
-D/2]``), broadcast over the heads::
+D/2]``; complex128 in Lumina2, whose table diffusers builds in float64), broadcast over the heads::
 
     y = norm(x)                                                   # diffusers RMSNorm: see rmsnorm_scale_shift.py
     z = torch.view_as_complex(y.float().reshape(B, S, H, D // 2, 2)) * freqs.unsqueeze(-2)
@@ -14,12 +14,16 @@ The kernel is ``csrc/rmsnorm_scale_shift.cu``'s, with the ``kRopeComplex`` epilo
 order (each [D] row of the ``[B * S * H, D]`` view is one warp's row; on the H200 with torch 2.11 the order of the
 longer rows also matched aten's ``mean`` on every one of 98304 rows of 128, ``examples/reduction_order_probe.py
 --dim 128``), then the complex multiply as aten's ``c10::complex`` operator rounds it there (``real = fma(a, c,
--(b * d))``, ``imag = fma(a, d, b * c)``: ``examples/complex_rotary_probe.py``, 100% of elements). Both are
-properties of the aten build, so the op verifies itself: the first fast call of each (dtype, D) is compared with
-eager by ``torch.equal``; a mismatch disables it for the process with one warning and runs the eager chain.
+-(b * d))``, ``imag = fma(a, d, b * c)``: ``examples/complex_rotary_probe.py``, 100% of elements). With complex128
+factors aten promotes the product to complex128: the same placement in double (100% of elements, ``--complex128``),
+then ``.type_as`` rounds double -> float -> T. Rows shorter than 128 (Lumina2's head_dim 96) take aten's scalar
+reduction order, as `diffusers_fastpath.ops.rmsnorm` does. All of this is a property of the aten build, so the op
+verifies itself: the first fast call of each (dtype, D, factor dtype) is compared with eager by ``torch.equal``; a
+mismatch disables it for the process with one warning and runs the eager chain.
 
-The guard admits D = 128 (the probed rows), a contiguous ``x`` of at least 16 rows, freqs of complex64 whose rows
-are the tokens (unit innermost stride), the norm with a weight of ``x``'s dtype and no bias, no autograd.
+The guard admits D = 128 and D a multiple of 4 in [32, 128), a contiguous ``x`` of at least 16 rows, freqs of
+complex64 or complex128 whose rows are the tokens (unit innermost stride), the norm with a weight of ``x``'s dtype and
+no bias, no autograd.
 """
 
 from __future__ import annotations
@@ -29,10 +33,16 @@ import torch
 from . import _nvrtc
 from ._build import launcher
 from ._policy import FusedOp, Site
-from .rmsnorm_scale_shift import ROPE_COMPLEX, ROPE_REAL, _Norm, _nvrtc_launch, _rms_norm, norm_reason
+from .rmsnorm_scale_shift import ROPE_COMPLEX, ROPE_COMPLEX128, ROPE_REAL, _Norm, _nvrtc_launch, _rms_norm, norm_reason
 from .rotary import cos_sin_reason, rotary_emb, rotary_emb_ref
 
-HEAD_DIM = 128  # the probed row length
+HEAD_DIM = 128  # the real form's row length (HunyuanVideo-1.5's)
+_FACTORS = (torch.complex64, torch.complex128)  # the complex form's factor dtypes (complex128: Lumina2's table)
+
+
+def _dim_ok(dim: int) -> bool:
+    """The complex form's row lengths: 128 (one quad per lane) and the rows that aten reduces in its scalar order."""
+    return dim == 128 or (32 <= dim < 128 and dim % 4 == 0)
 
 
 def rope_complex(y: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -61,22 +71,22 @@ def _guard(norm, x: torch.Tensor, freqs: torch.Tensor, check_pointers: bool = Tr
     reason = _rows_reason(norm, x)
     if reason is not None:
         return reason
-    if freqs.dim() not in (2, 3) or freqs.dtype is not torch.complex64:
+    if freqs.dim() not in (2, 3) or freqs.dtype not in _FACTORS:
         return "shape"
     batch, tokens, heads, dim = x.shape
     if tuple(freqs.shape[-2:]) != (tokens, dim // 2) or (freqs.dim() == 3 and freqs.shape[0] not in (1, batch)):
         return "shape"
     if freqs.stride(-1) != 1:
         return "freqs strided"
+    if not _dim_ok(x.shape[3]):
+        return "D outside the reproduced reduction"
     return _layout_reason(norm, x, (freqs,), check_pointers)
 
 
 def _layout_reason(norm, x: torch.Tensor, tables, check_pointers: bool) -> str | None:
-    """The rest of both guards: the probed row length, the row count, contiguity, autograd, devices, alignment."""
+    """The rest of both guards: the row count, contiguity, autograd, devices, alignment."""
     weight = norm.weight
     batch, tokens, heads, dim = x.shape
-    if dim != HEAD_DIM:
-        return "D outside the reproduced reduction"
     rows = batch * tokens * heads
     if rows < 16:
         return "fewer than 16 rows"
@@ -90,24 +100,27 @@ def _layout_reason(norm, x: torch.Tensor, tables, check_pointers: bool) -> str |
         return f"device {x.device.type}"
     if weight.device != x.device or any(t.device != x.device for t in tables):
         return "devices differ"
-    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8 or any(t.data_ptr() % 8 for t in tables)):
-        return "not 8-byte aligned"
+    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8
+                           or any(t.data_ptr() % min(t.element_size(), 16) for t in tables)):
+        return "not aligned"
     return None
 
 
 def _pairs(freqs: torch.Tensor) -> torch.Tensor:
-    """The float32 ``[batch or 1, tokens, dim]`` view of the complex factors (a pair per two floats), no copy."""
+    """The float32 (complex128: float64) ``[batch or 1, tokens, dim]`` view of the complex factors (a pair per two
+    floats), no copy."""
     real = torch.view_as_real(freqs).flatten(-2)
     return real if real.dim() == 3 else real.unsqueeze(0)
 
 
-# The NVRTC way: rmsnorm_scale_shift.py's launcher of the shared kernel with the kRopeComplex epilogue; duplicated
-# from bindings.cpp's rmsnorm_rope_complex: the rows view, the pair strides (in pairs; 0 where freqs broadcast
-# over the batch) and the output allocation.
+# The NVRTC way: rmsnorm_scale_shift.py's launcher of the shared kernel with the kRopeComplex epilogue (complex128
+# factors: kRopeComplex128); duplicated from bindings.cpp's rmsnorm_rope_complex: the rows view, the pair strides (in
+# pairs; 0 where freqs broadcast over the batch), the epilogue by the factors' dtype and the output allocation.
 def _nvrtc_kernel(x, weight, freqs, heads: int, tokens: int, eps: float, out=None) -> torch.Tensor:
     out = x.new_empty(x.shape) if out is None else out
     pairs = (freqs.data_ptr(), freqs.stride(1) // 2, 0 if freqs.shape[0] == 1 else freqs.stride(0) // 2)
-    _nvrtc_launch(out, None, x, weight, eps, ROPE_COMPLEX, freqs=pairs, heads=heads, tokens=tokens)
+    epilogue = ROPE_COMPLEX128 if freqs.dtype is torch.float64 else ROPE_COMPLEX
+    _nvrtc_launch(out, None, x, weight, eps, epilogue, freqs=pairs, heads=heads, tokens=tokens)
     return out
 
 
@@ -115,7 +128,8 @@ def _raw_guard(x, weight, freqs, heads, tokens, eps):
     if x.dim() != 3 or x.shape[1] != 1 or x.shape[0] % (heads * tokens) or freqs.dim() != 3:
         return "shape"
     view = x.view(x.shape[0] // (heads * tokens), tokens, heads, x.shape[2])
-    as_complex = torch.view_as_complex(freqs.unflatten(-1, (-1, 2))) if freqs.dtype is torch.float32 else freqs
+    real = freqs.dtype in (torch.float32, torch.float64)
+    as_complex = torch.view_as_complex(freqs.unflatten(-1, (-1, 2))) if real else freqs
     return _guard(_Norm(weight, eps), view, as_complex)
 
 
@@ -163,7 +177,7 @@ def _custom_op(norm, x, freqs):
 
 
 def _signature(norm, x, freqs):
-    return (str(x.dtype).removeprefix("torch."), x.shape[-1])
+    return (str(x.dtype).removeprefix("torch."), x.shape[-1], str(freqs.dtype).removeprefix("torch."))
 
 
 RMSNORM_ROPE_COMPLEX = FusedOp(
@@ -183,7 +197,7 @@ def rmsnorm_rope_complex(norm, x: torch.Tensor, freqs: torch.Tensor, site: Site 
     Args:
         norm: a diffusers ``RMSNorm`` (weight, no bias), e.g. ``attn.norm_q``.
         x: ``[B, S, H, D]`` q or k of one stream.
-        freqs: complex64 ``[S, D/2]`` or ``[B, S, D/2]`` rotation factors (broadcast over the heads).
+        freqs: complex64 (or complex128) ``[S, D/2]`` or ``[B, S, D/2]`` rotation factors (broadcast over the heads).
         site: the call site's counters, shown by `diffusers_fastpath.report`.
 
     Example:
@@ -324,6 +338,8 @@ def _real_guard(norm, x, cos, sin, rope_site=None, check_pointers: bool = True) 
     reason = _rows_reason(norm, x)
     if reason is None:
         reason = cos_sin_reason(cos, sin, x.shape[1], x.shape[3], x.device, check_pointers)
+    if reason is None and x.shape[3] != HEAD_DIM:
+        reason = "D outside the reproduced reduction"
     return reason if reason is not None else _layout_reason(norm, x, (cos, sin), check_pointers)
 
 

@@ -187,16 +187,17 @@ def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_p
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
 # stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32,
 # the RmsEpilogue values and the output allocation; the guard stands for bindings.cpp's input checks.
-SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN, MODULATE = range(7)  # fastpath.h's RmsEpilogue
+SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN, MODULATE, ROPE_COMPLEX128 = range(8)  # RmsEpilogue
 _EPILOGUE_NAME = {SCALE_SHIFT: "kScaleShift", SCALE: "kScale", GATED_RESIDUAL: "kGatedResidual",
-                  ROPE_COMPLEX: "kRopeComplex", ROPE_REAL: "kRopeReal", PLAIN: "kPlain", MODULATE: "kModulate"}
+                  ROPE_COMPLEX: "kRopeComplex", ROPE_REAL: "kRopeReal", PLAIN: "kPlain", MODULATE: "kModulate",
+                  ROPE_COMPLEX128: "kRopeComplex128"}
 _ROWS = _nvrtc.Params("Rows", ("ptr", "P"), ("stride_s", "q"), ("stride_b", "q"))
 _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P"), ("x", _ROWS), ("gate", _ROWS),
                       ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("residual", _ROWS), ("freqs", _ROWS),
                       ("sin", _ROWS), ("weight", "P"), ("seq", "q"), ("batch", "q"), ("dim", "q"), ("heads", "q"),
                       ("tokens", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"))
 _VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL), (False, ROPE_COMPLEX),
-             (False, ROPE_REAL), (False, PLAIN), (False, MODULATE))
+             (False, ROPE_REAL), (False, PLAIN), (False, MODULATE), (False, ROPE_COMPLEX128))
 _NVRTC = _nvrtc.Kernel(
     "rmsnorm_scale_shift.cu",
     "diffusers_fastpath::rmsnorm_scale_shift_kernel",

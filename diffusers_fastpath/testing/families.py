@@ -260,13 +260,14 @@ def zimage_transformer_inputs(model, batch=1, grid=(8, 8), txt_tokens=8, seed=1,
 
 
 # https://huggingface.co/Alpha-VLLM/Lumina-Image-2.0/blob/main/transformer/config.json (Gemma-2-2B captions: 2304);
-# a tiny config (hidden 768, as the tiny Z-Image: a row length inside the RMSNorm kernel's reduction)
+# a tiny config (hidden 768, as the tiny Z-Image: a row length inside the RMSNorm kernel's reduction; 8 heads of 96,
+# 2 key/value heads, as the published config's head_dim and grouping)
 LUMINA2_CONFIG = dict(sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=26,
                       num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
                       ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(32, 32, 32),
                       axes_lens=(300, 512, 512), cap_feat_dim=2304)
 TINY_LUMINA2_CONFIG = dict(LUMINA2_CONFIG, sample_size=16, in_channels=4, hidden_size=768, num_layers=2,
-                           num_refiner_layers=1, num_attention_heads=6, num_kv_heads=2, axes_dim_rope=(32, 48, 48),
+                           num_refiner_layers=1, num_attention_heads=8, num_kv_heads=2, axes_dim_rope=(32, 32, 32),
                            axes_lens=(64, 32, 32), cap_feat_dim=32)
 LUMINA2_CONFIGS = {"lumina2": LUMINA2_CONFIG, "lumina2-tiny": TINY_LUMINA2_CONFIG}
 
