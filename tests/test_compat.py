@@ -465,11 +465,10 @@ def test_attention_backend_set_while_patched(family, backend, unpatch_after):
         m.set_attention_backend(backend)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
     fused = [p for p in processors if type(p).__module__.startswith("diffusers_fastpath")]
-    # FLUX, ERNIE-Image, Z-Image, Qwen-Image and HunyuanVideo-1.5 run fused processors everywhere (HunyuanVideo-1.5's
-    # token refiner keeps diffusers'); SD3 its joint attention's (the head concatenations; its QK norms are swapped
-    # modules); Lumina2 keeps diffusers'
-    expected = {"lumina2": 0,
-                "sd3": len([p for p in processors if "JointAttnProcessor2_0" in type(p).__name__]),
+    # FLUX, ERNIE-Image, Z-Image, Qwen-Image, Lumina2 and HunyuanVideo-1.5 run fused processors everywhere
+    # (HunyuanVideo-1.5's token refiner keeps diffusers'); SD3 its joint attention's (the head concatenations; its QK
+    # norms are swapped modules)
+    expected = {"sd3": len([p for p in processors if "JointAttnProcessor2_0" in type(p).__name__]),
                 "hunyuanvideo15": len([p for p in processors if "HunyuanVideo15" in type(p).__name__])
                 }.get(family, len(processors))
     assert processors and len(fused) == expected, processors

@@ -347,3 +347,27 @@ def test_processor_call_fuses_only_the_factor_layout_its_function_broadcasts_lik
                 got = _ChainsNamespace.rotary_complex(fn, _NormLater(norm, x), freqs, site, local=local)
                 assert torch.equal(got, call(norm(x), freqs))
         assert (site.fast, dict(site.fallback)) == ((1, {}) if fused else (0, {})), site
+
+
+# --- the NVRTC way (most pip installs: no CUDA toolkit) ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, factors", [((1, 4096, 24, 128), torch.complex64), ((2, 1100, 24, 96), torch.complex128),
+                                            ((1, 4352, 8, 96), torch.complex128)], ids=str)
+def test_the_nvrtc_launcher_matches_eager_bitwise(shape, factors, dtype):
+    """The complex form's NVRTC launcher (Qwen-Image's complex64 rows of 128, Lumina2's complex128 rows of 96) into a
+    NaN-poisoned output, whichever way the process loaded its kernels."""
+    from diffusers_fastpath.ops import _build, _nvrtc
+    from diffusers_fastpath.ops.rmsnorm_rope import _nvrtc_kernel, _pairs
+
+    major, minor = torch.cuda.get_device_capability()
+    _nvrtc.build(_build.csrc_dir(), _build.cache_root(), f"{major}{minor}", _build.NVRTC_FLAGS)
+    batch, tokens, heads, dim = shape
+    with torch.no_grad():
+        norm, x, freqs = make(shape, dtype, "cuda", 3, per_batch=factors is torch.complex128, factors=factors)
+        out = torch.full((batch * tokens * heads, 1, dim), float("nan"), dtype=dtype, device="cuda")
+        _nvrtc_kernel(x.view(-1, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps, out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(shape), eager(norm, x, freqs))

@@ -161,7 +161,7 @@ def _complex_waits(x, freqs, fn, local: bool) -> bool:
     layout `rmsnorm_rope_complex` computes (``[B, S, D/2]`` for a processor-local function, else as `fn` was
     registered)."""
     return (isinstance(x, _NormLater) and not x.heads and isinstance(freqs, torch.Tensor)
-            and freqs.dim() == (3 if local else COMPLEX_ROTARIES.get(fn)))
+            and freqs.dim() == (3 if local else COMPLEX_ROTARIES.get(fn, 2)))  # unregistered: says why below
 
 
 class _RotatedLater:
