@@ -125,6 +125,21 @@ def test_lumina2_one_step_1024_is_bitwise_identical_and_fused():
         torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_lumina2_generation_with_cfg_is_md5_identical():
+    """`Lumina2Pipeline` around the Lumina-Image 2.0 config at 1024x1024, 2 steps with CFG (a prompt of 256 tokens and
+    a shorter negative, masked): the latents md5-identical to unpatched, every site fast on every forward."""
+    pipe = lumina2_pipeline(build_lumina2_transformer("lumina2", torch.bfloat16, "cuda", seed=0))
+    try:
+        assert_pipeline_generation_exact_and_fused(pipe, dict(
+            **caption_embeddings(pipe, lengths=(256, 90), masked=True), height=1024, width=1024,
+            num_inference_steps=2, guidance_scale=4.0))
+    finally:
+        del pipe
+        torch.cuda.empty_cache()
+
+
 def test_inputs_past_the_rotary_table_are_refused_before_a_device_assert():
     """Lumina2's caption axis holds axes_lens[0] positions (300 at the published config); image tokens sit at the
     caption's length on it, so 300 tokens or more would gather past the table (a device-side assert on the GPU)."""

@@ -209,6 +209,22 @@ def test_qwen_image_one_step_1024_is_bitwise_identical_and_fused():
 
 
 @pytest.mark.gpu
+@pytest.mark.full_size
+def test_qwen_image_generation_with_true_cfg_is_md5_identical():
+    """`QwenImagePipeline` around the Qwen-Image config at 1024x1024, 2 steps with true CFG (a padded prompt of 256
+    tokens, a negative of 120): the latents md5-identical to unpatched, every site fast on every forward (the
+    single-stream sites idle: batch 1 writes both streams into their joint tensors)."""
+    pipe = qwenimage_pipeline(build_qwenimage_transformer("qwen-image", torch.bfloat16, "cuda", seed=0))
+    try:
+        assert_pipeline_generation_exact_and_fused(pipe, dict(
+            **qwenimage_prompt_embeddings(pipe, lengths=(256, 120), padding=40), height=1024, width=1024,
+            num_inference_steps=2, true_cfg_scale=4.0), idle=("rmsnorm_rope_complex",))
+    finally:
+        del pipe
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
 def test_qwen_image_graphs_capture_and_replay_equal_eager(unpatch_after, fastpath_log):
     """On the GPU the forward's ``compute_text_seq_len_from_mask`` no longer stops the capture (it did: a CUDA
     tensor made from a host int in every forward): captured, replayed, equal to eager, with and without padding."""

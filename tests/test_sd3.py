@@ -13,7 +13,8 @@ from diffusers.models.attention import JointTransformerBlock
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import sd3
 from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, assert_patched_equals_unpatched,
-                                        build_sd3_transformer, patch_round_trip, sd3_transformer_inputs)
+                                        assert_pipeline_generation_exact_and_fused, build_sd3_transformer,
+                                        patch_round_trip, sd3_pipeline, sd3_prompt_embeddings, sd3_transformer_inputs)
 
 # the tiny config's 3 blocks: the first with dual attention (SD35AdaLayerNormZeroX: its two modulates fused, its
 # LayerNorm eager), the last context-pre-only
@@ -58,6 +59,14 @@ def test_every_reached_site_on_the_fast_path_is_exact(batch, emulated_kernels, u
     assert fast_calls(fp.report(model)) == TINY_FAST
 
 
+def test_pipeline_generation_with_cfg_is_identical_and_fused(emulated_kernels):
+    """A 3-step ``StableDiffusion3Pipeline`` generation with CFG (a batch of two per forward): md5-identical latents,
+    every site of the transformer on its fast path (the token-major attention in the CFG batch too)."""
+    pipe = sd3_pipeline(build_sd3_transformer(seed=12))
+    assert_pipeline_generation_exact_and_fused(pipe, dict(**sd3_prompt_embeddings(pipe), guidance_scale=4.0),
+                                               every_site=False)  # the last block's context gates never run
+
+
 def test_unpatch_pickle_and_state_dict():
     model = build_sd3_transformer(seed=5)
     with patch_round_trip(model, sd3_transformer_inputs(model, seed=6)):
@@ -88,4 +97,19 @@ def test_sd35_large_one_step_1024_is_bitwise_identical_and_fused(unpatch_after):
                                                 "cat_heads": 3 * blocks, "attention_seq_major": blocks}
     finally:
         del model
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.full_size
+def test_sd35_large_generation_with_cfg_is_md5_identical():
+    """`StableDiffusion3Pipeline` around the SD3.5-large config at 1024x1024, 2 steps with CFG (a batch of two per
+    forward, 333 text tokens): the latents md5-identical to unpatched, every site fast on every forward."""
+    pipe = sd3_pipeline(build_sd3_transformer("sd3.5-large", torch.bfloat16, "cuda", seed=0))
+    try:
+        assert_pipeline_generation_exact_and_fused(pipe, dict(**sd3_prompt_embeddings(pipe, tokens=333), height=1024,
+                                                              width=1024, num_inference_steps=2, guidance_scale=4.5),
+                                                   every_site=False)  # the last block's context gates never run
+    finally:
+        del pipe
         torch.cuda.empty_cache()

@@ -127,12 +127,14 @@ def _md5(t: torch.Tensor) -> str:
     return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
 
 
-def assert_pipeline_generation_exact_and_fused(pipe, call: dict, idle: tuple[str, ...] = ()) -> None:
+def assert_pipeline_generation_exact_and_fused(pipe, call: dict, idle: tuple[str, ...] = (),
+                                               every_site: bool = True) -> None:
     """A generation of `pipe` (3 steps at 128x128 unless `call` says otherwise; CFG as `call` asks) patched is
     md5-identical to unpatched on the latents, with every site of every patched model taking its fast path (on a
     CPU: under emulated kernels) and never falling back; `pipe` is unpatched again afterwards. The sites of the ops
     in `idle` only count a fused op's fallback (``rotary_emb`` where the QK norm and the rotary run as one op): they
-    must not fall back, and take no fast call either."""
+    must not fall back, and take no fast call either. With `every_site` false, sites the model never reaches may
+    stay at zero (SD3's last block has no context gates to run), as long as each op ran fast somewhere."""
     from .. import patch, report, unpatch
 
     pipe.set_progress_bar_config(disable=True)
@@ -149,8 +151,9 @@ def assert_pipeline_generation_exact_and_fused(pipe, call: dict, idle: tuple[str
     try:
         assert generate() == ref
         sites = report(pipe).sites
-        assert sites and all((s.fast == 0 if s.op in idle else s.fast > 0) and s.fallback == 0 for s in sites), \
-            str(report(pipe))
+        reached = {s.op for s in sites if s.fast > 0}
+        assert sites and all((s.fast == 0 if s.op in idle else (s.fast > 0 or not every_site and s.op in reached))
+                             and s.fallback == 0 for s in sites), str(report(pipe))
     finally:
         unpatch(pipe)
 

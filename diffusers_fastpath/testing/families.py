@@ -405,6 +405,31 @@ def ernie_image_inputs(model, batch=1, grid=(8, 8), text_lens=(12,), seed=1, dev
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+def sd3_pipeline(transformer):
+    """A ``StableDiffusion3Pipeline`` around `transformer` with no VAE or text encoders: call it with
+    `sd3_prompt_embeddings` and ``output_type="latent"``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    return StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                    vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                    tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+
+
+def sd3_prompt_embeddings(pipe, tokens=12, seed=2):
+    """Random prompt and negative-prompt embeddings (``tokens`` each: CLIP's 77 + T5's 256 at full size) and their
+    pooled projections, for `sd3_pipeline` with CFG."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg, dtype, device = pipe.transformer.config, pipe.transformer.dtype, pipe.transformer.device
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    return dict(prompt_embeds=rand(1, tokens, cfg.joint_attention_dim),
+                negative_prompt_embeds=rand(1, tokens, cfg.joint_attention_dim),
+                pooled_prompt_embeds=rand(1, cfg.pooled_projection_dim),
+                negative_pooled_prompt_embeds=rand(1, cfg.pooled_projection_dim))
+
+
 def zimage_pipeline(transformer):
     """A ``ZImagePipeline`` around `transformer` with no VAE or text encoder: call it with `caption_embeddings`
     (lists) and ``output_type="latent"``."""
