@@ -54,6 +54,7 @@ from .._state import PatchState, register_adapter, site_attr
 from ..quality import LINEAR_GELU, linear_gelu_unfit, mark_site
 from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._mirror import mirrors
+from ._shared_silu import share_silu
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 GATED_RESIDUAL = "gated_residual"
@@ -369,7 +370,8 @@ def _gelu_unfit(gelu: GELU) -> str | None:
 
 def patch_adaln(module: torch.nn.Module, state: PatchState) -> bool:
     """Swap `module` if it is one of diffusers' shared ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` (FLUX.1 and
-    every family built on them) for its fused subclass, with its site and its ``"high"`` tier site; True if it was."""
+    every family built on them) for its fused subclass, with its site and its ``"high"`` tier site, and its SiLU for
+    `_shared_silu.FastpathSharedSiLU` (computed once per timestep embedding); True if it was."""
     kind = type(module)
     if kind is AdaLayerNormZero and mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD):
         state.swap_class(module, FastpathAdaLayerNormZero)
@@ -378,6 +380,7 @@ def patch_adaln(module: torch.nn.Module, state: PatchState) -> bool:
     else:
         return False
     state.add_site(module, MODULATE)
+    share_silu(state, getattr(module, "silu", None))  # its SiLU of the timestep embedding: once per forward
     return True
 
 
