@@ -32,7 +32,7 @@ class FastpathSharedSiLU(nn.SiLU):
     (see module doc). Adds no parameters; unpatching gives ``nn.SiLU`` back."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (self.inplace or not isinstance(input, torch.Tensor) or input.is_inference()
+        if (torch.compiler.is_compiling() or self.inplace or not isinstance(input, torch.Tensor) or input.is_inference()
                 or (input.requires_grad and torch.is_grad_enabled()) or hooked(self)):
             return F.silu(input, inplace=self.inplace)
 
