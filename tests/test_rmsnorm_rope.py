@@ -130,8 +130,10 @@ def test_guard_falls_back_with_reason(case, reason):
     assert site.fast == 0 and site.fallback == {reason: 1}
 
 
-def test_custom_op_opcheck_cpu():
-    norm, x, freqs = make((1, 9, 4, 128), torch.bfloat16, "cpu", 2)
+@pytest.mark.parametrize("shape, factors", [((1, 9, 4, 128), torch.complex64), ((2, 9, 4, 96), torch.complex128)],
+                         ids=["qwen", "lumina2"])
+def test_custom_op_opcheck_cpu(shape, factors):
+    norm, x, freqs = make(shape, torch.bfloat16, "cpu", 2, per_batch=factors is torch.complex128, factors=factors)
     torch.library.opcheck(torch.ops.diffusers_fastpath.rmsnorm_rope_complex.default, (x, norm.weight.detach(), freqs, 1e-6))
     with torch.no_grad():
         assert torch.equal(torch.ops.diffusers_fastpath.rmsnorm_rope_complex(x, norm.weight, freqs, 1e-6),
