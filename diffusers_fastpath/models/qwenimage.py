@@ -29,8 +29,9 @@ writes both streams into the joint tensor (`rmsnorm_rope_complex_cat`, the rewri
 each stream's part of it is contiguous; above, each stream runs fused on its own and the concatenation as written).
 
 Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites, per attention one QK norm +
-rotary site and one joint site (q and k: two calls at batch 1). Not fused yet (issue 14): the concatenation of v, the
-FFN GELUs, the output ``AdaLayerNormContinuous``.
+rotary site and one joint site (q and k: two calls at batch 1). The modulations' SiLU of the one timestep embedding
+runs once per forward (`_shared_silu`). Not fused yet: the concatenation of v, the FFN GELUs, the output
+``AdaLayerNormContinuous``.
 """
 
 from __future__ import annotations
