@@ -168,8 +168,6 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(attention_module, "ATTENTION_SEQ_MAJOR_GUARD",
                         _as_if_on_cuda(attention_module.ATTENTION_SEQ_MAJOR_GUARD))
-    monkeypatch.setattr(attention_module.ATTENTION_SEQ_MAJOR, "guard",
-                        _as_if_on_cuda(attention_module.ATTENTION_SEQ_MAJOR.guard))
 
 
 def _as_if_on_cuda(guard):

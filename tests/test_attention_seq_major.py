@@ -110,11 +110,12 @@ def _layout_dependent(q, k, v, **arguments):
 
 
 def _on_cpu(monkeypatch):
-    """The op's guard with the CPU taken as a GPU (its other checks unchanged)."""
+    """The operand checks with the CPU taken as a GPU (their other checks unchanged)."""
     from diffusers_fastpath.ops import attention_seq_major as module
 
-    guard = module._guard
-    monkeypatch.setattr(ATTENTION_SEQ_MAJOR, "guard", lambda *args: None if guard(*args) == "device cpu" else guard(*args))
+    check = module.ATTENTION_SEQ_MAJOR_GUARD
+    monkeypatch.setattr(module, "ATTENTION_SEQ_MAJOR_GUARD",
+                        lambda t, check_pointers=True: None if check(t) == "device cpu" else check(t))
 
 
 @torch.no_grad()

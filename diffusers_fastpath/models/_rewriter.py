@@ -196,7 +196,7 @@ import ast
 import copy
 from dataclasses import dataclass, field
 
-from ._chain_syntax import (_NS, _act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
+from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
                             _complex_rotary_call, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
                             _modulate_of, _ns_call, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
                             _reads_only_dtype, _rotary_call, _self_attr, _self_module_call, _single_target, _site_of,
@@ -448,8 +448,8 @@ class _Rewriter:
                 cat.args.append(ast.Constant(True))
             self.found.seq_major_attention = True
             site = _site_of(ast.Name(self.owner, ast.Load()), ATTENTION_SEQ_MAJOR)
-            new = ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr="attention_heads", ctx=ast.Load()),
-                           args=[call.func, *call.args, site], keywords=call.keywords)
+            new = _call("attention_heads", [call.func, *call.args, site])
+            new.keywords = call.keywords
             return [*body[:i], ast.copy_location(ast.Assign(targets=stmt.targets, value=new), stmt), *body[i + 1:]]
         return body
 

@@ -102,7 +102,7 @@ def _guard(fn, q, k, v, arguments: tuple, check_pointers: bool = True) -> str | 
     if not names <= _ARGUMENTS or dict(arguments).get("dropout_p", 0.0) != 0.0:
         return "arguments"
     for t in (q, k, v):
-        reason = _operand_reason(t)
+        reason = ATTENTION_SEQ_MAJOR_GUARD(t)
         if reason is not None:
             return reason
     if q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device:
@@ -132,7 +132,7 @@ ATTENTION_SEQ_MAJOR = FusedOp(
     custom_op=None,  # never traced: under torch.compile the concatenations are written as eager's (`cat_reason`)
     verify_key=_signature,
 )
-ATTENTION_SEQ_MAJOR_GUARD = _operand_reason  # what `cat_reason` asks of each operand (tests take it as on CUDA)
+ATTENTION_SEQ_MAJOR_GUARD = _operand_reason  # what the op and `cat_reason` ask of each operand (tests: as on CUDA)
 
 
 def seq_major(t) -> bool:
