@@ -64,6 +64,7 @@ constexpr int kEightWarps = 64;           // block (32, 8): num_threads() = 256
 constexpr int kVariantMask = 127;
 
 constexpr int kWarpsMax = 8;
+constexpr int kAtenWarps = 4;             // aten's block (32, num_threads() / 32) = (32, 4): the production launch
 constexpr int kVec = 4;                   // aten's vec_size: 4 elements per load, whatever the dtype
 constexpr int kVecsPerThreadMax = 12;     // 4 warps x 32 lanes x 12 vectors x 4 elements: D <= 6144 (FLUX.2) in registers
 
@@ -122,8 +123,8 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
 
 // The normalised, modulated quad i of a row (eager's rounding points, file head).
 template <typename T, typename S>
-__device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& a, const Quad<T>& xq, const Quad<S>& s,
-                                                 const Quad<S>& h, float mean, float rstd) {
+__device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& a, const Quad<T>& xq, const Quad<S> s,
+                                                 const Quad<S> h, float mean, float rstd) {
   constexpr bool kFloatModulate = SameType<S, float>::value;
   Quad<T> o;
 #pragma unroll
@@ -152,7 +153,8 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
 // slower at 36.5 us, 2e9fc06.) S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or
 // float (Wan's fp32 modulate).
 template <typename T, typename S, int kKv>
-__global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
+__global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
+    layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
   constexpr bool kProbe = kKv == 0;
   constexpr int kHeld = kProbe ? kVecsPerThreadMax : kKv;
   const int variant = kProbe ? a.variant : kDefaultVariant;
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
 
   const int lane = threadIdx.x;
   const int warp = threadIdx.y;
-  const int warps = blockDim.y;
+  const int warps = kProbe ? static_cast<int>(blockDim.y) : kAtenWarps;  // production: (32, 4), the loop unrolled
   const int thread = lane + 32 * warp;
   const int threads = 32 * warps;
   const int64_t row = blockIdx.x;
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
 #pragma unroll
   for (int k = 0; k < kHeld; ++k) {
     const int i = thread + k * threads;
-    if (i < vecs) data[k] = x[i];
+    if (i < vecs) data[k] = load_readonly(x + i);
   }
   Welford w{0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -217,11 +219,9 @@ __global__ void __launch_bounds__(32 * kWarpsMax) layernorm_scale_shift_kernel(L
 #pragma unroll
   for (int k = 0; k < kHeld; ++k) {
     const int i = thread + k * threads;
-    if (i < vecs) out[i] = modulate_quad<T, S>(a, data[k], scale[i], shift[i], mean, rstd);
+    if (i < vecs) out[i] = modulate_quad<T, S>(a, data[k], load_readonly(scale + i), load_readonly(shift + i), mean, rstd);
   }
 }
-
-constexpr int kAtenWarps = 4;
 
 // The vectors per aten thread the production kernel is instantiated for (kKv), each D taking the smallest that holds
 // its row: D <= 3072 (FLUX.1, Qwen-Image, HunyuanVideo, SD3.5) 6, 4096 8, 6144 (FLUX.2, Wan's 5120) 12. (Fewer than 6

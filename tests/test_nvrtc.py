@@ -597,7 +597,7 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     w_txt, w_img = _bf16(64), _bf16(64)
     out = qk_mod._nvrtc_kernel(x_txt, w_txt, 1e-6, x_img, w_img, 1e-5, cos, cos)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, True, 0) and (grid, block) == ((22, 1, 1), (256, 1, 1)) and out.shape == (1, 22, 3, 64)
+    assert key == (torch.bfloat16, True, 0) and (grid, block) == ((22, 1, 1), (128, 1, 1)) and out.shape == (1, 22, 3, 64)
     assert (a.a.txt.ptr, a.a.txt.seq, a.a.txt.weight, a.a.txt.eps) == (x_txt.data_ptr(), 5, w_txt.data_ptr(), f32(1e-6))
     assert (a.a.img.stride_b, a.a.img.stride_s, a.a.img.stride_h, a.a.img.seq) == (17 * 192, 192, 64, 17)
     assert (a.a.img.weight, a.a.img.eps, a.a.batch, a.a.heads, a.a.dim, a.a.norm) == (w_img.data_ptr(), f32(1e-5), 1, 3, 64, True)

@@ -87,7 +87,7 @@ def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers
 
 
 # The NVRTC way (ops/_nvrtc.py): csrc/rotary.cu's kernel (also qk_norm_rope's, with norm), launched as its launch()
-# and bindings.cpp's rotary_launch do: one block of kThreads 256 per (sequence position, batch) (tests/test_nvrtc.py
+# and bindings.cpp's rotary_launch do: one block of kThreads 128 per (sequence position, batch) (tests/test_nvrtc.py
 # reads it from the .cu). Duplicated from there: that shape, the RotaryArgs and RotarySource fields (fastpath.h), a
 # source as (pointer, stride(0), stride(1), stride(2), size(1), weight, eps as static_cast<float>), an absent text part
 # as zeros and the output allocation; the guards stand for bindings.cpp's input checks.
@@ -116,7 +116,7 @@ _NVRTC_ROWS = _nvrtc.Kernel(
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
 _ROW_THREADS = 128
-_THREADS = 256
+_THREADS = 128
 _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 
 
