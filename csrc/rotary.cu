@@ -27,7 +27,7 @@
 // FADD eps, MUFU.RSQ with rsqrtf's denormal scaling, FMUL rstd * x then FMUL w * that, F2FP round-to-nearest. The
 // order is still a property of the aten build, so the Python op verifies itself once per signature against eager.
 //
-// Layout: one block per (s, b) output row of `heads * dim` elements; each of the four warps handles heads warp, warp + 4, ...
+// Layout: one block per (s, b) output row of `heads * dim` elements; each warp handles heads warp, warp + 8, ...
 // (several loads in flight), lane l the four elements 4l..4l+3 of a head (and, for dim > 128 without norm, 4(l+32)...).
 // The lane's cos/sin quads are loaded once per block and reused across heads, except where each head has its own
 // slice of the table (cos_stride_h != 0: LTX-Video's [batch, seq, heads * dim] tables), loaded per head.
@@ -51,13 +51,9 @@
 namespace diffusers_fastpath {
 namespace {
 
-// Four warps a row, each with the loads of six heads in flight (FLUX's 24 heads: all of a row's loads issued before
-// the first use). Against eight warps with three heads each, more of each multiprocessor's rows are loading at any
-// time: FLUX.1's q or k of 4608 x 24 x 128 in 18.0 against 20.2 us on the H200, 85% of a copy's bandwidth
-// (scratch probe at 0033c35; eight warps of four slots, the earlier shape, 26.4 us with its 63 registers).
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kHeadsInFlight = 6;  // independent 8-byte loads per lane before the first use (24 heads / 4 warps = 6)
+constexpr int kHeadsInFlight = 4;  // independent 8-byte loads per lane before the first use (24 heads / 8 warps = 3)
 
 template <typename T>
 struct alignas(8) Quad {
@@ -135,18 +131,18 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const float* cos_row = a.cos + table;
   const float* sin_row = a.sin + table;
 
-  // kHeadNorm: quads <= 32, one pass (known at compile time) in which every lane takes part in the shuffles.
-  for (int q0 = 0; q0 < (kNorm == kHeadNorm ? 1 : quads); q0 += 32) {
+  // kHeadNorm: quads <= 32, one pass in which every lane takes part in the shuffles.
+  for (int q0 = 0; q0 < quads; q0 += 32) {
     const int q = q0 + lane;
     const bool active = q < quads;
     float4 c = make_float4(0.f, 0.f, 0.f, 0.f), sn = c;
     float w[4] = {0.f, 0.f, 0.f, 0.f};
     if (active && kForm != kPerHead) {
-      c = load_readonly(reinterpret_cast<const float4*>(cos_row) + q);
-      sn = load_readonly(reinterpret_cast<const float4*>(sin_row) + q);
+      c = reinterpret_cast<const float4*>(cos_row)[q];
+      sn = reinterpret_cast<const float4*>(sin_row)[q];
     }
     if (active && kNorm == kHeadNorm) {
-      const Quad<T> wq = load_readonly(reinterpret_cast<const Quad<T>*>(src.weight) + q);
+      const Quad<T> wq = reinterpret_cast<const Quad<T>*>(src.weight)[q];
 #pragma unroll
       for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
     }
@@ -157,10 +153,10 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
       for (int i = 0; i < kHeadsInFlight; ++i) {
         const int64_t h = h0 + i * kWarps;
         if (active && h < a.heads) {
-          xin[i] = load_readonly(reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h) + q);
+          xin[i] = reinterpret_cast<const Quad<T>*>(x_row + h * src.stride_h)[q];
           if (kForm == kPerHead) {
-            cin[i] = load_readonly(reinterpret_cast<const float4*>(cos_row + h * a.cos_stride_h) + q);
-            sin_in[i] = load_readonly(reinterpret_cast<const float4*>(sin_row + h * a.cos_stride_h) + q);
+            cin[i] = reinterpret_cast<const float4*>(cos_row + h * a.cos_stride_h)[q];
+            sin_in[i] = reinterpret_cast<const float4*>(sin_row + h * a.cos_stride_h)[q];
           }
         }
       }
@@ -192,6 +188,70 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
           reinterpret_cast<Quad<T>*>(out_row + h * a.dim)[q] = rotate_quad<T, kForm>(v, c, sn);
         }
       }
+    }
+  }
+}
+
+// FLUX's form at dim 128 (the per-head norm, one [seq, dim] table; every FLUX.1 / Chroma / FLUX.2 attention):
+// rotary_kernel's operations in the same order, laid out for bandwidth. Four warps a row, each issuing the loads of
+// kHeadSlots heads (24 heads: all of a row's loads) before the first use, the operands through the read-only path,
+// and each field of the row's source chosen on its own (no struct selected at run time). On the H200 at FLUX.1-dev's
+// 4608 x 24 x 128 (scratch probe at 0033c35, inputs rotated past the L2, one CUDA graph): 18.0 us against 26.4 for
+// rotary_kernel's eight warps of four slots (85% against 58% of a device-to-device copy's bandwidth); eight warps of
+// three slots in this layout took 20.2 us, 16 lanes a head with 16-byte loads 20.0-21.6 us.
+constexpr int kHeadWarps = 4;
+constexpr int kHeadThreads = kHeadWarps * 32;
+constexpr int kHeadSlots = 6;
+constexpr int kHeadDim = 128;  // 32 lanes x one quad: the whole head in one pass
+
+template <typename T>
+__global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const RotaryArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t s = blockIdx.x;
+  const int64_t b = blockIdx.y;
+  const bool is_txt = s < a.txt.seq;
+  const int64_t s_src = is_txt ? s : s - a.txt.seq;
+  const T* x_row = static_cast<const T*>(is_txt ? a.txt.ptr : a.img.ptr) +
+                   b * (is_txt ? a.txt.stride_b : a.img.stride_b) + s_src * (is_txt ? a.txt.stride_s : a.img.stride_s);
+  const int64_t stride_h = is_txt ? a.txt.stride_h : a.img.stride_h;
+  const T* weight = static_cast<const T*>(is_txt ? a.txt.weight : a.img.weight);
+  const float eps = is_txt ? a.txt.eps : a.img.eps;
+  const int heads = static_cast<int>(a.heads);
+  T* out_row = static_cast<T*>(a.out) + (b * (a.txt.seq + a.img.seq) + s) * heads * kHeadDim;
+  const float4 c = load_readonly(reinterpret_cast<const float4*>(a.cos + s * a.cos_stride_s) + lane);
+  const float4 sn = load_readonly(reinterpret_cast<const float4*>(a.sin + s * a.cos_stride_s) + lane);
+  float w[4];
+  {
+    const Quad<T> wq = load_readonly(reinterpret_cast<const Quad<T>*>(weight) + lane);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
+  }
+  for (int h0 = warp; h0 < heads; h0 += kHeadWarps * kHeadSlots) {
+    Quad<T> xin[kHeadSlots];
+#pragma unroll
+    for (int i = 0; i < kHeadSlots; ++i) {
+      const int h = h0 + i * kHeadWarps;
+      if (h < heads) xin[i] = load_readonly(reinterpret_cast<const Quad<T>*>(x_row + h * stride_h) + lane);
+    }
+#pragma unroll
+    for (int i = 0; i < kHeadSlots; ++i) {
+      const int h = h0 + i * kHeadWarps;
+      if (h >= heads) break;  // warp-uniform
+      float v[4];
+      float acc = 0.f;  // aten's per-lane sum over its quad, then the shuffle-down tree (file head)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[j] = Storage<T>::load(xin[i].v[j]);
+        acc = __fmaf_rn(v[j], v[j], acc);
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+      const float total = __shfl_sync(0xffffffffu, acc, 0);
+      const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(kHeadDim)), eps));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
+      reinterpret_cast<Quad<T>*>(out_row + h * kHeadDim)[lane] = rotate_quad<T, kShared>(v, c, sn);
     }
   }
 }
@@ -325,6 +385,8 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
     row_norm_rotary_kernel<T, kWan, false><<<row_grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm_rows) {
     row_norm_rotary_kernel<T, kPerHead, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+  } else if (a.norm && a.dim == kHeadDim && a.cos_stride_h == 0) {
+    head_norm_rotary_kernel<T><<<grid, kHeadThreads, 0, stream>>>(a);
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {

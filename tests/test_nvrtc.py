@@ -303,6 +303,8 @@ def test_launch_constants_match_the_sources():
     assert rmsnorm_mod._ROWS128_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock") * _constant(
         "rmsnorm_scale_shift.cu", "kRows128PerWarp")
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
+    assert rotary_mod._HEAD_THREADS == 32 * _constant("rotary.cu", "kHeadWarps")
+    assert rotary_mod._HEAD_DIM == _constant("rotary.cu", "kHeadDim")
     assert rotary_mod._ROW_THREADS == _constant("rotary.cu", "kRowThreads")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
@@ -597,10 +599,17 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     w_txt, w_img = _bf16(64), _bf16(64)
     out = qk_mod._nvrtc_kernel(x_txt, w_txt, 1e-6, x_img, w_img, 1e-5, cos, cos)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, True, 0) and (grid, block) == ((22, 1, 1), (128, 1, 1)) and out.shape == (1, 22, 3, 64)
+    assert key == (torch.bfloat16, True, 0) and (grid, block) == ((22, 1, 1), (256, 1, 1)) and out.shape == (1, 22, 3, 64)
     assert (a.a.txt.ptr, a.a.txt.seq, a.a.txt.weight, a.a.txt.eps) == (x_txt.data_ptr(), 5, w_txt.data_ptr(), f32(1e-6))
     assert (a.a.img.stride_b, a.a.img.stride_s, a.a.img.stride_h, a.a.img.seq) == (17 * 192, 192, 64, 17)
     assert (a.a.img.weight, a.a.img.eps, a.a.batch, a.a.heads, a.a.dim, a.a.norm) == (w_img.data_ptr(), f32(1e-5), 1, 3, 64, True)
+    # FLUX's form at dim 128: head_norm_rotary_kernel, 128 threads a row
+    x128_img, x128_txt, cos128 = _bf16(2, 9, 3, 128), _bf16(2, 4, 3, 128), torch.randn(13, 128)
+    w128 = _bf16(128)
+    out = qk_mod._nvrtc_kernel(x128_txt, w128, 1e-6, x128_img, w128, 1e-6, cos128, cos128)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == torch.bfloat16 and (grid, block) == ((13, 2, 1), (128, 1, 1)) and out.shape == (2, 13, 3, 128)
+    assert (a.a.txt.seq, a.a.img.seq, a.a.heads, a.a.dim, a.a.norm, a.a.cos_stride_s) == (4, 9, 3, 128, True, 128)
     rotary_mod._nvrtc_kernel(x_img, cos[:17], cos[:17])
     _, key, grid, _, a = captured_launches[-1]
     assert key == (torch.bfloat16, False, 0) and grid == (17, 1, 1) and (a.a.txt.ptr, a.a.txt.seq, a.a.img.weight) == (None, 0, None)

@@ -233,13 +233,16 @@ def test_rotary_emb_wan_special_values_bitwise(dtype):
 
 
 # (txt, img, heads, dim, batch, grid): FLUX.1-dev dual block at 1024x1024, single block (all 4608 tokens as one
-# source), a CFG batch at 384x640 with 77 text tokens, odd small ones, head_dim 64.
+# source), a CFG batch at 384x640 with 77 text tokens, odd small ones, head_dim 64; at head_dim 128 (the
+# head_norm_rotary kernel) FLUX.2-dev's 48 heads (two rounds of the four warps' six slots) and 30 (a partial round).
 QK_CASES = [
     (512, 4096, 24, 128, 1, (64, 64)),
     (0, 4608, 24, 128, 1, None),
     (77, 960, 24, 128, 2, (24, 40)),
     (7, 13, 3, 128, 2, None),
     (5, 11, 2, 64, 1, None),
+    (64, 300, 48, 128, 1, None),
+    (3, 29, 30, 128, 2, None),
 ]
 
 

@@ -87,7 +87,7 @@ def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers
 
 
 # The NVRTC way (ops/_nvrtc.py): csrc/rotary.cu's kernel (also qk_norm_rope's, with norm), launched as its launch()
-# and bindings.cpp's rotary_launch do: one block of kThreads 128 per (sequence position, batch) (tests/test_nvrtc.py
+# and bindings.cpp's rotary_launch do: one block of kThreads 256 per (sequence position, batch) (tests/test_nvrtc.py
 # reads it from the .cu). Duplicated from there: that shape, the RotaryArgs and RotarySource fields (fastpath.h), a
 # source as (pointer, stride(0), stride(1), stride(2), size(1), weight, eps as static_cast<float>), an absent text part
 # as zeros and the output allocation; the guards stand for bindings.cpp's input checks.
@@ -115,8 +115,17 @@ _NVRTC_ROWS = _nvrtc.Kernel(
      for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
+# FLUX's form at dim 128 (the per-head norm, one [seq, dim] table): head_norm_rotary_kernel, kHeadThreads 128 a row.
+_NVRTC_HEADS = _nvrtc.Kernel(
+    "rotary.cu",
+    "diffusers_fastpath::head_norm_rotary_kernel",
+    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+    _nvrtc.Params("head_norm_rotary_kernel", ("a", _ARGS)),
+)
 _ROW_THREADS = 128
-_THREADS = 128
+_THREADS = 256
+_HEAD_THREADS = 128
+_HEAD_DIM = 128
 _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 
 
@@ -146,6 +155,8 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     if norm_rows:
         _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1, pair), (seq, batch, 1),
                            (_ROW_THREADS, 1, 1), *args)
+    elif norm and dim == _HEAD_DIM and not rows:
+        _NVRTC_HEADS.launch(x_img.device.index, x_img.dtype, (seq, batch, 1), (_HEAD_THREADS, 1, 1), *args)
     else:
         _NVRTC.launch(x_img.device.index, (x_img.dtype, int(norm), 2 if wan else int(rows)), (seq, batch, 1),
                       (_THREADS, 1, 1), *args)
