@@ -192,8 +192,9 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   }
 }
 
-// FLUX's form at dim 128 (the per-head norm, one [seq, dim] table; every FLUX.1 / Chroma / FLUX.2 attention):
-// rotary_kernel's operations in the same order, laid out for bandwidth. Four warps a row, each issuing the loads of
+// The shared-table form at dim 128, with the per-head norm (kHeadNorm: every FLUX.1 / Chroma / FLUX.2 attention) or
+// without (rotary_emb: where the norm runs on its own): rotary_kernel's operations in the same order, laid out for
+// bandwidth. Four warps a row, each issuing the loads of
 // kHeadSlots heads (24 heads: all of a row's loads) before the first use, the operands through the read-only path,
 // and each field of the row's source chosen on its own (no struct selected at run time). On the H200 at FLUX.1-dev's
 // 4608 x 24 x 128 (scratch probe at 0033c35, inputs rotated past the L2, one CUDA graph): 18.0 us against 26.4 for
@@ -204,7 +205,7 @@ constexpr int kHeadThreads = kHeadWarps * 32;
 constexpr int kHeadSlots = 6;
 constexpr int kHeadDim = 128;  // 32 lanes x one quad: the whole head in one pass
 
-template <typename T>
+template <typename T, int kNorm>
 __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -221,8 +222,8 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
   T* out_row = static_cast<T*>(a.out) + (b * (a.txt.seq + a.img.seq) + s) * heads * kHeadDim;
   const float4 c = load_readonly(reinterpret_cast<const float4*>(a.cos + s * a.cos_stride_s) + lane);
   const float4 sn = load_readonly(reinterpret_cast<const float4*>(a.sin + s * a.cos_stride_s) + lane);
-  float w[4];
-  {
+  float w[4] = {0.f, 0.f, 0.f, 0.f};
+  if (kNorm == kHeadNorm) {
     const Quad<T> wq = load_readonly(reinterpret_cast<const Quad<T>*>(weight) + lane);
 #pragma unroll
     for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
@@ -239,18 +240,21 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
       const int h = h0 + i * kHeadWarps;
       if (h >= heads) break;  // warp-uniform
       float v[4];
-      float acc = 0.f;  // aten's per-lane sum over its quad, then the shuffle-down tree (file head)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[j] = Storage<T>::load(xin[i].v[j]);
-        acc = __fmaf_rn(v[j], v[j], acc);
+      for (int j = 0; j < 4; ++j) v[j] = Storage<T>::load(xin[i].v[j]);
+      if (kNorm == kHeadNorm) {
+        float acc = 0.f;  // aten's per-lane sum over its quad, then the shuffle-down tree (file head)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc = __fmaf_rn(v[j], v[j], acc);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+        }
+        const float total = __shfl_sync(0xffffffffu, acc, 0);
+        const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(kHeadDim)), eps));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
       }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
-      const float total = __shfl_sync(0xffffffffu, acc, 0);
-      const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(kHeadDim)), eps));
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
       reinterpret_cast<Quad<T>*>(out_row + h * kHeadDim)[lane] = rotate_quad<T, kShared>(v, c, sn);
     }
   }
@@ -386,7 +390,9 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   } else if (a.norm_rows) {
     row_norm_rotary_kernel<T, kPerHead, false><<<row_grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm && a.dim == kHeadDim && a.cos_stride_h == 0) {
-    head_norm_rotary_kernel<T><<<grid, kHeadThreads, 0, stream>>>(a);
+    head_norm_rotary_kernel<T, kHeadNorm><<<grid, kHeadThreads, 0, stream>>>(a);
+  } else if (!a.wan && a.dim == kHeadDim && a.cos_stride_h == 0) {
+    head_norm_rotary_kernel<T, kNoNorm><<<grid, kHeadThreads, 0, stream>>>(a);
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {

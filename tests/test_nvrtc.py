@@ -608,8 +608,11 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     w128 = _bf16(128)
     out = qk_mod._nvrtc_kernel(x128_txt, w128, 1e-6, x128_img, w128, 1e-6, cos128, cos128)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == torch.bfloat16 and (grid, block) == ((13, 2, 1), (128, 1, 1)) and out.shape == (2, 13, 3, 128)
+    assert key == (torch.bfloat16, 1) and (grid, block) == ((13, 2, 1), (128, 1, 1)) and out.shape == (2, 13, 3, 128)
     assert (a.a.txt.seq, a.a.img.seq, a.a.heads, a.a.dim, a.a.norm, a.a.cos_stride_s) == (4, 9, 3, 128, True, 128)
+    rotary_mod._nvrtc_kernel(x128_img, cos128[:9], cos128[:9])  # without the norm: the same kernel's other form
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, 0) and (grid, block) == ((9, 2, 1), (128, 1, 1)) and not a.a.norm
     rotary_mod._nvrtc_kernel(x_img, cos[:17], cos[:17])
     _, key, grid, _, a = captured_launches[-1]
     assert key == (torch.bfloat16, False, 0) and grid == (17, 1, 1) and (a.a.txt.ptr, a.a.txt.seq, a.a.img.weight) == (None, 0, None)

@@ -115,11 +115,12 @@ _NVRTC_ROWS = _nvrtc.Kernel(
      for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
-# FLUX's form at dim 128 (the per-head norm, one [seq, dim] table): head_norm_rotary_kernel, kHeadThreads 128 a row.
+# The shared-table form at dim 128, with the per-head norm (FLUX's) or without: head_norm_rotary_kernel, (dtype,
+# norm), kHeadThreads 128 a row.
 _NVRTC_HEADS = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::head_norm_rotary_kernel",
-    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+    {(dtype, norm): f"{_nvrtc.STORAGE_TYPE[dtype]}, {norm}" for dtype in HALF_DTYPES for norm in (0, 1)},
     _nvrtc.Params("head_norm_rotary_kernel", ("a", _ARGS)),
 )
 _ROW_THREADS = 128
@@ -155,8 +156,8 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     if norm_rows:
         _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1, pair), (seq, batch, 1),
                            (_ROW_THREADS, 1, 1), *args)
-    elif norm and dim == _HEAD_DIM and not rows:
-        _NVRTC_HEADS.launch(x_img.device.index, x_img.dtype, (seq, batch, 1), (_HEAD_THREADS, 1, 1), *args)
+    elif dim == _HEAD_DIM and not rows and not wan:
+        _NVRTC_HEADS.launch(x_img.device.index, (x_img.dtype, int(norm)), (seq, batch, 1), (_HEAD_THREADS, 1, 1), *args)
     else:
         _NVRTC.launch(x_img.device.index, (x_img.dtype, int(norm), 2 if wan else int(rows)), (seq, batch, 1),
                       (_THREADS, 1, 1), *args)
