@@ -101,6 +101,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_rotary_emb_special_values_bitwise(dtype):
     """NaN, inf, signed zeros, subnormals and the largest finite values in x and in the tables: the same bits as
     eager (compared as integers, since NaN != NaN)."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()  # the raw op below is the extension's (a worker may run this test first)
     gen = torch.Generator(device="cuda").manual_seed(3)
     info = torch.finfo(dtype)
     specials = torch.tensor(
