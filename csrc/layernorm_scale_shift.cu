@@ -150,8 +150,13 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
 // the arguments (uniform branches). (A grid-stride launch of the resident
 // blocks, each prefetching its next row into L2 while reducing the current one, timed the same on the H200 at
 // 4f6d200: 29.8 us at 4096 x 3072 bf16, 46% of copy; so did one warp per row, emulating the block's four warps,
-// slower at 36.5 us, 2e9fc06.) S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or
-// float (Wan's fp32 modulate).
+// slower at 36.5 us, 2e9fc06.) Its operands come through the read-only path, scale and shift as vectors (they were
+// read element by element), and the production block is aten's (32, 4) at compile time (launch bounds 128, the
+// combine unrolled): 21.0 against 22.4 us at 4096 x 3072 (29a53bb, 66% of copy). examples/kernel_layout_probe.py also
+// timed launch bounds for 12 resident rows (no faster; 16 spill) and 64 threads a row playing two adjacent aten
+// threads with 16-byte loads (20.6 us, the same): each row's serial Welford chain and shuffle combine, not the
+// loads, bound it. S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's
+// fp32 modulate).
 template <typename T, typename S, int kKv>
 __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
     layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
@@ -219,7 +224,9 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
 #pragma unroll
   for (int k = 0; k < kHeld; ++k) {
     const int i = thread + k * threads;
-    if (i < vecs) out[i] = modulate_quad<T, S>(a, data[k], load_readonly(scale + i), load_readonly(shift + i), mean, rstd);
+    if (i < vecs) {
+      out[i] = modulate_quad<T, S>(a, data[k], load_readonly(scale + i), load_readonly(shift + i), mean, rstd);
+    }
   }
 }
 

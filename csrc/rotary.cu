@@ -194,12 +194,14 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
 
 // The shared-table form at dim 128, with the per-head norm (kHeadNorm: every FLUX.1 / Chroma / FLUX.2 attention) or
 // without (rotary_emb: where the norm runs on its own): rotary_kernel's operations in the same order, laid out for
-// bandwidth. Four warps a row, each issuing the loads of
-// kHeadSlots heads (24 heads: all of a row's loads) before the first use, the operands through the read-only path,
-// and each field of the row's source chosen on its own (no struct selected at run time). On the H200 at FLUX.1-dev's
-// 4608 x 24 x 128 (scratch probe at 0033c35, inputs rotated past the L2, one CUDA graph): 18.0 us against 26.4 for
-// rotary_kernel's eight warps of four slots (85% against 58% of a device-to-device copy's bandwidth); eight warps of
-// three slots in this layout took 20.2 us, 16 lanes a head with 16-byte loads 20.0-21.6 us.
+// bandwidth. Four warps a row, each issuing the loads of kHeadSlots heads (24 heads: all of a row's loads) before the
+// first use, the operands through the read-only path, and each field of the row's source chosen on its own (no struct
+// selected at run time). On the H200 at FLUX.1-dev's 4608 x 24 x 128 (examples/kernel_layout_probe.py at 0033c35,
+// inputs past the L2, one CUDA graph): 18.0 us against 26.4 for rotary_kernel's eight warps of four slots (85% against
+// 58% of a device-to-device copy's bandwidth); eight warps of three slots in this layout took 20.2 us, 16 lanes a head
+// with 16-byte loads 20.0-21.6 us. rotary_kernel itself with four warps of six slots took 29.3 us (0f077e9: its
+// generic loop and struct selection cost registers and spills). In the bench at 29a53bb: qk_norm_rope 19.3 us (90%),
+// rotary_emb 16.4 us (102%).
 constexpr int kHeadWarps = 4;
 constexpr int kHeadThreads = kHeadWarps * 32;
 constexpr int kHeadSlots = 6;

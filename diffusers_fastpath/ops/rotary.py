@@ -157,7 +157,8 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
         _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1, pair), (seq, batch, 1),
                            (_ROW_THREADS, 1, 1), *args)
     elif dim == _HEAD_DIM and not rows and not wan:
-        _NVRTC_HEADS.launch(x_img.device.index, (x_img.dtype, int(norm)), (seq, batch, 1), (_HEAD_THREADS, 1, 1), *args)
+        _NVRTC_HEADS.launch(x_img.device.index, (x_img.dtype, int(norm)), (seq, batch, 1), (_HEAD_THREADS, 1, 1),
+                            *args)
     else:
         _NVRTC.launch(x_img.device.index, (x_img.dtype, int(norm), 2 if wan else int(rows)), (seq, batch, 1),
                       (_THREADS, 1, 1), *args)
