@@ -114,6 +114,22 @@ __device__ __forceinline__ Quad<T> rotate_quad(const float (&v)[4], const float4
   return o;
 }
 
+// aten's RMSNorm of one head of up to 128 elements spread over a warp, four a lane (lanes without data hold zeros):
+// each lane's FMA chain of squares, the shuffle-down tree over 16..1, rstd = rsqrtf(sum / dim + eps), and
+// v = round(w * (rstd * v)) in place (the file head).
+template <typename T>
+__device__ __forceinline__ void head_rms_norm(float (&v)[4], const float (&w)[4], float dim, float eps) {
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc = __fmaf_rn(v[j], v[j], acc);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+  const float total = __shfl_sync(0xffffffffu, acc, 0);
+  const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, dim), eps));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
+}
+
 template <typename T, int kNorm, int kForm>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
   const int lane = threadIdx.x & 31;
@@ -167,19 +183,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[i].v[j]) : 0.f;
-        if (kNorm == kHeadNorm) {
-          float acc = 0.f;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc = __fmaf_rn(v[j], v[j], acc);
-#pragma unroll
-          for (int offset = 16; offset > 0; offset >>= 1) {
-            acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
-          }
-          const float total = __shfl_sync(0xffffffffu, acc, 0);
-          const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.dim)), src.eps));
-#pragma unroll
-          for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
-        }
+        if (kNorm == kHeadNorm) head_rms_norm<T>(v, w, static_cast<float>(a.dim), src.eps);
         if (active) {
           if (kForm == kPerHead) {
             c = cin[i];
@@ -244,19 +248,7 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
       float v[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[j] = Storage<T>::load(xin[i].v[j]);
-      if (kNorm == kHeadNorm) {
-        float acc = 0.f;  // aten's per-lane sum over its quad, then the shuffle-down tree (file head)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc = __fmaf_rn(v[j], v[j], acc);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-          acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
-        }
-        const float total = __shfl_sync(0xffffffffu, acc, 0);
-        const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(kHeadDim)), eps));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
-      }
+      if (kNorm == kHeadNorm) head_rms_norm<T>(v, w, static_cast<float>(kHeadDim), eps);
       reinterpret_cast<Quad<T>*>(out_row + h * kHeadDim)[lane] = rotate_quad<T, kShared>(v, c, sn);
     }
   }

@@ -12,7 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #endif
-#include "elementwise.cuh"
+#include "layernorm_scale_shift.cu"  // its Welford steps (and elementwise.cuh)
 
 using namespace diffusers_fastpath;
 
@@ -153,33 +153,11 @@ void rotary_variant(int variant, torch::Tensor out, torch::Tensor xt, torch::Ten
 
 #endif
 // ---------------------------------------------------------------- layernorm + modulate (bf16 scale/shift)
-struct W3 {
-  float mean, m2, count;
-};
+// the production kernel's Welford steps (variant 0: aten's, as nvcc 13 contracts them)
+__device__ __forceinline__ Welford upd(float x, const Welford& w, int n) { return online_update(x, w, n, 0); }
+__device__ __forceinline__ Welford comb(const Welford& own, const Welford& other) { return combine(own, other, 0); }
 
-__device__ __forceinline__ W3 upd(float x, const W3& w, int n) {
-  const float delta = __fsub_rn(x, w.mean);
-  const float inv = 1.0f / static_cast<float>(n);
-  const float mean = __fmaf_rn(delta, inv, w.mean);
-  const float m2 = __fmaf_rn(delta, __fsub_rn(x, mean), w.m2);
-  return {mean, m2, static_cast<float>(n)};
-}
-
-// aten's cuWelfordCombine(own, other) (layernorm_scale_shift.cu's combine_ba(own, other), variant 0)
-__device__ __forceinline__ W3 comb(const W3& b, const W3& a) {
-  const float delta = __fsub_rn(b.mean, a.mean);
-  const float count = __fadd_rn(a.count, b.count);
-  if (!(count > 0.0f)) return {0.0f, 0.0f, count};
-  const float coef = __frcp_rn(count);
-  const float na = __fmul_rn(a.count, coef);
-  const float nb = __fmul_rn(b.count, coef);
-  const float mean = __fmaf_rn(na, a.mean, __fmul_rn(nb, b.mean));
-  const float m2s = __fadd_rn(a.m2, b.m2);
-  const float t = __fmul_rn(__fmul_rn(delta, delta), a.count);
-  return {mean, __fmaf_rn(t, nb, m2s), count};
-}
-
-__device__ __forceinline__ W3 shfl_w(const W3& w, int off, int width) {
+__device__ __forceinline__ Welford shfl_w(const Welford& w, int off, int width) {
   return {__shfl_down_sync(0xffffffffu, w.mean, off, width), __shfl_down_sync(0xffffffffu, w.m2, off, width),
           __shfl_down_sync(0xffffffffu, w.count, off, width)};
 }
@@ -210,7 +188,7 @@ __global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, con
     const int i = thread + k * 128;
     if (i < vecs) data[k] = xr[i];
   }
-  W3 w{0.f, 0.f, 0.f};
+  Welford w{0.f, 0.f, 0.f};
 #pragma unroll
   for (int k = 0; k < kKv; ++k) {
     if (thread + k * 128 < vecs) {
@@ -225,7 +203,7 @@ __global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, con
       partial[0][warp - offset] = w.mean; partial[1][warp - offset] = w.m2; partial[2][warp - offset] = w.count;
     }
     __syncthreads();
-    if (lane == 0 && warp < offset) w = comb(w, W3{partial[0][warp], partial[1][warp], partial[2][warp]});
+    if (lane == 0 && warp < offset) w = comb(w, Welford{partial[0][warp], partial[1][warp], partial[2][warp]});
     __syncthreads();
   }
   if (thread == 0) { stats[0] = w.mean; stats[1] = __fdiv_rn(w.m2, static_cast<float>(dim)); }
@@ -273,7 +251,7 @@ __global__ void __launch_bounds__(64 * kRows) ln_b(T* __restrict__ out, const T*
     const int i = j + k * 64;
     if (live && i < pairs) data[k] = xr[i];
   }
-  W3 wa{0.f, 0.f, 0.f}, wb{0.f, 0.f, 0.f};
+  Welford wa{0.f, 0.f, 0.f}, wb{0.f, 0.f, 0.f};
 #pragma unroll
   for (int k = 0; k < kKv; ++k) {
     if (j + k * 64 < pairs) {
@@ -289,15 +267,15 @@ __global__ void __launch_bounds__(64 * kRows) ln_b(T* __restrict__ out, const T*
     wa = comb(wa, shfl_w(wa, off, 16));
     wb = comb(wb, shfl_w(wb, off, 16));
   }
-  W3 w = comb(wa, wb);  // aten lane 0 of aten warp 2 * warp + seg, own, with aten lane 1
+  Welford w = comb(wa, wb);  // aten lane 0 of aten warp 2 * warp + seg, own, with aten lane 1
   // aten's shared-memory step offset 2: aten warps 2, 3 (my warp 1, seg 0 / 1) into aten warps 0, 1 (my warp 0)
   if (warp == 1 && (lane & 15) == 0) {
     partial[r][0][seg] = w.mean; partial[r][1][seg] = w.m2; partial[r][2][seg] = w.count;
   }
   __syncthreads();
-  if (warp == 0 && (lane & 15) == 0) w = comb(w, W3{partial[r][0][seg], partial[r][1][seg], partial[r][2][seg]});
+  if (warp == 0 && (lane & 15) == 0) w = comb(w, Welford{partial[r][0][seg], partial[r][1][seg], partial[r][2][seg]});
   // offset 1: aten warp 1 (my warp 0, lane 16) into aten warp 0 (my warp 0, lane 0)
-  const W3 other = shfl_w(w, 16, 32);
+  const Welford other = shfl_w(w, 16, 32);
   if (warp == 0 && lane == 0) {
     w = comb(w, other);
     stats[r][0] = w.mean;
