@@ -5,7 +5,7 @@ in flight, vector width. This script builds ``kernel_layout_probe.cu`` (nvcc, fo
 shapes, checks every layout variant of the QK norm + rotary and of the LayerNorm + modulate against eager with
 ``torch.equal`` (outputs poisoned with NaN first) and times it, with the production op and a device-to-device copy of
 the same bytes, each as one CUDA graph of calls over inputs rotated past the L2. ``head_norm_rotary_kernel`` in
-``csrc/rotary.cu`` came from here (the H200 numbers are in ``docs/results/gpu_session15_*.txt``).
+``csrc/rotary.cu`` came from here (the H200 numbers are in ``docs/results/gpu_session15_0f077e9_aec81f6.txt``).
 
 ``v`` checks that the dual blocks' text and image value projections, written by ``torch.addmm(..., out=)`` into the
 rows of one joint tensor, equal ``torch.cat`` of the two ``F.linear`` results (a way to drop that concatenation).
