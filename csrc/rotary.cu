@@ -383,10 +383,12 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
     row_norm_rotary_kernel<T, kWan, false><<<row_grid, kRowThreads, 0, stream>>>(a);
   } else if (a.norm_rows) {
     row_norm_rotary_kernel<T, kPerHead, false><<<row_grid, kRowThreads, 0, stream>>>(a);
-  } else if (a.norm && a.dim == kHeadDim && a.cos_stride_h == 0 && a.cos_stride_b == 0) {  // one [seq, dim] table
-    head_norm_rotary_kernel<T, kHeadNorm><<<grid, kHeadThreads, 0, stream>>>(a);
-  } else if (!a.wan && a.dim == kHeadDim && a.cos_stride_h == 0 && a.cos_stride_b == 0) {
-    head_norm_rotary_kernel<T, kNoNorm><<<grid, kHeadThreads, 0, stream>>>(a);
+  } else if (!a.wan && a.dim == kHeadDim && a.cos_stride_h == 0 && a.cos_stride_b == 0) {  // one [seq, dim] table
+    if (a.norm) {  // (norm with wan was refused above)
+      head_norm_rotary_kernel<T, kHeadNorm><<<grid, kHeadThreads, 0, stream>>>(a);
+    } else {
+      head_norm_rotary_kernel<T, kNoNorm><<<grid, kHeadThreads, 0, stream>>>(a);
+    }
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {
