@@ -67,15 +67,22 @@ def _plain_weight(tensor: torch.Tensor | None, device: torch.device) -> bool:
     )
 
 
+LOOKAHEAD = 2  # members launched ahead of the one asking: one dual block's two, or two single blocks'
+
+
 class _Table:
-    """One launch: the outputs (each handed out once) and, on CUDA, the event recorded after each."""
+    """One forward's modulations: the members fit to prefetch, how far they are launched, the outputs (each handed
+    out once) and, on CUDA, the event recorded after each."""
 
-    __slots__ = ("outputs", "events", "pending")
+    __slots__ = ("x", "fit", "launched", "outputs", "events", "pending")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, x: torch.Tensor | None, fit: list[int], size: int) -> None:
+        self.x = x
+        self.fit = fit
+        self.launched = 0  # fit[:launched] are launched
         self.outputs: list[torch.Tensor | None] = [None] * size
         self.events: list[Any] = [None] * size
-        self.pending = 0
+        self.pending = len(fit)
 
 
 class ModulationGroup:
@@ -98,31 +105,39 @@ class ModulationGroup:
             and not any(hooked(m) for m in (linear, silu, module, block))
         )
 
-    def _launch(self, emb: torch.Tensor) -> _Table:
+    def _table(self, emb: torch.Tensor) -> _Table:
         fit = [i for i in range(len(self.members)) if self._fit(i, emb)]
-        table = _Table(len(self.members))
-        if not fit:
-            return table
-        x = self.members[fit[0]][0].silu(emb)  # every member's shared SiLU gives this one tensor
-        if emb.device.type == "cuda":
-            main = torch.cuda.current_stream(emb.device)
-            side = side_stream(emb.device)
-            side.wait_stream(main)  # the SiLU (and everything before it) first
+        x = self.members[fit[0]][0].silu(emb) if fit else None  # every member's shared SiLU gives this one tensor
+        if fit:
+            self.stats.built += 1
+        return _Table(x, fit, len(self.members))
+
+    def _launch_through(self, table: _Table, index: int, device: torch.device) -> None:
+        """Launch the fit members after those launched, through `LOOKAHEAD` members past `index`."""
+        stop = table.launched
+        while stop < len(table.fit) and table.fit[stop] <= index + LOOKAHEAD:
+            stop += 1
+        if stop == table.launched:
+            return
+        chunk = table.fit[table.launched:stop]
+        if device.type == "cuda":
+            main = torch.cuda.current_stream(device)
+            side = side_stream(device)
+            side.wait_stream(main)  # beside the work enqueued from here on, not ahead of it
             with torch.cuda.stream(side):
-                for i in fit:
-                    table.outputs[i] = self.members[i][0].linear(x)
+                for i in chunk:
+                    table.outputs[i] = self.members[i][0].linear(table.x)
                     table.events[i] = torch.cuda.Event()
                     table.events[i].record(side)
-            x.record_stream(side)  # read there: its memory is not reused before the side stream is done with it
+            if table.launched == 0:
+                table.x.record_stream(side)  # read there: its memory is not reused before the side stream is done
         else:
-            for i in fit:
-                table.outputs[i] = self.members[i][0].linear(x)
-        table.pending = len(fit)
-        self.stats.built += 1
-        return table
+            for i in chunk:
+                table.outputs[i] = self.members[i][0].linear(table.x)
+        table.launched = stop
 
     def modulation(self, module: nn.Module, index: int, emb: torch.Tensor) -> torch.Tensor:
-        """``module.linear(module.silu(emb))``, from this forward's launch where it can be (see module doc)."""
+        """``module.linear(module.silu(emb))``, from this forward's table where it can be (see module doc)."""
         if (
             torch.compiler.is_compiling()
             or not isinstance(emb, torch.Tensor)
@@ -131,9 +146,10 @@ class ModulationGroup:
             or not self._fit(index, emb)
         ):
             return module.linear(module.silu(emb))
-        table = derived(emb, (GROUP_ATTR, id(self)), lambda: self._launch(emb), valid=lambda t: t.pending > 0)
+        table = derived(emb, (GROUP_ATTR, id(self)), lambda: self._table(emb), valid=lambda t: t.pending > 0)
+        self._launch_through(table, index, emb.device)
         out = table.outputs[index]
-        if out is None:  # not prefetched (unfit when launched), or already handed out: as written
+        if out is None:  # not prefetched (unfit when the table was made), or already handed out: as written
             return module.linear(module.silu(emb))
         table.outputs[index] = None
         table.pending -= 1
