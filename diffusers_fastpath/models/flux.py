@@ -53,7 +53,6 @@ from ..ops import gated_residual, gelu_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
 from ..quality import LINEAR_GELU, linear_gelu_unfit, mark_site
 from ._chain_calls import gelu_cat_unfit, norm_modulate
-from ._adaln_prefetch import modulation, prefetch_modulations
 from ._mirror import mirrors
 from ._shared_silu import share_silu
 
@@ -160,7 +159,7 @@ class FastpathAdaLayerNormZero(AdaLayerNormZero):
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         if self.emb is not None:
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-        emb = modulation(self, emb)
+        emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
@@ -171,7 +170,7 @@ class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
     state."""
 
     def forward(self, x, emb=None):
-        emb = modulation(self, emb)
+        emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
         x = norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
         return x, gate_msa
@@ -361,9 +360,6 @@ class FastpathFluxAttnProcessor(FluxAttnProcessor):
             return hidden_states
 
 
-_PATCHED_ADALN = (FastpathAdaLayerNormZero, FastpathAdaLayerNormZeroSingle)
-
-
 def _single_block_mlp_unfit(block: FluxSingleTransformerBlock) -> str | None:
     return linear_gelu_unfit(block.proj_mlp, getattr(block.act_mlp, "approximate", None), bypassed=(block.act_mlp,))
 
@@ -421,19 +417,6 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
             state.swap_class(module, FastpathGELU)
             mark_site(state, module, LINEAR_GELU, _gelu_unfit)
     patch_flux_attention(model, state)
-    prefetch_modulations(state, model, adaln_members(model))
-
-
-def adaln_members(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-    """``(adaLN module, its block)`` for every patched adaLN module of `model`'s ``transformer_blocks`` and
-    ``single_transformer_blocks`` that takes the shared ``temb`` (``emb=``, no embedding of its own), in call order."""
-    members = []
-    for name in ("transformer_blocks", "single_transformer_blocks"):
-        for block in getattr(model, name, None) or ():
-            for child in block.children():
-                if type(child) in _PATCHED_ADALN and getattr(child, "emb", None) is None:
-                    members.append((child, block))
-    return members
 
 
 def patch_flux_attention(model: torch.nn.Module, state: PatchState) -> None:
