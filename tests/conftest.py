@@ -168,6 +168,11 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(attention_module, "ATTENTION_SEQ_MAJOR_GUARD",
                         _as_if_on_cuda(attention_module.ATTENTION_SEQ_MAJOR_GUARD))
+    # the joint value projections: aten's addmm into the rows of the joint tensor, as on the GPU (self-verified there;
+    # here against the CPU's F.linear and torch.cat)
+    from diffusers_fastpath.ops.linear_cat import LINEAR_CAT
+
+    monkeypatch.setattr(LINEAR_CAT, "guard", _as_if_on_cuda(LINEAR_CAT.guard))
 
 
 def _as_if_on_cuda(guard):

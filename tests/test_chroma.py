@@ -21,7 +21,7 @@ from diffusers_fastpath.testing import (assert_compiles_fullgraph_exactly, build
 
 # the tiny config: 2 dual + 2 single blocks
 TINY_SITES = {"layernorm_scale_shift": 2 * 4 + 2, "gated_residual": 2 * 4 + 2, "gelu_cat": 2, "qk_norm_rope": 4,
-              "rotary_emb": 4}
+              "rotary_emb": 4, "linear_cat": 2}
 
 
 def run(model, inputs):

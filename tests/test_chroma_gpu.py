@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.full_size]
 
 # 19 dual blocks (norm1, norm1_context, norm2, norm2_context; four gates) and 38 single blocks (norm; one gate)
 CHROMA_SITES = {"layernorm_scale_shift": 19 * 4 + 38, "gated_residual": 19 * 4 + 38, "gelu_cat": 38, "qk_norm_rope": 57,
-                "rotary_emb": 57}
+                "rotary_emb": 57, "linear_cat": 19}
 CALLS = {"qk_norm_rope": 2, "rotary_emb": 0}  # per forward: q and k; the pure rotary op only where the norm cannot fuse
 
 

@@ -69,7 +69,7 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, the GELU + concatenation,
     # and the token concatenation (not in the first single block: its inputs are always two tensors); per attention
     # module 2 (the fused QK norm + rotary, and the pure rotary it falls back to)
-    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2
+    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2  # and each dual block's joint value projections
     assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
     reason = "dtype float32" if dtype == torch.float32 else "device cpu"
     calls = {"qk_norm_rope": 4, "rotary_emb": 4}  # two forwards; q and k per attention
@@ -304,8 +304,8 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     # earlier test may have loaded them
     assert summary[0] == f"diffusers_fastpath: {_build.kernels_status()}"
     # 2 dual + 2 single blocks, 2 steps: only the second single block's token concatenation is no kernel (no copy)
-    assert summary[1].startswith("transformer (FluxTransformer2DModel): quality=lossless; 31 fused sites, 2 fast calls, "
-                                 "76 fallbacks;")
+    assert summary[1].startswith("transformer (FluxTransformer2DModel): quality=lossless; 33 fused sites, 2 fast calls, "
+                                 "80 fallbacks;")
     per_op = {cells[0]: cells[1:] for line in summary if line.startswith("  | ")
               for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
     assert per_op["layernorm_scale_shift"] == ["10", "0", "20", "device cpu: 20"]  # 4 per dual block, 1 per single
@@ -318,7 +318,7 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     assert "| total" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 23 + 4 * 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 23 + 4 * 2 + 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
     assert "transformer.single_transformer_blocks.0:gelu_cat " in text and data["ops"]["gelu_cat"].startswith("enabled")
     assert data["ops"]["gated_residual"] == "enabled"

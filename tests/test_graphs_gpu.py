@@ -26,6 +26,15 @@ from diffusers_fastpath.testing import (
 pytestmark = pytest.mark.gpu
 
 
+BATCH_REASON = "batch above 1 (each half of the joint tensor is strided)"
+
+
+def only_batch_fallbacks(rep) -> bool:
+    """No site fell back, but the joint value projections' at batch 2 (each half's rows are strided there), for that
+    reason only (the tiny configs' text lengths keep the halves aligned)."""
+    return all(s.fallback == 0 or (s.op == "linear_cat" and set(s.reasons) == {BATCH_REASON}) for s in rep.sites)
+
+
 @torch.no_grad()
 def run(model, inputs):
     return model(**inputs).sample
@@ -55,7 +64,7 @@ def test_tiny_flux_replays_equal_eager_at_two_resolutions_and_batch2(dtype, unpa
     assert stats["status"] == "on" and stats["captured"] == 3 and stats["replays"] == 6 and stats["eager"] == {}
     assert stats["pool_mib"] > 0
     rep = fp.report(model)
-    assert rep.fast > 0 and rep.fallback == 0, str(rep)  # the captured forward ran the fused kernels
+    assert rep.fast > 0 and only_batch_fallbacks(rep), str(rep)  # the captured forward ran the fused kernels
 
     # The replay writes every output element: poison the static outputs, then replay.
     for graph in model.__dict__[GRAPHS_ATTR].graphs.values():
@@ -93,7 +102,7 @@ def test_flux_dev_512_and_batch2_replays_are_bitwise_identical(flux_dev, unpatch
     assert stats["static_inputs_mib"] > 8  # two signatures, each with a (B, 512, 4096) bf16 text input
     rep = fp.report(flux_dev)
     # the eager first call of each signature counts its fused sites; replays run no Python
-    assert len(rep.sites) == 417 and all(s.fallback == 0 for s in rep.sites), str(rep)
+    assert len(rep.sites) == 436 and only_batch_fallbacks(rep), str(rep)
     print(f"flux-dev 512x512 graphs: {stats}")
 
 

@@ -21,13 +21,16 @@ diffusers' own extension points:
   ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`. The
   processor runs the QK RMSNorm, the text/image concatenation and the rotary embedding of q and of k as one fused
   `qk_norm_rope` each (self-verified; where it cannot run, the norms run eagerly and the rotary embedding as the
-  exact fused `rotary_emb`). Each such module carries two sites, ``qk_norm_rope`` and ``rotary_emb``.
+  exact fused `rotary_emb`). Each such module carries two sites, ``qk_norm_rope`` and ``rotary_emb``; a dual
+  block's (joint) module a third, ``value_cat``, where its value projections are plain ``nn.Linear`` layers: the text
+  and image value projections write their rows of the joint value tensor (`linear_cat`: at batch 1 each GEMM's output
+  is a contiguous row range of it) instead of being concatenated by ``torch.cat`` afterwards.
 - ``GELU`` (the dual blocks' ``ff.net.0``/``ff_context.net.0``): `FastpathGELU`, the lossless forward until the
   ``"high"`` tier mounts its site.
 
 Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
 sites, 37 token-concatenation sites, 38 GELU + concatenation sites, 57 attention processors with 114 fused QK
-norm + rotary calls; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114
+norm + rotary calls, 19 value-concatenation sites; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114
 LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual
 block, 1 per single block).
 """
@@ -46,12 +49,13 @@ from diffusers.models.transformers.transformer_flux import (
     FluxSingleTransformerBlock,
     FluxTransformer2DModel,
     FluxTransformerBlock,
+    _get_projections,
     _get_qkv_projections,
 )
 
-from ..ops import gated_residual, gelu_cat, linear_gelu, qk_norm_rope
+from ..ops import gated_residual, gelu_cat, linear_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
-from ..quality import LINEAR_GELU, linear_gelu_unfit, mark_site
+from ..quality import LINEAR_GELU, hooked, linear_gelu_unfit, mark_site
 from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._mirror import mirrors
 from ._shared_silu import share_silu
@@ -67,6 +71,8 @@ QK_NORM_ROPE = "qk_norm_rope"  # an attention module's fused QK norm + concatena
 ROTARY = "rotary_emb"  # the fused rotary embedding it falls back to where the norm cannot be fused
 _QK_NORM_ROPE_ATTR = site_attr(QK_NORM_ROPE)
 _ROTARY_ATTR = site_attr(ROTARY)
+VALUE_CAT = "linear_cat"  # a dual block's value projections written into their joint tensor
+_VALUE_CAT_ATTR = site_attr("value_cat")
 
 # sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
 _ADALN_ZERO_FORWARD = "93374820c014f812"
@@ -74,6 +80,7 @@ _ADALN_ZERO_SINGLE_FORWARD = "d48dfb2b1e75e64f"
 _BLOCK_FORWARD = "0b184cbe172708b6"
 _SINGLE_BLOCK_FORWARD = "57350a6dab842b40"
 _PROCESSOR_CALL = "d5b36134887ebe45"
+_GET_PROJECTIONS = "49221168b024c3c8"
 
 
 def _joint_tokens(encoder_hidden_states: torch.Tensor, hidden_states: torch.Tensor, site) -> torch.Tensor:
@@ -284,6 +291,50 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         return encoder_hidden_states, hidden_states
 
 
+def _value_projections_unfit(attn: FluxAttention) -> str | None:
+    """Why the joint attention module's ``add_v_proj`` and ``to_v`` cannot be read as weights (their forwards must
+    run), or ``None``."""
+    if attn.fused_projections:
+        return "fused projections (to_qkv)"
+    for linear in (attn.add_v_proj, attn.to_v):
+        if type(linear) is not torch.nn.Linear:
+            cls = type(linear)
+            return f"{cls.__module__}.{cls.__qualname__} is not a plain nn.Linear (quantized or wrapped, e.g. by LoRA)"
+        if linear.bias is None or any(type(t) not in (torch.nn.Parameter, torch.Tensor) for t in (linear.weight, linear.bias)):
+            return "a value projection without bias or with quantized weights"
+        if hooked(linear):
+            return "a value projection has hooks"
+    return None
+
+
+def _records_grad(attn: FluxAttention, *inputs: torch.Tensor) -> bool:
+    projections = (attn.to_q, attn.to_k, attn.to_v, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    return any(t.requires_grad for t in inputs) or any(p.requires_grad for m in projections for p in m.parameters())
+
+
+def _joint_value_projections(attn: FluxAttention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
+    """diffusers' ``_get_projections`` for a joint attention module, its two value projections written straight into
+    their concatenation (`linear_cat`): ``(query, key, encoder_query, encoder_key, value)`` with ``value`` the
+    ``[B, T + S, N]`` joint values; ``None`` (counted with the reason) where the module's projections must run as
+    written, and the caller runs diffusers' own."""
+    site = attn.__dict__.get(_VALUE_CAT_ATTR)
+    if site is None or encoder_hidden_states is None:
+        return None
+    reason = _value_projections_unfit(attn)
+    if reason is None and torch.is_grad_enabled() and _records_grad(attn, hidden_states, encoder_hidden_states):
+        reason = "requires grad"  # diffusers' order of the six projections is the order their gradients sum in
+    if reason is not None:
+        site.fallback[reason] += 1
+        return None
+    query = attn.to_q(hidden_states)
+    key = attn.to_k(hidden_states)
+    value = linear_cat(encoder_hidden_states, attn.add_v_proj.weight, attn.add_v_proj.bias,
+                       hidden_states, attn.to_v.weight, attn.to_v.bias, site)
+    encoder_query = attn.add_q_proj(encoder_hidden_states)
+    encoder_key = attn.add_k_proj(encoder_hidden_states)
+    return query, key, encoder_query, encoder_key, value
+
+
 class FastpathFluxAttnProcessor(FluxAttnProcessor):
     """``FluxAttnProcessor`` whose QK RMSNorm, text/image concatenation of q and k, and rotary embedding run as one
     fused op per tensor (`qk_norm_rope`; where the norm cannot be fused, its fallback keeps the exact fused
@@ -291,7 +342,9 @@ class FastpathFluxAttnProcessor(FluxAttnProcessor):
     `report`); a module without them (not patched by `patch`) runs the same code uncounted.
 
     ``__call__`` mirrors diffusers 0.42.1's (checked by source digest at patch time); the q/k norm, cat and rotary
-    lines are replaced by the fused op, the rest is unchanged (``value`` is still concatenated by ``torch.cat``).
+    lines are replaced by the fused op; in a joint module whose value projections are plain ``nn.Linear`` layers
+    (``[value_cat]``), diffusers' ``_get_projections`` runs as written except that the text and image value projections
+    write straight into their concatenation (`_joint_value_projections`); the rest is unchanged.
     """
 
     def __call__(
@@ -302,20 +355,25 @@ class FastpathFluxAttnProcessor(FluxAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
+        joint = attn.added_kv_proj_dim is not None
+        projected = _joint_value_projections(attn, hidden_states, encoder_hidden_states) if joint else None
+        if projected is None:
+            query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+                attn, hidden_states, encoder_hidden_states
+            )
+        else:  # value: the text and image values, already joined
+            query, key, encoder_query, encoder_key, value = projected
 
         query = query.unflatten(-1, (-1, attn.head_dim))
         key = key.unflatten(-1, (-1, attn.head_dim))
         value = value.unflatten(-1, (-1, attn.head_dim))
 
-        joint = attn.added_kv_proj_dim is not None
         if joint:
             encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
             encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
-            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-            value = torch.cat([encoder_value, value], dim=1)
+            if projected is None:
+                encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+                value = torch.cat([encoder_value, value], dim=1)
 
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
@@ -424,7 +482,10 @@ def patch_flux_attention(model: torch.nn.Module, state: PatchState) -> None:
     `FastpathFluxAttnProcessor`, with its two sites (FLUX.1 and every family built on FLUX's attention: Chroma)."""
     if mirrors(FluxAttnProcessor.__call__, _PROCESSOR_CALL):
         state.replace_processors(model, FluxAttention, FluxAttnProcessor, FastpathFluxAttnProcessor)
+        values = mirrors(_get_projections, _GET_PROJECTIONS)
         for module in model.modules():
             if isinstance(module, FluxAttention) and type(module.processor) is FastpathFluxAttnProcessor:
                 state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
                 state.add_site(module, ROTARY, name=ROTARY)
+                if values and module.added_kv_proj_dim is not None and _value_projections_unfit(module) is None:
+                    state.add_site(module, VALUE_CAT, name="value_cat")

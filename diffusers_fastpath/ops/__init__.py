@@ -6,6 +6,7 @@ from .layernorm_scale_shift import (layernorm_affine_fp32, layernorm_affine_fp32
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
+from .linear_cat import linear_cat, linear_cat_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .qk_norm_rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rows_rope, qk_norm_rows_rope_pair,
@@ -48,6 +49,8 @@ __all__ = [
     "layernorm_scale_shift_fp32",
     "layernorm_scale_shift_fp32_ref",
     "layernorm_scale_shift_ref",
+    "linear_cat",
+    "linear_cat_ref",
     "linear_gelu",
     "linear_gelu_ref",
     "modulate_scale_shift",

@@ -224,6 +224,24 @@ def linear_gelu_cases(sh: Shapes) -> list[KernelCase]:
 
 
 @kernel_cases
+def linear_cat_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX's dual-block values: the text and image value projections written into their joint tensor (two GEMMs
+    against two GEMMs and the ``cat``; bytes are the operands and the output). Batch 1 only (the guard's)."""
+    if sh.family != "flux" or sh.batch != 1:
+        return []
+    from ...ops.linear_cat import _linear_cat_out, linear_cat_ref
+
+    d = sh.hidden
+    wa, ba, wb, bb = sh.randn(d, d) / d**0.5, sh.randn(d) * 0.05, sh.randn(d, d) / d**0.5, sh.randn(d) * 0.05
+    sets = _input_sets(lambda: (sh.randn(1, sh.text_tokens, d), sh.randn(1, sh.image_tokens, d)),
+                       budget_bytes=64 * 2**20, most=4)
+    nbytes = 2 * (_nbytes(*sets[0])) + _nbytes(wa, ba, wb, bb)
+    return [KernelCase("linear_cat", (1, sh.text_tokens + sh.image_tokens, d), sets,
+                       lambda xa, xb: linear_cat_ref(xa, wa, ba, xb, wb, bb),
+                       lambda xa, xb: _linear_cat_out(xa, wa, ba, xb, wb, bb), nbytes)]
+
+
+@kernel_cases
 def rmsnorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
     """ERNIE-Image's adaLN: RMSNorm + fp32 modulate, and its gated-residual variant, at [seq, batch, dim]."""
     if sh.family != "ernie":
