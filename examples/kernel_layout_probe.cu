@@ -7,6 +7,7 @@
 // - ln_a / ln_b: csrc/layernorm_scale_shift.cu's LayerNorm + modulate, aten's (32, 4) thread layout with launch
 //   bounds forcing more resident rows (ln_a), or 64 threads a row each playing two adjacent aten threads with 16-byte
 //   loads (ln_b: the Welford shuffle tree over 16 lanes, then the pair, then aten's cross-warp order).
+// - ln_c: the production layout, persistent, the next row's loads in registers while the current row reduces.
 // PROBE_NO_TORCH compiles the kernels alone (nvcc -Xptxas=-v, for their registers).
 #ifndef PROBE_NO_TORCH
 #include <torch/extension.h>
@@ -303,6 +304,78 @@ __global__ void __launch_bounds__(64 * kRows) ln_b(T* __restrict__ out, const T*
   }
 }
 
+// (c) aten's (32, 4) layout, persistent: gridDim.x blocks walk the rows (row, row + gridDim.x, ...), each holding the
+// next row's loads in registers (a double buffer) while it reduces and writes the current one.
+template <typename T, int kKv>
+__device__ __forceinline__ void ln_c_load(VecT<T, 4> (&d)[kKv], const T* __restrict__ x, int64_t row, int dim) {
+  const VecT<T, 4>* xr = reinterpret_cast<const VecT<T, 4>*>(x + row * dim);
+#pragma unroll
+  for (int k = 0; k < kKv; ++k) {
+    const int i = threadIdx.x + k * 128;
+    if (i < dim / 4) d[k] = load_readonly(xr + i);
+  }
+}
+
+template <typename T, int kKv, int kMinBlocks>
+__global__ void __launch_bounds__(128, kMinBlocks) ln_c(T* __restrict__ out, const T* __restrict__ x,
+                                                      const T* __restrict__ scale, const T* __restrict__ shift,
+                                                      int64_t rows, int64_t seq, int64_t sbs, int64_t hbs, int dim,
+                                                      float eps) {
+  using Q = VecT<T, 4>;
+  __shared__ float partial[3][2];
+  __shared__ float stats[2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, thread = threadIdx.x;
+  const int vecs = dim / 4;
+  Q cur[kKv], nxt[kKv];
+  int64_t row = blockIdx.x;
+  if (row < rows) ln_c_load<T, kKv>(cur, x, row, dim);
+  for (; row < rows; row += gridDim.x) {
+    const int64_t next = row + gridDim.x;
+    if (next < rows) ln_c_load<T, kKv>(nxt, x, next, dim);
+    Welford w{0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < kKv; ++k) {
+      if (thread + k * 128 < vecs) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w = upd(Storage<T>::load(cur[k].v[j]), w, 4 * k + j + 1);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) w = comb(w, shfl_w(w, off, 32));
+#pragma unroll
+    for (int offset = 2; offset > 0; offset /= 2) {
+      if (lane == 0 && warp >= offset && warp < 2 * offset) {
+        partial[0][warp - offset] = w.mean; partial[1][warp - offset] = w.m2; partial[2][warp - offset] = w.count;
+      }
+      __syncthreads();
+      if (lane == 0 && warp < offset) w = comb(w, Welford{partial[0][warp], partial[1][warp], partial[2][warp]});
+      __syncthreads();
+    }
+    if (thread == 0) { stats[0] = w.mean; stats[1] = __fdiv_rn(w.m2, static_cast<float>(dim)); }
+    __syncthreads();
+    const float mean = stats[0];
+    const float rstd = rsqrtf(__fadd_rn(stats[1], eps));
+    const int64_t b = row / seq;
+    const Q* sc = reinterpret_cast<const Q*>(scale + b * sbs);
+    const Q* sh = reinterpret_cast<const Q*>(shift + b * hbs);
+    Q* o = reinterpret_cast<Q*>(out + row * dim);
+#pragma unroll
+    for (int k = 0; k < kKv; ++k) {
+      const int i = thread + k * 128;
+      if (i < vecs) {
+        const Q s = load_readonly(sc + i), h = load_readonly(sh + i);
+        Q r;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          r.v[j] = mod1<T>(Storage<T>::load(cur[k].v[j]), mean, rstd, Storage<T>::load(s.v[j]), Storage<T>::load(h.v[j]));
+        o[i] = r;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kKv; ++k) cur[k] = nxt[k];
+  }
+}
+
 #ifndef PROBE_NO_TORCH
 void ln_variant(int variant, torch::Tensor out, torch::Tensor x, torch::Tensor scale, torch::Tensor shift,
                 double eps) {
@@ -321,6 +394,17 @@ void ln_variant(int variant, torch::Tensor out, torch::Tensor x, torch::Tensor s
     case 3: ln_b<T, 6, 1><<<rows, 64, 0, stream>>>(o, p(x), p(scale), p(shift), rows, seq, scale.stride(0), shift.stride(0), dim, (float)eps); break;
     case 4: ln_b<T, 6, 2><<<(rows + 1) / 2, 128, 0, stream>>>(o, p(x), p(scale), p(shift), rows, seq, scale.stride(0), shift.stride(0), dim, (float)eps); break;
     case 5: ln_b<T, 6, 4><<<(rows + 3) / 4, 256, 0, stream>>>(o, p(x), p(scale), p(shift), rows, seq, scale.stride(0), shift.stride(0), dim, (float)eps); break;
+    case 6: case 7: case 8: case 9: {
+      const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      // 6: 8 resident blocks an SM; 7: 6; 8: four rows a block (rows / 4 blocks); 9: two rows a block
+      const int64_t grid = variant == 6 ? 8 * sms : variant == 7 ? 6 * sms : variant == 8 ? (rows + 3) / 4 : (rows + 1) / 2;
+      if (variant == 7) {
+        ln_c<T, 6, 6><<<grid, 128, 0, stream>>>(o, p(x), p(scale), p(shift), rows, seq, scale.stride(0), shift.stride(0), dim, (float)eps);
+      } else {
+        ln_c<T, 6, 8><<<grid, 128, 0, stream>>>(o, p(x), p(scale), p(shift), rows, seq, scale.stride(0), shift.stride(0), dim, (float)eps);
+      }
+      break;
+    }
     default: TORCH_CHECK(false, "variant");
   }
 }

@@ -88,7 +88,9 @@ ROTARY_VARIANTS = ["8 warps x 32 lanes (the earlier production shape, leaner cod
                    "(head_norm_rotary_kernel)", "2 warps x 32 lanes", "6 warps x 16 lanes", "4 warps x 16 lanes",
                    "3 warps x 16 lanes", "2 warps x 16 lanes", "1 warp x 16 lanes", "12 warps x 16 lanes"]
 LN_VARIANTS = ["aten's (32, 4) layout", "the same, launch bounds (128, 12)", "the same, (128, 16): spills",
-               "64 threads a row, 16-byte loads", "the same, 2 rows a block", "the same, 4 rows a block"]
+               "64 threads a row, 16-byte loads", "the same, 2 rows a block", "the same, 4 rows a block",
+               "persistent, next row in registers, 8 blocks an SM", "the same, 6 blocks an SM",
+               "the same, 4 rows a block", "the same, 2 rows a block"]
 
 
 def rotary_probe(mod):
@@ -157,7 +159,7 @@ def ln_probe(mod):
             t_copy = graph_time([lambda a=a, b=b: b.copy_(a) for a, b in zip(xs, outs)])
             t_prod = graph_time([lambda x=x: L._kernel(norm, x, scale, shift) for x in xs])
             log(f"  copy {t_copy:.2f} us; production {t_prod:.2f} us ({100 * t_copy / t_prod:.0f}% of copy)")
-            for v in range(6 if mod is not None else 0):
+            for v in range(len(LN_VARIANTS) if mod is not None else 0):
                 o = outs[0]
                 o.fill_(float("nan"))
                 mod.ln_variant(v, o, xs[0], scale, shift, 1e-6)
@@ -242,9 +244,10 @@ if __name__ == "__main__":
     if "prod" in what:
         rotary_probe(None)
         ln_probe(None)
-    if "kernels" in what:
+    if "kernels" in what or "ln" in what:
         mod = build()
-        rotary_probe(mod)
+        if "kernels" in what:
+            rotary_probe(mod)
         ln_probe(mod)
     if "v" in what:
         v_into_joint()

@@ -81,9 +81,10 @@ def _guard(xa, wa, ba, xb, wb, bb, check_pointers: bool = True) -> str | None:
 
 
 def _signature(xa, wa, ba, xb, wb, bb) -> tuple:
-    """What cuBLASLt's choice of algorithm depends on here: dtype, the two lengths, K of each, N, the device."""
-    device = torch.cuda.get_device_name(xa.device) if xa.device.type == "cuda" else xa.device.type
-    return (str(xa.dtype).removeprefix("torch."), xa.shape[1], xb.shape[1], xa.shape[2], xb.shape[2], wa.shape[0], device)
+    """What cuBLASLt's choice of algorithm depends on here: dtype, the two lengths, K of each, N, the device (whose
+    index stands for its kind: one process's GPUs of one index do not change)."""
+    return (str(xa.dtype).removeprefix("torch."), xa.shape[1], xb.shape[1], xa.shape[2], xb.shape[2], wa.shape[0],
+            xa.device.type, xa.device.index)  # plain values: torch.compile traces this too
 
 
 @torch.library.custom_op("diffusers_fastpath::linear_cat", mutates_args=())
