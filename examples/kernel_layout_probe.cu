@@ -171,24 +171,16 @@ __device__ __forceinline__ T mod1(float xv, float mean, float rstd, float s, flo
   return Storage<T>::store(__fadd_rn(scaled, h));
 }
 
-// (a) the production layout (one aten thread per thread, (32, 4) block) with launch bounds (128, kMinBlocks)
-template <typename T, int kKv, int kMinBlocks>
-__global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, const T* __restrict__ x,
-                                                      const T* __restrict__ scale, const T* __restrict__ shift,
-                                                      int64_t seq, int64_t sbs, int64_t hbs, int dim, float eps) {
+// One row of aten's (32, 4) layout, its vectors already in `data`: the statistics in aten's order, then normalise,
+// modulate and write (ln_a and ln_c).
+template <typename T, int kKv>
+__device__ __forceinline__ void ln_row(const VecT<T, 4> (&data)[kKv], int64_t row, T* __restrict__ out,
+                                       const T* __restrict__ scale, const T* __restrict__ shift, int64_t seq,
+                                       int64_t sbs, int64_t hbs, int dim, float eps, float (&partial)[3][2],
+                                       float (&stats)[2]) {
   using Q = VecT<T, 4>;
-  __shared__ float partial[3][2];
-  __shared__ float stats[2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, thread = threadIdx.x;
-  const int64_t row = blockIdx.x;
   const int vecs = dim / 4;
-  const Q* xr = reinterpret_cast<const Q*>(x + row * dim);
-  Q data[kKv];
-#pragma unroll
-  for (int k = 0; k < kKv; ++k) {
-    const int i = thread + k * 128;
-    if (i < vecs) data[k] = xr[i];
-  }
   Welford w{0.f, 0.f, 0.f};
 #pragma unroll
   for (int k = 0; k < kKv; ++k) {
@@ -199,6 +191,7 @@ __global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, con
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) w = comb(w, shfl_w(w, off, 32));
+#pragma unroll
   for (int offset = 2; offset > 0; offset /= 2) {
     if (lane == 0 && warp >= offset && warp < 2 * offset) {
       partial[0][warp - offset] = w.mean; partial[1][warp - offset] = w.m2; partial[2][warp - offset] = w.count;
@@ -219,7 +212,7 @@ __global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, con
   for (int k = 0; k < kKv; ++k) {
     const int i = thread + k * 128;
     if (i < vecs) {
-      const Q s = sc[i], h = sh[i];
+      const Q s = load_readonly(sc + i), h = load_readonly(sh + i);
       Q r;
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -227,6 +220,29 @@ __global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, con
       o[i] = r;
     }
   }
+}
+
+// Row `row`'s vectors of aten thread threadIdx.x into `d`.
+template <typename T, int kKv>
+__device__ __forceinline__ void ln_load(VecT<T, 4> (&d)[kKv], const T* __restrict__ x, int64_t row, int dim) {
+  const VecT<T, 4>* xr = reinterpret_cast<const VecT<T, 4>*>(x + row * dim);
+#pragma unroll
+  for (int k = 0; k < kKv; ++k) {
+    const int i = threadIdx.x + k * 128;
+    if (i < dim / 4) d[k] = load_readonly(xr + i);
+  }
+}
+
+// (a) the production layout (one aten thread per thread, (32, 4) block) with launch bounds (128, kMinBlocks)
+template <typename T, int kKv, int kMinBlocks>
+__global__ void __launch_bounds__(128, kMinBlocks) ln_a(T* __restrict__ out, const T* __restrict__ x,
+                                                      const T* __restrict__ scale, const T* __restrict__ shift,
+                                                      int64_t seq, int64_t sbs, int64_t hbs, int dim, float eps) {
+  __shared__ float partial[3][2];
+  __shared__ float stats[2];
+  VecT<T, 4> data[kKv];
+  ln_load<T, kKv>(data, x, blockIdx.x, dim);
+  ln_row<T, kKv>(data, blockIdx.x, out, scale, shift, seq, sbs, hbs, dim, eps, partial, stats);
 }
 
 // (b) 64 threads per row, each thread two adjacent aten threads (2j, 2j + 1): 16-byte loads; lanes 0-15 of warp W
@@ -306,71 +322,19 @@ __global__ void __launch_bounds__(64 * kRows) ln_b(T* __restrict__ out, const T*
 
 // (c) aten's (32, 4) layout, persistent: gridDim.x blocks walk the rows (row, row + gridDim.x, ...), each holding the
 // next row's loads in registers (a double buffer) while it reduces and writes the current one.
-template <typename T, int kKv>
-__device__ __forceinline__ void ln_c_load(VecT<T, 4> (&d)[kKv], const T* __restrict__ x, int64_t row, int dim) {
-  const VecT<T, 4>* xr = reinterpret_cast<const VecT<T, 4>*>(x + row * dim);
-#pragma unroll
-  for (int k = 0; k < kKv; ++k) {
-    const int i = threadIdx.x + k * 128;
-    if (i < dim / 4) d[k] = load_readonly(xr + i);
-  }
-}
-
 template <typename T, int kKv, int kMinBlocks>
 __global__ void __launch_bounds__(128, kMinBlocks) ln_c(T* __restrict__ out, const T* __restrict__ x,
                                                       const T* __restrict__ scale, const T* __restrict__ shift,
                                                       int64_t rows, int64_t seq, int64_t sbs, int64_t hbs, int dim,
                                                       float eps) {
-  using Q = VecT<T, 4>;
   __shared__ float partial[3][2];
   __shared__ float stats[2];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, thread = threadIdx.x;
-  const int vecs = dim / 4;
-  Q cur[kKv], nxt[kKv];
+  VecT<T, 4> cur[kKv], nxt[kKv];
   int64_t row = blockIdx.x;
-  if (row < rows) ln_c_load<T, kKv>(cur, x, row, dim);
+  if (row < rows) ln_load<T, kKv>(cur, x, row, dim);
   for (; row < rows; row += gridDim.x) {
-    const int64_t next = row + gridDim.x;
-    if (next < rows) ln_c_load<T, kKv>(nxt, x, next, dim);
-    Welford w{0.f, 0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < kKv; ++k) {
-      if (thread + k * 128 < vecs) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) w = upd(Storage<T>::load(cur[k].v[j]), w, 4 * k + j + 1);
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) w = comb(w, shfl_w(w, off, 32));
-#pragma unroll
-    for (int offset = 2; offset > 0; offset /= 2) {
-      if (lane == 0 && warp >= offset && warp < 2 * offset) {
-        partial[0][warp - offset] = w.mean; partial[1][warp - offset] = w.m2; partial[2][warp - offset] = w.count;
-      }
-      __syncthreads();
-      if (lane == 0 && warp < offset) w = comb(w, Welford{partial[0][warp], partial[1][warp], partial[2][warp]});
-      __syncthreads();
-    }
-    if (thread == 0) { stats[0] = w.mean; stats[1] = __fdiv_rn(w.m2, static_cast<float>(dim)); }
-    __syncthreads();
-    const float mean = stats[0];
-    const float rstd = rsqrtf(__fadd_rn(stats[1], eps));
-    const int64_t b = row / seq;
-    const Q* sc = reinterpret_cast<const Q*>(scale + b * sbs);
-    const Q* sh = reinterpret_cast<const Q*>(shift + b * hbs);
-    Q* o = reinterpret_cast<Q*>(out + row * dim);
-#pragma unroll
-    for (int k = 0; k < kKv; ++k) {
-      const int i = thread + k * 128;
-      if (i < vecs) {
-        const Q s = load_readonly(sc + i), h = load_readonly(sh + i);
-        Q r;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          r.v[j] = mod1<T>(Storage<T>::load(cur[k].v[j]), mean, rstd, Storage<T>::load(s.v[j]), Storage<T>::load(h.v[j]));
-        o[i] = r;
-      }
-    }
+    if (row + gridDim.x < rows) ln_load<T, kKv>(nxt, x, row + gridDim.x, dim);
+    ln_row<T, kKv>(cur, row, out, scale, shift, seq, sbs, hbs, dim, eps, partial, stats);
 #pragma unroll
     for (int k = 0; k < kKv; ++k) cur[k] = nxt[k];
   }
