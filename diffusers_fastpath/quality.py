@@ -86,11 +86,10 @@ def hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
-def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tuple[nn.Module, ...] = ()) -> str | None:
-    """Why ``gelu(linear(x), approximate)`` cannot run as one GEMM with a tanh-GELU epilogue, or ``None``.
-    `bypassed` are further modules whose forward the fused call skips (their hooks would not run)."""
-    if approximate != "tanh":
-        return "activation is not the tanh GELU"
+def plain_linear_unfit(linear: nn.Module) -> str | None:
+    """Why a fused call cannot read `linear` as a weight and a bias instead of running its forward, hooks aside (the
+    caller checks those with whatever else the call skips): not a plain ``nn.Linear`` (LoRA, quantized layers), a
+    weight that is not a plain floating-point tensor (quantized), no bias; or ``None``."""
     if type(linear) is not nn.Linear:
         cls = type(linear)  # qualified: PEFT's LoRA layer is also called "Linear"
         return f"{cls.__module__}.{cls.__qualname__} is not a plain nn.Linear (quantized or wrapped, e.g. by LoRA)"
@@ -99,6 +98,17 @@ def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tupl
         return f"weight is not a plain floating-point tensor ({type(weight).__name__}, {weight.dtype}: quantized)"
     if linear.bias is None:
         return "Linear has no bias"
+    return None
+
+
+def linear_gelu_unfit(linear: nn.Module, approximate: str | None, bypassed: tuple[nn.Module, ...] = ()) -> str | None:
+    """Why ``gelu(linear(x), approximate)`` cannot run as one GEMM with a tanh-GELU epilogue, or ``None``.
+    `bypassed` are further modules whose forward the fused call skips (their hooks would not run)."""
+    if approximate != "tanh":
+        return "activation is not the tanh GELU"
+    reason = plain_linear_unfit(linear)
+    if reason is not None:
+        return reason
     if any(hooked(m) for m in (linear, *bypassed)):
         return "Linear or activation has hooks"
     return None

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.testing import assert_every_site_fast, build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
+from diffusers_fastpath.ops.linear_cat import BATCH_REASON
+from diffusers_fastpath.testing import assert_every_site_fast, build_flux_transformer, flux_transformer_inputs, prompt_embeddings, site_ok, tiny_flux_pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -25,20 +26,13 @@ FLUX_DEV_SITES = {
     "rotary_emb": 57,
     "linear_cat": 19,
 }
-BATCH_2 = {"linear_cat": "batch above 1 (each half of the joint tensor is strided)"}  # each half's rows are strided
-
-
-def _site_ok(s, forwards: int, batch: int) -> bool:
-    calls = ATTENTION_CALLS.get(s.op, 1) * forwards
-    if batch > 1 and s.op in BATCH_2:
-        return s.fast == 0 and s.reasons == {BATCH_2[s.op]: calls}
-    return s.fast == calls and s.fallback == 0
+BATCH_2 = {"linear_cat": BATCH_REASON}  # at batch 2 each half of the joint values is strided: eager, every call
 
 
 def all_fast(rep, forwards: int = 1, batch: int = 1) -> bool:
     """Every site took the fast path the expected number of times and never fell back (at batch 2 the joint value
     projections fall back on every call, for that reason)."""
-    return all(_site_ok(s, forwards, batch) for s in rep.sites)
+    return all(site_ok(s, ATTENTION_CALLS, forwards, BATCH_2 if batch > 1 else None) for s in rep.sites)
 
 
 def assert_all_fast(rep, forwards: int = 1, batch: int = 1):

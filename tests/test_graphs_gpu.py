@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 import diffusers_fastpath as fp
 from diffusers_fastpath.graphs import GRAPHS_ATTR
 from diffusers_fastpath.ops import OPS
+from diffusers_fastpath.ops.linear_cat import BATCH_REASON
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,
     build_flux_transformer,
@@ -24,9 +25,6 @@ from diffusers_fastpath.testing import (
 )
 
 pytestmark = pytest.mark.gpu
-
-
-BATCH_REASON = "batch above 1 (each half of the joint tensor is strided)"
 
 
 def only_batch_fallbacks(rep) -> bool:

@@ -9,7 +9,7 @@ from torch import nn
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.ops import linear_cat, linear_cat_ref
-from diffusers_fastpath.ops.linear_cat import LINEAR_CAT, _guard
+from diffusers_fastpath.ops.linear_cat import BATCH_REASON, LINEAR_CAT, _guard
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -58,8 +58,7 @@ def test_batch_two_and_unaligned_halves_run_eager_on_the_gpu():
     assert torch.equal(linear_cat(*args, site=site), linear_cat_ref(*args))
     args = make_inputs(7, 9, 64, 40, torch.bfloat16, "cuda", 1)  # 7 rows x 80 bytes: the second half at 560 bytes
     assert torch.equal(linear_cat(*args, site=site), linear_cat_ref(*args))
-    assert site.fast == 0 and set(site.fallback) == {"batch above 1 (each half of the joint tensor is strided)",
-                                                     "second half not 256-byte aligned"}
+    assert site.fast == 0 and set(site.fallback) == {BATCH_REASON, "second half not 256-byte aligned"}
 
 
 # --- everywhere: guard and fallback ----------------------------------------------------------------------------
@@ -76,7 +75,7 @@ def test_cpu_runs_eager_and_counts_why():
 @pytest.mark.parametrize("case,reason", [
     ("fp32", "dtype float32"),
     ("mixed", "mixed dtypes"),
-    ("batch", "batch above 1 (each half of the joint tensor is strided)"),
+    ("batch", BATCH_REASON),
     ("strided", "input not contiguous"),
     ("unaligned", "second half not 256-byte aligned"),
     ("grad", "requires grad"),

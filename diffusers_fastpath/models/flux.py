@@ -55,7 +55,7 @@ from diffusers.models.transformers.transformer_flux import (
 
 from ..ops import gated_residual, gelu_cat, linear_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
-from ..quality import LINEAR_GELU, hooked, linear_gelu_unfit, mark_site
+from ..quality import LINEAR_GELU, hooked, linear_gelu_unfit, mark_site, plain_linear_unfit
 from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._mirror import mirrors
 from ._shared_silu import share_silu
@@ -297,11 +297,11 @@ def _value_projections_unfit(attn: FluxAttention) -> str | None:
     if attn.fused_projections:
         return "fused projections (to_qkv)"
     for linear in (attn.add_v_proj, attn.to_v):
-        if type(linear) is not torch.nn.Linear:
-            cls = type(linear)
-            return f"{cls.__module__}.{cls.__qualname__} is not a plain nn.Linear (quantized or wrapped, e.g. by LoRA)"
-        if linear.bias is None or any(type(t) not in (torch.nn.Parameter, torch.Tensor) for t in (linear.weight, linear.bias)):
-            return "a value projection without bias or with quantized weights"
+        reason = plain_linear_unfit(linear)
+        if reason is not None:
+            return reason
+        if type(linear.bias) not in (torch.nn.Parameter, torch.Tensor):
+            return "bias is not a plain tensor (quantized)"
         if hooked(linear):
             return "a value projection has hooks"
     return None

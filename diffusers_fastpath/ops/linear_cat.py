@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ._policy import HALF_DTYPES, FusedOp, Site
 
 _OUT_ALIGN = 256  # the largest alignment aten reports to cuBLASLt (Blas.cpp's _getAlignment)
+BATCH_REASON = "batch above 1 (each half of the joint tensor is strided)"  # what a batch-2 call site counts
 
 
 def linear_cat_ref(xa: torch.Tensor, wa: torch.Tensor, ba: torch.Tensor, xb: torch.Tensor, wb: torch.Tensor,
@@ -64,7 +65,7 @@ def _guard(xa, wa, ba, xb, wb, bb, check_pointers: bool = True) -> str | None:
     if wa.shape != (ba.shape[0], xa.shape[2]) or wb.shape != (bb.shape[0], xb.shape[2]) or wa.shape[0] != wb.shape[0]:
         return "shape"
     if xa.shape[0] != 1 or xb.shape[0] != 1:
-        return "batch above 1 (each half of the joint tensor is strided)"
+        return BATCH_REASON
     if xa.numel() == 0 or xb.numel() == 0 or wa.numel() == 0:
         return "empty"
     if (xa.shape[1] * wa.shape[0] * xa.element_size()) % _OUT_ALIGN:

@@ -18,17 +18,18 @@ def assert_every_site_fast(report, counts: dict[str, int], calls: dict, forwards
     any of those) times per forward on each of `forwards` forwards, never falling back; except the ops in `refused`,
     whose sites fell back on every call, all for the reason given (the joint value projections at batch 2, say)."""
     assert collections.Counter(s.op for s in report.sites) == counts, str(report)
-    refused = refused or {}
+    assert all(site_ok(s, calls, forwards, refused) for s in report.sites), str(report)
 
-    def expected(op):
-        n = calls.get(op, 1)
-        return {c * forwards for c in (n if isinstance(n, tuple) else (n,))}
 
-    assert all(
-        (s.fast == 0 and set(s.reasons) == {refused[s.op]} and s.fallback in expected(s.op)) if s.op in refused
-        else (s.fast in expected(s.op) and s.fallback == 0)
-        for s in report.sites
-    ), str(report)
+def site_ok(site, calls: dict, forwards: int = 1, refused: dict[str, str] | None = None) -> bool:
+    """One site of a report took its fast path ``calls[op]`` times (default 1; a tuple: any of those) per forward on
+    each of `forwards` forwards, never falling back; or, for an op in `refused`, fell back that often, all for the
+    reason given."""
+    n = calls.get(site.op, 1)
+    expected = {c * forwards for c in (n if isinstance(n, tuple) else (n,))}
+    if refused and site.op in refused:
+        return site.fast == 0 and set(site.reasons) == {refused[site.op]} and site.fallback in expected
+    return site.fast in expected and site.fallback == 0
 
 
 def outputs_equal(a, b) -> bool:

@@ -235,7 +235,7 @@ def linear_cat_cases(sh: Shapes) -> list[KernelCase]:
     wa, ba, wb, bb = sh.randn(d, d) / d**0.5, sh.randn(d) * 0.05, sh.randn(d, d) / d**0.5, sh.randn(d) * 0.05
     sets = _input_sets(lambda: (sh.randn(1, sh.text_tokens, d), sh.randn(1, sh.image_tokens, d)),
                        budget_bytes=64 * 2**20, most=4)
-    nbytes = 2 * (_nbytes(*sets[0])) + _nbytes(wa, ba, wb, bb)
+    nbytes = 2 * _nbytes(*sets[0]) + _nbytes(wa, ba, wb, bb)  # inputs read, the joint output (as wide) written
     return [KernelCase("linear_cat", (1, sh.text_tokens + sh.image_tokens, d), sets,
                        lambda xa, xb: linear_cat_ref(xa, wa, ba, xb, wb, bb),
                        lambda xa, xb: _linear_cat_out(xa, wa, ba, xb, wb, bb), nbytes)]
