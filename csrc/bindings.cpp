@@ -509,7 +509,8 @@ at::Tensor rmsnorm_plain(const at::Tensor& x, const at::Tensor& weight, double e
 // modulate (layernorm_scale_shift_fp32, Wan's chain).
 void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
                                   const at::Tensor& shift, double eps, bool probe, int64_t variant,
-                                  bool affine = false) {
+                                  bool affine = false, at::Tensor* x_out = nullptr, const at::Tensor* gate = nullptr,
+                                  const at::Tensor* update = nullptr) {
   const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
   check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
@@ -535,6 +536,21 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   args.affine = affine;
   TORCH_CHECK(!affine || (modulate_fp32 && scale.size(0) == 1 && shift.size(0) == 1),
               "layernorm_affine_fp32: weight and bias must be float32 rows");
+  args.gated = x_out != nullptr;
+  args.x_out = nullptr;
+  args.gate = nullptr;
+  args.update = nullptr;
+  args.gate_batch_stride = 0;
+  if (args.gated) {  // x is the residual (gated_layernorm_scale_shift)
+    check_gated_residual_inputs(*x_out, x, *gate, *update);
+    TORCH_CHECK(!modulate_fp32 && gate->scalar_type() == x.scalar_type() && gate->size(1) == 1,
+                "gated_layernorm_scale_shift: the gate must be [batch or 1, 1, dim] rows of x's dtype, and scale/shift "
+                "of x's dtype");
+    args.x_out = x_out->data_ptr();
+    args.gate = gate->data_ptr();
+    args.update = update->data_ptr();
+    args.gate_batch_stride = gate->size(0) == 1 ? 0 : gate->stride(0);
+  }
   const cudaError_t err = launch_layernorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "layernorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -548,6 +564,23 @@ at::Tensor layernorm_scale_shift(const at::Tensor& x, const at::Tensor& scale, c
   at::Tensor out = at::empty(x.sizes(), x.options());
   layernorm_scale_shift_out(out, x, scale, shift, eps);
   return out;
+}
+
+// FLUX's gated residual update and the LayerNorm-modulate of the new stream: (x, out) with x = residual + gate * update.
+void gated_layernorm_scale_shift_out(at::Tensor& x_out, at::Tensor& out, const at::Tensor& residual,
+                                     const at::Tensor& gate, const at::Tensor& update, const at::Tensor& scale,
+                                     const at::Tensor& shift, double eps) {
+  layernorm_scale_shift_launch(out, residual, scale, shift, eps, /*probe=*/false, 0, /*affine=*/false, &x_out, &gate,
+                               &update);
+}
+
+std::tuple<at::Tensor, at::Tensor> gated_layernorm_scale_shift(const at::Tensor& residual, const at::Tensor& gate,
+                                                               const at::Tensor& update, const at::Tensor& scale,
+                                                               const at::Tensor& shift, double eps) {
+  at::Tensor x_out = at::empty(residual.sizes(), residual.options());
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  gated_layernorm_scale_shift_out(x_out, out, residual, gate, update, scale, shift, eps);
+  return {x_out, out};
 }
 
 // Wan's norm2: an FP32LayerNorm with weight and bias of the upcast stream, rounded back (x fp16/bf16 [batch, seq, dim];
@@ -770,6 +803,12 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor");
   m.def("_layernorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_layernorm_scale_shift_probe_cuda(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor");
+  m.def(
+      "_gated_layernorm_scale_shift_cuda(Tensor residual, Tensor gate, Tensor update, Tensor scale, Tensor shift, "
+      "float eps) -> (Tensor, Tensor)");
+  m.def(
+      "_gated_layernorm_scale_shift_cuda_out(Tensor(a!) x_out, Tensor(b!) out, Tensor residual, Tensor gate, "
+      "Tensor update, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_layernorm_affine_fp32_cuda(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
@@ -816,6 +855,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);
   m.impl("_layernorm_scale_shift_cuda_out", &diffusers_fastpath::layernorm_scale_shift_out);
   m.impl("_layernorm_scale_shift_probe_cuda", &diffusers_fastpath::layernorm_scale_shift_probe);
+  m.impl("_gated_layernorm_scale_shift_cuda", &diffusers_fastpath::gated_layernorm_scale_shift);
+  m.impl("_gated_layernorm_scale_shift_cuda_out", &diffusers_fastpath::gated_layernorm_scale_shift_out);
   m.impl("_layernorm_affine_fp32_cuda", &diffusers_fastpath::layernorm_affine_fp32);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);

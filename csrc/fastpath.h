@@ -187,7 +187,7 @@ cudaError_t launch_rmsnorm_scale_shift(const RmsNormScaleShiftArgs& args, cudaSt
 #endif
 
 // torch.nn.LayerNorm without affine followed by the adaLN modulate (see layernorm_scale_shift.cu for every rounding
-// point and aten's reduction order):
+// point and aten's reduction order), optionally of a gated residual update computed on the way in (`gated`):
 //   out[b, l, :] = round(round(round(rstd * (x - mean)) * round(1 + scale[b, :])) + shift[b, :])
 struct LayerNormScaleShiftArgs {
   void* out;           // [batch, seq, dim], contiguous
@@ -206,6 +206,13 @@ struct LayerNormScaleShiftArgs {
   bool modulate_fp32;  // scale/shift are fp32 and the modulate runs in fp32, one rounding (Wan); else of dtype
   bool affine;         // with modulate_fp32: scale/shift are the norm's fp32 weight and bias rows (batch stride 0),
                        // out = round(fma(weight, y, bias)): aten's `gamma * y + beta` as nvcc contracts it (Wan's norm2)
+  bool gated;          // x is a residual stream, normalised after its gated residual update, which is written too:
+                       //   x_out[b, l, :] = round(x[b, l, :] + round(gate[b, :] * update[b, l, :]))  (gated_residual.cu)
+                       // (the chain of dtype T only: not with modulate_fp32)
+  void* x_out;         // gated: [batch, seq, dim], contiguous
+  const void* gate;    // gated: [batch or 1, dim] rows, innermost stride 1 (diffusers' `gate.unsqueeze(1)`)
+  const void* update;  // gated: [batch, seq, dim], contiguous
+  int64_t gate_batch_stride;  // gated: in elements; 0 broadcasts one row over the batch
 };
 
 #ifndef __CUDACC_RTC__

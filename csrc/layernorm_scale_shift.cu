@@ -44,6 +44,13 @@
 // FP32LayerNorm with weight and bias, the rows being weight.float() and bias.float()), aten's vectorized epilogue
 // `gamma * (rstd * (x - mean)) + beta`, whose multiply-add nvcc contracts:
 //   out = round_T(fma(weight, y, bias))
+//
+// Gated (`gated_layernorm_scale_shift`: FLUX's `hidden_states = hidden_states + gate.unsqueeze(1) * update` followed by
+// the LayerNorm-modulate of the new stream, in the dual block and across consecutive blocks) the row is first the
+// residual update of gated_residual.cu, with its two rounding points, written out as well:
+//   x   = round_T(residual + round_T(gate * update))       (__fmul_rn, __fadd_rn: no FMA contraction)
+// and the statistics and the modulate above run on those x. The row stays in registers, so x is read from memory
+// twice (residual and update) and written twice (x and out), against five reads and writes for the two kernels.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -157,9 +164,12 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
 // threads with 16-byte loads (20.6 us, the same): each row's serial Welford chain and shuffle combine, not the
 // loads, bound it. S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's
 // fp32 modulate).
-template <typename T, typename S, int kKv>
+// kGated: the row is the gated residual update of a.x (the residual), a.gate and a.update, also written to a.x_out
+// (file head); the kernel of dtype T's chain only (S = T).
+template <typename T, typename S, int kKv, bool kGated>
 __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
     layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
+  static_assert(!kGated || (kKv != 0 && SameType<S, T>::value), "gated: the production kernel of T's chain");
   constexpr bool kProbe = kKv == 0;
   constexpr int kHeld = kProbe ? kVecsPerThreadMax : kKv;
   const int variant = kProbe ? a.variant : kDefaultVariant;
@@ -172,15 +182,35 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
   const int thread = lane + 32 * warp;
   const int threads = 32 * warps;
   const int64_t row = blockIdx.x;
+  const int64_t b = row / a.seq;
   const int vecs = static_cast<int>(a.dim / kVec);
   const Quad<T>* x = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.x) + row * a.dim);
 
   // Statistics, in aten's order; the row stays in registers for the second pass.
   Quad<T> data[kHeld];
+  if constexpr (kGated) {
+    const Quad<T>* update = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.update) + row * a.dim);
+    const Quad<T>* gate = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.gate) + b * a.gate_batch_stride);
+    Quad<T>* x_out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.x_out) + row * a.dim);
 #pragma unroll
-  for (int k = 0; k < kHeld; ++k) {
-    const int i = thread + k * threads;
-    if (i < vecs) data[k] = load_readonly(x + i);
+    for (int k = 0; k < kHeld; ++k) {
+      const int i = thread + k * threads;
+      if (i < vecs) {
+        const Quad<T> r = load_readonly(x + i), u = load_readonly(update + i), g = load_readonly(gate + i);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {  // gated_residual.cu's chain: round(residual + round(gate * update))
+          const float gated = round_to<T>(__fmul_rn(Storage<T>::load(g.v[j]), Storage<T>::load(u.v[j])));
+          data[k].v[j] = Storage<T>::store(__fadd_rn(Storage<T>::load(r.v[j]), gated));
+        }
+        x_out[i] = data[k];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) {
+      const int i = thread + k * threads;
+      if (i < vecs) data[k] = load_readonly(x + i);
+    }
   }
   Welford w{0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -217,7 +247,6 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
   const float rstd = rsqrtf(__fadd_rn(stats[1], a.eps));
 
   // Normalise, round to T, modulate with eager's three rounding points.
-  const int64_t b = row / a.seq;
   const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
   const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
   Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
@@ -240,6 +269,17 @@ __host__ __device__ constexpr int kv_for(int64_t dim) {
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T, typename S, bool kGated>
+cudaError_t launch_kv(const LayerNormScaleShiftArgs& a, dim3 grid, cudaStream_t stream) {
+  const dim3 block(32, kAtenWarps);
+  switch (kv_for(a.dim)) {
+    case 6: layernorm_scale_shift_kernel<T, S, 6, kGated><<<grid, block, 0, stream>>>(a); break;
+    case 8: layernorm_scale_shift_kernel<T, S, 8, kGated><<<grid, block, 0, stream>>>(a); break;
+    default: layernorm_scale_shift_kernel<T, S, 12, kGated><<<grid, block, 0, stream>>>(a); break;
+  }
+  return cudaGetLastError();
+}
+
 template <typename T, typename S>
 cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.batch * a.seq;
@@ -251,16 +291,18 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   }
   const dim3 grid(static_cast<unsigned>(rows));
   if (a.probe) {
-    layernorm_scale_shift_kernel<T, S, 0><<<grid, dim3(32, (variant & kEightWarps) ? 8 : 4), 0, stream>>>(a);
+    if (a.gated) return cudaErrorInvalidValue;
+    layernorm_scale_shift_kernel<T, S, 0, false><<<grid, dim3(32, (variant & kEightWarps) ? 8 : 4), 0, stream>>>(a);
     return cudaGetLastError();
   }
-  const dim3 block(32, kAtenWarps);
-  switch (kv_for(a.dim)) {
-    case 6: layernorm_scale_shift_kernel<T, S, 6><<<grid, block, 0, stream>>>(a); break;
-    case 8: layernorm_scale_shift_kernel<T, S, 8><<<grid, block, 0, stream>>>(a); break;
-    default: layernorm_scale_shift_kernel<T, S, 12><<<grid, block, 0, stream>>>(a); break;
+  if (a.gated) {
+    if constexpr (SameType<S, T>::value) {
+      return launch_kv<T, S, true>(a, grid, stream);
+    } else {
+      return cudaErrorInvalidValue;  // the gated chain is T's (bindings.cpp checks it)
+    }
   }
-  return cudaGetLastError();
+  return launch_kv<T, S, false>(a, grid, stream);
 }
 #endif  // __CUDACC_RTC__
 

@@ -83,7 +83,8 @@ def fastpath_log(caplog):
 def emulated_kernels(monkeypatch):
     """The fused ops of the shared chains with their guards taking CPU tensors as CUDA ones and their kernels
     replaced by torch code of the same rounding (gated residual: fp32 math, rounded after the multiply and the add,
-    as csrc/gated_residual.cu; its fp32-gate chain rounded once) or by their references (the LayerNorm + modulates
+    as csrc/gated_residual.cu, also ahead of the LayerNorm + modulate in the gated one; its fp32-gate chain rounded
+    once) or by their references (the LayerNorm + modulates
     and the QK norm + rotary (every form) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
     rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary and Wan's as their kernel's
     per-pair arithmetic; GELU +
@@ -92,9 +93,10 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
-    from diffusers_fastpath.ops.layernorm_scale_shift import (LAYERNORM_AFFINE_FP32, LAYERNORM_SCALE_SHIFT,
-                                                              LAYERNORM_SCALE_SHIFT_FP32, layernorm_affine_fp32_ref,
-                                                              layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
+    from diffusers_fastpath.ops.layernorm_scale_shift import (GATED_LAYERNORM_SCALE_SHIFT, LAYERNORM_AFFINE_FP32,
+                                                              LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
+                                                              layernorm_affine_fp32_ref, layernorm_scale_shift_fp32_ref,
+                                                              layernorm_scale_shift_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
                                                      qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
@@ -123,8 +125,13 @@ def emulated_kernels(monkeypatch):
         a, b, c0, s1 = x.float()[..., 0::2], x.float()[..., 1::2], cos[..., 0::2], sin[..., 1::2]
         return torch.stack([a * c0 - b * s1, a * s1 + b * c0], dim=-1).flatten(-2).to(x.dtype)
 
+    def gated_layernorm_arithmetic(norm, residual, gate, update, scale, shift):  # the residual's arithmetic, then the ref
+        x = gated_residual_arithmetic(residual, gate, update)
+        return x, layernorm_scale_shift_ref(norm, x, scale, shift)
+
     for op, kernel in ((GATED_RESIDUAL, gated_residual_arithmetic), (GATED_RESIDUAL_FP32, gated_residual_fp32_arithmetic),
                        (LAYERNORM_SCALE_SHIFT, layernorm_scale_shift_ref),
+                       (GATED_LAYERNORM_SCALE_SHIFT, gated_layernorm_arithmetic),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
                        (LAYERNORM_AFFINE_FP32, layernorm_affine_fp32_ref),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),

@@ -19,6 +19,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import flux as flux_adapter
 from diffusers_fastpath.ops import Site, _build
 from diffusers_fastpath._state import SITE_ATTR, STATE_ATTR
+from diffusers_fastpath.models._handoff import GATED_MODULATE, REASON_FP16
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
 
 
@@ -27,7 +28,8 @@ def run(model, inputs):
         return model(**inputs).sample
 
 
-FUSED_OPS = {"modulate_scale_shift", "layernorm_scale_shift", "gated_residual", "qk_norm_rope", "rotary_emb"}
+FUSED_OPS = {"modulate_scale_shift", "layernorm_scale_shift", "gated_residual", "qk_norm_rope", "rotary_emb",
+             GATED_MODULATE}
 
 
 def fused_sites(rep):
@@ -68,12 +70,21 @@ def test_patched_transformer_matches_unpatched_bitwise(dtype, batch, guidance, u
     rep = fp.report(model)
     # per dual block 4 LayerNorm+modulate + 4 gated residual sites; per single block 1 + 1, the GELU + concatenation,
     # and the token concatenation (not in the first single block: its inputs are always two tensors); per attention
-    # module 2 (the fused QK norm + rotary, and the pure rotary it falls back to)
-    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2  # and each dual block's joint value projections
+    # module 2 (the fused QK norm + rotary, and the pure rotary it falls back to); each dual block's joint value
+    # projections; the fused update + LayerNorm-modulate (`_handoff`) of each dual block's norm2 and norm2_context and of
+    # the adaLNs a block hands its streams to (the second dual block's two, the second single block's)
+    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2 + 2 * 2 + 2 + 1
     assert len(sites_by_op(rep, "gated_residual")) == 2 * 4 + 2
+    assert sorted(sites_by_op(rep, GATED_MODULATE)) == sorted(
+        [f"transformer_blocks.{i}.{n}:gated" for i in range(2) for n in ("norm2", "norm2_context")]
+        + ["transformer_blocks.1.norm1:gated", "transformer_blocks.1.norm1_context:gated",
+           "single_transformer_blocks.1.norm:gated"])
     reason = "dtype float32" if dtype == torch.float32 else "device cpu"
+    # float16 streams that diffusers clips between blocks (the text stream, the single blocks') are not handed off
+    clipped = {"transformer_blocks.1.norm1_context:gated", "single_transformer_blocks.1.norm:gated"}
     calls = {"qk_norm_rope": 4, "rotary_emb": 4}  # two forwards; q and k per attention
-    assert all(s.fast == 0 and s.reasons == {reason: calls.get(s.op, 2)} for s in fused_sites(rep)), str(rep)
+    assert all(s.fast == 0 and s.reasons == {REASON_FP16 if dtype == torch.float16 and s.site in clipped else reason:
+                                             calls.get(s.op, 2)} for s in fused_sites(rep)), str(rep)
     cat_tokens = sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)
     assert "single_transformer_blocks.0:cat_tokens" not in cat_tokens
     assert cat_tokens["single_transformer_blocks.1:cat_tokens"].fast == 2  # the previous block's output, no copy
@@ -185,7 +196,10 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
     unpatch_after(model)
     assert all(torch.equal(a, b) for a, b in zip(grads(), ref))
     rep = fp.report(model)
-    assert {r for s in fused_sites(rep) for r in s.reasons} == {"dtype float32"}
+    assert {r for s in fused_sites(rep) for r in s.reasons} == {"dtype float32", "requires grad"}
+    # (the hand-offs between blocks refuse autograd before their op looks at the dtype)
+    assert {r for s in sites_by_op(rep, GATED_MODULATE).values() if s.site.endswith((".norm1:gated", ".norm:gated"))
+            for r in s.reasons} == {"requires grad"}
     assert sites_by_op(rep, flux_adapter.JOINT_TOKENS_VIEW)["single_transformer_blocks.1:cat_tokens"].reasons == {
         "requires grad": 1
     }
@@ -304,13 +318,13 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     # earlier test may have loaded them
     assert summary[0] == f"diffusers_fastpath: {_build.kernels_status()}"
     # 2 dual + 2 single blocks, 2 steps: only the second single block's token concatenation is no kernel (no copy)
-    assert summary[1].startswith("transformer (FluxTransformer2DModel): quality=lossless; 33 fused sites, 2 fast calls, "
-                                 "80 fallbacks;")
+    assert summary[1].startswith("transformer (FluxTransformer2DModel): quality=lossless; 40 fused sites, 2 fast calls, "
+                                 "94 fallbacks;")
     per_op = {cells[0]: cells[1:] for line in summary if line.startswith("  | ")
               for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
     assert per_op["layernorm_scale_shift"] == ["10", "0", "20", "device cpu: 20"]  # 4 per dual block, 1 per single
     assert per_op["joint_tokens_view"] == ["1", "2", "0", "-"]
-    assert "  high tier: 0 of 6 sites mounted, 0 approximate calls" in summary and len(summary) < 15
+    assert "  high tier: 0 of 6 sites mounted, 0 approximate calls" in summary and len(summary) < 16
     assert summary[-1] == "(fp.report(obj, verbose=True) lists every site)"
 
     text = str(fp.report(pipe, verbose=True))
@@ -318,7 +332,7 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     assert "| total" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 23 + 4 * 2 + 2 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == 23 + 4 * 2 + 2 + 7 and data["sites"][0]["reasons"] == {"device cpu": 2}
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
     assert "transformer.single_transformer_blocks.0:gelu_cat " in text and data["ops"]["gelu_cat"].startswith("enabled")
     assert data["ops"]["gated_residual"] == "enabled"

@@ -25,6 +25,7 @@ FLUX_DEV_SITES = {
     "qk_norm_rope": 57,
     "rotary_emb": 57,
     "linear_cat": 19,
+    "gated_layernorm_scale_shift": 111,  # 2 a dual block, 2 a dual block after the first, 1 a single after the first
 }
 BATCH_2 = {"linear_cat": BATCH_REASON}  # at batch 2 each half of the joint values is strided: eager, every call
 
@@ -199,5 +200,7 @@ def test_flux_dev_sized_blocks_are_bitwise_identical_in_both_dtypes(dtype, unpat
     unpatch_after(model)
     assert torch.equal(model(**inputs).sample, ref)
     rep = fp.report(model)
-    assert len(rep.sites) == 8 + 3 * 4 - 1 + 4 * 2 + 1  # two sites per attention module, the dual block's values
+    # two sites per attention module, the dual block's values, the fused update + LayerNorm-modulate of its norm2 and
+    # norm2_context and of the second and third single blocks' adaLNs
+    assert len(rep.sites) == 8 + 3 * 4 - 1 + 4 * 2 + 1 + 2 + 2
     assert all_fast(rep, batch=2), str(rep)

@@ -449,3 +449,124 @@ def test_affine_fp32_custom_op_opcheck_cpu():
     op = torch.ops.diffusers_fastpath.layernorm_affine_fp32.default
     torch.library.opcheck(op, (x, norm.weight, norm.bias, norm.eps))
     assert torch.equal(op(x, norm.weight, norm.bias, norm.eps), layernorm_affine_fp32_ref(norm, x))
+
+
+# --- gated: the residual update and the LayerNorm-modulate of the new stream ----------------------------------------
+
+
+def make_gated_inputs(shape, dtype, layout, device, seed):
+    """`make_inputs`'s norm, stream (as the residual) and scale/shift, an update like a branch output and the gate: the
+    adaLN chunk after scale (``gate_msa.unsqueeze(1)``, a view) or one row for the batch."""
+    norm, residual, scale, shift = make_inputs(shape, dtype, layout, device, seed)
+    b, l, d = shape
+    gen = torch.Generator(device=device).manual_seed(seed + 100)
+    update = (torch.randn(b, l, d, generator=gen, device=device) * 2).to(dtype)
+    if layout == "broadcast_row":
+        gate = torch.randn(1, 1, d, generator=gen, device=device).to(dtype)
+    else:
+        gate = scale.as_strided((b, 1, d), (scale.stride(0), d, 1), scale.storage_offset() + d)  # the next chunk
+    return norm, residual, gate, update, scale, shift
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gated_layernorm_scale_shift_matches_eager_bitwise_and_verifies(shape, dtype, layout):
+    from diffusers_fastpath.ops._build import load_extension
+    from diffusers_fastpath.ops.layernorm_scale_shift import (GATED_LAYERNORM_SCALE_SHIFT, gated_layernorm_scale_shift,
+                                                              gated_layernorm_scale_shift_ref)
+
+    load_extension()
+    for seed in range(2):
+        args = make_gated_inputs(shape, dtype, layout, "cuda", seed)
+        norm, residual, gate, update, scale, shift = args
+        x_ref, ref = gated_layernorm_scale_shift_ref(*args)  # eager: mul, add, F.layer_norm, three modulate kernels
+        x_out, out = torch.full_like(residual, float("nan")), torch.full_like(residual, float("nan"))  # poisoned
+        torch.ops.diffusers_fastpath._gated_layernorm_scale_shift_cuda_out(x_out, out, residual, gate, update, scale,
+                                                                           shift, norm.eps)
+        torch.cuda.synchronize()
+        assert torch.equal(x_out, x_ref) and torch.equal(out, ref)
+        site = Site("gated_layernorm_scale_shift")
+        got = gated_layernorm_scale_shift(*args, site)
+        assert torch.equal(got[0], x_ref) and torch.equal(got[1], ref)
+        assert site.fast == 1 and not site.fallback, site
+    key = (str(dtype).removeprefix("torch."), shape[2])
+    assert GATED_LAYERNORM_SCALE_SHIFT.disabled is None and key in GATED_LAYERNORM_SCALE_SHIFT.verified
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_special_values_match_eager(dtype):
+    """An inf or a NaN in the update, a product that overflows, a stream that cancels to a constant row: eager's bits
+    in both outputs, NaN in the same places."""
+    from diffusers_fastpath.ops.layernorm_scale_shift import gated_layernorm_scale_shift_ref
+
+    norm, residual, gate, update, scale, shift = make_gated_inputs((2, 64, 3072), dtype, "chunk6", "cuda", 8)
+    big = torch.finfo(dtype).max / 2
+    update[0, 0, 3] = float("inf")
+    update[0, 1, 7] = float("nan")
+    update[1, 2] = big
+    residual[1, 3], update[1, 3] = 1.0, 0.0
+    refs = gated_layernorm_scale_shift_ref(norm, residual, gate, update, scale, shift)
+    outs = torch.ops.diffusers_fastpath._gated_layernorm_scale_shift_cuda(residual, gate, update, scale, shift, norm.eps)
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.masked_fill(out.isnan(), 0), ref.masked_fill(ref.isnan(), 0))
+
+
+@pytest.mark.gpu
+def test_gated_opcheck_cuda():
+    norm, residual, gate, update, scale, shift = make_gated_inputs((2, 64, 3072), torch.bfloat16, "chunk6", "cuda", 0)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.gated_layernorm_scale_shift.default,
+                          (residual, gate, update, scale, shift, norm.eps))
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("cpu", "device cpu"),
+    ("full_gate", "gate not one row per sample"),
+    ("affine", "norm not a LayerNorm over the last dim without affine"),
+    ("requires_grad", "requires grad"),
+    ("strided_update", "residual/update not contiguous"),
+    ("float32", "dtype float32"),
+])
+def test_gated_guard_falls_back_to_the_two_ops_exactly(case, reason, request, monkeypatch):
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, gated_residual_ref
+    from diffusers_fastpath.ops.layernorm_scale_shift import (gated_layernorm_scale_shift,
+                                                              gated_layernorm_scale_shift_ref)
+
+    # the fallback's two ops, each exact: their eager expressions as their kernels (no extension on a CPU)
+    monkeypatch.setattr(GATED_RESIDUAL, "kernel", gated_residual_ref)
+    monkeypatch.setattr(LAYERNORM_SCALE_SHIFT, "kernel", layernorm_scale_shift_ref)
+
+    norm, residual, gate, update, scale, shift = make_gated_inputs((2, 24, 64), torch.bfloat16, "chunk6", "cpu", 3)
+    if case == "full_gate":
+        gate = update.flip(1)
+    elif case == "affine":
+        norm = torch.nn.LayerNorm(64, eps=1e-6).requires_grad_(False)
+    elif case == "requires_grad":
+        update.requires_grad_(True)
+    elif case == "strided_update":
+        update = torch.randn(2, 48, 64).to(torch.bfloat16)[:, ::2]
+    elif case == "float32":
+        residual, gate, update, scale, shift = (t.float() for t in (residual, gate, update, scale, shift))
+    if case != "cpu":
+        request.getfixturevalue("pretend_cuda")
+    site = Site("gated_layernorm_scale_shift")
+    with torch.set_grad_enabled(case == "requires_grad"):
+        got = gated_layernorm_scale_shift(norm, residual, gate, update, scale, shift, site)
+        refs = gated_layernorm_scale_shift_ref(norm, residual, gate, update, scale, shift)
+    assert all(map(torch.equal, got, refs))
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+    assert GATED_RESIDUAL.disabled is None and LAYERNORM_SCALE_SHIFT.disabled is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gated_custom_op_opcheck_and_eager_fallback_cpu(layout):
+    from diffusers_fastpath.ops.layernorm_scale_shift import gated_layernorm_scale_shift_ref
+
+    norm, residual, gate, update, scale, shift = make_gated_inputs((2, 24, 64), torch.bfloat16, layout, "cpu", 5)
+    op = torch.ops.diffusers_fastpath.gated_layernorm_scale_shift.default
+    torch.library.opcheck(op, (residual, gate, update, scale, shift, norm.eps))
+    got = op(residual, gate, update, scale, shift, norm.eps)
+    assert all(map(torch.equal, got, gated_layernorm_scale_shift_ref(norm, residual, gate, update, scale, shift)))

@@ -309,7 +309,7 @@ def test_launch_constants_match_the_sources():
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
     assert layernorm_mod._ATEN_THREADS == 32 * _constant("layernorm_scale_shift.cu", "kAtenWarps")
-    launched = re.findall(r"case (\d+): layernorm_scale_shift_kernel<T, S, (\d+)>",
+    launched = re.findall(r"case (\d+): layernorm_scale_shift_kernel<T, S, (\d+), kGated>",
                           (CSRC / "layernorm_scale_shift.cu").read_text())
     assert all(a == b for a, b in launched) and (0, *(int(a) for a, _ in launched), 12) == layernorm_mod._KVS
 
@@ -526,29 +526,39 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     x = _bf16(2, 17, 64)
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.bfloat16, 6) and (grid, block) == ((34, 1, 1), (32, 4, 1))
+    assert key == (torch.bfloat16, torch.bfloat16, 6, False) and (grid, block) == ((34, 1, 1), (32, 4, 1))
     assert (a.a.batch, a.a.seq, a.a.dim, a.a.scale_batch_stride, a.a.variant, a.a.probe, a.a.dtype,
             a.a.modulate_fp32) == (2, 17, 64, 768, 0, False, 1, False)
     assert a.a.eps == struct.unpack("f", struct.pack("f", 1e-6))[0]
     layernorm_mod._nvrtc_kernel(x, scale[:, :64], shift[:, :64], 1e-6, variant=64 + 3, probe=True)
     _, key, grid, block, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.bfloat16, 0) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
+    assert key == (torch.bfloat16, torch.bfloat16, 0, False) and block == (32, 8, 1) and (a.a.variant, a.a.probe) == (67, True)
     assert grid == (34, 1, 1)
     layernorm_mod._nvrtc_kernel(_bf16(1, 500, 6144), _bf16(1, 6144), _bf16(1, 6144), 1e-6)
-    assert captured_launches[-1][1:3] == ((torch.bfloat16, torch.bfloat16, 12), (500, 1, 1))  # one block per row
+    assert captured_launches[-1][1:3] == ((torch.bfloat16, torch.bfloat16, 12, False), (500, 1, 1))  # one block per row
     # Wan's fp32 modulate: fp32 rows of an fp32 [B, 6, D] table (batch stride 6 * 64 fp32 elements)
     table = torch.randn(2, 6, 64)
     layernorm_mod._nvrtc_kernel(x, table[:, 1], table[:, 0], 1e-6)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.float32, 6) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
+    assert key == (torch.bfloat16, torch.float32, 6, False) and (a.a.scale_batch_stride, a.a.modulate_fp32) == (384, True)
     assert a.a.affine is False
     # Wan's norm2: the norm's own fp32 weight and bias as [1, D] rows, the affine epilogue
     weight, bias = torch.randn(64), torch.randn(64)
     layernorm_mod._nvrtc_affine(x, weight, bias, 1e-6)
     _, key, _, _, a = captured_launches[-1]
-    assert key == (torch.bfloat16, torch.float32, 6) and (a.a.affine, a.a.modulate_fp32) == (True, True)
+    assert key == (torch.bfloat16, torch.float32, 6, False) and (a.a.affine, a.a.modulate_fp32) == (True, True)
     assert (a.a.scale, a.a.shift, a.a.scale_batch_stride, a.a.shift_batch_stride) == (
         weight.data_ptr(), bias.data_ptr(), 0, 0)
+    assert (a.a.gated, a.a.x_out, a.a.gate, a.a.update) == (False, None, None, None)
+    # gated: the residual as x, the gate rows' batch stride (a chunk of a [B, 6 * D] table), both outputs
+    update, table6 = _bf16(2, 17, 64), _bf16(2, 6 * 64)
+    x_out, out = layernorm_mod._nvrtc_gated_kernel(x, table6[:, None, 128:192], update, table6[:, 64:128],
+                                                   table6[:, :64], 1e-6)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, torch.bfloat16, 6, True) and (grid, block) == ((34, 1, 1), (32, 4, 1))
+    assert (a.a.gated, a.a.x, a.a.x_out, a.a.out, a.a.update) == (
+        True, x.data_ptr(), x_out.data_ptr(), out.data_ptr(), update.data_ptr())
+    assert (a.a.gate, a.a.gate_batch_stride, a.a.scale_batch_stride) == (table6[:, 128:].data_ptr(), 384, 384)
 
     # rmsnorm alone over rows of 64 and 128: several rows per warp (kRows64PerBlock, kRows128PerBlock per block)
     for d, per_block in ((64, 64), (128, 32), (96, 8)):
@@ -773,6 +783,12 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
         cases.append((layernorm_mod._nvrtc_kernel(x, scale, shift, 1e-6),
                       layernorm_mod.layernorm_scale_shift_ref(norm, x, scale, shift), "_layernorm_scale_shift_cuda",
                       (x, scale, shift, 1e-6)))
+        gate_row = gate.unsqueeze(1)  # the gated chain: both outputs, through each way
+        x_new, normed = layernorm_mod._nvrtc_gated_kernel(x, gate_row, update, scale, shift, 1e-6)
+        x_ref, normed_ref = layernorm_mod.gated_layernorm_scale_shift_ref(norm, x, gate_row, update, scale, shift)
+        gated_args = (x, gate_row, update, scale, shift, 1e-6)
+        cases.append((x_new, x_ref, "_gated_layernorm_scale_shift_cuda#0", gated_args))  # #i: the op's i-th output
+        cases.append((normed, normed_ref, "_gated_layernorm_scale_shift_cuda#1", gated_args))
         from diffusers.models.normalization import FP32LayerNorm  # Wan's norm2: fp32 affine, one rounding
 
         norm2 = FP32LayerNorm(d, eps=1e-6).to(device="cuda", dtype=dtype)
@@ -800,7 +816,9 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
         assert torch.equal(got, ref), op
         # the raw op: nvcc's where a toolkit is there, else the NVRTC one (through the guard that stands for
         # bindings.cpp's checks)
-        assert torch.equal(got, getattr(ops, op)(*args)), op
+        name, _, index = op.partition("#")
+        raw = getattr(ops, name)(*args)
+        assert torch.equal(got, raw[int(index)] if index else raw), op
 
 
 @pytest.mark.gpu

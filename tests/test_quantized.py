@@ -93,7 +93,7 @@ def _counted(rep, values: str | None = None) -> None:
     """Every site of the tiny FLUX is in the report and counted its calls; on CPU the fused ops fall back with
     reason "device cpu" (the token concatenation's view runs on any device). Quantized value projections get no joint
     value site; where they were quantized after patching (`values`: the reason) the two sites fall back for it."""
-    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2 + (2 if values else 0), str(rep)
+    assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 7 + (2 if values else 0), str(rep)  # 7: `_handoff`'s
     assert rep.fallback > 0 and all(s.fast + s.fallback > 0 for s in rep.sites), str(rep)
     assert {r for s in rep.sites if s.op != "linear_cat" for r in s.reasons} == {"device cpu"}, str(rep)
     assert all(set(s.reasons) == {values} for s in rep.sites if s.op == "linear_cat"), str(rep)

@@ -53,10 +53,11 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..ops import gated_residual, gelu_cat, linear_cat, linear_gelu, qk_norm_rope
+from ..ops import gelu_cat, linear_cat, linear_gelu, qk_norm_rope
 from .._state import PatchState, register_adapter, site_attr
 from ..quality import LINEAR_GELU, hooked, linear_gelu_unfit, mark_site, plain_linear_unfit
 from ._chain_calls import gelu_cat_unfit, norm_modulate
+from ._handoff import add_receiver, gated_norm_modulate, hand_off, link, receivers_of, take_hand_off
 from ._mirror import mirrors
 from ._shared_silu import share_silu
 
@@ -73,6 +74,7 @@ _QK_NORM_ROPE_ATTR = site_attr(QK_NORM_ROPE)
 _ROTARY_ATTR = site_attr(ROTARY)
 VALUE_CAT = "linear_cat"  # a dual block's value projections written into their joint tensor
 _VALUE_CAT_ATTR = site_attr("value_cat")
+REASON_IP_ADAPTER = "IP-Adapter output added after the update"
 
 # sha256[:16] of the diffusers sources that the mirrored methods below were copied from (diffusers 0.42.1).
 _ADALN_ZERO_FORWARD = "93374820c014f812"
@@ -159,27 +161,39 @@ class FastpathGELU(GELU):
         return super().forward(hidden_states)
 
 
+def _adaln_norm(adaln, x, emb):
+    """An adaLN's ``(modulation chunks, modulated norm of x)``: what the previous block handed it (`_handoff`), or
+    ``linear(silu(emb))`` and the fused `layernorm_scale_shift`, as written."""
+    handed, normed = take_hand_off(adaln, x, emb)
+    chunks = (adaln.linear(adaln.silu(emb)) if handed is None else handed).chunk(adaln._fastpath_chunks, dim=1)
+    if normed is None:
+        normed = norm_modulate(adaln.norm, x, chunks[1], chunks[0], adaln._fastpath_site)
+    else:
+        adaln._fastpath_site.fast += 1  # computed fused, at the end of the previous block
+    return chunks, normed
+
+
 class FastpathAdaLayerNormZero(AdaLayerNormZero):
-    """``AdaLayerNormZero`` whose LayerNorm + modulate is the fused, bit-exact `layernorm_scale_shift`. Adds no
-    state."""
+    """``AdaLayerNormZero`` whose LayerNorm + modulate is the fused, bit-exact `layernorm_scale_shift`, or was
+    computed by the previous block, fused with its closing update (`_handoff`). Adds no state."""
+
+    _fastpath_chunks = 6
 
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         if self.emb is not None:
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-        emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
+        (_, _, gate_msa, shift_mlp, scale_mlp, gate_mlp), x = _adaln_norm(self, x, emb)
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class FastpathAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
-    """``AdaLayerNormZeroSingle`` whose LayerNorm + modulate is the fused, bit-exact `layernorm_scale_shift`. Adds no
-    state."""
+    """``AdaLayerNormZeroSingle`` whose LayerNorm + modulate is the fused, bit-exact `layernorm_scale_shift`, or was
+    computed by the previous block, fused with its closing update (`_handoff`). Adds no state."""
+
+    _fastpath_chunks = 3
 
     def forward(self, x, emb=None):
-        emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-        x = norm_modulate(self.norm, x, scale_msa, shift_msa, self._fastpath_site)
+        (_, _, gate_msa), x = _adaln_norm(self, x, emb)
         return x, gate_msa
 
 
@@ -217,26 +231,29 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
         elif len(attention_outputs) == 3:
             attn_output, context_attn_output, ip_attn_output = attention_outputs
 
-        hidden_states = gated_residual(hidden_states, gate_msa.unsqueeze(1), attn_output, self._fastpath_site_gate_msa)
+        hidden_states, norm_hidden_states = gated_norm_modulate(
+            self.norm2, hidden_states, gate_msa.unsqueeze(1), attn_output, scale_mlp, shift_mlp,
+            self._fastpath_site_gate_msa, self.norm2._fastpath_site
+        )
 
-        norm_hidden_states = norm_modulate(self.norm2, hidden_states, scale_mlp, shift_mlp, self.norm2._fastpath_site)
-
+        image_next, text_next = receivers_of(self) or (None, None)
         ff_output = self.ff(norm_hidden_states)
-        hidden_states = gated_residual(hidden_states, gate_mlp.unsqueeze(1), ff_output, self._fastpath_site_gate_mlp)
+        hidden_states = hand_off(
+            image_next, hidden_states, gate_mlp.unsqueeze(1), ff_output, temb, self._fastpath_site_gate_mlp,
+            refused=REASON_IP_ADAPTER if len(attention_outputs) == 3 else None,
+        )
         if len(attention_outputs) == 3:
             hidden_states = hidden_states + ip_attn_output
 
-        encoder_hidden_states = gated_residual(
-            encoder_hidden_states, c_gate_msa.unsqueeze(1), context_attn_output, self._fastpath_site_c_gate_msa
-        )
-
-        norm_encoder_hidden_states = norm_modulate(
-            self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context._fastpath_site
+        encoder_hidden_states, norm_encoder_hidden_states = gated_norm_modulate(
+            self.norm2_context, encoder_hidden_states, c_gate_msa.unsqueeze(1), context_attn_output, c_scale_mlp,
+            c_shift_mlp, self._fastpath_site_c_gate_msa, self.norm2_context._fastpath_site
         )
 
         context_ff_output = self.ff_context(norm_encoder_hidden_states)
-        encoder_hidden_states = gated_residual(
-            encoder_hidden_states, c_gate_mlp.unsqueeze(1), context_ff_output, self._fastpath_site_c_gate_mlp
+        encoder_hidden_states = hand_off(
+            text_next, encoder_hidden_states, c_gate_mlp.unsqueeze(1), context_ff_output, temb,
+            self._fastpath_site_c_gate_mlp, clipped=True,
         )
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -283,7 +300,10 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         else:
             hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
         gate = gate.unsqueeze(1)
-        hidden_states = gated_residual(residual, gate, self.proj_out(hidden_states), self._fastpath_site_gate)
+        (next_norm,) = receivers_of(self) or (None,)
+        hidden_states = hand_off(
+            next_norm, residual, gate, self.proj_out(hidden_states), temb, self._fastpath_site_gate, clipped=True
+        )
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
 
@@ -474,7 +494,27 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
         elif kind is GELU:
             state.swap_class(module, FastpathGELU)
             mark_site(state, module, LINEAR_GELU, _gelu_unfit)
+    _link_blocks(model, state)
     patch_flux_attention(model, state)
+
+
+def _link_blocks(model: FluxTransformer2DModel, state: PatchState) -> None:
+    """The fused update + LayerNorm-modulate sites (`_handoff`): each patched dual block's ``norm2`` and
+    ``norm2_context``; and the hand-offs from each patched block to the adaLNs of the next block of its kind (the
+    last dual block's streams are concatenated before the first single block's norm: none there)."""
+    duals, singles = list(model.transformer_blocks), list(model.single_transformer_blocks)
+    for block in duals:
+        if type(block) is FastpathFluxTransformerBlock:
+            add_receiver(state, block.norm2)
+            add_receiver(state, block.norm2_context)
+    for block, nxt in zip(duals, duals[1:]):
+        if (type(block) is FastpathFluxTransformerBlock and type(nxt) is FastpathFluxTransformerBlock
+                and type(nxt.norm1) is FastpathAdaLayerNormZero and type(nxt.norm1_context) is FastpathAdaLayerNormZero):
+            link(state, block, ((nxt.norm1, nxt), (nxt.norm1_context, nxt)))
+    for block, nxt in zip(singles, singles[1:]):
+        if (type(block) is FastpathFluxSingleTransformerBlock and type(nxt) is FastpathFluxSingleTransformerBlock
+                and type(nxt.norm) is FastpathAdaLayerNormZeroSingle):
+            link(state, block, ((nxt.norm, nxt),))
 
 
 def patch_flux_attention(model: torch.nn.Module, state: PatchState) -> None:

@@ -1,8 +1,9 @@
 """Fused ops, one file each: guard, eager reference, custom op with its fake, and the fallback wiring."""
 
 from ._policy import OPS, FusedOp, Site
-from .layernorm_scale_shift import (layernorm_affine_fp32, layernorm_affine_fp32_ref, layernorm_scale_shift,
-                                    layernorm_scale_shift_fp32, layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
+from .layernorm_scale_shift import (gated_layernorm_scale_shift, gated_layernorm_scale_shift_ref, layernorm_affine_fp32,
+                                    layernorm_affine_fp32_ref, layernorm_scale_shift, layernorm_scale_shift_fp32,
+                                    layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
@@ -35,6 +36,8 @@ __all__ = [
     "Site",
     "cat_heads",
     "cat_heads_ref",
+    "gated_layernorm_scale_shift",
+    "gated_layernorm_scale_shift_ref",
     "gated_residual",
     "gated_residual_fp32",
     "gated_residual_fp32_ref",

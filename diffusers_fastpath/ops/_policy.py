@@ -131,7 +131,14 @@ class FusedOp:
             ):
                 return self.custom_op(*args)
             return self._fall_back(*args)
+        out = self.try_fast(site, *args)
+        return self._fall_back(*args) if out is None else out
 
+    def try_fast(self, site: Site | None, *args: torch.Tensor):
+        """The fused kernel's result where the policy lets it run (counted fast on `site`), else ``None`` with the
+        reason counted on `site`: for a caller whose alternative is not this op's fallback (a hand-off between blocks
+        that, refused, leaves the next block to compute its own part). Not for ``torch.compile`` traces (the caller
+        takes its alternative there; the compiler sees no fused op)."""
         if self.env_disabled:
             reason = REASON_ENV
         elif self.disabled is not None:
@@ -155,7 +162,7 @@ class FusedOp:
                         return out
         if site is not None:
             site.fallback[reason] += 1
-        return self._fall_back(*args)
+        return None
 
     def _fall_back(self, *args):
         return (self.fallback or self.ref)(*args)

@@ -40,6 +40,8 @@ from diffusers.models.normalization import FP32LayerNorm
 from . import _nvrtc
 from ._build import launcher, load_extension
 from ._policy import FusedOp, Site
+from .gated_residual import _check as gated_residual_check
+from .gated_residual import gated_residual, gated_residual_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref, rows_guard
 
 MAX_DIM = 6144  # 4 warps x 32 lanes x 12 four-element vectors held in registers (FLUX.2-dev: D = 6144)
@@ -96,14 +98,16 @@ def _cuda_ops():
 _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
                       ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
-                      ("modulate_fp32", "?"), ("affine", "?"))
+                      ("modulate_fp32", "?"), ("affine", "?"), ("gated", "?"), ("x_out", "P"), ("gate", "P"),
+                      ("update", "P"), ("gate_batch_stride", "q"))
 _KVS = (0, 6, 8, 12)
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
     "diffusers_fastpath::layernorm_scale_shift_kernel",
-    {(dtype, rows, kv): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
-     f"{'float' if rows is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {kv}"
-     for dtype in (torch.bfloat16, torch.float16) for rows in (dtype, torch.float32) for kv in _KVS},
+    {(dtype, rows, kv, gated): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
+     f"{'float' if rows is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {kv}, {str(gated).lower()}"
+     for dtype in (torch.bfloat16, torch.float16) for rows in (dtype, torch.float32) for kv in _KVS
+     for gated in (False, True) if not gated or (kv and rows is dtype)},  # gated: T's chain, production kernels
     _nvrtc.Params("layernorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _EIGHT_WARPS, _VARIANT_MASK = 64, 127
@@ -117,12 +121,15 @@ def _kv_for(dim: int) -> int:
 
 
 def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
-                  affine: bool = False) -> torch.Tensor:
+                  affine: bool = False, gate=None, update=None, x_out=None) -> torch.Tensor:
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
     else:
         _nvrtc.check_out("layernorm_scale_shift", out, x.shape, x, 16)
+    gated = update is not None  # x is the residual; x_out gets the gated update (gated_layernorm_scale_shift)
+    if gated:
+        _nvrtc.check_out("gated_layernorm_scale_shift", x_out, x.shape, x, 16)
     if probe and variant & ~_VARIANT_MASK:
         raise ValueError(f"layernorm_scale_shift: no reduction variant {variant}")
     variant = variant if probe else 0
@@ -130,11 +137,19 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     kv = 0 if probe else _kv_for(dim)
     block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
     fp32 = scale.dtype is torch.float32
-    _NVRTC.launch(device, (x.dtype, scale.dtype, kv), (batch * seq, 1, 1), block, out.data_ptr(), x.data_ptr(),
-                  scale.data_ptr(), shift.data_ptr(), batch, seq, dim, 0 if scale.shape[0] == 1 else scale.stride(0),
-                  0 if shift.shape[0] == 1 else shift.stride(0), eps, variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32,
-                  affine)
+    _NVRTC.launch(device, (x.dtype, scale.dtype, kv, gated), (batch * seq, 1, 1), block, out.data_ptr(),
+                  x.data_ptr(), scale.data_ptr(), shift.data_ptr(), batch, seq, dim,
+                  0 if scale.shape[0] == 1 else scale.stride(0), 0 if shift.shape[0] == 1 else shift.stride(0), eps,
+                  variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32, affine, gated,
+                  x_out.data_ptr() if gated else 0, gate.data_ptr() if gated else 0,
+                  update.data_ptr() if gated else 0, 0 if not gated or gate.shape[0] == 1 else gate.stride(0))
     return out
+
+
+def _nvrtc_gated_kernel(residual, gate, update, scale, shift, eps: float, out=None):
+    x_out, out = (residual.new_empty(residual.shape), residual.new_empty(residual.shape)) if out is None else out
+    _nvrtc_kernel(residual, scale, shift, eps, out=out, gate=gate, update=update, x_out=x_out)
+    return x_out, out
 
 
 _nvrtc.raw_op("_layernorm_scale_shift_cuda", "(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor",
@@ -145,6 +160,16 @@ _nvrtc.raw_op("_layernorm_scale_shift_probe_cuda",
               "(Tensor x, Tensor scale, Tensor shift, float eps, int variant) -> Tensor",
               lambda x, scale, shift, eps, variant: _guard_tensors(x, scale, shift),
               lambda x, scale, shift, eps, variant: _nvrtc_kernel(x, scale, shift, eps, variant, probe=True))
+
+_nvrtc.raw_op("_gated_layernorm_scale_shift_cuda",
+              "(Tensor residual, Tensor gate, Tensor update, Tensor scale, Tensor shift, float eps) -> (Tensor, Tensor)",
+              lambda residual, gate, update, scale, shift, eps: _gated_tensors_guard(residual, gate, update, scale, shift),
+              _nvrtc_gated_kernel)
+_nvrtc.raw_op("_gated_layernorm_scale_shift_cuda_out",
+              "(Tensor(a!) x_out, Tensor(b!) out, Tensor residual, Tensor gate, Tensor update, Tensor scale, "
+              "Tensor shift, float eps) -> ()",
+              lambda residual, gate, update, scale, shift, eps: _gated_tensors_guard(residual, gate, update, scale, shift),
+              _nvrtc_gated_kernel, outs=2)
 
 _launch = None
 
@@ -208,6 +233,115 @@ def layernorm_scale_shift(norm, x, scale, shift, site: Site | None = None) -> to
         True
     """
     return LAYERNORM_SCALE_SHIFT(site, norm, x, scale, shift)
+
+
+# --- the gated residual update and the LayerNorm-modulate of the new stream, in one pass ----------------------------
+
+
+def gated_layernorm_scale_shift_ref(norm, residual, gate, update, scale, shift):
+    """The eager chain: ``x = residual + gate * update``, then ``norm(x) * (1 + scale[:, None]) + shift[:, None]``;
+    returns ``(x, that)``."""
+    x = gated_residual_ref(residual, gate, update)
+    return x, layernorm_scale_shift_ref(norm, x, scale, shift)
+
+
+def _gated_fallback(norm, residual, gate, update, scale, shift):
+    # the two fused ops, each exact on its own (and each with its own guard)
+    x = gated_residual(residual, gate, update)
+    return x, layernorm_scale_shift(norm, x, scale, shift)
+
+
+def _gated_tensors_guard(residual, gate, update, scale, shift, check_pointers: bool = True) -> str | None:
+    reason = (_guard_tensors(residual, scale, shift, check_pointers, residual.dtype)
+              or gated_residual_check(residual, gate, update, residual.dtype, check_pointers))
+    if reason is None and gate.shape[1] != 1:
+        return "gate not one row per sample"
+    return reason
+
+
+def _gated_guard(norm, residual, gate, update, scale, shift, check_pointers: bool = True) -> str | None:
+    return (_norm_unfit(norm, residual, (torch.nn.LayerNorm,))
+            or _gated_tensors_guard(residual, gate, update, scale, shift, check_pointers))
+
+
+_gated_launch = None
+
+
+def _gated_kernel(norm, residual, gate, update, scale, shift):
+    global _gated_launch
+    if _gated_launch is None:
+        _gated_launch = launcher(_nvrtc_gated_kernel, "_gated_layernorm_scale_shift_cuda")
+    return _gated_launch(residual, gate, update, scale, shift, norm.eps)
+
+
+@torch.library.custom_op("diffusers_fastpath::gated_layernorm_scale_shift", mutates_args=())
+def _gated_layernorm_scale_shift_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                                    scale: torch.Tensor, shift: torch.Tensor,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _gated_tensors_guard(residual, gate, update, scale, shift) is None:
+        return _cuda_ops()._gated_layernorm_scale_shift_cuda.default(residual, gate, update, scale, shift, eps)
+    x = gated_residual_ref(residual, gate, update).contiguous()
+    y = F.layer_norm(x, (x.shape[-1],), None, None, eps)
+    return x, modulate_scale_shift_ref(y, scale, shift).contiguous()
+
+
+@_gated_layernorm_scale_shift_op.register_fake
+def _(residual, gate, update, scale, shift, eps):
+    torch._check(residual.dim() == 3, lambda: f"gated_layernorm_scale_shift: residual must be [B, L, D], got "
+                 f"{tuple(residual.shape)}")
+    like = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    return like, torch.empty_like(like)
+
+
+def _gated_signature(norm, residual, *rest):
+    return (str(residual.dtype).removeprefix("torch."), residual.shape[-1])
+
+
+GATED_LAYERNORM_SCALE_SHIFT = FusedOp(
+    "gated_layernorm_scale_shift",
+    ref=gated_layernorm_scale_shift_ref,
+    guard=_gated_guard,
+    kernel=_gated_kernel,
+    custom_op=lambda norm, residual, gate, update, scale, shift: (
+        torch.ops.diffusers_fastpath.gated_layernorm_scale_shift.default(residual, gate, update, scale, shift, norm.eps)
+    ),
+    verify_key=_gated_signature,
+    fallback=_gated_fallback,
+)
+
+
+def gated_layernorm_scale_shift(norm, residual, gate, update, scale, shift, site: Site | None = None):
+    """``x = residual + gate * update`` and ``norm(x) * (1 + scale[:, None]) + shift[:, None]`` in one kernel,
+    bit-identical to eager (FLUX's residual update followed by the next LayerNorm-modulate of the stream: a dual
+    block's ``norm2``, or the next block's adaLN).
+
+    The row is the gated residual update of `gated_residual` (its two rounding points), written out and kept in
+    registers for the LayerNorm statistics and the modulate of `layernorm_scale_shift`; the op verifies itself
+    against eager on its first call per (dtype, D), as that op does. Where the kernel cannot run, the two fused ops
+    run one after the other.
+
+    Args:
+        norm: the ``torch.nn.LayerNorm`` (no affine) of the site.
+        residual: ``[B, L, D]`` stream.
+        gate: ``[B, 1, D]`` (or ``[1, 1, D]``) row per sample, such as diffusers' ``gate.unsqueeze(1)``.
+        update: ``[B, L, D]`` branch output.
+        scale, shift: ``[B, D]`` or ``[1, D]`` modulation rows.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+
+    Returns:
+        ``(x, out)``: the new stream and its modulated norm.
+
+    Example:
+        >>> import torch
+        >>> from diffusers_fastpath.ops import gated_layernorm_scale_shift, gated_layernorm_scale_shift_ref
+        >>> norm = torch.nn.LayerNorm(64, elementwise_affine=False, eps=1e-6)
+        >>> residual, update, emb = torch.randn(1, 16, 64), torch.randn(1, 16, 64), torch.randn(1, 6 * 64)
+        >>> shift, scale, gate = emb.chunk(6, dim=1)[:3]
+        >>> args = (norm, residual, gate.unsqueeze(1), update, scale, shift)
+        >>> all(map(torch.equal, gated_layernorm_scale_shift(*args), gated_layernorm_scale_shift_ref(*args)))
+        True
+    """
+    return GATED_LAYERNORM_SCALE_SHIFT(site, norm, residual, gate, update, scale, shift)
 
 
 # --- Wan's chain: an fp32 LayerNorm of the upcast stream and an fp32 modulate, one rounding --------------------------

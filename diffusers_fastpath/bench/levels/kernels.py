@@ -155,6 +155,33 @@ def gated_residual_cases(sh: Shapes) -> list[KernelCase]:
 
 
 @kernel_cases
+def gated_layernorm_scale_shift_cases(sh: Shapes) -> list[KernelCase]:
+    """FLUX.1's closing update of a stream and the LayerNorm-modulate that reads it next, in one kernel (a dual block's
+    norm2, the next block's adaLN): its rows beside the `gated_residual` and `layernorm_scale_shift` rows of the same
+    shape tell what the two kernels it replaces took."""
+    if sh.family != "flux":
+        return []
+    from ...ops import gated_layernorm_scale_shift_ref
+
+    op = torch.ops.diffusers_fastpath._gated_layernorm_scale_shift_cuda.default
+    norm = nn.LayerNorm(sh.hidden, elementwise_affine=False, eps=1e-6)
+    b, d = sh.batch, sh.hidden
+    cases = []
+    for tokens in _flux_token_counts(sh):
+        def make():
+            table = sh.randn(b, 6 * d).chunk(6, dim=1)  # the receiving adaLN's shift and scale, the sender's gate
+            return sh.randn(b, tokens, d), table[2].unsqueeze(1), sh.randn(b, tokens, d), table[1], table[0]
+
+        sets = _input_sets(make)
+        x, gate, _, scale, _ = sets[0]
+        cases.append(KernelCase(
+            "gated_layernorm_scale_shift", (b, tokens, d), sets,
+            lambda r, g, u, s, h: gated_layernorm_scale_shift_ref(norm, r, g, u, s, h),
+            lambda r, g, u, s, h: op(r, g, u, s, h, norm.eps), 4 * _nbytes(x) + 3 * _nbytes(scale)))
+    return cases
+
+
+@kernel_cases
 def gelu_cat_cases(sh: Shapes) -> list[KernelCase]:
     """FLUX's single block: ``cat([attn_output, gelu_tanh(proj_mlp(x))], dim=2)`` in one pass."""
     if sh.family != "flux":
