@@ -8,7 +8,8 @@ import torch
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.ops.linear_cat import BATCH_REASON
-from diffusers_fastpath.testing import assert_every_site_fast, build_flux_transformer, flux_transformer_inputs, prompt_embeddings, site_ok, tiny_flux_pipeline
+from diffusers_fastpath.testing import (assert_every_site_fast, build_flux_transformer, clipped_refusal, flux_transformer_inputs,
+                                        prompt_embeddings, site_ok, tiny_flux_pipeline)
 
 pytestmark = pytest.mark.gpu
 
@@ -30,10 +31,11 @@ FLUX_DEV_SITES = {
 BATCH_2 = {"linear_cat": BATCH_REASON}  # at batch 2 each half of the joint values is strided: eager, every call
 
 
-def all_fast(rep, forwards: int = 1, batch: int = 1) -> bool:
+def all_fast(rep, forwards: int = 1, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Every site took the fast path the expected number of times and never fell back (at batch 2 the joint value
-    projections fall back on every call, for that reason)."""
-    return all(site_ok(s, ATTENTION_CALLS, forwards, BATCH_2 if batch > 1 else None) for s in rep.sites)
+    projections fall back on every call, for that reason; in float16 the hand-offs of the streams diffusers clips)."""
+    return all(site_ok(s, ATTENTION_CALLS, forwards, BATCH_2 if batch > 1 else None)
+               or (dtype == torch.float16 and clipped_refusal(s)) for s in rep.sites)
 
 
 def assert_all_fast(rep, forwards: int = 1, batch: int = 1):
@@ -101,7 +103,7 @@ def test_tiny_model_with_fused_qkv_projections_is_bitwise_identical_on_cuda(dtyp
         fp.patch(model)
         unpatch_after(model)
         assert torch.equal(model(**inputs).sample, ref)
-    assert all_fast(fp.report(model)), str(fp.report(model))
+    assert all_fast(fp.report(model), dtype=dtype), str(fp.report(model))
 
 
 @torch.no_grad()
@@ -131,7 +133,7 @@ def test_tiny_pipeline_generation_is_md5_identical_on_cuda(dtype, unpatch_after)
     unpatch_after(pipe)
     assert generate() == ref
     rep = fp.report(pipe)
-    assert rep.fast > 0 and rep.fallback == 0, str(rep)
+    assert rep.fast > 0 and all(s.fallback == 0 or clipped_refusal(s) for s in rep.sites), str(rep)
 
 
 @torch.no_grad()
@@ -203,4 +205,4 @@ def test_flux_dev_sized_blocks_are_bitwise_identical_in_both_dtypes(dtype, unpat
     # two sites per attention module, the dual block's values, the fused update + LayerNorm-modulate of its norm2 and
     # norm2_context and of the second and third single blocks' adaLNs
     assert len(rep.sites) == 8 + 3 * 4 - 1 + 4 * 2 + 1 + 2 + 2
-    assert all_fast(rep, batch=2), str(rep)
+    assert all_fast(rep, batch=2, dtype=dtype), str(rep)

@@ -32,6 +32,14 @@ def site_ok(site, calls: dict, forwards: int = 1, refused: dict[str, str] | None
     return site.fast in expected and site.fallback == 0
 
 
+def clipped_refusal(site) -> bool:
+    """A hand-off site (`diffusers_fastpath.models._handoff`) of a float16 stream that diffusers clips between blocks
+    (FLUX.1's text stream, its single blocks'): refused on every call, for that reason only."""
+    from ..models._handoff import GATED_MODULATE, REASON_FP16
+
+    return site.op == GATED_MODULATE and site.fast == 0 and set(site.reasons) == {REASON_FP16}
+
+
 def outputs_equal(a, b) -> bool:
     """`torch.equal` of two model outputs: tensors, or lists of them (Z-Image returns one tensor per sample)."""
     if isinstance(a, (list, tuple)):
