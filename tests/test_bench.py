@@ -111,8 +111,8 @@ def test_lossless_is_bit_identical_to_eager_on_cpu(tiny_run):
     assert step["md5"] == _rows(result, "step")["eager"]["md5"] and step["max_abs_diff"] == 0
     # the patched model really was in place: every site counted its calls (eager fallbacks on CPU)
     # tiny FLUX: 2 dual blocks (8 sites each), 2 single (3 each, the first without its token cat), 4 attentions (2),
-    # 2 joint value projections
-    assert step["fastpath"]["sites"] == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2 and step["fastpath"]["fallback"] > 0
+    # 2 joint value projections, 7 fused update + LayerNorm-modulates (`models._handoff`)
+    assert step["fastpath"]["sites"] == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2 + 7 and step["fastpath"]["fallback"] > 0
     assert _rows(result, "step")["eager"]["fastpath"] is None
     gen = _rows(result, "generation")["lossless"]
     assert gen["latents_md5"] == _rows(result, "generation")["eager"]["latents_md5"] and gen["ssim"] == 1.0
