@@ -407,7 +407,8 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
                 "rmsnorm_rope_complex (text q)", "rmsnorm_rope_complex_cat (text+image q)"}
     for model, ops in (("flux-dev", flux_ops), ("ernie-image", {"rmsnorm_scale_shift", "gated_rmsnorm_scale_shift"}),
                        ("sd3-tiny", sd3_ops),  # SD3's head_dim 64 at 1024x1024's 4096 image tokens
-                       ("qwen-image-tiny", qwen_ops), ("ltx-video-tiny", {"rmsnorm_modulate", "rotary_emb_rows (q)"}),
+                       ("qwen-image-tiny", qwen_ops), ("ltx-video-tiny", {"rmsnorm_modulate", "rotary_emb_rows (q)", "qk_norm_rows_rope (q)",
+                                          "qk_norm_rows_rope_pair (q, k)"}),
                        ("flux2-klein", {"layernorm_scale_shift", "gated_residual", "qk_norm_rope (text+image)",
                                         "qk_norm_rope", "silu_mul"})):
         path = tmp_path / f"{model}.json"
