@@ -30,25 +30,26 @@ def gated_sites(model) -> dict:
     return {s.site: s for s in fp.report(model).sites if s.op == GATED_MODULATE}
 
 
-@pytest.fixture
-def patched(emulated_kernels, unpatch_after):
-    """A patched tiny FLUX, its inputs and its eager output, the kernels emulated."""
-    model = build_flux_transformer("flux-tiny", torch.bfloat16, seed=61)
-    inputs = flux_transformer_inputs(model, grid=(4, 6), txt_tokens=8, seed=62)
+def patched_tiny(dtype, seed: int, unpatch_after, batch: int = 1):
+    """A patched tiny FLUX, its inputs and its eager output (taken before patching)."""
+    model = build_flux_transformer("flux-tiny", dtype, seed=seed)
+    inputs = flux_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=8, seed=seed + 1)
     ref = run(model, inputs)
+    assert ref.std() > 0.01  # random weights everywhere: nothing collapses to zeros
     fp.patch(model)
     unpatch_after(model)
     return model, inputs, ref
 
 
+@pytest.fixture
+def patched(emulated_kernels, unpatch_after):
+    """`patched_tiny` in bfloat16, the kernels emulated."""
+    return patched_tiny(torch.bfloat16, 61, unpatch_after)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_every_hand_off_runs_fused_and_the_output_is_eager(batch, emulated_kernels, unpatch_after):
-    model = build_flux_transformer("flux-tiny", torch.bfloat16, seed=60 + batch)
-    inputs = flux_transformer_inputs(model, batch=batch, grid=(4, 6), txt_tokens=8, seed=63)
-    ref = run(model, inputs)
-    assert ref.std() > 0.01
-    fp.patch(model)
-    unpatch_after(model)
+    model, inputs, ref = patched_tiny(torch.bfloat16, 70 + batch, unpatch_after, batch)
     for forwards in (1, 2):
         assert torch.equal(run(model, inputs), ref)
         # every LayerNorm-modulate and gated residual counts once a forward, whichever kernel computed it
@@ -100,11 +101,7 @@ def test_hooks_on_the_receiving_block_refuse_the_hand_off(patched):
 
 
 def test_float16_clipped_streams_and_inference_tensors_refuse(emulated_kernels, unpatch_after):
-    model = build_flux_transformer("flux-tiny", torch.float16, seed=65)
-    inputs = flux_transformer_inputs(model, grid=(4, 6), txt_tokens=8, seed=66)
-    ref = run(model, inputs)
-    fp.patch(model)
-    unpatch_after(model)
+    model, inputs, ref = patched_tiny(torch.float16, 65, unpatch_after)
     assert torch.equal(run(model, inputs), ref)
     sites = gated_sites(model)
     # diffusers clips the float16 text stream and the single blocks' stream between blocks; the image stream it does not

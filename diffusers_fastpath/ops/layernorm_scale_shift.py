@@ -293,10 +293,6 @@ def _(residual, gate, update, scale, shift, eps):
     return like, torch.empty_like(like)
 
 
-def _gated_signature(norm, residual, *rest):
-    return (str(residual.dtype).removeprefix("torch."), residual.shape[-1])
-
-
 GATED_LAYERNORM_SCALE_SHIFT = FusedOp(
     "gated_layernorm_scale_shift",
     ref=gated_layernorm_scale_shift_ref,
@@ -305,7 +301,7 @@ GATED_LAYERNORM_SCALE_SHIFT = FusedOp(
     custom_op=lambda norm, residual, gate, update, scale, shift: (
         torch.ops.diffusers_fastpath.gated_layernorm_scale_shift.default(residual, gate, update, scale, shift, norm.eps)
     ),
-    verify_key=_gated_signature,
+    verify_key=_signature,  # (dtype, D) of the residual, the row the statistics run over
     fallback=_gated_fallback,
 )
 
