@@ -27,12 +27,17 @@ diffusers' own extension points:
   is a contiguous row range of it) instead of being concatenated by ``torch.cat`` afterwards.
 - ``GELU`` (the dual blocks' ``ff.net.0``/``ff_context.net.0``): `FastpathGELU`, the lossless forward until the
   ``"high"`` tier mounts its site.
+- Each stream's closing gated residual update and the LayerNorm-modulate that reads the new stream next run as one
+  `gated_layernorm_scale_shift` (`_handoff`): in the dual block the attention's update with ``norm2``
+  (``norm2_context``); at the end of a block, its last update with the next block's adaLN, which the block hands its
+  modulation and normed stream (each such norm or adaLN has a ``gated`` site; refusals are counted there).
 
 Per FLUX.1-dev step (19 dual + 38 single blocks) that is 114 fused LayerNorm+modulate sites, 114 gated residual
 sites, 37 token-concatenation sites, 38 GELU + concatenation sites, 57 attention processors with 114 fused QK
-norm + rotary calls, 19 value-concatenation sites; and for the ``"high"`` tier (`diffusers_fastpath.quality`) 114
-LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue sites (the FFN up-projections: 2 per dual
-block, 1 per single block).
+norm + rotary calls, 19 value-concatenation sites, 111 fused update + LayerNorm-modulate sites (38 ``norm2`` and
+``norm2_context``, 36 dual and 37 single blocks' adaLNs after the first); and for the ``"high"`` tier
+(`diffusers_fastpath.quality`) 114 LayerNorm-affine-folding sites (the adaLN LayerNorms) and 76 GELU-epilogue sites
+(the FFN up-projections: 2 per dual block, 1 per single block).
 """
 
 from __future__ import annotations
