@@ -20,6 +20,7 @@ from diffusers_fastpath.models import flux as flux_adapter
 from diffusers_fastpath.ops import Site, _build
 from diffusers_fastpath._state import SITE_ATTR, STATE_ATTR
 from diffusers_fastpath.models._handoff import GATED_MODULATE, REASON_FP16
+from diffusers_fastpath.models._pos_embed import FastpathFluxPosEmbed
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs, prompt_embeddings, tiny_flux_pipeline
 
 
@@ -206,15 +207,16 @@ def test_gradients_flow_through_the_eager_path(unpatch_after):
 
 
 def test_rotary_tables_are_diffusers_own_built_once_per_forward(unpatch_after):
-    """No cache across forwards: every block of one forward gets the one (cos, sin) that diffusers' own FluxPosEmbed
-    built from this forward's ids, and the next forward builds its own."""
+    """No cache across forwards: every block of one forward gets the one (cos, sin) built from this forward's ids,
+    equal to what diffusers' own FluxPosEmbed builds (the patched one builds all axes at once: `_pos_embed`), and the
+    next forward builds its own."""
     model = build_flux_transformer("flux-tiny", seed=20)
     inputs = flux_transformer_inputs(model, grid=(3, 5), txt_tokens=4, seed=21)
     ids = torch.cat((inputs["txt_ids"], inputs["img_ids"]))
     cos, sin = FluxPosEmbed(theta=10000, axes_dim=model.config.axes_dims_rope)(ids)
     fp.patch(model)
     unpatch_after(model)
-    assert type(model.pos_embed) is FluxPosEmbed
+    assert type(model.pos_embed) is FastpathFluxPosEmbed
     captured = []
     for block in (*model.transformer_blocks, *model.single_transformer_blocks):
         block.attn.register_forward_pre_hook(

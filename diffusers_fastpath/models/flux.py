@@ -14,9 +14,9 @@ diffusers' own extension points:
   (every single block after the first: no copy; values are moved, never changed). The ``act_mlp`` GELU and the
   ``cat([attn_output, mlp_hidden_states], dim=2)`` run as one `gelu_cat` (the GELU proven exact on every value of
   the dtype): the MLP activations are read and written once instead of twice.
-- ``FluxPosEmbed`` is left as it is: diffusers builds the rotary cos/sin once per forward and hands the same fp32
-  ``[S, D]`` tables to every block, which the fused rotary kernels read as they are (no cache across forwards: see
-  `diffusers_fastpath.models._rope_cache` for why).
+- ``FluxPosEmbed``: `_pos_embed.FastpathFluxPosEmbed`, the same fp32 ``[S, D]`` cos/sin tables built once per forward
+  (as diffusers does; no cache across forwards: see `diffusers_fastpath.models._rope_cache` for why) in 6 kernels
+  instead of 41, the host's work at the start of every step; the fused rotary kernels read them as they are.
 - ``FluxAttention``: diffusers' ``FluxAttnProcessor`` is replaced by `FastpathFluxAttnProcessor` via
   ``set_processor``; any other processor (IP-adapter, a user's own) is left in place and noted in `report`. The
   processor runs the QK RMSNorm, the text/image concatenation and the rotary embedding of q and of k as one fused
@@ -64,6 +64,7 @@ from ..quality import LINEAR_GELU, hooked, linear_gelu_unfit, mark_site, plain_l
 from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._handoff import add_receiver, gated_norm_modulate, hand_off, link, receivers_of, take_hand_off
 from ._mirror import mirrors
+from ._pos_embed import patch_pos_embed
 from ._shared_silu import share_silu
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -476,7 +477,7 @@ def patch_flux(model: FluxTransformer2DModel, state: PatchState) -> None:
     first_single = model.single_transformer_blocks[0] if len(model.single_transformer_blocks) else None
     for module in model.modules():
         kind = type(module)
-        if patch_adaln(module, state):
+        if patch_adaln(module, state) or patch_pos_embed(module, state):
             continue
         if kind is FluxTransformerBlock and swap_block:
             state.swap_class(module, FastpathFluxTransformerBlock)
