@@ -61,25 +61,35 @@ def receivers_of(sender: nn.Module) -> tuple:
     return sender.__dict__.get(_SENDS) or ()
 
 
+def _fused_update(norm: nn.LayerNorm, residual, gate, update, scale, shift, site, gate_site):
+    """``(x, normed)``: ``x = residual + gate * update`` and ``normed = norm(x) * (1 + scale) + shift`` from one
+    `gated_layernorm_scale_shift` kernel where the policy lets it run (counted on `site`, the update's fast call on
+    `gate_site`); else ``(x, None)``, x from `gated_residual` (counted on `gate_site`) and the norm left to the caller.
+    ``torch.compile`` traces take the latter, uncounted by this op."""
+    out = None if torch.compiler.is_compiling() else GATED_LAYERNORM_SCALE_SHIFT.try_fast(
+        site, norm, residual, gate, update, scale, shift)
+    if out is None:
+        return gated_residual(residual, gate, update, gate_site), None
+    _count_fast(gate_site)
+    return out
+
+
 def gated_norm_modulate(norm: nn.LayerNorm, residual, gate, update, scale, shift, gate_site, norm_site):
     """``x = residual + gate * update`` and ``norm(x) * (1 + scale[:, None]) + shift[:, None]`` (a dual block's
-    attention update and its ``norm2``): one `gated_layernorm_scale_shift` kernel where `norm` has its ``gated`` site
-    and the op takes the inputs (then the update's and the norm's own sites count a fast call each), else the two fused
-    ops as before. Returns ``(x, norm_x)``."""
-    site = norm.__dict__.get(_SITE)
-    if site is not None and not torch.compiler.is_compiling():
-        out = GATED_LAYERNORM_SCALE_SHIFT.try_fast(site, norm, residual, gate, update, scale, shift)
-        if out is not None:
-            _count_fast(gate_site, norm_site)
-            return out
-    x = gated_residual(residual, gate, update, gate_site)
-    return x, norm_modulate(norm, x, scale, shift, norm_site)
+    attention update and its ``norm2``): one `gated_layernorm_scale_shift` kernel, counted on `norm`'s ``gated`` site
+    (then the update's and the norm's own sites count a fast call each), else the two fused ops as before. Returns
+    ``(x, norm_x)``."""
+    site = norm.__dict__[_SITE]  # `flux._link_blocks` gave every patched dual block's norm2s theirs
+    x, normed = _fused_update(norm, residual, gate, update, scale, shift, site, gate_site)
+    if normed is None:
+        return x, norm_modulate(norm, x, scale, shift, norm_site)
+    _count_fast(norm_site)
+    return x, normed
 
 
-def _count_fast(*sites) -> None:
-    for site in sites:
-        if site is not None:
-            site.fast += 1
+def _count_fast(site) -> None:
+    if site is not None:
+        site.fast += 1
 
 
 class _Pending:
@@ -119,9 +129,7 @@ def hand_off(receiver, residual, gate, update, temb, gate_site, clipped: bool = 
     if receiver is None or torch.compiler.is_compiling():
         return gated_residual(residual, gate, update, gate_site)
     adaln, block = receiver
-    site = adaln.__dict__.get(_SITE)
-    if site is None:
-        return gated_residual(residual, gate, update, gate_site)
+    site = adaln.__dict__[_SITE]  # `link` gave every receiver its site
     reason = refused or _refusal(adaln, block, (residual, gate, update, temb), clipped)
     if reason is not None:
         adaln.__dict__[_PENDING] = None
@@ -129,12 +137,8 @@ def hand_off(receiver, residual, gate, update, temb, gate_site, clipped: bool = 
         return gated_residual(residual, gate, update, gate_site)
     emb = adaln.linear(adaln.silu(temb))
     shift, scale = emb.chunk(adaln._fastpath_chunks, dim=1)[:2]
-    out = GATED_LAYERNORM_SCALE_SHIFT.try_fast(site, adaln.norm, residual, gate, update, scale, shift)
-    if out is None:  # the adaLN computes its LayerNorm itself (its modulation is handed over all the same)
-        x, normed = gated_residual(residual, gate, update, gate_site), None
-    else:
-        x, normed = out
-        _count_fast(gate_site)
+    # normed None: the adaLN computes its LayerNorm itself (its modulation is handed over all the same)
+    x, normed = _fused_update(adaln.norm, residual, gate, update, scale, shift, site, gate_site)
     adaln.__dict__[_PENDING] = _Pending(x, temb, emb, normed)
     return x
 

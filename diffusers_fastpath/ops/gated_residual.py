@@ -36,11 +36,12 @@ def gated_residual_ref(residual: torch.Tensor, gate: torch.Tensor, update: torch
 
 def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    return _check(residual, gate, update, residual.dtype, check_pointers)
+    return residual_guard(residual, gate, update, residual.dtype, check_pointers)
 
 
-def _check(residual, gate, update, gate_dtype: torch.dtype, check_pointers: bool) -> str | None:
-    """The guard of both chains: the gate of `gate_dtype` (the residual's, or float32 for `gated_residual_fp32`)."""
+def residual_guard(residual, gate, update, gate_dtype: torch.dtype, check_pointers: bool) -> str | None:
+    """The guard of both chains: the gate of `gate_dtype` (the residual's, or float32 for `gated_residual_fp32`); also
+    the gated half of `gated_layernorm_scale_shift`'s."""
     dtype = residual.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
@@ -113,7 +114,7 @@ def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
 def _raw_guard(residual, gate, update, check_pointers: bool = True) -> str | None:
     """bindings.cpp's checks: the gate of the residual's dtype, or float32 (`gated_residual_fp32`'s chain)."""
     gate_dtype = torch.float32 if gate.dtype is torch.float32 else residual.dtype
-    return _check(residual, gate, update, gate_dtype, check_pointers)
+    return residual_guard(residual, gate, update, gate_dtype, check_pointers)
 
 
 _nvrtc.raw_op("_gated_residual_cuda", "(Tensor residual, Tensor gate, Tensor update) -> Tensor", _raw_guard,
@@ -192,7 +193,7 @@ def gated_residual_fp32_ref(residual: torch.Tensor, gate: torch.Tensor, update: 
 
 
 def _guard_fp32(residual, gate, update, check_pointers: bool = True) -> str | None:
-    return _check(residual, gate, update, torch.float32, check_pointers)
+    return residual_guard(residual, gate, update, torch.float32, check_pointers)
 
 
 @torch.library.custom_op("diffusers_fastpath::gated_residual_fp32", mutates_args=())

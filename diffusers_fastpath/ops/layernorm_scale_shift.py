@@ -40,8 +40,7 @@ from diffusers.models.normalization import FP32LayerNorm
 from . import _nvrtc
 from ._build import launcher, load_extension
 from ._policy import FusedOp, Site
-from .gated_residual import _check as gated_residual_check
-from .gated_residual import gated_residual, gated_residual_ref
+from .gated_residual import gated_residual, gated_residual_ref, residual_guard
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref, rows_guard
 
 MAX_DIM = 6144  # 4 warps x 32 lanes x 12 four-element vectors held in registers (FLUX.2-dev: D = 6144)
@@ -253,7 +252,7 @@ def _gated_fallback(norm, residual, gate, update, scale, shift):
 
 def _gated_tensors_guard(residual, gate, update, scale, shift, check_pointers: bool = True) -> str | None:
     reason = (_guard_tensors(residual, scale, shift, check_pointers, residual.dtype)
-              or gated_residual_check(residual, gate, update, residual.dtype, check_pointers))
+              or residual_guard(residual, gate, update, residual.dtype, check_pointers))
     if reason is None and gate.shape[1] != 1:
         return "gate not one row per sample"
     return reason
