@@ -2,6 +2,7 @@
 
     python -m diffusers_fastpath.bench                                    # flux-tiny: runs anywhere, CPU included
     python -m diffusers_fastpath.bench --model flux-dev --kernels --profile --json run.json
+    python -m diffusers_fastpath.bench --model flux-dev --levels step,parts --modes eager,lossless --sensors
     python -m diffusers_fastpath.bench --model ernie-image --levels step --modes eager,lossless
     python -m diffusers_fastpath.bench --model black-forest-labs/FLUX.1-dev     # real weights (a Hub id or a folder)
     python -m diffusers_fastpath.bench --from-json run.json --plot run.png      # re-render a saved run, run nothing
@@ -29,6 +30,9 @@ Levels (``--levels``, default ``step,generation``; ``--kernels`` adds ``kernels`
   encoder), VAE decode included; md5 of the final latents (captured by a step-end callback of the same call) and
   of the decoded image.
 - **profile**: one step per mode under ``torch.profiler``: kernel count and time per category (`CATEGORIES`).
+- **parts**: one step per mode recorded op by op and replayed as CUDA graphs, whole, as its floor (GEMMs, GEMVs and
+  attention alone) and without each category of work: what each part costs the step at the clock the power limit
+  leaves, which a sum of kernel times does not say (`levels.parts`).
 - **kernels**: every fused op at the model's real shapes, eager chain against fused kernel, with the GB/s of a
   device-to-device copy measured in the same run, and the host cost of one call.
 
@@ -41,7 +45,7 @@ Modes are the `MODES` registry: adding one is one `register_mode` call.
 
 The package, one file per part: ``cli`` (arguments, `main`), ``modes`` (`MODES`), ``subject`` (the model and its
 inputs), ``quant`` (quantized builds, ``--quant``), ``timing`` (`Clock`, `Samples`, output comparison), ``levels/``
-(``step``, ``generation``, ``profile``, ``kernels``), ``runner`` (one run, `violations`), ``conditions`` and
+(``step``, ``generation``, ``profile``, ``parts``, ``kernels``), ``runner`` (one run, `violations`), ``conditions`` and
 ``render`` (markdown, plot).
 """
 

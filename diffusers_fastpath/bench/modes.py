@@ -33,6 +33,7 @@ class Mode:
         apply: ``apply(model, ctx) -> undo``: change `model` in place, return the function that restores it.
         exact: the mode promises output bit-identical to eager (a mismatch makes the exit status 1).
         compiled: the mode compiles (run once after ``torch._dynamo.reset()``, first call timed as compile time).
+        graphs: the mode replays the step as CUDA graphs (the parts level records its base mode instead).
         unavailable: ``unavailable(ctx) -> str | None``: why the mode cannot run here, or ``None``.
     """
 
@@ -41,6 +42,7 @@ class Mode:
     apply: Callable[[nn.Module, Context], Undo]
     exact: bool = False
     compiled: bool = False
+    graphs: bool = False
     unavailable: Callable[[Context], str | None] = lambda ctx: None
 
 
@@ -107,7 +109,7 @@ register_mode(Mode("lossless", "fp.patch(model): bit-identical to eager", _patch
 register_mode(Mode("high", 'fp.patch(model, quality="high"): approximate fusions', _patched(quality="high"),
                    unavailable=_quality_missing("high")))
 register_mode(Mode("lossless+graphs", "fp.patch(model, cuda_graphs=True): lossless, replayed as CUDA graphs",
-                   _patched(cuda_graphs=True), exact=True))
+                   _patched(cuda_graphs=True), exact=True, graphs=True))
 register_mode(Mode("compile", "torch.compile of the unpatched transformer", _compiled(), compiled=True,
                    unavailable=_compile_missing))
 register_mode(Mode("lossless+compile", "fp.patch(model), then torch.compile", _compiled(_patched()), compiled=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from .levels.parts import PART_CATEGORIES
 from .levels.profile import CATEGORY_NAMES, IDLE_GAP_US
 from .runner import violations
 
@@ -78,6 +79,33 @@ def _sensors(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
                     body) + [""]
     if sensors.get("error"):
         lines += [f"The readings stopped early: {sensors['error']}.", ""]
+    return lines
+
+
+def _parts(parts: dict[str, Any] | None) -> list[str]:
+    """The parts level's table (`levels.parts`), with the modes it could not record."""
+    if not parts or not parts["ran"]:
+        return []
+    how = "each replayed as one CUDA graph" if parts["graphed"] else "replayed as plain calls (no GPU: wall clock)"
+    lines = [f"### The step by parts (one step's recorded ops, {how}; median of {parts['repeats']}, round-robin; "
+             "cost: whole minus the step without that part)", ""]
+    header = ["mode", "part", "ops (GEMM / GEMV / attention / fused / elementwise)", "ms", "vs eager step", "cost ms",
+              "SM MHz", "W"]
+    body = []
+    for r in parts["rows"]:
+        if not r["available"]:
+            body.append([r["mode"], r["part"], f"could not replay: {r['reason']}"] + [""] * (len(header) - 3))
+            continue
+        s = r.get("sensors") or {}
+        body.append([r["mode"], r["part"], " / ".join(str(r["ops"][c]) for c in PART_CATEGORIES), _fmt(r["ms"], ".2f"),
+                     _fmt(r["vs_eager_step"], ".3f"), _fmt(r["cost_ms"], ".2f"), _fmt(s.get("sm_mhz_median"), ".0f"),
+                     _fmt(s.get("power_w_mean"), ".0f")])
+    lines += _table(header, body) + [""]
+    host = {r["mode"]: r["host_ops_left_out"] for r in parts["rows"] if r["host_ops_left_out"]}
+    if host:
+        lines += ["Left out of the replay (host-side ops): " + ", ".join(f"{m} {n}" for m, n in host.items()) + ".", ""]
+    if parts["skipped"]:
+        lines += ["Not recorded: " + "; ".join(f"{m}: {why}" for m, why in parts["skipped"].items()) + ".", ""]
     return lines
 
 
@@ -158,6 +186,7 @@ def markdown(result: dict[str, Any]) -> str:
                                 [[f"`{t['name'][:90]}`", t["category"], str(t["count"]), f"{t['ms']:.2f}"]
                                  for t in p["top"]])
                 lines += ["", "</details>", ""]
+    lines += _parts(result.get("parts"))
     kern = result["kernels"]
     if kern["ran"]:
         lines += ["### Fused kernels against their eager chains (inputs rotated past the L2; 40 calls replayed as one "

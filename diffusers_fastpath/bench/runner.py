@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from .._logging import logger
 from .conditions import conditions
 from .levels.generation import generation_once, generation_row
 from .levels.kernels import run_kernels
+from .levels.parts import run_parts
 from .levels.profile import profile_step
 from .levels.step import step_once, step_row
 from .modes import MODES, Context, Mode, applied
@@ -23,7 +25,7 @@ from .subject import Subject, build_subject, generate
 from .timing import Clock, Samples, progress
 
 SCHEMA = 1
-LEVELS = ("step", "generation", "profile", "kernels")
+LEVELS = ("step", "generation", "profile", "parts", "kernels")
 
 
 def round_robin(modes: list[Mode], rounds: int, model: nn.Module, ctx: Context, body: Callable[[Mode, int], None],
@@ -181,11 +183,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              limits=sensors.limits if sensors is not None else None)
     runner = _Runner(args, subject, ctx, modes_info, sensors)
     runner.phase("build", t0)
-    do_step, do_prof = "step" in levels, "profile" in levels
+    do_step, do_prof, do_parts = "step" in levels, "profile" in levels, "parts" in levels
     do_gen = need_pipe and subject.no_generation is None
 
+    result["parts"] = dict(ran=False, reason="not requested", rows=[], skipped={})
     with torch.no_grad():
-        if do_step or do_gen or do_prof:
+        if do_step or do_gen or do_prof or do_parts:
             for _ in range(2):  # the process's first calls (allocator, cuBLAS handles, ...) count for no mode
                 runner.clock.time(subject.step)
             available = [MODES[name] for name, info in modes_info.items() if info["available"]]
@@ -196,6 +199,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in available:
                 if mode.compiled:
                     runner.compiled_mode(mode, do_step, do_gen, do_prof)
+            if do_parts:
+                t0 = time.perf_counter()
+                eager = runner.step.get("eager")
+                now = [MODES[name] for name, info in modes_info.items() if info["available"]]
+                result["parts"] = run_parts(now, subject, runner.clock, ctx, args.repeats,
+                                            statistics.median(eager.ms) if eager is not None else None)
+                runner.phase("parts", t0)
 
     result["step"] = dict(ran=do_step, reason=None if do_step else "not requested", repeats=args.repeats,
                           rows=runner.rows(runner.step, step_row) if do_step else [])
