@@ -100,6 +100,8 @@ def test_each_part_holds_what_its_name_says(tiny):
     ("aten.addmm.default", lambda: (torch.zeros(8), torch.zeros(4, 3), torch.zeros(3, 8)), "gemv"),
     ("aten.addmm.default", lambda: (torch.zeros(8), torch.zeros(17, 3), torch.zeros(3, 8)), "gemm"),
     ("aten.mm.default", lambda: (torch.zeros(16, 3), torch.zeros(3, 8)), "gemv"),
+    # the high tier's GEMM with its GELU epilogue is a GEMM
+    ("aten._addmm_activation.default", lambda: (torch.zeros(8), torch.zeros(64, 3), torch.zeros(3, 8)), "gemm"),
     ("aten.bmm.default", lambda: (torch.zeros(2, 32, 3), torch.zeros(2, 3, 8)), "gemm"),
     ("aten._scaled_dot_product_cudnn_attention.default", lambda: (), "attention"),
     ("aten._scaled_dot_product_flash_attention_for_cpu.default", lambda: (), "attention"),

@@ -36,7 +36,7 @@ from ..timing import Clock
 PART_CATEGORIES = ("gemm", "gemv", "attention", "fused", "elementwise")
 FLOOR = ("gemm", "gemv", "attention")
 GEMV_ROWS = 16  # a projection of at most this many rows reads its weight once: memory-bound (adaLN, embedders)
-_GEMM = re.compile(r"^aten\.(addmm|mm|bmm|baddbmm|addbmm)\.")
+_GEMM = re.compile(r"^aten\.(addmm|_addmm_activation|mm|bmm|baddbmm|addbmm)\.")
 _ATTENTION = re.compile(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention")
 _ALLOC = re.compile(r"^aten\.(empty|empty_like|empty_strided|new_empty|new_empty_strided)\.")
 _HOST = re.compile(r"^aten\.(_local_scalar_dense|item|equal|is_nonzero)\.")
@@ -48,7 +48,7 @@ def op_category(name: str, func: Any, args: tuple) -> str | None:
     if getattr(func, "is_view", False) or _ALLOC.match(name):
         return None
     if _GEMM.match(name):
-        mat = args[1] if name.startswith(("aten.addmm", "aten.baddbmm", "aten.addbmm")) else args[0]
+        mat = args[0] if name.startswith(("aten.mm", "aten.bmm")) else args[1]  # after the bias where there is one
         return "gemv" if isinstance(mat, torch.Tensor) and mat.dim() >= 2 and mat.shape[-2] <= GEMV_ROWS else "gemm"
     if _ATTENTION.search(name):
         return "attention"
