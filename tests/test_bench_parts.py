@@ -148,6 +148,27 @@ def test_parts_level_through_the_command(tmp_path, capsys):
     assert "### The step by parts" in capsys.readouterr().out
 
 
+def test_a_mode_that_cannot_be_recorded_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    """A failing recording costs that mode's rows only: the run goes on and says why."""
+    from diffusers_fastpath.bench.levels import parts
+
+    real = parts.parts_of_mode
+
+    def fails_for_lossless(mode, *args):
+        if mode.name == "lossless":
+            raise RuntimeError("cannot record this")
+        return real(mode, *args)
+
+    monkeypatch.setattr(parts, "parts_of_mode", fails_for_lossless)
+    path = tmp_path / "r.json"
+    assert bench.main([*TINY, "--repeats", "1", "--levels", "parts", "--modes", "eager,lossless", "--json",
+                       str(path)]) == 0
+    result = json.loads(path.read_text())["parts"]
+    assert result["skipped"] == {"lossless": "failed: RuntimeError: cannot record this"}
+    assert {r["mode"] for r in result["rows"]} == {"eager"}
+    assert result["eager_step_ms"] is None and all(r["vs_eager_step"] is None for r in result["rows"])
+
+
 @pytest.mark.gpu
 def test_parts_level_on_gpu(tmp_path):
     """FLUX.1-dev config at 256x256: every part captured as a CUDA graph; the patched step has this package's

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..._logging import logger
 from ..modes import Mode, applied
 from ..sensors import Readings
 from ..subject import Subject
@@ -187,7 +188,12 @@ def run_parts(modes: list[Mode], subject: Subject, clock: Clock, ctx: Any, repea
             rows += parts_of_mode(mode, subject, clock, ctx, repeats, eager_ms)
         except torch.OutOfMemoryError as exc:
             skipped[mode.name] = f"out of memory keeping one step's tensors for the replay: {exc}"[:300]
-            if clock.cuda:
-                torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - a mode this level cannot record must not cost the others
+            skipped[mode.name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        else:
+            continue
+        logger.warning(f"diffusers_fastpath.bench: parts of {mode.name}: {skipped[mode.name]}")
+        if clock.cuda:
+            torch.cuda.empty_cache()
     return dict(ran=True, reason=None, repeats=repeats, graphed=clock.cuda, eager_step_ms=eager_ms,
                 rows=rows, skipped=skipped)
