@@ -26,9 +26,11 @@ import statistics
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._logging import logger
+from ...graphs import CudaGraphs
 from ..modes import Mode, applied
 from ..sensors import Readings
 from ..subject import Subject
@@ -58,17 +60,6 @@ def op_category(name: str, func: Any, args: tuple) -> str | None:
     return "elementwise"
 
 
-def _tensors(x: Any):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
-
-
 class Recorder(TorchDispatchMode):
     """Every dispatcher op of the calls made inside it, with its arguments: ``ops`` is a list of
     ``(name, func, args, kwargs, category)``; ops that touch the host on a CUDA device are counted in ``host_ops``
@@ -84,7 +75,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         name = str(func)
         if self.device.type == "cuda" and (_HOST.match(name) or any(
-                t.device.type != "cuda" for t in _tensors((args, kwargs)))):
+                isinstance(t, torch.Tensor) and t.device.type != "cuda" for t in pytree.tree_leaves((args, kwargs)))):
             self.host_ops += 1
         else:
             self.ops.append((name, func, args, kwargs, op_category(name, func, args)))
@@ -108,15 +99,10 @@ def _replayer(ops: list) -> Callable[[], None]:
 
 
 def _graphed(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside capture (cuBLAS workspaces, lazily loaded kernels)
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """`fn` captured as one CUDA graph in a pool of its own, by the capture `cuda_graphs=True` uses (warm-up on the
+    capture stream; a failed capture leaves the device's generator usable)."""
+    cuda = CudaGraphs()
+    graph, _ = cuda.record(cuda.new_pool(device), fn)
     return graph.replay
 
 
