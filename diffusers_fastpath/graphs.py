@@ -32,10 +32,11 @@ How it works, per patched model (`GraphRunner`):
   skip: cache-dit 1.5.3 counts calls to pick its step and CFG branch, so the warm-up, the capture and the checking
   replay were three extra steps on Wan (other latents than cache-dit alone) and, on Qwen-Image (true CFG, two text
   lengths), made the next call read the other branch's cached residual (a size mismatch); on FLUX its own forward
-  replaced ours, so nothing was captured while `report` said "on". So while the model's ``forward`` is not this package's, every call that still reaches us runs the
-  class's forward once, eager, with the reason counted, and `report` says "paused" and by what (`GraphRunner.
-  replaced`); once the library puts our forward back (``disable_cache``), graphs resume. A forward that is already
-  replaced when `patch` runs keeps graphs off for that patch, with the reason (`install`).
+  replaced ours, so nothing was captured while `report` said "on". So while the model's ``forward`` is not this
+  package's, each call that still reaches us runs the class's forward once, eager, with the reason counted, and
+  `report` says "paused" and by what (`GraphRunner.replaced`); once the library puts our forward back
+  (``disable_cache``), graphs resume. A forward already replaced when `patch` runs keeps graphs off for that patch,
+  with the reason (`install`).
 - Before each replay a `ModelFingerprint` is re-checked: module classes, instance attributes, hooks, the
   identity of every parameter, buffer, submodule and attention processor, and each weight's data pointer. Any
   change (``.to()``, ``load_state_dict(assign=True)``, a LoRA layer injected, a hook or processor set) drops the

@@ -75,7 +75,8 @@ def pipeline_state(pipe):
         f = vars(m).get("forward")
         if f is None or (getattr(f, "__self__", None) is m and getattr(f, "__func__", None) is type(m).forward):
             return None
-        return type(f).__name__, getattr(f, "__qualname__", None), getattr(getattr(f, "__func__", None), "__qualname__", None)
+        function = getattr(f, "__func__", None)
+        return type(f).__name__, getattr(f, "__qualname__", None), getattr(function, "__qualname__", None)
 
     cls = type(pipe)
     modules = [(name, type(m), sorted(set(vars(m)) - {"forward"}), type(getattr(m, "processor", None)),
@@ -120,7 +121,8 @@ def check_every_order(pipe, family, first, undo, reference, patch):
             called_us = family != "flux"  # cache-dit's FLUX forward is its functor's: ours is never called
             assert sum(stats["eager"].values()) == (2 * STEPS if called_us else 0), stats  # CFG: two calls a step
         else:
-            assert stats["status"].startswith("off: model.forward is already replaced per instance, by cache_dit."), stats
+            assert stats["status"].startswith("off: model.forward is already replaced per instance, by "
+                                              "cache_dit."), stats
         assert "cuda graphs: " + stats["status"] in str(fp.report(pipe))
     if undo == "unpatch_first":
         fp.unpatch(pipe)

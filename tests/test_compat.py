@@ -634,8 +634,8 @@ def _dora_config(rank=4):
     from peft import LoraConfig
 
     # DoRA: the weight's norm is a learnt magnitude (lora_magnitude_vector), the LoRA product only its direction
-    return LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "proj_out"],
-                      init_lora_weights=False, use_dora=True)
+    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, use_dora=True,
+                      target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "proj_out"])
 
 
 @pytest.mark.parametrize("order", ["adapter_then_patch", "patch_then_adapter"])
@@ -710,7 +710,8 @@ def test_attn_processors_getter_and_setter_round_trip(family, emulated_kernels, 
 def _kv_pipeline(transformer, seed):
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline
 
-    vae = build_flux2_vae("flux2-tiny", torch.bfloat16, seed=seed + 1, latent_channels=transformer.config.in_channels // 4)
+    vae = build_flux2_vae("flux2-tiny", torch.bfloat16, seed=seed + 1,
+                          latent_channels=transformer.config.in_channels // 4)
     return Flux2KleinKVPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
                                 tokenizer=None, transformer=transformer, is_distilled=True)
 
@@ -733,7 +734,8 @@ def test_flux2_klein_kv_cache(order, emulated_kernels, unpatch_after):
         unpatch_after(pipe)
     image = PIL.Image.fromarray((np.random.RandomState(32).rand(64, 64, 3) * 255).astype("uint8"))
     calls = []
-    ref_pipe.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k.get("kv_cache_mode")), with_kwargs=True)
+    ref_pipe.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k.get("kv_cache_mode")),
+                                                   with_kwargs=True)
 
     def generate(p, **kwargs):
         p.set_progress_bar_config(disable=True)

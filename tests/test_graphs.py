@@ -429,7 +429,8 @@ def test_a_forward_replaced_after_patch_is_said_in_the_report(simulated):
     inputs = flux_transformer_inputs(model, seed=1)
     assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
     status = runner.stats()["status"]
-    assert status.startswith("paused: model.forward was replaced per instance after patch, by test_graphs.replaced_forward")
+    assert status.startswith("paused: model.forward was replaced per instance after patch, by "
+                             "test_graphs.replaced_forward")
     assert runner.captures == 0
 
 
