@@ -26,6 +26,17 @@ How it works, per patched model (`GraphRunner`):
   (`diffusers_fastpath.models._rope_cache.cached` computes fresh while a stream captures): the graph rebuilds
   cos/sin from the static position-id buffers on every replay (a handful of small kernels), so a replay can
   never use a table built from other ids.
+- The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
+  the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
+  ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
+  skip: cache-dit 1.5.3 counts calls to pick its step and CFG branch, so the warm-up, the capture and the checking
+  replay were three extra steps on Wan (other latents than cache-dit alone) and, on Qwen-Image (true CFG, two text
+  lengths), made the next call read the other branch's cached residual (a size mismatch); on FLUX its own forward
+  replaced ours, so nothing was captured while `report` said "on". So while the model's ``forward`` is not this
+  package's, each call that still reaches us runs the class's forward once, eager, with the reason counted, and
+  `report` says "paused" and by what (`GraphRunner.replaced`); once the library puts our forward back
+  (``disable_cache``), graphs resume. A forward already replaced when `patch` runs keeps graphs off for that patch,
+  with the reason (`install`).
 - Before each replay a `ModelFingerprint` is re-checked: module classes, instance attributes, hooks, the
   identity of every parameter, buffer, submodule and attention processor, and each weight's data pointer. Any
   change (``.to()``, ``load_state_dict(assign=True)``, a LoRA layer injected, a hook or processor set) drops the
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import operator
 import threading
@@ -62,6 +74,11 @@ REASON_TRAINING = "the model is in training mode"
 REASON_GLOBAL_HOOKS = "global module forward hooks are registered (a replay would skip them)"
 REASON_TOO_MANY = f"more than {MAX_SIGNATURES} input signatures"
 REASON_DISABLED = "CUDA graphs disabled for this model"
+# A forward replaced per instance by a library (see the module doc): after patch (graphs pause) or before (graphs off)
+REASON_REPLACED = ("model.forward was replaced per instance after patch, by {who}: recording would run it again and a "
+                   "replay would skip it")
+REASON_WRAPPED_BEFORE = ("model.forward is already replaced per instance, by {who}: recording would run it again and a "
+                         "replay would skip it")
 
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format)
 
@@ -221,6 +238,23 @@ def _is_bnb_int8_layer(module: nn.Module) -> bool:
     # fails under capture (bitsandbytes 0.50.2: "operation not permitted when stream is capturing")
     kind = type(module)
     return kind.__module__.split(".")[0] == "bitsandbytes" and kind.__name__ == "Linear8bitLt"
+
+
+def _callable_name(fn: Any) -> str:
+    """``module.qualname`` of what a library put in a model's ``forward`` (through ``functools.partial`` and bound
+    methods: accelerate's, diffusers' and cache-dit's wrappers are partials of a local function)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"
+
+
+def _is_class_forward(model: nn.Module, fn: Any) -> bool:
+    """Whether `fn` is the model's class forward bound to the model: what nn.Module calls anyway (cache-dit's
+    ``disable_cache`` leaves one in the instance dict)."""
+    return getattr(fn, "__self__", None) is model and getattr(fn, "__func__", None) is type(model).forward
 
 
 class ModelFingerprint:
@@ -397,6 +431,7 @@ class GraphRunner:
         self.invalidations = 0
         self.eager: Counter[str] = Counter()
         self.pool_bytes = 0
+        self.model_ref: Callable[[], nn.Module | None] | None = None  # set by the model's `GraphForward`
 
     # --- the per-call path -------------------------------------------------------------------------------------
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
@@ -421,9 +456,22 @@ class GraphRunner:
             return forward(*args, **kwargs)
         return self._capture(forward, sig, args, kwargs, tensors, host and host[1])
 
+    def replaced(self, model: nn.Module) -> str | None:
+        """Why the model's ``forward`` is no longer this runner's `GraphForward` (a library replaced or wrapped it
+        after `patch`; see the module doc), or None. One dict look-up per call."""
+        forward = model.__dict__.get("forward")
+        if isinstance(forward, GraphForward) and forward.runner is self:
+            return None
+        who = f"the class's {type(model).__name__}.forward" if forward is None else _callable_name(forward)
+        return REASON_REPLACED.format(who=who)
+
     def _check_model(self, model: nn.Module) -> None:
         if self.disabled is not None:
             raise Unsupported(REASON_DISABLED)
+        replaced = self.replaced(model)  # first: nothing below may run a forward through the replacement
+        if replaced is not None:
+            warn_once(f"diffusers_fastpath: CUDA graphs of {self.name} are paused: {replaced}")
+            raise Unsupported(replaced)
         if self.state.quality != "lossless":
             raise Unsupported(f"quality {self.state.quality!r}: CUDA graphs serve the lossless tier only")
         if torch.is_grad_enabled():
@@ -511,7 +559,7 @@ class GraphRunner:
         # static buffers, the pool and its stream belong to this process and this model's memory. The copy
         # captures its own graphs on demand (its first call per signature runs eager, as after an invalidation).
         state = dict(self.__dict__)
-        state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0)
+        state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0, model_ref=None)
         return state
 
     @property
@@ -520,7 +568,9 @@ class GraphRunner:
             return f"off: {self.off}"
         if self.disabled is not None:
             return f"disabled: {self.disabled}"
-        return "on"
+        model = self.model_ref() if self.model_ref is not None else None
+        replaced = self.replaced(model) if model is not None else None
+        return "on" if replaced is None else f"paused: {replaced}"
 
     def stats(self) -> dict[str, Any]:
         static = sum(t.numel() * t.element_size() for g in self.graphs.values() for t in g.inputs)
@@ -547,13 +597,16 @@ class GraphForward:
     A module-level class, not a closure, so that a patched model pickles and deep-copies: it holds the model by weak
     reference (no reference cycle through the model's ``__dict__``) and, when copied, is rebuilt around the copied
     runner and the copied model (`__reduce__`, `__deepcopy__`). It looks like the forward it replaces to
-    ``inspect.signature`` and to the hooks of accelerate and diffusers that wrap it (``functools.update_wrapper``).
+    ``inspect.signature`` and to the hooks of accelerate and diffusers that wrap it (``functools.update_wrapper``),
+    and binds like a bound method (`__get__`) for the libraries that save it and put it back.
     """
 
-    def __init__(self, runner: GraphRunner, model: nn.Module) -> None:
+    def __init__(self, runner: GraphRunner, model: nn.Module, rebind: bool = False) -> None:
         bound = type(model).forward.__get__(model)
         self.runner = runner
         self.model_ref = weakref.ref(model)
+        runner.model_ref = self.model_ref  # what `GraphRunner.status` checks the model's forward on
+        self.rebind = rebind  # the instance dict held the class's forward, bound, before us: `undo` puts it back
         self.__signature__ = inspect.signature(bound)  # what inspect.signature(model.forward) gave before
         self.__doc__ = bound.__doc__
         self.__name__ = self.__qualname__ = "forward"
@@ -561,34 +614,49 @@ class GraphForward:
     def __call__(self, *args, **kwargs):
         return self.runner(self.model_ref(), args, kwargs)
 
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        # A library that saved ``model.forward`` binds it again when it puts it back (cache-dit 1.5.3's
+        # ``disable_cache``: ``model.forward = saved.__get__(model)``), as a bound method binds to itself. So does
+        # this; after `unpatch` it stands for the class's forward, so it binds to that, and the model is left as
+        # the library alone would leave it.
+        model = self.model_ref()
+        if self.runner.off == "unpatched" and model is not None:
+            return type(model).forward.__get__(model)
+        return self
+
     def undo(self) -> None:
-        """Drop every graph and give the model its class's forward back (`unpatch`). An accelerate/diffusers hook
-        added since then wraps this forward and stays: it now passes straight through."""
+        """Drop every graph and give the model its forward back (`unpatch`). A library hook added since then wraps
+        this forward and stays: it now passes straight through."""
         self.runner.off = "unpatched"
         self.runner.close()
         model = self.model_ref()
         if model is not None and model.__dict__.get("forward") is self:
-            del model.__dict__["forward"]
+            if self.rebind:
+                model.__dict__["forward"] = type(model).forward.__get__(model)
+            else:
+                del model.__dict__["forward"]
 
     def __reduce__(self):
-        return (GraphForward, (self.runner, self.model_ref()))
+        return (GraphForward, (self.runner, self.model_ref(), self.rebind))
 
     def __deepcopy__(self, memo: dict) -> "GraphForward":
-        return GraphForward(copy.deepcopy(self.runner, memo), copy.deepcopy(self.model_ref(), memo))
+        return GraphForward(copy.deepcopy(self.runner, memo), copy.deepcopy(self.model_ref(), memo), self.rebind)
 
 
 def install(model: nn.Module, state, name: str, backend: CudaGraphs | None = None) -> GraphRunner:
     """Route `model`'s forward through a `GraphRunner`, reversibly (`state`'s undo log); on a machine without
-    CUDA, or where the forward is already wrapped per instance, only record why graphs are off. (``backend``
-    replaces `CudaGraphs`, for tests of the runner's logic without a GPU.)"""
+    CUDA, or where the forward is already replaced per instance (a library's wrapper: offloading, caching), only
+    record why graphs are off. (``backend`` replaces `CudaGraphs`, for tests of the runner's logic without a GPU.)"""
     runner = model.__dict__.get(GRAPHS_ATTR)
     if runner is not None:
         return runner
     off = None
+    prior = model.__dict__.get("forward")
+    rebind = prior is not None and _is_class_forward(model, prior)  # a leftover of the class's own: nothing wraps
     if backend is None and not torch.cuda.is_available():
         off = REASON_NO_CUDA
-    elif "forward" in model.__dict__:
-        off = "the model's forward is already wrapped per instance (an accelerate or diffusers hook: offloading, caching)"
+    elif prior is not None and not rebind:
+        off = REASON_WRAPPED_BEFORE.format(who=_callable_name(prior))
     runner = GraphRunner(name, state, off)
     if backend is not None:
         runner.backend = backend
@@ -604,7 +672,7 @@ def install(model: nn.Module, state, name: str, backend: CudaGraphs | None = Non
         warn_once(f"diffusers_fastpath: cuda_graphs=True has no effect on {name}: {runner.off}")
         return runner
     runner.names = tuple(signature.parameters)
-    forward = GraphForward(runner, model)
+    forward = GraphForward(runner, model, rebind)
     model.__dict__["forward"] = forward
     state.on_undo(forward.undo)
     logger.info(f"diffusers_fastpath: CUDA graphs on for {name} (captured per input signature on first use)")

@@ -22,6 +22,8 @@ from diffusers_fastpath.ops import OPS, _build
 from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV, REASON_NO_KERNELS
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,
+    build_flux2_transformer,
+    build_flux2_vae,
     build_flux_transformer,
     build_hunyuan_video15_transformer,
     build_lumina2_transformer,
@@ -29,10 +31,13 @@ from diffusers_fastpath.testing import (
     build_sd3_transformer,
     build_zimage_transformer,
     ernie_image_inputs,
+    flux2_prompt_embeddings,
     flux_transformer_inputs,
     hunyuan_video15_transformer_inputs,
     lumina2_transformer_inputs,
     prompt_embeddings,
+    qwenimage_pipeline,
+    qwenimage_prompt_embeddings,
     qwenimage_transformer_inputs,
     sd3_transformer_inputs,
     tiny_flux_pipeline,
@@ -610,3 +615,223 @@ def test_ip_adapter_processors_run_beside_the_patched_ones(unpatch_after):
     call = lambda m, t: out(m, inputs, joint_attention_kwargs={"ip_hidden_states": [t]})  # noqa: E731
     ref = call(ref_model, ip_tokens)
     assert torch.equal(call(model, ip_tokens), ref) and not torch.equal(ref, call(ref_model, other))
+
+
+# --- cells diffusers' own test suite exercises (issue 43's works-with list) ---------------------------------------
+# Each with the kernels emulated (`emulated_kernels`): the fused paths' wiring runs and is counted, not only their
+# CPU fallbacks; each ends with the patch undone and the model running diffusers' own code again.
+
+
+def _no_fastpath_left(model) -> bool:
+    """After `unpatch`: no module, processor or attribute of this package is left on the model."""
+    return not any(type(m).__module__.startswith("diffusers_fastpath")
+                   or type(getattr(m, "processor", None)).__module__.startswith("diffusers_fastpath")
+                   or any(k.startswith("_fastpath") for k in vars(m)) or "forward" in vars(m)
+                   for m in model.modules())
+
+
+def _dora_config(rank=4):
+    from peft import LoraConfig
+
+    # DoRA: the weight's norm is a learnt magnitude (lora_magnitude_vector), the LoRA product only its direction
+    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, use_dora=True,
+                      target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "proj_out"])
+
+
+@pytest.mark.parametrize("order", ["adapter_then_patch", "patch_then_adapter"])
+def test_dora_adapters(order, emulated_kernels, unpatch_after):
+    pytest.importorskip("peft")
+    ref_model, model, inputs = twins("flux", seed=29)
+    plain = out(ref_model, inputs)
+
+    def add(m):
+        torch.manual_seed(0)
+        m.add_adapter(_dora_config(), adapter_name="dora")
+
+    add(ref_model)
+    if order == "adapter_then_patch":
+        add(model)
+    fp.patch(model)
+    unpatch_after(model)
+    if order == "patch_then_adapter":
+        add(model)
+    ref = out(ref_model, inputs)
+    assert not torch.equal(ref, plain)  # the adapter changes the output
+    assert torch.equal(out(model, inputs), ref)
+    assert fp.report(model).fast > 0  # fused sites outside the adapted layers still ran
+    for m in (ref_model, model):
+        m.disable_adapters()
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    for m in (ref_model, model):
+        m.enable_adapters()
+        m.fuse_lora(lora_scale=0.5)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs))
+    fp.unpatch(model)
+    assert _no_fastpath_left(model) and torch.equal(out(model, inputs), out(ref_model, inputs))
+
+
+# the families whose model class has diffusers' AttentionMixin (``attn_processors``); ERNIE-Image's, Z-Image's and
+# Lumina2's have none
+ATTENTION_FAMILIES = ["flux", "qwenimage", "hunyuanvideo15", "sd3"]
+
+
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
+def test_attn_processors_getter_and_setter_round_trip(family, emulated_kernels, unpatch_after):
+    """diffusers' attention tests (``attn_processors``, ``set_attn_processor`` with a dict or one processor, the
+    count check, ``get_processor``/``set_processor``) on a patched model. None of the patched classes has
+    ``set_default_attn_processor`` (diffusers' own suite skips it for their dedicated processors); its equivalent is
+    setting every processor to the class diffusers gives it, which this does."""
+    ref_model, model, inputs = twins(family, seed=30)
+    ref = out(ref_model, inputs)
+    fp.patch(model)
+    unpatch_after(model)
+    patched = model.attn_processors
+    assert patched.keys() == ref_model.attn_processors.keys()
+    fused = {k for k, p in patched.items() if type(p).__module__.startswith("diffusers_fastpath")}
+    assert fused or family == "sd3"  # SD3's fusions are its blocks' and QK norms', its processors stay diffusers'
+    model.set_attn_processor(dict(patched))  # the getter's dict, set back (set_attn_processor pops from it)
+    assert model.attn_processors == patched and torch.equal(out(model, inputs), ref)
+    with pytest.raises(ValueError, match="does not match the number of attention layers"):
+        model.set_attn_processor(dict(list(patched.items())[1:]))
+    # diffusers' defaults: the processor classes the unpatched twin holds, fresh
+    defaults = {k: type(p)() for k, p in ref_model.attn_processors.items()}
+    model.set_attn_processor(dict(defaults))
+    assert all(type(model.attn_processors[k]) is type(p) for k, p in defaults.items())
+    assert torch.equal(out(model, inputs), ref)
+    for key, processor in patched.items():  # one by one, through set_processor/get_processor
+        attention = model.get_submodule(key.removesuffix(".processor"))
+        attention.set_processor(processor)
+        assert attention.get_processor() is processor
+    assert model.attn_processors == patched and torch.equal(out(model, inputs), ref)
+    fp.unpatch(model)
+    assert _no_fastpath_left(model) and torch.equal(out(model, inputs), ref)
+
+
+def _kv_pipeline(transformer, seed):
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline
+
+    vae = build_flux2_vae("flux2-tiny", torch.bfloat16, seed=seed + 1,
+                          latent_channels=transformer.config.in_channels // 4)
+    return Flux2KleinKVPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+                                tokenizer=None, transformer=transformer, is_distilled=True)
+
+
+@pytest.mark.parametrize("order", ["pipeline_then_patch", "patch_then_pipeline"])
+def test_flux2_klein_kv_cache(order, emulated_kernels, unpatch_after):
+    """``Flux2KleinKVPipeline``: its own attention processors (set when the pipeline is built), step 0 with the
+    reference image's tokens extracting their K/V into a ``Flux2KVCache``, later steps reading them from it."""
+    import numpy as np
+    import PIL.Image
+
+    ref_pipe = _kv_pipeline(build_flux2_transformer("flux2-klein-tiny", seed=31), 31)
+    transformer = build_flux2_transformer("flux2-klein-tiny", seed=31)
+    if order == "patch_then_pipeline":
+        fp.patch(transformer)
+        unpatch_after(transformer)
+    pipe = _kv_pipeline(transformer, 31)
+    if order == "pipeline_then_patch":
+        fp.patch(pipe)
+        unpatch_after(pipe)
+    image = PIL.Image.fromarray((np.random.RandomState(32).rand(64, 64, 3) * 255).astype("uint8"))
+    calls = []
+    ref_pipe.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(k.get("kv_cache_mode")),
+                                                   with_kwargs=True)
+
+    def generate(p, **kwargs):
+        p.set_progress_bar_config(disable=True)
+        emb = flux2_prompt_embeddings(p, seed=33)
+        emb.pop("guidance_scale")
+        return p(**emb, height=32, width=32, num_inference_steps=3, output_type="latent",
+                 generator=torch.Generator().manual_seed(34), **kwargs).images
+
+    ref = generate(ref_pipe, image=image)
+    assert calls == ["extract", "cached", "cached"]  # the cache is used
+    assert torch.equal(generate(pipe, image=image), ref)
+    assert fp.report(pipe.transformer).fast > 0
+    assert torch.equal(generate(pipe), generate(ref_pipe))  # no reference image: the plain forward
+    fp.unpatch(pipe.transformer)
+    assert _no_fastpath_left(pipe.transformer) and torch.equal(generate(pipe, image=image), ref)
+
+
+@pytest.mark.parametrize("low_cpu_mem_usage", [True, False], ids=["low_cpu_mem", "full_init"])
+def test_sharded_save_and_load_then_patch(tmp_path, low_cpu_mem_usage, emulated_kernels, unpatch_after):
+    """A tiny model saved in shards (``max_shard_size``), loaded with and without ``low_cpu_mem_usage`` (accelerate's
+    empty-weights init, then the shards assigned), patched: equal to the model it was saved from. A patched model
+    saves the same checkpoint (the patch adds no parameter or buffer)."""
+    source, twin, inputs = twins("flux", seed=35)
+    ref = out(source, inputs)
+    fp.patch(twin)
+    unpatch_after(twin)
+    for name, m in (("unpatched", source), ("patched", twin)):
+        m.save_pretrained(tmp_path / name, max_shard_size="20KB")
+    shards = sorted(p.name for p in (tmp_path / "unpatched").glob("*.safetensors"))
+    assert len(shards) > 2 and shards == sorted(p.name for p in (tmp_path / "patched").glob("*.safetensors"))
+    for name in ("unpatched", "patched"):
+        model = FluxTransformer2DModel.from_pretrained(tmp_path / name, low_cpu_mem_usage=low_cpu_mem_usage,
+                                                       torch_dtype=torch.bfloat16)
+        assert torch.equal(out(model, inputs), ref)
+        fp.patch(model)
+        unpatch_after(model)
+        assert torch.equal(out(model, inputs), ref) and fp.report(model).fast > 0
+        fp.unpatch(model)
+        assert _no_fastpath_left(model)
+
+
+def _generate_flux(pipe, **kwargs):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(**prompt_embeddings(pipe, seed=36), height=32, width=32, num_inference_steps=2, output_type="latent",
+                generator=torch.Generator().manual_seed(37), **kwargs).images
+
+
+def _generate_qwenimage(pipe, **kwargs):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(**qwenimage_prompt_embeddings(pipe, seed=36), height=32, width=32, num_inference_steps=2,
+                true_cfg_scale=2.0, output_type="latent", generator=torch.Generator().manual_seed(37), **kwargs).images
+
+
+PIPELINES = {  # a 2-step pipeline built offline: (build, generate)
+    "flux": (lambda seed: tiny_flux_pipeline(seed=seed), _generate_flux),
+    # true CFG with prompts of two lengths (their masks repeated per image)
+    "qwenimage": (lambda seed: qwenimage_pipeline(build_qwenimage_transformer(seed=seed, num_layers=1)),
+                  _generate_qwenimage),
+}
+
+
+@pytest.mark.parametrize("family", PIPELINES)
+def test_num_images_per_prompt(family, emulated_kernels, unpatch_after):
+    build, generate = PIPELINES[family]
+    ref_pipe, pipe = build(38), build(38)
+    fp.patch(pipe)
+    unpatch_after(pipe)
+    ref = generate(ref_pipe, num_images_per_prompt=2)
+    assert ref.shape[0] == 2 and not torch.equal(ref[0], ref[1])  # two images from one prompt, other noise
+    assert torch.equal(generate(pipe, num_images_per_prompt=2), ref)
+    assert fp.report(pipe).fast > 0
+    fp.unpatch(pipe)
+    assert _no_fastpath_left(pipe.transformer) and torch.equal(generate(pipe, num_images_per_prompt=2), ref)
+
+
+def test_callback_on_step_end_that_changes_the_latents(emulated_kernels, unpatch_after):
+    """A callback that reads and rewrites the latents after each step (as diffusers' pipeline tests do): every step's
+    latents, and the result, equal the unpatched pipeline's under the same callback."""
+    ref_pipe, pipe = tiny_flux_pipeline(seed=39), tiny_flux_pipeline(seed=39)
+    fp.patch(pipe)
+    unpatch_after(pipe)
+
+    def run(p):
+        seen = []
+
+        def callback(p_, step, timestep, kwargs):
+            seen.append((step, kwargs["latents"].clone(), kwargs["prompt_embeds"].clone()))
+            return {"latents": kwargs["latents"] * 0.9 + 0.01 * step}
+
+        result = _generate_flux(p, callback_on_step_end=callback,
+                                callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+        return seen, result
+
+    (ref_seen, ref), (seen, got) = run(ref_pipe), run(pipe)
+    assert [s[0] for s in ref_seen] == [0, 1] and not torch.equal(ref, _generate_flux(ref_pipe))  # it ran, and mattered
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(seen, ref_seen))
+    assert len(seen) == 2 and torch.equal(got, ref)
+    fp.unpatch(pipe)
+    assert _no_fastpath_left(pipe.transformer) and torch.equal(run(pipe)[1], ref)

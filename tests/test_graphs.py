@@ -332,3 +332,156 @@ def test_unpatch_restores_the_forward_and_drops_the_graphs(simulated):
     fp.unpatch(model)
     assert snapshot(model) == before
     assert not runner.graphs and runner.pool is None and runner.fingerprint is None and runner.status == "off: unpatched"
+
+
+# --- forwards replaced per instance by other libraries (issue 43, item 10) --------------------------------------
+
+
+class StepCounter(torch.nn.Module):
+    """A module whose output depends on how often it ran, like a cache's step counter: a forward run more often
+    than it is called (to warm up, record, check a replay) gives other numbers."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.steps = inner, 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.inner(x) * (1 + self.steps / 8)
+
+
+def wrap_like_a_cache(model):
+    """What cache-dit's ``enable_cache`` does to a transformer (1.5.3, ``CachedAdapter.mock_transformer``): keep the
+    forward it finds, put a partial of a local function in its place that swaps a stateful module in for the call
+    (``unittest.mock.patch.object``) and calls the kept forward."""
+    import functools
+    import unittest.mock
+
+    counter, kept = StepCounter(model.proj_out), model.forward
+
+    def cached_forward(self, *args, **kwargs):
+        with unittest.mock.patch.object(self, "proj_out", counter):
+            return kept(*args, **kwargs)
+
+    model.forward = functools.update_wrapper(functools.partial(cached_forward, model), cached_forward)
+    model._kept_forward = kept
+    return counter
+
+
+def unwrap_like_a_cache(model):
+    """cache-dit's ``disable_cache``: the kept forward is bound again and put back."""
+    model.forward = model._kept_forward.__get__(model)
+    del model._kept_forward
+
+
+def replaced_forward(self, *args, **kwargs):
+    """A library's own forward put on the instance (cache-dit's FLUX patch functor), which never calls ours."""
+    return type(self).forward(self, *args, **kwargs)
+
+
+def module_state(model):
+    """What a patch or a library leaves on a model, comparable between two models: per module its class, instance
+    attribute names but ``forward``, processor class, hook counts, and what its instance ``forward`` is: None where
+    nn.Module calls the class's forward (absent, or that forward bound to the module, which a library's undo leaves),
+    else its class and function."""
+    def forward_of(m):
+        f = vars(m).get("forward")
+        if f is None or (getattr(f, "__self__", None) is m and getattr(f, "__func__", None) is type(m).forward):
+            return None
+        return type(f).__name__, getattr(f, "__func__", None)
+    return [(name, type(m), sorted(set(vars(m)) - {"forward"}), type(getattr(m, "processor", None)),
+             len(m._forward_hooks), len(m._forward_pre_hooks), forward_of(m)) for name, m in model.named_modules()]
+
+
+def test_a_forward_wrapped_after_patch_runs_once_eager_and_graphs_say_they_pause(simulated, fastpath_log):
+    model, twin, runner = simulated()
+    steps_ref, steps = wrap_like_a_cache(twin), wrap_like_a_cache(model)
+    for seed in (1, 2, 3):
+        inputs = flux_transformer_inputs(model, seed=seed)
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert steps.steps == steps_ref.steps == 3  # no forward ran through the wrapper's state but the calls
+    assert runner.backend.recorded == 0 and runner.captures == 0
+    stats = runner.stats()
+    reason = graphs.REASON_REPLACED.format(who="test_graphs.wrap_like_a_cache.<locals>.cached_forward")
+    assert stats["status"] == f"paused: {reason}" and stats["eager"] == {reason: 3}
+    assert f"cuda graphs: paused: {reason}" in str(fp.report(model))
+    warnings = [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING"]
+    assert warnings == [f"diffusers_fastpath: CUDA graphs of transformer are paused: {reason}"]
+
+
+def test_graphs_resume_once_the_wrapper_puts_the_forward_back(simulated):
+    model, twin, runner = simulated()
+    wrap_like_a_cache(model)
+    inputs = flux_transformer_inputs(model, seed=1)
+    eager(model, inputs)
+    unwrap_like_a_cache(model)  # binds the kept forward again (a GraphForward binds to itself)
+    assert vars(model)["forward"] is runner.model_ref().__dict__["forward"] and runner.status == "on"
+    for seed in (1, 2):
+        inputs = flux_transformer_inputs(model, seed=seed)
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert runner.captures == 1 and runner.replays == 1
+
+
+def test_a_forward_replaced_after_patch_is_said_in_the_report(simulated):
+    """A library that puts its own forward on the instance never calls ours: `report` must not say "on"."""
+    model, twin, runner = simulated()
+    model.forward = replaced_forward.__get__(model)
+    inputs = flux_transformer_inputs(model, seed=1)
+    assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    status = runner.stats()["status"]
+    assert status.startswith("paused: model.forward was replaced per instance after patch, by "
+                             "test_graphs.replaced_forward")
+    assert runner.captures == 0
+
+
+def test_a_forward_replaced_before_patch_keeps_graphs_off_naming_it(unpatch_after):
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    twin = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    steps_ref, steps = wrap_like_a_cache(twin), wrap_like_a_cache(model)
+    fp.patch(model)
+    unpatch_after(model)
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", SimulatedGraphs())
+    assert runner.status == ("off: model.forward is already replaced per instance, by test_graphs.wrap_like_a_cache."
+                             "<locals>.cached_forward: recording would run it again and a replay would skip it")
+    for seed in (1, 2):
+        inputs = flux_transformer_inputs(model, seed=seed)
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert steps.steps == steps_ref.steps == 2 and runner.backend.recorded == 0
+
+
+@pytest.mark.parametrize("order", ["unpatch_then_unwrap", "unwrap_then_unpatch"])
+def test_patch_wrap_unwrap_unpatch_in_every_order_leaves_what_the_wrapper_alone_leaves(order):
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    alone = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    wrap_like_a_cache(alone)
+    unwrap_like_a_cache(alone)  # leaves the class's forward bound in the instance dict
+    fp.patch(model)
+    graphs.install(model, model.__dict__[STATE_ATTR], "transformer", SimulatedGraphs())
+    inputs = flux_transformer_inputs(model, seed=1)
+    eager(model, inputs)  # a capture, before the wrapper comes
+    wrap_like_a_cache(model)
+    eager(model, inputs)
+    for step in (order.split("_then_")):
+        fp.unpatch(model) if step == "unpatch" else unwrap_like_a_cache(model)
+    assert module_state(model) == module_state(alone)
+    assert torch.equal(eager(model, inputs).sample, eager(alone, inputs).sample)
+
+
+def test_graphs_over_the_class_forward_a_wrapper_left_bound_and_undo_puts_it_back():
+    """What ``disable_cache`` leaves (the class's own forward, bound, in the instance dict) wraps nothing: graphs go
+    on, and unpatch leaves the model as it found it."""
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    twin = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    wrap_like_a_cache(model)
+    unwrap_like_a_cache(model)
+    before, left = module_state(model), vars(model)["forward"]
+    assert left.__func__ is type(model).forward and left.__self__ is model
+    fp.patch(model)
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", SimulatedGraphs())
+    assert runner.status == "on"
+    for seed in (1, 2):
+        inputs = flux_transformer_inputs(model, seed=seed)
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert runner.replays == 1
+    fp.unpatch(model)
+    assert module_state(model) == before and vars(model)["forward"] == left  # the same function bound to the model

@@ -239,3 +239,27 @@ def test_unpatch_frees_the_graph_pool():
     gc.collect()
     torch.cuda.empty_cache()
     assert pool_segments(handle) == []
+
+
+def test_a_forward_wrapped_after_patch_pauses_real_graphs_and_they_resume(unpatch_after):
+    """A library's per-instance wrapper with per-call state (as cache-dit's; see test_graphs.wrap_like_a_cache): while
+    it is in place no capture runs through it (its state advances once per call, the outputs equal the unpatched
+    twin's under the same wrapper); once it puts the forward back (bound again), real graphs capture and replay."""
+    from test_graphs import unwrap_like_a_cache, wrap_like_a_cache
+
+    model = build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=19)
+    twin = build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=19)
+    cases = [flux_transformer_inputs(model, grid=(8, 8), txt_tokens=16, seed=s) for s in (1, 2, 3)]
+    fp.patch(model, cuda_graphs=True)
+    unpatch_after(model)
+    steps, steps_ref = wrap_like_a_cache(model), wrap_like_a_cache(twin)
+    for inputs in cases:
+        assert torch.equal(run(model, inputs), run(twin, inputs))
+    stats = graph_stats(model)
+    assert steps.steps == steps_ref.steps == 3 and stats["captures"] == 0 and stats["status"].startswith("paused: ")
+    unwrap_like_a_cache(model)
+    unwrap_like_a_cache(twin)
+    for inputs in cases:
+        assert torch.equal(run(model, inputs), run(twin, inputs))
+    stats = graph_stats(model)
+    assert stats["status"] == "on" and stats["captured"] == 1 and stats["replays"] == 2, stats
