@@ -324,11 +324,10 @@ def test_training_mode_with_lora_dropout_draws_random_numbers_in_eager_order(emu
 # --- cache-dit (issue 43, item 11) --------------------------------------------------------------------------------
 
 
-def test_cache_dit_skipping_blocks_leaves_no_hand_off_computed_for_nothing(emulated_kernels, unpatch_after):
-    """cache-dit (DBCache) drives FLUX's blocks from its own loop and skips the middle ones on cached steps: a
-    hand-off there would compute the skipped block's modulation and LayerNorm for nothing. With `patch` first, the
-    modulations computed are exactly cache-dit's own (counted in every adaLN linear), none is wasted, and the latents
-    are cache-dit alone's."""
+def _cache_dit_steps(device: str, **config):
+    """A tiny FLUX (3 dual + 3 single blocks) under cache-dit's DBCache (1 front block computed, the others cached
+    after one warm-up step), unpatched and patched first: ``(latents alone, latents patched, modulations computed
+    alone, modulations computed patched, the patched model)``, the modulations counted in every adaLN linear."""
     cache_dit = pytest.importorskip("cache_dit")
     calls = {"n": 0}
 
@@ -338,16 +337,17 @@ def test_cache_dit_skipping_blocks_leaves_no_hand_off_computed_for_nothing(emula
             return super().forward(x)
 
     def build():
-        model = build_flux_transformer("flux-tiny", torch.bfloat16, seed=90, num_layers=3, num_single_layers=3)
+        model = build_flux_transformer("flux-tiny", torch.bfloat16, device, seed=90, num_layers=3,
+                                       num_single_layers=3, **config)
         for module in model.modules():
             if type(module).__name__.startswith("AdaLayerNormZero"):
                 module.linear.__class__ = CountingLinear  # no hooks: the hand-off would call it early
         return model
 
-    def steps(model):
-        config = cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
-                                         max_warmup_steps=1, num_inference_steps=4)
-        cache_dit.enable_cache(model, cache_config=config)
+    def steps(model, inputs):
+        cache = cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0,
+                                        max_warmup_steps=1, num_inference_steps=4)
+        cache_dit.enable_cache(model, cache_config=cache)
         calls["n"] = 0
         try:
             return [run(model, inputs) for _ in range(4)], calls["n"]
@@ -355,17 +355,36 @@ def test_cache_dit_skipping_blocks_leaves_no_hand_off_computed_for_nothing(emula
             cache_dit.disable_cache(model)
 
     alone = build()
-    inputs = flux_transformer_inputs(alone, grid=(4, 6), txt_tokens=8, seed=91)
-    ref, ref_calls = steps(alone)
+    inputs = flux_transformer_inputs(alone, grid=(4, 6), txt_tokens=8, seed=91, device=device)
+    ref, ref_calls = steps(alone, inputs)
     model = build()
     fp.patch(model)
+    outs, patched_calls = steps(model, inputs)
+    return ref, outs, ref_calls, patched_calls, model
+
+
+def test_cache_dit_skipping_blocks_leaves_no_hand_off_computed_for_nothing(emulated_kernels, unpatch_after):
+    """cache-dit (DBCache) drives FLUX's blocks from its own loop and skips the middle ones on cached steps: a
+    hand-off there would compute the skipped block's modulation and LayerNorm for nothing. With `patch` first, the
+    modulations computed are exactly cache-dit's own (counted in every adaLN linear), none is wasted, and the latents
+    are cache-dit alone's."""
+    ref, outs, ref_calls, patched_calls, model = _cache_dit_steps("cpu")
     unpatch_after(model)
-    outs, patched_calls = steps(model)
     assert all(torch.equal(a, b) for a, b in zip(outs, ref))
     assert patched_calls == ref_calls
     reasons = [s.reasons for s in gated_sites(model).values()]
     assert not any(REASON_WASTED in r for r in reasons)
     assert any(REASON_DRIVER in r for r in reasons)
     # disable_cache leaves cache-dit's own copy of FLUX's forward on the instance: still no hand-off, still exact
-    assert "forward" in vars(model) and torch.equal(run(model, inputs), run(alone, inputs))
-    assert gated_sites(model)["transformer_blocks.1.norm1:gated"].fast == 0
+    assert "forward" in vars(model) and gated_sites(model)["transformer_blocks.1.norm1:gated"].fast == 0
+
+
+@pytest.mark.gpu
+def test_cache_dit_on_cuda_computes_no_hand_off_for_nothing(unpatch_after):
+    """The same with the CUDA kernels (head dim 128, the published rotary axes: every fused kernel takes it)."""
+    ref, outs, ref_calls, patched_calls, model = _cache_dit_steps(
+        "cuda", attention_head_dim=128, num_attention_heads=2, axes_dims_rope=[16, 56, 56])
+    unpatch_after(model)
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+    assert patched_calls == ref_calls
+    assert not any(REASON_WASTED in s.reasons for s in gated_sites(model).values())

@@ -191,3 +191,27 @@ def test_a_global_module_hook_that_writes_is_seen(case, emulated_kernels, unpatc
         assert torch.equal(run(model, inputs, torch.no_grad), ref)
     finally:
         handle.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["data", "inference"])
+@pytest.mark.parametrize("case", ["flux-image-stream", "flux-temb", "ernie-image-table"])
+def test_a_write_no_version_counter_sees_is_seen_with_the_cuda_kernels(case, how, unpatch_after):
+    """The same with the CUDA kernels (FLUX.1 at head dim 128 and the published rotary axes, which every fused
+    kernel takes), the fused hand-off and the kept cos/sin on the GPU."""
+    build, make_inputs, install = CASES[case]
+    extra = dict(attention_head_dim=128, num_attention_heads=2, axes_dims_rope=[16, 56, 56]) if "flux" in case else {}
+    model = build(dtype=torch.bfloat16, device="cuda", seed=41, **extra)
+    inputs = make_inputs(model, seed=42)
+    mode = WRITES[how][1]
+    plain = run(model, inputs, mode)
+    handle = install(model, how)
+    ref = run(model, inputs, mode)
+    assert not torch.equal(ref, plain)
+    fp.patch(model)
+    unpatch_after(model)
+    assert torch.equal(run(model, inputs, mode), ref)
+    handle.remove()
+    assert torch.equal(run(model, inputs, mode), plain)
+    if "flux" in case:  # without the hook the hand-offs run fused
+        assert any(s.op == "gated_layernorm_scale_shift" and s.fast for s in fp.report(model).sites)
