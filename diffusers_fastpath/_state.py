@@ -112,7 +112,10 @@ def _processor_registry():
 #
 # Records, replayed backwards by `PatchState.undo`:
 #   ("class", module, old_cls, new_cls)            module.__class__ = old_cls, if it is still new_cls
-#   ("attr", module, name[, old_value])            module.__dict__[name] put back (or removed, if it was absent)
+#   ("layer", module, name, token)                 the value set under `token` taken out of module.__dict__[name]'s
+#                                                  layers (below)
+#   ("attr", module, name[, old_value])            module.__dict__[name] put back (or removed, if it was absent): the
+#                                                  form before layers, still undone when a model pickled then loads
 #   ("processor", attn, old, new)                  attn.set_processor(old), if it is still new, with the backend
 #                                                  settings made on `new` since then carried over to `old`
 #   ("hook", handle)                               handle.remove() (a torch RemovableHandle)
@@ -130,6 +133,37 @@ def _undo_attr(module: nn.Module, name: str, *old: Any) -> None:
         module.__dict__[name] = old[0]
     else:
         module.__dict__.pop(name, None)
+
+
+# An attribute set by `PatchState.set_attr` keeps its layers on the module itself, in ``module.__dict__[LAYERS_ATTR]``:
+# ``{name: [original, [(token, value), ...]]}``, ``original`` ``(value,)`` or ``()`` where the name was absent, the
+# list oldest first. Two models that share modules (the same blocks in two transformers) each set attributes on them
+# over the other's: B's patch finds A's value there. Undoing a layer takes out just that layer; the attribute shows
+# the newest layer left, or the original once none is left, and the layers go with the last one. So any order of
+# unpatching leaves the module as it was; an undo log that put back "what was there" would put back A's value when
+# A was unpatched first. The layers live on the module, so `copy.deepcopy` and `pickle` carry them with it.
+LAYERS_ATTR = "_fastpath_layers"
+
+
+def _undo_layer(module: nn.Module, name: str, token: object) -> None:
+    layers = module.__dict__.get(LAYERS_ATTR) or {}
+    entry = layers.get(name)
+    stack = entry[1] if entry is not None else ()
+    index = next((i for i, (t, _) in enumerate(stack) if t is token), None)
+    if index is None:
+        return
+    del stack[index]
+    if index == len(stack):  # the newest layer: show the one below it (under a newer layer, the newer one stays)
+        if stack:
+            module.__dict__[name] = stack[-1][1]
+        elif entry[0]:
+            module.__dict__[name] = entry[0][0]
+        else:
+            module.__dict__.pop(name, None)
+    if not stack:
+        del layers[name]
+        if not layers:
+            del module.__dict__[LAYERS_ATTR]
 
 
 def carry_backend(source: Any, target: Any) -> None:
@@ -158,7 +192,7 @@ def _undo_call(fn: Callable[..., None], args: tuple) -> None:
     fn(*args)
 
 
-_UNDO = {"class": _undo_class, "attr": _undo_attr, "processor": _undo_processor, "hook": _undo_hook, "call": _undo_call}
+_UNDO = {"class": _undo_class, "layer": _undo_layer, "attr": _undo_attr, "processor": _undo_processor, "hook": _undo_hook, "call": _undo_call}
 
 
 class PatchState:
@@ -214,11 +248,18 @@ class PatchState:
         register_like(_block_registry(), old, cls)
 
     def set_attr(self, module: nn.Module, name: str, value: Any) -> None:
-        """Set ``module.__dict__[name]``; undo puts back what was there (or removes it)."""
-        had = name in module.__dict__
-        old = module.__dict__.get(name)
-        module.__dict__[name] = value
-        self.records.append(("attr", module, name, old) if had else ("attr", module, name))
+        """Set ``module.__dict__[name]`` as a new layer of it (see `LAYERS_ATTR`); undo takes out that layer, and
+        the module shows what was there before once every patch that set it is undone, in any order."""
+        attrs = module.__dict__
+        layers = attrs.get(LAYERS_ATTR)
+        if layers is None:
+            layers = attrs[LAYERS_ATTR] = {}
+        if name not in layers:
+            layers[name] = [(attrs[name],) if name in attrs else (), []]
+        token = object()  # pickles and deep-copies with the model, one object for the record and the layer
+        layers[name][1].append((token, value))
+        attrs[name] = value
+        self.records.append(("layer", module, name, token))
 
     def add_site(self, module: nn.Module, op: str, name: str | None = None) -> Site:
         """Attach a `Site` (the counters of one fusion site) to `module`: as ``_fastpath_site``, or, for a module

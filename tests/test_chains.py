@@ -459,7 +459,9 @@ def test_the_padded_pairwise_mask_is_built_once_per_table_with_the_same_bits():
     first = block(mask, other, 9, table)
     for g, r in zip(first, PaddedMaskBlock()(mask, other, 9, table)):
         assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
-    assert block(mask, other, 9, table)[0] is first[0]  # the next layer of the same forward reuses it
+    # outside a patched model's forward the table is never sealed (`_rope_cache`): built again (reused by the later
+    # layers of a forward: test_unversioned_writes.py, HunyuanVideo-1.5)
+    assert block(mask, other, 9, table)[0] is not first[0]
 
 
 class OuterMaskBlock(torch.nn.Module):
@@ -487,13 +489,14 @@ def test_the_outer_mask_is_kept_on_the_rotary_table_with_the_same_bits(dtype):
     gen = torch.Generator().manual_seed(6)
     mask, other = (torch.randint(0, 3, (2, 9), generator=gen).to(dtype) for _ in range(2))
     table = (torch.randn(9, 4, generator=gen), torch.randn(9, 4, generator=gen))
-    for rotary in (table, table, None):  # kept on the table the second time; without one, computed as written
+    for rotary in (table, table, None):  # the expression's bits, with a table or without one
         got, ref = sub()(mask, other, rotary), OuterMaskBlock()(mask, other, rotary)
         for g, r in zip(got, ref):
             assert torch.equal(g, r) and g.dtype == r.dtype and g.stride() == r.stride()
+    # called outside a patched model's forward, the table is never sealed (`_rope_cache`): nothing kept (the
+    # product kept for the later blocks of a forward: test_chroma.py)
     kept = sub()(mask, other, table)[0]
-    assert sub()(mask, other, table)[0] is kept  # the same tensor for the same mask, table and version
-    assert sub()(mask.clone(), other, table)[0] is not kept  # another mask object: its own product
+    assert sub()(mask, other, table)[0] is not kept
     mask[0, 0] = 1 - mask[0, 0] if dtype is torch.long else ~mask[0, 0]
     assert torch.equal(sub()(mask, other, table)[0], OuterMaskBlock()(mask, other, table)[0])  # written in place
 

@@ -111,6 +111,73 @@ def test_a_deepcopy_maps_every_record_of_the_undo_log_onto_the_copy(family):
     fp.unpatch(clone)
 
 
+# --- two models sharing modules (issue 43, item 12) -------------------------------------------------------------
+
+
+def _leftovers(*models):
+    """Attributes of this package and classes of this package still on the modules of `models`."""
+    found = set()
+    for model in models:
+        for name, m in model.named_modules():
+            found |= {(name, k) for k in vars(m) if k.startswith("_fastpath")}
+            if type(m).__module__.startswith("diffusers_fastpath"):
+                found.add((name, type(m).__name__))
+    return found
+
+
+@pytest.mark.parametrize("first_undone", ["A", "B"])
+@pytest.mark.parametrize("family_name", sorted(FAMILIES))
+def test_two_models_sharing_blocks_unpatch_in_any_order_and_leave_nothing(family_name, first_undone,
+                                                                         emulated_kernels):
+    """A and B share their blocks (B's patch finds A's attributes on them and sets its own over them): patch A,
+    patch B, then unpatch either first. Every model computes what it computes unpatched at every stage, and once
+    both are unpatched no attribute and no class of this package is left on any module."""
+    build, make_inputs = FAMILIES[family_name]
+    seed = fresh_seed()
+    a, b = build(dtype=torch.float32, seed=seed), build(dtype=torch.float32, seed=seed + 1)
+    for attr in ("transformer_blocks", "single_transformer_blocks", "layers"):
+        if hasattr(a, attr):
+            setattr(b, attr, getattr(a, attr))
+    inputs = make_inputs(a, seed=seed + 2)
+    refs = {"A": run(a, inputs), "B": run(b, inputs)}
+    assert not torch.equal(refs["A"], refs["B"])  # B has weights of its own outside the shared blocks
+    models = {"A": a, "B": b}
+
+    def exact():
+        return all(torch.equal(run(models[k], inputs), refs[k]) for k in models)
+
+    fp.patch(a)
+    fp.patch(b)
+    assert exact()
+    fp.unpatch(models[first_undone])
+    assert exact()
+    fp.unpatch(models["B" if first_undone == "A" else "A"])
+    assert exact()
+    assert _leftovers(a, b) == set()
+
+
+def test_an_attribute_set_by_two_patches_shows_the_newest_left_and_then_the_original():
+    """The layers of one attribute (`_state.LAYERS_ATTR`): undoing the older patch first keeps the newer value;
+    undoing the newer one then puts back the original, a value the module had before either patch."""
+    from diffusers_fastpath._state import LAYERS_ATTR, PatchState
+
+    module = torch.nn.Linear(2, 2)
+    module.__dict__["_fastpath_x"] = "original"
+    first, second = PatchState("lossless"), PatchState("lossless")
+    first.set_attr(module, "_fastpath_x", "first")
+    second.set_attr(module, "_fastpath_x", "second")
+    first.undo()
+    assert module._fastpath_x == "second"
+    second.undo()
+    assert module._fastpath_x == "original" and LAYERS_ATTR not in vars(module)
+    first.set_attr(module, "_fastpath_y", 1)
+    clone = copy.deepcopy((module, first))  # the layers and the record travel together
+    first.undo()
+    assert "_fastpath_y" not in vars(module) and clone[0]._fastpath_y == 1
+    clone[1].undo()
+    assert "_fastpath_y" not in vars(clone[0]) and LAYERS_ATTR not in vars(clone[0])
+
+
 # --- pickle / torch.save ----------------------------------------------------------------------------------------
 
 

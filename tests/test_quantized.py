@@ -17,6 +17,7 @@ import torch
 import diffusers_fastpath as fp
 from diffusers_fastpath import bench, graphs
 from diffusers_fastpath.bench import quant
+from diffusers_fastpath.models import _handoff
 from diffusers_fastpath._state import STATE_ATTR
 from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
 
@@ -89,13 +90,21 @@ def test_quantized_weights_are_the_random_weights_quantized(name, bf16_model, qu
     assert not torch.equal(ref, forward(base, inputs))  # the quantized GEMMs changed the numbers
 
 
-def _counted(rep, values: str | None = None) -> None:
+# What refuses hand-offs between blocks (`models._handoff`) besides the device: diffusers' layerwise casting hooks
+# the linears of the text FFN that runs between the image stream's hand-off and the next block; optimum-quanto's
+# linears, swapped in after patching, are in training mode.
+HAND_OFF_REFUSED = {"layerwise-fp8": _handoff.REASON_HOOKS, "quanto-int8": _handoff.REASON_TRAINING}
+
+
+def _counted(rep, values: str | None = None, hand_off: str | None = None) -> None:
     """Every site of the tiny FLUX is in the report and counted its calls; on CPU the fused ops fall back with
     reason "device cpu" (the token concatenation's view runs on any device). Quantized value projections get no joint
-    value site; where they were quantized after patching (`values`: the reason) the two sites fall back for it."""
+    value site; where they were quantized after patching (`values`: the reason) the two sites fall back for it.
+    `hand_off`: a reason some hand-offs are refused for besides the device."""
     assert len(rep.sites) == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 7 + (2 if values else 0), str(rep)  # 7: `_handoff`'s
     assert rep.fallback > 0 and all(s.fast + s.fallback > 0 for s in rep.sites), str(rep)
-    assert {r for s in rep.sites if s.op != "linear_cat" for r in s.reasons} == {"device cpu"}, str(rep)
+    assert {r for s in rep.sites if s.op != "linear_cat" for r in s.reasons} <= {"device cpu", hand_off}, str(rep)
+    assert {r for s in rep.sites if s.op != "linear_cat" for r in s.reasons} >= {"device cpu"}, str(rep)
     assert all(set(s.reasons) == {values} for s in rep.sites if s.op == "linear_cat"), str(rep)
 
 
@@ -105,7 +114,7 @@ def test_patch_after_quantizing_is_bit_identical(name, quantized):
     classes = [type(m) for m in model.modules()]
     fp.patch(model)
     assert torch.equal(forward(model, inputs), ref)
-    _counted(fp.report(model))
+    _counted(fp.report(model), hand_off=HAND_OFF_REFUSED.get(name))
     fp.unpatch(model)
     assert [type(m) for m in model.modules()] == classes and torch.equal(forward(model, inputs), ref)
 
@@ -127,7 +136,7 @@ def test_patch_before_quantizing_is_bit_identical(name, bf16_model, unpatch_afte
     values = fp.report(model).sites
     reason = next(iter(next(s for s in values if s.op == "linear_cat").reasons))
     assert "quantized" in reason or "hooks" in reason, reason  # layerwise casting: hooks on the projections
-    _counted(fp.report(model), reason)
+    _counted(fp.report(model), reason, HAND_OFF_REFUSED.get(name))
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
@@ -265,7 +274,9 @@ def test_quantized_flux_on_cuda_is_bit_identical_with_every_site_fast(name, unpa
     unpatch_after(model)
     assert torch.equal(forward(model, inputs), ref)
     rep = fp.report(model)
-    assert rep.fast > 0 and rep.fallback == 0, str(rep)  # every non-GEMM site on the fast path
+    refused = HAND_OFF_REFUSED.get(name)  # every non-GEMM site on the fast path, the hand-offs some refuse aside
+    assert rep.fast > 0 and all(set(s.reasons) <= {refused} for s in rep.sites), str(rep)
+    assert all(not s.reasons or s.op == _handoff.GATED_MODULATE for s in rep.sites), str(rep)
     with fp.quality(model, "high"):
         forward(model, inputs)
         rep = fp.report(model)

@@ -15,15 +15,28 @@ very stream and embedding, unchanged since (same objects, same version counters)
 residual added between the blocks, a hook's new tensors, a write in place) and the adaLN computes its LayerNorm as
 written (its modulation still reused when ``temb`` is the same, unchanged tensor).
 
-A hand-off is refused, and each block computes its own part as diffusers writes it, with the reason counted on the
-receiver's ``gated`` site, where skipping the receiver's forward would skip more than its computation (hooks on the
-receiving block, its adaLN or the adaLN's linear: accelerate's and diffusers' offloading move weights in them), where
-autograd records (the order in which gradients of ``temb`` accumulate), for inference tensors (no version counter to
-tell a write in place), for an adaLN with its own embedding, and for a float16 stream that diffusers clips between the
-blocks. ``torch.compile`` traces take the plain path uncounted (the compiler fuses as it sees fit).
+What runs between the sending block's update and the receiving adaLN (a write there that bumps no version counter,
+``.data`` or a NumPy view or in place on an inference tensor, would leave the handed-over values stale; `_driver`):
+the rest of the sending block's forward (this package's; for the dual block's image stream also its text stream's
+``norm2_context`` and ``ff_context`` and the text receiver's early modulation), the sending block's hooks, the
+transformer's loop between the two calls (diffusers' own: its ControlNet residual is added out of place), the
+receiving block's pre-hooks and its forward up to its adaLNs (this package's), and the adaLNs' hooks. So the sender
+hands off only where the blocks are called straight from the transformer's own diffusers forward, one after the
+other in its block list (not by a replaced forward, a wrapper, checkpointing or a cache library's loop: cache-dit's,
+which skips blocks, would leave hand-offs no block takes), and nothing there has hooks (`quality.hooked`: module
+hooks, global hooks, a replaced ``forward``). The receiving adaLN takes what it finds only in the same forward, for
+the same tensors at the same versions (the second line); a hand-off never taken is counted as wasted.
+
+A hand-off is also refused, and each block computes its own part as diffusers writes it, with the reason counted on
+the receiver's ``gated`` site, where autograd records (the order in which gradients of ``temb`` accumulate), where a
+module it runs early is in training mode (a LoRA layer's dropout would draw its random numbers in another order), for
+an adaLN with its own embedding, and for a float16 stream that diffusers clips between the blocks. ``torch.compile``
+traces take the plain path uncounted (the compiler fuses as it sees fit).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -33,13 +46,20 @@ from ..ops import gated_residual
 from ..ops.layernorm_scale_shift import GATED_LAYERNORM_SCALE_SHIFT
 from ..quality import hooked
 from ._chain_calls import norm_modulate
+from ._driver import frame_key, inside, model_forward, module_caller
 
 GATED_MODULATE = "gated_layernorm_scale_shift"  # the op of every hand-off site
 _SITE = site_attr("gated")  # a receiving norm's site for the fused update + LayerNorm-modulate (name "gated")
 _PENDING = "_fastpath_hand_off"  # on a receiving adaLN: what the previous block computed for it
-_SENDS = "_fastpath_hands_off_to"  # on a sending block: the receiving adaLNs of its streams (and their blocks)
+_SENDS = "_fastpath_hands_off_to"  # on a sending block: (receivers, its block list's attribute, its index there)
 REASON_CHANGED = "the stream changed after the hand-off (a ControlNet residual, a hook)"
 REASON_FP16 = "float16 stream (diffusers clips it between the blocks)"
+REASON_HOOKS = "hooks on the sending or receiving block, the adaLN or a module that runs between"
+REASON_DRIVER = ("the blocks are not called one after the other by diffusers' own forward (a replaced forward, a "
+                 "wrapper, checkpointing, a cache library)")
+REASON_TRAINING = "training mode (a module run early could draw random numbers, as dropout does)"
+REASON_WASTED = "handed off, never taken (the receiving block did not run next)"
+_OWN = __name__.rsplit(".", 1)[0] + "."  # this package's models: the receiving block's forward is one of them
 
 
 def add_receiver(state: PatchState, norm: nn.Module) -> None:
@@ -47,18 +67,20 @@ def add_receiver(state: PatchState, norm: nn.Module) -> None:
     state.add_site(norm, GATED_MODULATE, "gated")
 
 
-def link(state: PatchState, sender: nn.Module, receivers: tuple) -> None:
-    """Let `sender` hand off to `receivers`: ``(adaln, block)`` pairs, one per stream it closes (``None`` where that
-    stream has none), each adaLN given its ``gated`` site and an empty hand-off slot (removed on unpatch)."""
+def link(state: PatchState, sender: nn.Module, receivers: tuple, blocks: str, index: int) -> None:
+    """Let `sender`, ``model.<blocks>[index]``, hand off to `receivers`: ``(adaln, block)`` pairs, one per stream it
+    closes (``None`` where that stream has none), ``block`` the next of that list; each adaLN gets its ``gated``
+    site and an empty hand-off slot (removed on unpatch)."""
     for pair in receivers:
         if pair is not None:
             add_receiver(state, pair[0])
             state.set_attr(pair[0], _PENDING, None)
-    state.set_attr(sender, _SENDS, receivers)
+    state.set_attr(sender, _SENDS, (receivers, blocks, index))
 
 
 def receivers_of(sender: nn.Module) -> tuple:
-    return sender.__dict__.get(_SENDS) or ()
+    link_ = sender.__dict__.get(_SENDS)
+    return link_[0] if link_ else ()
 
 
 def _fused_update(norm: nn.LayerNorm, residual, gate, update, scale, shift, site, gate_site):
@@ -95,42 +117,66 @@ def _count_fast(site) -> None:
 class _Pending:
     """What a sending block computed for the next block's adaLN: its modulation ``emb`` (``linear(silu(temb))``) and,
     where the fused kernel ran, ``normed``, the LayerNorm-modulate of ``x``; each valid for those very tensors at these
-    versions."""
+    versions (``None`` for an inference tensor, which has no version counter), in the forward `driver` names."""
 
-    __slots__ = ("x", "x_version", "temb", "temb_version", "emb", "normed")
+    __slots__ = ("x", "x_version", "temb", "temb_version", "emb", "normed", "driver")
 
-    def __init__(self, x, temb, emb, normed) -> None:
-        self.x, self.x_version, self.temb, self.temb_version = x, x._version, temb, temb._version
-        self.emb, self.normed = emb, normed
+    def __init__(self, x, temb, emb, normed, driver) -> None:
+        self.x, self.x_version, self.temb, self.temb_version = x, _version(x), temb, _version(temb)
+        self.emb, self.normed, self.driver = emb, normed, driver
 
 
-def _refusal(adaln: nn.Module, block: nn.Module, tensors, clipped: bool) -> str | None:
-    """Why `adaln` (of `block`) cannot be handed its input and modulation (module doc), or ``None``."""
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def _hooked_tree(module: nn.Module) -> bool:
+    return any(hooked(m) for m in module.modules())
+
+
+def _refusal(sender: nn.Module, adaln: nn.Module, block: nn.Module, tensors, clipped: bool, between, frame):
+    """``(reason, None)``: why `adaln` (of `block`) cannot be handed its input and modulation by `sender`, whose
+    forward runs in `frame` and runs `between` after this hand-off (module doc); or ``(None, driver)``, the frame of
+    the transformer's forward that calls both blocks."""
     if getattr(adaln, "emb", None) is not None:
-        return "adaLN with its own embedding"
-    if hooked(block) or hooked(adaln) or hooked(adaln.linear) or hooked(adaln.norm):
-        return "the receiving block has hooks"
+        return "adaLN with its own embedding", None
     if clipped and tensors[0].dtype == torch.float16:
-        return REASON_FP16
-    if any(t.is_inference() for t in tensors):
-        return "inference tensors (no version counter)"
+        return REASON_FP16, None
     if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                     or any(p.requires_grad for p in adaln.linear.parameters())):
-        return "requires grad"
-    return None
+        return "requires grad", None
+    if any(m.training for m in adaln.modules()):
+        return REASON_TRAINING, None
+    if (hooked(sender) or hooked(block) or any(_hooked_tree(pair[0]) for pair in receivers_of(sender) if pair)
+            or any(_hooked_tree(m) for m in between)):
+        return REASON_HOOKS, None
+    driver = model_forward(module_caller(frame))
+    if driver is None or not type(block).forward.__module__.startswith(_OWN):  # the receiver's forward replaced
+        return REASON_DRIVER, None
+    _, attr, index = sender.__dict__[_SENDS]
+    blocks = getattr(driver.f_locals["self"], attr, None)
+    if not (isinstance(blocks, nn.ModuleList) and index + 1 < len(blocks) and blocks[index] is sender
+            and blocks[index + 1] is block):
+        return REASON_DRIVER, None
+    return None, driver
 
 
-def hand_off(receiver, residual, gate, update, temb, gate_site, clipped: bool = False, refused: str | None = None):
+def hand_off(sender, receiver, residual, gate, update, temb, gate_site, clipped: bool = False,
+             refused: str | None = None, between: tuple = ()):
     """``residual + gate * update``, a block's closing update of one stream, counted on `gate_site`; and, where
     `receiver` (the ``(adaln, block)`` that reads the new stream next, or ``None``) can take it, the adaLN's
     modulation and LayerNorm-modulate computed now, the latter fused with the update, and left for `take_hand_off`
-    (module doc). `clipped`: diffusers clips this stream in float16 before the next block reads it; `refused`: the
-    sender's own reason not to (its stream changes after the update)."""
+    (module doc). Called by `sender`'s forward itself. `clipped`: diffusers clips this stream in float16 before the
+    next block reads it; `refused`: the sender's own reason not to (its stream changes after the update);
+    `between`: the sender's modules that run after this update."""
     if receiver is None or torch.compiler.is_compiling():
         return gated_residual(residual, gate, update, gate_site)
     adaln, block = receiver
     site = adaln.__dict__[_SITE]  # `link` gave every receiver its site
-    reason = refused or _refusal(adaln, block, (residual, gate, update, temb), clipped)
+    if adaln.__dict__.get(_PENDING) is not None:  # an earlier hand-off nobody took
+        site.fallback[REASON_WASTED] += 1
+    reason, driver = (refused, None) if refused else _refusal(
+        sender, adaln, block, (residual, gate, update, temb), clipped, between, sys._getframe(1))
     if reason is not None:
         adaln.__dict__[_PENDING] = None
         site.fallback[reason] += 1
@@ -139,21 +185,24 @@ def hand_off(receiver, residual, gate, update, temb, gate_site, clipped: bool = 
     shift, scale = emb.chunk(adaln._fastpath_chunks, dim=1)[:2]
     # normed None: the adaLN computes its LayerNorm itself (its modulation is handed over all the same)
     x, normed = _fused_update(adaln.norm, residual, gate, update, scale, shift, site, gate_site)
-    adaln.__dict__[_PENDING] = _Pending(x, temb, emb, normed)
+    adaln.__dict__[_PENDING] = _Pending(x, temb, emb, normed, frame_key(driver))
     return x
 
 
-def take_hand_off(adaln: nn.Module, x, temb):
-    """What the previous block left for `adaln` called on ``x`` with ``temb``: ``(emb, normed)``, each ``None`` where
-    it must be computed as written (nothing left; ``temb`` not the one it was computed from; ``normed`` also where
-    ``x`` is not the stream it normalised). The slot is emptied either way."""
+def take_hand_off(adaln: nn.Module, x, temb, frame):
+    """What the previous block left for `adaln`, whose forward runs in `frame`, called on ``x`` with ``temb``:
+    ``(emb, normed)``, each ``None`` where it must be computed as written (nothing left; left in another forward or
+    for another ``temb``, or for one written since: counted as wasted; ``normed`` also where ``x`` is not the stream
+    it normalised, or was written since). The slot is emptied either way."""
     pending = adaln.__dict__.get(_PENDING)
     if pending is None:
         return None, None
     adaln.__dict__[_PENDING] = None
-    if pending.temb is not temb or temb._version != pending.temb_version:
+    if (not inside(frame, pending.driver) or pending.temb is not temb
+            or _version(temb) != pending.temb_version):
+        adaln.__dict__[_SITE].fallback[REASON_WASTED] += 1
         return None, None
-    if pending.normed is not None and (pending.x is not x or x._version != pending.x_version):
+    if pending.normed is not None and (pending.x is not x or _version(x) != pending.x_version):
         adaln.__dict__[_SITE].fallback[REASON_CHANGED] += 1
         return pending.emb, None
     return pending.emb, pending.normed

@@ -42,6 +42,7 @@ norm + rotary calls, 19 value-concatenation sites, 111 fused update + LayerNorm-
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -65,7 +66,6 @@ from ._chain_calls import gelu_cat_unfit, norm_modulate
 from ._handoff import add_receiver, gated_norm_modulate, hand_off, link, receivers_of, take_hand_off
 from ._mirror import mirrors
 from ._pos_embed import patch_pos_embed
-from ._shared_silu import share_silu
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 GATED_RESIDUAL = "gated_residual"
@@ -169,8 +169,9 @@ class FastpathGELU(GELU):
 
 def _adaln_norm(adaln, x, emb):
     """An adaLN's ``(modulation chunks, modulated norm of x)``: what the previous block handed it (`_handoff`), or
-    ``linear(silu(emb))`` and the fused `layernorm_scale_shift`, as written."""
-    handed, normed = take_hand_off(adaln, x, emb)
+    ``linear(silu(emb))`` and the fused `layernorm_scale_shift`, as written. Called by the adaLN's forward."""
+    # a torch.compile trace hands nothing off (`hand_off`), nor reads frames
+    handed, normed = (None, None) if torch.compiler.is_compiling() else take_hand_off(adaln, x, emb, sys._getframe(1))
     chunks = (adaln.linear(adaln.silu(emb)) if handed is None else handed).chunk(adaln._fastpath_chunks, dim=1)
     if normed is None:
         normed = norm_modulate(adaln.norm, x, chunks[1], chunks[0], adaln._fastpath_site)
@@ -245,8 +246,9 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
         image_next, text_next = receivers_of(self) or (None, None)
         ff_output = self.ff(norm_hidden_states)
         hidden_states = hand_off(
-            image_next, hidden_states, gate_mlp.unsqueeze(1), ff_output, temb, self._fastpath_site_gate_mlp,
+            self, image_next, hidden_states, gate_mlp.unsqueeze(1), ff_output, temb, self._fastpath_site_gate_mlp,
             refused=REASON_IP_ADAPTER if len(attention_outputs) == 3 else None,
+            between=(self.norm2_context, self.ff_context),
         )
         if len(attention_outputs) == 3:
             hidden_states = hidden_states + ip_attn_output
@@ -258,7 +260,7 @@ class FastpathFluxTransformerBlock(FluxTransformerBlock):
 
         context_ff_output = self.ff_context(norm_encoder_hidden_states)
         encoder_hidden_states = hand_off(
-            text_next, encoder_hidden_states, c_gate_mlp.unsqueeze(1), context_ff_output, temb,
+            self, text_next, encoder_hidden_states, c_gate_mlp.unsqueeze(1), context_ff_output, temb,
             self._fastpath_site_c_gate_mlp, clipped=True,
         )
         if encoder_hidden_states.dtype == torch.float16:
@@ -308,7 +310,7 @@ class FastpathFluxSingleTransformerBlock(FluxSingleTransformerBlock):
         gate = gate.unsqueeze(1)
         (next_norm,) = receivers_of(self) or (None,)
         hidden_states = hand_off(
-            next_norm, residual, gate, self.proj_out(hidden_states), temb, self._fastpath_site_gate, clipped=True
+            self, next_norm, residual, gate, self.proj_out(hidden_states), temb, self._fastpath_site_gate, clipped=True
         )
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
@@ -454,8 +456,7 @@ def _gelu_unfit(gelu: GELU) -> str | None:
 
 def patch_adaln(module: torch.nn.Module, state: PatchState) -> bool:
     """Swap `module` if it is one of diffusers' shared ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` (FLUX.1 and
-    every family built on them) for its fused subclass, with its site and its ``"high"`` tier site, and its SiLU for
-    `_shared_silu.FastpathSharedSiLU` (computed once per timestep embedding); True if it was."""
+    every family built on them) for its fused subclass, with its site and its ``"high"`` tier site; True if it was."""
     kind = type(module)
     if kind is AdaLayerNormZero and mirrors(AdaLayerNormZero.forward, _ADALN_ZERO_FORWARD):
         state.swap_class(module, FastpathAdaLayerNormZero)
@@ -464,7 +465,6 @@ def patch_adaln(module: torch.nn.Module, state: PatchState) -> bool:
     else:
         return False
     state.add_site(module, MODULATE)
-    share_silu(state, getattr(module, "silu", None))  # its SiLU of the timestep embedding: once per forward
     return True
 
 
@@ -513,14 +513,14 @@ def _link_blocks(model: FluxTransformer2DModel, state: PatchState) -> None:
         if type(block) is FastpathFluxTransformerBlock:
             add_receiver(state, block.norm2)
             add_receiver(state, block.norm2_context)
-    for block, nxt in zip(duals, duals[1:]):
+    for index, (block, nxt) in enumerate(zip(duals, duals[1:])):
         if (type(block) is FastpathFluxTransformerBlock and type(nxt) is FastpathFluxTransformerBlock
                 and type(nxt.norm1) is FastpathAdaLayerNormZero and type(nxt.norm1_context) is FastpathAdaLayerNormZero):
-            link(state, block, ((nxt.norm1, nxt), (nxt.norm1_context, nxt)))
-    for block, nxt in zip(singles, singles[1:]):
+            link(state, block, ((nxt.norm1, nxt), (nxt.norm1_context, nxt)), "transformer_blocks", index)
+    for index, (block, nxt) in enumerate(zip(singles, singles[1:])):
         if (type(block) is FastpathFluxSingleTransformerBlock and type(nxt) is FastpathFluxSingleTransformerBlock
                 and type(nxt.norm) is FastpathAdaLayerNormZeroSingle):
-            link(state, block, ((nxt.norm, nxt),))
+            link(state, block, ((nxt.norm, nxt),), "single_transformer_blocks", index)
 
 
 def patch_flux_attention(model: torch.nn.Module, state: PatchState) -> None:

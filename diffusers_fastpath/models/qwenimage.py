@@ -29,9 +29,8 @@ writes both streams into the joint tensor (`rmsnorm_rope_complex_cat`, the rewri
 each stream's part of it is contiguous; above, each stream runs fused on its own and the concatenation as written).
 
 Per Qwen-Image step (60 blocks): 240 LayerNorm + modulate sites, 240 gated residual sites, per attention one QK norm +
-rotary site and one joint site (q and k: two calls at batch 1). The modulations' SiLU of the one timestep embedding
-runs once per forward (`_shared_silu`). Not fused yet: the concatenation of v, the FFN GELUs, the output
-``AdaLayerNormContinuous``.
+rotary site and one joint site (q and k: two calls at batch 1). Not fused yet: the concatenation of v, the FFN
+GELUs, the output ``AdaLayerNormContinuous``.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ from .._state import PatchState, register_adapter, site_attr
 from ._chain_calls import norm_modulate, register_complex_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._mirror import mirrors, source_digest
-from ._shared_silu import share_silu
 
 # sha256[:16] of diffusers 0.42.1's QwenImageTransformerBlock._modulate, whose index-free path `_modulate_norm`
 # computes with the LayerNorm fused in.
@@ -119,8 +117,4 @@ def patch_qwenimage(model: QwenImageTransformer2DModel, state: PatchState) -> No
     if mirrors(apply_rotary_emb_qwen, _ROTARY):  # else the QK norms run as written, before diffusers' rotary
         register_complex_rotary(apply_rotary_emb_qwen)
     swap_rewritten(state, model, {QwenImageTransformerBlock: (FastpathQwenImageTransformerBlock, _BLOCK)})
-    for block in model.transformer_blocks:  # each modulation's SiLU of the one timestep embedding: once per forward
-        for mod in (getattr(block, "img_mod", None), getattr(block, "txt_mod", None)):
-            if isinstance(mod, nn.Sequential) and len(mod):
-                share_silu(state, mod[0])
     replace_processors(state, model, Attention, QwenDoubleStreamAttnProcessor2_0, FastpathQwenDoubleStreamAttnProcessor)

@@ -27,7 +27,6 @@ through the shared pieces.
   and the processor's ``transpose(1, 2).reshape(...)`` after it a view instead of a copy). Attention modules running
   another processor keep it.
 
-The adaLN modules' SiLU of the timestep embedding runs once per forward (`_shared_silu`, through `flux.patch_adaln`).
 Not fused yet: the last block's ``AdaLayerNormContinuous``, the FFN GELUs. SD3 has no rotary embedding.
 """
 

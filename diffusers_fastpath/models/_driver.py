@@ -1,0 +1,114 @@
+"""Who calls the blocks: the check behind every value this package computes in one block and uses in a later one.
+
+Two things are computed once and used later in the same forward: the hand-off of a stream's LayerNorm-modulate from
+one block to the next (`_handoff`) and the values derived from the forward's rotary table that every layer reads
+(`_rope_cache.derived`). Each is what eager computes at the later block only if the tensors it came from are
+unchanged by then. A write that bumps a version counter is seen there; many writes do not bump one: through ``.data``,
+through a tensor that shares the storage (``set_``, ``untyped_storage().copy_``, ``from_dlpack``, a NumPy view), in
+place on an inference tensor. So the version counters are the second line; the first is who could write at all.
+
+Code writes only a tensor it holds, and between two blocks of one forward the tensors the blocks hand each other are
+held by: the transformer's forward (the loop that calls the blocks), the blocks and the modules they pass them to,
+the hooks of all of those (module hooks, global hooks, a ``forward`` replaced on the instance: diffusers' and
+accelerate's hooks), and whatever drives the blocks instead of the transformer's loop (a replaced transformer forward,
+a cache library's loop, gradient checkpointing). A value is kept across blocks only where all of that is diffusers'
+own code or this package's: the blocks called straight from the transformer's forward as diffusers defines it
+(`model_forward`), and no hooks on what holds the tensors (each user checks what that is).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+from types import CodeType, FrameType
+
+import diffusers
+from torch import nn
+
+from .._state import STATE_ATTR
+
+_DIFFUSERS_DIR = os.path.dirname(os.path.abspath(diffusers.__file__)) + os.sep
+
+# torch's frames between a caller and the module's forward: ``Module.__call__`` (``_wrapped_call_impl``),
+# ``_call_impl``, and the ``inner`` that ``_call_impl`` runs forward in when there are hooks
+_MODULE_CALL = frozenset([nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
+                          *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType))])
+
+_OWN_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> (its forward, the code or None)
+
+
+def own_forward_code(cls: type) -> CodeType | None:
+    """The code of ``cls.forward`` (under decorators that keep ``__wrapped__``, as diffusers' ``apply_lora_scale``)
+    where it is defined in the diffusers package; ``None`` where it is anything else (a subclass's own forward, a
+    forward replaced on the class by another library)."""
+    fn = getattr(cls, "forward", None)
+    cached = _OWN_FORWARD.get(cls)
+    if cached is not None and cached[0] is fn:
+        return cached[1]
+    try:
+        code = inspect.unwrap(fn).__code__
+    except (AttributeError, ValueError):
+        code = None
+    if code is not None and not os.path.abspath(code.co_filename).startswith(_DIFFUSERS_DIR):
+        code = None
+    _OWN_FORWARD[cls] = (fn, code)
+    return code
+
+
+def is_module_call(frame: FrameType | None) -> bool:
+    """Whether `frame` is one of torch's frames of a module call (``Module.__call__`` and what it runs)."""
+    return frame is not None and frame.f_code in _MODULE_CALL
+
+
+def module_caller(frame: FrameType | None) -> FrameType | None:
+    """The frame that called, through ``Module.__call__``, the module whose ``forward`` runs in `frame`; ``None``
+    where that forward was called otherwise (a wrapper replacing ``forward`` on the instance, a direct
+    ``.forward(...)``, ``torch.utils.checkpoint``)."""
+    caller = frame.f_back if frame is not None else None
+    if not is_module_call(caller):
+        return None
+    while is_module_call(caller):
+        caller = caller.f_back
+    return caller
+
+
+def model_forward(frame: FrameType | None) -> FrameType | None:
+    """`frame` itself if it runs the forward of a patched model as diffusers defines it (`own_forward_code` of its
+    class), else ``None``."""
+    if frame is None:
+        return None
+    model = frame.f_locals.get("self")
+    if not isinstance(model, nn.Module) or STATE_ATTR not in vars(model):
+        return None
+    return frame if frame.f_code is own_forward_code(type(model)) else None
+
+
+def enclosing_model_forward(frame: FrameType | None, limit: int = 64) -> FrameType | None:
+    """The frame of the patched model's own forward (`model_forward`) that `frame` runs inside, through module calls
+    only at its end: the frame just below it must be a module call (a block called by the model's loop), else
+    ``None``. Looked for among the callers of the first `limit` frames."""
+    below = None
+    while frame is not None and limit > 0:
+        if below is not None and is_module_call(below) and not is_module_call(frame):
+            if model_forward(frame) is not None:
+                return frame
+        below, frame, limit = frame, frame.f_back, limit - 1
+    return None
+
+
+def inside(frame: FrameType | None, forward: tuple[int, CodeType], limit: int = 64) -> bool:
+    """Whether `frame` runs inside the frame `forward` names (``(id(frame), frame.f_code)``: held by id, so that
+    nothing here keeps a finished forward's locals alive; the id is that frame's while it runs), an ancestor within
+    `limit` frames, through a module call that forward made itself (the frame just below it is a module call)."""
+    below = None
+    while frame is not None and limit > 0:
+        if id(frame) == forward[0] and frame.f_code is forward[1]:
+            return below is not None and is_module_call(below)
+        below, frame, limit = frame, frame.f_back, limit - 1
+    return False
+
+
+def frame_key(frame: FrameType) -> tuple[int, CodeType]:
+    """What `inside` takes for `frame`."""
+    return id(frame), frame.f_code
