@@ -32,6 +32,7 @@ from torch import nn
 
 from ._logging import logger
 from .ops import Site
+from .ops._policy import hooked  # noqa: F401 - the one hook predicate (module, instance forward, global), kept here too
 from ._state import STATE_ATTR, PatchState, _check_quality, patched_models
 
 HIGH = "high"
@@ -77,13 +78,6 @@ def tier_sites(model: nn.Module) -> Iterator[tuple[str, nn.Module, TierSite]]:
 
 
 # --- whether a module can take a fusion (checked at each mount) ----------------------------------------------------
-
-
-def hooked(module: nn.Module) -> bool:
-    """Whether skipping `module`'s forward would skip more than its computation. A fused call reads the parameters
-    directly, bypassing the module's forward: hooks (accelerate's offloading, diffusers' layerwise casting, which
-    also replace ``forward`` on the instance) would not run."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
 def plain_linear_unfit(linear: nn.Module) -> str | None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusers_fastpath.ops import Site
+from diffusers_fastpath.ops import attention_seq_major as attention_module
 from diffusers_fastpath.ops.attention_seq_major import (ATTENTION_SEQ_MAJOR, attention_seq_major, cat_reason,
                                                         cat_seq_major, seq_major)
 
@@ -121,6 +122,7 @@ def _on_cpu(monkeypatch):
 @torch.no_grad()
 def test_a_layout_dependent_attention_disables_the_op_once_and_gets_eager_layout(monkeypatch, fresh_op, fastpath_log):
     _on_cpu(monkeypatch)
+    monkeypatch.setattr(attention_module, "_SDPA", _layout_dependent)  # taken as torch's attention
     pairs = operands((2, 3, 7, 5, 16), torch.bfloat16, "cpu", 2)
     cats = [cat_seq_major(a, b) for a, b in pairs]
     site = Site("attention_seq_major")
@@ -142,6 +144,7 @@ def test_a_verified_signature_runs_on_the_operands_as_they_are(monkeypatch, fres
         calls.append(q.is_contiguous())
         return F.scaled_dot_product_attention(q, k, v, **arguments)
 
+    monkeypatch.setattr(attention_module, "_SDPA", spy)  # taken as torch's attention
     for seed in range(3):
         pairs = operands((1, 3, 6, 4, 16), torch.float16, "cpu", seed)
         cats = [cat_seq_major(a, b) for a, b in pairs]
@@ -192,3 +195,23 @@ def test_sd3_processor_without_text_runs_the_attention_as_written(emulated_kerne
         assert torch.equal(attn(x), ref)
     site = attn._fastpath_site_attention_seq_major
     assert site.fast == 0 and not site.fallback
+
+
+@torch.no_grad()
+def test_an_attention_other_than_torchs_runs_once_in_eager_layout(monkeypatch, fresh_op):
+    """A library's replacement of ``F.scaled_dot_product_attention`` is user code: the op refuses it (its self-check
+    would call it twice on the first call), so it runs once, on eager's layout."""
+    _on_cpu(monkeypatch)
+    calls = []
+
+    def replacement(q, k, v, **arguments):
+        calls.append(q.is_contiguous())
+        return F.scaled_dot_product_attention(q, k, v, **arguments)
+
+    pairs = operands((1, 3, 6, 4, 16), torch.bfloat16, "cpu", 7)
+    cats = [cat_seq_major(a, b) for a, b in pairs]
+    site = Site("attention_seq_major")
+    out = attention_seq_major(replacement, *cats, site, dropout_p=0.0)
+    assert torch.equal(out, F.scaled_dot_product_attention(*(torch.cat(p, dim=2) for p in pairs), dropout_p=0.0))
+    assert calls == [True] and site.fallback == {"attention is not torch's scaled_dot_product_attention": 1}
+    assert not fresh_op.verified and fresh_op.disabled is None

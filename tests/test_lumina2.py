@@ -63,7 +63,7 @@ def test_every_site_on_the_fast_path_is_exact(batch, emulated_kernels):
 
 def test_a_hooked_or_replaced_norm_runs_as_written(emulated_kernels, unpatch_after):
     """The rewritten forwards take a norm only where it is diffusers' RMSNorm without hooks: a hook on one (a LoRA
-    or offloading wrapper's) makes that site run the expression as written, still exact."""
+    or offloading wrapper's) makes that site refuse, counted, and run the expression as written, still exact."""
     model = build_lumina2_transformer(seed=6)
     inputs = lumina2_transformer_inputs(model, seed=7)
     seen = []
@@ -76,7 +76,7 @@ def test_a_hooked_or_replaced_norm_runs_as_written(emulated_kernels, unpatch_aft
         got = model(**inputs).sample
     assert torch.equal(got, ref) and len(seen) == 2  # the hook ran in both forwards
     site = model.layers[0].ffn_norm2._fastpath_site_rmsnorm_gated_residual
-    assert site.fast == 0 and not site.fallback  # the site was not entered: the expression ran as written
+    assert site.fast == 0 and dict(site.fallback) == {"RMSNorm has hooks": 1}  # the expression ran as written
     assert model.layers[1].ffn_norm2._fastpath_site_rmsnorm_gated_residual.fast == 1
 
 

@@ -481,7 +481,7 @@ def test_rotary_guard_falls_back_with_reason(case, reason, monkeypatch):
         ("no_weight", "norm not a plain torch.nn.RMSNorm with weight"),
         ("diffusers_rmsnorm", "norm not a plain torch.nn.RMSNorm with weight"),
         ("eps_none", "norm not a plain torch.nn.RMSNorm with weight"),
-        ("hooked", "norm not a plain torch.nn.RMSNorm with weight"),
+        ("hooked", "RMSNorm has hooks"),  # the policy refuses a hooked module before the guard
         ("fp32_weight", "norm weight dtype differs"),
         ("strided_x", "x strided"),
         ("requires_grad", "requires grad"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers.models import embeddings
-from diffusers.models.activations import FP32SiLU
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
@@ -18,10 +17,11 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
+from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
 from ..quality import hooked
 from ._rope_cache import derived
 
-_SILUS = (nn.SiLU, FP32SiLU)  # the activations `silu_mul` stands for (its proof checks both on every value)
+_FLOAT_EXACT = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes whose ``.float()`` is exact
 SWIGLU_MODULES: dict[type, str] = {}  # SwiGLU module class -> the attribute holding its SiLU (`register_swiglu`)
 
 
@@ -54,6 +54,13 @@ def register_complex_rotary(fn, per_sample: bool = False) -> None:
     COMPLEX_ROTARIES[fn] = 3 if per_sample else 2
 
 
+def _float_is_exact(update: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether ``update.float() * gate`` is ``update * gate`` bit for bit: `update` of float16, bfloat16 or float32
+    (``.float()`` exact) and a dimensioned float32 `gate` (both products then float32 of the same operands). A
+    float64 update is rounded by ``.float()``; a half `gate` or a 0-dim one makes ``update * gate`` a half product."""
+    return update.dtype in _FLOAT_EXACT and gate.dtype is torch.float32 and gate.dim() > 0
+
+
 def _rms_qk_norm_unfit(norm: nn.Module) -> str | None:
     """Why a pending QK norm cannot run inside `rmsnorm_rope_complex` or `rmsnorm_rope_real`, or ``None``."""
     if type(norm) is not RMSNorm:
@@ -76,7 +83,7 @@ def swiglu_cat_unfit(act: nn.Module) -> str | None:
     gate = SWIGLU_MODULES.get(type(act))
     if gate is None:
         return f"{type(act).__name__} is not a SwiGLU this package knows"
-    if type(getattr(act, gate, None)) not in _SILUS:
+    if type(getattr(act, gate, None)) not in SILUS:
         return f"{type(act).__name__}.{gate} is not a SiLU"
     if hooked(act) or hooked(getattr(act, gate)):
         return f"{type(act).__name__} has hooks"
@@ -197,8 +204,17 @@ class _ChainsNamespace:
         return gated_residual(residual, gate, update, site)
 
     @staticmethod
-    def gated_residual_fp32(residual, gate, update, site):
+    def gated_residual_fp32(residual, gate, update, site, update_float=False):
+        # ``(residual.float() + update * gate).type_as(residual)``, or with `update_float` (the rewriter saw
+        # ``update.float() * gate``, Wan's FFN line) that form: the two are the same product only where
+        # ``update.float()`` changes neither the value nor the product's dtype (`_float_is_exact`); elsewhere (a
+        # float64 update, a half gate) the statement runs as written
         if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
+            return (residual.float() + (update.float() if update_float else update) * gate).type_as(residual)
+        if update_float and not _float_is_exact(update, gate):
+            if site is not None:
+                site.fallback[f"update.float() * gate is another product ({str(update.dtype).removeprefix('torch.')}"
+                              f" update, {str(gate.dtype).removeprefix('torch.')} gate)"] += 1
             return (residual.float() + update.float() * gate).type_as(residual)
         return gated_residual_fp32(residual, gate, update, site)
 
@@ -211,8 +227,9 @@ class _ChainsNamespace:
 
     @staticmethod
     def norm_affine_fp32(norm, x, site):
-        # norm: Wan's norm2, an FP32LayerNorm with weight and bias (or nn.Identity where the model has none)
-        if type(norm) is FP32LayerNorm and isinstance(x, torch.Tensor) and not hooked(norm):
+        # norm: Wan's norm2, an FP32LayerNorm with weight and bias (or nn.Identity where the model has none); the op
+        # refuses a hooked one (counted) and runs this very expression
+        if type(norm) is FP32LayerNorm and isinstance(x, torch.Tensor):
             return layernorm_affine_fp32(norm, x, site)
         return norm(x.float()).type_as(x)
 
@@ -234,7 +251,7 @@ class _ChainsNamespace:
         if (isinstance(norm, nn.LayerNorm) and tensors and scale.dim() == shift.dim() == 3
                 and scale.shape[1] == shift.shape[1] == 1):
             return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
-        if type(norm) is RMSNorm and not hooked(norm) and tensors:  # LTX-Video: per-token rows, all in x's dtype
+        if type(norm) is RMSNorm and tensors:  # LTX-Video: per-token rows, all in x's dtype (hooks: the op refuses)
             return rmsnorm_modulate(norm, x, scale, shift, site)
         return norm(x) * (1 + scale) + shift
 
@@ -252,9 +269,12 @@ class _ChainsNamespace:
 
     @staticmethod
     def swiglu_cat(act, attn, x, site):
-        if not (isinstance(attn, torch.Tensor) and isinstance(x, torch.Tensor)):
+        # act: a registered SwiGLU (`swiglu_in_cat` said so for this call): its gate module goes to the op, whose
+        # fallback calls it as the SwiGLU's forward does
+        gate = SWIGLU_MODULES.get(type(act))
+        if gate is None or not (isinstance(attn, torch.Tensor) and isinstance(x, torch.Tensor)):
             return torch.cat([attn, act(x)], dim=-1)
-        return swiglu_cat(attn, x, site)
+        return swiglu_cat(attn, x, site, getattr(act, gate))
 
     @staticmethod
     def rotary(x, freqs, site, qk_site=None, rms_site=None):
@@ -350,12 +370,11 @@ class _ChainsNamespace:
     @staticmethod
     def silu_mul(act, x, y, site):
         # act: the block's activation module (nn.SiLU, or diffusers' FP32SiLU: the op's proof covers both), or None for
-        # the functional F.silu (resolved at rewrite time)
-        if act is not None and (type(act) not in _SILUS or hooked(act)):
-            return act(x) * y
+        # the functional F.silu (resolved at rewrite time); the op refuses any other module, one in place or with
+        # hooks (counted), and its fallback is ``act(x) * y`` as written (FP32SiLU's float32 round trip included)
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-            return F.silu(x) * y
-        return silu_mul(x, y, site)
+            return (F.silu if act is None else act)(x) * y
+        return silu_mul(x, y, site, act)
 
     @staticmethod
     def cat_heads(a, b, site, token_major=False):
@@ -404,15 +423,14 @@ class _ChainsNamespace:
 
     @staticmethod
     def rms_scale(norm, x, scale, site):
-        if not (type(norm) is RMSNorm and not hooked(norm) and isinstance(x, torch.Tensor)
-                and isinstance(scale, torch.Tensor)):
+        # the op refuses a hooked norm (counted) and runs this very expression
+        if not (type(norm) is RMSNorm and isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor)):
             return norm(x) * scale
         return rmsnorm_scale(norm, x, scale, site)
 
     @staticmethod
     def rms_gated_residual(norm, residual, gate, x, site):
-        if not (type(norm) is RMSNorm and not hooked(norm)
-                and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
+        if not (type(norm) is RMSNorm and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
             return residual + gate * norm(x)
         return rmsnorm_gated_residual(norm, residual, gate, x, site)
 

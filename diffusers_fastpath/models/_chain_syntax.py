@@ -105,9 +105,9 @@ def _type_as_of(node: ast.expr) -> tuple[ast.expr, str] | None:
     return None
 
 
-def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
-    """``(R, E, G)`` if `node` is ``(R.float() + E * G).type_as(R)`` or ``(R.float() + E.float() * G).type_as(R)``
-    with ``R`` a name (Wan's gated residuals)."""
+def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr, bool] | None:
+    """``(R, E, G, cast)`` if `node` is ``(R.float() + E * G).type_as(R)`` or, `cast`, ``(R.float() + E.float() *
+    G).type_as(R)`` with ``R`` a name (Wan's gated residuals: the two differ for a float64 ``E``)."""
     cast = _type_as_of(node)
     if cast is None:
         return None
@@ -119,7 +119,8 @@ def _fp32_gated_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None
     if not (isinstance(residual, ast.Name) and residual.id == like):
         return None
     update = total.right.left
-    return residual, _float_of(update) or update, total.right.right
+    cast = _float_of(update)
+    return residual, cast or update, total.right.right, cast is not None
 
 
 def _fp32_modulate_of(node: ast.expr) -> tuple[str, ast.expr, ast.expr, ast.expr] | None:

@@ -308,18 +308,23 @@ class _Rewriter:
         self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
 
     def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt,
-               fp32: bool = False) -> ast.stmt | None:
+               fp32: bool = False, cast: bool = False) -> ast.stmt | None:
+        # cast: Wan's ``E.float() * G`` (the namespace computes that form where it differs from ``E * G``)
         if not _unsqueezed(gate) and _unsqueezed(update):  # ``R + E * g.unsqueeze(1)``: the product commutes exactly
             gate, update = update, gate
+            if cast:
+                return None  # the .float() would go with the gate: left as written
         elif (not _unsqueezed(gate) and isinstance(gate, ast.Name) and isinstance(update, ast.Name)
               and "gate" in update.id and "gate" not in gate.id):  # ``R + E * gate``, the gate unsqueezed before
             gate, update = update, gate
+            if cast:
+                return None
         name = _gate_name(gate)
         if name is None or name in self.found.gates or name in self.found.gates_fp32:
             return None
         (self.found.gates_fp32 if fp32 else self.found.gates).append(name)
         call = _call("gated_residual_fp32" if fp32 else "gated_residual",
-                     [residual, gate, update, _site_of(_self_attr(), name)])
+                     [residual, gate, update, _site_of(_self_attr(), name), *([ast.Constant(True)] if cast else [])])
         return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
 
     def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, rows: bool,
@@ -362,7 +367,7 @@ class _Rewriter:
         if (call := self._silu_mul(value)) is not None:
             return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (wan := _fp32_gated_of(value)) is not None:
-            return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True)
+            return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True, cast=wan[3])
         if (wan := _fp32_modulate_of(value)) is not None:
             attr, x, scale, shift = wan
             if attr not in self.found.norms_fp32:

@@ -129,16 +129,19 @@ def _joint_tokens(encoder_hidden_states: torch.Tensor, hidden_states: torch.Tens
     return torch.cat([encoder_hidden_states, hidden_states], dim=1)
 
 
-def _epilogue_mounted(tier, linear: torch.nn.Module) -> bool:
+def _epilogue_mounted(tier, linear: torch.nn.Module, act: torch.nn.Module | None = None) -> bool:
     """Whether an FFN up-projection's tanh-GELU runs as its GEMM's epilogue: the tier site is mounted
-    (quality="high") and `linear` is still a plain ``nn.Linear`` (a LoRA layer swapped in since mounting: lossless)."""
-    return tier.mounted and type(linear) is torch.nn.Linear
+    (quality="high"), `linear` is still a plain ``nn.Linear`` (a LoRA layer swapped in since mounting: lossless) and
+    neither it nor the activation `act` the GEMM stands for has hooks now (one registered since mounting, a global
+    one: they run on the two eager calls)."""
+    return (tier.mounted and type(linear) is torch.nn.Linear and not hooked(linear)
+            and (act is None or not hooked(act)))
 
 
 def _up_proj_gelu(linear: torch.nn.Linear, act: torch.nn.Module, x: torch.Tensor, tier) -> torch.Tensor:
     """``act(linear(x))``, a FLUX FFN up-projection and its tanh-GELU: one cuBLASLt call with the GELU epilogue
     where the tier site is mounted (quality="high"), else the two eager modules."""
-    if _epilogue_mounted(tier, linear):
+    if _epilogue_mounted(tier, linear, act):
         return linear_gelu(x, linear.weight, linear.bias, tier.counters)
     return act(linear(x))
 
@@ -148,7 +151,7 @@ def _gelu_in_cat(block: FluxSingleTransformerBlock) -> bool:
     plain tanh ``nn.GELU`` without hooks (checked per call: skipping it must skip nothing else), and the ``"high"``
     tier has not fused the GELU into the up-projection."""
     site = block._fastpath_site_gelu_cat
-    if site is None or _epilogue_mounted(block._fastpath_tier, block.proj_mlp):
+    if site is None or _epilogue_mounted(block._fastpath_tier, block.proj_mlp, block.act_mlp):
         return False
     reason = gelu_cat_unfit(block.act_mlp)
     if reason is not None:

@@ -2,7 +2,13 @@
 
 - A *guard* decides per call whether the fused kernel can take these inputs. When it cannot, the eager reference
   runs (or the op's exact *fallback*, e.g. eager for a self-verified part and a smaller fused op for the rest) and
-  the result is still exact; the reason is counted at the call site.
+  the result is still exact; the reason is counted at the call site. Before the op's own guard, the policy refuses
+  where the kernel would skip more than a computation: a module whose call the kernel stands for (a LayerNorm, an
+  RMSNorm, a SiLU) that has hooks (`hooked`: its own, a ``forward`` replaced on the instance, or the global ones of
+  ``register_module_forward_hook``), whose eager expression calls the module so that they run; and any
+  ``torch.func`` transform (``vmap``, ``grad``, ``jvp``: the kernels read raw pointers that a batched or
+  grad-tracking tensor does not have, and record no batching or autograd rule). A guard never raises: one that does
+  (a bug of this package) refuses the call, with one warning.
 - The first exception from a fused kernel (a failed build, a launch error) logs one warning and disables that op
   for the process; its calls run the eager reference from then on.
 - Inside a CUDA graph capture an error is raised too (the capture failed, not the kernel; see `graphs`).
@@ -29,9 +35,11 @@ from collections import Counter
 from typing import Callable, Hashable
 
 import torch
+from torch import nn
+from torch.nn.modules import module as _nn_module  # holds the global hook dicts (mutated in place, never rebound)
 from torch.utils import _pytree as pytree
 
-from .._logging import logger
+from .._logging import logger, warn_once
 from ._build import KernelsUnavailable
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
@@ -39,11 +47,30 @@ ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
 REASON_NO_KERNELS = "no CUDA kernels in this process"
+REASON_TRANSFORM = "inside a torch.func transform (vmap, grad, jvp)"
 
 
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph (False, at no cost, if CUDA is unused)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def global_module_hooks() -> bool:
+    """Whether forward hooks or pre-hooks registered for every module (``torch.nn.modules.module.
+    register_module_forward_hook`` / ``register_module_forward_pre_hook``) exist now: two dict lookups."""
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether skipping `module`'s forward would skip more than its computation: its forward hooks or pre-hooks, a
+    ``forward`` replaced on the instance (accelerate's offloading, diffusers' hooks: layerwise casting, group
+    offloading, caches), or global module forward hooks. A fused op that reads the module's parameters instead of
+    calling it refuses then, and the eager expression calls the module, so they run. (Backward hooks are not asked
+    about: every fused op refuses where autograd records, and a module's backward hooks act only then.) Attribute
+    and dict lookups only, asked per call: timed the same as the per-module check alone (about 1 us with the call's
+    own cost on a loaded CPU). Also `diffusers_fastpath.quality.hooked`: the one predicate every fused call asks."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or global_module_hooks())
 
 
 def _env_disabled() -> bool:
@@ -80,6 +107,11 @@ class FusedOp:
         custom_op: the registered ``torch.library`` op that ``torch.compile`` sees.
         verify_key: for ops that verify themselves, ``verify_key(*args)`` names the signature (whatever decides the
             platform kernel's order, e.g. dtype and row length) that one ``torch.equal`` check vouches for.
+        modules: the positions of the arguments that are modules whose call the kernel stands for (a norm the
+            kernel reads the weight and eps of instead of calling it): where one is `hooked`, the call refuses
+            before the guard (and before any self-check, so that a hook can never fail one) and the eager
+            expression, which calls the module, runs its hooks. Not a module (``None``, the custom ops' stand-in)
+            is skipped.
         fallback: what runs instead of the kernel (guard refused, op disabled, unverified under ``torch.compile``);
             defaults to ``ref``. An op that fuses an exact-by-construction op with a self-verified one falls back to
             eager for the verified part only and keeps the other fused; ``ref`` stays the pure eager expression
@@ -101,6 +133,7 @@ class FusedOp:
         verify_key: Callable[..., Hashable] | None = None,
         fallback: Callable[..., torch.Tensor] | None = None,
         prove: Callable[..., bool] | None = None,
+        modules: tuple[int, ...] = (),
     ) -> None:
         self.name = name
         self.ref = ref
@@ -110,6 +143,7 @@ class FusedOp:
         self.verify_key = verify_key
         self.fallback = fallback
         self.prove = prove
+        self.modules = modules
         self.verified: set = set()  # signatures whose first fast call matched eager bit for bit
         self.disabled: str | None = None  # why the op was disabled for this process, if it was
         self.disabled_reason = REASON_DISABLED  # what its call sites count while it is
@@ -126,6 +160,7 @@ class FusedOp:
             if (
                 self.disabled is None
                 and not self.env_disabled
+                and self._hooks_reason(args) is None
                 and self.guard(*args, check_pointers=False) is None
                 and (self.verify_key is None or self.verify_key(*args) in self.verified)
             ):
@@ -144,7 +179,7 @@ class FusedOp:
         elif self.disabled is not None:
             reason = self.disabled_reason
         else:
-            reason = self.guard(*args)
+            reason = self._refusal(args)
             if reason is None:
                 try:
                     out = self.kernel(*args)
@@ -163,6 +198,26 @@ class FusedOp:
         if site is not None:
             site.fallback[reason] += 1
         return None
+
+    def _hooks_reason(self, args) -> str | None:
+        for i in self.modules:
+            module = args[i] if i < len(args) else None
+            if isinstance(module, nn.Module) and hooked(module):
+                return f"{type(module).__name__} has hooks"
+        return None
+
+    def _refusal(self, args) -> str | None:
+        """Why the kernel may not run on `args` now, or ``None``; never raises. A functorch transform is refused
+        first (74 ns: the guards read ``data_ptr``, which a batched tensor does not have), then hooks on the
+        modules the kernel stands for, then the op's guard, whose exception (a bug here) is a refusal too."""
+        if torch._C._are_functorch_transforms_active():
+            return REASON_TRANSFORM
+        try:
+            return self._hooks_reason(args) or self.guard(*args)
+        except Exception as exc:  # noqa: BLE001 - a guard must never raise: the eager expression runs instead
+            warn_once(f"diffusers_fastpath: the guard of the fused op '{self.name}' raised {type(exc).__name__}: "
+                      f"{exc}; such calls run the eager PyTorch expression (same numbers, slower)")
+            return f"guard raised {type(exc).__name__}"
 
     def _fall_back(self, *args):
         return (self.fallback or self.ref)(*args)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ._policy import HALF_DTYPES, REASON_ENV, FusedOp, Site
+from ._policy import HALF_DTYPES, REASON_ENV, REASON_TRANSFORM, FusedOp, Site
 
 _SEQ_MAJOR = "_fastpath_seq_major"  # the mark a token-major concatenation's output carries to the attention
 _ARGUMENTS = frozenset({"dropout_p", "is_causal", "scale"})  # the keyword arguments the op passes on
@@ -62,6 +62,8 @@ def cat_reason(a, b) -> str | None:
     not (the op disabled or switched off, the operands' layout, ``torch.compile``)."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
+    if torch._C._are_functorch_transforms_active():
+        return REASON_TRANSFORM  # the attention refuses there too: eager's layout
     if ATTENTION_SEQ_MAJOR.env_disabled:
         return REASON_ENV
     if ATTENTION_SEQ_MAJOR.disabled is not None:
@@ -95,9 +97,14 @@ def _kernel(fn, q, k, v, arguments: tuple) -> torch.Tensor:
     return fn(q, k, v, **dict(arguments))
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention  # torch's own (what `fn` is unless a library replaced it)
+
+
 def _guard(fn, q, k, v, arguments: tuple, check_pointers: bool = True) -> str | None:
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
+    if fn is not _SDPA:  # a replacement is user code: its self-check would run it twice, and its layouts are its own
+        return "attention is not torch's scaled_dot_product_attention"
     names = {name for name, _ in arguments}
     if not names <= _ARGUMENTS or dict(arguments).get("dropout_p", 0.0) != 0.0:
         return "arguments"

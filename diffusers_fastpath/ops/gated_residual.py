@@ -186,10 +186,11 @@ def gated_residual(
 
 
 def gated_residual_fp32_ref(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """The eager expression of Wan's blocks: ``(residual.float() + update.float() * gate).type_as(residual)``, with
-    ``gate`` float32 (diffusers writes ``attn_output * gate_msa`` for the first, which promotes to the same fp32
-    product)."""
-    return (residual.float() + update.float() * gate).type_as(residual)
+    """The eager expression of Wan's blocks as diffusers writes the attention's: ``(residual.float() + update *
+    gate).type_as(residual)``, for every dtype (a float64 update times a float32 gate is a float64 product, added to
+    the float32 residual in float64). The FFN's ``update.float() * gate`` is the same product wherever the kernel
+    runs (a half update, a float32 gate); the rewritten forward computes that form itself where it is not."""
+    return (residual.float() + update * gate).type_as(residual)
 
 
 def _guard_fp32(residual, gate, update, check_pointers: bool = True) -> str | None:
@@ -222,9 +223,10 @@ GATED_RESIDUAL_FP32 = FusedOp(
 def gated_residual_fp32(
     residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, site: Site | None = None
 ) -> torch.Tensor:
-    """``(residual.float() + update.float() * gate).type_as(residual)`` (Wan's gated residuals: fp16/bf16 streams,
-    an fp32 gate), fused on CUDA and bit-identical to eager everywhere: the product and the sum are fp32 results
-    (``__fmul_rn``, ``__fadd_rn``), rounded to the residual's dtype once.
+    """``(residual.float() + update * gate).type_as(residual)`` (Wan's gated residuals: fp16/bf16 streams, an fp32
+    gate), fused on CUDA and bit-identical to eager everywhere: the product and the sum are fp32 results
+    (``__fmul_rn``, ``__fadd_rn``), rounded to the residual's dtype once. For such operands ``update.float() * gate``
+    (Wan's FFN line) is the same product.
 
     Args:
         residual: ``[B, L, D]`` residual stream (fp16 or bf16 for the kernel).

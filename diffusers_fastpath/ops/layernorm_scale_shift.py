@@ -209,6 +209,7 @@ LAYERNORM_SCALE_SHIFT = FusedOp(
         x, scale, shift, norm.eps
     ),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 
@@ -302,6 +303,7 @@ GATED_LAYERNORM_SCALE_SHIFT = FusedOp(
     ),
     verify_key=_signature,  # (dtype, D) of the residual, the row the statistics run over
     fallback=_gated_fallback,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 
@@ -379,6 +381,7 @@ LAYERNORM_SCALE_SHIFT_FP32 = FusedOp(
         x, scale, shift, norm.eps
     ),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 
@@ -462,6 +465,7 @@ LAYERNORM_AFFINE_FP32 = FusedOp(
         x, norm.weight, norm.bias, norm.eps
     ),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 

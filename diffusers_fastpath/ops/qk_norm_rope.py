@@ -80,8 +80,7 @@ def _plain_rms_norm(norm, dim: int) -> bool:
         and norm.weight is not None
         and norm.eps is not None
         and tuple(norm.normalized_shape) == (dim,)
-        and not (norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)
-    )
+    )  # hooks: the policy refuses a hooked norm before this guard (`FusedOp` ``modules``)
 
 
 def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_pointers: bool = True) -> str | None:
@@ -200,6 +199,7 @@ QK_NORM_ROPE = FusedOp(
     custom_op=_custom_op,
     verify_key=_signature,
     fallback=_fallback,
+    modules=(0, 2),  # the norms whose calls the kernel stands for: their hooks refuse the call
 )
 
 
@@ -383,6 +383,7 @@ QK_NORM_ROWS_ROPE = FusedOp(
     custom_op=_rows_custom_op,
     verify_key=_rows_signature,
     fallback=_rows_fallback,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 
@@ -511,6 +512,7 @@ QK_NORM_ROWS_ROPE_PAIR = FusedOp(
     custom_op=_pair_custom_op,
     verify_key=_pair_signature,
     fallback=_pair_fallback,
+    modules=(0, 2),  # the norms whose calls the kernel stands for: their hooks refuse the call
 )
 
 

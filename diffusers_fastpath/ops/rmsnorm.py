@@ -121,6 +121,8 @@ RMSNORM = FusedOp(
     kernel=_kernel,
     custom_op=lambda norm, x: torch.ops.diffusers_fastpath.rmsnorm.default(x, norm.weight, norm.eps),
     verify_key=lambda norm, x: (str(x.dtype).removeprefix("torch."), x.shape[-1]),
+    # no `modules`: this op is the norm's forward itself (`FastpathRMSNorm`), reached through the module's call, so
+    # its hooks have run; refusing for them would only cost the kernel
 )
 
 

@@ -25,7 +25,6 @@ multiple of 128 with 512 < D < 8192 (LTX-Video: 2048), at least 16 rows, fp16/bf
 from __future__ import annotations
 
 import torch
-from diffusers.models.normalization import RMSNorm
 
 from . import _nvrtc
 from ._build import launcher
@@ -35,10 +34,9 @@ from .rmsnorm_scale_shift import (MODULATE, _broadcast_rows, _guard_rows, _Norm,
 
 
 def rmsnorm_modulate_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """The eager chain: ``norm(x) * (1 + scale) + shift``, through diffusers' ``RMSNorm.forward`` (called as the
-    class's, so that a subclass whose forward runs this op falls back to diffusers' code)."""
-    y = RMSNorm.forward(norm, x) if isinstance(norm, RMSNorm) else _rms_norm(x, norm.weight, norm.eps)
-    return y * (1 + scale) + shift
+    """The eager chain as LTX-Video writes it: ``norm(x) * (1 + scale) + shift``, through the ``RMSNorm`` module's
+    call (so its hooks run where the kernel refused for them)."""
+    return norm(x) * (1 + scale) + shift
 
 
 def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
@@ -101,6 +99,7 @@ RMSNORM_MODULATE = FusedOp(
     custom_op=lambda norm, x, scale, shift: torch.ops.diffusers_fastpath.rmsnorm_modulate.default(
         x, norm.weight, scale, shift, norm.eps),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 

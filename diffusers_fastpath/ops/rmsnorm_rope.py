@@ -187,6 +187,7 @@ RMSNORM_ROPE_COMPLEX = FusedOp(
     kernel=_kernel,
     custom_op=_custom_op,
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 
@@ -292,6 +293,7 @@ RMSNORM_ROPE_COMPLEX_CAT = FusedOp(
     custom_op=_cat_custom_op,
     verify_key=_cat_signature,
     fallback=_cat_fallback,
+    modules=(0, 3),  # the norms whose calls the kernel stands for: their hooks refuse the call
 )
 
 
@@ -396,6 +398,7 @@ RMSNORM_ROPE_REAL = FusedOp(
         x, norm.weight, cos, sin, norm.eps),
     verify_key=lambda norm, x, cos, sin, rope_site=None: (str(x.dtype).removeprefix("torch."), x.shape[-1]),
     fallback=_real_fallback,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 

@@ -428,6 +428,7 @@ RMSNORM_SCALE_SHIFT = FusedOp(
         x, norm.weight, scale, shift, norm.eps
     ),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 GATED_RMSNORM_SCALE_SHIFT = FusedOp(
@@ -441,6 +442,7 @@ GATED_RMSNORM_SCALE_SHIFT = FusedOp(
         )
     ),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 
@@ -483,6 +485,7 @@ RMSNORM_SCALE = FusedOp(
     kernel=_scale_kernel,
     custom_op=lambda norm, x, scale: torch.ops.diffusers_fastpath.rmsnorm_scale.default(x, norm.weight, scale, norm.eps),
     verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 RMSNORM_GATED_RESIDUAL = FusedOp(
@@ -494,6 +497,7 @@ RMSNORM_GATED_RESIDUAL = FusedOp(
         residual, gate, x, norm.weight, norm.eps),
     verify_key=_gated_residual_signature,
     fallback=_rmsnorm_gated_residual_fallback,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
 )
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.activations import FP32SiLU
+from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
@@ -35,13 +37,34 @@ from .gelu_cat import every_value
 _VEC_BYTES = 16
 
 
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The eager expression: ``F.silu(gate) * up``."""
-    return F.silu(gate) * up
+SILUS = (nn.SiLU, FP32SiLU)  # the activation modules the kernel stands for (its proof checks both on every value)
 
 
-def _guard(gate: torch.Tensor, up: torch.Tensor, check_pointers: bool = True) -> str | None:
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+    """The eager expression: ``F.silu(gate) * up``, or ``act(gate) * up`` with the block's activation module `act`
+    (its call as written: diffusers' ``FP32SiLU`` rounds through float32, which differs from ``F.silu`` in
+    float64; an ``nn.SiLU(inplace=True)`` writes `gate`; hooks run)."""
+    return (F.silu(gate) if act is None else act(gate)) * up
+
+
+def act_reason(act: nn.Module | None) -> str | None:
+    """Why the kernel cannot stand for ``act(x)``, hooks aside (the policy asks those), or ``None`` (``None``:
+    ``F.silu`` itself)."""
+    if act is None:
+        return None
+    if type(act) not in SILUS:
+        return f"{type(act).__name__} is not nn.SiLU or FP32SiLU"
+    if getattr(act, "inplace", False):
+        return "SiLU in place"  # eager writes its input; the kernel does not
+    return None
+
+
+def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None,
+           check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    reason = act_reason(act)
+    if reason is not None:
+        return reason
     dtype = gate.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
@@ -120,7 +143,7 @@ def _kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None
     _cuda_out_op(out, gate, up)
 
 
-def _prove(gate: torch.Tensor, up: torch.Tensor) -> bool:
+def _prove(gate: torch.Tensor, up: torch.Tensor, act=None) -> bool:
     """The kernel's SiLU equals eager's, bit for bit, on every value of the dtype (times one: exact); and so does
     the SiLU of the upcast value rounded back (diffusers' ``FP32SiLU``, Lumina's feed-forward activation), so the
     kernel stands for either."""
@@ -146,29 +169,33 @@ def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate.new_empty(gate.shape)
 
 
-def _signature(gate: torch.Tensor, up: torch.Tensor):
-    return (str(gate.dtype).removeprefix("torch."),)
+def _signature(gate: torch.Tensor, up: torch.Tensor, act=None):
+    return (str(gate.dtype).removeprefix("torch."),)  # the proof covers both activations: one check per dtype
 
 
 SILU_MUL = FusedOp(
     "silu_mul",
     ref=silu_mul_ref,
     guard=_guard,
-    kernel=_kernel,
-    custom_op=torch.ops.diffusers_fastpath.silu_mul.default,
+    kernel=lambda gate, up, act=None: _kernel(gate, up),
+    custom_op=lambda gate, up, act=None: torch.ops.diffusers_fastpath.silu_mul.default(gate, up),
     verify_key=_signature,
     prove=_prove,
+    modules=(2,),  # the activation module whose call the kernel stands for: its hooks refuse the call
 )
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None) -> torch.Tensor:
-    """``F.silu(gate) * up``, fused on CUDA and bit-identical to eager everywhere (the SiLU proven on every value of
-    the dtype on first use).
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None,
+             act: nn.Module | None = None) -> torch.Tensor:
+    """``F.silu(gate) * up`` (or ``act(gate) * up``), fused on CUDA and bit-identical to eager everywhere (the SiLU
+    proven on every value of the dtype on first use).
 
     Args:
         gate: ``[B, L, D]`` input of the SiLU (e.g. the first ``chunk(2, dim=-1)`` half of the FFN's projection).
         up: ``[B, L, D]`` the other factor, of gate's dtype and shape.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
+        act: the activation module the expression calls (``nn.SiLU`` or diffusers' ``FP32SiLU``), or ``None`` for
+            ``F.silu``: wherever the kernel does not run, ``act(gate) * up`` runs as written (its hooks too).
 
     Example:
         >>> import torch
@@ -177,20 +204,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None) -> 
         >>> torch.equal(silu_mul(gate, up), silu_mul_ref(gate, up))
         True
     """
-    return SILU_MUL(site, gate, up)
+    return SILU_MUL(site, gate, up, act)
 
 
 # --- FLUX.2's parallel single blocks: the SwiGLU written into the concatenation after it ------------------------
 
 
-def swiglu_cat_ref(attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def swiglu_cat_ref(attn: torch.Tensor, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
     """The eager expression: ``torch.cat([attn, F.silu(x[..., :h]) * x[..., h:]], dim=-1)``, ``h = x.shape[-1] // 2``
-    (``Flux2SwiGLU`` on the MLP half of the fused projection, then the concatenation before ``to_out``)."""
+    (``Flux2SwiGLU`` on the MLP half of the fused projection, then the concatenation before ``to_out``), with the
+    SwiGLU's gate module `act` called as written where given (`silu_mul_ref`)."""
     half = x.shape[-1] // 2
-    return torch.cat([attn, F.silu(x[..., :half]) * x[..., half:]], dim=-1)
+    return torch.cat([attn, silu_mul_ref(x[..., :half], x[..., half:], act)], dim=-1)
 
 
-def _cat_guard(attn: torch.Tensor, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+def _cat_guard(attn: torch.Tensor, x: torch.Tensor, act: nn.Module | None = None,
+               check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs: `x`'s halves as `silu_mul` takes them, `attn` of their dtype,
     batch and length with whole 16-byte vectors per row (so the SwiGLU columns start aligned in every output row)."""
     if not isinstance(attn, torch.Tensor) or attn.dim() != 3 or x.dim() != 3 or attn.shape[:2] != x.shape[:2]:
@@ -202,7 +231,7 @@ def _cat_guard(attn: torch.Tensor, x: torch.Tensor, check_pointers: bool = True)
     if attn.dtype in HALF_DTYPES and attn.shape[2] % (_VEC_BYTES // attn.element_size()):
         return f"attention width not a multiple of {_VEC_BYTES // attn.element_size()}"
     half = x.shape[2] // 2
-    reason = _guard(x[..., :half], x[..., half:], check_pointers)
+    reason = _guard(x[..., :half], x[..., half:], act, check_pointers)
     if reason is not None:
         return reason
     if torch.is_grad_enabled() and attn.requires_grad:
@@ -234,11 +263,11 @@ def _swiglu_cat_fake(attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return attn.new_empty(attn.shape[0], attn.shape[1], attn.shape[2] + x.shape[2] // 2)
 
 
-def _cat_signature(attn: torch.Tensor, x: torch.Tensor):
+def _cat_signature(attn: torch.Tensor, x: torch.Tensor, act=None):
     return (str(x.dtype).removeprefix("torch."),)
 
 
-def _cat_prove(attn: torch.Tensor, x: torch.Tensor) -> bool:
+def _cat_prove(attn: torch.Tensor, x: torch.Tensor, act=None) -> bool:
     return _prove(x, x)  # the SiLU on every value of the dtype, as silu_mul proves it
 
 
@@ -246,14 +275,16 @@ SWIGLU_CAT = FusedOp(
     "swiglu_cat",
     ref=swiglu_cat_ref,
     guard=_cat_guard,
-    kernel=_cat_kernel,
-    custom_op=torch.ops.diffusers_fastpath.swiglu_cat.default,
+    kernel=lambda attn, x, act=None: _cat_kernel(attn, x),
+    custom_op=lambda attn, x, act=None: torch.ops.diffusers_fastpath.swiglu_cat.default(attn, x),
     verify_key=_cat_signature,
     prove=_cat_prove,
+    modules=(2,),  # the gate's SiLU module, whose call the kernel stands for: its hooks refuse the call
 )
 
 
-def swiglu_cat(attn: torch.Tensor, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+def swiglu_cat(attn: torch.Tensor, x: torch.Tensor, site: Site | None = None,
+               act: nn.Module | None = None) -> torch.Tensor:
     """``torch.cat([attn, F.silu(x[..., :h]) * x[..., h:]], dim=-1)`` with ``h = x.shape[-1] // 2``, fused on CUDA
     (the SwiGLU written into its columns of the result) and bit-identical to eager everywhere.
 
@@ -262,6 +293,8 @@ def swiglu_cat(attn: torch.Tensor, x: torch.Tensor, site: Site | None = None) ->
         x: ``[B, L, 2H]`` the MLP half of the projection (e.g. the second ``torch.split`` part of FLUX.2's
             ``to_qkv_mlp_proj`` output: a strided view, taken without a copy).
         site: the call site's counters, shown by `diffusers_fastpath.report`.
+        act: the SwiGLU's gate module (``nn.SiLU`` or ``FP32SiLU``) the expression calls, or ``None`` for
+            ``F.silu``: wherever the kernel does not run, it runs as written.
 
     Example:
         >>> import torch
@@ -270,4 +303,4 @@ def swiglu_cat(attn: torch.Tensor, x: torch.Tensor, site: Site | None = None) ->
         >>> torch.equal(swiglu_cat(attn, x), swiglu_cat_ref(attn, x))
         True
     """
-    return SWIGLU_CAT(site, attn, x)
+    return SWIGLU_CAT(site, attn, x, act)
