@@ -1,0 +1,287 @@
+// torch.nn.GroupNorm with weight and bias over a contiguous [N, C, *] tensor, optionally followed by SiLU (the VAE's
+// `norm1 -> nonlinearity` pairs), bit-identical to eager F.group_norm (then F.silu), with the statistics spread over
+// the whole GPU instead of one block per (batch, group) row.
+//
+// What eager runs on CUDA (aten/src/ATen/native/cuda/group_norm_kernel.cu, torch 2.11; T = bf16 or fp16, every
+// operation in fp32; a row is one (n, g): the D * HxW = (C / G) * HxW contiguous elements of group g of sample n):
+//  1. RowwiseMomentsCUDAKernel<<<N * G, threads>>>, threads = 32 if the row is shorter than 512
+//     (cuda_utils::kCUDABlockReduceNumThreads) else 512. Thread t folds x[t], x[t + threads], x[t + 2 threads], ...
+//     in that order into its WelfordData with WelfordOps::reduce (SharedReduceOps.h):
+//       n = n + 1; nf = float(n); delta = x - mean; mean = mean + delta / nf; m2 = m2 + delta * (x - mean)
+//     then cuda_utils::WarpReduce (a shuffle-down tree over offsets 16, 8, 4, 2, 1, each step
+//     `val = combine(val, shfl_down(val))`), and with 512 threads cuda_utils::BlockReduce: lane 0 of each warp writes
+//     its state to shared memory, warp 0 reloads them (lane l < 16 warp l's, the other lanes the identity (0, 0, 0,
+//     0)) and runs the same warp tree. WelfordOps::combine(a, b):
+//       a.nf == 0: b; b.nf == 0: a; else delta = b.mean - a.mean; nf = a.nf + b.nf; nb = b.nf / nf;
+//       mean = a.mean + delta * nb; m2 = a.m2 + b.m2 + delta * delta * a.nf * nb
+//     project: var = m2 / nf; rstd = rsqrtf(var + float(T(eps))) (the kernel's `T eps`: eps rounded to T first).
+//     torch 2.11 stores mean and rstd as T (the kernel's `T* mean, T* rstd`); newer torch keeps them in fp32
+//     (pytorch#183946): variant bit kStatsInFloat.
+//  2. ComputeFusedParamsCUDAKernel: per (n, c): a = rstd * gamma[c]; b = -a * mean + beta[c].
+//  3. The elementwise kernel: y = round_T(a * x + b).
+//  4. (the module after it, SiLU) aten's silu_kernel: out = round_T(y / (1 + expf(-y))), as csrc/silu_mul.cu.
+// aten is built with nvcc's default --fmad=true, which contracts `u + v * w` into an FMA; as for the LayerNorm (see
+// layernorm_scale_shift.cu, whose Welford expressions were read off the SASS of torch 2.11's build) the expressions
+// above contract to:
+//   m2 = fma(delta, x - mean, m2)                          (online update; the mean's division is div.rn)
+//   mean = fma(delta, nb, a.mean)   m2 = fma(delta * delta * a.nf, nb, a.m2 + b.m2)      (combine)
+//   b = fma(-a, mean, beta)         y = fma(a, x, b)                                    (params, output)
+// This file is built with --fmad=false and spells each of those out with __fmaf_rn / __fmul_rn / __fadd_rn /
+// __fdiv_rn. Each choice is a bit of `variant` (below) that examples-style probes flip to ask the GPU which aten build
+// it runs against; the Python op (ops/group_norm_silu.py) also verifies itself against eager per signature, since all
+// of this is a property of the aten build.
+//
+// How the work is spread: each aten thread's chain stays serial and unchanged (one chain per thread here too), but
+// the chains of a row run in 16 blocks of one warp each (group_norm_stats_kernel: one aten warp per block, its shuffle
+// tree unchanged) instead of one block of 512: a FLUX.1 decode at 1024x1024 has 32 rows per GroupNorm, so eager keeps
+// 32 of the H200's 132 multiprocessors busy with one block each, here 512 blocks spread over all of them, each
+// keeping 64 loads in flight per thread (two batches of kBatch, the next one loaded while the current one folds in).
+// Each warp writes its combined state (mean, m2, nf); the apply kernel's first warp, per block, runs BlockReduce's
+// second level over a row's 16 states in aten's order (the same shuffle tree, lanes 16..31 the identity), then the
+// projection, the fused params and the normalise (+ SiLU) of its part of the row in 16-byte vectors: two kernels
+// where eager runs four (five with the SiLU), x read twice and the output written once.
+#include "elementwise.cuh"
+#include "fastpath.h"
+
+namespace diffusers_fastpath {
+namespace {
+
+constexpr int kAtenBlockThreads = 512;  // cuda_utils::kCUDABlockReduceNumThreads: rows of at least this many elements
+constexpr int kWarp = 32;
+constexpr int kBatch = 32;              // elements per thread loaded ahead (two batches in registers)
+constexpr int kApplyThreads = 256;
+constexpr int kApplyBlocksPerSm = 8;
+
+// Each bit departs from aten-as-compiled-by-nvcc in one place (production: kDefaultStatsVariant for the statistics,
+// the Python op's choice for the rest, see ops/group_norm_silu.py).
+constexpr int kOnlineM2Unfused = 1;      // online update: m2 + round(delta * (x - mean))
+constexpr int kCombineMeanUnfused = 2;   // combine: a.mean + round(delta * nb)
+constexpr int kCombineM2Unfused = 4;     // combine: (a.m2 + b.m2) + round(round(round(delta * delta) * a.nf) * nb)
+constexpr int kStatsInFloat = 8;         // mean and rstd kept in fp32 (newer torch), not rounded to T (torch 2.11)
+constexpr int kParamsUnfused = 16;       // params: round(-a * mean) + beta
+constexpr int kApplyUnfused = 32;        // output: round(a * x) + b, then rounded to T
+constexpr int kIdentityAffine = 64;      // the SiLU's proof: a = 1, b = -0, so y = fma(1, x, -0) = x for every x
+constexpr int kStatsVariantMask = 7;     // the bits the statistics kernel reads
+constexpr int kVariantMask = 127;
+constexpr int kDefaultStatsVariant = 0;  // the production statistics kernel's (compile-time) choice
+
+struct Welford {
+  float mean;
+  float m2;
+  float nf;
+};
+
+// WelfordOps::combine(a, b).
+__device__ __forceinline__ Welford combine(const Welford& a, const Welford& b, int variant) {
+  if (a.nf == 0.0f) return b;
+  if (b.nf == 0.0f) return a;
+  const float delta = __fsub_rn(b.mean, a.mean);
+  const float nf = __fadd_rn(a.nf, b.nf);
+  const float nb = __fdiv_rn(b.nf, nf);
+  const float mean = (variant & kCombineMeanUnfused) ? __fadd_rn(a.mean, __fmul_rn(delta, nb))
+                                                     : __fmaf_rn(delta, nb, a.mean);
+  const float m2s = __fadd_rn(a.m2, b.m2);
+  const float t = __fmul_rn(__fmul_rn(delta, delta), a.nf);
+  const float m2 = (variant & kCombineM2Unfused) ? __fadd_rn(m2s, __fmul_rn(t, nb)) : __fmaf_rn(t, nb, m2s);
+  return {mean, m2, nf};
+}
+
+// cuda_utils::WarpReduce: every lane ends with a combined state; lane 0's is the warp's (lanes past the warp's end
+// get their own value back from the shuffle, as in aten).
+__device__ __forceinline__ Welford warp_reduce(Welford w, int variant) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const Welford other{__shfl_down_sync(0xffffffffu, w.mean, offset), __shfl_down_sync(0xffffffffu, w.m2, offset),
+                        __shfl_down_sync(0xffffffffu, w.nf, offset)};
+    w = combine(w, other, variant);
+  }
+  return w;
+}
+
+template <typename T>
+__device__ __forceinline__ float load_element(const unsigned short* x, int64_t i);
+
+template <>
+__device__ __forceinline__ float load_element<__nv_bfloat16>(const unsigned short* x, int64_t i) {
+  return Storage<__nv_bfloat16>::load(__ushort_as_bfloat16(__ldg(x + i)));
+}
+
+template <>
+__device__ __forceinline__ float load_element<__half>(const unsigned short* x, int64_t i) {
+  return Storage<__half>::load(__ushort_as_half(__ldg(x + i)));
+}
+
+// One block = one aten warp of one row: blockIdx.x = row * warps_per_row + warp. Thread `lane` of warp `warp` is aten
+// thread t = 32 * warp + lane and folds x[row][t + k * threads], k = 0, 1, ..., in order (WelfordOps::reduce); then
+// the warp's shuffle tree; lane 0 writes (mean, m2, nf) to partial[row * warps_per_row + warp]. kProbe: the variant
+// comes from the arguments (examples and the GPU tests' probe), else kDefaultStatsVariant at compile time.
+template <typename T, bool kProbe>
+__global__ void __launch_bounds__(kWarp) group_norm_stats_kernel(GroupNormSiluArgs a) {
+  const int variant = kProbe ? a.variant : kDefaultStatsVariant;
+  const int warps_per_row = a.threads / kWarp;
+  const int64_t row = blockIdx.x / warps_per_row;
+  const int warp = static_cast<int>(blockIdx.x - row * warps_per_row);
+  const int lane = threadIdx.x;
+  const int64_t n = a.row_size;
+  const int64_t threads = a.threads;
+  const unsigned short* x = static_cast<const unsigned short*>(a.x) + row * n;
+
+  Welford w{0.0f, 0.0f, 0.0f};
+  int count = 0;  // aten's WelfordData::n (an int64 there; a thread's count fits 31 bits: the guard)
+  const int64_t step = kBatch * threads;
+  int64_t j = kWarp * warp + lane;
+  float cur[kBatch], next[kBatch];
+#pragma unroll
+  for (int k = 0; k < kBatch; ++k) cur[k] = (j + k * threads < n) ? load_element<T>(x, j + k * threads) : 0.0f;
+  for (; j < n; j += step) {
+    const int64_t ahead = j + step;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      next[k] = (ahead + k * threads < n) ? load_element<T>(x, ahead + k * threads) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (j + k * threads < n) {
+        const float v = cur[k];
+        count += 1;
+        const float nf = __int2float_rn(count);
+        const float delta = __fsub_rn(v, w.mean);
+        const float mean = __fadd_rn(w.mean, __fdiv_rn(delta, nf));
+        const float d2 = __fsub_rn(v, mean);
+        w.m2 = (variant & kOnlineM2Unfused) ? __fadd_rn(w.m2, __fmul_rn(delta, d2)) : __fmaf_rn(delta, d2, w.m2);
+        w.mean = mean;
+        w.nf = nf;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) cur[k] = next[k];
+  }
+  w = warp_reduce(w, variant);
+  if (lane == 0) {
+    float* out = a.partial + 3 * blockIdx.x;
+    out[0] = w.mean;
+    out[1] = w.m2;
+    out[2] = w.nf;
+  }
+}
+
+// aten's silu_kernel in fp32 opmath (csrc/silu_mul.cu's, proven there on every value).
+__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
+// Rows in blockIdx.y; each block first finishes its row's statistics (BlockReduce's second level over the warps'
+// states, or the one warp's state for rows of fewer than 512 elements), then normalises 16-byte vectors of the row
+// with a grid stride over blockIdx.x. A vector lies in one channel (the guard: HxW a multiple of the vector), whose
+// fused params it computes as ComputeFusedParamsCUDAKernel does.
+template <typename T, bool kSilu>
+__global__ void __launch_bounds__(kApplyThreads) group_norm_apply_kernel(GroupNormSiluArgs a) {
+  using P = Pack<T>;
+  constexpr int kVec = P::kSize;
+  const int variant = a.variant;
+  const int64_t row = blockIdx.y;
+  __shared__ float stats[2];
+  if (threadIdx.x < kWarp) {
+    const int lane = threadIdx.x;
+    const int warps_per_row = a.threads / kWarp;
+    Welford w{0.0f, 0.0f, 0.0f};
+    if (lane < warps_per_row) {
+      const float* p = a.partial + 3 * (row * warps_per_row + lane);
+      w = Welford{p[0], p[1], p[2]};
+    }
+    if (warps_per_row > 1) w = warp_reduce(w, variant);  // BlockReduce's second level; one warp: its state as is
+    if (lane == 0) {
+      const float var = __fdiv_rn(w.m2, w.nf);  // WelfordOps::project with correction 0
+      float mean = w.mean;
+      float rstd = rsqrtf(__fadd_rn(var, a.eps));
+      if (!(variant & kStatsInFloat)) {  // torch 2.11: RowwiseMomentsCUDAKernel's T* mean, T* rstd
+        mean = round_to<T>(mean);
+        rstd = round_to<T>(rstd);
+      }
+      stats[0] = mean;
+      stats[1] = rstd;
+    }
+  }
+  __syncthreads();
+  const float mean = stats[0];
+  const float rstd = stats[1];
+  const int64_t group = row % a.groups;
+  const int64_t per_group = a.channels / a.groups;
+  const int64_t vecs = a.row_size / kVec;
+  const T* gamma = static_cast<const T*>(a.gamma);
+  const T* beta = static_cast<const T*>(a.beta);
+  const P* x = reinterpret_cast<const P*>(static_cast<const T*>(a.x) + row * a.row_size);
+  P* out = reinterpret_cast<P*>(static_cast<T*>(a.out) + row * a.row_size);
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = group * per_group + (v * kVec) / a.hxw;
+    float scale = __fmul_rn(rstd, Storage<T>::load(gamma[c]));
+    const float beta_c = Storage<T>::load(beta[c]);
+    float shift = (variant & kParamsUnfused) ? __fadd_rn(__fmul_rn(-scale, mean), beta_c)
+                                             : __fmaf_rn(-scale, mean, beta_c);
+    if (variant & kIdentityAffine) {
+      scale = 1.0f;
+      shift = -0.0f;
+    }
+    const P xv = load_readonly(x + v);
+    P o;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float xi = Storage<T>::load(xv.v[i]);
+      float y = (variant & kApplyUnfused) ? __fadd_rn(__fmul_rn(scale, xi), shift) : __fmaf_rn(scale, xi, shift);
+      if constexpr (kSilu) y = silu(round_to<T>(y));
+      o.v[i] = Storage<T>::store(y);
+    }
+    out[v] = o;
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+// The apply kernel's blocks per row: enough for kApplyBlocksPerSm resident blocks per multiprocessor over all rows,
+// no more than the row's vectors need (ops/group_norm_silu.py's _apply_blocks_per_row is its Python twin).
+int64_t apply_blocks_per_row(int64_t rows, int64_t vecs_per_row, int sms) {
+  const int64_t needed = (vecs_per_row + kApplyThreads - 1) / kApplyThreads;
+  int64_t per_row = (static_cast<int64_t>(sms) * kApplyBlocksPerSm + rows - 1) / rows;
+  if (per_row > needed) per_row = needed;
+  if (per_row < 1) per_row = 1;
+  return per_row;
+}
+
+template <typename T>
+cudaError_t launch(const GroupNormSiluArgs& a, cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  const int64_t rows = a.batch * a.groups;
+  if (rows == 0 || a.row_size == 0) return cudaSuccess;
+  if ((a.threads != kWarp && a.threads != kAtenBlockThreads) || (a.variant & ~kVariantMask) != 0 ||
+      a.hxw % kVec != 0 || rows > 65535 || rows * (a.threads / kWarp) > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  const unsigned stats_blocks = static_cast<unsigned>(rows * (a.threads / kWarp));
+  if (a.variant & kStatsVariantMask) {
+    group_norm_stats_kernel<T, true><<<stats_blocks, kWarp, 0, stream>>>(a);
+  } else {
+    group_norm_stats_kernel<T, false><<<stats_blocks, kWarp, 0, stream>>>(a);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(apply_blocks_per_row(rows, a.row_size / kVec, num_sms())),
+                  static_cast<unsigned>(rows));
+  if (a.silu) {
+    group_norm_apply_kernel<T, true><<<grid, kApplyThreads, 0, stream>>>(a);
+  } else {
+    group_norm_apply_kernel<T, false><<<grid, kApplyThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+#endif  // __CUDACC_RTC__
+
+}  // namespace
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_group_norm_silu(const GroupNormSiluArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return launch<T>(args, stream);
+  });
+}
+#endif
+
+}  // namespace diffusers_fastpath
