@@ -792,7 +792,7 @@ void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tens
   TORCH_CHECK(batch * groups <= 65535, "group_norm_silu: at most 65535 rows (N * groups)");
   const int64_t row_size = channels / groups * hxw;
   TORCH_CHECK(row_size < (int64_t{1} << 31), "group_norm_silu: rows too long");
-  TORCH_CHECK(variant >= 0 && variant <= 127, "group_norm_silu: no such variant");
+  TORCH_CHECK(variant >= 0 && variant <= 255, "group_norm_silu: no such variant");
   const at::Tensor x = x_in.contiguous();  // aten's group_norm makes a CUDA input contiguous too
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.contiguous();

@@ -99,6 +99,7 @@ def test_group_norm_special_rows_match_eager(dtype):
     x[0, 3, 7] = float("inf")
     x[1, 0, 100] = float("nan")
     x[1, 1] = torch.linspace(-3, 3, x.shape[-1], device="cuda").to(dtype) * 1e-3
+    x[1, 2] = x[1, 2] * (1e-30 if dtype is torch.bfloat16 else 1e-6)  # bf16: |delta| below 2^-64 (div.rn's batches)
     x = x.view(2, 64, 32, 32)
     for silu in (False, True):
         ref = F.group_norm(x, 32, norm.weight, norm.bias, norm.eps)
@@ -117,6 +118,65 @@ def test_silu_proof_and_platform_variant(dtype):
     variant = gn._platform_variant(x.device, dtype)
     assert variant in (0, gn.STATS_IN_FLOAT)
     print(f"torch {torch.__version__}: platform variant {variant}")
+
+
+_DIVISION_CHECK = r"""
+#include "group_norm_silu.cu"
+// every mantissa of a in [2^e, 2^(e+1)) against every nf in [n_lo, n_hi]: the statistics' quotient() (with the
+// reciprocal fold_batch gives it) against div.rn; `bad` counts mismatches, `example` keeps one
+extern "C" __global__ void check_division(int e, unsigned int n_lo, unsigned int n_hi, unsigned long long* bad,
+                                          unsigned int* example) {
+  const unsigned long long total = (unsigned long long)(n_hi - n_lo + 1) << 23;
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned int mant = (unsigned int)(i & ((1u << 23) - 1));
+    const float nf = (float)(n_lo + (unsigned int)(i >> 23));
+    const float a = ldexpf(__uint_as_float(0x3f800000u | mant), e);
+    const float r = __frcp_rn(nf);
+    const float fast = diffusers_fastpath::quotient(a, nf, r);
+    const float exact = __fdiv_rn(a, nf);
+    if (__float_as_uint(fast) != __float_as_uint(exact)) {
+      atomicAdd(bad, 1ull);
+      example[0] = __float_as_uint(a);
+      example[1] = (unsigned int)nf;
+    }
+  }
+}
+"""
+
+
+@pytest.mark.gpu
+def test_statistics_quotient_is_div_rn_on_every_mantissa():
+    """The statistics kernel's branch-free quotient (csrc/group_norm_silu.cu's quotient()) equals div.rn for every
+    mantissa of the dividend and every count up to 2^14 (FLUX's longest chain at 1024x1024 is 16384), at the ends of
+    the range it is used in (2^-64, 2^64) and at 1; and on every mantissa for counts sampled up to 2^24. Compiled from
+    the .cu itself by NVRTC (through CuPy)."""
+    cupy = pytest.importorskip("cupy")
+    module = cupy.RawModule(code=_DIVISION_CHECK, options=(f"-I{CSRC}", *_build.NVRTC_FLAGS))
+    kernel = module.get_function("check_division")
+    bad, example = cupy.zeros(1, dtype=cupy.uint64), cupy.zeros(2, dtype=cupy.uint32)
+    ranges = [(0, 1, 1 << 14), (-64, 1, 1 << 10), (63, 1, 1 << 10)]
+    ranges += [(0, n, n) for n in (20000, 65535, 65536, 99991, (1 << 20) + 7, (1 << 24) - 3, 1 << 24)]
+    for e, lo, hi in ranges:
+        kernel((132 * 32,), (256,), (cupy.int32(e), cupy.uint32(lo), cupy.uint32(hi), bad, example))
+    cupy.cuda.runtime.deviceSynchronize()
+    assert int(bad[0]) == 0, f"{int(bad[0])} mismatches, e.g. a bits {int(example[0]):#x}, n {int(example[1])}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_statistics_fast_division_equals_div_rn_at_decode_shapes(dtype):
+    """The production statistics (branch-free quotient) and the probe's div.rn give the same bits at FLUX's shapes,
+    tiny and huge activations included (their batches take div.rn: out of the quotient's range)."""
+    for shape, scale in (((1, 512, 256, 256), 1.0), ((1, 128, 512, 512), 1.0), ((1, 64, 64, 64), 1e-22),
+                         ((1, 64, 64, 64), 1e24)):
+        norm, x = make_inputs(shape, dtype, "cuda", 13)
+        if dtype is torch.bfloat16:
+            x = (x.float() * scale).to(dtype)
+        fast = _raw_out(norm, x, True)
+        exact = _raw_out(norm, x, True, gn._platform_variant(x.device, dtype) | gn.DIV_RN)
+        assert _policy.tensors_equal(fast, exact)
+        assert _policy.tensors_equal(fast, F.silu(F.group_norm(x, 32, norm.weight, norm.bias, norm.eps)))
 
 
 @pytest.mark.gpu
@@ -237,9 +297,9 @@ def _constant(name: str) -> int:
 
 
 def test_python_constants_match_the_cu():
-    assert (gn.STATS_IN_FLOAT, gn.IDENTITY_AFFINE, gn._STATS_BITS, gn._VARIANT_MASK) == (
-        _constant("kStatsInFloat"), _constant("kIdentityAffine"), _constant("kStatsVariantMask"),
-        _constant("kVariantMask"))
+    assert (gn.STATS_IN_FLOAT, gn.PARAMS_FUSED, gn.IDENTITY_AFFINE, gn.DIV_RN, gn._STATS_BITS, gn._VARIANT_MASK) == (
+        _constant("kStatsInFloat"), _constant("kParamsFused"), _constant("kIdentityAffine"), _constant("kDivRn"),
+        _constant("kStatsVariantMask"), _constant("kVariantMask"))
     assert (gn._APPLY_THREADS, gn._APPLY_BLOCKS_PER_SM, gn._ATEN_BLOCK, gn._WARP) == (
         _constant("kApplyThreads"), _constant("kApplyBlocksPerSm"), _constant("kAtenBlockThreads"), _constant("kWarp"))
 

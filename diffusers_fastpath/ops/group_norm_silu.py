@@ -7,7 +7,7 @@ Eager on CUDA (T = bf16 or fp16, fp32 arithmetic, ``round`` to nearest even in T
 out aten's kernels)::
 
     mean, rstd = Welford statistics of each (n, g) row           # RowwiseMomentsCUDAKernel: ONE block per row
-    a = rstd * gamma[c]; b = fma(-a, mean, beta[c])               # ComputeFusedParamsCUDAKernel
+    a = rstd * gamma[c]; b = -a * mean + beta[c]                  # ComputeFusedParamsCUDAKernel (not an FMA)
     y = round(fma(a, x, b))                                       # the elementwise kernel
     out = round(y / (1 + exp(-y)))                                # F.silu, when the module after the norm is SiLU
 
@@ -17,8 +17,9 @@ thread's Welford chain over its strided slice of the row (up to 16384 elements a
 behind one outstanding load. Here each aten thread's chain is kept as it is (serial, in aten's element order, with
 its division and its FMA), and so is the combine tree (the warp's shuffle tree, then BlockReduce's second level over
 the 16 warps, lanes 16..31 the identity), but the chains of a row run in 16 one-warp blocks spread over the GPU with
-64 loads in flight per thread; the second kernel finishes each row's statistics and writes the normalised (+ SiLU)
-output in 16-byte vectors.
+64 loads in flight per thread, and the chain's division runs as a branch-free, correctly rounded sequence (the same
+quotient as div.rn, whose range check would end a basic block at every element; the kernel's file proves it); the
+second kernel finishes each row's statistics and writes the normalised (+ SiLU) output in 16-byte vectors.
 
 Which aten it matches: torch 2.11 rounds the statistics to T between the two kernels (``T* mean, T* rstd``); a later
 change (pytorch#183946) keeps them in fp32. The op asks the GPU once per (device, dtype): its kernel in both modes on
@@ -51,9 +52,11 @@ _WARP = 32
 _MAX_ROWS = 65535  # the apply kernel's grid.y
 # csrc/group_norm_silu.cu's variant bits (tests/test_group_norm_silu.py reads them from the .cu)
 STATS_IN_FLOAT = 8
+PARAMS_FUSED = 16
 IDENTITY_AFFINE = 64
-_STATS_BITS = 7
-_VARIANT_MASK = 127
+DIV_RN = 128
+_STATS_BITS = 135  # the bits that select the statistics kernel's probe instantiation
+_VARIANT_MASK = 255
 _APPLY_THREADS, _APPLY_BLOCKS_PER_SM = 256, 8
 
 PLAIN_GROUP_NORMS: tuple[type, ...] = (nn.GroupNorm,)  # + the models' subclass whose forward runs this op (add_plain)
@@ -140,8 +143,8 @@ _ARGS = _nvrtc.Params("GroupNormSiluArgs", ("out", "P"), ("x", "P"), ("gamma", "
                       ("eps", "f"), ("threads", "i"), ("variant", "i"), ("silu", "?"), ("dtype", "i"))
 _STATS = _nvrtc.Kernel(
     "group_norm_silu.cu", "diffusers_fastpath::group_norm_stats_kernel",
-    {(dtype, probe): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}" for dtype in HALF_DTYPES
-     for probe in (False, True)},
+    {(dtype, probe, threads): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}, {threads}" for dtype in HALF_DTYPES
+     for probe in (False, True) for threads in (_WARP, _ATEN_BLOCK)},
     _nvrtc.Params("group_norm_stats_kernel", ("a", _ARGS)),
 )
 _APPLY = _nvrtc.Kernel(
@@ -176,8 +179,8 @@ def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gro
     device = x.device.index
     args = (out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), partial.data_ptr(), batch, channels,
             groups, hxw, row_size, kernel_eps(eps, x.dtype), threads, variant, silu, _nvrtc.DTYPE_CODE[x.dtype])
-    _STATS.launch(device, (x.dtype, bool(variant & _STATS_BITS)), (rows * (threads // _WARP), 1, 1), (_WARP, 1, 1),
-                  *args)
+    _STATS.launch(device, (x.dtype, bool(variant & _STATS_BITS), threads), (rows * (threads // _WARP), 1, 1),
+                  (_WARP, 1, 1), *args)
     vecs = row_size * x.element_size() // _VEC_BYTES
     grid = (_apply_blocks_per_row(rows, vecs, _nvrtc.num_sms(device)), rows, 1)
     _APPLY.launch(device, (x.dtype, bool(silu)), grid, (_APPLY_THREADS, 1, 1), *args)
