@@ -223,6 +223,29 @@ def test_the_rewrite_is_made_from_the_forward_the_class_holds_at_patch(monkeypat
     assert "time_embedding_norm" in "".join(rewritten)  # diffusers' own forward again, rewritten
 
 
+def test_bench_vae_level_times_decode_and_encode_without_a_transformer(tmp_path):
+    """``--levels vae``: the model's VAE eager and patched, decode and encode, bit-identity per row; no transformer is
+    built for it (on a CPU every site falls back, by the device)."""
+    import json
+
+    from diffusers_fastpath import bench
+
+    path = tmp_path / "vae.json"
+    argv = ["--model", "flux-tiny", "--levels", "vae", "--device", "cpu", "--repeats", "2", "--no-progress"]
+    assert bench.main([*argv, "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    vae = result["vae"]
+    assert vae["ran"] and vae["vae"] == "AutoencoderKL" and not result["step"]["ran"]
+    assert result["conditions"]["weights_gib"] is None  # no transformer
+    assert [r["call"] for r in vae["rows"]] == ["decode", "encode"]
+    assert all(r["bit_identical"] and r["md5_eager"] == r["md5_patched"] and len(r["eager_ms_all"]) == 2
+               for r in vae["rows"])
+    assert vae["sites"]["sites"] == 36 and vae["sites"]["fast"] == 0 and set(vae["sites"]["reasons"]) == {"device cpu"}
+    assert bench.main(["--model", "sd3-tiny", "--levels", "vae", "--device", "cpu", "--no-progress", "--json",
+                       str(path)]) == 0
+    assert "no VAE config of sd3-tiny" in json.loads(path.read_text())["vae"]["reason"]
+
+
 # --- GPU: the full-size FLUX.1 VAE ---------------------------------------------------------------------------------
 
 

@@ -28,6 +28,14 @@ the LayerNorm: the first fast call of each signature (dtype, C, groups, aten's b
 compared with eager by ``torch.equal``; a mismatch disables it for the process with one warning. The SiLU (aten's
 ``x / (1 + expf(-x))``) is proven on all 65536 values of the dtype once (the kernel's identity-affine probe mode).
 
+Measured on the H200 (torch 2.11, bf16, 533694c; the kernels level, 40 calls replayed as a CUDA graph): at FLUX.1's
+decode shapes 6.7x (512 x 128^2: 256 -> 38.5 us) to 8.0x (256 x 1024^2: 7730 -> 968 us) faster than eager's GroupNorm
++ SiLU, at 38-62% of the copy bandwidth counting x read twice and the output written once; per FLUX.1 decode at
+1024x1024 the 30 calls take 7.0 ms of kernels (statistics 4.1, output 2.9) against eager's 52.5 (RowwiseMoments 45.9,
+params and output 4.7, SiLU 1.9). The statistics kernel is bound by its chains' latency: the plain GroupNorm at
+256 x 1024^2 took 0.85 ms; with div.rn in the chain and 32 loads ahead (the probe's statistics kernel) 1.58 ms; the
+first version (div.rn, run-time strides: a basic block per element) 2.98 ms.
+
 What the guard admits: a module of exactly ``nn.GroupNorm`` (or this package's subclass of it) with weight and bias of
 x's dtype, fp16/bf16 x of shape ``[N, C, *]`` with HxW (the product of the trailing sizes) > 1 (HxW == 1 is aten's
 other expression) and a multiple of 8 (a 16-byte vector stays in one channel), at most 65535 rows (N * groups), no

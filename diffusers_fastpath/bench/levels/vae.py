@@ -81,7 +81,7 @@ def vae_markdown(vae: dict[str, Any] | None) -> list[str]:
     if not vae["ran"]:
         return [f"VAE level: {vae['reason']}.", ""]
     s = vae["sites"]
-    lines = [f"### VAE ({vae['vae']}): eager and patched in one process, interleaved (median GPU ms; patched sites: "
+    lines = [f"### VAE ({vae['vae']}): eager and patched in one process, interleaved (median ms, GPU time on CUDA; patched sites: "
              f"{s['sites']}, {s['fast']} fast calls, {s['fallback']} fallbacks"
              + (f" {s['reasons']}" if s["reasons"] else "") + ")", "",
              "| call | input | eager ms | patched ms | ratio | bit-identical |", "|---|---|---|---|---|---|"]
