@@ -5,6 +5,7 @@ every value; on CPU: the guard's reasons, the fallback policy, the custom op, an
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import subprocess
@@ -16,10 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffusers_fastpath.ops import Site, _build, _policy
-from diffusers_fastpath.ops import group_norm_silu as op_module  # noqa: F401 (the function)
-import importlib
 
-gn = importlib.import_module("diffusers_fastpath.ops.group_norm_silu")
+gn = importlib.import_module("diffusers_fastpath.ops.group_norm_silu")  # the module (ops binds the name to the op)
 
 CSRC = _build.csrc_dir()
 DTYPES = [torch.bfloat16, torch.float16]

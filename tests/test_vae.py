@@ -77,8 +77,8 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(family, e
 
 @torch.no_grad()
 def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, unpatch_after):
-    """``enable_tiling`` and ``enable_slicing`` run the same blocks per tile and per sample: the same sites, each once per
-    tile and sample (tiles whose sizes the kernel takes: a 16x16 latent in 8x8 tiles with a 6-latent stride)."""
+    """``enable_tiling`` and ``enable_slicing`` run the same blocks per tile and per sample: the same sites, each once
+    per tile and sample (tiles whose sizes the kernel takes: a 16x16 latent in 8x8 tiles with a 6-latent stride)."""
     vae = BUILDERS["flux"]()
     vae.enable_tiling()
     vae.enable_slicing()

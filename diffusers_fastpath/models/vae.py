@@ -112,7 +112,8 @@ def _self_call(stmt: ast.stmt) -> tuple[str, str] | None:
 
 def _pair_stmt(var: str, norm: str, act: str) -> ast.stmt:
     call = ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr="norm_act", ctx=ast.Load()),
-                    args=[ast.Name("self", ast.Load()), ast.Constant(norm), ast.Constant(act), ast.Name(var, ast.Load())],
+                    args=[ast.Name("self", ast.Load()), ast.Constant(norm), ast.Constant(act),
+                          ast.Name(var, ast.Load())],
                     keywords=[])
     return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
 

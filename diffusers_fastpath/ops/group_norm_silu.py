@@ -229,8 +229,8 @@ def _platform_variant(device: torch.device, dtype: torch.dtype) -> int:
         weight = torch.randn(64, generator=gen, device=device).to(dtype)
         bias = torch.randn(64, generator=gen, device=device).to(dtype)
         eager = F.group_norm(x, 32, weight, bias, 1e-6)
-        variant = next((v for v in (0, STATS_IN_FLOAT) if torch.equal(_raw(x, weight, bias, 32, 1e-6, False, v), eager)),
-                       0)
+        matches = (v for v in (0, STATS_IN_FLOAT) if torch.equal(_raw(x, weight, bias, 32, 1e-6, False, v), eager))
+        variant = next(matches, 0)
         _PLATFORM_VARIANT[key] = variant
     return variant
 
@@ -252,7 +252,8 @@ def _signature(norm, x: torch.Tensor):
 
 def every_value(dtype: torch.dtype, device) -> torch.Tensor:
     """All 65536 fp16/bf16 bit patterns (NaNs and infinities included) as one ``[1, 8, 8192]`` tensor."""
-    return torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=device).to(torch.int16).view(dtype).view(1, 8, 8192)
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=device).to(torch.int16)
+    return patterns.view(dtype).view(1, 8, 8192)
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:

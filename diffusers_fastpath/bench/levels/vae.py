@@ -21,7 +21,8 @@ def build_vae(args: argparse.Namespace, device: torch.device):
     from ... import testing
 
     if args.model not in PIPELINE_MODELS:
-        return None, f"no VAE config of {args.model} is published with this package (VAE models: {', '.join(PIPELINE_MODELS)})"
+        return None, (f"no VAE config of {args.model} is published with this package (VAE models: "
+                      f"{', '.join(PIPELINE_MODELS)})")
     family, config = PIPELINE_MODELS[args.model]
     builder = getattr(testing, PIPELINE_FAMILIES[family][2])
     return builder(config, DTYPES[args.dtype], device, args.seed + 1), None
@@ -81,8 +82,8 @@ def vae_markdown(vae: dict[str, Any] | None) -> list[str]:
     if not vae["ran"]:
         return [f"VAE level: {vae['reason']}.", ""]
     s = vae["sites"]
-    lines = [f"### VAE ({vae['vae']}): eager and patched in one process, interleaved (median ms, GPU time on CUDA; patched sites: "
-             f"{s['sites']}, {s['fast']} fast calls, {s['fallback']} fallbacks"
+    lines = [f"### VAE ({vae['vae']}): eager and patched in one process, interleaved (median ms, GPU time on CUDA; "
+             f"patched sites: {s['sites']}, {s['fast']} fast calls, {s['fallback']} fallbacks"
              + (f" {s['reasons']}" if s["reasons"] else "") + ")", "",
              "| call | input | eager ms | patched ms | ratio | bit-identical |", "|---|---|---|---|---|---|"]
     for r in vae["rows"]:
