@@ -9,6 +9,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <string>
@@ -769,6 +771,68 @@ void qk_norm_rope_out(at::Tensor& out, const std::optional<at::Tensor>& x_txt,
   qk_norm_rope_impl(out, x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin);
 }
 
+// torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
+// the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
+void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
+                         const at::Tensor& bias_in, int64_t groups, double eps, bool silu, int64_t variant) {
+  TORCH_CHECK(x_in.is_cuda(), "group_norm_silu: x must be a CUDA tensor");
+  TORCH_CHECK(x_in.dim() >= 3, "group_norm_silu: x must be [N, C, *], got ", shape_str(x_in.sizes()));
+  const DType dtype = to_dtype(x_in);
+  const int64_t batch = x_in.size(0), channels = x_in.size(1);
+  TORCH_CHECK(groups > 0 && channels % groups == 0, "group_norm_silu: channels must be a multiple of groups");
+  for (const at::Tensor* t : {&weight_in, &bias_in}) {
+    TORCH_CHECK(t->scalar_type() == x_in.scalar_type() && t->device() == x_in.device() && t->dim() == 1 &&
+                    t->size(0) == channels,
+                "group_norm_silu: weight and bias must be [C] tensors of x's dtype and device");
+  }
+  const int64_t hxw = x_in.numel() / (batch * channels > 0 ? batch * channels : 1);
+  const int64_t vec = 16 / x_in.element_size();
+  TORCH_CHECK(hxw > 1 && hxw % vec == 0, "group_norm_silu: HxW must be above 1 and a multiple of ",
+              std::to_string(vec));
+  TORCH_CHECK(batch * groups <= 65535, "group_norm_silu: at most 65535 rows (N * groups)");
+  const int64_t row_size = channels / groups * hxw;
+  TORCH_CHECK(row_size < (int64_t{1} << 31), "group_norm_silu: rows too long");
+  TORCH_CHECK(variant >= 0 && variant <= 255, "group_norm_silu: no such variant");
+  const at::Tensor x = x_in.contiguous();  // aten's group_norm makes a CUDA input contiguous too
+  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor bias = bias_in.contiguous();
+  TORCH_CHECK(aligned16(x), "group_norm_silu: x must be 16-byte aligned");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && out.device() == x.device() &&
+                  out.is_contiguous() && aligned16(out),
+              "group_norm_silu: out must be a contiguous, 16-byte aligned tensor of x's shape, dtype and device");
+  if (x.numel() == 0) return;
+  const int32_t threads = row_size < 512 ? 32 : 512;  // RowwiseMomentsCUDAKernel's block
+  at::Tensor partial = at::empty({batch * groups * (threads / 32) * 3}, x.options().dtype(at::kFloat));
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  GroupNormSiluArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.gamma = weight.data_ptr();
+  args.beta = bias.data_ptr();
+  args.partial = partial.data_ptr<float>();
+  args.batch = batch;
+  args.channels = channels;
+  args.groups = groups;
+  args.hxw = hxw;
+  args.row_size = row_size;
+  // aten's GroupNormKernelImpl: static_cast<scalar_t>(eps) (a double, converted to float, then to T)
+  args.eps = dtype == DType::kHalf ? static_cast<float>(c10::Half(static_cast<float>(eps)))
+                                   : static_cast<float>(c10::BFloat16(static_cast<float>(eps)));
+  args.threads = threads;
+  args.variant = static_cast<int32_t>(variant);
+  args.silu = silu;
+  args.dtype = dtype;
+  const cudaError_t err = launch_group_norm_silu(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "group_norm_silu: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor group_norm_silu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t groups,
+                           double eps, bool silu, int64_t variant) {
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  group_norm_silu_out(out, x, weight, bias, groups, eps, silu, variant);
+  return out;
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -833,6 +897,10 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_qk_norm_rope_cuda_out(Tensor(a!) out, Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, "
       "Tensor weight_img, float eps_img, Tensor cos, Tensor sin) -> ()");
+  m.def("_group_norm_silu_cuda(Tensor x, Tensor weight, Tensor bias, int groups, float eps, bool silu, int variant) "
+        "-> Tensor");
+  m.def("_group_norm_silu_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, int groups, float eps, "
+        "bool silu, int variant) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -873,4 +941,6 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
+  m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
+  m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
 }

@@ -261,4 +261,30 @@ struct RotaryArgs {
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
 #endif
 
+// torch.nn.GroupNorm with weight and bias over contiguous [batch, channels, *] (HxW the product of the trailing
+// dims), optionally followed by SiLU (see group_norm_silu.cu for aten's reduction order and every rounding point):
+//   y   = round(fma(a, x, b)), a = rstd * gamma[c], b = fma(-a, mean, beta[c])     (mean, rstd: aten's statistics)
+//   out = silu ? round(y / (1 + exp(-y))) : y
+struct GroupNormSiluArgs {
+  void* out;             // [batch, channels, HxW], contiguous
+  const void* x;         // [batch, channels, HxW], contiguous, 16-byte aligned
+  const void* gamma;     // [channels], of x's dtype
+  const void* beta;      // [channels], of x's dtype
+  float* partial;        // workspace: (mean, m2, nf) per aten warp of each row, [batch * groups * threads / 32, 3]
+  int64_t batch;
+  int64_t channels;
+  int64_t groups;
+  int64_t hxw;           // a multiple of 16 / sizeof(element)
+  int64_t row_size;      // channels / groups * hxw: the elements of one (sample, group) row
+  float eps;             // aten's static_cast<T>(eps), as float
+  int32_t threads;       // aten's RowwiseMomentsCUDAKernel block: 32 (rows shorter than 512) or 512
+  int32_t variant;       // which of the contraction choices (group_norm_silu.cu's bits); 0 is aten 2.11's
+  bool silu;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_group_norm_silu(const GroupNormSiluArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

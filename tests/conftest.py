@@ -87,12 +87,13 @@ def emulated_kernels(monkeypatch):
     once) or by their references (the LayerNorm + modulates
     and the QK norm + rotary (every form) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
     rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary and Wan's as their kernel's
-    per-pair arithmetic; GELU +
+    per-pair arithmetic; the GroupNorm (+ SiLU) of the VAEs, self-verified on the GPU, as its reference; GELU +
     concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value): the fast paths' wiring runs, and is
     checked, on a CPU."""
     from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
+    from diffusers_fastpath.ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, group_norm_ref, group_norm_silu_ref
     from diffusers_fastpath.ops.layernorm_scale_shift import (GATED_LAYERNORM_SCALE_SHIFT, LAYERNORM_AFFINE_FP32,
                                                               LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
                                                               layernorm_affine_fp32_ref, layernorm_scale_shift_fp32_ref,
@@ -141,10 +142,11 @@ def emulated_kernels(monkeypatch):
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref),
                        (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic),
                        (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref),
-                       (QK_NORM_ROWS_ROPE_PAIR, qk_norm_rows_rope_pair_ref)):
+                       (QK_NORM_ROWS_ROPE_PAIR, qk_norm_rows_rope_pair_ref),
+                       (GROUP_NORM, group_norm_ref), (GROUP_NORM_SILU, group_norm_silu_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
-    for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT):
+    for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT, GROUP_NORM_SILU):
         monkeypatch.setattr(op, "prove", None)  # their proofs run the CUDA kernel on every value of the dtype
     # the plain QK norm: its own kernel wrapper (the rows in memory order, the result in x's strides), the launch
     # replaced by the eager norm of those rows

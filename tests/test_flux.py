@@ -107,7 +107,7 @@ def test_patched_pipeline_matches_unpatched(unpatch_after):
     md5, _ = generate()
     assert md5 == ref_md5
     rep = fp.report(pipe)
-    assert [m.name for m in rep.models] == ["transformer"]
+    assert sorted(m.name for m in rep.models) == ["transformer", "vae"]  # patch(pipe) patches the VAE too
 
 
 def test_state_dict_is_unchanged(unpatch_after):
@@ -296,8 +296,8 @@ def test_clear_errors():
     supported = ", ".join(fp.supported_classes())
     with pytest.raises(TypeError, match=f"does not support Linear.*Supported: {supported}"):
         fp.patch(torch.nn.Linear(2, 2))
-    pipe = _VaeOnlyPipeline(tiny_flux_pipeline().vae)
-    with pytest.raises(ValueError, match="holds no supported model \\(vae=AutoencoderKL\\).*FluxTransformer2DModel"):
+    pipe = _VaeOnlyPipeline(torch.nn.Linear(2, 2))  # (FLUX's AutoencoderKL is supported: models/vae_kl.py)
+    with pytest.raises(ValueError, match="holds no supported model \\(vae=Linear\\).*FluxTransformer2DModel"):
         fp.patch(pipe)
     with pytest.raises(ValueError, match="unknown quality tier 'ultra'"):
         fp.patch(build_flux_transformer("flux-tiny"), quality="ultra")
@@ -320,13 +320,17 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     # earlier test may have loaded them
     assert summary[0] == f"diffusers_fastpath: {_build.kernels_status()}"
     # 2 dual + 2 single blocks, 2 steps: only the second single block's token concatenation is no kernel (no copy)
-    assert summary[1].startswith("transformer (FluxTransformer2DModel): quality=lossless; 40 fused sites, 2 fast calls, "
-                                 "94 fallbacks;")
+    # the pipeline's VAE is patched too (models/vae_kl.py; not called: output_type="latent"), listed first as the
+    # pipeline lists its components
+    assert summary[1].startswith("vae (AutoencoderKL): quality=lossless; 36 fused sites, 0 fast calls, 0 fallbacks;")
+    transformer = next(line for line in summary if line.startswith("transformer ("))
+    assert transformer.startswith("transformer (FluxTransformer2DModel): quality=lossless; 40 fused sites, 2 fast calls, "
+                                  "94 fallbacks;")
     per_op = {cells[0]: cells[1:] for line in summary if line.startswith("  | ")
               for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
     assert per_op["layernorm_scale_shift"] == ["10", "0", "20", "device cpu: 20"]  # 4 per dual block, 1 per single
     assert per_op["joint_tokens_view"] == ["1", "2", "0", "-"]
-    assert "  high tier: 0 of 6 sites mounted, 0 approximate calls" in summary and len(summary) < 16
+    assert "  high tier: 0 of 6 sites mounted, 0 approximate calls" in summary and len(summary) < 22
     assert summary[-1] == "(fp.report(obj, verbose=True) lists every site)"
 
     text = str(fp.report(pipe, verbose=True))
@@ -334,7 +338,9 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     assert "| total" in text
     data = rep.to_dict()
     assert data["ops"]["modulate_scale_shift"] == "enabled"
-    assert len(data["sites"]) == 23 + 4 * 2 + 2 + 7 and data["sites"][0]["reasons"] == {"device cpu": 2}
+    transformer_sites = [row for row in data["sites"] if row["model"] == "transformer"]
+    assert len(transformer_sites) == 23 + 4 * 2 + 2 + 7 and transformer_sites[0]["reasons"] == {"device cpu": 2}
+    assert len(data["sites"]) == len(transformer_sites) + 36  # the VAE's
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
     assert "transformer.single_transformer_blocks.0:gelu_cat " in text and data["ops"]["gelu_cat"].startswith("enabled")
     assert data["ops"]["gated_residual"] == "enabled"
@@ -347,7 +353,7 @@ def test_report_of_an_unpatched_or_unsupported_object_says_so_in_one_line():
     rep = fp.report(pipe)
     assert rep.sites == [] and rep.models == []
     assert str(rep) == (
-        "diffusers_fastpath: FluxPipeline is not patched (transformer (FluxTransformer2DModel)); "
+        "diffusers_fastpath: FluxPipeline is not patched (vae (AutoencoderKL), transformer (FluxTransformer2DModel)); "
         "call diffusers_fastpath.patch on it first."
     )
     assert str(fp.report(pipe.transformer)).startswith("diffusers_fastpath: FluxTransformer2DModel is not patched")

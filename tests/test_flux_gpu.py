@@ -8,8 +8,9 @@ import torch
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.ops.linear_cat import BATCH_REASON
-from diffusers_fastpath.testing import (assert_every_site_fast, build_flux_transformer, clipped_refusal, flux_transformer_inputs,
-                                        prompt_embeddings, site_ok, tiny_flux_pipeline)
+from diffusers_fastpath.testing import (assert_every_site_fast, assert_vae_decoded_once_fast, build_flux_transformer,
+                                        clipped_refusal, flux_transformer_inputs, prompt_embeddings, site_ok,
+                                        tiny_flux_pipeline)
 
 pytestmark = pytest.mark.gpu
 
@@ -156,8 +157,8 @@ def test_flux_dev_pipeline_28_steps_1024_is_md5_identical(flux_dev, unpatch_afte
     unpatch_after(pipe)
     md5, _ = generate()
     assert md5 == ref_md5
-    rep = fp.report(pipe)
-    assert_all_fast(rep, forwards=28)
+    assert_all_fast(fp.report(pipe.transformer), forwards=28)
+    assert_vae_decoded_once_fast(fp.report(pipe))  # the pipeline's VAE, patched with it
 
 
 def test_patched_model_under_compile_runs_the_custom_op_exactly(unpatch_after):

@@ -6,6 +6,7 @@ from typing import Any, Iterable
 
 from .levels.parts import PART_CATEGORIES
 from .levels.profile import CATEGORY_NAMES, IDLE_GAP_US
+from .levels.vae import vae_markdown
 from .runner import violations
 
 
@@ -204,6 +205,7 @@ def markdown(result: dict[str, Any]) -> str:
                             ([k, f"{v:.1f}"] for k, v in kern["host_us_per_call"].items())) + [""]
     elif kern["reason"] != "not requested":
         lines += [f"Kernels level: {kern['reason']}.", ""]
+    lines += vae_markdown(result.get("vae"))
     for v in violations(result):
         lines.append(f"**FAILED: {v}**")
     return "\n".join(lines).rstrip() + "\n"

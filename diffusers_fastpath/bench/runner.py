@@ -18,6 +18,7 @@ from .levels.kernels import run_kernels
 from .levels.parts import run_parts
 from .levels.profile import profile_step
 from .levels.step import step_once, step_row
+from .levels.vae import run_vae
 from .modes import MODES, Context, Mode, applied
 from .quant import weights_gib
 from .sensors import INTERVAL_S, Sensors
@@ -25,7 +26,7 @@ from .subject import Subject, build_subject, generate
 from .timing import Clock, Samples, progress
 
 SCHEMA = 1
-LEVELS = ("step", "generation", "profile", "parts", "kernels")
+LEVELS = ("step", "generation", "profile", "parts", "kernels", "vae")
 
 
 def round_robin(modes: list[Mode], rounds: int, model: nn.Module, ctx: Context, body: Callable[[Mode, int], None],
@@ -173,8 +174,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     need_pipe = "generation" in levels
-    subject = build_subject(args, device, need_pipe)
-    result["conditions"]["weights_gib"] = weights_gib(subject.transformer)
+    # the VAE level builds its own VAE: a run of it alone builds no transformer
+    subject = build_subject(args, device, need_pipe) if set(levels) - {"vae"} else None
+    result["conditions"]["weights_gib"] = weights_gib(subject.transformer) if subject is not None else None
     wanted = getattr(args, "sensors", False)
     sensors, why_not = Sensors.open(device) if wanted else (None, "not requested")
     if wanted and sensors is None:
@@ -221,6 +223,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runner.phase("kernels", t0)
     else:
         result["kernels"] = dict(ran=False, reason="not requested", rows=[], host_us_per_call={})
+    if "vae" in levels:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            result["vae"] = run_vae(args, device, runner.show)
+        runner.phase("vae", t0)
+    else:
+        result["vae"] = dict(ran=False, reason="not requested", rows=[])
     if sensors is not None:
         sensors.close()
         result["sensors"]["error"] = sensors.error
@@ -238,4 +247,7 @@ def violations(result: dict[str, Any]) -> list[str]:
     for row in result["kernels"]["rows"]:
         if row.get("exact", True) and not row["equal"]:
             out.append(f"kernels: {row['op']} {tuple(row['shape'])} is not equal to its eager chain")
+    for row in result.get("vae", {}).get("rows", []):
+        if not row["bit_identical"]:
+            out.append(f"vae: the patched {row['call']} is not bit-identical to eager")
     return out

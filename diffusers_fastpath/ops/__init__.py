@@ -7,6 +7,7 @@ from .layernorm_scale_shift import (gated_layernorm_scale_shift, gated_layernorm
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
+from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
 from .linear_cat import linear_cat, linear_cat_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
@@ -45,6 +46,10 @@ __all__ = [
     "gated_rmsnorm_scale_shift",
     "gelu_cat",
     "gelu_cat_ref",
+    "group_norm",
+    "group_norm_ref",
+    "group_norm_silu",
+    "group_norm_silu_ref",
     "gated_rmsnorm_scale_shift_ref",
     "layernorm_affine_fp32",
     "layernorm_affine_fp32_ref",

@@ -13,12 +13,21 @@ from torch.utils import _pytree as pytree
 
 
 def assert_every_site_fast(report, counts: dict[str, int], calls: dict, forwards: int = 1,
-                           refused: dict[str, str] | None = None) -> None:
-    """`report` (of one model) has `counts` sites per op, and each took its fast path ``calls[op]`` (default 1; a tuple:
-    any of those) times per forward on each of `forwards` forwards, never falling back; except the ops in `refused`,
-    whose sites fell back on every call, all for the reason given (the joint value projections at batch 2, say)."""
-    assert collections.Counter(s.op for s in report.sites) == counts, str(report)
-    assert all(site_ok(s, calls, forwards, refused) for s in report.sites), str(report)
+                           refused: dict[str, str] | None = None, models: set[str] | None = None) -> None:
+    """`report` (of one model, or of the `models` it names) has `counts` sites per op, and each took its fast path
+    ``calls[op]`` (default 1; a tuple: any of those) times per forward on each of `forwards` forwards, never falling
+    back; except the ops in `refused`, whose sites fell back on every call, all for the reason given (the joint value
+    projections at batch 2, say)."""
+    sites = [s for s in report.sites if models is None or s.model in models]
+    assert collections.Counter(s.op for s in sites) == counts, str(report)
+    assert all(site_ok(s, calls, forwards, refused) for s in sites), str(report)
+
+
+def assert_vae_decoded_once_fast(report) -> None:
+    """The pipeline's VAE (patched with it, `models.vae_kl`) decoded once: each decoder site fast once, the encoder's
+    idle (text-to-image encodes nothing), none falling back."""
+    sites = [s for s in report.sites if s.model == "vae"]
+    assert all(s.fallback == 0 and s.fast == (1 if s.site.startswith("decoder.") else 0) for s in sites), str(report)
 
 
 def site_ok(site, calls: dict, forwards: int = 1, refused: dict[str, str] | None = None) -> bool:
@@ -206,7 +215,10 @@ def assert_generation_and_image_exact_and_fused(pipe, call: dict, counts: dict[s
         latents, image = generation_latents_and_image(pipe, call, steps, size)
         assert torch.equal(latents, ref_latents) and _md5(latents) == _md5(ref_latents)
         assert torch.equal(image, ref_image) and _md5(image) == _md5(ref_image)
-        assert_every_site_fast(report(pipe), counts, calls, forwards=steps * forwards_per_step)
+        rep = report(pipe)
+        denoisers = {m.name for m in rep.models} - {"vae"}
+        assert_every_site_fast(rep, counts, calls, forwards=steps * forwards_per_step, models=denoisers)
+        assert_vae_decoded_once_fast(rep)
     finally:
         unpatch(pipe)
 

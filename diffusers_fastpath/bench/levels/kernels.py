@@ -481,6 +481,40 @@ def qk_norm_rows_rope_cases(sh: Shapes) -> list[KernelCase]:
                        lambda q, k: _pair_kernel(norm, q, norm, k, cos, sin), 4 * _nbytes(x) + 2 * _nbytes(cos))]
 
 
+@kernel_cases
+def group_norm_silu_cases(sh: Shapes) -> list[KernelCase]:
+    """The VAE decode's GroupNorm + SiLU (FLUX.1's and FLUX.2's ``AutoencoderKL``-style decoders, 32 groups) at each of
+    its (channels, resolution) at the run's image size: the mid block at the latent's, then every 2x up to the
+    image's. Bytes: x read twice (the statistics, then the output pass) and the output written once."""
+    if sh.family not in ("flux", "flux2"):
+        return []
+    from ...ops.group_norm_silu import _platform_variant, group_norm_silu_ref
+
+    ops = torch.ops.diffusers_fastpath
+    cases = []
+    height, width = _image_size(sh)
+    for channels, scale in ((512, 8), (512, 4), (512, 2), (256, 2), (256, 1), (128, 1)):
+        norm = torch.nn.GroupNorm(32, channels, eps=1e-6).to(device=sh.device, dtype=sh.dtype).requires_grad_(False)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(channels, device=sh.device))
+            norm.bias.copy_(0.1 * torch.randn(channels, device=sh.device))
+        shape = (sh.batch, channels, height // scale, width // scale)
+        sets = _input_sets(lambda shape=shape: (sh.randn(*shape),))
+        x = sets[0][0]
+        variant = _platform_variant(x.device, x.dtype)
+        cases.append(KernelCase("group_norm_silu", shape, sets, lambda x, norm=norm: group_norm_silu_ref(norm, x),
+                                lambda x, norm=norm, v=variant: ops._group_norm_silu_cuda(
+                                    x, norm.weight, norm.bias, 32, norm.eps, True, v),
+                                3 * _nbytes(x)))
+    return cases
+
+
+def _image_size(sh: Shapes) -> tuple[int, int]:
+    """The run's image size in pixels, taken as square: FLUX's image tokens are 2x2 patches of the 8x latent."""
+    side = int(round(sh.image_tokens ** 0.5)) * 16
+    return side, side
+
+
 def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int = 5) -> tuple[float, bool]:
     """Median over `rounds` of the mean time of `iters` back-to-back calls (CUDA events), rotating input sets, and
     whether they ran as one CUDA graph. They are captured as one where they can be: a stream of separately launched

@@ -1,0 +1,92 @@
+"""The VAE level: the model's VAE (random weights, its published config) decoding the run's latents and encoding an
+image of the run's size, eager and patched in one process, interleaved call by call; per row the median time of each,
+the ratio, whether the outputs are bit-identical (and their md5), and the patched VAE's sites (fast calls and
+fallbacks with reasons). It needs no transformer (``--levels vae`` alone builds none)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from typing import Any
+
+import torch
+
+from ..subject import DTYPES, PIPELINE_FAMILIES, PIPELINE_MODELS
+from ..timing import Clock, equal, md5, progress
+
+
+def build_vae(args: argparse.Namespace, device: torch.device):
+    """The VAE of ``--model`` (its pipeline family's builder and config, random weights), or ``(None, reason)``."""
+    from ... import testing
+
+    if args.model not in PIPELINE_MODELS:
+        return None, (f"no VAE config of {args.model} is published with this package (VAE models: "
+                      f"{', '.join(PIPELINE_MODELS)})")
+    family, config = PIPELINE_MODELS[args.model]
+    builder = getattr(testing, PIPELINE_FAMILIES[family][2])
+    return builder(config, DTYPES[args.dtype], device, args.seed + 1), None
+
+
+def _sites(model) -> dict[str, Any]:
+    from ... import report
+
+    rows = report(model).sites
+    reasons: dict[str, int] = {}
+    for r in rows:
+        for reason, n in r.reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    return dict(sites=len(rows), fast=sum(r.fast for r in rows), fallback=sum(r.fallback for r in rows),
+                reasons=reasons)
+
+
+def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
+    from ... import patch
+
+    vae, reason = build_vae(args, device)
+    if vae is None:
+        return dict(ran=False, reason=reason, rows=[])
+    patched = patch(copy.deepcopy(vae))
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    dtype = DTYPES[args.dtype]
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    latents = torch.randn(args.batch, vae.config.latent_channels, args.height // scale, args.width // scale,
+                          generator=gen, device=device).to(dtype)
+    image = (torch.rand(args.batch, 3, args.height, args.width, generator=gen, device=device) * 2 - 1).to(dtype)
+    calls = {"decode": (lambda m: m.decode(latents).sample, latents),
+             "encode": (lambda m: m.encode(image).latent_dist.mean, image)}
+    clock = Clock(device)
+    rows = []
+    with progress(2 * len(calls) * (args.repeats + 1), "vae", show) as bar:
+        for name, (call, inp) in calls.items():
+            outs, ms = {}, {"eager": [], "patched": []}
+            for model, mode in ((vae, "eager"), (patched, "patched")):  # warm-up: the ops' first-call checks
+                outs[mode] = clock.time(lambda: call(model))[0]
+                bar.update()
+            for _ in range(args.repeats):
+                for model, mode in ((vae, "eager"), (patched, "patched")):
+                    ms[mode].append(clock.time(lambda: call(model))[1])
+                    bar.update()
+            eager_ms, patched_ms = statistics.median(ms["eager"]), statistics.median(ms["patched"])
+            rows.append(dict(call=name, input_shape=list(inp.shape), eager_ms=eager_ms, patched_ms=patched_ms,
+                             ratio=patched_ms / eager_ms, eager_ms_all=ms["eager"], patched_ms_all=ms["patched"],
+                             bit_identical=equal(outs["patched"], outs["eager"]), md5_eager=md5(outs["eager"]),
+                             md5_patched=md5(outs["patched"])))
+    return dict(ran=True, reason=None, vae=type(vae).__name__, rows=rows, sites=_sites(patched))
+
+
+def vae_markdown(vae: dict[str, Any] | None) -> list[str]:
+    """The level's section of the markdown report (nothing when it was not requested)."""
+    if not vae or (not vae["ran"] and vae["reason"] == "not requested"):
+        return []
+    if not vae["ran"]:
+        return [f"VAE level: {vae['reason']}.", ""]
+    s = vae["sites"]
+    lines = [f"### VAE ({vae['vae']}): eager and patched in one process, interleaved (median ms, GPU time on CUDA; "
+             f"patched sites: {s['sites']}, {s['fast']} fast calls, {s['fallback']} fallbacks"
+             + (f" {s['reasons']}" if s["reasons"] else "") + ")", "",
+             "| call | input | eager ms | patched ms | ratio | bit-identical |", "|---|---|---|---|---|---|"]
+    for r in vae["rows"]:
+        lines.append(f"| {r['call']} | {tuple(r['input_shape'])} | {r['eager_ms']:.2f} | {r['patched_ms']:.2f} | "
+                     f"{r['ratio']:.3f}x | {r['bit_identical']} |")
+    return lines + [""]

@@ -1,0 +1,269 @@
+"""The VAEs built from GroupNorm + SiLU pieces: every ``nn.GroupNorm`` runs as the fused, self-verified
+`diffusers_fastpath.ops.group_norm`, and a GroupNorm whose output goes straight into an ``nn.SiLU`` module runs with
+it as `diffusers_fastpath.ops.group_norm_silu` (one pass instead of two). The family files (`vae_kl`, ...) register
+their VAE classes with `patch_group_norm_vae` and name their blocks.
+
+Two pieces, the simplest that reach each call:
+
+- `FastpathGroupNorm`, a subclass of ``nn.GroupNorm`` swapped in for every plain one whose output is not handed to a
+  SiLU: its forward is the fused op (``nn.GroupNorm.forward`` where the guard refuses the input). Being the module's
+  own forward, it runs inside the module call, so the module's hooks and the global ones run as before (the
+  mid-block attention's ``group_norm``, which diffusers' processor calls on the ``[B, C, H*W]`` view).
+- The pairs ``V = self.<norm>(V)`` then ``V = self.<act>(V)`` of a block's forward (``ResnetBlock2D``: ``norm1 ->
+  nonlinearity`` and ``norm2 -> nonlinearity``; the encoder's and decoder's ``conv_norm_out -> conv_act``) are two
+  module calls in diffusers' source; no module of the pair sees the other, so fusing them means rewriting the
+  statement pair. `pair_subclass` does that on the block's installed ``forward`` (read with ``inspect``, as
+  `_chains` does for the transformers' chains; `_chains`' patterns take single expressions, this one two
+  statements), and nothing else: the pair becomes ``V = <namespace>.norm_act(self, "<norm>", "<act>", V)``. Where the
+  activation follows an ``if``/``else`` whose branches end in the norm call (``ResnetBlock2D.forward``'s
+  ``time_embedding_norm`` branches, the decoder's ``latent_embeds`` branch), the activation statement is moved into
+  the end of each branch first (the same statements in the same order on every path) and paired where a branch ends
+  in the norm. At run time `_PairCalls.norm_act` takes the fused op only where the norm is a plain ``nn.GroupNorm``
+  with this package's pair site and the activation exactly ``nn.SiLU``, neither with hooks (nor any global module
+  hook); anything else runs ``act(norm(V))``, the two calls as written. The paired norms keep their class (every call
+  of theirs in diffusers' blocks is the pair's).
+
+The rewrite is made when the adapter module is imported (so pickles find the subclasses by name) and made again at
+patch time if the class's ``forward`` is no longer the function it was made from (another library replaced it since).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import linecache
+import sys
+import textwrap
+
+import torch
+from torch import nn
+
+from .._logging import warn_once
+from .._state import SITE_ATTR, PatchState, site_attr
+from ..ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, add_plain, group_norm, group_norm_silu
+from ..quality import hooked
+
+_NS = "_diffusers_fastpath_vae"  # the name `_PairCalls` goes by in the rewritten forwards' globals
+PAIR_SITE = GROUP_NORM_SILU.name  # the pair's site, on the norm module: ``_fastpath_site_group_norm_silu``
+
+
+class FastpathGroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` whose forward is the fused, self-verified `group_norm` (torch's forward wherever the guard
+    refuses the input). Adds no state; unpatching gives ``nn.GroupNorm`` back."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return group_norm(self, input, self.__dict__.get(SITE_ATTR))
+
+
+add_plain(FastpathGroupNorm)
+
+
+def _global_hooks() -> bool:
+    hooks = nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
+    """Why ``act(norm(x))`` cannot run as `group_norm_silu` (without calling either module), or ``None``."""
+    if type(norm) is not nn.GroupNorm:
+        return f"{type(norm).__name__} is not a plain nn.GroupNorm"
+    if type(act) is not nn.SiLU:
+        return f"{type(act).__name__} is not nn.SiLU"
+    if hooked(norm) or hooked(act) or _global_hooks():
+        return "hooks"
+    return None
+
+
+class _PairCalls:
+    """What the rewritten forwards call (a class of static methods, looked up through the module globals' name)."""
+
+    @staticmethod
+    def norm_act(owner: nn.Module, norm_name: str, act_name: str, x):
+        """``act(norm(x))`` for ``norm = owner.<norm_name>``, ``act = owner.<act_name>``: `group_norm_silu` where the
+        norm carries this package's pair site and the pair fits (`pair_unfit`), else the two module calls."""
+        norm, act = getattr(owner, norm_name), getattr(owner, act_name)
+        site = norm.__dict__.get(site_attr(PAIR_SITE))
+        if site is None:
+            return act(norm(x))
+        reason = pair_unfit(norm, act)
+        if reason is None:
+            return group_norm_silu(norm, x, site)  # the op's guard decides per call (and counts)
+        if not torch.compiler.is_compiling():
+            site.fallback[reason] += 1
+        return act(norm(x))
+
+
+# --- the rewrite ----------------------------------------------------------------------------------------------------
+
+
+def _self_call(stmt: ast.stmt) -> tuple[str, str] | None:
+    """``(V, X)`` if `stmt` is ``V = self.X(V)`` (one name target, one positional argument, no keywords)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == stmt.targets[0].id
+            and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "self"):
+        return None
+    return stmt.targets[0].id, call.func.attr
+
+
+def _pair_stmt(var: str, norm: str, act: str) -> ast.stmt:
+    call = ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr="norm_act", ctx=ast.Load()),
+                    args=[ast.Name("self", ast.Load()), ast.Constant(norm), ast.Constant(act),
+                          ast.Name(var, ast.Load())],
+                    keywords=[])
+    return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
+
+
+def _ends_in_norm(body: list[ast.stmt], var: str, activations: tuple[str, ...]) -> bool:
+    """Whether some path through `body` (an ``if`` chain's branches) ends in ``var = self.N(var)``, N not an
+    activation: where moving the activation into the branches lets a pair form."""
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, ast.If):
+        return _ends_in_norm(last.body, var, activations) or _ends_in_norm(last.orelse, var, activations)
+    call = _self_call(last)
+    return call is not None and call[0] == var and call[1] not in activations
+
+
+def _append_to_branches(node: ast.If, stmt: ast.stmt) -> None:
+    """Append a copy of `stmt` to the end of every branch of `node` (an ``else:`` with it alone where there is none);
+    ``elif`` chains are nested ``if``s in ``orelse``."""
+    node.body.append(copy.deepcopy(stmt))
+    if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If):
+        _append_to_branches(node.orelse[0], stmt)
+    else:
+        node.orelse.append(copy.deepcopy(stmt))
+
+
+class _Pairs:
+    def __init__(self, activations: tuple[str, ...]) -> None:
+        self.activations = activations
+        self.found: list[tuple[str, str]] = []
+
+    def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        for stmt in body:
+            call = _self_call(stmt)
+            if call is not None and call[1] in self.activations and out:
+                var, act = call
+                prev = _self_call(out[-1])
+                if prev is not None and prev[0] == var and prev[1] not in self.activations:
+                    out[-1] = _pair_stmt(var, prev[1], act)
+                    self._add(prev[1], act)
+                    continue
+                last = out[-1]
+                if isinstance(last, ast.If) and _ends_in_norm([last], var, self.activations):
+                    _append_to_branches(last, stmt)
+                    out[-1] = self.stmt(last)
+                    continue
+            out.append(self.stmt(stmt))
+        return out
+
+    def stmt(self, stmt: ast.stmt) -> ast.stmt:
+        for field in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, field, None)
+            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                setattr(stmt, field, self.body(inner))
+        for handler in getattr(stmt, "handlers", ()) or ():
+            handler.body = self.body(handler.body)
+        return stmt
+
+    def _add(self, norm: str, act: str) -> None:
+        if (norm, act) not in self.found:
+            self.found.append((norm, act))
+
+
+def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...]):
+    """`fn` (a block's ``forward``) with its norm -> activation statement pairs routed through `_PairCalls.norm_act`,
+    and the ``(norm, activation)`` attribute pairs found; ``None`` where the source cannot be read, the function needs
+    a closure, or no pair was found."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    if fn.__code__.co_freevars:
+        return None
+    tree = ast.parse(source)
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        return None
+    func = tree.body[0]
+    func.decorator_list = []
+    pairs = _Pairs(activations)
+    func.body = pairs.body(copy.deepcopy(func.body))
+    if not pairs.found:
+        return None
+    ast.fix_missing_locations(tree)
+    text = ast.unparse(tree) + "\n"
+    filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    fn.__globals__.setdefault(_NS, _PairCalls)
+    namespace: dict = {}
+    exec(compile(text, filename, "exec"), fn.__globals__, namespace)  # noqa: S102 (diffusers' own source, rewritten)
+    new = namespace[func.name]
+    new.__qualname__ = qualname
+    new.__doc__ = fn.__doc__
+    return new, tuple(pairs.found)
+
+
+class PairBlock:
+    """A diffusers block class whose forward has GroupNorm -> SiLU statement pairs: `base` (the diffusers class), the
+    subclass `name` defined in (and set as an attribute of) the adapter module `module`, `activations` (the
+    attributes of `base` that hold its SiLU). The subclass is made at construction (adapter import) and again by
+    `current` where ``base.forward`` has been replaced since."""
+
+    def __init__(self, base: type, name: str, module: str, activations: tuple[str, ...]) -> None:
+        self.base, self.name, self.module, self.activations = base, name, module, activations
+        self.sub = self._make()
+
+    def _make(self) -> type | None:
+        rewritten = rewrite_pairs(self.base.forward, f"{self.name}.forward", self.activations)
+        if rewritten is None:
+            return None
+        fn, pairs = rewritten
+        doc = (f"diffusers' ``{self.base.__qualname__}`` with the GroupNorm -> SiLU pairs {list(pairs)} of its "
+               "installed forward fused (`diffusers_fastpath.models.vae`). Adds no state beyond the fusion sites.")
+        sub = type(self.name, (self.base,), {"forward": fn, "__module__": self.module, "__qualname__": self.name,
+                                             "__doc__": doc, "_fastpath_pairs": pairs})
+        fn.__module__ = self.module
+        if self.module in sys.modules:  # an attribute of its module from the start, so that pickles find it by name
+            setattr(sys.modules[self.module], self.name, sub)
+        self.made_from = self.base.forward
+        return sub
+
+    def current(self) -> type | None:
+        """The subclass rewritten from the forward `base` holds now (None: it has no pair)."""
+        if getattr(self, "made_from", None) is not self.base.forward:
+            self.sub = self._make()
+        return self.sub
+
+
+def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...]) -> None:
+    """Patch a VAE (see module doc): each module whose exact class is one of `blocks`' bases becomes its pair
+    subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
+    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site."""
+    by_base = {block.base: block for block in blocks}
+    paired: set[int] = set()
+    for module in model.modules():
+        block = by_base.get(type(module))
+        if block is None:
+            continue
+        sub = block.current()
+        if sub is None:
+            warn_once(f"diffusers_fastpath: found no GroupNorm -> SiLU pair in the installed "
+                      f"{block.base.__qualname__}.forward; its norms run as FastpathGroupNorm, the SiLUs apart")
+            continue
+        state.swap_class(module, sub)
+        for norm_name, act_name in sub._fastpath_pairs:
+            norm, act = getattr(module, norm_name, None), getattr(module, act_name, None)
+            if type(norm) is nn.GroupNorm and type(act) is nn.SiLU and id(norm) not in paired:
+                state.add_site(norm, PAIR_SITE, PAIR_SITE)
+                paired.add(id(norm))
+    for module in model.modules():
+        if type(module) is nn.GroupNorm and id(module) not in paired:
+            state.swap_class(module, FastpathGroupNorm)
+            state.add_site(module, GROUP_NORM.name)

@@ -1,0 +1,272 @@
+"""The VAE adapters (models/vae.py, models/vae_kl.py): FLUX.1's ``AutoencoderKL`` and FLUX.2's ``AutoencoderKLFlux2``
+decode and encode patched == unpatched (``torch.equal``) with every GroupNorm site on its fast path (on CPU under the
+emulated kernels), also tiled and sliced; unpatch, state dicts, hooks, copies, pipelines; the pair rewrite keeps
+every branch's statements. On the GPU: the full-size FLUX.1 VAE at 1024x1024, md5-identical, every site fast."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import linecache
+from collections import Counter
+
+import pytest
+import torch
+from diffusers.models.resnet import ResnetBlock2D
+from torch import nn
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import vae as vae_module
+from diffusers_fastpath.models.vae_kl import BLOCKS
+from diffusers_fastpath.testing import build_flux2_vae, build_flux_vae, tiny_flux_pipeline
+
+BUILDERS = {"flux": lambda: build_flux_vae("flux-tiny", latent_channels=4),
+            "flux2": lambda: build_flux2_vae("flux2-tiny")}
+
+
+def _site_counts(model) -> dict[str, list]:
+    """Per op, the (fast, fallback) of each site of `model`'s report, keyed by module path."""
+    rows = fp.report(model).sites
+    return {r.site: (r.op, r.fast, r.fallback, dict(r.reasons)) for r in rows}  # site: the module path[:name]
+
+
+def _expected_sites(vae) -> Counter:
+    """What the adapter must mark: one group_norm_silu per GroupNorm that a SiLU module follows (the resnets' two, the
+    encoder's and decoder's conv_norm_out), one group_norm per other GroupNorm (the mid-block attentions')."""
+    paired = sum(2 for m in vae.modules() if isinstance(m, ResnetBlock2D)) + 2
+    total = sum(type(m) is nn.GroupNorm for m in vae.modules())
+    return Counter({"group_norm_silu": paired, "group_norm": total - paired})
+
+
+def _latents(vae, batch=1, size=8, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vae.config.latent_channels, size, size, generator=gen).to(torch.bfloat16)
+
+
+def _image(batch=1, size=64, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(batch, 3, size, size, generator=gen) * 2 - 1).to(torch.bfloat16)
+
+
+def _encode(vae, x):
+    return vae.encode(x).latent_dist.mean
+
+
+def _decode(vae, z):
+    return vae.decode(z).sample
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@torch.no_grad()
+def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(family, emulated_kernels, unpatch_after):
+    vae = BUILDERS[family]()
+    z, x = _latents(vae), _image()
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    assert torch.isfinite(ref_dec).all() and ref_dec.float().std() > 0.01
+    expected = _expected_sites(vae)
+    unpatch_after(fp.patch(vae))
+    assert Counter(r.op for r in fp.report(vae).sites) == expected, str(fp.report(vae))
+    assert torch.equal(_decode(vae, z), ref_dec)
+    sites = _site_counts(vae)
+    for name, (op, fast, fallback, _) in sites.items():  # the decoder's sites ran once each, the encoder's not yet
+        assert (fast, fallback) == ((1, 0) if name.startswith("decoder.") else (0, 0)), (name, sites[name])
+    assert torch.equal(_encode(vae, x), ref_enc)
+    assert all((fast, fallback) == (1, 0) for _, fast, fallback, _ in _site_counts(vae).values()), str(fp.report(vae))
+
+
+@torch.no_grad()
+def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, unpatch_after):
+    """``enable_tiling`` and ``enable_slicing`` run the same blocks per tile and per sample: the same sites, each once
+    per tile and sample (tiles whose sizes the kernel takes: a 16x16 latent in 8x8 tiles with a 6-latent stride)."""
+    vae = BUILDERS["flux"]()
+    vae.enable_tiling()
+    vae.enable_slicing()
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 64, 8  # 3 x 3 tiles of a 16 x 16 latent (128 x 128 image)
+    z, x = _latents(vae, batch=2, size=16), _image(batch=2, size=128)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode(vae, z), ref_dec)
+    tiles, samples = 9, 2
+    for name, (op, fast, fallback, _) in _site_counts(vae).items():
+        assert (fast, fallback) == ((tiles * samples, 0) if name.startswith("decoder.") else (0, 0)), name
+    assert torch.equal(_encode(vae, x), ref_enc)
+    for name, (op, fast, fallback, _) in _site_counts(vae).items():
+        assert (fast, fallback) == (tiles * samples, 0), name
+
+
+@torch.no_grad()
+def test_unpatch_restores_classes_and_state_dict():
+    vae = BUILDERS["flux"]()
+    classes = {name: type(m) for name, m in vae.named_modules()}
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    fp.patch(vae)
+    assert type(vae.decoder).__name__ == "FastpathDecoder"
+    assert type(vae.decoder.mid_block.attentions[0].group_norm) is vae_module.FastpathGroupNorm
+    assert type(vae.decoder.up_blocks[0].resnets[0]).__name__ == "FastpathResnetBlock2D"
+    assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is nn.GroupNorm  # a pair's norm keeps its class
+    patched_state = vae.state_dict()
+    assert patched_state.keys() == state.keys() and all(torch.equal(patched_state[k], v) for k, v in state.items())
+    vae.load_state_dict(state)  # loads into the patched modules
+    fp.unpatch(vae)
+    assert {name: type(m) for name, m in vae.named_modules()} == classes
+    assert not [name for name, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+
+
+@torch.no_grad()
+def test_a_hooked_pair_runs_its_modules_with_their_hooks(emulated_kernels, unpatch_after):
+    """A forward hook on a paired norm (or its SiLU) makes the pair run as the two module calls, hooks included."""
+    vae = BUILDERS["flux"]()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    resnet = vae.decoder.mid_block.resnets[0]
+    seen = []
+    handle = resnet.norm1.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert torch.equal(_decode(vae, z), ref)
+    handle.remove()
+    site = resnet.norm1._fastpath_site_group_norm_silu
+    assert seen and site.fast == 0 and dict(site.fallback) == {"hooks": 1}
+    global_seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: global_seen.append(type(m)))
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+    assert nn.GroupNorm in global_seen and dict(site.fallback) == {"hooks": 2}
+
+
+@torch.no_grad()
+def test_patch_of_a_pipeline_patches_its_vae(emulated_kernels, unpatch_after):
+    pipe = tiny_flux_pipeline()
+    unpatch_after(fp.patch(pipe))
+    assert sorted(m.name for m in fp.report(pipe).models) == ["transformer", "vae"]
+    assert type(pipe.vae.decoder).__name__ == "FastpathDecoder"
+
+
+@torch.no_grad()
+def test_patched_vae_deep_copies_and_pickles(emulated_kernels):
+    vae = BUILDERS["flux"]()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    twin = copy.deepcopy(vae)
+    buf = io.BytesIO()
+    torch.save(vae, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for model in (twin, loaded):
+        assert torch.equal(_decode(model, z), ref)
+        assert sum(r.fast for r in fp.report(model).sites) == 22  # the decoder's sites, on the copy's own counters
+        fp.unpatch(model)
+        assert type(model.decoder).__name__ == "Decoder"
+    fp.unpatch(vae)
+
+
+def test_the_pair_rewrite_keeps_every_branch(emulated_kernels):
+    """``ResnetBlock2D.forward``'s ``norm2 -> nonlinearity`` pair sits after a three-way ``if``: the activation moves
+    into each branch, paired where the branch ends in the norm ("default", else) and as written after the
+    scale-shift modulate. A block of each kind, patched == unpatched."""
+    (resnet_pairs,) = [b for b in BLOCKS if b.base is ResnetBlock2D]
+    assert resnet_pairs.sub._fastpath_pairs == (("norm1", "nonlinearity"), ("norm2", "nonlinearity"))
+    with torch.no_grad():
+        for kind, temb_channels in (("default", 16), ("scale_shift", 16), ("default", None)):
+            block = ResnetBlock2D(in_channels=32, out_channels=32, temb_channels=temb_channels, groups=8,
+                                  time_embedding_norm=kind).to(torch.bfloat16).eval()
+            x = torch.randn(2, 32, 8, 8).to(torch.bfloat16)
+            temb = torch.randn(2, 16).to(torch.bfloat16) if temb_channels else None
+            ref = block(x, temb)
+            block.__class__ = resnet_pairs.sub
+            block.norm1._fastpath_site_group_norm_silu = site = fp.ops.Site("group_norm_silu")
+            assert torch.equal(block(x, temb), ref), kind
+            assert site.fast == 1
+
+
+_REPLACED_CALLS = []
+
+
+def _replaced_resnet_forward(self, input_tensor, temb, *args, **kwargs):
+    """What another library might install as ``ResnetBlock2D.forward``: the same computation, counting its calls."""
+    _REPLACED_CALLS.append(1)
+    hidden_states = self.norm1(input_tensor)
+    hidden_states = self.nonlinearity(hidden_states)
+    hidden_states = self.conv1(hidden_states)
+    hidden_states = self.norm2(hidden_states)
+    hidden_states = self.nonlinearity(hidden_states)
+    hidden_states = self.conv2(hidden_states)
+    if self.conv_shortcut is not None:
+        input_tensor = self.conv_shortcut(input_tensor)
+    return (input_tensor + hidden_states) / self.output_scale_factor
+
+
+def test_the_rewrite_is_made_from_the_forward_the_class_holds_at_patch(monkeypatch, emulated_kernels):
+    """Another library replaced ``ResnetBlock2D.forward`` after this package was imported: the patch rewrites the
+    replacement (its own statements run, its pairs fused), not diffusers' file."""
+    monkeypatch.setattr(ResnetBlock2D, "forward", _replaced_resnet_forward)
+    vae = BUILDERS["flux"]()
+    with torch.no_grad():
+        z = _latents(vae)
+        ref = _decode(vae, z)
+        _REPLACED_CALLS.clear()
+        fp.patch(vae)
+        try:
+            assert torch.equal(_decode(vae, z), ref)
+            resnet = vae.decoder.mid_block.resnets[0]
+            assert type(resnet).forward.__code__.co_filename.startswith("<diffusers_fastpath: FastpathResnetBlock2D")
+            assert len(_REPLACED_CALLS) == 10  # the replacement's statements, rewritten: once per decoder resnet
+            assert resnet.norm2._fastpath_site_group_norm_silu.fast == 1
+        finally:
+            fp.unpatch(vae)
+    monkeypatch.undo()
+    (resnet_pairs,) = [b for b in BLOCKS if b.base is ResnetBlock2D]
+    rewritten = linecache.getlines(resnet_pairs.current().forward.__code__.co_filename)
+    assert "time_embedding_norm" in "".join(rewritten)  # diffusers' own forward again, rewritten
+
+
+def test_bench_vae_level_times_decode_and_encode_without_a_transformer(tmp_path):
+    """``--levels vae``: the model's VAE eager and patched, decode and encode, bit-identity per row; no transformer is
+    built for it (on a CPU every site falls back, by the device)."""
+    import json
+
+    from diffusers_fastpath import bench
+
+    path = tmp_path / "vae.json"
+    argv = ["--model", "flux-tiny", "--levels", "vae", "--device", "cpu", "--repeats", "2", "--no-progress"]
+    assert bench.main([*argv, "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    vae = result["vae"]
+    assert vae["ran"] and vae["vae"] == "AutoencoderKL" and not result["step"]["ran"]
+    assert result["conditions"]["weights_gib"] is None  # no transformer
+    assert [r["call"] for r in vae["rows"]] == ["decode", "encode"]
+    assert all(r["bit_identical"] and r["md5_eager"] == r["md5_patched"] and len(r["eager_ms_all"]) == 2
+               for r in vae["rows"])
+    assert vae["sites"]["sites"] == 36 and vae["sites"]["fast"] == 0 and set(vae["sites"]["reasons"]) == {"device cpu"}
+    assert bench.main(["--model", "sd3-tiny", "--levels", "vae", "--device", "cpu", "--no-progress", "--json",
+                       str(path)]) == 0
+    assert "no VAE config of sd3-tiny" in json.loads(path.read_text())["vae"]["reason"]
+
+
+# --- GPU: the full-size FLUX.1 VAE ---------------------------------------------------------------------------------
+
+
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_flux_vae_1024_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
+    vae = build_flux_vae("flux-dev", torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(1, 16, 128, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    x = (torch.rand(1, 3, 1024, 1024, generator=gen, device="cuda") * 2 - 1).to(torch.bfloat16)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    assert torch.isfinite(ref_dec).all() and ref_dec.float().std() > 0.01
+    expected = _expected_sites(vae)  # 50 pairs (25 resnets' two, the two conv_norm_out), 2 attention norms
+    unpatch_after(fp.patch(vae))
+    dec, enc = _decode(vae, z), _encode(vae, x)
+    assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
+    assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
+    report = fp.report(vae)
+    assert Counter(r.op for r in report.sites) == expected == Counter({"group_norm_silu": 50, "group_norm": 2})
+    assert all(r.fast == 1 and r.fallback == 0 for r in report.sites), str(report)
