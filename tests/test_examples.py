@@ -23,8 +23,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def run_example(name: str, *args: str) -> str:
+    """The example on a CPU, as on a machine without a GPU (also where there is one: the report's first line is then
+    the CPU machine's)."""
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--device", "cpu", *args],
-                          capture_output=True, text=True, timeout=300, env=_env())
+                          capture_output=True, text=True, timeout=300, env=_env(CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if importlib.util.find_spec("torchvision") is None:  # where transformers would log its PIL fallback notice
         assert TORCHVISION_NOTICE not in proc.stderr, proc.stderr
