@@ -595,7 +595,7 @@ at::Tensor layernorm_affine_fp32(const at::Tensor& x, const at::Tensor& weight, 
   return out;
 }
 
-// examples/layernorm_order_probe.py: the same kernel with a reduction variant chosen at run time.
+// tools/layernorm_order_probe.py: the same kernel with a reduction variant chosen at run time.
 at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
                                        double eps, int64_t variant) {
   at::Tensor out = at::empty(x.sizes(), x.options());

@@ -29,7 +29,7 @@
 // the output is FADD then FMUL, rounded to T (F2FP, nearest even). This file is built with --fmad=false, so each of
 // those choices is spelled out with __fmaf_rn / __fmul_rn / __fadd_rn and cannot drift with the compiler. That is
 // variant 0 below; the other variants (alternative contraction choices, the argument order of the combine, eight warps
-// per row) exist only for examples/layernorm_order_probe.py, which asks the GPU which of them matches the aten build
+// per row) exist only for tools/layernorm_order_probe.py, which asks the GPU which of them matches the aten build
 // it runs against (the SASS does not show the block shape: (32, 4) is thread_constants.h's num_threads() = 128 on
 // CUDA). The Python op verifies itself against eager on its first call per (dtype, D) as well, because all of this is
 // a property of the aten build.
@@ -159,7 +159,7 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
 // 4f6d200: 29.8 us at 4096 x 3072 bf16, 46% of copy; so did one warp per row, emulating the block's four warps,
 // slower at 36.5 us, 2e9fc06.) Its operands come through the read-only path, scale and shift as vectors (they were
 // read element by element), and the production block is aten's (32, 4) at compile time (launch bounds 128, the
-// combine unrolled): 21.0 against 22.4 us at 4096 x 3072 (29a53bb, 66% of copy). examples/kernel_layout_probe.py also
+// combine unrolled): 21.0 against 22.4 us at 4096 x 3072 (29a53bb, 66% of copy). tools/kernel_layout_probe.py also
 // timed launch bounds for 12 resident rows (no faster; 16 spill) and 64 threads a row playing two adjacent aten
 // threads with 16-byte loads (20.6 us, the same): each row's serial Welford chain and shuffle combine, not the
 // loads, bound it. S: the type of scale and shift, T (FLUX's chain, rounded after every operation) or float (Wan's

@@ -15,11 +15,11 @@
 //   kGatedResidual: out = round_T(residual + round_T(gate * y))  (residual + gate * norm(x), all T)
 //   kRopeComplex:   (a, b) = (y[2i], y[2i+1]), (c, d) = freqs[t, i]  (complex64; Qwen-Image's apply_rotary_emb_qwen,
 //                   use_real=False: view_as_complex(y.float()) * freqs, .type_as(y)): aten's c10::complex multiply
-//                   as nvcc compiled it (examples/complex_rotary_probe.py, H200, torch 2.11: 100% of elements)
+//                   as nvcc compiled it (tools/complex_rotary_probe.py, H200, torch 2.11: 100% of elements)
 //                   out[2i] = round_T(fma(a, c, -(b * d))), out[2i+1] = round_T(fma(a, d, b * c))
 //   kRopeComplex128: the same with complex128 factors (Lumina2: diffusers' apply_rotary_emb(..., use_real=False) of
 //                   its float64-built table; aten promotes the product to complex128, then .type_as(y) converts
-//                   double -> float -> T): a, b, c, d in double, the same FMA placement (examples/complex_rotary_probe.py
+//                   double -> float -> T): a, b, c, d in double, the same FMA placement (tools/complex_rotary_probe.py
 //                   --complex128, H200, torch 2.11: 100% of elements), out = round_T(float(fma(a, c, -(b * d)))), ...
 //   kRopeReal:      diffusers' apply_rotary_emb(y, (cos, sin), sequence_dim=1), rotate_pair (elementwise.cuh):
 //                   out[2i] = round_T(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i]),

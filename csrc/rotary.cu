@@ -41,7 +41,7 @@
 // (num_threads() = 128 on CUDA) per row. Thread t = lane + 32 * warp adds the squares of its 4-element vectors
 // t, t + 128, ... (one FMA each, `sigma2 + val * val`), a shuffle-down tree over 16..1 sums each warp, shared memory
 // sums warps 2, 3 into 0, 1 and then warp 1 into warp 0 (aten's halving), then rstd = rsqrtf(sum / C + eps) and
-// y = round(w * (rstd * x)) as for the per-head norm. examples/rms_norm_order_probe.py showed that order on the H200
+// y = round(w * (rstd * x)) as for the per-head norm. tools/rms_norm_order_probe.py showed that order on the H200
 // (torch 2.11, D = 2048 / 3072 / 5120); how the sum becomes the mean square (kFinal*: an IEEE division, a product
 // with the rounded reciprocal, or that product and + eps as one FMA; they differ only when C is not a power of two)
 // is the argument norm_final, which the Python op takes from the probe. row_norm_rotary_kernel below.
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
 // without (rotary_emb: where the norm runs on its own): rotary_kernel's operations in the same order, laid out for
 // bandwidth. Four warps a row, each issuing the loads of kHeadSlots heads (24 heads: all of a row's loads) before the
 // first use, the operands through the read-only path, and each field of the row's source chosen on its own (no struct
-// selected at run time). On the H200 at FLUX.1-dev's 4608 x 24 x 128 (examples/kernel_layout_probe.py at 0033c35,
+// selected at run time). On the H200 at FLUX.1-dev's 4608 x 24 x 128 (tools/kernel_layout_probe.py at 0033c35,
 // inputs past the L2, one CUDA graph): 18.0 us against 26.4 for rotary_kernel's eight warps of four slots (85% against
 // 58% of a device-to-device copy's bandwidth); eight warps of three slots in this layout took 20.2 us, 16 lanes a head
 // with 16-byte loads 20.0-21.6 us. rotary_kernel itself with four warps of six slots took 29.3 us (0f077e9: its

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import graphs
 from . import models  # noqa: F401  (registers the adapters)
-from ._logging import logger
+from ._logging import logger, warn_once
 from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay importable from here)
     ADAPTERS,
     QUALITIES,
@@ -44,7 +44,38 @@ def _adapter_for(model: nn.Module) -> Adapter | None:
 
 
 def supported_classes() -> list[str]:
+    """The names of the diffusers model classes `patch` supports, sorted.
+
+    A pipeline is supported when it holds at least one of them (``transformer``, ``transformer_2``, ...); a
+    subclass of a supported class is patched as that class.
+
+    Returns:
+        e.g. ``["BriaFiboTransformer2DModel", ..., "FluxTransformer2DModel", ..., "WanTransformer3DModel"]``.
+
+    Example:
+        >>> import diffusers_fastpath as fp
+        >>> "FluxTransformer2DModel" in fp.supported_classes()
+        True
+    """
     return sorted(cls.__name__ for cls in ADAPTERS)
+
+
+class UnsupportedModelError(TypeError, ValueError):
+    """`patch` was given a model of a class it does not support, or a pipeline that holds none.
+
+    One error for both cases. It derives from ``TypeError`` (what an unsupported model raised before) and from
+    ``ValueError`` (what a pipeline without a supported model raised), so code written against either still
+    catches it.
+    """
+
+
+def _unet_note(modules: list[tuple[str, nn.Module]]) -> str:
+    """For a UNet (Stable Diffusion 1.x/2.x, SDXL, ...): why this package does not take it."""
+    unets = [f"{name}={type(m).__name__}" for name, m in modules if "UNet" in type(m).__name__]
+    if not unets:
+        return ""
+    return (f" UNets ({', '.join(unets)}) are not what this package patches: it fuses the chains of diffusion "
+            "transformers (DiT), and a UNet pipeline runs unchanged.")
 
 
 def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module]]:
@@ -57,16 +88,43 @@ def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module
         found = [(name, comp) for name, comp in candidates if _adapter_for(comp) is not None or hasattr(comp, STATE_ATTR)]
         if not found and for_patch:
             held = ", ".join(f"{name}={type(comp).__name__}" for name, comp in candidates)
-            raise ValueError(
-                f"diffusers_fastpath: {type(obj).__name__} holds no supported model ({held or 'no models'}). "
-                f"Supported: {', '.join(supported_classes())}."
+            raise UnsupportedModelError(
+                f"diffusers_fastpath: {type(obj).__name__} holds no supported model ({held or 'no models'})."
+                f"{_unet_note(candidates)} Supported: {', '.join(supported_classes())}."
             )
         return found
     if for_patch and _adapter_for(obj) is None:
-        raise TypeError(
-            f"diffusers_fastpath does not support {type(obj).__name__}. Supported: {', '.join(supported_classes())}."
+        raise UnsupportedModelError(
+            f"diffusers_fastpath does not support {type(obj).__name__}.{_unet_note(candidates)} "
+            f"Supported: {', '.join(supported_classes())}."
         )
     return candidates
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())
+
+
+def _say_if_nothing_can_run_fused(name: str, model: nn.Module) -> None:
+    """The fused kernels take bf16 and fp16 only: a model whose floating-point weights are all fp32 (or fp64) runs
+    diffusers' eager expressions at every site (the same numbers, no speed-up). Say so when it is patched, not
+    only in `report`: a warning, once per process, where the model is on a CUDA device (where it could have been
+    fast); on a CPU, where no kernel runs anyway, an info line. Weights stored in other dtypes (fp8 layerwise
+    casting, quantized backends) compute in bf16 and are not meant here."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not dtypes or dtypes & set(_HALF) or not dtypes <= {torch.float32, torch.float64}:
+        return
+    held = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    msg = (f"diffusers_fastpath: {name} ({type(model).__name__}) has {held} weights; the fused kernels take bfloat16 "
+           "and float16 only, so every fused site runs diffusers' eager expression (the same numbers, no speed-up). "
+           "Load it with torch_dtype=torch.bfloat16 (or float16) for the fast path.")
+    if _on_cuda(model):
+        warn_once(msg)
+    else:
+        logger.info(msg)
 
 
 def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> Any:
@@ -99,9 +157,14 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> 
         it patched: it loads patched (CUDA graphs are captured again on demand) and `unpatch` restores it there.
 
     Raises:
-        TypeError: ``obj`` is a model of an unsupported class (the message names the supported ones).
-        ValueError: the pipeline holds no supported model, or ``quality`` is not a known tier.
-        TypeError: ``cuda_graphs`` is not a bool.
+        UnsupportedModelError: ``obj`` is a model of an unsupported class, or a pipeline that holds no supported
+            model (the message names the supported classes, and says so for a UNet). It is both a ``TypeError`` and
+            a ``ValueError``.
+        ValueError: ``quality`` is not a known tier.
+        TypeError: ``obj`` is neither a pipeline nor a model, or ``cuda_graphs`` is not a bool.
+
+    A model whose floating-point weights are all fp32 is patched too, and runs diffusers' eager expressions (the
+    kernels take bf16 and fp16): a warning says so when it is on a CUDA device.
 
     Example:
         >>> import diffusers_fastpath as fp
@@ -134,6 +197,7 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> 
             graphs.install(model, state, name)
         sites = sum(len(sites_of(m)) for m in model.modules())
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
+        _say_if_nothing_can_run_fused(name, model)
         set_tier(name, model, state)  # mounts the high-tier sites if asked; checks every site's fitness
     return obj
 

@@ -23,14 +23,13 @@ line and `report` say which and why.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from ._logging import logger
+from ._logging import logger, warn_once
 from .ops import Site
 from .ops._policy import hooked  # noqa: F401 - the one hook predicate (module, instance forward, global), kept here too
 from ._state import STATE_ATTR, PatchState, _check_quality, patched_models
@@ -151,13 +150,72 @@ def set_tier(name: str, model: nn.Module, state: PatchState) -> None:
         logger.info(f"{where}: unmounted {was_mounted} sites, every call takes the lossless path")
 
 
-@contextlib.contextmanager
-def quality(obj: Any, tier: str) -> Iterator[Any]:
+NOT_IN_WITH = ("diffusers_fastpath.quality(...) was called outside a `with` statement, so it changed nothing: "
+               "write `with fp.quality(pipe, \"high\"): ...` for a block, or `fp.patch(pipe, quality=\"high\")` to "
+               "change the tier from now on")
+
+
+class _QualityRequest:
+    """What `quality` returns: a context manager that applies its tier on entry and takes it back on exit.
+
+    Its arguments are checked when it is made (an unknown tier or an unpatched object raises at once). Made and
+    dropped without entering (``fp.quality(pipe, "high")`` as a plain statement), it warns once per process that
+    nothing changed and says what to write instead, as ``torch.no_grad()`` would not.
+    """
+
+    def __init__(self, obj: Any, tier: str) -> None:
+        _check_quality(tier)
+        if not patched_models(obj):
+            raise ValueError(
+                f"diffusers_fastpath.quality: this {type(obj).__name__} is not patched; call diffusers_fastpath.patch(...) "
+                "on it first."
+            )
+        self.obj, self.tier = obj, tier
+        self.entered: list[tuple[str, nn.Module, PatchState, object]] | None = None
+
+    def __repr__(self) -> str:
+        how = "entered" if self.entered is not None else "not entered: it applies only inside a `with` statement"
+        return f"<diffusers_fastpath.quality({type(self.obj).__name__}, {self.tier!r}), {how}>"
+
+    def __enter__(self) -> Any:
+        if self.entered is not None:
+            raise RuntimeError("diffusers_fastpath.quality: this request was entered already; call quality(...) again")
+        self.entered = []
+        try:
+            for name, model, state in patched_models(self.obj):
+                with state.lock:
+                    self.entered.append((name, model, state, state.push_quality(self.tier)))
+                    set_tier(name, model, state)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self.obj
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, model, state, token in self.entered or ():
+            with state.lock:
+                state.pop_quality(token)
+                if model.__dict__.get(STATE_ATTR) is state:  # unpatched inside the block: nothing left to restore
+                    set_tier(name, model, state)
+
+    def __del__(self) -> None:
+        if getattr(self, "entered", False) is None:  # made and dropped (an __init__ that raised sets nothing)
+            try:
+                warn_once(NOT_IN_WITH)
+            except Exception:  # noqa: BLE001 - at interpreter exit the logging machinery may be gone
+                pass
+
+
+def quality(obj: Any, tier: str) -> _QualityRequest:
     """Run a patched pipeline or model at quality `tier` inside a ``with`` block; on exit the model's tier is what the
     other requests say.
 
     ``"high"`` mounts the approximate fusions (output close to lossless: PSNR >= 35 dB and SSIM >= 0.97 on the decoded
     image of a whole generation), ``"lossless"`` unmounts them (output ``torch.equal`` to unpatched diffusers).
+
+    Only a ``with`` block applies it. Called as a plain statement (``fp.quality(pipe, "high")``) it changes nothing
+    and warns once that it did not; to change the tier from now on, patch again with it:
+    ``fp.patch(pipe, quality="high")`` (a patched pipeline keeps everything else and takes the new default tier).
 
     The tier is per model, not per thread: while a block is active, every caller of that model (every thread) runs
     at its tier. Each model keeps a stack of the active requests over the default tier given to
@@ -169,11 +227,11 @@ def quality(obj: Any, tier: str) -> Iterator[Any]:
         obj: a pipeline or model patched with `diffusers_fastpath.patch`.
         tier: ``"lossless"`` or ``"high"``.
 
-    Yields:
-        ``obj``.
+    Returns:
+        A context manager; ``with`` gives ``obj`` back.
 
     Raises:
-        ValueError: `tier` is not a known tier, or `obj` is not patched.
+        ValueError: `tier` is not a known tier, or `obj` is not patched (raised by the call itself).
 
     Example:
         >>> import diffusers_fastpath as fp
@@ -182,23 +240,4 @@ def quality(obj: Any, tier: str) -> Iterator[Any]:
         ...     image = pipe(prompt).images[0]
         >>> print(fp.report(pipe))  # doctest: +SKIP
     """
-    _check_quality(tier)
-    models = patched_models(obj)
-    if not models:
-        raise ValueError(
-            f"diffusers_fastpath.quality: this {type(obj).__name__} is not patched; call diffusers_fastpath.patch(...) "
-            "on it first."
-        )
-    entered = []
-    try:
-        for name, model, state in models:
-            with state.lock:
-                entered.append((name, model, state, state.push_quality(tier)))
-                set_tier(name, model, state)
-        yield obj
-    finally:
-        for name, model, state, token in entered:
-            with state.lock:
-                state.pop_quality(token)
-                if model.__dict__.get(STATE_ATTR) is state:  # unpatched inside the block: nothing left to restore
-                    set_tier(name, model, state)
+    return _QualityRequest(obj, tier)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
@@ -47,7 +49,8 @@ class Report:
     """Printable (``print(report)``) and machine-readable (`to_dict`) state of the fast path.
 
     ``str(report)`` leads with the kernels' status and one summary per model (sites fast / fallback per op, the
-    fallback reasons, the tier, CUDA graphs); with ``verbose=True`` it adds the table of every site.
+    fallback reasons, the tier, CUDA graphs); with ``verbose=True`` it adds every op's status and the table of every
+    site. Nothing is printed until you print it.
     """
 
     models: list[ModelRow] = field(default_factory=list)
@@ -55,7 +58,7 @@ class Report:
     # high-tier sites: ``fast`` counts calls on the approximate path, ``fallback`` calls sent to the lossless path
     tier_sites: list[SiteRow] = field(default_factory=list)
     ops: dict[str, str] = field(default_factory=dict)
-    kernels: str = ""  # one line: where the CUDA kernels come from, or why there are none (`_build.kernels_status`)
+    kernels: str = ""  # one line: where the CUDA kernels come from, or why there are none (`kernels_line`)
     not_patched: str | None = None  # the one line shown for an object with nothing patched
     verbose: bool = False
 
@@ -85,7 +88,7 @@ class Report:
         if not self.verbose:  # the ops that are not simply on, else one word
             unusual = {k: v for k, v in self.ops.items() if v != "enabled" and not v.startswith("enabled,")}
             lines.append("ops: " + ("; ".join(f"{k} {v}" for k, v in unusual.items()) if unusual else "all enabled"))
-            lines.append("(fp.report(obj, verbose=True) lists every site)")
+            lines.append("(print(fp.report(obj, verbose=True)) lists every site)")
             return "\n".join(lines)
         lines.append("ops: " + "; ".join(f"{k} {v}" for k, v in self.ops.items()))
         header = ("site", "op", "fast", "fallback", "fallback reasons")
@@ -158,10 +161,22 @@ def _not_patched_line(obj: Any) -> str:
     supported = ", ".join(supported_classes())
     try:
         models = _models_of(obj, for_patch=True)
-    except (TypeError, ValueError):
+    except TypeError:  # UnsupportedModelError, or neither a pipeline nor a model
         return f"diffusers_fastpath: {what} is not supported (supported: {supported}); nothing is patched."
     names = ", ".join(f"{name} ({type(model).__name__})" for name, model in models)
     return f"diffusers_fastpath: {what} is not patched ({names}); call diffusers_fastpath.patch on it first."
+
+
+def kernels_line() -> str:
+    """The report's first line (after ``diffusers_fastpath: ``): where this process's CUDA kernels come from, or why
+    none run. Before any fused op has asked for the kernels the loader can only say "not loaded"; on a machine
+    without a CUDA device they never will load, and that is said plainly instead."""
+    status = _build.kernels_status()
+    if _build.unavailable is not None or _build.load_seconds is not None or torch.cuda.is_available():
+        return status
+    why = "this build of torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+    return (f"no CUDA kernels run here ({why}; torch {torch.__version__}): every fused site runs diffusers' eager "
+            "expression, the same numbers with no speed-up")
 
 
 def report(obj: Any, verbose: bool = False) -> Report:
@@ -171,17 +186,21 @@ def report(obj: Any, verbose: bool = False) -> Report:
     calls on the approximate path, calls sent to the lossless path and why), and a model's notes say which sites
     cannot take their fusion. An object with nothing patched gives a report that says so in one line.
 
+    It returns the report and prints nothing itself: ``print(fp.report(pipe))`` shows it.
+
     Args:
         obj: a pipeline or model given to `patch`.
-        verbose: also print the table of every site (the data is in the report either way).
+        verbose: make the printed form (``str``) list every op's status and every site in a table, not only the
+            summary per model (the data, ``to_dict()``, is the same either way).
 
     Returns:
         A `Report`; ``print(report(pipe))`` shows the summary, ``report(pipe).to_dict()`` the data.
 
     Example:
         >>> print(fp.report(pipe))  # doctest: +SKIP
+        >>> print(fp.report(pipe, verbose=True))  # doctest: +SKIP
     """
-    rep = Report(ops={name: op.status for name, op in OPS.items()}, kernels=_build.kernels_status(), verbose=verbose)
+    rep = Report(ops={name: op.status for name, op in OPS.items()}, kernels=kernels_line(), verbose=verbose)
     models = patched_models(obj)
     if not models:
         rep.not_patched = _not_patched_line(obj)

@@ -1,8 +1,8 @@
 """The NVRTC way to the kernels (ops/_nvrtc.py): as exact as the nvcc build, chosen only when it should be.
 
 On CPU (each test skips without what it needs: nvcc, libnvrtc, cuobjdump, a host compiler):
-- NVRTC's machine code of every kernel equals nvcc's: byte for byte when the two compilers are one CUDA release,
-  every instruction's opcode and operand bits otherwise (the scheduling control bits may differ: docs/kernels.md);
+- NVRTC's machine code of every kernel equals nvcc's byte for byte when the two compilers are one CUDA release
+  (another release may allocate registers otherwise: skipped, with the pip line that makes them one);
 - the Python launchers pass what the kernels take: parameter tables of the compiled kernels, struct layouts of
   csrc/fastpath.h as the host compiler lays them out, the launch constants of the .cu files, elementwise.cuh's
   row_grid, bindings.cpp's op schemas;
@@ -191,19 +191,31 @@ def test_nvrtc_machine_code_equals_nvcc(source, cubins):
     declared = {k for kernel in _nvrtc.KERNELS if kernel.source == source
                 for k in map(_normal, (_nvrtc.module_symbols[source][n] for n in kernel.names.values()))}
     assert set(nvrtc) == set(nvcc) == declared  # the same instantiations, and every one the launchers name
-    same_release = NVRTC_VERSION == _nvcc_version()
-    for name in nvcc:
+    _skip_unless_one_release()
+    for name in nvcc:  # one release: the whole kernel, scheduling bits and metadata too
         a, b = nvcc[name][".text."], nvrtc[name][".text."]
         assert len(a) == len(b) and _instructions(a) == _instructions(b), f"{name}: NVRTC {NVRTC_VERSION} emits other code"
-        if same_release:  # one release: the whole kernel, scheduling bits and metadata too
-            assert a == b, name
-            assert _comparable_info(nvcc[name][".nv.info."]) == _comparable_info(nvrtc[name][".nv.info."]), name
+        assert a == b, name
+        assert _comparable_info(nvcc[name][".nv.info."]) == _comparable_info(nvrtc[name][".nv.info."]), name
+
+
+def _skip_unless_one_release() -> None:
+    """The machine code is held to nvcc's only where the two compilers are one CUDA release. Across releases it may
+    differ: NVRTC 13.5.37 against nvcc 13.0.88 (at ed203a0) allocated the LayerNorm kernels' registers differently
+    (bf16 with 12 vectors a thread: 30208 bytes of code against 32000) though the other sources matched instruction
+    for instruction. The test extra takes any CUDA 13 NVRTC (torch's own pin decides which); .ci/run installs the one
+    of nvcc's release and runs this file again."""
+    nvcc = _nvcc_version()
+    if NVRTC_VERSION != nvcc:
+        pytest.skip(f"NVRTC {'%d.%d' % NVRTC_VERSION} and nvcc {'%d.%d' % nvcc} are different CUDA releases, whose "
+                    f"machine code may differ; pip install 'nvidia-cuda-nvrtc=={'%d.%d' % nvcc}.*' to compare them")
 
 
 @needs_nvcc
 @needs_nvrtc
 @needs_cuobjdump
 def test_nvrtc_kernels_use_the_resources_of_nvcc_kernels(cubins):
+    _skip_unless_one_release()
     nvcc, nvrtc = cubins
     for source in SOURCES:
         a, b = _resources(nvcc[source]), _resources(nvrtc[source])

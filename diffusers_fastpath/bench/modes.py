@@ -132,7 +132,8 @@ def fastpath_summary(model: nn.Module) -> dict[str, int] | None:
     if STATE_ATTR not in model.__dict__:
         return None
     rep = fp.report(model)
-    summary = {"sites": len(rep.sites), "fast": rep.fast, "fallback": rep.fallback}
+    # kernel_calls: fast calls that ran a fused kernel (a CPU run has none; `render` says so beside its ratios)
+    summary = {"sites": len(rep.sites), "fast": rep.fast, "fallback": rep.fallback, "kernel_calls": rep.kernel_calls}
     graphs = next((m.graphs for m in rep.models if m.graphs), None)
     if graphs:  # cuda_graphs=True: whether the step really replayed, and why calls ran eager when they did not
         summary["graphs"] = {k: graphs[k] for k in ("status", "captured", "replays", "eager")}

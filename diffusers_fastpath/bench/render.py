@@ -44,6 +44,25 @@ def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def nothing_fused(result: dict[str, Any]) -> list[str]:
+    """A plain note where the patched modes ran no fused kernel (a CPU, or a machine where the kernels could not be
+    had): their time ratios are then noise, not this package's speed-up. Runs saved before ``kernel_calls`` was
+    recorded are judged by their device."""
+    rows = [r for level in ("step", "generation") for r in result[level]["rows"]
+            if r.get("available") and r.get("fastpath")]
+    if not rows:
+        return []
+    calls = [r["fastpath"].get("kernel_calls") for r in rows]
+    cpu = not result["conditions"].get("gpu")
+    if any(calls) or (None in calls and not cpu):
+        return []
+    where = ("this run was on a CPU, and the kernels are CUDA-only" if cpu else
+             "the kernels could not be had on this machine; the run's warning says why")
+    return [f"**No fused kernel ran** ({where}): every patched mode ran diffusers' own eager expressions, so the "
+            "time ratios below are noise and Python overhead, not this package's speed-up. Bit-identity is still "
+            "checked. Run on a CUDA GPU to measure the speed-up.", ""]
+
+
 def describe_conditions(c: dict[str, Any]) -> str:
     hw = f"{c['gpu']} (driver {c['driver'] or 'unknown'})" if c.get("gpu") else f"CPU ({c.get('cpu') or 'unknown'})"
     return (f"{hw}; torch {c['torch']} (CUDA {c['cuda']}), diffusers {c['diffusers']}, diffusers_fastpath "
@@ -113,6 +132,7 @@ def _parts(parts: dict[str, Any] | None) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     """The report as markdown (what stdout gets, and what ``--from-json`` re-renders)."""
     lines = ["## diffusers_fastpath benchmark", "", describe_conditions(result["conditions"]), ""]
+    lines += nothing_fused(result)
 
     def unavailable(row: dict[str, Any], width: int) -> list[str]:
         return [row["mode"], f"unavailable: {row['reason']}"] + [""] * (width - 2)

@@ -18,7 +18,7 @@ it copies nothing: 40 copies of 22-30 µs, 1.2 ms of an SD3.5-large step at 1024
 
 Whether an attention kernel computes the same values from the other layout is a property of that kernel (on the
 H200 with torch 2.11 every backend did, for SD3.5's and FLUX's shapes, bf16 and fp16:
-``examples/attention_layout_probe.py``), so the op verifies itself: the first call of each signature (the attention
+``tools/attention_layout_probe.py``), so the op verifies itself: the first call of each signature (the attention
 function, dtype, device, shapes, its arguments and torch's SDPA backend settings) also runs the attention on
 contiguous copies, eager's layout, and compares the two by ``torch.equal``; a mismatch disables the op for the process
 with one warning, that call returns the eager-layout result, and from then on the concatenations are eager's

@@ -12,7 +12,7 @@ shared-memory combine of a (32, 4) block, and the FMAs that nvcc contracts in at
 where they come from); then ``rstd * (x - mean)`` rounded to T and the modulate's three rounding points. Which FMAs
 nvcc contracted is a property of the aten build, so the op verifies itself: the first fast call of each signature
 (dtype, D) is compared with the reference by ``torch.equal``, and a mismatch disables it for the process with one
-warning. ``examples/layernorm_order_probe.py`` tells which of the kernel's reduction variants a given aten matches.
+warning. ``tools/layernorm_order_probe.py`` tells which of the kernel's reduction variants a given aten matches.
 
 The reference, used for the fallback and for that check, is the LayerNorm module itself followed by the fused
 `modulate_scale_shift` op: the lossless path FLUX.1 ran before this op existed, bit-identical to eager's four kernels

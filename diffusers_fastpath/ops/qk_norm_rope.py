@@ -23,7 +23,7 @@ dtype, explicit eps), head_dim a multiple of 4 up to 128, sources with unit inne
 
 `qk_norm_rows_rope` is the same fusion for the QK norms across all heads (LTX-Video, Wan: ``torch.nn.RMSNorm(C)``
 of each ``[B, S, C]`` row of q or k, then the model's own rotary), through the same kernel's row norm: aten's
-(32, 4) block per row for C > 128 (``csrc/rotary.cu``; ``examples/rms_norm_order_probe.py`` shows the order on the
+(32, 4) block per row for C > 128 (``csrc/rotary.cu``; ``tools/rms_norm_order_probe.py`` shows the order on the
 GPU), self-verified per (dtype, C, form) the same way, falling back to the norm as written and the exact fused rotary.
 """
 
@@ -248,7 +248,7 @@ def qk_norm_rope(
 # `heads` 0 names LTX-Video's form, else Wan's with that many heads.
 
 # How the row norm's sum of squares becomes the mean square (csrc/rotary.cu's kFinal*: 0 an IEEE division, 1 the
-# product with the rounded reciprocal, 2 that product and + eps as one FMA), as examples/rms_norm_order_probe.py finds
+# product with the rounded reciprocal, 2 that product and + eps as one FMA), as tools/rms_norm_order_probe.py finds
 # it for the aten build; the first call of each signature checks it against eager all the same.
 ROW_NORM_FINAL = 0
 MAX_ROW_CHANNELS = 8192  # csrc/rotary.cu's row norm: 128 threads of at most 16 four-element vectors each

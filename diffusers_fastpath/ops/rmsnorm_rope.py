@@ -12,9 +12,9 @@ D/2]``; complex128 in Lumina2, whose table diffusers builds in float64), broadca
 
 The kernel is ``csrc/rmsnorm_scale_shift.cu``'s, with the ``kRopeComplex`` epilogue: the norm in aten's reduction
 order (each [D] row of the ``[B * S * H, D]`` view is one warp's row; on the H200 with torch 2.11 the order of the
-longer rows also matched aten's ``mean`` on every one of 98304 rows of 128, ``examples/reduction_order_probe.py
+longer rows also matched aten's ``mean`` on every one of 98304 rows of 128, ``tools/reduction_order_probe.py
 --dim 128``), then the complex multiply as aten's ``c10::complex`` operator rounds it there (``real = fma(a, c,
--(b * d))``, ``imag = fma(a, d, b * c)``: ``examples/complex_rotary_probe.py``, 100% of elements). With complex128
+-(b * d))``, ``imag = fma(a, d, b * c)``: ``tools/complex_rotary_probe.py``, 100% of elements). With complex128
 factors aten promotes the product to complex128: the same placement in double (100% of elements, ``--complex128``),
 then ``.type_as`` rounds double -> float -> T. Rows shorter than 128 (Lumina2's head_dim 96) take aten's scalar
 reduction order, as `diffusers_fastpath.ops.rmsnorm` does. All of this is a property of the aten build, so the op

@@ -4,6 +4,7 @@ parameter at a zero or identity init (a fused path fed zeros proves nothing), te
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
@@ -19,6 +20,30 @@ def _construct(device, dtype):
             yield
     finally:
         torch.set_default_dtype(old)
+
+
+class _NoTorchvisionFallbackNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_image_processor_fallback():
+    """Import diffusers' pipeline classes without transformers' notice that an image processor falls back to PIL.
+
+    The modules of FluxPipeline, ChromaPipeline, StableDiffusion3Pipeline and the Bria pipelines import
+    ``CLIPImageProcessor`` (and through it ``SiglipImageProcessor``) from transformers at import time. Without
+    torchvision, transformers 5 binds the PIL processor in their place and logs a warning for each, which opened
+    every example and benchmark run. The pipelines built here hold no image processor (``feature_extractor=None``),
+    so the notice says nothing about them: this drops that one message of that one logger (transformers'
+    ``import_utils``), while the pipeline module is imported, and nothing else."""
+    source = logging.getLogger("transformers.utils.import_utils")
+    notice = _NoTorchvisionFallbackNotice()
+    source.addFilter(notice)
+    try:
+        yield
+    finally:
+        source.removeFilter(notice)
 
 
 @torch.no_grad()

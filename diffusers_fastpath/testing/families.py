@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._common import _random_model, _text_mask
+from ._common import _quiet_image_processor_fallback
 
 
 # https://huggingface.co/baidu/ERNIE-Image/blob/main/transformer/config.json
@@ -405,6 +406,7 @@ def ernie_image_inputs(model, batch=1, grid=(8, 8), text_lens=(12,), seed=1, dev
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+@_quiet_image_processor_fallback()
 def sd3_pipeline(transformer):
     """A ``StableDiffusion3Pipeline`` around `transformer` with no VAE or text encoders: call it with
     `sd3_prompt_embeddings` and ``output_type="latent"``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._common import _random_model, _latents_and_ids
+from ._common import _quiet_image_processor_fallback
 
 
 # https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/transformer/config.json
@@ -88,6 +89,7 @@ def chroma_transformer_inputs(model, batch=1, grid=(4, 4), txt_tokens=8, seed=1,
     return {k: v.to(device) for k, v in inputs.items()}
 
 
+@_quiet_image_processor_fallback()
 def chroma_pipeline(transformer, vae):
     """A ``ChromaPipeline`` around `transformer` and `vae` with no text encoder: call it with
     `chroma_prompt_embeddings`."""
@@ -305,6 +307,7 @@ FLUX_CLONES_WITHOUT_PIPELINE = {
 }
 
 
+@_quiet_image_processor_fallback()
 def flux_clone_pipeline(transformer, vae):
     """The pipeline of a `build_flux_clone` transformer (`FLUX_CLONE_PIPELINES`: ``OvisImagePipeline``,
     ``BriaPipeline``) around it and `vae` (an ``AutoencoderKL`` of FLUX.1's kind, `build_flux_vae`), with no text
@@ -412,6 +415,7 @@ def build_flux_vae(config="flux-tiny", dtype=torch.bfloat16, device="cpu", seed=
     return _random_model(AutoencoderKL, FLUX_VAE_CONFIGS, config, dtype, device, seed, overrides)
 
 
+@_quiet_image_processor_fallback()
 def flux_pipeline(transformer, vae):
     """A ``FluxPipeline`` around `transformer` and `vae` with no text encoders: call it with `prompt_embeddings`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

@@ -18,7 +18,7 @@ shapes in bf16 and fp16 and reports the fraction of rows equal to ``F.layer_norm
 production entry (variant 0 unless ``kDefaultVariant`` was changed) against the whole eager chain with random
 scale/shift. Run it once per torch build; set ``kDefaultVariant`` to a variant that matches every row.
 
-    python examples/layernorm_order_probe.py [--seeds 2] [--all]
+    python tools/layernorm_order_probe.py [--seeds 2] [--all]
 """
 
 from __future__ import annotations

@@ -9,11 +9,12 @@ memory-efficient, math) and build. This script runs every backend on both layout
 reports, per case, whether the outputs are bit-identical and which layout the output has. The op itself verifies its
 first call of each signature the same way, and falls back to eager's layout on a mismatch.
 
-    python examples/attention_layout_probe.py
+    python tools/attention_layout_probe.py          (a CUDA GPU; a developer's tool, see docs/design.md)
 """
 
 from __future__ import annotations
 
+import argparse
 from contextlib import nullcontext
 
 import torch
@@ -28,6 +29,7 @@ BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBa
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("a CUDA GPU is needed: the question is about its attention kernels")
     gen = torch.Generator("cuda").manual_seed(0)

@@ -14,7 +14,7 @@ to complex128 and ``.type_as`` converts the float64 result to the storage dtype;
 exact rational arithmetic (``fractions.Fraction``: a double FMA's product is not exact in float64) on a sample of
 ``--sample`` pairs, and the conversion is checked as float64 -> float32 -> T.
 
-    python examples/complex_rotary_probe.py [--rows 65536] [--dim 128] [--complex128 [--sample 4000]]
+    python tools/complex_rotary_probe.py [--rows 65536] [--dim 128] [--complex128 [--sample 4000]]
 """
 
 from __future__ import annotations

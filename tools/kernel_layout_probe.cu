@@ -1,5 +1,5 @@
 // Layouts of two fused kernels, each doing the production kernel's operations in the same order (so every variant
-// must be torch.equal to eager), for examples/kernel_layout_probe.py to time against a device-to-device copy:
+// must be torch.equal to eager), for tools/kernel_layout_probe.py to time against a device-to-device copy:
 // - rotary_norm_v: FLUX's per-head RMSNorm + rotary + text/image concatenation (csrc/rotary.cu) with kWarps warps a
 //   row and kLanes lanes a head (32: four elements and 8-byte loads each; 16: eight elements and 16-byte loads, the
 //   shuffle tree over 16 lanes of two partial sums that reproduces aten's 32-lane tree). csrc/rotary.cu's

@@ -14,7 +14,7 @@ H200 (torch 2.11.0+cu130, docs/results/gpu_session12_813e546_fbdfd2d.txt) only W
 every row at D = 2048, 3072 and 5120 (bf16 and fp16; the three forms agree at 2048, a power of two): the order
 ``csrc/rotary.cu``'s row norm reproduces (``ops.qk_norm_rope.ROW_NORM_FINAL = 0``).
 
-    python examples/rms_norm_order_probe.py [--rows 2048] [--dims 2048 3072 5120]
+    python tools/rms_norm_order_probe.py [--rows 2048] [--dims 2048 3072 5120]
 """
 
 from __future__ import annotations

@@ -12,20 +12,22 @@ rows of one joint tensor, equal ``torch.cat`` of the two ``F.linear`` results (a
 ``memsets`` profiles one step of a FLUX.1-dev-wide transformer (2 dual + 4 single blocks) eager, lossless and with
 CUDA graphs, and names the op and the diffusers line that launched each ``cudaMemsetAsync``.
 
-    python examples/kernel_layout_probe.py [prod] [kernels] [v] [memsets]   (default: kernels v memsets)
+    python tools/kernel_layout_probe.py [prod] [kernels] [ln] [v] [memsets]   (default: kernels v memsets)
+
+A developer's tool (a CUDA GPU, nvcc and ninja for ``kernels``/``ln``); the log is written to ``$OUT/probe.log``
+(default ``/tmp/kernel_layout_probe``).
 """
+import argparse
 import collections
 import importlib
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 OUT = os.environ.get("OUT", "/tmp/kernel_layout_probe")
-os.makedirs(OUT, exist_ok=True)
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
 dev = torch.device("cuda")
@@ -39,6 +41,7 @@ def log(*a):
 
 
 def flush():
+    os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "probe.log"), "w") as f:
         f.write("\n".join(log_lines) + "\n")
 
@@ -237,9 +240,17 @@ def memset_sources():
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", nargs="*", metavar="{prod,kernels,ln,v,memsets}",
+                        help="prod: the production ops alone; kernels: build the probe's variants and time the QK norm "
+                             "+ rotary and LayerNorm ones; ln: the LayerNorm variants only; v: the value projections "
+                             "into the joint tensor; memsets: name the op behind each memset (default: kernels v memsets)")
+    what = parser.parse_args().what or ["kernels", "v", "memsets"]
+    unknown = sorted(set(what) - {"prod", "kernels", "ln", "v", "memsets"})
+    if unknown:
+        parser.error(f"unknown part(s): {', '.join(unknown)}")
     if not torch.cuda.is_available():
         raise SystemExit("a CUDA GPU is needed: the question is about its kernels")
-    what = sys.argv[1:] or ["kernels", "v", "memsets"]
     log(torch.cuda.get_device_name(), torch.__version__)
     if "prod" in what:
         rotary_probe(None)

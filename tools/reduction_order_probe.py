@@ -7,7 +7,7 @@ matches aten bit for bit. On an H200 with torch 2.11 only "lanes=32 vec=4 tree=1
 the order ``csrc/rmsnorm_scale_shift.cu`` implements. Short rows (``--dim 128``: the per-head QK norms of Qwen-Image,
 Z-Image, Lumina2) may take aten's unvectorised path, whose lanes hold strided elements ("strided" below).
 
-    python examples/reduction_order_probe.py [--rows 4216] [--dim 4096]
+    python tools/reduction_order_probe.py [--rows 4216] [--dim 4096]
 """
 
 from __future__ import annotations
