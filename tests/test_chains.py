@@ -1013,3 +1013,73 @@ def test_a_source_file_edited_after_import_is_not_rewritten(tmp_path, monkeypatc
     with torch.no_grad():
         assert torch.equal((sub or module.EditedBlock)()(*args), module.EditedBlock()(*args))
     assert found is None and "edited since it was imported" in _chains.why_unrewritten(sub, module.EditedBlock)
+
+
+class QKWrittenProcessor:
+    """The QK-norm form's near miss: the norm's input written (through a view of it) before the rotary embedding,
+    which is where a pending norm runs."""
+
+    def __call__(self, attn, hidden_states, text, image_rotary_emb=None):
+        query = attn.to_q(hidden_states).unflatten(-1, (-1, attn.head))
+        first = query[:, :1]
+        query = attn.norm_q(query)
+        first.mul_(2)
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        return query
+
+
+def test_a_qk_norm_waits_for_its_rotary_only_where_nothing_writes_its_input(emulated_kernels):
+    sub, found = fuse(QKWrittenProcessor, "FusedQKWrittenProcessor", __name__, "__call__")
+    assert found.rotary == 1 and found.qk_norms == []
+    attn = QKAttention().to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb, attn._fastpath_site_qk_norm_rope = Site("rotary_emb"), Site("qk_norm_rope")
+    gen = torch.Generator().manual_seed(17)
+    x, text = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16), torch.randn(2, 3, 16, generator=gen).to(torch.bfloat16)
+    freqs = (torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen))
+    with torch.no_grad():
+        assert torch.equal(sub()(attn, x, text, freqs), QKWrittenProcessor()(attn, x, text, freqs))
+    assert attn._fastpath_site_rotary_emb.fast == 1
+
+
+# the two-statement gated residual ``u = gate.unsqueeze(1) * e; x = x + u`` around odd control flow: whether ``u``
+# (no longer bound by the rewrite) may be read afterwards, and so whether the pattern is taken
+DROPS = {
+    "rebound before any read": ("u = e\nu = gate.unsqueeze(1) * e\nx = x + u\nu = e * 2\nreturn x, u", True),
+    "read in a lambda made before": ("u = e\nf = lambda: u\nu = gate.unsqueeze(1) * e\nx = x + u\nreturn x, f()", False),
+    "locals() read": ("u = e\nu = gate.unsqueeze(1) * e\nx = x + u\nreturn x, len(locals())", False),
+    "a break skips the rebinding": ("u = e\nfor _ in range(2):\n    u = gate.unsqueeze(1) * e\n    x = x + u\n"
+                                    "    if flag:\n        break\n    u = e\nreturn x, u", False),
+    "read by a while test": ("u = e\ni = 0\nwhile i < 2 and u.sum() != 0:\n    u = gate.unsqueeze(1) * e\n"
+                             "    x = x + u\n    i += 1\nreturn x,", False),
+    "read by a handler": ("u = e\ntry:\n    u = gate.unsqueeze(1) * e\n    x = x + u\n    x = x / 0 if flag else x\n"
+                          "except ZeroDivisionError:\n    x = u\nreturn x,", False),
+    "read in a later match case": ("u = e\nu = gate.unsqueeze(1) * e\nx = x + u\nmatch flag:\n    case True:\n"
+                                   "        x = x * 2\n    case _:\n        x = u\nreturn x,", False),
+    "read only in a branch that rebinds first": ("u = gate.unsqueeze(1) * e\nx = x + u\nif flag:\n    u = e\n"
+                                                 "    x = x + u\nreturn x,", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DROPS))
+def test_a_dropped_product_is_proven_unread_through_any_control_flow(case, tmp_path, monkeypatch, emulated_kernels):
+    import importlib.util
+    import sys
+    import textwrap
+
+    body, fused = DROPS[case]
+    path = tmp_path / "drops.py"
+    path.write_text("import torch\n\n\nclass Drop(torch.nn.Module):\n    def forward(self, x, e, gate, flag):\n"
+                    + textwrap.indent(body, " " * 8) + "\n")
+    spec = importlib.util.spec_from_file_location("_fastpath_drops", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    sub, found = fuse(module.Drop, "FusedDrop", spec.name)
+    gen = torch.Generator().manual_seed(18)
+    x, e = (torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    gate = torch.randn(2, 8, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        for flag in (True, False):
+            got, want = (sub or module.Drop)()(x, e, gate, flag), module.Drop()(x, e, gate, flag)
+            assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
+    assert (found is not None and found.gates == ["gate"]) == fused

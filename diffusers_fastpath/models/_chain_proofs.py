@@ -78,14 +78,22 @@ PURE_FUNCTIONS = frozenset({
     "len", "isinstance", "issubclass", "range", "int", "float", "bool", "str", "tuple", "list", "dict", "set",
     "frozenset", "min", "max", "abs", "sum", "zip", "enumerate", "getattr", "hasattr", "iter", "next", "reversed",
     "sorted", "any", "all", "repr", "type", "id", "divmod", "round", "slice", "print", "callable", "super"})
+# ... of which these take ``inplace`` as a positional argument too (``F.relu(x, True)``): pure with one argument only
+_INPLACE_ABLE = frozenset({"relu", "silu", "dropout", "elu", "selu", "celu", "leaky_relu", "hardtanh", "relu6",
+                           "hardswish", "hardsigmoid", "mish", "threshold", "rrelu", "alpha_dropout"})
 _VIEW_FUNCTIONS = frozenset({"split", "chunk", "unbind", "flatten", "unflatten", "transpose", "permute", "reshape",
                              "squeeze", "unsqueeze", "narrow", "broadcast_to", "view_as_real", "view_as_complex"})
 _CONTAINER_FUNCTIONS = frozenset({"tuple", "list", "iter", "next", "reversed", "zip", "enumerate", "getattr",
                                   "sorted", "dict", "set", "frozenset"})
 _DYNAMIC = frozenset({"locals", "vars", "eval", "exec", "globals", "dir", "__import__"})
 
-Tokens = frozenset
 _NONE: frozenset = frozenset()
+_TRY = (ast.Try, ast.TryStar) if hasattr(ast, "TryStar") else (ast.Try,)
+# the ``match`` statement's nodes (Python 3.10+; none before)
+_MATCH, _CASE = getattr(ast, "Match", ()), getattr(ast, "match_case", ())
+_CASE_TYPES = (_CASE,) if _CASE else ()
+_MATCH_TYPES = (_MATCH,) if _MATCH else ()
+_CAPTURES = tuple(getattr(ast, n) for n in ("MatchAs", "MatchStar", "MatchMapping") if hasattr(ast, n))
 
 
 def _merge(*states: dict) -> dict:
@@ -119,10 +127,8 @@ def _bound_names(node: ast.AST) -> set[str]:
             names.add(n.name)
         elif isinstance(n, ast.alias):
             names.add((n.asname or n.name).split(".")[0])
-        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
-            names.add(n.name)
-        elif isinstance(n, ast.MatchMapping) and n.rest:
-            names.add(n.rest)
+        elif isinstance(n, _CAPTURES) and (getattr(n, "name", None) or getattr(n, "rest", None)):
+            names.add(getattr(n, "name", None) or n.rest)
     return names
 
 
@@ -266,9 +272,9 @@ class Proofs:
                     return True
             if isinstance(parent, ast.ExceptHandler):
                 parent, field, _ = self.parent[id(parent)]
-            if isinstance(parent, ast.match_case):
+            if isinstance(parent, _CASE):
                 parent, _, _ = self.parent[id(parent)]
-            if isinstance(parent, (ast.Try, getattr(ast, "TryStar", ast.Try))) and self._handlers_read(parent, field, name):
+            if isinstance(parent, _TRY) and self._handlers_read(parent, field, name):
                 return True
             node = parent
         return False
@@ -283,7 +289,7 @@ class Proofs:
             parent, field, _ = self.parent[id(node)]
             if isinstance(parent, ast.ExceptHandler):
                 parent, field, _ = self.parent[id(parent)]
-            if isinstance(parent, (ast.Try, getattr(ast, "TryStar", ast.Try))) and self._handlers_read(parent, field, name):
+            if isinstance(parent, _TRY) and self._handlers_read(parent, field, name):
                 return True
             node = parent
         return False
@@ -294,22 +300,48 @@ class Proofs:
         clauses = [*try_.handlers, *try_.finalbody, *(try_.orelse if field == "body" else ())]
         return any(_reads(c, name) for c in clauses)
 
-    @staticmethod
-    def _scan(stmts: list[ast.stmt], name: str, skip: ast.stmt | None) -> str:
+    @classmethod
+    def _scan(cls, stmts: list[ast.stmt], name: str, skip: ast.stmt | None) -> str:
         """``"read"`` if straight through `stmts` `name` may be read before it is surely rebound, ``"bound"`` if it
         is surely rebound first, ``"open"`` if neither (control may go on past their end)."""
         jumped = False
         for stmt in stmts:
-            if stmt is not skip and _reads(stmt, name):
-                return "read"
-            if not jumped and _binds_first(stmt, name):
-                return "bound"
+            verdict = "open" if stmt is skip else cls._scan_one(stmt, name, skip)
+            if verdict == "read" or (verdict == "bound" and not jumped):
+                return verdict
             jumped = jumped or _jumps(stmt)  # a break / continue / return before the rebinding may skip it
         return "open"
 
+    @classmethod
+    def _scan_one(cls, stmt: ast.stmt, name: str, skip: ast.stmt | None) -> str:
+        """`_scan` of one statement, through the blocks of an ``if`` (both bind: bound), a ``with`` and a loop (which
+        may not run: never bound); any other compound statement that mentions `name` reads it."""
+        if isinstance(stmt, ast.If):
+            if _reads(stmt.test, name):
+                return "read"
+            branches = {cls._scan(stmt.body, name, skip), cls._scan(stmt.orelse, name, skip)}
+            return "read" if "read" in branches else "bound" if branches == {"bound"} else "open"
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            if any(_reads(item, name) for item in stmt.items):
+                return "read"
+            return cls._scan(stmt.body, name, skip)
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            head = stmt.iter if isinstance(stmt, (ast.For, ast.AsyncFor)) else stmt.test
+            if _reads(head, name) or any(_reads(s, name) for s in stmt.orelse):
+                return "read"
+            if isinstance(stmt, (ast.For, ast.AsyncFor)) and name in _bound_names(stmt.target):
+                return "open"  # the body reads the loop's own value
+            return "read" if cls._scan(stmt.body, name, skip) == "read" else "open"
+        if isinstance(stmt, (*_TRY, *_MATCH_TYPES, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return "read" if _reads(stmt, name) else "open"
+        if _reads(stmt, name):
+            return "read"
+        return "bound" if _binds_first(stmt, name) else "open"
+
     def _index(self, function: ast.FunctionDef) -> None:
         for node in ast.walk(function):
-            if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not function:
+            nested = isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if nested and node is not function:
                 body = node.body if isinstance(node.body, list) else [node.body]
                 self.captured |= {n.id for b in body for n in ast.walk(b) if isinstance(n, ast.Name)}
             if isinstance(node, (ast.Global, ast.Nonlocal)):
@@ -320,7 +352,7 @@ class Proofs:
                 children = getattr(node, field, None)
                 if isinstance(children, list):
                     for i, child in enumerate(children):
-                        if isinstance(child, (ast.stmt, ast.ExceptHandler, ast.match_case)):
+                        if isinstance(child, (ast.stmt, ast.ExceptHandler, *_CASE_TYPES)):
                             self.parent[id(child)] = (node, field, i)
 
     # --- writes: the tokens each name may hold, statement by statement ---------------------------------------
@@ -332,7 +364,7 @@ class Proofs:
             if isinstance(func.value, ast.Name) and func.value.id == _NS:
                 return True
             if isinstance(func.value, ast.Name) and func.value.id in _MODULES:
-                return func.attr in PURE_FUNCTIONS
+                return func.attr in PURE_FUNCTIONS and (func.attr not in _INPLACE_ABLE or len(call.args) <= 1)
             return func.attr in PURE_METHODS
         return isinstance(func, ast.Name) and func.id in self.pure
 
@@ -358,8 +390,10 @@ class Proofs:
             out = [k.value for k in node.keywords if k.arg == "out"]
             if out:  # a call writing into `out=` returns it
                 return self._tokens(out[0], state) | fresh
-            if any(k.arg == "inplace" and not _is_false(k.value) for k in node.keywords):  # ... or its written input
-                return _NONE.union(*(self._tokens(a, state) for a in node.args)) | fresh
+            positional = (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                          and func.value.id in _MODULES and func.attr in _INPLACE_ABLE and len(node.args) > 1)
+            if positional or any(k.arg == "inplace" and not _is_false(k.value) for k in node.keywords):
+                return _NONE.union(*(self._tokens(a, state) for a in node.args)) | fresh  # ... or its written input
             if isinstance(func, ast.Attribute) and func.attr.endswith("_") and not func.attr.startswith("_"):
                 return self._tokens(func.value, state) | fresh  # x.add_(y) returns x
             if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in _MODULES:
@@ -406,7 +440,7 @@ class Proofs:
                 self._bind(elt, frozenset({("new", id(value), i)}) if fresh else tokens, state, written, None)
         elif isinstance(target, ast.Starred):
             self._bind(target.value, tokens, state, written, None)
-        elif isinstance(target, (ast.Attribute, ast.Subscript)):  # a store into an object writes it, and keeps the value
+        elif isinstance(target, (ast.Attribute, ast.Subscript)):  # a store into an object writes it, and keeps it
             written |= self._tokens(target.value, state)
             root = _root(target.value)
             if root is not None and root in state:
@@ -464,7 +498,7 @@ class Proofs:
                     self._bind(item.optional_vars, self._tokens(item.context_expr, state), state, written, None)
             self._record(stmt, entry, written)
             return self._block(stmt.body, state)
-        elif isinstance(stmt, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+        elif isinstance(stmt, _TRY):
             self._record(stmt, entry, written)
             body = self._block(stmt.body, dict(state))
             after = _merge(state, body)  # a handler may start anywhere in the body
@@ -476,7 +510,7 @@ class Proofs:
                 handled.append(self._block(handler.body, inner))
             out = _merge(self._block(stmt.orelse, body), *handled, after)
             return self._block(stmt.finalbody, out)
-        elif isinstance(stmt, ast.Match):
+        elif isinstance(stmt, _MATCH):
             written |= self._writes(stmt.subject, state)
             self._record(stmt, entry, written)
             cases = []
@@ -588,7 +622,8 @@ def source_of(fn) -> tuple[str | None, str]:
     if not isinstance(fn, types.FunctionType):
         return None, f"is a {type(fn).__name__}, not a plain function"
     if hasattr(fn, "__wrapped__"):
-        return None, f"is a wrapper of {getattr(fn.__wrapped__, '__qualname__', 'another function')} (it has __wrapped__)"
+        wrapped = getattr(fn.__wrapped__, "__qualname__", "another function")
+        return None, f"is a wrapper of {wrapped} (it has __wrapped__)"
     code = fn.__code__
     if set(code.co_freevars) - {"__class__"}:  # (``__class__``: a method calling super(), compiled in its class below)
         return None, f"is a closure (it reads {', '.join(code.co_freevars)} of the function that made it)"

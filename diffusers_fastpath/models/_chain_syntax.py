@@ -383,7 +383,7 @@ def _outer_mask_of(stmt: ast.stmt, anchor: str) -> ast.stmt | None:
 class _PendingReads(ast.NodeVisitor):
     """Walks statements in evaluation order, tracking the names bound to a pending norm (``norm_later`` or
     ``cat_later``), and finds any read of one that is not in `allowed` (a binding inside a nested block keeps the
-    name pending: the block may not run)."""
+    name pending: the block may not run; a loop's body is walked twice: its next iteration reads what it left)."""
 
     def __init__(self, allowed: set[int]) -> None:
         self.allowed, self.pending, self.depth, self.ok = allowed, set(), 0, True
@@ -407,7 +407,12 @@ class _PendingReads(ast.NodeVisitor):
         self.generic_visit(node)
         self.depth -= 1
 
-    visit_If = visit_For = visit_While = visit_With = visit_Try = _nested
+    def _loop(self, node: ast.AST) -> None:
+        self._nested(node)
+        self._nested(node)  # the next iteration reads what this one left pending
+
+    visit_If = visit_With = visit_Try = _nested
+    visit_For = visit_While = _loop
 
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Load) and node.id in self.pending and id(node) not in self.allowed:

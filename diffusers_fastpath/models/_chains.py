@@ -112,7 +112,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     rotary_ok = _diffusers_rotary(fn, func) and local is None
     # what the proofs read: the forward as written (`func` is rewritten); the rotary functions checked above write
     # nothing (diffusers' apply_rotary_emb; those the adapter names, checked by digest before their calls are fused)
-    checked = {n for n in (complex_rotary, rows_rotary, wan) if n is not None} | ({"apply_rotary_emb"} if rotary_ok else set())
+    checked = {n for n in (complex_rotary, rows_rotary, wan, "apply_rotary_emb" if rotary_ok else None) if n}
     proofs = Proofs(ast.parse(source).body[0], {"self", owner}, frozenset(checked))
     proofs.tag(func.body)
     rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
@@ -217,7 +217,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    local_rotary=local_rotary, head_cats=head_cats, rows_rotary=rows_rotary, wan_rotary=wan_rotary)
     sub = _NAMED.get((module, name))
     spec = _SPECS.get(sub)
-    if spec is None or (spec.base, spec.method, spec.options, spec.norm_methods) != (cls, method, options, norm_methods):
+    if spec is None or (spec.base, spec.method, spec.options, spec.norm_methods) != (cls, method, options,
+                                                                                       norm_methods):
         spec = _Spec(cls, method, module, options, norm_methods, {m: getattr(cls, m, None) for m in norm_methods})
         if spec.make(name, getattr(cls, method, None), {m: f for m, (f, _) in norm_methods.items()})[1] is None:
             return None, None  # (no class: nothing refers to it)
@@ -232,7 +233,11 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
 
 def rewrite_of(sub: type) -> Rewrite | None:
     """What the `fused_subclass` `sub` rewrote in the function its base class holds *now* (made again where that is
-    not the one it was last made from), or None where that function runs as it is (`why_unrewritten` says why)."""
+    not the one it was last made from), or None where that function runs as it is (`why_unrewritten` says why).
+
+    The subclass is one object, so models patched before run the new function too, from here on: what their
+    unpatched twins run (a site the new rewrite counts on and they lack counts nothing: ``getattr(..., None)``). A
+    function replaced after the last `patch` (or this call) is seen at the next one."""
     spec = _SPECS[sub]
     fn = getattr(spec.base, spec.method, None)
     modulates = tuple(getattr(spec.base, m, None) for m in spec.norm_methods)

@@ -7,7 +7,8 @@ of ``self``):
 - gated residual, into `diffusers_fastpath.ops.gated_residual` (whose fallback is this very expression):
 
   - ``U = G * E`` directly followed by ``H = R + U``, ``U`` not read again (anywhere the value can reach: after the
-    enclosing blocks, at the next iteration of a loop, in a handler; `_chain_proofs`)  ->  ``H = gated_residual(R, G, E, site)``
+    enclosing blocks, at the next iteration of a loop, in a handler; `_chain_proofs`)  ->
+    ``H = gated_residual(R, G, E, site)``
     (also ``H = U + R`` with ``R`` a name: a sum of two numbers is the same either way round, bit for bit)
   - ``H = R + G * E``                                                       ->  the same
 
@@ -380,8 +381,9 @@ class _Rewriter:
             if self.head_cats and (cat := self._head_cat(stmt)) is not None:
                 return cat
             return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
-        if isinstance(stmt, ast.Return) and stmt.value is not None and (call := self._silu_mul(stmt.value, stmt)) is not None:
-            return like(ast.Return(value=call), stmt)
+        if isinstance(stmt, ast.Return) and stmt.value is not None:
+            if (call := self._silu_mul(stmt.value, stmt)) is not None:
+                return like(ast.Return(value=call), stmt)
         target = _single_target(stmt)
         if target is None:
             return None
@@ -390,8 +392,9 @@ class _Rewriter:
             return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (wan := _fp32_gated_of(value)) is not None:
             residual, update, gate = wan  # R.float() (and E.float()) now wait for G, and G is evaluated before E
-            if not (self.proofs.stays([residual], stmt, exprs=[update, gate])
-                    and self.proofs.stays([update], stmt, exprs=[gate]) and self.proofs.stays([gate], stmt, exprs=[update])):
+            stays = self.proofs.stays
+            if not (stays([residual], stmt, exprs=[update, gate]) and stays([update], stmt, exprs=[gate])
+                    and stays([gate], stmt, exprs=[update])):
                 return None
             return self._gated(target, residual, gate, update, stmt, fp32=True)
         if (wan := _fp32_modulate_of(value)) is not None:
@@ -559,7 +562,8 @@ class _Rewriter:
         if u is None or h is None or not self.block:
             return None
         a, b = first.value, second.value
-        if isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp) and isinstance(b.op, ast.Add):
+        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult)
+                and isinstance(b, ast.BinOp) and isinstance(b.op, ast.Add)):
             # ``U = G * E`` then ``H = R + U`` (or ``U + R``: the sum commutes exactly), R a plain name: read before G
             # and E are evaluated, which only a walrus there could tell; U is no longer bound, which only a read of it
             # afterwards could tell (anywhere: after the enclosing blocks, in the next iteration of a loop, ...)
@@ -704,7 +708,8 @@ class _Rewriter:
                         and isinstance(value.args[0], ast.Name) and value.args[0].id == target):
                     deferred.add(target)
                     order.append(value.func.attr)
-                    new = like(ast.Assign(targets=node.targets, value=_call("norm_later", [value.func, value.args[0]])), node)
+                    call = _call("norm_later", [value.func, value.args[0]])
+                    new = like(ast.Assign(targets=node.targets, value=call), node)
                     deferrals.append((new, value.args[0]))
                     return new
                 cat = _cat_names(value, 1) if target is not None else None
@@ -748,8 +753,9 @@ class _Rewriter:
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROWS))
                 elif _ns_call(node, "unflatten_later"):
                     allowed.add(id(node.args[0]))
-        if not _PendingReads(allowed).clean(new[:last + 1]):
-            return body  # a pending name read elsewhere before the rotary: the norms run as written
+        if (not _PendingReads(allowed).clean(new[:last + 1]) or self.proofs.dynamic
+                or deferred & self.proofs.captured):
+            return body  # a pending name read elsewhere before the rotary (or unseen): the norms run as written
         own = [d for d, _ in deferrals]  # the norms' own statements write nothing (plain RMSNorms, or run in place)
         for d, x in deferrals:  # a pending norm reads its input when its rotary runs: nothing may write it before
             if not self.proofs.stays([x], d, new[tops[id(d)]:last + 1], by_name=False, skip=own):

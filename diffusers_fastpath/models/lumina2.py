@@ -82,7 +82,8 @@ def patch_lumina2(model: Lumina2Transformer2DModel, state: PatchState) -> None:
     for module in model.modules():
         if isinstance(module, Attention) and type(module.processor) is not fused_processor:
             patch_qk_rmsnorms(module, state, ("norm_q", "norm_k"))
-    swap_rewritten(state, model, _SWAPS, lambda module: type(module) is not Lumina2TransformerBlock or module.modulation)
+    swap_rewritten(state, model, _SWAPS,
+                   lambda module: type(module) is not Lumina2TransformerBlock or module.modulation)
 
 
 def _caption_lengths(model: Lumina2Transformer2DModel, call: dict):
