@@ -3,19 +3,25 @@ and that FLUX.1's hand-mirrored forwards (the oracle) are what it finds in diffu
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotary
 
+import diffusers_fastpath as fp
 from diffusers_fastpath.models import _chain_calls, _chains, flux
 from diffusers_fastpath.ops import Site
+
+
+fuse = _chains.fused_subclass
 
 
 class Block(torch.nn.Module):
@@ -48,7 +54,7 @@ def _inputs(seed=0, dim=8):
 
 
 def _fused_block():
-    sub, found = _chains.fused_subclass(Block, "FusedBlock", __name__)
+    sub, found = fuse(Block, "FusedBlock", __name__)
     return sub, found
 
 
@@ -118,7 +124,7 @@ def _fused_mod(self, norm, x, params, index=None):
 
 
 def test_a_layernorm_feeding_a_modulate_method_is_handed_to_its_fused_counterpart():
-    sub, found = _chains.fused_subclass(MethodBlock, "FusedMethodBlock", __name__,
+    sub, found = fuse(MethodBlock, "FusedMethodBlock", __name__,
                                         norm_methods={"_mod": ("_mod_norm", _fused_mod)})
     assert found.norms == ["norm1"] and found.gates == []
     source = inspect.getsource(sub.forward)
@@ -161,7 +167,7 @@ class DeferredBlock(torch.nn.Module):
 
 
 def test_deferred_norms_sums_either_way_round_and_gate_names():
-    sub, found = _chains.fused_subclass(DeferredBlock, "FusedDeferredBlock", __name__)
+    sub, found = fuse(DeferredBlock, "FusedDeferredBlock", __name__)
     assert found.norms == ["norm2", "norm2_context"] and found.gates == ["gate_a", "gate_c"]
     assert found.modulates == ["p", "q"]  # the near misses' modulates alone: their LayerNorms stay where they are
     source = inspect.getsource(sub.forward)
@@ -197,7 +203,7 @@ class UnpackBlock(torch.nn.Module):
 
 
 def test_deferred_norms_let_a_tuple_unpack_of_other_names_pass():
-    sub, found = _chains.fused_subclass(UnpackBlock, "FusedUnpackBlock", __name__)
+    sub, found = fuse(UnpackBlock, "FusedUnpackBlock", __name__)
     assert found.norms == ["norm1"]
     source = inspect.getsource(sub.forward)
     assert "n = self.norm1(x)" not in source and "norm_modulate_rows(self.norm1, x, scale, shift," in source
@@ -220,7 +226,7 @@ class Processor:
 
 
 def test_processors_take_only_the_rotary_pattern_with_the_site_on_their_module(emulated_kernels):
-    sub, found = _chains.fused_subclass(Processor, "FusedProcessor", __name__, "__call__")
+    sub, found = fuse(Processor, "FusedProcessor", __name__, "__call__")
     assert found.rotary == 1 and found.gates == [] and found.norms == [] and not found.gelu_cat
     attn = torch.nn.Linear(8, 8).to(torch.bfloat16)
     attn._fastpath_site_rotary_emb = Site("rotary_emb")
@@ -247,7 +253,7 @@ class JointProcessor:
 
 
 def test_a_rotary_inside_an_expression_with_a_local_import_is_fused(emulated_kernels):
-    sub, found = _chains.fused_subclass(JointProcessor, "FusedJointProcessor", __name__, "__call__")
+    sub, found = fuse(JointProcessor, "FusedJointProcessor", __name__, "__call__")
     assert found.rotary == 1 and "_diffusers_fastpath_chains.rotary(query[:, :-text_tokens]" in inspect.getsource(sub.__call__)
     attn = torch.nn.Linear(8, 8).to(torch.bfloat16)
     attn._fastpath_site_rotary_emb = Site("rotary_emb")
@@ -307,7 +313,7 @@ class QKReadProcessor:
 
 @pytest.mark.parametrize("tables", [True, False], ids=["rotary", "no-rotary"])
 def test_qk_norms_run_inside_the_fused_rotary(tables, emulated_kernels):
-    sub, found = _chains.fused_subclass(QKProcessor, "FusedQKProcessor", __name__, "__call__")
+    sub, found = fuse(QKProcessor, "FusedQKProcessor", __name__, "__call__")
     assert found.rotary == 2 and found.qk_norms == ["norm_q", "norm_k", "norm_added_q", "norm_added_k"]
     attn = QKAttention().to(torch.bfloat16)
     attn._fastpath_site_rotary_emb, attn._fastpath_site_qk_norm_rope = Site("rotary_emb"), Site("qk_norm_rope")
@@ -323,7 +329,7 @@ def test_qk_norms_run_inside_the_fused_rotary(tables, emulated_kernels):
 
 
 def test_qk_norms_read_elsewhere_are_left_as_written():
-    sub, found = _chains.fused_subclass(QKReadProcessor, "FusedQKReadProcessor", __name__, "__call__")
+    sub, found = fuse(QKReadProcessor, "FusedQKReadProcessor", __name__, "__call__")
     assert found.rotary == 1 and found.qk_norms == []
     assert "norm_later" not in inspect.getsource(sub.__call__)
 
@@ -353,7 +359,7 @@ class LateTextProcessor:
 def test_qk_norms_after_the_rotary_run_as_written(tables, emulated_kernels):
     """Only norms before the last rotary statement wait for it: one written after it (the text q and k here) is
     never deferred, nor made a tensor before it is even assigned."""
-    sub, found = _chains.fused_subclass(LateTextProcessor, "FusedLateTextProcessor", __name__, "__call__")
+    sub, found = fuse(LateTextProcessor, "FusedLateTextProcessor", __name__, "__call__")
     assert found.rotary == 2 and found.qk_norms == ["norm_k"]
     source = inspect.getsource(sub.__call__)
     assert "norm_later(attn.norm_added_q" not in source and "materialize(encoder_query)" not in source
@@ -383,9 +389,9 @@ class HeadCatProcessor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_the_head_concatenation_form_takes_only_two_names_along_the_sequence(dtype, emulated_kernels):
-    sub, found = _chains.fused_subclass(HeadCatProcessor, "FusedHeadCatProcessor", __name__, "__call__", head_cats=True)
+    sub, found = fuse(HeadCatProcessor, "FusedHeadCatProcessor", __name__, "__call__", head_cats=True)
     assert found.head_cats == 1 and inspect.getsource(sub.__call__).count("cat_heads(") == 1
-    assert _chains.fused_subclass(HeadCatProcessor, "PlainHeadCatProcessor", __name__, "__call__") == (None, None)
+    assert fuse(HeadCatProcessor, "PlainHeadCatProcessor", __name__, "__call__")[1] is None
     attn = QKAttention(dim=64, head=16).to(dtype)
     attn._fastpath_site_cat_heads = Site("cat_heads")
     gen = torch.Generator().manual_seed(9)
@@ -418,7 +424,7 @@ class MaskBlock(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.long], ids=str)
 def test_the_pairwise_mask_is_built_by_broadcasting_with_the_same_bits_and_layout(dtype):
-    sub, found = _chains.fused_subclass(MaskBlock, "FusedMaskBlock", __name__)
+    sub, found = fuse(MaskBlock, "FusedMaskBlock", __name__)
     assert found.pairwise_masks == 1
     source = inspect.getsource(sub.forward)
     assert source.count("pairwise_mask(") == 1 and "mask_2" not in source and "kept_2 = kept_1.transpose(2, 3)" in source
@@ -448,7 +454,7 @@ class PaddedMaskBlock(torch.nn.Module):
 
 
 def test_the_padded_pairwise_mask_is_built_once_per_table_with_the_same_bits():
-    sub, found = _chains.fused_subclass(PaddedMaskBlock, "FusedPaddedMaskBlock", __name__)
+    sub, found = fuse(PaddedMaskBlock, "FusedPaddedMaskBlock", __name__)
     assert found.pairwise_masks == 2  # the padded form, and the near miss's plain three statements
     source = inspect.getsource(sub.forward)
     assert source.count("pairwise_mask_padded(") == 1 and source.count("pairwise_mask(") == 1
@@ -483,9 +489,9 @@ class RebindingOuterMaskBlock(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.long], ids=str)
 def test_the_outer_mask_is_kept_on_the_rotary_table_with_the_same_bits(dtype):
-    sub, found = _chains.fused_subclass(OuterMaskBlock, "FusedOuterMaskBlock", __name__)
+    sub, found = fuse(OuterMaskBlock, "FusedOuterMaskBlock", __name__)
     assert found.outer_masks == 1 and inspect.getsource(sub.forward).count("outer_mask(") == 1
-    assert _chains.fused_subclass(RebindingOuterMaskBlock, "FusedRebinding", __name__) == (None, None)
+    assert fuse(RebindingOuterMaskBlock, "FusedRebinding", __name__)[1] is None
     gen = torch.Generator().manual_seed(6)
     mask, other = (torch.randint(0, 3, (2, 9), generator=gen).to(dtype) for _ in range(2))
     table = (torch.randn(9, 4, generator=gen), torch.randn(9, 4, generator=gen))
@@ -535,12 +541,12 @@ def _wan_digest():
 
 
 def test_wans_rotary_form_takes_the_starred_call_of_the_checked_definition_only(emulated_kernels):
-    sub, found = _chains.fused_subclass(WanStyleProcessor, "FusedWanStyleProcessor", __name__, "__call__",
+    sub, found = fuse(WanStyleProcessor, "FusedWanStyleProcessor", __name__, "__call__",
                                         wan_rotary=("apply_rotary_emb", _wan_digest()))
     assert found.rotary_named == 1 and "rotary_wan(apply_rotary_emb, query, rotary_emb," in inspect.getsource(sub.__call__)
     other = ("apply_rotary_emb", "0" * 16)  # a definition of another source: nothing taken
-    assert _chains.fused_subclass(WanStyleProcessor, "UnfusedWanStyleProcessor", __name__, "__call__",
-                                  wan_rotary=other) == (None, None)
+    assert fuse(WanStyleProcessor, "UnfusedWanStyleProcessor", __name__, "__call__",
+                                  wan_rotary=other)[1] is None
     attn = torch.nn.Linear(8, 8).to(torch.bfloat16)
     attn._fastpath_site_rotary_emb = Site("rotary_emb")
     gen = torch.Generator().manual_seed(4)
@@ -598,12 +604,12 @@ def test_the_rows_form_pairs_q_and_k_with_their_pending_norms(emulated_kernels):
     from diffusers_fastpath.models._chain_calls import register_rows_rotary
 
     register_rows_rotary(ltx_rotary)  # as the LTX-Video adapter does, after checking its digest
-    sub, found = _chains.fused_subclass(LTXStyleProcessor, "FusedLTXStyleProcessor", __name__, "__call__",
+    sub, found = fuse(LTXStyleProcessor, "FusedLTXStyleProcessor", __name__, "__call__",
                                         rows_rotary="ltx_rotary")
     assert found.qk_norms == ["norm_q", "norm_k"] and found.rows_pairs == 1 and found.rotary_named == 2
     assert "query, key = _diffusers_fastpath_chains.rotary_rows_pair(ltx_rotary, query, key," in inspect.getsource(
         sub.__call__)
-    read, read_found = _chains.fused_subclass(LTXStyleReadProcessor, "FusedLTXStyleReadProcessor", __name__,
+    read, read_found = fuse(LTXStyleReadProcessor, "FusedLTXStyleReadProcessor", __name__,
                                               "__call__", rows_rotary="ltx_rotary")
     assert not read_found.qk_norms and not read_found.rows_pairs and read_found.rotary_named == 2
     attn = RowsAttention().to(torch.bfloat16)
@@ -642,7 +648,7 @@ class NormBlock(torch.nn.Module):
 
 
 def test_the_fp32_norm_form_takes_an_upcast_norm_cast_back_only(emulated_kernels):
-    sub, found = _chains.fused_subclass(NormBlock, "FusedNormBlock", __name__)
+    sub, found = fuse(NormBlock, "FusedNormBlock", __name__)
     assert found.affine_fp32 == ["norm2"]
     source = inspect.getsource(sub.forward)
     assert source.count("norm_affine_fp32(") == 1 and "m = self.norm2(x.float()).type_as(y)" in source
@@ -665,21 +671,24 @@ def test_operands_that_are_not_tensors_run_the_original_expression():
 
 
 def test_nothing_to_fuse_stays_unpatched_and_says_so_once_when_patched(fastpath_log):
-    """A forward with no chain left (a changed or unreadable diffusers source) gives no subclass and no warning at
-    import; patching a model that has it leaves it as it is, with one warning."""
+    """A forward with no chain left (a changed diffusers source) gives no subclass and no warning at import;
+    patching a model that has it leaves it as it is, with a note for `report` and one warning."""
     from diffusers_fastpath._state import PatchState
 
     class Plain(torch.nn.Module):
         def forward(self, x):
             return x * 2
 
-    assert _chains.fused_subclass(Plain, "FusedPlain", __name__) == (None, None)
-    assert not any("found no chain to fuse" in r.getMessage() for r in fastpath_log.records)
+    assert fuse(Plain, "FusedPlain", __name__) == (None, None)
+    assert not any("no chain the rewriter fuses" in r.getMessage() for r in fastpath_log.records)
     model = torch.nn.Sequential(Plain(), Plain())
     for _ in range(2):
-        _chains.swap_rewritten(PatchState("lossless"), model, {Plain: (None, None)})
+        state = PatchState("lossless")
+        _chains.swap_rewritten(state, model, {Plain: (None, None)})
+        assert state.notes == [f"{Plain.__qualname__}.forward has no chain the rewriter fuses: it runs as it is "
+                               "(exact, no speedup)"]
     assert all(type(m) is Plain for m in model)
-    assert sum("found no chain to fuse in the installed" in r.getMessage() for r in fastpath_log.records) == 1
+    assert sum("has no chain the rewriter fuses" in r.getMessage() for r in fastpath_log.records) == 1
 
 
 def test_forwards_with_a_closure_are_left_alone():
@@ -709,3 +718,371 @@ def test_rewritten_classes_pickle_by_name():
     cls = chroma.FastpathChromaTransformerBlock
     assert pickle.loads(pickle.dumps(cls)) is cls
     assert cls.forward.__module__ == chroma.__name__ and cls.__qualname__ == "FastpathChromaTransformerBlock"
+
+
+# --- what a rewrite must prove (issue 43, item 7): the reads and writes of the names it moves or drops -----------
+
+
+class WrittenBetweenBlock(torch.nn.Module):
+    """The deferred form's near misses: the norm's input written in place between the norm and its modulate (by
+    ``out=``, by ``inplace=True``, through a view of it), and the one it takes: an unrelated module call between."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, c, scale, shift):
+        n = self.norm(x)
+        y = torch.add(x, c, out=x)                            # near miss: out= writes x
+        n = n * (1 + scale[:, None]) + shift[:, None]
+        m = self.norm(c)
+        z = F.relu(c, inplace=True)                           # near miss: inplace=True writes c
+        m = m * (1 + scale[:, None]) + shift[:, None]
+        p = self.norm(y)
+        w = y[:, 1:]
+        w2 = w.mul_(2)                                        # near miss: a view of y written
+        p = p * (1 + scale[:, None]) + shift[:, None]
+        q = self.norm(z * 3)
+        r = self.proj(y)                                      # fused: the call writes nothing the norm reads
+        q = q * (1 + scale[:, None]) + shift[:, None]
+        return n, m, p, q, y, z, w2, r
+
+
+def test_a_layernorm_waits_for_its_modulate_only_where_nothing_writes_its_input(emulated_kernels):
+    sub, found = fuse(WrittenBetweenBlock, "FusedWrittenBetweenBlock", __name__)
+    source = inspect.getsource(sub.forward)
+    assert found.norms == ["norm"] and source.count("norm_modulate(") == 1 and "q = self.norm(z * 3)" not in source
+    assert all(f"{name} = self.norm(" in source for name in "nmp")  # they run where they are written
+    torch.manual_seed(7)
+    block = sub().to(torch.bfloat16)
+    block.norm._fastpath_site = Site("layernorm_scale_shift")
+    args = [torch.randn(2, 5, 8).to(torch.bfloat16) for _ in range(2)] + [torch.randn(2, 8).to(torch.bfloat16) for _ in range(2)]
+    ref_block = WrittenBetweenBlock().to(torch.bfloat16)
+    ref_block.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        got, ref = block(*[a.clone() for a in args]), ref_block(*[a.clone() for a in args])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert block.norm._fastpath_site.fast == 1
+
+
+class ReadAfterBlock(torch.nn.Module):
+    """The two-statement gated residual's near misses: the product read after the ``if`` it is in, at the next
+    iteration of its loop, in a ``finally``; and the one it takes: the product rebound before anything reads it."""
+
+    def forward(self, x, e, gate_a, gate_b, gate_c, gate_d, flag: bool):
+        u = e
+        if flag:
+            u = gate_a.unsqueeze(1) * e
+            x = x + u                                         # near miss: u read after the if
+        v, y = e, e
+        for _ in range(2):
+            y = y + v                                         # (v read at the next iteration)
+            v = gate_b.unsqueeze(1) * e
+            x = x + v                                         # near miss
+        t = e
+        try:
+            t = gate_c.unsqueeze(1) * e
+            x = x + t                                         # near miss: t read in the finally
+        finally:
+            y = y + t
+        w = gate_d.unsqueeze(1) * e
+        x = x + w                                             # fused: w rebound before any read
+        w = e
+        return x, u, y, w
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_dropped_product_is_read_nowhere_after_in_any_enclosing_block(flag, emulated_kernels):
+    sub, found = fuse(ReadAfterBlock, "FusedReadAfterBlock", __name__)
+    assert found.gates == ["gate_d"]
+    block = sub()
+    block._fastpath_site_gate_d = Site("gated_residual")
+    gen = torch.Generator().manual_seed(8)
+    r = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
+    args = (r(2, 5, 8), r(2, 5, 8), r(2, 8), r(2, 8), r(2, 8), r(2, 8), flag)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(block(*args), ReadAfterBlock()(*args)))
+    assert block._fastpath_site_gate_d.fast == 1
+
+
+class GeluRebindBlock(torch.nn.Module):
+    """The GELU + concatenation form's near miss: the projection's name rebound before the concatenation."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.proj_mlp = torch.nn.Linear(dim, dim)
+        self.act_mlp = torch.nn.GELU(approximate="tanh")
+
+    def forward(self, x, a):
+        mlp = self.act_mlp(self.proj_mlp(x))
+        mlp = x * 2
+        out = torch.cat([a, mlp], dim=2)
+        return out
+
+
+def test_the_gelu_does_not_move_onto_another_value_of_its_name(emulated_kernels):
+    sub, found = fuse(GeluRebindBlock, "FusedGeluRebindBlock", __name__)
+    block = (sub or GeluRebindBlock)().to(torch.bfloat16)
+    x, a = torch.randn(2, 5, 8).to(torch.bfloat16), torch.randn(2, 5, 8).to(torch.bfloat16)
+    ref = GeluRebindBlock().to(torch.bfloat16)
+    ref.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        assert torch.equal(block(x, a), ref(x, a))
+    assert found is None
+
+
+class SwiGLUModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        half = x.shape[-1] // 2
+        return self.gate_fn(x[..., :half]) * x[..., half:]
+
+
+class SwiAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp_act_fn = SwiGLUModule()
+
+
+class SwiWrittenProcessor:
+    """FLUX.2's SwiGLU + concatenation, and a write into the SwiGLU's input (a subscript store) before it."""
+
+    def __call__(self, attn, hidden_states, other):
+        mlp = attn.mlp_act_fn(hidden_states)
+        hidden_states[:, 0] = other[:, 0].repeat(1, 2)
+        out = torch.cat([other, mlp], dim=-1)
+        return out
+
+
+class SwiProcessor:
+    def __call__(self, attn, hidden_states, other):
+        mlp = attn.mlp_act_fn(hidden_states)
+        other = other * 2
+        out = torch.cat([other, mlp], dim=-1)
+        return out
+
+
+def test_the_swiglu_waits_for_its_concatenation_only_where_nothing_writes_its_input(emulated_kernels):
+    from diffusers_fastpath.models._chain_calls import register_swiglu
+
+    register_swiglu(SwiGLUModule, "gate_fn")
+    written, written_found = fuse(SwiWrittenProcessor, "FusedSwiWrittenProcessor", __name__, "__call__",
+                                  swiglus=("mlp_act_fn",))
+    plain, plain_found = fuse(SwiProcessor, "FusedSwiProcessor", __name__, "__call__", swiglus=("mlp_act_fn",))
+    assert plain_found.swiglu_cats == ["mlp_act_fn"]
+    attn = SwiAttention()
+    attn.mlp_act_fn._fastpath_site_swiglu_cat = Site("swiglu_cat")
+    gen = torch.Generator().manual_seed(9)
+    x, other = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16), torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        for fused, original in ((written or SwiWrittenProcessor, SwiWrittenProcessor), (plain, SwiProcessor)):
+            assert torch.equal(fused()(attn, x.clone(), other), original()(attn, x.clone(), other))
+    assert attn.mlp_act_fn._fastpath_site_swiglu_cat.fast == 1 and written_found is None
+
+
+# --- the rewrite comes from the function the class holds when `patch` runs (issue 43, item 3) ---------------------
+
+
+def _shifted(forward):
+    """A library's replacement of `forward`: it runs `forward` and adds one to every tensor that returns."""
+    def replaced(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return pytree.tree_map(lambda t: t + 1 if isinstance(t, torch.Tensor) else t, out)
+    return replaced
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["replaced", "functools.wraps"])
+def test_a_block_forward_replaced_after_import_runs_as_it_is(wrapped, monkeypatch, fastpath_log, emulated_kernels,
+                                                            unpatch_after):
+    """FLUX.2's block forward replaced after this package's import (a plain replacement, or a ``functools.wraps``
+    wrapper, whose ``inspect.getsource`` is diffusers' forward): the patched model runs the replacement, its blocks
+    keep diffusers' class, `report` says why, one warning; the rest is patched as before."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+    from diffusers_fastpath.models import flux2
+    from diffusers_fastpath.testing import build_flux2_transformer, flux2_transformer_inputs
+
+    original = Flux2TransformerBlock.forward
+    replaced = functools.wraps(original)(_shifted(original)) if wrapped else _shifted(original)
+    monkeypatch.setattr(Flux2TransformerBlock, "forward", replaced)
+    model, twin = build_flux2_transformer(seed=11), build_flux2_transformer(seed=11)
+    inputs = flux2_transformer_inputs(model, seed=12)
+    fp.patch(model)
+    unpatch_after(model)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).sample, twin(**inputs).sample)
+        blocks = [type(b) for b in model.transformer_blocks]
+        assert blocks and all(cls is Flux2TransformerBlock for cls in blocks)
+        assert type(model.single_transformer_blocks[0]) is flux2.FastpathFlux2SingleTransformerBlock
+        why = "is a wrapper of" if wrapped else "is a closure (it reads forward of the function that made it)"
+        assert any(why in note for note in fp.report(model).models[0].notes)
+        assert sum(why in r.getMessage() for r in fastpath_log.records) == 1
+    finally:
+        fp.unpatch(model)
+        monkeypatch.undo()
+    # with diffusers' forward back, the next patch rewrites it again: the same class as at import
+    assert _chains.rewrite_of(flux2.FastpathFlux2TransformerBlock) is not None
+    assert flux2.FastpathFlux2TransformerBlock.forward.__name__ == "forward"
+
+
+def test_a_flux_block_forward_wrapped_after_import_runs_as_it_is(monkeypatch, emulated_kernels, unpatch_after):
+    """FLUX.1's hand-mirrored forwards: the digest of a ``functools.wraps`` wrapper's source is diffusers' forward's;
+    the wrapper is not that function, and runs."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    from diffusers_fastpath.testing import build_flux_transformer, flux_transformer_inputs
+
+    original = FluxTransformerBlock.forward
+    monkeypatch.setattr(FluxTransformerBlock, "forward", functools.wraps(original)(_shifted(original)))
+    model, twin = build_flux_transformer(seed=13), build_flux_transformer(seed=13)
+    inputs = flux_transformer_inputs(model, seed=14)
+    fp.patch(model)
+    unpatch_after(model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).sample, twin(**inputs).sample)
+    assert all(type(b) is FluxTransformerBlock for b in model.transformer_blocks)
+
+
+class Swappable(torch.nn.Module):
+    def forward(self, x, e, gate):
+        x = x + gate.unsqueeze(1) * e
+        return x
+
+
+def _swappable_other(self, x, e, gate):
+    """Another forward for `Swappable`, whose source is its own: a library's rewrite of diffusers' forward."""
+    e = e + gate.unsqueeze(1) * x
+    return e * 2
+
+
+def test_the_subclass_is_rewritten_from_the_forward_its_base_holds_now(monkeypatch, emulated_kernels):
+    """A replacement whose source is provably its own is rewritten (from it, not from the file the base class was
+    defined in); the subclass stays the same object (pickles find it by name), and takes diffusers' forward back."""
+    sub, found = fuse(Swappable, "FusedSwappable", __name__)
+    first = sub.forward
+    gen = torch.Generator().manual_seed(15)
+    args = [torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    args.append(torch.randn(2, 8, generator=gen).to(torch.bfloat16))
+    block = sub()
+    block._fastpath_site_gate = Site("gated_residual")
+    monkeypatch.setattr(Swappable, "forward", _swappable_other)
+    assert _chains.rewrite_of(sub).gates == ["gate"] and sub.forward is not first
+    assert "e = _diffusers_fastpath_chains.gated_residual(e, gate.unsqueeze(1), x," in inspect.getsource(sub.forward)
+    with torch.no_grad():
+        assert torch.equal(block(*args), Swappable()(*args))  # both run _swappable_other
+    assert block._fastpath_site_gate.fast == 1
+    assert pickle.loads(pickle.dumps(sub)) is sub
+    monkeypatch.undo()
+    assert _chains.rewrite_of(sub) is found and sub.forward is first  # made once per function
+    with torch.no_grad():
+        assert torch.equal(block(*args), Swappable()(*args))
+
+
+EDITED = '''import torch
+
+
+class EditedBlock(torch.nn.Module):
+    def forward(self, x, e, gate):
+        x = x + gate.unsqueeze(1) * {}
+        return x
+'''
+
+
+def test_a_source_file_edited_after_import_is_not_rewritten(tmp_path, monkeypatch, emulated_kernels):
+    """The class runs the code it was imported with; the file on disk, edited since, says another thing: nothing is
+    rewritten from it."""
+    import importlib.util
+    import os
+    import sys
+
+    path = tmp_path / "edited_block.py"
+    path.write_text(EDITED.format("e"))
+    spec = importlib.util.spec_from_file_location("_fastpath_edited_block", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    assert fuse(module.EditedBlock, "FusedEditedBlock", spec.name)[1] is not None  # as imported: rewritten
+    path.write_text(EDITED.format("(e * 2)"))  # the same lines, another expression
+    os.utime(path, (os.stat(path).st_atime, os.stat(path).st_mtime + 5))
+    sub, found = fuse(module.EditedBlock, "FusedEditedBlock2", spec.name)
+    gen = torch.Generator().manual_seed(16)
+    args = [torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    args.append(torch.randn(2, 8, generator=gen).to(torch.bfloat16))
+    with torch.no_grad():
+        assert torch.equal((sub or module.EditedBlock)()(*args), module.EditedBlock()(*args))
+    assert found is None and "edited since it was imported" in _chains.why_unrewritten(sub, module.EditedBlock)
+
+
+class QKWrittenProcessor:
+    """The QK-norm form's near miss: the norm's input written (through a view of it) before the rotary embedding,
+    which is where a pending norm runs."""
+
+    def __call__(self, attn, hidden_states, text, image_rotary_emb=None):
+        query = attn.to_q(hidden_states).unflatten(-1, (-1, attn.head))
+        first = query[:, :1]
+        query = attn.norm_q(query)
+        first.mul_(2)
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        return query
+
+
+def test_a_qk_norm_waits_for_its_rotary_only_where_nothing_writes_its_input(emulated_kernels):
+    sub, found = fuse(QKWrittenProcessor, "FusedQKWrittenProcessor", __name__, "__call__")
+    assert found.rotary == 1 and found.qk_norms == []
+    attn = QKAttention().to(torch.bfloat16)
+    attn._fastpath_site_rotary_emb, attn._fastpath_site_qk_norm_rope = Site("rotary_emb"), Site("qk_norm_rope")
+    gen = torch.Generator().manual_seed(17)
+    x, text = torch.randn(2, 5, 16, generator=gen).to(torch.bfloat16), torch.randn(2, 3, 16, generator=gen).to(torch.bfloat16)
+    freqs = (torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen))
+    with torch.no_grad():
+        assert torch.equal(sub()(attn, x, text, freqs), QKWrittenProcessor()(attn, x, text, freqs))
+    assert attn._fastpath_site_rotary_emb.fast == 1
+
+
+# the two-statement gated residual ``u = gate.unsqueeze(1) * e; x = x + u`` around odd control flow: whether ``u``
+# (no longer bound by the rewrite) may be read afterwards, and so whether the pattern is taken
+DROPS = {
+    "rebound before any read": ("u = e\nu = gate.unsqueeze(1) * e\nx = x + u\nu = e * 2\nreturn x, u", True),
+    "read in a lambda made before": ("u = e\nf = lambda: u\nu = gate.unsqueeze(1) * e\nx = x + u\nreturn x, f()", False),
+    "locals() read": ("u = e\nu = gate.unsqueeze(1) * e\nx = x + u\nreturn x, len(locals())", False),
+    "a break skips the rebinding": ("u = e\nfor _ in range(2):\n    u = gate.unsqueeze(1) * e\n    x = x + u\n"
+                                    "    if flag:\n        break\n    u = e\nreturn x, u", False),
+    "read by a while test": ("u = e\ni = 0\nwhile i < 2 and u.sum() != 0:\n    u = gate.unsqueeze(1) * e\n"
+                             "    x = x + u\n    i += 1\nreturn x,", False),
+    "read by a handler": ("u = e\ntry:\n    u = gate.unsqueeze(1) * e\n    x = x + u\n    x = x / 0 if flag else x\n"
+                          "except ZeroDivisionError:\n    x = u\nreturn x,", False),
+    "read in a later match case": ("u = e\nu = gate.unsqueeze(1) * e\nx = x + u\nmatch flag:\n    case True:\n"
+                                   "        x = x * 2\n    case _:\n        x = u\nreturn x,", False),
+    "read only in a branch that rebinds first": ("u = gate.unsqueeze(1) * e\nx = x + u\nif flag:\n    u = e\n"
+                                                 "    x = x + u\nreturn x,", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DROPS))
+def test_a_dropped_product_is_proven_unread_through_any_control_flow(case, tmp_path, monkeypatch, emulated_kernels):
+    import importlib.util
+    import sys
+    import textwrap
+
+    body, fused = DROPS[case]
+    path = tmp_path / "drops.py"
+    path.write_text("import torch\n\n\nclass Drop(torch.nn.Module):\n    def forward(self, x, e, gate, flag):\n"
+                    + textwrap.indent(body, " " * 8) + "\n")
+    spec = importlib.util.spec_from_file_location("_fastpath_drops", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    sub, found = fuse(module.Drop, "FusedDrop", spec.name)
+    gen = torch.Generator().manual_seed(18)
+    x, e = (torch.randn(2, 5, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    gate = torch.randn(2, 8, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        for flag in (True, False):
+            got, want = (sub or module.Drop)()(x, e, gate, flag), module.Drop()(x, e, gate, flag)
+            assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
+    assert (found is not None and found.gates == ["gate"]) == fused

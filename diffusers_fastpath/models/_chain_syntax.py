@@ -11,6 +11,7 @@ import importlib.util
 from diffusers.models import embeddings
 
 from .._state import site_attr
+from ._chain_proofs import like
 
 _NS = "_diffusers_fastpath_chains"  # the name `_chain_calls._ChainsNamespace` goes by in the rewritten forwards' globals
 
@@ -296,8 +297,11 @@ def _constants(args: list[ast.expr], *values) -> bool:
         v is None or (isinstance(a, ast.Constant) and type(a.value) is int and a.value == v) for a, v in zip(args, values))
 
 
-def _pairwise_mask_of(three: list[ast.stmt], rest: list[ast.stmt]) -> ast.stmt | None:
-    """``X = pairwise_mask(A, B, S)`` for the three statements of the pairwise-mask form (module doc), or None."""
+def _pairwise_mask_of(three: list[ast.stmt], dead, quiet) -> ast.stmt | None:
+    """``X = pairwise_mask(A, B, S)`` for the three statements of the pairwise-mask form (module doc), or None.
+    `dead(name)`: whether the value `name` holds after the third statement is read nowhere (the rewrite binds
+    neither ``M1`` nor ``M2``); `quiet(expr)`: whether evaluating `expr` writes and binds nothing (``B`` and ``S``
+    are evaluated once, at the third statement, instead of at the first)."""
     m1, m2, x = (_single_target(s) for s in three)
     if m1 is None or m2 is None or x is None or len({m1, m2}) < 2:
         return None
@@ -316,16 +320,17 @@ def _pairwise_mask_of(three: list[ast.stmt], rest: list[ast.stmt]) -> ast.stmt |
     if not (isinstance(both, ast.BinOp) and isinstance(both.op, ast.BitAnd) and isinstance(both.left, ast.Name)
             and both.left.id == m1 and isinstance(both.right, ast.Name) and both.right.id == m2):
         return None
-    if any(_uses(e, n) for e in (a, batch, seq) for n in (m1, m2)) or _reads_after(rest, m1) or _reads_after(rest, m2):
+    if any(_uses(e, n) for e in (a, batch, seq) for n in (m1, m2)) or not (quiet(a) and quiet(batch) and quiet(seq)):
         return None
-    return ast.copy_location(ast.Assign(targets=[ast.Name(x, ast.Store())], value=_call("pairwise_mask", [a, batch, seq])),
-                             three[2])
+    if any(n != x and not dead(n) for n in (m1, m2)):
+        return None
+    return like(ast.Assign(targets=[ast.Name(x, ast.Store())], value=_call("pairwise_mask", [a, batch, seq])), three[2])
 
 
-def _padded_pairwise_mask_of(five: list[ast.stmt], rest: list[ast.stmt], anchor: str) -> ast.stmt | None:
+def _padded_pairwise_mask_of(five: list[ast.stmt], anchor: str, dead, quiet) -> ast.stmt | None:
     """``X = pairwise_mask_padded(P, A, E, B, S, anchor)`` for ``A = P(A, E, value=True)``, ``A = A.bool()`` and the
     pairwise-mask form of ``A`` into ``X`` (HunyuanVideo-1.5's processor; the padded form of the module doc), or
-    None."""
+    None. `dead` and `quiet` as for `_pairwise_mask_of`, of the fifth statement."""
     a = _single_target(five[0])
     pad = five[0].value if a is not None else None
     if not (isinstance(pad, ast.Call) and isinstance(pad.func, ast.Attribute) and pad.func.attr == "pad"
@@ -336,18 +341,18 @@ def _padded_pairwise_mask_of(five: list[ast.stmt], rest: list[ast.stmt], anchor:
     cast = _method_call(five[1].value, "bool") if _single_target(five[1]) == a else None
     if not (cast and isinstance(cast[0], ast.Name) and cast[0].id == a and not cast[1]):
         return None
-    merged = _pairwise_mask_of(five[2:], rest)
+    merged = _pairwise_mask_of(five[2:], dead, quiet)
     if merged is None:
         return None
     mask, batch, seq = merged.value.args
     x = _single_target(merged)
-    if not (isinstance(mask, ast.Name) and mask.id == a) or (x != a and _reads_after(rest, a)):
+    if not (isinstance(mask, ast.Name) and mask.id == a) or (x != a and not dead(a)):
         return None
-    if any(_uses(e, a) for e in (batch, seq)):
+    if any(_uses(e, a) for e in (batch, seq)) or not (quiet(pad.func) and quiet(pad.args[1])):
         return None
     call = _call("pairwise_mask_padded", [pad.func, ast.Name(a, ast.Load()), pad.args[1], batch, seq,
                                           ast.Name(anchor, ast.Load())])
-    return ast.copy_location(ast.Assign(targets=[ast.Name(x, ast.Store())], value=call), five[4])
+    return like(ast.Assign(targets=[ast.Name(x, ast.Store())], value=call), five[4])
 
 
 def _outer_index(node: ast.expr, name: str, last: bool) -> bool:
@@ -373,13 +378,13 @@ def _outer_mask_of(stmt: ast.stmt, anchor: str) -> ast.stmt | None:
     if not (_outer_index(value.left, mask, True) and _outer_index(value.right, mask, False)):
         return None
     call = _call("outer_mask", [ast.Name(mask, ast.Load()), ast.Name(anchor, ast.Load())])
-    return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+    return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
 
 class _PendingReads(ast.NodeVisitor):
     """Walks statements in evaluation order, tracking the names bound to a pending norm (``norm_later`` or
     ``cat_later``), and finds any read of one that is not in `allowed` (a binding inside a nested block keeps the
-    name pending: the block may not run)."""
+    name pending: the block may not run; a loop's body is walked twice: its next iteration reads what it left)."""
 
     def __init__(self, allowed: set[int]) -> None:
         self.allowed, self.pending, self.depth, self.ok = allowed, set(), 0, True
@@ -403,17 +408,16 @@ class _PendingReads(ast.NodeVisitor):
         self.generic_visit(node)
         self.depth -= 1
 
-    visit_If = visit_For = visit_While = visit_With = visit_Try = _nested
+    def _loop(self, node: ast.AST) -> None:
+        self._nested(node)
+        self._nested(node)  # the next iteration reads what this one left pending
+
+    visit_If = visit_With = visit_Try = _nested
+    visit_For = visit_While = _loop
 
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Load) and node.id in self.pending and id(node) not in self.allowed:
             self.ok = False
-
-
-def _calls_inplace(node: ast.AST) -> bool:
-    """Whether `node` (an expression or a statement) calls a method whose name ends in ``_`` (PyTorch's in-place convention)."""
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr.endswith("_")
-               and not n.func.attr.startswith("_") for n in ast.walk(node))
 
 
 def _uses(node: ast.expr, name: str) -> bool:

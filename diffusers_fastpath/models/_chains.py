@@ -12,27 +12,42 @@ matches is left alone (and the adapter says so).
 Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
 any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
 expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
-is the original's.
+is the original's. Where a rewrite moves a computation (a LayerNorm that waits for its modulate) or no longer binds
+a name (the product of a two-statement gated residual), `_chain_proofs` proves from the forward's AST that nothing
+in between writes what it reads and nothing afterwards reads the name, or the statements stay as written.
 
-The rewriter is in four parts: this one (reading, rewriting and compiling a forward; the subclasses and their
+What is rewritten is the function the class holds when a model is patched: a library may replace a block's
+``forward`` after this package is imported (``Flux2TransformerBlock.forward = ...``), or wrap it with
+``functools.wraps`` (whose ``inspect.getsource`` is the wrapped function's), or the source file may be edited on disk
+after diffusers was imported (``inspect.getsource`` reads the file now). So the source read is *proven* to be the
+function's (`_chain_proofs.source_of`: the text compiles to the function's own code object), and `rewrite_of` makes
+the rewrite again, at patch time, for whatever function the class holds then; what cannot be proven runs as it is,
+unswapped, with a note in `report` and one warning (issue 43 found each before: a replaced FLUX.2 block forward
+discarded, max diff 0.89; a wrapped FLUX.1 one, 0.20; an edited file rewritten from its new text, 1.98;
+`tests/test_chains.py` has each).
+
+The rewriter is in five parts: this one (reading, rewriting and compiling a forward; the subclasses and their
 sites), `_rewriter` (the patterns: which statements a forward has and what replaces them, documented there),
+`_chain_proofs` (what a rewrite that moves or drops anything must prove, and that a source is its function's),
 `_chain_syntax` (what each pattern's statements look like, as AST) and `_chain_calls` (what the rewritten forwards
 call at run time).
 
 The generated source is registered with `linecache`, so tracebacks and ``inspect.getsource`` show the rewritten
-lines; the subclasses are created when the adapter module is imported, so pickles of patched models find them by
-name.
+lines. The adapters make their subclasses when they are imported, one object per name (rewritten again in place
+when the class's function changes), so pickles of patched models find them by name in any process.
 """
-
 from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import hashlib
 import inspect
+import itertools
 import linecache
 import sys
 import textwrap
+from collections.abc import Callable
 
 import torch.nn.functional as F
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
@@ -42,6 +57,7 @@ from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
+from ._chain_proofs import Proofs, source_of
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
@@ -54,19 +70,22 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                     rows_rotary: str | None = None,
                     wan_rotary: tuple[str, str] | None = None) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
-    what was found; or ``None`` where its source cannot be read, it needs a closure (``super()``), or no pattern
-    matched. `norm_methods` maps a modulate method of the block to its fused counterpart (see `_rewriter`)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
+    what was found; or ``None`` where its source is not provably `fn`'s (`_chain_proofs.source_of`: a wrapper, a
+    replaced function, a file edited since the import), it needs a closure (``super()``), or no pattern matched.
+    `norm_methods` maps a modulate method of the block to its fused counterpart (see `_rewriter`)."""
+    source, _ = source_of(fn)
+    if source is None or fn.__code__.co_freevars:
         return None
-    if fn.__code__.co_freevars:
-        return None
+    source = textwrap.dedent(source)
     tree = ast.parse(source)
     (func,) = tree.body
     if not isinstance(func, ast.FunctionDef):
         return None
     func.decorator_list = []  # the function is wrapped below, never re-decorated
+    for arg in (*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs, func.args.vararg, func.args.kwarg):
+        if arg is not None:
+            arg.annotation = None  # `fn`'s own annotations are copied below, not evaluated again
+    func.returns = None
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
     if "F.silu" in activations and fn.__globals__.get("F") is not F:  # the functional form needs torch's F
@@ -90,9 +109,15 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             complex_rotary = name
         else:
             local = None
-    rewriter = _Rewriter(owner, _diffusers_rotary(fn, func) and local is None, norm_methods, activations, rms_norms,
+    rotary_ok = _diffusers_rotary(fn, func) and local is None
+    # what the proofs read: the forward as written (`func` is rewritten); the rotary functions checked above write
+    # nothing (diffusers' apply_rotary_emb; those the adapter names, checked by digest before their calls are fused)
+    checked = {n for n in (complex_rotary, rows_rotary, wan, "apply_rotary_emb" if rotary_ok else None) if n}
+    proofs = Proofs(ast.parse(source).body[0], {"self", owner}, frozenset(checked))
+    proofs.tag(func.body)
+    rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
                          swiglus, complex_rotary, local is not None, head_cats and owner != "self",
-                         rows_rotary if owner != "self" else None, wan if owner != "self" else None)
+                         rows_rotary if owner != "self" else None, wan if owner != "self" else None, proofs=proofs)
     func.body = rewriter.body(copy.deepcopy(func.body), func)
     if rewriter.found.head_cats:
         func.body = rewriter.seq_major_attention(func.body)
@@ -102,7 +127,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         return None
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
-    filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}>"
+    filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}:{next(_REWRITES)}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace: dict = {}
     module_globals = fn.__globals__
@@ -111,7 +136,48 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     new = namespace[func.name]
     new.__qualname__ = qualname
     new.__doc__ = fn.__doc__
+    new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__  # the objects, not evaluated again
+    new.__annotations__ = dict(fn.__annotations__)
     return new, rewriter.found
+
+
+_REWRITES = itertools.count()  # each rewrite's source has a file name of its own (linecache, tracebacks)
+
+
+@dataclasses.dataclass(eq=False)
+class _Spec:
+    """How a `fused_subclass` is rewritten: from `base`'s `method` as the class holds it (at import, and again
+    wherever it holds another function when a model is patched: `rewrite_of`)."""
+
+    base: type
+    method: str
+    module: str
+    options: dict  # rewrite_forward's keyword arguments
+    norm_methods: dict  # modulate method -> (fused name, fused function)
+    modulates: dict  # modulate method -> the function `base` held for it when the adapter vouched for it
+    held: tuple = (None,)  # (function, modulates) the subclass's method was last made from
+    why: str = ""  # why the held function is not rewritten (report, warning)
+    made: dict = dataclasses.field(default_factory=dict)  # (function, kept modulates) -> (rewritten, found, why)
+
+    def make(self, name: str, fn, kept: dict) -> tuple:
+        """``(rewritten function, found, "")``, or ``(None, None, why)``, for the function `fn`, cached per function."""
+        key = (fn, tuple(kept))
+        if key not in self.made:
+            source, why = source_of(fn)
+            try:
+                rewritten = rewrite_forward(fn, f"{name}.{self.method}", kept, **self.options) if source else None
+            except Exception as exc:  # noqa: BLE001 - a rewriter that fails leaves the forward as it is, and says so
+                rewritten, source, why = None, None, f"could not be rewritten ({type(exc).__name__}: {exc})"
+            if rewritten is not None:
+                rewritten[0].__module__ = self.module
+            elif source is not None:
+                why = "has no chain the rewriter fuses" + (" (it calls super())" if fn.__code__.co_freevars else "")
+            self.made[key] = (*(rewritten or (None, None)), why)
+        return self.made[key]
+
+
+_SPECS: dict[type, _Spec] = {}
+_NAMED: dict[tuple[str, str], type] = {}  # (module, name) -> the subclass made under that name
 
 
 def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
@@ -122,60 +188,127 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    head_cats: bool = False, rows_rotary: str | None = None,
                    wan_rotary: tuple[str, str] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
-    defined in (and set as an attribute of) the adapter module `module`, whose `method` is the installed one with its
-    chains fused, and what was rewritten; ``(None, None)`` where nothing could be (`swap_rewritten` says so once, when a model has it).
+    defined in (and set as an attribute of) the adapter module `module`, whose `method` is the one `cls` holds now
+    with its chains fused, and what was rewritten; ``(None, None)`` where nothing can be (`swap_rewritten` and
+    `replace_processors` say why, once, when a model has it).
+
+    The rewrite comes from the function `cls` holds when a model is patched, not only from the one it held here:
+    `swap_rewritten`, `replace_processors` (and an adapter that needs what was found, through `rewrite_of`) make it
+    again where `cls` holds another function since (a library that replaced the forward after this import), cached
+    per function. A function whose source is not provably its own (`_chain_proofs.source_of`: a ``functools.wraps``
+    wrapper, a closure, a file edited since the import) or in which no pattern matches is never rewritten: the
+    subclass then has no `method` of its own and runs `cls`'s as it is, and no module is swapped to it. The subclass
+    stays one object per `name` (a second call with the same arguments returns it), so that pickles of patched
+    models find it by name, in this process and in a fresh one, and ``copy.deepcopy`` keeps it.
+
     `norm_methods` maps a modulate method of `cls` to ``(name, function)``, the fused counterpart the subclass gets
-    (the LayerNorm-into-method pattern of `_rewriter`); `activations` names the attributes of `cls` that the
-    SwiGLU form may take as its SiLU; `rms_norms` those the sandwich-norm forms may take as diffusers' RMSNorm;
-    `swiglus` (a processor's) the attention module's attributes the SwiGLU + concatenation form may take;
-    `complex_rotary` (a processor's) the name of its module's complex-form rotary function (`register_complex_rotary`);
-    `local_rotary` ``(name, digest)``: one the forward defines itself, taken where its normalised source
-    (``ast.unparse``) has that sha256 digest prefix; `head_cats` (a processor's) takes its ``torch.cat([A, B], dim=2)``
-    of two names (SD3's joint q, k and v of ``[B, H, S, D]``) as the fused `cat_heads`; `rows_rotary` (a
-    processor's) the name of its module's rows-form rotary function (`register_rows_rotary`: LTX-Video's);
-    `wan_rotary` ``(name, digest)``: Wan's, a function the processor defines, taken where its normalised source has
-    that digest."""
-    norm_methods = norm_methods or {}
-    rewritten = rewrite_forward(getattr(cls, method), f"{name}.{method}",
-                                {m: fused_name for m, (fused_name, _) in norm_methods.items()}, activations, rms_norms,
-                                swiglus, complex_rotary, local_rotary, head_cats, rows_rotary, wan_rotary)
-    if rewritten is None:  # said when a model that has it is patched (`swap_rewritten`), not at import
-        return None, None
-    fn, found = rewritten
-    doc = (f"diffusers' ``{cls.__qualname__}`` with the chains of its installed ``{method}`` fused "
-           f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
-           f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
-           f"fp32 affine LayerNorm of {found.affine_fp32 or '-'}, "
-           f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
-           f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
-           f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
-           f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}. Adds no "
-           "state beyond the fusion sites.")
-    extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
-    sub = type(name, (cls,), {method: fn, **extra, "__module__": module, "__qualname__": name, "__doc__": doc,
-                              "_fastpath_rewrite": found})
-    fn.__module__ = module
-    if module in sys.modules:  # an attribute of its module from the start, so that pickles find it by name
-        setattr(sys.modules[module], name, sub)
-    return sub, found
+    (the LayerNorm-into-method pattern of `_rewriter`), taken only while `cls` holds the method it holds here (the one
+    the adapter checked); `activations` names the attributes of `cls` that the SwiGLU form may take as its SiLU;
+    `rms_norms` those the sandwich-norm forms may take as diffusers' RMSNorm; `swiglus` (a processor's) the
+    attention module's attributes the SwiGLU + concatenation form may take; `complex_rotary` (a processor's) the name
+    of its module's complex-form rotary function (`register_complex_rotary`); `local_rotary` ``(name, digest)``: one
+    the forward defines itself, taken where its normalised source (``ast.unparse``) has that sha256 digest prefix;
+    `head_cats` (a processor's) takes its ``torch.cat([A, B], dim=2)`` of two names (SD3's joint q, k and v of
+    ``[B, H, S, D]``) as the fused `cat_heads`; `rows_rotary` (a processor's) the name of its module's rows-form
+    rotary function (`register_rows_rotary`: LTX-Video's); `wan_rotary` ``(name, digest)``: Wan's, a function the
+    processor defines, taken where its normalised source has that digest."""
+    norm_methods = dict(norm_methods or {})
+    options = dict(activations=activations, rms_norms=rms_norms, swiglus=swiglus, complex_rotary=complex_rotary,
+                   local_rotary=local_rotary, head_cats=head_cats, rows_rotary=rows_rotary, wan_rotary=wan_rotary)
+    sub = _NAMED.get((module, name))
+    spec = _SPECS.get(sub)
+    if spec is None or (spec.base, spec.method, spec.options, spec.norm_methods) != (cls, method, options,
+                                                                                       norm_methods):
+        spec = _Spec(cls, method, module, options, norm_methods, {m: getattr(cls, m, None) for m in norm_methods})
+        if spec.make(name, getattr(cls, method, None), {m: f for m, (f, _) in norm_methods.items()})[1] is None:
+            return None, None  # (no class: nothing refers to it)
+        extra = {fused_name: fused for fused_name, fused in norm_methods.values()}
+        sub = type(name, (cls,), {**extra, "__module__": module, "__qualname__": name, "_fastpath_rewrite": None})
+        _SPECS[sub], _NAMED[(module, name)] = spec, sub
+        if module in sys.modules:  # an attribute of its module from the start, so that pickles find it by name
+            setattr(sys.modules[module], name, sub)
+    found = rewrite_of(sub)
+    return (sub, found) if found is not None else (None, None)
+
+
+def rewrite_of(sub: type) -> Rewrite | None:
+    """What the `fused_subclass` `sub` rewrote in the function its base class holds *now* (made again where that is
+    not the one it was last made from), or None where that function runs as it is (`why_unrewritten` says why).
+
+    The subclass is one object, so models patched before run the new function too, from here on: what their
+    unpatched twins run (a site the new rewrite counts on and they lack counts nothing: ``getattr(..., None)``). A
+    function replaced after the last `patch` (or this call) is seen at the next one."""
+    spec = _SPECS[sub]
+    fn = getattr(spec.base, spec.method, None)
+    modulates = tuple(getattr(spec.base, m, None) for m in spec.norm_methods)
+    if (fn, modulates) != spec.held:
+        kept = {m: fused for (m, (fused, _)), held in zip(spec.norm_methods.items(), modulates)
+                if held is spec.modulates[m]}  # a modulate method replaced since the adapter checked it: as written
+        new, found, spec.why = spec.make(sub.__name__, fn, kept)
+        spec.held = (fn, modulates)
+        if new is not None:
+            setattr(sub, spec.method, new)
+        elif spec.method in sub.__dict__:
+            delattr(sub, spec.method)  # the subclass (of models patched before) runs the base's function as it is
+        sub._fastpath_rewrite = found
+        sub.__doc__ = _doc(spec, found)
+    return sub.__dict__["_fastpath_rewrite"]
+
+
+def why_unrewritten(sub: type | None, cls: type | None = None, method: str = "forward") -> str:
+    """Why `rewrite_of(sub)` is None (`sub` None: why `fused_subclass` of `cls` gave none): what is wrong with the
+    function the base class holds."""
+    if sub is not None:
+        spec = _SPECS[sub]
+        return f"{spec.base.__qualname__}.{spec.method} {spec.why}"
+    source, why = source_of(getattr(cls, method, None))
+    return f"{cls.__qualname__}.{method} {why if source is None else 'has no chain the rewriter fuses'}"
+
+
+def _doc(spec: _Spec, found: Rewrite | None) -> str:
+    head = f"diffusers' ``{spec.base.__qualname__}``"
+    if found is None:
+        return f"{head} as it is: its ``{spec.method}`` {spec.why} (`diffusers_fastpath.models._chains`)."
+    return (f"{head} with the chains of its installed ``{spec.method}`` fused "
+            f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
+            f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
+            f"fp32 affine LayerNorm of {found.affine_fp32 or '-'}, "
+            f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
+            f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
+            f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
+            f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}. Adds no "
+            "state beyond the fusion sites.")
+
+
+def rewritten_for(state: PatchState, sub: type | None, cls: type, method: str = "forward") -> Rewrite | None:
+    """`rewrite_of(sub)` when a model holding `cls` modules is patched (`sub` its `fused_subclass`, None where that
+    gave none); where that is None, a note for `report` and one warning say why."""
+    found = rewrite_of(sub) if sub is not None else None
+    if found is None:
+        note = f"{why_unrewritten(sub, cls, method)}: it runs as it is (exact, no speedup)"
+        if note not in state.notes:
+            state.notes.append(note)
+        warn_once(f"diffusers_fastpath: {note}")
+    return found
 
 
 def replace_processors(state: PatchState, model: nn.Module, attention_cls: type, default_cls: type,
                        fused_cls: type | None, attribute: str | None = None) -> None:
     """Give every `attention_cls` module of `model` running diffusers' `default_cls` the rewritten `fused_cls`
-    (`fused_subclass` of it, ``method="__call__"``) and its ``rotary_emb`` site; others are left and noted. With
-    `attribute`, only the modules that are that attribute of their parent (``"attn1"``: the self-attentions of
-    LTX-Video's and Wan's blocks, the only ones called with a rotary table)."""
-    if fused_cls is None:
-        if any(type(getattr(m, "processor", None)) is default_cls for m in model.modules()):
-            warn_nothing_to_fuse(default_cls, "__call__")
+    (`fused_subclass` of it, ``method="__call__"``, rewritten from the ``__call__`` `default_cls` holds now) and its
+    ``rotary_emb`` site; others are left and noted. With `attribute`, only the modules that are that attribute of
+    their parent (``"attn1"``: the self-attentions of LTX-Video's and Wan's blocks, the only ones called with a
+    rotary table)."""
+    if not any(type(getattr(m, "processor", None)) is default_cls for m in model.modules()):
+        return
+    found = rewritten_for(state, fused_cls, default_cls, "__call__")
+    if found is None:
         return
     where = None
     if attribute is not None:
         chosen = {id(m._modules[attribute]) for m in model.modules() if attribute in m._modules}
         where = lambda module: id(module) in chosen  # noqa: E731
     state.replace_processors(model, attention_cls, default_cls, fused_cls, where)
-    found = fused_cls._fastpath_rewrite  # `fused_subclass` records what it rewrote
     qk = bool(found.qk_norms)
     for module in model.modules():
         if isinstance(module, attention_cls) and type(module.processor) is fused_cls:
@@ -208,23 +341,22 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                         state.set_attr(act, site_attr(SILU_MUL), None)
 
 
-def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[type | None, Rewrite | None]]) -> None:
-    """Swap every module of `model` whose exact class is a key of `swaps` for its `fused_subclass`, with its sites
-    (a class that had nothing to rewrite maps to ``(None, None)`` and stays)."""
+def swap_rewritten(state: PatchState, model: nn.Module, swaps: dict[type, tuple[type | None, Rewrite | None]],
+                   where: Callable[[nn.Module], bool] | None = None) -> None:
+    """Swap every module of `model` whose exact class is a key of `swaps` (and that `where` accepts, if given) for
+    its `fused_subclass` (the first of the value; the second, what was found at import, is not read: the rewrite is
+    made from the ``forward`` the class holds now), with its sites; a class whose forward cannot be rewritten
+    (``(None, None)``, or `rewrite_of`) stays, with a note and one warning."""
+    found: dict[type, Rewrite | None] = {}
     for module in model.modules():
-        if type(module) not in swaps:
+        cls = type(module)
+        if cls not in swaps or (where is not None and not where(module)):
             continue
-        fused, found = swaps[type(module)]
-        if fused is None:
-            warn_nothing_to_fuse(type(module), "forward")
-            continue
-        state.swap_class(module, fused)
-        add_chain_sites(state, module, found)
-
-
-def warn_nothing_to_fuse(cls: type, method: str = "forward") -> None:
-    warn_once(f"diffusers_fastpath: found no chain to fuse in the installed {cls.__qualname__}.{method} (its source "
-              "is unreadable or has changed); it stays unpatched: exact, no speedup")
+        if cls not in found:
+            found[cls] = rewritten_for(state, swaps[cls][0], cls)
+        if found[cls] is not None:
+            state.swap_class(module, swaps[cls][0])
+            add_chain_sites(state, module, found[cls])
 
 
 def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None:

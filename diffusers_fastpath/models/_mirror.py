@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 
 from .._logging import logger
+from ._chain_proofs import source_of
 
 
 def source_digest(fn) -> str | None:
-    try:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-    except (OSError, TypeError):
-        return None
+    """The digest of `fn`'s source, or None where that source is not provably `fn`'s (`source_of`: a
+    ``functools.wraps`` wrapper, whose ``inspect.getsource`` is the wrapped function's; a function replaced, or its
+    file edited since the import)."""
+    source, _ = source_of(fn)
+    return None if source is None else hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 @functools.cache

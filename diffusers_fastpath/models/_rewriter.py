@@ -6,7 +6,9 @@ of ``self``):
 
 - gated residual, into `diffusers_fastpath.ops.gated_residual` (whose fallback is this very expression):
 
-  - ``U = G * E`` directly followed by ``H = R + U``, ``U`` not read again  ->  ``H = gated_residual(R, G, E, site)``
+  - ``U = G * E`` directly followed by ``H = R + U``, ``U`` not read again (anywhere the value can reach: after the
+    enclosing blocks, at the next iteration of a loop, in a handler; `_chain_proofs`)  ->
+    ``H = gated_residual(R, G, E, site)``
     (also ``H = U + R`` with ``R`` a name: a sum of two numbers is the same either way round, bit for bit)
   - ``H = R + G * E``                                                       ->  the same
 
@@ -36,8 +38,9 @@ of ``self``):
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
   others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
   where those are plain assignments to other names (one or a tuple of them) that neither read ``N`` nor rebind a
-  name ``X`` reads, and call no in-place method:
-  the LayerNorm then runs at the modulate, on the same ``X``.
+  name ``X`` reads, and write nothing ``X`` may hold (in place, through ``out=``, ``inplace=True``, a view, a call
+  that may write its arguments: `_chain_proofs`), nor does the modulate's ``S`` or ``T``, and no exception handler
+  reads ``N``: the LayerNorm then runs at the modulate, on the same ``X``.
 - LayerNorm into a modulate method, for a block that modulates in a method of its own (Qwen-Image's
   ``_modulate``); the adapter names the method ``M`` and a fused counterpart ``F`` (``norm_methods={M: F}``),
   which it defines and checks against the installed ``M``:
@@ -174,7 +177,7 @@ of ``self``):
   names the attention module's SwiGLU attributes (``swiglus=("mlp_act_fn",)``):
 
   - ``M = attn.ACT(X)`` and, later in the same block of statements, ``H = torch.cat([A, M], dim=-1)``, ``M`` read
-    nowhere else, nothing in between assigning a name of ``X`` or calling an in-place method  ->
+    nowhere else, nothing in between rebinding a name of ``X`` or ``M`` or writing what ``X`` may hold  ->
     ``M = X`` ... ``H = swiglu_cat(A, M, site)`` when ``attn.ACT`` is a registered SwiGLU module (`register_swiglu`:
     a class whose installed forward is, by digest, ``gate(x[..., :h]) * x[..., h:]``) with a plain SiLU gate and
     no hooks (checked per call), else the original two statements
@@ -186,6 +189,14 @@ any input it does not take (another dtype, autograd, a layout, a norm that is no
 expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
 is the original's.
 
+A rewrite that changes *when* something runs (a LayerNorm, a SiLU or a GELU that now waits for expressions or
+statements after it) or *whether* a name is bound (a product, a mask, a pending norm) is taken only where
+`_chain_proofs` proves it changes no value: nothing in between rebinds or writes (in place, ``out=``,
+``inplace=True``, ``+=``, a store into it, a view of it, a call that may write its arguments) what the moved
+computation reads, and nothing afterwards reads the dropped name; else the statements stay as written. The property
+test (``tests/test_rewriter_property.py``) rewrites random forwards built of these forms and such perturbations and
+compares them with the originals on random inputs.
+
 What each pattern's statements look like as AST is in `_chain_syntax`; what the rewritten statements call at run
 time is in `_chain_calls`.
 """
@@ -196,7 +207,8 @@ import ast
 import copy
 from dataclasses import dataclass, field
 
-from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _calls_inplace, _cat_names, _cat_of,
+from ._chain_proofs import Proofs, _bound_names, like
+from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _cat_names, _cat_of,
                             _complex_rotary_call, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
                             _modulate_of, _ns_call, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
                             _reads_only_dtype, _rotary_call, _self_attr, _self_module_call, _single_target, _site_of,
@@ -274,6 +286,10 @@ def _unassigned_parameter(function: ast.FunctionDef, name: str) -> bool:
         isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in ast.walk(function))
 
 
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
 def _own_nodes(body: list[ast.stmt]):
     """``(stmt, node)`` for every node of `body` (in any block), with the innermost statement holding it (whose line
     number the rewriter's new nodes lack)."""
@@ -292,8 +308,10 @@ class _Rewriter:
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                  swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False,
-                 head_cats: bool = False, rows_rotary: str | None = None, wan_rotary: str | None = None) -> None:
+                 head_cats: bool = False, rows_rotary: str | None = None, wan_rotary: str | None = None,
+                 proofs: Proofs | None = None) -> None:
         self.found = Rewrite()
+        self.proofs = proofs  # what a rewrite that moves or drops anything must prove (`_chain_proofs`)
         self.rows_rotary = rows_rotary  # the rows-form rotary function's name (the adapter's; `register_rows_rotary`)
         self.wan_rotary = wan_rotary  # ... Wan's, a function the forward defines (its source checked by digest)
         self.head_cats = head_cats  # a processor's ``torch.cat([A, B], dim=2)`` of [B, H, S, D] names as `cat_heads`
@@ -307,13 +325,15 @@ class _Rewriter:
         self.rotary_ok = rotary_ok  # the forward's apply_rotary_emb is diffusers' own
         self.block = owner == "self"  # a module's forward: the block patterns (a processor's self holds no sites)
 
-    def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, like: ast.stmt,
+    def _gated(self, target: str, residual: ast.expr, gate: ast.expr, update: ast.expr, stmt: ast.stmt,
                fp32: bool = False, cast: bool = False) -> ast.stmt | None:
         # cast: Wan's ``E.float() * G`` (the namespace computes that form where it differs from ``E * G``)
         if not _unsqueezed(gate) and _unsqueezed(update):  # ``R + E * g.unsqueeze(1)``: the product commutes exactly
             gate, update = update, gate
             if cast:
                 return None  # the .float() would go with the gate: left as written
+            if _names(gate) & _bound_names(update):  # g.unsqueeze(1), a view of g, is now evaluated before E: only a
+                return None  # walrus in E rebinding g could tell
         elif (not _unsqueezed(gate) and isinstance(gate, ast.Name) and isinstance(update, ast.Name)
               and "gate" in update.id and "gate" not in gate.id):  # ``R + E * gate``, the gate unsqueezed before
             gate, update = update, gate
@@ -325,18 +345,24 @@ class _Rewriter:
         (self.found.gates_fp32 if fp32 else self.found.gates).append(name)
         call = _call("gated_residual_fp32" if fp32 else "gated_residual",
                      [residual, gate, update, _site_of(_self_attr(), name), *([ast.Constant(True)] if cast else [])])
-        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
     def _modulated(self, target: str, attr: str, x: ast.expr, scale: ast.expr, shift: ast.expr, rows: bool,
-                   like: ast.stmt) -> ast.stmt:
+                   stmt: ast.stmt, first: ast.stmt | None = None, between: list[ast.stmt] = ()) -> ast.stmt | None:
+        """``target = norm_modulate(self.attr, x, scale, shift, site)`` in place of `stmt`, where the LayerNorm, which
+        ran first (in `first` where given, with the statements `between` after it), reads what it read there once
+        `scale` and `shift` are evaluated; else None."""
+        if not self.proofs.stays([_self_attr(attr), x], first or stmt, list(between), [scale, shift], stmt):
+            return None
         if attr not in self.found.norms:
             self.found.norms.append(attr)
         call = _call("norm_modulate_rows" if rows else "norm_modulate",
                      [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
-        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), like)
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
-    def _silu_mul(self, value: ast.expr) -> ast.Call | None:
-        """The SwiGLU form's call for ``self.ACT(E) * G`` or ``F.silu(E) * G`` (see the module doc), or None."""
+    def _silu_mul(self, value: ast.expr, stmt: ast.stmt) -> ast.Call | None:
+        """The SwiGLU form's call for ``self.ACT(E) * G`` or ``F.silu(E) * G`` (see the module doc) in statement
+        `stmt`, or None (also where evaluating ``G``, which the SiLU now waits for, may change what it reads)."""
         if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)) or self.found.silu_mul:
             return None
         act = _self_module_call(value.left)
@@ -349,6 +375,8 @@ class _Rewriter:
             act, module = ("F.silu", value.left.args[0]), ast.Constant(None)
         else:
             return None
+        if not self.proofs.stays([module, act[1]], stmt, exprs=[value.right]):
+            return None
         self.found.silu_mul = True
         return _call("silu_mul", [module, act[1], value.right, _site_of(_self_attr(), SILU_MUL)])
 
@@ -358,47 +386,58 @@ class _Rewriter:
             if self.head_cats and (cat := self._head_cat(stmt)) is not None:
                 return cat
             return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
-        if isinstance(stmt, ast.Return) and stmt.value is not None and (call := self._silu_mul(stmt.value)) is not None:
-            return ast.copy_location(ast.Return(value=call), stmt)
+        if isinstance(stmt, ast.Return) and stmt.value is not None:
+            if (call := self._silu_mul(stmt.value, stmt)) is not None:
+                return like(ast.Return(value=call), stmt)
         target = _single_target(stmt)
         if target is None:
             return None
         value = stmt.value
-        if (call := self._silu_mul(value)) is not None:
-            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        if (call := self._silu_mul(value, stmt)) is not None:
+            return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (wan := _fp32_gated_of(value)) is not None:
-            return self._gated(target, wan[0], wan[2], wan[1], stmt, fp32=True, cast=wan[3])
+            residual, update, gate, cast = wan  # R.float() (and E.float()) now wait for G, and G is evaluated before E
+            stays = self.proofs.stays
+            if not (stays([residual], stmt, exprs=[update, gate]) and stays([update], stmt, exprs=[gate])
+                    and stays([gate], stmt, exprs=[update])):
+                return None
+            return self._gated(target, residual, gate, update, stmt, fp32=True, cast=cast)
         if (wan := _fp32_modulate_of(value)) is not None:
             attr, x, scale, shift = wan
+            if not self.proofs.stays([_self_attr(attr), x], stmt, exprs=[scale, shift]):  # the norm waits for S and T
+                return None
             if attr not in self.found.norms_fp32:
                 self.found.norms_fp32.append(attr)
             call = _call("norm_modulate_fp32", [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
-            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+            return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (wan := _fp32_norm_of(value)) is not None:
             attr, x = wan
             if attr not in self.found.affine_fp32:
                 self.found.affine_fp32.append(attr)
             call = _call("norm_affine_fp32", [_self_attr(attr), x, _site_of(_self_attr(attr))])
-            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+            return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         if (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.right, ast.BinOp)
                 and isinstance(value.right.op, ast.Mult)):
             normed = _self_module_call(value.right.right)
             if normed is not None and normed[0] in self.rms_norms:
+                if not self.proofs.stays([_self_attr(normed[0])], stmt, exprs=[value.left, value.right.left]):
+                    return None  # self.A is now read before R and G are evaluated
                 if normed[0] not in self.found.rms_gated:
                     self.found.rms_gated.append(normed[0])
                 call = _call("rms_gated_residual", [_self_attr(normed[0]), value.left, value.right.left, normed[1],
                                                     _site_of(_self_attr(normed[0]), RMS_GATED)])
-                return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+                return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
         modulate = _modulate_of(value)
         if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
             return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
         if (modulate is not None and not modulate[3] and isinstance(modulate[0], ast.Name)
-                and target not in self.found.modulates):  # a tensor normalised earlier, modulated here
+                and target not in self.found.modulates  # a tensor normalised earlier, modulated here; N * (1 + S)
+                and self.proofs.stays([modulate[0], modulate[1]], stmt, exprs=[modulate[2]])):  # now waits for T
             self.found.modulates.append(target)
             site = _site_of(_self_attr(), f"{MODULATE_ONLY}_{target}")
             call = _call("modulate", [modulate[0], modulate[1], modulate[2], site])
-            return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+            return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         return self._rotary(target, value, stmt)
 
     def nested(self, stmt: ast.stmt) -> ast.stmt:
@@ -413,11 +452,13 @@ class _Rewriter:
                 node = self.generic_visit(node)
                 normed = _self_module_call(node.left) if isinstance(node.op, ast.Mult) else None
                 if normed is None or normed[0] not in rewriter.rms_norms:
-                    swiglu = rewriter._silu_mul(node) if rewriter.activations else None
-                    return node if swiglu is None else ast.copy_location(swiglu, node)
+                    swiglu = rewriter._silu_mul(node, stmt) if rewriter.activations else None
+                    return node if swiglu is None else like(swiglu, node)
+                if not rewriter.proofs.stays([_self_attr(normed[0]), normed[1]], stmt, exprs=[node.right]):
+                    return node  # the norm now waits for S
                 if normed[0] not in rewriter.found.rms_scales:
                     rewriter.found.rms_scales.append(normed[0])
-                return ast.copy_location(_call("rms_scale", [_self_attr(normed[0]), normed[1], node.right,
+                return like(_call("rms_scale", [_self_attr(normed[0]), normed[1], node.right,
                                                              _site_of(_self_attr(normed[0]), RMS_SCALE)]), node)
 
         return Scales().visit(stmt)
@@ -431,7 +472,7 @@ class _Rewriter:
         self.found.head_cats += 1
         site = _site_of(ast.Name(self.owner, ast.Load()), CAT_HEADS)
         call = _call("cat_heads", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()), site])
-        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
     def seq_major_attention(self, body: list[ast.stmt]) -> list[ast.stmt]:
         """The head concatenations' attention form (see the module doc) over a processor's top-level `body` (its
@@ -455,7 +496,7 @@ class _Rewriter:
             site = _site_of(ast.Name(self.owner, ast.Load()), ATTENTION_SEQ_MAJOR)
             new = _call("attention_heads", [call.func, *call.args, site])
             new.keywords = call.keywords
-            return [*body[:i], ast.copy_location(ast.Assign(targets=stmt.targets, value=new), stmt), *body[i + 1:]]
+            return [*body[:i], like(ast.Assign(targets=stmt.targets, value=new), stmt), *body[i + 1:]]
         return body
 
     @staticmethod
@@ -486,23 +527,23 @@ class _Rewriter:
                 if rotary is not None:
                     rewriter.found.rotary += 1
                     site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
-                    return ast.copy_location(_call("rotary", [rotary[0], rotary[1], site]), node)
+                    return like(_call("rotary", [rotary[0], rotary[1], site]), node)
                 rotary = _starred_call(node, rewriter.wan_rotary)
                 if rotary is not None:  # Wan's ``NAME(X, *F)``
                     rewriter.found.rotary_named += 1
                     site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
-                    return ast.copy_location(_call("rotary_wan", [node.func, rotary[0], rotary[1], site]), node)
+                    return like(_call("rotary_wan", [node.func, rotary[0], rotary[1], site]), node)
                 rotary = _complex_rotary_call(node, rewriter.rows_rotary, local=True)
                 if rotary is not None:  # the rows form's ``NAME(X, F)``
                     rewriter.found.rotary_named += 1
                     site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
-                    return ast.copy_location(_call("rotary_rows", [node.func, rotary[0], rotary[1], site]), node)
+                    return like(_call("rotary_rows", [node.func, rotary[0], rotary[1], site]), node)
                 rotary = _complex_rotary_call(node, rewriter.complex_rotary, rewriter.local_rotary)
                 if rotary is None:
                     return node
                 rewriter.found.rotary_complex += 1
                 site = _site_of(ast.Name(rewriter.owner, ast.Load()), RMSNORM_ROPE)
-                return ast.copy_location(_call("rotary_complex", [node.func, rotary[0], rotary[1], site,
+                return like(_call("rotary_complex", [node.func, rotary[0], rotary[1], site,
                                                                   ast.Constant(rewriter.local_rotary)]), node)
 
         count = lambda: self.found.rotary + self.found.rotary_complex + self.found.rotary_named  # noqa: E731
@@ -516,34 +557,34 @@ class _Rewriter:
             return None
         self.found.rotary += 1
         call = _call("rotary", [rotary[0], rotary[1], _site_of(ast.Name(self.owner, ast.Load()), ROTARY)])
-        return ast.copy_location(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
-    def two(self, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
+    def two(self, first: ast.stmt, second: ast.stmt) -> ast.stmt | None:
         """A two-statement pattern (`first` directly followed by `second`), rewritten as one statement, or None."""
         u, h = _single_target(first), _single_target(second)
-        if u is not None and self.block and (merged := self._norm_method(u, first, second, rest)) is not None:
+        if u is not None and self.block and (merged := self._norm_method(u, first, second)) is not None:
             return merged
         if u is None or h is None or not self.block:
             return None
         a, b = first.value, second.value
-        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
-                and isinstance(b.op, ast.Add) and isinstance(b.right, ast.Name) and b.right.id == u
-                and isinstance(b.left, ast.Name) and b.left.id != u  # R a plain name: evaluating it first changes nothing
-                and (h == u or not _reads_after(rest, u))):
-            return self._gated(h, b.left, a.left, a.right, second)
-        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult) and isinstance(b, ast.BinOp)
-                and isinstance(b.op, ast.Add) and isinstance(b.left, ast.Name) and b.left.id == u
-                and isinstance(b.right, ast.Name) and b.right.id != u  # ``H = U + R``: the sum commutes exactly
-                and (h == u or not _reads_after(rest, u))):
-            return self._gated(h, b.right, a.left, a.right, second)
+        if (isinstance(a, ast.BinOp) and isinstance(a.op, ast.Mult)
+                and isinstance(b, ast.BinOp) and isinstance(b.op, ast.Add)):
+            # ``U = G * E`` then ``H = R + U`` (or ``U + R``: the sum commutes exactly), R a plain name: read before G
+            # and E are evaluated, which only a walrus there could tell; U is no longer bound, which only a read of it
+            # afterwards could tell (anywhere: after the enclosing blocks, in the next iteration of a loop, ...)
+            residual = (b.left if isinstance(b.right, ast.Name) and b.right.id == u
+                        else b.right if isinstance(b.left, ast.Name) and b.left.id == u else None)
+            if (isinstance(residual, ast.Name) and residual.id != u and residual.id not in _bound_names(a)
+                    and (h == u or not self.proofs.live_after(second, u))):
+                return self._gated(h, residual, a.left, a.right, second)
         called = _self_module_call(a)
         modulate = _modulate_of(b)
         if (called is not None and modulate is not None and h == u and isinstance(modulate[0], ast.Name)
                 and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)):
-            return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second)
+            return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second, first)
         return None
 
-    def _norm_method(self, u: str, first: ast.stmt, second: ast.stmt, rest: list[ast.stmt]) -> ast.stmt | None:
+    def _norm_method(self, u: str, first: ast.stmt, second: ast.stmt) -> ast.stmt | None:
         """``N = self.A(X)`` then ``T = self.M(N, ...)`` with ``M`` a modulate method: ``T = self.F(self.A, X, ...)``."""
         called = _self_module_call(first.value)
         call = second.value if isinstance(second, ast.Assign) and len(second.targets) == 1 else None
@@ -552,13 +593,14 @@ class _Rewriter:
                 or call.func.attr not in self.norm_methods or call.keywords or not call.args
                 or not (isinstance(call.args[0], ast.Name) and call.args[0].id == u)
                 or any(_uses(a, u) or isinstance(a, ast.Starred) for a in call.args[1:])
-                or _uses(second.targets[0], u) or _reads_after(rest, u)):
-            return None
+                or _uses(second.targets[0], u) or self.proofs.live_after(second, u)
+                or not self.proofs.stays([_self_attr(called[0]), called[1]], first, exprs=call.args[1:], where=second)):
+            return None  # N is no longer bound, and the LayerNorm now waits for the method's other arguments
         if called[0] not in self.found.norms:
             self.found.norms.append(called[0])
         fused = ast.Call(func=_self_attr(self.norm_methods[call.func.attr]),
                          args=[_self_attr(called[0]), called[1], *call.args[1:]], keywords=[])
-        return ast.copy_location(ast.Assign(targets=second.targets, value=fused), second)
+        return like(ast.Assign(targets=second.targets, value=fused), second)
 
     def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         """The GELU + concatenation pattern over one block of statements (see the module doc)."""
@@ -573,8 +615,9 @@ class _Rewriter:
                 if cat is None or cat[1] != m:
                     continue
                 reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
-                if reads != 1 or _uses(cat[0], m):
-                    break
+                if (reads != 1 or _uses(cat[0], m) or self.proofs.dynamic
+                        or m in _bound_names(cat[0]).union(*(_bound_names(b) for b in body[i + 1:j]))):
+                    break  # M read elsewhere, or rebound before the concatenation (the GELU would take that value)
                 flag = ast.Name(_GELU_FLAG, ast.Load())
                 decide = ast.Assign(targets=[ast.Name(_GELU_FLAG, ast.Store())], value=_call(
                     "gelu_in_cat", [_self_attr(act[0]), _site_of(_self_attr(), GELU_CAT)]))
@@ -582,8 +625,8 @@ class _Rewriter:
                 joined = ast.Assign(targets=[ast.Name(h, ast.Store())], value=ast.IfExp(test=flag, body=_call(
                     "gelu_cat", [cat[0], ast.Name(m, ast.Load()), _site_of(_self_attr(), GELU_CAT)]), orelse=body[j].value))
                 self.found.gelu_cat = True
-                return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(up, stmt), *body[i + 1:j],
-                        ast.copy_location(joined, body[j]), *body[j + 1:]]
+                return [*body[:i], like(decide, stmt), like(up, stmt), *body[i + 1:j],
+                        like(joined, body[j]), *body[j + 1:]]
         return body
 
     def swiglu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
@@ -597,21 +640,19 @@ class _Rewriter:
                     and len(value.args) == 1 and not value.keywords and not isinstance(value.args[0], ast.Starred)):
                 continue
             x = value.args[0]
-            x_names = {n.id for n in ast.walk(x) if isinstance(n, ast.Name)}
             for j in range(i + 1, len(body)):
                 h = _single_target(body[j])
                 cat = _cat_of(body[j].value, -1) if h is not None else None
                 if cat is None or cat[1] != m:
-                    between = body[j]
-                    stores = {n.id for n in ast.walk(between) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-                    if stores & (x_names | {m}) or _calls_inplace(between):
-                        break  # X (or M) may hold another value at the concatenation
                     continue
                 reads = sum(isinstance(n, ast.Name) and n.id == m and isinstance(n.ctx, ast.Load)
                             for n in ast.walk(function))
                 reads -= sum(isinstance(n, ast.Name) and n.id == m for n in ast.walk(x))  # ``M = attn.ACT(M)``
-                if reads != 1 or _uses(cat[0], m):
-                    break
+                between = body[i + 1:j]
+                if (reads != 1 or _uses(cat[0], m) or self.proofs.dynamic
+                        or m in _bound_names(cat[0]).union(*(_bound_names(b) for b in between))
+                        or not self.proofs.stays([value.func, x], stmt, between, [cat[0]], body[j])):
+                    break  # M read elsewhere or rebound, or X (M itself now) written before the concatenation
                 act = value.func
                 site = _site_of(copy.deepcopy(act), SWIGLU_CAT)
                 flag = ast.Name(_SWIGLU_FLAG, ast.Load())
@@ -623,8 +664,8 @@ class _Rewriter:
                     "swiglu_cat", [copy.deepcopy(act), cat[0], ast.Name(m, ast.Load()), copy.deepcopy(site)]),
                     orelse=body[j].value))
                 self.found.swiglu_cats.append(act.attr)
-                return [*body[:i], ast.copy_location(decide, stmt), ast.copy_location(deferred, stmt), *body[i + 1:j],
-                        ast.copy_location(joined, body[j]), *body[j + 1:]]
+                return [*body[:i], like(decide, stmt), like(deferred, stmt), *body[i + 1:j],
+                        like(joined, body[j]), *body[j + 1:]]
         return body
 
     def deferred_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
@@ -644,14 +685,16 @@ class _Rewriter:
                 modulate = _modulate_of(stmt.value) if target == n else None
                 if (modulate is not None and isinstance(modulate[0], ast.Name) and modulate[0].id == n
                         and not _uses(modulate[1], n) and not _uses(modulate[2], n)):
-                    if j > i + 1:  # adjacent pairs are `two`'s
-                        out[j] = self._modulated(n, called[0], called[1], *modulate[1:], stmt)
+                    # adjacent pairs are `two`'s; in between, N keeps its old value: no handler may read it
+                    merged = (self._modulated(n, called[0], called[1], *modulate[1:], stmt, out[i], out[i + 1:j])
+                              if j > i + 1 and not self.proofs.handlers_read(out[i], n) else None)
+                    if merged is not None:  # the LayerNorm reads what it read at out[i] (`_modulated` proves it)
+                        out[j] = merged
                         del out[i]
                         i -= 1
                     break
                 stores = _assigned_names(stmt)  # LTX-Video unpacks its adaLN rows in between: ``a, b = t.unbind(2)``
-                if (stores is None or n in stores or stores & x_names or _uses(stmt.value, n)
-                        or _calls_inplace(stmt.value)):
+                if stores is None or n in stores or stores & x_names or _uses(stmt.value, n):
                     break
             i += 1
         return out
@@ -659,7 +702,7 @@ class _Rewriter:
     def qk_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
         """The QK-norm form of the module doc over a processor's top-level `body` (its rotary calls rewritten
         already), or `body` as it was."""
-        owner, deferred, order = self.owner, set(), []
+        owner, deferred, order, deferrals = self.owner, set(), [], []
 
         class Defer(ast.NodeTransformer):
             def visit_Assign(self, node: ast.Assign) -> ast.stmt:
@@ -670,17 +713,19 @@ class _Rewriter:
                         and isinstance(value.args[0], ast.Name) and value.args[0].id == target):
                     deferred.add(target)
                     order.append(value.func.attr)
-                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
-                        "norm_later", [value.func, value.args[0]])), node)
+                    call = _call("norm_later", [value.func, value.args[0]])
+                    new = like(ast.Assign(targets=node.targets, value=call), node)
+                    deferrals.append((new, value.args[0]))
+                    return new
                 cat = _cat_names(value, 1) if target is not None else None
                 if cat is not None and cat[1] == target and set(cat) <= deferred:
-                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                    return like(ast.Assign(targets=node.targets, value=_call(
                         "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
                 if (target in deferred and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
                         and value.func.attr == "unflatten" and isinstance(value.func.value, ast.Name)
                         and value.func.value.id == target and len(value.args) == 2 and not value.keywords):
                     # Wan: ``Q = Q.unflatten(2, (A.heads, -1))`` of a pending norm, before its rotary
-                    return ast.copy_location(ast.Assign(targets=node.targets, value=_call(
+                    return like(ast.Assign(targets=node.targets, value=_call(
                         "unflatten_later", [value.func.value, *value.args])), node)
                 return node
 
@@ -690,7 +735,11 @@ class _Rewriter:
         if last is None:
             return body
         # only norms before the rotary embedding wait for it (HunyuanVideo-1.5 normalises its text q and k after it)
-        new = [*(Defer().visit(copy.deepcopy(stmt)) for stmt in body[:last + 1]), *body[last + 1:]]
+        new, tops = [], {}  # tops: a deferred norm's statement -> the index of the top-level statement holding it
+        for k, stmt in enumerate(body[:last + 1]):
+            new.append(Defer().visit(copy.deepcopy(stmt)))
+            tops.update((id(d), k) for d, _ in deferrals if id(d) not in tops)
+        new += body[last + 1:]
         if not deferred:
             return body
         allowed = set()  # the Name nodes that may see a pending norm: cat_later's arguments, rotary's first
@@ -709,37 +758,47 @@ class _Rewriter:
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROWS))
                 elif _ns_call(node, "unflatten_later"):
                     allowed.add(id(node.args[0]))
-        if not _PendingReads(allowed).clean(new[:last + 1]):
-            return body  # a pending name read elsewhere before the rotary: the norms run as written
-        joint = self._rotary_cats(new, last, deferred) if self.complex_rotary and not self.local_rotary else set()
+        if (not _PendingReads(allowed).clean(new[:last + 1]) or self.proofs.dynamic
+                or deferred & self.proofs.captured):
+            return body  # a pending name read elsewhere before the rotary (or unseen): the norms run as written
+        own = [d for d, _ in deferrals]  # the norms' own statements write nothing (plain RMSNorms, or run in place)
+        for d, x in deferrals:  # a pending norm reads its input when its rotary runs: nothing may write it before
+            if not self.proofs.stays([x], d, new[tops[id(d)]:last + 1], by_name=False, skip=own):
+                return body
+        pending = [(tops[id(d)], d, x) for d, x in deferrals]
+        joint = (self._rotary_cats(new, last, deferred, pending) if self.complex_rotary and not self.local_rotary
+                 else set())
         later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
                             value=_call("materialize", [ast.Name(name, ast.Load())]))
-                 for name in sorted(deferred - joint) if _reads_after(new[last + 1:], name)]
+                 for name in sorted(deferred - joint) if _reads_after(new[last + 1:], name)]  # (the top level: all)
         self.found.qk_norms = order
         head = self._rows_pairs(new[:last + 1])
-        return [*head, *(ast.copy_location(m, new[last]) for m in later), *new[last + 1:]]
+        return [*head, *(like(m, new[last]) for m in later), *new[last + 1:]]
 
-    def _rotary_cats(self, new: list[ast.stmt], last: int, deferred: set[str]) -> set[str]:
+    def _rotary_cats(self, new: list[ast.stmt], last: int, deferred: set[str],
+                     pending: list[tuple[int, ast.stmt, ast.expr]]) -> set[str]:
         """The joint form over the QK-norm form's `new` body (its last rotary statement at `last`): each top-level
         ``J = torch.cat([A, B], dim=1)`` after it of two names with pending norms that their complex-form rotary
         (``A = rotary_complex(F, A, E, s, False)``, the last binding of A before) rotates and nothing but this
         concatenation reads afterwards -> ``J = cat_rotated(A, B, joint_site)`` and those rotary calls ->
         ``rotary_complex_later``: Qwen-Image's text and image q (and k), whose kernel then writes both into the
-        joint tensor. Rewrites `new` in place; returns the names that now wait for their concatenation."""
+        joint tensor. Rewrites `new` in place; returns the names that now wait for their concatenation. `pending`:
+        ``(top-level index, statement, input)`` of each deferred norm: what such a rotary reads at the
+        concatenation (its norm's input, its factors) must not be written before it."""
         after = new[last + 1:]
 
         def loads(name: str) -> int:
             return sum(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
                        for stmt in after for n in ast.walk(stmt))
 
-        rotaries: dict[str, list[tuple[int, ast.Call]]] = {}  # name -> (line, call) of its rotary assignments
+        rotaries: dict[str, list[tuple[int, ast.Call, ast.stmt, int]]] = {}  # name -> its rotary assignments
         stores: dict[str, list[int]] = {}
-        for stmt in new[:last + 1]:
+        for k, stmt in enumerate(new[:last + 1]):
             for node in ast.walk(stmt):
                 target = _single_target(node) if isinstance(node, ast.Assign) else None
                 if (target is not None and _ns_call(node.value, "rotary_complex")
                         and isinstance(node.value.args[1], ast.Name) and node.value.args[1].id == target):
-                    rotaries.setdefault(target, []).append((node.lineno, node.value))
+                    rotaries.setdefault(target, []).append((node.lineno, node.value, node, k))
                 if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
                     stores.setdefault(node.id, []).append(node.lineno)
 
@@ -749,18 +808,31 @@ class _Rewriter:
                 return calls[0][1]
             return None
 
+        own = [d for _, d, _ in pending]
+
+        def waits(name: str, cat: ast.stmt, end: int) -> bool:
+            """Whether the rotary of `name` may wait for the concatenation `cat` (at `end` in `new`): nothing else
+            reads its result, and nothing in between writes its factors or its norm's input."""
+            _, call, stmt, k = rotaries[name][0]
+            if self.proofs.live_after(stmt, name, ignore=cat):
+                return False
+            if not self.proofs.stays([call.args[2]], stmt, new[k:end], by_name=False, skip=own):
+                return False
+            return all(self.proofs.stays([x], d, new[top:end], by_name=False, skip=own)
+                       for top, d, x in pending if _single_target(d) == name)
+
         joint: set[str] = set()
         for i, stmt in enumerate(after):
             target = _single_target(stmt) if isinstance(stmt, ast.Assign) else None
             pair = _cat_names(stmt.value, 1) if target is not None else None
             if (pair is None or pair[0] == pair[1] or target in pair or not set(pair) <= deferred - joint
-                    or any(loads(n) != 1 or rotated(n) is None for n in pair)):
+                    or any(loads(n) != 1 or rotated(n) is None or not waits(n, stmt, last + 1 + i) for n in pair)):
                 continue
             for name in pair:
                 rotated(name).func.attr = "rotary_complex_later"
             call = _call("cat_rotated", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()),
                                          _site_of(ast.Name(self.owner, ast.Load()), RMSNORM_ROPE_CAT)])
-            new[last + 1 + i] = ast.copy_location(ast.Assign(targets=stmt.targets, value=call), stmt)
+            new[last + 1 + i] = like(ast.Assign(targets=stmt.targets, value=call), stmt)
             joint.update(pair)
             self.found.rotary_cats += 1
         return joint
@@ -791,13 +863,13 @@ class _Rewriter:
             second = rows_call(body[i + 1]) if first is not None and i + 1 < len(body) else None
             if (second is not None and first[0] != second[0]
                     and all(same(first[1].args[j], second[1].args[j]) for j in (0, 2, 3, 4))
-                    and not _uses(second[1].args[2], first[0])):
+                    and not _uses(second[1].args[2], first[0]) and self.proofs.quiet(second[1].args[2])):
                 (q, call), (k, _) = first, second
                 pair = _call("rotary_rows_pair", [call.args[0], ast.Name(q, ast.Load()), ast.Name(k, ast.Load()),
                                                   call.args[2], call.args[3],
                                                   _site_of(ast.Name(self.owner, ast.Load()), QK_NORM_ROWS_PAIR)])
                 target = ast.Tuple(elts=[ast.Name(q, ast.Store()), ast.Name(k, ast.Store())], ctx=ast.Store())
-                out.append(ast.copy_location(ast.Assign(targets=[target], value=pair), stmt))
+                out.append(like(ast.Assign(targets=[target], value=pair), stmt))
                 self.found.rows_pairs += 1
                 i += 2
                 continue
@@ -808,16 +880,20 @@ class _Rewriter:
     def pairwise_masks(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         """The pairwise-mask and outer-mask forms of the module doc over one block of statements."""
         anchor = _ROTARY_TABLE if _unassigned_parameter(function, _ROTARY_TABLE) else None
-        out, i = [], 0
+        out, i, quiet = [], 0, self.proofs.quiet
+
+        def dead_after(k: int):  # the value a name holds after body[k] is read nowhere (the form no longer binds it)
+            return lambda name: not self.proofs.live_after(body[k], name)
+
         while i < len(body):
-            padded = (_padded_pairwise_mask_of(body[i:i + 5], body[i + 5:], anchor)
+            padded = (_padded_pairwise_mask_of(body[i:i + 5], anchor, dead_after(i + 4), quiet)
                       if anchor is not None and i + 5 <= len(body) else None)
             if padded is not None:
                 self.found.pairwise_masks += 1
                 out.append(padded)
                 i += 5
                 continue
-            merged = _pairwise_mask_of(body[i:i + 3], body[i + 3:]) if i + 3 <= len(body) else None
+            merged = _pairwise_mask_of(body[i:i + 3], dead_after(i + 2), quiet) if i + 3 <= len(body) else None
             if merged is not None:
                 self.found.pairwise_masks += 1
                 out.append(merged)
@@ -844,7 +920,7 @@ class _Rewriter:
                 inner = getattr(stmt, name, None)
                 if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
                     setattr(stmt, name, self.body(inner, function))
-            if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1], body[i + 2:])) is not None:
+            if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1])) is not None:
                 out.append(self.nested(merged) if self.block else merged)
                 i += 2
                 continue

@@ -40,7 +40,7 @@ from diffusers.models.transformers import transformer_hunyuan_video15 as video15
 from diffusers.models.transformers import transformer_hunyuanimage as image
 
 from .._state import PatchState, register_adapter
-from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._chains import fused_subclass, replace_processors, rewrite_of, swap_rewritten
 from ._qk_norms import QK_NORMS, patch_qk_rmsnorms
 from .flux import patch_adaln
 
@@ -101,7 +101,8 @@ _EMBEDS = {video.HunyuanVideoPatchEmbed: FastpathHunyuanVideoPatchEmbed,
 
 
 def _patch(model, state: PatchState, blocks: dict, processor: type) -> None:
-    fused, found = _PROCESSORS[processor]
+    fused, _ = _PROCESSORS[processor]
+    found = rewrite_of(fused) if fused is not None else None  # of the __call__ the processor class holds now
     # the QK norms the rewritten processor does not run with the rotary after them (HunyuanVideo's and
     # HunyuanImage-2.1's four: their rotary takes a slice of the normalised q and k; HunyuanVideo-1.5's text stream's)
     # as the fused norm alone; those it fuses keep diffusers' class, by which the processor recognises them

@@ -45,7 +45,7 @@ from diffusers.models.transformers.transformer_lumina2 import (Lumina2AttnProces
 from .. import graphs
 from .._state import PatchState, register_adapter
 from ._chain_calls import register_complex_rotary
-from ._chains import add_chain_sites, fused_subclass, replace_processors, warn_nothing_to_fuse
+from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._mirror import mirrors
 from ._qk_norms import patch_qk_rmsnorms
 
@@ -82,14 +82,8 @@ def patch_lumina2(model: Lumina2Transformer2DModel, state: PatchState) -> None:
     for module in model.modules():
         if isinstance(module, Attention) and type(module.processor) is not fused_processor:
             patch_qk_rmsnorms(module, state, ("norm_q", "norm_k"))
-        if type(module) not in _SWAPS or (type(module) is Lumina2TransformerBlock and not module.modulation):
-            continue
-        fused, found = _SWAPS[type(module)]
-        if fused is None:
-            warn_nothing_to_fuse(type(module))
-            continue
-        state.swap_class(module, fused)
-        add_chain_sites(state, module, found)
+    swap_rewritten(state, model, _SWAPS,
+                   lambda module: type(module) is not Lumina2TransformerBlock or module.modulation)
 
 
 def _caption_lengths(model: Lumina2Transformer2DModel, call: dict):

@@ -33,7 +33,7 @@ from diffusers.models.transformers.transformer_z_image import (FeedForward, ZIma
                                                                 ZImageTransformerBlock, ZSingleStreamAttnProcessor)
 
 from .._state import PatchState, register_adapter
-from ._chains import add_chain_sites, fused_subclass, replace_processors, warn_nothing_to_fuse
+from ._chains import fused_subclass, replace_processors, swap_rewritten
 
 # sha256[:16] of ast.unparse of the processor's local `apply_rotary_emb` in diffusers 0.42.1 (rmsnorm_rope_complex's
 # complex multiply; the autocast it disables changes nothing for the op, whose dtypes are explicit)
@@ -53,14 +53,7 @@ FastpathZSingleStreamAttnProcessor, _ = fused_subclass(
 def patch_zimage(model: ZImageTransformer2DModel, state: PatchState) -> None:
     """Swap Z-Image's modulated blocks for their chain-fused subclass (see module doc)."""
     replace_processors(state, model, Attention, ZSingleStreamAttnProcessor, FastpathZSingleStreamAttnProcessor)
-    for module in model.modules():
-        if type(module) is FeedForward and FastpathZImageFeedForward is not None:
-            state.swap_class(module, FastpathZImageFeedForward)
-            add_chain_sites(state, module, _FEED_FORWARD)
-        if type(module) is not ZImageTransformerBlock or not module.modulation:
-            continue
-        if FastpathZImageTransformerBlock is None:
-            warn_nothing_to_fuse(ZImageTransformerBlock)
-            return
-        state.swap_class(module, FastpathZImageTransformerBlock)
-        add_chain_sites(state, module, _BLOCK)
+    if FastpathZImageFeedForward is not None:
+        swap_rewritten(state, model, {FeedForward: (FastpathZImageFeedForward, _FEED_FORWARD)})
+    swap_rewritten(state, model, {ZImageTransformerBlock: (FastpathZImageTransformerBlock, _BLOCK)},
+                   lambda module: module.modulation)
