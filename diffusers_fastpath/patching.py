@@ -33,6 +33,7 @@ from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay
     site_attr,
     sites_of,
 )
+from .models import generic
 from .quality import set_tier
 
 
@@ -41,6 +42,26 @@ def _adapter_for(model: nn.Module) -> Adapter | None:
         if cls in ADAPTERS:
             return ADAPTERS[cls]
     return None
+
+
+def _patchable(model: nn.Module) -> bool:
+    """Whether `patch` takes `model`: a family adapter, or the generic path (`models.generic.eligible`)."""
+    return _adapter_for(model) is not None or generic.eligible(model) is None
+
+
+def coverage() -> list[tuple[str, str, str]]:
+    """How `patch` takes each model class diffusers ships: ``(class name, how, detail)`` with ``how`` one of
+    ``"family"`` (an adapter written and tested for that family, named in ``detail``), ``"generic"`` (patched from
+    its own code by `diffusers_fastpath.models.generic` and verified bit for bit on its first forward per input
+    signature) or ``"none"`` (``detail`` says why). A generic class without repeated transformer blocks in a given
+    model is refused at `patch` with that reason.
+
+    Example:
+        >>> import diffusers_fastpath as fp
+        >>> dict((c, how) for c, how, _ in fp.coverage())["WanVACETransformer3DModel"]
+        'generic'
+    """
+    return generic.coverage()
 
 
 def supported_classes() -> list[str]:
@@ -85,7 +106,7 @@ def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module
 
     candidates = models_in(obj)
     if isinstance(obj, DiffusionPipeline):
-        found = [(name, comp) for name, comp in candidates if _adapter_for(comp) is not None or hasattr(comp, STATE_ATTR)]
+        found = [(name, comp) for name, comp in candidates if _patchable(comp) or hasattr(comp, STATE_ATTR)]
         if not found and for_patch:
             held = ", ".join(f"{name}={type(comp).__name__}" for name, comp in candidates)
             raise UnsupportedModelError(
@@ -93,10 +114,11 @@ def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module
                 f"{_unet_note(candidates)} Supported: {', '.join(supported_classes())}."
             )
         return found
-    if for_patch and _adapter_for(obj) is None:
+    if for_patch and not _patchable(obj):
         raise UnsupportedModelError(
-            f"diffusers_fastpath does not support {type(obj).__name__}.{_unet_note(candidates)} "
-            f"Supported: {', '.join(supported_classes())}."
+            f"diffusers_fastpath does not support {type(obj).__name__} ({generic.eligible(obj)}).{_unet_note(candidates)} "
+            f"Supported by a family adapter: {', '.join(supported_classes())}; other diffusion transformers through the "
+            "generic path."
         )
     return candidates
 
@@ -127,7 +149,7 @@ def _say_if_nothing_can_run_fused(name: str, model: nn.Module) -> None:
         logger.info(msg)
 
 
-def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> Any:
+def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, verify: bool | None = None) -> Any:
     """Make a diffusers pipeline or model faster with output bit-identical to unpatched diffusers.
 
     Patches every supported model a pipeline holds (``transformer``, ``transformer_2``, ...) in place: the adaLN
@@ -150,6 +172,11 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> 
             against eager with ``torch.equal``). Calls a graph cannot stand for run eager, with the reason in
             `report`; on a machine without CUDA it has no effect. See `diffusers_fastpath.graphs`. Asking again
             with ``True`` on a patched model turns graphs on; they go away with `unpatch`.
+        verify: for a model no family adapter covers (patched by the generic path, `models.generic`), run the first
+            forward of each input signature both ways and compare them bit for bit before trusting it (one extra
+            forward per signature; a mismatch unpatches the model with a warning; `diffusers_fastpath.verify`).
+            ``None`` (the default): on, unless ``DIFFUSERS_FASTPATH_VERIFY=0``. Family adapters are verified by
+            their tests and need no such check.
 
     Returns:
         ``obj``, patched in place. A patched model stays an ordinary module: ``copy.deepcopy`` gives an independently
@@ -182,24 +209,34 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False) -> 
                 with state.lock:  # re-patching with another tier changes the default tier
                     state.default_quality = quality
                     set_tier(name, model, state)
-            if cuda_graphs:
+            if cuda_graphs and _graphs_serve(model):
                 graphs.install(model, state, name)
             continue
         state = PatchState(quality)
         try:
-            _adapter_for(model)(model, state)
+            adapter = _adapter_for(model)
+            if adapter is None:
+                generic.patch_generic(model, state, name, verify)
+            else:
+                adapter(model, state)
             state.name_repeated_blocks(model)
         except BaseException:
             state.undo()
             raise
         model.__dict__[STATE_ATTR] = state
-        if cuda_graphs:
+        if cuda_graphs and _graphs_serve(model):
             graphs.install(model, state, name)
         sites = sum(len(sites_of(m)) for m in model.modules())
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
         _say_if_nothing_can_run_fused(name, model)
         set_tier(name, model, state)  # mounts the high-tier sites if asked; checks every site's fitness
     return obj
+
+
+def _graphs_serve(model: nn.Module) -> bool:
+    """Whether CUDA graphs of `model`'s ``forward`` serve a pipeline: not for a VAE, whose pipelines call its
+    ``decode`` and ``encode`` (a graph of its forward would never replay)."""
+    return not (callable(getattr(model, "decode", None)) and callable(getattr(model, "encode", None)))
 
 
 def unpatch(obj: Any) -> Any:

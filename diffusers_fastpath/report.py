@@ -12,7 +12,8 @@ import torch
 from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
-from ._state import patched_models, sites_of
+from . import verify
+from ._state import models_in, patched_models, sites_of
 from .patching import _models_of
 from .quality import tier_sites
 
@@ -155,6 +156,22 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def _not_patched_line(obj: Any) -> str:
+    failed = [f"{type(m).__name__}: {why}" for _, m in models_in(obj) if m in verify.FAILED
+              for why in (verify.FAILED[m],)] if _is_model_or_pipeline(obj) else []
+    if failed:
+        return "diffusers_fastpath: " + "; ".join(failed)
+    return _not_patched_line_plain(obj)
+
+
+def _is_model_or_pipeline(obj: Any) -> bool:
+    try:
+        models_in(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def _not_patched_line_plain(obj: Any) -> str:
     from .patching import supported_classes
 
     what = type(obj).__name__
@@ -219,6 +236,8 @@ def report(obj: Any, verbose: bool = False) -> Report:
                 if attr.startswith(STATS_PREFIX):
                     caches[attr[len(STATS_PREFIX):]] = {"built": stats.built, "reused": stats.reused}
         notes = list(state.notes)
+        if getattr(state, "verifier", None) is not None:  # the generic path's model-level check
+            notes += state.verifier.notes()
         cannot: dict[str, int] = {}
         for site_name, module, site in tier_sites(model):
             c = site.counters

@@ -16,12 +16,12 @@ from . import quant
 from .modes import MODES
 from .render import import_pyplot, markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
-from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, STEP_MODELS
+from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, STEP_MODELS, ZOO_MODELS
 
 # the default prompt length where the model's own pipeline or its rotary table holds fewer than FLUX's 512 (Lumina2's
 # caption axis has axes_lens[0] = 300 positions: Lumina2Pipeline's max_sequence_length is 256)
 TEXT_TOKENS = {"lumina2": 256, "lumina2-tiny": 32}
-KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
+KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + ERNIE_MODELS + tuple(STEP_MODELS) + ZOO_MODELS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,8 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m diffusers_fastpath.bench", description=sys.modules[__package__].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux-tiny",
-                   help=f"{', '.join(KNOWN_MODELS)}, or a FLUX pipeline's Hub id or folder "
-                        "(default: flux-tiny)")
+                   help=f"{', '.join(m for m in KNOWN_MODELS if m not in ZOO_MODELS)}, zoo:NAME[-tiny] for a class "
+                        "no family adapter covers (testing.zoo; the generic path), or a FLUX pipeline's Hub id or "
+                        "folder (default: flux-tiny)")
     p.add_argument("--modes", help=f"comma-separated subset (default: every available one); eager is always "
                                    f"included. {mode_help}")
     p.add_argument("--levels", default="step,generation", help=f"comma-separated, of {', '.join(LEVELS)} "
@@ -75,6 +76,8 @@ def _split(value: str | None) -> list[str]:
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     tiny = args.model.endswith("-tiny")
+    if args.model in ZOO_MODELS:  # their inputs are the zoo's (tiny or published sizes)
+        args.height, args.width = args.height or 1024, args.width or 1024
     ernie = args.model in ERNIE_MODELS
     args.height = args.height or (128 if tiny else 1024)
     args.width = args.width or (128 if tiny else 1024)

@@ -50,6 +50,15 @@ STEP_MODELS = {
     "wan-14b": ("build_wan_transformer", "wan-14b", "wan_transformer_inputs", "video8"),
     "wan-tiny": ("build_wan_transformer", "wan-tiny", "wan_transformer_inputs", "video8"),
 }
+# every class of the zoo (`testing.zoo`: the models no family adapter covers, patched by the generic path), step level
+# only: "zoo:NAME" at its published config and resolution, "zoo:NAME-tiny" tiny
+def _zoo_models() -> tuple[str, ...]:
+    from ..testing import zoo
+
+    return tuple(f"zoo:{n}{s}" for n, e in sorted(zoo.ZOO.items()) for s in (("", "-tiny") if e.full_config else ("-tiny",)))
+
+
+ZOO_MODELS = _zoo_models()
 # the family of a step model's kernel cases (default "other")
 STEP_FAMILIES = {"build_sd3_transformer": "sd3", "build_qwenimage_transformer": "qwen", "build_ltx_transformer": "ltx"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,7 +80,9 @@ class Subject:
 
     def step(self) -> torch.Tensor:
         out = self.transformer(**self.step_inputs, return_dict=False)[0]
-        return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one latent per sample
+        while isinstance(out, (list, tuple)) and len(out) and isinstance(out[0], (list, tuple)):
+            out = out[0]  # a model returning several modalities (MiniMax-H3, Cosmos 3): the first
+        return torch.stack(out) if isinstance(out, (list, tuple)) else out  # Z-Image: one latent per sample
 
 
 def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool) -> Subject:
@@ -90,6 +101,16 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         return Subject(args.model, "ernie", model, inputs,
                        no_generation="not for ERNIE-Image here (no VAE config is published with this package); "
                                      "use the step level")
+    if args.model in ZOO_MODELS:
+        from ..testing import zoo
+
+        name = args.model[len("zoo:"):].removesuffix("-tiny")
+        full = not args.model.endswith("-tiny")
+        model = zoo.build(name, dtype=dtype, device=device, seed=args.seed, full=full)
+        inputs = zoo.inputs(name, model, batch=args.batch, seed=args.seed + 1, full=full)
+        inputs.pop("return_dict", None)
+        return Subject(args.model, "other", _quantized(model, args, device), inputs,
+                       no_generation=f"not for {args.model} here (the zoo builds transformers only); use the step level")
     if args.model in STEP_MODELS:
         build, config, make_inputs, layout = STEP_MODELS[args.model]
         model = getattr(testing, build)(config, dtype, device, seed=args.seed)

@@ -198,6 +198,13 @@ class _ChainsNamespace:
     be a tensor at run time: then the replaced expression runs as written."""
 
     @staticmethod
+    def contiguous(x):
+        # a residual stream handed over as a transposed view of the patch embedding's output (Wan VACE, SkyReels-V2,
+        # Sana, PixArt: ``x.flatten(2).transpose(1, 2)`` with no copy) in memory order, once: every op of the block
+        # computes the same values either way, and the fused kernels take rows in memory order only
+        return x.contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+
+    @staticmethod
     def gated_residual(residual, gate, update, site):
         if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
             return residual + gate * update

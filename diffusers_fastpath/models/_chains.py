@@ -68,11 +68,17 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                     swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
                     local_rotary: tuple[str, str] | None = None, head_cats: bool = False,
                     rows_rotary: str | None = None,
-                    wan_rotary: tuple[str, str] | None = None) -> tuple[object, Rewrite] | None:
+                    wan_rotary: tuple[str, str] | None = None,
+                    contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source is not provably `fn`'s (`_chain_proofs.source_of`: a wrapper, a
     replaced function, a file edited since the import), it needs a closure (``super()``), or no pattern matched.
-    `norm_methods` maps a modulate method of the block to its fused counterpart (see `_rewriter`)."""
+    `norm_methods` maps a modulate method of the block to its fused counterpart (see `_rewriter`). `contiguous`
+    names parameters (the residual stream) that the rewritten forward takes in memory order first
+    (`_ChainsNamespace.contiguous`: a transposed token view, which the fused kernels refuse, is copied once), where
+    that can change no value (`_layout_free`: the forward writes nothing in place and reads the stream only through
+    the norms `norms` (attributes of the block), elementwise arithmetic it assigns back to the stream, and its
+    shape or dtype; a Linear or an attention reading the stream itself can round differently by layout)."""
     source, _ = source_of(fn)
     if source is None or fn.__code__.co_freevars:
         return None
@@ -125,6 +131,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         func.body = rewriter.qk_norms(func.body)
     if not rewriter.found:
         return None
+    taken = [p for p in contiguous if p in params and _layout_free(proofs.function, p, norms)]
+    func.body[:0] = [ast.parse(f"{p} = {_NS}.contiguous({p})").body[0] for p in taken]
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}:{next(_REWRITES)}>"
@@ -139,6 +147,69 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__  # the objects, not evaluated again
     new.__annotations__ = dict(fn.__annotations__)
     return new, rewriter.found
+
+
+_ELEMENTWISE = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+_CASTS = ("float", "to", "type_as", "contiguous")  # keep the values (and the layout) of what they are called on
+_META = ("shape", "dtype", "device", "ndim", "size", "dim")
+
+
+def _layout_free(func: ast.FunctionDef, name: str, norms: tuple[str, ...]) -> bool:
+    """Whether the values `func` computes cannot depend on the memory layout of the tensor its parameter `name`
+    holds, nor of what it rebinds `name` to: the body writes nothing in place, and every read of `name` is its shape,
+    dtype or device, the argument of a norm ``self.N(...)`` (N in `norms`: a LayerNorm or an RMSNorm, which
+    normalise a copy in memory order), the operand of elementwise arithmetic (through casts) whose result is assigned
+    back to `name`, or ``return name``. Conservative: any other read (a Linear, an attention, a concatenation, a
+    reshape) and it is not."""
+    parents: dict[int, ast.AST] = {}
+    for node in ast.walk(func):
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+        if isinstance(node, (ast.AugAssign, ast.Delete)) or (
+                isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, ast.Store)):
+            return False
+        if isinstance(node, ast.Call) and ((isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_")
+                                            and not node.func.attr.startswith("_"))
+                                           or any(k.arg in ("out", "inplace") for k in node.keywords)):
+            return False
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)):
+            continue
+        value = node
+        parent = parents.get(id(value))
+        while (isinstance(parent, ast.Attribute) and parent.attr in _CASTS and isinstance(parents.get(id(parent)), ast.Call)
+               and parents[id(parent)].func is parent):  # ``x.float()``, ``x.to(dtype)``: the same layout, on
+            value = parents[id(parent)]
+            parent = parents.get(id(value))
+        if isinstance(parent, ast.Attribute) and parent.attr in _META:
+            continue
+        if isinstance(parent, ast.Call) and value in parent.args and any(
+                isinstance(f, ast.Attribute) and f.attr in ("type_as", "to") for f in [parent.func]):
+            continue  # ``y.type_as(x)``, ``y.to(x.dtype)``: x's dtype only
+        if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.attr in norms
+                and isinstance(parent.func.value, ast.Name) and parent.func.value.id == "self" and parent.args
+                and parent.args[0] is value):
+            continue
+        if isinstance(parent, ast.Return) or (isinstance(parent, ast.BinOp) and isinstance(parent.op, _ELEMENTWISE)
+                                             and _assigned_back(parent, parents, name)):
+            continue
+        return False
+    return True
+
+
+def _assigned_back(expr: ast.AST, parents: dict, name: str) -> bool:
+    """Whether elementwise `expr` (through more elementwise arithmetic and casts) is what a statement assigns to
+    `name` itself."""
+    node = expr
+    while True:
+        parent = parents.get(id(node))
+        if isinstance(parent, ast.BinOp) and isinstance(parent.op, _ELEMENTWISE):
+            node = parent
+        elif isinstance(parent, ast.Attribute) and parent.attr in _CASTS and isinstance(parents.get(id(parent)), ast.Call):
+            node = parents[id(parent)]
+        else:
+            return (isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name)
+                    and parent.targets[0].id == name and parent.value is node)
 
 
 _REWRITES = itertools.count()  # each rewrite's source has a file name of its own (linecache, tracebacks)
@@ -186,7 +257,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    swiglus: tuple[str, ...] = (), complex_rotary: str | None = None,
                    local_rotary: tuple[str, str] | None = None,
                    head_cats: bool = False, rows_rotary: str | None = None,
-                   wan_rotary: tuple[str, str] | None = None) -> tuple[type, Rewrite] | tuple[None, None]:
+                   wan_rotary: tuple[str, str] | None = None,
+                   contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the one `cls` holds now
     with its chains fused, and what was rewritten; ``(None, None)`` where nothing can be (`swap_rewritten` and
@@ -214,7 +286,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     processor defines, taken where its normalised source has that digest."""
     norm_methods = dict(norm_methods or {})
     options = dict(activations=activations, rms_norms=rms_norms, swiglus=swiglus, complex_rotary=complex_rotary,
-                   local_rotary=local_rotary, head_cats=head_cats, rows_rotary=rows_rotary, wan_rotary=wan_rotary)
+                   local_rotary=local_rotary, head_cats=head_cats, rows_rotary=rows_rotary, wan_rotary=wan_rotary,
+                   contiguous=contiguous, norms=norms)
     sub = _NAMED.get((module, name))
     spec = _SPECS.get(sub)
     if spec is None or (spec.base, spec.method, spec.options, spec.norm_methods) != (cls, method, options,

@@ -1,0 +1,353 @@
+"""The generic path: a diffusers transformer with no family adapter, patched from what the model itself states, and
+verified as a whole before it is trusted.
+
+A family adapter names, for the rewriter (`_chains`), which of a block's attributes are diffusers' ``RMSNorm`` or a
+SiLU, which function is its rotary embedding, and which classes to rewrite. Those are facts of the model, and this
+adapter reads them from it:
+
+- what to rewrite: every class of the model's modules that defines its own ``forward`` (blocks, adaLN modules,
+  feed-forwards; not torch's own layers, not the model's class), and every attention processor class in use (its
+  ``__call__``); a class whose installed code no pattern matches stays as it is;
+- which attributes may be diffusers' ``RMSNorm`` (the sandwich-norm forms) or a SiLU (the SwiGLU form): those that
+  are, in every instance of the class in this model;
+- which rotary functions a processor calls: a module function (or one the processor defines) whose source, with its
+  name set aside, is that of a rotary form this package has a kernel for, as installed and checked by the family
+  adapters (`KNOWN_ROTARIES`): LTX-Video's rows form, Qwen-Image's complex form, Wan's and Z-Image's local forms.
+  So a model that copies one of them ("Copied from" in diffusers) gets its kernel, and one that changes a character
+  of it does not.
+
+Nobody has vouched for such a model by hand, so its first forward of each input signature runs both ways and is
+compared bit for bit (`diffusers_fastpath.verify`); a mismatch unpatches it with one warning naming the first module
+whose output differs.
+
+Which classes are taken (`eligible`): diffusers ``ModelMixin`` transformers (and a user's own ``ModelMixin``
+transformer) that hold repeated blocks, by diffusers' ``_repeated_blocks`` / ``_no_split_modules`` or a
+``ModuleList`` of one block class with attention in it. UNets and autoencoders are not transformers: refused with
+the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import hashlib
+import importlib
+import inspect
+import json
+import textwrap
+import zlib
+
+from diffusers.models.normalization import RMSNorm
+from torch import nn
+
+from .._logging import logger
+from .._state import BACKEND_ATTRS, PatchState
+from ..verify import Verifier, enabled
+from ..ops.silu_mul import SILUS
+from ._chain_calls import register_complex_rotary, register_rows_rotary
+from ._chains import fused_subclass, replace_processors, swap_rewritten
+
+GENERIC = "generic"  # what `coverage` says of a class patched this way
+
+
+# --- the facts ------------------------------------------------------------------------------------------------------
+
+
+def normalized_digest(fn_or_def) -> str | None:
+    """sha256[:16] of ``ast.unparse`` of a function's definition with its name set aside: the same for a copy of a
+    function under another name, different for any change of its code (comments and layout aside)."""
+    if isinstance(fn_or_def, ast.FunctionDef):
+        node = fn_or_def
+    else:
+        try:
+            (node,) = ast.parse(textwrap.dedent(inspect.getsource(fn_or_def))).body
+        except (OSError, TypeError, ValueError, SyntaxError):
+            return None
+        if not isinstance(node, ast.FunctionDef):
+            return None
+    node = ast.FunctionDef(name="_", args=node.args, body=node.body, decorator_list=[], returns=node.returns,
+                           type_comment=None, type_params=getattr(node, "type_params", []))
+    return hashlib.sha256(ast.unparse(ast.fix_missing_locations(node)).encode()).hexdigest()[:16]
+
+
+def _known_rotaries() -> dict[str, str]:
+    """normalized digest -> form, for the rotary functions the family adapters check by digest (as installed: a form
+    whose installed source is not the checked one is not known)."""
+    from diffusers.models.transformers import transformer_ltx, transformer_qwenimage, transformer_wan, transformer_z_image
+
+    from ._mirror import source_digest
+    from .ltx import _ROTARY as LTX
+    from .qwenimage import _ROTARY as QWEN
+    from .wan import _ROTARY as WAN
+    from .zimage import _LOCAL_ROTARY as ZIMAGE
+
+    known = {}
+    if source_digest(transformer_ltx.apply_rotary_emb) == LTX:
+        known[normalized_digest(transformer_ltx.apply_rotary_emb)] = "rows"
+    if source_digest(transformer_qwenimage.apply_rotary_emb_qwen) == QWEN:
+        known[normalized_digest(transformer_qwenimage.apply_rotary_emb_qwen)] = "complex"
+    for cls, (name, digest), form in ((transformer_wan.WanAttnProcessor, WAN, "wan"),
+                                      (transformer_z_image.ZSingleStreamAttnProcessor, ZIMAGE, "local")):
+        local = _local_defs(cls.__call__).get(name)
+        if local is not None and hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16] == digest:
+            known[normalized_digest(local)] = form
+    return known
+
+
+_KNOWN: dict[str, str] | None = None
+
+
+def known_rotaries() -> dict[str, str]:
+    global _KNOWN
+    if _KNOWN is None:
+        _KNOWN = _known_rotaries()
+    return _KNOWN
+
+
+def _parsed(fn) -> ast.FunctionDef | None:
+    try:
+        (node,) = ast.parse(textwrap.dedent(inspect.getsource(fn))).body
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    return node if isinstance(node, ast.FunctionDef) else None
+
+
+def _local_defs(fn) -> dict[str, ast.FunctionDef]:
+    node = _parsed(fn)
+    if node is None:
+        return {}
+    return {n.name: n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node}
+
+
+def processor_hints(fn) -> dict:
+    """The rotary hints of a processor's ``__call__`` `fn`, read from its code: the known rotary forms it calls."""
+    node = _parsed(fn)
+    if node is None:
+        return {}
+    known = known_rotaries()
+    hints: dict = {}
+    called = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    for name in sorted(called):
+        target = fn.__globals__.get(name)
+        if not inspect.isfunction(target):
+            continue
+        form = known.get(normalized_digest(target))
+        if form == "rows" and "rows_rotary" not in hints:
+            register_rows_rotary(target)
+            hints["rows_rotary"] = name
+        elif form == "complex" and "complex_rotary" not in hints:
+            register_complex_rotary(target)
+            hints["complex_rotary"] = name
+    for name, local in _local_defs(fn).items():
+        form = known.get(normalized_digest(local))
+        digest = hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16]
+        if form == "wan" and "wan_rotary" not in hints:
+            hints["wan_rotary"] = (name, digest)
+        elif form == "local" and "local_rotary" not in hints:
+            hints["local_rotary"] = (name, digest)
+    return hints
+
+
+def block_hints(instances: list[nn.Module]) -> dict:
+    """The attribute hints of a block class, from its instances in the model: diffusers' ``RMSNorm`` attributes
+    (the sandwich-norm forms) and SiLU attributes (the SwiGLU form), where every instance has that type there."""
+    def attrs(test) -> tuple[str, ...]:
+        names = set(instances[0]._modules)
+        return tuple(sorted(n for n in names if all(test(m._modules.get(n)) for m in instances)))
+
+    params = list(inspect.signature(type(instances[0]).forward).parameters)[1:]
+    return {"rms_norms": attrs(lambda m: type(m) is RMSNorm),
+            "activations": (*attrs(lambda m: type(m) in SILUS), "F.silu"),
+            # the residual streams, which a model may hand over as a transposed view (`_chains.rewrite_forward`)
+            "contiguous": tuple(p for p in params if p.endswith("hidden_states") and "encoder" not in p),
+            "norms": attrs(lambda m: isinstance(m, (nn.LayerNorm, nn.RMSNorm, RMSNorm)))}
+
+
+# --- the subclasses, by a name that says how to make them -------------------------------------------------------
+#
+# A generic subclass is made at patch time for a class this package has never seen, with hints read from one model.
+# Its name encodes the base class, the method and the hints, so that a pickled patched model finds it in a fresh
+# process: `__getattr__` below makes it again from the name (PEP 562), and `_chains.fused_subclass` keeps one object
+# per name.
+
+_PREFIX = "FastpathGeneric_"
+
+
+def subclass_name(base: type, method: str, hints: dict) -> str:
+    spec = json.dumps([base.__module__, base.__qualname__, method, sorted(hints.items())], separators=(",", ":"))
+    return _PREFIX + base64.b32encode(zlib.compress(spec.encode(), 9)).decode().rstrip("=")
+
+
+def generic_subclass(base: type, method: str, hints: dict):
+    """``(subclass, found)`` of `base` rewritten with `hints` (`_chains.fused_subclass`), or ``(None, None)``."""
+    if method == "__call__":  # the rotary functions its hints name are registered with their forms (by digest)
+        hints = {**processor_hints(base.__call__), **hints}
+    sub, found = fused_subclass(base, subclass_name(base, method, hints), __name__, method, **hints)
+    if sub is not None:
+        sub.__name__ = f"Fastpath{base.__name__}"  # what messages and `report` show; pickles go by the qualified name
+    return sub, found
+
+
+def __getattr__(name: str):
+    if not name.startswith(_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    encoded = name[len(_PREFIX):]
+    module, qualname, method, hints = json.loads(zlib.decompress(base64.b32decode(encoded + "=" * (-len(encoded) % 8))))
+    base = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    hints = {k: tuple(v) if isinstance(v, list) else v for k, v in hints}
+    sub, _ = generic_subclass(base, method, hints)
+    if sub is None:
+        raise AttributeError(f"{name}: {module}.{qualname}.{method} has no chain to fuse in this process")
+    return sub
+
+
+# --- which models ---------------------------------------------------------------------------------------------------
+
+
+def _is_library_layer(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in ("torch", "diffusers_fastpath", "transformers", "peft", "accelerate",
+                                            "torchao", "optimum", "bitsandbytes", "gguf")
+
+
+def repeated_blocks(model: nn.Module) -> list[type]:
+    """The model's repeated block classes: those diffusers names (``_repeated_blocks``, ``_no_split_modules``) that
+    the model holds, else the classes of ``ModuleList`` entries that repeat and hold an attention."""
+    named = set(getattr(model, "_repeated_blocks", None) or ()) | set(getattr(model, "_no_split_modules", None) or ())
+    found = {type(m) for m in model.modules() if type(m).__name__ in named and m is not model}
+    if found:
+        return sorted(found, key=lambda c: c.__qualname__)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1 and any(hasattr(m, "processor") for m in module[0].modules()):
+                found |= kinds
+    return sorted(found, key=lambda c: c.__qualname__)
+
+
+def eligible(model: nn.Module) -> str | None:
+    """Why the generic path does not take `model`, or None."""
+    from diffusers import ModelMixin
+
+    name = type(model).__name__
+    if not isinstance(model, ModelMixin):
+        return f"{name} is not a diffusers model (ModelMixin)"
+    if (why := _refused_by_name(name)) is not None:
+        return why
+    if not repeated_blocks(model):
+        return f"{name} holds no repeated transformer blocks"
+    return None
+
+
+# --- the adapter ----------------------------------------------------------------------------------------------------
+
+
+def patch_generic(model: nn.Module, state: PatchState, name: str, verify: bool | None = None) -> None:
+    """Rewrite every class of `model` that the patterns match, with the hints its modules state (module doc), and,
+    unless `verify` is False (or ``DIFFUSERS_FASTPATH_VERIFY=0``), install the model-level verification."""
+    classes: dict[type, list[nn.Module]] = {}
+    for module in model.modules():
+        cls = type(module)
+        if module is model or _is_library_layer(cls) or "forward" not in _own_methods(cls):
+            continue
+        classes.setdefault(cls, []).append(module)
+    swaps = {}
+    for cls, instances in classes.items():
+        swaps[cls] = generic_subclass(cls, "forward", block_hints(instances))
+    swap_rewritten(state, model, {c: v for c, v in swaps.items() if v[0] is not None})
+    processors: dict[type, list[nn.Module]] = {}  # processor class -> the attention modules that hold one
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(module, "set_processor") and not _is_library_layer(type(processor)):
+            processors.setdefault(type(processor), []).append(module)
+    for cls, attentions in processors.items():
+        if any(set(vars(a.processor)) - set(BACKEND_ATTRS) for a in attentions):
+            # a processor with settings of its own (IP-adapter scales, a cache): a new one would not have them
+            state.notes.append(f"generic path: kept {cls.__name__} (it holds settings a new processor would lack)")
+            continue
+        try:
+            fused, _ = generic_subclass(cls, "__call__", {})
+            if fused is not None:
+                fused()  # constructible without arguments, as `replace_processors` makes them
+        except TypeError:
+            continue
+        if fused is not None:
+            replace_processors(state, model, tuple({type(a) for a in attentions}), cls, fused)
+    swapped = sum(1 for r in state.records if r[0] in ("class", "processor"))
+    if swapped == 0:
+        state.notes.append("generic path: no chain of this model matched a pattern; it runs as diffusers wrote it")
+    state.notes.append(f"patched by the generic path ({swapped} modules and processors rewritten)")
+    if enabled(verify):
+        Verifier(name, state, model).install(model)
+    else:
+        state.notes.append("model-level verification skipped (verify=False or DIFFUSERS_FASTPATH_VERIFY=0)")
+    logger.info(f"diffusers_fastpath: {name} ({type(model).__name__}) patched by the generic path: {swapped} modules "
+                f"and processors rewritten; verification {'on' if enabled(verify) else 'off'}")
+
+
+def _own_methods(cls: type) -> set[str]:
+    """The methods `cls` or a base of it below ``nn.Module`` defines."""
+    names = set()
+    for base in cls.__mro__:
+        if base is nn.Module or _is_library_layer(base):
+            break
+        names |= set(vars(base))
+    return names
+
+
+# --- coverage --------------------------------------------------------------------------------------------------------
+
+
+def coverage() -> list[tuple[str, str, str]]:
+    """``(class name, how, detail)`` for every model class of diffusers' ``models.transformers`` and every
+    autoencoder a family adapter takes: ``how`` is ``"family"`` (an adapter written and tested for it; detail: its
+    module), ``"generic"`` (patched from its own code and verified on its first forward per input signature) or
+    ``"none"`` (detail: why)."""
+    import diffusers.models.autoencoders as autoencoders
+    import diffusers.models.transformers as transformers
+    from diffusers import ModelMixin
+
+    from .._state import ADAPTERS
+
+    classes = {}
+    for package in (transformers, autoencoders):
+        for info in __import__("pkgutil").iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for cls in vars(module).values():
+                if isinstance(cls, type) and issubclass(cls, ModelMixin) and cls.__module__ == module.__name__:
+                    classes[cls.__name__] = cls
+    rows = []
+    for name, cls in sorted(classes.items()):
+        family = next((ADAPTERS[c] for c in cls.__mro__ if c in ADAPTERS), None)
+        if family is not None:
+            rows.append((name, "family", family.__module__.rsplit(".", 1)[-1]))
+        elif cls.__module__.startswith(autoencoders.__name__):
+            continue  # autoencoders: only those a family adapter takes are listed
+        elif (why := _refused_by_name(name)) is not None:
+            rows.append((name, "none", why))
+        else:
+            rows.append((name, GENERIC, "verified on its first forward per input signature"))
+    return rows
+
+
+def _refused_by_name(name: str) -> str | None:
+    if "UNet" in name:
+        return f"{name} is a UNet: this package patches diffusion transformers, not UNets"
+    if "Autoencoder" in name or name.startswith("VQ"):
+        return f"{name} is an autoencoder, not a diffusion transformer"
+    return None
+
+
+def coverage_markdown() -> str:
+    """The table of `coverage` as markdown (docs/coverage.md holds it; a test keeps the two the same)."""
+    rows = coverage()
+    counts = {k: sum(1 for r in rows if r[1] == k) for k in ("family", GENERIC, "none")}
+    lines = [f"{counts['family']} classes by a family adapter, {counts[GENERIC]} by the generic path, "
+             f"{counts['none']} not taken.", "", "| class | how | detail |", "|---|---|---|"]
+    lines += [f"| `{name}` | {how} | {detail} |" for name, how, detail in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m diffusers_fastpath.models.generic > table: docs/coverage.md's
+    print(coverage_markdown(), end="")
