@@ -117,8 +117,8 @@ def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module
     if for_patch and not _patchable(obj):
         raise UnsupportedModelError(
             f"diffusers_fastpath does not support {type(obj).__name__} ({generic.eligible(obj)}).{_unet_note(candidates)} "
-            f"Supported by a family adapter: {', '.join(supported_classes())}; other diffusion transformers through the "
-            "generic path."
+            f"Supported: {', '.join(supported_classes())}, and any other diffusers transformer with repeated blocks "
+            "(the generic path; fp.coverage() lists them)."
         )
     return candidates
 
