@@ -138,16 +138,21 @@ def check_every_order(pipe, family, first, undo, reference, patch):
     return runner
 
 
-@pytest.fixture(scope="module")
-def alone():
+def references(*args):
+    """`cache_dit_alone(family, *args)` per family, computed once (a module fixture's value)."""
     refs = {}
 
     def get(family):
         if family not in refs:
-            refs[family] = cache_dit_alone(family)
+            refs[family] = cache_dit_alone(family, *args)
         return refs[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return references()
 
 
 @pytest.fixture

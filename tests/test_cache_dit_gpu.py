@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import diffusers_fastpath as fp
-from test_cache_dit import BUILDERS, cache_dit, cache_dit_alone, check_every_order, generate
+from test_cache_dit import BUILDERS, cache_dit, cache_off_after, check_every_order, generate, references  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,23 +22,7 @@ DTYPE = torch.bfloat16
 
 @pytest.fixture(scope="module")
 def alone_on_gpu():
-    refs = {}
-
-    def get(family):
-        if family not in refs:
-            refs[family] = cache_dit_alone(family, "cuda", DTYPE)
-        return refs[family]
-
-    return get
-
-
-@pytest.fixture
-def cache_off_after():
-    pipes = []
-    yield pipes.append
-    for pipe in pipes:
-        if "_original_call" in vars(type(pipe)):
-            cache_dit.disable_cache(pipe)
+    return references("cuda", DTYPE)
 
 
 @pytest.mark.parametrize("family", BUILDERS)
