@@ -20,6 +20,7 @@ from diffusers import FluxTransformer2DModel
 import diffusers_fastpath as fp
 from diffusers_fastpath.ops import OPS, _build
 from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV, REASON_NO_KERNELS
+from diffusers_fastpath.testing import zoo
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,
     build_flux2_transformer,
@@ -66,6 +67,12 @@ FAMILIES = {
     # the swapped QK norm modules (FastpathRMSNorm) and SD3's rewritten blocks, a dual-attention block among them
     "sd3": (lambda dtype, seed: build_sd3_transformer(dtype=dtype, seed=seed, num_layers=2),
             sd3_transformer_inputs, "hidden_states"),
+    # the generic path (no family adapter; verified on the first forward of each input signature): Wan VACE (Wan's
+    # blocks, its stream taken in memory order) and HunyuanVideo Framepack (HunyuanVideo's blocks)
+    **{name: (lambda dtype, seed, name=name: zoo.build(name, dtype=dtype, seed=seed),
+              lambda model, seed, name=name, **kwargs: {k: v for k, v in zoo.inputs(name, model, seed=seed, **kwargs).items()
+                                                       if k != "return_dict"}, "hidden_states")
+       for name in ("wan-vace", "hunyuan-framepack")},
 }
 
 
@@ -474,7 +481,9 @@ def test_attention_backend_set_while_patched(family, backend, unpatch_after):
     # (HunyuanVideo-1.5's token refiner keeps diffusers'); SD3 its joint attention's (the head concatenations; its QK
     # norms are swapped modules)
     expected = {"sd3": len([p for p in processors if "JointAttnProcessor2_0" in type(p).__name__]),
-                "hunyuanvideo15": len([p for p in processors if "HunyuanVideo15" in type(p).__name__])
+                "hunyuanvideo15": len([p for p in processors if "HunyuanVideo15" in type(p).__name__]),
+                # Framepack's token refiner's AttnProcessor2_0 has no chain to fuse (the generic path leaves it)
+                "hunyuan-framepack": len([p for p in processors if type(p).__name__ != "AttnProcessor2_0"]),
                 }.get(family, len(processors))
     assert processors and len(fused) == expected, processors
     dispatching = [p for p in processors if hasattr(p, "_attention_backend")]  # Lumina2's, SD3's call SDPA themselves
