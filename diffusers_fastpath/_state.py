@@ -376,6 +376,13 @@ def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
     )
 
 
+def undo_patch(model: nn.Module) -> None:
+    """Undo `model`'s patch, if it has one: its state leaves the model, then its undo log is replayed."""
+    state = model.__dict__.pop(STATE_ATTR, None)
+    if state is not None:
+        state.undo()
+
+
 def patched_models(obj: Any) -> list[tuple[str, nn.Module, PatchState]]:
     """``(name, model, state)`` for every patched model of a pipeline, or of a model itself."""
     return [(name, model, model.__dict__[STATE_ATTR]) for name, model in models_in(obj) if STATE_ATTR in model.__dict__]

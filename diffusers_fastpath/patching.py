@@ -32,6 +32,7 @@ from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay
     register_adapter,
     site_attr,
     sites_of,
+    undo_patch,
 )
 from .models import generic
 from .quality import set_tier
@@ -251,8 +252,7 @@ def unpatch(obj: Any) -> Any:
     Example:
         >>> fp.unpatch(pipe)  # doctest: +SKIP
     """
-    for _, model, state in patched_models(obj):
-        del model.__dict__[STATE_ATTR]
-        state.undo()
+    for _, model, _ in patched_models(obj):
+        undo_patch(model)
     return obj
 

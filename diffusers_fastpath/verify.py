@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._logging import logger
+from ._state import undo_patch
 from .ops._policy import capturing, outputs_equal, tensors_equal
 
 ENV_VERIFY = "DIFFUSERS_FASTPATH_VERIFY"
@@ -379,9 +380,7 @@ class Verifier:
         return f"{self.name}'s output"
 
     def _unpatch(self, model: nn.Module, why: str, what: str) -> None:
-        from .patching import unpatch
-
         FAILED[model] = f"{what}: {why}; unpatched, it runs as diffusers wrote it"
         logger.warning(f"diffusers_fastpath: {self.name} ({type(model).__name__}), patched by the generic path, {what}: "
                        f"{why}. It is unpatched and runs as diffusers wrote it (same numbers, no speed-up).")
-        unpatch(model)
+        undo_patch(model)
