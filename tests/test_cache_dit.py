@@ -188,5 +188,7 @@ def test_patch_and_cache_dit_in_every_order(family, first, undo, cuda_graphs, al
     runner = check_every_order(pipe, family, first, undo, alone(family), patch)
     if cuda_graphs:  # every recording is a capture the runner counted (none while cache-dit was on)
         assert runner.backend.recorded == runner.captures
-    assert not [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING"
-                and "paused" not in r.getMessage() and "no effect" not in r.getMessage()]
+    # this package's warnings only (cache-dit logs its own, "Acceleration hooks is disabled for: ...", which reach
+    # caplog where its logger propagates)
+    assert not [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING" and r.name.startswith(
+        "diffusers.fastpath") and "paused" not in r.getMessage() and "no effect" not in r.getMessage()]
