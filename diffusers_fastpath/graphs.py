@@ -22,10 +22,9 @@ How it works, per patched model (`GraphRunner`):
 - Later calls copy the inputs into the static buffers, replay, and return a clone of the outputs: the static
   outputs are overwritten by the next replay (and the pool is shared by all graphs of the model), so handing
   them out would alias; the clone is latents-sized, a few microseconds.
-- Rotary position tables are never served from the cross-step cache inside a capture
-  (`diffusers_fastpath.models._rope_cache.cached` computes fresh while a stream captures): the graph rebuilds
-  cos/sin from the static position-id buffers on every replay (a handful of small kernels), so a replay can
-  never use a table built from other ids.
+- Nothing is cached from one forward to the next (the rotary tables are built once per forward, as diffusers
+  builds them): the graph rebuilds cos/sin from the static position-id buffers on every replay (a handful of
+  small kernels), so a replay can never use a table built from other ids.
 - The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
   the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
   ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
@@ -63,7 +62,7 @@ from torch.utils import _pytree as pytree
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ._logging import logger, warn_once
-from .ops._policy import outputs_equal
+from .ops._policy import global_module_hooks, outputs_equal
 
 GRAPHS_ATTR = "_fastpath_graphs"
 MAX_SIGNATURES = 8  # per model; a pipeline needs one or two (CFG, two text lengths), resolutions add one each
@@ -478,8 +477,7 @@ class GraphRunner:
             raise Unsupported(REASON_GRAD)
         if model.training:
             raise Unsupported(REASON_TRAINING)
-        hooks = nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        if global_module_hooks():
             raise Unsupported(REASON_GLOBAL_HOOKS)
         if self.fingerprint is None or not self.fingerprint.matches():
             if self.graphs or self.failed:

@@ -60,18 +60,13 @@ class FastpathGroupNorm(nn.GroupNorm):
 add_plain(FastpathGroupNorm)
 
 
-def _global_hooks() -> bool:
-    hooks = nn.modules.module
-    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
-
-
 def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
     """Why ``act(norm(x))`` cannot run as `group_norm_silu` (without calling either module), or ``None``."""
     if type(norm) is not nn.GroupNorm:
         return f"{type(norm).__name__} is not a plain nn.GroupNorm"
     if type(act) is not nn.SiLU:
         return f"{type(act).__name__} is not nn.SiLU"
-    if hooked(norm) or hooked(act) or _global_hooks():
+    if hooked(norm) or hooked(act):  # (global module hooks included)
         return "hooks"
     return None
 
