@@ -6,13 +6,15 @@ restores every module class of every component."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import STATE_ATTR, sites_of
-from diffusers_fastpath.testing.zoo.pipelines import PIPELINES
+from diffusers_fastpath.patching import UnsupportedModelError, _adapter_for
+from diffusers_fastpath.testing.zoo import PIPELINES
 
 # classes whose chains no pattern matches yet (COVERAGE.md): patched with no site, verified all the same
 NO_SITE = {"kandinsky6": "its modulate / gate chains are helper calls (apply_scale_shift, apply_gate_sum)"}
@@ -25,7 +27,8 @@ NO_FALLBACK = ("wan-vace", "skyreels-v2", "chronoedit", "hunyuan-framepack", "co
 
 def _generate(pipe, call):
     out = pipe(**call, generator=torch.Generator().manual_seed(1), return_dict=False)
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    leaves = [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in pytree.tree_leaves(out)]
+    leaves = [t for t in leaves if isinstance(t, torch.Tensor)]
     assert leaves, f"no tensor in the output: {type(out)}"
     return [t.clone() for t in leaves]
 
@@ -49,6 +52,10 @@ def test_generic_pipeline_patched_equals_unpatched(name, emulated_kernels):
         assert any(t.float().std() > 0 for t in ref), f"{name}: flat reference"
         fp.patch(pipe)
         try:
+            # the generic path takes the transformer only; other components only through a family adapter (the
+            # AutoencoderKL): no audio VAE or vocoder, whose decode no forward-level verification would see
+            patched = [k for k, comp in _modules(pipe).items() if STATE_ATTR in comp.__dict__]
+            assert all(k == "transformer" or _adapter_for(pipe.components[k]) is not None for k in patched), patched
             state = transformer.__dict__.get(STATE_ATTR)
             assert state is not None and state.verifier is not None, f"{name}: not patched by the generic path"
             sites = [s for m in transformer.modules() for _, s in sites_of(m)]
@@ -72,3 +79,20 @@ def test_generic_pipeline_patched_equals_unpatched(name, emulated_kernels):
     finally:
         hook.remove()
     assert {k: [type(m) for m in comp.modules()] for k, comp in _modules(pipe).items()} == classes
+
+
+def test_generic_path_refuses_autoencoders_and_vocoders_by_module():
+    """Regression: MMAudioVAE and MMAudioVocoder (Kandinsky 6's audio decoder) hold repeated blocks, and their names
+    say no "Autoencoder", so the generic path took them; a pipeline calls the VAE's ``decode``, which the model-level
+    verification (a hook on ``forward``) never sees. Classes of diffusers' ``models.autoencoders`` are refused."""
+    from diffusers import MMAudioVAE, MMAudioVocoder
+
+    vae = MMAudioVAE(mel_bins=8, latent_channels=4, hidden_channels=8, channel_multipliers=(1,), layers_per_block=1,
+                     n_fft=1024, hop_length=512)
+    vocoder = MMAudioVocoder(num_mels=8, upsample_initial_channel=8, upsample_rates=(8, 8, 8),
+                             upsample_kernel_sizes=(16, 16, 16), resblock_kernel_sizes=(3,),
+                             resblock_dilation_sizes=((1,),))
+    for model in (vae, vocoder):
+        with pytest.raises(UnsupportedModelError, match="autoencoder or vocoder"):
+            fp.patch(model)
+        assert STATE_ATTR not in model.__dict__

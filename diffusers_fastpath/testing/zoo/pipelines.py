@@ -7,7 +7,12 @@ tokenizer or text encoder; and the call's kwargs with random prompt (and negativ
 pipeline's text encoders make, classifier-free guidance where the pipeline runs it, a tiny resolution, 2 steps and an
 output type whose decode is cheap. The caller adds a fresh ``generator`` per run. Where a pipeline also encodes an
 image (an image-to-video's CLIP or SigLIP encoder), a tiny random image encoder and its processor, built from a
-config, stand in for the published one.
+config, stand in for the published one; where it needs other models around the transformer (LTX-2's text
+connectors, Kandinsky 6's audio VAE and vocoder), tiny random ones of their classes.
+
+Not here: QwenImage21Pipeline (its ``__init__`` tokenizes its system prompt with the Qwen3-VL processor, so it
+cannot be built without a tokenizer) and Ideogram4Pipeline (its ``__call__`` takes no prompt embeddings: it always
+runs its text encoder).
 
 Example:
     >>> import torch
@@ -44,6 +49,14 @@ def _mask(tokens: int, padding: int) -> torch.Tensor:
     if padding:
         m[0, tokens - padding:] = 0
     return m
+
+
+def _masked_embeds(randn, dim: int, tokens: int = 8, padding: int = 2) -> dict:
+    """Prompt and negative-prompt states with their masks (the prompt's last `padding` tokens padding), as the
+    T5 / Gemma pipelines (Sana, PixArt, AuraFlow) take them; ``negative_prompt=None`` over their default ``""``,
+    which would ask for a text encoder."""
+    return dict(negative_prompt=None, prompt_embeds=randn(1, tokens, dim), prompt_attention_mask=_mask(tokens, padding),
+                negative_prompt_embeds=randn(1, tokens, dim), negative_prompt_attention_mask=_mask(tokens, 0))
 
 
 def _random(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -96,13 +109,17 @@ def _hunyuan_video_vae(seed: int, latent_channels: int):
         norm_num_groups=4, spatial_compression_ratio=8, temporal_compression_ratio=4), seed)
 
 
-def _kl_vae(seed: int, latent_channels: int):
-    # AutoencoderKL, 4 blocks of 8 channels: /8 as the published image VAEs, cheap to decode at 64 px
+def _kl_vae(seed: int, latent_channels: int, dtype=torch.float32):
+    """AutoencoderKL, 4 blocks of 8 channels: /8 as the published image VAEs, cheap to decode at 64 px; in `dtype`
+    (bf16 for the pipelines that decode the latents in the transformer's dtype, as their one-dtype checkpoints
+    do)."""
     from diffusers import AutoencoderKL
 
-    return _random(AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
-                                 up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=latent_channels,
-                                 norm_num_groups=4, layers_per_block=1), seed)
+    with _construct("cpu", dtype):
+        vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=latent_channels,
+                            norm_num_groups=4, layers_per_block=1)
+    return _random(vae, seed)
 
 
 def _dc_vae(seed: int, latent_channels: int):
@@ -147,6 +164,32 @@ def _mmaudio(seed: int, latent_channels: int):
                              upsample_kernel_sizes=(16, 16, 16), resblock_kernel_sizes=(3,),
                              resblock_dilation_sizes=((1,),))
     return _random(vae, seed), _random(vocoder, seed + 1)
+
+
+def _ltx2_parts(seed: int, cfg):
+    """LTX-2's tiny random video VAE (/32 spatial, /8 temporal as published, `cfg.in_channels` latent channels), audio
+    VAE (8 channels x 16 latent mel bins = `cfg.audio_in_channels`; 128 wide, its normalisation's length) and text
+    connectors (Gemma states of 2 layers -> `cfg.caption_channels`, in bf16 as the pipeline loads them: they run on
+    the prompt states in the transformer's dtype)."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    vae = AutoencoderKLLTX2Video(latent_channels=cfg.in_channels, block_out_channels=(8, 8, 8, 8),
+                                 decoder_block_out_channels=(8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                                 decoder_layers_per_block=(1, 1, 1, 1))
+    # (its latents mean / std have base_channels entries: = 8 channels x 16 mel bins, as published)
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=cfg.audio_in_channels, ch_mult=(1, 1, 1), num_res_blocks=1,
+                                       latent_channels=8, mel_bins=64)
+    assert 8 * 64 // audio_vae.mel_compression_ratio == cfg.audio_in_channels
+    dim = cfg.caption_channels
+    with _construct("cpu", torch.bfloat16):
+        connectors = LTX2TextConnectors(
+            caption_channels=dim, text_proj_in_factor=2, video_connector_num_attention_heads=2,
+            video_connector_attention_head_dim=dim // 2, video_connector_num_layers=1,
+            video_connector_num_learnable_registers=8, audio_connector_num_attention_heads=2,
+            audio_connector_attention_head_dim=dim // 2, audio_connector_num_layers=1,
+            audio_connector_num_learnable_registers=8)
+    return _random(vae, seed), _random(audio_vae, seed + 1), _random(connectors, seed + 2)
 
 
 def _clip_vision(seed: int, hidden: int, image: int = 32):
@@ -237,7 +280,8 @@ def _hunyuan_framepack():
     randn = _embeds(43)
     return pipe, dict(image=_image(44, 64, 64), prompt_embeds=randn(1, 8, cfg.text_embed_dim),
                       prompt_attention_mask=_mask(8, 2), pooled_prompt_embeds=randn(1, cfg.pooled_projection_dim),
-                      negative_prompt_embeds=randn(1, 8, cfg.text_embed_dim), negative_prompt_attention_mask=_mask(8, 0),
+                      negative_prompt_embeds=randn(1, 8, cfg.text_embed_dim),
+                      negative_prompt_attention_mask=_mask(8, 0),
                       negative_pooled_prompt_embeds=randn(1, cfg.pooled_projection_dim), true_cfg_scale=2.0,
                       guidance_scale=6.0, height=64, width=64, num_frames=5, latent_window_size=2,
                       num_inference_steps=_STEPS, output_type="latent")
@@ -305,15 +349,25 @@ def _kandinsky6():
                       num_inference_steps=_STEPS, guidance_scale=5.0, output_type="latent")
 
 
+def _ltx2():
+    # LTX2Pipeline (text to video + audio): stacked Gemma layer states with masks through the (random) connectors,
+    # video and audio latents denoised together, CFG batched; returns (video latents, audio latents)
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+
+    transformer = build("ltx2")
+    cfg = transformer.config
+    vae, audio_vae, connectors = _ltx2_parts(141, cfg)
+    pipe = LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
+                        text_encoder=None, tokenizer=None, connectors=connectors, transformer=transformer,
+                        vocoder=None)
+    randn = _embeds(144)
+    return pipe, dict(prompt_embeds=randn(1, 16, 2 * cfg.caption_channels), prompt_attention_mask=_mask(16, 4),
+                      negative_prompt_embeds=randn(1, 16, 2 * cfg.caption_channels),
+                      negative_prompt_attention_mask=_mask(16, 0), height=64, width=64, num_frames=9,
+                      frame_rate=24.0, num_inference_steps=_STEPS, guidance_scale=4.0, output_type="latent")
+
+
 # ---------------------------------------------------------------- image DiTs
-
-def _masked_embeds(randn, dim: int, tokens: int = 8, padding: int = 2) -> dict:
-    """Prompt and negative-prompt states with their masks (the prompt's last `padding` tokens padding), as the
-    T5 / Gemma pipelines (Sana, PixArt, AuraFlow) take them; ``negative_prompt=None`` over their default ``""``,
-    which would ask for a text encoder."""
-    return dict(negative_prompt=None, prompt_embeds=randn(1, tokens, dim), prompt_attention_mask=_mask(tokens, padding),
-                negative_prompt_embeds=randn(1, tokens, dim), negative_prompt_attention_mask=_mask(tokens, 0))
-
 
 def _sana():
     # SanaPipeline: Gemma-2 states with masks, the DC-AE latents (32 channels), CFG batched, flow DPM-Solver
@@ -386,6 +440,45 @@ def _krea2():
                       height=64, width=64, num_inference_steps=_STEPS, guidance_scale=3.5, output_type="pt")
 
 
+def _cogview3plus():
+    # CogView3PlusPipeline: T5 states (no mask), CFG batched, CogVideoX's DDIM; the AutoencoderKL
+    from diffusers import CogVideoXDDIMScheduler, CogView3PlusPipeline
+
+    transformer = build("cogview3plus")
+    cfg = transformer.config
+    pipe = CogView3PlusPipeline(tokenizer=None, text_encoder=None, vae=_kl_vae(151, cfg.in_channels, torch.bfloat16),
+                                transformer=transformer, scheduler=CogVideoXDDIMScheduler(timestep_spacing="trailing"))
+    randn = _embeds(152)
+    return pipe, dict(prompt_embeds=randn(1, 8, cfg.text_embed_dim), negative_prompt_embeds=randn(1, 8,
+                      cfg.text_embed_dim), height=64, width=64, num_inference_steps=_STEPS, guidance_scale=5.0,
+                      output_type="pt")
+
+
+def _dit():
+    # DiTPipeline: ImageNet class labels (no text), CFG batched with the null class, DDIM; the AutoencoderKL
+    from diffusers import DDIMScheduler, DiTPipeline
+
+    transformer = build("dit")
+    pipe = DiTPipeline(transformer=transformer, vae=_kl_vae(161, transformer.config.in_channels, torch.bfloat16),
+                       scheduler=DDIMScheduler())
+    return pipe, dict(class_labels=[207], guidance_scale=4.0, num_inference_steps=_STEPS, output_type="np")
+
+
+def _latte():
+    # LattePipeline: T5 states (no mask: mask_feature off, as the model's mask path breaks on its frame-repeated
+    # batch), CFG batched, DDIM; learn-sigma output split by the pipeline
+    from diffusers import DDIMScheduler, LattePipeline
+
+    transformer = build("latte")
+    cfg = transformer.config
+    pipe = LattePipeline(tokenizer=None, text_encoder=None, vae=_kl_vae(171, cfg.in_channels),
+                         transformer=transformer, scheduler=DDIMScheduler())
+    randn = _embeds(172)
+    return pipe, dict(negative_prompt=None, prompt_embeds=randn(1, 8, cfg.caption_channels),
+                      negative_prompt_embeds=randn(1, 8, cfg.caption_channels), video_length=4, height=64, width=64,
+                      num_inference_steps=_STEPS, guidance_scale=5.0, mask_feature=False, output_type="latent")
+
+
 PIPELINES: dict[str, Callable[[], tuple]] = {
     "wan-vace": _wan_vace,
     "skyreels-v2": _skyreels_v2,
@@ -395,7 +488,11 @@ PIPELINES: dict[str, Callable[[], tuple]] = {
     "motif-video": _motif_video,
     "cogvideox": _cogvideox,
     "kandinsky6": _kandinsky6,
+    "ltx2": _ltx2,
     "krea2": _krea2,
+    "cogview3plus": _cogview3plus,
+    "dit": _dit,
+    "latte": _latte,
     "sana": _sana,
     "pixart": _pixart_sigma,
     "auraflow": _auraflow,
