@@ -226,6 +226,9 @@ def repeated_blocks(model: nn.Module) -> list[type]:
     return sorted(found, key=lambda c: c.__qualname__)
 
 
+_AUTOENCODERS = "diffusers.models.autoencoders."
+
+
 def eligible(model: nn.Module) -> str | None:
     """Why the generic path does not take `model`, or None."""
     from diffusers import ModelMixin
@@ -235,6 +238,10 @@ def eligible(model: nn.Module) -> str | None:
         return f"{name} is not a diffusers model (ModelMixin)"
     if (why := _refused_by_name(name)) is not None:
         return why
+    if type(model).__module__.startswith(_AUTOENCODERS):
+        # what `coverage` leaves out too: diffusers' autoencoders and vocoders, whatever their names (MMAudioVAE,
+        # LongCatAudioDiTVae, MMAudioVocoder); their pipelines call `decode`, which no forward-level check sees
+        return f"{name} is an autoencoder or vocoder ({type(model).__module__}), not a diffusion transformer"
     if not repeated_blocks(model):
         return f"{name} holds no repeated transformer blocks"
     return None

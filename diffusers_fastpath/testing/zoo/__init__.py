@@ -3,7 +3,8 @@
 
 What the generic adapter (issue 39) is tested and benched on. One entry per class of ``COVERAGE.md``'s "Uncovered"
 table, keyed by a short model name; the entries live by family group in `wan` (Wan's siblings), `video`, `image`,
-`classic` (the 2023-2024 BasicTransformerBlock / CogVideoX era) and `audio`.
+`classic` (the 2023-2024 BasicTransformerBlock / CogVideoX era) and `audio`. `PIPELINES` (`pipelines`): the classes'
+own diffusers pipelines that build offline, tiny, without text encoders.
 
 Example:
     >>> import torch
@@ -91,4 +92,6 @@ def inputs(name: str, model: torch.nn.Module, batch=1, seed=1, full=False, **siz
     return entry.inputs_fn(model, Draw(model, seed), batch, **size)
 
 
-__all__ = ["ZOO", "ZooEntry", "Draw", "build", "inputs"]
+from .pipelines import PIPELINES  # noqa: E402  (its builders use `build`: imported once the above is defined)
+
+__all__ = ["ZOO", "ZooEntry", "Draw", "build", "inputs", "PIPELINES"]
