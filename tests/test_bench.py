@@ -23,7 +23,9 @@ STEP_FIELDS = {"mode", "available", "reason", "ms", "host_ms", "ms_all", "host_m
                "compile_s", "md5", "bit_identical", "max_abs_diff", "psnr_db", "repeatable", "interleaved", "fastpath", "sensors"}
 GEN_FIELDS = {"mode", "available", "reason", "s", "s_all", "host_s", "ratio", "peak_mem_gib", "compile_s", "warmup_s",
               "latents_md5", "image_md5", "image_shape", "bit_identical", "latents_identical", "image_identical",
-              "max_abs_diff_latents", "psnr_db", "ssim", "repeatable", "interleaved", "fastpath"}
+              "max_abs_diff_latents", "psnr_db", "ssim", "repeatable", "interleaved", "fastpath", "split",
+              "split_ratio", "split_all"}
+SPLIT_FIELDS = {"clock", "text_encoded", "text_ms", "denoise_ms", "decode_ms", "other_ms", "total_ms"}
 CONDITION_FIELDS = {"device", "gpu", "driver", "torch", "cuda", "diffusers", "diffusers_fastpath", "dtype", "height",
                     "width", "steps", "batch", "text_tokens", "model", "commit", "date", "quant", "weights_gib"}
 
@@ -146,6 +148,109 @@ def test_eager_md5_is_the_md5_of_the_real_step_output(tiny_run):
     assert bench.md5(seen[0]) == _rows(tiny_run["result"], "step")["eager"]["md5"]
 
 
+def test_generation_time_split(tiny_run):
+    """Every generation row splits its call into text encoding (not run: embeddings given), denoising and decode,
+    each measured (host clock on a CPU) and non-negative, their sum within the end-to-end time of the same call, with
+    each part's ratio against eager's; the patched modes' latents are eager's; the report shows the split and names
+    the models each mode patched (the pipeline's transformer and its VAE)."""
+    result, md = tiny_run["result"], tiny_run["markdown"]
+    rows = _rows(result, "generation")
+    for name in ("eager", "lossless", "perturbed"):
+        split = rows[name]["split"]
+        assert split.keys() == SPLIT_FIELDS and split["clock"] == "host clock (CPU)"
+        assert split["text_encoded"] is False
+        assert 0 <= split["text_ms"] and 0 < split["denoise_ms"] and 0 < split["decode_ms"] and 0 <= split["other_ms"]
+        parts = split["text_ms"] + split["denoise_ms"] + split["decode_ms"]
+        assert parts <= split["total_ms"] and split["other_ms"] == pytest.approx(split["total_ms"] - parts)
+        assert split["total_ms"] == pytest.approx(rows[name]["s"] * 1e3)  # one timed call: the split is that call's
+        for call in rows[name]["split_all"]:
+            assert call["text"] + call["denoise"] + call["decode"] <= call["total"]
+        ratio = rows[name]["split_ratio"]
+        assert ratio["denoise"] == pytest.approx(split["denoise_ms"] / rows["eager"]["split"]["denoise_ms"])
+        assert ratio["total"] == pytest.approx(rows[name]["ratio"])
+    assert rows["lossless"]["latents_md5"] == rows["eager"]["latents_md5"]
+    assert rows["lossless"]["image_md5"] == rows["eager"]["image_md5"]
+    # the generation patches the pipeline as a user does: fp.patch(pipe) takes its transformer and its VAE
+    models = {m["name"]: m for m in rows["lossless"]["fastpath"]["models"]}
+    assert models.keys() == {"transformer", "vae"} and rows["eager"]["fastpath"] is None
+    assert (models["transformer"]["class"], models["vae"]["class"]) == ("FluxTransformer2DModel", "AutoencoderKL")
+    assert models["vae"]["sites"] > 0 and models["vae"]["fallback"] > 0  # its GroupNorms ran (eager on a CPU)
+    assert rows["lossless"]["fastpath"]["sites"] == models["transformer"]["sites"] + models["vae"]["sites"]
+    line = next(l for l in md.splitlines() if l.startswith("| lossless |") and "FluxTransformer2DModel" in l)
+    assert f"transformer (FluxTransformer2DModel) {models['transformer']['sites']} (" in line
+    assert f"vae (AutoencoderKL) {models['vae']['sites']} (" in line
+    assert "Time split of the call with the median end-to-end time (host clock (CPU)" in md
+    assert "| mode | text encoding | denoising (transformer + scheduler) | decode (VAE) | other | end to end |" in md
+    split_line = next(l for l in md.splitlines() if l.startswith("| lossless | not run ("))
+    assert f"{rows['lossless']['split']['decode_ms']:.2f} (" in split_line
+    # the step level still patches the transformer alone
+    assert [m["class"] for m in _rows(result, "step")["lossless"]["fastpath"]["models"]] == ["FluxTransformer2DModel"]
+
+
+def test_split_marks_the_parts_without_changing_what_runs(emulated_kernels, unpatch_after):
+    """The split's marks are wrappers on the pipeline and VAE instances for the call only: under them a patched
+    FLUX.1 pipeline (emulated kernels) takes the same fast paths at every site, FLUX.1's hand-offs between blocks
+    and the VAE's GroupNorm + SiLU pairs included (a module hook there would make them refuse), gives the same bits,
+    and nothing of the wrappers is left afterwards. Each part is where its time went: a sleep put in the VAE's
+    decoder lands in decode, one in each transformer step in denoising."""
+    import time as time_module
+
+    import diffusers_fastpath as fp
+    from diffusers_fastpath.bench.levels.generation import split_parts
+    from diffusers_fastpath.testing import prompt_embeddings, tiny_flux_pipeline
+
+    pipe = fp.patch(tiny_flux_pipeline())
+    unpatch_after(pipe)
+    pipe.set_progress_bar_config(disable=True)
+    emb = prompt_embeddings(pipe, batch=1, txt_tokens=8, seed=2)
+
+    def call():
+        with torch.no_grad():
+            return pipe(**emb, height=64, width=64, num_inference_steps=2, output_type="pt",
+                        generator=torch.Generator().manual_seed(3)).images
+
+    def counters():
+        rep = fp.report(pipe)
+        return {(r.model, r.site): (r.fast, r.fallback) for r in rep.sites}
+
+    def delta(before, after):
+        return {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+
+    c0 = counters()
+    plain = call()
+    c1 = counters()
+    with split_parts(pipe, cuda=False) as split:
+        marked = call()
+        parts = split()
+    c2 = counters()
+    assert torch.equal(plain, marked)
+    assert delta(c0, c1) == delta(c1, c2)
+    marked_calls = delta(c1, c2)
+    pairs = [k for k in marked_calls if k[0] == "vae" and k[1].startswith("decoder") and ":group_norm_silu" in k[1]]
+    handoffs = [k for k in marked_calls if k[0] == "transformer" and k[1].endswith(":gated")]  # `models._handoff`
+    assert pairs and all(marked_calls[k][0] > 0 and marked_calls[k][1] == 0 for k in pairs), marked_calls
+    assert handoffs and all(marked_calls[k][0] > 0 and marked_calls[k][1] == 0 for k in handoffs), marked_calls
+    assert {"encode_prompt", "progress_bar"}.isdisjoint(pipe.__dict__) and "decode" not in pipe.vae.__dict__
+    assert all(parts[p] is not None and parts[p] >= 0 for p in ("text", "denoise", "decode"))
+    # what the counters would show had the marks been module hooks: the hand-offs and the pairs refuse
+    hooks = [pipe.transformer.transformer_blocks[1].register_forward_hook(lambda m, a, o: None),
+             pipe.vae.decoder.up_blocks[0].resnets[0].norm1.register_forward_hook(lambda m, a, o: None)]
+    call()
+    for h in hooks:
+        h.remove()
+    hooked = delta(c2, counters())
+    assert any(hooked[k][1] > 0 for k in handoffs) and hooked[("vae", pairs[0][1])][1] > 0, hooked
+
+    pipe.vae.decoder.register_forward_pre_hook(lambda m, a: time_module.sleep(0.3))
+    pipe.transformer.register_forward_pre_hook(lambda m, a, k: time_module.sleep(0.1), with_kwargs=True)
+    with split_parts(pipe, cuda=False) as split:
+        call()
+        parts = split()
+    assert 300 <= parts["decode"] < 300 + 100 * 2  # the decoder's sleep, not the steps'
+    assert 200 <= parts["denoise"] < 200 + 300  # both steps' sleeps, not the decoder's
+    assert parts["text"] < 100
+
+
 def test_unavailable_mode_is_reported_with_its_reason(tiny_run):
     result = tiny_run["result"]
     assert result["modes"]["missing"] == dict(description=MISSING.description, exact=False, compiled=False,
@@ -175,7 +280,7 @@ def test_high_mode_is_available_exactly_when_the_tier_exists():
 def test_markdown_lists_every_mode_and_the_conditions(tiny_run):
     md = tiny_run["markdown"]
     for name in ("eager", "lossless", "perturbed"):
-        assert md.count(f"| {name} |") == 3, name  # step, generation and profile tables
+        assert md.count(f"| {name} |") == 4, name  # step, generation (and its time split) and profile tables
     assert md.count("| missing |") == 2  # unavailable: in the timing tables, with its reason
     c = tiny_run["result"]["conditions"]
     assert f"torch {c['torch']}" in md and f"commit `{c['commit']}`" in md and "64x64" in md
@@ -229,6 +334,21 @@ def test_modes_undo_what_they_apply():
     assert model._compiled_call_impl is not None and STATE_ATTR in model.__dict__
     undo()
     assert model._compiled_call_impl is None and STATE_ATTR not in model.__dict__ and type(model) is cls
+
+
+def test_patch_modes_patch_the_context_pipeline_whole():
+    """With the pipeline in the context (the generation level), a patching mode patches it as a user does: its
+    transformer and its VAE, both undone; without it (the step level), the transformer alone."""
+    from diffusers_fastpath._state import STATE_ATTR
+    from diffusers_fastpath.testing import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    for ctx, patched in ((bench.Context(torch.device("cpu"), pipe=pipe), {"transformer", "vae"}),
+                         (bench.Context(torch.device("cpu")), {"transformer"})):
+        undo = bench.MODES["lossless"].apply(pipe.transformer, ctx)
+        assert {n for n in ("transformer", "vae") if STATE_ATTR in getattr(pipe, n).__dict__} == patched
+        undo()
+        assert not any(STATE_ATTR in getattr(pipe, n).__dict__ for n in ("transformer", "vae"))
 
 
 def test_ernie_image_step_level_on_cpu(tmp_path):
@@ -291,8 +411,70 @@ def test_flux2_klein_step_builds_the_vae_its_pipeline_reads(tmp_path):
     assert lossless["bit_identical"] is True and lossless["fastpath"]["sites"] == 34
 
 
+@pytest.mark.parametrize("model, cfg", [("ltx-video-tiny", True), ("ltx-video-distilled-tiny", False)])
+def test_ltx_video_generation_on_cpu(model, cfg, tmp_path):
+    """LTX-Video's whole generation (a tiny AutoencoderKLLTXVideo of the published 32x, 8-frame compression): the
+    base model's call with classifier-free guidance (one batch-2 step), the distilled one's without; bit-identical,
+    the decode in the split, the video's frames in the md5."""
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", model, "--device", "cpu", "--height", "64", "--width", "64", "--frames", "9",
+                     "--steps", "2", "--text-tokens", "8", "--repeats", "1", "--modes", "lossless", "--no-progress",
+                     "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    assert _rows(result, "step")["lossless"]["bit_identical"] is True
+    gen = _rows(result, "generation")
+    assert gen["lossless"]["bit_identical"] is True and gen["lossless"]["image_shape"] == [1, 9, 64, 64, 3]
+    assert gen["lossless"]["latents_md5"] == gen["eager"]["latents_md5"]
+    assert gen["eager"]["split"]["decode_ms"] > 0 and gen["eager"]["split"]["denoise_ms"] > 0
+    models = {m["name"]: m["class"] for m in gen["lossless"]["fastpath"]["models"]}
+    assert models["transformer"] == "LTXVideoTransformer3DModel"
+    p = _parser()
+    args = p.parse_args(["--model", model, "--device", "cpu", "--height", "64", "--width", "64", "--frames", "9",
+                         "--steps", "1", "--text-tokens", "8"])
+    _check_args(p, args)
+    subject = bench.build_subject(args, torch.device("cpu"), need_vae=False)
+    assert subject.step_inputs["hidden_states"].shape[0] == (2 if cfg else 1)  # prompt and negative prompt in one
+
+
+def test_flux_schnell_and_few_step_defaults():
+    """FLUX.1-schnell is FLUX.1-dev's config without the guidance embedding, with FLUX.1's VAE; the distilled models'
+    defaults make a few-step run one command (their published steps, prompt length and, for LTX-Video, size)."""
+    from diffusers_fastpath.bench.subject import PIPELINE_MODELS
+    from diffusers_fastpath.testing.flux import FLUX_CONFIGS
+
+    assert FLUX_CONFIGS["flux-schnell"] == dict(FLUX_CONFIGS["flux-dev"], guidance_embeds=False)
+    assert PIPELINE_MODELS["flux-schnell"] == ("flux", "flux-schnell", "flux-dev")
+    p = _parser()
+    for model, want in (("flux-schnell", (4, 256, 1024, 1024)), ("flux2-klein", (4, 512, 1024, 1024)),
+                        ("ltx-video-distilled", (8, 128, 512, 768)), ("ltx-video", (50, 128, 512, 768)),
+                        ("flux-dev", (28, 512, 1024, 1024))):
+        args = p.parse_args(["--model", model, "--device", "cpu", "--levels", "generation"])
+        _check_args(p, args)
+        assert (args.steps, args.text_tokens, args.height, args.width) == want, model
+        assert args.frames == (121 if model.startswith("ltx") else 81)
+    args = p.parse_args(["--model", "flux-schnell", "--device", "cpu", "--steps", "2"])
+    _check_args(p, args)
+    assert args.steps == 2
+
+
+def test_ltx_video_vae_level_on_cpu(tmp_path):
+    """The VAE level takes a video VAE's [B, C, frames, H, W] latents, or says the VAE is not patched yet."""
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", "ltx-video-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--frames",
+                     "9", "--levels", "vae", "--repeats", "1", "--no-progress", "--json", str(path)])
+    assert rc == 0
+    vae = json.loads(path.read_text())["vae"]
+    if vae["ran"]:  # once an adapter takes AutoencoderKLLTXVideo
+        rows = {r["call"]: r for r in vae["rows"]}
+        assert rows["decode"]["input_shape"] == [1, 128, 2, 2, 2] and rows["encode"]["input_shape"] == [1, 3, 9, 64, 64]
+        assert all(r["bit_identical"] for r in vae["rows"])
+    else:
+        assert "AutoencoderKLLTXVideo" in vae["reason"]
+
+
 @pytest.mark.parametrize("model", ["sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",
-                                   "z-image-tiny", "lumina2-tiny", "hunyuanvideo-1.5-tiny", "ltx-video-tiny"])
+                                   "z-image-tiny", "lumina2-tiny", "hunyuanvideo-1.5-tiny"])
 def test_step_only_families_on_cpu(model, tmp_path):
     path = tmp_path / "r.json"
     rc = bench.main(["--model", model, "--device", "cpu", "--height", "64", "--width", "64", "--text-tokens", "8",
@@ -304,7 +486,8 @@ def test_step_only_families_on_cpu(model, tmp_path):
 
 
 @pytest.mark.parametrize("model, tokens", [("lumina2", 256), ("lumina2-tiny", 32), ("flux-dev", 512),
-                                           ("ernie-image", 120), ("z-image", 512)])
+                                           ("ernie-image", 120), ("z-image", 512), ("flux-schnell", 256),
+                                           ("ltx-video", 128)])
 def test_default_text_tokens_fit_the_model(model, tokens):
     p = _parser()
     args = p.parse_args(["--model", model, "--device", "cpu"])
@@ -478,11 +661,43 @@ def test_bench_compile_modes_on_gpu_tiny(tmp_path):
         assert rows["compile"]["available"] and rows["lossless+compile"]["available"]
         assert rows["compile"]["ratio"] > 0 and rows["lossless+compile"]["ratio"] > 0
         assert rows["compile"]["fastpath"] is None  # the unpatched transformer
-        # patched under the compile (with the joint value projections and the fused update + LayerNorm-modulates)
-        assert rows["lossless+compile"]["fastpath"]["sites"] == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2 + 7
+        # patched under the compile (with the joint value projections and the fused update + LayerNorm-modulates);
+        # the generation patches the pipeline whole, its VAE too
+        transformer = next(m for m in rows["lossless+compile"]["fastpath"]["models"]
+                           if m["class"] == "FluxTransformer2DModel")
+        assert transformer["sites"] == 2 * 8 + 2 * 4 - 1 + 4 * 2 + 2 + 7
         assert rows["eager"]["bit_identical"] is True
     assert all(_rows(result, "step")[n]["compile_s"] > 0 for n in ("compile", "lossless+compile"))
     assert _rows(result, "generation")["compile"]["compile_s"] is None  # compiled once, at the step level
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, size", [("flux-schnell", ["--height", "512", "--width", "512", "--steps", "2"]),
+                                         ("ltx-video-distilled-tiny", ["--height", "256", "--width", "256",
+                                                                       "--frames", "17", "--steps", "2"])])
+def test_bench_generation_time_split_on_gpu(model, size, tmp_path):
+    """The split on the GPU (CUDA events of the timed call): every part measured, their sum within the end-to-end
+    time, the patched modes md5-identical to eager, the pipeline's VAE patched with every site fast where it is."""
+    path = tmp_path / "r.json"
+    rc = bench.main(["--model", model, *size, "--levels", "generation", "--gen-repeats", "2",
+                     "--modes", "eager,lossless,lossless+graphs", "--no-progress", "--json", str(path)])
+    assert rc == 0
+    rows = _rows(json.loads(path.read_text()), "generation")
+    for name in ("eager", "lossless", "lossless+graphs"):
+        split = rows[name]["split"]
+        assert split["clock"] == "CUDA events" and split["text_encoded"] is False
+        assert split["denoise_ms"] > 0 and split["decode_ms"] > 0 and split["text_ms"] >= 0
+        assert split["text_ms"] + split["denoise_ms"] + split["decode_ms"] <= split["total_ms"]
+        for call in rows[name]["split_all"]:
+            assert call["text"] + call["denoise"] + call["decode"] <= call["total"]
+        assert rows[name]["latents_md5"] == rows["eager"]["latents_md5"]
+        assert rows[name]["image_md5"] == rows["eager"]["image_md5"]
+    for name in ("lossless", "lossless+graphs"):
+        models = {m["name"]: m for m in rows[name]["fastpath"]["models"]}
+        assert models["transformer"]["fast"] > 0
+        if "vae" in models:  # FLUX.1's AutoencoderKL; LTX-Video's VAE once an adapter takes it
+            assert models["vae"]["fast"] > 0 and models["vae"]["fallback"] == 0, models["vae"]
+    assert rows["lossless+graphs"]["fastpath"]["graphs"]["replays"] > 0
 
 
 def test_idle_gaps_are_the_uncovered_time_between_kernels():

@@ -16,12 +16,21 @@ from . import quant
 from .modes import MODES
 from .render import import_pyplot, markdown, plot
 from .runner import LEVELS, SCHEMA, run, violations
-from .subject import CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, STEP_MODELS, ZOO_MODELS
+from .subject import (CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, LTX_MODELS, STEP_MODELS,
+                      ZOO_MODELS)
 
 # the default prompt length where the model's own pipeline or its rotary table holds fewer than FLUX's 512 (Lumina2's
-# caption axis has axes_lens[0] = 300 positions: Lumina2Pipeline's max_sequence_length is 256)
-TEXT_TOKENS = {"lumina2": 256, "lumina2-tiny": 32}
-KNOWN_MODELS = FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + ERNIE_MODELS + tuple(STEP_MODELS) + ZOO_MODELS
+# caption axis has axes_lens[0] = 300 positions: Lumina2Pipeline's max_sequence_length is 256; FLUX.1-schnell's
+# model card calls its pipeline with max_sequence_length=256; LTXPipeline's default is 128)
+TEXT_TOKENS = {"lumina2": 256, "lumina2-tiny": 32, "flux-schnell": 256, "ltx-video": 128, "ltx-video-distilled": 128}
+# the default steps where the published model's differ from 28: the few-step distilled models (FLUX.1-schnell and
+# FLUX.2-klein 4, LTX-Video's distilled 2B 8) and LTXPipeline's default 50
+STEPS = {"flux-schnell": 4, "flux2-klein": 4, "ltx-video": 50, "ltx-video-distilled": 8}
+# the default height, width and frames where the published model's differ from 1024x1024 (and 81 frames): LTX-Video's
+# 768x512, 121 frames (its model card's)
+SIZES = {"ltx-video": (512, 768, 121), "ltx-video-distilled": (512, 768, 121)}
+KNOWN_MODELS = (FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + LTX_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
+                + ZOO_MODELS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,11 +47,16 @@ def _parser() -> argparse.ArgumentParser:
                                                                "(default: step,generation)")
     p.add_argument("--kernels", action="store_true", help="add the kernels level (fused ops against eager chains)")
     p.add_argument("--profile", action="store_true", help="add the profile level (one step per mode, by category)")
-    p.add_argument("--height", type=int, help="pixels, a multiple of 16 (default: 1024; 128 for the tiny models)")
-    p.add_argument("--width", type=int, help="pixels, a multiple of 16 (default: 1024; 128 for the tiny models)")
-    p.add_argument("--frames", type=int, default=81,
-                   help="video frames, for the video models (wan-14b, hunyuanvideo-1.5: 4k + 1; ltx-video: 8k + 1; default: 81)")
-    p.add_argument("--steps", type=int, help="denoising steps of a generation (default: 28; 4 for the tiny models)")
+    p.add_argument("--height", type=int, help="pixels, a multiple of 16 (32 for LTX-Video; default: 1024; 512 for "
+                                              "ltx-video(-distilled); 128 for the tiny models)")
+    p.add_argument("--width", type=int, help="pixels, a multiple of 16 (32 for LTX-Video; default: 1024; 768 for "
+                                             "ltx-video(-distilled); 128 for the tiny models)")
+    p.add_argument("--frames", type=int,
+                   help="video frames, for the video models (wan-14b, hunyuanvideo-1.5: 4k + 1; ltx-video: 8k + 1; "
+                        "default: 81; 121 for ltx-video(-distilled))")
+    p.add_argument("--steps", type=int,
+                   help="denoising steps of a generation (default: 28; 4 for flux-schnell, flux2-klein and the tiny "
+                        "models, 8 for ltx-video-distilled, 50 for ltx-video)")
     p.add_argument("--batch", type=int, default=1, help="images per call (default: 1)")
     p.add_argument("--text-tokens", type=int,
                    help="prompt tokens (default: 512 for FLUX, as FLUX.1-dev's T5 gives; 120 for ERNIE-Image; 256 for "
@@ -79,15 +93,20 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.model in ZOO_MODELS:  # their inputs are the zoo's (tiny or published sizes)
         args.height, args.width = args.height or 1024, args.width or 1024
     ernie = args.model in ERNIE_MODELS
-    args.height = args.height or (128 if tiny else 1024)
-    args.width = args.width or (128 if tiny else 1024)
-    args.steps = args.steps or (4 if tiny else 28)
+    height, width, frames = SIZES.get(args.model, (128, 128, 81) if tiny else (1024, 1024, 81))
+    args.height, args.width, args.frames = args.height or height, args.width or width, args.frames or frames
+    args.steps = args.steps or STEPS.get(args.model, 4 if tiny else 28)
     args.text_tokens = args.text_tokens or TEXT_TOKENS.get(args.model, 120 if ernie else 512)
     for name in ("height", "width"):
         if getattr(args, name) <= 0 or getattr(args, name) % 16:
             p.error(f"--{name} must be a positive multiple of 16 (the VAE's 8x and the 2x2 patches), "
                     f"got {getattr(args, name)}")
-    for name in ("steps", "batch", "text_tokens", "repeats", "gen_repeats"):
+    if args.model in LTX_MODELS:
+        for name in ("height", "width"):
+            if getattr(args, name) % 32:
+                p.error(f"--{name}: LTX-Video's VAE compresses 32x (LTXPipeline wants a multiple of 32), got "
+                        f"{getattr(args, name)}")
+    for name in ("steps", "batch", "text_tokens", "repeats", "gen_repeats", "frames"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     known = args.model in KNOWN_MODELS

@@ -18,6 +18,9 @@ class Context:
 
     device: torch.device
     compile_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the pipeline around the model, at the generation level: the patching modes patch it whole, as a user does
+    # (``fp.patch(pipe)``: its VAE too), and the step level (no pipeline here) the transformer alone
+    pipe: Any = None
 
 
 Undo = Callable[[], None]
@@ -56,11 +59,13 @@ def register_mode(mode: Mode) -> Mode:
 
 
 def _patched(**patch_kwargs: Any) -> Callable[[nn.Module, Context], Undo]:
-    """``fp.patch(model, **patch_kwargs)``, undone by ``fp.unpatch``."""
+    """``fp.patch(pipe, **patch_kwargs)`` where the context holds the pipeline (every model `patch` takes there),
+    else ``fp.patch(model, ...)``; undone by ``fp.unpatch``."""
 
     def apply(model: nn.Module, ctx: Context) -> Undo:
-        fp.patch(model, **patch_kwargs)
-        return lambda: fp.unpatch(model)
+        target = ctx.pipe if ctx.pipe is not None else model
+        fp.patch(target, **patch_kwargs)
+        return lambda: fp.unpatch(target)
 
     return apply
 
@@ -125,15 +130,20 @@ def applied(mode: Mode, model: nn.Module, ctx: Context):
         undo()
 
 
-def fastpath_summary(model: nn.Module) -> dict[str, int] | None:
-    """Fused-site counters of a patched model (None when it is not patched): shows the fast path really ran."""
-    from .._state import STATE_ATTR
-
-    if STATE_ATTR not in model.__dict__:
+def fastpath_summary(obj: Any) -> dict[str, Any] | None:
+    """Fused-site counters of a patched model or pipeline (None when nothing in it is patched): shows the fast path
+    really ran, and which models were patched (``models``: name, class and counters of each, e.g. the transformer
+    and the VAE of a pipeline)."""
+    rep = fp.report(obj)
+    if not rep.models:
         return None
-    rep = fp.report(model)
     # kernel_calls: fast calls that ran a fused kernel (a CPU run has none; `render` says so beside its ratios)
-    summary = {"sites": len(rep.sites), "fast": rep.fast, "fallback": rep.fallback, "kernel_calls": rep.kernel_calls}
+    summary: dict[str, Any] = {"sites": len(rep.sites), "fast": rep.fast, "fallback": rep.fallback,
+                               "kernel_calls": rep.kernel_calls}
+    summary["models"] = [
+        {"name": m.name, "class": m.cls, "sites": len(rows), "fast": sum(r.fast for r in rows),
+         "fallback": sum(r.fallback for r in rows)}
+        for m in rep.models for rows in ([r for r in rep.sites if r.model == m.name],)]
     graphs = next((m.graphs for m in rep.models if m.graphs), None)
     if graphs:  # cuda_graphs=True: whether the step really replayed, and why calls ran eager when they did not
         summary["graphs"] = {k: graphs[k] for k in ("status", "captured", "replays", "eager")}

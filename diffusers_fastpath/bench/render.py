@@ -63,6 +63,44 @@ def nothing_fused(result: dict[str, Any]) -> list[str]:
             "checked. Run on a CUDA GPU to measure the speed-up.", ""]
 
 
+def patched_models(fastpath: dict[str, Any] | None) -> str:
+    """The models a mode patched, each with its sites (fast calls / fallbacks), e.g. ``transformer
+    (FluxTransformer2DModel) 39 (0/312); vae (AutoencoderKL) 5 (0/10)``; "-" for none."""
+    if not fastpath:
+        return "-"
+    models = fastpath.get("models")
+    if not models:  # a run saved before the models were recorded
+        return f"{fastpath['sites']} ({fastpath['fast']}/{fastpath['fallback']})"
+    return "; ".join(f"{m['name']} ({m['class']}) {m['sites']} ({m['fast']}/{m['fallback']})" for m in models)
+
+
+def time_split_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The generation's time split per mode (`levels.generation.split_parts`): each part's ms and its ratio against
+    eager's, with what the text-encoding column means when the pipeline was given prompt embeddings."""
+    rows = [r for r in rows if r["available"] and r.get("split")]
+    if not rows:
+        return []
+    first = rows[0]["split"]
+    lines = [f"Time split of the call with the median end-to-end time ({first['clock']}; ms, and against eager's; "
+             "other: the rest of the call, latents' preparation, unpacking and the image's post-processing):", ""]
+
+    def cell(r: dict[str, Any], part: str) -> str:
+        ms, ratio = r["split"][f"{part}_ms"], (r.get("split_ratio") or {}).get(part)
+        return "-" if ms is None else f"{ms:.2f}" + (f" ({ratio:.3f}x)" if ratio is not None else "")
+
+    body = []
+    for r in rows:
+        text = cell(r, "text") if r["split"]["text_encoded"] else (
+            "not run" + (f" ({r['split']['text_ms']:.2f})" if r["split"]["text_ms"] is not None else ""))
+        body.append([r["mode"], text, cell(r, "denoise"), cell(r, "decode"), cell(r, "other"), cell(r, "total")])
+    lines += _table(["mode", "text encoding", "denoising (transformer + scheduler)", "decode (VAE)", "other",
+                     "end to end"], body) + [""]
+    if not all(r["split"]["text_encoded"] for r in rows):
+        lines += ["Text encoding not run: the pipeline was given prompt embeddings (random weights, no text encoder); "
+                  "in brackets, the pipeline's `encode_prompt` passing them on.", ""]
+    return lines
+
+
 def describe_conditions(c: dict[str, Any]) -> str:
     hw = f"{c['gpu']} (driver {c['driver'] or 'unknown'})" if c.get("gpu") else f"CPU ({c.get('cpu') or 'unknown'})"
     return (f"{hw}; torch {c['torch']} (CUDA {c['cuda']}), diffusers {c['diffusers']}, diffusers_fastpath "
@@ -165,7 +203,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"### Generation ({gen['steps']} steps + VAE decode, median of {gen['repeats']}, after a 1-step "
                   "warm-up)", ""]
         header = ["mode", "s", "vs eager", "peak GiB", "compile s", "bit-identical", "PSNR dB", "SSIM",
-                  "latents md5", "image md5"]
+                  "latents md5", "image md5", "patched: sites (fast/fallback)"]
         body = []
         for r in gen["rows"]:
             if not r["available"]:
@@ -173,8 +211,11 @@ def markdown(result: dict[str, Any]) -> str:
                 continue
             body.append([r["mode"], _fmt(r["s"], ".3f"), _fmt(r["ratio"], ".3f"), _fmt(r["peak_mem_gib"], ".2f"),
                          _fmt(r["compile_s"]), _fmt(r["bit_identical"]), _fmt(r["psnr_db"], ".1f"),
-                         _fmt(r["ssim"], ".4f"), f"`{r['latents_md5'][:10]}`", f"`{r['image_md5'][:10]}`"])
+                         _fmt(r["ssim"], ".4f"), f"`{r['latents_md5'][:10]}`", f"`{r['image_md5'][:10]}`",
+                         patched_models(r.get("fastpath"))])
         lines += _table(header, body) + [""]
+        lines += _graphs_notes(gen["rows"])
+        lines += time_split_table(gen["rows"])
     elif gen["reason"] != "not requested":
         lines += [f"Generation level: {gen['reason']}.", ""]
     prof = result["profile"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -52,6 +53,9 @@ class _Runner:
     def __init__(self, args: argparse.Namespace, subject: Subject, ctx: Context, modes_info: dict[str, dict],
                  sensors: Sensors | None = None) -> None:
         self.args, self.subject, self.ctx, self.modes_info = args, subject, ctx, modes_info
+        # the generation level patches the pipeline whole (`modes.Context.pipe`: its VAE too), as a user does
+        pipe = subject.pipe if subject is not None else None
+        self.gen_ctx = dataclasses.replace(ctx, pipe=pipe) if pipe is not None else ctx
         self.device = ctx.device
         self.clock = Clock(ctx.device, sensors)
         self.show = not args.no_progress and sys.stderr.isatty()
@@ -71,12 +75,13 @@ class _Runner:
         for level in (self.step, self.gen, self.prof):
             level.pop(mode.name, None)
 
-    def probe(self, modes: list[Mode]) -> list[Mode]:
-        """The modes that apply and run one step; the others are reported as failed, with the error."""
+    def probe(self, modes: list[Mode], ctx: Context) -> list[Mode]:
+        """The modes that apply (to the pipeline where `ctx` holds it) and run one step; the others are reported as
+        failed, with the error."""
         ok = []
         for mode in modes:
             try:
-                with applied(mode, self.subject.transformer, self.ctx):
+                with applied(mode, self.subject.transformer, ctx):
                     self.clock.time(self.subject.step)
             except Exception as exc:  # noqa: BLE001 - one broken mode must not cost the whole run
                 self.failed(mode, exc)
@@ -109,7 +114,7 @@ class _Runner:
                     generation_once(subject, args, self.device, clock, self.gen.setdefault(mode.name, Samples()))
                     bar.update()
 
-                round_robin(modes, args.gen_repeats, subject.transformer, self.ctx, body)
+                round_robin(modes, args.gen_repeats, subject.transformer, self.gen_ctx, body)
             self.phase("generation", t0)
 
     def compiled_mode(self, mode: Mode, do_step: bool, do_gen: bool, do_prof: bool) -> None:
@@ -118,7 +123,7 @@ class _Runner:
         t0 = time.perf_counter()
         torch._dynamo.reset()
         try:
-            with applied(mode, subject.transformer, self.ctx):
+            with applied(mode, subject.transformer, self.gen_ctx if do_gen else self.ctx):
                 c0 = time.perf_counter()
                 if do_step or do_prof:
                     subject.step()
@@ -194,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(2):  # the process's first calls (allocator, cuBLAS handles, ...) count for no mode
                 runner.clock.time(subject.step)
             available = [MODES[name] for name, info in modes_info.items() if info["available"]]
-            plain = runner.probe([m for m in available if not m.compiled])
+            plain = runner.probe([m for m in available if not m.compiled], runner.gen_ctx if do_gen else ctx)
             if "eager" not in [m.name for m in plain]:
                 raise RuntimeError(f"the eager reference failed: {modes_info['eager']['reason']}")
             runner.plain_modes(plain, do_step, do_gen, do_prof)

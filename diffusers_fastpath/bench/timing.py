@@ -67,6 +67,7 @@ class Samples:
     warmup_s: float | None = None
     fastpath: dict[str, int] | None = None
     readings: Any = None  # bench.sensors.Readings of the timed calls, with --sensors
+    parts: list[dict[str, Any]] = field(default_factory=list)  # per timed call: its parts (the generation's split)
 
     def add(self, out: Any, ms: float, host_ms: float, peak: float | None) -> None:
         if self.out is None:

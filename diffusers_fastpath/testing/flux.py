@@ -35,7 +35,11 @@ TINY_FLUX_CONFIG = dict(
     guidance_embeds=False,
     axes_dims_rope=[4, 4, 8],
 )
-FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
+# https://huggingface.co/black-forest-labs/FLUX.1-schnell/blob/main/transformer/config.json: FLUX.1-dev's blocks
+# without the guidance embedding (timestep-distilled, 1-4 steps). Its scheduler config (shift 1.0, no dynamic
+# shifting) is FlowMatchEulerDiscreteScheduler's default, which `flux_pipeline` builds; its VAE is FLUX.1-dev's.
+FLUX_SCHNELL_CONFIG = dict(FLUX_DEV_CONFIG, guidance_embeds=False)
+FLUX_CONFIGS = {"flux-dev": FLUX_DEV_CONFIG, "flux-schnell": FLUX_SCHNELL_CONFIG, "flux-tiny": TINY_FLUX_CONFIG}
 
 
 # https://huggingface.co/lodestones/Chroma1-HD/blob/main/transformer/config.json: diffusers' class defaults (FLUX.1's
@@ -60,7 +64,8 @@ CHROMA_CONFIGS = {"chroma": CHROMA_CONFIG, "chroma-tiny": TINY_CHROMA_CONFIG}
 
 
 def build_flux_transformer(config="flux-tiny", dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
-    """A ``FluxTransformer2DModel`` from a named config (``"flux-dev"``, ``"flux-tiny"``) or a dict, random weights."""
+    """A ``FluxTransformer2DModel`` from a named config (``"flux-dev"``, ``"flux-schnell"``, ``"flux-tiny"``) or a
+    dict, random weights."""
     from diffusers import FluxTransformer2DModel
 
     return _random_model(FluxTransformer2DModel, FLUX_CONFIGS, config, dtype, device, seed, overrides)
