@@ -15,6 +15,14 @@ of ``self``):
   - ``H = (R.float() + E * G).type_as(R)`` (also ``E.float() * G``), ``R`` a name: Wan's fp32 chain, into
     `diffusers_fastpath.ops.gated_residual_fp32` (an fp32 gate, the product and sum fp32, one rounding)
 
+  - cast back to a name's dtype (``.type_as(R)``, ``.to(R.dtype)``, ``.to(dtype=R.dtype)``, once or more, every cast
+    kept as written around the call, whose result where its op runs is of that dtype already):
+    ``(R.float() + A.float() * B.float())``, every operand upcast (Kandinsky 5 / 6)  ->  ``gated_residual_float``:
+    `gated_residual_fp32` with the gate ``G.float()`` where ``update * gate`` is ``update.float() * gate`` (checked
+    per call, counted on the site otherwise), the gate being the operand whose name says so (else decided per call
+    by the shapes); ``(R + E * G)`` (AceStep)  ->  the gated residual form inside the casts; the site ``name_2``,
+    ``name_3`` ... where a gate of that name has one already
+
   where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
   ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
   way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
@@ -34,6 +42,12 @@ of ``self``):
   - ``N = (self.A(X.float()) * (1 + S) + T).type_as(X)``, ``X`` a name (Wan: an fp32 LayerNorm of the upcast
     stream, fp32 ``[B, 1, D]`` rows)  ->  `layernorm_scale_shift_fp32` (the LayerNorm kernel with an fp32 modulate
     and one rounding; the fallback is this very expression), the site op ``layernorm_scale_shift_fp32``
+
+  - ``(self.A(X.float()) * (S.float() + 1.0) + T.float())`` cast back to X (Kandinsky 5, and Kandinsky 6's
+    ``apply_scale_shift`` inlined; ``1`` or ``1.0`` on either side, the product either way round; ``self.A`` may be
+    a submodule's, ``self.B.A``; anywhere in a statement)  ->  ``norm_modulate_float``: `layernorm_scale_shift_fp32`
+    of the upcast ``[B, 1, D]`` rows (every operation after the norm is fp32 whatever the rows' dtype), else as
+    written
 
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
   others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
@@ -183,6 +197,10 @@ of ``self``):
     no hooks (checked per call), else the original two statements
 
   with the site ``swiglu_cat`` on ``attn.ACT`` (which then counts nothing as ``silu_mul``).
+
+Before the patterns run, calls of small helper functions of the forward's own module are inlined where that is
+exactly the call (`_chain_inline`: Kandinsky 6's ``apply_scale_shift`` / ``apply_gate_sum``), and kept so only where
+the patterns then fuse more than in the forward as written.
 
 Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
 any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
