@@ -2,7 +2,8 @@
 
 Random block forwards are written as Python source from the statement forms the patterns match (gated residuals in
 one and two statements, LayerNorm + modulate inline, in two statements and deferred past others, a modulate of a
-normalised tensor, GELU + concatenation, a SiLU-gated product), mixed with what a rewrite must not be fooled by:
+normalised tensor, GELU + concatenation, a SiLU-gated product, the fp32 forms cast back, calls of helper functions
+of the module that inlining takes or must leave, with arguments that write the streams), mixed with what a rewrite must not be fooled by:
 reads and writes of the names it moves or drops, in the same block, after an enclosing ``if`` or ``for`` and in the
 next iteration of a loop; writes in place through ``x.add_()``, ``out=``, ``inplace=True``, ``+=``, a subscript
 store and a view of the tensor; rebinding; a walrus; ``del``. Each forward is the ``forward`` of a small
@@ -38,6 +39,23 @@ HEADER = '''import torch
 import torch.nn.functional as F
 
 
+def apply_scale_shift(normed, x, scale, shift):
+    if x.ndim > 2 and scale.ndim == 2:
+        shape = (scale.shape[0],) + (1,) * (x.ndim - 2) + (scale.shape[-1],)
+        scale, shift = scale.reshape(shape), shift.reshape(shape)
+    return (normed * (scale.float() + 1.0) + shift.float()).to(dtype=x.dtype)
+
+
+def apply_gate_sum(x, out, gate):
+    if x.ndim > 2 and gate.ndim == 2:
+        gate = gate.reshape((gate.shape[0],) + (1,) * (x.ndim - 2) + (gate.shape[-1],))
+    return (x.float() + gate.float() * out.float()).to(dtype=x.dtype)
+
+
+def gate_sum_twice(x, out, gate):
+    return (x.float() + gate[:, None].float() * out.float()).to(dtype=out.dtype)
+
+
 class Base(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -47,6 +65,7 @@ class Base(torch.nn.Module):
         self.proj_mlp = torch.nn.Linear(8, 8)
         self.act_mlp = torch.nn.GELU(approximate="tanh")
         self.act = torch.nn.SiLU()
+        self.act_inplace = torch.nn.ReLU(inplace=True)  # a module writing its input
 '''
 
 
@@ -134,13 +153,48 @@ class Forward:
         h, e, f = self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS)
         self.emit(depth, self.pick([f"{h} = self.act({e}) * {f}", f"{h} = self.proj(self.act({e}) * {f})"]))
 
+    def helper(self, depth: int) -> None:
+        """A call of a helper function of the module (inlined where that is exact) with arguments that are names,
+        module calls, or expressions writing a stream in place."""
+        h, r, b, x = self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS)
+        g, s, t, norm = self.pick(ROWS), self.pick(ROWS), self.pick(ROWS), self.pick(NORMS)
+        modulated = f"apply_scale_shift({norm}({x}.float()), {x}, {s}, {t})"
+        out = self.pick([b, f"self.proj({b})", f"{b}.add_(0.25)", f"{b} * 2", f"self.proj({b}.mul_(2))",
+                         f"self.proj(self.act_inplace({r}))", f"self.proj({modulated}) + {r}.add_(0.25)",
+                         f"self.proj({modulated}) * ({g} := {g} * 2).mean()"])
+        cast = self.pick(["", f".type_as({r})"])
+        self.emit(depth, self.pick([
+            f"{h} = apply_gate_sum({r}, {out}, {g}){cast}",
+            f"{h} = apply_gate_sum({r}, self.proj({modulated}), {g}){cast}",
+            f"{h} = {modulated}",
+            f"{h} = self.proj({modulated})",
+            f"{h} = gate_sum_twice({r}, {out}, {g})",
+        ]))
+
+    def fp32_forms(self, depth: int) -> None:
+        """Kandinsky 5's fp32 chains cast back, and AceStep's gated residual cast back."""
+        h, r, e, x = self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS)
+        g, s, t, norm = self.pick(ROWS), self.pick(ROWS), self.pick(ROWS), self.pick(NORMS)
+        one = self.pick(["1.0", "1"])
+        scale = self.pick([f"({s}[:, None].float() + {one})", f"({one} + {s}[:, None].float())"])
+        normed = f"{norm}({x}.float())"
+        product = self.pick([f"{normed} * {scale}", f"{scale} * {normed}"])
+        cast = self.pick([f".type_as({{0}})", f".to({{0}}.dtype)", f".to(dtype={{0}}.dtype)"])
+        self.emit(depth, self.pick([
+            f"{h} = ({product} + {t}[:, None].float())" + cast.format(x),
+            f"{h} = ({r}.float() + {g}[:, None].float() * {e}.float())" + cast.format(r),
+            f"{h} = ({r}.float() + {e}.float() * {g}.unsqueeze(1).float())" + cast.format(r),
+            f"{h} = ({r} + {e} * {g}.unsqueeze(1))" + cast.format(r),
+        ]))
+
     def read(self, depth: int) -> None:
         self.emit(depth, f"{self.pick(LOCALS)} = {self.pick(STREAMS)} * 1")
 
     # --- blocks --------------------------------------------------------------------------------------------
     def items(self, depth: int, count: int, nested: int = 0) -> None:
         forms = [self.gated_two, self.gated_two, self.gated_one, self.modulate, self.modulate, self.modulate,
-                 self.modulate_only, self.gelu_cat, self.silu, self.filler, self.filler, self.read]
+                 self.modulate_only, self.gelu_cat, self.silu, self.filler, self.filler, self.read, self.helper,
+                 self.helper, self.fp32_forms]
         for _ in range(count):
             roll = self.rng.random()
             if nested < 2 and roll < 0.15:
@@ -249,6 +303,6 @@ def test_rewritten_random_forwards_compute_the_same_bits(tmp_path, emulated_kern
     assert not wrong, f"{len(wrong)} rewritten forwards differ; the first:\n\n" + "\n\n".join(wrong[:4])
     # not vacuous: most forwards are rewritten, every form is taken somewhere, and the fused kernels run
     assert rewritten > MODULES * PER_MODULE // 2, rewritten
-    for kind in ("gates", "norms", "modulates", "gelu_cat", "silu_mul"):
+    for kind in ("gates", "norms", "modulates", "gelu_cat", "silu_mul", "gates_fp32", "norms_fp32", "inlined"):
         assert found_kinds.get(kind, 0) >= 5, (kind, found_kinds)
     assert fast > 100, fast

@@ -54,6 +54,15 @@ def register_complex_rotary(fn, per_sample: bool = False) -> None:
     COMPLEX_ROTARIES[fn] = 3 if per_sample else 2
 
 
+INLINED: list = []  # (original forward, ((module globals, name, function, code), ...)) per inlining rewrite
+
+
+def register_inlined(original, helpers: dict) -> int:
+    """The key `_ChainsNamespace.stale` checks for a forward rewritten with `helpers` (name -> function) inlined."""
+    INLINED.append((original, tuple((original.__globals__, name, fn, fn.__code__) for name, fn in helpers.items())))
+    return len(INLINED) - 1
+
+
 def _float_is_exact(update: torch.Tensor, gate: torch.Tensor) -> bool:
     """Whether ``update.float() * gate`` is ``update * gate`` bit for bit: `update` of float16, bfloat16 or float32
     (``.float()`` exact) and a dimensioned float32 `gate` (both products then float32 of the same operands). A
@@ -224,6 +233,51 @@ class _ChainsNamespace:
                               f" update, {str(gate.dtype).removeprefix('torch.')} gate)"] += 1
             return (residual.float() + update.float() * gate).type_as(residual)
         return gated_residual_fp32(residual, gate, update, site)
+
+    @staticmethod
+    def gated_residual_float(residual, left, right, site, gate_left=True):
+        # ``residual.float() + left.float() * right.float()`` (Kandinsky 5 / 6), which the rewritten forward casts
+        # back to the residual's dtype as written: where the op runs, its result is of that dtype already (each cast
+        # returns it as it is). Every operand upcast, the product and the sum are fp32 whatever their dtypes; the op
+        # computes ``residual.float() + update * gate`` with ``gate = G.float()``: the same product wherever
+        # ``update * gate`` is ``update.float() * gate`` (`_float_is_exact`: an fp16 / bf16 / fp32 update, a
+        # dimensioned gate), in the other order (a product of two numbers commutes exactly); elsewhere as written
+        if all(isinstance(t, torch.Tensor) for t in (residual, left, right)):
+            if gate_left is None:  # the rewriter could not tell: the update is the operand of the residual's shape
+                gate_left = right.shape == residual.shape
+            gate, update = (left, right) if gate_left else (right, left)
+            gate = gate.float()
+            if _float_is_exact(update, gate):
+                return gated_residual_fp32(residual, gate, update, site)
+            if site is not None:
+                site.fallback[f"update.float() * gate is another product ({str(update.dtype).removeprefix('torch.')}"
+                              f" update, {gate.dim()}-dim gate)"] += 1
+        return residual.float() + left.float() * right.float()
+
+    @staticmethod
+    def norm_modulate_float(norm, x, scale, shift, site, normed_left=True, one_left=False, one=1.0):
+        # ``norm(x.float()) * (scale.float() + 1.0) + shift.float()`` (Kandinsky 5 / 6; the product and the sum either
+        # way round, as written: `normed_left`, `one_left`), cast back to x's dtype by the rewritten forward as
+        # written: where the op runs its result is of that dtype already. The rows upcast, every operation after the
+        # norm is fp32 whatever their dtypes: the op's ``(norm(x.float()) * (1 + s[:, None]) + t[:, None])
+        # .type_as(x)`` of ``s = scale.float()[:, 0]`` (``[B, 1, D]`` rows) is the same sums and products, element
+        # by element (1 and 1.0 are the same fp32 number; sums and products commute exactly)
+        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+                and scale.dim() == shift.dim() == 3 and scale.shape[1] == shift.shape[1] == 1):
+            return layernorm_scale_shift_fp32(norm, x, scale.float()[:, 0], shift.float()[:, 0], site)
+        normed = norm(x.float())
+        factor = one + scale.float() if one_left else scale.float() + one
+        return (normed * factor if normed_left else factor * normed) + shift.float()
+
+    @staticmethod
+    def stale(key):
+        # a forward rewritten with helper functions inlined (`_chain_inline`): its original where its module no longer
+        # holds one of them with that code (replaced after `patch`), so that it runs as written; else None
+        original, helpers = INLINED[key]
+        for globals_, name, fn, code in helpers:
+            if globals_.get(name) is not fn or fn.__code__ is not code:
+                return original
+        return None
 
     @staticmethod
     def norm_modulate_fp32(norm, x, scale, shift, site):

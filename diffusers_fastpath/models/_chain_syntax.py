@@ -151,6 +151,114 @@ def _fp32_norm_of(node: ast.expr) -> tuple[str, ast.expr] | None:
     return called[0], x
 
 
+def _cast_back(node: ast.expr) -> tuple[ast.expr, str] | None:
+    """``(E, X)`` if `node` is ``E.type_as(X)``, ``E.to(X.dtype)`` or ``E.to(dtype=X.dtype)`` with ``X`` a name: a
+    cast to X's dtype (``type_as`` also to X's device, where E is not on it already)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if (node.func.attr == "type_as" and len(node.args) == 1 and not node.keywords
+            and isinstance(node.args[0], ast.Name)):
+        return node.func.value, node.args[0].id
+    if node.func.attr == "to" and len(node.args) + len(node.keywords) == 1:
+        arg = node.args[0] if node.args else node.keywords[0].value
+        if node.keywords and node.keywords[0].arg != "dtype":
+            return None
+        if isinstance(arg, ast.Attribute) and arg.attr == "dtype" and isinstance(arg.value, ast.Name):
+            return node.func.value, arg.value.id
+    return None
+
+
+def _casts_back(node: ast.expr) -> tuple[ast.expr, str, list[ast.Call]] | None:
+    """``(E, X, casts)`` if `node` is ``E`` cast back to X's dtype once or more (`_cast_back`: Kandinsky 6 writes
+    ``apply_gate_sum(...).type_as(x)`` of a helper ending in ``.to(dtype=x.dtype)``), every cast to the same name;
+    `casts` outermost first (`_recast` puts them around another expression)."""
+    casts, x = [], None
+    while (cast := _cast_back(node)) is not None and (x is None or cast[1] == x):
+        casts.append(node)
+        node, x = cast
+    return (node, x, casts) if casts else None
+
+
+def _recast(inner: ast.expr, casts: list[ast.Call]) -> ast.expr:
+    """`inner` with the casts of `_casts_back` around it, as written."""
+    for cast in reversed(casts):
+        inner = ast.Call(func=ast.Attribute(value=inner, attr=cast.func.attr, ctx=ast.Load()), args=cast.args,
+                         keywords=cast.keywords)
+    return inner
+
+
+def _self_path_call(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """``("A.B", X)`` if `node` is ``self.A.B(X)`` (``("A", X)`` for ``self.A(X)``): a module of the block, maybe of
+    a submodule (Kandinsky 6's fused block calls ``self.video_dec_block.self_attention_norm``)."""
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)):
+        return None
+    path, func = [], node.func
+    while isinstance(func, ast.Attribute):
+        path.append(func.attr)
+        func = func.value
+    if not (isinstance(func, ast.Name) and func.id == "self" and path):
+        return None
+    return ".".join(reversed(path)), node.args[0]
+
+
+def _is_one(node: ast.expr) -> bool:
+    """Whether `node` is the literal ``1`` or ``1.0``."""
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 1
+
+
+def _float_modulate_of(node: ast.expr, x: str) -> tuple[str, ast.expr, ast.expr, ast.expr, bool, bool, object] | None:
+    """``(A, X, S, T, normed_left, one_left, one)`` if `node` is ``self.A(X.float()) * (S.float() + 1.0) +
+    T.float()`` with ``X`` the name `x` (Kandinsky 5, and Kandinsky 6's ``apply_scale_shift`` inlined), the product
+    either way round (`normed_left`), ``1`` or ``1.0`` on either side of its sum (`one_left`, `one`)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.BinOp)
+            and isinstance(node.left.op, ast.Mult)):
+        return None
+    shift = _float_of(node.right)
+    for normed_left in (True, False):
+        normed, plus = ((node.left.left, node.left.right) if normed_left else (node.left.right, node.left.left))
+        called = _self_path_call(normed)
+        inner = _float_of(called[1]) if called is not None else None
+        if not (isinstance(inner, ast.Name) and inner.id == x and isinstance(plus, ast.BinOp)
+                and isinstance(plus.op, ast.Add) and shift is not None):
+            continue
+        for one_left in (True, False):
+            one, scale = (plus.left, plus.right) if one_left else (plus.right, plus.left)
+            scale = _float_of(scale)
+            if _is_one(one) and scale is not None:
+                return called[0], inner, scale, shift, normed_left, one_left, one.value
+    return None
+
+
+def _float_gated_of(node: ast.expr, r: str) -> tuple[ast.expr, ast.expr, ast.expr] | None:
+    """``(R, A, B)`` if `node` is ``R.float() + A.float() * B.float()`` with ``R`` the name `r` (Kandinsky 5, and
+    Kandinsky 6's ``apply_gate_sum`` inlined): every operand upcast, so every operation is fp32 whatever their
+    dtypes."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.right, ast.BinOp)
+            and isinstance(node.right.op, ast.Mult)):
+        return None
+    residual, left, right = _float_of(node.left), _float_of(node.right.left), _float_of(node.right.right)
+    if isinstance(residual, ast.Name) and residual.id == r and left is not None and right is not None:
+        return residual, left, right
+    return None
+
+
+def _operand_name(node: ast.expr) -> str | None:
+    """The name a gate operand stands for: ``g``, ``g.unsqueeze(1)``, or an inlined helper's ``(g.reshape(...) if C
+    else g)``; else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if _unsqueezed(node):
+        return node.func.value.id
+    if isinstance(node, ast.IfExp) and isinstance(node.orelse, ast.Name):
+        inner = node.body
+        while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+            inner = inner.func.value
+        if isinstance(inner, ast.Name) and inner.id == node.orelse.id:
+            return inner.id
+    return None
+
+
 def _self_module_call(node: ast.expr) -> tuple[str, ast.expr] | None:
     """``(A, X)`` if `node` is ``self.A(X)``."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)

@@ -26,8 +26,9 @@ unswapped, with a note in `report` and one warning (issue 43 found each before: 
 discarded, max diff 0.89; a wrapped FLUX.1 one, 0.20; an edited file rewritten from its new text, 1.98;
 `tests/test_chains.py` has each).
 
-The rewriter is in five parts: this one (reading, rewriting and compiling a forward; the subclasses and their
-sites), `_rewriter` (the patterns: which statements a forward has and what replaces them, documented there),
+The rewriter is in six parts: this one (reading, rewriting and compiling a forward; the subclasses and their
+sites), `_chain_inline` (helper functions of the forward's module inlined first, where that is exactly the call),
+`_rewriter` (the patterns: which statements a forward has and what replaces them, documented there),
 `_chain_proofs` (what a rewrite that moves or drops anything must prove, and that a source is its function's),
 `_chain_syntax` (what each pattern's statements look like, as AST) and `_chain_calls` (what the rewritten forwards
 call at run time).
@@ -56,7 +57,8 @@ from torch import nn
 from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
-from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace
+from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
+from ._chain_inline import Inliner
 from ._chain_proofs import Proofs, source_of
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
@@ -119,20 +121,41 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     # what the proofs read: the forward as written (`func` is rewritten); the rotary functions checked above write
     # nothing (diffusers' apply_rotary_emb; those the adapter names, checked by digest before their calls are fused)
     checked = {n for n in (complex_rotary, rows_rotary, wan, "apply_rotary_emb" if rotary_ok else None) if n}
-    proofs = Proofs(ast.parse(source).body[0], {"self", owner}, frozenset(checked))
-    proofs.tag(func.body)
-    rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
-                         swiglus, complex_rotary, local is not None, head_cats and owner != "self",
-                         rows_rotary if owner != "self" else None, wan if owner != "self" else None, proofs=proofs)
-    func.body = rewriter.body(copy.deepcopy(func.body), func)
-    if rewriter.found.head_cats:
-        func.body = rewriter.seq_major_attention(func.body)
-    if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
-        func.body = rewriter.qk_norms(func.body)
+    # helper functions of the forward's module inlined first (`_chain_inline`), never one a pattern takes by name;
+    # the proofs then read the forward as it will run
+    written_body = func.body
+    exclude = frozenset({*checked, "apply_rotary_emb", *(n for n in (complex_rotary, rows_rotary) if n)})
+    made = []  # (rewriter, body, proofs, inliner): with helpers inlined (where any is), then as written
+    for inline in (True, False):
+        written = ast.parse(source).body[0]
+        inliner = Inliner(fn, written, Proofs(written, {"self", owner}, frozenset(checked)), exclude)
+        if inline:
+            if _STALE_LOCAL in inliner.locals or (written := inliner.run()) is inliner.function:
+                continue
+        func.body = copy.deepcopy(written.body) if inline else written_body
+        proofs = Proofs(written, {"self", owner}, frozenset(checked))
+        proofs.tag(func.body)
+        rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
+                             swiglus, complex_rotary, local is not None, head_cats and owner != "self",
+                             rows_rotary if owner != "self" else None, wan if owner != "self" else None, proofs=proofs)
+        body = rewriter.body(copy.deepcopy(func.body), func)
+        if rewriter.found.head_cats:
+            body = rewriter.seq_major_attention(body)
+        if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
+            body = rewriter.qk_norms(body)
+        # inlined only where that lets a pattern take more, and every norm the inlining took on trust is fused
+        if not inline or inliner.proven(body):
+            made.append((rewriter, body, proofs, inliner))
+    if len(made) == 2 and _reach(made[0][0].found) <= _reach(made[1][0].found):
+        del made[0]
+    rewriter, func.body, proofs, inliner = made[0]  # (the forward as written: an inliner that inlined nothing)
     if not rewriter.found:
         return None
     taken = [p for p in contiguous if p in params and _layout_free(proofs.function, p, norms)]
     func.body[:0] = [ast.parse(f"{p} = {_NS}.contiguous({p})").body[0] for p in taken]
+    if inliner.helpers:  # the forward as written wherever its module holds another function under a helper's name
+        rewriter.found.inlined = sorted(inliner.helpers)
+        func.body[:0] = [_stale_check(func, register_inlined(fn, inliner.helpers))]
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}:{next(_REWRITES)}>"
@@ -147,6 +170,31 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__  # the objects, not evaluated again
     new.__annotations__ = dict(fn.__annotations__)
     return new, rewriter.found
+
+
+def _reach(found: Rewrite) -> int:
+    """How much a rewrite fuses: its sites and forms, counted."""
+    return sum(len(v) if isinstance(v, list) else int(v) for k, v in dataclasses.asdict(found).items() if k != "inlined")
+
+
+_STALE_LOCAL = "_fastpath_written_forward"  # the local the check below binds (a forward using that name: no inlining)
+
+
+def _stale_check(func: ast.FunctionDef, key: int) -> ast.stmt:
+    """``if (F := stale(key)) is not None: return F(<the parameters, as bound>)``: the original forward, called
+    with the very objects its parameters hold (defaults included), where an inlined helper was replaced."""
+    args = func.args
+    positional = [ast.Name(a.arg, ast.Load()) for a in (*args.posonlyargs, *args.args)]
+    if args.vararg is not None:
+        positional.append(ast.Starred(ast.Name(args.vararg.arg, ast.Load()), ast.Load()))
+    keywords = [ast.keyword(arg=a.arg, value=ast.Name(a.arg, ast.Load())) for a in args.kwonlyargs]
+    if args.kwarg is not None:
+        keywords.append(ast.keyword(arg=None, value=ast.Name(args.kwarg.arg, ast.Load())))
+    test = ast.Compare(left=ast.NamedExpr(target=ast.Name(_STALE_LOCAL, ast.Store()), value=ast.Call(
+        func=ast.Attribute(ast.Name(_NS, ast.Load()), "stale", ast.Load()), args=[ast.Constant(key)], keywords=[])),
+        ops=[ast.IsNot()], comparators=[ast.Constant(None)])
+    call = ast.Call(func=ast.Name(_STALE_LOCAL, ast.Load()), args=positional, keywords=keywords)
+    return ast.If(test=test, body=[ast.Return(value=call)], orelse=[])
 
 
 _ELEMENTWISE = (ast.Add, ast.Sub, ast.Mult, ast.Div)
@@ -449,9 +497,10 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         for attr in attrs:
             if type(getattr(block, attr, None)) is RMSNorm:
                 state.add_site(getattr(block, attr), op, op)
-    for attr in found.norms_fp32:
-        if isinstance(getattr(block, attr), nn.LayerNorm):
-            state.add_site(getattr(block, attr), MODULATE_FP32)
+    for attr in found.norms_fp32:  # (a dotted path: Kandinsky 6's fused block calls its submodules' norms)
+        norm = _submodule(block, attr)
+        if isinstance(norm, nn.LayerNorm):
+            state.add_site(norm, MODULATE_FP32)
     for attr in found.affine_fp32:  # an nn.Identity where the model has no such norm (Wan's cross_attn_norm=False)
         norm = getattr(block, attr)
         if type(norm) is FP32LayerNorm and norm.weight is not None and norm.bias is not None:
@@ -462,3 +511,10 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
             state.add_site(norm, RMS_MODULATE)
         elif isinstance(norm, nn.LayerNorm):  # (SD3's last block's norm2_context is None: never reached)
             state.add_site(norm, MODULATE)
+
+
+def _submodule(block: nn.Module, path: str):
+    """``block.a.b`` for the path ``"a.b"`` (None where an attribute is missing)."""
+    for name in path.split("."):
+        block = getattr(block, name, None)
+    return block

@@ -15,6 +15,14 @@ of ``self``):
   - ``H = (R.float() + E * G).type_as(R)`` (also ``E.float() * G``), ``R`` a name: Wan's fp32 chain, into
     `diffusers_fastpath.ops.gated_residual_fp32` (an fp32 gate, the product and sum fp32, one rounding)
 
+  - cast back to a name's dtype (``.type_as(R)``, ``.to(R.dtype)``, ``.to(dtype=R.dtype)``, once or more, every cast
+    kept as written around the call, whose result where its op runs is of that dtype already):
+    ``(R.float() + A.float() * B.float())``, every operand upcast (Kandinsky 5 / 6)  ->  ``gated_residual_float``:
+    `gated_residual_fp32` with the gate ``G.float()`` where ``update * gate`` is ``update.float() * gate`` (checked
+    per call, counted on the site otherwise), the gate being the operand whose name says so (else decided per call
+    by the shapes); ``(R + E * G)`` (AceStep)  ->  the gated residual form inside the casts; the site ``name_2``,
+    ``name_3`` ... where a gate of that name has one already
+
   where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
   ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
   way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
@@ -34,6 +42,12 @@ of ``self``):
   - ``N = (self.A(X.float()) * (1 + S) + T).type_as(X)``, ``X`` a name (Wan: an fp32 LayerNorm of the upcast
     stream, fp32 ``[B, 1, D]`` rows)  ->  `layernorm_scale_shift_fp32` (the LayerNorm kernel with an fp32 modulate
     and one rounding; the fallback is this very expression), the site op ``layernorm_scale_shift_fp32``
+
+  - ``(self.A(X.float()) * (S.float() + 1.0) + T.float())`` cast back to X (Kandinsky 5, and Kandinsky 6's
+    ``apply_scale_shift`` inlined; ``1`` or ``1.0`` on either side, the product either way round; ``self.A`` may be
+    a submodule's, ``self.B.A``; anywhere in a statement)  ->  ``norm_modulate_float``: `layernorm_scale_shift_fp32`
+    of the upcast ``[B, 1, D]`` rows (every operation after the norm is fp32 whatever the rows' dtype), else as
+    written
 
   with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
   others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
@@ -184,6 +198,10 @@ of ``self``):
 
   with the site ``swiglu_cat`` on ``attn.ACT`` (which then counts nothing as ``silu_mul``).
 
+Before the patterns run, calls of small helper functions of the forward's own module are inlined where that is
+exactly the call (`_chain_inline`: Kandinsky 6's ``apply_scale_shift`` / ``apply_gate_sum``), and kept so only where
+the patterns then fuse more than in the forward as written.
+
 Each rewrite is exact by construction: the fused op computes the replaced expression with eager's roundings and, on
 any input it does not take (another dtype, autograd, a layout, a norm that is not a plain LayerNorm), runs that
 expression itself. The operand order is kept (``R + G * E``, not ``E * G + R``), so even the fallback's op order
@@ -205,11 +223,13 @@ from __future__ import annotations
 
 import ast
 import copy
+import itertools
 from dataclasses import dataclass, field
 
 from ._chain_proofs import Proofs, _bound_names, like
-from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _cat_names, _cat_of,
-                            _complex_rotary_call, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
+from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _casts_back, _cat_names, _cat_of,
+                            _complex_rotary_call, _float_gated_of, _float_modulate_of, _fp32_gated_of,
+                            _fp32_modulate_of, _fp32_norm_of, _gate_name, _operand_name, _recast,
                             _modulate_of, _ns_call, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
                             _reads_only_dtype, _rotary_call, _self_attr, _self_module_call, _single_target, _site_of,
                             _starred_call, _transpose_reshape_of, _unsqueezed, _uses)
@@ -265,6 +285,7 @@ class Rewrite:
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
+    inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32
@@ -389,12 +410,16 @@ class _Rewriter:
         if isinstance(stmt, ast.Return) and stmt.value is not None:
             if (call := self._silu_mul(stmt.value, stmt)) is not None:
                 return like(ast.Return(value=call), stmt)
+            if (cast := _casts_back(stmt.value)) is not None and (new := self._cast_back_form(*cast, stmt)) is not None:
+                return like(ast.Return(value=new), stmt)  # Kandinsky 6's ``return apply_gate_sum(...)``, inlined
         target = _single_target(stmt)
         if target is None:
             return None
         value = stmt.value
         if (call := self._silu_mul(value, stmt)) is not None:
             return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        if (cast := _casts_back(value)) is not None and (new := self._cast_back_form(*cast, stmt)) is not None:
+            return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=new), stmt)
         if (wan := _fp32_gated_of(value)) is not None:
             residual, update, gate, cast = wan  # R.float() (and E.float()) now wait for G, and G is evaluated before E
             stays = self.proofs.stays
@@ -440,10 +465,93 @@ class _Rewriter:
             return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         return self._rotary(target, value, stmt)
 
+    def _site_name(self, name: str) -> str:
+        """`name`, or ``name_2``, ``name_3`` ... where a gate site of that name exists already (Kandinsky's blocks
+        name every gate ``gate``): one site per statement."""
+        taken = {*self.found.gates, *self.found.gates_fp32}
+        if name not in taken:
+            return name
+        return next(f"{name}_{k}" for k in itertools.count(2) if f"{name}_{k}" not in taken)
+
+    def _cast_back_form(self, inner: ast.expr, x: str, casts: list[ast.Call], stmt: ast.stmt) -> ast.expr | None:
+        """The forms written inside a cast back to a name's dtype (`_casts_back`), the casts kept as written around
+        the fused call (whose result, where its op runs, is of that dtype already: the casts return it as it is):
+
+        - ``(R.float() + A.float() * B.float())`` cast back to R (Kandinsky 5 / 6)  ->  ``gated_residual_float``
+        - ``(self.A(X.float()) * (S.float() + 1.0) + T.float())`` cast back to X  ->  ``norm_modulate_float``
+        - ``(R + E * G)`` cast back, ``R`` a name (AceStep)  ->  the gated residual form, inside the casts (Wan's
+          ``R.float() + ...`` is its own form)
+
+        None where no form matches (or its proof fails): Wan's forms, matched before, are not these."""
+        stays = self.proofs.stays
+        if (gated := _float_gated_of(inner, x)) is not None:
+            residual, left, right = gated
+            names = [_operand_name(left), _operand_name(right)]
+            # the gate: the operand whose name says so, else the only one with a name, else decided per call by the
+            # shapes (None); either way round the product is the same (it commutes exactly), and the op refuses roles
+            # that are not its own (its fallback: this very sum)
+            if names[0] is not None and "gate" in names[0]:
+                gate_left = True
+            elif names[1] is not None and "gate" in names[1]:
+                gate_left = False
+            elif (names[0] is None) != (names[1] is None):
+                gate_left = names[0] is not None
+            elif names[0] is not None:
+                gate_left = None
+            else:
+                return None
+            # R.float() now waits for A and B, and A.float() for B
+            if not (stays([residual], stmt, exprs=[left, right]) and stays([left], stmt, exprs=[right])):
+                return None
+            name = self._site_name(names[0] if gate_left in (True, None) else names[1])
+            self.found.gates_fp32.append(name)
+            call = _call("gated_residual_float", [residual, left, right, _site_of(_self_attr(), name),
+                                                  ast.Constant(gate_left)])
+            return _recast(call, casts)
+        if (wan := _float_modulate_of(inner, x)) is not None and _fp32_modulate_of(_recast(inner, casts[-1:])) is None:
+            attr, normed, scale, shift, normed_left, one_left, one = wan
+            module = _self_attr(*attr.split("."))
+            if not stays([module, normed], stmt, exprs=[scale, shift]):  # the norm now waits for S and T
+                return None
+            if attr not in self.found.norms_fp32:
+                self.found.norms_fp32.append(attr)
+            call = _call("norm_modulate_float", [module, normed, scale, shift, _site_of(_self_attr(*attr.split("."))),
+                                                 ast.Constant(normed_left), ast.Constant(one_left), ast.Constant(one)])
+            return _recast(call, casts)
+        if (isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and isinstance(inner.left, ast.Name)
+                and isinstance(inner.right, ast.BinOp)
+                and isinstance(inner.right.op, ast.Mult) and _self_module_call(inner.right.right) is None):
+            gated = self._gated("_", inner.left, inner.right.left, inner.right.right, stmt)
+            return _recast(gated.value, casts) if gated is not None else None
+        return None
+
+    def _nested_modulates(self, stmt: ast.stmt) -> ast.stmt:
+        """`stmt` with each fp32 modulate cast back (`_cast_back_form`'s second form) inside a larger expression as
+        ``norm_modulate_float``: Kandinsky 6's ``self.attn(apply_scale_shift(self.norm(x.float()), x, s, t))``,
+        inlined, modulates in the attention's argument."""
+        rewriter = self
+
+        class Modulates(ast.NodeTransformer):
+            def visit_Call(self, node: ast.Call) -> ast.expr:
+                node = self.generic_visit(node)
+                cast = _casts_back(node)
+                if cast is None or _float_modulate_of(cast[0], cast[1]) is None:
+                    return node
+                new = rewriter._cast_back_form(*cast, stmt)
+                return node if new is None else like(new, node)
+
+        if not any(isinstance(n, ast.Call) and n.func.__class__ is ast.Attribute and n.func.attr in ("type_as", "to")
+                   for n in ast.walk(stmt)):
+            return stmt
+        return Modulates().visit(stmt)
+
     def nested(self, stmt: ast.stmt) -> ast.stmt:
         """`stmt` with every ``self.A(X) * S`` in it (``A`` one of the adapter's RMSNorms) as ``rms_scale``, and a
         SwiGLU product inside a larger expression (``self.linear_2(self.silu(E) * F)``, Lumina's) as ``silu_mul``."""
-        if not (self.rms_norms or self.activations) or not isinstance(stmt, (ast.Assign, ast.Return, ast.Expr)):
+        if not isinstance(stmt, (ast.Assign, ast.Return, ast.Expr)):
+            return stmt
+        stmt = self._nested_modulates(stmt)
+        if not (self.rms_norms or self.activations):
             return stmt
         rewriter = self
 
@@ -920,6 +1028,8 @@ class _Rewriter:
                 inner = getattr(stmt, name, None)
                 if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
                     setattr(stmt, name, self.body(inner, function))
+            if self.block and isinstance(stmt, (ast.Assign, ast.Return, ast.Expr)):
+                stmt = self._nested_modulates(stmt)  # first: a gated residual around one then proves its order
             if i + 1 < len(body) and (merged := self.two(stmt, body[i + 1])) is not None:
                 out.append(self.nested(merged) if self.block else merged)
                 i += 2
