@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from .._common import _construct, _quiet_image_processor_fallback, randomize_
-from . import ZOO, _as_loaded_, build
+from ._zoo import ZOO, _as_loaded_, build
 
 _STEPS = 2
 
