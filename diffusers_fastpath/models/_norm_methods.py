@@ -27,15 +27,14 @@ _SELECT = "_select_modulation_rows"
 _CHECKED: dict[type, object] = {}  # block class -> the `_select_modulation_rows` its method calls, checked
 
 
-def norm_method_hints(cls: type) -> tuple[tuple[str, str], ...]:
-    """``((method, form), ...)``: the methods of `cls` this module has a fused counterpart for, as installed."""
-    from .generic import normalized_digest
-
+def norm_method_hints(cls: type, digest) -> tuple[tuple[str, str], ...]:
+    """``((method, form), ...)``: the methods of `cls` this module has a fused counterpart for, as installed;
+    `digest` is `generic.normalized_digest` (which imports this module)."""
     method = cls.__dict__.get("_modulate")
-    if method is None or normalized_digest(method) != _SCALE_ROWS:
+    if method is None or digest(method) != _SCALE_ROWS:
         return ()
     select = method.__globals__.get(_SELECT)
-    if select is None or normalized_digest(select) != _SELECT_ROWS:
+    if select is None or digest(select) != _SELECT_ROWS:
         return ()
     _CHECKED[cls] = select
     return (("_modulate", "scale_rows"),)

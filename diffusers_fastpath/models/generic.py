@@ -165,7 +165,7 @@ def block_hints(instances: list[nn.Module]) -> dict:
             "contiguous": tuple(p for p in params if p.endswith("hidden_states") and "encoder" not in p),
             "norms": attrs(lambda m: isinstance(m, (nn.LayerNorm, nn.RMSNorm, RMSNorm))),
             # modulate methods known by digest, which the LayerNorm before them joins (`_norm_methods`)
-            **({"norm_methods": known} if (known := norm_method_hints(type(instances[0]))) else {})}
+            **({"norm_methods": known} if (known := norm_method_hints(type(instances[0]), normalized_digest)) else {})}
 
 
 # --- the subclasses, by a name that says how to make them -------------------------------------------------------
@@ -189,7 +189,7 @@ def generic_subclass(base: type, method: str, hints: dict):
         hints = {**processor_hints(base.__call__), **hints}
     options = dict(hints)
     if "norm_methods" in options:  # (method, form) pairs -> the fused counterparts, checked against `base` again
-        checked = dict(norm_method_hints(base))
+        checked = dict(norm_method_hints(base, normalized_digest))
         options["norm_methods"] = {m: FUSED[form] for m, form in options["norm_methods"] if checked.get(m) == form}
     sub, found = fused_subclass(base, subclass_name(base, method, hints), __name__, method, **options)
     if sub is not None:
