@@ -78,27 +78,34 @@ FLUX3_SHAPES = [(1, 4096, 3072), (1, 160, 3072), (1, 4096 + 160, 3072), (2, 4096
 AFFINE_SHAPES = [(1, 4096, 3072), (2, 1350, 1920), (1, 226, 1920)]
 
 
+@pytest.fixture
+def cuda_kernels():
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+
+
 def _check_on_gpu(norm, x, scale, shift):
+    """The raw op (into a poisoned block) and the fused op (fast, self-verified) against eager; shift None: the
+    scale-only op."""
     from diffusers_fastpath.ops.layernorm_modulate import _affine_rows
 
-    ref = layernorm_modulate_ref(norm, x, scale, shift)
+    ref = layernorm_scale_ref(norm, x, scale) if shift is None else layernorm_modulate_ref(norm, x, scale, shift)
     poison = torch.full_like(x, float("nan"))
     del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
     raw = torch.ops.diffusers_fastpath._layernorm_modulate_cuda(x, scale, shift, *_affine_rows(norm), norm.eps)
     torch.cuda.synchronize()
     assert torch.equal(raw, ref)
     site = Site("layernorm_modulate")
-    assert torch.equal(layernorm_modulate(norm, x, scale, shift, site), ref)
+    fused = layernorm_scale(norm, x, scale, site) if shift is None else layernorm_modulate(norm, x, scale, shift, site)
+    assert torch.equal(fused, ref)
     assert site.fast == 1 and not site.fallback, site  # the fast path ran and passed its own check
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", FLUX3_SHAPES, ids=str)
-def test_flux3_per_token_rows_match_eager_bitwise_and_verify(shape, dtype):
-    from diffusers_fastpath.ops._build import load_extension
-
-    load_extension()
+def test_flux3_per_token_rows_match_eager_bitwise_and_verify(shape, dtype, cuda_kernels):
     for seed in range(2):
         norm, x, scale, shift = make_inputs(shape, dtype, "per_token", "cuda", seed)
         assert scale.stride()[1:] == (3 * shape[2], 1)  # views of the modulation, not copies
@@ -114,10 +121,7 @@ def test_flux3_per_token_rows_match_eager_bitwise_and_verify(shape, dtype):
 @pytest.mark.parametrize("norm_kind", NORMS[1:])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", AFFINE_SHAPES, ids=str)
-def test_affine_and_fp32_norms_match_eager_bitwise_and_verify(shape, dtype, norm_kind):
-    from diffusers_fastpath.ops._build import load_extension
-
-    load_extension()
+def test_affine_and_fp32_norms_match_eager_bitwise_and_verify(shape, dtype, norm_kind, cuda_kernels):
     for seed in range(2):
         for rows in ("per_sample", "per_token"):
             _check_on_gpu(*make_inputs(shape, dtype, rows, "cuda", seed, norm_kind))
@@ -127,13 +131,11 @@ def test_affine_and_fp32_norms_match_eager_bitwise_and_verify(shape, dtype, norm
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm_kind", NORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_special_rows_match_eager(dtype, norm_kind):
+def test_special_rows_match_eager(dtype, norm_kind, cuda_kernels):
     """Constant rows (variance 0), zeros, values near the dtype's limits, an inf, a NaN: eager's bits everywhere, NaN
     in the same places."""
-    from diffusers_fastpath.ops._build import load_extension
     from diffusers_fastpath.ops.layernorm_modulate import _affine_rows
 
-    load_extension()
     norm, x, scale, shift = make_inputs((2, 64, 3072), dtype, "per_token", "cuda", 7, norm_kind)
     big = torch.finfo(dtype).max / 4
     x[0, 0] = 1.5
@@ -155,25 +157,12 @@ QWEN21_SHAPES = [(1, 4096 + 256, 4096), (2, 1024 + 256, 4096), (1, 17, 4096)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", QWEN21_SHAPES, ids=str)
-def test_qwen21_scale_only_matches_eager_bitwise_and_verifies(shape, dtype):
-    from diffusers_fastpath.ops._build import load_extension
-
-    load_extension()
+def test_qwen21_scale_only_matches_eager_bitwise_and_verifies(shape, dtype, cuda_kernels):
     for seed in range(2):
         norm, x, _, _ = make_inputs(shape, dtype, "per_token", "cuda", seed)
-        scale = qwen21_scale_rows(shape[0], shape[1], shape[2], dtype, "cuda", seed)
-        ref = layernorm_scale_ref(norm, x, scale)
-        poison = torch.full_like(x, float("nan"))
-        del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
-        raw = torch.ops.diffusers_fastpath._layernorm_modulate_cuda(x, scale, None, None, None, norm.eps)
-        torch.cuda.synchronize()
-        assert torch.equal(raw, ref)
-        site = Site("layernorm_scale")
-        assert torch.equal(layernorm_scale(norm, x, scale, site), ref)
+        _check_on_gpu(norm, x, qwen21_scale_rows(shape[0], shape[1], shape[2], dtype, "cuda", seed), None)
         # without a mask, one row per sample ([B, 1, D] views of the modulation)
-        rows = torch.randn(shape[0], 4 * shape[2], device="cuda").to(dtype)[:, None, :shape[2]]
-        assert torch.equal(layernorm_scale(norm, x, rows, site), layernorm_scale_ref(norm, x, rows))
-        assert site.fast == 2 and not site.fallback, site
+        _check_on_gpu(norm, x, torch.randn(shape[0], 4 * shape[2], device="cuda").to(dtype)[:, None, :shape[2]], None)
     assert LAYERNORM_SCALE.disabled is None and len(LAYERNORM_SCALE.verified) == 2
 
 
