@@ -251,3 +251,7 @@ def test_coverage_says_how_each_class_is_taken_and_the_docs_table_is_its_output(
     assert how["WanVACETransformer3DModel"] == how["Flux3Transformer2DModel"] == "generic"
     table = (Path(__file__).parents[1] / "docs" / "coverage.md").read_text()
     assert generic.coverage_markdown() in table, "docs/coverage.md is stale: regenerate it (python -m diffusers_fastpath.models.generic)"
+    # the README's model table: its generic row counts the classes coverage() takes generically
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    generic_count = sum(kind == "generic" for kind in how.values())
+    assert f"every other diffusers transformer ({generic_count} classes:" in readme, "README's model table: generic count"
