@@ -512,7 +512,9 @@ at::Tensor rmsnorm_plain(const at::Tensor& x, const at::Tensor& weight, double e
 void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
                                   const at::Tensor& shift, double eps, bool probe, int64_t variant,
                                   bool affine = false, at::Tensor* x_out = nullptr, const at::Tensor* gate = nullptr,
-                                  const at::Tensor* update = nullptr) {
+                                  const at::Tensor* update = nullptr, int64_t scale_seq_stride = 0,
+                                  int64_t shift_seq_stride = 0, const at::Tensor* norm_weight = nullptr,
+                                  const at::Tensor* norm_bias = nullptr, bool no_shift = false) {
   const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
   check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
@@ -543,6 +545,11 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   args.gate = nullptr;
   args.update = nullptr;
   args.gate_batch_stride = 0;
+  args.scale_seq_stride = scale_seq_stride;
+  args.shift_seq_stride = shift_seq_stride;
+  if (no_shift) args.shift = nullptr;  // layernorm_modulate without a shift: `shift` stood for the scale in the checks
+  args.norm_weight = norm_weight != nullptr ? norm_weight->data_ptr() : nullptr;
+  args.norm_bias = norm_bias != nullptr ? norm_bias->data_ptr() : nullptr;
   if (args.gated) {  // x is the residual (gated_layernorm_scale_shift)
     check_gated_residual_inputs(*x_out, x, *gate, *update);
     TORCH_CHECK(!modulate_fp32 && gate->scalar_type() == x.scalar_type() && gate->size(1) == 1,
@@ -592,6 +599,43 @@ at::Tensor layernorm_affine_fp32(const at::Tensor& x, const at::Tensor& weight, 
   at::Tensor out = at::empty(x.sizes(), x.options());
   layernorm_scale_shift_launch(out, x, weight.unsqueeze(0), bias.unsqueeze(0), eps, /*probe=*/false, 0,
                                /*affine=*/true);
+  return out;
+}
+
+// FLUX.3's per-token adaLN rows and the LayerNorms with their own affine (layernorm_modulate): scale/shift
+// [batch or 1, seq or 1, dim] rows of x's dtype (unit innermost stride, 16-byte aligned rows); weight and bias the
+// norm's fp32 [dim] rows (aten's gamma and beta as it reads them), or both absent; no shift: the scale-only modulate
+// `norm(x) * (1 + scale)` (Qwen-Image 2.1).
+at::Tensor layernorm_modulate(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& shift_opt,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              double eps) {
+  const bool no_shift = !(shift_opt.has_value() && shift_opt->defined());
+  const at::Tensor& shift = no_shift ? scale : *shift_opt;
+  TORCH_CHECK(x.dim() == 3 && scale.dim() == 3 && shift.dim() == 3,
+              "layernorm_modulate: x and scale/shift must be [batch, seq, dim] tensors");
+  for (const at::Tensor* t : {&scale, &shift}) {
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "layernorm_modulate: scale/shift must be of x's dtype");
+    TORCH_CHECK((t->size(0) == x.size(0) || t->size(0) == 1) && (t->size(1) == x.size(1) || t->size(1) == 1) &&
+                    t->size(2) == x.size(2),
+                "layernorm_modulate: scale/shift must be [batch or 1, seq or 1, dim], got ", shape_str(t->sizes()));
+    TORCH_CHECK(t->size(1) == 1 || t->stride(1) % (16 / t->element_size()) == 0,
+                "layernorm_modulate: scale/shift seq stride must keep rows 16-byte aligned");
+  }
+  const bool affine = weight.has_value() && weight->defined();
+  TORCH_CHECK(affine == (bias.has_value() && bias->defined()), "layernorm_modulate: weight and bias, both or neither");
+  if (affine) {
+    for (const at::Tensor* t : {&*weight, &*bias}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == x.size(2) && t->is_contiguous() &&
+                      aligned16(*t) && t->device() == x.device(),
+                  "layernorm_modulate: weight and bias must be contiguous, 16-byte aligned float32 [dim] rows");
+    }
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  const int64_t scale_seq = scale.size(1) == 1 ? 0 : scale.stride(1), shift_seq = shift.size(1) == 1 ? 0 : shift.stride(1);
+  layernorm_scale_shift_launch(out, x, scale.select(1, 0), shift.select(1, 0), eps, /*probe=*/false, 0,
+                               /*affine=*/false, nullptr, nullptr, nullptr, scale_seq, shift_seq,
+                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift);
   return out;
 }
 
@@ -874,6 +918,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_gated_layernorm_scale_shift_cuda_out(Tensor(a!) x_out, Tensor(b!) out, Tensor residual, Tensor gate, "
       "Tensor update, Tensor scale, Tensor shift, float eps) -> ()");
   m.def("_layernorm_affine_fp32_cuda(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
+  m.def("_layernorm_modulate_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
   m.def("_silu_mul_cuda(Tensor gate, Tensor up) -> Tensor");
@@ -926,6 +971,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gated_layernorm_scale_shift_cuda", &diffusers_fastpath::gated_layernorm_scale_shift);
   m.impl("_gated_layernorm_scale_shift_cuda_out", &diffusers_fastpath::gated_layernorm_scale_shift_out);
   m.impl("_layernorm_affine_fp32_cuda", &diffusers_fastpath::layernorm_affine_fp32);
+  m.impl("_layernorm_modulate_cuda", &diffusers_fastpath::layernorm_modulate);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
   m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);

@@ -193,7 +193,7 @@ struct LayerNormScaleShiftArgs {
   void* out;           // [batch, seq, dim], contiguous
   const void* x;       // [batch, seq, dim], contiguous
   const void* scale;   // [batch or 1, dim], innermost stride 1
-  const void* shift;   // [batch or 1, dim], innermost stride 1
+  const void* shift;   // [batch or 1, dim], innermost stride 1; null: no shift (T's chain, scale only)
   int64_t batch;
   int64_t seq;
   int64_t dim;                 // a multiple of 4, at most 6144
@@ -213,6 +213,10 @@ struct LayerNormScaleShiftArgs {
   const void* gate;    // gated: [batch or 1, dim] rows, innermost stride 1 (diffusers' `gate.unsqueeze(1)`)
   const void* update;  // gated: [batch, seq, dim], contiguous
   int64_t gate_batch_stride;  // gated: in elements; 0 broadcasts one row over the batch
+  int64_t scale_seq_stride;   // in elements: token l of sample b reads scale[b * scale_batch_stride + l * this]; 0: one
+  int64_t shift_seq_stride;   // row per sample ([B, D]); else per-token rows ([B, S, D]: FLUX.3's adaLN, the chain of T)
+  const void* norm_weight;    // the LayerNorm's own weight and bias as fp32 [dim] rows (aten's gamma, beta), applied
+  const void* norm_bias;      // before the modulate of T's chain: y = round(fma(weight, normed, bias)); both null: none
 };
 
 #ifndef __CUDACC_RTC__

@@ -45,6 +45,18 @@
 // `gamma * (rstd * (x - mean)) + beta`, whose multiply-add nvcc contracts:
 //   out = round_T(fma(weight, y, bias))
 //
+// Per-token rows (`layernorm_modulate`: FLUX.3's adaLN, `(1 + mod_scale) * norm(x) + mod_shift` with [B, S, D] chunks
+// of a per-token modulation): token l of sample b reads its own scale and shift row, at b * batch stride + l * seq
+// stride; the statistics and the rounding points are the ones above, only the rows' addressing differs. With the
+// LayerNorm's own weight and bias (`norm_weight`, `norm_bias`: an affine nn.LayerNorm of T, or an FP32LayerNorm,
+// CogVideoX's, EasyAnimate's; passed as fp32 rows, the values aten's `static_cast<T_ACC>(gamma)` reads) the normalised
+// value is aten's affine epilogue `gamma * (rstd * (x - mean)) + beta`, nvcc's one FMA (as Wan's norm2 below), rounded
+// to T once (an FP32LayerNorm's fp32 output cast back rounds the same fp32 value once), then the modulate:
+//   y   = round_T(fma(weight, rstd * (x - mean), bias))
+//   out = round_T(round_T(y * round_T(1 + scale)) + shift)
+// and without a shift (a null shift: Qwen-Image 2.1's scale-only modulate `norm(x) * (1 + scale)`, per-token rows
+// chosen by torch.where) the product is the output: out = round_T(y * round_T(1 + scale)).
+//
 // Gated (`gated_layernorm_scale_shift`: FLUX's `hidden_states = hidden_states + gate.unsqueeze(1) * update` followed by
 // the LayerNorm-modulate of the new stream, in the dual block and across consecutive blocks) the row is first the
 // residual update of gated_residual.cu, with its two rounding points, written out as well:
@@ -129,9 +141,11 @@ __device__ __forceinline__ Welford combine(const Welford& own, const Welford& ot
 }
 
 // The normalised, modulated quad i of a row (eager's rounding points, file head).
+// (g, be: the norm's fp32 weight and bias, read where a.norm_weight is set; T's chain only.)
 template <typename T, typename S>
 __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& a, const Quad<T>& xq, const Quad<S> s,
-                                                 const Quad<S> h, float mean, float rstd) {
+                                                 const Quad<S> h, const Quad<float>& g, const Quad<float>& be,
+                                                 float mean, float rstd) {
   constexpr bool kFloatModulate = SameType<S, float>::value;
   Quad<T> o;
 #pragma unroll
@@ -141,10 +155,11 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
       o.v[j] = a.affine ? Storage<T>::store(__fmaf_rn(s.v[j], normed, h.v[j]))  // weight * y + bias
                         : Storage<T>::store(__fadd_rn(__fmul_rn(normed, __fadd_rn(1.0f, s.v[j])), h.v[j]));
     } else {
-      const float y = round_to<T>(normed);
+      const float y = round_to<T>(a.norm_weight != nullptr ? __fmaf_rn(g.v[j], normed, be.v[j]) : normed);
       const float one_plus_scale = round_to<T>(__fadd_rn(Storage<T>::load(s.v[j]), 1.0f));
       const float scaled = round_to<T>(__fmul_rn(y, one_plus_scale));
-      o.v[j] = Storage<T>::store(__fadd_rn(scaled, Storage<T>::load(h.v[j])));
+      // no shift (a.shift null: Qwen-Image 2.1's scale-only `norm(x) * (1 + scale)`): the product, already of T
+      o.v[j] = Storage<T>::store(a.shift != nullptr ? __fadd_rn(scaled, Storage<T>::load(h.v[j])) : scaled);
     }
   }
   return o;
@@ -246,15 +261,28 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
   const float mean = stats[0];
   const float rstd = rsqrtf(__fadd_rn(stats[1], a.eps));
 
-  // Normalise, round to T, modulate with eager's three rounding points.
-  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride);
-  const Quad<S>* shift = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride);
+  // Normalise (the norm's affine where it has one), round to T, modulate with eager's three rounding points; the
+  // rows of sample b, token l (per-token rows: seq strides; one row per sample: 0).
+  const int64_t l = row - b * a.seq;
+  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride +
+                                                          l * a.scale_seq_stride);
+  const Quad<S>* shift = a.shift == nullptr ? nullptr  // scale only
+                        : reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride +
+                                                           l * a.shift_seq_stride);
+  const Quad<float>* weight = static_cast<const Quad<float>*>(a.norm_weight);
+  const Quad<float>* bias = static_cast<const Quad<float>*>(a.norm_bias);
   Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
 #pragma unroll
   for (int k = 0; k < kHeld; ++k) {
     const int i = thread + k * threads;
     if (i < vecs) {
-      out[i] = modulate_quad<T, S>(a, data[k], load_readonly(scale + i), load_readonly(shift + i), mean, rstd);
+      Quad<float> g{}, be{};
+      if (weight != nullptr) {
+        g = load_readonly(weight + i);
+        be = load_readonly(bias + i);
+      }
+      const Quad<S> h = shift != nullptr ? load_readonly(shift + i) : Quad<S>{};
+      out[i] = modulate_quad<T, S>(a, data[k], load_readonly(scale + i), h, g, be, mean, rstd);
     }
   }
 }
@@ -294,6 +322,10 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
     if (a.gated) return cudaErrorInvalidValue;
     layernorm_scale_shift_kernel<T, S, 0, false><<<grid, dim3(32, (variant & kEightWarps) ? 8 : 4), 0, stream>>>(a);
     return cudaGetLastError();
+  }
+  if ((a.norm_weight != nullptr || a.shift == nullptr || a.scale_seq_stride != 0 || a.shift_seq_stride != 0) &&
+      (a.modulate_fp32 || a.gated || (a.norm_weight == nullptr) != (a.norm_bias == nullptr))) {
+    return cudaErrorInvalidValue;  // the norm's affine, per-token rows, no shift: T's chain, not gated (bindings.cpp)
   }
   if (a.gated) {
     if constexpr (SameType<S, T>::value) {

@@ -98,6 +98,8 @@ def emulated_kernels(monkeypatch):
                                                               LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
                                                               layernorm_affine_fp32_ref, layernorm_scale_shift_fp32_ref,
                                                               layernorm_scale_shift_ref)
+    from diffusers_fastpath.ops.layernorm_modulate import (LAYERNORM_MODULATE, LAYERNORM_SCALE, layernorm_modulate_ref,
+                                                           layernorm_scale_ref)
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
                                                      qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
@@ -135,6 +137,8 @@ def emulated_kernels(monkeypatch):
                        (GATED_LAYERNORM_SCALE_SHIFT, gated_layernorm_arithmetic),
                        (LAYERNORM_SCALE_SHIFT_FP32, layernorm_scale_shift_fp32_ref),
                        (LAYERNORM_AFFINE_FP32, layernorm_affine_fp32_ref),
+                       (LAYERNORM_MODULATE, layernorm_modulate_ref),  # per-token rows, affine and fp32 norms
+                       (LAYERNORM_SCALE, layernorm_scale_ref),  # ... without a shift (Qwen-Image 2.1)
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),

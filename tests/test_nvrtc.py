@@ -35,6 +35,7 @@ gelu_cat_mod = importlib.import_module("diffusers_fastpath.ops.gelu_cat")
 silu_mul_mod = importlib.import_module("diffusers_fastpath.ops.silu_mul")
 cat_heads_mod = importlib.import_module("diffusers_fastpath.ops.cat_heads")
 layernorm_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_scale_shift")
+layernorm_modulate_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_modulate")
 modulate_mod = importlib.import_module("diffusers_fastpath.ops.modulate_scale_shift")
 qk_mod = importlib.import_module("diffusers_fastpath.ops.qk_norm_rope")
 rmsnorm_mod = importlib.import_module("diffusers_fastpath.ops.rmsnorm_scale_shift")
@@ -571,6 +572,24 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert (a.a.gated, a.a.x, a.a.x_out, a.a.out, a.a.update) == (
         True, x.data_ptr(), x_out.data_ptr(), out.data_ptr(), update.data_ptr())
     assert (a.a.gate, a.a.gate_batch_stride, a.a.scale_batch_stride) == (table6[:, 128:].data_ptr(), 384, 384)
+    assert (a.a.scale_seq_stride, a.a.shift_seq_stride, a.a.norm_weight, a.a.norm_bias) == (0, 0, None, None)
+    # layernorm_modulate: FLUX.3's per-token rows (chunks of a [B, S, 3D] modulation: seq stride 3D, batch stride
+    # 3SD) with the norm's fp32 weight and bias; a [B, 1, D] row per sample has seq stride 0
+    mod, weight, bias = _bf16(2, 17, 3 * 64), torch.randn(64), torch.randn(64)
+    layernorm_modulate_mod._nvrtc_modulate(x, mod[..., 64:128], mod[..., :64], weight, bias, 1e-6)
+    _, key, grid, block, a = captured_launches[-1]
+    assert key == (torch.bfloat16, torch.bfloat16, 6, False) and (grid, block) == ((34, 1, 1), (32, 4, 1))
+    assert (a.a.scale, a.a.shift, a.a.scale_batch_stride, a.a.shift_batch_stride) == (
+        mod[..., 64:].data_ptr(), mod.data_ptr(), 17 * 192, 17 * 192)
+    assert (a.a.scale_seq_stride, a.a.shift_seq_stride, a.a.norm_weight, a.a.norm_bias) == (
+        192, 192, weight.data_ptr(), bias.data_ptr())
+    assert (a.a.modulate_fp32, a.a.affine, a.a.gated) == (False, False, False)
+    layernorm_modulate_mod._nvrtc_modulate(x, mod[:, :1, 64:128], mod[:, :1, :64], None, None, 1e-6)
+    a = captured_launches[-1][-1]
+    assert (a.a.scale_seq_stride, a.a.shift_seq_stride, a.a.norm_weight, a.a.norm_bias) == (0, 0, None, None)
+    layernorm_modulate_mod._nvrtc_modulate(x, mod[..., 64:128], None, None, None, 1e-6)  # scale only: a null shift
+    a = captured_launches[-1][-1]
+    assert (a.a.shift, a.a.shift_batch_stride, a.a.shift_seq_stride, a.a.scale_seq_stride) == (None, 0, 0, 192)
 
     # rmsnorm alone over rows of 64 and 128: several rows per warp (kRows64PerBlock, kRows128PerBlock per block)
     for d, per_block in ((64, 64), (128, 32), (96, 8)):
@@ -810,6 +829,16 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
         w32, b32 = norm2.weight.float(), norm2.bias.float()
         cases.append((layernorm_mod._nvrtc_affine(x, w32, b32, 1e-6), layernorm_mod.layernorm_affine_fp32_ref(norm2, x),
                       "_layernorm_affine_fp32_cuda", (x, w32, b32, 1e-6)))
+        # FLUX.3's per-token rows with the norm's own affine (EasyAnimate's FP32LayerNorm) and without (FLUX.3)
+        mod = _rand((b, l, 3 * d), dtype, gen, 1.0)
+        shift3, scale3 = mod[..., :d], mod[..., d:2 * d]
+        for norm_m, rows in ((norm2, (w32, b32)), (norm, (None, None))):
+            cases.append((layernorm_modulate_mod._nvrtc_modulate(x, scale3, shift3, *rows, norm_m.eps),
+                          layernorm_modulate_mod.layernorm_modulate_ref(norm_m, x, scale3, shift3),
+                          "_layernorm_modulate_cuda", (x, scale3, shift3, *rows, norm_m.eps)))
+        cases.append((layernorm_modulate_mod._nvrtc_modulate(x, scale3, None, None, None, norm.eps),  # Qwen-Image 2.1
+                      layernorm_modulate_mod.layernorm_scale_ref(norm, x, scale3), "_layernorm_modulate_cuda",
+                      (x, scale3, None, None, None, norm.eps)))
     mlp = _rand((b, l, 4 * d), dtype, gen)
     cases.append((gelu_cat_mod._nvrtc_kernel(x, mlp), gelu_cat_mod.gelu_cat_ref(x, mlp), "_gelu_cat_cuda", (x, mlp)))
     gate_half, up_half = mlp.chunk(2, dim=-1)  # FLUX.2's SwiGLU: the two halves of one projection

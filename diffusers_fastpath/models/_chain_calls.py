@@ -12,8 +12,8 @@ from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
-                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope,
-                   qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
+                   layernorm_modulate, layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift,
+                   qk_norm_rope, qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
@@ -102,8 +102,18 @@ def swiglu_cat_unfit(act: nn.Module) -> str | None:
 def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, site) -> torch.Tensor:
     """``norm(x) * (1 + scale[:, None]) + shift[:, None]``: the LayerNorm + modulate of an adaLN site, as the fused
     `layernorm_scale_shift` (falling back to the LayerNorm module and the fused modulate; ``site`` counts), in
-    every tier: no approximation of it is faster."""
+    every tier: no approximation of it is faster. A LayerNorm with its own affine, or diffusers' ``FP32LayerNorm``
+    (AuraFlow, CogVideoX, EasyAnimate), goes to `layernorm_modulate` with the rows as ``[B, 1, D]`` (the same
+    elements)."""
+    if _other_layernorm(norm) and isinstance(scale, torch.Tensor) and isinstance(shift, torch.Tensor):
+        return layernorm_modulate(norm, x, scale[:, None], shift[:, None], site)
     return layernorm_scale_shift(norm, x, scale, shift, site)
+
+
+def _other_layernorm(norm: nn.Module) -> bool:
+    """`norm` is one of the LayerNorms `layernorm_modulate` takes and `layernorm_scale_shift` does not."""
+    return (type(norm) is FP32LayerNorm
+            or type(norm) is nn.LayerNorm and (norm.weight is not None or norm.bias is not None))
 
 
 def gelu_cat_unfit(act: nn.Module) -> str | None:
@@ -312,6 +322,8 @@ class _ChainsNamespace:
         if (isinstance(norm, nn.LayerNorm) and tensors and scale.dim() == shift.dim() == 3
                 and scale.shape[1] == shift.shape[1] == 1):
             return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
+        if isinstance(norm, nn.LayerNorm) and tensors and scale.dim() == shift.dim() == 3:
+            return layernorm_modulate(norm, x, scale, shift, site)  # per-token rows (FLUX.3; its guard says the rest)
         if type(norm) is RMSNorm and tensors:  # LTX-Video: per-token rows, all in x's dtype (hooks: the op refuses)
             return rmsnorm_modulate(norm, x, scale, shift, site)
         return norm(x) * (1 + scale) + shift

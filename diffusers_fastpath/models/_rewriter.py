@@ -60,6 +60,7 @@ of ``self``):
   which it defines and checks against the installed ``M``:
 
   - ``N = self.A(X)`` directly followed by ``T = self.M(N, ...)``, ``N`` not read again  ->  ``T = self.F(self.A, X, ...)``
+  - ``T = self.M(self.A(X), ...)`` (Qwen-Image 2.1, through the generic path's known methods)  ->  the same
 
   with the site on ``self.A``, as above.
 - modulate of an already-normalised tensor, into `diffusers_fastpath.ops.modulate_scale_shift` (exact on any input;
@@ -412,6 +413,8 @@ class _Rewriter:
                 return like(ast.Return(value=call), stmt)
             if (cast := _casts_back(stmt.value)) is not None and (new := self._cast_back_form(*cast, stmt)) is not None:
                 return like(ast.Return(value=new), stmt)  # Kandinsky 6's ``return apply_gate_sum(...)``, inlined
+        if self.norm_methods and (merged := self._nested_norm_method(stmt)) is not None:
+            return merged
         target = _single_target(stmt)
         if target is None:
             return None
@@ -709,6 +712,25 @@ class _Rewriter:
         fused = ast.Call(func=_self_attr(self.norm_methods[call.func.attr]),
                          args=[_self_attr(called[0]), called[1], *call.args[1:]], keywords=[])
         return like(ast.Assign(targets=second.targets, value=fused), second)
+
+    def _nested_norm_method(self, stmt: ast.stmt) -> ast.stmt | None:
+        """``T = self.M(self.A(X), ...)`` with ``M`` a modulate method: ``T = self.F(self.A, X, ...)`` (Qwen-Image
+        2.1: the LayerNorm now runs after the method's other arguments are evaluated, which `stays` proves changes
+        nothing it reads)."""
+        call = stmt.value if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute)
+                or not (isinstance(call.func.value, ast.Name) and call.func.value.id == "self")
+                or call.func.attr not in self.norm_methods or call.keywords or not call.args
+                or any(isinstance(a, ast.Starred) for a in call.args[1:])):
+            return None
+        called = _self_module_call(call.args[0])
+        if called is None or not self.proofs.stays([_self_attr(called[0]), called[1]], stmt, exprs=call.args[1:]):
+            return None
+        if called[0] not in self.found.norms:
+            self.found.norms.append(called[0])
+        fused = ast.Call(func=_self_attr(self.norm_methods[call.func.attr]),
+                         args=[_self_attr(called[0]), called[1], *call.args[1:]], keywords=[])
+        return like(ast.Assign(targets=stmt.targets, value=fused), stmt)
 
     def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:
         """The GELU + concatenation pattern over one block of statements (see the module doc)."""

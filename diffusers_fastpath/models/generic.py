@@ -15,6 +15,8 @@ adapter reads them from it:
   adapters (`KNOWN_ROTARIES`): LTX-Video's rows form, Qwen-Image's complex form, Wan's and Z-Image's local forms.
   So a model that copies one of them ("Copied from" in diffusers) gets its kernel, and one that changes a character
   of it does not.
+- which of a block's methods is a modulate method this package has a fused counterpart for (`_norm_methods`: Qwen-Image
+  2.1's scale-only ``_modulate``), known the same way, by the digest of its installed code.
 
 Nobody has vouched for such a model by hand, so its first forward of each input signature runs both ways and is
 compared bit for bit (`diffusers_fastpath.verify`); a mismatch unpatches it with one warning naming the first module
@@ -46,6 +48,7 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._norm_methods import FUSED, norm_method_hints
 
 GENERIC = "generic"  # what `coverage` says of a class patched this way
 
@@ -160,7 +163,9 @@ def block_hints(instances: list[nn.Module]) -> dict:
             "activations": (*attrs(lambda m: type(m) in SILUS), "F.silu"),
             # the residual streams, which a model may hand over as a transposed view (`_chains.rewrite_forward`)
             "contiguous": tuple(p for p in params if p.endswith("hidden_states") and "encoder" not in p),
-            "norms": attrs(lambda m: isinstance(m, (nn.LayerNorm, nn.RMSNorm, RMSNorm)))}
+            "norms": attrs(lambda m: isinstance(m, (nn.LayerNorm, nn.RMSNorm, RMSNorm))),
+            # modulate methods known by digest, which the LayerNorm before them joins (`_norm_methods`)
+            **({"norm_methods": known} if (known := norm_method_hints(type(instances[0]), normalized_digest)) else {})}
 
 
 # --- the subclasses, by a name that says how to make them -------------------------------------------------------
@@ -182,7 +187,11 @@ def generic_subclass(base: type, method: str, hints: dict):
     """``(subclass, found)`` of `base` rewritten with `hints` (`_chains.fused_subclass`), or ``(None, None)``."""
     if method == "__call__":  # the rotary functions its hints name are registered with their forms (by digest)
         hints = {**processor_hints(base.__call__), **hints}
-    sub, found = fused_subclass(base, subclass_name(base, method, hints), __name__, method, **hints)
+    options = dict(hints)
+    if "norm_methods" in options:  # (method, form) pairs -> the fused counterparts, checked against `base` again
+        checked = dict(norm_method_hints(base, normalized_digest))
+        options["norm_methods"] = {m: FUSED[form] for m, form in options["norm_methods"] if checked.get(m) == form}
+    sub, found = fused_subclass(base, subclass_name(base, method, hints), __name__, method, **options)
     if sub is not None:
         sub.__name__ = f"Fastpath{base.__name__}"  # what messages and `report` show; pickles go by the qualified name
     return sub, found

@@ -4,6 +4,7 @@ from ._policy import OPS, FusedOp, Site
 from .layernorm_scale_shift import (gated_layernorm_scale_shift, gated_layernorm_scale_shift_ref, layernorm_affine_fp32,
                                     layernorm_affine_fp32_ref, layernorm_scale_shift, layernorm_scale_shift_fp32,
                                     layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
+from .layernorm_modulate import layernorm_modulate, layernorm_modulate_ref, layernorm_scale, layernorm_scale_ref
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
@@ -52,6 +53,10 @@ __all__ = [
     "group_norm_silu_ref",
     "gated_rmsnorm_scale_shift_ref",
     "layernorm_affine_fp32",
+    "layernorm_modulate",
+    "layernorm_modulate_ref",
+    "layernorm_scale",
+    "layernorm_scale_ref",
     "layernorm_affine_fp32_ref",
     "layernorm_scale_shift",
     "layernorm_scale_shift_fp32",

@@ -98,7 +98,8 @@ _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("sca
                       ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
                       ("modulate_fp32", "?"), ("affine", "?"), ("gated", "?"), ("x_out", "P"), ("gate", "P"),
-                      ("update", "P"), ("gate_batch_stride", "q"))
+                      ("update", "P"), ("gate_batch_stride", "q"), ("scale_seq_stride", "q"),
+                      ("shift_seq_stride", "q"), ("norm_weight", "P"), ("norm_bias", "P"))
 _KVS = (0, 6, 8, 12)
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
@@ -120,7 +121,8 @@ def _kv_for(dim: int) -> int:
 
 
 def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
-                  affine: bool = False, gate=None, update=None, x_out=None) -> torch.Tensor:
+                  affine: bool = False, gate=None, update=None, x_out=None, seq_strides=(0, 0),
+                  norm_weight=None, norm_bias=None) -> torch.Tensor:
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
@@ -137,11 +139,14 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
     fp32 = scale.dtype is torch.float32
     _NVRTC.launch(device, (x.dtype, scale.dtype, kv, gated), (batch * seq, 1, 1), block, out.data_ptr(),
-                  x.data_ptr(), scale.data_ptr(), shift.data_ptr(), batch, seq, dim,
-                  0 if scale.shape[0] == 1 else scale.stride(0), 0 if shift.shape[0] == 1 else shift.stride(0), eps,
+                  x.data_ptr(), scale.data_ptr(), 0 if shift is None else shift.data_ptr(), batch, seq, dim,
+                  0 if scale.shape[0] == 1 else scale.stride(0),
+                  0 if shift is None or shift.shape[0] == 1 else shift.stride(0), eps,
                   variant, probe, _nvrtc.DTYPE_CODE[x.dtype], fp32, affine, gated,
                   x_out.data_ptr() if gated else 0, gate.data_ptr() if gated else 0,
-                  update.data_ptr() if gated else 0, 0 if not gated or gate.shape[0] == 1 else gate.stride(0))
+                  update.data_ptr() if gated else 0, 0 if not gated or gate.shape[0] == 1 else gate.stride(0),
+                  *seq_strides, 0 if norm_weight is None else norm_weight.data_ptr(),
+                  0 if norm_bias is None else norm_bias.data_ptr())
     return out
 
 

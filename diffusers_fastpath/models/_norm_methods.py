@@ -1,0 +1,57 @@
+"""Modulate methods the generic path fuses with the LayerNorm whose output they receive (the rewriter's
+LayerNorm-into-method forms: ``self.M(self.A(X), ...)``, or ``N = self.A(X)`` then ``self.M(N, ...)``), known by
+the normalized digest of their installed source (`generic.normalized_digest`: the same for a copy of the method in
+another class, different for any change of its code), each with the fused counterpart the rewritten block calls.
+
+- ``"scale_rows"``: Qwen-Image 2.1's ``QwenImage21TransformerBlock._modulate(hidden_states, mod_params,
+  target_token_mask)``: ``scale, gate = mod_params.chunk(2, dim=-1)``, each through the module's
+  ``_select_modulation_rows`` (``params.unsqueeze(1)``, or ``torch.where(mask.view(1, -1, 1), params[:-1]
+  .unsqueeze(1), params[-1:].unsqueeze(0))``: rows picked, no arithmetic; its digest is checked too), then
+  ``hidden_states * (1 + scale), gate``. `modulate_scale_rows` makes the same rows the same way (the very function
+  the method calls, checked at run time to be the one checked at patch time) and runs the LayerNorm with the product
+  as `layernorm_scale` (per-token rows where the mask picks them, one row per sample without a mask).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._state import site_attr
+from ..ops import layernorm_scale
+
+# normalized digests (diffusers 0.42.1) of the methods and of the module function the method calls
+_SCALE_ROWS = "b4adc8bf2b419472"
+_SELECT_ROWS = "faae88c3fde625a3"
+_SELECT = "_select_modulation_rows"
+_CHECKED: dict[type, object] = {}  # block class -> the `_select_modulation_rows` its method calls, checked
+
+
+def norm_method_hints(cls: type, digest) -> tuple[tuple[str, str], ...]:
+    """``((method, form), ...)``: the methods of `cls` this module has a fused counterpart for, as installed;
+    `digest` is `generic.normalized_digest` (which imports this module)."""
+    method = cls.__dict__.get("_modulate")
+    if method is None or digest(method) != _SCALE_ROWS:
+        return ()
+    select = method.__globals__.get(_SELECT)
+    if select is None or digest(select) != _SELECT_ROWS:
+        return ()
+    _CHECKED[cls] = select
+    return (("_modulate", "scale_rows"),)
+
+
+def modulate_scale_rows(self, norm: nn.Module, x, mod_params, target_token_mask):
+    """``self._modulate(norm(x), mod_params, target_token_mask)`` with the LayerNorm and the scale as one fused op
+    (the site on `norm` counts); where the method's row selection is no longer the one checked, or the operands are
+    not tensors of a LayerNorm, the method runs itself."""
+    select = type(self)._modulate.__globals__.get(_SELECT)
+    if (not any(select is _CHECKED.get(c) for c in type(self).__mro__) or not isinstance(norm, nn.LayerNorm)
+            or not isinstance(x, torch.Tensor) or not isinstance(mod_params, torch.Tensor)):
+        return self._modulate(norm(x), mod_params, target_token_mask)
+    scale, gate = mod_params.chunk(2, dim=-1)
+    scale = select(scale, target_token_mask)
+    gate = select(gate, target_token_mask)
+    return layernorm_scale(norm, x, scale, getattr(norm, site_attr(), None)), gate
+
+
+FUSED = {"scale_rows": ("_modulate_scale_rows", modulate_scale_rows)}  # form -> (the subclass's name for it, function)
