@@ -245,10 +245,9 @@ class PairBlock:
         return self.sub
 
 
-def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...]) -> None:
-    """Patch a VAE (see module doc): each module whose exact class is one of `blocks`' bases becomes its pair
-    subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
-    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site."""
+def swap_pair_blocks(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...], fits) -> set[int]:
+    """Make each module whose exact class is one of `blocks`' bases its pair subclass, with its `PairCalls`' site on
+    each pair's norm where ``fits(norm, act)`` (one site per norm); the ids of the norms given a site."""
     by_base = {block.base: block for block in blocks}
     paired: set[int] = set()
     for module in model.modules():
@@ -257,15 +256,24 @@ def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[Pair
             continue
         sub = block.current()
         if sub is None:
-            warn_once(f"diffusers_fastpath: found no GroupNorm -> SiLU pair in the installed "
-                      f"{block.base.__qualname__}.forward; its norms run as FastpathGroupNorm, the SiLUs apart")
+            warn_once(f"diffusers_fastpath: found no norm -> SiLU pair in the installed "
+                      f"{block.base.__qualname__}.forward; its norms run fused alone, the SiLUs apart")
             continue
         state.swap_class(module, sub)
         for norm_name, act_name in sub._fastpath_pairs:
             norm, act = getattr(module, norm_name, None), getattr(module, act_name, None)
-            if type(norm) is nn.GroupNorm and type(act) is nn.SiLU and id(norm) not in paired:
-                state.add_site(norm, PAIR_SITE, PAIR_SITE)
+            if fits(norm, act) and id(norm) not in paired:
+                state.add_site(norm, block.calls.site, block.calls.site)
                 paired.add(id(norm))
+    return paired
+
+
+def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...]) -> None:
+    """Patch a VAE (see module doc): each module whose exact class is one of `blocks`' bases becomes its pair
+    subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
+    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site."""
+    paired = swap_pair_blocks(model, state, blocks,
+                              lambda norm, act: type(norm) is nn.GroupNorm and type(act) is nn.SiLU)
     for module in model.modules():
         if type(module) is nn.GroupNorm and id(module) not in paired:
             state.swap_class(module, FastpathGroupNorm)

@@ -33,7 +33,7 @@ from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu, source_digest)
 from ..quality import hooked
-from .vae import PairBlock, PairCalls
+from .vae import PairBlock, PairCalls, swap_pair_blocks
 
 # diffusers 0.42.1's forwards (source_digest: the body, without docstring and formatting), the same in both files
 NORM_DIGESTS = frozenset({"960a6e5b25f82893"})  # F.normalize(x.float()).to(x.dtype) * self.scale * self.gamma + bias
@@ -114,23 +114,7 @@ def patch_wan_vae(model, state: PatchState) -> None:
     """Fuse the norms (and their SiLUs) and build the causal convolutions' inputs in one buffer (see module doc)."""
     norms = _checked(NORMS, NORM_DIGESTS, None, add_norm_class)
     convs = _checked(CONVS, CONV_DIGESTS, nn.Conv3d, add_conv_class)
-    by_base = {block.base: block for block in BLOCKS}
-    paired: set[int] = set()
-    for module in model.modules():
-        block = by_base.get(type(module))
-        if block is None:
-            continue
-        sub = block.current()
-        if sub is None:
-            warn_once(f"diffusers_fastpath: found no norm -> SiLU pair in the installed {block.base.__qualname__}"
-                      ".forward; its norms run fused alone, the SiLUs apart")
-            continue
-        state.swap_class(module, sub)
-        for norm_name, act_name in sub._fastpath_pairs:
-            norm, act = getattr(module, norm_name, None), getattr(module, act_name, None)
-            if type(norm) in norms and type(act) is nn.SiLU and id(norm) not in paired:
-                state.add_site(norm, PAIR_SITE, PAIR_SITE)
-                paired.add(id(norm))
+    paired = swap_pair_blocks(model, state, BLOCKS, lambda norm, act: type(norm) in norms and type(act) is nn.SiLU)
     for module in model.modules():
         cls = type(module)
         if cls in norms and id(module) not in paired:

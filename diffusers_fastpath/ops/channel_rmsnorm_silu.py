@@ -234,18 +234,22 @@ def _tensors(norm):
     return norm.gamma.reshape(-1), None, float(bias)
 
 
-def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value: float, silu: bool) -> torch.Tensor:
     """The kernel over x's memory as ``[rows, C, spatial]``: x contiguous, or time-major (`_time_major`: ``B * T``
     rows of ``[C, H * W]``), the result in x's layout as eager's is. The denominator is aten's, on x as eager takes
     it, laid out in the same row order (``[B, 1, T, H, W]``: one value per row and position)."""
-    gamma, bias, bias_value = _tensors(norm)
     denom = denominator(x).contiguous()
     if x.is_contiguous():
-        return _raw(x, denom, gamma, bias, float(norm.scale), bias_value, silu, False)
+        return _raw(x, denom, gamma, bias, scale, bias_value, silu, False)
     batch, channels, frames, height, width = x.shape
     rows = x.transpose(1, 2).reshape(batch * frames, channels, height * width)  # a view (time-major memory)
-    out = _raw(rows, denom, gamma, bias, float(norm.scale), bias_value, silu, False)
+    out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
     return out.view(batch, frames, channels, height, width).transpose(1, 2)
+
+
+def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    gamma, bias, bias_value = _tensors(norm)
+    return _fused(x, gamma, bias, float(norm.scale), bias_value, silu)
 
 
 def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
@@ -271,16 +275,16 @@ def _channel_rmsnorm_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor
     # What torch.compile runs: the kernel (the caller's guard admitted these inputs; torch.compile emits this op only
     # for dtypes already proven, see FusedOp); the arithmetic's eager form elsewhere.
     if x.is_cuda:
-        return _raw(x, denominator(x), gamma, bias, scale, bias_value, silu, False)
+        return _fused(x, gamma, bias, scale, bias_value, silu)
     return channel_rmsnorm_arithmetic(x, denominator(x), gamma.view(-1, *([1] * (x.dim() - 2))),
                                       bias_value if bias is None else bias.view(-1, *([1] * (x.dim() - 2))),
-                                      scale, silu).contiguous()
+                                      scale, silu)
 
 
 @_channel_rmsnorm_op.register_fake
 def _(x, gamma, bias, scale, bias_value, silu):
     torch._check(x.dim() >= 3, lambda: f"channel_rmsnorm: x must be [B, C, *], got {tuple(x.shape)}")
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.empty_like(x)  # x's layout (contiguous or time-major: what the guard admits), as eager's
 
 
 def _custom(silu: bool):
