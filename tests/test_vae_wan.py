@@ -426,6 +426,31 @@ def test_channel_rmsnorm_kernel_equals_eager_at_wan_shapes(shape, dtype, layout)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_channel_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
+    """The NVRTC cubin's launch against the nvcc extension's op (where a toolkit built it) and eager, at Wan's
+    largest norm (96 channels, 4 frames of 480x832), both modes, a tensor bias and a python-float one."""
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(1, 96, 4, 480, 832, generator=gen, device="cuda") * 3).to(dtype)
+    gamma = (1 + torch.randn(96, generator=gen, device="cuda")).to(dtype)
+    bias = torch.randn(96, generator=gen, device="cuda").to(dtype)
+    denom = crms.denominator(x)
+    for b, value in ((None, 0.0), (bias, 0.0)):
+        for silu in (False, True):
+            got = crms._nvrtc_kernel(x, denom, gamma, b, 96 ** 0.5, value, silu, False)
+            ref = crms.channel_rmsnorm_arithmetic(x, denom, gamma.view(-1, 1, 1, 1),
+                                                  value if b is None else b.view(-1, 1, 1, 1), 96 ** 0.5, silu)
+            assert torch.equal(got, ref), (b is None, silu)
+            if nvcc:
+                assert torch.equal(got, torch.ops.diffusers_fastpath._channel_rmsnorm_cuda(
+                    x, denom, gamma, b, 96 ** 0.5, value, silu, False))
+
+
+@pytest.mark.gpu
 @torch.no_grad()
 def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
     """Wan 2.1's VAE (the published config, random weights) on a representative crop (17 frames of 256x256): decode
