@@ -877,6 +877,54 @@ at::Tensor group_norm_silu(const at::Tensor& x, const at::Tensor& weight, const 
   return out;
 }
 
+// Wan's / Qwen-Image's channel RMS norm from F.normalize's division on, then SiLU if `silu`
+// (channel_rmsnorm_silu.cu): x [B, C, *] contiguous, denom the fp32 [B, 1, *] that eager divides by, gamma (and bias,
+// or the python-float `bias_value`) [C] of x's dtype. `probe`: the SiLU alone (y = x). The Python guard admits only
+// inputs that pass these checks.
+at::Tensor channel_rmsnorm(const at::Tensor& x, const at::Tensor& denom, const at::Tensor& gamma,
+                           const std::optional<at::Tensor>& bias, double scale, double bias_value, bool silu,
+                           bool probe) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 3 && x.is_contiguous() && aligned16(x),
+              "channel_rmsnorm: x must be a contiguous, 16-byte aligned CUDA tensor [B, C, *]");
+  const DType dtype = to_dtype(x);
+  const int64_t batch = x.size(0), channels = x.size(1);
+  const int64_t spatial = x.numel() / (batch * channels > 0 ? batch * channels : 1);
+  const int64_t vec = 16 / x.element_size();
+  TORCH_CHECK(spatial % vec == 0, "channel_rmsnorm: the trailing sizes must hold a multiple of ", std::to_string(vec),
+              " elements");
+  TORCH_CHECK(denom.scalar_type() == at::kFloat && denom.device() == x.device() && denom.is_contiguous() &&
+                  denom.numel() == batch * spatial && aligned16(denom),
+              "channel_rmsnorm: denom must be a contiguous fp32 [B, 1, *] tensor on x's device");
+  TORCH_CHECK(gamma.scalar_type() == x.scalar_type() && gamma.device() == x.device() && gamma.dim() == 1 &&
+                  gamma.size(0) == channels && gamma.is_contiguous(),
+              "channel_rmsnorm: gamma must be a contiguous [C] tensor of x's dtype and device");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->device() == x.device() && bias->dim() == 1 &&
+                    bias->size(0) == channels && bias->is_contiguous(),
+                "channel_rmsnorm: bias must be a contiguous [C] tensor of x's dtype and device");
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  ChannelRmsNormArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.denom = denom.data_ptr<float>();
+  args.gamma = gamma.data_ptr();
+  args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  args.batch = batch;
+  args.channels = channels;
+  args.spatial = spatial;
+  args.scale = static_cast<float>(scale);  // aten's mul casts the python scalar to its float opmath
+  args.bias_value = static_cast<float>(bias_value);
+  args.silu = silu ? 1 : 0;
+  args.probe = probe ? 1 : 0;
+  args.dtype = dtype;
+  const cudaError_t err = launch_channel_rmsnorm(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "channel_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -946,6 +994,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "-> Tensor");
   m.def("_group_norm_silu_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, int groups, float eps, "
         "bool silu, int variant) -> ()");
+  m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
+        "bool silu, bool probe) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -989,4 +1039,5 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
+  m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
 }

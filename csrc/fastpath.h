@@ -291,4 +291,28 @@ struct GroupNormSiluArgs {
 cudaError_t launch_group_norm_silu(const GroupNormSiluArgs& args, cudaStream_t stream);
 #endif
 
+// Wan's / Qwen-Image's channel RMS norm after aten's norm: F.normalize's division onward, then SiLU if `silu`
+// (channel_rmsnorm_silu.cu). Per element of x[b, c, s] (fp32 arithmetic, `round` to T after each eager kernel):
+//   y = round(round(round(round(x / denom[b, s]) * scale) * gamma[c]) + bias)
+//   out = silu ? round(y / (1 + exp(-y))) : y
+struct ChannelRmsNormArgs {
+  void* out;             // [batch, channels, spatial], contiguous
+  const void* x;         // [batch, channels, spatial], contiguous, 16-byte aligned
+  const float* denom;    // [batch, spatial] fp32: aten's x.float().norm(2, 1, keepdim=True).clamp_min(eps)
+  const void* gamma;     // [channels] of x's dtype
+  const void* bias;      // [channels] of x's dtype, or null: then `bias_value` (a python-float bias)
+  int64_t batch;
+  int64_t channels;
+  int64_t spatial;       // a multiple of 16 / sizeof(element)
+  float scale;           // the module's python-float scale as aten's mul takes it (cast to float)
+  float bias_value;
+  int32_t silu;          // 1: SiLU after the norm
+  int32_t probe;         // 1: y = x (the SiLU alone, for the proof over every value of the dtype)
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_channel_rmsnorm(const ChannelRmsNormArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

@@ -152,6 +152,22 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "kernel", kernel)
     for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT, GROUP_NORM_SILU):
         monkeypatch.setattr(op, "prove", None)  # their proofs run the CUDA kernel on every value of the dtype
+    import sys
+
+    # the VAEs' channel RMS norm (+ SiLU) of Wan and Qwen-Image: the kernel's arithmetic in torch after aten's norm;
+    # their causal convolutions' one-buffer input: torch code already (only the guard's device is the GPU's)
+    causal_conv_pad = sys.modules["diffusers_fastpath.ops.causal_conv_pad"]  # (ops binds the names to the op functions)
+    crms = sys.modules["diffusers_fastpath.ops.channel_rmsnorm_silu"]
+
+    def channel_rmsnorm_arithmetic(silu):
+        return lambda norm, x: crms.channel_rmsnorm_arithmetic(x, crms.denominator(x), norm.gamma, norm.bias,
+                                                               norm.scale, silu)
+
+    for op, silu in ((crms.CHANNEL_RMSNORM, False), (crms.CHANNEL_RMSNORM_SILU, True)):
+        monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
+        monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
+    monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
+    monkeypatch.setattr(causal_conv_pad.CAUSAL_CONV3D, "guard", _as_if_on_cuda(causal_conv_pad.CAUSAL_CONV3D.guard))
     # the plain QK norm: its own kernel wrapper (the rows in memory order, the result in x's strides), the launch
     # replaced by the eager norm of those rows
     import sys

@@ -71,23 +71,30 @@ def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
     return None
 
 
-class _PairCalls:
-    """What the rewritten forwards call (a class of static methods, looked up through the module globals' name)."""
+class PairCalls:
+    """What the rewritten forwards call: ``<ns>.norm_act(self, "<norm>", "<act>", V)``, `ns` the name this object
+    goes by in their globals. `site` names the pair's site on the norm, `unfit(norm, act)` says why the pair cannot
+    run fused (or ``None``), `fused(norm, x, site)` is the fused op (its guard decides per call, and counts)."""
 
-    @staticmethod
-    def norm_act(owner: nn.Module, norm_name: str, act_name: str, x):
-        """``act(norm(x))`` for ``norm = owner.<norm_name>``, ``act = owner.<act_name>``: `group_norm_silu` where the
-        norm carries this package's pair site and the pair fits (`pair_unfit`), else the two module calls."""
+    def __init__(self, ns: str, site: str, unfit, fused) -> None:
+        self.ns, self.site, self.unfit, self.fused = ns, site, unfit, fused
+
+    def norm_act(self, owner: nn.Module, norm_name: str, act_name: str, x):
+        """``act(norm(x))`` for ``norm = owner.<norm_name>``, ``act = owner.<act_name>``: the fused op where the norm
+        carries this object's pair site and the pair fits (`unfit`), else the two module calls."""
         norm, act = getattr(owner, norm_name), getattr(owner, act_name)
-        site = norm.__dict__.get(site_attr(PAIR_SITE))
+        site = norm.__dict__.get(site_attr(self.site))
         if site is None:
             return act(norm(x))
-        reason = pair_unfit(norm, act)
+        reason = self.unfit(norm, act)
         if reason is None:
-            return group_norm_silu(norm, x, site)  # the op's guard decides per call (and counts)
+            return self.fused(norm, x, site)
         if not torch.compiler.is_compiling():
             site.fallback[reason] += 1
         return act(norm(x))
+
+
+_PairCalls = PairCalls(_NS, PAIR_SITE, pair_unfit, group_norm_silu)
 
 
 # --- the rewrite ----------------------------------------------------------------------------------------------------
@@ -106,8 +113,8 @@ def _self_call(stmt: ast.stmt) -> tuple[str, str] | None:
     return stmt.targets[0].id, call.func.attr
 
 
-def _pair_stmt(var: str, norm: str, act: str) -> ast.stmt:
-    call = ast.Call(func=ast.Attribute(value=ast.Name(_NS, ast.Load()), attr="norm_act", ctx=ast.Load()),
+def _pair_stmt(var: str, norm: str, act: str, ns: str = _NS) -> ast.stmt:
+    call = ast.Call(func=ast.Attribute(value=ast.Name(ns, ast.Load()), attr="norm_act", ctx=ast.Load()),
                     args=[ast.Name("self", ast.Load()), ast.Constant(norm), ast.Constant(act),
                           ast.Name(var, ast.Load())],
                     keywords=[])
@@ -137,8 +144,8 @@ def _append_to_branches(node: ast.If, stmt: ast.stmt) -> None:
 
 
 class _Pairs:
-    def __init__(self, activations: tuple[str, ...]) -> None:
-        self.activations = activations
+    def __init__(self, activations: tuple[str, ...], ns: str = _NS) -> None:
+        self.activations, self.ns = activations, ns
         self.found: list[tuple[str, str]] = []
 
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
@@ -149,7 +156,7 @@ class _Pairs:
                 var, act = call
                 prev = _self_call(out[-1])
                 if prev is not None and prev[0] == var and prev[1] not in self.activations:
-                    out[-1] = _pair_stmt(var, prev[1], act)
+                    out[-1] = _pair_stmt(var, prev[1], act, self.ns)
                     self._add(prev[1], act)
                     continue
                 last = out[-1]
@@ -174,8 +181,8 @@ class _Pairs:
             self.found.append((norm, act))
 
 
-def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...]):
-    """`fn` (a block's ``forward``) with its norm -> activation statement pairs routed through `_PairCalls.norm_act`,
+def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...], calls: PairCalls = _PairCalls):
+    """`fn` (a block's ``forward``) with its norm -> activation statement pairs routed through `calls.norm_act`,
     and the ``(norm, activation)`` attribute pairs found; ``None`` where the source is not provably `fn`'s
     (`_chain_proofs.source_of`: a ``functools.wraps`` wrapper, a file edited since the import), the function needs a
     closure, or no pair was found."""
@@ -188,7 +195,7 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...]):
         return None
     func = tree.body[0]
     func.decorator_list = []
-    pairs = _Pairs(activations)
+    pairs = _Pairs(activations, calls.ns)
     func.body = pairs.body(copy.deepcopy(func.body))
     if not pairs.found:
         return None
@@ -196,7 +203,7 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...]):
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    fn.__globals__.setdefault(_NS, _PairCalls)
+    fn.__globals__.setdefault(calls.ns, calls)
     namespace: dict = {}
     exec(compile(text, filename, "exec"), fn.__globals__, namespace)  # noqa: S102 (diffusers' own source, rewritten)
     new = namespace[func.name]
@@ -208,19 +215,20 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...]):
 class PairBlock:
     """A diffusers block class whose forward has GroupNorm -> SiLU statement pairs: `base` (the diffusers class), the
     subclass `name` defined in (and set as an attribute of) the adapter module `module`, `activations` (the
-    attributes of `base` that hold its SiLU). The subclass is made at construction (adapter import) and again by
-    `current` where ``base.forward`` has been replaced since."""
+    attributes of `base` that hold its SiLU), `calls` what its pairs run (the GroupNorm's by default). The subclass
+    is made at construction (adapter import) and again by `current` where ``base.forward`` has been replaced since."""
 
-    def __init__(self, base: type, name: str, module: str, activations: tuple[str, ...]) -> None:
-        self.base, self.name, self.module, self.activations = base, name, module, activations
+    def __init__(self, base: type, name: str, module: str, activations: tuple[str, ...],
+                 calls: PairCalls = _PairCalls) -> None:
+        self.base, self.name, self.module, self.activations, self.calls = base, name, module, activations, calls
         self.sub = self._make()
 
     def _make(self) -> type | None:
-        rewritten = rewrite_pairs(self.base.forward, f"{self.name}.forward", self.activations)
+        rewritten = rewrite_pairs(self.base.forward, f"{self.name}.forward", self.activations, self.calls)
         if rewritten is None:
             return None
         fn, pairs = rewritten
-        doc = (f"diffusers' ``{self.base.__qualname__}`` with the GroupNorm -> SiLU pairs {list(pairs)} of its "
+        doc = (f"diffusers' ``{self.base.__qualname__}`` with the norm -> SiLU pairs {list(pairs)} of its "
                "installed forward fused (`diffusers_fastpath.models.vae`). Adds no state beyond the fusion sites.")
         sub = type(self.name, (self.base,), {"forward": fn, "__module__": self.module, "__qualname__": self.name,
                                              "__doc__": doc, "_fastpath_pairs": pairs})
@@ -237,10 +245,9 @@ class PairBlock:
         return self.sub
 
 
-def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...]) -> None:
-    """Patch a VAE (see module doc): each module whose exact class is one of `blocks`' bases becomes its pair
-    subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
-    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site."""
+def swap_pair_blocks(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...], fits) -> set[int]:
+    """Make each module whose exact class is one of `blocks`' bases its pair subclass, with its `PairCalls`' site on
+    each pair's norm where ``fits(norm, act)`` (one site per norm); the ids of the norms given a site."""
     by_base = {block.base: block for block in blocks}
     paired: set[int] = set()
     for module in model.modules():
@@ -249,15 +256,24 @@ def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[Pair
             continue
         sub = block.current()
         if sub is None:
-            warn_once(f"diffusers_fastpath: found no GroupNorm -> SiLU pair in the installed "
-                      f"{block.base.__qualname__}.forward; its norms run as FastpathGroupNorm, the SiLUs apart")
+            warn_once(f"diffusers_fastpath: found no norm -> SiLU pair in the installed "
+                      f"{block.base.__qualname__}.forward; its norms run fused alone, the SiLUs apart")
             continue
         state.swap_class(module, sub)
         for norm_name, act_name in sub._fastpath_pairs:
             norm, act = getattr(module, norm_name, None), getattr(module, act_name, None)
-            if type(norm) is nn.GroupNorm and type(act) is nn.SiLU and id(norm) not in paired:
-                state.add_site(norm, PAIR_SITE, PAIR_SITE)
+            if fits(norm, act) and id(norm) not in paired:
+                state.add_site(norm, block.calls.site, block.calls.site)
                 paired.add(id(norm))
+    return paired
+
+
+def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...]) -> None:
+    """Patch a VAE (see module doc): each module whose exact class is one of `blocks`' bases becomes its pair
+    subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
+    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site."""
+    paired = swap_pair_blocks(model, state, blocks,
+                              lambda norm, act: type(norm) is nn.GroupNorm and type(act) is nn.SiLU)
     for module in model.modules():
         if type(module) is nn.GroupNorm and id(module) not in paired:
             state.swap_class(module, FastpathGroupNorm)

@@ -7,6 +7,8 @@ from .layernorm_scale_shift import (gated_layernorm_scale_shift, gated_layernorm
 from .layernorm_modulate import layernorm_modulate, layernorm_modulate_ref, layernorm_scale, layernorm_scale_ref
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .cat_heads import cat_heads, cat_heads_ref
+from .causal_conv_pad import causal_conv3d, causal_conv3d_ref
+from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_rmsnorm_silu, channel_rmsnorm_silu_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
 from .linear_cat import linear_cat, linear_cat_ref
@@ -38,6 +40,12 @@ __all__ = [
     "Site",
     "cat_heads",
     "cat_heads_ref",
+    "causal_conv3d",
+    "causal_conv3d_ref",
+    "channel_rmsnorm",
+    "channel_rmsnorm_ref",
+    "channel_rmsnorm_silu",
+    "channel_rmsnorm_silu_ref",
     "gated_layernorm_scale_shift",
     "gated_layernorm_scale_shift_ref",
     "gated_residual",

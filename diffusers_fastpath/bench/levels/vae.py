@@ -16,13 +16,40 @@ from ..subject import DTYPES, PIPELINE_FAMILIES, PIPELINE_MODELS
 from ..timing import Clock, equal, md5, progress
 
 
+# The VAEs of the step-level models (no pipeline family here): model name -> (diffusers class, config). The published
+# configs are the classes' defaults (Wan 2.1's VAE, 8x spatial and 4x temporal, 16 latent channels; Qwen-Image's, the
+# same network under its own class); the tiny ones keep the compression.
+_TINY_WAN = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+VAE_MODELS = {"wan-14b": ("AutoencoderKLWan", {}), "wan-tiny": ("AutoencoderKLWan", _TINY_WAN),
+              "qwen-image": ("AutoencoderKLQwenImage", {}), "qwen-image-tiny": ("AutoencoderKLQwenImage", _TINY_WAN)}
+
+
 def build_vae(args: argparse.Namespace, device: torch.device):
-    """The VAE of ``--model`` (its pipeline family's builder and config, random weights), or ``(None, reason)``."""
+    """The VAE of ``--model`` (its pipeline family's builder and config, or `VAE_MODELS`', random weights), or
+    ``(None, reason)``."""
+    if args.model in VAE_MODELS:
+        import diffusers
+
+        from ...testing._common import _random_model
+
+        cls, config = VAE_MODELS[args.model]
+        return _random_model(getattr(diffusers, cls), {}, config, DTYPES[args.dtype], device, args.seed + 1, {}), None
     if args.model not in PIPELINE_MODELS:
         return None, (f"no VAE config of {args.model} is published with this package (VAE models: "
-                      f"{', '.join(PIPELINE_MODELS)})")
+                      f"{', '.join((*PIPELINE_MODELS, *VAE_MODELS))})")
     family, _, config = PIPELINE_MODELS[args.model]
     return PIPELINE_FAMILIES[family].builder("vae")(config, DTYPES[args.dtype], device, args.seed + 1), None
+
+
+def _frames(vae, frames: int) -> tuple[tuple, tuple]:
+    """The frame dimension of the latents and of the sample: ``()`` for an image VAE (``[B, C, H, W]``); a video VAE's
+    latent frames (LTX-Video's 8x, Wan's 4x in time); ``(1,)`` for Qwen-Image's, Wan's network on one frame."""
+    temporal = getattr(vae, "temporal_compression_ratio", None) or getattr(vae.config, "scale_factor_temporal", None)
+    if temporal:
+        return ((frames - 1) // temporal + 1,), (frames,)
+    if "z_dim" in vae.config:
+        return (1,), (1,)
+    return (), ()
 
 
 def _sites(model) -> dict[str, Any]:
@@ -52,13 +79,12 @@ def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[
     gen = torch.Generator(device=device).manual_seed(args.seed + 2)
     dtype = DTYPES[args.dtype]
     scale = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)
-    # a video VAE (LTX-Video's: 8x in time) takes [B, C, frames, H, W]
-    temporal = getattr(vae, "temporal_compression_ratio", None)
-    frames = ((args.frames - 1) // temporal + 1,) if temporal else ()
-    latents = torch.randn(args.batch, vae.config.latent_channels, *frames, args.height // scale, args.width // scale,
+    # a video VAE (LTX-Video's, Wan's) takes [B, C, frames, H, W]
+    latent_frames, frames = _frames(vae, args.frames)
+    channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
+    latents = torch.randn(args.batch, channels, *latent_frames, args.height // scale, args.width // scale,
                           generator=gen, device=device).to(dtype)
-    image = (torch.rand(args.batch, 3, *((args.frames,) if temporal else ()), args.height, args.width, generator=gen,
-                        device=device) * 2 - 1).to(dtype)
+    image = (torch.rand(args.batch, 3, *frames, args.height, args.width, generator=gen, device=device) * 2 - 1).to(dtype)
     calls = {"decode": (lambda m: m.decode(latents).sample, latents),
              "encode": (lambda m: m.encode(image).latent_dist.mean, image)}
     clock = Clock(device)

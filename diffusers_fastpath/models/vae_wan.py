@@ -1,0 +1,125 @@
+"""Wan's and Qwen-Image's VAEs (diffusers' ``AutoencoderKLWan``, Wan 2.1 and 2.2, and ``AutoencoderKLQwenImage``,
+Wan's VAE under other class names), through two exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
+
+- The norms (``WanRMS_norm``, ``QwenImageRMS_norm``: ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma +
+  bias``): a norm whose output goes straight into the block's SiLU module (``norm1 -> nonlinearity`` and ``norm2 ->
+  nonlinearity`` of every residual block, ``norm_out -> nonlinearity`` of the encoder and the decoder) runs with it as
+  `diffusers_fastpath.ops.channel_rmsnorm_silu` (the block's forward rewritten as the GroupNorm VAEs' are: the
+  statement pair becomes one call, which takes the fused op only where the norm carries this package's site, the
+  activation is exactly ``nn.SiLU`` and neither has hooks); every other such norm (the mid-block attention's) becomes
+  `FastpathWanRMS_norm` / `FastpathQwenImageRMS_norm`, whose forward is `channel_rmsnorm`. Both keep aten's norm
+  reduction and fuse the tail (division, cast, scale, gamma, bias, SiLU), exact by construction.
+- The causal convolutions (``WanCausalConv3d``, ``QwenImageCausalConv3d``): `FastpathWanCausalConv3d` /
+  `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
+  zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
+  changed; the convolution is the module's own ``nn.Conv3d.forward``). Being the modules' own forwards, both run
+  inside the module call, so hooks run as before.
+
+The forwards this relies on (the norm's, the convolution's) are checked by source digest at import and at patch
+time; a class whose forward differs is left as it is, with one warning. The caches diffusers keeps between chunks
+(``feat_cache``: the blocks' ``x[:, :, -CACHE_T:].clone()``) are made by diffusers' own statements, unchanged.
+Tiling and slicing call the same modules on smaller tensors: the same sites, each checked per call by its guard.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen
+from diffusers.models.autoencoders import autoencoder_kl_wan as wan
+from torch import nn
+
+from .._logging import warn_once
+from .._state import SITE_ATTR, PatchState, register_adapter
+from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
+from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
+                                        channel_rmsnorm_silu, source_digest)
+from ..quality import hooked
+from .vae import PairBlock, PairCalls, swap_pair_blocks
+
+# diffusers 0.42.1's forwards (source_digest: the body, without docstring and formatting), the same in both files
+NORM_DIGESTS = frozenset({"960a6e5b25f82893"})  # F.normalize(x.float()).to(x.dtype) * self.scale * self.gamma + bias
+CONV_DIGESTS = frozenset({"3c4433890f22647d"})  # torch.cat([cache_x, x], dim=2); F.pad; super().forward
+
+PAIR_SITE = CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module: ``_fastpath_site_channel_rmsnorm_silu``
+
+
+def _norm_forward(self, x):
+    return channel_rmsnorm(self, x, self.__dict__.get(SITE_ATTR))
+
+
+def _conv_forward(self, x, cache_x=None):
+    return causal_conv3d(self, x, cache_x, self.__dict__.get(SITE_ATTR))
+
+
+def _subclass(base: type, name: str, forward, what: str) -> type:
+    """A module-level subclass of `base` named `name` whose forward is `forward` (adds no state)."""
+    doc = (f"diffusers' ``{base.__qualname__}`` whose forward is {what} (`diffusers_fastpath.models.vae_wan`); "
+           f"``{base.__qualname__}.forward`` wherever the guard refuses. Adds no state.")
+    cls = type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name, "__doc__": doc})
+    globals()[name] = cls
+    return cls
+
+
+def _fits(base: type, digests: frozenset, parent: type | None = None) -> bool:
+    return source_digest(base.forward) in digests and (parent is None or base.__mro__[1].forward is parent.forward)
+
+
+NORMS = {base: _subclass(base, f"Fastpath{base.__name__}", _norm_forward, "`channel_rmsnorm`")
+         for base in (wan.WanRMS_norm, qwen.QwenImageRMS_norm)}
+CONVS = {base: _subclass(base, f"Fastpath{base.__name__}", _conv_forward, "`causal_conv3d`")
+         for base in (wan.WanCausalConv3d, qwen.QwenImageCausalConv3d)}
+for _base, _sub in NORMS.items():
+    add_norm_class(_sub, _base)
+for _base, _sub in CONVS.items():
+    add_conv_class(_sub, _base)
+
+
+def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
+    """Why ``act(norm(x))`` cannot run as `channel_rmsnorm_silu` (without calling either module), or ``None``."""
+    if type(norm) not in NORMS:
+        return f"{type(norm).__name__} is not a checked channel RMS norm"
+    if type(act) is not nn.SiLU:
+        return f"{type(act).__name__} is not nn.SiLU"
+    if hooked(norm) or hooked(act):  # (global module hooks included)
+        return "hooks"
+    return None
+
+
+PAIRS = PairCalls("_diffusers_fastpath_vae_wan", PAIR_SITE, pair_unfit, channel_rmsnorm_silu)
+
+# Made at import, so that a pickled patched model finds the subclasses here by name.
+BLOCKS = tuple(
+    PairBlock(base, f"Fastpath{base.__name__}", __name__, ("nonlinearity",), PAIRS)
+    for base in (wan.WanResidualBlock, wan.WanEncoder3d, wan.WanDecoder3d,
+                 qwen.QwenImageResidualBlock, qwen.QwenImageEncoder3d, qwen.QwenImageDecoder3d)
+)
+
+
+def _checked(classes, digests: frozenset, parent: type | None, register) -> set[type]:
+    """The diffusers classes of `classes` whose installed forward is the one read here (registered with the op), with
+    one warning for each that is not."""
+    ok = set()
+    for base in classes:
+        if _fits(base, digests, parent):
+            register(base)
+            ok.add(base)
+        else:
+            warn_once(f"diffusers_fastpath: {base.__qualname__}.forward is not the form this package reads "
+                      f"(diffusers 0.42.1's); those modules run unpatched")
+    return ok
+
+
+@register_adapter(wan.AutoencoderKLWan)
+@register_adapter(qwen.AutoencoderKLQwenImage)
+def patch_wan_vae(model, state: PatchState) -> None:
+    """Fuse the norms (and their SiLUs) and build the causal convolutions' inputs in one buffer (see module doc)."""
+    norms = _checked(NORMS, NORM_DIGESTS, None, add_norm_class)
+    convs = _checked(CONVS, CONV_DIGESTS, nn.Conv3d, add_conv_class)
+    paired = swap_pair_blocks(model, state, BLOCKS, lambda norm, act: type(norm) in norms and type(act) is nn.SiLU)
+    for module in model.modules():
+        cls = type(module)
+        if cls in norms and id(module) not in paired:
+            state.swap_class(module, NORMS[cls])
+            state.add_site(module, CHANNEL_RMSNORM.name)
+        elif cls in convs:
+            state.swap_class(module, CONVS[cls])
+            state.add_site(module, CAUSAL_CONV3D.name)

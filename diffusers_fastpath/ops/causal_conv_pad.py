@@ -1,0 +1,162 @@
+"""The input of Wan's and Qwen-Image's causal 3D convolutions (diffusers' ``WanCausalConv3d``,
+``QwenImageCausalConv3d``) built in one buffer: the values only move, so the convolution gets the same tensor and
+gives the same bits.
+
+The module's forward (checked by source digest by the VAE adapter) runs, for x ``[B, C, T, H, W]`` and the cached
+last frames of the previous chunk ``cache_x`` ``[B, C, t, H, W]``::
+
+    x = torch.cat([cache_x, x], dim=2)         # when a cache is given and the conv pads in time: a copy of both
+    x = F.pad(x, (w, w, h, h, 2p - t, 0))      # a new tensor: every element written with 0, then x copied in
+    return nn.Conv3d.forward(self, x)
+
+Per 3x3x3 convolution that is three full writes and two full reads of its input before cuDNN reads it (the decode
+of Wan 2.1 at 832x480x81 spends 479 ms of 1836 in such copies on the H200). Here the padded tensor is allocated
+once, only its border is zeroed, and the cache frames and x are copied into their places: one read and one write of
+the input. Where the convolution pads nothing and no cache is concatenated (the 1x1x1 shortcuts, the encoder's
+temporal downsampling), ``F.pad`` would return a copy of x (``constant_pad_nd`` clones when no pad is positive, its
+strides preserved where x is dense, contiguous where not) and x itself goes to the convolution where it is dense
+and as aligned as a fresh block (``x.contiguous()`` where it is not dense). The padded tensor has the layout eager's has (contiguous; the guard refuses where
+one eager would lay out channels-last), so cuDNN sees the same problem.
+
+What the guard admits: a module of a class the adapter registered (`add_conv_class`), x of 5 dims on CUDA in a layout
+eager reads as contiguous (contiguous itself where nothing is padded), ``cache_x`` ``None`` or likewise, of x's
+dtype, device and sizes but time, at most as many frames as the time padding; no autograd. Anything else runs the module's forward as diffusers wrote it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ._policy import FusedOp, Site
+
+_ALLOCATOR_ALIGNMENT = 512  # the CUDA caching allocator's block alignment: the address of eager's clone
+_BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager one
+
+
+def add_conv_class(cls: type, base: type | None = None) -> None:
+    """Let the guard take modules of `cls`: diffusers' class (`base` None) once its ``forward`` was checked to be the
+    one documented above and its parent's ``forward`` is ``nn.Conv3d.forward``, or this package's subclass of
+    `base` that adds no state and whose forward runs this op."""
+    _BASES[cls] = base or cls
+
+
+def causal_conv3d_ref(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """The eager forward: the diffusers class's (so that this package's subclass falls back to diffusers' code)."""
+    return _BASES.get(type(conv), type(conv)).forward(conv, x, cache_x)
+
+
+def _contiguous_format(t: torch.Tensor) -> bool:
+    """Whether eager's ``suggest_memory_format`` reads `t` (5 dims, any strides) as contiguous, not channels-last:
+    aten's ``is_channels_last_strides_3d`` walks C, W, H, T, N and needs each stride at least the previous one times
+    its size, so a unit W stride below C's stride times C (more than 1) rules it out. Then ``torch.cat`` (every
+    input contiguous-format) and ``F.pad`` (``constant_pad_nd``: ``at::empty`` in that format) give contiguous
+    tensors, as the one buffer is."""
+    return t.stride(4) == 1 and t.stride(1) * max(t.shape[1], 1) > 1 and t.numel() > 0
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its memory without gaps or overlaps (its strides a permutation of a contiguous
+    tensor's): ``clone`` then keeps its strides (``preserve_format``)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return t.numel() > 0
+
+
+def _pads(conv, cache_x) -> bool:
+    """Whether eager builds a new input at all (a cache concatenated, or some padding)."""
+    padding = conv._padding
+    return (cache_x is not None and padding[4] > 0) or any(padding)
+
+
+def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_pointers: bool = True) -> str | None:
+    """``None`` when the one-buffer build takes these inputs, else the reason it does not (counted at the site)."""
+    if type(conv) not in _BASES:
+        return f"{type(conv).__name__} is not a checked causal convolution"
+    if not isinstance(x, torch.Tensor) or x.dim() != 5:
+        return "x not [B, C, T, H, W]"
+    padding = getattr(conv, "_padding", None)
+    if not (isinstance(padding, tuple) and len(padding) == 6 and all(isinstance(p, int) and p >= 0 for p in padding)):
+        return "padding not six non-negative ints"
+    if tuple(conv.padding) != (0, 0, 0):
+        return "the convolution pads itself"
+    if not _pads(conv, cache_x):
+        # eager's F.pad returns x.clone(): x's strides (x dense), on a fresh 512-byte aligned block. x itself has
+        # the same strides; the convolution gets it where its address is as aligned (checked last, on the GPU).
+        if not (_dense(x) or _contiguous_format(x)):  # (not dense: the clone is contiguous, as x.contiguous())
+            return "x of a channels-last layout"
+    elif not _contiguous_format(x):
+        return "x of a channels-last layout"
+    if cache_x is not None and padding[4] > 0:
+        if not isinstance(cache_x, torch.Tensor) or cache_x.dim() != 5:
+            return "cache not [B, C, t, H, W]"
+        if cache_x.dtype != x.dtype or cache_x.device != x.device:
+            return "cache of another dtype or device"
+        if cache_x.shape[:2] != x.shape[:2] or cache_x.shape[3:] != x.shape[3:] or cache_x.shape[2] > padding[4]:
+            return "cache shape"
+        if not _contiguous_format(cache_x):
+            return "cache of a channels-last layout"
+        if torch.is_grad_enabled() and cache_x.requires_grad:
+            return "requires grad"
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in conv.parameters(recurse=False))):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if check_pointers and not _pads(conv, cache_x) and _dense(x) and x.data_ptr() % _ALLOCATOR_ALIGNMENT:
+        return "x not aligned as a fresh block"
+    return None
+
+
+def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.pad(torch.cat([cache_x, x], dim=2), padding)`` as the module computes it, written into one buffer (x itself
+    where nothing is padded or concatenated)."""
+    pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
+    if cache_x is None or pt0 <= 0:
+        cache_x = None  # eager concatenates only where the convolution pads in time
+    ct = 0 if cache_x is None else cache_x.shape[2]
+    pt0 -= ct
+    if ct == 0 and not any((pw0, pw1, ph0, ph1, pt0, pt1)):
+        return x if _dense(x) else x.contiguous()  # what eager's clone is: x's strides where dense, else contiguous
+    batch, channels, frames, height, width = x.shape
+    out = x.new_empty(batch, channels, pt0 + ct + frames + pt1, height + ph0 + ph1, width + pw0 + pw1)
+    inner = slice(pt0, pt0 + ct + frames)
+    for region in ((slice(None), slice(None), slice(0, pt0)),  # the zero border, in as few fills as it takes
+                   (slice(None), slice(None), slice(pt0 + ct + frames, None)),
+                   (slice(None), slice(None), inner, slice(0, ph0)),
+                   (slice(None), slice(None), inner, slice(ph0 + height, None)),
+                   (slice(None), slice(None), inner, slice(ph0, ph0 + height), slice(0, pw0)),
+                   (slice(None), slice(None), inner, slice(ph0, ph0 + height), slice(pw0 + width, None))):
+        view = out[region]
+        if view.numel():
+            view.zero_()
+    rows, cols = slice(ph0, ph0 + height), slice(pw0, pw0 + width)
+    if ct:
+        out[:, :, pt0:pt0 + ct, rows, cols].copy_(cache_x)
+    out[:, :, pt0 + ct:pt0 + ct + frames, rows, cols].copy_(x)
+    return out
+
+
+def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    return nn.Conv3d.forward(conv, padded_input(conv, x, cache_x))
+
+
+CAUSAL_CONV3D = FusedOp("causal_conv3d", ref=causal_conv3d_ref, guard=_guard, kernel=_kernel, custom_op=_kernel)
+
+
+def causal_conv3d(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None,
+                  site: Site | None = None) -> torch.Tensor:
+    """``conv(x, cache_x)`` for Wan's / Qwen-Image's causal convolution, its padded input built in one buffer (exact
+    by construction: the values only move).
+
+    Args:
+        conv: the module (``WanCausalConv3d`` or ``QwenImageCausalConv3d``, registered by the VAE adapter).
+        x: ``[B, C, T, H, W]`` activations.
+        cache_x: the previous chunk's last frames (``None`` for none), as the module takes them.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return CAUSAL_CONV3D(site, conv, x, cache_x)

@@ -1,0 +1,324 @@
+"""The channel RMS norm of Wan's and Qwen-Image's VAEs (diffusers' ``WanRMS_norm``, ``QwenImageRMS_norm``, channel
+first), optionally followed by the residual block's SiLU, with everything after aten's norm reduction in one pass,
+bit-identical to eager.
+
+The module computes, for bf16/fp16 x of ``[B, C, *]`` (T its dtype, fp32 arithmetic, ``round`` to nearest even in T
+where eager writes a tensor)::
+
+    xf = x.float()
+    d  = xf.norm(2.0, 1, keepdim=True).clamp_min(1e-12)   # F.normalize: aten's reduction, kept as eager runs it
+    n  = round(xf / d)                                    # F.normalize's division, then .to(x.dtype)
+    m  = round(n * scale)                                 # ``* self.scale``: a python float, cast to float by aten
+    g  = round(m * gamma[c])                              # ``* self.gamma``: [C, 1, ...] of dtype T
+    y  = round(g + bias)                                  # ``+ self.bias``: 0.0 (a python float) or [C, 1, ...]
+    out = round(y / (1 + exp(-y)))                        # the SiLU module after it (the pair), aten's silu_kernel
+
+Eager runs that tail as six kernels over the whole tensor (division, cast, three binary ops, SiLU: 2 + 4 bytes in,
+out per element each); ``csrc/channel_rmsnorm_silu.cu`` reads x once and writes once. The norm reduction stays
+aten's own call (the same kernel on the same fp32 tensor, so the same bits: nothing to verify), and every operation
+of the tail is a separate IEEE operation rounded where eager rounds (exact by construction). The SiLU is aten's
+expression with CUDA's ``expf``, proven on all 65536 values of the dtype on first use (the kernel's probe mode)
+as `silu_mul` proves its own; a mismatch disables the op for the process (one warning) and eager runs.
+
+What the guard admits: a module of a class the VAE adapter registered (`add_norm_class`: diffusers' class after its
+``forward`` was checked by source digest, or this package's subclass of it) with ``channel_first``, a python-number
+``scale``, ``gamma`` of x's dtype shaped ``[C, 1, ...]`` to broadcast over x's trailing dims, ``bias`` a python number
+or a tensor like ``gamma``; a bf16/fp16 x ``[B, C, *]``, contiguous or time-major (``[B, C, T, H, W]`` laid out as
+``[B, T, C, H, W]``, as Wan's upsamplers leave it), whose per-channel rows hold a multiple of 8 elements (a 16-byte
+vector stays in one channel); no autograd; torch's ``F.normalize`` the form read here (source digest).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import math
+import textwrap
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _nvrtc
+from ._build import launcher
+from ._policy import HALF_DTYPES, FusedOp, Site, bits
+from .gelu_cat import every_value
+
+_VEC_BYTES = 16
+_EPS = 1e-12  # F.normalize's default, which the modules' forward uses (checked with it by digest)
+_THREADS, _BLOCKS_PER_SM = 256, 8  # csrc/channel_rmsnorm_silu.cu's kThreads, kBlocksPerSm
+
+
+def source_digest(fn) -> str | None:
+    """The first 16 hex digits of the sha256 of `fn`'s body (its statements parsed and unparsed, without the
+    docstring: formatting, comments, the signature's annotations and defaults do not count; the parameter names do,
+    through the body), or ``None`` where it has no readable source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = func.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
+            body[0].value.value, str):
+        body = body[1:]
+    names = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
+    text = ",".join(names) + "\n" + "\n".join(ast.unparse(stmt) for stmt in body)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# torch's F.normalize as read for this op (torch 2.13's body: ``denom = input.norm(p, dim, keepdim=True)
+# .clamp_min(eps).expand_as(input); return input / denom``); another form leaves the op refusing, counted.
+NORMALIZE_DIGESTS = frozenset({"de836cb24b5c2ec1"})
+_NORMALIZE_OK = source_digest(F.normalize) in NORMALIZE_DIGESTS
+
+_BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager norm
+
+
+def add_norm_class(cls: type, base: type | None = None) -> None:
+    """Let the guard take modules of `cls`: diffusers' class (`base` None) once its ``forward`` was checked to be the
+    norm documented above, or this package's subclass of `base` that adds no state and whose forward runs this op."""
+    _BASES[cls] = base or cls
+
+
+def channel_rmsnorm_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The eager norm: the diffusers class's ``forward`` (so that a subclass whose forward runs this op falls back to
+    diffusers' code, not to itself)."""
+    return _BASES.get(type(norm), type(norm)).forward(norm, x)
+
+
+def channel_rmsnorm_silu_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The eager pair: the norm, then ``F.silu`` (an ``nn.SiLU`` module's forward)."""
+    return F.silu(channel_rmsnorm_ref(norm, x))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if type(norm) not in _BASES:
+        return f"{type(norm).__name__} is not a checked channel RMS norm"
+    if not _NORMALIZE_OK:
+        return "F.normalize is not the form the kernel continues"
+    if not isinstance(x, torch.Tensor):
+        return "input not a tensor"
+    if getattr(norm, "channel_first", None) is not True:
+        return "not channel first"
+    dtype = x.dtype
+    if dtype not in HALF_DTYPES:
+        return f"dtype {str(dtype).removeprefix('torch.')}"
+    if x.dim() < 3:
+        return "x not [B, C, *]"
+    gamma, bias, scale = getattr(norm, "gamma", None), getattr(norm, "bias", None), getattr(norm, "scale", None)
+    if not _is_number(scale):
+        return "scale not a python number"
+    channels = x.shape[1]
+    if not isinstance(gamma, torch.Tensor) or gamma.dtype is not dtype:
+        return "gamma not of x's dtype"
+    if tuple(gamma.shape) != (channels,) + (1,) * (x.dim() - 2):
+        return "gamma does not broadcast over x's channels"
+    if isinstance(bias, torch.Tensor):
+        if bias.dtype is not dtype or bias.shape != gamma.shape:
+            return "bias not like gamma"
+    elif not _is_number(bias):
+        return "bias not a python number or tensor"
+    if not (x.is_contiguous() or _time_major(x)):
+        return "x not contiguous"
+    vec = _VEC_BYTES // x.element_size()
+    spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])
+    if spatial % vec or x.numel() == 0:
+        return f"trailing sizes not a multiple of {vec} elements"
+    if torch.is_grad_enabled() and (x.requires_grad or gamma.requires_grad
+                                    or (isinstance(bias, torch.Tensor) and bias.requires_grad)):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if gamma.device != x.device or (isinstance(bias, torch.Tensor) and bias.device != x.device):
+        return "devices differ"
+    if check_pointers and x.data_ptr() % _VEC_BYTES:
+        return "not 16-byte aligned"
+    return None
+
+
+def _time_major(x: torch.Tensor) -> bool:
+    """Whether x is ``[B, C, T, H, W]`` laid out as ``[B, T, C, H, W]`` (the upsampler's ``view(b, t, c, h, w)
+    .permute(0, 2, 1, 3, 4)``): eager's result keeps that layout, and so does the kernel's (as ``B * T`` rows)."""
+    return x.dim() == 5 and x.transpose(1, 2).is_contiguous()
+
+
+def denominator(x: torch.Tensor) -> torch.Tensor:
+    """What eager divides by: ``F.normalize``'s ``input.norm(2.0, 1, keepdim=True).clamp_min(eps)`` on the fp32 upcast
+    (the same aten calls on the same tensor)."""
+    return x.float().norm(2.0, 1, keepdim=True).clamp_min(_EPS)
+
+
+def channel_rmsnorm_arithmetic(x: torch.Tensor, denom: torch.Tensor, gamma: torch.Tensor, bias, scale: float,
+                               silu: bool) -> torch.Tensor:
+    """The kernel's arithmetic in torch (each step rounded to x's dtype where the kernel rounds): what the tests'
+    emulated kernels run on a CPU, and the documentation of ``csrc/channel_rmsnorm_silu.cu`` in code."""
+    dtype = x.dtype
+    n = (x.float() / denom).to(dtype)
+    m = (n.float() * torch.tensor(scale, dtype=torch.float32)).to(dtype)
+    g = (m.float() * gamma.float()).to(dtype)
+    b = bias.float() if isinstance(bias, torch.Tensor) else torch.tensor(bias, dtype=torch.float32)
+    y = (g.float() + b).to(dtype)
+    return F.silu(y) if silu else y
+
+
+# The NVRTC way (ops/_nvrtc.py): csrc/channel_rmsnorm_silu.cu's kernel, launched as its launch() and bindings.cpp's
+# channel_rmsnorm do. Duplicated from there: the ChannelRmsNormArgs fields (fastpath.h), the output allocation and
+# the grid (one thread per vector, at most kBlocksPerSm blocks per SM); the guard stands for bindings.cpp's checks.
+_ARGS = _nvrtc.Params("ChannelRmsNormArgs", ("out", "P"), ("x", "P"), ("denom", "P"), ("gamma", "P"), ("bias", "P"),
+                      ("batch", "q"), ("channels", "q"), ("spatial", "q"), ("scale", "f"), ("bias_value", "f"),
+                      ("silu", "i"), ("probe", "i"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel("channel_rmsnorm_silu.cu", "diffusers_fastpath::channel_rmsnorm_kernel",
+                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                       _nvrtc.Params("channel_rmsnorm_kernel", ("a", _ARGS)))
+
+
+def _raw_guard(x, denom, gamma, bias, scale, bias_value, silu, probe):
+    batch, channels = (x.shape[0], x.shape[1]) if x.dim() >= 3 else (0, 0)
+    spatial = x.numel() // max(1, batch * channels)
+    if x.dim() < 3 or x.dtype not in HALF_DTYPES or not x.is_contiguous() or spatial % (_VEC_BYTES // x.element_size()):
+        return "x"
+    if denom.dtype != torch.float32 or not denom.is_contiguous() or denom.numel() != batch * spatial:
+        return "denom"
+    for t in (gamma, bias):
+        if t is not None and (t.dtype != x.dtype or t.shape != (channels,) or not t.is_contiguous()):
+            return "gamma or bias"
+    if not x.is_cuda or any(t is not None and t.device != x.device for t in (denom, gamma, bias)):
+        return "device"
+    if x.data_ptr() % _VEC_BYTES or denom.data_ptr() % _VEC_BYTES:
+        return "not 16-byte aligned"
+    return None
+
+
+def _nvrtc_kernel(x, denom, gamma, bias, scale, bias_value, silu, probe):
+    batch, channels = x.shape[:2]
+    spatial = x.numel() // max(1, batch * channels)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    vecs = x.numel() * x.element_size() // _VEC_BYTES
+    if vecs == 0:
+        return out
+    device = x.device.index
+    blocks = min((vecs + _THREADS - 1) // _THREADS, _nvrtc.num_sms(device) * _BLOCKS_PER_SM)
+    _NVRTC.launch(device, x.dtype, (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(), denom.data_ptr(),
+                  gamma.data_ptr(), 0 if bias is None else bias.data_ptr(), batch, channels, spatial, scale,
+                  bias_value, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype])
+    return out
+
+
+_nvrtc.raw_op("_channel_rmsnorm_cuda", "(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, "
+              "float bias_value, bool silu, bool probe) -> Tensor", _raw_guard, _nvrtc_kernel)
+
+_launch = None
+
+
+def _raw(x, denom, gamma, bias, scale, bias_value, silu, probe):
+    global _launch
+    if _launch is None:
+        _launch = launcher(_nvrtc_kernel, "_channel_rmsnorm_cuda")
+    return _launch(x, denom, gamma, bias, scale, bias_value, silu, probe)
+
+
+def _tensors(norm):
+    """gamma and bias as the kernel takes them: ``[C]`` views, and the bias as a tensor or a float."""
+    bias = norm.bias
+    if isinstance(bias, torch.Tensor):
+        return norm.gamma.reshape(-1), bias.reshape(-1), 0.0
+    return norm.gamma.reshape(-1), None, float(bias)
+
+
+def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value: float, silu: bool) -> torch.Tensor:
+    """The kernel over x's memory as ``[rows, C, spatial]``: x contiguous, or time-major (`_time_major`: ``B * T``
+    rows of ``[C, H * W]``), the result in x's layout as eager's is. The denominator is aten's, on x as eager takes
+    it, laid out in the same row order (``[B, 1, T, H, W]``: one value per row and position)."""
+    denom = denominator(x).contiguous()
+    if x.is_contiguous():
+        return _raw(x, denom, gamma, bias, scale, bias_value, silu, False)
+    batch, channels, frames, height, width = x.shape
+    rows = x.transpose(1, 2).reshape(batch * frames, channels, height * width)  # a view (time-major memory)
+    out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
+    return out.view(batch, frames, channels, height, width).transpose(1, 2)
+
+
+def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    gamma, bias, bias_value = _tensors(norm)
+    return _fused(x, gamma, bias, float(norm.scale), bias_value, silu)
+
+
+def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
+    return _kernel(norm, x, True)
+
+
+def _signature(norm, x: torch.Tensor):
+    return (str(x.dtype).removeprefix("torch."),)  # the proof covers the SiLU; the rest is exact by construction
+
+
+def _prove_silu(norm, x: torch.Tensor) -> bool:
+    """The kernel's SiLU equals eager's on every value of the dtype (the probe mode: y = x, then the SiLU)."""
+    values = every_value(x.dtype, x.device)
+    ones = torch.ones(8, dtype=x.dtype, device=x.device)
+    denom = torch.ones(1, 1, 8192, dtype=torch.float32, device=x.device)
+    out = _raw(values, denom, ones, None, 1.0, 0.0, True, True)
+    return torch.equal(bits(out), bits(F.silu(values)))
+
+
+@torch.library.custom_op("diffusers_fastpath::channel_rmsnorm", mutates_args=())
+def _channel_rmsnorm_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, scale: float,
+                        bias_value: float, silu: bool) -> torch.Tensor:
+    # What torch.compile runs: the kernel (the caller's guard admitted these inputs; torch.compile emits this op only
+    # for dtypes already proven, see FusedOp); the arithmetic's eager form elsewhere.
+    if x.is_cuda:
+        return _fused(x, gamma, bias, scale, bias_value, silu)
+    return channel_rmsnorm_arithmetic(x, denominator(x), gamma.view(-1, *([1] * (x.dim() - 2))),
+                                      bias_value if bias is None else bias.view(-1, *([1] * (x.dim() - 2))),
+                                      scale, silu)
+
+
+@_channel_rmsnorm_op.register_fake
+def _(x, gamma, bias, scale, bias_value, silu):
+    torch._check(x.dim() >= 3, lambda: f"channel_rmsnorm: x must be [B, C, *], got {tuple(x.shape)}")
+    return torch.empty_like(x)  # x's layout (contiguous or time-major: what the guard admits), as eager's
+
+
+def _custom(silu: bool):
+    def call(norm, x):
+        gamma, bias, bias_value = _tensors(norm)
+        return torch.ops.diffusers_fastpath.channel_rmsnorm.default(x, gamma, bias, float(norm.scale), bias_value, silu)
+    return call
+
+
+CHANNEL_RMSNORM = FusedOp("channel_rmsnorm", ref=channel_rmsnorm_ref, guard=_guard, kernel=_kernel,
+                          custom_op=_custom(False))
+CHANNEL_RMSNORM_SILU = FusedOp("channel_rmsnorm_silu", ref=channel_rmsnorm_silu_ref, guard=_guard,
+                               kernel=_kernel_silu, custom_op=_custom(True), verify_key=_signature, prove=_prove_silu)
+
+
+def channel_rmsnorm(norm: nn.Module, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``norm(x)`` for Wan's / Qwen-Image's channel RMS norm: aten's norm reduction, then the rest in one pass on
+    CUDA, bit-identical to eager everywhere (exact by construction).
+
+    Args:
+        norm: the norm module (``WanRMS_norm`` or ``QwenImageRMS_norm``, registered by the VAE adapter).
+        x: ``[B, C, *]`` activations (the resnets' ``[B, C, T, H, W]``, the attention's ``[B*T, C, H, W]``).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return CHANNEL_RMSNORM(site, norm, x)
+
+
+def channel_rmsnorm_silu(norm: nn.Module, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``F.silu(norm(x))`` (the norm and the ``nn.SiLU`` module after it) in one pass after aten's norm reduction,
+    bit-identical to eager everywhere (the SiLU proven on every value of the dtype on first use).
+
+    Args:
+        norm: the norm module of the site.
+        x: ``[B, C, *]`` activations.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return CHANNEL_RMSNORM_SILU(site, norm, x)

@@ -1,0 +1,474 @@
+"""The Wan / Qwen-Image VAE adapter (models/vae_wan.py) and its ops (ops/channel_rmsnorm_silu.py,
+ops/causal_conv_pad.py): tiny bf16 ``AutoencoderKLWan`` (2.1 and 2.2's residual blocks) and
+``AutoencoderKLQwenImage``, decode and encode patched == unpatched (``torch.equal``) with every site on its fast path
+(on CPU under the emulated kernels), also tiled and sliced; unpatch, state dicts, hooks, copies; the ops' reference
+arithmetic against eager. On the GPU: the kernel at Wan's real shapes with poisoned outputs, and the full-size
+Wan 2.1 VAE decode, md5-identical with every site fast."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import io
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
+from diffusers.models.autoencoders import autoencoder_kl_wan as wan
+from torch import nn
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import vae_wan
+causal_conv_pad = importlib.import_module("diffusers_fastpath.ops.causal_conv_pad")  # (ops binds the names to the ops)
+crms = importlib.import_module("diffusers_fastpath.ops.channel_rmsnorm_silu")
+from diffusers_fastpath.ops._policy import Site
+from diffusers_fastpath.testing._common import randomize_
+
+NORMS = (wan.WanRMS_norm, vae_wan.qwen.QwenImageRMS_norm)
+CONVS = (wan.WanCausalConv3d, vae_wan.qwen.QwenImageCausalConv3d)
+
+
+def _build(kind: str, dtype=torch.bfloat16, seed=0, base_dim=4):
+    """A tiny VAE of each kind with random weights (diffusers zero-initialises nothing here, but the norms' gamma is
+    ones and their bias zeros: random, so that every multiply and add of the chain matters): /8 spatial, /4 temporal."""
+    common = dict(base_dim=base_dim, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True])
+    if kind == "wan":
+        vae = AutoencoderKLWan(**common)
+    elif kind == "wan2.2":  # the residual down/up blocks (avg_shortcut, DupUp3D), patchified 2x2 input
+        vae = AutoencoderKLWan(**{**common, "z_dim": 4}, is_residual=True, patch_size=2, in_channels=12,
+                               out_channels=12, decoder_base_dim=base_dim, scale_factor_spatial=16)
+    else:
+        vae = AutoencoderKLQwenImage(**common)
+    randomize_(vae, seed)
+    with torch.no_grad():  # the norms' gamma around 1 (randomize_ draws small values; their product would vanish)
+        for m in vae.modules():
+            if isinstance(m, NORMS):
+                m.gamma.copy_(1 + 0.25 * torch.randn_like(m.gamma))
+    return vae.to(dtype).eval()
+
+
+KINDS = ("wan", "wan2.2", "qwen")
+
+
+def _latents(vae, frames=2, size=4, seed=3, batch=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vae.config.z_dim, frames, size, size, generator=gen).to(torch.bfloat16)
+
+
+def _video(vae, frames=5, size=4, seed=4, batch=1):
+    """A video whose latent is `size` x `size` (the deepest norms then see rows of 16 elements: whole vectors)."""
+    size *= getattr(vae.config, "scale_factor_spatial", 8)
+    gen = torch.Generator().manual_seed(seed)
+    channels = vae.config.in_channels if hasattr(vae.config, "in_channels") else 3
+    channels = 3 if channels == 12 else channels  # Wan 2.2 patchifies RGB itself
+    return (torch.rand(batch, channels, frames, size, size, generator=gen) * 2 - 1).to(torch.bfloat16)
+
+
+def _decode(vae, z):
+    return vae.decode(z).sample
+
+
+def _encode(vae, x):
+    return vae.encode(x).latent_dist.mean
+
+
+def _expected_sites(vae) -> Counter:
+    """One channel_rmsnorm_silu per norm that the block's SiLU follows (the residual blocks' two, the encoder's and
+    decoder's norm_out), one channel_rmsnorm per other norm (the mid-block attentions'), one causal_conv3d per causal
+    convolution."""
+    resnets = sum(type(m).__name__.endswith("ResidualBlock") for m in vae.modules())
+    norms = sum(isinstance(m, NORMS) for m in vae.modules())
+    convs = sum(isinstance(m, CONVS) for m in vae.modules())
+    paired = 2 * resnets + 2
+    return Counter({"channel_rmsnorm_silu": paired, "channel_rmsnorm": norms - paired, "causal_conv3d": convs})
+
+
+def _sites(model) -> dict[str, tuple]:
+    return {r.site: (r.op, r.fast, r.fallback, dict(r.reasons)) for r in fp.report(model).sites}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(kind, emulated_kernels, unpatch_after):
+    vae = _build(kind)
+    z, x = _latents(vae), _video(vae)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    assert torch.isfinite(ref_dec).all() and ref_dec.float().std() > 0.01 and ref_enc.float().std() > 0.01
+    expected = _expected_sites(vae)
+    unpatch_after(fp.patch(vae))
+    assert Counter(r.op for r in fp.report(vae).sites) == expected, str(fp.report(vae))
+    assert torch.equal(_decode(vae, z), ref_dec)
+    sites = _site_counts = _sites(vae)
+    for name, (op, fast, fallback, reasons) in sites.items():
+        if name.startswith("decoder.") or name.startswith("post_quant_conv"):
+            assert fast > 0 and fallback == 0, (name, sites[name])
+        else:
+            assert (fast, fallback) == (0, 0), (name, sites[name])
+    assert torch.equal(_encode(vae, x), ref_enc)
+    report = fp.report(vae)
+    assert all(r.fast > 0 and r.fallback == 0 for r in report.sites), str(report)
+    del _site_counts
+
+
+@torch.no_grad()
+def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, unpatch_after):
+    """``enable_tiling`` and ``enable_slicing`` run the same modules per tile and per sample: patched == unpatched,
+    every site fast (tiles of 64 pixels, 32-pixel stride over a 96 x 96 video: overlapping tiles and blends, the
+    latent tiles strided views of the latents, edge tiles of half the size)."""
+    vae = _build("wan")
+    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32,
+                      tile_sample_stride_width=32)
+    vae.enable_slicing()
+    z, x = _latents(vae, size=12, batch=2, frames=1), _video(vae, size=12, batch=2, frames=1)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode(vae, z), ref_dec)
+    assert torch.equal(_encode(vae, x), ref_enc)
+    report = fp.report(vae)  # (one frame: the encoder's temporal downsampling convolutions are not called)
+    assert all(r.fallback == 0 for r in report.sites) and sum(r.fast > 0 for r in report.sites) >= 70, str(report)
+
+
+@torch.no_grad()
+def test_fp32_vae_patched_equal_unpatched_norms_refuse_by_dtype(emulated_kernels, unpatch_after):
+    """The pipelines keep Wan's VAE in fp32: the norms refuse (the kernel is bf16/fp16), counted by dtype; the
+    convolutions' one-buffer input takes any dtype."""
+    vae = _build("wan", torch.float32)
+    z = _latents(vae).float()
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode(vae, z), ref)
+    for row in fp.report(vae).sites:
+        if row.op == "causal_conv3d":
+            assert row.fast > 0 or not row.site.startswith("decoder."), row
+        elif row.site.startswith("decoder."):
+            assert row.fast == 0 and dict(row.reasons) == {"dtype float32": row.fallback}, row
+
+
+@torch.no_grad()
+def test_unpatch_restores_classes_and_state_dict():
+    vae = _build("wan")
+    classes = {name: type(m) for name, m in vae.named_modules()}
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    fp.patch(vae)
+    assert type(vae.decoder).__name__ == "FastpathWanDecoder3d"
+    assert type(vae.decoder.mid_block.attentions[0].norm) is vae_wan.FastpathWanRMS_norm
+    assert type(vae.decoder.mid_block.resnets[0]).__name__ == "FastpathWanResidualBlock"
+    assert type(vae.decoder.mid_block.resnets[0].norm1) is wan.WanRMS_norm  # a pair's norm keeps its class
+    assert type(vae.decoder.conv_in) is vae_wan.FastpathWanCausalConv3d
+    patched_state = vae.state_dict()
+    assert patched_state.keys() == state.keys() and all(torch.equal(patched_state[k], v) for k, v in state.items())
+    vae.load_state_dict(state)
+    fp.unpatch(vae)
+    assert {name: type(m) for name, m in vae.named_modules()} == classes
+    assert not [name for name, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+
+
+@torch.no_grad()
+def test_hooks_run_and_refuse_the_pair(emulated_kernels, unpatch_after):
+    """A forward hook on a paired norm makes the pair run as the two module calls (hook included); a hook on a
+    patched convolution runs (the fused build is the module's own forward), and its site stays fast."""
+    vae = _build("wan")
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    resnet = vae.decoder.mid_block.resnets[0]
+    seen = []
+    handles = [resnet.norm1.register_forward_hook(lambda m, i, o: seen.append("norm")),
+               resnet.conv1.register_forward_hook(lambda m, i, o: seen.append("conv"))]
+    assert torch.equal(_decode(vae, z), ref)
+    for h in handles:
+        h.remove()
+    site = resnet.norm1._fastpath_site_channel_rmsnorm_silu
+    assert "norm" in seen and "conv" in seen and site.fast == 0 and dict(site.fallback) == {"hooks": site.fallback.total()}
+    assert resnet.conv1._fastpath_site.fast == seen.count("conv") and not resnet.conv1._fastpath_site.fallback
+
+
+@torch.no_grad()
+def test_patched_vae_deep_copies_and_pickles(emulated_kernels):
+    vae = _build("qwen")
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    twin = copy.deepcopy(vae)
+    buf = io.BytesIO()
+    torch.save(vae, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for model in (twin, loaded):
+        assert torch.equal(_decode(model, z), ref)
+        assert sum(r.fast for r in fp.report(model).sites) > 0
+        fp.unpatch(model)
+        assert type(model.decoder).__name__ == "QwenImageDecoder3d"
+    fp.unpatch(vae)
+
+
+def test_a_replaced_norm_forward_is_left_unpatched(monkeypatch, emulated_kernels, fastpath_log):
+    """Another library replaced ``WanRMS_norm.forward``: the digest differs, the norms keep their class and get no
+    site (one warning), and the output is what the replacement computes."""
+    def replaced(self, x):
+        return F.normalize(x.float(), dim=1).to(x.dtype) * self.gamma  # no scale: another computation
+
+    monkeypatch.setattr(wan.WanRMS_norm, "forward", replaced)
+    vae = _build("wan")
+    z = _latents(vae)
+    with torch.no_grad():
+        ref = _decode(vae, z)
+        fp.patch(vae)
+        try:
+            assert torch.equal(_decode(vae, z), ref)
+            assert not [r for r in fp.report(vae).sites if r.op.startswith("channel_rmsnorm")]
+            assert any(r.op == "causal_conv3d" and r.fast for r in fp.report(vae).sites)
+        finally:
+            fp.unpatch(vae)
+    assert "WanRMS_norm.forward is not the form" in fastpath_log.text
+
+
+@pytest.mark.parametrize("model", ["wan-tiny", "qwen-image-tiny"])
+def test_bench_vae_level_builds_wan_and_qwen_vaes(model, tmp_path):
+    """``--levels vae`` for the step-level models' VAEs (the published configs' classes, random weights): decode and
+    encode bit-identical, every site counted (on a CPU each falls back, by the device)."""
+    import json
+
+    from diffusers_fastpath import bench
+
+    path = tmp_path / "vae.json"
+    assert bench.main(["--model", model, "--levels", "vae", "--device", "cpu", "--repeats", "1", "--no-progress",
+                       "--height", "32", "--width", "32", "--frames", "5", "--json", str(path)]) == 0
+    vae = json.loads(path.read_text())["vae"]
+    assert vae["ran"] and vae["vae"] == ("AutoencoderKLWan" if model == "wan-tiny" else "AutoencoderKLQwenImage")
+    frames = [("decode", 2), ("encode", 5)] if model == "wan-tiny" else [("decode", 1), ("encode", 1)]  # Wan: 4x
+    assert [(r["call"], r["input_shape"][2]) for r in vae["rows"]] == frames
+    assert all(r["bit_identical"] for r in vae["rows"])
+    assert vae["sites"]["sites"] > 40 and set(vae["sites"]["reasons"]) == {"device cpu"}
+
+
+# --- the ops alone --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("images,bias", [(False, False), (True, False), (False, True)])
+def test_channel_rmsnorm_arithmetic_equals_the_module_then_silu(dtype, images, bias):
+    """The kernel's rounding points, written in torch, equal eager (the module, then ``F.silu``) on a CPU, with random
+    gamma and bias, fresh random inputs including large and tiny rows (norms clamped at eps), a python-float bias and
+    a tensor one."""
+    norm = wan.WanRMS_norm(24, images=images, bias=bias)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        norm.gamma.copy_(torch.randn(norm.gamma.shape, generator=gen) * 2)
+        if bias:
+            norm.bias.copy_(torch.randn(norm.bias.shape, generator=gen))
+    norm = norm.to(dtype)
+    shape = (2, 24, 4, 8) if images else (2, 24, 3, 4, 8)
+    x = (torch.randn(shape, generator=gen) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    x[0, :, 0] = 0  # rows of zeros: the norm clamps to eps, 0 / eps
+    with torch.no_grad():
+        for silu in (False, True):
+            ref = norm(x)
+            ref = F.silu(ref) if silu else ref
+            out = crms.channel_rmsnorm_arithmetic(x, crms.denominator(x), norm.gamma, norm.bias, norm.scale, silu)
+            assert torch.equal(out, ref), silu
+
+
+@torch.no_grad()
+def test_kernel_wrapper_lays_rows_out_as_eager(monkeypatch):
+    """`_kernel` hands the launch ``[rows, C, spatial]`` memory (x contiguous, or time-major as the upsamplers leave
+    it: ``B * T`` rows) with the denominator in the same row order, and returns eager's layout: the launch replaced
+    by the kernel's arithmetic on exactly those rows, the result equals the module's, strides included."""
+    def launch(x, denom, gamma, bias, scale, bias_value, silu, probe):  # bindings.cpp's view: [B, C, *] as [B, C, S]
+        rows = x.view(x.shape[0], x.shape[1], -1)
+        assert x.is_contiguous() and denom.is_contiguous() and denom.numel() == rows.shape[0] * rows.shape[2]
+        assert gamma.shape == (x.shape[1],) and not probe
+        out = crms.channel_rmsnorm_arithmetic(rows, denom.view(rows.shape[0], 1, rows.shape[2]), gamma.view(-1, 1),
+                                              bias_value if bias is None else bias.view(-1, 1), scale, silu)
+        return out.view(x.shape)
+
+    monkeypatch.setattr(crms, "_raw", launch)
+    norm = wan.WanRMS_norm(16, images=False)
+    norm.gamma.data.normal_(1, 0.5)
+    norm = norm.to(torch.bfloat16)
+    base = torch.randn(2, 3, 16, 4, 8).to(torch.bfloat16)
+    for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous()):  # time-major, contiguous
+        for silu in (False, True):
+            ref = norm(x)
+            ref = F.silu(ref) if silu else ref
+            out = crms._kernel(norm, x, silu)
+            assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_channel_rmsnorm_guard_refuses_what_the_kernel_does_not_take():
+    crms.add_norm_class(wan.WanRMS_norm)
+    norm = wan.WanRMS_norm(16, images=False).to(torch.bfloat16)
+    x = torch.randn(1, 16, 2, 4, 8).to(torch.bfloat16)
+    assert crms._guard(norm, x) == "device cpu"
+    assert crms._guard(norm, x.float()) == "dtype float32"
+    assert crms._guard(norm, x[..., :7]) == "x not contiguous"
+    assert crms._guard(norm, x[:, :, :1, :, :3].contiguous()).startswith("trailing sizes")
+    assert crms._guard(norm, x.view(1, 16, 64)) == "gamma does not broadcast over x's channels"
+    assert crms._guard(nn.LayerNorm(16), x).endswith("is not a checked channel RMS norm")
+    norm.channel_first = False
+    assert crms._guard(norm, x) == "not channel first"
+
+
+@torch.no_grad()
+def test_padded_input_equals_cat_then_pad():
+    """The one-buffer input equals ``F.pad(torch.cat([cache_x, x], 2), padding)`` bit for bit, layout included: the
+    3x3x3 convolution with no cache, one cached frame, two; the time convolution (3, 1, 1); a 1x1x1 (x itself)."""
+    causal_conv_pad.add_conv_class(wan.WanCausalConv3d)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 3, 5, 8, generator=gen).to(torch.bfloat16)
+    for conv, frames in ((wan.WanCausalConv3d(6, 6, 3, padding=1), (None, 1, 2)),
+                         (wan.WanCausalConv3d(6, 12, (3, 1, 1), padding=(1, 0, 0)), (None, 1, 2)),
+                         (wan.WanCausalConv3d(6, 6, 1), (None, 2))):
+        for t in frames:
+            cache = None if t is None else torch.randn(2, 6, t, 5, 8, generator=gen).to(torch.bfloat16)
+            padding = list(conv._padding)
+            ref = x
+            if cache is not None and padding[4] > 0:
+                ref = torch.cat([cache, x], dim=2)
+                padding[4] -= t
+            ref = F.pad(ref, padding)
+            out = causal_conv_pad.padded_input(conv, x, cache)
+            assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+            assert causal_conv_pad._guard(conv, x, cache) == "device cpu"
+
+
+@torch.no_grad()
+def test_causal_conv3d_equals_the_module(emulated_kernels):
+    causal_conv_pad.add_conv_class(wan.WanCausalConv3d)
+    conv = randomize_(wan.WanCausalConv3d(6, 8, 3, padding=1), 1).to(torch.bfloat16)
+    x, cache = torch.randn(1, 6, 2, 8, 8).to(torch.bfloat16), torch.randn(1, 6, 2, 8, 8).to(torch.bfloat16)
+    site = Site("causal_conv3d")
+    for c in (None, cache, cache[:, :, -1:].contiguous()):
+        assert torch.equal(causal_conv_pad.causal_conv3d(conv, x, c, site), conv(x, c))
+    assert site.fast == 3 and not site.fallback
+    strided = torch.randn(1, 6, 4, 8, 8).to(torch.bfloat16)[:, :, 1:3, :, :7]  # a time slice, cropped: strided rows
+    assert torch.equal(causal_conv_pad.causal_conv3d(conv, strided, cache[..., :7], site), conv(strided, cache[..., :7]))
+    assert site.fast == 4 and not site.fallback
+    x_cl = x.contiguous(memory_format=torch.channels_last_3d)
+    assert torch.equal(causal_conv_pad.causal_conv3d(conv, x_cl, cache, site), conv(x_cl, cache))
+    assert dict(site.fallback) == {"x of a channels-last layout": 1}
+
+
+def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
+    """The NVRTC launcher's arguments, field by field, as bindings.cpp's channel_rmsnorm fills them, and the .cu's
+    grid (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""
+    from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
+
+    launches = captured_launches.__wrapped__(monkeypatch)
+    x, gamma = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
+    denom, bias = torch.rand(2, 1, 3, 4, 8) + 1, torch.randn(16).to(torch.bfloat16)
+    out = crms._nvrtc_kernel(x, denom, gamma, None, 4.0, 0.5, True, False)
+    kernel, key, grid, block, a = launches[-1]
+    assert (kernel, key, block) == (crms._NVRTC, torch.bfloat16, (256, 1, 1)) and out.shape == x.shape
+    assert grid == (2, 1, 1)  # 2 * 16 * 96 / 8 = 384 vectors: two blocks of 256 threads, below the resident limit
+    assert (a.a.out, a.a.x, a.a.denom, a.a.gamma, a.a.bias) == (out.data_ptr(), x.data_ptr(), denom.data_ptr(),
+                                                                gamma.data_ptr(), None)  # NULL
+    assert (a.a.batch, a.a.channels, a.a.spatial, a.a.scale, a.a.bias_value, a.a.silu, a.a.probe, a.a.dtype) == (
+        2, 16, 96, 4.0, 0.5, 1, 0, 1)
+    crms._nvrtc_kernel(x.half(), denom, gamma.half(), bias.half(), 2.0, 0.0, False, True)
+    _, key, _, _, a = launches[-1]
+    assert key == torch.float16 and (a.a.silu, a.a.probe, a.a.dtype) == (0, 1, 0) and a.a.bias
+    big = torch.empty(1, 8, 132 * 8 * 256 * 8 * 2, dtype=torch.bfloat16)
+    crms._nvrtc_kernel(big, torch.empty(1, 1, big.shape[2]), torch.ones(8, dtype=torch.bfloat16), None, 1.0, 0.0,
+                       False, False)
+    assert launches[-1][2] == (132 * 8, 1, 1)
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+
+
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
+
+
+# The norms of a Wan 2.1 decode at 832x480 (latents 104x60; channels 384/384/192/96 as the decoder widens; one latent
+# frame, then 2 and 4 after the temporal upsamplings) and the attention's [frames, C, H, W] norm
+WAN_NORM_SHAPES = [(1, 384, 1, 60, 104), (1, 384, 2, 120, 208), (1, 192, 4, 240, 416), (1, 96, 4, 480, 832),
+                   (1, 384, 60, 104)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", WAN_NORM_SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "time-major"])
+@torch.no_grad()
+def test_channel_rmsnorm_kernel_equals_eager_at_wan_shapes(shape, dtype, layout):
+    """The kernel (both modes) against the module (then ``F.silu``), torch.equal, strides included, the allocator's
+    blocks of the output's size poisoned with NaN first; x contiguous or time-major (the upsamplers' layout)."""
+    if layout == "time-major" and len(shape) == 4:
+        pytest.skip("the attention's norm takes [B*T, C, H, W]")
+    images = len(shape) == 4
+    norm = wan.WanRMS_norm(shape[1], images=images).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    norm.gamma.copy_(1 + 0.5 * torch.randn(norm.gamma.shape, generator=gen, device="cuda"))
+    norm = norm.to(dtype)
+    if layout == "time-major":
+        b, c, t, h, w = shape
+        x = (torch.randn(b, t, c, h, w, generator=gen, device="cuda") * 3).to(dtype).transpose(1, 2)
+    else:
+        x = (torch.randn(shape, generator=gen, device="cuda") * 3).to(dtype)
+    x[:, 1::5, ..., ::11] = 0  # some zeros; positions whose channels are all zero (their norm clamped at eps)
+    x[0, :, 0, 0] = 0
+    crms.add_norm_class(wan.WanRMS_norm)
+    for op, silu in ((crms.CHANNEL_RMSNORM, False), (crms.CHANNEL_RMSNORM_SILU, True)):
+        poison = [torch.full_like(x, float("nan")) for _ in range(3)]  # freed below: the next blocks of this size
+        del poison
+        site = Site(op.name)
+        out = op(site, norm, x)
+        ref = norm(x)
+        ref = F.silu(ref) if silu else ref
+        assert site.fast == 1, (op.name, dict(site.fallback), op.status)
+        assert out.stride() == ref.stride() and torch.equal(out, ref), op.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_channel_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
+    """The NVRTC cubin's launch against the nvcc extension's op (where a toolkit built it) and eager, at Wan's
+    largest norm (96 channels, 4 frames of 480x832), both modes, a tensor bias and a python-float one."""
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(1, 96, 4, 480, 832, generator=gen, device="cuda") * 3).to(dtype)
+    gamma = (1 + torch.randn(96, generator=gen, device="cuda")).to(dtype)
+    bias = torch.randn(96, generator=gen, device="cuda").to(dtype)
+    denom = crms.denominator(x)
+    for b, value in ((None, 0.0), (bias, 0.0)):
+        for silu in (False, True):
+            got = crms._nvrtc_kernel(x, denom, gamma, b, 96 ** 0.5, value, silu, False)
+            ref = crms.channel_rmsnorm_arithmetic(x, denom, gamma.view(-1, 1, 1, 1),
+                                                  value if b is None else b.view(-1, 1, 1, 1), 96 ** 0.5, silu)
+            assert torch.equal(got, ref), (b is None, silu)
+            if nvcc:
+                assert torch.equal(got, torch.ops.diffusers_fastpath._channel_rmsnorm_cuda(
+                    x, denom, gamma, b, 96 ** 0.5, value, silu, False))
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
+    """Wan 2.1's VAE (the published config, random weights) on a representative crop (17 frames of 256x256): decode
+    and encode md5-identical patched and unpatched, every site fast."""
+    vae = AutoencoderKLWan()
+    randomize_(vae, 0)
+    with torch.no_grad():
+        for m in vae.modules():
+            if isinstance(m, NORMS):
+                m.gamma.copy_(1 + 0.25 * torch.randn_like(m.gamma))
+    vae = vae.to("cuda", torch.bfloat16).eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(1, 16, 5, 32, 32, generator=gen, device="cuda").to(torch.bfloat16)
+    x = (torch.rand(1, 3, 17, 256, 256, generator=gen, device="cuda") * 2 - 1).to(torch.bfloat16)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    unpatch_after(fp.patch(vae))
+    dec, enc = _decode(vae, z), _encode(vae, x)
+    assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
+    assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
+    report = fp.report(vae)
+    assert all(r.fast > 0 and r.fallback == 0 for r in report.sites), str(report)
