@@ -146,7 +146,7 @@ def test_skipping_a_rounding_point_is_not_exact():
     [
         ("fp32", "dtype float32"),
         ("mixed", "mixed dtypes"),
-        ("gate_1d", "shape"),
+        ("gate_1d_short", "shape"),
         ("update_shape", "shape"),
         ("gate_scalar", "shape"),
         ("odd_dim", "D not a multiple of 8"),
@@ -166,8 +166,8 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
         residual, gate, update = residual.float(), gate.float(), update.float()
     elif case == "mixed":
         gate = gate.float()  # eager promotes to float32; the kernel keeps one dtype
-    elif case == "gate_1d":
-        gate = gate[0, 0]  # [D]: eager broadcasts one row; the kernel takes [B or 1, L or 1, D]
+    elif case == "gate_1d_short":
+        gate = gate[0, 0, :1]  # [1]: eager broadcasts one number; the kernel takes rows of D
     elif case == "update_shape":
         update = update[:1]  # eager broadcasts it over the batch; the kernel takes one shape
     elif case == "gate_scalar":
@@ -200,15 +200,17 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
 
 def test_a_2d_gate_is_the_1_l_d_gate(monkeypatch):
     """A 2-D ``[L, D]`` gate (MiniMax-H3's ``gate.index_select(0, rows)``: a row per token) broadcasts against
-    ``[B, L, D]`` as ``[1, L, D]`` does, and the op takes it so (a view, no copy); a ``[1, D]`` one as ``[1, 1, D]``."""
+    ``[B, L, D]`` as ``[1, L, D]`` does, and the op takes it so (a view, no copy); a ``[1, D]`` one and a 1-D ``[D]``
+    one (Bria FIBO 2's ``self.cross_attn_gate.tanh()``) as ``[1, 1, D]``."""
     from diffusers_fastpath.ops.gated_residual import as_batch_rows
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     for batch in (1, 2):
         residual, _, update = make_inputs((batch, 24, 64), torch.bfloat16, "full", "cpu", 4)
-        for gate in (torch.randn(24, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16)):
+        for gate in (torch.randn(24, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16),
+                     torch.randn(64).to(torch.bfloat16)):
             rows = as_batch_rows(gate, residual)
-            assert rows.shape == (1, *gate.shape) and rows.data_ptr() == gate.data_ptr()
+            assert rows.shape == (1,) * (3 - gate.dim()) + gate.shape and rows.data_ptr() == gate.data_ptr()
             assert GATED_RESIDUAL.guard(residual, rows, update) is None
             assert torch.equal(gated_residual_ref(residual, rows, update), gated_residual_ref(residual, gate, update))
     assert as_batch_rows(gate, gate) is gate  # (2-D residual: as it is)

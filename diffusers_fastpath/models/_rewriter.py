@@ -23,9 +23,14 @@ of ``self``):
     by the shapes); ``(R + E * G)`` (AceStep)  ->  the gated residual form inside the casts; the site ``name_2``,
     ``name_3`` ... where a gate of that name has one already
 
-  where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
-  ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
-  way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
+  where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed), or a chain of methods, subscripts and
+  attributes of a name (``g.tanh()``: Qwen-Image 2.1; ``g.index_select(0, rows)``: MiniMax-H3's per-token rows;
+  ``self.g.tanh()``), computed as written before the fused call (whose arguments are evaluated in the order the
+  expression evaluates them: nothing moves); the site is named after that name. ``R + E * g.unsqueeze(1)`` is
+  taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either way round, bit for bit), and so
+  is ``R + E * G`` with two names of which only ``G``'s says ``gate``; where the syntax takes the roles the other way
+  round (``R + E * torch.sigmoid(1 - g).unsqueeze(1)``: Stable Audio 3), the call swaps them by their shapes. A
+  2-D ``[L, D]`` or 1-D ``[D]`` gate runs as the ``[1, L, D]`` / ``[1, 1, D]`` it broadcasts as.
 - LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift` in every tier; the fallback is the
   LayerNorm module and the exact modulate):
 
@@ -69,6 +74,17 @@ of ``self``):
   - ``H = N * (1 + S[:, None]) + T[:, None]``, ``N`` a name  ->  ``H = modulate(N, S, T, site)``
 
   with the site ``modulate_scale_shift_<H>`` on the block.
+- the modulate-rows form, where none of the forms above took it, anywhere in a statement:
+
+  - ``A * (1 + B) + T`` or ``(1.0 + A) * B + T`` (``1`` or ``1.0``; any operands: MiniMax-H3's ``N * (1.0 +
+    s.index_select(0, rows)) + t.index_select(0, rows)`` after a ``torch.nn.RMSNorm``, LTX-2's a2v / v2a ``N * (1
+    + s.squeeze(2)) + t.squeeze(2)``, Krea 2's ``self.attn((1.0 + s) * self.norm1(x) + t, ...)``)  ->
+    ``modulate_rows(A, B, T, site, one, normed_left)``: the operands evaluated in the order written, the arithmetic
+    after them (taken where evaluating ``B`` and ``T`` leaves what ``A`` holds as it was, and ``T`` what ``B``
+    holds), as `modulate_scale_shift` of a ``[R, L, D]`` view where the rows are per sample, per frame or per
+    token (`_chain_calls._modulate_rows`), else as written
+
+  with the site ``modulate_scale_shift_<name>`` on the block (the target, the norm's attribute, or the name).
 - rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
   attention processors:
 
@@ -124,7 +140,10 @@ of ``self``):
   - ``H = self.ACT(E) * F``  ->  ``H = silu_mul(self.ACT, E, F, site)`` when ``self.ACT`` is a plain ``nn.SiLU``
     without hooks (checked per call), with the site ``silu_mul`` on the block
   - ``return F.silu(E) * G`` or ``H = F.silu(E) * G`` with ``F`` the module's ``torch.nn.functional``
-    (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``)  ->  the same op
+    (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``; also written out,
+    ``torch.nn.functional.silu(E)``, MiniMax-Music 3)  ->  the same op
+  - ``G * self.ACT(E)`` or ``G * F.silu(E)`` (diffusers' ``SwiGLU``: ``hidden_states * self.activation(gate)``)  ->
+    ``mul_silu(G, ACT, E, site)``, the operands in the order written, the same op (the product commutes exactly)
   - either product inside a larger expression (``return self.linear_2(self.silu(E) * F)``: Lumina's
     ``LuminaFeedForward``, whose ``FP32SiLU`` the op's proof covers too)  ->  the same op, in place
 - RMSNorm + scale and RMSNorm + gated residual (sandwich norms: Z-Image, Lumina2), into
@@ -387,11 +406,12 @@ class _Rewriter:
         act = _self_module_call(node)
         if act is not None and act[0] in self.activations:
             return _self_attr(act[0]), act[1]
-        if ("F.silu" in self.activations and isinstance(node, ast.Call) and len(node.args) == 1
-                and not isinstance(node.args[0], ast.Starred) and not node.keywords
-                and isinstance(node.func, ast.Attribute) and node.func.attr == "silu"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "F"):
-            return ast.Constant(None), node.args[0]
+        if not (isinstance(node, ast.Call) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred)
+                and not node.keywords and isinstance(node.func, ast.Attribute) and node.func.attr == "silu"):
+            return None
+        if (("F.silu" in self.activations and ast.unparse(node.func) == "F.silu")
+                or ("torch.nn.functional.silu" in self.activations and ast.unparse(node.func) == "torch.nn.functional.silu")):
+            return ast.Constant(None), node.args[0]  # (`_chains` checked that the module's F / torch is torch's)
         return None
 
     def _silu_mul(self, value: ast.expr, stmt: ast.stmt) -> ast.Call | None:

@@ -172,8 +172,8 @@ def gated_residual(
         site: the call site's counters (fast calls, fallbacks with reasons), shown by `diffusers_fastpath.report`.
 
     A 2-D ``[L or 1, D]`` gate (rows a model selects per token, MiniMax-H3's ``gate.index_select(0, rows)``) is
-    the ``[1, L or 1, D]`` one: broadcasting prepends the size-1 dimension either way, so every element is the same
-    product and sum (`as_batch_rows`).
+    the ``[1, L or 1, D]`` one, a 1-D ``[D]`` gate the ``[1, 1, D]`` one: broadcasting prepends the size-1
+    dimensions either way, so every element is the same product and sum (`as_batch_rows`).
 
     Example:
         >>> import torch
@@ -187,11 +187,13 @@ def gated_residual(
 
 
 def as_batch_rows(gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`gate` as ``[1, L, D]`` where it is a 2-D ``[L, D]`` gate of a ``[B, L, D]`` residual (a view; broadcasting
-    against a 3-D operand prepends that dimension anyway, so the expression's every element and its result's shape
-    and dtype are the same), else `gate` as it is."""
-    if isinstance(gate, torch.Tensor) and isinstance(residual, torch.Tensor) and gate.dim() == 2 and residual.dim() == 3:
-        return gate.unsqueeze(0)
+    """`gate` as ``[1, L, D]`` where it is a 2-D ``[L, D]`` gate of a ``[B, L, D]`` residual, as ``[1, 1, D]`` where
+    it is a 1-D ``[D]`` one (Bria FIBO 2's ``self.cross_attn_gate.tanh()``): a view; broadcasting against a 3-D
+    operand prepends those dimensions anyway, so the expression's every element and its result's shape and dtype
+    are the same. Else `gate` as it is."""
+    if (isinstance(gate, torch.Tensor) and isinstance(residual, torch.Tensor) and gate.dim() in (1, 2)
+            and residual.dim() == 3):
+        return gate[(None,) * (3 - gate.dim())]
     return gate
 
 
