@@ -218,17 +218,27 @@ def test_a_2d_gate_is_the_1_l_d_gate(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens, dim", [(4680, 5376), (77, 256)])
-def test_gated_residual_2d_token_gate_matches_eager_bitwise(tokens, dim, dtype):
-    """MiniMax-H3's gate rows chosen per token (``gate.index_select(0, rows)``, ``[L, D]``) at its width 5376."""
+@pytest.mark.parametrize("kind", ["tokens", "row"])
+@pytest.mark.parametrize("tokens, dim", [(4680, 5376), (4096, 3584), (77, 256)])
+def test_gated_residual_low_dim_gates_match_eager_bitwise(tokens, dim, kind, dtype):
+    """MiniMax-H3's gate rows chosen per token (``gate.index_select(0, rows)``, ``[L, D]``) at its width 5376, and a
+    1-D ``[D]`` gate (a parameter's ``tanh()``: Bria FIBO 2's form, 3584 wide), as the kernel's ``[1, L or 1, D]``:
+    every element of a NaN-poisoned output written, and the public entry fast."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
     gen = torch.Generator(device="cuda").manual_seed(7)
     residual, update = (torch.randn(2, 1, tokens, dim, generator=gen, device="cuda").to(dtype))
     table = torch.randn(6, dim, generator=gen, device="cuda").to(dtype)
-    gate = table.index_select(0, torch.randint(0, 6, (tokens,), generator=gen, device="cuda"))
+    gate = (table.index_select(0, torch.randint(0, 6, (tokens,), generator=gen, device="cuda")) if kind == "tokens"
+            else table[2].tanh())
     ref = gated_residual_ref(residual, gate, update)
+    out = torch.full_like(ref, float("nan"))
+    torch.ops.diffusers_fastpath._gated_residual_cuda_out(out, residual, gate[(None,) * (3 - gate.dim())], update)
+    assert torch.equal(out, ref)
     site = Site("gated_residual")
-    out = gated_residual(residual, gate, update, site)
-    assert torch.equal(out, ref) and site.fast == 1 and not site.fallback, site
+    got = gated_residual(residual, gate, update, site)
+    assert torch.equal(got, ref) and site.fast == 1 and not site.fallback, site
 
 
 def test_guard_reports_devices_that_differ(monkeypatch):

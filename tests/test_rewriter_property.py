@@ -3,9 +3,9 @@
 Random block forwards are written as Python source from the statement forms the patterns match (gated residuals in
 one and two statements, with gates computed as written or roles told by the shapes, LayerNorm + modulate inline, in
 two statements and deferred past others, a modulate of a normalised tensor, with rows per sample or per token
-anywhere in a statement, GELU + concatenation, a SiLU-gated product either way round, the fp32 forms cast back, calls of helper functions
-of the module that inlining takes or must leave, with arguments that write the streams), mixed with what a rewrite must not be fooled by:
-reads and writes of the names it moves or drops, in the same block, after an enclosing ``if`` or ``for`` and in the
+anywhere in a statement, GELU + concatenation, a SiLU-gated product either way round, the fp32 forms cast back, calls
+of helper functions of the module that inlining takes or must leave, with arguments that write the streams), mixed
+with what a rewrite must not be fooled by: reads and writes of the names it moves or drops, in the same block, after an enclosing ``if`` or ``for`` and in the
 next iteration of a loop; writes in place through ``x.add_()``, ``out=``, ``inplace=True``, ``+=``, a subscript
 store and a view of the tensor; rebinding; a walrus; ``del``. Each forward is the ``forward`` of a small
 ``nn.Module`` in a module written to disk and imported (so that the rewriter reads its source as it reads diffusers'),

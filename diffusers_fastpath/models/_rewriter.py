@@ -409,8 +409,8 @@ class _Rewriter:
         if not (isinstance(node, ast.Call) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred)
                 and not node.keywords and isinstance(node.func, ast.Attribute) and node.func.attr == "silu"):
             return None
-        if (("F.silu" in self.activations and ast.unparse(node.func) == "F.silu")
-                or ("torch.nn.functional.silu" in self.activations and ast.unparse(node.func) == "torch.nn.functional.silu")):
+        written = ast.unparse(node.func)
+        if written in ("F.silu", "torch.nn.functional.silu") and written in self.activations:
             return ast.Constant(None), node.args[0]  # (`_chains` checked that the module's F / torch is torch's)
         return None
 

@@ -89,8 +89,9 @@ ENTRIES = {
              head_dim=64, in_channels=192, audio_acoustic_hidden_dim=64, patch_size=2, sliding_window=4),
         _ace_step_inputs, full_config={}, full_size=dict(frames=1500, text=256),
         notes="ACE-Step 1.5 = the class defaults (2048 x 24, 16 x 128 GQA 8). Layers alternate sliding-window and full "
-              "attention (window 4 tokens here so both differ on 16 tokens, enough rows for the fused RMSNorm); Wan-like modulate without .float(). No "
-              "_repeated_blocks / _no_split_modules: the blocks are found from the module tree only."),
+              "attention (window 4 tokens here so both differ on 16 tokens, enough rows for the fused RMSNorm, 640 "
+              "wide for its reduction); Wan-like modulate without .float(). No _repeated_blocks / _no_split_modules: "
+              "the blocks are found from the module tree only."),
     "longcat-audio": ZooEntry(
         _T + "transformer_longcat_audio_dit.LongCatAudioDiTTransformer",
         dict(dit_dim=128, dit_depth=2, dit_heads=2, dit_text_dim=64, latent_dim=64),
