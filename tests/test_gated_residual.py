@@ -146,7 +146,7 @@ def test_skipping_a_rounding_point_is_not_exact():
     [
         ("fp32", "dtype float32"),
         ("mixed", "mixed dtypes"),
-        ("gate_2d", "shape"),
+        ("gate_1d_short", "shape"),
         ("update_shape", "shape"),
         ("gate_scalar", "shape"),
         ("odd_dim", "D not a multiple of 8"),
@@ -166,9 +166,8 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
         residual, gate, update = residual.float(), gate.float(), update.float()
     elif case == "mixed":
         gate = gate.float()  # eager promotes to float32; the kernel keeps one dtype
-    elif case == "gate_2d":
-        gate = gate[:, 0]  # [B, D] broadcasts against [B, L, D] as [1, B, D] in eager: not the row gate
-        residual, update = residual[:1, :2], update[:1, :2]
+    elif case == "gate_1d_short":
+        gate = gate[0, 0, :1]  # [1]: eager broadcasts one number; the kernel takes rows of D
     elif case == "update_shape":
         update = update[:1]  # eager broadcasts it over the batch; the kernel takes one shape
     elif case == "gate_scalar":
@@ -197,6 +196,49 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
     out = gated_residual(residual, gate, update, site)
     assert torch.equal(out, ref)
     assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
+def test_a_2d_gate_is_the_1_l_d_gate(monkeypatch):
+    """A 2-D ``[L, D]`` gate (MiniMax-H3's ``gate.index_select(0, rows)``: a row per token) broadcasts against
+    ``[B, L, D]`` as ``[1, L, D]`` does, and the op takes it so (a view, no copy); a ``[1, D]`` one and a 1-D ``[D]``
+    one (Bria FIBO 2's ``self.cross_attn_gate.tanh()``) as ``[1, 1, D]``."""
+    from diffusers_fastpath.ops.gated_residual import as_batch_rows
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    for batch in (1, 2):
+        residual, _, update = make_inputs((batch, 24, 64), torch.bfloat16, "full", "cpu", 4)
+        for gate in (torch.randn(24, 64).to(torch.bfloat16), torch.randn(1, 64).to(torch.bfloat16),
+                     torch.randn(64).to(torch.bfloat16)):
+            rows = as_batch_rows(gate, residual)
+            assert rows.shape == (1,) * (3 - gate.dim()) + gate.shape and rows.data_ptr() == gate.data_ptr()
+            assert GATED_RESIDUAL.guard(residual, rows, update) is None
+            assert torch.equal(gated_residual_ref(residual, rows, update), gated_residual_ref(residual, gate, update))
+    assert as_batch_rows(gate, gate) is gate  # (2-D residual: as it is)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["tokens", "row"])
+@pytest.mark.parametrize("tokens, dim", [(4680, 5376), (4096, 3584), (77, 256)])
+def test_gated_residual_low_dim_gates_match_eager_bitwise(tokens, dim, kind, dtype):
+    """MiniMax-H3's gate rows chosen per token (``gate.index_select(0, rows)``, ``[L, D]``) at its width 5376, and a
+    1-D ``[D]`` gate (a parameter's ``tanh()``: Bria FIBO 2's form, 3584 wide), as the kernel's ``[1, L or 1, D]``:
+    every element of a NaN-poisoned output written, and the public entry fast."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    residual, update = (torch.randn(2, 1, tokens, dim, generator=gen, device="cuda").to(dtype))
+    table = torch.randn(6, dim, generator=gen, device="cuda").to(dtype)
+    gate = (table.index_select(0, torch.randint(0, 6, (tokens,), generator=gen, device="cuda")) if kind == "tokens"
+            else table[2].tanh())
+    ref = gated_residual_ref(residual, gate, update)
+    out = torch.full_like(ref, float("nan"))
+    torch.ops.diffusers_fastpath._gated_residual_cuda_out(out, residual, gate[(None,) * (3 - gate.dim())], update)
+    assert torch.equal(out, ref)
+    site = Site("gated_residual")
+    got = gated_residual(residual, gate, update, site)
+    assert torch.equal(got, ref) and site.fast == 1 and not site.fallback, site
 
 
 def test_guard_reports_devices_that_differ(monkeypatch):

@@ -1,10 +1,11 @@
 """The chain rewriter's property: whatever a block forward does, the rewritten forward computes the same bits.
 
 Random block forwards are written as Python source from the statement forms the patterns match (gated residuals in
-one and two statements, LayerNorm + modulate inline, in two statements and deferred past others, a modulate of a
-normalised tensor, GELU + concatenation, a SiLU-gated product, the fp32 forms cast back, calls of helper functions
-of the module that inlining takes or must leave, with arguments that write the streams), mixed with what a rewrite must not be fooled by:
-reads and writes of the names it moves or drops, in the same block, after an enclosing ``if`` or ``for`` and in the
+one and two statements, with gates computed as written or roles told by the shapes, LayerNorm + modulate inline, in
+two statements and deferred past others, a modulate of a normalised tensor, with rows per sample or per token
+anywhere in a statement, GELU + concatenation, a SiLU-gated product either way round, the fp32 forms cast back, calls
+of helper functions of the module that inlining takes or must leave, with arguments that write the streams), mixed
+with what a rewrite must not be fooled by: reads and writes of the names it moves or drops, in the same block, after an enclosing ``if`` or ``for`` and in the
 next iteration of a loop; writes in place through ``x.add_()``, ``out=``, ``inplace=True``, ``+=``, a subscript
 store and a view of the tensor; rebinding; a walrus; ``del``. Each forward is the ``forward`` of a small
 ``nn.Module`` in a module written to disk and imported (so that the rewriter reads its source as it reads diffusers'),
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import linecache
 import random
 import sys
 
@@ -139,6 +141,27 @@ class Forward:
         h, n, s, t = self.pick(STREAMS), self.pick(STREAMS), self.pick(ROWS), self.pick(ROWS)
         self.emit(depth, f"{h} = {n} * (1 + {s}[:, None]) + {t}[:, None]")
 
+    def modulate_rows(self, depth: int) -> None:
+        """The modulate-rows form: ``1`` or ``1.0``, the product either way round, rows per sample, per token (a
+        stream), ``[S, D]`` rows (per token at batch 1 only: here as written), anywhere in a statement, of a name or
+        of a norm's call."""
+        h, n, x, norm = self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS), self.pick(NORMS)
+        s, t = self.pick([(f"{a}.unsqueeze(1)", f"{b}[:, None]") for a in ROWS for b in ROWS]
+                         + [(a, b) for a in STREAMS for b in STREAMS] + [(f"{a}[0]", f"{a}[1]") for a in STREAMS])
+        one, normed = self.pick(["1", "1.0"]), self.pick([n, f"{norm}({x})", f"{n}.add_(0.25)"])
+        mod = self.pick([f"{normed} * ({one} + {s}) + {t}", f"({one} + {s}) * {normed} + {t}"])
+        self.emit(depth, self.pick([f"{h} = {mod}", f"{h} = self.proj({mod})", f"{h} = self.proj({mod}) * {x}"]))
+
+    def gated_expr(self, depth: int) -> None:
+        """Gated residuals whose gate is an expression computed as written (``g.tanh()``, a per-token ``[S, D]``
+        gate), or whose roles only the shapes tell (``R + E * torch.sigmoid(1 - g).unsqueeze(1)``)."""
+        h, r, e, g, k = self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS), self.pick(ROWS), self.pick(STREAMS)
+        self.emit(depth, self.pick([f"{h} = {r} + {g}.unsqueeze(1).tanh() * {e}",
+                                    f"{h} = {r} + {k}[0].tanh() * {e}",
+                                    f"{h} = {r} + {k}[0] * {e}",
+                                    f"{h} = {r} + {e} * torch.sigmoid(1 - {g}).unsqueeze(1)",
+                                    f"{h} = {r} + {g}.add_(0.5).unsqueeze(1).tanh() * {e}"]))
+
     def gelu_cat(self, depth: int) -> None:
         x, a = self.pick(STREAMS), self.pick(STREAMS)  # the projection's own name, read by the concatenation only
         self.emit(depth, f"mlp = self.act_mlp(self.proj_mlp({x}))")
@@ -151,7 +174,9 @@ class Forward:
 
     def silu(self, depth: int) -> None:
         h, e, f = self.pick(STREAMS), self.pick(STREAMS), self.pick(STREAMS)
-        self.emit(depth, self.pick([f"{h} = self.act({e}) * {f}", f"{h} = self.proj(self.act({e}) * {f})"]))
+        self.emit(depth, self.pick([f"{h} = self.act({e}) * {f}", f"{h} = self.proj(self.act({e}) * {f})",
+                                    f"{h} = {f} * self.act({e})", f"{h} = self.proj({f} * F.silu({e}))",
+                                    f"{h} = {f}[0] * self.act({e}[0])", f"{h} = {f}.add_(1) * self.act({f})"]))
 
     def helper(self, depth: int) -> None:
         """A call of a helper function of the module (inlined where that is exact) with arguments that are names,
@@ -194,7 +219,7 @@ class Forward:
     def items(self, depth: int, count: int, nested: int = 0) -> None:
         forms = [self.gated_two, self.gated_two, self.gated_one, self.modulate, self.modulate, self.modulate,
                  self.modulate_only, self.gelu_cat, self.silu, self.filler, self.filler, self.read, self.helper,
-                 self.helper, self.fp32_forms]
+                 self.helper, self.fp32_forms, self.modulate_rows, self.gated_expr]
         for _ in range(count):
             roll = self.rng.random()
             if nested < 2 and roll < 0.15:
@@ -251,7 +276,7 @@ def _run(block, inputs):
 
 
 def _fused(cls, name, module):
-    return _chains.fused_subclass(cls, name, module, activations=("act",))
+    return _chains.fused_subclass(cls, name, module, activations=("act", "F.silu"))
 
 
 def test_rewritten_random_forwards_compute_the_same_bits(tmp_path, emulated_kernels):
@@ -273,6 +298,9 @@ def test_rewritten_random_forwards_compute_the_same_bits(tmp_path, emulated_kern
                 if found is None:
                     continue
                 rewritten += 1
+                text = "".join(linecache.getlines(sub.forward.__code__.co_filename))
+                for call in ("modulate_rows(", "mul_silu(", "tanh(), "):
+                    found_kinds[call] = found_kinds.get(call, 0) + (call in text)
                 for kind, value in vars(found).items():
                     found_kinds[kind] = found_kinds.get(kind, 0) + bool(value)
                 torch.manual_seed(rng.randrange(2**31))
@@ -303,6 +331,7 @@ def test_rewritten_random_forwards_compute_the_same_bits(tmp_path, emulated_kern
     assert not wrong, f"{len(wrong)} rewritten forwards differ; the first:\n\n" + "\n\n".join(wrong[:4])
     # not vacuous: most forwards are rewritten, every form is taken somewhere, and the fused kernels run
     assert rewritten > MODULES * PER_MODULE // 2, rewritten
-    for kind in ("gates", "norms", "modulates", "gelu_cat", "silu_mul", "gates_fp32", "norms_fp32", "inlined"):
+    for kind in ("gates", "norms", "modulates", "gelu_cat", "silu_mul", "gates_fp32", "norms_fp32", "inlined",
+                 "modulate_rows(", "mul_silu(", "tanh(), "):
         assert found_kinds.get(kind, 0) >= 5, (kind, found_kinds)
     assert fast > 100, fast

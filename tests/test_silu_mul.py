@@ -57,18 +57,43 @@ def test_rounding_the_silu_matters():
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("fp32", "dtype float32"), ("mixed", "mixed dtypes"), ("2d", "shape"), ("odd", "D not a multiple of 8"),
+    ("fp32", "dtype float32"), ("mixed", "mixed dtypes"), ("4d", "shape"), ("1d", "shape"),
+    ("2d", "device cpu"), ("2d-strided", "rows strided"), ("odd", "D not a multiple of 8"),
     ("strided", "rows strided"), ("cpu", "device cpu")])
 def test_guard_falls_back_with_reason(case, reason):
+    """Every refusal with its reason and the eager result; packed ``[N, D]`` rows (Cosmos 3) pass the guard as the
+    ``[1, N, D]`` the kernel runs on (here refused for the CPU only)."""
     gate, up = make_inputs((2, 9, 128), torch.bfloat16, "cpu", 1)
     args = {
-        "fp32": (gate.float(), up.float()), "mixed": (gate, up.half()), "2d": (gate[0], up[0]),
+        "fp32": (gate.float(), up.float()), "mixed": (gate, up.half()), "4d": (gate[None], up[None]),
+        "1d": (gate[0, 0], up[0, 0]), "2d": (gate[0], up[0]), "2d-strided": (gate[0, :, ::2], up[0, :, ::2]),
         "odd": (gate[..., :60], up[..., :60]), "strided": (gate[..., ::2], up[..., ::2]), "cpu": (gate, up),
     }[case]
     assert SILU_MUL.guard(*args) == reason
     site = Site("silu_mul")
     assert torch.equal(silu_mul(*args, site), silu_mul_ref(*args))
     assert site.fast == 0 and site.fallback == {reason: 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, width", [(9000, 12288), (4680, 14336), (17, 128)])
+def test_silu_mul_packed_rows_match_eager_bitwise(rows, width, dtype):
+    """Packed ``[N, D]`` rows (Cosmos 3's feed-forward over its packed sequence, intermediate 12288; MiniMax-H3's
+    14336): the kernel's ``[1, N, D]``, fast, its output every element written and viewed back as ``[N, D]``."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    gate, up = make_inputs((1, rows, 2 * width), dtype, "cuda", 3)
+    gate, up = gate[0], up[0]
+    ref = silu_mul_ref(gate, up)
+    out = torch.full((1, rows, width), float("nan"), dtype=dtype, device="cuda")  # poisoned
+    torch.ops.diffusers_fastpath._silu_mul_cuda_out(out, gate[None], up[None])
+    assert torch.equal(out[0], ref)
+    site = Site("silu_mul")
+    got = silu_mul(gate, up, site)
+    assert got.shape == ref.shape and torch.equal(got, ref)
+    assert site.fast == 1 and not site.fallback, site
 
 
 @pytest.mark.parametrize("layout", ["chunk", "separate"])

@@ -16,6 +16,7 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    qk_norm_rope, qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
+from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
 from ..quality import hooked
@@ -212,6 +213,45 @@ def _materialize(x):
     return x
 
 
+def _modulate_rows(x, scale, shift, one) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(x3, s, t)`` with ``x3 * (1 + s[:, None]) + t[:, None]`` (`modulate_scale_shift`, ``x3`` a ``[R, L, D]`` view
+    of `x`, ``s`` and ``t`` ``[R or 1, D]``) the same elements as ``x * (one + scale) + shift`` in x's shape, or
+    None. `x` is ``[..., L, D]`` (at least 2-D, contiguous) and each of `scale`, `shift` either rows that broadcast
+    over its tokens (``[..., 1, D]`` with x's leading dimensions, or all of size 1: per sample, per frame), one row
+    per token (x's shape, or x's trailing dimensions where the leading ones are 1: MiniMax-H3's ``[L, D]`` at batch
+    1; x then viewed as ``[tokens, 1, D]``), with the same mapping for both. The result has x's shape only where the
+    rows broadcast to it, which each case requires; ``one`` the literal 1 (``1 + s`` and ``1.0 + s`` are the same
+    number in any floating dtype)."""
+    if not (all(isinstance(t, torch.Tensor) for t in (x, scale, shift)) and one == 1 and type(one) in (int, float)
+            and x.is_floating_point() and x.dim() >= 2 and x.is_contiguous() and x.numel() > 0):
+        return None
+    *lead, tokens, dim = x.shape
+    groups = x.numel() // (tokens * dim)
+
+    def grouped(t: torch.Tensor) -> bool:  # [..., 1, D]: one row per leading index (or one row for all)
+        return (t.dim() >= 2 and t.shape[-2:] == (1, dim) and t.dim() <= x.dim()
+                and (list(t.shape[:-2]) == lead[len(lead) - (t.dim() - 2):] if t.numel() != dim else True)
+                and (t.dim() == x.dim() or t.numel() == dim))
+
+    def per_token(t: torch.Tensor) -> bool:  # x's shape, or its trailing dimensions where the others are 1
+        return t.dim() <= x.dim() and t.shape == x.shape[x.dim() - t.dim():] and t.numel() == x.numel()
+
+    if all(grouped(t) for t in (scale, shift)):
+        rows = [t.reshape(-1, dim) for t in (scale, shift)]
+        return x.view(groups, tokens, dim), rows[0], rows[1]
+    if all(per_token(t) for t in (scale, shift)):
+        # (a view where the rows' strides allow, else a copy of the same values: the guard reads their strides)
+        return x.view(-1, 1, dim), scale.reshape(-1, dim), shift.reshape(-1, dim)
+    return None
+
+
+def _is_silu_mul_fit(act, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``y * act(x)`` is ``silu_mul(x, y, act)``'s ``act(x) * y`` with nothing but the operands' order
+    changed: one shape and dtype (the op refuses others and runs ``act(x) * y``, whose broadcasting and promotion
+    are the same, but the fallback must be the expression as written)."""
+    return x.shape == y.shape and x.dtype == y.dtype
+
+
 class _ChainsNamespace:
     """What the rewritten forwards call. A pattern is matched by its syntax alone, so an operand may turn out not to
     be a tensor at run time: then the replaced expression runs as written."""
@@ -227,6 +267,11 @@ class _ChainsNamespace:
     def gated_residual(residual, gate, update, site):
         if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
             return residual + gate * update
+        if update.shape != residual.shape and gate.shape == residual.shape:
+            # the syntax could not tell the roles (``R + E * torch.sigmoid(1 - g).unsqueeze(1)``: Stable Audio 3):
+            # the operand of the residual's shape is the update; a product of two numbers is the same either way
+            # round, bit for bit (and so are its dtype and broadcast shape)
+            gate, update = update, gate
         return gated_residual(residual, gate, update, site)
 
     @staticmethod
@@ -315,6 +360,25 @@ class _ChainsNamespace:
         if not all(isinstance(t, torch.Tensor) for t in (x, scale, shift)):
             return x * (1 + scale[:, None]) + shift[:, None]
         return modulate_scale_shift(x, scale, shift, site)
+
+    @staticmethod
+    def modulate_rows(first, second, shift, site, one=1, normed_left=True):
+        # ``first * (one + second) + shift`` (`normed_left`) or ``(one + first) * second + shift``, as written (``one``
+        # the literal 1 or 1.0, the operands evaluated in the order written): the modulate of an already-normalised
+        # tensor by rows that broadcast over it per sample or per token (MiniMax-H3's ``s.index_select(0, rows)``,
+        # LTX-2's ``s.squeeze(2)``, Krea 2's ``[B, 1, D]``), as `modulate_scale_shift` where `_modulate_rows` maps
+        # them onto its ``[B, D]`` rows exactly; elsewhere as written
+        x, scale = (first, second) if normed_left else (second, first)
+        mapped = _modulate_rows(x, scale, shift, one)
+        if mapped is not None:
+            if torch.compiler.is_compiling():  # the op as torch.compile sees it (its fallback: the same elements)
+                return MODULATE_SCALE_SHIFT(site, *mapped).view(x.shape)
+            out = MODULATE_SCALE_SHIFT.try_fast(site, *mapped)
+            if out is not None:
+                return out.view(x.shape)
+        elif site is not None:
+            site.fallback["rows not [B or 1, 1, D] or per token"] += 1
+        return (first * (one + second) if normed_left else (one + first) * second) + shift
 
     @staticmethod
     def norm_modulate_rows(norm, x, scale, shift, site):
@@ -448,6 +512,19 @@ class _ChainsNamespace:
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return (F.silu if act is None else act)(x) * y
         return silu_mul(x, y, site, act)
+
+    @staticmethod
+    def mul_silu(y, act, x, site):
+        # ``y * act(x)`` (diffusers' SwiGLU: ``hidden_states * self.activation(gate)``), as written where the op does
+        # not run: the same product as ``act(x) * y`` (a product of two numbers commutes exactly), which the op
+        # computes
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            return y * (F.silu if act is None else act)(x)
+        if _is_silu_mul_fit(act, x, y):
+            return silu_mul(x, y, site, act)
+        if site is not None:
+            site.fallback["operands of two shapes or dtypes"] += 1
+        return y * (F.silu if act is None else act)(x)
 
     @staticmethod
     def cat_heads(a, b, site, token_major=False):

@@ -41,12 +41,54 @@ def _unsqueezed(node: ast.expr) -> bool:
             and isinstance(node.args[0], ast.Constant) and node.args[0].value == 1)
 
 
+_NAMESPACES = frozenset({"torch", "F", "nn", "math", "np"})  # module names: ``torch.sigmoid(g)`` is no method of a gate
+
+
 def _gate_name(gate: ast.expr) -> str | None:
-    """The site name of a gate expression: ``g.unsqueeze(1)`` or ``g`` gives ``g``."""
+    """The site name of a gate expression: ``g.unsqueeze(1)`` or ``g`` gives ``g``; so does a chain of methods,
+    subscripts and attributes of ``g`` (``g.tanh()``, ``g.index_select(0, rows)``, ``g.unsqueeze(1).tanh()``,
+    ``g[:, None]``), and ``self.g.tanh()`` gives ``g``. The gate is then computed as written, before the fused
+    call (its arguments are evaluated in the order the expression evaluates them)."""
     if isinstance(gate, ast.Name):
         return gate.id
     if _unsqueezed(gate):
         return gate.func.value.id
+    node, last = gate, None
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Attribute):
+            last, node = node.attr, node.value
+        else:
+            break
+    if not isinstance(node, ast.Name) or node is gate or node.id in _NAMESPACES:
+        return None
+    return last if node.id == "self" and last is not None else (None if node.id == "self" else node.id)
+
+
+def _is_one_literal(node: ast.expr) -> bool:
+    """Whether `node` is the literal ``1`` or ``1.0`` (not ``True``)."""
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 1
+
+
+def _rows_modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr, object, bool] | None:
+    """``(A, B, T, one, normed_left)`` if `node` is ``A * (one + B) + T`` (`normed_left`: A the normalised tensor, B
+    the scale) or ``(one + A) * B + T`` (A the scale, B the normalised tensor), ``one`` the literal 1 or 1.0 and
+    the operands any expressions (the modulate-rows form: rows per sample or per token, `_chain_calls.
+    _modulate_rows` decides per call)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.BinOp)
+            and isinstance(node.left.op, ast.Mult)):
+        return None
+    left, right = node.left.left, node.left.right
+    for plus, normed_left in ((right, True), (left, False)):
+        if isinstance(plus, ast.BinOp) and isinstance(plus.op, ast.Add) and _is_one_literal(plus.left):
+            other = left if normed_left else right
+            if isinstance(other, ast.BinOp) and isinstance(other.op, ast.Add) and _is_one_literal(other.left):
+                return None  # (1 + a) * (1 + b): which is the scale is not said
+            first, second = (left, plus.right) if normed_left else (plus.right, right)
+            return first, second, node.right, plus.left.value, normed_left
     return None
 
 

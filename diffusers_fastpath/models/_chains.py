@@ -50,6 +50,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
@@ -96,6 +97,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     func.returns = None
     params = [a.arg for a in func.args.args]
     owner = params[1] if len(params) > 1 and params[0] == "self" and func.name == "__call__" else "self"
+    if "F.silu" in activations and fn.__globals__.get("torch") is torch:  # ... or written out (MiniMax-Music 3)
+        activations = (*activations, "torch.nn.functional.silu")
     if "F.silu" in activations and fn.__globals__.get("F") is not F:  # the functional form needs torch's F
         activations = tuple(a for a in activations if a != "F.silu")
     if complex_rotary is not None and complex_rotary not in fn.__globals__:

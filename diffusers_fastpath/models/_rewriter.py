@@ -23,9 +23,14 @@ of ``self``):
     by the shapes); ``(R + E * G)`` (AceStep)  ->  the gated residual form inside the casts; the site ``name_2``,
     ``name_3`` ... where a gate of that name has one already
 
-  where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed); the site is named after that name.
-  ``R + E * g.unsqueeze(1)`` is taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either
-  way round, bit for bit), and so is ``R + E * G`` with two names of which only ``G``'s says ``gate``.
+  where ``G`` is ``name.unsqueeze(1)`` or a name (a gate already unsqueezed), or a chain of methods, subscripts and
+  attributes of a name (``g.tanh()``: Qwen-Image 2.1; ``g.index_select(0, rows)``: MiniMax-H3's per-token rows;
+  ``self.g.tanh()``), computed as written before the fused call (whose arguments are evaluated in the order the
+  expression evaluates them: nothing moves); the site is named after that name. ``R + E * g.unsqueeze(1)`` is
+  taken as ``R + g.unsqueeze(1) * E`` (a product of two numbers is the same either way round, bit for bit), and so
+  is ``R + E * G`` with two names of which only ``G``'s says ``gate``; where the syntax takes the roles the other way
+  round (``R + E * torch.sigmoid(1 - g).unsqueeze(1)``: Stable Audio 3), the call swaps them by their shapes. A
+  2-D ``[L, D]`` or 1-D ``[D]`` gate runs as the ``[1, L, D]`` / ``[1, 1, D]`` it broadcasts as.
 - LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift` in every tier; the fallback is the
   LayerNorm module and the exact modulate):
 
@@ -70,6 +75,17 @@ of ``self``):
   - ``H = N * (1 + S[:, None]) + T[:, None]``, ``N`` a name  ->  ``H = modulate(N, S, T, site)``
 
   with the site ``modulate_scale_shift_<H>`` on the block.
+- the modulate-rows form, where none of the forms above took it, anywhere in a statement:
+
+  - ``A * (1 + B) + T`` or ``(1.0 + A) * B + T`` (``1`` or ``1.0``; any operands: MiniMax-H3's ``N * (1.0 +
+    s.index_select(0, rows)) + t.index_select(0, rows)`` after a ``torch.nn.RMSNorm``, LTX-2's a2v / v2a ``N * (1
+    + s.squeeze(2)) + t.squeeze(2)``, Krea 2's ``self.attn((1.0 + s) * self.norm1(x) + t, ...)``)  ->
+    ``modulate_rows(A, B, T, site, one, normed_left)``: the operands evaluated in the order written, the arithmetic
+    after them (taken where evaluating ``B`` and ``T`` leaves what ``A`` holds as it was, and ``T`` what ``B``
+    holds), as `modulate_scale_shift` of a ``[R, L, D]`` view where the rows are per sample, per frame or per
+    token (`_chain_calls._modulate_rows`), else as written
+
+  with the site ``modulate_scale_shift_<name>`` on the block (the target, the norm's attribute, or the name).
 - rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
   attention processors:
 
@@ -125,7 +141,10 @@ of ``self``):
   - ``H = self.ACT(E) * F``  ->  ``H = silu_mul(self.ACT, E, F, site)`` when ``self.ACT`` is a plain ``nn.SiLU``
     without hooks (checked per call), with the site ``silu_mul`` on the block
   - ``return F.silu(E) * G`` or ``H = F.silu(E) * G`` with ``F`` the module's ``torch.nn.functional``
-    (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``)  ->  the same op
+    (``activations=("F.silu",)``: Z-Image's ``FeedForward._forward_silu_gating``; also written out,
+    ``torch.nn.functional.silu(E)``, MiniMax-Music 3)  ->  the same op
+  - ``G * self.ACT(E)`` or ``G * F.silu(E)`` (diffusers' ``SwiGLU``: ``hidden_states * self.activation(gate)``)  ->
+    ``mul_silu(G, ACT, E, site)``, the operands in the order written, the same op (the product commutes exactly)
   - either product inside a larger expression (``return self.linear_2(self.silu(E) * F)``: Lumina's
     ``LuminaFeedForward``, whose ``FP32SiLU`` the op's proof covers too)  ->  the same op, in place
 - RMSNorm + scale and RMSNorm + gated residual (sandwich norms: Z-Image, Lumina2), into
@@ -228,7 +247,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ._chain_proofs import Proofs, _bound_names, like
-from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _casts_back, _cat_names, _cat_of,
+from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _casts_back, _cat_names, _cat_of, _rows_modulate_of,
                             _complex_rotary_call, _float_gated_of, _float_modulate_of, _fp32_gated_of,
                             _fp32_modulate_of, _fp32_norm_of, _gate_name, _operand_name, _recast,
                             _modulate_of, _ns_call, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _PendingReads, _reads_after,
@@ -382,21 +401,36 @@ class _Rewriter:
                      [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
         return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
+    def _activation(self, node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+        """``(module, E)`` if `node` is ``self.ACT(E)`` (ACT one of the adapter's activations) or ``F.silu(E)``
+        (module ``None``), else None."""
+        act = _self_module_call(node)
+        if act is not None and act[0] in self.activations:
+            return _self_attr(act[0]), act[1]
+        if not (isinstance(node, ast.Call) and len(node.args) == 1 and not isinstance(node.args[0], ast.Starred)
+                and not node.keywords and isinstance(node.func, ast.Attribute) and node.func.attr == "silu"):
+            return None
+        written = ast.unparse(node.func)
+        if written in ("F.silu", "torch.nn.functional.silu") and written in self.activations:
+            return ast.Constant(None), node.args[0]  # (`_chains` checked that the module's F / torch is torch's)
+        return None
+
     def _silu_mul(self, value: ast.expr, stmt: ast.stmt) -> ast.Call | None:
         """The SwiGLU form's call for ``self.ACT(E) * G`` or ``F.silu(E) * G`` (see the module doc) in statement
-        `stmt`, or None (also where evaluating ``G``, which the SiLU now waits for, may change what it reads)."""
+        `stmt`, or None (also where evaluating ``G``, which the SiLU now waits for, may change what it reads); and
+        for ``G * self.ACT(E)`` (diffusers' ``SwiGLU``, Stable Audio 3's feed-forward), whose call
+        ``mul_silu(G, module, E, site)`` evaluates its operands in the order written and calls the activation after
+        them, as the product does: nothing moves."""
         if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)) or self.found.silu_mul:
             return None
-        act = _self_module_call(value.left)
-        if act is not None and act[0] in self.activations:
-            module: ast.expr = _self_attr(act[0])
-        elif ("F.silu" in self.activations and isinstance(value.left, ast.Call) and len(value.left.args) == 1
-              and not value.left.keywords and isinstance(value.left.func, ast.Attribute)
-              and value.left.func.attr == "silu" and isinstance(value.left.func.value, ast.Name)
-              and value.left.func.value.id == "F"):
-            act, module = ("F.silu", value.left.args[0]), ast.Constant(None)
-        else:
-            return None
+        act = self._activation(value.left)
+        if act is None:
+            act = self._activation(value.right)
+            if act is None:
+                return None
+            self.found.silu_mul = True
+            return _call("mul_silu", [value.left, act[0], act[1], _site_of(_self_attr(), SILU_MUL)])
+        module = act[0]
         if not self.proofs.stays([module, act[1]], stmt, exprs=[value.right]):
             return None
         self.found.silu_mul = True
@@ -548,12 +582,54 @@ class _Rewriter:
             return stmt
         return Modulates().visit(stmt)
 
+    def _rows_modulates(self, stmt: ast.stmt) -> ast.stmt:
+        """`stmt` with every modulate-rows form in it (`_rows_modulate_of`: ``A * (1 + B) + T`` or ``(1.0 + A) * B +
+        T``, anywhere: MiniMax-H3's ``N * (1.0 + s.index_select(0, rows)) + t.index_select(0, rows)``, LTX-2's
+        ``N * (1 + s.squeeze(2)) + t.squeeze(2)``, Krea 2's ``self.attn((1.0 + s) * self.norm1(x) + t, ...)``) that no
+        form before took as ``modulate_rows(A, B, T, site, one, normed_left)``: the operands evaluated in the order
+        written, the arithmetic after them, taken where evaluating ``B`` and ``T`` leaves what ``A`` holds as it was,
+        and ``T`` what ``B`` holds (`_chain_proofs`); the site ``modulate_scale_shift_<name>`` on the block, after
+        the assignment's target, the norm ``self.N`` of the normalised operand, or its name."""
+        rewriter, target = self, _single_target(stmt)
+
+        class Modulates(ast.NodeTransformer):
+            def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+                node = self.generic_visit(node)
+                form = _rows_modulate_of(node)
+                if form is None:
+                    return node
+                first, second, shift, one, normed_left = form
+                stays = rewriter.proofs.stays
+                if not (stays([first], stmt, exprs=[second, shift]) and stays([second], stmt, exprs=[shift])):
+                    return node
+                normed = first if normed_left else second
+                called = _self_module_call(normed)
+                name = (target if node is value else called[0] if called is not None
+                        else normed.id if isinstance(normed, ast.Name) else None)
+                if name is None:
+                    return node
+                name = next(n for k in itertools.count(1) if (n := name if k == 1 else f"{name}_{k}")
+                            not in rewriter.found.modulates)
+                rewriter.found.modulates.append(name)
+                site = _site_of(_self_attr(), f"{MODULATE_ONLY}_{name}")
+                return like(_call("modulate_rows", [first, second, shift, site, ast.Constant(one),
+                                                    ast.Constant(normed_left)]), node)
+
+        value = getattr(stmt, "value", None)
+        if not any(_rows_modulate_of(n) is not None for n in ast.walk(stmt)):
+            return stmt
+        return Modulates().visit(stmt)
+
     def nested(self, stmt: ast.stmt) -> ast.stmt:
         """`stmt` with every ``self.A(X) * S`` in it (``A`` one of the adapter's RMSNorms) as ``rms_scale``, and a
-        SwiGLU product inside a larger expression (``self.linear_2(self.silu(E) * F)``, Lumina's) as ``silu_mul``."""
+        SwiGLU product inside a larger expression (``self.linear_2(self.silu(E) * F)``, Lumina's) as ``silu_mul``;
+        then every modulate-rows form left (`_rows_modulates`)."""
         if not isinstance(stmt, (ast.Assign, ast.Return, ast.Expr)):
             return stmt
         stmt = self._nested_modulates(stmt)
+        return self._rows_modulates(self._scales(stmt))
+
+    def _scales(self, stmt: ast.stmt) -> ast.stmt:
         if not (self.rms_norms or self.activations):
             return stmt
         rewriter = self

@@ -171,6 +171,10 @@ def gated_residual(
         update: ``[B, L, D]`` branch output (attention, feed-forward, ``proj_out``).
         site: the call site's counters (fast calls, fallbacks with reasons), shown by `diffusers_fastpath.report`.
 
+    A 2-D ``[L or 1, D]`` gate (rows a model selects per token, MiniMax-H3's ``gate.index_select(0, rows)``) is
+    the ``[1, L or 1, D]`` one, a 1-D ``[D]`` gate the ``[1, 1, D]`` one: broadcasting prepends the size-1
+    dimensions either way, so every element is the same product and sum (`as_batch_rows`).
+
     Example:
         >>> import torch
         >>> from diffusers_fastpath.ops import gated_residual, gated_residual_ref
@@ -179,7 +183,18 @@ def gated_residual(
         >>> torch.equal(gated_residual(x, gate, out), gated_residual_ref(x, gate, out))
         True
     """
-    return GATED_RESIDUAL(site, residual, gate, update)
+    return GATED_RESIDUAL(site, residual, as_batch_rows(gate, residual), update)
+
+
+def as_batch_rows(gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`gate` as ``[1, L, D]`` where it is a 2-D ``[L, D]`` gate of a ``[B, L, D]`` residual, as ``[1, 1, D]`` where
+    it is a 1-D ``[D]`` one (Bria FIBO 2's ``self.cross_attn_gate.tanh()``): a view; broadcasting against a 3-D
+    operand prepends those dimensions anyway, so the expression's every element and its result's shape and dtype
+    are the same. Else `gate` as it is."""
+    if (isinstance(gate, torch.Tensor) and isinstance(residual, torch.Tensor) and gate.dim() in (1, 2)
+            and residual.dim() == 3):
+        return gate[(None,) * (3 - gate.dim())]
+    return gate
 
 
 # --- Wan's chain: the same kernel with an fp32 gate ---------------------------------------------------------------
@@ -235,4 +250,4 @@ def gated_residual_fp32(
         update: ``[B, L, D]`` branch output of the residual's dtype.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
     """
-    return GATED_RESIDUAL_FP32(site, residual, gate, update)
+    return GATED_RESIDUAL_FP32(site, residual, as_batch_rows(gate, residual), update)

@@ -14,7 +14,8 @@ input once and writes once (eager: the SiLU reads and writes, the multiply reads
 
 Shapes: ``gate`` and ``up`` are ``[B, L, D]`` with unit innermost stride and 16-byte aligned rows (any row and batch
 strides that keep them so: the halves of a contiguous ``[B, L, 2D]`` qualify without a copy); the output is
-contiguous.
+contiguous. Packed ``[N, D]`` rows (Cosmos 3's feed-forwards over its packed sequence) are taken as ``[1, N, D]``:
+the kernel indexes them the same way, and the result is the ``[N, D]`` view of its output.
 
 `swiglu_cat` is the same kernel where a concatenation follows the SwiGLU (FLUX.2's parallel single blocks:
 ``torch.cat([attn_output, swiglu(mlp)], dim=-1)`` before the output projection): it writes the SwiGLU straight into
@@ -65,6 +66,8 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None,
     reason = act_reason(act)
     if reason is not None:
         return reason
+    if gate.dim() == 2 and up.dim() == 2:  # packed rows: the [1, N, D] the kernel runs on (`_kernel`)
+        gate, up = gate.unsqueeze(0), up.unsqueeze(0)
     dtype = gate.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
@@ -129,6 +132,8 @@ def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
         _cuda_op = launcher(_nvrtc_kernel, "_silu_mul_cuda")
+    if gate.dim() == 2:  # packed [N, D] rows (the guard took them): the kernel's [1, N, D], viewed back
+        return _cuda_op(gate.unsqueeze(0), up.unsqueeze(0))[0]
     return _cuda_op(gate, up)
 
 
@@ -165,7 +170,8 @@ def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @_silu_mul_op.register_fake
 def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    torch._check(gate.dim() == 3 and up.shape == gate.shape, lambda: "silu_mul: gate and up must be one [B, S, D]")
+    torch._check(gate.dim() in (2, 3) and up.shape == gate.shape,
+                 lambda: "silu_mul: gate and up must be one [B, S, D] (or [N, D])")
     return gate.new_empty(gate.shape)
 
 
@@ -191,8 +197,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None,
     proven on every value of the dtype on first use).
 
     Args:
-        gate: ``[B, L, D]`` input of the SiLU (e.g. the first ``chunk(2, dim=-1)`` half of the FFN's projection).
-        up: ``[B, L, D]`` the other factor, of gate's dtype and shape.
+        gate: ``[B, L, D]`` (or packed ``[N, D]``) input of the SiLU (e.g. the first ``chunk(2, dim=-1)`` half of
+            the FFN's projection).
+        up: the other factor, of gate's dtype and shape.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
         act: the activation module the expression calls (``nn.SiLU`` or diffusers' ``FP32SiLU``), or ``None`` for
             ``F.silu``: wherever the kernel does not run, ``act(gate) * up`` runs as written (its hooks too).

@@ -32,7 +32,7 @@ def _stable_audio3_inputs(model, d, batch, frames=16, text=8):
                 encoder_attention_mask=d.mask(batch, text, dtype=torch.bool), return_dict=False)
 
 
-def _ace_step_inputs(model, d, batch, frames=16, text=8):
+def _ace_step_inputs(model, d, batch, frames=32, text=8):
     # AceStepPipeline: (B, T, 64) acoustic latents, t and the mean-flow target r on [0, 1], the condition encoder's
     # states, context latents (source + chunk mask: 2 x 64 channels)
     cfg = model.config
@@ -85,12 +85,13 @@ ENTRIES = {
               "(randomised here; the zoo passes no local_add_cond, as text-to-audio)."),
     "ace-step": ZooEntry(
         _T + "ace_step_transformer.AceStepTransformer1DModel",
-        dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        dict(hidden_size=640, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=64, in_channels=192, audio_acoustic_hidden_dim=64, patch_size=2, sliding_window=4),
         _ace_step_inputs, full_config={}, full_size=dict(frames=1500, text=256),
         notes="ACE-Step 1.5 = the class defaults (2048 x 24, 16 x 128 GQA 8). Layers alternate sliding-window and full "
-              "attention (window 4 tokens here so both differ on 8 tokens); Wan-like modulate without .float(). No "
-              "_repeated_blocks / _no_split_modules: the blocks are found from the module tree only."),
+              "attention (window 4 tokens here so both differ on 16 tokens, enough rows for the fused RMSNorm, 640 "
+              "wide for its reduction); Wan-like modulate without .float(). No _repeated_blocks / _no_split_modules: "
+              "the blocks are found from the module tree only."),
     "longcat-audio": ZooEntry(
         _T + "transformer_longcat_audio_dit.LongCatAudioDiTTransformer",
         dict(dit_dim=128, dit_depth=2, dit_heads=2, dit_text_dim=64, latent_dim=64),

@@ -256,7 +256,7 @@ ENTRIES = {
               "_repeated_blocks / _no_split_modules: the blocks are found from the module tree only."),
     "lumina-next": ZooEntry(
         _T + "lumina_nextdit2d.LuminaNextDiT2DModel",
-        dict(sample_size=8, patch_size=2, in_channels=4, hidden_size=128, num_layers=2, num_attention_heads=2,
+        dict(sample_size=8, patch_size=2, in_channels=4, hidden_size=640, num_layers=2, num_attention_heads=5,
              num_kv_heads=1, multiple_of=16, cross_attention_dim=64),
         _lumina_next_inputs, full_config=dict(num_layers=24, num_kv_heads=8), full_size=dict(_1024, text=256),
         notes="Lumina-Next-SFT: the class defaults (2304 wide, 32 heads) with 24 layers and 8 KV heads (from memory of "

@@ -227,14 +227,14 @@ ENTRIES = {
               "islands: norm, norm1, norm2, norm_q, norm_k (zero-centred fp32 RMSNorms); sigmoid output gate."),
     "ideogram4": ZooEntry(
         _T + "transformer_ideogram4.Ideogram4Transformer2DModel",
-        dict(num_layers=2, attention_head_dim=128, num_attention_heads=2, intermediate_size=512, adaln_dim=64,
+        dict(num_layers=2, attention_head_dim=128, num_attention_heads=5, intermediate_size=512, adaln_dim=64,
              llm_features_dim=96, mrope_section=(12, 10, 10)),
         _ideogram4_inputs, full_config={}, full_size=dict(height=2048, width=2048, text=2048, valid=256),
         notes="Ideogram 4 = the class defaults (34 layers, 18 x 256). One sequence [pad | text | image] with segment "
               "ids and indicators; the tiny head dim is 128 (published 256, over the fused RMSNorm's 128 limit)."),
     "bria-fibo2": ZooEntry(
         _T + "transformer_bria_fibo2.BriaFibo2Transformer2DModel",
-        dict(in_channels=16, patch_size=2, dim=256, n_layers=2, n_refiner_layers=1, n_heads=2, cap_feat_dim=64,
+        dict(in_channels=16, patch_size=2, dim=640, n_layers=2, n_refiner_layers=1, n_heads=5, cap_feat_dim=64,
              injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4, max_num_gist_tokens=8,
              gist_step=4, gist_min_text_len=4, gist_max_text_len=16, axes_dims=(32, 48, 48), axes_lens=(64, 64, 64)),
         _fibo2_inputs, full_config={}, full_size=dict(_1024, text=512),

@@ -51,7 +51,7 @@ def _motif_inputs(model, d, batch, frames=5, height=64, width=64, text=8):
 
 # ---------------------------------------------------------------- LTX-2
 
-def _ltx2_inputs(model, d, batch, frames=9, height=64, width=64, text=8, fps=24.0):
+def _ltx2_inputs(model, d, batch, frames=17, height=128, width=128, text=8, fps=24.0):
     # LTX2Pipeline: packed video tokens (VAE /32 spatial, /8 temporal, 128 ch) and audio latents (25 per second),
     # the connector's text states for each branch with an all-ones mask, sigma = timestep on [0, 1000]
     cfg = model.config
@@ -234,15 +234,15 @@ ENTRIES = {
               "embedding returns transposed tokens, so the first blocks see a non-contiguous stream."),
     "ltx2": ZooEntry(
         _T + "transformer_ltx2.LTX2VideoTransformer3DModel",
-        dict(num_attention_heads=2, attention_head_dim=64, cross_attention_dim=128, audio_num_attention_heads=2,
-             audio_attention_head_dim=64, audio_cross_attention_dim=128, num_layers=2, caption_channels=64),
+        dict(num_attention_heads=10, attention_head_dim=64, cross_attention_dim=640, audio_num_attention_heads=10,
+             audio_attention_head_dim=64, audio_cross_attention_dim=640, num_layers=2, caption_channels=64),
         _ltx2_inputs, full_config={}, full_size=dict(frames=121, height=512, width=768, text=1024),
         notes="LTX-2 19B = the class defaults (video 32 x 128, audio 32 x 64). Video and audio streams with a2v / v2a "
               "cross-attention in every block; sigma passed as well as the timestep; video rotary interleaved. The "
-              "fused RMSNorm takes D % 128 == 0 in (512, 8192): the tiny width 128 is under it."),
+              "fused RMSNorm takes D % 128 == 0 in (512, 8192): the tiny width is 640 (10 x 64) so that it runs."),
     "sana-wm-refiner": ZooEntry(
         _T + "transformer_sana_wm_refiner.SanaWMLTX2RefinerTransformer3DModel",
-        dict(in_channels=128, out_channels=128, num_attention_heads=2, attention_head_dim=64, cross_attention_dim=128,
+        dict(in_channels=128, out_channels=128, num_attention_heads=10, attention_head_dim=64, cross_attention_dim=640,
              audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=8,
              audio_cross_attention_dim=16, num_layers=2, caption_channels=64),
         _sana_wm_refiner_inputs, full_config={}, full_size=dict(frames=8, height=15, width=26, text=1024),
