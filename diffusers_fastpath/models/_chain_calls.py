@@ -12,7 +12,7 @@ from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
-                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope,
+                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, qk_norm_rope_fp32,
                    qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
@@ -137,6 +137,15 @@ class _NormLater:
         self.norm, self.x, self.heads = norm, x, heads
 
 
+class _NormFp32Later:
+    """``norm(x.float())`` not yet run: a float32 QK norm (FLUX.3's) waiting for its rotary (`_chain_qk_fp32`)."""
+
+    __slots__ = ("norm", "x")
+
+    def __init__(self, norm, x: torch.Tensor) -> None:
+        self.norm, self.x = norm, x
+
+
 class _CatLater:
     """``torch.cat([norm_txt(x_txt), norm_img(x_img)], dim=1)`` not yet run (two `_NormLater`)."""
 
@@ -199,6 +208,8 @@ def _materialize(x):
         return x.norm(x.x).unflatten(2, (x.heads, -1)) if x.heads else x.norm(x.x)
     if isinstance(x, _CatLater):
         return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
+    if isinstance(x, _NormFp32Later):
+        return x.norm(x.x.float())
     return x
 
 
@@ -338,8 +349,14 @@ class _ChainsNamespace:
         return swiglu_cat(attn, x, site, getattr(act, gate))
 
     @staticmethod
-    def rotary(x, freqs, site, qk_site=None, rms_site=None):
+    def rotary(x, freqs, site, qk_site=None, rms_site=None, cast=None, fp32_site=None):
         tables = _two_tables(freqs)
+        if isinstance(x, _NormFp32Later):
+            # FLUX.3's float32 norm: `cast` is the dtype the rewriter proved the result is cast to right after (the
+            # written cast then returns what this returns); without it, or to another dtype, as written
+            if tables and type(x.norm) is nn.RMSNorm and cast is not None and cast is x.x.dtype:
+                return qk_norm_rope_fp32(x.norm, x.x, freqs[0], freqs[1], fp32_site, site)
+            x = _materialize(x)
         if isinstance(x, _NormLater) and x.heads:
             x = _materialize(x)
         if isinstance(x, (_NormLater, _CatLater)):
@@ -494,6 +511,11 @@ class _ChainsNamespace:
         if not (type(norm) is RMSNorm and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
             return residual + gate * norm(x)
         return rmsnorm_gated_residual(norm, residual, gate, x, site)
+
+    @staticmethod
+    def norm_later_fp32(norm, x):
+        # FLUX.3's ``norm(x.float())``: waits only where its fused op could run it (torch's RMSNorm of a tensor)
+        return _NormFp32Later(norm, x) if isinstance(x, torch.Tensor) and type(norm) is nn.RMSNorm else norm(x.float())
 
     @staticmethod
     def norm_later(norm, x):

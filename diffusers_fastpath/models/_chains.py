@@ -60,6 +60,7 @@ from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
 from ._chain_inline import Inliner
 from ._chain_proofs import Proofs, source_of
+from ._chain_qk_fp32 import QK_NORM_ROPE_FP32
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
@@ -436,7 +437,9 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             norm = type(getattr(module, "norm_q", None)) if qk else None  # what `norm_later` defers, by its type
             if found.rotary or found.rotary_named:
                 state.add_site(module, ROTARY, name=ROTARY)
-            if found.rotary:
+            if found.rotary and found.qk_fp32:  # FLUX.3's float32 QK norms (`_chain_qk_fp32`)
+                state.add_site(module, QK_NORM_ROPE_FP32, name=QK_NORM_ROPE_FP32)
+            elif found.rotary:
                 if norm is nn.RMSNorm:
                     state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
                 elif norm is RMSNorm:
