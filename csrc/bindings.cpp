@@ -781,6 +781,40 @@ at::Tensor qk_norm_rope_fp32(const at::Tensor& x, const at::Tensor& weight, doub
                        /*wan=*/false, /*norm_rows=*/false, /*norm_final=*/0, /*norm_fp32=*/true);
 }
 
+// The rotate-half rotary (rotary.cu's rotate_half_kernel): x contiguous [rows, heads, dim] (the Python op's view),
+// cos/sin contiguous [table_rows, rot_dim] of x's dtype or float32 (cast to x's dtype first), table_rows dividing rows
+// (row r reads table row r % table_rows), rot_dim even and at most dim (the channels past it copied).
+at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(),
+              "rotary_half: x must be a contiguous CUDA [rows, heads, dim] tensor, got ", shape_str(x.sizes()));
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK((t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == cos.scalar_type() && t->device() == x.device() && t->is_contiguous() &&
+                    t->dim() == 2 && t->sizes() == cos.sizes() && cos.size(0) > 0 && x.size(0) % cos.size(0) == 0 &&
+                    cos.size(1) % 2 == 0 && cos.size(1) <= x.size(2),
+                "rotary_half: cos/sin must be contiguous [table_rows, rot_dim] tensors of x's dtype or float32, "
+                "table_rows dividing x's rows, rot_dim even and at most dim");
+  }
+  RotateHalfArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.cos = cos.data_ptr();
+  args.sin = sin.data_ptr();
+  args.rows = x.size(0);
+  args.heads = x.size(1);
+  args.dim = x.size(2);
+  args.rot_dim = cos.size(1);
+  args.table_rows = cos.size(0);
+  args.tables_f32 = cos.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  const cudaError_t err = launch_rotate_half(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rotary_half: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
 void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
@@ -901,6 +935,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
+  m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");
   m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
@@ -950,6 +985,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_emb_wan_cuda", &diffusers_fastpath::rotary_emb_wan);
   m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
+  m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);

@@ -380,7 +380,61 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
   }
 }
 
-#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+// The rotate-half form (RotateHalfArgs, fastpath.h), as Ideogram 4's and Cosmos 3's processors write it and MiniMax-H3's
+// _apply_rotary_emb computes it, in the storage dtype T: `x * c` and `rotate_half(x) * s` are aten multiplies of two T
+// tensors (a float product, rounded to T), their sum an aten add of two T tensors (a float sum, rounded to T); the
+// negation in rotate_half is exact; MiniMax-H3's float32 tables are cast to T first (one rounding each, tables_f32),
+// and its channels past rot_dim are copied. Exact by construction (each operation a separate IEEE one,
+// __fmul_rn/__fadd_rn). One block of kHalfThreads per row (a token), each thread the pairs (i, i + R/2) of the row's
+// heads in turn, then the pass-through channels.
+constexpr int kHalfThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float half_table(const void* table, int64_t i, bool f32) {
+  return f32 ? round_to<T>(static_cast<const float*>(table)[i]) : Storage<T>::load(static_cast<const T*>(table)[i]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kHalfThreads) rotate_half_kernel(const RotateHalfArgs a) {
+  const int64_t row = blockIdx.x;
+  const int dim = static_cast<int>(a.dim);
+  const int half = static_cast<int>(a.rot_dim / 2);
+  const int pairs = static_cast<int>(a.heads) * half;
+  const T* x = static_cast<const T*>(a.x) + row * a.heads * dim;
+  const int64_t t = (row % a.table_rows) * a.rot_dim;
+  T* out = static_cast<T*>(a.out) + row * a.heads * dim;
+  for (int p = threadIdx.x; p < pairs; p += kHalfThreads) {
+    const int h = p / half;
+    const int i = p - h * half;
+    const int lo = h * dim + i;
+    const float x1 = Storage<T>::load(x[lo]);
+    const float x2 = Storage<T>::load(x[lo + half]);
+    const float a1 = round_to<T>(__fmul_rn(x1, half_table<T>(a.cos, t + i, a.tables_f32)));
+    const float b1 = round_to<T>(__fmul_rn(-x2, half_table<T>(a.sin, t + i, a.tables_f32)));
+    const float a2 = round_to<T>(__fmul_rn(x2, half_table<T>(a.cos, t + i + half, a.tables_f32)));
+    const float b2 = round_to<T>(__fmul_rn(x1, half_table<T>(a.sin, t + i + half, a.tables_f32)));
+    out[lo] = Storage<T>::store(__fadd_rn(a1, b1));
+    out[lo + half] = Storage<T>::store(__fadd_rn(a2, b2));
+  }
+  const int rest = dim - 2 * half;  // the channels past rot_dim, copied
+  for (int p = threadIdx.x; p < static_cast<int>(a.heads) * rest; p += kHalfThreads) {
+    const int j = (p / rest) * dim + 2 * half + p % rest;
+    out[j] = x[j];
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launchers; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T>
+cudaError_t launch_half(const RotateHalfArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.heads == 0 || a.dim == 0) return cudaSuccess;
+  if (a.rot_dim % 2 != 0 || a.rot_dim > a.dim || a.table_rows <= 0 || a.rows % a.table_rows != 0 ||
+      a.rows > 0x7fffffff || a.heads * a.dim > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  rotate_half_kernel<T><<<static_cast<unsigned>(a.rows), kHalfThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const int64_t seq = a.txt.seq + a.img.seq;
@@ -434,6 +488,10 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
 #ifndef __CUDACC_RTC__
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+
+cudaError_t launch_rotate_half(const RotateHalfArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_half<decltype(tag)>(args, stream); });
 }
 #endif
 

@@ -12,10 +12,11 @@ from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
-                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, qk_norm_rope_fp32,
+                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, qk_norm_rope_fp32, rotary_half, rotary_half_partial,
                    qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
+from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
 from ..quality import hooked
@@ -511,6 +512,21 @@ class _ChainsNamespace:
         if not (type(norm) is RMSNorm and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
             return residual + gate * norm(x)
         return rmsnorm_gated_residual(norm, residual, gate, x, site)
+
+    @staticmethod
+    def rotary_half(fn, x, cos, sin, site):
+        # ``x * cos + fn(x) * sin`` (Ideogram 4, Cosmos 3): fused where fn is a known rotate-half (by its source)
+        if is_rotate_half(fn) and all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
+            return rotary_half(x, cos, sin, site, fn)
+        return x * cos + fn(x) * sin
+
+    @staticmethod
+    def rotary_half_partial(fn, x, freqs, site):
+        # ``fn(x, *freqs)``: MiniMax-H3's partial rotate-half where fn is that function (by its source) and freqs its
+        # (cos, sin); any other function as written
+        if is_partial_rotate_half(fn) and isinstance(x, torch.Tensor) and _two_tables(freqs, tuple):
+            return rotary_half_partial(x, freqs[0], freqs[1], site, fn)
+        return fn(x, *freqs)
 
     @staticmethod
     def norm_later_fp32(norm, x):

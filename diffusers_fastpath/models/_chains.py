@@ -61,6 +61,7 @@ from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
 from ._chain_inline import Inliner
 from ._chain_proofs import Proofs, source_of
 from ._chain_qk_fp32 import QK_NORM_ROPE_FP32
+from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
@@ -437,6 +438,10 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             norm = type(getattr(module, "norm_q", None)) if qk else None  # what `norm_later` defers, by its type
             if found.rotary or found.rotary_named:
                 state.add_site(module, ROTARY, name=ROTARY)
+            if found.rotary_half:  # Ideogram 4's, Cosmos 3's rotate-half form (`_chain_rotate_half`)
+                state.add_site(module, ROTARY_HALF, name=ROTARY_HALF)
+            if found.rotary_half_partial:  # MiniMax-H3's
+                state.add_site(module, ROTARY_HALF_PARTIAL, name=ROTARY_HALF_PARTIAL)
             if found.rotary and found.qk_fp32:  # FLUX.3's float32 QK norms (`_chain_qk_fp32`)
                 state.add_site(module, QK_NORM_ROPE_FP32, name=QK_NORM_ROPE_FP32)
             elif found.rotary:

@@ -228,6 +228,7 @@ from dataclasses import dataclass, field
 
 from ._chain_proofs import Proofs, _bound_names, like
 from ._chain_qk_fp32 import deferred_fp32, fp32_norm_input, mark_casts
+from ._chain_rotate_half import partial_call, rotate_half_call
 from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _casts_back, _cat_names, _cat_of,
                             _complex_rotary_call, _float_gated_of, _float_modulate_of, _fp32_gated_of,
                             _fp32_modulate_of, _fp32_norm_of, _gate_name, _operand_name, _recast,
@@ -286,6 +287,8 @@ class Rewrite:
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
     qk_fp32: int = 0  # rotary calls of pending float32 QK norms proven cast back right after (FLUX.3)
+    rotary_half: int = 0  # a processor's rotate-half rotary expressions (Ideogram 4, Cosmos 3): site ``rotary_half``
+    rotary_half_partial: int = 0  # ``Q = R(X, *F)`` calls that may be MiniMax-H3's partial rotate-half (by digest)
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
 
@@ -294,7 +297,8 @@ class Rewrite:
                     or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
-                    or self.head_cats or self.rotary_named)
+                    or self.head_cats or self.rotary_named or self.rotary_half
+                    or self.rotary_half_partial)
 
 
 # the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
@@ -408,7 +412,15 @@ class _Rewriter:
         if not self.block:
             if self.head_cats and (cat := self._head_cat(stmt)) is not None:
                 return cat
-            return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
+            if (half := rotate_half_call(stmt, self.owner)) is not None:  # Ideogram 4, Cosmos 3 (`_chain_rotate_half`)
+                self.found.rotary_half += 1
+                return like(half, stmt)
+            if not isinstance(stmt, ast.Assign):
+                return None
+            if (rotary := self._rotary_anywhere(stmt)) is None and (partial := partial_call(stmt, self.owner)):
+                self.found.rotary_half_partial += 1  # MiniMax-H3's ``Q = R(X, *F)``, after the named forms
+                return like(partial, stmt)
+            return rotary
         if isinstance(stmt, ast.Return) and stmt.value is not None:
             if (call := self._silu_mul(stmt.value, stmt)) is not None:
                 return like(ast.Return(value=call), stmt)
