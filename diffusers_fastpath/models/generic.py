@@ -86,13 +86,21 @@ def _known_rotaries() -> dict[str, str]:
         known[normalized_digest(transformer_ltx.apply_rotary_emb)] = "rows"
     if source_digest(transformer_qwenimage.apply_rotary_emb_qwen) == QWEN:
         known[normalized_digest(transformer_qwenimage.apply_rotary_emb_qwen)] = "complex"
+    from diffusers.models.transformers import transformer_bria_fibo2
+
     for cls, (name, digest), form in ((transformer_wan.WanAttnProcessor, WAN, "wan"),
-                                      (transformer_z_image.ZSingleStreamAttnProcessor, ZIMAGE, "local")):
+                                      (transformer_z_image.ZSingleStreamAttnProcessor, ZIMAGE, "local"),
+                                      (transformer_bria_fibo2.BriaFibo2AttnProcessor, FIBO2, "local")):
         local = _local_defs(cls.__call__).get(name)
         if local is not None and hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16] == digest:
             known[normalized_digest(local)] = form
     return known
 
+
+# sha256[:16] of ast.unparse of Bria FIBO 2's processor-local `apply_rotary_emb` (diffusers 0.42.1): Z-Image's
+# complex multiply (`x_in.float()` as complex, `* freqs_cis.unsqueeze(2)`, `.type_as(x_in)`) without its autocast
+# block, which changes nothing for the op (its dtypes are explicit): the same "local" form
+FIBO2 = ("apply_rotary_emb", "15efcd15e19c6261")
 
 _KNOWN: dict[str, str] | None = None
 
