@@ -607,7 +607,7 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 // cos/sin [seq, dim] (or, for rotary_emb_rows, [batch or 1, seq, heads * dim]) contiguous and 16-byte aligned, dim a
 // multiple of 4 (at most 128 with norm); these checks keep a direct call with bad input from reading out of bounds.
 RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
-                           double eps, const char* name, bool norm_rows = false, bool norm_fp32 = false) {
+                           double eps, const char* name, bool norm_rows = false, bool float_weight = false) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
               "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", shape_str(x.sizes()));
   TORCH_CHECK(x.scalar_type() == img.scalar_type() && x.device() == img.device(), "rotary: ", name,
@@ -619,10 +619,10 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
   if (weight.has_value()) {
     const at::Tensor& w = *weight;
     TORCH_CHECK(w.dim() == 1 && w.size(0) == (norm_rows ? x.size(2) * x.size(3) : x.size(3)) && w.is_contiguous() &&
-                    w.scalar_type() == (norm_fp32 ? at::kFloat : x.scalar_type()) && w.device() == x.device() &&
-                    reinterpret_cast<uintptr_t>(w.data_ptr()) % (norm_fp32 ? 16 : 8) == 0,
+                    w.scalar_type() == (float_weight ? at::kFloat : x.scalar_type()) && w.device() == x.device() &&
+                    reinterpret_cast<uintptr_t>(w.data_ptr()) % (float_weight ? 16 : 8) == 0,
                 "rotary: the RMSNorm weight must be a contiguous, 8-byte aligned [dim] (row norm: [heads * dim]) "
-                "vector of x's dtype (norm_fp32: 16-byte aligned float32)");
+                "vector of x's dtype (norm_fp32, norm_f32w: 16-byte aligned float32)");
     src.weight = w.data_ptr();
     src.eps = static_cast<float>(eps);  // aten's static_cast<acc_t>(eps) of the module's Python float
   }
@@ -636,7 +636,7 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                          const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                          const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
                          const at::Tensor& sin, bool norm, bool wan = false, bool norm_rows = false,
-                         int64_t norm_final = 0, bool norm_fp32 = false) {
+                         int64_t norm_final = 0, bool norm_fp32 = false, bool norm_f32w = false) {
   TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
   TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", shape_str(x_img.sizes()));
   const int64_t dim = x_img.size(3);
@@ -644,9 +644,11 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
               norm ? " and at most 128" : "");
   RotaryArgs args;
   args.dtype = to_dtype(x_img);
-  TORCH_CHECK(!norm_fp32 || norm, "rotary: norm_fp32 goes with norm");
-  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x", norm_rows, norm_fp32);
-  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt", norm_rows, norm_fp32)
+  TORCH_CHECK(!(norm_fp32 || norm_f32w) || (norm && !(norm_fp32 && norm_f32w)),
+              "rotary: norm_fp32 or norm_f32w goes with norm");
+  const bool float_weight = norm_fp32 || norm_f32w;
+  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x", norm_rows, float_weight);
+  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt", norm_rows, float_weight)
                                : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
   const bool pair = norm_rows && x_txt.has_value();
   TORCH_CHECK(!pair || (weight_txt.has_value() && args.txt.seq == args.img.seq),
@@ -694,6 +696,7 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.wan = wan;
   args.norm_rows = norm_rows;
   args.norm_fp32 = norm_fp32;
+  args.norm_f32w = norm_f32w;
   args.norm_final = static_cast<int32_t>(norm_final);
   TORCH_CHECK(!wan || (!norm && !rows && !x_txt.has_value()), "rotary: Wan's pairing takes one source and one table");
   TORCH_CHECK(!norm_rows || (!norm && weight_img.has_value() && (wan || rows) && norm_final >= 0 && norm_final <= 2),
@@ -774,11 +777,14 @@ void qk_norm_rope_out(at::Tensor& out, const std::optional<at::Tensor>& x_txt,
 }
 
 // FLUX.3's fp32 QK norm + rotary, cast back: apply_rotary_emb(norm(x.float()), (cos, sin)).to(x.dtype) with the
-// norm's float32 weight (rotary.cu's kHeadNormF32); x [batch, seq, heads, dim] bf16/fp16, one source.
+// norm's float32 weight (rotary.cu's kHeadNormF32); with round_norm, Krea 2's: the norm's result cast back to x's
+// dtype before the rotary (kHeadNormF32W, the weight Krea2RMSNorm's weight + 1.0); x [batch, seq, heads, dim]
+// bf16/fp16, one source.
 at::Tensor qk_norm_rope_fp32(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
-                             const at::Tensor& sin) {
+                             const at::Tensor& sin, bool round_norm) {
   return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, weight, eps, cos, sin, /*norm=*/true,
-                       /*wan=*/false, /*norm_rows=*/false, /*norm_final=*/0, /*norm_fp32=*/true);
+                       /*wan=*/false, /*norm_rows=*/false, /*norm_final=*/0, /*norm_fp32=*/!round_norm,
+                       /*norm_f32w=*/round_norm);
 }
 
 // The rotate-half rotary (rotary.cu's rotate_half_kernel): x contiguous [rows, heads, dim] (the Python op's view),
@@ -936,7 +942,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
+      "Tensor");
   m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");

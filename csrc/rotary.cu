@@ -76,6 +76,9 @@ constexpr int kHeadNorm = 1;
 // rotary's products and sum are float operations, and the one rounding to T is the cast back:
 //   out[2i] = round(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i])   with y unrounded, w read as float
 constexpr int kHeadNormF32 = 2;
+// Krea 2's zero-centred QK norm (qk_norm_rope_zero_centred): F.rms_norm(x.float(), weight=w + 1.0) cast back to T,
+// then the rotary in T: kHeadNorm's arithmetic (the norm's result rounded to T) with the float32 weight w + 1.0
+constexpr int kHeadNormF32W = 3;
 constexpr int kRowThreads = 128;  // aten's block for the row norm: (32, 4)
 constexpr int kRowVecs = 16;      // vectors a thread of the row norm keeps in registers: C <= 128 * 4 * 16 = 8192
 constexpr int kRowPairVecs = 8;   // ... of each of q and k, for the pair: C <= 4096
@@ -139,10 +142,10 @@ __device__ __forceinline__ void head_rms_norm(float (&v)[4], const float (&w)[4]
   }
 }
 
-// The norm's weight quad of lane quad q: of T (kHeadNorm) or float (kHeadNormF32), as floats.
+// The norm's weight quad of lane quad q: of T (kHeadNorm) or float (kHeadNormF32, kHeadNormF32W), as floats.
 template <typename T, int kNorm>
 __device__ __forceinline__ void load_weight_quad(const void* weight, int q, float (&w)[4]) {
-  if (kNorm == kHeadNormF32) {
+  if (kNorm == kHeadNormF32 || kNorm == kHeadNormF32W) {
     const float4 wf = load_readonly(reinterpret_cast<const float4*>(weight) + q);
     w[0] = wf.x;
     w[1] = wf.y;
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
     }
-    if (active && kNorm == kHeadNormF32) load_weight_quad<T, kNorm>(src.weight, q, w);
+    if (active && (kNorm == kHeadNormF32 || kNorm == kHeadNormF32W)) load_weight_quad<T, kNorm>(src.weight, q, w);
     for (int64_t h0 = warp; h0 < a.heads; h0 += kWarps * kHeadsInFlight) {
       Quad<T> xin[kHeadsInFlight];
       float4 cin[kHeadsInFlight], sin_in[kHeadsInFlight];  // kPerHead: each head's table quads, loaded with its x
@@ -209,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[i].v[j]) : 0.f;
-        if (kNorm != kNoNorm) head_rms_norm<T, kNorm == kHeadNorm>(v, w, static_cast<float>(a.dim), src.eps);
+        if (kNorm != kNoNorm) head_rms_norm<T, kNorm != kHeadNormF32>(v, w, static_cast<float>(a.dim), src.eps);
         if (active) {
           if (kForm == kPerHead) {
             c = cin[i];
@@ -270,7 +273,7 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
       float v[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[j] = Storage<T>::load(xin[i].v[j]);
-      if (kNorm != kNoNorm) head_rms_norm<T, kNorm == kHeadNorm>(v, w, static_cast<float>(kHeadDim), eps);
+      if (kNorm != kNoNorm) head_rms_norm<T, kNorm != kHeadNormF32>(v, w, static_cast<float>(kHeadDim), eps);
       reinterpret_cast<Quad<T>*>(out_row + h * kHeadDim)[lane] = rotate_quad<T, kShared>(v, c, sn);
     }
   }
@@ -443,7 +446,7 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
-  if (a.norm_fp32 && !a.norm) return cudaErrorInvalidValue;
+  if ((a.norm_fp32 || a.norm_f32w) && (!a.norm || (a.norm_fp32 && a.norm_f32w))) return cudaErrorInvalidValue;
   // the row norm's pair: a txt source (k) of the img source's (q) length; its own launch shape
   const bool pair = a.norm_rows && a.txt.ptr != nullptr;
   const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
@@ -463,6 +466,8 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   } else if (!a.wan && a.dim == kHeadDim && a.cos_stride_h == 0 && a.cos_stride_b == 0) {  // one [seq, dim] table
     if (a.norm_fp32) {
       head_norm_rotary_kernel<T, kHeadNormF32><<<grid, kHeadThreads, 0, stream>>>(a);
+    } else if (a.norm_f32w) {
+      head_norm_rotary_kernel<T, kHeadNormF32W><<<grid, kHeadThreads, 0, stream>>>(a);
     } else if (a.norm) {  // (norm with wan was refused above)
       head_norm_rotary_kernel<T, kHeadNorm><<<grid, kHeadThreads, 0, stream>>>(a);
     } else {
@@ -470,6 +475,8 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
     }
   } else if (a.norm_fp32) {
     rotary_kernel<T, kHeadNormF32, kShared><<<grid, kThreads, 0, stream>>>(a);
+  } else if (a.norm_f32w) {
+    rotary_kernel<T, kHeadNormF32W, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {

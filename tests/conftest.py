@@ -101,7 +101,8 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
                                                      qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
-    from diffusers_fastpath.ops.qk_norm_rope_fp32 import QK_NORM_ROPE_FP32, qk_norm_rope_fp32_ref
+    from diffusers_fastpath.ops.qk_norm_rope_fp32 import (QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED,
+                                                          qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred_ref)
     from diffusers_fastpath.ops.rotary_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
@@ -160,7 +161,8 @@ def emulated_kernels(monkeypatch):
                        (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic),
                        (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref),
                        (QK_NORM_ROWS_ROPE_PAIR, qk_norm_rows_rope_pair_ref),
-                       (QK_NORM_ROPE_FP32, qk_norm_rope_fp32_ref), (ROTARY_HALF, rotary_half_arithmetic),
+                       (QK_NORM_ROPE_FP32, qk_norm_rope_fp32_ref),
+                       (QK_NORM_ROPE_ZERO_CENTRED, qk_norm_rope_zero_centred_ref), (ROTARY_HALF, rotary_half_arithmetic),
                        (ROTARY_HALF_PARTIAL, rotary_half_partial_arithmetic),
                        (GROUP_NORM, group_norm_ref), (GROUP_NORM_SILU, group_norm_silu_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))

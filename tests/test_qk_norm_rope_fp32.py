@@ -1,11 +1,13 @@
 """qk_norm_rope_fp32: FLUX.3's QK norm and rotary in float32, cast back (``norm_q(q.float())``, ``apply_rotary_emb``
 in float32, ``.to(value.dtype)``) as one kernel that rounds once: bit-exact on the GPU at FLUX.3's shapes with the fast
 path verified; on a CPU the formula, the guards, the verification, the rewriter's cast proof and FLUX.3's processor
-and zoo model with the kernel emulated."""
+and zoo model with the kernel emulated. And qk_norm_rope_zero_centred, Krea 2's float32 ``Krea2RMSNorm`` (scale
+``1 + weight``, the norm cast back) before the rotary in x's dtype: the same kernel with the norm rounded."""
 
 from __future__ import annotations
 
 import ast
+import sys
 
 import pytest
 import torch
@@ -54,7 +56,7 @@ def test_qk_norm_rope_fp32_matches_eager_bitwise_and_verifies(case, dtype):
         assert ref.dtype is dtype and torch.isfinite(ref).all() and ref.float().std() > 0.1
         poison = torch.full_like(ref, float("nan"))
         del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
-        raw = torch.ops.diffusers_fastpath._qk_norm_rope_fp32_cuda(x, norm.weight, norm.eps, cos, sin)
+        raw = torch.ops.diffusers_fastpath._qk_norm_rope_fp32_cuda(x, norm.weight, norm.eps, cos, sin, False)
         assert torch.equal(raw, ref)
         site = Site("qk_norm_rope_fp32")
         assert torch.equal(qk_norm_rope_fp32(norm, x, cos, sin, site), ref)
@@ -77,7 +79,7 @@ def test_qk_norm_rope_fp32_special_values_bitwise(dtype):
     cos[::7, ::5], sin[3::11, 1::3] = -0.0, float("inf")
     ref = qk_norm_rope_fp32_ref(norm, x, cos, sin)
     assert ref.isnan().any()
-    out = torch.ops.diffusers_fastpath._qk_norm_rope_fp32_cuda(x, norm.weight, norm.eps, cos, sin)
+    out = torch.ops.diffusers_fastpath._qk_norm_rope_fp32_cuda(x, norm.weight, norm.eps, cos, sin, False)
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
@@ -271,3 +273,118 @@ def test_flux3_keeps_the_chain_as_written_where_its_norm_weights_are_bf16(emulat
     assert torch.equal(out, ref)
     sites = [s for s in fp.report(model).sites if s.op == "qk_norm_rope_fp32"]
     assert sites and all(s.fast == 0 and set(s.reasons) == {"norm weight dtype differs"} for s in sites)
+
+
+# --- Krea 2's zero-centred QK norm ---------------------------------------------------------------------------------
+
+from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm  # noqa: E402
+
+from diffusers_fastpath.ops import qk_norm_rope_zero_centred, qk_norm_rope_zero_centred_ref  # noqa: E402
+from diffusers_fastpath.ops.qk_norm_rope_fp32 import QK_NORM_ROPE_ZERO_CENTRED  # noqa: E402
+
+
+def krea_inputs(batch, seq, heads, dim, dtype, device, seed, strided=False):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    norm = Krea2RMSNorm(dim, eps=1e-5).to(device)  # float32, as _keep_in_fp32_modules keeps it
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(dim, generator=gen, device=device))  # zero-centred: the scale is 1 + w
+    x = activations((batch, seq, heads, dim), dtype, device, gen, strided)
+    cos, sin = rope_tables(seq, dim, device, seed)
+    return norm.requires_grad_(False), x, cos, sin
+
+
+# (batch, seq, heads, dim): Krea 2 at 1024x1024 (6144 wide, GQA 48 q / 12 kv heads of 128, 4096 image tokens), a
+# batch of two, head_dim 64 (the generic kernel)
+KREA_CASES = [(1, 4096, 48, 128), (1, 4096, 12, 128), (2, 1037, 48, 128), (2, 33, 5, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", KREA_CASES, ids=str)
+def test_qk_norm_rope_zero_centred_matches_eager_bitwise_and_verifies(case, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    for seed, strided in [(0, False), (1, True)]:
+        norm, x, cos, sin = krea_inputs(*case, dtype, "cuda", seed, strided)
+        ref = qk_norm_rope_zero_centred_ref(norm, x, cos, sin)
+        assert ref.dtype is dtype and torch.isfinite(ref).all() and ref.float().std() > 0.1
+        poison = torch.full_like(ref, float("nan"))
+        del poison  # its block is what the caching allocator hands the kernel's output next: NaN unless written
+        raw = torch.ops.diffusers_fastpath._qk_norm_rope_fp32_cuda(x, norm.weight + 1.0, norm.eps, cos, sin, True)
+        assert torch.equal(raw, ref)
+        site = Site("qk_norm_rope_zero_centred")
+        assert torch.equal(qk_norm_rope_zero_centred(norm, x, cos, sin, site), ref)
+        assert site.fast == 1 and not site.fallback
+    assert QK_NORM_ROPE_ZERO_CENTRED.disabled is None
+
+
+@pytest.mark.gpu
+def test_krea2_zoo_model_runs_the_fused_op_on_cuda():
+    from test_generic_zoo import _check
+
+    sites = [s for s in _check("krea2", "cuda") if s.op == "qk_norm_rope_zero_centred"]
+    assert sum(s.fast for s in sites) == 8 and not any(s.fallback for s in sites), sites
+
+
+def test_the_zero_centred_kernel_formula_is_krea2s_chain(monkeypatch):
+    """The kernel's float32 weight ``w + 1.0`` and rounded norm are Krea2RMSNorm's; and the norm rounded (unlike
+    FLUX.3's) is what the rotary in x's dtype reads."""
+    norm, x, cos, sin = krea_inputs(2, 40, 3, 64, torch.bfloat16, "cpu", 3)
+    y = torch.nn.functional.rms_norm(x.float(), (64,), norm.weight + 1.0, norm.eps).to(x.dtype)
+    ref = qk_norm_rope_zero_centred_ref(norm, x, cos, sin)
+    assert torch.equal(apply_rotary_emb(y, (cos, sin), sequence_dim=1), ref)
+    monkeypatch.setattr(QK_NORM_ROPE_ZERO_CENTRED, "guard", lambda *a, **k: None)
+    launched = []
+    module = sys.modules["diffusers_fastpath.ops.qk_norm_rope_fp32"]  # (the package's name is the op function)
+    monkeypatch.setattr(module, "_launch", lambda *args: launched.append(args) or ref)
+    assert torch.equal(qk_norm_rope_zero_centred(norm, x, cos, sin), ref)
+    (xa, weight, eps, *_, round_norm), = launched
+    assert xa is x and torch.equal(weight, norm.weight + 1.0) and eps == norm.eps and round_norm is True
+
+
+@pytest.mark.parametrize("case, reason", [("weight_bf16", "norm weight dtype differs"), ("dim_256", "norm"),
+                                          ("hooked", "Krea2RMSNorm has hooks"), ("cpu", "device cpu")])
+def test_zero_centred_guard_refuses_with_reason(case, reason, monkeypatch):
+    norm, x, cos, sin = krea_inputs(1, 12, 2, 16, torch.bfloat16, "cpu", 4)
+    if case == "weight_bf16":
+        norm = norm.to(torch.bfloat16)
+    elif case == "dim_256":
+        norm.dim = 256
+    elif case == "hooked":
+        norm.register_forward_hook(lambda m, i, o: o)
+    if case != "cpu":
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(QK_NORM_ROPE_ZERO_CENTRED, "kernel", lambda *a: pytest.fail("the kernel ran"))
+    site = Site("qk_norm_rope_zero_centred")
+    if case == "dim_256":  # the module itself refuses that call: the eager error, not a silent number
+        with pytest.raises(RuntimeError):
+            qk_norm_rope_zero_centred(norm, x, cos, sin, site)
+        assert list(site.fallback) == ["norm not a zero-centred RMSNorm of head_dim"]
+        return
+    out = qk_norm_rope_zero_centred(norm, x, cos, sin, site)
+    assert torch.equal(out, qk_norm_rope_zero_centred_ref(norm, x, cos, sin)) and site.fast == 0
+    assert dict(site.fallback) == {reason: 1}
+
+
+def test_only_krea2s_norm_is_taken_as_zero_centred():
+    from diffusers_fastpath.models._chain_qk_fp32 import is_zero_centred
+
+    norm = Krea2RMSNorm(16)
+    assert is_zero_centred(norm) and not is_zero_centred(torch.nn.RMSNorm(16))
+
+    class Other(Krea2RMSNorm):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    assert not is_zero_centred(Other(16))
+    norm.forward = lambda h: h  # an instance forward of its own: not the checked code
+    assert not is_zero_centred(norm)
+
+
+def test_krea2_zoo_model_is_exact_with_its_qk_norms_fused(emulated_kernels):
+    from test_generic_zoo import _check
+
+    sites = [s for s in _check("krea2", "cpu") if s.op == "qk_norm_rope_zero_centred"]
+    # the two blocks' self-attentions (q and k, two forwards); the text-fusion attentions get no table
+    assert sorted(s.fast for s in sites) == [0, 0, 0, 0, 4, 4] and not any(s.fallback for s in sites), sites

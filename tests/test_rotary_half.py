@@ -173,15 +173,53 @@ def test_custom_op_opcheck_cpu():
         ("q = _rotate_half(q) * sin + q * cos", False),  # another order of evaluation
         ("q = q * cos + rot.half(q) * sin", False),  # not a plain name
         ("q = q.x * cos + _rotate_half(q.x) * sin", False),
+        ("q = q * cos + rotate(q) * sin", False),  # a name the module does not hold as the known function
     ],
 )
 def test_the_form_is_taken_only_as_written(source, taken):
     from diffusers_fastpath.models._chain_rotate_half import rotate_half_call
 
-    new = rotate_half_call(ast.parse(source).body[0], "attn")
+    new = rotate_half_call(ast.parse(source).body[0], "attn", frozenset({"_rotate_half"}))
     assert (new is not None) == taken
     if taken:
         assert ast.unparse(ast.fix_missing_locations(new)).split("(")[0].endswith("rotary_half")
+
+
+def test_known_names_are_read_from_the_forwards_module():
+    from diffusers_fastpath.models._chain_rotate_half import known_names
+    from diffusers_fastpath.models._mirror import normalized_digest
+
+    def forward(q, cos, sin):
+        return _rotate_half(q) * sin + partial(q, cos, sin) + q.float()
+
+    tree = ast.parse("def forward(q, cos, sin):\n    return _rotate_half(q) * sin + partial(q, cos, sin)\n").body[0]
+    forward.__globals__  # noqa: B018 (this module's: _rotate_half and partial below are bound here)
+    assert normalized_digest(ROTATE_HALF) in __import__(
+        "diffusers_fastpath.models._chain_rotate_half", fromlist=["x"]).ROTATE_HALF_DIGESTS
+    assert known_names(forward, tree) == (frozenset({"_rotate_half"}), frozenset({"partial"}))
+    shadowed = ast.parse("def forward(q, cos, sin):\n    _rotate_half = len\n    return _rotate_half(q)\n").body[0]
+    assert known_names(forward, shadowed) == (frozenset(), frozenset())
+
+
+_rotate_half = ROTATE_HALF  # (for the test above: the module global a forward here would call)
+
+
+def test_known_names_are_read_from_the_forwards_module():
+    """The rotate-half and partial functions a forward calls, as its module holds them, unless it binds the name."""
+    from diffusers_fastpath.models._chain_rotate_half import known_names
+
+    calls = "_rotate_half(q) * sin + minimax_rope(q, cos, sin) + len(q)"
+    tree = ast.parse(f"def forward(q, cos, sin):\n    return {calls}\n").body[0]
+    assert known_names(_module_forward, tree) == (frozenset({"_rotate_half"}), frozenset({"minimax_rope"}))
+    shadowed = ast.parse(f"def forward(q, cos, sin):\n    _rotate_half = len\n    return {calls}\n").body[0]
+    assert known_names(_module_forward, shadowed) == (frozenset(), frozenset({"minimax_rope"}))
+
+
+def _module_forward():  # its globals: this module's, where the names below are the models' functions
+    pass
+
+
+_rotate_half = ROTATE_HALF
 
 
 def test_only_the_known_rotate_half_is_fused(emulated_kernels):
@@ -221,6 +259,7 @@ from diffusers_fastpath.ops import rotary_half_partial, rotary_half_partial_ref 
 from diffusers_fastpath.ops.rotary_half import ROTARY_HALF_PARTIAL  # noqa: E402
 
 PARTIAL = transformer_minimax_h3._apply_rotary_emb  # the model's own function
+minimax_rope = PARTIAL  # (for test_known_names_are_read_from_the_forwards_module)
 
 
 def partial_inputs(batch, seq, heads, dim, rot_dim, dtype, device, seed, tables=torch.float32):
@@ -312,9 +351,10 @@ def test_partial_form_is_taken_only_for_the_known_function(emulated_kernels):
     from diffusers_fastpath.models._chain_calls import _ChainsNamespace
     from diffusers_fastpath.models._chain_rotate_half import is_partial_rotate_half, partial_call
 
-    assert partial_call(ast.parse("q = _apply_rotary_emb(q, *rotary_emb)").body[0], "attn") is not None
-    for source in ("q = f(q, *a, k=1)", "q = f(q, a)", "q = f(q.x, *a)", "q, k = f(q, *a)"):
-        assert partial_call(ast.parse(source).body[0], "attn") is None
+    names = frozenset({"_apply_rotary_emb", "f"})
+    assert partial_call(ast.parse("q = _apply_rotary_emb(q, *rotary_emb)").body[0], "attn", names) is not None
+    for source in ("q = f(q, *a, k=1)", "q = f(q, a)", "q = f(q.x, *a)", "q, k = f(q, *a)", "q = g(q, *a)"):
+        assert partial_call(ast.parse(source).body[0], "attn", names) is None
     assert is_partial_rotate_half(PARTIAL) and not is_partial_rotate_half(ROTATE_HALF)
     x, cos, sin = partial_inputs(2, 6, 3, 16, 10, torch.bfloat16, "cpu", 5)
     site = Site("rotary_half_partial")

@@ -12,10 +12,12 @@ from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
-                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, qk_norm_rope_fp32, rotary_half, rotary_half_partial,
+                   layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift, qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, rotary_half,
+                   rotary_half_partial,
                    qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
                    rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
                    silu_mul, swiglu_cat)
+from ._chain_qk_fp32 import is_zero_centred
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
@@ -372,6 +374,8 @@ class _ChainsNamespace:
                     return rmsnorm_rope_real(x.norm, x.x, freqs[0], freqs[1], rms_site, site)
                 if rms_site is not None:
                     rms_site.fallback[reason] += 1
+            elif tables and isinstance(x, _NormLater) and is_zero_centred(x.norm):  # Krea 2's
+                return qk_norm_rope_zero_centred(x.norm, x.x, freqs[0], freqs[1], qk_site, site)
             x = _materialize(x)
         if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
@@ -537,7 +541,9 @@ class _ChainsNamespace:
     def norm_later(norm, x):
         # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_real`
         # before the real-form rotary, `rmsnorm_rope_complex` before the complex one); any other runs here, as written
-        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) else norm(x)
+        if isinstance(x, torch.Tensor) and (type(norm) in (nn.RMSNorm, RMSNorm) or is_zero_centred(norm)):
+            return _NormLater(norm, x)  # (Krea 2's zero-centred norm: `qk_norm_rope_zero_centred`)
+        return norm(x)
 
     @staticmethod
     def unflatten_later(x, dim, sizes):

@@ -2,8 +2,9 @@
 
     Q = (X * C) + (R(X) * S)        ->  Q = rotary_half(R, X, C, S, site)        (X, C, S, R plain names)
 
-``rotary_half`` runs the fused `diffusers_fastpath.ops.rotary_half` only where ``R`` is, at run time, a function
-whose source (name set aside) is the rotate-half these models define (`ROTATE_HALF_DIGESTS`), so that the kernel's
+The rewriter takes the form only for an ``R`` that is, in the forward's module, a function whose source (name set
+aside) is the rotate-half these models define (`ROTATE_HALF_DIGESTS`, `known_names`); ``rotary_half`` runs the fused
+`diffusers_fastpath.ops.rotary_half` only where ``R`` is still that function at run time, so that the kernel's
 ``cat(-x[..., D/2:], x[..., :D/2])`` is what ``R`` computes; otherwise, and for operands that are not tensors, the
 expression as written, in its order (the names are evaluated first either way, which nothing can tell).
 """
@@ -11,29 +12,33 @@ expression as written, in its order (the names are evaluated first either way, w
 from __future__ import annotations
 
 import ast
+import inspect
+
+import torch
 
 from ._chain_syntax import _call, _site_of
+from ._mirror import normalized_digest
 
 ROTARY_HALF = "rotary_half"  # the site: a processor's rotate-half rotary calls
 ROTARY_HALF_PARTIAL = "rotary_half_partial"  # ... of MiniMax-H3's partial form
-# generic.normalized_digest of transformer_minimax_h3._apply_rotary_emb (diffusers 0.42.1): the rotate-half of the
+# _mirror.normalized_digest of transformer_minimax_h3._apply_rotary_emb (diffusers 0.42.1): the rotate-half of the
 # first cos.shape[-1] channels of each head, tables cast to x's dtype, the rest passed through, made contiguous
 PARTIAL_DIGESTS = frozenset({"4af4ae1a781b25da"})
-# generic.normalized_digest of the rotate-half function of transformer_ideogram4 and transformer_cosmos3 (diffusers
+# _mirror.normalized_digest of the rotate-half function of transformer_ideogram4 and transformer_cosmos3 (diffusers
 # 0.42.1; the same source in both): ``half = x.shape[-1] // 2; return torch.cat((-x[..., half:], x[..., :half]), -1)``
 ROTATE_HALF_DIGESTS = frozenset({"62e1cdd97aa0beb9"})
 _CHECKED: dict = {}  # function -> whether it is a known rotate-half (functions are few and live as long as modules)
 
 
 def _known(fn, digests: frozenset) -> bool:
+    if not inspect.isfunction(fn):
+        return False
     key = (fn, digests)
     known = _CHECKED.get(key)
+    if known is None and torch.compiler.is_compiling():
+        return False  # (reading a source is not traced: a function first seen in a trace runs as written there)
     if known is None:
-        import inspect
-
-        from .generic import normalized_digest
-
-        known = _CHECKED[key] = inspect.isfunction(fn) and normalized_digest(fn) in digests
+        known = _CHECKED[key] = normalized_digest(fn) in digests
     return known
 
 
@@ -63,27 +68,40 @@ def rotate_half_of(value: ast.expr) -> tuple[ast.Name, ast.Name, ast.Name, ast.N
     return call.func, x, c, s
 
 
-def rotate_half_call(stmt: ast.stmt, owner: str) -> ast.Assign | None:
-    """`stmt` (``Q = X * C + R(X) * S``) with its value replaced by the namespace's ``rotary_half``, or None."""
+def known_names(fn, func: ast.FunctionDef) -> tuple[frozenset[str], frozenset[str]]:
+    """The names the forward `func` (of `fn`) calls that are, in its module, a known rotate-half function and
+    MiniMax-H3's partial rotary (by digest), and that it never binds itself: the only calls the forms below take."""
+    bound = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {n.name for n in ast.walk(func) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    called = {c.func.id for c in ast.walk(func) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)} - bound
+    targets = {name: fn.__globals__.get(name) for name in called}
+    return (frozenset(n for n, t in targets.items() if is_rotate_half(t)),
+            frozenset(n for n, t in targets.items() if is_partial_rotate_half(t)))
+
+
+def rotate_half_call(stmt: ast.stmt, owner: str, names: frozenset[str]) -> ast.Assign | None:
+    """`stmt` (``Q = X * C + R(X) * S``, R one of `names`) with its value replaced by the namespace's
+    ``rotary_half``, or None."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
     form = rotate_half_of(stmt.value)
-    if form is None:
+    if form is None or form[0].id not in names:
         return None
     fn, x, c, s = form
     call = _call("rotary_half", [fn, x, c, s, _site_of(ast.Name(owner, ast.Load()), ROTARY_HALF)])
     return ast.Assign(targets=stmt.targets, value=call)
 
 
-def partial_call(stmt: ast.stmt, owner: str) -> ast.Assign | None:
-    """``Q = R(X, *F)`` (R, X, F plain names; MiniMax-H3's ``_apply_rotary_emb(query, *rotary_emb)``) with its value
-    replaced by the namespace's ``rotary_half_partial``, which calls R as written unless it is the known function."""
+def partial_call(stmt: ast.stmt, owner: str, names: frozenset[str]) -> ast.Assign | None:
+    """``Q = R(X, *F)`` (R one of `names`, X and F plain names; MiniMax-H3's ``_apply_rotary_emb(query, *rotary_emb)``)
+    with its value replaced by the namespace's ``rotary_half_partial``, which calls R as written unless it is still
+    the known function."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
     call = stmt.value
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.keywords
             and len(call.args) == 2 and isinstance(call.args[0], ast.Name) and isinstance(call.args[1], ast.Starred)
-            and isinstance(call.args[1].value, ast.Name)):
+            and isinstance(call.args[1].value, ast.Name) and call.func.id in names):
         return None
     site = _site_of(ast.Name(owner, ast.Load()), ROTARY_HALF_PARTIAL)
     new = _call("rotary_half_partial", [call.func, call.args[0], call.args[1].value, site])

@@ -60,8 +60,8 @@ from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
 from ._chain_inline import Inliner
 from ._chain_proofs import Proofs, source_of
-from ._chain_qk_fp32 import QK_NORM_ROPE_FP32
-from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
+from ._chain_qk_fp32 import QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED, is_zero_centred
+from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
@@ -140,6 +140,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
                              swiglus, complex_rotary, local is not None, head_cats and owner != "self",
                              rows_rotary if owner != "self" else None, wan if owner != "self" else None, proofs=proofs)
+        if owner != "self":  # a processor's rotate-half forms: the module functions they may call (by digest)
+            rewriter.rotate_halves, rewriter.partial_rotaries = known_names(fn, func)
         body = rewriter.body(copy.deepcopy(func.body), func)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
@@ -449,6 +451,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                     state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
                 elif norm is RMSNorm:
                     state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
+                elif qk and is_zero_centred(module.norm_q):  # Krea 2's: counted by its own op at the qk site
+                    state.add_site(module, QK_NORM_ROPE_ZERO_CENTRED, name=QK_NORM_ROPE)
             if found.rotary_named and norm is nn.RMSNorm:  # LTX-Video's and Wan's norms across all heads
                 if found.rows_pairs:  # LTX-Video's q and k as one call
                     state.add_site(module, QK_NORM_ROWS_PAIR, name=QK_NORM_ROWS_PAIR)

@@ -332,6 +332,10 @@ def _own_nodes(body: list[ast.stmt]):
 
 
 class _Rewriter:
+    # the names of the forward's module functions the rotate-half forms take (`_chain_rotate_half.known_names`)
+    rotate_halves: frozenset[str] = frozenset()
+    partial_rotaries: frozenset[str] = frozenset()
+
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                  swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False,
@@ -412,12 +416,13 @@ class _Rewriter:
         if not self.block:
             if self.head_cats and (cat := self._head_cat(stmt)) is not None:
                 return cat
-            if (half := rotate_half_call(stmt, self.owner)) is not None:  # Ideogram 4, Cosmos 3 (`_chain_rotate_half`)
+            if (half := rotate_half_call(stmt, self.owner, self.rotate_halves)) is not None:  # Ideogram 4, Cosmos 3 (`_chain_rotate_half`)
                 self.found.rotary_half += 1
                 return like(half, stmt)
             if not isinstance(stmt, ast.Assign):
                 return None
-            if (rotary := self._rotary_anywhere(stmt)) is None and (partial := partial_call(stmt, self.owner)):
+            if ((rotary := self._rotary_anywhere(stmt)) is None
+                    and (partial := partial_call(stmt, self.owner, self.partial_rotaries))):
                 self.found.rotary_half_partial += 1  # MiniMax-H3's ``Q = R(X, *F)``, after the named forms
                 return like(partial, stmt)
             return rotary

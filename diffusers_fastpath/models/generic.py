@@ -46,28 +46,12 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._mirror import normalized_digest
 
 GENERIC = "generic"  # what `coverage` says of a class patched this way
 
 
 # --- the facts ------------------------------------------------------------------------------------------------------
-
-
-def normalized_digest(fn_or_def) -> str | None:
-    """sha256[:16] of ``ast.unparse`` of a function's definition with its name set aside: the same for a copy of a
-    function under another name, different for any change of its code (comments and layout aside)."""
-    if isinstance(fn_or_def, ast.FunctionDef):
-        node = fn_or_def
-    else:
-        try:
-            (node,) = ast.parse(textwrap.dedent(inspect.getsource(fn_or_def))).body
-        except (OSError, TypeError, ValueError, SyntaxError):
-            return None
-        if not isinstance(node, ast.FunctionDef):
-            return None
-    node = ast.FunctionDef(name="_", args=node.args, body=node.body, decorator_list=[], returns=node.returns,
-                           type_comment=None, type_params=getattr(node, "type_params", []))
-    return hashlib.sha256(ast.unparse(ast.fix_missing_locations(node)).encode()).hexdigest()[:16]
 
 
 def _known_rotaries() -> dict[str, str]:

@@ -13,7 +13,8 @@ from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .qk_norm_rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rows_rope, qk_norm_rows_rope_pair,
                            qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
-from .qk_norm_rope_fp32 import qk_norm_rope_fp32, qk_norm_rope_fp32_ref
+from .qk_norm_rope_fp32 import (qk_norm_rope_fp32, qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred,
+                                qk_norm_rope_zero_centred_ref)
 from .rmsnorm import rmsnorm, rmsnorm_ref
 from .rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_ref
 from .rmsnorm_scale_shift import (
@@ -73,6 +74,8 @@ __all__ = [
     "qk_norm_rows_rope_ref",
     "qk_norm_rope_fp32",
     "qk_norm_rope_fp32_ref",
+    "qk_norm_rope_zero_centred",
+    "qk_norm_rope_zero_centred_ref",
     "rmsnorm",
     "rmsnorm_gated_residual",
     "rmsnorm_modulate",

@@ -110,29 +110,21 @@ def _kernel(x, cos, sin, fn=None) -> torch.Tensor:
     return out.view(x.shape)
 
 
-@torch.library.custom_op("diffusers_fastpath::rotary_half", mutates_args=())
-def _rotary_half_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if _guard(x, cos, sin) is None:
-        return _kernel(x, cos, sin)
-    return rotary_half_ref(x, cos, sin).contiguous()
+def _fused(name: str, ref, guard, kernel) -> FusedOp:
+    """The custom op ``diffusers_fastpath::<name>(x, cos, sin)`` (`kernel` where `guard` allows, `ref` elsewhere; what
+    ``torch.compile`` sees) and the fused op over it."""
+    def impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if guard(x, cos, sin) is None:
+            return kernel(x, cos, sin)
+        return ref(x, cos, sin).contiguous()
+
+    op = torch.library.custom_op(f"diffusers_fastpath::{name}", impl, mutates_args=())
+    op.register_fake(lambda x, cos, sin: torch.empty_like(x, memory_format=torch.contiguous_format))
+    raw = getattr(torch.ops.diffusers_fastpath, name).default
+    return FusedOp(name, ref=ref, guard=guard, kernel=kernel, custom_op=lambda x, cos, sin, fn=None: raw(x, cos, sin))
 
 
-@_rotary_half_op.register_fake
-def _rotary_half_fake(x, cos, sin):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _custom_op(x, cos, sin, fn=None) -> torch.Tensor:
-    return torch.ops.diffusers_fastpath.rotary_half.default(x, cos, sin)
-
-
-ROTARY_HALF = FusedOp(
-    "rotary_half",
-    ref=rotary_half_ref,
-    guard=_guard,
-    kernel=_kernel,
-    custom_op=_custom_op,
-)
+ROTARY_HALF = _fused("rotary_half", rotary_half_ref, _guard, _kernel)
 
 
 def rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: Site | None = None,
@@ -202,29 +194,7 @@ def _partial_kernel(x, cos, sin, fn=None) -> torch.Tensor:
     return _cuda_op(x.view(batch * seq, heads, dim), cos, sin).view(x.shape)
 
 
-@torch.library.custom_op("diffusers_fastpath::rotary_half_partial", mutates_args=())
-def _rotary_half_partial_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if _partial_guard(x, cos, sin) is None:
-        return _partial_kernel(x, cos, sin)
-    return rotary_half_partial_ref(x, cos, sin)
-
-
-@_rotary_half_partial_op.register_fake
-def _rotary_half_partial_fake(x, cos, sin):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _partial_custom_op(x, cos, sin, fn=None) -> torch.Tensor:
-    return torch.ops.diffusers_fastpath.rotary_half_partial.default(x, cos, sin)
-
-
-ROTARY_HALF_PARTIAL = FusedOp(
-    "rotary_half_partial",
-    ref=rotary_half_partial_ref,
-    guard=_partial_guard,
-    kernel=_partial_kernel,
-    custom_op=_partial_custom_op,
-)
+ROTARY_HALF_PARTIAL = _fused("rotary_half_partial", rotary_half_partial_ref, _partial_guard, _partial_kernel)
 
 
 def rotary_half_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: Site | None = None,
