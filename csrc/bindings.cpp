@@ -651,7 +651,7 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 // cos/sin [seq, dim] (or, for rotary_emb_rows, [batch or 1, seq, heads * dim]) contiguous and 16-byte aligned, dim a
 // multiple of 4 (at most 128 with norm); these checks keep a direct call with bad input from reading out of bounds.
 RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std::optional<at::Tensor>& weight,
-                           double eps, const char* name, bool norm_rows = false) {
+                           double eps, const char* name, bool norm_rows = false, bool float_weight = false) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == img.size(0) && x.size(2) == img.size(2) && x.size(3) == img.size(3),
               "rotary: ", name, " must be [batch, seq, heads, dim] like the image part, got ", shape_str(x.sizes()));
   TORCH_CHECK(x.scalar_type() == img.scalar_type() && x.device() == img.device(), "rotary: ", name,
@@ -663,10 +663,10 @@ RotarySource rotary_source(const at::Tensor& x, const at::Tensor& img, const std
   if (weight.has_value()) {
     const at::Tensor& w = *weight;
     TORCH_CHECK(w.dim() == 1 && w.size(0) == (norm_rows ? x.size(2) * x.size(3) : x.size(3)) && w.is_contiguous() &&
-                    w.scalar_type() == x.scalar_type() && w.device() == x.device() &&
-                    reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0,
+                    w.scalar_type() == (float_weight ? at::kFloat : x.scalar_type()) && w.device() == x.device() &&
+                    reinterpret_cast<uintptr_t>(w.data_ptr()) % (float_weight ? 16 : 8) == 0,
                 "rotary: the RMSNorm weight must be a contiguous, 8-byte aligned [dim] (row norm: [heads * dim]) "
-                "vector of x's dtype");
+                "vector of x's dtype (norm_fp32, norm_f32w: 16-byte aligned float32)");
     src.weight = w.data_ptr();
     src.eps = static_cast<float>(eps);  // aten's static_cast<acc_t>(eps) of the module's Python float
   }
@@ -680,7 +680,7 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                          const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                          const std::optional<at::Tensor>& weight_img, double eps_img, const at::Tensor& cos,
                          const at::Tensor& sin, bool norm, bool wan = false, bool norm_rows = false,
-                         int64_t norm_final = 0) {
+                         int64_t norm_final = 0, bool norm_fp32 = false, bool norm_f32w = false) {
   TORCH_CHECK(x_img.is_cuda(), "rotary: x must be a CUDA tensor");
   TORCH_CHECK(x_img.dim() == 4, "rotary: x must be [batch, seq, heads, dim], got ", shape_str(x_img.sizes()));
   const int64_t dim = x_img.size(3);
@@ -688,8 +688,11 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
               norm ? " and at most 128" : "");
   RotaryArgs args;
   args.dtype = to_dtype(x_img);
-  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x", norm_rows);
-  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt", norm_rows)
+  TORCH_CHECK(!(norm_fp32 || norm_f32w) || (norm && !(norm_fp32 && norm_f32w)),
+              "rotary: norm_fp32 or norm_f32w goes with norm");
+  const bool float_weight = norm_fp32 || norm_f32w;
+  args.img = rotary_source(x_img, x_img, weight_img, eps_img, "x", norm_rows, float_weight);
+  args.txt = x_txt.has_value() ? rotary_source(*x_txt, x_img, weight_txt, eps_txt, "x_txt", norm_rows, float_weight)
                                : RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
   const bool pair = norm_rows && x_txt.has_value();
   TORCH_CHECK(!pair || (weight_txt.has_value() && args.txt.seq == args.img.seq),
@@ -736,6 +739,8 @@ at::Tensor rotary_launch(at::Tensor out, const std::optional<at::Tensor>& x_txt,
   args.norm = norm;
   args.wan = wan;
   args.norm_rows = norm_rows;
+  args.norm_fp32 = norm_fp32;
+  args.norm_f32w = norm_f32w;
   args.norm_final = static_cast<int32_t>(norm_final);
   TORCH_CHECK(!wan || (!norm && !rows && !x_txt.has_value()), "rotary: Wan's pairing takes one source and one table");
   TORCH_CHECK(!norm_rows || (!norm && weight_img.has_value() && (wan || rows) && norm_final >= 0 && norm_final <= 2),
@@ -813,6 +818,51 @@ void qk_norm_rope_out(at::Tensor& out, const std::optional<at::Tensor>& x_txt,
                       const at::Tensor& weight_img, double eps_img, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(out.defined(), "qk_norm_rope: out must be defined");
   qk_norm_rope_impl(out, x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin);
+}
+
+// FLUX.3's fp32 QK norm + rotary, cast back: apply_rotary_emb(norm(x.float()), (cos, sin)).to(x.dtype) with the
+// norm's float32 weight (rotary.cu's kHeadNormF32); with round_norm, Krea 2's: the norm's result cast back to x's
+// dtype before the rotary (kHeadNormF32W, the weight Krea2RMSNorm's weight + 1.0); x [batch, seq, heads, dim]
+// bf16/fp16, one source.
+at::Tensor qk_norm_rope_fp32(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                             const at::Tensor& sin, bool round_norm) {
+  return rotary_launch(at::Tensor(), std::nullopt, std::nullopt, 0.0, x, weight, eps, cos, sin, /*norm=*/true,
+                       /*wan=*/false, /*norm_rows=*/false, /*norm_final=*/0, /*norm_fp32=*/!round_norm,
+                       /*norm_f32w=*/round_norm);
+}
+
+// The rotate-half rotary (rotary.cu's rotate_half_kernel): x contiguous [rows, heads, dim] (the Python op's view),
+// cos/sin contiguous [table_rows, rot_dim] of x's dtype or float32 (cast to x's dtype first), table_rows dividing rows
+// (row r reads table row r % table_rows), rot_dim even and at most dim (the channels past it copied).
+at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(),
+              "rotary_half: x must be a contiguous CUDA [rows, heads, dim] tensor, got ", shape_str(x.sizes()));
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK((t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == cos.scalar_type() && t->device() == x.device() && t->is_contiguous() &&
+                    t->dim() == 2 && t->sizes() == cos.sizes() && cos.size(0) > 0 && x.size(0) % cos.size(0) == 0 &&
+                    cos.size(1) % 2 == 0 && cos.size(1) <= x.size(2),
+                "rotary_half: cos/sin must be contiguous [table_rows, rot_dim] tensors of x's dtype or float32, "
+                "table_rows dividing x's rows, rot_dim even and at most dim");
+  }
+  RotateHalfArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.cos = cos.data_ptr();
+  args.sin = sin.data_ptr();
+  args.rows = x.size(0);
+  args.heads = x.size(1);
+  args.dim = x.size(2);
+  args.rot_dim = cos.size(1);
+  args.table_rows = cos.size(0);
+  args.tables_f32 = cos.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  const cudaError_t err = launch_rotate_half(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rotary_half: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
 }
 
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
@@ -984,6 +1034,10 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
+  m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
+      "Tensor");
   m.def(
       "_qk_norm_rope_cuda(Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, Tensor weight_img, "
       "float eps_img, Tensor cos, Tensor sin) -> Tensor");
@@ -1035,6 +1089,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_emb_wan_cuda", &diffusers_fastpath::rotary_emb_wan);
   m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
+  m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
+  m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);

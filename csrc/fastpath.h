@@ -257,12 +257,39 @@ struct RotaryArgs {
   bool norm;
   bool wan;            // Wan's pairing (rotary.cu's rotate_pair_wan) instead of diffusers' (no norm, one table)
   bool norm_rows;      // torch.nn.RMSNorm(heads * dim) of each row first (img only; weight [heads * dim]), not `norm`
+  bool norm_fp32;      // with `norm`: a float32 weight on x.float(), y and the rotary in float, one rounding (FLUX.3)
+  bool norm_f32w;      // with `norm`: a float32 weight on x.float(), y rounded to T as `norm` does (Krea 2)
   DType dtype;
   int32_t norm_final;  // the row norm's mean square: 0 sum / C, 1 sum * (1 / C), 2 fma(sum, 1 / C, eps) (rotary.cu)
 };
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream);
+#endif
+
+// The rotate-half rotary in the storage dtype over the first rot_dim = R channels of each head (Ideogram 4, Cosmos 3:
+// `x * cos + rotate_half(x) * sin` written inline, R = dim; MiniMax-H3's partial form, R < dim, the rest passed
+// through), rotate_half(x) = cat(-x[..., R/2:R], x[..., :R/2]), c = cos (of x's dtype) or round(cos) (float32 tables,
+// cast to x's dtype first), the table row of x's row r being r % table_rows:
+//   out[i]       = round(round(x[i] * c[i]) + round(-x[i + R/2] * s[i]))             i < R/2
+//   out[i + R/2] = round(round(x[i + R/2] * c[i + R/2]) + round(x[i] * s[i + R/2]))
+//   out[j]       = x[j]                                                               R <= j < dim
+struct RotateHalfArgs {
+  void* out;            // [rows, heads, dim], contiguous
+  const void* x;        // [rows, heads, dim], contiguous
+  const void* cos;      // [table_rows, rot_dim], contiguous, of x's dtype (or float32 with tables_f32)
+  const void* sin;
+  int64_t rows;
+  int64_t heads;
+  int64_t dim;
+  int64_t rot_dim;      // even, at most dim
+  int64_t table_rows;   // divides rows
+  bool tables_f32;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_rotate_half(const RotateHalfArgs& args, cudaStream_t stream);
 #endif
 
 // torch.nn.GroupNorm with weight and bias over contiguous [batch, channels, *] (HxW the product of the trailing

@@ -70,6 +70,15 @@ constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (nev
 // torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's) is row_norm_rotary_kernel's, below.
 constexpr int kNoNorm = 0;
 constexpr int kHeadNorm = 1;
+// FLUX.3's fp32 island (qk_norm_rope_fp32): torch.nn.RMSNorm(dim) with a float32 weight on x.float(), the rotary in
+// float32, then `.to(T)`. aten runs the same vectorised kernel for float (vec_size is 4 for every dtype, so the same
+// lanes, FMA chain and shuffle tree on the same exactly upcast values); its y = w * (rstd * x) stays a float, the
+// rotary's products and sum are float operations, and the one rounding to T is the cast back:
+//   out[2i] = round(y[2i] * cos[2i] + (-y[2i+1]) * sin[2i])   with y unrounded, w read as float
+constexpr int kHeadNormF32 = 2;
+// Krea 2's zero-centred QK norm (qk_norm_rope_zero_centred): F.rms_norm(x.float(), weight=w + 1.0) cast back to T,
+// then the rotary in T: kHeadNorm's arithmetic (the norm's result rounded to T) with the float32 weight w + 1.0
+constexpr int kHeadNormF32W = 3;
 constexpr int kRowThreads = 128;  // aten's block for the row norm: (32, 4)
 constexpr int kRowVecs = 16;      // vectors a thread of the row norm keeps in registers: C <= 128 * 4 * 16 = 8192
 constexpr int kRowPairVecs = 8;   // ... of each of q and k, for the pair: C <= 4096
@@ -117,7 +126,7 @@ __device__ __forceinline__ Quad<T> rotate_quad(const float (&v)[4], const float4
 // aten's RMSNorm of one head of up to 128 elements spread over a warp, four a lane (lanes without data hold zeros):
 // each lane's FMA chain of squares, the shuffle-down tree over 16..1, rstd = rsqrtf(sum / dim + eps), and
 // v = round(w * (rstd * v)) in place (the file head).
-template <typename T>
+template <typename T, bool kRound = true>
 __device__ __forceinline__ void head_rms_norm(float (&v)[4], const float (&w)[4], float dim, float eps) {
   float acc = 0.f;
 #pragma unroll
@@ -127,7 +136,26 @@ __device__ __forceinline__ void head_rms_norm(float (&v)[4], const float (&w)[4]
   const float total = __shfl_sync(0xffffffffu, acc, 0);
   const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(total, dim), eps));
 #pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = round_to<T>(__fmul_rn(w[j], __fmul_rn(rstd, v[j])));
+  for (int j = 0; j < 4; ++j) {
+    const float y = __fmul_rn(w[j], __fmul_rn(rstd, v[j]));
+    v[j] = kRound ? round_to<T>(y) : y;  // kHeadNormF32: aten's float result, not rounded
+  }
+}
+
+// The norm's weight quad of lane quad q: of T (kHeadNorm) or float (kHeadNormF32, kHeadNormF32W), as floats.
+template <typename T, int kNorm>
+__device__ __forceinline__ void load_weight_quad(const void* weight, int q, float (&w)[4]) {
+  if (kNorm == kHeadNormF32 || kNorm == kHeadNormF32W) {
+    const float4 wf = load_readonly(reinterpret_cast<const float4*>(weight) + q);
+    w[0] = wf.x;
+    w[1] = wf.y;
+    w[2] = wf.z;
+    w[3] = wf.w;
+  } else {
+    const Quad<T> wq = load_readonly(reinterpret_cast<const Quad<T>*>(weight) + q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
+  }
 }
 
 template <typename T, int kNorm, int kForm>
@@ -162,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
     }
+    if (active && (kNorm == kHeadNormF32 || kNorm == kHeadNormF32W)) load_weight_quad<T, kNorm>(src.weight, q, w);
     for (int64_t h0 = warp; h0 < a.heads; h0 += kWarps * kHeadsInFlight) {
       Quad<T> xin[kHeadsInFlight];
       float4 cin[kHeadsInFlight], sin_in[kHeadsInFlight];  // kPerHead: each head's table quads, loaded with its x
@@ -183,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryArgs a) {
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[i].v[j]) : 0.f;
-        if (kNorm == kHeadNorm) head_rms_norm<T>(v, w, static_cast<float>(a.dim), src.eps);
+        if (kNorm != kNoNorm) head_rms_norm<T, kNorm != kHeadNormF32>(v, w, static_cast<float>(a.dim), src.eps);
         if (active) {
           if (kForm == kPerHead) {
             c = cin[i];
@@ -222,18 +251,14 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
   const T* x_row = static_cast<const T*>(is_txt ? a.txt.ptr : a.img.ptr) +
                    b * (is_txt ? a.txt.stride_b : a.img.stride_b) + s_src * (is_txt ? a.txt.stride_s : a.img.stride_s);
   const int64_t stride_h = is_txt ? a.txt.stride_h : a.img.stride_h;
-  const T* weight = static_cast<const T*>(is_txt ? a.txt.weight : a.img.weight);
+  const void* weight = is_txt ? a.txt.weight : a.img.weight;
   const float eps = is_txt ? a.txt.eps : a.img.eps;
   const int heads = static_cast<int>(a.heads);
   T* out_row = static_cast<T*>(a.out) + (b * (a.txt.seq + a.img.seq) + s) * heads * kHeadDim;
   const float4 c = load_readonly(reinterpret_cast<const float4*>(a.cos + s * a.cos_stride_s) + lane);
   const float4 sn = load_readonly(reinterpret_cast<const float4*>(a.sin + s * a.cos_stride_s) + lane);
   float w[4] = {0.f, 0.f, 0.f, 0.f};
-  if (kNorm == kHeadNorm) {
-    const Quad<T> wq = load_readonly(reinterpret_cast<const Quad<T>*>(weight) + lane);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = Storage<T>::load(wq.v[j]);
-  }
+  if (kNorm != kNoNorm) load_weight_quad<T, kNorm>(weight, lane, w);
   for (int h0 = warp; h0 < heads; h0 += kHeadWarps * kHeadSlots) {
     Quad<T> xin[kHeadSlots];
 #pragma unroll
@@ -248,7 +273,7 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
       float v[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[j] = Storage<T>::load(xin[i].v[j]);
-      if (kNorm == kHeadNorm) head_rms_norm<T>(v, w, static_cast<float>(kHeadDim), eps);
+      if (kNorm != kNoNorm) head_rms_norm<T, kNorm != kHeadNormF32>(v, w, static_cast<float>(kHeadDim), eps);
       reinterpret_cast<Quad<T>*>(out_row + h * kHeadDim)[lane] = rotate_quad<T, kShared>(v, c, sn);
     }
   }
@@ -358,7 +383,61 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
   }
 }
 
-#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+// The rotate-half form (RotateHalfArgs, fastpath.h), as Ideogram 4's and Cosmos 3's processors write it and MiniMax-H3's
+// _apply_rotary_emb computes it, in the storage dtype T: `x * c` and `rotate_half(x) * s` are aten multiplies of two T
+// tensors (a float product, rounded to T), their sum an aten add of two T tensors (a float sum, rounded to T); the
+// negation in rotate_half is exact; MiniMax-H3's float32 tables are cast to T first (one rounding each, tables_f32),
+// and its channels past rot_dim are copied. Exact by construction (each operation a separate IEEE one,
+// __fmul_rn/__fadd_rn). One block of kHalfThreads per row (a token), each thread the pairs (i, i + R/2) of the row's
+// heads in turn, then the pass-through channels.
+constexpr int kHalfThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float half_table(const void* table, int64_t i, bool f32) {
+  return f32 ? round_to<T>(static_cast<const float*>(table)[i]) : Storage<T>::load(static_cast<const T*>(table)[i]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kHalfThreads) rotate_half_kernel(const RotateHalfArgs a) {
+  const int64_t row = blockIdx.x;
+  const int dim = static_cast<int>(a.dim);
+  const int half = static_cast<int>(a.rot_dim / 2);
+  const int pairs = static_cast<int>(a.heads) * half;
+  const T* x = static_cast<const T*>(a.x) + row * a.heads * dim;
+  const int64_t t = (row % a.table_rows) * a.rot_dim;
+  T* out = static_cast<T*>(a.out) + row * a.heads * dim;
+  for (int p = threadIdx.x; p < pairs; p += kHalfThreads) {
+    const int h = p / half;
+    const int i = p - h * half;
+    const int lo = h * dim + i;
+    const float x1 = Storage<T>::load(x[lo]);
+    const float x2 = Storage<T>::load(x[lo + half]);
+    const float a1 = round_to<T>(__fmul_rn(x1, half_table<T>(a.cos, t + i, a.tables_f32)));
+    const float b1 = round_to<T>(__fmul_rn(-x2, half_table<T>(a.sin, t + i, a.tables_f32)));
+    const float a2 = round_to<T>(__fmul_rn(x2, half_table<T>(a.cos, t + i + half, a.tables_f32)));
+    const float b2 = round_to<T>(__fmul_rn(x1, half_table<T>(a.sin, t + i + half, a.tables_f32)));
+    out[lo] = Storage<T>::store(__fadd_rn(a1, b1));
+    out[lo + half] = Storage<T>::store(__fadd_rn(a2, b2));
+  }
+  const int rest = dim - 2 * half;  // the channels past rot_dim, copied
+  for (int p = threadIdx.x; p < static_cast<int>(a.heads) * rest; p += kHalfThreads) {
+    const int j = (p / rest) * dim + 2 * half + p % rest;
+    out[j] = x[j];
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launchers; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T>
+cudaError_t launch_half(const RotateHalfArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.heads == 0 || a.dim == 0) return cudaSuccess;
+  if (a.rot_dim % 2 != 0 || a.rot_dim > a.dim || a.table_rows <= 0 || a.rows % a.table_rows != 0 ||
+      a.rows > 0x7fffffff || a.heads * a.dim > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  rotate_half_kernel<T><<<static_cast<unsigned>(a.rows), kHalfThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const int64_t seq = a.txt.seq + a.img.seq;
@@ -367,6 +446,7 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
+  if ((a.norm_fp32 || a.norm_f32w) && (!a.norm || (a.norm_fp32 && a.norm_f32w))) return cudaErrorInvalidValue;
   // the row norm's pair: a txt source (k) of the img source's (q) length; its own launch shape
   const bool pair = a.norm_rows && a.txt.ptr != nullptr;
   const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
@@ -384,11 +464,19 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   } else if (a.norm_rows) {
     row_norm_rotary_kernel<T, kPerHead, false><<<row_grid, kRowThreads, 0, stream>>>(a);
   } else if (!a.wan && a.dim == kHeadDim && a.cos_stride_h == 0 && a.cos_stride_b == 0) {  // one [seq, dim] table
-    if (a.norm) {  // (norm with wan was refused above)
+    if (a.norm_fp32) {
+      head_norm_rotary_kernel<T, kHeadNormF32><<<grid, kHeadThreads, 0, stream>>>(a);
+    } else if (a.norm_f32w) {
+      head_norm_rotary_kernel<T, kHeadNormF32W><<<grid, kHeadThreads, 0, stream>>>(a);
+    } else if (a.norm) {  // (norm with wan was refused above)
       head_norm_rotary_kernel<T, kHeadNorm><<<grid, kHeadThreads, 0, stream>>>(a);
     } else {
       head_norm_rotary_kernel<T, kNoNorm><<<grid, kHeadThreads, 0, stream>>>(a);
     }
+  } else if (a.norm_fp32) {
+    rotary_kernel<T, kHeadNormF32, kShared><<<grid, kThreads, 0, stream>>>(a);
+  } else if (a.norm_f32w) {
+    rotary_kernel<T, kHeadNormF32W, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.norm) {
     rotary_kernel<T, kHeadNorm, kShared><<<grid, kThreads, 0, stream>>>(a);
   } else if (a.wan) {
@@ -407,6 +495,10 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
 #ifndef __CUDACC_RTC__
 cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+
+cudaError_t launch_rotate_half(const RotateHalfArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_half<decltype(tag)>(args, stream); });
 }
 #endif
 

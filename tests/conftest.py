@@ -103,6 +103,9 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
                                                      qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
+    from diffusers_fastpath.ops.qk_norm_rope_fp32 import (QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED,
+                                                          qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred_ref)
+    from diffusers_fastpath.ops.rotary_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
@@ -123,6 +126,21 @@ def emulated_kernels(monkeypatch):
         out[..., 0::2] = xf[..., 0::2] * cos[..., 0::2] + (-xf[..., 1::2]) * sin[..., 0::2]
         out[..., 1::2] = xf[..., 1::2] * cos[..., 1::2] + xf[..., 0::2] * sin[..., 1::2]
         return out.to(x.dtype)
+
+    def rotary_half_arithmetic(x, cos, sin, fn=None):  # csrc/rotary.cu's rotate_half_kernel: every product rounded
+        half, xf, c, s = x.shape[-1] // 2, x.float(), cos.float(), sin.float()
+
+        def r(t):
+            return t.to(x.dtype).float()
+
+        lo = r(r(xf[..., :half] * c[..., :half]) + r(-xf[..., half:] * s[..., :half]))
+        hi = r(r(xf[..., half:] * c[..., half:]) + r(xf[..., :half] * s[..., half:]))
+        return torch.cat([lo, hi], dim=-1).to(x.dtype)
+
+    def rotary_half_partial_arithmetic(x, cos, sin, fn=None):  # the same kernel: tables rounded first, rest copied
+        r = cos.shape[-1]
+        c, s = cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]
+        return torch.cat([rotary_half_arithmetic(x[..., :r], c, s), x[..., r:]], dim=-1)
 
     def rotary_wan_arithmetic(x, cos, sin):  # csrc/rotary.cu's rotate_pair_wan, per pair
         a, b, c0, s1 = x.float()[..., 0::2], x.float()[..., 1::2], cos[..., 0::2], sin[..., 1::2]
@@ -147,6 +165,9 @@ def emulated_kernels(monkeypatch):
                        (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic),
                        (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref),
                        (QK_NORM_ROWS_ROPE_PAIR, qk_norm_rows_rope_pair_ref),
+                       (QK_NORM_ROPE_FP32, qk_norm_rope_fp32_ref),
+                       (QK_NORM_ROPE_ZERO_CENTRED, qk_norm_rope_zero_centred_ref), (ROTARY_HALF, rotary_half_arithmetic),
+                       (ROTARY_HALF_PARTIAL, rotary_half_partial_arithmetic),
                        (GROUP_NORM, group_norm_ref), (GROUP_NORM_SILU, group_norm_silu_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)

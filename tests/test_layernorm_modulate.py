@@ -15,7 +15,6 @@ import diffusers_fastpath as fp
 from diffusers_fastpath._state import sites_of
 from diffusers_fastpath.models import _chains
 from diffusers_fastpath.models._norm_methods import modulate_scale_rows, norm_method_hints
-from diffusers_fastpath.models.generic import normalized_digest
 from diffusers_fastpath.ops import (Site, _policy, layernorm_modulate, layernorm_modulate_ref, layernorm_scale,
                                     layernorm_scale_ref)
 from diffusers_fastpath.ops.layernorm_modulate import LAYERNORM_MODULATE, LAYERNORM_SCALE
@@ -436,9 +435,9 @@ def test_qwen21_modulate_is_known_by_its_code(monkeypatch):
     from diffusers.models.transformers import transformer_qwenimage21 as qwen21
 
     block_cls = qwen21.QwenImage21TransformerBlock
-    assert norm_method_hints(block_cls, normalized_digest) == (("_modulate", "scale_rows"),)
+    assert norm_method_hints(block_cls) == (("_modulate", "scale_rows"),)
     changed = type("Changed", (block_cls,), {"_modulate": lambda self, h, m, t: block_cls._modulate(self, h, m, t)})
-    assert norm_method_hints(changed, normalized_digest) == ()  # another method's code: not known
+    assert norm_method_hints(changed) == ()  # another method's code: not known
     block = block_cls(64, 1, 64).to(torch.bfloat16).requires_grad_(False)
     x, params = torch.randn(1, 6, 64).to(torch.bfloat16), torch.randn(2, 128).to(torch.bfloat16)
     mask = torch.tensor([False, False, True, True, True, True])

@@ -319,6 +319,8 @@ def test_launch_constants_match_the_sources():
     assert rotary_mod._HEAD_THREADS == 32 * _constant("rotary.cu", "kHeadWarps")
     assert rotary_mod._HEAD_DIM == _constant("rotary.cu", "kHeadDim")
     assert rotary_mod._ROW_THREADS == _constant("rotary.cu", "kRowThreads")
+    assert importlib.import_module("diffusers_fastpath.ops.rotary_half")._HALF_THREADS == _constant("rotary.cu",
+                                                                                                  "kHalfThreads")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
     assert layernorm_mod._ATEN_THREADS == 32 * _constant("layernorm_scale_shift.cu", "kAtenWarps")

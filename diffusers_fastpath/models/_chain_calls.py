@@ -13,10 +13,13 @@ from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
                    layernorm_modulate, layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift,
-                   qk_norm_rope, qk_norm_rows_rope, qk_norm_rows_rope_pair, rmsnorm_gated_residual, rmsnorm_modulate,
-                   rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan,
-                   silu_mul, swiglu_cat)
+                   qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rows_rope, qk_norm_rows_rope_pair,
+                   rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
+                   rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
+                   rotary_half_partial, silu_mul, swiglu_cat)
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
+from ._chain_qk_fp32 import is_zero_centred
+from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
 from ..quality import hooked
@@ -148,6 +151,15 @@ class _NormLater:
         self.norm, self.x, self.heads = norm, x, heads
 
 
+class _NormFp32Later:
+    """``norm(x.float())`` not yet run: a float32 QK norm (FLUX.3's) waiting for its rotary (`_chain_qk_fp32`)."""
+
+    __slots__ = ("norm", "x")
+
+    def __init__(self, norm, x: torch.Tensor) -> None:
+        self.norm, self.x = norm, x
+
+
 class _CatLater:
     """``torch.cat([norm_txt(x_txt), norm_img(x_img)], dim=1)`` not yet run (two `_NormLater`)."""
 
@@ -210,6 +222,8 @@ def _materialize(x):
         return x.norm(x.x).unflatten(2, (x.heads, -1)) if x.heads else x.norm(x.x)
     if isinstance(x, _CatLater):
         return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
+    if isinstance(x, _NormFp32Later):
+        return x.norm(x.x.float())
     return x
 
 
@@ -414,8 +428,14 @@ class _ChainsNamespace:
         return swiglu_cat(attn, x, site, getattr(act, gate))
 
     @staticmethod
-    def rotary(x, freqs, site, qk_site=None, rms_site=None):
+    def rotary(x, freqs, site, qk_site=None, rms_site=None, cast=None, fp32_site=None):
         tables = _two_tables(freqs)
+        if isinstance(x, _NormFp32Later):
+            # FLUX.3's float32 norm: `cast` is the dtype the rewriter proved the result is cast to right after (the
+            # written cast then returns what this returns); without it, or to another dtype, as written
+            if tables and type(x.norm) is nn.RMSNorm and cast is not None and cast is x.x.dtype:
+                return qk_norm_rope_fp32(x.norm, x.x, freqs[0], freqs[1], fp32_site, site)
+            x = _materialize(x)
         if isinstance(x, _NormLater) and x.heads:
             x = _materialize(x)
         if isinstance(x, (_NormLater, _CatLater)):
@@ -430,6 +450,8 @@ class _ChainsNamespace:
                     return rmsnorm_rope_real(x.norm, x.x, freqs[0], freqs[1], rms_site, site)
                 if rms_site is not None:
                     rms_site.fallback[reason] += 1
+            elif tables and isinstance(x, _NormLater) and is_zero_centred(x.norm):  # Krea 2's
+                return qk_norm_rope_zero_centred(x.norm, x.x, freqs[0], freqs[1], qk_site, site)
             x = _materialize(x)
         if not (isinstance(x, torch.Tensor) and tables):
             return embeddings.apply_rotary_emb(x, freqs, sequence_dim=1)
@@ -585,10 +607,32 @@ class _ChainsNamespace:
         return rmsnorm_gated_residual(norm, residual, gate, x, site)
 
     @staticmethod
+    def rotary_half(fn, x, cos, sin, site):
+        # ``x * cos + fn(x) * sin`` (Ideogram 4, Cosmos 3): fused where fn is a known rotate-half (by its source)
+        if is_rotate_half(fn) and all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
+            return rotary_half(x, cos, sin, site, fn)
+        return x * cos + fn(x) * sin
+
+    @staticmethod
+    def rotary_half_partial(fn, x, freqs, site):
+        # ``fn(x, *freqs)``: MiniMax-H3's partial rotate-half where fn is that function (by its source) and freqs its
+        # (cos, sin); any other function as written
+        if is_partial_rotate_half(fn) and isinstance(x, torch.Tensor) and _two_tables(freqs, tuple):
+            return rotary_half_partial(x, freqs[0], freqs[1], site, fn)
+        return fn(x, *freqs)
+
+    @staticmethod
+    def norm_later_fp32(norm, x):
+        # FLUX.3's ``norm(x.float())``: waits only where its fused op could run it (torch's RMSNorm of a tensor)
+        return _NormFp32Later(norm, x) if isinstance(x, torch.Tensor) and type(norm) is nn.RMSNorm else norm(x.float())
+
+    @staticmethod
     def norm_later(norm, x):
         # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_real`
         # before the real-form rotary, `rmsnorm_rope_complex` before the complex one); any other runs here, as written
-        return _NormLater(norm, x) if isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) else norm(x)
+        if isinstance(x, torch.Tensor) and (type(norm) in (nn.RMSNorm, RMSNorm) or is_zero_centred(norm)):
+            return _NormLater(norm, x)  # (Krea 2's zero-centred norm: `qk_norm_rope_zero_centred`)
+        return norm(x)
 
     @staticmethod
     def unflatten_later(x, dim, sizes):

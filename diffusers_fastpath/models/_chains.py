@@ -61,6 +61,8 @@ from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
 from ._chain_inline import Inliner
 from ._chain_proofs import Proofs, source_of
+from ._chain_qk_fp32 import QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED, is_zero_centred
+from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
@@ -141,6 +143,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
                              swiglus, complex_rotary, local is not None, head_cats and owner != "self",
                              rows_rotary if owner != "self" else None, wan if owner != "self" else None, proofs=proofs)
+        if owner != "self":  # a processor's rotate-half forms: the module functions they may call (by digest)
+            rewriter.rotate_halves, rewriter.partial_rotaries = known_names(fn, func)
         body = rewriter.body(copy.deepcopy(func.body), func)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
@@ -439,11 +443,19 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
             norm = type(getattr(module, "norm_q", None)) if qk else None  # what `norm_later` defers, by its type
             if found.rotary or found.rotary_named:
                 state.add_site(module, ROTARY, name=ROTARY)
-            if found.rotary:
+            if found.rotary_half:  # Ideogram 4's, Cosmos 3's rotate-half form (`_chain_rotate_half`)
+                state.add_site(module, ROTARY_HALF, name=ROTARY_HALF)
+            if found.rotary_half_partial:  # MiniMax-H3's
+                state.add_site(module, ROTARY_HALF_PARTIAL, name=ROTARY_HALF_PARTIAL)
+            if found.rotary and found.qk_fp32:  # FLUX.3's float32 QK norms (`_chain_qk_fp32`)
+                state.add_site(module, QK_NORM_ROPE_FP32, name=QK_NORM_ROPE_FP32)
+            elif found.rotary:
                 if norm is nn.RMSNorm:
                     state.add_site(module, QK_NORM_ROPE, name=QK_NORM_ROPE)
                 elif norm is RMSNorm:
                     state.add_site(module, RMSNORM_ROPE_REAL, name=RMSNORM_ROPE_REAL)
+                elif qk and is_zero_centred(module.norm_q):  # Krea 2's: counted by its own op at the qk site
+                    state.add_site(module, QK_NORM_ROPE_ZERO_CENTRED, name=QK_NORM_ROPE)
             if found.rotary_named and norm is nn.RMSNorm:  # LTX-Video's and Wan's norms across all heads
                 if found.rows_pairs:  # LTX-Video's q and k as one call
                     state.add_site(module, QK_NORM_ROWS_PAIR, name=QK_NORM_ROWS_PAIR)

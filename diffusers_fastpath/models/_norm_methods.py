@@ -1,6 +1,6 @@
 """Modulate methods the generic path fuses with the LayerNorm whose output they receive (the rewriter's
 LayerNorm-into-method forms: ``self.M(self.A(X), ...)``, or ``N = self.A(X)`` then ``self.M(N, ...)``), known by
-the normalized digest of their installed source (`generic.normalized_digest`: the same for a copy of the method in
+the normalized digest of their installed source (`_mirror.normalized_digest`: the same for a copy of the method in
 another class, different for any change of its code), each with the fused counterpart the rewritten block calls.
 
 - ``"scale_rows"``: Qwen-Image 2.1's ``QwenImage21TransformerBlock._modulate(hidden_states, mod_params,
@@ -19,6 +19,7 @@ from torch import nn
 
 from .._state import site_attr
 from ..ops import layernorm_scale
+from ._mirror import normalized_digest
 
 # normalized digests (diffusers 0.42.1) of the methods and of the module function the method calls
 _SCALE_ROWS = "b4adc8bf2b419472"
@@ -27,14 +28,13 @@ _SELECT = "_select_modulation_rows"
 _CHECKED: dict[type, object] = {}  # block class -> the `_select_modulation_rows` its method calls, checked
 
 
-def norm_method_hints(cls: type, digest) -> tuple[tuple[str, str], ...]:
-    """``((method, form), ...)``: the methods of `cls` this module has a fused counterpart for, as installed;
-    `digest` is `generic.normalized_digest` (which imports this module)."""
+def norm_method_hints(cls: type) -> tuple[tuple[str, str], ...]:
+    """``((method, form), ...)``: the methods of `cls` this module has a fused counterpart for, as installed."""
     method = cls.__dict__.get("_modulate")
-    if method is None or digest(method) != _SCALE_ROWS:
+    if method is None or normalized_digest(method) != _SCALE_ROWS:
         return ()
     select = method.__globals__.get(_SELECT)
-    if select is None or digest(select) != _SELECT_ROWS:
+    if select is None or normalized_digest(select) != _SELECT_ROWS:
         return ()
     _CHECKED[cls] = select
     return (("_modulate", "scale_rows"),)

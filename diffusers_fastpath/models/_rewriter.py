@@ -247,6 +247,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from ._chain_proofs import Proofs, _bound_names, like
+from ._chain_qk_fp32 import deferred_fp32, fp32_norm_input, mark_casts
+from ._chain_rotate_half import partial_call, rotate_half_call
 from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _casts_back, _cat_names, _cat_of, _rows_modulate_of,
                             _complex_rotary_call, _float_gated_of, _float_modulate_of, _fp32_gated_of,
                             _fp32_modulate_of, _fp32_norm_of, _gate_name, _operand_name, _recast,
@@ -304,6 +306,9 @@ class Rewrite:
     seq_major_attention: bool = False  # ... and the attention of three of them, token-major (`attention_seq_major`)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
+    qk_fp32: int = 0  # rotary calls of pending float32 QK norms proven cast back right after (FLUX.3)
+    rotary_half: int = 0  # a processor's rotate-half rotary expressions (Ideogram 4, Cosmos 3): site ``rotary_half``
+    rotary_half_partial: int = 0  # ``Q = R(X, *F)`` calls that may be MiniMax-H3's partial rotate-half (by digest)
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
 
@@ -312,7 +317,8 @@ class Rewrite:
                     or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
-                    or self.head_cats or self.rotary_named)
+                    or self.head_cats or self.rotary_named or self.rotary_half
+                    or self.rotary_half_partial)
 
 
 # the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
@@ -346,6 +352,10 @@ def _own_nodes(body: list[ast.stmt]):
 
 
 class _Rewriter:
+    # the names of the forward's module functions the rotate-half forms take (`_chain_rotate_half.known_names`)
+    rotate_halves: frozenset[str] = frozenset()
+    partial_rotaries: frozenset[str] = frozenset()
+
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
                  swiglus: tuple[str, ...] = (), complex_rotary: str | None = None, local_rotary: bool = False,
@@ -441,7 +451,16 @@ class _Rewriter:
         if not self.block:
             if self.head_cats and (cat := self._head_cat(stmt)) is not None:
                 return cat
-            return self._rotary_anywhere(stmt) if isinstance(stmt, ast.Assign) else None
+            if (half := rotate_half_call(stmt, self.owner, self.rotate_halves)) is not None:  # Ideogram 4, Cosmos 3 (`_chain_rotate_half`)
+                self.found.rotary_half += 1
+                return like(half, stmt)
+            if not isinstance(stmt, ast.Assign):
+                return None
+            if ((rotary := self._rotary_anywhere(stmt)) is None
+                    and (partial := partial_call(stmt, self.owner, self.partial_rotaries))):
+                self.found.rotary_half_partial += 1  # MiniMax-H3's ``Q = R(X, *F)``, after the named forms
+                return like(partial, stmt)
+            return rotary
         if isinstance(stmt, ast.Return) and stmt.value is not None:
             if (call := self._silu_mul(stmt.value, stmt)) is not None:
                 return like(ast.Return(value=call), stmt)
@@ -908,7 +927,7 @@ class _Rewriter:
     def qk_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
         """The QK-norm form of the module doc over a processor's top-level `body` (its rotary calls rewritten
         already), or `body` as it was."""
-        owner, deferred, order, deferrals = self.owner, set(), [], []
+        owner, deferred, order, deferrals, upcast = self.owner, set(), [], [], set()
 
         class Defer(ast.NodeTransformer):
             def visit_Assign(self, node: ast.Assign) -> ast.stmt:
@@ -916,12 +935,17 @@ class _Rewriter:
                 if (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
                         and isinstance(value.func.value, ast.Name) and value.func.value.id == owner
                         and value.func.attr in _QK_NORMS and len(value.args) == 1 and not value.keywords
-                        and isinstance(value.args[0], ast.Name) and value.args[0].id == target):
+                        and ((isinstance(value.args[0], ast.Name) and value.args[0].id == target)
+                             or fp32_norm_input(value, target))):
                     deferred.add(target)
                     order.append(value.func.attr)
-                    call = _call("norm_later", [value.func, value.args[0]])
+                    if isinstance(value.args[0], ast.Name):
+                        call = _call("norm_later", [value.func, value.args[0]])
+                    else:  # FLUX.3's ``Q = A.norm_q(Q.float())`` (`_chain_qk_fp32`)
+                        upcast.add(target)
+                        call = deferred_fp32(value)
                     new = like(ast.Assign(targets=node.targets, value=call), node)
-                    deferrals.append((new, value.args[0]))
+                    deferrals.append((new, call.args[1]))
                     return new
                 cat = _cat_names(value, 1) if target is not None else None
                 if cat is not None and cat[1] == target and set(cat) <= deferred:
@@ -979,7 +1003,10 @@ class _Rewriter:
                  for name in sorted(deferred - joint) if _reads_after(new[last + 1:], name)]  # (the top level: all)
         self.found.qk_norms = order
         head = self._rows_pairs(new[:last + 1])
-        return [*head, *(like(m, new[last]) for m in later), *new[last + 1:]]
+        out = [*head, *(like(m, new[last]) for m in later), *new[last + 1:]]
+        if upcast:
+            self.found.qk_fp32 = mark_casts(out, upcast, owner)
+        return out
 
     def _rotary_cats(self, new: list[ast.stmt], last: int, deferred: set[str],
                      pending: list[tuple[int, ast.stmt, ast.expr]]) -> set[str]:

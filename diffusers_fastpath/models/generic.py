@@ -48,29 +48,13 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._mirror import normalized_digest
 from ._norm_methods import FUSED, norm_method_hints
 
 GENERIC = "generic"  # what `coverage` says of a class patched this way
 
 
 # --- the facts ------------------------------------------------------------------------------------------------------
-
-
-def normalized_digest(fn_or_def) -> str | None:
-    """sha256[:16] of ``ast.unparse`` of a function's definition with its name set aside: the same for a copy of a
-    function under another name, different for any change of its code (comments and layout aside)."""
-    if isinstance(fn_or_def, ast.FunctionDef):
-        node = fn_or_def
-    else:
-        try:
-            (node,) = ast.parse(textwrap.dedent(inspect.getsource(fn_or_def))).body
-        except (OSError, TypeError, ValueError, SyntaxError):
-            return None
-        if not isinstance(node, ast.FunctionDef):
-            return None
-    node = ast.FunctionDef(name="_", args=node.args, body=node.body, decorator_list=[], returns=node.returns,
-                           type_comment=None, type_params=getattr(node, "type_params", []))
-    return hashlib.sha256(ast.unparse(ast.fix_missing_locations(node)).encode()).hexdigest()[:16]
 
 
 def _known_rotaries() -> dict[str, str]:
@@ -89,13 +73,21 @@ def _known_rotaries() -> dict[str, str]:
         known[normalized_digest(transformer_ltx.apply_rotary_emb)] = "rows"
     if source_digest(transformer_qwenimage.apply_rotary_emb_qwen) == QWEN:
         known[normalized_digest(transformer_qwenimage.apply_rotary_emb_qwen)] = "complex"
+    from diffusers.models.transformers import transformer_bria_fibo2
+
     for cls, (name, digest), form in ((transformer_wan.WanAttnProcessor, WAN, "wan"),
-                                      (transformer_z_image.ZSingleStreamAttnProcessor, ZIMAGE, "local")):
+                                      (transformer_z_image.ZSingleStreamAttnProcessor, ZIMAGE, "local"),
+                                      (transformer_bria_fibo2.BriaFibo2AttnProcessor, FIBO2, "local")):
         local = _local_defs(cls.__call__).get(name)
         if local is not None and hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16] == digest:
             known[normalized_digest(local)] = form
     return known
 
+
+# sha256[:16] of ast.unparse of Bria FIBO 2's processor-local `apply_rotary_emb` (diffusers 0.42.1): Z-Image's
+# complex multiply (`x_in.float()` as complex, `* freqs_cis.unsqueeze(2)`, `.type_as(x_in)`) without its autocast
+# block, which changes nothing for the op (its dtypes are explicit): the same "local" form
+FIBO2 = ("apply_rotary_emb", "15efcd15e19c6261")
 
 _KNOWN: dict[str, str] | None = None
 
@@ -165,7 +157,7 @@ def block_hints(instances: list[nn.Module]) -> dict:
             "contiguous": tuple(p for p in params if p.endswith("hidden_states") and "encoder" not in p),
             "norms": attrs(lambda m: isinstance(m, (nn.LayerNorm, nn.RMSNorm, RMSNorm))),
             # modulate methods known by digest, which the LayerNorm before them joins (`_norm_methods`)
-            **({"norm_methods": known} if (known := norm_method_hints(type(instances[0]), normalized_digest)) else {})}
+            **({"norm_methods": known} if (known := norm_method_hints(type(instances[0]))) else {})}
 
 
 # --- the subclasses, by a name that says how to make them -------------------------------------------------------
@@ -189,7 +181,7 @@ def generic_subclass(base: type, method: str, hints: dict):
         hints = {**processor_hints(base.__call__), **hints}
     options = dict(hints)
     if "norm_methods" in options:  # (method, form) pairs -> the fused counterparts, checked against `base` again
-        checked = dict(norm_method_hints(base, normalized_digest))
+        checked = dict(norm_method_hints(base))
         options["norm_methods"] = {m: FUSED[form] for m, form in options["norm_methods"] if checked.get(m) == form}
     sub, found = fused_subclass(base, subclass_name(base, method, hints), __name__, method, **options)
     if sub is not None:

@@ -16,6 +16,8 @@ from .linear_gelu import linear_gelu, linear_gelu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .qk_norm_rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rows_rope, qk_norm_rows_rope_pair,
                            qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
+from .qk_norm_rope_fp32 import (qk_norm_rope_fp32, qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred,
+                                qk_norm_rope_zero_centred_ref)
 from .rmsnorm import rmsnorm, rmsnorm_ref
 from .rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_ref
 from .rmsnorm_scale_shift import (
@@ -30,6 +32,7 @@ from .rmsnorm_scale_shift import (
 )
 from .rmsnorm_rope import (rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_complex_cat_ref,
                            rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref)
+from .rotary_half import rotary_half, rotary_half_partial, rotary_half_partial_ref, rotary_half_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
                      rotary_emb_wan_ref)
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
@@ -82,6 +85,10 @@ __all__ = [
     "qk_norm_rows_rope_pair",
     "qk_norm_rows_rope_pair_ref",
     "qk_norm_rows_rope_ref",
+    "qk_norm_rope_fp32",
+    "qk_norm_rope_fp32_ref",
+    "qk_norm_rope_zero_centred",
+    "qk_norm_rope_zero_centred_ref",
     "rmsnorm",
     "rmsnorm_gated_residual",
     "rmsnorm_modulate",
@@ -98,6 +105,10 @@ __all__ = [
     "rmsnorm_scale_ref",
     "rmsnorm_scale_shift",
     "rmsnorm_scale_shift_ref",
+    "rotary_half",
+    "rotary_half_partial",
+    "rotary_half_partial_ref",
+    "rotary_half_ref",
     "rotary_emb",
     "rotary_emb_rows",
     "rotary_emb_rows_ref",

@@ -83,9 +83,12 @@ def _plain_rms_norm(norm, dim: int) -> bool:
     )  # hooks: the policy refuses a hooked norm before this guard (`FusedOp` ``modules``)
 
 
-def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_pointers: bool = True,
+           fp32_norm: bool = False) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site).
+    `fp32_norm`: the norms run on ``x.float()`` with float32 weights (`qk_norm_rope_fp32`, FLUX.3)."""
     dtype = x_img.dtype
+    weight_dtype, weight_align = (torch.float32, 16) if fp32_norm else (dtype, 8)
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if x_img.dim() != 4 or (x_txt is not None and (x_txt.dim() != 4 or x_txt.dtype is not dtype)):
@@ -98,7 +101,7 @@ def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_poi
     sources = ((norm_img, x_img),) if x_txt is None else ((norm_txt, x_txt), (norm_img, x_img))
     if not all(_plain_rms_norm(norm, dim) for norm, _ in sources):
         return "norm not a plain torch.nn.RMSNorm with weight"
-    if any(norm.weight.dtype is not dtype for norm, _ in sources):
+    if any(norm.weight.dtype is not weight_dtype for norm, _ in sources):
         return "norm weight dtype differs"  # aten then takes its composite path, another reduction
     if x_img.numel() == 0:
         return "empty"
@@ -117,8 +120,10 @@ def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_poi
         return "norm weight strided"
     seq_total = seq + (0 if x_txt is None else x_txt.shape[1])
     reason = cos_sin_reason(cos, sin, seq_total, dim, device, check_pointers)
-    if reason is None and check_pointers and any(x.data_ptr() % 8 or norm.weight.data_ptr() % 8 for norm, x in sources):
-        return "not 8-byte aligned"  # aten's vectorised kernel needs 8-byte aligned rows and weight too
+    if reason is None and check_pointers and any(x.data_ptr() % 8 or norm.weight.data_ptr() % weight_align
+                                                 for norm, x in sources):
+        # aten's vectorised kernel needs 4-element aligned rows and weight too (of x.float() a fresh allocation)
+        return "not 8-byte aligned" if weight_align == 8 else "not aligned (x 8 bytes, float32 weight 16)"
     return reason
 
 

@@ -95,15 +95,15 @@ _SOURCE = _nvrtc.Params("RotarySource", ("ptr", "P"), ("stride_b", "q"), ("strid
                         ("seq", "q"), ("weight", "P"), ("eps", "f"))
 _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOURCE), ("cos", "P"), ("sin", "P"),
                       ("cos_stride_b", "q"), ("cos_stride_s", "q"), ("cos_stride_h", "q"), ("batch", "q"),
-                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("norm_rows", "?"), ("dtype", "i"),
-                      ("norm_final", "i"))
+                      ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("norm_rows", "?"), ("norm_fp32", "?"),
+                      ("norm_f32w", "?"), ("dtype", "i"), ("norm_final", "i"))
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
-    # (dtype, norm, form): rotary.cu's kNoNorm 0, kHeadNorm 1; kShared 0, kPerHead 1 (LTX-Video's tables), kWan 2
-    # (Wan's pairing)
+    # (dtype, norm, form): rotary.cu's kNoNorm 0, kHeadNorm 1, kHeadNormF32 2 (FLUX.3), kHeadNormF32W 3 (Krea 2); kShared 0,
+    # kPerHead 1 (LTX-Video's tables), kWan 2 (Wan's pairing)
     {(dtype, norm, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {norm}, {form}"
-     for dtype in HALF_DTYPES for norm, form in ((0, 0), (1, 0), (0, 1), (0, 2))},
+     for dtype in HALF_DTYPES for norm, form in ((0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (0, 2))},
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
 # The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2, and
@@ -115,12 +115,12 @@ _NVRTC_ROWS = _nvrtc.Kernel(
      for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
-# The shared-table form at dim 128, with the per-head norm (FLUX's) or without: head_norm_rotary_kernel, (dtype,
-# norm), kHeadThreads 128 a row.
+# The shared-table form at dim 128, with the per-head norm (FLUX's; FLUX.3's fp32 one, 2; Krea 2's, 3) or without:
+# head_norm_rotary_kernel, (dtype, norm), kHeadThreads 128 a row.
 _NVRTC_HEADS = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::head_norm_rotary_kernel",
-    {(dtype, norm): f"{_nvrtc.STORAGE_TYPE[dtype]}, {norm}" for dtype in HALF_DTYPES for norm in (0, 1)},
+    {(dtype, norm): f"{_nvrtc.STORAGE_TYPE[dtype]}, {norm}" for dtype in HALF_DTYPES for norm in (0, 1, 2, 3)},
     _nvrtc.Params("head_norm_rotary_kernel", ("a", _ARGS)),
 )
 _ROW_THREADS = 128
@@ -131,10 +131,12 @@ _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
 
 
 def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None,
-                 wan: bool = False, norm_rows: bool = False, norm_final: int = 0) -> torch.Tensor:
+                 wan: bool = False, norm_rows: bool = False, norm_final: int = 0,
+                 norm_fp32: bool = False, norm_f32w: bool = False) -> torch.Tensor:
     """rotary_launch of bindings.cpp on the NVRTC way: [txt; img] rotated (after the RMSNorm of each head when
     ``norm``, of each row of ``x_img`` when ``norm_rows``); with ``norm_rows`` and ``x_txt``, qk_norm_rows_rope_pair's
-    q (``x_img``) and k (``x_txt``) into one ``[2, B, S, H, D]`` result."""
+    q (``x_img``) and k (``x_txt``) into one ``[2, B, S, H, D]`` result; with ``norm`` and ``norm_fp32``, FLUX.3's
+    float32 norm and rotary, rounded once; with ``norm_f32w``, Krea 2's float32 weight with the norm rounded."""
     batch, seq_img, heads, dim = x_img.shape
     pair = norm_rows and x_txt is not None
     seq = seq_img + (0 if x_txt is None or pair else x_txt.shape[1])
@@ -152,15 +154,16 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     rows = cos.dim() == 3
     strides = ((0 if cos.shape[0] == 1 else seq * heads * dim), heads * dim, dim) if rows else (0, dim, 0)
     args = (out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm, wan,
-            norm_rows, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
+            norm_rows, norm_fp32, norm_f32w, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
+    norm_form = 2 if norm_fp32 else 3 if norm_f32w else int(norm)  # kHeadNormF32, kHeadNormF32W, kHeadNorm, kNoNorm
     if norm_rows:
         _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1, pair), (seq, batch, 1),
                            (_ROW_THREADS, 1, 1), *args)
     elif dim == _HEAD_DIM and not rows and not wan:
-        _NVRTC_HEADS.launch(x_img.device.index, (x_img.dtype, int(norm)), (seq, batch, 1), (_HEAD_THREADS, 1, 1),
+        _NVRTC_HEADS.launch(x_img.device.index, (x_img.dtype, norm_form), (seq, batch, 1), (_HEAD_THREADS, 1, 1),
                             *args)
     else:
-        _NVRTC.launch(x_img.device.index, (x_img.dtype, int(norm), 2 if wan else int(rows)), (seq, batch, 1),
+        _NVRTC.launch(x_img.device.index, (x_img.dtype, norm_form, 2 if wan else int(rows)), (seq, batch, 1),
                       (_THREADS, 1, 1), *args)
     return out
 
