@@ -64,9 +64,10 @@ from ._chain_proofs import Proofs, source_of
 from ._chain_qk_fp32 import QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED, is_zero_centred
 from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
-from ._rewriter import (AFFINE_FP32, ATTENTION_SEQ_MAJOR, CAT_HEADS, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
-                        MODULATE_ONLY, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR, RMS_GATED, RMS_MODULATE,
-                        RMS_SCALE, RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
+from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
+                        MODULATE_ONLY, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
+from ._rewriter_attention import (ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
+                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY)
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),

@@ -1,0 +1,392 @@
+"""The chain rewriter's patterns of attention processors (`_rewriter` holds the blocks' and the module doc of the
+whole; `_Rewriter` runs these passes on a processor's forward):
+
+- rotary embedding, into `diffusers_fastpath.ops.rotary_emb` (the fallback is diffusers' function itself), in
+  attention processors:
+
+  - ``Q = apply_rotary_emb(X, E, sequence_dim=1)`` (diffusers' ``embeddings.apply_rotary_emb``, real cos/sin
+    tables)  ->  ``Q = rotary(X, E, site)``
+
+  with one site, ``rotary_emb``, on the attention module the processor is called with (its first argument); also
+  where the call is part of a larger expression (HunyuanVideo's ``torch.cat([apply_rotary_emb(...), ...])``), and
+  where the processor imports ``apply_rotary_emb`` itself (``from ..embeddings import apply_rotary_emb``).
+- QK RMSNorm + concatenation + rotary embedding, into `diffusers_fastpath.ops.qk_norm_rope` (self-verified; the
+  fallback is the norms, ``torch.cat`` and the fused rotary), in attention processors whose rotary embedding the
+  pattern above took (FLUX.2, the FLUX derivatives):
+
+  - ``Q = A.N(Q)`` with ``N`` one of ``norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k`` (``A`` the attention
+    module)  ->  ``Q = norm_later(A.N, Q)``: the norm, not yet run
+  - ``Q = torch.cat([E, Q], dim=1)`` of two such  ->  ``Q = cat_later(E, Q)``
+  - the rotary call of such a ``Q`` runs all three as one `qk_norm_rope` (site ``qk_norm_rope`` on the attention
+    module), or, for a lone diffusers ``RMSNorm`` (HunyuanVideo-1.5, Bria-FIBO's single blocks), the norm and the
+    rotary as one `rmsnorm_rope_real` (site ``rmsnorm_rope_real``); after the last statement holding a rotary call,
+    each such name read later is made a tensor (``materialize``: the norm and the cat as written, where no rotary
+    embedding ran)
+
+  taken only where those names are read nowhere else before that point (else the norms run as written).
+- QK RMSNorm + complex-form rotary embedding, into `diffusers_fastpath.ops.rmsnorm_rope_complex` (self-verified; the
+  fallback is the norm and the rotary function as written), in processors whose adapter names the rotary function:
+  ``complex_rotary="apply_rotary_emb_qwen"`` (a module function, called ``NAME(X, F, use_real=False)``; its source
+  checked by digest at patch time, `register_complex_rotary`) or ``local_rotary=(name, digest)`` (a function the
+  processor defines itself, called ``NAME(X, F)``, taken where ``ast.unparse`` of its definition has that digest):
+
+  - ``Q = NAME(X, F, ...)``  ->  ``Q = rotary_complex(NAME, X, F, site, local)``; the QK norms before it wait as in
+    the form above, and a pending diffusers ``RMSNorm`` without hooks runs with the rotary as one op (site
+    ``rmsnorm_rope_complex`` on the attention module; Qwen-Image, Z-Image)
+  - the joint form (module functions): ``J = torch.cat([A, B], dim=1)`` after the last rotary statement, of two such
+    ``Q`` that nothing else reads afterwards  ->  ``J = cat_rotated(A, B, site)`` and their rotary calls
+    ``rotary_complex_later``: the two streams' norms and rotary written into the joint tensor by
+    `diffusers_fastpath.ops.rmsnorm_rope_complex_cat` (site ``rmsnorm_rope_complex_cat``; Qwen-Image's q and k)
+- rows-form rotary embedding, into `diffusers_fastpath.ops.rotary_emb_rows` (exact by construction; the fallback is
+  the function itself), in processors whose adapter names it: ``rows_rotary="apply_rotary_emb"`` (LTX-Video's module
+  function, called ``NAME(X, F)`` with ``F = (cos, sin)`` over ``[B, S, C]`` rows; its source checked by digest at
+  patch time, `register_rows_rotary`):
+
+  - ``Q = NAME(X, F)``  ->  ``Q = rotary_rows(NAME, X, F, site)``, site ``rotary_emb`` on the attention module
+
+  and Wan's, into `diffusers_fastpath.ops.rotary_emb_wan` (exact by construction): ``wan_rotary=(name, digest)``, a
+  function the processor defines (in any block of its body), taken where ``ast.unparse`` of its definition has that
+  digest:
+
+  - ``Q = NAME(X, *F)``  ->  ``Q = rotary_wan(NAME, X, F, site)``, site ``rotary_emb`` on the attention module
+- head concatenation (SD3's joint attention: the image and text q, k and v, each a ``[B, H, S, D]`` view), into
+  `diffusers_fastpath.ops.cat_heads` (a vectorised copy, exact by construction, its addressing checked on first use
+  per layout), in processors whose adapter asks for it (``head_cats=True``):
+
+  - ``X = torch.cat([A, B], dim=2)``, ``A`` and ``B`` names  ->  ``X = cat_heads(A, B, site)``, the site
+    ``cat_heads`` on the attention module; anything the op's guard refuses runs ``torch.cat`` as written
+  - the attention of three such: ``H = F.scaled_dot_product_attention(Q, K, V, <constant keywords>)`` at the top
+    level of the body, directly followed by ``H = H.transpose(1, 2).reshape(...)``, where ``Q``, ``K`` and ``V`` were
+    last bound by those concatenations, are read by nothing between them and the attention, and after it only for
+    their ``.dtype``  ->  the three ``cat_heads(A, B, site, True)`` (written token-major) and ``H =
+    attention_heads(F.scaled_dot_product_attention, Q, K, V, site, ...)``: `diffusers_fastpath.ops.attention_seq_major`
+    (self-verified per signature; site ``attention_seq_major`` on the attention module), whose token-major output
+    makes the reshape a view
+
+Each rewrite is exact by construction, and one that moves or drops anything is taken only where `_chain_proofs`
+proves it changes no value (`_rewriter`'s module doc).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+
+from ._chain_proofs import like
+from ._chain_qk_fp32 import deferred_fp32, fp32_norm_input, mark_casts
+from ._chain_syntax import (_call, _cat_names, _complex_rotary_call, _ns_call, _PendingReads, _reads_after,
+                            _reads_only_dtype, _rotary_call, _single_target, _site_of, _starred_call,
+                            _transpose_reshape_of, _uses)
+
+ROTARY = "rotary_emb"
+CAT_HEADS = "cat_heads"
+ATTENTION_SEQ_MAJOR = "attention_seq_major"  # a processor's attention of three token-major head concatenations (SD3)
+QK_NORM_ROPE = "qk_norm_rope"
+QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
+QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
+_QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
+RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
+RMSNORM_ROPE_CAT = "rmsnorm_rope_complex_cat"  # ... of two streams' q (or k) written into their joint concatenation
+RMSNORM_ROPE_REAL = "rmsnorm_rope_real"  # ... diffusers' RMSNorm + the real-form rotary (HunyuanVideo-1.5)
+
+
+def _own_nodes(body: list[ast.stmt]):
+    """``(stmt, node)`` for every node of `body` (in any block), with the innermost statement holding it (whose line
+    number the rewriter's new nodes lack)."""
+    stack = list(body)
+    while stack:
+        stmt = stack.pop()
+        todo = [stmt]
+        while todo:
+            node = todo.pop()
+            yield stmt, node
+            for child in ast.iter_child_nodes(node):
+                (stack if isinstance(child, ast.stmt) else todo).append(child)
+
+
+
+class AttentionPasses:
+    """The processor passes of `_rewriter._Rewriter` (a mixin: they read and count on its state, ``self.found``,
+    ``self.owner``, ``self.proofs`` and the adapter's rotary names)."""
+
+    def _head_cat(self, stmt: ast.stmt) -> ast.stmt | None:
+        """The head-concatenation form: ``X = torch.cat([A, B], dim=2)`` of two names, as ``cat_heads``."""
+        target = _single_target(stmt)
+        pair = _cat_names(stmt.value, 2) if target is not None else None
+        if pair is None:
+            return None
+        self.found.head_cats += 1
+        site = _site_of(ast.Name(self.owner, ast.Load()), CAT_HEADS)
+        call = _call("cat_heads", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()), site])
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def seq_major_attention(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The head concatenations' attention form (see the module doc) over a processor's top-level `body` (its
+        concatenations rewritten already), or `body` as it was."""
+        for i, stmt in enumerate(body[:-1]):
+            h = _single_target(stmt)
+            call = stmt.value if h is not None else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "scaled_dot_product_attention" and isinstance(call.func.value, ast.Name)
+                    and len(call.args) == 3 and all(isinstance(a, ast.Name) for a in call.args)
+                    and all(k.arg is not None and isinstance(k.value, ast.Constant) for k in call.keywords)
+                    and _transpose_reshape_of(body[i + 1], h)):
+                continue
+            names = [a.id for a in call.args]
+            cats = [self._last_cat(body[:i], name) for name in names]
+            if len(set(names)) != 3 or None in cats or not all(_reads_only_dtype(body[i + 1:], n) for n in names):
+                continue
+            for cat in cats:
+                cat.args.append(ast.Constant(True))
+            self.found.seq_major_attention = True
+            site = _site_of(ast.Name(self.owner, ast.Load()), ATTENTION_SEQ_MAJOR)
+            new = _call("attention_heads", [call.func, *call.args, site])
+            new.keywords = call.keywords
+            return [*body[:i], like(ast.Assign(targets=stmt.targets, value=new), stmt), *body[i + 1:]]
+        return body
+
+    @staticmethod
+    def _last_cat(before: list[ast.stmt], name: str) -> ast.Call | None:
+        """The ``cat_heads`` call of ``name = cat_heads(A, B, site)``, `name`'s last binding in `before` (in any
+        block), if nothing in `before` reads `name` after it; else None."""
+        stores, loads, cats = [], [], []
+        for stmt, node in _own_nodes(before):
+            if isinstance(node, ast.Name) and node.id == name:
+                (loads if isinstance(node.ctx, ast.Load) else stores).append(stmt.lineno)
+            if node is stmt and _single_target(stmt) == name and _ns_call(stmt.value, "cat_heads") and len(stmt.value.args) == 3:
+                cats.append(stmt)
+        if len(cats) != 1 or max(stores, default=None) != cats[0].lineno or any(line > cats[0].lineno for line in loads):
+            return None
+        return cats[0].value
+
+    def _rotary_anywhere(self, stmt: ast.Assign) -> ast.stmt | None:
+        """A processor's assignment with every ``apply_rotary_emb(X, E, sequence_dim=1)`` in it fused (and every
+        call of the adapter's complex-form rotary, ``NAME(X, F, use_real=False)``), or None."""
+        if not (self.rotary_ok or self.complex_rotary or self.rows_rotary or self.wan_rotary):
+            return None
+        rewriter = self
+
+        class Calls(ast.NodeTransformer):
+            def visit_Call(self, node: ast.Call) -> ast.expr:
+                node = self.generic_visit(node)
+                rotary = _rotary_call(node) if rewriter.rotary_ok else None
+                if rotary is not None:
+                    rewriter.found.rotary += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return like(_call("rotary", [rotary[0], rotary[1], site]), node)
+                rotary = _starred_call(node, rewriter.wan_rotary)
+                if rotary is not None:  # Wan's ``NAME(X, *F)``
+                    rewriter.found.rotary_named += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return like(_call("rotary_wan", [node.func, rotary[0], rotary[1], site]), node)
+                rotary = _complex_rotary_call(node, rewriter.rows_rotary, local=True)
+                if rotary is not None:  # the rows form's ``NAME(X, F)``
+                    rewriter.found.rotary_named += 1
+                    site = _site_of(ast.Name(rewriter.owner, ast.Load()), ROTARY)
+                    return like(_call("rotary_rows", [node.func, rotary[0], rotary[1], site]), node)
+                rotary = _complex_rotary_call(node, rewriter.complex_rotary, rewriter.local_rotary)
+                if rotary is None:
+                    return node
+                rewriter.found.rotary_complex += 1
+                site = _site_of(ast.Name(rewriter.owner, ast.Load()), RMSNORM_ROPE)
+                return like(_call("rotary_complex", [node.func, rotary[0], rotary[1], site,
+                                                                  ast.Constant(rewriter.local_rotary)]), node)
+
+        count = lambda: self.found.rotary + self.found.rotary_complex + self.found.rotary_named  # noqa: E731
+        before = count()
+        new = Calls().visit(copy.deepcopy(stmt))
+        return new if count() > before else None
+
+    def _rotary(self, target: str, value: ast.expr, stmt: ast.stmt) -> ast.stmt | None:
+        rotary = _rotary_call(value) if self.rotary_ok else None
+        if rotary is None:
+            return None
+        self.found.rotary += 1
+        call = _call("rotary", [rotary[0], rotary[1], _site_of(ast.Name(self.owner, ast.Load()), ROTARY)])
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def qk_norms(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The QK-norm form of the module doc over a processor's top-level `body` (its rotary calls rewritten
+        already), or `body` as it was."""
+        owner, deferred, order, deferrals, upcast = self.owner, set(), [], [], set()
+
+        class Defer(ast.NodeTransformer):
+            def visit_Assign(self, node: ast.Assign) -> ast.stmt:
+                target, value = _single_target(node), node.value
+                if (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                        and isinstance(value.func.value, ast.Name) and value.func.value.id == owner
+                        and value.func.attr in _QK_NORMS and len(value.args) == 1 and not value.keywords
+                        and ((isinstance(value.args[0], ast.Name) and value.args[0].id == target)
+                             or fp32_norm_input(value, target))):
+                    deferred.add(target)
+                    order.append(value.func.attr)
+                    if isinstance(value.args[0], ast.Name):
+                        call = _call("norm_later", [value.func, value.args[0]])
+                    else:  # FLUX.3's ``Q = A.norm_q(Q.float())`` (`_chain_qk_fp32`)
+                        upcast.add(target)
+                        call = deferred_fp32(value)
+                    new = like(ast.Assign(targets=node.targets, value=call), node)
+                    deferrals.append((new, call.args[1]))
+                    return new
+                cat = _cat_names(value, 1) if target is not None else None
+                if cat is not None and cat[1] == target and set(cat) <= deferred:
+                    return like(ast.Assign(targets=node.targets, value=_call(
+                        "cat_later", [ast.Name(cat[0], ast.Load()), ast.Name(cat[1], ast.Load())])), node)
+                if (target in deferred and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                        and value.func.attr == "unflatten" and isinstance(value.func.value, ast.Name)
+                        and value.func.value.id == target and len(value.args) == 2 and not value.keywords):
+                    # Wan: ``Q = Q.unflatten(2, (A.heads, -1))`` of a pending norm, before its rotary
+                    return like(ast.Assign(targets=node.targets, value=_call(
+                        "unflatten_later", [value.func.value, *value.args])), node)
+                return node
+
+        rotaries = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")
+        last = max((i for i, stmt in enumerate(body)
+                    if any(_ns_call(n, name) for n in ast.walk(stmt) for name in rotaries)), default=None)
+        if last is None:
+            return body
+        # only norms before the rotary embedding wait for it (HunyuanVideo-1.5 normalises its text q and k after it)
+        new, tops = [], {}  # tops: a deferred norm's statement -> the index of the top-level statement holding it
+        for k, stmt in enumerate(body[:last + 1]):
+            new.append(Defer().visit(copy.deepcopy(stmt)))
+            tops.update((id(d), k) for d, _ in deferrals if id(d) not in tops)
+        new += body[last + 1:]
+        if not deferred:
+            return body
+        allowed = set()  # the Name nodes that may see a pending norm: cat_later's arguments, rotary's first
+        for stmt in new[:last + 1]:
+            for node in ast.walk(stmt):
+                if _ns_call(node, "cat_later"):
+                    allowed.update(id(a) for a in node.args)
+                elif _ns_call(node, "rotary"):
+                    allowed.add(id(node.args[0]))
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROPE))  # `new` is ours to change
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), RMSNORM_ROPE_REAL))
+                elif _ns_call(node, "rotary_complex"):
+                    allowed.add(id(node.args[1]))
+                elif _ns_call(node, "rotary_rows") or _ns_call(node, "rotary_wan"):
+                    allowed.add(id(node.args[1]))
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROWS))
+                elif _ns_call(node, "unflatten_later"):
+                    allowed.add(id(node.args[0]))
+        if (not _PendingReads(allowed).clean(new[:last + 1]) or self.proofs.dynamic
+                or deferred & self.proofs.captured):
+            return body  # a pending name read elsewhere before the rotary (or unseen): the norms run as written
+        own = [d for d, _ in deferrals]  # the norms' own statements write nothing (plain RMSNorms, or run in place)
+        for d, x in deferrals:  # a pending norm reads its input when its rotary runs: nothing may write it before
+            if not self.proofs.stays([x], d, new[tops[id(d)]:last + 1], by_name=False, skip=own):
+                return body
+        pending = [(tops[id(d)], d, x) for d, x in deferrals]
+        joint = (self._rotary_cats(new, last, deferred, pending) if self.complex_rotary and not self.local_rotary
+                 else set())
+        later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
+                            value=_call("materialize", [ast.Name(name, ast.Load())]))
+                 for name in sorted(deferred - joint) if _reads_after(new[last + 1:], name)]  # (the top level: all)
+        self.found.qk_norms = order
+        head = self._rows_pairs(new[:last + 1])
+        out = [*head, *(like(m, new[last]) for m in later), *new[last + 1:]]
+        if upcast:
+            self.found.qk_fp32 = mark_casts(out, upcast, owner)
+        return out
+
+    def _rotary_cats(self, new: list[ast.stmt], last: int, deferred: set[str],
+                     pending: list[tuple[int, ast.stmt, ast.expr]]) -> set[str]:
+        """The joint form over the QK-norm form's `new` body (its last rotary statement at `last`): each top-level
+        ``J = torch.cat([A, B], dim=1)`` after it of two names with pending norms that their complex-form rotary
+        (``A = rotary_complex(F, A, E, s, False)``, the last binding of A before) rotates and nothing but this
+        concatenation reads afterwards -> ``J = cat_rotated(A, B, joint_site)`` and those rotary calls ->
+        ``rotary_complex_later``: Qwen-Image's text and image q (and k), whose kernel then writes both into the
+        joint tensor. Rewrites `new` in place; returns the names that now wait for their concatenation. `pending`:
+        ``(top-level index, statement, input)`` of each deferred norm: what such a rotary reads at the
+        concatenation (its norm's input, its factors) must not be written before it."""
+        after = new[last + 1:]
+
+        def loads(name: str) -> int:
+            return sum(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+                       for stmt in after for n in ast.walk(stmt))
+
+        rotaries: dict[str, list[tuple[int, ast.Call, ast.stmt, int]]] = {}  # name -> its rotary assignments
+        stores: dict[str, list[int]] = {}
+        for k, stmt in enumerate(new[:last + 1]):
+            for node in ast.walk(stmt):
+                target = _single_target(node) if isinstance(node, ast.Assign) else None
+                if (target is not None and _ns_call(node.value, "rotary_complex")
+                        and isinstance(node.value.args[1], ast.Name) and node.value.args[1].id == target):
+                    rotaries.setdefault(target, []).append((node.lineno, node.value, node, k))
+                if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                    stores.setdefault(node.id, []).append(node.lineno)
+
+        def rotated(name: str) -> ast.Call | None:
+            calls = rotaries.get(name, [])
+            if len(calls) == 1 and calls[0][0] == max(stores[name]):
+                return calls[0][1]
+            return None
+
+        own = [d for _, d, _ in pending]
+
+        def waits(name: str, cat: ast.stmt, end: int) -> bool:
+            """Whether the rotary of `name` may wait for the concatenation `cat` (at `end` in `new`): nothing else
+            reads its result, and nothing in between writes its factors or its norm's input."""
+            _, call, stmt, k = rotaries[name][0]
+            if self.proofs.live_after(stmt, name, ignore=cat):
+                return False
+            if not self.proofs.stays([call.args[2]], stmt, new[k:end], by_name=False, skip=own):
+                return False
+            return all(self.proofs.stays([x], d, new[top:end], by_name=False, skip=own)
+                       for top, d, x in pending if _single_target(d) == name)
+
+        joint: set[str] = set()
+        for i, stmt in enumerate(after):
+            target = _single_target(stmt) if isinstance(stmt, ast.Assign) else None
+            pair = _cat_names(stmt.value, 1) if target is not None else None
+            if (pair is None or pair[0] == pair[1] or target in pair or not set(pair) <= deferred - joint
+                    or any(loads(n) != 1 or rotated(n) is None or not waits(n, stmt, last + 1 + i) for n in pair)):
+                continue
+            for name in pair:
+                rotated(name).func.attr = "rotary_complex_later"
+            call = _call("cat_rotated", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()),
+                                         _site_of(ast.Name(self.owner, ast.Load()), RMSNORM_ROPE_CAT)])
+            new[last + 1 + i] = like(ast.Assign(targets=stmt.targets, value=call), stmt)
+            joint.update(pair)
+            self.found.rotary_cats += 1
+        return joint
+
+    def _rows_pairs(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """``Q = rotary_rows(F, Q, E, s, qk)`` directly followed by ``K = rotary_rows(F, K, E, s, qk)`` (the same
+        function, table and sites; in any block) -> ``Q, K = rotary_rows_pair(F, Q, K, E, s, pair_site)``: LTX-Video's
+        q and k, whose pending norms and rotary then run as one kernel reading the tables once."""
+        def same(a: ast.expr, b: ast.expr) -> bool:
+            return ast.dump(a) == ast.dump(b)
+
+        def rows_call(stmt: ast.stmt):
+            target = _single_target(stmt)
+            value = stmt.value if target is not None else None
+            if (_ns_call(value, "rotary_rows") and len(value.args) == 5 and isinstance(value.args[1], ast.Name)
+                    and value.args[1].id == target):
+                return target, value
+            return None
+
+        out, i = [], 0
+        while i < len(body):
+            stmt = body[i]
+            for name in ("body", "orelse"):
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    setattr(stmt, name, self._rows_pairs(inner))
+            first = rows_call(stmt)
+            second = rows_call(body[i + 1]) if first is not None and i + 1 < len(body) else None
+            if (second is not None and first[0] != second[0]
+                    and all(same(first[1].args[j], second[1].args[j]) for j in (0, 2, 3, 4))
+                    and not _uses(second[1].args[2], first[0]) and self.proofs.quiet(second[1].args[2])):
+                (q, call), (k, _) = first, second
+                pair = _call("rotary_rows_pair", [call.args[0], ast.Name(q, ast.Load()), ast.Name(k, ast.Load()),
+                                                  call.args[2], call.args[3],
+                                                  _site_of(ast.Name(self.owner, ast.Load()), QK_NORM_ROWS_PAIR)])
+                target = ast.Tuple(elts=[ast.Name(q, ast.Store()), ast.Name(k, ast.Store())], ctx=ast.Store())
+                out.append(like(ast.Assign(targets=[target], value=pair), stmt))
+                self.found.rows_pairs += 1
+                i += 2
+                continue
+            out.append(stmt)
+            i += 1
+        return out
