@@ -317,7 +317,8 @@ def test_the_inliner_itself_refuses_the_unsafe_calls(module, name):
     import textwrap
 
     from diffusers_fastpath.models._chain_inline import Inliner
-    from diffusers_fastpath.models._chain_proofs import Proofs, source_of
+    from diffusers_fastpath._source import source_of
+    from diffusers_fastpath.models._chain_proofs import Proofs
 
     fn = getattr(module, f"Unsafe{name}").forward
     function = ast.parse(textwrap.dedent(source_of(fn)[0])).body[0]
@@ -337,7 +338,8 @@ def test_the_inliner_inlines_the_kandinsky6_helpers_on_trust_of_their_norms_only
     import textwrap
 
     from diffusers_fastpath.models._chain_inline import Inliner
-    from diffusers_fastpath.models._chain_proofs import Proofs, source_of
+    from diffusers_fastpath._source import source_of
+    from diffusers_fastpath.models._chain_proofs import Proofs
 
     fn = module.Kandinsky6Like.forward
     function = ast.parse(textwrap.dedent(source_of(fn)[0])).body[0]

@@ -13,7 +13,7 @@ from diffusers.models.transformers.transformer_ernie_image import (
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import ernie_image as ernie_adapter
-from diffusers_fastpath.models._mirror import source_digest
+from diffusers_fastpath._source import source_digest
 from diffusers_fastpath.ops import gated_rmsnorm_scale_shift_ref
 from diffusers_fastpath.ops.rmsnorm_scale_shift import GATED_RMSNORM_SCALE_SHIFT, RMSNORM_SCALE_SHIFT
 from diffusers_fastpath.testing import (

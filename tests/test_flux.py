@@ -278,7 +278,7 @@ def test_mirrored_sources_match_the_installed_diffusers():
     """The pinned digests are those of the diffusers this package targets; a mismatch means re-mirroring."""
     from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
-    from diffusers_fastpath.models._mirror import source_digest
+    from diffusers_fastpath._source import source_digest
 
     assert source_digest(FluxTransformerBlock.forward) == flux_adapter._BLOCK_FORWARD
     assert source_digest(FluxSingleTransformerBlock.forward) == flux_adapter._SINGLE_BLOCK_FORWARD

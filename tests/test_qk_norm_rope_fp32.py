@@ -382,6 +382,26 @@ def test_only_krea2s_norm_is_taken_as_zero_centred():
     assert not is_zero_centred(norm)
 
 
+def test_a_wrapped_or_replaced_class_forward_is_not_taken_as_zero_centred(monkeypatch):
+    """A forward replaced on the class after a first check (a ``functools.wraps`` wrapper, whose
+    ``inspect.getsource`` is the wrapped function's) is checked again, and refused: the wrapper runs."""
+    import functools
+
+    from diffusers_fastpath.models._chain_qk_fp32 import is_zero_centred
+
+    original = Krea2RMSNorm.forward
+    assert is_zero_centred(Krea2RMSNorm(16))  # checked, and cached for that forward
+
+    @functools.wraps(original)
+    def wrapper(self, hidden_states):
+        return original(self, hidden_states)
+
+    monkeypatch.setattr(Krea2RMSNorm, "forward", wrapper)
+    assert not is_zero_centred(Krea2RMSNorm(16))
+    monkeypatch.setattr(Krea2RMSNorm, "forward", original)
+    assert is_zero_centred(Krea2RMSNorm(16))
+
+
 def test_krea2_zoo_model_is_exact_with_its_qk_norms_fused(emulated_kernels):
     from test_generic_zoo import _check
 

@@ -14,7 +14,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath import graphs
 from diffusers_fastpath._state import STATE_ATTR
 from diffusers_fastpath.models import qwenimage
-from diffusers_fastpath.models._mirror import source_digest
+from diffusers_fastpath._source import source_digest
 from diffusers_fastpath.testing import (SimulatedGraphs, assert_compiles_fullgraph_exactly,
                                         assert_patched_equals_unpatched, assert_patched_step_exact_and_fused,
                                         assert_pipeline_generation_exact_and_fused, build_qwenimage_transformer,

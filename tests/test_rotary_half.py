@@ -187,7 +187,7 @@ def test_the_form_is_taken_only_as_written(source, taken):
 
 def test_known_names_are_read_from_the_forwards_module():
     from diffusers_fastpath.models._chain_rotate_half import known_names
-    from diffusers_fastpath.models._mirror import normalized_digest
+    from diffusers_fastpath._source import normalized_digest
 
     def forward(q, cos, sin):
         return _rotate_half(q) * sin + partial(q, cos, sin) + q.float()

@@ -205,20 +205,33 @@ def test_patched_vae_deep_copies_and_pickles(emulated_kernels):
     fp.unpatch(vae)
 
 
-def test_a_replaced_norm_forward_is_left_unpatched(monkeypatch, emulated_kernels, fastpath_log):
-    """Another library replaced ``WanRMS_norm.forward``: the digest differs, the norms keep their class and get no
-    site (one warning), and the output is what the replacement computes."""
+@pytest.mark.parametrize("how", ["replaced", "wrapped"])
+def test_a_replaced_norm_forward_is_left_unpatched(how, monkeypatch, emulated_kernels, fastpath_log):
+    """Another library replaced ``WanRMS_norm.forward`` (with other code, or with a ``functools.wraps`` wrapper whose
+    ``inspect.getsource`` is the original's): not provably the checked code, so the norms keep their class and get
+    no site (one warning), and what the class holds runs (the wrapper's calls counted)."""
+    import functools
+
+    original, calls = wan.WanRMS_norm.forward, []
+
     def replaced(self, x):
         return F.normalize(x.float(), dim=1).to(x.dtype) * self.gamma  # no scale: another computation
 
-    monkeypatch.setattr(wan.WanRMS_norm, "forward", replaced)
+    @functools.wraps(original)
+    def wrapped(self, x):
+        calls.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(wan.WanRMS_norm, "forward", replaced if how == "replaced" else wrapped)
     vae = _build("wan")
     z = _latents(vae)
     with torch.no_grad():
         ref = _decode(vae, z)
+        eager_calls = len(calls)
         fp.patch(vae)
         try:
             assert torch.equal(_decode(vae, z), ref)
+            assert len(calls) == 2 * eager_calls  # (0 == 0 for the replacement)
             assert not [r for r in fp.report(vae).sites if r.op.startswith("channel_rmsnorm")]
             assert any(r.op == "causal_conv3d" and r.fast for r in fp.report(vae).sites)
         finally:

@@ -10,7 +10,7 @@ and the call stays as written):
 - the callee: a name the forward never binds, whose value in the forward's module globals is a plain function of
   that very module (``__globals__`` the forward's: its free names resolve there as in the forward), with no closure,
   no decorator, no defaults, no ``*args`` / ``**kwargs`` / keyword-only parameters, not a generator or coroutine,
-  whose source is provably its own (`_chain_proofs.source_of`), and not a function a pattern matches by name (the
+  whose source is provably its own (`_source.source_of`), and not a function a pattern matches by name (the
   rotary functions the adapter names);
 - its body: an optional docstring, straight-line assignments to names (``t = E``, ``a, b = E1, E2``) and ``if C:``
   blocks of such (no ``else``), then ``return E``. The body becomes one expression by substitution (a name bound in
@@ -45,7 +45,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ._chain_proofs import _INPLACE_ABLE, _NS, PURE_FUNCTIONS, PURE_METHODS, Proofs, _bound_names, source_of
+from .._source import source_of
+from ._chain_proofs import _INPLACE_ABLE, _NS, PURE_FUNCTIONS, PURE_METHODS, Proofs, _bound_names
 from ._chain_syntax import _self_path_call
 
 # tensor methods and torch functions that write nothing and draw no random numbers (of the rewriter's pure lists):

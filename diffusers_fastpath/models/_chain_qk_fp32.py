@@ -32,27 +32,29 @@ import torch
 
 from ._chain_proofs import _bound_names
 from ._chain_syntax import _call, _ns_call, _single_target, _site_of
-from ._mirror import normalized_digest
+from .._source import normalized_digest
 
 QK_NORM_ROPE_FP32 = "qk_norm_rope_fp32"  # the site: FLUX.3's float32 QK norm + rotary, cast back
 QK_NORM_ROPE_ZERO_CENTRED = "qk_norm_rope_zero_centred"  # the op of Krea 2's QK norm + rotary (at the qk site)
-# _mirror.normalized_digest of Krea2RMSNorm.forward (diffusers 0.42.1): ``F.rms_norm(x.float(), (self.dim,),
+# _source.normalized_digest of Krea2RMSNorm.forward (diffusers 0.42.1): ``F.rms_norm(x.float(), (self.dim,),
 # weight=self.weight + 1.0, eps=self.eps).to(x.dtype)``, a zero-centred norm the QK-norm form defers like torch's
 ZERO_CENTRED_DIGESTS = frozenset({"f81c1343db165a25"})
-_ZERO_CENTRED: dict[type, bool] = {}
+_ZERO_CENTRED: dict[type, tuple[object, bool]] = {}  # class -> (the forward it held when checked, the answer)
 
 
 def is_zero_centred(norm) -> bool:
-    """Whether `norm`'s class has a forward whose source is a known zero-centred float32 RMSNorm (Krea 2's), checked
-    once per class, and an instance forward of its own nowhere (`quality.hooked` refuses that too, as a hook)."""
+    """Whether `norm`'s class holds a forward whose source is provably a known zero-centred float32 RMSNorm (Krea
+    2's; a ``functools.wraps`` wrapper or a forward replaced on the class is not: `_source.normalized_digest`),
+    checked once per forward the class holds, and an instance forward of its own nowhere (`quality.hooked` refuses
+    that too, as a hook)."""
     cls = type(norm)
-    known = _ZERO_CENTRED.get(cls)
-    if known is None and torch.compiler.is_compiling():
-        return False  # (reading a source is not traced: a class first seen in a trace runs as written there)
-    if known is None:
-        forward = cls.__dict__.get("forward")
-        known = _ZERO_CENTRED[cls] = forward is not None and normalized_digest(forward) in ZERO_CENTRED_DIGESTS
-    return known and "forward" not in getattr(norm, "__dict__", {})
+    forward = cls.__dict__.get("forward")
+    cached = _ZERO_CENTRED.get(cls)
+    if cached is None or cached[0] is not forward:
+        if torch.compiler.is_compiling():
+            return False  # (reading a source is not traced: a forward first seen in a trace runs as written there)
+        cached = _ZERO_CENTRED[cls] = (forward, forward is not None and normalized_digest(forward) in ZERO_CENTRED_DIGESTS)
+    return cached[1] and "forward" not in getattr(norm, "__dict__", {})
 
 
 def fp32_norm_input(value: ast.expr, target: str) -> bool:

@@ -17,14 +17,14 @@ import inspect
 import torch
 
 from ._chain_syntax import _call, _site_of
-from ._mirror import normalized_digest
+from .._source import normalized_digest
 
 ROTARY_HALF = "rotary_half"  # the site: a processor's rotate-half rotary calls
 ROTARY_HALF_PARTIAL = "rotary_half_partial"  # ... of MiniMax-H3's partial form
-# _mirror.normalized_digest of transformer_minimax_h3._apply_rotary_emb (diffusers 0.42.1): the rotate-half of the
+# _source.normalized_digest of transformer_minimax_h3._apply_rotary_emb (diffusers 0.42.1): the rotate-half of the
 # first cos.shape[-1] channels of each head, tables cast to x's dtype, the rest passed through, made contiguous
 PARTIAL_DIGESTS = frozenset({"4af4ae1a781b25da"})
-# _mirror.normalized_digest of the rotate-half function of transformer_ideogram4 and transformer_cosmos3 (diffusers
+# _source.normalized_digest of the rotate-half function of transformer_ideogram4 and transformer_cosmos3 (diffusers
 # 0.42.1; the same source in both): ``half = x.shape[-1] // 2; return torch.cat((-x[..., half:], x[..., :half]), -1)``
 ROTATE_HALF_DIGESTS = frozenset({"62e1cdd97aa0beb9"})
 _CHECKED: dict = {}  # function -> whether it is a known rotate-half (functions are few and live as long as modules)

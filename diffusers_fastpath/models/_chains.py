@@ -20,7 +20,7 @@ What is rewritten is the function the class holds when a model is patched: a lib
 ``forward`` after this package is imported (``Flux2TransformerBlock.forward = ...``), or wrap it with
 ``functools.wraps`` (whose ``inspect.getsource`` is the wrapped function's), or the source file may be edited on disk
 after diffusers was imported (``inspect.getsource`` reads the file now). So the source read is *proven* to be the
-function's (`_chain_proofs.source_of`: the text compiles to the function's own code object), and `rewrite_of` makes
+function's (`_source.source_of`: the text compiles to the function's own code object), and `rewrite_of` makes
 the rewrite again, at patch time, for whatever function the class holds then; what cannot be proven runs as it is,
 unswapped, with a note in `report` and one warning (issue 43 found each before: a replaced FLUX.2 block forward
 discarded, max diff 0.89; a wrapped FLUX.1 one, 0.20; an edited file rewritten from its new text, 1.98;
@@ -60,7 +60,8 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
 from ._chain_inline import Inliner
-from ._chain_proofs import Proofs, source_of
+from .._source import source_of
+from ._chain_proofs import Proofs
 from ._chain_qk_fp32 import QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED, is_zero_centred
 from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
@@ -77,7 +78,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                     wan_rotary: tuple[str, str] | None = None,
                     contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
-    what was found; or ``None`` where its source is not provably `fn`'s (`_chain_proofs.source_of`: a wrapper, a
+    what was found; or ``None`` where its source is not provably `fn`'s (`_source.source_of`: a wrapper, a
     replaced function, a file edited since the import), it needs a closure (``super()``), or no pattern matched.
     `norm_methods` maps a modulate method of the block to its fused counterpart (see `_rewriter`). `contiguous`
     names parameters (the residual stream) that the rewritten forward takes in memory order first
@@ -323,7 +324,7 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     The rewrite comes from the function `cls` holds when a model is patched, not only from the one it held here:
     `swap_rewritten`, `replace_processors` (and an adapter that needs what was found, through `rewrite_of`) make it
     again where `cls` holds another function since (a library that replaced the forward after this import), cached
-    per function. A function whose source is not provably its own (`_chain_proofs.source_of`: a ``functools.wraps``
+    per function. A function whose source is not provably its own (`_source.source_of`: a ``functools.wraps``
     wrapper, a closure, a file edited since the import) or in which no pattern matches is never rewritten: the
     subclass then has no `method` of its own and runs `cls`'s as it is, and no module is swapped to it. The subclass
     stays one object per `name` (a second call with the same arguments returns it), so that pickles of patched

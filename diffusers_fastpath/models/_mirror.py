@@ -8,39 +8,10 @@ version it mirrors and leaves that part unpatched, with one warning, when they d
 
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
-import inspect
-import textwrap
 
 from .._logging import logger
-from ._chain_proofs import source_of
-
-
-def source_digest(fn) -> str | None:
-    """The digest of `fn`'s source, or None where that source is not provably `fn`'s (`source_of`: a
-    ``functools.wraps`` wrapper, whose ``inspect.getsource`` is the wrapped function's; a function replaced, or its
-    file edited since the import)."""
-    source, _ = source_of(fn)
-    return None if source is None else hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def normalized_digest(fn_or_def) -> str | None:
-    """sha256[:16] of ``ast.unparse`` of a function's definition with its name set aside: the same for a copy of a
-    function under another name, different for any change of its code (comments and layout aside)."""
-    if isinstance(fn_or_def, ast.FunctionDef):
-        node = fn_or_def
-    else:
-        try:
-            (node,) = ast.parse(textwrap.dedent(inspect.getsource(fn_or_def))).body
-        except (OSError, TypeError, ValueError, SyntaxError):
-            return None
-        if not isinstance(node, ast.FunctionDef):
-            return None
-    node = ast.FunctionDef(name="_", args=node.args, body=node.body, decorator_list=[], returns=node.returns,
-                           type_comment=None, type_params=getattr(node, "type_params", []))
-    return hashlib.sha256(ast.unparse(ast.fix_missing_locations(node)).encode()).hexdigest()[:16]
+from .._source import source_digest
 
 
 @functools.cache

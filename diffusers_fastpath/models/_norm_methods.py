@@ -1,6 +1,6 @@
 """Modulate methods the generic path fuses with the LayerNorm whose output they receive (the rewriter's
 LayerNorm-into-method forms: ``self.M(self.A(X), ...)``, or ``N = self.A(X)`` then ``self.M(N, ...)``), known by
-the normalized digest of their installed source (`_mirror.normalized_digest`: the same for a copy of the method in
+the normalized digest of their installed source (`_source.normalized_digest`: the same for a copy of the method in
 another class, different for any change of its code), each with the fused counterpart the rewritten block calls.
 
 - ``"scale_rows"``: Qwen-Image 2.1's ``QwenImage21TransformerBlock._modulate(hidden_states, mod_params,
@@ -19,7 +19,7 @@ from torch import nn
 
 from .._state import site_attr
 from ..ops import layernorm_scale
-from ._mirror import normalized_digest
+from .._source import normalized_digest
 
 # normalized digests (diffusers 0.42.1) of the methods and of the module function the method calls
 _SCALE_ROWS = "b4adc8bf2b419472"

@@ -48,7 +48,7 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
-from ._mirror import normalized_digest
+from .._source import normalized_digest
 from ._norm_methods import FUSED, norm_method_hints
 
 GENERIC = "generic"  # what `coverage` says of a class patched this way
@@ -62,7 +62,7 @@ def _known_rotaries() -> dict[str, str]:
     whose installed source is not the checked one is not known)."""
     from diffusers.models.transformers import transformer_ltx, transformer_qwenimage, transformer_wan, transformer_z_image
 
-    from ._mirror import source_digest
+    from .._source import source_digest
     from .ltx import _ROTARY as LTX
     from .qwenimage import _ROTARY as QWEN
     from .wan import _ROTARY as WAN

@@ -51,7 +51,8 @@ from .. import graphs
 from .._state import PatchState, register_adapter, site_attr
 from ._chain_calls import norm_modulate, register_complex_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
-from ._mirror import mirrors, source_digest
+from .._source import source_digest
+from ._mirror import mirrors
 
 # sha256[:16] of diffusers 0.42.1's QwenImageTransformerBlock._modulate, whose index-free path `_modulate_norm`
 # computes with the LayerNorm fused in.

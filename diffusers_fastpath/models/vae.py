@@ -43,7 +43,7 @@ from .._logging import warn_once
 from .._state import SITE_ATTR, PatchState, site_attr
 from ..ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, add_plain, group_norm, group_norm_silu
 from ..quality import hooked
-from ._chain_proofs import source_of
+from .._source import source_of
 
 _NS = "_diffusers_fastpath_vae"  # the name `_PairCalls` goes by in the rewritten forwards' globals
 PAIR_SITE = GROUP_NORM_SILU.name  # the pair's site, on the norm module: ``_fastpath_site_group_norm_silu``
@@ -184,7 +184,7 @@ class _Pairs:
 def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...], calls: PairCalls = _PairCalls):
     """`fn` (a block's ``forward``) with its norm -> activation statement pairs routed through `calls.norm_act`,
     and the ``(norm, activation)`` attribute pairs found; ``None`` where the source is not provably `fn`'s
-    (`_chain_proofs.source_of`: a ``functools.wraps`` wrapper, a file edited since the import), the function needs a
+    (`_source.source_of`: a ``functools.wraps`` wrapper, a file edited since the import), the function needs a
     closure, or no pair was found."""
     source, _ = source_of(fn)
     if source is None or fn.__code__.co_freevars:

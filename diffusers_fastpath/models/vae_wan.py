@@ -30,12 +30,13 @@ from torch import nn
 from .._logging import warn_once
 from .._state import SITE_ATTR, PatchState, register_adapter
 from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
+from .._source import body_digest
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
-                                        channel_rmsnorm_silu, source_digest)
+                                        channel_rmsnorm_silu)
 from ..quality import hooked
 from .vae import PairBlock, PairCalls, swap_pair_blocks
 
-# diffusers 0.42.1's forwards (source_digest: the body, without docstring and formatting), the same in both files
+# diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
 NORM_DIGESTS = frozenset({"960a6e5b25f82893"})  # F.normalize(x.float()).to(x.dtype) * self.scale * self.gamma + bias
 CONV_DIGESTS = frozenset({"3c4433890f22647d"})  # torch.cat([cache_x, x], dim=2); F.pad; super().forward
 
@@ -60,7 +61,7 @@ def _subclass(base: type, name: str, forward, what: str) -> type:
 
 
 def _fits(base: type, digests: frozenset, parent: type | None = None) -> bool:
-    return source_digest(base.forward) in digests and (parent is None or base.__mro__[1].forward is parent.forward)
+    return body_digest(base.forward) in digests and (parent is None or base.__mro__[1].forward is parent.forward)
 
 
 NORMS = {base: _subclass(base, f"Fastpath{base.__name__}", _norm_forward, "`channel_rmsnorm`")

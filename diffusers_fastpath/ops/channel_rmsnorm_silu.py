@@ -30,16 +30,13 @@ vector stays in one channel); no autograd; torch's ``F.normalize`` the form read
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import inspect
 import math
-import textwrap
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._source import body_digest
 from . import _nvrtc
 from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site, bits
@@ -50,30 +47,10 @@ _EPS = 1e-12  # F.normalize's default, which the modules' forward uses (checked 
 _THREADS, _BLOCKS_PER_SM = 256, 8  # csrc/channel_rmsnorm_silu.cu's kThreads, kBlocksPerSm
 
 
-def source_digest(fn) -> str | None:
-    """The first 16 hex digits of the sha256 of `fn`'s body (its statements parsed and unparsed, without the
-    docstring: formatting, comments, the signature's annotations and defaults do not count; the parameter names do,
-    through the body), or ``None`` where it has no readable source."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    body = func.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
-            body[0].value.value, str):
-        body = body[1:]
-    names = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
-    text = ",".join(names) + "\n" + "\n".join(ast.unparse(stmt) for stmt in body)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 # torch's F.normalize as read for this op (torch 2.13's body: ``denom = input.norm(p, dim, keepdim=True)
 # .clamp_min(eps).expand_as(input); return input / denom``); another form leaves the op refusing, counted.
 NORMALIZE_DIGESTS = frozenset({"de836cb24b5c2ec1"})
-_NORMALIZE_OK = source_digest(F.normalize) in NORMALIZE_DIGESTS
+_NORMALIZE_OK = body_digest(F.normalize) in NORMALIZE_DIGESTS
 
 _BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager norm
 
