@@ -485,3 +485,28 @@ def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
     assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
     report = fp.report(vae)
     assert all(r.fast > 0 and r.fallback == 0 for r in report.sites), str(report)
+
+
+def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(monkeypatch, emulated_kernels):
+    """The tail is exact by construction, and still compared with eager on the first call of each signature: a kernel
+    one ulp off (a platform where it is not what it claims) is disabled there, and the decode is eager's."""
+    import sys
+
+    crms = sys.modules["diffusers_fastpath.ops.channel_rmsnorm_silu"]
+    exact = crms.CHANNEL_RMSNORM.kernel
+
+    def off_by_one_ulp(norm, x):
+        out = exact(norm, x)
+        return (out.view(torch.int16) + 1).view(out.dtype)
+
+    monkeypatch.setattr(crms.CHANNEL_RMSNORM, "kernel", off_by_one_ulp)
+    vae = _build("wan")
+    z = _latents(vae)
+    with torch.no_grad():
+        ref = _decode(vae, z)
+        fp.patch(vae)
+        try:
+            assert torch.equal(_decode(vae, z), ref) and torch.equal(_decode(vae, z), ref)
+        finally:
+            fp.unpatch(vae)
+    assert "not bit-exact" in (crms.CHANNEL_RMSNORM.disabled or "")

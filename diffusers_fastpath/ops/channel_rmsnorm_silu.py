@@ -16,7 +16,8 @@ where eager writes a tensor)::
 Eager runs that tail as six kernels over the whole tensor (division, cast, three binary ops, SiLU: 2 + 4 bytes in,
 out per element each); ``csrc/channel_rmsnorm_silu.cu`` reads x once and writes once. The norm reduction stays
 aten's own call (the same kernel on the same fp32 tensor, so the same bits: nothing to verify), and every operation
-of the tail is a separate IEEE operation rounded where eager rounds (exact by construction). The SiLU is aten's
+of the tail is a separate IEEE operation rounded where eager rounds (exact by construction; still, the first call
+of each signature is compared with eager, `_signature`, as the self-verified ops are). The SiLU is aten's
 expression with CUDA's ``expf``, proven on all 65536 values of the dtype on first use (the kernel's probe mode)
 as `silu_mul` proves its own; a mismatch disables the op for the process (one warning) and eager runs.
 
@@ -234,7 +235,11 @@ def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _signature(norm, x: torch.Tensor):
-    return (str(x.dtype).removeprefix("torch."),)  # the proof covers the SiLU; the rest is exact by construction
+    """What one first-call ``torch.equal`` vouches for: the dtype, the layout the kernel reads (contiguous or
+    time-major) and the bias's kind. The tail is exact by construction; the check is its second line (the kernel is
+    new on each GPU kind it meets), the proof covers the SiLU."""
+    bias = getattr(norm, "bias", None)
+    return (str(x.dtype).removeprefix("torch."), x.is_contiguous(), isinstance(bias, torch.Tensor))
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:
@@ -272,7 +277,7 @@ def _custom(silu: bool):
 
 
 CHANNEL_RMSNORM = FusedOp("channel_rmsnorm", ref=channel_rmsnorm_ref, guard=_guard, kernel=_kernel,
-                          custom_op=_custom(False))
+                          custom_op=_custom(False), verify_key=_signature)
 CHANNEL_RMSNORM_SILU = FusedOp("channel_rmsnorm_silu", ref=channel_rmsnorm_silu_ref, guard=_guard,
                                kernel=_kernel_silu, custom_op=_custom(True), verify_key=_signature, prove=_prove_silu)
 
