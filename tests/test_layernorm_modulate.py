@@ -365,7 +365,14 @@ def test_verified_signatures_compile_to_the_custom_op(guard_open):
 
 # class -> the fallback reasons its LayerNorm sites may still count (EasyAnimate's image stream is a strided view)
 REACHED = {"flux3": set(), "auraflow": set(), "cogvideox": set(), "consisid": set(),
-           "easyanimate": {"x not contiguous"}, "qwen-image-21": set()}
+           "easyanimate": {"x not contiguous"}, "qwen-image-21": set(), "cogview3plus": set()}
+LN_OPS = ("layernorm_scale_shift", "layernorm_modulate", "layernorm_scale")
+# class -> LayerNorm sites per op after a forward (each site named after the op its calls ran): the output norms
+# returned (FLUX.3, Qwen-Image 2.1), CogVideoX's / ConsisID's ``(1 + S)[:, None, :]`` block norms, CogView3Plus's
+# norm1 modulated into another name
+LN_SITES = {"flux3": {"layernorm_modulate": 5}, "qwen-image-21": {"layernorm_scale": 5},
+            "cogvideox": {"layernorm_modulate": 5}, "consisid": {"layernorm_modulate": 5},
+            "cogview3plus": {"layernorm_scale_shift": 9}}
 
 
 @pytest.mark.parametrize("name", sorted(REACHED))
@@ -381,8 +388,11 @@ def test_zoo_layernorm_sites_are_fast_and_patched_equals_unpatched(name, emulate
         with torch.no_grad():
             first, second = sample(model(**kwargs)).clone(), sample(model(**kwargs))
         assert torch.equal(first, ref) and torch.equal(second, ref)
-        sites = [s for m in model.modules() for _, s in sites_of(m) if s.op == "layernorm_scale_shift"]
+        sites = [s for m in model.modules() for _, s in sites_of(m) if s.op in LN_OPS]
         assert sites and all(s.fast > 0 for s in sites), sites
+        if name in LN_SITES:  # as `report` shows them
+            rows = [r for r in fp.report(model).sites if r.op in LN_OPS]
+            assert {op: sum(r.op == op for r in rows) for op in {r.op for r in rows}} == LN_SITES[name], rows
         assert set().union(*(s.fallback for s in sites)) <= REACHED[name], sites
     finally:
         fp.unpatch(model)
@@ -453,3 +463,68 @@ def test_qwen21_modulate_is_known_by_its_code(monkeypatch):
         got = modulate_scale_rows(block, block.img_norm1, x, params, mask)
         assert all(map(torch.equal, got, block._modulate(block.img_norm1(x), params, mask)))
     assert not site.fallback and site.fast == 0  # the method ran as installed, no op call
+
+
+# --- the one-expression forms: returned, CogVideoX's indexed sum, a scale alone; the site named after its op --------
+
+
+class OutputNorms(torch.nn.Module):
+    """FLUX.3's and Qwen-Image 2.1's output norms (returned), CogVideoX's block norm, CogView3Plus's norm1 (into
+    another name), and near misses."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.plain = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.affine = torch.nn.LayerNorm(dim, eps=1e-5)
+        self.tokens = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.scaled = torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, rows, mod, which):
+        scale, shift = rows.chunk(2, dim=1)
+        token_scale, token_shift = mod.chunk(2, dim=-1)
+        a = self.affine(x) * (1 + scale)[:, None, :] + shift[:, None, :]  # CogVideoX
+        normed = self.plain(x)
+        b = normed * (1 + scale[:, None]) + shift[:, None]  # CogView3Plus: into another name
+        c = self.affine(x) * (1 + scale)[:, None] + shift[:, None, :]  # near miss: one operand indexed otherwise
+        if which == 0:
+            return self.tokens(x) * (1 + token_scale) + token_shift  # FLUX.3
+        if which == 1:
+            return self.scaled(x) * (1 + token_scale)  # Qwen-Image 2.1
+        return a + b + c + self.scaled(x) * (1 + x.mul_(0.5))  # near miss: the scale writes x
+
+
+def test_returned_indexed_and_scale_only_norms_are_fused_and_their_sites_named_after_the_op_that_ran(
+        emulated_kernels):
+    sub, found = _chains.fused_subclass(OutputNorms, "FusedOutputNorms", __name__)
+    source = inspect.getsource(sub.forward)
+    assert "return _diffusers_fastpath_chains.norm_modulate_rows(self.tokens, x, token_scale, token_shift" in source
+    assert "return _diffusers_fastpath_chains.norm_scale(self.scaled, x, token_scale" in source
+    assert "a = _diffusers_fastpath_chains.norm_modulate_indexed(self.affine, x, scale, shift" in source
+    assert "b = _diffusers_fastpath_chains.norm_modulate(self.plain, x, scale, shift" in source
+    assert "normed = " not in source  # the LayerNorm runs at the modulate
+    assert "c = self.affine(x) * (1 + scale)[:, None] + shift[:, None, :]" in source
+    assert "self.scaled(x) * (1 + x.mul_(0.5))" in source
+    assert sorted(found.norms) == ["affine", "plain", "scaled", "tokens"]
+    torch.manual_seed(5)
+    block = OutputNorms().to(torch.bfloat16)
+    with torch.no_grad():
+        block.affine.weight.normal_(1.0, 0.2)
+        block.affine.bias.normal_(0.0, 0.2)
+    fused = OutputNorms().to(torch.bfloat16)
+    fused.load_state_dict(block.state_dict())
+    fused.__class__ = sub
+    _chains.add_chain_sites(fp._state.PatchState("lossless"), fused, found)
+    site = lambda norm: norm._fastpath_site  # noqa: E731
+    # named at patch time by the norm's kind
+    assert [site(m).op for m in (fused.plain, fused.affine, fused.tokens, fused.scaled)] == [
+        "layernorm_scale_shift", "layernorm_modulate", "layernorm_scale_shift", "layernorm_scale_shift"]
+    x, rows, mod = (torch.randn(*shape).to(torch.bfloat16) for shape in ((2, 4, 8), (2, 16), (2, 4, 16)))
+    with torch.no_grad():
+        for which in (0, 1, 2):
+            want = block(x.clone(), rows, mod, which)
+            got = fused(x.clone(), rows, mod, which)
+            assert torch.equal(got, want), which
+    # ... and then after the op their calls ran: per-token rows and a scale alone run other ops than their kind's
+    assert [site(m).op for m in (fused.plain, fused.affine, fused.tokens, fused.scaled)] == [
+        "layernorm_scale_shift", "layernorm_modulate", "layernorm_modulate", "layernorm_scale"]
+    assert all(site(m).fast > 0 and not site(m).fallback for m in (fused.plain, fused.affine, fused.tokens, fused.scaled))

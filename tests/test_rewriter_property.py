@@ -2,7 +2,8 @@
 
 Random block forwards are written as Python source from the statement forms the patterns match (gated residuals in
 one and two statements, with gates computed as written or roles told by the shapes, LayerNorm + modulate inline, in
-two statements and deferred past others, a modulate of a normalised tensor, with rows per sample or per token
+two statements and deferred past others (into the same name or another), returned or assigned with rows per sample
+or per token, CogVideoX's ``(1 + S)[:, None, :]``, a scale without a shift, a modulate of a normalised tensor, with rows per sample or per token
 anywhere in a statement, GELU + concatenation, a SiLU-gated product either way round, the fp32 forms cast back, calls
 of helper functions of the module that inlining takes or must leave, with arguments that write the streams), mixed
 with what a rewrite must not be fooled by: reads and writes of the names it moves or drops, in the same block, after an enclosing ``if`` or ``for`` and in the
@@ -135,7 +136,32 @@ class Forward:
         self.emit(depth, f"{n} = {norm}({x})")
         for _ in range(kind - 1 + self.rng.randrange(3) if kind == 2 else 0):  # deferred: others in between
             self.filler(depth, plain=True)
-        self.emit(depth, f"{n} = {mod}")
+        # into another name (CogView3Plus: ``x = normed_x * ...``): N no longer bound, which a later read tells
+        self.emit(depth, f"{self.pick([n, n, self.pick(STREAMS)])} = {mod}")
+
+    def norm_returned(self, depth: int) -> None:
+        """The one-expression LayerNorm + modulate forms returned (FLUX.3's and Qwen-Image 2.1's output norms) or
+        assigned: rows per sample or per token, CogVideoX's ``(1 + S)[:, None, :]``, a scale without a shift; and
+        their near misses (another constant or operator, the indexing of one operand only, a row whose evaluation
+        writes what the norm reads)."""
+        norm, x, h = self.pick(NORMS), self.pick(STREAMS), self.pick(STREAMS)
+        a, b, k, m = self.pick(ROWS), self.pick(ROWS), self.pick(STREAMS), self.pick(STREAMS)
+        s = self.pick([f"{a}.unsqueeze(1)", f"{a}[:, None]", k, f"{k}[0]"])
+        t = self.pick([f"{b}.unsqueeze(1)", f"{b}[:, None]", m, f"{m}[1]"])
+        normed = f"{norm}({x})"
+        value = self.pick([
+            f"{normed} * (1 + {s}) + {t}", f"(1 + {s}) * {normed} + {t}", f"{normed} * (1 + {s})",
+            f"{normed} * (1 + {a})[:, None, :] + {b}[:, None, :]", f"{normed} * (1 + {k})[:, None, :] + {m}[:, None, :]",
+            # near misses
+            f"{normed} * (2 + {s}) + {t}", f"{normed} * (1 + {s}) - {t}", f"{normed} * (1 - {s})",
+            f"{normed} * (1 + {a})[:, None] + {b}[:, None, :]", f"{normed} * (1 + {x}.add_(0.25)) + {t}",
+            f"{normed} * (1 + {s}) + {x}.mul_(2)", f"{normed} * (1 + ({x} := {k} * 2))", f"{normed} * {s}",
+        ])
+        if self.rng.random() < 0.5:
+            self.emit(depth, f"{h} = {value}")
+            return
+        self.emit(depth, self.pick(["if flag:", "if not flag:"]))
+        self.emit(depth + 1, f"return {value}")
 
     def modulate_only(self, depth: int) -> None:
         h, n, s, t = self.pick(STREAMS), self.pick(STREAMS), self.pick(ROWS), self.pick(ROWS)
@@ -219,7 +245,8 @@ class Forward:
     def items(self, depth: int, count: int, nested: int = 0) -> None:
         forms = [self.gated_two, self.gated_two, self.gated_one, self.modulate, self.modulate, self.modulate,
                  self.modulate_only, self.gelu_cat, self.silu, self.filler, self.filler, self.read, self.helper,
-                 self.helper, self.fp32_forms, self.modulate_rows, self.gated_expr]
+                 self.helper, self.fp32_forms, self.modulate_rows, self.gated_expr, self.norm_returned,
+                 self.norm_returned]
         for _ in range(count):
             roll = self.rng.random()
             if nested < 2 and roll < 0.15:
@@ -275,6 +302,11 @@ def _run(block, inputs):
     return out, args
 
 
+# calls whose presence in a rewritten forward the test counts: each form must be taken somewhere
+CALLS = ("modulate_rows(", "mul_silu(", "tanh(), ", "norm_modulate_indexed(", "norm_scale(",
+         "return _diffusers_fastpath_chains.norm_modulate_rows(", "return _diffusers_fastpath_chains.norm_scale(")
+
+
 def _fused(cls, name, module):
     return _chains.fused_subclass(cls, name, module, activations=("act", "F.silu"))
 
@@ -299,7 +331,7 @@ def test_rewritten_random_forwards_compute_the_same_bits(tmp_path, emulated_kern
                     continue
                 rewritten += 1
                 text = "".join(linecache.getlines(sub.forward.__code__.co_filename))
-                for call in ("modulate_rows(", "mul_silu(", "tanh(), "):
+                for call in CALLS:
                     found_kinds[call] = found_kinds.get(call, 0) + (call in text)
                 for kind, value in vars(found).items():
                     found_kinds[kind] = found_kinds.get(kind, 0) + bool(value)
@@ -331,7 +363,6 @@ def test_rewritten_random_forwards_compute_the_same_bits(tmp_path, emulated_kern
     assert not wrong, f"{len(wrong)} rewritten forwards differ; the first:\n\n" + "\n\n".join(wrong[:4])
     # not vacuous: most forwards are rewritten, every form is taken somewhere, and the fused kernels run
     assert rewritten > MODULES * PER_MODULE // 2, rewritten
-    for kind in ("gates", "norms", "modulates", "gelu_cat", "silu_mul", "gates_fp32", "norms_fp32", "inlined",
-                 "modulate_rows(", "mul_silu(", "tanh(), "):
+    for kind in ("gates", "norms", "modulates", "gelu_cat", "silu_mul", "gates_fp32", "norms_fp32", "inlined", *CALLS):
         assert found_kinds.get(kind, 0) >= 5, (kind, found_kinds)
     assert fast > 100, fast

@@ -12,11 +12,13 @@ from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
-                   layernorm_modulate, layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift,
+                   layernorm_modulate, layernorm_scale, layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift,
                    qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rows_rope, qk_norm_rows_rope_pair,
                    rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
                    rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
                    rotary_half_partial, silu_mul, swiglu_cat)
+from ..ops.layernorm_modulate import name_site
+from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
 from ._chain_qk_fp32 import is_zero_centred
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
@@ -111,6 +113,7 @@ def norm_modulate(norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shif
     elements)."""
     if _other_layernorm(norm) and isinstance(scale, torch.Tensor) and isinstance(shift, torch.Tensor):
         return layernorm_modulate(norm, x, scale[:, None], shift[:, None], site)
+    name_site(site, LAYERNORM_SCALE_SHIFT.name)  # (where a call of the same site ran another op before)
     return layernorm_scale_shift(norm, x, scale, shift, site)
 
 
@@ -368,6 +371,24 @@ class _ChainsNamespace:
         if not (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))):
             return norm(x) * (1 + scale[:, None]) + shift[:, None]
         return norm_modulate(norm, x, scale, shift, site)
+
+    @staticmethod
+    def norm_modulate_indexed(norm, x, scale, shift, site):
+        # ``norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]`` (CogVideoX's, ConsisID's block norms): with
+        # ``[B, D]`` rows the same elements as ``1 + scale[:, None]``, `norm_modulate`'s form
+        if (isinstance(norm, nn.LayerNorm) and all(isinstance(t, torch.Tensor) for t in (x, scale, shift))
+                and scale.dim() == shift.dim() == 2):
+            return norm_modulate(norm, x, scale, shift, site)
+        return norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+    @staticmethod
+    def norm_scale(norm, x, scale, site):
+        # ``norm(x) * (1 + scale)`` (Qwen-Image 2.1's output norm): `layernorm_scale` where the rows are ``[B or 1,
+        # S or 1, D]`` (its guard says the rest; its fallback is this very expression)
+        if (isinstance(norm, nn.LayerNorm) and isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor)
+                and scale.dim() == 3):
+            return layernorm_scale(norm, x, scale, site)
+        return norm(x) * (1 + scale)
 
     @staticmethod
     def modulate(x, scale, shift, site):

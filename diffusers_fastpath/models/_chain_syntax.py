@@ -132,6 +132,36 @@ def _modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr, bool] | 
     return None
 
 
+def _none_middle(node: ast.expr) -> ast.expr | None:
+    """``S`` if `node` is ``S[:, None, :]``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple) and len(node.slice.elts) == 3:
+        first, second, third = node.slice.elts
+        full = lambda e: (isinstance(e, ast.Slice) and e.lower is None and e.upper is None  # noqa: E731
+                          and e.step is None)
+        if full(first) and isinstance(second, ast.Constant) and second.value is None and full(third):
+            return node.value
+    return None
+
+
+def _indexed_modulate_of(node: ast.expr) -> tuple[ast.expr, ast.expr, ast.expr] | None:
+    """``(N, S, T)`` if `node` is ``N * (1 + S)[:, None, :] + T[:, None, :]`` (CogVideoX's ``CogVideoXLayerNormZero``,
+    ConsisID's: the sum indexed, not its operand; element by element the same values as ``1 + S[:, None, :]``)."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.BinOp)
+            and isinstance(node.left.op, ast.Mult)):
+        return None
+    plus, shift = _none_middle(node.left.right), _none_middle(node.right)
+    scale = _one_plus(plus) if plus is not None else None
+    return None if scale is None or shift is None else (node.left.left, scale, shift)
+
+
+def _scale_only_of(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    """``(N, S)`` if `node` is ``N * (1 + S)`` (Qwen-Image 2.1's ``QwenImage21AdaLayerNormContinuous``: a scale
+    without a shift)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and (scale := _one_plus(node.right)) is not None:
+        return node.left, scale
+    return None
+
+
 def _float_of(node: ast.expr) -> ast.expr | None:
     """``X`` if `node` is ``X.float()``."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float"

@@ -58,7 +58,8 @@ from torch import nn
 from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
-from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, register_inlined
+from ..ops.layernorm_modulate import LAYERNORM_MODULATE
+from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_inlined
 from ._chain_inline import Inliner
 from .._source import source_of
 from ._chain_proofs import Proofs
@@ -527,7 +528,8 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         if type(norm) is RMSNorm:  # LTX-Video's weightless norms: `rmsnorm_modulate` where the rows form took them
             state.add_site(norm, RMS_MODULATE)
         elif isinstance(norm, nn.LayerNorm):  # (SD3's last block's norm2_context is None: never reached)
-            state.add_site(norm, MODULATE)
+            # named after the op its norm's kind runs (its calls rename it where they run another: `name_site`)
+            state.add_site(norm, LAYERNORM_MODULATE.name if _other_layernorm(norm) else MODULATE)
 
 
 def _submodule(block: nn.Module, path: str):

@@ -31,14 +31,25 @@ of ``self``):
   is ``R + E * G`` with two names of which only ``G``'s says ``gate``; where the syntax takes the roles the other way
   round (``R + E * torch.sigmoid(1 - g).unsqueeze(1)``: Stable Audio 3), the call swaps them by their shapes. A
   2-D ``[L, D]`` or 1-D ``[D]`` gate runs as the ``[1, L, D]`` / ``[1, 1, D]`` it broadcasts as.
-- LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift` in every tier; the fallback is the
-  LayerNorm module and the exact modulate):
+- LayerNorm + modulate, into `norm_modulate` (the fused `layernorm_scale_shift` or `layernorm_modulate` in every
+  tier; the fallback is the LayerNorm module and the exact modulate):
 
   - ``N = self.A(X)`` directly followed by ``N = N * (1 + S[:, None]) + T[:, None]``  ->  ``N = norm_modulate(self.A, X, S, T, site)``
   - ``N = self.A(X) * (1 + S[:, None]) + T[:, None]``                               ->  the same
   - the same with rows already broadcast, ``N * (1 + S) + T`` or ``(1 + S) * N + T`` (FLUX.2): ``S[:, 0]`` and
     ``T[:, 0]`` go to the op where they are ``[B, 1, D]`` (the same products and sums element by element:
-    multiplication and addition commute exactly), else the expression runs as written
+    multiplication and addition commute exactly), per-token ``[B, S, D]`` rows (FLUX.3) to `layernorm_modulate`,
+    else the expression runs as written
+  - ``N = self.A(X) * (1 + S)[:, None, :] + T[:, None, :]`` (CogVideoX's and ConsisID's ``CogVideoXLayerNormZero``,
+    ``AdaLayerNormContinuous``: the sum indexed, the same elements as ``1 + S[:, None, :]``)  ->
+    ``norm_modulate_indexed``: ``norm_modulate`` where ``S`` and ``T`` are ``[B, D]``, else as written
+  - ``N = self.A(X) * (1 + S)``, a scale without a shift (``A`` none of the adapter's RMSNorms)  ->  ``norm_scale``:
+    `layernorm_scale` of ``[B or 1, S or 1, D]`` rows, else as written
+  - each one-expression form above also returned, ``return self.A(X) * (1 + S) + T`` / ``return self.A(X) * (1 +
+    S)`` (FLUX.3's ``Flux3AdaLayerNorm``, Qwen-Image 2.1's ``QwenImage21AdaLayerNormContinuous``)  ->  ``return``
+    of the same call
+  - the two-statement form into another name, ``H = N * (1 + S[:, None]) + T[:, None]`` (CogView3Plus's
+    ``normed_x = self.norm_x(x)`` ... ``x = normed_x * ...``), where ``N``, no longer bound, is read nowhere after
 
   - the rows form with ``self.A`` diffusers' ``RMSNorm`` (LTX-Video's weightless norms, per-token ``[B, T, D]``
     rows, all in the stream's dtype)  ->  `diffusers_fastpath.ops.rmsnorm_modulate` (the RMSNorm kernel with a
@@ -54,7 +65,9 @@ of ``self``):
     of the upcast ``[B, 1, D]`` rows (every operation after the norm is fp32 whatever the rows' dtype), else as
     written
 
-  with the site on the module ``self.A`` (`report`: ``<block>.<A>``). The two statements of the first form may have
+  with the site on the module ``self.A`` (`report`: ``<block>.<A>``), named after the op its calls run
+  (`layernorm_scale_shift`, `layernorm_modulate` for a norm with its own affine, an ``FP32LayerNorm`` or per-token
+  rows, `layernorm_scale`). The two statements of the first form may have
   others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
   where those are plain assignments to other names (one or a tuple of them) that neither read ``N`` nor rebind a
   name ``X`` reads, and write nothing ``X`` may hold (in place, through ``out=``, ``inplace=True``, a view, a call
@@ -191,9 +204,9 @@ from ._chain_proofs import Proofs, _bound_names, like
 from ._chain_rotate_half import partial_call, rotate_half_call
 from ._chain_syntax import (_act_of_proj, _assigned_names, _call, _casts_back, _cat_of, _float_gated_of,
                             _float_modulate_of, _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name,
-                            _modulate_of, _operand_name, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of,
-                            _recast, _rows_modulate_of, _self_attr, _self_module_call, _single_target, _site_of,
-                            _unsqueezed, _uses)
+                            _indexed_modulate_of, _modulate_of, _operand_name, _outer_mask_of,
+                            _padded_pairwise_mask_of, _pairwise_mask_of, _recast, _rows_modulate_of, _scale_only_of,
+                            _self_attr, _self_module_call, _single_target, _site_of, _unsqueezed, _uses)
 from ._rewriter_attention import AttentionPasses
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
@@ -319,13 +332,39 @@ class _Rewriter(AttentionPasses):
         """``target = norm_modulate(self.attr, x, scale, shift, site)`` in place of `stmt`, where the LayerNorm, which
         ran first (in `first` where given, with the statements `between` after it), reads what it read there once
         `scale` and `shift` are evaluated; else None."""
-        if not self.proofs.stays([_self_attr(attr), x], first or stmt, list(between), [scale, shift], stmt):
+        call = self._norm_call("norm_modulate_rows" if rows else "norm_modulate", attr, x, [scale, shift], stmt,
+                               first, between)
+        return None if call is None else like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def _norm_call(self, func: str, attr: str, x: ast.expr, rows: list[ast.expr], stmt: ast.stmt,
+                   first: ast.stmt | None = None, between: list[ast.stmt] = ()) -> ast.Call | None:
+        """``func(self.attr, x, *rows, site)``, the site on ``self.attr``, where the LayerNorm (run in `first` where
+        given, with the statements `between` after it) reads what it read there once `rows` are evaluated; else
+        None."""
+        if not self.proofs.stays([_self_attr(attr), x], first or stmt, list(between), rows, stmt):
             return None
         if attr not in self.found.norms:
             self.found.norms.append(attr)
-        call = _call("norm_modulate_rows" if rows else "norm_modulate",
-                     [_self_attr(attr), x, scale, shift, _site_of(_self_attr(attr))])
-        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+        return _call(func, [_self_attr(attr), x, *rows, _site_of(_self_attr(attr))])
+
+    def _norm_form(self, value: ast.expr, stmt: ast.stmt) -> ast.Call | None:
+        """The one-expression LayerNorm + modulate forms of `value` (an assignment's or a ``return``'s), as the
+        namespace's call: ``self.A(X) * (1 + S[:, None]) + T[:, None]`` and the rows forms (``norm_modulate`` /
+        ``norm_modulate_rows``), ``self.A(X) * (1 + S)[:, None, :] + T[:, None, :]`` (``norm_modulate_indexed``:
+        CogVideoX), ``self.A(X) * (1 + S)`` (``norm_scale``: Qwen-Image 2.1's output norm, ``A`` none of the
+        adapter's RMSNorms, whose ``rms_scale`` form takes them); else None."""
+        modulate = _modulate_of(value)
+        if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
+            return self._norm_call("norm_modulate_rows" if modulate[3] else "norm_modulate", called[0], called[1],
+                                   [modulate[1], modulate[2]], stmt)
+        indexed = _indexed_modulate_of(value)
+        if indexed is not None and (called := _self_module_call(indexed[0])) is not None:
+            return self._norm_call("norm_modulate_indexed", called[0], called[1], [indexed[1], indexed[2]], stmt)
+        scaled = _scale_only_of(value)
+        if (scaled is not None and (called := _self_module_call(scaled[0])) is not None
+                and called[0] not in self.rms_norms):
+            return self._norm_call("norm_scale", called[0], called[1], [scaled[1]], stmt)
+        return None
 
     def _activation(self, node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
         """``(module, E)`` if `node` is ``self.ACT(E)`` (ACT one of the adapter's activations) or ``F.silu(E)``
@@ -382,6 +421,8 @@ class _Rewriter(AttentionPasses):
                 return like(ast.Return(value=call), stmt)
             if (cast := _casts_back(stmt.value)) is not None and (new := self._cast_back_form(*cast, stmt)) is not None:
                 return like(ast.Return(value=new), stmt)  # Kandinsky 6's ``return apply_gate_sum(...)``, inlined
+            if (call := self._norm_form(stmt.value, stmt)) is not None:  # FLUX.3's, Qwen-Image 2.1's output norms
+                return like(ast.Return(value=call), stmt)
         if self.norm_methods and (merged := self._nested_norm_method(stmt)) is not None:
             return merged
         target = _single_target(stmt)
@@ -425,9 +466,9 @@ class _Rewriter(AttentionPasses):
                                                     _site_of(_self_attr(normed[0]), RMS_GATED)])
                 return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
             return self._gated(target, value.left, value.right.left, value.right.right, stmt)
+        if (call := self._norm_form(value, stmt)) is not None:
+            return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
         modulate = _modulate_of(value)
-        if modulate is not None and (called := _self_module_call(modulate[0])) is not None:
-            return self._modulated(target, called[0], called[1], modulate[1], modulate[2], modulate[3], stmt)
         if (modulate is not None and not modulate[3] and isinstance(modulate[0], ast.Name)
                 and target not in self.found.modulates  # a tensor normalised earlier, modulated here; N * (1 + S)
                 and self.proofs.stays([modulate[0], modulate[1]], stmt, exprs=[modulate[2]])):  # now waits for T
@@ -605,8 +646,9 @@ class _Rewriter(AttentionPasses):
                 return self._gated(h, residual, a.left, a.right, second)
         called = _self_module_call(a)
         modulate = _modulate_of(b)
-        if (called is not None and modulate is not None and h == u and isinstance(modulate[0], ast.Name)
-                and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)):
+        if (called is not None and modulate is not None and isinstance(modulate[0], ast.Name)
+                and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)
+                and (h == u or not self.proofs.live_after(second, u))):  # N, no longer bound, read nowhere after
             return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second, first)
         return None
 
@@ -727,11 +769,12 @@ class _Rewriter(AttentionPasses):
             x_names = {m.id for m in ast.walk(called[1]) if isinstance(m, ast.Name)}
             for j in range(i + 1, len(out)):
                 stmt, target = out[j], _single_target(out[j])
-                modulate = _modulate_of(stmt.value) if target == n else None
+                modulate = _modulate_of(stmt.value) if target is not None else None
                 if (modulate is not None and isinstance(modulate[0], ast.Name) and modulate[0].id == n
-                        and not _uses(modulate[1], n) and not _uses(modulate[2], n)):
+                        and not _uses(modulate[1], n) and not _uses(modulate[2], n)
+                        and (target == n or not self.proofs.live_after(stmt, n))):  # CogView3Plus: ``x = normed_x *``
                     # adjacent pairs are `two`'s; in between, N keeps its old value: no handler may read it
-                    merged = (self._modulated(n, called[0], called[1], *modulate[1:], stmt, out[i], out[i + 1:j])
+                    merged = (self._modulated(target, called[0], called[1], *modulate[1:], stmt, out[i], out[i + 1:j])
                               if j > i + 1 and not self.proofs.handlers_read(out[i], n) else None)
                     if merged is not None:  # the LayerNorm reads what it read at out[i] (`_modulated` proves it)
                         out[j] = merged

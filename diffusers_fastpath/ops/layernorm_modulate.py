@@ -45,6 +45,14 @@ _VEC_BYTES = 16
 _NORMS = (nn.LayerNorm, FP32LayerNorm)
 
 
+def name_site(site: Site | None, op: str) -> None:
+    """Name `site` after the op its call runs now (`report` shows it): a LayerNorm + modulate site is added as
+    `layernorm_scale_shift` or `layernorm_modulate` by its norm's kind, and its calls may run either or
+    `layernorm_scale` (per-token rows, a scale without a shift); the name is that of its latest call."""
+    if site is not None and site.op != op:
+        site.op = op
+
+
 def layernorm_modulate_ref(norm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """The eager chain: ``norm(x) * (1 + scale) + shift`` (the norm module itself, then three kernels)."""
     return norm(x) * (1 + scale) + shift
@@ -198,6 +206,7 @@ def layernorm_modulate(norm, x, scale, shift, site: Site | None = None) -> torch
         >>> torch.equal(layernorm_modulate(norm, x, scale, shift), layernorm_modulate_ref(norm, x, scale, shift))
         True
     """
+    name_site(site, LAYERNORM_MODULATE.name)
     return LAYERNORM_MODULATE(site, norm, x, scale, shift)
 
 
@@ -253,4 +262,5 @@ def layernorm_scale(norm, x, scale, site: Site | None = None) -> torch.Tensor:
         >>> torch.equal(layernorm_scale(norm, x, scale), layernorm_scale_ref(norm, x, scale))
         True
     """
+    name_site(site, LAYERNORM_SCALE.name)
     return LAYERNORM_SCALE(site, norm, x, scale)
