@@ -377,8 +377,19 @@ LN_SITES = {"flux3": {"layernorm_modulate": 5}, "qwen-image-21": {"layernorm_sca
 
 @pytest.mark.parametrize("name", sorted(REACHED))
 def test_zoo_layernorm_sites_are_fast_and_patched_equals_unpatched(name, emulated_kernels):
+    _zoo_layernorm_sites(name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(REACHED))
+def test_zoo_layernorm_sites_are_fast_and_patched_equals_unpatched_on_cuda(name, cuda_kernels):
+    _zoo_layernorm_sites(name, "cuda")  # the real kernels, self-verified on their first call
+
+
+def _zoo_layernorm_sites(name, device):
     entry = zoo.ZOO[name]
-    model = zoo.build(name, dtype=entry.cpu_dtype or torch.bfloat16, device="cpu")
+    dtype = (entry.cpu_dtype or torch.bfloat16) if device == "cpu" else torch.bfloat16
+    model = zoo.build(name, dtype=dtype, device=device)
     kwargs = zoo.inputs(name, model)
     sample = lambda out: out[0] if isinstance(out, tuple) else out.sample  # noqa: E731
     with torch.no_grad():
