@@ -539,3 +539,38 @@ def test_returned_indexed_and_scale_only_norms_are_fused_and_their_sites_named_a
     assert [site(m).op for m in (fused.plain, fused.affine, fused.tokens, fused.scaled)] == [
         "layernorm_scale_shift", "layernorm_modulate", "layernorm_modulate", "layernorm_scale"]
     assert all(site(m).fast > 0 and not site(m).fallback for m in (fused.plain, fused.affine, fused.tokens, fused.scaled))
+
+
+class WritesItsInput(torch.nn.Module):
+    """A module standing where a LayerNorm would (the forms take any ``self.A``) that writes its input in place."""
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+class ModuleBeforeRows(torch.nn.Module):
+    """``self.A(X)`` evaluated before its rows as written: rows computed from X (a copy, an arithmetic) would be
+    computed before the call once the call moves into the fused one; rows that are views see its write either way."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = WritesItsInput()
+        self.norm = WritesItsInput()
+
+    def forward(self, x, t):
+        a = self.act(x) * (1 + x.sum(1)[:, None]) + t[:, None]  # rows computed from x: the call must stay first
+        s = x[:, 0]
+        b = self.norm(x) * (1 + s[:, None]) + t[:, None]  # a view of x: the call may move after it
+        return a + b
+
+
+def test_a_module_that_writes_its_input_keeps_its_place_before_rows_computed_from_it(emulated_kernels):
+    sub, found = _chains.fused_subclass(ModuleBeforeRows, "FusedModuleBeforeRows", __name__)
+    source = inspect.getsource(sub.forward)
+    assert "norm_modulate(self.act" not in source  # at 4daa63d: the call moved after x.sum(1), another number
+    assert "b = _diffusers_fastpath_chains.norm_modulate(self.norm, x, s, t, " in source
+    block, fused = ModuleBeforeRows(), ModuleBeforeRows()
+    fused.__class__ = sub
+    _chains.add_chain_sites(fp._state.PatchState("lossless"), fused, found)
+    x, t = torch.randn(2, 3, 8), torch.randn(2, 8)
+    assert torch.equal(fused(x.clone(), t), block(x.clone(), t))

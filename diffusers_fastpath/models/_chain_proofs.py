@@ -50,6 +50,11 @@ VIEW_METHODS = frozenset({
     "swapaxes", "swapdims", "t", "diagonal", "as_strided", "detach", "contiguous", "to", "type", "type_as", "float",
     "half", "bfloat16", "double", "long", "int", "bool", "cpu", "cuda", "real", "imag", "view_as_real", "unfold",
     "get", "values", "items", "keys"})
+# methods whose result is always a view of the receiver (never a copy: not ``reshape``, ``flatten``, ``contiguous`` or
+# the conversions, which copy where they change something)
+ALIAS_METHODS = frozenset({"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "chunk", "split",
+                           "unbind", "narrow", "select", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "t",
+                           "diagonal", "detach"})
 # methods that write none of their operands (absent ``out=`` / ``inplace=``)
 PURE_METHODS = VIEW_METHODS | frozenset({
     "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "sum", "mean",
@@ -242,6 +247,37 @@ class Proofs:
             if isinstance(node, ast.Call) and not self._pure_call(node):
                 return False
         return True
+
+    @staticmethod
+    def aliases_only(expr: ast.expr) -> bool:
+        """Whether `expr`'s value holds no number computed when it is evaluated: a name, a constant, an attribute or
+        a basic-indexing subscript (constants, slices, ``None``, ``...``) of one, or a view method of one
+        (`ALIAS_METHODS`). Evaluated before a call instead of after it, such a value still sees whatever that call
+        writes in place (the same storage), so the call may move after it (a module that writes its input: the
+        LayerNorm + modulate forms take any ``self.A``)."""
+        node = expr
+        while True:
+            if isinstance(node, (ast.Name, ast.Constant)):
+                return True
+            if isinstance(node, ast.Attribute):
+                node = node.value
+            elif isinstance(node, ast.Subscript):
+                index = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                if not all(isinstance(i, ast.Constant) or (isinstance(i, ast.Slice) and all(
+                        b is None or isinstance(b, ast.Constant) or (isinstance(b, ast.UnaryOp)
+                                                                      and isinstance(b.operand, ast.Constant))
+                        for b in (i.lower, i.upper, i.step)))
+                        or (isinstance(i, ast.UnaryOp) and isinstance(i.operand, ast.Constant)) for i in index):
+                    return False
+                node = node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ALIAS_METHODS and not node.keywords
+                  and all(isinstance(a, ast.Constant) or (isinstance(a, ast.UnaryOp) and isinstance(a.operand, ast.Constant))
+                          or (isinstance(a, ast.Tuple) and all(isinstance(e, ast.Constant) for e in a.elts))
+                          for a in node.args)):
+                node = node.func.value
+            else:
+                return False
 
     def live_after(self, stmt: ast.stmt, name: str, ignore: ast.stmt | None = None) -> bool:
         """Whether the value `name` holds when statement `stmt` (of the copy) ends may be read later: in the rest of

@@ -339,9 +339,12 @@ class _Rewriter(AttentionPasses):
     def _norm_call(self, func: str, attr: str, x: ast.expr, rows: list[ast.expr], stmt: ast.stmt,
                    first: ast.stmt | None = None, between: list[ast.stmt] = ()) -> ast.Call | None:
         """``func(self.attr, x, *rows, site)``, the site on ``self.attr``, where the LayerNorm (run in `first` where
-        given, with the statements `between` after it) reads what it read there once `rows` are evaluated; else
-        None."""
+        given, with the statements `between` after it) reads what it read there once `rows` are evaluated, and the
+        rows hold no number computed before the call (`Proofs.aliases_only`: ``self.attr`` may be any module, one
+        that writes its input in place too); else None."""
         if not self.proofs.stays([_self_attr(attr), x], first or stmt, list(between), rows, stmt):
+            return None
+        if not all(self.proofs.aliases_only(r) for r in rows):  # the call now runs after them: it may write them
             return None
         if attr not in self.found.norms:
             self.found.norms.append(attr)
