@@ -227,6 +227,22 @@ def test_kernel_wrapper_lays_the_kernel_out_as_eager(monkeypatch):
     assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
 
 
+def test_custom_op_fake_lays_out_as_eager():
+    """What torch.compile traces with (the op's fake) has eager's shape and strides, for x with channels apart too (an
+    upsampler's output with its first frames sliced off); the op's CPU form is eager's norm."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    norm = RMSNorm(16, eps=1e-8, elementwise_affine=False)
+    for x in (torch.randn(2, 16, 3, 4, 8), torch.randn(2, 16, 5, 4, 8)[:, :, 2:]):
+        view = x.to(torch.bfloat16).movedim(1, -1)
+        ref = RMSNorm.forward(norm, view)
+        got = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(view, 1e-8)
+        assert got.stride() == ref.stride() and torch.equal(got, ref)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(mode.from_tensor(view), 1e-8)
+        assert fake.shape == ref.shape and fake.stride() == ref.stride()
+
+
 def test_guard_refuses_what_the_kernel_does_not_take():
     norm = vae_ltx.FastpathLTXRMSNorm(16, eps=1e-8, elementwise_affine=False)
     x = torch.randn(1, 16, 2, 4, 8).to(torch.bfloat16)
@@ -297,18 +313,22 @@ LTX_NORM_SHAPES = [(1, 512, 16, 16, 24), (1, 512, 31, 32, 48), (1, 256, 61, 64, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", LTX_NORM_SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "sliced"])
 @torch.no_grad()
-def test_ltx_rmsnorm_kernel_equals_eager_at_ltx_shapes(shape, dtype):
+def test_ltx_rmsnorm_kernel_equals_eager_at_ltx_shapes(shape, dtype, layout):
     """The op against the module on the channel-last view, torch.equal, strides included, the allocator's blocks of
-    the output's size poisoned with NaN first."""
+    the output's size poisoned with NaN first; x contiguous channel-first, or with its first frame sliced off (the
+    upsamplers' ``[:, :, stride - 1:]``: channels apart)."""
     norm = RMSNorm(shape[1], eps=1e-8, elementwise_affine=False).cuda()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(shape, generator=gen, device="cuda") * 3).to(dtype)
+    b, c, t, h, w = shape
+    x = (torch.randn(b, c, t + (layout == "sliced"), h, w, generator=gen, device="cuda") * 3).to(dtype)
+    x = x[:, :, 1:] if layout == "sliced" else x
     x[:, 1::5, ..., ::11] = 0
     x[0, :, 0, 0] = 0  # positions whose channels are all zero (rsqrt of eps)
     view = x.movedim(1, -1)
     ltx_norm.add_norm_class(RMSNorm)
-    poison = [torch.full_like(x, float("nan")) for _ in range(3)]  # freed below: the next blocks of this size
+    poison = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]  # the next blocks
     del poison
     site = Site("ltx_rmsnorm")
     out = ltx_norm.LTX_RMSNORM(site, norm, view)

@@ -189,7 +189,8 @@ def _ltx_rmsnorm_op(x: torch.Tensor, eps: float) -> torch.Tensor:
 @_ltx_rmsnorm_op.register_fake
 def _(x, eps):
     torch._check(x.dim() >= 3, lambda: f"ltx_rmsnorm: x must be [B, *, C], got {tuple(x.shape)}")
-    return torch.empty_like(x)  # x's layout (the channel-last view of channel-first memory), as eager's
+    # eager's layout: the channel-last view of contiguous channel-first memory (x's channels may lie apart)
+    return torch.empty_like(x.movedim(-1, 1), memory_format=torch.contiguous_format).movedim(1, -1)
 
 
 def _custom(norm, x):
