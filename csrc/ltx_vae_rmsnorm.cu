@@ -6,7 +6,9 @@
 //   r   = torch.rsqrt(v + eps)                         (aten, kept: [B, T, H, W, 1], 1/C of x)
 //   out = round(float(x) * r)                          the mixed-dtype multiply (fp32 result), then .to(T)
 // The multiply is one IEEE product (__fmul_rn; the build passes --fmad=false) rounded to T where eager's .to(T)
-// rounds, so the tail is exact by construction. Eager writes the fp32 product and reads it back (4 + 4 bytes per
+// rounds, so the tail is exact by construction. The `square` mode writes x.to(float32).pow(2) (fp32, x's layout) for
+// aten's mean in one pass instead of eager's two (the copy, then the square: aten's pow by 2 is x * x, and the square
+// of a bf16 or fp16 value is exact in fp32, so every way of computing it gives the same bits). Eager writes the fp32 product and reads it back (4 + 4 bytes per
 // element) on top of reading x and writing out; here x is read once and out written once.
 //
 // Layout: out contiguous [batch, channels, spatial] (eager's result: the channel-first memory of the channel-last
@@ -37,6 +39,15 @@ __global__ void __launch_bounds__(kThreads) ltx_rmsnorm_kernel(LtxRmsNormArgs a)
     const int64_t c = row - b * a.channels;
     const T* src = static_cast<const T*>(a.x) + b * a.x_batch_stride + c * a.x_channel_stride + s;
     const P x = load_readonly(reinterpret_cast<const P*>(src));
+    if (a.square) {
+      float* dst = static_cast<float*>(a.out) + e;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float f = Storage<T>::load(x.v[i]);
+        dst[i] = __fmul_rn(f, f);
+      }
+      continue;
+    }
     const float* r = a.rsqrt + b * a.spatial + s;
     P o;
 #pragma unroll

@@ -208,22 +208,35 @@ def test_arithmetic_equals_the_module(dtype):
     ref = RMSNorm.forward(norm, view)
     got = ltx_norm.ltx_rmsnorm_arithmetic(view, ltx_norm.reciprocal(view, norm.eps))
     assert got.stride() == ref.stride() and torch.equal(got, ref)
+    squares = ltx_norm.square_arithmetic(x).movedim(1, -1)  # the square mode: eager's fp32 squares, bits and strides
+    eager = view.to(torch.float32).pow(2)
+    assert squares.stride() == eager.stride() and torch.equal(squares, eager)
+    got = ltx_norm.ltx_rmsnorm_arithmetic(view, ltx_norm.reciprocal(view, norm.eps, ltx_norm.square_arithmetic))
+    assert torch.equal(got, ref)
 
 
 def test_kernel_wrapper_lays_the_kernel_out_as_eager(monkeypatch):
-    """`_fused` hands the kernel x's channel-first memory and the reciprocal as [B, spatial] rows, and returns the
-    channel-last view eager returns (the launch replaced by the arithmetic on what it is given)."""
+    """`_fused` hands the kernel x's channel-first memory (first for the squares, where x is dense) and the reciprocal
+    as [B, spatial] rows, and returns the channel-last view eager returns (the launch replaced by the arithmetic on
+    what it is given)."""
     seen = []
 
-    def launch(x, r):
-        seen.append((x.shape, x.is_contiguous(), r.shape, r.is_contiguous()))
+    def launch(x, r, square):
+        seen.append((x.shape, x.is_contiguous(), None if square else (r.shape, r.is_contiguous())))
+        if square:
+            return ltx_norm.square_arithmetic(x)
         return ltx_norm.ltx_rmsnorm_arithmetic(x, r.reshape(x.shape[0], 1, *x.shape[2:])).contiguous()
 
     monkeypatch.setattr(ltx_norm, "_launch", launch)
     norm = RMSNorm(16, eps=1e-8, elementwise_affine=False)
     x = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16).movedim(1, -1)
     out, ref = ltx_norm._fused(x, norm.eps), RMSNorm.forward(norm, x)
-    assert seen == [((2, 16, 3, 4, 8), True, (2, 3, 4, 8, 1), True)]
+    assert seen == [((2, 16, 3, 4, 8), True, None), ((2, 16, 3, 4, 8), True, ((2, 3, 4, 8, 1), True))]
+    assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+    seen.clear()
+    x = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:].movedim(1, -1)  # channels apart: aten's squares
+    out, ref = ltx_norm._fused(x, norm.eps), RMSNorm.forward(norm, x)
+    assert seen == [((2, 16, 3, 4, 8), False, ((2, 3, 4, 8, 1), True))]
     assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
 
 
@@ -263,16 +276,22 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
 
     launches = captured_launches.__wrapped__(monkeypatch)
     x, r = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16), torch.rand(2, 3, 4, 8, 1)
-    out = ltx_norm._nvrtc_kernel(x, r)
+    out = ltx_norm._nvrtc_kernel(x, r, False)
     kernel, key, grid, block, a = launches[-1]
     assert (kernel, key, block) == (ltx_norm._NVRTC, torch.bfloat16, (256, 1, 1)) and out.shape == x.shape
     assert grid == (2, 1, 1)  # 2 * 16 * 96 / 8 = 384 vectors: two blocks of 256 threads
     assert (a.a.out, a.a.x, a.a.rsqrt) == (out.data_ptr(), x.data_ptr(), r.data_ptr())
-    assert (a.a.batch, a.a.channels, a.a.spatial, a.a.dtype) == (2, 16, 96, 1)
-    ltx_norm._nvrtc_kernel(x.half(), r)
-    assert launches[-1][1] == torch.float16 and launches[-1][4].a.dtype == 0
+    assert (a.a.batch, a.a.channels, a.a.spatial, a.a.x_batch_stride, a.a.x_channel_stride, a.a.square,
+            a.a.dtype) == (2, 16, 96, 16 * 96, 96, 0, 1)
+    sliced = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:]
+    ltx_norm._nvrtc_kernel(sliced, r, False)
+    assert (launches[-1][4].a.x_batch_stride, launches[-1][4].a.x_channel_stride) == (16 * 160, 160)
+    squares = ltx_norm._nvrtc_kernel(x.half(), None, True)
+    a = launches[-1][4].a
+    assert launches[-1][1] == torch.float16 and (a.dtype, a.square, a.rsqrt, a.out) == (0, 1, None, squares.data_ptr())
+    assert squares.dtype == torch.float32 and squares.shape == x.shape
     big = torch.empty(1, 8, 132 * 8 * 256 * 8 * 2, dtype=torch.bfloat16)
-    ltx_norm._nvrtc_kernel(big, torch.empty(1, big.shape[2]))
+    ltx_norm._nvrtc_kernel(big, torch.empty(1, big.shape[2]), False)
     assert launches[-1][2] == (132 * 8, 1, 1)
 
 
@@ -351,10 +370,12 @@ def test_ltx_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
     view = x.movedim(1, -1)
     r = ltx_norm.reciprocal(view, 1e-8).contiguous()
     ref = RMSNorm.forward(RMSNorm(128, eps=1e-8, elementwise_affine=False), view).movedim(-1, 1)
-    got = ltx_norm._nvrtc_kernel(x, r)
-    assert torch.equal(got, ref)
+    squares = view.to(torch.float32).pow(2).movedim(-1, 1)
+    got = ltx_norm._nvrtc_kernel(x, r, False)
+    assert torch.equal(got, ref) and torch.equal(ltx_norm._nvrtc_kernel(x, None, True), squares)
     if nvcc:
-        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, r), ref)
+        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, r, False), ref)
+        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, None, True), squares)
 
 
 @pytest.mark.gpu

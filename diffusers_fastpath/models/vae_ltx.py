@@ -4,8 +4,8 @@ of 0.9.1+ included), through one exact piece.
 - The norms: every diffusers ``RMSNorm`` of the VAE without weight (``norm1`` and ``norm2`` of each
   ``LTXVideoResnetBlock3d``, the encoder's and the decoder's ``norm_out``: each called on the channel-last view
   ``x.movedim(1, -1)`` of a channel-first activation) becomes `FastpathLTXRMSNorm`, whose forward is
-  `diffusers_fastpath.ops.ltx_rmsnorm`: aten's reduction and rsqrt as eager runs them, then the multiply and the cast
-  in one pass (exact by construction; the first call of each dtype compared with eager). Being the module's own
+  `diffusers_fastpath.ops.ltx_rmsnorm`: the fp32 squares in one pass, aten's mean and rsqrt as eager runs them, then
+  the multiply and the cast in one pass (exact by construction; the first call of each dtype compared with eager). Being the module's own
   forward, it runs inside the module call, so the module's hooks and the global ones run as before. The shortcut's
   ``norm3`` (an ``nn.LayerNorm``) and everything else run as diffusers wrote them.
 

@@ -9,8 +9,11 @@ The module computes, for bf16/fp16 x (T its dtype) of ``[B, *, C]`` whose memory
     out = round(float(x) * r)                                  # the mixed-dtype multiply, then ``.to(T)``
 
 Eager writes the fp32 product and reads it back for the cast; ``csrc/ltx_vae_rmsnorm.cu`` reads x once and writes
-the result once. The reduction and the rsqrt are aten's own calls on the same tensors (the same kernels, so the
-same bits); the multiply is one IEEE product rounded where eager's cast rounds, so the op is exact by construction.
+the result once. Where x is dense (the resnets' inputs) the kernel also writes the reduction's input, the fp32
+``x.to(float32).pow(2)`` (one pass instead of eager's copy and square: aten's pow by 2 is ``x * x``, and the square
+of a bf16/fp16 value is exact in fp32), in eager's layout, for aten's mean. The reduction and the rsqrt are aten's
+own calls on tensors of the same values, shapes and strides (the same kernels, so the same bits); the multiply is
+one IEEE product rounded where eager's cast rounds, so the op is exact by construction.
 Still, the first call of each signature (dtype) is compared with eager (`verify_key`): the kernel is new on every
 GPU it meets; a mismatch disables the op for the process (one warning) and eager runs.
 
@@ -95,10 +98,21 @@ def channel_strides(xc: torch.Tensor) -> tuple[int, int] | None:
     return xc.stride(0), xc.stride(1)
 
 
-def reciprocal(x: torch.Tensor, eps: float) -> torch.Tensor:
+def reciprocal(x: torch.Tensor, eps: float, square=None) -> torch.Tensor:
     """What eager multiplies by: ``torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)`` (the same
-    aten calls on the same view)."""
-    return torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    aten calls on the same view); with `square` (the kernel's square mode, taking x's channel-first memory) the
+    squares come from it where x is dense, in the layout eager's ``.to(float32)`` keeps (x's)."""
+    if square is not None and x.movedim(-1, 1).is_contiguous():
+        sq = square(x.movedim(-1, 1)).movedim(1, -1)
+    else:
+        sq = x.to(torch.float32).pow(2)
+    return torch.rsqrt(sq.mean(-1, keepdim=True) + eps)
+
+
+def square_arithmetic(xc: torch.Tensor) -> torch.Tensor:
+    """The kernel's square mode in torch: fp32 ``x * x`` of the channel-first ``[B, C, *]`` x, contiguous."""
+    f = xc.float()
+    return (f * f).contiguous()
 
 
 def ltx_rmsnorm_arithmetic(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -111,59 +125,67 @@ def ltx_rmsnorm_arithmetic(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 # ltx_rmsnorm do: the LtxRmsNormArgs fields (fastpath.h), the output allocation and the grid (one thread per vector,
 # at most kBlocksPerSm blocks per SM); the guard stands for bindings.cpp's checks.
 _ARGS = _nvrtc.Params("LtxRmsNormArgs", ("out", "P"), ("x", "P"), ("rsqrt", "P"), ("batch", "q"), ("channels", "q"),
-                      ("spatial", "q"), ("x_batch_stride", "q"), ("x_channel_stride", "q"), ("dtype", "i"))
+                      ("spatial", "q"), ("x_batch_stride", "q"), ("x_channel_stride", "q"), ("square", "i"),
+                      ("dtype", "i"))
 _NVRTC = _nvrtc.Kernel("ltx_vae_rmsnorm.cu", "diffusers_fastpath::ltx_rmsnorm_kernel",
                        {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
                        _nvrtc.Params("ltx_rmsnorm_kernel", ("a", _ARGS)))
 
 
-def _raw_guard(x, rsqrt):
+def _raw_guard(x, rsqrt, square):
     batch, channels = (x.shape[0], x.shape[1]) if x.dim() >= 3 else (0, 0)
     spatial = x.numel() // max(1, batch * channels)
     vec = _VEC_BYTES // x.element_size() if x.dtype in HALF_DTYPES else 1
     strides = channel_strides(x) if x.dim() >= 3 else None
     if x.dtype not in HALF_DTYPES or strides is None or spatial % vec or strides[0] % vec or strides[1] % vec:
         return "x"
-    if rsqrt.dtype != torch.float32 or not rsqrt.is_contiguous() or rsqrt.numel() != batch * spatial:
+    if not square and (rsqrt is None or rsqrt.dtype != torch.float32 or not rsqrt.is_contiguous()
+                       or rsqrt.numel() != batch * spatial):
         return "rsqrt"
-    if not x.is_cuda or rsqrt.device != x.device:
+    if not x.is_cuda or (not square and rsqrt.device != x.device):
         return "device"
-    if x.data_ptr() % _VEC_BYTES or rsqrt.data_ptr() % _VEC_BYTES:
+    if x.data_ptr() % _VEC_BYTES or (not square and rsqrt.data_ptr() % _VEC_BYTES):
         return "not 16-byte aligned"
     return None
 
 
-def _nvrtc_kernel(x, rsqrt):
+def _nvrtc_kernel(x, rsqrt, square):
     batch, channels = x.shape[:2]
     spatial = x.numel() // max(1, batch * channels)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = torch.empty(x.shape, dtype=torch.float32 if square else x.dtype, device=x.device)
     vecs = x.numel() * x.element_size() // _VEC_BYTES
     if vecs == 0:
         return out
     device = x.device.index
     blocks = min((vecs + _THREADS - 1) // _THREADS, _nvrtc.num_sms(device) * _BLOCKS_PER_SM)
-    _NVRTC.launch(device, x.dtype, (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(), rsqrt.data_ptr(),
-                  batch, channels, spatial, x.stride(0), x.stride(1), _nvrtc.DTYPE_CODE[x.dtype])
+    _NVRTC.launch(device, x.dtype, (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(),
+                  0 if square else rsqrt.data_ptr(), batch, channels, spatial, x.stride(0), x.stride(1), int(square),
+                  _nvrtc.DTYPE_CODE[x.dtype])
     return out
 
 
-_nvrtc.raw_op("_ltx_rmsnorm_cuda", "(Tensor x, Tensor rsqrt) -> Tensor", _raw_guard, _nvrtc_kernel)
+_nvrtc.raw_op("_ltx_rmsnorm_cuda", "(Tensor x, Tensor? rsqrt, bool square) -> Tensor", _raw_guard, _nvrtc_kernel)
 
 _launch = None
 
 
-def _raw(x, rsqrt):
+def _raw(x, rsqrt, square=False):
     global _launch
     if _launch is None:
         _launch = launcher(_nvrtc_kernel, "_ltx_rmsnorm_cuda")
-    return _launch(x, rsqrt)
+    return _launch(x, rsqrt, square)
+
+
+def _square(xc: torch.Tensor) -> torch.Tensor:
+    return _raw(xc, None, True)
 
 
 def _fused(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The kernel over x's channel-first memory as ``[B, C, spatial]`` (channels possibly apart), the result as
     eager's is (the channel-last view of contiguous channel-first memory). The reciprocal is aten's, on x as eager takes it (``[B, *, 1]``
-    contiguous: one value per batch and position, the kernel's ``[B, spatial]``)."""
-    r = reciprocal(x, eps).contiguous()
+    contiguous: one value per batch and position, the kernel's ``[B, spatial]``), its squares the kernel's where x is
+    dense."""
+    r = reciprocal(x, eps, _square).contiguous()
     out = _raw(x.movedim(-1, 1), r)
     return out.movedim(1, -1)
 
