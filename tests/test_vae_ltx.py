@@ -317,6 +317,18 @@ def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(m
     assert "not bit-exact" in (ltx_norm.LTX_RMSNORM.disabled or "")
 
 
+def test_each_layout_is_verified_on_its_first_call(emulated_kernels, unpatch_after):
+    """The first call of each signature (dtype, dense or channels apart: the kernel's two paths) is compared with
+    eager: a decode through the upsamplers verifies both."""
+    vae = _build()
+    z = _latents(vae)
+    with torch.no_grad():
+        ref = _decode(vae, z)
+        unpatch_after(fp.patch(vae))
+        assert torch.equal(_decode(vae, z), ref)
+    assert {("bfloat16", "dense"), ("bfloat16", "strided")} <= set(ltx_norm.LTX_RMSNORM.verified)
+
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 

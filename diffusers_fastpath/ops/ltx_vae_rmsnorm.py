@@ -195,9 +195,10 @@ def _kernel(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _signature(norm, x: torch.Tensor):
-    """What one first-call ``torch.equal`` vouches for: the dtype (the op is exact by construction; the check is its
-    second line, the kernel being new on each GPU kind it meets)."""
-    return (str(x.dtype).removeprefix("torch."),)
+    """What one first-call ``torch.equal`` vouches for: the dtype and whether x is dense (the kernel then writes the
+    squares too) or has its channels apart (the op is exact by construction; the check is its second line, the
+    kernel being new on each GPU kind it meets)."""
+    return (str(x.dtype).removeprefix("torch."), "dense" if x.movedim(-1, 1).is_contiguous() else "strided")
 
 
 @torch.library.custom_op("diffusers_fastpath::ltx_rmsnorm", mutates_args=())
