@@ -975,6 +975,47 @@ at::Tensor channel_rmsnorm(const at::Tensor& x, const at::Tensor& denom, const a
   return out;
 }
 
+// LTX-Video's VAE norm from eager's multiply on (ltx_vae_rmsnorm.cu): x [B, C, *] (the channel-first memory of the
+// norm's channel-last view) with each channel's trailing elements contiguous, rsqrt the fp32 [B, *] that eager
+// multiplies by; `square`: the fp32 x * x for aten's mean instead. The Python guard admits only inputs that pass these
+// checks.
+at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsqrt, bool square) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 3 && aligned16(x), "ltx_rmsnorm: x must be a 16-byte aligned CUDA tensor [B, C, *]");
+  int64_t expected = 1;
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    TORCH_CHECK(x.size(d) == 1 || x.stride(d) == expected, "ltx_rmsnorm: each channel of x must be contiguous");
+    expected *= x.size(d);
+  }
+  const DType dtype = to_dtype(x);
+  const int64_t batch = x.size(0), channels = x.size(1);
+  const int64_t spatial = x.numel() / (batch * channels > 0 ? batch * channels : 1);
+  const int64_t vec = 16 / x.element_size();
+  TORCH_CHECK(spatial % vec == 0 && x.stride(0) % vec == 0 && x.stride(1) % vec == 0 && x.stride(1) >= spatial,
+              "ltx_rmsnorm: the trailing sizes and x's strides must be multiples of ", std::to_string(vec), " elements");
+  TORCH_CHECK(square || (rsqrt.has_value() && rsqrt->scalar_type() == at::kFloat && rsqrt->device() == x.device() &&
+                         rsqrt->is_contiguous() && rsqrt->numel() == batch * spatial && aligned16(*rsqrt)),
+              "ltx_rmsnorm: rsqrt must be a contiguous fp32 [B, *] tensor on x's device");
+  at::Tensor out = at::empty(x.sizes(), x.options()
+                                            .dtype(square ? at::kFloat : x.scalar_type())
+                                            .memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  LtxRmsNormArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.rsqrt = square ? nullptr : rsqrt->data_ptr<float>();
+  args.batch = batch;
+  args.channels = channels;
+  args.spatial = spatial;
+  args.x_batch_stride = x.stride(0);
+  args.x_channel_stride = x.stride(1);
+  args.square = square ? 1 : 0;
+  args.dtype = dtype;
+  const cudaError_t err = launch_ltx_rmsnorm(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -1050,6 +1091,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "bool silu, int variant) -> ()");
   m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
         "bool silu, bool probe) -> Tensor");
+  m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -1096,4 +1138,5 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
+  m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
 }

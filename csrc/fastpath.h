@@ -342,4 +342,23 @@ struct ChannelRmsNormArgs {
 cudaError_t launch_channel_rmsnorm(const ChannelRmsNormArgs& args, cudaStream_t stream);
 #endif
 
+// LTX-Video's VAE norm after aten's reduction and rsqrt (ltx_vae_rmsnorm.cu): out[b, c, s] = round(x[b, c, s] * rsqrt[b, s]);
+// in the `square` mode the fp32 x[b, c, s] * x[b, c, s] that aten's mean reduces.
+struct LtxRmsNormArgs {
+  void* out;             // [batch, channels, spatial], contiguous
+  const void* x;         // [batch, channels, spatial], each channel's spatial contiguous, 16-byte aligned
+  const float* rsqrt;    // [batch, spatial] fp32: aten's torch.rsqrt(x.to(float32).pow(2).mean(C) + eps)
+  int64_t batch;
+  int64_t channels;
+  int64_t spatial;       // a multiple of 16 / sizeof(element)
+  int64_t x_batch_stride;    // elements between x's batches, a multiple of 16 / sizeof(element)
+  int64_t x_channel_stride;  // elements between x's channels (>= spatial), likewise
+  int32_t square;        // 1: out is fp32 x * x (rsqrt unused): the input of aten's mean
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_ltx_rmsnorm(const LtxRmsNormArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

@@ -189,6 +189,12 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
     monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
     monkeypatch.setattr(causal_conv_pad.CAUSAL_CONV3D, "guard", _as_if_on_cuda(causal_conv_pad.CAUSAL_CONV3D.guard))
+    # LTX-Video's VAE norm: its own kernel wrapper (aten's reduction and rsqrt, the [B, C, spatial] memory), the launch
+    # replaced by the kernel's arithmetic (the multiply, the cast) on the tensors it is given
+    ltx_norm = sys.modules["diffusers_fastpath.ops.ltx_vae_rmsnorm"]
+    monkeypatch.setattr(ltx_norm.LTX_RMSNORM, "guard", _as_if_on_cuda(ltx_norm.LTX_RMSNORM.guard))
+    monkeypatch.setattr(ltx_norm, "_launch", lambda x, r, square: ltx_norm.square_arithmetic(x) if square else
+                        ltx_norm.ltx_rmsnorm_arithmetic(x, r.reshape(x.shape[0], 1, *x.shape[2:])).contiguous())
     # the plain QK norm: its own kernel wrapper (the rows in memory order, the result in x's strides), the launch
     # replaced by the eager norm of those rows
     import sys

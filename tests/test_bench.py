@@ -459,18 +459,17 @@ def test_flux_schnell_and_few_step_defaults():
 
 
 def test_ltx_video_vae_level_on_cpu(tmp_path):
-    """The VAE level takes a video VAE's [B, C, frames, H, W] latents, or says the VAE is not patched yet."""
+    """The VAE level takes a video VAE's [B, C, frames, H, W] latents: LTX-Video's (models/vae_ltx.py), patched."""
     path = tmp_path / "r.json"
     rc = bench.main(["--model", "ltx-video-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--frames",
                      "9", "--levels", "vae", "--repeats", "1", "--no-progress", "--json", str(path)])
     assert rc == 0
     vae = json.loads(path.read_text())["vae"]
-    if vae["ran"]:  # once an adapter takes AutoencoderKLLTXVideo
-        rows = {r["call"]: r for r in vae["rows"]}
-        assert rows["decode"]["input_shape"] == [1, 128, 2, 2, 2] and rows["encode"]["input_shape"] == [1, 3, 9, 64, 64]
-        assert all(r["bit_identical"] for r in vae["rows"])
-    else:
-        assert "AutoencoderKLLTXVideo" in vae["reason"]
+    assert vae["ran"], vae.get("reason")
+    rows = {r["call"]: r for r in vae["rows"]}
+    assert rows["decode"]["input_shape"] == [1, 128, 2, 2, 2] and rows["encode"]["input_shape"] == [1, 3, 9, 64, 64]
+    assert all(r["bit_identical"] for r in vae["rows"])
+    assert vae["sites"]["sites"] == 22 and vae["sites"]["reasons"] == {"device cpu": vae["sites"]["fallback"]}
 
 
 @pytest.mark.parametrize("model", ["sd3-tiny", "qwen-image-tiny", "hunyuan-image-tiny", "wan-tiny",

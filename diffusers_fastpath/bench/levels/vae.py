@@ -74,7 +74,7 @@ def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[
         return dict(ran=False, reason=reason, rows=[])
     try:
         patched = patch(copy.deepcopy(vae))
-    except UnsupportedModelError as exc:  # a VAE class no adapter takes yet (LTX-Video's)
+    except UnsupportedModelError as exc:  # a VAE class no adapter takes
         return dict(ran=False, reason=f"fp.patch does not take {type(vae).__name__} yet ({exc})", rows=[])
     gen = torch.Generator(device=device).manual_seed(args.seed + 2)
     dtype = DTYPES[args.dtype]

@@ -1,0 +1,408 @@
+"""The LTX-Video VAE adapter (models/vae_ltx.py) and its op (ops/ltx_vae_rmsnorm.py): tiny bf16
+``AutoencoderKLLTXVideo`` of 0.9.0's form and of 0.9.5's (``LTXVideo095DownBlock3D``, residual upsamplers, the
+timestep-conditioned decoder), decode and encode patched == unpatched (``torch.equal``) with every site on its fast
+path (on CPU under the emulated kernels), also tiled and sliced; unpatch, state dicts, hooks, a replaced or wrapped
+``RMSNorm.forward``; the op's arithmetic against eager and its guard. On the GPU: the kernel at LTX-Video's real
+shapes with poisoned outputs, through NVRTC and nvcc, and the full-size VAE's decode and encode md5-identical."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+from collections import Counter
+
+import pytest
+import torch
+from diffusers import AutoencoderKLLTXVideo
+from diffusers.models.normalization import RMSNorm
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models import vae_ltx
+from diffusers_fastpath.ops._policy import Site
+from diffusers_fastpath.testing._common import randomize_
+
+ltx_norm = importlib.import_module("diffusers_fastpath.ops.ltx_vae_rmsnorm")  # (ops binds the names to the ops)
+
+# 0.9.0's form (the bench's ltx-video-tiny: the published compression, 8 channels) and 0.9.5's (spatial / temporal /
+# spatiotemporal downsamplers, residual upsamplers, the timestep-conditioned decoder)
+CONFIGS = {
+    "0.9.0": dict(latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                  layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1)),
+    "0.9.5": dict(latent_channels=8, block_out_channels=(8, 16, 32, 32), decoder_block_out_channels=(8, 16, 32),
+                  layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+                  spatio_temporal_scaling=(True, True, True, True), decoder_spatio_temporal_scaling=(True, True, True),
+                  decoder_inject_noise=(False, False, False, False),
+                  downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+                  upsample_residual=(True, True, True), upsample_factor=(2, 2, 2), timestep_conditioning=True,
+                  down_block_types=("LTXVideo095DownBlock3D",) * 4),
+}
+
+
+def _build(kind: str = "0.9.0", dtype=torch.bfloat16, seed=0):
+    """A tiny VAE with random weights (the timestep tables and every convolution drawn: `randomize_`)."""
+    return randomize_(AutoencoderKLLTXVideo(**CONFIGS[kind]), seed).to(dtype).eval()
+
+
+def _latents(vae, frames=2, size=2, seed=3, batch=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vae.config.latent_channels, frames, size, size, generator=gen).to(torch.bfloat16)
+
+
+def _video(frames=9, size=64, seed=4, batch=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(batch, 3, frames, size, size, generator=gen) * 2 - 1).to(torch.bfloat16)
+
+
+def _decode(vae, z):
+    temb = torch.tensor([0.05] * z.shape[0]) if vae.config.timestep_conditioning else None
+    return vae.decode(z, temb).sample
+
+
+def _encode(vae, x):
+    return vae.encode(x).latent_dist.mean
+
+
+def _unsliced_decode(vae, z, temb=None):
+    vae.use_slicing = False
+    try:
+        return AutoencoderKLLTXVideo.decode(vae, z, temb)
+    finally:
+        vae.use_slicing = True
+
+
+def _norms(vae) -> int:
+    return sum(type(m) is RMSNorm and m.weight is None for m in vae.modules())
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@torch.no_grad()
+def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(kind, emulated_kernels, unpatch_after):
+    vae = _build(kind)
+    z, x = _latents(vae), _video()
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    assert torch.isfinite(ref_dec).all() and ref_dec.float().std() > 0.01 and ref_enc.float().std() > 0.01
+    norms = _norms(vae)
+    assert norms == 2 * sum(type(m).__name__ == "LTXVideoResnetBlock3d" for m in vae.modules()) + 2
+    unpatch_after(fp.patch(vae))
+    assert Counter(r.op for r in fp.report(vae).sites) == Counter({"ltx_rmsnorm": norms}), str(fp.report(vae))
+    assert torch.equal(_decode(vae, z), ref_dec)
+    for r in fp.report(vae).sites:  # the decoder's norms ran fast, the encoder's not yet
+        assert (r.fast > 0 and not r.fallback) if r.site.startswith("decoder.") else (r.fast, r.fallback) == (0, 0), r
+    assert torch.equal(_encode(vae, x), ref_enc)
+    report = fp.report(vae)
+    assert all(r.fast > 0 and r.fallback == 0 for r in report.sites), str(report)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@torch.no_grad()
+def test_tiled_and_sliced_decode_and_encode_equal_unpatched(kind, emulated_kernels, unpatch_after):
+    """``enable_tiling`` and ``enable_slicing`` run the same modules per tile and per sample: patched == unpatched
+    (0.9.0: tiles of 64 pixels at a 32-pixel stride over a 96 x 96 video of two samples); the tiles whose rows the
+    kernel does not take (fewer than 8 latent positions) fall back by their size, nothing else."""
+    vae = _build(kind)
+    if kind == "0.9.0":  # (the tiny 0.9.5's decoder does not invert its encoder's compression, which tiling assumes)
+        vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32,
+                          tile_sample_stride_width=32)
+        vae.enable_slicing()
+    else:  # diffusers 0.42.1's sliced decode with a temb does not run (it zips the two splits wrongly): encode sliced
+        vae.enable_slicing()
+        vae.decode = functools.partial(_unsliced_decode, vae)
+    size = 3 if kind == "0.9.0" else 2
+    z, x = _latents(vae, size=size, batch=2), _video(size=32 * size, batch=2)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode(vae, z), ref_dec)
+    assert torch.equal(_encode(vae, x), ref_enc)
+    report = fp.report(vae)
+    assert all(r.fast > 0 for r in report.sites), str(report)
+    assert all(reason.startswith("trailing sizes") for r in report.sites for reason in r.reasons), str(report)
+
+
+@torch.no_grad()
+def test_fp32_vae_patched_equal_unpatched_norms_refuse_by_dtype(emulated_kernels, unpatch_after):
+    vae = _build(dtype=torch.float32)
+    z = _latents(vae).float()
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode(vae, z), ref)
+    report = fp.report(vae)
+    assert report.sites and all(r.fast == 0 and set(r.reasons) == {"dtype float32"} for r in report.sites
+                                if r.fallback), str(report)
+
+
+def test_unpatch_restores_classes_and_state_dict():
+    vae = _build("0.9.5")
+    classes = {name: type(m) for name, m in vae.named_modules()}
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    fp.patch(vae)
+    assert type(vae.decoder.norm_out) is vae_ltx.FastpathLTXRMSNorm
+    assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is vae_ltx.FastpathLTXRMSNorm
+    patched_state = vae.state_dict()
+    assert patched_state.keys() == state.keys() and all(torch.equal(patched_state[k], v) for k, v in state.items())
+    fp.unpatch(vae)
+    assert {name: type(m) for name, m in vae.named_modules()} == classes
+    assert not [name for name, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+
+
+@torch.no_grad()
+def test_hooks_run_inside_the_patched_norm(emulated_kernels, unpatch_after):
+    """The fused norm is the module's own forward: a forward hook on it (and a global one) runs, the site stays fast."""
+    vae = _build("0.9.5")
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    norm = vae.decoder.mid_block.resnets[0].norm1
+    seen = []
+    handle = norm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    glob = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: seen.append("global") if m is norm else None)
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+        glob.remove()
+    assert seen.count("global") == 1 and len(seen) == 2 and norm._fastpath_site.fast == 1
+
+
+@pytest.mark.parametrize("how", ["replaced", "wrapped"])
+def test_a_replaced_norm_forward_is_left_unpatched(how, monkeypatch, emulated_kernels, fastpath_log):
+    """Another library replaced ``RMSNorm.forward`` (with other code, or with a ``functools.wraps`` wrapper whose
+    ``inspect.getsource`` is the original's): not provably the checked code, so the norms keep their class and get
+    no site (one warning), and what the class holds runs (the wrapper's calls counted)."""
+    original, calls = RMSNorm.forward, []
+
+    def replaced(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    @functools.wraps(original)
+    def wrapped(self, x):
+        calls.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(RMSNorm, "forward", replaced if how == "replaced" else wrapped)
+    vae = _build()
+    z = _latents(vae)
+    with torch.no_grad():
+        ref = _decode(vae, z)
+        eager_calls = len(calls)
+        fp.patch(vae)
+        try:
+            assert torch.equal(_decode(vae, z), ref)
+            assert len(calls) == 2 * eager_calls  # (0 == 0 for the replacement)
+            assert not fp.report(vae).sites and type(vae.decoder.norm_out) is RMSNorm
+        finally:
+            fp.unpatch(vae)
+    assert "RMSNorm.forward is not the form" in fastpath_log.text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_arithmetic_equals_the_module(dtype):
+    """The kernel's arithmetic (after aten's reduction and rsqrt) is the module's output, bits and strides, on the
+    channel-last view of channel-first memory; and the kernel wrapper's [B, C, spatial] form gives the same."""
+    norm = RMSNorm(24, eps=1e-8, elementwise_affine=False)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 24, 3, 4, 8, generator=gen) * 5).to(dtype)
+    x[:, :, 0, 0, 0] = 0  # a position whose channels are all zero (rsqrt of eps)
+    view = x.movedim(1, -1)
+    ref = RMSNorm.forward(norm, view)
+    got = ltx_norm.ltx_rmsnorm_arithmetic(view, ltx_norm.reciprocal(view, norm.eps))
+    assert got.stride() == ref.stride() and torch.equal(got, ref)
+    squares = ltx_norm.square_arithmetic(x).movedim(1, -1)  # the square mode: eager's fp32 squares, bits and strides
+    eager = view.to(torch.float32).pow(2)
+    assert squares.stride() == eager.stride() and torch.equal(squares, eager)
+    got = ltx_norm.ltx_rmsnorm_arithmetic(view, ltx_norm.reciprocal(view, norm.eps, ltx_norm.square_arithmetic))
+    assert torch.equal(got, ref)
+
+
+def test_kernel_wrapper_lays_the_kernel_out_as_eager(monkeypatch):
+    """`_fused` hands the kernel x's channel-first memory (first for the squares, where x is dense) and the reciprocal
+    as [B, spatial] rows, and returns the channel-last view eager returns (the launch replaced by the arithmetic on
+    what it is given)."""
+    seen = []
+
+    def launch(x, r, square):
+        seen.append((x.shape, x.is_contiguous(), None if square else (r.shape, r.is_contiguous())))
+        if square:
+            return ltx_norm.square_arithmetic(x)
+        return ltx_norm.ltx_rmsnorm_arithmetic(x, r.reshape(x.shape[0], 1, *x.shape[2:])).contiguous()
+
+    monkeypatch.setattr(ltx_norm, "_launch", launch)
+    norm = RMSNorm(16, eps=1e-8, elementwise_affine=False)
+    x = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16).movedim(1, -1)
+    out, ref = ltx_norm._fused(x, norm.eps), RMSNorm.forward(norm, x)
+    assert seen == [((2, 16, 3, 4, 8), True, None), ((2, 16, 3, 4, 8), True, ((2, 3, 4, 8, 1), True))]
+    assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+    seen.clear()
+    x = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:].movedim(1, -1)  # channels apart: aten's squares
+    out, ref = ltx_norm._fused(x, norm.eps), RMSNorm.forward(norm, x)
+    assert seen == [((2, 16, 3, 4, 8), False, ((2, 3, 4, 8, 1), True))]
+    assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+
+
+def test_custom_op_fake_lays_out_as_eager():
+    """What torch.compile traces with (the op's fake) has eager's shape and strides, for x with channels apart too (an
+    upsampler's output with its first frames sliced off); the op's CPU form is eager's norm."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    norm = RMSNorm(16, eps=1e-8, elementwise_affine=False)
+    for x in (torch.randn(2, 16, 3, 4, 8), torch.randn(2, 16, 5, 4, 8)[:, :, 2:]):
+        view = x.to(torch.bfloat16).movedim(1, -1)
+        ref = RMSNorm.forward(norm, view)
+        got = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(view, 1e-8)
+        assert got.stride() == ref.stride() and torch.equal(got, ref)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(mode.from_tensor(view), 1e-8)
+        assert fake.shape == ref.shape and fake.stride() == ref.stride()
+
+
+def test_guard_refuses_what_the_kernel_does_not_take():
+    norm = vae_ltx.FastpathLTXRMSNorm(16, eps=1e-8, elementwise_affine=False)
+    x = torch.randn(1, 16, 2, 4, 8).to(torch.bfloat16)
+    assert ltx_norm._guard(norm, x.movedim(1, -1), check_pointers=False) == "device cpu"
+    assert ltx_norm._guard(norm, x.movedim(1, -1).contiguous()) == "x not the channel-last view of channel-first memory"
+    assert ltx_norm._guard(norm, x.float().movedim(1, -1)) == "dtype float32"
+    assert ltx_norm._guard(norm, x[:, :, :1, :1, :4].contiguous().movedim(1, -1)).startswith("trailing sizes")
+    assert ltx_norm._guard(vae_ltx.FastpathLTXRMSNorm(16, eps=1e-8), x.movedim(1, -1)) == "norm with weight or bias"
+    assert ltx_norm._guard(RMSNorm(16, eps=1e-8, elementwise_affine=False), x.movedim(1, -1)).endswith(
+        "is not a checked RMS norm")
+    assert ltx_norm._guard(norm, "x") == "input not a tensor"
+
+
+def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
+    """The NVRTC launcher's arguments, field by field, as bindings.cpp's ltx_rmsnorm fills them, and the .cu's grid
+    (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""
+    from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
+
+    launches = captured_launches.__wrapped__(monkeypatch)
+    x, r = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16), torch.rand(2, 3, 4, 8, 1)
+    out = ltx_norm._nvrtc_kernel(x, r, False)
+    kernel, key, grid, block, a = launches[-1]
+    assert (kernel, key, block) == (ltx_norm._NVRTC, torch.bfloat16, (256, 1, 1)) and out.shape == x.shape
+    assert grid == (2, 1, 1)  # 2 * 16 * 96 / 8 = 384 vectors: two blocks of 256 threads
+    assert (a.a.out, a.a.x, a.a.rsqrt) == (out.data_ptr(), x.data_ptr(), r.data_ptr())
+    assert (a.a.batch, a.a.channels, a.a.spatial, a.a.x_batch_stride, a.a.x_channel_stride, a.a.square,
+            a.a.dtype) == (2, 16, 96, 16 * 96, 96, 0, 1)
+    sliced = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:]
+    ltx_norm._nvrtc_kernel(sliced, r, False)
+    assert (launches[-1][4].a.x_batch_stride, launches[-1][4].a.x_channel_stride) == (16 * 160, 160)
+    squares = ltx_norm._nvrtc_kernel(x.half(), None, True)
+    a = launches[-1][4].a
+    assert launches[-1][1] == torch.float16 and (a.dtype, a.square, a.rsqrt, a.out) == (0, 1, None, squares.data_ptr())
+    assert squares.dtype == torch.float32 and squares.shape == x.shape
+    big = torch.empty(1, 8, 132 * 8 * 256 * 8 * 2, dtype=torch.bfloat16)
+    ltx_norm._nvrtc_kernel(big, torch.empty(1, big.shape[2]), False)
+    assert launches[-1][2] == (132 * 8, 1, 1)
+
+
+def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(monkeypatch, emulated_kernels):
+    """Exact by construction, and still compared with eager on the first call of each dtype: a kernel one ulp off is
+    disabled there (one warning), and the decode is eager's."""
+    exact = ltx_norm.LTX_RMSNORM.kernel
+
+    def off_by_one_ulp(norm, x):
+        out = exact(norm, x)
+        return (out.view(torch.int16) + 1).view(out.dtype)
+
+    monkeypatch.setattr(ltx_norm.LTX_RMSNORM, "kernel", off_by_one_ulp)
+    vae = _build()
+    z = _latents(vae)
+    with torch.no_grad():
+        ref = _decode(vae, z)
+        fp.patch(vae)
+        try:
+            assert torch.equal(_decode(vae, z), ref) and torch.equal(_decode(vae, z), ref)
+        finally:
+            fp.unpatch(vae)
+    assert "not bit-exact" in (ltx_norm.LTX_RMSNORM.disabled or "")
+
+
+def test_each_layout_is_verified_on_its_first_call(emulated_kernels, unpatch_after):
+    """The first call of each signature (dtype, dense or channels apart: the kernel's two paths) is compared with
+    eager: a decode through the upsamplers verifies both."""
+    vae = _build()
+    z = _latents(vae)
+    with torch.no_grad():
+        ref = _decode(vae, z)
+        unpatch_after(fp.patch(vae))
+        assert torch.equal(_decode(vae, z), ref)
+    assert {("bfloat16", "dense"), ("bfloat16", "strided")} <= set(ltx_norm.LTX_RMSNORM.verified)
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+
+
+def _md5(t: torch.Tensor) -> str:
+    return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
+
+
+# The norms of LTX-Video's decode at 768x512x121 (latents 24x16, 16 frames; channels 512, 256 and 128 as the decoder
+# widens, 8x in space and time across its three upsamplers, the last at the 4x4-patchified 192x128, 121 frames)
+LTX_NORM_SHAPES = [(1, 512, 16, 16, 24), (1, 512, 31, 32, 48), (1, 256, 61, 64, 96), (1, 128, 121, 128, 192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", LTX_NORM_SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "sliced"])
+@torch.no_grad()
+def test_ltx_rmsnorm_kernel_equals_eager_at_ltx_shapes(shape, dtype, layout):
+    """The op against the module on the channel-last view, torch.equal, strides included, the allocator's blocks of
+    the output's size poisoned with NaN first; x contiguous channel-first, or with its first frame sliced off (the
+    upsamplers' ``[:, :, stride - 1:]``: channels apart)."""
+    norm = RMSNorm(shape[1], eps=1e-8, elementwise_affine=False).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, c, t, h, w = shape
+    x = (torch.randn(b, c, t + (layout == "sliced"), h, w, generator=gen, device="cuda") * 3).to(dtype)
+    x = x[:, :, 1:] if layout == "sliced" else x
+    x[:, 1::5, ..., ::11] = 0
+    x[0, :, 0, 0] = 0  # positions whose channels are all zero (rsqrt of eps)
+    view = x.movedim(1, -1)
+    ltx_norm.add_norm_class(RMSNorm)
+    poison = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]  # the next blocks
+    del poison
+    site = Site("ltx_rmsnorm")
+    out = ltx_norm.LTX_RMSNORM(site, norm, view)
+    ref = RMSNorm.forward(norm, view)
+    assert site.fast == 1, (dict(site.fallback), ltx_norm.LTX_RMSNORM.status)
+    assert out.stride() == ref.stride() and torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_ltx_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
+    """The NVRTC cubin's launch against the nvcc extension's op (where a toolkit built it) and eager, at LTX-Video's
+    largest norm (128 channels, 121 frames of 128x192 patches)."""
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(1, 128, 121, 128, 192, generator=gen, device="cuda") * 3).to(dtype)
+    view = x.movedim(1, -1)
+    r = ltx_norm.reciprocal(view, 1e-8).contiguous()
+    ref = RMSNorm.forward(RMSNorm(128, eps=1e-8, elementwise_affine=False), view).movedim(-1, 1)
+    squares = view.to(torch.float32).pow(2).movedim(-1, 1)
+    got = ltx_norm._nvrtc_kernel(x, r, False)
+    assert torch.equal(got, ref) and torch.equal(ltx_norm._nvrtc_kernel(x, None, True), squares)
+    if nvcc:
+        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, r, False), ref)
+        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, None, True), squares)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_ltx_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
+    """LTX-Video's VAE (the published 0.9.0 config, random weights) on a representative crop (17 frames of 256x256):
+    decode and encode md5-identical patched and unpatched, every site fast."""
+    vae = randomize_(AutoencoderKLLTXVideo(), 0).to("cuda", torch.bfloat16).eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(1, 128, 3, 8, 8, generator=gen, device="cuda").to(torch.bfloat16)
+    x = (torch.rand(1, 3, 17, 256, 256, generator=gen, device="cuda") * 2 - 1).to(torch.bfloat16)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    unpatch_after(fp.patch(vae))
+    dec, enc = _decode(vae, z), _encode(vae, x)
+    assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
+    assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
+    report = fp.report(vae)
+    assert all(r.fast > 0 and r.fallback == 0 for r in report.sites), str(report)
