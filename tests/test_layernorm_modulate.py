@@ -574,3 +574,16 @@ def test_a_module_that_writes_its_input_keeps_its_place_before_rows_computed_fro
     _chains.add_chain_sites(fp._state.PatchState("lossless"), fused, found)
     x, t = torch.randn(2, 3, 8), torch.randn(2, 8)
     assert torch.equal(fused(x.clone(), t), block(x.clone(), t))
+
+
+def test_rows_form_of_another_norm_runs_as_written_and_counts_why():
+    """The rows form's call with a norm no fused op takes (here a GroupNorm-like module): the written expression,
+    counted on the site, so that `report` does not show a site that silently never ran fused."""
+    from diffusers_fastpath.models._chain_calls import _ChainsNamespace
+
+    norm = torch.nn.Identity()
+    x, scale, shift = torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    site = Site("layernorm_scale_shift")
+    out = _ChainsNamespace.norm_modulate_rows(norm, x, scale, shift, site)
+    assert torch.equal(out, x * (1 + scale) + shift) and site.fast == 0
+    assert dict(site.fallback) == {"norm not a LayerNorm or diffusers RMSNorm, or rows not tensors": 1}

@@ -425,6 +425,8 @@ class _ChainsNamespace:
             return layernorm_modulate(norm, x, scale, shift, site)  # per-token rows (FLUX.3; its guard says the rest)
         if type(norm) is RMSNorm and tensors:  # LTX-Video: per-token rows, all in x's dtype (hooks: the op refuses)
             return rmsnorm_modulate(norm, x, scale, shift, site)
+        if site is not None:  # (the numbers are eager's; the site says why nothing ran fused)
+            site.fallback["norm not a LayerNorm or diffusers RMSNorm, or rows not tensors"] += 1
         return norm(x) * (1 + scale) + shift
 
     @staticmethod
