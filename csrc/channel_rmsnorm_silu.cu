@@ -68,9 +68,7 @@ cudaError_t launch(const ChannelRmsNormArgs& a, cudaStream_t stream) {
   if (a.spatial % kVec) return cudaErrorInvalidValue;
   const int64_t vecs = a.batch * a.channels * a.spatial / kVec;
   if (vecs == 0) return cudaSuccess;
-  int64_t blocks = (vecs + kThreads - 1) / kThreads;
-  const int64_t resident = static_cast<int64_t>(num_sms()) * kBlocksPerSm;
-  if (blocks > resident) blocks = resident;
+  const int64_t blocks = grid_stride_blocks(vecs, kThreads, kBlocksPerSm);
   channel_rmsnorm_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }

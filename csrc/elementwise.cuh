@@ -126,6 +126,14 @@ inline RowGrid row_grid(int64_t rows, int32_t vecs_per_row, int threads, int row
   return {dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), dim3(tx, ty)};
 }
 
+// A one-dimensional grid-stride launch over `vecs` vectors: a thread per vector in blocks of `threads`, at most
+// `blocks_per_sm` resident blocks per SM (the kernel's loop strides over the rest).
+inline int64_t grid_stride_blocks(int64_t vecs, int threads, int blocks_per_sm) {
+  const int64_t blocks = (vecs + threads - 1) / threads;
+  const int64_t resident = static_cast<int64_t>(num_sms()) * blocks_per_sm;
+  return blocks < resident ? blocks : resident;
+}
+
 // Calls f(T{}) with T the storage type named by `dtype`: one switch for every launcher.
 template <typename F>
 cudaError_t dispatch_storage_type(DType dtype, F&& f) {

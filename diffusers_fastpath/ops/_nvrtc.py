@@ -241,6 +241,12 @@ def num_sms(device: int) -> int:
     return count
 
 
+def grid_stride_blocks(device: int, vecs: int, threads: int, blocks_per_sm: int) -> int:
+    """elementwise.cuh's grid_stride_blocks: a block of `threads` per as many vectors, at most `blocks_per_sm`
+    resident blocks per SM."""
+    return min((vecs + threads - 1) // threads, num_sms(device) * blocks_per_sm)
+
+
 @functools.lru_cache(maxsize=4096)  # a model has a handful of shapes; a hit took 0.30 us against 0.57 us computed here
 def row_grid(rows: int, vecs_per_row: int, threads: int, rows_in_flight: int, sms: int, blocks_per_sm: int = 8):
     """elementwise.cuh's row_grid, line for line: ((grid_x, grid_y, 1), (tx, ty, 1))."""

@@ -184,7 +184,7 @@ def _nvrtc_kernel(x, denom, gamma, bias, scale, bias_value, silu, probe):
     if vecs == 0:
         return out
     device = x.device.index
-    blocks = min((vecs + _THREADS - 1) // _THREADS, _nvrtc.num_sms(device) * _BLOCKS_PER_SM)
+    blocks = _nvrtc.grid_stride_blocks(device, vecs, _THREADS, _BLOCKS_PER_SM)
     _NVRTC.launch(device, x.dtype, (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(), denom.data_ptr(),
                   gamma.data_ptr(), 0 if bias is None else bias.data_ptr(), batch, channels, spatial, scale,
                   bias_value, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype])

@@ -157,7 +157,7 @@ def _nvrtc_kernel(x, rsqrt, square):
     if vecs == 0:
         return out
     device = x.device.index
-    blocks = min((vecs + _THREADS - 1) // _THREADS, _nvrtc.num_sms(device) * _BLOCKS_PER_SM)
+    blocks = _nvrtc.grid_stride_blocks(device, vecs, _THREADS, _BLOCKS_PER_SM)
     _NVRTC.launch(device, x.dtype, (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(),
                   0 if square else rsqrt.data_ptr(), batch, channels, spatial, x.stride(0), x.stride(1), int(square),
                   _nvrtc.DTYPE_CODE[x.dtype])
