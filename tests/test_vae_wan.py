@@ -303,7 +303,8 @@ def test_kernel_wrapper_lays_rows_out_as_eager(monkeypatch):
     norm.gamma.data.normal_(1, 0.5)
     norm = norm.to(torch.bfloat16)
     base = torch.randn(2, 3, 16, 4, 8).to(torch.bfloat16)
-    for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous()):  # time-major, contiguous
+    one_frame = torch.randn(1, 1, 16, 4, 8).to(torch.bfloat16).transpose(1, 2)  # contiguous, T's stride C * H * W
+    for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous(), one_frame):  # time-major, contiguous, T = 1
         for silu in (False, True):
             ref = norm(x)
             ref = F.silu(ref) if silu else ref

@@ -218,11 +218,18 @@ def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value:
     it, laid out in the same row order (``[B, 1, T, H, W]``: one value per row and position)."""
     denom = denominator(x).contiguous()
     if x.is_contiguous():
-        return _raw(x, denom, gamma, bias, scale, bias_value, silu, False)
-    batch, channels, frames, height, width = x.shape
-    rows = x.transpose(1, 2).reshape(batch * frames, channels, height * width)  # a view (time-major memory)
-    out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
-    return out.view(batch, frames, channels, height, width).transpose(1, 2)
+        out = _raw(x, denom, gamma, bias, scale, bias_value, silu, False)
+    else:
+        batch, channels, frames, height, width = x.shape
+        rows = x.transpose(1, 2).reshape(batch * frames, channels, height * width)  # a view (time-major memory)
+        out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
+        out = out.view(batch, frames, channels, height, width).transpose(1, 2)
+    # Eager's strides to the last size-1 dimension (a later op that reads strides, e.g. a memory-format choice, sees
+    # what eager made): the norm's arithmetic keeps x's, also where x counts as contiguous with a size-1 dimension of
+    # another stride (a time-major x of one frame); F.silu of a contiguous tensor gives the plain contiguous strides
+    if silu or out.stride() == x.stride():
+        return out
+    return out.as_strided(x.shape, x.stride())
 
 
 def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
@@ -266,6 +273,8 @@ def _channel_rmsnorm_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor
 @_channel_rmsnorm_op.register_fake
 def _(x, gamma, bias, scale, bias_value, silu):
     torch._check(x.dim() >= 3, lambda: f"channel_rmsnorm: x must be [B, C, *], got {tuple(x.shape)}")
+    if silu and x.is_contiguous():  # as `_fused` returns it: eager's strides
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
     return torch.empty_like(x)  # x's layout (contiguous or time-major: what the guard admits), as eager's
 
 
