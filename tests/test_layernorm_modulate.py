@@ -576,6 +576,40 @@ def test_a_module_that_writes_its_input_keeps_its_place_before_rows_computed_fro
     assert torch.equal(fused(x.clone(), t), block(x.clone(), t))
 
 
+class ModuleBeforeReaders(torch.nn.Module):
+    """The two-statement form with statements between the norm and its modulate: the norm (here a module that writes
+    its input in place) runs at the modulate once fused, so statements that read X (or a view of it) must stop it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm_a, self.norm_b, self.norm_c = WritesItsInput(), WritesItsInput(), WritesItsInput()
+
+    def forward(self, x, y, t):
+        n = self.norm_a(x)
+        copied = x * 3  # reads x: the norm stays before it
+        n = n * (1 + t[:, None]) + t[:, None]
+        v = y[:, 0]
+        m = self.norm_b(y)
+        first = v + 1  # reads a view of y
+        m = m * (1 + t[:, None]) + t[:, None]
+        k = self.norm_c(x)
+        other = t * 2  # reads nothing x may hold: the norm may move after it
+        k = k * (1 + other[:, None]) + t[:, None]
+        return n + copied + m + first[:, None] + k
+
+
+def test_a_module_that_writes_its_input_keeps_its_place_before_statements_reading_it(emulated_kernels):
+    sub, found = _chains.fused_subclass(ModuleBeforeReaders, "FusedModuleBeforeReaders", __name__)
+    source = inspect.getsource(sub.forward)
+    assert "norm_modulate(self.norm_a" not in source and "norm_modulate(self.norm_b" not in source  # 27b1138: moved
+    assert "norm_modulate(self.norm_c, x, other, t, " in source
+    block, fused = ModuleBeforeReaders(), ModuleBeforeReaders()
+    fused.__class__ = sub
+    _chains.add_chain_sites(fp._state.PatchState("lossless"), fused, found)
+    x, y, t = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(2, 8)
+    assert torch.equal(fused(x.clone(), y.clone(), t), block(x.clone(), y.clone(), t))
+
+
 def test_rows_form_of_another_norm_runs_as_written_and_counts_why():
     """The rows form's call with a norm no fused op takes (here a GroupNorm-like module): the written expression,
     counted on the site, so that `report` does not show a site that silently never ran fused."""

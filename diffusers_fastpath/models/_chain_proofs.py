@@ -238,6 +238,30 @@ class Proofs:
                 written |= self._writes(expr, dict(state))
         return not (tokens & written)
 
+    def unread(self, inputs: list[ast.expr], at: ast.stmt, stmts: list[ast.stmt]) -> bool:
+        """Whether the statements `stmts` read none of the tensors `inputs` may hold where statement `at` starts: a
+        call on `inputs` moved from `at` to after them (any module: one that writes its input in place too) then
+        leaves what they read as it was."""
+        start = self.origin(at)
+        state = self.before.get(id(start)) if start is not None else None
+        if state is None or self.dynamic:
+            return False
+        tokens = _NONE.union(*(self._tokens(e, state) for e in inputs))
+        for stmt in stmts:
+            original = self.origin(stmt)
+            if original is None:
+                return False
+            for node in ast.walk(original):
+                if not isinstance(node, ast.stmt):
+                    continue
+                before = self.before.get(id(node))
+                if before is None:
+                    return False
+                if any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and self._tokens(n, before) & tokens
+                       for n in ast.walk(node)):
+                    return False
+        return True
+
     def quiet(self, expr: ast.expr) -> bool:
         """Whether evaluating `expr` writes nothing and binds nothing: only names, constants, operators and calls
         known to write nothing (so evaluating it earlier, later, once or twice is all the same)."""

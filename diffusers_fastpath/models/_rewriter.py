@@ -70,7 +70,7 @@ of ``self``):
   rows, `layernorm_scale`). The two statements of the first form may have
   others between them (HunyuanVideo normalises both streams, then modulates both; LTX-Video unpacks its adaLN rows)
   where those are plain assignments to other names (one or a tuple of them) that neither read ``N`` nor rebind a
-  name ``X`` reads, and write nothing ``X`` may hold (in place, through ``out=``, ``inplace=True``, a view, a call
+  name ``X`` reads, read nothing ``X`` may hold (``self.A`` may write it in place), and write nothing ``X`` may hold (in place, through ``out=``, ``inplace=True``, a view, a call
   that may write its arguments: `_chain_proofs`), nor does the modulate's ``S`` or ``T``, and no exception handler
   reads ``N``: the LayerNorm then runs at the modulate, on the same ``X``.
 - LayerNorm into a modulate method, for a block that modulates in a method of its own (Qwen-Image's
@@ -343,6 +343,8 @@ class _Rewriter(AttentionPasses):
         rows hold no number computed before the call (`Proofs.aliases_only`: ``self.attr`` may be any module, one
         that writes its input in place too); else None."""
         if not self.proofs.stays([_self_attr(attr), x], first or stmt, list(between), rows, stmt):
+            return None
+        if between and not self.proofs.unread([x], first, list(between)):  # they ran after the call as written
             return None
         if not all(self.proofs.aliases_only(r) for r in rows):  # the call now runs after them: it may write them
             return None
