@@ -473,7 +473,15 @@ def test_qwen21_modulate_is_known_by_its_code(monkeypatch):
         site.fallback.clear()
         got = modulate_scale_rows(block, block.img_norm1, x, params, mask)
         assert all(map(torch.equal, got, block._modulate(block.img_norm1(x), params, mask)))
-    assert not site.fallback and site.fast == 0  # the method ran as installed, no op call
+        assert not site.fallback and site.fast == 0  # the method ran as installed, no op call
+        monkeypatch.undo()
+        # the method itself replaced on the class after patching (27b1138 ran the checked one's arithmetic)
+        modulate = block_cls._modulate
+        monkeypatch.setattr(block_cls, "_modulate", lambda self, h, m, t: modulate(self, h * 2, m, t))
+        got = modulate_scale_rows(block, block.img_norm1, x, params, mask)
+        assert all(map(torch.equal, got, block._modulate(block.img_norm1(x), params, mask)))
+        assert not torch.equal(got[0], expected[0])
+    assert not site.fallback and site.fast == 0
 
 
 # --- the one-expression forms: returned, CogVideoX's indexed sum, a scale alone; the site named after its op --------
