@@ -23,7 +23,7 @@ FAST = {
     "minimax-h3": ("gated_residual", "modulate_scale_shift", "silu_mul"),
     "cosmos3": ("silu_mul",),
     "stable-audio-3": ("gated_residual", "silu_mul"),
-    "qwen-image-21": ("gated_residual",),
+    "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined
     "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual"),
     "krea2": ("modulate_scale_shift", "gated_residual"),
     "minimax-music3": ("silu_mul",),

@@ -658,6 +658,17 @@ class _ChainsNamespace:
         return norm(x)
 
     @staticmethod
+    def norm_later_to(norm, x, dtype):
+        # Qwen-Image 2.1's ``norm(x).to(dtype)``: waits as `norm_later` where the cast is provably none (x of that half
+        # dtype, an RMSNorm whose weight is of it or absent: its result has the dtype, and ``.to`` returns that very
+        # tensor); any other runs here, as written
+        if (isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) and x.dtype == dtype
+                and dtype in (torch.float16, torch.bfloat16)
+                and (getattr(norm, "weight", None) is None or norm.weight.dtype == dtype)):
+            return _NormLater(norm, x)
+        return norm(x).to(dtype)
+
+    @staticmethod
     def unflatten_later(x, dim, sizes):
         # Wan: ``x.unflatten(2, (attn.heads, -1))`` of a pending norm waits with it for the rotary
         if (isinstance(x, _NormLater) and not x.heads and dim == 2 and isinstance(sizes, tuple) and len(sizes) == 2

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from .._source import source_of
 from ._chain_proofs import _INPLACE_ABLE, _NS, PURE_FUNCTIONS, PURE_METHODS, Proofs, _bound_names
+from ._chain_inline_stmts import StatementInliner, module_helper
 from ._chain_syntax import _self_path_call
 
 # tensor methods and torch functions that write nothing and draw no random numbers (of the rewriter's pure lists):
@@ -254,8 +255,10 @@ class Inliner:
     """Inlines the helper calls of one forward (`function`, parsed from the source of `fn`). `exclude`: names a
     pattern matches by name (never inlined). `proofs`: the facts of the forward as written."""
 
-    def __init__(self, fn, function: ast.FunctionDef, proofs: Proofs, exclude: frozenset[str]) -> None:
+    def __init__(self, fn, function: ast.FunctionDef, proofs: Proofs, exclude: frozenset[str],
+                 statements: bool = True) -> None:
         self.fn, self.function, self.proofs, self.exclude = fn, function, proofs, exclude
+        self.statements = statements  # the helpers called as whole statements too (`_chain_inline_stmts`)
         args = function.args
         self.locals = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
                                        *(a for a in (args.vararg, args.kwarg) if a))} | _bound_names(function)
@@ -265,15 +268,7 @@ class Inliner:
 
     def template(self, name: str) -> _Template | None:
         if name not in self._templates:
-            globals_ = self.fn.__globals__
-            helper = globals_.get(name)
-            template = None
-            if (name not in self.locals and name not in self.exclude and isinstance(helper, types.FunctionType)
-                    and helper.__globals__ is globals_ and not hasattr(helper, "__wrapped__")):
-                template = template_of(helper)
-            if template is not None and template.free & self.locals:
-                template = None  # a free name of the helper would read the forward's local of that name
-            self._templates[name] = template
+            self._templates[name] = module_helper(self.fn, name, self.locals, self.exclude, template_of)
         return self._templates[name]
 
     def run(self) -> ast.FunctionDef:
@@ -287,6 +282,10 @@ class Inliner:
             if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Return, ast.Expr)) \
                     and stmt.value is not None and id(original) in self.proofs.before:
                 stmt.value = self._expr(stmt.value, self.proofs.before[id(original)])
+        # then the helpers called as whole statements, with statements of their own (`_chain_inline_stmts`)
+        statements = StatementInliner(self.fn, self.locals, self.exclude | set(self.helpers))
+        if self.statements and statements.run(new):
+            self.helpers.update(statements.helpers)
         return new if self.helpers else self.function
 
     def proven(self, body: list[ast.stmt]) -> bool:

@@ -15,7 +15,9 @@ whole; `_Rewriter` runs these passes on a processor's forward):
   pattern above took (FLUX.2, the FLUX derivatives):
 
   - ``Q = A.N(Q)`` with ``N`` one of ``norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k`` (``A`` the attention
-    module)  ->  ``Q = norm_later(A.N, Q)``: the norm, not yet run
+    module)  ->  ``Q = norm_later(A.N, Q)``: the norm, not yet run; ``Q = A.N(Q).to(V.dtype)`` (Qwen-Image 2.1, ``V``
+    another name)  ->  ``Q = norm_later_to(A.N, Q, V.dtype)``, which waits only where the cast is provably none (x and
+    the norm's weight of that half dtype: ``.to`` returns the norm's very result) and runs the line as written else
   - ``Q = torch.cat([E, Q], dim=1)`` of two such  ->  ``Q = cat_later(E, Q)``
   - the rotary call of such a ``Q`` runs all three as one `qk_norm_rope` (site ``qk_norm_rope`` on the attention
     module), or, for a lone diffusers ``RMSNorm`` (HunyuanVideo-1.5, Bria-FIBO's single blocks), the norm and the
@@ -213,6 +215,13 @@ class AttentionPasses:
         class Defer(ast.NodeTransformer):
             def visit_Assign(self, node: ast.Assign) -> ast.stmt:
                 target, value = _single_target(node), node.value
+                cast = None
+                if (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                        and value.func.attr == "to" and len(value.args) == 1 and not value.keywords
+                        and isinstance(value.args[0], ast.Attribute) and value.args[0].attr == "dtype"
+                        and isinstance(value.args[0].value, ast.Name) and value.args[0].value.id != target):
+                    # Qwen-Image 2.1's ``Q = A.norm_q(Q).to(V.dtype)``: waits where the cast is no cast (`norm_later_to`)
+                    cast, value = value.args[0], value.func.value
                 if (target is not None and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
                         and isinstance(value.func.value, ast.Name) and value.func.value.id == owner
                         and value.func.attr in _QK_NORMS and len(value.args) == 1 and not value.keywords
@@ -220,7 +229,11 @@ class AttentionPasses:
                              or fp32_norm_input(value, target))):
                     deferred.add(target)
                     order.append(value.func.attr)
-                    if isinstance(value.args[0], ast.Name):
+                    if cast is not None and not isinstance(value.args[0], ast.Name):
+                        return node
+                    if cast is not None:
+                        call = _call("norm_later_to", [value.func, value.args[0], cast])
+                    elif isinstance(value.args[0], ast.Name):
                         call = _call("norm_later", [value.func, value.args[0]])
                     else:  # FLUX.3's ``Q = A.norm_q(Q.float())`` (`_chain_qk_fp32`)
                         upcast.add(target)

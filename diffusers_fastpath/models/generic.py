@@ -122,6 +122,11 @@ def processor_hints(fn) -> dict:
     known = known_rotaries()
     hints: dict = {}
     called = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    for name in sorted(called):  # ... and those of its module's helpers it calls (inlined: `_chain_inline_stmts`)
+        helper = fn.__globals__.get(name)
+        inner = _parsed(helper) if inspect.isfunction(helper) and helper.__globals__ is fn.__globals__ else None
+        if inner is not None:
+            called |= {c.func.id for c in ast.walk(inner) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
     for name in sorted(called):
         target = fn.__globals__.get(name)
         if not inspect.isfunction(target):
