@@ -29,7 +29,8 @@ discarded, max diff 0.89; a wrapped FLUX.1 one, 0.20; an edited file rewritten f
 The rewriter's parts: this one (reading, rewriting and compiling a forward; the subclasses and their
 sites), `_chain_inline` (helper functions of the forward's module inlined first, where that is exactly the call:
 one-expression helpers there, helpers called as a whole statement in `_chain_inline_stmts`),
-`_rewriter` (the patterns: which statements a forward has and what replaces them, documented there),
+`_rewriter` (the patterns: which statements a forward has and what replaces them, documented there; the
+LayerNorm + modulate ones in `_rewriter_norms`, an attention processor's in `_rewriter_attention`),
 `_chain_proofs` (what a rewrite that moves or drops anything must prove, and that a source is its function's),
 `_chain_syntax` (what each pattern's statements look like, as AST) and `_chain_calls` (what the rewritten forwards
 call at run time).
