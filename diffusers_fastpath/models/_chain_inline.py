@@ -39,15 +39,13 @@ from __future__ import annotations
 import ast
 import copy
 import math
-import textwrap
 import types
 
 import torch
 import torch.nn.functional as F
 
-from .._source import source_of
 from ._chain_proofs import _INPLACE_ABLE, _NS, PURE_FUNCTIONS, PURE_METHODS, Proofs, _bound_names
-from ._chain_inline_stmts import StatementInliner, module_helper
+from ._chain_inline_stmts import StatementInliner, module_helper, parsed_def
 from ._chain_syntax import _self_path_call
 
 # tensor methods and torch functions that write nothing and draw no random numbers (of the rewriter's pure lists):
@@ -141,14 +139,8 @@ def template_of(helper: types.FunctionType) -> _Template | None:
     if (code.co_flags & _UNSUITABLE_FLAGS or code.co_freevars or code.co_kwonlyargcount
             or helper.__defaults__ or helper.__kwdefaults__):
         return None
-    source, _ = source_of(helper)
-    if source is None:
-        return None
-    try:
-        (defn,) = ast.parse(textwrap.dedent(source)).body
-    except (SyntaxError, ValueError):
-        return None
-    if not isinstance(defn, ast.FunctionDef) or defn.decorator_list:
+    defn = parsed_def(helper)
+    if defn is None:
         return None
     args = defn.args
     if args.vararg or args.kwarg or args.kwonlyargs or args.defaults or args.kw_defaults:

@@ -55,6 +55,19 @@ class _Helper:
             params, defaults, body, value, locals_, free)
 
 
+def parsed_def(helper: types.FunctionType) -> ast.FunctionDef | None:
+    """The definition of `helper`, parsed from its source where that is provably its own (`_source.source_of`) and
+    it has no decorator; else None."""
+    source, _ = source_of(helper)
+    if source is None:
+        return None
+    try:
+        (defn,) = ast.parse(textwrap.dedent(source)).body
+    except (SyntaxError, ValueError):
+        return None
+    return defn if isinstance(defn, ast.FunctionDef) and not defn.decorator_list else None
+
+
 def helper_of(helper: types.FunctionType) -> _Helper | None:
     """The statement form of `helper` (the module doc's body rules), or None."""
     code = helper.__code__
@@ -63,14 +76,8 @@ def helper_of(helper: types.FunctionType) -> _Helper | None:
     defaults = helper.__defaults__ or ()
     if not all(type(d) in _CONSTANTS for d in defaults):
         return None
-    source, _ = source_of(helper)
-    if source is None:
-        return None
-    try:
-        (defn,) = ast.parse(textwrap.dedent(source)).body
-    except (SyntaxError, ValueError):
-        return None
-    if not isinstance(defn, ast.FunctionDef) or defn.decorator_list:
+    defn = parsed_def(helper)
+    if defn is None:
         return None
     args = defn.args
     if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs:
