@@ -928,7 +928,8 @@ at::Tensor group_norm_silu(const at::Tensor& x, const at::Tensor& weight, const 
 }
 
 // Wan's / Qwen-Image's channel RMS norm from F.normalize's division on, then SiLU if `silu`
-// (channel_rmsnorm_silu.cu): x [B, C, *] contiguous, denom the fp32 [B, 1, *] that eager divides by, gamma (and bias,
+// (channel_rmsnorm_silu.cu): x [B, C, *] contiguous (any trailing size: 16-byte vectors where it holds a multiple of
+// them, elements elsewhere), denom the fp32 [B, 1, *] that eager divides by, gamma (and bias,
 // or the python-float `bias_value`) [C] of x's dtype. `probe`: the SiLU alone (y = x). The Python guard admits only
 // inputs that pass these checks.
 at::Tensor channel_rmsnorm(const at::Tensor& x, const at::Tensor& denom, const at::Tensor& gamma,
@@ -939,9 +940,6 @@ at::Tensor channel_rmsnorm(const at::Tensor& x, const at::Tensor& denom, const a
   const DType dtype = to_dtype(x);
   const int64_t batch = x.size(0), channels = x.size(1);
   const int64_t spatial = x.numel() / (batch * channels > 0 ? batch * channels : 1);
-  const int64_t vec = 16 / x.element_size();
-  TORCH_CHECK(spatial % vec == 0, "channel_rmsnorm: the trailing sizes must hold a multiple of ", std::to_string(vec),
-              " elements");
   TORCH_CHECK(denom.scalar_type() == at::kFloat && denom.device() == x.device() && denom.is_contiguous() &&
                   denom.numel() == batch * spatial && aligned16(denom),
               "channel_rmsnorm: denom must be a contiguous fp32 [B, 1, *] tensor on x's device");

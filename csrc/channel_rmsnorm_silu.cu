@@ -13,9 +13,10 @@
 // the SiLU is the expression silu_mul.cu and group_norm_silu.cu use, proven on every value of the dtype by the Python
 // op (the `probe` mode: y = x) before it is trusted.
 //
-// Layout: x and out contiguous [batch, channels, spatial] with spatial a multiple of the 16-byte vector (so a vector
-// stays in one channel); denom contiguous [batch, spatial] fp32. One thread per 16-byte vector, a grid stride over
-// all vectors (eager: 5-6 kernels, each reading and writing the whole tensor; here one read of x and one write).
+// Layout: x and out contiguous [batch, channels, spatial]; denom contiguous [batch, spatial] fp32. Where spatial is a
+// multiple of the 16-byte vector (a vector then stays in one channel), one thread per 16-byte vector; elsewhere (the
+// Qwen-Image VAE's 166x166 latents at 1328x1328) one thread per element, the same arithmetic. A grid stride over all
+// of them (eager: 5-6 kernels, each reading and writing the whole tensor; here one read of x and one write).
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -27,10 +28,21 @@ constexpr int kBlocksPerSm = 8;
 
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
 
+// one element's tail: x the element, d its denominator, gamma and bias its channel's
 template <typename T>
+__device__ __forceinline__ float tail(float x, float d, float gamma, float bias, const ChannelRmsNormArgs& a) {
+  const float n = round_to<T>(__fdiv_rn(x, d));
+  const float m = round_to<T>(__fmul_rn(n, a.scale));
+  const float g = round_to<T>(__fmul_rn(m, gamma));
+  const float y = __fadd_rn(g, bias);
+  return a.silu ? silu(round_to<T>(y)) : y;
+}
+
+// kVector: one 16-byte vector per step (spatial a multiple of its elements); else one element per step
+template <typename T, bool kVector>
 __global__ void __launch_bounds__(kThreads) channel_rmsnorm_kernel(ChannelRmsNormArgs a) {
   using P = Pack<T>;
-  constexpr int kVec = P::kSize;
+  constexpr int kVec = kVector ? P::kSize : 1;
   const int64_t vecs = a.batch * a.channels * a.spatial / kVec;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs; v += step) {
@@ -39,25 +51,33 @@ __global__ void __launch_bounds__(kThreads) channel_rmsnorm_kernel(ChannelRmsNor
     const int64_t s = e - row * a.spatial;
     const int64_t c = row % a.channels;
     const int64_t b = row / a.channels;
-    const P x = load_readonly(reinterpret_cast<const P*>(static_cast<const T*>(a.x) + e));
-    P o;
-    if (a.probe) {
+    if constexpr (kVector) {
+      const P x = load_readonly(reinterpret_cast<const P*>(static_cast<const T*>(a.x) + e));
+      P o;
+      if (a.probe) {
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) o.v[i] = Storage<T>::store(silu(Storage<T>::load(x.v[i])));
-    } else {
-      const float* d = a.denom + b * a.spatial + s;
-      const float gamma = Storage<T>::load(static_cast<const T*>(a.gamma)[c]);
-      const float bias = a.bias ? Storage<T>::load(static_cast<const T*>(a.bias)[c]) : a.bias_value;
+        for (int i = 0; i < kVec; ++i) o.v[i] = Storage<T>::store(silu(Storage<T>::load(x.v[i])));
+      } else {
+        const float* d = a.denom + b * a.spatial + s;
+        const float gamma = Storage<T>::load(static_cast<const T*>(a.gamma)[c]);
+        const float bias = a.bias ? Storage<T>::load(static_cast<const T*>(a.bias)[c]) : a.bias_value;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float n = round_to<T>(__fdiv_rn(Storage<T>::load(x.v[i]), __ldg(d + i)));
-        const float m = round_to<T>(__fmul_rn(n, a.scale));
-        const float g = round_to<T>(__fmul_rn(m, gamma));
-        const float y = __fadd_rn(g, bias);
-        o.v[i] = Storage<T>::store(a.silu ? silu(round_to<T>(y)) : y);
+        for (int i = 0; i < kVec; ++i) o.v[i] = Storage<T>::store(tail<T>(Storage<T>::load(x.v[i]), __ldg(d + i),
+                                                                          gamma, bias, a));
       }
+      *reinterpret_cast<P*>(static_cast<T*>(a.out) + e) = o;
+    } else {
+      const float x = Storage<T>::load(static_cast<const T*>(a.x)[e]);
+      float y;
+      if (a.probe) {
+        y = silu(x);
+      } else {
+        const float gamma = Storage<T>::load(static_cast<const T*>(a.gamma)[c]);
+        const float bias = a.bias ? Storage<T>::load(static_cast<const T*>(a.bias)[c]) : a.bias_value;
+        y = tail<T>(x, __ldg(a.denom + b * a.spatial + s), gamma, bias, a);
+      }
+      static_cast<T*>(a.out)[e] = Storage<T>::store(y);
     }
-    *reinterpret_cast<P*>(static_cast<T*>(a.out) + e) = o;
   }
 }
 
@@ -65,11 +85,15 @@ __global__ void __launch_bounds__(kThreads) channel_rmsnorm_kernel(ChannelRmsNor
 template <typename T>
 cudaError_t launch(const ChannelRmsNormArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
-  if (a.spatial % kVec) return cudaErrorInvalidValue;
-  const int64_t vecs = a.batch * a.channels * a.spatial / kVec;
+  const bool vector = a.spatial % kVec == 0;
+  const int64_t vecs = a.batch * a.channels * a.spatial / (vector ? kVec : 1);
   if (vecs == 0) return cudaSuccess;
   const int64_t blocks = grid_stride_blocks(vecs, kThreads, kBlocksPerSm);
-  channel_rmsnorm_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  if (vector) {
+    channel_rmsnorm_kernel<T, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  } else {
+    channel_rmsnorm_kernel<T, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__

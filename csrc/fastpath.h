@@ -330,7 +330,7 @@ struct ChannelRmsNormArgs {
   const void* bias;      // [channels] of x's dtype, or null: then `bias_value` (a python-float bias)
   int64_t batch;
   int64_t channels;
-  int64_t spatial;       // a multiple of 16 / sizeof(element)
+  int64_t spatial;       // any; a multiple of 16 / sizeof(element) takes the vector kernel
   float scale;           // the module's python-float scale as aten's mul takes it (cast to float)
   float bias_value;
   int32_t silu;          // 1: SiLU after the norm

@@ -320,7 +320,8 @@ def test_channel_rmsnorm_guard_refuses_what_the_kernel_does_not_take():
     assert crms._guard(norm, x) == "device cpu"
     assert crms._guard(norm, x.float()) == "dtype float32"
     assert crms._guard(norm, x[..., :7]) == "x not contiguous"
-    assert crms._guard(norm, x[:, :, :1, :, :3].contiguous()).startswith("trailing sizes")
+    assert crms._guard(norm, x[:, :, :1, :, :3].contiguous()) == "device cpu"  # any trailing size (elements)
+    assert crms._guard(norm, x[:, :, :0]) == "empty"
     assert crms._guard(norm, x.view(1, 16, 64)) == "gamma does not broadcast over x's channels"
     assert crms._guard(nn.LayerNorm(16), x).endswith("is not a checked channel RMS norm")
     norm.channel_first = False
@@ -377,7 +378,7 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     denom, bias = torch.rand(2, 1, 3, 4, 8) + 1, torch.randn(16).to(torch.bfloat16)
     out = crms._nvrtc_kernel(x, denom, gamma, None, 4.0, 0.5, True, False)
     kernel, key, grid, block, a = launches[-1]
-    assert (kernel, key, block) == (crms._NVRTC, torch.bfloat16, (256, 1, 1)) and out.shape == x.shape
+    assert (kernel, key, block) == (crms._NVRTC, (torch.bfloat16, True), (256, 1, 1)) and out.shape == x.shape
     assert grid == (2, 1, 1)  # 2 * 16 * 96 / 8 = 384 vectors: two blocks of 256 threads, below the resident limit
     assert (a.a.out, a.a.x, a.a.denom, a.a.gamma, a.a.bias) == (out.data_ptr(), x.data_ptr(), denom.data_ptr(),
                                                                 gamma.data_ptr(), None)  # NULL
@@ -385,7 +386,12 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
         2, 16, 96, 4.0, 0.5, 1, 0, 1)
     crms._nvrtc_kernel(x.half(), denom, gamma.half(), bias.half(), 2.0, 0.0, False, True)
     _, key, _, _, a = launches[-1]
-    assert key == torch.float16 and (a.a.silu, a.a.probe, a.a.dtype) == (0, 1, 0) and a.a.bias
+    assert key == (torch.float16, True) and (a.a.silu, a.a.probe, a.a.dtype) == (0, 1, 0) and a.a.bias
+    # trailing sizes of no 8 multiple (Qwen-Image's 166x166 latents): the element kernel, one thread per element
+    odd = torch.randn(1, 16, 1, 6, 5).to(torch.bfloat16)
+    crms._nvrtc_kernel(odd, torch.rand(1, 1, 1, 6, 5) + 1, gamma, None, 1.0, 0.0, False, False)
+    _, key, grid, _, a = launches[-1]
+    assert key == (torch.bfloat16, False) and grid == (2, 1, 1) and a.a.spatial == 30  # 480 elements: two blocks
     big = torch.empty(1, 8, 132 * 8 * 256 * 8 * 2, dtype=torch.bfloat16)
     crms._nvrtc_kernel(big, torch.empty(1, 1, big.shape[2]), torch.ones(8, dtype=torch.bfloat16), None, 1.0, 0.0,
                        False, False)
@@ -402,7 +408,9 @@ def _md5(t: torch.Tensor) -> str:
 # The norms of a Wan 2.1 decode at 832x480 (latents 104x60; channels 384/384/192/96 as the decoder widens; one latent
 # frame, then 2 and 4 after the temporal upsamplings) and the attention's [frames, C, H, W] norm
 WAN_NORM_SHAPES = [(1, 384, 1, 60, 104), (1, 384, 2, 120, 208), (1, 192, 4, 240, 416), (1, 96, 4, 480, 832),
-                   (1, 384, 60, 104)]
+                   (1, 384, 60, 104),
+                   # Qwen-Image's decode at 1328x1328 (latents 166x166): rows of no multiple of 8, the element kernel
+                   (1, 384, 1, 166, 166), (1, 192, 1, 664, 664), (1, 384, 166, 166)]
 
 
 @pytest.mark.gpu

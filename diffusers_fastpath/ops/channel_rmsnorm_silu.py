@@ -25,8 +25,9 @@ What the guard admits: a module of a class the VAE adapter registered (`add_norm
 ``forward`` was checked by source digest, or this package's subclass of it) with ``channel_first``, a python-number
 ``scale``, ``gamma`` of x's dtype shaped ``[C, 1, ...]`` to broadcast over x's trailing dims, ``bias`` a python number
 or a tensor like ``gamma``; a bf16/fp16 x ``[B, C, *]``, contiguous or time-major (``[B, C, T, H, W]`` laid out as
-``[B, T, C, H, W]``, as Wan's upsamplers leave it), whose per-channel rows hold a multiple of 8 elements (a 16-byte
-vector stays in one channel); no autograd; torch's ``F.normalize`` the form read here (source digest).
+``[B, T, C, H, W]``, as Wan's upsamplers leave it), any trailing size (rows of a multiple of 8 elements run 16-byte
+vectors, others one element per thread: Qwen-Image's 166x166 latents; each way its own first-call check); no
+autograd; torch's ``F.normalize`` the form read here (source digest).
 """
 
 from __future__ import annotations
@@ -107,10 +108,8 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
         return "bias not a python number or tensor"
     if not (x.is_contiguous() or _time_major(x)):
         return "x not contiguous"
-    vec = _VEC_BYTES // x.element_size()
-    spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])
-    if spatial % vec or x.numel() == 0:
-        return f"trailing sizes not a multiple of {vec} elements"
+    if x.numel() == 0:
+        return "empty"
     if torch.is_grad_enabled() and (x.requires_grad or gamma.requires_grad
                                     or (isinstance(bias, torch.Tensor) and bias.requires_grad)):
         return "requires grad"
@@ -155,14 +154,15 @@ _ARGS = _nvrtc.Params("ChannelRmsNormArgs", ("out", "P"), ("x", "P"), ("denom", 
                       ("batch", "q"), ("channels", "q"), ("spatial", "q"), ("scale", "f"), ("bias_value", "f"),
                       ("silu", "i"), ("probe", "i"), ("dtype", "i"))
 _NVRTC = _nvrtc.Kernel("channel_rmsnorm_silu.cu", "diffusers_fastpath::channel_rmsnorm_kernel",
-                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                       {(dtype, vector): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(vector).lower()}"
+                        for dtype in HALF_DTYPES for vector in (True, False)},
                        _nvrtc.Params("channel_rmsnorm_kernel", ("a", _ARGS)))
 
 
 def _raw_guard(x, denom, gamma, bias, scale, bias_value, silu, probe):
     batch, channels = (x.shape[0], x.shape[1]) if x.dim() >= 3 else (0, 0)
     spatial = x.numel() // max(1, batch * channels)
-    if x.dim() < 3 or x.dtype not in HALF_DTYPES or not x.is_contiguous() or spatial % (_VEC_BYTES // x.element_size()):
+    if x.dim() < 3 or x.dtype not in HALF_DTYPES or not x.is_contiguous():
         return "x"
     if denom.dtype != torch.float32 or not denom.is_contiguous() or denom.numel() != batch * spatial:
         return "denom"
@@ -176,16 +176,25 @@ def _raw_guard(x, denom, gamma, bias, scale, bias_value, silu, probe):
     return None
 
 
+def _vectors(x: torch.Tensor) -> bool:
+    """Whether the kernel runs 16-byte vectors over the contiguous ``[B, C, *]`` x (its rows of trailing elements a
+    multiple of the vector), as csrc/channel_rmsnorm_silu.cu's launch() decides; else one element per thread."""
+    spatial = x.numel() // max(1, x.shape[0] * x.shape[1])
+    return spatial % (_VEC_BYTES // x.element_size()) == 0
+
+
 def _nvrtc_kernel(x, denom, gamma, bias, scale, bias_value, silu, probe):
     batch, channels = x.shape[:2]
     spatial = x.numel() // max(1, batch * channels)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    vecs = x.numel() * x.element_size() // _VEC_BYTES
+    vector = _vectors(x)
+    vecs = x.numel() * x.element_size() // _VEC_BYTES if vector else x.numel()
     if vecs == 0:
         return out
     device = x.device.index
     blocks = _nvrtc.grid_stride_blocks(device, vecs, _THREADS, _BLOCKS_PER_SM)
-    _NVRTC.launch(device, x.dtype, (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(), denom.data_ptr(),
+    _NVRTC.launch(device, (x.dtype, vector), (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(),
+                  denom.data_ptr(),
                   gamma.data_ptr(), 0 if bias is None else bias.data_ptr(), batch, channels, spatial, scale,
                   bias_value, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype])
     return out
@@ -244,18 +253,23 @@ def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
 def _signature(norm, x: torch.Tensor):
     """What one first-call ``torch.equal`` vouches for: the dtype, the layout the kernel reads (contiguous or
     time-major) and the bias's kind. The tail is exact by construction; the check is its second line (the kernel is
-    new on each GPU kind it meets), the proof covers the SiLU."""
+    new on each GPU kind it meets), the proof covers the SiLU; and whether it runs vectors or elements."""
     bias = getattr(norm, "bias", None)
-    return (str(x.dtype).removeprefix("torch."), x.is_contiguous(), isinstance(bias, torch.Tensor))
+    spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])
+    return (str(x.dtype).removeprefix("torch."), x.is_contiguous(), isinstance(bias, torch.Tensor),
+            spatial % (_VEC_BYTES // x.element_size()) == 0)  # 16-byte vectors or elements
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:
-    """The kernel's SiLU equals eager's on every value of the dtype (the probe mode: y = x, then the SiLU)."""
+    """The kernel's SiLU equals eager's on every value of the dtype (the probe mode: y = x, then the SiLU), both ways
+    it runs: 16-byte vectors (rows of 8192) and elements (rows of 8191)."""
     values = every_value(x.dtype, x.device)
     ones = torch.ones(8, dtype=x.dtype, device=x.device)
     denom = torch.ones(1, 1, 8192, dtype=torch.float32, device=x.device)
     out = _raw(values, denom, ones, None, 1.0, 0.0, True, True)
-    return torch.equal(bits(out), bits(F.silu(values)))
+    odd = torch.cat([values.flatten(), values.flatten()[:8]]).view(1, 8, 8193)  # every value, rows of no 8 multiple
+    out_odd = _raw(odd, denom.new_ones(1, 1, 8193), ones, None, 1.0, 0.0, True, True)
+    return torch.equal(bits(out), bits(F.silu(values))) and torch.equal(bits(out_odd), bits(F.silu(odd)))
 
 
 @torch.library.custom_op("diffusers_fastpath::channel_rmsnorm", mutates_args=())
