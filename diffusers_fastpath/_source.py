@@ -111,7 +111,7 @@ def source_digest(fn) -> str | None:
     return None if source is None else hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def _definition(fn_or_def) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+def definition(fn_or_def) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     """The definition of a function (`fn_or_def` itself where it is one already), parsed from its source where
     that is provably its own (`source_of`), else ``None``."""
     if isinstance(fn_or_def, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -130,7 +130,7 @@ def normalized_digest(fn_or_def) -> str | None:
     """sha256[:16] of ``ast.unparse`` of a function's definition with its name set aside: the same for a copy of a
     function under another name, different for any change of its code (comments and layout aside); ``None`` where
     the function's source is not provably its own (`source_of`)."""
-    node = _definition(fn_or_def)
+    node = definition(fn_or_def)
     if not isinstance(node, ast.FunctionDef):
         return None
     node = ast.FunctionDef(name="_", args=node.args, body=node.body, decorator_list=[], returns=node.returns,
@@ -143,7 +143,7 @@ def body_digest(fn) -> str | None:
     the signature's annotations and defaults do not count; the parameter names do, through the body): for a
     function of another library whose docstring may change between releases (torch's ``F.normalize``); ``None``
     where its source is not provably its own (`source_of`)."""
-    func = _definition(fn)
+    func = definition(fn)
     if func is None:
         return None
     body = func.body

@@ -19,11 +19,11 @@ def _local(cls):
 
 
 def test_the_recorded_digest_is_the_installed_function_and_known_as_the_local_form():
-    from diffusers_fastpath.models.generic import FIBO2, known_rotaries, normalized_digest, processor_hints
+    from diffusers_fastpath.models.generic import FIBO2, _form_digest, known_rotaries, processor_hints
 
     local = _local(transformer_bria_fibo2.BriaFibo2AttnProcessor)
     assert hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16] == FIBO2[1]
-    assert known_rotaries()[normalized_digest(local)] == "local"
+    assert known_rotaries()[_form_digest(local)] == "local"
     assert processor_hints(transformer_bria_fibo2.BriaFibo2AttnProcessor.__call__)["local_rotary"][0] == FIBO2[0]
 
 

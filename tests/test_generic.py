@@ -255,3 +255,24 @@ def test_coverage_says_how_each_class_is_taken_and_the_docs_table_is_its_output(
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     generic_count = sum(kind == "generic" for kind in how.values())
     assert f"every other diffusers transformer ({generic_count} classes:" in readme, "README's model table: generic count"
+
+
+def test_a_known_rotary_is_known_with_annotations_too():
+    """LTX-2's ``apply_interleaved_rotary_emb`` is LTX-Video's ``apply_rotary_emb`` with annotated parameters: the
+    generic path knows it as the rows form (its processors' rotary fused); a change of its code is not known."""
+    import ast as ast_
+
+    from diffusers.models.transformers import transformer_ltx, transformer_ltx2
+
+    from diffusers_fastpath._source import definition
+    from diffusers_fastpath.models import generic
+
+    known = generic.known_rotaries()
+    assert known.get(generic._form_digest(transformer_ltx2.apply_interleaved_rotary_emb)) == "rows"
+    assert generic._form_digest(transformer_ltx2.apply_interleaved_rotary_emb) == generic._form_digest(
+        transformer_ltx.apply_rotary_emb)
+    changed = definition(transformer_ltx2.apply_interleaved_rotary_emb)
+    changed.body[-1] = ast_.parse("return out * 1").body[0]
+    assert generic._form_digest(changed) not in known
+    hints = generic.processor_hints(transformer_ltx2.LTX2AudioVideoAttnProcessor.__call__)
+    assert hints == {"rows_rotary": "apply_interleaved_rotary_emb"}

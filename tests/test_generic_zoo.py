@@ -24,7 +24,7 @@ FAST = {
     "cosmos3": ("silu_mul",),
     "stable-audio-3": ("gated_residual", "silu_mul"),
     "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined
-    "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual"),
+    "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "rotary_emb"),  # its annotated rotary
     "krea2": ("modulate_scale_shift", "gated_residual"),
     "minimax-music3": ("silu_mul",),
     "stable-audio": ("silu_mul",),
@@ -33,7 +33,7 @@ FAST = {
     "ace-step": ("rmsnorm_scale",),
     "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual"),
     "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual"),
-    "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift"),
+    "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb"),
 }
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import copy
 import hashlib
 import importlib
 import inspect
@@ -48,13 +49,30 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
-from .._source import normalized_digest
+from .._source import definition, normalized_digest
 from ._norm_methods import FUSED, norm_method_hints
 
 GENERIC = "generic"  # what `coverage` says of a class patched this way
 
 
 # --- the facts ------------------------------------------------------------------------------------------------------
+
+
+def _form_digest(fn_or_def) -> str | None:
+    """`normalized_digest` of a function's definition without its annotations, which change nothing it computes
+    (LTX-2's ``apply_interleaved_rotary_emb`` is LTX-Video's ``apply_rotary_emb`` with annotated parameters): the
+    same for an annotated copy, different for any change of its code; None where its source is not provably its
+    own."""
+    node = definition(fn_or_def)
+    if node is None:
+        return None
+    node = copy.deepcopy(node)
+    args = node.args
+    for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    node.returns = None
+    return normalized_digest(node)
 
 
 def _known_rotaries() -> dict[str, str]:
@@ -70,9 +88,9 @@ def _known_rotaries() -> dict[str, str]:
 
     known = {}
     if source_digest(transformer_ltx.apply_rotary_emb) == LTX:
-        known[normalized_digest(transformer_ltx.apply_rotary_emb)] = "rows"
+        known[_form_digest(transformer_ltx.apply_rotary_emb)] = "rows"
     if source_digest(transformer_qwenimage.apply_rotary_emb_qwen) == QWEN:
-        known[normalized_digest(transformer_qwenimage.apply_rotary_emb_qwen)] = "complex"
+        known[_form_digest(transformer_qwenimage.apply_rotary_emb_qwen)] = "complex"
     from diffusers.models.transformers import transformer_bria_fibo2
 
     for cls, (name, digest), form in ((transformer_wan.WanAttnProcessor, WAN, "wan"),
@@ -80,7 +98,7 @@ def _known_rotaries() -> dict[str, str]:
                                       (transformer_bria_fibo2.BriaFibo2AttnProcessor, FIBO2, "local")):
         local = _local_defs(cls.__call__).get(name)
         if local is not None and hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16] == digest:
-            known[normalized_digest(local)] = form
+            known[_form_digest(local)] = form
     return known
 
 
@@ -131,7 +149,7 @@ def processor_hints(fn) -> dict:
         target = fn.__globals__.get(name)
         if not inspect.isfunction(target):
             continue
-        form = known.get(normalized_digest(target))
+        form = known.get(_form_digest(target))
         if form == "rows" and "rows_rotary" not in hints:
             register_rows_rotary(target)
             hints["rows_rotary"] = name
@@ -139,7 +157,7 @@ def processor_hints(fn) -> dict:
             register_complex_rotary(target)
             hints["complex_rotary"] = name
     for name, local in _local_defs(fn).items():
-        form = known.get(normalized_digest(local))
+        form = known.get(_form_digest(local))
         digest = hashlib.sha256(ast.unparse(local).encode()).hexdigest()[:16]
         if form == "wan" and "wan_rotary" not in hints:
             hints["wan_rotary"] = (name, digest)
