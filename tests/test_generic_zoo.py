@@ -4,6 +4,8 @@ real on a GPU), verified on the first forward, every rewritten class counted, un
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ FAST = {
     "cosmos3": ("silu_mul",),
     "stable-audio-3": ("gated_residual", "silu_mul"),
     "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined
-    "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "rotary_emb"),  # its annotated rotary
+    "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "qk_norm_rows_rope"),  # annotated rotary
     "krea2": ("modulate_scale_shift", "gated_residual"),
     "minimax-music3": ("silu_mul",),
     "stable-audio": ("silu_mul",),
@@ -88,3 +90,31 @@ def test_generic_patch_matches_unpatched_on_cuda(name):
     fast = sum(s.fast for s in sites)
     reasons = sorted({r for s in sites for r in s.fallback})
     print(f"{name}: {len(sites)} sites, {fast} fast calls, fallbacks: {reasons}")
+
+
+def test_ltx2_split_rotary_branch_runs_its_qk_norms_as_written(emulated_kernels):
+    """LTX-2's processor fuses its QK norms into the interleaved rotary; its ``elif attn.rope_type == "split"`` branch
+    (LTX-2.3's split rotary, no fused form) reads the pending norms, which run there as written (`materialize`):
+    patched == unpatched with the split rotary, and the norms' sites count nothing fused there."""
+    from diffusers_fastpath.testing.zoo._zoo import randomize_
+
+    entry = zoo.ZOO["ltx2"]
+    torch.manual_seed(0)
+    model = randomize_(entry.cls(**{**entry.tiny_config, "rope_type": "split"}).to(torch.bfloat16), 0).eval()
+    kwargs = zoo.inputs("ltx2", model)
+    with torch.no_grad():
+        ref = _sample(model(**kwargs)).clone()
+    fp.patch(model)
+    try:
+        with torch.no_grad():
+            got = _sample(model(**kwargs))
+        assert torch.equal(got, ref)
+        processors = {type(m.processor) for m in model.modules()
+                      if hasattr(m, "processor") and getattr(m, "rope_type", None) == "split"}
+        assert processors and all("apply_split_rotary_emb(_diffusers_fastpath_chains.materialize(query)"
+                                  in inspect.getsource(p.__call__) for p in processors)  # the pending norm, run there
+        sites = [s for m in model.modules() for _, s in sites_of(m)]
+        assert not any(s.fast for s in sites if s.op in ("qk_norm_rows_rope", "rotary_emb")), sites
+        assert any(s.fast for s in sites if s.op == "gated_residual")
+    finally:
+        fp.unpatch(model)

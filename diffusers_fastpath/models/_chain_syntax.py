@@ -568,6 +568,7 @@ class _PendingReads(ast.NodeVisitor):
 
     def __init__(self, allowed: set[int]) -> None:
         self.allowed, self.pending, self.depth, self.ok = allowed, set(), 0, True
+        self.reads: list[ast.Name] = []  # the reads found (`ok` False)
 
     def clean(self, stmts: list[ast.stmt]) -> bool:
         for stmt in stmts:
@@ -598,6 +599,7 @@ class _PendingReads(ast.NodeVisitor):
     def visit_Name(self, node: ast.Name) -> None:
         if isinstance(node.ctx, ast.Load) and node.id in self.pending and id(node) not in self.allowed:
             self.ok = False
+            self.reads.append(node)
 
 
 def _uses(node: ast.expr, name: str) -> bool:

@@ -23,7 +23,8 @@ whole; `_Rewriter` runs these passes on a processor's forward):
     module), or, for a lone diffusers ``RMSNorm`` (HunyuanVideo-1.5, Bria-FIBO's single blocks), the norm and the
     rotary as one `rmsnorm_rope_real` (site ``rmsnorm_rope_real``); after the last statement holding a rotary call,
     each such name read later is made a tensor (``materialize``: the norm and the cat as written, where no rotary
-    embedding ran)
+    embedding ran); so is a read of one in a branch of an ``if`` whose other branch holds the fused rotary (LTX-2's
+    ``elif attn.rope_type == "split"``: its split rotary, no fused form, gets the norm run as written)
 
   taken only where those names are read nowhere else before that point (else the norms run as written).
 - QK RMSNorm + complex-form rotary embedding, into `diffusers_fastpath.ops.rmsnorm_rope_complex` (self-verified; the
@@ -282,6 +283,9 @@ class AttentionPasses:
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROWS))
                 elif _ns_call(node, "unflatten_later"):
                     allowed.add(id(node.args[0]))
+        reads = _PendingReads(allowed)
+        if not reads.clean(new[:last + 1]):
+            new[:last + 1] = self._materialize_other_branches(new[:last + 1], reads.reads, allowed)
         if (not _PendingReads(allowed).clean(new[:last + 1]) or self.proofs.dynamic
                 or deferred & self.proofs.captured):
             return body  # a pending name read elsewhere before the rotary (or unseen): the norms run as written
@@ -301,6 +305,35 @@ class AttentionPasses:
         if upcast:
             self.found.qk_fp32 = mark_casts(out, upcast, owner)
         return out
+
+    @staticmethod
+    def _materialize_other_branches(stmts: list[ast.stmt], reads: list[ast.Name], allowed: set[int]) -> list[ast.stmt]:
+        """Each read of a pending norm in `reads` that stands in a branch of an ``if`` whose other branch holds a
+        fused rotary call (LTX-2's ``elif attn.rope_type == "split": query = apply_split_rotary_emb(query, ...)``
+        beside its interleaved rotary) -> ``materialize(N)``: there the norm runs as written, on the input it was
+        deferred with (which the proofs below keep unwritten up to the rotary), and the read is allowed (`allowed`
+        gains it); `stmts` with those reads wrapped."""
+        rotaries = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")
+
+        def fused(branch: list[ast.stmt]) -> bool:
+            return any(_ns_call(n, name) for stmt in branch for n in ast.walk(stmt) for name in rotaries)
+
+        wrap: set[int] = set()
+        for node in (n for stmt in stmts for n in ast.walk(stmt)):
+            if isinstance(node, ast.If) and node.orelse:
+                for this, other in ((node.body, node.orelse), (node.orelse, node.body)):
+                    if fused(other) and not fused(this):
+                        inside = {id(n) for stmt in this for n in ast.walk(stmt)}
+                        wrap.update(id(r) for r in reads if id(r) in inside)
+
+        class Materialize(ast.NodeTransformer):
+            def visit_Name(self, node: ast.Name) -> ast.expr:
+                if id(node) not in wrap:
+                    return node
+                allowed.add(id(node))
+                return like(_call("materialize", [node]), node)
+
+        return [Materialize().visit(stmt) for stmt in stmts] if wrap else stmts
 
     def _rotary_cats(self, new: list[ast.stmt], last: int, deferred: set[str],
                      pending: list[tuple[int, ast.stmt, ast.expr]]) -> set[str]:
