@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ._chain_proofs import _INPLACE_ABLE, _NS, PURE_FUNCTIONS, PURE_METHODS, Proofs, _bound_names
-from ._chain_inline_stmts import StatementInliner, module_helper, parsed_def
+from ._chain_inline_stmts import StatementInliner, located, module_helper, parsed_def
 from ._chain_syntax import _self_path_call
 
 # tensor methods and torch functions that write nothing and draw no random numbers (of the rewriter's pure lists):
@@ -237,12 +237,6 @@ def _trusting(argument: ast.expr, writes) -> tuple[list[str], ast.expr]:
     return dumps, Trust().visit(copy.deepcopy(argument))
 
 
-def _located(expr: ast.expr, at: ast.AST) -> ast.expr:
-    for node in ast.walk(expr):
-        ast.copy_location(node, at)
-    return expr
-
-
 class Inliner:
     """Inlines the helper calls of one forward (`function`, parsed from the source of `fn`). `exclude`: names a
     pattern matches by name (never inlined). `proofs`: the facts of the forward as written."""
@@ -275,9 +269,10 @@ class Inliner:
                     and stmt.value is not None and id(original) in self.proofs.before:
                 stmt.value = self._expr(stmt.value, self.proofs.before[id(original)])
         # then the helpers called as whole statements, with statements of their own (`_chain_inline_stmts`)
-        statements = StatementInliner(self.fn, self.locals, self.exclude | set(self.helpers))
-        if self.statements and statements.run(new):
-            self.helpers.update(statements.helpers)
+        if self.statements:
+            statements = StatementInliner(self.fn, self.locals, self.exclude | set(self.helpers))
+            if statements.run(new):
+                self.helpers.update(statements.helpers)
         return new if self.helpers else self.function
 
     def proven(self, body: list[ast.stmt]) -> bool:
@@ -349,4 +344,4 @@ class Inliner:
         env = {p: bound[p] for p in template.params}
         new = _substitute(template.expr, env, set(), set())
         self.helpers[name] = self.fn.__globals__[name]
-        return _located(new, call)
+        return located(new, call)

@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import ast
 import copy
-import textwrap
 import types
 
-from .._source import source_of
+from .._source import definition
 from ._chain_proofs import _bound_names
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
@@ -46,25 +45,19 @@ _CONSTANTS = (type(None), bool, int, float, str)
 
 class _Helper:
     """A helper's parameters, the constants of its defaults, its body (without the docstring and the last ``return``),
-    that return's value (None: returns None), and its locals and free names."""
+    that return's value (None: returns None), the names its body binds and reads, and its free names."""
 
-    __slots__ = ("params", "defaults", "body", "value", "locals", "free")
+    __slots__ = ("params", "defaults", "body", "value", "rebound", "read", "free")
 
-    def __init__(self, params, defaults, body, value, locals_, free) -> None:
-        self.params, self.defaults, self.body, self.value, self.locals, self.free = (
-            params, defaults, body, value, locals_, free)
+    def __init__(self, params, defaults, body, value, rebound, read, free) -> None:
+        self.params, self.defaults, self.body, self.value, self.rebound, self.read, self.free = (
+            params, defaults, body, value, rebound, read, free)
 
 
 def parsed_def(helper: types.FunctionType) -> ast.FunctionDef | None:
-    """The definition of `helper`, parsed from its source where that is provably its own (`_source.source_of`) and
-    it has no decorator; else None."""
-    source, _ = source_of(helper)
-    if source is None:
-        return None
-    try:
-        (defn,) = ast.parse(textwrap.dedent(source)).body
-    except (SyntaxError, ValueError):
-        return None
+    """The definition of `helper` (`_source.definition`: parsed from its source where that is provably its own),
+    where it is a plain ``def`` without a decorator; else None."""
+    defn = definition(helper)
     return defn if isinstance(defn, ast.FunctionDef) and not defn.decorator_list else None
 
 
@@ -98,9 +91,10 @@ def helper_of(helper: types.FunctionType) -> _Helper | None:
             return None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _DYNAMIC:
             return None
-    locals_ = set(params) | _bound_names(module)
-    free = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)} - locals_
-    return _Helper(params, dict(zip(params[len(params) - len(defaults):], defaults)), body, value, locals_, free)
+    rebound = _bound_names(module)
+    read = {n.id for n in ast.walk(module) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    free = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)} - set(params) - rebound
+    return _Helper(params, dict(zip(params[len(params) - len(defaults):], defaults)), body, value, rebound, read, free)
 
 
 def module_helper(fn, name: str, locals_: set[str], exclude: frozenset[str], form_of):
@@ -129,8 +123,7 @@ class _Rename(ast.NodeTransformer):
 
 class StatementInliner:
     """Inlines the statement calls of helpers in one forward (a tree, changed in place by `run`). `locals`: the names
-    the forward binds (parameters included); `names`: every name it mentions; `exclude`: names a pattern matches by
-    name (never inlined)."""
+    the forward binds (parameters included); `exclude`: names a pattern matches by name (never inlined)."""
 
     def __init__(self, fn, locals_: set[str], exclude: frozenset[str]) -> None:
         self.fn, self.locals, self.exclude = fn, locals_, exclude
@@ -197,15 +190,11 @@ class StatementInliner:
         if any(p not in form.defaults for p in missing):
             return None
         k, self._count = self._count, self._count + 1
-        body_module = ast.Module(body=[*form.body, *([ast.Expr(form.value)] if form.value is not None else [])],
-                                 type_ignores=[])
-        rebound = _bound_names(body_module)
-        read = {n.id for n in ast.walk(body_module) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         names: dict[str, ast.Name] = {}
         out: list[ast.stmt] = []
         fresh: list[str] = []
         for param, value in given:  # Python evaluates the arguments first, in the order written
-            if isinstance(value, ast.Name) and param in read and param not in rebound:
+            if isinstance(value, ast.Name) and param in form.read and param not in form.rebound:
                 names[param] = ast.Name(value.id, ast.Load())  # the forward's name, which nothing rebinds here
                 continue
             names[param] = ast.Name(self._fresh(k, param), ast.Load())
@@ -217,27 +206,27 @@ class StatementInliner:
             fresh.append(names[param].id)
             out.append(ast.copy_location(ast.Assign(targets=[ast.Name(names[param].id, ast.Store())],
                                                     value=ast.Constant(form.defaults[param])), stmt))
-        for name in sorted(form.locals - set(form.params)):
+        for name in sorted(form.rebound - set(form.params)):
             names[name] = ast.Name(self._fresh(k, name), ast.Load())
             fresh.append(names[name].id)
         rename = _Rename(names)
         for inner in form.body:
-            out.append(_located(rename.visit(copy.deepcopy(inner)), stmt))
+            out.append(located(rename.visit(copy.deepcopy(inner)), stmt))
         value = rename.visit(copy.deepcopy(form.value)) if form.value is not None else ast.Constant(None)
         if isinstance(stmt, ast.Assign):
             last = ast.Assign(targets=[copy.deepcopy(stmt.targets[0])], value=value)
         else:
             last = ast.Expr(value)
-        out.append(_located(last, stmt))
+        out.append(located(last, stmt))
         if fresh:  # the references the returning call would drop
-            out.append(_located(ast.Assign(targets=[ast.Name(n, ast.Store()) for n in fresh],
+            out.append(located(ast.Assign(targets=[ast.Name(n, ast.Store()) for n in fresh],
                                            value=ast.Constant(None)), stmt))
         self.helpers[call.func.id] = self.fn.__globals__[call.func.id]
         return out
 
 
-def _located(node: ast.AST, at: ast.AST) -> ast.AST:
+def located(node: ast.AST, at: ast.AST) -> ast.AST:
+    """`node` with every node in it at `at`'s place in the source (the inliners' replacements)."""
     for child in ast.walk(node):
-        if isinstance(child, (ast.stmt, ast.expr)):
-            ast.copy_location(child, at)
+        ast.copy_location(child, at)
     return node

@@ -88,6 +88,7 @@ QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
+_ROTARY_CALLS = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")  # the namespace's fused rotary calls
 RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
 RMSNORM_ROPE_CAT = "rmsnorm_rope_complex_cat"  # ... of two streams' q (or k) written into their joint concatenation
 RMSNORM_ROPE_REAL = "rmsnorm_rope_real"  # ... diffusers' RMSNorm + the real-form rotary (HunyuanVideo-1.5)
@@ -254,9 +255,8 @@ class AttentionPasses:
                         "unflatten_later", [value.func.value, *value.args])), node)
                 return node
 
-        rotaries = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")
         last = max((i for i, stmt in enumerate(body)
-                    if any(_ns_call(n, name) for n in ast.walk(stmt) for name in rotaries)), default=None)
+                    if any(_ns_call(n, name) for n in ast.walk(stmt) for name in _ROTARY_CALLS)), default=None)
         if last is None:
             return body
         # only norms before the rotary embedding wait for it (HunyuanVideo-1.5 normalises its text q and k after it)
@@ -284,10 +284,11 @@ class AttentionPasses:
                 elif _ns_call(node, "unflatten_later"):
                     allowed.add(id(node.args[0]))
         reads = _PendingReads(allowed)
-        if not reads.clean(new[:last + 1]):
+        clean = reads.clean(new[:last + 1])
+        if not clean:  # reads in a branch beside a fused rotary run the norm there; any other keeps the norms
             new[:last + 1] = self._materialize_other_branches(new[:last + 1], reads.reads, allowed)
-        if (not _PendingReads(allowed).clean(new[:last + 1]) or self.proofs.dynamic
-                or deferred & self.proofs.captured):
+            clean = _PendingReads(allowed).clean(new[:last + 1])
+        if not clean or self.proofs.dynamic or deferred & self.proofs.captured:
             return body  # a pending name read elsewhere before the rotary (or unseen): the norms run as written
         own = [d for d, _ in deferrals]  # the norms' own statements write nothing (plain RMSNorms, or run in place)
         for d, x in deferrals:  # a pending norm reads its input when its rotary runs: nothing may write it before
@@ -313,10 +314,8 @@ class AttentionPasses:
         beside its interleaved rotary) -> ``materialize(N)``: there the norm runs as written, on the input it was
         deferred with (which the proofs below keep unwritten up to the rotary), and the read is allowed (`allowed`
         gains it); `stmts` with those reads wrapped."""
-        rotaries = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")
-
         def fused(branch: list[ast.stmt]) -> bool:
-            return any(_ns_call(n, name) for stmt in branch for n in ast.walk(stmt) for name in rotaries)
+            return any(_ns_call(n, name) for stmt in branch for n in ast.walk(stmt) for name in _ROTARY_CALLS)
 
         wrap: set[int] = set()
         for node in (n for stmt in stmts for n in ast.walk(stmt)):

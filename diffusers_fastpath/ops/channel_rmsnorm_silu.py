@@ -176,27 +176,25 @@ def _raw_guard(x, denom, gamma, bias, scale, bias_value, silu, probe):
     return None
 
 
-def _vectors(x: torch.Tensor) -> bool:
-    """Whether the kernel runs 16-byte vectors over the contiguous ``[B, C, *]`` x (its rows of trailing elements a
-    multiple of the vector), as csrc/channel_rmsnorm_silu.cu's launch() decides; else one element per thread."""
-    spatial = x.numel() // max(1, x.shape[0] * x.shape[1])
-    return spatial % (_VEC_BYTES // x.element_size()) == 0
+def _vectors(spatial: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs 16-byte vectors over rows of `spatial` elements of `dtype` (a multiple of the vector),
+    as csrc/channel_rmsnorm_silu.cu's launch() decides; else one element per thread."""
+    return spatial % (_VEC_BYTES // dtype.itemsize) == 0
 
 
 def _nvrtc_kernel(x, denom, gamma, bias, scale, bias_value, silu, probe):
     batch, channels = x.shape[:2]
     spatial = x.numel() // max(1, batch * channels)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    vector = _vectors(x)
+    vector = _vectors(spatial, x.dtype)
     vecs = x.numel() * x.element_size() // _VEC_BYTES if vector else x.numel()
     if vecs == 0:
         return out
     device = x.device.index
     blocks = _nvrtc.grid_stride_blocks(device, vecs, _THREADS, _BLOCKS_PER_SM)
     _NVRTC.launch(device, (x.dtype, vector), (blocks, 1, 1), (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(),
-                  denom.data_ptr(),
-                  gamma.data_ptr(), 0 if bias is None else bias.data_ptr(), batch, channels, spatial, scale,
-                  bias_value, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype])
+                  denom.data_ptr(), gamma.data_ptr(), 0 if bias is None else bias.data_ptr(), batch, channels, spatial,
+                  scale, bias_value, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype])
     return out
 
 
@@ -255,14 +253,14 @@ def _signature(norm, x: torch.Tensor):
     time-major) and the bias's kind. The tail is exact by construction; the check is its second line (the kernel is
     new on each GPU kind it meets), the proof covers the SiLU; and whether it runs vectors or elements."""
     bias = getattr(norm, "bias", None)
-    spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])
+    spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])  # the kernel's rows
     return (str(x.dtype).removeprefix("torch."), x.is_contiguous(), isinstance(bias, torch.Tensor),
-            spatial % (_VEC_BYTES // x.element_size()) == 0)  # 16-byte vectors or elements
+            _vectors(spatial, x.dtype))
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:
     """The kernel's SiLU equals eager's on every value of the dtype (the probe mode: y = x, then the SiLU), both ways
-    it runs: 16-byte vectors (rows of 8192) and elements (rows of 8191)."""
+    it runs: 16-byte vectors (rows of 8192) and elements (rows of 8193)."""
     values = every_value(x.dtype, x.device)
     ones = torch.ones(8, dtype=x.dtype, device=x.device)
     denom = torch.ones(1, 1, 8192, dtype=torch.float32, device=x.device)
