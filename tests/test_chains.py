@@ -335,6 +335,27 @@ def test_qk_norms_read_elsewhere_are_left_as_written():
     assert "norm_later" not in inspect.getsource(sub.__call__)
 
 
+class UpcastCastProcessor:
+    """``Q = A.norm_q(Q.float()).to(V.dtype)``: an fp32 norm cast back, a form no fused norm waits on."""
+
+    def __call__(self, attn, hidden_states, text, image_rotary_emb=None):
+        query = attn.to_q(hidden_states).unflatten(-1, (-1, attn.head))
+        key = attn.to_k(hidden_states).unflatten(-1, (-1, attn.head))
+        query = attn.norm_q(query.float()).to(hidden_states.dtype)
+        key = attn.norm_k(key.float()).to(hidden_states.dtype)
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        return query, key
+
+
+def test_an_upcast_qk_norm_cast_back_is_left_as_written_and_not_counted():
+    """The norms of ``A.norm_q(Q.float()).to(V.dtype)`` run as written, and the rewrite does not list them among the
+    QK norms it fused (it did once: they were booked before the form was refused)."""
+    sub, found = fuse(UpcastCastProcessor, "FusedUpcastCastProcessor", __name__, "__call__")
+    assert found.qk_norms == []
+    assert "norm_later" not in inspect.getsource(sub.__call__)
+
+
 class LateTextProcessor:
     """HunyuanVideo-1.5's order in miniature: the image q/k normalised and rotated first, the text q/k projected and
     normalised only after the rotary embedding (inside a later block), then the joint concatenation."""

@@ -36,6 +36,7 @@ FAST = {
     "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual"),
     "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual"),
     "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb"),
+    "sana": ("silu_mul",),  # GLUMBConv's x * silu(gate) on the channel halves of a feature map
 }
 
 

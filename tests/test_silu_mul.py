@@ -59,15 +59,26 @@ def test_rounding_the_silu_matters():
 @pytest.mark.parametrize("case, reason", [
     ("fp32", "dtype float32"), ("mixed", "mixed dtypes"), ("4d", "shape"), ("1d", "shape"),
     ("2d", "device cpu"), ("2d-strided", "rows strided"), ("odd", "D not a multiple of 8"),
-    ("strided", "rows strided"), ("cpu", "device cpu")])
+    ("strided", "rows strided"), ("cpu", "device cpu"), ("map", "device cpu"), ("map-last", "device cpu"),
+    ("map-strided", "shape"), ("map-odd", "D not a multiple of 8"), ("map-size1", "shape"),
+    ("map-mixed", "feature maps laid out differently")])
 def test_guard_falls_back_with_reason(case, reason):
     """Every refusal with its reason and the eager result; packed ``[N, D]`` rows (Cosmos 3) pass the guard as the
-    ``[1, N, D]`` the kernel runs on (here refused for the CPU only)."""
+    ``[1, N, D]`` the kernel runs on (here refused for the CPU only), and so do the channel halves of a feature map
+    (Sana's GLUMBConv) as ``[B, C, H * W]``: not where a sample's strides are not contiguous ones (a transposed map; a
+    size-1 dimension with another stride) or its ``H * W`` is no whole number of 16-byte vectors."""
     gate, up = make_inputs((2, 9, 128), torch.bfloat16, "cpu", 1)
+    fmap = torch.randn(2, 16, 4, 6, dtype=torch.bfloat16)
+    last = torch.randn(2, 4, 6, 16, dtype=torch.bfloat16).permute(0, 3, 1, 2)  # channels last, as Sana's convolutions
+    odd = torch.randn(2, 16, 3, 5, dtype=torch.bfloat16)
+    size1 = torch.randn(800, dtype=torch.bfloat16).as_strided((2, 8, 1, 24), (384, 24, 7, 1))
     args = {
         "fp32": (gate.float(), up.float()), "mixed": (gate, up.half()), "4d": (gate[None], up[None]),
         "1d": (gate[0, 0], up[0, 0]), "2d": (gate[0], up[0]), "2d-strided": (gate[0, :, ::2], up[0, :, ::2]),
         "odd": (gate[..., :60], up[..., :60]), "strided": (gate[..., ::2], up[..., ::2]), "cpu": (gate, up),
+        "map": fmap.chunk(2, dim=1), "map-last": last.chunk(2, dim=1),
+        "map-strided": fmap.transpose(2, 3).chunk(2, dim=1), "map-odd": odd.chunk(2, dim=1),
+        "map-size1": (size1, size1.clone()), "map-mixed": (last.chunk(2, dim=1)[0], fmap.chunk(2, dim=1)[0]),
     }[case]
     assert SILU_MUL.guard(*args) == reason
     site = Site("silu_mul")
@@ -96,9 +107,41 @@ def test_silu_mul_packed_rows_match_eager_bitwise(rows, width, dtype):
     assert site.fast == 1 and not site.fallback, site
 
 
-@pytest.mark.parametrize("layout", ["chunk", "separate"])
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "channels_first"])
+@pytest.mark.parametrize("shape", [(2, 5600, 32, 32), (1, 5600, 64, 64), (2, 16, 3, 8, 8)], ids=str)
+def test_silu_mul_feature_map_halves_match_eager_bitwise(shape, channels_last, dtype):
+    """Sana's GLUMBConv ``x * silu(gate)`` on the ``chunk(2, dim=1)`` halves of a convolution's ``[B, 2C, H, W]``
+    output (Sana 1.6B: 2C = 11200 at 1024² and 2048² latents, channels last as its convolutions give it; channels
+    first; a 5-D map): fast as rows in memory order, every element written (poisoned output), the result laid out as
+    eager's."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    torch.manual_seed(4)
+    x = torch.randn(shape[0], 2 * shape[1], *shape[2:], dtype=dtype, device="cuda")
+    if channels_last:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    up, gate = x.chunk(2, dim=1)
+    ref = up * F.silu(gate)
+    site = Site("silu_mul")
+    got = silu_mul(gate, up, site)
+    assert got.shape == ref.shape and got.stride() == ref.stride() and torch.equal(got, ref)
+    assert site.fast == 1 and not site.fallback, site
+    rows = (lambda t: t.movedim(1, -1).flatten(1, -2)) if channels_last else (lambda t: t.flatten(2))
+    out = torch.full_like(rows(ref.contiguous()), float("nan"))  # poisoned
+    torch.ops.diffusers_fastpath._silu_mul_cuda_out(out, rows(gate), rows(up))
+    assert torch.equal(out, rows(ref))
+
+
+@pytest.mark.parametrize("layout", ["chunk", "separate", "map", "map-last"])
 def test_custom_op_opcheck_cpu(layout):
-    gate, up = make_inputs((2, 9, 128), torch.bfloat16, "cpu", 2, layout)
+    if layout.startswith("map"):  # a feature map's channel halves: the fake lays the result out as the op does
+        x = torch.randn(2, 4, 6, 32, dtype=torch.bfloat16)
+        gate, up = (x.permute(0, 3, 1, 2) if layout == "map-last" else x.transpose(1, 3).contiguous()).chunk(2, dim=1)
+    else:
+        gate, up = make_inputs((2, 9, 128), torch.bfloat16, "cpu", 2, layout)
     torch.library.opcheck(torch.ops.diffusers_fastpath.silu_mul.default, (gate, up))
     assert torch.equal(torch.ops.diffusers_fastpath.silu_mul(gate, up), silu_mul_ref(gate, up))
 

@@ -229,10 +229,10 @@ class AttentionPasses:
                         and value.func.attr in _QK_NORMS and len(value.args) == 1 and not value.keywords
                         and ((isinstance(value.args[0], ast.Name) and value.args[0].id == target)
                              or fp32_norm_input(value, target))):
+                    if cast is not None and not isinstance(value.args[0], ast.Name):
+                        return node  # ``A.norm_q(Q.float()).to(V.dtype)``: no form waits on both; as written
                     deferred.add(target)
                     order.append(value.func.attr)
-                    if cast is not None and not isinstance(value.args[0], ast.Name):
-                        return node
                     if cast is not None:
                         call = _call("norm_later_to", [value.func, value.args[0], cast])
                     elif isinstance(value.args[0], ast.Name):

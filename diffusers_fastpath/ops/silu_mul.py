@@ -15,7 +15,10 @@ input once and writes once (eager: the SiLU reads and writes, the multiply reads
 Shapes: ``gate`` and ``up`` are ``[B, L, D]`` with unit innermost stride and 16-byte aligned rows (any row and batch
 strides that keep them so: the halves of a contiguous ``[B, L, 2D]`` qualify without a copy); the output is
 contiguous. Packed ``[N, D]`` rows (Cosmos 3's feed-forwards over its packed sequence) are taken as ``[1, N, D]``:
-the kernel indexes them the same way, and the result is the ``[N, D]`` view of its output.
+the kernel indexes them the same way, and the result is the ``[N, D]`` view of its output. Channel-split feature maps
+``[B, C, *S]`` (Sana's ``GLUMBConv``: ``x * silu(gate)`` on the ``chunk(2, dim=1)`` halves of a convolution's
+channels-last output) are taken as the kernel's rows in their memory order, ``[B, prod(S), C]`` or ``[B, C, prod(S)]``
+(`_rows_of`), and the result laid out as eager lays it out.
 
 `swiglu_cat` is the same kernel where a concatenation follows the SwiGLU (FLUX.2's parallel single blocks:
 ``torch.cat([attn_output, swiglu(mlp)], dim=-1)`` before the output projection): it writes the SwiGLU straight into
@@ -60,14 +63,41 @@ def act_reason(act: nn.Module | None) -> str | None:
     return None
 
 
+def _rows_of(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The ``[B, L, D]`` rows the kernel runs on, as a view, and whether they are a feature map's channels-last rows.
+
+    Packed ``[N, D]`` rows are ``[1, N, D]``. A feature map ``[B, C, *S]`` (Sana's ``GLUMBConv`` halves) is
+    ``[B, C, prod(S)]`` where its spatial dimensions collapse into one of unit stride (channels first), or
+    ``[B, prod(S), C]`` where its channels have unit stride and its spatial dimensions collapse (channels last: the
+    convolutions' output for a permuted ``[B, H, W, C]`` input). Eager lays its result out in that same order (its
+    elementwise kernels order dimensions by the inputs' strides), which is the order of the kernel's contiguous rows,
+    as long as no dimension but the batch has size 1 (an ambiguous stride) and the batch is outermost: otherwise the
+    tensor is returned as it is (and the guard refuses it for its shape)."""
+    if t.dim() == 2:
+        return t.unsqueeze(0), False
+    if t.dim() <= 3 or 1 in t.shape[1:] or t.stride(0) < max(st * n for st, n in zip(t.stride()[1:], t.shape[1:])):
+        return t, False
+    last = t.stride(1) == 1
+    spatial = t.movedim(1, -1) if last else t
+    lo, hi = (1, t.dim() - 2) if last else (2, t.dim() - 1)  # the spatial dimensions of `spatial`
+    if not last and spatial.stride(hi) != 1:
+        return t, False
+    if any(spatial.stride(i) != spatial.stride(i + 1) * spatial.shape[i + 1] for i in range(lo, hi)):
+        return t, False
+    return spatial.flatten(lo, hi), last
+
+
 def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None,
            check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     reason = act_reason(act)
     if reason is not None:
         return reason
-    if gate.dim() == 2 and up.dim() == 2:  # packed rows: the [1, N, D] the kernel runs on (`_kernel`)
-        gate, up = gate.unsqueeze(0), up.unsqueeze(0)
+    if gate.dim() != up.dim() or gate.shape != up.shape:
+        return "shape"
+    (gate, last), (up, up_last) = _rows_of(gate), _rows_of(up)  # packed rows, feature maps: the kernel's [B, L, D]
+    if last is not up_last:
+        return "feature maps laid out differently"
     dtype = gate.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
@@ -132,9 +162,20 @@ def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     global _cuda_op
     if _cuda_op is None:
         _cuda_op = launcher(_nvrtc_kernel, "_silu_mul_cuda")
-    if gate.dim() == 2:  # packed [N, D] rows (the guard took them): the kernel's [1, N, D], viewed back
-        return _cuda_op(gate.unsqueeze(0), up.unsqueeze(0))[0]
-    return _cuda_op(gate, up)
+    if gate.dim() == 3:
+        return _cuda_op(gate, up)
+    # packed rows or a feature map (the guard took them): the kernel's [B, L, D], viewed back in eager's layout
+    (rows, last), (up_rows, _) = _rows_of(gate), _rows_of(up)
+    out = _cuda_op(rows, up_rows)
+    return out.view(gate.shape[0], *gate.shape[2:], gate.shape[1]).movedim(-1, 1) if last else out.view(gate.shape)
+
+
+def _new_out(gate: torch.Tensor) -> torch.Tensor:
+    """An output for `gate`'s product laid out as `_kernel` lays it out (a channels-last feature map's channels last,
+    else contiguous): what torch.compile is told (the fake) and what its op returns either way."""
+    if gate.dim() > 3 and _rows_of(gate)[1]:
+        return gate.new_empty(gate.shape[0], *gate.shape[2:], gate.shape[1]).movedim(-1, 1)
+    return gate.new_empty(gate.shape)
 
 
 def _nvrtc_kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -165,14 +206,14 @@ def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # torch.compile emits this op only for dtypes already proven (see FusedOp).
     if _guard(gate, up) is None:
         return _kernel(gate, up)
-    return silu_mul_ref(gate, up).contiguous()
+    return _new_out(gate).copy_(silu_mul_ref(gate, up))
 
 
 @_silu_mul_op.register_fake
 def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    torch._check(gate.dim() in (2, 3) and up.shape == gate.shape,
-                 lambda: "silu_mul: gate and up must be one [B, S, D] (or [N, D])")
-    return gate.new_empty(gate.shape)
+    torch._check(gate.dim() >= 2 and up.shape == gate.shape,
+                 lambda: "silu_mul: gate and up must be one [B, S, D] (or [N, D], or [B, C, *S])")
+    return _new_out(gate)
 
 
 def _signature(gate: torch.Tensor, up: torch.Tensor, act=None):
