@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import diffusers_fastpath as fp
 from diffusers_fastpath import bench
 from diffusers_fastpath.bench.cli import _check_args, _parser
 from diffusers_fastpath.bench.levels.profile import idle_gaps
@@ -611,13 +612,72 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
     assert [r["shape"][2:] for r in rows if r["op"].startswith("rmsnorm")] == [[4096, 64], [512, 64]]
 
 
-def test_bench_kernels_level_names_the_families_it_covers(tmp_path):
-    """A model without kernel cases at its shapes says so (and the profile level is what times its kernels)."""
+@pytest.mark.gpu
+def test_bench_kernels_recorded_from_a_zoo_step_are_equal(tmp_path):
+    """The kernels level of models without hand-written cases: the fused calls of one lossless step, each kernel
+    equal to its eager reference (outputs poisoned through the allocator), timed as replayed graphs, counted per
+    step."""
+    for model, ops in (("zoo:flux3-tiny", {"layernorm_modulate", "gated_residual", "silu_mul"}),
+                       ("zoo:sana-tiny", {"layernorm_scale_shift", "gated_residual", "silu_mul"}),
+                       ("zoo:wan-vace-tiny", {"layernorm_scale_shift_fp32", "gated_residual_fp32"})):
+        path = tmp_path / "k.json"
+        assert bench.main(["--model", model, "--levels", "kernels", "--no-progress", "--json", str(path)]) == 0
+        kern = json.loads(path.read_text())["kernels"]
+        assert kern["ran"] and ops <= {r["op"] for r in kern["rows"]}, (model, kern["rows"])
+        assert all(r["equal"] and r["source"] == "recorded" and r["calls"] >= 1 for r in kern["rows"]), kern["rows"]
+        assert all(r["fused_us"] > 0 and r["pct_of_copy"] > 0 for r in kern["rows"]), kern["rows"]
+
+
+def test_bench_kernels_level_says_it_needs_cuda(tmp_path):
+    """On a CPU the kernels level runs nothing and says why (the fused kernels are CUDA kernels)."""
     path = tmp_path / "z.json"
     assert bench.main(["--model", "z-image-tiny", "--levels", "kernels", "--no-progress", "--height", "64",
                        "--width", "64", "--json", str(path)]) == 0
     kern = json.loads(path.read_text())["kernels"]
-    assert kern["ran"] is False and "SD3 and SD3.5" in kern["reason"] and not kern["rows"]
+    assert kern["ran"] is False and "CUDA" in kern["reason"] and not kern["rows"]
+
+
+def test_recorded_kernel_cases_are_the_steps_own_calls(emulated_kernels, unpatch_after):
+    """A model without hand-written cases (a zoo class) gets its kernel cases from one lossless step: a case per
+    signature of the calls whose kernel ran, counted per step, its inputs copies of the recorded ones with their
+    strides and offsets (a chunk view stays a view of a storage of its own), eager == fused on every input set
+    (kernels emulated here); past the byte budget, calls are counted and not kept."""
+    from diffusers_fastpath.bench.levels.kernels_recorded import copy_like, record_step, recorded_cases, recording
+    from diffusers_fastpath.bench.subject import Subject
+    from diffusers_fastpath.testing import zoo
+
+    model = zoo.build("flux3", dtype=torch.bfloat16)
+    inputs = zoo.inputs("flux3", model)
+    inputs.pop("return_dict", None)
+    subject = Subject("zoo:flux3-tiny", "other", model, inputs)
+    with torch.no_grad():
+        rec = record_step(subject)
+        assert type(model).__name__ == "Flux3Transformer2DModel"  # unpatched after the recorded step
+        ops = {name for name, _ in rec.calls}
+        assert {"layernorm_modulate", "gated_residual", "silu_mul"} <= ops, ops
+        total = sum(entry[2] for entry in rec.calls.values())
+        assert total > len(rec.calls) and not rec.dropped  # blocks repeat their signatures
+        for case, count in recorded_cases(rec):
+            assert count >= 1 and len(case.sets) >= 2 and case.nbytes > 0
+            for s in case.sets[:2]:
+                assert _same_numbers(case.fused(*s), case.eager(*s)), case.op
+                assert _same_numbers(case.checked(*s), case.eager(*s)), case.op
+        base = torch.randn(2, 6 * 16, dtype=torch.bfloat16)
+        view = base.chunk(6, dim=1)[3]
+        copy = copy_like(view)
+        assert (copy.stride(), copy.storage_offset(), copy.shape) == (view.stride(), view.storage_offset(), view.shape)
+        assert torch.equal(copy, view) and copy.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+        fp.patch(model, verify=False)
+        unpatch_after(model)
+        with recording(budget_bytes=0) as rec:
+            model(**inputs)
+        assert not rec.calls and sum(rec.dropped.values()) == total, rec.dropped
+
+
+def _same_numbers(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_numbers(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
 
 
 @pytest.mark.gpu

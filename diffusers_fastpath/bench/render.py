@@ -260,6 +260,11 @@ def markdown(result: dict[str, Any]) -> str:
                  _fmt(r["eager_us"]), _fmt(r["fused_us"]),
                  f"{r['speedup']:.2f}x", _fmt(r["fused_GBps"], ".0f"), _fmt(r["copy_GBps"], ".0f"),
                  f"{r['pct_of_copy']:.0f}%", _fmt(r["equal"])] for r in kern["rows"]]
+        if any("calls" in r for r in kern["rows"]):  # recorded from a step (`kernels_recorded`): its calls of each
+            header.append("calls / step")
+            for row, r in zip(body, kern["rows"]):
+                row.append(str(r.get("calls", "")))
+            lines += [f"Recorded from one lossless step of this model: {kern.get('note', '')}.", ""]
         lines += _table(header, body) + [""]
         if kern["host_us_per_call"]:
             lines += _table(["host cost per call", "µs"],
