@@ -603,13 +603,16 @@ def host_us_per_call(sh: Shapes, calls: int = 2000) -> dict[str, float]:
 
 
 def run_kernels(subject: Subject, args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
+    """The hand-written cases of `subject`'s family (`KERNEL_FAMILIES`; any other model's are recorded from a step of
+    it: `kernels_recorded.run_recorded`, which the runner calls instead)."""
+    if subject.family not in KERNEL_FAMILIES:
+        return dict(ran=False, reason=f"no hand-written kernel cases for {subject.name} (kernels_recorded has them)",
+                    rows=[], host_us_per_call={})
     if device.type != "cuda":
         return dict(ran=False, reason="needs CUDA (the fused kernels are CUDA kernels)", rows=[], host_us_per_call={})
     from ...ops._build import load_extension
 
     load_extension()
-    if subject.family not in KERNEL_FAMILIES:  # the ops' calls of one lossless step of this very model
-        return _run_recorded(subject, show)
     cfg = subject.transformer.config
     hidden = cfg.hidden_size if subject.family == "ernie" else cfg.num_attention_heads * cfg.attention_head_dim
     image_tokens = (subject.step_inputs["hidden_states"].shape[1] if subject.family in PACKED_FAMILIES
@@ -626,20 +629,3 @@ def run_kernels(subject: Subject, args: argparse.Namespace, device: torch.device
             bar.update()
     return dict(ran=True, reason=None, rows=rows, host_us_per_call=host_us_per_call(sh))
 
-
-def _run_recorded(subject: Subject, show: bool) -> dict[str, Any]:
-    """The kernels level from the fused calls one lossless step of `subject` makes (`kernels_recorded`): a row per
-    signature, with its calls per step (``calls``) and ``source: "recorded"``."""
-    from .kernels_recorded import record_step, recorded_cases
-
-    rec = record_step(subject)
-    rows = []
-    with progress(len(rec.calls), "kernels", show) as bar:
-        for case, count in recorded_cases(rec):
-            rows.append(dict(_kernel_row(case), calls=count, source="recorded"))
-            del case
-            bar.update()
-    dropped = (f"; calls past the recording budget, not timed: {rec.dropped}" if rec.dropped else "")
-    reason = None if rows else f"no fused call ran in a lossless step of {subject.name}" + dropped
-    return dict(ran=bool(rows), reason=reason, rows=rows, host_us_per_call={}, dropped=rec.dropped,
-                note="recorded from one lossless step" + dropped)

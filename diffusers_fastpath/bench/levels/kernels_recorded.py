@@ -11,6 +11,7 @@ byte budget; calls past it are counted, not timed.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from ...ops._policy import FusedOp, capturing
-from .kernels import KernelCase, _input_sets
+from ..timing import progress
+from .kernels import KernelCase, _input_sets, _kernel_row
 
 
 @dataclass
@@ -141,3 +143,24 @@ def record_step(subject, show: bool = False) -> Recorded:
     finally:
         fp.unpatch(subject.transformer)
     return rec
+
+
+def run_recorded(subject, args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
+    """The kernels level from the fused calls one lossless step of `subject` makes: a row per signature
+    (`kernels._kernel_row`), with its calls per step (``calls``) and ``source: "recorded"``."""
+    if device.type != "cuda":
+        return dict(ran=False, reason="needs CUDA (the fused kernels are CUDA kernels)", rows=[], host_us_per_call={})
+    from ...ops._build import load_extension
+
+    load_extension()
+    rec = record_step(subject)
+    rows = []
+    with progress(len(rec.calls), "kernels", show) as bar:
+        for case, count in recorded_cases(rec):
+            rows.append(dict(_kernel_row(case), calls=count, source="recorded"))
+            del case
+            bar.update()
+    dropped = f"; calls past the recording budget, not timed: {rec.dropped}" if rec.dropped else ""
+    reason = None if rows else f"no fused call ran in a lossless step of {subject.name}" + dropped
+    return dict(ran=bool(rows), reason=reason, rows=rows, host_us_per_call={}, dropped=rec.dropped,
+                note="recorded from one lossless step" + dropped)
