@@ -19,11 +19,11 @@ CONTIGUOUS = ("wan-vace", "skyreels-v2", "chronoedit")
 
 
 # the ops each of these classes' tiny config runs fused (emulated on a CPU) through the rewriter's forms for the 2026
-# models (the gates computed as written, the modulate-rows form, the SwiGLU either way round, packed rows) and at a
-# width the wide RMSNorm kernels take (640)
+# models (the gates computed as written, the modulate-rows form, the SwiGLU either way round, packed rows), at a
+# width the wide RMSNorm kernels take (640), and diffusers' RMSNorm modules that run alone (`rmsnorm`)
 FAST = {
     "minimax-h3": ("gated_residual", "modulate_scale_shift", "silu_mul"),
-    "cosmos3": ("silu_mul",),
+    "cosmos3": ("silu_mul", "rmsnorm"),  # its pre-norms and QK norms: diffusers' RMSNorm, alone
     "stable-audio-3": ("gated_residual", "silu_mul"),
     "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined
     "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "qk_norm_rows_rope"),  # annotated rotary
@@ -33,8 +33,8 @@ FAST = {
     "nucleus-moe": ("gated_residual", "silu_mul"),
     "lumina-next": ("rmsnorm_scale", "rmsnorm_gated_residual"),
     "ace-step": ("rmsnorm_scale",),
-    "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual"),
-    "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual"),
+    "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
+    "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
     "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb"),
     "sana": ("silu_mul",),  # GLUMBConv's x * silu(gate) on the channel halves of a feature map
 }

@@ -1,6 +1,6 @@
-"""rmsnorm (diffusers' RMSNorm alone over short rows: SD3 and SD3.5's QK norms): the reference is diffusers' forward,
-the bit-exact contract on the GPU at SD3.5's shapes (the [B, H, S, D] views of its projections, the result in their
-strides), guards, fallback and custom op everywhere."""
+"""rmsnorm (diffusers' RMSNorm alone: SD3 and SD3.5's QK norms over short rows; the generic path's pre-norms over wide
+rows): the reference is diffusers' forward, the bit-exact contract on the GPU at SD3.5's shapes (the [B, H, S, D] views
+of its projections, the result in their strides) and at wide rows, guards, fallback and custom op everywhere."""
 
 from __future__ import annotations
 
@@ -60,8 +60,35 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, transposed):
     assert RMSNORM.disabled is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 4429, 4096), (2, 1024, 3072), (1, 300, 640), (1, 17, 7936), (3, 77, 5120),
+                                   (1, 4096, 18, 256), (2, 333, 4, 384), (1, 999, 512)], ids=str)
+def test_wide_rows_match_eager_bitwise_on_the_gpu(shape, dtype):
+    """Rows longer than 128, a multiple of 128 below 8192: pre-norms across a whole row (Cosmos 3's hidden 4096),
+    Ideogram 4's QK norms at head_dim 256, 384 and 512: the kernel's output poisoned, every element written and equal
+    to diffusers' forward; through the op, fast and verified for (dtype, D)."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    with torch.no_grad():
+        for seed in range(2):
+            norm, x = make(shape, dtype, "cuda", seed, transposed=False)
+            ref = norm(x)
+            out = torch.full_like(x.reshape(-1, 1, shape[-1]), float("nan"))
+            out.copy_(torch.ops.diffusers_fastpath._rmsnorm_plain_cuda(x.reshape(-1, 1, shape[-1]), norm.weight,
+                                                                       norm.eps))
+            assert torch.equal(out.view(shape), ref)
+            site = Site("rmsnorm")
+            assert torch.equal(rmsnorm(norm, x, site), ref)
+            assert site.fast == 1 and not site.fallback, site
+    assert RMSNORM.disabled is None and (str(dtype).removeprefix("torch."), shape[-1]) in RMSNORM.verified
+
+
 @pytest.mark.parametrize("case, reason", [
     ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
+    ("wide", "device cpu"), ("wide-256", "device cpu"), ("wide-8192", "D outside the reproduced reduction"),
+    ("wide-odd", "D outside the reproduced reduction"),
     ("odd", "D outside the reproduced reduction"), ("few", "fewer than 16 rows"), ("strided", "x not dense"),
     ("bias", "norm without weight or with bias"), ("cpu", "device cpu")])
 def test_guard_falls_back_with_reason(case, reason):
@@ -71,9 +98,12 @@ def test_guard_falls_back_with_reason(case, reason):
     elif case == "weight":
         norm = norm.float()
     elif case == "dim":
-        norm, x = make((1, 9, 4, 256), torch.bfloat16, "cpu", 1)
+        norm, x = make((1, 9, 4, 192), torch.bfloat16, "cpu", 1)
     elif case == "odd":
         norm, x = make((1, 9, 4, 66), torch.bfloat16, "cpu", 1)
+    elif case.startswith("wide"):  # a pre-norm's [B, S, D]: wide rows, a multiple of 128 with 512 < D < 8192
+        dim = {"wide": 1024, "wide-256": 256, "wide-8192": 8192, "wide-odd": 1000}[case]
+        norm, x = make((1, 20, dim), torch.bfloat16, "cpu", 1, transposed=False)
     elif case == "few":
         norm, x = make((1, 3, 2, 64), torch.bfloat16, "cpu", 1)
     elif case == "strided":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers.models import embeddings
-from diffusers.models.normalization import FP32LayerNorm, RMSNorm
+from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
@@ -21,6 +21,7 @@ from ..ops.layernorm_modulate import name_site
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
 from ._chain_qk_fp32 import is_zero_centred
+from ._qk_norms import is_diffusers_rmsnorm
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
@@ -78,7 +79,7 @@ def _float_is_exact(update: torch.Tensor, gate: torch.Tensor) -> bool:
 
 def _rms_qk_norm_unfit(norm: nn.Module) -> str | None:
     """Why a pending QK norm cannot run inside `rmsnorm_rope_complex` or `rmsnorm_rope_real`, or ``None``."""
-    if type(norm) is not RMSNorm:
+    if not is_diffusers_rmsnorm(norm):
         return f"{type(norm).__name__} is not diffusers' RMSNorm"
     if hooked(norm):
         return "norm has hooks"
@@ -423,7 +424,7 @@ class _ChainsNamespace:
             return norm_modulate(norm, x, scale[:, 0], shift[:, 0], site)  # the same products and sums, per element
         if isinstance(norm, nn.LayerNorm) and tensors and scale.dim() == shift.dim() == 3:
             return layernorm_modulate(norm, x, scale, shift, site)  # per-token rows (FLUX.3; its guard says the rest)
-        if type(norm) is RMSNorm and tensors:  # LTX-Video: per-token rows, all in x's dtype (hooks: the op refuses)
+        if is_diffusers_rmsnorm(norm) and tensors:  # LTX-Video: per-token rows, all in x's dtype (hooks: the op refuses)
             return rmsnorm_modulate(norm, x, scale, shift, site)
         if site is not None:  # (the numbers are eager's; the site says why nothing ran fused)
             site.fallback["norm not a LayerNorm or diffusers RMSNorm, or rows not tensors"] += 1
@@ -466,7 +467,7 @@ class _ChainsNamespace:
                 txt, img = (x.txt, x.img) if isinstance(x, _CatLater) else (None, x)
                 return qk_norm_rope(txt and txt.norm, txt and txt.x, img.norm, img.x, freqs[0], freqs[1], qk_site,
                                     site)
-            if tables and isinstance(x, _NormLater) and type(x.norm) is RMSNorm:
+            if tables and isinstance(x, _NormLater) and is_diffusers_rmsnorm(x.norm):
                 # diffusers' RMSNorm (HunyuanVideo-1.5, Bria-FIBO's single blocks): its own fused op
                 reason = _rms_qk_norm_unfit(x.norm)
                 if reason is None:
@@ -619,13 +620,13 @@ class _ChainsNamespace:
     @staticmethod
     def rms_scale(norm, x, scale, site):
         # the op refuses a hooked norm (counted) and runs this very expression
-        if not (type(norm) is RMSNorm and isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor)):
+        if not (is_diffusers_rmsnorm(norm) and isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor)):
             return norm(x) * scale
         return rmsnorm_scale(norm, x, scale, site)
 
     @staticmethod
     def rms_gated_residual(norm, residual, gate, x, site):
-        if not (type(norm) is RMSNorm and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
+        if not (is_diffusers_rmsnorm(norm) and all(isinstance(t, torch.Tensor) for t in (residual, gate, x))):
             return residual + gate * norm(x)
         return rmsnorm_gated_residual(norm, residual, gate, x, site)
 
@@ -653,7 +654,7 @@ class _ChainsNamespace:
     def norm_later(norm, x):
         # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_real`
         # before the real-form rotary, `rmsnorm_rope_complex` before the complex one); any other runs here, as written
-        if isinstance(x, torch.Tensor) and (type(norm) in (nn.RMSNorm, RMSNorm) or is_zero_centred(norm)):
+        if isinstance(x, torch.Tensor) and (type(norm) is nn.RMSNorm or is_diffusers_rmsnorm(norm) or is_zero_centred(norm)):
             return _NormLater(norm, x)  # (Krea 2's zero-centred norm: `qk_norm_rope_zero_centred`)
         return norm(x)
 
@@ -662,7 +663,7 @@ class _ChainsNamespace:
         # Qwen-Image 2.1's ``norm(x).to(dtype)``: waits as `norm_later` where the cast is provably none (x of that half
         # dtype, an RMSNorm whose weight is of it or absent: its result has the dtype, and ``.to`` returns that very
         # tensor); any other runs here, as written
-        if (isinstance(x, torch.Tensor) and type(norm) in (nn.RMSNorm, RMSNorm) and x.dtype == dtype
+        if (isinstance(x, torch.Tensor) and (type(norm) is nn.RMSNorm or is_diffusers_rmsnorm(norm)) and x.dtype == dtype
                 and dtype in (torch.float16, torch.bfloat16)
                 and (getattr(norm, "weight", None) is None or norm.weight.dtype == dtype)):
             return _NormLater(norm, x)

@@ -16,7 +16,9 @@ adapter reads them from it:
   So a model that copies one of them ("Copied from" in diffusers) gets its kernel, and one that changes a character
   of it does not.
 - which of a block's methods is a modulate method this package has a fused counterpart for (`_norm_methods`: Qwen-Image
-  2.1's scale-only ``_modulate``), known the same way, by the digest of its installed code.
+  2.1's scale-only ``_modulate``), known the same way, by the digest of its installed code;
+- which modules are diffusers' ``RMSNorm`` anywhere in the model: each runs as the fused, self-verified norm
+  (`_qk_norms.patch_rmsnorms`; a chain that fuses the norm with what follows still does so).
 
 Nobody has vouched for such a model by hand, so its first forward of each input signature runs both ways and is
 compared bit for bit (`diffusers_fastpath.verify`); a mismatch unpatches it with one warning naming the first module
@@ -49,6 +51,7 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
+from ._qk_norms import patch_rmsnorms
 from .._source import definition, normalized_digest
 from ._norm_methods import FUSED, norm_method_hints
 
@@ -306,6 +309,9 @@ def patch_generic(model: nn.Module, state: PatchState, name: str, verify: bool |
         if fused is not None:
             replace_processors(state, model, tuple({type(a) for a in attentions}), cls, fused)
     swapped = sum(1 for r in state.records if r[0] in ("class", "processor"))
+    # diffusers' RMSNorm modules, wherever they are: the fused, self-verified norm (`_qk_norms.patch_rmsnorms`)
+    if norms := patch_rmsnorms(model, state):
+        state.notes.append(f"generic path: {norms} diffusers RMSNorm modules run as the fused rmsnorm")
     if swapped == 0:
         state.notes.append("generic path: no chain of this model matched a pattern; it runs as diffusers wrote it")
     state.notes.append(f"patched by the generic path ({swapped} modules and processors rewritten)")

@@ -1,23 +1,28 @@
-"""diffusers' ``RMSNorm`` alone over short rows (a QK norm over each head: SD3 and SD3.5's ``attn.norm_q``,
-``norm_k``, ``norm_added_q``, ``norm_added_k``, head_dim 64), in one pass, bit-identical to its forward::
+"""diffusers' ``RMSNorm`` alone, in one pass, bit-identical to its forward::
 
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     y = (x * torch.rsqrt(variance + eps)).to(T) * weight          # T = bf16 or fp16, the weight's dtype
 
 seven eager kernels (the fp32 copy, the square, the mean, the add, the rsqrt, the multiply and cast, the weight),
-each reading or writing the whole q or k in fp32, against one that reads it once in T and writes it once.
+each reading or writing the whole input in fp32, against one that reads it once in T and writes it once. Short rows
+are QK norms over each head (SD3 and SD3.5's ``attn.norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k``, head_dim
+64; head_dim 128; Ideogram 4's 256); wide rows are the pre-norms that no fused chain takes (the generic path's
+`FastpathRMSNorm` swap: Cosmos 3's ``input_layernorm`` / ``post_attention_layernorm``, Bria FIBO 2's).
 
 The kernel is ``csrc/rmsnorm_scale_shift.cu``'s with the ``kPlain`` epilogue. For rows shorter than 128 aten's
 reduce kernel does not vectorise its input (Reduce.cuh: ``dim0 >= 128``): each of 32 lanes keeps one accumulator
 per element ``l + 32 k`` and combines them in order, then the shuffle-down tree; rows of 128 are the vectorised
-order of `rmsnorm_rope_complex`. The order is a property of the aten build, so the op verifies itself: the first
-fast call of each (dtype, D) is compared with eager by ``torch.equal``; a mismatch disables it for the process with
-one warning and runs the norm as written.
+order of `rmsnorm_rope_complex`; longer rows (a multiple of 128 with 128 < D < 8192) the vectorised order of the
+sandwich norms' `rmsnorm_scale` (the same kernel loop, measured against aten at D = 4096; for D > 128 aten's
+setReduceConfig vectorises the input by 4 and gives each row one warp of 32 lanes up to D / 128 < 64 quads per
+lane, the same configuration at every such D, so 256 to 512 take that order too). The order is a property of the
+aten build, so the op verifies itself: the first fast call of each (dtype, D) is compared with eager by
+``torch.equal``; a mismatch disables it for the process with one warning and runs the norm as written.
 
 ``x`` may be any dense layout with unit innermost stride (SD3's processors normalise ``[B, H, S, D]`` views of
 ``[B, S, H, D]`` projections): the kernel runs over the rows in memory order and the result has ``x``'s strides, as
-eager's has. The guard admits 32 <= D < 128 with D a multiple of 4, and D = 128; at least 16 rows; fp16/bf16 ``x``
-with a weight of its dtype and no bias; no autograd.
+eager's has. The guard admits 32 <= D < 128 with D a multiple of 4, and multiples of 128 below 8192; at least 16 rows;
+fp16/bf16 ``x`` with a weight of its dtype and no bias; no autograd.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     if x.dim() < 2:
         return "shape"
     dim = x.shape[-1]
-    if not (dim == 128 or (32 <= dim < 128 and dim % 4 == 0)):
+    if not (dim == 128 or (32 <= dim < 128 and dim % 4 == 0) or (dim % 128 == 0 and 128 < dim < 8192)):
         return "D outside the reproduced reduction"
     rows = x.numel() // dim
     if rows < 16:
@@ -127,8 +132,8 @@ RMSNORM = FusedOp(
 
 
 def rmsnorm(norm, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
-    """``norm(x)`` for a diffusers ``RMSNorm`` over short rows (a QK norm), fused on CUDA (self-verified) and
-    bit-identical to eager everywhere.
+    """``norm(x)`` for a diffusers ``RMSNorm`` (a QK norm over each head, or a wide pre-norm), fused on CUDA
+    (self-verified) and bit-identical to eager everywhere.
 
     Args:
         norm: a diffusers ``RMSNorm`` (weight, no bias), e.g. SD3's ``attn.norm_q``.
