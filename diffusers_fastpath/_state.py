@@ -32,6 +32,21 @@ BACKEND_ATTRS = ("_attention_backend", "_parallel_config")
 
 _MISSING = object()
 
+# Set while a model runs "as diffusers wrote it" (`verify.as_written`), in this thread: every rewritten forward then
+# calls the function it was made from, and a swapped module's fused forward its base class's. The class swap alone
+# does not reach a forward that another library bound before (diffusers' hooks keep the bound method they wrap).
+_AS_WRITTEN = threading.local()
+
+
+def as_written_active() -> bool:
+    """Whether this thread runs a model as diffusers wrote it now (`verify.as_written`)."""
+    return getattr(_AS_WRITTEN, "depth", 0) > 0
+
+
+def enter_as_written(delta: int) -> None:
+    """`verify.as_written`'s flag: +1 on entry, -1 on exit (nested runs keep it set)."""
+    _AS_WRITTEN.depth = getattr(_AS_WRITTEN, "depth", 0) + delta
+
 
 def site_attr(name: str | None = None) -> str:
     """The attribute that holds a module's site named `name` (``None``: its one unnamed site)."""

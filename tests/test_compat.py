@@ -68,11 +68,13 @@ FAMILIES = {
     "sd3": (lambda dtype, seed: build_sd3_transformer(dtype=dtype, seed=seed, num_layers=2),
             sd3_transformer_inputs, "hidden_states"),
     # the generic path (no family adapter; verified on the first forward of each input signature): Wan VACE (Wan's
-    # blocks, its stream taken in memory order) and HunyuanVideo Framepack (HunyuanVideo's blocks)
+    # blocks, its stream taken in memory order), HunyuanVideo Framepack (HunyuanVideo's blocks), and the 2026 forms:
+    # FLUX.3 (per-token LayerNorm rows, fp32 QK norms), Qwen-Image 2.1 (its modulate method, QK norms inlined from a
+    # helper; group offloading after `patch` once crashed its reference run), LTX-2 (video + audio, rows rotary)
     **{name: (lambda dtype, seed, name=name: zoo.build(name, dtype=dtype, seed=seed),
               lambda model, seed, name=name, **kwargs: {k: v for k, v in zoo.inputs(name, model, seed=seed, **kwargs).items()
                                                        if k != "return_dict"}, "hidden_states")
-       for name in ("wan-vace", "hunyuan-framepack")},
+       for name in ("wan-vace", "hunyuan-framepack", "flux3", "qwen-image-21", "ltx2")},
 }
 
 

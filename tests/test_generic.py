@@ -106,17 +106,22 @@ def test_own_transformer_is_patched_generically_and_verified(emulated_kernels, u
     assert again.shape == out.shape
 
 
-def test_planted_mismatch_is_caught_on_first_forward_and_unpatches(emulated_kernels, fastpath_log, monkeypatch):
+def _plant_one_element_off(monkeypatch) -> None:
+    """The gated residual's (emulated) kernel, made to differ from eager in one element."""
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL
 
     right = GATED_RESIDUAL.kernel
 
     def one_element_off(residual, gate, update):
         out = right(residual, gate, update)
-        out.view(-1)[7] = out.view(-1)[7] * 2 + 1  # a kernel that differs in one element
+        out.view(-1)[7] = out.view(-1)[7] * 2 + 1
         return out
 
     monkeypatch.setattr(GATED_RESIDUAL, "kernel", one_element_off)
+
+
+def test_planted_mismatch_is_caught_on_first_forward_and_unpatches(emulated_kernels, fastpath_log, monkeypatch):
+    _plant_one_element_off(monkeypatch)
     model = _tiny()
     kwargs = _inputs()
     with torch.no_grad():
@@ -133,6 +138,27 @@ def test_planted_mismatch_is_caught_on_first_forward_and_unpatches(emulated_kern
     assert "failed verification" in str(fp.report(model))
     with torch.no_grad():
         assert torch.equal(model(**kwargs)[0], ref)  # unpatched for good: the planted kernel no longer runs
+
+
+def test_planted_mismatch_is_caught_through_hooks_added_after_patch(emulated_kernels, fastpath_log, monkeypatch):
+    """A diffusers hook registered on the blocks after `patch` (group offloading, layerwise casting do so) keeps the
+    block's patched forward bound: the reference run must still compute as diffusers wrote it (the rewritten forward
+    calls its original there, `_state.as_written_active`), or it would compare the patched code with itself."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    _plant_one_element_off(monkeypatch)
+    model = _tiny()
+    kwargs = _inputs()
+    with torch.no_grad():
+        ref = model(**kwargs)[0]
+    fp.patch(model)
+    for block in model.transformer_blocks:  # a pass-through hook: it binds the patched forward it wraps
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(ModelHook(), "pass_through")
+    with torch.no_grad():
+        out = model(**kwargs)[0]
+    assert torch.equal(out, ref)
+    assert STATE_ATTR not in model.__dict__  # caught: unpatched
+    assert "failed verification" in str(fp.report(model))
 
 
 def test_verification_can_be_skipped(emulated_kernels, unpatch_after, monkeypatch):

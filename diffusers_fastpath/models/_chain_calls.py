@@ -25,6 +25,7 @@ from ._qk_norms import is_diffusers_rmsnorm
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
+from .._state import as_written_active
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -61,13 +62,14 @@ def register_complex_rotary(fn, per_sample: bool = False) -> None:
     COMPLEX_ROTARIES[fn] = 3 if per_sample else 2
 
 
-INLINED: list = []  # (original forward, ((module globals, name, function, code), ...)) per inlining rewrite
+ORIGINALS: list = []  # (original forward, ((module globals, name, function, code), ...)) per rewrite
 
 
-def register_inlined(original, helpers: dict) -> int:
-    """The key `_ChainsNamespace.stale` checks for a forward rewritten with `helpers` (name -> function) inlined."""
-    INLINED.append((original, tuple((original.__globals__, name, fn, fn.__code__) for name, fn in helpers.items())))
-    return len(INLINED) - 1
+def register_original(original, helpers: dict) -> int:
+    """The key `_ChainsNamespace.stale` checks for a forward rewritten from `original` with `helpers` (name ->
+    function) inlined (none, for most)."""
+    ORIGINALS.append((original, tuple((original.__globals__, name, fn, fn.__code__) for name, fn in helpers.items())))
+    return len(ORIGINALS) - 1
 
 
 def _float_is_exact(update: torch.Tensor, gate: torch.Tensor) -> bool:
@@ -344,9 +346,13 @@ class _ChainsNamespace:
 
     @staticmethod
     def stale(key):
-        # a forward rewritten with helper functions inlined (`_chain_inline`): its original where its module no longer
-        # holds one of them with that code (replaced after `patch`), so that it runs as written; else None
-        original, helpers = INLINED[key]
+        # a rewritten forward's original, where it must run as written: while the model runs as diffusers wrote it
+        # (`_state.as_written_active`: the verification's reference run, which a forward bound by another library's
+        # hook would otherwise not leave), or where its module no longer holds one of the helper functions inlined
+        # into it (`_chain_inline`) with that code (replaced after `patch`); else None
+        original, helpers = ORIGINALS[key]
+        if as_written_active():
+            return original
         for globals_, name, fn, code in helpers:
             if globals_.get(name) is not fn or fn.__code__ is not code:
                 return original

@@ -61,7 +61,7 @@ from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
-from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_inlined
+from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original
 from ._chain_inline import Inliner
 from .._source import source_of
 from ._chain_proofs import Proofs
@@ -97,6 +97,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     (func,) = tree.body
     if not isinstance(func, ast.FunctionDef):
         return None
+    if any(isinstance(n, ast.Name) and n.id == _STALE_LOCAL for n in ast.walk(func)):
+        return None  # the prologue's local (`_stale_check`) would be this forward's own name
     func.decorator_list = []  # the function is wrapped below, never re-decorated
     for arg in (*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs, func.args.vararg, func.args.kwarg):
         if arg is not None:
@@ -140,7 +142,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         written = ast.parse(source).body[0]
         inliner = Inliner(fn, written, Proofs(written, {"self", owner}, frozenset(checked)), exclude)
         if inline:
-            if _STALE_LOCAL in inliner.locals or (written := inliner.run()) is inliner.function:
+            if (written := inliner.run()) is inliner.function:
                 continue
         func.body = copy.deepcopy(written.body) if inline else written_body
         proofs = Proofs(written, {"self", owner}, frozenset(checked))
@@ -165,9 +167,11 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         return None
     taken = [p for p in contiguous if p in params and _layout_free(proofs.function, p, norms)]
     func.body[:0] = [ast.parse(f"{p} = {_NS}.contiguous({p})").body[0] for p in taken]
-    if inliner.helpers:  # the forward as written wherever its module holds another function under a helper's name
+    if inliner.helpers:
         rewriter.found.inlined = sorted(inliner.helpers)
-        func.body[:0] = [_stale_check(func, register_inlined(fn, inliner.helpers))]
+    # the forward as written while the model runs so (the verification's reference run), and wherever its module holds
+    # another function under an inlined helper's name
+    func.body[:0] = [_stale_check(func, register_original(fn, inliner.helpers))]
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}:{next(_REWRITES)}>"
@@ -189,12 +193,13 @@ def _reach(found: Rewrite) -> int:
     return sum(len(v) if isinstance(v, list) else int(v) for k, v in dataclasses.asdict(found).items() if k != "inlined")
 
 
-_STALE_LOCAL = "_fastpath_written_forward"  # the local the check below binds (a forward using that name: no inlining)
+_STALE_LOCAL = "_fastpath_written_forward"  # the local the check below binds (a forward using that name: no rewrite)
 
 
 def _stale_check(func: ast.FunctionDef, key: int) -> ast.stmt:
     """``if (F := stale(key)) is not None: return F(<the parameters, as bound>)``: the original forward, called
-    with the very objects its parameters hold (defaults included), where an inlined helper was replaced."""
+    with the very objects its parameters hold (defaults included), while the model runs as written (the
+    verification's reference run) or where an inlined helper was replaced."""
     args = func.args
     positional = [ast.Name(a.arg, ast.Load()) for a in (*args.posonlyargs, *args.args)]
     if args.vararg is not None:
