@@ -13,6 +13,7 @@ records with the model and load them patched (every class a record names is a mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable
 
@@ -36,6 +37,36 @@ _MISSING = object()
 # calls the function it was made from, and a swapped module's fused forward its base class's. The class swap alone
 # does not reach a forward that another library bound before (diffusers' hooks keep the bound method they wrap).
 _AS_WRITTEN = threading.local()
+
+
+def bound_safe(cls: type) -> None:
+    """Make `cls`'s own ``forward`` (a patched class's) run the forward of the class its object has *now* wherever
+    that object is no longer a `cls`: a hook added after `patch` (diffusers' group offloading, layerwise casting)
+    holds the bound patched forward, which `unpatch`, putting the object's class back, does not reach. Once per
+    class (a flag on it). The rewriter's classes (`_chains.fused_subclass`, ``_fastpath_rewrite`` in their dict) are
+    left as they are: their rewritten forwards ask the same themselves (`_chains._stale_check`)."""
+    if cls.__dict__.get("_fastpath_bound_safe") or "_fastpath_rewrite" in cls.__dict__:
+        return
+    fn = cls.__dict__.get("forward")
+    if fn is not None and not getattr(fn, "_fastpath_bound_safe", False):
+        forward = functools.wraps(fn)(_bound_safe_forward(cls, fn))
+        forward._fastpath_bound_safe = True
+        cls.forward = forward
+    cls._fastpath_bound_safe = True
+
+
+def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        if not isinstance(self, cls):  # unpatched, reached through a hook's bound method: what its class runs
+            return type(self).forward(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    return forward
+
+
+# the code of every `bound_safe` wrapper: a frame of it stands between a module call and the patched forward it runs
+# (`models._driver` counts it as part of the module call)
+BOUND_SAFE_CODE = _bound_safe_forward(object, print).__code__
 
 
 def as_written_active() -> bool:
@@ -258,6 +289,7 @@ class PatchState:
         """Make `module` an instance of `cls` (a subclass of its class), and register `cls` in diffusers' block
         registry like its base class if that is registered (caches and layer skip look blocks up by exact class)."""
         old = type(module)
+        bound_safe(cls)
         module.__class__ = cls
         self.records.append(("class", module, old, cls))
         register_like(_block_registry(), old, cls)

@@ -62,14 +62,22 @@ def register_complex_rotary(fn, per_sample: bool = False) -> None:
     COMPLEX_ROTARIES[fn] = 3 if per_sample else 2
 
 
-ORIGINALS: list = []  # (original forward, ((module globals, name, function, code), ...)) per rewrite
+# per rewrite: [original forward, ((module globals, name, function, code), ...), the subclass that holds it or None]
+ORIGINALS: list = []
 
 
 def register_original(original, helpers: dict) -> int:
     """The key `_ChainsNamespace.stale` checks for a forward rewritten from `original` with `helpers` (name ->
     function) inlined (none, for most)."""
-    ORIGINALS.append((original, tuple((original.__globals__, name, fn, fn.__code__) for name, fn in helpers.items())))
+    ORIGINALS.append([original, tuple((original.__globals__, name, fn, fn.__code__) for name, fn in helpers.items()),
+                      None])
     return len(ORIGINALS) - 1
+
+
+def set_owner(key: int, owner: type) -> None:
+    """The subclass whose method the rewrite `key` is (`_chains.rewrite_of`): called on an object of another class
+    (the module unpatched, the forward still bound by a hook added after `patch`), the rewrite runs its original."""
+    ORIGINALS[key][2] = owner
 
 
 def _float_is_exact(update: torch.Tensor, gate: torch.Tensor) -> bool:
@@ -345,13 +353,14 @@ class _ChainsNamespace:
         return (normed * factor if normed_left else factor * normed) + shift.float()
 
     @staticmethod
-    def stale(key):
+    def stale(key, obj):
         # a rewritten forward's original, where it must run as written: while the model runs as diffusers wrote it
-        # (`_state.as_written_active`: the verification's reference run, which a forward bound by another library's
-        # hook would otherwise not leave), or where its module no longer holds one of the helper functions inlined
-        # into it (`_chain_inline`) with that code (replaced after `patch`); else None
-        original, helpers = ORIGINALS[key]
-        if as_written_active():
+        # (`_state.as_written_active`: the verification's reference run), or called on `obj` (its ``self``) that is no
+        # longer of the patched subclass (unpatched: a hook added after `patch` still holds the bound rewrite), or
+        # where its module no longer holds one of the helper functions inlined into it (`_chain_inline`) with that
+        # code (replaced after `patch`); else None
+        original, helpers, owner = ORIGINALS[key]
+        if as_written_active() or (owner is not None and not isinstance(obj, owner)):
             return original
         for globals_, name, fn, code in helpers:
             if globals_.get(name) is not fn or fn.__code__ is not code:

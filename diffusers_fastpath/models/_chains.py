@@ -61,7 +61,7 @@ from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
-from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original
+from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original, set_owner
 from ._chain_inline import Inliner
 from .._source import source_of
 from ._chain_proofs import Proofs
@@ -171,7 +171,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         rewriter.found.inlined = sorted(inliner.helpers)
     # the forward as written while the model runs so (the verification's reference run), and wherever its module holds
     # another function under an inlined helper's name
-    func.body[:0] = [_stale_check(func, register_original(fn, inliner.helpers))]
+    key = register_original(fn, inliner.helpers)
+    func.body[:0] = [_stale_check(func, key)]
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}:{next(_REWRITES)}>"
@@ -185,6 +186,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     new.__doc__ = fn.__doc__
     new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__  # the objects, not evaluated again
     new.__annotations__ = dict(fn.__annotations__)
+    new._fastpath_original_key = key  # its owner is set when a subclass takes it (`rewrite_of`: `set_owner`)
     return new, rewriter.found
 
 
@@ -197,9 +199,10 @@ _STALE_LOCAL = "_fastpath_written_forward"  # the local the check below binds (a
 
 
 def _stale_check(func: ast.FunctionDef, key: int) -> ast.stmt:
-    """``if (F := stale(key)) is not None: return F(<the parameters, as bound>)``: the original forward, called
+    """``if (F := stale(key, self)) is not None: return F(<the parameters, as bound>)``: the original forward, called
     with the very objects its parameters hold (defaults included), while the model runs as written (the
-    verification's reference run) or where an inlined helper was replaced."""
+    verification's reference run), on a module no longer patched (a hook holds the bound rewrite), or where an
+    inlined helper was replaced."""
     args = func.args
     positional = [ast.Name(a.arg, ast.Load()) for a in (*args.posonlyargs, *args.args)]
     if args.vararg is not None:
@@ -207,8 +210,11 @@ def _stale_check(func: ast.FunctionDef, key: int) -> ast.stmt:
     keywords = [ast.keyword(arg=a.arg, value=ast.Name(a.arg, ast.Load())) for a in args.kwonlyargs]
     if args.kwarg is not None:
         keywords.append(ast.keyword(arg=None, value=ast.Name(args.kwarg.arg, ast.Load())))
+    first = (positional[0] if positional and isinstance(positional[0], ast.Name)  # self: the block, or the processor
+             else ast.Constant(None))
     test = ast.Compare(left=ast.NamedExpr(target=ast.Name(_STALE_LOCAL, ast.Store()), value=ast.Call(
-        func=ast.Attribute(ast.Name(_NS, ast.Load()), "stale", ast.Load()), args=[ast.Constant(key)], keywords=[])),
+        func=ast.Attribute(ast.Name(_NS, ast.Load()), "stale", ast.Load()), args=[ast.Constant(key), first],
+        keywords=[])),
         ops=[ast.IsNot()], comparators=[ast.Constant(None)])
     call = ast.Call(func=ast.Name(_STALE_LOCAL, ast.Load()), args=positional, keywords=keywords)
     return ast.If(test=test, body=[ast.Return(value=call)], orelse=[])
@@ -386,6 +392,7 @@ def rewrite_of(sub: type) -> Rewrite | None:
         spec.held = (fn, modulates)
         if new is not None:
             setattr(sub, spec.method, new)
+            set_owner(new._fastpath_original_key, sub)
         elif spec.method in sub.__dict__:
             delattr(sub, spec.method)  # the subclass (of models patched before) runs the base's function as it is
         sub._fastpath_rewrite = found
