@@ -27,7 +27,8 @@ from .kernels import KernelCase, _input_sets, _kernel_row
 @dataclass
 class Recorded:
     """What one step gave the fused ops: a prototype call per signature (`calls`: signature -> [op, args, count]),
-    and the calls past the byte budget (`dropped`: op name -> count)."""
+    and the calls not timed (`dropped`: op name -> count): past the byte budget, or, found by `recorded_cases`, of an
+    op whose kernel writes into an argument instead of returning its result."""
 
     budget_bytes: int
     calls: dict[tuple, list] = field(default_factory=dict)
@@ -121,10 +122,14 @@ def recorded_cases(rec: Recorded) -> Iterator[tuple[KernelCase, int]]:
     reference (``op.ref``), on fresh copies of the recorded inputs rotated past the L2 cache; bytes: every tensor
     argument read once (modules: their parameters) and every output written once."""
     for (name, _), (op, args, count) in rec.calls.items():
-        sets = _input_sets(lambda args=args: _copy_args(args))
         result = op.kernel(*args)
-        nbytes = _tensor_bytes(args) + _tensor_bytes(result if isinstance(result, (tuple, list)) else [result])
-        del result
+        outs = result if isinstance(result, (tuple, list)) else [result]
+        if not outs or not all(isinstance(o, torch.Tensor) for o in outs):  # an op that writes into an argument
+            rec.dropped[name] = rec.dropped.get(name, 0) + count  # (its result is not what the row compares)
+            continue
+        nbytes = _tensor_bytes(args) + _tensor_bytes(outs)
+        del result, outs
+        sets = _input_sets(lambda args=args: _copy_args(args))
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         shape = tuple(first.shape) if first is not None else ()
         yield KernelCase(name, shape, sets, op.ref, op.kernel, nbytes, checked=_poisoned(op.kernel)), count
@@ -160,7 +165,8 @@ def run_recorded(subject, args: argparse.Namespace, device: torch.device, show: 
             rows.append(dict(_kernel_row(case), calls=count, source="recorded"))
             del case
             bar.update()
-    dropped = f"; calls past the recording budget, not timed: {rec.dropped}" if rec.dropped else ""
+    dropped = (f"; calls not timed (past the recording budget, or of an op that writes into an argument): "
+               f"{rec.dropped}" if rec.dropped else "")
     reason = None if rows else f"no fused call ran in a lossless step of {subject.name}" + dropped
     return dict(ran=bool(rows), reason=reason, rows=rows, host_us_per_call={}, dropped=rec.dropped,
                 note="recorded from one lossless step" + dropped)
