@@ -33,12 +33,6 @@ BACKEND_ATTRS = ("_attention_backend", "_parallel_config")
 
 _MISSING = object()
 
-# Set while a model runs "as diffusers wrote it" (`verify.as_written`), in this thread: every rewritten forward then
-# calls the function it was made from, and a swapped module's fused forward its base class's. The class swap alone
-# does not reach a forward that another library bound before (diffusers' hooks keep the bound method they wrap).
-_AS_WRITTEN = threading.local()
-
-
 def bound_safe(cls: type) -> None:
     """Make `cls`'s own ``forward`` (a patched class's) run the forward of the class its object has *now* wherever
     that object is no longer a `cls`: a hook added after `patch` (diffusers' group offloading, layerwise casting)
@@ -67,6 +61,12 @@ def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
 # the code of every `bound_safe` wrapper: a frame of it stands between a module call and the patched forward it runs
 # (`models._driver` counts it as part of the module call)
 BOUND_SAFE_CODE = _bound_safe_forward(object, print).__code__
+
+
+# Set while a model runs "as diffusers wrote it" (`verify.as_written`), in this thread: every rewritten forward then
+# calls the function it was made from (`_chains._stale_check`), and `FastpathRMSNorm` diffusers' forward. The class
+# swap alone does not reach a forward that another library bound before (diffusers' hooks keep the bound method).
+_AS_WRITTEN = threading.local()
 
 
 def as_written_active() -> bool:
