@@ -33,10 +33,12 @@ BACKEND_ATTRS = ("_attention_backend", "_parallel_config")
 
 _MISSING = object()
 
+
 def bound_safe(cls: type) -> None:
     """Make `cls`'s own ``forward`` (a patched class's) run the forward of the class its object has *now* wherever
     that object is no longer a `cls`: a hook added after `patch` (diffusers' group offloading, layerwise casting)
-    holds the bound patched forward, which `unpatch`, putting the object's class back, does not reach. Once per
+    holds the bound patched forward, which putting the object's class back (`unpatch`, and the verification's run as
+    diffusers wrote it: `verify.as_written`) does not reach. Once per
     class (a flag on it). The rewriter's classes (`_chains.fused_subclass`, ``_fastpath_rewrite`` in their dict) are
     left as they are: their rewritten forwards ask the same themselves (`_chains._stale_check`)."""
     if cls.__dict__.get("_fastpath_bound_safe") or "_fastpath_rewrite" in cls.__dict__:
@@ -61,22 +63,6 @@ def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
 # the code of every `bound_safe` wrapper: a frame of it stands between a module call and the patched forward it runs
 # (`models._driver` counts it as part of the module call)
 BOUND_SAFE_CODE = _bound_safe_forward(object, print).__code__
-
-
-# Set while a model runs "as diffusers wrote it" (`verify.as_written`), in this thread: every rewritten forward then
-# calls the function it was made from (`_chains._stale_check`), and `FastpathRMSNorm` diffusers' forward. The class
-# swap alone does not reach a forward that another library bound before (diffusers' hooks keep the bound method).
-_AS_WRITTEN = threading.local()
-
-
-def as_written_active() -> bool:
-    """Whether this thread runs a model as diffusers wrote it now (`verify.as_written`)."""
-    return getattr(_AS_WRITTEN, "depth", 0) > 0
-
-
-def enter_as_written(delta: int) -> None:
-    """`verify.as_written`'s flag: +1 on entry, -1 on exit (nested runs keep it set)."""
-    _AS_WRITTEN.depth = getattr(_AS_WRITTEN, "depth", 0) + delta
 
 
 def site_attr(name: str | None = None) -> str:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._logging import logger
-from ._state import enter_as_written, undo_patch
+from ._state import undo_patch
 from .ops._policy import capturing, outputs_equal, tensors_equal
 
 ENV_VERIFY = "DIFFUSERS_FASTPATH_VERIFY"
@@ -95,12 +95,11 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
 @contextlib.contextmanager
 def as_written(state) -> Any:
     """For the duration, every module `state` swapped has its diffusers class back and every processor it replaced
-    is the original again, and this thread's rewritten forwards call what they were made from wherever another
-    library holds them bound (`_state.as_written_active`: diffusers' hooks added after `patch` keep the patched bound
-    method); then the patch is as before. (One thread: another thread's call of the same model in the meantime would
-    run unpatched too, which is exact.)"""
+    is the original again; then the patch is as before. A patched forward that another library holds bound
+    (diffusers' hooks added after `patch`) runs its object's class's forward, that class being diffusers' now
+    (`_state.bound_safe`, `_chains._stale_check`). (One thread: another thread's call of the same model in the
+    meantime would run unpatched too, which is exact.)"""
     undone = []
-    enter_as_written(1)
     try:
         for record in reversed(state.records):
             kind = record[0]
@@ -112,7 +111,6 @@ def as_written(state) -> Any:
                 undone.append(record)
         yield
     finally:
-        enter_as_written(-1)
         for record in reversed(undone):
             if record[0] == "class":
                 record[1].__class__ = record[3]

@@ -143,7 +143,8 @@ def test_planted_mismatch_is_caught_on_first_forward_and_unpatches(emulated_kern
 def test_planted_mismatch_is_caught_through_hooks_added_after_patch(emulated_kernels, fastpath_log, monkeypatch):
     """A diffusers hook registered on the blocks after `patch` (group offloading, layerwise casting do so) keeps the
     block's patched forward bound: the reference run must still compute as diffusers wrote it (the rewritten forward
-    calls its original there, `_state.as_written_active`), or it would compare the patched code with itself."""
+    calls its original on an object whose class is diffusers' again, `_chains._stale_check`), or it would compare
+    the patched code with itself."""
     from diffusers.hooks import HookRegistry, ModelHook
 
     _plant_one_element_off(monkeypatch)

@@ -25,7 +25,6 @@ from ._qk_norms import is_diffusers_rmsnorm
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
-from .._state import as_written_active
 from ..quality import hooked
 from ._rope_cache import derived
 
@@ -85,6 +84,11 @@ def _float_is_exact(update: torch.Tensor, gate: torch.Tensor) -> bool:
     (``.float()`` exact) and a dimensioned float32 `gate` (both products then float32 of the same operands). A
     float64 update is rounded by ``.float()``; a half `gate` or a 0-dim one makes ``update * gate`` a half product."""
     return update.dtype in _FLOAT_EXACT and gate.dtype is torch.float32 and gate.dim() > 0
+
+
+def _plain_rmsnorm(norm) -> bool:
+    """torch's ``nn.RMSNorm`` or diffusers' (`is_diffusers_rmsnorm`): the norms a pending QK norm may be."""
+    return type(norm) is nn.RMSNorm or is_diffusers_rmsnorm(norm)
 
 
 def _rms_qk_norm_unfit(norm: nn.Module) -> str | None:
@@ -354,13 +358,13 @@ class _ChainsNamespace:
 
     @staticmethod
     def stale(key, obj):
-        # a rewritten forward's original, where it must run as written: while the model runs as diffusers wrote it
-        # (`_state.as_written_active`: the verification's reference run), or called on `obj` (its ``self``) that is no
-        # longer of the patched subclass (unpatched: a hook added after `patch` still holds the bound rewrite), or
-        # where its module no longer holds one of the helper functions inlined into it (`_chain_inline`) with that
-        # code (replaced after `patch`); else None
+        # a rewritten forward's original, where it must run as written: called on `obj` (its ``self``) that is no
+        # longer of the patched subclass (a hook added after `patch` holds the bound rewrite, and the object's class is
+        # diffusers' again: unpatched, or the verification's run as written, `verify.as_written`), or where its module
+        # no longer holds one of the helper functions inlined into it (`_chain_inline`) with that code (replaced after
+        # `patch`); else None
         original, helpers, owner = ORIGINALS[key]
-        if as_written_active() or (owner is not None and not isinstance(obj, owner)):
+        if owner is not None and not isinstance(obj, owner):
             return original
         for globals_, name, fn, code in helpers:
             if globals_.get(name) is not fn or fn.__code__ is not code:
@@ -669,7 +673,7 @@ class _ChainsNamespace:
     def norm_later(norm, x):
         # only a norm a fused op can run waits: torch's RMSNorm (`qk_norm_rope`) or diffusers' (`rmsnorm_rope_real`
         # before the real-form rotary, `rmsnorm_rope_complex` before the complex one); any other runs here, as written
-        if isinstance(x, torch.Tensor) and (type(norm) is nn.RMSNorm or is_diffusers_rmsnorm(norm) or is_zero_centred(norm)):
+        if isinstance(x, torch.Tensor) and (_plain_rmsnorm(norm) or is_zero_centred(norm)):
             return _NormLater(norm, x)  # (Krea 2's zero-centred norm: `qk_norm_rope_zero_centred`)
         return norm(x)
 
@@ -678,7 +682,7 @@ class _ChainsNamespace:
         # Qwen-Image 2.1's ``norm(x).to(dtype)``: waits as `norm_later` where the cast is provably none (x of that half
         # dtype, an RMSNorm whose weight is of it or absent: its result has the dtype, and ``.to`` returns that very
         # tensor); any other runs here, as written
-        if (isinstance(x, torch.Tensor) and (type(norm) is nn.RMSNorm or is_diffusers_rmsnorm(norm)) and x.dtype == dtype
+        if (isinstance(x, torch.Tensor) and _plain_rmsnorm(norm) and x.dtype == dtype
                 and dtype in (torch.float16, torch.bfloat16)
                 and (getattr(norm, "weight", None) is None or norm.weight.dtype == dtype)):
             return _NormLater(norm, x)

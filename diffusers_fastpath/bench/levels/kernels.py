@@ -628,4 +628,3 @@ def run_kernels(subject: Subject, args: argparse.Namespace, device: torch.device
                 del case
             bar.update()
     return dict(ran=True, reason=None, rows=rows, host_us_per_call=host_us_per_call(sh))
-
