@@ -865,6 +865,35 @@ at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return out;
 }
 
+// The matrix-form rotary (rotary.cu's rotary_matrix_kernel): x contiguous [rows, heads, dim] (the Python op's view)
+// of bf16/fp16, rope a contiguous float32 [table_rows, dim * 2] (the [dim / 2, 2, 2] matrices of a row), table_rows
+// dividing rows (row r reads table row r % table_rows).
+at::Tensor rotary_matrix(const at::Tensor& x, const at::Tensor& rope) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous() && x.size(2) % 2 == 0,
+              "rotary_matrix: x must be a contiguous CUDA [rows, heads, dim] tensor, dim even, got ",
+              shape_str(x.sizes()));
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.device() == x.device() && rope.is_contiguous() &&
+                  rope.dim() == 2 && rope.size(0) > 0 && x.size(0) % rope.size(0) == 0 &&
+                  rope.size(1) == 2 * x.size(2) && aligned16(rope),
+              "rotary_matrix: rope must be a contiguous float32 [table_rows, 2 * dim] tensor on x's device, "
+              "16-byte aligned, table_rows dividing x's rows");
+  RotaryMatrixArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.rope = rope.data_ptr<float>();
+  args.rows = x.size(0);
+  args.heads = x.size(1);
+  args.dim = x.size(2);
+  args.table_rows = rope.size(0);
+  const cudaError_t err = launch_rotary_matrix(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "rotary_matrix: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
 void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
@@ -1074,6 +1103,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
       "Tensor");
@@ -1130,6 +1160,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
+  m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);

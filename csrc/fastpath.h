@@ -292,6 +292,27 @@ struct RotateHalfArgs {
 cudaError_t launch_rotate_half(const RotateHalfArgs& args, cudaStream_t stream);
 #endif
 
+// The matrix-form rotary of Kandinsky 5's and 6's processors (`apply_rotary(x, rope)`), float32 tables
+// [table_rows, dim / 2, 2, 2] (rope[i] = [[cos, -sin], [sin, cos]] of pair i), the table row of x's row r being
+// r % table_rows, shared by the heads: eager multiplies each table entry by the pair's float value (x_.float()
+// broadcast as [..., dim / 2, 1, 2]) and sums the two products of a row of the 2x2 matrix with aten's sum, whose
+// reduction starts each product from the identity: for each pair i (p = 2i) and r in {0, 1}
+//   out[p + r] = round((0 + rope[i][r][0] * x[p]) + (0 + rope[i][r][1] * x[p + 1]))        (every op in float)
+struct RotaryMatrixArgs {
+  void* out;            // [rows, heads, dim], contiguous
+  const void* x;        // [rows, heads, dim], contiguous
+  const float* rope;    // [table_rows, dim / 2, 2, 2], contiguous
+  int64_t rows;
+  int64_t heads;
+  int64_t dim;          // even
+  int64_t table_rows;   // divides rows
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_rotary_matrix(const RotaryMatrixArgs& args, cudaStream_t stream);
+#endif
+
 // torch.nn.GroupNorm with weight and bias over contiguous [batch, channels, *] (HxW the product of the trailing
 // dims), optionally followed by SiLU (see group_norm_silu.cu for aten's reduction order and every rounding point):
 //   y   = round(fma(a, x, b)), a = rstd * gamma[c], b = fma(-a, mean, beta[c])     (mean, rstd: aten's statistics)

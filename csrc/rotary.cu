@@ -426,7 +426,47 @@ __global__ void __launch_bounds__(kHalfThreads) rotate_half_kernel(const RotateH
   }
 }
 
+// The matrix form (RotaryMatrixArgs, fastpath.h), as Kandinsky 5's and 6's apply_rotary compute it: the products
+// `rope.float() * x_` are one aten multiply in float, each rounded once; `.sum(dim=-1)` over the two products of a
+// matrix row is aten's reduce kernel, whose threads each start their accumulators from the identity 0 and whose
+// combine adds them: (0 + p0) + (0 + p1) (+ 0 for the unused accumulators, which changes no value but a -0, and
+// (0 + p0) is never -0); one rounding to T. Exact by construction in this order (p0 + p1 alone differs where both are
+// -0). One block of kMatrixThreads per row (a token), each thread a pair of a head in turn; the row's table (dim / 2
+// float4, one per pair) is shared by the heads and stays in L1.
+constexpr int kMatrixThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kMatrixThreads) rotary_matrix_kernel(const RotaryMatrixArgs a) {
+  const int64_t row = blockIdx.x;
+  const int half = static_cast<int>(a.dim / 2);
+  const int pairs = static_cast<int>(a.heads) * half;
+  const T* x = static_cast<const T*>(a.x) + row * a.heads * a.dim;
+  T* out = static_cast<T*>(a.out) + row * a.heads * a.dim;
+  const float4* rope = reinterpret_cast<const float4*>(a.rope) + (row % a.table_rows) * half;
+  for (int p = threadIdx.x; p < pairs; p += kMatrixThreads) {
+    const int i = p % half;
+    const float x0 = Storage<T>::load(x[2 * p]);
+    const float x1 = Storage<T>::load(x[2 * p + 1]);
+    const float4 m = rope[i];  // (r, c) = (0, 0), (0, 1), (1, 0), (1, 1)
+    const float o0 = __fadd_rn(__fadd_rn(0.0f, __fmul_rn(m.x, x0)), __fadd_rn(0.0f, __fmul_rn(m.y, x1)));
+    const float o1 = __fadd_rn(__fadd_rn(0.0f, __fmul_rn(m.z, x0)), __fadd_rn(0.0f, __fmul_rn(m.w, x1)));
+    out[2 * p] = Storage<T>::store(o0);
+    out[2 * p + 1] = Storage<T>::store(o1);
+  }
+}
+
 #ifndef __CUDACC_RTC__  // the host launchers; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T>
+cudaError_t launch_matrix(const RotaryMatrixArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.heads == 0 || a.dim == 0) return cudaSuccess;
+  if (a.dim % 2 != 0 || a.table_rows <= 0 || a.rows % a.table_rows != 0 || a.rows > 0x7fffffff ||
+      a.heads * a.dim > 0x7fffffff || reinterpret_cast<uintptr_t>(a.rope) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  rotary_matrix_kernel<T><<<static_cast<unsigned>(a.rows), kMatrixThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_half(const RotateHalfArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.heads == 0 || a.dim == 0) return cudaSuccess;
@@ -499,6 +539,10 @@ cudaError_t launch_rotary(const RotaryArgs& args, cudaStream_t stream) {
 
 cudaError_t launch_rotate_half(const RotateHalfArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_half<decltype(tag)>(args, stream); });
+}
+
+cudaError_t launch_rotary_matrix(const RotaryMatrixArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_matrix<decltype(tag)>(args, stream); });
 }
 #endif
 

@@ -106,6 +106,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.qk_norm_rope_fp32 import (QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED,
                                                           qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred_ref)
     from diffusers_fastpath.ops.rotary_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
+    from diffusers_fastpath.ops.rotary_matrix import ROTARY_MATRIX
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
@@ -142,6 +143,10 @@ def emulated_kernels(monkeypatch):
         c, s = cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]
         return torch.cat([rotary_half_arithmetic(x[..., :r], c, s), x[..., r:]], dim=-1)
 
+    def rotary_matrix_arithmetic(x, rope, fn=None):  # csrc/rotary.cu's rotary_matrix_kernel: (0 + p0) + (0 + p1)
+        p = rope * x.float().unflatten(-1, (-1, 1, 2))  # [..., D/2, 2, 2]: each product rounded once
+        return ((0.0 + p[..., 0]) + (0.0 + p[..., 1])).flatten(-2).to(x.dtype)
+
     def rotary_wan_arithmetic(x, cos, sin):  # csrc/rotary.cu's rotate_pair_wan, per pair
         a, b, c0, s1 = x.float()[..., 0::2], x.float()[..., 1::2], cos[..., 0::2], sin[..., 1::2]
         return torch.stack([a * c0 - b * s1, a * s1 + b * c0], dim=-1).flatten(-2).to(x.dtype)
@@ -168,6 +173,7 @@ def emulated_kernels(monkeypatch):
                        (QK_NORM_ROPE_FP32, qk_norm_rope_fp32_ref),
                        (QK_NORM_ROPE_ZERO_CENTRED, qk_norm_rope_zero_centred_ref), (ROTARY_HALF, rotary_half_arithmetic),
                        (ROTARY_HALF_PARTIAL, rotary_half_partial_arithmetic),
+                       (ROTARY_MATRIX, rotary_matrix_arithmetic),
                        (GROUP_NORM, group_norm_ref), (GROUP_NORM_SILU, group_norm_silu_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)

@@ -37,6 +37,9 @@ FAST = {
     "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
     "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb"),
     "sana": ("silu_mul",),  # GLUMBConv's x * silu(gate) on the channel halves of a feature map
+    "kandinsky6": ("rotary_matrix",),  # its module's apply_rotary (by digest)
+    "kandinsky6-sr": ("rotary_matrix",),
+    "kandinsky5": ("rotary_matrix",),  # the function its processor defines (by digest)
 }
 
 

@@ -321,6 +321,8 @@ def test_launch_constants_match_the_sources():
     assert rotary_mod._ROW_THREADS == _constant("rotary.cu", "kRowThreads")
     assert importlib.import_module("diffusers_fastpath.ops.rotary_half")._HALF_THREADS == _constant("rotary.cu",
                                                                                                   "kHalfThreads")
+    assert importlib.import_module("diffusers_fastpath.ops.rotary_matrix")._MATRIX_THREADS == _constant(
+        "rotary.cu", "kMatrixThreads")
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
     assert layernorm_mod._ATEN_THREADS == 32 * _constant("layernorm_scale_shift.cu", "kAtenWarps")
@@ -673,6 +675,15 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     rotary_mod._nvrtc_kernel_wan(x_img, cos[:17], cos[:17])
     _, key, grid, _, a = captured_launches[-1]
     assert key == (torch.bfloat16, False, 2) and grid == (17, 1, 1) and (a.a.wan, a.a.norm, a.a.cos_stride_h) == (True, False, 0)
+
+    # Kandinsky's matrix form: x [rows, heads, dim], one float32 [table_rows, 2 * dim] table row per token
+    matrix_mod = importlib.import_module("diffusers_fastpath.ops.rotary_matrix")
+    xm, rope = _bf16(6, 3, 64), torch.randn(3, 128)
+    out = matrix_mod._nvrtc_kernel(xm, rope)
+    kernel, key, grid, block, a = captured_launches[-1]
+    assert (kernel, key, grid, block) == (matrix_mod._NVRTC, torch.bfloat16, (6, 1, 1), (256, 1, 1))
+    assert (a.a.out, a.a.x, a.a.rope, a.a.rows, a.a.heads, a.a.dim, a.a.table_rows, a.a.dtype) == (
+        out.data_ptr(), xm.data_ptr(), rope.data_ptr(), 6, 3, 64, 3, 1) and out.shape == xm.shape
 
     # an _out variant's output is checked as bindings.cpp checks it, before anything is launched
     count = len(captured_launches)

@@ -5,10 +5,12 @@ guards take everything, as if every site ran fused on a GPU. So, before any GPU 
 which chains of a new family the rewriter does not reach yet and what they weigh against the GEMMs.
 
     python tools/unfused_census.py cosmos3 --size "frames=9, height=256, width=256, text=64" [--layers 1]
+    python tools/unfused_census.py ltx-video --vae decode --size "frames=9, height=128, width=128"
 
 The model is the zoo entry's published config (`diffusers_fastpath.testing.zoo`) with its block counts cut to
 `--layers` (the proportions of a block are the published ones), its random inputs at `--size` (the entry's builder
-knobs over its full size). A CPU run of one or two blocks at a reduced resolution takes seconds to a minute.
+knobs over its full size). A CPU run of one or two blocks at a reduced resolution takes seconds to a minute. With
+``--vae decode`` (or ``encode``) the model is instead the VAE of a bench model, whole, at the ``--size`` sample.
 torch's own ``F.rms_norm`` decomposes on a CPU (pow, mean, ...) but is one fused kernel on CUDA: such rows overstate
 what a GPU runs. The bytes of a GEMM are its operands', not its cost.
 """
@@ -76,6 +78,29 @@ def build_cut(name: str, layers: int):
     return randomize_(model, 0).eval()
 
 
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "convolution")  # (a convolution's bytes are its operands', as a GEMM's)
+
+
+def vae_call(name: str, call: str, frames: int = 9, height: int = 128, width: int = 128):
+    """The VAE of bench model `name` (its published config, random bf16 weights, on the CPU) and the call that runs
+    it: a decode of latents of a ``frames x height x width`` sample, or an encode of such a sample."""
+    from diffusers_fastpath.bench.levels.vae import _frames, build_vae
+
+    vae, reason = build_vae(argparse.Namespace(model=name, dtype="bf16", seed=0), torch.device("cpu"))
+    if vae is None:
+        raise SystemExit(reason)
+    vae = vae.eval()
+    scale = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)
+    latent_frames, sample_frames = _frames(vae, frames)
+    channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
+    gen = torch.Generator().manual_seed(0)
+    if call == "decode":
+        latents = torch.randn(1, channels, *latent_frames, height // scale, width // scale, generator=gen)
+        return vae, lambda m: m.decode(latents.bfloat16())
+    image = torch.rand(1, 3, *sample_frames, height, width, generator=gen) * 2 - 1
+    return vae, lambda m: m.encode(image.bfloat16())
+
+
 def main(argv=None) -> None:
     import diffusers_fastpath as fp
     from diffusers_fastpath.ops._policy import OPS
@@ -83,8 +108,11 @@ def main(argv=None) -> None:
     from diffusers_fastpath.testing.zoo._zoo import Draw
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", help="a zoo entry (diffusers_fastpath.testing.zoo.ZOO)")
-    parser.add_argument("--size", default="", help='builder knobs, e.g. "height=512, width=512, text=128"')
+    parser.add_argument("name", help="a zoo entry (diffusers_fastpath.testing.zoo.ZOO), or with --vae a bench model "
+                        "whose VAE to run (ltx-video, wan-14b, qwen-image, flux-dev, ...)")
+    parser.add_argument("--vae", choices=("decode", "encode"), help="the model's VAE (its published config) instead")
+    parser.add_argument("--size", default="", help='builder knobs, e.g. "height=512, width=512, text=128"; with --vae '
+                        '"frames=9, height=128, width=128"')
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
@@ -113,18 +141,22 @@ def main(argv=None) -> None:
 
     torch.nn.Module.__call__ = named_call  # (the hooks dicts are untouched: the fused ops' hook checks see no hook)
 
-    model = build_cut(args.name, args.layers)
-    entry = zoo.ZOO[args.name]
     size = eval(f"dict({args.size})")  # noqa: S307 - a developer's own command line
-    kwargs = entry.inputs_fn(model, Draw(model, 1), 1, **{**entry.full_size, **size})
+    if args.vae:
+        model, run = vae_call(args.name, args.vae, **size)
+    else:
+        model = build_cut(args.name, args.layers)
+        entry = zoo.ZOO[args.name]
+        kwargs = entry.inputs_fn(model, Draw(model, 1), 1, **{**entry.full_size, **size})
+        run = lambda m: m(**kwargs)  # noqa: E731
     for patched in (False, True):
         if patched:
             fp.patch(model, verify=False)
         with torch.no_grad():
-            model(**kwargs)
+            run(model)
             census = Census(inside, stack)
             with census:
-                model(**kwargs)
+                run(model)
         total = sum(census.bytes.values())
         print(f"== {args.name} {'patched' if patched else 'eager'}: {sum(census.calls.values())} ops, "
               f"{total / 1e6:.1f} MB read + written")
@@ -133,7 +165,7 @@ def main(argv=None) -> None:
         if patched:
             print("  by calling module (not GEMMs or attention):")
             for (module, op), moved in census.by_module.most_common():
-                if op in ("mm", "addmm", "bmm", "baddbmm") or "attention" in op or moved < 0.003 * total:
+                if op in _GEMMS or "attention" in op or moved < 0.003 * total:
                     continue
                 print(f"    {module:40s} {op:20s} {moved / 1e6:9.1f} MB")
 

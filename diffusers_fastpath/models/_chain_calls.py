@@ -16,12 +16,13 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rows_rope, qk_norm_rows_rope_pair,
                    rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
                    rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
-                   rotary_half_partial, silu_mul, swiglu_cat)
+                   rotary_half_partial, rotary_matrix, silu_mul, swiglu_cat)
 from ..ops.layernorm_modulate import name_site
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
 from ._chain_qk_fp32 import is_zero_centred
 from ._qk_norms import is_diffusers_rmsnorm
+from ._chain_rotary_matrix import is_matrix_rotary
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
@@ -663,6 +664,15 @@ class _ChainsNamespace:
         if is_partial_rotate_half(fn) and isinstance(x, torch.Tensor) and _two_tables(freqs, tuple):
             return rotary_half_partial(x, freqs[0], freqs[1], site, fn)
         return fn(x, *freqs)
+
+    @staticmethod
+    def rotary_matrix(fn, x, rope, site, local):
+        # ``fn(x, rope)``: Kandinsky 6's matrix-form rotary where fn is that function (by its source), Kandinsky 5's
+        # where the forward defines it (`local`, proven by the rewriter; its result bfloat16); anything else as written
+        known = (isinstance(x, torch.Tensor) and x.dtype is torch.bfloat16) if local else is_matrix_rotary(fn)
+        if known and isinstance(x, torch.Tensor) and isinstance(rope, torch.Tensor):
+            return rotary_matrix(x, rope, site, fn)
+        return fn(x, rope)
 
     @staticmethod
     def norm_later_fp32(norm, x):

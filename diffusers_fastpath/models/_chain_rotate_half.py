@@ -30,7 +30,9 @@ ROTATE_HALF_DIGESTS = frozenset({"62e1cdd97aa0beb9"})
 _CHECKED: dict = {}  # function -> whether it is a known rotate-half (functions are few and live as long as modules)
 
 
-def _known(fn, digests: frozenset) -> bool:
+def known_function(fn, digests: frozenset) -> bool:
+    """Whether `fn` is a plain function whose source (name set aside) has one of `digests` (checked once per
+    function; never while tracing, where a function not checked yet counts as unknown)."""
     if not inspect.isfunction(fn):
         return False
     key = (fn, digests)
@@ -44,12 +46,12 @@ def _known(fn, digests: frozenset) -> bool:
 
 def is_rotate_half(fn) -> bool:
     """Whether `fn` is a plain function whose source is a known rotate-half (checked once per function)."""
-    return _known(fn, ROTATE_HALF_DIGESTS)
+    return known_function(fn, ROTATE_HALF_DIGESTS)
 
 
 def is_partial_rotate_half(fn) -> bool:
     """Whether `fn` is a plain function whose source is MiniMax-H3's partial rotate-half rotary."""
-    return _known(fn, PARTIAL_DIGESTS)
+    return known_function(fn, PARTIAL_DIGESTS)
 
 
 def rotate_half_of(value: ast.expr) -> tuple[ast.Name, ast.Name, ast.Name, ast.Name] | None:
@@ -68,13 +70,19 @@ def rotate_half_of(value: ast.expr) -> tuple[ast.Name, ast.Name, ast.Name, ast.N
     return call.func, x, c, s
 
 
-def known_names(fn, func: ast.FunctionDef) -> tuple[frozenset[str], frozenset[str]]:
-    """The names the forward `func` (of `fn`) calls that are, in its module, a known rotate-half function and
-    MiniMax-H3's partial rotary (by digest), and that it never binds itself: the only calls the forms below take."""
+def module_functions(fn, func: ast.FunctionDef) -> dict[str, object]:
+    """The plain names the forward `func` (of `fn`) calls and never binds itself, with what its module holds under
+    them now."""
     bound = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     bound |= {n.name for n in ast.walk(func) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     called = {c.func.id for c in ast.walk(func) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)} - bound
-    targets = {name: fn.__globals__.get(name) for name in called}
+    return {name: fn.__globals__.get(name) for name in called}
+
+
+def known_names(fn, func: ast.FunctionDef) -> tuple[frozenset[str], frozenset[str]]:
+    """The names the forward `func` (of `fn`) calls that are, in its module, a known rotate-half function and
+    MiniMax-H3's partial rotary (by digest), and that it never binds itself: the only calls the forms below take."""
+    targets = module_functions(fn, func)
     return (frozenset(n for n, t in targets.items() if is_rotate_half(t)),
             frozenset(n for n, t in targets.items() if is_partial_rotate_half(t)))
 

@@ -66,6 +66,8 @@ from ._chain_inline import Inliner
 from .._source import source_of
 from ._chain_proofs import Proofs
 from ._chain_qk_fp32 import QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED, is_zero_centred
+from ._chain_rotary_matrix import ROTARY_MATRIX
+from ._chain_rotary_matrix import known_names as matrix_known_names
 from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
@@ -136,7 +138,10 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
     # helper functions of the forward's module inlined first (`_chain_inline`), never one a pattern takes by name;
     # the proofs then read the forward as it will run
     written_body = func.body
-    exclude = frozenset({*checked, "apply_rotary_emb", *(n for n in (complex_rotary, rows_rotary) if n)})
+    # a processor's matrix-form rotary functions (`_chain_rotary_matrix`): called by name, never inlined
+    matrix_names = matrix_known_names(fn, func) if owner != "self" else (frozenset(), frozenset())
+    exclude = frozenset({*checked, "apply_rotary_emb", *(n for n in (complex_rotary, rows_rotary) if n),
+                         *matrix_names[0]})
     made = []  # (rewriter, body, proofs, inliner): with helpers inlined (where any is), then as written
     for inline in (True, False):
         written = ast.parse(source).body[0]
@@ -150,8 +155,9 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         rewriter = _Rewriter(owner, rotary_ok, norm_methods, activations, rms_norms,
                              swiglus, complex_rotary, local is not None, head_cats and owner != "self",
                              rows_rotary if owner != "self" else None, wan if owner != "self" else None, proofs=proofs)
-        if owner != "self":  # a processor's rotate-half forms: the module functions they may call (by digest)
+        if owner != "self":  # a processor's rotary forms: the functions they may call (by digest)
             rewriter.rotate_halves, rewriter.partial_rotaries = known_names(fn, func)
+            rewriter.matrix_rotaries = matrix_names
         body = rewriter.body(copy.deepcopy(func.body), func)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
@@ -464,6 +470,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, ROTARY_HALF, name=ROTARY_HALF)
             if found.rotary_half_partial:  # MiniMax-H3's
                 state.add_site(module, ROTARY_HALF_PARTIAL, name=ROTARY_HALF_PARTIAL)
+            if found.rotary_matrix:  # Kandinsky 5's and 6's matrix form (`_chain_rotary_matrix`)
+                state.add_site(module, ROTARY_MATRIX, name=ROTARY_MATRIX)
             if found.rotary and found.qk_fp32:  # FLUX.3's float32 QK norms (`_chain_qk_fp32`)
                 state.add_site(module, QK_NORM_ROPE_FP32, name=QK_NORM_ROPE_FP32)
             elif found.rotary:

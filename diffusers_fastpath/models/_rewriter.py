@@ -137,6 +137,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from ._chain_proofs import Proofs, _bound_names, like
+from ._chain_rotary_matrix import matrix_calls
 from ._chain_rotate_half import partial_call, rotate_half_call
 from ._chain_syntax import (_act_of_proj, _call, _casts_back, _cat_of, _float_gated_of, _float_modulate_of,
                             _fp32_gated_of, _fp32_modulate_of, _fp32_norm_of, _gate_name, _modulate_of,
@@ -187,6 +188,7 @@ class Rewrite:
     qk_fp32: int = 0  # rotary calls of pending float32 QK norms proven cast back right after (FLUX.3)
     rotary_half: int = 0  # a processor's rotate-half rotary expressions (Ideogram 4, Cosmos 3): site ``rotary_half``
     rotary_half_partial: int = 0  # ``Q = R(X, *F)`` calls that may be MiniMax-H3's partial rotate-half (by digest)
+    rotary_matrix: int = 0  # ``R(X, T)`` calls of Kandinsky 5's and 6's matrix-form rotary (by digest)
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
 
@@ -196,7 +198,7 @@ class Rewrite:
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
                     or self.head_cats or self.rotary_named or self.rotary_half
-                    or self.rotary_half_partial)
+                    or self.rotary_half_partial or self.rotary_matrix)
 
 
 # the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and
@@ -219,6 +221,8 @@ class _Rewriter(NormForms, AttentionPasses):
     # the names of the forward's module functions the rotate-half forms take (`_chain_rotate_half.known_names`)
     rotate_halves: frozenset[str] = frozenset()
     partial_rotaries: frozenset[str] = frozenset()
+    # ... and the matrix-form rotary (`_chain_rotary_matrix.known_names`): module functions, the forward's own
+    matrix_rotaries: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
     def __init__(self, owner: str, rotary_ok: bool, norm_methods: dict[str, str] | None = None,
                  activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
@@ -311,6 +315,10 @@ class _Rewriter(NormForms, AttentionPasses):
                     and (partial := partial_call(stmt, self.owner, self.partial_rotaries))):
                 self.found.rotary_half_partial += 1  # MiniMax-H3's ``Q = R(X, *F)``, after the named forms
                 return like(partial, stmt)
+            if rotary is None:  # Kandinsky 5's and 6's ``apply_rotary(X, T)`` calls (`_chain_rotary_matrix`)
+                new, count = matrix_calls(stmt, self.owner, *self.matrix_rotaries)
+                self.found.rotary_matrix += count
+                return like(new, stmt) if count else None
             return rotary
         if isinstance(stmt, ast.Return) and stmt.value is not None:
             if (call := self._silu_mul(stmt.value, stmt)) is not None:
