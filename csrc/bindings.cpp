@@ -894,6 +894,30 @@ at::Tensor rotary_matrix(const at::Tensor& x, const at::Tensor& rope) {
   return out;
 }
 
+// The 2x nearest upsampling (upsample_nearest.cu): x a CUDA [N, C, H, W] tensor of bf16/fp16 with unit W stride, the
+// result a contiguous [N, C, 2H, 2W].
+at::Tensor upsample_nearest2x(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4 && (x.size(3) <= 1 || x.stride(3) == 1),
+              "upsample_nearest2x: x must be a CUDA [N, C, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
+  UpsampleNearestArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty({x.size(0), x.size(1), 2 * x.size(2), 2 * x.size(3)}, x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.batch = x.size(0);
+  args.channels = x.size(1);
+  args.height = x.size(2);
+  args.width = x.size(3);
+  args.stride_n = x.stride(0);
+  args.stride_c = x.stride(1);
+  args.stride_h = x.stride(2);
+  const cudaError_t err = launch_upsample_nearest2x(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "upsample_nearest2x: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
 void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
@@ -1104,6 +1128,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
+  m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
       "Tensor");
@@ -1161,6 +1186,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
+  m.impl("_upsample_nearest2x_cuda", &diffusers_fastpath::upsample_nearest2x);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);

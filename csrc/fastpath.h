@@ -382,4 +382,24 @@ struct LtxRmsNormArgs {
 cudaError_t launch_ltx_rmsnorm(const LtxRmsNormArgs& args, cudaStream_t stream);
 #endif
 
+// The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]
+// with unit width stride, out a contiguous [batch, channels, 2 * height, 2 * width]:
+//   out[n][c][2y + dy][2x + dx] = round(float(x[n][c][y][x]))
+struct UpsampleNearestArgs {
+  void* out;
+  const void* x;
+  int64_t batch;
+  int64_t channels;
+  int64_t height;
+  int64_t width;
+  int64_t stride_n;     // x's strides, in elements
+  int64_t stride_c;
+  int64_t stride_h;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_upsample_nearest2x(const UpsampleNearestArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

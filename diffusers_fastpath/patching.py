@@ -115,7 +115,7 @@ def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module
                 f"{_unet_note(candidates)} Supported: {', '.join(supported_classes())}."
             )
         return found
-    if for_patch and not _patchable(obj):
+    if for_patch and not (_patchable(obj) or hasattr(obj, STATE_ATTR)):  # (patched already: its blocks are ours)
         raise UnsupportedModelError(
             f"diffusers_fastpath does not support {type(obj).__name__} ({generic.eligible(obj)}).{_unet_note(candidates)} "
             f"Supported: {', '.join(supported_classes())}, and any other diffusers transformer with repeated blocks "

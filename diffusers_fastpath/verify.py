@@ -158,6 +158,19 @@ def _copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map(copy_leaf, (args, kwargs))
 
 
+def _requires_grad(value: Any) -> bool:
+    """Whether a tensor of `value` (an output: a tensor, tuples, a diffusers output) requires grad."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+
+
+def _written_forward(model: nn.Module):
+    """The model's forward as its caller reaches it, but never through this package's CUDA graphs."""
+    forward = model.__dict__.get("forward")
+    if forward is None or type(forward).__module__.split(".")[0] == "diffusers_fastpath":
+        forward = type(model).forward.__get__(model)
+    return forward
+
+
 def _tensors_equal(a: Any, b: Any) -> bool:
     """Whether every tensor of `a` equals (bit for bit) the tensor at the same place of `b`."""
     la, sa = pytree.tree_flatten(a)
@@ -338,15 +351,18 @@ class Verifier:
             return None
         where = self._localize(model, pending)
         self._unpatch(model, f"its output differs from diffusers' (first at {where})", "failed verification")
+        if torch.is_grad_enabled() and _requires_grad(output) and _tensors_equal((args, kwargs), pending.inputs):
+            # under autograd the caller needs diffusers' result with its graph, on the caller's own tensors (the
+            # reference ran without one, on copies): diffusers' run again, now unpatched, from the same generators
+            _set_rng_states(pending.rng)
+            return _written_forward(model)(*args, **kwargs)
         return reference
 
     def _reference(self, model: nn.Module, pending: _Pending, inputs: tuple) -> tuple[Any, tuple]:
         """The forward as diffusers wrote it on `inputs`, from the generators' state before the patched call; the
         generators are left where that run leaves them (where diffusers would)."""
         args, kwargs = inputs
-        forward = model.__dict__.get("forward")
-        if forward is None or type(forward).__module__.split(".")[0] == "diffusers_fastpath":
-            forward = type(model).forward.__get__(model)  # not through this package's CUDA graphs
+        forward = _written_forward(model)
         _set_rng_states(pending.rng)
         with as_written(self.state), torch.no_grad():  # values only: the patched call's result keeps its graph
             out = forward(*args, **kwargs)

@@ -195,6 +195,11 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
     monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
     monkeypatch.setattr(causal_conv_pad.CAUSAL_CONV3D, "guard", _as_if_on_cuda(causal_conv_pad.CAUSAL_CONV3D.guard))
+    # their decoders' 2x upsampling: csrc/upsample_nearest.cu's arithmetic, each value's float round trip in its 2x2
+    upsample = sys.modules["diffusers_fastpath.ops.upsample_nearest"]
+    monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "guard", _as_if_on_cuda(upsample.UPSAMPLE_NEAREST2X.guard))
+    monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "kernel", lambda module, x: x.float().to(x.dtype).repeat_interleave(
+        2, dim=-1).repeat_interleave(2, dim=-2).contiguous())  # (contiguous whatever x's strides, as the kernel's)
     # LTX-Video's VAE norm: its own kernel wrapper (aten's reduction and rsqrt, the [B, C, spatial] memory), the launch
     # replaced by the kernel's arithmetic (the multiply, the cast) on the tensors it is given
     ltx_norm = sys.modules["diffusers_fastpath.ops.ltx_vae_rmsnorm"]

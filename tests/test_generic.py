@@ -303,3 +303,27 @@ def test_a_known_rotary_is_known_with_annotations_too():
     assert generic._form_digest(changed) not in known
     hints = generic.processor_hints(transformer_ltx2.LTX2AudioVideoAttnProcessor.__call__)
     assert hints == {"rows_rotary": "apply_interleaved_rotary_emb"}
+
+
+def test_a_mismatch_under_autograd_returns_diffusers_result_with_its_graph(emulated_kernels, fastpath_log):
+    """A call whose verification fails under autograd returns what diffusers computes there, with its graph on the
+    caller's own tensors (the reference run has none: it runs without autograd, on copies), so that ``backward``
+    gives diffusers' gradients. The mismatch here: a user's hook whose result depends on the grad mode (torch's own
+    backward hooks can change a layout so), which the reference run, without autograd, does not see."""
+    import copy
+
+    model = _tiny()
+    twin = copy.deepcopy(model)
+    kwargs = _inputs()
+    for m in (model, twin):
+        m.proj_in.register_forward_hook(lambda mod, args, out: out * 2 if torch.is_grad_enabled() else out)
+    fp.patch(model)
+    results = []
+    for m in (twin, model):
+        x = kwargs["hidden_states"].clone().requires_grad_()
+        out = m(**{**kwargs, "hidden_states": x})[0]
+        out.float().square().mean().backward()
+        results.append((out.detach(), x.grad))
+    (ref, ref_grad), (out, grad) = results
+    assert STATE_ATTR not in model.__dict__ and "failed verification" in str(fp.report(model))
+    assert torch.equal(out, ref) and grad is not None and torch.equal(grad, ref_grad)

@@ -32,7 +32,7 @@ FAST = {
     "stable-audio": ("silu_mul",),
     "nucleus-moe": ("gated_residual", "silu_mul"),
     "lumina-next": ("rmsnorm_scale", "rmsnorm_gated_residual"),
-    "ace-step": ("rmsnorm_scale",),
+    # (ACE-Step's sandwich norms: not fast, its stream a transposed view that an RMSNorm reads as laid out, below)
     "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
     "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
     "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb"),
@@ -120,5 +120,54 @@ def test_ltx2_split_rotary_branch_runs_its_qk_norms_as_written(emulated_kernels)
         sites = [s for m in model.modules() for _, s in sites_of(m)]
         assert not any(s.fast for s in sites if s.op in ("qk_norm_rows_rope", "rotary_emb")), sites
         assert any(s.fast for s in sites if s.op == "gated_residual")
+    finally:
+        fp.unpatch(model)
+
+
+def test_the_stream_keeps_its_layout_where_an_rmsnorm_reads_it(emulated_kernels):
+    """ACE-Step hands its blocks the stream as a transposed view and norms it with diffusers' RMSNorm, which reduces
+    and multiplies x as laid out and keeps its layout: the stream is not made contiguous there (only a LayerNorm reads
+    a contiguous copy whatever x's layout), so every Linear after it reads what it reads unpatched (a GEMM on another
+    layout may round otherwise; a dropout draws its mask in memory order)."""
+    entry = zoo.ZOO["ace-step"]
+    model = zoo.build("ace-step", dtype=entry.cpu_dtype or torch.bfloat16, device="cpu")
+    kwargs = zoo.inputs("ace-step", model)
+
+    def strides():
+        seen = []
+        handles = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].stride()))
+                   for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        with torch.no_grad():
+            model(**kwargs)
+        for h in handles:
+            h.remove()
+        return seen
+
+    written = strides()
+    fp.patch(model, verify=False)
+    try:
+        assert strides() == written
+    finally:
+        fp.unpatch(model)
+
+
+def test_patching_twice_changes_nothing(emulated_kernels):
+    """HiDream names its blocks in ``_no_split_modules`` only, which the patched blocks (this package's subclasses)
+    no longer match: a second `patch` (or one with another quality) found "no repeated transformer blocks" and
+    raised. It changes nothing now, as for every other model."""
+    model = zoo.build("hidream", dtype=torch.bfloat16, device="cpu")
+    kwargs = zoo.inputs("hidream", model)
+    with torch.no_grad():
+        ref = _sample(model(**kwargs)).clone()
+    fp.patch(model)
+    try:
+        classes = [type(m) for m in model.modules()]
+        sites = [s for m in model.modules() for _, s in sites_of(m)]
+        fp.patch(model)
+        fp.patch(model, quality="high")
+        assert [type(m) for m in model.modules()] == classes
+        assert [s for m in model.modules() for _, s in sites_of(m)] == sites
+        with torch.no_grad():
+            assert torch.equal(_sample(model(**kwargs)), ref)
     finally:
         fp.unpatch(model)

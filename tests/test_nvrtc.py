@@ -323,6 +323,9 @@ def test_launch_constants_match_the_sources():
                                                                                                   "kHalfThreads")
     assert importlib.import_module("diffusers_fastpath.ops.rotary_matrix")._MATRIX_THREADS == _constant(
         "rotary.cu", "kMatrixThreads")
+    upsample_mod = importlib.import_module("diffusers_fastpath.ops.upsample_nearest")
+    assert (upsample_mod._THREADS, upsample_mod._MAX_ROW_BLOCKS) == (
+        _constant("upsample_nearest.cu", "kThreads"), _constant("upsample_nearest.cu", "kMaxRowBlocks"))
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
     assert layernorm_mod._ATEN_THREADS == 32 * _constant("layernorm_scale_shift.cu", "kAtenWarps")
@@ -684,6 +687,19 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert (kernel, key, grid, block) == (matrix_mod._NVRTC, torch.bfloat16, (6, 1, 1), (256, 1, 1))
     assert (a.a.out, a.a.x, a.a.rope, a.a.rows, a.a.heads, a.a.dim, a.a.table_rows, a.a.dtype) == (
         out.data_ptr(), xm.data_ptr(), rope.data_ptr(), 6, 3, 64, 3, 1) and out.shape == xm.shape
+
+    # the VAE's 2x upsampling: [N, C, H, W] (here time-major: [C, N, H, W] memory), columns x rows, a capped grid
+    upsample_mod = importlib.import_module("diffusers_fastpath.ops.upsample_nearest")
+    xu = torch.randn(3, 2, 5, 7).half().transpose(0, 1)
+    out = upsample_mod._nvrtc_kernel(xu)
+    kernel, key, grid, block, a = captured_launches[-1]
+    assert (kernel, key, grid, block) == (upsample_mod._NVRTC, torch.float16, (1, 30, 1), (256, 1, 1))
+    assert (a.a.out, a.a.x, a.a.batch, a.a.channels, a.a.height, a.a.width, a.a.dtype) == (
+        out.data_ptr(), xu.data_ptr(), 2, 3, 5, 7, 0)
+    assert (a.a.stride_n, a.a.stride_c, a.a.stride_h) == (35, 70, 7) and out.shape == (2, 3, 10, 14)
+    assert out.is_contiguous()
+    upsample_mod._nvrtc_kernel(torch.empty(16, 64, 128, 300, dtype=torch.bfloat16))
+    assert captured_launches[-1][2] == (2, 65535, 1)  # 131072 rows: the cap (a grid-stride loop over rows)
 
     # an _out variant's output is checked as bindings.cpp checks it, before anything is launched
     count = len(captured_launches)

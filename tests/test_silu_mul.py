@@ -231,3 +231,28 @@ def test_swiglu_cat_custom_op_opcheck_cpu():
     attn, x = make_cat_inputs(2, 9, 64, 128, torch.bfloat16, "cpu", 4)
     torch.library.opcheck(torch.ops.diffusers_fastpath.swiglu_cat.default, (attn, x))
     assert torch.equal(torch.ops.diffusers_fastpath.swiglu_cat(attn, x), swiglu_cat_ref(attn, x))
+
+
+@pytest.mark.parametrize("laid_out", ["alike", "up_transposed", "gate_transposed"])
+def test_written_up_first_keeps_eagers_layout(laid_out, emulated_kernels):
+    """``up * act(gate)`` (diffusers' SwiGLU, SanaWM's output gate): where the two operands are laid out differently
+    the product is laid out after ``up``, as eager lays it out (not after the gate, as ``act(gate) * up`` would be:
+    the same values, but a Linear after it, or a backward through it, may round differently on another layout);
+    where they are laid out alike the fused op runs."""
+    from diffusers_fastpath.models._chain_calls import _ChainsNamespace
+
+    gen = torch.Generator().manual_seed(5)
+    gate, up = (torch.randn(2, 24, 64, generator=gen).bfloat16() for _ in range(2))
+    if laid_out == "up_transposed":
+        up = up.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, D] values, [B, D, S] memory
+    elif laid_out == "gate_transposed":
+        gate = gate.transpose(1, 2).contiguous().transpose(1, 2)
+    site = Site("silu_mul")
+    out = _ChainsNamespace.mul_silu(up, None, gate, site)
+    ref = up * F.silu(gate)
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
+    if laid_out == "alike":
+        assert site.fast == 1 and not site.fallback
+    else:
+        assert site.fast == 0 and dict(site.fallback) == {"operands laid out differently": 1}
+        assert (F.silu(gate) * up).stride() != ref.stride()  # the other order: another layout (the bug this guards)

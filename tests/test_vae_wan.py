@@ -29,6 +29,7 @@ from diffusers_fastpath.testing._common import randomize_
 
 NORMS = (wan.WanRMS_norm, vae_wan.qwen.QwenImageRMS_norm)
 CONVS = (wan.WanCausalConv3d, vae_wan.qwen.QwenImageCausalConv3d)
+UPSAMPLES = (wan.WanUpsample, vae_wan.qwen.QwenImageUpsample)
 
 
 def _build(kind: str, dtype=torch.bfloat16, seed=0, base_dim=4):
@@ -43,10 +44,11 @@ def _build(kind: str, dtype=torch.bfloat16, seed=0, base_dim=4):
     else:
         vae = AutoencoderKLQwenImage(**common)
     randomize_(vae, seed)
+    gen = torch.Generator().manual_seed(seed + 1)  # (two builds of one seed are one model)
     with torch.no_grad():  # the norms' gamma around 1 (randomize_ draws small values; their product would vanish)
         for m in vae.modules():
             if isinstance(m, NORMS):
-                m.gamma.copy_(1 + 0.25 * torch.randn_like(m.gamma))
+                m.gamma.copy_(1 + 0.25 * torch.randn(m.gamma.shape, generator=gen))
     return vae.to(dtype).eval()
 
 
@@ -78,12 +80,14 @@ def _encode(vae, x):
 def _expected_sites(vae) -> Counter:
     """One channel_rmsnorm_silu per norm that the block's SiLU follows (the residual blocks' two, the encoder's and
     decoder's norm_out), one channel_rmsnorm per other norm (the mid-block attentions'), one causal_conv3d per causal
-    convolution."""
+    convolution, one upsample_nearest2x per 2x upsampling of the decoder."""
     resnets = sum(type(m).__name__.endswith("ResidualBlock") for m in vae.modules())
     norms = sum(isinstance(m, NORMS) for m in vae.modules())
     convs = sum(isinstance(m, CONVS) for m in vae.modules())
+    upsamples = sum(isinstance(m, UPSAMPLES) for m in vae.modules())
     paired = 2 * resnets + 2
-    return Counter({"channel_rmsnorm_silu": paired, "channel_rmsnorm": norms - paired, "causal_conv3d": convs})
+    return Counter({"channel_rmsnorm_silu": paired, "channel_rmsnorm": norms - paired, "causal_conv3d": convs,
+                    "upsample_nearest2x": upsamples})
 
 
 def _sites(model) -> dict[str, tuple]:

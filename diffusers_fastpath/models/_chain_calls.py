@@ -278,13 +278,6 @@ def _modulate_rows(x, scale, shift, one) -> tuple[torch.Tensor, torch.Tensor, to
     return None
 
 
-def _is_silu_mul_fit(act, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether ``y * act(x)`` is ``silu_mul(x, y, act)``'s ``act(x) * y`` with nothing but the operands' order
-    changed: one shape and dtype (the op refuses others and runs ``act(x) * y``, whose broadcasting and promotion
-    are the same, but the fallback must be the expression as written)."""
-    return x.shape == y.shape and x.dtype == y.dtype
-
-
 class _ChainsNamespace:
     """What the rewritten forwards call. A pattern is matched by its syntax alone, so an operand may turn out not to
     be a tensor at run time: then the replaced expression runs as written."""
@@ -581,16 +574,12 @@ class _ChainsNamespace:
 
     @staticmethod
     def mul_silu(y, act, x, site):
-        # ``y * act(x)`` (diffusers' SwiGLU: ``hidden_states * self.activation(gate)``), as written where the op does
-        # not run: the same product as ``act(x) * y`` (a product of two numbers commutes exactly), which the op
-        # computes
+        # ``y * act(x)`` (diffusers' SwiGLU: ``hidden_states * self.activation(gate)``): the op's kernel computes the
+        # same values as ``act(x) * y`` (a product of two numbers commutes exactly) and runs only where the two
+        # operands are laid out alike (eager lays a product out after its first operand); elsewhere, as written
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return y * (F.silu if act is None else act)(x)
-        if _is_silu_mul_fit(act, x, y):
-            return silu_mul(x, y, site, act)
-        if site is not None:
-            site.fallback["operands of two shapes or dtypes"] += 1
-        return y * (F.silu if act is None else act)(x)
+        return silu_mul(x, y, site, act, True)
 
     @staticmethod
     def cat_heads(a, b, site, token_major=False):

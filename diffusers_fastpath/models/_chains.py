@@ -234,8 +234,8 @@ _META = ("shape", "dtype", "device", "ndim", "size", "dim")
 def _layout_free(func: ast.FunctionDef, name: str, norms: tuple[str, ...]) -> bool:
     """Whether the values `func` computes cannot depend on the memory layout of the tensor its parameter `name`
     holds, nor of what it rebinds `name` to: the body writes nothing in place, and every read of `name` is its shape,
-    dtype or device, the argument of a norm ``self.N(...)`` (N in `norms`: a LayerNorm or an RMSNorm, which
-    normalise a copy in memory order), the operand of elementwise arithmetic (through casts) whose result is assigned
+    dtype or device, the argument of a norm ``self.N(...)`` (N in `norms`: a LayerNorm, which normalises a contiguous
+    copy; never an RMSNorm, whose reduction and products run over x as laid out and keep its layout), the operand of elementwise arithmetic (through casts) whose result is assigned
     back to `name`, or ``return name``. Conservative: any other read (a Linear, an attention, a concatenation, a
     reshape) and it is not."""
     parents: dict[int, ast.AST] = {}

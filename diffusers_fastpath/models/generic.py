@@ -42,7 +42,7 @@ import json
 import textwrap
 import zlib
 
-from diffusers.models.normalization import RMSNorm
+from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from torch import nn
 
 from .._logging import logger
@@ -181,7 +181,10 @@ def block_hints(instances: list[nn.Module]) -> dict:
             "activations": (*attrs(lambda m: type(m) in SILUS), "F.silu"),
             # the residual streams, which a model may hand over as a transposed view (`_chains.rewrite_forward`)
             "contiguous": tuple(p for p in params if p.endswith("hidden_states") and "encoder" not in p),
-            "norms": attrs(lambda m: isinstance(m, (nn.LayerNorm, nn.RMSNorm, RMSNorm))),
+            # the norms that read their input in memory order whatever its layout (aten's layer_norm takes a
+            # contiguous copy: torch's LayerNorm and diffusers' FP32LayerNorm, of exactly these classes); an RMSNorm
+            # is elementwise arithmetic and a reduction over x as laid out: not one
+            "norms": attrs(lambda m: type(m) in (nn.LayerNorm, FP32LayerNorm)),
             # modulate methods known by digest, which the LayerNorm before them joins (`_norm_methods`)
             **({"norm_methods": known} if (known := norm_method_hints(type(instances[0]))) else {})}
 

@@ -1,5 +1,5 @@
 """Wan's and Qwen-Image's VAEs (diffusers' ``AutoencoderKLWan``, Wan 2.1 and 2.2, and ``AutoencoderKLQwenImage``,
-Wan's VAE under other class names), through two exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
+Wan's VAE under other class names), through three exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
 
 - The norms (``WanRMS_norm``, ``QwenImageRMS_norm``: ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma +
   bias``): a norm whose output goes straight into the block's SiLU module (``norm1 -> nonlinearity`` and ``norm2 ->
@@ -12,10 +12,15 @@ Wan's VAE under other class names), through two exact pieces and the pair rewrit
 - The causal convolutions (``WanCausalConv3d``, ``QwenImageCausalConv3d``): `FastpathWanCausalConv3d` /
   `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
-  changed; the convolution is the module's own ``nn.Conv3d.forward``). Being the modules' own forwards, both run
-  inside the module call, so hooks run as before.
+  changed; the convolution is the module's own ``nn.Conv3d.forward``).
+- The decoders' 2x upsampling (``WanUpsample``, ``QwenImageUpsample``: ``nn.Upsample`` of ``x.float()``, cast back):
+  `FastpathWanUpsample` / `FastpathQwenImageUpsample`, whose forward is
+  `diffusers_fastpath.ops.upsample_nearest2x`: one read of x and one write of the result instead of an fp32 round
+  trip at four times the size (exact by construction).
 
-The forwards this relies on (the norm's, the convolution's) are checked by source digest at import and at patch
+Being the modules' own forwards, these run inside the module call, so hooks run as before.
+
+The forwards this relies on (the norm's, the convolution's, the upsampling's) are checked by source digest at import and at patch
 time; a class whose forward differs is left as it is, with one warning. The caches diffusers keeps between chunks
 (``feat_cache``: the blocks' ``x[:, :, -CACHE_T:].clone()``) are made by diffusers' own statements, unchanged.
 Tiling and slicing call the same modules on smaller tensors: the same sites, each checked per call by its guard.
@@ -33,12 +38,14 @@ from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
 from .._source import body_digest
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu)
+from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..quality import hooked
 from .vae import PairBlock, PairCalls, swap_pair_blocks
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
 NORM_DIGESTS = frozenset({"960a6e5b25f82893"})  # F.normalize(x.float()).to(x.dtype) * self.scale * self.gamma + bias
 CONV_DIGESTS = frozenset({"3c4433890f22647d"})  # torch.cat([cache_x, x], dim=2); F.pad; super().forward
+UPSAMPLE_DIGESTS = frozenset({"0fefd24a11a840dc"})  # super().forward(x.float()).type_as(x)
 
 PAIR_SITE = CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module: ``_fastpath_site_channel_rmsnorm_silu``
 
@@ -49,6 +56,10 @@ def _norm_forward(self, x):
 
 def _conv_forward(self, x, cache_x=None):
     return causal_conv3d(self, x, cache_x, self.__dict__.get(SITE_ATTR))
+
+
+def _upsample_forward(self, x):
+    return upsample_nearest2x(self, x, self.__dict__.get(SITE_ATTR))
 
 
 def _subclass(base: type, name: str, forward, what: str) -> type:
@@ -68,10 +79,14 @@ NORMS = {base: _subclass(base, f"Fastpath{base.__name__}", _norm_forward, "`chan
          for base in (wan.WanRMS_norm, qwen.QwenImageRMS_norm)}
 CONVS = {base: _subclass(base, f"Fastpath{base.__name__}", _conv_forward, "`causal_conv3d`")
          for base in (wan.WanCausalConv3d, qwen.QwenImageCausalConv3d)}
+UPSAMPLES = {base: _subclass(base, f"Fastpath{base.__name__}", _upsample_forward, "`upsample_nearest2x`")
+             for base in (wan.WanUpsample, qwen.QwenImageUpsample)}
 for _base, _sub in NORMS.items():
     add_norm_class(_sub, _base)
 for _base, _sub in CONVS.items():
     add_conv_class(_sub, _base)
+for _base, _sub in UPSAMPLES.items():
+    add_upsample_class(_sub, _base)
 
 
 def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
@@ -115,6 +130,7 @@ def patch_wan_vae(model, state: PatchState) -> None:
     """Fuse the norms (and their SiLUs) and build the causal convolutions' inputs in one buffer (see module doc)."""
     norms = _checked(NORMS, NORM_DIGESTS, None, add_norm_class)
     convs = _checked(CONVS, CONV_DIGESTS, nn.Conv3d, add_conv_class)
+    upsamples = _checked(UPSAMPLES, UPSAMPLE_DIGESTS, nn.Upsample, add_upsample_class)
     paired = swap_pair_blocks(model, state, BLOCKS, lambda norm, act: type(norm) in norms and type(act) is nn.SiLU)
     for module in model.modules():
         cls = type(module)
@@ -124,3 +140,6 @@ def patch_wan_vae(model, state: PatchState) -> None:
         elif cls in convs:
             state.swap_class(module, CONVS[cls])
             state.add_site(module, CAUSAL_CONV3D.name)
+        elif cls in upsamples:
+            state.swap_class(module, UPSAMPLES[cls])
+            state.add_site(module, UPSAMPLE_NEAREST2X.name)

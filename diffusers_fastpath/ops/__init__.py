@@ -38,6 +38,7 @@ from .rotary_matrix import rotary_matrix, rotary_matrix_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
                      rotary_emb_wan_ref)
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
+from .upsample_nearest import upsample_nearest2x, upsample_nearest2x_ref
 
 __all__ = [
     "OPS",
@@ -124,5 +125,7 @@ __all__ = [
     "silu_mul_ref",
     "swiglu_cat",
     "swiglu_cat_ref",
+    "upsample_nearest2x",
+    "upsample_nearest2x_ref",
     "rotary_emb_ref",
 ]

@@ -44,11 +44,14 @@ _VEC_BYTES = 16
 SILUS = (nn.SiLU, FP32SiLU)  # the activation modules the kernel stands for (its proof checks both on every value)
 
 
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None,
+                 up_first: bool = False) -> torch.Tensor:
     """The eager expression: ``F.silu(gate) * up``, or ``act(gate) * up`` with the block's activation module `act`
     (its call as written: diffusers' ``FP32SiLU`` rounds through float32, which differs from ``F.silu`` in
-    float64; an ``nn.SiLU(inplace=True)`` writes `gate`; hooks run)."""
-    return (F.silu(gate) if act is None else act(gate)) * up
+    float64; an ``nn.SiLU(inplace=True)`` writes `gate`; hooks run); ``up * act(gate)`` with `up_first` (diffusers'
+    ``SwiGLU``): the same values, but a product is laid out after its first operand where the two differ."""
+    activated = F.silu(gate) if act is None else act(gate)
+    return up * activated if up_first else activated * up
 
 
 def act_reason(act: nn.Module | None) -> str | None:
@@ -87,7 +90,7 @@ def _rows_of(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return spatial.flatten(lo, hi), last
 
 
-def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None,
+def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, up_first: bool = False,
            check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     reason = act_reason(act)
@@ -95,6 +98,8 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None,
         return reason
     if gate.dim() != up.dim() or gate.shape != up.shape:
         return "shape"
+    if up_first and gate.stride() != up.stride():
+        return "operands laid out differently"  # the kernel lays its result out after gate, eager's after up
     (gate, last), (up, up_last) = _rows_of(gate), _rows_of(up)  # packed rows, feature maps: the kernel's [B, L, D]
     if last is not up_last:
         return "feature maps laid out differently"
@@ -189,7 +194,7 @@ def _kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None
     _cuda_out_op(out, gate, up)
 
 
-def _prove(gate: torch.Tensor, up: torch.Tensor, act=None) -> bool:
+def _prove(gate: torch.Tensor, up: torch.Tensor, act=None, up_first=False) -> bool:
     """The kernel's SiLU equals eager's, bit for bit, on every value of the dtype (times one: exact); and so does
     the SiLU of the upcast value rounded back (diffusers' ``FP32SiLU``, Lumina's feed-forward activation), so the
     kernel stands for either."""
@@ -216,7 +221,7 @@ def _silu_mul_fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _new_out(gate)
 
 
-def _signature(gate: torch.Tensor, up: torch.Tensor, act=None):
+def _signature(gate: torch.Tensor, up: torch.Tensor, act=None, up_first=False):
     return (str(gate.dtype).removeprefix("torch."),)  # the proof covers both activations: one check per dtype
 
 
@@ -224,8 +229,8 @@ SILU_MUL = FusedOp(
     "silu_mul",
     ref=silu_mul_ref,
     guard=_guard,
-    kernel=lambda gate, up, act=None: _kernel(gate, up),
-    custom_op=lambda gate, up, act=None: torch.ops.diffusers_fastpath.silu_mul.default(gate, up),
+    kernel=lambda gate, up, act=None, up_first=False: _kernel(gate, up),
+    custom_op=lambda gate, up, act=None, up_first=False: torch.ops.diffusers_fastpath.silu_mul.default(gate, up),
     verify_key=_signature,
     prove=_prove,
     modules=(2,),  # the activation module whose call the kernel stands for: its hooks refuse the call
@@ -233,7 +238,7 @@ SILU_MUL = FusedOp(
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None,
-             act: nn.Module | None = None) -> torch.Tensor:
+             act: nn.Module | None = None, up_first: bool = False) -> torch.Tensor:
     """``F.silu(gate) * up`` (or ``act(gate) * up``), fused on CUDA and bit-identical to eager everywhere (the SiLU
     proven on every value of the dtype on first use).
 
@@ -244,6 +249,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None,
         site: the call site's counters, shown by `diffusers_fastpath.report`.
         act: the activation module the expression calls (``nn.SiLU`` or diffusers' ``FP32SiLU``), or ``None`` for
             ``F.silu``: wherever the kernel does not run, ``act(gate) * up`` runs as written (its hooks too).
+        up_first: the expression is ``up * act(gate)`` (diffusers' ``SwiGLU``): what runs where the kernel does not,
+            and the kernel only where both operands are laid out alike (so that its result is laid out as eager's).
 
     Example:
         >>> import torch
@@ -252,7 +259,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, site: Site | None = None,
         >>> torch.equal(silu_mul(gate, up), silu_mul_ref(gate, up))
         True
     """
-    return SILU_MUL(site, gate, up, act)
+    return SILU_MUL(site, gate, up, act, up_first)
 
 
 # --- FLUX.2's parallel single blocks: the SwiGLU written into the concatenation after it ------------------------

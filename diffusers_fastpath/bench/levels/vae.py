@@ -65,8 +65,6 @@ def _sites(model) -> dict[str, Any]:
 
 
 def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
-    from ... import patch
-
     from ... import UnsupportedModelError, patch
 
     vae, reason = build_vae(args, device)
