@@ -1,7 +1,8 @@
 """What a patched model still runs outside the fused ops, on a CPU: every aten op of one forward, eager and patched,
 by op and by the module that called it, with the bytes it reads and writes (the cost of an elementwise kernel on a
-GPU, which moves them once). The fused ops' kernels are replaced by their eager references and not counted; their
-guards take everything, as if every site ran fused on a GPU. So, before any GPU time is spent, the census says
+GPU, which moves them once). The fused ops' kernels are replaced by their eager references, not counted among the
+ops but listed apart with the bytes a kernel reads and writes (each input and the output once); their guards take
+everything, as if every site ran fused on a GPU. So, before any GPU time is spent, the census says
 which chains of a new family the rewriter does not reach yet and what they weigh against the GEMMs.
 
     python tools/unfused_census.py cosmos3 --size "frames=9, height=256, width=256, text=64" [--layers 1]
@@ -118,18 +119,23 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     inside, stack = [0], []
+    fused: collections.Counter = collections.Counter()  # op -> bytes its kernel would read and write (once each)
 
-    def counted_out(fn):  # a fused op's kernel: its reference, not counted
+    def counted_out(name, fn):  # a fused op's kernel: its reference, not counted among the ops
         def kernel(*a, **k):
+            outer = not inside[0]
             inside[0] += 1
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
                 inside[0] -= 1
+            if outer:
+                fused[name] += _nbytes(out) + sum(_nbytes(t) for t in a)
+            return out
         return kernel
 
     for op in OPS.values():
-        op.kernel, op.guard, op.verify_key, op.prove = counted_out(op.ref), (lambda *a, **k: None), None, None
+        op.kernel, op.guard, op.verify_key, op.prove = counted_out(op.name, op.ref), (lambda *a, **k: None), None, None
     call = torch.nn.Module.__call__
 
     def named_call(self, *a, **k):
@@ -154,6 +160,7 @@ def main(argv=None) -> None:
             fp.patch(model, verify=False)
         with torch.no_grad():
             run(model)
+            fused.clear()
             census = Census(inside, stack)
             with census:
                 run(model)
@@ -168,6 +175,10 @@ def main(argv=None) -> None:
                 if op in _GEMMS or "attention" in op or moved < 0.003 * total:
                     continue
                 print(f"    {module:40s} {op:20s} {moved / 1e6:9.1f} MB")
+            print("  the fused ops themselves (each input read and the output written once; a GEMM's operands where "
+                  "the op holds one):")
+            for op, moved in fused.most_common():
+                print(f"    {op:40s} {moved / 1e6:9.1f} MB")
 
 
 if __name__ == "__main__":
