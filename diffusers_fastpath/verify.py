@@ -163,6 +163,12 @@ def _requires_grad(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
 
 
+def _plain(*values: Any) -> bool:
+    """Whether every leaf of `values` is a tensor or an immutable plain value (nothing a forward could advance)."""
+    return all(isinstance(v, (torch.Tensor, bool, int, float, complex, str, bytes, torch.dtype, torch.device))
+               or v is None for v in pytree.tree_leaves(values))
+
+
 def _written_forward(model: nn.Module):
     """The model's forward as its caller reaches it, but never through this package's CUDA graphs."""
     forward = model.__dict__.get("forward")
@@ -351,9 +357,11 @@ class Verifier:
             return None
         where = self._localize(model, pending)
         self._unpatch(model, f"its output differs from diffusers' (first at {where})", "failed verification")
-        if torch.is_grad_enabled() and _requires_grad(output) and _tensors_equal((args, kwargs), pending.inputs):
+        if (torch.is_grad_enabled() and _requires_grad(output) and _plain(args, kwargs)
+                and _tensors_equal((args, kwargs), pending.inputs)):
             # under autograd the caller needs diffusers' result with its graph, on the caller's own tensors (the
             # reference ran without one, on copies): diffusers' run again, now unpatched, from the same generators
+            # (only where the arguments are tensors and plain values: a second run could advance a cache object)
             _set_rng_states(pending.rng)
             return _written_forward(model)(*args, **kwargs)
         return reference
