@@ -130,7 +130,7 @@ def test_silu_mul_feature_map_halves_match_eager_bitwise(shape, channels_last, d
     assert got.shape == ref.shape and got.stride() == ref.stride() and torch.equal(got, ref)
     assert site.fast == 1 and not site.fallback, site
     rows = (lambda t: t.movedim(1, -1).flatten(1, -2)) if channels_last else (lambda t: t.flatten(2))
-    out = torch.full_like(rows(ref.contiguous()), float("nan"))  # poisoned
+    out = torch.full(rows(gate).shape, float("nan"), dtype=dtype, device="cuda")  # poisoned, contiguous rows
     torch.ops.diffusers_fastpath._silu_mul_cuda_out(out, rows(gate), rows(up))
     assert torch.equal(out, rows(ref))
 
