@@ -545,9 +545,14 @@ def gpu_time_us(fn: Callable[..., Any], sets: list, iters: int = 40, rounds: int
     return statistics.median(times), graphed
 
 
+def _first_tensor(args) -> torch.Tensor:
+    """The first tensor among an op's arguments (a recorded call may begin with the module the op stands for)."""
+    return next(a for a in args if isinstance(a, torch.Tensor))
+
+
 def _kernel_row(case: KernelCase) -> dict[str, Any]:
-    x = case.sets[0][0]
-    copies = [(s[0], torch.empty_like(s[0])) for s in case.sets]
+    x = _first_tensor(case.sets[0])
+    copies = [(t, torch.empty_like(t)) for t in map(_first_tensor, case.sets)]
     (eager_us, eager_graphed), (fused_us, fused_graphed), (copy_us, copy_graphed) = (
         gpu_time_us(case.eager, case.sets), gpu_time_us(case.fused, case.sets),
         gpu_time_us(lambda src, dst: dst.copy_(src), copies))
