@@ -772,3 +772,15 @@ def test_idle_gaps_are_the_uncovered_time_between_kernels():
     assert idle["gaps"] == 2  # the 2 µs gap is under IDLE_GAP_US
     assert idle["by_kernel"] == [dict(kernel="c", count=2, ms=pytest.approx(0.018))]
     assert idle_gaps([]) == dict(span_ms=0.0, ms=0.0, gaps=0, by_kernel=[])
+
+
+def test_zoo_models_published_as_their_class_defaults_are_benched_at_full_size():
+    """A zoo entry whose published config is its class's defaults (``full_config={}``, FLUX.3's, Sana's) is a full-size
+    bench model (it was taken for "unknown", as ``None`` is: `.ci/gpu`'s ``zoo:flux3`` was refused)."""
+    from diffusers_fastpath.bench.subject import ZOO_MODELS
+    from diffusers_fastpath.testing import zoo
+
+    for name, entry in zoo.ZOO.items():
+        assert (f"zoo:{name}" in ZOO_MODELS) == (entry.full_config is not None), name
+        assert f"zoo:{name}-tiny" in ZOO_MODELS
+    assert {"zoo:flux3", "zoo:sana", "zoo:wan-vace", "zoo:qwen-image-21"} <= set(ZOO_MODELS)

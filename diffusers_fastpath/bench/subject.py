@@ -128,7 +128,8 @@ STEP_MODELS = {
 def _zoo_models() -> tuple[str, ...]:
     from ..testing import zoo
 
-    return tuple(f"zoo:{n}{s}" for n, e in sorted(zoo.ZOO.items()) for s in (("", "-tiny") if e.full_config else ("-tiny",)))
+    return tuple(f"zoo:{n}{s}" for n, e in sorted(zoo.ZOO.items())
+                 for s in (("", "-tiny") if e.full_config is not None else ("-tiny",)))  # ({}: the class defaults)
 
 
 ZOO_MODELS = _zoo_models()
