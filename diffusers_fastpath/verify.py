@@ -46,6 +46,7 @@ from ._state import undo_patch
 from .ops._policy import capturing, outputs_equal, tensors_equal
 
 ENV_VERIFY = "DIFFUSERS_FASTPATH_VERIFY"
+_PLAIN_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)  # immutable leaves: kept, not copied
 MAX_SIGNATURES = 32  # per model; beyond, a call of a new signature runs as diffusers wrote it
 # the packages whose instance-level forward wrappers and hooks are stateless for a second forward: accelerate's
 # offloading, diffusers' hook registry (its stateful hooks are checked one by one), this package's CUDA graphs
@@ -151,7 +152,7 @@ def _copy_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if isinstance(value, torch.Tensor):
             with torch.no_grad():
                 return value.detach().clone(memory_format=torch.preserve_format)
-        if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        if value is None or isinstance(value, _PLAIN_TYPES):
             return value
         return copy.deepcopy(value)
 
@@ -165,8 +166,7 @@ def _requires_grad(value: Any) -> bool:
 
 def _plain(*values: Any) -> bool:
     """Whether every leaf of `values` is a tensor or an immutable plain value (nothing a forward could advance)."""
-    return all(isinstance(v, (torch.Tensor, bool, int, float, complex, str, bytes, torch.dtype, torch.device))
-               or v is None for v in pytree.tree_leaves(values))
+    return all(v is None or isinstance(v, (torch.Tensor, *_PLAIN_TYPES)) for v in pytree.tree_leaves(values))
 
 
 def _written_forward(model: nn.Module):

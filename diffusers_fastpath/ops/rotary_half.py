@@ -37,18 +37,18 @@ def rotary_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn=No
     return x * cos + (fn or _rotate_half)(x) * sin
 
 
-def _layout_reason(x, cos, sin) -> str | None:
-    """What both guards ask once the dtypes and shapes fit: a non-empty x, every operand contiguous, no autograd,
-    one CUDA device."""
+def layout_reason(x, *tables) -> str | None:
+    """What the rotary guards ask once the dtypes and shapes fit (these and `rotary_matrix`'s): a non-empty x, every
+    operand contiguous, no autograd, one CUDA device."""
     if x.numel() == 0:
         return "empty"
-    if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+    if not (x.is_contiguous() and all(t.is_contiguous() for t in tables)):
         return "strided"
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tables)):
         return "requires grad"
     if not x.is_cuda:
         return f"device {x.device.type}"
-    if cos.device != x.device or sin.device != x.device:
+    if any(t.device != x.device for t in tables):
         return "devices differ"
     return None
 
@@ -63,7 +63,7 @@ def _guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | None:
         return "shape"
     if cos.shape != sin.shape or cos.shape != (*x.shape[:-2], 1, x.shape[-1]):
         return "shape"  # [..., 1, D] over [..., H, D]: no broadcast over the leading dimensions
-    return _layout_reason(x, cos, sin)
+    return layout_reason(x, cos, sin)
 
 
 # The NVRTC way: csrc/rotary.cu's rotate_half_kernel, launched as launch_half and bindings.cpp's rotary_half do: one
@@ -179,7 +179,7 @@ def _partial_guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | N
         return "shape"
     if cos.shape[1] % 2 or not 0 < cos.shape[1] <= x.shape[3]:
         return "rotary dim odd or above head_dim"
-    return _layout_reason(x, cos, sin)
+    return layout_reason(x, cos, sin)
 
 
 def _partial_kernel(x, cos, sin, fn=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from . import _nvrtc
 from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
+from .rotary_half import layout_reason
 
 
 def rotary_matrix_ref(x: torch.Tensor, rope: torch.Tensor, fn=None) -> torch.Tensor:
@@ -46,16 +47,9 @@ def _guard(x, rope, fn=None, check_pointers: bool = True) -> str | None:
         return "shape"
     if rope.shape[:-4] != x.shape[x.dim() - 2 - lead:-2]:
         return "shape"  # a table broadcast over its own leading dims, or per head
-    if x.numel() == 0:
-        return "empty"
-    if not (x.is_contiguous() and rope.is_contiguous()):
-        return "strided"
-    if torch.is_grad_enabled() and (x.requires_grad or rope.requires_grad):
-        return "requires grad"
-    if not x.is_cuda:
-        return f"device {x.device.type}"
-    if rope.device != x.device:
-        return "devices differ"
+    reason = layout_reason(x, rope)
+    if reason is not None:
+        return reason
     if check_pointers and rope.data_ptr() % 16:
         return "rope alignment"  # (a slice of a table; the kernel reads each pair's matrix as one float4)
     return None
