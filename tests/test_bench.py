@@ -289,17 +289,21 @@ def test_markdown_lists_every_mode_and_the_conditions(tiny_run):
 
 
 def test_profile_table_says_what_fusion_removed_outside_gemms_and_attention(tiny_run):
-    """Each profiled mode's time outside GEMMs and attention, and the share of eager's that it no longer spends (the
-    families' goal metric), computed from the row's own categories."""
-    from diffusers_fastpath.bench.render import rest_ms
+    """Each profiled mode's time outside GEMMs, convolutions and attention, and the share of eager's that it no longer
+    spends (the families' goal metric), computed from the row's own categories."""
+    from diffusers_fastpath.bench.render import profile_tables, rest_ms
 
     rows = {p["mode"]: p for p in tiny_run["result"]["profile"]["rows"]}
     eager, lossless = rest_ms(rows["eager"]), rest_ms(rows["lossless"])
     c = rows["lossless"]["categories"]
-    assert lossless == pytest.approx(sum(c[n]["ms"] for n in bench.CATEGORY_NAMES if n not in ("gemm", "attention")))
+    floor = ("gemm", "conv", "attention")
+    assert lossless == pytest.approx(sum(c[n]["ms"] for n in bench.CATEGORY_NAMES if n not in floor))
     line = next(l for l in tiny_run["markdown"].splitlines() if l.startswith("| lossless |") and f"{lossless:.2f} (" in l)
     assert line.endswith(f"{lossless:.2f} ({1 - lossless / eager:.0%}) |")
-    assert "outside GEMMs and attention: ms (removed)" in tiny_run["markdown"]
+    assert "outside GEMMs, convolutions and attention: ms (removed)" in tiny_run["markdown"]
+    # a saved run from before the conv categories re-renders (their cells read 0)
+    old = {**rows["lossless"], "categories": {k: v for k, v in c.items() if "conv" not in k}}
+    assert rest_ms(old) == pytest.approx(lossless) and "| 0 / 0.00 |" in "\n".join(profile_tables([old]))
 
 
 def test_from_json_re_renders_the_same_report(tiny_run, capsys):
@@ -463,9 +467,20 @@ def test_ltx_video_vae_level_on_cpu(tmp_path):
     """The VAE level takes a video VAE's [B, C, frames, H, W] latents: LTX-Video's (models/vae_ltx.py), patched."""
     path = tmp_path / "r.json"
     rc = bench.main(["--model", "ltx-video-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--frames",
-                     "9", "--levels", "vae", "--repeats", "1", "--no-progress", "--json", str(path)])
+                     "9", "--levels", "vae", "--profile", "--repeats", "1", "--no-progress", "--json", str(path),
+                     "--markdown", str(tmp_path / "r.md")])
     assert rc == 0
-    vae = json.loads(path.read_text())["vae"]
+    result = json.loads(path.read_text())
+    vae = result["vae"]
+    # --profile beside the VAE level alone profiles the VAE's calls, not a transformer step (none is built)
+    assert result["profile"]["ran"] is False and result["conditions"]["weights_gib"] is None
+    for call in ("decode", "encode"):
+        rows = {p["mode"]: p for p in vae["profile"][call]}
+        assert rows.keys() == {"eager", "patched"}
+        for p in rows.values():  # its causal 3-D convolutions, counted apart from the rest
+            assert p["categories"]["conv"]["count"] > 0 and p["kernels"] == sum(
+                c["count"] for c in p["categories"].values())
+    assert "### Profile of one VAE decode" in (tmp_path / "r.md").read_text()
     assert vae["ran"], vae.get("reason")
     rows = {r["call"]: r for r in vae["rows"]}
     assert rows["decode"]["input_shape"] == [1, 128, 2, 2, 2] and rows["encode"]["input_shape"] == [1, 3, 9, 64, 64]
@@ -557,6 +572,13 @@ def test_plot_from_json(tiny_run, tmp_path):
         ("triton_per_fused_native_layer_norm_1", "norm"),
         ("triton_poi_fused_cat_3", "copy/cat"),
         ("aten::addmm", "gemm"),
+        ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1_"
+         "execute_segment_k_off_kernel__5x_cudnn", "conv"),
+        ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float, false>(...)",
+         "conv layout"),
+        ("void implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>(...)", "conv"),
+        ("aten::conv3d", "conv"),
+        ("triton_poi_fused__to_copy_convert_element_type_0", "copy/cat"),
         ("aten::mul", "elementwise"),
         ("some_unknown_kernel", "other"),
     ],

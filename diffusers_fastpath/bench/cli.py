@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--levels", default="step,generation", help=f"comma-separated, of {', '.join(LEVELS)} "
                                                                "(default: step,generation)")
     p.add_argument("--kernels", action="store_true", help="add the kernels level (fused ops against eager chains)")
-    p.add_argument("--profile", action="store_true", help="add the profile level (one step per mode, by category)")
+    p.add_argument("--profile", action="store_true", help="add the profile level (one step per mode, by category; with --levels vae alone, one "
+                                                            "decode and one encode, eager and patched)")
     p.add_argument("--height", type=int, help="pixels, a multiple of 16 (32 for LTX-Video; default: 1024; 512 for "
                                               "ltx-video(-distilled); 128 for the tiny models)")
     p.add_argument("--width", type=int, help="pixels, a multiple of 16 (32 for LTX-Video; default: 1024; 768 for "

@@ -21,9 +21,14 @@ def _fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
 
 
 def rest_ms(row: dict) -> float:
-    """A profiled step's kernel time outside GEMMs and attention: what fusion can remove (the removed share, against
-    eager's, is the families' goal metric; a compiled mode's kernels that fuse work into its attention count there)."""
-    return row["ms"] - row["categories"]["gemm"]["ms"] - row["categories"]["attention"]["ms"]
+    """A profiled step's kernel time outside GEMMs, convolutions and attention: what fusion can remove (the removed
+    share, against eager's, is the families' goal metric; a compiled mode's kernels that fuse work into its attention
+    count there)."""
+    c = row["categories"]
+    return row["ms"] - sum(c[name]["ms"] for name in FLOOR_CATEGORIES if name in c)
+
+
+FLOOR_CATEGORIES = ("gemm", "conv", "attention")  # the work fusion leaves as it is (rows of older runs lack "conv")
 
 
 def _graphs_notes(rows: list[dict]) -> list[str]:
@@ -167,6 +172,42 @@ def _parts(parts: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """The profile level's tables for rows of `profile_call` results, each with its ``mode`` (one named "eager" is the
+    reference of the "removed" column): kernels by category, the GPU's idle gaps, the costliest kernels per mode."""
+    def cell(p: dict, c: str) -> str:
+        cat = p["categories"].get(c, {"count": 0, "ms": 0.0})  # a saved run older than a category
+        return f"{cat['count']} / {cat['ms']:.2f}"
+
+    lines = []
+    header = ["mode", "total", *CATEGORY_NAMES, "outside GEMMs, convolutions and attention: ms (removed)"]
+    rest = {p["mode"]: rest_ms(p) for p in rows}
+    body = [[p["mode"], f"{p['kernels']} / {p['ms']:.2f}", *(cell(p, c) for c in CATEGORY_NAMES),
+             f"{rest[p['mode']]:.2f}" + (f" ({1 - rest[p['mode']] / rest['eager']:.0%})"
+                                         if p["mode"] != "eager" and rest.get("eager") else "")]
+            for p in rows]
+    lines += _table(header, body) + [""]
+    idle_rows = [p for p in rows if p.get("idle")]
+    if idle_rows:
+        lines += [f"GPU idle in the profiled call, between its first and last kernel (under the profiler, "
+                  f"whose host overhead lengthens launch-bound gaps; gaps of {IDLE_GAP_US:g} µs or more listed by "
+                  "the kernel that waited):", ""]
+        lines += _table(["mode", "idle ms", "gaps", "longest waits (kernel: count / ms)"],
+                        [[p["mode"], f"{p['idle']['ms']:.2f}", str(p["idle"]["gaps"]),
+                          "; ".join(f"`{g['kernel'][:40]}`: {g['count']} / {g['ms']:.2f}"
+                                    for g in p["idle"]["by_kernel"][:4])]
+                         for p in idle_rows]) + [""]
+    for p in rows:
+        if p.get("top"):
+            lines += [f"<details><summary>{p['mode']}: the {len(p['top'])} kernels that took the most time</summary>",
+                      ""]
+            lines += _table(["kernel", "category", "count", "ms"],
+                            [[f"`{t['name'][:90]}`", t["category"], str(t["count"]), f"{t['ms']:.2f}"]
+                             for t in p["top"]])
+            lines += ["", "</details>", ""]
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The report as markdown (what stdout gets, and what ``--from-json`` re-renders)."""
     lines = ["## diffusers_fastpath benchmark", "", describe_conditions(result["conditions"]), ""]
@@ -220,34 +261,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"Generation level: {gen['reason']}.", ""]
     prof = result["profile"]
     if prof["ran"] and prof["rows"]:
-        unit = prof["rows"][0]["unit"]
-        lines += [f"### Profile of one step ({unit}: count / ms per category)", ""]
-        header = ["mode", "total", *CATEGORY_NAMES, "outside GEMMs and attention: ms (removed)"]
-        rest = {p["mode"]: rest_ms(p) for p in prof["rows"]}
-        body = [[p["mode"], f"{p['kernels']} / {p['ms']:.2f}",
-                 *(f"{p['categories'][c]['count']} / {p['categories'][c]['ms']:.2f}" for c in CATEGORY_NAMES),
-                 f"{rest[p['mode']]:.2f}" + (f" ({1 - rest[p['mode']] / rest['eager']:.0%})"
-                                             if p["mode"] != "eager" and rest.get("eager") else "")]
-                for p in prof["rows"]]
-        lines += _table(header, body) + [""]
-        idle_rows = [p for p in prof["rows"] if p.get("idle")]
-        if idle_rows:
-            lines += [f"GPU idle in the profiled step, between its first and last kernel (under the profiler, "
-                      f"whose host overhead lengthens launch-bound gaps; gaps of {IDLE_GAP_US:g} µs or more listed by "
-                      "the kernel that waited):", ""]
-            lines += _table(["mode", "idle ms", "gaps", "longest waits (kernel: count / ms)"],
-                            [[p["mode"], f"{p['idle']['ms']:.2f}", str(p["idle"]["gaps"]),
-                              "; ".join(f"`{g['kernel'][:40]}`: {g['count']} / {g['ms']:.2f}"
-                                        for g in p["idle"]["by_kernel"][:4])]
-                             for p in idle_rows]) + [""]
-        for p in prof["rows"]:
-            if p.get("top"):
-                lines += [f"<details><summary>{p['mode']}: the {len(p['top'])} kernels that took the most time</summary>",
-                          ""]
-                lines += _table(["kernel", "category", "count", "ms"],
-                                [[f"`{t['name'][:90]}`", t["category"], str(t["count"]), f"{t['ms']:.2f}"]
-                                 for t in p["top"]])
-                lines += ["", "</details>", ""]
+        lines += [f"### Profile of one step ({prof['rows'][0]['unit']}: count / ms per category)", ""]
+        lines += profile_tables(prof["rows"])
     lines += _parts(result.get("parts"))
     kern = result["kernels"]
     if kern["ran"]:
@@ -272,6 +287,9 @@ def markdown(result: dict[str, Any]) -> str:
     elif kern["reason"] != "not requested":
         lines += [f"Kernels level: {kern['reason']}.", ""]
     lines += vae_markdown(result.get("vae"))
+    for call, rows in ((result.get("vae") or {}).get("profile") or {}).items():
+        lines += [f"### Profile of one VAE {call} ({rows[0]['unit']}: count / ms per category)", ""]
+        lines += profile_tables(rows)
     for v in violations(result):
         lines.append(f"**FAILED: {v}**")
     return "\n".join(lines).rstrip() + "\n"

@@ -180,8 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     need_pipe = "generation" in levels
-    # the VAE level builds its own VAE: a run of it alone builds no transformer
-    subject = build_subject(args, device, need_pipe) if set(levels) - {"vae"} else None
+    # the VAE level builds its own VAE: a run of it alone builds no transformer (with the profile level, it profiles
+    # the VAE's calls)
+    vae_only = "vae" in levels and set(levels) <= {"vae", "profile"}
+    subject = None if vae_only else build_subject(args, device, need_pipe)
     result["conditions"]["weights_gib"] = weights_gib(subject.transformer) if subject is not None else None
     wanted = getattr(args, "sensors", False)
     sensors, why_not = Sensors.open(device) if wanted else (None, "not requested")
@@ -191,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              limits=sensors.limits if sensors is not None else None)
     runner = _Runner(args, subject, ctx, modes_info, sensors)
     runner.phase("build", t0)
-    do_step, do_prof, do_parts = "step" in levels, "profile" in levels, "parts" in levels
+    do_step, do_prof, do_parts = "step" in levels, "profile" in levels and not vae_only, "parts" in levels
     do_gen = need_pipe and subject.no_generation is None
 
     result["parts"] = dict(ran=False, reason="not requested", rows=[], skipped={})
@@ -234,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "vae" in levels:
         t0 = time.perf_counter()
         with torch.no_grad():
-            result["vae"] = run_vae(args, device, runner.show)
+            result["vae"] = run_vae(args, device, runner.show, profile="profile" in levels)
         runner.phase("vae", t0)
     else:
         result["vae"] = dict(ran=False, reason="not requested", rows=[])

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from ..subject import Subject
 from ..timing import Clock
 
 
 # First match wins, on the kernel's name (CUDA) or the leaf op's name (CPU); our kernels live in the
-# diffusers_fastpath namespace. Inductor names its kernels triton_{poi,per,red,tem}_fused_<ops>.
+# diffusers_fastpath namespace. Inductor names its kernels triton_{poi,per,red,tem}_fused_<ops>. A convolution's
+# cuDNN kernels (``sm90_xmma_fprop_implicit_gemm_...``, ``implicit_convolve_sgemm``, ...) are "conv", part of the floor
+# with the GEMMs; the layout transforms cuDNN runs around a channels-first convolution (``nchwToNhwcKernel``,
+# ``nhwcToNchwKernel``) are "conv layout", outside it (a VAE's profile says what they cost).
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     (name, re.compile(pattern, re.IGNORECASE))
     for name, pattern in [
         ("fused", r"diffusers_fastpath|fastpath"),
         ("attention", r"flash|fmha|attention|attn|sdpa|scaled_dot_product|softmax"),
+        ("conv layout", r"nchwToNhwc|nhwcToNchw"),
+        ("conv", r"fprop|dgrad|wgrad|implicit_convolve|winograd|cudnn|conv(olution|_?[123]d|_depthwise)|"
+                 r"aten::(_?convolution|cudnn_convolution)\b"),
         ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|triton_tem|aten::(mm|addmm|bmm|baddbmm|matmul|linear)\b"),
         ("norm", r"norm"),
         ("copy/cat", r"copy|\bcat\b|_cat_|CatArray|memcpy|memset|index|gather|scatter|"
@@ -45,13 +51,20 @@ PROFILE_TOP = 15  # the kernels (by name) that took the most time, per mode, kep
 
 
 def profile_step(subject: Subject, clock: Clock) -> dict[str, Any]:
+    """One step of ``subject`` under the profiler (`profile_call`)."""
+    return profile_call(subject.step, clock)
+
+
+def profile_call(call: Callable[[], Any], clock: Clock) -> dict[str, Any]:
+    """One ``call()`` under the profiler: its kernels (CUDA) or outermost aten ops (CPU) by category, the most costly by
+    name, and the GPU's idle gaps."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
     clock.sync()
     with profile(activities=activities) as prof:
-        subject.step()
+        call()
         clock.sync()
     idle = None
     if clock.cuda:  # the kernels (and memcpy/memset) the GPU ran

@@ -14,6 +14,7 @@ import torch
 
 from ..subject import DTYPES, PIPELINE_FAMILIES, PIPELINE_MODELS
 from ..timing import Clock, equal, md5, progress
+from .profile import profile_call
 
 
 # The VAEs of the step-level models (no pipeline family here): model name -> (diffusers class, config). The published
@@ -64,7 +65,9 @@ def _sites(model) -> dict[str, Any]:
                 reasons=reasons)
 
 
-def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[str, Any]:
+def run_vae(args: argparse.Namespace, device: torch.device, show: bool, profile: bool = False) -> dict[str, Any]:
+    """Time each call (decode, encode) eager and patched; with ``profile``, one more call of each under the profiler
+    (`profile_call`: kernels by category, so the convolutions' share, the floor fusion leaves, is read beside the rest)."""
     from ... import UnsupportedModelError, patch
 
     vae, reason = build_vae(args, device)
@@ -86,7 +89,7 @@ def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[
     calls = {"decode": (lambda m: m.decode(latents).sample, latents),
              "encode": (lambda m: m.encode(image).latent_dist.mean, image)}
     clock = Clock(device)
-    rows = []
+    rows, profiles = [], {}
     with progress(2 * len(calls) * (args.repeats + 1), "vae", show) as bar:
         for name, (call, inp) in calls.items():
             outs, ms = {}, {"eager": [], "patched": []}
@@ -102,7 +105,10 @@ def run_vae(args: argparse.Namespace, device: torch.device, show: bool) -> dict[
                              ratio=patched_ms / eager_ms, eager_ms_all=ms["eager"], patched_ms_all=ms["patched"],
                              bit_identical=equal(outs["patched"], outs["eager"]), md5_eager=md5(outs["eager"]),
                              md5_patched=md5(outs["patched"])))
-    return dict(ran=True, reason=None, vae=type(vae).__name__, rows=rows, sites=_sites(patched))
+            if profile:
+                profiles[name] = [dict(mode=mode, **profile_call(lambda: call(model), clock))
+                                  for model, mode in ((vae, "eager"), (patched, "patched"))]
+    return dict(ran=True, reason=None, vae=type(vae).__name__, rows=rows, sites=_sites(patched), profile=profiles)
 
 
 def vae_markdown(vae: dict[str, Any] | None) -> list[str]:
