@@ -48,11 +48,10 @@ class Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def record(model: str, call: str, frames: int, height: int, width: int, dtype: str, seed: int):
-    """The distinct convolutions of one ``call`` of ``model``'s VAE on the GPU, with their counts."""
+def record(model: str, call: str, frames: int, height: int, width: int, dtype: str, seed: int, dev: torch.device):
+    """The distinct convolutions of one ``call`` of ``model``'s VAE on ``dev``, with their counts."""
     from diffusers_fastpath.bench.levels.vae import _frames, build_vae
 
-    dev = torch.device("cuda")
     vae, reason = build_vae(argparse.Namespace(model=model, dtype=dtype, seed=seed), dev)
     if vae is None:
         raise SystemExit(reason)
@@ -74,6 +73,13 @@ def record(model: str, call: str, frames: int, height: int, width: int, dtype: s
 
 def _time(fn, repeats: int) -> float:
     fn()
+    if not torch.cuda.is_available():  # a CPU dry run of the script: the host clock
+        import time
+
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t) / repeats * 1e3
     torch.cuda.synchronize()
     ms = []
     for _ in range(repeats):
@@ -90,6 +96,8 @@ def _kernels(fn) -> list[tuple[str, float]]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    if not torch.cuda.is_available():
+        return []
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -101,10 +109,9 @@ def _is_layout(name: str) -> bool:
     return "nchwToNhwc" in name or "nhwcToNchw" in name
 
 
-def probe(key: tuple, repeats: int) -> dict:
+def probe(key: tuple, repeats: int, dev: torch.device) -> dict:
     shape, strides, wshape, has_bias, stride, padding, dilation, transposed, out_pad, groups, dtype = key
     dt = getattr(torch, dtype.split(".")[-1])
-    dev = torch.device("cuda")
     x = torch.empty_strided(shape, strides, device=dev, dtype=dt).normal_()
     w = torch.randn(wshape, device=dev, dtype=dt) / (wshape[1] * max(1, torch.Size(wshape[2:]).numel())) ** 0.5
     b = torch.randn(wshape[1] if transposed else wshape[0], device=dev, dtype=dt) if has_bias else None
@@ -138,13 +145,15 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", help="write the rows and the summary here")
+    p.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script, no kernels, host times)")
     args = p.parse_args(argv)
-    convs = record(args.model, args.call, args.frames, args.height, args.width, args.dtype, args.seed)
+    dev = torch.device(args.device)
+    convs = record(args.model, args.call, args.frames, args.height, args.width, args.dtype, args.seed, dev)
     print(f"{args.model} {args.call} {args.frames}x{args.height}x{args.width}: {sum(convs.values())} convolutions, "
           f"{len(convs)} distinct; cudnn {torch.backends.cudnn.version()}, benchmark {torch.backends.cudnn.benchmark}")
     rows, tot = [], collections.Counter()
     for key, n in sorted(convs.items(), key=lambda kv: -kv[1]):
-        r = dict(calls=n, **probe(key, args.repeats))
+        r = dict(calls=n, **probe(key, args.repeats, dev))
         rows.append(r)
         tot["first"] += n * r["first_ms"]
         tot["last"] += n * r["last_ms"]
