@@ -50,22 +50,12 @@ class Recorder(TorchDispatchMode):
 
 def record(model: str, call: str, frames: int, height: int, width: int, dtype: str, seed: int, dev: torch.device):
     """The distinct convolutions of one ``call`` of ``model``'s VAE on ``dev``, with their counts."""
-    from diffusers_fastpath.bench.levels.vae import _frames, build_vae
+    from unfused_census import vae_call  # this folder's: the bench model's VAE and the call that runs it
 
-    vae, reason = build_vae(argparse.Namespace(model=model, dtype=dtype, seed=seed), dev)
-    if vae is None:
-        raise SystemExit(reason)
-    vae = vae.eval()
-    scale = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)
-    latent_frames, sample_frames = _frames(vae, frames)
-    channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
-    dt = next(vae.parameters()).dtype
+    vae, run = vae_call(model, call, frames, height, width, str(dev), dtype, seed)
     rec = Recorder()
     with torch.no_grad(), rec:
-        if call == "decode":
-            vae.decode(torch.randn(1, channels, *latent_frames, height // scale, width // scale, device=dev, dtype=dt))
-        else:
-            vae.encode((torch.rand(1, 3, *sample_frames, height, width, device=dev) * 2 - 1).to(dt))
+        run(vae)
     del vae
     torch.cuda.empty_cache()
     return rec.convs

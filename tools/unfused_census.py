@@ -82,24 +82,27 @@ def build_cut(name: str, layers: int):
 _GEMMS = ("mm", "addmm", "bmm", "baddbmm", "convolution")  # (a convolution's bytes are its operands', as a GEMM's)
 
 
-def vae_call(name: str, call: str, frames: int = 9, height: int = 128, width: int = 128):
-    """The VAE of bench model `name` (its published config, random bf16 weights, on the CPU) and the call that runs
-    it: a decode of latents of a ``frames x height x width`` sample, or an encode of such a sample."""
+def vae_call(name: str, call: str, frames: int = 9, height: int = 128, width: int = 128, device: str = "cpu",
+             dtype: str = "bf16", seed: int = 0):
+    """The VAE of bench model `name` (its published config, random weights of ``dtype``, on ``device``) and the call
+    that runs it: a decode of latents of a ``frames x height x width`` sample, or an encode of such a sample."""
     from diffusers_fastpath.bench.levels.vae import _frames, build_vae
 
-    vae, reason = build_vae(argparse.Namespace(model=name, dtype="bf16", seed=0), torch.device("cpu"))
+    dev = torch.device(device)
+    vae, reason = build_vae(argparse.Namespace(model=name, dtype=dtype, seed=seed), dev)
     if vae is None:
         raise SystemExit(reason)
     vae = vae.eval()
+    dt = next(vae.parameters()).dtype
     scale = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)
     latent_frames, sample_frames = _frames(vae, frames)
     channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     if call == "decode":
         latents = torch.randn(1, channels, *latent_frames, height // scale, width // scale, generator=gen)
-        return vae, lambda m: m.decode(latents.bfloat16())
+        return vae, lambda m: m.decode(latents.to(dev, dt))
     image = torch.rand(1, 3, *sample_frames, height, width, generator=gen) * 2 - 1
-    return vae, lambda m: m.encode(image.bfloat16())
+    return vae, lambda m: m.encode(image.to(dev, dt))
 
 
 def main(argv=None) -> None:
