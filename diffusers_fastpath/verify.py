@@ -21,7 +21,9 @@ resolution), none afterwards but computing the key (a few microseconds). Set ``D
 
 What it cannot verify, it does not trust: a call inside a ``torch.compile`` trace or a CUDA graph capture is not
 checked (the graph runner's first call of a signature is eager, and that call is); past `MAX_SIGNATURES`
-signatures, and for arguments that cannot be copied, a call runs as diffusers wrote it; a model whose forward or
+signatures, for arguments that cannot be copied, and while torch forward hooks other than the check's own are on
+the model or in it (or global module hooks: `foreign_hooks`; they would run twice, and the model's own change what
+the check sees), a call of a signature not yet verified runs as diffusers wrote it; a model whose forward or
 blocks another library has replaced with a stateful wrapper (a cache such as cache-dit, diffusers' own block caches),
 where a second forward would advance that library's state, is unpatched with the reason, since such a model cannot
 be verified without changing what the library computes.
@@ -43,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from ._logging import logger
 from ._state import undo_patch
-from .ops._policy import capturing, outputs_equal, tensors_equal
+from .ops._policy import capturing, global_module_hooks, outputs_equal, tensors_equal
 
 ENV_VERIFY = "DIFFUSERS_FASTPATH_VERIFY"
 _PLAIN_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)  # immutable leaves: kept, not copied
@@ -226,6 +228,22 @@ def stateful_wrapper(model: nn.Module, known: frozenset[str]) -> str | None:
     return None
 
 
+def foreign_hooks(model: nn.Module, own: Any) -> str | None:
+    """Why a call cannot be checked at the model's boundary, or None: torch forward hooks or pre-hooks that are not
+    the verifier's own (`own`'s bound methods), on the model or on any module in it, or global module hooks. The
+    model's own hooks change its arguments after the check copied them and its output before or after the check
+    reads it; any hook would run again in a second forward (one that counts steps or collects features would
+    advance). Such a call runs as diffusers wrote it, once; the signature is checked on a call without them."""
+    if global_module_hooks():
+        return "global module forward hooks are registered (torch's register_module_forward_hook)"
+    for name, module in model.named_modules():
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            if getattr(hook, "__self__", None) is not own:
+                label = f"{type(model).__name__}.{name}" if name else type(model).__name__
+                return f"{label} has forward hooks"
+    return None
+
+
 # --- localising a mismatch ------------------------------------------------------------------------------------------
 
 
@@ -324,6 +342,9 @@ class Verifier:
         wrapper = stateful_wrapper(model, self.known)
         if wrapper is not None:
             return self._run_as_written(wrapper, unpatch=wrapper)
+        hooks = foreign_hooks(model, self)
+        if hooks is not None:  # not trusted unchecked: the call runs as written, the model stays patched
+            return self._run_as_written(f"{hooks}: the check needs a second forward, which would run them again")
         if len(self.verified) >= MAX_SIGNATURES:
             return self._run_as_written(f"more than {MAX_SIGNATURES} input signatures")
         try:

@@ -20,7 +20,7 @@ from diffusers import FluxTransformer2DModel
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import sites_of
 from diffusers_fastpath.ops import OPS, _build
-from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_ENV, REASON_NO_KERNELS
+from diffusers_fastpath.ops._policy import ENV_DISABLE, REASON_AUTOCAST, REASON_ENV, REASON_NO_KERNELS
 from diffusers_fastpath.testing import zoo
 from diffusers_fastpath.testing import (
     build_ernie_image_transformer,
@@ -130,6 +130,24 @@ def test_autocast_of_an_fp32_model(family, unpatch_after):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref, got = out(ref_model, inputs), out(model, inputs)
     assert ref.dtype == got.dtype and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family", ["flux", "qwenimage"])
+def test_autocast_of_a_bf16_model_runs_every_op_as_eager_does(family, emulated_kernels, unpatch_after):
+    """CUDA autocast runs layer_norm, group_norm, rsqrt, pow, ... in float32 even for a bf16 model, so its eager
+    chains are not the ones the kernels reproduce: every fused op refuses under autocast (CPU autocast, which does
+    not upcast them, shows the refusal here; the kernels run once it is off)."""
+    ref_model, model, inputs = twins(family, torch.bfloat16, seed=2)
+    fp.patch(model)
+    unpatch_after(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, got = out(ref_model, inputs), out(model, inputs)
+    assert ref.dtype == got.dtype and torch.equal(got, ref)
+    rep = fp.report(model)
+    fused = [s for s in rep.sites if s.op in OPS]  # not FLUX's joint_tokens_view (a view of what is there, no math)
+    assert fused and not any(s.fast for s in fused), str(rep)
+    assert {reason for s in fused for reason in s.reasons} == {REASON_AUTOCAST}, str(rep)
+    assert torch.equal(out(model, inputs), out(ref_model, inputs)) and fp.report(model).fast > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -152,6 +152,27 @@ def test_inference_mode_and_autocast_on_the_gpu(unpatch_after):
     assert fp.report(model).models[0].graphs["replays"] >= 1
 
 
+@torch.no_grad()
+def test_a_bf16_transformer_and_vae_under_cuda_autocast(unpatch_after):
+    """CUDA autocast runs layer_norm, group_norm, rsqrt, pow, ... in float32 for bf16 inputs: eager's chains there
+    are not the kernels'; every fused op refuses under autocast (`_policy.autocast_on`), so patched == unpatched."""
+    from diffusers_fastpath.testing import build_flux_vae
+
+    ref_model = build_flux_transformer("flux-tiny", device="cuda", seed=7)
+    model = build_flux_transformer("flux-tiny", device="cuda", seed=7)
+    ref_vae = build_flux_vae("flux-tiny", device="cuda", seed=3).eval()
+    vae = build_flux_vae("flux-tiny", device="cuda", seed=3).eval()
+    unpatch_after(fp.patch(model))
+    unpatch_after(fp.patch(vae))
+    inputs = flux_transformer_inputs(model, grid=(8, 8), txt_tokens=16, seed=8, device="cuda")
+    z = torch.randn(1, vae.config.latent_channels, 16, 16, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        pairs = [(model(**inputs).sample, ref_model(**inputs).sample), (vae.decode(z).sample, ref_vae.decode(z).sample)]
+    for got, ref in pairs:
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+    assert torch.equal(model(**inputs).sample, ref_model(**inputs).sample) and fp.report(model).fast > 0
+
+
 def _lora(m):
     from peft import LoraConfig
 

@@ -198,6 +198,98 @@ def test_stateful_wrapper_added_after_patch_unpatches_instead_of_a_second_forwar
     assert any("cannot be verified" in r.getMessage() for r in fastpath_log.records)
 
 
+def _double_input(module, args, kwargs):
+    return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 2}
+
+
+def _scale_output(module, args, kwargs, output):
+    return (output[0] * 3,)
+
+
+def _warned(log):
+    return [r.getMessage() for r in log.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+@torch.no_grad()
+def test_a_hook_on_the_model_that_changes_its_input_or_output(when, emulated_kernels, fastpath_log, unpatch_after):
+    """A user's forward pre-hook (rescaling the input) and forward hook (scaling the output) on the model itself:
+    the check, which copies the arguments before the model's later pre-hooks change them and compares an output that
+    its earlier forward hooks changed, would have taken the patched result for wrong, returned its reference (the
+    forward without the hooks' changes) and unpatched the model. While such hooks are on, a new signature runs as
+    diffusers wrote it, once; once they are gone, its next call is checked."""
+    model = _tiny()
+    kwargs = _inputs()
+    handles = [model.register_forward_pre_hook(_double_input, with_kwargs=True),
+               model.register_forward_hook(_scale_output, with_kwargs=True)]
+    ref = model(**kwargs)[0]
+    for h in handles:
+        h.remove()
+    plain = model(**kwargs)[0]
+    if when == "before_patch":
+        handles = [model.register_forward_pre_hook(_double_input, with_kwargs=True),
+                   model.register_forward_hook(_scale_output, with_kwargs=True)]
+    unpatch_after(fp.patch(model))
+    if when == "after_patch":
+        handles = [model.register_forward_pre_hook(_double_input, with_kwargs=True),
+                   model.register_forward_hook(_scale_output, with_kwargs=True)]
+    assert torch.equal(model(**kwargs)[0], ref)
+    assert not _warned(fastpath_log) and STATE_ATTR in model.__dict__
+    assert "has forward hooks" in str(fp.report(model)) and not model.__dict__[STATE_ATTR].verifier.verified
+    for h in handles:
+        h.remove()
+    assert torch.equal(model(**kwargs)[0], plain)
+    assert len(model.__dict__[STATE_ATTR].verifier.verified) == 1 and not _warned(fastpath_log)
+
+
+@torch.no_grad()
+def test_a_global_forward_hook_that_changes_the_output(emulated_kernels, fastpath_log, unpatch_after):
+    """Global module hooks run before the model's own forward hooks: the check would read a changed output."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = _tiny()
+    kwargs = _inputs()
+    handle = register_module_forward_hook(lambda m, a, out: (out[0] * 3,) if m is model else None)
+    try:
+        ref = model(**kwargs)[0]
+        unpatch_after(fp.patch(model))
+        out = model(**kwargs)[0]
+    finally:
+        handle.remove()
+    assert torch.equal(out, ref) and not _warned(fastpath_log) and STATE_ATTR in model.__dict__
+
+
+class _StepScale:
+    """A block hook that depends on how many steps ran (schedule-driven research code): state a second forward
+    would advance."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, module, args, output):
+        self.calls += 1
+        return output * (1 + 0.25 * self.calls)
+
+
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+@torch.no_grad()
+def test_a_stateful_hook_on_a_block_runs_once_per_call(when, emulated_kernels, fastpath_log):
+    ref_model, model = _tiny(), _tiny()
+    ref_model.transformer_blocks[0].register_forward_hook(_StepScale())
+    steps = [_inputs(seed=s) for s in (1, 2, 3)]
+    ref = [ref_model(**k)[0] for k in steps]
+    hook = _StepScale()
+    if when == "before_patch":
+        model.transformer_blocks[0].register_forward_hook(hook)
+    fp.patch(model)
+    if when == "after_patch":
+        model.transformer_blocks[0].register_forward_hook(hook)
+    got = [model(**k)[0] for k in steps]
+    assert STATE_ATTR in model.__dict__ and not _warned(fastpath_log)
+    fp.unpatch(model)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got)) and hook.calls == 3
+
+
 def test_verification_restores_rng_and_checks_it(emulated_kernels, unpatch_after):
     model = _tiny()
     kwargs = _inputs()
@@ -305,18 +397,23 @@ def test_a_known_rotary_is_known_with_annotations_too():
     assert hints == {"rows_rotary": "apply_interleaved_rotary_emb"}
 
 
+class _GradModeLinear(nn.Linear):
+    def forward(self, x):
+        out = super().forward(x)
+        return out * 2 if torch.is_grad_enabled() else out
+
+
 def test_a_mismatch_under_autograd_returns_diffusers_result_with_its_graph(emulated_kernels, fastpath_log):
     """A call whose verification fails under autograd returns what diffusers computes there, with its graph on the
     caller's own tensors (the reference run has none: it runs without autograd, on copies), so that ``backward``
-    gives diffusers' gradients. The mismatch here: a user's hook whose result depends on the grad mode (torch's own
-    backward hooks can change a layout so), which the reference run, without autograd, does not see."""
+    gives diffusers' gradients. The mismatch here: a layer whose result depends on the grad mode (torch's own backward
+    hooks can change a layout so), which the reference run, without autograd, does not see."""
     import copy
 
     model = _tiny()
+    model.proj_in.__class__ = _GradModeLinear
     twin = copy.deepcopy(model)
     kwargs = _inputs()
-    for m in (model, twin):
-        m.proj_in.register_forward_hook(lambda mod, args, out: out * 2 if torch.is_grad_enabled() else out)
     fp.patch(model)
     results = []
     for m in (twin, model):

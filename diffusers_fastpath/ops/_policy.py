@@ -7,8 +7,9 @@
   RMSNorm, a SiLU) that has hooks (`hooked`: its own, a ``forward`` replaced on the instance, or the global ones of
   ``register_module_forward_hook``), whose eager expression calls the module so that they run; and any
   ``torch.func`` transform (``vmap``, ``grad``, ``jvp``: the kernels read raw pointers that a batched or
-  grad-tracking tensor does not have, and record no batching or autograd rule). A guard never raises: one that does
-  (a bug of this package) refuses the call, with one warning.
+  grad-tracking tensor does not have, and record no batching or autograd rule); and autocast (CUDA's runs norms and
+  pointwise math in float32: eager's chain is another one there). A guard never raises: one that does (a bug of this
+  package) refuses the call, with one warning.
 - The first exception from a fused kernel (a failed build, a launch error) logs one warning and disables that op
   for the process; its calls run the eager reference from then on.
 - Inside a CUDA graph capture an error is raised too (the capture failed, not the kernel; see `graphs`).
@@ -48,11 +49,22 @@ REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
 REASON_NO_KERNELS = "no CUDA kernels in this process"
 REASON_TRANSFORM = "inside a torch.func transform (vmap, grad, jvp)"
+REASON_AUTOCAST = "autocast is on (it runs norms and pointwise math in float32: eager's expression follows it)"
 
 
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph (False, at no cost, if CUDA is unused)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def autocast_on(args) -> bool:
+    """Whether autocast is on for the device of the first tensor of `args`. CUDA autocast runs layer_norm,
+    group_norm, rsqrt, pow, exp, norm, ... in float32 whatever their inputs' dtype, so a bf16 model's eager chain
+    there is not the one a kernel reproduces: every fused op refuses (one C call, about 0.1 us)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return torch.is_autocast_enabled(a.device.type)
+    return False
 
 
 def global_module_hooks() -> bool:
@@ -161,6 +173,7 @@ class FusedOp:
                 self.disabled is None
                 and not self.env_disabled
                 and self._hooks_reason(args) is None
+                and not autocast_on(args)
                 and self.guard(*args, check_pointers=False) is None
                 and (self.verify_key is None or self.verify_key(*args) in self.verified)
             ):
@@ -212,6 +225,8 @@ class FusedOp:
         modules the kernel stands for, then the op's guard, whose exception (a bug here) is a refusal too."""
         if torch._C._are_functorch_transforms_active():
             return REASON_TRANSFORM
+        if autocast_on(args):
+            return REASON_AUTOCAST
         try:
             return self._hooks_reason(args) or self.guard(*args)
         except Exception as exc:  # noqa: BLE001 - a guard must never raise: the eager expression runs instead
