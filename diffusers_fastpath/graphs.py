@@ -80,6 +80,15 @@ REASON_WRAPPED_BEFORE = ("model.forward is already replaced per instance, by {wh
                          "replay would skip it")
 
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format)
+# nn.Module's own dicts, fingerprinted entry by entry (`ModelFingerprint`)
+_MODULE_DICTS = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"})
+
+
+def _plain_value(v: Any) -> bool:
+    """An immutable plain value (a number, a string, a dtype, ...) or a tuple / list of them: compared by value."""
+    if isinstance(v, (tuple, list)):
+        return all(isinstance(x, _LEAF_TYPES) for x in v)
+    return isinstance(v, _LEAF_TYPES)
 
 
 def _global_state() -> tuple:
@@ -98,7 +107,19 @@ def _global_state() -> tuple:
         torch.backends.cudnn.allow_tf32,
         torch.are_deterministic_algorithms_enabled(),
         getattr(_AttentionBackendRegistry, "_active_backend", None),
+        _flag(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed"),  # the math SDPA's bf16 reduction
+        getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None),
+        _flag(torch.backends.cuda, "preferred_blas_library"),
+        torch.backends.cudnn.enabled,  # the convolutions' (patch embeddings, VAEs) algorithm choice
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
     )
+
+
+def _flag(namespace: Any, name: str) -> Any:
+    """``namespace.name()`` where this torch has it, else None."""
+    fn = getattr(namespace, name, None)
+    return fn() if fn is not None else None
 
 
 # Module-level functions that a model's forward calls by their global name and that cannot run inside a capture as
@@ -284,8 +305,20 @@ class ModelFingerprint:
         owners: list[dict] = []
         keys: list[str] = []
         values: list[Any] = []
+        leaf_owners: list[dict] = []
+        leaf_keys: list[str] = []
         for m in self.modules:
             self.dicts += [m.__dict__, m._parameters, m._buffers, m._modules, m._forward_hooks, m._forward_pre_hooks]
+            # the plain values a forward may read (``eps``, ``theta``, ``axes_dim``), compared by value (a graph bakes
+            # them in); tensors held as plain attributes, by identity and address; this package's own per-call
+            # state (``_fastpath*``: hand-off slots, sites, caches keyed by those values) is not the model's
+            for k, v in m.__dict__.items():
+                if k.startswith("_fastpath") or k in _MODULE_DICTS:
+                    continue
+                if isinstance(v, torch.Tensor):
+                    owners.append(m.__dict__), keys.append(k), values.append(v)
+                elif _plain_value(v):
+                    leaf_owners.append(m.__dict__), leaf_keys.append(k)
             for d in (m._parameters, m._buffers, m._modules):
                 for k, v in d.items():
                     owners.append(d), keys.append(k), values.append(v)
@@ -301,6 +334,9 @@ class ModelFingerprint:
                         owners.append(vars(processor)), keys.append(k), values.append(v)
         self.lens = list(map(len, self.dicts))
         self.owners, self.keys, self.values = owners, keys, values
+        self.leaf_owners, self.leaf_keys = leaf_owners, leaf_keys
+        # a list is kept as a copy, so that a change made in place shows
+        self.leaf_values = [v[:] if isinstance(v, list) else v for v in map(operator.getitem, leaf_owners, leaf_keys)]
         self.tensors = [v for v in values if isinstance(v, torch.Tensor)]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         devices = {t.device for t in self.tensors}
@@ -337,6 +373,7 @@ class ModelFingerprint:
                 list(map(type, self.modules)) == self.types
                 and list(map(len, self.dicts)) == self.lens
                 and all(map(operator.is_, map(operator.getitem, self.owners, self.keys), self.values))
+                and list(map(operator.getitem, self.leaf_owners, self.leaf_keys)) == self.leaf_values
                 and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
             )
         except KeyError:  # an entry renamed (same count)
@@ -559,6 +596,13 @@ class GraphRunner:
         state = dict(self.__dict__)
         state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0, model_ref=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # the copy's `GraphForward` may have been rebuilt first (deepcopy, pickle) and set ``model_ref``: keep it
+        ref = self.__dict__.get("model_ref")
+        self.__dict__.update(state)
+        if ref is not None:
+            self.model_ref = ref
 
     @property
     def status(self) -> str:

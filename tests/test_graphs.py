@@ -3,6 +3,8 @@ runner's logic against a simulated graph backend. Real captures and replays are 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -121,6 +123,31 @@ def test_signature_tells_apart_what_changes_the_kernels():
     assert call_signature(NAMES, (torch.randn(2, 16, 4),), {}, CPU)[0] == base
 
 
+def test_signature_holds_every_setting_that_picks_kernels():
+    """A graph bakes in the kernels chosen at capture: every process-wide switch that chooses them is in the key."""
+    switches = {
+        "allow_fp16_bf16_reduction_math_sdp": (torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed,
+                                               torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp),
+        "matmul.allow_fp16_accumulation": (lambda: torch.backends.cuda.matmul.allow_fp16_accumulation,
+                                           lambda v: setattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", v)),
+        "cudnn.deterministic": (lambda: torch.backends.cudnn.deterministic,
+                                lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
+        "cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark,
+                            lambda v: setattr(torch.backends.cudnn, "benchmark", v)),
+        "cudnn.enabled": (lambda: torch.backends.cudnn.enabled, lambda v: setattr(torch.backends.cudnn, "enabled", v)),
+    }
+    missing = []
+    for name, (get, set_) in switches.items():
+        old, before = get(), graphs._global_state()
+        set_(not old)
+        try:
+            if graphs._global_state() == before:
+                missing.append(name)
+        finally:
+            set_(old)
+    assert not missing
+
+
 def test_signature_flattens_lists_of_tensors_in_order():
     blocks = [torch.randn(1, 4, 8) for _ in range(3)]
     sig, tensors = call_signature(NAMES, (torch.randn(1, 4, 8),), dict(samples=blocks), CPU)
@@ -169,9 +196,14 @@ def test_fingerprint_keeps_in_place_weight_writes_and_catches_replacements():
         "class": lambda m: setattr(m.proj_out, "__class__", type("MyLinear", (torch.nn.Linear,), {})),
         "hook": lambda m: m.single_transformer_blocks[1].register_forward_hook(lambda *a: None),
         "attribute": lambda m: setattr(m.transformer_blocks[1], "_diffusers_hook", object()),
+        # plain values a forward reads, which a captured graph bakes in (a list changed in place too)
+        "eps": lambda m: setattr(m.norm_out.norm, "eps", 0.5),
+        "theta": lambda m: setattr(m.pos_embed, "theta", 500),
+        "axes_dim in place": lambda m: m.pos_embed.axes_dim.__setitem__(0, 2),
     }
     for what, change in changes.items():
         model = build_flux_transformer("flux-tiny", torch.float32, seed=1)
+        model.pos_embed.axes_dim = list(model.pos_embed.axes_dim)  # its own list (the config's may be shared)
         fingerprint = ModelFingerprint(model, "cpu")
         change(model)
         assert not fingerprint.matches(), what
@@ -241,6 +273,26 @@ def test_runner_replays_equal_eager_and_never_alias(simulated):
     assert isinstance(tuple_out, tuple) and torch.equal(tuple_out[0], out1)
     eager(model, flux_transformer_inputs(model, batch=1, grid=(2, 4), seed=3))
     assert len(runner.graphs) == 3 and runner.backend.pools == 1  # one pool for all graphs of the model
+
+
+@pytest.mark.parametrize("change", ["eps", "theta"])
+def test_a_value_a_graph_baked_in_changed_after_capture_is_recaptured(change, simulated):
+    """With graphs that run no Python on replay (`TracedGraphs`, as CUDA graphs): a module's ``eps`` or the rotary's
+    ``theta`` set after capture must not replay the graph that baked the old value in."""
+    from diffusers_fastpath.testing import TracedGraphs
+
+    model, twin, runner = simulated(TracedGraphs())
+    a, b = flux_transformer_inputs(model, seed=1), flux_transformer_inputs(model, seed=2)
+    assert torch.equal(eager(model, a).sample, eager(twin, a).sample)  # captured
+    assert torch.equal(eager(model, b).sample, eager(twin, b).sample) and runner.replays == 1  # replayed
+    for m in (model, twin):
+        if change == "eps":
+            m.norm_out.norm.eps = 0.5
+        else:
+            m.pos_embed.theta = 500
+    for inputs in (b, a):
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert runner.invalidations == 1 and runner.replays == 2
 
 
 def test_runner_maps_inputs_by_name_whatever_the_call_order(simulated):
@@ -432,6 +484,21 @@ def test_a_forward_replaced_after_patch_is_said_in_the_report(simulated):
     assert status.startswith("paused: model.forward was replaced per instance after patch, by "
                              "test_graphs.replaced_forward")
     assert runner.captures == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_whose_forward_is_replaced_says_paused_too(how, simulated, unpatch_after):
+    """A copy's runner is rebuilt after its `GraphForward`, which told it the copied model: that must stay known."""
+    import pickle
+
+    model, twin, runner = simulated()
+    other = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    unpatch_after(other)
+    other.forward = replaced_forward.__get__(other)
+    inputs = flux_transformer_inputs(other, seed=1)
+    assert torch.equal(eager(other, inputs).sample, eager(twin, inputs).sample)
+    assert other.__dict__[graphs.GRAPHS_ATTR].status.startswith("paused: model.forward was replaced per instance")
+    del other.__dict__["forward"]
 
 
 def test_a_forward_replaced_before_patch_keeps_graphs_off_naming_it(unpatch_after):

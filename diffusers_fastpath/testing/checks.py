@@ -255,3 +255,48 @@ class SimulatedGraphs:
 
     def pool_bytes(self, pool):
         return 0
+
+
+class TracedGraphs:
+    """A CPU stand-in for `graphs.CudaGraphs` that, like a real CUDA graph, runs no Python on replay: `record` traces
+    the forward into aten ops (``make_fx``), which keep every tensor the forward read (static inputs, weights, tensors
+    a module holds) by reference and bake in every Python decision and scalar argument (an ``eps``, a ``theta``); a
+    replay runs those ops and writes into the static outputs. So a graph the runner should have dropped gives the
+    stale number here, as on a GPU (`SimulatedGraphs` reruns the forward and cannot show that)."""
+
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        self.pools, self.recorded = 0, 0
+
+    def new_pool(self, device):
+        self.pools += 1
+        return ("pool", self.pools)
+
+    def record(self, pool, fn):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.recorded += 1
+        fn()  # the warm-up, as `CudaGraphs.record` runs it
+        held = {}
+
+        def traced():
+            leaves, held["spec"] = pytree.tree_flatten(fn())
+            held["leaves"] = leaves
+            return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+        gm = make_fx(traced, tracing_mode="real")()
+        outs = [t.clone() for t in gm()]
+        it = iter(outs)
+        static = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in held["leaves"]],
+                                       held["spec"])
+
+        class Replay:
+            def replay(self):
+                for out, new in zip(outs, gm()):
+                    out.copy_(new)
+
+        return Replay(), static
+
+    def pool_bytes(self, pool):
+        return 0
