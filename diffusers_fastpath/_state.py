@@ -45,7 +45,13 @@ def bound_safe(cls: type) -> None:
         return
     fn = cls.__dict__.get("forward")
     if fn is not None and not getattr(fn, "_fastpath_bound_safe", False):
-        forward = functools.wraps(fn)(_bound_safe_forward(cls, fn))
+        wrapper = _bound_safe_forward(cls, fn)
+        # a code object of its own per class: torch.compile keeps its cache and its recompile limit per code object,
+        # so one shared code would make every patched block class (FLUX's dual and single blocks, at each shape)
+        # spend one budget (`compile_repeated_blocks(fullgraph=True)` failed at a third resolution)
+        wrapper.__code__ = wrapper.__code__.replace(co_name="forward", co_qualname=f"{cls.__qualname__}.forward")
+        BOUND_SAFE_CODES.add(wrapper.__code__)
+        forward = functools.wraps(fn)(wrapper)
         forward._fastpath_bound_safe = True
         cls.forward = forward
     cls._fastpath_bound_safe = True
@@ -60,9 +66,9 @@ def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
     return forward
 
 
-# the code of every `bound_safe` wrapper: a frame of it stands between a module call and the patched forward it runs
-# (`models._driver` counts it as part of the module call)
-BOUND_SAFE_CODE = _bound_safe_forward(object, print).__code__
+# the code of every `bound_safe` wrapper (one per class): a frame of it stands between a module call and the patched
+# forward it runs (`models._driver` counts it as part of the module call)
+BOUND_SAFE_CODES: set = set()
 
 
 def site_attr(name: str | None = None) -> str:

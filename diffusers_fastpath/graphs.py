@@ -471,29 +471,35 @@ class GraphRunner:
         self.eager: Counter[str] = Counter()
         self.pool_bytes = 0
         self.model_ref: Callable[[], nn.Module | None] | None = None  # set by the model's `GraphForward`
+        # one call at a time through the graphs: a replay's static inputs and outputs are shared by every call of
+        # its signature (another thread's copy-in between this one's copy-in and replay, or its replay before this
+        # one's clone, would hand over the other's result); re-entrant for a forward that calls its model again
+        self._lock = threading.RLock()
 
     # --- the per-call path -------------------------------------------------------------------------------------
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
         forward = type(model).forward.__get__(model)  # what nn.Module would call without us
         if self.off is not None or torch.compiler.is_compiling() or torch._C._get_tracing_state():
             return forward(*args, **kwargs)
-        try:
-            self._check_model(model)
-            sig, tensors = call_signature(self.names, args, kwargs, self.fingerprint.device)
-            host = _host_key(model, self.names, args, kwargs)
-        except Unsupported as exc:
-            self.eager[str(exc)] += 1
-            return forward(*args, **kwargs)
-        sig = (sig, _global_state()) if host is None else (sig, _global_state(), host[0])
-        graph = self.graphs.get(sig)
-        if graph is not None:
-            self.replays += 1
-            return graph.replay(tensors)
-        reason = self.failed.get(sig) or (REASON_TOO_MANY if len(self.graphs) + len(self.failed) >= MAX_SIGNATURES else None)
-        if reason is not None:
+        with self._lock:
+            try:
+                self._check_model(model)
+                sig, tensors = call_signature(self.names, args, kwargs, self.fingerprint.device)
+                host = _host_key(model, self.names, args, kwargs)
+            except Unsupported as exc:
+                reason = str(exc)
+            else:
+                sig = (sig, _global_state()) if host is None else (sig, _global_state(), host[0])
+                graph = self.graphs.get(sig)
+                if graph is not None:
+                    self.replays += 1
+                    return graph.replay(tensors)
+                reason = self.failed.get(sig) or (
+                    REASON_TOO_MANY if len(self.graphs) + len(self.failed) >= MAX_SIGNATURES else None)
+                if reason is None:
+                    return self._capture(forward, sig, args, kwargs, tensors, host and host[1])
             self.eager[reason] += 1
-            return forward(*args, **kwargs)
-        return self._capture(forward, sig, args, kwargs, tensors, host and host[1])
+        return forward(*args, **kwargs)  # outside the lock: an eager call shares nothing with another thread's
 
     def replaced(self, model: nn.Module) -> str | None:
         """Why the model's ``forward`` is no longer this runner's `GraphForward` (a library replaced or wrapped it
@@ -598,12 +604,14 @@ class GraphRunner:
         # captures its own graphs on demand (its first call per signature runs eager, as after an invalidation).
         state = dict(self.__dict__)
         state.update(graphs={}, failed={}, fingerprint=None, pool=None, pool_bytes=0, model_ref=None)
+        del state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # the copy's `GraphForward` may have been rebuilt first (deepcopy, pickle) and set ``model_ref``: keep it
         ref = self.__dict__.get("model_ref")
         self.__dict__.update(state)
+        self._lock = threading.RLock()
         if ref is not None:
             self.model_ref = ref
 

@@ -295,6 +295,50 @@ def test_a_value_a_graph_baked_in_changed_after_capture_is_recaptured(change, si
     assert runner.invalidations == 1 and runner.replays == 2
 
 
+def test_two_threads_of_one_signature_each_get_their_own_result(simulated):
+    """A replay's static inputs and outputs are shared by every call of its signature: two threads calling with the
+    same shapes (here both copied in before either replays, as the GIL may interleave them) must not get each
+    other's result. The runner lets one call at a time through its graphs."""
+    import threading
+
+    from diffusers_fastpath.testing import TracedGraphs
+
+    class MeetBeforeReplay(TracedGraphs):  # both threads copy their inputs in, then meet, then replay (if they can)
+        def __init__(self):
+            super().__init__()
+            self.barrier, self.armed = threading.Barrier(2, timeout=3), False
+
+        def record(self, pool, fn):
+            replay, static = super().record(pool, fn)
+            outer = self
+
+            class Replay:
+                def replay(self):
+                    if outer.armed:
+                        try:
+                            outer.barrier.wait()
+                        except threading.BrokenBarrierError:  # the other thread waits on the runner: as it should
+                            pass
+                    replay.replay()
+
+            return Replay(), static
+
+    backend = MeetBeforeReplay()
+    model, twin, runner = simulated(backend, dtype=torch.bfloat16)
+    a, b = flux_transformer_inputs(model, seed=1), flux_transformer_inputs(model, seed=2)  # one signature
+    want = {"a": eager(twin, a).sample, "b": eager(twin, b).sample}
+    assert torch.equal(eager(model, a).sample, want["a"])  # captured
+    backend.armed = True
+    got = {}
+    threads = [threading.Thread(target=lambda k, x: got.__setitem__(k, eager(model, x).sample), args=(k, x))
+               for k, x in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(got["a"], want["a"]) and torch.equal(got["b"], want["b"]) and runner.replays == 2
+
+
 def test_runner_maps_inputs_by_name_whatever_the_call_order(simulated):
     model, twin, runner = simulated()
     # FluxPipeline's order, not the forward's; and positional hidden_states

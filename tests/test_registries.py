@@ -107,6 +107,23 @@ def test_compile_repeated_blocks_of_a_patched_model(build, make_inputs, unpatch_
     assert "_repeated_blocks" not in vars(model) and model._repeated_blocks == class_names
 
 
+def test_compile_repeated_blocks_fullgraph_over_three_resolutions(unpatch_after):
+    """torch.compile keeps its cache and its recompile limit (8) per code object: the patched classes' forward
+    wrappers (`_state.bound_safe`) each have their own, as diffusers' classes do, or FLUX's dual and single blocks at
+    each shape spent one budget and ``fullgraph=True`` failed at a third resolution the unpatched model runs."""
+    model, twin = build_flux_transformer("flux-tiny", torch.bfloat16, seed=21), build_flux_transformer(
+        "flux-tiny", torch.bfloat16, seed=21)
+    fp.patch(model)
+    unpatch_after(model)
+    for m in (model, twin):
+        m.compile_repeated_blocks(backend="eager", fullgraph=True)
+    with torch.no_grad():
+        for i, (batch, grid) in enumerate([(1, (4, 4)), (2, (4, 6)), (1, (6, 6))]):
+            inputs = flux_transformer_inputs(model, batch=batch, grid=grid, seed=i)
+            assert outputs_equal(sample(model(**inputs)), sample(twin(**inputs)))
+    torch._dynamo.reset()
+
+
 # --- caches and layer skip ---------------------------------------------------------------------------------------
 
 def _timestep(pipe):

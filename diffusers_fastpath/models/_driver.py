@@ -26,15 +26,14 @@ from types import CodeType, FrameType
 import diffusers
 from torch import nn
 
-from .._state import BOUND_SAFE_CODE, STATE_ATTR
+from .._state import BOUND_SAFE_CODES, STATE_ATTR
 
 _DIFFUSERS_DIR = os.path.dirname(os.path.abspath(diffusers.__file__)) + os.sep
 
 # torch's frames between a caller and the module's forward: ``Module.__call__`` (``_wrapped_call_impl``),
 # ``_call_impl``, and the ``inner`` that ``_call_impl`` runs forward in when there are hooks
 _MODULE_CALL = frozenset([nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
-                          *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType)),
-                          BOUND_SAFE_CODE])  # (and a patched class's forward wrapper: `_state.bound_safe`)
+                          *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType))])
 
 _OWN_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> (its forward, the code or None)
 
@@ -59,7 +58,8 @@ def own_forward_code(cls: type) -> CodeType | None:
 
 def is_module_call(frame: FrameType | None) -> bool:
     """Whether `frame` is one of torch's frames of a module call (``Module.__call__`` and what it runs)."""
-    return frame is not None and frame.f_code in _MODULE_CALL
+    # (and a patched class's forward wrapper: `_state.bound_safe`, one code per class)
+    return frame is not None and (frame.f_code in _MODULE_CALL or frame.f_code in BOUND_SAFE_CODES)
 
 
 def module_caller(frame: FrameType | None) -> FrameType | None:
