@@ -77,7 +77,7 @@ def _leaf_key(value: Any) -> Any:
         if value.layout is not torch.strided or not hasattr(value, "untyped_storage"):
             return ("tensor", type(value).__name__, value.layout, tuple(value.shape), value.dtype)
         return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+    if value is None or isinstance(value, _PLAIN_TYPES):
         return (type(value), value)
     return (type(value),)  # an object (a cache, a generator): by its type
 
