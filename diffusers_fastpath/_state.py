@@ -19,8 +19,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .ops import Site
+from .ops._policy import forward_replaced
 
 STATE_ATTR = "_fastpath_state"
 SITE_ATTR = "_fastpath_site"  # read directly (``self._fastpath_site``) by the patched forwards
@@ -38,7 +40,11 @@ def bound_safe(cls: type) -> None:
     """Make `cls`'s own ``forward`` (a patched class's) run the forward of the class its object has *now* wherever
     that object is no longer a `cls`: a hook added after `patch` (diffusers' group offloading, layerwise casting)
     holds the bound patched forward, which putting the object's class back (`unpatch`, and the verification's run as
-    diffusers wrote it: `verify.as_written`) does not reach. Once per
+    diffusers wrote it: `verify.as_written`) does not reach; and run the forward of its parent class wherever a
+    ``forward`` of the classes it inherits is no longer the one written there (`forward_replaced`: a library replaced
+    ``RMSNorm.forward`` on diffusers' class: the fused forward would skip the replacement), or, for a class whose
+    forward was rewritten from its parent's (``_fastpath_made_from``: that function), where the parent's is another
+    one since (rewritten again at the next `patch`). Once per
     class (a flag on it). The rewriter's classes (`_chains.fused_subclass`, ``_fastpath_rewrite`` in their dict) are
     left as they are: their rewritten forwards ask the same themselves (`_chains._stale_check`)."""
     if cls.__dict__.get("_fastpath_bound_safe") or "_fastpath_rewrite" in cls.__dict__:
@@ -61,6 +67,9 @@ def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         if not isinstance(self, cls):  # unpatched, reached through a hook's bound method: what its class runs
             return type(self).forward(self, *args, **kwargs)
+        made_from = getattr(cls, "_fastpath_made_from", None)  # (a forward rewritten from its parent's, if so)
+        if forward_replaced(self) if made_from is None else cls.__mro__[1].forward is not made_from:
+            return super(cls, self).forward(*args, **kwargs)  # what the parent class runs now
         return fn(self, *args, **kwargs)
 
     return forward
@@ -162,8 +171,14 @@ def _processor_registry():
 
 
 def _undo_class(module: nn.Module, old: type, new: type) -> None:
-    if type(module) is new:
+    cls = type(module)
+    if cls is new:
         module.__class__ = old
+    elif cls.__bases__ == (new,) and parametrize.is_parametrized(module):
+        # a parametrization registered after `patch` made the module an instance of torch's ``Parametrized<new>``
+        # (its parametrized tensors as properties): the same class over `old`, which torch's removal unwraps to `old`
+        body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        module.__class__ = type(cls.__name__.replace(new.__name__, old.__name__), (old,), body)
 
 
 def _undo_attr(module: nn.Module, name: str, *old: Any) -> None:

@@ -806,3 +806,19 @@ def test_zoo_models_published_as_their_class_defaults_are_benched_at_full_size()
         assert (f"zoo:{name}" in ZOO_MODELS) == (entry.full_config is not None), name
         assert f"zoo:{name}-tiny" in ZOO_MODELS
     assert {"zoo:flux3", "zoo:sana", "zoo:wan-vace", "zoo:qwen-image-21"} <= set(ZOO_MODELS)
+
+
+def test_a_zoo_models_report_names_the_inputs_it_ran(tmp_path):
+    """A zoo model runs at its entry's size (``--height`` and the others do not reach it): the report's first line
+    says that size, not the FLUX defaults (Wan VACE's full-size run was headed "1024x1024, 28 steps")."""
+    import argparse
+
+    from diffusers_fastpath.bench.conditions import conditions
+    from diffusers_fastpath.bench.render import describe_conditions
+
+    args = argparse.Namespace(model="zoo:wan-vace", dtype="bf16", height=1024, width=1024, steps=28, batch=1,
+                              text_tokens=512, quant="none")
+    line = describe_conditions(conditions(args, torch.device("cpu")))
+    assert "inputs frames=81, height=480, width=832, text=512" in line and "1024x1024" not in line
+    args.model = "flux-dev"
+    assert "1024x1024, 28 steps, 512 text tokens" in describe_conditions(conditions(args, torch.device("cpu")))

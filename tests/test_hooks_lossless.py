@@ -106,6 +106,11 @@ CASES = {
 }
 
 
+class _Undo:
+    def __init__(self, remove) -> None:
+        self.remove = remove
+
+
 @contextlib.contextmanager
 def _hook(kind: str, target: torch.nn.Module, calls: list):
     """A hook of `kind` on `target` that changes its output (or input) and counts its calls in `calls`."""
@@ -123,6 +128,19 @@ def _hook(kind: str, target: torch.nn.Module, calls: list):
             return original(*args, **kwargs) * 1.5
 
         target.forward = forward
+    elif kind == "forward-on-class":  # a library replaced torch's or diffusers' forward on the class (after `patch`)
+        owner = next(c for c in type(target).__mro__
+                     if "forward" in c.__dict__ and not c.__module__.startswith("diffusers_fastpath"))
+        original_forward = owner.__dict__["forward"]
+
+        def replaced(self, *args, **kwargs):
+            if self is target:
+                calls.append(1)
+                return original_forward(self, *args, **kwargs) * 1.5
+            return original_forward(self, *args, **kwargs)
+
+        owner.forward = replaced
+        handles.append(_Undo(lambda: setattr(owner, "forward", original_forward)))
     elif kind == "global":
         handles.append(nn_module.register_module_forward_hook(
             lambda m, args, out: (calls.append(1) or out * 1.5) if m is target else None))
@@ -183,6 +201,37 @@ def test_a_forward_hook_on_a_fused_module_runs_as_unpatched(case, module_free_ke
                                   "ernie-sa-ln", "lumina2-fp32silu", "zimage-rms-rope"])
 def test_every_kind_of_hook_runs_as_unpatched(case, kind, module_free_kernels):
     _check(case, kind)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_forward_replaced_on_the_class_runs_as_unpatched(case, module_free_kernels):
+    """``nn.LayerNorm.forward`` (or diffusers' ``RMSNorm.forward``, ``GELU.forward``, ...) replaced on the class by
+    another library: a fused op that stands for the module's call refuses (`_policy.forward_replaced`), and this
+    package's subclasses of those classes run the replacement (`_state.bound_safe`); put back, the fast path
+    returns."""
+    _check(case, "forward-on-class")
+
+
+def test_forward_replaced_knows_written_forwards_from_replacements(monkeypatch):
+    import functools
+
+    from diffusers.models.normalization import RMSNorm
+
+    from diffusers_fastpath.models._qk_norms import FastpathRMSNorm
+    from diffusers_fastpath.ops._policy import forward_replaced
+
+    norm, rms = torch.nn.LayerNorm(8), FastpathRMSNorm(8, eps=1e-6)
+    assert not forward_replaced(norm) and not forward_replaced(rms)
+    original = torch.nn.LayerNorm.forward
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", functools.wraps(original)(lambda self, x: original(self, x)))
+    assert forward_replaced(norm)  # a wrapper keeps the name, not the code's file
+    monkeypatch.undo()
+    assert not forward_replaced(norm)
+    rms_forward = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: rms_forward(self, x))
+    assert forward_replaced(rms)  # a parent of this package's class
+    monkeypatch.undo()
+    assert not forward_replaced(rms)
 
 
 def test_a_hook_added_after_the_op_verified_still_runs(module_free_kernels):

@@ -222,8 +222,72 @@ def test_the_rewrite_is_made_from_the_forward_the_class_holds_at_patch(monkeypat
             fp.unpatch(vae)
     monkeypatch.undo()
     (resnet_pairs,) = [b for b in BLOCKS if b.base is ResnetBlock2D]
-    rewritten = linecache.getlines(resnet_pairs.current().forward.__code__.co_filename)
+    rewritten = linecache.getlines(inspect.unwrap(resnet_pairs.current().forward).__code__.co_filename)
     assert "time_embedding_norm" in "".join(rewritten)  # diffusers' own forward again, rewritten
+
+
+def test_a_model_patched_before_a_rewrite_of_a_replaced_forward_still_pickles(emulated_kernels):
+    """A library replaced ``ResnetBlock2D.forward`` for a while, and a VAE was patched meanwhile: the pair subclass is
+    one object, rewritten in place (not a second class under the same name), so a VAE patched before still pickles;
+    it runs what the class holds now (the replacement while it is there), and once the original is back, the next
+    patch fuses its pairs again (a ``functools.wraps`` wrapper, which cannot be rewritten, does not lose them)."""
+    import functools
+
+    vae1, ref = BUILDERS["flux"](), BUILDERS["flux"]()
+    z = _latents(vae1)
+    original = ResnetBlock2D.forward
+
+    @functools.wraps(original)
+    def wrapped(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    with torch.no_grad():
+        expected = _decode(ref, z)
+        fp.patch(vae1)
+        try:
+            sites = Counter(r.op for r in fp.report(vae1).sites)
+            for replacement in (_replaced_resnet_forward, wrapped):
+                ResnetBlock2D.forward = replacement
+                try:
+                    vae2 = BUILDERS["flux"]()
+                    fp.patch(vae2)
+                    _REPLACED_CALLS.clear()
+                    assert torch.equal(_decode(vae1, z), expected) and torch.equal(_decode(vae2, z), expected)
+                    assert len(_REPLACED_CALLS) == (20 if replacement is _replaced_resnet_forward else 0)
+                    fp.unpatch(vae2)
+                finally:
+                    ResnetBlock2D.forward = original
+                torch.save(vae1, io.BytesIO())
+            vae3 = BUILDERS["flux"]()
+            fp.patch(vae3)
+            assert Counter(r.op for r in fp.report(vae3).sites) == sites  # the pairs are back
+            assert torch.equal(_decode(vae3, z), expected) and torch.equal(_decode(vae1, z), expected)
+            fp.unpatch(vae3)
+        finally:
+            fp.unpatch(vae1)
+
+
+def test_a_parametrized_group_norm_unpatches_to_torchs_class(emulated_kernels):
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    vae, ref_vae = BUILDERS["flux"](), BUILDERS["flux"]()
+    z = _latents(vae)
+    fp.patch(vae)
+    for model in (ref_vae, vae):
+        parametrize.register_parametrization(model.decoder.mid_block.attentions[0].group_norm, "weight", Doubled())
+    with torch.no_grad():
+        ref = _decode(ref_vae, z)
+        assert torch.equal(_decode(vae, z), ref)
+        fp.unpatch(vae)
+        assert torch.equal(_decode(vae, z), ref)
+    norm = vae.decoder.mid_block.attentions[0].group_norm
+    assert type(norm).__mro__[1] is nn.GroupNorm
+    parametrize.remove_parametrizations(norm, "weight")
+    assert type(norm) is nn.GroupNorm
 
 
 def test_bench_vae_level_times_decode_and_encode_without_a_transformer(tmp_path):

@@ -243,6 +243,68 @@ def test_a_replaced_norm_forward_is_left_unpatched(how, monkeypatch, emulated_ke
     assert "WanRMS_norm.forward is not the form" in fastpath_log.text
 
 
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_a_torch_forward_replaced_on_a_parent_class_runs(when, emulated_kernels):
+    """``nn.Upsample.forward`` (which ``WanUpsample.forward`` calls) replaced on torch's class by another library,
+    before or after `patch`: the upsampling runs it (`_policy.forward_replaced`: the fused 2x nearest, which never
+    calls it, would stand in for it); the decode equals unpatched with the same replacement."""
+    def bilinear(self, x):
+        return F.interpolate(x, scale_factor=self.scale_factor, mode="bilinear", align_corners=False)
+
+    vae, ref_vae = _build("wan"), _build("wan")
+    z = _latents(vae)
+
+    def upsampled() -> int:
+        return sum(r.fast for r in fp.report(vae).sites if r.op == "upsample_nearest2x")
+
+    original = nn.Upsample.forward
+    with torch.no_grad():
+        try:
+            if when == "after_patch":
+                fp.patch(vae)
+                _decode(vae, z)
+            nn.Upsample.forward = bilinear
+            ref = _decode(ref_vae, z)
+            fp.patch(vae)
+            fast = upsampled()
+            assert torch.equal(_decode(vae, z), ref) and upsampled() == fast  # (none ran fused)
+            nn.Upsample.forward = original
+            assert torch.equal(_decode(vae, z), _decode(ref_vae, z))  # put back: the fused upsampling again
+            assert upsampled() > fast
+        finally:
+            nn.Upsample.forward = original
+            fp.unpatch(vae)
+
+
+def test_a_parametrization_registered_after_patch(emulated_kernels):
+    """``weight_norm`` (any ``torch.nn.utils.parametrize``) on a patched causal convolution and a parametrized
+    ``gamma`` of a patched norm: torch gives each module a subclass of this package's class; they run diffusers'
+    forward (the fallback finds it through the MRO instead of recursing into the fused forward), and `unpatch`
+    leaves torch's parametrized class over diffusers' one, which torch's removal unwraps."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    vae, ref_vae = _build("wan"), _build("wan")
+    z = _latents(vae)
+    for model in (ref_vae, vae):
+        if model is vae:
+            fp.patch(vae)
+        parametrizations.weight_norm(model.decoder.conv_out)
+        parametrize.register_parametrization(model.decoder.mid_block.attentions[0].norm, "gamma", Doubled())
+    with torch.no_grad():
+        ref = _decode(ref_vae, z)
+        assert torch.equal(_decode(vae, z), ref)
+        fp.unpatch(vae)
+        assert torch.equal(_decode(vae, z), ref)
+    for module in (vae.decoder.conv_out, vae.decoder.mid_block.attentions[0].norm):
+        assert not any(c.__module__.startswith("diffusers_fastpath") for c in type(module).__mro__)
+    parametrize.remove_parametrizations(vae.decoder.conv_out, "weight")
+    assert type(vae.decoder.conv_out) is wan.WanCausalConv3d
+
+
 @pytest.mark.parametrize("model", ["wan-tiny", "qwen-image-tiny"])
 def test_bench_vae_level_builds_wan_and_qwen_vaes(model, tmp_path):
     """``--levels vae`` for the step-level models' VAEs (the published configs' classes, random weights): decode and

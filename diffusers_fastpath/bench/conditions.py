@@ -56,6 +56,16 @@ def _driver_version() -> str | None:
     return None
 
 
+def _zoo_size(model: str) -> dict[str, Any] | None:
+    """A ``zoo:`` model's input size knobs (`testing.zoo`: its published resolution, or the tiny defaults)."""
+    if not model.startswith("zoo:"):
+        return None
+    from ..testing import zoo
+
+    entry = zoo.ZOO[model[len("zoo:"):].removesuffix("-tiny")]
+    return {k: v for k, v in (entry.full_size if not model.endswith("-tiny") else {}).items()} or {"size": "tiny"}
+
+
 def conditions(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Everything a number in the report depends on."""
     import diffusers
@@ -79,6 +89,7 @@ def conditions(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         batch=args.batch,
         text_tokens=args.text_tokens,
         quant=args.quant,
+        zoo_size=_zoo_size(args.model),
         commit=commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

@@ -110,8 +110,16 @@ def describe_conditions(c: dict[str, Any]) -> str:
     hw = f"{c['gpu']} (driver {c['driver'] or 'unknown'})" if c.get("gpu") else f"CPU ({c.get('cpu') or 'unknown'})"
     return (f"{hw}; torch {c['torch']} (CUDA {c['cuda']}), diffusers {c['diffusers']}, diffusers_fastpath "
             f"{c['diffusers_fastpath']}, commit `{c['commit']}`; model {c['model']}, {c['dtype']}, "
-            f"{c['width']}x{c['height']}, batch {c['batch']}, {c['steps']} steps, {c['text_tokens']} text tokens"
+            f"{_describe_size(c)}, batch {c['batch']}"
             f"{'; ' + describe_weights(c) if 'quant' in c else ''}; {c['date']}")
+
+
+def _describe_size(c: dict[str, Any]) -> str:
+    """The sample: a zoo model's own size knobs (its published resolution, or its tiny one: ``--height`` and the
+    others do not reach it), else ``--width`` x ``--height``, the steps and the text tokens."""
+    if c.get("zoo_size") is not None:
+        return "inputs " + ", ".join(f"{k}={v}" for k, v in c["zoo_size"].items())
+    return f"{c['width']}x{c['height']}, {c['steps']} steps, {c['text_tokens']} text tokens"
 
 
 def describe_weights(c: dict[str, Any]) -> str:

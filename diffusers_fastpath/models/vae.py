@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .._logging import warn_once
-from .._state import SITE_ATTR, PatchState, site_attr
+from .._state import SITE_ATTR, PatchState, bound_safe, site_attr
 from ..ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, add_plain, group_norm, group_norm_silu
 from ..quality import hooked
 from .._source import source_of
@@ -215,34 +215,51 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...], calls: PairCa
 class PairBlock:
     """A diffusers block class whose forward has GroupNorm -> SiLU statement pairs: `base` (the diffusers class), the
     subclass `name` defined in (and set as an attribute of) the adapter module `module`, `activations` (the
-    attributes of `base` that hold its SiLU), `calls` what its pairs run (the GroupNorm's by default). The subclass
-    is made at construction (adapter import) and again by `current` where ``base.forward`` has been replaced since."""
+    attributes of `base` that hold its SiLU), `calls` what its pairs run (the GroupNorm's by default).
+
+    The subclass is one object, made at construction (adapter import), so that pickles of patched models find it by
+    name in this process and in a fresh one. Where ``base.forward`` has been replaced since it was last rewritten
+    (`current`, at each patch), its forward is rewritten again from the function `base` holds then, on that same
+    class: models patched before run it too, as their unpatched twins run the new function (a pair whose norm has no
+    site runs the two modules as written); a function with no pair leaves the class without a forward of its own."""
 
     def __init__(self, base: type, name: str, module: str, activations: tuple[str, ...],
                  calls: PairCalls = _PairCalls) -> None:
         self.base, self.name, self.module, self.activations, self.calls = base, name, module, activations, calls
-        self.sub = self._make()
+        self.sub: type | None = None  # the subclass, made at the first rewrite that finds a pair
+        self.made_from = self.pairs = None
+        self.current()
 
-    def _make(self) -> type | None:
-        rewritten = rewrite_pairs(self.base.forward, f"{self.name}.forward", self.activations, self.calls)
-        if rewritten is None:
-            return None
-        fn, pairs = rewritten
+    def _install(self, fn, pairs: tuple, made_from) -> None:
         doc = (f"diffusers' ``{self.base.__qualname__}`` with the norm -> SiLU pairs {list(pairs)} of its "
                "installed forward fused (`diffusers_fastpath.models.vae`). Adds no state beyond the fusion sites.")
-        sub = type(self.name, (self.base,), {"forward": fn, "__module__": self.module, "__qualname__": self.name,
-                                             "__doc__": doc, "_fastpath_pairs": pairs})
         fn.__module__ = self.module
-        if self.module in sys.modules:  # an attribute of its module from the start, so that pickles find it by name
-            setattr(sys.modules[self.module], self.name, sub)
-        self.made_from = self.base.forward
-        return sub
+        if self.sub is None:
+            self.sub = type(self.name, (self.base,), {"forward": fn, "__module__": self.module,
+                                                      "__qualname__": self.name, "__doc__": doc,
+                                                      "_fastpath_pairs": pairs, "_fastpath_made_from": made_from})
+            if self.module in sys.modules:  # an attribute of its module from the start, so that pickles find it
+                setattr(sys.modules[self.module], self.name, self.sub)
+            return
+        self.sub.forward, self.sub._fastpath_pairs, self.sub.__doc__ = fn, pairs, doc
+        self.sub._fastpath_made_from = made_from
+        if self.sub.__dict__.get("_fastpath_bound_safe"):  # wrapped before: wrap the new forward the same way
+            self.sub._fastpath_bound_safe = False
+            bound_safe(self.sub)
 
     def current(self) -> type | None:
-        """The subclass rewritten from the forward `base` holds now (None: it has no pair)."""
-        if getattr(self, "made_from", None) is not self.base.forward:
-            self.sub = self._make()
-        return self.sub
+        """The subclass, rewritten from the forward `base` holds now (None: that forward has no pair)."""
+        fn = self.base.forward
+        if fn is not self.made_from:
+            self.made_from = fn
+            rewritten = rewrite_pairs(fn, f"{self.name}.forward", self.activations, self.calls)
+            self.pairs = None if rewritten is None else rewritten[1]
+            if rewritten is not None:
+                self._install(*rewritten, fn)
+            elif self.sub is not None and "forward" in self.sub.__dict__:
+                del self.sub.forward  # (models patched before run `base`'s forward as it is now)
+                self.sub._fastpath_pairs = ()
+        return self.sub if self.pairs is not None else None
 
 
 def swap_pair_blocks(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...], fits) -> set[int]:

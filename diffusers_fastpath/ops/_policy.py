@@ -4,8 +4,8 @@
   runs (or the op's exact *fallback*, e.g. eager for a self-verified part and a smaller fused op for the rest) and
   the result is still exact; the reason is counted at the call site. Before the op's own guard, the policy refuses
   where the kernel would skip more than a computation: a module whose call the kernel stands for (a LayerNorm, an
-  RMSNorm, a SiLU) that has hooks (`hooked`: its own, a ``forward`` replaced on the instance, or the global ones of
-  ``register_module_forward_hook``), whose eager expression calls the module so that they run; and any
+  RMSNorm, a SiLU) that has hooks (`hooked`: its own, a ``forward`` replaced on the instance or on its class, or the
+  global ones of ``register_module_forward_hook``), whose eager expression calls the module so that they run; and any
   ``torch.func`` transform (``vmap``, ``grad``, ``jvp``: the kernels read raw pointers that a batched or
   grad-tracking tensor does not have, and record no batching or autograd rule); and autocast (CUDA's runs norms and
   pointwise math in float32: eager's chain is another one there). A guard never raises: one that does (a bug of this
@@ -32,6 +32,7 @@ code change; read on every call, so setting it after import takes effect; `repor
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from typing import Callable, Hashable
 
@@ -73,6 +74,79 @@ def global_module_hooks() -> bool:
     return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
 
 
+_PACKAGE = __name__.split(".")[0]
+# class -> (replaced, ((the class, its forward), (each class of its MRO that defines forward, that function), ...))
+_FORWARDS: dict[type, tuple[bool, tuple]] = {}
+
+
+def _written_in_class(owner: type, fn) -> bool:
+    """Whether `fn`, the ``forward`` in `owner`'s own dict, is the one `owner`'s class body defines: compiled from the
+    file of `owner`'s module under the name ``<owner>.forward`` (a replacement or a ``functools.wraps`` wrapper is
+    compiled elsewhere). This package's classes are taken as they are (their forwards run its ops)."""
+    if owner.__module__.split(".")[0] == _PACKAGE:
+        return True
+    code, module = getattr(fn, "__code__", None), sys.modules.get(owner.__module__)
+    return (code is not None and getattr(fn, "__qualname__", None) == f"{owner.__qualname__}.forward"
+            and code.co_filename == getattr(module, "__file__", None))
+
+
+def forward_replaced(module: nn.Module) -> bool:
+    """Whether a ``forward`` of `module`'s class or of a class it inherits from is not the one torch, diffusers or
+    this package wrote there (a library that replaced ``nn.LayerNorm.forward`` or ``RMSNorm.forward`` on the class):
+    a fused op that stands for the module's call would skip the replacement. Kept per class until a ``forward`` of
+    its MRO changes: a dict lookup and an identity check per class that defines ``forward`` (about 0.2 us)."""
+    return _class_forward_replaced(type(module))
+
+
+@torch.compiler.assume_constant_result  # (torch.compile asks it while tracing, of the class as it is then)
+def _class_forward_replaced(cls: type) -> bool:
+    entry = _FORWARDS.get(cls)
+    if entry is not None:
+        for owner, fn in entry[1]:  # (``owner.forward`` is its own while it defines one)
+            if owner.forward is not fn:
+                break
+        else:
+            return entry[0]
+    owners = tuple((c, c.__dict__["forward"]) for c in cls.__mro__ if c is not nn.Module and "forward" in c.__dict__)
+    replaced = not all(_written_in_class(c, f) for c, f in owners)
+    _FORWARDS[cls] = (replaced, ((cls, cls.forward),) + owners)
+    return replaced
+
+
+class EagerClasses:
+    """The module classes an op whose kernel is a module's own ``forward`` takes (diffusers' classes, checked by the
+    adapter, and this package's subclasses of them), each with the diffusers class whose ``forward`` is the eager one.
+    A class made from one of them by someone else (``torch.nn.utils.parametrize`` gives a parametrized module a
+    subclass of its class) is refused by the guard and falls back through its MRO to the diffusers forward."""
+
+    def __init__(self) -> None:
+        self._bases: dict[type, type] = {}
+
+    def add(self, cls: type, base: type | None = None) -> None:
+        self._bases[cls] = base or cls
+
+    def __contains__(self, cls: type) -> bool:
+        return cls in self._bases
+
+    def eager(self, module: nn.Module) -> type:
+        """The class whose ``forward`` is `module`'s eager one: the diffusers class of the first class of its MRO
+        taken here (its own class where none is)."""
+        for cls in type(module).__mro__:
+            base = self._bases.get(cls)
+            if base is not None:
+                return base
+        return type(module)
+
+    def refusal(self, module: nn.Module, what: str) -> str | None:
+        """The guard's first question: ``None`` where `module` is of a class taken here whose ``forward`` chain is
+        the one written (`forward_replaced`), else the reason."""
+        if type(module) not in self._bases:
+            return f"{type(module).__name__} is not a checked {what}"
+        if forward_replaced(module):
+            return f"{type(module).__name__}.forward replaced"
+        return None
+
+
 def hooked(module: nn.Module) -> bool:
     """Whether skipping `module`'s forward would skip more than its computation: its forward hooks or pre-hooks, a
     ``forward`` replaced on the instance (accelerate's offloading, diffusers' hooks: layerwise casting, group
@@ -80,9 +154,10 @@ def hooked(module: nn.Module) -> bool:
     calling it refuses then, and the eager expression calls the module, so they run. (Backward hooks are not asked
     about: every fused op refuses where autograd records, and a module's backward hooks act only then.) Attribute
     and dict lookups only, asked per call: timed the same as the per-module check alone (about 1 us with the call's
-    own cost on a loaded CPU). Also `diffusers_fastpath.quality.hooked`: the one predicate every fused call asks."""
+    own cost on a loaded CPU). A ``forward`` replaced on the module's class or a class it inherits from counts too
+    (`forward_replaced`). Also `diffusers_fastpath.quality.hooked`: the one predicate every fused call asks."""
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-                or global_module_hooks())
+                or global_module_hooks() or _class_forward_replaced(type(module)))
 
 
 def _env_disabled() -> bool:

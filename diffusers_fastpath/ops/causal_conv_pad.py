@@ -30,22 +30,22 @@ import math
 import torch
 from torch import nn
 
-from ._policy import FusedOp, Site
+from ._policy import EagerClasses, FusedOp, Site
 
 _ALLOCATOR_ALIGNMENT = 512  # the CUDA caching allocator's block alignment: the address of eager's clone
-_BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager one
+_BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
 
 
 def add_conv_class(cls: type, base: type | None = None) -> None:
     """Let the guard take modules of `cls`: diffusers' class (`base` None) once its ``forward`` was checked to be the
     one documented above and its parent's ``forward`` is ``nn.Conv3d.forward``, or this package's subclass of
     `base` that adds no state and whose forward runs this op."""
-    _BASES[cls] = base or cls
+    _BASES.add(cls, base)
 
 
 def causal_conv3d_ref(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
     """The eager forward: the diffusers class's (so that this package's subclass falls back to diffusers' code)."""
-    return _BASES.get(type(conv), type(conv)).forward(conv, x, cache_x)
+    return _BASES.eager(conv).forward(conv, x, cache_x)
 
 
 def _contiguous_format(t: torch.Tensor) -> bool:
@@ -76,8 +76,9 @@ def _pads(conv, cache_x) -> bool:
 
 def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_pointers: bool = True) -> str | None:
     """``None`` when the one-buffer build takes these inputs, else the reason it does not (counted at the site)."""
-    if type(conv) not in _BASES:
-        return f"{type(conv).__name__} is not a checked causal convolution"
+    reason = _BASES.refusal(conv, "causal convolution")
+    if reason is not None:
+        return reason
     if not isinstance(x, torch.Tensor) or x.dim() != 5:
         return "x not [B, C, T, H, W]"
     padding = getattr(conv, "_padding", None)

@@ -41,7 +41,7 @@ from torch import nn
 from .._source import body_digest
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site, bits
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, bits
 from .gelu_cat import every_value
 
 _VEC_BYTES = 16
@@ -54,19 +54,19 @@ _THREADS, _BLOCKS_PER_SM = 256, 8  # csrc/channel_rmsnorm_silu.cu's kThreads, kB
 NORMALIZE_DIGESTS = frozenset({"de836cb24b5c2ec1"})
 _NORMALIZE_OK = body_digest(F.normalize) in NORMALIZE_DIGESTS
 
-_BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager norm
+_BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
 
 
 def add_norm_class(cls: type, base: type | None = None) -> None:
     """Let the guard take modules of `cls`: diffusers' class (`base` None) once its ``forward`` was checked to be the
     norm documented above, or this package's subclass of `base` that adds no state and whose forward runs this op."""
-    _BASES[cls] = base or cls
+    _BASES.add(cls, base)
 
 
 def channel_rmsnorm_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The eager norm: the diffusers class's ``forward`` (so that a subclass whose forward runs this op falls back to
     diffusers' code, not to itself)."""
-    return _BASES.get(type(norm), type(norm)).forward(norm, x)
+    return _BASES.eager(norm).forward(norm, x)
 
 
 def channel_rmsnorm_silu_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -80,8 +80,9 @@ def _is_number(v) -> bool:
 
 def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    if type(norm) not in _BASES:
-        return f"{type(norm).__name__} is not a checked channel RMS norm"
+    reason = _BASES.refusal(norm, "channel RMS norm")
+    if reason is not None:
+        return reason
     if not _NORMALIZE_OK:
         return "F.normalize is not the form the kernel continues"
     if not isinstance(x, torch.Tensor):

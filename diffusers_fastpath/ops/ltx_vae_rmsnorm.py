@@ -34,30 +34,31 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
 
 _VEC_BYTES = 16
 _THREADS, _BLOCKS_PER_SM = 256, 8  # csrc/ltx_vae_rmsnorm.cu's kThreads, kBlocksPerSm
 
-_BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager norm
+_BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
 
 
 def add_norm_class(cls: type, base: type | None = None) -> None:
     """Let the guard take modules of `cls`: diffusers' ``RMSNorm`` (`base` None) once its ``forward`` was checked to
     be the norm documented above, or this package's subclass of `base` that adds no state and runs this op."""
-    _BASES[cls] = base or cls
+    _BASES.add(cls, base)
 
 
 def ltx_rmsnorm_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The eager norm: the diffusers class's ``forward`` (so that this package's subclass falls back to diffusers'
     code, not to itself)."""
-    return _BASES.get(type(norm), type(norm)).forward(norm, x)
+    return _BASES.eager(norm).forward(norm, x)
 
 
 def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    if type(norm) not in _BASES:
-        return f"{type(norm).__name__} is not a checked RMS norm"
+    reason = _BASES.refusal(norm, "RMS norm")
+    if reason is not None:
+        return reason
     if getattr(norm, "weight", 0) is not None or getattr(norm, "bias", None) is not None:
         return "norm with weight or bias"
     if not isinstance(getattr(norm, "eps", None), float):

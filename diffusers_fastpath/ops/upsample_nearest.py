@@ -22,21 +22,21 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
 
-_BASES: dict[type, type] = {}  # the classes the op takes -> the diffusers class whose forward is the eager one
+_BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
 
 
 def add_upsample_class(cls: type, base: type | None = None) -> None:
     """Let the guard take modules of `cls`: diffusers' class (`base` None) once its ``forward`` was checked to be the
     one documented above and its parent's ``forward`` is ``nn.Upsample.forward``, or this package's subclass of
     `base` that adds no state and whose forward runs this op."""
-    _BASES[cls] = base or cls
+    _BASES.add(cls, base)
 
 
 def upsample_nearest2x_ref(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The eager forward: the diffusers class's (so that this package's subclass falls back to diffusers' code)."""
-    return _BASES.get(type(module), type(module)).forward(module, x)
+    return _BASES.eager(module).forward(module, x)
 
 
 def _factor_two(scale) -> bool:
@@ -46,8 +46,9 @@ def _factor_two(scale) -> bool:
 
 def _guard(module: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
-    if type(module) not in _BASES:
-        return f"{type(module).__name__} is not a checked upsampling"
+    reason = _BASES.refusal(module, "upsampling")
+    if reason is not None:
+        return reason
     if (getattr(module, "mode", None) not in ("nearest", "nearest-exact") or getattr(module, "size", 0) is not None
             or not _factor_two(getattr(module, "scale_factor", None)) or getattr(module, "align_corners", 0) is not None):
         return "not a 2x nearest upsampling"
