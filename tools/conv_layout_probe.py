@@ -10,7 +10,9 @@ This script records every convolution of one decode (or encode) of a bench model
 config, random weights, ``--frames x --height x --width``), and for each distinct one (input shape and strides, weight
 shape, stride, padding, dilation, groups), on fresh random operands: ``torch.equal`` of the channels-first result and
 the channels-last one (input and weight in ``channels_last(_3d)``), both timed (CUDA events, the median of
-``--repeats`` calls), and the kernels each ran (``torch.profiler``), to see the transposes and the engine.
+``--repeats`` calls), and the kernels each ran (``torch.profiler``), to see the transposes and the engine; and what the
+ways to get there cost: the input written channels-last by its producer and the result made channels-first again
+(``.contiguous()``, for the ops after it), and aten's copies standing for both of cuDNN's transposes.
 
     python tools/conv_layout_probe.py --model wan-14b --call decode --frames 5 --height 480 --width 832
     python tools/conv_layout_probe.py --model flux-dev --call decode --height 1024 --width 1024
@@ -114,6 +116,14 @@ def probe(key: tuple, repeats: int, dev: torch.device) -> dict:
     def last():
         return torch.ops.aten.convolution(x_cl, w_cl, b, stride, padding, dilation, transposed, out_pad, groups)
 
+    def cl_input():  # a producer that writes the input channels-last; the result back channels-first for the rest
+        return torch.ops.aten.convolution(x_cl, w_cl, b, stride, padding, dilation, transposed, out_pad,
+                                          groups).contiguous()
+
+    def aten_transposes():  # aten's copies where cuDNN's transposes were
+        return torch.ops.aten.convolution(x.contiguous(memory_format=fmt), w_cl, b, stride, padding, dilation,
+                                          transposed, out_pad, groups).contiguous()
+
     y1, y2 = first(), last()
     k1, k2 = _kernels(first), _kernels(last)
     return dict(input=list(shape), input_strides=list(strides), weight=list(wshape), stride=list(stride),
@@ -121,6 +131,8 @@ def probe(key: tuple, repeats: int, dev: torch.device) -> dict:
                 max_abs_diff=float((y1.float() - y2.float()).abs().max()), out_channels_last=y2.is_contiguous(
                     memory_format=fmt), first_ms=_time(first, repeats), last_ms=_time(last, repeats),
                 first_layout_ms=sum(t for n, t in k1 if _is_layout(n)),
+                cl_input_ms=_time(cl_input, repeats), aten_transposes_ms=_time(aten_transposes, repeats),
+                cl_input_equal=bool(torch.equal(cl_input(), y1)),
                 first_kernels=[n[:110] for n, _ in k1], last_kernels=[n[:110] for n, _ in k2])
 
 
@@ -148,18 +160,22 @@ def main(argv=None) -> None:
         tot["first"] += n * r["first_ms"]
         tot["last"] += n * r["last_ms"]
         tot["layout"] += n * r["first_layout_ms"]
+        tot["cl_input"] += n * r["cl_input_ms"]
+        tot["aten"] += n * r["aten_transposes_ms"]
         tot["equal_calls"] += n * r["equal"]
         tot["calls"] += n
         print(f"{n:4d} x in {tuple(r['input'])} w {tuple(r['weight'])} s{tuple(r['stride'])} p{tuple(r['padding'])}: "
               f"first {r['first_ms']:.3f} ms (layout {r['first_layout_ms']:.3f}), last {r['last_ms']:.3f} ms, "
-              f"equal {r['equal']} (max diff {r['max_abs_diff']:.3g})\n"
+              f"channels-last input then back {r['cl_input_ms']:.3f} ms, aten's transposes {r['aten_transposes_ms']:.3f}"
+              f" ms, equal {r['equal']} / {r['cl_input_equal']} (max diff {r['max_abs_diff']:.3g})\n"
               f"      first: {' | '.join(r['first_kernels'])}\n      last:  {' | '.join(r['last_kernels'])}",
               flush=True)
     summary = dict(calls=tot["calls"], equal_calls=tot["equal_calls"], first_ms=tot["first"], last_ms=tot["last"],
-                   first_layout_ms=tot["layout"])
+                   first_layout_ms=tot["layout"], cl_input_ms=tot["cl_input"], aten_transposes_ms=tot["aten"])
     print(f"summary: {summary['equal_calls']}/{summary['calls']} calls bit-identical channels-last; the recorded "
           f"convolutions {tot['first']:.1f} ms channels-first (layout transforms {tot['layout']:.1f} ms, under the "
-          f"profiler), {tot['last']:.1f} ms channels-last")
+          f"profiler), {tot['last']:.1f} ms channels-last; {tot['cl_input']:.1f} ms with the input written channels-last "
+          f"and the result made channels-first again, {tot['aten']:.1f} ms with aten's copies for cuDNN's transposes")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), summary=summary, rows=rows), f, indent=1)
