@@ -75,6 +75,26 @@ def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
     return forward
 
 
+def call_safe(cls: type) -> None:
+    """Make this package's attention processor class `cls` run its parent's ``__call__`` wherever that is no longer
+    the function it held when `cls` was first given to a model: one replaced on diffusers' class after `patch` (cache-dit's
+    context-parallel planners replace ``WanAttnProcessor.__call__``) runs, not the fused mirror of the old one. Once
+    per class (a flag on it); the rewriter's classes ask the same themselves (`_chain_calls.stale`)."""
+    if cls.__dict__.get("_fastpath_call_safe") or "_fastpath_rewrite" in cls.__dict__:
+        return
+    fn, parent = cls.__dict__.get("__call__"), cls.__mro__[1]
+    if fn is not None:
+        checked = parent.__call__
+
+        def __call__(self, *args, **kwargs):
+            if parent.__call__ is not checked:  # replaced on diffusers' class since: what it holds now
+                return parent.__call__(self, *args, **kwargs)
+            return fn(self, *args, **kwargs)
+
+        cls.__call__ = functools.wraps(fn)(__call__)
+    cls._fastpath_call_safe = True
+
+
 # the code of every `bound_safe` wrapper (one per class): a frame of it stands between a module call and the patched
 # forward it runs (`models._driver` counts it as part of the module call)
 BOUND_SAFE_CODES: set = set()
@@ -342,6 +362,7 @@ class PatchState:
             old = module.processor
             if type(old) is default_cls:
                 new = make()
+                call_safe(type(new))
                 carry_backend(old, new)  # set per instance by set_attention_backend
                 self.set_processor(module, new)
             elif not type(old).__module__.startswith(__package__):

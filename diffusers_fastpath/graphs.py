@@ -277,6 +277,10 @@ def _is_class_forward(model: nn.Module, fn: Any) -> bool:
     return getattr(fn, "__self__", None) is model and getattr(fn, "__func__", None) is type(model).forward
 
 
+def _own(method: tuple[type, str]):
+    return vars(method[0])[method[1]]
+
+
 class ModelFingerprint:
     """What a captured graph bakes in about a model, re-checked before every replay.
 
@@ -287,8 +291,9 @@ class ModelFingerprint:
     ``_parameters``, ``_buffers``, ``_modules`` and forward-hook dicts; the identity of every entry of those three
     and of every attention processor (and its attributes, e.g. the attention backend); the value of every plain
     attribute of a module (``eps``, ``theta``, ``axes_dim``: a graph bakes them in; lists kept as copies) and the
-    identity of every tensor held as one; and each tensor's data pointer (``.to()`` keeps the Parameter object and
-    changes its storage).
+    identity of every tensor held as one; each tensor's data pointer (``.to()`` keeps the Parameter object and
+    changes its storage); and the ``forward`` each module class (and each class it inherits from) holds in its own
+    dict (one replaced on torch's or diffusers' class after the capture).
 
     `matches` is one C-level ``map`` per list, no Python loop: for FLUX.1-dev (1279 modules, 1160 weights, 7731
     dicts, 2725 entries) 290 µs per call on the 2-core CI VM (best of 20x50 calls; building it takes 3.5 ms),
@@ -310,6 +315,7 @@ class ModelFingerprint:
         values: list[Any] = []
         leaf_owners: list[dict] = []
         leaf_keys: list[str] = []
+        processor_types: set[type] = set()
         for m in self.modules:
             self.dicts += [m.__dict__, m._parameters, m._buffers, m._modules, m._forward_hooks, m._forward_pre_hooks]
             # the plain values a forward may read (``eps``, ``theta``, ``axes_dim``), compared by value (a graph bakes
@@ -330,6 +336,7 @@ class ModelFingerprint:
                 self.dicts.append(registry.hooks)  # a hook registered later shows as a longer dict
             processor = m.__dict__.get("processor")
             if processor is not None:
+                processor_types.add(type(processor))
                 owners.append(m.__dict__), keys.append("processor"), values.append(processor)
                 if hasattr(processor, "__dict__"):
                     self.dicts.append(vars(processor))
@@ -340,6 +347,13 @@ class ModelFingerprint:
         self.leaf_owners, self.leaf_keys = leaf_owners, leaf_keys
         # a list is kept as a copy, so that a change made in place shows
         self.leaf_values = [v[:] if isinstance(v, list) else v for v in map(operator.getitem, leaf_owners, leaf_keys)]
+        # every module class's own ``forward`` and every processor class's own ``__call__`` (a library that replaces
+        # ``nn.LayerNorm.forward`` or ``WanAttnProcessor.__call__`` after a capture: the replay would run what the
+        # old one launched), read from the class dicts
+        methods = [(c, "forward") for c in {c for t in set(self.types) for c in t.__mro__}]
+        methods += [(c, "__call__") for c in {c for t in processor_types for c in t.__mro__ if c is not object}]
+        self.methods = [(c, name) for c, name in methods if name in vars(c)]
+        self.functions = [vars(c)[name] for c, name in self.methods]
         self.tensors = [v for v in values if isinstance(v, torch.Tensor)]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         devices = {t.device for t in self.tensors}
@@ -378,6 +392,7 @@ class ModelFingerprint:
                 and all(map(operator.is_, map(operator.getitem, self.owners, self.keys), self.values))
                 and list(map(operator.getitem, self.leaf_owners, self.leaf_keys)) == self.leaf_values
                 and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
+                and all(map(operator.is_, map(_own, self.methods), self.functions))
             )
         except KeyError:  # an entry renamed (same count)
             return False

@@ -1108,3 +1108,44 @@ def test_a_dropped_product_is_proven_unread_through_any_control_flow(case, tmp_p
             got, want = (sub or module.Drop)()(x, e, gate, flag), module.Drop()(x, e, gate, flag)
             assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, want))
     assert (found is not None and found.gates == ["gate"]) == fused
+
+
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_a_processor_call_replaced_on_diffusers_class_runs(family, when, emulated_kernels, monkeypatch):
+    """``FluxAttnProcessor.__call__`` / ``WanAttnProcessor.__call__`` replaced on diffusers' class (cache-dit's
+    context-parallel planners do it), before or after `patch`: the patched model runs the replacement, as unpatched
+    diffusers does (FLUX.1's mirrored processor through `_state.call_safe`, Wan's rewritten one through
+    `_chain_calls.stale`); after `patch` it was the fused mirror of the old one."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from diffusers_fastpath.testing import (build_flux_transformer, build_wan_transformer, flux_transformer_inputs,
+                                            wan_transformer_inputs)
+
+    build, make_inputs, cls = {"flux": (build_flux_transformer, flux_transformer_inputs, FluxAttnProcessor),
+                               "wan": (build_wan_transformer, wan_transformer_inputs, WanAttnProcessor)}[family]
+    ref_model, model = build(seed=1), build(seed=1)
+    inputs = make_inputs(model, seed=2)
+    original = cls.__call__
+
+    def replaced(self, *args, **kwargs):  # (a context-parallel gather around the original, say: here a scale)
+        out = original(self, *args, **kwargs)
+        return tuple(o * 1.5 for o in out) if isinstance(out, tuple) else out * 1.5
+
+    with torch.no_grad():
+        plain = ref_model(**inputs).sample
+        if when == "after_patch":
+            fp.patch(model)
+            assert torch.equal(model(**inputs).sample, plain)
+        monkeypatch.setattr(cls, "__call__", replaced)
+        ref = ref_model(**inputs).sample
+        assert not torch.equal(ref, plain)
+        if when == "before_patch":
+            fp.patch(model)
+        try:
+            assert torch.equal(model(**inputs).sample, ref)
+            monkeypatch.setattr(cls, "__call__", original)
+            assert torch.equal(model(**inputs).sample, plain)
+        finally:
+            fp.unpatch(model)

@@ -596,3 +596,25 @@ def test_graphs_over_the_class_forward_a_wrapper_left_bound_and_undo_puts_it_bac
     assert runner.replays == 1
     fp.unpatch(model)
     assert module_state(model) == before and vars(model)["forward"] == left  # the same function bound to the model
+
+
+def test_a_forward_replaced_on_a_class_after_capture_changes_the_fingerprint(monkeypatch):
+    """A library that replaces ``nn.LayerNorm.forward`` (or a processor's ``__call__``) after a capture: the replay
+    would run what the old one launched, so the fingerprint no longer matches (the call is captured again, or runs
+    eager); put back, it matches."""
+    from diffusers_fastpath.graphs import ModelFingerprint
+
+    model = build_flux_transformer()
+    fingerprint = ModelFingerprint(model, device_type="cpu")
+    assert fingerprint.matches()
+    original = torch.nn.LayerNorm.forward
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", lambda self, x: original(self, x) * 1.5)
+    assert not fingerprint.matches()
+    monkeypatch.undo()
+    assert fingerprint.matches()
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    monkeypatch.setattr(FluxAttnProcessor, "__call__", lambda self, *args, **kwargs: None)  # an attention's processor
+    assert not fingerprint.matches()
+    monkeypatch.undo()
+    assert fingerprint.matches()

@@ -182,7 +182,8 @@ def _check(case: str, kind: str, dtype=torch.bfloat16) -> None:
             fast_hooked = sum(s.fast for s in sites)
             # the reason, on that site or (Qwen-Image's joint form, which hands a refused stream to the single op)
             # on another of the module's
-            assert any("hooks" in reason for s in _sites(model, None, path) for reason in s.reasons), fp.report(model)
+            assert any("hooks" in reason or "replaced on its class" in reason
+                       for s in _sites(model, None, path) for reason in s.reasons), fp.report(model)
             assert OPS[op].disabled is None  # a hook on the first call disables nothing
             assert outputs_equal(model(**inputs).sample, plain)  # the hook gone: the fast path, unchanged numbers
             fast_free = sum(s.fast for s in _sites(model, op, path)) - fast_hooked
@@ -232,6 +233,77 @@ def test_forward_replaced_knows_written_forwards_from_replacements(monkeypatch):
     assert forward_replaced(rms)  # a parent of this package's class
     monkeypatch.undo()
     assert not forward_replaced(rms)
+
+
+def test_forward_replaced_reads_traced_fx_and_decorated_forwards():
+    """A ``torch.jit.trace``'d module (its class's ``forward`` is a descriptor that raises) counts as replaced without
+    raising; a ``torch.fx.GraphModule``'s generated forward and diffusers' decorated ones (``apply_lora_scale``) are
+    their classes' own."""
+    from diffusers_fastpath.ops._policy import forward_replaced
+
+    assert forward_replaced(torch.jit.trace(torch.nn.Linear(4, 4), torch.randn(1, 4)))
+    assert not hooked(torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4))))
+    assert not forward_replaced(_flux(seed=1))
+
+
+def _ffn_replaced(model, how: str):
+    """Each dual block's ``ff_context`` as a traced module or an fx graph of its layers (the same numbers)."""
+    for block in model.transformer_blocks:
+        if how == "jit":
+            x = torch.randn(1, 8, block.ff_context.net[0].proj.in_features, dtype=torch.bfloat16)
+            with torch.no_grad():
+                block.ff_context = torch.jit.trace(block.ff_context, x)
+        else:
+            class Leaves(torch.fx.Tracer):
+                def is_leaf_module(self, m, qualname):
+                    return not isinstance(m, torch.nn.Sequential)
+
+            seq = torch.nn.Sequential(*block.ff_context.net)
+            block.ff_context = torch.fx.GraphModule(seq, Leaves().trace(seq))
+    return model
+
+
+@pytest.mark.parametrize("how", ["jit", "fx"])
+def test_a_traced_or_fx_submodule_between_blocks_keeps_the_hand_offs(how, module_free_kernels):
+    """A module the hand-off passes by (the dual block's text FFN, run between the update and the next block) is called
+    as it is, so only its hooks matter there: a traced one no longer crashes the check (27b1138's `forward_replaced`
+    read its class's ``forward`` through torch's raising descriptor) and an fx graph no longer refuses it."""
+    plain, ref_model, model = _flux(seed=3), _ffn_replaced(_flux(seed=3), how), _ffn_replaced(_flux(seed=3), how)
+    inputs = flux_transformer_inputs(model, seed=4)
+
+    def fast_sites(m):
+        fp.patch(m)
+        try:
+            with torch.no_grad():
+                out = m(**inputs).sample
+            sites = fp.report(m).sites
+            return out, {(s.site, s.op): s.fast for s in sites}, {r for s in sites for r in s.reasons if "hooks" in r}
+        finally:
+            fp.unpatch(m)
+
+    with torch.no_grad():
+        ref = ref_model(**inputs).sample
+    got, fast, hooks = fast_sites(model)
+    assert outputs_equal(got, ref) and not hooks
+    assert fast == fast_sites(plain)[1]
+
+
+def test_a_parent_forward_the_class_shadows_does_not_refuse(module_free_kernels, monkeypatch):
+    """``nn.LayerNorm.forward`` replaced on torch's class: diffusers' ``FP32LayerNorm`` has its own forward, which
+    never calls it, so Wan's FP32LayerNorm sites stay fast (and equal to unpatched with the same replacement)."""
+    ref_model, model = build_wan_transformer(seed=1), build_wan_transformer(seed=1)
+    inputs = wan_transformer_inputs(model, seed=2)
+    original = torch.nn.LayerNorm.forward
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", lambda self, x: original(self, x) * 1.5)
+    with torch.no_grad():
+        ref = ref_model(**inputs).sample
+        fp.patch(model)
+        try:
+            assert outputs_equal(model(**inputs).sample, ref)
+            sites = [s for s in fp.report(model).sites if s.op in ("layernorm_scale_shift_fp32", "layernorm_affine_fp32")]
+            assert sites and all(s.fast > 0 for s in sites), [(s.site, s.fast, s.reasons) for s in sites]
+        finally:
+            fp.unpatch(model)
 
 
 def test_a_hook_added_after_the_op_verified_still_runs(module_free_kernels):

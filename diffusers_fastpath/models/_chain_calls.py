@@ -356,10 +356,15 @@ class _ChainsNamespace:
         # longer of the patched subclass (a hook added after `patch` holds the bound rewrite, and the object's class is
         # diffusers' again: unpatched, or the verification's run as written, `verify.as_written`), or where its module
         # no longer holds one of the helper functions inlined into it (`_chain_inline`) with that code (replaced after
-        # `patch`); else None
+        # `patch`); the function diffusers' class holds now where that is not the original (replaced after `patch`: a
+        # library's ``WanAttnProcessor.__call__``); else None
         original, helpers, owner = ORIGINALS[key]
-        if owner is not None and not isinstance(obj, owner):
-            return original
+        if owner is not None:
+            if not isinstance(obj, owner):
+                return original
+            current = getattr(owner.__mro__[1], original.__name__, None)
+            if current is not original:  # replaced on diffusers' class since (rewritten again at the next `patch`)
+                return current
         for globals_, name, fn, code in helpers:
             if globals_.get(name) is not fn or fn.__code__ is not code:
                 return original

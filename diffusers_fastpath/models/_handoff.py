@@ -44,6 +44,7 @@ from torch import nn
 from .._state import PatchState, site_attr
 from ..ops import gated_residual
 from ..ops.layernorm_scale_shift import GATED_LAYERNORM_SCALE_SHIFT
+from ..ops._policy import hooks_on
 from ..quality import hooked
 from ._chain_calls import norm_modulate
 from ._driver import frame_key, inside, model_forward, module_caller
@@ -130,8 +131,8 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _hooked_tree(module: nn.Module) -> bool:
-    return any(hooked(m) for m in module.modules())
+def _hooked_tree(module: nn.Module, stands_for=hooked) -> bool:
+    return any(stands_for(m) for m in module.modules())
 
 
 def _refusal(sender: nn.Module, adaln: nn.Module, block: nn.Module, tensors, clipped: bool, between, frame):
@@ -148,7 +149,7 @@ def _refusal(sender: nn.Module, adaln: nn.Module, block: nn.Module, tensors, cli
     if any(m.training for m in adaln.modules()):
         return REASON_TRAINING, None
     if (hooked(sender) or hooked(block) or any(_hooked_tree(pair[0]) for pair in receivers_of(sender) if pair)
-            or any(_hooked_tree(m) for m in between)):
+            or any(_hooked_tree(m, hooks_on) for m in between)):  # (called as they are: their hooks alone)
         return REASON_HOOKS, None
     driver = model_forward(module_caller(frame))
     if driver is None or not type(block).forward.__module__.startswith(_OWN):  # the receiver's forward replaced

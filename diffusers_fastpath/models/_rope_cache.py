@@ -12,8 +12,8 @@ A later layer reuses it only if nothing could have changed the tensors it came f
 not see every write (``.data``, a tensor sharing the storage, in place on an inference tensor: `_driver`). So a table
 is *sealed* for the forward that first derives from it, or never: where its layers are called straight from the
 patched model's own diffusers forward (`_driver.enclosing_model_forward`), no module of the model has hooks
-(`quality.hooked`, which also sees global hooks and a replaced ``forward``; the model's own run before the table
-exists or after the layers), every attention processor is diffusers' or this package's (the processor is handed the
+(`_policy.hooks_on`, which also sees global hooks and a ``forward`` replaced on an instance; the model's own run
+before the table exists or after the layers), every attention processor is diffusers' or this package's (the processor is handed the
 table, the mask and the shared product), and every module of the model's block lists is diffusers' or this
 package's. Then nothing but diffusers' and this package's code holds those tensors until the forward ends, and each
 later use, in the same forward, is checked to come from it. Elsewhere (hooks anywhere, offloading, a cache library's
@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 
-from ..quality import hooked
+from ..ops._policy import hooks_on
 from ._driver import enclosing_model_forward, frame_key, inside
 
 STATS_PREFIX = "_fastpath_stats_"  # `report` lists every such attribute of a patched model's modules
@@ -65,7 +65,7 @@ def _closed(model: nn.Module) -> bool:
     """Whether, in a forward of `model`, only diffusers' and this package's code can hold what its layers are handed
     (module doc): no hooks below the model, every attention processor and every module of its block lists known."""
     for module in model.modules():
-        if module is not model and hooked(module):
+        if module is not model and hooks_on(module):
             return False
         processor = module.__dict__.get("processor")
         if processor is not None and not (_known(processor) and _known(module)):

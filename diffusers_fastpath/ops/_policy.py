@@ -75,26 +75,55 @@ def global_module_hooks() -> bool:
 
 
 _PACKAGE = __name__.split(".")[0]
-# class -> (replaced, ((the class, its forward), (each class of its MRO that defines forward, that function), ...))
+# class -> (replaced, ((each class of its MRO below nn.Module, the forward in its own dict or None), ...))
 _FORWARDS: dict[type, tuple[bool, tuple]] = {}
+
+
+def _trusted() -> tuple[str, ...]:
+    """The folders of torch's and diffusers' sources (the decorators `_written_in_class` lets through)."""
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules.get("diffusers")) if m is not None)
 
 
 def _written_in_class(owner: type, fn) -> bool:
     """Whether `fn`, the ``forward`` in `owner`'s own dict, is the one `owner`'s class body defines: compiled from the
-    file of `owner`'s module under the name ``<owner>.forward`` (a replacement or a ``functools.wraps`` wrapper is
-    compiled elsewhere). This package's classes are taken as they are (their forwards run its ops)."""
-    if owner.__module__.split(".")[0] == _PACKAGE:
-        return True
+    file of `owner`'s module under the name ``<owner>.forward`` (a replacement or a wrapper is compiled elsewhere),
+    under torch's or diffusers' own decorators alone (``torch.no_grad``, diffusers' ``apply_lora_scale``); a
+    ``torch.fx.GraphModule``'s forward is the code fx generated for its class."""
+    while getattr(fn, "__wrapped__", None) is not None:
+        code = getattr(fn, "__code__", None)
+        if code is None or not code.co_filename.startswith(_trusted()):
+            return False
+        fn = fn.__wrapped__
     code, module = getattr(fn, "__code__", None), sys.modules.get(owner.__module__)
+    if code is not None and issubclass(owner, torch.fx.GraphModule):
+        return code.co_filename.startswith("<eval_with_key>")
     return (code is not None and getattr(fn, "__qualname__", None) == f"{owner.__qualname__}.forward"
             and code.co_filename == getattr(module, "__file__", None))
 
 
+def _replaced(own: tuple) -> bool:
+    """Whether the forward a module of this MRO runs (`own`: each class's own ``forward`` or None, in MRO order) is
+    not the one written: its class's forward, and its parent's where that one calls ``super()`` (diffusers'
+    ``WanUpsample`` -> ``nn.Upsample``), or this package's (whose fallback runs the parent's). A parent's forward
+    that the class shadows does not run, replaced or not (``FP32LayerNorm``'s own forward, not ``nn.LayerNorm``'s)."""
+    for owner, fn in own:
+        if fn is None:
+            continue
+        if owner.__module__.split(".")[0] == _PACKAGE:
+            continue
+        if not _written_in_class(owner, fn):
+            return True
+        if "super" not in fn.__code__.co_names:
+            return False
+    return False
+
+
 def forward_replaced(module: nn.Module) -> bool:
-    """Whether a ``forward`` of `module`'s class or of a class it inherits from is not the one torch, diffusers or
-    this package wrote there (a library that replaced ``nn.LayerNorm.forward`` or ``RMSNorm.forward`` on the class):
-    a fused op that stands for the module's call would skip the replacement. Kept per class until a ``forward`` of
-    its MRO changes: a dict lookup and an identity check per class that defines ``forward`` (about 0.2 us)."""
+    """Whether the ``forward`` `module` runs is not the one torch or diffusers wrote for its class (a library replaced
+    ``nn.LayerNorm.forward`` or ``RMSNorm.forward`` on the class, or wrapped it): a fused op that stands for the
+    module's call would skip the replacement. Read from the classes' own dicts (never through a descriptor), kept per
+    class until one of them changes: a dict lookup and an identity check per class of the MRO (about 0.2 us); never
+    raises (what cannot be read counts as replaced)."""
     return _class_forward_replaced(type(module))
 
 
@@ -102,15 +131,27 @@ def forward_replaced(module: nn.Module) -> bool:
 def _class_forward_replaced(cls: type) -> bool:
     entry = _FORWARDS.get(cls)
     if entry is not None:
-        for owner, fn in entry[1]:  # (``owner.forward`` is its own while it defines one)
-            if owner.forward is not fn:
+        for owner, fn in entry[1]:
+            if owner.__dict__.get("forward") is not fn:
                 break
         else:
             return entry[0]
-    owners = tuple((c, c.__dict__["forward"]) for c in cls.__mro__ if c is not nn.Module and "forward" in c.__dict__)
-    replaced = not all(_written_in_class(c, f) for c, f in owners)
-    _FORWARDS[cls] = (replaced, ((cls, cls.forward),) + owners)
+    try:
+        own = tuple((c, c.__dict__.get("forward")) for c in cls.__mro__[:cls.__mro__.index(nn.Module)])
+        replaced = _replaced(own)
+    except Exception:  # noqa: BLE001 - a class this cannot read: the fused op refuses (eager calls the module)
+        own, replaced = (), True
+    if own:
+        _FORWARDS[cls] = (replaced, own)
     return replaced
+
+
+def hooks_on(module: nn.Module) -> bool:
+    """Whether calling `module` runs more than its class's forward: forward hooks or pre-hooks of its own, a
+    ``forward`` replaced on the instance, or global module hooks (what a scan of a module tree asks: a module in
+    between is still called, whatever its class's forward is)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or global_module_hooks())
 
 
 class EagerClasses:
@@ -156,8 +197,7 @@ def hooked(module: nn.Module) -> bool:
     and dict lookups only, asked per call: timed the same as the per-module check alone (about 1 us with the call's
     own cost on a loaded CPU). A ``forward`` replaced on the module's class or a class it inherits from counts too
     (`forward_replaced`). Also `diffusers_fastpath.quality.hooked`: the one predicate every fused call asks."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-                or global_module_hooks() or _class_forward_replaced(type(module)))
+    return hooks_on(module) or _class_forward_replaced(type(module))
 
 
 def _env_disabled() -> bool:
@@ -290,8 +330,11 @@ class FusedOp:
     def _hooks_reason(self, args) -> str | None:
         for i in self.modules:
             module = args[i] if i < len(args) else None
-            if isinstance(module, nn.Module) and hooked(module):
-                return f"{type(module).__name__} has hooks"
+            if isinstance(module, nn.Module):
+                if hooks_on(module):
+                    return f"{type(module).__name__} has hooks"
+                if _class_forward_replaced(type(module)):
+                    return f"{type(module).__name__}.forward replaced on its class"
         return None
 
     def _refusal(self, args) -> str | None:
