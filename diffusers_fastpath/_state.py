@@ -431,19 +431,40 @@ class PatchState:
 # --- what patch/unpatch/report act on ---------------------------------------------------------------------------
 
 
+_COMPILED_FIRST = ("diffusers_fastpath: {what} is already wrapped by torch.compile; patch the model first, then compile "
+                   "it (fp.patch(model); model = torch.compile(model)).")
+
+
+def _compiled_model(module: Any) -> nn.Module | None:
+    """The model inside a ``torch.compile`` wrapper, or None for anything else."""
+    return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else None
+
+
+def compiled_unpatched(obj: Any) -> None:
+    """Raise the model's error for a pipeline component compiled before `patch`: patching the model inside the
+    wrapper would change what it already traced."""
+    from diffusers import DiffusionPipeline
+
+    if isinstance(obj, DiffusionPipeline):
+        for name, comp in obj.components.items():
+            inner = _compiled_model(comp)
+            if inner is not None and STATE_ATTR not in inner.__dict__:
+                raise TypeError(_COMPILED_FIRST.format(what=f"{type(obj).__name__}.{name}"))
+
+
 def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
     """The ``(name, model)`` candidates of a pipeline (its ``nn.Module`` components) or a model, with a clear error
     for anything else."""
     from diffusers import DiffusionPipeline
 
     if isinstance(obj, DiffusionPipeline):
-        return [(name, comp) for name, comp in obj.components.items() if isinstance(comp, nn.Module)]
+        # a component compiled after `patch` (``pipe.transformer = torch.compile(pipe.transformer)``): its model, which
+        # `unpatch`, `report` and `quality` act on (`patch` refuses one compiled before: `compiled_unpatched`)
+        return [(name, _compiled_model(comp) or comp) for name, comp in obj.components.items()
+                if isinstance(comp, nn.Module)]
     if isinstance(obj, nn.Module):
-        if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
-            raise TypeError(
-                "diffusers_fastpath: this model is already wrapped by torch.compile; patch the model first, then "
-                "compile it (fp.patch(model); model = torch.compile(model))."
-            )
+        if _compiled_model(obj) is not None:
+            raise TypeError(_COMPILED_FIRST.format(what="this model"))
         return [(type(obj).__name__, obj)]
     raise TypeError(
         f"diffusers_fastpath: expected a diffusers DiffusionPipeline or a model (torch.nn.Module), "

@@ -291,7 +291,7 @@ class ModelFingerprint:
     ``_parameters``, ``_buffers``, ``_modules`` and forward-hook dicts; the identity of every entry of those three
     and of every attention processor (and its attributes, e.g. the attention backend); the value of every plain
     attribute of a module (``eps``, ``theta``, ``axes_dim``: a graph bakes them in; lists kept as copies) and the
-    identity of every tensor held as one; each tensor's data pointer (``.to()`` keeps the Parameter object and
+    identity of every tensor held as one and of a model's diffusers config; each tensor's data pointer (``.to()`` keeps the Parameter object and
     changes its storage); and the ``forward`` each module class (and each class it inherits from) holds in its own
     dict (one replaced on torch's or diffusers' class after the capture).
 
@@ -324,7 +324,8 @@ class ModelFingerprint:
             for k, v in m.__dict__.items():
                 if k.startswith("_fastpath") or k in _MODULE_DICTS:
                     continue
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) or k == "_internal_dict":  # (diffusers' config: replaced, not edited,
+                    # by `register_to_config`, e.g. SkyReels-V2's `_set_ar_attention`, which its forward reads)
                     owners.append(m.__dict__), keys.append(k), values.append(v)
                 elif _plain_value(v):
                     leaf_owners.append(m.__dict__), leaf_keys.append(k)
@@ -680,7 +681,18 @@ class GraphForward:
         self.__name__ = self.__qualname__ = "forward"
 
     def __call__(self, *args, **kwargs):
-        return self.runner(self.model_ref(), args, kwargs)
+        model = self.model_ref()
+        if self.runner.off == "unpatched" and model is not None:  # (held by a hook since `unpatch`)
+            if model.__dict__.get("forward") is self:  # put back by a hook that went: nothing of ours stays
+                self._give_back(model)
+            return type(model).forward(model, *args, **kwargs)
+        return self.runner(model, args, kwargs)
+
+    def _give_back(self, model: nn.Module) -> None:
+        if self.rebind:
+            model.__dict__["forward"] = type(model).forward.__get__(model)
+        else:
+            del model.__dict__["forward"]
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         # A library that saved ``model.forward`` binds it again when it puts it back (cache-dit 1.5.3's
@@ -699,16 +711,17 @@ class GraphForward:
         self.runner.close()
         model = self.model_ref()
         if model is not None and model.__dict__.get("forward") is self:
-            if self.rebind:
-                model.__dict__["forward"] = type(model).forward.__get__(model)
-            else:
-                del model.__dict__["forward"]
+            self._give_back(model)
 
     def __reduce__(self):
         return (GraphForward, (self.runner, self.model_ref(), self.rebind))
 
     def __deepcopy__(self, memo: dict) -> "GraphForward":
         return GraphForward(copy.deepcopy(self.runner, memo), copy.deepcopy(self.model_ref(), memo), self.rebind)
+
+
+def _unpatched_graph_forward(model: nn.Module, fn: Any) -> bool:
+    return isinstance(fn, GraphForward) and fn.runner.off == "unpatched" and fn.model_ref() is model
 
 
 def install(model: nn.Module, state, name: str, backend: CudaGraphs | None = None) -> GraphRunner:
@@ -720,7 +733,9 @@ def install(model: nn.Module, state, name: str, backend: CudaGraphs | None = Non
         return runner
     off = None
     prior = model.__dict__.get("forward")
-    rebind = prior is not None and _is_class_forward(model, prior)  # a leftover of the class's own: nothing wraps
+    # a leftover of the class's own, or of an earlier patch's graphs (an offload hook saved it and put it back after
+    # `unpatch`: it stands for the class's forward since), wraps nothing
+    rebind = prior is not None and (_is_class_forward(model, prior) or _unpatched_graph_forward(model, prior))
     if backend is None and not torch.cuda.is_available():
         off = REASON_NO_CUDA
     elif prior is not None and not rebind:

@@ -27,6 +27,7 @@ from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay
     Adapter,
     PatchState,
     _check_quality,
+    compiled_unpatched,
     models_in,
     patched_models,
     register_adapter,
@@ -189,7 +190,8 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
             model (the message names the supported classes, and says so for a UNet). It is both a ``TypeError`` and
             a ``ValueError``.
         ValueError: ``quality`` is not a known tier.
-        TypeError: ``obj`` is neither a pipeline nor a model, or ``cuda_graphs`` is not a bool.
+        TypeError: ``obj`` is neither a pipeline nor a model, or ``cuda_graphs`` is not a bool, or a model (or a
+            pipeline's component) is already wrapped by ``torch.compile`` (patch first, then compile).
 
     A model whose floating-point weights are all fp32 is patched too, and runs diffusers' eager expressions (the
     kernels take bf16 and fp16): a warning says so when it is on a CUDA device.
@@ -203,6 +205,7 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
     _check_quality(quality)
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"diffusers_fastpath: cuda_graphs must be True or False, got {cuda_graphs!r}.")
+    compiled_unpatched(obj)
     for name, model in _models_of(obj):
         state = getattr(model, STATE_ATTR, None)
         if state is not None:
