@@ -460,8 +460,14 @@ def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
     if isinstance(obj, DiffusionPipeline):
         # a component compiled after `patch` (``pipe.transformer = torch.compile(pipe.transformer)``): its model, which
         # `unpatch`, `report` and `quality` act on (`patch` refuses one compiled before: `compiled_unpatched`)
-        return [(name, _compiled_model(comp) or comp) for name, comp in obj.components.items()
-                if isinstance(comp, nn.Module)]
+        # one model held twice (Wan 2.2 with one expert as both `transformer` and `transformer_2`): once, both names
+        named: dict[int, tuple[str, nn.Module]] = {}
+        for name, comp in obj.components.items():
+            if isinstance(comp, nn.Module):
+                model = _compiled_model(comp) or comp
+                seen = named.get(id(model))
+                named[id(model)] = (f"{seen[0]}/{name}" if seen else name, model)
+        return list(named.values())
     if isinstance(obj, nn.Module):
         if _compiled_model(obj) is not None:
             raise TypeError(_COMPILED_FIRST.format(what="this model"))

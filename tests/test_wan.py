@@ -62,6 +62,19 @@ def test_wan22_pipeline_patches_both_experts_and_is_identical(emulated_kernels):
         guidance_scale=4.0, guidance_scale_2=3.0), idle=("rotary_emb",))
 
 
+def test_one_model_as_both_experts_is_one_model_to_patch_and_report(emulated_kernels):
+    """Wan 2.2 with one transformer as both experts: `report` lists it once (it listed it twice, and counted its calls
+    twice), under both names; `unpatch` restores it."""
+    model = build_wan_transformer(seed=13)
+    pipe = wan22_pipeline(model, model)
+    fp.patch(pipe)
+    try:
+        assert [m.name for m in fp.report(pipe).models] == ["transformer/transformer_2"]
+    finally:
+        fp.unpatch(pipe)
+    assert type(model.blocks[0]) is WanTransformerBlock
+
+
 def test_unpatch_pickle_and_state_dict():
     model = build_wan_transformer(seed=5)
     with patch_round_trip(model, wan_transformer_inputs(model, seed=6)):
