@@ -77,9 +77,10 @@ def _bound_safe_forward(cls: type, fn: Callable) -> Callable:
 
 def call_safe(cls: type) -> None:
     """Make this package's attention processor class `cls` run its parent's ``__call__`` wherever that is no longer
-    the function it held when `cls` was first given to a model: one replaced on diffusers' class after `patch` (cache-dit's
-    context-parallel planners replace ``WanAttnProcessor.__call__``) runs, not the fused mirror of the old one. Once
-    per class (a flag on it); the rewriter's classes ask the same themselves (`_chain_calls.stale`)."""
+    the function it held when `cls` was first given to a model: one replaced on diffusers' class after `patch`
+    (cache-dit's context-parallel planners replace ``WanAttnProcessor.__call__``) runs, not the fused mirror of the
+    old one. Once per class (a flag on it); the rewriter's classes ask the same themselves (`_chain_calls.stale`).
+    (`bound_safe`'s twin for processors: a processor is no module, so `forward_replaced` does not read it.)"""
     if cls.__dict__.get("_fastpath_call_safe") or "_fastpath_rewrite" in cls.__dict__:
         return
     fn, parent = cls.__dict__.get("__call__"), cls.__mro__[1]
@@ -431,8 +432,8 @@ class PatchState:
 # --- what patch/unpatch/report act on ---------------------------------------------------------------------------
 
 
-_COMPILED_FIRST = ("diffusers_fastpath: {what} is already wrapped by torch.compile; patch the model first, then compile "
-                   "it (fp.patch(model); model = torch.compile(model)).")
+_COMPILED_FIRST = ("diffusers_fastpath: {what} is already wrapped by torch.compile; patch the model first, then "
+                   "compile it (fp.patch(model); model = torch.compile(model)).")
 
 
 def _compiled_model(module: Any) -> nn.Module | None:

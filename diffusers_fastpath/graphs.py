@@ -291,9 +291,10 @@ class ModelFingerprint:
     ``_parameters``, ``_buffers``, ``_modules`` and forward-hook dicts; the identity of every entry of those three
     and of every attention processor (and its attributes, e.g. the attention backend); the value of every plain
     attribute of a module (``eps``, ``theta``, ``axes_dim``: a graph bakes them in; lists kept as copies) and the
-    identity of every tensor held as one and of a model's diffusers config; each tensor's data pointer (``.to()`` keeps the Parameter object and
-    changes its storage); and the ``forward`` each module class (and each class it inherits from) holds in its own
-    dict (one replaced on torch's or diffusers' class after the capture).
+    identity of every tensor held as one and of a model's diffusers config; each tensor's data pointer (``.to()``
+    keeps the Parameter object and changes its storage); and the ``forward`` each module class (and each class it
+    inherits from) holds in its own dict, and each processor class its ``__call__`` (one replaced on torch's or
+    diffusers' class after the capture).
 
     `matches` is one C-level ``map`` per list, no Python loop: for FLUX.1-dev (1279 modules, 1160 weights, 7731
     dicts, 2725 entries) 290 µs per call on the 2-core CI VM (best of 20x50 calls; building it takes 3.5 ms),
@@ -352,7 +353,7 @@ class ModelFingerprint:
         # ``nn.LayerNorm.forward`` or ``WanAttnProcessor.__call__`` after a capture: the replay would run what the
         # old one launched), read from the class dicts
         methods = [(c, "forward") for c in {c for t in set(self.types) for c in t.__mro__}]
-        methods += [(c, "__call__") for c in {c for t in processor_types for c in t.__mro__ if c is not object}]
+        methods += [(c, "__call__") for c in {c for t in processor_types for c in t.__mro__}]
         self.methods = [(c, name) for c, name in methods if name in vars(c)]
         self.functions = [vars(c)[name] for c, name in self.methods]
         self.tensors = [v for v in values if isinstance(v, torch.Tensor)]

@@ -267,12 +267,15 @@ def test_a_model_patched_before_a_rewrite_of_a_replaced_forward_still_pickles(em
             fp.unpatch(vae1)
 
 
+class Doubled(nn.Module):
+    """A parametrization (``torch.nn.utils.parametrize``) that doubles its tensor."""
+
+    def forward(self, w):
+        return w * 2
+
+
 def test_a_parametrized_group_norm_unpatches_to_torchs_class(emulated_kernels):
     from torch.nn.utils import parametrize
-
-    class Doubled(nn.Module):
-        def forward(self, w):
-            return w * 2
 
     vae, ref_vae = BUILDERS["flux"](), BUILDERS["flux"]()
     z = _latents(vae)

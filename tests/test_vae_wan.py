@@ -281,11 +281,8 @@ def test_a_parametrization_registered_after_patch(emulated_kernels):
     ``gamma`` of a patched norm: torch gives each module a subclass of this package's class; they run diffusers'
     forward (the fallback finds it through the MRO instead of recursing into the fused forward), and `unpatch`
     leaves torch's parametrized class over diffusers' one, which torch's removal unwraps."""
+    from test_vae import Doubled
     from torch.nn.utils import parametrizations, parametrize
-
-    class Doubled(nn.Module):
-        def forward(self, w):
-            return w * 2
 
     vae, ref_vae = _build("wan"), _build("wan")
     z = _latents(vae)

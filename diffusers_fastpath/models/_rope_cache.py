@@ -13,13 +13,14 @@ not see every write (``.data``, a tensor sharing the storage, in place on an inf
 is *sealed* for the forward that first derives from it, or never: where its layers are called straight from the
 patched model's own diffusers forward (`_driver.enclosing_model_forward`), no module of the model has hooks
 (`_policy.hooks_on`, which also sees global hooks and a ``forward`` replaced on an instance; the model's own run
-before the table exists or after the layers), every attention processor is diffusers' or this package's (the processor is handed the
-table, the mask and the shared product), and every module of the model's block lists is diffusers' or this
-package's. Then nothing but diffusers' and this package's code holds those tensors until the forward ends, and each
-later use, in the same forward, is checked to come from it. Elsewhere (hooks anywhere, offloading, a cache library's
-loop, a foreign processor) every layer computes its own, as written. The version counters of the table and of the
-stored value stay a second line. The table must be built by the forward (diffusers' ``pos_embed`` modules build
-theirs in every call; one kept across forwards would carry its values into the next forward's frame).
+before the table exists or after the layers), every attention processor is diffusers' or this package's (the
+processor is handed the table, the mask and the shared product), and every module of the model's block lists is
+diffusers' or this package's. Then nothing but diffusers' and this package's code holds those tensors until the
+forward ends, and each later use, in the same forward, is checked to come from it. Elsewhere (hooks anywhere,
+offloading, a cache library's loop, a foreign processor) every layer computes its own, as written. The version counters
+of the table and of the stored value stay a second line. The table must be built by the forward (diffusers'
+``pos_embed`` modules build theirs in every call; one kept across forwards would carry its values into the next
+forward's frame).
 
 Why not a cache across denoising steps keyed on the position ids: a key made of tensor identity, ``data_ptr`` and
 ``_version`` misses writes through ``.data`` or ``.numpy()`` and fails on inference tensors (they have no version

@@ -50,6 +50,7 @@ REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
 REASON_NO_KERNELS = "no CUDA kernels in this process"
 REASON_TRANSFORM = "inside a torch.func transform (vmap, grad, jvp)"
+REASON_FORWARD_REPLACED = "{}.forward replaced on its class"  # (`forward_replaced`; the class's name)
 REASON_AUTOCAST = "autocast is on (it runs norms and pointwise math in float32: eager's expression follows it)"
 
 
@@ -184,7 +185,7 @@ class EagerClasses:
         if type(module) not in self._bases:
             return f"{type(module).__name__} is not a checked {what}"
         if forward_replaced(module):
-            return f"{type(module).__name__}.forward replaced"
+            return REASON_FORWARD_REPLACED.format(type(module).__name__)
         return None
 
 
@@ -334,7 +335,7 @@ class FusedOp:
                 if hooks_on(module):
                     return f"{type(module).__name__} has hooks"
                 if _class_forward_replaced(type(module)):
-                    return f"{type(module).__name__}.forward replaced on its class"
+                    return REASON_FORWARD_REPLACED.format(type(module).__name__)
         return None
 
     def _refusal(self, args) -> str | None:

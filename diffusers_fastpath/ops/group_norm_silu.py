@@ -52,7 +52,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher, load_extension
-from ._policy import HALF_DTYPES, FusedOp, Site, bits, forward_replaced
+from ._policy import HALF_DTYPES, REASON_FORWARD_REPLACED, FusedOp, Site, bits, forward_replaced
 
 _VEC_BYTES = 16
 _ATEN_BLOCK = 512  # cuda_utils::kCUDABlockReduceNumThreads: aten's block for rows of at least 512 elements
@@ -138,7 +138,7 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     if type(norm) not in PLAIN_GROUP_NORMS:
         return f"{type(norm).__name__} is not a plain nn.GroupNorm"
     if forward_replaced(norm):  # (nn.GroupNorm.forward replaced on the class: the kernel would skip it)
-        return f"{type(norm).__name__}.forward replaced"
+        return REASON_FORWARD_REPLACED.format(type(norm).__name__)
     if not isinstance(x, torch.Tensor):
         return "input not a tensor"
     return _tensors_guard(x, norm.weight, norm.bias, norm.num_groups, check_pointers)
