@@ -26,7 +26,8 @@ FAST = {
     "cosmos3": ("silu_mul", "rmsnorm"),  # its pre-norms and QK norms: diffusers' RMSNorm, alone
     "stable-audio-3": ("gated_residual", "silu_mul"),
     "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined
-    "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "qk_norm_rows_rope"),  # annotated rotary
+    # (annotated rotary; its weightless norm2, audio_norm2 and the a2v / v2a norms: `rmsnorm` with a unit weight)
+    "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "qk_norm_rows_rope", "rmsnorm"),
     "krea2": ("modulate_scale_shift", "gated_residual"),
     "minimax-music3": ("silu_mul",),
     "stable-audio": ("silu_mul",),
@@ -35,7 +36,7 @@ FAST = {
     # (ACE-Step's sandwich norms: not fast, its stream a transposed view that an RMSNorm reads as laid out, below)
     "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
     "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
-    "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb"),
+    "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb", "rmsnorm"),
     "sana": ("silu_mul",),  # GLUMBConv's x * silu(gate) on the channel halves of a feature map
     "kandinsky6": ("rotary_matrix",),  # its module's apply_rotary (by digest)
     "kandinsky6-sr": ("rotary_matrix",),

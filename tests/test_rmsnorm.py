@@ -90,7 +90,7 @@ def test_wide_rows_match_eager_bitwise_on_the_gpu(shape, dtype):
     ("wide", "device cpu"), ("wide-256", "device cpu"), ("wide-8192", "D outside the reproduced reduction"),
     ("wide-odd", "D outside the reproduced reduction"),
     ("odd", "D outside the reproduced reduction"), ("few", "fewer than 16 rows"), ("strided", "x not dense"),
-    ("bias", "norm without weight or with bias"), ("cpu", "device cpu")])
+    ("bias", "norm without weight or with bias"), ("weightless", "device cpu"), ("cpu", "device cpu")])
 def test_guard_falls_back_with_reason(case, reason):
     norm, x = make((1, 9, 4, 64), torch.bfloat16, "cpu", 1)
     if case == "fp32":
@@ -110,6 +110,8 @@ def test_guard_falls_back_with_reason(case, reason):
         x = x[:, :, ::2]  # every other token: not dense
     elif case == "bias":
         norm = RMSNorm(64, eps=1e-6, bias=True).to(torch.bfloat16)
+    elif case == "weightless":  # elementwise_affine=False: taken (a unit weight stands in), only the CPU refuses
+        norm = RMSNorm(64, eps=1e-6, elementwise_affine=False)
     site = Site("rmsnorm")
     with torch.no_grad():  # the norm's weight is a parameter: with grad enabled the guard says "requires grad"
         assert RMSNORM.guard(norm, x) == reason
@@ -145,3 +147,97 @@ def test_kernel_wrapper_runs_the_rows_in_memory_order_and_returns_x_strides(emul
             got = rmsnorm(norm, x, site)
             assert torch.equal(got, norm(x)) and got.stride() == x.stride()
         assert site.fast == 1, site
+
+
+def test_weightless_norm_runs_the_kernel_with_a_unit_weight_of_x_dtype(emulated_kernels, monkeypatch):
+    """A weightless norm (LTX-2's ``norm2``, ``elementwise_affine=False``: ``(x * rstd).to(T)``) goes to the plain
+    kernel with a weight of ones in x's dtype (``round_T(round_T(x * rstd) * 1)`` rounds nothing more), made once per
+    (device, dtype, D) and kept; equal to diffusers' weightless forward."""
+    import sys
+
+    module = sys.modules["diffusers_fastpath.ops.rmsnorm"]
+    module._UNIT_WEIGHTS.clear()
+    launched = []
+
+    def launch(x, weight, eps):
+        launched.append(weight)
+        return module._rms_norm(x, weight, eps).contiguous()
+
+    monkeypatch.setattr(module, "_launch", launch)
+    for dtype in DTYPES:
+        norm = RMSNorm(1024, eps=1e-6, elementwise_affine=False)
+        x = (torch.randn(1, 40, 1024, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+        site = Site("rmsnorm")
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(rmsnorm(norm, x, site), norm(x))
+        assert site.fast == 2 and not site.fallback, site
+        first, second = launched[-2:]
+        assert first is second and first.dtype == dtype and first.shape == (1024,) and bool((first == 1).all())
+
+
+def test_unit_weight_made_inside_a_capture_is_not_kept(monkeypatch):
+    """Inside a CUDA graph capture a new tensor's fill is captured and runs only at replay: a unit weight made there
+    serves that call and is not kept for calls outside the graph."""
+    import sys
+
+    module = sys.modules["diffusers_fastpath.ops.rmsnorm"]
+    module._UNIT_WEIGHTS.clear()
+    norm, x = RMSNorm(256, eps=1e-6, elementwise_affine=False), torch.randn(2, 20, 256).to(torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    w = module._weight(norm, x)
+    assert bool((w == 1).all()) and w.dtype == torch.bfloat16 and not module._UNIT_WEIGHTS
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert module._weight(norm, x) is module._weight(norm, x) and len(module._UNIT_WEIGHTS) == 1
+    weighted = make((1, 20, 256), torch.bfloat16, "cpu", 6, transposed=False)[0]
+    assert module._weight(weighted, x) is weighted.weight
+
+
+def test_custom_op_takes_a_weightless_norm():
+    norm = RMSNorm(64, eps=1e-6, elementwise_affine=False)
+    x = torch.randn(1, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
+    torch.library.opcheck(torch.ops.diffusers_fastpath.rmsnorm.default, (x, None, 1e-6))
+    got = torch.ops.diffusers_fastpath.rmsnorm(x, None, 1e-6)
+    assert torch.equal(got, norm(x)) and got.stride() == x.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 6144, 4096), (1, 126, 2048), (2, 333, 3072), (1, 4096, 24, 128)], ids=str)
+def test_weightless_norm_matches_eager_bitwise_on_the_gpu(shape, dtype):
+    """LTX-2's weightless pre-norms (video 4096 wide over 768x512x121's 6144 tokens, audio 2048; a CFG batch; a
+    head-wide one): the kernel with a unit weight, its output poisoned, equal to diffusers' weightless forward; fast
+    through the op; and inside a CUDA graph whose capture made the unit weight, equal on replay."""
+    import sys
+
+    from diffusers_fastpath.ops._build import load_extension
+
+    module = sys.modules["diffusers_fastpath.ops.rmsnorm"]
+    load_extension()
+    with torch.no_grad():
+        for seed in range(2):
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            norm = RMSNorm(shape[-1], eps=1e-6, elementwise_affine=False)
+            x = (torch.randn(shape, generator=gen, device="cuda") * 3).to(dtype)
+            ref = norm(x)
+            rows = x.reshape(-1, 1, shape[-1])
+            out = torch.full_like(rows, float("nan"))
+            unit = torch.ones(shape[-1], dtype=dtype, device="cuda")
+            out.copy_(torch.ops.diffusers_fastpath._rmsnorm_plain_cuda(rows, unit, 1e-6))
+            assert torch.equal(out.view(shape), ref)
+            site = Site("rmsnorm")
+            assert torch.equal(rmsnorm(norm, x, site), ref)
+            assert site.fast == 1 and not site.fallback, site
+        static = x.clone()  # (the self-verification of this (dtype, D) ran above, outside the capture)
+        module._UNIT_WEIGHTS.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = rmsnorm(norm, static)
+        assert not module._UNIT_WEIGHTS
+        static.copy_((torch.randn(shape, device="cuda") * 2).to(dtype))
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, norm(static))
+    assert RMSNORM.disabled is None

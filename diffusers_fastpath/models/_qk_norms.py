@@ -46,9 +46,9 @@ def _swap(norm: RMSNorm, state: PatchState) -> None:
 
 
 def patch_rmsnorms(model, state: PatchState) -> int:
-    """Swap every diffusers ``RMSNorm`` of `model` (that exact class, with a weight: the kernel's) for
-    `FastpathRMSNorm`, with its site; returns how many."""
-    norms = [m for m in model.modules() if type(m) is RMSNorm and m.weight is not None]
+    """Swap every diffusers ``RMSNorm`` of `model` (that exact class, with a weight or without: LTX-2's weightless
+    pre-norms) for `FastpathRMSNorm`, with its site; returns how many."""
+    norms = [m for m in model.modules() if type(m) is RMSNorm]
     for norm in norms:
         _swap(norm, state)
     return len(norms)

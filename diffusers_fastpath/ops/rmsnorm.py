@@ -2,12 +2,14 @@
 
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     y = (x * torch.rsqrt(variance + eps)).to(T) * weight          # T = bf16 or fp16, the weight's dtype
+    y = (x * torch.rsqrt(variance + eps)).to(T)                   # a weightless norm (x's dtype T)
 
 seven eager kernels (the fp32 copy, the square, the mean, the add, the rsqrt, the multiply and cast, the weight),
 each reading or writing the whole input in fp32, against one that reads it once in T and writes it once. Short rows
 are QK norms over each head (SD3 and SD3.5's ``attn.norm_q``, ``norm_k``, ``norm_added_q``, ``norm_added_k``, head_dim
 64; head_dim 128; Ideogram 4's 256); wide rows are the pre-norms that no fused chain takes (the generic path's
-`FastpathRMSNorm` swap: Cosmos 3's ``input_layernorm`` / ``post_attention_layernorm``, Bria FIBO 2's).
+`FastpathRMSNorm` swap: Cosmos 3's ``input_layernorm`` / ``post_attention_layernorm``, Bria FIBO 2's; LTX-2's
+weightless ``norm2``, ``audio_norm2``, ``audio_to_video_norm`` and ``video_to_audio_norm``, four per block).
 
 The kernel is ``csrc/rmsnorm_scale_shift.cu``'s with the ``kPlain`` epilogue. For rows shorter than 128 aten's
 reduce kernel does not vectorise its input (Reduce.cuh: ``dim0 >= 128``): each of 32 lanes keeps one accumulator
@@ -22,7 +24,8 @@ aten build, so the op verifies itself: the first fast call of each (dtype, D) is
 ``x`` may be any dense layout with unit innermost stride (SD3's processors normalise ``[B, H, S, D]`` views of
 ``[B, S, H, D]`` projections): the kernel runs over the rows in memory order and the result has ``x``'s strides, as
 eager's has. The guard admits 32 <= D < 128 with D a multiple of 4, and multiples of 128 below 8192; at least 16 rows;
-fp16/bf16 ``x`` with a weight of its dtype and no bias; no autograd.
+fp16/bf16 ``x`` with a weight of its dtype, or none (``elementwise_affine=False``: a weight of ones stands in, which
+rounds nothing), and no bias; no autograd.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
 
 
 def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
-    reason = norm_reason(norm, x)
+    reason = norm_reason(norm, x, weightless=True)
     if reason is not None:
         return reason
     if x.dim() < 2:
@@ -66,15 +69,34 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     if x.stride(-1) != 1 or _dense_order(x) is None:
         return "x not dense"
     weight = norm.weight
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return "requires grad"
     if not x.is_cuda:
         return f"device {x.device.type}"
-    if weight.device != x.device:
+    if weight is not None and weight.device != x.device:
         return "devices differ"
-    if check_pointers and (x.data_ptr() % 8 or weight.data_ptr() % 8):
+    if check_pointers and (x.data_ptr() % 8 or (weight is not None and weight.data_ptr() % 8)):
         return "not 8-byte aligned"
     return None
+
+
+_UNIT_WEIGHTS: dict[tuple, torch.Tensor] = {}  # (device, dtype, D) -> ones: a weightless norm's weight
+
+
+def _weight(norm, x: torch.Tensor) -> torch.Tensor:
+    """The norm's weight, or for a weightless one (``elementwise_affine=False``: LTX-2's pre-norms) a weight of ones
+    in x's dtype: the kernel's ``round_T(round_T(x * rstd) * 1)`` is ``round_T(x * rstd)``, diffusers' weightless
+    output, exactly (a value of T times one is that value, rounding nothing). Made once per (device, dtype, D) and
+    kept, but made afresh inside a CUDA graph capture (its fill is captured, and runs only when the graph replays)."""
+    if norm.weight is not None:
+        return norm.weight
+    key = (x.device, x.dtype, x.shape[-1])
+    ones = _UNIT_WEIGHTS.get(key)
+    if ones is None:
+        ones = x.new_ones(x.shape[-1])
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _UNIT_WEIGHTS[key] = ones
+    return ones
 
 
 # The NVRTC way: the shared launcher with the kPlain epilogue (bindings.cpp's rmsnorm_plain: the output allocation).
@@ -101,13 +123,13 @@ def _kernel(norm, x: torch.Tensor) -> torch.Tensor:
         _launch = launcher(_nvrtc_kernel, "_rmsnorm_plain_cuda")
     order = _dense_order(x)
     xp = x.permute(order)  # contiguous: the rows in memory order
-    out = _launch(xp.reshape(-1, 1, x.shape[-1]), norm.weight, norm.eps).view(xp.shape)
+    out = _launch(xp.reshape(-1, 1, x.shape[-1]), _weight(norm, x), norm.eps).view(xp.shape)
     inverse = sorted(range(x.dim()), key=order.__getitem__)
     return out.permute(inverse)  # x's strides, as eager's result has
 
 
 @torch.library.custom_op("diffusers_fastpath::rmsnorm", mutates_args=())
-def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rmsnorm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     norm = _Norm(weight, eps)
     if _guard(norm, x) is None:
         return _kernel(norm, x)
@@ -136,7 +158,7 @@ def rmsnorm(norm, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
     (self-verified) and bit-identical to eager everywhere.
 
     Args:
-        norm: a diffusers ``RMSNorm`` (weight, no bias), e.g. SD3's ``attn.norm_q``.
+        norm: a diffusers ``RMSNorm`` (a weight or none, no bias), e.g. SD3's ``attn.norm_q``, LTX-2's ``norm2``.
         x: ``[..., D]`` q or k, any dense layout with unit innermost stride (the result has its strides).
         site: the call site's counters, shown by `diffusers_fastpath.report`.
 
