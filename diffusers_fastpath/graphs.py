@@ -24,7 +24,10 @@ How it works, per patched model (`GraphRunner`):
   them out would alias; the clone is latents-sized, a few microseconds.
 - Nothing is cached from one forward to the next (the rotary tables are built once per forward, as diffusers
   builds them): the graph rebuilds cos/sin from the static position-id buffers on every replay (a handful of
-  small kernels), so a replay can never use a table built from other ids.
+  small kernels), so a replay can never use a table built from other ids. A small tensor the forward builds from
+  Python values on the GPU (``torch.tensor(self.scale_factors, device=...)``, LTX-2's rotary coordinates: a
+  pageable copy, which a capture refuses) is built inside the capture by fill kernels of those values
+  (`_host_constants`), baked in as every Python number a kernel takes is.
 - The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
   the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
   ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
@@ -61,6 +64,7 @@ from torch.utils import _pytree as pytree
 
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
+from ._host_constants import constants_as_fills
 from ._logging import logger, warn_once
 from .ops._policy import global_module_hooks, outputs_equal
 
@@ -426,7 +430,7 @@ class CudaGraphs:
             # later random op on the device would fail. Keep a copy to reinstate if the capture fails.
             generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
             saved = generator.clone_state() if hasattr(generator, "clone_state") else None
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), constants_as_fills():  # (small torch.tensor(values, device=cuda) calls)
                 graph.capture_begin(handle)
                 try:
                     out = fn()

@@ -263,3 +263,59 @@ def test_a_forward_wrapped_after_patch_pauses_real_graphs_and_they_resume(unpatc
         assert torch.equal(run(model, inputs), run(twin, inputs))
     stats = graph_stats(model)
     assert stats["status"] == "on" and stats["captured"] == 1 and stats["replays"] == 2, stats
+
+
+class ScaledByConstants(torch.nn.Module):
+    """Builds small tensors from Python values on the GPU in its forward (as LTX-2's rotary coordinates do)."""
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.factors = [8.0, 32.0, 32.0] if n == 3 else [float(i) for i in range(n)]
+
+    def forward(self, x):
+        scale = torch.tensor(self.factors, device=x.device)
+        offset = torch.tensor([i % 5 for i in range(len(self.factors))], dtype=torch.int64, device=x.device)
+        return x * scale + offset
+
+
+def test_small_host_constants_are_captured_as_fills():
+    """``torch.tensor(values, device=cuda)`` in a captured forward: captured (as fills), each replay equal to eager
+    on new inputs; a constant of more than MAX_ELEMENTS values still fails the capture (a pageable copy)."""
+    from diffusers_fastpath._host_constants import MAX_ELEMENTS
+    from diffusers_fastpath.graphs import CudaGraphs
+
+    graphs = CudaGraphs()
+    module = ScaledByConstants()
+    static = torch.randn(4, 3, device="cuda")
+    real = torch.tensor
+    graph, out = graphs.record(graphs.new_pool(static.device), lambda: module(static))
+    assert torch.tensor is real  # torch's own again after the capture
+    for seed in range(3):
+        static.copy_(torch.randn(4, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, module(static))
+    big = ScaledByConstants(MAX_ELEMENTS + 1)
+    wide = torch.randn(2, MAX_ELEMENTS + 1, device="cuda")
+    with pytest.raises(RuntimeError, match="pinned|capture"):
+        graphs.record(graphs.new_pool(wide.device), lambda: big(wide))
+    assert torch.randn(4, device="cuda").isfinite().all()
+
+
+def test_ltx2_is_captured_and_its_replays_equal_eager(unpatch_after):
+    """LTX-2 (tiny config): its forward builds its rotary coordinates' scale factors and patch sizes with
+    ``torch.tensor(..., device=cuda)``, which failed every capture before; now captured, replays bit-identical."""
+    from diffusers_fastpath.testing import zoo
+
+    model = zoo.build("ltx2", dtype=torch.bfloat16, device="cuda")
+    cases = [zoo.inputs("ltx2", model, seed=s) for s in (1, 2, 3)]
+    with torch.no_grad():
+        refs = [model(**inputs)[0].clone() for inputs in cases]
+    fp.patch(model, cuda_graphs=True)
+    unpatch_after(model)
+    with torch.no_grad():
+        for inputs, ref in zip(cases, refs):
+            assert torch.equal(model(**inputs)[0], ref)
+    stats = graph_stats(model)
+    assert stats["captured"] == 1 and stats["replays"] == 2 and stats["eager"] == {}, stats

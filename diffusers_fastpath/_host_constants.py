@@ -1,0 +1,87 @@
+"""Small tensors a forward builds from Python values on the GPU, made capturable: ``torch.tensor(values,
+device=cuda)`` inside a CUDA graph capture.
+
+``torch.tensor([8, 32, 32], device="cuda")`` builds the tensor on the host and copies it to the GPU from pageable
+memory, which a capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU
+tensor is pinned"): LTX-2's rotary coordinates (``LTX2AudioVideoRotaryPosEmbed.prepare_video_coords``:
+``torch.tensor(patch_size, ...)``, ``torch.tensor(self.scale_factors, ...)``) do this in every forward, so no graph of
+LTX-2 could be captured. Inside `constants_as_fills`, such a call on a capturing stream makes the same tensor on the
+device instead, one ``fill_`` per element with the value the host tensor holds: a kernel whose argument is that value,
+captured like any other, so each replay writes the same values again. Nothing is read from the host at replay.
+
+That is what a capture already does with every Python number a forward passes to a kernel (an ``eps``, a ``theta``, a
+scale): the values are baked in, which is why the graph runner keys each graph on the call's plain arguments and
+re-checks every module's plain attributes before a replay (`graphs.ModelFingerprint`: ``scale_factors`` is one).
+The tensor is the one eager builds (its values, dtype, shape; contiguous), and only small ones are made this way (at
+most `MAX_ELEMENTS`): a larger one still fails the capture, which then leaves that signature eager, as before.
+Anything else (no device given, a CPU device, data that is not Python numbers (a tensor, an array), ``requires_grad``,
+``pin_memory``, a stream that is not capturing, another thread's call) runs torch's own ``torch.tensor``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+MAX_ELEMENTS = 64  # one fill kernel each: coordinates' scale factors and patch sizes have 3
+
+_lock = threading.Lock()
+_depth = 0
+_saved: Callable | None = None  # the ``torch.tensor`` found when the replacement went in, put back when it goes
+
+
+def _python_values(data, budget: list[int]) -> bool:
+    """Whether `data` is Python numbers (or nested lists / tuples of them), at most ``budget[0]`` of them."""
+    if isinstance(data, (bool, int, float, complex)):
+        budget[0] -= 1
+        return budget[0] >= 0
+    return isinstance(data, (list, tuple)) and all(_python_values(x, budget) for x in data)
+
+
+def _tensor_factory(real: Callable, device_type: str, capturing: Callable[[], bool]) -> Callable:
+    def tensor(data, *args, **kwargs):
+        device = kwargs.get("device")
+        if (args or device is None or kwargs.get("requires_grad") or kwargs.get("pin_memory")
+                or not _python_values(data, [MAX_ELEMENTS])):
+            return real(data, *args, **kwargs)
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError):
+            return real(data, *args, **kwargs)
+        if device.type != device_type or not capturing():
+            return real(data, *args, **kwargs)
+        host = real(data, **{**kwargs, "device": "cpu"})
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        flat = out.view(-1)
+        for i, value in enumerate(host.reshape(-1).tolist()):
+            flat[i].fill_(value)
+        return out
+
+    tensor.__doc__ = real.__doc__
+    tensor.__wrapped__ = real
+    return tensor
+
+
+@contextlib.contextmanager
+def constants_as_fills(device_type: str = "cuda",
+                       capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> Iterator[None]:
+    """Within this block, ``torch.tensor(python values, device=<device_type>)`` called while `capturing()` builds its
+    tensor with fill kernels (module doc). Process-wide, so it is installed once however many threads capture at a
+    time (the first to enter installs it, the last to leave puts torch's back); on any other call the replacement is
+    torch's own ``torch.tensor``. `device_type` and `capturing` are parameters for the tests (a CPU has no capture)."""
+    global _depth, _saved
+    with _lock:
+        if _depth == 0:
+            _saved = torch.tensor
+            torch.tensor = _tensor_factory(_saved, device_type, capturing)
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                torch.tensor, _saved = _saved, None
