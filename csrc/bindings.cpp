@@ -918,6 +918,32 @@ at::Tensor upsample_nearest2x(const at::Tensor& x) {
   return out;
 }
 
+// A convolution's bias added in place (conv_bias.cu): x a dense CUDA [N, C, *] tensor of bf16/fp16, contiguous or
+// channels-last (C innermost), bias a contiguous [C] of x's dtype.
+void conv_bias_(at::Tensor& x, const at::Tensor& bias) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 3 && bias.is_cuda() && bias.dim() == 1 && bias.size(0) == x.size(1) &&
+                  bias.is_contiguous() && bias.scalar_type() == x.scalar_type(),
+              "conv_bias_: x must be a CUDA [N, C, *] tensor and bias a contiguous [C] of its dtype, got ",
+              shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+  const bool channels_last = !x.is_contiguous();
+  if (channels_last) {
+    TORCH_CHECK(x.is_contiguous(x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d),
+                "conv_bias_: x must be contiguous or channels-last");
+  }
+  ConvBiasArgs args;
+  args.dtype = to_dtype(x);
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.x = x.data_ptr();
+  args.bias = bias.data_ptr();
+  args.channels = x.size(1);
+  args.channels_last = channels_last;
+  args.cols = channels_last ? args.channels : x.numel() / (x.size(0) * args.channels);
+  args.rows = x.numel() / args.cols;
+  const cudaError_t err = launch_conv_bias(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "conv_bias_: kernel launch failed: ", cudaGetErrorString(err));
+}
+
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
 void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
@@ -1129,6 +1155,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
+  m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
       "Tensor");
@@ -1187,6 +1214,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_upsample_nearest2x_cuda", &diffusers_fastpath::upsample_nearest2x);
+  m.impl("_conv_bias_cuda_", &diffusers_fastpath::conv_bias_);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);

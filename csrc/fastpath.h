@@ -402,4 +402,21 @@ struct UpsampleNearestArgs {
 cudaError_t launch_upsample_nearest2x(const UpsampleNearestArgs& args, cudaStream_t stream);
 #endif
 
+// A convolution's bias added in place (conv_bias.cu): x the convolution's dense output seen as [rows, cols],
+//   channels-first: x[r][s] = round(float(x[r][s]) + float(bias[r % channels]))   (rows = N * C, cols = spatial)
+//   channels-last:  x[r][c] = round(float(x[r][c]) + float(bias[c]))              (rows = N * spatial, cols = C)
+struct ConvBiasArgs {
+  void* x;
+  const void* bias;     // [channels], contiguous
+  int64_t rows;
+  int64_t cols;
+  int64_t channels;
+  DType dtype;
+  bool channels_last;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

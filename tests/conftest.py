@@ -195,6 +195,12 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
     monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
     monkeypatch.setattr(causal_conv_pad.CAUSAL_CONV3D, "guard", _as_if_on_cuda(causal_conv_pad.CAUSAL_CONV3D.guard))
+    # the convolutions' bias add: the whole convolution as torch runs it (a CPU's convolution adds its bias inside,
+    # so the convolution without it plus the kernel's add is not the CPU's number; tests/test_conv_bias.py checks
+    # the wrapper around the launch apart)
+    conv_bias_module = sys.modules["diffusers_fastpath.ops.conv_bias"]
+    monkeypatch.setattr(conv_bias_module.CONV_BIAS, "guard", _as_if_on_cuda(conv_bias_module.CONV_BIAS.guard))
+    monkeypatch.setattr(conv_bias_module.CONV_BIAS, "kernel", conv_bias_module.conv_bias_ref)
     # their decoders' 2x upsampling: csrc/upsample_nearest.cu's arithmetic, each value's float round trip in its 2x2
     upsample = sys.modules["diffusers_fastpath.ops.upsample_nearest"]
     monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "guard", _as_if_on_cuda(upsample.UPSAMPLE_NEAREST2X.guard))

@@ -37,7 +37,12 @@ def _expected_sites(vae) -> Counter:
     encoder's and decoder's conv_norm_out), one group_norm per other GroupNorm (the mid-block attentions')."""
     paired = sum(2 for m in vae.modules() if isinstance(m, ResnetBlock2D)) + 2
     total = sum(type(m) is nn.GroupNorm for m in vae.modules())
-    return Counter({"group_norm_silu": paired, "group_norm": total - paired})
+    return Counter({"group_norm_silu": paired, "group_norm": total - paired, "conv_bias": conv_sites(vae)})
+
+
+def conv_sites(vae) -> int:
+    """One conv_bias site per plain convolution with a bias (every one of these VAEs')."""
+    return sum(type(m) in (nn.Conv2d, nn.Conv3d) and m.bias is not None for m in vae.modules())
 
 
 def _latents(vae, batch=1, size=8, seed=3):
@@ -71,7 +76,8 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(family, e
     assert torch.equal(_decode(vae, z), ref_dec)
     sites = _site_counts(vae)
     for name, (op, fast, fallback, _) in sites.items():  # the decoder's sites ran once each, the encoder's not yet
-        assert (fast, fallback) == ((1, 0) if name.startswith("decoder.") else (0, 0)), (name, sites[name])
+        decoding = name.startswith(("decoder.", "post_quant_conv"))
+        assert (fast, fallback) == ((1, 0) if decoding else (0, 0)), (name, sites[name])
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all((fast, fallback) == (1, 0) for _, fast, fallback, _ in _site_counts(vae).values()), str(fp.report(vae))
 
@@ -158,7 +164,8 @@ def test_patched_vae_deep_copies_and_pickles(emulated_kernels):
     loaded = torch.load(buf, weights_only=False)
     for model in (twin, loaded):
         assert torch.equal(_decode(model, z), ref)
-        assert sum(r.fast for r in fp.report(model).sites) == 22  # the decoder's sites, on the copy's own counters
+        decoder = sum(1 for r in fp.report(model).sites if r.site.startswith(("decoder.", "post_quant_conv")))
+        assert decoder > 22 and sum(r.fast for r in fp.report(model).sites) == decoder  # on the copy's own counters
         fp.unpatch(model)
         assert type(model.decoder).__name__ == "Decoder"
     fp.unpatch(vae)
@@ -310,7 +317,9 @@ def test_bench_vae_level_times_decode_and_encode_without_a_transformer(tmp_path)
     assert [r["call"] for r in vae["rows"]] == ["decode", "encode"]
     assert all(r["bit_identical"] and r["md5_eager"] == r["md5_patched"] and len(r["eager_ms_all"]) == 2
                for r in vae["rows"])
-    assert vae["sites"]["sites"] == 36 and vae["sites"]["fast"] == 0 and set(vae["sites"]["reasons"]) == {"device cpu"}
+    convs = conv_sites(build_flux_vae("flux-tiny"))  # (the bench's VAE: 36 GroupNorm sites, a conv_bias per conv)
+    assert vae["sites"]["sites"] == 36 + convs and vae["sites"]["fast"] == 0
+    assert set(vae["sites"]["reasons"]) == {"device cpu"}
     assert bench.main(["--model", "sd3-tiny", "--levels", "vae", "--device", "cpu", "--no-progress", "--json",
                        str(path)]) == 0
     assert "no VAE config of sd3-tiny" in json.loads(path.read_text())["vae"]["reason"]

@@ -80,14 +80,16 @@ def _encode(vae, x):
 def _expected_sites(vae) -> Counter:
     """One channel_rmsnorm_silu per norm that the block's SiLU follows (the residual blocks' two, the encoder's and
     decoder's norm_out), one channel_rmsnorm per other norm (the mid-block attentions'), one causal_conv3d per causal
-    convolution, one upsample_nearest2x per 2x upsampling of the decoder."""
+    convolution, one upsample_nearest2x per 2x upsampling of the decoder, one conv_bias per convolution with a bias
+    (the causal ones and the plain ones)."""
     resnets = sum(type(m).__name__.endswith("ResidualBlock") for m in vae.modules())
     norms = sum(isinstance(m, NORMS) for m in vae.modules())
     convs = sum(isinstance(m, CONVS) for m in vae.modules())
     upsamples = sum(isinstance(m, UPSAMPLES) for m in vae.modules())
     paired = 2 * resnets + 2
+    plain = sum(type(m) in (nn.Conv2d, nn.Conv3d) and m.bias is not None for m in vae.modules())
     return Counter({"channel_rmsnorm_silu": paired, "channel_rmsnorm": norms - paired, "causal_conv3d": convs,
-                    "upsample_nearest2x": upsamples})
+                    "upsample_nearest2x": upsamples, "conv_bias": convs + plain})
 
 
 def _sites(model) -> dict[str, tuple]:

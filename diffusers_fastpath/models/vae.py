@@ -44,6 +44,7 @@ from .._state import SITE_ATTR, PatchState, bound_safe, site_attr
 from ..ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, add_plain, group_norm, group_norm_silu
 from ..quality import hooked
 from .._source import source_of
+from .vae_conv import swap_convs
 
 _NS = "_diffusers_fastpath_vae"  # the name `_PairCalls` goes by in the rewritten forwards' globals
 PAIR_SITE = GROUP_NORM_SILU.name  # the pair's site, on the norm module: ``_fastpath_site_group_norm_silu``
@@ -288,10 +289,12 @@ def swap_pair_blocks(model: nn.Module, state: PatchState, blocks: tuple[PairBloc
 def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...]) -> None:
     """Patch a VAE (see module doc): each module whose exact class is one of `blocks`' bases becomes its pair
     subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
-    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site."""
+    ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site; every plain
+    convolution with a bias its `conv_bias` subclass (`vae_conv.swap_convs`)."""
     paired = swap_pair_blocks(model, state, blocks,
                               lambda norm, act: type(norm) is nn.GroupNorm and type(act) is nn.SiLU)
     for module in model.modules():
         if type(module) is nn.GroupNorm and id(module) not in paired:
             state.swap_class(module, FastpathGroupNorm)
             state.add_site(module, GROUP_NORM.name)
+    swap_convs(model, state)

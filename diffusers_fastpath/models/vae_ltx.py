@@ -1,6 +1,8 @@
 """LTX-Video's VAE (diffusers' ``AutoencoderKLLTXVideo``: LTX-Video 0.9.0 to 0.9.8, the timestep-conditioned decoders
 of 0.9.1+ included), through one exact piece.
 
+- The convolutions' biases: every ``LTXVideoCausalConv3d``'s ``conv`` (an ``nn.Conv3d``) becomes `FastpathConv3d`
+  (`diffusers_fastpath.models.vae_conv`: one vectorised pass for the bias, exact by construction).
 - The norms: every diffusers ``RMSNorm`` of the VAE without weight (``norm1`` and ``norm2`` of each
   ``LTXVideoResnetBlock3d``, the encoder's and the decoder's ``norm_out``: each called on the channel-last view
   ``x.movedim(1, -1)`` of a channel-first activation) becomes `FastpathLTXRMSNorm`, whose forward is
@@ -28,6 +30,7 @@ from .._logging import warn_once
 from .._source import body_digest
 from .._state import SITE_ATTR, PatchState, register_adapter
 from ..ops.ltx_vae_rmsnorm import LTX_RMSNORM, add_norm_class, ltx_rmsnorm
+from .vae_conv import swap_convs
 
 # diffusers 0.42.1's RMSNorm.forward (`_source.body_digest`: the body, without docstring and formatting): the
 # ``x.to(float32).pow(2).mean(-1)`` reduction, ``x * rsqrt(v + eps)`` and, without weight, ``.to(input_dtype)``
@@ -57,6 +60,7 @@ def norm_fits() -> bool:
 @register_adapter(AutoencoderKLLTXVideo)
 def patch_ltx_vae(model, state: PatchState) -> None:
     """Run the VAE's weightless RMS norms as `ltx_rmsnorm` (see module doc)."""
+    swap_convs(model, state)  # (the causal convolutions' ``conv``: their biases)
     if not norm_fits():
         return
     for module in model.modules():

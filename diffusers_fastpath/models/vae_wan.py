@@ -13,6 +13,8 @@ Wan's VAE under other class names), through three exact pieces and the pair rewr
   `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
   changed; the convolution is the module's own ``nn.Conv3d.forward``).
+- The convolutions' biases (`diffusers_fastpath.models.vae_conv`): the causal convolutions' padded input goes to
+  `diffusers_fastpath.ops.conv_bias`, the plain ``nn.Conv2d`` ones become `FastpathConv2d`.
 - The decoders' 2x upsampling (``WanUpsample``, ``QwenImageUpsample``: ``nn.Upsample`` of ``x.float()``, cast back):
   `FastpathWanUpsample` / `FastpathQwenImageUpsample`, whose forward is
   `diffusers_fastpath.ops.upsample_nearest2x`: one read of x and one write of the result instead of an fp32 round
@@ -40,7 +42,9 @@ from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, a
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..quality import hooked
+from ..ops.conv_bias import add_bias_conv_class
 from .vae import PairBlock, PairCalls, swap_pair_blocks
+from .vae_conv import causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
 NORM_DIGESTS = frozenset({"960a6e5b25f82893"})  # F.normalize(x.float()).to(x.dtype) * self.scale * self.gamma + bias
@@ -85,6 +89,7 @@ for _base, _sub in NORMS.items():
     add_norm_class(_sub, _base)
 for _base, _sub in CONVS.items():
     add_conv_class(_sub, _base)
+    add_bias_conv_class(_sub)  # (its forward hands the padded input to `conv_bias`)
 for _base, _sub in UPSAMPLES.items():
     add_upsample_class(_sub, _base)
 
@@ -140,6 +145,8 @@ def patch_wan_vae(model, state: PatchState) -> None:
         elif cls in convs:
             state.swap_class(module, CONVS[cls])
             state.add_site(module, CAUSAL_CONV3D.name)
+            causal_conv_site(module, state)
         elif cls in upsamples:
             state.swap_class(module, UPSAMPLES[cls])
             state.add_site(module, UPSAMPLE_NEAREST2X.name)
+    swap_convs(model, state)  # the plain ones (the resampling's nn.Conv2d, the attention's 1x1)

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 from ._policy import EagerClasses, FusedOp, Site
+from .conv_bias import CONV_BIAS, conv_bias
+
+_BIAS_SITE = f"_fastpath_site_{CONV_BIAS.name}"  # (`_state.site_attr`: the convolution's named conv_bias site)
 
 _ALLOCATOR_ALIGNMENT = 512  # the CUDA caching allocator's block alignment: the address of eager's clone
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
@@ -143,7 +146,8 @@ def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None 
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    return nn.Conv3d.forward(conv, padded_input(conv, x, cache_x))
+    # the convolution, ``nn.Conv3d.forward``: its bias added by `conv_bias` (its own site, its own guard)
+    return conv_bias(conv, padded_input(conv, x, cache_x), conv.__dict__.get(_BIAS_SITE))
 
 
 CAUSAL_CONV3D = FusedOp("causal_conv3d", ref=causal_conv3d_ref, guard=_guard, kernel=_kernel, custom_op=_kernel)

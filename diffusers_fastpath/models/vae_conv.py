@@ -1,0 +1,55 @@
+"""The VAEs' convolutions with a bias: their bias added by `diffusers_fastpath.ops.conv_bias` (one vectorised pass
+instead of aten's broadcast add after cuDNN's convolution, exact by construction).
+
+- Every plain ``nn.Conv2d`` / ``nn.Conv3d`` with a bias in a patched VAE (the resnets' ``conv1``, ``conv2`` and
+  shortcuts, the up- and downsamplers', ``conv_in`` / ``conv_out``, LTX-Video's ``LTXVideoCausalConv3d.conv``, Wan's
+  resampling ``nn.Conv2d``) becomes `FastpathConv2d` / `FastpathConv3d`, whose forward is the op: being the module's
+  own forward, it runs inside the module call, so hooks run as before.
+- Wan's and Qwen-Image's causal convolutions (``nn.Conv3d`` subclasses whose forward pads first) keep the forward of
+  `diffusers_fastpath.models.vae_wan`; their padded input goes to the op there, with a site of its own
+  (`causal_conv_site`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._state import SITE_ATTR, PatchState, site_attr
+from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class, conv_bias
+
+NAMED_SITE = site_attr(CONV_BIAS.name)  # a causal convolution's second site (its first is the padding's)
+
+
+class FastpathConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose forward is `conv_bias` (torch's forward wherever the guard refuses). Adds no state."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return conv_bias(self, input, self.__dict__.get(SITE_ATTR))
+
+
+class FastpathConv3d(nn.Conv3d):
+    """``nn.Conv3d`` whose forward is `conv_bias` (torch's forward wherever the guard refuses). Adds no state."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return conv_bias(self, input, self.__dict__.get(SITE_ATTR))
+
+
+_SUBCLASSES = {nn.Conv2d: FastpathConv2d, nn.Conv3d: FastpathConv3d}
+for _sub in _SUBCLASSES.values():
+    add_bias_conv_class(_sub)
+
+
+def swap_convs(model: nn.Module, state: PatchState) -> None:
+    """Make every plain ``nn.Conv2d`` / ``nn.Conv3d`` of `model` with a bias its `conv_bias` subclass, with a site."""
+    for module in model.modules():
+        sub = _SUBCLASSES.get(type(module))
+        if sub is not None and module.bias is not None:
+            state.swap_class(module, sub)
+            state.add_site(module, CONV_BIAS.name)
+
+
+def causal_conv_site(module: nn.Module, state: PatchState) -> None:
+    """Give a causal convolution (its class registered with `add_bias_conv_class`) its `conv_bias` site."""
+    if module.bias is not None:
+        state.add_site(module, CONV_BIAS.name, CONV_BIAS.name)

@@ -1,0 +1,174 @@
+"""A VAE convolution's bias added in one vectorised pass, bit-identical to aten's.
+
+cuDNN's convolutions take no bias. For a module ``nn.Conv2d`` / ``nn.Conv3d`` with one, aten runs (Convolution.cpp,
+``ConvBackend::Cudnn``)::
+
+    output = at::cudnn_convolution(input.contiguous(memory_format), weight, padding, stride, dilation, groups, ...)
+    output.add_(reshape_bias(input.dim(), bias))       # bias as [1, C, 1, 1(, 1)]: one fp32 add, rounded to T
+
+and its elementwise kernel does not vectorise that broadcast add: on an H100 the 35 bias adds of a FLUX.1 decode at
+1024x1024 take 6.6 ms of its 44 (the convolutions themselves 12.8), the Wan 2.1 decode's 754 take 125 ms. Here the
+convolution runs without its bias (``conv._conv_forward(x, weight, None)``: the same ``cudnn_convolution`` call,
+the backend asked of torch first) and ``csrc/conv_bias.cu`` adds the bias in place, 16 bytes per thread:
+``x = round(float(x) + float(bias[c]))``, aten's add (``a + alpha * b`` with alpha 1). The result is the tensor
+eager returns, in its layout (contiguous, or channels-last where cuDNN wrote that). Exact by construction; the
+first call of each (dtype, layout) is still compared with the module's own forward (`FusedOp` verification), which
+disables the op on a mismatch.
+
+What the guard admits: a module of a class registered here (`add_bias_conv_class`: this package's subclasses of
+``nn.Conv2d`` / ``nn.Conv3d`` and the VAEs' causal convolutions, whose forward runs this op on the input they
+padded) whose torch ``forward`` is torch's own, with a bias, ``padding_mode`` "zeros" and integer padding; x a batched
+bf16/fp16 input on CUDA of the weight's and bias's dtype and device, not empty; a convolution torch runs with cuDNN
+(``torch._C._select_conv_backend``, asked with the bias and without: both ``Cudnn``; grouped or depthwise ones
+that go elsewhere are refused); no autograd. Anything else runs ``nn.ConvNd.forward`` as torch wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _nvrtc
+from ._build import launcher
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
+
+_BASES = EagerClasses()  # the classes the op takes
+
+
+def add_bias_conv_class(cls: type) -> None:
+    """Let the guard take modules of `cls`: a subclass of ``nn.Conv2d`` or ``nn.Conv3d`` whose forward (or the
+    padding around it) this package wrote and that adds no state."""
+    _BASES.add(cls)
+
+
+def _torch_conv(conv: nn.Module) -> type:
+    """The torch class whose ``forward`` `conv` computes: ``nn.Conv3d`` or ``nn.Conv2d``."""
+    return nn.Conv3d if isinstance(conv, nn.Conv3d) else nn.Conv2d
+
+
+def conv_bias_ref(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The eager convolution: torch's ``nn.Conv2d.forward`` / ``nn.Conv3d.forward`` (the cuDNN call and its bias add)."""
+    return _torch_conv(conv).forward(conv, x)
+
+
+def _backend(conv: nn.Module, x: torch.Tensor, bias) -> object:
+    n = x.dim() - 2
+    return torch._C._select_conv_backend(x, conv.weight, bias, list(conv.stride), list(conv.padding),
+                                         list(conv.dilation), False, [0] * n, conv.groups, None)
+
+
+def _guard(conv: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    reason = _BASES.refusal(conv, "convolution")
+    if reason is not None:
+        return reason
+    weight, bias = getattr(conv, "weight", None), getattr(conv, "bias", None)
+    if not isinstance(bias, torch.Tensor):
+        return "no bias"
+    if not isinstance(weight, torch.Tensor) or getattr(conv, "padding_mode", None) != "zeros":
+        return "padding mode"
+    if not (isinstance(conv.padding, tuple) and all(isinstance(p, int) for p in conv.padding)):
+        return "padding not integers"
+    if not isinstance(x, torch.Tensor) or x.dim() != weight.dim():
+        return "x not batched"
+    if x.dtype not in HALF_DTYPES:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if weight.dtype is not x.dtype or bias.dtype is not x.dtype:
+        return "mixed dtypes"
+    if x.numel() == 0:
+        return "empty"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if weight.device != x.device or bias.device != x.device:
+        return "devices differ"
+    cudnn = torch._C._ConvBackend.Cudnn
+    if _backend(conv, x, bias) != cudnn or _backend(conv, x, None) != cudnn:
+        return "not a cuDNN convolution"
+    return None
+
+
+def _layout(out: torch.Tensor) -> bool | None:
+    """Channels-last (True), contiguous (False), or None for another layout of the convolution's output."""
+    if out.is_contiguous():
+        return False
+    fmt = torch.channels_last if out.dim() == 4 else torch.channels_last_3d
+    return True if out.is_contiguous(memory_format=fmt) else None
+
+
+# The NVRTC way: csrc/conv_bias.cu's kernel, launched as its launch() and bindings.cpp's conv_bias_ do. Duplicated
+# from there: kThreads 256, kMaxRowBlocks 65535 (tests/test_nvrtc.py reads them from the .cu), the ConvBiasArgs fields
+# (fastpath.h), the 16-byte vector (8 elements of T); the guard stands for bindings.cpp's checks.
+_ARGS = _nvrtc.Params("ConvBiasArgs", ("x", "P"), ("bias", "P"), ("rows", "q"), ("cols", "q"), ("channels", "q"),
+                      ("dtype", "i"), ("channels_last", "?"))
+_NVRTC = _nvrtc.Kernel(
+    "conv_bias.cu",
+    "diffusers_fastpath::conv_bias_kernel",
+    {(dtype, cl, vec): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(cl).lower()}, {str(vec).lower()}"
+     for dtype in HALF_DTYPES for cl in (False, True) for vec in (False, True)},
+    _nvrtc.Params("conv_bias_kernel", ("a", _ARGS)),
+)
+_THREADS = 256
+_MAX_ROW_BLOCKS = 65535
+_VEC = 8  # elements of a 16-byte vector of fp16 / bf16
+
+
+def _nvrtc_kernel(x: torch.Tensor, bias: torch.Tensor) -> None:
+    channels_last = bool(_layout(x))
+    channels = x.shape[1]
+    cols = channels if channels_last else x.numel() // (x.shape[0] * channels)
+    rows = x.numel() // cols
+    vector = cols % _VEC == 0 and x.data_ptr() % 16 == 0
+    vecs = (cols + _VEC - 1) // _VEC if vector else cols
+    grid = ((vecs + _THREADS - 1) // _THREADS, min(rows, _MAX_ROW_BLOCKS), 1)
+    _NVRTC.launch(x.device.index, (x.dtype, channels_last, vector), grid, (_THREADS, 1, 1), x.data_ptr(),
+                  bias.data_ptr(), rows, cols, channels, _nvrtc.DTYPE_CODE[x.dtype], channels_last)
+
+
+def _raw_guard(x, bias):
+    # bindings.cpp's checks: a dense CUDA [N, C, *] of a half dtype, contiguous or channels-last; bias [C] of its dtype
+    if (x.dim() < 3 or x.dtype not in HALF_DTYPES or not x.is_cuda or bias.dim() != 1 or bias.shape[0] != x.shape[1]
+            or bias.dtype != x.dtype or not bias.is_contiguous() or x.dim() > 5 or _layout(x) is None or not x.numel()):
+        return "shape, dtype or layout"
+    return None
+
+
+_nvrtc.raw_op("_conv_bias_cuda_", "(Tensor(a!) x, Tensor bias) -> ()", _raw_guard, _nvrtc_kernel)
+
+_cuda_op = None
+
+
+def _kernel(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    global _cuda_op
+    out = conv._conv_forward(x, conv.weight, None)
+    bias = conv.bias
+    if out.dim() > 5 or _layout(out) is None or not bias.is_contiguous():  # (not what cuDNN writes: aten's own add)
+        return out.add_(bias.reshape(1, -1, *([1] * (out.dim() - 2))))
+    if _cuda_op is None:
+        _cuda_op = launcher(_nvrtc_kernel, "_conv_bias_cuda_")
+    _cuda_op(out, bias)
+    return out
+
+
+CONV_BIAS = FusedOp(
+    "conv_bias",
+    ref=conv_bias_ref,
+    guard=_guard,
+    kernel=_kernel,
+    custom_op=conv_bias_ref,  # (torch.compile sees the module's own convolution)
+    verify_key=lambda conv, x: (str(x.dtype).removeprefix("torch."), x.dim(),
+                                not x.is_contiguous()),  # once per dtype and layout: exact by construction
+)
+
+
+def conv_bias(conv: nn.Module, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``nn.Conv2d.forward(conv, x)`` / ``nn.Conv3d.forward(conv, x)`` for a convolution with a bias, its bias added
+    on CUDA in one vectorised pass, bit-identical to eager.
+
+    Args:
+        conv: the convolution module (a class registered with `add_bias_conv_class`).
+        x: the batched input, as the convolution takes it (already padded by a causal convolution's forward).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return CONV_BIAS(site, conv, x)
