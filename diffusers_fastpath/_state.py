@@ -442,8 +442,8 @@ def _compiled_model(module: Any) -> nn.Module | None:
 
 
 def compiled_unpatched(obj: Any) -> None:
-    """Raise the model's error for a pipeline component compiled before `patch`: patching the model inside the
-    wrapper would change what it already traced."""
+    """Raise the model's error for a model, or a pipeline component, compiled before `patch`: patching the model
+    inside the wrapper would change what it already traced."""
     from diffusers import DiffusionPipeline
 
     if isinstance(obj, DiffusionPipeline):
@@ -451,6 +451,10 @@ def compiled_unpatched(obj: Any) -> None:
             inner = _compiled_model(comp)
             if inner is not None and STATE_ATTR not in inner.__dict__:
                 raise TypeError(_COMPILED_FIRST.format(what=f"{type(obj).__name__}.{name}"))
+    else:
+        inner = _compiled_model(obj)
+        if inner is not None and STATE_ATTR not in inner.__dict__:
+            raise TypeError(_COMPILED_FIRST.format(what="this model"))
 
 
 def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
@@ -470,8 +474,7 @@ def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
                 named[id(model)] = (f"{seen[0]}/{name}" if seen else name, model)
         return list(named.values())
     if isinstance(obj, nn.Module):
-        if _compiled_model(obj) is not None:
-            raise TypeError(_COMPILED_FIRST.format(what="this model"))
+        obj = _compiled_model(obj) or obj  # (patched, then compiled: its model; `patch` refuses it compiled first)
         return [(type(obj).__name__, obj)]
     raise TypeError(
         f"diffusers_fastpath: expected a diffusers DiffusionPipeline or a model (torch.nn.Module), "
@@ -480,10 +483,24 @@ def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
 
 
 def undo_patch(model: nn.Module) -> None:
-    """Undo `model`'s patch, if it has one: its state leaves the model, then its undo log is replayed."""
+    """Undo `model`'s patch, if it has one: its state leaves the model, then its undo log is replayed. A processor of
+    this package that diffusers saved to put back later (``fuse_qkv_projections`` keeps the processors it replaces in
+    the model's ``original_attn_processors``, which ``unfuse_qkv_projections`` sets again) is swapped there too for
+    the one it replaced, so that unfusing after `unpatch` gives diffusers' processors back, not this package's."""
     state = model.__dict__.pop(STATE_ATTR, None)
-    if state is not None:
-        state.undo()
+    if state is None:
+        return
+    replaced = {id(r[3]): r[2] for r in state.records if r[0] == "processor"}
+    state.undo()
+    if not replaced:
+        return
+    for module in model.modules():
+        saved = module.__dict__.get("original_attn_processors")
+        if isinstance(saved, dict):
+            for key, processor in list(saved.items()):
+                old = replaced.get(id(processor))
+                if old is not None:
+                    saved[key] = old
 
 
 def patched_models(obj: Any) -> list[tuple[str, nn.Module, PatchState]]:

@@ -101,6 +101,20 @@ def _unet_note(modules: list[tuple[str, nn.Module]]) -> str:
             "transformers (DiT), and a UNet pipeline runs unchanged.")
 
 
+def _say_unet_runs_unpatched(obj: Any, found: list[tuple[str, nn.Module]]) -> None:
+    """A UNet pipeline whose VAE `patch` takes (Stable Diffusion 1.x/2.x, SDXL hold an ``AutoencoderKL``): patching it
+    is not refused (the decode and encode run fused, exactly), but the UNet runs as diffusers wrote it: say so,
+    once per pipeline class."""
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(obj, DiffusionPipeline):
+        return
+    note = _unet_note([(name, m) for name, m in models_in(obj) if not any(m is f for _, f in found)])
+    if note:
+        patched = ", ".join(f"{name} ({type(m).__name__})" for name, m in found)
+        warn_once(f"diffusers_fastpath: {type(obj).__name__}: only {patched} is patched.{note}")
+
+
 def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module]]:
     """The (name, model) pairs `patch` acts on (``for_patch``: with a clear error for an unsupported object), or
     those a pipeline holds that `patch` could act on or did."""
@@ -178,7 +192,8 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
             forward of each input signature both ways and compare them bit for bit before trusting it (one extra
             forward per signature; a mismatch unpatches the model with a warning; `diffusers_fastpath.verify`).
             ``None`` (the default): on, unless ``DIFFUSERS_FASTPATH_VERIFY=0``. Family adapters are verified by
-            their tests and need no such check.
+            their tests and need no such check. Asking again with ``True`` on a model patched without it turns it
+            on; once on, it stays on until `unpatch`.
 
     Returns:
         ``obj``, patched in place. A patched model stays an ordinary module: ``copy.deepcopy`` gives an independently
@@ -205,14 +220,19 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
     _check_quality(quality)
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"diffusers_fastpath: cuda_graphs must be True or False, got {cuda_graphs!r}.")
+    if verify is not None and not isinstance(verify, bool):
+        raise TypeError(f"diffusers_fastpath: verify must be True, False or None, got {verify!r}.")
     compiled_unpatched(obj)
-    for name, model in _models_of(obj):
+    found = _models_of(obj)
+    _say_unet_runs_unpatched(obj, found)
+    for name, model in found:
         state = getattr(model, STATE_ATTR, None)
         if state is not None:
             if state.default_quality != quality:
                 with state.lock:  # re-patching with another tier changes the default tier
                     state.default_quality = quality
                     set_tier(name, model, state)
+            generic.verify_again(model, state, name, verify)  # (a no-op for a model a family adapter patched)
             if cuda_graphs and _graphs_serve(model):
                 graphs.install(model, state, name)
             continue

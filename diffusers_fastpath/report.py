@@ -218,7 +218,7 @@ def report(obj: Any, verbose: bool = False) -> Report:
         >>> print(fp.report(pipe, verbose=True))  # doctest: +SKIP
     """
     rep = Report(ops={name: op.status for name, op in OPS.items()}, kernels=kernels_line(), verbose=verbose)
-    models = patched_models(obj)
+    models = patched_models(obj) if _is_model_or_pipeline(obj) else []  # (anything else: a line saying so)
     if not models:
         rep.not_patched = _not_patched_line(obj)
     for name, model, state in models:

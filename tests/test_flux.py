@@ -325,7 +325,7 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     # 2 dual + 2 single blocks, 2 steps: only the second single block's token concatenation is no kernel (no copy)
     # the pipeline's VAE is patched too (models/vae_kl.py; not called: output_type="latent"), listed first as the
     # pipeline lists its components
-    assert summary[1].startswith("vae (AutoencoderKL): quality=lossless; 36 fused sites, 0 fast calls, 0 fallbacks;")
+    assert summary[1].startswith("vae (AutoencoderKL): quality=lossless; 78 fused sites, 0 fast calls, 0 fallbacks;")
     transformer = next(line for line in summary if line.startswith("transformer ("))
     assert transformer.startswith("transformer (FluxTransformer2DModel): quality=lossless; 40 fused sites, 2 fast calls, "
                                   "94 fallbacks;")
@@ -343,7 +343,7 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
     assert data["ops"]["modulate_scale_shift"] == "enabled"
     transformer_sites = [row for row in data["sites"] if row["model"] == "transformer"]
     assert len(transformer_sites) == 23 + 4 * 2 + 2 + 7 and transformer_sites[0]["reasons"] == {"device cpu": 2}
-    assert len(data["sites"]) == len(transformer_sites) + 36  # the VAE's
+    assert len(data["sites"]) == len(transformer_sites) + 78  # the VAE's (36 GroupNorm sites, 42 convolutions' biases)
     assert "transformer.transformer_blocks.0:gate_msa " in text and "transformer.single_transformer_blocks.1:gate " in text
     assert "transformer.single_transformer_blocks.0:gelu_cat " in text and data["ops"]["gelu_cat"].startswith("enabled")
     assert data["ops"]["gated_residual"] == "enabled"

@@ -143,3 +143,99 @@ def test_a_new_causal_block_size_is_not_served_by_a_graph_captured_for_the_old_o
         assert torch.equal(_skyreels_df_run(pipe, 2), a2), fp.report(pipe).models[-1].graphs
     finally:
         fp.unpatch(pipe)
+
+
+# --- found by a second review of the API (each failed at 498cd06) ---------------------------------------------------
+
+def test_a_model_patched_then_compiled_is_reported_tiered_repatched_and_unpatched_through_the_wrapper():
+    from diffusers_fastpath.testing import build_flux_transformer
+
+    model = build_flux_transformer(seed=1)
+    fp.patch(model)
+    compiled = torch.compile(model)  # README: fp.patch(model); model = torch.compile(model)
+    try:
+        assert [m.name for m in fp.report(compiled).models] == ["FluxTransformer2DModel"]
+        with fp.quality(compiled, "high"):
+            assert model.__dict__[STATE_ATTR].quality == "high"
+        fp.patch(compiled, quality="high")
+        assert model.__dict__[STATE_ATTR].default_quality == "high"
+        fp.unpatch(compiled)
+        assert STATE_ATTR not in model.__dict__
+    finally:
+        fp.unpatch(model)
+    with pytest.raises(TypeError, match="patch the model first, then compile"):  # compiled before patch: refused
+        fp.patch(torch.compile(build_flux_transformer(seed=2)))
+
+
+def test_unfusing_qkv_after_unpatch_gives_diffusers_processors_back(emulated_kernels):
+    """``fuse_qkv_projections`` keeps the processors it replaces (this package's, while patched) and
+    ``unfuse_qkv_projections`` sets them again: unpatched in between, the model must get diffusers' back, as its
+    never-patched twin does, and a later patch / unpatch leaves none of this package's behind."""
+    from diffusers_fastpath.testing import build_sd3_transformer, sd3_transformer_inputs
+
+    ref = build_sd3_transformer(seed=3, num_layers=2, dual_attention_layers=())
+    model = build_sd3_transformer(seed=3, num_layers=2, dual_attention_layers=())
+    fp.patch(model)
+    for m in (ref, model):
+        m.fuse_qkv_projections()
+    fp.unpatch(model)
+    for m in (ref, model):
+        m.unfuse_qkv_projections()
+
+    def kinds(m):
+        return sorted({f"{type(p).__module__}.{type(p).__name__}" for p in m.attn_processors.values()})
+
+    assert kinds(model) == kinds(ref) == ["diffusers.models.attention_processor.JointAttnProcessor2_0"]
+    fp.patch(model)
+    assert kinds(model) != kinds(ref)  # patched: this package's processors again
+    fp.unpatch(model)
+    assert kinds(model) == kinds(ref)
+    inputs = sd3_transformer_inputs(ref, seed=4)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).sample, ref(**inputs).sample)
+
+
+def test_a_unet_pipeline_gets_its_vae_patched_and_is_told_the_unet_runs_as_written(fastpath_log, unpatch_after):
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16),
+                                layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=8,
+                                norm_num_groups=4, attention_head_dim=2)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=DDIMScheduler(),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    unpatch_after(fp.patch(pipe))
+    assert [m.name for m in fp.report(pipe).models] == ["vae"] and STATE_ATTR not in unet.__dict__
+    warnings = [r.getMessage() for r in fastpath_log.records if r.levelname == "WARNING"]
+    assert any("only vae (AutoencoderKL) is patched" in w and "unet=UNet2DConditionModel" in w
+               and "not what this package patches" in w for w in warnings), warnings
+
+
+def test_patching_again_with_verify_turns_the_generic_paths_verification_on():
+    from diffusers_fastpath.testing import zoo
+
+    model = zoo.build("sana", seed=3)
+    fp.patch(model, verify=False)
+    try:
+        state = model.__dict__[STATE_ATTR]
+        assert getattr(state, "verifier", None) is None and "verification skipped" in str(fp.report(model))
+        fp.patch(model)  # the default (on): asked again, now on
+        assert state.verifier is not None and "verification skipped" not in str(fp.report(model))
+        inputs = zoo.inputs("sana", model)
+        with torch.no_grad():
+            model(**inputs)
+        assert len(state.verifier.verified) == 1
+        fp.patch(model, verify=False)  # once on, it stays on
+        assert state.verifier is not None
+        with pytest.raises(TypeError, match="verify must be True, False or None"):
+            fp.patch(model, verify="0")
+    finally:
+        fp.unpatch(model)
+
+
+@pytest.mark.parametrize("obj", [None, "black-forest-labs/FLUX.1-dev", 3])
+def test_report_of_an_object_that_is_neither_a_pipeline_nor_a_model_is_one_line(obj):
+    rep = fp.report(obj)
+    assert not rep.models and "is not supported" in str(rep) and "nothing is patched" in str(rep)

@@ -321,9 +321,23 @@ def patch_generic(model: nn.Module, state: PatchState, name: str, verify: bool |
     if enabled(verify):
         Verifier(name, state, model).install(model)
     else:
-        state.notes.append("model-level verification skipped (verify=False or DIFFUSERS_FASTPATH_VERIFY=0)")
+        state.notes.append(VERIFY_SKIPPED)
     logger.info(f"diffusers_fastpath: {name} ({type(model).__name__}) patched by the generic path: {swapped} modules "
                 f"and processors rewritten; verification {'on' if enabled(verify) else 'off'}")
+
+
+VERIFY_SKIPPED = "model-level verification skipped (verify=False or DIFFUSERS_FASTPATH_VERIFY=0)"
+
+
+def verify_again(model: nn.Module, state: PatchState, name: str, verify: bool | None) -> None:
+    """`patch` asked again of a model the generic path patched: verification goes on where it was skipped and is
+    asked for now (``verify=True``, or the default with ``DIFFUSERS_FASTPATH_VERIFY`` not 0); once on it stays on
+    (a later ``verify=False`` does not take a check away from a model already trusted only through it)."""
+    if getattr(state, "verifier", None) is not None or not enabled(verify) or VERIFY_SKIPPED not in state.notes:
+        return
+    state.notes.remove(VERIFY_SKIPPED)
+    Verifier(name, state, model).install(model)
+    logger.info(f"diffusers_fastpath: {name} ({type(model).__name__}): model-level verification now on")
 
 
 def _own_methods(cls: type) -> set[str]:
