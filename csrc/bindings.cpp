@@ -944,6 +944,57 @@ void conv_bias_(at::Tensor& x, const at::Tensor& bias) {
   TORCH_CHECK(err == cudaSuccess, "conv_bias_: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
+// stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
+// the cache frames as eager's concatenation does; the result a contiguous [B, C, T', H', W'].
+at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 5 && (x.size(4) <= 1 || x.stride(4) == 1) && padding.size() == 6,
+              "causal_pad: x must be a CUDA [B, C, T, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
+  for (const int64_t p : padding) TORCH_CHECK(p >= 0, "causal_pad: padding must be non-negative");
+  CausalPadArgs args;
+  args.dtype = to_dtype(x);
+  const int64_t cache_frames = cache.has_value() ? cache->size(2) : 0;
+  if (cache.has_value()) {
+    const at::Tensor& c = *cache;
+    TORCH_CHECK(c.is_cuda() && c.dim() == 5 && c.scalar_type() == x.scalar_type() && c.size(0) == x.size(0) &&
+                    c.size(1) == x.size(1) && c.size(3) == x.size(3) && c.size(4) == x.size(4) &&
+                    (c.size(4) <= 1 || c.stride(4) == 1) && cache_frames <= padding[4],
+                "causal_pad: cache must be [B, C, t, H, W] of x's dtype with unit W stride, t <= the time padding");
+  }
+  const int64_t pt0 = padding[4] - cache_frames;
+  at::Tensor out = at::empty({x.size(0), x.size(1), pt0 + cache_frames + x.size(2) + padding[5],
+                              x.size(3) + padding[2] + padding[3], x.size(4) + padding[0] + padding[1]},
+                             x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.cache = cache.has_value() ? cache->data_ptr() : nullptr;
+  args.batch = x.size(0);
+  args.channels = x.size(1);
+  args.frames = x.size(2);
+  args.height = x.size(3);
+  args.width = x.size(4);
+  args.cache_frames = cache_frames;
+  args.pad_t0 = pt0;
+  args.pad_t1 = padding[5];
+  args.pad_h0 = padding[2];
+  args.pad_h1 = padding[3];
+  args.pad_w0 = padding[0];
+  args.pad_w1 = padding[1];
+  args.x_stride_b = x.stride(0);
+  args.x_stride_c = x.stride(1);
+  args.x_stride_t = x.stride(2);
+  args.x_stride_h = x.stride(3);
+  args.cache_stride_b = cache.has_value() ? cache->stride(0) : 0;
+  args.cache_stride_c = cache.has_value() ? cache->stride(1) : 0;
+  args.cache_stride_t = cache.has_value() ? cache->stride(2) : 0;
+  args.cache_stride_h = cache.has_value() ? cache->stride(3) : 0;
+  const cudaError_t err = launch_causal_pad(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "causal_pad: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
 void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
@@ -1156,6 +1207,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
   m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
+  m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
       "Tensor");
@@ -1215,6 +1267,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_upsample_nearest2x_cuda", &diffusers_fastpath::upsample_nearest2x);
   m.impl("_conv_bias_cuda_", &diffusers_fastpath::conv_bias_);
+  m.impl("_causal_pad_cuda", &diffusers_fastpath::causal_pad);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
   m.impl("_qk_norm_rope_cuda_out", &diffusers_fastpath::qk_norm_rope_out);

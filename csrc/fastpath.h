@@ -419,4 +419,38 @@ struct ConvBiasArgs {
 cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream);
 #endif
 
+// A causal convolution's padded input (causal_pad.cu): out a contiguous [batch, channels, pad_t0 + cache_frames +
+// frames + pad_t1, pad_h0 + height + pad_h1, pad_w0 + width + pad_w1] holding the cache frames, then x's, inside a
+// zero border; x and cache with unit width stride (their other strides in elements).
+struct CausalPadArgs {
+  void* out;
+  const void* x;
+  const void* cache;    // null where cache_frames is 0
+  int64_t batch;
+  int64_t channels;
+  int64_t frames;
+  int64_t height;
+  int64_t width;
+  int64_t cache_frames;
+  int64_t pad_t0;
+  int64_t pad_t1;
+  int64_t pad_h0;
+  int64_t pad_h1;
+  int64_t pad_w0;
+  int64_t pad_w1;
+  int64_t x_stride_b;
+  int64_t x_stride_c;
+  int64_t x_stride_t;
+  int64_t x_stride_h;
+  int64_t cache_stride_b;
+  int64_t cache_stride_c;
+  int64_t cache_stride_t;
+  int64_t cache_stride_h;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

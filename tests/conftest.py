@@ -195,6 +195,7 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
     monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
     monkeypatch.setattr(causal_conv_pad.CAUSAL_CONV3D, "guard", _as_if_on_cuda(causal_conv_pad.CAUSAL_CONV3D.guard))
+    monkeypatch.setattr(causal_conv_pad, "_launch", causal_conv_pad.pad_arithmetic)  # csrc/causal_pad.cu's buffer
     # the convolutions' bias add: the whole convolution as torch runs it (a CPU's convolution adds its bias inside,
     # so the convolution without it plus the kernel's add is not the CPU's number; tests/test_conv_bias.py checks
     # the wrapper around the launch apart)

@@ -394,9 +394,13 @@ def test_channel_rmsnorm_guard_refuses_what_the_kernel_does_not_take():
 
 
 @torch.no_grad()
-def test_padded_input_equals_cat_then_pad():
-    """The one-buffer input equals ``F.pad(torch.cat([cache_x, x], 2), padding)`` bit for bit, layout included: the
-    3x3x3 convolution with no cache, one cached frame, two; the time convolution (3, 1, 1); a 1x1x1 (x itself)."""
+def test_padded_input_equals_cat_then_pad(monkeypatch):
+    """The one-buffer input (its kernel's arithmetic, `pad_arithmetic`, on a CPU) equals ``F.pad(torch.cat([cache_x,
+    x], 2), padding)`` bit for bit, layout included: the 3x3x3 convolution with no cache, one cached frame, two; the
+    time convolution (3, 1, 1); a 1x1x1 (x itself, no launch)."""
+    launched = []
+    monkeypatch.setattr(causal_conv_pad, "_launch",
+                        lambda *args: launched.append(args) or causal_conv_pad.pad_arithmetic(*args))
     causal_conv_pad.add_conv_class(wan.WanCausalConv3d)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, 3, 5, 8, generator=gen).to(torch.bfloat16)
@@ -411,9 +415,11 @@ def test_padded_input_equals_cat_then_pad():
                 ref = torch.cat([cache, x], dim=2)
                 padding[4] -= t
             ref = F.pad(ref, padding)
+            count = len(launched)
             out = causal_conv_pad.padded_input(conv, x, cache)
             assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
             assert causal_conv_pad._guard(conv, x, cache) == "device cpu"
+            assert (out is x) == (len(launched) == count) == (conv.kernel_size == (1, 1, 1))
 
 
 @torch.no_grad()
@@ -463,11 +469,65 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     assert launches[-1][2] == (132 * 8, 1, 1)
 
 
+def test_causal_pad_nvrtc_launch_arguments(monkeypatch):
+    """The NVRTC way's launch of csrc/causal_pad.cu: the output's shape, a thread per output column of a row (b, c, t,
+    h), x's and the cache's strides, the time padding without the cache's frames; the constants the .cu has."""
+    import re
+    from pathlib import Path
+
+    launches = []
+    monkeypatch.setattr(causal_conv_pad._NVRTC, "launch", lambda *args: launches.append(args))
+    source = (Path(causal_conv_pad.__file__).parents[2] / "csrc" / "causal_pad.cu").read_text()
+    assert [int(re.search(rf"constexpr int {n} = (\d+);", source).group(1)) for n in ("kThreads", "kMaxRowBlocks")] == [
+        causal_conv_pad._THREADS, causal_conv_pad._MAX_ROW_BLOCKS]
+    x = torch.randn(2, 6, 5, 9, 300).to(torch.bfloat16)[:, :, 1:4]  # a time slice: strided frames
+    cache = torch.randn(2, 6, 1, 9, 300).to(torch.bfloat16)
+    out = causal_conv_pad._nvrtc_kernel(x, cache, [1, 1, 1, 1, 2, 0])
+    (device, key, grid, block, *args), = launches
+    assert out.shape == (2, 6, 5, 11, 302) and out.is_contiguous() and key == torch.bfloat16
+    assert grid == (2, 2 * 6 * 5 * 11, 1) and block == (256, 1, 1)
+    assert args == [out.data_ptr(), x.data_ptr(), cache.data_ptr(), 2, 6, 3, 9, 300, 1, 1, 0, 1, 1, 1, 1,
+                    *x.stride()[:4], *cache.stride()[:4], 1]
+    causal_conv_pad._nvrtc_kernel(x.half(), None, [0, 0, 0, 0, 2, 0])
+    (_, key, grid, _, *args) = launches[-1]
+    assert key == torch.float16 and grid == (2, 2 * 6 * 5 * 9, 1) and args[2] == 0 and args[8:11] == [0, 2, 0]
+
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 
 def _md5(t: torch.Tensor) -> str:
     return hashlib.md5(t.float().cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, kernel, cached", [
+    ((1, 384, 1, 60, 104), 3, 0), ((1, 384, 1, 60, 104), 3, 2), ((1, 192, 4, 240, 416), 3, 1),
+    ((1, 96, 4, 480, 832), 3, 2), ((1, 384, 1, 166, 166), 3, 1), ((1, 384, 2, 60, 104), (3, 1, 1), 1)], ids=str)
+@torch.no_grad()
+def test_causal_pad_kernel_equals_cat_then_pad_at_wan_shapes(shape, kernel, cached, dtype):
+    """csrc/causal_pad.cu's buffer against eager's ``F.pad(torch.cat([cache_x, x], 2), padding)`` at the Wan and
+    Qwen-Image decodes' shapes (no cache, one or two cached frames, the time convolution), x also a strided slice;
+    every element written (the allocator's blocks of its size poisoned first)."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    conv = wan.WanCausalConv3d(shape[1], shape[1], kernel, padding=1 if kernel == 3 else (1, 0, 0))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, c, t, h, w = shape
+    for strided in (False, True):
+        x = (torch.randn(b, c, t + 2 * strided, h, w, generator=gen, device="cuda") * 3).to(dtype)
+        x = x[:, :, 1:1 + t] if strided else x
+        cache = (torch.randn(b, c, cached, h, w, generator=gen, device="cuda") * 3).to(dtype) if cached else None
+        padding = list(conv._padding)
+        ref = x if cache is None else torch.cat([cache, x], dim=2)
+        if cache is not None:
+            padding[4] -= cached
+        ref = F.pad(ref, padding)
+        torch.full_like(ref, float("nan"))  # (freed: the next block of this size the kernel's output)
+        out = torch.ops.diffusers_fastpath._causal_pad_cuda(x, cache, list(conv._padding))
+        assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
 
 
 # The norms of a Wan 2.1 decode at 832x480 (latents 104x60; channels 384/384/192/96 as the decoder widens; one latent

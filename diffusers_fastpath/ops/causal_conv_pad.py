@@ -10,9 +10,10 @@ last frames of the previous chunk ``cache_x`` ``[B, C, t, H, W]``::
     return nn.Conv3d.forward(self, x)
 
 Per 3x3x3 convolution that is three full writes and two full reads of its input before cuDNN reads it (the decode
-of Wan 2.1 at 832x480x81 spends 479 ms of 1836 in such copies on the H200). Here the padded tensor is allocated
-once, only its border is zeroed, and the cache frames and x are copied into their places: one read and one write of
-the input. Where the convolution pads nothing and no cache is concatenated (the 1x1x1 shortcuts, the encoder's
+of Wan 2.1 at 832x480x81 spends 479 ms of 1836 in such copies on the H200). Here ``csrc/causal_pad.cu`` writes the
+padded tensor in one pass, each output element the cache's, x's or a zero: one read and one write of the input
+(zero fills and strided copies before it, which aten's elementwise kernel does not vectorise: 195 ms of the Wan
+decode's 1.58 s on an H100). Where the convolution pads nothing and no cache is concatenated (the 1x1x1 shortcuts, the encoder's
 temporal downsampling), ``F.pad`` would return a copy of x (``constant_pad_nd`` clones when no pad is positive, its
 strides preserved where x is dense, contiguous where not) and x itself goes to the convolution where it is dense
 and as aligned as a fresh block (``x.contiguous()`` where it is not dense). The padded tensor has the layout eager's has (contiguous; the guard refuses where
@@ -30,7 +31,9 @@ import math
 import torch
 from torch import nn
 
-from ._policy import EagerClasses, FusedOp, Site
+from . import _nvrtc
+from ._build import launcher
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
 from .conv_bias import CONV_BIAS, conv_bias
 
 _BIAS_SITE = f"_fastpath_site_{CONV_BIAS.name}"  # (`_state.site_attr`: the convolution's named conv_bias site)
@@ -117,32 +120,81 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
 
 
 def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.pad(torch.cat([cache_x, x], dim=2), padding)`` as the module computes it, written into one buffer (x itself
-    where nothing is padded or concatenated)."""
-    pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
-    if cache_x is None or pt0 <= 0:
+    """``F.pad(torch.cat([cache_x, x], dim=2), padding)`` as the module computes it, written into one buffer by
+    ``csrc/causal_pad.cu`` (x itself where nothing is padded or concatenated)."""
+    global _launch
+    if cache_x is None or conv._padding[4] <= 0:
         cache_x = None  # eager concatenates only where the convolution pads in time
+    if cache_x is None and not any(conv._padding):
+        return x if _dense(x) else x.contiguous()  # what eager's clone is: x's strides where dense, else contiguous
+    if _launch is None:
+        _launch = launcher(_nvrtc_kernel, "_causal_pad_cuda")
+    return _launch(x, cache_x, list(conv._padding))
+
+
+def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int]) -> torch.Tensor:
+    """What ``csrc/causal_pad.cu`` writes, in torch (the tests' emulation of the kernel): a contiguous buffer whose
+    border is zero and whose inside holds the cache frames, then x's."""
+    pw0, pw1, ph0, ph1, pt0, pt1 = padding
     ct = 0 if cache_x is None else cache_x.shape[2]
     pt0 -= ct
-    if ct == 0 and not any((pw0, pw1, ph0, ph1, pt0, pt1)):
-        return x if _dense(x) else x.contiguous()  # what eager's clone is: x's strides where dense, else contiguous
     batch, channels, frames, height, width = x.shape
-    out = x.new_empty(batch, channels, pt0 + ct + frames + pt1, height + ph0 + ph1, width + pw0 + pw1)
-    inner = slice(pt0, pt0 + ct + frames)
-    for region in ((slice(None), slice(None), slice(0, pt0)),  # the zero border, in as few fills as it takes
-                   (slice(None), slice(None), slice(pt0 + ct + frames, None)),
-                   (slice(None), slice(None), inner, slice(0, ph0)),
-                   (slice(None), slice(None), inner, slice(ph0 + height, None)),
-                   (slice(None), slice(None), inner, slice(ph0, ph0 + height), slice(0, pw0)),
-                   (slice(None), slice(None), inner, slice(ph0, ph0 + height), slice(pw0 + width, None))):
-        view = out[region]
-        if view.numel():
-            view.zero_()
+    out = x.new_zeros(batch, channels, pt0 + ct + frames + pt1, height + ph0 + ph1, width + pw0 + pw1)
     rows, cols = slice(ph0, ph0 + height), slice(pw0, pw0 + width)
     if ct:
-        out[:, :, pt0:pt0 + ct, rows, cols].copy_(cache_x)
-    out[:, :, pt0 + ct:pt0 + ct + frames, rows, cols].copy_(x)
+        out[:, :, pt0:pt0 + ct, rows, cols] = cache_x
+    out[:, :, pt0 + ct:pt0 + ct + frames, rows, cols] = x
     return out
+
+
+# The NVRTC way: csrc/causal_pad.cu's kernel, launched as its launch() and bindings.cpp's causal_pad do. Duplicated
+# from there: kThreads 256, kMaxRowBlocks 65535 (tests/test_conv_bias.py reads them from the .cu), the CausalPadArgs
+# fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
+_ARGS = _nvrtc.Params("CausalPadArgs", ("out", "P"), ("x", "P"), ("cache", "P"), ("batch", "q"), ("channels", "q"),
+                      ("frames", "q"), ("height", "q"), ("width", "q"), ("cache_frames", "q"), ("pad_t0", "q"),
+                      ("pad_t1", "q"), ("pad_h0", "q"), ("pad_h1", "q"), ("pad_w0", "q"), ("pad_w1", "q"),
+                      ("x_stride_b", "q"), ("x_stride_c", "q"), ("x_stride_t", "q"), ("x_stride_h", "q"),
+                      ("cache_stride_b", "q"), ("cache_stride_c", "q"), ("cache_stride_t", "q"),
+                      ("cache_stride_h", "q"), ("dtype", "i"))
+_NVRTC = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_kernel",
+                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                       _nvrtc.Params("causal_pad_kernel", ("a", _ARGS)))
+_THREADS = 256
+_MAX_ROW_BLOCKS = 65535
+
+
+def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int]) -> torch.Tensor:
+    pw0, pw1, ph0, ph1, pt0, pt1 = padding
+    ct = 0 if cache_x is None else cache_x.shape[2]
+    batch, channels, frames, height, width = x.shape
+    out = x.new_empty(batch, channels, pt0 + frames + pt1, height + ph0 + ph1, width + pw0 + pw1)
+    if out.numel():
+        rows = out.shape[0] * out.shape[1] * out.shape[2] * out.shape[3]
+        grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(rows, _MAX_ROW_BLOCKS), 1)
+        cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
+        _NVRTC.launch(x.device.index, x.dtype, grid, (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(), cache_ptr,
+                      batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0, ph1, pw0, pw1,
+                      *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype])
+    return out
+
+
+def _raw_guard(x, cache_x, padding):
+    # bindings.cpp's checks: CUDA [B, C, T, H, W] of a half dtype with unit W stride, a like cache of at most the time
+    # padding's frames, six non-negative paddings
+    def fits(t):
+        return t.dim() == 5 and t.dtype in HALF_DTYPES and t.is_cuda and (t.shape[4] <= 1 or t.stride(4) == 1)
+
+    if not fits(x) or len(padding) != 6 or any(p < 0 for p in padding):
+        return "shape, dtype, layout or padding"
+    if cache_x is not None and not (fits(cache_x) and cache_x.dtype == x.dtype and cache_x.shape[2] <= padding[4]
+                                    and cache_x.shape[:2] == x.shape[:2] and cache_x.shape[3:] == x.shape[3:]):
+        return "cache shape, dtype or layout"
+    return None
+
+
+_nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding) -> Tensor", _raw_guard, _nvrtc_kernel)
+
+_launch = None
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,7 +202,12 @@ def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = Non
     return conv_bias(conv, padded_input(conv, x, cache_x), conv.__dict__.get(_BIAS_SITE))
 
 
-CAUSAL_CONV3D = FusedOp("causal_conv3d", ref=causal_conv3d_ref, guard=_guard, kernel=_kernel, custom_op=_kernel)
+def _custom_op(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """Under ``torch.compile``: the module's own forward (the compiler sees aten's concatenation and padding)."""
+    return causal_conv3d_ref(conv, x, cache_x)
+
+
+CAUSAL_CONV3D = FusedOp("causal_conv3d", ref=causal_conv3d_ref, guard=_guard, kernel=_kernel, custom_op=_custom_op)
 
 
 def causal_conv3d(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None,

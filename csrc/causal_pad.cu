@@ -1,0 +1,80 @@
+// The padded input of Wan's and Qwen-Image's causal 3D convolutions (diffusers' WanCausalConv3d,
+// QwenImageCausalConv3d), written in one pass: the values only move, so the convolution gets the same tensor.
+//
+// Eager builds it as torch.cat([cache_x, x], dim=2) then F.pad(..., (pw0, pw1, ph0, ph1, pt0, 0)): a zero-filled
+// tensor and strided copies that aten's elementwise kernel does not vectorise (the Wan 2.1 decode at 832x480x81:
+// 195 ms in 2211 such copies on an H100, after ops/causal_conv_pad.py had already cut the concatenation). Here each
+// thread writes elements of the contiguous output [B, C, Tp, Hp, Wp] in order, reading the one source element each
+// stands for, or writing zero:
+//   out[b, c, t, h, w] = cache[b, c, t - pt0, h - ph0, w - pw0]          pt0 <= t < pt0 + ct (inside in h and w)
+//                        x[b, c, t - pt0 - ct, h - ph0, w - pw0]         pt0 + ct <= t < pt0 + ct + T (likewise)
+//                        0                                               elsewhere (the border)
+// A block takes kThreads columns of an output row (b, c, t, h), the rows in turn with a grid stride.
+#include "elementwise.cuh"
+#include "fastpath.h"
+
+namespace diffusers_fastpath {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxRowBlocks = 65535;  // grid.y: min(rows, kMaxRowBlocks); grid.x: ceil(Wp / kThreads)
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArgs a) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  if (w >= out_w) return;
+  const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
+  const int64_t out_t = a.pad_t0 + a.cache_frames + a.frames + a.pad_t1;
+  const int64_t rows = a.batch * a.channels * out_t * out_h;
+  const T* x = static_cast<const T*>(a.x);
+  const T* cache = static_cast<const T*>(a.cache);
+  T* out = static_cast<T*>(a.out);
+  const int64_t sw = w - a.pad_w0;
+  const bool inside_w = sw >= 0 && sw < a.width;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    int64_t rest = r;
+    const int64_t h = rest % out_h;
+    rest /= out_h;
+    const int64_t t = rest % out_t;
+    rest /= out_t;
+    const int64_t c = rest % a.channels;
+    const int64_t b = rest / a.channels;
+    const int64_t sh = h - a.pad_h0;
+    const int64_t st = t - a.pad_t0;
+    T v = Storage<T>::store(0.0f);
+    if (inside_w && sh >= 0 && sh < a.height && st >= 0) {
+      if (st < a.cache_frames) {
+        v = cache[b * a.cache_stride_b + c * a.cache_stride_c + st * a.cache_stride_t + sh * a.cache_stride_h + sw];
+      } else if (st < a.cache_frames + a.frames) {
+        v = x[b * a.x_stride_b + c * a.x_stride_c + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h + sw];
+      }
+    }
+    out[r * out_w + w] = v;
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
+template <typename T>
+cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  const int64_t rows = a.batch * a.channels * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) *
+                       (a.height + a.pad_h0 + a.pad_h1);
+  if (rows == 0 || out_w == 0) return cudaSuccess;
+  if (rows < 0 || out_w < 0) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((out_w + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(rows < kMaxRowBlocks ? rows : kMaxRowBlocks));
+  causal_pad_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+#endif  // __CUDACC_RTC__
+
+}  // namespace
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+#endif
+
+}  // namespace diffusers_fastpath
