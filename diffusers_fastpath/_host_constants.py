@@ -31,6 +31,7 @@ MAX_ELEMENTS = 64  # one fill kernel each: coordinates' scale factors and patch 
 _lock = threading.Lock()
 _depth = 0
 _saved: Callable | None = None  # the ``torch.tensor`` found when the replacement went in, put back when it goes
+_installed: Callable | None = None  # the replacement, while it is in
 
 
 def _python_values(data, budget: list[int]) -> bool:
@@ -44,7 +45,7 @@ def _python_values(data, budget: list[int]) -> bool:
 def _tensor_factory(real: Callable, device_type: str, capturing: Callable[[], bool]) -> Callable:
     def tensor(data, *args, **kwargs):
         device = kwargs.get("device")
-        if (args or device is None or kwargs.get("requires_grad") or kwargs.get("pin_memory")
+        if (_depth == 0 or args or device is None or kwargs.get("requires_grad") or kwargs.get("pin_memory")
                 or not _python_values(data, [MAX_ELEMENTS])):
             return real(data, *args, **kwargs)
         try:
@@ -62,6 +63,7 @@ def _tensor_factory(real: Callable, device_type: str, capturing: Callable[[], bo
 
     tensor.__doc__ = real.__doc__
     tensor.__wrapped__ = real
+    tensor._fastpath_host_constants = True
     return tensor
 
 
@@ -71,12 +73,16 @@ def constants_as_fills(device_type: str = "cuda",
     """Within this block, ``torch.tensor(python values, device=<device_type>)`` called while `capturing()` builds its
     tensor with fill kernels (module doc). Process-wide, so it is installed once however many threads capture at a
     time (the first to enter installs it, the last to leave puts torch's back); on any other call the replacement is
-    torch's own ``torch.tensor``. `device_type` and `capturing` are parameters for the tests (a CPU has no capture)."""
-    global _depth, _saved
+    torch's own ``torch.tensor``. Leaving puts back what was there only where the replacement is still in (another
+library's replacement installed meanwhile stays), and a replacement kept by someone after the last block left
+calls straight through. `device_type` and `capturing` are parameters for the tests (a CPU has no capture)."""
+    global _depth, _saved, _installed
     with _lock:
         if _depth == 0:
             _saved = torch.tensor
-            torch.tensor = _tensor_factory(_saved, device_type, capturing)
+            while getattr(_saved, "_fastpath_host_constants", False):  # one of ours someone kept and put back
+                _saved = _saved.__wrapped__
+            _installed = torch.tensor = _tensor_factory(_saved, device_type, capturing)
         _depth += 1
     try:
         yield
@@ -84,4 +90,6 @@ def constants_as_fills(device_type: str = "cuda",
         with _lock:
             _depth -= 1
             if _depth == 0:
-                torch.tensor, _saved = _saved, None
+                if torch.tensor is _installed:  # (one installed by someone else meanwhile stays theirs)
+                    torch.tensor = _saved
+                _saved = _installed = None

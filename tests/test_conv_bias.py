@@ -24,6 +24,7 @@ CONV_BIAS = module.CONV_BIAS
 def make(cls=FastpathConv2d, cin=8, cout=16, dtype=torch.bfloat16, device="cpu", seed=0, **kwargs):
     torch.manual_seed(seed)
     conv = cls(cin, cout, 3, padding=1, **kwargs).to(device=device, dtype=dtype)
+    conv.__dict__[site_attr()] = Site("conv_bias")  # (as `patch` gives it: the guard takes only patched modules)
     with torch.no_grad():
         if conv.bias is not None:
             conv.bias.copy_(torch.randn(cout) * 2)  # not the default's small values: the add must round
@@ -56,6 +57,7 @@ def test_guard_falls_back_with_reason(case, reason):
         conv = make(padding_mode="reflect")
     elif case == "same":
         conv = FastpathConv2d(8, 16, 3, padding="same").to(torch.bfloat16)
+        conv.__dict__[site_attr()] = Site("conv_bias")
     elif case == "unbatched":
         x = x[0]
     elif case == "fp32":
@@ -127,9 +129,42 @@ def test_kernel_wrapper_adds_as_aten_where_the_output_has_another_layout(monkeyp
     assert not calls and torch.equal(odd, expected)
 
 
-def test_causal_convolutions_name_the_same_site():
+def test_the_guard_reads_the_sites_patch_gives():
     causal = sys.modules["diffusers_fastpath.ops.causal_conv_pad"]
-    assert causal._BIAS_SITE == site_attr(CONV_BIAS.name)
+    assert causal._BIAS_SITE == module.NAMED_SITE == site_attr(CONV_BIAS.name) and module.SITE == site_attr()
+
+
+def test_a_module_of_the_class_that_patch_did_not_make_is_refused():
+    """PEFT's LoRA layers copy their base layer's class (``type(base_layer)(...)``): made while patched, they are of
+    this package's class with no site, and run torch's forward."""
+    conv = make()
+    del conv.__dict__[site_attr()]
+    x = torch.randn(1, 8, 6, 6).to(torch.bfloat16)
+    with torch.no_grad():
+        assert CONV_BIAS.guard(conv, x) == "not patched"
+        assert torch.equal(conv(x), nn.Conv2d.forward(conv, x))
+
+
+def test_the_guard_asks_no_backend_while_compiling(monkeypatch):
+    """Under torch.compile the op is the module's own forward: the guard asks torch for no convolution backend (a
+    query dynamo cannot trace: ``_select_conv_backend`` returns no tensor)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(module, "_backend", lambda *args: pytest.fail("asked for a backend while compiling"))
+    conv, x = make(), torch.randn(1, 8, 6, 6).to(torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with torch.no_grad():
+        assert CONV_BIAS.guard(conv, x) is None
+
+
+def test_the_guard_says_shape_where_aten_refuses_the_shape(monkeypatch):
+    """aten's backend query checks the shapes first (a channel count the weight does not take raises there, as eager
+    raises): the guard answers "shape" and never raises."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(module, "_backend", lambda *args: torch._C._select_conv_backend(
+        torch.empty(1, 5, 6, 6), torch.empty(16, 8, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, None))
+    conv, x = make(), torch.randn(1, 5, 6, 6).to(torch.bfloat16)
+    with torch.no_grad():
+        assert CONV_BIAS.guard(conv, x) == "shape"
 
 
 @pytest.mark.parametrize("shape, layout, key, grid, rows, cols", [

@@ -127,3 +127,44 @@ def test_a_replacement_installed_by_someone_else_is_what_comes_back(monkeypatch)
     with constants_as_fills("cpu", capturing=lambda: False):
         assert torch.tensor([1], device="cpu").tolist() == [1]
     assert torch.tensor is theirs
+
+
+def test_leaving_keeps_a_replacement_someone_installed_meanwhile():
+    """Another library (or another thread's ``mock.patch``) installs its own ``torch.tensor`` while a block is active:
+    leaving the block keeps theirs."""
+    def theirs(*args, **kwargs):
+        return REAL(*args, **kwargs)
+
+    block = constants_as_fills("cpu", capturing=lambda: False)
+    try:
+        block.__enter__()
+        torch.tensor = theirs
+        block.__exit__(None, None, None)
+        assert torch.tensor is theirs and _host_constants._depth == 0
+    finally:
+        torch.tensor = REAL
+
+
+def test_a_replacement_kept_and_put_back_by_someone_is_inert_and_dropped_by_the_next_block():
+    """The other order: a library saved this package's replacement, installed its own, and puts the replacement back
+    after the block left. Kept, it calls torch's own straight through; the next block unwraps it, and leaves torch's
+    own behind."""
+    block = constants_as_fills("cpu", capturing=lambda: True)
+    try:
+        block.__enter__()
+        found = torch.tensor
+
+        def theirs(*args, **kwargs):
+            return found(*args, **kwargs)
+
+        torch.tensor = theirs
+        block.__exit__(None, None, None)
+        torch.tensor = found  # the library puts back what it found: the replacement
+        calls = []
+        monkey = _host_constants._tensor_factory(REAL, "cpu", lambda: calls.append(1) or True)
+        assert torch.equal(monkey([1.0], device="cpu"), REAL([1.0])) and not calls  # outside any block: inert
+        with constants_as_fills("cpu", capturing=lambda: False):
+            pass
+        assert torch.tensor is REAL
+    finally:
+        torch.tensor = REAL

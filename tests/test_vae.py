@@ -349,3 +349,43 @@ def test_flux_vae_1024_decode_and_encode_md5_identical_every_site_fast(unpatch_a
     report = fp.report(vae)
     assert Counter(r.op for r in report.sites) == expected == Counter({"group_norm_silu": 50, "group_norm": 2})
     assert all(r.fast == 1 and r.fallback == 0 for r in report.sites), str(report)
+
+
+@pytest.mark.parametrize("order", ["lora_then_patch", "patch_then_lora"])
+@torch.no_grad()
+def test_a_peft_lora_on_the_convolutions_stays_exact_and_unpatch_leaves_none_of_this_packages_classes(
+        order, emulated_kernels):
+    """PEFT's LoRA layers on the VAE's convolutions, injected before or after `patch`: the decode equals the unpatched
+    LoRA model's; injected after, PEFT makes its ``lora_A`` / ``lora_B`` of the base layer's class
+    (``type(base_layer)(...)``: `FastpathConv2d`), which `patch` gave no site: they run torch's forward, and `unpatch`
+    gives them torch's class back (nothing of this package stays on the model)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from diffusers_fastpath.models.vae_conv import FastpathConv2d
+
+    vae = BUILDERS["flux"]()
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["conv1", "conv2", "conv_in"], init_lora_weights=False,
+                        lora_bias=True)
+    ref_model = inject_adapter_in_model(config, copy.deepcopy(vae))
+    z = _latents(vae)
+    ref = _decode(ref_model, z)
+    model = copy.deepcopy(vae)
+    if order == "lora_then_patch":
+        model = inject_adapter_in_model(config, model)
+        model.load_state_dict(ref_model.state_dict())
+        fp.patch(model)
+    else:
+        fp.patch(model)
+        model = inject_adapter_in_model(config, model)
+        model.load_state_dict(ref_model.state_dict())
+    assert torch.equal(_decode(model, z), ref)
+    made_by_peft = [m for name, m in model.named_modules() if ".lora_" in name and isinstance(m, nn.Conv2d)]
+    if order == "patch_then_lora":  # (before: PEFT's layers are plain convolutions, patched like the others)
+        assert made_by_peft and all(vae_conv_sites(m) == 0 for m in made_by_peft)
+    fp.unpatch(model)
+    assert not [name for name, m in model.named_modules() if isinstance(m, FastpathConv2d)]
+    assert torch.equal(_decode(model, z), ref)
+
+
+def vae_conv_sites(module) -> int:
+    return sum(1 for k in vars(module) if k.startswith("_fastpath_site"))

@@ -40,8 +40,19 @@ for _sub in _SUBCLASSES.values():
     add_bias_conv_class(_sub)
 
 
+def demote_unrecorded(model: nn.Module) -> None:
+    """On unpatch, after the recorded swaps are undone: a convolution of this package's class that `patch` did not
+    make (PEFT's LoRA layers built while patched copy their base layer's class: ``type(base_layer)(...)``) becomes
+    torch's class again, so that nothing of this package stays on an unpatched model."""
+    for module in model.modules():
+        for base, sub in _SUBCLASSES.items():
+            if type(module) is sub:
+                module.__class__ = base
+
+
 def swap_convs(model: nn.Module, state: PatchState) -> None:
     """Make every plain ``nn.Conv2d`` / ``nn.Conv3d`` of `model` with a bias its `conv_bias` subclass, with a site."""
+    state.on_undo(demote_unrecorded, model)  # (first: undone last, after every recorded swap)
     for module in model.modules():
         sub = _SUBCLASSES.get(type(module))
         if sub is not None and module.bias is not None:

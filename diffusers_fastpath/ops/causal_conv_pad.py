@@ -34,9 +34,8 @@ from torch import nn
 from . import _nvrtc
 from ._build import launcher
 from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
-from .conv_bias import CONV_BIAS, conv_bias
-
-_BIAS_SITE = f"_fastpath_site_{CONV_BIAS.name}"  # (`_state.site_attr`: the convolution's named conv_bias site)
+from .conv_bias import NAMED_SITE as _BIAS_SITE  # (the convolution's named conv_bias site)
+from .conv_bias import conv_bias
 
 _ALLOCATOR_ALIGNMENT = 512  # the CUDA caching allocator's block alignment: the address of eager's clone
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one

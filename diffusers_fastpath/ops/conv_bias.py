@@ -33,6 +33,7 @@ from ._build import launcher
 from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
 
 _BASES = EagerClasses()  # the classes the op takes
+SITE, NAMED_SITE = "_fastpath_site", "_fastpath_site_conv_bias"  # (`_state.site_attr`: a module patch gave a site)
 
 
 def add_bias_conv_class(cls: type) -> None:
@@ -62,6 +63,8 @@ def _guard(conv: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> str
     reason = _BASES.refusal(conv, "convolution")
     if reason is not None:
         return reason
+    if SITE not in conv.__dict__ and NAMED_SITE not in conv.__dict__:
+        return "not patched"  # (a module of the class made while patched, by someone else: PEFT's LoRA layers)
     weight, bias = getattr(conv, "weight", None), getattr(conv, "bias", None)
     if not isinstance(bias, torch.Tensor):
         return "no bias"
@@ -83,9 +86,14 @@ def _guard(conv: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> str
         return f"device {x.device.type}"
     if weight.device != x.device or bias.device != x.device:
         return "devices differ"
+    if torch.compiler.is_compiling():  # (traced, the op is the module's own forward: no backend to ask)
+        return None
     cudnn = torch._C._ConvBackend.Cudnn
-    if _backend(conv, x, bias) != cudnn or _backend(conv, x, None) != cudnn:
-        return "not a cuDNN convolution"
+    try:  # (aten checks the shapes first: a shape eager refuses raises there, and eager raises its own error)
+        if _backend(conv, x, bias) != cudnn or _backend(conv, x, None) != cudnn:
+            return "not a cuDNN convolution"
+    except RuntimeError:
+        return "shape"
     return None
 
 
