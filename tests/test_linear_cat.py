@@ -80,6 +80,7 @@ def test_cpu_runs_eager_and_counts_why():
     ("unaligned", "second half not 256-byte aligned"),
     ("grad", "requires grad"),
     ("n", "shape"),
+    ("bias", "no bias"),
 ])
 def test_guard_reasons(case, reason):
     xa, wa, ba, xb, wb, bb = make_inputs(4, 6, 16, 128, torch.bfloat16, "cpu", 0)
@@ -97,6 +98,8 @@ def test_guard_reasons(case, reason):
         wa = wa.clone().requires_grad_()
     elif case == "n":
         wb, bb = wb[:64], bb[:64]
+    elif case == "bias":
+        bb = None  # a Linear without a bias: eager accepts it, the guard refuses it without raising
     assert _guard(xa, wa, ba, xb, wb, bb) == reason
     assert _guard(*make_inputs(4, 6, 16, 128, torch.bfloat16, "cpu", 0)) == "device cpu"
 

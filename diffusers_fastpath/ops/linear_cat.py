@@ -20,9 +20,9 @@ the cuBLAS build, so the op verifies itself: the first call of each signature (d
 compared with eager by ``torch.equal``, and a mismatch disables it for the process with one warning.
 
 The guard admits fp16/bf16 CUDA tensors of batch 1, contiguous inputs ``[1, T, K]`` and ``[1, S, K]``, weights
-``[N, K]`` and biases ``[N]`` of the same dtype, no autograd. Anything else runs the eager expression, counted with
-its reason at the call site. Which modules may be read this way (plain ``nn.Linear`` with a bias, no hooks: not a
-LoRA or quantized layer, whose forward must run) is the call site's decision (`models.flux`).
+``[N, K]`` and biases ``[N]`` (not ``None``) of the same dtype, no autograd. Anything else runs the eager
+expression, counted with its reason at the call site. Which modules may be read this way (plain ``nn.Linear`` with a
+bias, no hooks: not a LoRA or quantized layer, whose forward must run) is the call site's decision (`models.flux`).
 ``torch.compile`` sees the registered custom op ``diffusers_fastpath::linear_cat`` (with a fake).
 """
 
@@ -55,6 +55,8 @@ def _linear_cat_out(xa, wa, ba, xb, wb, bb) -> torch.Tensor:
 
 def _guard(xa, wa, ba, xb, wb, bb, check_pointers: bool = True) -> str | None:
     """``None`` when the projections can be written into the joint tensor, else why not (counted at the call site)."""
+    if ba is None or bb is None:
+        return "no bias"  # addmm adds one (eager's F.linear without a bias runs another GEMM call)
     dtype = xa.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
