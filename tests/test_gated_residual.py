@@ -149,6 +149,7 @@ def test_skipping_a_rounding_point_is_not_exact():
         ("gate_1d_short", "shape"),
         ("update_shape", "shape"),
         ("gate_scalar", "shape"),
+        ("gate_python_scalar", "operand not a tensor"),
         ("odd_dim", "D not a multiple of 8"),
         ("empty", "empty"),
         ("residual_strided", "residual/update not contiguous"),
@@ -172,6 +173,8 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
         update = update[:1]  # eager broadcasts it over the batch; the kernel takes one shape
     elif case == "gate_scalar":
         gate = gate[..., :1]  # [B, 1, 1]: eager broadcasts one scalar per batch; the kernel takes rows of D
+    elif case == "gate_python_scalar":
+        gate = 0.5  # ``x + 0.5 * y``: eager takes a Python number; the guard refuses it without raising
     elif case == "odd_dim":
         residual, update, gate = residual[..., :60].contiguous(), update[..., :60].contiguous(), gate[..., :60]
     elif case == "empty":

@@ -216,6 +216,7 @@ def _unaligned_weight(norm):
         ("seq_stride", "scale/shift seq dim"),
         ("rows_shape", "shape"),
         ("two_dim_rows", "shape"),
+        ("python_scalars", "operand not a tensor"),
         ("requires_grad", "requires grad"),
     ],
 )
@@ -247,6 +248,8 @@ def test_guard_falls_back_to_exact_eager_with_reason(case, reason, request):
         scale = scale[:, :, :1]
     elif case == "two_dim_rows":
         scale, shift = scale[0], shift[0]  # [S, D]: broadcast as eager does, not the kernel's
+    elif case == "python_scalars":
+        scale, shift = 0.5, 0.25  # Python numbers: eager takes them; the guard refuses them without raising
     site = Site("layernorm_modulate")
     with torch.set_grad_enabled(case == "requires_grad"):
         if case == "requires_grad":

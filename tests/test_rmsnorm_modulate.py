@@ -72,7 +72,7 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, weight, per_token):
 @pytest.mark.parametrize("case, reason", [
     ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
     ("few", "fewer than 16 rows"), ("strided", "x not contiguous"), ("rows", "operands strided or mismatched"),
-    ("bias", "norm without weight or with bias"), ("cpu", "device cpu")])
+    ("bias", "norm without weight or with bias"), ("cpu", "device cpu"), ("scalars", "operand not a tensor")])
 def test_guard_falls_back_with_reason(case, reason):
     norm, x, scale, shift = make((1, 20, 640), torch.bfloat16, "cpu", 1)
     if case == "fp32":
@@ -89,6 +89,8 @@ def test_guard_falls_back_with_reason(case, reason):
         scale = scale[:, :10]  # ten rows for twenty tokens
     elif case == "bias":
         norm = RMSNorm(640, eps=1e-6, bias=True).to(torch.bfloat16)
+    elif case == "scalars":
+        scale, shift = 0.5, 0.25  # Python numbers: eager takes them; the guard refuses them without raising
     site = Site("rmsnorm_modulate")
     with torch.no_grad():
         assert RMSNORM_MODULATE.guard(norm, x, scale, shift) == reason

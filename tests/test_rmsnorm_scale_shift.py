@@ -277,6 +277,7 @@ def test_sandwich_layouts_pass_the_guard(per_token, monkeypatch):
         ("strided_x", "x not contiguous"),
         ("requires_grad", "requires grad"),
         ("cpu", "device cpu"),
+        ("python_scalars", "operand not a tensor"),
     ],
 )
 def test_sandwich_guards_fall_back_with_reason(case, reason, monkeypatch):
@@ -288,6 +289,8 @@ def test_sandwich_guards_fall_back_with_reason(case, reason, monkeypatch):
         scale, gate = scale.float(), gate.float()  # eager promotes the product to fp32; the kernel stays out
     elif case == "scale_other_batch":
         scale, gate = scale[:1].expand(3, 1, -1), gate[:1].expand(3, 1, -1)
+    elif case == "python_scalars":
+        scale, gate = 0.5, 0.25  # Python numbers: eager takes them; the guards refuse them without raising
     elif case == "strided_x":
         x = torch.cat([x, x], dim=2)[..., ::2]
     elif case == "requires_grad":

@@ -127,6 +127,7 @@ def test_the_kernels_arithmetic_is_the_models_expression_bit_for_bit(dtype):
         ("strided", "strided"),
         ("requires_grad", "requires grad"),
         ("cpu", "device cpu"),
+        ("python_scalar_tables", "operand not a tensor"),
     ],
 )
 def test_guard_refuses_with_reason_and_the_expression_runs(case, reason, monkeypatch):
@@ -145,6 +146,8 @@ def test_guard_refuses_with_reason_and_the_expression_runs(case, reason, monkeyp
         x = torch.cat([x, x], dim=-1)[..., ::2]
     elif case == "requires_grad":
         x = x.clone().requires_grad_()
+    elif case == "python_scalar_tables":
+        cos, sin = 0.5, 0.25  # Python numbers: eager takes them; the guard refuses them without raising
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(ROTARY_HALF, "kernel", lambda *a: pytest.fail("the kernel ran"))

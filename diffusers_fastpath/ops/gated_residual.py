@@ -42,6 +42,8 @@ def _guard(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, che
 def residual_guard(residual, gate, update, gate_dtype: torch.dtype, check_pointers: bool) -> str | None:
     """The guard of both chains: the gate of `gate_dtype` (the residual's, or float32 for `gated_residual_fp32`); also
     the gated half of `gated_layernorm_scale_shift`'s."""
+    if not (isinstance(residual, torch.Tensor) and isinstance(gate, torch.Tensor) and isinstance(update, torch.Tensor)):
+        return "operand not a tensor"  # a Python scalar gate (``x + 0.5 * y``): eager broadcasts it
     dtype = residual.dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"

@@ -90,6 +90,9 @@ def _rmsnorm_gated_residual_fallback(norm, residual, gate, x):
     return gated_residual(residual, gate, norm(x))
 
 
+NOT_A_TENSOR = "operand not a tensor"  # a Python scalar scale, shift or gate: eager broadcasts it
+
+
 def _rows_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
     return (
         t.dtype is like.dtype
@@ -159,6 +162,8 @@ def _broadcast_rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
 
 def broadcast_guard(norm, x, operands, check_pointers: bool = True, weightless: bool = False) -> str | None:
     """`_guard_rows` for operands of x's shape or rows broadcast over its first two dims (`_broadcast_rows`)."""
+    if not all(isinstance(t, torch.Tensor) for t in operands):
+        return NOT_A_TENSOR
     rows = [_broadcast_rows(t, x) for t in operands]
     if any(t is None for t in rows):
         return "operands strided or mismatched"
@@ -170,6 +175,8 @@ def _scale_guard(norm, x, scale, check_pointers: bool = True) -> str | None:
 
 
 def _gated_residual_guard(norm, residual, gate, x, check_pointers: bool = True) -> str | None:
+    if not (isinstance(residual, torch.Tensor) and isinstance(gate, torch.Tensor)):
+        return NOT_A_TENSOR
     gate = _broadcast_rows(gate, x)
     if gate is None or residual.shape != x.shape:
         return "operands strided or mismatched"

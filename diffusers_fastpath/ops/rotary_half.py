@@ -55,6 +55,8 @@ def layout_reason(x, *tables) -> str | None:
 
 def _guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        return "operand not a tensor"  # a Python scalar table: eager broadcasts it
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if cos.dtype is not x.dtype or sin.dtype is not x.dtype:
