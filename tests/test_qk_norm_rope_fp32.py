@@ -136,6 +136,7 @@ def test_the_kernels_formula_is_the_flux3_chain_bit_for_bit(dtype):
         ("strided_x", "x strided"),
         ("requires_grad", "requires grad"),
         ("tables_fp64", "cos/sin not float32"),
+        ("tables_requiring_grad", "requires grad"),
         ("hooked", "RMSNorm has hooks"),  # the policy refuses a hooked module before the guard
         ("cpu", "device cpu"),
     ],
@@ -156,13 +157,15 @@ def test_guard_refuses_with_reason_and_the_eager_chain_runs(case, reason, monkey
         norm.weight.requires_grad_(True)
     elif case == "tables_fp64":
         cos, sin = cos.double(), sin.double()
+    elif case == "tables_requiring_grad":  # eager's result records their gradient, the kernel's nothing
+        sin = sin.clone().requires_grad_()
     elif case == "hooked":
         norm.register_forward_hook(lambda m, i, o: o)
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(QK_NORM_ROPE_FP32, "kernel", lambda *a: pytest.fail("the kernel ran"))
     site = Site("qk_norm_rope_fp32")
-    with torch.set_grad_enabled(case == "requires_grad"):
+    with torch.set_grad_enabled(case in ("requires_grad", "tables_requiring_grad")):
         out = qk_norm_rope_fp32(norm, x, cos, sin, site)
         ref = qk_norm_rope_fp32_ref(norm, x, cos, sin)
     assert torch.equal(out, ref) and site.fast == 0 and dict(site.fallback) == {reason: 1}

@@ -201,6 +201,24 @@ def test_the_pair_falls_back_to_each_on_its_own(case, reason, monkeypatch):
     assert site.fast == 0 and dict(site.fallback) == {reason: 1}
 
 
+def test_the_pair_refuses_tables_requiring_grad(monkeypatch):
+    """Under grad mode, tables that require grad (a learned rotary) make eager's q and k record their gradient, the
+    kernel's nothing: the pair refuses, and so does each single op it falls back to; the gradient reaches the tables."""
+    norm_q, q, norm_k, k, cos, sin = pair_inputs(2, 11, 48, torch.bfloat16, "cpu", 6, 2)
+    cos = cos.clone().requires_grad_()
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    for op, ref in ((QK_NORM_ROWS_ROPE_PAIR, qk_norm_rows_rope_pair_ref), (QK_NORM_ROWS_ROPE, qk_norm_rows_rope_ref),
+                    (ROTARY_EMB_ROWS, rotary_emb_rows_ref)):  # raw kernels: values without autograd history
+        monkeypatch.setattr(op, "kernel", lambda *a, ref=ref, **kw: torch.no_grad()(ref)(*a))
+    site = Site("qk_norm_rows_rope_pair")
+    got = qk_norm_rows_rope_pair(norm_q, q, norm_k, k, cos, sin, site)
+    ref = qk_norm_rows_rope_pair_ref(norm_q, q, norm_k, k, cos, sin)
+    assert all(torch.equal(g, r) and g.requires_grad for g, r in zip(got, ref))
+    assert site.fast == 0 and dict(site.fallback) == {"requires grad": 1}
+    sum(g.float().sum() for g in got).backward()
+    assert cos.grad is not None
+
+
 def test_the_pair_verifies_once_and_is_the_custom_op_under_compile(monkeypatch):
     for op in (QK_NORM_ROWS_ROPE_PAIR, QK_NORM_ROWS_ROPE, ROTARY_EMB_ROWS):
         monkeypatch.setattr(op, "guard", lambda *a, **k: None)
@@ -252,12 +270,15 @@ def test_the_reference_is_the_norm_then_the_models_rotary(heads):
         ("strided_x", "x strided"),
         ("per_sample_wan_tables", "cos/sin shape"),
         ("requires_grad", "requires grad"),
+        ("tables_requiring_grad", "requires grad"),
+        ("wan_tables_requiring_grad", "requires grad"),
         ("cpu", "device cpu"),
     ],
 )
 def test_qk_norm_rows_rope_guard_falls_back_to_the_fused_rope(case, reason, monkeypatch):
     """Each refusal: the eager result, the reason counted, and the rotary part still on its (exact) fast path."""
-    wan = case in ("heads_do_not_divide", "per_sample_wan_tables", "wan_head_dim_96")
+    wan = case in ("heads_do_not_divide", "per_sample_wan_tables", "wan_head_dim_96", "wan_tables_requiring_grad")
+    grad = case in ("requires_grad", "tables_requiring_grad", "wan_tables_requiring_grad")
     channels, heads = (192, 2) if case == "wan_head_dim_96" else (48, 4 if wan else 0)
     norm, x, cos, sin, heads = rows_inputs(2, 11, channels, torch.bfloat16, "cpu", 2, heads=heads)
     if case == "fp32":
@@ -282,6 +303,8 @@ def test_qk_norm_rows_rope_guard_falls_back_to_the_fused_rope(case, reason, monk
         cos, sin = cos.expand(2, -1, -1, -1), sin.expand(2, -1, -1, -1)
     elif case == "requires_grad":
         x = x.clone().requires_grad_()
+    elif case in ("tables_requiring_grad", "wan_tables_requiring_grad"):  # eager records their gradient, the kernel not
+        cos = cos.clone().requires_grad_()
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
         monkeypatch.setattr(ROTARY_EMB_ROWS, "kernel", rotary_emb_rows_ref)  # stand in for the exact CUDA kernels
@@ -294,11 +317,11 @@ def test_qk_norm_rows_rope_guard_falls_back_to_the_fused_rope(case, reason, monk
             qk_norm_rows_rope(norm, x, cos, sin, heads, site, rope_site)
         assert site.fast == 0 and dict(site.fallback) == {reason: 1}
         return
-    with torch.no_grad() if case != "requires_grad" else torch.enable_grad():
+    with torch.no_grad() if not grad else torch.enable_grad():
         out = qk_norm_rows_rope(norm, x, cos, sin, heads, site, rope_site)
-        assert torch.equal(out, qk_norm_rows_rope_ref(norm, x, cos, sin, heads))
+        assert torch.equal(out, qk_norm_rows_rope_ref(norm, x, cos, sin, heads)) and out.requires_grad == grad
     assert site.fast == 0 and dict(site.fallback) == {reason: 1}
-    rope_fast = case not in ("cpu", "fp32", "requires_grad", "per_sample_wan_tables")  # the rotary guards' refusals
+    rope_fast = not grad and case not in ("cpu", "fp32", "per_sample_wan_tables")  # the rotary guards' refusals
     assert rope_site.fast == int(rope_fast) and sum(rope_site.fallback.values()) == int(not rope_fast)
 
 

@@ -382,7 +382,7 @@ def test_wans_rotary_is_the_reference_and_the_kernels_formula_bit_for_bit(dtype)
 @pytest.mark.parametrize(
     "case, reason",
     [("per_sample_tables", "cos/sin shape"), ("strided_tables", "cos/sin strided"), ("fp32", "dtype float32"),
-     ("cpu", "device cpu")],
+     ("tables_requiring_grad", "requires grad"), ("cpu", "device cpu")],
 )
 def test_rotary_wan_guard_falls_back_with_reason(case, reason, monkeypatch):
     gen = torch.Generator().manual_seed(3)
@@ -392,6 +392,8 @@ def test_rotary_wan_guard_falls_back_with_reason(case, reason, monkeypatch):
         cos, sin = cos.expand(2, -1, -1, -1), sin.expand(2, -1, -1, -1)
     elif case == "strided_tables":
         cos = torch.cat([cos, cos], dim=3)[..., ::2]
+    elif case == "tables_requiring_grad":  # eager's result records their gradient, the kernel's nothing
+        sin = sin.clone().requires_grad_()
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     site = Site("rotary_emb")
@@ -410,6 +412,7 @@ def test_rotary_wan_guard_falls_back_with_reason(case, reason, monkeypatch):
         ("table_batch", "cos/sin shape"),
         ("strided_tables", "cos/sin strided"),
         ("requires_grad", "requires grad"),
+        ("tables_requiring_grad", "requires grad"),
         ("cpu", "device cpu"),
     ],
 )
@@ -429,6 +432,8 @@ def test_rotary_rows_guard_falls_back_with_reason(case, reason, monkeypatch):
         cos = torch.cat([cos, cos], dim=2)[..., ::2]
     elif case == "requires_grad":
         x = x.clone().requires_grad_()
+    elif case == "tables_requiring_grad":  # eager's result records their gradient, the kernel's nothing
+        cos = cos.clone().requires_grad_()
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     site = Site("rotary_emb")
@@ -450,6 +455,7 @@ def fake_cuda(monkeypatch):
         ("fp64_tables", "cos/sin not float32"),
         ("strided_tables", "cos/sin strided"),
         ("requires_grad", "requires grad"),
+        ("tables_requiring_grad", "requires grad"),
         ("cpu", "device cpu"),
     ],
 )
@@ -466,6 +472,8 @@ def test_rotary_guard_falls_back_with_reason(case, reason, monkeypatch):
         cos = torch.cat([cos, cos], dim=1)[:, ::2]
     elif case == "requires_grad":
         x = x.clone().requires_grad_()
+    elif case == "tables_requiring_grad":  # eager's result records their gradient, the kernel's nothing
+        cos = cos.clone().requires_grad_()
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     site = Site("rotary_emb")
@@ -485,6 +493,7 @@ def test_rotary_guard_falls_back_with_reason(case, reason, monkeypatch):
         ("fp32_weight", "norm weight dtype differs"),
         ("strided_x", "x strided"),
         ("requires_grad", "requires grad"),
+        ("tables_requiring_grad", "requires grad"),
         ("cpu", "device cpu"),
     ],
 )
@@ -508,6 +517,8 @@ def test_qk_norm_rope_guard_falls_back_to_the_fused_rope(case, reason, monkeypat
         x_img = torch.cat([x_img, x_img], dim=3)[..., ::2]
     elif case == "requires_grad":
         x_txt = x_txt.clone().requires_grad_()
+    elif case == "tables_requiring_grad":  # eager's result records their gradient, the kernel's nothing
+        cos = cos.clone().requires_grad_()
     if case != "cpu":
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
         monkeypatch.setattr(ROTARY_EMB, "kernel", rotary_emb_ref)  # stands in for the exact CUDA kernel
@@ -515,7 +526,7 @@ def test_qk_norm_rope_guard_falls_back_to_the_fused_rope(case, reason, monkeypat
     out = qk_norm_rope(norm_txt, x_txt, norm_img, x_img, cos, sin, site, rope_site)
     assert torch.equal(out, qk_norm_rope_ref(norm_txt, x_txt, norm_img, x_img, cos, sin))
     assert site.fast == 0 and dict(site.fallback) == {reason: 1}
-    rope_fast = case not in ("cpu", "fp32", "requires_grad")  # the rotary guard's own refusals
+    rope_fast = case not in ("cpu", "fp32", "requires_grad", "tables_requiring_grad")  # the rotary guard's own refusals
     assert rope_site.fast == int(rope_fast) and sum(rope_site.fallback.values()) == int(not rope_fast)
 
 

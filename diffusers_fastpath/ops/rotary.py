@@ -11,8 +11,8 @@ each product and the sum a separate fp32 operation (no FMA), so the result is ``
 NaN, inf and signed zeros included: exact by construction, no self-verification. Eager runs eight kernels for this
 (306.7 µs per call on (1, 4608, 24, 128) bf16 on an H200); the fused kernel reads ``x`` and the cos/sin rows once
 and writes the output once. Shapes: ``x`` is ``[B, S, H, D]`` (any strides with a unit innermost one and 8-byte
-aligned rows, D a multiple of 4), ``cos``/``sin`` contiguous ``[S, D]``. The kernel is ``csrc/rotary.cu``, shared
-with `qk_norm_rope`, which fuses the QK RMSNorm in front of it.
+aligned rows, D a multiple of 4), ``cos``/``sin`` contiguous ``[S, D]``; no autograd (of x or the tables). The
+kernel is ``csrc/rotary.cu``, shared with `qk_norm_rope`, which fuses the QK RMSNorm in front of it.
 
 Eager calls reach ``diffusers_fastpath::_rotary_emb_cuda`` directly; ``torch.compile`` sees the custom op
 ``diffusers_fastpath::rotary_emb``.
@@ -39,13 +39,16 @@ def rows_ok(x: torch.Tensor) -> bool:
 
 
 def cos_sin_reason(cos: torch.Tensor, sin: torch.Tensor, seq: int, dim: int, device, check_pointers: bool) -> str | None:
-    """Why the kernel cannot read these cos/sin tables for a ``[.., seq, .., dim]`` output, or None."""
+    """Why the kernel cannot read these cos/sin tables for a ``[.., seq, .., dim]`` output, or None (tables that
+    record a gradient under grad mode included)."""
     if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
         return "cos/sin not float32"
     if cos.shape != (seq, dim) or sin.shape != (seq, dim):
         return "shape"
     if not (cos.is_contiguous() and sin.is_contiguous()):
         return "cos/sin strided"
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return "requires grad"  # eager's result then records the tables' gradient; the kernel's records nothing
     if cos.device != device or sin.device != device:
         return "devices differ"
     if check_pointers and (cos.data_ptr() % 16 or sin.data_ptr() % 16):
@@ -274,6 +277,8 @@ def rows_tables_reason(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: in
         return "cos/sin shape"  # eager broadcasts other shapes (a [B, S, C] table of a batch-1 x makes B outputs)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         return "cos/sin strided"
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return "requires grad"  # eager's result then records the tables' gradient; the kernel's records nothing
     if cos.device != device or sin.device != device:
         return "devices differ"
     if check_pointers and (cos.data_ptr() % 16 or sin.data_ptr() % 16):
