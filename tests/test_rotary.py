@@ -15,7 +15,7 @@ from diffusers_fastpath.ops import (Site, qk_norm_rope, qk_norm_rope_ref, rotary
                                     rotary_emb_rows_ref, rotary_emb_wan, rotary_emb_wan_ref)
 from diffusers_fastpath.ops import _policy
 from diffusers_fastpath.ops.qk_norm_rope import QK_NORM_ROPE
-from diffusers_fastpath.ops.rotary import ROTARY_EMB
+from diffusers_fastpath.ops.rotary import ROTARY_EMB, ROTARY_EMB_ROWS, ROTARY_EMB_WAN
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -535,6 +535,57 @@ def test_flux_layouts_pass_the_guards(fake_cuda):
         args = qk_inputs(txt, 11, 2, 128, torch.bfloat16, "cpu", 0, batch=2, strided=strided)
         assert QK_NORM_ROPE.guard(*args) is None
         assert ROTARY_EMB.guard(args[3], args[4][txt:], args[5][txt:]) is None
+
+
+@pytest.mark.parametrize("form", ["rotary_emb", "rows", "wan"])
+def test_only_x_whose_eager_result_is_contiguous_takes_the_kernel(form, fake_cuda, monkeypatch):
+    """The kernel's result is contiguous, eager's laid out after x: a permuted x (``[B, S, H, D]`` of heads-first
+    memory; LTX's ``[B, S, C]`` of sequence-first memory) runs eager, counted, and the result has eager's strides;
+    x contiguous, or a fused projection's slice (eager's result contiguous), still takes the kernel."""
+    gen = torch.Generator().manual_seed(5)
+    if form == "rows":
+        op, ref, fused = rotary_emb_rows, rotary_emb_rows_ref, ROTARY_EMB_ROWS
+        cos, sin = ltx_tables(1, 9, 48, "cpu", 5)
+        permuted = torch.randn(9, 2, 48, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    else:
+        op, ref, fused = (rotary_emb, rotary_emb_ref, ROTARY_EMB) if form == "rotary_emb" else (
+            rotary_emb_wan, rotary_emb_wan_ref, ROTARY_EMB_WAN)
+        cos, sin = rope_tables(9, 16, "cpu", 5)
+        if form == "wan":
+            cos, sin = cos.view(1, 9, 1, 16), sin.view(1, 9, 1, 16)
+        permuted = torch.randn(2, 3, 9, 16, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    monkeypatch.setattr(fused, "kernel", lambda *a: ref(*a).contiguous())  # the kernel's values and allocation
+    contiguous = permuted.contiguous()
+    fused_slice = torch.cat([contiguous, contiguous], dim=-1)[..., :contiguous.shape[-1]]  # strides in their order
+    for x, fast in ((permuted, False), (contiguous, True), (fused_slice, True)):
+        site = Site(fused.name)
+        out, expect = op(x, cos, sin, site), ref(x, cos, sin)
+        assert torch.equal(out, expect) and out.stride() == expect.stride()
+        assert (site.fast, dict(site.fallback)) == ((1, {}) if fast else (0, {_policy.REASON_LAYOUT: 1}))
+
+
+@pytest.mark.parametrize("form", ["rotary_emb", "rows", "wan"])
+def test_the_layout_refusal_is_exactly_where_eagers_result_is_not_contiguous(form, fake_cuda):
+    """Over x of random strides (any order, slices, broadcast and overlapping dimensions, sizes of 1): the guard
+    refuses x's layout exactly where eager's result is not contiguous, i.e. would differ from the kernel's."""
+    import random
+
+    rng, buf = random.Random(7), torch.randn(4096).to(torch.bfloat16)
+    guard, ref = {"rotary_emb": (ROTARY_EMB.guard, rotary_emb_ref),
+                  "rows": (ROTARY_EMB_ROWS.guard, rotary_emb_rows_ref),
+                  "wan": (ROTARY_EMB_WAN.guard, rotary_emb_wan_ref)}[form]
+    refused = 0
+    for _ in range(200):
+        shape = [rng.choice([1, 2, 3]) for _ in range(2 if form == "rows" else 3)] + [8]
+        x = buf.as_strided(shape, [rng.choice([0, 8, 16, 24, 48, 96]) for _ in shape[:-1]] + [1])
+        seq, dim = shape[1], shape[-1]
+        cos, sin = rope_tables(seq, dim, "cpu", 7)
+        cos, sin = {"rotary_emb": (cos, sin), "rows": (cos[None], sin[None]),
+                    "wan": (cos.view(1, seq, 1, dim), sin.view(1, seq, 1, dim))}[form]
+        layout = guard(x, cos, sin) == _policy.REASON_LAYOUT
+        assert layout == (not ref(x, cos, sin).is_contiguous()), (x.shape, x.stride())
+        refused += layout
+    assert 0 < refused < 200
 
 
 @pytest.fixture

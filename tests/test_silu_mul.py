@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusers_fastpath.ops import Site, silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
+from diffusers_fastpath.ops._policy import REASON_LAYOUT
 from diffusers_fastpath.ops.silu_mul import SILU_MUL, SWIGLU_CAT
 
 # [B, L, 2D] projections whose chunk(2, dim=-1) halves feed the op: FLUX.2-dev's feed-forward at 1024x1024 (4096 image
@@ -84,6 +85,29 @@ def test_guard_falls_back_with_reason(case, reason):
     site = Site("silu_mul")
     assert torch.equal(silu_mul(*args, site), silu_mul_ref(*args))
     assert site.fast == 0 and site.fallback == {reason: 1}
+
+
+def test_only_rows_whose_eager_product_is_contiguous_take_the_kernel(monkeypatch):
+    """The kernel writes contiguous rows, eager lays its product out after the gate: the ``[B, L, D]`` halves of a
+    sequence-first ``[L, B, 2D]`` projection run eager, counted, with eager's strides; a ``[B, L, 2D]`` projection's
+    halves, packed rows and Sana's channels-last halves (eager's product in the kernel's row order) still take the
+    kernel, and `swiglu_cat`, whose concatenation is contiguous either way, takes the sequence-first halves too."""
+    import sys
+
+    mod = sys.modules["diffusers_fastpath.ops.silu_mul"]  # the package exports a function of that name
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(mod, "_cuda_op", lambda g, u: (F.silu(g) * u).contiguous())  # the raw op: contiguous rows
+    monkeypatch.setattr(SILU_MUL, "prove", None)  # (it runs the CUDA kernel on every value)
+    seq_first = torch.randn(9, 2, 128, dtype=torch.bfloat16).transpose(0, 1)
+    channels_last = torch.randn(2, 4, 6, 32, dtype=torch.bfloat16).permute(0, 3, 1, 2)
+    cases = [(seq_first.chunk(2, dim=-1), False), (make_inputs((2, 9, 128), torch.bfloat16, "cpu", 2), True),
+             (torch.randn(9, 128, dtype=torch.bfloat16).chunk(2, dim=-1), True), (channels_last.chunk(2, dim=1), True)]
+    for (gate, up), fast in cases:
+        site = Site("silu_mul")
+        out, ref = silu_mul(gate, up, site), silu_mul_ref(gate, up)
+        assert torch.equal(out, ref) and out.stride() == ref.stride()
+        assert (site.fast, dict(site.fallback)) == ((1, {}) if fast else (0, {REASON_LAYOUT: 1}))
+    assert SWIGLU_CAT.guard(torch.randn(2, 9, 64, dtype=torch.bfloat16), seq_first) is None
 
 
 @pytest.mark.gpu

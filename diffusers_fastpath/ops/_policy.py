@@ -407,6 +407,39 @@ class FusedOp:
         return "enabled"
 
 
+REASON_LAYOUT = "x's layout: eager keeps it"  # (`laid_out_contiguous`)
+
+
+def laid_out_contiguous(t: torch.Tensor) -> bool:
+    """Whether a result laid out after `t` is contiguous: ``torch.empty_like(t)``'s layout, which is also what
+    TensorIterator gives an elementwise op's result whose first input is `t` or a dense copy of it (``t.float()``,
+    ``F.silu(t)``). Both order the dimensions by `t`'s strides (aten's ``infer_dense_strides`` and
+    ``reorder_dimensions``: an insertion sort from the innermost dimension that leaves one of stride 0 where it is,
+    and of two of equal strides puts the larger outside). A fused kernel that writes a contiguous result has eager's
+    layout exactly where this holds: for a contiguous `t`, a slice of a projection (strides decreasing), not for a
+    permuted view (eager's result keeps its order). Free for a contiguous `t`, about 1 us for a slice in its own order,
+    3 us for another layout (CPU timings); never raises."""
+    if t.is_contiguous():
+        return True
+    sizes, strides = t.shape, t.stride()
+    if all(a > b for a, b in zip(strides, strides[1:])):
+        return True
+    perm = list(range(t.dim() - 1, -1, -1))  # innermost first, as aten's
+    for i in range(1, len(perm)):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            a, b = perm[d0], perm[d1]
+            if strides[a] == 0 or strides[b] == 0:
+                continue  # ambiguous: compare with the next one out
+            if strides[a] < strides[b]:
+                break
+            if strides[a] > strides[b] or sizes[a] > sizes[b]:
+                perm[d0], perm[d1] = b, a
+                d1 = d0
+    dims = [d for d in perm if sizes[d] != 1]  # size-1 dimensions do not decide contiguity
+    return all(inner > outer for inner, outer in zip(dims, dims[1:]))
+
+
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

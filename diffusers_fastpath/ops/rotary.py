@@ -12,7 +12,11 @@ NaN, inf and signed zeros included: exact by construction, no self-verification.
 (306.7 µs per call on (1, 4608, 24, 128) bf16 on an H200); the fused kernel reads ``x`` and the cos/sin rows once
 and writes the output once. Shapes: ``x`` is ``[B, S, H, D]`` (any strides with a unit innermost one and 8-byte
 aligned rows, D a multiple of 4), ``cos``/``sin`` contiguous ``[S, D]``; no autograd (of x or the tables). The
-kernel is ``csrc/rotary.cu``, shared with `qk_norm_rope`, which fuses the QK RMSNorm in front of it.
+kernel's result is contiguous, eager's is laid out after x (TensorIterator orders its dimensions by x's strides), so
+the fused ops (this one, the rows and Wan forms below) take x only where eager's result is contiguous too: x
+contiguous or a slice in its own order (a fused projection's chunk), not a permuted view
+(`_policy.laid_out_contiguous`). The kernel is ``csrc/rotary.cu``, shared with `qk_norm_rope`, which fuses the QK
+RMSNorm in front of it.
 
 Eager calls reach ``diffusers_fastpath::_rotary_emb_cuda`` directly; ``torch.compile`` sees the custom op
 ``diffusers_fastpath::rotary_emb``.
@@ -25,7 +29,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site
+from ._policy import HALF_DTYPES, REASON_LAYOUT, FusedOp, Site, laid_out_contiguous
 
 
 def rotary_emb_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,12 +77,17 @@ def _x_reason(x: torch.Tensor) -> str | None:
     return None
 
 
-def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+def _guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True,
+           eager_layout: bool = False) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site).
+    `eager_layout`: only where eager's result is contiguous, as the kernel's (the fused op's question; the raw op's
+    contract is a contiguous result whatever x's layout)."""
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if x.dim() != 4 or cos.dim() != 2 or sin.dim() != 2:
         return "shape"
+    if eager_layout and not laid_out_contiguous(x):
+        return REASON_LAYOUT  # eager's result keeps x's order of dimensions (`laid_out_contiguous`)
     reason = _x_reason(x)
     if reason is not None:
         return reason
@@ -204,10 +213,15 @@ def _rotary_emb_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _op_guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """The fused op's guard: `_guard`, for an x whose eager result is contiguous as the kernel's."""
+    return _guard(x, cos, sin, check_pointers, eager_layout=True)
+
+
 ROTARY_EMB = FusedOp(
     "rotary_emb",
     ref=rotary_emb_ref,
-    guard=_guard,
+    guard=_op_guard,
     kernel=_kernel,
     custom_op=torch.ops.diffusers_fastpath.rotary_emb.default,
 )
@@ -249,12 +263,16 @@ def rows_head_dim(channels: int) -> int:
     return next(d for d in (128, 64, 32, 16, 8, 4) if channels % d == 0)
 
 
-def guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+def guard_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True,
+               eager_layout: bool = False) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site).
+    `eager_layout`: only where eager's result is contiguous, as the kernel's (as `_guard`'s)."""
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if x.dim() != 3 or cos.dim() != 3 or sin.dim() != 3:
         return "shape"
+    if eager_layout and not laid_out_contiguous(x):
+        return REASON_LAYOUT
     batch, seq, channels = x.shape
     if channels % 4:
         return "C not a multiple of 4"
@@ -317,10 +335,15 @@ def _rotary_emb_rows_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _rows_op_guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """The fused op's guard: `guard_rows`, for an x whose eager result is contiguous as the kernel's."""
+    return guard_rows(x, cos, sin, check_pointers, eager_layout=True)
+
+
 ROTARY_EMB_ROWS = FusedOp(
     "rotary_emb_rows",
     ref=rotary_emb_rows_ref,
-    guard=guard_rows,
+    guard=_rows_op_guard,
     kernel=_kernel_rows,
     custom_op=torch.ops.diffusers_fastpath.rotary_emb_rows.default,
 )
@@ -361,15 +384,17 @@ def rotary_emb_wan_ref(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torc
     return out.type_as(x)
 
 
-def guard_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+def guard_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True,
+              eager_layout: bool = False) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site).
+    `eager_layout`: only where eager's result (``torch.empty_like(x)``) is contiguous, as the kernel's."""
     if x.dim() != 4 or cos.dim() != 4 or sin.dim() != 4:
         return "shape"
     _, seq, _, dim = x.shape
     if cos.shape != (1, seq, 1, dim) or sin.shape != cos.shape:
         return "cos/sin shape"  # other shapes broadcast in eager (a table per sample or per head)
     return _guard(x, cos.view(seq, dim) if cos.is_contiguous() else cos[0, :, 0],
-                  sin.view(seq, dim) if sin.is_contiguous() else sin[0, :, 0], check_pointers)
+                  sin.view(seq, dim) if sin.is_contiguous() else sin[0, :, 0], check_pointers, eager_layout)
 
 
 def _nvrtc_kernel_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -402,10 +427,15 @@ def _rotary_emb_wan_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _wan_op_guard(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """The fused op's guard: `guard_wan`, for an x whose eager result is contiguous as the kernel's."""
+    return guard_wan(x, cos, sin, check_pointers, eager_layout=True)
+
+
 ROTARY_EMB_WAN = FusedOp(
     "rotary_emb_wan",
     ref=rotary_emb_wan_ref,
-    guard=guard_wan,
+    guard=_wan_op_guard,
     kernel=_kernel_wan,
     custom_op=torch.ops.diffusers_fastpath.rotary_emb_wan.default,
 )

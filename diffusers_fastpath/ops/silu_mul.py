@@ -14,8 +14,10 @@ input once and writes once (eager: the SiLU reads and writes, the multiply reads
 
 Shapes: ``gate`` and ``up`` are ``[B, L, D]`` with unit innermost stride and 16-byte aligned rows (any row and batch
 strides that keep them so: the halves of a contiguous ``[B, L, 2D]`` qualify without a copy); the output is
-contiguous. Packed ``[N, D]`` rows (Cosmos 3's feed-forwards over its packed sequence) are taken as ``[1, N, D]``:
-the kernel indexes them the same way, and the result is the ``[N, D]`` view of its output. Channel-split feature maps
+contiguous, so `silu_mul` takes rows only where eager's product is contiguous too (it is laid out after ``gate``:
+rows in their own order, not ``[B, L, D]`` rows of ``[L, B, D]`` memory; `_policy.laid_out_contiguous`). Packed
+``[N, D]`` rows (Cosmos 3's feed-forwards over its packed sequence) are taken as ``[1, N, D]``: the kernel indexes
+them the same way, and the result is the ``[N, D]`` view of its output. Channel-split feature maps
 ``[B, C, *S]`` (Sana's ``GLUMBConv``: ``x * silu(gate)`` on the ``chunk(2, dim=1)`` halves of a convolution's
 channels-last output) are taken as the kernel's rows in their memory order, ``[B, prod(S), C]`` or ``[B, C, prod(S)]``
 (`_rows_of`), and the result laid out as eager lays it out.
@@ -35,7 +37,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site, bits
+from ._policy import HALF_DTYPES, REASON_LAYOUT, FusedOp, Site, bits, laid_out_contiguous
 from .gelu_cat import every_value
 
 _VEC_BYTES = 16
@@ -91,8 +93,10 @@ def _rows_of(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, up_first: bool = False,
-           check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+           check_pointers: bool = True, eager_layout: bool = False) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site).
+    `eager_layout`: only where eager's product is laid out as the kernel's rows (`silu_mul`'s question; the raw op
+    and `swiglu_cat`, whose concatenation is contiguous either way, take any row order)."""
     reason = act_reason(act)
     if reason is not None:
         return reason
@@ -117,6 +121,8 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, u
         return "empty"
     if not all(t.stride(2) == 1 and t.stride(1) % vec == 0 and t.stride(0) % vec == 0 for t in (gate, up)):
         return "rows strided"
+    if eager_layout and not laid_out_contiguous(gate):
+        return REASON_LAYOUT  # [B, L, D] rows in [L, B, D] memory: eager's product keeps that order, the kernel's not
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return "requires grad"
     if not gate.is_cuda:
@@ -225,10 +231,16 @@ def _signature(gate: torch.Tensor, up: torch.Tensor, act=None, up_first=False):
     return (str(gate.dtype).removeprefix("torch."),)  # the proof covers both activations: one check per dtype
 
 
+def _op_guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, up_first: bool = False,
+              check_pointers: bool = True) -> str | None:
+    """The fused op's guard: `_guard`, for rows whose eager product is contiguous as the kernel's."""
+    return _guard(gate, up, act, up_first, check_pointers, eager_layout=True)
+
+
 SILU_MUL = FusedOp(
     "silu_mul",
     ref=silu_mul_ref,
-    guard=_guard,
+    guard=_op_guard,
     kernel=lambda gate, up, act=None, up_first=False: _kernel(gate, up),
     custom_op=lambda gate, up, act=None, up_first=False: torch.ops.diffusers_fastpath.silu_mul.default(gate, up),
     verify_key=_signature,
