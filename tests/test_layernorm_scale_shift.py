@@ -442,6 +442,30 @@ def test_affine_fp32_guard_falls_back_to_exact_eager_with_reason(case, reason, r
     assert site.fast == 0 and dict(site.fallback) == {reason: 1}
 
 
+@pytest.mark.parametrize("case, reason", [
+    ("weight_shape", "norm not an FP32LayerNorm over the last dim with weight and bias"),
+    ("weight_device", "devices differ")])
+def test_affine_fp32_guard_refuses_weights_the_kernel_cannot_read(case, reason, pretend_cuda):
+    """A weight and bias other than x's ``[D]`` rows, or on another device than x: the kernel would read D elements
+    of each on x's device; the guard refuses (eager raises on both, and so does the op, through eager)."""
+    from diffusers_fastpath.ops import layernorm_affine_fp32, layernorm_affine_fp32_ref
+    from diffusers_fastpath.ops.layernorm_scale_shift import LAYERNORM_AFFINE_FP32
+
+    norm, x = make_norm2_inputs((2, 9, 64), torch.bfloat16, "cpu", 7)
+    if case == "weight_shape":
+        norm.weight, norm.bias = (torch.nn.Parameter(t[:1], requires_grad=False) for t in (norm.weight, norm.bias))
+    else:
+        norm.to("meta")
+    with torch.no_grad():
+        assert LAYERNORM_AFFINE_FP32.guard(norm, x) == reason
+        site = Site("layernorm_affine_fp32")
+        with pytest.raises(RuntimeError):
+            layernorm_affine_fp32_ref(norm, x)
+        with pytest.raises(RuntimeError):
+            layernorm_affine_fp32(norm, x, site)
+    assert site.fast == 0 and dict(site.fallback) == {reason: 1}
+
+
 def test_affine_fp32_custom_op_opcheck_cpu():
     from diffusers_fastpath.ops import layernorm_affine_fp32_ref
 

@@ -72,7 +72,8 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, weight, per_token):
 @pytest.mark.parametrize("case, reason", [
     ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
     ("few", "fewer than 16 rows"), ("strided", "x not contiguous"), ("rows", "operands strided or mismatched"),
-    ("bias", "norm without weight or with bias"), ("cpu", "device cpu"), ("scalars", "operand not a tensor")])
+    ("bias", "norm without weight or with bias"), ("cpu", "device cpu"), ("scalars", "operand not a tensor"),
+    ("torch_rmsnorm", "norm not diffusers' RMSNorm"), ("weight_shape", "norm weight shape")])
 def test_guard_falls_back_with_reason(case, reason):
     norm, x, scale, shift = make((1, 20, 640), torch.bfloat16, "cpu", 1)
     if case == "fp32":
@@ -91,6 +92,10 @@ def test_guard_falls_back_with_reason(case, reason):
         norm = RMSNorm(640, eps=1e-6, bias=True).to(torch.bfloat16)
     elif case == "scalars":
         scale, shift = 0.5, 0.25  # Python numbers: eager takes them; the guard refuses them without raising
+    elif case == "torch_rmsnorm":  # torch's own RMSNorm computes in another order: its numbers differ
+        norm = torch.nn.RMSNorm(640, eps=1e-6).to(torch.bfloat16)
+    elif case == "weight_shape":  # a [1] weight: eager broadcasts it over the row, the kernel would read [D]
+        norm = RMSNorm(1, eps=1e-6).to(torch.bfloat16)
     site = Site("rmsnorm_modulate")
     with torch.no_grad():
         assert RMSNORM_MODULATE.guard(norm, x, scale, shift) == reason

@@ -278,6 +278,8 @@ def test_sandwich_layouts_pass_the_guard(per_token, monkeypatch):
         ("requires_grad", "requires grad"),
         ("cpu", "device cpu"),
         ("python_scalars", "operand not a tensor"),
+        ("torch_rmsnorm", "norm not diffusers' RMSNorm"),
+        ("weight_shape", "norm weight shape"),
     ],
 )
 def test_sandwich_guards_fall_back_with_reason(case, reason, monkeypatch):
@@ -291,6 +293,10 @@ def test_sandwich_guards_fall_back_with_reason(case, reason, monkeypatch):
         scale, gate = scale[:1].expand(3, 1, -1), gate[:1].expand(3, 1, -1)
     elif case == "python_scalars":
         scale, gate = 0.5, 0.25  # Python numbers: eager takes them; the guards refuse them without raising
+    elif case == "torch_rmsnorm":  # torch's own RMSNorm computes in another order: its numbers differ
+        norm = torch.nn.RMSNorm(768, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
+    elif case == "weight_shape":  # a [1] weight: eager broadcasts it over the row, the kernel would read [D]
+        norm = RMSNorm(1, eps=1e-6).to(torch.bfloat16).requires_grad_(False)
     elif case == "strided_x":
         x = torch.cat([x, x], dim=2)[..., ::2]
     elif case == "requires_grad":
@@ -311,6 +317,30 @@ def test_sandwich_guards_fall_back_with_reason(case, reason, monkeypatch):
     ref = rmsnorm_gated_residual_ref(norm, residual, gate, x)
     assert torch.equal(got, ref) and got.dtype == ref.dtype
     assert gated_site.fast == 0 and dict(gated_site.fallback) == {reason: 1}
+
+
+def test_only_diffusers_rmsnorm_and_the_fastpath_swap_take_the_kernel(monkeypatch):
+    """The kernel computes diffusers' RMSNorm from the norm's weight and eps without calling it: a subclass with a
+    forward of its own (here one that scales its output) runs as written, counted; diffusers' class, this package's
+    FastpathRMSNorm (diffusers' numbers, fused) and the custom ops' stand-in pass the guard."""
+    from diffusers_fastpath.models._qk_norms import FastpathRMSNorm
+    from diffusers_fastpath.ops.rmsnorm_scale_shift import _Norm
+
+    class Doubled(RMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * 2
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    norm, x, residual, scale, gate = make_sandwich_inputs((2, 40, 768), torch.bfloat16, "cpu", 4)
+    doubled = Doubled(768, eps=norm.eps).to(torch.bfloat16).requires_grad_(False)
+    doubled.load_state_dict(norm.state_dict())
+    site = Site("rmsnorm_scale")
+    assert torch.equal(rmsnorm_scale(doubled, x, scale, site), doubled(x) * scale)
+    assert site.fast == 0 and dict(site.fallback) == {"norm not diffusers' RMSNorm": 1}
+    assert RMSNORM_SCALE.guard(norm, x, scale) is None
+    assert RMSNORM_SCALE.guard(_Norm(norm.weight, norm.eps), x, scale) is None
+    norm.__class__ = FastpathRMSNorm  # as the generic path swaps it
+    assert RMSNORM_SCALE.guard(norm, x, scale) is None
 
 
 def test_sandwich_gated_residual_falls_back_to_the_fused_gated_residual(monkeypatch):

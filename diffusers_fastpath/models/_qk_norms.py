@@ -19,6 +19,7 @@ from diffusers.models.normalization import RMSNorm
 
 from .._state import PatchState, site_attr
 from ..ops.rmsnorm import RMSNORM, rmsnorm
+from ..ops.rmsnorm_scale_shift import RMSNORM_CLASSES
 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 _SITE, _NAMED_SITE = site_attr(), site_attr(RMSNORM.name)
@@ -32,6 +33,9 @@ class FastpathRMSNorm(RMSNorm):
         # its own site: the unnamed one, or a named one where a fused chain counts on the unnamed (LTX-2's norms)
         sites = self.__dict__
         return rmsnorm(self, hidden_states, sites.get(_NAMED_SITE) or sites.get(_SITE))
+
+
+RMSNORM_CLASSES.add(FastpathRMSNorm)  # diffusers' numbers: the RMSNorm ops take it as they take diffusers' class
 
 
 def is_diffusers_rmsnorm(norm) -> bool:

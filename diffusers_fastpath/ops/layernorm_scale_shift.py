@@ -415,11 +415,16 @@ def layernorm_affine_fp32_ref(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _guard_affine(norm, x, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs: an ``FP32LayerNorm`` over x's last dim with ``[D]`` weight and
+    bias on x's device (the kernel reads D of each), the layout checks of `_guard_tensors`, no autograd."""
     if (type(norm) is not FP32LayerNorm or norm.weight is None or norm.bias is None or x.dim() == 0
-            or tuple(norm.normalized_shape) != (x.shape[-1],) or norm.weight.shape != norm.bias.shape):
+            or tuple(norm.normalized_shape) != (x.shape[-1],) or norm.weight.shape != x.shape[-1:]
+            or norm.bias.shape != x.shape[-1:]):
         return "norm not an FP32LayerNorm over the last dim with weight and bias"
     if torch.is_grad_enabled() and (norm.weight.requires_grad or norm.bias.requires_grad or x.requires_grad):
         return "requires grad"
+    if norm.weight.device != x.device or norm.bias.device != x.device:
+        return "devices differ"
     row = x.new_empty((1, x.shape[-1]), dtype=torch.float32)  # the kernel's weight.float() and bias.float(): new rows
     return _guard_tensors(x, row, row, check_pointers, torch.float32)
 

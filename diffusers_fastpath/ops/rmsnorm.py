@@ -24,8 +24,8 @@ aten build, so the op verifies itself: the first fast call of each (dtype, D) is
 ``x`` may be any dense layout with unit innermost stride (SD3's processors normalise ``[B, H, S, D]`` views of
 ``[B, S, H, D]`` projections): the kernel runs over the rows in memory order and the result has ``x``'s strides, as
 eager's has. The guard admits 32 <= D < 128 with D a multiple of 4, and multiples of 128 below 8192; at least 16 rows;
-fp16/bf16 ``x`` with a weight of its dtype, or none (``elementwise_affine=False``: a weight of ones stands in, which
-rounds nothing), and no bias; no autograd.
+fp16/bf16 ``x``; diffusers' ``RMSNorm`` or ``FastpathRMSNorm`` with a ``[D]`` weight of x's dtype, or none
+(``elementwise_affine=False``: a weight of ones stands in, which rounds nothing), and no bias; no autograd.
 """
 
 from __future__ import annotations

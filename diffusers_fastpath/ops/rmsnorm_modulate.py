@@ -18,8 +18,9 @@ D), and a mismatch disables it for the process with one warning. Ten eager kerne
 copies, three of the modulate) become one that reads x, scale and shift once and writes once.
 
 The guard admits what the shared kernel reproduces: three-dimensional contiguous ``x`` whose row length D is a
-multiple of 128 with 512 < D < 8192 (LTX-Video: 2048), at least 16 rows, fp16/bf16 throughout, a norm without bias
-(with a weight of x's dtype, or none), scale and shift rows with unit innermost stride, no autograd.
+multiple of 128 with 512 < D < 8192 (LTX-Video: 2048), at least 16 rows, fp16/bf16 throughout, diffusers' ``RMSNorm``
+(or ``FastpathRMSNorm``) without bias (with a ``[D]`` weight of x's dtype, or none), scale and shift tensor rows with
+unit innermost stride, no autograd.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ verifies itself: the first fast call of each (dtype, D, factor dtype) is compare
 mismatch disables it for the process with one warning and runs the eager chain.
 
 The guard admits D = 128 and D a multiple of 4 in [32, 128), a contiguous ``x`` of at least 16 rows, freqs of
-complex64 or complex128 whose rows are the tokens (unit innermost stride), the norm with a weight of ``x``'s dtype and
-no bias, no autograd.
+complex64 or complex128 whose rows are the tokens (unit innermost stride), the norm diffusers' ``RMSNorm`` (or
+``FastpathRMSNorm``) with a ``[D]`` weight of ``x``'s dtype and no bias, no autograd.
 """
 
 from __future__ import annotations

@@ -22,7 +22,10 @@ runs against, so each op verifies itself: the first fast call of each signature 
 keeps its own) is compared with eager by ``torch.equal``, and a mismatch disables it for the process with
 one warning. The guard
 admits only rows where aten uses that configuration: row length D a multiple of 128 with 512 < D < 8192, at least
-16 rows, fp32 squares addressable with 32-bit offsets.
+16 rows, fp32 squares addressable with 32-bit offsets; and only the norm whose numbers the kernel computes
+(`norm_reason`): diffusers' ``RMSNorm`` itself or this package's ``FastpathRMSNorm`` (not ``torch.nn.RMSNorm``, not a
+subclass with a forward of its own), with a ``[D]`` weight of x's dtype and no bias; operands that are tensors (a
+Python-number scale, shift or gate runs eager).
 
 Shapes: three-dimensional operands, ``[seq, batch, dim]`` for ERNIE-Image, ``[batch, seq, dim]`` for Z-Image (the
 kernel only needs row ``(i, j)`` of each at ``i * stride(0) + j * stride(1)``); ``x``/``residual`` of the ERNIE ops
@@ -36,11 +39,17 @@ from __future__ import annotations
 import struct
 
 import torch
+from diffusers.models.normalization import RMSNorm
 
 from . import _nvrtc
 from ._build import launcher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .gated_residual import gated_residual
+
+# The norm classes the kernel computes (`norm_reason`): diffusers' RMSNorm itself (not a subclass, whose forward may
+# be its own; not torch.nn.RMSNorm, which computes otherwise), the custom ops' stand-in `_Norm` (added below) and this
+# package's FastpathRMSNorm, which `models._qk_norms` adds where it defines it (the ops import no models).
+RMSNORM_CLASSES: set[type] = {RMSNorm}
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -105,8 +114,10 @@ def _rows_ok(t: torch.Tensor, like: torch.Tensor) -> bool:
 
 
 def norm_reason(norm, x, weightless: bool = False) -> str | None:
-    """What the kernel needs of the norm and the input's dtype: a weight of that dtype (or, `weightless`, none), no
-    bias (fp16 or bf16)."""
+    """What the kernel needs of the norm and the input's dtype: diffusers' RMSNorm (a class of `RMSNORM_CLASSES`) with
+    a ``[D]`` weight of that dtype over x's rows of D (or, `weightless`, none), no bias (fp16 or bf16)."""
+    if type(norm) not in RMSNORM_CLASSES:
+        return "norm not diffusers' RMSNorm"
     weight = getattr(norm, "weight", None)
     if (weight is None and not weightless) or getattr(norm, "bias", None) is not None:
         return "norm without weight or with bias"
@@ -114,6 +125,8 @@ def norm_reason(norm, x, weightless: bool = False) -> str | None:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if weight is not None and weight.dtype is not x.dtype:
         return "mixed dtypes"
+    if weight is not None and weight.shape != x.shape[-1:]:
+        return "norm weight shape"  # eager broadcasts another (a [1] weight, a [S, D] one); the kernel reads [D]
     return None
 
 
@@ -347,6 +360,9 @@ class _Norm:
 
     def __init__(self, weight: torch.Tensor | None, eps: float) -> None:
         self.weight, self.eps = weight, eps
+
+
+RMSNORM_CLASSES.add(_Norm)
 
 
 @torch.library.custom_op("diffusers_fastpath::rmsnorm_scale_shift", mutates_args=())
