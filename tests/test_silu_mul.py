@@ -280,3 +280,16 @@ def test_written_up_first_keeps_eagers_layout(laid_out, emulated_kernels):
     else:
         assert site.fast == 0 and dict(site.fallback) == {"operands laid out differently": 1}
         assert (F.silu(gate) * up).stride() != ref.stride()  # the other order: another layout (the bug this guards)
+
+
+def test_swiglu_cat_guard_hands_check_pointers_on(monkeypatch):
+    """``check_pointers=False`` (what torch.compile's trace asks: fake tensors have no address) reaches the halves'
+    guard: a misaligned x is refused only where pointers are checked (it once went to ``up_first``)."""
+    import sys
+
+    module = sys.modules["diffusers_fastpath.ops.silu_mul"]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    attn = torch.randn(1, 16, 64).to(torch.bfloat16)
+    x = torch.randn(16 * 128 + 1).to(torch.bfloat16)[1:].view(1, 16, 128)  # one element in: not 16-byte aligned
+    assert module._cat_guard(attn, x, None, check_pointers=False) is None
+    assert module._cat_guard(attn, x, None, check_pointers=True) is not None

@@ -298,7 +298,7 @@ def _cat_guard(attn: torch.Tensor, x: torch.Tensor, act: nn.Module | None = None
     if attn.dtype in HALF_DTYPES and attn.shape[2] % (_VEC_BYTES // attn.element_size()):
         return f"attention width not a multiple of {_VEC_BYTES // attn.element_size()}"
     half = x.shape[2] // 2
-    reason = _guard(x[..., :half], x[..., half:], act, check_pointers)
+    reason = _guard(x[..., :half], x[..., half:], act, check_pointers=check_pointers)
     if reason is not None:
         return reason
     if torch.is_grad_enabled() and attn.requires_grad:
