@@ -410,6 +410,18 @@ class FusedOp:
 REASON_LAYOUT = "x's layout: eager keeps it"  # (`laid_out_contiguous`)
 
 
+def autograd_device_reason(x: torch.Tensor, *params: torch.Tensor) -> str | None:
+    """The tail most guards share, for an input `x` and a module's tensors `params`: no autograd through any of them,
+    x on CUDA, the others on x's device; ``None`` or the reason."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return "requires grad"
+    if not x.is_cuda:
+        return f"device {x.device.type}"
+    if any(p.device != x.device for p in params):
+        return "devices differ"
+    return None
+
+
 def laid_out_contiguous(t: torch.Tensor) -> bool:
     """Whether a result laid out after `t` is contiguous: ``torch.empty_like(t)``'s layout, which is also what
     TensorIterator gives an elementwise op's result whose first input is `t` or a dense copy of it (``t.float()``,

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason
 
 _BASES = EagerClasses()  # the classes the op takes
 SITE, NAMED_SITE = "_fastpath_site", "_fastpath_site_conv_bias"  # (`_state.site_attr`: a module patch gave a site)
@@ -80,12 +80,9 @@ def _guard(conv: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> str
         return "mixed dtypes"
     if x.numel() == 0:
         return "empty"
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return "requires grad"
-    if not x.is_cuda:
-        return f"device {x.device.type}"
-    if weight.device != x.device or bias.device != x.device:
-        return "devices differ"
+    reason = autograd_device_reason(x, weight, bias)
+    if reason is not None:
+        return reason
     if torch.compiler.is_compiling():  # (traced, the op is the module's own forward: no backend to ask)
         return None
     cudnn = torch._C._ConvBackend.Cudnn

@@ -52,7 +52,8 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher, load_extension
-from ._policy import HALF_DTYPES, REASON_FORWARD_REPLACED, FusedOp, Site, bits, forward_replaced
+from ._policy import (HALF_DTYPES, REASON_FORWARD_REPLACED, FusedOp, Site, autograd_device_reason, bits,
+                      forward_replaced)
 
 _VEC_BYTES = 16
 _ATEN_BLOCK = 512  # cuda_utils::kCUDABlockReduceNumThreads: aten's block for rows of at least 512 elements
@@ -122,12 +123,9 @@ def _tensors_guard(x: torch.Tensor, weight, bias, groups: int, check_pointers: b
         return f"more than {_MAX_ROWS} rows"
     if channels // groups * hxw >= 2**31:
         return "rows too long"
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
-        return "requires grad"
-    if not x.is_cuda:
-        return f"device {x.device.type}"
-    if weight.device != x.device or bias.device != x.device:
-        return "devices differ"
+    reason = autograd_device_reason(x, weight, bias)
+    if reason is not None:
+        return reason
     if check_pointers and x.is_contiguous() and x.data_ptr() % _VEC_BYTES:
         return "not 16-byte aligned"
     return None
