@@ -15,10 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._state import SITE_ATTR, PatchState, site_attr
+from .._state import SITE_ATTR, PatchState
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class, conv_bias
-
-NAMED_SITE = site_attr(CONV_BIAS.name)  # a causal convolution's second site (its first is the padding's)
 
 
 class FastpathConv2d(nn.Conv2d):
@@ -36,6 +34,7 @@ class FastpathConv3d(nn.Conv3d):
 
 
 _SUBCLASSES = {nn.Conv2d: FastpathConv2d, nn.Conv3d: FastpathConv3d}
+_BASES = {sub: base for base, sub in _SUBCLASSES.items()}
 for _sub in _SUBCLASSES.values():
     add_bias_conv_class(_sub)
 
@@ -45,9 +44,9 @@ def demote_unrecorded(model: nn.Module) -> None:
     make (PEFT's LoRA layers built while patched copy their base layer's class: ``type(base_layer)(...)``) becomes
     torch's class again, so that nothing of this package stays on an unpatched model."""
     for module in model.modules():
-        for base, sub in _SUBCLASSES.items():
-            if type(module) is sub:
-                module.__class__ = base
+        base = _BASES.get(type(module))
+        if base is not None:
+            module.__class__ = base
 
 
 def swap_convs(model: nn.Module, state: PatchState) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site, autograd_device_reason
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -44,13 +44,7 @@ def layout_reason(x, *tables) -> str | None:
         return "empty"
     if not (x.is_contiguous() and all(t.is_contiguous() for t in tables)):
         return "strided"
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tables)):
-        return "requires grad"
-    if not x.is_cuda:
-        return f"device {x.device.type}"
-    if any(t.device != x.device for t in tables):
-        return "devices differ"
-    return None
+    return autograd_device_reason(x, *tables)
 
 
 def _guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | None:
