@@ -15,7 +15,8 @@ where eager writes a tensor)::
 
 Eager runs that tail as six kernels over the whole tensor (division, cast, three binary ops, SiLU: 2 + 4 bytes in,
 out per element each); ``csrc/channel_rmsnorm_silu.cu`` reads x once and writes once. The norm reduction stays
-aten's own call (the same kernel on the same fp32 tensor, so the same bits: nothing to verify), and every operation
+aten's own (the same reduction kernel and launch, reading x itself where that is the same order of the same fp32
+operations as reading its fp32 upcast: `reads_half_directly`, which saves the upcast's copy), and every operation
 of the tail is a separate IEEE operation rounded where eager rounds (exact by construction; still, the first call
 of each signature is compared with eager, `_signature`, as the self-verified ops are). The SiLU is aten's
 expression with CUDA's ``expf``, proven on all 65536 values of the dtype on first use (the kernel's probe mode)
@@ -129,10 +130,35 @@ def _time_major(x: torch.Tensor) -> bool:
     return x.dim() == 5 and x.transpose(1, 2).is_contiguous()
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def reads_half_directly(x: torch.Tensor) -> bool:
+    """Whether aten's norm reduction can read x itself instead of its fp32 upcast and give the same bits.
+
+    ``torch.linalg.vector_norm(x, 2, 1, dtype=torch.float32)`` of a bf16/fp16 CUDA x is aten's "type promotion that
+    does cast and reduction in a single kernel": ``norm_kernel_cuda_impl<T, float, float>``, the same
+    ``gpu_reduce_kernel`` template as the upcast's ``norm_kernel_cuda_impl<float>`` with the same ``NormTwoOps``
+    (``acc + float(v) * float(v)``, ``combine`` a sum, ``sqrt``). ``setReduceConfig`` sees the same shape and element
+    strides, so it picks the same block, the same split of the channels across threads and the same output vector, so
+    every output is summed in the same order: provided the two things that read bytes agree, which is what is checked
+    here. ``get_output_vec_size`` divides x's address by its element size (the upcast is a fresh allocation, 4-element
+    aligned): x's address must be a multiple of 4 elements; and a reduction whose fp32 operand passes 2 GiB is split
+    into 32-bit-indexable pieces that accumulate through a buffer (the upcast would be, x might not be): below that,
+    neither is. The first call of each signature is still compared with eager (`_signature`)."""
+    return (x.is_cuda and x.dtype in HALF_DTYPES and x.data_ptr() % (4 * x.element_size()) == 0
+            and x.numel() * 4 <= _INT32_MAX)
+
+
 def denominator(x: torch.Tensor) -> torch.Tensor:
-    """What eager divides by: ``F.normalize``'s ``input.norm(2.0, 1, keepdim=True).clamp_min(eps)`` on the fp32 upcast
-    (the same aten calls on the same tensor)."""
-    return x.float().norm(2.0, 1, keepdim=True).clamp_min(_EPS)
+    """What eager divides by: ``F.normalize``'s ``input.norm(2.0, 1, keepdim=True).clamp_min(eps)`` on the fp32 upcast,
+    computed without the upcast where aten's reduction reading x gives the same bits (`reads_half_directly`: one read
+    of x instead of a copy to fp32 and a read of that, 10 bytes an element down to 2)."""
+    if reads_half_directly(x):
+        norm = torch.linalg.vector_norm(x, 2.0, 1, keepdim=True, dtype=torch.float32)
+    else:
+        norm = x.float().norm(2.0, 1, keepdim=True)
+    return norm.clamp_min(_EPS)
 
 
 def channel_rmsnorm_arithmetic(x: torch.Tensor, denom: torch.Tensor, gamma: torch.Tensor, bias, scale: float,
@@ -252,11 +278,12 @@ def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
 def _signature(norm, x: torch.Tensor):
     """What one first-call ``torch.equal`` vouches for: the dtype, the layout the kernel reads (contiguous or
     time-major) and the bias's kind. The tail is exact by construction; the check is its second line (the kernel is
-    new on each GPU kind it meets), the proof covers the SiLU; and whether it runs vectors or elements."""
+    new on each GPU kind it meets), the proof covers the SiLU; whether it runs vectors or elements, and whether the
+    norm reduction reads x or its fp32 upcast (`reads_half_directly`)."""
     bias = getattr(norm, "bias", None)
     spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])  # the kernel's rows
     return (str(x.dtype).removeprefix("torch."), x.is_contiguous(), isinstance(bias, torch.Tensor),
-            _vectors(spatial, x.dtype))
+            _vectors(spatial, x.dtype), reads_half_directly(x))
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:
