@@ -369,7 +369,10 @@ def test_kernel_wrapper_lays_rows_out_as_eager(monkeypatch):
     norm = norm.to(torch.bfloat16)
     base = torch.randn(2, 3, 16, 4, 8).to(torch.bfloat16)
     one_frame = torch.randn(1, 1, 16, 4, 8).to(torch.bfloat16).transpose(1, 2)  # contiguous, T's stride C * H * W
-    for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous(), one_frame):  # time-major, contiguous, T = 1
+    last = torch.randn(2, 3, 4, 8, 16).to(torch.bfloat16)  # channels-last memory: HunyuanVideo-1.5's mid-block
+    for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous(), one_frame,  # time-major, contiguous, T = 1
+              last.permute(0, 4, 1, 2, 3), last[:1].permute(0, 4, 1, 2, 3), last[:1, :1].permute(0, 4, 1, 2, 3),
+              last[:, :, :1].permute(0, 4, 1, 2, 3), last[:1, :, :, :1].contiguous().permute(0, 4, 1, 2, 3)):
         for silu in (False, True):
             ref = norm(x)
             ref = F.silu(ref) if silu else ref
@@ -385,6 +388,8 @@ def test_channel_rmsnorm_guard_refuses_what_the_kernel_does_not_take():
     assert crms._guard(norm, x) == "device cpu"
     assert crms._guard(norm, x.float()) == "dtype float32"
     assert crms._guard(norm, x[..., :7]) == "x not contiguous"
+    assert crms._guard(norm, x.permute(0, 2, 3, 4, 1).contiguous().permute(0, 4, 1, 2, 3)) == "device cpu"
+    assert crms._guard(norm, x.contiguous(memory_format=torch.channels_last_3d)[..., :7]) == "x not contiguous"
     assert crms._guard(norm, x[:, :, :1, :, :3].contiguous()) == "device cpu"  # any trailing size (elements)
     assert crms._guard(norm, x[:, :, :0]) == "empty"
     assert crms._guard(norm, x.view(1, 16, 64)) == "gamma does not broadcast over x's channels"

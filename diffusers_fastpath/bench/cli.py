@@ -15,6 +15,7 @@ from .._logging import logger
 from . import quant
 from .modes import MODES
 from .render import import_pyplot, markdown, plot
+from .levels.vae import VAE_MODELS
 from .runner import LEVELS, SCHEMA, run, violations
 from .subject import (CHROMA_MODELS, DTYPES, ERNIE_MODELS, FLUX2_MODELS, FLUX_MODELS, LTX_MODELS, STEP_MODELS,
                       ZOO_MODELS)
@@ -29,8 +30,11 @@ STEPS = {"flux-schnell": 4, "flux2-klein": 4, "ltx-video": 50, "ltx-video-distil
 # the default height, width and frames where the published model's differ from 1024x1024 (and 81 frames): LTX-Video's
 # 768x512, 121 frames (its model card's)
 SIZES = {"ltx-video": (512, 768, 121), "ltx-video-distilled": (512, 768, 121)}
+# the models whose VAE alone is benched (``--levels vae``): their transformer is a family's the step level does not
+# build here (HunyuanVideo, HunyuanImage-2.1's VAE, Qwen-Image 2.1's)
+VAE_ONLY_MODELS = tuple(m for m in VAE_MODELS if m not in STEP_MODELS)
 KNOWN_MODELS = (FLUX_MODELS + CHROMA_MODELS + FLUX2_MODELS + LTX_MODELS + ERNIE_MODELS + tuple(STEP_MODELS)
-                + ZOO_MODELS)
+                + ZOO_MODELS + VAE_ONLY_MODELS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,6 +137,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.levels = [lv for lv in LEVELS if lv in levels]
     if not args.levels:
         p.error("--levels: nothing to run")
+    if args.model in VAE_ONLY_MODELS and set(args.levels) - {"vae", "profile"}:
+        p.error(f"--model {args.model}: its VAE alone is benched here (--levels vae [--profile])")
     modes = _split(args.modes) or [
         m.name for m in MODES.values() if not (m.compiled and device.type == "cpu" and not args.compile_backend)
     ]

@@ -34,15 +34,22 @@ class FastpathConv3d(nn.Conv3d):
 
 
 _SUBCLASSES = {nn.Conv2d: FastpathConv2d, nn.Conv3d: FastpathConv3d}
-_BASES = {sub: base for base, sub in _SUBCLASSES.items()}
+_BASES = {sub: base for base, sub in _SUBCLASSES.items()}  # every conv_bias subclass, with the class it was
 for _sub in _SUBCLASSES.values():
     add_bias_conv_class(_sub)
+
+
+def add_conv_subclass(sub: type, base: type) -> None:
+    """Register a family's `conv_bias` subclass `sub` of diffusers' convolution class `base` (its forward reaches
+    `conv_bias`): the guard takes its modules, and `demote_unrecorded` gives any left on an unpatched model `base`."""
+    add_bias_conv_class(sub)
+    _BASES[sub] = base
 
 
 def demote_unrecorded(model: nn.Module) -> None:
     """On unpatch, after the recorded swaps are undone: a convolution of this package's class that `patch` did not
     make (PEFT's LoRA layers built while patched copy their base layer's class: ``type(base_layer)(...)``) becomes
-    torch's class again, so that nothing of this package stays on an unpatched model."""
+    torch's (or diffusers') class again, so that nothing of this package stays on an unpatched model."""
     for module in model.modules():
         base = _BASES.get(type(module))
         if base is not None:

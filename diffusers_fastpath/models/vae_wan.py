@@ -1,5 +1,7 @@
-"""Wan's and Qwen-Image's VAEs (diffusers' ``AutoencoderKLWan``, Wan 2.1 and 2.2, and ``AutoencoderKLQwenImage``,
-Wan's VAE under other class names), through three exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
+"""Wan's VAE and those built of its pieces (diffusers' ``AutoencoderKLWan``, Wan 2.1 and 2.2; ``AutoencoderKLQwenImage``,
+Wan's VAE under other class names; ``AutoencoderKLQwenImage21``, its one-frame image form with 2-D convolutions;
+``AutoencoderKLHunyuanVideo15`` and ``AutoencoderKLHunyuanImageRefiner``, whose norm is Wan's, digest for digest),
+through exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
 
 - The norms (``WanRMS_norm``, ``QwenImageRMS_norm``: ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma +
   bias``): a norm whose output goes straight into the block's SiLU module (``norm1 -> nonlinearity`` and ``norm2 ->
@@ -14,7 +16,11 @@ Wan's VAE under other class names), through three exact pieces and the pair rewr
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
   changed; the convolution is the module's own ``nn.Conv3d.forward``).
 - The convolutions' biases (`diffusers_fastpath.models.vae_conv`): the causal convolutions' padded input goes to
-  `diffusers_fastpath.ops.conv_bias`, the plain ``nn.Conv2d`` ones become `FastpathConv2d`.
+  `diffusers_fastpath.ops.conv_bias`, the plain ``nn.Conv2d`` / ``nn.Conv3d`` ones (HunyuanVideo-1.5's and the
+  refiner's causal convolutions hold one after their replicate padding) become `FastpathConv2d` / `FastpathConv3d`.
+  Qwen-Image 2.1's ``QwenImage21CausalConv3d`` is an ``nn.Conv2d`` whose forward pads and calls
+  ``super().forward``: `FastpathQwenImage21CausalConv3d` puts `FastpathConv2d` between it and ``nn.Conv2d`` in the
+  method order, so that diffusers' forward runs as written and its ``super().forward`` is `conv_bias`.
 - The decoders' 2x upsampling (``WanUpsample``, ``QwenImageUpsample``: ``nn.Upsample`` of ``x.float()``, cast back):
   `FastpathWanUpsample` / `FastpathQwenImageUpsample`, whose forward is
   `diffusers_fastpath.ops.upsample_nearest2x`: one read of x and one write of the result instead of an fp32 round
@@ -30,7 +36,10 @@ Tiling and slicing call the same modules on smaller tensors: the same sites, eac
 
 from __future__ import annotations
 
+from diffusers.models.autoencoders import autoencoder_kl_hunyuanimage_refiner as refiner
+from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as hunyuan15
 from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage21 as qwen21
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
@@ -42,9 +51,9 @@ from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, a
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..quality import hooked
-from ..ops.conv_bias import add_bias_conv_class
+from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class
 from .vae import PairBlock, PairCalls, swap_pair_blocks
-from .vae_conv import causal_conv_site, swap_convs
+from .vae_conv import FastpathConv2d, add_conv_subclass, causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
 NORM_DIGESTS = frozenset({"960a6e5b25f82893"})  # F.normalize(x.float()).to(x.dtype) * self.scale * self.gamma + bias
@@ -80,11 +89,12 @@ def _fits(base: type, digests: frozenset, parent: type | None = None) -> bool:
 
 
 NORMS = {base: _subclass(base, f"Fastpath{base.__name__}", _norm_forward, "`channel_rmsnorm`")
-         for base in (wan.WanRMS_norm, qwen.QwenImageRMS_norm)}
+         for base in (wan.WanRMS_norm, qwen.QwenImageRMS_norm, qwen21.QwenImage21RMS_norm,
+                      hunyuan15.HunyuanVideo15RMS_norm, refiner.HunyuanImageRefinerRMS_norm)}
 CONVS = {base: _subclass(base, f"Fastpath{base.__name__}", _conv_forward, "`causal_conv3d`")
          for base in (wan.WanCausalConv3d, qwen.QwenImageCausalConv3d)}
 UPSAMPLES = {base: _subclass(base, f"Fastpath{base.__name__}", _upsample_forward, "`upsample_nearest2x`")
-             for base in (wan.WanUpsample, qwen.QwenImageUpsample)}
+             for base in (wan.WanUpsample, qwen.QwenImageUpsample, qwen21.QwenImage21Upsample)}
 for _base, _sub in NORMS.items():
     add_norm_class(_sub, _base)
 for _base, _sub in CONVS.items():
@@ -92,6 +102,15 @@ for _base, _sub in CONVS.items():
     add_bias_conv_class(_sub)  # (its forward hands the padded input to `conv_bias`)
 for _base, _sub in UPSAMPLES.items():
     add_upsample_class(_sub, _base)
+
+
+class FastpathQwenImage21CausalConv3d(qwen21.QwenImage21CausalConv3d, FastpathConv2d):
+    """diffusers' ``QwenImage21CausalConv3d`` (an ``nn.Conv2d`` that pads, then calls ``super().forward``) with
+    `FastpathConv2d` next in the method order: diffusers' forward runs as written, its ``super().forward`` is
+    `conv_bias` (``nn.Conv2d.forward`` wherever the guard refuses). Adds no state."""
+
+
+add_conv_subclass(FastpathQwenImage21CausalConv3d, qwen21.QwenImage21CausalConv3d)
 
 
 def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
@@ -109,9 +128,16 @@ PAIRS = PairCalls("_diffusers_fastpath_vae_wan", PAIR_SITE, pair_unfit, channel_
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = tuple(
-    PairBlock(base, f"Fastpath{base.__name__}", __name__, ("nonlinearity",), PAIRS)
-    for base in (wan.WanResidualBlock, wan.WanEncoder3d, wan.WanDecoder3d,
-                 qwen.QwenImageResidualBlock, qwen.QwenImageEncoder3d, qwen.QwenImageDecoder3d)
+    PairBlock(base, f"Fastpath{base.__name__}", __name__, (act,), PAIRS)
+    for base, act in ((wan.WanResidualBlock, "nonlinearity"), (wan.WanEncoder3d, "nonlinearity"),
+                      (wan.WanDecoder3d, "nonlinearity"), (qwen.QwenImageResidualBlock, "nonlinearity"),
+                      (qwen.QwenImageEncoder3d, "nonlinearity"), (qwen.QwenImageDecoder3d, "nonlinearity"),
+                      (qwen21.QwenImage21ResidualBlock, "nonlinearity"), (qwen21.QwenImage21Encoder3d, "nonlinearity"),
+                      (qwen21.QwenImage21Decoder3d, "nonlinearity"), (hunyuan15.HunyuanVideo15ResnetBlock, "nonlinearity"),
+                      (hunyuan15.HunyuanVideo15Encoder3D, "conv_act"), (hunyuan15.HunyuanVideo15Decoder3D, "conv_act"),
+                      (refiner.HunyuanImageRefinerResnetBlock, "nonlinearity"),
+                      (refiner.HunyuanImageRefinerEncoder3D, "conv_act"),
+                      (refiner.HunyuanImageRefinerDecoder3D, "conv_act"))
 )
 
 
@@ -131,6 +157,9 @@ def _checked(classes, digests: frozenset, parent: type | None, register) -> set[
 
 @register_adapter(wan.AutoencoderKLWan)
 @register_adapter(qwen.AutoencoderKLQwenImage)
+@register_adapter(qwen21.AutoencoderKLQwenImage21)
+@register_adapter(hunyuan15.AutoencoderKLHunyuanVideo15)
+@register_adapter(refiner.AutoencoderKLHunyuanImageRefiner)
 def patch_wan_vae(model, state: PatchState) -> None:
     """Fuse the norms (and their SiLUs) and build the causal convolutions' inputs in one buffer (see module doc)."""
     norms = _checked(NORMS, NORM_DIGESTS, None, add_norm_class)
@@ -149,4 +178,7 @@ def patch_wan_vae(model, state: PatchState) -> None:
         elif cls in upsamples:
             state.swap_class(module, UPSAMPLES[cls])
             state.add_site(module, UPSAMPLE_NEAREST2X.name)
+        elif cls is qwen21.QwenImage21CausalConv3d and module.bias is not None:
+            state.swap_class(module, FastpathQwenImage21CausalConv3d)
+            state.add_site(module, CONV_BIAS.name)
     swap_convs(model, state)  # the plain ones (the resampling's nn.Conv2d, the attention's 1x1)

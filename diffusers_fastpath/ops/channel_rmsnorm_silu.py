@@ -25,14 +25,16 @@ as `silu_mul` proves its own; a mismatch disables the op for the process (one wa
 What the guard admits: a module of a class the VAE adapter registered (`add_norm_class`: diffusers' class after its
 ``forward`` was checked by source digest, or this package's subclass of it) with ``channel_first``, a python-number
 ``scale``, ``gamma`` of x's dtype shaped ``[C, 1, ...]`` to broadcast over x's trailing dims, ``bias`` a python number
-or a tensor like ``gamma``; a bf16/fp16 x ``[B, C, *]``, contiguous or time-major (``[B, C, T, H, W]`` laid out as
-``[B, T, C, H, W]``, as Wan's upsamplers leave it), any trailing size (rows of a multiple of 8 elements run 16-byte
-vectors, others one element per thread: Qwen-Image's 166x166 latents; each way its own first-call check); no
+or a tensor like ``gamma``; a bf16/fp16 x ``[B, C, *]``, contiguous, time-major (``[B, C, T, H, W]`` laid out as
+``[B, T, C, H, W]``, as Wan's upsamplers leave it) or channels-last (HunyuanVideo-1.5's mid-block, one element per
+thread), any trailing size (rows of a multiple of 8 elements run 16-byte vectors, others one element per thread:
+Qwen-Image's 166x166 latents; each way its own first-call check); no
 autograd; torch's ``F.normalize`` the form read here (source digest).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -108,7 +110,7 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
             return "bias not like gamma"
     elif not _is_number(bias):
         return "bias not a python number or tensor"
-    if not (x.is_contiguous() or _time_major(x)):
+    if not (x.is_contiguous() or _time_major(x) or _channels_last(x)):
         return "x not contiguous"
     if x.numel() == 0:
         return "empty"
@@ -128,6 +130,20 @@ def _time_major(x: torch.Tensor) -> bool:
     """Whether x is ``[B, C, T, H, W]`` laid out as ``[B, T, C, H, W]`` (the upsampler's ``view(b, t, c, h, w)
     .permute(0, 2, 1, 3, 4)``): eager's result keeps that layout, and so does the kernel's (as ``B * T`` rows)."""
     return x.dim() == 5 and x.transpose(1, 2).is_contiguous()
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """Whether x is ``[B, C, *]`` laid out channels last (HunyuanVideo-1.5's mid-block attention returns its output
+    so, ``permute(0, 4, 1, 2, 3)``, and the convolutions after it keep that layout): eager's result keeps x's strides,
+    and so does the kernel's (each position a row of C channels: ``[B * T * H * W, C, 1]``)."""
+    return x.dim() >= 3 and x.movedim(1, -1).is_contiguous()
+
+
+def _layout(x: torch.Tensor) -> str:
+    """The memory the kernel reads x as (see `_fused`); the guard admits no other."""
+    if x.is_contiguous():
+        return "contiguous"
+    return "time-major" if _time_major(x) else "channels-last"
 
 
 _INT32_MAX = 2**31 - 1
@@ -247,23 +263,42 @@ def _tensors(norm):
 
 
 def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value: float, silu: bool) -> torch.Tensor:
-    """The kernel over x's memory as ``[rows, C, spatial]``: x contiguous, or time-major (`_time_major`: ``B * T``
-    rows of ``[C, H * W]``), the result in x's layout as eager's is. The denominator is aten's, on x as eager takes
-    it, laid out in the same row order (``[B, 1, T, H, W]``: one value per row and position)."""
+    """The kernel over x's memory as ``[rows, C, spatial]``: x contiguous, time-major (`_time_major`: ``B * T`` rows
+    of ``[C, H * W]``) or channels-last (`_channels_last`: a row of ``[C, 1]`` per position), the result in x's
+    layout as eager's is. The denominator is aten's, on x as eager takes it, laid out in the same row order
+    (``[B, 1, T, H, W]``: one value per row and position)."""
     denom = denominator(x).contiguous()
-    if x.is_contiguous():
+    layout = _layout(x)
+    if layout == "contiguous":
         out = _raw(x, denom, gamma, bias, scale, bias_value, silu, False)
-    else:
+    elif layout == "time-major":
         batch, channels, frames, height, width = x.shape
         rows = x.transpose(1, 2).reshape(batch * frames, channels, height * width)  # a view (time-major memory)
         out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
         out = out.view(batch, frames, channels, height, width).transpose(1, 2)
+    else:  # channels-last: the same memory order as eager's result; its strides where a dimension has size 1
+        rows = x.movedim(1, -1).reshape(-1, x.shape[1], 1)  # a view (channels-last memory)
+        out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
+        strides = _eager_strides(tuple(x.shape), x.stride(), x.dtype, isinstance(bias, torch.Tensor), silu)
+        return out.view(x.movedim(1, -1).shape).movedim(-1, 1).as_strided(x.shape, strides)
     # Eager's strides to the last size-1 dimension (a later op that reads strides, e.g. a memory-format choice, sees
     # what eager made): the norm's arithmetic keeps x's, also where x counts as contiguous with a size-1 dimension of
     # another stride (a time-major x of one frame); F.silu of a contiguous tensor gives the plain contiguous strides
     if silu or out.stride() == x.stride():
         return out
     return out.as_strided(x.shape, x.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_strides(shape: tuple, stride: tuple, dtype: torch.dtype, bias_tensor: bool, silu: bool) -> tuple:
+    """The strides of eager's result for an x of these strides: the module's expression run on meta tensors (the
+    same stride rules as on CUDA: aten's TensorIterator places a dimension of size 1 by x's strides, which a
+    channels-last x's need not follow)."""
+    x = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    affine = torch.empty((shape[1],) + (1,) * (len(shape) - 2), dtype=dtype, device="meta")
+    xf = x.float()
+    y = (xf / xf.norm(2.0, 1, keepdim=True).clamp_min(_EPS)).to(dtype) * 2.0 * affine + (affine if bias_tensor else 0.0)
+    return (F.silu(y) if silu else y).stride()
 
 
 def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
@@ -276,13 +311,14 @@ def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _signature(norm, x: torch.Tensor):
-    """What one first-call ``torch.equal`` vouches for: the dtype, the layout the kernel reads (contiguous or
-    time-major) and the bias's kind. The tail is exact by construction; the check is its second line (the kernel is
-    new on each GPU kind it meets), the proof covers the SiLU; whether it runs vectors or elements, and whether the
-    norm reduction reads x or its fp32 upcast (`reads_half_directly`)."""
+    """What one first-call ``torch.equal`` vouches for: the dtype, the layout the kernel reads (contiguous,
+    time-major or channels-last) and the bias's kind. The tail is exact by construction; the check is its second
+    line (the kernel is new on each GPU kind it meets), the proof covers the SiLU; whether it runs vectors or
+    elements, and whether the norm reduction reads x or its fp32 upcast (`reads_half_directly`)."""
     bias = getattr(norm, "bias", None)
-    spatial = math.prod(x.shape[2:]) if x.is_contiguous() else math.prod(x.shape[3:])  # the kernel's rows
-    return (str(x.dtype).removeprefix("torch."), x.is_contiguous(), isinstance(bias, torch.Tensor),
+    layout = _layout(x)
+    spatial = {"contiguous": math.prod(x.shape[2:]), "time-major": math.prod(x.shape[3:]), "channels-last": 1}[layout]
+    return (str(x.dtype).removeprefix("torch."), layout, isinstance(bias, torch.Tensor),
             _vectors(spatial, x.dtype), reads_half_directly(x))
 
 
@@ -315,7 +351,7 @@ def _(x, gamma, bias, scale, bias_value, silu):
     torch._check(x.dim() >= 3, lambda: f"channel_rmsnorm: x must be [B, C, *], got {tuple(x.shape)}")
     if silu and x.is_contiguous():  # as `_fused` returns it: eager's strides
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    return torch.empty_like(x)  # x's layout (contiguous or time-major: what the guard admits), as eager's
+    return torch.empty_like(x)  # x's layout (time-major or channels-last: what the guard admits), as eager's
 
 
 def _custom(silu: bool):

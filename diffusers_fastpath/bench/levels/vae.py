@@ -17,12 +17,32 @@ from ..timing import Clock, equal, md5, progress
 from .profile import profile_call
 
 
-# The VAEs of the step-level models (no pipeline family here): model name -> (diffusers class, config). The published
-# configs are the classes' defaults (Wan 2.1's VAE, 8x spatial and 4x temporal, 16 latent channels; Qwen-Image's, the
-# same network under its own class); the tiny ones keep the compression.
+# The VAEs of the step-level models (no pipeline family here) and of the families whose VAE alone is benched: model
+# name -> (diffusers class, config). The published configs are the classes' defaults (Wan 2.1's VAE, 8x spatial and 4x
+# temporal, 16 latent channels; Qwen-Image's, the same network under its own class; Qwen-Image 2.1's, 16x, RGBA;
+# HunyuanVideo's, 8x / 4x; HunyuanVideo-1.5's, 16x / 4x) but HunyuanImage-2.1's, which has none (its conversion
+# script's: 32x, 64 latent channels); the tiny ones keep the compression.
 _TINY_WAN = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+_HUNYUAN_IMAGE = dict(in_channels=3, out_channels=3, latent_channels=64, block_out_channels=(128, 256, 512, 512, 1024, 1024),
+                      layers_per_block=2, spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289)
 VAE_MODELS = {"wan-14b": ("AutoencoderKLWan", {}), "wan-tiny": ("AutoencoderKLWan", _TINY_WAN),
-              "qwen-image": ("AutoencoderKLQwenImage", {}), "qwen-image-tiny": ("AutoencoderKLQwenImage", _TINY_WAN)}
+              "qwen-image": ("AutoencoderKLQwenImage", {}), "qwen-image-tiny": ("AutoencoderKLQwenImage", _TINY_WAN),
+              "qwen-image-2.1": ("AutoencoderKLQwenImage21", {}),
+              "qwen-image-2.1-tiny": ("AutoencoderKLQwenImage21", dict(base_dim=8, decoder_base_dim=8, z_dim=4,
+                                                                        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+                                                                        dim_mult=[1, 2, 2, 2, 2], num_res_blocks=1)),
+              "hunyuanvideo": ("AutoencoderKLHunyuanVideo", {}),
+              "hunyuanvideo-tiny": ("AutoencoderKLHunyuanVideo", dict(block_out_channels=(32, 32, 32, 32),
+                                                                      norm_num_groups=8, layers_per_block=1)),
+              "hunyuanvideo-1.5": ("AutoencoderKLHunyuanVideo15", {}),
+              "hunyuanvideo-1.5-tiny": ("AutoencoderKLHunyuanVideo15", dict(block_out_channels=(8, 16, 16, 32, 32),
+                                                                            latent_channels=4, layers_per_block=1)),
+              "hunyuan-image": ("AutoencoderKLHunyuanImage", _HUNYUAN_IMAGE),
+              "hunyuan-image-tiny": ("AutoencoderKLHunyuanImage", {**_HUNYUAN_IMAGE, "latent_channels": 8,
+                                                                   "block_out_channels": (32, 32, 64, 64, 64, 64),
+                                                                   "layers_per_block": 1})}
+_SAMPLE_CHANNELS = {"AutoencoderKLQwenImage21": 4}  # the sample's channels where they are not RGB (Qwen-Image 2.1: RGBA)
+_ONE_FRAME = {"AutoencoderKLQwenImage21"}  # image VAEs of a video network (their config keeps its temporal factor)
 
 
 def build_vae(args: argparse.Namespace, device: torch.device):
@@ -44,7 +64,10 @@ def build_vae(args: argparse.Namespace, device: torch.device):
 
 def _frames(vae, frames: int) -> tuple[tuple, tuple]:
     """The frame dimension of the latents and of the sample: ``()`` for an image VAE (``[B, C, H, W]``); a video VAE's
-    latent frames (LTX-Video's 8x, Wan's 4x in time); ``(1,)`` for Qwen-Image's, Wan's network on one frame."""
+    latent frames (LTX-Video's 8x, Wan's 4x in time); ``(1,)`` for Qwen-Image's and Qwen-Image 2.1's, Wan's network on
+    one frame."""
+    if type(vae).__name__ in _ONE_FRAME:
+        return (1,), (1,)
     temporal = getattr(vae, "temporal_compression_ratio", None) or getattr(vae.config, "scale_factor_temporal", None)
     if temporal:
         return ((frames - 1) // temporal + 1,), (frames,)
@@ -85,7 +108,9 @@ def run_vae(args: argparse.Namespace, device: torch.device, show: bool, profile:
     channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
     latents = torch.randn(args.batch, channels, *latent_frames, args.height // scale, args.width // scale,
                           generator=gen, device=device).to(dtype)
-    image = (torch.rand(args.batch, 3, *frames, args.height, args.width, generator=gen, device=device) * 2 - 1).to(dtype)
+    sample_channels = _SAMPLE_CHANNELS.get(type(vae).__name__, 3)
+    image = (torch.rand(args.batch, sample_channels, *frames, args.height, args.width, generator=gen, device=device)
+             * 2 - 1).to(dtype)
     calls = {"decode": (lambda m: m.decode(latents).sample, latents),
              "encode": (lambda m: m.encode(image).latent_dist.mean, image)}
     clock = Clock(device)
