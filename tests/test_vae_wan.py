@@ -583,20 +583,23 @@ def test_channel_rmsnorm_kernel_equals_eager_at_wan_shapes(shape, dtype, layout)
 def test_norm_reduction_reading_half_equals_the_fp32_upcast(dtype):
     """`reads_half_directly`: aten's norm over the channels reading x itself (``linalg.vector_norm(..., dtype=float32)``)
     equals F.normalize's reduction of the fp32 upcast, bit for bit, at the shapes and layouts the VAEs run (Wan's and
-    Qwen-Image's, time-major, a batch of 2) and at sizes that move aten's launch configuration (channels from 3 to 768,
-    odd rows, rows of 1, 2 and 4-element output vectors); and it is refused where the two could be launched apart (an
-    address that is no multiple of 4 elements, an fp32 operand past 2 GiB)."""
+    Qwen-Image's, time-major, channels-last, a batch of 2) and at sizes that move aten's launch configuration
+    (channels from 3 to 768, odd rows, rows of 1, 2 and 4-element output vectors); and it is refused where the two
+    could be launched apart (an address that is no multiple of 4 elements, an fp32 operand past 2 GiB)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     shapes = WAN_NORM_SHAPES + [(2, 384, 2, 60, 104), (1, 3, 5, 33, 47), (1, 12, 1, 7, 9), (1, 768, 1, 17, 19),
                                 (1, 96, 1, 1, 1), (3, 160, 2, 2), (1, 512, 4, 3, 3), (1, 256, 1, 1, 6)]
     checked = 0
     for shape in shapes:
-        for layout in ("contiguous", "time-major"):
+        for layout in ("contiguous", "time-major", "channels-last"):
             if layout == "time-major" and len(shape) != 5:
                 continue
             if layout == "time-major":
                 b, c, t, h, w = shape
                 x = (torch.randn(b, t, c, h, w, generator=gen, device="cuda") * 3).to(dtype).transpose(1, 2)
+            elif layout == "channels-last":  # HunyuanVideo-1.5's mid-block; C on the fastest dimension: aten's
+                last = (torch.randn(shape[0], *shape[2:], shape[1], generator=gen, device="cuda") * 3).to(dtype)
+                x = last.movedim(-1, 1)  # other reduction scheme (across a warp's lanes, vectorised input)
             else:
                 x = (torch.randn(shape, generator=gen, device="cuda") * 3).to(dtype)
             x[:, ::7, ..., ::3] = 0  # zeros, and positions whose channels are all zero
@@ -607,7 +610,7 @@ def test_norm_reduction_reading_half_equals_the_fp32_upcast(dtype):
             assert got.shape == ref.shape and got.stride() == ref.stride(), (shape, layout)
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (shape, layout)
             checked += 1
-    assert checked == 29
+    assert checked == 45
     flat = torch.randn(8 * 1000 + 1, generator=gen, device="cuda").to(dtype)
     assert not crms.reads_half_directly(flat[1:].view(1, 8, 1000))  # 2 bytes past a 16-byte boundary
     assert not crms.reads_half_directly(torch.zeros(1, device="cuda", dtype=dtype).expand(2**29 + 1))
