@@ -944,10 +944,35 @@ void conv_bias_(at::Tensor& x, const at::Tensor& bias) {
   TORCH_CHECK(err == cudaSuccess, "conv_bias_: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x a dense CUDA
+// [N, C, *] tensor of bf16/fp16 laid out channels-last (C innermost), bias a contiguous [C] of its dtype.
+at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
+  TORCH_CHECK(x.is_cuda() && (x.dim() == 4 || x.dim() == 5) && bias.is_cuda() && bias.dim() == 1 &&
+                  bias.size(0) == x.size(1) && bias.is_contiguous() && bias.scalar_type() == x.scalar_type() &&
+                  x.is_contiguous(x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d),
+              "conv_bias_contiguous: x must be a channels-last CUDA [N, C, *] tensor and bias a contiguous [C] of its "
+              "dtype, got ", shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+  BiasContiguousArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.bias = bias.data_ptr();
+  args.batch = x.size(0);
+  args.channels = x.size(1);
+  args.spatial = x.numel() / (args.batch * args.channels);
+  const cudaError_t err = launch_bias_contiguous(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "conv_bias_contiguous: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
 // stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
-// the cache frames as eager's concatenation does; the result a contiguous [B, C, T', H', W'].
-at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding) {
+// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last.
+at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding,
+                      bool channels_last) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 5 && (x.size(4) <= 1 || x.stride(4) == 1) && padding.size() == 6,
               "causal_pad: x must be a CUDA [B, C, T, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
   for (const int64_t p : padding) TORCH_CHECK(p >= 0, "causal_pad: padding must be non-negative");
@@ -964,7 +989,8 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
   const int64_t pt0 = padding[4] - cache_frames;
   at::Tensor out = at::empty({x.size(0), x.size(1), pt0 + cache_frames + x.size(2) + padding[5],
                               x.size(3) + padding[2] + padding[3], x.size(4) + padding[0] + padding[1]},
-                             x.options());
+                             x.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast3d
+                                                                     : at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x.device());
   args.out = out.data_ptr();
@@ -990,6 +1016,7 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
   args.cache_stride_c = cache.has_value() ? cache->stride(1) : 0;
   args.cache_stride_t = cache.has_value() ? cache->stride(2) : 0;
   args.cache_stride_h = cache.has_value() ? cache->stride(3) : 0;
+  args.channels_last = channels_last;
   const cudaError_t err = launch_causal_pad(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "causal_pad: kernel launch failed: ", cudaGetErrorString(err));
   return out;
@@ -1207,7 +1234,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
   m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
-  m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding) -> Tensor");
+  m.def("_conv_bias_contiguous_cuda(Tensor x, Tensor bias) -> Tensor");
+  m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding, bool channels_last=False) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
       "Tensor");
@@ -1267,6 +1295,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_upsample_nearest2x_cuda", &diffusers_fastpath::upsample_nearest2x);
   m.impl("_conv_bias_cuda_", &diffusers_fastpath::conv_bias_);
+  m.impl("_conv_bias_contiguous_cuda", &diffusers_fastpath::conv_bias_contiguous);
   m.impl("_causal_pad_cuda", &diffusers_fastpath::causal_pad);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);

@@ -10,6 +10,11 @@
 //                        x[b, c, t - pt0 - ct, h - ph0, w - pw0]         pt0 + ct <= t < pt0 + ct + T (likewise)
 //                        0                                               elsewhere (the border)
 // A block takes kThreads columns of an output row (b, c, t, h), the rows in turn with a grid stride.
+//
+// channels_last: the same values written as [B, Tp, Hp, Wp, C] memory (channels_last_3d), so that cuDNN, which runs
+// its engines on channels-last tensors, reads the buffer as it is instead of transposing it first (its nchwToNhwc
+// pass). The copy transposes: each block moves a kTile x kTile tile of (c, w) of one output row (b, t, h) through
+// shared memory, reading along w (the source's unit stride) and writing along c (the output's).
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -18,6 +23,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxRowBlocks = 65535;  // grid.y: min(rows, kMaxRowBlocks); grid.x: ceil(Wp / kThreads)
+constexpr int kTile = 32;             // channels-last: a tile of 32 channels x 32 columns, 32 x 8 threads
+constexpr int kTileRows = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArgs a) {
@@ -54,14 +61,78 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
   }
 }
 
-#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
+// channels_last: grid (ceil(Wp / kTile), ceil(C / kTile), min(B * Tp * Hp, kMaxRowBlocks)), block (kTile, kTileRows);
+// the output rows (b, t, h) in turn over grid.z with a grid stride.
+template <typename T>
+__global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
+  static_assert(sizeof(T) == 2, "a 16-bit storage type: the values are copied as their bits");
+  __shared__ unsigned short tile[kTile][kTile + 1];  // [channel][column] bits, padded against bank conflicts
+  const unsigned base = shared_address(&tile[0][0]);
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
+  const int64_t out_t = a.pad_t0 + a.cache_frames + a.frames + a.pad_t1;
+  const int64_t rows = a.batch * out_t * out_h;
+  const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const unsigned short* x = static_cast<const unsigned short*>(a.x);
+  const unsigned short* cache = static_cast<const unsigned short*>(a.cache);
+  unsigned short* out = static_cast<unsigned short*>(a.out);
+  const int64_t w_read = w0 + threadIdx.x;  // the column this thread reads (along the source's unit stride)
+  const int64_t sw = w_read - a.pad_w0;
+  const bool inside_w = w_read < out_w && sw >= 0 && sw < a.width;
+  const int64_t c_write = c0 + threadIdx.x;  // the channel this thread writes (along the output's unit stride)
+  for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
+    const int64_t h = r % out_h;
+    const int64_t t = (r / out_h) % out_t;
+    const int64_t b = r / (out_h * out_t);
+    const int64_t sh = h - a.pad_h0;
+    const int64_t st = t - a.pad_t0;
+    const unsigned short* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
+    int64_t stride_c = 0;
+    if (sh >= 0 && sh < a.height && st >= 0) {
+      if (st < a.cache_frames) {
+        src = cache + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
+        stride_c = a.cache_stride_c;
+      } else if (st < a.cache_frames + a.frames) {
+        src = x + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
+        stride_c = a.x_stride_c;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kTile / kTileRows; ++k) {
+      const unsigned i = threadIdx.y + k * kTileRows;
+      const int64_t c = c0 + i;
+      unsigned short v = 0;  // +0.0 in fp16 and bf16, as F.pad writes
+      if (src != nullptr && inside_w && c < a.channels) v = src[c * stride_c + sw];
+      shared_store_u16(base + 2u * (i * (kTile + 1) + threadIdx.x), v);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kTile / kTileRows; ++k) {
+      const unsigned i = threadIdx.y + k * kTileRows;
+      const int64_t w = w0 + i;
+      const unsigned short v = shared_load_u16(base + 2u * (threadIdx.x * (kTile + 1) + i));
+      if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
+    }
+    __syncthreads();  // (the tile is refilled for the next row)
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
-  const int64_t rows = a.batch * a.channels * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) *
-                       (a.height + a.pad_h0 + a.pad_h1);
+  const int64_t planes = a.batch * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) * (a.height + a.pad_h0 + a.pad_h1);
+  const int64_t rows = planes * a.channels;
   if (rows == 0 || out_w == 0) return cudaSuccess;
   if (rows < 0 || out_w < 0) return cudaErrorInvalidValue;
+  if (a.channels_last) {
+    const dim3 grid(static_cast<unsigned>((out_w + kTile - 1) / kTile),
+                    static_cast<unsigned>((a.channels + kTile - 1) / kTile),
+                    static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
+    causal_pad_cl_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   const dim3 grid(static_cast<unsigned>((out_w + kThreads - 1) / kThreads),
                   static_cast<unsigned>(rows < kMaxRowBlocks ? rows : kMaxRowBlocks));
   causal_pad_kernel<T><<<grid, kThreads, 0, stream>>>(a);

@@ -11,6 +11,11 @@
 //   channels-last (N*C contiguous):  rows = N * S positions of cols = C channels, bias[col] for the column.
 // kVector: cols a multiple of 16 / sizeof(T) and x 16-byte aligned, each thread a 16-byte vector; else one element.
 // A block takes kThreads columns (vectors or elements) of a row, the rows in turn with a grid stride.
+//
+// bias_contiguous: a channels-last output (cuDNN's, for a channels-last input) with its bias added, written into a new
+// contiguous tensor: the same add, and the transpose cuDNN would otherwise run after a channels-first convolution
+// (its nhwcToNchw pass) in the same pass. Each block moves a kTile x kTile tile of (spatial, channel) of one sample
+// through shared memory, reading along the channels (x's unit stride) and writing along the positions (out's).
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -19,6 +24,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxRowBlocks = 65535;  // grid.y: min(rows, kMaxRowBlocks); grid.x: ceil(cols / kVec / kThreads)
+constexpr int kTile = 32;             // bias_contiguous: a tile of 32 positions x 32 channels, 32 x 8 threads
+constexpr int kTileRows = 8;
 
 template <typename T, bool kChannelsLast, bool kVector>
 __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs a) {
@@ -51,7 +58,55 @@ __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs 
   }
 }
 
-#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
+// grid (ceil(spatial / kTile), ceil(channels / kTile), min(batch, kMaxRowBlocks)), block (kTile, kTileRows); the
+// samples in turn over grid.z with a grid stride.
+template <typename T>
+__global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(const BiasContiguousArgs a) {
+  __shared__ float tile[kTile][kTile + 1];  // [position][channel], the sums (rounded when written)
+  const unsigned base = shared_address(&tile[0][0]);
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const T* x = static_cast<const T*>(a.x);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+  const int64_t c_read = c0 + threadIdx.x;
+  const float b = c_read < a.channels ? Storage<T>::load(bias[c_read]) : 0.0f;
+  const int64_t s_write = s0 + threadIdx.x;
+  for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
+#pragma unroll
+    for (int k = 0; k < kTile / kTileRows; ++k) {
+      const unsigned i = threadIdx.y + k * kTileRows;
+      const int64_t s = s0 + i;
+      float v = 0.0f;
+      if (s < a.spatial && c_read < a.channels) {
+        v = __fadd_rn(Storage<T>::load(x[(n * a.spatial + s) * a.channels + c_read]), b);
+      }
+      shared_store_f32(base + 4u * (i * (kTile + 1) + threadIdx.x), v);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kTile / kTileRows; ++k) {
+      const unsigned i = threadIdx.y + k * kTileRows;
+      const int64_t c = c0 + i;
+      const float v = shared_load_f32(base + 4u * (threadIdx.x * (kTile + 1) + i));
+      if (c < a.channels && s_write < a.spatial) out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
+    }
+    __syncthreads();  // (the tile is refilled for the next sample)
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T>
+cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) {
+  if (a.batch == 0 || a.spatial == 0 || a.channels == 0) return cudaSuccess;
+  if (a.batch < 0 || a.spatial < 0 || a.channels < 0) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((a.spatial + kTile - 1) / kTile),
+                  static_cast<unsigned>((a.channels + kTile - 1) / kTile),
+                  static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
+  bias_contiguous_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T, bool kChannelsLast, bool kVector>
 cudaError_t launch_layout(const ConvBiasArgs& a, cudaStream_t stream) {
   constexpr int kVec = kVector ? Pack<T>::kSize : 1;
@@ -79,6 +134,10 @@ cudaError_t launch(const ConvBiasArgs& a, cudaStream_t stream) {
 #ifndef __CUDACC_RTC__
 cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+
+cudaError_t launch_bias_contiguous(const BiasContiguousArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_contiguous<decltype(tag)>(args, stream); });
 }
 #endif
 

@@ -59,6 +59,30 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
+// A word of a __shared__ array at its 32-bit shared-window address (`shared_address` of an element): nvcc's front end
+// computes addresses into a __shared__ array with 32-bit arithmetic, NVRTC's with 64-bit generic pointers, so a tile
+// indexed by thread (the transposing copies) compiles to other machine code under the two; through these both emit
+// the same instructions (tests/test_nvrtc.py compares them).
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void shared_store_u16(unsigned address, unsigned short v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(address), "h"(v) : "memory");
+}
+__device__ __forceinline__ unsigned short shared_load_u16(unsigned address) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address) : "memory");
+  return v;
+}
+__device__ __forceinline__ void shared_store_f32(unsigned address, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(address), "f"(v) : "memory");
+}
+__device__ __forceinline__ float shared_load_f32(unsigned address) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+  return v;
+}
+
 // An 8- or 16-byte vector (Quad, Pack, float4) read through the read-only data path (ld.global.nc), for inputs that no
 // thread of the kernel writes (or only the thread that read them, after reading). The row kernels whose operands went
 // through it ran faster on the H200 (rotary.cu, layernorm_scale_shift.cu); the values are the same bytes.

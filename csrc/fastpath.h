@@ -419,9 +419,9 @@ struct ConvBiasArgs {
 cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream);
 #endif
 
-// A causal convolution's padded input (causal_pad.cu): out a contiguous [batch, channels, pad_t0 + cache_frames +
-// frames + pad_t1, pad_h0 + height + pad_h1, pad_w0 + width + pad_w1] holding the cache frames, then x's, inside a
-// zero border; x and cache with unit width stride (their other strides in elements).
+// A causal convolution's padded input (causal_pad.cu): out a [batch, channels, pad_t0 + cache_frames + frames +
+// pad_t1, pad_h0 + height + pad_h1, pad_w0 + width + pad_w1] holding the cache frames, then x's, inside a zero border,
+// contiguous or channels-last; x and cache with unit width stride (their other strides in elements).
 struct CausalPadArgs {
   void* out;
   const void* x;
@@ -447,10 +447,28 @@ struct CausalPadArgs {
   int64_t cache_stride_t;
   int64_t cache_stride_h;
   DType dtype;
+  bool channels_last;   // out laid out [batch, T', H', W', channels] (channels_last_3d) instead of contiguous
 };
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream);
+#endif
+
+// A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x dense
+// [batch, spatial, channels] (channels-last memory), out contiguous [batch, channels, spatial],
+//   out[n][c][s] = round(float(x[n][s][c]) + float(bias[c]))
+struct BiasContiguousArgs {
+  void* out;
+  const void* x;
+  const void* bias;     // [channels], contiguous
+  int64_t batch;
+  int64_t spatial;
+  int64_t channels;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_bias_contiguous(const BiasContiguousArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace diffusers_fastpath

@@ -202,6 +202,17 @@ def emulated_kernels(monkeypatch):
     conv_bias_module = sys.modules["diffusers_fastpath.ops.conv_bias"]
     monkeypatch.setattr(conv_bias_module.CONV_BIAS, "guard", _as_if_on_cuda(conv_bias_module.CONV_BIAS.guard))
     monkeypatch.setattr(conv_bias_module.CONV_BIAS, "kernel", conv_bias_module.conv_bias_ref)
+    # the causal convolutions channels-last: the op's own code, the backend taken as cuDNN; the convolution the
+    # channels-first one (with its bias: a CPU's convolution adds it inside, as above) with its result laid out
+    # channels-last, and the bias and transpose pass a copy to contiguous (a CPU's convolution of a channels-last input
+    # is not always the channels-first bits; cuDNN's is the GPU tests' question); its per-signature check against
+    # eager runs as on the GPU
+    causal_conv_cl = sys.modules["diffusers_fastpath.ops.causal_conv_cl"]
+    monkeypatch.setattr(causal_conv_cl.CAUSAL_CONV3D_CL, "guard", _as_if_on_cuda(causal_conv_cl.CAUSAL_CONV3D_CL.guard))
+    monkeypatch.setattr(causal_conv_cl, "_backend", lambda *args: torch._C._ConvBackend.Cudnn)
+    monkeypatch.setattr(causal_conv_cl, "_convolution", lambda conv, padded: conv._conv_forward(
+        padded.contiguous(), conv.weight, conv.bias).contiguous(memory_format=torch.channels_last_3d))
+    monkeypatch.setattr(conv_bias_module, "_contiguous_op", lambda x, bias: x.contiguous())
     # their decoders' 2x upsampling: csrc/upsample_nearest.cu's arithmetic, each value's float round trip in its 2x2
     upsample = sys.modules["diffusers_fastpath.ops.upsample_nearest"]
     monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "guard", _as_if_on_cuda(upsample.UPSAMPLE_NEAREST2X.guard))

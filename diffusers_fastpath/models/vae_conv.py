@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._state import SITE_ATTR, PatchState
+from ..ops.causal_conv_cl import CAUSAL_CONV3D_CL
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class, conv_bias
 
 
@@ -67,6 +68,9 @@ def swap_convs(model: nn.Module, state: PatchState) -> None:
 
 
 def causal_conv_site(module: nn.Module, state: PatchState) -> None:
-    """Give a causal convolution (its class registered with `add_bias_conv_class`) its `conv_bias` site."""
+    """Give a causal convolution (its class registered with `add_bias_conv_class`) its `conv_bias` site, and where it
+    pads (its input is a new buffer) its `causal_conv3d_cl` site: the channels-last path, `conv_bias` its fallback."""
     if module.bias is not None:
         state.add_site(module, CONV_BIAS.name, CONV_BIAS.name)
+        if any(module._padding):
+            state.add_site(module, CAUSAL_CONV3D_CL.name, CAUSAL_CONV3D_CL.name)

@@ -8,6 +8,7 @@ from .layernorm_modulate import layernorm_modulate, layernorm_modulate_ref, laye
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .causal_conv_pad import causal_conv3d, causal_conv3d_ref
+from .causal_conv_cl import causal_conv3d_cl
 from .conv_bias import conv_bias, conv_bias_ref
 from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_rmsnorm_silu, channel_rmsnorm_silu_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
@@ -48,6 +49,7 @@ __all__ = [
     "cat_heads",
     "cat_heads_ref",
     "causal_conv3d",
+    "causal_conv3d_cl",
     "causal_conv3d_ref",
     "conv_bias",
     "conv_bias_ref",

@@ -20,7 +20,8 @@ and as aligned as a fresh block (``x.contiguous()`` where it is not dense). The 
 one eager would lay out channels-last), so cuDNN sees the same problem.
 
 What the guard admits: a module of a class the adapter registered (`add_conv_class`), x of 5 dims on CUDA in a layout
-eager reads as contiguous (contiguous itself where nothing is padded), ``cache_x`` ``None`` or likewise, of x's
+eager reads as contiguous (contiguous itself where nothing is padded), fp16 / bf16 where a buffer is built (any dtype
+where x itself goes to the convolution), ``cache_x`` ``None`` or likewise, of x's
 dtype, device and sizes but time, at most as many frames as the time padding; no autograd. Anything else runs the module's forward as diffusers wrote it.
 """
 
@@ -98,6 +99,8 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
             return "x of a channels-last layout"
     elif not _contiguous_format(x):
         return "x of a channels-last layout"
+    elif x.dtype not in HALF_DTYPES:  # (the buffer's kernel writes fp16 / bf16; x itself goes anywhere)
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if cache_x is not None and padding[4] > 0:
         if not isinstance(cache_x, torch.Tensor) or cache_x.dim() != 5:
             return "cache not [B, C, t, H, W]"
@@ -118,9 +121,11 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
     return None
 
 
-def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None,
+                 channels_last: bool = False) -> torch.Tensor:
     """``F.pad(torch.cat([cache_x, x], dim=2), padding)`` as the module computes it, written into one buffer by
-    ``csrc/causal_pad.cu`` (x itself where nothing is padded or concatenated)."""
+    ``csrc/causal_pad.cu`` (x itself where nothing is padded or concatenated), contiguous as eager's, or laid out
+    channels-last (the same values; `diffusers_fastpath.ops.causal_conv_cl`, where something is padded)."""
     global _launch
     if cache_x is None or conv._padding[4] <= 0:
         cache_x = None  # eager concatenates only where the convolution pads in time
@@ -128,12 +133,13 @@ def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None 
         return x if _dense(x) else x.contiguous()  # what eager's clone is: x's strides where dense, else contiguous
     if _launch is None:
         _launch = launcher(_nvrtc_kernel, "_causal_pad_cuda")
-    return _launch(x, cache_x, list(conv._padding))
+    return _launch(x, cache_x, list(conv._padding), channels_last)
 
 
-def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int]) -> torch.Tensor:
-    """What ``csrc/causal_pad.cu`` writes, in torch (the tests' emulation of the kernel): a contiguous buffer whose
-    border is zero and whose inside holds the cache frames, then x's."""
+def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int],
+                   channels_last: bool = False) -> torch.Tensor:
+    """What ``csrc/causal_pad.cu`` writes, in torch (the tests' emulation of the kernel): a buffer whose border is
+    zero and whose inside holds the cache frames, then x's; contiguous, or channels-last (``channels_last_3d``)."""
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
     ct = 0 if cache_x is None else cache_x.shape[2]
     pt0 -= ct
@@ -143,41 +149,53 @@ def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[
     if ct:
         out[:, :, pt0:pt0 + ct, rows, cols] = cache_x
     out[:, :, pt0 + ct:pt0 + ct + frames, rows, cols] = x
-    return out
+    return out.contiguous(memory_format=torch.channels_last_3d) if channels_last else out
 
 
-# The NVRTC way: csrc/causal_pad.cu's kernel, launched as its launch() and bindings.cpp's causal_pad do. Duplicated
-# from there: kThreads 256, kMaxRowBlocks 65535 (tests/test_conv_bias.py reads them from the .cu), the CausalPadArgs
-# fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
+# The NVRTC way: csrc/causal_pad.cu's kernels, launched as its launch() and bindings.cpp's causal_pad do. Duplicated
+# from there: kThreads 256, kMaxRowBlocks 65535, kTile 32, kTileRows 8 (tests/test_nvrtc.py reads them from the .cu),
+# the CausalPadArgs fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
 _ARGS = _nvrtc.Params("CausalPadArgs", ("out", "P"), ("x", "P"), ("cache", "P"), ("batch", "q"), ("channels", "q"),
                       ("frames", "q"), ("height", "q"), ("width", "q"), ("cache_frames", "q"), ("pad_t0", "q"),
                       ("pad_t1", "q"), ("pad_h0", "q"), ("pad_h1", "q"), ("pad_w0", "q"), ("pad_w1", "q"),
                       ("x_stride_b", "q"), ("x_stride_c", "q"), ("x_stride_t", "q"), ("x_stride_h", "q"),
                       ("cache_stride_b", "q"), ("cache_stride_c", "q"), ("cache_stride_t", "q"),
-                      ("cache_stride_h", "q"), ("dtype", "i"))
+                      ("cache_stride_h", "q"), ("dtype", "i"), ("channels_last", "?"))
 _NVRTC = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_kernel",
                        {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
                        _nvrtc.Params("causal_pad_kernel", ("a", _ARGS)))
+_NVRTC_CL = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_cl_kernel",
+                          {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                          _nvrtc.Params("causal_pad_cl_kernel", ("a", _ARGS)))
 _THREADS = 256
 _MAX_ROW_BLOCKS = 65535
+_TILE, _TILE_ROWS = 32, 8
 
 
-def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int]) -> torch.Tensor:
+def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int],
+                  channels_last: bool = False) -> torch.Tensor:
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
     ct = 0 if cache_x is None else cache_x.shape[2]
     batch, channels, frames, height, width = x.shape
-    out = x.new_empty(batch, channels, pt0 + frames + pt1, height + ph0 + ph1, width + pw0 + pw1)
+    fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
+    out = torch.empty(batch, channels, pt0 + frames + pt1, height + ph0 + ph1, width + pw0 + pw1, dtype=x.dtype,
+                      device=x.device, memory_format=fmt)
     if out.numel():
-        rows = out.shape[0] * out.shape[1] * out.shape[2] * out.shape[3]
-        grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(rows, _MAX_ROW_BLOCKS), 1)
+        planes = out.shape[0] * out.shape[2] * out.shape[3]
+        if channels_last:
+            kernel, block = _NVRTC_CL, (_TILE, _TILE_ROWS, 1)
+            grid = ((out.shape[4] + _TILE - 1) // _TILE, (channels + _TILE - 1) // _TILE, min(planes, _MAX_ROW_BLOCKS))
+        else:
+            kernel, block = _NVRTC, (_THREADS, 1, 1)
+            grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)
         cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
-        _NVRTC.launch(x.device.index, x.dtype, grid, (_THREADS, 1, 1), out.data_ptr(), x.data_ptr(), cache_ptr,
+        kernel.launch(x.device.index, x.dtype, grid, block, out.data_ptr(), x.data_ptr(), cache_ptr,
                       batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0, ph1, pw0, pw1,
-                      *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype])
+                      *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype], channels_last)
     return out
 
 
-def _raw_guard(x, cache_x, padding):
+def _raw_guard(x, cache_x, padding, channels_last=False):
     # bindings.cpp's checks: CUDA [B, C, T, H, W] of a half dtype with unit W stride, a like cache of at most the time
     # padding's frames, six non-negative paddings
     def fits(t):
@@ -191,13 +209,21 @@ def _raw_guard(x, cache_x, padding):
     return None
 
 
-_nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding) -> Tensor", _raw_guard, _nvrtc_kernel)
+_nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding, bool channels_last=False) -> Tensor",
+              _raw_guard, _nvrtc_kernel)
 
 _launch = None
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    # the convolution, ``nn.Conv3d.forward``: its bias added by `conv_bias` (its own site, its own guard)
+    # channels-last where `causal_conv_cl` takes it (its own site, guard and per-signature check), else the
+    # convolution, ``nn.Conv3d.forward``, its bias added by `conv_bias` (its own site, its own guard)
+    from .causal_conv_cl import CAUSAL_CONV3D_CL, NAMED_SITE as _CL_SITE
+
+    site = conv.__dict__.get(_CL_SITE)  # (a site only on the convolutions that pad, with a bias)
+    out = None if site is None else CAUSAL_CONV3D_CL.try_fast(site, conv, x, cache_x)
+    if out is not None:
+        return out
     return conv_bias(conv, padded_input(conv, x, cache_x), conv.__dict__.get(_BIAS_SITE))
 
 

@@ -143,6 +143,56 @@ _nvrtc.raw_op("_conv_bias_cuda_", "(Tensor(a!) x, Tensor bias) -> ()", _raw_guar
 
 _cuda_op = None
 
+# csrc/conv_bias.cu's bias_contiguous_kernel (kTile 32, kTileRows 8; BiasContiguousArgs in fastpath.h): a channels-last
+# output's bias added into a new contiguous tensor, the transpose in the same pass (`diffusers_fastpath.ops.causal_conv_cl`)
+_CONTIGUOUS_ARGS = _nvrtc.Params("BiasContiguousArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("batch", "q"),
+                                 ("spatial", "q"), ("channels", "q"), ("dtype", "i"))
+_NVRTC_CONTIGUOUS = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_contiguous_kernel",
+                                  {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                                  _nvrtc.Params("bias_contiguous_kernel", ("a", _CONTIGUOUS_ARGS)))
+_TILE, _TILE_ROWS = 32, 8
+
+
+def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel():
+        batch, channels = x.shape[:2]
+        spatial = x.numel() // (batch * channels)
+        grid = ((spatial + _TILE - 1) // _TILE, (channels + _TILE - 1) // _TILE, min(batch, _MAX_ROW_BLOCKS))
+        _NVRTC_CONTIGUOUS.launch(x.device.index, x.dtype, grid, (_TILE, _TILE_ROWS, 1), out.data_ptr(), x.data_ptr(),
+                                 bias.data_ptr(), batch, spatial, channels, _nvrtc.DTYPE_CODE[x.dtype])
+    return out
+
+
+def _raw_contiguous_guard(x, bias):
+    # bindings.cpp's checks: a channels-last CUDA [N, C, *] (4 or 5 dims) of a half dtype; bias [C] of its dtype
+    if (x.dim() not in (4, 5) or x.dtype not in HALF_DTYPES or not x.is_cuda or bias.dim() != 1
+            or bias.shape[0] != x.shape[1] or bias.dtype != x.dtype or not bias.is_contiguous()
+            or _layout(x) is not True and x.numel()):
+        return "shape, dtype or layout"
+    return None
+
+
+_nvrtc.raw_op("_conv_bias_contiguous_cuda", "(Tensor x, Tensor bias) -> Tensor", _raw_contiguous_guard,
+              _nvrtc_contiguous)
+
+_contiguous_op = None
+
+
+def bias_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What ``csrc/conv_bias.cu``'s bias_contiguous_kernel writes, in torch (the tests' emulation): aten's add of the
+    bias (one fp32 add rounded to x's dtype), in a contiguous tensor."""
+    return (x + bias.reshape(1, -1, *([1] * (x.dim() - 2)))).contiguous()
+
+
+def bias_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A channels-last convolution output ``x`` with ``bias`` added, as a new contiguous tensor: aten's
+    ``x.add_(bias)`` then ``.contiguous()``, in one pass (for inputs `_raw_contiguous_guard` admits)."""
+    global _contiguous_op
+    if _contiguous_op is None:
+        _contiguous_op = launcher(_nvrtc_contiguous, "_conv_bias_contiguous_cuda")
+    return _contiguous_op(x, bias)
+
 
 def _kernel(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     global _cuda_op

@@ -1,0 +1,107 @@
+"""Wan's and Qwen-Image's causal 3D convolutions run channels-last, cuDNN's layout transposes folded into the passes
+around the convolution that exist anyway; bit-identical to eager, checked per convolution shape.
+
+cuDNN runs its engines on channels-last tensors. Given eager's channels-first input, it transposes the input (and
+the weight) to channels-last, runs the engine, and transposes the result back (``nchwToNhwcKernel``,
+``nhwcToNchwKernel``: 214 ms of the Wan 2.1 decode at 832x480x81 on an H100, of 1.58 s; 19 ms of the Qwen-Image
+decode at 1328x1328, of 115), and aten then adds the bias. Here, for a causal convolution that pads (the one-buffer
+input of `diffusers_fastpath.ops.causal_conv_pad`)::
+
+    padded = causal_pad(x, cache_x)            # the one buffer, written channels-last: the transpose in the copy
+    out    = conv._conv_forward(padded, w)     # cuDNN on a channels-last input: no input transpose (aten makes the
+                                               # weight channels-last, as cuDNN did), a channels-last result
+    out    = bias_contiguous(out, bias)        # the bias add and the transpose back in one pass, contiguous
+
+The values of the padded input only move; the bias add is aten's (one fp32 add, rounded); so the result is eager's
+exactly where cuDNN's channels-last engine computes what it computes after its own transposes: the same engine on the
+same operands, which `tools/conv_layout_probe.py` found for every convolution of the Wan 2.1, FLUX.1 and LTX-Video
+decodes on an H100 (cuDNN 9.19, ``cudnn.benchmark`` off, eager's default), but which no document promises. So the op
+verifies itself: the first call of each convolution signature (dtype, padded input shape, weight shape, stride,
+dilation, groups: what cuDNN picks its engine by) is compared with the module's eager forward (`FusedOp`), a
+mismatch disables it for the process (one warning), and the channels-first path runs.
+
+What the guard admits: what `causal_conv_pad`'s guard admits, where the convolution pads (a buffer is built) and has
+a bias of x's dtype, ``padding_mode`` "zeros", a 3-D convolution torch runs with cuDNN (asked of torch on the padded
+input, with and without the bias); not under ``torch.compile`` (its custom op is the module's own forward) nor
+with ``torch.backends.cudnn.benchmark`` on (the engine is then timed per call, not chosen by shape). Anything
+else runs the channels-first path (the one buffer and `conv_bias`), counted on this op's site with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import causal_conv_pad as _pad
+from ._policy import FusedOp, Site
+from .conv_bias import _backend, bias_contiguous
+
+NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
+
+
+def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_pointers: bool = True) -> str | None:
+    """``None`` when the channels-last path takes these inputs, else the reason it does not."""
+    reason = _pad._guard(conv, x, cache_x, check_pointers)
+    if reason is not None:
+        return reason
+    if not _pad._pads(conv, cache_x):
+        return "nothing padded"
+    if NAMED_SITE not in conv.__dict__:
+        return "not patched"
+    weight, bias = getattr(conv, "weight", None), getattr(conv, "bias", None)
+    if not isinstance(bias, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 5:
+        return "no bias"
+    if bias.dtype is not x.dtype or weight.dtype is not x.dtype:
+        return "mixed dtypes"
+    if getattr(conv, "padding_mode", None) != "zeros":
+        return "padding mode"
+    if torch.backends.cudnn.benchmark:
+        return "cudnn.benchmark on"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    return None
+
+
+def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+    """What cuDNN picks its engine by: the dtype, the padded input's shape, the weight's, the geometry."""
+    pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
+    batch, channels, frames, height, width = x.shape
+    padded = (batch, channels, frames + pt0 + pt1, height + ph0 + ph1, width + pw0 + pw1)
+    return (str(x.dtype).removeprefix("torch."), padded, tuple(conv.weight.shape), tuple(conv.stride),
+            tuple(conv.dilation), conv.groups)
+
+
+def _convolution(conv: nn.Module, padded: torch.Tensor) -> torch.Tensor:
+    """The convolution without its bias, as ``nn.Conv3d`` calls it (cuDNN, given a channels-last input, returns a
+    channels-last result)."""
+    return conv._conv_forward(padded, conv.weight, None)
+
+
+def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    padded = _pad.padded_input(conv, x, cache_x, channels_last=True)
+    cudnn = torch._C._ConvBackend.Cudnn
+    if _backend(conv, padded, conv.bias) != cudnn or _backend(conv, padded, None) != cudnn:
+        # (not cuDNN for this shape: eager's convolution on eager's buffer, the same values channels-first)
+        return nn.Conv3d.forward(conv, padded.contiguous())
+    out = _convolution(conv, padded)
+    if not out.is_contiguous(memory_format=torch.channels_last_3d) or not conv.bias.is_contiguous():
+        return out.add_(conv.bias.reshape(1, -1, 1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
+    return bias_contiguous(out, conv.bias)
+
+
+CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_pad.causal_conv3d_ref, guard=_guard, kernel=_kernel,
+                           custom_op=_pad.causal_conv3d_ref, verify_key=_signature)
+
+
+def causal_conv3d_cl(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None,
+                     site: Site | None = None) -> torch.Tensor:
+    """``conv(x, cache_x)`` for Wan's / Qwen-Image's causal convolution run channels-last (see the module doc),
+    bit-identical to eager (checked on the first call of each convolution signature).
+
+    Args:
+        conv: the module (registered by the VAE adapter with `causal_conv_pad.add_conv_class`).
+        x: ``[B, C, T, H, W]`` activations.
+        cache_x: the previous chunk's last frames (``None`` for none), as the module takes them.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return CAUSAL_CONV3D_CL(site, conv, x, cache_x)
