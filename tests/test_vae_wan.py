@@ -389,13 +389,45 @@ def test_kernel_wrapper_lays_rows_out_as_eager(monkeypatch):
     one_frame = torch.randn(1, 1, 16, 4, 8).to(torch.bfloat16).transpose(1, 2)  # contiguous, T's stride C * H * W
     last = torch.randn(2, 3, 4, 8, 16).to(torch.bfloat16)  # channels-last memory: HunyuanVideo-1.5's mid-block
     for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous(), one_frame,  # time-major, contiguous, T = 1
-              last.permute(0, 4, 1, 2, 3), last[:1].permute(0, 4, 1, 2, 3), last[:1, :1].permute(0, 4, 1, 2, 3),
-              last[:, :, :1].permute(0, 4, 1, 2, 3), last[:1, :, :, :1].contiguous().permute(0, 4, 1, 2, 3)):
+              last.permute(0, 4, 1, 2, 3), last[:1].permute(0, 4, 1, 2, 3), last[:1, :1].clone(memory_format=torch.contiguous_format).permute(0, 4, 1, 2, 3),
+              last[:, :, :1].contiguous().permute(0, 4, 1, 2, 3), last[:1, :, :, :1].contiguous().permute(0, 4, 1, 2, 3),
+              last[:, :1, :1].contiguous().permute(0, 4, 1, 2, 3)):  # (sliced ones keep strides the guard refuses)
         for silu in (False, True):
             ref = norm(x)
             ref = F.silu(ref) if silu else ref
             out = crms._kernel(norm, x, silu)
             assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_channels_last_x_the_guard_admits_gets_eager_strides(monkeypatch):
+    """Channels-last x whose size-1 dimensions carry strides of their own (any stride is valid there): where the
+    guard admits x (it reaches the device check), the kernel's result has eager's strides. aten's TensorIterator (CPU
+    and CUDA alike) keeps such strides through the norm's multiply; a meta run (torch's Python meta kernels, which
+    place size-1 dimensions by another rule) does not, so it cannot stand for eager. And a channels-last x with
+    H = W = 1 also reads as time-major: its SiLU result must still have eager's (x's) strides."""
+    def launch(x, denom, gamma, bias, scale, bias_value, silu, probe):
+        rows = x.view(x.shape[0], x.shape[1], -1)
+        out = crms.channel_rmsnorm_arithmetic(rows, denom.view(rows.shape[0], 1, rows.shape[2]), gamma.view(-1, 1),
+                                              bias_value if bias is None else bias.view(-1, 1), scale, silu)
+        return out.view(x.shape)
+
+    monkeypatch.setattr(crms, "_raw", launch)
+    crms.add_norm_class(wan.WanRMS_norm)
+    image_norm = wan.WanRMS_norm(2, images=True).to(torch.bfloat16)
+    video_norm = wan.WanRMS_norm(3, images=False).to(torch.bfloat16)
+    storage = torch.randn(64).to(torch.bfloat16)
+    cases = [(image_norm, storage.as_strided((1, 2, 1, 3), (1, 1, 1, 2))),  # B, H of size 1, strides 1
+             (image_norm, storage.as_strided((1, 2, 2, 1), (5, 1, 2, 7))),
+             (video_norm, torch.randn(2, 2, 1, 1, 3).to(torch.bfloat16).movedim(-1, 1))]  # [B, T, H, W, C], H = W = 1
+    for norm, x in cases:
+        if crms._guard(norm, x) != "device cpu":
+            continue  # refused: eager runs
+        for silu in (False, True):
+            ref = norm(x)
+            ref = F.silu(ref) if silu else ref
+            out = crms._kernel(norm, x, silu)
+            assert out.stride() == ref.stride() and torch.equal(out, ref), (tuple(x.shape), x.stride(), silu)
 
 
 @torch.no_grad()
@@ -408,6 +440,8 @@ def test_channel_rmsnorm_guard_refuses_what_the_kernel_does_not_take():
     assert crms._guard(norm, x[..., :7]) == "x not contiguous"
     assert crms._guard(norm, x.permute(0, 2, 3, 4, 1).contiguous().permute(0, 4, 1, 2, 3)) == "device cpu"
     assert crms._guard(norm, x.contiguous(memory_format=torch.channels_last_3d)[..., :7]) == "x not contiguous"
+    last = x.permute(0, 2, 3, 4, 1).contiguous()[:, :1].permute(0, 4, 1, 2, 3)  # one frame sliced: B's stride 2 frames'
+    assert crms._guard(norm, last) == "x not contiguous"
     assert crms._guard(norm, x[:, :, :1, :, :3].contiguous()) == "device cpu"  # any trailing size (elements)
     assert crms._guard(norm, x[:, :, :0]) == "empty"
     assert crms._guard(norm, x.view(1, 16, 64)) == "gamma does not broadcast over x's channels"

@@ -34,7 +34,6 @@ autograd; torch's ``F.normalize`` the form read here (source digest).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -134,16 +133,28 @@ def _time_major(x: torch.Tensor) -> bool:
 
 def _channels_last(x: torch.Tensor) -> bool:
     """Whether x is ``[B, C, *]`` laid out channels last (HunyuanVideo-1.5's mid-block attention returns its output
-    so, ``permute(0, 4, 1, 2, 3)``, and the convolutions after it keep that layout): eager's result keeps x's strides,
-    and so does the kernel's (each position a row of C channels: ``[B * T * H * W, C, 1]``)."""
-    return x.dim() >= 3 and x.movedim(1, -1).is_contiguous()
+    so, ``permute(0, 4, 1, 2, 3)``, and the convolutions after it keep that layout) with exactly the strides of such a
+    permute of a contiguous tensor, size-1 dimensions included: eager's result keeps x's strides then, and so does the
+    kernel's (each position a row of C channels: ``[B * T * H * W, C, 1]``). A size-1 dimension of another stride is
+    refused: aten's TensorIterator places it by x's strides (eager's result then has strides of its own, which no
+    cheap rule here reproduces; a meta run does not either, torch's Python meta kernels order size-1 dimensions
+    otherwise)."""
+    if x.dim() < 3:
+        return False
+    last = x.movedim(1, -1)
+    expected, step = [0] * last.dim(), 1
+    for d in reversed(range(last.dim())):
+        expected[d] = step
+        step *= last.shape[d]
+    return last.stride() == tuple(expected)
 
 
 def _layout(x: torch.Tensor) -> str:
-    """The memory the kernel reads x as (see `_fused`); the guard admits no other."""
+    """The memory the kernel reads x as (see `_fused`); the guard admits no other. Channels-last comes before
+    time-major: an x of H = W = 1 laid out channels last reads as time-major too, and its result has x's strides."""
     if x.is_contiguous():
         return "contiguous"
-    return "time-major" if _time_major(x) else "channels-last"
+    return "channels-last" if _channels_last(x) else "time-major"
 
 
 _INT32_MAX = 2**31 - 1
@@ -276,29 +287,16 @@ def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value:
         rows = x.transpose(1, 2).reshape(batch * frames, channels, height * width)  # a view (time-major memory)
         out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
         out = out.view(batch, frames, channels, height, width).transpose(1, 2)
-    else:  # channels-last: the same memory order as eager's result; its strides where a dimension has size 1
+    else:  # channels-last (`_channels_last`: x's strides exactly those of the view below, as eager's result's)
         rows = x.movedim(1, -1).reshape(-1, x.shape[1], 1)  # a view (channels-last memory)
         out = _raw(rows, denom, gamma, bias, scale, bias_value, silu, False)
-        strides = _eager_strides(tuple(x.shape), x.stride(), x.dtype, isinstance(bias, torch.Tensor), silu)
-        return out.view(x.movedim(1, -1).shape).movedim(-1, 1).as_strided(x.shape, strides)
+        return out.view(x.movedim(1, -1).shape).movedim(-1, 1)
     # Eager's strides to the last size-1 dimension (a later op that reads strides, e.g. a memory-format choice, sees
     # what eager made): the norm's arithmetic keeps x's, also where x counts as contiguous with a size-1 dimension of
     # another stride (a time-major x of one frame); F.silu of a contiguous tensor gives the plain contiguous strides
     if silu or out.stride() == x.stride():
         return out
     return out.as_strided(x.shape, x.stride())
-
-
-@functools.lru_cache(maxsize=256)
-def _eager_strides(shape: tuple, stride: tuple, dtype: torch.dtype, bias_tensor: bool, silu: bool) -> tuple:
-    """The strides of eager's result for an x of these strides: the module's expression run on meta tensors (the
-    same stride rules as on CUDA: aten's TensorIterator places a dimension of size 1 by x's strides, which a
-    channels-last x's need not follow)."""
-    x = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    affine = torch.empty((shape[1],) + (1,) * (len(shape) - 2), dtype=dtype, device="meta")
-    xf = x.float()
-    y = (xf / xf.norm(2.0, 1, keepdim=True).clamp_min(_EPS)).to(dtype) * 2.0 * affine + (affine if bias_tensor else 0.0)
-    return (F.silu(y) if silu else y).stride()
 
 
 def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
