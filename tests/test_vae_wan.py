@@ -496,6 +496,46 @@ def test_causal_conv3d_equals_the_module(emulated_kernels):
     assert dict(site.fallback) == {"x of a channels-last layout": 1}
 
 
+def test_causal_conv3d_channels_last_guard_and_its_other_ways(monkeypatch):
+    """`causal_conv_cl`'s guard beyond the one-buffer guard it starts with (taken as passing here: a CPU), and the
+    kernel's ways out where cuDNN is not the backend or its result is not channels-last: each the module's numbers."""
+    causal_conv_cl = importlib.import_module("diffusers_fastpath.ops.causal_conv_cl")
+    causal_conv_pad.add_conv_class(wan.WanCausalConv3d)
+    monkeypatch.setattr(causal_conv_cl._pad, "_guard", lambda *args, **kwargs: None)
+    conv = randomize_(wan.WanCausalConv3d(4, 8, 3, padding=1), 3).to(torch.bfloat16)
+    x = torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16)
+    assert causal_conv_cl._guard(conv, x) == "not patched"
+    conv.__dict__[causal_conv_cl.NAMED_SITE] = Site("causal_conv3d_cl")
+    assert causal_conv_cl._guard(conv, x) is None
+    flat = wan.WanCausalConv3d(4, 8, 1).to(torch.bfloat16)  # pads nothing: x itself goes to the convolution
+    flat.__dict__[causal_conv_cl.NAMED_SITE] = Site("causal_conv3d_cl")
+    assert causal_conv_cl._guard(flat, x) == "nothing padded"
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert causal_conv_cl._guard(conv, x) == "cudnn.benchmark on"
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    bias = conv.bias
+    conv.bias = None
+    assert causal_conv_cl._guard(conv, x) == "no bias"
+    conv.bias = nn.Parameter(bias.float())
+    assert causal_conv_cl._guard(conv, x) == "mixed dtypes"
+    conv.bias = bias
+    monkeypatch.setattr(conv, "padding_mode", "reflect")
+    assert causal_conv_cl._guard(conv, x) == "padding mode"
+    monkeypatch.setattr(conv, "padding_mode", "zeros")
+    monkeypatch.setattr(causal_conv_pad, "_launch", causal_conv_pad.pad_arithmetic)
+    cache = torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16)
+    ref = conv(x, cache)
+    monkeypatch.setattr(causal_conv_cl, "_backend", lambda *args: torch._C._ConvBackend.Slow3d)  # not cuDNN
+    assert torch.equal(causal_conv_cl._kernel(conv, x, cache), ref)
+    monkeypatch.setattr(causal_conv_cl, "_backend", lambda *args: torch._C._ConvBackend.Cudnn)
+    monkeypatch.setattr(causal_conv_cl, "_convolution", lambda c, padded: c._conv_forward(
+        padded.contiguous(), c.weight, None))  # a channels-first result: aten's own bias add
+    out = causal_conv_cl._kernel(conv, x, cache)
+    assert out.is_contiguous() and torch.equal(out, nn.Conv3d._conv_forward(
+        conv, causal_conv_pad.pad_arithmetic(x, cache, list(conv._padding)), conv.weight, None).add_(
+        conv.bias.reshape(1, -1, 1, 1, 1)))
+
+
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     """The NVRTC launcher's arguments, field by field, as bindings.cpp's channel_rmsnorm fills them, and the .cu's
     grid (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""
@@ -595,6 +635,69 @@ def test_causal_pad_kernel_equals_cat_then_pad_at_wan_shapes(shape, kernel, cach
         torch.full_like(ref, float("nan"))  # (freed: the next block of this size the kernel's output)
         out = torch.ops.diffusers_fastpath._causal_pad_cuda(x, cache, list(conv._padding))
         assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+        # channels-last (`causal_conv_cl`'s buffer): the same values, laid out as channels_last_3d
+        ref_cl = ref.contiguous(memory_format=torch.channels_last_3d)
+        torch.full_like(ref_cl, float("nan"))
+        out = torch.ops.diffusers_fastpath._causal_pad_cuda(x, cache, list(conv._padding), True)
+        assert out.shape == ref.shape and out.stride() == ref_cl.stride() and torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@torch.no_grad()
+def test_bias_contiguous_kernel_equals_add_then_contiguous(dtype):
+    """csrc/conv_bias.cu's bias_contiguous: a channels-last convolution output plus its bias, written contiguous, equals
+    aten's ``x + bias`` then ``.contiguous()`` (one fp32 add, rounded), both ways it launches, every element written
+    (poisoned first); at the Wan decoder's shapes, odd ones (channels and positions no multiple of the 32 x 32 tile),
+    4-D and 5-D, a batch of 3."""
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for shape in [(1, 384, 1, 60, 104), (1, 96, 4, 480, 832), (1, 192, 2, 240, 416), (3, 5, 2, 7, 9), (1, 33, 65, 31),
+                  (2, 3, 1, 1, 1), (1, 1024, 1, 1, 3)]:
+        x = (torch.randn(shape, generator=gen, device="cuda") * 4).to(dtype)
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+        bias = torch.randn(shape[1], generator=gen, device="cuda").to(dtype)
+        ref = conv_bias_module.bias_contiguous_arithmetic(x, bias)
+        ways = [conv_bias_module._nvrtc_contiguous] + ([torch.ops.diffusers_fastpath._conv_bias_contiguous_cuda]
+                                                       if nvcc else [])
+        for way in ways:
+            torch.full_like(ref, float("nan"))
+            out = way(x, bias)
+            assert out.is_contiguous() and torch.equal(out, ref), (shape, way)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cin, cout, shape, cached", [
+    (384, 384, (1, 384, 1, 60, 104), 2), (384, 384, (1, 384, 2, 120, 208), 1), (192, 192, (1, 192, 4, 240, 416), 2),
+    (192, 96, (1, 192, 4, 480, 832), 0), (96, 3, (1, 96, 4, 480, 832), 2), (16, 384, (1, 16, 1, 60, 104), 0),
+    (384, 384, (1, 384, 1, 166, 166), 1)], ids=str)
+@torch.no_grad()
+def test_causal_conv3d_channels_last_equals_the_module_at_wan_shapes(cin, cout, shape, cached):
+    """The channels-last causal convolution (`causal_conv_cl`) against the module's eager forward at the Wan 2.1 and
+    Qwen-Image decoders' convolutions (3x3x3, padded; cached frames or none): its first call per signature is
+    compared with eager by the op itself (a mismatch would disable it: the site's fast count says it ran), and again
+    here, strides included."""
+    from diffusers_fastpath._state import SITE_ATTR
+
+    causal_conv_cl = importlib.import_module("diffusers_fastpath.ops.causal_conv_cl")
+    conv = randomize_(wan.WanCausalConv3d(cin, cout, 3, padding=1), 2).to("cuda", torch.bfloat16)
+    conv.__class__ = vae_wan.CONVS[wan.WanCausalConv3d]
+    sites = {SITE_ATTR: Site("causal_conv3d"), causal_conv_cl.NAMED_SITE: Site("causal_conv3d_cl"),
+             "_fastpath_site_conv_bias": Site("conv_bias")}
+    conv.__dict__.update(sites)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+    cache = torch.randn(*shape[:2], cached, *shape[3:], generator=gen, device="cuda").to(torch.bfloat16) if cached \
+        else None
+    for _ in range(2):
+        out = conv(x, cache)
+        ref = wan.WanCausalConv3d.forward(conv, x, cache)
+        assert out.stride() == ref.stride() and torch.equal(out, ref)
+    assert sites[causal_conv_cl.NAMED_SITE].fast == 2, (dict(sites[causal_conv_cl.NAMED_SITE].fallback),
+                                                         causal_conv_cl.CAUSAL_CONV3D_CL.status)
 
 
 # The norms of a Wan 2.1 decode at 832x480 (latents 104x60; channels 384/384/192/96 as the decoder widens; one latent
