@@ -98,23 +98,17 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
         stride_c = a.x_stride_c;
       }
     }
-#pragma unroll
-    for (int k = 0; k < kTile / kTileRows; ++k) {
-      const unsigned i = threadIdx.y + k * kTileRows;
-      const int64_t c = c0 + i;
-      unsigned short v = 0;  // +0.0 in fp16 and bf16, as F.pad writes
-      if (src != nullptr && inside_w && c < a.channels) v = src[c * stride_c + sw];
-      shared_store_u16(base + 2u * (i * (kTile + 1) + threadIdx.x), v);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kTile / kTileRows; ++k) {
-      const unsigned i = threadIdx.y + k * kTileRows;
-      const int64_t w = w0 + i;
-      const unsigned short v = shared_load_u16(base + 2u * (threadIdx.x * (kTile + 1) + i));
-      if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
-    }
-    __syncthreads();  // (the tile is refilled for the next row)
+    transpose_tile<unsigned short, kTile, kTileRows>(
+        base,
+        [&](unsigned i) -> unsigned short {
+          const int64_t c = c0 + i;
+          // +0.0 in fp16 and bf16 (as F.pad writes) on the border
+          return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : 0;
+        },
+        [&](unsigned i, unsigned short v) {
+          const int64_t w = w0 + i;
+          if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
+        });
   }
 }
 

@@ -73,25 +73,18 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
   const float b = c_read < a.channels ? Storage<T>::load(bias[c_read]) : 0.0f;
   const int64_t s_write = s0 + threadIdx.x;
   for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
-#pragma unroll
-    for (int k = 0; k < kTile / kTileRows; ++k) {
-      const unsigned i = threadIdx.y + k * kTileRows;
-      const int64_t s = s0 + i;
-      float v = 0.0f;
-      if (s < a.spatial && c_read < a.channels) {
-        v = __fadd_rn(Storage<T>::load(x[(n * a.spatial + s) * a.channels + c_read]), b);
-      }
-      shared_store_f32(base + 4u * (i * (kTile + 1) + threadIdx.x), v);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kTile / kTileRows; ++k) {
-      const unsigned i = threadIdx.y + k * kTileRows;
-      const int64_t c = c0 + i;
-      const float v = shared_load_f32(base + 4u * (threadIdx.x * (kTile + 1) + i));
-      if (c < a.channels && s_write < a.spatial) out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
-    }
-    __syncthreads();  // (the tile is refilled for the next sample)
+    transpose_tile<float, kTile, kTileRows>(
+        base,
+        [&](unsigned i) -> float {
+          const int64_t s = s0 + i;
+          return s < a.spatial && c_read < a.channels
+                     ? __fadd_rn(Storage<T>::load(x[(n * a.spatial + s) * a.channels + c_read]), b)
+                     : 0.0f;
+        },
+        [&](unsigned i, float v) {
+          const int64_t c = c0 + i;
+          if (c < a.channels && s_write < a.spatial) out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
+        });
   }
 }
 

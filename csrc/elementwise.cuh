@@ -66,21 +66,40 @@ struct alignas(16) Pack {
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void shared_store_u16(unsigned address, unsigned short v) {
+__device__ __forceinline__ void shared_store(unsigned address, unsigned short v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(address), "h"(v) : "memory");
 }
-__device__ __forceinline__ unsigned short shared_load_u16(unsigned address) {
-  unsigned short v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address) : "memory");
-  return v;
-}
-__device__ __forceinline__ void shared_store_f32(unsigned address, float v) {
+__device__ __forceinline__ void shared_store(unsigned address, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(address), "f"(v) : "memory");
 }
-__device__ __forceinline__ float shared_load_f32(unsigned address) {
-  float v;
+__device__ __forceinline__ void shared_load(unsigned address, unsigned short& v) {
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address) : "memory");
+}
+__device__ __forceinline__ void shared_load(unsigned address, float& v) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
-  return v;
+}
+
+// A kTile x kTile tile moved through shared memory (at `base`, `shared_address` of a W[kTile][kTile + 1] array: the
+// padding keeps a column's words in distinct banks) by kTile x kRows threads, the transposing copies' core: read(i)
+// gives the value of tile row i at column threadIdx.x (a load along the source's unit stride), write(i, v) takes
+// column i of tile row threadIdx.x (a store along the destination's), for i = threadIdx.y + k * kRows. W is the word
+// moved: unsigned short for a 16-bit value's bits, float for a sum rounded where it is written.
+template <typename W, int kTile, int kRows, typename Read, typename Write>
+__device__ __forceinline__ void transpose_tile(unsigned base, Read read, Write write) {
+#pragma unroll
+  for (int k = 0; k < kTile / kRows; ++k) {
+    const unsigned i = threadIdx.y + k * kRows;
+    shared_store(base + sizeof(W) * (i * (kTile + 1) + threadIdx.x), static_cast<W>(read(i)));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kTile / kRows; ++k) {
+    const unsigned i = threadIdx.y + k * kRows;
+    W v;
+    shared_load(base + sizeof(W) * (threadIdx.x * (kTile + 1) + i), v);
+    write(i, v);
+  }
+  __syncthreads();  // (the tile is refilled by the next call)
 }
 
 // An 8- or 16-byte vector (Quad, Pack, float4) read through the read-only data path (ld.global.nc), for inputs that no
