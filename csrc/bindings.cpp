@@ -32,6 +32,11 @@ DType to_dtype(const at::Tensor& t) {
   }
 }
 
+// to_dtype, and fp32: the VAEs' copies and bias adds (conv_bias.cu, causal_pad.cu, upsample_nearest.cu) take it.
+DType to_dtype_or_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat ? DType::kFloat32 : to_dtype(t);
+}
+
 // The checks' messages format numbers with std::to_string, never through an ostream: on the H200 image (torch 2.11
 // cu130, this file built by g++ 13.3) every failed check whose message streamed an integer or a shape (c10::str)
 // segfaulted instead of raising, while those streaming only text raised (a num_put facet of another libstdc++ than
@@ -900,7 +905,7 @@ at::Tensor upsample_nearest2x(const at::Tensor& x) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 4 && (x.size(3) <= 1 || x.stride(3) == 1),
               "upsample_nearest2x: x must be a CUDA [N, C, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
   UpsampleNearestArgs args;
-  args.dtype = to_dtype(x);
+  args.dtype = to_dtype_or_float(x);
   at::Tensor out = at::empty({x.size(0), x.size(1), 2 * x.size(2), 2 * x.size(3)}, x.options());
   if (out.numel() == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -931,7 +936,7 @@ void conv_bias_(at::Tensor& x, const at::Tensor& bias) {
                 "conv_bias_: x must be contiguous or channels-last");
   }
   ConvBiasArgs args;
-  args.dtype = to_dtype(x);
+  args.dtype = to_dtype_or_float(x);
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   args.x = x.data_ptr();
@@ -953,7 +958,7 @@ at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
               "conv_bias_contiguous: x must be a channels-last CUDA [N, C, *] tensor and bias a contiguous [C] of its "
               "dtype, got ", shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
   BiasContiguousArgs args;
-  args.dtype = to_dtype(x);
+  args.dtype = to_dtype_or_float(x);
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x.device());
@@ -977,7 +982,7 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
               "causal_pad: x must be a CUDA [B, C, T, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
   for (const int64_t p : padding) TORCH_CHECK(p >= 0, "causal_pad: padding must be non-negative");
   CausalPadArgs args;
-  args.dtype = to_dtype(x);
+  args.dtype = to_dtype_or_float(x);
   const int64_t cache_frames = cache.has_value() ? cache->size(2) : 0;
   if (cache.has_value()) {
     const at::Tensor& c = *cache;

@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
 // the output rows (b, t, h) in turn over grid.z with a grid stride.
 template <typename T>
 __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
-  static_assert(sizeof(T) == 2, "a 16-bit storage type: the values are copied as their bits");
-  __shared__ unsigned short tile[kTile][kTile + 1];  // [channel][column] bits, padded against bank conflicts
+  using W = typename Word<sizeof(T)>::type;  // the values are copied as their bits
+  __shared__ W tile[kTile][kTile + 1];        // [channel][column], padded against bank conflicts
   const unsigned base = shared_address(&tile[0][0]);
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
   const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
@@ -74,9 +74,9 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
   const int64_t rows = a.batch * out_t * out_h;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const unsigned short* x = static_cast<const unsigned short*>(a.x);
-  const unsigned short* cache = static_cast<const unsigned short*>(a.cache);
-  unsigned short* out = static_cast<unsigned short*>(a.out);
+  const W* x = static_cast<const W*>(a.x);
+  const W* cache = static_cast<const W*>(a.cache);
+  W* out = static_cast<W*>(a.out);
   const int64_t w_read = w0 + threadIdx.x;  // the column this thread reads (along the source's unit stride)
   const int64_t sw = w_read - a.pad_w0;
   const bool inside_w = w_read < out_w && sw >= 0 && sw < a.width;
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
     const int64_t b = r / (out_h * out_t);
     const int64_t sh = h - a.pad_h0;
     const int64_t st = t - a.pad_t0;
-    const unsigned short* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
+    const W* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
     int64_t stride_c = 0;
     if (sh >= 0 && sh < a.height && st >= 0) {
       if (st < a.cache_frames) {
@@ -98,14 +98,14 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
         stride_c = a.x_stride_c;
       }
     }
-    transpose_tile<unsigned short, kTile, kTileRows>(
+    transpose_tile<W, kTile, kTileRows>(
         base,
-        [&](unsigned i) -> unsigned short {
+        [&](unsigned i) -> W {
           const int64_t c = c0 + i;
-          // +0.0 in fp16 and bf16 (as F.pad writes) on the border
-          return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : 0;
+          // +0.0 (as F.pad writes) on the border
+          return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : W(0);
         },
-        [&](unsigned i, unsigned short v) {
+        [&](unsigned i, W v) {
           const int64_t w = w0 + i;
           if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
         });
@@ -138,7 +138,7 @@ cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
 #endif
 

@@ -3,7 +3,7 @@
 // cuDNN's convolutions take no bias: aten runs `output = at::cudnn_convolution(...)` and then
 // `output.add_(reshape_bias(input.dim(), bias))` (Convolution.cpp, ConvBackend::Cudnn), a broadcast add that aten's
 // elementwise kernel does not vectorise (the FLUX.1 decode's 35 convolutions: 6.6 ms of 44 on an H100; the Wan 2.1
-// decode's 754: 125 ms). The add is one fp32 operation rounded to the storage dtype T, as here:
+// decode's 754: 125 ms). The add is one fp32 operation rounded to the storage dtype T (fp32: no further rounding), as here:
 //   x[n, c, s] = round(float(x[n, c, s]) + float(bias[c]))        (aten's `a + alpha * b` with alpha 1: 1 * b is b)
 //
 // Layout: the convolution's output as cuDNN wrote it, dense, seen as [rows, cols]:
@@ -126,11 +126,11 @@ cudaError_t launch(const ConvBiasArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
 
 cudaError_t launch_bias_contiguous(const BiasContiguousArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_contiguous<decltype(tag)>(args, stream); });
+  return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch_contiguous<decltype(tag)>(args, stream); });
 }
 #endif
 

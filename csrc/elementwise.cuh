@@ -46,6 +46,25 @@ struct Storage<__half> {
   static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
 };
 
+// fp32 storage (the VAE copies and bias adds take an fp32 VAE's tensors): nothing to round.
+template <>
+struct Storage<float> {
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+
+// The unsigned word of T's size: what a copy moves without reading the value (a NaN's payload kept).
+template <int kBytes>
+struct Word;
+template <>
+struct Word<2> {
+  using type = unsigned short;
+};
+template <>
+struct Word<4> {
+  using type = unsigned int;
+};
+
 // The value an eager op leaves in memory: fp32 result rounded (to nearest even) to T, read back as fp32.
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {
@@ -69,11 +88,17 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 __device__ __forceinline__ void shared_store(unsigned address, unsigned short v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(address), "h"(v) : "memory");
 }
+__device__ __forceinline__ void shared_store(unsigned address, unsigned int v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(address), "r"(v) : "memory");
+}
 __device__ __forceinline__ void shared_store(unsigned address, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(address), "f"(v) : "memory");
 }
 __device__ __forceinline__ void shared_load(unsigned address, unsigned short& v) {
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(address) : "memory");
+}
+__device__ __forceinline__ void shared_load(unsigned address, unsigned int& v) {
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(address) : "memory");
 }
 __device__ __forceinline__ void shared_load(unsigned address, float& v) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
@@ -187,6 +212,13 @@ cudaError_t dispatch_storage_type(DType dtype, F&& f) {
       return f(__nv_bfloat16{});
   }
   return cudaErrorInvalidValue;
+}
+
+// dispatch_storage_type and fp32: for the VAEs' copies and bias adds, which an fp32 VAE runs too.
+template <typename F>
+cudaError_t dispatch_storage_or_float(DType dtype, F&& f) {
+  if (dtype == DType::kFloat32) return f(float{});
+  return dispatch_storage_type(dtype, f);
 }
 #endif  // __CUDACC_RTC__
 

@@ -25,7 +25,9 @@ typedef int int32_t;
 
 namespace diffusers_fastpath {
 
-enum class DType : int { kHalf = 0, kBFloat16 = 1 };
+// The storage dtypes: the fused kernels take fp16 / bf16; the copies and the convolution bias adds of the VAEs
+// (conv_bias.cu, causal_pad.cu, upsample_nearest.cu) fp32 too (an fp32 VAE, as Wan's model card loads it).
+enum class DType : int { kHalf = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 // out[b, l, :] = round(round(x[b, l, :] * round(1 + scale[b, :])) + shift[b, :])
 struct ModulateScaleShiftArgs {

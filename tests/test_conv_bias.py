@@ -45,7 +45,7 @@ def test_reference_is_torchs_convolution():
 
 @pytest.mark.parametrize("case, reason", [
     ("plain", "Conv2d is not a checked convolution"), ("no bias", "no bias"), ("reflect", "padding mode"),
-    ("same", "padding not integers"), ("unbatched", "x not batched"), ("fp32", "dtype float32"),
+    ("same", "padding not integers"), ("unbatched", "x not batched"), ("fp64", "dtype float64"),
     ("mixed", "mixed dtypes"), ("empty", "empty"), ("grad", "requires grad"), ("cpu", "device cpu")])
 def test_guard_falls_back_with_reason(case, reason):
     conv, x = make(), torch.randn(1, 8, 6, 6).to(torch.bfloat16)
@@ -60,8 +60,8 @@ def test_guard_falls_back_with_reason(case, reason):
         conv.__dict__[site_attr()] = Site("conv_bias")
     elif case == "unbatched":
         x = x[0]
-    elif case == "fp32":
-        conv, x = conv.float(), x.float()
+    elif case == "fp64":  # (fp32 runs: an fp32 VAE's bias add is one fp32 add too)
+        conv, x = conv.double(), x.double()
     elif case == "mixed":
         conv = conv.float()
     elif case == "empty":
@@ -206,7 +206,7 @@ SHAPES = [  # the FLUX.1 decode's (1024x1024 at 128 channels, 128x128 at 512), W
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape, layout", SHAPES, ids=str)
 def test_kernel_matches_atens_bias_add_on_the_gpu(shape, layout, dtype):
     """The raw op in place against aten's ``add_`` of the reshaped bias (what Convolution.cpp runs after cuDNN): every

@@ -21,7 +21,7 @@ def _module(cls=wan.WanUpsample, **config):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def _registered(module):
@@ -40,15 +40,19 @@ SHAPES = [(4, 384, 60, 104), (4, 384, 120, 208), (4, 192, 240, 416), (1, 384, 16
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_upsample_matches_eager_bitwise(shape, dtype):
+    """At the decoders' shapes, bf16 / fp16 and fp32 (an fp32 VAE's: a copy, NaN payloads kept as eager's)."""
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
     module = _registered(_module())
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(shape, generator=gen, device="cuda") * 4).to(dtype)
+    if dtype == torch.float32:  # NaNs of other payloads and signs, infinities: a copy keeps every bit
+        specials = torch.tensor([0x7FC00001, 0xFFC12345, 0x7F800000, 0xFF800000, 0x80000000], dtype=torch.int64)
+        x.view(-1)[:5] = specials.to(torch.int32).view(torch.float32).to(x.device)
     for x in (x, x.transpose(0, 1).contiguous().transpose(0, 1)):  # ... and WanResample's time-major view
         _check_one(module, x)
 
@@ -101,7 +105,7 @@ def test_the_kernels_arithmetic_is_the_modules_forward(cls, dtype):
         ("bilinear", "not a 2x nearest upsampling"),
         ("factor_3", "not a 2x nearest upsampling"),
         ("size", "not a 2x nearest upsampling"),
-        ("fp32", "dtype float32"),
+        ("fp64", "dtype float64"),
         ("five_dims", "x not [N, C, H, W]"),
         ("channels_last", "layout"),
         ("one_column", "layout"),
@@ -121,8 +125,8 @@ def test_guard_refuses_with_reason_and_the_forward_runs(case, reason, monkeypatc
         module = _registered(_module(scale_factor=(3.0, 3.0)))
     elif case == "size":
         module = _registered(wan.WanUpsample(size=(10, 14), mode="nearest-exact"))
-    elif case == "fp32":
-        x = x.float()
+    elif case == "fp64":  # (fp32 runs: an fp32 VAE's upsampling is a copy)
+        x = x.double()
     elif case == "five_dims":
         x = x[:, :, None]
     elif case == "channels_last":

@@ -150,25 +150,20 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
 
 @torch.no_grad()
 def test_fp32_vae_patched_equal_unpatched_norms_refuse_by_dtype(emulated_kernels, unpatch_after):
-    """The pipelines keep Wan's VAE in fp32: the norms, the convolutions' bias adds and their one-buffer input refuse
-    (the kernels are bf16/fp16; a guard that let fp32 through would have the kernel raise on the GPU, disabling the op
-    for the process), counted by dtype; the convolutions that pad nothing hand x itself to cuDNN, in any dtype."""
+    """The pipelines keep Wan's VAE in fp32 (its model card): the convolutions' buffers, bias adds, channels-last path
+    and the upsampling run (copies and one fp32 add: the same kernels for fp32), the norms refuse (their kernel is
+    bf16/fp16), counted by dtype."""
     vae = _build("wan", torch.float32)
     z = _latents(vae).float()
     ref = _decode(vae, z)
     unpatch_after(fp.patch(vae))
     assert torch.equal(_decode(vae, z), ref)
-    rows = [row for row in fp.report(vae).sites if row.site.startswith("decoder.")]
-    assert any(row.op == "causal_conv3d" and row.fast > 0 for row in rows)  # (the 1x1x1 shortcuts: x itself)
-    for row in rows:
-        if row.op == "causal_conv3d" and row.fast:
-            assert row.fallback == 0, row
-        elif row.op == "causal_conv3d_cl":
-            assert (row.fast, row.fallback) == (0, 0), row  # (its convolution fell back before reaching it)
-        elif row.module.endswith("CausalConv3d") and row.op == "conv_bias":  # reached where nothing is padded
-            assert row.fast == 0 and set(row.reasons) <= {"dtype float32"}, row
+    rows = {name: row for name, row in _sites(vae).items() if name.startswith("decoder.")}
+    for name, (op, fast, fallback, reasons) in rows.items():
+        if op.startswith("channel_rmsnorm"):
+            assert fast == 0 and reasons == {"dtype float32": fallback} and fallback, name
         else:
-            assert row.fast == 0 and dict(row.reasons) == {"dtype float32": row.fallback}, row
+            assert fast > 0 and fallback == 0, (name, rows[name])
 
 
 @torch.no_grad()
@@ -608,7 +603,7 @@ def _md5(t: torch.Tensor) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape, kernel, cached", [
     ((1, 384, 1, 60, 104), 3, 0), ((1, 384, 1, 60, 104), 3, 2), ((1, 192, 4, 240, 416), 3, 1),
     ((1, 96, 4, 480, 832), 3, 2), ((1, 384, 1, 166, 166), 3, 1), ((1, 384, 2, 60, 104), (3, 1, 1), 1)], ids=str)
@@ -643,7 +638,7 @@ def test_causal_pad_kernel_equals_cat_then_pad_at_wan_shapes(shape, kernel, cach
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @torch.no_grad()
 def test_bias_contiguous_kernel_equals_add_then_contiguous(dtype):
     """csrc/conv_bias.cu's bias_contiguous: a channels-last convolution output plus its bias, written contiguous, equals
@@ -808,26 +803,35 @@ def test_channel_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @torch.no_grad()
-def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
+def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(dtype, unpatch_after):
     """Wan 2.1's VAE (the published config, random weights) on a representative crop (17 frames of 256x256): decode
-    and encode md5-identical patched and unpatched, every site fast."""
+    and encode md5-identical patched and unpatched, every site fast; in fp32 (Wan's model card's VAE) every site but
+    the norms (their kernel is bf16/fp16: refused by dtype)."""
     vae = AutoencoderKLWan()
     randomize_(vae, 0)
     with torch.no_grad():
         for m in vae.modules():
             if isinstance(m, NORMS):
                 m.gamma.copy_(1 + 0.25 * torch.randn_like(m.gamma))
-    vae = vae.to("cuda", torch.bfloat16).eval()
+    vae = vae.to("cuda", dtype).eval()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    z = torch.randn(1, 16, 5, 32, 32, generator=gen, device="cuda").to(torch.bfloat16)
-    x = (torch.rand(1, 3, 17, 256, 256, generator=gen, device="cuda") * 2 - 1).to(torch.bfloat16)
+    z = torch.randn(1, 16, 5, 32, 32, generator=gen, device="cuda").to(dtype)
+    x = (torch.rand(1, 3, 17, 256, 256, generator=gen, device="cuda") * 2 - 1).to(dtype)
     ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
     unpatch_after(fp.patch(vae))
     dec, enc = _decode(vae, z), _encode(vae, x)
     assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
     assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
-    assert _every_site_fast(vae), str(fp.report(vae, verbose=True))
+    if dtype == torch.bfloat16:
+        assert _every_site_fast(vae), str(fp.report(vae, verbose=True))
+        return
+    for name, (op, fast, fallback, reasons) in _sites(vae).items():
+        if op.startswith("channel_rmsnorm"):
+            assert fast == 0 and reasons == {"dtype float32": fallback}, name
+        else:
+            assert fast > 0 and fallback == 0, (name, op, fast, fallback, reasons)
 
 
 def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(monkeypatch, emulated_kernels):

@@ -328,8 +328,8 @@ def check_out(op: str, out: torch.Tensor, shape, like: torch.Tensor, align: int,
                          f"dtype and device")
 
 
-DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1}  # csrc/fastpath.h's DType
-STORAGE_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # csrc/fastpath.h's DType
+STORAGE_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
 
 class Kernel:

@@ -45,6 +45,9 @@ from .._logging import logger, warn_once
 from ._build import KernelsUnavailable
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
+# and the VAEs' copies and convolution bias adds (conv_bias, causal_conv3d's buffer, upsample_nearest2x), which an fp32
+# VAE (as Wan's model card loads it) runs too: copies, and one fp32 add
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"

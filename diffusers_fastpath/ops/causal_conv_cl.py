@@ -23,7 +23,8 @@ mismatch disables it for the process (one warning), and the channels-first path 
 What the guard admits: what `causal_conv_pad`'s guard admits, where the convolution pads (a buffer is built) and has
 a bias of x's dtype, ``padding_mode`` "zeros", a 3-D convolution torch runs with cuDNN (asked of torch on the padded
 input, with and without the bias); not under ``torch.compile`` (its custom op is the module's own forward) nor
-with ``torch.backends.cudnn.benchmark`` on (the engine is then timed per call, not chosen by shape). Anything
+with ``torch.backends.cudnn.benchmark`` on (the engine is then timed per call, not chosen by shape); an fp32 VAE's
+too (cuDNN's fp32 convolutions use TF32 as eager's do, the flag in the signature). Anything
 else runs the channels-first path (the one buffer and `conv_bias`), counted on this op's site with the reason.
 """
 
@@ -64,13 +65,13 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
 
 def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
     """What cuDNN picks its engine by: the dtype, the padded input's shape, the weight's, the geometry, and the flags
-    that narrow its choice (deterministic algorithms, cuDNN's own deterministic switch)."""
+    that narrow its choice (deterministic algorithms, cuDNN's own deterministic switch, TF32 for an fp32 VAE)."""
     pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
     batch, channels, frames, height, width = x.shape
     padded = (batch, channels, frames + pt0 + pt1, height + ph0 + ph1, width + pw0 + pw1)
     return (str(x.dtype).removeprefix("torch."), padded, tuple(conv.weight.shape), tuple(conv.stride),
             tuple(conv.dilation), conv.groups, torch.are_deterministic_algorithms_enabled(),
-            torch.backends.cudnn.deterministic)
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32)
 
 
 def _convolution(conv: nn.Module, padded: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ and as aligned as a fresh block (``x.contiguous()`` where it is not dense). The 
 one eager would lay out channels-last), so cuDNN sees the same problem.
 
 What the guard admits: a module of a class the adapter registered (`add_conv_class`), x of 5 dims on CUDA in a layout
-eager reads as contiguous (contiguous itself where nothing is padded), fp16 / bf16 where a buffer is built (any dtype
-where x itself goes to the convolution), ``cache_x`` ``None`` or likewise, of x's
+eager reads as contiguous (contiguous itself where nothing is padded), fp16 / bf16 / fp32 where a buffer is built (any
+dtype where x itself goes to the convolution), ``cache_x`` ``None`` or likewise, of x's
 dtype, device and sizes but time, at most as many frames as the time padding; no autograd. Anything else runs the module's forward as diffusers wrote it.
 """
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
+from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site
 from .conv_bias import NAMED_SITE as _BIAS_SITE  # (the convolution's named conv_bias site)
 from .conv_bias import conv_bias
 
@@ -99,7 +99,7 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
             return "x of a channels-last layout"
     elif not _contiguous_format(x):
         return "x of a channels-last layout"
-    elif x.dtype not in HALF_DTYPES:  # (the buffer's kernel writes fp16 / bf16; x itself goes anywhere)
+    elif x.dtype not in FLOAT_DTYPES:  # (the buffer's kernel copies fp16 / bf16 / fp32; x itself goes anywhere)
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if cache_x is not None and padding[4] > 0:
         if not isinstance(cache_x, torch.Tensor) or cache_x.dim() != 5:
@@ -162,10 +162,10 @@ _ARGS = _nvrtc.Params("CausalPadArgs", ("out", "P"), ("x", "P"), ("cache", "P"),
                       ("cache_stride_b", "q"), ("cache_stride_c", "q"), ("cache_stride_t", "q"),
                       ("cache_stride_h", "q"), ("dtype", "i"), ("channels_last", "?"))
 _NVRTC = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_kernel",
-                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
                        _nvrtc.Params("causal_pad_kernel", ("a", _ARGS)))
 _NVRTC_CL = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_cl_kernel",
-                          {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                          {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
                           _nvrtc.Params("causal_pad_cl_kernel", ("a", _ARGS)))
 _THREADS = 256
 _MAX_ROW_BLOCKS = 65535
@@ -199,7 +199,7 @@ def _raw_guard(x, cache_x, padding, channels_last=False):
     # bindings.cpp's checks: CUDA [B, C, T, H, W] of a half dtype with unit W stride, a like cache of at most the time
     # padding's frames, six non-negative paddings
     def fits(t):
-        return t.dim() == 5 and t.dtype in HALF_DTYPES and t.is_cuda and (t.shape[4] <= 1 or t.stride(4) == 1)
+        return t.dim() == 5 and t.dtype in FLOAT_DTYPES and t.is_cuda and (t.shape[4] <= 1 or t.stride(4) == 1)
 
     if not fits(x) or len(padding) != 6 or any(p < 0 for p in padding):
         return "shape, dtype, layout or padding"

@@ -18,7 +18,8 @@ disables the op on a mismatch.
 What the guard admits: a module of a class registered here (`add_bias_conv_class`: this package's subclasses of
 ``nn.Conv2d`` / ``nn.Conv3d`` and the VAEs' causal convolutions, whose forward runs this op on the input they
 padded) whose torch ``forward`` is torch's own, with a bias, ``padding_mode`` "zeros" and integer padding; x a batched
-bf16/fp16 input on CUDA of the weight's and bias's dtype and device, not empty; a convolution torch runs with cuDNN
+bf16/fp16/fp32 input on CUDA (an fp32 VAE's too: the add is one fp32 add either way) of the weight's and bias's dtype
+and device, not empty; a convolution torch runs with cuDNN
 (``torch._C._select_conv_backend``, asked with the bias and without: both ``Cudnn``; grouped or depthwise ones
 that go elsewhere are refused); no autograd. Anything else runs ``nn.ConvNd.forward`` as torch wrote it.
 """
@@ -30,7 +31,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason
+from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason
 
 _BASES = EagerClasses()  # the classes the op takes
 SITE, NAMED_SITE = "_fastpath_site", "_fastpath_site_conv_bias"  # (`_state.site_attr`: a module patch gave a site)
@@ -74,7 +75,7 @@ def _guard(conv: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> str
         return "padding not integers"
     if not isinstance(x, torch.Tensor) or x.dim() != weight.dim():
         return "x not batched"
-    if x.dtype not in HALF_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if weight.dtype is not x.dtype or bias.dtype is not x.dtype:
         return "mixed dtypes"
@@ -111,12 +112,12 @@ _NVRTC = _nvrtc.Kernel(
     "conv_bias.cu",
     "diffusers_fastpath::conv_bias_kernel",
     {(dtype, cl, vec): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(cl).lower()}, {str(vec).lower()}"
-     for dtype in HALF_DTYPES for cl in (False, True) for vec in (False, True)},
+     for dtype in FLOAT_DTYPES for cl in (False, True) for vec in (False, True)},
     _nvrtc.Params("conv_bias_kernel", ("a", _ARGS)),
 )
 _THREADS = 256
 _MAX_ROW_BLOCKS = 65535
-_VEC = 8  # elements of a 16-byte vector of fp16 / bf16
+_VEC_BYTES = 16  # a thread's vector: 8 elements of fp16 / bf16, 4 of fp32
 
 
 def _nvrtc_kernel(x: torch.Tensor, bias: torch.Tensor) -> None:
@@ -124,8 +125,9 @@ def _nvrtc_kernel(x: torch.Tensor, bias: torch.Tensor) -> None:
     channels = x.shape[1]
     cols = channels if channels_last else x.numel() // (x.shape[0] * channels)
     rows = x.numel() // cols
-    vector = cols % _VEC == 0 and x.data_ptr() % 16 == 0
-    vecs = (cols + _VEC - 1) // _VEC if vector else cols
+    per_vector = _VEC_BYTES // x.element_size()
+    vector = cols % per_vector == 0 and x.data_ptr() % _VEC_BYTES == 0
+    vecs = (cols + per_vector - 1) // per_vector if vector else cols
     grid = ((vecs + _THREADS - 1) // _THREADS, min(rows, _MAX_ROW_BLOCKS), 1)
     _NVRTC.launch(x.device.index, (x.dtype, channels_last, vector), grid, (_THREADS, 1, 1), x.data_ptr(),
                   bias.data_ptr(), rows, cols, channels, _nvrtc.DTYPE_CODE[x.dtype], channels_last)
@@ -133,7 +135,7 @@ def _nvrtc_kernel(x: torch.Tensor, bias: torch.Tensor) -> None:
 
 def _raw_guard(x, bias):
     # bindings.cpp's checks: a dense CUDA [N, C, *] of a half dtype, contiguous or channels-last; bias [C] of its dtype
-    if (x.dim() < 3 or x.dtype not in HALF_DTYPES or not x.is_cuda or bias.dim() != 1 or bias.shape[0] != x.shape[1]
+    if (x.dim() < 3 or x.dtype not in FLOAT_DTYPES or not x.is_cuda or bias.dim() != 1 or bias.shape[0] != x.shape[1]
             or bias.dtype != x.dtype or not bias.is_contiguous() or x.dim() > 5 or _layout(x) is None or not x.numel()):
         return "shape, dtype or layout"
     return None
@@ -148,7 +150,7 @@ _cuda_op = None
 _CONTIGUOUS_ARGS = _nvrtc.Params("BiasContiguousArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("batch", "q"),
                                  ("spatial", "q"), ("channels", "q"), ("dtype", "i"))
 _NVRTC_CONTIGUOUS = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_contiguous_kernel",
-                                  {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                                  {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
                                   _nvrtc.Params("bias_contiguous_kernel", ("a", _CONTIGUOUS_ARGS)))
 _TILE, _TILE_ROWS = 32, 8
 
@@ -166,7 +168,7 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def _raw_contiguous_guard(x, bias):
     # bindings.cpp's checks: a channels-last CUDA [N, C, *] (4 or 5 dims) of a half dtype; bias [C] of its dtype
-    if (x.dim() not in (4, 5) or x.dtype not in HALF_DTYPES or not x.is_cuda or bias.dim() != 1
+    if (x.dim() not in (4, 5) or x.dtype not in FLOAT_DTYPES or not x.is_cuda or bias.dim() != 1
             or bias.shape[0] != x.shape[1] or bias.dtype != x.dtype or not bias.is_contiguous()
             or _layout(x) is not True and x.numel()):
         return "shape, dtype or layout"

@@ -10,7 +10,8 @@ out as eager's round trip leaves it (the same conversions; a NaN's payload and s
 source index eager's nearest modes read for an exact factor of 2. Exact by construction, no self-verification.
 
 What the guard admits: a module of a class the adapter registered (`add_upsample_class`) configured as above (either
-nearest mode, a factor of exactly 2 on both axes, no size), x a bf16/fp16 ``[N, C, H, W]`` on CUDA with a unit W
+nearest mode, a factor of exactly 2 on both axes, no size), x a bf16/fp16/fp32 ``[N, C, H, W]`` (fp32: an fp32 VAE's,
+whose ``x.float()`` is x and whose interpolation is a copy, as the kernel's) on CUDA with a unit W
 stride and W > 1 (contiguous, or the time-major view Wan's resampling makes: eager's result is contiguous for any
 such x, and so is the kernel's), no autograd. Anything else runs the module's forward as diffusers wrote it.
 """
@@ -22,7 +23,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
+from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site
 
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
 
@@ -54,7 +55,7 @@ def _guard(module: nn.Module, x: torch.Tensor, check_pointers: bool = True) -> s
         return "not a 2x nearest upsampling"
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return "x not [N, C, H, W]"
-    if x.dtype not in HALF_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if x.numel() == 0:
         return "empty"
@@ -76,7 +77,7 @@ _ARGS = _nvrtc.Params("UpsampleNearestArgs", ("out", "P"), ("x", "P"), ("batch",
 _NVRTC = _nvrtc.Kernel(
     "upsample_nearest.cu",
     "diffusers_fastpath::upsample_nearest2x_kernel",
-    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
     _nvrtc.Params("upsample_nearest2x_kernel", ("a", _ARGS)),
 )
 _THREADS = 256
@@ -95,7 +96,7 @@ def _nvrtc_kernel(x: torch.Tensor) -> torch.Tensor:
 
 def _raw_guard(x):
     # bindings.cpp's checks: a CUDA [N, C, H, W] of a half dtype with unit W stride
-    if x.dim() != 4 or x.dtype not in HALF_DTYPES or (x.shape[3] > 1 and x.stride(3) != 1) or not x.is_cuda:
+    if x.dim() != 4 or x.dtype not in FLOAT_DTYPES or (x.shape[3] > 1 and x.stride(3) != 1) or not x.is_cuda:
         return "shape, dtype or layout"
     return None
 
