@@ -139,6 +139,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--levels: nothing to run")
     if args.model in VAE_ONLY_MODELS and set(args.levels) - {"vae", "profile"}:
         p.error(f"--model {args.model}: its VAE alone is benched here (--levels vae [--profile])")
+    if args.dtype == "fp32" and set(args.levels) - {"vae", "profile"}:
+        p.error("--dtype fp32: for the VAE level (--levels vae [--profile]): a transformer's fused ops take bf16 / fp16")
     modes = _split(args.modes) or [
         m.name for m in MODES.values() if not (m.compiled and device.type == "cpu" and not args.compile_backend)
     ]

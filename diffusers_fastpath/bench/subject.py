@@ -135,7 +135,8 @@ def _zoo_models() -> tuple[str, ...]:
 ZOO_MODELS = _zoo_models()
 # the family of a step model's kernel cases (default "other")
 STEP_FAMILIES = {"build_sd3_transformer": "sd3", "build_qwenimage_transformer": "qwen"}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp32 is for the VAE level (Wan's model card loads its VAE in fp32); a transformer's fused ops take bf16 / fp16 only
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
