@@ -531,6 +531,37 @@ def test_causal_conv3d_channels_last_guard_and_its_other_ways(monkeypatch):
         conv.bias.reshape(1, -1, 1, 1, 1)))
 
 
+def _patched_causal_conv(cin=4, cout=8, seed=3):
+    """A Wan causal convolution (3x3x3, padded) with the sites `vae_conv.causal_conv_site` gives it: its forward is
+    `causal_conv3d`, which hands the channels-last path `causal_conv_cl` the call first."""
+    from diffusers_fastpath._state import SITE_ATTR
+
+    causal_conv_cl = importlib.import_module("diffusers_fastpath.ops.causal_conv_cl")
+    causal_conv_pad.add_conv_class(wan.WanCausalConv3d)
+    conv = randomize_(wan.WanCausalConv3d(cin, cout, 3, padding=1), seed).to(torch.bfloat16)
+    conv.__class__ = vae_wan.CONVS[wan.WanCausalConv3d]
+    sites = {SITE_ATTR: Site("causal_conv3d"), causal_conv_cl.NAMED_SITE: Site("causal_conv3d_cl"),
+             "_fastpath_site_conv_bias": Site("conv_bias")}
+    conv.__dict__.update(sites)
+    return conv, sites, causal_conv_cl
+
+
+@torch.no_grad()
+def test_causal_conv3d_channels_last_guard_runs_its_own_checks_under_emulation(emulated_kernels, monkeypatch):
+    """The CPU tests' emulation takes a guard's "device cpu" for a pass; `causal_conv_cl`'s guard returned the
+    one-buffer guard's "device cpu" before its own checks, so under `emulated_kernels` none of them ran (cudnn.benchmark
+    on, a mixed-dtype bias, ...: the channels-last path still ran fast) and the CPU tests of the wiring could not see
+    them."""
+    conv, sites, causal_conv_cl = _patched_causal_conv()
+    x = torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert torch.equal(conv(x), wan.WanCausalConv3d.forward(conv, x))
+    site = sites[causal_conv_cl.NAMED_SITE]
+    assert site.fast == 0 and dict(site.fallback) == {"cudnn.benchmark on": 1}
+    assert causal_conv_cl._guard(conv, x) == "cudnn.benchmark on"  # (the real guard, on a CPU x)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert causal_conv_cl._guard(conv, x) == "device cpu"
+
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     """The NVRTC launcher's arguments, field by field, as bindings.cpp's channel_rmsnorm fills them, and the .cu's
     grid (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""
