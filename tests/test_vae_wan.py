@@ -562,6 +562,21 @@ def test_causal_conv3d_channels_last_guard_runs_its_own_checks_under_emulation(e
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     assert causal_conv_cl._guard(conv, x) == "device cpu"
 
+
+@torch.no_grad()
+def test_causal_conv3d_channels_last_keeps_eager_layout_for_a_channels_last_weight(emulated_kernels):
+    """A VAE moved to ``memory_format=torch.channels_last_3d`` has channels-last weights: eager's convolution of the
+    contiguous padded input then returns a channels-last result (cuDNN's suggested format follows the weight, as the
+    CPU's does), with its bias added in place. The channels-last path always returned a contiguous tensor: the same
+    values (the first-call ``torch.equal`` check does not see strides), another layout than eager's."""
+    conv, sites, causal_conv_cl = _patched_causal_conv()
+    conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+    x, cache = torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16), torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16)
+    ref = wan.WanCausalConv3d.forward(conv, x, cache)
+    assert not ref.is_contiguous()  # (eager's layout here: channels-last, the weight's)
+    out = conv(x, cache)
+    assert out.stride() == ref.stride() and torch.equal(out, ref)
+
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     """The NVRTC launcher's arguments, field by field, as bindings.cpp's channel_rmsnorm fills them, and the .cu's
     grid (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""

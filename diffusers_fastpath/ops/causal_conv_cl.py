@@ -21,7 +21,7 @@ dilation, groups: what cuDNN picks its engine by) is compared with the module's 
 mismatch disables it for the process (one warning), and the channels-first path runs.
 
 What the guard admits: what `causal_conv_pad`'s guard admits, where the convolution pads (a buffer is built) and has
-a bias of x's dtype, ``padding_mode`` "zeros", a 3-D convolution torch runs with cuDNN (asked of torch on the padded
+a bias of x's dtype, a contiguous weight (eager's result is channels-last for a channels-last one), ``padding_mode`` "zeros", a 3-D convolution torch runs with cuDNN (asked of torch on the padded
 input, with and without the bias); not under ``torch.compile`` (its custom op is the module's own forward) nor
 with ``torch.backends.cudnn.benchmark`` on (the engine is then timed per call, not chosen by shape); an fp32 VAE's
 too (cuDNN's fp32 convolutions use TF32 as eager's do, the flag in the signature). Anything
@@ -57,6 +57,10 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
         return "no bias"
     if bias.dtype is not x.dtype or weight.dtype is not x.dtype:
         return "mixed dtypes"
+    if not weight.is_contiguous():
+        # (a channels-last weight, e.g. the VAE moved to channels_last_3d: eager's convolution of the contiguous
+        # buffer then returns a channels-last result, which bias_contiguous's contiguous one is not)
+        return "weight not contiguous"
     if getattr(conv, "padding_mode", None) != "zeros":
         return "padding mode"
     if torch.backends.cudnn.benchmark:
