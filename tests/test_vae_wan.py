@@ -577,6 +577,29 @@ def test_causal_conv3d_channels_last_keeps_eager_layout_for_a_channels_last_weig
     out = conv(x, cache)
     assert out.stride() == ref.stride() and torch.equal(out, ref)
 
+
+@torch.no_grad()
+def test_causal_conv3d_a_wrong_input_raises_eagers_error_and_disables_nothing(emulated_kernels):
+    """x of another channel count than the weight's: eager raises its error, and the fused ops stay on. Before, the
+    error came from inside the kernels (the backend query of `causal_conv_cl`, the fallback convolution of
+    `causal_conv3d`), which `FusedOp` takes for a kernel failure: both ops were disabled for the process, so one
+    mistaken call (a notebook's) left every later decode on eager's path."""
+    conv, sites, causal_conv_cl = _patched_causal_conv()
+    wrong = torch.randn(1, 6, 2, 8, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        conv(wrong)
+    assert causal_conv_cl.CAUSAL_CONV3D_CL.disabled is None and causal_conv_pad.CAUSAL_CONV3D.disabled is None
+    flat = randomize_(wan.WanCausalConv3d(4, 8, 1), 2).to(torch.bfloat16)  # pads nothing: x itself is convolved
+    flat.__class__ = vae_wan.CONVS[wan.WanCausalConv3d]
+    with pytest.raises(RuntimeError):
+        flat(wrong)
+    assert causal_conv_cl.CAUSAL_CONV3D_CL.disabled is None and causal_conv_pad.CAUSAL_CONV3D.disabled is None
+    x = torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16)
+    assert torch.equal(conv(x), wan.WanCausalConv3d.forward(conv, x))
+    assert sites[causal_conv_cl.NAMED_SITE].fast == 1
+    assert causal_conv_pad._guard(conv, wrong) == causal_conv_pad._guard(flat, wrong) == "shape"
+
+
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     """The NVRTC launcher's arguments, field by field, as bindings.cpp's channel_rmsnorm fills them, and the .cu's
     grid (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""

@@ -92,6 +92,16 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
         return "padding not six non-negative ints"
     if tuple(conv.padding) != (0, 0, 0):
         return "the convolution pads itself"
+    # a convolution eager refuses (x of another channel count, a padded input smaller than the kernel's extent): eager
+    # raises its error. Refused here, the error comes from the fallback, not from inside the kernel, which `FusedOp`
+    # would take for a kernel failure and disable this op (and causal_conv3d_cl) for the process.
+    weight = getattr(conv, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 5 or x.shape[1] != weight.shape[1] * conv.groups:
+        return "shape"
+    padded = (x.shape[2] + padding[4] + padding[5], x.shape[3] + padding[2] + padding[3],
+              x.shape[4] + padding[0] + padding[1])
+    if any(size < d * (k - 1) + 1 for size, k, d in zip(padded, weight.shape[2:], conv.dilation)):
+        return "shape"
     if not _pads(conv, cache_x):
         # eager's F.pad returns x.clone(): x's strides (x dense), on a fresh 512-byte aligned block. x itself has
         # the same strides; the convolution gets it where its address is as aligned (checked last, on the GPU).
