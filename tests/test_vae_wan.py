@@ -600,6 +600,28 @@ def test_causal_conv3d_a_wrong_input_raises_eagers_error_and_disables_nothing(em
     assert causal_conv_pad._guard(conv, wrong) == causal_conv_pad._guard(flat, wrong) == "shape"
 
 
+
+def test_causal_conv3d_channels_last_signature_names_the_device_and_determinism(monkeypatch):
+    """One torch.equal check vouches for a signature: it must name all that cuDNN's engine choice depends on. The
+    engine comes from cuDNN's heuristics per GPU (a process with two kinds of GPU: one check on cuda:0 vouched for
+    cuda:1) and, in deterministic mode (``torch.use_deterministic_algorithms`` / ``cudnn.deterministic``), from the
+    deterministic engines only: a signature verified with the mode off vouched for the channels-last engine with it
+    on, an engine choice nobody compared with the channels-first one."""
+    causal_conv_cl = importlib.import_module("diffusers_fastpath.ops.causal_conv_cl")
+    conv = wan.WanCausalConv3d(4, 8, 3, padding=1).to(torch.bfloat16)
+    x = torch.randn(1, 4, 2, 8, 8).to(torch.bfloat16)
+    key = causal_conv_cl._signature(conv, x)
+    assert causal_conv_cl._signature(conv, x.to("meta")) != key  # another device
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    assert causal_conv_cl._signature(conv, x) != key
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    assert causal_conv_cl._signature(conv, x) == key
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert causal_conv_cl._signature(conv, x) != key
+    finally:
+        torch.use_deterministic_algorithms(False)
+
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     """The NVRTC launcher's arguments, field by field, as bindings.cpp's channel_rmsnorm fills them, and the .cu's
     grid (one thread per 16-byte vector, at most kBlocksPerSm blocks per SM); the driver call captured on CPU."""

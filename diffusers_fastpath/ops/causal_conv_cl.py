@@ -71,14 +71,16 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
 
 
 def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
-    """What cuDNN picks its engine by: the dtype, the padded input's shape, the weight's, the geometry, and the flags
-    that narrow its choice (deterministic algorithms, cuDNN's own deterministic switch, TF32 for an fp32 VAE)."""
+    """What cuDNN picks its engine by: the dtype, the padded input's shape, the weight's, the geometry, the device
+    (its heuristics are per GPU), deterministic mode (which leaves cuDNN the deterministic engines only) and TF32 (an
+    fp32 VAE's convolutions)."""
     pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
     batch, channels, frames, height, width = x.shape
     padded = (batch, channels, frames + pt0 + pt1, height + ph0 + ph1, width + pw0 + pw1)
     return (str(x.dtype).removeprefix("torch."), padded, tuple(conv.weight.shape), tuple(conv.stride),
-            tuple(conv.dilation), conv.groups, torch.are_deterministic_algorithms_enabled(),
-            torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32)
+            tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
+            torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.allow_tf32)
 
 
 def _convolution(conv: nn.Module, padded: torch.Tensor) -> torch.Tensor:
