@@ -61,8 +61,9 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
   }
 }
 
-// channels_last: grid (ceil(Wp / kTile), ceil(C / kTile), min(B * Tp * Hp, kMaxRowBlocks)), block (kTile, kTileRows);
-// the output rows (b, t, h) in turn over grid.z with a grid stride.
+// channels_last: grid (ceil(Wp / kTile), min(ceil(C / kTile), kMaxRowBlocks), min(B * Tp * Hp, kMaxRowBlocks)), block
+// (kTile, kTileRows); the channel tiles in turn over grid.y and the output rows (b, t, h) over grid.z, each with a grid
+// stride (grid.y and grid.z are at most 65535: more than 2M channels take several tiles per block).
 template <typename T>
 __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
   using W = typename Word<sizeof(T)>::type;  // the values are copied as their bits
@@ -73,42 +74,44 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
   const int64_t out_t = a.pad_t0 + a.cache_frames + a.frames + a.pad_t1;
   const int64_t rows = a.batch * out_t * out_h;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const W* x = static_cast<const W*>(a.x);
   const W* cache = static_cast<const W*>(a.cache);
   W* out = static_cast<W*>(a.out);
   const int64_t w_read = w0 + threadIdx.x;  // the column this thread reads (along the source's unit stride)
   const int64_t sw = w_read - a.pad_w0;
   const bool inside_w = w_read < out_w && sw >= 0 && sw < a.width;
-  const int64_t c_write = c0 + threadIdx.x;  // the channel this thread writes (along the output's unit stride)
-  for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
-    const int64_t h = r % out_h;
-    const int64_t t = (r / out_h) % out_t;
-    const int64_t b = r / (out_h * out_t);
-    const int64_t sh = h - a.pad_h0;
-    const int64_t st = t - a.pad_t0;
-    const W* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
-    int64_t stride_c = 0;
-    if (sh >= 0 && sh < a.height && st >= 0) {
-      if (st < a.cache_frames) {
-        src = cache + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
-        stride_c = a.cache_stride_c;
-      } else if (st < a.cache_frames + a.frames) {
-        src = x + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
-        stride_c = a.x_stride_c;
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile; c0 < a.channels;
+       c0 += static_cast<int64_t>(gridDim.y) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
+    const int64_t c_write = c0 + threadIdx.x;  // the channel this thread writes (along the output's unit stride)
+    for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
+      const int64_t h = r % out_h;
+      const int64_t t = (r / out_h) % out_t;
+      const int64_t b = r / (out_h * out_t);
+      const int64_t sh = h - a.pad_h0;
+      const int64_t st = t - a.pad_t0;
+      const W* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
+      int64_t stride_c = 0;
+      if (sh >= 0 && sh < a.height && st >= 0) {
+        if (st < a.cache_frames) {
+          src = cache + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
+          stride_c = a.cache_stride_c;
+        } else if (st < a.cache_frames + a.frames) {
+          src = x + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
+          stride_c = a.x_stride_c;
+        }
       }
+      transpose_tile<W, kTile, kTileRows>(
+          base,
+          [&](unsigned i) -> W {
+            const int64_t c = c0 + i;
+            // +0.0 (as F.pad writes) on the border
+            return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : W(0);
+          },
+          [&](unsigned i, W v) {
+            const int64_t w = w0 + i;
+            if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
+          });
     }
-    transpose_tile<W, kTile, kTileRows>(
-        base,
-        [&](unsigned i) -> W {
-          const int64_t c = c0 + i;
-          // +0.0 (as F.pad writes) on the border
-          return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : W(0);
-        },
-        [&](unsigned i, W v) {
-          const int64_t w = w0 + i;
-          if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
-        });
   }
 }
 
@@ -121,8 +124,9 @@ cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
   if (rows == 0 || out_w == 0) return cudaSuccess;
   if (rows < 0 || out_w < 0) return cudaErrorInvalidValue;
   if (a.channels_last) {
+    const int64_t ctiles = (a.channels + kTile - 1) / kTile;
     const dim3 grid(static_cast<unsigned>((out_w + kTile - 1) / kTile),
-                    static_cast<unsigned>((a.channels + kTile - 1) / kTile),
+                    static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
                     static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
     causal_pad_cl_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
     return cudaGetLastError();

@@ -58,20 +58,22 @@ __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs 
   }
 }
 
-// grid (ceil(spatial / kTile), ceil(channels / kTile), min(batch, kMaxRowBlocks)), block (kTile, kTileRows); the
-// samples in turn over grid.z with a grid stride.
+// grid (ceil(spatial / kTile), min(ceil(channels / kTile), kMaxRowBlocks), min(batch, kMaxRowBlocks)), block (kTile,
+// kTileRows); the channel tiles in turn over grid.y and the samples over grid.z, each with a grid stride (grid.y and
+// grid.z are at most 65535: more than 2M channels take several tiles per block).
 template <typename T>
 __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(const BiasContiguousArgs a) {
   __shared__ float tile[kTile][kTile + 1];  // [position][channel], the sums (rounded when written)
   const unsigned base = shared_address(&tile[0][0]);
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const T* x = static_cast<const T*>(a.x);
   const T* bias = static_cast<const T*>(a.bias);
   T* out = static_cast<T*>(a.out);
+  const int64_t s_write = s0 + threadIdx.x;
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile; c0 < a.channels;
+       c0 += static_cast<int64_t>(gridDim.y) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
   const int64_t c_read = c0 + threadIdx.x;
   const float b = c_read < a.channels ? Storage<T>::load(bias[c_read]) : 0.0f;
-  const int64_t s_write = s0 + threadIdx.x;
   for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
     transpose_tile<float, kTile, kTileRows>(
         base,
@@ -86,6 +88,7 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
           if (c < a.channels && s_write < a.spatial) out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
         });
   }
+  }
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
@@ -93,8 +96,9 @@ template <typename T>
 cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) {
   if (a.batch == 0 || a.spatial == 0 || a.channels == 0) return cudaSuccess;
   if (a.batch < 0 || a.spatial < 0 || a.channels < 0) return cudaErrorInvalidValue;
+  const int64_t ctiles = (a.channels + kTile - 1) / kTile;
   const dim3 grid(static_cast<unsigned>((a.spatial + kTile - 1) / kTile),
-                  static_cast<unsigned>((a.channels + kTile - 1) / kTile),
+                  static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
                   static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
   bias_contiguous_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
   return cudaGetLastError();

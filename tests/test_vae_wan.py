@@ -686,6 +686,24 @@ def test_causal_pad_nvrtc_launch_arguments(monkeypatch):
         out.data_ptr(), x.data_ptr(), cache.data_ptr()]
 
 
+
+def test_channels_last_tile_kernels_launch_within_the_grid_limits(monkeypatch):
+    """causal_pad's channels-last kernel and conv_bias's bias_contiguous put the channel tiles on grid.y, whose limit
+    is 65535: a tensor of more than 65535 * 32 channels had a launch the driver refuses (the op then disabled for the
+    process). grid.y is capped and the kernels loop over the channel tiles (the NVRTC launchers, as the .cu's)."""
+    conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
+    launches = []
+    monkeypatch.setattr(causal_conv_pad._NVRTC_CL, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(conv_bias_module._NVRTC_CONTIGUOUS, "launch", lambda *args: launches.append(args))
+    channels = 65535 * 32 + 1
+    x = torch.zeros(1, channels, 1, 1, 1, dtype=torch.bfloat16)
+    causal_conv_pad._nvrtc_kernel(x, None, [0, 0, 0, 0, 1, 0], True)
+    conv_bias_module._nvrtc_contiguous(x.contiguous(memory_format=torch.channels_last_3d),
+                                       torch.zeros(channels, dtype=torch.bfloat16))
+    assert len(launches) == 2
+    for _, _, grid, block, *_ in launches:
+        assert all(0 < g <= limit for g, limit in zip(grid, (2 ** 31 - 1, 65535, 65535))), grid
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 

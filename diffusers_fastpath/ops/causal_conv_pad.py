@@ -194,7 +194,8 @@ def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[i
         planes = out.shape[0] * out.shape[2] * out.shape[3]
         if channels_last:
             kernel, block = _NVRTC_CL, (_TILE, _TILE_ROWS, 1)
-            grid = ((out.shape[4] + _TILE - 1) // _TILE, (channels + _TILE - 1) // _TILE, min(planes, _MAX_ROW_BLOCKS))
+            grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
+                    min(planes, _MAX_ROW_BLOCKS))
         else:
             kernel, block = _NVRTC, (_THREADS, 1, 1)
             grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)

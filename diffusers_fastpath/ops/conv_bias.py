@@ -160,7 +160,8 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     if x.numel():
         batch, channels = x.shape[:2]
         spatial = x.numel() // (batch * channels)
-        grid = ((spatial + _TILE - 1) // _TILE, (channels + _TILE - 1) // _TILE, min(batch, _MAX_ROW_BLOCKS))
+        grid = ((spatial + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
+                min(batch, _MAX_ROW_BLOCKS))
         _NVRTC_CONTIGUOUS.launch(x.device.index, x.dtype, grid, (_TILE, _TILE_ROWS, 1), out.data_ptr(), x.data_ptr(),
                                  bias.data_ptr(), batch, spatial, channels, _nvrtc.DTYPE_CODE[x.dtype])
     return out
