@@ -704,6 +704,27 @@ def test_channels_last_tile_kernels_launch_within_the_grid_limits(monkeypatch):
     for _, _, grid, block, *_ in launches:
         assert all(0 < g <= limit for g, limit in zip(grid, (2 ** 31 - 1, 65535, 65535))), grid
 
+
+def test_bias_contiguous_raw_guard_takes_what_bindings_cpp_takes():
+    """The NVRTC way's ``_conv_bias_contiguous_cuda`` stands for bindings.cpp's, which takes any x that
+    ``is_contiguous(ChannelsLast3d)`` says yes to, also one contiguous both ways (one output channel, or one output
+    position): the raw guard asked `_layout`, which calls such a tensor contiguous, and refused it (the direct call
+    raised where the nvcc extension's runs)."""
+    conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
+
+    class OnCuda(torch.Tensor):  # (the guard's device check, passed on a CPU)
+        is_cuda = property(lambda self: True)
+
+    def on_cuda(t):
+        return torch.Tensor._make_subclass(OnCuda, t)
+
+    for shape in [(2, 1, 3, 4, 5), (2, 6, 1, 1, 1), (2, 6, 3, 4, 5), (2, 1, 4, 5)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+        assert conv_bias_module._raw_contiguous_guard(on_cuda(x), on_cuda(torch.zeros(shape[1]).to(x.dtype))) is None
+    x = torch.randn(2, 6, 3, 4, 5).to(torch.bfloat16)  # contiguous only: refused
+    assert conv_bias_module._raw_contiguous_guard(on_cuda(x), on_cuda(torch.zeros(6).to(x.dtype))) is not None
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 

@@ -171,7 +171,8 @@ def _raw_contiguous_guard(x, bias):
     # bindings.cpp's checks: a channels-last CUDA [N, C, *] (4 or 5 dims) of a half dtype; bias [C] of its dtype
     if (x.dim() not in (4, 5) or x.dtype not in FLOAT_DTYPES or not x.is_cuda or bias.dim() != 1
             or bias.shape[0] != x.shape[1] or bias.dtype != x.dtype or not bias.is_contiguous()
-            or _layout(x) is not True and x.numel()):
+            or not x.is_contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+            and x.numel()):  # (as bindings.cpp asks: also true of a tensor contiguous both ways, C or S of 1)
         return "shape, dtype or layout"
     return None
 
