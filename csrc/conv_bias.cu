@@ -72,22 +72,24 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
   const int64_t s_write = s0 + threadIdx.x;
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile; c0 < a.channels;
        c0 += static_cast<int64_t>(gridDim.y) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
-  const int64_t c_read = c0 + threadIdx.x;
-  const float b = c_read < a.channels ? Storage<T>::load(bias[c_read]) : 0.0f;
-  for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
-    transpose_tile<float, kTile, kTileRows>(
-        base,
-        [&](unsigned i) -> float {
-          const int64_t s = s0 + i;
-          return s < a.spatial && c_read < a.channels
-                     ? __fadd_rn(Storage<T>::load(x[(n * a.spatial + s) * a.channels + c_read]), b)
-                     : 0.0f;
-        },
-        [&](unsigned i, float v) {
-          const int64_t c = c0 + i;
-          if (c < a.channels && s_write < a.spatial) out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
-        });
-  }
+    const int64_t c_read = c0 + threadIdx.x;
+    const float b = c_read < a.channels ? Storage<T>::load(bias[c_read]) : 0.0f;
+    for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
+      transpose_tile<float, kTile, kTileRows>(
+          base,
+          [&](unsigned i) -> float {
+            const int64_t s = s0 + i;
+            return s < a.spatial && c_read < a.channels
+                       ? __fadd_rn(Storage<T>::load(x[(n * a.spatial + s) * a.channels + c_read]), b)
+                       : 0.0f;
+          },
+          [&](unsigned i, float v) {
+            const int64_t c = c0 + i;
+            if (c < a.channels && s_write < a.spatial) {
+              out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
+            }
+          });
+    }
   }
 }
 

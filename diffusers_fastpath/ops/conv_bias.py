@@ -168,7 +168,7 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _raw_contiguous_guard(x, bias):
-    # bindings.cpp's checks: a channels-last CUDA [N, C, *] (4 or 5 dims) of a half dtype; bias [C] of its dtype
+    # bindings.cpp's checks: a channels-last CUDA [N, C, *] (4 or 5 dims) of fp16 / bf16 / fp32; bias [C] of its dtype
     if (x.dim() not in (4, 5) or x.dtype not in FLOAT_DTYPES or not x.is_cuda or bias.dim() != 1
             or bias.shape[0] != x.shape[1] or bias.dtype != x.dtype or not bias.is_contiguous()
             or not x.is_contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
