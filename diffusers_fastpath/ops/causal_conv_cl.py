@@ -103,6 +103,7 @@ def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = Non
 
 CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_pad.causal_conv3d_ref, guard=_guard, kernel=_kernel,
                            custom_op=_pad.causal_conv3d_ref, verify_key=_signature)
+_pad.register_channels_last(CAUSAL_CONV3D_CL, NAMED_SITE)  # (tried first by `causal_conv_pad`'s kernel)
 
 
 def causal_conv3d_cl(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None,

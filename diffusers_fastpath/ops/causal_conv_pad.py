@@ -226,15 +226,22 @@ _nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding, bool
 _launch = None
 
 
+_CHANNELS_LAST: list = []  # (op, site attribute): the channels-last path, `causal_conv_cl` (registered on its import)
+
+
+def register_channels_last(op: FusedOp, site: str) -> None:
+    """Let the convolutions that carry `site` try `op` (`diffusers_fastpath.ops.causal_conv_cl`) first."""
+    _CHANNELS_LAST[:] = [(op, site)]
+
+
 def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
     # channels-last where `causal_conv_cl` takes it (its own site, guard and per-signature check), else the
     # convolution, ``nn.Conv3d.forward``, its bias added by `conv_bias` (its own site, its own guard)
-    from .causal_conv_cl import CAUSAL_CONV3D_CL, NAMED_SITE as _CL_SITE
-
-    site = conv.__dict__.get(_CL_SITE)  # (a site only on the convolutions that pad, with a bias)
-    out = None if site is None else CAUSAL_CONV3D_CL.try_fast(site, conv, x, cache_x)
-    if out is not None:
-        return out
+    for op, attr in _CHANNELS_LAST:
+        site = conv.__dict__.get(attr)  # (a site only on the convolutions that pad, with a bias)
+        out = None if site is None else op.try_fast(site, conv, x, cache_x)
+        if out is not None:
+            return out
     return conv_bias(conv, padded_input(conv, x, cache_x), conv.__dict__.get(_BIAS_SITE))
 
 
