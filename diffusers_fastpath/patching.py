@@ -36,6 +36,7 @@ from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay
     undo_patch,
 )
 from .models import generic
+from .ops._policy import FP32_OPS
 from .quality import set_tier
 
 
@@ -151,9 +152,13 @@ def _say_if_nothing_can_run_fused(name: str, model: nn.Module) -> None:
     diffusers' eager expressions at every site (the same numbers, no speed-up). Say so when it is patched, not
     only in `report`: a warning, once per process, where the model is on a CUDA device (where it could have been
     fast); on a CPU, where no kernel runs anyway, an info line. Weights stored in other dtypes (fp8 layerwise
-    casting, quantized backends) compute in bf16 and are not meant here."""
+    casting, quantized backends) compute in bf16 and are not meant here. Nothing is said of an fp32 model with
+    sites of the ops that take fp32 too (a VAE's convolution bias adds, buffers and upsampling: `FP32_OPS`), whose
+    fp32 sites run fused."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if not dtypes or dtypes & set(_HALF) or not dtypes <= {torch.float32, torch.float64}:
+        return
+    if torch.float64 not in dtypes and any(site.op in FP32_OPS for m in model.modules() for _, site in sites_of(m)):
         return
     held = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
     msg = (f"diffusers_fastpath: {name} ({type(model).__name__}) has {held} weights; the fused kernels take bfloat16 "
@@ -209,7 +214,8 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
             pipeline's component) is already wrapped by ``torch.compile`` (patch first, then compile).
 
     A model whose floating-point weights are all fp32 is patched too, and runs diffusers' eager expressions (the
-    kernels take bf16 and fp16): a warning says so when it is on a CUDA device.
+    kernels take bf16 and fp16): a warning says so when it is on a CUDA device. An fp32 VAE (Wan's model card loads
+    one) runs its convolutions' bias adds, padded inputs and upsampling fused, its norms as diffusers wrote them.
 
     Example:
         >>> import diffusers_fastpath as fp

@@ -987,3 +987,25 @@ def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(m
         finally:
             fp.unpatch(vae)
     assert "not bit-exact" in (crms.CHANNEL_RMSNORM.disabled or "")
+
+
+def test_an_fp32_vae_is_patched_without_the_nothing_runs_fused_warning(monkeypatch, fastpath_log):
+    """An fp32 model is told that nothing of it runs fused, but an fp32 VAE has sites that do (bias adds, buffers,
+    upsampling): no such warning for it, and a transformer in fp32 still gets it."""
+    from diffusers_fastpath import patching
+
+    monkeypatch.setattr(patching, "_on_cuda", lambda model: True)  # (the warning is for models on a GPU)
+    vae = _build("wan", torch.float32)
+    fp.patch(vae)
+    try:
+        assert not [r for r in fastpath_log.records if "the fused kernels take bfloat16" in r.getMessage()]
+    finally:
+        fp.unpatch(vae)
+    from diffusers_fastpath.testing import zoo
+
+    model = zoo.build("sana", dtype=torch.float32)
+    fp.patch(model)
+    try:
+        assert [r for r in fastpath_log.records if "the fused kernels take bfloat16" in r.getMessage()]
+    finally:
+        fp.unpatch(model)

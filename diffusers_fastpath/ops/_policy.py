@@ -48,6 +48,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused ke
 # and the VAEs' copies and convolution bias adds (conv_bias, causal_conv3d's buffer, upsample_nearest2x), which an fp32
 # VAE (as Wan's model card loads it) runs too: copies, and one fp32 add
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "causal_conv3d_cl", "upsample_nearest2x"})  # the ops that do
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
