@@ -66,7 +66,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ._host_constants import constants_as_fills
 from ._logging import logger, warn_once
-from .ops._policy import global_module_hooks, outputs_equal
+from .ops._policy import fp32_precision_state, global_module_hooks, outputs_equal
 
 GRAPHS_ATTR = "_fastpath_graphs"
 MAX_SIGNATURES = 8  # per model; a pipeline needs one or two (CFG, two text lengths), resolutions add one each
@@ -105,10 +105,9 @@ def _global_state() -> tuple:
         torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.math_sdp_enabled(),
         torch.backends.cuda.cudnn_sdp_enabled(),
-        torch.get_float32_matmul_precision(),
+        *fp32_precision_state(),  # (the matmul precision and cuDNN's TF32, read as torch >= 2.9 keeps them)
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        torch.backends.cudnn.allow_tf32,
         torch.are_deterministic_algorithms_enabled(),
         getattr(_AttentionBackendRegistry, "_active_backend", None),
         _flag(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed"),  # the math SDPA's bf16 reduction

@@ -618,3 +618,23 @@ def test_a_forward_replaced_on_a_class_after_capture_changes_the_fingerprint(mon
     assert not fingerprint.matches()
     monkeypatch.undo()
     assert fingerprint.matches()
+
+
+def test_the_signature_reads_fp32_precision_set_per_op_without_raising(monkeypatch):
+    """torch >= 2.9 sets TF32 per backend and op (``torch.backends.cudnn.conv.fp32_precision = "ieee"``), and its
+    legacy getters (``torch.get_float32_matmul_precision()``, ``cudnn.allow_tf32``) raise where the per-op settings
+    differ: the graphs' signature read them, so a user's forward with ``cuda_graphs=True`` raised. It reads the
+    per-op settings, and any change of them is a change of the signature."""
+    from diffusers_fastpath import graphs
+
+    cudnn = torch.backends.cudnn
+    if not hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        pytest.skip("torch < 2.9: no per-op precision settings")
+    before = graphs._global_state()
+    monkeypatch.setattr(cudnn.conv, "fp32_precision", "ieee")
+    monkeypatch.setattr(cudnn.rnn, "fp32_precision", "tf32")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32")
+    with pytest.raises(RuntimeError):
+        torch.get_float32_matmul_precision()  # (what the signature read before)
+    after = graphs._global_state()
+    assert after != before

@@ -414,6 +414,37 @@ class FusedOp:
 REASON_LAYOUT = "x's layout: eager keeps it"  # (`laid_out_contiguous`)
 
 
+def fp32_precision_state() -> tuple:
+    """Every setting that decides whether fp32 matmuls and convolutions run in TF32 (or bf16x3), read without raising:
+    torch >= 2.9 keeps them per backend and op (``fp32_precision`` of torch.backends, cuda.matmul, cudnn, cudnn.conv,
+    cudnn.rnn), and its legacy getters (``torch.get_float32_matmul_precision()``, ``cudnn.allow_tf32``) raise where
+    those disagree (the new API used per op); older torch has the legacy ones only. A getter that raises reads as
+    "mixed": the per-op settings beside it say which mix."""
+    def legacy(get):
+        try:
+            return get()
+        except RuntimeError:
+            return "mixed"
+
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    per_op = tuple(getattr(obj, "fp32_precision", None) for obj in (
+        torch.backends, getattr(cuda, "matmul", None), cudnn, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)))
+    return per_op + (legacy(torch.get_float32_matmul_precision), legacy(lambda: cudnn.allow_tf32))
+
+
+def cudnn_conv_tf32():
+    """What decides whether cuDNN's fp32 convolutions use TF32. torch >= 2.9 keeps it per op: the
+    ``fp32_precision`` settings (global, cuDNN's, its convolutions'; the legacy ``allow_tf32`` setter writes the
+    latter), and reading ``torch.backends.cudnn.allow_tf32`` raises where the convolutions' and the RNNs' differ (the
+    new API used per op): the settings themselves, whose every change is a change of the key. Older torch: the flag."""
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        return (getattr(torch.backends, "fp32_precision", None), getattr(cudnn, "fp32_precision", None),
+                conv.fp32_precision)
+    return cudnn.allow_tf32
+
+
 def autograd_device_reason(x: torch.Tensor, *params: torch.Tensor) -> str | None:
     """The tail most guards share, for an input `x` and a module's tensors `params`: no autograd through any of them,
     x on CUDA, the others on x's device; ``None`` or the reason."""

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from . import causal_conv_pad as _pad
-from ._policy import FusedOp, Site
+from ._policy import FusedOp, Site, cudnn_conv_tf32
 from .conv_bias import _backend, bias_contiguous
 
 NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
@@ -80,20 +80,7 @@ def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
     return (str(x.dtype).removeprefix("torch."), padded, tuple(conv.weight.shape), tuple(conv.stride),
             tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
             torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
-            _conv_tf32())
-
-
-def _conv_tf32():
-    """What decides whether cuDNN's fp32 convolutions use TF32. torch >= 2.9 keeps it per op: the
-    ``fp32_precision`` settings (global, cuDNN's, its convolutions'; the legacy ``allow_tf32`` setter writes the
-    latter), and reading ``torch.backends.cudnn.allow_tf32`` raises where the convolutions' and the RNNs' differ (the
-    new API used per op): the settings themselves, whose every change is a change of the key. Older torch: the flag."""
-    cudnn = torch.backends.cudnn
-    conv = getattr(cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        return (getattr(torch.backends, "fp32_precision", None), getattr(cudnn, "fp32_precision", None),
-                conv.fp32_precision)
-    return cudnn.allow_tf32
+            cudnn_conv_tf32())
 
 
 def _convolution(conv: nn.Module, padded: torch.Tensor) -> torch.Tensor:
