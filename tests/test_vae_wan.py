@@ -1036,3 +1036,28 @@ def test_an_fp32_vae_is_patched_without_the_nothing_runs_fused_warning(monkeypat
         assert [r for r in fastpath_log.records if "the fused kernels take bfloat16" in r.getMessage()]
     finally:
         fp.unpatch(model)
+
+
+@torch.no_grad()
+def test_a_verification_key_that_raises_disables_its_op_alone(monkeypatch, emulated_kernels, fastpath_log):
+    """A self-verified op whose signature cannot be read (a bug, or a torch setting its getter refuses) is turned off
+    with one warning and eager runs for it; the op whose kernel called it (the one-buffer causal convolution, which
+    tries the channels-last path first) keeps running: the error does not escape into it."""
+    causal_conv_cl = importlib.import_module("diffusers_fastpath.ops.causal_conv_cl")
+
+    def raising(*args):
+        raise RuntimeError("cannot read the key")
+
+    monkeypatch.setattr(causal_conv_cl.CAUSAL_CONV3D_CL, "verify_key", raising)
+    vae = _build("wan")
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+        assert causal_conv_cl.CAUSAL_CONV3D_CL.disabled and causal_conv_pad.CAUSAL_CONV3D.disabled is None, str(fp.report(vae))
+        assert sum("disabling the fused op 'causal_conv3d_cl'" in r.getMessage() for r in fastpath_log.records) == 1
+        rows = fp.report(vae).sites
+        assert all(r.fast > 0 for r in rows if r.op == "causal_conv3d" and r.site.startswith("decoder."))
+    finally:
+        fp.unpatch(vae)
