@@ -23,8 +23,10 @@ mismatch disables it for the process (one warning), and the channels-first path 
 What the guard admits: what `causal_conv_pad`'s guard admits, where the convolution pads (a buffer is built) and has
 a bias of x's dtype, a contiguous weight (eager's result is channels-last for a channels-last one), ``padding_mode`` "zeros", a 3-D convolution torch runs with cuDNN (asked of torch on the padded
 input, with and without the bias); not under ``torch.compile`` (its custom op is the module's own forward) nor
-with ``torch.backends.cudnn.benchmark`` on (the engine is then timed per call, not chosen by shape); an fp32 VAE's
-too (cuDNN's fp32 convolutions use TF32 as eager's do, the flag in the signature). Anything
+with ``torch.backends.cudnn.benchmark`` on (the engine is then timed per call, not chosen by shape), nor in fp32:
+an fp32 VAE's convolutions (TF32, as eager's) gave other bits channels-last than channels-first on an H100 (the Wan
+encoder's first convolution, 3 input channels; the self-check caught it and turned the op off), so they keep the
+channels-first path, its buffer and bias add fused. Anything
 else runs the channels-first path (the one buffer and `conv_bias`), counted on this op's site with the reason.
 """
 
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 
 from . import causal_conv_pad as _pad
-from ._policy import FusedOp, Site, cudnn_conv_tf32
+from ._policy import HALF_DTYPES, FusedOp, Site, cudnn_conv_tf32
 from .conv_bias import _backend, bias_contiguous
 
 NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
@@ -57,6 +59,8 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
         return "no bias"
     if bias.dtype is not x.dtype or weight.dtype is not x.dtype:
         return "mixed dtypes"
+    if x.dtype not in HALF_DTYPES:  # (fp32: cuDNN's channels-last TF32 engine gave other bits on an H100)
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if not weight.is_contiguous():
         # (a channels-last weight, e.g. the VAE moved to channels_last_3d: eager's convolution of the contiguous
         # buffer then returns a channels-last result, which bias_contiguous's contiguous one is not)
