@@ -57,6 +57,23 @@ def _process_wide_state():
 
 
 @pytest.fixture
+def set_precision():
+    """``set_precision(obj, value)`` sets torch's per-op ``obj.fp32_precision`` (torch >= 2.9: torch.backends.cudnn.conv,
+    torch.backends.cuda.matmul, ...) for the test and puts back the value read before. Not pytest's monkeypatch: these
+    are computed attributes, which newer pytest records as absent and then fails to undo, leaving every later patch of
+    the same test (the emulated kernels) in place for the tests after it."""
+    saved = []
+
+    def set_(obj, value):
+        saved.append((obj, obj.fp32_precision))
+        obj.fp32_precision = value
+
+    yield set_
+    for obj, value in reversed(saved):
+        obj.fp32_precision = value
+
+
+@pytest.fixture
 def unpatch_after():
     """Collects objects to unpatch at teardown, so a failing test leaves nothing patched."""
     objs = []

@@ -620,7 +620,7 @@ def test_a_forward_replaced_on_a_class_after_capture_changes_the_fingerprint(mon
     assert fingerprint.matches()
 
 
-def test_the_signature_reads_fp32_precision_set_per_op_without_raising(monkeypatch):
+def test_the_signature_reads_fp32_precision_set_per_op_without_raising(set_precision):
     """torch >= 2.9 sets TF32 per backend and op (``torch.backends.cudnn.conv.fp32_precision = "ieee"``), and its
     legacy getters (``torch.get_float32_matmul_precision()``, ``cudnn.allow_tf32``) raise where the per-op settings
     differ: the graphs' signature read them, so a user's forward with ``cuda_graphs=True`` raised. It reads the
@@ -631,9 +631,9 @@ def test_the_signature_reads_fp32_precision_set_per_op_without_raising(monkeypat
     if not hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
         pytest.skip("torch < 2.9: no per-op precision settings")
     before = graphs._global_state()
-    monkeypatch.setattr(cudnn.conv, "fp32_precision", "ieee")
-    monkeypatch.setattr(cudnn.rnn, "fp32_precision", "tf32")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32")
+    set_precision(cudnn.conv, "ieee")
+    set_precision(cudnn.rnn, "tf32")
+    set_precision(torch.backends.cuda.matmul, "tf32")
     with pytest.raises(RuntimeError):
         torch.get_float32_matmul_precision()  # (what the signature read before)
     after = graphs._global_state()

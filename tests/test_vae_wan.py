@@ -168,7 +168,7 @@ def test_fp32_vae_patched_equal_unpatched_norms_refuse_by_dtype(emulated_kernels
 
 @torch.no_grad()
 def test_the_channels_last_signature_reads_tf32_as_torchs_new_api_leaves_it(emulated_kernels, unpatch_after,
-                                                                              monkeypatch):
+                                                                              set_precision):
     """torch >= 2.9 keeps TF32 per op (``torch.backends.cudnn.conv.fp32_precision``); set that way (conv and RNN
     apart), the legacy ``torch.backends.cudnn.allow_tf32`` raises when read. The channels-last path's signature must
     still be read (it ran outside the kernel's try: the error disabled causal_conv3d, bf16 VAEs too), and a change
@@ -178,7 +178,7 @@ def test_the_channels_last_signature_reads_tf32_as_torchs_new_api_leaves_it(emul
         pytest.skip("torch without the per-op fp32_precision API")
     from diffusers_fastpath.ops import causal_conv_cl, causal_conv_pad
 
-    monkeypatch.setattr(conv_flags, "fp32_precision", "ieee")
+    set_precision(conv_flags, "ieee")
     vae = _build("wan")
     z = _latents(vae)
     ref = _decode(vae, z)
@@ -189,7 +189,7 @@ def test_the_channels_last_signature_reads_tf32_as_torchs_new_api_leaves_it(emul
     conv = next(m for m in vae.modules() if causal_conv_cl.NAMED_SITE in m.__dict__)
     x = torch.zeros(1, conv.in_channels, 2, 4, 4, dtype=conv.weight.dtype)
     key = causal_conv_cl._signature(conv, x)
-    monkeypatch.setattr(conv_flags, "fp32_precision", "tf32")
+    set_precision(conv_flags, "tf32")
     assert causal_conv_cl._signature(conv, x) != key
 
 
