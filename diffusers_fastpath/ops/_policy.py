@@ -48,7 +48,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused ke
 # and the VAEs' copies and convolution bias adds (conv_bias, causal_conv3d's buffer, upsample_nearest2x), which an fp32
 # VAE (as Wan's model card loads it) runs too: copies, and one fp32 add
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "causal_conv3d_cl", "upsample_nearest2x"})  # the ops that do
+FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "upsample_nearest2x"})  # the ops that do
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
@@ -434,19 +434,6 @@ def fp32_precision_state() -> tuple:
     per_op = tuple(getattr(obj, "fp32_precision", None) for obj in (
         torch.backends, getattr(cuda, "matmul", None), cudnn, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)))
     return per_op + (legacy(torch.get_float32_matmul_precision), legacy(lambda: cudnn.allow_tf32))
-
-
-def cudnn_conv_tf32():
-    """What decides whether cuDNN's fp32 convolutions use TF32. torch >= 2.9 keeps it per op: the
-    ``fp32_precision`` settings (global, cuDNN's, its convolutions'; the legacy ``allow_tf32`` setter writes the
-    latter), and reading ``torch.backends.cudnn.allow_tf32`` raises where the convolutions' and the RNNs' differ (the
-    new API used per op): the settings themselves, whose every change is a change of the key. Older torch: the flag."""
-    cudnn = torch.backends.cudnn
-    conv = getattr(cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        return (getattr(torch.backends, "fp32_precision", None), getattr(cudnn, "fp32_precision", None),
-                conv.fp32_precision)
-    return cudnn.allow_tf32
 
 
 def autograd_device_reason(x: torch.Tensor, *params: torch.Tensor) -> str | None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from . import causal_conv_pad as _pad
-from ._policy import HALF_DTYPES, FusedOp, Site, cudnn_conv_tf32
+from ._policy import HALF_DTYPES, FusedOp, Site, fp32_precision_state
 from .conv_bias import _backend, bias_contiguous
 
 NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
@@ -78,13 +78,10 @@ def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
     """What cuDNN picks its engine by: the dtype, the padded input's shape, the weight's, the geometry, the device
     (its heuristics are per GPU), deterministic mode (which leaves cuDNN the deterministic engines only) and TF32 (an
     fp32 VAE's convolutions)."""
-    pw0, pw1, ph0, ph1, pt0, pt1 = conv._padding
-    batch, channels, frames, height, width = x.shape
-    padded = (batch, channels, frames + pt0 + pt1, height + ph0 + ph1, width + pw0 + pw1)
-    return (str(x.dtype).removeprefix("torch."), padded, tuple(conv.weight.shape), tuple(conv.stride),
-            tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
+    return (str(x.dtype).removeprefix("torch."), _pad.padded_shape(x, conv._padding), tuple(conv.weight.shape),
+            tuple(conv.stride), tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
             torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
-            cudnn_conv_tf32())
+            fp32_precision_state())
 
 
 def _convolution(conv: nn.Module, padded: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,14 @@ def _pads(conv, cache_x) -> bool:
     return (cache_x is not None and padding[4] > 0) or any(padding)
 
 
+def padded_shape(x: torch.Tensor, padding) -> tuple[int, ...]:
+    """The shape of the buffer the convolution reads: x's ``[B, C, T, H, W]`` with `padding` (``F.pad``'s order, w0, w1,
+    h0, h1, t0, t1; t0 counting the cache's frames) around its last three dimensions."""
+    batch, channels, frames, height, width = x.shape
+    return (batch, channels, frames + padding[4] + padding[5], height + padding[2] + padding[3],
+            width + padding[0] + padding[1])
+
+
 def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_pointers: bool = True) -> str | None:
     """``None`` when the one-buffer build takes these inputs, else the reason it does not (counted at the site)."""
     reason = _BASES.refusal(conv, "causal convolution")
@@ -98,9 +106,7 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
     weight = getattr(conv, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 5 or x.shape[1] != weight.shape[1] * conv.groups:
         return "shape"
-    padded = (x.shape[2] + padding[4] + padding[5], x.shape[3] + padding[2] + padding[3],
-              x.shape[4] + padding[0] + padding[1])
-    if any(size < d * (k - 1) + 1 for size, k, d in zip(padded, weight.shape[2:], conv.dilation)):
+    if any(size < d * (k - 1) + 1 for size, k, d in zip(padded_shape(x, padding)[2:], weight.shape[2:], conv.dilation)):
         return "shape"
     if not _pads(conv, cache_x):
         # eager's F.pad returns x.clone(): x's strides (x dense), on a fresh 512-byte aligned block. x itself has
@@ -163,7 +169,7 @@ def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[
 
 
 # The NVRTC way: csrc/causal_pad.cu's kernels, launched as its launch() and bindings.cpp's causal_pad do. Duplicated
-# from there: kThreads 256, kMaxRowBlocks 65535, kTile 32, kTileRows 8 (tests/test_nvrtc.py reads them from the .cu),
+# from there: kThreads 256, kMaxRowBlocks 65535, kTile 32, kTileRows 8 (tests/test_vae_wan.py reads them from the .cu),
 # the CausalPadArgs fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
 _ARGS = _nvrtc.Params("CausalPadArgs", ("out", "P"), ("x", "P"), ("cache", "P"), ("batch", "q"), ("channels", "q"),
                       ("frames", "q"), ("height", "q"), ("width", "q"), ("cache_frames", "q"), ("pad_t0", "q"),
@@ -207,8 +213,8 @@ def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[i
 
 
 def _raw_guard(x, cache_x, padding, channels_last=False):
-    # bindings.cpp's checks: CUDA [B, C, T, H, W] of a half dtype with unit W stride, a like cache of at most the time
-    # padding's frames, six non-negative paddings
+    # bindings.cpp's checks: CUDA [B, C, T, H, W] of fp16 / bf16 / fp32 with unit W stride, a like cache of at most
+    # the time padding's frames, six non-negative paddings
     def fits(t):
         return t.dim() == 5 and t.dtype in FLOAT_DTYPES and t.is_cuda and (t.shape[4] <= 1 or t.stride(4) == 1)
 

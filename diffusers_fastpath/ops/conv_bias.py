@@ -134,7 +134,8 @@ def _nvrtc_kernel(x: torch.Tensor, bias: torch.Tensor) -> None:
 
 
 def _raw_guard(x, bias):
-    # bindings.cpp's checks: a dense CUDA [N, C, *] of a half dtype, contiguous or channels-last; bias [C] of its dtype
+    # bindings.cpp's checks: a dense CUDA [N, C, *] of fp16 / bf16 / fp32, contiguous or channels-last; bias [C] of
+    # its dtype
     if (x.dim() < 3 or x.dtype not in FLOAT_DTYPES or not x.is_cuda or bias.dim() != 1 or bias.shape[0] != x.shape[1]
             or bias.dtype != x.dtype or not bias.is_contiguous() or x.dim() > 5 or _layout(x) is None or not x.numel()):
         return "shape, dtype or layout"

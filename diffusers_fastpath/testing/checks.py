@@ -105,6 +105,26 @@ def assert_patched_step_exact_and_fused(model, inputs: dict, counts: dict[str, i
 
 
 @contextlib.contextmanager
+def state_dict_round_trip(model):
+    """The reversibility checks the VAEs' CPU tests share, around a block where `model` is patched (for the family's
+    own checks of what was swapped in): patching keeps the state dict, keys and values, and the state dict loads back
+    into the patched modules; on leaving, ``unpatch`` gives every module its class back and leaves no attribute of
+    this package behind."""
+    from .. import patch, unpatch
+
+    classes = {name: type(m) for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    patch(model)
+    yield classes
+    patched = model.state_dict()
+    assert patched.keys() == state.keys() and all(torch.equal(patched[k], v) for k, v in state.items())
+    model.load_state_dict(state)  # loads into the patched modules
+    unpatch(model)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert not [name for name, m in model.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+
+
+@contextlib.contextmanager
 def patch_round_trip(model, inputs: dict):
     """The reversibility checks every family's CPU tests share, around a block where `model` is patched (for the
     family's own checks of what was swapped in): patching keeps the state dict, keys and values; a pickle of the
