@@ -21,6 +21,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae as vae_module
 from diffusers_fastpath.models.vae_kl import BLOCKS
 from diffusers_fastpath.testing import build_flux2_vae, build_flux_vae, tiny_flux_pipeline
+from diffusers_fastpath.testing.checks import state_dict_round_trip
 
 BUILDERS = {"flux": lambda: build_flux_vae("flux-tiny", latent_channels=4),
             "flux2": lambda: build_flux2_vae("flux2-tiny")}
@@ -105,19 +106,11 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
 @torch.no_grad()
 def test_unpatch_restores_classes_and_state_dict():
     vae = BUILDERS["flux"]()
-    classes = {name: type(m) for name, m in vae.named_modules()}
-    state = {k: v.clone() for k, v in vae.state_dict().items()}
-    fp.patch(vae)
-    assert type(vae.decoder).__name__ == "FastpathDecoder"
-    assert type(vae.decoder.mid_block.attentions[0].group_norm) is vae_module.FastpathGroupNorm
-    assert type(vae.decoder.up_blocks[0].resnets[0]).__name__ == "FastpathResnetBlock2D"
-    assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is nn.GroupNorm  # a pair's norm keeps its class
-    patched_state = vae.state_dict()
-    assert patched_state.keys() == state.keys() and all(torch.equal(patched_state[k], v) for k, v in state.items())
-    vae.load_state_dict(state)  # loads into the patched modules
-    fp.unpatch(vae)
-    assert {name: type(m) for name, m in vae.named_modules()} == classes
-    assert not [name for name, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+    with state_dict_round_trip(vae):
+        assert type(vae.decoder).__name__ == "FastpathDecoder"
+        assert type(vae.decoder.mid_block.attentions[0].group_norm) is vae_module.FastpathGroupNorm
+        assert type(vae.decoder.up_blocks[0].resnets[0]).__name__ == "FastpathResnetBlock2D"
+        assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is nn.GroupNorm  # a pair's norm keeps its class
 
 
 @torch.no_grad()

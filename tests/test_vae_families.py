@@ -18,6 +18,7 @@ from torch import nn
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae_hunyuan, vae_wan
 from diffusers_fastpath.testing._common import randomize_
+from diffusers_fastpath.testing.checks import state_dict_round_trip
 
 # name -> (builder, latent shape, sample shape): the published block layouts, narrow and shallow
 FAMILIES = {
@@ -141,16 +142,8 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(name, emulated_kerne
 @torch.no_grad()
 def test_unpatch_restores_classes_and_state_dict(name):
     vae = _build(name)
-    classes = {n: type(m) for n, m in vae.named_modules()}
-    state = {k: v.clone() for k, v in vae.state_dict().items()}
-    fp.patch(vae)
-    assert {n for n, m in vae.named_modules() if type(m) is not classes[n]}, "nothing swapped"
-    patched = vae.state_dict()
-    assert patched.keys() == state.keys() and all(torch.equal(patched[k], v) for k, v in state.items())
-    vae.load_state_dict(state)
-    fp.unpatch(vae)
-    assert {n: type(m) for n, m in vae.named_modules()} == classes
-    assert not [n for n, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+    with state_dict_round_trip(vae) as classes:
+        assert {n for n, m in vae.named_modules() if type(m) is not classes[n]}, "nothing swapped"
 
 
 def test_the_new_vae_classes_are_supported_and_registered_where_pickles_find_them():

@@ -21,6 +21,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae_ltx
 from diffusers_fastpath.ops._policy import Site
 from diffusers_fastpath.testing._common import randomize_
+from diffusers_fastpath.testing.checks import state_dict_round_trip
 
 ltx_norm = importlib.import_module("diffusers_fastpath.ops.ltx_vae_rmsnorm")  # (ops binds the names to the ops)
 
@@ -134,16 +135,9 @@ def test_fp32_vae_patched_equal_unpatched_norms_refuse_by_dtype(emulated_kernels
 
 def test_unpatch_restores_classes_and_state_dict():
     vae = _build("0.9.5")
-    classes = {name: type(m) for name, m in vae.named_modules()}
-    state = {k: v.clone() for k, v in vae.state_dict().items()}
-    fp.patch(vae)
-    assert type(vae.decoder.norm_out) is vae_ltx.FastpathLTXRMSNorm
-    assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is vae_ltx.FastpathLTXRMSNorm
-    patched_state = vae.state_dict()
-    assert patched_state.keys() == state.keys() and all(torch.equal(patched_state[k], v) for k, v in state.items())
-    fp.unpatch(vae)
-    assert {name: type(m) for name, m in vae.named_modules()} == classes
-    assert not [name for name, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+    with state_dict_round_trip(vae):
+        assert type(vae.decoder.norm_out) is vae_ltx.FastpathLTXRMSNorm
+        assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is vae_ltx.FastpathLTXRMSNorm
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ causal_conv_pad = importlib.import_module("diffusers_fastpath.ops.causal_conv_pa
 crms = importlib.import_module("diffusers_fastpath.ops.channel_rmsnorm_silu")
 from diffusers_fastpath.ops._policy import Site
 from diffusers_fastpath.testing._common import randomize_
+from diffusers_fastpath.testing.checks import state_dict_round_trip
 
 NORMS = (wan.WanRMS_norm, vae_wan.qwen.QwenImageRMS_norm)
 CONVS = (wan.WanCausalConv3d, vae_wan.qwen.QwenImageCausalConv3d)
@@ -196,20 +197,12 @@ def test_the_channels_last_signature_reads_tf32_as_torchs_new_api_leaves_it(emul
 @torch.no_grad()
 def test_unpatch_restores_classes_and_state_dict():
     vae = _build("wan")
-    classes = {name: type(m) for name, m in vae.named_modules()}
-    state = {k: v.clone() for k, v in vae.state_dict().items()}
-    fp.patch(vae)
-    assert type(vae.decoder).__name__ == "FastpathWanDecoder3d"
-    assert type(vae.decoder.mid_block.attentions[0].norm) is vae_wan.FastpathWanRMS_norm
-    assert type(vae.decoder.mid_block.resnets[0]).__name__ == "FastpathWanResidualBlock"
-    assert type(vae.decoder.mid_block.resnets[0].norm1) is wan.WanRMS_norm  # a pair's norm keeps its class
-    assert type(vae.decoder.conv_in) is vae_wan.FastpathWanCausalConv3d
-    patched_state = vae.state_dict()
-    assert patched_state.keys() == state.keys() and all(torch.equal(patched_state[k], v) for k, v in state.items())
-    vae.load_state_dict(state)
-    fp.unpatch(vae)
-    assert {name: type(m) for name, m in vae.named_modules()} == classes
-    assert not [name for name, m in vae.named_modules() if any(k.startswith("_fastpath") for k in vars(m))]
+    with state_dict_round_trip(vae):
+        assert type(vae.decoder).__name__ == "FastpathWanDecoder3d"
+        assert type(vae.decoder.mid_block.attentions[0].norm) is vae_wan.FastpathWanRMS_norm
+        assert type(vae.decoder.mid_block.resnets[0]).__name__ == "FastpathWanResidualBlock"
+        assert type(vae.decoder.mid_block.resnets[0].norm1) is wan.WanRMS_norm  # a pair's norm keeps its class
+        assert type(vae.decoder.conv_in) is vae_wan.FastpathWanCausalConv3d
 
 
 @torch.no_grad()
