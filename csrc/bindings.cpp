@@ -32,7 +32,8 @@ DType to_dtype(const at::Tensor& t) {
   }
 }
 
-// to_dtype, and fp32: the VAEs' copies and bias adds (conv_bias.cu, causal_pad.cu, upsample_nearest.cu) take it.
+// to_dtype, and fp32: the VAEs' copies, bias adds and channel norms (conv_bias.cu, causal_pad.cu, upsample_nearest.cu,
+// channel_rmsnorm_silu.cu) take it.
 DType to_dtype_or_float(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat ? DType::kFloat32 : to_dtype(t);
 }
@@ -1099,7 +1100,7 @@ at::Tensor channel_rmsnorm(const at::Tensor& x, const at::Tensor& denom, const a
                            bool probe) {
   TORCH_CHECK(x.is_cuda() && x.dim() >= 3 && x.is_contiguous() && aligned16(x),
               "channel_rmsnorm: x must be a contiguous, 16-byte aligned CUDA tensor [B, C, *]");
-  const DType dtype = to_dtype(x);
+  const DType dtype = to_dtype_or_float(x);
   const int64_t batch = x.size(0), channels = x.size(1);
   const int64_t spatial = x.numel() / (batch * channels > 0 ? batch * channels : 1);
   TORCH_CHECK(denom.scalar_type() == at::kFloat && denom.device() == x.device() && denom.is_contiguous() &&

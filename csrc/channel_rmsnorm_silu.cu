@@ -1,7 +1,7 @@
 // The elementwise tail of Wan's and Qwen-Image's VAE norm (diffusers' WanRMS_norm / QwenImageRMS_norm, channel
 // first), optionally followed by SiLU (the residual blocks' `norm -> nonlinearity` pairs), in one pass, bit-identical
 // to the eager kernels it replaces. Eager runs, for bf16/fp16 x (T) of [B, C, *]:
-//   xf = x.float()                                  (exact)
+//   xf = x.float()                                  (exact; x itself for fp32)
 //   d  = xf.norm(2, 1, keepdim=True).clamp_min(eps) (aten's reduction: kept, run by the Python op as eager runs it)
 //   n  = round(xf / d)                              F.normalize's division (div_true: IEEE a / b), then .to(T)
 //   m  = round(n * scale)                           mul by a python float: aten casts it to float (opmath)
@@ -11,7 +11,9 @@
 // Every division, product and sum here is a separate IEEE operation (__fdiv_rn, __fmul_rn, __fadd_rn; the build
 // passes --fmad=false), each rounded to T where eager stores a tensor, so the norm's tail is exact by construction;
 // the SiLU is the expression silu_mul.cu and group_norm_silu.cu use, proven on every value of the dtype by the Python
-// op (the `probe` mode: y = x) before it is trusted.
+// op (the `probe` mode: y = x) before it is trusted. An fp32 x (an fp32 VAE, as Wan's model card loads it) is the same
+// arithmetic with no rounding to T (eager's x.float() is x itself, every intermediate an fp32 tensor); its SiLU is
+// proven on all 2^32 fp32 bit patterns the same way, in chunks.
 //
 // Layout: x and out contiguous [batch, channels, spatial]; denom contiguous [batch, spatial] fp32. Where spatial is a
 // multiple of the 16-byte vector (a vector then stays in one channel), one thread per 16-byte vector; elsewhere (the
@@ -102,7 +104,7 @@ cudaError_t launch(const ChannelRmsNormArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_channel_rmsnorm(const ChannelRmsNormArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
 #endif
 

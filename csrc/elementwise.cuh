@@ -214,7 +214,7 @@ cudaError_t dispatch_storage_type(DType dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-// dispatch_storage_type and fp32: for the VAEs' copies and bias adds, which an fp32 VAE runs too.
+// dispatch_storage_type and fp32: for the VAEs' copies, bias adds and norms, which an fp32 VAE runs too.
 template <typename F>
 cudaError_t dispatch_storage_or_float(DType dtype, F&& f) {
   if (dtype == DType::kFloat32) return f(float{});

@@ -24,7 +24,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae_wan
 causal_conv_pad = importlib.import_module("diffusers_fastpath.ops.causal_conv_pad")  # (ops binds the names to the ops)
 crms = importlib.import_module("diffusers_fastpath.ops.channel_rmsnorm_silu")
-from diffusers_fastpath.ops._policy import Site
+from diffusers_fastpath.ops._policy import Site, bits
 from diffusers_fastpath.testing._common import randomize_
 from diffusers_fastpath.testing.checks import state_dict_round_trip
 
@@ -150,18 +150,22 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
 
 
 @torch.no_grad()
-def test_fp32_vae_patched_equal_unpatched_norms_refuse_by_dtype(emulated_kernels, unpatch_after):
+@pytest.mark.parametrize("kind", ["wan", "qwen"])
+def test_fp32_vae_patched_equal_unpatched_every_site_fast_but_channels_last(kind, emulated_kernels, unpatch_after):
     """The pipelines keep Wan's VAE in fp32 (its model card): the convolutions' buffers, bias adds and the upsampling
-    run (copies and one fp32 add: the same kernels for fp32), the norms refuse (their kernel is bf16/fp16) and so does
-    the channels-last path (cuDNN's fp32 engine gave other bits channels-last on an H100), counted by dtype."""
-    vae = _build("wan", torch.float32)
+    (copies and one fp32 add: the same kernels for fp32) and the norms (their fp32 tail, its SiLU proven on every fp32
+    value) run fused, decode and encode equal to eager; the channels-last path refuses (cuDNN's fp32 engine gave other
+    bits channels-last on an H100), counted by dtype."""
+    vae = _build(kind, torch.float32)
     z = _latents(vae).float()
-    ref = _decode(vae, z)
+    x = torch.rand(1, 3, 5, 32, 32, generator=torch.Generator().manual_seed(4)) * 2 - 1
+    ref, ref_enc = _decode(vae, z), _encode(vae, x)
     unpatch_after(fp.patch(vae))
-    assert torch.equal(_decode(vae, z), ref)
-    rows = {name: row for name, row in _sites(vae).items() if name.startswith("decoder.")}
+    assert torch.equal(_decode(vae, z), ref) and torch.equal(_encode(vae, x), ref_enc)
+    rows = _sites(vae)
+    assert any(op.startswith("channel_rmsnorm") for op, *_ in rows.values())
     for name, (op, fast, fallback, reasons) in rows.items():
-        if op.startswith("channel_rmsnorm") or op == "causal_conv3d_cl":  # (fp32 channels-last: other bits, H100)
+        if op == "causal_conv3d_cl":  # (fp32 channels-last: other bits, H100)
             assert fast == 0 and reasons == {"dtype float32": fallback} and fallback, name
         else:
             assert fast > 0 and fallback == 0, (name, rows[name])
@@ -445,13 +449,56 @@ def test_channels_last_x_the_guard_admits_gets_eager_strides(monkeypatch):
             assert out.stride() == ref.stride() and torch.equal(out, ref), (tuple(x.shape), x.stride(), silu)
 
 
+def _probe_launch(planted: int | None = None, way: str = "vectors", seen: list | None = None):
+    """A stand-in for the kernel's launch in its probe mode (y = x, then the SiLU): eager's SiLU, with the result for
+    the bit pattern `planted` one ulp off where the kernel runs `way` (16-byte vectors: rows of a multiple of 4 fp32
+    values; elements: other rows)."""
+    def raw(x, denom, gamma, bias, scale, bias_value, silu, probe):
+        assert probe and silu and x.dtype == torch.float32 and denom.numel() == x.numel() and x.dim() == 3
+        vectors = x.shape[-1] % 4 == 0
+        if seen is not None and vectors:
+            seen.append(bits(x).flatten().clone())
+        out = F.silu(x)
+        if planted is not None and way == ("vectors" if vectors else "elements"):
+            bits(out)[bits(x) == planted] += 1
+        return out
+    return raw
+
+
+@pytest.mark.parametrize("planted, way", [
+    (None, "vectors"), (0x3F800005, "vectors"), (0x3F800005, "elements"), (0x7F800005, "vectors"),
+    (0x7F800005, "elements"), (0x3F900000, "vectors")], ids=str)
+def test_the_fp32_silu_proof_checks_every_value_of_its_span_both_ways(planted, way, monkeypatch):
+    """`_prove_silu_fp32` over a span of bit patterns (on the GPU it runs all 2^32: the GPU test below) compares every
+    value's SiLU both ways the kernel runs: one pattern one ulp off, in vectors or in elements (the row of one more
+    value), a NaN's payload included, fails it; a pattern outside the span does not; every pattern of the span is
+    seen once by the vector way, across chunk boundaries and a last chunk shorter than the others."""
+    seen, starts = [], (0x3F800000 - 1000, 0x7F800000 - 1000)  # around 1.0; the infinity and the NaNs after it
+    monkeypatch.setattr(crms, "_raw", _probe_launch(planted, way, seen))
+    for start in starts:
+        inside = planted is not None and start <= planted < start + 2500
+        assert crms._prove_silu_fp32(torch.device("cpu"), start, start + 2500, chunk=1024) is not inside
+    assert torch.equal(torch.cat(seen), torch.cat([torch.arange(s, s + 2500, dtype=torch.int32) for s in starts]))
+
+
+def test_the_fp32_proof_runs_once_per_device_and_a_failure_is_not_remembered(monkeypatch):
+    calls = []
+    monkeypatch.setattr(crms, "_FP32_PROVEN", set())
+    monkeypatch.setattr(crms, "_prove_silu_fp32", lambda device: calls.append(device) or len(calls) > 1)
+    x = torch.zeros(1, 4, 8)
+    assert not crms._prove_silu(None, x) and crms._prove_silu(None, x) and crms._prove_silu(None, x)
+    assert calls == [x.device, x.device]
+
+
 @torch.no_grad()
 def test_channel_rmsnorm_guard_refuses_what_the_kernel_does_not_take():
     crms.add_norm_class(wan.WanRMS_norm)
     norm = wan.WanRMS_norm(16, images=False).to(torch.bfloat16)
     x = torch.randn(1, 16, 2, 4, 8).to(torch.bfloat16)
     assert crms._guard(norm, x) == "device cpu"
-    assert crms._guard(norm, x.float()) == "dtype float32"
+    assert crms._guard(norm, x.double()) == "dtype float64"
+    assert crms._guard(norm, x.float()) == "gamma not of x's dtype"  # (an fp32 x with fp32 gamma: an fp32 VAE, taken)
+    assert crms._guard(copy.deepcopy(norm).float(), x.float()) == "device cpu"
     assert crms._guard(norm, x[..., :7]) == "x not contiguous"
     assert crms._guard(norm, x.permute(0, 2, 3, 4, 1).contiguous().permute(0, 4, 1, 2, 3)) == "device cpu"
     assert crms._guard(norm, x.contiguous(memory_format=torch.channels_last_3d)[..., :7]) == "x not contiguous"
@@ -953,13 +1000,29 @@ def test_channel_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
 
 
 @pytest.mark.gpu
+@torch.no_grad()
+def test_the_fp32_silu_proof_passes_on_every_fp32_value():
+    """The norm kernel's SiLU (probe mode) equals aten's ``F.silu`` on all 2^32 fp32 bit patterns, both ways the
+    kernel runs (what an fp32 VAE's first norm + SiLU call runs before the op is trusted); timed for the docs."""
+    import time
+
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    assert crms._prove_silu_fp32(torch.device("cuda"))
+    print(f"fp32 SiLU proof: {time.perf_counter() - start:.3f} s")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @torch.no_grad()
 def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(dtype, unpatch_after):
     """Wan 2.1's VAE (the published config, random weights) on a representative crop (17 frames of 256x256): decode
     and encode md5-identical patched and unpatched, every site fast; in fp32 (Wan's model card's VAE) every site but
-    the norms (their kernel is bf16/fp16) and the channels-last path (other bits in fp32 on an H100): refused by
-    dtype."""
+    the channels-last path (other bits in fp32 on an H100): refused by dtype (the norms' SiLU proven on every fp32
+    value on their first call)."""
     vae = AutoencoderKLWan()
     randomize_(vae, 0)
     with torch.no_grad():
@@ -979,7 +1042,7 @@ def test_wan_vae_decode_and_encode_md5_identical_every_site_fast(dtype, unpatch_
         assert _every_site_fast(vae), str(fp.report(vae, verbose=True))
         return
     for name, (op, fast, fallback, reasons) in _sites(vae).items():
-        if op.startswith("channel_rmsnorm") or op == "causal_conv3d_cl":  # (fp32 channels-last: other bits, H100)
+        if op == "causal_conv3d_cl":  # (fp32 channels-last: other bits, H100)
             assert fast == 0 and reasons == {"dtype float32": fallback}, name
         else:
             assert fast > 0 and fallback == 0, (name, op, fast, fallback, reasons)

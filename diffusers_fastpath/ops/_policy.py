@@ -45,10 +45,12 @@ from .._logging import logger, warn_once
 from ._build import KernelsUnavailable
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
-# and the VAEs' copies and convolution bias adds (conv_bias, causal_conv3d's buffer, upsample_nearest2x), which an fp32
-# VAE (as Wan's model card loads it) runs too: copies, and one fp32 add
+# and the VAEs' copies, convolution bias adds and channel norms (conv_bias, causal_conv3d's buffer, upsample_nearest2x,
+# channel_rmsnorm(_silu)), which an fp32 VAE (as Wan's model card loads it) runs too: copies, one fp32 add, the norm's
+# fp32 tail (its SiLU proven on every fp32 value)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "upsample_nearest2x"})  # the ops that do
+FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "upsample_nearest2x", "channel_rmsnorm",
+                      "channel_rmsnorm_silu"})  # the ops that do
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"

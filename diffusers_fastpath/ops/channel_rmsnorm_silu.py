@@ -2,8 +2,8 @@
 first), optionally followed by the residual block's SiLU, with everything after aten's norm reduction in one pass,
 bit-identical to eager.
 
-The module computes, for bf16/fp16 x of ``[B, C, *]`` (T its dtype, fp32 arithmetic, ``round`` to nearest even in T
-where eager writes a tensor)::
+The module computes, for bf16/fp16/fp32 x of ``[B, C, *]`` (T its dtype, fp32 arithmetic, ``round`` to nearest even
+in T where eager writes a tensor: nothing to round for fp32, where ``x.float()`` is x itself)::
 
     xf = x.float()
     d  = xf.norm(2.0, 1, keepdim=True).clamp_min(1e-12)   # F.normalize: aten's reduction, kept as eager runs it
@@ -20,12 +20,14 @@ operations as reading its fp32 upcast: `reads_half_directly`, which saves the up
 of the tail is a separate IEEE operation rounded where eager rounds (exact by construction; still, the first call
 of each signature is compared with eager, `_signature`, as the self-verified ops are). The SiLU is aten's
 expression with CUDA's ``expf``, proven on all 65536 values of the dtype on first use (the kernel's probe mode)
-as `silu_mul` proves its own; a mismatch disables the op for the process (one warning) and eager runs.
+as `silu_mul` proves its own, and for an fp32 x (an fp32 VAE, as Wan's model card loads it) on all 2^32 fp32 bit
+patterns, in chunks (`_prove_silu_fp32`: about 200 GB of memory traffic, a tenth of a second once per process);
+a mismatch disables the op for the process (one warning) and eager runs.
 
 What the guard admits: a module of a class the VAE adapter registered (`add_norm_class`: diffusers' class after its
 ``forward`` was checked by source digest, or this package's subclass of it) with ``channel_first``, a python-number
 ``scale``, ``gamma`` of x's dtype shaped ``[C, 1, ...]`` to broadcast over x's trailing dims, ``bias`` a python number
-or a tensor like ``gamma``; a bf16/fp16 x ``[B, C, *]``, contiguous, time-major (``[B, C, T, H, W]`` laid out as
+or a tensor like ``gamma``; a bf16/fp16/fp32 x ``[B, C, *]``, contiguous, time-major (``[B, C, T, H, W]`` laid out as
 ``[B, T, C, H, W]``, as Wan's upsamplers leave it) or channels-last (HunyuanVideo-1.5's mid-block, one element per
 thread), any trailing size (rows of a multiple of 8 elements run 16-byte vectors, others one element per thread:
 Qwen-Image's 166x166 latents; each way its own first-call check); no
@@ -43,7 +45,7 @@ from torch import nn
 from .._source import body_digest
 from . import _nvrtc
 from ._build import launcher
-from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, bits
+from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, bits
 from .gelu_cat import every_value
 
 _VEC_BYTES = 16
@@ -92,7 +94,7 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     if getattr(norm, "channel_first", None) is not True:
         return "not channel first"
     dtype = x.dtype
-    if dtype not in HALF_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if x.dim() < 3:
         return "x not [B, C, *]"
@@ -209,14 +211,14 @@ _ARGS = _nvrtc.Params("ChannelRmsNormArgs", ("out", "P"), ("x", "P"), ("denom", 
                       ("silu", "i"), ("probe", "i"), ("dtype", "i"))
 _NVRTC = _nvrtc.Kernel("channel_rmsnorm_silu.cu", "diffusers_fastpath::channel_rmsnorm_kernel",
                        {(dtype, vector): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(vector).lower()}"
-                        for dtype in HALF_DTYPES for vector in (True, False)},
+                        for dtype in FLOAT_DTYPES for vector in (True, False)},
                        _nvrtc.Params("channel_rmsnorm_kernel", ("a", _ARGS)))
 
 
 def _raw_guard(x, denom, gamma, bias, scale, bias_value, silu, probe):
     batch, channels = (x.shape[0], x.shape[1]) if x.dim() >= 3 else (0, 0)
     spatial = x.numel() // max(1, batch * channels)
-    if x.dim() < 3 or x.dtype not in HALF_DTYPES or not x.is_contiguous():
+    if x.dim() < 3 or x.dtype not in FLOAT_DTYPES or not x.is_contiguous():
         return "x"
     if denom.dtype != torch.float32 or not denom.is_contiguous() or denom.numel() != batch * spatial:
         return "denom"
@@ -320,9 +322,38 @@ def _signature(norm, x: torch.Tensor):
             _vectors(spatial, x.dtype), reads_half_directly(x))
 
 
+_FP32_CHUNK = 1 << 24  # fp32 bit patterns per step of the fp32 proof (64 MiB a tensor)
+_FP32_PROVEN: set[torch.device] = set()  # the devices where `_prove_silu_fp32` passed
+
+
+def _prove_silu_fp32(device: torch.device, start: int = -(1 << 31), stop: int = 1 << 31,
+                     chunk: int = _FP32_CHUNK) -> bool:
+    """The kernel's SiLU equals eager's ``F.silu`` on all 2^32 fp32 bit patterns (NaNs with their payloads,
+    infinities, subnormals), both ways the kernel runs: 16-byte vectors (a row of 2^24 values) and elements (the same
+    row and one more value: no multiple of 4). 256 steps of a few kernels each (64 MiB tensors), the mismatches
+    counted on the GPU and read once at the end (one synchronisation). `start`, `stop` (int32 bit patterns) and
+    `chunk` (a multiple of 4) are the tests' way to run a part of it."""
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    for first in range(start, stop, chunk):
+        values = torch.arange(first, min(first + chunk, stop), dtype=torch.int32, device=device).view(torch.float32)
+        ref = bits(F.silu(values))
+        for row in (values, torch.cat([values, values[:1]])):  # (the one more value is the first again)
+            row = row.view(1, 1, -1)
+            out = _raw(row, torch.empty_like(row), ones, None, 1.0, 0.0, True, True)  # (probe: denom not read)
+            bad += (bits(out).view(-1)[:values.numel()] != ref).sum()
+    return int(bad) == 0
+
+
 def _prove_silu(norm, x: torch.Tensor) -> bool:
     """The kernel's SiLU equals eager's on every value of the dtype (the probe mode: y = x, then the SiLU), both ways
-    it runs: 16-byte vectors (rows of 8192) and elements (rows of 8193)."""
+    it runs: 16-byte vectors (rows of 8192) and elements (rows of 8193); fp32's 2^32 values by `_prove_silu_fp32`."""
+    if x.dtype == torch.float32:  # (once per device: each fp32 signature would otherwise run it again)
+        if x.device not in _FP32_PROVEN:
+            if not _prove_silu_fp32(x.device):
+                return False
+            _FP32_PROVEN.add(x.device)
+        return True
     values = every_value(x.dtype, x.device)
     ones = torch.ones(8, dtype=x.dtype, device=x.device)
     denom = torch.ones(1, 1, 8192, dtype=torch.float32, device=x.device)
