@@ -109,21 +109,24 @@ __device__ __forceinline__ void shared_load(unsigned address, float& v) {
 // gives the value of tile row i at column threadIdx.x (a load along the source's unit stride), write(i, v) takes
 // column i of tile row threadIdx.x (a store along the destination's), for i = threadIdx.y + k * kRows. W is the word
 // moved: unsigned short for a 16-bit value's bits, float for a sum rounded where it is written.
+// Every read is issued before the first shared store: the stores' asm carries a "memory" clobber (the compiler must
+// not move shared accesses across __syncthreads), across which no load may move either, so reads interleaved with the
+// stores waited for one global load at a time (each thread one load in flight, a fraction of the bandwidth).
 template <typename W, int kTile, int kRows, typename Read, typename Write>
 __device__ __forceinline__ void transpose_tile(unsigned base, Read read, Write write) {
+  constexpr int kSteps = kTile / kRows;
+  W v[kSteps];
 #pragma unroll
-  for (int k = 0; k < kTile / kRows; ++k) {
-    const unsigned i = threadIdx.y + k * kRows;
-    shared_store(base + sizeof(W) * (i * (kTile + 1) + threadIdx.x), static_cast<W>(read(i)));
+  for (int k = 0; k < kSteps; ++k) v[k] = static_cast<W>(read(threadIdx.y + k * kRows));
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    shared_store(base + sizeof(W) * ((threadIdx.y + k * kRows) * (kTile + 1) + threadIdx.x), v[k]);
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < kTile / kRows; ++k) {
-    const unsigned i = threadIdx.y + k * kRows;
-    W v;
-    shared_load(base + sizeof(W) * (threadIdx.x * (kTile + 1) + i), v);
-    write(i, v);
-  }
+  for (int k = 0; k < kSteps; ++k) shared_load(base + sizeof(W) * (threadIdx.x * (kTile + 1) + threadIdx.y + k * kRows), v[k]);
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) write(threadIdx.y + k * kRows, v[k]);
   __syncthreads();  // (the tile is refilled by the next call)
 }
 
