@@ -720,7 +720,9 @@ def fresh_loader(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.delenv(_build.ENV_KERNELS, raising=False)
-    monkeypatch.setattr(modulate_mod, "_cuda_op", None)
+    # the op's entry point not resolved yet, its NVRTC launcher read at the launch (a test replaces it)
+    monkeypatch.setattr(modulate_mod, "_cuda_op", _build.LazyLauncher(lambda *args: modulate_mod._nvrtc_kernel(*args),
+                                                                      "_modulate_scale_shift_cuda"))
     calls = []
 
     def fake_nvcc_build():
@@ -789,6 +791,24 @@ def test_neither_way_warns_once_naming_both(monkeypatch, fresh_loader, fastpath_
     assert "no CUDA compiler found" in warning and "no NVRTC library found" in warning
     assert "pip install nvidia-cuda-nvrtc" in warning and fresh_loader == []
     assert _build.kernels_status() == f"no CUDA kernels: {_build.unavailable}"
+
+
+def test_an_ops_launcher_is_asked_for_until_it_comes_then_kept(monkeypatch):
+    """`LazyLauncher`: each launch asks `launcher` again while it raises (no kernels: nothing kept), then never."""
+    asked = []
+
+    def fake_launcher(nvrtc_fn, raw_op):
+        asked.append(raw_op)
+        if len(asked) < 3:
+            raise _build.KernelsUnavailable("no CUDA kernels (simulated)")
+        return nvrtc_fn
+
+    monkeypatch.setattr(_build, "launcher", fake_launcher)
+    launch = _build.LazyLauncher(lambda *args: args, "_x_cuda")
+    for _ in range(2):
+        with pytest.raises(_build.KernelsUnavailable):
+            launch(1)
+    assert launch(1, 2) == (1, 2) and launch(3) == (3,) and asked == ["_x_cuda"] * 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer; the GPU tests below take NVRTC's")

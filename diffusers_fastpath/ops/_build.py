@@ -4,9 +4,9 @@ Which way (`backend`): with a CUDA toolkit (nvcc and ninja) the extension below,
 (`_nvrtc`: the NVRTC library that CUDA builds of torch install, the driver API to load and launch), which compiles
 the same ``.cu`` files with the same device flags; ``tests/test_nvrtc.py`` shows the two give byte-identical machine
 code for every kernel (docs/kernels.md). ``DIFFUSERS_FASTPATH_KERNELS=nvcc`` or ``=nvrtc`` forces one. Each op's
-``_kernel`` asks `load_extension` which way it got and calls the extension's ``torch.ops.diffusers_fastpath._*_cuda``
-op or its own NVRTC launcher. On the NVRTC way the same ``_*_cuda`` ops are registered too (Python implementations
-over the launchers), so tests, examples and the bench call one name on both.
+``_kernel`` calls its `LazyLauncher`, which asks `load_extension` once which way it got and then calls the extension's
+``torch.ops.diffusers_fastpath._*_cuda`` op or the op's own NVRTC launcher. On the NVRTC way the same ``_*_cuda`` ops
+are registered too (Python implementations over the launchers), so tests, examples and the bench call one name on both.
 
 The nvcc way:
 
@@ -237,8 +237,24 @@ def load_extension() -> str:
 def launcher(nvrtc_fn, raw_op: str):
     """What an op's fast path launches its kernel through, decided on its first use (which loads the kernels, see
     `load_extension`): `nvrtc_fn`, the op's ops/_nvrtc.py launcher, on the NVRTC way; else the nvcc extension's
-    ``torch.ops.diffusers_fastpath.<raw_op>`` (a direct C++ call). The op keeps the result for later calls."""
+    ``torch.ops.diffusers_fastpath.<raw_op>`` (a direct C++ call). The op's `LazyLauncher` keeps the result for later
+    calls."""
     return nvrtc_fn if load_extension() == "nvrtc" else getattr(torch.ops.diffusers_fastpath, raw_op).default
+
+
+class LazyLauncher:
+    """An op's kernel entry point, a module global: `launcher` resolved on the first call, called directly after."""
+
+    __slots__ = ("_nvrtc_fn", "_raw_op", "_fn")
+
+    def __init__(self, nvrtc_fn, raw_op: str) -> None:
+        self._nvrtc_fn, self._raw_op, self._fn = nvrtc_fn, raw_op, None
+
+    def __call__(self, *args):
+        fn = self._fn
+        if fn is None:  # the first call (each call while `launcher` raises: no kernels, nothing kept)
+            fn = self._fn = launcher(self._nvrtc_fn, self._raw_op)
+        return fn(*args)
 
 
 def _compile_and_load_nvrtc() -> None:

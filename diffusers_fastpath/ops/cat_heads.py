@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 
 _VEC_BYTES = 16
@@ -104,13 +104,10 @@ def _nvrtc_kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 _nvrtc.raw_op("_cat_heads_cuda", "(Tensor a, Tensor b) -> Tensor", _guard, _nvrtc_kernel)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_cat_heads_cuda")
 
 
 def _kernel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_cat_heads_cuda")
     return _cuda_op(a, b)
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site
 from .conv_bias import NAMED_SITE as _BIAS_SITE  # (the convolution's named conv_bias site)
 from .conv_bias import conv_bias
@@ -142,13 +142,10 @@ def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None 
     """``F.pad(torch.cat([cache_x, x], dim=2), padding)`` as the module computes it, written into one buffer by
     ``csrc/causal_pad.cu`` (x itself where nothing is padded or concatenated), contiguous as eager's, or laid out
     channels-last (the same values; `diffusers_fastpath.ops.causal_conv_cl`, where something is padded)."""
-    global _launch
     if cache_x is None or conv._padding[4] <= 0:
         cache_x = None  # eager concatenates only where the convolution pads in time
     if cache_x is None and not any(conv._padding):
         return x if _dense(x) else x.contiguous()  # what eager's clone is: x's strides where dense, else contiguous
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_causal_pad_cuda")
     return _launch(x, cache_x, list(conv._padding), channels_last)
 
 
@@ -229,7 +226,7 @@ def _raw_guard(x, cache_x, padding, channels_last=False):
 _nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding, bool channels_last=False) -> Tensor",
               _raw_guard, _nvrtc_kernel)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_causal_pad_cuda")
 
 
 _CHANNELS_LAST: list = []  # (op, site attribute): the channels-last path, `causal_conv_cl` (registered on its import)

@@ -44,7 +44,7 @@ from torch import nn
 
 from .._source import body_digest
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, bits
 from .gelu_cat import every_value
 
@@ -257,13 +257,10 @@ def _nvrtc_kernel(x, denom, gamma, bias, scale, bias_value, silu, probe):
 _nvrtc.raw_op("_channel_rmsnorm_cuda", "(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, "
               "float bias_value, bool silu, bool probe) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_channel_rmsnorm_cuda")
 
 
 def _raw(x, denom, gamma, bias, scale, bias_value, silu, probe):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_channel_rmsnorm_cuda")
     return _launch(x, denom, gamma, bias, scale, bias_value, silu, probe)
 
 

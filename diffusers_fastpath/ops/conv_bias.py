@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason
 
 _BASES = EagerClasses()  # the classes the op takes
@@ -144,7 +144,7 @@ def _raw_guard(x, bias):
 
 _nvrtc.raw_op("_conv_bias_cuda_", "(Tensor(a!) x, Tensor bias) -> ()", _raw_guard, _nvrtc_kernel)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_conv_bias_cuda_")
 
 # csrc/conv_bias.cu's bias_contiguous_kernel (kTile 32, kTileRows 8; BiasContiguousArgs in fastpath.h): a channels-last
 # output's bias added into a new contiguous tensor, the transpose in the same pass (`diffusers_fastpath.ops.causal_conv_cl`)
@@ -181,7 +181,7 @@ def _raw_contiguous_guard(x, bias):
 _nvrtc.raw_op("_conv_bias_contiguous_cuda", "(Tensor x, Tensor bias) -> Tensor", _raw_contiguous_guard,
               _nvrtc_contiguous)
 
-_contiguous_op = None
+_contiguous_op = LazyLauncher(_nvrtc_contiguous, "_conv_bias_contiguous_cuda")
 
 
 def bias_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -193,20 +193,14 @@ def bias_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor) -> torch.Ten
 def bias_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """A channels-last convolution output ``x`` with ``bias`` added, as a new contiguous tensor: aten's
     ``x.add_(bias)`` then ``.contiguous()``, in one pass (for inputs `_raw_contiguous_guard` admits)."""
-    global _contiguous_op
-    if _contiguous_op is None:
-        _contiguous_op = launcher(_nvrtc_contiguous, "_conv_bias_contiguous_cuda")
     return _contiguous_op(x, bias)
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
     out = conv._conv_forward(x, conv.weight, None)
     bias = conv.bias
     if out.dim() > 5 or _layout(out) is None or not bias.is_contiguous():  # (not what cuDNN writes: aten's own add)
         return out.add_(bias.reshape(1, -1, *([1] * (out.dim() - 2))))
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_conv_bias_cuda_")
     _cuda_op(out, bias)
     return out
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
@@ -124,13 +124,10 @@ _nvrtc.raw_op("_gated_residual_cuda", "(Tensor residual, Tensor gate, Tensor upd
 _nvrtc.raw_op("_gated_residual_cuda_out", "(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()",
               _raw_guard, _nvrtc_kernel, outs=1)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_gated_residual_cuda")
 
 
 def _kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_gated_residual_cuda")
     return _cuda_op(residual, gate, update)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site, bits
 
 _VEC_BYTES = 16
@@ -104,13 +104,10 @@ def _nvrtc_kernel(attn: torch.Tensor, mlp: torch.Tensor, out: torch.Tensor | Non
 _nvrtc.raw_op("_gelu_cat_cuda", "(Tensor attn, Tensor mlp) -> Tensor", _guard, _nvrtc_kernel)
 _nvrtc.raw_op("_gelu_cat_cuda_out", "(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()", _guard, _nvrtc_kernel, outs=1)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_gelu_cat_cuda")
 
 
 def _kernel(attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_gelu_cat_cuda")
     return _cuda_op(attn, mlp)
 
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher, load_extension
+from ._build import LazyLauncher, load_extension
 from ._policy import (HALF_DTYPES, REASON_FORWARD_REPLACED, FusedOp, Site, autograd_device_reason, bits,
                       forward_replaced)
 
@@ -205,14 +205,11 @@ _nvrtc.raw_op("_group_norm_silu_cuda",
 _nvrtc.raw_op("_group_norm_silu_cuda_out", "(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, int groups, "
               "float eps, bool silu, int variant) -> ()", _raw_guard, _nvrtc_kernel, outs=1)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_group_norm_silu_cuda")
 _PLATFORM_VARIANT: dict = {}  # (device, dtype) -> the variant bits of the aten this process runs (`_platform_variant`)
 
 
 def _raw(x, weight, bias, groups, eps, silu, variant):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_group_norm_silu_cuda")
     return _launch(x, weight, bias, groups, eps, silu, variant)
 
 

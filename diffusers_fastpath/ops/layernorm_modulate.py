@@ -37,7 +37,7 @@ from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .layernorm_scale_shift import _cuda_ops, _guard_tensors, _nvrtc_kernel
 
@@ -136,13 +136,10 @@ _nvrtc.raw_op("_layernorm_modulate_cuda",
               "(Tensor x, Tensor scale, Tensor? shift, Tensor? weight, Tensor? bias, float eps) -> Tensor",
               _raw_guard, _nvrtc_modulate)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_modulate, "_layernorm_modulate_cuda")
 
 
 def _kernel(norm, x, scale, shift):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_modulate, "_layernorm_modulate_cuda")
     return _launch(x, scale, shift, *_affine_rows(norm), norm.eps)
 
 
@@ -224,13 +221,10 @@ def _scale_guard(norm, x, scale, check_pointers: bool = True) -> str | None:
     return _guard(norm, x, scale, scale, check_pointers)  # the scale stands for the shift's checks: there is none
 
 
-_scale_launch = None
+_scale_launch = LazyLauncher(_nvrtc_modulate, "_layernorm_modulate_cuda")
 
 
 def _scale_kernel(norm, x, scale):
-    global _scale_launch
-    if _scale_launch is None:
-        _scale_launch = launcher(_nvrtc_modulate, "_layernorm_modulate_cuda")
     return _scale_launch(x, scale, None, *_affine_rows(norm), norm.eps)
 
 

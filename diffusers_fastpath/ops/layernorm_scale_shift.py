@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from diffusers.models.normalization import FP32LayerNorm
 
 from . import _nvrtc
-from ._build import launcher, load_extension
+from ._build import LazyLauncher, load_extension
 from ._policy import FusedOp, Site
 from .gated_residual import gated_residual, gated_residual_ref, residual_guard
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref, rows_guard
@@ -175,13 +175,10 @@ _nvrtc.raw_op("_gated_layernorm_scale_shift_cuda_out",
               lambda residual, gate, update, scale, shift, eps: _gated_tensors_guard(residual, gate, update, scale, shift),
               _nvrtc_gated_kernel, outs=2)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_layernorm_scale_shift_cuda")
 
 
 def _kernel(norm, x, scale, shift):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_layernorm_scale_shift_cuda")
     return _launch(x, scale, shift, norm.eps)
 
 
@@ -269,13 +266,10 @@ def _gated_guard(norm, residual, gate, update, scale, shift, check_pointers: boo
             or _gated_tensors_guard(residual, gate, update, scale, shift, check_pointers))
 
 
-_gated_launch = None
+_gated_launch = LazyLauncher(_nvrtc_gated_kernel, "_gated_layernorm_scale_shift_cuda")
 
 
 def _gated_kernel(norm, residual, gate, update, scale, shift):
-    global _gated_launch
-    if _gated_launch is None:
-        _gated_launch = launcher(_nvrtc_gated_kernel, "_gated_layernorm_scale_shift_cuda")
     return _gated_launch(residual, gate, update, scale, shift, norm.eps)
 
 
@@ -442,13 +436,10 @@ def _raw_affine_guard(x, weight, bias, eps):
 _nvrtc.raw_op("_layernorm_affine_fp32_cuda", "(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor",
               _raw_affine_guard, _nvrtc_affine)
 
-_affine_launch = None
+_affine_launch = LazyLauncher(_nvrtc_affine, "_layernorm_affine_fp32_cuda")
 
 
 def _kernel_affine(norm, x):
-    global _affine_launch
-    if _affine_launch is None:
-        _affine_launch = launcher(_nvrtc_affine, "_layernorm_affine_fp32_cuda")
     return _affine_launch(x, norm.weight.float(), norm.bias.float(), norm.eps)  # as FP32LayerNorm.forward passes them
 
 

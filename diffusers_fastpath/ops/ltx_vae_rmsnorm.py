@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
 
 _VEC_BYTES = 16
@@ -167,13 +167,10 @@ def _nvrtc_kernel(x, rsqrt, square):
 
 _nvrtc.raw_op("_ltx_rmsnorm_cuda", "(Tensor x, Tensor? rsqrt, bool square) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_ltx_rmsnorm_cuda")
 
 
 def _raw(x, rsqrt, square=False):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_ltx_rmsnorm_cuda")
     return _launch(x, rsqrt, square)
 
 

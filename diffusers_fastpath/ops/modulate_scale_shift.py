@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
@@ -114,13 +114,10 @@ _nvrtc.raw_op("_modulate_scale_shift_cuda", "(Tensor x, Tensor scale, Tensor shi
 _nvrtc.raw_op("_modulate_scale_shift_cuda_out", "(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift) -> ()",
               _guard, _nvrtc_kernel, outs=1)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_modulate_scale_shift_cuda")
 
 
 def _kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_modulate_scale_shift_cuda")
     return _cuda_op(x, scale, shift)
 
 

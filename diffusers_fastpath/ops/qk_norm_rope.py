@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .rotary import (_x_reason, cos_sin_reason, guard_rows, guard_wan, nvrtc_rotary, rotary_emb, rotary_emb_ref,
                      rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan, rotary_emb_wan_ref, rows_head_dim, rows_ok,
@@ -142,13 +142,10 @@ _QK_SCHEMA = ("Tensor? x_txt, Tensor? weight_txt, float eps_txt, Tensor x_img, T
 _nvrtc.raw_op("_qk_norm_rope_cuda", f"({_QK_SCHEMA}) -> Tensor", _raw_guard, _nvrtc_kernel)
 _nvrtc.raw_op("_qk_norm_rope_cuda_out", f"(Tensor(a!) out, {_QK_SCHEMA}) -> ()", _raw_guard, _nvrtc_kernel, outs=1)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_qk_norm_rope_cuda")
 
 
 def _kernel(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_qk_norm_rope_cuda")
     if x_txt is None:
         return _cuda_op(None, None, 0.0, x_img, norm_img.weight, norm_img.eps, cos, sin)
     return _cuda_op(x_txt, norm_txt.weight, norm_txt.eps, x_img, norm_img.weight, norm_img.eps, cos, sin)
@@ -338,13 +335,10 @@ _nvrtc.raw_op("_qk_norm_rows_rope_cuda",
               "(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool wan, int norm_final) -> Tensor",
               _raw_rows_guard, _nvrtc_rows_kernel)
 
-_cuda_rows_op = None
+_cuda_rows_op = LazyLauncher(_nvrtc_rows_kernel, "_qk_norm_rows_rope_cuda")
 
 
 def _rows_kernel(norm, x, cos, sin, heads=0, rope_site=None, norm_final: int | None = None) -> torch.Tensor:
-    global _cuda_rows_op
-    if _cuda_rows_op is None:
-        _cuda_rows_op = launcher(_nvrtc_rows_kernel, "_qk_norm_rows_rope_cuda")
     final = ROW_NORM_FINAL if norm_final is None else norm_final
     if heads:  # Wan: the guard checked [1, S, 1, D] contiguous tables
         split = x.unflatten(2, (heads, -1))
@@ -463,14 +457,11 @@ _nvrtc.raw_op("_qk_norm_rows_rope_pair_cuda",
               "(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, Tensor cos, "
               "Tensor sin, int norm_final) -> Tensor", _raw_pair_guard, _nvrtc_pair_kernel)
 
-_cuda_pair_op = None
+_cuda_pair_op = LazyLauncher(_nvrtc_pair_kernel, "_qk_norm_rows_rope_pair_cuda")
 
 
 def _pair_stacked(norm_q, q, norm_k, k, cos, sin, norm_final: int | None = None) -> torch.Tensor:
     """The kernel's ``[2, B, S, C]`` result (q's, then k's)."""
-    global _cuda_pair_op
-    if _cuda_pair_op is None:
-        _cuda_pair_op = launcher(_nvrtc_pair_kernel, "_qk_norm_rows_rope_pair_cuda")
     final = ROW_NORM_FINAL if norm_final is None else norm_final
     dim = rows_head_dim(q.shape[2])
     q4, k4 = (x.unflatten(2, (x.shape[2] // dim, dim)) for x in (q, k))

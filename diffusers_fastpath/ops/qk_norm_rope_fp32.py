@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .qk_norm_rope import _Norm, _guard as _head_guard
 from .rotary import nvrtc_rotary
@@ -57,13 +57,10 @@ _nvrtc.raw_op("_qk_norm_rope_fp32_cuda",
               "(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> Tensor",
               _raw_guard, _nvrtc_kernel)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_qk_norm_rope_fp32_cuda")
 
 
 def _launch(x, weight, eps, cos, sin, round_norm: bool) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_qk_norm_rope_fp32_cuda")
     return _cuda_op(x, weight, eps, cos, sin, round_norm)
 
 

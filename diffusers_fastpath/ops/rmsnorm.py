@@ -34,7 +34,7 @@ import torch
 from diffusers.models.normalization import RMSNorm
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .rmsnorm_scale_shift import PLAIN, _Norm, _nvrtc_launch, _rms_norm, norm_reason
 
@@ -114,13 +114,10 @@ def _raw_guard(x, weight, eps):
 
 _nvrtc.raw_op("_rmsnorm_plain_cuda", "(Tensor x, Tensor weight, float eps) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_rmsnorm_plain_cuda")
 
 
 def _kernel(norm, x: torch.Tensor) -> torch.Tensor:
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_rmsnorm_plain_cuda")
     order = _dense_order(x)
     xp = x.permute(order)  # contiguous: the rows in memory order
     out = _launch(xp.reshape(-1, 1, x.shape[-1]), _weight(norm, x), norm.eps).view(xp.shape)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .rmsnorm_scale_shift import (MODULATE, _broadcast_rows, _guard_rows, _Norm, _nvrtc_launch, _rms_norm,
                                   broadcast_guard)
@@ -63,13 +63,10 @@ _nvrtc.raw_op("_rmsnorm_modulate_cuda_out",
               "(Tensor(a!) out, Tensor x, Tensor? weight, Tensor scale, Tensor shift, float eps) -> ()",
               _raw_guard, _nvrtc_kernel, outs=1)
 
-_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_rmsnorm_modulate_cuda")
 
 
 def _kernel(norm, x, scale, shift):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_rmsnorm_modulate_cuda")
     return _launch(x, norm.weight, _broadcast_rows(scale, x), _broadcast_rows(shift, x), norm.eps)
 
 

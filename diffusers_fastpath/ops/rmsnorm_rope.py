@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .rmsnorm_scale_shift import ROPE_COMPLEX, ROPE_COMPLEX128, ROPE_REAL, _Norm, _nvrtc_launch, _rms_norm, norm_reason
 from .rotary import cos_sin_reason, rotary_emb, rotary_emb_ref
@@ -146,13 +146,11 @@ def _nvrtc_out(out, x, weight, freqs, heads: int, tokens: int, eps: float) -> No
     _nvrtc_kernel(x, weight, freqs, heads, tokens, eps, out=out)
 
 
-_launch = _launch_out = None
+_launch = LazyLauncher(_nvrtc_kernel, "_rmsnorm_rope_complex_cuda")
+_launch_out = LazyLauncher(_nvrtc_out, "_rmsnorm_rope_complex_cuda_out")
 
 
 def _kernel(norm, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_rmsnorm_rope_complex_cuda")
     batch, tokens, heads, dim = x.shape
     out = _launch(x.view(batch * tokens * heads, 1, dim), norm.weight, _pairs(freqs), heads, tokens, norm.eps)
     return out.view(x.shape)
@@ -247,9 +245,6 @@ def _cat_guard(norm_a, x_a, freqs_a, norm_b, x_b, freqs_b, single_site=None, che
 
 
 def _cat_kernel(norm_a, x_a, freqs_a, norm_b, x_b, freqs_b, single_site=None) -> torch.Tensor:
-    global _launch_out
-    if _launch_out is None:
-        _launch_out = launcher(_nvrtc_out, "_rmsnorm_rope_complex_cuda_out")
     _, tokens_a, heads, dim = x_a.shape
     out = x_a.new_empty(1, tokens_a + x_b.shape[1], heads, dim)
     for norm, x, freqs, part in ((norm_a, x_a, freqs_a, out[:, :tokens_a]), (norm_b, x_b, freqs_b, out[:, tokens_a:])):
@@ -363,13 +358,10 @@ _nvrtc.raw_op("_rmsnorm_rope_real_cuda",
               "(Tensor x, Tensor weight, Tensor cos, Tensor sin, int heads, int tokens, float eps) -> Tensor",
               _raw_real_guard, _nvrtc_real_kernel)
 
-_real_launch = None
+_real_launch = LazyLauncher(_nvrtc_real_kernel, "_rmsnorm_rope_real_cuda")
 
 
 def _real_kernel(norm, x, cos, sin, rope_site=None) -> torch.Tensor:
-    global _real_launch
-    if _real_launch is None:
-        _real_launch = launcher(_nvrtc_real_kernel, "_rmsnorm_rope_real_cuda")
     batch, tokens, heads, dim = x.shape
     return _real_launch(x.view(-1, 1, dim), norm.weight, cos, sin, heads, tokens, norm.eps).view(x.shape)
 

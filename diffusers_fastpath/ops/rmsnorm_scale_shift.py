@@ -42,7 +42,7 @@ import torch
 from diffusers.models.normalization import RMSNorm
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .gated_residual import gated_residual
 
@@ -321,34 +321,25 @@ _nvrtc.raw_op("_rmsnorm_gated_residual_cuda_out",
               "(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> ()",
               _raw_gated_residual_guard, _nvrtc_gated_residual_kernel, outs=1)
 
-_launch = _gated_launch = _scale_launch = _gated_residual_launch = None
+_launch = LazyLauncher(_nvrtc_kernel, "_rmsnorm_scale_shift_cuda")
+_gated_launch = LazyLauncher(_nvrtc_gated_kernel, "_gated_rmsnorm_scale_shift_cuda")
+_scale_launch = LazyLauncher(_nvrtc_scale_kernel, "_rmsnorm_scale_cuda")
+_gated_residual_launch = LazyLauncher(_nvrtc_gated_residual_kernel, "_rmsnorm_gated_residual_cuda")
 
 
 def _kernel(norm, x, scale, shift):
-    global _launch
-    if _launch is None:
-        _launch = launcher(_nvrtc_kernel, "_rmsnorm_scale_shift_cuda")
     return _launch(x, norm.weight, scale, shift, norm.eps)
 
 
 def _gated_kernel(norm, residual, gate, update, scale, shift, dtype=None):
-    global _gated_launch
-    if _gated_launch is None:
-        _gated_launch = launcher(_nvrtc_gated_kernel, "_gated_rmsnorm_scale_shift_cuda")
     return _gated_launch(residual, gate, update, norm.weight, scale, shift, norm.eps)
 
 
 def _scale_kernel(norm, x, scale):
-    global _scale_launch
-    if _scale_launch is None:
-        _scale_launch = launcher(_nvrtc_scale_kernel, "_rmsnorm_scale_cuda")
     return _scale_launch(x, norm.weight, _broadcast_rows(scale, x), norm.eps)
 
 
 def _gated_residual_kernel(norm, residual, gate, x):
-    global _gated_residual_launch
-    if _gated_residual_launch is None:
-        _gated_residual_launch = launcher(_nvrtc_gated_residual_kernel, "_rmsnorm_gated_residual_cuda")
     return _gated_residual_launch(residual, _broadcast_rows(gate, x), x, norm.weight, norm.eps)
 
 

@@ -28,7 +28,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, REASON_LAYOUT, FusedOp, Site, laid_out_contiguous
 
 
@@ -188,13 +188,10 @@ _nvrtc.raw_op("_rotary_emb_cuda", "(Tensor x, Tensor cos, Tensor sin) -> Tensor"
 _nvrtc.raw_op("_rotary_emb_cuda_out", "(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin) -> ()", _guard, _nvrtc_kernel,
               outs=1)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_rotary_emb_cuda")
 
 
 def _kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_rotary_emb_cuda")
     return _cuda_op(x, cos, sin)
 
 
@@ -312,13 +309,10 @@ def _nvrtc_kernel_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 _nvrtc.raw_op("_rotary_emb_rows_cuda", "(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor",
               lambda x, cos, sin, head_dim: guard_rows(x, cos, sin), _nvrtc_kernel_rows)
 
-_cuda_rows_op = None
+_cuda_rows_op = LazyLauncher(_nvrtc_kernel_rows, "_rotary_emb_rows_cuda")
 
 
 def _kernel_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    global _cuda_rows_op
-    if _cuda_rows_op is None:
-        _cuda_rows_op = launcher(_nvrtc_kernel_rows, "_rotary_emb_rows_cuda")
     return _cuda_rows_op(x, cos, sin, rows_head_dim(x.shape[2]))
 
 
@@ -403,13 +397,10 @@ def _nvrtc_kernel_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 _nvrtc.raw_op("_rotary_emb_wan_cuda", "(Tensor x, Tensor cos, Tensor sin) -> Tensor", _guard, _nvrtc_kernel_wan)
 
-_cuda_wan_op = None
+_cuda_wan_op = LazyLauncher(_nvrtc_kernel_wan, "_rotary_emb_wan_cuda")
 
 
 def _kernel_wan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    global _cuda_wan_op
-    if _cuda_wan_op is None:
-        _cuda_wan_op = launcher(_nvrtc_kernel_wan, "_rotary_emb_wan_cuda")
     seq, dim = x.shape[1], x.shape[3]
     return _cuda_wan_op(x, cos.view(seq, dim), sin.view(seq, dim))  # the guard checked [1, S, 1, D], contiguous
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site, autograd_device_reason
 
 
@@ -100,13 +100,10 @@ def _raw_guard(x, cos, sin):
 
 _nvrtc.raw_op("_rotary_half_cuda", "(Tensor x, Tensor cos, Tensor sin) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_rotary_half_cuda")
 
 
 def _kernel(x, cos, sin, fn=None) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_rotary_half_cuda")
     heads, dim = x.shape[-2:]
     out = _cuda_op(x.view(-1, heads, dim), cos.view(-1, dim), sin.view(-1, dim))
     return out.view(x.shape)
@@ -179,9 +176,6 @@ def _partial_guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | N
 
 
 def _partial_kernel(x, cos, sin, fn=None) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_rotary_half_cuda")
     batch, seq, heads, dim = x.shape
     return _cuda_op(x.view(batch * seq, heads, dim), cos, sin).view(x.shape)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .rotary_half import layout_reason
 
@@ -91,13 +91,10 @@ def _raw_guard(x, rope):
 
 _nvrtc.raw_op("_rotary_matrix_cuda", "(Tensor x, Tensor rope) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_rotary_matrix_cuda")
 
 
 def _kernel(x, rope, fn=None) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_rotary_matrix_cuda")
     heads, dim = x.shape[-2:]
     return _cuda_op(x.view(-1, heads, dim), rope.view(-1, 2 * dim)).view(x.shape)
 

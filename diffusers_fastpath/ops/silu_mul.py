@@ -36,7 +36,7 @@ from diffusers.models.activations import FP32SiLU
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, REASON_LAYOUT, FusedOp, Site, bits, laid_out_contiguous
 from .gelu_cat import every_value
 
@@ -166,13 +166,10 @@ def _nvrtc_kernel(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None
 _nvrtc.raw_op("_silu_mul_cuda", "(Tensor gate, Tensor up) -> Tensor", _guard, _nvrtc_kernel)
 _nvrtc.raw_op("_silu_mul_cuda_out", "(Tensor(a!) out, Tensor gate, Tensor up) -> ()", _guard, _nvrtc_kernel, outs=1)
 
-_cuda_op = _cuda_out_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_silu_mul_cuda")
 
 
 def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_silu_mul_cuda")
     if gate.dim() == 3:
         return _cuda_op(gate, up)
     # packed rows or a feature map (the guard took them): the kernel's [B, L, D], viewed back in eager's layout
@@ -193,10 +190,10 @@ def _nvrtc_kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -
     _nvrtc_kernel(gate, up, out)
 
 
+_cuda_out_op = LazyLauncher(_nvrtc_kernel_out, "_silu_mul_cuda_out")
+
+
 def _kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
-    global _cuda_out_op
-    if _cuda_out_op is None:
-        _cuda_out_op = launcher(_nvrtc_kernel_out, "_silu_mul_cuda_out")
     _cuda_out_op(out, gate, up)
 
 

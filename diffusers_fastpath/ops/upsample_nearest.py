@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import _nvrtc
-from ._build import launcher
+from ._build import LazyLauncher
 from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site
 
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
@@ -103,13 +103,10 @@ def _raw_guard(x):
 
 _nvrtc.raw_op("_upsample_nearest2x_cuda", "(Tensor x) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_cuda_op = None
+_cuda_op = LazyLauncher(_nvrtc_kernel, "_upsample_nearest2x_cuda")
 
 
 def _kernel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    global _cuda_op
-    if _cuda_op is None:
-        _cuda_op = launcher(_nvrtc_kernel, "_upsample_nearest2x_cuda")
     return _cuda_op(x)
 
 
