@@ -363,7 +363,7 @@ def test_bench_vae_level_builds_wan_and_qwen_vaes(model, tmp_path):
 # --- the ops alone --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("images,bias", [(False, False), (True, False), (False, True)])
 def test_channel_rmsnorm_arithmetic_equals_the_module_then_silu(dtype, images, bias):
     """The kernel's rounding points, written in torch, equal eager (the module, then ``F.silu``) on a CPU, with random
@@ -388,7 +388,8 @@ def test_channel_rmsnorm_arithmetic_equals_the_module_then_silu(dtype, images, b
 
 
 @torch.no_grad()
-def test_kernel_wrapper_lays_rows_out_as_eager(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_wrapper_lays_rows_out_as_eager(dtype, monkeypatch):
     """`_kernel` hands the launch ``[rows, C, spatial]`` memory (x contiguous, or time-major as the upsamplers leave
     it: ``B * T`` rows) with the denominator in the same row order, and returns eager's layout: the launch replaced
     by the kernel's arithmetic on exactly those rows, the result equals the module's, strides included."""
@@ -403,10 +404,10 @@ def test_kernel_wrapper_lays_rows_out_as_eager(monkeypatch):
     monkeypatch.setattr(crms, "_raw", launch)
     norm = wan.WanRMS_norm(16, images=False)
     norm.gamma.data.normal_(1, 0.5)
-    norm = norm.to(torch.bfloat16)
-    base = torch.randn(2, 3, 16, 4, 8).to(torch.bfloat16)
-    one_frame = torch.randn(1, 1, 16, 4, 8).to(torch.bfloat16).transpose(1, 2)  # contiguous, T's stride C * H * W
-    last = torch.randn(2, 3, 4, 8, 16).to(torch.bfloat16)  # channels-last memory: HunyuanVideo-1.5's mid-block
+    norm = norm.to(dtype)
+    base = torch.randn(2, 3, 16, 4, 8).to(dtype)
+    one_frame = torch.randn(1, 1, 16, 4, 8).to(dtype).transpose(1, 2)  # contiguous, T's stride C * H * W
+    last = torch.randn(2, 3, 4, 8, 16).to(dtype)  # channels-last memory: HunyuanVideo-1.5's mid-block
     for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous(), one_frame,  # time-major, contiguous, T = 1
               last.permute(0, 4, 1, 2, 3), last[:1].permute(0, 4, 1, 2, 3), last[:1, :1].clone(memory_format=torch.contiguous_format).permute(0, 4, 1, 2, 3),
               last[:, :, :1].contiguous().permute(0, 4, 1, 2, 3), last[:1, :, :, :1].contiguous().permute(0, 4, 1, 2, 3),
@@ -901,8 +902,8 @@ WAN_NORM_SHAPES = [(1, 384, 1, 60, 104), (1, 384, 2, 120, 208), (1, 192, 4, 240,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", WAN_NORM_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", WAN_NORM_SHAPES + [(1, 96, 3, 37, 45)])  # (+ an fp32 row of no multiple of 4)
 @pytest.mark.parametrize("layout", ["contiguous", "time-major"])
 @torch.no_grad()
 def test_channel_rmsnorm_kernel_equals_eager_at_wan_shapes(shape, dtype, layout):
@@ -975,7 +976,7 @@ def test_norm_reduction_reading_half_equals_the_fp32_upcast(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @torch.no_grad()
 def test_channel_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
     """The NVRTC cubin's launch against the nvcc extension's op (where a toolkit built it) and eager, at Wan's
