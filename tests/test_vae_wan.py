@@ -457,8 +457,8 @@ def _probe_launch(planted: int | None = None, way: str = "vectors", seen: list |
     def raw(x, denom, gamma, bias, scale, bias_value, silu, probe):
         assert probe and silu and x.dtype == torch.float32 and denom.numel() == x.numel() and x.dim() == 3
         vectors = x.shape[-1] % 4 == 0
-        if seen is not None and vectors:
-            seen.append(bits(x).flatten().clone())
+        if seen is not None:
+            seen.append((vectors, bits(x).flatten().clone()))
         out = F.silu(x)
         if planted is not None and way == ("vectors" if vectors else "elements"):
             bits(out)[bits(x) == planted] += 1
@@ -468,18 +468,23 @@ def _probe_launch(planted: int | None = None, way: str = "vectors", seen: list |
 
 @pytest.mark.parametrize("planted, way", [
     (None, "vectors"), (0x3F800005, "vectors"), (0x3F800005, "elements"), (0x7F800005, "vectors"),
-    (0x7F800005, "elements"), (0x3F900000, "vectors")], ids=str)
+    (0x7F800005, "elements"), (0x3F900000, "vectors"), (0x3F800000 + 1100, "elements"),
+    (0x7F800000 + 100, "elements"), (0x3F800000 + 1100, "vectors")], ids=str)
 def test_the_fp32_silu_proof_checks_every_value_of_its_span_both_ways(planted, way, monkeypatch):
     """`_prove_silu_fp32` over a span of bit patterns (on the GPU it runs all 2^32: the GPU test below) compares every
     value's SiLU both ways the kernel runs: one pattern one ulp off, in vectors or in elements (the row of one more
-    value), a NaN's payload included, fails it; a pattern outside the span does not; every pattern of the span is
-    seen once by the vector way, across chunk boundaries and a last chunk shorter than the others."""
+    value), a NaN's payload included, in the first chunk, a later one or the last (shorter) one, fails it; a pattern
+    outside the span does not; every pattern of the span is seen once by the vector way and by the element way,
+    across chunk boundaries and a last chunk shorter than the others."""
     seen, starts = [], (0x3F800000 - 1000, 0x7F800000 - 1000)  # around 1.0; the infinity and the NaNs after it
     monkeypatch.setattr(crms, "_raw", _probe_launch(planted, way, seen))
     for start in starts:
         inside = planted is not None and start <= planted < start + 2500
         assert crms._prove_silu_fp32(torch.device("cpu"), start, start + 2500, chunk=1024) is not inside
-    assert torch.equal(torch.cat(seen), torch.cat([torch.arange(s, s + 2500, dtype=torch.int32) for s in starts]))
+    span = torch.cat([torch.arange(s, s + 2500, dtype=torch.int32) for s in starts])
+    assert torch.equal(torch.cat([row for vectors, row in seen if vectors]), span)
+    elements = [row for vectors, row in seen if not vectors]  # (each the chunk and its first value again)
+    assert torch.equal(torch.cat([row[:-1] for row in elements]), span) and all(row[-1] == row[0] for row in elements)
 
 
 def test_the_fp32_proof_runs_once_per_device_and_a_failure_is_not_remembered(monkeypatch):
