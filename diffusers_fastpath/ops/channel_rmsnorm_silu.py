@@ -257,11 +257,7 @@ def _nvrtc_kernel(x, denom, gamma, bias, scale, bias_value, silu, probe):
 _nvrtc.raw_op("_channel_rmsnorm_cuda", "(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, "
               "float bias_value, bool silu, bool probe) -> Tensor", _raw_guard, _nvrtc_kernel)
 
-_launch = LazyLauncher(_nvrtc_kernel, "_channel_rmsnorm_cuda")
-
-
-def _raw(x, denom, gamma, bias, scale, bias_value, silu, probe):
-    return _launch(x, denom, gamma, bias, scale, bias_value, silu, probe)
+_raw = LazyLauncher(_nvrtc_kernel, "_channel_rmsnorm_cuda")  # (x, denom, gamma, bias, scale, bias_value, silu, probe)
 
 
 def _tensors(norm):
@@ -323,41 +319,43 @@ _FP32_CHUNK = 1 << 24  # fp32 bit patterns per step of the fp32 proof (64 MiB a 
 _FP32_PROVEN: set[torch.device] = set()  # the devices where `_prove_silu_fp32` passed
 
 
+def _silu_mismatches(values: torch.Tensor) -> torch.Tensor:
+    """How many of `values` (1-D, of one dtype) the kernel's SiLU (its probe mode: y = x, then the SiLU) gives other
+    bits than eager's ``F.silu``, both ways the kernel runs: the values as one row (16-byte vectors, their count a
+    multiple of the vector) and that row with one more value (elements: no multiple); a device tensor, not read here."""
+    ref = bits(F.silu(values))
+    gamma = values.new_ones(1)
+    bad = torch.zeros((), dtype=torch.int64, device=values.device)
+    for row in (values, torch.cat([values, values[:1]])):  # (the one more value is the first again)
+        row = row.view(1, 1, -1)
+        denom = torch.empty(row.shape, dtype=torch.float32, device=row.device)  # (probe: not read)
+        bad += (bits(_raw(row, denom, gamma, None, 1.0, 0.0, True, True)).view(-1)[:values.numel()] != ref).sum()
+    return bad
+
+
 def _prove_silu_fp32(device: torch.device, start: int = -(1 << 31), stop: int = 1 << 31,
                      chunk: int = _FP32_CHUNK) -> bool:
     """The kernel's SiLU equals eager's ``F.silu`` on all 2^32 fp32 bit patterns (NaNs with their payloads,
-    infinities, subnormals), both ways the kernel runs: 16-byte vectors (a row of 2^24 values) and elements (the same
-    row and one more value: no multiple of 4). 256 steps of a few kernels each (64 MiB tensors), the mismatches
-    counted on the GPU and read once at the end (one synchronisation). `start`, `stop` (int32 bit patterns) and
-    `chunk` (a multiple of 4) are the tests' way to run a part of it."""
-    ones = torch.ones(1, dtype=torch.float32, device=device)
+    infinities, subnormals), both ways the kernel runs (`_silu_mismatches` on rows of 2^24 values). 256 steps of a few
+    kernels each (64 MiB tensors), the mismatches counted on the GPU and read once at the end (one synchronisation).
+    `start`, `stop` (int32 bit patterns) and `chunk` (a multiple of 4) are the tests' way to run a part of it."""
     bad = torch.zeros((), dtype=torch.int64, device=device)
     for first in range(start, stop, chunk):
-        values = torch.arange(first, min(first + chunk, stop), dtype=torch.int32, device=device).view(torch.float32)
-        ref = bits(F.silu(values))
-        for row in (values, torch.cat([values, values[:1]])):  # (the one more value is the first again)
-            row = row.view(1, 1, -1)
-            out = _raw(row, torch.empty_like(row), ones, None, 1.0, 0.0, True, True)  # (probe: denom not read)
-            bad += (bits(out).view(-1)[:values.numel()] != ref).sum()
+        bad += _silu_mismatches(
+            torch.arange(first, min(first + chunk, stop), dtype=torch.int32, device=device).view(torch.float32))
     return int(bad) == 0
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:
-    """The kernel's SiLU equals eager's on every value of the dtype (the probe mode: y = x, then the SiLU), both ways
-    it runs: 16-byte vectors (rows of 8192) and elements (rows of 8193); fp32's 2^32 values by `_prove_silu_fp32`."""
+    """The kernel's SiLU equals eager's on every value of the dtype, both ways it runs (`_silu_mismatches` on the 65536
+    bf16 / fp16 values as one row); fp32's 2^32 values by `_prove_silu_fp32`."""
     if x.dtype == torch.float32:  # (once per device: each fp32 signature would otherwise run it again)
         if x.device not in _FP32_PROVEN:
             if not _prove_silu_fp32(x.device):
                 return False
             _FP32_PROVEN.add(x.device)
         return True
-    values = every_value(x.dtype, x.device)
-    ones = torch.ones(8, dtype=x.dtype, device=x.device)
-    denom = torch.ones(1, 1, 8192, dtype=torch.float32, device=x.device)
-    out = _raw(values, denom, ones, None, 1.0, 0.0, True, True)
-    odd = torch.cat([values.flatten(), values.flatten()[:8]]).view(1, 8, 8193)  # every value, rows of no 8 multiple
-    out_odd = _raw(odd, denom.new_ones(1, 1, 8193), ones, None, 1.0, 0.0, True, True)
-    return torch.equal(bits(out), bits(F.silu(values))) and torch.equal(bits(out_odd), bits(F.silu(odd)))
+    return int(_silu_mismatches(every_value(x.dtype, x.device).flatten())) == 0
 
 
 @torch.library.custom_op("diffusers_fastpath::channel_rmsnorm", mutates_args=())

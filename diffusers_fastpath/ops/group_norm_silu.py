@@ -205,12 +205,8 @@ _nvrtc.raw_op("_group_norm_silu_cuda",
 _nvrtc.raw_op("_group_norm_silu_cuda_out", "(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, int groups, "
               "float eps, bool silu, int variant) -> ()", _raw_guard, _nvrtc_kernel, outs=1)
 
-_launch = LazyLauncher(_nvrtc_kernel, "_group_norm_silu_cuda")
+_raw = LazyLauncher(_nvrtc_kernel, "_group_norm_silu_cuda")  # (x, weight, bias, groups, eps, silu, variant)
 _PLATFORM_VARIANT: dict = {}  # (device, dtype) -> the variant bits of the aten this process runs (`_platform_variant`)
-
-
-def _raw(x, weight, bias, groups, eps, silu, variant):
-    return _launch(x, weight, bias, groups, eps, silu, variant)
 
 
 def _platform_variant(device: torch.device, dtype: torch.dtype) -> int:

@@ -221,11 +221,8 @@ def _scale_guard(norm, x, scale, check_pointers: bool = True) -> str | None:
     return _guard(norm, x, scale, scale, check_pointers)  # the scale stands for the shift's checks: there is none
 
 
-_scale_launch = LazyLauncher(_nvrtc_modulate, "_layernorm_modulate_cuda")
-
-
 def _scale_kernel(norm, x, scale):
-    return _scale_launch(x, scale, None, *_affine_rows(norm), norm.eps)
+    return _launch(x, scale, None, *_affine_rows(norm), norm.eps)  # (the same kernel, no shift)
 
 
 def _scale_signature(norm, x, scale):

@@ -57,11 +57,7 @@ _nvrtc.raw_op("_qk_norm_rope_fp32_cuda",
               "(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> Tensor",
               _raw_guard, _nvrtc_kernel)
 
-_cuda_op = LazyLauncher(_nvrtc_kernel, "_qk_norm_rope_fp32_cuda")
-
-
-def _launch(x, weight, eps, cos, sin, round_norm: bool) -> torch.Tensor:
-    return _cuda_op(x, weight, eps, cos, sin, round_norm)
+_launch = LazyLauncher(_nvrtc_kernel, "_qk_norm_rope_fp32_cuda")  # (x, weight, eps, cos, sin, round_norm)
 
 
 def _kernel(norm, x, cos, sin, rope_site=None) -> torch.Tensor:

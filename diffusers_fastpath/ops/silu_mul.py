@@ -190,11 +190,7 @@ def _nvrtc_kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -
     _nvrtc_kernel(gate, up, out)
 
 
-_cuda_out_op = LazyLauncher(_nvrtc_kernel_out, "_silu_mul_cuda_out")
-
-
-def _kernel_out(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
-    _cuda_out_op(out, gate, up)
+_kernel_out = LazyLauncher(_nvrtc_kernel_out, "_silu_mul_cuda_out")  # (out, gate, up): the product written into out
 
 
 def _prove(gate: torch.Tensor, up: torch.Tensor, act=None, up_first=False) -> bool:
