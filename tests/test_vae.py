@@ -183,6 +183,68 @@ def test_the_pair_rewrite_keeps_every_branch(emulated_kernels):
             assert site.fast == 1
 
 
+class _OptionalModulateBlock(nn.Module):
+    """LTX-2's resnet form: a norm, an ``if`` on the block's own attribute (an optional modulate), the SiLU."""
+
+    def __init__(self, modulate: bool) -> None:
+        super().__init__()
+        self.norm1, self.nonlinearity = nn.GroupNorm(8, 32), nn.SiLU()
+        self.scale = nn.Parameter(torch.randn(32, 1, 1)) if modulate else None
+
+    def forward(self, hidden_states):
+        hidden_states = self.norm1(hidden_states)
+        if self.scale is not None:
+            hidden_states = hidden_states * (1 + self.scale)
+        hidden_states = self.nonlinearity(hidden_states)
+        return hidden_states * 2
+
+
+def _test_reads_the_variable(self, hidden_states):
+    hidden_states = self.norm1(hidden_states)
+    if hidden_states.shape[1] > 64:
+        hidden_states = hidden_states * 2
+    hidden_states = self.nonlinearity(hidden_states)
+    return hidden_states
+
+
+def _test_calls(self, hidden_states):
+    hidden_states = self.norm1(hidden_states)
+    if self.check() is not None:
+        hidden_states = hidden_states * 2
+    hidden_states = self.nonlinearity(hidden_states)
+    return hidden_states
+
+
+def _test_has_elif(self, hidden_states):
+    hidden_states = self.norm1(hidden_states)
+    if self.scale is not None:
+        hidden_states = hidden_states * 2
+    elif self.other is None:
+        hidden_states = hidden_states * 3
+    hidden_states = self.nonlinearity(hidden_states)
+    return hidden_states
+
+
+def test_a_norm_and_its_activation_pair_around_an_if_on_the_blocks_own_attribute(emulated_kernels):
+    """``V = self.norm(V)``, ``if self.x is not None: <modulate>``, ``V = self.act(V)`` (LTX-2's resnets): both
+    statements move into each branch and pair on the one without the modulate; with the modulate on, the three run
+    as written. A test that reads the variable, calls anything or has an ``elif`` is left as it is."""
+    fn, pairs = vae_module.rewrite_pairs(_OptionalModulateBlock.forward, "X.forward", ("nonlinearity",))
+    assert pairs == (("norm1", "nonlinearity"),)
+    sub = type("X", (_OptionalModulateBlock,), {"forward": fn})
+    with torch.no_grad():
+        for modulate in (False, True):
+            block = _OptionalModulateBlock(modulate).to(torch.bfloat16).eval()
+            x = torch.randn(2, 32, 8, 8).to(torch.bfloat16)
+            ref = block(x)
+            block.__class__ = sub
+            block.norm1._fastpath_site_group_norm_silu = site = fp.ops.Site("group_norm_silu")
+            assert torch.equal(block(x), ref), modulate
+            assert site.fast == (0 if modulate else 1)
+    for other in (_test_reads_the_variable, _test_calls, _test_has_elif):
+        assert vae_module.rewrite_pairs(other, "X.forward", ("nonlinearity",)) is None, other.__name__
+
+
 _REPLACED_CALLS = []
 
 

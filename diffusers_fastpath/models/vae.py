@@ -18,7 +18,9 @@ Two pieces, the simplest that reach each call:
   activation follows an ``if``/``else`` whose branches end in the norm call (``ResnetBlock2D.forward``'s
   ``time_embedding_norm`` branches, the decoder's ``latent_embeds`` branch), the activation statement is moved into
   the end of each branch first (the same statements in the same order on every path) and paired where a branch ends
-  in the norm. At run time `_PairCalls.norm_act` takes the fused op only where the norm is a plain ``nn.GroupNorm``
+  in the norm; where an ``if`` (no ``elif``) whose test reads only the block's attributes (``self.x is not None``)
+  stands between the norm and the activation (LTX-2's resnets: an optional modulate), both statements move into each
+  branch (an ``else:`` made for them), which pairs them on the branch that runs nothing between. At run time `_PairCalls.norm_act` takes the fused op only where the norm is a plain ``nn.GroupNorm``
   with this package's pair site and the activation exactly ``nn.SiLU``, neither with hooks (nor any global module
   hook); anything else runs ``act(norm(V))``, the two calls as written. The paired norms keep their class (every call
   of theirs in diffusers' blocks is the pair's).
@@ -144,6 +146,45 @@ def _append_to_branches(node: ast.If, stmt: ast.stmt) -> None:
         node.orelse.append(copy.deepcopy(stmt))
 
 
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _attribute_of_self(node: ast.expr) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _hoistable_test(test: ast.expr) -> bool:
+    """Whether `test` is ``self.<a>[.<b>...] is None`` / ``is not None`` (or ``and`` / ``or`` / ``not`` of such):
+    a look-up of the block's own attributes, which nothing a norm module computes changes, so that evaluating it
+    before the norm call instead of after gives the branch eager takes."""
+    if isinstance(test, ast.BoolOp):
+        return all(_hoistable_test(v) for v in test.values)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _hoistable_test(test.operand)
+    return (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+            and _attribute_of_self(test.left) and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None)
+
+
+def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
+    """For ``V = self.N(V)``, then `node` (an ``if`` without ``elif`` whose test `_hoistable_test` takes), then
+    ``V = self.A(V)``: move the norm statement to the start and the activation to the end of each branch (an
+    ``else:`` with the two alone where there is none), the statements each path runs and their order unchanged but
+    the test's, now read first. LTX-2's resnets (``norm1``, an ``if self.scale_shift_table is not None:`` modulate
+    that is off by default, then the SiLU) pair on the branch without the modulate. False (nothing changed) where
+    the form differs."""
+    if (len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)) or not _hoistable_test(node.test):
+        return False
+    if var in _names(node.test):
+        return False
+    node.body = [copy.deepcopy(norm), *node.body, copy.deepcopy(act)]
+    node.orelse = [copy.deepcopy(norm), *node.orelse, copy.deepcopy(act)]
+    return True
+
+
 class _Pairs:
     def __init__(self, activations: tuple[str, ...], ns: str = _NS) -> None:
         self.activations, self.ns = activations, ns
@@ -164,6 +205,11 @@ class _Pairs:
                 if isinstance(last, ast.If) and _ends_in_norm([last], var, self.activations):
                     _append_to_branches(last, stmt)
                     out[-1] = self.stmt(last)
+                    continue
+                before = _self_call(out[-2]) if len(out) > 1 else None
+                if (isinstance(last, ast.If) and before is not None and before[0] == var
+                        and before[1] not in self.activations and _hoist_into(last, out[-2], stmt, var)):
+                    out[-2:] = [self.stmt(last)]
                     continue
             out.append(self.stmt(stmt))
         return out
