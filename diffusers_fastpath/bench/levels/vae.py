@@ -20,11 +20,14 @@ from .profile import profile_call
 # The VAEs of the step-level models (no pipeline family here) and of the families whose VAE alone is benched: model
 # name -> (diffusers class, config). The published configs are the classes' defaults (Wan 2.1's VAE, 8x spatial and 4x
 # temporal, 16 latent channels; Qwen-Image's, the same network under its own class; Qwen-Image 2.1's, 16x, RGBA;
-# HunyuanVideo's, 8x / 4x; HunyuanVideo-1.5's, 16x / 4x) but HunyuanImage-2.1's, which has none (its conversion
+# HunyuanVideo's, 8x / 4x; HunyuanVideo-1.5's, 16x / 4x; LTX-2's, 32x / 8x, 128 latent channels) but HunyuanImage-2.1's, which has none (its conversion
 # script's: 32x, 64 latent channels); the tiny ones keep the compression.
 _TINY_WAN = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
 _HUNYUAN_IMAGE = dict(in_channels=3, out_channels=3, latent_channels=64, block_out_channels=(128, 256, 512, 512, 1024, 1024),
                       layers_per_block=2, spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289)
+# LTX-2's published VAE config names its compression (the class's default formula counts the spatial-only and
+# temporal-only downsamplings in both)
+_LTX2 = dict(spatial_compression_ratio=32, temporal_compression_ratio=8)
 VAE_MODELS = {"wan-14b": ("AutoencoderKLWan", {}), "wan-tiny": ("AutoencoderKLWan", _TINY_WAN),
               "qwen-image": ("AutoencoderKLQwenImage", {}), "qwen-image-tiny": ("AutoencoderKLQwenImage", _TINY_WAN),
               "qwen-image-2.1": ("AutoencoderKLQwenImage21", {}),
@@ -37,6 +40,11 @@ VAE_MODELS = {"wan-14b": ("AutoencoderKLWan", {}), "wan-tiny": ("AutoencoderKLWa
               "hunyuanvideo-1.5": ("AutoencoderKLHunyuanVideo15", {}),
               "hunyuanvideo-1.5-tiny": ("AutoencoderKLHunyuanVideo15", dict(block_out_channels=(8, 16, 16, 32, 32),
                                                                             latent_channels=4, layers_per_block=1)),
+              "ltx2": ("AutoencoderKLLTX2Video", _LTX2),
+              "ltx2-tiny": ("AutoencoderKLLTX2Video", {**_LTX2, "block_out_channels": (8, 8, 8, 8),
+                                                       "decoder_block_out_channels": (8, 8, 8),
+                                                       "layers_per_block": (1, 1, 1, 1, 1),
+                                                       "decoder_layers_per_block": (1, 1, 1, 1)}),
               "hunyuan-image": ("AutoencoderKLHunyuanImage", _HUNYUAN_IMAGE),
               "hunyuan-image-tiny": ("AutoencoderKLHunyuanImage", {**_HUNYUAN_IMAGE, "latent_channels": 8,
                                                                    "block_out_channels": (32, 32, 64, 64, 64, 64),
