@@ -33,7 +33,7 @@ DType to_dtype(const at::Tensor& t) {
 }
 
 // to_dtype, and fp32: the VAEs' copies, bias adds and channel norms (conv_bias.cu, causal_pad.cu, upsample_nearest.cu,
-// channel_rmsnorm_silu.cu) take it.
+// channel_rmsnorm_silu.cu, per_channel_rmsnorm.cu) take it.
 DType to_dtype_or_float(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat ? DType::kFloat32 : to_dtype(t);
 }
@@ -1177,6 +1177,43 @@ at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsq
   return out;
 }
 
+// LTX-2's VAE norm from aten's mean on, then SiLU if `silu` (per_channel_rmsnorm.cu): x [B, C, S] with each channel's S
+// elements contiguous (channels and batches at any strides), mean the [B, 1, S] (any view of B * S contiguous values)
+// of x's dtype that aten's torch.mean(x**2, 1, keepdim=True) gave; `probe` 1: the SiLU of x alone, 2: the kernel's
+// round(sqrt(round(x + eps))) of x alone (the Python op's proofs; mean unused). The Python guard admits only inputs
+// that pass these checks.
+at::Tensor per_channel_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& mean, double eps, bool silu,
+                               int64_t probe) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
+              "per_channel_rmsnorm: x must be a CUDA tensor [B, C, S] with unit stride along S");
+  TORCH_CHECK(probe >= 0 && probe <= 2 && (probe == 0 || !silu),
+              "per_channel_rmsnorm: probe must be 0, 1 or 2 (0 with silu)");
+  const DType dtype = to_dtype_or_float(x);
+  const int64_t batch = x.size(0), channels = x.size(1), spatial = x.size(2);
+  TORCH_CHECK(probe != 0 || (mean.has_value() && mean->scalar_type() == x.scalar_type() &&
+                             mean->device() == x.device() && mean->is_contiguous() && mean->numel() == batch * spatial),
+              "per_channel_rmsnorm: mean must be a contiguous [B, 1, S] tensor of x's dtype and device");
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  PerChannelRmsNormArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.mean = probe == 0 ? mean->data_ptr() : nullptr;
+  args.batch = batch;
+  args.channels = channels;
+  args.spatial = spatial;
+  args.x_batch_stride = x.stride(0);
+  args.x_channel_stride = x.stride(1);
+  args.eps = static_cast<float>(eps);  // aten's CUDA add casts the python scalar (a double) to its float opmath
+  args.silu = silu ? 1 : 0;
+  args.probe = static_cast<int32_t>(probe);
+  args.dtype = dtype;
+  const cudaError_t err = launch_per_channel_rmsnorm(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "per_channel_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -1258,6 +1295,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
         "bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square) -> Tensor");
+  m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -1310,4 +1348,5 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
+  m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
 }

@@ -28,8 +28,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 
-__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
-
 // one element's tail: x the element, d its denominator, gamma and bias its channel's
 template <typename T>
 __device__ __forceinline__ float tail(float x, float d, float gamma, float bias, const ChannelRmsNormArgs& a) {
@@ -89,14 +87,8 @@ cudaError_t launch(const ChannelRmsNormArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
   const bool vector = a.spatial % kVec == 0;
   const int64_t vecs = a.batch * a.channels * a.spatial / (vector ? kVec : 1);
-  if (vecs == 0) return cudaSuccess;
-  const int64_t blocks = grid_stride_blocks(vecs, kThreads, kBlocksPerSm);
-  if (vector) {
-    channel_rmsnorm_kernel<T, true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-  } else {
-    channel_rmsnorm_kernel<T, false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
-  }
-  return cudaGetLastError();
+  return launch_vector_or_element(channel_rmsnorm_kernel<T, true>, channel_rmsnorm_kernel<T, false>, vector, vecs,
+                                  kThreads, kBlocksPerSm, a, stream);
 }
 #endif  // __CUDACC_RTC__
 

@@ -71,6 +71,12 @@ __device__ __forceinline__ float round_to(float v) {
   return Storage<T>::load(Storage<T>::store(v));
 }
 
+// aten's silu_kernel (aten/src/ATen/native/cuda/ActivationSiluKernel.cu) in fp32 opmath: x / (1 + exp(-x)) with CUDA's
+// expf, an IEEE add and division. expf is libdevice's under both builds; whether the rest matches aten's build (nvcc
+// with --fmad=true: no product feeds an add here) is proven by each op that uses it on every value of its dtype
+// (silu_mul.cu, group_norm_silu.cu, channel_rmsnorm_silu.cu, per_channel_rmsnorm.cu: their Python ops).
+__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
 // 16 bytes of T: one vectorised global load or store (LDG.128 / STG.128) when the address is 16-byte aligned.
 template <typename T>
 struct alignas(16) Pack {
@@ -203,6 +209,18 @@ inline int64_t grid_stride_blocks(int64_t vecs, int threads, int blocks_per_sm) 
   const int64_t blocks = (vecs + threads - 1) / threads;
   const int64_t resident = static_cast<int64_t>(num_sms()) * blocks_per_sm;
   return blocks < resident ? blocks : resident;
+}
+
+// A one-dimensional grid-stride launch of one of a kernel's two forms over `items` work items (`vector`: its 16-byte
+// vector form, else its one-element form; the kernel's __launch_bounds__ are `threads`).
+template <typename Args>
+cudaError_t launch_vector_or_element(void (*vector_kernel)(Args), void (*element_kernel)(Args), bool vector,
+                                     int64_t items, int threads, int blocks_per_sm, const Args& a,
+                                     cudaStream_t stream) {
+  if (items == 0) return cudaSuccess;
+  const int64_t blocks = grid_stride_blocks(items, threads, blocks_per_sm);
+  (vector ? vector_kernel : element_kernel)<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 // Calls f(T{}) with T the storage type named by `dtype`: one switch for every launcher.

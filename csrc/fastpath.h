@@ -384,6 +384,32 @@ struct LtxRmsNormArgs {
 cudaError_t launch_ltx_rmsnorm(const LtxRmsNormArgs& args, cudaStream_t stream);
 #endif
 
+// LTX-2's VAE norm (diffusers' PerChannelRMSNorm) after aten's `torch.mean(x**2, 1, keepdim=True)`, then SiLU if `silu`
+// (per_channel_rmsnorm.cu). Per element of x[b, c, s] (fp32 arithmetic, `round` to T after each eager kernel):
+//   r = round(sqrt(round(mean[b, s] + eps)))
+//   y = round(x[b, c, s] / r)
+//   out = silu ? round(y / (1 + exp(-y))) : y
+struct PerChannelRmsNormArgs {
+  void* out;                 // [batch, channels, spatial], contiguous
+  const void* x;             // [batch, channels, spatial]: each channel's spatial contiguous, channels
+                             // `x_channel_stride` and batches `x_batch_stride` elements apart
+  const void* mean;          // [batch, spatial] of x's dtype, contiguous: aten's mean of x**2 over the channels
+  int64_t batch;
+  int64_t channels;
+  int64_t spatial;           // any; 16-byte vectors where it, both strides and the pointers allow
+  int64_t x_batch_stride;
+  int64_t x_channel_stride;
+  float eps;                 // the module's python eps as aten's add takes it on the GPU (cast to float)
+  int32_t silu;              // 1: SiLU after the norm
+  int32_t probe;             // 1: out = silu(x) (the SiLU proof); 2: out = round(sqrt(round(x + eps))) (the rms
+                             // proof); mean unused
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream);
+#endif
+
 // The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]
 // with unit width stride, out a contiguous [batch, channels, 2 * height, 2 * width]:
 //   out[n][c][2y + dy][2x + dx] = round(float(x[n][c][y][x]))

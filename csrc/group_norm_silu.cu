@@ -247,9 +247,6 @@ __global__ void __launch_bounds__(kWarp) group_norm_stats_kernel(GroupNormSiluAr
   }
 }
 
-// aten's silu_kernel in fp32 opmath (csrc/silu_mul.cu's, proven there on every value).
-__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
-
 // Rows in blockIdx.y; each block first finishes its row's statistics (BlockReduce's second level over the warps'
 // states, or the one warp's state for rows of fewer than 512 elements), then normalises 16-byte vectors of the row
 // with a grid stride over blockIdx.x. A vector lies in one channel (the guard: HxW a multiple of the vector), whose

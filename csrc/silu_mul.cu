@@ -23,8 +23,6 @@ constexpr int kThreads = 512;
 constexpr int kRowsInFlight = 1;
 constexpr int kBlocksPerSm = 16;
 
-__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32_t vecs_per_row) {
   using P = Pack<T>;

@@ -105,8 +105,9 @@ def emulated_kernels(monkeypatch):
     and the QK norm + rotary (every form) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
     rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary and Wan's as their kernel's
     per-pair arithmetic; the GroupNorm (+ SiLU) of the VAEs, self-verified on the GPU, as its reference; GELU +
-    concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value): the fast paths' wiring runs, and is
-    checked, on a CPU."""
+    concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value; the
+    VAEs' channel norms, LTX-Video's and LTX-2's VAE norms as their kernels' arithmetic): the fast paths' wiring runs,
+    and is checked, on a CPU."""
     from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_FP32
     from diffusers_fastpath.ops.gelu_cat import GELU_CAT, gelu_cat_ref
@@ -241,6 +242,15 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(ltx_norm.LTX_RMSNORM, "guard", _as_if_on_cuda(ltx_norm.LTX_RMSNORM.guard))
     monkeypatch.setattr(ltx_norm, "_launch", lambda x, r, square: ltx_norm.square_arithmetic(x) if square else
                         ltx_norm.ltx_rmsnorm_arithmetic(x, r.reshape(x.shape[0], 1, *x.shape[2:])).contiguous())
+    # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
+    # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
+    # its proofs (the sqrt and the SiLU on every value) run the CUDA kernel's probe modes
+    per_channel = sys.modules["diffusers_fastpath.ops.per_channel_rmsnorm"]
+    for op in (per_channel.PER_CHANNEL_RMSNORM, per_channel.PER_CHANNEL_RMSNORM_SILU):
+        monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
+        monkeypatch.setattr(op, "prove", None)
+    monkeypatch.setattr(per_channel, "_launch", lambda x, mean, eps, silu, probe: (
+        per_channel.per_channel_rmsnorm_arithmetic(x, mean.view(x.shape[0], 1, -1), eps, silu).contiguous()))
     # the plain QK norm: its own kernel wrapper (the rows in memory order, the result in x's strides), the launch
     # replaced by the eager norm of those rows
     import sys

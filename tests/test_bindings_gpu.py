@@ -46,6 +46,10 @@ CASES = {
                                "must be [seq, dim]"),
     "rotary-rows-head-dim": ("_rotary_emb_rows_cuda", [(2, 65, 256), "f32:2,65,256", "f32:2,65,256", 96],
                              "got [2, 65, 256]"),
+    "per-channel-rmsnorm-fp32-mean": ("_per_channel_rmsnorm_cuda", [(2, 16, 96), "f32:2,96", 1e-8, False, 0],
+                                      "mean must be a contiguous [B, 1, S] tensor of x's dtype"),
+    "per-channel-rmsnorm-probe-silu": ("_per_channel_rmsnorm_cuda", [(1, 1, 64), (1, 64), 1e-8, True, 1],
+                                       "probe must be 0, 1 or 2"),
 }
 
 SCRIPT = """

@@ -17,6 +17,8 @@ from .linear_cat import linear_cat, linear_cat_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .ltx_vae_rmsnorm import ltx_rmsnorm, ltx_rmsnorm_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
+from .per_channel_rmsnorm import (per_channel_rmsnorm, per_channel_rmsnorm_ref, per_channel_rmsnorm_silu,
+                                  per_channel_rmsnorm_silu_ref)
 from .qk_norm_rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rows_rope, qk_norm_rows_rope_pair,
                            qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
 from .qk_norm_rope_fp32 import (qk_norm_rope_fp32, qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred,
@@ -89,6 +91,10 @@ __all__ = [
     "ltx_rmsnorm_ref",
     "modulate_scale_shift",
     "modulate_scale_shift_ref",
+    "per_channel_rmsnorm",
+    "per_channel_rmsnorm_ref",
+    "per_channel_rmsnorm_silu",
+    "per_channel_rmsnorm_silu_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
     "qk_norm_rows_rope",

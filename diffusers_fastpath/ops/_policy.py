@@ -46,11 +46,11 @@ from ._build import KernelsUnavailable
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
 # and the VAEs' copies, convolution bias adds and channel norms (conv_bias, causal_conv3d's buffer, upsample_nearest2x,
-# channel_rmsnorm(_silu)), which an fp32 VAE (as Wan's model card loads it) runs too: copies, one fp32 add, the norm's
-# fp32 tail (its SiLU proven on every fp32 value)
+# channel_rmsnorm(_silu), LTX-2's per_channel_rmsnorm(_silu)), which an fp32 VAE (as Wan's model card loads it) runs
+# too: copies, one fp32 add, the norms' fp32 tails (their SiLU, and LTX-2's sqrt, proven on every fp32 value)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "upsample_nearest2x", "channel_rmsnorm",
-                      "channel_rmsnorm_silu"})  # the ops that do
+                      "channel_rmsnorm_silu", "per_channel_rmsnorm", "per_channel_rmsnorm_silu"})  # the ops that do
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
@@ -436,6 +436,18 @@ def fp32_precision_state() -> tuple:
     per_op = tuple(getattr(obj, "fp32_precision", None) for obj in (
         torch.backends, getattr(cuda, "matmul", None), cudnn, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)))
     return per_op + (legacy(torch.get_float32_matmul_precision), legacy(lambda: cudnn.allow_tf32))
+
+
+def tensor_reason(x, dtypes, min_dim: int, shape: str) -> str | None:
+    """The head many guards share, for an input `x`: a tensor, of one of `dtypes`, of at least `min_dim` dims (`shape`
+    names them in the reason: ``"x not [B, C, *]"``); ``None`` or the reason."""
+    if not isinstance(x, torch.Tensor):
+        return "input not a tensor"
+    if x.dtype not in dtypes:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if x.dim() < min_dim:
+        return f"x not {shape}"
+    return None
 
 
 def autograd_device_reason(x: torch.Tensor, *params: torch.Tensor) -> str | None:

@@ -21,7 +21,8 @@ of the tail is a separate IEEE operation rounded where eager rounds (exact by co
 of each signature is compared with eager, `_signature`, as the self-verified ops are). The SiLU is aten's
 expression with CUDA's ``expf``, proven on all 65536 values of the dtype on first use (the kernel's probe mode)
 as `silu_mul` proves its own, and for an fp32 x (an fp32 VAE, as Wan's model card loads it) on all 2^32 fp32 bit
-patterns, in chunks (`_prove_silu_fp32`: about 200 GB of memory traffic, a tenth of a second once per process);
+patterns, in chunks (`_prove_silu_fp32`: about 200 GB of memory traffic, a tenth of a second once per process;
+the proofs are `_unary_proof`'s, shared with LTX-2's norm);
 a mismatch disables the op for the process (one warning) and eager runs.
 
 What the guard admits: a module of a class the VAE adapter registered (`add_norm_class`: diffusers' class after its
@@ -45,8 +46,8 @@ from torch import nn
 from .._source import body_digest
 from . import _nvrtc
 from ._build import LazyLauncher
-from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, bits
-from .gelu_cat import every_value
+from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site
+from ._unary_proof import FP32_CHUNK, prove_every_value, prove_fp32
 
 _VEC_BYTES = 16
 _EPS = 1e-12  # F.normalize's default, which the modules' forward uses (checked with it by digest)
@@ -315,47 +316,26 @@ def _signature(norm, x: torch.Tensor):
             _vectors(spatial, x.dtype), reads_half_directly(x))
 
 
-_FP32_CHUNK = 1 << 24  # fp32 bit patterns per step of the fp32 proof (64 MiB a tensor)
 _FP32_PROVEN: set[torch.device] = set()  # the devices where `_prove_silu_fp32` passed
 
 
-def _silu_mismatches(values: torch.Tensor) -> torch.Tensor:
-    """How many of `values` (1-D, of one dtype) the kernel's SiLU (its probe mode: y = x, then the SiLU) gives other
-    bits than eager's ``F.silu``, both ways the kernel runs: the values as one row (16-byte vectors, their count a
-    multiple of the vector) and that row with one more value (elements: no multiple); a device tensor, not read here."""
-    ref = bits(F.silu(values))
-    gamma = values.new_ones(1)
-    bad = torch.zeros((), dtype=torch.int64, device=values.device)
-    for row in (values, torch.cat([values, values[:1]])):  # (the one more value is the first again)
-        row = row.view(1, 1, -1)
-        denom = torch.empty(row.shape, dtype=torch.float32, device=row.device)  # (probe: not read)
-        bad += (bits(_raw(row, denom, gamma, None, 1.0, 0.0, True, True)).view(-1)[:values.numel()] != ref).sum()
-    return bad
+def _silu_probe(row: torch.Tensor) -> torch.Tensor:
+    """The kernel's SiLU alone (its probe mode: y = x, then the SiLU) on a ``[1, 1, n]`` row (`_unary_proof`)."""
+    denom = torch.empty(row.shape, dtype=torch.float32, device=row.device)  # (probe: not read)
+    return _raw(row, denom, row.new_ones(1), None, 1.0, 0.0, True, True)
 
 
 def _prove_silu_fp32(device: torch.device, start: int = -(1 << 31), stop: int = 1 << 31,
-                     chunk: int = _FP32_CHUNK) -> bool:
-    """The kernel's SiLU equals eager's ``F.silu`` on all 2^32 fp32 bit patterns (NaNs with their payloads,
-    infinities, subnormals), both ways the kernel runs (`_silu_mismatches` on rows of 2^24 values). 256 steps of a few
-    kernels each (64 MiB tensors), the mismatches counted on the GPU and read once at the end (one synchronisation).
-    `start`, `stop` (int32 bit patterns) and `chunk` (a multiple of 4) are the tests' way to run a part of it."""
-    bad = torch.zeros((), dtype=torch.int64, device=device)
-    for first in range(start, stop, chunk):
-        bad += _silu_mismatches(
-            torch.arange(first, min(first + chunk, stop), dtype=torch.int32, device=device).view(torch.float32))
-    return int(bad) == 0
+                     chunk: int = FP32_CHUNK) -> bool:
+    """The kernel's SiLU equals eager's ``F.silu`` on all 2^32 fp32 bit patterns, both ways the kernel runs
+    (`_unary_proof.prove_fp32`; `start`, `stop` and `chunk` the tests' way to run a part of it)."""
+    return prove_fp32(device, _silu_probe, F.silu, start, stop, chunk)
 
 
 def _prove_silu(norm, x: torch.Tensor) -> bool:
-    """The kernel's SiLU equals eager's on every value of the dtype, both ways it runs (`_silu_mismatches` on the 65536
-    bf16 / fp16 values as one row); fp32's 2^32 values by `_prove_silu_fp32`."""
-    if x.dtype == torch.float32:  # (once per device: each fp32 signature would otherwise run it again)
-        if x.device not in _FP32_PROVEN:
-            if not _prove_silu_fp32(x.device):
-                return False
-            _FP32_PROVEN.add(x.device)
-        return True
-    return int(_silu_mismatches(every_value(x.dtype, x.device).flatten())) == 0
+    """The kernel's SiLU equals eager's on every value of the dtype, both ways it runs (`_unary_proof`: the 65536
+    bf16 / fp16 values as one row; fp32's 2^32 values by `_prove_silu_fp32`, once per device)."""
+    return prove_every_value(x, _silu_probe, F.silu, _FP32_PROVEN, x.device, _prove_silu_fp32)
 
 
 @torch.library.custom_op("diffusers_fastpath::channel_rmsnorm", mutates_args=())

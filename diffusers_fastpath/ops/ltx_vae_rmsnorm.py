@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import LazyLauncher
-from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site
+from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, tensor_reason
 
 _VEC_BYTES = 16
 _THREADS, _BLOCKS_PER_SM = 256, 8  # csrc/ltx_vae_rmsnorm.cu's kThreads, kBlocksPerSm
@@ -63,12 +63,9 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
         return "norm with weight or bias"
     if not isinstance(getattr(norm, "eps", None), float):
         return "eps not a python float"
-    if not isinstance(x, torch.Tensor):
-        return "input not a tensor"
-    if x.dtype not in HALF_DTYPES:
-        return f"dtype {str(x.dtype).removeprefix('torch.')}"
-    if x.dim() < 3:
-        return "x not [B, *, C]"
+    reason = tensor_reason(x, HALF_DTYPES, 3, "[B, *, C]")
+    if reason is not None:
+        return reason
     strides = channel_strides(x.movedim(-1, 1))
     if strides is None:
         return "x not the channel-last view of channel-first memory"
