@@ -58,11 +58,12 @@ def demote_unrecorded(model: nn.Module) -> None:
 
 
 def swap_convs(model: nn.Module, state: PatchState) -> None:
-    """Make every plain ``nn.Conv2d`` / ``nn.Conv3d`` of `model` with a bias its `conv_bias` subclass, with a site."""
+    """Make every plain ``nn.Conv2d`` / ``nn.Conv3d`` of `model` with a bias and zero padding (what `conv_bias` takes:
+    LTX-2's decoder pads by reflection) its `conv_bias` subclass, with a site."""
     state.on_undo(demote_unrecorded, model)  # (first: undone last, after every recorded swap)
     for module in model.modules():
         sub = _SUBCLASSES.get(type(module))
-        if sub is not None and module.bias is not None:
+        if sub is not None and module.bias is not None and module.padding_mode == "zeros":
             state.swap_class(module, sub)
             state.add_site(module, CONV_BIAS.name)
 

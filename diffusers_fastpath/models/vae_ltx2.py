@@ -1,0 +1,66 @@
+"""LTX-2's VAE (diffusers' ``AutoencoderKLLTX2Video``, the video VAE of every LTX-2 pipeline), through exact pieces.
+
+- The norms (``PerChannelRMSNorm``: ``x / sqrt(mean(x**2, dim=1) + eps)``, `diffusers_fastpath.models.vae_ltx2_norm`):
+  a norm whose output goes into the block's SiLU (``norm1 -> nonlinearity`` and ``norm2 -> nonlinearity`` of every
+  ``LTX2VideoResnetBlock3d``, around the optional timestep modulate, which the published config leaves off; the
+  encoder's and decoder's ``norm_out -> conv_act``) runs with it as
+  `diffusers_fastpath.ops.per_channel_rmsnorm_silu` (the block's forward rewritten by the pair rewrite of
+  `diffusers_fastpath.models.vae`: the statement pair becomes one call, which takes the fused op only where the norm
+  carries this package's site, the activation is exactly ``nn.SiLU`` and neither has hooks); every other such norm
+  becomes `FastpathPerChannelRMSNorm`. Both keep aten's square and mean and fuse the tail.
+- The convolutions' biases (`diffusers_fastpath.models.vae_conv`): every plain ``nn.Conv3d`` with a bias and zero
+  padding (the causal convolutions' ``conv`` in the encoder, the shortcuts) becomes `FastpathConv3d`.
+
+Being the modules' own forwards (or the pair's call in the block's forward), these run inside the module calls, so
+hooks run as before. ``PerChannelRMSNorm.forward`` is checked by source digest at patch time; where it is not the form
+read here, the norms are left as they are, with one warning. Tiling and slicing call the same modules on smaller
+tensors: the same sites, each checked per call by its guard.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.autoencoders import autoencoder_kl_ltx2 as ltx2
+from torch import nn
+
+from .._state import PatchState, register_adapter
+from ..ops.per_channel_rmsnorm import PER_CHANNEL_RMSNORM, PER_CHANNEL_RMSNORM_SILU, per_channel_rmsnorm_silu
+from ..quality import hooked
+from .vae import PairBlock, PairCalls, swap_pair_blocks
+from .vae_conv import swap_convs
+from .vae_ltx2_norm import FastpathPerChannelRMSNorm, norm_fits
+
+PAIR_SITE = PER_CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module
+
+
+def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
+    """Why ``act(norm(x))`` cannot run as `per_channel_rmsnorm_silu` (without calling either module), or ``None``."""
+    if type(norm) is not ltx2.PerChannelRMSNorm:
+        return f"{type(norm).__name__} is not a checked PerChannelRMSNorm"
+    if type(act) is not nn.SiLU:
+        return f"{type(act).__name__} is not nn.SiLU"
+    if hooked(norm) or hooked(act):  # (global module hooks included)
+        return "hooks"
+    return None
+
+
+PAIRS = PairCalls("_diffusers_fastpath_vae_ltx2", PAIR_SITE, pair_unfit, per_channel_rmsnorm_silu)
+
+# Made at import, so that a pickled patched model finds the subclasses here by name.
+BLOCKS = tuple(
+    PairBlock(base, f"Fastpath{base.__name__}", __name__, (act,), PAIRS)
+    for base, act in ((ltx2.LTX2VideoResnetBlock3d, "nonlinearity"), (ltx2.LTX2VideoEncoder3d, "conv_act"),
+                      (ltx2.LTX2VideoDecoder3d, "conv_act"))
+)
+
+
+@register_adapter(ltx2.AutoencoderKLLTX2Video)
+def patch_ltx2_vae(model, state: PatchState) -> None:
+    """Fuse the norms (and their SiLUs) and the convolutions' bias adds (see module doc)."""
+    if norm_fits():
+        paired = swap_pair_blocks(model, state, BLOCKS,
+                                  lambda norm, act: type(norm) is ltx2.PerChannelRMSNorm and type(act) is nn.SiLU)
+        for module in model.modules():
+            if type(module) is ltx2.PerChannelRMSNorm and id(module) not in paired:
+                state.swap_class(module, FastpathPerChannelRMSNorm)
+                state.add_site(module, PER_CHANNEL_RMSNORM.name)
+    swap_convs(model, state)
