@@ -976,12 +976,19 @@ at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
 
 // A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
 // stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
-// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last.
+// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last. Its
+// border zeros, or in time the first and last frames repeated (replicate_t: some frame needed) and in space F.pad's
+// reflection (reflect_hw: each spatial padding below its axis' size, as reflection_pad3d requires).
 at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding,
-                      bool channels_last) {
+                      bool channels_last, bool replicate_t, bool reflect_hw) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 5 && (x.size(4) <= 1 || x.stride(4) == 1) && padding.size() == 6,
               "causal_pad: x must be a CUDA [B, C, T, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
   for (const int64_t p : padding) TORCH_CHECK(p >= 0, "causal_pad: padding must be non-negative");
+  TORCH_CHECK(!reflect_hw || (padding[0] < x.size(4) && padding[1] < x.size(4) && padding[2] < x.size(3) &&
+                              padding[3] < x.size(3)),
+              "causal_pad: a reflected padding must be below the size of its dimension");
+  TORCH_CHECK(!replicate_t || x.size(2) > 0 || (cache.has_value() && cache->size(2) > 0),
+              "causal_pad: repeated frames need a frame to repeat");
   CausalPadArgs args;
   args.dtype = to_dtype_or_float(x);
   const int64_t cache_frames = cache.has_value() ? cache->size(2) : 0;
@@ -1023,6 +1030,8 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
   args.cache_stride_t = cache.has_value() ? cache->stride(2) : 0;
   args.cache_stride_h = cache.has_value() ? cache->stride(3) : 0;
   args.channels_last = channels_last;
+  args.replicate_t = replicate_t;
+  args.reflect_hw = reflect_hw;
   const cudaError_t err = launch_causal_pad(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "causal_pad: kernel launch failed: ", cudaGetErrorString(err));
   return out;
@@ -1278,7 +1287,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
   m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
   m.def("_conv_bias_contiguous_cuda(Tensor x, Tensor bias) -> Tensor");
-  m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding, bool channels_last=False) -> Tensor");
+  m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding, bool channels_last=False, bool replicate_t=False, "
+        "bool reflect_hw=False) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
       "Tensor");

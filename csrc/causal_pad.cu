@@ -15,6 +15,18 @@
 // its engines on channels-last tensors, reads the buffer as it is instead of transposing it first (its nchwToNhwc
 // pass). The copy transposes: each block moves a kTile x kTile tile of (c, w) of one output row (b, t, h) through
 // shared memory, reading along w (the source's unit stride) and writing along c (the output's).
+//
+// Two other borders, for LTX-Video's and LTX-2's causal convolutions (diffusers' LTXVideoCausalConv3d,
+// LTX2VideoCausalConv3d; ops/ltx_causal_conv.py), each a flag of the arguments:
+//   replicate_t  the frames before the first are the first frame and those after the last the last frame (eager's
+//                x[:, :, :1].repeat(...) and x[:, :, -1:].repeat(...) concatenated around x): the source frame is
+//                st clamped to [0, cache_frames + frames - 1];
+//   reflect_hw   the rows and columns of the border are F.pad(mode="reflect")'s (reflection_pad3d): the source of
+//                position i of an axis of n is -i for i < 0 and 2 (n - 1) - i for i >= n (each padding below n,
+//                which eager's F.pad requires and bindings.cpp checks), so no element of the border is a zero.
+// Still each output element is one source element, copied as its bits: the values only move. The kernels read these
+// flags only in their kModes instantiation; the zero-border one (kModes false: Wan's and Qwen-Image's) is the code it
+// was before the flags came.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -26,7 +38,15 @@ constexpr int kMaxRowBlocks = 65535;  // grid.y: min(rows, kMaxRowBlocks); grid.
 constexpr int kTile = 32;             // channels-last: a tile of 32 channels x 32 columns, 32 x 8 threads
 constexpr int kTileRows = 8;
 
-template <typename T>
+// F.pad(mode="reflect")'s source of position i of an axis of n positions (the padding below n)
+__device__ __forceinline__ int64_t reflect_index(int64_t i, int64_t n) {
+  return i < 0 ? -i : (i >= n ? 2 * (n - 1) - i : i);
+}
+
+// the repeated first and last frames: the source frame of output frame st (counted from the first source frame) of n
+__device__ __forceinline__ int64_t clamp_frame(int64_t st, int64_t n) { return st < 0 ? 0 : (st >= n ? n - 1 : st); }
+
+template <typename T, bool kModes>
 __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArgs a) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
@@ -37,8 +57,14 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
   const T* x = static_cast<const T*>(a.x);
   const T* cache = static_cast<const T*>(a.cache);
   T* out = static_cast<T*>(a.out);
-  const int64_t sw = w - a.pad_w0;
-  const bool inside_w = sw >= 0 && sw < a.width;
+  int64_t sw = w - a.pad_w0;
+  bool inside_w = sw >= 0 && sw < a.width;
+  if constexpr (kModes) {
+    if (a.reflect_hw) {
+      sw = reflect_index(sw, a.width);
+      inside_w = true;
+    }
+  }
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     int64_t rest = r;
     const int64_t h = rest % out_h;
@@ -47,8 +73,12 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
     rest /= out_t;
     const int64_t c = rest % a.channels;
     const int64_t b = rest / a.channels;
-    const int64_t sh = h - a.pad_h0;
-    const int64_t st = t - a.pad_t0;
+    int64_t sh = h - a.pad_h0;
+    int64_t st = t - a.pad_t0;
+    if constexpr (kModes) {
+      if (a.reflect_hw) sh = reflect_index(sh, a.height);
+      if (a.replicate_t) st = clamp_frame(st, a.cache_frames + a.frames);
+    }
     T v = Storage<T>::store(0.0f);
     if (inside_w && sh >= 0 && sh < a.height && st >= 0) {
       if (st < a.cache_frames) {
@@ -64,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
 // channels_last: grid (ceil(Wp / kTile), min(ceil(C / kTile), kMaxRowBlocks), min(B * Tp * Hp, kMaxRowBlocks)), block
 // (kTile, kTileRows); the channel tiles in turn over grid.y and the output rows (b, t, h) over grid.z, each with a grid
 // stride (grid.y and grid.z are at most 65535: more than 2M channels take several tiles per block).
-template <typename T>
+template <typename T, bool kModes>
 __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
   using W = typename Word<sizeof(T)>::type;  // the values are copied as their bits
   __shared__ W tile[kTile][kTile + 1];        // [channel][column], padded against bank conflicts
@@ -78,8 +108,14 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
   const W* cache = static_cast<const W*>(a.cache);
   W* out = static_cast<W*>(a.out);
   const int64_t w_read = w0 + threadIdx.x;  // the column this thread reads (along the source's unit stride)
-  const int64_t sw = w_read - a.pad_w0;
-  const bool inside_w = w_read < out_w && sw >= 0 && sw < a.width;
+  int64_t sw = w_read - a.pad_w0;
+  bool inside_w = w_read < out_w && sw >= 0 && sw < a.width;
+  if constexpr (kModes) {
+    if (a.reflect_hw) {
+      sw = reflect_index(sw, a.width);
+      inside_w = w_read < out_w;
+    }
+  }
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile; c0 < a.channels;
        c0 += static_cast<int64_t>(gridDim.y) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
     const int64_t c_write = c0 + threadIdx.x;  // the channel this thread writes (along the output's unit stride)
@@ -87,8 +123,12 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
       const int64_t h = r % out_h;
       const int64_t t = (r / out_h) % out_t;
       const int64_t b = r / (out_h * out_t);
-      const int64_t sh = h - a.pad_h0;
-      const int64_t st = t - a.pad_t0;
+      int64_t sh = h - a.pad_h0;
+      int64_t st = t - a.pad_t0;
+      if constexpr (kModes) {
+        if (a.reflect_hw) sh = reflect_index(sh, a.height);
+        if (a.replicate_t) st = clamp_frame(st, a.cache_frames + a.frames);
+      }
       const W* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
       int64_t stride_c = 0;
       if (sh >= 0 && sh < a.height && st >= 0) {
@@ -104,7 +144,7 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
           base,
           [&](unsigned i) -> W {
             const int64_t c = c0 + i;
-            // +0.0 (as F.pad writes) on the border
+            // +0.0 (as F.pad writes) on the border (a zero border: the reflected and repeated ones have a source)
             return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : W(0);
           },
           [&](unsigned i, W v) {
@@ -116,7 +156,7 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
-template <typename T>
+template <typename T, bool kModes>
 cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
   const int64_t planes = a.batch * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) * (a.height + a.pad_h0 + a.pad_h1);
@@ -128,12 +168,12 @@ cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((out_w + kTile - 1) / kTile),
                     static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
                     static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
-    causal_pad_cl_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+    causal_pad_cl_kernel<T, kModes><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
     return cudaGetLastError();
   }
   const dim3 grid(static_cast<unsigned>((out_w + kThreads - 1) / kThreads),
                   static_cast<unsigned>(rows < kMaxRowBlocks ? rows : kMaxRowBlocks));
-  causal_pad_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+  causal_pad_kernel<T, kModes><<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__
@@ -142,7 +182,11 @@ cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream) {
-  return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_or_float(args.dtype, [&](auto tag) {
+    // (the zero border alone: the instantiation that does not read the mode flags)
+    return args.replicate_t || args.reflect_hw ? launch<decltype(tag), true>(args, stream)
+                                               : launch<decltype(tag), false>(args, stream);
+  });
 }
 #endif
 

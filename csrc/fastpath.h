@@ -448,7 +448,8 @@ cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream);
 #endif
 
 // A causal convolution's padded input (causal_pad.cu): out a [batch, channels, pad_t0 + cache_frames + frames +
-// pad_t1, pad_h0 + height + pad_h1, pad_w0 + width + pad_w1] holding the cache frames, then x's, inside a zero border,
+// pad_t1, pad_h0 + height + pad_h1, pad_w0 + width + pad_w1] holding the cache frames, then x's, inside a zero border
+// (or the first and last frames repeated in time, replicate_t, and the rows and columns reflected, reflect_hw),
 // contiguous or channels-last; x and cache with unit width stride (their other strides in elements).
 struct CausalPadArgs {
   void* out;
@@ -476,6 +477,8 @@ struct CausalPadArgs {
   int64_t cache_stride_h;
   DType dtype;
   bool channels_last;   // out laid out [batch, T', H', W', channels] (channels_last_3d) instead of contiguous
+  bool replicate_t;     // the time border: the first (last) source frame repeated, not zeros (LTX's forwards)
+  bool reflect_hw;      // the spatial border: F.pad(mode="reflect")'s (each padding below its axis' size), not zeros
 };
 
 #ifndef __CUDACC_RTC__

@@ -50,6 +50,11 @@ CASES = {
                                       "mean must be a contiguous [B, 1, S] tensor of x's dtype"),
     "per-channel-rmsnorm-probe-silu": ("_per_channel_rmsnorm_cuda", [(1, 1, 64), (1, 64), 1e-8, True, 1],
                                        "probe must be 0, 1 or 2"),
+    # (None and a list passed as they are: the optional cache, the padding)
+    "causal-pad-reflect-too-wide": ("_causal_pad_cuda", [(1, 4, 3, 2, 5), None, [1, 1, 2, 2, 1, 1], True, True, True],
+                                    "below the size of its dimension"),
+    "causal-pad-nothing-to-repeat": ("_causal_pad_cuda", [(1, 4, 0, 2, 5), None, [0, 0, 0, 0, 2, 0], False, True,
+                                                          False], "need a frame to repeat"),
 }
 
 SCRIPT = """
@@ -57,7 +62,7 @@ import sys, torch
 from diffusers_fastpath.ops._build import load_extension
 assert load_extension() == "nvcc"
 def arg(a):
-    if isinstance(a, (int, float)):
+    if a is None or isinstance(a, (int, float, list)):
         return a
     if isinstance(a, str):
         return torch.randn(*map(int, a[4:].split(",")), device="cuda")

@@ -743,7 +743,7 @@ def test_causal_pad_nvrtc_launch_arguments(monkeypatch):
     assert out.shape == (2, 6, 5, 11, 302) and out.is_contiguous() and key == torch.bfloat16
     assert grid == (2, 2 * 6 * 5 * 11, 1) and block == (256, 1, 1)
     assert args == [out.data_ptr(), x.data_ptr(), cache.data_ptr(), 2, 6, 3, 9, 300, 1, 1, 0, 1, 1, 1, 1,
-                    *x.stride()[:4], *cache.stride()[:4], 1, False]
+                    *x.stride()[:4], *cache.stride()[:4], 1, False, False, False]
     causal_conv_pad._nvrtc_kernel(x.half(), None, [0, 0, 0, 0, 2, 0])
     (_, key, grid, _, *args) = launches[-1]
     assert key == torch.float16 and grid == (2, 2 * 6 * 5 * 9, 1) and args[2] == 0 and args[8:11] == [0, 2, 0]
@@ -755,7 +755,7 @@ def test_causal_pad_nvrtc_launch_arguments(monkeypatch):
     out = causal_conv_pad._nvrtc_kernel(x, cache, [1, 1, 1, 1, 2, 0], True)
     (_, key, grid, block, *args), = tiled
     assert out.shape == (2, 6, 5, 11, 302) and out.is_contiguous(memory_format=torch.channels_last_3d)
-    assert grid == (10, 1, 2 * 5 * 11) and block == (32, 8, 1) and args[-1] is True and args[:3] == [
+    assert grid == (10, 1, 2 * 5 * 11) and block == (32, 8, 1) and args[-3:] == [True, False, False] and args[:3] == [
         out.data_ptr(), x.data_ptr(), cache.data_ptr()]
 
 

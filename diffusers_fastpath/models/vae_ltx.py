@@ -31,6 +31,7 @@ from .._source import body_digest
 from .._state import SITE_ATTR, PatchState, register_adapter
 from ..ops.ltx_vae_rmsnorm import LTX_RMSNORM, add_norm_class, ltx_rmsnorm
 from .vae_conv import swap_convs
+from .vae_ltx_conv import swap_ltx_causal_convs
 
 # diffusers 0.42.1's RMSNorm.forward (`_source.body_digest`: the body, without docstring and formatting): the
 # ``x.to(float32).pow(2).mean(-1)`` reduction, ``x * rsqrt(v + eps)`` and, without weight, ``.to(input_dtype)``
@@ -61,6 +62,7 @@ def norm_fits() -> bool:
 def patch_ltx_vae(model, state: PatchState) -> None:
     """Run the VAE's weightless RMS norms as `ltx_rmsnorm` (see module doc)."""
     swap_convs(model, state)  # (the causal convolutions' ``conv``: their biases)
+    swap_ltx_causal_convs(model, state)  # (the causal convolutions: their padded input, channels-last)
     if not norm_fits():
         return
     for module in model.modules():

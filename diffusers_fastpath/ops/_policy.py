@@ -45,11 +45,12 @@ from .._logging import logger, warn_once
 from ._build import KernelsUnavailable
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # the storage dtypes the fused kernels take
-# and the VAEs' copies, convolution bias adds and channel norms (conv_bias, causal_conv3d's buffer, upsample_nearest2x,
-# channel_rmsnorm(_silu), LTX-2's per_channel_rmsnorm(_silu)), which an fp32 VAE (as Wan's model card loads it) runs
-# too: copies, one fp32 add, the norms' fp32 tails (their SiLU, and LTX-2's sqrt, proven on every fp32 value)
+# and the VAEs' copies, convolution bias adds and channel norms (conv_bias, causal_conv3d's and ltx_causal_conv3d's
+# buffers, upsample_nearest2x, channel_rmsnorm(_silu), LTX-2's per_channel_rmsnorm(_silu)), which an fp32 VAE (as Wan's
+# model card loads it) runs too: copies, one fp32 add, the norms' fp32 tails (their SiLU, and LTX-2's sqrt, proven on
+# every fp32 value)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "upsample_nearest2x", "channel_rmsnorm",
+FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "ltx_causal_conv3d", "upsample_nearest2x", "channel_rmsnorm",
                       "channel_rmsnorm_silu", "per_channel_rmsnorm", "per_channel_rmsnorm_silu"})  # the ops that do
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import _nvrtc
@@ -149,44 +150,65 @@ def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None 
     return _launch(x, cache_x, list(conv._padding), channels_last)
 
 
-def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int],
-                   channels_last: bool = False) -> torch.Tensor:
-    """What ``csrc/causal_pad.cu`` writes, in torch (the tests' emulation of the kernel): a buffer whose border is
-    zero and whose inside holds the cache frames, then x's; contiguous, or channels-last (``channels_last_3d``)."""
+def _source_index(size: int, before: int, after: int, mode: str) -> torch.Tensor:
+    """Per position of a padded axis, the source position the kernel reads (``size``: none, a zero): inside, its
+    own; on the border ``size`` (zeros), the nearest end ("clamp": the repeated first and last frames), or F.pad's
+    reflection ("reflect": -i from i, size - 1 + i from size - 1 - i)."""
+    i = torch.arange(-before, size + after)
+    if mode == "clamp":
+        return i.clamp(0, size - 1)
+    if mode == "reflect":
+        return torch.where(i < 0, -i, torch.where(i >= size, 2 * (size - 1) - i, i))
+    return torch.where((i >= 0) & (i < size), i, size)
+
+
+def pad_arithmetic(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
+                   replicate_t: bool = False, reflect_hw: bool = False) -> torch.Tensor:
+    """What ``csrc/causal_pad.cu`` writes, in torch (the tests' emulation of the kernel): the cache frames, then x's,
+    each output element gathered from the source position the kernel computes for it (`_source_index`), a zero on a
+    zero border (the source with a zero appended on each axis); contiguous, or channels-last (``channels_last_3d``).
+    The border is zeros, or in time the first and last frames (`replicate_t`), in space F.pad's reflection
+    (`reflect_hw`)."""
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
-    ct = 0 if cache_x is None else cache_x.shape[2]
-    pt0 -= ct
-    batch, channels, frames, height, width = x.shape
-    out = x.new_zeros(batch, channels, pt0 + ct + frames + pt1, height + ph0 + ph1, width + pw0 + pw1)
-    rows, cols = slice(ph0, ph0 + height), slice(pw0, pw0 + width)
-    if ct:
-        out[:, :, pt0:pt0 + ct, rows, cols] = cache_x
-    out[:, :, pt0 + ct:pt0 + ct + frames, rows, cols] = x
-    return out.contiguous(memory_format=torch.channels_last_3d) if channels_last else out
+    source = x if cache_x is None else torch.cat([cache_x, x], dim=2)
+    frames, height, width = source.shape[2:]
+    out = F.pad(source, (0, 1, 0, 1, 0, 1))  # (+0.0 at index size of each axis, as the kernel writes on the border)
+    for dim, index in ((2, _source_index(frames, pt0 - (frames - x.shape[2]), pt1, "clamp" if replicate_t else "")),
+                       (3, _source_index(height, ph0, ph1, "reflect" if reflect_hw else "")),
+                       (4, _source_index(width, pw0, pw1, "reflect" if reflect_hw else ""))):
+        out = out.index_select(dim, index)
+    return out.contiguous(memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format)
 
 
 # The NVRTC way: csrc/causal_pad.cu's kernels, launched as its launch() and bindings.cpp's causal_pad do. Duplicated
 # from there: kThreads 256, kMaxRowBlocks 65535, kTile 32, kTileRows 8 (tests/test_vae_wan.py reads them from the .cu),
-# the CausalPadArgs fields (fastpath.h) and the output allocation; the guard stands for bindings.cpp's checks.
+# the CausalPadArgs fields (fastpath.h), the instantiation that reads the mode flags where one is set, and the output
+# allocation; the guard stands for bindings.cpp's checks.
 _ARGS = _nvrtc.Params("CausalPadArgs", ("out", "P"), ("x", "P"), ("cache", "P"), ("batch", "q"), ("channels", "q"),
                       ("frames", "q"), ("height", "q"), ("width", "q"), ("cache_frames", "q"), ("pad_t0", "q"),
                       ("pad_t1", "q"), ("pad_h0", "q"), ("pad_h1", "q"), ("pad_w0", "q"), ("pad_w1", "q"),
                       ("x_stride_b", "q"), ("x_stride_c", "q"), ("x_stride_t", "q"), ("x_stride_h", "q"),
                       ("cache_stride_b", "q"), ("cache_stride_c", "q"), ("cache_stride_t", "q"),
-                      ("cache_stride_h", "q"), ("dtype", "i"), ("channels_last", "?"))
-_NVRTC = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_kernel",
-                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
-                       _nvrtc.Params("causal_pad_kernel", ("a", _ARGS)))
-_NVRTC_CL = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_cl_kernel",
-                          {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
-                          _nvrtc.Params("causal_pad_cl_kernel", ("a", _ARGS)))
+                      ("cache_stride_h", "q"), ("dtype", "i"), ("channels_last", "?"), ("replicate_t", "?"),
+                      ("reflect_hw", "?"))
+
+
+def _kernel_of(name: str, modes: bool) -> _nvrtc.Kernel:
+    """The instantiations of `name` per dtype: kModes false (the zero border: Wan's) or true (the mode flags read)."""
+    return _nvrtc.Kernel("causal_pad.cu", f"diffusers_fastpath::{name}",
+                         {dtype: f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(modes).lower()}" for dtype in FLOAT_DTYPES},
+                         _nvrtc.Params(name, ("a", _ARGS)))
+
+
+_NVRTC, _NVRTC_MODES = (_kernel_of("causal_pad_kernel", modes) for modes in (False, True))
+_NVRTC_CL, _NVRTC_CL_MODES = (_kernel_of("causal_pad_cl_kernel", modes) for modes in (False, True))
 _THREADS = 256
 _MAX_ROW_BLOCKS = 65535
 _TILE, _TILE_ROWS = 32, 8
 
 
-def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int],
-                  channels_last: bool = False) -> torch.Tensor:
+def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
+                  replicate_t: bool = False, reflect_hw: bool = False) -> torch.Tensor:
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
     ct = 0 if cache_x is None else cache_x.shape[2]
     batch, channels, frames, height, width = x.shape
@@ -195,23 +217,26 @@ def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[i
                       device=x.device, memory_format=fmt)
     if out.numel():
         planes = out.shape[0] * out.shape[2] * out.shape[3]
+        modes = replicate_t or reflect_hw
         if channels_last:
-            kernel, block = _NVRTC_CL, (_TILE, _TILE_ROWS, 1)
+            kernel, block = _NVRTC_CL_MODES if modes else _NVRTC_CL, (_TILE, _TILE_ROWS, 1)
             grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
                     min(planes, _MAX_ROW_BLOCKS))
         else:
-            kernel, block = _NVRTC, (_THREADS, 1, 1)
+            kernel, block = _NVRTC_MODES if modes else _NVRTC, (_THREADS, 1, 1)
             grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)
         cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
         kernel.launch(x.device.index, x.dtype, grid, block, out.data_ptr(), x.data_ptr(), cache_ptr,
                       batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0, ph1, pw0, pw1,
-                      *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype], channels_last)
+                      *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype], channels_last, replicate_t,
+                      reflect_hw)
     return out
 
 
-def _raw_guard(x, cache_x, padding, channels_last=False):
+def _raw_guard(x, cache_x, padding, channels_last=False, replicate_t=False, reflect_hw=False):
     # bindings.cpp's checks: CUDA [B, C, T, H, W] of fp16 / bf16 / fp32 with unit W stride, a like cache of at most
-    # the time padding's frames, six non-negative paddings
+    # the time padding's frames, six non-negative paddings; reflected ones below their dimension's size, a frame to
+    # repeat
     def fits(t):
         return t.dim() == 5 and t.dtype in FLOAT_DTYPES and t.is_cuda and (t.shape[4] <= 1 or t.stride(4) == 1)
 
@@ -220,11 +245,15 @@ def _raw_guard(x, cache_x, padding, channels_last=False):
     if cache_x is not None and not (fits(cache_x) and cache_x.dtype == x.dtype and cache_x.shape[2] <= padding[4]
                                     and cache_x.shape[:2] == x.shape[:2] and cache_x.shape[3:] == x.shape[3:]):
         return "cache shape, dtype or layout"
+    if reflect_hw and not (max(padding[:2]) < x.shape[4] and max(padding[2:4]) < x.shape[3]):
+        return "a reflected padding not below its dimension's size"
+    if replicate_t and x.shape[2] == 0 and (cache_x is None or cache_x.shape[2] == 0):
+        return "no frame to repeat"
     return None
 
 
-_nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding, bool channels_last=False) -> Tensor",
-              _raw_guard, _nvrtc_kernel)
+_nvrtc.raw_op("_causal_pad_cuda", "(Tensor x, Tensor? cache, int[] padding, bool channels_last=False, "
+              "bool replicate_t=False, bool reflect_hw=False) -> Tensor", _raw_guard, _nvrtc_kernel)
 
 _launch = LazyLauncher(_nvrtc_kernel, "_causal_pad_cuda")
 
