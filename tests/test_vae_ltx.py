@@ -21,7 +21,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae_ltx
 from diffusers_fastpath.ops._policy import Site
 from diffusers_fastpath.testing._common import randomize_
-from diffusers_fastpath.testing.checks import state_dict_round_trip
+from diffusers_fastpath.testing.checks import ltx_vae_sites, state_dict_round_trip
 
 ltx_norm = importlib.import_module("diffusers_fastpath.ops.ltx_vae_rmsnorm")  # (ops binds the names to the ops)
 
@@ -77,12 +77,7 @@ def _norms(vae) -> int:
 
 
 def _sites(vae) -> list:
-    """The report's sites, less the ``conv_bias`` site of each causal convolution's ``.conv`` whose
-    ``ltx_causal_conv3d`` ran fast and which fell back nowhere: the channels-last path adds the bias itself, so that
-    site counts only the calls of the first-call checks (the module's forward) and of the channels-first path."""
-    rows = fp.report(vae).sites
-    fast = {r.site for r in rows if r.op == "ltx_causal_conv3d" and r.fast}
-    return [r for r in rows if not (r.op == "conv_bias" and r.site.rsplit(".", 1)[0] in fast and not r.fallback)]
+    return ltx_vae_sites(fp.report(vae))
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

@@ -1,8 +1,12 @@
 """LTX-Video's VAE (diffusers' ``AutoencoderKLLTXVideo``: LTX-Video 0.9.0 to 0.9.8, the timestep-conditioned decoders
 of 0.9.1+ included), through one exact piece.
 
-- The convolutions' biases: every ``LTXVideoCausalConv3d``'s ``conv`` (an ``nn.Conv3d``) becomes `FastpathConv3d`
-  (`diffusers_fastpath.models.vae_conv`: one vectorised pass for the bias, exact by construction).
+- The causal convolutions (``LTXVideoCausalConv3d``: the first frame repeated by ``repeat`` and
+  ``torch.concatenate``, then the ``nn.Conv3d``) run as `diffusers_fastpath.ops.ltx_causal_conv3d`
+  (`diffusers_fastpath.models.vae_ltx_conv`): the padded input written channels-last in one pass, cuDNN's
+  convolution, the bias and the transpose back in one pass (checked per convolution signature). Their ``conv`` (an
+  ``nn.Conv3d``) becomes `FastpathConv3d` (`diffusers_fastpath.models.vae_conv`: one vectorised pass for the bias,
+  exact by construction), which the channels-first path (fp32, a refused call) runs.
 - The norms: every diffusers ``RMSNorm`` of the VAE without weight (``norm1`` and ``norm2`` of each
   ``LTXVideoResnetBlock3d``, the encoder's and the decoder's ``norm_out``: each called on the channel-last view
   ``x.movedim(1, -1)`` of a channel-first activation) becomes `FastpathLTXRMSNorm`, whose forward is
@@ -15,10 +19,9 @@ of 0.9.1+ included), through one exact piece.
 is not the form read here, the VAE is left as it is, with one warning. Tiling and slicing (``enable_tiling``,
 ``enable_slicing``) call the same modules on smaller tensors: the same sites, each checked per call by the guard.
 
-Not fused (yet): the timestep-conditioned ``x * (1 + scale) + shift`` and the SiLU after each norm (two statements
-of ``LTXVideoResnetBlock3d.forward`` apart from the norm call, with an ``if`` between), and the causal
-convolutions' first-frame padding (``torch.concatenate``), whose one-buffer form would save only the repeated
-frames' copy unless the norm's kernel wrote into the padded buffer.
+Not fused (yet): the timestep-conditioned ``x * (1 + scale) + shift`` and the SiLU after each norm (the norm is
+called on ``x.movedim(1, -1)`` and moved back, not the ``V = self.norm(V)`` statement the pair rewrite of
+`diffusers_fastpath.models.vae` takes, as LTX-2's VAE's is).
 """
 
 from __future__ import annotations

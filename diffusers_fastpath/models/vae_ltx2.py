@@ -8,8 +8,13 @@
   `diffusers_fastpath.models.vae`: the statement pair becomes one call, which takes the fused op only where the norm
   carries this package's site, the activation is exactly ``nn.SiLU`` and neither has hooks); every other such norm
   becomes `FastpathPerChannelRMSNorm`. Both keep aten's square and mean and fuse the tail.
+- The causal convolutions (``LTX2VideoCausalConv3d``: the first frame repeated in time by ``repeat`` and
+  ``torch.concatenate``, then the ``nn.Conv3d``, which in the decoder pads by reflection) run as
+  `diffusers_fastpath.ops.ltx_causal_conv3d` (`diffusers_fastpath.models.vae_ltx_conv`): the padded input written
+  channels-last in one pass, cuDNN's convolution as eager asks it, the bias and the transpose back in one pass.
 - The convolutions' biases (`diffusers_fastpath.models.vae_conv`): every plain ``nn.Conv3d`` with a bias and zero
-  padding (the causal convolutions' ``conv`` in the encoder, the shortcuts) becomes `FastpathConv3d`.
+  padding (the shortcuts, and the encoder's causal convolutions' ``conv``, for the channels-first path) becomes
+  `FastpathConv3d`.
 
 Being the modules' own forwards (or the pair's call in the block's forward), these run inside the module calls, so
 hooks run as before. ``PerChannelRMSNorm.forward`` is checked by source digest at patch time; where it is not the form
@@ -27,6 +32,7 @@ from ..ops.per_channel_rmsnorm import PER_CHANNEL_RMSNORM, PER_CHANNEL_RMSNORM_S
 from ..quality import hooked
 from .vae import PairBlock, PairCalls, swap_pair_blocks
 from .vae_conv import swap_convs
+from .vae_ltx_conv import swap_ltx_causal_convs
 from .vae_ltx2_norm import FastpathPerChannelRMSNorm, norm_fits
 
 PAIR_SITE = PER_CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module
@@ -55,7 +61,7 @@ BLOCKS = tuple(
 
 @register_adapter(ltx2.AutoencoderKLLTX2Video)
 def patch_ltx2_vae(model, state: PatchState) -> None:
-    """Fuse the norms (and their SiLUs) and the convolutions' bias adds (see module doc)."""
+    """Fuse the norms (and their SiLUs), the causal convolutions' padding and the bias adds (see module doc)."""
     if norm_fits():
         paired = swap_pair_blocks(model, state, BLOCKS,
                                   lambda norm, act: type(norm) is ltx2.PerChannelRMSNorm and type(act) is nn.SiLU)
@@ -63,4 +69,5 @@ def patch_ltx2_vae(model, state: PatchState) -> None:
             if type(module) is ltx2.PerChannelRMSNorm and id(module) not in paired:
                 state.swap_class(module, FastpathPerChannelRMSNorm)
                 state.add_site(module, PER_CHANNEL_RMSNORM.name)
+    swap_ltx_causal_convs(model, state)
     swap_convs(model, state)

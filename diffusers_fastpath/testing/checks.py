@@ -31,6 +31,14 @@ def assert_vae_decoded_once_fast(report) -> None:
     assert all(s.fallback == 0 and s.fast == (1 if s.site.startswith(decoding) else 0) for s in sites), str(report)
 
 
+def ltx_vae_sites(report) -> list:
+    """`report`'s sites (an LTX VAE's), less the ``conv_bias`` site of each causal convolution's ``.conv`` whose
+    ``ltx_causal_conv3d`` ran fast and which fell back nowhere: the channels-last path adds the bias itself, so that
+    site counts only the calls of the first-call checks (the module's forward) and of the channels-first path."""
+    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast}
+    return [r for r in report.sites if not (r.op == "conv_bias" and r.site.rsplit(".", 1)[0] in fast and not r.fallback)]
+
+
 def site_ok(site, calls: dict, forwards: int = 1, refused: dict[str, str] | None = None) -> bool:
     """One site of a report took its fast path ``calls[op]`` times (default 1; a tuple: any of those) per forward on
     each of `forwards` forwards, never falling back; or, for an op in `refused`, fell back that often, all for the
