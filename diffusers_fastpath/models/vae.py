@@ -63,15 +63,24 @@ class FastpathGroupNorm(nn.GroupNorm):
 add_plain(FastpathGroupNorm)
 
 
-def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
-    """Why ``act(norm(x))`` cannot run as `group_norm_silu` (without calling either module), or ``None``."""
-    if type(norm) is not nn.GroupNorm:
-        return f"{type(norm).__name__} is not a plain nn.GroupNorm"
-    if type(act) is not nn.SiLU:
-        return f"{type(act).__name__} is not nn.SiLU"
-    if hooked(norm) or hooked(act):  # (global module hooks included)
-        return "hooks"
-    return None
+def silu_pair_unfit(is_norm, what: str):
+    """The ``unfit(norm, act)`` of a `PairCalls` whose fused op takes a norm that ``is_norm(norm)`` accepts (`what`
+    it is, for the reason) and exactly ``nn.SiLU``: why ``act(norm(x))`` cannot run fused (without calling either
+    module), or ``None``."""
+
+    def unfit(norm: nn.Module, act: nn.Module) -> str | None:
+        if not is_norm(norm):
+            return f"{type(norm).__name__} is not {what}"
+        if type(act) is not nn.SiLU:
+            return f"{type(act).__name__} is not nn.SiLU"
+        if hooked(norm) or hooked(act):  # (global module hooks included)
+            return "hooks"
+        return None
+
+    return unfit
+
+
+pair_unfit = silu_pair_unfit(lambda norm: type(norm) is nn.GroupNorm, "a plain nn.GroupNorm")  # (group_norm_silu's)
 
 
 class PairCalls:
@@ -337,10 +346,18 @@ def patch_group_norm_vae(model: nn.Module, state: PatchState, blocks: tuple[Pair
     subclass, with a `group_norm_silu` site on each pair's norm that is a plain ``nn.GroupNorm`` beside an
     ``nn.SiLU``; every other plain ``nn.GroupNorm`` becomes `FastpathGroupNorm` with a `group_norm` site; every plain
     convolution with a bias its `conv_bias` subclass (`vae_conv.swap_convs`)."""
-    paired = swap_pair_blocks(model, state, blocks,
-                              lambda norm, act: type(norm) is nn.GroupNorm and type(act) is nn.SiLU)
-    for module in model.modules():
-        if type(module) is nn.GroupNorm and id(module) not in paired:
-            state.swap_class(module, FastpathGroupNorm)
-            state.add_site(module, GROUP_NORM.name)
+    swap_norms(model, state, blocks, {nn.GroupNorm: FastpathGroupNorm}, GROUP_NORM.name)
     swap_convs(model, state)
+
+
+def swap_norms(model: nn.Module, state: PatchState, blocks: tuple[PairBlock, ...], subs: dict[type, type],
+               site: str) -> None:
+    """Give each pair of `blocks` whose norm is of a class of `subs` (exactly) and whose activation is ``nn.SiLU`` its
+    pair site (`swap_pair_blocks`), and make every other norm of those classes its subclass ``subs[class]``, with a
+    `site` site (the norm op alone)."""
+    paired = swap_pair_blocks(model, state, blocks, lambda norm, act: type(norm) in subs and type(act) is nn.SiLU)
+    for module in model.modules():
+        sub = subs.get(type(module))
+        if sub is not None and id(module) not in paired:
+            state.swap_class(module, sub)
+            state.add_site(module, site)

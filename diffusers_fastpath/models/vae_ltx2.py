@@ -25,12 +25,10 @@ tensors: the same sites, each checked per call by its guard.
 from __future__ import annotations
 
 from diffusers.models.autoencoders import autoencoder_kl_ltx2 as ltx2
-from torch import nn
 
 from .._state import PatchState, register_adapter
 from ..ops.per_channel_rmsnorm import PER_CHANNEL_RMSNORM, PER_CHANNEL_RMSNORM_SILU, per_channel_rmsnorm_silu
-from ..quality import hooked
-from .vae import PairBlock, PairCalls, swap_pair_blocks
+from .vae import PairBlock, PairCalls, silu_pair_unfit, swap_norms
 from .vae_conv import swap_convs
 from .vae_ltx_conv import swap_ltx_causal_convs
 from .vae_ltx2_norm import FastpathPerChannelRMSNorm, norm_fits
@@ -38,17 +36,8 @@ from .vae_ltx2_norm import FastpathPerChannelRMSNorm, norm_fits
 PAIR_SITE = PER_CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module
 
 
-def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
-    """Why ``act(norm(x))`` cannot run as `per_channel_rmsnorm_silu` (without calling either module), or ``None``."""
-    if type(norm) is not ltx2.PerChannelRMSNorm:
-        return f"{type(norm).__name__} is not a checked PerChannelRMSNorm"
-    if type(act) is not nn.SiLU:
-        return f"{type(act).__name__} is not nn.SiLU"
-    if hooked(norm) or hooked(act):  # (global module hooks included)
-        return "hooks"
-    return None
-
-
+# (per_channel_rmsnorm_silu's)
+pair_unfit = silu_pair_unfit(lambda norm: type(norm) is ltx2.PerChannelRMSNorm, "a checked PerChannelRMSNorm")
 PAIRS = PairCalls("_diffusers_fastpath_vae_ltx2", PAIR_SITE, pair_unfit, per_channel_rmsnorm_silu)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
@@ -63,11 +52,6 @@ BLOCKS = tuple(
 def patch_ltx2_vae(model, state: PatchState) -> None:
     """Fuse the norms (and their SiLUs), the causal convolutions' padding and the bias adds (see module doc)."""
     if norm_fits():
-        paired = swap_pair_blocks(model, state, BLOCKS,
-                                  lambda norm, act: type(norm) is ltx2.PerChannelRMSNorm and type(act) is nn.SiLU)
-        for module in model.modules():
-            if type(module) is ltx2.PerChannelRMSNorm and id(module) not in paired:
-                state.swap_class(module, FastpathPerChannelRMSNorm)
-                state.add_site(module, PER_CHANNEL_RMSNORM.name)
+        swap_norms(model, state, BLOCKS, {ltx2.PerChannelRMSNorm: FastpathPerChannelRMSNorm}, PER_CHANNEL_RMSNORM.name)
     swap_ltx_causal_convs(model, state)
     swap_convs(model, state)

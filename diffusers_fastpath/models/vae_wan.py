@@ -50,9 +50,8 @@ from .._source import body_digest
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
-from ..quality import hooked
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class
-from .vae import PairBlock, PairCalls, swap_pair_blocks
+from .vae import PairBlock, PairCalls, silu_pair_unfit, swap_pair_blocks
 from .vae_conv import FastpathConv2d, add_conv_subclass, causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
@@ -113,15 +112,7 @@ class FastpathQwenImage21CausalConv3d(qwen21.QwenImage21CausalConv3d, FastpathCo
 add_conv_subclass(FastpathQwenImage21CausalConv3d, qwen21.QwenImage21CausalConv3d)
 
 
-def pair_unfit(norm: nn.Module, act: nn.Module) -> str | None:
-    """Why ``act(norm(x))`` cannot run as `channel_rmsnorm_silu` (without calling either module), or ``None``."""
-    if type(norm) not in NORMS:
-        return f"{type(norm).__name__} is not a checked channel RMS norm"
-    if type(act) is not nn.SiLU:
-        return f"{type(act).__name__} is not nn.SiLU"
-    if hooked(norm) or hooked(act):  # (global module hooks included)
-        return "hooks"
-    return None
+pair_unfit = silu_pair_unfit(lambda norm: type(norm) in NORMS, "a checked channel RMS norm")  # (channel_rmsnorm_silu's)
 
 
 PAIRS = PairCalls("_diffusers_fastpath_vae_wan", PAIR_SITE, pair_unfit, channel_rmsnorm_silu)
