@@ -174,8 +174,10 @@ def _ltx2_parts(seed: int, cfg):
     from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
-    vae = AutoencoderKLLTX2Video(latent_channels=cfg.in_channels, block_out_channels=(8, 8, 8, 8),
-                                 decoder_block_out_channels=(8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+    # (channels doubling per block as published: a decoder of (8, 8, 8) does not decode, its upsamplers' shuffle
+    # halves the channels the next block expects)
+    vae = AutoencoderKLLTX2Video(latent_channels=cfg.in_channels, block_out_channels=(8, 16, 32, 32),
+                                 decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
                                  decoder_layers_per_block=(1, 1, 1, 1))
     # (its latents mean / std have base_channels entries: = 8 channels x 16 mel bins, as published)
     audio_vae = AutoencoderKLLTX2Audio(base_channels=cfg.audio_in_channels, ch_mult=(1, 1, 1), num_res_blocks=1,
