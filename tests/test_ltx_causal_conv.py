@@ -243,6 +243,20 @@ def test_a_refused_call_runs_diffusers_forward_counted(emulated_kernels, monkeyp
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_ltx2_causal_none_is_non_causal_as_eager(dtype, emulated_kernels):
+    """LTX-2's forward tests ``if causal:``: a ``causal=None`` argument is non-causal there (the first and last frames
+    repeated (k - 1) // 2 times each), not the default ``True`` that an argument-less call of the forward would take
+    (the op's own ``None`` means LTX-Video's ``self.is_causal``); the call runs fast as a non-causal one."""
+    module, x = _module(dtype=dtype), _x(dtype=dtype)
+    ref = _diffusers(module, x, None)
+    assert torch.equal(ref, _diffusers(module, x, False)) and not torch.equal(ref, _diffusers(module, x, True))
+    assert torch.equal(module(x, causal=None), ref) and torch.equal(module(x, None), ref)
+    site = module.__dict__[SITE_ATTR]
+    assert site.fast == 2 and not site.fallback
+
+
+@torch.no_grad()
 def test_a_wrong_input_raises_eagers_error_and_disables_nothing(emulated_kernels):
     module = _module()
     with pytest.raises(RuntimeError):

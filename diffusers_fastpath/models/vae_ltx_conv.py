@@ -48,7 +48,10 @@ class FastpathLTX2VideoCausalConv3d(ltx2.LTX2VideoCausalConv3d):
     state."""
 
     def forward(self, hidden_states, causal=True):
-        return ltx_causal_conv3d(self, hidden_states, causal, self.__dict__.get(SITE_ATTR))
+        # (diffusers' forward tests ``if causal:``, so a ``None`` argument is non-causal; the op's ``None`` means
+        # LTX-Video's ``self.is_causal``, and its fallback would call this forward without the argument: causal)
+        return ltx_causal_conv3d(self, hidden_states, False if causal is None else causal,
+                                 self.__dict__.get(SITE_ATTR))
 
 
 CONVS = {ltx.LTXVideoCausalConv3d: FastpathLTXVideoCausalConv3d,
