@@ -92,7 +92,8 @@ def test_buffer_equals_repeat_concatenate_pad(causal, mode, dtype):
         x = _x((2, 4, 5, 5, 7), dtype)
         x[0, 0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")]).to(dtype)
         bits(x)[1, 1, 0, 1, 1] = {torch.bfloat16: 0x7F81, torch.float16: 0x7C01, torch.float32: 0x7F800123}[dtype]
-        for view in (x, x[:, :, 1:4, :, 1:6], x.contiguous(memory_format=torch.channels_last_3d)):
+        for view in (x, x[:, :, 1:4, :, 1:6], x.contiguous(memory_format=torch.channels_last_3d),
+                     x[:1, :, 2:3, 1:3, 2:4]):  # (the last: one frame of 2 x 2, the least a reflection of 1 takes)
             ref = _eager_buffer(module, view, causal)
             padding, conv_padding, reflect = op._plan(module, causal)
             assert reflect == (mode == "reflect") and conv_padding == ((0, 0, 0) if reflect else module.conv.padding)
@@ -511,14 +512,15 @@ def test_ltx_causal_conv_fp32_channels_first_equals_the_module(cin, cout, shape)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [s for _, _, s in LTX2_SHAPES] + [(2, 33, 3, 7, 37)], ids=str)
+@pytest.mark.parametrize("shape", [s for _, _, s in LTX2_SHAPES] + [(2, 33, 3, 7, 37), (2, 8, 1, 2, 2)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @torch.no_grad()
 def test_causal_pad_modes_through_nvrtc_equal_nvcc_and_eager(shape, dtype):
     """csrc/causal_pad.cu with the flags, through NVRTC and through the nvcc extension (where a toolkit built it),
     against eager's ``repeat`` + ``torch.concatenate`` (+ ``F.pad(mode="reflect")``), contiguous and channels-last,
     causal and not, every element written (poisoned first); x also a strided time slice; an odd shape (channels and
-    columns no multiple of the 32 x 32 tile)."""
+    columns no multiple of the 32 x 32 tile); the smallest a reflection of 1 takes (rows and columns of 2, one frame
+    repeated on both sides)."""
     from test_nvrtc import both_ways
 
     nvcc = both_ways.__wrapped__()
