@@ -228,18 +228,15 @@ def emulated_kernels(monkeypatch):
     causal_conv_cl = sys.modules["diffusers_fastpath.ops.causal_conv_cl"]
     monkeypatch.setattr(causal_conv_cl.CAUSAL_CONV3D_CL, "guard", _as_if_on_cuda(causal_conv_cl.CAUSAL_CONV3D_CL.guard))
     monkeypatch.setattr(causal_conv_cl, "_backend", lambda *args: torch._C._ConvBackend.Cudnn)
-    monkeypatch.setattr(causal_conv_cl, "_convolution", lambda conv, padded: conv._conv_forward(
-        padded.contiguous(), conv.weight, conv.bias).contiguous(memory_format=torch.channels_last_3d))
-    monkeypatch.setattr(conv_bias_module, "_contiguous_op", lambda x, bias: x.contiguous())
-    # LTX-Video's and LTX-2's causal convolutions: the op's own code, its buffer `pad_arithmetic` (above: the kernel's
-    # source index of each element, the repeated frames and the reflected border included), the backend taken as
-    # cuDNN, the convolution the channels-first one with its bias, laid out channels-last (as causal_conv_cl's, above)
-    ltx_conv = sys.modules["diffusers_fastpath.ops.ltx_causal_conv"]
-    monkeypatch.setattr(ltx_conv.LTX_CAUSAL_CONV3D, "guard", _as_if_on_cuda(ltx_conv.LTX_CAUSAL_CONV3D.guard))
-    monkeypatch.setattr(ltx_conv, "_backend", lambda *args: torch._C._ConvBackend.Cudnn)
-    monkeypatch.setattr(ltx_conv, "_convolution", lambda conv, padded, padding: torch.nn.functional.conv3d(
+    monkeypatch.setattr(causal_conv_cl, "_convolution", lambda conv, padded, padding: torch.nn.functional.conv3d(
         padded.contiguous(), conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups).contiguous(
         memory_format=torch.channels_last_3d))
+    monkeypatch.setattr(conv_bias_module, "_contiguous_op", lambda x, bias: x.contiguous())
+    # LTX-Video's and LTX-2's causal convolutions: the op's own code, its buffer `pad_arithmetic` (above: the kernel's
+    # source index of each element, the repeated frames and the reflected border included), the convolution
+    # causal_conv_cl's (`convolve_channels_last`, as emulated above)
+    ltx_conv = sys.modules["diffusers_fastpath.ops.ltx_causal_conv"]
+    monkeypatch.setattr(ltx_conv.LTX_CAUSAL_CONV3D, "guard", _as_if_on_cuda(ltx_conv.LTX_CAUSAL_CONV3D.guard))
     # their decoders' 2x upsampling: csrc/upsample_nearest.cu's arithmetic, each value's float round trip in its 2x2
     upsample = sys.modules["diffusers_fastpath.ops.upsample_nearest"]
     monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "guard", _as_if_on_cuda(upsample.UPSAMPLE_NEAREST2X.guard))

@@ -596,7 +596,7 @@ def test_causal_conv3d_channels_last_guard_and_its_other_ways(monkeypatch):
     monkeypatch.setattr(causal_conv_cl, "_backend", lambda *args: torch._C._ConvBackend.Slow3d)  # not cuDNN
     assert torch.equal(causal_conv_cl._kernel(conv, x, cache), ref)
     monkeypatch.setattr(causal_conv_cl, "_backend", lambda *args: torch._C._ConvBackend.Cudnn)
-    monkeypatch.setattr(causal_conv_cl, "_convolution", lambda c, padded: c._conv_forward(
+    monkeypatch.setattr(causal_conv_cl, "_convolution", lambda c, padded, padding: c._conv_forward(
         padded.contiguous(), c.weight, None))  # a channels-first result: aten's own bias add
     out = causal_conv_cl._kernel(conv, x, cache)
     assert out.is_contiguous() and torch.equal(out, nn.Conv3d._conv_forward(

@@ -33,6 +33,7 @@ else runs the channels-first path (the one buffer and `conv_bias`), counted on t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import causal_conv_pad as _pad
@@ -74,32 +75,44 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
     return device_reason
 
 
-def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
-    """What cuDNN picks its engine by: the dtype, the padded input's shape, the weight's, the geometry, the device
-    (its heuristics are per GPU), deterministic mode (which leaves cuDNN the deterministic engines only) and TF32 (an
-    fp32 VAE's convolutions)."""
-    return (str(x.dtype).removeprefix("torch."), _pad.padded_shape(x, conv._padding), tuple(conv.weight.shape),
-            tuple(conv.stride), tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
+def engine_key(x: torch.Tensor, padded_shape: tuple, conv: nn.Module, padding) -> tuple:
+    """What cuDNN picks its engine by, for `conv`'s convolution with `padding` of a buffer of `padded_shape` built
+    from x: the dtype, the shapes, the geometry, the device (its heuristics are per GPU), deterministic mode (which
+    leaves cuDNN the deterministic engines only) and TF32 (an fp32 VAE's convolutions)."""
+    return (str(x.dtype).removeprefix("torch."), padded_shape, tuple(conv.weight.shape), tuple(conv.stride),
+            tuple(padding), tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
             torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
             fp32_precision_state())
 
 
-def _convolution(conv: nn.Module, padded: torch.Tensor) -> torch.Tensor:
-    """The convolution without its bias, as ``nn.Conv3d`` calls it (cuDNN, given a channels-last input, returns a
-    channels-last result)."""
-    return conv._conv_forward(padded, conv.weight, None)
+def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+    """What one first-call check vouches for: `engine_key` of the padded buffer."""
+    return engine_key(x, _pad.padded_shape(x, conv._padding), conv, conv.padding)
 
 
-def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    padded = _pad.padded_input(conv, x, cache_x, channels_last=True)
+def _convolution(conv: nn.Module, padded: torch.Tensor, padding) -> torch.Tensor:
+    """The convolution without its bias, as ``nn.Conv3d`` calls it with `padding` (cuDNN, given a channels-last input,
+    returns a channels-last result)."""
+    return F.conv3d(padded, conv.weight, None, conv.stride, padding, conv.dilation, conv.groups)
+
+
+def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding) -> torch.Tensor:
+    """``F.conv3d(padded, conv.weight, conv.bias, conv.stride, padding, ...)`` (eager's convolution of its buffer) of
+    the channels-last buffer `padded`: cuDNN's convolution without the bias, then `bias_contiguous` (the bias add and
+    the transpose back in one pass), the result contiguous as eager's. Wan's causal convolutions and LTX's
+    (`ltx_causal_conv`) run it."""
     cudnn = torch._C._ConvBackend.Cudnn
-    if _backend(conv, padded, conv.bias) != cudnn or _backend(conv, padded, None) != cudnn:
+    if _backend(conv, padded, conv.bias, padding) != cudnn or _backend(conv, padded, None, padding) != cudnn:
         # (not cuDNN for this shape: eager's convolution on eager's buffer, the same values channels-first)
-        return nn.Conv3d.forward(conv, padded.contiguous())
-    out = _convolution(conv, padded)
+        return F.conv3d(padded.contiguous(), conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+    out = _convolution(conv, padded, padding)
     if not out.is_contiguous(memory_format=torch.channels_last_3d) or not conv.bias.is_contiguous():
         return out.add_(conv.bias.reshape(1, -1, 1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
     return bias_contiguous(out, conv.bias)
+
+
+def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    return convolve_channels_last(conv, _pad.padded_input(conv, x, cache_x, channels_last=True), conv.padding)
 
 
 CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_pad.causal_conv3d_ref, guard=_guard, kernel=_kernel,

@@ -53,9 +53,12 @@ def conv_bias_ref(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _torch_conv(conv).forward(conv, x)
 
 
-def _backend(conv: nn.Module, x: torch.Tensor, bias) -> object:
+def _backend(conv: nn.Module, x: torch.Tensor, bias, padding=None) -> object:
+    """The backend torch runs `conv`'s convolution of x with (its own padding, or `padding`: a buffer padded around
+    x already, as LTX-2's reflecting decoder convolves)."""
     n = x.dim() - 2
-    return torch._C._select_conv_backend(x, conv.weight, bias, list(conv.stride), list(conv.padding),
+    padding = conv.padding if padding is None else padding
+    return torch._C._select_conv_backend(x, conv.weight, bias, list(conv.stride), list(padding),
                                          list(conv.dilation), False, [0] * n, conv.groups, None)
 
 

@@ -57,13 +57,12 @@ chosen by shape: one check vouches for nothing), not under ``torch.compile`` (th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import causal_conv_pad as _pad
 from ._policy import (FLOAT_DTYPES, HALF_DTYPES, REASON_FORWARD_REPLACED, EagerClasses, FusedOp, Site,
-                      autograd_device_reason, forward_replaced, fp32_precision_state, hooks_on)
-from .conv_bias import bias_contiguous
+                      autograd_device_reason, forward_replaced, hooks_on)
+from .causal_conv_cl import convolve_channels_last, engine_key
 
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
 _CONVS: tuple[type, ...] = (nn.Conv3d,)  # the inner convolutions' classes (`add_inner_conv_class`: FastpathConv3d)
@@ -173,30 +172,14 @@ def _channels_last(conv: nn.Module, x: torch.Tensor) -> bool:
 
 
 def _signature(module, x: torch.Tensor, causal: bool | None = None):
-    """What one first-call check vouches for. Channels-last: what cuDNN picks its engine by (the dtype, the buffer's
-    shape, the weight's, the convolution's geometry as called, the device: its heuristics are per GPU; deterministic
-    mode, which leaves it the deterministic engines only; TF32). Channels-first: the dtype (exact by construction)."""
+    """What one first-call check vouches for. Channels-last: what cuDNN picks its engine by
+    (`causal_conv_cl.engine_key`: the buffer's shape and the convolution as called). Channels-first: the dtype (exact
+    by construction)."""
     conv = module.conv
-    dtype = str(x.dtype).removeprefix("torch.")
     if not _channels_last(conv, x):
-        return ("channels-first", dtype)
+        return ("channels-first", str(x.dtype).removeprefix("torch."))
     padding, conv_padding, _ = _plan(module, causal)
-    return ("channels-last", dtype, _pad.padded_shape(x, padding), tuple(conv.weight.shape), tuple(conv.stride),
-            conv_padding, tuple(conv.dilation), conv.groups, x.device.type, x.device.index,
-            torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic,
-            fp32_precision_state())
-
-
-def _backend(conv: nn.Module, padded: torch.Tensor, padding: tuple[int, ...], bias) -> object:
-    """The backend torch runs ``F.conv3d(padded, weight, bias, stride, padding, ...)`` with."""
-    return torch._C._select_conv_backend(padded, conv.weight, bias, list(conv.stride), list(padding),
-                                         list(conv.dilation), False, [0, 0, 0], conv.groups, None)
-
-
-def _convolution(conv: nn.Module, padded: torch.Tensor, padding: tuple[int, ...]) -> torch.Tensor:
-    """The convolution without its bias, as ``nn.Conv3d`` calls it on eager's tensor (cuDNN, given a channels-last
-    input, returns a channels-last result)."""
-    return F.conv3d(padded, conv.weight, None, conv.stride, padding, conv.dilation, conv.groups)
+    return ("channels-last", *engine_key(x, _pad.padded_shape(x, padding), conv, conv_padding))
 
 
 def _kernel(module: nn.Module, x: torch.Tensor, causal: bool | None = None) -> torch.Tensor:
@@ -205,16 +188,7 @@ def _kernel(module: nn.Module, x: torch.Tensor, causal: bool | None = None) -> t
     if not _channels_last(conv, x):
         # the channels-first one buffer: eager's concatenation, then the convolution module's own call
         return conv(_pad._launch(x, None, [0, 0, 0, 0, *padding[4:]], False, True, False))
-    padded = _pad._launch(x, None, padding, True, True, reflect)
-    cudnn = torch._C._ConvBackend.Cudnn
-    if _backend(conv, padded, conv_padding, conv.bias) != cudnn or _backend(conv, padded, conv_padding, None) != cudnn:
-        # (not cuDNN for this shape: eager's F.conv3d on eager's tensor, the same values channels-first)
-        return F.conv3d(padded.contiguous(), conv.weight, conv.bias, conv.stride, conv_padding, conv.dilation,
-                        conv.groups)
-    out = _convolution(conv, padded, conv_padding)
-    if not out.is_contiguous(memory_format=torch.channels_last_3d) or not conv.bias.is_contiguous():
-        return out.add_(conv.bias.reshape(1, -1, 1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
-    return bias_contiguous(out, conv.bias)
+    return convolve_channels_last(conv, _pad._launch(x, None, padding, True, True, reflect), conv_padding)
 
 
 LTX_CAUSAL_CONV3D = FusedOp("ltx_causal_conv3d", ref=ltx_causal_conv3d_ref, guard=_guard, kernel=_kernel,
