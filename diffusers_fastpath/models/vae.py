@@ -45,7 +45,7 @@ from .._logging import warn_once
 from .._state import SITE_ATTR, PatchState, bound_safe, site_attr
 from ..ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, add_plain, group_norm, group_norm_silu
 from ..quality import hooked
-from .._source import source_of
+from .._source import body_digest, source_of
 from .vae_conv import swap_convs
 
 _NS = "_diffusers_fastpath_vae"  # the name `_PairCalls` goes by in the rewritten forwards' globals
@@ -61,6 +61,22 @@ class FastpathGroupNorm(nn.GroupNorm):
 
 
 add_plain(FastpathGroupNorm)
+
+
+def checked_forwards(classes, digests: frozenset, parent: type | None = None, register=None) -> set[type]:
+    """The diffusers classes of `classes` whose installed ``forward`` is the one read here (its body's digest one of
+    `digests`, and, with `parent`, the forward its ``super()`` reaches still `parent`'s), each given to `register`
+    (the op's registration of the class); one warning for each that is not (its modules then run unpatched)."""
+    ok = set()
+    for base in classes:
+        if body_digest(base.forward) in digests and (parent is None or base.__mro__[1].forward is parent.forward):
+            if register is not None:
+                register(base)
+            ok.add(base)
+        else:
+            warn_once(f"diffusers_fastpath: {base.__qualname__}.forward is not the form this package reads "
+                      f"(diffusers 0.42.1's); those modules run unpatched")
+    return ok
 
 
 def silu_pair_unfit(is_norm, what: str):

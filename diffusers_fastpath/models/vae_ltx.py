@@ -29,10 +29,9 @@ from __future__ import annotations
 from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo
 from diffusers.models.normalization import RMSNorm
 
-from .._logging import warn_once
-from .._source import body_digest
 from .._state import SITE_ATTR, PatchState, register_adapter
 from ..ops.ltx_vae_rmsnorm import LTX_RMSNORM, add_norm_class, ltx_rmsnorm
+from .vae import checked_forwards
 from .vae_conv import swap_convs
 from .vae_ltx_conv import swap_ltx_causal_convs
 
@@ -54,11 +53,7 @@ add_norm_class(FastpathLTXRMSNorm, RMSNorm)
 
 def norm_fits() -> bool:
     """Whether ``RMSNorm.forward`` is now the form this package reads, else one warning."""
-    if body_digest(RMSNorm.forward) in NORM_DIGESTS:
-        return True
-    warn_once("diffusers_fastpath: RMSNorm.forward is not the form this package reads (diffusers 0.42.1's); "
-              "LTX-Video's VAE norms run unpatched")
-    return False
+    return bool(checked_forwards([RMSNorm], NORM_DIGESTS))
 
 
 @register_adapter(AutoencoderKLLTXVideo)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from diffusers.models.autoencoders.autoencoder_kl_ltx2 import PerChannelRMSNorm
 
-from .._logging import warn_once
-from .._source import body_digest
 from .._state import SITE_ATTR
 from ..ops.per_channel_rmsnorm import add_norm_class, per_channel_rmsnorm
+from .vae import checked_forwards
 
 # diffusers 0.42.1's PerChannelRMSNorm.forward (`_source.body_digest`: the body, without docstring and formatting):
 # ``torch.mean(x**2, dim=self.channel_dim, keepdim=True)``, ``torch.sqrt(mean_sq + self.eps)``, ``x / rms`` (its
@@ -38,9 +37,4 @@ add_norm_class(FastpathPerChannelRMSNorm, PerChannelRMSNorm)
 def norm_fits() -> bool:
     """Whether ``PerChannelRMSNorm.forward`` is now the form this package reads (then the class is registered with
     the op, so that the pair takes diffusers' own modules too), else one warning."""
-    if body_digest(PerChannelRMSNorm.forward) in NORM_DIGESTS:
-        add_norm_class(PerChannelRMSNorm)
-        return True
-    warn_once("diffusers_fastpath: PerChannelRMSNorm.forward is not the form this package reads (diffusers 0.42.1's); "
-              "LTX-2's VAE norms run unpatched")
-    return False
+    return bool(checked_forwards([PerChannelRMSNorm], NORM_DIGESTS, register=add_norm_class))

@@ -25,7 +25,7 @@ from torch import nn
 from .._state import SITE_ATTR, PatchState
 from ..ops.ltx_causal_conv import LTX_CAUSAL_CONV3D, add_conv_class, add_inner_conv_class, ltx_causal_conv3d
 from .vae_conv import FastpathConv3d
-from .vae_wan import _checked
+from .vae import checked_forwards
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting): the first frame
 # repeated k - 1 times (causal) or the first and the last (k - 1) // 2 times each, torch.concatenate, self.conv
@@ -66,7 +66,7 @@ def swap_ltx_causal_convs(model: nn.Module, state: PatchState) -> None:
     with a site, where the class's forward is the one read here (checked for the classes `model` holds; one warning
     for each that is not)."""
     held = {type(m) for m in model.modules()}
-    convs = _checked([base for base in CONVS if base in held], CONV_DIGESTS, None, add_conv_class)
+    convs = checked_forwards([base for base in CONVS if base in held], CONV_DIGESTS, register=add_conv_class)
     for module in model.modules():
         sub = CONVS.get(type(module)) if type(module) in convs else None
         if sub is not None:

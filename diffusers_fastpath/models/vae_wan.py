@@ -43,15 +43,13 @@ from diffusers.models.autoencoders import autoencoder_kl_qwenimage21 as qwen21
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
-from .._logging import warn_once
 from .._state import SITE_ATTR, PatchState, register_adapter
 from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
-from .._source import body_digest
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class
-from .vae import PairBlock, PairCalls, silu_pair_unfit, swap_pair_blocks
+from .vae import PairBlock, PairCalls, checked_forwards, silu_pair_unfit, swap_pair_blocks
 from .vae_conv import FastpathConv2d, add_conv_subclass, causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
@@ -81,10 +79,6 @@ def _subclass(base: type, name: str, forward, what: str) -> type:
     cls = type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name, "__doc__": doc})
     globals()[name] = cls
     return cls
-
-
-def _fits(base: type, digests: frozenset, parent: type | None = None) -> bool:
-    return body_digest(base.forward) in digests and (parent is None or base.__mro__[1].forward is parent.forward)
 
 
 NORMS = {base: _subclass(base, f"Fastpath{base.__name__}", _norm_forward, "`channel_rmsnorm`")
@@ -132,20 +126,6 @@ BLOCKS = tuple(
 )
 
 
-def _checked(classes, digests: frozenset, parent: type | None, register) -> set[type]:
-    """The diffusers classes of `classes` whose installed forward is the one read here (registered with the op), with
-    one warning for each that is not."""
-    ok = set()
-    for base in classes:
-        if _fits(base, digests, parent):
-            register(base)
-            ok.add(base)
-        else:
-            warn_once(f"diffusers_fastpath: {base.__qualname__}.forward is not the form this package reads "
-                      f"(diffusers 0.42.1's); those modules run unpatched")
-    return ok
-
-
 @register_adapter(wan.AutoencoderKLWan)
 @register_adapter(qwen.AutoencoderKLQwenImage)
 @register_adapter(qwen21.AutoencoderKLQwenImage21)
@@ -153,9 +133,9 @@ def _checked(classes, digests: frozenset, parent: type | None, register) -> set[
 @register_adapter(refiner.AutoencoderKLHunyuanImageRefiner)
 def patch_wan_vae(model, state: PatchState) -> None:
     """Fuse the norms (and their SiLUs) and build the causal convolutions' inputs in one buffer (see module doc)."""
-    norms = _checked(NORMS, NORM_DIGESTS, None, add_norm_class)
-    convs = _checked(CONVS, CONV_DIGESTS, nn.Conv3d, add_conv_class)
-    upsamples = _checked(UPSAMPLES, UPSAMPLE_DIGESTS, nn.Upsample, add_upsample_class)
+    norms = checked_forwards(NORMS, NORM_DIGESTS, None, add_norm_class)
+    convs = checked_forwards(CONVS, CONV_DIGESTS, nn.Conv3d, add_conv_class)
+    upsamples = checked_forwards(UPSAMPLES, UPSAMPLE_DIGESTS, nn.Upsample, add_upsample_class)
     paired = swap_pair_blocks(model, state, BLOCKS, lambda norm, act: type(norm) in norms and type(act) is nn.SiLU)
     for module in model.modules():
         cls = type(module)
