@@ -31,6 +31,26 @@ def test_ssim_drops_with_noise_and_is_symmetric():
     assert ssim(a, small) == pytest.approx(ssim(small, a), rel=1e-12)
 
 
+def test_ssim_is_the_2d_gaussian_window_of_the_reference_and_a_video_is_its_frames():
+    """The separable, chunked windows give the reference's 2-D Gaussian "valid" windows (to rounding), and a
+    channels-last video (batch, frames, H, W, C) is the mean over its frames and channels, more than one chunk of them."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.rand(2, 7, 3, 20, 26, generator=gen, dtype=torch.float64)
+    b = (a + 0.05 * torch.randn(a.shape, generator=gen, dtype=torch.float64)).clamp(0, 1)
+    coords = torch.arange(11, dtype=torch.float64) - 5
+    g = torch.exp(-(coords**2) / (2 * 1.5**2))
+    g = g / g.sum()
+    blur = lambda x: torch.nn.functional.conv2d(x.reshape(-1, 1, 20, 26), (g[:, None] * g[None, :])[None, None])  # noqa: E731
+    mu_a, mu_b = blur(a), blur(b)
+    var_a, var_b, cov = blur(a * a) - mu_a**2, blur(b * b) - mu_b**2, blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01**2, 0.03**2
+    reference = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
+    assert ssim(a, b) == pytest.approx(reference.mean().item(), rel=1e-12)
+    video_a, video_b = a.permute(0, 1, 3, 4, 2).numpy(), b.permute(0, 1, 3, 4, 2).numpy()
+    frames = [ssim(a[i, f], b[i, f]) for i in range(2) for f in range(7)]
+    assert ssim(video_a, video_b) == pytest.approx(sum(frames) / len(frames), rel=1e-12)
+
+
 def test_numpy_uint8_and_pil_layouts():
     from PIL import Image
 
