@@ -805,6 +805,43 @@ at::Tensor qk_norm_rows_rope_pair(const at::Tensor& q, const at::Tensor& weight_
                        /*norm_rows=*/true, norm_final);
 }
 
+// Krea 2's zero-centred pre-norm (zero_centred_rmsnorm): F.rms_norm(x.float(), (C,), weight=w, eps=eps).to(x.dtype)
+// of each row of x [rows, C] (contiguous, 8-byte aligned, C a multiple of 4 up to 8192), w the float32 [C] weight the
+// module's forward computes (its weight + 1.0): rotary.cu's row norm without a rotary (kNoRotary), `norm_final` its
+// mean square (kFinal*).
+at::Tensor zero_centred_rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t norm_final) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 4 == 0 && x.size(1) <= 8192 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "zero_centred_rmsnorm: x must be a contiguous, 8-byte aligned CUDA tensor [rows, C] with C a multiple of "
+              "4, at most 8192");
+  TORCH_CHECK(norm_final >= 0 && norm_final <= 2, "zero_centred_rmsnorm: norm_final must be 0, 1 or 2");
+  TORCH_CHECK(x.size(0) <= 0x7fffffff, "zero_centred_rmsnorm: at most 2^31 - 1 rows");
+  RotaryArgs args;
+  args.dtype = to_dtype(x);
+  const at::Tensor rows = x.view({1, x.size(0), 1, x.size(1)});
+  args.img = rotary_source(rows, rows, weight, eps, "x", /*norm_rows=*/true, /*float_weight=*/true);
+  args.txt = RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.cos = nullptr;
+  args.sin = nullptr;
+  args.cos_stride_b = args.cos_stride_s = args.cos_stride_h = 0;
+  args.batch = 1;
+  args.heads = 1;
+  args.dim = x.size(1);
+  args.norm = false;
+  args.wan = false;
+  args.norm_rows = true;
+  args.norm_fp32 = false;
+  args.norm_f32w = true;
+  args.norm_final = static_cast<int32_t>(norm_final);
+  const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "zero_centred_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
                              const std::optional<at::Tensor>& weight_txt, double eps_txt, const at::Tensor& x_img,
                              const at::Tensor& weight_img, double eps_img, const at::Tensor& cos,
@@ -1282,6 +1319,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
+  m.def("_zero_centred_rmsnorm_cuda(Tensor x, Tensor weight, float eps, int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
@@ -1345,6 +1383,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rotary_emb_wan_cuda", &diffusers_fastpath::rotary_emb_wan);
   m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
+  m.impl("_zero_centred_rmsnorm_cuda", &diffusers_fastpath::zero_centred_rmsnorm);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_upsample_nearest2x_cuda", &diffusers_fastpath::upsample_nearest2x);

@@ -260,7 +260,8 @@ struct RotaryArgs {
   bool wan;            // Wan's pairing (rotary.cu's rotate_pair_wan) instead of diffusers' (no norm, one table)
   bool norm_rows;      // torch.nn.RMSNorm(heads * dim) of each row first (img only; weight [heads * dim]), not `norm`
   bool norm_fp32;      // with `norm`: a float32 weight on x.float(), y and the rotary in float, one rounding (FLUX.3)
-  bool norm_f32w;      // with `norm`: a float32 weight on x.float(), y rounded to T as `norm` does (Krea 2)
+  bool norm_f32w;      // with `norm`: a float32 weight on x.float(), y rounded to T as `norm` does (Krea 2); with
+                       // `norm_rows`: the row norm alone with a float32 weight, no rotary (cos, sin unused)
   DType dtype;
   int32_t norm_final;  // the row norm's mean square: 0 sum / C, 1 sum * (1 / C), 2 fma(sum, 1 / C, eps) (rotary.cu)
 };

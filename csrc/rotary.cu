@@ -65,6 +65,11 @@ struct alignas(8) Quad {
 constexpr int kShared = 0;   // diffusers' pairing, one [seq, dim] table for every head (FLUX, with or without norm)
 constexpr int kPerHead = 1;  // diffusers' pairing, each head its own slice of the tables (LTX-Video; never with norm)
 constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (never with the per-head norm)
+// The row norm alone, with a float32 weight and no rotary (row_norm_rotary_kernel only): Krea 2's zero-centred
+// pre-norms, F.rms_norm(x.float(), (C,), weight=w + 1.0, eps).to(T) (zero_centred_rmsnorm): aten runs the same
+// vectorised kernel on the exactly upcast x (vec_size 4 for every dtype: the same lanes, FMA chains, shuffle tree
+// and halving), its y = w * (rstd * x) a float that the cast rounds to T once
+constexpr int kNoRotary = 3;
 
 // The norms (a template parameter too): none, or torch.nn.RMSNorm(dim) of each head (FLUX's QK norms, kShared only).
 // torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's) is row_norm_rotary_kernel's, below.
@@ -354,6 +359,25 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
   __syncthreads();
 
   const int64_t row = b * a.img.seq + s;
+  if constexpr (kForm == kNoRotary) {  // y = round(w * (rstd * x)), w the float32 weight: the whole result
+    const float rstd = partial[0][2];
+    T* out_row = static_cast<T*>(a.out) + row * (4 * static_cast<int64_t>(vecs));
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
+      if (v < vecs) {
+        const float4 w = reinterpret_cast<const float4*>(a.img.weight)[v];
+        const float wv[4] = {w.x, w.y, w.z, w.w};
+        Quad<T> o;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          o.v[j] = Storage<T>::store(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(cache[0][k].v[j]))));
+        }
+        reinterpret_cast<Quad<T>*>(out_row)[v] = o;
+      }
+    }
+    return;
+  }
   const int64_t part_stride = a.batch * a.img.seq * (4 * static_cast<int64_t>(vecs));  // kPair: k's output after q's
   const int64_t table = b * a.cos_stride_b + s * a.cos_stride_s;
   const float* cos_row = a.cos + table;
@@ -486,10 +510,18 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(seq), static_cast<unsigned>(a.batch));
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
+  const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
+  if (a.norm_rows && a.norm_f32w) {  // the row norm alone with its float32 weight (kNoRotary): one source, no tables
+    if (a.norm_fp32 || a.wan || a.txt.ptr != nullptr || a.txt.seq != 0 || a.dim % 4 != 0 ||
+        a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim) {
+      return cudaErrorInvalidValue;
+    }
+    row_norm_rotary_kernel<T, kNoRotary, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   if ((a.norm_fp32 || a.norm_f32w) && (!a.norm || (a.norm_fp32 && a.norm_f32w))) return cudaErrorInvalidValue;
   // the row norm's pair: a txt source (k) of the img source's (q) length; its own launch shape
   const bool pair = a.norm_rows && a.txt.ptr != nullptr;
-  const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
   if (a.norm_rows && ((pair ? a.txt.seq != a.img.seq || a.txt.stride_h != a.dim : a.txt.seq != 0) ||
                       (a.wan == (a.cos_stride_h != 0)) || a.dim % 4 != 0 ||
                       a.heads * a.dim > 4 * kRowThreads * (pair ? kRowPairVecs : kRowVecs) ||

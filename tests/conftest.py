@@ -264,6 +264,12 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.rmsnorm_scale_shift import _rms_norm
 
     rmsnorm_module = sys.modules["diffusers_fastpath.ops.rmsnorm"]  # (the package's `rmsnorm` is the op function)
+    # Krea 2's zero-centred norm: its own kernel wrapper (the forward's weight + 1.0, the rows), the launch replaced
+    # by aten's rms_norm of the upcast rows with that weight, cast back
+    zero_centred = sys.modules["diffusers_fastpath.ops.zero_centred_rmsnorm"]
+    monkeypatch.setattr(zero_centred.ZERO_CENTRED_RMSNORM, "guard", _as_if_on_cuda(zero_centred.ZERO_CENTRED_RMSNORM.guard))
+    monkeypatch.setattr(zero_centred, "_launch", lambda x, weight, eps, final: torch.nn.functional.rms_norm(
+        x.float(), (x.shape[-1],), weight=weight, eps=eps).to(x.dtype))
 
     monkeypatch.setattr(rmsnorm_module.RMSNORM, "guard", _as_if_on_cuda(rmsnorm_module.RMSNORM.guard))
     monkeypatch.setattr(rmsnorm_module, "_launch", lambda x, weight, eps: _rms_norm(x, weight, eps).contiguous())

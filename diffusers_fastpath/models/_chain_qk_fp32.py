@@ -40,6 +40,9 @@ QK_NORM_ROPE_ZERO_CENTRED = "qk_norm_rope_zero_centred"  # the op of Krea 2's QK
 # weight=self.weight + 1.0, eps=self.eps).to(x.dtype)``, a zero-centred norm the QK-norm form defers like torch's
 ZERO_CENTRED_DIGESTS = frozenset({"f81c1343db165a25"})
 _ZERO_CENTRED: dict[type, tuple[object, bool]] = {}  # class -> (the forward it held when checked, the answer)
+# set on this package's subclass of such a class (`_qk_norms.zero_centred_class`, whose forward is the fused norm):
+# the class whose forward the answer is read from
+EAGER_CLASS_ATTR = "_fastpath_eager_class"
 
 
 def is_zero_centred(norm) -> bool:
@@ -48,6 +51,7 @@ def is_zero_centred(norm) -> bool:
     checked once per forward the class holds, and an instance forward of its own nowhere (`quality.hooked` refuses
     that too, as a hook)."""
     cls = type(norm)
+    cls = cls.__dict__.get(EAGER_CLASS_ATTR, cls)  # this package's subclass: its diffusers class's forward
     forward = cls.__dict__.get("forward")
     cached = _ZERO_CENTRED.get(cls)
     if cached is None or cached[0] is not forward:

@@ -11,15 +11,25 @@ calling the module as written.
 - Every diffusers ``RMSNorm`` of a model the generic path patches (`patch_rmsnorms`): the pre-norms and QK norms no
   chain takes (Cosmos 3's), and those a fused chain does take, which then run as written only where that chain's op
   refuses (the chains' ops take both classes: `is_diffusers_rmsnorm`).
+- Every zero-centred float32 RMSNorm of such a model (a class whose ``forward`` is, by source digest, Krea 2's
+  ``F.rms_norm(x.float(), (dim,), weight=self.weight + 1.0, eps=self.eps).to(x.dtype)``:
+  `_chain_qk_fp32.is_zero_centred`), by `patch_zero_centred_norms`: a subclass of its class whose forward is the fused,
+  self-verified `diffusers_fastpath.ops.zero_centred_rmsnorm` (`zero_centred_class`, one per class, found by name
+  in any process so that pickles load). The QK norms among them still go to their chain's fused norm + rotary.
 """
 
 from __future__ import annotations
+
+import base64
+import importlib
 
 from diffusers.models.normalization import RMSNorm
 
 from .._state import PatchState, site_attr
 from ..ops.rmsnorm import RMSNORM, rmsnorm
 from ..ops.rmsnorm_scale_shift import RMSNORM_CLASSES
+from ..ops.zero_centred_rmsnorm import ZERO_CENTRED_RMSNORM, add_norm_class, zero_centred_rmsnorm
+from ._chain_qk_fp32 import EAGER_CLASS_ATTR, is_zero_centred
 
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 _SITE, _NAMED_SITE = site_attr(), site_attr(RMSNORM.name)
@@ -68,3 +78,49 @@ def patch_qk_rmsnorms(attn, state: PatchState, names: tuple[str, ...] = QK_NORMS
             _swap(norm, state)
             swapped += 1
     return swapped
+
+
+# --- zero-centred float32 RMSNorms (Krea 2's Krea2RMSNorm) --------------------------------------------------------
+_ZC_PREFIX = "FastpathZeroCentred_"  # + the base class's "module:qualname" in base32: `__getattr__` makes it again
+
+
+def _zero_centred_forward(self, hidden_states):
+    """The norm's forward: the fused, self-verified `zero_centred_rmsnorm` (its class's own forward where the guard
+    refuses the input)."""
+    return zero_centred_rmsnorm(self, hidden_states, self.__dict__.get(_SITE))
+
+
+def zero_centred_class(base: type) -> type:
+    """This package's subclass of `base` (a class whose forward `is_zero_centred` proved Krea 2's zero-centred norm):
+    no state of its own, its forward the fused norm; one object per base class, named for pickles."""
+    name = _ZC_PREFIX + base64.b32encode(f"{base.__module__}:{base.__qualname__}".encode()).decode().rstrip("=")
+    sub = globals().get(name)
+    if sub is None or sub.__bases__ != (base,):
+        sub = type(name, (base,), {"forward": _zero_centred_forward, "__module__": __name__, "__qualname__": name,
+                                   EAGER_CLASS_ATTR: base, "__doc__": f"{base.__name__}, its forward fused."})
+        sub.__name__ = f"Fastpath{base.__name__}"  # what messages and `report` show; pickles go by the qualified name
+        globals()[name] = sub
+        add_norm_class(sub, base)
+    return sub
+
+
+def patch_zero_centred_norms(model, state: PatchState) -> int:
+    """Swap every zero-centred float32 RMSNorm of `model` (`is_zero_centred`) for `zero_centred_class` of its class,
+    with its site; returns how many."""
+    norms = [m for m in model.modules() if EAGER_CLASS_ATTR not in type(m).__dict__ and is_zero_centred(m)]
+    for norm in norms:
+        state.swap_class(norm, zero_centred_class(type(norm)))
+        state.add_site(norm, ZERO_CENTRED_RMSNORM.name)
+    return len(norms)
+
+
+def __getattr__(name: str):
+    """A pickled patched model's norm class in a fresh process (PEP 562): made again from its name."""
+    if not name.startswith(_ZC_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    encoded = name[len(_ZC_PREFIX):]
+    module, qualname = base64.b32decode(encoded + "=" * (-len(encoded) % 8)).decode().split(":")
+    base = importlib.import_module(module)
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return zero_centred_class(base)

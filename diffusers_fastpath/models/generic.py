@@ -19,6 +19,8 @@ adapter reads them from it:
   2.1's scale-only ``_modulate``), known the same way, by the digest of its installed code;
 - which modules are diffusers' ``RMSNorm`` anywhere in the model: each runs as the fused, self-verified norm
   (`_qk_norms.patch_rmsnorms`; a chain that fuses the norm with what follows still does so).
+- which modules are a zero-centred float32 RMSNorm (Krea 2's, by the digest of their forward): each runs as the
+  fused, self-verified `zero_centred_rmsnorm` (`_qk_norms.patch_zero_centred_norms`).
 
 Nobody has vouched for such a model by hand, so its first forward of each input signature runs both ways and is
 compared bit for bit (`diffusers_fastpath.verify`); a mismatch unpatches it with one warning naming the first module
@@ -51,7 +53,7 @@ from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
-from ._qk_norms import patch_rmsnorms
+from ._qk_norms import patch_rmsnorms, patch_zero_centred_norms
 from .._source import definition, normalized_digest
 from ._norm_methods import FUSED, norm_method_hints
 
@@ -315,6 +317,9 @@ def patch_generic(model: nn.Module, state: PatchState, name: str, verify: bool |
     # diffusers' RMSNorm modules, wherever they are: the fused, self-verified norm (`_qk_norms.patch_rmsnorms`)
     if norms := patch_rmsnorms(model, state):
         state.notes.append(f"generic path: {norms} diffusers RMSNorm modules run as the fused rmsnorm")
+    if norms := patch_zero_centred_norms(model, state):
+        state.notes.append(f"generic path: {norms} zero-centred float32 RMSNorm modules run as the fused "
+                           "zero_centred_rmsnorm")
     if swapped == 0:
         state.notes.append("generic path: no chain of this model matched a pattern; it runs as diffusers wrote it")
     state.notes.append(f"patched by the generic path ({swapped} modules and processors rewritten)")

@@ -119,12 +119,13 @@ _NVRTC = _nvrtc.Kernel(
     _nvrtc.Params("rotary_kernel", ("a", _ARGS)),
 )
 # The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2, and
-# the pair (kPerHead only: LTX-Video's q and k).
+# the pair (kPerHead only: LTX-Video's q and k); kNoRotary 3, the norm alone with a float32 weight
+# (zero_centred_rmsnorm).
 _NVRTC_ROWS = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::row_norm_rotary_kernel",
     {(dtype, form, pair): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}, {str(pair).lower()}"
-     for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True))},
+     for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True), (3, False))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
 # The shared-table form at dim 128, with the per-head norm (FLUX's; FLUX.3's fp32 one, 2; Krea 2's, 3) or without:
