@@ -1184,9 +1184,10 @@ at::Tensor channel_rmsnorm(const at::Tensor& x, const at::Tensor& denom, const a
 
 // LTX-Video's VAE norm from eager's multiply on (ltx_vae_rmsnorm.cu): x [B, C, *] (the channel-first memory of the
 // norm's channel-last view) with each channel's trailing elements contiguous, rsqrt the fp32 [B, *] that eager
-// multiplies by; `square`: the fp32 x * x for aten's mean instead. The Python guard admits only inputs that pass these
-// checks.
-at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsqrt, bool square) {
+// multiplies by; `silu`: the SiLU after the norm; `square`: the fp32 x * x for aten's mean instead; `probe`: the SiLU of
+// x alone (the Python op's proof; rsqrt unused). The Python guard admits only inputs that pass these checks.
+at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsqrt, bool square, bool silu,
+                       bool probe) {
   TORCH_CHECK(x.is_cuda() && x.dim() >= 3 && aligned16(x), "ltx_rmsnorm: x must be a 16-byte aligned CUDA tensor [B, C, *]");
   int64_t expected = 1;
   for (int64_t d = x.dim() - 1; d >= 2; --d) {
@@ -1199,8 +1200,10 @@ at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsq
   const int64_t vec = 16 / x.element_size();
   TORCH_CHECK(spatial % vec == 0 && x.stride(0) % vec == 0 && x.stride(1) % vec == 0 && x.stride(1) >= spatial,
               "ltx_rmsnorm: the trailing sizes and x's strides must be multiples of ", std::to_string(vec), " elements");
-  TORCH_CHECK(square || (rsqrt.has_value() && rsqrt->scalar_type() == at::kFloat && rsqrt->device() == x.device() &&
-                         rsqrt->is_contiguous() && rsqrt->numel() == batch * spatial && aligned16(*rsqrt)),
+  TORCH_CHECK(int(square) + int(silu) + int(probe) <= 1, "ltx_rmsnorm: at most one of square, silu and probe");
+  TORCH_CHECK(square || probe ||
+                  (rsqrt.has_value() && rsqrt->scalar_type() == at::kFloat && rsqrt->device() == x.device() &&
+                   rsqrt->is_contiguous() && rsqrt->numel() == batch * spatial && aligned16(*rsqrt)),
               "ltx_rmsnorm: rsqrt must be a contiguous fp32 [B, *] tensor on x's device");
   at::Tensor out = at::empty(x.sizes(), x.options()
                                             .dtype(square ? at::kFloat : x.scalar_type())
@@ -1210,13 +1213,15 @@ at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsq
   LtxRmsNormArgs args;
   args.out = out.data_ptr();
   args.x = x.data_ptr();
-  args.rsqrt = square ? nullptr : rsqrt->data_ptr<float>();
+  args.rsqrt = square || probe ? nullptr : rsqrt->data_ptr<float>();
   args.batch = batch;
   args.channels = channels;
   args.spatial = spatial;
   args.x_batch_stride = x.stride(0);
   args.x_channel_stride = x.stride(1);
   args.square = square ? 1 : 0;
+  args.silu = silu ? 1 : 0;
+  args.probe = probe ? 1 : 0;
   args.dtype = dtype;
   const cudaError_t err = launch_ltx_rmsnorm(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "ltx_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
@@ -1342,7 +1347,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "bool silu, int variant) -> ()");
   m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
         "bool silu, bool probe) -> Tensor");
-  m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square) -> Tensor");
+  m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square, bool silu, bool probe) -> Tensor");
   m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
 }
 

@@ -367,7 +367,8 @@ cudaError_t launch_channel_rmsnorm(const ChannelRmsNormArgs& args, cudaStream_t 
 #endif
 
 // LTX-Video's VAE norm after aten's reduction and rsqrt (ltx_vae_rmsnorm.cu): out[b, c, s] = round(x[b, c, s] * rsqrt[b, s]);
-// in the `square` mode the fp32 x[b, c, s] * x[b, c, s] that aten's mean reduces.
+// with `silu` the SiLU after it, round(silu(round(x * rsqrt))); in the `square` mode the fp32 x[b, c, s] * x[b, c, s]
+// that aten's mean reduces; in the `probe` mode round(silu(x)) (the SiLU proof over every value of the dtype).
 struct LtxRmsNormArgs {
   void* out;             // [batch, channels, spatial], contiguous
   const void* x;         // [batch, channels, spatial], each channel's spatial contiguous, 16-byte aligned
@@ -378,6 +379,8 @@ struct LtxRmsNormArgs {
   int64_t x_batch_stride;    // elements between x's batches, a multiple of 16 / sizeof(element)
   int64_t x_channel_stride;  // elements between x's channels (>= spatial), likewise
   int32_t square;        // 1: out is fp32 x * x (rsqrt unused): the input of aten's mean
+  int32_t silu;          // 1: the SiLU after the norm (the norm -> nonlinearity / norm_out -> conv_act pairs)
+  int32_t probe;         // 1: out = round(silu(x)) (rsqrt unused): the SiLU alone, for the proof
   DType dtype;
 };
 

@@ -1,15 +1,20 @@
 // The elementwise tail of LTX-Video's VAE norm (diffusers' RMSNorm without weight, called on the channel-last view
 // `x.movedim(1, -1)` of a channel-first [B, C, T, H, W] tensor: every norm1 / norm2 of LTXVideoResnetBlock3d and
-// the encoder's and decoder's norm_out), in one pass, bit-identical to the eager kernels it replaces. Eager runs, for
+// the encoder's and decoder's norm_out), optionally followed by the SiLU after it (the resnets' `nonlinearity`, the
+// `conv_act` after norm_out: the pairs), in one pass, bit-identical to the eager kernels it replaces. Eager runs, for
 // bf16/fp16 x (T):
 //   v   = x.to(float32).pow(2).mean(-1, keepdim=True)  (aten's reduction: kept, run by the Python op as eager runs it)
 //   r   = torch.rsqrt(v + eps)                         (aten, kept: [B, T, H, W, 1], 1/C of x)
-//   out = round(float(x) * r)                          the mixed-dtype multiply (fp32 result), then .to(T)
+//   y   = round(float(x) * r)                          the mixed-dtype multiply (fp32 result), then .to(T)
+//   out = silu ? round(y / (1 + expf(-y))) : y         the nn.SiLU after it (the moved-back view), aten's silu_kernel
 // The multiply is one IEEE product (__fmul_rn; the build passes --fmad=false) rounded to T where eager's .to(T)
-// rounds, so the tail is exact by construction. The `square` mode writes x.to(float32).pow(2) (fp32, x's layout) for
-// aten's mean in one pass instead of eager's two (the copy, then the square: aten's pow by 2 is x * x, and the square
-// of a bf16 or fp16 value is exact in fp32, so every way of computing it gives the same bits). Eager writes the fp32 product and reads it back (4 + 4 bytes per
-// element) on top of reading x and writing out; here x is read once and out written once.
+// rounds, so the norm is exact by construction. The SiLU is elementwise.cuh's, a function of the one T value y: the
+// Python op proves it on every value of the dtype on the device (the `probe` mode: round(silu(x)) of x alone) before
+// it trusts the pair. The `square` mode writes x.to(float32).pow(2) (fp32, x's layout) for aten's mean in one pass
+// instead of eager's two (the copy, then the square: aten's pow by 2 is x * x, and the square of a bf16 or fp16 value
+// is exact in fp32, so every way of computing it gives the same bits). Eager writes the fp32 product and reads it back
+// (4 + 4 bytes per element) on top of reading x and writing out, and for the pair writes y and reads it back again
+// (2 + 2); here x is read once and out written once.
 //
 // Layout: out contiguous [batch, channels, spatial] (eager's result: the channel-first memory of the channel-last
 // view); x [batch, channels, spatial] with each channel's spatial elements contiguous, channels `x_channel_stride`
@@ -48,10 +53,19 @@ __global__ void __launch_bounds__(kThreads) ltx_rmsnorm_kernel(LtxRmsNormArgs a)
       }
       continue;
     }
-    const float* r = a.rsqrt + b * a.spatial + s;
     P o;
+    if (a.probe) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) o.v[i] = Storage<T>::store(__fmul_rn(Storage<T>::load(x.v[i]), __ldg(r + i)));
+      for (int i = 0; i < kVec; ++i) o.v[i] = Storage<T>::store(silu(Storage<T>::load(x.v[i])));
+    } else {
+      const float* r = a.rsqrt + b * a.spatial + s;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        float y = __fmul_rn(Storage<T>::load(x.v[i]), __ldg(r + i));
+        if (a.silu) y = silu(round_to<T>(y));  // eager stores the norm's T result, the SiLU reads it back
+        o.v[i] = Storage<T>::store(y);
+      }
+    }
     *reinterpret_cast<P*>(static_cast<T*>(a.out) + e) = o;
   }
 }

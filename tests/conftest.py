@@ -242,12 +242,14 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "guard", _as_if_on_cuda(upsample.UPSAMPLE_NEAREST2X.guard))
     monkeypatch.setattr(upsample.UPSAMPLE_NEAREST2X, "kernel", lambda module, x: x.float().to(x.dtype).repeat_interleave(
         2, dim=-1).repeat_interleave(2, dim=-2).contiguous())  # (contiguous whatever x's strides, as the kernel's)
-    # LTX-Video's VAE norm: its own kernel wrapper (aten's reduction and rsqrt, the [B, C, spatial] memory), the launch
-    # replaced by the kernel's arithmetic (the multiply, the cast) on the tensors it is given
+    # LTX-Video's VAE norm (+ SiLU): its own kernel wrapper (aten's reduction and rsqrt, the [B, C, spatial] memory),
+    # the launch replaced by the kernel's arithmetic (the multiply, the cast, the SiLU) on the tensors it is given; the
+    # pair's proof (the SiLU on every value) runs the CUDA kernel's probe mode
     ltx_norm = sys.modules["diffusers_fastpath.ops.ltx_vae_rmsnorm"]
-    monkeypatch.setattr(ltx_norm.LTX_RMSNORM, "guard", _as_if_on_cuda(ltx_norm.LTX_RMSNORM.guard))
-    monkeypatch.setattr(ltx_norm, "_launch", lambda x, r, square: ltx_norm.square_arithmetic(x) if square else
-                        ltx_norm.ltx_rmsnorm_arithmetic(x, r.reshape(x.shape[0], 1, *x.shape[2:])).contiguous())
+    for op in (ltx_norm.LTX_RMSNORM, ltx_norm.LTX_VAE_RMSNORM_SILU):
+        monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
+    monkeypatch.setattr(ltx_norm.LTX_VAE_RMSNORM_SILU, "prove", None)
+    monkeypatch.setattr(ltx_norm, "_launch", ltx_norm.launch_arithmetic)
     # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
     # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
     # its proofs (the sqrt and the SiLU on every value) run the CUDA kernel's probe modes

@@ -50,6 +50,10 @@ CASES = {
                                       "mean must be a contiguous [B, 1, S] tensor of x's dtype"),
     "per-channel-rmsnorm-probe-silu": ("_per_channel_rmsnorm_cuda", [(1, 1, 64), (1, 64), 1e-8, True, 1],
                                        "probe must be 0, 1 or 2"),
+    "ltx-rmsnorm-two-modes": ("_ltx_rmsnorm_cuda", [(2, 16, 96), None, True, True, False],
+                              "at most one of square, silu and probe"),
+    "ltx-rmsnorm-silu-without-rsqrt": ("_ltx_rmsnorm_cuda", [(2, 16, 96), None, False, True, False],
+                                       "rsqrt must be a contiguous fp32"),
     # (None and a list passed as they are: the optional cache, the padding)
     "causal-pad-reflect-too-wide": ("_causal_pad_cuda", [(1, 4, 3, 2, 5), None, [1, 1, 2, 2, 1, 1], True, True, True],
                                     "below the size of its dimension"),

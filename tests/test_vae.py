@@ -245,6 +245,52 @@ def test_a_norm_and_its_activation_pair_around_an_if_on_the_blocks_own_attribute
         assert vae_module.rewrite_pairs(other, "X.forward", ("nonlinearity",)) is None, other.__name__
 
 
+class _MovedNormBlock(nn.Module):
+    """LTX-Video's form: a channel-last norm of channel-first activations (``norm1``), then the SiLU; beside it the
+    forms a moved `PairCalls` leaves as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(16), nn.LayerNorm(16), nn.LayerNorm(16)
+        self.nonlinearity = nn.SiLU()
+
+    def forward(self, hidden_states):
+        hidden_states = self.norm1(hidden_states.movedim(1, -1)).movedim(-1, 1)
+        hidden_states = self.nonlinearity(hidden_states)
+        hidden_states = self.norm2(hidden_states.movedim(1, -1)).movedim(-1, 2)  # (not moved back to where it was)
+        hidden_states = self.nonlinearity(hidden_states)
+        hidden_states = self.norm3(hidden_states)  # (the plain form)
+        hidden_states = self.nonlinearity(hidden_states)
+        return hidden_states
+
+
+def test_a_moved_pair_calls_pairs_the_channel_last_norm_statement(emulated_kernels):
+    """A `PairCalls` made with ``moved=True`` pairs ``V = self.N(V.movedim(1, -1)).movedim(-1, 1)`` and the activation
+    after it, nothing else (the plain form is the default's); its fused op takes the channel-last view and its result
+    is moved back; without a site, or unfit, the two modules run as written."""
+    seen = []
+
+    def fused(norm, x, site):
+        seen.append(x.shape)
+        site.fast += 1
+        return torch.nn.functional.silu(norm(x))
+
+    calls = vae_module.PairCalls("_test_moved_pairs", "test_pair", lambda norm, act: None, fused, moved=True)
+    fn, pairs = vae_module.rewrite_pairs(_MovedNormBlock.forward, "X.forward", ("nonlinearity",), calls)
+    assert pairs == (("norm1", "nonlinearity"),)
+    assert vae_module.rewrite_pairs(_MovedNormBlock.forward, "X.forward", ("nonlinearity",))[1] == (
+        ("norm3", "nonlinearity"),)
+    block = _MovedNormBlock().eval()
+    x = torch.randn(2, 16, 3, 4, 16)
+    with torch.no_grad():
+        ref = block(x)
+        block.__class__ = type("X", (_MovedNormBlock,), {"forward": fn})
+        assert torch.equal(block(x), ref) and not seen  # (no site: the modules as written)
+        block.norm1._fastpath_site_test_pair = site = fp.ops.Site("test_pair")
+        out = block(x)
+    assert torch.equal(out, ref) and out.stride() == ref.stride() and seen == [(2, 3, 4, 16, 16)] and site.fast == 1
+
+
 _REPLACED_CALLS = []
 
 

@@ -1,9 +1,11 @@
-"""The LTX-Video VAE adapter (models/vae_ltx.py) and its op (ops/ltx_vae_rmsnorm.py): tiny bf16
-``AutoencoderKLLTXVideo`` of 0.9.0's form and of 0.9.5's (``LTXVideo095DownBlock3D``, residual upsamplers, the
-timestep-conditioned decoder), decode and encode patched == unpatched (``torch.equal``) with every site on its fast
-path (on CPU under the emulated kernels), also tiled and sliced; unpatch, state dicts, hooks, a replaced or wrapped
-``RMSNorm.forward``; the op's arithmetic against eager and its guard. On the GPU: the kernel at LTX-Video's real
-shapes with poisoned outputs, through NVRTC and nvcc, and the full-size VAE's decode and encode md5-identical."""
+"""The LTX-Video VAE adapter (models/vae_ltx.py) and its op (ops/ltx_vae_rmsnorm.py: the norm, and the pair with the
+SiLU after it): tiny bf16 ``AutoencoderKLLTXVideo`` of 0.9.0's form and of 0.9.5's (``LTXVideo095DownBlock3D``,
+residual upsamplers, the timestep-conditioned decoder), decode and encode patched == unpatched (``torch.equal``) with
+every site on its fast path (on CPU under the emulated kernels; each norm by the pair with its SiLU, or alone where a
+modulate stands between), also tiled and sliced; unpatch, state dicts, hooks (on a norm, on a paired norm, on the
+SiLU), a replaced or wrapped ``RMSNorm.forward``; the op's arithmetic against eager, its guard, the pair's proof. On
+the GPU: the kernel (norm and pair) at LTX-Video's real shapes with poisoned outputs, the proof on every value,
+through NVRTC and nvcc, and the full-size VAE's decode and encode md5-identical."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKLLTXVideo
+from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoResnetBlock3d
 from diffusers.models.normalization import RMSNorm
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae_ltx
-from diffusers_fastpath.ops._policy import Site
+from diffusers_fastpath.ops._policy import REASON_DISABLED, Site, bits, tensors_equal
+from diffusers_fastpath.ops.gelu_cat import every_value
 from diffusers_fastpath.testing._common import randomize_
 from diffusers_fastpath.testing.checks import ltx_vae_sites, state_dict_round_trip
 
@@ -76,8 +81,27 @@ def _norms(vae) -> int:
     return sum(type(m) is RMSNorm and m.weight is None for m in vae.modules())
 
 
+PAIR = "ltx_vae_rmsnorm_silu"  # the pair's op (and site name, on the norm)
+NORM_OPS = ("ltx_rmsnorm", PAIR)
+
+
+def _module(r) -> str:
+    return r.site.split(":")[0]  # (a named site's row is "<module path>:<name>")
+
+
 def _sites(vae) -> list:
-    return ltx_vae_sites(fp.report(vae))
+    """`ltx_vae_sites`, less each norm's site that never ran where its other site ran fast: every norm carries its own
+    site (`ltx_rmsnorm`: the calls that run it alone) and its pair's where a SiLU follows it (`ltx_vae_rmsnorm_silu`),
+    and each call takes one of them."""
+    rows = ltx_vae_sites(fp.report(vae))
+    ran = {_module(r) for r in rows if r.op in NORM_OPS and r.fast}
+    return [r for r in rows if not (r.op in NORM_OPS and r.fast == r.fallback == 0 and _module(r) in ran)]
+
+
+def _fused_ways(vae) -> dict[str, str]:
+    """Each norm's way that ran fast: its module path -> ``ltx_vae_rmsnorm_silu`` (with its SiLU) or ``ltx_rmsnorm``
+    (alone)."""
+    return {_module(r): r.op for r in fp.report(vae).sites if r.op in NORM_OPS and r.fast}
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -91,13 +115,18 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(kind, emu
     assert norms == 2 * sum(type(m).__name__ == "LTXVideoResnetBlock3d" for m in vae.modules()) + 2
     convs = sum(type(m) is torch.nn.Conv3d and m.bias is not None for m in vae.modules())  # (each causal conv's `conv`)
     unpatch_after(fp.patch(vae))
-    assert convs and Counter(r.op for r in fp.report(vae).sites) == Counter(
-        {"ltx_rmsnorm": norms, "conv_bias": convs, "ltx_causal_conv3d": convs})  # (a conv_bias site on each `.conv`)
+    assert convs and Counter(r.op for r in fp.report(vae).sites) == Counter(  # (a conv_bias site on each `.conv`)
+        {"ltx_rmsnorm": norms, PAIR: norms, "conv_bias": convs, "ltx_causal_conv3d": convs})  # (each norm: a pair)
     assert torch.equal(_decode(vae, z), ref_dec)
     for r in _sites(vae):  # the decoder's sites ran fast, the encoder's not yet
         assert (r.fast > 0 and not r.fallback) if r.site.startswith("decoder.") else (r.fast, r.fallback) == (0, 0), r
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in _sites(vae)), str(fp.report(vae))
+    # every norm with its SiLU in one pass, but where the timestep-conditioned decoder modulates between the two (its
+    # resnets and its norm_out: the norm alone, the modulate and the SiLU as written)
+    ways = _fused_ways(vae)
+    assert len(ways) == norms and all(
+        op == ("ltx_rmsnorm" if kind == "0.9.5" and site.startswith("decoder.") else PAIR) for site, op in ways.items())
 
 
 _SHORTCUT = "x of a channels-last layout"  # (ltx_causal_conv's refusal of the shortcuts' input)
@@ -164,7 +193,8 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(kind, emulated_kerne
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     report = fp.report(vae)
-    assert all(r.fast > 0 for r in _sites(vae)), str(report)
+    # (a refused pair calls its norm, which its own guard refuses too: that site counts the fallbacks, not a fast call)
+    assert all(r.fast > 0 for r in _sites(vae) if not (r.op == "ltx_rmsnorm" and r.fallback)), str(report)
     assert all(reason.startswith("trailing sizes") for r in report.sites for reason in r.reasons), str(report)
 
 
@@ -185,6 +215,21 @@ def test_unpatch_restores_classes_and_state_dict():
     with state_dict_round_trip(vae):
         assert type(vae.decoder.norm_out) is vae_ltx.FastpathLTXRMSNorm
         assert type(vae.decoder.up_blocks[0].resnets[0].norm1) is vae_ltx.FastpathLTXRMSNorm
+        assert type(vae.decoder.up_blocks[0].resnets[0]).__name__ == "FastpathLTXVideoResnetBlock3d"
+        assert type(vae.decoder) is vae_ltx.BLOCKS[2].sub and type(vae.encoder) is vae_ltx.BLOCKS[1].sub
+        assert hasattr(vae.decoder.norm_out, "_fastpath_site_" + PAIR)
+    assert type(vae.decoder.up_blocks[0].resnets[0]) is LTXVideoResnetBlock3d
+    assert type(vae.decoder.norm_out) is RMSNorm and not hasattr(vae.decoder.norm_out, "_fastpath_site_" + PAIR)
+    assert all(type(m).__module__.startswith(("diffusers.", "torch.")) for m in vae.modules())
+
+
+def test_the_blocks_forwards_pair_each_norm_with_its_silu():
+    """The pair rewrite of the installed forwards (the moved form ``V = self.norm(V.movedim(1, -1)).movedim(-1, 1)``):
+    the resnet's two norms with its ``nonlinearity`` (across the optional modulate), each ``norm_out`` with
+    ``conv_act`` (the decoder's across its optional modulate)."""
+    assert [block.current()._fastpath_pairs for block in vae_ltx.BLOCKS] == [
+        (("norm1", "nonlinearity"), ("norm2", "nonlinearity")), (("norm_out", "conv_act"),),
+        (("norm_out", "conv_act"),)]
 
 
 @torch.no_grad()
@@ -205,6 +250,45 @@ def test_hooks_run_inside_the_patched_norm(emulated_kernels, unpatch_after):
         handle.remove()
         glob.remove()
     assert seen.count("global") == 1 and len(seen) == 2 and norm._fastpath_site.fast == 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("hooked", ["norm", "silu", "global"])
+def test_hooks_on_a_paired_norm_or_its_silu_run_the_two_modules(hooked, emulated_kernels, unpatch_after):
+    """A hook on a paired norm, on the SiLU module after it (the resnet's ``nonlinearity``, which both its pairs
+    share) or a global one: those pairs run the norm and the SiLU as two module calls (the norm still `ltx_rmsnorm`
+    inside its call), counted "hooks", and the hook sees what it sees unpatched; every other pair stays fast."""
+    vae = _build()
+    z = _latents(vae)
+    resnet = vae.decoder.mid_block.resnets[0]
+    target = {"norm": resnet.norm1, "silu": resnet.nonlinearity}.get(hooked)
+    seen = []
+
+    def hook(m, i, o):
+        if hooked != "global" or m is resnet.norm1:
+            seen.append((i[0].shape, i[0].stride(), o.shape, o.stride()))
+
+    def decode():
+        handle = (target.register_forward_hook(hook) if target is not None
+                  else torch.nn.modules.module.register_module_forward_hook(hook))
+        try:
+            return _decode(vae, z)
+        finally:
+            handle.remove()
+
+    ref, ref_seen = decode(), list(seen)
+    seen.clear()
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(decode(), ref) and seen == ref_seen and seen
+    hooked_pairs = {"norm": {"norm1"}, "silu": {"norm1", "norm2"}}.get(hooked)  # (one SiLU module after both norms)
+    decoder_pairs = [r for r in fp.report(vae).sites if r.op == PAIR and r.site.startswith("decoder.")]
+    for r in decoder_pairs:
+        path, norm = _module(r).rsplit(".", 1)
+        if hooked == "global" or (path == "decoder.mid_block.resnets.0" and norm in hooked_pairs):
+            assert (r.fast, r.reasons) == (0, {"hooks": 1}), r
+        else:
+            assert r.fast == 1 and not r.fallback, r
+    assert resnet.norm1._fastpath_site.fast == 1  # (the norm's own forward, inside its call: fast, hooks or not)
 
 
 @pytest.mark.parametrize("how", ["replaced", "wrapped"])
@@ -256,6 +340,10 @@ def test_arithmetic_equals_the_module(dtype):
     assert squares.stride() == eager.stride() and torch.equal(squares, eager)
     got = ltx_norm.ltx_rmsnorm_arithmetic(view, ltx_norm.reciprocal(view, norm.eps, ltx_norm.square_arithmetic))
     assert torch.equal(got, ref)
+    pair = ltx_norm.ltx_rmsnorm_arithmetic(view, ltx_norm.reciprocal(view, norm.eps), silu=True)  # the pair's epilogue
+    eager = torch.nn.SiLU()(RMSNorm.forward(norm, view).movedim(-1, 1))  # as the blocks run it: on the moved-back view
+    assert pair.movedim(-1, 1).stride() == eager.stride() and torch.equal(pair.movedim(-1, 1), eager)
+    assert torch.equal(ltx_norm.ltx_vae_rmsnorm_silu_ref(norm, view), eager.movedim(1, -1))
 
 
 def test_kernel_wrapper_lays_the_kernel_out_as_eager(monkeypatch):
@@ -264,23 +352,26 @@ def test_kernel_wrapper_lays_the_kernel_out_as_eager(monkeypatch):
     what it is given)."""
     seen = []
 
-    def launch(x, r, square):
-        seen.append((x.shape, x.is_contiguous(), None if square else (r.shape, r.is_contiguous())))
-        if square:
-            return ltx_norm.square_arithmetic(x)
-        return ltx_norm.ltx_rmsnorm_arithmetic(x, r.reshape(x.shape[0], 1, *x.shape[2:])).contiguous()
+    def launch(x, r, square, silu, probe):
+        seen.append((x.shape, x.is_contiguous(), None if square else (r.shape, r.is_contiguous()), square, silu, probe))
+        return ltx_norm.launch_arithmetic(x, r, square, silu, probe)
 
     monkeypatch.setattr(ltx_norm, "_launch", launch)
     norm = RMSNorm(16, eps=1e-8, elementwise_affine=False)
-    x = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16).movedim(1, -1)
-    out, ref = ltx_norm._fused(x, norm.eps), RMSNorm.forward(norm, x)
-    assert seen == [((2, 16, 3, 4, 8), True, None), ((2, 16, 3, 4, 8), True, ((2, 3, 4, 8, 1), True))]
-    assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
-    seen.clear()
-    x = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:].movedim(1, -1)  # channels apart: aten's squares
-    out, ref = ltx_norm._fused(x, norm.eps), RMSNorm.forward(norm, x)
-    assert seen == [((2, 16, 3, 4, 8), False, ((2, 3, 4, 8, 1), True))]
-    assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+    for silu in (False, True):
+        seen.clear()
+        x = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16).movedim(1, -1)
+        out, ref = ltx_norm._fused(x, norm.eps, silu), RMSNorm.forward(norm, x)
+        ref = F.silu(ref) if silu else ref
+        assert seen == [((2, 16, 3, 4, 8), True, None, True, False, False),
+                        ((2, 16, 3, 4, 8), True, ((2, 3, 4, 8, 1), True), False, silu, False)]
+        assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
+        seen.clear()
+        x = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:].movedim(1, -1)  # channels apart: aten's squares
+        out, ref = ltx_norm._fused(x, norm.eps, silu), RMSNorm.forward(norm, x)
+        ref = F.silu(ref) if silu else ref
+        assert seen == [((2, 16, 3, 4, 8), False, ((2, 3, 4, 8, 1), True), False, silu, False)]
+        assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
 
 
 def test_custom_op_fake_lays_out_as_eager():
@@ -291,12 +382,15 @@ def test_custom_op_fake_lays_out_as_eager():
     norm = RMSNorm(16, eps=1e-8, elementwise_affine=False)
     for x in (torch.randn(2, 16, 3, 4, 8), torch.randn(2, 16, 5, 4, 8)[:, :, 2:]):
         view = x.to(torch.bfloat16).movedim(1, -1)
-        ref = RMSNorm.forward(norm, view)
-        got = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(view, 1e-8)
-        assert got.stride() == ref.stride() and torch.equal(got, ref)
-        with FakeTensorMode() as mode:
-            fake = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(mode.from_tensor(view), 1e-8)
-        assert fake.shape == ref.shape and fake.stride() == ref.stride()
+        for silu in (False, True):
+            ref = RMSNorm.forward(norm, view)
+            ref = F.silu(ref) if silu else ref
+            got = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(view, 1e-8, silu)
+            assert got.stride() == ref.stride() and torch.equal(got, ref)
+            with FakeTensorMode() as mode:
+                fake = torch.ops.diffusers_fastpath.ltx_rmsnorm.default(mode.from_tensor(view), 1e-8, silu)
+            assert fake.shape == ref.shape and fake.stride() == ref.stride()
+    assert torch.equal(torch.ops.diffusers_fastpath.ltx_rmsnorm.default(view, 1e-8), RMSNorm.forward(norm, view))
 
 
 def test_guard_refuses_what_the_kernel_does_not_take():
@@ -319,36 +413,73 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
 
     launches = captured_launches.__wrapped__(monkeypatch)
     x, r = torch.randn(2, 16, 3, 4, 8).to(torch.bfloat16), torch.rand(2, 3, 4, 8, 1)
-    out = ltx_norm._nvrtc_kernel(x, r, False)
+    out = ltx_norm._nvrtc_kernel(x, r, False, False, False)
     kernel, key, grid, block, a = launches[-1]
     assert (kernel, key, block) == (ltx_norm._NVRTC, torch.bfloat16, (256, 1, 1)) and out.shape == x.shape
     assert grid == (2, 1, 1)  # 2 * 16 * 96 / 8 = 384 vectors: two blocks of 256 threads
     assert (a.a.out, a.a.x, a.a.rsqrt) == (out.data_ptr(), x.data_ptr(), r.data_ptr())
-    assert (a.a.batch, a.a.channels, a.a.spatial, a.a.x_batch_stride, a.a.x_channel_stride, a.a.square,
-            a.a.dtype) == (2, 16, 96, 16 * 96, 96, 0, 1)
+    assert (a.a.batch, a.a.channels, a.a.spatial, a.a.x_batch_stride, a.a.x_channel_stride, a.a.square, a.a.silu,
+            a.a.probe, a.a.dtype) == (2, 16, 96, 16 * 96, 96, 0, 0, 0, 1)
     sliced = torch.randn(2, 16, 5, 4, 8).to(torch.bfloat16)[:, :, 2:]
-    ltx_norm._nvrtc_kernel(sliced, r, False)
-    assert (launches[-1][4].a.x_batch_stride, launches[-1][4].a.x_channel_stride) == (16 * 160, 160)
-    squares = ltx_norm._nvrtc_kernel(x.half(), None, True)
+    pair = ltx_norm._nvrtc_kernel(sliced, r, False, True, False)
+    a = launches[-1][4].a
+    assert (a.x_batch_stride, a.x_channel_stride, a.square, a.silu, a.probe) == (16 * 160, 160, 0, 1, 0)
+    assert pair.dtype == torch.bfloat16 and pair.is_contiguous() and a.out == pair.data_ptr()
+    squares = ltx_norm._nvrtc_kernel(x.half(), None, True, False, False)
     a = launches[-1][4].a
     assert launches[-1][1] == torch.float16 and (a.dtype, a.square, a.rsqrt, a.out) == (0, 1, None, squares.data_ptr())
     assert squares.dtype == torch.float32 and squares.shape == x.shape
+    row = torch.zeros(1, 1, 65536, dtype=torch.bfloat16)
+    probed = ltx_norm._nvrtc_kernel(row, None, False, False, True)
+    a = launches[-1][4].a
+    assert (a.rsqrt, a.square, a.silu, a.probe, a.batch, a.channels, a.spatial, a.out) == (
+        None, 0, 0, 1, 1, 1, 65536, probed.data_ptr()) and probed.dtype == torch.bfloat16
     big = torch.empty(1, 8, 132 * 8 * 256 * 8 * 2, dtype=torch.bfloat16)
-    ltx_norm._nvrtc_kernel(big, torch.empty(1, big.shape[2]), False)
+    ltx_norm._nvrtc_kernel(big, torch.empty(1, big.shape[2]), False, False, False)
     assert launches[-1][2] == (132 * 8, 1, 1)
 
 
-def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(monkeypatch, emulated_kernels):
-    """Exact by construction, and still compared with eager on the first call of each dtype: a kernel one ulp off is
-    disabled there (one warning), and the decode is eager's."""
-    exact = ltx_norm.LTX_RMSNORM.kernel
+def test_raw_op_guard_refuses_what_bindings_cpp_refuses():
+    x, r = torch.randn(2, 16, 96).to(torch.bfloat16), torch.rand(2, 96)
+    assert ltx_norm._raw_guard(x, r, False, False, False) == "device"
+    assert ltx_norm._raw_guard(x, r, False, True, False) == "device"
+    assert ltx_norm._raw_guard(x, None, False, True, False) == "rsqrt"
+    assert ltx_norm._raw_guard(x, None, False, False, True) == "device"  # (the probe reads no reciprocal)
+    assert ltx_norm._raw_guard(x, None, True, False, True) == "mode"
+    assert ltx_norm._raw_guard(x, r, False, True, True) == "mode"
+    assert ltx_norm._raw_guard(x[..., :95], r, False, True, False) == "x"
+    assert ltx_norm._raw_guard(x.float(), r, False, True, False) == "x"
+
+
+def test_launch_constants_match_the_source():
+    from test_nvrtc import _constant
+
+    assert (ltx_norm._THREADS, ltx_norm._BLOCKS_PER_SM) == tuple(
+        _constant("ltx_vae_rmsnorm.cu", n) for n in ("kThreads", "kBlocksPerSm"))
+
+
+# (the op, and a VAE whose decoder runs it: the norm alone where a timestep-conditioned decoder modulates between)
+WAYS = {"ltx_rmsnorm": (ltx_norm.LTX_RMSNORM, {**CONFIGS["0.9.0"], "timestep_conditioning": True}),
+        PAIR: (ltx_norm.LTX_VAE_RMSNORM_SILU, CONFIGS["0.9.0"])}
+
+
+def _build_way(way: str):
+    return randomize_(AutoencoderKLLTXVideo(**WAYS[way][1]), 0).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(way, monkeypatch, emulated_kernels):
+    """Exact by construction (the pair's SiLU proven on every value), and still compared with eager on the first call
+    of each dtype: a kernel one ulp off is disabled there (one warning), and the decode is eager's."""
+    op = WAYS[way][0]
+    exact = op.kernel
 
     def off_by_one_ulp(norm, x):
         out = exact(norm, x)
         return (out.view(torch.int16) + 1).view(out.dtype)
 
-    monkeypatch.setattr(ltx_norm.LTX_RMSNORM, "kernel", off_by_one_ulp)
-    vae = _build()
+    monkeypatch.setattr(op, "kernel", off_by_one_ulp)
+    vae = _build_way(way)
     z = _latents(vae)
     with torch.no_grad():
         ref = _decode(vae, z)
@@ -357,19 +488,105 @@ def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(m
             assert torch.equal(_decode(vae, z), ref) and torch.equal(_decode(vae, z), ref)
         finally:
             fp.unpatch(vae)
-    assert "not bit-exact" in (ltx_norm.LTX_RMSNORM.disabled or "")
+    assert "not bit-exact" in (op.disabled or "")
 
 
-def test_each_layout_is_verified_on_its_first_call(emulated_kernels, unpatch_after):
+@pytest.mark.parametrize("way", list(WAYS))
+def test_each_layout_is_verified_on_its_first_call(way, emulated_kernels, unpatch_after):
     """The first call of each signature (dtype, dense or channels apart: the kernel's two paths) is compared with
-    eager: a decode through the upsamplers verifies both."""
-    vae = _build()
+    eager: a decode through the upsamplers verifies both, for the pair and for the norm alone (a conditioned
+    decoder's)."""
+    op = WAYS[way][0]
+    vae = _build_way(way)
     z = _latents(vae)
     with torch.no_grad():
         ref = _decode(vae, z)
         unpatch_after(fp.patch(vae))
         assert torch.equal(_decode(vae, z), ref)
-    assert {("bfloat16", "dense"), ("bfloat16", "strided")} <= set(ltx_norm.LTX_RMSNORM.verified)
+    assert {("bfloat16", "dense"), ("bfloat16", "strided")} <= set(op.verified)
+
+
+def _probe_launch(planted=None):
+    """The launch as the emulated kernels run it, its probe mode's result for the bf16 bit pattern `planted` one ulp
+    off."""
+    def launch(x, r, square, silu, probe):
+        out = ltx_norm.launch_arithmetic(x, r, square, silu, probe)
+        if probe and planted is not None:
+            bits(out)[bits(x) == planted] += 1
+        return out
+    return launch
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("planted", [None, 0x3F80, -0x0080, 0x7FC1, 0x0001], ids=str)
+def test_a_silu_proof_that_fails_disables_the_pair(planted, monkeypatch, emulated_kernels):
+    """The pair's proof runs on the first call of a signature: the kernel's SiLU (its probe mode) on all 65536 bf16
+    values; one value off anywhere (1.0, -0.0, a NaN's payload, a subnormal) and the pair is disabled, that call's
+    result eager's; the norm alone is not."""
+    monkeypatch.setattr(ltx_norm, "_launch", _probe_launch(planted))
+    monkeypatch.setattr(ltx_norm.LTX_VAE_RMSNORM_SILU, "prove", ltx_norm._prove_silu)
+    norm = vae_ltx.FastpathLTXRMSNorm(16, eps=1e-8, elementwise_affine=False)
+    x = (torch.randn(2, 16, 3, 4, 8) * 3).to(torch.bfloat16).movedim(1, -1)
+    site = Site(PAIR)
+    assert torch.equal(ltx_norm.ltx_vae_rmsnorm_silu(norm, x, site), F.silu(RMSNorm.forward(norm, x)))
+    assert (site.fast == 1) is (planted is None), (site, ltx_norm.LTX_VAE_RMSNORM_SILU.status)
+    assert ltx_norm._prove_silu(norm, x) is (planted is None)
+    if planted is not None:
+        assert "not bit-exact" in ltx_norm.LTX_VAE_RMSNORM_SILU.disabled and ltx_norm.LTX_RMSNORM.disabled is None
+        assert dict(site.fallback) == {REASON_DISABLED: 1}
+
+
+def test_the_silu_probe_pads_a_row_to_whole_vectors(monkeypatch):
+    """The kernel runs 16-byte vectors only: `silu_probe` hands it a row padded to a multiple of 8 values (the proof's
+    second row, of 65537) and returns the row's own results."""
+    seen = []
+
+    def launch(x, r, square, silu, probe):
+        seen.append((tuple(x.shape), r, square, silu, probe))
+        return ltx_norm.launch_arithmetic(x, r, square, silu, probe)
+
+    monkeypatch.setattr(ltx_norm, "_launch", launch)
+    for n, padded in ((65536, 65536), (65537, 65544), (3, 8)):
+        row = torch.randn(1, 1, n).to(torch.float16)
+        assert torch.equal(ltx_norm.silu_probe(row), F.silu(row))
+        assert seen[-1] == ((1, 1, padded), None, False, False, True)
+
+
+@torch.no_grad()
+def test_hooks_on_the_norm_refuse_the_pair_and_run(emulated_kernels):
+    """The pair stands for the norm's call: a hook on the norm (or a global one) refuses it, and the fallback calls
+    the module, so the hook runs once (and the norm's own op inside its call is fast)."""
+    norm = vae_ltx.FastpathLTXRMSNorm(16, eps=1e-8, elementwise_affine=False)
+    norm._fastpath_site = Site("ltx_rmsnorm")
+    x = (torch.randn(2, 16, 3, 4, 8) * 3).to(torch.bfloat16).movedim(1, -1)
+    ref = F.silu(RMSNorm.forward(norm, x))
+    seen = []
+    site = Site(PAIR)
+    handle = norm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    try:
+        assert torch.equal(ltx_norm.ltx_vae_rmsnorm_silu(norm, x, site), ref)
+    finally:
+        handle.remove()
+    assert seen == [x.shape] and site.fast == 0 and dict(site.fallback) == {"FastpathLTXRMSNorm has hooks": 1}
+    assert norm._fastpath_site.fast == 1
+    glob = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append("global"))
+    try:
+        assert torch.equal(ltx_norm.ltx_vae_rmsnorm_silu(norm, x, site), ref)
+    finally:
+        glob.remove()
+    assert seen[-1] == "global" and site.fallback["FastpathLTXRMSNorm has hooks"] == 2
+    assert torch.equal(ltx_norm.ltx_vae_rmsnorm_silu(norm, x, site), ref) and site.fast == 1
+
+
+@torch.no_grad()
+def test_torch_compile_emits_the_pair_once_verified(emulated_kernels):
+    norm = vae_ltx.FastpathLTXRMSNorm(16, eps=1e-8, elementwise_affine=False)
+    x = (torch.randn(2, 16, 3, 4, 8) * 3).to(torch.bfloat16).movedim(1, -1)
+    ref = F.silu(RMSNorm.forward(norm, x))
+    site = Site(PAIR)
+    assert torch.equal(ltx_norm.ltx_vae_rmsnorm_silu(norm, x, site), ref) and site.fast == 1  # verified
+    compiled = torch.compile(lambda t: ltx_norm.ltx_vae_rmsnorm_silu(norm, t), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), ref)
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------
@@ -384,31 +601,54 @@ def _md5(t: torch.Tensor) -> str:
 LTX_NORM_SHAPES = [(1, 512, 16, 16, 24), (1, 512, 31, 32, 48), (1, 256, 61, 64, 96), (1, 128, 121, 128, 192)]
 
 
+def _gpu_input(shape, dtype, layout, seed=0):
+    """x ``[B, C, T, H, W]`` on the GPU: contiguous, or with its first frame sliced off (channels apart); zeros
+    scattered, and positions whose channels are all zero (rsqrt of eps: the norm's output 0, the SiLU's 0)."""
+    b, c, t, h, w = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(b, c, t + (layout == "sliced"), h, w, generator=gen, device="cuda") * 3).to(dtype)
+    x = x[:, :, 1:] if layout == "sliced" else x
+    x[:, 1::5, ..., ::11] = 0
+    x[0, :, 0, 0] = 0
+    return x
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", LTX_NORM_SHAPES)
 @pytest.mark.parametrize("layout", ["contiguous", "sliced"])
 @torch.no_grad()
-def test_ltx_rmsnorm_kernel_equals_eager_at_ltx_shapes(shape, dtype, layout):
-    """The op against the module on the channel-last view, torch.equal, strides included, the allocator's blocks of
-    the output's size poisoned with NaN first; x contiguous channel-first, or with its first frame sliced off (the
-    upsamplers' ``[:, :, stride - 1:]``: channels apart)."""
+def test_ltx_rmsnorm_kernel_equals_eager_at_ltx_shapes(shape, dtype, layout, way):
+    """The op (the norm alone, or the pair: its SiLU proof on every value included, the op's first call) against the
+    module on the channel-last view (the pair: then the ``nn.SiLU`` as the resnets call it, on the moved-back view),
+    torch.equal, strides included, the allocator's blocks of the output's size poisoned with NaN first; x contiguous
+    channel-first, or with its first frame sliced off (the upsamplers' ``[:, :, stride - 1:]``: channels apart)."""
+    op = WAYS[way][0]
     norm = RMSNorm(shape[1], eps=1e-8, elementwise_affine=False).cuda()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    b, c, t, h, w = shape
-    x = (torch.randn(b, c, t + (layout == "sliced"), h, w, generator=gen, device="cuda") * 3).to(dtype)
-    x = x[:, :, 1:] if layout == "sliced" else x
-    x[:, 1::5, ..., ::11] = 0
-    x[0, :, 0, 0] = 0  # positions whose channels are all zero (rsqrt of eps)
-    view = x.movedim(1, -1)
+    view = _gpu_input(shape, dtype, layout).movedim(1, -1)
     ltx_norm.add_norm_class(RMSNorm)
+    ref = RMSNorm.forward(norm, view)
+    ref = torch.nn.SiLU()(ref.movedim(-1, 1)).movedim(1, -1) if op is ltx_norm.LTX_VAE_RMSNORM_SILU else ref
     poison = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(3)]  # the next blocks
     del poison
-    site = Site("ltx_rmsnorm")
-    out = ltx_norm.LTX_RMSNORM(site, norm, view)
-    ref = RMSNorm.forward(norm, view)
-    assert site.fast == 1, (dict(site.fallback), ltx_norm.LTX_RMSNORM.status)
+    site = Site(way)
+    out = op(site, norm, view)
+    assert site.fast == 1 and op.disabled is None, (dict(site.fallback), op.status)
     assert out.stride() == ref.stride() and torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_the_silu_proof_passes_on_every_value(dtype):
+    """The kernel's SiLU (its probe mode) equals eager's ``F.silu`` on all 65536 values of the dtype (NaN payloads,
+    infinities, subnormals), as one row of vectors and as the padded row of one more value."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    norm = RMSNorm(8, eps=1e-8, elementwise_affine=False)
+    assert ltx_norm._prove_silu(norm, torch.zeros(1, 8, 8, dtype=dtype, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -416,7 +656,8 @@ def test_ltx_rmsnorm_kernel_equals_eager_at_ltx_shapes(shape, dtype, layout):
 @torch.no_grad()
 def test_ltx_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
     """The NVRTC cubin's launch against the nvcc extension's op (where a toolkit built it) and eager, at LTX-Video's
-    largest norm (128 channels, 121 frames of 128x192 patches)."""
+    largest norm (128 channels, 121 frames of 128x192 patches), each mode: the norm, the squares, the pair, and the
+    SiLU probe on every value of the dtype (bits, NaN payloads included)."""
     from test_nvrtc import both_ways
 
     nvcc = both_ways.__wrapped__()
@@ -426,11 +667,15 @@ def test_ltx_rmsnorm_through_nvrtc_equals_nvcc_and_eager(dtype):
     r = ltx_norm.reciprocal(view, 1e-8).contiguous()
     ref = RMSNorm.forward(RMSNorm(128, eps=1e-8, elementwise_affine=False), view).movedim(-1, 1)
     squares = view.to(torch.float32).pow(2).movedim(-1, 1)
-    got = ltx_norm._nvrtc_kernel(x, r, False)
-    assert torch.equal(got, ref) and torch.equal(ltx_norm._nvrtc_kernel(x, None, True), squares)
-    if nvcc:
-        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, r, False), ref)
-        assert torch.equal(torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(x, None, True), squares)
+    row = every_value(dtype, "cuda").reshape(1, 1, -1)
+    modes = {(False, False, False): (r, ref), (True, False, False): (None, squares),
+             (False, True, False): (r, F.silu(ref)), (False, False, True): (None, F.silu(row))}  # (square, silu, probe)
+    for (square, silu, probe), (rsqrt, want) in modes.items():
+        t = row if probe else x
+        assert tensors_equal(ltx_norm._nvrtc_kernel(t, rsqrt, square, silu, probe), want), (square, silu, probe)
+        if nvcc:
+            got = torch.ops.diffusers_fastpath._ltx_rmsnorm_cuda(t, rsqrt, square, silu, probe)
+            assert tensors_equal(got, want), (square, silu, probe)
 
 
 @pytest.mark.gpu
@@ -449,3 +694,4 @@ def test_ltx_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
     assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
     assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
     assert_every_site_fast_but_the_shortcuts(vae)
+    assert set(_fused_ways(vae).values()) == {PAIR}  # (every norm with its SiLU: the published 0.9.0 modulates none)

@@ -20,7 +20,9 @@ Two pieces, the simplest that reach each call:
   the end of each branch first (the same statements in the same order on every path) and paired where a branch ends
   in the norm; where an ``if`` (no ``elif``) whose test reads only the block's attributes (``self.x is not None``)
   stands between the norm and the activation (LTX-2's resnets: an optional modulate), both statements move into each
-  branch (an ``else:`` made for them), which pairs them on the branch that runs nothing between. At run time `_PairCalls.norm_act` takes the fused op only where the norm is a plain ``nn.GroupNorm``
+  branch (an ``else:`` made for them), which pairs them on the branch that runs nothing between. A `PairCalls` made
+  with ``moved=True`` pairs the norm statement ``V = self.<norm>(V.movedim(1, -1)).movedim(-1, 1)`` instead (LTX-Video's
+  VAE: a channel-last norm of channel-first activations), its fused op taking that view. At run time `_PairCalls.norm_act` takes the fused op only where the norm is a plain ``nn.GroupNorm``
   with this package's pair site and the activation exactly ``nn.SiLU``, neither with hooks (nor any global module
   hook); anything else runs ``act(norm(V))``, the two calls as written. The paired norms keep their class (every call
   of theirs in diffusers' blocks is the pair's).
@@ -35,6 +37,7 @@ import ast
 import copy
 import inspect
 import linecache
+import re
 import sys
 import textwrap
 
@@ -102,24 +105,33 @@ pair_unfit = silu_pair_unfit(lambda norm: type(norm) is nn.GroupNorm, "a plain n
 class PairCalls:
     """What the rewritten forwards call: ``<ns>.norm_act(self, "<norm>", "<act>", V)``, `ns` the name this object
     goes by in their globals. `site` names the pair's site on the norm, `unfit(norm, act)` says why the pair cannot
-    run fused (or ``None``), `fused(norm, x, site)` is the fused op (its guard decides per call, and counts)."""
+    run fused (or ``None``), `fused(norm, x, site)` is the fused op (its guard decides per call, and counts). With
+    `moved` the norm statement paired is ``V = self.<norm>(V.movedim(1, -1)).movedim(-1, 1)`` (a channel-last norm of
+    channel-first activations: LTX-Video's VAE), and `fused` takes, and returns, the channel-last view."""
 
-    def __init__(self, ns: str, site: str, unfit, fused) -> None:
-        self.ns, self.site, self.unfit, self.fused = ns, site, unfit, fused
+    def __init__(self, ns: str, site: str, unfit, fused, moved: bool = False) -> None:
+        self.ns, self.site, self.unfit, self.fused, self.moved = ns, site, unfit, fused, moved
 
     def norm_act(self, owner: nn.Module, norm_name: str, act_name: str, x):
-        """``act(norm(x))`` for ``norm = owner.<norm_name>``, ``act = owner.<act_name>``: the fused op where the norm
-        carries this object's pair site and the pair fits (`unfit`), else the two module calls."""
+        """``act(norm(x))`` for ``norm = owner.<norm_name>``, ``act = owner.<act_name>`` (the norm's call as the
+        statement wrote it: `moved`): the fused op where the norm carries this object's pair site and the pair fits
+        (`unfit`), else the two module calls."""
         norm, act = getattr(owner, norm_name), getattr(owner, act_name)
         site = norm.__dict__.get(site_attr(self.site))
         if site is None:
-            return act(norm(x))
+            return act(self._norm(norm, x))
         reason = self.unfit(norm, act)
         if reason is None:
+            if self.moved:
+                return self.fused(norm, x.movedim(1, -1), site).movedim(-1, 1)
             return self.fused(norm, x, site)
         if not torch.compiler.is_compiling():
             site.fallback[reason] += 1
-        return act(norm(x))
+        return act(self._norm(norm, x))
+
+    def _norm(self, norm: nn.Module, x):
+        """The norm's call as the paired statement wrote it."""
+        return norm(x.movedim(1, -1)).movedim(-1, 1) if self.moved else norm(x)
 
 
 _PairCalls = PairCalls(_NS, PAIR_SITE, pair_unfit, group_norm_silu)
@@ -141,6 +153,21 @@ def _self_call(stmt: ast.stmt) -> tuple[str, str] | None:
     return stmt.targets[0].id, call.func.attr
 
 
+_MOVED_CALL = re.compile(r"self\.(\w+)\((\w+)\.movedim\(1, -1\)\)\.movedim\(-1, 1\)")
+
+
+def _norm_call(stmt: ast.stmt, moved: bool) -> tuple[str, str] | None:
+    """``(V, N)`` if `stmt` is the norm statement of a pair: ``V = self.N(V)`` (`_self_call`), or, `moved`,
+    ``V = self.N(V.movedim(1, -1)).movedim(-1, 1)`` (its value read in ``ast.unparse``'s normal form)."""
+    if not moved:
+        return _self_call(stmt)
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    match = _MOVED_CALL.fullmatch(ast.unparse(stmt.value))
+    var = stmt.targets[0].id
+    return (var, match[1]) if match is not None and match[2] == var else None
+
+
 def _pair_stmt(var: str, norm: str, act: str, ns: str = _NS) -> ast.stmt:
     call = ast.Call(func=ast.Attribute(value=ast.Name(ns, ast.Load()), attr="norm_act", ctx=ast.Load()),
                     args=[ast.Name("self", ast.Load()), ast.Constant(norm), ast.Constant(act),
@@ -149,15 +176,16 @@ def _pair_stmt(var: str, norm: str, act: str, ns: str = _NS) -> ast.stmt:
     return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
 
 
-def _ends_in_norm(body: list[ast.stmt], var: str, activations: tuple[str, ...]) -> bool:
-    """Whether some path through `body` (an ``if`` chain's branches) ends in ``var = self.N(var)``, N not an
-    activation: where moving the activation into the branches lets a pair form."""
+def _ends_in_norm(body: list[ast.stmt], var: str, activations: tuple[str, ...], moved: bool = False) -> bool:
+    """Whether some path through `body` (an ``if`` chain's branches) ends in ``var = self.N(var)`` (`_norm_call`), N
+    not an activation: where moving the activation into the branches lets a pair form."""
     if not body:
         return False
     last = body[-1]
     if isinstance(last, ast.If):
-        return _ends_in_norm(last.body, var, activations) or _ends_in_norm(last.orelse, var, activations)
-    call = _self_call(last)
+        return (_ends_in_norm(last.body, var, activations, moved)
+                or _ends_in_norm(last.orelse, var, activations, moved))
+    call = _norm_call(last, moved)
     return call is not None and call[0] == var and call[1] not in activations
 
 
@@ -211,8 +239,8 @@ def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
 
 
 class _Pairs:
-    def __init__(self, activations: tuple[str, ...], ns: str = _NS) -> None:
-        self.activations, self.ns = activations, ns
+    def __init__(self, activations: tuple[str, ...], ns: str = _NS, moved: bool = False) -> None:
+        self.activations, self.ns, self.moved = activations, ns, moved
         self.found: list[tuple[str, str]] = []
 
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
@@ -221,17 +249,17 @@ class _Pairs:
             call = _self_call(stmt)
             if call is not None and call[1] in self.activations and out:
                 var, act = call
-                prev = _self_call(out[-1])
+                prev = _norm_call(out[-1], self.moved)
                 if prev is not None and prev[0] == var and prev[1] not in self.activations:
                     out[-1] = _pair_stmt(var, prev[1], act, self.ns)
                     self._add(prev[1], act)
                     continue
                 last = out[-1]
-                if isinstance(last, ast.If) and _ends_in_norm([last], var, self.activations):
+                if isinstance(last, ast.If) and _ends_in_norm([last], var, self.activations, self.moved):
                     _append_to_branches(last, stmt)
                     out[-1] = self.stmt(last)
                     continue
-                before = _self_call(out[-2]) if len(out) > 1 else None
+                before = _norm_call(out[-2], self.moved) if len(out) > 1 else None
                 if (isinstance(last, ast.If) and before is not None and before[0] == var
                         and before[1] not in self.activations and _hoist_into(last, out[-2], stmt, var)):
                     out[-2:] = [self.stmt(last)]
@@ -267,7 +295,7 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...], calls: PairCa
         return None
     func = tree.body[0]
     func.decorator_list = []
-    pairs = _Pairs(activations, calls.ns)
+    pairs = _Pairs(activations, calls.ns, calls.moved)
     func.body = pairs.body(copy.deepcopy(func.body))
     if not pairs.found:
         return None

@@ -1,5 +1,5 @@
 """LTX-Video's VAE (diffusers' ``AutoencoderKLLTXVideo``: LTX-Video 0.9.0 to 0.9.8, the timestep-conditioned decoders
-of 0.9.1+ included), through one exact piece.
+of 0.9.1+ included), through exact pieces.
 
 - The causal convolutions (``LTXVideoCausalConv3d``: the first frame repeated by ``repeat`` and
   ``torch.concatenate``, then the ``nn.Conv3d``) run as `diffusers_fastpath.ops.ltx_causal_conv3d`
@@ -11,27 +11,37 @@ of 0.9.1+ included), through one exact piece.
   ``LTXVideoResnetBlock3d``, the encoder's and the decoder's ``norm_out``: each called on the channel-last view
   ``x.movedim(1, -1)`` of a channel-first activation) becomes `FastpathLTXRMSNorm`, whose forward is
   `diffusers_fastpath.ops.ltx_rmsnorm`: the fp32 squares in one pass, aten's mean and rsqrt as eager runs them, then
-  the multiply and the cast in one pass (exact by construction; the first call of each dtype compared with eager). Being the module's own
-  forward, it runs inside the module call, so the module's hooks and the global ones run as before. The shortcut's
-  ``norm3`` (an ``nn.LayerNorm``) and everything else run as diffusers wrote them.
+  the multiply and the cast in one pass (exact by construction; the first call of each dtype compared with eager).
+  Being the module's own forward, it runs inside the module call, so the module's hooks and the global ones run as
+  before. The shortcut's ``norm3`` (an ``nn.LayerNorm``) and everything else run as diffusers wrote them.
+- The SiLU after each norm: a norm whose output goes into the block's SiLU (``norm1 -> nonlinearity`` and ``norm2 ->
+  nonlinearity`` of every resnet, around its timestep modulate where ``timestep_conditioning`` builds one; the
+  encoder's ``norm_out -> conv_act``, the decoder's around its modulate likewise) runs with it as
+  `diffusers_fastpath.ops.ltx_vae_rmsnorm_silu` (one pass: the SiLU applied to the norm's rounded output in the
+  kernel's epilogue, proven on every value of the dtype on first use). The blocks' forwards are rewritten by the pair
+  rewrite of `diffusers_fastpath.models.vae` as LTX-2's are (its ``moved`` form: the statement ``V =
+  self.norm(V.movedim(1, -1)).movedim(-1, 1)`` then ``V = self.nonlinearity(V)`` becomes one call, which takes the
+  fused op only where the norm carries this package's pair site, the activation is exactly ``nn.SiLU`` and neither
+  has hooks, else the two module calls as written). Where a modulate stands between (the timestep-conditioned
+  decoders of 0.9.1+), the two run apart: the norm as `ltx_rmsnorm` (every norm keeps its class and its site), the
+  modulate and the SiLU as diffusers wrote them.
 
 ``RMSNorm.forward`` is checked by source digest at patch time (a replaced or wrapped forward has no digest); where it
 is not the form read here, the VAE is left as it is, with one warning. Tiling and slicing (``enable_tiling``,
 ``enable_slicing``) call the same modules on smaller tensors: the same sites, each checked per call by the guard.
 
-Not fused (yet): the timestep-conditioned ``x * (1 + scale) + shift`` and the SiLU after each norm (the norm is
-called on ``x.movedim(1, -1)`` and moved back, not the ``V = self.norm(V)`` statement the pair rewrite of
-`diffusers_fastpath.models.vae` takes, as LTX-2's VAE's is).
+Not fused (yet): the timestep-conditioned ``x * (1 + scale) + shift`` (and so, in those decoders, the SiLU after it).
 """
 
 from __future__ import annotations
 
-from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo
+from diffusers.models.autoencoders import autoencoder_kl_ltx as ltx
 from diffusers.models.normalization import RMSNorm
+from torch import nn
 
 from .._state import SITE_ATTR, PatchState, register_adapter
-from ..ops.ltx_vae_rmsnorm import LTX_RMSNORM, add_norm_class, ltx_rmsnorm
-from .vae import checked_forwards
+from ..ops.ltx_vae_rmsnorm import LTX_RMSNORM, LTX_VAE_RMSNORM_SILU, add_norm_class, ltx_rmsnorm, ltx_vae_rmsnorm_silu
+from .vae import PairBlock, PairCalls, checked_forwards, silu_pair_unfit, swap_pair_blocks
 from .vae_conv import swap_convs
 from .vae_ltx_conv import swap_ltx_causal_convs
 
@@ -56,14 +66,33 @@ def norm_fits() -> bool:
     return bool(checked_forwards([RMSNorm], NORM_DIGESTS))
 
 
-@register_adapter(AutoencoderKLLTXVideo)
+PAIR_SITE = LTX_VAE_RMSNORM_SILU.name  # the pair's site, on the norm module (beside its `ltx_rmsnorm` site)
+# (ltx_vae_rmsnorm_silu's: the norm as the adapter leaves it, its class swapped)
+pair_unfit = silu_pair_unfit(lambda norm: type(norm) is FastpathLTXRMSNorm, "a patched LTX-Video VAE norm")
+PAIRS = PairCalls("_diffusers_fastpath_vae_ltx", PAIR_SITE, pair_unfit, ltx_vae_rmsnorm_silu, moved=True)
+
+# Made at import, so that a pickled patched model finds the subclasses here by name.
+BLOCKS = tuple(
+    PairBlock(base, f"Fastpath{base.__name__}", __name__, (act,), PAIRS)
+    for base, act in ((ltx.LTXVideoResnetBlock3d, "nonlinearity"), (ltx.LTXVideoEncoder3d, "conv_act"),
+                      (ltx.LTXVideoDecoder3d, "conv_act"))
+)
+
+
+def _weightless(norm) -> bool:
+    return type(norm) is RMSNorm and norm.weight is None
+
+
+@register_adapter(ltx.AutoencoderKLLTXVideo)
 def patch_ltx_vae(model, state: PatchState) -> None:
-    """Run the VAE's weightless RMS norms as `ltx_rmsnorm` (see module doc)."""
+    """Run the VAE's weightless RMS norms as `ltx_rmsnorm`, and with the SiLU after them as `ltx_vae_rmsnorm_silu`
+    (see module doc)."""
     swap_convs(model, state)  # (the causal convolutions' ``conv``: their biases)
     swap_ltx_causal_convs(model, state)  # (the causal convolutions: their padded input, channels-last)
     if not norm_fits():
         return
+    swap_pair_blocks(model, state, BLOCKS, lambda norm, act: _weightless(norm) and type(act) is nn.SiLU)
     for module in model.modules():
-        if type(module) is RMSNorm and module.weight is None:
+        if _weightless(module):
             state.swap_class(module, FastpathLTXRMSNorm)
             state.add_site(module, LTX_RMSNORM.name)
