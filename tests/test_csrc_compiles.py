@@ -46,7 +46,8 @@ def test_kernel_compiles_for_sm90(source, tmp_path):
     assert "spill stores" in proc.stderr and " 0 bytes spill stores" in proc.stderr  # nothing spilled to local memory
 
 
-def test_bindings_compile_against_torch_headers(tmp_path):
+@pytest.mark.parametrize("source", [p.name for p in _build.sources() if p.suffix == ".cpp"])
+def test_bindings_compile_against_torch_headers(source, tmp_path):
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
@@ -58,7 +59,7 @@ def test_bindings_compile_against_torch_headers(tmp_path):
         stub.mkdir(parents=True)
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes.append(str(tmp_path / "stub"))
-    cmd = [cxx, "-c", str(_build.csrc_dir() / "bindings.cpp"), "-o", str(tmp_path / "b.o"), "-std=c++20", "-fPIC",
+    cmd = [cxx, "-c", str(_build.csrc_dir() / source), "-o", str(tmp_path / "b.o"), "-std=c++20", "-fPIC",
            "-O1", *(f"-I{p}" for p in includes)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]

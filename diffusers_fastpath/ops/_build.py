@@ -14,8 +14,9 @@ The extension is built on the first CUDA call of any fused op with ``torch.utils
 for the architecture of the GPU that is present only, and cached on disk in a directory named by a hash of the
 sources, the build flags, the torch and CUDA versions and the GPU architecture: a changed kernel, another torch or
 another GPU gets a fresh build, an unchanged one loads in well under a second. The kernels are compiled by nvcc
-without torch's headers (``csrc/fastpath.h`` is the plain-C++ interface), and only ``bindings.cpp`` includes the
-(few) torch headers it needs, which keeps the cold build short.
+without torch's headers (``csrc/fastpath.h`` is the plain-C++ interface), and only the ``bindings*.cpp`` files
+(one per family of ops, through ``bindings_common.h``) include the (few) torch headers they need, which keeps the
+cold build short.
 
 When no kernels can be had (a ROCm or CPU-only build of torch, no CUDA compiler, no ninja, a failed build), the
 cause is found once, logged once as one warning that names it and the fix, and remembered: every later call raises
