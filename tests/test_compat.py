@@ -11,6 +11,7 @@ The cells that need CUDA (offloading to an accelerator, streams, CUDA attention 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
@@ -884,3 +885,37 @@ def test_unpatch_after_a_hook_bound_the_patched_forward(family):
     before = [(s.fast, dict(s.fallback)) for s in sites]
     assert torch.equal(out(model, inputs), out(ref_model, inputs))
     assert [(s.fast, dict(s.fallback)) for s in sites] == before  # nothing of the patch ran after `unpatch`
+
+
+@pytest.mark.parametrize("value, disabled", [("1", True), (" TRUE ", True), ("on", True), ("0", False), ("", False),
+                                             (None, False)])
+def test_off_switch_read_per_call_as_os_environ_reads_it(monkeypatch, value, disabled):
+    """The per-call read of ``DIFFUSERS_FASTPATH_DISABLE`` (one lookup in os.environ's own dict) sees what
+    ``os.environ.get`` sees, set and deleted after import."""
+    from diffusers_fastpath.ops._policy import _env_disabled
+
+    if value is None:
+        monkeypatch.delenv(ENV_DISABLE, raising=False)
+    else:
+        monkeypatch.setenv(ENV_DISABLE, value)
+    assert _env_disabled() is disabled
+    assert (os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")) is disabled
+
+
+def test_autocast_question_is_the_tensors_devices():
+    """`autocast_on` answers ``torch.is_autocast_enabled`` of the first tensor's device, and for a device autocast
+    does not know (meta) that it is off, without raising."""
+    from diffusers_fastpath.ops._policy import autocast_on
+
+    x = torch.zeros(2)
+    assert autocast_on((None, x)) is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_on((None, x)) is True
+        assert autocast_on((None,)) is False
+    prev = torch.is_autocast_enabled("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        assert autocast_on((x,)) is False  # on for CUDA only: not the CPU tensor's
+    finally:
+        torch.set_autocast_enabled("cuda", prev)
+    assert autocast_on((torch.empty(2, device="meta"),)) is False

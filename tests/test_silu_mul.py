@@ -293,3 +293,49 @@ def test_swiglu_cat_guard_hands_check_pointers_on(monkeypatch):
     x = torch.randn(16 * 128 + 1).to(torch.bfloat16)[1:].view(1, 16, 128)  # one element in: not 16-byte aligned
     assert module._cat_guard(attn, x, None, check_pointers=False) is None
     assert module._cat_guard(attn, x, None, check_pointers=True) is not None
+
+
+def _rows_as_views(t):
+    """The kernel's rows made as views (the guard's `_rows_layout` reads their sizes and strides without making
+    them): ``unsqueeze(0)`` of packed rows, a feature map's ``movedim(1, -1)`` then ``flatten`` (channels last) or
+    ``flatten(2)`` (channels first)."""
+    if t.dim() == 2:
+        return t.unsqueeze(0), False
+    if t.dim() <= 3 or 1 in t.shape[1:] or t.stride(0) < max(st * n for st, n in zip(t.stride()[1:], t.shape[1:])):
+        return t, False
+    last = t.stride(1) == 1
+    spatial = t.movedim(1, -1) if last else t
+    lo, hi = (1, t.dim() - 2) if last else (2, t.dim() - 1)
+    if not last and spatial.stride(hi) != 1:
+        return t, False
+    if any(spatial.stride(i) != spatial.stride(i + 1) * spatial.shape[i + 1] for i in range(lo, hi)):
+        return t, False
+    return spatial.flatten(lo, hi), last
+
+
+def _layouts():
+    """Tensors of every layout the guard meets and then some: packed rows (sliced, empty, stride 0), feature maps
+    channels first and last (halves of a convolution's output, 3-D and 5-D), permuted, sliced, with size-1 dims."""
+    base = torch.arange(4 * 6 * 8 * 10, dtype=torch.bfloat16)
+    out = [base.view(24, 80), base.view(24, 80)[:, :40], base.view(80, 24).t(), base[:1].expand(7, 16),
+           base.view(24, 80)[:0], base.view(4, 8, 6, 10).movedim(1, -1)]
+    for shape in ((2, 16, 6, 5), (1, 32, 3, 2), (2, 8, 3, 2, 5), (3, 16, 10), (2, 4, 1, 6), (2, 2, 4, 6)):
+        x = torch.zeros(shape, dtype=torch.bfloat16)
+        last = x.movedim(1, -1).contiguous().movedim(-1, 1)  # channels last
+        out += [x, last, x.chunk(2, dim=1)[1], last.chunk(2, dim=1)[1], x.transpose(-1, -2), x[..., ::2],
+                x.movedim(0, -1), last[:, :, 1:]]
+    return out
+
+
+@pytest.mark.parametrize("t", _layouts(), ids=lambda t: f"{tuple(t.shape)}:{t.stride()}")
+def test_rows_layout_is_the_views_the_kernel_makes(t):
+    from diffusers_fastpath.ops._policy import laid_out_contiguous, layout_laid_out_contiguous
+    from diffusers_fastpath.ops.silu_mul import _rows_layout, _rows_of
+
+    view, last = _rows_as_views(t)
+    layout = _rows_layout(t.shape, t.stride())
+    assert layout is None if view is t else layout == (tuple(view.shape), view.stride(), last)
+    rows, rows_last = _rows_of(t)
+    assert (rows.shape, rows.stride(), rows.storage_offset(), rows_last) == (
+        view.shape, view.stride(), view.storage_offset(), last)
+    assert layout_laid_out_contiguous(tuple(view.shape), view.stride()) is laid_out_contiguous(view)

@@ -69,11 +69,26 @@ def capturing() -> bool:
 def autocast_on(args) -> bool:
     """Whether autocast is on for the device of the first tensor of `args`. CUDA autocast runs layer_norm,
     group_norm, rsqrt, pow, exp, norm, ... in float32 whatever their inputs' dtype, so a bf16 model's eager chain
-    there is not the one a kernel reproduces: every fused op refuses (one C call, about 0.1 us)."""
+    there is not the one a kernel reproduces: every fused op refuses. Asked per call, so first the one C call that
+    says whether autocast is on for any device (0.1 us; building the tensor's device to ask for it alone is 1 us):
+    off everywhere, no tensor's device has it on, except MPS, which that call does not cover (asked by name)."""
+    any_on = _any_autocast()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return (any_on or a.is_mps) and torch.is_autocast_enabled(a.device.type)
+    return False
+
+
+def _autocast_on_traced(args) -> bool:
+    """`autocast_on` as ``torch.compile`` traces it (its questions are constants of the trace)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             return torch.is_autocast_enabled(a.device.type)
     return False
+
+
+_any_autocast = torch._C._is_any_autocast_enabled  # (every autocast device type but MPS, in one C call)
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def global_module_hooks() -> bool:
@@ -208,8 +223,24 @@ def hooked(module: nn.Module) -> bool:
     return hooks_on(module) or _class_forward_replaced(type(module))
 
 
+_ENVIRON = os.environ
+_ENV_DATA = getattr(_ENVIRON, "_data", None)  # what os.environ's item assignment and deletion keep up to date
+_ENV_KEY = _ENVIRON.encodekey(ENV_DISABLE) if _ENV_DATA is not None else None
+_TRUE = frozenset(("1", "true", "yes", "on"))
+
+
 def _env_disabled() -> bool:
-    return os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on")
+    """``DIFFUSERS_FASTPATH_DISABLE`` set to a true value now: read on every fused call, as the one dict lookup
+    (0.05 us) under ``os.environ``'s (1 us: it encodes the key and decodes the value each time); any other
+    ``os.environ`` object (one that replaced it) is asked the ordinary way."""
+    if _ENV_DATA is not None and os.environ is _ENVIRON:
+        raw = _ENV_DATA.get(_ENV_KEY)
+        if raw is None:
+            return False
+        value = _ENVIRON.decodevalue(raw)
+    else:
+        value = os.environ.get(ENV_DISABLE, "")
+    return value.strip().lower() in _TRUE
 
 
 class Site:
@@ -296,7 +327,7 @@ class FusedOp:
                 self.disabled is None
                 and not self.env_disabled
                 and self._hooks_reason(args) is None
-                and not autocast_on(args)
+                and not _autocast_on_traced(args)
                 and self.guard(*args, check_pointers=False) is None
                 and (self.verify_key is None or self.verify_key(*args) in self.verified)
             ):
@@ -310,7 +341,10 @@ class FusedOp:
         reason counted on `site`: for a caller whose alternative is not this op's fallback (a hand-off between blocks
         that, refused, leaves the next block to compute its own part). Not for ``torch.compile`` traces (the caller
         takes its alternative there; the compiler sees no fused op)."""
-        if self.env_disabled:
+        # Paid on every fused call (a transformer step makes a hundred or more: tools/host_overhead.py measures it),
+        # so each question is its cheapest exact form (`_env_disabled`, `autocast_on`), none builds a string unless
+        # it refuses, and every one is still asked on every call.
+        if _env_disabled():
             reason = REASON_ENV
         elif self.disabled is not None:
             reason = self.disabled_reason
@@ -347,14 +381,18 @@ class FusedOp:
 
     def _refusal(self, args) -> str | None:
         """Why the kernel may not run on `args` now, or ``None``; never raises. A functorch transform is refused
-        first (74 ns: the guards read ``data_ptr``, which a batched tensor does not have), then hooks on the
-        modules the kernel stands for, then the op's guard, whose exception (a bug here) is a refusal too."""
-        if torch._C._are_functorch_transforms_active():
+        first (74 ns: the guards read ``data_ptr``, which a batched tensor does not have), then autocast, then hooks
+        on the modules the kernel stands for, then the op's guard, whose exception (a bug here) is a refusal too."""
+        if _functorch_active():
             return REASON_TRANSFORM
         if autocast_on(args):
             return REASON_AUTOCAST
         try:
-            return self._hooks_reason(args) or self.guard(*args)
+            if self.modules:
+                reason = self._hooks_reason(args)
+                if reason is not None:
+                    return reason
+            return self.guard(*args)
         except Exception as exc:  # noqa: BLE001 - a guard must never raise: the eager expression runs instead
             warn_once(f"diffusers_fastpath: the guard of the fused op '{self.name}' raised {type(exc).__name__}: "
                       f"{exc}; such calls run the eager PyTorch expression (same numbers, slower)")
@@ -474,10 +512,27 @@ def laid_out_contiguous(t: torch.Tensor) -> bool:
     3 us for another layout (CPU timings); never raises."""
     if t.is_contiguous():
         return True
-    sizes, strides = t.shape, t.stride()
+    return _dense_in_order(t.shape, t.stride())
+
+
+def layout_laid_out_contiguous(sizes: tuple, strides: tuple) -> bool:
+    """`laid_out_contiguous` of a tensor of these sizes and strides, read from them alone (a guard that knows the
+    layout of a view it would make asks this instead of making it: a view costs about 1 us on the host)."""
+    if 0 in sizes:
+        return True  # (an empty tensor is contiguous)
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return _dense_in_order(sizes, strides)
+            expected *= size
+    return True
+
+
+def _dense_in_order(sizes, strides) -> bool:
     if all(a > b for a, b in zip(strides, strides[1:])):
         return True
-    perm = list(range(t.dim() - 1, -1, -1))  # innermost first, as aten's
+    perm = list(range(len(sizes) - 1, -1, -1))  # innermost first, as aten's
     for i in range(1, len(perm)):
         d1 = i
         for d0 in range(i - 1, -1, -1):

@@ -37,7 +37,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import LazyLauncher
-from ._policy import HALF_DTYPES, REASON_LAYOUT, FusedOp, Site, bits, laid_out_contiguous
+from ._policy import HALF_DTYPES, REASON_LAYOUT, FusedOp, Site, bits, layout_laid_out_contiguous
 from .gelu_cat import every_value
 
 _VEC_BYTES = 16
@@ -69,27 +69,74 @@ def act_reason(act: nn.Module | None) -> str | None:
 
 
 def _rows_of(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The ``[B, L, D]`` rows the kernel runs on, as a view, and whether they are a feature map's channels-last rows.
+    """The ``[B, L, D]`` rows the kernel runs on, as a view, and whether they are a feature map's channels-last rows
+    (`_rows_layout`; the tensor as it is where that has none)."""
+    rows = _rows_layout(t.shape, t.stride())
+    if rows is None:
+        return t, False
+    return t.as_strided(rows[0], rows[1]), rows[2]
 
-    Packed ``[N, D]`` rows are ``[1, N, D]``. A feature map ``[B, C, *S]`` (Sana's ``GLUMBConv`` halves) is
-    ``[B, C, prod(S)]`` where its spatial dimensions collapse into one of unit stride (channels first), or
+
+def _rows_layout(shape: tuple, strides: tuple) -> tuple[tuple, tuple, bool] | None:
+    """The sizes and strides of the ``[B, L, D]`` rows the kernel runs on, for a tensor of `shape` and `strides`, and
+    whether they are a feature map's channels-last rows; ``None`` where the tensor is taken as it is. Read from the
+    sizes and strides alone: the guard asks this on every call, and the views it describes cost 2 us each to make
+    (the kernel makes them, with one ``as_strided``; ``tests/test_silu_mul.py`` checks them against the views).
+
+    Packed ``[N, D]`` rows are ``[1, N, D]`` (``unsqueeze(0)``). A feature map ``[B, C, *S]`` (Sana's ``GLUMBConv``
+    halves) is ``[B, C, prod(S)]`` where its spatial dimensions collapse into one of unit stride (channels first), or
     ``[B, prod(S), C]`` where its channels have unit stride and its spatial dimensions collapse (channels last: the
-    convolutions' output for a permuted ``[B, H, W, C]`` input). Eager lays its result out in that same order (its
-    elementwise kernels order dimensions by the inputs' strides), which is the order of the kernel's contiguous rows,
-    as long as no dimension but the batch has size 1 (an ambiguous stride) and the batch is outermost: otherwise the
-    tensor is returned as it is (and the guard refuses it for its shape)."""
-    if t.dim() == 2:
-        return t.unsqueeze(0), False
-    if t.dim() <= 3 or 1 in t.shape[1:] or t.stride(0) < max(st * n for st, n in zip(t.stride()[1:], t.shape[1:])):
-        return t, False
-    last = t.stride(1) == 1
-    spatial = t.movedim(1, -1) if last else t
-    lo, hi = (1, t.dim() - 2) if last else (2, t.dim() - 1)  # the spatial dimensions of `spatial`
-    if not last and spatial.stride(hi) != 1:
-        return t, False
-    if any(spatial.stride(i) != spatial.stride(i + 1) * spatial.shape[i + 1] for i in range(lo, hi)):
-        return t, False
-    return spatial.flatten(lo, hi), last
+    convolutions' output for a permuted ``[B, H, W, C]`` input; ``movedim(1, -1)`` then ``flatten``). Eager lays its
+    result out in that same order (its elementwise kernels order dimensions by the inputs' strides), which is the
+    order of the kernel's contiguous rows, as long as no dimension but the batch has size 1 (an ambiguous stride) and
+    the batch is outermost: otherwise the tensor is taken as it is (and the guard refuses it for its shape)."""
+    n = len(shape)
+    if n == 2:
+        return (1, shape[0], shape[1]), (shape[0] * strides[0], strides[0], strides[1]), False
+    if n <= 3 or 1 in shape[1:] or strides[0] < max(st * k for st, k in zip(strides[1:], shape[1:])):
+        return None
+    last = strides[1] == 1
+    if last:  # movedim(1, -1): the spatial dimensions 1 .. n - 2, channels innermost
+        shape, strides = (shape[0], *shape[2:], shape[1]), (strides[0], *strides[2:], strides[1])
+        lo, hi = 1, n - 2
+    else:
+        lo, hi = 2, n - 1
+        if strides[hi] != 1:
+            return None
+    for i in range(lo, hi):
+        if strides[i] != strides[i + 1] * shape[i + 1]:
+            return None
+    flat = 1
+    for k in shape[lo:hi + 1]:
+        flat *= k
+    rows = (*shape[:lo], flat, *shape[hi + 1:])
+    return rows, _view_strides(shape, strides, rows), last
+
+
+def _view_strides(shape: tuple, strides: tuple, new: tuple) -> tuple:
+    """The strides ``view(new)`` gives a tensor of `shape` and `strides` that it can view (aten's ``computeStride``,
+    for a `new` that only merges dimensions: its size-1 dimensions get the stride of the chunk they sit in, not the
+    merged dimension's own)."""
+    out = [0] * len(new)
+    if 0 in shape:  # (empty: aten's strides of a contiguous tensor, a size-0 dimension counted as 1)
+        if tuple(shape) == tuple(new):
+            return tuple(strides)
+        step = 1
+        for d in range(len(new) - 1, -1, -1):
+            out[d] = step
+            step *= max(new[d], 1)
+        return tuple(out)
+    view_d, base, numel, view_numel = len(new) - 1, strides[-1], 1, 1
+    for d in range(len(shape) - 1, -1, -1):
+        numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != numel * base):
+            while view_d >= 0 and (view_numel < numel or new[view_d] == 1):
+                out[view_d] = view_numel * base
+                view_numel *= new[view_d]
+                view_d -= 1
+            if d > 0:
+                base, numel, view_numel = strides[d - 1], 1, 1
+    return tuple(out)
 
 
 def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, up_first: bool = False,
@@ -100,11 +147,16 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, u
     reason = act_reason(act)
     if reason is not None:
         return reason
-    if gate.dim() != up.dim() or gate.shape != up.shape:
+    shape = gate.shape
+    if shape != up.shape:  # (sizes equal: dims equal)
         return "shape"
-    if up_first and gate.stride() != up.stride():
+    gate_strides, up_strides = gate.stride(), up.stride()
+    if up_first and gate_strides != up_strides:
         return "operands laid out differently"  # the kernel lays its result out after gate, eager's after up
-    (gate, last), (up, up_last) = _rows_of(gate), _rows_of(up)  # packed rows, feature maps: the kernel's [B, L, D]
+    # packed rows, feature maps: the kernel's [B, L, D] (`_rows_layout`, the views `_kernel` makes)
+    rows, up_rows = _rows_layout(shape, gate_strides), _rows_layout(shape, up_strides)
+    sizes, strides, last = (tuple(shape), gate_strides, False) if rows is None else rows
+    up_sizes, up_strides, up_last = (tuple(shape), up_strides, False) if up_rows is None else up_rows
     if last is not up_last:
         return "feature maps laid out differently"
     dtype = gate.dtype
@@ -112,16 +164,17 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, u
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if up.dtype is not dtype:
         return "mixed dtypes"
-    if gate.dim() != 3 or up.shape != gate.shape:
+    if len(sizes) != 3 or up_sizes != sizes:
         return "shape"
     vec = _VEC_BYTES // gate.element_size()
-    if gate.shape[2] % vec:
+    if sizes[2] % vec:
         return f"D not a multiple of {vec}"
     if gate.numel() == 0:
         return "empty"
-    if not all(t.stride(2) == 1 and t.stride(1) % vec == 0 and t.stride(0) % vec == 0 for t in (gate, up)):
+    if not (strides[2] == 1 and strides[1] % vec == 0 and strides[0] % vec == 0
+            and up_strides[2] == 1 and up_strides[1] % vec == 0 and up_strides[0] % vec == 0):
         return "rows strided"
-    if eager_layout and not laid_out_contiguous(gate):
+    if eager_layout and not layout_laid_out_contiguous(sizes, strides):
         return REASON_LAYOUT  # [B, L, D] rows in [L, B, D] memory: eager's product keeps that order, the kernel's not
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return "requires grad"
@@ -181,7 +234,8 @@ def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _new_out(gate: torch.Tensor) -> torch.Tensor:
     """An output for `gate`'s product laid out as `_kernel` lays it out (a channels-last feature map's channels last,
     else contiguous): what torch.compile is told (the fake) and what its op returns either way."""
-    if gate.dim() > 3 and _rows_of(gate)[1]:
+    rows = _rows_layout(gate.shape, gate.stride()) if gate.dim() > 3 else None
+    if rows is not None and rows[2]:
         return gate.new_empty(gate.shape[0], *gate.shape[2:], gate.shape[1]).movedim(-1, 1)
     return gate.new_empty(gate.shape)
 
