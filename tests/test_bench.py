@@ -608,7 +608,7 @@ def test_python_dash_m_smoke():
 def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
     flux_ops = {"modulate_scale_shift", "layernorm_scale_shift", "gated_residual", "gated_layernorm_scale_shift",
                 "rotary_emb", "qk_norm_rope", "qk_norm_rope (text+image)", "linear_gelu (high)", "gelu_cat",
-                "linear_cat"}
+                "linear_cat", "group_norm_silu"}  # (the VAE decoder's GroupNorm + SiLU, FLUX.1's and FLUX.2's)
     sd3_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm (image q)", "rmsnorm (text q)", "cat_heads"}
     qwen_ops = {"layernorm_scale_shift", "gated_residual", "rmsnorm_rope_complex (image q)",
                 "rmsnorm_rope_complex (text q)", "rmsnorm_rope_complex_cat (text+image q)"}
@@ -617,7 +617,7 @@ def test_bench_kernels_at_flux_dev_and_ernie_shapes_are_equal(tmp_path):
                        ("qwen-image-tiny", qwen_ops), ("ltx-video-tiny", {"rmsnorm_modulate", "rotary_emb_rows (q)", "qk_norm_rows_rope (q)",
                                           "qk_norm_rows_rope_pair (q, k)"}),
                        ("flux2-klein", {"layernorm_scale_shift", "gated_residual", "qk_norm_rope (text+image)",
-                                        "qk_norm_rope", "silu_mul"})):
+                                        "qk_norm_rope", "silu_mul", "group_norm_silu"})):
         path = tmp_path / f"{model}.json"
         size = ["--height", "1024", "--width", "1024"]  # the tiny models' default is smaller
         assert bench.main(["--model", model, "--levels", "kernels", "--no-progress", *size, "--json", str(path)]) == 0
