@@ -125,9 +125,13 @@ _nvrtc.raw_op("_zero_centred_rmsnorm_cuda", "(Tensor x, Tensor weight, float eps
 _launch = LazyLauncher(_nvrtc_kernel, "_zero_centred_rmsnorm_cuda")  # (x [rows, C], weight + 1, eps, norm_final)
 
 
+def _fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel over x's rows, with the forward's own float32 add ``weight + 1.0`` made first."""
+    return _launch(x.view(-1, x.shape[-1]), weight + 1.0, eps, ROW_NORM_FINAL).view(x.shape)
+
+
 def _kernel(norm, x: torch.Tensor) -> torch.Tensor:
-    weight = norm.weight + 1.0  # the forward's own float32 add
-    return _launch(x.view(-1, x.shape[-1]), weight, norm.eps, ROW_NORM_FINAL).view(x.shape)
+    return _fused(x, norm.weight, norm.eps)
 
 
 @torch.library.custom_op("diffusers_fastpath::zero_centred_rmsnorm", mutates_args=())
@@ -135,7 +139,7 @@ def _zero_centred_rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) 
     # What torch.compile runs: the kernel on CUDA (the caller's guard admitted these inputs; torch.compile emits this
     # op only for signatures already verified, see FusedOp), the arithmetic elsewhere.
     if x.is_cuda:
-        return _launch(x.view(-1, x.shape[-1]), weight + 1.0, eps, ROW_NORM_FINAL).view(x.shape)
+        return _fused(x, weight, eps)
     return zero_centred_rmsnorm_arithmetic(x, weight, eps)
 
 
