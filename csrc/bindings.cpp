@@ -294,8 +294,10 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   check_rows(x, x, "x");
   const int64_t dim = x.size(2);
   // rows shorter than 128: aten's scalar reduction order (see rmsnorm_scale_shift.cu), not for the gated prologue
-  TORCH_CHECK(dim % 128 == 0 || (!update.has_value() && dim >= 32 && dim < 128 && dim % 4 == 0),
-              "rmsnorm_scale_shift: dim must be a multiple of 128 (or, not gated, a multiple of 4 in [32, 128))");
+  TORCH_CHECK(dim % 128 == 0 ||
+                  (!update.has_value() && dim >= 32 && dim % 4 == 0 && (dim < 128 || epilogue == RmsEpilogue::kPlain)),
+              "rmsnorm_scale_shift: dim must be a multiple of 128 (or, not gated, a multiple of 4 in [32, 128); the "
+              "plain norm: any multiple of 4 from 32)");
   TORCH_CHECK(weight.has_value() || epilogue == RmsEpilogue::kModulate,
               "rmsnorm_scale_shift: only the modulate epilogue takes a norm without weight");
   TORCH_CHECK(!weight.has_value() || (weight->dim() == 1 && weight->size(0) == dim && weight->is_contiguous() &&

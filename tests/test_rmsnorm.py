@@ -63,10 +63,13 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, transposed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 4429, 4096), (2, 1024, 3072), (1, 300, 640), (1, 17, 7936), (3, 77, 5120),
-                                   (1, 4096, 18, 256), (2, 333, 4, 384), (1, 999, 512)], ids=str)
+                                   (1, 4096, 18, 256), (2, 333, 4, 384), (1, 999, 512),
+                                   # a multiple of 4, no multiple of 128: lanes with one quad fewer (Sana-Video's 2240)
+                                   (1, 4725, 2240), (2, 77, 1028), (1, 300, 132), (2, 64, 4, 192), (1, 33, 8160)],
+             ids=str)
 def test_wide_rows_match_eager_bitwise_on_the_gpu(shape, dtype):
-    """Rows longer than 128, a multiple of 128 below 8192: pre-norms across a whole row (Cosmos 3's hidden 4096),
-    Ideogram 4's QK norms at head_dim 256, 384 and 512: the kernel's output poisoned, every element written and equal
+    """Rows longer than 128, a multiple of 4 below 8192: pre-norms across a whole row (Cosmos 3's hidden 4096),
+    Ideogram 4's QK norms at head_dim 256, 384 and 512, Sana-Video's 2240 and widths no multiple of 128: the kernel's output poisoned, every element written and equal
     to diffusers' forward; through the op, fast and verified for (dtype, D)."""
     from diffusers_fastpath.ops._build import load_extension
 
@@ -89,6 +92,7 @@ def test_wide_rows_match_eager_bitwise_on_the_gpu(shape, dtype):
     ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
     ("wide", "device cpu"), ("wide-256", "device cpu"), ("wide-8192", "D outside the reproduced reduction"),
     ("wide-odd", "D outside the reproduced reduction"),
+    ("wide-8164", "D outside the reproduced reduction"),
     ("odd", "D outside the reproduced reduction"), ("few", "fewer than 16 rows"), ("strided", "x not dense"),
     ("bias", "norm without weight or with bias"), ("weightless", "device cpu"), ("cpu", "device cpu")])
 def test_guard_falls_back_with_reason(case, reason):
@@ -98,11 +102,11 @@ def test_guard_falls_back_with_reason(case, reason):
     elif case == "weight":
         norm = norm.float()
     elif case == "dim":
-        norm, x = make((1, 9, 4, 192), torch.bfloat16, "cpu", 1)
+        norm, x = make((1, 9, 4, 194), torch.bfloat16, "cpu", 1)
     elif case == "odd":
         norm, x = make((1, 9, 4, 66), torch.bfloat16, "cpu", 1)
-    elif case.startswith("wide"):  # a pre-norm's [B, S, D]: wide rows, a multiple of 128 with 512 < D < 8192
-        dim = {"wide": 1024, "wide-256": 256, "wide-8192": 8192, "wide-odd": 1000}[case]
+    elif case.startswith("wide"):  # a pre-norm's [B, S, D]: wide rows, a multiple of 4 with 128 < D < 8192
+        dim = {"wide": 1024, "wide-256": 256, "wide-8192": 8192, "wide-odd": 1002, "wide-8164": 8164}[case]
         norm, x = make((1, 20, dim), torch.bfloat16, "cpu", 1, transposed=False)
     elif case == "few":
         norm, x = make((1, 3, 2, 64), torch.bfloat16, "cpu", 1)

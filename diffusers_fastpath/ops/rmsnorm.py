@@ -17,13 +17,18 @@ per element ``l + 32 k`` and combines them in order, then the shuffle-down tree;
 order of `rmsnorm_rope_complex`; longer rows (a multiple of 128 with 128 < D < 8192) the vectorised order of the
 sandwich norms' `rmsnorm_scale` (the same kernel loop, measured against aten at D = 4096; for D > 128 aten's
 setReduceConfig vectorises the input by 4 and gives each row one warp of 32 lanes up to D / 128 < 64 quads per
-lane, the same configuration at every such D, so 256 to 512 take that order too). The order is a property of the
+lane, the same configuration at every such D, so 256 to 512 take that order too, and so do rows of a multiple of 4
+that are no multiple of 128: lane l adds quads l, l + 32, ... below D / 4, as aten's vectorised loop does, some
+lanes one quad fewer; the fp32 rows of such a D start 16-byte aligned, so aten reads no unaligned head, and with D
+% 4 == 0 no tail. Sana's and Sana-Video's norms, 2240 wide, since session 31). The one bound is aten's: its
+per-thread count is ``ceil(D / 32)`` elements (not quads), and at 256 (D > 8160) it splits each row across the
+block's 16 warps and combines them through shared memory, another order (D = 8188 measured different on an H100). The order is a property of the
 aten build, so the op verifies itself: the first fast call of each (dtype, D) is compared with eager by
 ``torch.equal``; a mismatch disables it for the process with one warning and runs the norm as written.
 
 ``x`` may be any dense layout with unit innermost stride (SD3's processors normalise ``[B, H, S, D]`` views of
 ``[B, S, H, D]`` projections): the kernel runs over the rows in memory order and the result has ``x``'s strides, as
-eager's has. The guard admits 32 <= D < 128 with D a multiple of 4, and multiples of 128 below 8192; at least 16 rows;
+eager's has. The guard admits D a multiple of 4 from 32 to 8160; at least 16 rows;
 fp16/bf16 ``x``; diffusers' ``RMSNorm`` or ``FastpathRMSNorm`` with a ``[D]`` weight of x's dtype, or none
 (``elementwise_affine=False``: a weight of ones stands in, which rounds nothing), and no bias; no autograd.
 """
@@ -52,6 +57,10 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
     return order if x.permute(order).is_contiguous() else None
 
 
+# aten splits a row across warps once ceil(D / 32) reaches 256 values per thread (its max_values_per_thread)
+_WIDEST = 8160
+
+
 def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     reason = norm_reason(norm, x, weightless=True)
     if reason is not None:
@@ -59,7 +68,7 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     if x.dim() < 2:
         return "shape"
     dim = x.shape[-1]
-    if not (dim == 128 or (32 <= dim < 128 and dim % 4 == 0) or (dim % 128 == 0 and 128 < dim < 8192)):
+    if not (dim % 4 == 0 and 32 <= dim <= _WIDEST):
         return "D outside the reproduced reduction"
     rows = x.numel() // dim
     if rows < 16:
