@@ -68,7 +68,7 @@ at::Tensor modulate_scale_shift(const at::Tensor& x, const at::Tensor& scale, co
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
 // input raises instead of reading out of bounds.
 void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
-                                 const at::Tensor& update) {
+                                 const at::Tensor& update, bool table = false) {
   TORCH_CHECK(residual.is_cuda(), "gated_residual: residual must be a CUDA tensor");
   TORCH_CHECK(residual.dim() == 3, "gated_residual: residual must be [batch, seq, dim], got ",
               shape_str(residual.sizes()));
@@ -88,17 +88,33 @@ void check_gated_residual_inputs(const at::Tensor& out, const at::Tensor& residu
                   residual.is_contiguous() && update.is_contiguous(),
               "gated_residual: out, residual and update must be contiguous and of one shape");
   TORCH_CHECK(dim % vec == 0, "gated_residual: dim must be a multiple of ", std::to_string(vec));
+  // table: the indexed form's [1, rows, dim] view of a [rows, dim] table (any number of rows)
   TORCH_CHECK(gate.dim() == 3 && gate.size(2) == dim && (gate.size(0) == batch || gate.size(0) == 1) &&
-                  (gate.size(1) == seq || gate.size(1) == 1),
+                  (gate.size(1) == seq || gate.size(1) == 1 || (table && gate.size(0) == 1)),
               "gated_residual: gate must be [batch or 1, seq or 1, dim], got ", shape_str(gate.sizes()));
   TORCH_CHECK(gate.stride(2) == 1 && (gate.size(0) == 1 || gate.stride(0) % gate_vec == 0) &&
                   (gate.size(1) == 1 || gate.stride(1) % gate_vec == 0),
               "gated_residual: gate rows must have unit innermost stride and stay 16-byte aligned");
 }
 
-void gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
-                        const at::Tensor& update) {
-  check_gated_residual_inputs(out, residual, gate, update);
+// Indexed rows (gated_residual_rows, layernorm_modulate_rows): an int32 [batch, seq] index on x's device, contiguous;
+// its values (rows of the tables) are the caller's to keep in range: they are built from a mask, never read here.
+void check_row_index(const at::Tensor& index, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(index.scalar_type() == at::kInt && index.dim() == 2 && index.size(0) == x.size(0) &&
+                  index.size(1) == x.size(1) && index.is_contiguous() && index.device() == x.device(),
+              op, ": index must be a contiguous int32 [batch, seq] tensor on x's device");
+}
+
+// A [rows, dim] table as the [1, rows, dim] rows whose seq stride is the table's row stride (the indexed form's).
+at::Tensor table_rows(const at::Tensor& table, const char* op) {
+  TORCH_CHECK(table.dim() == 2, op, ": the table must be [rows, dim], got ", shape_str(table.sizes()));
+  return table.unsqueeze(0);
+}
+
+void gated_residual_launch(at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
+                           const at::Tensor& update, const at::Tensor* index) {
+  check_gated_residual_inputs(out, residual, gate, update, index != nullptr);
+  if (index != nullptr) check_row_index(*index, residual, "gated_residual_rows");
   if (residual.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(residual.device());
   GatedResidualArgs args;
@@ -113,8 +129,27 @@ void gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::T
   args.gate_seq_stride = gate.size(1) == 1 ? 0 : gate.stride(1);
   args.dtype = to_dtype(residual);
   args.gate_fp32 = gate.scalar_type() == at::kFloat;
+  args.index = index != nullptr ? index->data_ptr<int32_t>() : nullptr;
+  if (index != nullptr) {  // the table's rows: stride 0 only where it has one row (every index 0)
+    args.gate_batch_stride = 0;
+    args.gate_seq_stride = gate.size(1) == 1 ? 0 : gate.stride(1);
+  }
   const cudaError_t err = launch_gated_residual(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gated_residual: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
+                        const at::Tensor& update) {
+  gated_residual_launch(out, residual, gate, update, nullptr);
+}
+
+// Qwen-Image 2.1's gates: the gate row of (b, s) is row index[b, s] of the [rows, dim] table (its where-picked rows).
+at::Tensor gated_residual_rows(const at::Tensor& residual, const at::Tensor& table, const at::Tensor& index,
+                               const at::Tensor& update) {
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  const at::Tensor gate = table_rows(table, "gated_residual_rows");
+  gated_residual_launch(out, residual, gate, update, &index);
+  return out;
 }
 
 at::Tensor gated_residual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& update) {
@@ -483,7 +518,8 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
                                   bool affine = false, at::Tensor* x_out = nullptr, const at::Tensor* gate = nullptr,
                                   const at::Tensor* update = nullptr, int64_t scale_seq_stride = 0,
                                   int64_t shift_seq_stride = 0, const at::Tensor* norm_weight = nullptr,
-                                  const at::Tensor* norm_bias = nullptr, bool no_shift = false) {
+                                  const at::Tensor* norm_bias = nullptr, bool no_shift = false,
+                                  const at::Tensor* row_index = nullptr) {
   const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
   check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
@@ -519,6 +555,7 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   if (no_shift) args.shift = nullptr;  // layernorm_modulate without a shift: `shift` stood for the scale in the checks
   args.norm_weight = norm_weight != nullptr ? norm_weight->data_ptr() : nullptr;
   args.norm_bias = norm_bias != nullptr ? norm_bias->data_ptr() : nullptr;
+  args.row_index = row_index != nullptr ? row_index->data_ptr() : nullptr;
   if (args.gated) {  // x is the residual (gated_layernorm_scale_shift)
     check_gated_residual_inputs(*x_out, x, *gate, *update);
     TORCH_CHECK(!modulate_fp32 && gate->scalar_type() == x.scalar_type() && gate->size(1) == 1,
@@ -575,16 +612,20 @@ at::Tensor layernorm_affine_fp32(const at::Tensor& x, const at::Tensor& weight, 
 // [batch or 1, seq or 1, dim] rows of x's dtype (unit innermost stride, 16-byte aligned rows); weight and bias the
 // norm's fp32 [dim] rows (aten's gamma and beta as it reads them), or both absent; no shift: the scale-only modulate
 // `norm(x) * (1 + scale)` (Qwen-Image 2.1).
-at::Tensor layernorm_modulate(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& shift_opt,
-                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                              double eps) {
+// row_index (layernorm_modulate_rows): scale/shift are [1, rows, dim] views of [rows, dim] tables, any rows.
+at::Tensor layernorm_modulate_launch(const at::Tensor& x, const at::Tensor& scale,
+                                     const std::optional<at::Tensor>& shift_opt, const std::optional<at::Tensor>& weight,
+                                     const std::optional<at::Tensor>& bias, double eps,
+                                     const at::Tensor* row_index) {
   const bool no_shift = !(shift_opt.has_value() && shift_opt->defined());
   const at::Tensor& shift = no_shift ? scale : *shift_opt;
   TORCH_CHECK(x.dim() == 3 && scale.dim() == 3 && shift.dim() == 3,
               "layernorm_modulate: x and scale/shift must be [batch, seq, dim] tensors");
+  if (row_index != nullptr) check_row_index(*row_index, x, "layernorm_modulate_rows");
   for (const at::Tensor* t : {&scale, &shift}) {
     TORCH_CHECK(t->scalar_type() == x.scalar_type(), "layernorm_modulate: scale/shift must be of x's dtype");
-    TORCH_CHECK((t->size(0) == x.size(0) || t->size(0) == 1) && (t->size(1) == x.size(1) || t->size(1) == 1) &&
+    TORCH_CHECK((t->size(0) == x.size(0) || t->size(0) == 1) &&
+                    (t->size(1) == x.size(1) || t->size(1) == 1 || (row_index != nullptr && t->size(0) == 1)) &&
                     t->size(2) == x.size(2),
                 "layernorm_modulate: scale/shift must be [batch or 1, seq or 1, dim], got ", shape_str(t->sizes()));
     TORCH_CHECK(t->size(1) == 1 || t->stride(1) % (16 / t->element_size()) == 0,
@@ -604,8 +645,25 @@ at::Tensor layernorm_modulate(const at::Tensor& x, const at::Tensor& scale, cons
   const int64_t scale_seq = scale.size(1) == 1 ? 0 : scale.stride(1), shift_seq = shift.size(1) == 1 ? 0 : shift.stride(1);
   layernorm_scale_shift_launch(out, x, scale.select(1, 0), shift.select(1, 0), eps, /*probe=*/false, 0,
                                /*affine=*/false, nullptr, nullptr, nullptr, scale_seq, shift_seq,
-                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift);
+                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift, row_index);
   return out;
+}
+
+at::Tensor layernorm_modulate(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& shift,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              double eps) {
+  return layernorm_modulate_launch(x, scale, shift, weight, bias, eps, nullptr);
+}
+
+// Qwen-Image 2.1's scale rows: token s of sample b reads row index[b, s] of the [rows, dim] scale (and shift) tables.
+at::Tensor layernorm_modulate_rows(const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& shift,
+                                   const at::Tensor& index, const std::optional<at::Tensor>& weight,
+                                   const std::optional<at::Tensor>& bias, double eps) {
+  const std::optional<at::Tensor> shift_rows =
+      shift.has_value() && shift->defined() ? std::optional<at::Tensor>(table_rows(*shift, "layernorm_modulate_rows"))
+                                            : std::nullopt;
+  return layernorm_modulate_launch(x, table_rows(scale, "layernorm_modulate_rows"), shift_rows, weight, bias, eps,
+                                   &index);
 }
 
 // tools/layernorm_order_probe.py: the same kernel with a reduction variant chosen at run time.
@@ -659,6 +717,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_affine_fp32_cuda(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("_layernorm_modulate_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
+  m.def("_gated_residual_rows_cuda(Tensor residual, Tensor table, Tensor index, Tensor update) -> Tensor");
+  m.def("_layernorm_modulate_rows_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor index, Tensor? weight, "
+        "Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
   m.def("_silu_mul_cuda(Tensor gate, Tensor up) -> Tensor");
   m.def("_silu_mul_cuda_out(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
@@ -692,6 +753,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_layernorm_affine_fp32_cuda", &diffusers_fastpath::layernorm_affine_fp32);
   m.impl("_layernorm_modulate_cuda", &diffusers_fastpath::layernorm_modulate);
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
+  m.impl("_gated_residual_rows_cuda", &diffusers_fastpath::gated_residual_rows);
+  m.impl("_layernorm_modulate_rows_cuda", &diffusers_fastpath::layernorm_modulate_rows);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
   m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);
   m.impl("_silu_mul_cuda_out", &diffusers_fastpath::silu_mul_out);

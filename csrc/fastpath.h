@@ -60,6 +60,7 @@ struct GatedResidualArgs {
   int64_t gate_seq_stride;    // in elements; 0 for one gate row per batch (diffusers' `gate.unsqueeze(1)`)
   DType dtype;
   bool gate_fp32;             // the gate is fp32 and the math stays fp32 until the one rounding (Wan); else of dtype
+  const int32_t* index;       // null, or indexed rows: (b, s)'s gate row at gate + index[b * seq + s] * gate_seq_stride
 };
 
 #ifndef __CUDACC_RTC__
@@ -219,6 +220,9 @@ struct LayerNormScaleShiftArgs {
   int64_t shift_seq_stride;   // row per sample ([B, D]); else per-token rows ([B, S, D]: FLUX.3's adaLN, the chain of T)
   const void* norm_weight;    // the LayerNorm's own weight and bias as fp32 [dim] rows (aten's gamma, beta), applied
   const void* norm_bias;      // before the modulate of T's chain: y = round(fma(weight, normed, bias)); both null: none
+  const void* row_index;      // null, or int32 [batch * seq]: token l of sample b reads scale/shift row
+                              // row_index[b * seq + l] of [R, dim] tables, at scale + that * scale_seq_stride (shift
+                              // likewise): Qwen-Image 2.1's where-picked rows, never materialised
 };
 
 #ifndef __CUDACC_RTC__

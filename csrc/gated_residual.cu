@@ -16,6 +16,11 @@
 // `gate.unsqueeze(1)` of an adaLN chunk (one row per batch, any batch stride, 0 to broadcast one row), anything
 // else a full [batch, seq, dim] gate. Each thread owns one 16-byte column vector and walks rows with a grid stride
 // (any seq length); a row gate is kept in registers while consecutive rows stay in the same batch.
+//
+// Indexed rows (`index` not null; Qwen-Image 2.1's `torch.where(mask, params[:-1], params[-1:])` rows, never
+// materialised): the gate row of (b, s) is row index[b * seq + s] of a [R, dim] table, at gate + that *
+// gate_seq_stride; the caller builds the int32 index with every value in [0, R). Values move, nothing is computed:
+// the same gate, the same product and sum.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -50,7 +55,8 @@ __device__ __forceinline__ void load_gate(const G* row, int32_t col, float (&g)[
 template <typename T, typename G, bool kRowGate>
 __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
     T* __restrict__ out, const T* __restrict__ residual, const G* __restrict__ gate, const T* __restrict__ update,
-    int64_t rows, int64_t seq, int32_t vecs_per_row, int64_t gate_batch_stride, int64_t gate_seq_stride) {
+    int64_t rows, int64_t seq, int32_t vecs_per_row, int64_t gate_batch_stride, int64_t gate_seq_stride,
+    const int32_t* __restrict__ index) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
   constexpr bool kFloatGate = SameType<G, float>::value;
@@ -73,7 +79,8 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
         upd[r] = reinterpret_cast<const P*>(update)[row * vecs_per_row + col];
         if constexpr (!kRowGate) {
           const int64_t b = row / seq;
-          const G* g = gate + b * gate_batch_stride + (row - b * seq) * gate_seq_stride;
+          const G* g = index != nullptr ? gate + static_cast<int64_t>(index[row]) * gate_seq_stride
+                                        : gate + b * gate_batch_stride + (row - b * seq) * gate_seq_stride;
           if constexpr (kFloatGate) {
             load_gate<T, G>(g, col, gat_f[r]);
           } else {
@@ -131,12 +138,12 @@ cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   const auto* residual = static_cast<const T*>(a.residual);
   const auto* gate = static_cast<const G*>(a.gate);
   const auto* update = static_cast<const T*>(a.update);
-  if (a.gate_seq_stride == 0) {
+  if (a.gate_seq_stride == 0 && a.index == nullptr) {
     gated_residual_kernel<T, G, true><<<shape.grid, shape.block, 0, stream>>>(
-        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0);
+        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0, nullptr);
   } else {
     gated_residual_kernel<T, G, false><<<shape.grid, shape.block, 0, stream>>>(
-        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride);
+        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride, a.index);
   }
   return cudaGetLastError();
 }

@@ -263,12 +263,18 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
 
   // Normalise (the norm's affine where it has one), round to T, modulate with eager's three rounding points; the
   // rows of sample b, token l (per-token rows: seq strides; one row per sample: 0).
+  // Indexed rows (row_index): row `row`'s entry picks one row of each [R, dim] table, the seq strides its row stride.
   const int64_t l = row - b * a.seq;
-  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.scale) + b * a.scale_batch_stride +
-                                                          l * a.scale_seq_stride);
-  const Quad<S>* shift = a.shift == nullptr ? nullptr  // scale only
-                        : reinterpret_cast<const Quad<S>*>(static_cast<const S*>(a.shift) + b * a.shift_batch_stride +
-                                                           l * a.shift_seq_stride);
+  const int64_t picked = a.row_index != nullptr ? static_cast<const int32_t*>(a.row_index)[row] : -1;
+  const Quad<S>* scale = reinterpret_cast<const Quad<S>*>(
+      static_cast<const S*>(a.scale) +
+      (picked >= 0 ? picked * a.scale_seq_stride : b * a.scale_batch_stride + l * a.scale_seq_stride));
+  const Quad<S>* shift =
+      a.shift == nullptr ? nullptr  // scale only
+                         : reinterpret_cast<const Quad<S>*>(
+                               static_cast<const S*>(a.shift) +
+                               (picked >= 0 ? picked * a.shift_seq_stride
+                                            : b * a.shift_batch_stride + l * a.shift_seq_stride));
   const Quad<float>* weight = static_cast<const Quad<float>*>(a.norm_weight);
   const Quad<float>* bias = static_cast<const Quad<float>*>(a.norm_bias);
   Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
@@ -323,7 +329,8 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
     layernorm_scale_shift_kernel<T, S, 0, false><<<grid, dim3(32, (variant & kEightWarps) ? 8 : 4), 0, stream>>>(a);
     return cudaGetLastError();
   }
-  if ((a.norm_weight != nullptr || a.shift == nullptr || a.scale_seq_stride != 0 || a.shift_seq_stride != 0) &&
+  if ((a.norm_weight != nullptr || a.shift == nullptr || a.scale_seq_stride != 0 || a.shift_seq_stride != 0 ||
+       a.row_index != nullptr) &&
       (a.modulate_fp32 || a.gated || (a.norm_weight == nullptr) != (a.norm_bias == nullptr))) {
     return cudaErrorInvalidValue;  // the norm's affine, per-token rows, no shift: T's chain, not gated (bindings.cpp)
   }

@@ -116,8 +116,9 @@ def emulated_kernels(monkeypatch):
                                                               LAYERNORM_SCALE_SHIFT, LAYERNORM_SCALE_SHIFT_FP32,
                                                               layernorm_affine_fp32_ref, layernorm_scale_shift_fp32_ref,
                                                               layernorm_scale_shift_ref)
-    from diffusers_fastpath.ops.layernorm_modulate import (LAYERNORM_MODULATE, LAYERNORM_SCALE, layernorm_modulate_ref,
-                                                           layernorm_scale_ref)
+    from diffusers_fastpath.ops.layernorm_modulate import (LAYERNORM_MODULATE, LAYERNORM_SCALE, LAYERNORM_SCALE_ROWS,
+                                                           layernorm_modulate_ref, layernorm_scale_ref)
+    from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS
     from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
                                                      qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
@@ -169,6 +170,15 @@ def emulated_kernels(monkeypatch):
         a, b, c0, s1 = x.float()[..., 0::2], x.float()[..., 1::2], cos[..., 0::2], sin[..., 1::2]
         return torch.stack([a * c0 - b * s1, a * s1 + b * c0], dim=-1).flatten(-2).to(x.dtype)
 
+    def indexed(rows):  # the rows as the kernels read them: the table's row index[b, s] (the tanh on the table)
+        return rows.table()[rows.index().long()]
+
+    def layernorm_scale_rows_indexed(norm, x, rows):
+        return layernorm_scale_ref(norm, x, indexed(rows))
+
+    def gated_residual_rows_arithmetic(residual, rows, update):
+        return gated_residual_arithmetic(residual, indexed(rows), update)
+
     def gated_layernorm_arithmetic(norm, residual, gate, update, scale, shift):  # the residual's arithmetic, then the ref
         x = gated_residual_arithmetic(residual, gate, update)
         return x, layernorm_scale_shift_ref(norm, x, scale, shift)
@@ -180,6 +190,8 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_AFFINE_FP32, layernorm_affine_fp32_ref),
                        (LAYERNORM_MODULATE, layernorm_modulate_ref),  # per-token rows, affine and fp32 norms
                        (LAYERNORM_SCALE, layernorm_scale_ref),  # ... without a shift (Qwen-Image 2.1)
+                       (LAYERNORM_SCALE_ROWS, layernorm_scale_rows_indexed),  # ... its where-picked rows, indexed
+                       (GATED_RESIDUAL_ROWS, gated_residual_rows_arithmetic),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),

@@ -369,11 +369,11 @@ def test_verified_signatures_compile_to_the_custom_op(guard_open):
 # class -> the fallback reasons its LayerNorm sites may still count (EasyAnimate's image stream is a strided view)
 REACHED = {"flux3": set(), "auraflow": set(), "cogvideox": set(), "consisid": set(),
            "easyanimate": {"x not contiguous"}, "qwen-image-21": set(), "cogview3plus": set()}
-LN_OPS = ("layernorm_scale_shift", "layernorm_modulate", "layernorm_scale")
+LN_OPS = ("layernorm_scale_shift", "layernorm_modulate", "layernorm_scale", "layernorm_scale_rows")
 # class -> LayerNorm sites per op after a forward (each site named after the op its calls ran): the output norms
 # returned (FLUX.3, Qwen-Image 2.1), CogVideoX's / ConsisID's ``(1 + S)[:, None, :]`` block norms, CogView3Plus's
-# norm1 modulated into another name
-LN_SITES = {"flux3": {"layernorm_modulate": 5}, "qwen-image-21": {"layernorm_scale": 5},
+# norm1 modulated into another name; Qwen-Image 2.1's block norms read their where-picked rows through an index
+LN_SITES = {"flux3": {"layernorm_modulate": 5}, "qwen-image-21": {"layernorm_scale": 1, "layernorm_scale_rows": 4},
             "cogvideox": {"layernorm_modulate": 5}, "consisid": {"layernorm_modulate": 5},
             "cogview3plus": {"layernorm_scale_shift": 9}}
 

@@ -17,7 +17,9 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
                    rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
                    rotary_half_partial, rotary_matrix, silu_mul, swiglu_cat)
+from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
+from ..ops.selected_rows import SelectedRows, tanh_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
 from ._chain_qk_fp32 import is_zero_centred
@@ -288,6 +290,18 @@ class _ChainsNamespace:
         # Sana, PixArt: ``x.flatten(2).transpose(1, 2)`` with no copy) in memory order, once: every op of the block
         # computes the same values either way, and the fused kernels take rows in memory order only
         return x.contiguous() if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+
+    @staticmethod
+    def gated_residual_rows(residual, gate, update, site):
+        # `_norm_methods.lazy_gates`' form: the gate a scale-rows method returned as SelectedRows, through
+        # `tanh_rows` (the kernel reads it through an index), or a tensor as before
+        if type(gate) is SelectedRows:
+            if not (isinstance(residual, torch.Tensor) and isinstance(update, torch.Tensor)):
+                return residual + gate.materialize() * update
+            return gated_residual_rows(residual, gate, update, site)
+        return _ChainsNamespace.gated_residual(residual, gate, update, site)
+
+    tanh_rows = staticmethod(tanh_rows)
 
     @staticmethod
     def gated_residual(residual, gate, update, site):

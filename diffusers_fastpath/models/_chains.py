@@ -61,6 +61,7 @@ from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
+from ._norm_methods import FUSED as _NORM_FUSED, lazy_gates
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original, set_owner
 from ._chain_inline import Inliner
 from .._source import source_of
@@ -74,6 +75,9 @@ from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_C
                         MODULATE_ONLY, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
 from ._rewriter_attention import (ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
                                   RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY)
+
+_SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
+
 
 def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = None,
                     activations: tuple[str, ...] = (), rms_norms: tuple[str, ...] = (),
@@ -159,6 +163,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             rewriter.rotate_halves, rewriter.partial_rotaries = known_names(fn, func)
             rewriter.matrix_rotaries = matrix_names
         body = rewriter.body(copy.deepcopy(func.body), func)
+        if rewriter.block and _SCALE_ROWS in (norm_methods or {}).values():
+            rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
         if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):

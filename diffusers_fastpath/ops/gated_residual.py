@@ -25,6 +25,7 @@ import torch
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
+from .selected_rows import SelectedRows
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -91,23 +92,27 @@ _NVRTC = _nvrtc.Kernel(
      for dtype in HALF_DTYPES for gate_dtype in (dtype, torch.float32) for row_gate in (True, False)},
     _nvrtc.Params("gated_residual_kernel", ("out", "P"), ("residual", "P"), ("gate", "P"), ("update", "P"),
                   ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("gate_batch_stride", "q"),
-                  ("gate_seq_stride", "q")),
+                  ("gate_seq_stride", "q"), ("index", "P")),
 )
 _THREADS, _ROWS_IN_FLIGHT = 256, 4
 
 
-def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, out: torch.Tensor | None = None):
+def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, out: torch.Tensor | None = None,
+                  index: torch.Tensor | None = None):
+    # index: the indexed rows (gated_residual_rows), gate the [1, rows, dim] view of the table
     batch, seq, dim = residual.shape
     if out is None:
         out = residual.new_empty(residual.shape)
     else:
         _nvrtc.check_out("gated_residual", out, residual.shape, residual, 16)
     rows, vecs, device = batch * seq, dim * residual.element_size() // _VEC_BYTES, residual.device.index
-    gate_batch_stride = 0 if gate.shape[0] == 1 else gate.stride(0)
+    gate_batch_stride = 0 if gate.shape[0] == 1 or index is not None else gate.stride(0)
     gate_seq_stride = 0 if gate.shape[1] == 1 else gate.stride(1)
+    row_gate = gate_seq_stride == 0 and index is None
     grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
-    _NVRTC.launch(device, (residual.dtype, gate.dtype, gate_seq_stride == 0), grid, block, out.data_ptr(), residual.data_ptr(),
-                  gate.data_ptr(), update.data_ptr(), rows, seq, vecs, gate_batch_stride, gate_seq_stride)
+    _NVRTC.launch(device, (residual.dtype, gate.dtype, row_gate), grid, block, out.data_ptr(), residual.data_ptr(),
+                  gate.data_ptr(), update.data_ptr(), rows, seq, vecs, gate_batch_stride, gate_seq_stride,
+                  0 if index is None else index.data_ptr())
     return out
 
 
@@ -250,3 +255,72 @@ def gated_residual_fp32(
         site: the call site's counters, shown by `diffusers_fastpath.report`.
     """
     return GATED_RESIDUAL_FP32(site, residual, as_batch_rows(gate, residual), update)
+
+
+# --- indexed gate rows: Qwen-Image 2.1's ``x + gate.tanh() * y`` with where-picked gates (ops/selected_rows.py) -----
+
+
+def gated_residual_rows_ref(residual: torch.Tensor, rows: SelectedRows, update: torch.Tensor) -> torch.Tensor:
+    """The eager expression: ``residual + rows * update`` with the rows as the model computes them."""
+    return residual + rows.materialize() * update
+
+
+def _rows_guard(residual, rows, update, check_pointers: bool = True) -> str | None:
+    if not isinstance(rows, SelectedRows):
+        return "operand not a tensor"
+    reason = rows.reason(residual)
+    if reason is not None:
+        return reason
+    table = rows.params  # the table's layout is params' (a gate's tanh table is contiguous: checked alike)
+    return residual_guard(residual, table.unsqueeze(0)[:, :1], update, residual.dtype, check_pointers) or (
+        None if table.stride(1) == 1 and table.stride(0) % (_VEC_BYTES // table.element_size()) == 0
+        else "gate strided")
+
+
+def _rows_raw_guard(residual, table, index, update) -> str | None:
+    """bindings.cpp's gated_residual_rows checks (the index's values are the caller's: built from a mask)."""
+    if not (isinstance(table, torch.Tensor) and isinstance(index, torch.Tensor)) or table.dim() != 2:
+        return "shape"
+    if (index.dtype is not torch.int32 or not index.is_contiguous() or not isinstance(residual, torch.Tensor)
+            or residual.dim() != 3 or index.shape != residual.shape[:2] or index.device != residual.device):
+        return "index must be a contiguous int32 [batch, seq] tensor on x's device"
+    if table.shape[0] > 1 and table.stride(0) % (_VEC_BYTES // table.element_size()):
+        return "gate strided"
+    return residual_guard(residual, table.unsqueeze(0)[:, :1], update, residual.dtype, True)
+
+
+def _nvrtc_rows(residual, table, index, update):
+    return _nvrtc_kernel(residual, table.unsqueeze(0), update, index=index)
+
+
+_nvrtc.raw_op("_gated_residual_rows_cuda", "(Tensor residual, Tensor table, Tensor index, Tensor update) -> Tensor",
+              _rows_raw_guard, _nvrtc_rows)
+
+_rows_op = LazyLauncher(_nvrtc_rows, "_gated_residual_rows_cuda")
+
+
+def _rows_kernel(residual, rows, update):
+    return _rows_op(residual, rows.table(), rows.index(), update)
+
+
+GATED_RESIDUAL_ROWS = FusedOp(
+    "gated_residual_rows",
+    ref=gated_residual_rows_ref,
+    guard=_rows_guard,
+    kernel=_rows_kernel,
+    # torch.compile: the rows written out, then the registered gated_residual (the patched method makes no
+    # SelectedRows while compiling; this is for a caller that does)
+    custom_op=lambda residual, rows, update: _gated_residual_op(residual, rows.materialize(), update),
+    # exact by construction (values moved, the tanh aten's on the same values); the first call of each signature
+    # is compared with eager all the same, the tanh being computed on other tensors than eager's
+    verify_key=lambda residual, rows, update: (str(residual.dtype).removeprefix("torch."), rows.tanh),
+)
+
+
+def gated_residual_rows(residual: torch.Tensor, gate, update: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+    """``residual + gate * update`` where `gate` may be `SelectedRows` (rows picked per token from a table: the
+    kernel reads them through an index, never written out), bit-identical to eager; a tensor gate is
+    `gated_residual`'s. The fallback writes the rows out as the model does."""
+    if not isinstance(gate, SelectedRows):
+        return gated_residual(residual, gate, update, site)
+    return GATED_RESIDUAL_ROWS(site, residual, gate, update)

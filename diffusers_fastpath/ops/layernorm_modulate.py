@@ -40,6 +40,7 @@ from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .layernorm_scale_shift import _cuda_ops, _guard_tensors, _nvrtc_kernel
+from .selected_rows import SelectedRows
 
 _VEC_BYTES = 16
 _NORMS = (nn.LayerNorm, FP32LayerNorm)
@@ -257,3 +258,83 @@ def layernorm_scale(norm, x, scale, site: Site | None = None) -> torch.Tensor:
     """
     name_site(site, LAYERNORM_SCALE.name)
     return LAYERNORM_SCALE(site, norm, x, scale)
+
+
+# --- indexed scale rows: Qwen-Image 2.1's where-picked rows (ops/selected_rows.py), read through an index -----------
+
+
+def layernorm_scale_rows_ref(norm, x: torch.Tensor, rows: SelectedRows) -> torch.Tensor:
+    """The eager chain: ``norm(x) * (1 + rows)`` with the rows as the model computes them."""
+    return norm(x) * (1 + rows.materialize())
+
+
+def _rows_guard(norm, x, rows, check_pointers: bool = True) -> str | None:
+    if not isinstance(rows, SelectedRows):
+        return "operand not a tensor"
+    reason = _norm_unfit(norm, x, check_pointers) or rows.reason(x)
+    if reason is not None:
+        return reason
+    table = rows.params
+    return _guard_tensors(x, table[:1], table[:1], check_pointers, x.dtype) or (
+        None if table.stride(1) == 1 and table.stride(0) % (_VEC_BYTES // table.element_size()) == 0
+        else "scale/shift strided")
+
+
+def _nvrtc_modulate_rows(x, scale, shift, index, weight, bias, eps: float) -> torch.Tensor:
+    strides = tuple(0 if t is None or t.shape[0] == 1 else t.stride(0) for t in (scale, shift))
+    return _nvrtc_kernel(x, scale[:1], None if shift is None else shift[:1], eps, seq_strides=strides,
+                         norm_weight=weight, norm_bias=bias, row_index=index)
+
+
+def _raw_rows_guard(x, scale, shift, index, weight, bias, eps):
+    """bindings.cpp's layernorm_modulate_rows checks ([rows, dim] tables; the index's values are the caller's)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return "shape"
+    if not (isinstance(index, torch.Tensor) and index.dtype is torch.int32 and index.is_contiguous()
+            and index.shape == x.shape[:2] and index.device == x.device):
+        return "index must be a contiguous int32 [batch, seq] tensor on x's device"
+    for t in (scale,) if shift is None else (scale, shift):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or (t.shape[0] > 1 and t.stride(0) % (_VEC_BYTES // t.element_size())):
+            return "scale/shift must be [rows, dim] tables with 16-byte aligned rows"
+    return _raw_guard(x, scale[None, :1], None if shift is None else shift[None, :1], weight, bias, eps)
+
+
+_nvrtc.raw_op("_layernorm_modulate_rows_cuda",
+              "(Tensor x, Tensor scale, Tensor? shift, Tensor index, Tensor? weight, Tensor? bias, float eps) -> Tensor",
+              _raw_rows_guard, _nvrtc_modulate_rows)
+
+_launch_rows = LazyLauncher(_nvrtc_modulate_rows, "_layernorm_modulate_rows_cuda")
+
+
+def _rows_kernel(norm, x, rows):
+    return _launch_rows(x, rows.table(), None, rows.index(), *_affine_rows(norm), norm.eps)
+
+
+def _rows_signature(norm, x, rows):
+    return (str(x.dtype).removeprefix("torch."), x.shape[-1], type(norm).__name__, norm.weight is not None,
+            "indexed rows", "scale only")
+
+
+LAYERNORM_SCALE_ROWS = FusedOp(
+    "layernorm_scale_rows",
+    ref=layernorm_scale_rows_ref,
+    guard=_rows_guard,
+    kernel=_rows_kernel,
+    # torch.compile: the rows written out, then the registered layernorm_modulate (no SelectedRows is made while
+    # compiling; this is for a caller that does)
+    custom_op=lambda norm, x, rows: torch.ops.diffusers_fastpath.layernorm_modulate.default(
+        x, rows.materialize(), None, norm.weight, norm.bias, norm.eps, _fp32(norm)
+    ),
+    verify_key=_rows_signature,
+    modules=(0,),
+)
+
+
+def layernorm_scale_rows(norm, x, scale, site: Site | None = None) -> torch.Tensor:
+    """``norm(x) * (1 + scale)`` where `scale` may be `SelectedRows` (Qwen-Image 2.1's where-picked rows: read
+    through an index by the kernel, never written out), bit-identical to eager and self-verified per signature like
+    `layernorm_scale`; a tensor scale is `layernorm_scale`'s."""
+    if not isinstance(scale, SelectedRows):
+        return layernorm_scale(norm, x, scale, site)
+    name_site(site, LAYERNORM_SCALE_ROWS.name)
+    return LAYERNORM_SCALE_ROWS(site, norm, x, scale)

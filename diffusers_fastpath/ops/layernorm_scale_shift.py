@@ -110,7 +110,7 @@ _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("sca
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
                       ("modulate_fp32", "?"), ("affine", "?"), ("gated", "?"), ("x_out", "P"), ("gate", "P"),
                       ("update", "P"), ("gate_batch_stride", "q"), ("scale_seq_stride", "q"),
-                      ("shift_seq_stride", "q"), ("norm_weight", "P"), ("norm_bias", "P"))
+                      ("shift_seq_stride", "q"), ("norm_weight", "P"), ("norm_bias", "P"), ("row_index", "P"))
 _KVS = (0, 6, 8, 12)
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
@@ -133,7 +133,7 @@ def _kv_for(dim: int) -> int:
 
 def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
                   affine: bool = False, gate=None, update=None, x_out=None, seq_strides=(0, 0),
-                  norm_weight=None, norm_bias=None) -> torch.Tensor:
+                  norm_weight=None, norm_bias=None, row_index=None) -> torch.Tensor:
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
@@ -157,7 +157,7 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
                   x_out.data_ptr() if gated else 0, gate.data_ptr() if gated else 0,
                   update.data_ptr() if gated else 0, 0 if not gated or gate.shape[0] == 1 else gate.stride(0),
                   *seq_strides, 0 if norm_weight is None else norm_weight.data_ptr(),
-                  0 if norm_bias is None else norm_bias.data_ptr())
+                  0 if norm_bias is None else norm_bias.data_ptr(), 0 if row_index is None else row_index.data_ptr())
     return out
 
 

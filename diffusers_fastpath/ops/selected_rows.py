@@ -1,0 +1,96 @@
+"""Modulation rows a model picks per token from a few rows, kept as those rows and an index instead of written out.
+
+Qwen-Image 2.1's blocks choose each token's scale and gate with ``_select_modulation_rows(params, mask)``::
+
+    torch.where(mask.view(1, -1, 1), params[:-1].unsqueeze(1), params[-1:].unsqueeze(0))   # [B, S, D]
+
+(``params`` the ``[B + 1, D]`` chunk of the shared modulation: sample b's row for target-image tokens, the ``t = 0``
+row for text and condition tokens), and then use the ``[B, S, D]`` result once: in ``norm(x) * (1 + scale)`` and in
+``x + gate.tanh() * y``. Eager writes each such tensor (four per block) and reads it back; `SelectedRows` keeps
+``params``, the mask and the function, and gives the fused kernels a table and an int32 ``[B, S]`` index instead:
+row ``(b, s)`` is ``table[index[b, s]]`` with ``index[b, s] = b if mask[s] else B``, the row the ``where`` picks.
+
+Why it is exact: the ``where`` moves values and computes nothing, so the kernels read the very values eager would
+have written. The gate's ``tanh`` is applied to the ``[B + 1, D]`` table instead of the ``[B, S, D]`` rows: the same
+aten kernel on the same values, elementwise, so each picked row holds the same bits (and the fused op that reads it
+checks its first call against eager per signature besides). Anything the fast form does not take falls back to
+`materialize`, which is the model's own expression, called as the model calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SelectedRows:
+    """``select(params, mask)`` (then ``.tanh()`` where `tanh`), not yet computed.
+
+    Args:
+        select: the model's row-selection function (the one the patched method checked by digest).
+        params: its ``[B + 1, D]`` rows.
+        mask: ``[S]`` bool, ``True`` where a token takes its own sample's row.
+        tanh: whether the rows are used through ``.tanh()`` (the gates).
+        index: the index `index` makes, where the caller has it already (rows of the same mask).
+    """
+
+    __slots__ = ("select", "params", "mask", "tanh", "_table", "_index")
+
+    def __init__(self, select, params: torch.Tensor, mask: torch.Tensor, tanh: bool = False,
+                 index: torch.Tensor | None = None) -> None:
+        self.select, self.params, self.mask, self.tanh = select, params, mask, tanh
+        self._table, self._index = None, index
+
+    def materialize(self) -> torch.Tensor:
+        """The model's expression: ``select(params, mask)``, then ``.tanh()`` for a gate."""
+        rows = self.select(self.params, self.mask)
+        return rows.tanh() if self.tanh else rows
+
+    def tanh_rows(self) -> SelectedRows:
+        """These rows through ``.tanh()`` (what the gate's ``g.tanh()`` is): the tanh of the table computed now,
+        where eager computes its own, the rows still not written out."""
+        rows = SelectedRows(self.select, self.params, self.mask, tanh=True, index=self._index)
+        rows.table()
+        return rows
+
+    def table(self) -> torch.Tensor:
+        """The ``[B + 1, D]`` rows the index picks from: ``params`` (a view), or ``params.tanh()`` (computed once)."""
+        if not self.tanh:
+            return self.params
+        if self._table is None:
+            self._table = self.params.tanh()
+        return self._table
+
+    def index(self) -> torch.Tensor:
+        """int32 ``[B, S]``: ``b`` where ``mask`` holds, ``B`` (the last row) elsewhere; made on the device, no sync."""
+        if self._index is None:
+            batch = self.params.shape[0] - 1
+            samples = torch.arange(batch, dtype=torch.int32, device=self.params.device).view(batch, 1)
+            self._index = torch.where(self.mask.view(1, -1), samples, batch)
+        return self._index
+
+    @property
+    def cached_index(self) -> torch.Tensor | None:
+        """The index if `index` made it already, else ``None``."""
+        return self._index
+
+    def reason(self, x: torch.Tensor) -> str | None:
+        """Why these rows cannot be read through an index for a ``[B, S, D]`` operand `x` (where the ``where``'s
+        broadcast would give another shape than ``x``'s, or the operands are not what its form says), or ``None``."""
+        params, mask = self.params, self.mask
+        if not (isinstance(params, torch.Tensor) and isinstance(mask, torch.Tensor) and isinstance(x, torch.Tensor)):
+            return "rows operand not a tensor"
+        if params.dim() != 2 or x.dim() != 3 or params.shape[0] < 2 or mask.dim() != 1:
+            return "rows shape"
+        if mask.dtype is not torch.bool or x.shape != (params.shape[0] - 1, mask.shape[0], params.shape[1]):
+            return "rows shape"
+        if params.dtype is not x.dtype:
+            return "mixed dtypes"
+        if mask.device != params.device:
+            return "devices differ"
+        return None
+
+
+def tanh_rows(gate):
+    """``gate.tanh()`` for the rewritten forwards' lazy gates: `SelectedRows` stay rows (`SelectedRows.tanh_rows`),
+    anything else is the expression as written."""
+    return gate.tanh_rows() if type(gate) is SelectedRows else gate.tanh()

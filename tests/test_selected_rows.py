@@ -1,0 +1,273 @@
+"""Qwen-Image 2.1's where-picked modulation rows read through an index (`ops/selected_rows.py`): the rows object
+(its index, table and the model's own expression), the rewriter's proof that a gate is read only as ``G.tanh()`` by
+one gated residual (`_norm_methods.lazy_gates`), the two fused ops that read the rows (`layernorm_scale_rows`,
+`gated_residual_rows`: guards, fallbacks, the snapshot of the gate's rows), the tiny model patched == unpatched with
+them fast (emulated kernels); on the GPU both raw kernels and both ops at Qwen-Image 2.1's shapes with poisoned
+outputs, and the full-size block."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import (QwenImage21TransformerBlock,
+                                                                   _select_modulation_rows)
+
+import diffusers_fastpath as fp
+from diffusers_fastpath._state import sites_of
+from diffusers_fastpath.models._norm_methods import lazy_gates, modulate_scale_rows, norm_method_hints
+from diffusers_fastpath.ops import Site
+from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS, gated_residual_rows, gated_residual_rows_ref
+from diffusers_fastpath.ops.layernorm_modulate import LAYERNORM_SCALE_ROWS, layernorm_scale_rows
+from diffusers_fastpath.ops.selected_rows import SelectedRows, tanh_rows
+from diffusers_fastpath.testing import zoo
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def make_rows(batch, seq, dim, dtype, device, seed, text=5, tanh=False):
+    """A ``[B + 1, 2D]`` modulation chunk's gate-like half (a strided view, as the model's) and a mask whose first
+    `text` tokens take the t = 0 row."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = (torch.randn(batch + 1, 4 * dim, generator=gen, device=device) * 2).to(dtype)[:, dim:2 * dim]
+    mask = torch.ones(seq, dtype=torch.bool, device=device)
+    mask[:text] = False
+    mask[seq // 2: seq // 2 + 3] = False  # not only a prefix: any token may take either row
+    rows = SelectedRows(_select_modulation_rows, params, mask)
+    return rows.tanh_rows() if tanh else rows
+
+
+def test_rows_index_table_and_materialize_are_the_models_rows():
+    rows = make_rows(2, 24, 64, torch.bfloat16, "cpu", 0)
+    eager = _select_modulation_rows(rows.params, rows.mask)
+    assert torch.equal(rows.materialize(), eager)
+    index = rows.index()
+    assert index.dtype is torch.int32 and index.shape == (2, 24) and index.is_contiguous()
+    assert torch.equal(index[:, :5], torch.full((2, 5), 2, dtype=torch.int32))
+    assert torch.equal(index[1, 5:12], torch.ones(7, dtype=torch.int32))
+    assert torch.equal(rows.table()[index.long()], eager) and rows.table() is rows.params
+    gate = tanh_rows(rows)
+    assert gate.tanh and gate.cached_index is index and torch.equal(gate.materialize(), eager.tanh())
+    assert torch.equal(gate.table(), rows.params.tanh())
+    plain = torch.randn(3, 4)
+    assert torch.equal(tanh_rows(plain), plain.tanh())
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("ok", None), ("batch", "rows shape"), ("seq", "rows shape"), ("dim", "rows shape"), ("one-row", "rows shape"),
+    ("mask-int", "rows shape"), ("dtype", "mixed dtypes"), ("x-2d", "rows shape")])
+def test_rows_reason(case, reason):
+    rows = make_rows(2, 24, 64, torch.bfloat16, "cpu", 1)
+    x = torch.randn(2, 24, 64).to(torch.bfloat16)
+    if case == "batch":
+        x = x[:1]
+    elif case == "seq":
+        x = x[:, :20]
+    elif case == "dim":
+        x = x[..., :32]
+    elif case == "one-row":
+        rows = SelectedRows(_select_modulation_rows, rows.params[:1], rows.mask)
+        x = x[:0]
+    elif case == "mask-int":
+        rows = SelectedRows(_select_modulation_rows, rows.params, rows.mask.int())
+    elif case == "dtype":
+        x = x.half()
+    elif case == "x-2d":
+        x = x[0]
+    assert rows.reason(x) == reason
+
+
+# --- the rewriter's proof -------------------------------------------------------------------------------------------
+
+
+def _marked(source: str):
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    count = lazy_gates(body, "_m", "gated_residual", "ns")
+    return count, "\n".join(ast.unparse(s) for s in body)
+
+
+FORWARD = """
+def forward(self, x, mod, mask):
+    a, g = self._m(self.n, x, mod, mask)
+    y = self.f(a)
+    x = ns.gated_residual(x, g.tanh(), y, site)
+    {extra}
+    return x
+"""
+
+
+def test_lazy_gate_marked_when_read_only_as_the_residuals_tanh():
+    count, text = _marked(FORWARD.format(extra="pass"))
+    assert count == 1
+    assert "self._m(self.n, x, mod, mask, _fastpath_lazy_gate=True)" in text
+    assert "ns.gated_residual_rows(x, ns.tanh_rows(g), y, site)" in text
+
+
+@pytest.mark.parametrize("extra", [
+    "z = g", "x = ns.gated_residual(x, g.tanh(), y, site)", "g = x", "del g", "print(locals())", "global g",
+    "for g in (x,): pass", "x = x + g.sigmoid()", "(g := x)"])
+def test_lazy_gate_not_marked_when_the_gate_is_read_or_bound_elsewhere(extra):
+    count, text = _marked(FORWARD.format(extra=extra))
+    assert count == 0 and "_fastpath_lazy_gate" not in text and "gated_residual_rows" not in text
+
+
+def test_lazy_gate_not_marked_for_another_gate_form_or_method():
+    count, _ = _marked(FORWARD.format(extra="pass").replace("g.tanh()", "g.tanh().float()"))
+    assert count == 0
+    count, _ = _marked(FORWARD.format(extra="pass").replace("self._m(", "self._other("))
+    assert count == 0
+    count, _ = _marked(FORWARD.format(extra="pass").replace("g.tanh()", "g.tanh(1)"))
+    assert count == 0
+
+
+# --- the method and the ops on a CPU (emulated kernels) -------------------------------------------------------------
+
+
+def _block(dim=64, seed=0):
+    torch.manual_seed(seed)
+    block = QwenImage21TransformerBlock(dim, 2, dim // 2).to(torch.bfloat16).requires_grad_(False)
+    assert norm_method_hints(type(block)) == (("_modulate", "scale_rows"),)
+    return block
+
+
+def test_lazy_gate_holds_the_rows_as_they_were_at_the_call(emulated_kernels):
+    """The gate returned as rows is a copy of the rows and the mask at the method's call (what eager's ``where``
+    reads then): writes to the modulation afterwards change nothing, as in eager."""
+    block, dim = _block(), 64
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 24, dim, generator=gen).to(torch.bfloat16)
+    mod = torch.randn(3, 2 * dim, generator=gen).to(torch.bfloat16)
+    mask = torch.ones(24, dtype=torch.bool)
+    mask[:5] = False
+    update = torch.randn(2, 24, dim, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        ref_out, ref_gate = block._modulate(block.img_norm1(x), mod, mask)
+        ref = x + ref_gate.tanh() * update
+        out, gate = modulate_scale_rows(block, block.img_norm1, x, mod, mask, _fastpath_lazy_gate=True)
+        assert isinstance(gate, SelectedRows) and torch.equal(out, ref_out)
+        mod.mul_(3)
+        mask[:] = True
+        site = Site("gated_residual")
+        got = gated_residual_rows(x, tanh_rows(gate), update, site)
+    assert torch.equal(got, ref) and site.fast == 1 and not site.fallback
+
+
+def test_rows_ops_fall_back_to_the_models_expression_with_reasons():
+    """Without kernels (a CPU): every call the exact eager result, the refusal counted."""
+    block, dim = _block(), 64
+    rows = make_rows(2, 24, dim, torch.bfloat16, "cpu", 4)
+    x = torch.randn(2, 24, dim).to(torch.bfloat16)
+    site = Site("layernorm_scale_rows")
+    with torch.no_grad():
+        got = layernorm_scale_rows(block.img_norm1, x, rows, site)
+        assert torch.equal(got, block.img_norm1(x) * (1 + rows.materialize()))
+        assert site.fallback == {"device cpu": 1}
+        gate, site = rows.tanh_rows(), Site("gated_residual")
+        assert torch.equal(gated_residual_rows(x, gate, x, site), x + rows.materialize().tanh() * x)
+        assert site.fallback == {"device cpu": 1}
+        short = torch.randn(2, 20, dim).to(torch.bfloat16)  # the rows' shape is not x's: the model's broadcast
+        assert torch.equal(gated_residual_rows_ref(x, gate, x), x + gate.materialize() * x)
+        assert GATED_RESIDUAL_ROWS.guard(short, gate, short, check_pointers=False) == "rows shape"
+        assert LAYERNORM_SCALE_ROWS.guard(block.img_norm1, short, rows, check_pointers=False) == "rows shape"
+
+
+def test_rows_ops_without_rows_are_the_tensor_ops():
+    block = _block()
+    x, scale = torch.randn(1, 8, 64).to(torch.bfloat16), torch.randn(1, 8, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layernorm_scale_rows(block.img_norm1, x, scale), block.img_norm1(x) * (1 + scale))
+        assert torch.equal(gated_residual_rows(x, scale, x), x + scale * x)
+
+
+def test_zoo_model_patched_equals_unpatched_with_rows_fast(emulated_kernels):
+    """The tiny Qwen-Image 2.1 (a mask: causal_condition on) patched: every block's norms and gates read their rows
+    through the index (the rows ops' kernels ran, no fallback), the output equal to unpatched; unpatch restores."""
+    model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
+    model.register_to_config(causal_condition=True)
+    kwargs = zoo.inputs("qwen-image-21", model)
+    with torch.no_grad():
+        ref = model(**kwargs)[0].clone()
+    fp.patch(model)
+    try:
+        calls = {"ln": 0, "gate": 0}
+        ln_kernel, gate_kernel = LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel
+
+        def ln(*a):
+            calls["ln"] += 1
+            return ln_kernel(*a)
+
+        def gate(*a):
+            calls["gate"] += 1
+            return gate_kernel(*a)
+
+        LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel = ln, gate
+        try:
+            with torch.no_grad():
+                assert torch.equal(model(**kwargs)[0], ref)
+        finally:
+            LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel = ln_kernel, gate_kernel
+        blocks = len(model.transformer_blocks)
+        assert calls == {"ln": 2 * blocks, "gate": 2 * blocks}
+        gates = [s for b in model.transformer_blocks for n, s in sites_of(b) if s.op == "gated_residual"]
+        assert len(gates) == 2 * blocks and all(s.fast and not s.fallback for s in gates)
+    finally:
+        fp.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(**kwargs)[0], ref)
+
+
+# --- the GPU ------------------------------------------------------------------------------------------------------
+
+SHAPES = [(1, 4352, 3072), (2, 4352, 3072), (1, 1024, 3072), (3, 77, 1024)]  # 1024² + text 256, CFG, cached, odd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_raw_rows_kernels_match_eager_bitwise_on_the_gpu(shape, dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    b, s, d = shape
+    norm = torch.nn.LayerNorm(d, elementwise_affine=False, eps=1e-6).cuda()
+    for seed in range(2):
+        rows = make_rows(b, s, d, dtype, "cuda", seed, text=min(256, s // 4))
+        gen = torch.Generator(device="cuda").manual_seed(seed + 10)
+        x = (torch.randn(b, s, d, generator=gen, device="cuda") * 3 + 1).to(dtype)
+        update = torch.randn(b, s, d, generator=gen, device="cuda").to(dtype)
+        torch.cuda.synchronize()
+        out = torch.full_like(x, float("nan"))
+        out.copy_(ops._layernorm_modulate_rows_cuda(x, rows.table(), None, rows.index(), None, None, 1e-6))
+        assert torch.equal(out, norm(x) * (1 + rows.materialize()))
+        gate = rows.tanh_rows()
+        out = torch.full_like(x, float("nan"))
+        out.copy_(ops._gated_residual_rows_cuda(x, gate.table(), gate.index(), update))
+        assert torch.equal(out, x + rows.materialize().tanh() * update)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_ops_are_fast_and_verified_on_the_gpu(dtype):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    block = _block(3072).cuda().to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(2, 4352, 3072, generator=gen, device="cuda").to(dtype)
+    mod = torch.randn(3, 2 * 3072, generator=gen, device="cuda").to(dtype)
+    mask = torch.ones(4352, dtype=torch.bool, device="cuda")
+    mask[:256] = False
+    update = torch.randn_like(x)
+    with torch.no_grad():
+        ref_out, ref_gate = block._modulate(block.img_norm1(x), mod, mask)
+        out, gate = modulate_scale_rows(block, block.img_norm1, x, mod, mask, _fastpath_lazy_gate=True)
+        site = Site("gated_residual")
+        got = gated_residual_rows(x, tanh_rows(gate), update, site)
+    assert torch.equal(out, ref_out) and torch.equal(got, x + ref_gate.tanh() * update)
+    assert site.fast == 1 and LAYERNORM_SCALE_ROWS.disabled is None and GATED_RESIDUAL_ROWS.disabled is None
+    key = str(dtype).removeprefix("torch.")
+    assert (key, True) in GATED_RESIDUAL_ROWS.verified
+    assert any(k[0] == key and k[1] == 3072 for k in LAYERNORM_SCALE_ROWS.verified)
