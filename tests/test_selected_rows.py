@@ -271,3 +271,40 @@ def test_rows_ops_are_fast_and_verified_on_the_gpu(dtype):
     key = str(dtype).removeprefix("torch.")
     assert (key, True) in GATED_RESIDUAL_ROWS.verified
     assert any(k[0] == key and k[1] == 3072 for k in LAYERNORM_SCALE_ROWS.verified)
+
+
+def test_zoo_model_kv_cached_steps_patched_equal_unpatched(emulated_kernels):
+    """The pipeline's later steps: a prefill ("extract") then "cached" steps, where only the target image's tokens
+    run and the mask the rows are picked by is a slice; patched == unpatched at each, the rows read through the
+    index (the kernels ran)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
+    kwargs = zoo.inputs("qwen-image-21", model)
+    latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
+
+    def run():
+        cache = QwenImage21KVCache(len(model.transformer_blocks))
+        outs = []
+        with torch.no_grad():
+            for step, (mode, hidden) in enumerate(zip(("extract", "cached"), latents)):
+                step_kwargs = dict(kwargs, hidden_states=hidden, timestep=kwargs["timestep"] * (1 - 0.3 * step))
+                outs.append(model(**step_kwargs, kv_cache=cache, kv_cache_mode=mode)[0].clone())
+        return outs
+
+    ref = run()
+    fp.patch(model)
+    try:
+        calls = []
+        kernel = GATED_RESIDUAL_ROWS.kernel
+        GATED_RESIDUAL_ROWS.kernel = lambda *a: calls.append(a[1].index().shape) or kernel(*a)
+        try:
+            got = run()
+        finally:
+            GATED_RESIDUAL_ROWS.kernel = kernel
+        assert all(torch.equal(g, r) for g, r in zip(got, ref))
+        blocks = len(model.transformer_blocks)
+        target = kwargs["hidden_states"].shape[1]  # the cached steps' tokens: the target image's alone
+        assert len(calls) == 4 * blocks and calls[-1][1] == target and calls[0][1] > target
+    finally:
+        fp.unpatch(model)
