@@ -824,3 +824,27 @@ def test_a_zoo_models_report_names_the_inputs_it_ran(tmp_path):
     assert "inputs frames=81, height=480, width=832, text=512" in line and "1024x1024" not in line
     args.model = "flux-dev"
     assert "1024x1024, 28 steps, 512 text tokens" in describe_conditions(conditions(args, torch.device("cpu")))
+
+
+def test_zoo_size_knobs_reach_the_inputs_and_the_report(tmp_path):
+    """``--zoo-size KNOB=INT`` goes to the zoo entry's inputs (Qwen-Image 2.1's KV-cached later step: the prefill
+    runs in the builder, the step's kwargs name the "cached" mode) and to the report's first line; another form is
+    a clear error."""
+    import argparse
+
+    from diffusers_fastpath.bench.conditions import conditions
+    from diffusers_fastpath.bench.render import describe_conditions
+    from diffusers_fastpath.bench.subject import build_subject, zoo_knobs
+
+    assert zoo_knobs(["cached=1", "text=16"]) == {"cached": 1, "text": 16}
+    for bad in ("cached", "cached=yes", "=1", "two words=1"):
+        with pytest.raises(SystemExit, match="KNOB=INT"):
+            zoo_knobs([bad])
+    args = argparse.Namespace(model="zoo:qwen-image-21", dtype="bf16", height=1024, width=1024, steps=28, batch=1,
+                              text_tokens=512, quant="none", zoo_size=["cached=1"])
+    assert "inputs height=1024, width=1024, text=256, cached=1" in describe_conditions(
+        conditions(args, torch.device("cpu")))
+    args = argparse.Namespace(model="zoo:qwen-image-21-tiny", dtype="bf16", height=1024, width=1024, batch=1, seed=0,
+                              quant="none", zoo_size=["cached=1"])
+    subject = build_subject(args, torch.device("cpu"), need_vae=False)
+    assert subject.step_inputs["kv_cache_mode"] == "cached" and subject.step_inputs["kv_cache"].get_layer(0).k is not None

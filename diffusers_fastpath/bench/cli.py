@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text-tokens", type=int,
                    help="prompt tokens (default: 512 for FLUX, as FLUX.1-dev's T5 gives; 120 for ERNIE-Image; 256 for "
                         "Lumina2, its pipeline's max_sequence_length, and 32 for lumina2-tiny)")
+    p.add_argument("--zoo-size", action="append", default=[], metavar="KNOB=INT",
+                   help="a zoo: model's input knob over its published (or tiny) size, repeatable: height, width, "
+                        "frames, text, ... and the entries' own (qwen-image-21: cached=1, a KV-cached later step)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per mode (default: 10)")
     p.add_argument("--gen-repeats", type=int, default=1, help="timed generations per mode (default: 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,7 @@ import torch
 
 import diffusers_fastpath as fp
 
-from .subject import DTYPES
+from .subject import DTYPES, zoo_knobs
 
 
 def _repo_root() -> Path:
@@ -56,14 +56,16 @@ def _driver_version() -> str | None:
     return None
 
 
-def _zoo_size(model: str) -> dict[str, Any] | None:
-    """A ``zoo:`` model's input size knobs (`testing.zoo`: its published resolution, or the tiny defaults)."""
+def _zoo_size(model: str, knobs: dict[str, int] | None = None) -> dict[str, Any] | None:
+    """A ``zoo:`` model's input size knobs (`testing.zoo`: its published resolution, or the tiny defaults), with the
+    ``--zoo-size`` ones over them."""
     if not model.startswith("zoo:"):
         return None
     from ..testing import zoo
 
     entry = zoo.ZOO[model[len("zoo:"):].removesuffix("-tiny")]
-    return {k: v for k, v in (entry.full_size if not model.endswith("-tiny") else {}).items()} or {"size": "tiny"}
+    size = {**(entry.full_size if not model.endswith("-tiny") else {}), **(knobs or {})}
+    return size or {"size": "tiny"}
 
 
 def conditions(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -89,7 +91,7 @@ def conditions(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         batch=args.batch,
         text_tokens=args.text_tokens,
         quant=args.quant,
-        zoo_size=_zoo_size(args.model),
+        zoo_size=_zoo_size(args.model, zoo_knobs(getattr(args, "zoo_size", []))),
         commit=commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

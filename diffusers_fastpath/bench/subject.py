@@ -133,6 +133,18 @@ def _zoo_models() -> tuple[str, ...]:
 
 
 ZOO_MODELS = _zoo_models()
+
+
+def zoo_knobs(values: list[str]) -> dict[str, int]:
+    """``--zoo-size KNOB=INT`` values as the zoo's size kwargs; a clear error for any other form."""
+    knobs = {}
+    for value in values:
+        key, sep, number = value.partition("=")
+        if not sep or not key.isidentifier() or not number.lstrip("-").isdigit():
+            raise SystemExit(f"--zoo-size wants KNOB=INT (e.g. cached=1, text=256), got {value!r}")
+        knobs[key] = int(number)
+    return knobs
+
 # the family of a step model's kernel cases (default "other")
 STEP_FAMILIES = {"build_sd3_transformer": "sd3", "build_qwenimage_transformer": "qwen"}
 # fp32 is for the VAE level (Wan's model card loads its VAE in fp32); a transformer's fused ops take bf16 / fp16 only
@@ -188,7 +200,8 @@ def build_subject(args: argparse.Namespace, device: torch.device, need_vae: bool
         name = args.model[len("zoo:"):].removesuffix("-tiny")
         full = not args.model.endswith("-tiny")
         model = zoo.build(name, dtype=dtype, device=device, seed=args.seed, full=full)
-        inputs = zoo.inputs(name, model, batch=args.batch, seed=args.seed + 1, full=full)
+        inputs = zoo.inputs(name, model, batch=args.batch, seed=args.seed + 1, full=full,
+                            **zoo_knobs(getattr(args, "zoo_size", [])))
         inputs.pop("return_dict", None)
         return Subject(args.model, "other", _quantized(model, args, device), inputs,
                        no_generation=f"not for {args.model} here (the zoo builds transformers only); use the step level")

@@ -37,17 +37,28 @@ def _flux3_inputs(model, d, batch, height=64, width=64, text=16, cond_images=1):
     return kw
 
 
-def _qwen21_inputs(model, d, batch, height=64, width=64, text=8):
+def _qwen21_inputs(model, d, batch, height=64, width=64, text=8, cached=False):
     # QwenImage21Pipeline (t2i): 64-channel tokens (VAE /16, no packing), Qwen2.5-VL text (mask None at batch 1; a
-    # padded first prompt here), img_mask = text slots + target tokens at 2x2 granularity, t / 1000
+    # padded first prompt here), img_mask = text slots + target tokens at 2x2 granularity, t / 1000. cached: the
+    # pipeline's steps after the first: a prefill ("extract") forward of these inputs, run here on the model as it
+    # is, caches the text prefix's K/V, and the kwargs are a "cached" step's, the target image's tokens alone against
+    # that cache (only read: the kwargs serve any number of calls)
     cfg = model.config
     h, w = height // 16, width // 16
     img_mask = torch.ones(batch, text + h * w // 4, dtype=torch.bool)
     img_mask[:, :text] = False
-    return dict(hidden_states=d.randn(batch, h * w, cfg.in_channels),
-                encoder_hidden_states=d.randn(batch, text, cfg.context_in_dim), timestep=_flow_t(d, batch),
-                img_shapes=[[(1, h, w)]] * batch, img_mask=d.to(img_mask),
-                encoder_hidden_states_mask=d.mask(batch, text) if batch > 1 else None, return_dict=False)
+    kw = dict(hidden_states=d.randn(batch, h * w, cfg.in_channels),
+              encoder_hidden_states=d.randn(batch, text, cfg.context_in_dim), timestep=_flow_t(d, batch),
+              img_shapes=[[(1, h, w)]] * batch, img_mask=d.to(img_mask),
+              encoder_hidden_states_mask=d.mask(batch, text) if batch > 1 else None, return_dict=False)
+    if not cached:
+        return kw
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    cache = QwenImage21KVCache(len(model.transformer_blocks))
+    with torch.no_grad():
+        model(**kw, kv_cache=cache, kv_cache_mode="extract")
+    return dict(kw, kv_cache=cache, kv_cache_mode="cached")
 
 
 def _krea2_inputs(model, d, batch, height=64, width=64, text=16, valid=10):
@@ -216,7 +227,8 @@ ENTRIES = {
         _qwen21_inputs, full_config={}, full_size=dict(_1024, text=256),
         notes="Qwen-Image 2.1 = the class defaults (32 single-stream layers, 32 x 128). The pipeline prefills a text "
               "KV cache at step 0 and runs 'cached' after; the zoo runs the uncached forward (kv_cache None), which "
-              "step 0 of the pipeline is. Scale-only modulation with per-token row select (torch.where)."),
+              "step 0 of the pipeline is; the size knob cached=True gives a later step (bench: --zoo-size cached=1). "
+              "Scale-only modulation with per-token row select (torch.where)."),
     "krea2": ZooEntry(
         _T + "transformer_krea2.Krea2Transformer2DModel",
         dict(num_layers=2, attention_head_dim=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256,
