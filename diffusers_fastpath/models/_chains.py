@@ -73,7 +73,7 @@ from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
-from ._rewriter_attention import (ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
+from ._rewriter_attention import (ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
                                   RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY)
 
 _SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
@@ -167,6 +167,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
+        if not rewriter.block:
+            body = rewriter.gqa_attention(body)
         if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
             body = rewriter.qk_norms(body)
         # inlined only where that lets a pattern take more, and every norm the inlining took on trust is fused
@@ -500,6 +502,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, CAT_HEADS, name=CAT_HEADS)
             if found.seq_major_attention:
                 state.add_site(module, ATTENTION_SEQ_MAJOR, name=ATTENTION_SEQ_MAJOR)
+            if found.gqa_attention:
+                state.add_site(module, ATTENTION_GQA, name=ATTENTION_GQA)
             for attr in found.swiglu_cats:
                 act = getattr(module, attr, None)
                 if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul

@@ -183,6 +183,7 @@ class Rewrite:
     rotary_complex: int = 0  # complex-form rotary calls of a processor (with its QK norms where they wait)
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
     seq_major_attention: bool = False  # ... and the attention of three of them, token-major (`attention_seq_major`)
+    gqa_attention: bool = False  # a processor's grouped-query attention on its kv heads as they are (`attention_gqa`)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
     qk_fp32: int = 0  # rotary calls of pending float32 QK norms proven cast back right after (FLUX.3)
@@ -198,7 +199,7 @@ class Rewrite:
                     or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
-                    or self.head_cats or self.rotary_named or self.rotary_half
+                    or self.head_cats or self.gqa_attention or self.rotary_named or self.rotary_half
                     or self.rotary_half_partial or self.rotary_matrix)
 
 

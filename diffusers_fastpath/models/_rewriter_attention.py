@@ -66,6 +66,14 @@ whole; `_Rewriter` runs these passes on a processor's forward):
     (self-verified per signature; site ``attention_seq_major`` on the attention module), whose token-major output
     makes the reshape a view
 
+- grouped-query attention (Krea 2): ``if G > 1:`` whose body is exactly ``K = K.repeat_interleave(G, dim=2)`` and
+  ``V = V.repeat_interleave(G, dim=2)`` (no ``else``), directly followed by ``H = dispatch_attention_fn(Q, K, V,
+  <keywords>)``, ``Q``, ``K``, ``V`` and ``G`` names, each keyword a constant, a name or an attribute of one (Krea 2,
+  NucleusMoE-Image), ``K`` and ``V`` read
+  nowhere after the call  ->  ``H = attention_gqa(dispatch_attention_fn, Q, K, V, G, site, <keywords>)``: the test as
+  written, then `diffusers_fastpath.ops.attention_gqa` (the call on the grouped heads, ``enable_gqa=True``,
+  self-verified per signature; site ``attention_gqa`` on the attention module), or the copies and the call as written
+
 Each rewrite is exact by construction, and one that moves or drops anything is taken only where `_chain_proofs`
 proves it changes no value (`_rewriter`'s module doc).
 """
@@ -84,6 +92,7 @@ from ._chain_syntax import (_call, _cat_names, _complex_rotary_call, _ns_call, _
 ROTARY = "rotary_emb"
 CAT_HEADS = "cat_heads"
 ATTENTION_SEQ_MAJOR = "attention_seq_major"  # a processor's attention of three token-major head concatenations (SD3)
+ATTENTION_GQA = "attention_gqa"  # a processor's grouped-query attention without its repeated heads (Krea 2)
 QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
@@ -107,6 +116,41 @@ def _own_nodes(body: list[ast.stmt]):
             for child in ast.iter_child_nodes(node):
                 (stack if isinstance(child, ast.stmt) else todo).append(child)
 
+
+
+def _repeat_heads_if(stmt: ast.stmt) -> tuple[str, str, str] | None:
+    """``(G, K, V)`` if `stmt` is ``if G > 1:`` holding exactly ``K = K.repeat_interleave(G, dim=2)`` and ``V =
+    V.repeat_interleave(G, dim=2)`` (two different names, neither ``G``), with no ``else``; else None."""
+    if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 2
+            and isinstance(stmt.test, ast.Compare) and isinstance(stmt.test.left, ast.Name)
+            and len(stmt.test.ops) == 1 and isinstance(stmt.test.ops[0], ast.Gt)
+            and isinstance(stmt.test.comparators[0], ast.Constant) and type(stmt.test.comparators[0].value) is int
+            and stmt.test.comparators[0].value == 1):
+        return None
+    g = stmt.test.left.id
+    names = []
+    for line in stmt.body:
+        target = _single_target(line)
+        call = line.value if target is not None else None
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "repeat_interleave" and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == target and len(call.args) == 1 and isinstance(call.args[0], ast.Name)
+                and call.args[0].id == g and len(call.keywords) == 1 and call.keywords[0].arg == "dim"
+                and isinstance(call.keywords[0].value, ast.Constant) and call.keywords[0].value.value == 2
+                and type(call.keywords[0].value.value) is int):
+            return None
+        names.append(target)
+    if names[0] == names[1] or g in names:
+        return None
+    return g, names[0], names[1]
+
+
+def _plain_reference(node: ast.expr) -> bool:
+    """A constant, a name, or an attribute chain of one (``self._attention_backend``): read with nothing else
+    evaluated."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, (ast.Name, ast.Constant))
 
 
 class AttentionPasses:
@@ -147,6 +191,29 @@ class AttentionPasses:
             new = _call("attention_heads", [call.func, *call.args, site])
             new.keywords = call.keywords
             return [*body[:i], like(ast.Assign(targets=stmt.targets, value=new), stmt), *body[i + 1:]]
+        return body
+
+    def gqa_attention(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The grouped-query attention form (see the module doc) over a processor's top-level `body`, or `body`."""
+        for i, stmt in enumerate(body[:-1]):
+            repeats = _repeat_heads_if(stmt)
+            after = body[i + 1]
+            h = _single_target(after)
+            call = after.value if repeats is not None and h is not None else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "dispatch_attention_fn" and len(call.args) == 3
+                    and all(isinstance(a, ast.Name) for a in call.args)
+                    and [a.id for a in call.args[1:]] == list(repeats[1:]) and call.args[0].id not in repeats
+                    and all(k.arg is not None and _plain_reference(k.value) for k in call.keywords)):
+                continue
+            g, k, v = repeats
+            if any(h != name and self.proofs.live_after(after, name) for name in (k, v)):
+                continue  # eager's K and V hold the repeated heads after the call; here they would not
+            self.found.gqa_attention = True
+            site = _site_of(ast.Name(self.owner, ast.Load()), ATTENTION_GQA)
+            new = _call("attention_gqa", [call.func, *call.args, ast.Name(g, ast.Load()), site])
+            new.keywords = call.keywords
+            return [*body[:i], like(ast.Assign(targets=after.targets, value=new), after), *body[i + 2:]]
         return body
 
     @staticmethod
