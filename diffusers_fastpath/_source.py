@@ -10,6 +10,7 @@ import __future__
 import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import linecache
 import textwrap
@@ -153,3 +154,12 @@ def body_digest(fn) -> str | None:
     names = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
     text = ",".join(names) + "\n" + "\n".join(ast.unparse(stmt) for stmt in body)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def named_object(module: str, qualname: str):
+    """The object `qualname` (``"Outer.Inner"``) names in the module `module`, imported: how a pickled patched class
+    finds the class it was made from in a fresh process."""
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj

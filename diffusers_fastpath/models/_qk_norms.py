@@ -21,10 +21,10 @@ calling the module as written.
 from __future__ import annotations
 
 import base64
-import importlib
 
 from diffusers.models.normalization import RMSNorm
 
+from .._source import named_object
 from .._state import PatchState, site_attr
 from ..ops.rmsnorm import RMSNORM, rmsnorm
 from ..ops.rmsnorm_scale_shift import RMSNORM_CLASSES
@@ -120,7 +120,4 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     encoded = name[len(_ZC_PREFIX):]
     module, qualname = base64.b32decode(encoded + "=" * (-len(encoded) % 8)).decode().split(":")
-    base = importlib.import_module(module)
-    for part in qualname.split("."):
-        base = getattr(base, part)
-    return zero_centred_class(base)
+    return zero_centred_class(named_object(module, qualname))

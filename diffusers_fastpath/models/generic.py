@@ -54,7 +54,7 @@ from ..ops.silu_mul import SILUS
 from ._chain_calls import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._qk_norms import patch_rmsnorms, patch_zero_centred_norms
-from .._source import definition, normalized_digest
+from .._source import definition, named_object, normalized_digest
 from ._norm_methods import FUSED, norm_method_hints
 
 GENERIC = "generic"  # what `coverage` says of a class patched this way
@@ -225,9 +225,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     encoded = name[len(_PREFIX):]
     module, qualname, method, hints = json.loads(zlib.decompress(base64.b32decode(encoded + "=" * (-len(encoded) % 8))))
-    base = importlib.import_module(module)
-    for part in qualname.split("."):
-        base = getattr(base, part)
+    base = named_object(module, qualname)
     hints = {k: tuple(v) if isinstance(v, list) else v for k, v in hints}
     sub, _ = generic_subclass(base, method, hints)
     if sub is None:
