@@ -297,6 +297,25 @@ at::Tensor ltx_rmsnorm(const at::Tensor& x, const std::optional<at::Tensor>& rsq
   return out;
 }
 
+// The launch arguments of both per-channel norm kernels (per_channel_rmsnorm.cu) for x [B, C, S] into `out`.
+PerChannelRmsNormArgs per_channel_args(const at::Tensor& x, const at::Tensor& out, const void* mean, double eps,
+                                       bool silu, int64_t probe) {
+  PerChannelRmsNormArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.mean = mean;
+  args.batch = x.size(0);
+  args.channels = x.size(1);
+  args.spatial = x.size(2);
+  args.x_batch_stride = x.stride(0);
+  args.x_channel_stride = x.stride(1);
+  args.eps = static_cast<float>(eps);  // aten's CUDA add casts the python scalar (a double) to its float opmath
+  args.silu = silu ? 1 : 0;
+  args.probe = static_cast<int32_t>(probe);
+  args.dtype = to_dtype_or_float(x);
+  return args;
+}
+
 // LTX-2's VAE norm from aten's mean on, then SiLU if `silu` (per_channel_rmsnorm.cu): x [B, C, S] with each channel's S
 // elements contiguous (channels and batches at any strides), mean the [B, 1, S] (any view of B * S contiguous values)
 // of x's dtype that aten's torch.mean(x**2, 1, keepdim=True) gave; `probe` 1: the SiLU of x alone, 2: the kernel's
@@ -308,29 +327,53 @@ at::Tensor per_channel_rmsnorm(const at::Tensor& x, const std::optional<at::Tens
               "per_channel_rmsnorm: x must be a CUDA tensor [B, C, S] with unit stride along S");
   TORCH_CHECK(probe >= 0 && probe <= 2 && (probe == 0 || !silu),
               "per_channel_rmsnorm: probe must be 0, 1 or 2 (0 with silu)");
-  const DType dtype = to_dtype_or_float(x);
-  const int64_t batch = x.size(0), channels = x.size(1), spatial = x.size(2);
+  to_dtype_or_float(x);  // (its check of the dtype, before the output is allocated)
   TORCH_CHECK(probe != 0 || (mean.has_value() && mean->scalar_type() == x.scalar_type() &&
-                             mean->device() == x.device() && mean->is_contiguous() && mean->numel() == batch * spatial),
+                             mean->device() == x.device() && mean->is_contiguous() &&
+                             mean->numel() == x.size(0) * x.size(2)),
               "per_channel_rmsnorm: mean must be a contiguous [B, 1, S] tensor of x's dtype and device");
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  PerChannelRmsNormArgs args;
-  args.out = out.data_ptr();
-  args.x = x.data_ptr();
-  args.mean = probe == 0 ? mean->data_ptr() : nullptr;
-  args.batch = batch;
-  args.channels = channels;
-  args.spatial = spatial;
-  args.x_batch_stride = x.stride(0);
-  args.x_channel_stride = x.stride(1);
-  args.eps = static_cast<float>(eps);  // aten's CUDA add casts the python scalar (a double) to its float opmath
-  args.silu = silu ? 1 : 0;
-  args.probe = static_cast<int32_t>(probe);
-  args.dtype = dtype;
+  const void* mean_data = probe == 0 ? mean->data_ptr() : nullptr;
+  const PerChannelRmsNormArgs args = per_channel_args(x, out, mean_data, eps, silu, probe);
   const cudaError_t err = launch_per_channel_rmsnorm(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "per_channel_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+}  // namespace
+
+// per_channel_rmsnorm.cu's second launcher (declared here, beside its one binding, rather than in fastpath.h).
+cudaError_t launch_per_channel_rmsnorm_fused(const PerChannelRmsNormArgs& args, int32_t rows, int32_t ctas,
+                                             float factor, cudaStream_t stream);
+
+namespace {
+
+// LTX-2's VAE norm with aten's mean of x**2 computed in the kernel (per_channel_rmsnorm.cu's fused kernel), then SiLU
+// if `silu`: x [B, C, S] as for per_channel_rmsnorm; `rows` (a power of two up to 512) and `ctas` the partial sums of
+// aten's reduction order and `factor` its MeanOps factor, all as the Python op derives them from setReduceConfig
+// (ops/per_channel_rmsnorm.py: `mean_order`); `probe` 3: the mean alone, [B, S]. The Python guard admits only inputs
+// that pass these checks.
+at::Tensor per_channel_rmsnorm_fused(const at::Tensor& x, double eps, bool silu, int64_t rows, int64_t ctas,
+                                     double factor, int64_t probe) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
+              "per_channel_rmsnorm_fused: x must be a CUDA tensor [B, C, S] with unit stride along S");
+  TORCH_CHECK((probe == 0 || (probe == 3 && !silu)) && rows >= 1 && rows <= 512 && (rows & (rows - 1)) == 0 &&
+                  ctas >= 1 && ctas <= 65536,
+              "per_channel_rmsnorm_fused: probe must be 0 or 3 (without silu), rows a power of two up to 512, ctas "
+              "from 1 to 65536");
+  to_dtype_or_float(x);  // (its check of the dtype, before the output is allocated)
+  at::Tensor out = probe == 3 ? at::empty({x.size(0), x.size(2)}, x.options())
+                              : at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const PerChannelRmsNormArgs args = per_channel_args(x, out, nullptr, eps, silu, probe);
+  // `factor` is a float the Python op computed as aten's host does; the double it arrives as holds it exactly
+  const cudaError_t err =
+      launch_per_channel_rmsnorm_fused(args, static_cast<int32_t>(rows), static_cast<int32_t>(ctas),
+                                       static_cast<float>(factor), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "per_channel_rmsnorm_fused: kernel launch failed: ", cudaGetErrorString(err));
   return out;
 }
 
@@ -351,6 +394,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square, bool silu, bool probe) -> Tensor");
   m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
+  m.def("_per_channel_rmsnorm_fused_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
+        "int probe) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -363,4 +408,5 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
   m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
+  m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
 }

@@ -1,28 +1,45 @@
 // LTX-2's VAE norm (diffusers' PerChannelRMSNorm: every norm1 / norm2 of LTX2VideoResnetBlock3d, the encoder's and
-// the decoder's norm_out) after aten's mean, optionally followed by SiLU (the `norm -> nonlinearity` and
-// `norm_out -> conv_act` pairs), in one pass, bit-identical to the eager kernels it replaces. Eager runs, for x (T:
-// bf16, fp16 or fp32) of [B, C, *]:
-//   m   = torch.mean(x**2, dim=1, keepdim=True)  (aten's square and reduction: kept, run by the Python op as eager)
+// the decoder's norm_out), optionally followed by SiLU (the `norm -> nonlinearity` and `norm_out -> conv_act` pairs),
+// bit-identical to the eager kernels it replaces. Eager runs, for x (T: bf16, fp16 or fp32) of [B, C, *]:
+//   q   = round(x * x)                           x**2: aten's pow with exponent 2, `base * base` in T (fp32 product)
+//   m   = round(sum_c(q) * factor)               torch.mean(q, dim=1, keepdim=True): aten's reduce kernel (order below)
 //   a   = round(m + eps)                         add of the python eps: aten's CUDA add casts the double to float
 //   r   = round(sqrt(a))                         torch.sqrt: IEEE sqrtf in fp32 opmath
 //   y   = round(x / r)                           div_true of two tensors: IEEE a / b in fp32 opmath
 //   out = silu ? round(y / (1 + expf(-y))) : y   the SiLU module after it, aten's silu_kernel
-// Every add, square root and division here is a separate IEEE operation (__fadd_rn, __fsqrt_rn, __fdiv_rn; the build
-// passes --fmad=false, and no product feeds an add: aten's add is `self + alpha * other` with alpha 1, whose
-// contraction fma(1, eps, m) rounds once as the add does), each rounded to T where eager stores a tensor. The
-// division and the roundings are exact by construction; the SiLU is elementwise.cuh's, proven on every value of the
-// dtype by the Python op (probe mode 1); r is a function of the one value m, so the Python op proves it the same way
-// (probe mode 2: r of every bf16/fp16 value, every fp32 bit pattern in chunks, against eager's `torch.sqrt(m + eps)`),
-// which settles also how aten takes the python eps on this device (on a CPU aten rounds it to T first). For fp32 every
-// `round` is the identity: the same IEEE operations with nothing rounded between them, as eager's fp32 tensors.
+// Every multiply, add, square root and division here is a separate IEEE operation (__fmul_rn, __fadd_rn, __fsqrt_rn,
+// __fdiv_rn; the build passes --fmad=false, and no product feeds an add: aten's add is `self + alpha * other` with
+// alpha 1, whose contraction fma(1, eps, m) rounds once as the add does), each rounded to T where eager stores a
+// tensor. The division and the roundings are exact by construction; the SiLU is elementwise.cuh's, proven on every
+// value of the dtype by the Python op (probe mode 1); r is a function of the one value m, so the Python op proves it
+// the same way (probe mode 2: r of every bf16/fp16 value, every fp32 bit pattern in chunks, against eager's
+// `torch.sqrt(m + eps)`), which settles also how aten takes the python eps on this device (on a CPU aten rounds it to
+// T first). For fp32 every `round` is the identity: the same IEEE operations with nothing rounded between them.
+//
+// Two kernels. per_channel_rmsnorm_kernel takes m from aten (the Python op runs eager's own square and mean where
+// their order is not the one below) and does the rest in one pass. per_channel_rmsnorm_fused_kernel computes m too,
+// in the order of aten's reduce kernel (Reduce.cuh, reducing dim 1 of a contiguous [B, C, S] q, S >= 2: a reduction
+// NOT on the fastest-striding dimension; the Python op derives `rows` and `ctas` from setReduceConfig per device, and
+// its docstring says why this is aten's order). For one position, with P = rows * ctas partial sums:
+//   partial j (j < P)   = ((a0 + a1) + a2) + a3, a_i = ((0 + q[c_i]) + q[c_i + 4P]) + ...: channel j + k P is the
+//                         k-th value of thread_reduce_impl's loop over idx = j, j + P, ..., added to accumulator k % 4
+//                         (vt0 = 4: the main loop's four accumulators, the tail's first ones, then their combine)
+//   Q_g (g < ctas)      = block_y_reduce of partials g rows + y (y < rows): for off = rows/2 .. 1, v_y += v_{y+off}
+//   sum                 = Q_0 if ctas == 1, else global_reduce: t_y = ((0 + Q_y) + Q_{y+rows}) + ... (y < rows),
+//                         then block_y_reduce of the t_y
+//   m                   = round(sum * factor)    MeanOps::project, factor = float(B S) / float(B C S) as aten's host
+// Each block takes a tile of positions of one batch: blockDim.y threads per 16-byte vector of positions (blockDim.x
+// vectors) compute the chains a_i (P <= kChainPartials: each chain a unit, 4P of them) or the partials (else: P units)
+// into shared memory, one thread per position combines them as above into r, and the block divides the tile's
+// channels by r (reading x a second time, while the tile is in L1 / L2). x is read twice and out written once; eager
+// reads x twice (the square, the division) and q once, and writes q, the quotient and (the pair) the SiLU's result.
 //
 // Layout: out contiguous [batch, channels, spatial] (eager's result for the layouts the Python guard admits); x
 // [batch, channels, spatial] with each channel's spatial elements contiguous (channels and batches possibly apart: an
-// upsampler's output with its first frames sliced off); mean contiguous [batch, spatial] of T. Each thread takes
-// kChannels channels of one vector of positions (16 bytes where spatial, both strides and the pointers are multiples
-// of it, else one element), computes r once for those positions and divides each channel's elements by it; a grid
-// stride over all such items. Eager: the add, the sqrt (1/C of x each), the division and the SiLU (each reading and
-// writing the whole tensor); here x and mean are read once and out written once.
+// upsampler's output with its first frames sliced off); mean contiguous [batch, spatial] of T. The first kernel: each
+// thread takes kChannels channels of one vector of positions (16 bytes where spatial, both strides and the pointers
+// are multiples of it, else one element), computes r once for those positions and divides each channel's elements by
+// it; a grid stride over all such items.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -49,6 +66,11 @@ struct Lanes<T, false> {
   struct type {
     T v[1];
   };
+};
+
+template <typename T, bool kVector>
+struct LaneCount {
+  static constexpr int value = kVector ? Pack<T>::kSize : 1;
 };
 
 template <typename T, bool kVector>
@@ -115,6 +137,212 @@ __global__ void __launch_bounds__(kThreads) per_channel_rmsnorm_kernel(PerChanne
   }
 }
 
+// --- the fused kernel: aten's mean of x**2 over the channels, then the norm -----------------------------------------
+
+constexpr int kFusedThreads = 256;   // threads of a block at most (blockDim.x vectors x blockDim.y units)
+constexpr int kFusedMinBlocks = 3;   // resident blocks per SM for __launch_bounds__ (78 registers, no spill, sm_90)
+constexpr int kUnitThreads = 32;     // threads per vector of positions at most (blockDim.y)
+constexpr int kChainPartials = 8;    // up to this many partial sums per position, each of their 4 chains is a unit
+constexpr int kSharedFloats = 4096;  // the block's scratch: (units + extra + 1) floats per position of its tile
+constexpr int kMinBlocksPerSm = 2;   // the tile shrinks (down to one vector) until the grid has this many per SM
+constexpr int kTailChannels = 4;     // the tail's loads in flight per thread (channels of its vector)
+constexpr int kProbeMean = 3;        // probe mode: out = m, [batch, spatial] (the statistics alone, for the tests)
+
+// q = round(x * x): aten's `base * base` in T (for bf16 / fp16 the fp32 product is exact, then rounded once)
+template <typename T>
+__device__ __forceinline__ float square(float x) {
+  return round_to<T>(__fmul_rn(x, x));
+}
+
+template <typename T, int kVec, typename L>
+__device__ __forceinline__ void add_squares(float (&acc)[kVec], const L& v) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], square<T>(Storage<T>::load(v.v[i])));
+}
+
+// One chain: ((0 + q[first]) + q[first + step]) + ... over the channels below `channels`, for kVec positions.
+template <typename T, bool kVector>
+__device__ __forceinline__ void chain_sum(const T* x, int64_t channel_stride, int64_t first, int64_t step,
+                                          int64_t channels, float (&sum)[LaneCount<T, kVector>::value]) {
+  using L = typename Lanes<T, kVector>::type;
+  constexpr int kVec = LaneCount<T, kVector>::value;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) sum[i] = 0.0f;
+  int64_t c = first;
+  for (; c + 3 * step < channels; c += 4 * step) {  // four loads in flight, added in order
+    L v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = load_lanes<T, kVector>(x + (c + k * step) * channel_stride);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) add_squares<T, kVec>(sum, v[k]);
+  }
+  for (; c < channels; c += step) add_squares<T, kVec>(sum, load_lanes<T, kVector>(x + c * channel_stride));
+}
+
+// One partial sum, as thread_reduce_impl (vt0 = 4) computes it for a thread whose values are q[first + k step]: the
+// k-th value into accumulator k % 4 (four at a time while four remain, then the tail into the first ones), then
+// ((a0 + a1) + a2) + a3.
+template <typename T, bool kVector>
+__device__ __forceinline__ void partial_sum(const T* x, int64_t channel_stride, int64_t first, int64_t step,
+                                            int64_t channels, float (&sum)[LaneCount<T, kVector>::value]) {
+  using L = typename Lanes<T, kVector>::type;
+  constexpr int kVec = LaneCount<T, kVector>::value;
+  float acc[4][kVec];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[k][i] = 0.0f;
+  }
+  int64_t c = first;
+  for (; c + 3 * step < channels; c += 4 * step) {
+    L v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = load_lanes<T, kVector>(x + (c + k * step) * channel_stride);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) add_squares<T, kVec>(acc[k], v[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    if (c < channels) {
+      add_squares<T, kVec>(acc[k], load_lanes<T, kVector>(x + c * channel_stride));
+      c += step;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) sum[i] = __fadd_rn(__fadd_rn(__fadd_rn(acc[0][i], acc[1][i]), acc[2][i]), acc[3][i]);
+}
+
+// Entry e of one position's scratch column: `column` the shared address of its entry 0, `stride` the bytes between
+// entries (4 x the tile's positions).
+__device__ __forceinline__ unsigned entry(unsigned column, unsigned stride, int e) {
+  return column + stride * static_cast<unsigned>(e);
+}
+
+// block_y_reduce over `rows` (a power of two) values at entries first, first + 1, ... of one position's scratch
+// column: for off = rows / 2 .. 1, v_y = v_y + v_{y + off} (y < off); entry `first` holds the result.
+__device__ __forceinline__ void tree(unsigned column, unsigned stride, int first, int rows) {
+  for (int off = rows >> 1; off > 0; off >>= 1) {
+    for (int y = 0; y < off; ++y) {
+      float v, w;
+      shared_load(entry(column, stride, first + y), v);
+      shared_load(entry(column, stride, first + y + off), w);
+      shared_store(entry(column, stride, first + y), __fadd_rn(v, w));
+    }
+  }
+}
+
+// The norm of the positions [blockIdx.x * tile, +tile) of batch blockIdx.y (tile = blockDim.x * kVec) with m computed
+// in aten's order for `rows` x `ctas` partial sums (the file's comment), `factor` aten's MeanOps factor. Probe mode
+// kProbeMean writes m into out ([batch, spatial]) instead.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+    per_channel_rmsnorm_fused_kernel(PerChannelRmsNormArgs a, int32_t rows, int32_t ctas, float factor) {
+  using L = typename Lanes<T, kVector>::type;
+  constexpr int kVec = LaneCount<T, kVector>::value;
+  __shared__ float scratch[kSharedFloats];
+  // The scratch's shared-window address, pinned in a register: nvcc and NVRTC compute a __shared__ array's address
+  // differently (elementwise.cuh's shared_address), and re-deriving it at each use made their machine code differ.
+  unsigned base;
+  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
+  const int partials = rows * ctas;
+  const bool chains = partials <= kChainPartials;
+  const int units = chains ? 4 * partials : partials;
+  const int r_entry = units + (ctas > 1 ? rows : 0);  // the t_y of the global step between, then r
+  const int tile = blockDim.x * kVec;
+  const unsigned stride = 4u * static_cast<unsigned>(tile);
+  const int64_t b = blockIdx.y;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * tile;
+  const int64_t left = a.spatial - s0;  // the tile's positions in the row
+  const int positions = left < tile ? static_cast<int>(left) : tile;
+  const int p0 = threadIdx.x * kVec;
+  const bool active = p0 < positions;  // (vectors: spatial is a multiple of kVec)
+  const T* x = static_cast<const T*>(a.x) + b * a.x_batch_stride + s0 + p0;
+
+  // 1. the units: chain (j, i) of partial j (u = 4 j + i: channels j + (i + 4 n) P), or partial u
+  if (active) {
+    for (int u = threadIdx.y; u < units; u += blockDim.y) {
+      float sum[kVec];
+      if (chains) {
+        chain_sum<T, kVector>(x, a.x_channel_stride, (u >> 2) + (u & 3) * partials, 4 * partials, a.channels, sum);
+      } else {
+        partial_sum<T, kVector>(x, a.x_channel_stride, u, partials, a.channels, sum);
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) shared_store(entry(base + 4u * (p0 + i), stride, u), sum[i]);
+    }
+  }
+  __syncthreads();
+
+  // 2. per position: the partials, each CTA's block_y_reduce, the global step, the projection, r
+  for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < positions; p += blockDim.x * blockDim.y) {
+    const unsigned column = base + 4u * static_cast<unsigned>(p);
+    if (chains) {
+      for (int j = 0; j < partials; ++j) {  // partial j into entry j (<= 4 j: its chains are read first)
+        float c0, c1, c2, c3;
+        shared_load(entry(column, stride, 4 * j), c0);
+        shared_load(entry(column, stride, 4 * j + 1), c1);
+        shared_load(entry(column, stride, 4 * j + 2), c2);
+        shared_load(entry(column, stride, 4 * j + 3), c3);
+        shared_store(entry(column, stride, j), __fadd_rn(__fadd_rn(__fadd_rn(c0, c1), c2), c3));
+      }
+    }
+    for (int g = 0; g < ctas; ++g) tree(column, stride, g * rows, rows);  // Q_g at entry g rows
+    float sum;
+    if (ctas == 1) {
+      shared_load(column, sum);
+    } else {
+      for (int y = 0; y < rows; ++y) {
+        float t = 0.0f;
+        for (int g = y; g < ctas; g += rows) {
+          float q;
+          shared_load(entry(column, stride, g * rows), q);
+          t = __fadd_rn(t, q);
+        }
+        shared_store(entry(column, stride, units + y), t);
+      }
+      tree(column, stride, units, rows);
+      shared_load(entry(column, stride, units), sum);
+    }
+    const float m = round_to<T>(__fmul_rn(sum, factor));
+    if (a.probe == kProbeMean) {
+      static_cast<T*>(a.out)[b * a.spatial + s0 + p] = Storage<T>::store(m);
+    } else {
+      shared_store(entry(column, stride, r_entry), rms<T>(m, a.eps));
+    }
+  }
+  if (a.probe == kProbeMean) return;  // (every thread of the block: no barrier follows)
+  __syncthreads();
+
+  // 3. the tail over the tile's channels, kTailChannels loads in flight per thread
+  if (!active) return;
+  float r[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) shared_load(entry(base + 4u * (p0 + i), stride, r_entry), r[i]);
+  T* out = static_cast<T*>(a.out) + b * a.channels * a.spatial + s0 + p0;
+  for (int64_t c0 = threadIdx.y; c0 < a.channels; c0 += static_cast<int64_t>(kTailChannels) * blockDim.y) {
+    L v[kTailChannels];
+#pragma unroll
+    for (int k = 0; k < kTailChannels; ++k) {
+      const int64_t c = c0 + static_cast<int64_t>(k) * blockDim.y;
+      if (c < a.channels) v[k] = load_lanes<T, kVector>(x + c * a.x_channel_stride);
+    }
+#pragma unroll
+    for (int k = 0; k < kTailChannels; ++k) {
+      const int64_t c = c0 + static_cast<int64_t>(k) * blockDim.y;
+      if (c < a.channels) {
+        L o;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          float y = __fdiv_rn(Storage<T>::load(v[k].v[i]), r[i]);
+          if (a.silu) y = silu(round_to<T>(y));
+          o.v[i] = Storage<T>::store(y);
+        }
+        *reinterpret_cast<L*>(out + c * a.spatial) = o;
+      }
+    }
+  }
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -127,6 +355,55 @@ cudaError_t launch(const PerChannelRmsNormArgs& a, cudaStream_t stream) {
   return launch_vector_or_element(per_channel_rmsnorm_kernel<T, true>, per_channel_rmsnorm_kernel<T, false>, vector,
                                   items, kThreads, kBlocksPerSm, a, stream);
 }
+
+// The fused kernel's launch shape (ops/per_channel_rmsnorm.py's `fused_shape` is its Python twin): blockDim.y = the
+// largest power of two <= min(units, kUnitThreads) threads per vector, blockDim.x = kFusedThreads / blockDim.y
+// vectors, halved while the tile's scratch exceeds kSharedFloats and then while the grid has fewer than
+// kMinBlocksPerSm blocks per SM; grid (tiles of a batch's positions, batch). False where one vector's scratch does
+// not fit.
+struct FusedShape {
+  dim3 grid;
+  dim3 block;
+};
+
+inline bool fused_shape(int64_t batch, int64_t spatial, int64_t rows, int64_t ctas, int vec, int sms,
+                        FusedShape& shape) {
+  const int64_t partials = rows * ctas;
+  const int64_t units = partials <= kChainPartials ? 4 * partials : partials;
+  const int64_t entries = units + (ctas > 1 ? rows : 0) + 1;
+  int ty = 1;
+  while (ty * 2 <= units && ty * 2 <= kUnitThreads) ty *= 2;
+  int tx = kFusedThreads / ty;
+  while (tx > 1 && entries * tx * vec > kSharedFloats) tx /= 2;
+  if (entries * tx * vec > kSharedFloats) return false;
+  const int64_t vecs = (spatial + vec - 1) / vec;
+  while (tx > 1 && batch * ((vecs + tx - 1) / tx) < static_cast<int64_t>(kMinBlocksPerSm) * sms) tx /= 2;
+  const int64_t tiles = (vecs + tx - 1) / tx;
+  if (tiles > 0x7fffffff || batch > 65535) return false;
+  shape.grid = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(batch));
+  shape.block = dim3(tx, ty);
+  return true;
+}
+
+template <typename T>
+cudaError_t launch_fused(const PerChannelRmsNormArgs& a, int32_t rows, int32_t ctas, float factor,
+                         cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  const bool vector = a.spatial % kVec == 0 && a.x_channel_stride % kVec == 0 && a.x_batch_stride % kVec == 0 &&
+                      aligned(a.x) && aligned(a.out);
+  FusedShape shape;
+  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || (a.probe != 0 && a.probe != kProbeMean) ||
+      !fused_shape(a.batch, a.spatial, rows, ctas, vector ? kVec : 1, num_sms(), shape)) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
+  if (vector) {
+    per_channel_rmsnorm_fused_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(a, rows, ctas, factor);
+  } else {
+    per_channel_rmsnorm_fused_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(a, rows, ctas, factor);
+  }
+  return cudaGetLastError();
+}
 #endif  // __CUDACC_RTC__
 
 }  // namespace
@@ -134,6 +411,13 @@ cudaError_t launch(const PerChannelRmsNormArgs& a, cudaStream_t stream) {
 #ifndef __CUDACC_RTC__
 cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream) {
   return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+}
+
+// (declared in bindings_vae.cpp, beside its binding; fastpath.h declares the other launchers)
+cudaError_t launch_per_channel_rmsnorm_fused(const PerChannelRmsNormArgs& args, int32_t rows, int32_t ctas,
+                                             float factor, cudaStream_t stream) {
+  return dispatch_storage_or_float(
+      args.dtype, [&](auto tag) { return launch_fused<decltype(tag)>(args, rows, ctas, factor, stream); });
 }
 #endif
 

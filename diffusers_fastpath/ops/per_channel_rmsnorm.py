@@ -1,38 +1,82 @@
 """LTX-2's VAE norm (diffusers' ``PerChannelRMSNorm``: ``norm1`` / ``norm2`` of every ``LTX2VideoResnetBlock3d``, the
 encoder's and the decoder's ``norm_out``), optionally followed by the SiLU after it (the resnets' ``nonlinearity``,
-the ``conv_act`` after ``norm_out``), with everything after aten's mean in one pass, bit-identical to eager.
+the ``conv_act`` after ``norm_out``), in one kernel from x on, aten's channel mean included, bit-identical to eager.
 
 The module computes, for bf16/fp16/fp32 x of ``[B, C, *]`` (T its dtype, fp32 arithmetic, ``round`` to nearest even
 in T where eager writes a tensor; nothing to round for fp32)::
 
-    m   = torch.mean(x**2, dim=1, keepdim=True)   # aten's square and reduction, kept as eager runs them
+    q   = round(x * x)                            # ``x**2``: aten's pow with exponent 2
+    m   = round(sum_c(q) * factor)                # ``torch.mean(q, dim=1, keepdim=True)``: aten's reduce kernel
     a   = round(m + eps)                          # ``mean_sq + self.eps``: a python number (see below)
     r   = round(sqrt(a))                          # ``torch.sqrt``: IEEE sqrtf in fp32 opmath
     y   = round(x / r)                            # ``x / rms``: div_true of two tensors, IEEE a / b in fp32 opmath
     out = round(y / (1 + exp(-y)))                # the SiLU module after it (the pair), aten's silu_kernel
 
-Eager runs the add and the sqrt over ``[B, 1, *]`` (1/C of x), the division and the SiLU over the whole tensor;
-``csrc/per_channel_rmsnorm.cu`` reads x and the mean once and writes once, each thread computing r once for its
-positions and dividing eight channels by it. The square and the mean stay aten's own calls on x as the module makes
-them (the same kernels, the same reduction order: the same bits).
+Eager reads x and writes q (the square), reads q (the mean), runs the add and the sqrt over ``[B, 1, *]`` and the
+division and the SiLU over the whole tensor. ``csrc/per_channel_rmsnorm.cu``'s fused kernel reads x for the
+statistics, reads it again for the tail (a block takes one tile of positions through both, so the second read finds
+it in L1 / L2 as a rule) and writes once. Where aten's order of the mean is not the one reproduced (`mean_order` says
+why, `MEAN_FALLBACKS` counts it), the op runs aten's own square and mean, as the module does, and the file's first
+kernel the rest (reading x and the mean once, writing once).
 
-Why it is exact. The division is one IEEE operation rounded where eager's result is rounded (``__fdiv_rn``; the build
-passes ``--fmad=false`` and no product feeds an add anywhere in the tail, so nothing can contract): exact by
+Why the statistics are exact (aten read in torch 2.13's ``Reduce.cuh``, ``SharedReduceOps.h``, ``PowKernel.cu``,
+``ReduceMomentKernel.cu``; the GPU's torch 2.11 is held to it by the first-call comparison and the GPU tests' mean
+probe). ``x**2`` is ``pow_tensor_scalar_kernel_impl`` with exponent 2: ``base * base`` in T, the float product of two
+bf16/fp16 values exact (8 + 8, 11 + 11 significant bits < 24) and rounded once to T, the kernel's
+``round(__fmul_rn(x, x))`` (fp32: the one IEEE product). ``torch.mean`` on CUDA is ``mean_kernel_cuda``:
+``mean_kernel_impl<T, float>`` for bf16 and fp16 (``gpu_reduce_kernel<T, T, vt0 = 4, input_vec_size = 8>``; the
+input vectors serve reductions along the fastest dim only), ``<float>`` for fp32 (vt0 4; newer builds take vt0 8 for
+fp32 reductions over a multiple of 1024 values, so fp32 with C % 1024 == 0 keeps aten's mean); ``MeanOps`` adds
+``acc + float(q)`` from 0 (``reduce`` and ``combine`` an add each) and projects ``acc * factor`` in float, rounded to
+T, with ``factor = float(B S) / (B C S)`` computed in float on the host (`mean_factor`; 1/C exactly for C a power of
+two). The launch (`aten_reduce_config`, a line-for-line port of ``setReduceConfig`` for this iterator): q is laid out
+contiguous (pow's output follows x's strides, which the guard admits only in dense [B, C, *] order), its iterator
+puts the reduced dim first and coalesces the spatial ones: ``[C, S, B]`` (``[C, S]`` for B = 1), input strides
+``S, 1, C S``, output ``0, 1, S``; for S >= 2 and C >= 2 the reduction is not on the fastest-striding dim, so block.x
+maps the outputs, vectorised by ``output_vec_size`` ovs = 4, 2 or 1 (the largest dividing S, C S and q's pointer:
+a fresh q from the caching allocator starts 512-byte aligned); ``set_block_dimension(B S / ovs, C)`` with 512 / ovs
+threads: width = min(p2(B S / ovs), 32), height = min(p2(C), threads / width), width = min(p2(B S / ovs), threads /
+height), p2(n) the largest power of two <= n, capped at the thread count; ``values_per_thread`` = C >= min(16 height,
+256) splits the channels across the block's rows (``input_mult[1]``: rows = height, row y starting at channel y,
+combined by ``block_y_reduce``), else rows = 1 (a thread sums all C); with the split, ceil(C / height) >= 256 and the
+grid ceil(B S / ovs / step_output) <= SMs * (threads per SM // threads), the channels also split across
+``ctas = max(min(ceil(target / grid), ceil(vpt / 16)), ceil(vpt / 256))`` blocks (vpt = ceil(C / height); block g
+starting at channel g rows; ``global_reduce``). The SMs and threads per SM are read from x's device as aten reads
+them (``getCurrentDeviceProperties`` under the op's device guard), so `mean_order` derives the order per device. Each
+of the P = rows x ctas threads of an output then adds its channels j, j + P, ... (thread_reduce_impl, vt0 = 4: the
+k-th into accumulator k % 4, four at a time, the tail into the first ones) and combines ((a0 + a1) + a2) + a3; a
+block's rows combine by ``v_y += v_(y + off)`` for off = rows / 2 .. 1; with ctas > 1 the last block's row y adds,
+from 0, the blocks' results y, y + rows, ... in order, and the rows combine by the same tree; then ``* factor``. The
+fused kernel does exactly these float operations in this order (each add a ``__fadd_rn``, the product a
+``__fmul_rn``, --fmad=false), with its own threads (`channel_mean_arithmetic` is the same in torch).
+Every shape of LTX-2's decoder at 768x512x121 (bf16, latents [1, 128, 16, 16, 24]; 132 SMs of 2048 threads, an H100
+or H200): C = 128 (S = 121 x 128 x 192), 256 (61 x 64 x 96), 512 (31 x 32 x 48): ovs 4, 32 x 4 threads, C >= 64:
+rows 4, at most 128 values per row: ctas 1; C = 1024 (16 x 16 x 24): rows 4, 256 values per row, grid 48 <= 2112:
+ctas max(min(44, 16), 1) = 16 (16 on any GPU of at least 46 such SMs). The encoder's: C = 128 .. 512 rows 4, ctas 1;
+C = 1024 at 31 x 32 x 48: ctas 6; C = 2048 at 16 x 16 x 24: ctas 32. Where aten takes another order, or one not
+read here, the op keeps aten's square and mean: S = 1 or C = 1 (other iterators), q beyond 32-bit indexing (aten
+splits the iterator and carries partial sums between the parts), fp32 with C % 1024 == 0, more partial sums than
+the kernel's scratch holds (a large C at a tiny S), more than 65535 batches.
+
+Why the rest is exact. The division is one IEEE operation rounded where eager's result is rounded (``__fdiv_rn``; the
+build passes ``--fmad=false`` and no product feeds an add anywhere in the tail, so nothing can contract): exact by
 construction. ``r`` and the SiLU are each a function of one value (the position's mean, the element's y), and each is
-proven on every value of the dtype on the device before the op is trusted (`_unary_proof`, the kernel's probe modes 2
-and 1: all 65536 bf16 / fp16 values on the first call of a signature, all 2^32 fp32 bit patterns in chunks once per
-device and eps): the SiLU is aten's expression with CUDA's ``expf`` (the proof `channel_rmsnorm_silu` runs for its
-own kernel); ``r``'s add and sqrt are IEEE operations (``__fadd_rn``, ``__fsqrt_rn``; aten's ``self + alpha * other``
-with ``alpha`` 1 rounds once whether or not nvcc contracted it; aten's half-precision ``sqrt`` is ``sqrtf`` of the
-float rounded to T, and were it a correctly rounded T root it would be the same: rounding twice through fp32 is
-innocuous for a square root, 24 >= 2 * 11 + 2), so the proof is a second line there, except for one question it
-settles: how aten takes the python ``eps``. On CUDA the scalar stays a CPU double that the kernel casts to float
-(``TensorIterator::compute_types`` makes dtype temporaries for CPU kernels only; ``scalar_value<opmath_t>``), what
-this kernel is given; on a CPU it is first rounded to T (1e-8 is 1.0012e-8 in bf16: 334 of the bf16 means add
-differently), which `eps_as_added` follows for the CPU arithmetic. fp32 (an fp32 VAE): the same IEEE operations on
-fp32 tensors, nothing rounded between them in eager (each op's fp32 result is what the next reads) or here, the eps
-cast to float either way. The first call of each signature is compared with eager too (`verify_key`), as the
-self-verified ops do; a mismatch, or a failed proof, disables the op for the process (one warning) and eager runs.
+proven on every value of the dtype on the device before the op is trusted (`_unary_proof`, the first kernel's probe
+modes 2 and 1, whose device functions the fused kernel shares: all 65536 bf16 / fp16 values on the first call of a
+signature, all 2^32 fp32 bit patterns in chunks once per device and eps): the SiLU is aten's expression with CUDA's
+``expf`` (the proof `channel_rmsnorm_silu` runs for its own kernel); ``r``'s add and sqrt are IEEE operations
+(``__fadd_rn``, ``__fsqrt_rn``; aten's ``self + alpha * other`` with ``alpha`` 1 rounds once whether or not nvcc
+contracted it; aten's half-precision ``sqrt`` is ``sqrtf`` of the float rounded to T, and were it a correctly rounded
+T root it would be the same: rounding twice through fp32 is innocuous for a square root, 24 >= 2 * 11 + 2), so the
+proof is a second line there, except for one question it settles: how aten takes the python ``eps``. On CUDA the
+scalar stays a CPU double that the kernel casts to float (``TensorIterator::compute_types`` makes dtype temporaries
+for CPU kernels only; ``scalar_value<opmath_t>``), what this kernel is given; on a CPU it is first rounded to T (1e-8
+is 1.0012e-8 in bf16: 334 of the bf16 means add differently), which `eps_as_added` follows for the CPU arithmetic.
+fp32 (an fp32 VAE): the same IEEE operations on fp32 tensors, nothing rounded between them in eager (each op's fp32
+result is what the next reads) or here, the eps cast to float either way. The first call of each signature (the
+dtype, vectors or elements, the eps, and the mean's order: C, rows and ctas, or aten's own) is compared with eager too
+(`verify_key`), as the self-verified ops are; a mismatch, or a failed proof, disables the op for the process (one
+warning) and eager runs.
 
 What the guard admits: a module of a class registered with `add_norm_class` (diffusers' ``PerChannelRMSNorm`` after
 its ``forward`` was checked by source digest, `diffusers_fastpath.models.vae_ltx2_norm.norm_fits`, or this package's
@@ -47,7 +91,11 @@ and its fallback calls the module, so they run. Anything else runs the module's 
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
+from collections import Counter
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +110,10 @@ from ._unary_proof import prove_every_value, prove_fp32
 _VEC_BYTES = 16
 _THREADS, _BLOCKS_PER_SM, _CHANNELS = 256, 8, 8  # csrc/per_channel_rmsnorm.cu's kThreads, kBlocksPerSm, kChannels
 PROBE_SILU, PROBE_RMS = 1, 2  # the kernel's probe modes (fastpath.h's PerChannelRmsNormArgs.probe)
+PROBE_MEAN = 3  # the fused kernel's probe mode: aten's mean alone, [B, S] (csrc/per_channel_rmsnorm.cu's kProbeMean)
+# csrc/per_channel_rmsnorm.cu's fused kernel's kFusedThreads, kUnitThreads, kChainPartials, kSharedFloats and
+# kMinBlocksPerSm
+_FUSED_THREADS, _UNIT_THREADS, _CHAIN_PARTIALS, _SHARED_FLOATS, _MIN_BLOCKS_PER_SM = 256, 32, 8, 4096, 2
 _EXACT_IN_DOUBLE = 2**53  # an int eps beyond this would be rounded twice on its way to float
 
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
@@ -142,6 +194,182 @@ def eps_as_added(eps, dtype: torch.dtype, device: torch.device) -> float:
     return float(eps)
 
 
+# --- aten's order of the channel mean -------------------------------------------------------------------------------
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _last_pow2(n: int) -> int:
+    """Reduce.cuh's last_pow2: the largest power of two <= n (1 for n < 2)."""
+    return 1 << (n.bit_length() - 1) if n >= 2 else 1
+
+
+class ReduceConfig(NamedTuple):
+    """What ``setReduceConfig`` decides for the mean of a contiguous ``[B, C, S]`` over C (S >= 2, C >= 2)."""
+
+    output_vec_size: int
+    block_width: int
+    block_height: int
+    split_across_warps: bool  # input_mult[1] != 0: the channels split across the block's rows
+    ctas_per_output: int  # > 1: across blocks too (global_reduce)
+
+
+def aten_reduce_config(batch: int, channels: int, spatial: int, sms: int, threads_per_sm: int) -> ReduceConfig:
+    """aten's ``setReduceConfig`` (Reduce.cuh) for ``torch.mean(q, dim=1)`` of a contiguous q ``[B, C, S]`` with S >= 2
+    and C >= 2, line for line: the iterator ``[C, S, B]`` (input strides S, 1, C S; output 0, 1, S) reduces a dim that
+    is not the fastest-striding one, so the outputs are vectorised (``get_output_vec_size``: q's pointer is aligned),
+    block.x maps them; `sms` and `threads_per_sm` are the device's ``multiProcessorCount`` and
+    ``maxThreadsPerMultiProcessor``; warp size 32, MAX_NUM_THREADS 512."""
+    num_outputs, inputs_per_output = batch * spatial, channels
+    vec = 4
+    while spatial % vec:  # the pointer (aligned), shape[1] = S, the strides S and C S
+        vec //= 2
+    dim0, dim1 = num_outputs // vec, inputs_per_output
+    max_threads = 512 // vec
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(dim0_pow2, 32)
+    height = min(dim1_pow2, max_threads // width)
+    width = min(dim0_pow2, max_threads // height)
+    step_input, step_output = 1, width  # output_mult[0] = split_output(block_width)
+    split = inputs_per_output >= min(height * 16, 256)  # values_per_thread() >= warp_split_threshold
+    if split:
+        step_input *= height  # input_mult[1] = split_input(block_height)
+    else:
+        step_output *= height  # output_mult[1] = split_output(block_height)
+    target = sms * (threads_per_sm // (width * height))
+    grid = _div_up(num_outputs // vec, step_output)
+    values = _div_up(inputs_per_output, step_input)
+    ctas = 1
+    if split and values >= 256 and grid <= target:
+        ctas = max(min(_div_up(target, grid), _div_up(values, 16)), _div_up(values, 256))
+    return ReduceConfig(vec, width, height, split, ctas)
+
+
+def _float32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def mean_factor(batch: int, channels: int, spatial: int) -> float:
+    """``mean_kernel_impl``'s ``static_cast<float>(num_output_elements) / numel``: the int64 numel converted to float,
+    one float division (a double quotient of two floats rounded to float is the float quotient: 53 >= 2 * 24 + 2)."""
+    return _float32(_float32(batch * spatial) / _float32(batch * channels * spatial))
+
+
+class MeanOrder(NamedTuple):
+    """aten's order of a position's channel mean (csrc/per_channel_rmsnorm.cu's comment): `rows` partial sums per
+    block (a power of two), `ctas` blocks, the product `factor`."""
+
+    rows: int
+    ctas: int
+    factor: float
+
+
+_INT32_MAX = 2**31 - 1
+_LIMITS: dict = {}  # device index -> (SMs, threads per SM)
+
+
+def _device_limits(device: torch.device):
+    """(multiProcessorCount, maxThreadsPerMultiProcessor) of a CUDA device, cached; ``None`` elsewhere."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limits = _LIMITS.get(index)
+    if limits is None:
+        props = torch.cuda.get_device_properties(index)
+        limits = _LIMITS[index] = (props.multi_processor_count, props.max_threads_per_multi_processor)
+    return limits
+
+
+def fused_shape(batch: int, spatial: int, order: MeanOrder, vec: int, sms: int):
+    """The fused kernel's launch shape, ``((tiles, batch, 1), (vectors, units' threads, 1))``, as the .cu's
+    fused_shape computes it; ``None`` where one vector's scratch does not fit kSharedFloats (or the grid its limits)."""
+    partials = order.rows * order.ctas
+    units = 4 * partials if partials <= _CHAIN_PARTIALS else partials
+    entries = units + (order.rows if order.ctas > 1 else 0) + 1
+    ty = _last_pow2(min(units, _UNIT_THREADS))
+    tx = _FUSED_THREADS // ty
+    while tx > 1 and entries * tx * vec > _SHARED_FLOATS:
+        tx //= 2
+    if entries * tx * vec > _SHARED_FLOATS:
+        return None
+    vecs = _div_up(spatial, vec)
+    while tx > 1 and batch * _div_up(vecs, tx) < _MIN_BLOCKS_PER_SM * sms:
+        tx //= 2
+    tiles = _div_up(vecs, tx)
+    if tiles > _INT32_MAX or batch > 65535:
+        return None
+    return (tiles, batch, 1), (tx, ty, 1)
+
+
+@functools.lru_cache(maxsize=1024)  # a VAE has a handful of shapes
+def _order(batch: int, channels: int, spatial: int, dtype: torch.dtype, limits: tuple):
+    if spatial < 2 or channels < 2:
+        return "one position or one channel: another iterator"
+    if (batch * channels * spatial - 1) * dtype.itemsize + 1 > _INT32_MAX:
+        return "beyond 32-bit indexing: aten splits the reduction"
+    if dtype == torch.float32 and channels % 1024 == 0:
+        return "fp32 over a multiple of 1024 channels: aten's accumulators not pinned"
+    config = aten_reduce_config(batch, channels, spatial, *limits)
+    order = MeanOrder(config.block_height if config.split_across_warps else 1, config.ctas_per_output,
+                      mean_factor(batch, channels, spatial))
+    if fused_shape(batch, spatial, order, _VEC_BYTES // dtype.itemsize, limits[0]) is None:
+        return "beyond the fused kernel's launch: its scratch (aten's partial sums) or grid (batches)"
+    return order
+
+
+def mean_order(x: torch.Tensor) -> MeanOrder | str:
+    """aten's order of ``torch.mean(x**2, dim=1)`` for x ``[B, C, *]`` (the guard's layouts) on x's device, as the
+    fused kernel takes it, or why the op keeps aten's own square and mean for x (the module docstring)."""
+    limits = _device_limits(x.device)
+    if limits is None:
+        return "not on a CUDA device"
+    return _order(int(x.shape[0]), int(x.shape[1]), int(math.prod(x.shape[2:])), x.dtype, limits)
+
+
+MEAN_FALLBACKS: Counter = Counter()  # calls that ran aten's square and mean, by `mean_order`'s reason
+
+
+def _tree(values: list) -> torch.Tensor:
+    """block_y_reduce over a power-of-two list: v[y] = v[y] + v[y + off] for off = len / 2 .. 1; v[0]."""
+    off = len(values) // 2
+    while off:
+        for y in range(off):
+            values[y] = values[y] + values[y + off]
+        off //= 2
+    return values[0]
+
+
+def channel_mean_arithmetic(x: torch.Tensor, order: MeanOrder) -> torch.Tensor:
+    """aten's ``torch.mean(x**2, dim=1)`` of x ``[B, C, S]`` in the order `order` (every fp32 add a separate torch op,
+    so rounded as the kernel's ``__fadd_rn``), ``[B, S]`` of x's dtype: the fused kernel's statistics in torch, what
+    the tests' emulated kernel runs on a CPU and the documentation of its order in code."""
+    q = (x.float() * x.float()).to(x.dtype).float()
+    channels, partials = x.shape[1], order.rows * order.ctas
+    zero = torch.zeros_like(q[:, 0])
+
+    def partial(j: int) -> torch.Tensor:
+        acc = [zero] * 4
+        for k, c in enumerate(range(j, channels, partials)):
+            acc[k % 4] = acc[k % 4] + q[:, c]
+        return ((acc[0] + acc[1]) + acc[2]) + acc[3]
+
+    blocks = [_tree([partial(y + g * order.rows) for y in range(order.rows)]) for g in range(order.ctas)]
+    if order.ctas == 1:
+        total = blocks[0]
+    else:
+        rows = []
+        for y in range(order.rows):
+            t = zero
+            for g in range(y, order.ctas, order.rows):
+                t = t + blocks[g]
+            rows.append(t)
+        total = _tree(rows)
+    return (total * torch.tensor(order.factor, dtype=torch.float32)).to(x.dtype)
+
+
 def per_channel_rmsnorm_arithmetic(x: torch.Tensor, mean: torch.Tensor, eps: float, silu: bool) -> torch.Tensor:
     """The kernel's arithmetic in torch (each step rounded to x's dtype where the kernel rounds) for x ``[B, C, *]``
     and its ``[B, 1, *]`` mean, `eps` as `eps_as_added` gives it: what the tests' emulated kernels run on a CPU, and
@@ -212,15 +440,69 @@ _nvrtc.raw_op("_per_channel_rmsnorm_cuda", "(Tensor x, Tensor? mean, float eps, 
 
 _launch = LazyLauncher(_nvrtc_kernel, "_per_channel_rmsnorm_cuda")  # (x, mean, eps, silu, probe)
 
+# The fused kernel the NVRTC way, launched as the .cu's launch_fused and bindings_vae.cpp's per_channel_rmsnorm_fused
+# do: its parameters (the args struct, then rows, ctas and factor), the output, vectors or elements, `fused_shape`.
+_NVRTC_FUSED = _nvrtc.Kernel("per_channel_rmsnorm.cu", "diffusers_fastpath::per_channel_rmsnorm_fused_kernel",
+                             {(dtype, vector): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(vector).lower()}"
+                              for dtype in FLOAT_DTYPES for vector in (True, False)},
+                             _nvrtc.Params("per_channel_rmsnorm_fused_kernel", ("a", _ARGS), ("rows", "i"),
+                                           ("ctas", "i"), ("factor", "f")))
+
+
+def _raw_fused_guard(x, eps, silu, rows, ctas, factor, probe):
+    if x.dim() != 3 or x.dtype not in FLOAT_DTYPES or (x.shape[2] > 1 and x.stride(2) != 1):
+        return "x"
+    if probe not in (0, PROBE_MEAN) or (probe and silu):
+        return "probe"
+    if not (1 <= rows <= 512 and rows & (rows - 1) == 0 and 1 <= ctas <= 65536):
+        return "order"
+    if not x.is_cuda:
+        return "device"
+    return None
+
+
+def _nvrtc_fused(x, eps, silu, rows, ctas, factor, probe):
+    batch, channels, spatial = x.shape
+    if probe == PROBE_MEAN:
+        out = torch.empty(batch, spatial, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    vector = vectors(x, None, out)
+    device = x.device.index
+    shape = fused_shape(batch, spatial, MeanOrder(rows, ctas, factor),
+                        _VEC_BYTES // x.element_size() if vector else 1, _nvrtc.num_sms(device))
+    if shape is None:
+        raise ValueError("per_channel_rmsnorm_fused: aten's partial sums do not fit the kernel's scratch")
+    if x.numel() == 0:
+        return out
+    _NVRTC_FUSED.launch(device, (x.dtype, vector), *shape, out.data_ptr(), x.data_ptr(), 0, batch, channels, spatial,
+                        x.stride(0), x.stride(1), eps, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype], rows, ctas,
+                        factor)
+    return out
+
+
+_nvrtc.raw_op("_per_channel_rmsnorm_fused_cuda",
+              "(Tensor x, float eps, bool silu, int rows, int ctas, float factor, int probe) -> Tensor",
+              _raw_fused_guard, _nvrtc_fused)
+
+# (x, eps, silu, rows, ctas, factor, probe)
+_launch_fused = LazyLauncher(_nvrtc_fused, "_per_channel_rmsnorm_fused_cuda")
+
 
 def _fused(x: torch.Tensor, eps, silu: bool) -> torch.Tensor:
-    """The kernel over x's memory as ``[B, C, S]`` (its strides: channels and batches possibly apart), after eager's
-    own square and mean (``[B, 1, *]``, read as ``[B, S]``); the result contiguous, as eager's is
-    (`channel_strides`)."""
-    mean = torch.mean(x**2, dim=1, keepdim=True)  # the module's own two calls: aten's kernels, aten's order
+    """The norm over x's memory as ``[B, C, S]`` (its strides: channels and batches possibly apart), the result
+    contiguous, as eager's is (`channel_strides`): the fused kernel where `mean_order` gives aten's order, else eager's
+    own square and mean (``[B, 1, *]``, read as ``[B, S]``) and the first kernel."""
     batch, channels = x.shape[:2]
-    out = _launch(x.reshape(batch, channels, -1), mean.reshape(batch, -1).contiguous(),
-                  eps_as_added(eps, x.dtype, x.device), silu, 0)
+    x3 = x.reshape(batch, channels, -1)
+    eps = eps_as_added(eps, x.dtype, x.device)
+    order = mean_order(x)
+    if type(order) is MeanOrder:
+        out = _launch_fused(x3, eps, silu, order.rows, order.ctas, order.factor, 0)
+    else:
+        MEAN_FALLBACKS[order] += 1
+        mean = torch.mean(x**2, dim=1, keepdim=True)  # the module's own two calls: aten's kernels, aten's order
+        out = _launch(x3, mean.reshape(batch, -1).contiguous(), eps, silu, 0)
     return out.view(x.shape)
 
 
@@ -236,11 +518,15 @@ def _signature(norm, x: torch.Tensor):
     """What one first-call ``torch.equal`` (and the proofs) vouch for: the dtype, whether the kernel runs vectors or
     elements as far as x's sizes and strides decide it (what torch.compile can read of a traced x; an x at an offset of
     no multiple of 16 bytes runs elements under the vectors' key: the proofs cover both ways, and the division is exact
-    by construction either way), and the eps (the proofs' r depends on it)."""
+    by construction either way), the eps (the proofs' r depends on it), and the mean's order (`mean_order`): the
+    channels, rows and ctas of the fused kernel's statistics (one check per order; the factor is aten's host
+    arithmetic, exact by construction), or aten's own mean."""
     vec = _VEC_BYTES // x.element_size()
     batch_stride, channel_stride = channel_strides(x)
     vector = math.prod(x.shape[2:]) % vec == 0 and channel_stride % vec == 0 and batch_stride % vec == 0
-    return str(x.dtype).removeprefix("torch."), "vectors" if vector else "elements", float(norm.eps)
+    order = mean_order(x)
+    mean = (f"mean of {x.shape[1]} in {order.rows} x {order.ctas}" if type(order) is MeanOrder else "aten's mean")
+    return str(x.dtype).removeprefix("torch."), "vectors" if vector else "elements", float(norm.eps), mean
 
 
 _FP32_PROVEN: set = set()  # (device, what) where an fp32 proof passed: ("silu",) or ("rms", eps)
@@ -302,8 +588,16 @@ PER_CHANNEL_RMSNORM_SILU = FusedOp("per_channel_rmsnorm_silu", ref=per_channel_r
 
 
 def per_channel_rmsnorm(norm: nn.Module, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
-    """``norm(x)`` for LTX-2's VAE norm: aten's square and mean, then the rest in one pass on CUDA, bit-identical to
-    eager everywhere (the division exact by construction, ``sqrt(m + eps)`` proven on every value of the dtype).
+    """``norm(x)`` for LTX-2's VAE norm in one kernel on CUDA (the square and aten's channel mean in aten's order,
+    then the rest; aten's square and mean, then the rest, where `mean_order` keeps them), bit-identical to eager
+    everywhere (the statistics aten's float operations in aten's order, the division exact by construction,
+    ``sqrt(m + eps)`` proven on every value of the dtype, the first call of each signature compared with eager).
+
+    Example:
+        >>> from diffusers.models.autoencoders.autoencoder_kl_ltx2 import PerChannelRMSNorm
+        >>> norm, x = PerChannelRMSNorm(), torch.randn(1, 128, 4, 16, 16)
+        >>> torch.equal(per_channel_rmsnorm(norm, x), norm(x))  # (on a CPU: the module's forward runs)
+        True
 
     Args:
         norm: the norm module (diffusers' ``PerChannelRMSNorm``, registered by `add_norm_class`), whose forward this
@@ -315,7 +609,7 @@ def per_channel_rmsnorm(norm: nn.Module, x: torch.Tensor, site: Site | None = No
 
 
 def per_channel_rmsnorm_silu(norm: nn.Module, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
-    """``F.silu(norm(x))`` (the norm and the ``nn.SiLU`` module after it) in one pass after aten's square and mean,
+    """``F.silu(norm(x))`` (the norm and the ``nn.SiLU`` module after it) in the norm's kernel (`per_channel_rmsnorm`),
     bit-identical to eager everywhere (the SiLU proven on every value of the dtype on first use). It stands for the
     norm's call: a norm with hooks refuses it and ``F.silu(norm(x))`` runs; the SiLU module's hooks are the caller's
     to check (as `diffusers_fastpath.models.vae.PairCalls` does).
