@@ -342,14 +342,6 @@ at::Tensor per_channel_rmsnorm(const at::Tensor& x, const std::optional<at::Tens
   return out;
 }
 
-}  // namespace
-
-// per_channel_rmsnorm.cu's second launcher (declared here, beside its one binding, rather than in fastpath.h).
-cudaError_t launch_per_channel_rmsnorm_fused(const PerChannelRmsNormArgs& args, int32_t rows, int32_t ctas,
-                                             float factor, cudaStream_t stream);
-
-namespace {
-
 // LTX-2's VAE norm with aten's mean of x**2 computed in the kernel (per_channel_rmsnorm.cu's fused kernel), then SiLU
 // if `silu`: x [B, C, S] as for per_channel_rmsnorm; `rows` (a power of two up to 512) and `ctas` the partial sums of
 // aten's reduction order and `factor` its MeanOps factor, all as the Python op derives them from setReduceConfig

@@ -416,6 +416,10 @@ struct PerChannelRmsNormArgs {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream);
+// The same norm with x**2 and aten's channel mean computed in the kernel, in aten's order for `rows` and `ctas`
+// (ops/per_channel_rmsnorm.py's aten_reduce_config), `factor` MeanOps' float 1 / C; args.mean is its scratch.
+cudaError_t launch_per_channel_rmsnorm_fused(const PerChannelRmsNormArgs& args, int32_t rows, int32_t ctas,
+                                             float factor, cudaStream_t stream);
 #endif
 
 // The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]

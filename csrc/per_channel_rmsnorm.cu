@@ -413,7 +413,7 @@ cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaSt
   return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
 
-// (declared in bindings_vae.cpp, beside its binding; fastpath.h declares the other launchers)
+// (declared in fastpath.h)
 cudaError_t launch_per_channel_rmsnorm_fused(const PerChannelRmsNormArgs& args, int32_t rows, int32_t ctas,
                                              float factor, cudaStream_t stream) {
   return dispatch_storage_or_float(
