@@ -7,7 +7,9 @@
   `diffusers_fastpath.ops.per_channel_rmsnorm_silu` (the block's forward rewritten by the pair rewrite of
   `diffusers_fastpath.models.vae`: the statement pair becomes one call, which takes the fused op only where the norm
   carries this package's site, the activation is exactly ``nn.SiLU`` and neither has hooks); every other such norm
-  becomes `FastpathPerChannelRMSNorm`. Both keep aten's square and mean and fuse the tail.
+  becomes `FastpathPerChannelRMSNorm`. Both compute x**2 and the channel mean in the kernel, in aten's reduce
+  order, where that order is reproduced (`ops.per_channel_rmsnorm.mean_order`; elsewhere aten's square and mean
+  run), and fuse the tail.
 - The causal convolutions (``LTX2VideoCausalConv3d``: the first frame repeated in time by ``repeat`` and
   ``torch.concatenate``, then the ``nn.Conv3d``, which in the decoder pads by reflection) run as
   `diffusers_fastpath.ops.ltx_causal_conv3d` (`diffusers_fastpath.models.vae_ltx_conv`): the padded input written
