@@ -56,7 +56,7 @@ def bound_safe(cls: type) -> None:
         # so one shared code would make every patched block class (FLUX's dual and single blocks, at each shape)
         # spend one budget (`compile_repeated_blocks(fullgraph=True)` failed at a third resolution)
         wrapper.__code__ = wrapper.__code__.replace(co_name="forward", co_qualname=f"{cls.__qualname__}.forward")
-        BOUND_SAFE_CODES.add(wrapper.__code__)
+        BOUND_SAFE_CODES[id(wrapper.__code__)] = wrapper.__code__
         forward = functools.wraps(fn)(wrapper)
         forward._fastpath_bound_safe = True
         cls.forward = forward
@@ -96,9 +96,9 @@ def call_safe(cls: type) -> None:
     cls._fastpath_call_safe = True
 
 
-# the code of every `bound_safe` wrapper (one per class): a frame of it stands between a module call and the patched
-# forward it runs (`models._driver` counts it as part of the module call)
-BOUND_SAFE_CODES: set = set()
+# the code of every `bound_safe` wrapper (one per class), by its id: a frame of it stands between a module call and the
+# patched forward it runs (`models._driver` counts it as part of the module call, by identity)
+BOUND_SAFE_CODES: dict = {}
 
 
 def site_attr(name: str | None = None) -> str:

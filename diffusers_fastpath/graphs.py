@@ -66,7 +66,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ._host_constants import constants_as_fills
 from ._logging import logger, warn_once
-from .ops._policy import fp32_precision_state, global_module_hooks, outputs_equal
+from .ops._policy import fp32_precision_state, global_module_hooks, outputs_equal, setting_reader
 
 GRAPHS_ATTR = "_fastpath_graphs"
 MAX_SIGNATURES = 8  # per model; a pipeline needs one or two (CFG, two text lengths), resolutions add one each
@@ -95,27 +95,35 @@ def _plain_value(v: Any) -> bool:
     return isinstance(v, _LEAF_TYPES)
 
 
+_CUDA, _CUDNN = torch.backends.cuda, torch.backends.cudnn
+_MATMUL = _CUDA.matmul
+_CUDNN_ENABLED, _CUDNN_BENCHMARK, _CUDNN_DETERMINISTIC = (
+    setting_reader(_CUDNN, name) for name in ("enabled", "benchmark", "deterministic"))
+
+
 def _global_state() -> tuple:
-    """The process-wide settings that choose which kernels a forward launches (part of every signature)."""
+    """The process-wide settings that choose which kernels a forward launches (part of every signature). Read on
+    every call of a verified model and of a CUDA graph: torch.backends' modules bound once (each ``torch.backends.X``
+    goes through a Python ``__getattr__``), cuDNN's flags through their C getters (`setting_reader`)."""
     return (
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cuda"),
         torch.get_autocast_dtype("cuda"),
-        torch.backends.cuda.flash_sdp_enabled(),
-        torch.backends.cuda.mem_efficient_sdp_enabled(),
-        torch.backends.cuda.math_sdp_enabled(),
-        torch.backends.cuda.cudnn_sdp_enabled(),
+        _CUDA.flash_sdp_enabled(),
+        _CUDA.mem_efficient_sdp_enabled(),
+        _CUDA.math_sdp_enabled(),
+        _CUDA.cudnn_sdp_enabled(),
         *fp32_precision_state(),  # (the matmul precision and cuDNN's TF32, read as torch >= 2.9 keeps them)
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        _MATMUL.allow_bf16_reduced_precision_reduction,
+        _MATMUL.allow_fp16_reduced_precision_reduction,
         torch.are_deterministic_algorithms_enabled(),
         getattr(_AttentionBackendRegistry, "_active_backend", None),
-        _flag(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed"),  # the math SDPA's bf16 reduction
-        getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", None),
-        _flag(torch.backends.cuda, "preferred_blas_library"),
-        torch.backends.cudnn.enabled,  # the convolutions' (patch embeddings, VAEs) algorithm choice
-        torch.backends.cudnn.benchmark,
-        torch.backends.cudnn.deterministic,
+        _flag(_CUDA, "fp16_bf16_reduction_math_sdp_allowed"),  # the math SDPA's bf16 reduction
+        getattr(_MATMUL, "allow_fp16_accumulation", None),
+        _flag(_CUDA, "preferred_blas_library"),
+        _CUDNN_ENABLED(),  # the convolutions' (patch embeddings, VAEs) algorithm choice
+        _CUDNN_BENCHMARK(),
+        _CUDNN_DETERMINISTIC(),
     )
 
 

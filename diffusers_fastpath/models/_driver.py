@@ -31,9 +31,11 @@ from .._state import BOUND_SAFE_CODES, STATE_ATTR
 _DIFFUSERS_DIR = os.path.dirname(os.path.abspath(diffusers.__file__)) + os.sep
 
 # torch's frames between a caller and the module's forward: ``Module.__call__`` (``_wrapped_call_impl``),
-# ``_call_impl``, and the ``inner`` that ``_call_impl`` runs forward in when there are hooks
-_MODULE_CALL = frozenset([nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
-                          *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType))])
+# ``_call_impl``, and the ``inner`` that ``_call_impl`` runs forward in when there are hooks; by the code objects' ids
+# (a frame runs these very objects; ``code in a_set`` hashes the code, 1 us a time in CPython 3.11, and the checks
+# below walk several frames per block)
+_MODULE_CALL = {id(c): c for c in (nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
+                                   *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType)))}
 
 _OWN_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> (its forward, the code or None)
 
@@ -57,9 +59,15 @@ def own_forward_code(cls: type) -> CodeType | None:
 
 
 def is_module_call(frame: FrameType | None) -> bool:
-    """Whether `frame` is one of torch's frames of a module call (``Module.__call__`` and what it runs)."""
+    """Whether `frame` is one of torch's frames of a module call (``Module.__call__`` and what it runs), by its code
+    object's identity (a code equal to one of them but another object, as a reloaded torch would make, is no module
+    call here: what is built on this then refuses, and the blocks compute as written)."""
     # (and a patched class's forward wrapper: `_state.bound_safe`, one code per class)
-    return frame is not None and (frame.f_code in _MODULE_CALL or frame.f_code in BOUND_SAFE_CODES)
+    if frame is None:
+        return False
+    code = frame.f_code
+    key = id(code)
+    return _MODULE_CALL.get(key) is code or BOUND_SAFE_CODES.get(key) is code
 
 
 def module_caller(frame: FrameType | None) -> FrameType | None:

@@ -36,13 +36,6 @@ def modulate_scale_shift_ref(x: torch.Tensor, scale: torch.Tensor, shift: torch.
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
-def _rows_ok(t: torch.Tensor, batch: int, dim: int, vec: int) -> bool:
-    rows = t.shape[0]
-    if t.shape[1] != dim or (rows != batch and rows != 1):
-        return False
-    return t.stride(1) == 1 and (rows == 1 or t.stride(0) % vec == 0)
-
-
 def _guard(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     return rows_guard(x, scale, shift, x.dtype, check_pointers)
@@ -62,14 +55,18 @@ def rows_guard(x, scale, shift, rows_dtype: torch.dtype, check_pointers: bool = 
     vec = _VEC_BYTES // x.element_size()
     if dim % vec:
         return f"D not a multiple of {vec}"
-    if scale.shape[1] != dim or shift.shape[1] != dim or scale.shape[0] not in (1, batch) or shift.shape[0] not in (1, batch):
+    # (each size and stride read once: this guard runs on every call of the adaLN sites, LayerNorm's included)
+    (scale_rows, scale_dim), (shift_rows, shift_dim) = scale.shape, shift.shape
+    if scale_dim != dim or shift_dim != dim or scale_rows not in (1, batch) or shift_rows not in (1, batch):
         return "shape"
     if x.numel() == 0:
         return "empty"
     if not x.is_contiguous():
         return "x not contiguous"
     rows_vec = _VEC_BYTES // scale.element_size()
-    if not (_rows_ok(scale, batch, dim, rows_vec) and _rows_ok(shift, batch, dim, rows_vec)):
+    (scale_row, scale_col), (shift_row, shift_col) = scale.stride(), shift.stride()
+    if not (scale_col == 1 and (scale_rows == 1 or scale_row % rows_vec == 0)
+            and shift_col == 1 and (shift_rows == 1 or shift_row % rows_vec == 0)):
         return "scale/shift strided"
     if torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad):
         return "requires grad"

@@ -154,7 +154,8 @@ def _guard(gate: torch.Tensor, up: torch.Tensor, act: nn.Module | None = None, u
     if up_first and gate_strides != up_strides:
         return "operands laid out differently"  # the kernel lays its result out after gate, eager's after up
     # packed rows, feature maps: the kernel's [B, L, D] (`_rows_layout`, the views `_kernel` makes)
-    rows, up_rows = _rows_layout(shape, gate_strides), _rows_layout(shape, up_strides)
+    rows = _rows_layout(shape, gate_strides)
+    up_rows = rows if up_strides == gate_strides else _rows_layout(shape, up_strides)  # (a function of the two)
     sizes, strides, last = (tuple(shape), gate_strides, False) if rows is None else rows
     up_sizes, up_strides, up_last = (tuple(shape), up_strides, False) if up_rows is None else up_rows
     if last is not up_last:
