@@ -94,32 +94,33 @@ def test_the_active_backend_decides_when_none_is_named():
                 == "attention backend not native")
 
 
-def _krea2_site_counts(model, kwargs):
-    """The attention_gqa sites of the attentions with grouped heads (the text fusion's have as many key/value heads as
-    query heads: their ``if`` is not taken, nothing counted), after checking those others counted nothing."""
-    grouped, others = [], []
-    for m in model.modules():
-        for _, s in sites_of(m):
-            if s.op == "attention_gqa":
-                (grouped if m.num_heads != m.num_kv_heads else others).append(s)
-    assert all(not s.fast and not s.fallback for s in others), others
-    return grouped
-
-
-def test_tiny_krea2_patched_equals_unpatched_on_cpu():
-    """On a CPU the op refuses ("device cpu", counted on its site per attention) and the copies run as written."""
-    model = zoo.build("krea2", dtype=torch.bfloat16)
+def _krea2_sites(device: str, calls: int):
+    """The tiny Krea 2 on `device`, patched: `calls` forwards each equal to unpatched; its attention_gqa sites of the
+    attentions with grouped heads (the text fusion's have as many key/value heads as query heads: their ``if`` is not
+    taken, nothing counted, checked here), unpatched again before they are returned."""
+    model = zoo.build("krea2", dtype=torch.bfloat16, device=device)
     kwargs = zoo.inputs("krea2", model)
     with torch.no_grad():
         ref = model(**kwargs)[0].clone()
     fp.patch(model)
     try:
         with torch.no_grad():
-            assert torch.equal(model(**kwargs)[0], ref)
-        sites = _krea2_site_counts(model, kwargs)
-        assert sites and all(s.fallback == {"device cpu": 1} for s in sites)
+            for _ in range(calls):
+                assert torch.equal(model(**kwargs)[0], ref)
+        grouped, others = [], []
+        for m in model.modules():
+            for _, s in sites_of(m):
+                if s.op == "attention_gqa":
+                    (grouped if m.num_heads != m.num_kv_heads else others).append(s)
+        assert grouped and all(not s.fast and not s.fallback for s in others), others
+        return grouped
     finally:
         fp.unpatch(model)
+
+
+def test_tiny_krea2_patched_equals_unpatched_on_cpu():
+    """On a CPU the op refuses ("device cpu", counted on its site per attention) and the copies run as written."""
+    assert all(s.fallback == {"device cpu": 1} for s in _krea2_sites("cpu", 1))
 
 
 def test_tiny_krea2_reaches_the_op_when_taken_for_cuda(monkeypatch):
@@ -133,19 +134,11 @@ def test_tiny_krea2_reaches_the_op_when_taken_for_cuda(monkeypatch):
 
     monkeypatch.setattr(ATTENTION_GQA, "guard", on_cpu)
     monkeypatch.setattr(ATTENTION_GQA, "verified", set())
-    model = zoo.build("krea2", dtype=torch.bfloat16)
-    kwargs = zoo.inputs("krea2", model)
-    with torch.no_grad():
-        ref = model(**kwargs)[0].clone()
-    fp.patch(model)
     try:
-        with torch.no_grad():
-            assert torch.equal(model(**kwargs)[0], ref)
-        sites = _krea2_site_counts(model, kwargs)
-        assert sites and all(s.fast == 1 and not s.fallback for s in sites), sites
+        sites = _krea2_sites("cpu", 1)
+        assert all(s.fast == 1 and not s.fallback for s in sites), sites
         assert ATTENTION_GQA.disabled is None and ATTENTION_GQA.verified
     finally:
-        fp.unpatch(model)
         ATTENTION_GQA.reset()
 
 
@@ -168,16 +161,5 @@ def test_matches_eager_bitwise_on_the_gpu(shape, dtype, masked):
 
 @pytest.mark.gpu
 def test_tiny_krea2_on_the_gpu_has_its_attention_fast():
-    model = zoo.build("krea2", dtype=torch.bfloat16, device="cuda")
-    kwargs = zoo.inputs("krea2", model)
-    with torch.no_grad():
-        ref = model(**kwargs)[0].clone()
-    fp.patch(model)
-    try:
-        with torch.no_grad():
-            first, second = model(**kwargs)[0].clone(), model(**kwargs)[0]
-        assert torch.equal(first, ref) and torch.equal(second, ref)
-        sites = _krea2_site_counts(model, kwargs)
-        assert sites and all(s.fast == 2 and not s.fallback for s in sites), sites
-    finally:
-        fp.unpatch(model)
+    sites = _krea2_sites("cuda", 2)
+    assert all(s.fast == 2 and not s.fallback for s in sites), sites
