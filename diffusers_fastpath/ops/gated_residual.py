@@ -25,7 +25,7 @@ import torch
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .selected_rows import SelectedRows
+from .selected_rows import SelectedRows, table_rows_aligned
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -273,8 +273,7 @@ def _rows_guard(residual, rows, update, check_pointers: bool = True) -> str | No
         return reason
     table = rows.params  # the table's layout is params' (a gate's tanh table is contiguous: checked alike)
     return residual_guard(residual, table.unsqueeze(0)[:, :1], update, residual.dtype, check_pointers) or (
-        None if table.stride(1) == 1 and table.stride(0) % (_VEC_BYTES // table.element_size()) == 0
-        else "gate strided")
+        None if table_rows_aligned(table) else "gate strided")
 
 
 def _rows_raw_guard(residual, table, index, update) -> str | None:
@@ -284,7 +283,7 @@ def _rows_raw_guard(residual, table, index, update) -> str | None:
     if (index.dtype is not torch.int32 or not index.is_contiguous() or not isinstance(residual, torch.Tensor)
             or residual.dim() != 3 or index.shape != residual.shape[:2] or index.device != residual.device):
         return "index must be a contiguous int32 [batch, seq] tensor on x's device"
-    if table.shape[0] > 1 and table.stride(0) % (_VEC_BYTES // table.element_size()):
+    if not table_rows_aligned(table):
         return "gate strided"
     return residual_guard(residual, table.unsqueeze(0)[:, :1], update, residual.dtype, True)
 

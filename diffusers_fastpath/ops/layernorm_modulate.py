@@ -40,7 +40,7 @@ from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .layernorm_scale_shift import _cuda_ops, _guard_tensors, _nvrtc_kernel
-from .selected_rows import SelectedRows
+from .selected_rows import SelectedRows, table_rows_aligned
 
 _VEC_BYTES = 16
 _NORMS = (nn.LayerNorm, FP32LayerNorm)
@@ -165,11 +165,14 @@ def _(x, scale, shift, weight, bias, eps, fp32):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _norm_signature(norm, x):
+    # what one torch.equal check vouches for: the aten instantiation (T or fp32), its epilogue, the row length ...
+    return str(x.dtype).removeprefix("torch."), x.shape[-1], type(norm).__name__, norm.weight is not None
+
+
 def _signature(norm, x, scale, shift):
-    # what one torch.equal check vouches for: the aten instantiation (T or fp32), its epilogue, the row length, and
-    # the rows' addressing
-    return (str(x.dtype).removeprefix("torch."), x.shape[-1], type(norm).__name__, norm.weight is not None,
-            "per-token" if scale.shape[1] != 1 or shift.shape[1] != 1 else "per-sample")
+    # ... and the rows' addressing
+    return (*_norm_signature(norm, x), "per-token" if scale.shape[1] != 1 or shift.shape[1] != 1 else "per-sample")
 
 
 LAYERNORM_MODULATE = FusedOp(
@@ -276,8 +279,7 @@ def _rows_guard(norm, x, rows, check_pointers: bool = True) -> str | None:
         return reason
     table = rows.params
     return _guard_tensors(x, table[:1], table[:1], check_pointers, x.dtype) or (
-        None if table.stride(1) == 1 and table.stride(0) % (_VEC_BYTES // table.element_size()) == 0
-        else "scale/shift strided")
+        None if table_rows_aligned(table) else "scale/shift strided")
 
 
 def _nvrtc_modulate_rows(x, scale, shift, index, weight, bias, eps: float) -> torch.Tensor:
@@ -294,7 +296,7 @@ def _raw_rows_guard(x, scale, shift, index, weight, bias, eps):
             and index.shape == x.shape[:2] and index.device == x.device):
         return "index must be a contiguous int32 [batch, seq] tensor on x's device"
     for t in (scale,) if shift is None else (scale, shift):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or (t.shape[0] > 1 and t.stride(0) % (_VEC_BYTES // t.element_size())):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not table_rows_aligned(t):
             return "scale/shift must be [rows, dim] tables with 16-byte aligned rows"
     return _raw_guard(x, scale[None, :1], None if shift is None else shift[None, :1], weight, bias, eps)
 
@@ -311,8 +313,7 @@ def _rows_kernel(norm, x, rows):
 
 
 def _rows_signature(norm, x, rows):
-    return (str(x.dtype).removeprefix("torch."), x.shape[-1], type(norm).__name__, norm.weight is not None,
-            "indexed rows", "scale only")
+    return (*_norm_signature(norm, x), "indexed rows", "scale only")
 
 
 LAYERNORM_SCALE_ROWS = FusedOp(

@@ -90,6 +90,13 @@ class SelectedRows:
         return None
 
 
+def table_rows_aligned(table: torch.Tensor) -> bool:
+    """Whether the kernels can read each row of a ``[rows, D]`` table as 16-byte vectors where its first row can be:
+    unit innermost stride, and a row stride of whole 16-byte vectors (any stride where the table has one row). The
+    first row's own alignment and width are the fused op's guard's to check."""
+    return table.stride(1) == 1 and (table.shape[0] == 1 or table.stride(0) % (16 // table.element_size()) == 0)
+
+
 def tanh_rows(gate):
     """``gate.tanh()`` for the rewritten forwards' lazy gates: `SelectedRows` stay rows (`SelectedRows.tanh_rows`),
     anything else is the expression as written."""
