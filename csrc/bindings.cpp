@@ -243,14 +243,19 @@ void gate_mul_out(const char* op, cudaError_t (*launch)(const SiluMulArgs&, cuda
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
+at::Tensor gate_mul(const char* op, cudaError_t (*launch)(const SiluMulArgs&, cudaStream_t), const at::Tensor& gate,
+                    const at::Tensor& up) {
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  gate_mul_out(op, launch, out, gate, up);
+  return out;
+}
+
 void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
   gate_mul_out("silu_mul", launch_silu_mul, out, gate, up);
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  at::Tensor out = at::empty(gate.sizes(), gate.options());
-  silu_mul_out(out, gate, up);
-  return out;
+  return gate_mul("silu_mul", launch_silu_mul, gate, up);
 }
 
 // round(round(sigmoid(gate)) * up): Krea 2's output gate `x * torch.sigmoid(gate)` with up = x (silu_mul.cu)
@@ -259,9 +264,7 @@ void sigmoid_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& 
 }
 
 at::Tensor sigmoid_mul(const at::Tensor& gate, const at::Tensor& up) {
-  at::Tensor out = at::empty(gate.sizes(), gate.options());
-  sigmoid_mul_out(out, gate, up);
-  return out;
+  return gate_mul("sigmoid_mul", launch_sigmoid_mul, gate, up);
 }
 
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad

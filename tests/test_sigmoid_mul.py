@@ -68,21 +68,17 @@ class GatedProcessor:
         return out * torch.sigmoid(gate_input + 1)
 
 
-def _gated_processor_run(dtype):
+def test_any_processor_with_the_form_is_rewritten(emulated_kernels):
     from diffusers_fastpath.models.generic import generic_subclass
 
     sub, found = generic_subclass(GatedProcessor, "__call__", {})
     assert sub is not None and found.sigmoid_mul == 2
     torch.manual_seed(0)
-    attn = _Proj(64).to(dtype).requires_grad_(False)
-    h, g = (torch.randn(2, 9, 64).to(dtype) for _ in range(2))
+    attn = _Proj(64).to(torch.bfloat16).requires_grad_(False)
+    h, g = (torch.randn(2, 9, 64).to(torch.bfloat16) for _ in range(2))
     site = attn._fastpath_site_sigmoid_mul = Site("sigmoid_mul")
-    return sub()(attn, h, g), GatedProcessor()(attn, h, g), site
-
-
-def test_any_processor_with_the_form_is_rewritten(emulated_kernels):
-    got, ref, site = _gated_processor_run(torch.bfloat16)
-    assert torch.equal(got, ref) and site.fast == 2 and not site.fallback, site
+    assert torch.equal(sub()(attn, h, g), GatedProcessor()(attn, h, g))
+    assert site.fast == 2 and not site.fallback, site
 
 
 def test_a_sigmoid_that_is_not_torchs_runs_as_written():
@@ -99,43 +95,43 @@ def test_a_sigmoid_that_is_not_torchs_runs_as_written():
 # --- the tiny Krea 2 ------------------------------------------------------------------------------------------------
 
 
-def _krea2_gate_sites(device: str, calls: int):
-    """The tiny Krea 2 on `device`, patched: `calls` forwards each equal to unpatched; its sigmoid_mul sites (one per
-    attention: the transformer's blocks and the text fusion's), checked gone after unpatch."""
-    model = zoo.build("krea2", dtype=torch.bfloat16, device=device)
-    kwargs = zoo.inputs("krea2", model)
-    attentions = [m for m in model.modules() if hasattr(m, "processor")]
-    processors = [type(m.processor) for m in attentions]
-    with torch.no_grad():
-        ref = model(**kwargs)[0].clone()
-    fp.patch(model)
-    try:
-        with torch.no_grad():
-            for _ in range(calls):
-                assert torch.equal(model(**kwargs)[0], ref)
-        sites = [s for m in attentions for _, s in sites_of(m) if s.op == "sigmoid_mul"]
-        assert len(sites) == len(attentions) == 6, sites
-    finally:
-        fp.unpatch(model)
-    assert [type(m.processor) for m in attentions] == processors
-    assert not [s for m in model.modules() for _, s in sites_of(m)]
-    with torch.no_grad():
-        assert torch.equal(model(**kwargs)[0], ref)
+def _krea2_gate_sites(device: str):
+    """The tiny Krea 2 on `device` through the zoo's check (patched == unpatched, the first forward verified, a second
+    trusted, unpatch restoring every class): its sigmoid_mul sites, one per attention (the transformer's blocks and the
+    text fusion's)."""
+    from test_generic_zoo import _check
+
+    sites = [s for s in _check("krea2", device) if s.op == "sigmoid_mul"]
+    assert len(sites) == 6, sites
     return sites
 
 
 def test_tiny_krea2_patched_equals_unpatched_on_cpu():
     """On a CPU the op refuses ("device cpu", counted at each attention's site) and the product runs as written."""
-    assert all(s.fallback == {"device cpu": 1} and not s.fast for s in _krea2_gate_sites("cpu", 1))
+    sites = _krea2_gate_sites("cpu")
+    assert all(s.fallback == {"device cpu": 2} and not s.fast for s in sites), sites
 
 
 def test_tiny_krea2_runs_its_gates_fused(emulated_kernels):
-    """The kernel emulated (its arithmetic: the sigmoid rounded, one product): every attention's gate fast, the model
-    equal to unpatched, verified against eager on the first call (the first forward, which `patch`'s verification
-    runs both ways, then a trusted one)."""
-    sites = _krea2_gate_sites("cpu", 2)
+    """The kernel emulated (its arithmetic: the sigmoid rounded, one product): every attention's gate fast in both
+    forwards, verified against eager on its first call."""
+    sites = _krea2_gate_sites("cpu")
     assert all(s.fast == 2 and not s.fallback for s in sites), sites
     assert SIGMOID_MUL.disabled is None and SIGMOID_MUL.verified == {("bfloat16",)}
+
+
+def test_unpatch_gives_krea2_its_processors_back():
+    model = zoo.build("krea2", dtype=torch.bfloat16, device="cpu")
+    attentions = [m for m in model.modules() if hasattr(m, "processor")]
+    processors = [type(m.processor) for m in attentions]
+    fp.patch(model, verify=False)
+    try:
+        assert all(type(m.processor) is not cls for m, cls in zip(attentions, processors))
+        assert all(isinstance(getattr(m, "_fastpath_site_sigmoid_mul", None), Site) for m in attentions)
+    finally:
+        fp.unpatch(model)
+    assert [type(m.processor) for m in attentions] == processors
+    assert not [s for m in model.modules() for _, s in sites_of(m)]
 
 
 # --- the guard ----------------------------------------------------------------------------------------------------
@@ -276,5 +272,5 @@ def test_sigmoid_mul_packed_rows_match_eager_bitwise(rows, width, dtype):
 
 @pytest.mark.gpu
 def test_tiny_krea2_on_the_gpu_has_its_gates_fast():
-    sites = _krea2_gate_sites("cuda", 2)
+    sites = _krea2_gate_sites("cuda")
     assert all(s.fast == 2 and not s.fallback for s in sites), sites

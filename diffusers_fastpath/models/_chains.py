@@ -435,7 +435,8 @@ def _doc(spec: _Spec, found: Rewrite | None) -> str:
             f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
             f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
             f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
-            f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}. Adds no "
+            f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}, "
+            f"sigmoid output gates {found.sigmoid_mul}. Adds no "
             "state beyond the fusion sites.")
 
 
