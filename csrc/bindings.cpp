@@ -200,27 +200,29 @@ at::Tensor cat_heads(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
-void check_silu_mul_inputs(const at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.is_cuda(), "silu_mul: gate must be a CUDA tensor");
+// silu_mul.cu's two kernels, one checked launch: `op` names the op in the messages, `launch` is its launcher
+void check_silu_mul_inputs(const char* op, const at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.is_cuda(), op, ": gate must be a CUDA tensor");
   TORCH_CHECK(gate.dim() == 3 && up.sizes() == gate.sizes() && out.sizes() == gate.sizes(),
-              "silu_mul: gate, up and out must be [batch, seq, dim] of one shape, got ",
+              op, ": gate, up and out must be [batch, seq, dim] of one shape, got ",
               shape_str(gate.sizes()), " and ", shape_str(up.sizes()));
   const int64_t vec = 16 / gate.element_size();
   to_dtype(gate);
   for (const at::Tensor* t : {&out, &gate, &up}) {
-    TORCH_CHECK(t->scalar_type() == gate.scalar_type(), "silu_mul: dtype mismatch");
-    TORCH_CHECK(t->device() == gate.device(), "silu_mul: device mismatch");
-    TORCH_CHECK(aligned16(*t), "silu_mul: pointers must be 16-byte aligned");
+    TORCH_CHECK(t->scalar_type() == gate.scalar_type(), op, ": dtype mismatch");
+    TORCH_CHECK(t->device() == gate.device(), op, ": device mismatch");
+    TORCH_CHECK(aligned16(*t), op, ": pointers must be 16-byte aligned");
     TORCH_CHECK(t->size(2) % vec == 0 && t->stride(2) == 1 && t->stride(1) % vec == 0 && t->stride(0) % vec == 0,
-                "silu_mul: rows must have unit innermost stride, stay 16-byte aligned and hold whole vectors");
+                op, ": rows must have unit innermost stride, stay 16-byte aligned and hold whole vectors");
   }
   TORCH_CHECK((out.size(1) == 1 || out.stride(1) >= out.size(2)) &&
                   (out.size(0) == 1 || out.stride(0) >= out.size(1) * out.stride(1)),
-              "silu_mul: out rows must not overlap");
+              op, ": out rows must not overlap");
 }
 
-void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
-  check_silu_mul_inputs(out, gate, up);
+void gate_mul_out(const char* op, cudaError_t (*launch)(const SiluMulArgs&, cudaStream_t), at::Tensor& out,
+                  const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul_inputs(op, out, gate, up);
   if (gate.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(gate.device());
   SiluMulArgs args;
@@ -237,14 +239,32 @@ void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up)
   args.out_stride_b = out.stride(0);
   args.out_stride_s = out.stride(1);
   args.dtype = to_dtype(gate);
-  const cudaError_t err = launch_silu_mul(args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "silu_mul: kernel launch failed: ", cudaGetErrorString(err));
+  const cudaError_t err = launch(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor gate_mul(const char* op, cudaError_t (*launch)(const SiluMulArgs&, cudaStream_t), const at::Tensor& gate,
+                    const at::Tensor& up) {
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  gate_mul_out(op, launch, out, gate, up);
+  return out;
+}
+
+void silu_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  gate_mul_out("silu_mul", launch_silu_mul, out, gate, up);
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  at::Tensor out = at::empty(gate.sizes(), gate.options());
-  silu_mul_out(out, gate, up);
-  return out;
+  return gate_mul("silu_mul", launch_silu_mul, gate, up);
+}
+
+// round(round(sigmoid(gate)) * up): Krea 2's output gate `x * torch.sigmoid(gate)` with up = x (silu_mul.cu)
+void sigmoid_mul_out(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  gate_mul_out("sigmoid_mul", launch_sigmoid_mul, out, gate, up);
+}
+
+at::Tensor sigmoid_mul(const at::Tensor& gate, const at::Tensor& up) {
+  return gate_mul("sigmoid_mul", launch_sigmoid_mul, gate, up);
 }
 
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
@@ -723,6 +743,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
   m.def("_silu_mul_cuda(Tensor gate, Tensor up) -> Tensor");
   m.def("_silu_mul_cuda_out(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
+  m.def("_sigmoid_mul_cuda(Tensor gate, Tensor up) -> Tensor");
+  m.def("_sigmoid_mul_cuda_out(Tensor(a!) out, Tensor gate, Tensor up) -> ()");
   m.def("_cat_heads_cuda(Tensor a, Tensor b) -> Tensor");
   m.def("_gelu_cat_cuda(Tensor attn, Tensor mlp) -> Tensor");
   m.def("_gelu_cat_cuda_out(Tensor(a!) out, Tensor attn, Tensor mlp) -> ()");
@@ -758,6 +780,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
   m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);
   m.impl("_silu_mul_cuda_out", &diffusers_fastpath::silu_mul_out);
+  m.impl("_sigmoid_mul_cuda", &diffusers_fastpath::sigmoid_mul);
+  m.impl("_sigmoid_mul_cuda_out", &diffusers_fastpath::sigmoid_mul_out);
   m.impl("_cat_heads_cuda", &diffusers_fastpath::cat_heads);
   m.impl("_gelu_cat_cuda", &diffusers_fastpath::gelu_cat);
   m.impl("_gelu_cat_cuda_out", &diffusers_fastpath::gelu_cat_out);

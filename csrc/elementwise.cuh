@@ -77,6 +77,11 @@ __device__ __forceinline__ float round_to(float v) {
 // (silu_mul.cu, group_norm_silu.cu, channel_rmsnorm_silu.cu, per_channel_rmsnorm.cu: their Python ops).
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
 
+// aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu, the real types) in fp32 opmath:
+// one / (one + std::exp(-x)), CUDA's expf, an IEEE add and division (correctly rounded: nvcc's 1 / y, whatever
+// instructions it picks, is the same number); proven on every value of its dtype by its op (ops/sigmoid_mul.py).
+__device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+
 // 16 bytes of T: one vectorised global load or store (LDG.128 / STG.128) when the address is 16-byte aligned.
 template <typename T>
 struct alignas(16) Pack {

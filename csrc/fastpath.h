@@ -88,6 +88,7 @@ cudaError_t launch_gelu_cat(const GeluCatArgs& args, cudaStream_t stream);
 #endif
 
 // out[b, s, :] = round(round(silu(gate[b, s, :])) * up[b, s, :]), SwiGLU's elementwise half as aten computes it
+// (launch_sigmoid_mul: round(round(sigmoid(gate[b, s, :])) * up[b, s, :]), a sigmoid output gate, Krea 2's)
 struct SiluMulArgs {
   void* out;            // [batch, seq, dim]: row (b, s) at out + b * out_stride_b + s * out_stride_s, unit innermost
                         // stride (contiguous, or the SwiGLU columns of swiglu_cat's concatenation buffer)
@@ -107,6 +108,7 @@ struct SiluMulArgs {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream);
+cudaError_t launch_sigmoid_mul(const SiluMulArgs& args, cudaStream_t stream);
 #endif
 
 // out[b, h, s, :] = s < seq_a ? a[b, h, s, :] : b[b, h, s - seq_a, :]: torch.cat([a, b], dim=2) of two [B, H, S, D]

@@ -3,15 +3,23 @@
 //   s   = round(silu(gate))      aten's silu_kernel (aten/src/ATen/native/cuda/ActivationSiluKernel.cu) in fp32
 //                                opmath: x / (1 + c10::cuda::compat::exp(-x)), i.e. expf, an IEEE add and division
 //   out = round(s * up)          the mul kernel, fp32 opmath
+// and, as sigmoid_mul_kernel, a sigmoid output gate, `x * torch.sigmoid(gate)` (Krea 2's attention processor), the
+// same pass with the other activation:
+//   s   = round(sigmoid(gate))   aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu) in
+//                                fp32 opmath: 1 / (1 + std::exp(-x)), i.e. expf, an IEEE add and division
+//   out = round(s * x)           the mul kernel (x * s in eager: a product of two numbers commutes exactly)
 // expf is CUDA's libdevice function under both builds; whether the rest matches aten's build (which nvcc compiled
 // with --fmad=true: no product feeds an add here) is checked the way gelu_cat is: the result is a function of one
-// 16-bit value, so the Python op proves it on all 65536 bf16 or fp16 bit patterns once per dtype (ops/silu_mul.py)
-// and falls back for good where it differs. The multiply is exact by construction (__fmul_rn, one rounding).
+// 16-bit value, so the Python op proves it on all 65536 bf16 or fp16 bit patterns once per dtype (ops/silu_mul.py,
+// ops/sigmoid_mul.py) and falls back for good where it differs. The multiply is exact by construction (__fmul_rn,
+// one rounding).
 //
 // Layout: gate and up are [batch, seq, dim] rows with unit innermost stride and 16-byte aligned row starts (the two
 // `chunk(2, dim=-1)` halves of a contiguous projection qualify, as do two contiguous tensors); out rows likewise
 // (a contiguous out, or swiglu_cat's: the SwiGLU columns of the [batch, seq, attn_dim + dim] concatenation).
-// Each thread moves one 16-byte vector of a row; threads walk rows with a grid stride.
+// Each thread moves one 16-byte vector of a row; threads walk rows with a grid stride. The two kernels share one
+// body (`gate_mul_rows`, inlined), the activation a template argument: silu_mul_kernel's machine code is the one it
+// had before sigmoid_mul_kernel shared it (its name and symbol too).
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -23,8 +31,10 @@ constexpr int kThreads = 512;
 constexpr int kRowsInFlight = 1;
 constexpr int kBlocksPerSm = 16;
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32_t vecs_per_row) {
+enum class GateAct { kSilu, kSigmoid };
+
+template <typename T, GateAct kAct>
+__device__ __forceinline__ void gate_mul_rows(const SiluMulArgs& a, int32_t vecs_per_row) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
   const int32_t col = blockIdx.x * blockDim.x + threadIdx.x;
@@ -42,15 +52,27 @@ __global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32
     P o;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
-      const float act = round_to<T>(silu(Storage<T>::load(g.v[i])));
+      const float x = Storage<T>::load(g.v[i]);
+      const float act = round_to<T>(kAct == GateAct::kSigmoid ? sigmoid(x) : silu(x));
       o.v[i] = Storage<T>::store(__fmul_rn(act, Storage<T>::load(u.v[i])));
     }
     *reinterpret_cast<P*>(out + b * a.out_stride_b + s * a.out_stride_s) = o;
   }
 }
 
-#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
 template <typename T>
+__global__ void __launch_bounds__(kThreads) silu_mul_kernel(SiluMulArgs a, int32_t vecs_per_row) {
+  gate_mul_rows<T, GateAct::kSilu>(a, vecs_per_row);
+}
+
+// `gate` holds the sigmoid's input, `up` the other factor (the attention output x)
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sigmoid_mul_kernel(SiluMulArgs a, int32_t vecs_per_row) {
+  gate_mul_rows<T, GateAct::kSigmoid>(a, vecs_per_row);
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T, GateAct kAct>
 cudaError_t launch(const SiluMulArgs& a, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
   const int64_t rows = a.batch * a.seq;
@@ -58,7 +80,11 @@ cudaError_t launch(const SiluMulArgs& a, cudaStream_t stream) {
   if (a.dim % kVec || a.dim / kVec > 0x7fffffff) return cudaErrorInvalidValue;
   const int32_t vecs_per_row = static_cast<int32_t>(a.dim / kVec);
   const RowGrid shape = row_grid(rows, vecs_per_row, kThreads, kRowsInFlight, kBlocksPerSm);
-  silu_mul_kernel<T><<<shape.grid, shape.block, 0, stream>>>(a, vecs_per_row);
+  if constexpr (kAct == GateAct::kSigmoid) {
+    sigmoid_mul_kernel<T><<<shape.grid, shape.block, 0, stream>>>(a, vecs_per_row);
+  } else {
+    silu_mul_kernel<T><<<shape.grid, shape.block, 0, stream>>>(a, vecs_per_row);
+  }
   return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__
@@ -67,7 +93,13 @@ cudaError_t launch(const SiluMulArgs& a, cudaStream_t stream) {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_silu_mul(const SiluMulArgs& args, cudaStream_t stream) {
-  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
+  return dispatch_storage_type(args.dtype,
+                               [&](auto tag) { return launch<decltype(tag), GateAct::kSilu>(args, stream); });
+}
+
+cudaError_t launch_sigmoid_mul(const SiluMulArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype,
+                               [&](auto tag) { return launch<decltype(tag), GateAct::kSigmoid>(args, stream); });
 }
 #endif
 

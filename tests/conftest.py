@@ -105,7 +105,8 @@ def emulated_kernels(monkeypatch):
     and the QK norm + rotary (every form) and the RMSNorm + scale / gated residual / modulate, self-verified on the GPU; the modulate and the
     rotary and the head concatenation, exact by construction, LTX-Video's rows-form rotary and Wan's as their kernel's
     per-pair arithmetic; the GroupNorm (+ SiLU) of the VAEs, self-verified on the GPU, as its reference; GELU +
-    concatenation and the SiLU-gated product (alone or written into a concatenation), proven exact on every value; the
+    concatenation, the SiLU-gated product (alone or written into a concatenation) and the sigmoid output gate (as its
+    kernel's arithmetic), proven exact on every value; the
     VAEs' channel norms, LTX-Video's and LTX-2's VAE norms as their kernels' arithmetic): the fast paths' wiring runs,
     and is checked, on a CPU."""
     from diffusers_fastpath.ops.cat_heads import CAT_HEADS, cat_heads_ref
@@ -132,6 +133,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.rmsnorm_rope import (RMSNORM_ROPE_COMPLEX, RMSNORM_ROPE_REAL, rmsnorm_rope_complex_ref,
                                                      rmsnorm_rope_real_ref)
     from diffusers_fastpath.ops.rotary import ROTARY_EMB, ROTARY_EMB_ROWS, ROTARY_EMB_WAN, rotary_emb_ref
+    from diffusers_fastpath.ops.sigmoid_mul import SIGMOID_MUL
     from diffusers_fastpath.ops.silu_mul import SILU_MUL, SWIGLU_CAT, silu_mul_ref, swiglu_cat_ref
 
     def gated_residual_arithmetic(residual, gate, update):
@@ -139,6 +141,9 @@ def emulated_kernels(monkeypatch):
 
     def gated_residual_fp32_arithmetic(residual, gate, update):  # fp32 product and sum, one rounding
         return (residual.float() + update.float() * gate).to(residual.dtype)
+
+    def sigmoid_mul_arithmetic(x, gate):  # csrc/silu_mul.cu's sigmoid_mul_kernel: the sigmoid rounded, one product
+        return (x.float() * torch.sigmoid(gate.float()).to(x.dtype).float()).to(x.dtype)
 
     def rotary_rows_arithmetic(x, cos, sin):  # csrc/rotary.cu's rotate_pair: two fp32 products, one sum, one rounding
         xf = x.float()
@@ -193,7 +198,8 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE_ROWS, layernorm_scale_rows_indexed),  # ... its where-picked rows, indexed
                        (GATED_RESIDUAL_ROWS, gated_residual_rows_arithmetic),
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
-                       (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (RMSNORM_SCALE, rmsnorm_scale_ref),
+                       (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (SIGMOID_MUL, sigmoid_mul_arithmetic),
+                       (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),
                        (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref),
@@ -207,7 +213,7 @@ def emulated_kernels(monkeypatch):
                        (GROUP_NORM, group_norm_ref), (GROUP_NORM_SILU, group_norm_silu_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", kernel)
-    for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT, GROUP_NORM_SILU):
+    for op in (GELU_CAT, SILU_MUL, SWIGLU_CAT, SIGMOID_MUL, GROUP_NORM_SILU):
         monkeypatch.setattr(op, "prove", None)  # their proofs run the CUDA kernel on every value of the dtype
     import sys
 

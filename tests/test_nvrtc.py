@@ -33,6 +33,7 @@ from diffusers_fastpath.ops import _build, _nvrtc  # importing ops runs the op f
 gated_residual_mod = importlib.import_module("diffusers_fastpath.ops.gated_residual")
 gelu_cat_mod = importlib.import_module("diffusers_fastpath.ops.gelu_cat")
 silu_mul_mod = importlib.import_module("diffusers_fastpath.ops.silu_mul")
+sigmoid_mul_mod = importlib.import_module("diffusers_fastpath.ops.sigmoid_mul")
 cat_heads_mod = importlib.import_module("diffusers_fastpath.ops.cat_heads")
 layernorm_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_scale_shift")
 layernorm_modulate_mod = importlib.import_module("diffusers_fastpath.ops.layernorm_modulate")
@@ -541,6 +542,15 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert (a.a.out, a.a.out_stride_b, a.a.out_stride_s) == (buf[..., 64:].data_ptr(), 17 * 192, 192)
     with pytest.raises(ValueError, match="aligned-rows"):  # overlapping rows
         silu_mul_mod._nvrtc_kernel(gate, up, buf.as_strided((2, 17, 128), (17 * 192, 64, 1)))
+    # sigmoid_mul: the same .cu's other kernel, silu_mul's arguments (Krea 2's gate and attention output, contiguous)
+    x, g = _bf16(2, 17, 128), _bf16(2, 17, 128)
+    out = sigmoid_mul_mod._nvrtc_kernel(g, x)
+    kernel, key, grid, block, a = captured_launches[-1]
+    assert (kernel, key) == (sigmoid_mul_mod._NVRTC, torch.bfloat16) and out.shape == x.shape and out.is_contiguous()
+    assert (a.a.out, a.a.gate, a.a.up, a.a.batch, a.a.seq, a.a.dim, a.vecs_per_row) == (
+        out.data_ptr(), g.data_ptr(), x.data_ptr(), 2, 17, 128, 16)
+    assert (a.a.gate_stride_b, a.a.gate_stride_s, a.a.up_stride_b, a.a.out_stride_s) == (17 * 128, 128, 17 * 128, 128)
+    assert (grid, block) == _nvrtc.row_grid(34, 16, 512, 1, 132, 16)
 
     # layernorm: one block of (32, 4) per row, of the kernel holding the row's vectors; the probe's, its eight-warp bit
     x = _bf16(2, 17, 64)
@@ -893,6 +903,8 @@ def test_row_ops_through_nvrtc_equal_nvcc_and_eager(shape, dtype, both_ways):
     gate_half, up_half = mlp.chunk(2, dim=-1)  # FLUX.2's SwiGLU: the two halves of one projection
     cases.append((silu_mul_mod._nvrtc_kernel(gate_half, up_half), silu_mul_mod.silu_mul_ref(gate_half, up_half),
                   "_silu_mul_cuda", (gate_half, up_half)))
+    cases.append((sigmoid_mul_mod._nvrtc_kernel(gate_half, up_half),  # the same .cu's sigmoid: up * sigmoid(gate)
+                  sigmoid_mul_mod.sigmoid_mul_ref(up_half, gate_half), "_sigmoid_mul_cuda", (gate_half, up_half)))
     # swiglu_cat's strided out: the SwiGLU columns of a poisoned [B, L, D + 2D] buffer, the first D left alone
     buf = torch.full((b, l, 3 * d), float("nan"), dtype=dtype, device="cuda")
     silu_mul_mod._nvrtc_kernel(gate_half, up_half, buf[..., d:])

@@ -16,7 +16,7 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rows_rope, qk_norm_rows_rope_pair,
                    rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
                    rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
-                   rotary_half_partial, rotary_matrix, silu_mul, swiglu_cat)
+                   rotary_half_partial, rotary_matrix, sigmoid_mul, silu_mul, swiglu_cat)
 from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
@@ -33,6 +33,7 @@ from ..quality import hooked
 from ._rope_cache import derived
 
 _FLOAT_EXACT = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes whose ``.float()`` is exact
+_TORCH_SIGMOID = torch.sigmoid  # torch's sigmoid, as `mul_sigmoid` takes it (read at import: a replacement is not it)
 SWIGLU_MODULES: dict[type, str] = {}  # SwiGLU module class -> the attribute holding its SiLU (`register_swiglu`)
 
 
@@ -607,6 +608,15 @@ class _ChainsNamespace:
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return y * (F.silu if act is None else act)(x)
         return silu_mul(x, y, site, act, True)
+
+    @staticmethod
+    def mul_sigmoid(x, sigmoid, gate, site):
+        # ``x * torch.sigmoid(gate)`` (Krea 2's output gate), its operands evaluated as written: `sigmoid` is what
+        # ``torch.sigmoid`` named in the processor's module when the statement ran; the fused op only where that is
+        # torch's own and both operands are tensors (its guard asks the rest), else the product as written
+        if sigmoid is not _TORCH_SIGMOID or not (isinstance(x, torch.Tensor) and isinstance(gate, torch.Tensor)):
+            return x * sigmoid(gate)
+        return sigmoid_mul(x, gate, site)
 
     @staticmethod
     def cat_heads(a, b, site, token_major=False):

@@ -74,7 +74,7 @@ from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
 from ._rewriter_attention import (ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
-                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY)
+                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SIGMOID_MUL)
 
 _SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
 
@@ -435,7 +435,8 @@ def _doc(spec: _Spec, found: Rewrite | None) -> str:
             f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
             f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
             f"{found.rms_gated or '-'}, SwiGLU + concatenation of {found.swiglu_cats or '-'}, complex rotary "
-            f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}. Adds no "
+            f"{found.rotary_complex}, named-form rotary {found.rotary_named}, head concatenations {found.head_cats}, "
+            f"sigmoid output gates {found.sigmoid_mul}. Adds no "
             "state beyond the fusion sites.")
 
 
@@ -504,6 +505,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, ATTENTION_SEQ_MAJOR, name=ATTENTION_SEQ_MAJOR)
             if found.gqa_attention:
                 state.add_site(module, ATTENTION_GQA, name=ATTENTION_GQA)
+            if found.sigmoid_mul:  # Krea 2's output gate (one site for every such product of the processor)
+                state.add_site(module, SIGMOID_MUL, name=SIGMOID_MUL)
             for attr in found.swiglu_cats:
                 act = getattr(module, attr, None)
                 if type(act) in SWIGLU_MODULES:  # its SwiGLU is counted here now, not as its own silu_mul

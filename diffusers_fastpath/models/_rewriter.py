@@ -184,6 +184,7 @@ class Rewrite:
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
     seq_major_attention: bool = False  # ... and the attention of three of them, token-major (`attention_seq_major`)
     gqa_attention: bool = False  # a processor's grouped-query attention on its kv heads as they are (`attention_gqa`)
+    sigmoid_mul: int = 0  # a processor's sigmoid output gates, ``A * torch.sigmoid(G)`` (`sigmoid_mul`; Krea 2)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
     qk_fp32: int = 0  # rotary calls of pending float32 QK norms proven cast back right after (FLUX.3)
@@ -199,7 +200,7 @@ class Rewrite:
                     or self.modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
-                    or self.head_cats or self.gqa_attention or self.rotary_named or self.rotary_half
+                    or self.head_cats or self.gqa_attention or self.sigmoid_mul or self.rotary_named or self.rotary_half
                     or self.rotary_half_partial or self.rotary_matrix)
 
 
@@ -308,6 +309,8 @@ class _Rewriter(NormForms, AttentionPasses):
         if not self.block:
             if self.head_cats and (cat := self._head_cat(stmt)) is not None:
                 return cat
+            if (gate := self.sigmoid_gate(stmt)) is not None:  # Krea 2's output gate (`_rewriter_attention`)
+                return gate
             if (half := rotate_half_call(stmt, self.owner, self.rotate_halves)) is not None:  # Ideogram 4, Cosmos 3 (`_chain_rotate_half`)
                 self.found.rotary_half += 1
                 return like(half, stmt)

@@ -73,6 +73,14 @@ whole; `_Rewriter` runs these passes on a processor's forward):
   nowhere after the call  ->  ``H = attention_gqa(dispatch_attention_fn, Q, K, V, G, site, <keywords>)``: the test as
   written, then `diffusers_fastpath.ops.attention_gqa` (the call on the grouped heads, ``enable_gqa=True``,
   self-verified per signature; site ``attention_gqa`` on the attention module), or the copies and the call as written
+- sigmoid output gate (Krea 2), into `diffusers_fastpath.ops.sigmoid_mul` (the sigmoid proven on every bf16 / fp16
+  value on first use), in any processor:
+
+  - ``T = A * torch.sigmoid(G)`` or ``return A * torch.sigmoid(G)`` (``A`` and ``G`` any expressions)  ->  ``T =
+    mul_sigmoid(A, torch.sigmoid, G, site)``: the operands evaluated in the order written and the sigmoid called
+    after them, as the product does (nothing moves); the kernel where ``torch.sigmoid`` is torch's at run time and the
+    op's guard takes the operands, else ``A * torch.sigmoid(G)`` as written; one site, ``sigmoid_mul``, on the
+    attention module
 
 Each rewrite is exact by construction, and one that moves or drops anything is taken only where `_chain_proofs`
 proves it changes no value (`_rewriter`'s module doc).
@@ -93,6 +101,7 @@ ROTARY = "rotary_emb"
 CAT_HEADS = "cat_heads"
 ATTENTION_SEQ_MAJOR = "attention_seq_major"  # a processor's attention of three token-major head concatenations (SD3)
 ATTENTION_GQA = "attention_gqa"  # a processor's grouped-query attention without its repeated heads (Krea 2)
+SIGMOID_MUL = "sigmoid_mul"  # a processor's sigmoid output gate, ``A * torch.sigmoid(G)`` (Krea 2)
 QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
@@ -145,6 +154,19 @@ def _repeat_heads_if(stmt: ast.stmt) -> tuple[str, str, str] | None:
     return g, names[0], names[1]
 
 
+def _sigmoid_gated(value: ast.expr | None) -> tuple[ast.expr, ast.expr, ast.expr] | None:
+    """``(A, torch.sigmoid, G)`` if `value` is ``A * torch.sigmoid(G)`` (one positional argument, no keywords), else
+    None. Whether ``torch`` is torch's is asked when the call runs (`_chain_calls`' ``mul_sigmoid``)."""
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)):
+        return None
+    call = value.right
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "sigmoid"
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "torch" and len(call.args) == 1
+            and not isinstance(call.args[0], ast.Starred) and not call.keywords):
+        return None
+    return value.left, call.func, call.args[0]
+
+
 def _plain_reference(node: ast.expr) -> bool:
     """A constant, a name, or an attribute chain of one (``self._attention_backend``): read with nothing else
     evaluated."""
@@ -166,6 +188,20 @@ class AttentionPasses:
         self.found.head_cats += 1
         site = _site_of(ast.Name(self.owner, ast.Load()), CAT_HEADS)
         call = _call("cat_heads", [ast.Name(pair[0], ast.Load()), ast.Name(pair[1], ast.Load()), site])
+        return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
+
+    def sigmoid_gate(self, stmt: ast.stmt) -> ast.stmt | None:
+        """The sigmoid output gate form (see the module doc): `stmt` rewritten, or None."""
+        target = _single_target(stmt) if isinstance(stmt, ast.Assign) else None
+        if target is None and not isinstance(stmt, ast.Return):
+            return None
+        gated = _sigmoid_gated(stmt.value)
+        if gated is None:
+            return None
+        self.found.sigmoid_mul += 1
+        call = _call("mul_sigmoid", [*gated, _site_of(ast.Name(self.owner, ast.Load()), SIGMOID_MUL)])
+        if target is None:
+            return like(ast.Return(value=call), stmt)
         return like(ast.Assign(targets=[ast.Name(target, ast.Store())], value=call), stmt)
 
     def seq_major_attention(self, body: list[ast.stmt]) -> list[ast.stmt]:

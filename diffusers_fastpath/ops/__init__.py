@@ -42,6 +42,7 @@ from .rotary_half import rotary_half, rotary_half_partial, rotary_half_partial_r
 from .rotary_matrix import rotary_matrix, rotary_matrix_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
                      rotary_emb_wan_ref)
+from .sigmoid_mul import sigmoid_mul, sigmoid_mul_ref
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
 from .upsample_nearest import upsample_nearest2x, upsample_nearest2x_ref
 from .zero_centred_rmsnorm import zero_centred_rmsnorm, zero_centred_rmsnorm_ref
@@ -138,6 +139,8 @@ __all__ = [
     "rotary_emb_rows_ref",
     "rotary_emb_wan",
     "rotary_emb_wan_ref",
+    "sigmoid_mul",
+    "sigmoid_mul_ref",
     "silu_mul",
     "silu_mul_ref",
     "swiglu_cat",

@@ -203,18 +203,26 @@ _NVRTC = _nvrtc.Kernel(
 _THREADS, _ROWS_IN_FLIGHT, _BLOCKS_PER_SM = 512, 1, 16
 
 
-def _nvrtc_kernel(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def nvrtc_launch(kernel: _nvrtc.Kernel, op: str, gate: torch.Tensor, up: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """One of csrc/silu_mul.cu's kernels (`kernel`: this op's ``silu_mul_kernel``, `sigmoid_mul`'s
+    ``sigmoid_mul_kernel``, one launch shape and argument list) on `gate`'s and `up`'s rows, into `out` or a new
+    contiguous tensor."""
     batch, seq, dim = gate.shape
     if out is None:
         out = gate.new_empty(gate.shape)
     else:
-        _nvrtc.check_out("silu_mul", out, gate.shape, gate, 16, rows=True)
+        _nvrtc.check_out(op, out, gate.shape, gate, 16, rows=True)
     vecs, device = dim * gate.element_size() // _VEC_BYTES, gate.device.index
     grid, block = _nvrtc.row_grid(batch * seq, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device), _BLOCKS_PER_SM)
-    _NVRTC.launch(device, gate.dtype, grid, block, out.data_ptr(), gate.data_ptr(), up.data_ptr(), batch, seq, dim,
+    kernel.launch(device, gate.dtype, grid, block, out.data_ptr(), gate.data_ptr(), up.data_ptr(), batch, seq, dim,
                   gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), out.stride(0), out.stride(1),
                   _nvrtc.DTYPE_CODE[gate.dtype], vecs)
     return out
+
+
+def _nvrtc_kernel(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return nvrtc_launch(_NVRTC, "silu_mul", gate, up, out)
 
 
 _nvrtc.raw_op("_silu_mul_cuda", "(Tensor gate, Tensor up) -> Tensor", _guard, _nvrtc_kernel)
@@ -223,12 +231,15 @@ _nvrtc.raw_op("_silu_mul_cuda_out", "(Tensor(a!) out, Tensor gate, Tensor up) ->
 _cuda_op = LazyLauncher(_nvrtc_kernel, "_silu_mul_cuda")
 
 
-def _kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _kernel(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
+    """The kernel on rows the guard took (`launch`: the raw op of csrc/silu_mul.cu's other kernel, `sigmoid_mul`'s;
+    ``None``: this op's, read here, where the tests replace it)."""
+    launch = _cuda_op if launch is None else launch
     if gate.dim() == 3:
-        return _cuda_op(gate, up)
+        return launch(gate, up)
     # packed rows or a feature map (the guard took them): the kernel's [B, L, D], viewed back in eager's layout
     (rows, last), (up_rows, _) = _rows_of(gate), _rows_of(up)
-    out = _cuda_op(rows, up_rows)
+    out = launch(rows, up_rows)
     return out.view(gate.shape[0], *gate.shape[2:], gate.shape[1]).movedim(-1, 1) if last else out.view(gate.shape)
 
 
