@@ -177,7 +177,7 @@ struct RmsNormScaleShiftArgs {
   const void* weight;  // [dim]; kModulate may have none (diffusers' RMSNorm without elementwise_affine)
   int64_t seq;
   int64_t batch;
-  int64_t dim;         // a multiple of 128, or (not gated) a multiple of 4 in [32, 128)
+  int64_t dim;         // a multiple of 128, or (not gated) a multiple of 4 in [32, 128); kPlain: any multiple of 4
   int64_t heads;       // kRopeComplex: norm rows per token (x is [batch, tokens, heads, dim] as [rows, 1, dim])
   int64_t tokens;      // kRopeComplex
   float eps;

@@ -39,7 +39,8 @@
 // 32 for 32 <= D < 128 and vt0 = 4, so lane l keeps accumulator k = 0 + sq[l + 32 k] for each k < D / 32 (the
 // others stay 0) and combines them ((a_0 + a_1) + a_2) + a_3, then the same shuffle-down tree. The Python guard
 // admits only these domains, and the op verifies itself against eager on its first call per signature, because
-// the order is a property of the aten build it runs against.
+// the order is a property of the aten build it runs against. The plain norm over rows wider than 8160, where aten
+// splits a row across its block's warps, has a kernel of its own (rmsnorm_wide_kernel, below).
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -76,15 +77,20 @@ __device__ __forceinline__ float rstd_of(float total, const RmsNormScaleShiftArg
   return rsqrtf(__fadd_rn(__fmul_rn(total, a.mean_factor), a.eps));
 }
 
-// A row's rstd from the four accumulators of each of a warp's lanes, in aten's order: ((a_0 + a_1) + a_2) + a_3 in the
-// lane, then the shuffle-down tree over offsets 16, 8, 4, 2, 1, read at lane 0; then rsqrt(mean + eps).
-__device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormScaleShiftArgs& a) {
+// A warp's sum from the four accumulators of each of its lanes, in aten's order: ((a_0 + a_1) + a_2) + a_3 in the
+// lane, then the shuffle-down tree over offsets 16, 8, 4, 2, 1 (block_x_reduce), valid at lane 0.
+__device__ __forceinline__ float warp_total(const float (&acc)[4]) {
   float total = __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), acc[2]), acc[3]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     total = __fadd_rn(total, __shfl_down_sync(0xffffffffu, total, offset));
   }
-  return rstd_of(__shfl_sync(0xffffffffu, total, 0), a);
+  return total;
+}
+
+// A row's rstd when one warp holds the row: warp_total read at lane 0, then rsqrt(mean + eps).
+__device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormScaleShiftArgs& a) {
+  return rstd_of(__shfl_sync(0xffffffffu, warp_total(acc), 0), a);
 }
 
 // Where norm row `row` (= s * batch + b) lies: its (s, b), and for the rotary epilogues its table row (token,
@@ -376,11 +382,74 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kerne
   }
 }
 
+// The norm alone over rows wider than kWarpRowWidest (Ideogram 4's llm_cond_norm, 53248 wide), where aten no longer
+// gives a row one warp: its per-thread count ceil(D / 32) (elements, though it reads quads) reaches 256 and
+// setReduceConfig splits the row across the block's 16 warps too (block (32, 16), step_input 32 * 16 quads;
+// ops/_aten_reduce.py's set_reduce_config). Thread (lane, y) keeps four accumulators a_j (from 0) and adds
+// sq[4 * (lane + 32 y + 512 k) + j] for k = 0, 1, ...; ((a_0 + a_1) + a_2) + a_3; block_x_reduce: the shuffle-down
+// tree 16, 8, 4, 2, 1 in each warp (lane 0's sum W_y); then block_y_reduce through shared memory: W_y += W_(y + off)
+// for off = 8, 4, 2, 1 (y < off), W_0 the row's sum (torch 2.13's Reduce.cuh: block_x_reduce before block_y_reduce
+// since pytorch#165178; before it the y tree ran first, lane by lane, then the shuffle; tools/wide_rmsnorm_probe.py
+// emulates both and says which the build takes). No split across blocks while ceil(D / 512) < 256 (D <= 130560: the
+// Python guard's bound; wider rows at few rows take global_reduce, another order). Here also one row per block of
+// (32 x 16) threads, thread t = lane + 32 y holding aten's quads of thread (lane, y); the tree over the warps runs in
+// warp 0 in aten's order; pass 2 re-reads each quad by the thread that summed it.
+constexpr int kWarpRowWidest = 8160;  // the widest row aten gives one warp: ceil(D / 32) < 256
+constexpr int kWideWarps = 16;        // aten's block.y for these rows (MAX_NUM_THREADS 512 / 32 lanes)
+constexpr int kWideThreads = kWideWarps * 32;
+
+template <typename T>
+__global__ void __launch_bounds__(kWideThreads) rmsnorm_wide_kernel(RmsNormScaleShiftArgs a) {
+  __shared__ float warp_sums[kWideWarps + 1];  // then the row's rstd last
+  // its shared-window address pinned in a register, every access through it: nvcc and NVRTC compute a __shared__
+  // array's address differently (elementwise.cuh's shared_address), which made their machine code differ
+  unsigned base;
+  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(warp_sums)));
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t row = blockIdx.x;
+  const RowAt at = row_at<RmsEpilogue::kPlain>(a, row);
+  const int64_t quads = a.dim / 4;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t q = threadIdx.x; q < quads; q += kWideThreads) {
+    const Quad<T> xq = load_quad<T>(a.x, at.s, at.b, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float xf = Storage<T>::load(xq.v[j]);
+      acc[j] = __fadd_rn(acc[j], __fmul_rn(xf, xf));
+    }
+  }
+  const float total = warp_total(acc);
+  if (lane == 0) shared_store(base + 4u * warp, total);
+  __syncthreads();
+  if (warp == 0) {  // block_y_reduce, W_y += W_(y + off) for off = 8, 4, 2, 1 and y < off: lane y holds W_y, the same
+    // sums as a shuffle-down tree over the first 16 lanes (lane 0's result reads only lanes below 16)
+    float w = 0.f;
+    if (lane < kWideWarps) shared_load(base + 4u * lane, w);
+#pragma unroll
+    for (int offset = kWideWarps / 2; offset > 0; offset >>= 1) {
+      w = __fadd_rn(w, __shfl_down_sync(0xffffffffu, w, offset));
+    }
+    if (lane == 0) shared_store(base + 4u * kWideWarps, rstd_of(w, a));
+  }
+  __syncthreads();
+  float rstd;
+  shared_load(base + 4u * kWideWarps, rstd);
+  Quad<T>* out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.out) + row * a.dim);
+  for (int64_t q = threadIdx.x; q < quads; q += kWideThreads) {
+    out[q] = epilogue<T, RmsEpilogue::kPlain>(a, at, q, load_quad<T>(a.x, at.s, at.b, q), weight_quad<T>(a, q), rstd);
+  }
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 template <typename T>
 cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
   const int64_t rows = a.seq * a.batch;
   if (rows == 0) return cudaSuccess;
+  if (!a.gated && a.epilogue == RmsEpilogue::kPlain && a.dim > kWarpRowWidest) {  // one block of 16 warps per row
+    rmsnorm_wide_kernel<T><<<dim3(static_cast<unsigned>(rows)), dim3(kWideThreads), 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   const int64_t per_block = rows_per_block(a);
   const dim3 grid(static_cast<unsigned>((rows + per_block - 1) / per_block));
   const dim3 block(kWarpsPerBlock * 32);

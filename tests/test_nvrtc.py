@@ -316,6 +316,8 @@ def test_launch_constants_match_the_sources():
         "rmsnorm_scale_shift.cu", "kRows64PerGroup")
     assert rmsnorm_mod._ROWS128_PER_BLOCK == _constant("rmsnorm_scale_shift.cu", "kWarpsPerBlock") * _constant(
         "rmsnorm_scale_shift.cu", "kRows128PerWarp")
+    assert (rmsnorm_mod._WARP_ROW_WIDEST, rmsnorm_mod._WIDE_THREADS) == (
+        _constant("rmsnorm_scale_shift.cu", "kWarpRowWidest"), 32 * _constant("rmsnorm_scale_shift.cu", "kWideWarps"))
     assert rotary_mod._THREADS == 32 * _constant("rotary.cu", "kWarps")
     assert rotary_mod._HEAD_THREADS == 32 * _constant("rotary.cu", "kHeadWarps")
     assert rotary_mod._HEAD_DIM == _constant("rotary.cu", "kHeadDim")
@@ -612,6 +614,15 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     for d, per_block in ((64, 64), (128, 32), (96, 8)):
         rmsnorm_plain_mod._nvrtc_kernel(_bf16(1000, 1, d), _bf16(d), 1e-6)
         assert captured_launches[-1][2] == (-(-1000 // per_block), 1, 1), d
+    # and over rows wider than 8160 (Ideogram 4's 53248): the wide kernel, one row per block of 16 warps
+    for d, kernel, grid, block in ((8160, rmsnorm_mod._NVRTC, (125, 1, 1), (256, 1, 1)),
+                                   (8164, rmsnorm_mod._NVRTC_WIDE, (1000, 1, 1), (512, 1, 1))):
+        xw, ww = _bf16(1000, 1, d), _bf16(d)
+        out = rmsnorm_plain_mod._nvrtc_kernel(xw, ww, 1e-6)
+        launched, key, got_grid, got_block, a = captured_launches[-1]
+        assert (launched, got_grid, got_block) == (kernel, grid, block), d
+        assert (a.a.out, a.a.x.ptr, a.a.weight, a.a.dim, a.a.epilogue) == (out.data_ptr(), xw.data_ptr(),
+                                                                          ww.data_ptr(), d, rmsnorm_mod.PLAIN)
     # rmsnorm_modulate (LTX-Video): a weightless norm passes a null weight; per-token rows of a [B, T, 6, D] table
     xm = _bf16(2, 20, 640)
     shift_m, scale_m = _bf16(2, 20, 6, 640).unbind(dim=2)[:2]

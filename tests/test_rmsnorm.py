@@ -90,9 +90,10 @@ def test_wide_rows_match_eager_bitwise_on_the_gpu(shape, dtype):
 
 @pytest.mark.parametrize("case, reason", [
     ("fp32", "dtype float32"), ("weight", "mixed dtypes"), ("dim", "D outside the reproduced reduction"),
-    ("wide", "device cpu"), ("wide-256", "device cpu"), ("wide-8192", "D outside the reproduced reduction"),
-    ("wide-odd", "D outside the reproduced reduction"),
-    ("wide-8164", "D outside the reproduced reduction"),
+    ("wide", "device cpu"), ("wide-256", "device cpu"), ("wide-8192", "device cpu"),
+    ("wide-odd", "D outside the reproduced reduction"), ("wide-8164", "device cpu"), ("wide-53248", "device cpu"),
+    ("wide-130560", "device cpu"), ("wide-130564", "D outside the reproduced reduction"),
+    ("wide-53250", "D outside the reproduced reduction"),
     ("odd", "D outside the reproduced reduction"), ("few", "fewer than 16 rows"), ("strided", "x not dense"),
     ("bias", "norm without weight or with bias"), ("weightless", "device cpu"), ("cpu", "device cpu")])
 def test_guard_falls_back_with_reason(case, reason):
@@ -105,8 +106,8 @@ def test_guard_falls_back_with_reason(case, reason):
         norm, x = make((1, 9, 4, 194), torch.bfloat16, "cpu", 1)
     elif case == "odd":
         norm, x = make((1, 9, 4, 66), torch.bfloat16, "cpu", 1)
-    elif case.startswith("wide"):  # a pre-norm's [B, S, D]: wide rows, a multiple of 4 with 128 < D < 8192
-        dim = {"wide": 1024, "wide-256": 256, "wide-8192": 8192, "wide-odd": 1002, "wide-8164": 8164}[case]
+    elif case.startswith("wide"):  # a pre-norm's [B, S, D]: wide rows, a multiple of 4 up to 130560
+        dim = {"wide": 1024, "wide-256": 256, "wide-odd": 1002}.get(case) or int(case.removeprefix("wide-"))
         norm, x = make((1, 20, dim), torch.bfloat16, "cpu", 1, transposed=False)
     elif case == "few":
         norm, x = make((1, 3, 2, 64), torch.bfloat16, "cpu", 1)
@@ -245,3 +246,193 @@ def test_weightless_norm_matches_eager_bitwise_on_the_gpu(shape, dtype):
         torch.cuda.synchronize()
         assert torch.equal(captured, norm(static))
     assert RMSNORM.disabled is None
+
+
+# --- rows wider than 8160: aten splits each row across its block's 16 warps (rmsnorm_wide_kernel) ------------------
+
+def _rmsnorm_module():
+    import sys
+
+    return sys.modules["diffusers_fastpath.ops.rmsnorm"]  # (the package's `rmsnorm` is the op function)
+
+
+@pytest.mark.parametrize("limits", [(132, 2048), (46, 2048), (8, 1024)], ids=str)
+def test_guard_admits_exactly_the_orders_the_kernels_reproduce(limits):
+    """setReduceConfig (`_aten_reduce.set_reduce_config`) for ``mean(-1)`` of the fp32 squares, at every width the
+    guard's bounds turn on and a sample between: each admitted D (with at least 16 rows) is a (32, 16) block with
+    no split across blocks, the input vectorised by 4 from 128 on, the row split across the 16 warps (the wide
+    kernel's kWideWarps) exactly past kWarpRowWidest; the first refused width splits across blocks at 16 rows on an
+    H100."""
+    from diffusers_fastpath.ops._aten_reduce import set_reduce_config
+    from diffusers_fastpath.ops.rmsnorm_scale_shift import _WARP_ROW_WIDEST, _WIDE_THREADS
+
+    module = _rmsnorm_module()
+    dims = sorted({*range(32, 260, 4), *range(8100, 8300, 4), *range(129000, 131200, 4), *range(32, 131200, 1028)})
+    for dim in dims:
+        admitted = 32 <= dim <= module._WIDEST
+        for rows in (16, 300, 2048, 18432):
+            cfg = set_reduce_config(rows, dim, True, *limits)
+            if admitted:
+                assert (cfg.block_width, cfg.block_height, cfg.ctas_per_output) == (32, 16, 1), (dim, rows)
+                assert cfg.input_vec_size == (4 if dim >= 128 else 1), dim
+                assert cfg.split_across_warps == (dim > _WARP_ROW_WIDEST), dim
+                assert cfg.step_input == (_WIDE_THREADS if dim > _WARP_ROW_WIDEST else 32), dim
+    assert set_reduce_config(16, module._WIDEST + 4, True, 132, 2048).ctas_per_output > 1  # an H100, 16 rows
+    assert set_reduce_config(15, 4096, True, *limits).block_width > 32  # fewer than 16 rows: a wider block
+
+
+def test_guard_has_no_size_bound_at_ideogram4_full_size():
+    """Ideogram 4's full-size ``llm_cond_norm`` input, [1, 18432 tokens, 53248] (3.9 GB of fp32 squares, past aten's
+    32-bit indexing: aten splits it into sub-iterators of whole rows, the order of each row unchanged): the guard
+    refuses it for nothing but the device (a meta tensor here, no memory)."""
+    norm = RMSNorm(53248, eps=1e-6).to(device="meta", dtype=torch.bfloat16)
+    x = torch.empty(1, 18432, 53248, dtype=torch.bfloat16, device="meta")
+    with torch.no_grad():
+        assert RMSNORM.guard(norm, x) == "device meta"
+
+
+def test_wide_rows_take_the_kernel_path_and_refused_ones_fall_back(emulated_kernels):
+    """On a CPU with the kernels emulated: rows of 8164, 53248 and 130560 go to the fast path (`_launch`), each
+    verified and counted fast; 130564 and a width no multiple of 4 run diffusers' forward, counted by reason."""
+    for dim, fast in ((8164, True), (53248, True), (130560, True), (130564, False), (53250, False)):
+        norm, x = make((1, 20, dim), torch.bfloat16, "cpu", dim, transposed=False)
+        site = Site("rmsnorm")
+        with torch.no_grad():
+            assert torch.equal(rmsnorm(norm, x, site), norm(x))
+        if fast:
+            assert site.fast == 1 and not site.fallback, (dim, site)
+            assert ("bfloat16", dim) in RMSNORM.verified
+        else:
+            assert site.fast == 0 and site.fallback == {"D outside the reproduced reduction": 1}, (dim, site)
+
+
+def test_tiny_ideogram4_with_the_published_llm_width_patched_equals_unpatched(emulated_kernels):
+    """The tiny zoo Ideogram 4 with its published ``llm_features_dim`` (53248): its ``llm_cond_norm`` is swapped to
+    the fused norm and runs fast (emulated kernels), patched == unpatched, unpatch restores the classes."""
+    import diffusers_fastpath as fp
+    from diffusers_fastpath._state import sites_of
+    from diffusers_fastpath.testing import zoo
+    from diffusers_fastpath.testing.zoo._zoo import randomize_
+
+    entry = zoo.ZOO["ideogram4"]
+    torch.manual_seed(0)
+    model = randomize_(entry.cls(**{**entry.tiny_config, "llm_features_dim": 53248}).to(torch.bfloat16), 0).eval()
+    kwargs = zoo.inputs("ideogram4", model)
+    assert kwargs["encoder_hidden_states"].shape[-1] == 53248
+    classes = [type(m) for m in model.modules()]
+    with torch.no_grad():
+        ref = model(**kwargs)[0].clone()
+    fp.patch(model)
+    try:
+        with torch.no_grad():
+            first = model(**kwargs)[0].clone()  # verified: run both ways
+            second = model(**kwargs)[0]
+        assert torch.equal(first, ref) and torch.equal(second, ref)
+        (site,) = [s for _, s in sites_of(model.llm_cond_norm)]
+        assert site.op == "rmsnorm" and site.fast >= 1 and not site.fallback, site
+    finally:
+        fp.unpatch(model)
+    assert [type(m) for m in model.modules()] == classes
+
+
+@pytest.fixture(scope="module")
+def nvrtc_kernels():
+    """The NVRTC cubins (beside the nvcc extension where a toolkit is there): their launcher writes into a given
+    output, which the GPU tests fill with NaN first."""
+    from diffusers_fastpath.ops import _build, _nvrtc
+
+    _build.load_extension()
+    major, minor = torch.cuda.get_device_capability()
+    _nvrtc.build(_build.csrc_dir(), _build.cache_root(), f"{major}{minor}", _build.NVRTC_FLAGS)
+
+
+def _check_wide(shape, dtype, seed):
+    """The wide kernel against diffusers' forward: written into a NaN-filled output (NVRTC's launcher), through the
+    raw op (the way the package loaded), and through the op (fast, verified for (dtype, D))."""
+    norm, x = make(shape, dtype, "cuda", seed, transposed=False)
+    ref = norm(x)
+    rows = x.reshape(-1, 1, shape[-1])
+    poisoned = torch.full_like(rows, float("nan"))
+    _rmsnorm_module()._nvrtc_kernel(rows, norm.weight, norm.eps, out=poisoned)
+    assert torch.equal(poisoned.view(shape), ref)
+    del poisoned
+    raw = torch.ops.diffusers_fastpath._rmsnorm_plain_cuda(rows, norm.weight, norm.eps)
+    assert torch.equal(raw.view(shape), ref)
+    del raw
+    site = Site("rmsnorm")
+    assert torch.equal(rmsnorm(norm, x, site), ref)
+    assert site.fast == 1 and not site.fallback, site
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2048, 53248), (2, 300, 53248), (1, 16, 8164), (2, 300, 8192),
+                                   (1, 64, 12288), (1, 33, 16384), (1, 17, 32768), (1, 20, 65536), (1, 16, 130560),
+                                   (3, 19, 9996), (1, 40, 53252), (1, 257, 8188)], ids=str)
+def test_split_rows_match_eager_bitwise_on_the_gpu(shape, dtype, nvrtc_kernels):
+    """Rows wider than 8160, where aten splits a row across its block's 16 warps: Ideogram 4's ``llm_cond_norm``
+    (53248 over 2048 text tokens, a CFG-sized batch), powers of two up to 65536, the guard's widest (130560) and odd
+    multiples of 4; fresh inputs, the kernel's output poisoned; verified for (dtype, D) and kept."""
+    with torch.no_grad():
+        for seed in range(2):
+            _check_wide(shape, dtype, seed)
+    assert RMSNORM.disabled is None and (str(dtype).removeprefix("torch."), shape[-1]) in RMSNORM.verified
+
+
+@pytest.mark.gpu
+def test_ideogram4_full_size_llm_norm_matches_eager_bitwise_on_the_gpu(nvrtc_kernels):
+    """Ideogram 4's full-size ``llm_cond_norm`` input, [1, 18432, 53248] bf16 (2048 text + 16384 image tokens: 3.9 GB
+    of fp32 squares, which aten reduces in two 32-bit sub-iterators of whole rows): equal to diffusers' forward."""
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs about 20 GB of GPU memory for eager's fp32 temporaries")
+    with torch.no_grad():
+        _check_wide((1, 18432, 53248), torch.bfloat16, 7)
+    assert RMSNORM.disabled is None
+
+
+def _probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "wide_rmsnorm_probe.py"
+    spec = importlib.util.spec_from_file_location("_wide_rmsnorm_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wide_kernel_sum(row) -> float:
+    """csrc/rmsnorm_scale_shift.cu's rmsnorm_wide_kernel, transcribed thread by thread in float32 scalars: thread
+    t = lane + 32 y adds quads t, t + 512, ... into four accumulators, ((a_0 + a_1) + a_2) + a_3, the shuffle-down
+    tree in each warp, then warp 0's tree over the 16 warp sums."""
+    import numpy as np
+
+    sq = [np.float32(v) * np.float32(v) for v in row.float().tolist()]
+    sums = []
+    for t in range(512):
+        acc = [np.float32(0)] * 4
+        for q in range(t, len(sq) // 4, 512):
+            acc = [acc[j] + sq[4 * q + j] for j in range(4)]
+        sums.append(((acc[0] + acc[1]) + acc[2]) + acc[3])
+
+    def shuffle_down(v, offsets):
+        for off in offsets:
+            v = [v[i] + (v[i + off] if i + off < len(v) else v[i]) for i in range(len(v))]
+        return v[0]
+
+    warps = [shuffle_down(sums[32 * y:32 * (y + 1)], (16, 8, 4, 2, 1)) for y in range(16)]
+    return float(shuffle_down(warps, (8, 4, 2, 1)))
+
+
+def test_probe_emulates_the_wide_kernels_order_and_tells_the_orders_apart():
+    """tools/wide_rmsnorm_probe.py's emulation of the ``xy`` order (a warp's shuffle, then the warps' tree) is the
+    wide kernel's arithmetic, transcribed thread by thread; the ``yx`` order (the warps' tree lane by lane first) and
+    the ascending shuffle give other sums on such rows, so the probe's row counts can tell which order aten takes."""
+    probe = _probe()
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(3, 8196, generator=gen) * torch.exp(torch.randn(3, 8196, generator=gen))).to(torch.bfloat16)
+    sq = x.float().pow(2)
+    xy = probe.emulated_sum(sq, 32, 16, 4, "xy", "down")
+    assert [float(v) for v in xy] == [_wide_kernel_sum(row) for row in x]
+    for combine, shuffle in (("yx", "down"), ("xy", "up"), ("yx", "up")):
+        assert not torch.equal(probe.emulated_sum(sq, 32, 16, 4, combine, shuffle), xy), (combine, shuffle)

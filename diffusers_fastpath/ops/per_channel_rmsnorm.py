@@ -29,7 +29,7 @@ input vectors serve reductions along the fastest dim only), ``<float>`` for fp32
 fp32 reductions over a multiple of 1024 values, so fp32 with C % 1024 == 0 keeps aten's mean); ``MeanOps`` adds
 ``acc + float(q)`` from 0 (``reduce`` and ``combine`` an add each) and projects ``acc * factor`` in float, rounded to
 T, with ``factor = float(B S) / (B C S)`` computed in float on the host (`mean_factor`; 1/C exactly for C a power of
-two). The launch (`aten_reduce_config`, a line-for-line port of ``setReduceConfig`` for this iterator): q is laid out
+two). The launch (`aten_reduce_config`: `_aten_reduce`'s port of ``setReduceConfig``, for this iterator): q is laid out
 contiguous (pow's output follows x's strides, which the guard admits only in dense [B, C, *] order), its iterator
 puts the reduced dim first and coalesces the spatial ones: ``[C, S, B]`` (``[C, S]`` for B = 1), input strides
 ``S, 1, C S``, output ``0, 1, S``; for S >= 2 and C >= 2 the reduction is not on the fastest-striding dim, so block.x
@@ -102,6 +102,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _nvrtc
+from ._aten_reduce import ReduceConfig, _div_up, _last_pow2, set_reduce_config
 from ._build import LazyLauncher
 from ._policy import (FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason,
                       tensor_reason)
@@ -197,55 +198,16 @@ def eps_as_added(eps, dtype: torch.dtype, device: torch.device) -> float:
 # --- aten's order of the channel mean -------------------------------------------------------------------------------
 
 
-def _div_up(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _last_pow2(n: int) -> int:
-    """Reduce.cuh's last_pow2: the largest power of two <= n (1 for n < 2)."""
-    return 1 << (n.bit_length() - 1) if n >= 2 else 1
-
-
-class ReduceConfig(NamedTuple):
-    """What ``setReduceConfig`` decides for the mean of a contiguous ``[B, C, S]`` over C (S >= 2, C >= 2)."""
-
-    output_vec_size: int
-    block_width: int
-    block_height: int
-    split_across_warps: bool  # input_mult[1] != 0: the channels split across the block's rows
-    ctas_per_output: int  # > 1: across blocks too (global_reduce)
-
-
 def aten_reduce_config(batch: int, channels: int, spatial: int, sms: int, threads_per_sm: int) -> ReduceConfig:
-    """aten's ``setReduceConfig`` (Reduce.cuh) for ``torch.mean(q, dim=1)`` of a contiguous q ``[B, C, S]`` with S >= 2
-    and C >= 2, line for line: the iterator ``[C, S, B]`` (input strides S, 1, C S; output 0, 1, S) reduces a dim that
-    is not the fastest-striding one, so the outputs are vectorised (``get_output_vec_size``: q's pointer is aligned),
-    block.x maps them; `sms` and `threads_per_sm` are the device's ``multiProcessorCount`` and
-    ``maxThreadsPerMultiProcessor``; warp size 32, MAX_NUM_THREADS 512."""
-    num_outputs, inputs_per_output = batch * spatial, channels
+    """aten's ``setReduceConfig`` (`_aten_reduce.set_reduce_config`) for ``torch.mean(q, dim=1)`` of a contiguous q
+    ``[B, C, S]`` with S >= 2 and C >= 2: the iterator ``[C, S, B]`` (input strides S, 1, C S; output 0, 1, S) reduces
+    a dim that is not the fastest-striding one, so the outputs are vectorised (``get_output_vec_size``: the largest of
+    4, 2, 1 dividing S, as q's pointer is aligned), block.x maps them; `sms` and `threads_per_sm` are the device's
+    ``multiProcessorCount`` and ``maxThreadsPerMultiProcessor``."""
     vec = 4
     while spatial % vec:  # the pointer (aligned), shape[1] = S, the strides S and C S
         vec //= 2
-    dim0, dim1 = num_outputs // vec, inputs_per_output
-    max_threads = 512 // vec
-    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
-    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
-    width = min(dim0_pow2, 32)
-    height = min(dim1_pow2, max_threads // width)
-    width = min(dim0_pow2, max_threads // height)
-    step_input, step_output = 1, width  # output_mult[0] = split_output(block_width)
-    split = inputs_per_output >= min(height * 16, 256)  # values_per_thread() >= warp_split_threshold
-    if split:
-        step_input *= height  # input_mult[1] = split_input(block_height)
-    else:
-        step_output *= height  # output_mult[1] = split_output(block_height)
-    target = sms * (threads_per_sm // (width * height))
-    grid = _div_up(num_outputs // vec, step_output)
-    values = _div_up(inputs_per_output, step_input)
-    ctas = 1
-    if split and values >= 256 and grid <= target:
-        ctas = max(min(_div_up(target, grid), _div_up(values, 16)), _div_up(values, 256))
-    return ReduceConfig(vec, width, height, split, ctas)
+    return set_reduce_config(batch * spatial, channels, False, sms, threads_per_sm, output_vec_size=vec)
 
 
 def _float32(v: float) -> float:

@@ -20,16 +20,27 @@ setReduceConfig vectorises the input by 4 and gives each row one warp of 32 lane
 lane, the same configuration at every such D, so 256 to 512 take that order too, and so do rows of a multiple of 4
 that are no multiple of 128: lane l adds quads l, l + 32, ... below D / 4, as aten's vectorised loop does, some
 lanes one quad fewer; the fp32 rows of such a D start 16-byte aligned, so aten reads no unaligned head, and with D
-% 4 == 0 no tail. Sana's and Sana-Video's norms, 2240 wide, since session 31). The one bound is aten's: its
-per-thread count is ``ceil(D / 32)`` elements (not quads), and at 256 (D > 8160) it splits each row across the
-block's 16 warps and combines them through shared memory, another order (D = 8188 measured different on an H100). The order is a property of the
-aten build, so the op verifies itself: the first fast call of each (dtype, D) is compared with eager by
-``torch.equal``; a mismatch disables it for the process with one warning and runs the norm as written.
+% 4 == 0 no tail. Sana's and Sana-Video's norms, 2240 wide, since session 31). aten's per-thread count is
+``ceil(D / 32)`` elements (not quads): at 256 (D > 8160) setReduceConfig splits each row across the block's 16 warps
+too (`_aten_reduce.set_reduce_config`, block (32, 16)): thread (lane, y) adds quads ``lane + 32 y + 512 k``, the
+shuffle-down tree sums each warp, then shared memory sums the 16 warp sums (``block_y_reduce``: warps y + 8 into y,
+then y + 4, y + 2, y + 1), the order of the .cu's ``rmsnorm_wide_kernel`` (Ideogram 4's ``llm_cond_norm``, 53248
+wide; D = 8188 measured different from the one-warp order on an H100). torch 2.13's Reduce.cuh runs block_x_reduce
+before block_y_reduce (pytorch#165178); older builds ran the warp tree first, lane by lane
+(`tools/wide_rmsnorm_probe.py` emulates both and says which the build takes). Up to ``ceil(D / 512) < 256`` (D <=
+130560) no row splits across blocks; wider ones would (``global_reduce``, a multi-block order this op does not
+reproduce). aten's 32-bit indexing is no bound: a larger tensor is split into sub-iterators along its widest output
+dim (``with_32bit_indexing``), each row whole in one of them (a row's extent, 4 D bytes, is smaller than any other dim
+of size > 1 in a dense layout) and each of thousands of rows (about 2^30 bytes at least), the mean factor taken
+before the split, so every row is summed as above (Ideogram 4's full-size ``[1, 18432, 53248]``, 3.9 GB in fp32).
+The order is a property of the aten build, so the op verifies itself: the first fast call of each (dtype, D) is
+compared with eager by ``torch.equal``; a mismatch disables it for the process with one warning and runs the norm as
+written.
 
 ``x`` may be any dense layout with unit innermost stride (SD3's processors normalise ``[B, H, S, D]`` views of
 ``[B, S, H, D]`` projections): the kernel runs over the rows in memory order and the result has ``x``'s strides, as
-eager's has. The guard admits D a multiple of 4 from 32 to 8160; at least 16 rows;
-fp16/bf16 ``x``; diffusers' ``RMSNorm`` or ``FastpathRMSNorm`` with a ``[D]`` weight of x's dtype, or none
+eager's has. The guard admits D a multiple of 4 from 32 to 130560; at least 16 rows (fewer widen aten's block past a
+warp); fp16/bf16 ``x``; diffusers' ``RMSNorm`` or ``FastpathRMSNorm`` with a ``[D]`` weight of x's dtype, or none
 (``elementwise_affine=False``: a weight of ones stands in, which rounds nothing), and no bias; no autograd.
 """
 
@@ -39,6 +50,7 @@ import torch
 from diffusers.models.normalization import RMSNorm
 
 from . import _nvrtc
+from ._aten_reduce import MAX_THREADS, MAX_VALUES_PER_THREAD
 from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .rmsnorm_scale_shift import PLAIN, _Norm, _nvrtc_launch, _rms_norm, norm_reason
@@ -57,8 +69,10 @@ def _dense_order(x: torch.Tensor) -> list[int] | None:
     return order if x.permute(order).is_contiguous() else None
 
 
-# aten splits a row across warps once ceil(D / 32) reaches 256 values per thread (its max_values_per_thread)
-_WIDEST = 8160
+# aten splits a row across the block's 16 warps once ceil(D / 32) reaches 256 values per thread (its
+# max_values_per_thread: rmsnorm_wide_kernel from there, rmsnorm_scale_shift._WARP_ROW_WIDEST), and across blocks once
+# ceil(D / 512) does (global_reduce: not reproduced)
+_WIDEST = MAX_THREADS * (MAX_VALUES_PER_THREAD - 1)  # 130560
 
 
 def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
@@ -73,8 +87,6 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     rows = x.numel() // dim
     if rows < 16:
         return "fewer than 16 rows"
-    if x.numel() * 4 >= 2**31:
-        return "too large for aten's 32-bit reduction"
     if x.stride(-1) != 1 or _dense_order(x) is None:
         return "x not dense"
     weight = norm.weight

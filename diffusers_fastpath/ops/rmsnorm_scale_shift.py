@@ -42,6 +42,7 @@ import torch
 from diffusers.models.normalization import RMSNorm
 
 from . import _nvrtc
+from ._aten_reduce import MAX_VALUES_PER_THREAD, WARP
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .gated_residual import gated_residual
@@ -229,6 +230,11 @@ _NVRTC = _nvrtc.Kernel(
 _WARPS_PER_BLOCK = 8
 _ROWS64_PER_BLOCK = 64  # kRows64PerBlock: the norm alone over rows of 64, eight rows per warp
 _ROWS128_PER_BLOCK = 32  # kRows128PerBlock: rows of 128, four per warp
+# the norm alone over rows wider than kWarpRowWidest: rmsnorm_wide_kernel, one row per block of kWideThreads
+_WARP_ROW_WIDEST, _WIDE_THREADS = WARP * (MAX_VALUES_PER_THREAD - 1), 512  # 8160: ceil(D / 32) < 256
+_NVRTC_WIDE = _nvrtc.Kernel(
+    "rmsnorm_scale_shift.cu", "diffusers_fastpath::rmsnorm_wide_kernel",
+    {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES}, _nvrtc.Params("rmsnorm_wide_kernel", ("a", _ARGS)))
 _NONE = (0, 0, 0)
 
 
@@ -247,12 +253,16 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
     rows, device, gated = seq * batch, x.device.index, update is not None
     for t in (out, residual_out) if gated else (out,):
         _nvrtc.check_out("rmsnorm_scale_shift", t, x.shape, x, 8)
-    # launch()'s grid: rows_per_block() of rmsnorm_scale_shift.cu
-    per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 else
-                 _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK)
-    _NVRTC.launch(
-        device, (x.dtype, gated, epilogue), ((rows + per_block - 1) // per_block, 1, 1),
-        (_WARPS_PER_BLOCK * 32, 1, 1), out.data_ptr(), residual_out.data_ptr() if gated else 0,
+    # launch()'s grid: rows_per_block() of rmsnorm_scale_shift.cu, or one row per block of the wide kernel
+    if not gated and epilogue == PLAIN and dim > _WARP_ROW_WIDEST:
+        kernel, key, grid, block = _NVRTC_WIDE, x.dtype, (rows, 1, 1), (_WIDE_THREADS, 1, 1)
+    else:
+        per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 else
+                     _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK)
+        kernel, key = _NVRTC, (x.dtype, gated, epilogue)
+        grid, block = ((rows + per_block - 1) // per_block, 1, 1), (_WARPS_PER_BLOCK * 32, 1, 1)
+    kernel.launch(
+        device, key, grid, block, out.data_ptr(), residual_out.data_ptr() if gated else 0,
         *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs, *sin,
         0 if weight is None else weight.data_ptr(), seq, batch, dim, heads, tokens, eps,
         _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype], epilogue)
