@@ -260,6 +260,9 @@ def test_krea2_attention_output_is_taken_as_it_comes(dtype, masked):
 @pytest.mark.parametrize("rows, width", [(4608, 6144), (17, 64)])
 def test_sigmoid_mul_packed_rows_match_eager_bitwise(rows, width, dtype):
     """Packed ``[N, D]`` rows: the kernel's ``[1, N, D]``, every element written, viewed back as ``[N, D]``."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()  # the raw op is registered by the extension (under xdist this test may run first)
     x, gate = make_inputs((rows, width), dtype, "cuda", 5)
     ref = sigmoid_mul_ref(x, gate)
     out = torch.full((1, rows, width), float("nan"), dtype=dtype, device="cuda")
