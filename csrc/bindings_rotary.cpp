@@ -1,6 +1,7 @@
 // The rotary embeddings' raw CUDA ops (rotary.cu: diffusers' pairing, LTX-Video's rows, Wan's, the QK norm and
 // the row norm before them, the rotate-half and matrix forms; Krea 2's zero-centred row norm, the row norm without
-// a rotary), registered as torch operators in the `diffusers_fastpath` namespace (see bindings.cpp).
+// a rotary, alone or with its modulate), registered as torch operators in the `diffusers_fastpath` namespace (see
+// bindings.cpp).
 #include "bindings_common.h"
 
 namespace diffusers_fastpath {
@@ -158,20 +159,18 @@ at::Tensor qk_norm_rows_rope_pair(const at::Tensor& q, const at::Tensor& weight_
                        /*norm_rows=*/true, norm_final);
 }
 
-// Krea 2's zero-centred pre-norm (zero_centred_rmsnorm): F.rms_norm(x.float(), (C,), weight=w, eps=eps).to(x.dtype)
-// of each row of x [rows, C] (contiguous, 8-byte aligned, C a multiple of 4 up to 8192), w the float32 [C] weight the
-// module's forward computes (its weight + 1.0): rotary.cu's row norm without a rotary (kNoRotary), `norm_final` its
-// mean square (kFinal*).
-at::Tensor zero_centred_rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t norm_final) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 4 == 0 && x.size(1) <= 8192 &&
-                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
-              "zero_centred_rmsnorm: x must be a contiguous, 8-byte aligned CUDA tensor [rows, C] with C a multiple of "
-              "4, at most 8192");
-  TORCH_CHECK(norm_final >= 0 && norm_final <= 2, "zero_centred_rmsnorm: norm_final must be 0, 1 or 2");
-  TORCH_CHECK(x.size(0) <= 0x7fffffff, "zero_centred_rmsnorm: at most 2^31 - 1 rows");
+// Krea 2's zero-centred row norm of x [batch, seq, C] (contiguous, 8-byte aligned, C a multiple of 4 up to 8192):
+// rotary.cu's row norm without a rotary, one block per (s, b) row, `norm_final` its mean square (kFinal*); with
+// `scale` and `shift` ([batch or 1, C] rows of x's dtype, checked by the caller), the modulate after it
+// (kNoRotaryModulate), else the norm alone (kNoRotary).
+at::Tensor zero_centred_launch(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps,
+                               int64_t norm_final, const at::Tensor* scale = nullptr,
+                               const at::Tensor* shift = nullptr) {
+  TORCH_CHECK(norm_final >= 0 && norm_final <= 2, op, ": norm_final must be 0, 1 or 2");
+  TORCH_CHECK(x.size(0) <= 65535 && x.size(1) <= 0x7fffffff, op, ": at most 65535 x (2^31 - 1) rows");
   RotaryArgs args;
   args.dtype = to_dtype(x);
-  const at::Tensor rows = x.view({1, x.size(0), 1, x.size(1)});
+  const at::Tensor rows = x.view({x.size(0), x.size(1), 1, x.size(2)});
   args.img = rotary_source(rows, rows, weight, eps, "x", /*norm_rows=*/true, /*float_weight=*/true);
   args.txt = RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -181,18 +180,57 @@ at::Tensor zero_centred_rmsnorm(const at::Tensor& x, const at::Tensor& weight, d
   args.cos = nullptr;
   args.sin = nullptr;
   args.cos_stride_b = args.cos_stride_s = args.cos_stride_h = 0;
-  args.batch = 1;
+  args.batch = x.size(0);
   args.heads = 1;
-  args.dim = x.size(1);
+  args.dim = x.size(2);
   args.norm = false;
   args.wan = false;
   args.norm_rows = true;
   args.norm_fp32 = false;
   args.norm_f32w = true;
   args.norm_final = static_cast<int32_t>(norm_final);
+  if (scale != nullptr) {
+    args.mod_scale = scale->data_ptr();
+    args.mod_shift = shift->data_ptr();
+    args.mod_scale_stride_b = scale->size(0) == 1 ? 0 : scale->stride(0);
+    args.mod_shift_stride_b = shift->size(0) == 1 ? 0 : shift->stride(0);
+  }
   const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "zero_centred_rmsnorm: kernel launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return out;
+}
+
+// Krea 2's zero-centred pre-norm (zero_centred_rmsnorm): F.rms_norm(x.float(), (C,), weight=w, eps=eps).to(x.dtype)
+// of each row of x [rows, C] (contiguous, 8-byte aligned, C a multiple of 4 up to 8192), w the float32 [C] weight the
+// module's forward computes (its weight + 1.0): rotary.cu's row norm without a rotary (kNoRotary), `norm_final` its
+// mean square (kFinal*).
+at::Tensor zero_centred_rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t norm_final) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 4 == 0 && x.size(1) <= 8192 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "zero_centred_rmsnorm: x must be a contiguous, 8-byte aligned CUDA tensor [rows, C] with C a multiple of "
+              "4, at most 8192");
+  TORCH_CHECK(x.size(0) <= 0x7fffffff, "zero_centred_rmsnorm: at most 2^31 - 1 rows");
+  return zero_centred_launch("zero_centred_rmsnorm", x.view({1, x.size(0), x.size(1)}), weight, eps, norm_final)
+      .view(x.sizes());
+}
+
+// The same norm with the adaLN modulate that reads it (zero_centred_modulate: Krea 2's `(1.0 + scale) * norm(x) +
+// shift`): x [batch, seq, C] as above, scale and shift [batch or 1, C] rows of x's dtype (unit innermost stride, rows
+// 8-byte aligned; one row for every sample where there is one): rotary.cu's kNoRotaryModulate form.
+at::Tensor zero_centred_modulate(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                 const at::Tensor& shift, double eps, int64_t norm_final) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous() && x.size(2) % 4 == 0 && x.size(2) <= 8192 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "zero_centred_modulate: x must be a contiguous, 8-byte aligned CUDA tensor [batch, seq, C] with C a "
+              "multiple of 4, at most 8192");
+  for (const at::Tensor* t : {&scale, &shift}) {
+    TORCH_CHECK(t->dim() == 2 && (t->size(0) == 1 || t->size(0) == x.size(0)) && t->size(1) == x.size(2) &&
+                    t->stride(1) == 1 && t->stride(0) % 4 == 0 && t->scalar_type() == x.scalar_type() &&
+                    t->device() == x.device() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0,
+                "zero_centred_modulate: scale and shift must be [batch or 1, C] rows of x's dtype and device, unit "
+                "innermost stride, 8-byte aligned");
+  }
+  return zero_centred_launch("zero_centred_modulate", x, weight, eps, norm_final, &scale, &shift);
 }
 
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
@@ -305,6 +343,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_qk_norm_rows_rope_pair_cuda(Tensor q, Tensor weight_q, float eps_q, Tensor k, Tensor weight_k, float eps_k, "
       "Tensor cos, Tensor sin, int norm_final) -> Tensor");
   m.def("_zero_centred_rmsnorm_cuda(Tensor x, Tensor weight, float eps, int norm_final) -> Tensor");
+  m.def(
+      "_zero_centred_modulate_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps, int norm_final) -> "
+      "Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def(
@@ -326,6 +367,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_qk_norm_rows_rope_cuda", &diffusers_fastpath::qk_norm_rows_rope);
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
   m.impl("_zero_centred_rmsnorm_cuda", &diffusers_fastpath::zero_centred_rmsnorm);
+  m.impl("_zero_centred_modulate_cuda", &diffusers_fastpath::zero_centred_modulate);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);

@@ -270,6 +270,13 @@ struct RotaryArgs {
                        // `norm_rows`: the row norm alone with a float32 weight, no rotary (cos, sin unused)
   DType dtype;
   int32_t norm_final;  // the row norm's mean square: 0 sum / C, 1 sum * (1 / C), 2 fma(sum, 1 / C, eps) (rotary.cu)
+  // With norm_rows and norm_f32w (the row norm alone), the adaLN modulate after it (zero_centred_modulate: Krea 2's
+  // `(1.0 + scale) * norm(x) + shift`), or null: out = round(round(y * round(1 + scale)) + shift) of the norm's rounded
+  // y, scale and shift [batch, C] rows of x's dtype, row b read by sample b's rows (a stride of 0: one row for all).
+  const void* mod_scale = nullptr;
+  const void* mod_shift = nullptr;
+  int64_t mod_scale_stride_b = 0;
+  int64_t mod_shift_stride_b = 0;
 };
 
 #ifndef __CUDACC_RTC__

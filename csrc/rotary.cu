@@ -70,6 +70,11 @@ constexpr int kWan = 2;      // Wan's pairing (below), one [seq, dim] table (nev
 // vectorised kernel on the exactly upcast x (vec_size 4 for every dtype: the same lanes, FMA chains, shuffle tree
 // and halving), its y = w * (rstd * x) a float that the cast rounds to T once
 constexpr int kNoRotary = 3;
+// ... and the adaLN modulate that reads it (zero_centred_modulate: Krea 2's `(1.0 + scale) * norm(x) + shift` with
+// [B, 1, C] rows of x's dtype, RotaryArgs::mod_*): the norm's y rounded to T as kNoRotary writes it, then the three
+// eager kernels of the modulate, each rounding to T: out = round(round(y * round(1 + scale)) + shift). The row is
+// still read once and written once; the normalised rows are never stored.
+constexpr int kNoRotaryModulate = 4;
 
 // The norms (a template parameter too): none, or torch.nn.RMSNorm(dim) of each head (FLUX's QK norms, kShared only).
 // torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's) is row_norm_rotary_kernel's, below.
@@ -359,9 +364,16 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
   __syncthreads();
 
   const int64_t row = b * a.img.seq + s;
-  if constexpr (kForm == kNoRotary) {  // y = round(w * (rstd * x)), w the float32 weight: the whole result
+  if constexpr (kForm == kNoRotary || kForm == kNoRotaryModulate) {
+    // y = round(w * (rstd * x)), w the float32 weight: the whole result (kNoRotary), or the modulate's input
     const float rstd = partial[0][2];
     T* out_row = static_cast<T*>(a.out) + row * (4 * static_cast<int64_t>(vecs));
+    const Quad<T>* scale_row = nullptr;
+    const Quad<T>* shift_row = nullptr;
+    if constexpr (kForm == kNoRotaryModulate) {
+      scale_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + b * a.mod_scale_stride_b);
+      shift_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + b * a.mod_shift_stride_b);
+    }
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
@@ -369,9 +381,20 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
         const float4 w = reinterpret_cast<const float4*>(a.img.weight)[v];
         const float wv[4] = {w.x, w.y, w.z, w.w};
         Quad<T> o;
+        if constexpr (kForm == kNoRotary) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          o.v[j] = Storage<T>::store(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(cache[0][k].v[j]))));
+          for (int j = 0; j < 4; ++j) {
+            o.v[j] = Storage<T>::store(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(cache[0][k].v[j]))));
+          }
+        } else {  // eager's three modulate kernels after the norm's cast: round(round(y * round(1 + s)) + t)
+          const Quad<T> sc = load_readonly(scale_row + v);
+          const Quad<T> sh = load_readonly(shift_row + v);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float y = round_to<T>(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(cache[0][k].v[j]))));
+            const float one_plus_scale = round_to<T>(__fadd_rn(1.0f, Storage<T>::load(sc.v[j])));
+            o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(one_plus_scale, y)), Storage<T>::load(sh.v[j])));
+          }
         }
         reinterpret_cast<Quad<T>*>(out_row)[v] = o;
       }
@@ -516,7 +539,13 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
         a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim) {
       return cudaErrorInvalidValue;
     }
-    row_norm_rotary_kernel<T, kNoRotary, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    if (a.mod_scale == nullptr && a.mod_shift == nullptr) {
+      row_norm_rotary_kernel<T, kNoRotary, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    } else if (a.mod_scale != nullptr && a.mod_shift != nullptr) {  // (grid.y = batch: at most 65535, above)
+      row_norm_rotary_kernel<T, kNoRotaryModulate, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    } else {
+      return cudaErrorInvalidValue;
+    }
     return cudaGetLastError();
   }
   if ((a.norm_fp32 || a.norm_f32w) && (!a.norm || (a.norm_fp32 && a.norm_f32w))) return cudaErrorInvalidValue;

@@ -290,6 +290,13 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(zero_centred.ZERO_CENTRED_RMSNORM, "guard", _as_if_on_cuda(zero_centred.ZERO_CENTRED_RMSNORM.guard))
     monkeypatch.setattr(zero_centred, "_launch", lambda x, weight, eps, final: torch.nn.functional.rms_norm(
         x.float(), (x.shape[-1],), weight=weight, eps=eps).to(x.dtype))
+    # ... and with the modulate after it: its own kernel wrapper (the weight + 1.0, the [B or 1, D] rows), the launch
+    # replaced by that norm, then the modulate's three roundings in x's dtype
+    zc_modulate = sys.modules["diffusers_fastpath.ops.zero_centred_modulate"]
+    monkeypatch.setattr(zc_modulate.ZERO_CENTRED_MODULATE, "guard",
+                        _as_if_on_cuda(zc_modulate.ZERO_CENTRED_MODULATE.guard))
+    monkeypatch.setattr(zc_modulate, "_launch", lambda x, weight, scale, shift, eps, final: (
+        zc_modulate.zero_centred_modulate_arithmetic(x, weight, scale, shift, eps)))
 
     monkeypatch.setattr(rmsnorm_module.RMSNORM, "guard", _as_if_on_cuda(rmsnorm_module.RMSNORM.guard))
     monkeypatch.setattr(rmsnorm_module, "_launch", lambda x, weight, eps: _rms_norm(x, weight, eps).contiguous())

@@ -28,7 +28,7 @@ FAST = {
     "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined
     # (annotated rotary; its weightless norm2, audio_norm2 and the a2v / v2a norms: `rmsnorm` with a unit weight)
     "ltx2": ("modulate_scale_shift", "rmsnorm_modulate", "gated_residual", "qk_norm_rows_rope", "rmsnorm"),
-    "krea2": ("modulate_scale_shift", "gated_residual", "zero_centred_rmsnorm", "sigmoid_mul"),  # its output gate
+    "krea2": ("zero_centred_modulate", "gated_residual", "zero_centred_rmsnorm", "sigmoid_mul"),  # pre-norms with the modulate; the output gate
     "minimax-music3": ("silu_mul",),
     "stable-audio": ("silu_mul",),
     "nucleus-moe": ("gated_residual", "silu_mul"),

@@ -124,11 +124,15 @@ def test_patch_swaps_every_zero_centred_norm_and_unpatch_restores(emulated_kerne
     assert model.state_dict().keys() == state_dict.keys()
     with torch.no_grad():
         assert torch.equal(model(**kwargs)[0], ref) and torch.equal(model(**kwargs)[0], ref)
-    sites = {name: s for name, m in model.named_modules() if m in norms for _, s in sites_of(m)}
+    sites = {name: s for name, m in model.named_modules() if m in norms for n, s in sites_of(m) if n is None}
     assert len(sites) == len(norms) and all(s.op == "zero_centred_rmsnorm" for s in sites.values()), sites
     assert not any(s.fallback for s in sites.values()), sites
-    # every norm but the QK norms that a rotary follows (their chain's fused norm + rotary runs instead) ran fused
-    assert all(s.fast > 0 for name, s in sites.items() if not name.endswith(("norm_q", "norm_k"))), sites
+    # every norm ran fused: alone, or inside its chain's kernel (the QK norms that a rotary follows: the fused norm +
+    # rotary; the pre-norms a modulate reads: `zero_centred_modulate`, with its own site on the norm)
+    in_chain = {name for name, m in model.named_modules() if m in norms
+                for n, s in sites_of(m) if n == "zero_centred_modulate" and s.fast > 0}
+    assert in_chain and all(s.fast > 0 for name, s in sites.items()
+                            if not name.endswith(("norm_q", "norm_k")) and name not in in_chain), sites
     fp.unpatch(model)
     assert all(type(m) is Krea2RMSNorm for m in norms)
     assert all(torch.equal(v, state_dict[k]) for k, v in model.state_dict().items())

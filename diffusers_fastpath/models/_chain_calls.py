@@ -23,6 +23,7 @@ from ..ops.layernorm_modulate import name_site
 from ..ops.selected_rows import SelectedRows, tanh_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, _affine_free
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
+from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
 from ._chain_qk_fp32 import is_zero_centred
 from ._qk_norms import is_diffusers_rmsnorm
 from ._chain_rotary_matrix import is_matrix_rotary
@@ -454,6 +455,24 @@ class _ChainsNamespace:
         elif site is not None:
             site.fallback["rows not [B or 1, 1, D] or per token"] += 1
         return (first * (one + second) if normed_left else (one + first) * second) + shift
+
+    @staticmethod
+    def norm_modulate_later(norm, x, scale, shift, site, modulate_site, one=1, normed_left=True):
+        # ``norm(x) * (one + scale) + shift`` (`normed_left`) or ``(one + scale) * norm(x) + shift``, the norm's call
+        # after its operands are evaluated (the rewriter proved it reads the same there: `_norm_waits`): Krea 2's
+        # zero-centred norm and modulate as one kernel (`zero_centred_modulate`, counted on `site`; its guard says the
+        # rest, and it refuses a hooked norm, whose call then runs them); elsewhere the norm's call, then
+        # `modulate_rows` as the form was before (counted on `modulate_site`)
+        if _tensors(x, scale, shift) and one == 1 and type(one) in (int, float) and is_zero_centred(norm):
+            if torch.compiler.is_compiling():  # (its fallback: the norm's call, then the same modulate's elements)
+                return ZERO_CENTRED_MODULATE(site, norm, x, scale, shift)
+            out = ZERO_CENTRED_MODULATE.try_fast(site, norm, x, scale, shift)
+            if out is not None:
+                return out
+        normed = norm(x)
+        if normed_left:
+            return _ChainsNamespace.modulate_rows(normed, scale, shift, modulate_site, one, True)
+        return _ChainsNamespace.modulate_rows(scale, normed, shift, modulate_site, one, False)
 
     @staticmethod
     def norm_modulate_rows(norm, x, scale, shift, site):

@@ -72,7 +72,8 @@ from ._chain_rotary_matrix import known_names as matrix_known_names
 from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
-                        MODULATE_ONLY, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT, Rewrite, _Rewriter)
+                        MODULATE_ONLY, NORM_MODULATE_LATER, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT,
+                        Rewrite, _Rewriter)
 from ._rewriter_attention import (ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
                                   RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SIGMOID_MUL)
 
@@ -431,6 +432,7 @@ def _doc(spec: _Spec, found: Rewrite | None) -> str:
     return (f"{head} with the chains of its installed ``{spec.method}`` fused "
             f"(`diffusers_fastpath.models._chains`): gated residuals {found.gates or '-'} (fp32: "
             f"{found.gates_fp32 or '-'}), LayerNorm + modulate of {found.norms or '-'} (fp32: {found.norms_fp32 or '-'}), "
+            f"norm call + modulate of {[a for a, _ in found.norm_modulates] or '-'}, "
             f"fp32 affine LayerNorm of {found.affine_fp32 or '-'}, "
             f"rotary embeddings {found.rotary}, GELU + concatenation {found.gelu_cat}, SiLU-gated product "
             f"{found.silu_mul}, RMSNorm + scale of {found.rms_scales or '-'}, RMSNorm + gated residual of "
@@ -542,6 +544,12 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         state.add_site(block, GATED_RESIDUAL_FP32, gate)
     for target in found.modulates:
         state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
+    for attr, target in found.norm_modulates:  # the norm and its modulate in one kernel where the norm is Krea 2's
+        norm = getattr(block, attr, None)
+        if is_zero_centred(norm):
+            state.add_site(norm, NORM_MODULATE_LATER, NORM_MODULATE_LATER)
+        else:  # its call, then the modulate (`modulate_rows`)
+            state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     if found.gelu_cat:
         state.add_site(block, GELU_CAT, GELU_CAT)
     if found.silu_mul:

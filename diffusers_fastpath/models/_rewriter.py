@@ -144,7 +144,7 @@ from ._chain_syntax import (_act_of_proj, _call, _casts_back, _cat_of, _float_ga
                             _operand_name, _outer_mask_of, _padded_pairwise_mask_of, _pairwise_mask_of, _recast,
                             _self_attr, _self_module_call, _single_target, _site_of, _unsqueezed, _uses)
 from ._rewriter_attention import AttentionPasses
-from ._rewriter_norms import MODULATE_ONLY, NormForms
+from ._rewriter_norms import MODULATE_ONLY, NORM_MODULATE_LATER, NormForms
 
 MODULATE = "layernorm_scale_shift"  # the op of every adaLN site: LayerNorm and modulate in one kernel
 RMS_MODULATE = "rmsnorm_modulate"  # a diffusers RMSNorm's modulate site (LTX-Video): the RMSNorm kernel's epilogue
@@ -171,6 +171,8 @@ class Rewrite:
     norms_fp32: list[str] = field(default_factory=list)  # the same, of Wan's fp32 chain
     affine_fp32: list[str] = field(default_factory=list)  # attributes of the block: FP32LayerNorms with affine (Wan)
     modulates: list[str] = field(default_factory=list)  # modulates of an already-normalised tensor, by target name
+    # modulate-rows forms whose norm call waits for them (`norm_modulate_later`), as (norm attribute, site name)
+    norm_modulates: list[tuple[str, str]] = field(default_factory=list)
     rotary: int = 0  # rotary embeddings fused (a processor's q and k: one site on its attention module)
     qk_norms: list[str] = field(default_factory=list)  # a processor's QK norms run inside qk_norm_rope, by name
     gelu_cat: bool = False  # a GELU + concatenation fused (the site ``gelu_cat`` on the block)
@@ -197,7 +199,7 @@ class Rewrite:
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32
-                    or self.modulates or self.rotary
+                    or self.modulates or self.norm_modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
                     or self.head_cats or self.gqa_attention or self.sigmoid_mul or self.rotary_named or self.rotary_half

@@ -71,6 +71,12 @@
     token (`_chain_calls._modulate_rows`), else as written
 
   with the site ``modulate_scale_shift_<name>`` on the block (the target, the norm's attribute, or the name).
+  Where the normalised operand is a norm's call ``self.A(X)`` (Krea 2's) that may wait for the other operands
+  (`_norm_waits`), ``norm_modulate_later(self.A, X, S, T, site, modulate_site, one, normed_left)`` instead: the norm
+  and the modulate as one kernel (`diffusers_fastpath.ops.zero_centred_modulate`, self-verified) where ``self.A`` is
+  a zero-centred float32 RMSNorm (`_chain_qk_fp32.is_zero_centred`) and the rows ``[B or 1, 1, D]`` of its dtype,
+  the site ``zero_centred_modulate`` on the norm; else the norm's call, then ``modulate_rows`` as above (the block's
+  site, added where the norm is not zero-centred).
 
 """
 
@@ -85,6 +91,9 @@ from ._chain_syntax import (_assigned_names, _call, _casts_back, _float_modulate
                             _single_target, _site_of, _uses)
 
 MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
+# the named site, on the norm module, of a modulate-rows form whose norm call waits for it (`norm_modulate_later`):
+# Krea 2's zero-centred norm and modulate as one kernel
+NORM_MODULATE_LATER = "zero_centred_modulate"
 
 
 class NormForms:
@@ -181,10 +190,17 @@ class NormForms:
                         else normed.id if isinstance(normed, ast.Name) else None)
                 if name is None:
                     return node
-                name = next(n for k in itertools.count(1) if (n := name if k == 1 else f"{name}_{k}")
-                            not in rewriter.found.modulates)
-                rewriter.found.modulates.append(name)
+                taken = rewriter.found.modulates + [n for _, n in rewriter.found.norm_modulates]
+                name = next(n for k in itertools.count(1) if (n := name if k == 1 else f"{name}_{k}") not in taken)
                 site = _site_of(_self_attr(), f"{MODULATE_ONLY}_{name}")
+                scale = second if normed_left else first
+                if called is not None and rewriter._norm_waits(called, scale, shift, normed_left, stmt):
+                    rewriter.found.norm_modulates.append((called[0], name))
+                    norm_site = _site_of(_self_attr(called[0]), NORM_MODULATE_LATER)
+                    return like(_call("norm_modulate_later", [_self_attr(called[0]), called[1], scale, shift,
+                                                              norm_site, site, ast.Constant(one),
+                                                              ast.Constant(normed_left)]), node)
+                rewriter.found.modulates.append(name)
                 return like(_call("modulate_rows", [first, second, shift, site, ast.Constant(one),
                                                     ast.Constant(normed_left)]), node)
 
@@ -192,6 +208,19 @@ class NormForms:
         if not any(_rows_modulate_of(n) is not None for n in ast.walk(stmt)):
             return stmt
         return Modulates().visit(stmt)
+
+    def _norm_waits(self, called: tuple[str, ast.expr], scale: ast.expr, shift: ast.expr, normed_left: bool,
+                    stmt: ast.stmt) -> bool:
+        """Whether the norm call ``self.A(X)`` of a modulate-rows form (`called`: ``(A, X)``) may run after the
+        form's operands are evaluated, as ``norm_modulate_later(self.A, X, S, T, ...)`` does: evaluating ``X`` writes
+        and binds nothing (it may now be evaluated before ``S``), ``S`` and ``T`` leave what ``self.A`` and ``X``
+        hold as they were, and each operand that ran after the call as written (``T``; ``S`` too where the normalised
+        tensor is on the left) holds no number computed when it is evaluated (`Proofs.aliases_only`: the call, which
+        may write in place, now runs after it). (``1 + S`` computed after the call where ``S`` is on the left: the
+        form's own proof, that the call leaves what ``S`` holds as it was.)"""
+        attr, x = called
+        return (self.proofs.quiet(x) and self.proofs.stays([_self_attr(attr), x], stmt, exprs=[scale, shift])
+                and self.proofs.aliases_only(shift) and (not normed_left or self.proofs.aliases_only(scale)))
 
     def _norm_method(self, u: str, first: ast.stmt, second: ast.stmt) -> ast.stmt | None:
         """``N = self.A(X)`` then ``T = self.M(N, ...)`` with ``M`` a modulate method: ``T = self.F(self.A, X, ...)``."""

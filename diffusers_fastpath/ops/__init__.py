@@ -45,6 +45,7 @@ from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_row
 from .sigmoid_mul import sigmoid_mul, sigmoid_mul_ref
 from .silu_mul import silu_mul, silu_mul_ref, swiglu_cat, swiglu_cat_ref
 from .upsample_nearest import upsample_nearest2x, upsample_nearest2x_ref
+from .zero_centred_modulate import zero_centred_modulate, zero_centred_modulate_ref
 from .zero_centred_rmsnorm import zero_centred_rmsnorm, zero_centred_rmsnorm_ref
 
 __all__ = [
@@ -148,6 +149,8 @@ __all__ = [
     "upsample_nearest2x",
     "upsample_nearest2x_ref",
     "rotary_emb_ref",
+    "zero_centred_modulate",
+    "zero_centred_modulate_ref",
     "zero_centred_rmsnorm",
     "zero_centred_rmsnorm_ref",
 ]

@@ -108,7 +108,8 @@ _SOURCE = _nvrtc.Params("RotarySource", ("ptr", "P"), ("stride_b", "q"), ("strid
 _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOURCE), ("cos", "P"), ("sin", "P"),
                       ("cos_stride_b", "q"), ("cos_stride_s", "q"), ("cos_stride_h", "q"), ("batch", "q"),
                       ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("norm_rows", "?"), ("norm_fp32", "?"),
-                      ("norm_f32w", "?"), ("dtype", "i"), ("norm_final", "i"))
+                      ("norm_f32w", "?"), ("dtype", "i"), ("norm_final", "i"), ("mod_scale", "P"), ("mod_shift", "P"),
+                      ("mod_scale_stride_b", "q"), ("mod_shift_stride_b", "q"))
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
@@ -120,12 +121,12 @@ _NVRTC = _nvrtc.Kernel(
 )
 # The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2, and
 # the pair (kPerHead only: LTX-Video's q and k); kNoRotary 3, the norm alone with a float32 weight
-# (zero_centred_rmsnorm).
+# (zero_centred_rmsnorm), and kNoRotaryModulate 4, with the modulate after it (zero_centred_modulate).
 _NVRTC_ROWS = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::row_norm_rotary_kernel",
     {(dtype, form, pair): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}, {str(pair).lower()}"
-     for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True), (3, False))},
+     for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True), (3, False), (4, False))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
 # The shared-table form at dim 128, with the per-head norm (FLUX's; FLUX.3's fp32 one, 2; Krea 2's, 3) or without:
@@ -141,6 +142,7 @@ _THREADS = 256
 _HEAD_THREADS = 128
 _HEAD_DIM = 128
 _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
+_NO_MODULATE = (0, 0, 0, 0)  # RotaryArgs' mod_* fields: no modulate after the row norm
 
 
 def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None,
@@ -167,7 +169,7 @@ def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, si
     rows = cos.dim() == 3
     strides = ((0 if cos.shape[0] == 1 else seq * heads * dim), heads * dim, dim) if rows else (0, dim, 0)
     args = (out.data_ptr(), *txt, *img, cos.data_ptr(), sin.data_ptr(), *strides, batch, heads, dim, norm, wan,
-            norm_rows, norm_fp32, norm_f32w, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final)
+            norm_rows, norm_fp32, norm_f32w, _nvrtc.DTYPE_CODE[x_img.dtype], norm_final, *_NO_MODULATE)
     norm_form = 2 if norm_fp32 else 3 if norm_f32w else int(norm)  # kHeadNormF32, kHeadNormF32W, kHeadNorm, kNoNorm
     if norm_rows:
         _NVRTC_ROWS.launch(x_img.device.index, (x_img.dtype, 2 if wan else 1, pair), (seq, batch, 1),

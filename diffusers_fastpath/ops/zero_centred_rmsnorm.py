@@ -40,9 +40,10 @@ from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason, tensor_reason
 from .qk_norm_rope import MAX_ROW_CHANNELS, ROW_NORM_FINAL, ROW_THREADS
-from .rotary import _NO_SOURCE, _NVRTC_ROWS
+from .rotary import _NO_MODULATE, _NO_SOURCE, _NVRTC_ROWS
 
 _NO_ROTARY = 3  # csrc/rotary.cu's kNoRotary form of row_norm_rotary_kernel
+_NO_ROTARY_MODULATE = 4  # ... and its kNoRotaryModulate form (`zero_centred_modulate`)
 
 _BASES = EagerClasses()  # this package's subclasses of the zero-centred norm classes, each with its diffusers class
 # ``add_norm_class(cls, base)``: the guard takes modules of `cls`, a subclass of `base` (a class whose forward is the
@@ -91,25 +92,40 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     return None
 
 
-# The NVRTC way: rotary.cu's row norm kernel in its kNoRotary form, launched as bindings.cpp's zero_centred_rmsnorm
-# does (x as [1, rows, 1, C], one block of aten's (32, 4) threads per row, the output allocation); the guard stands
-# for bindings.cpp's checks.
-def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_final: int) -> torch.Tensor:
-    rows, dim = x.shape
+# The NVRTC way: rotary.cu's row norm kernel in its kNoRotary form (kNoRotaryModulate with the modulate's rows),
+# launched as bindings_rotary.cpp's zero_centred_launch does (x as [batch, seq, 1, C], one block of aten's (32, 4)
+# threads per row, the output allocation); the guards stand for bindings_rotary.cpp's checks.
+def nvrtc_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_final: int,
+                       scale: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """The norm of x's rows ``[batch, seq, C]`` (with `scale` and `shift`, ``[batch or 1, C]`` rows, the modulate
+    after it), into a new contiguous tensor."""
+    batch, seq, dim = x.shape
     out = x.new_empty(x.shape)
-    img = (x.data_ptr(), rows * dim, dim, dim, rows, weight.data_ptr(), eps)
-    _NVRTC_ROWS.launch(x.device.index, (x.dtype, _NO_ROTARY, False), (rows, 1, 1), (ROW_THREADS, 1, 1),
-                       out.data_ptr(), *_NO_SOURCE, *img, 0, 0, 0, 0, 0, 1, 1, dim, False, False, True, False, True,
-                       _nvrtc.DTYPE_CODE[x.dtype], norm_final)
+    if out.numel() == 0:
+        return out
+    img = (x.data_ptr(), seq * dim, dim, dim, seq, weight.data_ptr(), eps)
+    modulate = _NO_MODULATE if scale is None else (
+        scale.data_ptr(), shift.data_ptr(), 0 if scale.shape[0] == 1 else scale.stride(0),
+        0 if shift.shape[0] == 1 else shift.stride(0))
+    _NVRTC_ROWS.launch(x.device.index, (x.dtype, _NO_ROTARY if scale is None else _NO_ROTARY_MODULATE, False),
+                       (seq, batch, 1), (ROW_THREADS, 1, 1), out.data_ptr(), *_NO_SOURCE, *img, 0, 0, 0, 0, 0, batch,
+                       1, dim, False, False, True, False, True, _nvrtc.DTYPE_CODE[x.dtype], norm_final, *modulate)
     return out
 
 
-def _raw_guard(x, weight, eps, norm_final):
-    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype in HALF_DTYPES and x.is_contiguous()):
+def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_final: int) -> torch.Tensor:
+    return nvrtc_zero_centred(x.view(1, *x.shape), weight, eps, norm_final).view(x.shape)
+
+
+def raw_reason(x, weight, norm_final, dims: int = 2) -> str | None:
+    """bindings_rotary.cpp's checks of x (``[rows, C]``, or with `dims` 3 ``[batch, seq, C]``), the weight and
+    `norm_final`: ``None``, or what fails."""
+    if not (isinstance(x, torch.Tensor) and x.dim() == dims and x.dtype in HALF_DTYPES and x.is_contiguous()):
         return "x"
-    if x.shape[1] % 4 or not 0 < x.shape[1] <= MAX_ROW_CHANNELS or x.shape[0] > 0x7FFFFFFF or x.data_ptr() % 8:
+    rows = x.shape[0] <= 0x7FFFFFFF if dims == 2 else x.shape[0] <= 65535 and x.shape[1] <= 0x7FFFFFFF
+    if x.shape[-1] % 4 or not 0 < x.shape[-1] <= MAX_ROW_CHANNELS or not rows or x.data_ptr() % 8:
         return "C, rows or alignment"
-    if not (weight.dtype is torch.float32 and weight.shape == (x.shape[1],) and weight.is_contiguous()
+    if not (weight.dtype is torch.float32 and weight.shape == (x.shape[-1],) and weight.is_contiguous()
             and weight.data_ptr() % 16 == 0):
         return "weight"
     if norm_final not in (0, 1, 2):
@@ -117,6 +133,10 @@ def _raw_guard(x, weight, eps, norm_final):
     if not x.is_cuda or weight.device != x.device:
         return "device"
     return None
+
+
+def _raw_guard(x, weight, eps, norm_final):
+    return raw_reason(x, weight, norm_final)
 
 
 _nvrtc.raw_op("_zero_centred_rmsnorm_cuda", "(Tensor x, Tensor weight, float eps, int norm_final) -> Tensor",
