@@ -146,9 +146,8 @@ def test_skipping_a_rounding_point_is_not_exact():
     [
         ("fp32", "dtype float32"),
         ("mixed", "mixed dtypes"),
-        ("gate_1d_short", "shape"),
+        ("gate_token_scalar", "shape"),
         ("update_shape", "shape"),
-        ("gate_scalar", "shape"),
         ("gate_python_scalar", "operand not a tensor"),
         ("odd_dim", "D not a multiple of 8"),
         ("empty", "empty"),
@@ -167,12 +166,10 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
         residual, gate, update = residual.float(), gate.float(), update.float()
     elif case == "mixed":
         gate = gate.float()  # eager promotes to float32; the kernel keeps one dtype
-    elif case == "gate_1d_short":
-        gate = gate[0, 0, :1]  # [1]: eager broadcasts one number; the kernel takes rows of D
+    elif case == "gate_token_scalar":
+        gate = torch.randn(1, 24, 1).to(gate.dtype)  # one number per token, broadcast over D: the kernel takes rows
     elif case == "update_shape":
         update = update[:1]  # eager broadcasts it over the batch; the kernel takes one shape
-    elif case == "gate_scalar":
-        gate = gate[..., :1]  # [B, 1, 1]: eager broadcasts one scalar per batch; the kernel takes rows of D
     elif case == "gate_python_scalar":
         gate = 0.5  # ``x + 0.5 * y``: eager takes a Python number; the guard refuses it without raising
     elif case == "odd_dim":
@@ -204,7 +201,7 @@ def test_guard_falls_back_with_reason(case, reason, monkeypatch):
 def test_a_2d_gate_is_the_1_l_d_gate(monkeypatch):
     """A 2-D ``[L, D]`` gate (MiniMax-H3's ``gate.index_select(0, rows)``: a row per token) broadcasts against
     ``[B, L, D]`` as ``[1, L, D]`` does, and the op takes it so (a view, no copy); a ``[1, D]`` one and a 1-D ``[D]``
-    one (Bria FIBO 2's ``self.cross_attn_gate.tanh()``) as ``[1, 1, D]``."""
+    one as ``[1, 1, D]``."""
     from diffusers_fastpath.ops.gated_residual import as_batch_rows
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
@@ -217,6 +214,30 @@ def test_a_2d_gate_is_the_1_l_d_gate(monkeypatch):
             assert GATED_RESIDUAL.guard(residual, rows, update) is None
             assert torch.equal(gated_residual_ref(residual, rows, update), gated_residual_ref(residual, gate, update))
     assert as_batch_rows(gate, gate) is gate  # (2-D residual: as it is)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_gate_of_one_value_per_sample_is_written_as_its_row(monkeypatch, dtype):
+    """Bria FIBO 2's ``x + self.cross_attn_gate.tanh() * norm(out)`` with a ``zeros(1)`` parameter: a ``[1]`` gate
+    (and ``[B or 1, 1, 1]`` ones) broadcast over D; the op takes it as its ``[B or 1, 1, D]`` row, the same value
+    times each element, so the fused chain (fast, where it refused the 1-wide gate by shape before) and the eager
+    expression agree bit for bit; a 0-dim gate (a scalar in type promotion) is left as it is."""
+    from diffusers_fastpath.ops.gated_residual import as_batch_rows
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda t: 0)
+    for batch in (1, 3):
+        residual, _, update = make_inputs((batch, 24, 64), torch.bfloat16, "full", "cpu", 5)
+        gates = [torch.randn(1), torch.randn(1, 1, 1), torch.randn(batch, 1, 1)]
+        for gate in (g.to(dtype) for g in gates):
+            rows = as_batch_rows(gate, residual)
+            assert rows.shape == (gate.shape[0] if gate.dim() == 3 else 1, 1, 64) and rows.is_contiguous()
+            gate_dtype = residual.dtype if dtype is torch.bfloat16 else torch.float32
+            expected = None if gate_dtype is residual.dtype else "mixed dtypes"
+            assert GATED_RESIDUAL.guard(residual, rows, update) == expected
+            assert torch.equal(gated_residual_ref(residual, rows, update), gated_residual_ref(residual, gate, update))
+    scalar = torch.tensor(0.5, dtype=torch.bfloat16)
+    assert as_batch_rows(scalar, residual) is scalar
 
 
 @pytest.mark.gpu

@@ -192,12 +192,17 @@ def gated_residual(
 
 def as_batch_rows(gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """`gate` as ``[1, L, D]`` where it is a 2-D ``[L, D]`` gate of a ``[B, L, D]`` residual, as ``[1, 1, D]`` where
-    it is a 1-D ``[D]`` one (Bria FIBO 2's ``self.cross_attn_gate.tanh()``): a view; broadcasting against a 3-D
-    operand prepends those dimensions anyway, so the expression's every element and its result's shape and dtype
-    are the same. Else `gate` as it is."""
-    if (isinstance(gate, torch.Tensor) and isinstance(residual, torch.Tensor) and gate.dim() in (1, 2)
-            and residual.dim() == 3):
-        return gate[(None,) * (3 - gate.dim())]
+    it is a 1-D ``[D]`` one: a view; broadcasting against a 3-D operand prepends those dimensions anyway, so the
+    expression's every element and its result's shape and dtype are the same. A gate of one value per sample
+    (``[1]``, ``[B or 1, 1, 1]``: Bria FIBO 2's ``self.cross_attn_gate.tanh()`` of a ``zeros(1)`` parameter) is
+    written out as its ``[B or 1, 1, D]`` row (B x D elements; the kernel reads rows of D): each product is the same
+    value times the same element. Else `gate` as it is."""
+    if not (isinstance(gate, torch.Tensor) and isinstance(residual, torch.Tensor) and residual.dim() == 3):
+        return gate
+    if gate.dim() in (1, 2):
+        gate = gate[(None,) * (3 - gate.dim())]
+    if gate.dim() == 3 and gate.shape[1:] == (1, 1) and residual.shape[-1] > 1:
+        return gate.expand(gate.shape[0], 1, residual.shape[-1]).contiguous()
     return gate
 
 
