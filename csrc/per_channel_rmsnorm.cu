@@ -231,35 +231,51 @@ __device__ __forceinline__ void tree(unsigned column, unsigned stride, int first
   }
 }
 
-// The norm of the positions [blockIdx.x * tile, +tile) of batch blockIdx.y (tile = blockDim.x * kVec) with m computed
-// in aten's order for `rows` x `ctas` partial sums (the file's comment), `factor` aten's MeanOps factor. Probe mode
-// kProbeMean writes m into out ([batch, spatial]) instead.
+// A fused block's tile: the positions [s0, s0 + positions) of batch b (tile = blockDim.x * kVec), thread (x, y)'s
+// vector at p0, the units of the statistics and the scratch entry r is left in (`stride` bytes between entries).
+struct FusedTile {
+  int units;
+  int r_entry;
+  int positions;
+  int p0;
+  bool active;
+  int64_t b;
+  int64_t s0;
+  unsigned stride;
+};
+
+template <int kVec>
+__device__ __forceinline__ FusedTile fused_tile(const PerChannelRmsNormArgs& a, int rows, int ctas) {
+  FusedTile t;
+  const int partials = rows * ctas;
+  t.units = partials <= kChainPartials ? 4 * partials : partials;
+  t.r_entry = t.units + (ctas > 1 ? rows : 0);  // the t_y of the global step between, then r
+  const int tile = blockDim.x * kVec;
+  t.stride = 4u * static_cast<unsigned>(tile);
+  t.b = blockIdx.y;
+  t.s0 = static_cast<int64_t>(blockIdx.x) * tile;
+  const int64_t left = a.spatial - t.s0;  // the tile's positions in the row
+  t.positions = left < tile ? static_cast<int>(left) : tile;
+  t.p0 = threadIdx.x * kVec;
+  t.active = t.p0 < t.positions;  // (vectors: spatial is a multiple of kVec)
+  return t;
+}
+
+// Stages 1 and 2 of the fused kernels: each position's m in aten's order for `rows` x `ctas` partial sums (the file's
+// comment), `factor` aten's MeanOps factor, and r = rms(m) into its scratch column's entry t.r_entry (probe mode
+// kProbeMean: m into out, [batch, spatial]); x is the tile's first position of thread (x, y)'s vector. Ends before the
+// barrier that makes r visible to the block (the callers' next step).
 template <typename T, bool kVector>
-__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
-    per_channel_rmsnorm_fused_kernel(PerChannelRmsNormArgs a, int32_t rows, int32_t ctas, float factor) {
-  using L = typename Lanes<T, kVector>::type;
+__device__ __forceinline__ void fused_statistics(const PerChannelRmsNormArgs& a, const FusedTile& t, const T* x,
+                                                 unsigned base, int32_t rows, int32_t ctas, float factor) {
   constexpr int kVec = LaneCount<T, kVector>::value;
-  __shared__ float scratch[kSharedFloats];
-  // The scratch's shared-window address, pinned in a register: nvcc and NVRTC compute a __shared__ array's address
-  // differently (elementwise.cuh's shared_address), and re-deriving it at each use made their machine code differ.
-  unsigned base;
-  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
   const int partials = rows * ctas;
   const bool chains = partials <= kChainPartials;
-  const int units = chains ? 4 * partials : partials;
-  const int r_entry = units + (ctas > 1 ? rows : 0);  // the t_y of the global step between, then r
-  const int tile = blockDim.x * kVec;
-  const unsigned stride = 4u * static_cast<unsigned>(tile);
-  const int64_t b = blockIdx.y;
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * tile;
-  const int64_t left = a.spatial - s0;  // the tile's positions in the row
-  const int positions = left < tile ? static_cast<int>(left) : tile;
-  const int p0 = threadIdx.x * kVec;
-  const bool active = p0 < positions;  // (vectors: spatial is a multiple of kVec)
-  const T* x = static_cast<const T*>(a.x) + b * a.x_batch_stride + s0 + p0;
+  const unsigned stride = t.stride;
+  const int units = t.units;
 
   // 1. the units: chain (j, i) of partial j (u = 4 j + i: channels j + (i + 4 n) P), or partial u
-  if (active) {
+  if (t.active) {
     for (int u = threadIdx.y; u < units; u += blockDim.y) {
       float sum[kVec];
       if (chains) {
@@ -268,13 +284,13 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
         partial_sum<T, kVector>(x, a.x_channel_stride, u, partials, a.channels, sum);
       }
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) shared_store(entry(base + 4u * (p0 + i), stride, u), sum[i]);
+      for (int i = 0; i < kVec; ++i) shared_store(entry(base + 4u * (t.p0 + i), stride, u), sum[i]);
     }
   }
   __syncthreads();
 
   // 2. per position: the partials, each CTA's block_y_reduce, the global step, the projection, r
-  for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < positions; p += blockDim.x * blockDim.y) {
+  for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < t.positions; p += blockDim.x * blockDim.y) {
     const unsigned column = base + 4u * static_cast<unsigned>(p);
     if (chains) {
       for (int j = 0; j < partials; ++j) {  // partial j into entry j (<= 4 j: its chains are read first)
@@ -292,24 +308,47 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
       shared_load(column, sum);
     } else {
       for (int y = 0; y < rows; ++y) {
-        float t = 0.0f;
+        float s = 0.0f;
         for (int g = y; g < ctas; g += rows) {
           float q;
           shared_load(entry(column, stride, g * rows), q);
-          t = __fadd_rn(t, q);
+          s = __fadd_rn(s, q);
         }
-        shared_store(entry(column, stride, units + y), t);
+        shared_store(entry(column, stride, units + y), s);
       }
       tree(column, stride, units, rows);
       shared_load(entry(column, stride, units), sum);
     }
     const float m = round_to<T>(__fmul_rn(sum, factor));
     if (a.probe == kProbeMean) {
-      static_cast<T*>(a.out)[b * a.spatial + s0 + p] = Storage<T>::store(m);
+      static_cast<T*>(a.out)[t.b * a.spatial + t.s0 + p] = Storage<T>::store(m);
     } else {
-      shared_store(entry(column, stride, r_entry), rms<T>(m, a.eps));
+      shared_store(entry(column, stride, t.r_entry), rms<T>(m, a.eps));
     }
   }
+}
+
+// The norm of the positions [blockIdx.x * tile, +tile) of batch blockIdx.y (tile = blockDim.x * kVec) with m computed
+// in aten's order for `rows` x `ctas` partial sums (the file's comment), `factor` aten's MeanOps factor. Probe mode
+// kProbeMean writes m into out ([batch, spatial]) instead.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+    per_channel_rmsnorm_fused_kernel(PerChannelRmsNormArgs a, int32_t rows, int32_t ctas, float factor) {
+  using L = typename Lanes<T, kVector>::type;
+  constexpr int kVec = LaneCount<T, kVector>::value;
+  __shared__ float scratch[kSharedFloats];
+  // The scratch's shared-window address, pinned in a register: nvcc and NVRTC compute a __shared__ array's address
+  // differently (elementwise.cuh's shared_address), and re-deriving it at each use made their machine code differ.
+  unsigned base;
+  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
+  const FusedTile t = fused_tile<kVec>(a, rows, ctas);
+  const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0 + t.p0;
+  fused_statistics<T, kVector>(a, t, x, base, rows, ctas, factor);
+  const int64_t b = t.b, s0 = t.s0;
+  const int p0 = t.p0;
+  const unsigned stride = t.stride;
+  const int r_entry = t.r_entry;
+  const bool active = t.active;
   if (a.probe == kProbeMean) return;  // (every thread of the block: no barrier follows)
   __syncthreads();
 
@@ -340,6 +379,95 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
         *reinterpret_cast<L*>(out + c * a.spatial) = o;
       }
     }
+  }
+}
+
+// --- the norm written as the next causal convolution's padded input, channels-last ---------------------------------
+
+constexpr int kStageBytes = 16384;  // the pad kernel's staging tile: positions x channels of one chunk
+constexpr int kStageChunk = 32;     // channels per chunk at most (a warp's store: 32 channels of one position)
+
+// The padded positions of axis position i (n positions, p0 before and p1 after) that hold i's value: i + p0, and with
+// `reflect` F.pad's reflected copies, p0 - i (1 <= i <= p0) and p0 + 2 (n - 1) - i (n - 1 - p1 <= i <= n - 2);
+// copy k of 3, or -1.
+__device__ __forceinline__ int64_t reflected_copy(int k, int64_t i, int64_t n, int64_t p0, int64_t p1, bool reflect) {
+  if (k == 0) return i + p0;
+  if (!reflect) return -1;
+  if (k == 1) return i >= 1 && i <= p0 ? p0 - i : -1;
+  return i >= n - 1 - p1 && i <= n - 2 ? p0 + 2 * (n - 1) - i : -1;
+}
+
+// per_channel_rmsnorm_fused_kernel's norm (and SiLU), its statistics the same code, its output written as the padded
+// input of the causal convolution that reads it next (ltx_causal_conv's buffer, ops/ltx_norm_conv.py): out
+// [batch, Tp, Hp, Wp, channels] memory (channels_last_3d of [batch, channels, Tp, Hp, Wp]), each value at every padded
+// position whose source it is: frame t at g.pad_t0 + t, the first frame also at 0 .. pad_t0 - 1 and the last at
+// pad_t0 + frames .. Tp - 1 (eager's repeated frames); with g.reflect_hw the reflected rows and columns of F.pad
+// (`reflected_copy`), else no spatial border (pads 0: the convolution pads). The values are the fused kernel's
+// (the same operations in the same order), only where they are stored differs. The tile's channels go in chunks
+// through a staging tile: read along the positions (x's unit stride), written along the channels (out's).
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+    per_channel_rmsnorm_pad_cl_kernel(PerChannelRmsNormArgs a, NormPadArgs g, int32_t rows, int32_t ctas,
+                                      float factor) {
+  using W = typename Word<sizeof(T)>::type;  // a value's bits in the staging tile
+  constexpr int kVec = LaneCount<T, kVector>::value;
+  constexpr int kStageWords = kStageBytes / static_cast<int>(sizeof(W));
+  __shared__ float scratch[kSharedFloats];
+  __shared__ W stage[kStageWords];
+  unsigned base, stage_base;  // (pinned in registers: see per_channel_rmsnorm_fused_kernel)
+  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
+  asm volatile("mov.b32 %0, %1;" : "=r"(stage_base) : "r"(shared_address(stage)));
+  const FusedTile t = fused_tile<kVec>(a, rows, ctas);
+  const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0;
+  fused_statistics<T, kVector>(a, t, x + t.p0, base, rows, ctas, factor);
+  __syncthreads();
+
+  // 3. the tail, `chunk` channels at a time: staged as [position][channel] (a row of chunk + 1 words)
+  int chunk = kStageChunk;
+  while (chunk > 1 && t.positions * (chunk + 1) > kStageWords) chunk >>= 1;
+  const int row = chunk + 1;
+  const int threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int64_t plane = g.height * g.width;
+  const int64_t out_h = g.pad_h0 + g.height + g.pad_h1, out_w = g.pad_w0 + g.width + g.pad_w1;
+  const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1;
+  const bool reflect = g.reflect_hw != 0;
+  W* out = static_cast<W*>(a.out);
+  for (int64_t c0 = 0; c0 < a.channels; c0 += chunk) {  // (bounds uniform over the block: __syncthreads is safe)
+    const int count = a.channels - c0 < chunk ? static_cast<int>(a.channels - c0) : chunk;
+    for (int e = tid; e < count * t.positions; e += threads) {  // read along the positions
+      const int c = e / t.positions, p = e - c * t.positions;
+      float r;
+      shared_load(entry(base + 4u * static_cast<unsigned>(p), t.stride, t.r_entry), r);
+      float y = __fdiv_rn(Storage<T>::load(x[(c0 + c) * a.x_channel_stride + p]), r);
+      if (a.silu) y = silu(round_to<T>(y));
+      const T v = Storage<T>::store(y);
+      shared_store(stage_base + sizeof(W) * static_cast<unsigned>(p * row + c), reinterpret_cast<const W&>(v));
+    }
+    __syncthreads();
+    for (int e = tid; e < count * t.positions; e += threads) {  // written along the channels, at every copy
+      const int p = e / count, c = e - p * count;
+      W v;
+      shared_load(stage_base + sizeof(W) * static_cast<unsigned>(p * row + c), v);
+      const int64_t s = t.s0 + p;
+      const int64_t ft = s / plane, h = (s / g.width) % g.height, w = s % g.width;
+      const int64_t first_t = ft == 0 ? 0 : ft + g.pad_t0;
+      const int64_t last_t = ft == g.frames - 1 ? out_t - 1 : ft + g.pad_t0;
+      for (int64_t pt = first_t; pt <= last_t; ++pt) {
+#pragma unroll
+        for (int kh = 0; kh < 3; ++kh) {
+          const int64_t ph = reflected_copy(kh, h, g.height, g.pad_h0, g.pad_h1, reflect);
+          if (ph < 0) continue;
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw) {
+            const int64_t pw = reflected_copy(kw, w, g.width, g.pad_w0, g.pad_w1, reflect);
+            if (pw < 0) continue;
+            out[(((t.b * out_t + pt) * out_h + ph) * out_w + pw) * a.channels + c0 + c] = v;
+          }
+        }
+      }
+    }
+    __syncthreads();  // (the staging tile is refilled by the next chunk)
   }
 }
 
@@ -404,11 +532,41 @@ cudaError_t launch_fused(const PerChannelRmsNormArgs& a, int32_t rows, int32_t c
   }
   return cudaGetLastError();
 }
+
+// The pad kernel's launch: the fused kernel's shape (its statistics are the same), vectors or elements as it chooses
+// them (x's sizes, strides and pointer: the output is written element by element).
+template <typename T>
+cudaError_t launch_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, int32_t rows, int32_t ctas,
+                          float factor, cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  const bool vector =
+      a.spatial % kVec == 0 && a.x_channel_stride % kVec == 0 && a.x_batch_stride % kVec == 0 && aligned(a.x);
+  FusedShape shape;
+  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || a.probe != 0 ||
+      g.frames * g.height * g.width != a.spatial ||
+      !fused_shape(a.batch, a.spatial, rows, ctas, vector ? kVec : 1, num_sms(), shape)) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
+  if (vector) {
+    per_channel_rmsnorm_pad_cl_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+  } else {
+    per_channel_rmsnorm_pad_cl_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+  }
+  return cudaGetLastError();
+}
 #endif  // __CUDACC_RTC__
 
 }  // namespace
 
 #ifndef __CUDACC_RTC__
+// (declared in fastpath.h)
+cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
+                                              int32_t ctas, float factor, cudaStream_t stream) {
+  return dispatch_storage_or_float(
+      args.dtype, [&](auto tag) { return launch_pad_cl<decltype(tag)>(args, pad, rows, ctas, factor, stream); });
+}
+
 cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream) {
   return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }
