@@ -409,22 +409,26 @@ template <typename T, bool kVector>
 __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
     per_channel_rmsnorm_pad_cl_kernel(PerChannelRmsNormArgs a, NormPadArgs g, int32_t rows, int32_t ctas,
                                       float factor) {
-  using W = typename Word<sizeof(T)>::type;  // a value's bits in the staging tile
   constexpr int kVec = LaneCount<T, kVector>::value;
-  constexpr int kStageWords = kStageBytes / static_cast<int>(sizeof(W));
-  __shared__ float scratch[kSharedFloats];
-  __shared__ W stage[kStageWords];
-  unsigned base, stage_base;  // (pinned in registers: see per_channel_rmsnorm_fused_kernel)
-  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
-  asm volatile("mov.b32 %0, %1;" : "=r"(stage_base) : "r"(shared_address(stage)));
+  constexpr int kStageFloats = kStageBytes / 4;
+  // the statistics' scratch, then the staging tile of the values (rounded to T: exactly T's value when stored as T)
+  __shared__ float scratch[kSharedFloats + kStageFloats];
+  // Its shared-window address from the generic one in inline PTX: nvcc and NVRTC lower shared_address's conversion
+  // differently (a 32-bit move against a 64-bit one and a truncation), which renumbered this kernel's registers and
+  // gave ptxas other choices; both pass the same generic address into this asm.
+  unsigned base;
+  asm volatile("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
+               : "=r"(base)
+               : "l"(reinterpret_cast<unsigned long long>(scratch)));
+  const unsigned stage_base = base + 4u * kSharedFloats;
   const FusedTile t = fused_tile<kVec>(a, rows, ctas);
   const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0;
   fused_statistics<T, kVector>(a, t, x + t.p0, base, rows, ctas, factor);
   __syncthreads();
 
-  // 3. the tail, `chunk` channels at a time: staged as [position][channel] (a row of chunk + 1 words)
+  // 3. the tail, `chunk` channels at a time: staged as [position][channel] (a row of chunk + 1 floats)
   int chunk = kStageChunk;
-  while (chunk > 1 && t.positions * (chunk + 1) > kStageWords) chunk >>= 1;
+  while (chunk > 1 && t.positions * (chunk + 1) > kStageFloats) chunk >>= 1;
   const int row = chunk + 1;
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
@@ -432,7 +436,7 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
   const int64_t out_h = g.pad_h0 + g.height + g.pad_h1, out_w = g.pad_w0 + g.width + g.pad_w1;
   const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1;
   const bool reflect = g.reflect_hw != 0;
-  W* out = static_cast<W*>(a.out);
+  T* out = static_cast<T*>(a.out);
   for (int64_t c0 = 0; c0 < a.channels; c0 += chunk) {  // (bounds uniform over the block: __syncthreads is safe)
     const int count = a.channels - c0 < chunk ? static_cast<int>(a.channels - c0) : chunk;
     for (int e = tid; e < count * t.positions; e += threads) {  // read along the positions
@@ -441,14 +445,14 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
       shared_load(entry(base + 4u * static_cast<unsigned>(p), t.stride, t.r_entry), r);
       float y = __fdiv_rn(Storage<T>::load(x[(c0 + c) * a.x_channel_stride + p]), r);
       if (a.silu) y = silu(round_to<T>(y));
-      const T v = Storage<T>::store(y);
-      shared_store(stage_base + sizeof(W) * static_cast<unsigned>(p * row + c), reinterpret_cast<const W&>(v));
+      shared_store(stage_base + 4u * static_cast<unsigned>(p * row + c), round_to<T>(y));
     }
     __syncthreads();
     for (int e = tid; e < count * t.positions; e += threads) {  // written along the channels, at every copy
       const int p = e / count, c = e - p * count;
-      W v;
-      shared_load(stage_base + sizeof(W) * static_cast<unsigned>(p * row + c), v);
+      float y;
+      shared_load(stage_base + 4u * static_cast<unsigned>(p * row + c), y);
+      const T v = Storage<T>::store(y);
       const int64_t s = t.s0 + p;
       const int64_t ft = s / plane, h = (s / g.width) % g.height, w = s % g.width;
       const int64_t first_t = ft == 0 ? 0 : ft + g.pad_t0;

@@ -133,6 +133,11 @@ class PairCalls:
         """The norm's call as the paired statement wrote it."""
         return norm(x.movedim(1, -1)).movedim(-1, 1) if self.moved else norm(x)
 
+    def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """A further rewrite of a forward's statements after its pairs were made (`rewrite_pairs`): none here; a
+        subclass fuses what follows a pair (LTX-2's: the convolution, `vae_ltx2_chain`)."""
+        return body
+
 
 _PairCalls = PairCalls(_NS, PAIR_SITE, pair_unfit, group_norm_silu)
 
@@ -299,6 +304,7 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...], calls: PairCa
     func.body = pairs.body(copy.deepcopy(func.body))
     if not pairs.found:
         return None
+    func.body = calls.rewrite_body(func.body)
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}>"
