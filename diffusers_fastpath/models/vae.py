@@ -243,6 +243,18 @@ def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
     return True
 
 
+def rewrite_nested(stmt: ast.stmt, body) -> ast.stmt:
+    """`stmt` with each statement list nested in it (an ``if``'s, a loop's, a ``with``'s, a ``try``'s and its
+    handlers') replaced by ``body(list)``: a statement rewrite's recursion."""
+    for field in ("body", "orelse", "finalbody"):
+        inner = getattr(stmt, field, None)
+        if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+            setattr(stmt, field, body(inner))
+    for handler in getattr(stmt, "handlers", ()) or ():
+        handler.body = body(handler.body)
+    return stmt
+
+
 class _Pairs:
     def __init__(self, activations: tuple[str, ...], ns: str = _NS, moved: bool = False) -> None:
         self.activations, self.ns, self.moved = activations, ns, moved
@@ -273,13 +285,7 @@ class _Pairs:
         return out
 
     def stmt(self, stmt: ast.stmt) -> ast.stmt:
-        for field in ("body", "orelse", "finalbody"):
-            inner = getattr(stmt, field, None)
-            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                setattr(stmt, field, self.body(inner))
-        for handler in getattr(stmt, "handlers", ()) or ():
-            handler.body = self.body(handler.body)
-        return stmt
+        return rewrite_nested(stmt, self.body)
 
     def _add(self, norm: str, act: str) -> None:
         if (norm, act) not in self.found:

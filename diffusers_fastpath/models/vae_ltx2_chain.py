@@ -38,7 +38,7 @@ from torch import nn
 from .._state import PatchState, site_attr
 from ..ops._policy import forward_replaced, hooks_on
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls
+from .vae import PairCalls, rewrite_nested
 
 CHAIN_SITE = LTX_NORM_CONV.name  # the joined call's site, on the convolution module
 
@@ -146,17 +146,8 @@ class _Chains:
             conv = _self_call(stmt, ("causal",))
             if conv is not None and conv[2] and self._join(out, stmt, conv):  # (the causal= call: a convolution's)
                 continue
-            out.append(self._inner(stmt))
+            out.append(rewrite_nested(stmt, self.body))
         return out
-
-    def _inner(self, stmt: ast.stmt) -> ast.stmt:
-        for field in ("body", "orelse", "finalbody"):
-            inner = getattr(stmt, field, None)
-            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                setattr(stmt, field, self.body(inner))
-        for handler in getattr(stmt, "handlers", ()) or ():
-            handler.body = self.body(handler.body)
-        return stmt
 
     def _join(self, out: list[ast.stmt], stmt: ast.stmt, conv) -> bool:
         """Join `stmt` (the convolution's call) with the pair before it in `out` (in place); False where none."""
