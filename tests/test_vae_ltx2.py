@@ -326,11 +326,28 @@ CHAIN_SHAPES = [((1, 1024, 16, 16, 24), 1024, "reflect", False), ((1, 512, 31, 3
                 ((1, 256, 61, 64, 96), 256, "zeros", True), ((1, 1024, 16, 16, 24), 1024, "zeros", True)]
 
 
+# Odd geometry: one frame (the first frame is the last), rows and columns of 2 (each reflected copy at both ends),
+# channels not a multiple of the staging chunk, widths of no vector, two batches; and x with its first frame sliced
+# off (channels apart), as the upsamplers leave it.
+ODD_CHAIN_SHAPES = [((1, 40, 1, 3, 5), 40, "reflect", False), ((2, 24, 3, 2, 7), 16, "reflect", False),
+                    ((1, 72, 2, 2, 2), 8, "reflect", True), ((2, 24, 3, 5, 16), 24, "zeros", True),
+                    ((1, 48, 5, 6, 8), 48, "reflect", False, "sliced")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ODD_CHAIN_SHAPES, ids=str)
+@torch.no_grad()
+def test_chain_equals_eager_at_odd_shapes(case, dtype):
+    """The pad kernel's borders and tails: as `test_chain_equals_eager_at_ltx2_decoder_shapes`, at `ODD_CHAIN_SHAPES`."""
+    test_chain_equals_eager_at_ltx2_decoder_shapes(*case[:4], dtype, *case[4:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape,out_channels,mode,causal", CHAIN_SHAPES, ids=str)
 @torch.no_grad()
-def test_chain_equals_eager_at_ltx2_decoder_shapes(shape, out_channels, mode, causal, dtype):
+def test_chain_equals_eager_at_ltx2_decoder_shapes(shape, out_channels, mode, causal, dtype, layout="contiguous"):
     """`ltx_norm_conv` (its pad kernel, proofs and first-call check included) against diffusers' modules called as
     the block calls them, bit for bit, the allocator's blocks poisoned with NaN first; fresh random inputs with
     all-zero positions and means near eps."""
@@ -350,7 +367,9 @@ def test_chain_equals_eager_at_ltx2_decoder_shapes(shape, out_channels, mode, ca
     conv = LTX2VideoCausalConv3d(shape[1], out_channels, 3, spatial_padding_mode=mode)
     conv = randomize_(conv, int(gen.initial_seed()) % 1000).to("cuda", dtype).eval()
     norm, act = PerChannelRMSNorm(), torch.nn.SiLU()
-    x = (torch.randn(shape, generator=gen) * 3).to("cuda", dtype)
+    full = (shape[0], shape[1], shape[2] + (layout == "sliced"), *shape[3:])
+    x = (torch.randn(full, generator=gen) * 3).to("cuda", dtype)
+    x = x[:, :, 1:] if layout == "sliced" else x
     x[:, :, 0, 0, :5] = 0  # (sqrt of eps)
     x[:, :, 0, 1, :7] *= 1e-4
     ref = conv(act(norm(x)), causal=causal)
