@@ -384,8 +384,11 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
 
 // --- the norm written as the next causal convolution's padded input, channels-last ---------------------------------
 
-constexpr int kStageBytes = 16384;  // the pad kernel's staging tile: positions x channels of one chunk
-constexpr int kStageChunk = 32;     // channels per chunk at most (a warp's store: 32 channels of one position)
+constexpr int kMaxChunk = 256;  // the staging tile's channels at most (a chunk of the tile's channels)
+constexpr int kPadTailChannels = 2;  // the tail's loads in flight per thread (fewer than the fused kernel's: registers)
+// a tile's positions at most: blockDim.y >= 4 (units >= 4: fused_shape), so blockDim.x <= kFusedThreads / 4, times
+// 8 positions a 16-byte vector of a 2-byte T
+constexpr int kMaxTilePositions = kFusedThreads / 4 * 8;
 
 // The padded positions of axis position i (n positions, p0 before and p1 after) that hold i's value: i + p0, and with
 // `reflect` F.pad's reflected copies, p0 - i (1 <= i <= p0) and p0 + 2 (n - 1) - i (n - 1 - p1 <= i <= n - 2);
@@ -397,22 +400,78 @@ __device__ __forceinline__ int64_t reflected_copy(int k, int64_t i, int64_t n, i
   return i >= n - 1 - p1 && i <= n - 2 ? p0 + 2 * (n - 1) - i : -1;
 }
 
+// Every padded position (an index of [batch, Tp, Hp, Wp]) that holds source position s of batch b: f(index) for
+// frame t = s / (H W) at pad_t0 + t, the first frame also at 0 .. pad_t0 - 1 and the last at pad_t0 + T .. Tp - 1
+// (eager's repeated frames), row and column at their `reflected_copy`s.
+// (The sizes are recomputed from g where used, not kept in registers across the kernel.)
+template <typename F>
+__device__ __forceinline__ void for_each_copy(const NormPadArgs& g, int64_t b, int64_t s, F f) {
+  const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1, out_h = g.pad_h0 + g.height + g.pad_h1;
+  const int64_t out_w = g.pad_w0 + g.width + g.pad_w1;
+  const bool reflect = g.reflect_hw != 0;
+  const int64_t ft = s / (g.height * g.width), h = (s / g.width) % g.height, w = s % g.width;
+  const int64_t first_t = ft == 0 ? 0 : ft + g.pad_t0;
+  const int64_t last_t = ft == g.frames - 1 ? out_t - 1 : ft + g.pad_t0;
+  for (int64_t pt = first_t; pt <= last_t; ++pt) {
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh) {
+      const int64_t ph = reflected_copy(kh, h, g.height, g.pad_h0, g.pad_h1, reflect);
+      if (ph < 0) continue;
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) {
+        const int64_t pw = reflected_copy(kw, w, g.width, g.pad_w0, g.pad_w1, reflect);
+        if (pw >= 0) f(((b * out_t + pt) * out_h + ph) * out_w + pw);
+      }
+    }
+  }
+}
+
+// The padded position of source position s of batch b when it is its only copy, else ~ of it (negative: the caller
+// takes `for_each_copy`): the tile's table, so that the stores do no division.
+__device__ __forceinline__ long long only_copy(const NormPadArgs& g, int64_t b, int64_t s) {
+  const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1, out_h = g.pad_h0 + g.height + g.pad_h1;
+  const int64_t out_w = g.pad_w0 + g.width + g.pad_w1, plane = g.height * g.width;
+  const int64_t ft = s / plane, rest = s - ft * plane, h = rest / g.width, w = rest - h * g.width;
+  const int64_t index = ((b * out_t + ft + g.pad_t0) * out_h + h + g.pad_h0) * out_w + w + g.pad_w0;
+  const bool repeated = (ft == 0 && g.pad_t0 > 0) || (ft == g.frames - 1 && g.pad_t1 > 0);
+  const bool reflected = g.reflect_hw != 0 && (reflected_copy(1, h, g.height, g.pad_h0, g.pad_h1, true) >= 0 ||
+                                       reflected_copy(2, h, g.height, g.pad_h0, g.pad_h1, true) >= 0 ||
+                                       reflected_copy(1, w, g.width, g.pad_w0, g.pad_w1, true) >= 0 ||
+                                       reflected_copy(2, w, g.width, g.pad_w0, g.pad_w1, true) >= 0);
+  return repeated || reflected ? ~index : index;
+}
+
+// The staging tile: [position][chunk] words of T (rows of chunk * sizeof(T) bytes, 16-byte granules of channels), the
+// granules of row p permuted by p's vector (XOR), so that the threads of a warp storing one channel of their vectors'
+// positions hit distinct banks, and a 16-byte read of a row's granule is one LDS.128.
+template <typename T, int kVec>
+__device__ __forceinline__ unsigned staged(unsigned stage, int row_bytes, int granules, int p, int c) {
+  constexpr int kOut = 16 / sizeof(T);  // channels a granule
+  const int swizzle = (p / kVec) & (granules - 1);
+  return stage + static_cast<unsigned>(p * row_bytes + (((c / kOut) ^ swizzle) << 4) + (c % kOut) * sizeof(T));
+}
+
 // per_channel_rmsnorm_fused_kernel's norm (and SiLU), its statistics the same code, its output written as the padded
 // input of the causal convolution that reads it next (ltx_causal_conv's buffer, ops/ltx_norm_conv.py): out
 // [batch, Tp, Hp, Wp, channels] memory (channels_last_3d of [batch, channels, Tp, Hp, Wp]), each value at every padded
-// position whose source it is: frame t at g.pad_t0 + t, the first frame also at 0 .. pad_t0 - 1 and the last at
-// pad_t0 + frames .. Tp - 1 (eager's repeated frames); with g.reflect_hw the reflected rows and columns of F.pad
-// (`reflected_copy`), else no spatial border (pads 0: the convolution pads). The values are the fused kernel's
-// (the same operations in the same order), only where they are stored differs. The tile's channels go in chunks
-// through a staging tile: read along the positions (x's unit stride), written along the channels (out's).
+// position whose source it is (`for_each_copy`; with g.reflect_hw F.pad's reflected rows and columns, else no spatial
+// border: pads 0, the convolution pads). The values are the fused kernel's (the same operations in the same order),
+// only where they are stored differs. After the statistics, the scratch becomes a staging tile: the tile's channels
+// go through it in chunks, read as the fused kernel's tail reads them (16-byte vectors along the positions, x's unit
+// stride, kPadTailChannels loads in flight a thread), stored as words [position][channel], then written along the
+// channels (out's unit stride) in 16-byte vectors where the channels and out allow, else one element a thread. Each
+// tile position's padded index is computed once (the table: no division per element); the positions with more than
+// one copy (the first and last frames, the reflected rows and columns) write the same vector to each.
 template <typename T, bool kVector>
 __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
     per_channel_rmsnorm_pad_cl_kernel(PerChannelRmsNormArgs a, NormPadArgs g, int32_t rows, int32_t ctas,
                                       float factor) {
+  using L = typename Lanes<T, kVector>::type;
+  using W = typename Word<sizeof(T)>::type;
   constexpr int kVec = LaneCount<T, kVector>::value;
-  constexpr int kStageFloats = kStageBytes / 4;
-  // the statistics' scratch, then the staging tile of the values (rounded to T: exactly T's value when stored as T)
-  __shared__ float scratch[kSharedFloats + kStageFloats];
+  constexpr int kOut = 16 / sizeof(T);  // channels a 16-byte store
+  // the statistics' scratch (then the staging tile), then the tile's table of padded positions (8 bytes each)
+  __shared__ __align__(16) float scratch[kSharedFloats + 2 * kMaxTilePositions];
   // Its shared-window address from the generic one in inline PTX: nvcc and NVRTC lower shared_address's conversion
   // differently (a 32-bit move against a 64-bit one and a truncation), which renumbered this kernel's registers and
   // gave ptxas other choices; both pass the same generic address into this asm.
@@ -420,54 +479,82 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
   asm volatile("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
                : "=r"(base)
                : "l"(reinterpret_cast<unsigned long long>(scratch)));
-  const unsigned stage_base = base + 4u * kSharedFloats;
+  const unsigned table = base + 4u * kSharedFloats;
   const FusedTile t = fused_tile<kVec>(a, rows, ctas);
-  const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0;
-  fused_statistics<T, kVector>(a, t, x + t.p0, base, rows, ctas, factor);
-  __syncthreads();
-
-  // 3. the tail, `chunk` channels at a time: staged as [position][channel] (a row of chunk + 1 floats)
-  int chunk = kStageChunk;
-  while (chunk > 1 && t.positions * (chunk + 1) > kStageFloats) chunk >>= 1;
-  const int row = chunk + 1;
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int64_t plane = g.height * g.width;
-  const int64_t out_h = g.pad_h0 + g.height + g.pad_h1, out_w = g.pad_w0 + g.width + g.pad_w1;
-  const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1;
-  const bool reflect = g.reflect_hw != 0;
+  for (int p = tid; p < t.positions; p += threads) {  // (read after the barriers below)
+    shared_store(table + 8u * p, static_cast<unsigned long long>(only_copy(g, t.b, t.s0 + p)));
+  }
+  const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0 + t.p0;
+  fused_statistics<T, kVector>(a, t, x, base, rows, ctas, factor);
+  __syncthreads();
+  float r[kVec] = {};
+  if (t.active) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) shared_load(entry(base + 4u * (t.p0 + i), t.stride, t.r_entry), r[i]);
+  }
+  __syncthreads();  // (the scratch becomes the staging tile)
+
+  // 3. the tail, `chunk` channels at a time (a power of two, at least one granule)
+  const int tile = blockDim.x * kVec;
+  int chunk = kMaxChunk;
+  while (chunk > kOut && (tile * chunk * static_cast<int>(sizeof(T)) > 4 * kSharedFloats || chunk / 2 >= a.channels)) {
+    chunk >>= 1;
+  }
+  const int row_bytes = chunk * sizeof(T), granules = row_bytes / 16;
+  const bool vector_out = a.channels % kOut == 0 && reinterpret_cast<unsigned long long>(a.out) % 16 == 0;
+  const int unit_shift = __ffs(vector_out ? granules : chunk) - 1;  // log2 of the stores a row
   T* out = static_cast<T*>(a.out);
   for (int64_t c0 = 0; c0 < a.channels; c0 += chunk) {  // (bounds uniform over the block: __syncthreads is safe)
     const int count = a.channels - c0 < chunk ? static_cast<int>(a.channels - c0) : chunk;
-    for (int e = tid; e < count * t.positions; e += threads) {  // read along the positions
-      const int c = e / t.positions, p = e - c * t.positions;
-      float r;
-      shared_load(entry(base + 4u * static_cast<unsigned>(p), t.stride, t.r_entry), r);
-      float y = __fdiv_rn(Storage<T>::load(x[(c0 + c) * a.x_channel_stride + p]), r);
-      if (a.silu) y = silu(round_to<T>(y));
-      shared_store(stage_base + 4u * static_cast<unsigned>(p * row + c), round_to<T>(y));
+    if (t.active) {  // read along the positions
+      for (int c1 = threadIdx.y; c1 < count; c1 += kPadTailChannels * blockDim.y) {
+        L v[kPadTailChannels];
+#pragma unroll
+        for (int k = 0; k < kPadTailChannels; ++k) {
+          const int c = c1 + k * blockDim.y;
+          if (c < count) v[k] = load_lanes<T, kVector>(x + (c0 + c) * a.x_channel_stride);
+        }
+#pragma unroll
+        for (int k = 0; k < kPadTailChannels; ++k) {
+          const int c = c1 + k * blockDim.y;
+          if (c < count) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) {
+              float y = __fdiv_rn(Storage<T>::load(v[k].v[i]), r[i]);
+              if (a.silu) y = silu(round_to<T>(y));
+              shared_store(staged<T, kVec>(base, row_bytes, granules, t.p0 + i, c), bits_of(Storage<T>::store(y)));
+            }
+          }
+        }
+      }
     }
     __syncthreads();
-    for (int e = tid; e < count * t.positions; e += threads) {  // written along the channels, at every copy
-      const int p = e / count, c = e - p * count;
-      float y;
-      shared_load(stage_base + 4u * static_cast<unsigned>(p * row + c), y);
-      const T v = Storage<T>::store(y);
-      const int64_t s = t.s0 + p;
-      const int64_t ft = s / plane, h = (s / g.width) % g.height, w = s % g.width;
-      const int64_t first_t = ft == 0 ? 0 : ft + g.pad_t0;
-      const int64_t last_t = ft == g.frames - 1 ? out_t - 1 : ft + g.pad_t0;
-      for (int64_t pt = first_t; pt <= last_t; ++pt) {
-#pragma unroll
-        for (int kh = 0; kh < 3; ++kh) {
-          const int64_t ph = reflected_copy(kh, h, g.height, g.pad_h0, g.pad_h1, reflect);
-          if (ph < 0) continue;
-#pragma unroll
-          for (int kw = 0; kw < 3; ++kw) {
-            const int64_t pw = reflected_copy(kw, w, g.width, g.pad_w0, g.pad_w1, reflect);
-            if (pw < 0) continue;
-            out[(((t.b * out_t + pt) * out_h + ph) * out_w + pw) * a.channels + c0 + c] = v;
-          }
+    // written along the channels: store u of position p holds granule u (vector_out) or channel u of the chunk
+    for (int e = tid; e < (t.positions << unit_shift); e += threads) {
+      const int p = e >> unit_shift, u = e & ((1 << unit_shift) - 1);
+      if (u * (vector_out ? kOut : 1) >= count) continue;
+      unsigned long long index;
+      shared_load(table + 8u * p, index);
+      T* dst = out + c0;
+      if (vector_out) {
+        uint4 v;
+        shared_load(staged<T, kVec>(base, row_bytes, granules, p, u * kOut), v);
+        dst += u * kOut;
+        if (static_cast<long long>(index) >= 0) {
+          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(index) * a.channels) = v;
+        } else {
+          for_each_copy(g, t.b, t.s0 + p, [&](int64_t i) { *reinterpret_cast<uint4*>(dst + i * a.channels) = v; });
+        }
+      } else {
+        W v;
+        shared_load(staged<T, kVec>(base, row_bytes, granules, p, u), v);
+        dst += u;
+        if (static_cast<long long>(index) >= 0) {
+          *reinterpret_cast<W*>(dst + static_cast<int64_t>(index) * a.channels) = v;
+        } else {
+          for_each_copy(g, t.b, t.s0 + p, [&](int64_t i) { *reinterpret_cast<W*>(dst + i * a.channels) = v; });
         }
       }
     }
@@ -538,7 +625,7 @@ cudaError_t launch_fused(const PerChannelRmsNormArgs& a, int32_t rows, int32_t c
 }
 
 // The pad kernel's launch: the fused kernel's shape (its statistics are the same), vectors or elements as it chooses
-// them (x's sizes, strides and pointer: the output is written element by element).
+// them (x's sizes, strides and pointer; the kernel picks its stores' width from the channels and out's pointer).
 template <typename T>
 cudaError_t launch_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, int32_t rows, int32_t ctas,
                           float factor, cudaStream_t stream) {
