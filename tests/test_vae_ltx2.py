@@ -374,7 +374,8 @@ def test_chain_equals_eager_at_ltx2_decoder_shapes(shape, out_channels, mode, ca
     full = (shape[0], shape[1], shape[2] + (layout == "sliced"), *shape[3:])
     x = (torch.randn(full, generator=gen) * 3).to("cuda", dtype)
     x = x[:, :, 1:] if layout == "sliced" else x
-    x[:, :, 0, 0, :5] = 0  # (sqrt of eps)
+    if dtype is torch.bfloat16 or min(shape[3:]) > 2:  # (fp16: the NaN below would cover a 2x2 frame whole)
+        x[:, :, 0, 0, :5] = 0  # (sqrt of eps)
     x[:, :, 0, 1, :7] *= 1e-4
     ref = conv(act(norm(x)), causal=causal)
     padded = shape[0] * shape[1] * (shape[2] + 2) * (shape[3] + 2) * (shape[4] + 2)
