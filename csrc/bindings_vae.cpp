@@ -369,6 +369,51 @@ at::Tensor per_channel_rmsnorm_fused(const at::Tensor& x, double eps, bool silu,
   return out;
 }
 
+// The fused norm (per_channel_rmsnorm_fused, probe 0) written as the padded channels-last input of the causal
+// convolution after it (per_channel_rmsnorm.cu's pad kernel; ops/ltx_norm_conv.py): x [B, C, S] as there, `frames`
+// `height` `width` x's trailing dims (S their product), `padding` F.pad's order (w0, w1, h0, h1, t0, t1): the frames
+// repeated, and F.pad's reflection in h and w where `reflect_hw` (each below its axis' size), else h and w unpadded.
+// The result is [B, C, t0 + frames + t1, h0 + height + h1, w0 + width + w1], channels_last_3d. The Python guard admits
+// only inputs that pass these checks.
+at::Tensor per_channel_rmsnorm_pad_cl(const at::Tensor& x, double eps, bool silu, int64_t rows, int64_t ctas,
+                                      double factor, at::IntArrayRef dims, at::IntArrayRef padding, bool reflect_hw) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
+              "per_channel_rmsnorm_pad_cl: x must be a CUDA tensor [B, C, S] with unit stride along S");
+  TORCH_CHECK(rows >= 1 && rows <= 512 && (rows & (rows - 1)) == 0 && ctas >= 1 && ctas <= 65536,
+              "per_channel_rmsnorm_pad_cl: rows a power of two up to 512, ctas from 1 to 65536");
+  TORCH_CHECK(dims.size() == 3 && dims[0] >= 1 && dims[1] >= 1 && dims[2] >= 1 &&
+                  dims[0] * dims[1] * dims[2] == x.size(2),
+              "per_channel_rmsnorm_pad_cl: dims must be x's (frames, height, width)");
+  TORCH_CHECK(padding.size() == 6, "per_channel_rmsnorm_pad_cl: padding must be (w0, w1, h0, h1, t0, t1)");
+  for (const int64_t p : padding) TORCH_CHECK(p >= 0, "per_channel_rmsnorm_pad_cl: padding must be non-negative");
+  TORCH_CHECK(reflect_hw ? padding[0] < dims[2] && padding[1] < dims[2] && padding[2] < dims[1] && padding[3] < dims[1]
+                         : padding[0] == 0 && padding[1] == 0 && padding[2] == 0 && padding[3] == 0,
+              "per_channel_rmsnorm_pad_cl: a reflected padding must be below its axis' size, none without reflection");
+  to_dtype_or_float(x);  // (its check of the dtype, before the output is allocated)
+  at::Tensor out = at::empty({x.size(0), x.size(1), padding[4] + dims[0] + padding[5], padding[2] + dims[1] + padding[3],
+                              padding[0] + dims[2] + padding[1]},
+                             x.options().memory_format(at::MemoryFormat::ChannelsLast3d));
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const PerChannelRmsNormArgs args = per_channel_args(x, out, nullptr, eps, silu, 0);
+  NormPadArgs pad;
+  pad.frames = dims[0];
+  pad.height = dims[1];
+  pad.width = dims[2];
+  pad.pad_w0 = padding[0];
+  pad.pad_w1 = padding[1];
+  pad.pad_h0 = padding[2];
+  pad.pad_h1 = padding[3];
+  pad.pad_t0 = padding[4];
+  pad.pad_t1 = padding[5];
+  pad.reflect_hw = reflect_hw ? 1 : 0;
+  const cudaError_t err =
+      launch_per_channel_rmsnorm_pad_cl(args, pad, static_cast<int32_t>(rows), static_cast<int32_t>(ctas),
+                                        static_cast<float>(factor), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "per_channel_rmsnorm_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 }  // namespace diffusers_fastpath
 
@@ -388,6 +433,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
   m.def("_per_channel_rmsnorm_fused_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
         "int probe) -> Tensor");
+  m.def("_per_channel_rmsnorm_pad_cl_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
+        "int[] dims, int[] padding, bool reflect_hw) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -401,4 +448,5 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
   m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
   m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
+  m.impl("_per_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_pad_cl);
 }

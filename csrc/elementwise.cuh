@@ -114,6 +114,24 @@ __device__ __forceinline__ void shared_load(unsigned address, unsigned int& v) {
 __device__ __forceinline__ void shared_load(unsigned address, float& v) {
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
 }
+__device__ __forceinline__ void shared_store(unsigned address, unsigned long long v) {
+  asm volatile("st.shared.u64 [%0], %1;" ::"r"(address), "l"(v) : "memory");
+}
+__device__ __forceinline__ void shared_load(unsigned address, unsigned long long& v) {
+  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(address) : "memory");
+}
+// 16 bytes at a 16-byte aligned address: one LDS.128
+__device__ __forceinline__ void shared_load(unsigned address, uint4& v) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address)
+               : "memory");
+}
+
+// The bits of a value as the word of its size (Word<sizeof(T)>): what a staging tile of words holds.
+__device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ unsigned short bits_of(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ unsigned int bits_of(float v) { return __float_as_uint(v); }
 
 // A kTile x kTile tile moved through shared memory (at `base`, `shared_address` of a W[kTile][kTile + 1] array: the
 // padding keeps a column's words in distinct banks) by kTile x kRows threads, the transposing copies' core: read(i)

@@ -431,6 +431,28 @@ cudaError_t launch_per_channel_rmsnorm_fused(const PerChannelRmsNormArgs& args, 
                                              float factor, cudaStream_t stream);
 #endif
 
+// The fused norm's output written as the padded, channels-last input of the causal convolution after it
+// (per_channel_rmsnorm.cu's pad kernel; ops/ltx_norm_conv.py): args.out is [batch, Tp, Hp, Wp, channels] memory with
+// Tp = pad_t0 + frames + pad_t1 (the first and last frames repeated), Hp and Wp likewise (F.pad's reflection where
+// reflect_hw, else pads 0); x's spatial is frames * height * width.
+struct NormPadArgs {
+  int64_t frames;
+  int64_t height;
+  int64_t width;
+  int64_t pad_t0;
+  int64_t pad_t1;
+  int64_t pad_h0;
+  int64_t pad_h1;
+  int64_t pad_w0;
+  int64_t pad_w1;
+  int32_t reflect_hw;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
+                                              int32_t ctas, float factor, cudaStream_t stream);
+#endif
+
 // The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]
 // with unit width stride, out a contiguous [batch, channels, 2 * height, 2 * width]:
 //   out[n][c][2y + dy][2x + dx] = round(float(x[n][c][y][x]))

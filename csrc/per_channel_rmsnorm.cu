@@ -231,35 +231,51 @@ __device__ __forceinline__ void tree(unsigned column, unsigned stride, int first
   }
 }
 
-// The norm of the positions [blockIdx.x * tile, +tile) of batch blockIdx.y (tile = blockDim.x * kVec) with m computed
-// in aten's order for `rows` x `ctas` partial sums (the file's comment), `factor` aten's MeanOps factor. Probe mode
-// kProbeMean writes m into out ([batch, spatial]) instead.
+// A fused block's tile: the positions [s0, s0 + positions) of batch b (tile = blockDim.x * kVec), thread (x, y)'s
+// vector at p0, the units of the statistics and the scratch entry r is left in (`stride` bytes between entries).
+struct FusedTile {
+  int units;
+  int r_entry;
+  int positions;
+  int p0;
+  bool active;
+  int64_t b;
+  int64_t s0;
+  unsigned stride;
+};
+
+template <int kVec>
+__device__ __forceinline__ FusedTile fused_tile(const PerChannelRmsNormArgs& a, int rows, int ctas) {
+  FusedTile t;
+  const int partials = rows * ctas;
+  t.units = partials <= kChainPartials ? 4 * partials : partials;
+  t.r_entry = t.units + (ctas > 1 ? rows : 0);  // the t_y of the global step between, then r
+  const int tile = blockDim.x * kVec;
+  t.stride = 4u * static_cast<unsigned>(tile);
+  t.b = blockIdx.y;
+  t.s0 = static_cast<int64_t>(blockIdx.x) * tile;
+  const int64_t left = a.spatial - t.s0;  // the tile's positions in the row
+  t.positions = left < tile ? static_cast<int>(left) : tile;
+  t.p0 = threadIdx.x * kVec;
+  t.active = t.p0 < t.positions;  // (vectors: spatial is a multiple of kVec)
+  return t;
+}
+
+// Stages 1 and 2 of the fused kernels: each position's m in aten's order for `rows` x `ctas` partial sums (the file's
+// comment), `factor` aten's MeanOps factor, and r = rms(m) into its scratch column's entry t.r_entry (probe mode
+// kProbeMean: m into out, [batch, spatial]); x is the tile's first position of thread (x, y)'s vector. Ends before the
+// barrier that makes r visible to the block (the callers' next step).
 template <typename T, bool kVector>
-__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
-    per_channel_rmsnorm_fused_kernel(PerChannelRmsNormArgs a, int32_t rows, int32_t ctas, float factor) {
-  using L = typename Lanes<T, kVector>::type;
+__device__ __forceinline__ void fused_statistics(const PerChannelRmsNormArgs& a, const FusedTile& t, const T* x,
+                                                 unsigned base, int32_t rows, int32_t ctas, float factor) {
   constexpr int kVec = LaneCount<T, kVector>::value;
-  __shared__ float scratch[kSharedFloats];
-  // The scratch's shared-window address, pinned in a register: nvcc and NVRTC compute a __shared__ array's address
-  // differently (elementwise.cuh's shared_address), and re-deriving it at each use made their machine code differ.
-  unsigned base;
-  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
   const int partials = rows * ctas;
   const bool chains = partials <= kChainPartials;
-  const int units = chains ? 4 * partials : partials;
-  const int r_entry = units + (ctas > 1 ? rows : 0);  // the t_y of the global step between, then r
-  const int tile = blockDim.x * kVec;
-  const unsigned stride = 4u * static_cast<unsigned>(tile);
-  const int64_t b = blockIdx.y;
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * tile;
-  const int64_t left = a.spatial - s0;  // the tile's positions in the row
-  const int positions = left < tile ? static_cast<int>(left) : tile;
-  const int p0 = threadIdx.x * kVec;
-  const bool active = p0 < positions;  // (vectors: spatial is a multiple of kVec)
-  const T* x = static_cast<const T*>(a.x) + b * a.x_batch_stride + s0 + p0;
+  const unsigned stride = t.stride;
+  const int units = t.units;
 
   // 1. the units: chain (j, i) of partial j (u = 4 j + i: channels j + (i + 4 n) P), or partial u
-  if (active) {
+  if (t.active) {
     for (int u = threadIdx.y; u < units; u += blockDim.y) {
       float sum[kVec];
       if (chains) {
@@ -268,13 +284,13 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
         partial_sum<T, kVector>(x, a.x_channel_stride, u, partials, a.channels, sum);
       }
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) shared_store(entry(base + 4u * (p0 + i), stride, u), sum[i]);
+      for (int i = 0; i < kVec; ++i) shared_store(entry(base + 4u * (t.p0 + i), stride, u), sum[i]);
     }
   }
   __syncthreads();
 
   // 2. per position: the partials, each CTA's block_y_reduce, the global step, the projection, r
-  for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < positions; p += blockDim.x * blockDim.y) {
+  for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < t.positions; p += blockDim.x * blockDim.y) {
     const unsigned column = base + 4u * static_cast<unsigned>(p);
     if (chains) {
       for (int j = 0; j < partials; ++j) {  // partial j into entry j (<= 4 j: its chains are read first)
@@ -292,24 +308,47 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
       shared_load(column, sum);
     } else {
       for (int y = 0; y < rows; ++y) {
-        float t = 0.0f;
+        float s = 0.0f;
         for (int g = y; g < ctas; g += rows) {
           float q;
           shared_load(entry(column, stride, g * rows), q);
-          t = __fadd_rn(t, q);
+          s = __fadd_rn(s, q);
         }
-        shared_store(entry(column, stride, units + y), t);
+        shared_store(entry(column, stride, units + y), s);
       }
       tree(column, stride, units, rows);
       shared_load(entry(column, stride, units), sum);
     }
     const float m = round_to<T>(__fmul_rn(sum, factor));
     if (a.probe == kProbeMean) {
-      static_cast<T*>(a.out)[b * a.spatial + s0 + p] = Storage<T>::store(m);
+      static_cast<T*>(a.out)[t.b * a.spatial + t.s0 + p] = Storage<T>::store(m);
     } else {
-      shared_store(entry(column, stride, r_entry), rms<T>(m, a.eps));
+      shared_store(entry(column, stride, t.r_entry), rms<T>(m, a.eps));
     }
   }
+}
+
+// The norm of the positions [blockIdx.x * tile, +tile) of batch blockIdx.y (tile = blockDim.x * kVec) with m computed
+// in aten's order for `rows` x `ctas` partial sums (the file's comment), `factor` aten's MeanOps factor. Probe mode
+// kProbeMean writes m into out ([batch, spatial]) instead.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+    per_channel_rmsnorm_fused_kernel(PerChannelRmsNormArgs a, int32_t rows, int32_t ctas, float factor) {
+  using L = typename Lanes<T, kVector>::type;
+  constexpr int kVec = LaneCount<T, kVector>::value;
+  __shared__ float scratch[kSharedFloats];
+  // The scratch's shared-window address, pinned in a register: nvcc and NVRTC compute a __shared__ array's address
+  // differently (elementwise.cuh's shared_address), and re-deriving it at each use made their machine code differ.
+  unsigned base;
+  asm volatile("mov.b32 %0, %1;" : "=r"(base) : "r"(shared_address(scratch)));
+  const FusedTile t = fused_tile<kVec>(a, rows, ctas);
+  const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0 + t.p0;
+  fused_statistics<T, kVector>(a, t, x, base, rows, ctas, factor);
+  const int64_t b = t.b, s0 = t.s0;
+  const int p0 = t.p0;
+  const unsigned stride = t.stride;
+  const int r_entry = t.r_entry;
+  const bool active = t.active;
   if (a.probe == kProbeMean) return;  // (every thread of the block: no barrier follows)
   __syncthreads();
 
@@ -340,6 +379,186 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
         *reinterpret_cast<L*>(out + c * a.spatial) = o;
       }
     }
+  }
+}
+
+// --- the norm written as the next causal convolution's padded input, channels-last ---------------------------------
+
+constexpr int kMaxChunk = 256;  // the staging tile's channels at most (a chunk of the tile's channels)
+constexpr int kPadTailChannels = 2;  // the tail's loads in flight per thread (fewer than the fused kernel's: registers)
+// a tile's positions at most: blockDim.y >= 4 (units >= 4: fused_shape), so blockDim.x <= kFusedThreads / 4, times
+// 8 positions a 16-byte vector of a 2-byte T
+constexpr int kMaxTilePositions = kFusedThreads / 4 * 8;
+
+// The padded positions of axis position i (n positions, p0 before and p1 after) that hold i's value: i + p0, and with
+// `reflect` F.pad's reflected copies, p0 - i (1 <= i <= p0) and p0 + 2 (n - 1) - i (n - 1 - p1 <= i <= n - 2);
+// copy k of 3, or -1.
+__device__ __forceinline__ int64_t reflected_copy(int k, int64_t i, int64_t n, int64_t p0, int64_t p1, bool reflect) {
+  if (k == 0) return i + p0;
+  if (!reflect) return -1;
+  if (k == 1) return i >= 1 && i <= p0 ? p0 - i : -1;
+  return i >= n - 1 - p1 && i <= n - 2 ? p0 + 2 * (n - 1) - i : -1;
+}
+
+// Every padded position (an index of [batch, Tp, Hp, Wp]) that holds source position s of batch b: f(index) for
+// frame t = s / (H W) at pad_t0 + t, the first frame also at 0 .. pad_t0 - 1 and the last at pad_t0 + T .. Tp - 1
+// (eager's repeated frames), row and column at their `reflected_copy`s.
+// (The sizes are recomputed from g where used, not kept in registers across the kernel.)
+template <typename F>
+__device__ __forceinline__ void for_each_copy(const NormPadArgs& g, int64_t b, int64_t s, F f) {
+  const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1, out_h = g.pad_h0 + g.height + g.pad_h1;
+  const int64_t out_w = g.pad_w0 + g.width + g.pad_w1;
+  const bool reflect = g.reflect_hw != 0;
+  const int64_t ft = s / (g.height * g.width), h = (s / g.width) % g.height, w = s % g.width;
+  const int64_t first_t = ft == 0 ? 0 : ft + g.pad_t0;
+  const int64_t last_t = ft == g.frames - 1 ? out_t - 1 : ft + g.pad_t0;
+  for (int64_t pt = first_t; pt <= last_t; ++pt) {
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh) {
+      const int64_t ph = reflected_copy(kh, h, g.height, g.pad_h0, g.pad_h1, reflect);
+      if (ph < 0) continue;
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) {
+        const int64_t pw = reflected_copy(kw, w, g.width, g.pad_w0, g.pad_w1, reflect);
+        if (pw >= 0) f(((b * out_t + pt) * out_h + ph) * out_w + pw);
+      }
+    }
+  }
+}
+
+// The padded position of source position s of batch b when it is its only copy, else ~ of it (negative: the caller
+// takes `for_each_copy`): the tile's table, so that the stores do no division.
+__device__ __forceinline__ long long only_copy(const NormPadArgs& g, int64_t b, int64_t s) {
+  const int64_t out_t = g.pad_t0 + g.frames + g.pad_t1, out_h = g.pad_h0 + g.height + g.pad_h1;
+  const int64_t out_w = g.pad_w0 + g.width + g.pad_w1, plane = g.height * g.width;
+  const int64_t ft = s / plane, rest = s - ft * plane, h = rest / g.width, w = rest - h * g.width;
+  const int64_t index = ((b * out_t + ft + g.pad_t0) * out_h + h + g.pad_h0) * out_w + w + g.pad_w0;
+  const bool repeated = (ft == 0 && g.pad_t0 > 0) || (ft == g.frames - 1 && g.pad_t1 > 0);
+  const bool reflected = g.reflect_hw != 0 && (reflected_copy(1, h, g.height, g.pad_h0, g.pad_h1, true) >= 0 ||
+                                       reflected_copy(2, h, g.height, g.pad_h0, g.pad_h1, true) >= 0 ||
+                                       reflected_copy(1, w, g.width, g.pad_w0, g.pad_w1, true) >= 0 ||
+                                       reflected_copy(2, w, g.width, g.pad_w0, g.pad_w1, true) >= 0);
+  return repeated || reflected ? ~index : index;
+}
+
+// The staging tile: [position][chunk] words of T (rows of chunk * sizeof(T) bytes, 16-byte granules of channels), the
+// granules of row p permuted by p's vector (XOR), so that the threads of a warp storing one channel of their vectors'
+// positions hit distinct banks, and a 16-byte read of a row's granule is one LDS.128.
+template <typename T, int kVec>
+__device__ __forceinline__ unsigned staged(unsigned stage, int row_bytes, int granules, int p, int c) {
+  constexpr int kOut = 16 / sizeof(T);  // channels a granule
+  const int swizzle = (p / kVec) & (granules - 1);
+  return stage + static_cast<unsigned>(p * row_bytes + (((c / kOut) ^ swizzle) << 4) + (c % kOut) * sizeof(T));
+}
+
+// per_channel_rmsnorm_fused_kernel's norm (and SiLU), its statistics the same code, its output written as the padded
+// input of the causal convolution that reads it next (ltx_causal_conv's buffer, ops/ltx_norm_conv.py): out
+// [batch, Tp, Hp, Wp, channels] memory (channels_last_3d of [batch, channels, Tp, Hp, Wp]), each value at every padded
+// position whose source it is (`for_each_copy`; with g.reflect_hw F.pad's reflected rows and columns, else no spatial
+// border: pads 0, the convolution pads). The values are the fused kernel's (the same operations in the same order),
+// only where they are stored differs. After the statistics, the scratch becomes a staging tile: the tile's channels
+// go through it in chunks, read as the fused kernel's tail reads them (16-byte vectors along the positions, x's unit
+// stride, kPadTailChannels loads in flight a thread), stored as words [position][channel], then written along the
+// channels (out's unit stride) in 16-byte vectors where the channels and out allow, else one element a thread. Each
+// tile position's padded index is computed once (the table: no division per element); the positions with more than
+// one copy (the first and last frames, the reflected rows and columns) write the same vector to each.
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+    per_channel_rmsnorm_pad_cl_kernel(PerChannelRmsNormArgs a, NormPadArgs g, int32_t rows, int32_t ctas,
+                                      float factor) {
+  using L = typename Lanes<T, kVector>::type;
+  using W = typename Word<sizeof(T)>::type;
+  constexpr int kVec = LaneCount<T, kVector>::value;
+  constexpr int kOut = 16 / sizeof(T);  // channels a 16-byte store
+  // the statistics' scratch (then the staging tile), then the tile's table of padded positions (8 bytes each)
+  __shared__ __align__(16) float scratch[kSharedFloats + 2 * kMaxTilePositions];
+  // Its shared-window address from the generic one in inline PTX: nvcc and NVRTC lower shared_address's conversion
+  // differently (a 32-bit move against a 64-bit one and a truncation), which renumbered this kernel's registers and
+  // gave ptxas other choices; both pass the same generic address into this asm.
+  unsigned base;
+  asm volatile("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
+               : "=r"(base)
+               : "l"(reinterpret_cast<unsigned long long>(scratch)));
+  const unsigned table = base + 4u * kSharedFloats;
+  const FusedTile t = fused_tile<kVec>(a, rows, ctas);
+  const int threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int p = tid; p < t.positions; p += threads) {  // (read after the barriers below)
+    shared_store(table + 8u * p, static_cast<unsigned long long>(only_copy(g, t.b, t.s0 + p)));
+  }
+  const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0 + t.p0;
+  fused_statistics<T, kVector>(a, t, x, base, rows, ctas, factor);
+  __syncthreads();
+  float r[kVec] = {};
+  if (t.active) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) shared_load(entry(base + 4u * (t.p0 + i), t.stride, t.r_entry), r[i]);
+  }
+  __syncthreads();  // (the scratch becomes the staging tile)
+
+  // 3. the tail, `chunk` channels at a time (a power of two, at least one granule)
+  const int tile = blockDim.x * kVec;
+  int chunk = kMaxChunk;
+  while (chunk > kOut && (tile * chunk * static_cast<int>(sizeof(T)) > 4 * kSharedFloats || chunk / 2 >= a.channels)) {
+    chunk >>= 1;
+  }
+  const int row_bytes = chunk * sizeof(T), granules = row_bytes / 16;
+  const bool vector_out = a.channels % kOut == 0 && reinterpret_cast<unsigned long long>(a.out) % 16 == 0;
+  const int unit_shift = __ffs(vector_out ? granules : chunk) - 1;  // log2 of the stores a row
+  T* out = static_cast<T*>(a.out);
+  for (int64_t c0 = 0; c0 < a.channels; c0 += chunk) {  // (bounds uniform over the block: __syncthreads is safe)
+    const int count = a.channels - c0 < chunk ? static_cast<int>(a.channels - c0) : chunk;
+    if (t.active) {  // read along the positions
+      for (int c1 = threadIdx.y; c1 < count; c1 += kPadTailChannels * blockDim.y) {
+        L v[kPadTailChannels];
+#pragma unroll
+        for (int k = 0; k < kPadTailChannels; ++k) {
+          const int c = c1 + k * blockDim.y;
+          if (c < count) v[k] = load_lanes<T, kVector>(x + (c0 + c) * a.x_channel_stride);
+        }
+#pragma unroll
+        for (int k = 0; k < kPadTailChannels; ++k) {
+          const int c = c1 + k * blockDim.y;
+          if (c < count) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) {
+              float y = __fdiv_rn(Storage<T>::load(v[k].v[i]), r[i]);
+              if (a.silu) y = silu(round_to<T>(y));
+              shared_store(staged<T, kVec>(base, row_bytes, granules, t.p0 + i, c), bits_of(Storage<T>::store(y)));
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // written along the channels: store u of position p holds granule u (vector_out) or channel u of the chunk
+    for (int e = tid; e < (t.positions << unit_shift); e += threads) {
+      const int p = e >> unit_shift, u = e & ((1 << unit_shift) - 1);
+      if (u * (vector_out ? kOut : 1) >= count) continue;
+      unsigned long long index;
+      shared_load(table + 8u * p, index);
+      T* dst = out + c0;
+      if (vector_out) {
+        uint4 v;
+        shared_load(staged<T, kVec>(base, row_bytes, granules, p, u * kOut), v);
+        dst += u * kOut;
+        if (static_cast<long long>(index) >= 0) {
+          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(index) * a.channels) = v;
+        } else {
+          for_each_copy(g, t.b, t.s0 + p, [&](int64_t i) { *reinterpret_cast<uint4*>(dst + i * a.channels) = v; });
+        }
+      } else {
+        W v;
+        shared_load(staged<T, kVec>(base, row_bytes, granules, p, u), v);
+        dst += u;
+        if (static_cast<long long>(index) >= 0) {
+          *reinterpret_cast<W*>(dst + static_cast<int64_t>(index) * a.channels) = v;
+        } else {
+          for_each_copy(g, t.b, t.s0 + p, [&](int64_t i) { *reinterpret_cast<W*>(dst + i * a.channels) = v; });
+        }
+      }
+    }
+    __syncthreads();  // (the staging tile is refilled by the next chunk)
   }
 }
 
@@ -404,11 +623,41 @@ cudaError_t launch_fused(const PerChannelRmsNormArgs& a, int32_t rows, int32_t c
   }
   return cudaGetLastError();
 }
+
+// The pad kernel's launch: the fused kernel's shape (its statistics are the same), vectors or elements as it chooses
+// them (x's sizes, strides and pointer; the kernel picks its stores' width from the channels and out's pointer).
+template <typename T>
+cudaError_t launch_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, int32_t rows, int32_t ctas,
+                          float factor, cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  const bool vector =
+      a.spatial % kVec == 0 && a.x_channel_stride % kVec == 0 && a.x_batch_stride % kVec == 0 && aligned(a.x);
+  FusedShape shape;
+  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || a.probe != 0 ||
+      g.frames * g.height * g.width != a.spatial ||
+      !fused_shape(a.batch, a.spatial, rows, ctas, vector ? kVec : 1, num_sms(), shape)) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
+  if (vector) {
+    per_channel_rmsnorm_pad_cl_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+  } else {
+    per_channel_rmsnorm_pad_cl_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+  }
+  return cudaGetLastError();
+}
 #endif  // __CUDACC_RTC__
 
 }  // namespace
 
 #ifndef __CUDACC_RTC__
+// (declared in fastpath.h)
+cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
+                                              int32_t ctas, float factor, cudaStream_t stream) {
+  return dispatch_storage_or_float(
+      args.dtype, [&](auto tag) { return launch_pad_cl<decltype(tag)>(args, pad, rows, ctas, factor, stream); });
+}
+
 cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream) {
   return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch<decltype(tag)>(args, stream); });
 }

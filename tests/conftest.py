@@ -268,6 +268,16 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
     monkeypatch.setattr(ltx_norm.LTX_VAE_RMSNORM_SILU, "prove", None)
     monkeypatch.setattr(ltx_norm, "_launch", ltx_norm.launch_arithmetic)
+    # LTX-2's VAE norm -> SiLU -> causal convolution: its own code, the mean's order taken as a GPU's (a CPU has
+    # none), the pad kernel's launch its arithmetic with the CPU's own mean (as the norm's emulation below: aten's
+    # order on the device that runs it), the convolution causal_conv_cl's as emulated above; its proofs (the sqrt and
+    # the SiLU on every value) run the CUDA kernel's probe modes
+    norm_conv = sys.modules["diffusers_fastpath.ops.ltx_norm_conv"]
+    monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "guard", _as_if_on_cuda(norm_conv.LTX_NORM_CONV.guard))
+    monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "prove", None)
+    monkeypatch.setattr(norm_conv, "_mean_order", lambda x: norm_conv._norm.MeanOrder(1, 1, 1.0 / x.shape[1]))
+    monkeypatch.setattr(norm_conv, "_launch", lambda x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw: (
+        norm_conv.norm_pad_arithmetic(x, torch.mean(x**2, dim=1), eps, silu, dims, padding, reflect_hw)))
     # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
     # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
     # its proofs (the sqrt and the SiLU on every value) run the CUDA kernel's probe modes

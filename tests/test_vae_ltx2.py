@@ -1,12 +1,15 @@
 """The LTX-2 VAE adapter (models/vae_ltx2.py): tiny bf16 ``AutoencoderKLLTX2Video`` (the published block structure,
 8 channels; its timestep-conditioned decoder too), decode and encode patched == unpatched (``torch.equal``) with
 every site on its fast path (on CPU under the emulated kernels), also tiled, sliced, non-causal (and modulated) and in fp32; unpatch
-and state dicts, hooks on a paired norm, a replaced ``PerChannelRMSNorm.forward``. The op's own tests are in
-test_per_channel_rmsnorm.py; the full-size decode on the GPU at the end."""
+and state dicts, hooks on a paired norm, a replaced ``PerChannelRMSNorm.forward``; the norm -> SiLU -> convolution
+chains (`ltx_norm_conv`, models/vae_ltx2_chain.py): the statements joined, one site per joined convolution, their
+refusals exact (hooks, a dropout in training mode or replaced, a kernel one bit off). The norm op's own tests are in
+test_per_channel_rmsnorm.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections import Counter
 
 import pytest
@@ -16,11 +19,12 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2 import LTX2VideoResnetBlo
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.bench.levels.vae import VAE_MODELS
-from diffusers_fastpath.models import vae_ltx2
+from diffusers_fastpath.models import vae_ltx2, vae_ltx2_chain
 from diffusers_fastpath.models.vae_ltx2_norm import FastpathPerChannelRMSNorm
 from diffusers_fastpath.testing._common import randomize_
 from diffusers_fastpath.testing.checks import ltx_vae_sites, state_dict_round_trip
 
+norm_conv = importlib.import_module("diffusers_fastpath.ops.ltx_norm_conv")  # (the package binds the op's name)
 _TINY = VAE_MODELS["ltx2-tiny"][1]  # (the bench's: the published structure and compression, 8 channels)
 CONFIGS = {"published": _TINY, "conditioned": {**_TINY, "timestep_conditioning": True, "decoder_causal": False}}
 
@@ -68,9 +72,12 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(emulated_
     unpatch_after(fp.patch(vae))
     ops = Counter(r.op for r in fp.report(vae).sites)
     assert ops["per_channel_rmsnorm_silu"] == norms and ops["ltx_causal_conv3d"] == convs and ops["conv_bias"], ops
+    assert ops["ltx_norm_conv"] == norms, ops  # (every norm's pair is joined with the convolution after it)
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in ltx_vae_sites(fp.report(vae))), str(fp.report(vae))
+    chains = [r for r in fp.report(vae).sites if r.op == "ltx_norm_conv"]
+    assert all(r.fast == 1 and r.fallback == 0 for r in chains), str(fp.report(vae))
 
 
 @torch.no_grad()
@@ -104,6 +111,7 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in ltx_vae_sites(fp.report(vae))), str(fp.report(vae))
+    assert all(r.fast > 1 for r in fp.report(vae).sites if r.op == "ltx_norm_conv"), str(fp.report(vae))
 
 
 @torch.no_grad()
@@ -126,6 +134,7 @@ def test_unpatch_restores_classes_and_state_dict():
     assert type(vae.decoder.up_blocks[0].resnets[0]) is LTX2VideoResnetBlock3d
     assert all(type(m).__module__.startswith("diffusers.") or type(m).__module__.startswith("torch.")
                for m in vae.modules())
+    assert not any(k.startswith("_fastpath") for m in vae.modules() for k in m.__dict__)
 
 
 @torch.no_grad()
@@ -175,6 +184,114 @@ def test_a_replaced_norm_forward_is_left_unpatched(monkeypatch, emulated_kernels
     assert "PerChannelRMSNorm.forward is not the form" in fastpath_log.text
 
 
+# --- the norm -> SiLU -> convolution chains -------------------------------------------------------------------------
+
+
+def test_the_resnet_and_decoder_forwards_join_each_pair_with_its_convolution():
+    """The rewritten forwards: the resnet's two pairs joined with ``conv1`` and (past the identity ``dropout``)
+    ``conv2``, each on the branch without the timestep modulate; ``norm_out -> conv_act`` with ``conv_out``; the
+    modulated branches keep the statements as written."""
+    resnet, encoder, decoder = (block.current() for block in vae_ltx2.BLOCKS)
+    assert vae_ltx2_chain._joined_convs(resnet.forward) == ("conv1", "conv2")
+    assert vae_ltx2_chain._joined_convs(encoder.forward) == ("conv_out",)
+    assert vae_ltx2_chain._joined_convs(decoder.forward) == ("conv_out",)
+    import inspect
+
+    source = inspect.getsource(resnet.forward)
+    assert "norm_act_conv(self, 'norm2', 'nonlinearity', ('dropout',), 'conv2', hidden_states, causal=causal)" in source
+    assert source.count("self.conv1(hidden_states, causal=causal)") == 1  # (the modulated branch's, as written)
+
+
+def _chain_site(vae, conv):
+    return conv.__dict__[f"_fastpath_site_{norm_conv.LTX_NORM_CONV.name}"]
+
+
+@torch.no_grad()
+def test_chain_refusals_run_the_statements_as_written(emulated_kernels, unpatch_after):
+    """A hook on a joined convolution (it sees the SiLU's result), a dropout in training mode, a dropout replaced by
+    another module: that chain runs the pair, the module between and the convolution's call, counted with the
+    reason; patched == unpatched; the other chains stay fast."""
+    vae = _build()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    resnet = vae.decoder.mid_block.resnets[0]
+    seen = []
+    handle = resnet.conv1.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].shape),
+                                                    with_kwargs=True)
+    resnet.dropout.train()
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+        resnet.dropout.eval()
+    assert len(seen) == 1
+    assert dict(_chain_site(vae, resnet.conv1).fallback) == {"FastpathLTX2VideoCausalConv3d has hooks": 1}
+    assert dict(_chain_site(vae, resnet.conv2).fallback) == {"dropout in training mode": 1}
+    assert resnet.norm1._fastpath_site_per_channel_rmsnorm_silu.fast == 1  # (the pair's own site, as written)
+    dropout = resnet.dropout
+    resnet.dropout = torch.nn.Identity()
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        resnet.dropout = dropout
+    assert _chain_site(vae, resnet.conv2).fallback["Identity between the SiLU and the convolution"] == 1
+    others = [r for r in fp.report(vae).sites if r.op == "ltx_norm_conv" and r.site.startswith("decoder.")
+              and ".mid_block.resnets.0." not in r.site]
+    assert others and all(r.fallback == 0 and r.fast == 2 for r in others), str(fp.report(vae))
+
+
+@torch.no_grad()
+def test_a_pad_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emulated_kernels, fastpath_log):
+    """One value of the pad kernel's buffer off: the first call of the signature compares with eager, returns eager's result
+    and disables the op (one warning); the decode is still unpatched's, through the pairs and convolutions."""
+    exact = norm_conv._launch
+
+    def off(*args):
+        out = exact(*args)
+        out.view(torch.int16).permute(0, 2, 3, 4, 1).reshape(-1)[5] += 0x100  # (its exponent: the value x 4)
+        return out
+
+    monkeypatch.setattr(norm_conv, "_launch", off)
+    monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "disabled", None)
+    monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "verified", set())
+    vae = _build()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+        assert "not bit-exact" in norm_conv.LTX_NORM_CONV.disabled
+        chains = [r for r in fp.report(vae).sites if r.op == "ltx_norm_conv"]
+        assert chains and all(r.fast == 0 for r in chains)
+        # (every chain ran its statements as written, the checked one too: the pairs' own sites)
+        pairs = [r for r in fp.report(vae).sites if r.op == "per_channel_rmsnorm_silu" and r.site[:8] == "decoder."]
+        assert pairs and all(r.fast == 1 for r in pairs), str(fp.report(vae))
+    finally:
+        fp.unpatch(vae)
+    assert sum("disabling the fused op 'ltx_norm_conv'" in r.getMessage() for r in fastpath_log.records) == 1
+
+
+@torch.no_grad()
+def test_the_guard_refuses_what_the_pad_kernel_does_not_take():
+    """fp32 (the convolution's channels-first path), an activation other than nn.SiLU, a causal that is no bool, a
+    CPU tensor (aten's mean has no order to reproduce there): refused with the reason, never raised."""
+    vae = _build()
+    fp.patch(vae)
+    try:
+        resnet = vae.decoder.mid_block.resnets[0]
+        x = torch.randn(1, resnet.conv1.in_channels, 3, 4, 4, dtype=torch.bfloat16)
+        guard = norm_conv.LTX_NORM_CONV.guard
+        assert guard(resnet.norm1, torch.nn.GELU(), resnet.conv1, x, False) == "GELU is not nn.SiLU"
+        assert guard(resnet.norm1, resnet.nonlinearity, resnet.conv1, x, 1) == "causal not a bool"
+        assert guard(resnet.norm1, resnet.nonlinearity, resnet.conv1, x, False).startswith("aten's mean")
+        vae.float()
+        assert guard(resnet.norm1, resnet.nonlinearity, resnet.conv1, x.float(),
+                     False) == "the convolution's channels-first path"
+    finally:
+        fp.unpatch(vae)
+
+
 # --- GPU: the full-size LTX-2 VAE ----------------------------------------------------------------------------------
 
 
@@ -198,3 +315,74 @@ def test_ltx2_vae_decode_md5_identical_every_site_fast(unpatch_after):
     assert _md5(vae.decode(z).sample) == ref
     report = fp.report(vae)
     assert all(r.fallback == 0 for r in report.sites) and sum(r.fast for r in report.sites) > 0, str(report)
+
+
+
+# The chain at the LTX-2 decoder's shapes (768x512x121, latents [1, 128, 16, 16, 24]: the mid block at 1024 channels,
+# the up blocks at 512, 256, 128 and norm_out -> conv_out 128 -> 48), reflected and non-causal as the decoder runs it;
+# and the encoder's form (zero spatial padding, causal) at two of its shapes.
+CHAIN_SHAPES = [((1, 1024, 16, 16, 24), 1024, "reflect", False), ((1, 512, 31, 32, 48), 512, "reflect", False),
+                ((1, 256, 61, 64, 96), 256, "reflect", False), ((1, 128, 121, 128, 192), 48, "reflect", False),
+                ((1, 256, 61, 64, 96), 256, "zeros", True), ((1, 1024, 16, 16, 24), 1024, "zeros", True)]
+
+
+# Odd geometry: one frame (the first frame is the last), rows and columns of 2 (each reflected copy at both ends),
+# channels not a multiple of the staging chunk, widths of no vector, two batches; and x with its first frame sliced
+# off (channels apart), as the upsamplers leave it.
+ODD_CHAIN_SHAPES = [((1, 40, 1, 3, 5), 40, "reflect", False), ((2, 24, 3, 2, 7), 16, "reflect", False),
+                    ((1, 72, 2, 2, 2), 8, "reflect", True), ((2, 24, 3, 5, 16), 24, "zeros", True),
+                    ((1, 48, 5, 6, 8), 48, "reflect", False, "sliced")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ODD_CHAIN_SHAPES, ids=str)
+@torch.no_grad()
+def test_chain_equals_eager_at_odd_shapes(case, dtype):
+    """The pad kernel's borders and tails: as `test_chain_equals_eager_at_ltx2_decoder_shapes`, at `ODD_CHAIN_SHAPES`."""
+    test_chain_equals_eager_at_ltx2_decoder_shapes(*case[:4], dtype, *case[4:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,out_channels,mode,causal", CHAIN_SHAPES, ids=str)
+@torch.no_grad()
+def test_chain_equals_eager_at_ltx2_decoder_shapes(shape, out_channels, mode, causal, dtype, layout="contiguous"):
+    """`ltx_norm_conv` (its pad kernel, proofs and first-call check included) against diffusers' modules called as
+    the block calls them, bit for bit (`tensors_equal`: NaN included), the allocator's blocks poisoned with NaN first;
+    fresh random inputs with all-zero positions and means near eps. In fp16 eager's own result is NaN around the
+    all-zero positions: eps (1e-8) added in fp32 and rounded to fp16 is 0 (below half the least subnormal), so r = 0
+    and 0 / 0 = NaN, which the convolution spreads to its neighbours (the inputs are far from overflow: |x| < 12, the
+    fp32 chain's outputs below 3 at these scales); the kernel must give the same words there, and the rest is finite."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2 import LTX2VideoCausalConv3d
+
+    from diffusers_fastpath.models.vae_ltx2_norm import norm_fits
+    from diffusers_fastpath.models.vae_ltx_conv import CONV_DIGESTS
+    from diffusers_fastpath.models.vae import checked_forwards
+    from diffusers_fastpath.ops.ltx_causal_conv import add_conv_class
+    from diffusers_fastpath.ops import Site
+    from diffusers_fastpath.ops._policy import tensors_equal
+
+    norm_fits()
+    checked_forwards([LTX2VideoCausalConv3d], CONV_DIGESTS, register=add_conv_class)
+    gen = torch.Generator().manual_seed(sum(shape) + out_channels)
+    conv = LTX2VideoCausalConv3d(shape[1], out_channels, 3, spatial_padding_mode=mode)
+    conv = randomize_(conv, int(gen.initial_seed()) % 1000).to("cuda", dtype).eval()
+    norm, act = PerChannelRMSNorm(), torch.nn.SiLU()
+    full = (shape[0], shape[1], shape[2] + (layout == "sliced"), *shape[3:])
+    x = (torch.randn(full, generator=gen) * 3).to("cuda", dtype)
+    x = x[:, :, 1:] if layout == "sliced" else x
+    if dtype is torch.bfloat16 or min(shape[3:]) > 2:  # (fp16: the NaN below would cover a 2x2 frame whole)
+        x[:, :, 0, 0, :5] = 0  # (sqrt of eps)
+    x[:, :, 0, 1, :7] *= 1e-4
+    ref = conv(act(norm(x)), causal=causal)
+    padded = shape[0] * shape[1] * (shape[2] + 2) * (shape[3] + 2) * (shape[4] + 2)
+    torch.full((2 * padded,), float("nan"), dtype=dtype, device="cuda")  # (freed: the next blocks hold NaN)
+    torch.cuda.synchronize()
+    site = Site(norm_conv.LTX_NORM_CONV.name)
+    out = norm_conv.LTX_NORM_CONV(site, norm, act, conv, x, causal)
+    assert site.fast == 1, (dict(site.fallback), norm_conv.LTX_NORM_CONV.disabled)
+    assert out.stride() == ref.stride() and tensors_equal(out, ref)  # (the same bits: a NaN that eager gives too)
+    assert ref.isfinite().any()

@@ -133,6 +133,11 @@ class PairCalls:
         """The norm's call as the paired statement wrote it."""
         return norm(x.movedim(1, -1)).movedim(-1, 1) if self.moved else norm(x)
 
+    def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """A further rewrite of a forward's statements after its pairs were made (`rewrite_pairs`): none here; a
+        subclass fuses what follows a pair (LTX-2's: the convolution, `vae_ltx2_chain`)."""
+        return body
+
 
 _PairCalls = PairCalls(_NS, PAIR_SITE, pair_unfit, group_norm_silu)
 
@@ -238,6 +243,18 @@ def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
     return True
 
 
+def rewrite_nested(stmt: ast.stmt, body) -> ast.stmt:
+    """`stmt` with each statement list nested in it (an ``if``'s, a loop's, a ``with``'s, a ``try``'s and its
+    handlers') replaced by ``body(list)``: a statement rewrite's recursion."""
+    for field in ("body", "orelse", "finalbody"):
+        inner = getattr(stmt, field, None)
+        if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+            setattr(stmt, field, body(inner))
+    for handler in getattr(stmt, "handlers", ()) or ():
+        handler.body = body(handler.body)
+    return stmt
+
+
 class _Pairs:
     def __init__(self, activations: tuple[str, ...], ns: str = _NS, moved: bool = False) -> None:
         self.activations, self.ns, self.moved = activations, ns, moved
@@ -268,13 +285,7 @@ class _Pairs:
         return out
 
     def stmt(self, stmt: ast.stmt) -> ast.stmt:
-        for field in ("body", "orelse", "finalbody"):
-            inner = getattr(stmt, field, None)
-            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
-                setattr(stmt, field, self.body(inner))
-        for handler in getattr(stmt, "handlers", ()) or ():
-            handler.body = self.body(handler.body)
-        return stmt
+        return rewrite_nested(stmt, self.body)
 
     def _add(self, norm: str, act: str) -> None:
         if (norm, act) not in self.found:
@@ -299,6 +310,7 @@ def rewrite_pairs(fn, qualname: str, activations: tuple[str, ...], calls: PairCa
     func.body = pairs.body(copy.deepcopy(func.body))
     if not pairs.found:
         return None
+    func.body = calls.rewrite_body(func.body)
     ast.fix_missing_locations(tree)
     text = ast.unparse(tree) + "\n"
     filename = f"<diffusers_fastpath: {qualname}, rewritten from {inspect.getsourcefile(fn)}>"

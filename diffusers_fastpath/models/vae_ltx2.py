@@ -30,9 +30,10 @@ from diffusers.models.autoencoders import autoencoder_kl_ltx2 as ltx2
 
 from .._state import PatchState, register_adapter
 from ..ops.per_channel_rmsnorm import PER_CHANNEL_RMSNORM, PER_CHANNEL_RMSNORM_SILU, per_channel_rmsnorm_silu
-from .vae import PairBlock, PairCalls, silu_pair_unfit, swap_norms
+from .vae import PairBlock, silu_pair_unfit, swap_norms
 from .vae_conv import swap_convs
-from .vae_ltx_conv import swap_ltx_causal_convs
+from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
+from .vae_ltx_conv import FastpathLTX2VideoCausalConv3d, swap_ltx_causal_convs
 from .vae_ltx2_norm import FastpathPerChannelRMSNorm, norm_fits
 
 PAIR_SITE = PER_CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module
@@ -40,7 +41,8 @@ PAIR_SITE = PER_CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module
 
 # (per_channel_rmsnorm_silu's)
 pair_unfit = silu_pair_unfit(lambda norm: type(norm) is ltx2.PerChannelRMSNorm, "a checked PerChannelRMSNorm")
-PAIRS = PairCalls("_diffusers_fastpath_vae_ltx2", PAIR_SITE, pair_unfit, per_channel_rmsnorm_silu)
+# (the pairs, each joined with the causal convolution after it where the forward's form allows: `vae_ltx2_chain`)
+PAIRS = ChainPairCalls("_diffusers_fastpath_vae_ltx2", PAIR_SITE, pair_unfit, per_channel_rmsnorm_silu)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = tuple(
@@ -53,7 +55,11 @@ BLOCKS = tuple(
 @register_adapter(ltx2.AutoencoderKLLTX2Video)
 def patch_ltx2_vae(model, state: PatchState) -> None:
     """Fuse the norms (and their SiLUs), the causal convolutions' padding and the bias adds (see module doc)."""
-    if norm_fits():
+    fits = norm_fits()
+    if fits:
         swap_norms(model, state, BLOCKS, {ltx2.PerChannelRMSNorm: FastpathPerChannelRMSNorm}, PER_CHANNEL_RMSNORM.name)
     swap_ltx_causal_convs(model, state)
     swap_convs(model, state)
+    if fits:  # (the joined norm -> SiLU -> convolution calls: a site on each convolution one names)
+        add_chain_sites(model, state, {block.sub: PAIRS for block in BLOCKS if block.sub is not None},
+                        lambda conv: type(conv) is FastpathLTX2VideoCausalConv3d)

@@ -16,6 +16,7 @@ from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_
 from .linear_cat import linear_cat, linear_cat_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
+from .ltx_norm_conv import ltx_norm_conv, ltx_norm_conv_ref
 from .ltx_vae_rmsnorm import ltx_rmsnorm, ltx_rmsnorm_ref, ltx_vae_rmsnorm_silu, ltx_vae_rmsnorm_silu_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .per_channel_rmsnorm import (per_channel_rmsnorm, per_channel_rmsnorm_ref, per_channel_rmsnorm_silu,
@@ -93,6 +94,8 @@ __all__ = [
     "linear_gelu_ref",
     "ltx_causal_conv3d",
     "ltx_causal_conv3d_ref",
+    "ltx_norm_conv",
+    "ltx_norm_conv_ref",
     "ltx_rmsnorm",
     "ltx_rmsnorm_ref",
     "ltx_vae_rmsnorm_silu",

@@ -33,10 +33,24 @@ def assert_vae_decoded_once_fast(report) -> None:
 
 def ltx_vae_sites(report) -> list:
     """`report`'s sites (an LTX VAE's), less the ``conv_bias`` site of each causal convolution's ``.conv`` whose
-    ``ltx_causal_conv3d`` ran fast and which fell back nowhere: the channels-last path adds the bias itself, so that
-    site counts only the calls of the first-call checks (the module's forward) and of the channels-first path."""
-    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast}
-    return [r for r in report.sites if not (r.op == "conv_bias" and r.site.rsplit(".", 1)[0] in fast and not r.fallback)]
+    ``ltx_causal_conv3d`` (or LTX-2's ``ltx_norm_conv``) ran fast and which fell back nowhere: the channels-last path
+    adds the bias itself, so that site counts only the calls of the first-call checks (the module's forward) and of
+    the channels-first path; and less the sites that a fast ``ltx_norm_conv`` stands for and that never ran: its
+    convolution's ``ltx_causal_conv3d``, the norm -> SiLU pair of its block."""
+    chain = {r.site.split(":")[0] for r in report.sites if r.op == "ltx_norm_conv" and r.fast}
+    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast} | chain
+    blocks = {path.rsplit(".", 1)[0] for path in chain}
+
+    def left_out(r) -> bool:
+        path = r.site.split(":")[0]
+        if r.fallback:
+            return False
+        if r.op == "conv_bias":
+            return path.rsplit(".", 1)[0] in fast
+        return not r.fast and (r.op == "ltx_causal_conv3d" and path in chain
+                               or r.op == "per_channel_rmsnorm_silu" and path.rsplit(".", 1)[0] in blocks)
+
+    return [r for r in report.sites if not left_out(r)]
 
 
 def site_ok(site, calls: dict, forwards: int = 1, refused: dict[str, str] | None = None) -> bool:

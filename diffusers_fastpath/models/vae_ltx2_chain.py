@@ -1,0 +1,213 @@
+"""LTX-2's VAE: the norm -> SiLU pair and the causal convolution that reads it, as one call
+(`diffusers_fastpath.ops.ltx_norm_conv`: the norm written straight into the convolution's padded channels-last input).
+
+The pair rewrite of `diffusers_fastpath.models.vae` turns each ``V = self.<norm>(V)`` ... ``V = self.<act>(V)`` of a
+block's forward into ``V = <ns>.norm_act(self, "<norm>", "<act>", V)``. `ChainPairCalls.rewrite_body` then joins that
+statement with the convolution after it: a statement ``V = self.<conv>(V, causal=<expr>)`` (the form of every
+``LTX2VideoCausalConv3d`` call in these forwards; a module call without the keyword is not taken for one) whose
+predecessors are, going back, any ``V = self.<m>(V)`` statements (the resnets' ``dropout``) and then the pair
+statement, becomes ``V = <ns>.norm_act_conv(self, "<norm>", "<act>", ("<m>", ...), "<conv>", V, causal=<expr>)``. Where
+the pair ends a branch of an ``if`` (the resnets' ``if self.scale_shift_table is not None:`` modulate, which the pair
+rewrite split into a branch with the modulate and one with the pair; the decoder's timestep modulate), the statements
+after the ``if`` up to the convolution move to the end of each of its branches first (the same statements in the same
+order on every path: only where no branch leaves early, no ``return``, ``raise``, ``break`` or ``continue`` in it) and
+join on the branch that ends in the pair.
+
+Why nothing else reads what the joined call skips: each statement is ``V = f(V)``, so the value it leaves is read by
+the next statement only, and V is bound again by the convolution's; what could see the skipped values at run time are
+the modules' hooks (and the global ones), which refuse the fused op, and a between module that is not exactly
+``nn.Dropout`` in eval mode (``F.dropout(x, p, False)`` returns x itself) refuses it too. Refused, the call runs the
+statements as written: the pair's own call (its site decides), each between module, then the convolution's module call.
+
+At run time `ChainPairCalls.norm_act_conv` takes `ltx_norm_conv` where the convolution carries its site (`CHAIN_SITE`,
+given by `add_chain_sites` at patch time to each convolution that a joined call of its block names) and the norm its
+pair site; the op's guard and per-signature check decide the rest, counted on the convolution's site.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+import inspect
+import textwrap
+
+import torch
+from torch import nn
+
+from .._state import PatchState, site_attr
+from ..ops._policy import forward_replaced, hooks_on
+from ..ops.ltx_norm_conv import LTX_NORM_CONV
+from .vae import PairCalls, rewrite_nested
+
+CHAIN_SITE = LTX_NORM_CONV.name  # the joined call's site, on the convolution module
+
+
+def _between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why a module called between the pair and the convolution is not the identity (or ``None``): exactly
+    ``nn.Dropout`` (torch's forward) in eval mode, without hooks."""
+    for name in names:
+        module = getattr(owner, name, None)
+        if type(module) is not nn.Dropout or forward_replaced(module):
+            return f"{type(module).__name__} between the SiLU and the convolution"
+        if module.training:
+            return "dropout in training mode"
+        if hooks_on(module):
+            return "hooks"
+    return None
+
+
+class ChainPairCalls(PairCalls):
+    """LTX-2's `PairCalls`, whose rewrite joins each pair with the convolution after it (the module doc)."""
+
+    def norm_act_conv(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str,
+                      x, **kwargs):
+        """``conv(<between>(act(norm(x))), **kwargs)`` for the modules of `owner` so named: `ltx_norm_conv` where the
+        convolution has its site and the pair fits, else the statements as written."""
+        conv = getattr(owner, conv_name)
+        site = conv.__dict__.get(site_attr(CHAIN_SITE))
+        if site is not None and not torch.compiler.is_compiling():
+            norm, act = getattr(owner, norm_name), getattr(owner, act_name)
+            if norm.__dict__.get(site_attr(self.site)) is None:
+                reason = "the norm is not a pair site"
+            elif kwargs.keys() - {"causal"}:
+                reason = "arguments"
+            else:
+                reason = _between_reason(owner, between)
+            if reason is None:
+                causal = kwargs.get("causal", True)
+                # (diffusers' forward tests ``if causal:``: a None is non-causal, as FastpathLTX2VideoCausalConv3d
+                # maps it)
+                out = LTX_NORM_CONV.try_fast(site, norm, act, conv, x, False if causal is None else causal)
+                if out is not None:
+                    return out
+            else:
+                site.fallback[reason] += 1
+        value = self.norm_act(owner, norm_name, act_name, x)
+        for name in between:
+            value = getattr(owner, name)(value)
+        return conv(value, **kwargs)
+
+    def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        return _Chains(self.ns).body(body)
+
+
+def _self_call(stmt: ast.stmt, keywords: tuple[str, ...] = ()):
+    """``(V, X, keywords)`` for ``V = self.X(V, k=...)`` with one positional argument and keywords among `keywords`."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call, var = stmt.value, stmt.targets[0].id
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Name)
+            and call.args[0].id == var and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+            and all(k.arg in keywords for k in call.keywords)):
+        return None
+    return var, call.func.attr, call.keywords
+
+
+def _pair_call(stmt: ast.stmt, ns: str):
+    """``(V, norm, act)`` for the pair statement ``V = <ns>.norm_act(self, "<norm>", "<act>", V)``."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "norm_act"
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == ns and len(call.args) == 4
+            and not call.keywords):
+        return None
+    owner, norm, act, var = call.args
+    if (isinstance(owner, ast.Name) and owner.id == "self" and isinstance(norm, ast.Constant)
+            and isinstance(act, ast.Constant) and isinstance(var, ast.Name) and var.id == stmt.targets[0].id):
+        return var.id, norm.value, act.value
+    return None
+
+
+def _falls_through(node: ast.If) -> bool:
+    """Whether no path through `node` leaves it early (so a statement after it runs after every branch's end)."""
+    return not any(isinstance(n, (ast.Return, ast.Raise, ast.Break, ast.Continue)) for n in ast.walk(node))
+
+
+def _ends_in_pair(body: list[ast.stmt], var: str, ns: str) -> bool:
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, ast.If):
+        return _ends_in_pair(last.body, var, ns) or _ends_in_pair(last.orelse, var, ns)
+    pair = _pair_call(last, ns)
+    return pair is not None and pair[0] == var
+
+
+class _Chains:
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+
+    def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        for stmt in body:
+            conv = _self_call(stmt, ("causal",))
+            if conv is not None and conv[2] and self._join(out, stmt, conv):  # (the causal= call: a convolution's)
+                continue
+            out.append(rewrite_nested(stmt, self.body))
+        return out
+
+    def _join(self, out: list[ast.stmt], stmt: ast.stmt, conv) -> bool:
+        """Join `stmt` (the convolution's call) with the pair before it in `out` (in place); False where none."""
+        var, conv_name, keywords = conv
+        k = len(out)
+        between: list[str] = []
+        while k > 0:
+            call = _self_call(out[k - 1])
+            if call is None or call[0] != var or call[2]:
+                break
+            between.insert(0, call[1])
+            k -= 1
+        if k == 0:
+            return False
+        prev = out[k - 1]
+        pair = _pair_call(prev, self.ns)
+        if pair is not None and pair[0] == var:
+            out[k - 1:] = [self._joined(var, pair[1], pair[2], tuple(between), conv_name, keywords)]
+            return True
+        if isinstance(prev, ast.If) and _falls_through(prev) and _ends_in_pair([prev], var, self.ns):
+            moved = [*out[k:], stmt]
+            for branch in ("body", "orelse"):
+                setattr(prev, branch, self.body([*getattr(prev, branch), *copy.deepcopy(moved)]))
+            del out[k:]
+            return True
+        return False
+
+    def _joined(self, var: str, norm: str, act: str, between: tuple[str, ...], conv: str, keywords) -> ast.stmt:
+        call = ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr="norm_act_conv", ctx=ast.Load()),
+                        args=[ast.Name("self", ast.Load()), ast.Constant(norm), ast.Constant(act),
+                              ast.Tuple([ast.Constant(b) for b in between], ast.Load()), ast.Constant(conv),
+                              ast.Name(var, ast.Load())],
+                        keywords=copy.deepcopy(keywords))
+        return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
+
+
+@functools.lru_cache(maxsize=64)
+def _joined_convs(fn) -> tuple[str, ...]:
+    """The convolutions the joined calls of the rewritten forward `fn` name, read from its text (the rewrite's output,
+    which `rewrite_pairs` keeps in ``linecache``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    return tuple(node.args[4].value for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                 and node.func.attr == "norm_act_conv" and len(node.args) == 6
+                 and isinstance(node.args[4], ast.Constant))
+
+
+def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, ChainPairCalls], takes) -> None:
+    """Give each convolution that a joined call of a block names (the blocks whose class is a key of `blocks`: the
+    pair subclasses, each with its calls' namespace) its `CHAIN_SITE` site, where ``takes(conv)`` (a class
+    `ltx_norm_conv` takes)."""
+    for module in model.modules():
+        calls = blocks.get(type(module))
+        forward = type(module).__dict__.get("forward") if calls is not None else None
+        if forward is None:
+            continue
+        for name in dict.fromkeys(_joined_convs(forward)):
+            conv = getattr(module, name, None)
+            if isinstance(conv, nn.Module) and takes(conv) and site_attr(CHAIN_SITE) not in conv.__dict__:
+                state.add_site(conv, CHAIN_SITE, CHAIN_SITE)
