@@ -238,6 +238,8 @@ def test_a_gate_of_one_value_per_sample_is_written_as_its_row(monkeypatch, dtype
             assert torch.equal(gated_residual_ref(residual, rows, update), gated_residual_ref(residual, gate, update))
     scalar = torch.tensor(0.5, dtype=torch.bfloat16)
     assert as_batch_rows(scalar, residual) is scalar
+    trained = torch.randn(1, requires_grad=True)  # eager sums its gradient in one reduction: left as it is
+    assert as_batch_rows(trained, residual).shape == (1, 1, 1)
 
 
 @pytest.mark.gpu

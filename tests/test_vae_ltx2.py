@@ -202,6 +202,20 @@ def test_the_resnet_and_decoder_forwards_join_each_pair_with_its_convolution():
     assert source.count("self.conv1(hidden_states, causal=causal)") == 1  # (the modulated branch's, as written)
 
 
+def test_a_convolution_keyword_read_from_the_chained_value_is_not_joined():
+    """The joined call evaluates the convolution's keywords before the norm, SiLU and dropout run: a keyword that
+    reads V (or is any other expression) must keep its statement, a constant or another name may move."""
+    import ast
+
+    def convs(keyword):
+        tree = ast.parse(f"hidden_states = self.conv1(hidden_states, causal={keyword})")
+        return vae_ltx2_chain._self_call(tree.body[0], ("causal",))
+
+    assert convs("causal") is not None and convs("True") is not None
+    assert convs("hidden_states") is None
+    assert convs("bool(hidden_states.mean() > 0)") is None
+
+
 def _chain_site(vae, conv):
     return conv.__dict__[f"_fastpath_site_{norm_conv.LTX_NORM_CONV.name}"]
 

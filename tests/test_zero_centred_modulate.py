@@ -82,6 +82,7 @@ def test_krea2_zoo_model_runs_the_norm_modulates_fused_on_cuda():
     ("float32_rows", "rows not of x's dtype"),
     ("per_token_rows", "rows not [B or 1, 1, D]"),
     ("more_rows_than_x", "rows not [B or 1, 1, D]"),
+    ("one_row_odd_batch_stride", "rows strided"),
     ("python_shift", "operand not a tensor"),
     ("two_dims", "x not [B, S, D] with B <= 65535"),
     ("transposed", "x not contiguous"),
@@ -97,6 +98,9 @@ def test_guard_refuses_with_reason_and_the_fallback_is_eager(case, reason):
         scale = scale.expand(2, 5, 64)
     elif case == "more_rows_than_x":
         x = x[:1]
+    elif case == "one_row_odd_batch_stride":  # bindings_rotary.cpp refuses it (its launch would raise): so does the guard
+        x, scale = x[:1], torch.randn(1, 1, 66).to(torch.bfloat16)[..., :64]
+        shift = shift[:1]
     elif case == "python_shift":
         shift = 0.5
     elif case == "two_dims":

@@ -93,14 +93,18 @@ class ChainPairCalls(PairCalls):
 
 
 def _self_call(stmt: ast.stmt, keywords: tuple[str, ...] = ()):
-    """``(V, X, keywords)`` for ``V = self.X(V, k=...)`` with one positional argument and keywords among `keywords`."""
+    """``(V, X, keywords)`` for ``V = self.X(V, k=...)`` with one positional argument and keywords among `keywords`,
+    each a constant or a name other than V (the joined call evaluates it before the statements it stands for run:
+    only a value those statements cannot change may move there)."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
     call, var = stmt.value, stmt.targets[0].id
     if not (isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Name)
             and call.args[0].id == var and isinstance(call.func, ast.Attribute)
             and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
-            and all(k.arg in keywords for k in call.keywords)):
+            and all(k.arg in keywords and (isinstance(k.value, ast.Constant)
+                                           or (isinstance(k.value, ast.Name) and k.value.id != var))
+                    for k in call.keywords)):
         return None
     return var, call.func.attr, call.keywords
 

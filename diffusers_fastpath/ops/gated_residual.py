@@ -196,12 +196,14 @@ def as_batch_rows(gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     expression's every element and its result's shape and dtype are the same. A gate of one value per sample
     (``[1]``, ``[B or 1, 1, 1]``: Bria FIBO 2's ``self.cross_attn_gate.tanh()`` of a ``zeros(1)`` parameter) is
     written out as its ``[B or 1, 1, D]`` row (B x D elements; the kernel reads rows of D): each product is the same
-    value times the same element. Else `gate` as it is."""
+    value times the same element (not where the gate requires grad: its gradient would be summed in another order).
+    Else `gate` as it is."""
     if not (isinstance(gate, torch.Tensor) and isinstance(residual, torch.Tensor) and residual.dim() == 3):
         return gate
     if gate.dim() in (1, 2):
         gate = gate[(None,) * (3 - gate.dim())]
-    if gate.dim() == 3 and gate.shape[1:] == (1, 1) and residual.shape[-1] > 1:
+    if (gate.dim() == 3 and gate.shape[1:] == (1, 1) and residual.shape[-1] > 1
+            and not (gate.requires_grad and torch.is_grad_enabled())):
         return gate.expand(gate.shape[0], 1, residual.shape[-1]).contiguous()
     return gate
 

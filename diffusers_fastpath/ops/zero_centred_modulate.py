@@ -81,7 +81,7 @@ def _rows_reason(t, x: torch.Tensor, check_pointers: bool) -> str | None:
         return "rows not of x's dtype"  # (a float32 table: eager's modulate is a float32 one)
     if t.dim() != 3 or t.shape[1] != 1 or t.shape[2] != x.shape[2] or t.shape[0] not in (1, x.shape[0]):
         return "rows not [B or 1, 1, D]"
-    if t.stride(2) != 1 or (t.shape[0] > 1 and t.stride(0) % 4):
+    if t.stride(2) != 1 or t.stride(0) % 4:  # (bindings_rotary.cpp checks the batch stride of one row too)
         return "rows strided"
     if t.device != x.device:
         return "devices differ"
