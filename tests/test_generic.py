@@ -424,3 +424,29 @@ def test_a_mismatch_under_autograd_returns_diffusers_result_with_its_graph(emula
     (ref, ref_grad), (out, grad) = results
     assert STATE_ATTR not in model.__dict__ and "failed verification" in str(fp.report(model))
     assert torch.equal(out, ref) and grad is not None and torch.equal(grad, ref_grad)
+
+
+def test_helper_methods_are_the_forwards_self_calls_of_functions_in_order():
+    """Where a class's ``forward`` matches no pattern, the generic path tries the methods it calls (Bria FIBO 2's
+    ``FeedForward._forward_silu_gating``); submodules called as ``self.w1(x)`` are not methods, and names repeat once."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import FeedForward
+
+    from diffusers_fastpath.models.generic import helper_methods
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def _gate(self, x):
+            return torch.nn.functional.silu(x) * x
+
+        def _scale(self, x):
+            return 2 * x
+
+        def forward(self, x):
+            return self._scale(self._gate(self.proj(x))) + self._gate(x)
+
+    assert helper_methods(FeedForward) == ["_forward_silu_gating"]
+    assert helper_methods(Block) == ["_scale", "_gate"]
+    assert helper_methods(torch.nn.Linear) == []

@@ -291,7 +291,12 @@ def patch_generic(model: nn.Module, state: PatchState, name: str, verify: bool |
         classes.setdefault(cls, []).append(module)
     swaps = {}
     for cls, instances in classes.items():
-        swaps[cls] = generic_subclass(cls, "forward", block_hints(instances))
+        hints = block_hints(instances)
+        swaps[cls] = generic_subclass(cls, "forward", hints)
+        for helper in () if swaps[cls][0] is not None else helper_methods(cls):
+            swaps[cls] = generic_subclass(cls, helper, hints)  # (Bria FIBO 2's FeedForward._forward_silu_gating)
+            if swaps[cls][0] is not None:
+                break
     swap_rewritten(state, model, {c: v for c, v in swaps.items() if v[0] is not None})
     processors: dict[type, list[nn.Module]] = {}  # processor class -> the attention modules that hold one
     for module in model.modules():
@@ -341,6 +346,22 @@ def verify_again(model: nn.Module, state: PatchState, name: str, verify: bool | 
     state.notes.remove(VERIFY_SKIPPED)
     Verifier(name, state, model).install(model)
     logger.info(f"diffusers_fastpath: {name} ({type(model).__name__}): model-level verification now on")
+
+
+def helper_methods(cls: type) -> list[str]:
+    """The methods of `cls` its ``forward`` calls as ``self.NAME(...)``, in the order written: where ``forward``
+    itself matches no pattern, the chain may be in one of them (``return self.w2(self._forward_silu_gating(
+    self.w1(x), self.w3(x)))``); the rewrite of a method is the same as of ``forward`` (its own source, proven the
+    same way), and the module's hooks still run around its ``forward``."""
+    node = _parsed(cls.forward) if "forward" in _own_methods(cls) else None
+    names: list[str] = []
+    for call in ast.walk(node) if node is not None else ():
+        func = getattr(call, "func", None) if isinstance(call, ast.Call) else None
+        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+                and func.attr not in names and func.attr != "forward"
+                and inspect.isfunction(inspect.getattr_static(cls, func.attr, None))):
+            names.append(func.attr)
+    return names
 
 
 def _own_methods(cls: type) -> set[str]:
