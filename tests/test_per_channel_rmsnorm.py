@@ -331,7 +331,7 @@ def test_fused_shape_fits_the_scratch():
         partials = order.rows * order.ctas
         units = 4 * partials if partials <= 8 else partials
         assert tx * ty <= 256 and (units + (order.rows if order.ctas > 1 else 0) + 1) * tx * 8 <= 4096
-        assert tiles * tx * 8 >= 10**6 and ty == pcr._last_pow2(min(32, units))
+        assert tiles * tx * 8 >= 10**6 and ty == pcr.last_pow2(min(32, units))
     assert pcr.fused_shape(1, 8, pcr.MeanOrder(256, 16, 0.0), 8, 132) is None
 
 

@@ -293,10 +293,11 @@ def patch_generic(model: nn.Module, state: PatchState, name: str, verify: bool |
     for cls, instances in classes.items():
         hints = block_hints(instances)
         swaps[cls] = generic_subclass(cls, "forward", hints)
-        for helper in () if swaps[cls][0] is not None else helper_methods(cls):
-            swaps[cls] = generic_subclass(cls, helper, hints)  # (Bria FIBO 2's FeedForward._forward_silu_gating)
-            if swaps[cls][0] is not None:
-                break
+        if swaps[cls][0] is None:  # the chain may be in a method forward calls (Bria FIBO 2's FeedForward)
+            for helper in helper_methods(cls):
+                swaps[cls] = generic_subclass(cls, helper, hints)
+                if swaps[cls][0] is not None:
+                    break
     swap_rewritten(state, model, {c: v for c, v in swaps.items() if v[0] is not None})
     processors: dict[type, list[nn.Module]] = {}  # processor class -> the attention modules that hold one
     for module in model.modules():

@@ -32,11 +32,11 @@ MAX_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS for every real dtype
 MIN_VALUES_PER_THREAD, MAX_VALUES_PER_THREAD = 16, 256  # setReduceConfig's constants on CUDA
 
 
-def _div_up(a: int, b: int) -> int:
+def div_up(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _last_pow2(n: int) -> int:
+def last_pow2(n: int) -> int:
     """Reduce.cuh's last_pow2: the largest power of two <= n (1 for n < 2)."""
     return 1 << (n.bit_length() - 1) if n >= 2 else 1
 
@@ -69,8 +69,8 @@ def set_reduce_config(num_outputs: int, inputs_per_output: int, on_fastest_dim: 
         ovs = output_vec_size
         dim0, dim1 = num_outputs // ovs, inputs_per_output
     max_threads = MAX_THREADS // ovs
-    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
-    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    dim0_pow2 = last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = last_pow2(dim1) if dim1 < max_threads else max_threads
     width = min(dim0_pow2, WARP)
     height = min(dim1_pow2, max_threads // width)
     width = min(dim0_pow2, max_threads // height)
@@ -79,18 +79,18 @@ def set_reduce_config(num_outputs: int, inputs_per_output: int, on_fastest_dim: 
         step_input *= width  # input_mult[0] = split_input(block_width)
     else:
         step_output *= width  # output_mult[0] = split_output(block_width)
-    split = _div_up(inputs_per_output, step_input) >= min(height * MIN_VALUES_PER_THREAD, MAX_VALUES_PER_THREAD)
+    split = div_up(inputs_per_output, step_input) >= min(height * MIN_VALUES_PER_THREAD, MAX_VALUES_PER_THREAD)
     if split:
         step_input *= height  # input_mult[1] = split_input(block_height)
     else:
         step_output *= height  # output_mult[1] = split_output(block_height)
     target = sms * (threads_per_sm // (width * height))
-    grid = _div_up(num_outputs // ovs, step_output)
-    values = _div_up(inputs_per_output, step_input)
+    grid = div_up(num_outputs // ovs, step_output)
+    values = div_up(inputs_per_output, step_input)
     ctas = 1
     if split and values >= MAX_VALUES_PER_THREAD and grid <= target:
-        ctas = max(min(_div_up(target, grid), _div_up(values, MIN_VALUES_PER_THREAD)),
-                   _div_up(values, MAX_VALUES_PER_THREAD))
+        ctas = max(min(div_up(target, grid), div_up(values, MIN_VALUES_PER_THREAD)),
+                   div_up(values, MAX_VALUES_PER_THREAD))
     if ctas > 1:
         step_input *= ctas  # input_mult[2] = split_input(ctas_per_output)
     return ReduceConfig(ovs, width, height, split, ctas, ivs, step_input)

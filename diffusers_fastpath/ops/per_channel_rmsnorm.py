@@ -102,7 +102,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _nvrtc
-from ._aten_reduce import ReduceConfig, _div_up, _last_pow2, set_reduce_config
+from ._aten_reduce import ReduceConfig, div_up, last_pow2, set_reduce_config
 from ._build import LazyLauncher
 from ._policy import (FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason,
                       tensor_reason)
@@ -251,16 +251,16 @@ def fused_shape(batch: int, spatial: int, order: MeanOrder, vec: int, sms: int):
     partials = order.rows * order.ctas
     units = 4 * partials if partials <= _CHAIN_PARTIALS else partials
     entries = units + (order.rows if order.ctas > 1 else 0) + 1
-    ty = _last_pow2(min(units, _UNIT_THREADS))
+    ty = last_pow2(min(units, _UNIT_THREADS))
     tx = _FUSED_THREADS // ty
     while tx > 1 and entries * tx * vec > _SHARED_FLOATS:
         tx //= 2
     if entries * tx * vec > _SHARED_FLOATS:
         return None
-    vecs = _div_up(spatial, vec)
-    while tx > 1 and batch * _div_up(vecs, tx) < _MIN_BLOCKS_PER_SM * sms:
+    vecs = div_up(spatial, vec)
+    while tx > 1 and batch * div_up(vecs, tx) < _MIN_BLOCKS_PER_SM * sms:
         tx //= 2
-    tiles = _div_up(vecs, tx)
+    tiles = div_up(vecs, tx)
     if tiles > _INT32_MAX or batch > 65535:
         return None
     return (tiles, batch, 1), (tx, ty, 1)
@@ -386,7 +386,7 @@ def _nvrtc_kernel(x, mean, eps, silu, probe):
     batch, channels, spatial = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     vector = vectors(x, mean, out)
-    items = batch * -(-channels // _CHANNELS) * (spatial // (_VEC_BYTES // x.element_size()) if vector else spatial)
+    items = batch * div_up(channels, _CHANNELS) * (spatial // (_VEC_BYTES // x.element_size()) if vector else spatial)
     if items == 0:
         return out
     device = x.device.index
