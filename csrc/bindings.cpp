@@ -39,9 +39,9 @@ void check_modulate_inputs(const at::Tensor& out, const at::Tensor& x, const at:
   }
 }
 
-void modulate_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
-                              const at::Tensor& shift) {
-  check_modulate_inputs(out, x, scale, shift);
+// index: MiniMax-H3's indexed rows (modulate_scale_shift_rows): x [1, rows, dim], scale and shift the [rows, dim] tables.
+void modulate_launch(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                     const at::Tensor* index) {
   if (x.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(x.device());
   ModulateScaleShiftArgs args;
@@ -52,17 +52,47 @@ void modulate_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::Te
   args.batch = x.size(0);
   args.seq = x.size(1);
   args.dim = x.size(2);
-  args.scale_batch_stride = scale.size(0) == 1 ? 0 : scale.stride(0);
-  args.shift_batch_stride = shift.size(0) == 1 ? 0 : shift.stride(0);
+  args.scale_batch_stride = scale.size(0) == 1 && index == nullptr ? 0 : scale.stride(0);
+  args.shift_batch_stride = shift.size(0) == 1 && index == nullptr ? 0 : shift.stride(0);
   args.dtype = to_dtype(x);
+  if (index != nullptr) {  // (the kernel traps on an index outside the tables, as eager's index_select)
+    args.index = index->data_ptr<int32_t>();
+    args.table_rows = scale.size(0);
+  }
   const cudaError_t err = launch_modulate_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "modulate_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void modulate_scale_shift_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& scale,
+                              const at::Tensor& shift) {
+  check_modulate_inputs(out, x, scale, shift);
+  modulate_launch(out, x, scale, shift, nullptr);
 }
 
 at::Tensor modulate_scale_shift(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   modulate_scale_shift_out(out, x, scale, shift);
   return out;
+}
+
+// MiniMax-H3's per-token rows: row r of x (of batch * seq) reads row index[r] of the [rows, dim] scale and shift
+// tables (their `index_select(0, index)` rows, never written out; an index outside the tables traps in the kernel).
+at::Tensor modulate_scale_shift_rows(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                                     const at::Tensor& index) {
+  TORCH_CHECK(scale.dim() == 2 && shift.sizes() == scale.sizes(),
+              "modulate_scale_shift_rows: scale and shift must be [rows, dim] tables of one shape");
+  TORCH_CHECK(x.dim() == 3, "modulate_scale_shift_rows: x must be [batch, seq, dim], got ", shape_str(x.sizes()));
+  TORCH_CHECK(index.scalar_type() == at::kInt && index.dim() == 1 && index.numel() == x.size(0) * x.size(1) &&
+                  index.is_contiguous() && index.device() == x.device(),
+              "modulate_scale_shift_rows: index must be a contiguous int32 [batch * seq] tensor on x's device");
+  at::Tensor out = at::empty({1, x.size(0) * x.size(1), x.size(2)}, x.options());
+  const at::Tensor x1 = x.view({1, -1, x.size(2)});  // one "batch" of rows: the index picks each row's table row
+  check_modulate_inputs(out, x1, scale.narrow(0, 0, 1), shift.narrow(0, 0, 1));
+  TORCH_CHECK(scale.size(0) == 1 || (scale.stride(0) % (16 / scale.element_size()) == 0 &&
+                                     shift.stride(0) % (16 / shift.element_size()) == 0),
+              "modulate_scale_shift_rows: table rows must stay 16-byte aligned");
+  modulate_launch(out, x1, scale, shift, &index);
+  return out.view(x.sizes());
 }
 
 // The Python guard admits only inputs that pass these checks; they stay here so that a direct call with bad
@@ -133,6 +163,7 @@ void gated_residual_launch(at::Tensor& out, const at::Tensor& residual, const at
   if (index != nullptr) {  // the table's rows: stride 0 only where it has one row (every index 0)
     args.gate_batch_stride = 0;
     args.gate_seq_stride = gate.size(1) == 1 ? 0 : gate.stride(1);
+    args.table_rows = gate.size(1);  // (the kernel traps on an index outside the table, as eager's index_select)
   }
   const cudaError_t err = launch_gated_residual(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gated_residual: kernel launch failed: ", cudaGetErrorString(err));
@@ -700,6 +731,7 @@ at::Tensor layernorm_scale_shift_probe(const at::Tensor& x, const at::Tensor& sc
 TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_modulate_scale_shift_cuda(Tensor x, Tensor scale, Tensor shift) -> Tensor");
   m.def("_modulate_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor scale, Tensor shift) -> ()");
+  m.def("_modulate_scale_shift_rows_cuda(Tensor x, Tensor scale, Tensor shift, Tensor index) -> Tensor");
   m.def("_rmsnorm_scale_shift_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps) -> Tensor");
   m.def(
       "_rmsnorm_scale_shift_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor scale, Tensor shift, "
@@ -753,6 +785,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_modulate_scale_shift_cuda", &diffusers_fastpath::modulate_scale_shift);
   m.impl("_modulate_scale_shift_cuda_out", &diffusers_fastpath::modulate_scale_shift_out);
+  m.impl("_modulate_scale_shift_rows_cuda", &diffusers_fastpath::modulate_scale_shift_rows);
   m.impl("_rmsnorm_scale_shift_cuda", &diffusers_fastpath::rmsnorm_scale_shift);
   m.impl("_rmsnorm_scale_shift_cuda_out", &diffusers_fastpath::rmsnorm_scale_shift_out);
   m.impl("_gated_rmsnorm_scale_shift_cuda", &diffusers_fastpath::gated_rmsnorm_scale_shift);

@@ -41,6 +41,8 @@ struct ModulateScaleShiftArgs {
   int64_t scale_batch_stride;  // in elements; 0 broadcasts one row over the batch
   int64_t shift_batch_stride;
   DType dtype;
+  const int32_t* index = nullptr;  // null, or indexed rows: row r's scale/shift rows are row index[r] of the tables
+  int64_t table_rows = 0;          // the tables' rows where indexed: an index outside [0, table_rows) traps
 };
 
 #ifndef __CUDACC_RTC__
@@ -61,6 +63,7 @@ struct GatedResidualArgs {
   DType dtype;
   bool gate_fp32;             // the gate is fp32 and the math stays fp32 until the one rounding (Wan); else of dtype
   const int32_t* index;       // null, or indexed rows: (b, s)'s gate row at gate + index[b * seq + s] * gate_seq_stride
+  int64_t table_rows = 0;     // the table's rows where indexed: an index outside [0, table_rows) traps
 };
 
 #ifndef __CUDACC_RTC__

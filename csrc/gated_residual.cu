@@ -19,8 +19,9 @@
 //
 // Indexed rows (`index` not null; Qwen-Image 2.1's `torch.where(mask, params[:-1], params[-1:])` rows, never
 // materialised): the gate row of (b, s) is row index[b * seq + s] of a [R, dim] table, at gate + that *
-// gate_seq_stride; the caller builds the int32 index with every value in [0, R). Values move, nothing is computed:
-// the same gate, the same product and sum.
+// gate_seq_stride (R = table_rows). An index outside [0, R) traps, as eager's index_select device-asserts (MiniMax-H3's
+// `gate.index_select(0, rows)` rows, the caller's indices): nothing is read out of bounds. Values move, nothing is
+// computed: the same gate, the same product and sum.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -56,7 +57,7 @@ template <typename T, typename G, bool kRowGate>
 __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
     T* __restrict__ out, const T* __restrict__ residual, const G* __restrict__ gate, const T* __restrict__ update,
     int64_t rows, int64_t seq, int32_t vecs_per_row, int64_t gate_batch_stride, int64_t gate_seq_stride,
-    const int32_t* __restrict__ index) {
+    const int32_t* __restrict__ index, int64_t table_rows) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
   constexpr bool kFloatGate = SameType<G, float>::value;
@@ -79,8 +80,14 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
         upd[r] = reinterpret_cast<const P*>(update)[row * vecs_per_row + col];
         if constexpr (!kRowGate) {
           const int64_t b = row / seq;
-          const G* g = index != nullptr ? gate + static_cast<int64_t>(index[row]) * gate_seq_stride
-                                        : gate + b * gate_batch_stride + (row - b * seq) * gate_seq_stride;
+          const G* g;
+          if (index != nullptr) {
+            const int32_t t = index[row];
+            if (t < 0 || t >= table_rows) __trap();  // eager's index_select: index out of bounds
+            g = gate + static_cast<int64_t>(t) * gate_seq_stride;
+          } else {
+            g = gate + b * gate_batch_stride + (row - b * seq) * gate_seq_stride;
+          }
           if constexpr (kFloatGate) {
             load_gate<T, G>(g, col, gat_f[r]);
           } else {
@@ -140,10 +147,11 @@ cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   const auto* update = static_cast<const T*>(a.update);
   if (a.gate_seq_stride == 0 && a.index == nullptr) {
     gated_residual_kernel<T, G, true><<<shape.grid, shape.block, 0, stream>>>(
-        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0, nullptr);
+        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0, nullptr, 0);
   } else {
     gated_residual_kernel<T, G, false><<<shape.grid, shape.block, 0, stream>>>(
-        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride, a.index);
+        out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride, a.index,
+        a.table_rows);
   }
   return cudaGetLastError();
 }

@@ -120,7 +120,8 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.layernorm_modulate import (LAYERNORM_MODULATE, LAYERNORM_SCALE, LAYERNORM_SCALE_ROWS,
                                                            layernorm_modulate_ref, layernorm_scale_ref)
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS
-    from diffusers_fastpath.ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, modulate_scale_shift_ref
+    from diffusers_fastpath.ops.modulate_scale_shift import (MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS,
+                                                             modulate_scale_shift_ref)
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
                                                      qk_norm_rope_ref, qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
     from diffusers_fastpath.ops.qk_norm_rope_fp32 import (QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED,
@@ -176,7 +177,13 @@ def emulated_kernels(monkeypatch):
         return torch.stack([a * c0 - b * s1, a * s1 + b * c0], dim=-1).flatten(-2).to(x.dtype)
 
     def indexed(rows):  # the rows as the kernels read them: the table's row index[b, s] (the tanh on the table)
-        return rows.table()[rows.index().long()]
+        index, table = rows.index().long(), rows.table()
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < table.shape[0]):
+            raise IndexError("index out of range (the kernel traps)")
+        return table[index]
+
+    def modulate_rows_indexed(x, scale, shift):  # the modulate of the rows read through the index
+        return x * (1 + indexed(scale)) + indexed(shift)
 
     def layernorm_scale_rows_indexed(norm, x, rows):
         return layernorm_scale_ref(norm, x, indexed(rows))
@@ -197,6 +204,7 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE, layernorm_scale_ref),  # ... without a shift (Qwen-Image 2.1)
                        (LAYERNORM_SCALE_ROWS, layernorm_scale_rows_indexed),  # ... its where-picked rows, indexed
                        (GATED_RESIDUAL_ROWS, gated_residual_rows_arithmetic),
+                       (MODULATE_SCALE_SHIFT_ROWS, modulate_rows_indexed),  # MiniMax-H3's index_select rows
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (SIGMOID_MUL, sigmoid_mul_arithmetic),
                        (RMSNORM_SCALE, rmsnorm_scale_ref),

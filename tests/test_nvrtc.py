@@ -433,7 +433,7 @@ def test_cache_is_warm_on_the_second_build_and_keyed_by_arch(tmp_path):
 
 def test_host_cost_measurement_runs():
     """`_nvrtc.measure_host_cost` (the per-call packing costs docs/kernels.md reports) runs; the numbers are the docs'."""
-    args = (1 << 40, 2 << 40, 3 << 40, 4 << 40, 4096, 4096, 384, 18432, 18432)
+    args = (1 << 40, 2 << 40, 3 << 40, 4 << 40, 4096, 4096, 384, 18432, 18432, 0, 0)  # (no index: 0, 0)
     cost = _nvrtc.measure_host_cost(modulate_mod._NVRTC, args, number=50)
     assert set(cost) == {"pack", "slot+pack", "ctypes struct"} and all(v > 0 for v in cost.values())
 

@@ -20,9 +20,9 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
 from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
-from ..ops.selected_rows import SelectedRows, tanh_rows
+from ..ops.selected_rows import IndexedRows, SelectedRows, index_rows, tanh_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, _affine_free
-from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT
+from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS
 from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
 from ._chain_qk_fp32 import is_zero_centred
 from ._qk_norms import is_diffusers_rmsnorm
@@ -302,14 +302,23 @@ class _ChainsNamespace:
     @staticmethod
     def gated_residual_rows(residual, gate, update, site):
         # `_norm_methods.lazy_gates`' form: the gate a scale-rows method returned as SelectedRows, through
-        # `tanh_rows` (the kernel reads it through an index), or a tensor as before
-        if type(gate) is SelectedRows:
+        # `tanh_rows` (the kernel reads it through an index), or a tensor as before; `_chain_index_rows`' form: the
+        # gate's ``index_select`` rows as IndexedRows (`index_rows`)
+        if type(gate) in (SelectedRows, IndexedRows):
             if not (isinstance(residual, torch.Tensor) and isinstance(update, torch.Tensor)):
                 return residual + gate.materialize() * update
             return gated_residual_rows(residual, gate, update, site)
         return _ChainsNamespace.gated_residual(residual, gate, update, site)
 
     tanh_rows = staticmethod(tanh_rows)
+
+    @staticmethod
+    def index_rows(params, indices):
+        # `_chain_index_rows`' operand ``params.index_select(0, indices)``: IndexedRows that the fused call reads
+        # through the index (written out by the model's call in its every fallback); while compiling, the call
+        if torch.compiler.is_compiling():
+            return params.index_select(0, indices)
+        return index_rows(params, indices)
 
     @staticmethod
     def gated_residual(residual, gate, update, site):
@@ -444,6 +453,13 @@ class _ChainsNamespace:
         # tensor by rows that broadcast over it per sample or per token (MiniMax-H3's ``s.index_select(0, rows)``,
         # LTX-2's ``s.squeeze(2)``, Krea 2's ``[B, 1, D]``), as `modulate_scale_shift` where `_modulate_rows` maps
         # them onto its ``[B, D]`` rows exactly; elsewhere as written
+        if type(second) is IndexedRows:  # `_chain_index_rows`' form (normed_left; the shift IndexedRows too)
+            if isinstance(first, torch.Tensor) and type(one) in (int, float) and one == 1:
+                out = MODULATE_SCALE_SHIFT_ROWS.try_fast(site, first, second, shift)
+                if out is not None:
+                    return out
+            second, shift = second.materialize(), shift.materialize()  # the model's calls, in its order
+            return first * (one + second) + shift
         x, scale = (first, second) if normed_left else (second, first)
         mapped = _modulate_rows(x, scale, shift, one)
         if mapped is not None:

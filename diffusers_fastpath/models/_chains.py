@@ -62,6 +62,7 @@ from .._state import PatchState, site_attr
 from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
 from ._norm_methods import FUSED as _NORM_FUSED, lazy_gates
+from ._chain_index_rows import lazy_index_rows
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original, set_owner
 from ._chain_inline import Inliner
 from .._source import source_of
@@ -166,6 +167,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         body = rewriter.body(copy.deepcopy(func.body), func)
         if rewriter.block and _SCALE_ROWS in (norm_methods or {}).values():
             rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS)
+        if rewriter.block:
+            rewriter.found.index_rows = lazy_index_rows(body, _NS)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
         if not rewriter.block:

@@ -25,7 +25,7 @@ import torch
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .selected_rows import SelectedRows, table_rows_aligned
+from .selected_rows import IndexedRows, SelectedRows, table_rows_aligned
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -92,7 +92,7 @@ _NVRTC = _nvrtc.Kernel(
      for dtype in HALF_DTYPES for gate_dtype in (dtype, torch.float32) for row_gate in (True, False)},
     _nvrtc.Params("gated_residual_kernel", ("out", "P"), ("residual", "P"), ("gate", "P"), ("update", "P"),
                   ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("gate_batch_stride", "q"),
-                  ("gate_seq_stride", "q"), ("index", "P")),
+                  ("gate_seq_stride", "q"), ("index", "P"), ("table_rows", "q")),
 )
 _THREADS, _ROWS_IN_FLIGHT = 256, 4
 
@@ -112,7 +112,7 @@ def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
     _NVRTC.launch(device, (residual.dtype, gate.dtype, row_gate), grid, block, out.data_ptr(), residual.data_ptr(),
                   gate.data_ptr(), update.data_ptr(), rows, seq, vecs, gate_batch_stride, gate_seq_stride,
-                  0 if index is None else index.data_ptr())
+                  0 if index is None else index.data_ptr(), 0 if index is None else gate.shape[1])
     return out
 
 
@@ -264,16 +264,17 @@ def gated_residual_fp32(
     return GATED_RESIDUAL_FP32(site, residual, as_batch_rows(gate, residual), update)
 
 
-# --- indexed gate rows: Qwen-Image 2.1's ``x + gate.tanh() * y`` with where-picked gates (ops/selected_rows.py) -----
+# --- indexed gate rows: Qwen-Image 2.1's ``x + gate.tanh() * y`` with where-picked gates, MiniMax-H3's ``x +
+# gate.index_select(0, rows) * y`` (ops/selected_rows.py) --------------------------------------------------------------
 
 
-def gated_residual_rows_ref(residual: torch.Tensor, rows: SelectedRows, update: torch.Tensor) -> torch.Tensor:
+def gated_residual_rows_ref(residual: torch.Tensor, rows: SelectedRows | IndexedRows, update: torch.Tensor) -> torch.Tensor:
     """The eager expression: ``residual + rows * update`` with the rows as the model computes them."""
     return residual + rows.materialize() * update
 
 
 def _rows_guard(residual, rows, update, check_pointers: bool = True) -> str | None:
-    if not isinstance(rows, SelectedRows):
+    if type(rows) not in (SelectedRows, IndexedRows):
         return "operand not a tensor"
     reason = rows.reason(residual)
     if reason is not None:
@@ -306,7 +307,8 @@ _rows_op = LazyLauncher(_nvrtc_rows, "_gated_residual_rows_cuda")
 
 
 def _rows_kernel(residual, rows, update):
-    return _rows_op(residual, rows.table(), rows.index(), update)
+    # (an IndexedRows' [N] index is the [1, N] one of a [1, N, D] residual: `reason` admits no other)
+    return _rows_op(residual, rows.table(), rows.index().view(residual.shape[:2]), update)
 
 
 GATED_RESIDUAL_ROWS = FusedOp(
@@ -316,17 +318,21 @@ GATED_RESIDUAL_ROWS = FusedOp(
     kernel=_rows_kernel,
     # torch.compile: the rows written out, then the registered gated_residual (the patched method makes no
     # SelectedRows while compiling; this is for a caller that does)
-    custom_op=lambda residual, rows, update: _gated_residual_op(residual, rows.materialize(), update),
+    custom_op=lambda residual, rows, update: _gated_residual_op(residual, as_batch_rows(rows.materialize(), residual),
+                                                                update),
     # exact by construction (values moved, the tanh aten's on the same values); the first call of each signature
-    # is compared with eager all the same, the tanh being computed on other tensors than eager's
-    verify_key=lambda residual, rows, update: (str(residual.dtype).removeprefix("torch."), rows.tanh),
+    # is compared with eager all the same, the tanh being computed on other tensors than eager's (and the index
+    # of IndexedRows narrowed to int32 by this package)
+    verify_key=lambda residual, rows, update: (str(residual.dtype).removeprefix("torch."), type(rows).__name__,
+                                               rows.tanh),
 )
 
 
 def gated_residual_rows(residual: torch.Tensor, gate, update: torch.Tensor, site: Site | None = None) -> torch.Tensor:
-    """``residual + gate * update`` where `gate` may be `SelectedRows` (rows picked per token from a table: the
-    kernel reads them through an index, never written out), bit-identical to eager; a tensor gate is
-    `gated_residual`'s. The fallback writes the rows out as the model does."""
-    if not isinstance(gate, SelectedRows):
+    """``residual + gate * update`` where `gate` may be `SelectedRows` or `IndexedRows` (rows picked per token from a
+    table: the kernel reads them through an index, never written out; an index outside the table traps there),
+    bit-identical to eager; a tensor gate is `gated_residual`'s. The fallback writes the rows out as the model
+    does."""
+    if type(gate) not in (SelectedRows, IndexedRows):
         return gated_residual(residual, gate, update, site)
     return GATED_RESIDUAL_ROWS(site, residual, gate, update)

@@ -27,6 +27,7 @@ import torch
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
+from .selected_rows import IndexedRows, table_rows_aligned
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -89,12 +90,14 @@ _NVRTC = _nvrtc.Kernel(
     {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
     _nvrtc.Params("modulate_scale_shift_kernel", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
                   ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("scale_batch_stride", "q"),
-                  ("shift_batch_stride", "q")),
+                  ("shift_batch_stride", "q"), ("index", "P"), ("table_rows", "q")),
 )
 _THREADS, _ROWS_IN_FLIGHT = 256, 4
 
 
-def _nvrtc_kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = None):
+def _nvrtc_kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = None,
+                  index: torch.Tensor | None = None):
+    # index: the indexed rows (modulate_scale_shift_rows): x [1, rows, dim], scale and shift the tables
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
@@ -102,8 +105,11 @@ def _nvrtc_kernel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, out
         _nvrtc.check_out("modulate_scale_shift", out, x.shape, x, 16)
     rows, vecs, device = batch * seq, dim * x.element_size() // _VEC_BYTES, x.device.index
     grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
+    indexed = index is not None
     _NVRTC.launch(device, x.dtype, grid, block, out.data_ptr(), x.data_ptr(), scale.data_ptr(), shift.data_ptr(), rows,
-                  seq, vecs, 0 if scale.shape[0] == 1 else scale.stride(0), 0 if shift.shape[0] == 1 else shift.stride(0))
+                  seq, vecs, 0 if scale.shape[0] == 1 and not indexed else scale.stride(0),
+                  0 if shift.shape[0] == 1 and not indexed else shift.stride(0), index.data_ptr() if indexed else 0,
+                  scale.shape[0] if indexed else 0)
     return out
 
 
@@ -165,3 +171,96 @@ def modulate_scale_shift(
         True
     """
     return MODULATE_SCALE_SHIFT(site, x, scale, shift)
+
+
+# --- indexed rows: MiniMax-H3's ``x * (1.0 + s.index_select(0, rows)) + t.index_select(0, rows)`` (selected_rows.py) --
+
+
+def modulate_scale_shift_rows_ref(x: torch.Tensor, scale: IndexedRows, shift: IndexedRows) -> torch.Tensor:
+    """The eager expression: both rows written out as the model writes them (the scale's first), then ``x * (1 +
+    scale) + shift`` (``1`` and ``1.0`` are the same number in any floating dtype)."""
+    scale_rows, shift_rows = scale.materialize(), shift.materialize()
+    return x * (1 + scale_rows) + shift_rows
+
+
+def _rows_guard(x, scale, shift, check_pointers: bool = True) -> str | None:
+    if type(scale) is not IndexedRows or type(shift) is not IndexedRows:
+        return "operand not a tensor"
+    reason = scale.reason(x) or shift.reason(x)
+    if reason is not None:
+        return reason
+    if scale.indices is not shift.indices or scale.params.shape != shift.params.shape:
+        return "rows of other indices"
+    if not x.is_contiguous():
+        return "x not contiguous"
+    table, other = scale.params, shift.params
+    if not (table_rows_aligned(table) and table_rows_aligned(other)):
+        return "scale/shift strided"
+    if scale.indices.requires_grad:
+        return "requires grad"
+    # the layout checks of one row of each table against x as [1, N, D] rows
+    return rows_guard(x.view(1, -1, x.shape[-1]), table[:1], other[:1], x.dtype, check_pointers)
+
+
+def _rows_raw_guard(x, scale, shift, index) -> str | None:
+    """bindings.cpp's modulate_scale_shift_rows checks (the index's values are checked in the kernel, which traps)."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, scale, shift, index)) or x.dim() != 3:
+        return "shape"
+    if scale.dim() != 2 or shift.shape != scale.shape or scale.shape[0] == 0:
+        return "scale and shift must be [rows, dim] tables of one shape"
+    if (index.dtype is not torch.int32 or index.dim() != 1 or index.shape[0] != x.shape[0] * x.shape[1]
+            or not index.is_contiguous() or index.device != x.device):
+        return "index must be a contiguous int32 [batch * seq] tensor on x's device"
+    if not (table_rows_aligned(scale) and table_rows_aligned(shift)):
+        return "scale/shift strided"
+    return rows_guard(x.view(1, -1, x.shape[-1]) if x.is_contiguous() else x, scale[:1], shift[:1], x.dtype)
+
+
+def _nvrtc_rows(x, scale, shift, index):
+    return _nvrtc_kernel(x.view(1, -1, x.shape[-1]), scale, shift, index=index).view(x.shape)
+
+
+_nvrtc.raw_op("_modulate_scale_shift_rows_cuda", "(Tensor x, Tensor scale, Tensor shift, Tensor index) -> Tensor",
+              _rows_raw_guard, _nvrtc_rows)
+
+_rows_op = LazyLauncher(_nvrtc_rows, "_modulate_scale_shift_rows_cuda")
+
+
+def _rows_kernel(x, scale, shift):
+    x3 = x.view(1, -1, x.shape[-1])
+    return _rows_op(x3, scale.table(), shift.table(), scale.index()).view(x.shape)
+
+
+def _rows_custom_op(x, scale, shift):
+    # torch.compile: the rows written out, then the registered modulate of x's [N, 1, D] rows (the same elements)
+    scale_rows, shift_rows = scale.materialize(), shift.materialize()
+    return _modulate_scale_shift_op(x.reshape(-1, 1, x.shape[-1]), scale_rows, shift_rows).view(x.shape)
+
+
+MODULATE_SCALE_SHIFT_ROWS = FusedOp(
+    "modulate_scale_shift_rows",
+    ref=modulate_scale_shift_rows_ref,
+    guard=_rows_guard,
+    kernel=_rows_kernel,
+    custom_op=_rows_custom_op,
+    # exact by construction (values moved; the same three roundings); the first call of each signature is compared
+    # with eager all the same, the index being narrowed to int32 by this package
+    verify_key=lambda x, scale, shift: (str(x.dtype).removeprefix("torch."),),
+)
+
+
+def modulate_scale_shift_rows(x: torch.Tensor, scale, shift, site: Site | None = None) -> torch.Tensor:
+    """``x * (1 + scale) + shift`` where `scale` and `shift` are `IndexedRows` of one index (MiniMax-H3's
+    ``s.index_select(0, rows)`` rows, ``[N, D]``, of an ``x`` of ``[1, N, D]`` or ``[N, D]``): the kernel reads
+    each token's rows through the index (never written out; an index outside the tables traps there), with
+    `modulate_scale_shift`'s three roundings, bit-identical to eager. The guard admits half ``x``, contiguous, both
+    tables of x's dtype and shape with 16-byte aligned rows (`table_rows_aligned`); the fallback writes the rows out
+    with the model's own call, then the expression.
+
+    Args:
+        x: the normalised activations.
+        scale: the scale rows (`IndexedRows`).
+        shift: the shift rows (`IndexedRows` of the same indices).
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return MODULATE_SCALE_SHIFT_ROWS(site, x, scale, shift)

@@ -90,6 +90,83 @@ class SelectedRows:
         return None
 
 
+class IndexedRows:
+    """``table.index_select(0, index)``, not yet computed: MiniMax-H3's per-token modulation rows.
+
+    MiniMax-H3's blocks pick each token's shift, scale and gate from ``[T * 3, D]`` tables (one row per timestep and
+    modality) with ``table.index_select(0, adaln_indices)`` (``[N]`` int64, the caller's) and use each ``[N, D]``
+    result once: in ``norm(x) * (1.0 + scale) + shift`` and in ``residual + gate * y``. The rewritten forward hands
+    the fused ops this object instead (`_chain_calls`), which they read through the index (`table`, `index`); every
+    fallback writes the rows out with the model's own call (`materialize`). Exact for the same reason as
+    `SelectedRows`: ``index_select`` moves values and computes nothing.
+
+    An index outside the table makes eager's ``index_select`` fail (an ``IndexError`` on a CPU, a device assert on a
+    GPU); `index` keeps such values outside ``[0, rows)`` when it narrows them to int32 (clamped to -1 or ``rows``,
+    no host sync), and the kernels trap on them: nothing is read out of bounds, and the run fails as eager's does.
+
+    Args:
+        params: the table (its ``index_select`` is called as the model calls it: any object, for the fallback).
+        indices: the caller's ``[N]`` indices.
+    """
+
+    __slots__ = ("params", "indices", "_index")
+    tanh = False  # (what `SelectedRows`' readers ask: these rows are used as they are)
+
+    def __init__(self, params, indices) -> None:
+        self.params, self.indices, self._index = params, indices, None
+
+    def materialize(self) -> torch.Tensor:
+        """The model's expression: ``params.index_select(0, indices)``."""
+        return self.params.index_select(0, self.indices)
+
+    def table(self) -> torch.Tensor:
+        """The ``[rows, D]`` table the index picks from."""
+        return self.params
+
+    def index(self) -> torch.Tensor:
+        """int32 ``[N]``: the indices where they are in ``[0, rows)``, -1 or ``rows`` (which the kernels trap on) where
+        they are not; made on the device, no sync (int32 indices as they are: the kernels check them)."""
+        if self._index is None:
+            indices = self.indices
+            if indices.dtype is not torch.int32:
+                indices = indices.clamp(-1, self.params.shape[0]).to(torch.int32)
+            self._index = indices.contiguous()
+        return self._index
+
+    @property
+    def cached_index(self) -> torch.Tensor | None:
+        return self._index
+
+    def reason(self, x: torch.Tensor) -> str | None:
+        """Why these rows cannot be read through the index for an operand `x` of ``[..., N, D]`` with every leading
+        dimension 1 (where ``index_select``'s ``[N, D]`` broadcast against it gives x's shape), or ``None``."""
+        params, indices = self.params, self.indices
+        if not (isinstance(params, torch.Tensor) and isinstance(indices, torch.Tensor) and isinstance(x, torch.Tensor)):
+            return "rows operand not a tensor"
+        if params.dim() != 2 or indices.dim() != 1 or indices.dtype not in (torch.int64, torch.int32) or x.dim() < 2:
+            return "rows shape"
+        if x.shape[-2:] != (indices.shape[0], params.shape[1]) or x.numel() != indices.shape[0] * params.shape[1]:
+            return "rows shape"
+        if params.shape[0] == 0 or params.shape[0] >= 2 ** 31 - 1:
+            return "rows shape"
+        if params.dtype is not x.dtype:
+            return "mixed dtypes"
+        if indices.device != params.device:
+            return "devices differ"
+        return None
+
+
+def index_rows(params, indices):
+    """``params.index_select(0, indices)`` for the rewritten forwards (a fused op's operand only): `IndexedRows`."""
+    return IndexedRows(params, indices)
+
+
+def materialized(rows):
+    """The tensor `rows` stands for (`SelectedRows`, `IndexedRows`: written out as the model writes them), else
+    `rows` as it is."""
+    return rows.materialize() if type(rows) in (SelectedRows, IndexedRows) else rows
+
+
 def table_rows_aligned(table: torch.Tensor) -> bool:
     """Whether the kernels can read each row of a ``[rows, D]`` table as 16-byte vectors where its first row can be:
     unit innermost stride, and a row stride of whole 16-byte vectors (any stride where the table has one row). The
