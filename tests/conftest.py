@@ -238,6 +238,11 @@ def emulated_kernels(monkeypatch):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
         monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
     monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
+    # the boolean attention mask made additive once per forward: its own code, torch's kernel choice taken as the
+    # memory-efficient kernel's (a CPU's SDPA converts a boolean mask to that form too); the verification runs
+    bool_mask = sys.modules["diffusers_fastpath.ops.attention_bool_mask"]
+    monkeypatch.setattr(bool_mask.ATTENTION_BOOL_MASK, "guard", _as_if_on_cuda(bool_mask.ATTENTION_BOOL_MASK.guard))
+    monkeypatch.setattr(bool_mask, "SDPA_CHOICE", lambda *args: int(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION))
     monkeypatch.setattr(causal_conv_pad.CAUSAL_CONV3D, "guard", _as_if_on_cuda(causal_conv_pad.CAUSAL_CONV3D.guard))
     monkeypatch.setattr(causal_conv_pad, "_launch", causal_conv_pad.pad_arithmetic)  # csrc/causal_pad.cu's buffer
     # the convolutions' bias add: the whole convolution as torch runs it (a CPU's convolution adds its bias inside,

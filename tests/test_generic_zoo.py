@@ -35,7 +35,7 @@ FAST = {
     "lumina-next": ("rmsnorm_scale", "rmsnorm_gated_residual"),
     # (ACE-Step's sandwich norms: not fast, its stream a transposed view that an RMSNorm reads as laid out, below)
     "bria-fibo2": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm", "silu_mul"),  # silu_mul: its FeedForward helper
-    "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm"),
+    "ideogram4": ("rmsnorm_scale", "rmsnorm_gated_residual", "rmsnorm", "attention_bool_mask"),  # its segment mask
     "sana-wm-refiner": ("rmsnorm_modulate", "modulate_scale_shift", "rotary_emb", "rmsnorm"),
     "sana": ("silu_mul",),  # GLUMBConv's x * silu(gate) on the channel halves of a feature map
     "kandinsky6": ("rotary_matrix",),  # its module's apply_rotary (by digest)

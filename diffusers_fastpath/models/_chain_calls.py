@@ -17,6 +17,7 @@ from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, lay
                    rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
                    rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
                    rotary_half_partial, rotary_matrix, sigmoid_mul, silu_mul, swiglu_cat)
+from ..ops.attention_bool_mask import attention_bool_mask
 from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
@@ -222,6 +223,15 @@ def _kept_on_table(mask, table, key: tuple, compute):
     version = mask._version
     return derived(anchor, (*key, id(mask)), lambda: (mask, version, compute()),
                    valid=lambda entry: entry[0] is mask and entry[1] == version)[2]
+
+
+def _kept_on_mask(mask: torch.Tensor, key: tuple, compute):
+    """``compute()``, a pure function of the boolean attention `mask`, kept on the mask itself for the forward that
+    built it (`derived`: sealed for that forward, dropped with the mask, computed again after a write in place); an
+    inference tensor (no version counter) or a ``torch.compile`` trace: computed as written, in every call."""
+    if torch.compiler.is_compiling() or mask.is_inference():
+        return compute()
+    return derived(mask, key, compute)
 
 
 def _complex_waits(x, freqs, fn, local: bool) -> bool:
@@ -681,6 +691,16 @@ class _ChainsNamespace:
         if groups > 1:
             return attention_gqa(dispatch, q, k, v, groups, site, **arguments)
         return dispatch(q, k, v, **arguments)
+
+    @staticmethod
+    def attention_bool_mask(dispatch, q, k, v, site, **arguments):
+        # a processor's ``H = dispatch_attention_fn(Q, K, V, attn_mask=M, ...)``: a 4-D boolean mask handed to torch as
+        # the additive mask torch makes of it, made once per mask and forward (`ops.attention_bool_mask`); no mask, or
+        # another kind (an additive one, a key-padding one torch converts in a kernel of its size), as written
+        mask = arguments.get("attn_mask")
+        if not (isinstance(mask, torch.Tensor) and mask.dtype is torch.bool and mask.dim() == 4):
+            return dispatch(q, k, v, **arguments)
+        return attention_bool_mask(dispatch, q, k, v, _kept_on_mask, site, **arguments)
 
     @staticmethod
     def pairwise_mask(mask, batch, seq):

@@ -75,7 +75,7 @@ from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, NORM_MODULATE_LATER, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT,
                         Rewrite, _Rewriter)
-from ._rewriter_attention import (ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
+from ._rewriter_attention import (ATTENTION_BOOL_MASK, ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
                                   RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SIGMOID_MUL)
 
 _SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
@@ -173,6 +173,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             body = rewriter.seq_major_attention(body)
         if not rewriter.block:
             body = rewriter.gqa_attention(body)
+            body = rewriter.bool_mask_attention(body)
         if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
             body = rewriter.qk_norms(body)
         # inlined only where that lets a pattern take more, and every norm the inlining took on trust is fused
@@ -510,6 +511,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, ATTENTION_SEQ_MAJOR, name=ATTENTION_SEQ_MAJOR)
             if found.gqa_attention:
                 state.add_site(module, ATTENTION_GQA, name=ATTENTION_GQA)
+            if found.bool_masks:  # Ideogram 4's block-diagonal mask, made additive once per forward
+                state.add_site(module, ATTENTION_BOOL_MASK, name=ATTENTION_BOOL_MASK)
             if found.sigmoid_mul:  # Krea 2's output gate (one site for every such product of the processor)
                 state.add_site(module, SIGMOID_MUL, name=SIGMOID_MUL)
             for attr in found.swiglu_cats:

@@ -186,6 +186,7 @@ class Rewrite:
     head_cats: int = 0  # a processor's concatenations of [B, H, S, D] operands along the sequence (`cat_heads`)
     seq_major_attention: bool = False  # ... and the attention of three of them, token-major (`attention_seq_major`)
     gqa_attention: bool = False  # a processor's grouped-query attention on its kv heads as they are (`attention_gqa`)
+    bool_masks: int = 0  # a processor's attention calls with a boolean mask made additive once (`attention_bool_mask`)
     sigmoid_mul: int = 0  # a processor's sigmoid output gates, ``A * torch.sigmoid(G)`` (`sigmoid_mul`; Krea 2)
     rotary_named: int = 0  # calls of an adapter-named rotary form (LTX-Video's rows, Wan's): one site, ``rotary_emb``
     rows_pairs: int = 0  # LTX-Video's q and k rows-form rotary calls with pending norms, run as one pair
@@ -203,7 +204,7 @@ class Rewrite:
                     or self.modulates or self.norm_modulates or self.rotary
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
-                    or self.head_cats or self.gqa_attention or self.sigmoid_mul or self.rotary_named or self.rotary_half
+                    or self.head_cats or self.gqa_attention or self.bool_masks or self.sigmoid_mul or self.rotary_named or self.rotary_half
                     or self.rotary_half_partial or self.rotary_matrix)
 
 

@@ -73,6 +73,13 @@ whole; `_Rewriter` runs these passes on a processor's forward):
   nowhere after the call  ->  ``H = attention_gqa(dispatch_attention_fn, Q, K, V, G, site, <keywords>)``: the test as
   written, then `diffusers_fastpath.ops.attention_gqa` (the call on the grouped heads, ``enable_gqa=True``,
   self-verified per signature; site ``attention_gqa`` on the attention module), or the copies and the call as written
+- boolean attention masks (Ideogram 4's block-diagonal segment mask, one ``[B, 1, S, S]`` per forward): ``H =
+  dispatch_attention_fn(Q, K, V, <keywords>)`` at the top level of a processor's body, one keyword ``attn_mask`` that
+  is not ``None``, every keyword named  ->  ``H = attention_bool_mask(dispatch_attention_fn, Q, K, V, site,
+  <keywords>)`` (the operands evaluated in the order written): a 4-D boolean mask handed to torch as the additive mask
+  its SDPA would make of it in every call, made once per mask and forward
+  (`diffusers_fastpath.ops.attention_bool_mask`, self-verified per signature; site ``attention_bool_mask`` on the
+  attention module); any other mask (or none) runs the call as written
 - sigmoid output gate (Krea 2), into `diffusers_fastpath.ops.sigmoid_mul` (the sigmoid proven on every bf16 / fp16
   value on first use), in any processor:
 
@@ -102,6 +109,7 @@ CAT_HEADS = "cat_heads"
 ATTENTION_SEQ_MAJOR = "attention_seq_major"  # a processor's attention of three token-major head concatenations (SD3)
 ATTENTION_GQA = "attention_gqa"  # a processor's grouped-query attention without its repeated heads (Krea 2)
 SIGMOID_MUL = "sigmoid_mul"  # a processor's sigmoid output gate, ``A * torch.sigmoid(G)`` (Krea 2)
+ATTENTION_BOOL_MASK = "attention_bool_mask"  # a processor's attention with a boolean mask made additive once (Ideogram 4)
 QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
@@ -251,6 +259,25 @@ class AttentionPasses:
             new.keywords = call.keywords
             return [*body[:i], like(ast.Assign(targets=after.targets, value=new), after), *body[i + 2:]]
         return body
+
+    def bool_mask_attention(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The boolean-mask form (see the module doc) over a processor's top-level `body`, or `body`."""
+        out = []
+        for stmt in body:
+            h = _single_target(stmt) if isinstance(stmt, ast.Assign) else None
+            call = stmt.value if h is not None else None
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "dispatch_attention_fn"
+                    and len(call.args) == 3 and not any(isinstance(a, ast.Starred) for a in call.args)
+                    and all(k.arg is not None for k in call.keywords)
+                    and any(k.arg == "attn_mask" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+                            for k in call.keywords)):
+                self.found.bool_masks += 1
+                site = _site_of(ast.Name(self.owner, ast.Load()), ATTENTION_BOOL_MASK)
+                new = _call("attention_bool_mask", [call.func, *call.args, site])
+                new.keywords = call.keywords
+                stmt = like(ast.Assign(targets=stmt.targets, value=new), stmt)
+            out.append(stmt)
+        return out
 
     @staticmethod
     def _last_cat(before: list[ast.stmt], name: str) -> ast.Call | None:

@@ -1,0 +1,170 @@
+"""The boolean attention mask made additive once per forward (`diffusers_fastpath.ops.attention_bool_mask`): the
+processor's call with torch's own additive mask is the call as written, bit for bit; the mask is made once per
+forward where the forward is closed, in every call elsewhere; the guard refuses what it must."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from torch.nn.attention import SDPBackend
+
+import diffusers_fastpath as fp
+from diffusers_fastpath._state import sites_of
+from diffusers_fastpath.ops import attention_bool_mask as abm
+from diffusers_fastpath.testing import zoo
+
+EFFICIENT, CUDNN = int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
+
+
+def _ideogram(emulated=True):
+    model = zoo.build("ideogram4", dtype=torch.bfloat16, device="cpu")
+    return model, zoo.inputs("ideogram4", model)
+
+
+def _mask_sites(model):
+    return [s for m in model.modules() for _, s in sites_of(m) if s.op == "attention_bool_mask"]
+
+
+def _counting(monkeypatch):
+    made = []
+    real = abm.additive_mask
+
+    def counted(mask, kind, dtype):
+        made.append(kind)
+        return real(mask, kind, dtype)
+
+    monkeypatch.setattr(abm, "additive_mask", counted)
+    return made
+
+
+def test_made_once_per_forward_and_bit_identical(emulated_kernels, monkeypatch):
+    model, kwargs = _ideogram()
+    with torch.no_grad():
+        ref = model(**kwargs)[0].clone()
+    fp.patch(model)
+    try:
+        with torch.no_grad():
+            model(**kwargs)  # the verified forward
+            made = _counting(monkeypatch)
+            out = model(**kwargs)[0]
+        assert torch.equal(out, ref)
+        sites = _mask_sites(model)
+        assert len(sites) == len(model.layers) and all(s.fast == 2 and not s.fallback for s in sites), sites
+        assert made == [EFFICIENT]  # one mask, two blocks: made by the first, kept on the mask for the second
+    finally:
+        fp.unpatch(model)
+
+
+def test_made_in_every_call_where_a_hook_could_hold_the_mask(emulated_kernels, monkeypatch):
+    model, kwargs = _ideogram()
+    with torch.no_grad():
+        ref = model(**kwargs)[0].clone()
+    fp.patch(model)
+    handle = None
+    try:
+        with torch.no_grad():
+            model(**kwargs)  # verified without hooks (a hooked model runs as written until it is)
+            handle = model.layers[0].register_forward_hook(lambda module, args, out: None)
+            made = _counting(monkeypatch)
+            out = model(**kwargs)[0]
+        assert torch.equal(out, ref)
+        assert made == [EFFICIENT] * len(model.layers)  # not sealed: each block makes its own, as eager does
+    finally:
+        if handle is not None:
+            handle.remove()
+        fp.unpatch(model)
+
+
+def test_another_kernel_for_the_additive_mask_runs_as_written(emulated_kernels, monkeypatch):
+    model, kwargs = _ideogram()
+    with torch.no_grad():
+        ref = model(**kwargs)[0].clone()
+    monkeypatch.setattr(abm, "SDPA_CHOICE", lambda q, k, v, mask, kw: EFFICIENT if mask.dtype is torch.bool else CUDNN)
+    monkeypatch.setattr(abm, "_OTHER_KERNEL", set())
+    fp.patch(model)
+    try:
+        with torch.no_grad():
+            model(**kwargs)
+            out = model(**kwargs)[0]
+        assert torch.equal(out, ref)
+        reasons = {r for s in _mask_sites(model) for r in s.fallback}
+        assert reasons == {"the additive mask picks another attention kernel"}, reasons
+    finally:
+        fp.unpatch(model)
+
+
+def _operands(dtype=torch.bfloat16, device="cpu", b=1, s=24, h=2, d=32):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, generator=g).to(device, dtype) for _ in range(3))
+    seg = torch.zeros(b, s, dtype=torch.long, device=device)
+    seg[:, s // 3:] = 1
+    return q, k, v, (seg.unsqueeze(2) == seg.unsqueeze(1)).unsqueeze(1)
+
+
+@pytest.mark.parametrize("case, reason", [
+    (dict(mask="2d"), "not a 4-D boolean mask"),
+    (dict(mask="float"), "not a 4-D boolean mask"),
+    (dict(dtype=torch.float32), "dtype float32"),
+    (dict(kw={"parallel_config": object()}), "arguments"),
+    (dict(kw={"dropout_p": 0.1}), "arguments"),
+    (dict(kw={"window": 3}), "arguments"),
+    (dict(kw={"backend": "flash"}), "attention backend not native"),
+    (dict(dispatch="other"), "attention is not diffusers' dispatch_attention_fn"),
+])
+def test_guard_refuses(case, reason, monkeypatch):
+    monkeypatch.setattr(abm, "SDPA_CHOICE", lambda *args: EFFICIENT)
+    q, k, v, mask = _operands(case.get("dtype", torch.bfloat16))
+    if case.get("mask") == "2d":
+        mask = mask[:, 0, 0]
+    elif case.get("mask") == "float":
+        mask = mask.to(q.dtype)
+    kw = {"attn_mask": mask, **case.get("kw", {})}
+    dispatch = (lambda *a, **k: None) if case.get("dispatch") else dispatch_attention_fn
+    assert abm._guard(dispatch, q, k, v, None, tuple(sorted(kw.items()))) == reason
+
+
+def test_guard_refuses_kernels_it_does_not_know(monkeypatch):
+    q, k, v, mask = _operands()
+    monkeypatch.setattr(abm, "SDPA_CHOICE", lambda *args: int(SDPBackend.MATH))
+    guard = abm._guard
+    assert guard(dispatch_attention_fn, q, k, v, None, (("attn_mask", mask),)) == "attention kernel math"
+    monkeypatch.setattr(abm, "SDPA_CHOICE", lambda *args: EFFICIENT)
+    assert guard(dispatch_attention_fn, q, k, v, None, (("attn_mask", mask),)) == "device cpu"
+
+    def failing(*args):
+        raise RuntimeError("no choice")
+
+    monkeypatch.setattr(abm, "SDPA_CHOICE", failing)
+    assert guard(dispatch_attention_fn, q, k, v, None, (("attn_mask", mask),)) == "torch's attention kernel choice failed"
+
+
+def test_no_mask_or_another_mask_runs_as_written_uncounted(emulated_kernels):
+    from diffusers_fastpath.models._chain_calls import _ChainsNamespace as NS
+    from diffusers_fastpath.ops._policy import Site
+
+    q, k, v, mask = _operands()
+    site = Site("attention_bool_mask")
+    for m in (None, mask[:, 0, 0], mask.to(q.dtype)):
+        assert torch.equal(NS.attention_bool_mask(dispatch_attention_fn, q, k, v, site, attn_mask=m),
+                           dispatch_attention_fn(q, k, v, attn_mask=m))
+    assert site.fast == 0 and not site.fallback
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 4608, 18, 256), (2, 1100, 5, 128), (1, 333, 4, 64)])
+def test_additive_mask_is_the_call_as_written_on_cuda(shape, dtype):
+    b, s, h, d = shape
+    q, k, v, mask = _operands(dtype, "cuda", b, s, h, d)
+    mask[..., 7, :] = False  # a row with no key: -65504 and -inf give different results, so the form matters
+    kwargs = {"attn_mask": mask}
+    kind = abm.sdpa_choice(q, k, v, mask, kwargs)
+    ref = dispatch_attention_fn(q, k, v, attn_mask=mask)
+    if kind not in abm._TAKEN:
+        pytest.skip(f"torch picks {SDPBackend(kind).name} here")
+    additive = abm.additive_mask(mask, kind, dtype)
+    assert abm.sdpa_choice(q, k, v, additive, kwargs) == kind
+    out = torch.full_like(ref, float("nan"))
+    out.copy_(dispatch_attention_fn(q, k, v, attn_mask=additive))
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
