@@ -35,7 +35,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .attention_gqa import _dispatch_module, _native
+from .attention_gqa import native_call_reason
 from .attention_seq_major import _backends
 
 _KEYWORDS = frozenset({"attn_mask", "backend", "parallel_config", "dropout_p", "is_causal", "scale", "enable_gqa"})
@@ -86,17 +86,10 @@ def _kernel(dispatch, q, k, v, hold: Hold, arguments: tuple) -> torch.Tensor:
 
 
 def _guard(dispatch, q, k, v, hold, arguments: tuple, check_pointers: bool = True) -> str | None:
-    if torch.compiler.is_compiling():
-        return "traced by torch.compile"
-    module = _dispatch_module()
-    if dispatch is not module.dispatch_attention_fn:
-        return "attention is not diffusers' dispatch_attention_fn"
     kwargs = dict(arguments)
-    if (not set(kwargs) <= _KEYWORDS or kwargs.get("parallel_config") is not None
-            or kwargs.get("dropout_p", 0.0) != 0.0):
-        return "arguments"
-    if not _native(module, kwargs.get("backend")):
-        return "attention backend not native"
+    reason = native_call_reason(dispatch, kwargs, _KEYWORDS)
+    if reason is not None:
+        return reason
     mask = kwargs.get("attn_mask")
     if not (isinstance(mask, torch.Tensor) and mask.dtype is torch.bool and mask.dim() == 4):
         return "not a 4-D boolean mask"

@@ -60,18 +60,32 @@ def _native(module, backend) -> bool:
     return backend == names.NATIVE or (isinstance(backend, str) and backend == names.NATIVE.value)
 
 
-def _guard(dispatch, q, k, v, groups, arguments: tuple, check_pointers: bool = True) -> str | None:
+def native_call_reason(dispatch, kwargs: dict, keywords: frozenset) -> str | None:
+    """Why ``dispatch(q, k, v, **kwargs)`` is not diffusers' ``dispatch_attention_fn`` on its native backend (torch's
+    SDPA) with only `keywords` passed, no parallel config and no dropout, or ``None`` (the attention ops' shared
+    part of their guards)."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
     module = _dispatch_module()
-    if dispatch is not module.dispatch_attention_fn or not getattr(module, "_CAN_USE_FLEX_ATTN", False):
+    if dispatch is not module.dispatch_attention_fn:
         return "attention is not diffusers' dispatch_attention_fn"
-    kwargs = dict(arguments)
-    if (not set(kwargs) <= _KEYWORDS or kwargs.get("parallel_config") is not None
-            or kwargs.get("dropout_p", 0.0) != 0.0 or kwargs.get("is_causal", False) is not False):
+    if (not set(kwargs) <= keywords or kwargs.get("parallel_config") is not None
+            or kwargs.get("dropout_p", 0.0) != 0.0):
         return "arguments"
     if not _native(module, kwargs.get("backend")):
         return "attention backend not native"
+    return None
+
+
+def _guard(dispatch, q, k, v, groups, arguments: tuple, check_pointers: bool = True) -> str | None:
+    kwargs = dict(arguments)
+    reason = native_call_reason(dispatch, kwargs, _KEYWORDS)
+    if reason is not None:
+        return reason
+    if not getattr(_dispatch_module(), "_CAN_USE_FLEX_ATTN", False):  # (a diffusers that passes enable_gqa on)
+        return "attention is not diffusers' dispatch_attention_fn"
+    if kwargs.get("is_causal", False) is not False:
+        return "arguments"
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return "shape"
     if type(groups) is not int or groups < 2 or k.shape != v.shape or q.shape[2] != groups * k.shape[2]:
