@@ -122,6 +122,15 @@ def _kl_vae(seed: int, latent_channels: int, dtype=torch.float32):
     return _random(vae, seed)
 
 
+def _flux2_vae(seed: int, latent_channels: int):
+    """AutoencoderKLFlux2 (FLUX.2's, which FLUX.3 and Bria FIBO 2 decode with), 4 blocks of 8 channels: /8 as
+    published; its BatchNorm over the 2x2-patchified latents keeps its running statistics (mean 0, variance 1)."""
+    from diffusers import AutoencoderKLFlux2
+
+    return _random(AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), latent_channels=latent_channels,
+                                      norm_num_groups=4, layers_per_block=1), seed)
+
+
 def _dc_vae(seed: int, latent_channels: int):
     # AutoencoderDC (Sana's DC-AE) at diffusers' test size: 2 stages, so /2 (the published one is /32)
     from diffusers import AutoencoderDC
@@ -442,6 +451,23 @@ def _krea2():
                       height=64, width=64, num_inference_steps=_STEPS, guidance_scale=3.5, output_type="pt")
 
 
+def _bria_fibo2():
+    # BriaFibo2Pipeline, an edit (the image to edit through the VAE: its tokens the transformer's clean context, with
+    # the per-token noise mask): one text bundle for the Perceiver plus one per injection block (B, bundles, L, C)
+    # with a boolean mask (none for the unpadded negative prompt), CFG as two forwards; the AutoencoderKLFlux2
+    from diffusers import BriaFibo2Pipeline, FlowMatchEulerDiscreteScheduler
+
+    transformer = build("bria-fibo2")
+    cfg = transformer.config
+    pipe = BriaFibo2Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
+                             vae=_flux2_vae(181, cfg.in_channels), text_encoder=None, processor=None)
+    randn, bundles = _embeds(182), 1 + len(cfg.injection_layer_ids)
+    return pipe, dict(image=_pil(183, 64, 64), prompt_embeds=randn(1, bundles, 12, cfg.cap_feat_dim),
+                      prompt_embeds_mask=_mask(12, 3).bool(), negative_prompt_embeds=randn(1, bundles, 8,
+                      cfg.cap_feat_dim), height=64, width=64, num_inference_steps=_STEPS, guidance_scale=5.0,
+                      output_type="pt")
+
+
 def _cogview3plus():
     # CogView3PlusPipeline: T5 states (no mask), CFG batched, CogVideoX's DDIM; the AutoencoderKL
     from diffusers import CogVideoXDDIMScheduler, CogView3PlusPipeline
@@ -492,6 +518,7 @@ PIPELINES: dict[str, Callable[[], tuple]] = {
     "kandinsky6": _kandinsky6,
     "ltx2": _ltx2,
     "krea2": _krea2,
+    "bria-fibo2": _bria_fibo2,
     "cogview3plus": _cogview3plus,
     "dit": _dit,
     "latte": _latte,
