@@ -441,12 +441,18 @@ def _compiled_model(module: Any) -> nn.Module | None:
     return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else None
 
 
+def is_pipeline(obj: Any) -> bool:
+    """Whether `obj` is a diffusers pipeline: a ``DiffusionPipeline``, or a ``ModularPipeline`` (FLUX.3's only
+    pipeline is one), whose ``components`` names its models as a ``DiffusionPipeline``'s does."""
+    from diffusers import DiffusionPipeline, ModularPipeline
+
+    return isinstance(obj, (DiffusionPipeline, ModularPipeline))
+
+
 def compiled_unpatched(obj: Any) -> None:
     """Raise the model's error for a model, or a pipeline component, compiled before `patch`: patching the model
     inside the wrapper would change what it already traced."""
-    from diffusers import DiffusionPipeline
-
-    if isinstance(obj, DiffusionPipeline):
+    if is_pipeline(obj):
         for name, comp in obj.components.items():
             inner = _compiled_model(comp)
             if inner is not None and STATE_ATTR not in inner.__dict__:
@@ -460,9 +466,7 @@ def compiled_unpatched(obj: Any) -> None:
 def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
     """The ``(name, model)`` candidates of a pipeline (its ``nn.Module`` components) or a model, with a clear error
     for anything else."""
-    from diffusers import DiffusionPipeline
-
-    if isinstance(obj, DiffusionPipeline):
+    if is_pipeline(obj):
         # a component compiled after `patch` (``pipe.transformer = torch.compile(pipe.transformer)``): its model, which
         # `unpatch`, `report` and `quality` act on (`patch` refuses one compiled before: `compiled_unpatched`)
         # one model held twice (Wan 2.2 with one expert as both `transformer` and `transformer_2`): once, both names
@@ -477,8 +481,8 @@ def models_in(obj: Any) -> list[tuple[str, nn.Module]]:
         obj = _compiled_model(obj) or obj  # (patched, then compiled: its model; `patch` refuses it compiled first)
         return [(type(obj).__name__, obj)]
     raise TypeError(
-        f"diffusers_fastpath: expected a diffusers DiffusionPipeline or a model (torch.nn.Module), "
-        f"got {type(obj).__name__}."
+        f"diffusers_fastpath: expected a diffusers DiffusionPipeline or ModularPipeline, or a model "
+        f"(torch.nn.Module), got {type(obj).__name__}."
     )
 
 

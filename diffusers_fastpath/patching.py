@@ -28,6 +28,7 @@ from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay
     PatchState,
     _check_quality,
     compiled_unpatched,
+    is_pipeline,
     models_in,
     patched_models,
     register_adapter,
@@ -106,9 +107,7 @@ def _say_unet_runs_unpatched(obj: Any, found: list[tuple[str, nn.Module]]) -> No
     """A UNet pipeline whose VAE `patch` takes (Stable Diffusion 1.x/2.x, SDXL hold an ``AutoencoderKL``): patching it
     is not refused (the decode and encode run fused, exactly), but the UNet runs as diffusers wrote it: say so,
     once per pipeline class."""
-    from diffusers import DiffusionPipeline
-
-    if not isinstance(obj, DiffusionPipeline):
+    if not is_pipeline(obj):
         return
     note = _unet_note([(name, m) for name, m in models_in(obj) if not any(m is f for _, f in found)])
     if note:
@@ -119,10 +118,8 @@ def _say_unet_runs_unpatched(obj: Any, found: list[tuple[str, nn.Module]]) -> No
 def _models_of(obj: Any, *, for_patch: bool = True) -> list[tuple[str, nn.Module]]:
     """The (name, model) pairs `patch` acts on (``for_patch``: with a clear error for an unsupported object), or
     those a pipeline holds that `patch` could act on or did."""
-    from diffusers import DiffusionPipeline
-
     candidates = models_in(obj)
-    if isinstance(obj, DiffusionPipeline):
+    if is_pipeline(obj):
         found = [(name, comp) for name, comp in candidates if _patchable(comp) or hasattr(comp, STATE_ATTR)]
         if not found and for_patch:
             held = ", ".join(f"{name}={type(comp).__name__}" for name, comp in candidates)
@@ -182,7 +179,7 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
     patched model with another quality makes that its tier (mounting or unmounting the approximate fusions).
 
     Args:
-        obj: a ``DiffusionPipeline`` or a supported model (see `supported_classes`).
+        obj: a ``DiffusionPipeline`` or ``ModularPipeline``, or a supported model (see `supported_classes`).
         quality: the default tier. ``"lossless"`` (the default): bit-identical to unpatched diffusers. ``"high"``:
             the approximate fusions are mounted too (see `diffusers_fastpath.quality`; PSNR >= 35 dB and
             SSIM >= 0.97 against lossless on the decoded image). ``diffusers_fastpath.quality(obj, tier)`` switches

@@ -302,7 +302,7 @@ def test_clear_errors():
         fp.patch(pipe)
     with pytest.raises(ValueError, match="unknown quality tier 'ultra'"):
         fp.patch(build_flux_transformer("flux-tiny"), quality="ultra")
-    with pytest.raises(TypeError, match="expected a diffusers DiffusionPipeline or a model"):
+    with pytest.raises(TypeError, match="expected a diffusers DiffusionPipeline or ModularPipeline, or a model"):
         fp.patch("black-forest-labs/FLUX.1-dev")
     with pytest.raises(TypeError, match="patch the model first, then compile"):
         fp.patch(torch.compile(build_flux_transformer("flux-tiny")))

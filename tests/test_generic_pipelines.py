@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from diffusers import ModularPipeline
 from diffusers.hooks import HookRegistry, ModelHook
 from torch.utils import _pytree as pytree
 
@@ -23,7 +24,8 @@ NO_SITE = {"kandinsky6": "its modulate / gate chains are helper calls (apply_sca
 NO_FAST = {"cogvideox": "at batch 2 (CFG) the gates' updates are slices of the joint attention / FF output "
                         "(hidden_states[:, text_len:]): not contiguous, every gated residual falls back"}
 # classes whose every site that runs takes the fast path in the pipeline (the streams made contiguous: no fallback)
-NO_FALLBACK = ("wan-vace", "skyreels-v2", "chronoedit", "hunyuan-framepack", "cogview4")
+NO_FALLBACK = ("wan-vace", "skyreels-v2", "chronoedit", "hunyuan-framepack", "cogview4", "flux3", "qwen-image-21",
+               "ideogram4")
 
 
 class _CountCalls(ModelHook):
@@ -37,7 +39,9 @@ class _CountCalls(ModelHook):
 
 
 def _generate(pipe, call):
-    out = pipe(**call, generator=torch.Generator().manual_seed(1), return_dict=False)
+    # (a ModularPipeline returns what its call's `output` names, and takes no return_dict)
+    plain = {} if isinstance(pipe, ModularPipeline) else dict(return_dict=False)
+    out = pipe(**call, generator=torch.Generator().manual_seed(1), **plain)
     leaves = [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in pytree.tree_leaves(out)]
     leaves = [t for t in leaves if isinstance(t, torch.Tensor)]
     assert leaves, f"no tensor in the output: {type(out)}"
@@ -54,6 +58,8 @@ def test_generic_pipeline_patched_equals_unpatched(name, emulated_kernels):
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformer
     classes = {k: [type(m) for m in comp.modules()] for k, comp in _modules(pipe).items()}
+    # (Ideogram 4's pipeline holds a second transformer of the class, for its unconditional branch)
+    transformers = {k for k, comp in _modules(pipe).items() if type(comp) is type(transformer)}
     forwards = []
     # counted by a diffusers hook (an instance-level wrapper, as offloading's): a torch hook would make every call
     # run as diffusers wrote it, unchecked (`verify.foreign_hooks`); the check's reference forward passes it too
@@ -66,17 +72,18 @@ def test_generic_pipeline_patched_equals_unpatched(name, emulated_kernels):
         assert any(t.float().std() > 0 for t in ref), f"{name}: flat reference"
         fp.patch(pipe)
         try:
-            # the generic path takes the transformer only; other components only through a family adapter (the
+            # the generic path takes the transformers only; other components only through a family adapter (the
             # AutoencoderKL): no audio VAE or vocoder, whose decode no forward-level verification would see
             patched = [k for k, comp in _modules(pipe).items() if STATE_ATTR in comp.__dict__]
-            assert all(k == "transformer" or _adapter_for(pipe.components[k]) is not None for k in patched), patched
+            assert all(k in transformers or _adapter_for(pipe.components[k]) is not None for k in patched), patched
             state = transformer.__dict__.get(STATE_ATTR)
             assert state is not None and state.verifier is not None, f"{name}: not patched by the generic path"
             sites = [s for m in transformer.modules() for _, s in sites_of(m)]
             assert sites or name in NO_SITE, f"{name}: no fused site"
             forwards.clear()
             out = _generate(pipe, call)
-            assert STATE_ATTR in transformer.__dict__, f"{name}: unpatched by its verification"
+            assert all(STATE_ATTR in pipe.components[k].__dict__ for k in patched), \
+                f"{name}: unpatched by its verification"
             assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref)), \
                 f"{name}: patched generation differs from unpatched"
             verified = len(state.verifier.verified)

@@ -1,5 +1,6 @@
 """Tiny offline pipelines around the zoo's transformers: each diffusers pipeline of a zoo class that builds on a CPU
-without a text encoder, for a short generation patched against unpatched (issue 39's "2-step pipeline" check).
+without a text encoder, for a short generation patched against unpatched (issue 39's "2-step pipeline" check; issue
+40's for the 2026 families).
 
 Each builder returns ``(pipe, call)``: the pipeline holding the zoo's tiny transformer (`zoo.build`, random weights),
 a tiny random VAE of the pipeline's own class (every parameter drawn by `randomize_`), the pipeline's scheduler, no
@@ -10,9 +11,15 @@ image (an image-to-video's CLIP or SigLIP encoder), a tiny random image encoder 
 config, stand in for the published one; where it needs other models around the transformer (LTX-2's text
 connectors, Kandinsky 6's audio VAE and vocoder), tiny random ones of their classes.
 
-Not here: QwenImage21Pipeline (its ``__init__`` tokenizes its system prompt with the Qwen3-VL processor, so it
-cannot be built without a tokenizer) and Ideogram4Pipeline (its ``__call__`` takes no prompt embeddings: it always
-runs its text encoder).
+A class whose pipeline is a ``ModularPipeline`` (FLUX.3, whose only pipeline is one; Qwen-Image 2.1 and Ideogram 4,
+whose ``DiffusionPipeline`` cannot be built offline) gets it from its auto blocks with the steps that run a text
+encoder (and a prompt upsampler) removed: its embeddings enter as the denoise steps' inputs. Such a pipeline returns
+its state unless asked for a value: its call names ``output="images"``, and takes no ``return_dict``.
+
+Not here: QwenImage21Pipeline (its ``__init__`` tokenizes its system prompt with the Qwen3-VL processor,
+``processor.apply_chat_template`` and ``processor.tokenizer.encode("<|image_pad|>")``, so it cannot be built without a
+tokenizer, though its ``__call__`` takes prompt embeddings) and Ideogram4Pipeline (its ``__call__`` takes no prompt
+embeddings: it always runs its tokenizer and text encoder, ``encode_prompt``); their modular pipelines stand in.
 
 Example:
     >>> import torch
@@ -90,6 +97,16 @@ def _pil(seed: int, height: int, width: int):
     return PIL.Image.fromarray(pixels.numpy())
 
 
+def _modular(blocks, drop: tuple[str, ...], **components):
+    """The ModularPipeline of `blocks` (a family's auto blocks) without its steps named in `drop` (those that run a
+    text encoder or a prompt upsampler: the embeddings enter as the denoise steps' inputs), holding `components`."""
+    for step in drop:
+        blocks.sub_blocks.pop(step)
+    pipe = blocks.init_pipeline()
+    pipe.update_components(**components)
+    return pipe
+
+
 # ---------------------------------------------------------------- VAEs and image encoders
 
 def _wan_vae(seed: int, z_dim: int = 16):
@@ -122,6 +139,15 @@ def _kl_vae(seed: int, latent_channels: int, dtype=torch.float32):
     return _random(vae, seed)
 
 
+def _flux2_vae(seed: int, latent_channels: int):
+    """AutoencoderKLFlux2 (FLUX.2's, which FLUX.3 and Bria FIBO 2 decode with), 4 blocks of 8 channels: /8 as
+    published; its BatchNorm over the 2x2-patchified latents keeps its running statistics (mean 0, variance 1)."""
+    from diffusers import AutoencoderKLFlux2
+
+    return _random(AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), latent_channels=latent_channels,
+                                      norm_num_groups=4, layers_per_block=1), seed)
+
+
 def _dc_vae(seed: int, latent_channels: int):
     # AutoencoderDC (Sana's DC-AE) at diffusers' test size: 2 stages, so /2 (the published one is /32)
     from diffusers import AutoencoderDC
@@ -143,6 +169,17 @@ def _cogvideox_vae(seed: int, latent_channels: int):
         block_out_channels=(8, 8, 8, 8), down_block_types=("CogVideoXDownBlock3D",) * 4,
         up_block_types=("CogVideoXUpBlock3D",) * 4, latent_channels=latent_channels, layers_per_block=1,
         norm_num_groups=2, temporal_compression_ratio=4), seed)
+
+
+def _qwen21_vae(seed: int, z_dim: int):
+    # AutoencoderKLQwenImage21 at a test size: /16 spatial (its 4 downsamples), its default latents mean / std (64
+    # channels) and image channels (4)
+    from diffusers import AutoencoderKLQwenImage21
+
+    vae = AutoencoderKLQwenImage21(base_dim=4, decoder_base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1, 1],
+                                   num_res_blocks=1)
+    assert len(vae.config.latents_mean) == z_dim
+    return _random(vae, seed)
 
 
 def _qwen_vae(seed: int, z_dim: int = 16):
@@ -442,6 +479,82 @@ def _krea2():
                       height=64, width=64, num_inference_steps=_STEPS, guidance_scale=3.5, output_type="pt")
 
 
+def _bria_fibo2():
+    # BriaFibo2Pipeline, an edit (the image to edit through the VAE: its tokens the transformer's clean context, with
+    # the per-token noise mask): one text bundle for the Perceiver plus one per injection block (B, bundles, L, C)
+    # with a boolean mask (none for the unpadded negative prompt), CFG as two forwards; the AutoencoderKLFlux2
+    from diffusers import BriaFibo2Pipeline, FlowMatchEulerDiscreteScheduler
+
+    transformer = build("bria-fibo2")
+    cfg = transformer.config
+    pipe = BriaFibo2Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
+                             vae=_flux2_vae(181, cfg.in_channels), text_encoder=None, processor=None)
+    randn, bundles = _embeds(182), 1 + len(cfg.injection_layer_ids)
+    return pipe, dict(image=_pil(183, 64, 64), prompt_embeds=randn(1, bundles, 12, cfg.cap_feat_dim),
+                      prompt_embeds_mask=_mask(12, 3).bool(), negative_prompt_embeds=randn(1, bundles, 8,
+                      cfg.cap_feat_dim), height=64, width=64, num_inference_steps=_STEPS, guidance_scale=5.0,
+                      output_type="pt")
+
+
+def _flux3():
+    # FLUX.3's modular pipeline (Flux3AutoBlocks without the prompt upsampler and text encoder steps), image to image:
+    # the reference through the VAE (its tokens run the image_cond mode blocks), stacked Qwen3-VL layer states, CFG
+    # through its guider (two forwards); 2x2-packed latents decoded by the AutoencoderKLFlux2
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
+
+    transformer = build("flux3")
+    cfg = transformer.config
+    pipe = _modular(Flux3AutoBlocks(), ("prompt_upsampler", "text_encoder"), transformer=transformer,
+                    vae=_flux2_vae(191, cfg.in_channels // 4), scheduler=FlowMatchEulerDiscreteScheduler(),
+                    guider=ClassifierFreeGuidance(guidance_scale=4.0))
+    randn = _embeds(192)
+    return pipe, dict(image=_pil(193, 64, 64), prompt_embeds=randn(1, 12, cfg.joint_attention_dim),
+                      negative_prompt_embeds=randn(1, 8, cfg.joint_attention_dim), height=64, width=64,
+                      num_inference_steps=_STEPS, output_type="pt", output="images")
+
+
+def _qwen_image21():
+    # Qwen-Image 2.1's modular pipeline (QwenImage21AutoBlocks without the text and VAE encoder steps), text to image:
+    # Qwen3-VL states with long masks and their (here empty) vision-position masks, CFG through its guider (two
+    # forwards), each branch's first forward prefilling its text KV cache ("extract") and the next reading it
+    # ("cached"); prompt and negative prompt padded to one length, as their calls then share signatures
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.modular_pipelines.qwenimage21 import QwenImage21AutoBlocks
+
+    transformer = build("qwen-image-21")
+    cfg = transformer.config
+    pipe = _modular(QwenImage21AutoBlocks(), ("text_encoder", "vae_encoder"), transformer=transformer,
+                    vae=_qwen21_vae(201, cfg.in_channels), scheduler=FlowMatchEulerDiscreteScheduler(),
+                    guider=ClassifierFreeGuidance(guidance_scale=4.0))
+    randn, no_vision = _embeds(202), torch.zeros(1, 12, dtype=torch.bool)
+    return pipe, dict(prompt_embeds=randn(1, 12, cfg.context_in_dim), prompt_embeds_mask=_mask(12, 3),
+                      image_pad_mask=no_vision, negative_prompt_embeds=randn(1, 12, cfg.context_in_dim),
+                      negative_prompt_embeds_mask=_mask(12, 7), negative_image_pad_mask=no_vision, height=64,
+                      width=64, num_inference_steps=_STEPS, output_type="pt", output="images")
+
+
+def _ideogram4():
+    # Ideogram 4's modular pipeline (Ideogram4AutoBlocks without the prompt upsampling and text encoder steps): the
+    # tapped Qwen3-VL features of a left-padded prompt (float32, zero over the padding) and its length, packed by the
+    # pipeline into [pad | text | image] with segment ids and indicators; asymmetric CFG over a second (unconditional)
+    # transformer on the image tokens alone, a guidance weight per step; the AutoencoderKLFlux2
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines.ideogram4 import Ideogram4AutoBlocks
+
+    transformer = build("ideogram4")
+    cfg = transformer.config
+    pipe = _modular(Ideogram4AutoBlocks(), ("prompt_upsample", "text_encoder"), transformer=transformer,
+                    unconditional_transformer=randomize_(build("ideogram4"), 211),
+                    vae=_flux2_vae(212, cfg.in_channels // 4), scheduler=FlowMatchEulerDiscreteScheduler())
+    features = _embeds(213, torch.float32)(1, 16, cfg.llm_features_dim)
+    features[:, :6] = 0  # 10 prompt tokens, left-padded to 16
+    return pipe, dict(text_features=features, text_lengths=[10], height=64, width=64, num_inference_steps=_STEPS,
+                      guidance_schedule=[7.0, 3.0], output_type="pt", output="images")
+
+
 def _cogview3plus():
     # CogView3PlusPipeline: T5 states (no mask), CFG batched, CogVideoX's DDIM; the AutoencoderKL
     from diffusers import CogVideoXDDIMScheduler, CogView3PlusPipeline
@@ -492,6 +605,10 @@ PIPELINES: dict[str, Callable[[], tuple]] = {
     "kandinsky6": _kandinsky6,
     "ltx2": _ltx2,
     "krea2": _krea2,
+    "bria-fibo2": _bria_fibo2,
+    "flux3": _flux3,
+    "qwen-image-21": _qwen_image21,
+    "ideogram4": _ideogram4,
     "cogview3plus": _cogview3plus,
     "dit": _dit,
     "latte": _latte,
