@@ -314,7 +314,8 @@ __device__ __forceinline__ void rmsnorm_plain64(const RmsNormScaleShiftArgs& a) 
 }
 
 // Rows of 128 (the QK norms of head_dim 128: Qwen-Image's and Z-Image's with their complex rotary, HunyuanVideo's),
-// not gated: one quad per lane, so a warp per row held one 8-byte load per lane in flight; here each warp takes
+// not gated nor indexed (whose table row per row would raise the whole kernel's registers: 56 against 40): one quad
+// per lane, so a warp per row held one 8-byte load per lane in flight; here each warp takes
 // kRows128PerWarp consecutive rows and loads them all before reducing any (the sums and their order are the
 // warp-per-row path's: lane l's four accumulators 0 + sq[4l + j], ((a_0 + a_1) + a_2) + a_3, the shuffle-down tree).
 constexpr int kRows128PerWarp = 4;
@@ -355,7 +356,7 @@ __device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) 
 
 // Rows per block of launch(): the row-length paths above take several rows per warp.
 __host__ __device__ inline int64_t rows_per_block(const RmsNormScaleShiftArgs& a) {
-  if (!a.gated && a.dim == 128) return kRows128PerBlock;
+  if (!a.gated && a.dim == 128 && !is_indexed(a.epilogue)) return kRows128PerBlock;
   if (a.epilogue == RmsEpilogue::kPlain && a.dim == 64) return kRows64PerBlock;
   return kWarpsPerBlock;
 }
@@ -364,7 +365,7 @@ template <typename T, bool kGated, RmsEpilogue kEpilogue>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kernel(RmsNormScaleShiftArgs a) {
   static_assert(!kGated || kEpilogue == RmsEpilogue::kScaleShift, "the gated prologue is ERNIE-Image's alone");
   if constexpr (!kGated) {  // launched with rows_per_block(a) rows per block
-    if (a.dim == 128) return rmsnorm_rows128<T, kEpilogue>(a);
+    if (a.dim == 128 && !is_indexed(kEpilogue)) return rmsnorm_rows128<T, kEpilogue>(a);
     if (kEpilogue == RmsEpilogue::kPlain && a.dim == 64) return rmsnorm_plain64<T>(a);
   }
   const int lane = threadIdx.x & 31;

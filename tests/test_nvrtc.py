@@ -676,6 +676,10 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert (a.a.gate.ptr, a.a.gate.stride_s, a.a.gate.stride_b) == (table.data_ptr(), 2 * dim, 0)
     assert (a.a.residual.ptr, a.a.x.ptr, a.a.index, a.a.table_rows) == (
         xs[2].data_ptr(), xs[0].data_ptr(), index.data_ptr(), 4)
+    # (rows of 128: one a warp, as every indexed row; the rows-of-128 path is not theirs: rows_per_block)
+    rmsnorm_mod._nvrtc_scale_rows_kernel(_bf16(1000, 1, 128), _bf16(128), _bf16(4, 128),
+                                         torch.zeros(1000, 1, dtype=torch.int32), 1e-5)
+    assert captured_launches[-1][2] == (125, 1, 1)
 
     # rotary with the norm and a text part; without a text part
     x_img, x_txt = _bf16(1, 17, 3, 64), _bf16(1, 5, 3, 64)

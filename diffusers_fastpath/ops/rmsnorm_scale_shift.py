@@ -223,6 +223,7 @@ _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P
                       ("sin", _ROWS), ("weight", "P"), ("seq", "q"), ("batch", "q"), ("dim", "q"), ("heads", "q"),
                       ("tokens", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"),
                       ("index", "P"), ("table_rows", "q"))
+_INDEXED = (SCALE_ROWS, GATED_RESIDUAL_ROWS)  # is_indexed(): no rows-of-128 path (one row a warp at any width)
 _VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL), (False, ROPE_COMPLEX),
              (False, ROPE_REAL), (False, PLAIN), (False, MODULATE), (False, ROPE_COMPLEX128), (False, SCALE_ROWS),
              (False, GATED_RESIDUAL_ROWS))
@@ -272,7 +273,7 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
     if not gated and epilogue == PLAIN and dim > _WARP_ROW_WIDEST:
         kernel, key, grid, block = _NVRTC_WIDE, x.dtype, (rows, 1, 1), (_WIDE_THREADS, 1, 1)
     else:
-        per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 else
+        per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 and epilogue not in _INDEXED else
                      _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK)
         kernel, key = _NVRTC, (x.dtype, gated, epilogue)
         grid, block = ((rows + per_block - 1) // per_block, 1, 1), (_WARPS_PER_BLOCK * 32, 1, 1)
