@@ -368,14 +368,40 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
               "rmsnorm_scale_shift: ", name, " rows must be 8-byte aligned");
 }
 
+// The indexed epilogues' operand (kScaleRows, kGatedResidualRows): a [rows, dim] table of x's dtype and device, unit
+// innermost stride, rows 8-byte aligned, and the int32 [seq, batch] index of x's rows into it (its values are checked
+// in the kernel, which traps on one outside the table).
+struct IndexedTable {
+  Rows rows;  // the table as the epilogue reads it: row t at ptr + t * stride_s
+  const int32_t* index;
+  int64_t table_rows;
+};
+
+IndexedTable indexed_table(const at::Tensor& table, const at::Tensor& index, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 3, op, ": x must be three-dimensional, got ", shape_str(x.sizes()));
+  check_row_index(index, x, op);
+  TORCH_CHECK(table.dim() == 2 && table.size(0) > 0 && table.size(1) == x.size(2) && table.stride(1) == 1 &&
+                  (table.size(0) == 1 || table.stride(0) % 4 == 0) &&
+                  reinterpret_cast<uintptr_t>(table.data_ptr()) % 8 == 0,
+              op, ": the table must be [rows, dim] with unit innermost stride and 8-byte aligned rows, got ",
+              shape_str(table.sizes()));
+  TORCH_CHECK(table.scalar_type() == x.scalar_type() && table.device() == x.device(), op,
+              ": the table must match x in dtype and device");
+  return IndexedTable{Rows{table.data_ptr(), table.stride(0), 0}, index.data_ptr<int32_t>(), table.size(0)};
+}
+
 // One launcher for every variant: `update` given is ERNIE-Image's gated prologue (with `gate` and `residual_out`);
-// `scale`/`shift`/`gate`/`residual` are the epilogue's operands (fastpath.h's RmsEpilogue says which it reads).
+// `scale`/`shift`/`gate`/`residual` are the epilogue's operands (fastpath.h's RmsEpilogue says which it reads); the
+// indexed epilogues' scale (gate) is `indexed`'s table instead.
 void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_out, const at::Tensor& x,
                     const std::optional<at::Tensor>& gate, const std::optional<at::Tensor>& update,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& scale,
                     const std::optional<at::Tensor>& shift, const std::optional<at::Tensor>& residual,
                     RmsEpilogue epilogue, double eps, Rows freqs = Rows{nullptr, 0, 0}, int64_t heads = 1,
-                    int64_t tokens = 1, Rows sin = Rows{nullptr, 0, 0}) {
+                    int64_t tokens = 1, Rows sin = Rows{nullptr, 0, 0}, const IndexedTable* indexed = nullptr) {
+  const bool indexed_epilogue = epilogue == RmsEpilogue::kScaleRows || epilogue == RmsEpilogue::kGatedResidualRows;
+  TORCH_CHECK((indexed != nullptr) == indexed_epilogue,
+              "rmsnorm_scale_shift: the indexed epilogues take an indexed table, the others none");
   TORCH_CHECK(x.is_cuda(), "rmsnorm_scale_shift: x must be a CUDA tensor");
   check_rows(x, x, "x");
   const int64_t dim = x.size(2);
@@ -429,6 +455,13 @@ void rmsnorm_launch(at::Tensor& out, const std::optional<at::Tensor>& residual_o
   args.gated = gated;
   args.dtype = to_dtype(x);
   args.epilogue = epilogue;
+  args.index = nullptr;
+  args.table_rows = 0;
+  if (indexed != nullptr) {
+    (epilogue == RmsEpilogue::kScaleRows ? args.scale : args.gate) = indexed->rows;
+    args.index = indexed->index;
+    args.table_rows = indexed->table_rows;
+  }
   const cudaError_t err = launch_rmsnorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "rmsnorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -499,6 +532,26 @@ at::Tensor rmsnorm_gated_residual(const at::Tensor& residual, const at::Tensor& 
                                   const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty(x.sizes(), x.options());
   rmsnorm_gated_residual_out(out, residual, gate, x, weight, eps);
+  return out;
+}
+
+// Bria FIBO 2's and Z-Image's per-token rows (select_per_token): the scale (gate) of x's row (b, s) is row
+// index[b, s] of the [rows, dim] table (the rows the model's torch.where picks, never written out).
+at::Tensor rmsnorm_scale_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& table,
+                              const at::Tensor& index, double eps) {
+  const IndexedTable indexed = indexed_table(table, index, x, "rmsnorm_scale_rows");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, std::nullopt, std::nullopt, std::nullopt,
+                 RmsEpilogue::kScaleRows, eps, Rows{nullptr, 0, 0}, 1, 1, Rows{nullptr, 0, 0}, &indexed);
+  return out;
+}
+
+at::Tensor rmsnorm_gated_residual_rows(const at::Tensor& residual, const at::Tensor& table, const at::Tensor& index,
+                                       const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const IndexedTable indexed = indexed_table(table, index, x, "rmsnorm_gated_residual_rows");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rmsnorm_launch(out, std::nullopt, x, std::nullopt, std::nullopt, weight, std::nullopt, std::nullopt, residual,
+                 RmsEpilogue::kGatedResidualRows, eps, Rows{nullptr, 0, 0}, 1, 1, Rows{nullptr, 0, 0}, &indexed);
   return out;
 }
 
@@ -754,6 +807,10 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "Tensor");
   m.def("_rmsnorm_plain_cuda(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("_rmsnorm_gated_residual_cuda(Tensor residual, Tensor gate, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("_rmsnorm_scale_rows_cuda(Tensor x, Tensor weight, Tensor table, Tensor index, float eps) -> Tensor");
+  m.def(
+      "_rmsnorm_gated_residual_rows_cuda(Tensor residual, Tensor table, Tensor index, Tensor x, Tensor weight, "
+      "float eps) -> Tensor");
   m.def(
       "_rmsnorm_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor x, Tensor weight, "
       "float eps) -> ()");
@@ -799,6 +856,8 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_rmsnorm_rope_real_cuda", &diffusers_fastpath::rmsnorm_rope_real);
   m.impl("_rmsnorm_plain_cuda", &diffusers_fastpath::rmsnorm_plain);
   m.impl("_rmsnorm_gated_residual_cuda", &diffusers_fastpath::rmsnorm_gated_residual);
+  m.impl("_rmsnorm_scale_rows_cuda", &diffusers_fastpath::rmsnorm_scale_rows);
+  m.impl("_rmsnorm_gated_residual_rows_cuda", &diffusers_fastpath::rmsnorm_gated_residual_rows);
   m.impl("_rmsnorm_gated_residual_cuda_out", &diffusers_fastpath::rmsnorm_gated_residual_out);
   m.impl("_layernorm_scale_shift_cuda", &diffusers_fastpath::layernorm_scale_shift);
   m.impl("_layernorm_scale_shift_cuda_out", &diffusers_fastpath::layernorm_scale_shift_out);

@@ -156,8 +156,11 @@ enum class RmsEpilogue : int32_t {
   kPlain = 5,          // SD3's QK norms: out = y
   kModulate = 6,       // LTX-Video: out = round(round(y * round(1 + scale)) + shift); the weight optional (none:
                        // y = round(x * rstd))
-  kRopeComplex128 = 7  // Lumina2's QK norms + complex rotary by complex128 factors: kRopeComplex in double, then
-                       // round(float(...))
+  kRopeComplex128 = 7,  // Lumina2's QK norms + complex rotary by complex128 factors: kRopeComplex in double, then
+                        // round(float(...))
+  kScaleRows = 8,         // Bria FIBO 2, Z-Image (select_per_token rows): kScale, the scale row of norm row r being
+                          // row index[r] of a [table_rows, dim] table
+  kGatedResidualRows = 9  // ... kGatedResidual, the gate row of norm row r being row index[r] of the table
 };
 
 // diffusers RMSNorm followed by an epilogue:
@@ -168,11 +171,11 @@ struct RmsNormScaleShiftArgs {
   void* out;           // [seq, batch, dim], contiguous
   void* residual_out;  // [seq, batch, dim], contiguous; gated only
   Rows x;              // the norm input, or the residual when gated
-  Rows gate;           // gated: the gate before the norm; kGatedResidual: the gate after it
+  Rows gate;           // gated: the gate before the norm; kGatedResidual(Rows): the gate after it
   Rows update;         // gated only
-  Rows scale;          // kScaleShift, kScale
+  Rows scale;          // kScaleShift, kScale(Rows)
   Rows shift;          // kScaleShift
-  Rows residual;       // kGatedResidual: the stream the gated norm is added to
+  Rows residual;       // kGatedResidual(Rows): the stream the gated norm is added to
   Rows freqs;          // kRopeComplex(128): complex64 (complex128) (cos, sin) pairs, row (t, b) of [batch or 1, tokens, dim / 2] at
                        // t * stride_s + b * stride_b (in pairs), for norm row r: t = (r / heads) % tokens,
                        // b = r / (heads * tokens); kRopeReal: the float32 cos table [tokens, dim] (stride_s in floats)
@@ -188,6 +191,9 @@ struct RmsNormScaleShiftArgs {
   bool gated;
   DType dtype;
   RmsEpilogue epilogue;
+  const int32_t* index;  // kScaleRows, kGatedResidualRows: [seq * batch], norm row r's table row (else null); the
+                         // table is `scale` (`gate`) with its row stride as stride_s
+  int64_t table_rows;    // ... the table's rows: an index outside [0, table_rows) traps
 };
 
 #ifndef __CUDACC_RTC__

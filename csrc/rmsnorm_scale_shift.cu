@@ -27,6 +27,11 @@
 //   kPlain:         out = y                                    (SD3's QK norms: the norm alone)
 //   kModulate:      out = round_T(round_T(y * round_T(1 + scale)) + shift)   (LTX-Video: norm(x) * (1 + scale) + shift,
 //                   all T, scale and shift per-token rows; its norms have no weight: y = round_T(x * rstd))
+//   kScaleRows, kGatedResidualRows: kScale and kGatedResidual with the scale (gate) of norm row r read from row
+//                   index[r] of a [table_rows, dim] table (Bria FIBO 2's and Z-Image's select_per_token rows: the
+//                   torch.where of a sample's noisy or clean row per token, never written out). Values move, nothing
+//                   is computed: the same products and sums. An index outside the table traps (the caller builds it
+//                   from the mask, in range; nothing is read out of bounds all the same).
 //
 // The sum reproduces aten's reduce kernel (Reduce.cuh, setReduceConfig) for a contiguous fp32 [R, D] input
 // reduced over its last dimension, with D/4 > 128, D/32 < 256 and R >= 16: input vectorised by 4, block (32, 16)
@@ -93,13 +98,15 @@ __device__ __forceinline__ float warp_rstd(const float (&acc)[4], const RmsNormS
   return rstd_of(__shfl_sync(0xffffffffu, warp_total(acc), 0), a);
 }
 
-// Where norm row `row` (= s * batch + b) lies: its (s, b), and for the rotary epilogues its table row (token,
+// Where norm row `row` (= s * batch + b) lies: its (s, b), for the rotary epilogues its table row (token,
 // fb; head = its place among the token's heads), for norm row r: token = (r / heads) % tokens,
-// fb = r / (heads * tokens). Found by division once, then stepped row by row: the divisions are index arithmetic,
-// not the data's, and at one quad per lane (rows of 128) they cost more issue slots than the norm itself.
+// fb = r / (heads * tokens), and for the indexed epilogues the table row it reads (pick = index[r]). Found by
+// division once, then stepped row by row: the divisions are index arithmetic, not the data's, and at one quad per
+// lane (rows of 128) they cost more issue slots than the norm itself.
 struct RowAt {
   int64_t s, b;
   int64_t head, token, fb;
+  int64_t pick;
 };
 
 // The epilogues that read a rotary table row per norm row.
@@ -107,18 +114,36 @@ __host__ __device__ constexpr bool is_rotary(RmsEpilogue e) {
   return e == RmsEpilogue::kRopeComplex || e == RmsEpilogue::kRopeComplex128 || e == RmsEpilogue::kRopeReal;
 }
 
+// The epilogues that read their scale (gate) row through the index.
+__host__ __device__ constexpr bool is_indexed(RmsEpilogue e) {
+  return e == RmsEpilogue::kScaleRows || e == RmsEpilogue::kGatedResidualRows;
+}
+
+// The indexed epilogues' table row of norm row `row`, read once per row; an index outside [0, table_rows) traps.
+template <RmsEpilogue kEpilogue>
+__device__ __forceinline__ void pick_row(const RmsNormScaleShiftArgs& a, RowAt& at, int64_t row) {
+  if constexpr (is_indexed(kEpilogue)) {
+    if (row < a.seq * a.batch) {  // (none past the last row: the row loops step `at` once beyond it)
+      const int32_t t = a.index[row];
+      if (t < 0 || t >= a.table_rows) __trap();
+      at.pick = t;
+    }
+  }
+}
+
 template <RmsEpilogue kEpilogue>
 __device__ __forceinline__ RowAt row_at(const RmsNormScaleShiftArgs& a, int64_t row) {
   RowAt at;
   at.s = row / a.batch;
   at.b = row - at.s * a.batch;
-  at.head = at.token = at.fb = 0;
+  at.head = at.token = at.fb = at.pick = 0;
   if constexpr (is_rotary(kEpilogue)) {
     const int64_t t = row / a.heads;
     at.head = row - t * a.heads;
     at.fb = t / a.tokens;
     at.token = t - at.fb * a.tokens;
   }
+  pick_row<kEpilogue>(a, at, row);
   return at;
 }
 
@@ -129,6 +154,7 @@ __device__ __forceinline__ void next_row(const RmsNormScaleShiftArgs& a, RowAt& 
     at.b = 0;
     ++at.s;
   }
+  pick_row<kEpilogue>(a, at, at.s * a.batch + at.b);
   if constexpr (is_rotary(kEpilogue)) {
     if (++at.head == a.heads) {
       at.head = 0;
@@ -137,6 +163,17 @@ __device__ __forceinline__ void next_row(const RmsNormScaleShiftArgs& a, RowAt& 
         ++at.fb;
       }
     }
+  }
+}
+
+// The scale's (gate's) four values at quad q for the row at `at`: those of its row (s, b), or, for the indexed
+// epilogues, of table row at.pick (the table's row stride is its stride_s).
+template <typename T, RmsEpilogue kEpilogue>
+__device__ __forceinline__ Quad<T> row_operand(const Rows& r, const RowAt& at, int64_t q) {
+  if constexpr (is_indexed(kEpilogue)) {
+    return load_quad<T>(r, at.pick, 0, q);
+  } else {
+    return load_quad<T>(r, at.s, at.b, q);
   }
 }
 
@@ -155,8 +192,8 @@ __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, cons
       const float one_plus_scale = __fadd_rn(1.0f, Storage<T>::load(sc.v[j]));
       o.v[j] = Storage<T>::store(__fadd_rn(__fmul_rn(weighted, one_plus_scale), Storage<T>::load(sh.v[j])));
     }
-  } else if constexpr (kEpilogue == RmsEpilogue::kScale) {
-    const Quad<T> sc = load_quad<T>(a.scale, s, b, q);
+  } else if constexpr (kEpilogue == RmsEpilogue::kScale || kEpilogue == RmsEpilogue::kScaleRows) {
+    const Quad<T> sc = row_operand<T, kEpilogue>(a.scale, at, q);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       o.v[j] = Storage<T>::store(__fmul_rn(weighted_norm<T>(xq.v[j], rstd, w.v[j]), Storage<T>::load(sc.v[j])));
@@ -204,8 +241,8 @@ __device__ __forceinline__ Quad<T> epilogue(const RmsNormScaleShiftArgs& a, cons
       const float one_plus_scale = round_to<T>(__fadd_rn(1.0f, Storage<T>::load(sc.v[j])));
       o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(y, one_plus_scale)), Storage<T>::load(sh.v[j])));
     }
-  } else {  // kGatedResidual
-    const Quad<T> g = load_quad<T>(a.gate, s, b, q);
+  } else {  // kGatedResidual, kGatedResidualRows
+    const Quad<T> g = row_operand<T, kEpilogue>(a.gate, at, q);
     const Quad<T> r = load_quad<T>(a.residual, s, b, q);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -277,7 +314,8 @@ __device__ __forceinline__ void rmsnorm_plain64(const RmsNormScaleShiftArgs& a) 
 }
 
 // Rows of 128 (the QK norms of head_dim 128: Qwen-Image's and Z-Image's with their complex rotary, HunyuanVideo's),
-// not gated: one quad per lane, so a warp per row held one 8-byte load per lane in flight; here each warp takes
+// not gated nor indexed (whose table row per row would raise the whole kernel's registers: 56 against 40): one quad
+// per lane, so a warp per row held one 8-byte load per lane in flight; here each warp takes
 // kRows128PerWarp consecutive rows and loads them all before reducing any (the sums and their order are the
 // warp-per-row path's: lane l's four accumulators 0 + sq[4l + j], ((a_0 + a_1) + a_2) + a_3, the shuffle-down tree).
 constexpr int kRows128PerWarp = 4;
@@ -318,7 +356,7 @@ __device__ __forceinline__ void rmsnorm_rows128(const RmsNormScaleShiftArgs& a) 
 
 // Rows per block of launch(): the row-length paths above take several rows per warp.
 __host__ __device__ inline int64_t rows_per_block(const RmsNormScaleShiftArgs& a) {
-  if (!a.gated && a.dim == 128) return kRows128PerBlock;
+  if (!a.gated && a.dim == 128 && !is_indexed(a.epilogue)) return kRows128PerBlock;
   if (a.epilogue == RmsEpilogue::kPlain && a.dim == 64) return kRows64PerBlock;
   return kWarpsPerBlock;
 }
@@ -327,7 +365,7 @@ template <typename T, bool kGated, RmsEpilogue kEpilogue>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rmsnorm_scale_shift_kernel(RmsNormScaleShiftArgs a) {
   static_assert(!kGated || kEpilogue == RmsEpilogue::kScaleShift, "the gated prologue is ERNIE-Image's alone");
   if constexpr (!kGated) {  // launched with rows_per_block(a) rows per block
-    if (a.dim == 128) return rmsnorm_rows128<T, kEpilogue>(a);
+    if (a.dim == 128 && !is_indexed(kEpilogue)) return rmsnorm_rows128<T, kEpilogue>(a);
     if (kEpilogue == RmsEpilogue::kPlain && a.dim == 64) return rmsnorm_plain64<T>(a);
   }
   const int lane = threadIdx.x & 31;
@@ -469,6 +507,10 @@ cudaError_t launch(const RmsNormScaleShiftArgs& a, cudaStream_t stream) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kPlain><<<grid, block, 0, stream>>>(a);
   } else if (a.epilogue == RmsEpilogue::kModulate) {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kModulate><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kScaleRows) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScaleRows><<<grid, block, 0, stream>>>(a);
+  } else if (a.epilogue == RmsEpilogue::kGatedResidualRows) {
+    rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kGatedResidualRows><<<grid, block, 0, stream>>>(a);
   } else {
     rmsnorm_scale_shift_kernel<T, false, RmsEpilogue::kScaleShift><<<grid, block, 0, stream>>>(a);
   }

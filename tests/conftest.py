@@ -129,7 +129,8 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.rotary_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
     from diffusers_fastpath.ops.rotary_matrix import ROTARY_MATRIX
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
-    from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_SCALE,
+    from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_GATED_RESIDUAL_ROWS,
+                                                            RMSNORM_SCALE, RMSNORM_SCALE_ROWS,
                                                             rmsnorm_gated_residual_ref, rmsnorm_scale_ref)
     from diffusers_fastpath.ops.rmsnorm_rope import (RMSNORM_ROPE_COMPLEX, RMSNORM_ROPE_REAL, rmsnorm_rope_complex_ref,
                                                      rmsnorm_rope_real_ref)
@@ -191,6 +192,12 @@ def emulated_kernels(monkeypatch):
     def gated_residual_rows_arithmetic(residual, rows, update):
         return gated_residual_arithmetic(residual, indexed(rows), update)
 
+    def rmsnorm_scale_rows_indexed(norm, x, rows):  # select_per_token's rows read through the index
+        return rmsnorm_scale_ref(norm, x, indexed(rows))
+
+    def rmsnorm_gated_residual_rows_indexed(norm, residual, rows, x):
+        return rmsnorm_gated_residual_ref(norm, residual, indexed(rows), x)
+
     def gated_layernorm_arithmetic(norm, residual, gate, update, scale, shift):  # the residual's arithmetic, then the ref
         x = gated_residual_arithmetic(residual, gate, update)
         return x, layernorm_scale_shift_ref(norm, x, scale, shift)
@@ -209,6 +216,8 @@ def emulated_kernels(monkeypatch):
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (SIGMOID_MUL, sigmoid_mul_arithmetic),
                        (RMSNORM_SCALE, rmsnorm_scale_ref),
                        (RMSNORM_GATED_RESIDUAL, rmsnorm_gated_residual_ref), (RMSNORM_MODULATE, rmsnorm_modulate_ref),
+                       (RMSNORM_SCALE_ROWS, rmsnorm_scale_rows_indexed),  # ... select_per_token's rows, indexed
+                       (RMSNORM_GATED_RESIDUAL_ROWS, rmsnorm_gated_residual_rows_indexed),
                        (RMSNORM_ROPE_COMPLEX, rmsnorm_rope_complex_ref), (RMSNORM_ROPE_REAL, rmsnorm_rope_real_ref),
                        (MODULATE_SCALE_SHIFT, modulate_scale_shift_ref), (CAT_HEADS, cat_heads_ref),
                        (ROTARY_EMB_ROWS, rotary_rows_arithmetic), (ROTARY_EMB_WAN, rotary_wan_arithmetic),

@@ -661,6 +661,25 @@ def test_launchers_pass_what_bindings_cpp_passes(captured_launches):
     assert key == (torch.bfloat16, False, 2) and a.a.epilogue == 2 and a.a.update.ptr is None
     assert (a.a.gate.ptr, a.a.gate.stride_s, a.a.residual.ptr, a.a.x.ptr) == (
         row.data_ptr(), 0, xs[2].data_ptr(), xs[0].data_ptr())
+    assert (a.a.index, a.a.table_rows) == (None, 0)  # (no index: the epilogues of tensor operands)
+    # ... and Bria FIBO 2's select_per_token rows (kScaleRows = 8, kGatedResidualRows = 9): a [rows, dim] table (here
+    # chunks of a [4, 2 * dim] one: row stride 2 * dim) read at row index[r] of norm row r
+    table, index = _bf16(4, 2 * dim)[:, dim:], torch.zeros(seq, batch, dtype=torch.int32)
+    rmsnorm_mod._nvrtc_scale_rows_kernel(xs[0], weight, table, index, 1e-5)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False, 8) and a.a.epilogue == 8 and a.a.gate.ptr is None
+    assert (a.a.scale.ptr, a.a.scale.stride_s, a.a.scale.stride_b) == (table.data_ptr(), 2 * dim, 0)
+    assert (a.a.index, a.a.table_rows, a.a.seq, a.a.batch) == (index.data_ptr(), 4, seq, batch)
+    rmsnorm_mod._nvrtc_gated_residual_rows_kernel(xs[2], table, index, xs[0], weight, 1e-5)
+    _, key, _, _, a = captured_launches[-1]
+    assert key == (torch.bfloat16, False, 9) and a.a.epilogue == 9 and a.a.scale.ptr is None
+    assert (a.a.gate.ptr, a.a.gate.stride_s, a.a.gate.stride_b) == (table.data_ptr(), 2 * dim, 0)
+    assert (a.a.residual.ptr, a.a.x.ptr, a.a.index, a.a.table_rows) == (
+        xs[2].data_ptr(), xs[0].data_ptr(), index.data_ptr(), 4)
+    # (rows of 128: one a warp, as every indexed row; the rows-of-128 path is not theirs: rows_per_block)
+    rmsnorm_mod._nvrtc_scale_rows_kernel(_bf16(1000, 1, 128), _bf16(128), _bf16(4, 128),
+                                         torch.zeros(1000, 1, dtype=torch.int32), 1e-5)
+    assert captured_launches[-1][2] == (125, 1, 1)
 
     # rotary with the norm and a text part; without a text part
     x_img, x_txt = _bf16(1, 17, 3, 64), _bf16(1, 5, 3, 64)

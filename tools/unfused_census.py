@@ -62,7 +62,8 @@ class Census(TorchDispatchMode):
 
 
 def build_cut(name: str, layers: int):
-    """The zoo entry's published config with every block count (``num_*layers``, ``num_*blocks``) cut to `layers`."""
+    """The zoo entry's published config with every block count (``num_*layers``, ``num_*blocks``, and ``n_*layers``
+    as Bria FIBO 2 names them) cut to `layers`."""
     from diffusers_fastpath.testing import zoo
     from diffusers_fastpath.testing.zoo._zoo import _as_loaded_, _construct, randomize_
 
@@ -71,7 +72,7 @@ def build_cut(name: str, layers: int):
         raise SystemExit(f"{name}: no published config in the zoo ({entry.notes})")
     cfg = dict(entry.full_config)
     for key, param in inspect.signature(entry.cls.__init__).parameters.items():
-        if re.fullmatch(r"num_\w*(layers|blocks)", key) and isinstance(param.default, int) and param.default > 0:
+        if re.fullmatch(r"(num|n)_\w*(layers|blocks)", key) and isinstance(param.default, int) and param.default > 0:
             cfg[key] = min(layers, cfg.get(key, param.default))
     with _construct("cpu", torch.bfloat16):
         model = entry.cls(**cfg)

@@ -21,7 +21,8 @@ from ..ops.attention_bool_mask import attention_bool_mask
 from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
-from ..ops.selected_rows import IndexedRows, SelectedRows, index_rows, tanh_rows
+from ..ops.selected_rows import IndexedRows, SelectedRows, TokenRows, index_rows, tanh_rows
+from ..ops.rmsnorm_scale_shift import rmsnorm_gated_residual_rows, rmsnorm_scale_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, _affine_free
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS
 from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
@@ -29,6 +30,7 @@ from ._chain_qk_fp32 import is_zero_centred
 from ._qk_norms import is_diffusers_rmsnorm
 from ._chain_rotary_matrix import is_matrix_rotary
 from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
+from ._chain_token_rows import token_rows
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
 from ..quality import hooked
@@ -321,6 +323,9 @@ class _ChainsNamespace:
         return _ChainsNamespace.gated_residual(residual, gate, update, site)
 
     tanh_rows = staticmethod(tanh_rows)
+    # `_chain_token_rows`' ``select_per_token(A, B, M, N)``: TokenRows (read through their index by `rms_scale` and
+    # `rms_gated_residual`), or the call as written
+    token_rows = staticmethod(token_rows)
 
     @staticmethod
     def index_rows(params, indices):
@@ -729,13 +734,22 @@ class _ChainsNamespace:
 
     @staticmethod
     def rms_scale(norm, x, scale, site):
-        # the op refuses a hooked norm (counted) and runs this very expression
+        # the op refuses a hooked norm (counted) and runs this very expression; a `token_rows` scale is read through
+        # its index (`rmsnorm_scale_rows`), or written out by the model's function where not
+        if type(scale) is TokenRows:
+            if is_diffusers_rmsnorm(norm) and isinstance(x, torch.Tensor):
+                return rmsnorm_scale_rows(norm, x, scale, site)
+            return norm(x) * scale.materialize()
         if not (is_diffusers_rmsnorm(norm) and isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor)):
             return norm(x) * scale
         return rmsnorm_scale(norm, x, scale, site)
 
     @staticmethod
     def rms_gated_residual(norm, residual, gate, x, site):
+        if type(gate) is TokenRows:  # (as `rms_scale`'s)
+            if is_diffusers_rmsnorm(norm) and isinstance(residual, torch.Tensor) and isinstance(x, torch.Tensor):
+                return rmsnorm_gated_residual_rows(norm, residual, gate, x, site)
+            return residual + gate.materialize() * norm(x)
         if not (is_diffusers_rmsnorm(norm) and _tensors(residual, gate, x)):
             return residual + gate * norm(x)
         return rmsnorm_gated_residual(norm, residual, gate, x, site)

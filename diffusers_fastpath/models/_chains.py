@@ -63,6 +63,7 @@ from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
 from ._norm_methods import FUSED as _NORM_FUSED, lazy_gates
 from ._chain_index_rows import lazy_index_rows
+from ._chain_token_rows import lazy_token_rows
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original, set_owner
 from ._chain_inline import Inliner
 from .._source import source_of
@@ -169,6 +170,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS)
         if rewriter.block:
             rewriter.found.index_rows = lazy_index_rows(body, _NS)
+            rewriter.found.token_rows = lazy_token_rows(body, _NS, proofs, fn.__globals__)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
         if not rewriter.block:

@@ -198,6 +198,7 @@ class Rewrite:
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
     lazy_gates: int = 0  # scale-rows gates read through an index by their gated residual (`_norm_methods.lazy_gates`)
     index_rows: int = 0  # fused calls reading ``index_select`` rows through the index (`_chain_index_rows`)
+    token_rows: int = 0  # ``select_per_token`` rows read through an index by a fused RMSNorm (`_chain_token_rows`)
 
     def __bool__(self) -> bool:
         return bool(self.gates or self.gates_fp32 or self.norms or self.norms_fp32 or self.affine_fp32

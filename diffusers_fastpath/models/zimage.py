@@ -10,8 +10,9 @@ modulation and stay as they are):
   `rmsnorm_scale` (diffusers' RMSNorm and the scale in one pass, aten's reduction order, self-verified);
 - each branch output, ``x + gate * self.attention_norm2(attn_out)`` and the FFN's, as the fused
   `rmsnorm_gated_residual` (where its norm cannot run fused, the norm runs as written and the gated residual is the
-  exact fused `gated_residual`); per-token gates and scales (the omni mode's noisy/clean tokens) are taken as full
-  ``[B, L, D]`` operands.
+  exact fused `gated_residual`); per-token gates and scales (the omni mode's noisy/clean tokens, picked by
+  ``select_per_token``) are read through an index, never written out (`_chain_token_rows`: `rmsnorm_scale_rows`,
+  `rmsnorm_gated_residual_rows`).
 
 Every block's ``FeedForward`` (the context refiner's too) has its SwiGLU gating, ``F.silu(x1) * x3`` in
 ``_forward_silu_gating``, rewritten into the fused `silu_mul` (its SiLU proven on every bf16/fp16 value on first use).

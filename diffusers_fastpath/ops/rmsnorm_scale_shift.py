@@ -31,7 +31,10 @@ Shapes: three-dimensional operands, ``[seq, batch, dim]`` for ERNIE-Image, ``[ba
 kernel only needs row ``(i, j)`` of each at ``i * stride(0) + j * stride(1)``); ``x``/``residual`` of the ERNIE ops
 and the norm input of the others contiguous; the other operands any row strides with unit innermost stride
 (``update`` is ERNIE's attention output permuted back to sequence-first, strided for batch > 1). The scale and gate
-of `rmsnorm_scale` and `rmsnorm_gated_residual` may be rows broadcast over the sequence (``[batch, 1, dim]``).
+of `rmsnorm_scale` and `rmsnorm_gated_residual` may be rows broadcast over the sequence (``[batch, 1, dim]``), or
+(`rmsnorm_scale_rows`, `rmsnorm_gated_residual_rows`) Bria FIBO 2's and Z-Image's per-token rows that their
+``select_per_token`` picks with a ``torch.where``, read through an index (`selected_rows.TokenRows`: a ``[2B, D]``
+table and an int32 ``[B, S]`` index, the ``[B, S, D]`` rows never written out).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ._aten_reduce import MAX_VALUES_PER_THREAD, WARP
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .gated_residual import gated_residual
+from .selected_rows import TokenRows
 
 # The norm classes the kernel computes (`norm_reason`): diffusers' RMSNorm itself (not a subclass, whose forward may
 # be its own; not torch.nn.RMSNorm, which computes otherwise), the custom ops' stand-in `_Norm` (added below) and this
@@ -208,17 +212,21 @@ def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_p
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
 # stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32,
 # the RmsEpilogue values and the output allocation; the guard stands for bindings.cpp's input checks.
-SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN, MODULATE, ROPE_COMPLEX128 = range(8)  # RmsEpilogue
+(SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN, MODULATE, ROPE_COMPLEX128, SCALE_ROWS,
+ GATED_RESIDUAL_ROWS) = range(10)  # RmsEpilogue
 _EPILOGUE_NAME = {SCALE_SHIFT: "kScaleShift", SCALE: "kScale", GATED_RESIDUAL: "kGatedResidual",
                   ROPE_COMPLEX: "kRopeComplex", ROPE_REAL: "kRopeReal", PLAIN: "kPlain", MODULATE: "kModulate",
-                  ROPE_COMPLEX128: "kRopeComplex128"}
+                  ROPE_COMPLEX128: "kRopeComplex128", SCALE_ROWS: "kScaleRows", GATED_RESIDUAL_ROWS: "kGatedResidualRows"}
 _ROWS = _nvrtc.Params("Rows", ("ptr", "P"), ("stride_s", "q"), ("stride_b", "q"))
 _ARGS = _nvrtc.Params("RmsNormScaleShiftArgs", ("out", "P"), ("residual_out", "P"), ("x", _ROWS), ("gate", _ROWS),
                       ("update", _ROWS), ("scale", _ROWS), ("shift", _ROWS), ("residual", _ROWS), ("freqs", _ROWS),
                       ("sin", _ROWS), ("weight", "P"), ("seq", "q"), ("batch", "q"), ("dim", "q"), ("heads", "q"),
-                      ("tokens", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"))
+                      ("tokens", "q"), ("eps", "f"), ("mean_factor", "f"), ("gated", "?"), ("dtype", "i"), ("epilogue", "i"),
+                      ("index", "P"), ("table_rows", "q"))
+_INDEXED = (SCALE_ROWS, GATED_RESIDUAL_ROWS)  # is_indexed(): no rows-of-128 path (one row a warp at any width)
 _VARIANTS = ((False, SCALE_SHIFT), (True, SCALE_SHIFT), (False, SCALE), (False, GATED_RESIDUAL), (False, ROPE_COMPLEX),
-             (False, ROPE_REAL), (False, PLAIN), (False, MODULATE), (False, ROPE_COMPLEX128))
+             (False, ROPE_REAL), (False, PLAIN), (False, MODULATE), (False, ROPE_COMPLEX128), (False, SCALE_ROWS),
+             (False, GATED_RESIDUAL_ROWS))
 _NVRTC = _nvrtc.Kernel(
     "rmsnorm_scale_shift.cu",
     "diffusers_fastpath::rmsnorm_scale_shift_kernel",
@@ -242,13 +250,21 @@ def _f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def _rows(t: torch.Tensor | None) -> tuple[int, int, int]:
+def _rows(t: torch.Tensor | tuple | None) -> tuple[int, int, int]:
+    if isinstance(t, tuple):  # a table's rows as the indexed epilogues read them (`_table_rows`)
+        return t
     return _NONE if t is None else (t.data_ptr(), t.stride(0), t.stride(1))
+
+
+def _table_rows(table: torch.Tensor) -> tuple[int, int, int]:
+    """A ``[rows, D]`` table as bindings.cpp's `indexed_table` hands it to the indexed epilogues: row ``t`` at
+    ``ptr + t * stride_s``."""
+    return (table.data_ptr(), table.stride(0), 0)
 
 
 def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCALE_SHIFT, gate=None, update=None,
                   scale=None, shift=None, residual=None, freqs=_NONE, heads: int = 1, tokens: int = 1,
-                  sin=_NONE) -> None:
+                  sin=_NONE, index: torch.Tensor | None = None, table_rows: int = 0) -> None:
     seq, batch, dim = x.shape
     rows, device, gated = seq * batch, x.device.index, update is not None
     for t in (out, residual_out) if gated else (out,):
@@ -257,7 +273,7 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
     if not gated and epilogue == PLAIN and dim > _WARP_ROW_WIDEST:
         kernel, key, grid, block = _NVRTC_WIDE, x.dtype, (rows, 1, 1), (_WIDE_THREADS, 1, 1)
     else:
-        per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 else
+        per_block = (_ROWS128_PER_BLOCK if not gated and dim == 128 and epilogue not in _INDEXED else
                      _ROWS64_PER_BLOCK if epilogue == PLAIN and dim == 64 else _WARPS_PER_BLOCK)
         kernel, key = _NVRTC, (x.dtype, gated, epilogue)
         grid, block = ((rows + per_block - 1) // per_block, 1, 1), (_WARPS_PER_BLOCK * 32, 1, 1)
@@ -265,7 +281,8 @@ def _nvrtc_launch(out, residual_out, x, weight, eps: float, epilogue: int = SCAL
         device, key, grid, block, out.data_ptr(), residual_out.data_ptr() if gated else 0,
         *_rows(x), *_rows(gate), *_rows(update), *_rows(scale), *_rows(shift), *_rows(residual), *freqs, *sin,
         0 if weight is None else weight.data_ptr(), seq, batch, dim, heads, tokens, eps,
-        _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype], epilogue)
+        _f32(_f32(rows) / _f32(rows * dim)), gated, _nvrtc.DTYPE_CODE[x.dtype], epilogue,
+        0 if index is None else index.data_ptr(), table_rows)
 
 
 def _nvrtc_kernel(x, weight, scale, shift, eps: float, out=None) -> torch.Tensor:
@@ -557,3 +574,175 @@ def rmsnorm_gated_residual(norm, residual, gate, x, site: Site | None = None) ->
         site: the call site's counters.
     """
     return RMSNORM_GATED_RESIDUAL(site, norm, residual, gate, x)
+
+
+# --- indexed rows: Bria FIBO 2's and Z-Image's select_per_token rows (ops/selected_rows.py's TokenRows) -------------
+
+
+def rmsnorm_scale_rows_ref(norm, x, rows: TokenRows):
+    """The eager chain: ``norm(x) * scale`` with the rows written out as the model writes them."""
+    return norm(x) * rows.materialize()
+
+
+def rmsnorm_gated_residual_rows_ref(norm, residual, rows: TokenRows, x):
+    """The eager chain: ``residual + gate * norm(x)`` with the rows written out as the model writes them."""
+    return residual + rows.materialize() * norm(x)
+
+
+def _rmsnorm_gated_residual_rows_fallback(norm, residual, rows, x):
+    # (`_rmsnorm_gated_residual_fallback`'s: the norm as written, its gated residual the exact fused one)
+    return gated_residual(residual, rows.materialize(), norm(x))
+
+
+def _table_reason(table: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why the kernel cannot read the ``[rows, D]`` table's rows as quads (bindings.cpp's `indexed_table`: unit
+    innermost stride, rows of whole 8-byte quads; the first row's pointer `_guard_rows` checks), or ``None``."""
+    if table.dim() != 2 or table.shape[0] == 0 or table.shape[1] != x.shape[-1]:
+        return "the table must be [rows, dim]"
+    if table.stride(1) != 1 or (table.shape[0] > 1 and table.stride(0) % 4):
+        return "table rows strided"
+    return None
+
+
+def _first_row(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The table's first row as an operand of x's shape (stride 0: `_guard_rows` then checks its dtype, device,
+    alignment and grad as it checks any operand's)."""
+    return table[:1].unsqueeze(0).expand(x.shape)
+
+
+def _rows_reason(rows, x) -> str | None:
+    if type(rows) is not TokenRows:
+        return NOT_A_TENSOR
+    index = rows.index()
+    reason = rows.reason(x) or _table_reason(rows.table(), x)
+    if reason is None and not (index.dtype is torch.int32 and index.is_contiguous()):
+        reason = "index must be a contiguous int32 [batch, seq] tensor on x's device"
+    return reason
+
+
+def _scale_rows_guard(norm, x, rows, check_pointers: bool = True) -> str | None:
+    reason = _rows_reason(rows, x)
+    if reason is not None:
+        return reason
+    return _guard_rows(norm, x, (_first_row(rows.table(), x),), check_pointers)
+
+
+def _gated_residual_rows_guard(norm, residual, rows, x, check_pointers: bool = True) -> str | None:
+    reason = _rows_reason(rows, x)
+    if reason is not None:
+        return reason
+    if not isinstance(residual, torch.Tensor):
+        return NOT_A_TENSOR
+    if residual.shape != x.shape:
+        return "operands strided or mismatched"
+    return _guard_rows(norm, x, (_first_row(rows.table(), x), residual), check_pointers)
+
+
+def _raw_table_reason(x, table, index) -> str | None:
+    """bindings.cpp's `indexed_table` checks (the index's values are checked by the kernel, which traps)."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, table, index)) or x.dim() != 3:
+        return "shape"
+    if (index.dtype is not torch.int32 or not index.is_contiguous() or index.shape != x.shape[:2]
+            or index.device != x.device):
+        return "index must be a contiguous int32 [batch, seq] tensor on x's device"
+    return _table_reason(table, x)
+
+
+def _raw_scale_rows_guard(x, weight, table, index, eps):
+    return _raw_table_reason(x, table, index) or _guard_rows(_Norm(weight, eps), x, (_first_row(table, x),), True)
+
+
+def _raw_gated_residual_rows_guard(residual, table, index, x, weight, eps):
+    return _raw_table_reason(x, table, index) or _guard_rows(_Norm(weight, eps), x, (_first_row(table, x), residual),
+                                                             True)
+
+
+def _nvrtc_scale_rows_kernel(x, weight, table, index, eps: float) -> torch.Tensor:
+    out = x.new_empty(x.shape)
+    _nvrtc_launch(out, None, x, weight, eps, SCALE_ROWS, scale=_table_rows(table), index=index,
+                  table_rows=table.shape[0])
+    return out
+
+
+def _nvrtc_gated_residual_rows_kernel(residual, table, index, x, weight, eps: float) -> torch.Tensor:
+    out = x.new_empty(x.shape)
+    _nvrtc_launch(out, None, x, weight, eps, GATED_RESIDUAL_ROWS, gate=_table_rows(table), residual=residual,
+                  index=index, table_rows=table.shape[0])
+    return out
+
+
+_nvrtc.raw_op("_rmsnorm_scale_rows_cuda", "(Tensor x, Tensor weight, Tensor table, Tensor index, float eps) -> Tensor",
+              _raw_scale_rows_guard, _nvrtc_scale_rows_kernel)
+_nvrtc.raw_op("_rmsnorm_gated_residual_rows_cuda",
+              "(Tensor residual, Tensor table, Tensor index, Tensor x, Tensor weight, float eps) -> Tensor",
+              _raw_gated_residual_rows_guard, _nvrtc_gated_residual_rows_kernel)
+
+_scale_rows_launch = LazyLauncher(_nvrtc_scale_rows_kernel, "_rmsnorm_scale_rows_cuda")
+_gated_residual_rows_launch = LazyLauncher(_nvrtc_gated_residual_rows_kernel, "_rmsnorm_gated_residual_rows_cuda")
+
+
+def _scale_rows_kernel(norm, x, rows):
+    return _scale_rows_launch(x, norm.weight, rows.table(), rows.index(), norm.eps)
+
+
+def _gated_residual_rows_kernel(norm, residual, rows, x):
+    return _gated_residual_rows_launch(residual, rows.table(), rows.index(), x, norm.weight, norm.eps)
+
+
+def _gated_residual_rows_signature(norm, residual, rows, x):
+    return _signature(norm, x)
+
+
+RMSNORM_SCALE_ROWS = FusedOp(
+    "rmsnorm_scale_rows",
+    ref=rmsnorm_scale_rows_ref,
+    guard=_scale_rows_guard,
+    kernel=_scale_rows_kernel,
+    # torch.compile: the rows written out, then the registered rmsnorm_scale (the rewritten forward makes no
+    # TokenRows while compiling; this is for a caller that does)
+    custom_op=lambda norm, x, rows: torch.ops.diffusers_fastpath.rmsnorm_scale.default(x, norm.weight,
+                                                                                        rows.materialize(), norm.eps),
+    # the norm self-verified as `rmsnorm_scale`'s (the rows exact by construction: values moved)
+    verify_key=_signature,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
+)
+
+RMSNORM_GATED_RESIDUAL_ROWS = FusedOp(
+    "rmsnorm_gated_residual_rows",
+    ref=rmsnorm_gated_residual_rows_ref,
+    guard=_gated_residual_rows_guard,
+    kernel=_gated_residual_rows_kernel,
+    custom_op=lambda norm, residual, rows, x: torch.ops.diffusers_fastpath.rmsnorm_gated_residual.default(
+        residual, rows.materialize(), x, norm.weight, norm.eps),
+    verify_key=_gated_residual_rows_signature,
+    fallback=_rmsnorm_gated_residual_rows_fallback,
+    modules=(0,),  # the norm whose call the kernel stands for: its hooks refuse the call
+)
+
+
+def rmsnorm_scale_rows(norm, x, scale, site: Site | None = None) -> torch.Tensor:
+    """``norm(x) * scale`` where `scale` may be `TokenRows` (Bria FIBO 2's and Z-Image's ``select_per_token`` rows:
+    the kernel reads each token's row of the ``[2B, D]`` table through the index, never written out), fused and
+    bit-identical as `rmsnorm_scale` (self-verified per signature); the guard admits what `rmsnorm_scale`'s admits,
+    the table of x's dtype with rows of whole 8-byte quads; the fallback writes the rows out with the model's
+    function. A tensor scale is `rmsnorm_scale`'s.
+
+    Args:
+        norm: the diffusers ``RMSNorm`` module.
+        x: ``[B, S, D]`` activations (contiguous for the kernel).
+        scale: `TokenRows` of ``[B, S, D]``, or a tensor.
+        site: the call site's counters (`rmsnorm_scale`'s site counts both forms).
+    """
+    if type(scale) is not TokenRows:
+        return rmsnorm_scale(norm, x, scale, site)
+    return RMSNORM_SCALE_ROWS(site, norm, x, scale)
+
+
+def rmsnorm_gated_residual_rows(norm, residual, gate, x, site: Site | None = None) -> torch.Tensor:
+    """``residual + gate * norm(x)`` where `gate` may be `TokenRows` (read through the index as in
+    `rmsnorm_scale_rows`), fused and bit-identical as `rmsnorm_gated_residual`; where the norm cannot run fused,
+    it runs as written and the gated residual is the exact fused `gated_residual` of the rows written out. A tensor
+    gate is `rmsnorm_gated_residual`'s."""
+    if type(gate) is not TokenRows:
+        return rmsnorm_gated_residual(norm, residual, gate, x, site)
+    return RMSNORM_GATED_RESIDUAL_ROWS(site, norm, residual, gate, x)

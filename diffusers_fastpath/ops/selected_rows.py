@@ -15,6 +15,10 @@ have written. The gate's ``tanh`` is applied to the ``[B + 1, D]`` table instead
 aten kernel on the same values, elementwise, so each picked row holds the same bits (and the fused op that reads it
 checks its first call against eager per signature besides). Anything the fast form does not take falls back to
 `materialize`, which is the model's own expression, called as the model calls it.
+
+The same for two other forms: MiniMax-H3's ``table.index_select(0, index)`` rows (`IndexedRows`), and Bria FIBO 2's
+and Z-Image's ``select_per_token(noisy, clean, mask, S)``, a ``where`` between two ``[B, D]`` row sets per token
+(`TokenRows`: the table the two sets, ``[2B, D]``).
 """
 
 from __future__ import annotations
@@ -156,15 +160,85 @@ class IndexedRows:
         return None
 
 
+class TokenRows:
+    """``select(noisy, clean, mask, seq_len)``, not yet written out: Bria FIBO 2's and Z-Image's per-token rows.
+
+    Their blocks pick each token's scales and gates with the module function ``select_per_token``::
+
+        torch.where(mask.unsqueeze(-1) == 1, noisy.unsqueeze(1).expand(-1, S, -1), clean.unsqueeze(1).expand(-1, S, -1))
+
+    (``noisy`` and ``clean`` the ``[B, D]`` rows of the sample's timestep and of ``t = 0``, already through their
+    ``1.0 +`` or ``.tanh()``; ``mask`` ``[B, S]``), and use each ``[B, S, D]`` result once, in ``norm(x) * scale``
+    or ``x + gate * norm(y)``. The rewritten forward makes this object at that call instead (`models.
+    _chain_token_rows`), from what the ``where`` reads there: a ``[2B, D]`` table (``noisy``'s rows, then
+    ``clean``'s: a copy), the int32 ``[B, S]`` index of the row each token takes (``b`` where ``mask[b, s] == 1``,
+    else ``B + b``: `token_index`, the model's own function applied to row numbers) and a copy of the mask. The fused
+    kernels read the table through the index; every fallback writes the rows out with the model's function, called
+    on those copies as the model calls it on the originals (`materialize`). Exact: the ``where`` moves values and
+    computes nothing, and what it would read is what was copied at its call.
+
+    Args:
+        select: the model's function (the one the rewriter checked by digest).
+        table: ``torch.cat([noisy, clean])``.
+        mask: the mask (a copy).
+        seq_len: ``S``.
+        index: `token_index` of that mask.
+    """
+
+    __slots__ = ("select", "_table", "mask", "seq_len", "_index")
+    tanh = False  # (what `SelectedRows`' readers ask: these rows are used as they are)
+
+    def __init__(self, select, table: torch.Tensor, mask: torch.Tensor, seq_len: int, index: torch.Tensor) -> None:
+        self.select, self._table, self.mask, self.seq_len, self._index = select, table, mask, seq_len, index
+
+    def materialize(self) -> torch.Tensor:
+        """The model's expression: ``select(noisy, clean, mask, seq_len)`` (of the copies)."""
+        half = self._table.shape[0] // 2
+        return self.select(self._table[:half], self._table[half:], self.mask, self.seq_len)
+
+    def table(self) -> torch.Tensor:
+        """The ``[2B, D]`` rows the index picks from."""
+        return self._table
+
+    def index(self) -> torch.Tensor:
+        """int32 ``[B, S]``, contiguous: the table row of each token."""
+        return self._index
+
+    @property
+    def cached_index(self) -> torch.Tensor:
+        return self._index
+
+    def reason(self, x: torch.Tensor) -> str | None:
+        """Why these rows cannot be read through the index for a ``[B, S, D]`` operand `x` (another shape than the
+        ``where``'s, another dtype or device), or ``None``."""
+        table, index = self._table, self._index
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape != (*index.shape, table.shape[1]):
+            return "rows shape"
+        if table.dtype is not x.dtype:
+            return "mixed dtypes"
+        if table.device != x.device:
+            return "devices differ"
+        return None
+
+
+def token_index(select, mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """int32 ``[B, S]``: the row of a ``[2B, D]`` table (`TokenRows`) that ``select(noisy, clean, mask, seq_len)``
+    puts at each token, computed by `select` itself on row numbers (``[B, 1]`` of ``b`` for ``noisy``, of ``B + b``
+    for ``clean``): ``b`` where ``mask[b, s] == 1``, else ``B + b``. Made on the mask's device, no sync."""
+    batch = mask.shape[0]
+    rows = torch.arange(batch, dtype=torch.int32, device=mask.device).unsqueeze(1)
+    return select(rows, rows + batch, mask, seq_len).reshape(batch, seq_len).contiguous()
+
+
 def index_rows(params, indices):
     """``params.index_select(0, indices)`` for the rewritten forwards (a fused op's operand only): `IndexedRows`."""
     return IndexedRows(params, indices)
 
 
 def materialized(rows):
-    """The tensor `rows` stands for (`SelectedRows`, `IndexedRows`: written out as the model writes them), else
+    """The tensor `rows` stands for (`SelectedRows`, `IndexedRows`, `TokenRows`: written out as the model writes them), else
     `rows` as it is."""
-    return rows.materialize() if type(rows) in (SelectedRows, IndexedRows) else rows
+    return rows.materialize() if type(rows) in (SelectedRows, IndexedRows, TokenRows) else rows
 
 
 def table_rows_aligned(table: torch.Tensor) -> bool:
