@@ -164,8 +164,9 @@ def channel_strides(x: torch.Tensor) -> tuple[int, int] | None:
     return batch_stride, channel_stride
 
 
-def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+def module_reason(norm) -> str | None:
+    """Why the kernels cannot stand for `norm`'s forward (or ``None``): a module of a registered class, its
+    ``channel_dim`` 1 and its ``eps`` a python number."""
     reason = _BASES.refusal(norm, "per-channel RMS norm")
     if reason is not None:
         return reason
@@ -174,6 +175,14 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
         return "channel_dim not 1"
     if not _is_number(getattr(norm, "eps", None)):
         return "eps not a python number"
+    return None
+
+
+def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    reason = module_reason(norm)
+    if reason is not None:
+        return reason
     reason = tensor_reason(x, FLOAT_DTYPES, 2, "[B, C, *]")
     if reason is not None:
         return reason
