@@ -22,6 +22,14 @@ statements as written: the pair's own call (its site decides), each between modu
 At run time `ChainPairCalls.norm_act_conv` takes `ltx_norm_conv` where the convolution carries its site (`CHAIN_SITE`,
 given by `add_chain_sites` at patch time to each convolution that a joined call of its block names) and the norm its
 pair site; the op's guard and per-signature check decide the rest, counted on the convolution's site.
+
+Then a joined call whose result the next joined call reads (a resnet's ``conv1``, read by ``norm2``'s chain) may leave
+it without its bias: `_Pending` rewrites the first as ``norm_act_conv_pending`` and the second as
+``pending_norm_act_conv`` where every other path between them settles the value first (``V = <ns>.settled(V)``,
+inserted; see `_Pending` for what it proves). At run time the first returns `ltx_norm_conv`'s
+`causal_conv_cl.PendingBias` where its kernel ran and its signature was checked; the second takes it with
+`ltx_bias_norm_conv` where its convolution carries that op's site (`BIAS_SITE`, on each convolution a receiving call
+names) and the chain fits, else settles it and runs as `norm_act_conv`.
 """
 
 from __future__ import annotations

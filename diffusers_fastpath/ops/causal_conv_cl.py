@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._logging import warn_once
 from . import causal_conv_pad as _pad
+from ._build import KernelsUnavailable
 from ._policy import HALF_DTYPES, FusedOp, Site, fp32_precision_state
 from .conv_bias import _backend, bias_contiguous
 
@@ -109,8 +111,17 @@ class PendingBias:
         self.raw, self.bias = raw, bias
 
     def settle(self) -> torch.Tensor:
-        """The tensor eager's convolution returns: `bias_contiguous` (aten's bias add, the transpose back)."""
-        return bias_contiguous(self.raw, self.bias)
+        """The tensor eager's convolution returns: `bias_contiguous` (aten's bias add, the transpose back); where its
+        kernel fails (one warning; none where no kernels load at all: the loader said so), aten's add and copy, the
+        same values (a `PendingBias` is settled outside the fused ops that would fall back for it)."""
+        raw, bias = self.raw, self.bias
+        try:
+            return bias_contiguous(raw, bias)
+        except Exception as exc:  # noqa: BLE001 - a kernel failure falls back, loudly, as the fused ops do
+            if not isinstance(exc, KernelsUnavailable):
+                warn_once(f"diffusers_fastpath: bias_contiguous failed ({type(exc).__name__}: {exc}); a convolution's "
+                          "pending result is settled by aten's add and copy (same numbers, slower)")
+        return raw.add(bias.reshape(1, -1, *([1] * (raw.dim() - 2)))).contiguous()
 
 
 def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pending: bool = False):

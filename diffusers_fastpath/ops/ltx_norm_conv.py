@@ -19,7 +19,10 @@ The patched sites before this op ran three passes for what is one here (``per_ch
                                              # `mean_order`, r and the SiLU proven on every value), each value stored
                                              # at every padded position whose source it is, channels-last
     out    = convolve_channels_last(conv, padded, padding)   # cuDNN's convolution and the bias + transpose back,
-                                                             # as `ltx_causal_conv3d` runs it
+                                                             # as `ltx_causal_conv3d` runs it (asked with `pending`,
+                                                             # once the signature is checked: cuDNN's output and the
+                                                             # bias as a `causal_conv_cl.PendingBias`, for
+                                                             # `ltx_bias_norm_conv` to read)
 
 Each element of the buffer is the value ``per_channel_rmsnorm_silu`` computes for its source position (the same
 operations in the same order, so the same bits), placed where ``causal_pad`` would copy it; the convolution is the one
