@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import struct
-import subprocess
 
 import pytest
 import torch
@@ -77,20 +76,8 @@ def _kernel_chain_mean(h, order, vec=8):
             rho = k * lanes + i
             entry[4 * (rho % partials) + rho // partials] = acc[i]
     assert sorted(entry) == list(range(chains))
-    for j in range(partials):
-        entry[j] = ((entry[4 * j] + entry[4 * j + 1]) + entry[4 * j + 2]) + entry[4 * j + 3]
-    blocks = [pcr._tree([entry[g * order.rows + y] for y in range(order.rows)]) for g in range(order.ctas)]
-    if order.ctas == 1:
-        total = blocks[0]
-    else:
-        rows = []
-        for y in range(order.rows):
-            t = zero
-            for g in range(y, order.ctas, order.rows):
-                t = t + blocks[g]
-            rows.append(t)
-        total = pcr._tree(rows)
-    return (total * torch.tensor(order.factor, dtype=torch.float32)).to(h.dtype)
+    combined = [((entry[4 * j] + entry[4 * j + 1]) + entry[4 * j + 2]) + entry[4 * j + 3] for j in range(partials)]
+    return pcr.combine_partials(combined, order, h.dtype)
 
 
 # (B, C, S, limits): one thread a position (G = 4) and several (G = 16 .. 512), C no multiple of G, several CTAs
@@ -168,23 +155,12 @@ CL_SHAPE_CASES = [  # (batch, spatial, channels, rows, ctas, vec)
 
 def test_cl_shape_matches_the_cu(tmp_path):
     """The Python `cl_shape` against the .cu's cl_shape, compiled and run on the host (no GPU: num_sms() is 132)."""
-    from test_nvrtc import NVCC
+    from test_per_channel_rmsnorm import host_output
 
-    if NVCC is None:
-        pytest.skip("no nvcc")
-    from diffusers_fastpath.ops import _build
-
-    calls = "".join(f"  print({b}, {s}, {c}, {r}, {k}, {v});\n" for b, s, c, r, k, v in CL_SHAPE_CASES)
-    (tmp_path / "shape.cu").write_text(
-        '#include <cstdio>\n#include "per_channel_rmsnorm.cu"\nusing namespace diffusers_fastpath;\n'
-        "void print(long b, long s, long c, long r, long k, int v) {\n  FusedShape f;\n  int tile = 0;\n"
-        '  if (!cl_shape(b, s, c, r, k, v, num_sms(), f, tile)) { std::printf("none\\n"); return; }\n'
-        '  std::printf("%u %u %u %d\\n", f.grid.x, f.grid.y, f.block.x, tile);\n}\n'
-        f"int main() {{\n{calls}}}\n")
-    proc = subprocess.run([NVCC, "-std=c++17", f"-I{_build.csrc_dir()}", *_build.KERNEL_DEFINES,
-                           str(tmp_path / "shape.cu"), "-o", str(tmp_path / "shape")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    out = subprocess.run([str(tmp_path / "shape")], capture_output=True, text=True, check=True).stdout.splitlines()
+    out = host_output(tmp_path, "void print(long b, long s, long c, long r, long k, int v) {\n  FusedShape f;\n"
+                      '  int tile = 0;\n  if (!cl_shape(b, s, c, r, k, v, num_sms(), f, tile)) { std::printf("none\\n"); '
+                      'return; }\n  std::printf("%u %u %u %d\\n", f.grid.x, f.grid.y, f.block.x, tile);\n}\n',
+                      CL_SHAPE_CASES)
     want = []
     for b, s, c, r, k, v in CL_SHAPE_CASES:
         shape = bnc.cl_shape(b, s, c, pcr.MeanOrder(r, k, 0.0), v, 132)

@@ -362,18 +362,20 @@ def test_chain_refusals_run_the_statements_as_written(emulated_kernels, unpatch_
     assert others and set(others) == {(2, 0)}, str(fp.report(vae))
 
 
+def _one_value_off(launch):
+    """`launch` (a padded channels-last buffer's) with one value of its result off: its exponent, the value x 4."""
+    def off(*args):
+        out = launch(*args)
+        out.view(torch.int16).permute(0, 2, 3, 4, 1).reshape(-1)[5] += 0x100
+        return out
+    return off
+
+
 @torch.no_grad()
 def test_a_pad_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emulated_kernels, fastpath_log):
     """One value of the pad kernel's buffer off: the first call of the signature compares with eager, returns eager's result
     and disables the op (one warning); the decode is still unpatched's, through the pairs and convolutions."""
-    exact = norm_conv._launch
-
-    def off(*args):
-        out = exact(*args)
-        out.view(torch.int16).permute(0, 2, 3, 4, 1).reshape(-1)[5] += 0x100  # (its exponent: the value x 4)
-        return out
-
-    monkeypatch.setattr(norm_conv, "_launch", off)
+    monkeypatch.setattr(norm_conv, "_launch", _one_value_off(norm_conv._launch))
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "disabled", None)
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "verified", set())
     vae = _build()
@@ -469,14 +471,7 @@ def test_a_bias_chain_kernel_that_differs_is_caught_on_its_first_call(monkeypatc
     returns eager's result and disables the op (one warning); the decode is still unpatched's, the pending results
     settled and run through `ltx_norm_conv`."""
     bias_conv = importlib.import_module("diffusers_fastpath.ops.ltx_bias_norm_conv")
-    exact = bias_conv._launch
-
-    def off(*args):
-        out = exact(*args)
-        out.view(torch.int16).permute(0, 2, 3, 4, 1).reshape(-1)[5] += 0x100  # (its exponent: the value x 4)
-        return out
-
-    monkeypatch.setattr(bias_conv, "_launch", off)
+    monkeypatch.setattr(bias_conv, "_launch", _one_value_off(bias_conv._launch))
     vae = _build()
     z = _latents(vae)
     ref = _decode(vae, z)
