@@ -48,7 +48,7 @@ from ..ops._policy import forward_replaced, hooks_on
 from ..ops.causal_conv_cl import PendingBias
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, _names, rewrite_nested
+from .vae import PairCalls, names_in, rewrite_nested
 
 CHAIN_SITE = LTX_NORM_CONV.name  # the joined call's site, on the convolution module
 BIAS_SITE = LTX_BIAS_NORM_CONV.name  # a receiving joined call's site (its value pending), on its convolution module
@@ -287,7 +287,7 @@ def _blocked(body: list[ast.stmt]) -> set[str] | None:
     for stmt in body:
         for node in ast.walk(stmt):
             if isinstance(node, _SCOPES):
-                blocked |= _names(node)
+                blocked |= names_in(node)
             elif isinstance(node, (ast.Global, ast.Nonlocal)):
                 blocked.update(node.names)
             elif (isinstance(node, ast.Name) and node.id in _FRAME_READERS
@@ -354,21 +354,21 @@ class _Pending:
                 if apply:
                     stmt.value.func.attr = RECEIVER
                 return True
-            if isinstance(stmt, ast.If) and var not in _names(stmt.test):
+            if isinstance(stmt, ast.If) and var not in names_in(stmt.test):
                 through = False
                 for branch in (stmt.body, stmt.orelse):
                     if branch and _joined_var(branch[0], self.ns) == var:
                         found = True
                         if apply:
                             branch[0].value.func.attr = RECEIVER
-                    elif any(var in _names(s) for s in branch):
+                    elif any(var in names_in(s) for s in branch):
                         if apply:
                             branch.insert(0, self._settle(var))
                     else:
                         through = True
                 if not through:
                     return found
-            elif var in _names(stmt):
+            elif var in names_in(stmt):
                 if apply:
                     body.insert(k, self._settle(var))
                 return found

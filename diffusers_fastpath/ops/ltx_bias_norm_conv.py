@@ -77,16 +77,6 @@ def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: PendingBias, 
     return _norm_conv._fallback(norm, act, conv, x.settle(), causal)
 
 
-def _chains_fit(order, channels: int, vec: int) -> bool:
-    """Whether the kernel takes a mean of `order` over `channels` in vectors of `vec` (`cl_shape`'s checks that do
-    not depend on the device)."""
-    chains = 4 * order.rows * order.ctas
-    per_position = 1 if chains < vec else chains // vec
-    entries = chains + (order.rows if order.ctas > 1 else 0) + 1
-    return (channels % vec == 0 and (chains % vec == 0 or chains == 4) and per_position <= _norm._FUSED_THREADS
-            and entries <= _norm._SHARED_FLOATS)
-
-
 def _guard(norm, act, conv, x, causal, check_pointers: bool = True) -> str | None:
     """``None`` when the channels-last kernel takes these inputs, else the reason it does not (counted at the site)."""
     if type(x) is not PendingBias:
@@ -122,7 +112,9 @@ def _guard(norm, act, conv, x, causal, check_pointers: bool = True) -> str | Non
     order = _norm_conv._mean_order(raw)
     if type(order) is not _norm.MeanOrder:
         return f"aten's mean: {order}"
-    if not _chains_fit(order, raw.shape[1], vec):
+    batch, channels = raw.shape[:2]
+    if cl_shape(batch, raw.numel() // max(batch * channels, 1), channels, order, vec, 1) is None:
+        # (the device's SMs only halve the tile: one SM asks everything else cl_shape asks)
         return "the mean's partial sums do not map onto the kernel's vectors"
     return device_reason or autograd_device_reason(raw, bias)
 
