@@ -369,6 +369,41 @@ at::Tensor per_channel_rmsnorm_fused(const at::Tensor& x, double eps, bool silu,
   return out;
 }
 
+// The pad kernels' geometry (per_channel_rmsnorm.cu's NormPadArgs) for x's trailing dims `frames`, `height`, `width`
+// and `padding` in F.pad's order (w0, w1, h0, h1, t0, t1), checked: non-negative, and with `reflect_hw` each spatial
+// one below its axis' size (F.pad's reflection), else none in h and w; and aten's order of the mean (`rows` a power of
+// two up to 512, `ctas` from 1 to 65536).
+NormPadArgs norm_pad_args(int64_t frames, int64_t height, int64_t width, at::IntArrayRef padding, bool reflect_hw,
+                          int64_t rows, int64_t ctas) {
+  TORCH_CHECK(rows >= 1 && rows <= 512 && (rows & (rows - 1)) == 0 && ctas >= 1 && ctas <= 65536,
+              "per-channel norm pad: rows a power of two up to 512, ctas from 1 to 65536");
+  TORCH_CHECK(padding.size() == 6, "per-channel norm pad: padding must be (w0, w1, h0, h1, t0, t1)");
+  for (const int64_t p : padding) TORCH_CHECK(p >= 0, "per-channel norm pad: padding must be non-negative");
+  TORCH_CHECK(reflect_hw ? padding[0] < width && padding[1] < width && padding[2] < height && padding[3] < height
+                         : padding[0] == 0 && padding[1] == 0 && padding[2] == 0 && padding[3] == 0,
+              "per-channel norm pad: a reflected padding must be below its axis' size, none without reflection");
+  NormPadArgs pad;
+  pad.frames = frames;
+  pad.height = height;
+  pad.width = width;
+  pad.pad_w0 = padding[0];
+  pad.pad_w1 = padding[1];
+  pad.pad_h0 = padding[2];
+  pad.pad_h1 = padding[3];
+  pad.pad_t0 = padding[4];
+  pad.pad_t1 = padding[5];
+  pad.reflect_hw = reflect_hw ? 1 : 0;
+  return pad;
+}
+
+// The pad kernels' output for x [B, C, ...]: [B, C, t0 + frames + t1, h0 + height + h1, w0 + width + w1] of x's dtype,
+// channels_last_3d.
+at::Tensor norm_pad_output(const at::Tensor& x, const NormPadArgs& g) {
+  return at::empty({x.size(0), x.size(1), g.pad_t0 + g.frames + g.pad_t1, g.pad_h0 + g.height + g.pad_h1,
+                    g.pad_w0 + g.width + g.pad_w1},
+                   x.options().memory_format(at::MemoryFormat::ChannelsLast3d));
+}
+
 // The fused norm (per_channel_rmsnorm_fused, probe 0) written as the padded channels-last input of the causal
 // convolution after it (per_channel_rmsnorm.cu's pad kernel; ops/ltx_norm_conv.py): x [B, C, S] as there, `frames`
 // `height` `width` x's trailing dims (S their product), `padding` F.pad's order (w0, w1, h0, h1, t0, t1): the frames
@@ -379,38 +414,60 @@ at::Tensor per_channel_rmsnorm_pad_cl(const at::Tensor& x, double eps, bool silu
                                       double factor, at::IntArrayRef dims, at::IntArrayRef padding, bool reflect_hw) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
               "per_channel_rmsnorm_pad_cl: x must be a CUDA tensor [B, C, S] with unit stride along S");
-  TORCH_CHECK(rows >= 1 && rows <= 512 && (rows & (rows - 1)) == 0 && ctas >= 1 && ctas <= 65536,
-              "per_channel_rmsnorm_pad_cl: rows a power of two up to 512, ctas from 1 to 65536");
   TORCH_CHECK(dims.size() == 3 && dims[0] >= 1 && dims[1] >= 1 && dims[2] >= 1 &&
                   dims[0] * dims[1] * dims[2] == x.size(2),
               "per_channel_rmsnorm_pad_cl: dims must be x's (frames, height, width)");
-  TORCH_CHECK(padding.size() == 6, "per_channel_rmsnorm_pad_cl: padding must be (w0, w1, h0, h1, t0, t1)");
-  for (const int64_t p : padding) TORCH_CHECK(p >= 0, "per_channel_rmsnorm_pad_cl: padding must be non-negative");
-  TORCH_CHECK(reflect_hw ? padding[0] < dims[2] && padding[1] < dims[2] && padding[2] < dims[1] && padding[3] < dims[1]
-                         : padding[0] == 0 && padding[1] == 0 && padding[2] == 0 && padding[3] == 0,
-              "per_channel_rmsnorm_pad_cl: a reflected padding must be below its axis' size, none without reflection");
+  const NormPadArgs pad = norm_pad_args(dims[0], dims[1], dims[2], padding, reflect_hw, rows, ctas);
   to_dtype_or_float(x);  // (its check of the dtype, before the output is allocated)
-  at::Tensor out = at::empty({x.size(0), x.size(1), padding[4] + dims[0] + padding[5], padding[2] + dims[1] + padding[3],
-                              padding[0] + dims[2] + padding[1]},
-                             x.options().memory_format(at::MemoryFormat::ChannelsLast3d));
+  at::Tensor out = norm_pad_output(x, pad);
   if (x.numel() == 0) return out;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const PerChannelRmsNormArgs args = per_channel_args(x, out, nullptr, eps, silu, 0);
-  NormPadArgs pad;
-  pad.frames = dims[0];
-  pad.height = dims[1];
-  pad.width = dims[2];
-  pad.pad_w0 = padding[0];
-  pad.pad_w1 = padding[1];
-  pad.pad_h0 = padding[2];
-  pad.pad_h1 = padding[3];
-  pad.pad_t0 = padding[4];
-  pad.pad_t1 = padding[5];
-  pad.reflect_hw = reflect_hw ? 1 : 0;
   const cudaError_t err =
       launch_per_channel_rmsnorm_pad_cl(args, pad, static_cast<int32_t>(rows), static_cast<int32_t>(ctas),
                                         static_cast<float>(factor), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "per_channel_rmsnorm_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// The same padded channels-last output (per_channel_rmsnorm.cu's channels-last kernel; ops/ltx_bias_norm_conv.py) from
+// x, the channels-last result of the convolution before the norm without its bias: x a CUDA [B, C, T, H, W] tensor
+// laid out channels_last_3d, bias a contiguous [C] of its dtype, both 16-byte aligned, C a multiple of 16 bytes; each
+// value read as round(x + bias[c]). `rows`, `ctas`, `factor`, `padding` and `reflect_hw` as for
+// per_channel_rmsnorm_pad_cl (x's trailing dims its frames, height and width). The Python guard admits only inputs
+// that pass these checks (and the kernel's cl_shape).
+at::Tensor per_channel_rmsnorm_cl_pad_cl(const at::Tensor& x, const at::Tensor& bias, double eps, bool silu,
+                                         int64_t rows, int64_t ctas, double factor, at::IntArrayRef padding,
+                                         bool reflect_hw) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 5 && x.is_contiguous(at::MemoryFormat::ChannelsLast3d),
+              "per_channel_rmsnorm_cl_pad_cl: x must be a CUDA [B, C, T, H, W] tensor laid out channels_last_3d");
+  TORCH_CHECK(bias.device() == x.device() && bias.dim() == 1 && bias.size(0) == x.size(1) && bias.is_contiguous() &&
+                  bias.scalar_type() == x.scalar_type(),
+              "per_channel_rmsnorm_cl_pad_cl: bias must be a contiguous [C] of x's dtype and device");
+  TORCH_CHECK((x.size(1) * x.element_size()) % 16 == 0 && aligned16(x) && aligned16(bias),
+              "per_channel_rmsnorm_cl_pad_cl: the channels must be a multiple of 16 bytes, x and bias 16-byte aligned");
+  const NormPadArgs pad = norm_pad_args(x.size(2), x.size(3), x.size(4), padding, reflect_hw, rows, ctas);
+  const DType dtype = to_dtype_or_float(x);  // (its check of the dtype, before the output is allocated)
+  at::Tensor out = norm_pad_output(x, pad);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  PerChannelRmsNormArgs args;
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.mean = nullptr;
+  args.batch = x.size(0);
+  args.channels = x.size(1);
+  args.spatial = x.size(2) * x.size(3) * x.size(4);
+  args.x_batch_stride = x.stride(0);
+  args.x_channel_stride = 1;
+  args.eps = static_cast<float>(eps);  // aten's CUDA add casts the python scalar (a double) to its float opmath
+  args.silu = silu ? 1 : 0;
+  args.probe = 0;
+  args.dtype = dtype;
+  const cudaError_t err = launch_per_channel_rmsnorm_cl_pad_cl(args, pad, bias.data_ptr(), static_cast<int32_t>(rows),
+                                                               static_cast<int32_t>(ctas), static_cast<float>(factor),
+                                                               c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "per_channel_rmsnorm_cl_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
   return out;
 }
 
@@ -435,6 +492,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "int probe) -> Tensor");
   m.def("_per_channel_rmsnorm_pad_cl_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
         "int[] dims, int[] padding, bool reflect_hw) -> Tensor");
+  m.def("_per_channel_rmsnorm_cl_pad_cl_cuda(Tensor x, Tensor bias, float eps, bool silu, int rows, int ctas, "
+        "float factor, int[] padding, bool reflect_hw) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -449,4 +508,5 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
   m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
   m.impl("_per_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_pad_cl);
+  m.impl("_per_channel_rmsnorm_cl_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_cl_pad_cl);
 }

@@ -460,6 +460,13 @@ struct NormPadArgs {
 #ifndef __CUDACC_RTC__
 cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
                                               int32_t ctas, float factor, cudaStream_t stream);
+// The same output from the channels-last result of the convolution before the norm, without its bias
+// (per_channel_rmsnorm.cu's channels-last kernel; ops/ltx_bias_norm_conv.py): args.x is [batch, spatial, channels]
+// memory (batches x_batch_stride elements apart; x_channel_stride unused), each value read as round(x + bias[c]);
+// x, out and `bias` ([channels] of x's dtype) 16-byte aligned, channels a multiple of 16 bytes.
+cudaError_t launch_per_channel_rmsnorm_cl_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad,
+                                                 const void* bias, int32_t rows, int32_t ctas, float factor,
+                                                 cudaStream_t stream);
 #endif
 
 // The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]

@@ -231,6 +231,44 @@ __device__ __forceinline__ void tree(unsigned column, unsigned stride, int first
   }
 }
 
+// Stage 2 of the statistics for one position, in its scratch column (`column` the shared address of its entry 0,
+// `stride` the bytes between entries), whose entries 0 .. units - 1 hold the units of stage 1: with `chains` the 4 P
+// chains (entry 4 j + i: chain (j, i)), combined here into partial j = ((c0 + c1) + c2) + c3 at entry j; else the P
+// partials. Then each CTA's block_y_reduce (Q_g at entry g rows), the global step (t_y at entries units + y, then
+// their tree) where ctas > 1, and the projection: m = round(sum * factor), the position's mean.
+template <typename T>
+__device__ __forceinline__ float position_mean(unsigned column, unsigned stride, bool chains, int partials, int units,
+                                               int rows, int ctas, float factor) {
+  if (chains) {
+    for (int j = 0; j < partials; ++j) {  // partial j into entry j (<= 4 j: its chains are read first)
+      float c0, c1, c2, c3;
+      shared_load(entry(column, stride, 4 * j), c0);
+      shared_load(entry(column, stride, 4 * j + 1), c1);
+      shared_load(entry(column, stride, 4 * j + 2), c2);
+      shared_load(entry(column, stride, 4 * j + 3), c3);
+      shared_store(entry(column, stride, j), __fadd_rn(__fadd_rn(__fadd_rn(c0, c1), c2), c3));
+    }
+  }
+  for (int g = 0; g < ctas; ++g) tree(column, stride, g * rows, rows);  // Q_g at entry g rows
+  float sum;
+  if (ctas == 1) {
+    shared_load(column, sum);
+  } else {
+    for (int y = 0; y < rows; ++y) {
+      float s = 0.0f;
+      for (int g = y; g < ctas; g += rows) {
+        float q;
+        shared_load(entry(column, stride, g * rows), q);
+        s = __fadd_rn(s, q);
+      }
+      shared_store(entry(column, stride, units + y), s);
+    }
+    tree(column, stride, units, rows);
+    shared_load(entry(column, stride, units), sum);
+  }
+  return round_to<T>(__fmul_rn(sum, factor));
+}
+
 // A fused block's tile: the positions [s0, s0 + positions) of batch b (tile = blockDim.x * kVec), thread (x, y)'s
 // vector at p0, the units of the statistics and the scratch entry r is left in (`stride` bytes between entries).
 struct FusedTile {
@@ -292,34 +330,7 @@ __device__ __forceinline__ void fused_statistics(const PerChannelRmsNormArgs& a,
   // 2. per position: the partials, each CTA's block_y_reduce, the global step, the projection, r
   for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < t.positions; p += blockDim.x * blockDim.y) {
     const unsigned column = base + 4u * static_cast<unsigned>(p);
-    if (chains) {
-      for (int j = 0; j < partials; ++j) {  // partial j into entry j (<= 4 j: its chains are read first)
-        float c0, c1, c2, c3;
-        shared_load(entry(column, stride, 4 * j), c0);
-        shared_load(entry(column, stride, 4 * j + 1), c1);
-        shared_load(entry(column, stride, 4 * j + 2), c2);
-        shared_load(entry(column, stride, 4 * j + 3), c3);
-        shared_store(entry(column, stride, j), __fadd_rn(__fadd_rn(__fadd_rn(c0, c1), c2), c3));
-      }
-    }
-    for (int g = 0; g < ctas; ++g) tree(column, stride, g * rows, rows);  // Q_g at entry g rows
-    float sum;
-    if (ctas == 1) {
-      shared_load(column, sum);
-    } else {
-      for (int y = 0; y < rows; ++y) {
-        float s = 0.0f;
-        for (int g = y; g < ctas; g += rows) {
-          float q;
-          shared_load(entry(column, stride, g * rows), q);
-          s = __fadd_rn(s, q);
-        }
-        shared_store(entry(column, stride, units + y), s);
-      }
-      tree(column, stride, units, rows);
-      shared_load(entry(column, stride, units), sum);
-    }
-    const float m = round_to<T>(__fmul_rn(sum, factor));
+    const float m = position_mean<T>(column, stride, chains, partials, units, rows, ctas, factor);
     if (a.probe == kProbeMean) {
       static_cast<T*>(a.out)[t.b * a.spatial + t.s0 + p] = Storage<T>::store(m);
     } else {
@@ -562,7 +573,179 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
   }
 }
 
-#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernel above (ops/_nvrtc.py launches it)
+// --- the same, reading the channels-last result of the convolution before it and adding that one's bias -------------
+//
+// ops/ltx_bias_norm_conv.py: where the norm reads a causal convolution's output that went channels-last through cuDNN
+// (causal_conv_cl's convolve_channels_last, which would then run conv_bias.cu's bias_contiguous: the bias add and the
+// transpose back to [batch, channels, spatial]), x is that convolution's result without its bias, [batch, spatial,
+// channels] memory (channels_last_3d of [batch, channels, T, H, W]), and each value is taken as eager's tensor holds
+// it where it is loaded: round(x + bias[c]) (aten's `output.add_(bias)` after cuDNN's bias-less convolution, one fp32
+// add rounded to T: bias_contiguous's arithmetic). The statistics are the fused kernel's chains over those values
+// (the same float operations in the same order: only the addresses differ), the tail the pad kernel's values and
+// stores; the reads and the stores both run along the channels, so no staging tile is needed.
+
+constexpr int kClTilePositions = kFusedThreads;  // a tile's positions at most (at least one thread a position)
+
+// round(x + bias): the value of eager's convolution output (cuDNN's result, then aten's bias add, rounded to T)
+template <typename T>
+__device__ __forceinline__ float biased(T x, T bias) {
+  return round_to<T>(__fadd_rn(Storage<T>::load(x), Storage<T>::load(bias)));
+}
+
+// Stage 1 over channels-last x: chain rho = j + i P (the fused kernel's unit u = 4 j + i: channels j + (i + 4 n) P,
+// added from 0 in channel order) sums the channels c = rho (mod G), G = 4 P. A thread takes kLanes chains of one
+// position, reading its 16-byte vectors at channels first, first + step, ...: with G >= kVec (kLanes = kVec, first =
+// k kVec for the position's thread k, step = G) element i of each is chain k kVec + i; with G = 4 < kVec (P = 1: one
+// thread a position, kLanes = 4, first 0, step kVec) element i is chain i % 4, the two values of a vector in channel
+// order. Four vectors (and their biases) in flight.
+template <typename T, int kLanes>
+__device__ __forceinline__ void cl_chain_sums(const T* x, const T* bias, int64_t first, int64_t step, int64_t channels,
+                                              float (&acc)[kLanes]) {
+  using P = Pack<T>;
+  constexpr int kVec = P::kSize;
+#pragma unroll
+  for (int i = 0; i < kLanes; ++i) acc[i] = 0.0f;
+  int64_t c = first;
+  for (; c + 3 * step < channels; c += 4 * step) {
+    P v[4], w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[k] = load_readonly(reinterpret_cast<const P*>(x + c + k * step));
+      w[k] = load_readonly(reinterpret_cast<const P*>(bias + c + k * step));
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        acc[i % kLanes] = __fadd_rn(acc[i % kLanes], square<T>(biased<T>(v[k].v[i], w[k].v[i])));
+      }
+    }
+  }
+  for (; c < channels; c += step) {
+    const P v = load_readonly(reinterpret_cast<const P*>(x + c));
+    const P w = load_readonly(reinterpret_cast<const P*>(bias + c));
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i % kLanes] = __fadd_rn(acc[i % kLanes], square<T>(biased<T>(v.v[i], w.v[i])));
+  }
+}
+
+// Chain sums acc[0 .. kLanes) of a position's thread k into their scratch entries (chain rho = k kLanes + i at entry
+// 4 (rho % P) + rho / P, the fused kernel's unit of that chain).
+template <int kLanes>
+__device__ __forceinline__ void store_chains(unsigned column, unsigned stride, int k, int partials,
+                                             const float (&acc)[kLanes]) {
+#pragma unroll
+  for (int i = 0; i < kLanes; ++i) {
+    const int rho = k * kLanes + i;
+    shared_store(entry(column, stride, 4 * (rho % partials) + rho / partials), acc[i]);
+  }
+}
+
+// The pad kernel's output (per_channel_rmsnorm_pad_cl_kernel: out [batch, Tp, Hp, Wp, channels], each value at every
+// padded position whose source it is) from channels-last x plus `bias` (x and bias 16-byte aligned, channels a
+// multiple of kVec; G a multiple of kVec, or 4), the tile `tile` positions of batch blockIdx.y (cl_shape), blockDim.x =
+// kFusedThreads. 1: each position's chains (cl_chain_sums, `per_position` threads a position) into its scratch
+// column; 2: per position the fused kernel's combine (position_mean) and r; 3: per (position, 16-byte vector of
+// channels) the division, the SiLU and the store at each of the position's padded copies (the tile's table, as the pad
+// kernel's), two vectors in flight a thread.
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
+    per_channel_rmsnorm_cl_pad_cl_kernel(PerChannelRmsNormArgs a, NormPadArgs g, const void* bias_data, int32_t rows,
+                                         int32_t ctas, float factor, int32_t tile) {
+  using P = Pack<T>;
+  constexpr int kVec = P::kSize;
+  // the statistics' scratch, then the tile's table of padded positions (8 bytes each)
+  __shared__ __align__(16) float scratch[kSharedFloats + 2 * kClTilePositions];
+  unsigned base;  // (the shared-window address through inline PTX, as the pad kernel takes it)
+  asm volatile("{\n .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t;\n}"
+               : "=r"(base)
+               : "l"(reinterpret_cast<unsigned long long>(scratch)));
+  const unsigned table = base + 4u * kSharedFloats;
+  const int partials = rows * ctas;
+  const int chains = 4 * partials;
+  const int per_position = chains < kVec ? 1 : chains / kVec;
+  const int r_entry = chains + (ctas > 1 ? rows : 0);
+  const unsigned stride = 4u * static_cast<unsigned>(tile);
+  const int64_t b = blockIdx.y;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * tile;
+  const int64_t left = a.spatial - s0;
+  const int positions = left < tile ? static_cast<int>(left) : tile;
+  const int tid = threadIdx.x;
+  const T* x = static_cast<const T*>(a.x) + b * a.x_batch_stride + s0 * a.channels;  // the tile's first position
+  const T* bias = static_cast<const T*>(bias_data);
+  for (int p = tid; p < positions; p += blockDim.x) {  // (read after the barriers below)
+    shared_store(table + 8u * p, static_cast<unsigned long long>(only_copy(g, b, s0 + p)));
+  }
+
+  // 1. the chains
+  {
+    const int p = tid / per_position, k = tid - p * per_position;
+    if (p < positions) {
+      const unsigned column = base + 4u * static_cast<unsigned>(p);
+      const T* xp = x + static_cast<int64_t>(p) * a.channels;
+      if (chains >= kVec) {
+        float acc[kVec];
+        cl_chain_sums<T, kVec>(xp, bias, static_cast<int64_t>(k) * kVec, chains, a.channels, acc);
+        store_chains<kVec>(column, stride, k, partials, acc);
+      } else {
+        float acc[4];
+        cl_chain_sums<T, 4>(xp, bias, 0, kVec, a.channels, acc);
+        store_chains<4>(column, stride, 0, partials, acc);
+      }
+    }
+  }
+  __syncthreads();
+
+  // 2. per position: the fused kernel's combine, m, r
+  for (int p = tid; p < positions; p += blockDim.x) {
+    const unsigned column = base + 4u * static_cast<unsigned>(p);
+    const float m = position_mean<T>(column, stride, true, partials, chains, rows, ctas, factor);
+    shared_store(entry(column, stride, r_entry), rms<T>(m, a.eps));
+  }
+  __syncthreads();
+
+  // 3. the tail along the channels
+  const int vectors = static_cast<int>(a.channels / kVec);
+  const int items = positions * vectors;
+  T* out = static_cast<T*>(a.out);
+  for (int e0 = tid; e0 < items; e0 += 2 * blockDim.x) {
+    P v[2], w[2];
+    int p[2], u[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int e = e0 + k * static_cast<int>(blockDim.x);
+      p[k] = e / vectors;
+      u[k] = e - p[k] * vectors;
+      if (e < items) {
+        v[k] = load_readonly(reinterpret_cast<const P*>(x + static_cast<int64_t>(p[k]) * a.channels) + u[k]);
+        w[k] = load_readonly(reinterpret_cast<const P*>(bias) + u[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (e0 + k * static_cast<int>(blockDim.x) >= items) continue;
+      float r;
+      shared_load(entry(base + 4u * static_cast<unsigned>(p[k]), stride, r_entry), r);
+      P o;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        float y = __fdiv_rn(biased<T>(v[k].v[i], w[k].v[i]), r);
+        if (a.silu) y = silu(round_to<T>(y));
+        o.v[i] = Storage<T>::store(y);
+      }
+      unsigned long long index;
+      shared_load(table + 8u * static_cast<unsigned>(p[k]), index);
+      T* dst = out + static_cast<int64_t>(u[k]) * kVec;
+      if (static_cast<long long>(index) >= 0) {
+        *reinterpret_cast<P*>(dst + static_cast<int64_t>(index) * a.channels) = o;
+      } else {
+        for_each_copy(g, b, s0 + p[k], [&](int64_t i) { *reinterpret_cast<P*>(dst + i * a.channels) = o; });
+      }
+    }
+  }
+}
+
+#ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches it)
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename T>
@@ -646,6 +829,49 @@ cudaError_t launch_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, 
   }
   return cudaGetLastError();
 }
+
+// The channels-last kernel's launch (ops/ltx_bias_norm_conv.py's `cl_shape` is its Python twin): blocks of
+// kFusedThreads threads; `tile` positions a block, the largest power of two whose stage-1 threads (per_position a
+// position) and scratch (the G chains, the global step's rows where ctas > 1, r: entries a position) fit, halved while
+// the grid has fewer than kMinBlocksPerSm blocks per SM; grid (tiles of a batch's positions, batch). False where the
+// chains do not map onto the 16-byte vectors (G = 4 P neither a multiple of vec nor 4), the channels are no multiple of
+// vec, or one position's chains or scratch do not fit.
+inline bool cl_shape(int64_t batch, int64_t spatial, int64_t channels, int64_t rows, int64_t ctas, int vec, int sms,
+                     FusedShape& shape, int& tile) {
+  const int64_t chains = 4 * rows * ctas;
+  if (channels % vec != 0 || (chains % vec != 0 && chains != 4)) return false;
+  const int64_t per_position = chains < vec ? 1 : chains / vec;
+  const int64_t entries = chains + (ctas > 1 ? rows : 0) + 1;
+  if (per_position > kFusedThreads || entries > kSharedFloats) return false;
+  int64_t t = 1;
+  while (2 * t * per_position <= kFusedThreads && 2 * t * entries <= kSharedFloats) t *= 2;
+  while (t > 1 && batch * ((spatial + t - 1) / t) < static_cast<int64_t>(kMinBlocksPerSm) * sms) t /= 2;
+  const int64_t tiles = (spatial + t - 1) / t;
+  if (tiles > 0x7fffffff || batch > 65535) return false;
+  shape.grid = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(batch));
+  shape.block = dim3(kFusedThreads);
+  tile = static_cast<int>(t);
+  return true;
+}
+
+// The channels-last kernel's launch: x (args.x) [batch, spatial, channels] memory and `bias` 16-byte aligned, args
+// as the pad kernel's (x_channel_stride unused), cl_shape.
+template <typename T>
+cudaError_t launch_cl_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, const void* bias, int32_t rows,
+                             int32_t ctas, float factor, cudaStream_t stream) {
+  constexpr int kVec = Pack<T>::kSize;
+  FusedShape shape;
+  int tile = 0;
+  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || a.probe != 0 ||
+      g.frames * g.height * g.width != a.spatial || !aligned(a.x) || !aligned(a.out) || !aligned(bias) ||
+      a.x_batch_stride % kVec != 0 ||
+      !cl_shape(a.batch, a.spatial, a.channels, rows, ctas, kVec, num_sms(), shape, tile)) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
+  per_channel_rmsnorm_cl_pad_cl_kernel<T><<<shape.grid, shape.block, 0, stream>>>(a, g, bias, rows, ctas, factor, tile);
+  return cudaGetLastError();
+}
 #endif  // __CUDACC_RTC__
 
 }  // namespace
@@ -656,6 +882,14 @@ cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args,
                                               int32_t ctas, float factor, cudaStream_t stream) {
   return dispatch_storage_or_float(
       args.dtype, [&](auto tag) { return launch_pad_cl<decltype(tag)>(args, pad, rows, ctas, factor, stream); });
+}
+
+// (declared in fastpath.h)
+cudaError_t launch_per_channel_rmsnorm_cl_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad,
+                                                 const void* bias, int32_t rows, int32_t ctas, float factor,
+                                                 cudaStream_t stream) {
+  return dispatch_storage_or_float(
+      args.dtype, [&](auto tag) { return launch_cl_pad_cl<decltype(tag)>(args, pad, bias, rows, ctas, factor, stream); });
 }
 
 cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream) {

@@ -300,6 +300,16 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(norm_conv, "_mean_order", lambda x: norm_conv._norm.MeanOrder(1, 1, 1.0 / x.shape[1]))
     monkeypatch.setattr(norm_conv, "_launch", lambda x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw: (
         norm_conv.norm_pad_arithmetic(x, torch.mean(x**2, dim=1), eps, silu, dims, padding, reflect_hw)))
+    # ... and reading the convolution before it channels-last, its bias not added (`ltx_bias_norm_conv`): its own code,
+    # the kernel's launch its arithmetic on the first convolution's tensor as the emulated convolution above leaves it
+    # (a CPU's convolution adds the bias inside: the bias and transpose pass a copy), the mean the CPU's own; its
+    # proofs run the CUDA kernel's probe modes
+    bias_norm_conv = sys.modules["diffusers_fastpath.ops.ltx_bias_norm_conv"]
+    monkeypatch.setattr(bias_norm_conv.LTX_BIAS_NORM_CONV, "guard", _as_if_on_cuda(bias_norm_conv.LTX_BIAS_NORM_CONV.guard))
+    monkeypatch.setattr(bias_norm_conv.LTX_BIAS_NORM_CONV, "prove", None)
+    monkeypatch.setattr(bias_norm_conv, "_launch", lambda raw, bias, eps, silu, rows, ctas, factor, padding, reflect_hw: (
+        bias_norm_conv.bias_norm_pad_arithmetic(raw, bias, eps, silu, padding, reflect_hw,
+                                                biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
     # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
     # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
     # its proofs (the sqrt and the SiLU on every value) run the CUDA kernel's probe modes

@@ -799,26 +799,32 @@ FUSED_SHAPE_CASES = [  # (batch, spatial, rows, ctas, vec): the decoder's, the e
 ]
 
 
-def test_fused_shape_matches_the_cu(tmp_path):
-    """The Python `fused_shape` against the .cu's fused_shape, compiled and run on the host (no GPU: num_sms() is
-    132)."""
+def host_output(tmp_path, print_fn: str, cases) -> list[str]:
+    """The lines a host program prints that includes csrc/per_channel_rmsnorm.cu, defines `print_fn` (C++: a
+    ``void print(...)``) and calls it with each tuple of `cases`, compiled by nvcc and run (no GPU: num_sms() is
+    132); skipped without nvcc."""
     from test_nvrtc import NVCC
 
     if NVCC is None:
         pytest.skip("no nvcc")
     from diffusers_fastpath.ops import _build
 
-    calls = "".join(f'  print({b}, {s}, {r}, {c}, {v});\n' for b, s, r, c, v in FUSED_SHAPE_CASES)
-    (tmp_path / "shape.cu").write_text(
-        '#include <cstdio>\n#include "per_channel_rmsnorm.cu"\nusing namespace diffusers_fastpath;\n'
-        "void print(long b, long s, long r, long c, int v) {\n  FusedShape f;\n"
-        '  if (!fused_shape(b, s, r, c, v, num_sms(), f)) { std::printf("none\\n"); return; }\n'
-        '  std::printf("%u %u %u %u\\n", f.grid.x, f.grid.y, f.block.x, f.block.y);\n}\n'
-        f"int main() {{\n{calls}}}\n")
+    calls = "".join(f"  print({', '.join(map(str, case))});\n" for case in cases)
+    (tmp_path / "host.cu").write_text('#include <cstdio>\n#include "per_channel_rmsnorm.cu"\n'
+                                      f"using namespace diffusers_fastpath;\n{print_fn}int main() {{\n{calls}}}\n")
     proc = subprocess.run([NVCC, "-std=c++17", f"-I{_build.csrc_dir()}", *_build.KERNEL_DEFINES,
-                           str(tmp_path / "shape.cu"), "-o", str(tmp_path / "shape")], capture_output=True, text=True)
+                           str(tmp_path / "host.cu"), "-o", str(tmp_path / "host")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    out = subprocess.run([str(tmp_path / "shape")], capture_output=True, text=True, check=True).stdout.splitlines()
+    return subprocess.run([str(tmp_path / "host")], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_fused_shape_matches_the_cu(tmp_path):
+    """The Python `fused_shape` against the .cu's fused_shape, compiled and run on the host (no GPU: num_sms() is
+    132)."""
+    out = host_output(tmp_path, "void print(long b, long s, long r, long c, int v) {\n  FusedShape f;\n"
+                      '  if (!fused_shape(b, s, r, c, v, num_sms(), f)) { std::printf("none\\n"); return; }\n'
+                      '  std::printf("%u %u %u %u\\n", f.grid.x, f.grid.y, f.block.x, f.block.y);\n}\n',
+                      FUSED_SHAPE_CASES)
     want = []
     for b, s, r, c, v in FUSED_SHAPE_CASES:
         shape = pcr.fused_shape(b, s, pcr.MeanOrder(r, c, 0.0), v, 132)

@@ -3,8 +3,10 @@
 every site on its fast path (on CPU under the emulated kernels), also tiled, sliced, non-causal (and modulated) and in fp32; unpatch
 and state dicts, hooks on a paired norm, a replaced ``PerChannelRMSNorm.forward``; the norm -> SiLU -> convolution
 chains (`ltx_norm_conv`, models/vae_ltx2_chain.py): the statements joined, one site per joined convolution, their
-refusals exact (hooks, a dropout in training mode or replaced, a kernel one bit off). The norm op's own tests are in
-test_per_channel_rmsnorm.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
+refusals exact (hooks, a dropout in training mode or replaced, a kernel one bit off); ``conv1``'s result handed to
+``norm2``'s chain without its bias (`ltx_bias_norm_conv`): the rewrite, its sites, the decode reaching it, its
+refusals. The norm op's own tests are in test_per_channel_rmsnorm.py, the bias chain's kernel in
+test_ltx_bias_norm_conv.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
 
 from __future__ import annotations
 
@@ -57,6 +59,21 @@ def _norms(vae) -> int:
     return sum(type(m) is PerChannelRMSNorm for m in vae.modules())
 
 
+def _chain_calls(report) -> dict:
+    """Per joined convolution, (fast, fallback) of its two chain ops together (`ltx_norm_conv` on a tensor,
+    `ltx_bias_norm_conv` on the previous convolution's pending result): each call is counted on one of them."""
+    calls: dict = {}
+    for r in report.sites:
+        if r.op in ("ltx_norm_conv", "ltx_bias_norm_conv"):
+            fast, fallback = calls.get(r.site.split(":")[0], (0, 0))
+            calls[r.site.split(":")[0]] = (fast + r.fast, fallback + r.fallback)
+    return calls
+
+
+def _bias_sites(report) -> dict:
+    return {r.site.split(":")[0]: r for r in report.sites if r.op == "ltx_bias_norm_conv"}
+
+
 @torch.no_grad()
 def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(emulated_kernels, unpatch_after):
     """Every norm of the published form is paired with its SiLU (the resnets' two, each ``norm_out``); the encoder's
@@ -73,11 +90,23 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(emulated_
     ops = Counter(r.op for r in fp.report(vae).sites)
     assert ops["per_channel_rmsnorm_silu"] == norms and ops["ltx_causal_conv3d"] == convs and ops["conv_bias"], ops
     assert ops["ltx_norm_conv"] == norms, ops  # (every norm's pair is joined with the convolution after it)
+    assert ops["ltx_bias_norm_conv"] == (norms - 2) // 2, ops  # (each resnet's conv2 receives conv1's result)
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in ltx_vae_sites(fp.report(vae))), str(fp.report(vae))
-    chains = [r for r in fp.report(vae).sites if r.op == "ltx_norm_conv"]
-    assert all(r.fast == 1 and r.fallback == 0 for r in chains), str(fp.report(vae))
+    chains = _chain_calls(fp.report(vae))
+    assert len(chains) == norms and set(chains.values()) == {(1, 0)}, str(fp.report(vae))
+    # every convolution signature checked by now: each conv1 of whole 16-byte vectors of channels leaves its result
+    # pending, and its conv2 takes it (the tiny VAE's 4-channel resnets: the tensor, as before)
+    before = {path: r.fast for path, r in _bias_sites(fp.report(vae)).items()}
+    assert torch.equal(_decode(vae, z), ref_dec)
+    bias = _bias_sites(fp.report(vae))
+    for path, r in bias.items():
+        conv = vae.get_submodule(path)
+        wide = conv.conv.in_channels % 8 == 0
+        assert r.fallback == 0 and r.fast - before[path] == (wide and path.startswith("decoder.")), (path, str(r))
+    assert any(r.fast for r in bias.values()) and any(not r.fast for r in bias.values())
+    assert set(_chain_calls(fp.report(vae)).values()) <= {(1, 0), (2, 0)}, str(fp.report(vae))
 
 
 @torch.no_grad()
@@ -111,7 +140,8 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in ltx_vae_sites(fp.report(vae))), str(fp.report(vae))
-    assert all(r.fast > 1 for r in fp.report(vae).sites if r.op == "ltx_norm_conv"), str(fp.report(vae))
+    assert all(fast > 1 and not fallback for fast, fallback in _chain_calls(fp.report(vae)).values())
+    assert any(r.fast for r in _bias_sites(fp.report(vae)).values()), str(fp.report(vae))  # (the tiles' conv2s)
 
 
 @torch.no_grad()
@@ -124,6 +154,9 @@ def test_fp32_vae_patched_equal_unpatched(emulated_kernels, unpatch_after):
     assert torch.equal(_encode(vae, x), ref_enc)
     report = fp.report(vae)
     assert all(r.fast > 0 for r in report.sites if r.op == "per_channel_rmsnorm_silu"), str(report)
+    assert torch.equal(_decode(vae, z), ref_dec)
+    # (fp32 convolutions run channels-first: no result is left pending, the receivers get tensors)
+    assert all(r.fast == r.fallback == 0 for r in _bias_sites(fp.report(vae)).values()), str(fp.report(vae))
 
 
 def test_unpatch_restores_classes_and_state_dict():
@@ -202,6 +235,80 @@ def test_the_resnet_and_decoder_forwards_join_each_pair_with_its_convolution():
     assert source.count("self.conv1(hidden_states, causal=causal)") == 1  # (the modulated branch's, as written)
 
 
+def test_the_resnet_forward_hands_conv1s_result_to_conv2s_chain():
+    """The rewritten resnet forward: ``conv1``'s joined call may leave its result pending; the noise injection's
+    branch and the modulated branch (which read it otherwise) settle it first; ``conv2``'s joined call, the other
+    branch's first statement, takes it. The encoder's and decoder's ``conv_out`` (read by the patchifying reshape)
+    stay plain joined calls."""
+    import inspect
+
+    resnet, encoder, decoder = (block.current() for block in vae_ltx2.BLOCKS)
+    source = inspect.getsource(resnet.forward)
+    ns = "_diffusers_fastpath_vae_ltx2"
+    assert source.count(f"hidden_states = {ns}.norm_act_conv_pending(self, 'norm1', 'nonlinearity', (), 'conv1', "
+                        "hidden_states, causal=causal)") == 1
+    assert source.count(f"hidden_states = {ns}.pending_norm_act_conv(self, 'norm2', 'nonlinearity', ('dropout',), "
+                        "'conv2', hidden_states, causal=causal)") == 1
+    assert source.count(f"hidden_states = {ns}.settled(hidden_states)") == 2
+    lines = [line.strip() for line in source.splitlines()]
+    settles = [i for i, line in enumerate(lines) if line.endswith(".settled(hidden_states)")]
+    assert [lines[i - 1] for i in settles] == ["if self.per_channel_scale1 is not None:",
+                                               "if self.scale_shift_table is not None:"]
+    assert vae_ltx2_chain._joined_convs(resnet.forward, (vae_ltx2_chain.RECEIVER,)) == ("conv2",)
+    for block in (encoder, decoder):
+        text = inspect.getsource(block.forward)
+        assert "pending" not in text and "settled" not in text
+
+
+def _pending_rewrite(code: str) -> str:
+    """`vae_ltx2_chain._Pending` on the statements of `code` (joined calls written as `_Chains` makes them)."""
+    import ast
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(code)).body
+    return ast.unparse(ast.fix_missing_locations(ast.Module(vae_ltx2_chain._Pending("ns", body).body(body), [])))
+
+
+_J1 = "x = ns.norm_act_conv(self, 'n1', 'a', (), 'c1', x, causal=c)"
+_J2 = "x = ns.norm_act_conv(self, 'n2', 'a', ('d',), 'c2', x, causal=c)"
+
+
+def test_the_pending_rewrite_settles_every_other_reader_and_defers_nothing_it_cannot_prove():
+    """`_Pending`: the first call leaves its value pending only where every path from it reaches the receiving call or
+    a settle before anything else reads the value; nothing changes where no receiver is reached that way, or where the
+    value could be read by other code (a closure, ``locals()``), or inside a loop."""
+    pending, receiver = "ns.norm_act_conv_pending(", "ns.pending_norm_act_conv("
+    # straight line, a statement that does not name x between: joined
+    out = _pending_rewrite(f"{_J1}\ny = 3\n{_J2}\nreturn x")
+    assert out.count(pending) == 1 and out.count(receiver) == 1 and "settled" not in out
+    # an if without else that reads x (settled in it), then the receiver
+    out = _pending_rewrite(f"{_J1}\nif self.a is not None:\n    x = x + 1\n{_J2}")
+    assert out.splitlines()[1:3] == ["if self.a is not None:", "    x = ns.settled(x)"] and out.count(receiver) == 1
+    # the receiver on one branch; the other, an elif chain that reads x, settles first
+    out = _pending_rewrite(f"{_J1}\nif t:\n    {_J2}\nelif u:\n    x = f(x)\nelse:\n    y = 1\nreturn x")
+    assert out.count(receiver) == 1 and out.count("x = ns.settled(x)") == 1, out
+    assert out.splitlines()[3:5] == ["else:", "    x = ns.settled(x)"], out
+    # a branch that does not name x leaves it pending past the if: settled before the next reader
+    out = _pending_rewrite(f"{_J1}\nif t:\n    {_J2}\nelse:\n    y = 1\nreturn x")
+    assert out.count(receiver) == 1 and out.splitlines()[-2:] == ["x = ns.settled(x)", "return x"], out
+    out = _pending_rewrite(f"if m:\n    {_J1}\n    if t:\n        {_J2}\nelse:\n    x = 2\nz = x")
+    assert out.count(receiver) == 1 and out.count("settled") == 1 and out.splitlines()[-1] == "z = x", out
+    # an if whose first branch ends in the joined call, every branch binding x (LTX-2's resnet form)
+    out = _pending_rewrite(f"if m:\n    x = self.c1(x)\nelse:\n    {_J1}\nif m:\n    x = g(x)\nelse:\n    {_J2}")
+    assert out.count(pending) == 1 and out.count(receiver) == 1 and out.count("settled") == 1
+    # not joined: a reader before the receiver, a test that reads x, a branch that does not bind x, no receiver
+    for code in (f"{_J1}\ny = x\n{_J2}", f"{_J1}\nif x.any():\n    pass\n{_J2}", f"{_J1}\nreturn x",
+                 f"if m:\n    y = 1\nelse:\n    {_J1}\n{_J2}"):
+        out = _pending_rewrite(code)
+        assert pending not in out and receiver not in out and "settled" not in out, (code, out)
+    # not joined: the value reachable by other code, or in a loop's body
+    for code in (f"f = lambda: x\n{_J1}\n{_J2}", f"{_J1}\nv = locals()\n{_J2}",
+                 f"{_J1}\nv = sys._getframe()\n{_J2}", f"for i in r:\n    {_J1}\n    {_J2}",
+                 f"{_J1}\nys = [x for _ in r]\n{_J2}", f"global x\n{_J1}\n{_J2}"):
+        out = _pending_rewrite(code)
+        assert pending not in out and receiver not in out, (code, out)
+
+
 def test_a_convolution_keyword_read_from_the_chained_value_is_not_joined():
     """The joined call evaluates the convolution's keywords before the norm, SiLU and dropout run: a keyword that
     reads V (or is any other expression) must keep its statement, a constant or another name may move."""
@@ -250,23 +357,25 @@ def test_chain_refusals_run_the_statements_as_written(emulated_kernels, unpatch_
     finally:
         resnet.dropout = dropout
     assert _chain_site(vae, resnet.conv2).fallback["Identity between the SiLU and the convolution"] == 1
-    others = [r for r in fp.report(vae).sites if r.op == "ltx_norm_conv" and r.site.startswith("decoder.")
-              and ".mid_block.resnets.0." not in r.site]
-    assert others and all(r.fallback == 0 and r.fast == 2 for r in others), str(fp.report(vae))
+    others = [calls for path, calls in _chain_calls(fp.report(vae)).items() if path.startswith("decoder.")
+              and ".mid_block.resnets.0." not in path]
+    assert others and set(others) == {(2, 0)}, str(fp.report(vae))
+
+
+def _one_value_off(launch):
+    """`launch` (a padded channels-last buffer's) with one value of its result off: its exponent, the value x 4."""
+    def off(*args):
+        out = launch(*args)
+        out.view(torch.int16).permute(0, 2, 3, 4, 1).reshape(-1)[5] += 0x100
+        return out
+    return off
 
 
 @torch.no_grad()
 def test_a_pad_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emulated_kernels, fastpath_log):
     """One value of the pad kernel's buffer off: the first call of the signature compares with eager, returns eager's result
     and disables the op (one warning); the decode is still unpatched's, through the pairs and convolutions."""
-    exact = norm_conv._launch
-
-    def off(*args):
-        out = exact(*args)
-        out.view(torch.int16).permute(0, 2, 3, 4, 1).reshape(-1)[5] += 0x100  # (its exponent: the value x 4)
-        return out
-
-    monkeypatch.setattr(norm_conv, "_launch", off)
+    monkeypatch.setattr(norm_conv, "_launch", _one_value_off(norm_conv._launch))
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "disabled", None)
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "verified", set())
     vae = _build()
@@ -284,6 +393,98 @@ def test_a_pad_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emul
     finally:
         fp.unpatch(vae)
     assert sum("disabling the fused op 'ltx_norm_conv'" in r.getMessage() for r in fastpath_log.records) == 1
+
+
+def _decode_twice(vae, z):
+    """Decode twice (the first call of each convolution signature checks it and returns the tensor; the second
+    leaves results pending), the second's output."""
+    _decode(vae, z)
+    return _decode(vae, z)
+
+
+@torch.no_grad()
+def test_a_decoder_that_injects_noise_settles_conv1s_result_for_it(emulated_kernels, unpatch_after):
+    """``decoder_inject_noise``: the resnets with ``per_channel_scale1`` add noise to ``conv1``'s result, so the
+    rewritten forward's settle runs there and ``conv2``'s chain gets the tensor (its bias site idle); the others
+    still hand it on; patched == unpatched (the noise drawn from the same seed)."""
+    vae = randomize_(AutoencoderKLLTX2Video(**{**_TINY, "decoder_inject_noise": (False, True, False, False)}), 0)
+    vae = vae.to(torch.bfloat16).eval()
+    z = _latents(vae)
+
+    def decode():
+        torch.manual_seed(7)
+        return _decode(vae, z)
+
+    ref = decode()
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(decode(), ref) and torch.equal(decode(), ref)
+    bias = _bias_sites(fp.report(vae))
+    noisy = {path for path in bias if vae.get_submodule(path.rsplit(".", 1)[0]).per_channel_scale1 is not None}
+    assert noisy and all(bias[path].fast == bias[path].fallback == 0 for path in noisy), str(fp.report(vae))
+    assert any(r.fast for path, r in bias.items() if path not in noisy), str(fp.report(vae))
+
+
+@torch.no_grad()
+def test_bias_chain_refusals_settle_and_run_the_chain_as_before(emulated_kernels, unpatch_after):
+    """Given ``conv1``'s pending result, a hook on ``conv2`` (it sees the SiLU's result) or a dropout in training
+    mode refuse `ltx_bias_norm_conv` (counted on its site); the value is settled and ``conv2``'s chain runs as before
+    (refused too: the statements as written, the hook run); patched == unpatched; a hook on ``conv1`` leaves its
+    result a tensor (nothing counted on the bias site)."""
+    vae = _build()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    _decode(vae, z)  # (every signature checked)
+    resnet = vae.decoder.up_blocks[0].resnets[0]
+    site = _bias_sites(fp.report(vae))["decoder.up_blocks.0.resnets.0.conv2"]
+    assert resnet.conv1.conv.out_channels % 8 == 0 and site.fast == 0
+    seen = []
+    handle = resnet.conv2.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].shape),
+                                                    with_kwargs=True)
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    bias_site = resnet.conv2._fastpath_site_ltx_bias_norm_conv
+    assert dict(bias_site.fallback) == {"FastpathLTX2VideoCausalConv3d has hooks": 1} and bias_site.fast == 0
+    assert dict(_chain_site(vae, resnet.conv2).fallback) == {"FastpathLTX2VideoCausalConv3d has hooks": 1}
+    resnet.dropout.train()
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        resnet.dropout.eval()
+    assert bias_site.fallback["dropout in training mode"] == 1
+    handle = resnet.conv1.register_forward_hook(lambda *args: None)
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+    assert (bias_site.fast, bias_site.fallback.total()) == (0, 2)
+    assert torch.equal(_decode(vae, z), ref)
+    assert bias_site.fast == 1
+
+
+@torch.no_grad()
+def test_a_bias_chain_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emulated_kernels, fastpath_log):
+    """One value of the channels-last kernel's buffer off: the first call of its signature compares with eager,
+    returns eager's result and disables the op (one warning); the decode is still unpatched's, the pending results
+    settled and run through `ltx_norm_conv`."""
+    bias_conv = importlib.import_module("diffusers_fastpath.ops.ltx_bias_norm_conv")
+    monkeypatch.setattr(bias_conv, "_launch", _one_value_off(bias_conv._launch))
+    vae = _build()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    try:
+        assert torch.equal(_decode_twice(vae, z), ref) and torch.equal(_decode(vae, z), ref)
+        assert "not bit-exact" in bias_conv.LTX_BIAS_NORM_CONV.disabled
+        assert all(r.fast == 0 for r in _bias_sites(fp.report(vae)).values())
+        decoder = [r for r in fp.report(vae).sites if r.op == "ltx_norm_conv" and r.site.startswith("decoder.")]
+        assert decoder and all(r.fast == 3 and r.fallback == 0 for r in decoder), str(fp.report(vae))
+    finally:
+        fp.unpatch(vae)
+    assert sum("disabling the fused op 'ltx_bias_norm_conv'" in r.getMessage() for r in fastpath_log.records) == 1
 
 
 @torch.no_grad()

@@ -204,7 +204,8 @@ def _append_to_branches(node: ast.If, stmt: ast.stmt) -> None:
         node.orelse.append(copy.deepcopy(stmt))
 
 
-def _names(node: ast.AST) -> set[str]:
+def names_in(node: ast.AST) -> set[str]:
+    """The names (``ast.Name`` ids, read or bound) anywhere in `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
@@ -236,7 +237,7 @@ def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
     the form differs."""
     if (len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)) or not _hoistable_test(node.test):
         return False
-    if var in _names(node.test):
+    if var in names_in(node.test):
         return False
     node.body = [copy.deepcopy(norm), *node.body, copy.deepcopy(act)]
     node.orelse = [copy.deepcopy(norm), *node.orelse, copy.deepcopy(act)]

@@ -14,6 +14,10 @@
   ``torch.concatenate``, then the ``nn.Conv3d``, which in the decoder pads by reflection) run as
   `diffusers_fastpath.ops.ltx_causal_conv3d` (`diffusers_fastpath.models.vae_ltx_conv`): the padded input written
   channels-last in one pass, cuDNN's convolution as eager asks it, the bias and the transpose back in one pass.
+- The norm -> SiLU pairs joined with the causal convolution after them (`diffusers_fastpath.models.vae_ltx2_chain`:
+  `diffusers_fastpath.ops.ltx_norm_conv`, the norm written as the convolution's padded channels-last input); and in
+  each resnet, ``conv1``'s result handed to ``norm2``'s chain without its bias pass
+  (`diffusers_fastpath.ops.ltx_bias_norm_conv`) where the rewritten forward proves nothing else reads it.
 - The convolutions' biases (`diffusers_fastpath.models.vae_conv`): every plain ``nn.Conv3d`` with a bias and zero
   padding (the shortcuts, and the encoder's causal convolutions' ``conv``, for the channels-first path) becomes
   `FastpathConv3d`.

@@ -22,6 +22,14 @@ statements as written: the pair's own call (its site decides), each between modu
 At run time `ChainPairCalls.norm_act_conv` takes `ltx_norm_conv` where the convolution carries its site (`CHAIN_SITE`,
 given by `add_chain_sites` at patch time to each convolution that a joined call of its block names) and the norm its
 pair site; the op's guard and per-signature check decide the rest, counted on the convolution's site.
+
+Then a joined call whose result the next joined call reads (a resnet's ``conv1``, read by ``norm2``'s chain) may leave
+it without its bias: `_Pending` rewrites the first as ``norm_act_conv_pending`` and the second as
+``pending_norm_act_conv`` where every other path between them settles the value first (``V = <ns>.settled(V)``,
+inserted; see `_Pending` for what it proves). At run time the first returns `ltx_norm_conv`'s
+`causal_conv_cl.PendingBias` where its kernel ran and its signature was checked; the second takes it with
+`ltx_bias_norm_conv` where its convolution carries that op's site (`BIAS_SITE`, on each convolution a receiving call
+names) and the chain fits, else settles it and runs as `norm_act_conv`.
 """
 
 from __future__ import annotations
@@ -37,10 +45,15 @@ from torch import nn
 
 from .._state import PatchState, site_attr
 from ..ops._policy import forward_replaced, hooks_on
+from ..ops.causal_conv_cl import PendingBias
+from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, rewrite_nested
+from .vae import PairCalls, names_in, rewrite_nested
 
 CHAIN_SITE = LTX_NORM_CONV.name  # the joined call's site, on the convolution module
+BIAS_SITE = LTX_BIAS_NORM_CONV.name  # a receiving joined call's site (its value pending), on its convolution module
+# the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it
+JOINED, PENDING, RECEIVER, SETTLED = "norm_act_conv", "norm_act_conv_pending", "pending_norm_act_conv", "settled"
 
 
 def _between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -58,27 +71,67 @@ def _between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
 
 
 class ChainPairCalls(PairCalls):
-    """LTX-2's `PairCalls`, whose rewrite joins each pair with the convolution after it (the module doc)."""
+    """LTX-2's `PairCalls`, whose rewrite joins each pair with the convolution after it, and hands a joined
+    convolution's result on without its bias where the next joined call reads it (the module doc)."""
 
     def norm_act_conv(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str,
                       x, **kwargs):
         """``conv(<between>(act(norm(x))), **kwargs)`` for the modules of `owner` so named: `ltx_norm_conv` where the
         convolution has its site and the pair fits, else the statements as written."""
+        return self._chain(owner, norm_name, act_name, between, conv_name, x, kwargs, False)
+
+    def norm_act_conv_pending(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...],
+                              conv_name: str, x, **kwargs):
+        """`norm_act_conv`, the convolution's result a `PendingBias` where `ltx_norm_conv` runs and leaves it so
+        (its signature checked already); the rewrite made this call only where every path from it reaches
+        `pending_norm_act_conv` or `settled` before anything else reads the value."""
+        return self._chain(owner, norm_name, act_name, between, conv_name, x, kwargs, True)
+
+    def pending_norm_act_conv(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...],
+                              conv_name: str, x, **kwargs):
+        """`norm_act_conv` of x, a tensor or a `PendingBias`: for the latter `ltx_bias_norm_conv` where the
+        convolution has its site and the chain fits (counted there), else x settled and `norm_act_conv`."""
+        if type(x) is PendingBias:
+            conv = getattr(owner, conv_name)
+            site = conv.__dict__.get(site_attr(BIAS_SITE))
+            if site is not None:
+                norm, act = getattr(owner, norm_name), getattr(owner, act_name)
+                reason = self._reason(owner, norm, between, kwargs)
+                if reason is None:
+                    causal = kwargs.get("causal", True)
+                    out = LTX_BIAS_NORM_CONV.try_fast(site, norm, act, conv, x, False if causal is None else causal)
+                    if out is not None:
+                        return out
+                else:
+                    site.fallback[reason] += 1
+            x = x.settle()
+        return self.norm_act_conv(owner, norm_name, act_name, between, conv_name, x, **kwargs)
+
+    @staticmethod
+    def settled(x):
+        """x, or the tensor of a `PendingBias` (its bias added, contiguous: eager's)."""
+        return x.settle() if type(x) is PendingBias else x
+
+    def _reason(self, owner: nn.Module, norm: nn.Module, between: tuple[str, ...], kwargs) -> str | None:
+        """Why the joined statements cannot run as one op (the norm, the arguments, the modules between), or None."""
+        if norm.__dict__.get(site_attr(self.site)) is None:
+            return "the norm is not a pair site"
+        if kwargs.keys() - {"causal"}:
+            return "arguments"
+        return _between_reason(owner, between)
+
+    def _chain(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str, x,
+               kwargs, pending: bool):
         conv = getattr(owner, conv_name)
         site = conv.__dict__.get(site_attr(CHAIN_SITE))
         if site is not None and not torch.compiler.is_compiling():
             norm, act = getattr(owner, norm_name), getattr(owner, act_name)
-            if norm.__dict__.get(site_attr(self.site)) is None:
-                reason = "the norm is not a pair site"
-            elif kwargs.keys() - {"causal"}:
-                reason = "arguments"
-            else:
-                reason = _between_reason(owner, between)
+            reason = self._reason(owner, norm, between, kwargs)
             if reason is None:
                 causal = kwargs.get("causal", True)
                 # (diffusers' forward tests ``if causal:``: a None is non-causal, as FastpathLTX2VideoCausalConv3d
                 # maps it)
-                out = LTX_NORM_CONV.try_fast(site, norm, act, conv, x, False if causal is None else causal)
+                out = LTX_NORM_CONV.try_fast(site, norm, act, conv, x, False if causal is None else causal, pending)
                 if out is not None:
                     return out
             else:
@@ -89,7 +142,8 @@ class ChainPairCalls(PairCalls):
         return conv(value, **kwargs)
 
     def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
-        return _Chains(self.ns).body(body)
+        body = _Chains(self.ns).body(body)
+        return _Pending(self.ns, body).body(body)
 
 
 def _self_call(stmt: ast.stmt, keywords: tuple[str, ...] = ()):
@@ -188,30 +242,176 @@ class _Chains:
         return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
 
 
+# builtins and functions that read a frame's locals (a value bound to a name is then not only the code's to read)
+_FRAME_READERS = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "stack", "getouterframes"})
+_SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ListComp, ast.SetComp, ast.DictComp,
+           ast.GeneratorExp)
+
+
+def _joined_var(stmt: ast.stmt, ns: str, attr: str = JOINED) -> str | None:
+    """V for a joined call ``V = <ns>.<attr>(self, "<norm>", "<act>", (...), "<conv>", V, ...)`` (`_Chains`' form),
+    else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call = stmt.value
+    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == attr
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == ns and len(call.args) == 6
+            and isinstance(call.args[5], ast.Name) and call.args[5].id == stmt.targets[0].id):
+        return stmt.targets[0].id
+    return None
+
+
+def _binds(body: list[ast.stmt], var: str) -> bool:
+    """Whether every path through `body` ends by binding `var` (``var = ...``, or an ``if`` with an ``else`` whose
+    branches all do): `var` is bound after it whichever path ran."""
+    last = body[-1] if body else None
+    if isinstance(last, ast.If):
+        return bool(last.orelse) and _binds(last.body, var) and _binds(last.orelse, var)
+    return (isinstance(last, ast.Assign) and len(last.targets) == 1 and isinstance(last.targets[0], ast.Name)
+            and last.targets[0].id == var)
+
+
+def _ending_calls(body: list[ast.stmt], var: str, ns: str) -> list[ast.stmt]:
+    """The joined calls binding `var` that end a path through `body` (its last statement, or its ``if``'s branches')."""
+    last = body[-1] if body else None
+    if isinstance(last, ast.If):
+        return _ending_calls(last.body, var, ns) + _ending_calls(last.orelse, var, ns)
+    return [last] if last is not None and _joined_var(last, ns) == var else []
+
+
+def _blocked(body: list[ast.stmt]) -> set[str] | None:
+    """The names whose value code other than these statements could read: those a nested scope (a lambda, a
+    function, a class, a comprehension) names, or ``global`` / ``nonlocal`` declare; ``None`` (every name) where a
+    frame's locals are read (`_FRAME_READERS`)."""
+    blocked: set[str] = set()
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if isinstance(node, _SCOPES):
+                blocked |= names_in(node)
+            elif isinstance(node, (ast.Global, ast.Nonlocal)):
+                blocked.update(node.names)
+            elif (isinstance(node, ast.Name) and node.id in _FRAME_READERS
+                  or isinstance(node, ast.Attribute) and node.attr in _FRAME_READERS):
+                return None
+    return blocked
+
+
+class _Pending:
+    """Hands a joined convolution's result on without its bias (`PendingBias`) where the next joined call reads it.
+
+    In a statement list that is the function's body or a branch of its ``if`` statements (not in a loop, ``try`` or
+    ``with``: there a value could outlive the statements that settle it), a statement S binding V through joined calls
+    (a joined call ``V = <ns>.norm_act_conv(..., V, ...)``, or an ``if`` whose every branch ends by binding V, some
+    with such a call) is followed, going forward while V may hold the pending value, by: a joined call reading V (the
+    receiver: it becomes ``pending_norm_act_conv``, which takes a `PendingBias`); an ``if`` whose test does not name V
+    (each branch that starts with a receiver keeps it, each other branch that names V starts with ``V =
+    <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``, leaves V pending past the ``if``); a
+    statement that does not name V (left as it is); any other statement, or the list's end, gets ``V =
+    <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's joined calls that end
+    its paths become ``norm_act_conv_pending``, and the walk's settles are inserted. So every read of V after S on
+    every path is a receiver's or a settle's: the pending value is read by nothing else (no name of a nested scope,
+    no ``global`` or ``nonlocal`` name, no function that reads frames: `_blocked`), and the statements run as before
+    in the same order, the settles aside (a settle is the tensor eager's convolution returns, `PendingBias.settle`).
+    LTX-2's resnets: ``conv1``'s joined call (on the branch without the timestep modulate), the ``if`` of the noise
+    injection (off in the published configs: its branch settles), then the ``if`` of the modulate, whose branch
+    without it starts with ``conv2``'s joined call (the receiver)."""
+
+    def __init__(self, ns: str, body: list[ast.stmt]) -> None:
+        self.ns = ns
+        self.blocked = _blocked(body)
+
+    def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        if self.blocked is None:
+            return body
+        for stmt in body:  # (the branches' own lists first)
+            if isinstance(stmt, ast.If):
+                stmt.body = self.body(stmt.body)
+                stmt.orelse = self.body(stmt.orelse)
+        for k, stmt in enumerate(body):
+            var = _bound_var(stmt)
+            if var is None or var in self.blocked or not _binds([stmt], var):
+                continue
+            calls = _ending_calls([stmt], var, self.ns)
+            if calls and self._walk(body, k + 1, var, False):
+                self._walk(body, k + 1, var, True)
+                for call in calls:
+                    call.value.func.attr = PENDING
+        return body
+
+    def _settle(self, var: str) -> ast.stmt:
+        call = ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr=SETTLED, ctx=ast.Load()),
+                        args=[ast.Name(var, ast.Load())], keywords=[])
+        return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
+
+    def _walk(self, body: list[ast.stmt], start: int, var: str, apply: bool) -> bool:
+        """The walk of the class doc from ``body[start]`` on; whether it finds a receiver. `apply`: make the
+        receivers and insert the settles (else only look)."""
+        found = False
+        k = start
+        while k < len(body):
+            stmt = body[k]
+            if _joined_var(stmt, self.ns) == var:
+                if apply:
+                    stmt.value.func.attr = RECEIVER
+                return True
+            if isinstance(stmt, ast.If) and var not in names_in(stmt.test):
+                through = False
+                for branch in (stmt.body, stmt.orelse):
+                    if branch and _joined_var(branch[0], self.ns) == var:
+                        found = True
+                        if apply:
+                            branch[0].value.func.attr = RECEIVER
+                    elif any(var in names_in(s) for s in branch):
+                        if apply:
+                            branch.insert(0, self._settle(var))
+                    else:
+                        through = True
+                if not through:
+                    return found
+            elif var in names_in(stmt):
+                if apply:
+                    body.insert(k, self._settle(var))
+                return found
+            k += 1
+        if apply:
+            body.append(self._settle(var))
+        return found
+
+
+def _bound_var(stmt: ast.stmt) -> str | None:
+    """The name a statement ends by binding: ``V = ...``'s V, or for an ``if`` its first branch's last statement's."""
+    while isinstance(stmt, ast.If) and stmt.body:
+        stmt = stmt.body[-1]
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id
+    return None
+
+
 @functools.lru_cache(maxsize=64)
-def _joined_convs(fn) -> tuple[str, ...]:
-    """The convolutions the joined calls of the rewritten forward `fn` name, read from its text (the rewrite's output,
-    which `rewrite_pairs` keeps in ``linecache``)."""
+def _joined_convs(fn, forms: tuple[str, ...] = (JOINED, PENDING, RECEIVER)) -> tuple[str, ...]:
+    """The convolutions the joined calls of the rewritten forward `fn` name (those of the call `forms` given), read
+    from its text (the rewrite's output, which `rewrite_pairs` keeps in ``linecache``)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return ()
     return tuple(node.args[4].value for node in ast.walk(tree)
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                 and node.func.attr == "norm_act_conv" and len(node.args) == 6
+                 and node.func.attr in forms and len(node.args) == 6
                  and isinstance(node.args[4], ast.Constant))
 
 
 def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, ChainPairCalls], takes) -> None:
     """Give each convolution that a joined call of a block names (the blocks whose class is a key of `blocks`: the
-    pair subclasses, each with its calls' namespace) its `CHAIN_SITE` site, where ``takes(conv)`` (a class
-    `ltx_norm_conv` takes)."""
+    pair subclasses, each with its calls' namespace) its `CHAIN_SITE` site, and each that a receiving call names
+    (``pending_norm_act_conv``) its `BIAS_SITE` site too, where ``takes(conv)`` (a class `ltx_norm_conv` takes)."""
     for module in model.modules():
         calls = blocks.get(type(module))
         forward = type(module).__dict__.get("forward") if calls is not None else None
         if forward is None:
             continue
-        for name in dict.fromkeys(_joined_convs(forward)):
-            conv = getattr(module, name, None)
-            if isinstance(conv, nn.Module) and takes(conv) and site_attr(CHAIN_SITE) not in conv.__dict__:
-                state.add_site(conv, CHAIN_SITE, CHAIN_SITE)
+        for names, site in ((_joined_convs(forward), CHAIN_SITE), (_joined_convs(forward, (RECEIVER,)), BIAS_SITE)):
+            for name in dict.fromkeys(names):
+                conv = getattr(module, name, None)
+                if isinstance(conv, nn.Module) and takes(conv) and site_attr(site) not in conv.__dict__:
+                    state.add_site(conv, site, site)

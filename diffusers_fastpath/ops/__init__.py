@@ -15,6 +15,7 @@ from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
 from .linear_cat import linear_cat, linear_cat_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
+from .ltx_bias_norm_conv import ltx_bias_norm_conv, ltx_bias_norm_conv_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
 from .ltx_norm_conv import ltx_norm_conv, ltx_norm_conv_ref
 from .ltx_vae_rmsnorm import ltx_rmsnorm, ltx_rmsnorm_ref, ltx_vae_rmsnorm_silu, ltx_vae_rmsnorm_silu_ref
@@ -92,6 +93,8 @@ __all__ = [
     "linear_cat_ref",
     "linear_gelu",
     "linear_gelu_ref",
+    "ltx_bias_norm_conv",
+    "ltx_bias_norm_conv_ref",
     "ltx_causal_conv3d",
     "ltx_causal_conv3d_ref",
     "ltx_norm_conv",

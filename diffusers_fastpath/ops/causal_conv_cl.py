@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._logging import warn_once
 from . import causal_conv_pad as _pad
+from ._build import KernelsUnavailable
 from ._policy import HALF_DTYPES, FusedOp, Site, fp32_precision_state
 from .conv_bias import _backend, bias_contiguous
 
@@ -96,11 +98,39 @@ def _convolution(conv: nn.Module, padded: torch.Tensor, padding) -> torch.Tensor
     return F.conv3d(padded, conv.weight, None, conv.stride, padding, conv.dilation, conv.groups)
 
 
-def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding) -> torch.Tensor:
+class PendingBias:
+    """A convolution's result whose bias is still to be added: cuDNN's channels-last output `raw` of
+    `convolve_channels_last` (``[B, C, T, H, W]`` laid out channels_last_3d) and the `bias` eager adds to it. Not a
+    tensor: only the code that asked for it (`diffusers_fastpath.models.vae_ltx2_chain`, which proves from the block's
+    forward that the value goes to a reader taking it, `diffusers_fastpath.ops.ltx_bias_norm_conv`, or through
+    `settle` first) ever holds it; anything else that read it would fail loudly, never read other values."""
+
+    __slots__ = ("raw", "bias")
+
+    def __init__(self, raw: torch.Tensor, bias: torch.Tensor) -> None:
+        self.raw, self.bias = raw, bias
+
+    def settle(self) -> torch.Tensor:
+        """The tensor eager's convolution returns: `bias_contiguous` (aten's bias add, the transpose back); where its
+        kernel fails (one warning; none where no kernels load at all: the loader said so), aten's add and copy, the
+        same values (a `PendingBias` is settled outside the fused ops that would fall back for it)."""
+        raw, bias = self.raw, self.bias
+        try:
+            return bias_contiguous(raw, bias)
+        except Exception as exc:  # noqa: BLE001 - a kernel failure falls back, loudly, as the fused ops do
+            if not isinstance(exc, KernelsUnavailable):
+                warn_once(f"diffusers_fastpath: bias_contiguous failed ({type(exc).__name__}: {exc}); a convolution's "
+                          "pending result is settled by aten's add and copy (same numbers, slower)")
+        return raw.add(bias.reshape(1, -1, *([1] * (raw.dim() - 2)))).contiguous()
+
+
+def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pending: bool = False):
     """``F.conv3d(padded, conv.weight, conv.bias, conv.stride, padding, ...)`` (eager's convolution of its buffer) of
     the channels-last buffer `padded`: cuDNN's convolution without the bias, then `bias_contiguous` (the bias add and
     the transpose back in one pass), the result contiguous as eager's. Wan's causal convolutions and LTX's
-    (`ltx_causal_conv`) run it."""
+    (`ltx_causal_conv`) run it. With `pending`, where it would run `bias_contiguous`, cuDNN's output and the bias as a
+    `PendingBias` instead (for a reader that adds the bias itself), where the channels make whole 16-byte vectors
+    (what its reader, `ltx_bias_norm_conv`, loads); elsewhere the tensor."""
     cudnn = torch._C._ConvBackend.Cudnn
     if _backend(conv, padded, conv.bias, padding) != cudnn or _backend(conv, padded, None, padding) != cudnn:
         # (not cuDNN for this shape: eager's convolution on eager's buffer, the same values channels-first)
@@ -108,6 +138,8 @@ def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding) -> to
     out = _convolution(conv, padded, padding)
     if not out.is_contiguous(memory_format=torch.channels_last_3d) or not conv.bias.is_contiguous():
         return out.add_(conv.bias.reshape(1, -1, 1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
+    if pending and out.shape[1] * out.element_size() % 16 == 0:
+        return PendingBias(out, conv.bias)
     return bias_contiguous(out, conv.bias)
 
 

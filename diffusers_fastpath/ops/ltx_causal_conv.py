@@ -113,8 +113,11 @@ def _ints(values, length: int, least: int) -> bool:
         type(v) is int and v >= least for v in values)
 
 
-def _guard(module, x: torch.Tensor, causal: bool | None = None, check_pointers: bool = True) -> str | None:
-    """``None`` when the one-buffer forward takes these inputs, else the reason it does not (counted at the site)."""
+def _guard(module, x: torch.Tensor, causal: bool | None = None, check_pointers: bool = True,
+           channels_last: bool = False) -> str | None:
+    """``None`` when the one-buffer forward takes these inputs, else the reason it does not (counted at the site).
+    `channels_last`: x is laid out channels-last (a caller's kernel reads it, not causal_pad: its W stride is not
+    asked for)."""
     reason = _BASES.refusal(module, "LTX causal convolution")
     if reason is not None:
         return reason
@@ -145,7 +148,7 @@ def _guard(module, x: torch.Tensor, causal: bool | None = None, check_pointers: 
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if weight.dtype is not x.dtype or (bias is not None and bias.dtype is not x.dtype):
         return "mixed dtypes"
-    if x.shape[4] > 1 and x.stride(4) != 1:
+    if x.shape[4] > 1 and x.stride(4) != 1 and not channels_last:
         return "x of a channels-last layout"
     # a convolution eager refuses (another channel count, a padded input smaller than the kernel's extent, a reflected
     # padding not below its axis' size): eager raises its error. Refused here, it does not come from inside the kernel,

@@ -19,7 +19,10 @@ The patched sites before this op ran three passes for what is one here (``per_ch
                                              # `mean_order`, r and the SiLU proven on every value), each value stored
                                              # at every padded position whose source it is, channels-last
     out    = convolve_channels_last(conv, padded, padding)   # cuDNN's convolution and the bias + transpose back,
-                                                             # as `ltx_causal_conv3d` runs it
+                                                             # as `ltx_causal_conv3d` runs it (asked with `pending`,
+                                                             # once the signature is checked: cuDNN's output and the
+                                                             # bias as a `causal_conv_cl.PendingBias`, for
+                                                             # `ltx_bias_norm_conv` to read)
 
 Each element of the buffer is the value ``per_channel_rmsnorm_silu`` computes for its source position (the same
 operations in the same order, so the same bits), placed where ``causal_pad`` would copy it; the convolution is the one
@@ -55,17 +58,20 @@ from .causal_conv_cl import convolve_channels_last
 _norm = importlib.import_module(f"{__package__}.per_channel_rmsnorm")
 
 
-def ltx_norm_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The eager chain: diffusers' norm, ``F.silu`` (an ``nn.SiLU`` module's forward), diffusers' convolution."""
+def ltx_norm_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal: bool,
+                      pending: bool = False) -> torch.Tensor:
+    """The eager chain: diffusers' norm, ``F.silu`` (an ``nn.SiLU`` module's forward), diffusers' convolution
+    (`pending`: see `ltx_norm_conv`; the tensor here)."""
     return _conv.ltx_causal_conv3d_ref(conv, _norm.per_channel_rmsnorm_silu_ref(norm, x), causal)
 
 
-def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal: bool) -> torch.Tensor:
+def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal: bool,
+              pending: bool = False) -> torch.Tensor:
     """The module calls, as the block's statements make them."""
     return conv(act(norm(x)), causal=causal)
 
 
-def _guard(norm, act, conv, x: torch.Tensor, causal, check_pointers: bool = True) -> str | None:
+def _guard(norm, act, conv, x: torch.Tensor, causal, pending: bool = False, check_pointers: bool = True) -> str | None:
     """``None`` when the one-buffer chain takes these inputs, else the reason it does not (counted at the site)."""
     if type(act) is not nn.SiLU:
         return f"{type(act).__name__} is not nn.SiLU"
@@ -92,24 +98,27 @@ def _mean_order(x: torch.Tensor):
     return _norm.mean_order(x)
 
 
-def _signature(norm, act, conv, x: torch.Tensor, causal):
+def _signature(norm, act, conv, x: torch.Tensor, causal, pending: bool = False):
     """What one first-call check vouches for: the norm's signature (dtype, vectors, eps, the mean's order) and the
-    convolution's (what cuDNN picks its engine by)."""
+    convolution's (what cuDNN picks its engine by); a call asking for a `PendingBias` is the same signature (its
+    result differs only in the bias add and the transpose left to the reader, exact by construction)."""
     return _norm._signature(norm, x), _conv._signature(conv, x, causal)
 
 
-def _prove(norm, act, conv, x: torch.Tensor, causal) -> bool:
+def _prove(norm, act, conv, x: torch.Tensor, causal, pending: bool = False) -> bool:
     """The norm's proofs: r and the SiLU on every value of the dtype (the kernel shares their device functions)."""
     return _norm._prove_rms_silu(norm, x)
 
 
-def _kernel(norm, act, conv, x: torch.Tensor, causal) -> torch.Tensor:
+def _kernel(norm, act, conv, x: torch.Tensor, causal, pending: bool = False):
     padding, conv_padding, reflect = _conv._plan(conv, causal)
     order = _mean_order(x)
     batch, channels = x.shape[:2]
     padded = _launch(x.reshape(batch, channels, -1), _norm.eps_as_added(norm.eps, x.dtype, x.device), True,
                      order.rows, order.ctas, order.factor, list(x.shape[2:]), padding, reflect)
-    return convolve_channels_last(conv.conv, padded, conv_padding)
+    # (a `PendingBias` only once this signature's tensor matched eager: the first call returns the tensor it checks)
+    pending = pending and _signature(norm, act, conv, x, causal) in LTX_NORM_CONV.verified
+    return convolve_channels_last(conv.conv, padded, conv_padding, pending)
 
 
 # The NVRTC way (ops/_nvrtc.py): csrc/per_channel_rmsnorm.cu's pad kernel, launched as its launch_pad_cl and
@@ -188,10 +197,13 @@ LTX_NORM_CONV = FusedOp("ltx_norm_conv", ref=ltx_norm_conv_ref, guard=_guard, ke
 
 
 def ltx_norm_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal: bool = True,
-                  site: Site | None = None) -> torch.Tensor:
+                  site: Site | None = None, pending: bool = False):
     """``conv(act(norm(x)), causal=causal)`` for LTX-2's VAE norm, its ``nn.SiLU`` and the causal convolution that
     reads them, the norm written into the convolution's padded channels-last input (see the module doc),
-    bit-identical to eager (checked on the first call of each signature).
+    bit-identical to eager (checked on the first call of each signature). With `pending`, where the kernel runs and
+    this signature was checked already, the convolution's channels-last output and its bias as a
+    `causal_conv_cl.PendingBias` instead of the tensor (for a reader that adds the bias itself:
+    `diffusers_fastpath.ops.ltx_bias_norm_conv`; elsewhere the tensor).
 
     Args:
         norm: the ``PerChannelRMSNorm`` (registered by the VAE adapter).
@@ -200,5 +212,6 @@ def ltx_norm_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Ten
         x: ``[B, C, T, H, W]`` activations.
         causal: the convolution's ``causal`` argument.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
+        pending: ask for a `PendingBias` (above).
     """
-    return LTX_NORM_CONV(site, norm, act, conv, x, causal)
+    return LTX_NORM_CONV(site, norm, act, conv, x, causal, pending)

@@ -164,8 +164,9 @@ def channel_strides(x: torch.Tensor) -> tuple[int, int] | None:
     return batch_stride, channel_stride
 
 
-def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
-    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+def module_reason(norm) -> str | None:
+    """Why the kernels cannot stand for `norm`'s forward (or ``None``): a module of a registered class, its
+    ``channel_dim`` 1 and its ``eps`` a python number."""
     reason = _BASES.refusal(norm, "per-channel RMS norm")
     if reason is not None:
         return reason
@@ -174,6 +175,14 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
         return "channel_dim not 1"
     if not _is_number(getattr(norm, "eps", None)):
         return "eps not a python number"
+    return None
+
+
+def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+    """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    reason = module_reason(norm)
+    if reason is not None:
+        return reason
     reason = tensor_reason(x, FLOAT_DTYPES, 2, "[B, C, *]")
     if reason is not None:
         return reason
@@ -318,18 +327,26 @@ def channel_mean_arithmetic(x: torch.Tensor, order: MeanOrder) -> torch.Tensor:
             acc[k % 4] = acc[k % 4] + q[:, c]
         return ((acc[0] + acc[1]) + acc[2]) + acc[3]
 
-    blocks = [_tree([partial(y + g * order.rows) for y in range(order.rows)]) for g in range(order.ctas)]
+    return combine_partials([partial(j) for j in range(partials)], order, x.dtype)
+
+
+def combine_partials(partials: list, order: MeanOrder, dtype: torch.dtype) -> torch.Tensor:
+    """A position's mean from its `order.rows` x `order.ctas` partial sums (float tensors, partial j of block g at
+    j = g rows + y), as aten combines them (csrc/per_channel_rmsnorm.cu's position_mean): each block's tree, with
+    several blocks the global step (row y adds blocks y, y + rows, ... from 0) and its tree, the product with the
+    factor, rounded to `dtype`."""
+    blocks = [_tree([partials[g * order.rows + y] for y in range(order.rows)]) for g in range(order.ctas)]
     if order.ctas == 1:
         total = blocks[0]
     else:
         rows = []
         for y in range(order.rows):
-            t = zero
+            t = torch.zeros_like(blocks[0])
             for g in range(y, order.ctas, order.rows):
                 t = t + blocks[g]
             rows.append(t)
         total = _tree(rows)
-    return (total * torch.tensor(order.factor, dtype=torch.float32)).to(x.dtype)
+    return (total * torch.tensor(order.factor, dtype=torch.float32)).to(dtype)
 
 
 def per_channel_rmsnorm_arithmetic(x: torch.Tensor, mean: torch.Tensor, eps: float, silu: bool) -> torch.Tensor:
