@@ -5,8 +5,11 @@ and state dicts, hooks on a paired norm, a replaced ``PerChannelRMSNorm.forward`
 chains (`ltx_norm_conv`, models/vae_ltx2_chain.py): the statements joined, one site per joined convolution, their
 refusals exact (hooks, a dropout in training mode or replaced, a kernel one bit off); ``conv1``'s result handed to
 ``norm2``'s chain without its bias (`ltx_bias_norm_conv`): the rewrite, its sites, the decode reaching it, its
-refusals. The norm op's own tests are in test_per_channel_rmsnorm.py, the bias chain's kernel in
-test_ltx_bias_norm_conv.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
+refusals; ``conv2``'s result handed to the resnet's residual add (`conv_bias_residual`): the rewrite (the add a
+receiver, the operands' order kept), the site on each resnet, the third decode reaching it, its refusals (a residual
+the kernel does not take, a shortcut resnet's, a kernel one bit off or failing). The norm op's own tests are in
+test_per_channel_rmsnorm.py, the bias chain's kernel in test_ltx_bias_norm_conv.py, the residual add's in
+test_conv_bias_residual.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
 
 from __future__ import annotations
 
