@@ -131,13 +131,15 @@ ODD_SHAPES = [(2, 24, 3, 5, 7), (1, 40, 1, 3, 5), (3, 5, 2, 7, 9), (1, 33, 65, 3
               (2, 8, 1, 1, 1)]
 
 
-def _inputs(shape, dtype, gen):
+def _inputs(shape, dtype, gen, device="cuda"):
     """cuDNN's channels-last output, its bias and a residual of eager's magnitudes; special positions: sums of zero
     (raw + b = 0, then + residual; and h = -residual exactly), infinities and NaN in raw and in the residual."""
-    raw = _cl((torch.randn(shape, generator=gen) * 4).to("cuda", dtype))
-    bias = torch.randn(shape[1], generator=gen).to("cuda", dtype)
-    res = (torch.randn(shape, generator=gen) * 4).to("cuda", dtype)
-    flat = raw.view(-1)  # (channels-last memory: element k is channel k % C of a position)
+    batch, channels, *spatial = shape
+    memory = (torch.randn(batch, *spatial, channels, generator=gen) * 4).to(device, dtype)  # channels-last memory
+    raw = memory.movedim(-1, 1)
+    bias = torch.randn(channels, generator=gen).to(device, dtype)
+    res = (torch.randn(shape, generator=gen) * 4).to(device, dtype)
+    flat = memory.view(-1)  # (element k: channel k % C of position k // C)
     flat[:3] = -bias[:3]
     h = (raw + bias.view(1, -1, *([1] * (raw.dim() - 2)))).contiguous()
     res.view(-1)[5:9] = -h.view(-1)[5:9]
@@ -145,6 +147,23 @@ def _inputs(shape, dtype, gen):
         flat[20], flat[21], flat[22] = float("inf"), float("-inf"), float("nan")
         res.view(-1)[40], res.view(-1)[41] = float("nan"), float("inf")
     return raw, bias, res
+
+
+def test_the_gpu_tests_inputs_are_what_they_say():
+    """`_inputs` (on a CPU): raw laid out channels-last, exact zero sums where it says, the special values; and at
+    the half dtypes rounding once gives other words than eager's two roundings (what lets the GPU test fail a kernel
+    that rounds once)."""
+    for shape in DECODER_SHAPES[:1] + ODD_SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            raw, bias, res = _inputs(shape, dtype, torch.Generator().manual_seed(sum(shape)), "cpu")
+            assert _cl(raw).data_ptr() == raw.data_ptr() and raw.stride() == _cl(raw).stride()
+            h = (raw + bias.view(1, -1, *([1] * (raw.dim() - 2)))).contiguous()
+            assert (h.view(-1)[5:9] + res.view(-1)[5:9] == 0).all()
+            assert (raw[0, :3].reshape(3, -1)[:, 0] + bias[:3] == 0).all()
+            if raw.numel() > 1000:
+                once = (raw.float() + bias.float().view(1, -1, *([1] * (raw.dim() - 2))) + res.float()).to(dtype)
+                assert not tensors_equal(once, h + res)
+                assert raw.isnan().sum() == 1 and raw.isinf().sum() == 2
 
 
 @pytest.mark.gpu
