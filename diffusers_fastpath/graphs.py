@@ -54,6 +54,7 @@ import functools
 import inspect
 import operator
 import threading
+import traceback
 import weakref
 from collections import Counter
 from typing import Any, Callable
@@ -209,6 +210,17 @@ def capture_twins_bound(model_cls: type):
         for module, name, original in bound:
             setattr(module, name, original)
 
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (at FILE:LINE in FUNCTION)``: the innermost frame of `exc`'s traceback outside torch (the model's or this
+    package's line that did what capture forbids: a host copy, a sync), or ``""``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename.replace("\\", "/")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{f.lineno} in {f.name})"
 
 class Unsupported(Exception):
     """A call that a graph cannot stand for; the message is the reason counted in `report`."""
@@ -575,7 +587,8 @@ class GraphRunner:
             out = graph.replay(tensors)
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eager, once said why
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            reason = f"capture failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")
+            reason = (f"capture failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")
+                      + _raised_at(exc))
             self.failed[sig] = reason
             warn_once(  # once per process for each model class and cause, however many signatures or patches
                 f"diffusers_fastpath: could not capture a CUDA graph of {self.name}; input signatures where this "
