@@ -145,10 +145,39 @@ def test_no_mask_or_another_mask_runs_as_written_uncounted(emulated_kernels):
 
     q, k, v, mask = _operands()
     site = Site("attention_bool_mask")
-    for m in (None, mask[:, 0, 0], mask.to(q.dtype)):
+    for m in (None, mask[:, 0, 0], mask.to(q.dtype), mask[:, :, :1]):  # (the last a key-padding one, [B, 1, 1, S])
         assert torch.equal(NS.attention_bool_mask(dispatch_attention_fn, q, k, v, site, attn_mask=m),
                            dispatch_attention_fn(q, k, v, attn_mask=m))
     assert site.fast == 0 and not site.fallback
+
+
+def test_a_key_padding_mask_made_per_call_runs_as_written(emulated_kernels, monkeypatch):
+    """Bria FIBO 2's cross-attentions (the Perceiver's, the injection blocks') get the forward's [B, L] text mask and
+    make it [B, 1, 1, L] in every call (a new view each time): run as written, uncounted, nothing made or kept; the
+    forward seals one tensor, the noise mask of the blocks' per-token rows, so walks the model once, not once more per
+    cross-attention (`derived`'s seal of each new view: 7 walks of 990 modules a step at full size)."""
+    from diffusers_fastpath.models import _rope_cache
+
+    model = zoo.build("bria-fibo2", dtype=torch.bfloat16)
+    kwargs = zoo.inputs("bria-fibo2", model, batch=2)
+    assert not kwargs["encoder_attention_mask"].all()  # (padded text: a mask the processors pass on)
+    with torch.no_grad():
+        ref = model(**kwargs)[0].clone()
+    fp.patch(model)
+    try:
+        with torch.no_grad():
+            model(**kwargs)  # the verified forward
+            made = _counting(monkeypatch)
+            walks = []
+            closed = _rope_cache._closed
+            monkeypatch.setattr(_rope_cache, "_closed", lambda m: walks.append(m) or closed(m))
+            out = model(**kwargs)[0]
+        assert torch.equal(out, ref)
+        sites = _mask_sites(model)
+        assert sites and all(s.fast == 0 and not s.fallback for s in sites), sites
+        assert made == [] and walks == [model]
+    finally:
+        fp.unpatch(model)
 
 
 @pytest.mark.gpu
