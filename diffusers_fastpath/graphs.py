@@ -215,12 +215,12 @@ def capture_twins_bound(model_cls: type):
 def _raised_at(exc: BaseException) -> str:
     """`` (at FILE:LINE in FUNCTION)``: the innermost frame of `exc`'s traceback outside torch (the model's or this
     package's line that did what capture forbids: a host copy, a sync), or ``""``."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename.replace("\\", "/")]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f" (at {f.filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{f.lineno} in {f.name})"
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path:
+            return f" (at {path.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name})"
+    return ""
+
 
 class Unsupported(Exception):
     """A call that a graph cannot stand for; the message is the reason counted in `report`."""

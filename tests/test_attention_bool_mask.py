@@ -19,7 +19,7 @@ from diffusers_fastpath.testing import zoo
 EFFICIENT, CUDNN = int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
 
 
-def _ideogram(emulated=True):
+def _ideogram():
     model = zoo.build("ideogram4", dtype=torch.bfloat16, device="cpu")
     return model, zoo.inputs("ideogram4", model)
 
