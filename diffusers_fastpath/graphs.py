@@ -54,6 +54,7 @@ import functools
 import inspect
 import operator
 import threading
+import traceback
 import weakref
 from collections import Counter
 from typing import Any, Callable
@@ -208,6 +209,17 @@ def capture_twins_bound(model_cls: type):
     finally:
         for module, name, original in bound:
             setattr(module, name, original)
+
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (at FILE:LINE in FUNCTION)``: the innermost frame of `exc`'s traceback outside torch (the model's or this
+    package's line that did what capture forbids: a host copy, a sync), or ``""``."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path:
+            return f" (at {path.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name})"
+    return ""
 
 
 class Unsupported(Exception):
@@ -575,7 +587,8 @@ class GraphRunner:
             out = graph.replay(tensors)
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured runs eager, once said why
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            reason = f"capture failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")
+            reason = (f"capture failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")
+                      + _raised_at(exc))
             self.failed[sig] = reason
             warn_once(  # once per process for each model class and cause, however many signatures or patches
                 f"diffusers_fastpath: could not capture a CUDA graph of {self.name}; input signatures where this "

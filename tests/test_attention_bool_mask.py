@@ -4,6 +4,8 @@ forward where the forward is closed, in every call elsewhere; the guard refuses 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -17,7 +19,7 @@ from diffusers_fastpath.testing import zoo
 EFFICIENT, CUDNN = int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.CUDNN_ATTENTION)
 
 
-def _ideogram(emulated=True):
+def _ideogram():
     model = zoo.build("ideogram4", dtype=torch.bfloat16, device="cpu")
     return model, zoo.inputs("ideogram4", model)
 
@@ -38,42 +40,41 @@ def _counting(monkeypatch):
     return made
 
 
-def test_made_once_per_forward_and_bit_identical(emulated_kernels, monkeypatch):
-    model, kwargs = _ideogram()
+@contextlib.contextmanager
+def _patched(model, kwargs):
+    """The model's output as written; inside, the model patched, its verified forward run (without hooks: a hooked
+    model runs as written until it is); unpatched after."""
     with torch.no_grad():
         ref = model(**kwargs)[0].clone()
     fp.patch(model)
     try:
         with torch.no_grad():
-            model(**kwargs)  # the verified forward
-            made = _counting(monkeypatch)
-            out = model(**kwargs)[0]
-        assert torch.equal(out, ref)
-        sites = _mask_sites(model)
-        assert len(sites) == len(model.layers) and all(s.fast == 2 and not s.fallback for s in sites), sites
-        assert made == [EFFICIENT]  # one mask, two blocks: made by the first, kept on the mask for the second
+            model(**kwargs)
+            yield ref
     finally:
         fp.unpatch(model)
+
+
+def test_made_once_per_forward_and_bit_identical(emulated_kernels, monkeypatch):
+    model, kwargs = _ideogram()
+    with _patched(model, kwargs) as ref:
+        made = _counting(monkeypatch)
+        assert torch.equal(model(**kwargs)[0], ref)
+        sites = _mask_sites(model)
+        assert len(sites) == len(model.layers) and all(s.fast == 2 and not s.fallback for s in sites), sites
+    assert made == [EFFICIENT]  # one mask, two blocks: made by the first, kept on the mask for the second
 
 
 def test_made_in_every_call_where_a_hook_could_hold_the_mask(emulated_kernels, monkeypatch):
     model, kwargs = _ideogram()
-    with torch.no_grad():
-        ref = model(**kwargs)[0].clone()
-    fp.patch(model)
-    handle = None
-    try:
-        with torch.no_grad():
-            model(**kwargs)  # verified without hooks (a hooked model runs as written until it is)
-            handle = model.layers[0].register_forward_hook(lambda module, args, out: None)
+    with _patched(model, kwargs) as ref:
+        handle = model.layers[0].register_forward_hook(lambda module, args, out: None)
+        try:
             made = _counting(monkeypatch)
-            out = model(**kwargs)[0]
-        assert torch.equal(out, ref)
-        assert made == [EFFICIENT] * len(model.layers)  # not sealed: each block makes its own, as eager does
-    finally:
-        if handle is not None:
+            assert torch.equal(model(**kwargs)[0], ref)
+        finally:
             handle.remove()
-        fp.unpatch(model)
+    assert made == [EFFICIENT] * len(model.layers)  # not sealed: each block makes its own, as eager does
 
 
 def test_another_kernel_for_the_additive_mask_runs_as_written(emulated_kernels, monkeypatch):
@@ -145,10 +146,29 @@ def test_no_mask_or_another_mask_runs_as_written_uncounted(emulated_kernels):
 
     q, k, v, mask = _operands()
     site = Site("attention_bool_mask")
-    for m in (None, mask[:, 0, 0], mask.to(q.dtype)):
+    for m in (None, mask[:, 0, 0], mask.to(q.dtype), mask[:, :, :1]):  # (the last a key-padding one, [B, 1, 1, S])
         assert torch.equal(NS.attention_bool_mask(dispatch_attention_fn, q, k, v, site, attn_mask=m),
                            dispatch_attention_fn(q, k, v, attn_mask=m))
     assert site.fast == 0 and not site.fallback
+
+
+def test_a_key_padding_mask_made_per_call_runs_as_written(emulated_kernels, monkeypatch):
+    """Bria FIBO 2's cross-attentions (the Perceiver's, the injection blocks') get the forward's [B, L] text mask and
+    make it [B, 1, 1, L] in every call (a new view each time): run as written, uncounted, nothing made or kept; the
+    forward seals one tensor, the noise mask of the blocks' per-token rows, so walks the model once, not once more per
+    cross-attention (`derived`'s seal of each new view: 7 walks of 990 modules a step at full size)."""
+    from diffusers_fastpath.models import _rope_cache
+
+    model = zoo.build("bria-fibo2", dtype=torch.bfloat16)
+    kwargs = zoo.inputs("bria-fibo2", model, batch=2)
+    assert not kwargs["encoder_attention_mask"].all()  # (padded text: a mask the processors pass on)
+    with _patched(model, kwargs) as ref:
+        made, walks, closed = _counting(monkeypatch), [], _rope_cache._closed
+        monkeypatch.setattr(_rope_cache, "_closed", lambda m: walks.append(m) or closed(m))
+        assert torch.equal(model(**kwargs)[0], ref)
+        sites = _mask_sites(model)
+        assert sites and all(s.fast == 0 and not s.fallback for s in sites), sites
+    assert made == [] and walks == [model]
 
 
 @pytest.mark.gpu

@@ -263,6 +263,60 @@ def test_is_module_call_knows_torchs_frames_and_the_bound_safe_wrappers_by_ident
     assert not is_module_call(frame) and is_module_call(types.SimpleNamespace(f_code=impl))
 
 
+def _closed_as_before(model: nn.Module) -> bool:
+    """`_rope_cache._closed` as it asked before its own walk: ``model.modules()``, `hooks_on` of each."""
+    from diffusers_fastpath.models._rope_cache import _known
+
+    for module in model.modules():
+        if module is not model and _policy.hooks_on(module):
+            return False
+        processor = module.__dict__.get("processor")
+        if processor is not None and not (_known(processor) and _known(module)):
+            return False
+    return all(_known(block) for blocks in model.children() if isinstance(blocks, nn.ModuleList) for block in blocks)
+
+
+def test_closed_answers_as_the_walk_over_model_modules_did():
+    """`_closed` (asked at each table's first use in a forward: a walk of the whole model) walks the modules itself and
+    asks the global hooks once; on a tiny Bria FIBO 2 with a hook, a replaced forward or a foreign processor put on each
+    of its modules in turn (one shared by two parents too), a foreign block, global hooks, it answers as before."""
+    from diffusers_fastpath.models._rope_cache import _closed
+    from diffusers_fastpath.testing import zoo
+
+    model = zoo.build("bria-fibo2", dtype=torch.float32)
+    shared = model.layers[0].feed_forward
+    model.layers[1].shared = shared  # (one module under two parents: walked once, hooked either way)
+    assert _closed(model) and _closed_as_before(model)
+    cases = 0
+    for module in model.modules():
+        for kind in ("hook", "pre-hook", "forward", "processor"):
+            if kind == "hook":
+                undo = module.register_forward_hook(lambda m, a, o: None).remove
+            elif kind == "pre-hook":
+                undo = module.register_forward_pre_hook(lambda m, a: None).remove
+            elif kind == "forward":
+                module.forward = module.forward
+                undo = lambda m=module: delattr(m, "forward")  # noqa: E731
+            else:
+                saved = module.__dict__.get("processor")
+                module.__dict__["processor"] = object()  # (not diffusers' nor this package's)
+                undo = (lambda m=module, p=saved: m.__dict__.__setitem__("processor", p) if p is not None
+                        else m.__dict__.pop("processor"))
+            try:
+                assert _closed(model) == _closed_as_before(model) == (module is model and kind != "processor")
+            finally:
+                undo()
+            cases += 1
+    assert cases == 4 * len(list(model.modules())) and _closed(model)
+    undo = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None).remove
+    try:
+        assert not _closed(model) and not _closed_as_before(model)
+    finally:
+        undo()
+    model.layers.append(nn.Identity())  # a block of torch's
+    assert not _closed(model) and not _closed_as_before(model)
+
+
 def test_host_overhead_tool_runs(tmp_path):
     """tools/host_overhead.py, in a process of its own (it swaps every op's guard and kernel): the forward split and
     the per-op rows, at the smallest counts."""

@@ -33,18 +33,27 @@ import time
 from collections import Counter, defaultdict
 
 import torch
+from torch.nn.attention import SDPBackend
 
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import STATE_ATTR, sites_of
-from diffusers_fastpath.ops import OPS
+from diffusers_fastpath.ops import OPS, attention_bool_mask
 from diffusers_fastpath.ops._build import LazyLauncher
 from diffusers_fastpath.ops._policy import FusedOp
 from diffusers_fastpath.ops.layernorm_scale_shift import layernorm_scale_shift_ref
 from diffusers_fastpath.testing import zoo
 
 # the kernel stand-ins whose op's `ref` is not pure eager (layernorm_scale_shift's runs the fused modulate, a second
-# policy the GPU kernel does not pay)
-_STAND_INS = {"layernorm_scale_shift": layernorm_scale_shift_ref}
+# policy the GPU kernel does not pay), or where the kernel is torch code the host runs as on the GPU (attention_bool_mask:
+# the kernel choice asked, the additive mask kept on the mask through `derived`, whose first use seals it)
+_STAND_INS = {"layernorm_scale_shift": layernorm_scale_shift_ref, "attention_bool_mask": attention_bool_mask._kernel}
+
+
+def _sdpa_choice_as_on_cuda(*args) -> int:
+    """attention_bool_mask's question to torch, asked (its host cost), answered as on CUDA: the memory-efficient kernel
+    (a CPU's SDPA picks its own, which the op refuses; the tests answer so too)."""
+    attention_bool_mask.sdpa_choice(*args)
+    return int(SDPBackend.EFFICIENT_ATTENTION)
 
 
 def _as_if_on_cuda(guard):
@@ -55,11 +64,13 @@ def _as_if_on_cuda(guard):
 
 
 def emulate() -> None:
-    """Every op's guard takes CPU tensors as CUDA ones; every kernel is the op's eager expression; no proofs."""
+    """Every op's guard takes CPU tensors as CUDA ones; every kernel is the op's eager expression (or its stand-in);
+    no proofs; attention_bool_mask told torch picks the memory-efficient kernel."""
     for op in OPS.values():
         op.guard = _as_if_on_cuda(op.guard)
         op.kernel = _STAND_INS.get(op.name, op.ref)
         op.prove = None
+    attention_bool_mask.SDPA_CHOICE = _sdpa_choice_as_on_cuda
 
 
 def best_us(fn, calls: int, repeats: int = 7) -> float:

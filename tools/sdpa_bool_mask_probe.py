@@ -12,11 +12,15 @@ import argparse
 import time
 
 import torch
+from torch.nn.attention import SDPBackend
+
+CUDNN, EFFICIENT = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.EFFICIENT_ATTENTION)
 
 
 def choice(q, k, v, m):
-    qt, kt, vt = (x.permute(0, 2, 1, 3) for x in (q, k, v))
-    return int(torch._fused_sdp_choice(qt, kt, vt, m, 0.0, False, scale=None, enable_gqa=False))
+    from diffusers_fastpath.ops.attention_bool_mask import sdpa_choice
+
+    return sdpa_choice(q, k, v, m, {})
 
 
 def run(name, B, S, H, D, mask, dtype=torch.bfloat16, Sk=None):
@@ -26,9 +30,11 @@ def run(name, B, S, H, D, mask, dtype=torch.bfloat16, Sk=None):
     k = torch.randn(B, Sk, H, D, device="cuda", dtype=dtype, generator=g)
     v = torch.randn(B, Sk, H, D, device="cuda", dtype=dtype, generator=g)
     m4 = mask if mask.dim() == 4 else mask[:, None, None, :]
-    cud = torch.where(m4.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype))
-    inf = torch.where(m4.logical_not(), -float("inf"), torch.scalar_tensor(0.0, dtype=dtype, device="cuda"))
     from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from diffusers_fastpath.ops.attention_bool_mask import additive_mask
+
+    cud, inf = additive_mask(m4, CUDNN, dtype), additive_mask(m4, EFFICIENT, dtype)  # the op's own two forms
 
     ref = dispatch_attention_fn(q, k, v, attn_mask=mask)
     res = {}
@@ -38,7 +44,7 @@ def run(name, B, S, H, D, mask, dtype=torch.bfloat16, Sk=None):
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(5):
-        torch.where(m4.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype))
+        additive_mask(m4, CUDNN, dtype)
     torch.cuda.synchronize()
     conv_ms = (time.perf_counter() - t) / 5 * 1e3
     print(f"{name}: B{B} S{S} Sk{Sk} H{H} D{D} {str(dtype)[6:]} mask {tuple(mask.shape)}: backend(bool)={choice(q, k, v, m4)} "

@@ -701,9 +701,12 @@ class _ChainsNamespace:
     def attention_bool_mask(dispatch, q, k, v, site, **arguments):
         # a processor's ``H = dispatch_attention_fn(Q, K, V, attn_mask=M, ...)``: a 4-D boolean mask handed to torch as
         # the additive mask torch makes of it, made once per mask and forward (`ops.attention_bool_mask`); no mask, or
-        # another kind (an additive one, a key-padding one torch converts in a kernel of its size), as written
+        # another kind (an additive one, a key-padding one torch converts in a kernel of its size), as written. A
+        # key-padding mask is one over the keys only, ``[B, H, 1, S]``: nothing to gain, and a processor makes it per
+        # call (``mask[:, None, None, :]``: Bria FIBO 2's), a new tensor each time that nothing is kept on, whose first
+        # use in a forward pays `derived`'s seal (the model's modules walked) in every call
         mask = arguments.get("attn_mask")
-        if not (isinstance(mask, torch.Tensor) and mask.dtype is torch.bool and mask.dim() == 4):
+        if not (isinstance(mask, torch.Tensor) and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[2] != 1):
             return dispatch(q, k, v, **arguments)
         return attention_bool_mask(dispatch, q, k, v, _kept_on_mask, site, **arguments)
 

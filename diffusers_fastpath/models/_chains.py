@@ -88,7 +88,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                     local_rotary: tuple[str, str] | None = None, head_cats: bool = False,
                     rows_rotary: str | None = None,
                     wan_rotary: tuple[str, str] | None = None,
-                    contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = ()) -> tuple[object, Rewrite] | None:
+                    contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = (),
+                    bool_masks: bool = False) -> tuple[object, Rewrite] | None:
     """`fn` (a block's ``forward`` or a processor's ``__call__``) with its chains routed through the fused ops, and
     what was found; or ``None`` where its source is not provably `fn`'s (`_source.source_of`: a wrapper, a
     replaced function, a file edited since the import), it needs a closure (``super()``), or no pattern matched.
@@ -175,7 +176,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             body = rewriter.seq_major_attention(body)
         if not rewriter.block:
             body = rewriter.gqa_attention(body)
-            body = rewriter.bool_mask_attention(body)
+            if bool_masks:  # (the generic path's processors: `generic.generic_subclass`)
+                body = rewriter.bool_mask_attention(body)
         if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
             body = rewriter.qk_norms(body)
         # inlined only where that lets a pattern take more, and every norm the inlining took on trust is fused
@@ -350,7 +352,8 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
                    local_rotary: tuple[str, str] | None = None,
                    head_cats: bool = False, rows_rotary: str | None = None,
                    wan_rotary: tuple[str, str] | None = None,
-                   contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = ()) -> tuple[type, Rewrite] | tuple[None, None]:
+                   contiguous: tuple[str, ...] = (), norms: tuple[str, ...] = (),
+                   bool_masks: bool = False) -> tuple[type, Rewrite] | tuple[None, None]:
     """A subclass of the diffusers block (or attention processor, ``method="__call__"``) `cls`, named `name` and
     defined in (and set as an attribute of) the adapter module `module`, whose `method` is the one `cls` holds now
     with its chains fused, and what was rewritten; ``(None, None)`` where nothing can be (`swap_rewritten` and
@@ -375,11 +378,13 @@ def fused_subclass(cls: type, name: str, module: str, method: str = "forward",
     `head_cats` (a processor's) takes its ``torch.cat([A, B], dim=2)`` of two names (SD3's joint q, k and v of
     ``[B, H, S, D]``) as the fused `cat_heads`; `rows_rotary` (a processor's) the name of its module's rows-form
     rotary function (`register_rows_rotary`: LTX-Video's); `wan_rotary` ``(name, digest)``: Wan's, a function the
-    processor defines, taken where its normalised source has that digest."""
+    processor defines, taken where its normalised source has that digest; `bool_masks` (a processor's) hands its
+    ``dispatch_attention_fn`` calls' boolean masks to torch in their additive form, made once per forward
+    (`attention_bool_mask`)."""
     norm_methods = dict(norm_methods or {})
     options = dict(activations=activations, rms_norms=rms_norms, swiglus=swiglus, complex_rotary=complex_rotary,
                    local_rotary=local_rotary, head_cats=head_cats, rows_rotary=rows_rotary, wan_rotary=wan_rotary,
-                   contiguous=contiguous, norms=norms)
+                   contiguous=contiguous, norms=norms, bool_masks=bool_masks)
     sub = _NAMED.get((module, name))
     spec = _SPECS.get(sub)
     if spec is None or (spec.base, spec.method, spec.options, spec.norm_methods) != (cls, method, options,

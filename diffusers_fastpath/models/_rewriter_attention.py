@@ -79,7 +79,8 @@ whole; `_Rewriter` runs these passes on a processor's forward):
   <keywords>)`` (the operands evaluated in the order written): a 4-D boolean mask handed to torch as the additive mask
   its SDPA would make of it in every call, made once per mask and forward
   (`diffusers_fastpath.ops.attention_bool_mask`, self-verified per signature; site ``attention_bool_mask`` on the
-  attention module); any other mask (or none) runs the call as written
+  attention module); any other mask (or none), and a key-padding one (``[B, H, 1, S]``: Bria FIBO 2's, made per call),
+  runs the call as written
 - sigmoid output gate (Krea 2), into `diffusers_fastpath.ops.sigmoid_mul` (the sigmoid proven on every bf16 / fp16
   value on first use), in any processor:
 

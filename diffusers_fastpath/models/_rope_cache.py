@@ -38,7 +38,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 
-from ..ops._policy import hooks_on
+from ..ops._policy import global_module_hooks, own_hooks
 from ._driver import enclosing_model_forward, frame_key, inside
 
 STATS_PREFIX = "_fastpath_stats_"  # `report` lists every such attribute of a patched model's modules
@@ -64,13 +64,25 @@ def _known(obj) -> bool:
 
 def _closed(model: nn.Module) -> bool:
     """Whether, in a forward of `model`, only diffusers' and this package's code can hold what its layers are handed
-    (module doc): no hooks below the model, every attention processor and every module of its block lists known."""
-    for module in model.modules():
-        if module is not model and hooks_on(module):
+    (module doc): no hooks below the model, every attention processor and every module of its block lists known.
+
+    Asked at each table's first use, a walk of every module: `hooks_on` of each below the model as its own hooks
+    (`own_hooks`) and the global ones asked once, the modules each once as ``model.modules()`` gives them but without
+    the names it builds (0.4 ms against 0.9 ms for Bria FIBO 2's 990 modules on a CPU core)."""
+    if global_module_hooks():
+        return False  # (`hooks_on` of every module below the model)
+    todo, seen = [model], {id(model)}
+    while todo:
+        module = todo.pop()
+        if module is not model and own_hooks(module):
             return False
         processor = module.__dict__.get("processor")
         if processor is not None and not (_known(processor) and _known(module)):
             return False
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
     return all(_known(block) for blocks in model.children() if isinstance(blocks, nn.ModuleList) for block in blocks)
 
 

@@ -211,6 +211,8 @@ def generic_subclass(base: type, method: str, hints: dict):
     if method == "__call__":  # the rotary functions its hints name are registered with their forms (by digest)
         hints = {**processor_hints(base.__call__), **hints}
     options = dict(hints)
+    if method == "__call__":  # a boolean attention mask made additive once per forward (Ideogram 4's; every generic
+        options["bool_masks"] = True  # processor alike, so the subclass's name needs no hint for it)
     if "norm_methods" in options:  # (method, form) pairs -> the fused counterparts, checked against `base` again
         checked = dict(norm_method_hints(base))
         options["norm_methods"] = {m: FUSED[form] for m, form in options["norm_methods"] if checked.get(m) == form}

@@ -178,6 +178,12 @@ def hooks_on(module: nn.Module) -> bool:
                 or global_module_hooks())
 
 
+def own_hooks(module: nn.Module) -> bool:
+    """`hooks_on` less the global module hooks: what a scan of a whole module tree asks of each module, the global
+    hooks asked once (`_rope_cache._closed`)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
 class EagerClasses:
     """The module classes an op whose kernel is a module's own ``forward`` takes (diffusers' classes, checked by the
     adapter, and this package's subclasses of them), each with the diffusers class whose ``forward`` is the eager one.
