@@ -21,6 +21,7 @@ from diffusers_fastpath.bench.levels.profile import idle_gaps
 TINY = ["--model", "flux-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
         "--text-tokens", "8", "--no-progress"]
 STEP_FIELDS = {"mode", "available", "reason", "ms", "host_ms", "ms_all", "host_ms_all", "ratio", "peak_mem_gib",
+               "first_peak_mem_gib",
                "compile_s", "md5", "bit_identical", "max_abs_diff", "psnr_db", "repeatable", "interleaved", "fastpath", "sensors"}
 GEN_FIELDS = {"mode", "available", "reason", "s", "s_all", "host_s", "ratio", "peak_mem_gib", "compile_s", "warmup_s",
               "latents_md5", "image_md5", "image_shape", "bit_identical", "latents_identical", "image_identical",
@@ -304,6 +305,16 @@ def test_profile_table_says_what_fusion_removed_outside_gemms_and_attention(tiny
     # a saved run from before the conv categories re-renders (their cells read 0)
     old = {**rows["lossless"], "categories": {k: v for k, v in c.items() if "conv" not in k}}
     assert rest_ms(old) == pytest.approx(lossless) and "| 0 / 0.00 |" in "\n".join(profile_tables([old]))
+
+
+def test_step_peak_is_the_timed_calls_and_a_higher_first_call_is_said():
+    """The step's peak memory is its timed calls'; the first call's (a patched model's verification forward) is shown
+    beside it only where it was higher, and a saved run without it renders as before."""
+    from diffusers_fastpath.bench.render import _peak
+
+    assert _peak({"peak_mem_gib": 28.46, "first_peak_mem_gib": 32.13}) == "28.46 (first call 32.13)"
+    assert _peak({"peak_mem_gib": 28.46, "first_peak_mem_gib": 28.46}) == "28.46"
+    assert _peak({"peak_mem_gib": 28.46}) == "28.46" and _peak({"peak_mem_gib": None}) == "-"
 
 
 def test_from_json_re_renders_the_same_report(tiny_run, capsys):
