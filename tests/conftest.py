@@ -83,6 +83,22 @@ def unpatch_after():
 
 
 @pytest.fixture
+def tool():
+    """A script of tools/ imported as a module, to call its functions in-process: ``tool("zoo_full_size")``."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"_tool_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture
 def fastpath_log(caplog):
     """Records of the package logger (diffusers' loggers do not propagate to the root, where caplog listens)."""
     from diffusers_fastpath._logging import logger
