@@ -663,6 +663,23 @@ def test_bench_kernels_recorded_from_a_zoo_step_are_equal(tmp_path):
         assert all(r["fused_us"] > 0 and r["pct_of_copy"] > 0 for r in kern["rows"]), kern["rows"]
 
 
+def test_recorded_signature_of_a_rows_argument_is_its_layout_not_its_identity():
+    """Each block hands a rows op a new `SelectedRows` (its own parameters' view, the model's selection function):
+    the recording describes it by its fields' layouts, so one step's blocks share a case instead of making one each;
+    another layout is another case."""
+    from diffusers_fastpath.bench.levels.kernels_recorded import _describe
+    from diffusers_fastpath.ops.selected_rows import SelectedRows
+
+    def select(params, mask):
+        return params
+
+    def rows(width):
+        return SelectedRows(select, torch.randn(3, width), torch.ones(8, dtype=torch.bool))
+
+    assert _describe(rows(16)) == _describe(rows(16)) != _describe(rows(32))
+    assert _describe((rows(16), 2.0)) == _describe((rows(16), 2.0))
+
+
 def test_bench_kernels_level_says_it_needs_cuda(tmp_path):
     """On a CPU the kernels level runs nothing and says why (the fused kernels are CUDA kernels)."""
     path = tmp_path / "z.json"
