@@ -40,6 +40,15 @@ def _build(kind: str = "published", dtype=torch.bfloat16, seed=0):
     return randomize_(AutoencoderKLLTX2Video(**CONFIGS[kind]), seed).to(dtype).eval()
 
 
+def _patched_after_eager():
+    """A tiny VAE, its latents and their eager decode, then the VAE patched: (vae, z, ref)."""
+    vae = _build()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    return vae, z, ref
+
+
 def _latents(vae, frames=2, size=2, seed=3, batch=1, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(batch, vae.config.latent_channels, frames, size, size, generator=gen).to(dtype)
@@ -432,10 +441,7 @@ def test_a_pad_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emul
     monkeypatch.setattr(norm_conv, "_launch", _one_value_off(norm_conv._launch))
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "disabled", None)
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "verified", set())
-    vae = _build()
-    z = _latents(vae)
-    ref = _decode(vae, z)
-    fp.patch(vae)
+    vae, z, ref = _patched_after_eager()
     try:
         assert torch.equal(_decode(vae, z), ref)
         assert "not bit-exact" in norm_conv.LTX_NORM_CONV.disabled
@@ -532,10 +538,7 @@ def test_a_bias_chain_kernel_that_differs_is_caught_on_its_first_call(monkeypatc
     settled and run through `ltx_norm_conv`."""
     bias_conv = importlib.import_module("diffusers_fastpath.ops.ltx_bias_norm_conv")
     monkeypatch.setattr(bias_conv, "_launch", _one_value_off(bias_conv._launch))
-    vae = _build()
-    z = _latents(vae)
-    ref = _decode(vae, z)
-    fp.patch(vae)
+    vae, z, ref = _patched_after_eager()
     try:
         assert torch.equal(_decode_twice(vae, z), ref) and torch.equal(_decode(vae, z), ref)
         assert "not bit-exact" in bias_conv.LTX_BIAS_NORM_CONV.disabled
@@ -639,10 +642,7 @@ def test_a_residual_kernel_that_differs_or_fails_falls_back_exactly(failure, mon
         raise RuntimeError("launch failed")
 
     monkeypatch.setattr(conv_bias_module, "_residual_op", off if failure == "one value off" else raises)
-    vae = _build()
-    z = _latents(vae)
-    ref = _decode(vae, z)
-    fp.patch(vae)
+    vae, z, ref = _patched_after_eager()
     try:
         assert torch.equal(_decode_thrice(vae, z), ref) and torch.equal(_decode(vae, z), ref)
         assert ("not bit-exact" if failure == "one value off" else "launch failed") in residual_op.disabled
