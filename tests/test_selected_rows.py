@@ -17,11 +17,12 @@ from diffusers.models.transformers.transformer_qwenimage21 import (QwenImage21Tr
 
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import sites_of
+from diffusers_fastpath.models import _norm_methods
 from diffusers_fastpath.models._norm_methods import lazy_gates, modulate_scale_rows, norm_method_hints
 from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS, gated_residual_rows, gated_residual_rows_ref
 from diffusers_fastpath.ops.layernorm_modulate import LAYERNORM_SCALE_ROWS, layernorm_scale_rows
-from diffusers_fastpath.ops.selected_rows import SelectedRows, tanh_rows
+from diffusers_fastpath.ops.selected_rows import SelectedRows, tanh_rows, where_index
 from diffusers_fastpath.testing import zoo
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -181,9 +182,12 @@ def test_rows_ops_without_rows_are_the_tensor_ops():
         assert torch.equal(gated_residual_rows(x, scale, x), x + scale * x)
 
 
-def test_zoo_model_patched_equals_unpatched_with_rows_fast(emulated_kernels):
+def test_zoo_model_patched_equals_unpatched_with_rows_fast(emulated_kernels, monkeypatch):
     """The tiny Qwen-Image 2.1 (a mask: causal_condition on) patched: every block's norms and gates read their rows
-    through the index (the rows ops' kernels ran, no fallback), the output equal to unpatched; unpatch restores."""
+    through the index (the rows ops' kernels ran, no fallback), the output equal to unpatched; the index made once
+    per forward for all its blocks (kept on the forward's mask); unpatch restores."""
+    made = []
+    monkeypatch.setattr(_norm_methods, "where_index", lambda *a: made.append(a) or where_index(*a))
     model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
     model.register_to_config(causal_condition=True)
     kwargs = zoo.inputs("qwen-image-21", model)
@@ -210,6 +214,7 @@ def test_zoo_model_patched_equals_unpatched_with_rows_fast(emulated_kernels):
             LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel = ln_kernel, gate_kernel
         blocks = len(model.transformer_blocks)
         assert calls == {"ln": 2 * blocks, "gate": 2 * blocks}
+        assert blocks >= 2 and len(made) == 1, len(made)  # one index for the forward's 2 * blocks rows
         gates = [s for b in model.transformer_blocks for n, s in sites_of(b) if s.op == "gated_residual"]
         assert len(gates) == 2 * blocks and all(s.fast and not s.fallback for s in gates)
     finally:

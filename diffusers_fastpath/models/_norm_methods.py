@@ -22,14 +22,16 @@ from torch import nn
 from .._state import site_attr
 from ..ops import layernorm_scale
 from ..ops.layernorm_modulate import layernorm_scale_rows
-from ..ops.selected_rows import SelectedRows
+from ..ops.selected_rows import SelectedRows, where_index
 from .._source import normalized_digest
+from ._rope_cache import derived
 
 # normalized digests (diffusers 0.42.1) of the methods and of the module function the method calls
 _SCALE_ROWS = "b4adc8bf2b419472"
 _SELECT_ROWS = "faae88c3fde625a3"
 _SELECT = "_select_modulation_rows"
 _CHECKED: dict[type, tuple] = {}  # block class -> (its method, the `_select_modulation_rows` it calls), checked
+_INDEX_KEY = "scale_rows_index"  # the rows' index kept on the forward's mask (`_shared_index`)
 
 
 def norm_method_hints(cls: type) -> tuple[tuple[str, str], ...]:
@@ -63,7 +65,7 @@ def modulate_scale_rows(self, norm: nn.Module, x, mod_params, target_token_mask,
     scale, gate = mod_params.chunk(2, dim=-1)
     site = getattr(norm, site_attr(), None)
     if isinstance(target_token_mask, torch.Tensor) and not torch.compiler.is_compiling():
-        rows = SelectedRows(select, scale, target_token_mask)
+        rows = SelectedRows(select, scale, target_token_mask, index=_shared_index(target_token_mask, scale))
         if rows.reason(x) is None:
             out = layernorm_scale_rows(norm, x, rows, site)
             if not _fastpath_lazy_gate:
@@ -73,6 +75,18 @@ def modulate_scale_rows(self, norm: nn.Module, x, mod_params, target_token_mask,
     scale = select(scale, target_token_mask)
     gate = select(gate, target_token_mask)
     return layernorm_scale(norm, x, scale, site), gate
+
+
+def _shared_index(mask, params: torch.Tensor) -> torch.Tensor | None:
+    """`where_index` of the forward's `mask` for `params`' rows, made once for every block of the forward (kept on
+    the mask: `_rope_cache.derived`, sealed for the forward that built it, made again after a write in place); an
+    inference tensor or another mask than a bool ``[S]`` on the rows' device: ``None`` (`SelectedRows` makes its own,
+    or its reason refuses the rows)."""
+    if (not isinstance(mask, torch.Tensor) or mask.is_inference() or mask.dtype is not torch.bool or mask.dim() != 1
+            or params.dim() != 2 or params.shape[0] < 2 or mask.device != params.device):
+        return None
+    batch = params.shape[0] - 1
+    return derived(mask, (_INDEX_KEY, batch, params.device), lambda: where_index(mask, batch, params.device))
 
 
 def lazy_gates(body: list[ast.stmt], fused: str, gated: str, namespace: str) -> int:

@@ -65,11 +65,9 @@ class SelectedRows:
         return self._table
 
     def index(self) -> torch.Tensor:
-        """int32 ``[B, S]``: ``b`` where ``mask`` holds, ``B`` (the last row) elsewhere; made on the device, no sync."""
+        """int32 ``[B, S]``: ``b`` where ``mask`` holds, ``B`` (the last row) elsewhere (`where_index`)."""
         if self._index is None:
-            batch = self.params.shape[0] - 1
-            samples = torch.arange(batch, dtype=torch.int32, device=self.params.device).view(batch, 1)
-            self._index = torch.where(self.mask.view(1, -1), samples, batch)
+            self._index = where_index(self.mask, self.params.shape[0] - 1, self.params.device)
         return self._index
 
     @property
@@ -219,6 +217,13 @@ class TokenRows:
         if table.device != x.device:
             return "devices differ"
         return None
+
+
+def where_index(mask: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[batch, S]``: the row of `SelectedRows`' ``[batch + 1, D]`` table the ``torch.where`` puts at each of
+    the ``S`` tokens of the ``[S]`` bool `mask`: ``b`` where it holds, ``batch`` elsewhere. Made on `device`, no sync."""
+    samples = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    return torch.where(mask.view(1, -1), samples, batch)
 
 
 def token_index(select, mask: torch.Tensor, seq_len: int) -> torch.Tensor:
