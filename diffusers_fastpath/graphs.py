@@ -211,7 +211,6 @@ def capture_twins_bound(model_cls: type):
             setattr(module, name, original)
 
 
-
 def _raised_at(exc: BaseException) -> str:
     """`` (at FILE:LINE in FUNCTION)``: the innermost frame of `exc`'s traceback outside torch (the model's or this
     package's line that did what capture forbids: a host copy, a sync), or ``""``."""

@@ -132,8 +132,6 @@ def check(name: str, repeats: int) -> str:
     md5, ref_md5 = _md5(out), _md5(ref)
     fast, idle, reasons = _counts(sites)
     fp.unpatch(model)
-    del model, kwargs, ref, out, first
-    _free()
     return _row(name, f"{params:.2f}", f"{eager_ms:.1f}", f"{patched_ms:.1f}", f"{patched_ms / eager_ms:.3f}",
                 f"{'yes' if equal and md5 == ref_md5 else 'NO'} (`{md5}`)",
                 f"{'kept' if patched else 'UNPATCHED'} ({verify_ms / 1e3:.1f} s)",
@@ -245,12 +243,9 @@ def generation(name: str, steps: int, height: int | None = None, width: int | No
     split = len(ref) - n_latents
     md5s = [_md5(*out[:split]), _md5(*out[split:]) if n_latents else "-"]
     same = md5s == [_md5(*ref[:split]), _md5(*ref[split:]) if n_latents else "-"]
-    n_sites = len(sites)
-    del pipe, call, modules, patched, sites, run, ref, first, out
-    _free(device)
     return _row(name, steps, size, f"{eager_ms / 1e3:.2f}", f"{patched_ms / 1e3:.2f}", f"{patched_ms / eager_ms:.3f}",
                 f"{'yes' if equal and same else 'NO'} (`{md5s[0]}`, `{md5s[1]}`)",
-                f"{'kept' if kept else 'UNPATCHED'} ({verify_ms / 1e3:.1f} s)", f"{n_sites} ({idle} never called)",
+                f"{'kept' if kept else 'UNPATCHED'} ({verify_ms / 1e3:.1f} s)", f"{len(sites)} ({idle} never called)",
                 fast, reasons or "-", f"{time.perf_counter() - t0:.0f} s")
 
 
@@ -292,7 +287,8 @@ def main() -> None:
             row = f"| {name} | failed: {type(exc).__name__}: {str(exc)[:300]} |"
         ok &= "| yes (`" in row and "| kept (" in row
         print(row, flush=True)
-        _free(device)  # (out of the except block: its traceback holds the failed model's frames)
+        _free(device)  # each model's memory, once its row (or failure) is out: the function's frame is gone, and
+        # this is out of the except block, whose traceback held the failed model's frames
     if not ok:
         raise SystemExit(1)  # a model not identical, unpatched by its verification, or failed
 
