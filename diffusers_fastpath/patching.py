@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import graphs
+from . import graphs, postprocess
 from . import models  # noqa: F401  (registers the adapters)
 from ._logging import logger, warn_once
 from ._state import (  # noqa: F401  (PatchState, SITE_ATTR, QUALITIES, ... stay importable from here)
@@ -257,7 +257,18 @@ def patch(obj: Any, quality: str = "lossless", *, cuda_graphs: bool = False, ver
         logger.info(f"diffusers_fastpath: patched {name} ({type(model).__name__}): {sites} fused sites, quality={quality}")
         _say_if_nothing_can_run_fused(name, model)
         set_tier(name, model, state)  # mounts the high-tier sites if asked; checks every site's fitness
+    if is_pipeline(obj):
+        _install_postprocess(obj)
     return obj
+
+
+def _install_postprocess(pipe: Any) -> None:
+    """The pinned host copy of a video pipeline's ``postprocess_video`` (`diffusers_fastpath.postprocess`); a
+    failure to install it (a pipeline whose attributes cannot be read) leaves the pipeline as it is."""
+    try:
+        postprocess.install(pipe)
+    except Exception as exc:  # noqa: BLE001 - the models are patched; post-processing stays diffusers'
+        logger.info(f"diffusers_fastpath: {type(pipe).__name__}: video post-processing left as it is ({exc!r})")
 
 
 def _graphs_serve(model: nn.Module) -> bool:
@@ -280,5 +291,7 @@ def unpatch(obj: Any) -> Any:
     """
     for _, model, _ in patched_models(obj):
         undo_patch(model)
+    if is_pipeline(obj):
+        postprocess.uninstall(obj)
     return obj
 

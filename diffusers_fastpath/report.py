@@ -12,8 +12,8 @@ import torch
 from .graphs import GRAPHS_ATTR
 from .models._rope_cache import STATS_PREFIX
 from .ops import OPS, _build
-from . import verify
-from ._state import models_in, patched_models, sites_of
+from . import postprocess, verify
+from ._state import is_pipeline, models_in, patched_models, sites_of
 from .patching import _models_of
 from .quality import tier_sites
 
@@ -62,6 +62,9 @@ class Report:
     kernels: str = ""  # one line: where the CUDA kernels come from, or why there are none (`kernels_line`)
     not_patched: str | None = None  # the one line shown for an object with nothing patched
     verbose: bool = False
+    # a video pipeline whose ``video_processor.postprocess_video`` is this package's (`postprocess`): its calls,
+    # process-wide, {"fast": n, "fallback": {reason: n}}; empty otherwise
+    postprocess: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fast(self) -> int:
@@ -86,6 +89,9 @@ class Report:
         for m in self.models:
             lines += _model_summary(m, [s for s in self.sites if s.model == m.name],
                                     [s for s in self.tier_sites if s.model == m.name])
+        if self.postprocess:
+            lines.append(f"video post-processing (pinned copy, process-wide): {self.postprocess['fast']} fast calls, "
+                         f"fallbacks: {_reasons(self.postprocess['fallback'])}")
         if not self.verbose:  # the ops that are not simply on, else one word
             unusual = {k: v for k, v in self.ops.items() if v != "enabled" and not v.startswith("enabled,")}
             lines.append("ops: " + ("; ".join(f"{k} {v}" for k, v in unusual.items()) if unusual else "all enabled"))
@@ -221,6 +227,8 @@ def report(obj: Any, verbose: bool = False) -> Report:
     models = patched_models(obj) if _is_model_or_pipeline(obj) else []  # (anything else: a line saying so)
     if not models:
         rep.not_patched = _not_patched_line(obj)
+    elif is_pipeline(obj) and postprocess.installed(getattr(obj, "video_processor", None)):
+        rep.postprocess = {"fast": postprocess.STATS.fast, "fallback": dict(postprocess.STATS.fallback)}
     for name, model, state in models:
         processors = 0
         caches: dict[str, dict[str, int]] = {}
