@@ -80,13 +80,11 @@ at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
   return out;
 }
 
-// A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
-// stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
-// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last. Its
-// border zeros, or in time the first and last frames repeated (replicate_t: some frame needed) and in space F.pad's
-// reflection (reflect_hw: each spatial padding below its axis' size, as reflection_pad3d requires).
-at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding,
-                      bool channels_last, bool replicate_t, bool reflect_hw) {
+// The arguments of causal_pad.cu's kernels for x, cache (optional), padding and the flags, and the output they write
+// (the checks of causal_pad below; ltx_rmsnorm_pad_cl's too).
+std::pair<CausalPadArgs, at::Tensor> causal_pad_args(const at::Tensor& x, const std::optional<at::Tensor>& cache,
+                                                     at::IntArrayRef padding, bool channels_last, bool replicate_t,
+                                                     bool reflect_hw) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 5 && (x.size(4) <= 1 || x.stride(4) == 1) && padding.size() == 6,
               "causal_pad: x must be a CUDA [B, C, T, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
   for (const int64_t p : padding) TORCH_CHECK(p >= 0, "causal_pad: padding must be non-negative");
@@ -110,8 +108,6 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
                               x.size(3) + padding[2] + padding[3], x.size(4) + padding[0] + padding[1]},
                              x.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast3d
                                                                      : at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out;
-  const c10::cuda::CUDAGuard device_guard(x.device());
   args.out = out.data_ptr();
   args.x = x.data_ptr();
   args.cache = cache.has_value() ? cache->data_ptr() : nullptr;
@@ -138,8 +134,38 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
   args.channels_last = channels_last;
   args.replicate_t = replicate_t;
   args.reflect_hw = reflect_hw;
+  return {args, out};
+}
+
+// A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
+// stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
+// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last. Its
+// border zeros, or in time the first and last frames repeated (replicate_t: some frame needed) and in space F.pad's
+// reflection (reflect_hw: each spatial padding below its axis' size, as reflection_pad3d requires).
+at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding,
+                      bool channels_last, bool replicate_t, bool reflect_hw) {
+  auto [args, out] = causal_pad_args(x, cache, padding, channels_last, replicate_t, reflect_hw);
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaError_t err = launch_causal_pad(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "causal_pad: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// LTX-Video's VAE norm and the SiLU after it written as the padded channels-last input of the causal convolution that
+// reads them (causal_pad.cu's ltx_rmsnorm_pad_cl_kernel): x as causal_pad's (bf16 / fp16, no cache), its frames
+// repeated in time, with reflect_hw its rows and columns reflected; rsqrt the contiguous fp32 [B, T * H * W] that eager
+// multiplies by. The result a channels-last [B, C, T', H', W'] of round(silu(round(x * rsqrt))) where causal_pad puts x.
+at::Tensor ltx_rmsnorm_pad_cl(const at::Tensor& x, const at::Tensor& rsqrt, at::IntArrayRef padding, bool reflect_hw) {
+  auto [args, out] = causal_pad_args(x, std::nullopt, padding, true, true, reflect_hw);
+  TORCH_CHECK(args.dtype != DType::kFloat32, "ltx_rmsnorm_pad_cl: x must be bf16 or fp16");
+  TORCH_CHECK(rsqrt.scalar_type() == at::kFloat && rsqrt.device() == x.device() && rsqrt.is_contiguous() &&
+                  rsqrt.numel() == x.size(0) * x.size(2) * x.size(3) * x.size(4),
+              "ltx_rmsnorm_pad_cl: rsqrt must be a contiguous fp32 [B, T * H * W] tensor on x's device");
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaError_t err = launch_ltx_rmsnorm_pad_cl(args, rsqrt.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rmsnorm_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
   return out;
 }
 
@@ -487,6 +513,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
         "bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square, bool silu, bool probe) -> Tensor");
+  m.def("_ltx_rmsnorm_pad_cl_cuda(Tensor x, Tensor rsqrt, int[] padding, bool reflect_hw) -> Tensor");
   m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
   m.def("_per_channel_rmsnorm_fused_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
         "int probe) -> Tensor");
@@ -505,6 +532,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
+  m.impl("_ltx_rmsnorm_pad_cl_cuda", &diffusers_fastpath::ltx_rmsnorm_pad_cl);
   m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
   m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
   m.impl("_per_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_pad_cl);

@@ -77,6 +77,17 @@ __device__ __forceinline__ float round_to(float v) {
 // (silu_mul.cu, group_norm_silu.cu, channel_rmsnorm_silu.cu, per_channel_rmsnorm.cu: their Python ops).
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
 
+// LTX-Video's VAE norm of one element after aten's reduction and rsqrt (diffusers' weightless RMSNorm, eager's
+// `(x.to(float32) * rsqrt(variance + eps)).to(T)`): round(x * r), the mixed-dtype multiply as one IEEE product rounded
+// where eager's .to(T) rounds; with `silu_after` the SiLU module after it on that stored value (`silu`), rounded. The
+// epilogue of ltx_vae_rmsnorm.cu's kernel and of causal_pad.cu's ltx_rmsnorm_pad_cl_kernel, one code for both.
+template <typename T>
+__device__ __forceinline__ T ltx_rmsnorm_value(T x, float r, bool silu_after) {
+  float y = __fmul_rn(Storage<T>::load(x), r);
+  if (silu_after) y = silu(round_to<T>(y));  // eager stores the norm's T result, the SiLU reads it back
+  return Storage<T>::store(y);
+}
+
 // aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu, the real types) in fp32 opmath:
 // one / (one + std::exp(-x)), CUDA's expf, an IEEE add and division (correctly rounded: nvcc's 1 / y, whatever
 // instructions it picks, is the same number); proven on every value of its dtype by its op (ops/sigmoid_mul.py).

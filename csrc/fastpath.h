@@ -542,6 +542,11 @@ struct CausalPadArgs {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream);
+// LTX-Video's VAE norm and the SiLU after it written as the causal convolution's padded input (causal_pad.cu's
+// ltx_rmsnorm_pad_cl_kernel): args as launch_causal_pad's for x (bf16 / fp16; channels_last and replicate_t set, no
+// cache), each value of x written as round(silu(round(x * rsqrt[b, s]))), `rsqrt` a contiguous fp32 [batch, frames *
+// height * width] (aten's torch.rsqrt(mean + eps), which eager multiplies by).
+cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rsqrt, cudaStream_t stream);
 #endif
 
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x dense
