@@ -41,9 +41,11 @@ from torch import nn
 
 from .._state import SITE_ATTR, PatchState, register_adapter
 from ..ops.ltx_vae_rmsnorm import LTX_RMSNORM, LTX_VAE_RMSNORM_SILU, add_norm_class, ltx_rmsnorm, ltx_vae_rmsnorm_silu
-from .vae import PairBlock, PairCalls, checked_forwards, silu_pair_unfit, swap_pair_blocks
+from ..ops.ltx_vae_rmsnorm_conv import LTX_VAE_RMSNORM_CONV
+from .vae import PairBlock, checked_forwards, silu_pair_unfit, swap_pair_blocks
 from .vae_conv import swap_convs
-from .vae_ltx_conv import swap_ltx_causal_convs
+from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
+from .vae_ltx_conv import FastpathLTXVideoCausalConv3d, swap_ltx_causal_convs
 
 # diffusers 0.42.1's RMSNorm.forward (`_source.body_digest`: the body, without docstring and formatting): the
 # ``x.to(float32).pow(2).mean(-1)`` reduction, ``x * rsqrt(v + eps)`` and, without weight, ``.to(input_dtype)``
@@ -69,7 +71,10 @@ def norm_fits() -> bool:
 PAIR_SITE = LTX_VAE_RMSNORM_SILU.name  # the pair's site, on the norm module (beside its `ltx_rmsnorm` site)
 # (ltx_vae_rmsnorm_silu's: the norm as the adapter leaves it, its class swapped)
 pair_unfit = silu_pair_unfit(lambda norm: type(norm) is FastpathLTXRMSNorm, "a patched LTX-Video VAE norm")
-PAIRS = PairCalls("_diffusers_fastpath_vae_ltx", PAIR_SITE, pair_unfit, ltx_vae_rmsnorm_silu, moved=True)
+# (the pairs, each joined with the causal convolution after it, ``V = self.<conv>(V)``, where the forward's form allows:
+# `vae_ltx2_chain`, LTX-Video's form: no argument names the convolution, nothing left pending)
+PAIRS = ChainPairCalls("_diffusers_fastpath_vae_ltx", PAIR_SITE, pair_unfit, ltx_vae_rmsnorm_silu, moved=True,
+                       chain=LTX_VAE_RMSNORM_CONV, keyword=None, bias=None)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = tuple(
@@ -96,3 +101,6 @@ def patch_ltx_vae(model, state: PatchState) -> None:
         if _weightless(module):
             state.swap_class(module, FastpathLTXRMSNorm)
             state.add_site(module, LTX_RMSNORM.name)
+    # (the joined norm -> SiLU -> convolution calls: a site on each convolution one names)
+    add_chain_sites(model, state, {block.sub: PAIRS for block in BLOCKS if block.sub is not None},
+                    lambda conv: type(conv) is FastpathLTXVideoCausalConv3d)
