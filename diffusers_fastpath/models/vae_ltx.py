@@ -25,6 +25,12 @@ of 0.9.1+ included), through exact pieces.
   has hooks, else the two module calls as written). Where a modulate stands between (the timestep-conditioned
   decoders of 0.9.1+), the two run apart: the norm as `ltx_rmsnorm` (every norm keeps its class and its site), the
   modulate and the SiLU as diffusers wrote them.
+- The pair and the causal convolution that reads it (``conv1``; past the identity ``dropout``, ``conv2``; each
+  ``conv_out``): the rewrite of `diffusers_fastpath.models.vae_ltx2_chain` joins the pair's statement with the bare
+  call ``V = self.<conv>(V)`` that ends the run after it, and the joined call runs
+  `diffusers_fastpath.ops.ltx_vae_rmsnorm_conv` (the norm's multiply, cast and SiLU written straight into the
+  convolution's padded channels-last input) where the convolution carries its site and nothing refuses it (hooks on
+  any of the modules, a dropout in training mode: the statements as written).
 
 ``RMSNorm.forward`` is checked by source digest at patch time (a replaced or wrapped forward has no digest); where it
 is not the form read here, the VAE is left as it is, with one warning. Tiling and slicing (``enable_tiling``,
