@@ -57,13 +57,21 @@ void conv_bias_(at::Tensor& x, const at::Tensor& bias) {
 }
 
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x a dense CUDA
-// [N, C, *] tensor of bf16/fp16 laid out channels-last (C innermost), bias a contiguous [C] of its dtype.
-at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
+// [N, C, *] tensor of bf16/fp16 laid out channels-last (C innermost), bias a contiguous [C] of its dtype; residual
+// (or nullptr) a contiguous tensor of x's sizes, dtype and device, added to the rounded sum (the kResidual variant).
+at::Tensor bias_contiguous_into(const char* name, const at::Tensor& x, const at::Tensor& bias,
+                                const at::Tensor* residual) {
   TORCH_CHECK(x.is_cuda() && (x.dim() == 4 || x.dim() == 5) && bias.is_cuda() && bias.dim() == 1 &&
                   bias.size(0) == x.size(1) && bias.is_contiguous() && bias.scalar_type() == x.scalar_type() &&
                   x.is_contiguous(x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d),
-              "conv_bias_contiguous: x must be a channels-last CUDA [N, C, *] tensor and bias a contiguous [C] of its "
-              "dtype, got ", shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+              name, ": x must be a channels-last CUDA [N, C, *] tensor and bias a contiguous [C] of its dtype, got ",
+              shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->device() == x.device() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type() && residual->is_contiguous(),
+                name, ": residual must be a contiguous tensor of x's sizes, dtype and device, got ",
+                shape_str(residual->sizes()), " for x ", shape_str(x.sizes()));
+  }
   BiasContiguousArgs args;
   args.dtype = to_dtype_or_float(x);
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -72,12 +80,22 @@ at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
   args.out = out.data_ptr();
   args.x = x.data_ptr();
   args.bias = bias.data_ptr();
+  args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
   args.batch = x.size(0);
   args.channels = x.size(1);
   args.spatial = x.numel() / (args.batch * args.channels);
   const cudaError_t err = launch_bias_contiguous(args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "conv_bias_contiguous: kernel launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, name, ": kernel launch failed: ", cudaGetErrorString(err));
   return out;
+}
+
+at::Tensor conv_bias_contiguous(const at::Tensor& x, const at::Tensor& bias) {
+  return bias_contiguous_into("conv_bias_contiguous", x, bias, nullptr);
+}
+
+// ... and the residual added (a resnet's `conv2(...) + inputs`: ops/conv_bias_residual.py).
+at::Tensor conv_bias_residual_contiguous(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual) {
+  return bias_contiguous_into("conv_bias_residual_contiguous", x, bias, &residual);
 }
 
 // The arguments of causal_pad.cu's kernels for x, cache (optional), padding and the flags, and the output they write
@@ -504,6 +522,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_upsample_nearest2x_cuda(Tensor x) -> Tensor");
   m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
   m.def("_conv_bias_contiguous_cuda(Tensor x, Tensor bias) -> Tensor");
+  m.def("_conv_bias_residual_contiguous_cuda(Tensor x, Tensor bias, Tensor residual) -> Tensor");
   m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding, bool channels_last=False, bool replicate_t=False, "
         "bool reflect_hw=False) -> Tensor");
   m.def("_group_norm_silu_cuda(Tensor x, Tensor weight, Tensor bias, int groups, float eps, bool silu, int variant) "
@@ -527,6 +546,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_upsample_nearest2x_cuda", &diffusers_fastpath::upsample_nearest2x);
   m.impl("_conv_bias_cuda_", &diffusers_fastpath::conv_bias_);
   m.impl("_conv_bias_contiguous_cuda", &diffusers_fastpath::conv_bias_contiguous);
+  m.impl("_conv_bias_residual_contiguous_cuda", &diffusers_fastpath::conv_bias_residual_contiguous);
   m.impl("_causal_pad_cuda", &diffusers_fastpath::causal_pad);
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);

@@ -16,6 +16,14 @@
 // contiguous tensor: the same add, and the transpose cuDNN would otherwise run after a channels-first convolution
 // (its nhwcToNchw pass) in the same pass. Each block moves a kTile x kTile tile of (spatial, channel) of one sample
 // through shared memory, reading along the channels (x's unit stride) and writing along the positions (out's).
+//
+// bias_contiguous with kResidual: the sum written with a residual added, for `h = conv(x)` read only by
+// `h + residual` (LTX-2's resnets: `hidden_states + inputs` after conv2; ops/conv_bias_residual.py). Eager rounds
+// twice, once per op (the bias add's result is h, stored in T; aten's add of two T tensors is one fp32 add rounded to
+// T), and so does this:
+//   out[n, c, s] = round(float(round(float(x[n, s, c]) + float(bias[c]))) + float(residual[n, c, s]))
+// (IEEE addition commutes, so `residual + h` is the same word.) The residual is read where out is written, contiguous
+// as out; each thread loads its kTile / kTileRows values before the tile's shared stores, with x's.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -61,13 +69,15 @@ __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs 
 // grid (ceil(spatial / kTile), min(ceil(channels / kTile), kMaxRowBlocks), min(batch, kMaxRowBlocks)), block (kTile,
 // kTileRows); the channel tiles in turn over grid.y and the samples over grid.z, each with a grid stride (grid.y and
 // grid.z are at most 65535: more than 2M channels take several tiles per block).
-template <typename T>
+template <typename T, bool kResidual>
 __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(const BiasContiguousArgs a) {
+  constexpr int kSteps = kTile / kTileRows;  // the positions' rows a thread writes (transpose_tile's steps)
   __shared__ float tile[kTile][kTile + 1];  // [position][channel], the sums (rounded when written)
   const unsigned base = shared_address(&tile[0][0]);
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const T* x = static_cast<const T*>(a.x);
   const T* bias = static_cast<const T*>(a.bias);
+  const T* residual = static_cast<const T*>(a.residual);
   T* out = static_cast<T*>(a.out);
   const int64_t s_write = s0 + threadIdx.x;
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile; c0 < a.channels;
@@ -75,6 +85,18 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
     const int64_t c_read = c0 + threadIdx.x;
     const float b = c_read < a.channels ? Storage<T>::load(bias[c_read]) : 0.0f;
     for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
+      // kResidual: the residual at the positions this thread writes (channel c0 + threadIdx.y + k * kTileRows of
+      // step k), loaded ahead of x's values (all in flight together: the tile's shared stores order what follows)
+      float res[kSteps];
+      if constexpr (kResidual) {
+#pragma unroll
+        for (int k = 0; k < kSteps; ++k) {
+          const int64_t c = c0 + threadIdx.y + k * kTileRows;
+          res[k] = c < a.channels && s_write < a.spatial
+                       ? Storage<T>::load(residual[(n * a.channels + c) * a.spatial + s_write])
+                       : 0.0f;
+        }
+      }
       transpose_tile<float, kTile, kTileRows>(
           base,
           [&](unsigned i) -> float {
@@ -83,9 +105,10 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
                        ? __fadd_rn(Storage<T>::load(x[(n * a.spatial + s) * a.channels + c_read]), b)
                        : 0.0f;
           },
-          [&](unsigned i, float v) {
+          [&](unsigned i, float v) {  // (i = threadIdx.y + k * kTileRows of step k, unrolled: res[k] a register)
             const int64_t c = c0 + i;
             if (c < a.channels && s_write < a.spatial) {
+              if constexpr (kResidual) v = __fadd_rn(round_to<T>(v), res[(i - threadIdx.y) / kTileRows]);
               out[(n * a.channels + c) * a.spatial + s_write] = Storage<T>::store(v);
             }
           });
@@ -102,7 +125,11 @@ cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) 
   const dim3 grid(static_cast<unsigned>((a.spatial + kTile - 1) / kTile),
                   static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
                   static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
-  bias_contiguous_kernel<T><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+  if (a.residual != nullptr) {
+    bias_contiguous_kernel<T, true><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+  } else {
+    bias_contiguous_kernel<T, false><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 

@@ -552,10 +552,13 @@ cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rs
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x dense
 // [batch, spatial, channels] (channels-last memory), out contiguous [batch, channels, spatial],
 //   out[n][c][s] = round(float(x[n][s][c]) + float(bias[c]))
+// and with a residual (contiguous [batch, channels, spatial], as out), that sum rounded and the residual added to it:
+//   out[n][c][s] = round(float(round(float(x[n][s][c]) + float(bias[c]))) + float(residual[n][c][s]))
 struct BiasContiguousArgs {
   void* out;
   const void* x;
   const void* bias;     // [channels], contiguous
+  const void* residual; // nullptr, or [batch, channels, spatial] contiguous (the kernel's kResidual variant)
   int64_t batch;
   int64_t spatial;
   int64_t channels;

@@ -83,6 +83,22 @@ def unpatch_after():
 
 
 @pytest.fixture
+def tool():
+    """A script of tools/ imported as a module, to call its functions in-process: ``tool("zoo_full_size")``."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"_tool_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture
 def fastpath_log(caplog):
     """Records of the package logger (diffusers' loggers do not propagate to the root, where caplog listens)."""
     from diffusers_fastpath._logging import logger
@@ -318,6 +334,15 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(bias_norm_conv, "_launch", lambda raw, bias, eps, silu, rows, ctas, factor, padding, reflect_hw: (
         bias_norm_conv.bias_norm_pad_arithmetic(raw, bias, eps, silu, padding, reflect_hw,
                                                 biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
+    # ... and the residual add reading the second convolution's result (`conv_bias_residual`): its own code, the
+    # kernel's launch its arithmetic (bias_contiguous's tensor, then aten's add of the residual, each rounded) on the
+    # convolution's tensor as the emulated convolution above leaves it (the bias inside: the bias and transpose pass a
+    # copy)
+    conv_residual = sys.modules["diffusers_fastpath.ops.conv_bias_residual"]
+    monkeypatch.setattr(conv_residual.CONV_BIAS_RESIDUAL, "guard", _as_if_on_cuda(conv_residual.CONV_BIAS_RESIDUAL.guard))
+    monkeypatch.setattr(conv_bias_module, "_residual_op", lambda raw, bias, residual: (
+        conv_bias_module.bias_residual_contiguous_arithmetic(
+            raw, bias, residual, biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
     # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
     # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
     # its proofs (the sqrt and the SiLU on every value) run the CUDA kernel's probe modes

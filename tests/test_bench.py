@@ -21,6 +21,7 @@ from diffusers_fastpath.bench.levels.profile import idle_gaps
 TINY = ["--model", "flux-tiny", "--device", "cpu", "--height", "64", "--width", "64", "--steps", "2",
         "--text-tokens", "8", "--no-progress"]
 STEP_FIELDS = {"mode", "available", "reason", "ms", "host_ms", "ms_all", "host_ms_all", "ratio", "peak_mem_gib",
+               "first_peak_mem_gib",
                "compile_s", "md5", "bit_identical", "max_abs_diff", "psnr_db", "repeatable", "interleaved", "fastpath", "sensors"}
 GEN_FIELDS = {"mode", "available", "reason", "s", "s_all", "host_s", "ratio", "peak_mem_gib", "compile_s", "warmup_s",
               "latents_md5", "image_md5", "image_shape", "bit_identical", "latents_identical", "image_identical",
@@ -304,6 +305,16 @@ def test_profile_table_says_what_fusion_removed_outside_gemms_and_attention(tiny
     # a saved run from before the conv categories re-renders (their cells read 0)
     old = {**rows["lossless"], "categories": {k: v for k, v in c.items() if "conv" not in k}}
     assert rest_ms(old) == pytest.approx(lossless) and "| 0 / 0.00 |" in "\n".join(profile_tables([old]))
+
+
+def test_step_peak_is_the_timed_calls_and_a_higher_first_call_is_said():
+    """The step's peak memory is its timed calls'; the first call's (a patched model's verification forward) is shown
+    beside it only where it was higher, and a saved run without it renders as before."""
+    from diffusers_fastpath.bench.render import _peak
+
+    assert _peak({"peak_mem_gib": 28.46, "first_peak_mem_gib": 32.13}) == "28.46 (first call 32.13)"
+    assert _peak({"peak_mem_gib": 28.46, "first_peak_mem_gib": 28.46}) == "28.46"
+    assert _peak({"peak_mem_gib": 28.46}) == "28.46" and _peak({"peak_mem_gib": None}) == "-"
 
 
 def test_from_json_re_renders_the_same_report(tiny_run, capsys):
@@ -652,6 +663,23 @@ def test_bench_kernels_recorded_from_a_zoo_step_are_equal(tmp_path):
         assert kern["ran"] and ops <= {r["op"] for r in kern["rows"]}, (model, kern["rows"])
         assert all(r["equal"] and r["source"] == "recorded" and r["calls"] >= 1 for r in kern["rows"]), kern["rows"]
         assert all(r["fused_us"] > 0 and r["pct_of_copy"] > 0 for r in kern["rows"]), kern["rows"]
+
+
+def test_recorded_signature_of_a_rows_argument_is_its_layout_not_its_identity():
+    """Each block hands a rows op a new `SelectedRows` (its own parameters' view, the model's selection function):
+    the recording describes it by its fields' layouts, so one step's blocks share a case instead of making one each;
+    another layout is another case."""
+    from diffusers_fastpath.bench.levels.kernels_recorded import _describe
+    from diffusers_fastpath.ops.selected_rows import SelectedRows
+
+    def select(params, mask):
+        return params
+
+    def rows(width):
+        return SelectedRows(select, torch.randn(3, width), torch.ones(8, dtype=torch.bool))
+
+    assert _describe(rows(16)) == _describe(rows(16)) != _describe(rows(32))
+    assert _describe((rows(16), 2.0)) == _describe((rows(16), 2.0))
 
 
 def test_bench_kernels_level_says_it_needs_cuda(tmp_path):

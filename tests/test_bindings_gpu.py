@@ -73,6 +73,11 @@ CASES = {
     # (None and a list passed as they are: the optional cache, the padding)
     "causal-pad-reflect-too-wide": ("_causal_pad_cuda", [(1, 4, 3, 2, 5), None, [1, 1, 2, 2, 1, 1], True, True, True],
                                     "below the size of its dimension"),
+    "conv-bias-residual-x-layout": ("_conv_bias_residual_contiguous_cuda", [(1, 16, 3, 4, 5), (16,), (1, 16, 3, 4, 5)],
+                                    "x must be a channels-last CUDA"),
+    # (x of one position: contiguous and channels-last at once)
+    "conv-bias-residual-shape": ("_conv_bias_residual_contiguous_cuda", [(1, 16, 1, 1, 1), (16,), (1, 8, 1, 1, 1)],
+                                 "residual must be a contiguous tensor of x's sizes"),
     "causal-pad-nothing-to-repeat": ("_causal_pad_cuda", [(1, 4, 0, 2, 5), None, [0, 0, 0, 0, 2, 0], False, True,
                                                           False], "need a frame to repeat"),
 }

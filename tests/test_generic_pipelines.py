@@ -119,3 +119,29 @@ def test_generic_path_refuses_autoencoders_and_vocoders_by_module():
         with pytest.raises(UnsupportedModelError, match="autoencoder or vocoder"):
             fp.patch(model)
         assert STATE_ATTR not in model.__dict__
+
+
+@pytest.mark.parametrize("name", ["ideogram4", "krea2"])
+def test_zoo_full_size_generation_row_on_tiny_pipelines(name, emulated_kernels, tool):
+    """tools/zoo_full_size.py's ``--generation`` (what the GPU runs at full size), on the tiny pipeline on a CPU: 3
+    steps (Ideogram 4's 2-weight guidance schedule stretched to them), the output and the final latents (a modular
+    pipeline's state; Krea 2's through its step-end callback) identical patched and eager, the transformer kept after
+    its verification, and the row's sites every fused site of the patched pipeline (Ideogram 4's two transformers)."""
+    zoo_full_size = tool("zoo_full_size")
+    row = zoo_full_size.generation(name, 3, 64, 64, device="cpu", full=False)
+    row = [c.strip() for c in row.strip("| ").split(" | ")]
+    cells = dict(zip(zoo_full_size.GENERATION_COLUMNS, row))
+    assert cells["model"] == name and cells["steps"] == "3" and cells["size"] == "64x64", row
+    identical = cells["bit-identical (md5: output, latents)"]
+    assert identical.startswith("yes (`") and "`-`" not in identical, row  # the latents compared too
+    assert cells["1st patched call (verifying)"].startswith("kept"), row
+    pipe, _ = PIPELINES[name]()
+    fp.patch(pipe)
+    try:
+        patched = [comp for comp in _modules(pipe).values() if STATE_ATTR in comp.__dict__]
+        sites = [s for comp in patched for m in comp.modules() for _, s in sites_of(m)]
+    finally:
+        fp.unpatch(pipe)
+    assert len(patched) == (3 if name == "ideogram4" else 2), patched  # the transformer(s) and the VAE
+    assert cells["sites"].startswith(f"{len(sites)} ("), (row, len(sites))
+    assert int(cells["fast calls"]) > 0, row

@@ -390,17 +390,6 @@ def test_ideogram4_full_size_llm_norm_matches_eager_bitwise_on_the_gpu(nvrtc_ker
     assert RMSNORM.disabled is None
 
 
-def _probe():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "wide_rmsnorm_probe.py"
-    spec = importlib.util.spec_from_file_location("_wide_rmsnorm_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _wide_kernel_sum(row) -> float:
     """csrc/rmsnorm_scale_shift.cu's rmsnorm_wide_kernel, transcribed thread by thread in float32 scalars: thread
     t = lane + 32 y adds quads t, t + 512, ... into four accumulators, ((a_0 + a_1) + a_2) + a_3, the shuffle-down
@@ -424,11 +413,11 @@ def _wide_kernel_sum(row) -> float:
     return float(shuffle_down(warps, (8, 4, 2, 1)))
 
 
-def test_probe_emulates_the_wide_kernels_order_and_tells_the_orders_apart():
+def test_probe_emulates_the_wide_kernels_order_and_tells_the_orders_apart(tool):
     """tools/wide_rmsnorm_probe.py's emulation of the ``xy`` order (a warp's shuffle, then the warps' tree) is the
     wide kernel's arithmetic, transcribed thread by thread; the ``yx`` order (the warps' tree lane by lane first) and
     the ascending shuffle give other sums on such rows, so the probe's row counts can tell which order aten takes."""
-    probe = _probe()
+    probe = tool("wide_rmsnorm_probe")
     gen = torch.Generator().manual_seed(8)
     x = (torch.randn(3, 8196, generator=gen) * torch.exp(torch.randn(3, 8196, generator=gen))).to(torch.bfloat16)
     sq = x.float().pow(2)

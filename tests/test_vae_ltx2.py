@@ -5,8 +5,11 @@ and state dicts, hooks on a paired norm, a replaced ``PerChannelRMSNorm.forward`
 chains (`ltx_norm_conv`, models/vae_ltx2_chain.py): the statements joined, one site per joined convolution, their
 refusals exact (hooks, a dropout in training mode or replaced, a kernel one bit off); ``conv1``'s result handed to
 ``norm2``'s chain without its bias (`ltx_bias_norm_conv`): the rewrite, its sites, the decode reaching it, its
-refusals. The norm op's own tests are in test_per_channel_rmsnorm.py, the bias chain's kernel in
-test_ltx_bias_norm_conv.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
+refusals; ``conv2``'s result handed to the resnet's residual add (`conv_bias_residual`): the rewrite (the add a
+receiver, the operands' order kept), the site on each resnet, the third decode reaching it, its refusals (a residual
+the kernel does not take, a shortcut resnet's, a kernel one bit off or failing). The norm op's own tests are in
+test_per_channel_rmsnorm.py, the bias chain's kernel in test_ltx_bias_norm_conv.py, the residual add's in
+test_conv_bias_residual.py; the full-size decode and the chain op at the decoder's shapes on the GPU at the end."""
 
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2 import LTX2VideoResnetBlo
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.bench.levels.vae import VAE_MODELS
-from diffusers_fastpath.models import vae_ltx2, vae_ltx2_chain
+from diffusers_fastpath.models import vae_ltx, vae_ltx2, vae_ltx2_chain
 from diffusers_fastpath.models.vae_ltx2_norm import FastpathPerChannelRMSNorm
+from diffusers_fastpath.ops.causal_conv_cl import PendingBias
 from diffusers_fastpath.testing._common import randomize_
 from diffusers_fastpath.testing.checks import ltx_vae_sites, state_dict_round_trip
 
@@ -34,6 +38,15 @@ CONFIGS = {"published": _TINY, "conditioned": {**_TINY, "timestep_conditioning":
 def _build(kind: str = "published", dtype=torch.bfloat16, seed=0):
     """A tiny VAE with random weights (every convolution and the timestep tables drawn: `randomize_`)."""
     return randomize_(AutoencoderKLLTX2Video(**CONFIGS[kind]), seed).to(dtype).eval()
+
+
+def _patched_after_eager():
+    """A tiny VAE, its latents and their eager decode, then the VAE patched: (vae, z, ref)."""
+    vae = _build()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    fp.patch(vae)
+    return vae, z, ref
 
 
 def _latents(vae, frames=2, size=2, seed=3, batch=1, dtype=torch.bfloat16):
@@ -74,6 +87,11 @@ def _bias_sites(report) -> dict:
     return {r.site.split(":")[0]: r for r in report.sites if r.op == "ltx_bias_norm_conv"}
 
 
+def _residual_sites(report) -> dict:
+    """Per resnet (the block's path), its residual add's `conv_bias_residual` site."""
+    return {r.site.split(":")[0]: r for r in report.sites if r.op == "conv_bias_residual"}
+
+
 @torch.no_grad()
 def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(emulated_kernels, unpatch_after):
     """Every norm of the published form is paired with its SiLU (the resnets' two, each ``norm_out``); the encoder's
@@ -91,6 +109,7 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(emulated_
     assert ops["per_channel_rmsnorm_silu"] == norms and ops["ltx_causal_conv3d"] == convs and ops["conv_bias"], ops
     assert ops["ltx_norm_conv"] == norms, ops  # (every norm's pair is joined with the convolution after it)
     assert ops["ltx_bias_norm_conv"] == (norms - 2) // 2, ops  # (each resnet's conv2 receives conv1's result)
+    assert ops["conv_bias_residual"] == (norms - 2) // 2, ops  # (each resnet's add receives conv2's result)
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in ltx_vae_sites(fp.report(vae))), str(fp.report(vae))
@@ -107,6 +126,16 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(emulated_
         assert r.fallback == 0 and r.fast - before[path] == (wide and path.startswith("decoder.")), (path, str(r))
     assert any(r.fast for r in bias.values()) and any(not r.fast for r in bias.values())
     assert set(_chain_calls(fp.report(vae)).values()) <= {(1, 0), (2, 0)}, str(fp.report(vae))
+    # and the third: conv2's chain, given conv1's pending result, checked by now too, leaves its own result pending
+    # where its channels make whole 16-byte vectors, and the residual add takes it (one kernel pass, no fallback)
+    before = {path: r.fast for path, r in _residual_sites(fp.report(vae)).items()}
+    assert torch.equal(_decode(vae, z), ref_dec)
+    residual = _residual_sites(fp.report(vae))
+    assert set(residual) == {path.rsplit(".", 1)[0] for path in bias}
+    for path, r in residual.items():
+        wide = vae.get_submodule(path).conv2.conv.out_channels % 8 == 0
+        assert r.fallback == 0 and r.fast - before[path] == (wide and path.startswith("decoder.")), (path, str(r))
+    assert any(r.fast for r in residual.values()) and any(not r.fast for r in residual.values())
 
 
 @torch.no_grad()
@@ -231,15 +260,18 @@ def test_the_resnet_and_decoder_forwards_join_each_pair_with_its_convolution():
     import inspect
 
     source = inspect.getsource(resnet.forward)
-    assert "norm_act_conv(self, 'norm2', 'nonlinearity', ('dropout',), 'conv2', hidden_states, causal=causal)" in source
+    assert "norm_act_conv_pending(self, 'norm2', 'nonlinearity', ('dropout',), 'conv2', hidden_states, causal=causal)" \
+        in source
     assert source.count("self.conv1(hidden_states, causal=causal)") == 1  # (the modulated branch's, as written)
 
 
 def test_the_resnet_forward_hands_conv1s_result_to_conv2s_chain():
     """The rewritten resnet forward: ``conv1``'s joined call may leave its result pending; the noise injection's
     branch and the modulated branch (which read it otherwise) settle it first; ``conv2``'s joined call, the other
-    branch's first statement, takes it. The encoder's and decoder's ``conv_out`` (read by the patchifying reshape)
-    stay plain joined calls."""
+    branch's first statement, takes it and may leave its own result pending in turn; the second noise injection's
+    branch settles that, the shortcut's statements (which do not read it) stay as they are, and the residual add
+    takes it (``pending_add``, the operands in their order). The encoder's and decoder's ``conv_out`` (read by the
+    patchifying reshape) stay plain joined calls."""
     import inspect
 
     resnet, encoder, decoder = (block.current() for block in vae_ltx2.BLOCKS)
@@ -247,26 +279,33 @@ def test_the_resnet_forward_hands_conv1s_result_to_conv2s_chain():
     ns = "_diffusers_fastpath_vae_ltx2"
     assert source.count(f"hidden_states = {ns}.norm_act_conv_pending(self, 'norm1', 'nonlinearity', (), 'conv1', "
                         "hidden_states, causal=causal)") == 1
-    assert source.count(f"hidden_states = {ns}.pending_norm_act_conv(self, 'norm2', 'nonlinearity', ('dropout',), "
-                        "'conv2', hidden_states, causal=causal)") == 1
-    assert source.count(f"hidden_states = {ns}.settled(hidden_states)") == 2
+    assert source.count(f"hidden_states = {ns}.pending_norm_act_conv_pending(self, 'norm2', 'nonlinearity', "
+                        "('dropout',), 'conv2', hidden_states, causal=causal)") == 1
+    assert source.count(f"hidden_states = {ns}.settled(hidden_states)") == 3
     lines = [line.strip() for line in source.splitlines()]
     settles = [i for i, line in enumerate(lines) if line.endswith(".settled(hidden_states)")]
     assert [lines[i - 1] for i in settles] == ["if self.per_channel_scale1 is not None:",
-                                               "if self.scale_shift_table is not None:"]
-    assert vae_ltx2_chain._joined_convs(resnet.forward, (vae_ltx2_chain.RECEIVER,)) == ("conv2",)
+                                               "if self.scale_shift_table is not None:",
+                                               "if self.per_channel_scale2 is not None:"]
+    assert lines[-2:] == [f"hidden_states = {ns}.pending_add(self, hidden_states, inputs)", "return hidden_states"]
+    assert "inputs = self.conv_shortcut(inputs)" in lines and "hidden_states + inputs" not in source
+    assert vae_ltx2_chain._joined_convs(resnet.forward, (vae_ltx2_chain.RECEIVER,)) == ()
+    assert vae_ltx2_chain._joined_convs(resnet.forward, (vae_ltx2_chain.RECEIVER_PENDING,)) == ("conv2",)
+    assert vae_ltx2_chain._adds(resnet.forward) == 1
     for block in (encoder, decoder):
         text = inspect.getsource(block.forward)
         assert "pending" not in text and "settled" not in text
 
 
-def _pending_rewrite(code: str) -> str:
-    """`vae_ltx2_chain._Pending` on the statements of `code` (joined calls written as `_Chains` makes them)."""
+def _pending_rewrite(code: str, joined: bool = True, adds: bool = True) -> str:
+    """`vae_ltx2_chain._Pending` on the statements of `code` (joined calls written as `_Chains` makes them), making
+    the receivers asked for."""
     import ast
     import textwrap
 
     body = ast.parse(textwrap.dedent(code)).body
-    return ast.unparse(ast.fix_missing_locations(ast.Module(vae_ltx2_chain._Pending("ns", body).body(body), [])))
+    rewritten = vae_ltx2_chain._Pending("ns", body, joined, adds).body(body)
+    return ast.unparse(ast.fix_missing_locations(ast.Module(rewritten, [])))
 
 
 _J1 = "x = ns.norm_act_conv(self, 'n1', 'a', (), 'c1', x, causal=c)"
@@ -282,7 +321,7 @@ def test_the_pending_rewrite_settles_every_other_reader_and_defers_nothing_it_ca
     out = _pending_rewrite(f"{_J1}\ny = 3\n{_J2}\nreturn x")
     assert out.count(pending) == 1 and out.count(receiver) == 1 and "settled" not in out
     # an if without else that reads x (settled in it), then the receiver
-    out = _pending_rewrite(f"{_J1}\nif self.a is not None:\n    x = x + 1\n{_J2}")
+    out = _pending_rewrite(f"{_J1}\nif self.a is not None:\n    x = x * 2\n{_J2}")
     assert out.splitlines()[1:3] == ["if self.a is not None:", "    x = ns.settled(x)"] and out.count(receiver) == 1
     # the receiver on one branch; the other, an elif chain that reads x, settles first
     out = _pending_rewrite(f"{_J1}\nif t:\n    {_J2}\nelif u:\n    x = f(x)\nelse:\n    y = 1\nreturn x")
@@ -307,6 +346,47 @@ def test_the_pending_rewrite_settles_every_other_reader_and_defers_nothing_it_ca
                  f"{_J1}\nys = [x for _ in r]\n{_J2}", f"global x\n{_J1}\n{_J2}"):
         out = _pending_rewrite(code)
         assert pending not in out and receiver not in out, (code, out)
+
+
+def test_the_pending_rewrite_hands_a_value_to_the_residual_add_after_it():
+    """`_Pending` with the residual add ``V = V + E`` / ``V = E + V`` (E not naming V) as a receiver: it becomes
+    ``V = ns.pending_add(self, <left>, <right>)``, the operands in their order; a joined call that receives and is
+    followed by such an add leaves its own value pending too (``pending_norm_act_conv_pending``); any other add (of V
+    to itself, of an E that reads V, an in-place ``+=``, another operator, another target) is a reader that settles."""
+    add, both = "ns.pending_add(self, ", "ns.pending_norm_act_conv_pending("
+    # conv1 -> conv2 -> add, statements between that do not name x (the resnet's shortcut)
+    out = _pending_rewrite(f"{_J1}\n{_J2}\nif s:\n    r = self.sc(r)\nx = x + r\nreturn x")
+    assert out.count("ns.norm_act_conv_pending(") == 1 and out.count(both) == 1 and "settled" not in out, out
+    assert out.splitlines()[-2:] == ["x = ns.pending_add(self, x, r)", "return x"], out
+    # the residual on the left: its order kept
+    out = _pending_rewrite(f"{_J1}\nx = self.r + x")
+    assert out.splitlines() == [_J1.replace("norm_act_conv(", "norm_act_conv_pending("),
+                                "x = ns.pending_add(self, self.r, x)"], out
+    # an if whose branch reads x first: settled there; the add after it receives what the other path left pending
+    out = _pending_rewrite(f"{_J1}\n{_J2}\nif n:\n    x = x * 2\nx = x + r")
+    assert out.count(both) == 1 and out.count("x = ns.settled(x)") == 1 and out.count(add) == 1, out
+    # an add at a branch's start receives; the other branch settles
+    out = _pending_rewrite(f"{_J1}\nif n:\n    x = x + r\nelse:\n    x = g(x)\nreturn x")
+    assert out.count(add) == 1 and out.count("x = ns.settled(x)") == 1, out
+    # not an add that receives: each is a reader, so nothing is left pending
+    for code in ("x = x + x", "x = x + f(x)", "x += r", "x = x - r", "y = x + r", "x = x + r + s", "x = (x, r)"):
+        out = _pending_rewrite(f"{_J1}\n{code}")
+        assert "pending" not in out and "settled" not in out, (code, out)
+
+
+def test_the_pending_rewrite_makes_only_the_receivers_its_calls_have_an_op_for():
+    """`_Pending` for a `ChainPairCalls` without a bias op (``joined`` False: a joined call is a reader, settled
+    before) or without a residual op (``adds`` False: the add is a reader, as written); LTX-2's has both (the
+    resnet's ``conv1 -> conv2 -> add``), LTX-Video's neither (`_Pending` not run)."""
+    code = f"{_J1}\n{_J2}\nx = x + r\nreturn x"
+    assert _pending_rewrite(code, joined=False).splitlines() == [
+        _J1, _J2.replace("norm_act_conv(", "norm_act_conv_pending("), "x = ns.pending_add(self, x, r)", "return x"]
+    assert _pending_rewrite(code, adds=False).splitlines() == [
+        _J1.replace("norm_act_conv(", "norm_act_conv_pending("), _J2.replace("norm_act_conv(", "pending_norm_act_conv("),
+        "x = x + r", "return x"]
+    ltx2, ltxv = vae_ltx2.PAIRS, vae_ltx.PAIRS
+    assert (ltx2.bias.name, ltx2.residual.name) == ("ltx_bias_norm_conv", "conv_bias_residual")
+    assert ltxv.bias is None and ltxv.residual is None
 
 
 def test_a_convolution_keyword_read_from_the_chained_value_is_not_joined():
@@ -378,10 +458,7 @@ def test_a_pad_kernel_that_differs_is_caught_on_its_first_call(monkeypatch, emul
     monkeypatch.setattr(norm_conv, "_launch", _one_value_off(norm_conv._launch))
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "disabled", None)
     monkeypatch.setattr(norm_conv.LTX_NORM_CONV, "verified", set())
-    vae = _build()
-    z = _latents(vae)
-    ref = _decode(vae, z)
-    fp.patch(vae)
+    vae, z, ref = _patched_after_eager()
     try:
         assert torch.equal(_decode(vae, z), ref)
         assert "not bit-exact" in norm_conv.LTX_NORM_CONV.disabled
@@ -422,6 +499,12 @@ def test_a_decoder_that_injects_noise_settles_conv1s_result_for_it(emulated_kern
     noisy = {path for path in bias if vae.get_submodule(path.rsplit(".", 1)[0]).per_channel_scale1 is not None}
     assert noisy and all(bias[path].fast == bias[path].fallback == 0 for path in noisy), str(fp.report(vae))
     assert any(r.fast for path, r in bias.items() if path not in noisy), str(fp.report(vae))
+    # (``per_channel_scale2``'s noise reads conv2's result too: settled there, the residual add gets a tensor)
+    assert torch.equal(decode(), ref)
+    residual = _residual_sites(fp.report(vae))
+    noisy = {path for path in residual if vae.get_submodule(path).per_channel_scale2 is not None}
+    assert noisy and all(residual[path].fast == residual[path].fallback == 0 for path in noisy), str(fp.report(vae))
+    assert any(r.fast for path, r in residual.items() if path not in noisy), str(fp.report(vae))
 
 
 @torch.no_grad()
@@ -472,10 +555,7 @@ def test_a_bias_chain_kernel_that_differs_is_caught_on_its_first_call(monkeypatc
     settled and run through `ltx_norm_conv`."""
     bias_conv = importlib.import_module("diffusers_fastpath.ops.ltx_bias_norm_conv")
     monkeypatch.setattr(bias_conv, "_launch", _one_value_off(bias_conv._launch))
-    vae = _build()
-    z = _latents(vae)
-    ref = _decode(vae, z)
-    fp.patch(vae)
+    vae, z, ref = _patched_after_eager()
     try:
         assert torch.equal(_decode_twice(vae, z), ref) and torch.equal(_decode(vae, z), ref)
         assert "not bit-exact" in bias_conv.LTX_BIAS_NORM_CONV.disabled
@@ -505,6 +585,135 @@ def test_the_guard_refuses_what_the_pad_kernel_does_not_take():
                      False) == "the convolution's channels-first path"
     finally:
         fp.unpatch(vae)
+
+
+# --- the residual add reading conv2's result (`conv_bias_residual`) -------------------------------------------------
+
+
+def _decode_thrice(vae, z):
+    """Decode three times (the first checks each convolution signature, the second each chain's on conv1's pending
+    result; the third leaves conv2's results pending for the residual adds), the third's output."""
+    _decode(vae, z)
+    return _decode_twice(vae, z)
+
+
+@torch.no_grad()
+def test_residual_add_refusals_settle_and_add_as_written(emulated_kernels, unpatch_after):
+    """Given conv2's pending result, a residual the kernel does not take (here a block input laid out with H and W
+    swapped, as a user's pre-hook hands it on: eager's add keeps its own layout rules) refuses `conv_bias_residual`,
+    counted on the block's site; the value is settled and added as the statement is written, patched == unpatched. A
+    hook on conv2 (its chain refused: the tensor) leaves nothing pending and counts nothing there; removed, the add is
+    fast again."""
+    vae = _build()
+    z = _latents(vae)
+    resnet = vae.decoder.mid_block.resnets[0]
+
+    def strided(module, args, kwargs):
+        x = args[0]
+        return (x.transpose(3, 4).contiguous().transpose(3, 4), *args[1:]), kwargs
+
+    handle = resnet.register_forward_pre_hook(strided, with_kwargs=True)
+    try:
+        ref_strided = _decode(vae, z)
+    finally:
+        handle.remove()
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode_thrice(vae, z), ref)
+    site = resnet._fastpath_site_conv_bias_residual
+    fast = site.fast
+    assert fast >= 1 and site.fallback.total() == 0
+    handle = resnet.register_forward_pre_hook(strided, with_kwargs=True)
+    try:
+        assert torch.equal(_decode(vae, z), ref_strided)
+    finally:
+        handle.remove()
+    assert (site.fast, dict(site.fallback)) == (fast, {"residual not contiguous": 1}), str(site)
+    handle = resnet.conv2.register_forward_hook(lambda *args: None)
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+    assert (site.fast, site.fallback.total()) == (fast, 1)
+    assert torch.equal(_decode(vae, z), ref)
+    assert (site.fast, site.fallback.total()) == (fast + 1, 1)
+
+
+@pytest.mark.parametrize("failure", ["one value off", "raises"])
+@torch.no_grad()
+def test_a_residual_kernel_that_differs_or_fails_falls_back_exactly(failure, monkeypatch, emulated_kernels,
+                                                                   fastpath_log):
+    """One value of the kernel's output off: the first call of its signature compares with eager, returns eager's
+    result and disables the op (one warning); a kernel that raises: disabled on that call, eager's result, one
+    warning. Either way the decode stays unpatched's, each later add settled and added as written (counted)."""
+    conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
+    residual_op = importlib.import_module("diffusers_fastpath.ops.conv_bias_residual").CONV_BIAS_RESIDUAL
+    launch = conv_bias_module._residual_op
+
+    def off(raw, bias, residual):
+        out = launch(raw, bias, residual)
+        out.view(torch.int16).reshape(-1)[5] += 0x100  # (its exponent: the value x 4)
+        return out
+
+    def raises(raw, bias, residual):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(conv_bias_module, "_residual_op", off if failure == "one value off" else raises)
+    vae, z, ref = _patched_after_eager()
+    try:
+        assert torch.equal(_decode_thrice(vae, z), ref) and torch.equal(_decode(vae, z), ref)
+        assert ("not bit-exact" if failure == "one value off" else "launch failed") in residual_op.disabled
+        residual = _residual_sites(fp.report(vae))
+        assert all(r.fast == 0 for r in residual.values()), str(fp.report(vae))
+        assert any(r.fallback for r in residual.values()), str(fp.report(vae))
+    finally:
+        fp.unpatch(vae)
+    assert sum("disabling the fused op 'conv_bias_residual'" in r.getMessage() for r in fastpath_log.records) == 1
+
+
+@torch.no_grad()
+def test_a_shortcut_resnet_adds_its_shortcut_as_eager_does(emulated_kernels, unpatch_after):
+    """Resnets whose channels change (``upsample_factor`` 1 makes the up blocks' ``conv_in`` ones) add ``inputs``
+    after ``norm3`` (over the channels-last view) and ``conv_shortcut``: the shortcut's result is laid out
+    channels-last, which the kernel does not take (eager's sum follows the contiguous left operand): refused with the
+    reason, settled and added as written; patched == unpatched; the other resnets' adds fast."""
+    vae = randomize_(AutoencoderKLLTX2Video(**{**_TINY, "upsample_factor": (1, 1, 1)}), 0).to(torch.bfloat16).eval()
+    z = _latents(vae)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(_decode_thrice(vae, z), ref)
+    residual = _residual_sites(fp.report(vae))
+    shortcut = {path for path in residual if vae.get_submodule(path).conv_shortcut is not None}
+    assert shortcut and all(set(residual[path].reasons) == {"residual not contiguous"} for path in shortcut
+                            if residual[path].fallback), str(fp.report(vae))
+    assert any(residual[path].fallback for path in shortcut), str(fp.report(vae))
+    assert any(r.fast for path, r in residual.items() if path not in shortcut), str(fp.report(vae))
+
+
+def test_pending_add_keeps_the_operands_order_and_settles_where_not_taken():
+    """`ChainPairCalls.pending_add` without the block's site (a block of another patch) or with operands the kernel
+    does not take: the pending operand settled (bias_contiguous's tensor: on a CPU aten's add and copy) and the
+    statement's add, in its order (a tensor subclass's ``__add__`` or ``__radd__`` is still the one called); with
+    neither operand pending, the add as written."""
+    owner = torch.nn.Module()
+    raw = torch.randn(1, 8, 2, 3, 4).to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    bias = torch.randn(8).to(torch.bfloat16)
+    h = (raw + bias.view(1, -1, 1, 1, 1)).contiguous()  # (eager's convolution result)
+    res = torch.randn(1, 8, 2, 3, 4).to(torch.bfloat16)
+    add = vae_ltx2.PAIRS.pending_add
+    for left, right, want in ((PendingBias(raw, bias), res, h + res), (res, PendingBias(raw, bias), res + h),
+                              (h, res, h + res), (PendingBias(raw, bias), 1, h + 1)):
+        out = add(owner, left, right)
+        assert out.is_contiguous() and torch.equal(out, want)
+    calls = []
+
+    class Logged(torch.Tensor):
+        def __radd__(self, other):
+            calls.append("radd")
+            return torch.Tensor.__radd__(self, other)
+
+    out = add(owner, PendingBias(raw, bias), res.as_subclass(Logged))
+    assert calls == ["radd"] and torch.equal(out.as_subclass(torch.Tensor), h + res)
 
 
 # --- GPU: the full-size LTX-2 VAE ----------------------------------------------------------------------------------

@@ -44,6 +44,15 @@ def _graphs_notes(rows: list[dict]) -> list[str]:
     return lines + [""] if lines else []
 
 
+def _peak(row: dict) -> str:
+    """The step's peak memory: its timed calls', and its first call's where that was higher (a patched model's first
+    forward runs its verification: eager and patched, compared)."""
+    peak, first = row["peak_mem_gib"], row.get("first_peak_mem_gib")
+    if peak is not None and first is not None and first > peak + 0.005:
+        return f"{peak:.2f} (first call {first:.2f})"
+    return _fmt(peak, ".2f")
+
+
 def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
             *("| " + " | ".join(r) + " |" for r in rows)]
@@ -238,7 +247,7 @@ def markdown(result: dict[str, Any]) -> str:
                 continue
             fpath = r["fastpath"]
             body.append([r["mode"], _fmt(r["ms"], ".2f"), _fmt(r["host_ms"], ".2f"), _fmt(r["ratio"], ".3f"),
-                         _fmt(r["peak_mem_gib"], ".2f"), _fmt(r["compile_s"]), _fmt(r["bit_identical"]),
+                         _peak(r), _fmt(r["compile_s"]), _fmt(r["bit_identical"]),
                          _fmt(r["max_abs_diff"], ".3g"), _fmt(r["psnr_db"], ".1f"), f"`{r['md5'][:10]}`",
                          f"{fpath['sites']} ({fpath['fast']}/{fpath['fallback']})" if fpath else "-"])
         lines += _table(header, body) + [""]

@@ -60,7 +60,8 @@ class Samples:
 
     ms: list[float] = field(default_factory=list)
     host_ms: list[float] = field(default_factory=list)
-    peak_gib: float | None = None
+    peak_gib: float | None = None  # the timed calls' peak (allocated), the warm-ups' left out
+    first_peak_gib: float | None = None  # the mode's first call's (a patched model's verification forward runs there)
     out: Any = None  # the first timed call's output (the exactness check compares it with eager's)
     repeatable: bool = True  # every timed call gave the same output as the first
     compile_s: float | None = None

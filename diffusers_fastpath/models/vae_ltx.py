@@ -80,7 +80,7 @@ pair_unfit = silu_pair_unfit(lambda norm: type(norm) is FastpathLTXRMSNorm, "a p
 # (the pairs, each joined with the causal convolution after it, ``V = self.<conv>(V)``, where the forward's form allows:
 # `vae_ltx2_chain`, LTX-Video's form: no argument names the convolution, nothing left pending)
 PAIRS = ChainPairCalls("_diffusers_fastpath_vae_ltx", PAIR_SITE, pair_unfit, ltx_vae_rmsnorm_silu, moved=True,
-                       chain=LTX_VAE_RMSNORM_CONV, keyword=None, bias=None)
+                       chain=LTX_VAE_RMSNORM_CONV, keyword=None, bias=None, residual=None)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = tuple(

@@ -17,7 +17,9 @@
 - The norm -> SiLU pairs joined with the causal convolution after them (`diffusers_fastpath.models.vae_ltx2_chain`:
   `diffusers_fastpath.ops.ltx_norm_conv`, the norm written as the convolution's padded channels-last input); and in
   each resnet, ``conv1``'s result handed to ``norm2``'s chain without its bias pass
-  (`diffusers_fastpath.ops.ltx_bias_norm_conv`) where the rewritten forward proves nothing else reads it.
+  (`diffusers_fastpath.ops.ltx_bias_norm_conv`) where the rewritten forward proves nothing else reads it, and
+  ``conv2``'s to the residual add ``hidden_states + inputs``, the bias, the transpose back and the add in one pass
+  (`diffusers_fastpath.ops.conv_bias_residual`, site on the resnet).
 - The convolutions' biases (`diffusers_fastpath.models.vae_conv`): every plain ``nn.Conv3d`` with a bias and zero
   padding (the shortcuts, and the encoder's causal convolutions' ``conv``, for the channels-first path) becomes
   `FastpathConv3d`.

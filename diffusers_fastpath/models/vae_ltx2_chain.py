@@ -36,6 +36,16 @@ and the second as ``pending_norm_act_conv`` where every other path between them 
 `causal_conv_cl.PendingBias` where its kernel ran and its signature was checked; the second takes it with
 `ltx_bias_norm_conv` where its convolution carries that op's site (on each convolution a receiving call names) and the
 chain fits, else settles it and runs as `norm_act_conv`.
+
+And, for LTX-2 (`ChainPairCalls.residual`), a joined call whose result goes to a residual add ``V = V + W`` (a resnet's
+``conv2``, read by ``hidden_states + inputs``; also where it received its own input pending:
+``pending_norm_act_conv_pending``) may leave it without its bias too: the add becomes ``V = <ns>.pending_add(self, V,
+W)`` (the operands in their order), which takes a `PendingBias` with `conv_bias_residual` where the block carries that
+op's site (on each block whose forward has such a call; counted there) and the add fits, else settles it and adds as
+written.
+
+LTX-Video's calls (``bias`` and ``residual`` None) leave nothing pending: `_Pending` does not run, every joined call
+returns the tensor its convolution's module would, and its resnets' residual adds stay as written.
 """
 
 from __future__ import annotations
@@ -52,12 +62,15 @@ from torch import nn
 from .._state import PatchState, site_attr
 from ..ops._policy import forward_replaced, hooks_on
 from ..ops.causal_conv_cl import PendingBias
+from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
 from .vae import PairCalls, names_in, rewrite_nested
 
-# the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it
+# the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
+# the one that does both; the residual add that takes it; the settle
 JOINED, PENDING, RECEIVER, SETTLED = "norm_act_conv", "norm_act_conv_pending", "pending_norm_act_conv", "settled"
+RECEIVER_PENDING, ADD = "pending_norm_act_conv_pending", "pending_add"
 
 
 def _between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -80,12 +93,16 @@ class ChainPairCalls(PairCalls):
     where the statement names none), its name the site on the convolution; `keyword` the argument that marks a
     convolution's statement (LTX-2's ``causal``; ``None``: the bare call that ends the run after the pair,
     LTX-Video's); `bias` the op that takes a convolution's result left pending by the chain before it (LTX-2's
-    `ltx_bias_norm_conv`; ``None``: every joined call returns the tensor, and no statement is rewritten for it)."""
+    `ltx_bias_norm_conv`; ``None``: no joined call receives one); `residual` the op that takes it in a residual add
+    (``pending_add``, its name the site on the block: LTX-2's `conv_bias_residual`; ``None``: the adds stay as
+    written). Either needs a chain op that can leave its result pending (``chain(..., causal, True)``: `ltx_norm_conv`).
+    With neither, every joined call returns the tensor and no statement is rewritten for a pending value
+    (LTX-Video's)."""
 
     def __init__(self, ns: str, site: str, unfit, fused, moved: bool = False, chain=LTX_NORM_CONV,
-                 keyword: str | None = "causal", bias=LTX_BIAS_NORM_CONV) -> None:
+                 keyword: str | None = "causal", bias=LTX_BIAS_NORM_CONV, residual=CONV_BIAS_RESIDUAL) -> None:
         super().__init__(ns, site, unfit, fused, moved)
-        self.chain, self.keyword, self.bias = chain, keyword, bias
+        self.chain, self.keyword, self.bias, self.residual = chain, keyword, bias, residual
 
     def norm_act_conv(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str,
                       x, **kwargs):
@@ -104,6 +121,38 @@ class ChainPairCalls(PairCalls):
                               conv_name: str, x, **kwargs):
         """`norm_act_conv` of x, a tensor or a `PendingBias`: for the latter `ltx_bias_norm_conv` where the
         convolution has its site and the chain fits (counted there), else x settled and `norm_act_conv`."""
+        return self._receive(owner, norm_name, act_name, between, conv_name, x, kwargs, False)
+
+    def pending_norm_act_conv_pending(self, owner: nn.Module, norm_name: str, act_name: str,
+                                      between: tuple[str, ...], conv_name: str, x, **kwargs):
+        """`pending_norm_act_conv`, its convolution's result a `PendingBias` where its op (`ltx_bias_norm_conv`, or
+        `ltx_norm_conv` on a tensor) runs and leaves it so, as `norm_act_conv_pending`'s."""
+        return self._receive(owner, norm_name, act_name, between, conv_name, x, kwargs, True)
+
+    def pending_add(self, owner: nn.Module, left, right):
+        """``left + right``, one of them a `PendingBias` or neither: for the former the `residual` op
+        (`conv_bias_residual`) where `owner` (the block) has its site and the add fits (counted there), else that value
+        settled and the add as written."""
+        if type(left) is PendingBias and type(right) is not PendingBias:
+            x, residual = left, right
+        elif type(right) is PendingBias and type(left) is not PendingBias:
+            x, residual = right, left
+        else:  # (neither: the statement as written; both, which the rewrite never makes: each settled)
+            return self.settled(left) + self.settled(right)
+        site = None if self.residual is None else owner.__dict__.get(site_attr(self.residual.name))
+        if site is not None:
+            out = self.residual.try_fast(site, x, residual)
+            if out is not None:
+                return out
+        return x.settle() + right if x is left else left + x.settle()
+
+    @staticmethod
+    def settled(x):
+        """x, or the tensor of a `PendingBias` (its bias added, contiguous: eager's)."""
+        return x.settle() if type(x) is PendingBias else x
+
+    def _receive(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str, x,
+                 kwargs, pending: bool):
         if type(x) is PendingBias:
             conv = getattr(owner, conv_name)
             site = None if self.bias is None else conv.__dict__.get(site_attr(self.bias.name))
@@ -111,18 +160,13 @@ class ChainPairCalls(PairCalls):
                 norm, act = getattr(owner, norm_name), getattr(owner, act_name)
                 reason = self._reason(owner, norm, between, kwargs)
                 if reason is None:
-                    out = self.bias.try_fast(site, norm, act, conv, x, self._causal(kwargs))
+                    out = self.bias.try_fast(site, norm, act, conv, x, self._causal(kwargs), pending)
                     if out is not None:
                         return out
                 else:
                     site.fallback[reason] += 1
             x = x.settle()
-        return self.norm_act_conv(owner, norm_name, act_name, between, conv_name, x, **kwargs)
-
-    @staticmethod
-    def settled(x):
-        """x, or the tensor of a `PendingBias` (its bias added, contiguous: eager's)."""
-        return x.settle() if type(x) is PendingBias else x
+        return self._chain(owner, norm_name, act_name, between, conv_name, x, kwargs, pending)
 
     def _reason(self, owner: nn.Module, norm: nn.Module, between: tuple[str, ...], kwargs) -> str | None:
         """Why the joined statements cannot run as one op (the norm, the arguments, the modules between), or None."""
@@ -149,7 +193,7 @@ class ChainPairCalls(PairCalls):
             norm, act = getattr(owner, norm_name), getattr(owner, act_name)
             reason = self._reason(owner, norm, between, kwargs)
             if reason is None:
-                # (a `PendingBias` asked for only where the rewrite made a pending call: `bias` given)
+                # (a `PendingBias` asked for only where the rewrite made a pending call: `bias` or `residual` given)
                 out = self.chain.try_fast(site, norm, act, conv, x, self._causal(kwargs), *((True,) if pending else ()))
                 if out is not None:
                     return out
@@ -162,7 +206,9 @@ class ChainPairCalls(PairCalls):
 
     def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         body = _Chains(self.ns, self.keyword).body(body)
-        return body if self.bias is None else _Pending(self.ns, body).body(body)
+        if self.bias is None and self.residual is None:
+            return body
+        return _Pending(self.ns, body, self.bias is not None, self.residual is not None).body(body)
 
 
 def _self_call(stmt: ast.stmt, keywords: tuple[str, ...] = ()):
@@ -304,11 +350,25 @@ def _binds(body: list[ast.stmt], var: str) -> bool:
 
 
 def _ending_calls(body: list[ast.stmt], var: str, ns: str) -> list[ast.stmt]:
-    """The joined calls binding `var` that end a path through `body` (its last statement, or its ``if``'s branches')."""
+    """The joined calls binding `var` that end a path through `body` (its last statement, or its ``if``'s branches'):
+    plain ones and receiving ones (which may leave their own result pending in turn)."""
     last = body[-1] if body else None
     if isinstance(last, ast.If):
         return _ending_calls(last.body, var, ns) + _ending_calls(last.orelse, var, ns)
-    return [last] if last is not None and _joined_var(last, ns) == var else []
+    return [last] if last is not None and var in (_joined_var(last, ns), _joined_var(last, ns, RECEIVER)) else []
+
+
+def _add_of(stmt: ast.stmt, var: str):
+    """``(left, right)`` for the residual add ``V = V + E`` or ``V = E + V`` of `var` (E an expression that does not
+    name V: evaluated where it was, it cannot read the pending value), else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == var and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Add)):
+        return None
+    left, right = stmt.value.left, stmt.value.right
+    for this, other in ((left, right), (right, left)):
+        if isinstance(this, ast.Name) and this.id == var and var not in names_in(other):
+            return left, right
+    return None
 
 
 def _blocked(body: list[ast.stmt]) -> set[str] | None:
@@ -329,27 +389,33 @@ def _blocked(body: list[ast.stmt]) -> set[str] | None:
 
 
 class _Pending:
-    """Hands a joined convolution's result on without its bias (`PendingBias`) where the next joined call reads it.
+    """Hands a joined convolution's result on without its bias (`PendingBias`) where the next joined call or a residual
+    add reads it.
 
     In a statement list that is the function's body or a branch of its ``if`` statements (not in a loop, ``try`` or
     ``with``: there a value could outlive the statements that settle it), a statement S binding V through joined calls
-    (a joined call ``V = <ns>.norm_act_conv(..., V, ...)``, or an ``if`` whose every branch ends by binding V, some
-    with such a call) is followed, going forward while V may hold the pending value, by: a joined call reading V (the
-    receiver: it becomes ``pending_norm_act_conv``, which takes a `PendingBias`); an ``if`` whose test does not name V
-    (each branch that starts with a receiver keeps it, each other branch that names V starts with ``V =
-    <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``, leaves V pending past the ``if``); a
-    statement that does not name V (left as it is); any other statement, or the list's end, gets ``V =
-    <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's joined calls that end
-    its paths become ``norm_act_conv_pending``, and the walk's settles are inserted. So every read of V after S on
-    every path is a receiver's or a settle's: the pending value is read by nothing else (no name of a nested scope,
-    no ``global`` or ``nonlocal`` name, no function that reads frames: `_blocked`), and the statements run as before
-    in the same order, the settles aside (a settle is the tensor eager's convolution returns, `PendingBias.settle`).
-    LTX-2's resnets: ``conv1``'s joined call (on the branch without the timestep modulate), the ``if`` of the noise
-    injection (off in the published configs: its branch settles), then the ``if`` of the modulate, whose branch
-    without it starts with ``conv2``'s joined call (the receiver)."""
+    (a joined call ``V = <ns>.norm_act_conv(..., V, ...)``, or one that is a receiver already, ``V =
+    <ns>.pending_norm_act_conv(...)``, or an ``if`` whose every branch ends by binding V, some with such a call) is
+    followed, going forward while V may hold the pending value, by: a receiver, a joined call reading V (where `joined`:
+    it becomes ``pending_norm_act_conv``, which takes a `PendingBias`) or a residual add ``V = V + E`` / ``V = E + V``
+    with E not naming V (where `adds`: it becomes ``V = <ns>.pending_add(self, V, E)``, the operands in their order,
+    which takes one); an ``if`` whose test does not name V (each branch that starts with a receiver keeps it, each other
+    branch that names V starts with ``V = <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``,
+    leaves V pending past the ``if``); a statement that does not name V (left as it is); any other statement, or the
+    list's end, gets ``V = <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's
+    joined calls that end its paths become ``norm_act_conv_pending`` (a receiver: ``pending_norm_act_conv_pending``),
+    and the walk's settles are inserted. So every read of V after S on every path is a receiver's or a settle's: the
+    pending value is read by nothing else (no name of a nested scope, no ``global`` or ``nonlocal`` name, no function
+    that reads frames: `_blocked`), and the statements run as before in the same order, the settles aside (a settle is
+    the tensor eager's convolution returns, `PendingBias.settle`). LTX-2's resnets: ``conv1``'s joined call (on the
+    branch without the timestep modulate), the ``if`` of the noise injection (off in the published configs: its branch
+    settles), then the ``if`` of the modulate, whose branch without it starts with ``conv2``'s joined call (the
+    receiver); that ``if`` in turn (its branches end in ``conv2``'s module call and its joined call), the second noise
+    injection's ``if`` (its branch settles), the ``if`` statements of ``norm3`` and ``conv_shortcut`` (which do not name
+    ``hidden_states``), then ``hidden_states = hidden_states + inputs`` (the receiving add)."""
 
-    def __init__(self, ns: str, body: list[ast.stmt]) -> None:
-        self.ns = ns
+    def __init__(self, ns: str, body: list[ast.stmt], joined: bool = True, adds: bool = True) -> None:
+        self.ns, self.joined, self.adds = ns, joined, adds  # (the receivers it makes: joined calls, residual adds)
         self.blocked = _blocked(body)
 
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
@@ -367,8 +433,22 @@ class _Pending:
             if calls and self._walk(body, k + 1, var, False):
                 self._walk(body, k + 1, var, True)
                 for call in calls:
-                    call.value.func.attr = PENDING
+                    call.value.func.attr = PENDING if call.value.func.attr == JOINED else RECEIVER_PENDING
         return body
+
+    def _receiver(self, stmt: ast.stmt, var: str) -> bool:
+        """Whether `stmt` may take V pending: a joined call reading it, or its residual add (each where asked)."""
+        return (self.joined and _joined_var(stmt, self.ns) == var
+                or self.adds and _add_of(stmt, var) is not None)
+
+    def _receive(self, stmt: ast.stmt, var: str) -> None:
+        """Make the receiver `stmt` take V pending: the joined call's receiving form, the add's call."""
+        add = _add_of(stmt, var)
+        if add is None:
+            stmt.value.func.attr = RECEIVER
+            return
+        stmt.value = ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr=ADD, ctx=ast.Load()),
+                              args=[ast.Name("self", ast.Load()), *add], keywords=[])
 
     def _settle(self, var: str) -> ast.stmt:
         call = ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr=SETTLED, ctx=ast.Load()),
@@ -382,17 +462,17 @@ class _Pending:
         k = start
         while k < len(body):
             stmt = body[k]
-            if _joined_var(stmt, self.ns) == var:
+            if self._receiver(stmt, var):
                 if apply:
-                    stmt.value.func.attr = RECEIVER
+                    self._receive(stmt, var)
                 return True
             if isinstance(stmt, ast.If) and var not in names_in(stmt.test):
                 through = False
                 for branch in (stmt.body, stmt.orelse):
-                    if branch and _joined_var(branch[0], self.ns) == var:
+                    if branch and self._receiver(branch[0], var):
                         found = True
                         if apply:
-                            branch[0].value.func.attr = RECEIVER
+                            self._receive(branch[0], var)
                     elif any(var in names_in(s) for s in branch):
                         if apply:
                             branch.insert(0, self._settle(var))
@@ -420,24 +500,34 @@ def _bound_var(stmt: ast.stmt) -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _joined_convs(fn, forms: tuple[str, ...] = (JOINED, PENDING, RECEIVER)) -> tuple[str, ...]:
-    """The convolutions the joined calls of the rewritten forward `fn` name (those of the call `forms` given), read
-    from its text (the rewrite's output, which `rewrite_pairs` keeps in ``linecache``)."""
+def _calls(fn) -> tuple[tuple[str, tuple], ...]:
+    """The calls ``<x>.<attr>(...)`` of the rewritten forward `fn` as ``(attr, args)``, read from its text (the
+    rewrite's output, which `rewrite_pairs` keeps in ``linecache``)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return ()
-    return tuple(node.args[4].value for node in ast.walk(tree)
-                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                 and node.func.attr in forms and len(node.args) == 6
-                 and isinstance(node.args[4], ast.Constant))
+    return tuple((node.func.attr, tuple(node.args)) for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute))
+
+
+def _joined_convs(fn, forms: tuple[str, ...] = (JOINED, PENDING, RECEIVER, RECEIVER_PENDING)) -> tuple[str, ...]:
+    """The convolutions the joined calls of the rewritten forward `fn` name (those of the call `forms` given)."""
+    return tuple(args[4].value for attr, args in _calls(fn)
+                 if attr in forms and len(args) == 6 and isinstance(args[4], ast.Constant))
+
+
+def _adds(fn) -> int:
+    """How many pending residual adds (``pending_add(self, ...)``) the rewritten forward `fn` makes."""
+    return sum(attr == ADD and len(args) == 3 for attr, args in _calls(fn))
 
 
 def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, ChainPairCalls], takes) -> None:
     """Give each convolution that a joined call of a block names (the blocks whose class is a key of `blocks`: the
     pair subclasses, each with its calls' namespace) its calls' `ChainPairCalls.chain` site, and each that a receiving
-    call names (``pending_norm_act_conv``) its `ChainPairCalls.bias` site too, where ``takes(conv)`` (a class the
-    chain op takes)."""
+    call names (``pending_norm_act_conv``, ``pending_norm_act_conv_pending``) its `ChainPairCalls.bias` site too,
+    where ``takes(conv)`` (a class the chain op takes); and each block whose forward adds a pending result
+    (``pending_add``) its `ChainPairCalls.residual` site."""
     for module in model.modules():
         calls = blocks.get(type(module))
         forward = type(module).__dict__.get("forward") if calls is not None else None
@@ -445,9 +535,12 @@ def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, Chai
             continue
         sites = [(_joined_convs(forward), calls.chain.name)]
         if calls.bias is not None:
-            sites.append((_joined_convs(forward, (RECEIVER,)), calls.bias.name))
+            sites.append((_joined_convs(forward, (RECEIVER, RECEIVER_PENDING)), calls.bias.name))
         for names, site in sites:
             for name in dict.fromkeys(names):
                 conv = getattr(module, name, None)
                 if isinstance(conv, nn.Module) and takes(conv) and site_attr(site) not in conv.__dict__:
                     state.add_site(conv, site, site)
+        residual = None if calls.residual is None else calls.residual.name
+        if residual is not None and _adds(forward) and site_attr(residual) not in module.__dict__:
+            state.add_site(module, residual, residual)

@@ -10,6 +10,7 @@ from .cat_heads import cat_heads, cat_heads_ref
 from .causal_conv_pad import causal_conv3d, causal_conv3d_ref
 from .causal_conv_cl import causal_conv3d_cl
 from .conv_bias import conv_bias, conv_bias_ref
+from .conv_bias_residual import conv_bias_residual, conv_bias_residual_ref
 from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_rmsnorm_silu, channel_rmsnorm_silu_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
@@ -62,6 +63,8 @@ __all__ = [
     "causal_conv3d_ref",
     "conv_bias",
     "conv_bias_ref",
+    "conv_bias_residual",
+    "conv_bias_residual_ref",
     "channel_rmsnorm",
     "channel_rmsnorm_ref",
     "channel_rmsnorm_silu",

@@ -102,8 +102,9 @@ class PendingBias:
     """A convolution's result whose bias is still to be added: cuDNN's channels-last output `raw` of
     `convolve_channels_last` (``[B, C, T, H, W]`` laid out channels_last_3d) and the `bias` eager adds to it. Not a
     tensor: only the code that asked for it (`diffusers_fastpath.models.vae_ltx2_chain`, which proves from the block's
-    forward that the value goes to a reader taking it, `diffusers_fastpath.ops.ltx_bias_norm_conv`, or through
-    `settle` first) ever holds it; anything else that read it would fail loudly, never read other values."""
+    forward that the value goes to a reader taking it, `diffusers_fastpath.ops.ltx_bias_norm_conv` or
+    `diffusers_fastpath.ops.conv_bias_residual`, or through `settle` first) ever holds it; anything else that read it
+    would fail loudly, never read other values."""
 
     __slots__ = ("raw", "bias")
 
@@ -130,7 +131,8 @@ def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pendi
     the transpose back in one pass), the result contiguous as eager's. Wan's causal convolutions and LTX's
     (`ltx_causal_conv`) run it. With `pending`, where it would run `bias_contiguous`, cuDNN's output and the bias as a
     `PendingBias` instead (for a reader that adds the bias itself), where the channels make whole 16-byte vectors
-    (what its reader, `ltx_bias_norm_conv`, loads); elsewhere the tensor."""
+    (what one of its readers, `ltx_bias_norm_conv`, loads; the other, `conv_bias_residual`, takes any); elsewhere the
+    tensor."""
     cudnn = torch._C._ConvBackend.Cudnn
     if _backend(conv, padded, conv.bias, padding) != cudnn or _backend(conv, padded, None, padding) != cudnn:
         # (not cuDNN for this shape: eager's convolution on eager's buffer, the same values channels-first)

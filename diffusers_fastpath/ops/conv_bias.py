@@ -150,24 +150,28 @@ _nvrtc.raw_op("_conv_bias_cuda_", "(Tensor(a!) x, Tensor bias) -> ()", _raw_guar
 _cuda_op = LazyLauncher(_nvrtc_kernel, "_conv_bias_cuda_")
 
 # csrc/conv_bias.cu's bias_contiguous_kernel (kTile 32, kTileRows 8; BiasContiguousArgs in fastpath.h): a channels-last
-# output's bias added into a new contiguous tensor, the transpose in the same pass (`diffusers_fastpath.ops.causal_conv_cl`)
-_CONTIGUOUS_ARGS = _nvrtc.Params("BiasContiguousArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("batch", "q"),
-                                 ("spatial", "q"), ("channels", "q"), ("dtype", "i"))
+# output's bias added into a new contiguous tensor, the transpose in the same pass (`diffusers_fastpath.ops.causal_conv_cl`);
+# its kResidual variant adds a contiguous residual to the rounded sum (`diffusers_fastpath.ops.conv_bias_residual`)
+_CONTIGUOUS_ARGS = _nvrtc.Params("BiasContiguousArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("residual", "P"),
+                                 ("batch", "q"), ("spatial", "q"), ("channels", "q"), ("dtype", "i"))
 _NVRTC_CONTIGUOUS = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_contiguous_kernel",
-                                  {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
+                                  {(dtype, residual): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(residual).lower()}"
+                                   for dtype in FLOAT_DTYPES for residual in (False, True)},
                                   _nvrtc.Params("bias_contiguous_kernel", ("a", _CONTIGUOUS_ARGS)))
 _TILE, _TILE_ROWS = 32, 8
 
 
-def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.numel():
         batch, channels = x.shape[:2]
         spatial = x.numel() // (batch * channels)
         grid = ((spatial + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
                 min(batch, _MAX_ROW_BLOCKS))
-        _NVRTC_CONTIGUOUS.launch(x.device.index, x.dtype, grid, (_TILE, _TILE_ROWS, 1), out.data_ptr(), x.data_ptr(),
-                                 bias.data_ptr(), batch, spatial, channels, _nvrtc.DTYPE_CODE[x.dtype])
+        _NVRTC_CONTIGUOUS.launch(x.device.index, (x.dtype, residual is not None), grid, (_TILE, _TILE_ROWS, 1),
+                                 out.data_ptr(), x.data_ptr(), bias.data_ptr(),
+                                 0 if residual is None else residual.data_ptr(), batch, spatial, channels,
+                                 _nvrtc.DTYPE_CODE[x.dtype])
     return out
 
 
@@ -181,10 +185,22 @@ def _raw_contiguous_guard(x, bias):
     return None
 
 
+def _raw_residual_guard(x, bias, residual):
+    # bindings.cpp's checks: x and bias as above; residual a contiguous tensor of x's sizes, dtype and device
+    reason = _raw_contiguous_guard(x, bias)
+    if reason is None and (residual.device != x.device or residual.shape != x.shape or residual.dtype != x.dtype
+                           or not residual.is_contiguous()):
+        reason = "residual"
+    return reason
+
+
 _nvrtc.raw_op("_conv_bias_contiguous_cuda", "(Tensor x, Tensor bias) -> Tensor", _raw_contiguous_guard,
               _nvrtc_contiguous)
+_nvrtc.raw_op("_conv_bias_residual_contiguous_cuda", "(Tensor x, Tensor bias, Tensor residual) -> Tensor",
+              _raw_residual_guard, _nvrtc_contiguous)
 
 _contiguous_op = LazyLauncher(_nvrtc_contiguous, "_conv_bias_contiguous_cuda")
+_residual_op = LazyLauncher(_nvrtc_contiguous, "_conv_bias_residual_contiguous_cuda")
 
 
 def bias_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -193,10 +209,24 @@ def bias_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor) -> torch.Ten
     return (x + bias.reshape(1, -1, *([1] * (x.dim() - 2)))).contiguous()
 
 
+def bias_residual_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                        biased=bias_contiguous_arithmetic) -> torch.Tensor:
+    """What its kResidual variant writes, in torch (the tests' emulation): eager's tensor ``biased(x, bias)`` (aten's
+    bias add, rounded to x's dtype), then aten's add of the residual (one fp32 add, rounded again)."""
+    return biased(x, bias) + residual
+
+
 def bias_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """A channels-last convolution output ``x`` with ``bias`` added, as a new contiguous tensor: aten's
     ``x.add_(bias)`` then ``.contiguous()``, in one pass (for inputs `_raw_contiguous_guard` admits)."""
     return _contiguous_op(x, bias)
+
+
+def bias_residual_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`bias_contiguous`'s tensor plus ``residual`` (contiguous, x's shape and dtype), as a new contiguous tensor:
+    aten's ``x.add_(bias)``, ``.contiguous()`` and ``+ residual``, each rounded as eager rounds it, in one pass (for
+    inputs `_raw_residual_guard` admits)."""
+    return _residual_op(x, bias, residual)
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:

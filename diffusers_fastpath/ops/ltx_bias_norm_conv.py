@@ -33,7 +33,10 @@ and the SiLU on every value of the dtype) run with it, and a mismatch disables t
 
 Who may hold a `PendingBias`: `diffusers_fastpath.models.vae_ltx2_chain` asks the first convolution for one only
 where the block's rewritten forward proves that the value reaches this op's call or ``settle`` before any other
-reader (see there); this op's refusals settle it and run `ltx_norm_conv`'s path on the tensor, as before.
+reader (see there); this op's refusals settle it and run `ltx_norm_conv`'s path on the tensor, as before. Asked
+with ``pending`` (the resnet's ``conv2``, whose result only the residual add reads), this op leaves the second
+convolution's result pending in turn, once its signature is checked (`diffusers_fastpath.ops.conv_bias_residual`
+reads it).
 
 What the guard admits (anything else: the caller settles and runs the chain as before): a `PendingBias` whose ``raw``
 is a bf16/fp16 ``[B, C, T, H, W]`` laid out channels_last_3d with C a multiple of 8 and ``bias`` a contiguous ``[C]``
@@ -66,18 +69,20 @@ _norm_conv = importlib.import_module(f"{__package__}.ltx_norm_conv")
 _VEC_BYTES = 16
 
 
-def ltx_bias_norm_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: PendingBias,
-                           causal: bool) -> torch.Tensor:
-    """The eager chain on the first convolution's tensor: `ltx_norm_conv`'s reference on ``x.settle()``."""
+def ltx_bias_norm_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: PendingBias, causal: bool,
+                           pending: bool = False) -> torch.Tensor:
+    """The eager chain on the first convolution's tensor: `ltx_norm_conv`'s reference on ``x.settle()`` (`pending`:
+    see `ltx_bias_norm_conv`; the tensor here)."""
     return _norm_conv.ltx_norm_conv_ref(norm, act, conv, x.settle(), causal)
 
 
-def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: PendingBias, causal: bool) -> torch.Tensor:
+def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: PendingBias, causal: bool,
+              pending: bool = False) -> torch.Tensor:
     """The module calls on the first convolution's tensor."""
     return _norm_conv._fallback(norm, act, conv, x.settle(), causal)
 
 
-def _guard(norm, act, conv, x, causal, check_pointers: bool = True) -> str | None:
+def _guard(norm, act, conv, x, causal, pending: bool = False, check_pointers: bool = True) -> str | None:
     """``None`` when the channels-last kernel takes these inputs, else the reason it does not (counted at the site)."""
     if type(x) is not PendingBias:
         return "x not a convolution's pending result"
@@ -119,27 +124,30 @@ def _guard(norm, act, conv, x, causal, check_pointers: bool = True) -> str | Non
     return device_reason or autograd_device_reason(raw, bias)
 
 
-def _signature(norm, act, conv, x: PendingBias, causal):
+def _signature(norm, act, conv, x: PendingBias, causal, pending: bool = False):
     """What one first-call check vouches for: the dtype, the channels, the eps and the mean's order (the kernel's
-    statistics), and the second convolution's signature (what cuDNN picks its engine by)."""
+    statistics), and the second convolution's signature (what cuDNN picks its engine by); a call asking for a
+    `PendingBias` is the same signature (as `ltx_norm_conv`'s)."""
     raw = x.raw
     order = _norm_conv._mean_order(raw)
     return (("channels-last", str(raw.dtype).removeprefix("torch."), raw.shape[1], float(norm.eps), order.rows,
              order.ctas), _conv._signature(conv, raw, causal))
 
 
-def _prove(norm, act, conv, x: PendingBias, causal) -> bool:
+def _prove(norm, act, conv, x: PendingBias, causal, pending: bool = False) -> bool:
     """The norm's proofs: r and the SiLU on every value of the dtype (the kernel shares their device functions)."""
     return _norm._prove_rms_silu(norm, x.raw)
 
 
-def _kernel(norm, act, conv, x: PendingBias, causal) -> torch.Tensor:
+def _kernel(norm, act, conv, x: PendingBias, causal, pending: bool = False):
     padding, conv_padding, reflect = _conv._plan(conv, causal)
     raw = x.raw
     order = _norm_conv._mean_order(raw)
     padded = _launch(raw, x.bias, _norm.eps_as_added(norm.eps, raw.dtype, raw.device), True, order.rows, order.ctas,
                      order.factor, padding, reflect)
-    return convolve_channels_last(conv.conv, padded, conv_padding)
+    # (a `PendingBias` only once this signature's tensor matched eager: the first call returns the tensor it checks)
+    pending = pending and _signature(norm, act, conv, x, causal) in LTX_BIAS_NORM_CONV.verified
+    return convolve_channels_last(conv.conv, padded, conv_padding, pending)
 
 
 def cl_shape(batch: int, spatial: int, channels: int, order, vec: int, sms: int):
@@ -239,11 +247,14 @@ LTX_BIAS_NORM_CONV = FusedOp("ltx_bias_norm_conv", ref=ltx_bias_norm_conv_ref, g
 
 
 def ltx_bias_norm_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: PendingBias, causal: bool = True,
-                       site: Site | None = None) -> torch.Tensor:
+                       site: Site | None = None, pending: bool = False):
     """``conv(act(norm(x.settle())), causal=causal)`` for a convolution's pending result `x` (`ltx_norm_conv` with
     ``pending``), LTX-2's VAE norm, its ``nn.SiLU`` and the causal convolution that reads them: the bias added and the
     norm computed where the kernel reads `x`'s channels-last values, written into the convolution's padded
     channels-last input (see the module doc), bit-identical to eager (checked on the first call of each signature).
+    With `pending`, where this signature was checked already, the second convolution's result is left pending in
+    turn (a `causal_conv_cl.PendingBias`, as `ltx_norm_conv` leaves it: for `conv_bias_residual`, the resnet's
+    residual add; elsewhere the tensor).
 
     Args:
         norm: the ``PerChannelRMSNorm`` (registered by the VAE adapter).
@@ -252,5 +263,6 @@ def ltx_bias_norm_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: Pend
         x: the first convolution's `causal_conv_cl.PendingBias`.
         causal: the convolution's ``causal`` argument.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
+        pending: ask for a `PendingBias` (above).
     """
-    return LTX_BIAS_NORM_CONV(site, norm, act, conv, x, causal)
+    return LTX_BIAS_NORM_CONV(site, norm, act, conv, x, causal, pending)

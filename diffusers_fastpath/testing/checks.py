@@ -40,6 +40,8 @@ def ltx_vae_sites(report) -> list:
     sites of its block (the norm -> SiLU pair's, and LTX-Video's norm-alone ``ltx_rmsnorm``), and of the two chain ops
     of one convolution the one its calls did not take (``ltx_bias_norm_conv`` where the value came as a tensor, as the
     first call of each signature of the convolution before it leaves it; ``ltx_norm_conv`` where it always came
+    pending); and less a block's ``conv_bias_residual`` site that never ran (its add's value came as a tensor: the
+    first call of each signature of the convolution before it, or a convolution whose channels leave nothing
     pending)."""
     chains = ("ltx_norm_conv", "ltx_bias_norm_conv", "ltx_vae_rmsnorm_conv")
     norms = ("per_channel_rmsnorm_silu", "ltx_vae_rmsnorm_silu", "ltx_rmsnorm")
@@ -54,7 +56,8 @@ def ltx_vae_sites(report) -> list:
         if r.op == "conv_bias":
             return path.rsplit(".", 1)[0] in fast
         return not r.fast and (r.op in ("ltx_causal_conv3d", *chains) and path in chain
-                               or r.op in norms and path.rsplit(".", 1)[0] in blocks)
+                               or r.op in norms and path.rsplit(".", 1)[0] in blocks
+                               or r.op == "conv_bias_residual")
 
     return [r for r in report.sites if not left_out(r)]
 

@@ -45,6 +45,11 @@ def _describe(value: Any) -> Any:
                                                           for n, p in value.named_parameters(recurse=False)))
     if isinstance(value, (tuple, list)):
         return tuple(_describe(v) for v in value)
+    if callable(value):  # a function the op calls (a model's row selection): by name, not by its address
+        return ("callable", getattr(value, "__qualname__", type(value).__qualname__))
+    slots = getattr(type(value), "__slots__", ())
+    if slots:  # an argument object (`ops.selected_rows`' rows): its fields, so each call's new one is not a new case
+        return ("object", type(value).__qualname__, tuple((s, _describe(getattr(value, s, None))) for s in slots))
     return ("value", repr(value)[:80])
 
 

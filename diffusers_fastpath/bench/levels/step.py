@@ -15,6 +15,9 @@ from ..timing import Clock, Samples, equal, finite, max_abs_diff, md5
 def step_once(subject: Subject, clock: Clock, samples: Samples) -> None:
     clock.reset_peak()
     clock.time(subject.step)  # warm-up: the first call after patching builds caches (rotary table, ...)
+    if samples.first_peak_gib is None:  # the first call of the mode: a patched model verifies its forward there
+        samples.first_peak_gib = clock.peak_gib()
+    clock.reset_peak()
     if clock.sensors is not None and samples.readings is None:
         samples.readings = Readings()
     out, ms, host_ms = clock.time(subject.step, samples.readings)
@@ -38,6 +41,7 @@ def step_row(mode: Mode, s: Samples, ref: Samples | None) -> dict[str, Any]:
         host_ms_all=s.host_ms,
         ratio=ms / statistics.median(ref.ms) if ref is not None else None,
         peak_mem_gib=s.peak_gib,
+        first_peak_mem_gib=s.first_peak_gib,
         compile_s=s.compile_s,
         md5=md5(s.out),
         bit_identical=equal(s.out, ref.out) if ref is not None else None,

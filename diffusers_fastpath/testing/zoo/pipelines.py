@@ -16,6 +16,15 @@ whose ``DiffusionPipeline`` cannot be built offline) gets it from its auto block
 encoder (and a prompt upsampler) removed: its embeddings enter as the denoise steps' inputs. Such a pipeline returns
 its state unless asked for a value: its call names ``output="images"``, and takes no ``return_dict``.
 
+The builders of the 2026 families (FLUX.3, Qwen-Image 2.1, Krea 2, Ideogram 4, Bria FIBO 2, LTX-2, Kandinsky 6) take
+``full=False, device="cpu"``: with ``full=True`` their transformer(s) are the published config (`zoo.build(name,
+full=True)`, random bf16 weights; Ideogram 4's unconditional one too) built straight on `device`, so a GPU holds a
+full-size model that never existed on the CPU; the rest (the tiny VAE, scheduler, guider, embeddings sized from the
+transformer's config) is built as for the tiny one, on the CPU (``pipe.to(device)`` moves it), and FLUX.3's
+reference image is 1024 px. The call keeps its tiny resolution and 2 steps: the caller sets ``height``, ``width``
+(``num_frames``) and ``num_inference_steps`` (Ideogram 4's ``guidance_schedule`` has one weight per step), as
+``tools/zoo_full_size.py --generation`` does. Called without arguments, each builds as before.
+
 Not here: QwenImage21Pipeline (its ``__init__`` tokenizes its system prompt with the Qwen3-VL processor,
 ``processor.apply_chat_template`` and ``processor.tokenizer.encode("<|image_pad|>")``, so it cannot be built without a
 tokenizer, though its ``__call__`` takes prompt embeddings) and Ideogram4Pipeline (its ``__call__`` takes no prompt
@@ -72,16 +81,20 @@ def _random(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return randomize_(module, seed).eval()
 
 
-def _transformer(name: str, **overrides) -> torch.nn.Module:
-    """`zoo.build(name)` (bf16, random), with constructor `overrides` over the tiny config where the pipeline needs
-    another variant of the class (SkyReels-V2's text-to-video models embed no fps)."""
+def _transformer(name: str, full: bool = False, device="cpu", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A builder's transformer: `zoo.build(name)` (bf16, random weights drawn from `seed`), at the published config
+    built straight on `device` where `full` (the builder's own `full` and `device`); or, tiny only, with constructor
+    `overrides` over the tiny config where the pipeline needs another variant of the class (SkyReels-V2's
+    text-to-video models embed no fps)."""
     if not overrides:
-        return build(name)
+        return build(name, device=device, seed=seed, full=full)
+    if full:
+        raise ValueError(f"{name}: constructor overrides apply to the tiny config only")
     entry = ZOO[name]
     with _construct("cpu", torch.bfloat16):
         model = entry.cls(**{**entry.tiny_config, **overrides})
     _as_loaded_(model, torch.bfloat16, keep_fp32=True)
-    return randomize_(model, 0).eval()
+    return randomize_(model, seed).eval()
 
 
 def _image(seed: int, height: int, width: int) -> torch.Tensor:
@@ -368,13 +381,13 @@ def _cogvideox():
                       guidance_scale=6.0, output_type="latent")
 
 
-def _kandinsky6():
+def _kandinsky6(full: bool = False, device="cpu"):
     # Kandinsky6TI2VAPipeline (text to video + audio): Qwen2.5-VL states and CLIP pooled ones, the audio latents
     # sampled alongside (its MMAudio VAE and vocoder are required for that even for latent output), CFG as two
     # forwards; returns (video latents, audio latents)
     from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky6TI2VAPipeline
 
-    transformer = build("kandinsky6")
+    transformer = _transformer("kandinsky6", full, device)
     cfg = transformer.config
     audio_vae, vocoder = _mmaudio(121, cfg.in_audio_dim)
     pipe = Kandinsky6TI2VAPipeline(transformer=transformer, vae=_hunyuan_video_vae(123, cfg.in_visual_dim),
@@ -388,12 +401,12 @@ def _kandinsky6():
                       num_inference_steps=_STEPS, guidance_scale=5.0, output_type="latent")
 
 
-def _ltx2():
+def _ltx2(full: bool = False, device="cpu"):
     # LTX2Pipeline (text to video + audio): stacked Gemma layer states with masks through the (random) connectors,
     # video and audio latents denoised together, CFG batched; returns (video latents, audio latents)
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
 
-    transformer = build("ltx2")
+    transformer = _transformer("ltx2", full, device)
     cfg = transformer.config
     vae, audio_vae, connectors = _ltx2_parts(141, cfg)
     pipe = LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae,
@@ -463,12 +476,12 @@ def _cogview4():
                       output_type="pt")
 
 
-def _krea2():
+def _krea2(full: bool = False, device="cpu"):
     # Krea2Pipeline: the tapped Qwen3-VL layers per token (B, L, layers, C) with boolean masks, 2x2-packed Qwen-Image
     # VAE latents, CFG as two forwards; decoded by the Qwen-Image VAE
     from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline
 
-    transformer = build("krea2")
+    transformer = _transformer("krea2", full, device)
     cfg = transformer.config
     pipe = Krea2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_qwen_vae(131, cfg.in_channels // 4),
                          text_encoder=None, tokenizer=None, transformer=transformer)
@@ -479,13 +492,13 @@ def _krea2():
                       height=64, width=64, num_inference_steps=_STEPS, guidance_scale=3.5, output_type="pt")
 
 
-def _bria_fibo2():
+def _bria_fibo2(full: bool = False, device="cpu"):
     # BriaFibo2Pipeline, an edit (the image to edit through the VAE: its tokens the transformer's clean context, with
     # the per-token noise mask): one text bundle for the Perceiver plus one per injection block (B, bundles, L, C)
     # with a boolean mask (none for the unpadded negative prompt), CFG as two forwards; the AutoencoderKLFlux2
     from diffusers import BriaFibo2Pipeline, FlowMatchEulerDiscreteScheduler
 
-    transformer = build("bria-fibo2")
+    transformer = _transformer("bria-fibo2", full, device)
     cfg = transformer.config
     pipe = BriaFibo2Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
                              vae=_flux2_vae(181, cfg.in_channels), text_encoder=None, processor=None)
@@ -496,26 +509,27 @@ def _bria_fibo2():
                       output_type="pt")
 
 
-def _flux3():
+def _flux3(full: bool = False, device="cpu"):
     # FLUX.3's modular pipeline (Flux3AutoBlocks without the prompt upsampler and text encoder steps), image to image:
-    # the reference through the VAE (its tokens run the image_cond mode blocks), stacked Qwen3-VL layer states, CFG
-    # through its guider (two forwards); 2x2-packed latents decoded by the AutoencoderKLFlux2
+    # the reference through the VAE (its tokens run the image_cond mode blocks; `full`: a 1024 px one, kept whole by the
+    # pipeline, as many tokens as a 1024 px image), stacked Qwen3-VL layer states, CFG through its guider (two
+    # forwards); 2x2-packed latents decoded by the AutoencoderKLFlux2
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
 
-    transformer = build("flux3")
+    transformer = _transformer("flux3", full, device)
     cfg = transformer.config
     pipe = _modular(Flux3AutoBlocks(), ("prompt_upsampler", "text_encoder"), transformer=transformer,
                     vae=_flux2_vae(191, cfg.in_channels // 4), scheduler=FlowMatchEulerDiscreteScheduler(),
                     guider=ClassifierFreeGuidance(guidance_scale=4.0))
-    randn = _embeds(192)
-    return pipe, dict(image=_pil(193, 64, 64), prompt_embeds=randn(1, 12, cfg.joint_attention_dim),
+    randn, side = _embeds(192), 1024 if full else 64
+    return pipe, dict(image=_pil(193, side, side), prompt_embeds=randn(1, 12, cfg.joint_attention_dim),
                       negative_prompt_embeds=randn(1, 8, cfg.joint_attention_dim), height=64, width=64,
                       num_inference_steps=_STEPS, output_type="pt", output="images")
 
 
-def _qwen_image21():
+def _qwen_image21(full: bool = False, device="cpu"):
     # Qwen-Image 2.1's modular pipeline (QwenImage21AutoBlocks without the text and VAE encoder steps), text to image:
     # Qwen3-VL states with long masks and their (here empty) vision-position masks, CFG through its guider (two
     # forwards), each branch's first forward prefilling its text KV cache ("extract") and the next reading it
@@ -524,7 +538,7 @@ def _qwen_image21():
     from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.modular_pipelines.qwenimage21 import QwenImage21AutoBlocks
 
-    transformer = build("qwen-image-21")
+    transformer = _transformer("qwen-image-21", full, device)
     cfg = transformer.config
     pipe = _modular(QwenImage21AutoBlocks(), ("text_encoder", "vae_encoder"), transformer=transformer,
                     vae=_qwen21_vae(201, cfg.in_channels), scheduler=FlowMatchEulerDiscreteScheduler(),
@@ -536,7 +550,7 @@ def _qwen_image21():
                       width=64, num_inference_steps=_STEPS, output_type="pt", output="images")
 
 
-def _ideogram4():
+def _ideogram4(full: bool = False, device="cpu"):
     # Ideogram 4's modular pipeline (Ideogram4AutoBlocks without the prompt upsampling and text encoder steps): the
     # tapped Qwen3-VL features of a left-padded prompt (float32, zero over the padding) and its length, packed by the
     # pipeline into [pad | text | image] with segment ids and indicators; asymmetric CFG over a second (unconditional)
@@ -544,10 +558,10 @@ def _ideogram4():
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.modular_pipelines.ideogram4 import Ideogram4AutoBlocks
 
-    transformer = build("ideogram4")
+    transformer = _transformer("ideogram4", full, device)
     cfg = transformer.config
     pipe = _modular(Ideogram4AutoBlocks(), ("prompt_upsample", "text_encoder"), transformer=transformer,
-                    unconditional_transformer=randomize_(build("ideogram4"), 211),
+                    unconditional_transformer=_transformer("ideogram4", full, device, seed=211),
                     vae=_flux2_vae(212, cfg.in_channels // 4), scheduler=FlowMatchEulerDiscreteScheduler())
     features = _embeds(213, torch.float32)(1, 16, cfg.llm_features_dim)
     features[:, :6] = 0  # 10 prompt tokens, left-padded to 16
@@ -594,7 +608,7 @@ def _latte():
                       num_inference_steps=_STEPS, guidance_scale=5.0, mask_feature=False, output_type="latent")
 
 
-PIPELINES: dict[str, Callable[[], tuple]] = {
+PIPELINES: dict[str, Callable[..., tuple]] = {
     "wan-vace": _wan_vace,
     "skyreels-v2": _skyreels_v2,
     "chronoedit": _chronoedit,
