@@ -1,7 +1,7 @@
 // The rotary embeddings' raw CUDA ops (rotary.cu: diffusers' pairing, LTX-Video's rows, Wan's, the QK norm and
 // the row norm before them, the rotate-half and matrix forms; Krea 2's zero-centred row norm, the row norm without
-// a rotary, alone or with its modulate), registered as torch operators in the `diffusers_fastpath` namespace (see
-// bindings.cpp).
+// a rotary, alone or with its modulate; torch.nn.RMSNorm with the modulate of rows picked through an index),
+// registered as torch operators in the `diffusers_fastpath` namespace (see bindings.cpp).
 #include "bindings_common.h"
 
 namespace diffusers_fastpath {
@@ -160,18 +160,20 @@ at::Tensor qk_norm_rows_rope_pair(const at::Tensor& q, const at::Tensor& weight_
 }
 
 // Krea 2's zero-centred row norm of x [batch, seq, C] (contiguous, 8-byte aligned, C a multiple of 4 up to 8192):
-// rotary.cu's row norm without a rotary, one block per (s, b) row, `norm_final` its mean square (kFinal*); with
-// `scale` and `shift` ([batch or 1, C] rows of x's dtype, checked by the caller), the modulate after it
-// (kNoRotaryModulate), else the norm alone (kNoRotary).
+// rotary.cu's row norm without a rotary, one block per (s, b) row, `norm_final` its mean square (kFinal*), with the
+// float32 weight (Krea 2's); with `scale` and `shift` ([batch or 1, C] rows of x's dtype, checked by the caller), the
+// modulate after it (kNoRotaryModulate), else the norm alone (kNoRotary). With `index` (an int32 [batch * seq] tensor,
+// checked by the caller), torch.nn.RMSNorm's weight of x's dtype and the modulate of `scale` and `shift` [rows, C]
+// tables read through the index (kNormModulateRows).
 at::Tensor zero_centred_launch(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps,
                                int64_t norm_final, const at::Tensor* scale = nullptr,
-                               const at::Tensor* shift = nullptr) {
+                               const at::Tensor* shift = nullptr, const at::Tensor* index = nullptr) {
   TORCH_CHECK(norm_final >= 0 && norm_final <= 2, op, ": norm_final must be 0, 1 or 2");
   TORCH_CHECK(x.size(0) <= 65535 && x.size(1) <= 0x7fffffff, op, ": at most 65535 x (2^31 - 1) rows");
   RotaryArgs args;
   args.dtype = to_dtype(x);
   const at::Tensor rows = x.view({x.size(0), x.size(1), 1, x.size(2)});
-  args.img = rotary_source(rows, rows, weight, eps, "x", /*norm_rows=*/true, /*float_weight=*/true);
+  args.img = rotary_source(rows, rows, weight, eps, "x", /*norm_rows=*/true, /*float_weight=*/index == nullptr);
   args.txt = RotarySource{nullptr, 0, 0, 0, 0, nullptr, 0.f};
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (out.numel() == 0) return out;
@@ -187,13 +189,17 @@ at::Tensor zero_centred_launch(const char* op, const at::Tensor& x, const at::Te
   args.wan = false;
   args.norm_rows = true;
   args.norm_fp32 = false;
-  args.norm_f32w = true;
+  args.norm_f32w = index == nullptr;
   args.norm_final = static_cast<int32_t>(norm_final);
   if (scale != nullptr) {
     args.mod_scale = scale->data_ptr();
     args.mod_shift = shift->data_ptr();
-    args.mod_scale_stride_b = scale->size(0) == 1 ? 0 : scale->stride(0);
-    args.mod_shift_stride_b = shift->size(0) == 1 ? 0 : shift->stride(0);
+    args.mod_scale_stride_b = scale->size(0) == 1 && index == nullptr ? 0 : scale->stride(0);
+    args.mod_shift_stride_b = shift->size(0) == 1 && index == nullptr ? 0 : shift->stride(0);
+  }
+  if (index != nullptr) {
+    args.mod_index = index->data_ptr<int32_t>();
+    args.mod_table_rows = scale->size(0);
   }
   const cudaError_t err = launch_rotary(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
@@ -231,6 +237,33 @@ at::Tensor zero_centred_modulate(const at::Tensor& x, const at::Tensor& weight, 
                 "innermost stride, 8-byte aligned");
   }
   return zero_centred_launch("zero_centred_modulate", x, weight, eps, norm_final, &scale, &shift);
+}
+
+// torch.nn.RMSNorm(C) and the modulate of rows picked per token (rms_norm_modulate_rows: MiniMax-H3's `norm(x) * (1.0 +
+// scale.index_select(0, rows)) + shift.index_select(0, rows)`): x [batch, seq, C] as above, weight [C] of x's dtype
+// (contiguous, 8-byte aligned), scale and shift [rows, C] tables of x's dtype and of one shape (unit innermost stride,
+// rows 8-byte aligned), index int32 [batch * seq] on x's device, contiguous (its values are checked in the kernel,
+// which traps): rotary.cu's kNormModulateRows form.
+at::Tensor rms_norm_modulate_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                  const at::Tensor& shift, const at::Tensor& index, double eps, int64_t norm_final) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous() && x.size(2) % 4 == 0 && x.size(2) <= 8192 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "rms_norm_modulate_rows: x must be a contiguous, 8-byte aligned CUDA tensor [batch, seq, C] with C a "
+              "multiple of 4, at most 8192");
+  TORCH_CHECK(scale.dim() == 2 && scale.sizes() == shift.sizes() && scale.size(0) > 0 &&
+                  scale.size(0) <= 0x7fffffff && scale.size(1) == x.size(2),
+              "rms_norm_modulate_rows: scale and shift must be [rows, C] tables of one shape");
+  for (const at::Tensor* t : {&scale, &shift}) {
+    TORCH_CHECK(t->stride(1) == 1 && (t->size(0) == 1 || t->stride(0) % 4 == 0) &&
+                    t->scalar_type() == x.scalar_type() && t->device() == x.device() &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 8 == 0,
+                "rms_norm_modulate_rows: scale and shift must be tables of x's dtype and device, unit innermost "
+                "stride, rows 8-byte aligned");
+  }
+  TORCH_CHECK(index.scalar_type() == at::kInt && index.dim() == 1 && index.size(0) == x.size(0) * x.size(1) &&
+                  index.is_contiguous() && index.device() == x.device(),
+              "rms_norm_modulate_rows: index must be a contiguous int32 [batch * seq] tensor on x's device");
+  return zero_centred_launch("rms_norm_modulate_rows", x, weight, eps, norm_final, &scale, &shift, &index);
 }
 
 at::Tensor qk_norm_rope_impl(at::Tensor out, const std::optional<at::Tensor>& x_txt,
@@ -346,6 +379,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def(
       "_zero_centred_modulate_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, float eps, int norm_final) -> "
       "Tensor");
+  m.def(
+      "_rms_norm_modulate_rows_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, Tensor index, float eps, "
+      "int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def(
@@ -368,6 +404,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_qk_norm_rows_rope_pair_cuda", &diffusers_fastpath::qk_norm_rows_rope_pair);
   m.impl("_zero_centred_rmsnorm_cuda", &diffusers_fastpath::zero_centred_rmsnorm);
   m.impl("_zero_centred_modulate_cuda", &diffusers_fastpath::zero_centred_modulate);
+  m.impl("_rms_norm_modulate_rows_cuda", &diffusers_fastpath::rms_norm_modulate_rows);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);

@@ -286,6 +286,12 @@ struct RotaryArgs {
   const void* mod_shift = nullptr;
   int64_t mod_scale_stride_b = 0;
   int64_t mod_shift_stride_b = 0;
+  // With norm_rows and a weight of x's dtype (not norm_f32w), the modulate's rows picked per row of x through an
+  // index (rms_norm_modulate_rows: MiniMax-H3's `norm(x) * (1.0 + scale.index_select(0, rows)) + shift.index_select(0,
+  // rows)` after a torch.nn.RMSNorm), or null: row r of x (of batch * seq) reads row mod_index[r] of the
+  // [mod_table_rows, C] scale and shift tables, their row strides mod_*_stride_b; an index outside the tables traps.
+  const int32_t* mod_index = nullptr;
+  int64_t mod_table_rows = 0;
 };
 
 #ifndef __CUDACC_RTC__

@@ -75,6 +75,13 @@ constexpr int kNoRotary = 3;
 // eager kernels of the modulate, each rounding to T: out = round(round(y * round(1 + scale)) + shift). The row is
 // still read once and written once; the normalised rows are never stored.
 constexpr int kNoRotaryModulate = 4;
+// torch.nn.RMSNorm(C) itself (a weight of x's dtype: aten's vectorized_layer_norm_kernel<T, float, rms_norm=true>, the
+// lanes, FMA chains and halving of the row norm above, y = round(w * (rstd * x)) with w the T weight read as float)
+// and the adaLN modulate of rows picked per row of x through an index (rms_norm_modulate_rows: MiniMax-H3's
+// `norm(x) * (1.0 + s.index_select(0, rows)) + t.index_select(0, rows)`, RotaryArgs::mod_index): the norm's y rounded
+// to T, then kNoRotaryModulate's three roundings; row r of x reads row mod_index[r] of the scale and shift tables, and
+// an index outside them traps (eager's index_select device-asserts). The rows move, nothing is computed from them.
+constexpr int kNormModulateRows = 5;
 
 // The norms (a template parameter too): none, or torch.nn.RMSNorm(dim) of each head (FLUX's QK norms, kShared only).
 // torch.nn.RMSNorm(heads * dim) of the whole row (LTX-Video's and Wan's) is row_norm_rotary_kernel's, below.
@@ -364,8 +371,9 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
   __syncthreads();
 
   const int64_t row = b * a.img.seq + s;
-  if constexpr (kForm == kNoRotary || kForm == kNoRotaryModulate) {
-    // y = round(w * (rstd * x)), w the float32 weight: the whole result (kNoRotary), or the modulate's input
+  if constexpr (kForm == kNoRotary || kForm == kNoRotaryModulate || kForm == kNormModulateRows) {
+    // y = round(w * (rstd * x)), w the float32 weight (kNormModulateRows: the T weight): the whole result
+    // (kNoRotary), or the modulate's input
     const float rstd = partial[0][2];
     T* out_row = static_cast<T*>(a.out) + row * (4 * static_cast<int64_t>(vecs));
     const Quad<T>* scale_row = nullptr;
@@ -374,12 +382,28 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
       scale_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + b * a.mod_scale_stride_b);
       shift_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + b * a.mod_shift_stride_b);
     }
+    if constexpr (kForm == kNormModulateRows) {
+      const int64_t picked = a.mod_index[row];
+      if (picked < 0 || picked >= a.mod_table_rows) __trap();  // eager's index_select: index out of bounds
+      scale_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + picked * a.mod_scale_stride_b);
+      shift_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + picked * a.mod_shift_stride_b);
+    }
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
       if (v < vecs) {
-        const float4 w = reinterpret_cast<const float4*>(a.img.weight)[v];
-        const float wv[4] = {w.x, w.y, w.z, w.w};
+        float wv[4];
+        if constexpr (kForm == kNormModulateRows) {
+          const Quad<T> w = reinterpret_cast<const Quad<T>*>(a.img.weight)[v];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) wv[j] = Storage<T>::load(w.v[j]);
+        } else {
+          const float4 w = reinterpret_cast<const float4*>(a.img.weight)[v];
+          wv[0] = w.x;
+          wv[1] = w.y;
+          wv[2] = w.z;
+          wv[3] = w.w;
+        }
         Quad<T> o;
         if constexpr (kForm == kNoRotary) {
 #pragma unroll
@@ -534,6 +558,15 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
   const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
+  if (a.norm_rows && a.mod_index != nullptr) {  // torch.nn.RMSNorm with the indexed rows' modulate (kNormModulateRows)
+    if (a.norm_fp32 || a.norm_f32w || a.wan || a.txt.ptr != nullptr || a.txt.seq != 0 || a.dim % 4 != 0 ||
+        a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim || a.mod_scale == nullptr ||
+        a.mod_shift == nullptr || a.mod_table_rows <= 0 || a.mod_table_rows > 0x7fffffff) {
+      return cudaErrorInvalidValue;
+    }
+    row_norm_rotary_kernel<T, kNormModulateRows, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   if (a.norm_rows && a.norm_f32w) {  // the row norm alone with its float32 weight (kNoRotary): one source, no tables
     if (a.norm_fp32 || a.wan || a.txt.ptr != nullptr || a.txt.seq != 0 || a.dim % 4 != 0 ||
         a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim) {

@@ -189,8 +189,9 @@ def kernels_line() -> str:
     none run. Before any fused op has asked for the kernels the loader can only say "not loaded"; on a machine
     without a CUDA device they never will load, and that is said plainly instead."""
     status = _build.kernels_status()
-    if _build.unavailable is not None or _build.load_seconds is not None or torch.cuda.is_available():
+    if _build.load_seconds is not None or torch.cuda.is_available():
         return status
+    # no CUDA device: said the same way whether or not something asked the loader before (it then failed for this)
     why = "this build of torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
     return (f"no CUDA kernels run here ({why}; torch {torch.__version__}): every fused site runs diffusers' eager "
             "expression, the same numbers with no speed-up")

@@ -372,6 +372,13 @@ def emulated_kernels(monkeypatch):
                         _as_if_on_cuda(zc_modulate.ZERO_CENTRED_MODULATE.guard))
     monkeypatch.setattr(zc_modulate, "_launch", lambda x, weight, scale, shift, eps, final: (
         zc_modulate.zero_centred_modulate_arithmetic(x, weight, scale, shift, eps)))
+    # torch.nn.RMSNorm with the modulate of rows read through an index (MiniMax-H3's): its own kernel wrapper (x's
+    # [1, N, D] rows, the tables, the int32 index), the launch replaced by the CPU's rms_norm of x, then the table rows
+    # the index picks (out of range: IndexError, where the kernel traps) and the modulate's three roundings
+    rms_rows = sys.modules["diffusers_fastpath.ops.rms_norm_modulate_rows"]
+    monkeypatch.setattr(rms_rows.RMS_NORM_MODULATE_ROWS, "guard", _as_if_on_cuda(rms_rows.RMS_NORM_MODULATE_ROWS.guard))
+    monkeypatch.setattr(rms_rows, "_launch", lambda x, weight, scale, shift, index, eps, final: (
+        rms_rows.rms_norm_modulate_rows_arithmetic(x, weight, scale, shift, index, eps)))
 
     monkeypatch.setattr(rmsnorm_module.RMSNORM, "guard", _as_if_on_cuda(rmsnorm_module.RMSNORM.guard))
     monkeypatch.setattr(rmsnorm_module, "_launch", lambda x, weight, eps: _rms_norm(x, weight, eps).contiguous())

@@ -22,6 +22,7 @@ from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL, GATED_RESIDUAL_ROWS, gated_residual_rows
 from diffusers_fastpath.ops.modulate_scale_shift import (MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS,
                                                          modulate_scale_shift_rows)
+from diffusers_fastpath.ops.rms_norm_modulate_rows import RMS_NORM_MODULATE_ROWS
 from diffusers_fastpath.ops.selected_rows import IndexedRows
 from diffusers_fastpath.testing import zoo
 
@@ -161,18 +162,25 @@ def test_zoo_model_patched_equal_unpatched_rows_never_written(emulated_kernels, 
     with torch.no_grad():
         ref = _sample(model(**kwargs)).clone()
     classes = [type(m) for m in model.modules()]
-    calls = _counted(monkeypatch, MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS, GATED_RESIDUAL, GATED_RESIDUAL_ROWS)
+    calls = _counted(monkeypatch, MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS, GATED_RESIDUAL, GATED_RESIDUAL_ROWS,
+                     RMS_NORM_MODULATE_ROWS)
     fp.patch(model)
     try:
         for _ in range(2):  # verified, then trusted
             with torch.no_grad():
                 assert torch.equal(_sample(model(**kwargs)), ref)
         blocks = [m for m in model.modules() if type(m).__name__.endswith("MiniMaxH3TransformerBlock")]
-        sites = [s for b in blocks for _, s in sites_of(b) if s.op in ("modulate_scale_shift", "gated_residual")]
-        assert len(sites) == 4 * len(blocks) and all(s.fast >= 1 and not s.fallback for s in sites)
-        # the old path (the [N, D] rows written out, then the plain kernels) is gone
+        gates = [s for b in blocks for _, s in sites_of(b)]
+        assert len(gates) == 2 * len(blocks) and all(s.op == "gated_residual" for s in gates)
+        # each block's norm1 / norm2 and the output norm: the norm and the modulate of its rows as one kernel
+        norms = [s for b in blocks for n in ("norm1", "norm2") for _, s in sites_of(getattr(b, n))]
+        norms += [s for _, s in sites_of(model.norm_out.norm)]
+        assert len(norms) == 2 * len(blocks) + 1 and all(s.op == "rms_norm_modulate_rows" for s in norms)
+        assert all(s.fast >= 1 and not s.fallback for s in gates + norms), gates + norms
+        # the old paths (the [N, D] rows written out, then the plain kernels; the norm, then the rows' modulate) gone
         assert calls["modulate_scale_shift"] == 0 and calls["gated_residual"] == 0
-        assert calls["modulate_scale_shift_rows"] > 0 and calls["gated_residual_rows"] > 0
+        assert calls["modulate_scale_shift_rows"] == 0
+        assert calls["rms_norm_modulate_rows"] > 0 and calls["gated_residual_rows"] > 0
     finally:
         fp.unpatch(model)
     assert [type(m) for m in model.modules()] == classes
@@ -265,6 +273,9 @@ rows = IndexedRows(table, index)
 try:
     if which == "modulate":
         out = ops._modulate_scale_shift_rows_cuda(x, table, table, rows.index())
+    elif which == "norm":  # torch.nn.RMSNorm + the modulate of the rows (rms_norm_modulate_rows)
+        weight = torch.ones(d, device="cuda").bfloat16()
+        out = ops._rms_norm_modulate_rows_cuda(x, weight, table, table, rows.index(), 1e-6, 0)
     else:
         out = ops._gated_residual_rows_cuda(x, table, rows.index().view(1, n), x)
     torch.cuda.synchronize()
@@ -276,7 +287,7 @@ print("NO FAILURE")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("which", ["modulate", "gated"])
+@pytest.mark.parametrize("which", ["modulate", "gated", "norm"])
 @pytest.mark.parametrize("bad", [6, -1, 2 ** 33 + 1])
 def test_out_of_range_index_traps_on_the_gpu(which, bad):
     """An index outside the table fails the launch (the kernel traps, as eager's index_select device-asserts) rather

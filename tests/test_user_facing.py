@@ -170,6 +170,10 @@ def test_the_reports_first_line_says_no_kernels_run_on_a_machine_without_cuda(mo
     first = str(fp.report(model)).splitlines()[0]
     assert first.startswith("diffusers_fastpath: no CUDA kernels run here (")
     assert first.endswith("every fused site runs diffusers' eager expression, the same numbers with no speed-up")
+    # the same once something has asked the loader (it failed: no CUDA), as any CPU process's later tests do
+    monkeypatch.setattr(_build, "unavailable", "this build of torch has no CUDA. (simulated)")
+    assert str(fp.report(model)).splitlines()[0] == first
+    monkeypatch.setattr(_build, "unavailable", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine before the first fused call
     assert kernels_line() == _build.kernels_status() and "not loaded" in kernels_line()
 

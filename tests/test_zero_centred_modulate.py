@@ -22,6 +22,7 @@ from test_zero_centred_rmsnorm import _norm, _x  # (a swapped Krea 2 norm with r
 
 DTYPES = [torch.bfloat16, torch.float16]
 OP = "zero_centred_modulate"
+SITE = "norm_modulate"  # the name of the site on the norm (`_rewriter_norms.NORM_MODULATE_LATER`), its op OP
 
 
 def _rows(batch: int, dim: int, dtype, device, seed, final: bool = False):
@@ -177,9 +178,9 @@ def test_hooks_on_norm1_run_and_refuse_the_fused_call(emulated_kernels, unpatch_
         assert torch.equal(model(**kwargs)[0], ref)
     assert calls  # the hook ran, on the norm's own call
     sites = _sites(model)
-    site = sites[("transformer_blocks.0.norm1", OP)]
+    site = sites[("transformer_blocks.0.norm1", SITE)]
     assert site.fast == 0 and "FastpathKrea2RMSNorm has hooks" in site.fallback, site
-    assert sites[("transformer_blocks.0.norm2", OP)].fast > 0  # the other norms are fused still
+    assert sites[("transformer_blocks.0.norm2", SITE)].fast > 0  # the other norms are fused still
 
 
 def test_a_norm_forward_replaced_after_patching_runs_as_replaced(emulated_kernels, monkeypatch):
@@ -210,6 +211,25 @@ def test_the_form_with_a_norm_that_is_not_zero_centred_runs_the_norm_then_the_mo
     assert modulate_site.fast == 2 and not modulate_site.fallback, modulate_site
 
 
+def row_norm_launch(captured_launches, form: int, x, weight, out, eps: float, float_weight: bool):
+    """The last launch's RotaryArgs, checked as bindings_rotary.cpp's zero_centred_launch fills them for rotary.cu's row
+    norm without a rotary in `form` (kNoRotaryModulate 4, kNormModulateRows 5) over x ``[batch, seq, C]``."""
+    import importlib
+
+    rotary_mod = importlib.import_module("diffusers_fastpath.ops.rotary")  # (the package's `rotary` is a function)
+    batch, seq, dim = x.shape
+    kernel, key, grid, block, params = captured_launches[-1]
+    a = params.a
+    assert (kernel, key, grid, block) == (rotary_mod._NVRTC_ROWS, (x.dtype, form, False), (seq, batch, 1), (128, 1, 1))
+    assert out.shape == x.shape and out.is_contiguous()
+    assert (a.out, a.img.ptr, a.img.stride_b, a.img.stride_s, a.img.stride_h, a.img.seq, a.img.weight) == (
+        out.data_ptr(), x.data_ptr(), seq * dim, dim, dim, seq, weight.data_ptr())
+    assert a.img.eps == pytest.approx(eps) and not a.txt.ptr and a.txt.seq == 0 and not a.cos and not a.sin
+    assert (a.batch, a.heads, a.dim, a.norm, a.wan, a.norm_rows, a.norm_fp32, a.norm_f32w, a.norm_final) == (
+        batch, 1, dim, False, False, True, False, float_weight, 0)
+    return a
+
+
 def test_nvrtc_launcher_passes_what_bindings_rotary_cpp_passes(captured_launches):
     """The NVRTC launch, field by field, as bindings_rotary.cpp's zero_centred_launch fills RotaryArgs (the kernel's
     kNoRotaryModulate form; kNoRotary, its mod_* null, for the norm alone)."""
@@ -221,15 +241,7 @@ def test_nvrtc_launcher_passes_what_bindings_rotary_cpp_passes(captured_launches
     x, weight = _x((2, 33, 128), torch.bfloat16, "cpu", 0), torch.randn(128)
     scale, shift = _rows(2, 128, torch.bfloat16, "cpu", 1)  # [2, 1, 128] views of [2, 1, 6, 128]: batch stride 768
     out = modulate_mod._nvrtc_kernel(x, weight, scale.squeeze(1), shift.squeeze(1), 1e-5, 0)
-    kernel, key, grid, block, params = captured_launches[-1]
-    a = params.a
-    assert (kernel, key, grid, block) == (rotary_mod._NVRTC_ROWS, (torch.bfloat16, 4, False), (33, 2, 1), (128, 1, 1))
-    assert out.shape == x.shape and out.is_contiguous()
-    assert (a.out, a.img.ptr, a.img.stride_b, a.img.stride_s, a.img.stride_h, a.img.seq, a.img.weight) == (
-        out.data_ptr(), x.data_ptr(), 33 * 128, 128, 128, 33, weight.data_ptr())
-    assert a.img.eps == pytest.approx(1e-5) and not a.txt.ptr and a.txt.seq == 0 and not a.cos and not a.sin
-    assert (a.batch, a.heads, a.dim, a.norm, a.wan, a.norm_rows, a.norm_fp32, a.norm_f32w, a.norm_final) == (
-        2, 1, 128, False, False, True, False, True, 0)
+    a = row_norm_launch(captured_launches, 4, x, weight, out, 1e-5, float_weight=True)
     assert (a.mod_scale, a.mod_shift, a.mod_scale_stride_b, a.mod_shift_stride_b) == (
         scale.data_ptr(), shift.data_ptr(), 768, 768)
     modulate_mod._nvrtc_kernel(x, weight, scale[:1].squeeze(1), shift[:1].squeeze(1), 1e-5, 0)  # one row for both

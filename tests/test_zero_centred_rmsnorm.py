@@ -128,9 +128,9 @@ def test_patch_swaps_every_zero_centred_norm_and_unpatch_restores(emulated_kerne
     assert len(sites) == len(norms) and all(s.op == "zero_centred_rmsnorm" for s in sites.values()), sites
     assert not any(s.fallback for s in sites.values()), sites
     # every norm ran fused: alone, or inside its chain's kernel (the QK norms that a rotary follows: the fused norm +
-    # rotary; the pre-norms a modulate reads: `zero_centred_modulate`, with its own site on the norm)
+    # rotary; the pre-norms a modulate reads: `zero_centred_modulate`, with its own site on the norm, "norm_modulate")
     in_chain = {name for name, m in model.named_modules() if m in norms
-                for n, s in sites_of(m) if n == "zero_centred_modulate" and s.fast > 0}
+                for n, s in sites_of(m) if n == "norm_modulate" and s.op == "zero_centred_modulate" and s.fast > 0}
     assert in_chain and all(s.fast > 0 for name, s in sites.items()
                             if not name.endswith(("norm_q", "norm_k")) and name not in in_chain), sites
     fp.unpatch(model)

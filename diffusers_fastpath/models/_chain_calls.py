@@ -21,10 +21,11 @@ from ..ops.attention_bool_mask import attention_bool_mask
 from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
-from ..ops.selected_rows import IndexedRows, SelectedRows, TokenRows, index_rows, tanh_rows
+from ..ops.selected_rows import IndexedRows, SelectedRows, TokenRows, index_rows, materialized, tanh_rows
 from ..ops.rmsnorm_scale_shift import rmsnorm_gated_residual_rows, rmsnorm_scale_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, _affine_free
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS
+from ..ops.rms_norm_modulate_rows import RMS_NORM_MODULATE_ROWS
 from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
 from ._chain_qk_fp32 import is_zero_centred
 from ._qk_norms import is_diffusers_rmsnorm
@@ -490,20 +491,42 @@ class _ChainsNamespace:
     @staticmethod
     def norm_modulate_later(norm, x, scale, shift, site, modulate_site, one=1, normed_left=True):
         # ``norm(x) * (one + scale) + shift`` (`normed_left`) or ``(one + scale) * norm(x) + shift``, the norm's call
-        # after its operands are evaluated (the rewriter proved it reads the same there: `_norm_waits`): Krea 2's
-        # zero-centred norm and modulate as one kernel (`zero_centred_modulate`, counted on `site`; its guard says the
-        # rest, and it refuses a hooked norm, whose call then runs them); elsewhere the norm's call, then
-        # `modulate_rows` as the form was before (counted on `modulate_site`)
+        # after its operands are evaluated (the rewriter proved it reads the same there: `_norm_waits`,
+        # `norm_then_rows_modulate`): Krea 2's zero-centred norm and modulate as one kernel (`zero_centred_modulate`,
+        # counted on `site`; its guard says the rest, and it refuses a hooked norm, whose call then runs them), and a
+        # torch.nn.RMSNorm with rows picked through an index (MiniMax-H3's `IndexedRows`: `rms_norm_modulate_rows`,
+        # likewise); elsewhere the norm's call, then `modulate_rows` as the form was before (counted on
+        # `modulate_site`; `IndexedRows` written out after the norm's call, where eager's index_select runs)
         if _tensors(x, scale, shift) and one == 1 and type(one) in (int, float) and is_zero_centred(norm):
             if torch.compiler.is_compiling():  # (its fallback: the norm's call, then the same modulate's elements)
                 return ZERO_CENTRED_MODULATE(site, norm, x, scale, shift)
             out = ZERO_CENTRED_MODULATE.try_fast(site, norm, x, scale, shift)
             if out is not None:
                 return out
+        elif type(norm) is nn.RMSNorm and one == 1 and type(one) in (int, float) and not torch.compiler.is_compiling():
+            # (while compiling, the rows are tensors already: `index_rows`)
+            out = RMS_NORM_MODULATE_ROWS.try_fast(site, norm, x, scale, shift)
+            if out is not None:
+                return out
         normed = norm(x)
         if normed_left:
             return _ChainsNamespace.modulate_rows(normed, scale, shift, modulate_site, one, True)
+        scale, shift = materialized(scale), materialized(shift)  # (the rewriter keeps rows lazy only on the right)
         return _ChainsNamespace.modulate_rows(scale, normed, shift, modulate_site, one, False)
+
+    @staticmethod
+    def norm_modulate_picked(norm, x, scale, scale_index, shift, shift_index, site, modulate_site, one=1):
+        # ``norm(x) * (one + scale.index_select(0, scale_index)) + shift.index_select(0, shift_index)``: the rewriter's
+        # join of ``N = self.A(X)`` and the modulate of the rows the next statement picks (`norm_then_rows_modulate`,
+        # MiniMax-H3's): as `norm_modulate_later` with the rows as IndexedRows (`rms_norm_modulate_rows` reads them
+        # through the index; its fallbacks write them out after the norm's call), and while compiling the norm's call,
+        # then the two index_select and the modulate, in eager's order
+        if torch.compiler.is_compiling():
+            normed = norm(x)
+            return _ChainsNamespace.modulate_rows(normed, scale.index_select(0, scale_index),
+                                                  shift.index_select(0, shift_index), modulate_site, one, True)
+        return _ChainsNamespace.norm_modulate_later(norm, x, index_rows(scale, scale_index),
+                                                    index_rows(shift, shift_index), site, modulate_site, one, True)
 
     @staticmethod
     def norm_modulate_rows(norm, x, scale, shift, site):

@@ -16,7 +16,11 @@ whose every fallback is the model's call ``A.index_select(0, I)``, made later:
   them); the gated residual: its update a name.
 
 The call is then ``NS.modulate_rows`` as before (which takes `IndexedRows` operands) and ``NS.gated_residual_rows``
-(which takes them as it takes `SelectedRows`).
+(which takes them as it takes `SelectedRows`). The rewriter's norm + modulate pair (``N = self.A(X)`` then ``N * (1.0
++ s.index_select(0, rows)) + t.index_select(0, rows)``, `_rewriter_norms.norm_then_rows_modulate`) hands its
+``(A, I)`` pairs (`picked_rows`) to ``NS.norm_modulate_picked`` itself: its fallbacks run the norm's call and then
+write the rows out, in eager's order, and `diffusers_fastpath.ops.rms_norm_modulate_rows` reads them through the index
+instead.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import ast
 
 
-def _picked(node: ast.expr) -> tuple[ast.Name, ast.Name] | None:
+def picked_rows(node: ast.expr) -> tuple[ast.Name, ast.Name] | None:
     """``(A, I)`` where `node` is ``A.index_select(0, I)`` with ``A`` and ``I`` names and ``0`` the literal; else None."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "index_select"
             and isinstance(node.func.value, ast.Name) and len(node.args) == 2 and not node.keywords):
@@ -64,7 +68,7 @@ def lazy_index_rows(body: list[ast.stmt], namespace: str) -> int:
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):
         if _namespace_call(node, namespace, "modulate_rows", 6):
             first, second, shift, *rest = node.args
-            rows = (_picked(second), _picked(shift))
+            rows = (picked_rows(second), picked_rows(shift))
             normed_left = rest[2]
             if (None in rows or not all(_quiet(a) for a in rest)
                     or not (isinstance(normed_left, ast.Constant) and normed_left.value is True)):
@@ -73,7 +77,7 @@ def lazy_index_rows(body: list[ast.stmt], namespace: str) -> int:
             taken += 1
         elif _namespace_call(node, namespace, "gated_residual", 4):
             residual, gate, update, site = node.args
-            rows = _picked(gate)
+            rows = picked_rows(gate)
             if rows is None or not isinstance(update, ast.Name) or not _quiet(site):
                 continue
             node.func.attr = "gated_residual_rows"

@@ -61,6 +61,8 @@ from .._logging import warn_once
 from .._state import PatchState, site_attr
 from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
+from ..ops.rms_norm_modulate_rows import RMS_NORM_MODULATE_ROWS
+from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
 from ._norm_methods import FUSED as _NORM_FUSED, lazy_gates
 from ._chain_index_rows import lazy_index_rows
 from ._chain_token_rows import lazy_token_rows
@@ -170,7 +172,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         if rewriter.block and _SCALE_ROWS in (norm_methods or {}).values():
             rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS)
         if rewriter.block:
-            rewriter.found.index_rows = lazy_index_rows(body, _NS)
+            rewriter.found.index_rows += lazy_index_rows(body, _NS)  # (with the norm + modulate pairs' own)
             rewriter.found.token_rows = lazy_token_rows(body, _NS, proofs, fn.__globals__)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
@@ -558,9 +560,11 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
     for target in found.modulates:
         state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     for attr, target in found.norm_modulates:  # the norm and its modulate in one kernel where the norm is Krea 2's
-        norm = getattr(block, attr, None)
+        norm = getattr(block, attr, None)  # or torch's RMSNorm (with rows read through an index: MiniMax-H3's)
         if is_zero_centred(norm):
-            state.add_site(norm, NORM_MODULATE_LATER, NORM_MODULATE_LATER)
+            state.add_site(norm, ZERO_CENTRED_MODULATE.name, NORM_MODULATE_LATER)
+        elif type(norm) is nn.RMSNorm:
+            state.add_site(norm, RMS_NORM_MODULATE_ROWS.name, NORM_MODULATE_LATER)
         else:  # its call, then the modulate (`modulate_rows`)
             state.add_site(block, MODULATE_ONLY, f"{MODULATE_ONLY}_{target}")
     if found.gelu_cat:

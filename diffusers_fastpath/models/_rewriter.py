@@ -487,6 +487,8 @@ class _Rewriter(NormForms, AttentionPasses):
         u, h = _single_target(first), _single_target(second)
         if u is not None and self.block and (merged := self._norm_method(u, first, second)) is not None:
             return merged
+        if u is not None and self.block and isinstance(second, ast.Return):  # MiniMax-H3's output norm
+            return self.norm_then_rows_modulate(first, second)
         if u is None or h is None or not self.block:
             return None
         a, b = first.value, second.value
@@ -506,6 +508,8 @@ class _Rewriter(NormForms, AttentionPasses):
                 and modulate[0].id == u and not _uses(modulate[1], u) and not _uses(modulate[2], u)
                 and (h == u or not self.proofs.live_after(second, u))):  # N, no longer bound, read nowhere after
             return self._modulated(h, called[0], called[1], modulate[1], modulate[2], modulate[3], second, first)
+        if called is not None and modulate is None:  # ``N * (1.0 + S) + T`` and the like (MiniMax-H3's blocks)
+            return self.norm_then_rows_modulate(first, second)
         return None
 
     def gelu_cat(self, body: list[ast.stmt], function: ast.FunctionDef) -> list[ast.stmt]:

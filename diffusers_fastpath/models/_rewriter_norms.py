@@ -75,8 +75,14 @@
   (`_norm_waits`), ``norm_modulate_later(self.A, X, S, T, site, modulate_site, one, normed_left)`` instead: the norm
   and the modulate as one kernel (`diffusers_fastpath.ops.zero_centred_modulate`, self-verified) where ``self.A`` is
   a zero-centred float32 RMSNorm (`_chain_qk_fp32.is_zero_centred`) and the rows ``[B or 1, 1, D]`` of its dtype,
-  the site ``zero_centred_modulate`` on the norm; else the norm's call, then ``modulate_rows`` as above (the block's
-  site, added where the norm is not zero-centred).
+  or (`diffusers_fastpath.ops.rms_norm_modulate_rows`, self-verified) a ``torch.nn.RMSNorm`` and rows picked with
+  ``index_select`` (`_chain_index_rows`), the site ``norm_modulate`` on the norm (its op the kernel's); else the
+  norm's call, then ``modulate_rows`` as above (the block's site, added where the norm is neither).
+  The same where the norm is the statement before, ``N = self.A(X)`` directly followed by ``H = N * (1.0 + S) + T``
+  or ``return N * (1.0 + S) + T`` (MiniMax-H3's blocks and output norm; `norm_then_rows_modulate`), with ``N`` read
+  in neither ``S`` nor ``T`` and no longer bound afterwards, where no LayerNorm form took the pair; with ``S`` and
+  ``T`` ``A.index_select(0, I)`` of names, ``norm_modulate_picked(self.A, X, A, I, A2, I2, site, modulate_site,
+  one)``: the rows read through the index, or written out after the norm's call as eager writes them.
 
 """
 
@@ -85,6 +91,7 @@ from __future__ import annotations
 import ast
 import itertools
 
+from ._chain_index_rows import picked_rows
 from ._chain_proofs import like
 from ._chain_syntax import (_assigned_names, _call, _casts_back, _float_modulate_of, _indexed_modulate_of,
                             _modulate_of, _rows_modulate_of, _scale_only_of, _self_attr, _self_module_call,
@@ -92,8 +99,9 @@ from ._chain_syntax import (_assigned_names, _call, _casts_back, _float_modulate
 
 MODULATE_ONLY = "modulate_scale_shift"  # a modulate of a tensor normalised by an earlier statement
 # the named site, on the norm module, of a modulate-rows form whose norm call waits for it (`norm_modulate_later`):
-# Krea 2's zero-centred norm and modulate as one kernel
-NORM_MODULATE_LATER = "zero_centred_modulate"
+# Krea 2's zero-centred norm and modulate as one kernel (`zero_centred_modulate`), a torch.nn.RMSNorm and the modulate
+# of its index_select-picked rows (`rms_norm_modulate_rows`: MiniMax-H3's); the site's op says which
+NORM_MODULATE_LATER = "norm_modulate"
 
 
 class NormForms:
@@ -208,6 +216,55 @@ class NormForms:
         if not any(_rows_modulate_of(n) is not None for n in ast.walk(stmt)):
             return stmt
         return Modulates().visit(stmt)
+
+    def norm_then_rows_modulate(self, first: ast.stmt, second: ast.stmt) -> ast.stmt | None:
+        """``N = self.A(X)`` (`first`) directly followed by `second`, ``H = N * (1.0 + S) + T`` or ``return N * (1.0 +
+        S) + T`` (any modulate-rows form of the name ``N``: MiniMax-H3's blocks and output norm), as one statement
+        ``H = norm_modulate_later(self.A, X, S, T, ...)`` (or its ``return``); else None. The norm then runs after
+        ``S`` and ``T`` are evaluated instead of before, so, besides ``N`` being read in neither and no longer bound
+        after `second` (no handler reading it either: the merged statement never binds it): evaluating ``S`` and ``T``
+        leaves what ``self.A`` and ``X`` hold as it was, and each holds no number computed when it is evaluated
+        (`Proofs.aliases_only`: the call, which may write in place, now runs after it), or both are ``A.index_select(0,
+        I)`` of names (`_chain_index_rows.picked_rows`, with ``N`` on the left): ``norm_modulate_picked(self.A, X, A,
+        I, A2, I2, ...)`` then, whose ``index_select`` runs after the norm's call, where eager runs it (in every
+        fallback, and while compiling), or never (`diffusers_fastpath.ops.rms_norm_modulate_rows` reads the tables
+        through the index)."""
+        u = _single_target(first)
+        called = _self_module_call(first.value) if u is not None else None
+        if called is None or not isinstance(second, (ast.Assign, ast.Return)) or second.value is None:
+            return None
+        h = _single_target(second) if isinstance(second, ast.Assign) else None
+        if isinstance(second, ast.Assign) and h is None:
+            return None
+        form = _rows_modulate_of(second.value)
+        if form is None:
+            return None
+        left, right, shift, one, normed_left = form
+        normed, scale = (left, right) if normed_left else (right, left)
+        if (not (isinstance(normed, ast.Name) and normed.id == u) or _uses(scale, u) or _uses(shift, u)
+                or (h != u and self.proofs.live_after(second, u)) or self.proofs.handlers_read(second, u)):
+            return None
+        picked = (picked_rows(scale), picked_rows(shift)) if normed_left else (None, None)
+        if None in picked and not (self.proofs.aliases_only(scale) and self.proofs.aliases_only(shift)):
+            return None
+        attr, x = called
+        if not self.proofs.stays([_self_attr(attr), x], first, exprs=[scale, shift], where=second):
+            return None
+        taken = self.found.modulates + [n for _, n in self.found.norm_modulates]
+        base = h if h is not None else u
+        name = next(n for k in itertools.count(1) if (n := base if k == 1 else f"{base}_{k}") not in taken)
+        self.found.norm_modulates.append((attr, name))
+        sites = [_site_of(_self_attr(attr), NORM_MODULATE_LATER), _site_of(_self_attr(), f"{MODULATE_ONLY}_{name}")]
+        if None not in picked:  # each ``index_select`` runs where the rows are read: after the norm's call
+            self.found.index_rows += 1
+            names = [ast.Name(n.id, ast.Load()) for pair in picked for n in pair]
+            call = _call("norm_modulate_picked", [_self_attr(attr), x, *names, *sites, ast.Constant(one)])
+        else:
+            call = _call("norm_modulate_later", [_self_attr(attr), x, scale, shift, *sites, ast.Constant(one),
+                                                 ast.Constant(normed_left)])
+        if h is None:
+            return like(ast.Return(value=call), second)
+        return like(ast.Assign(targets=[ast.Name(h, ast.Store())], value=call), second)
 
     def _norm_waits(self, called: tuple[str, ast.expr], scale: ast.expr, shift: ast.expr, normed_left: bool,
                     stmt: ast.stmt) -> bool:

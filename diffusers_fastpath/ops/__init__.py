@@ -28,6 +28,7 @@ from .qk_norm_rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rows_rope, qk
                            qk_norm_rows_rope_pair_ref, qk_norm_rows_rope_ref)
 from .qk_norm_rope_fp32 import (qk_norm_rope_fp32, qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred,
                                 qk_norm_rope_zero_centred_ref)
+from .rms_norm_modulate_rows import rms_norm_modulate_rows, rms_norm_modulate_rows_ref
 from .rmsnorm import rmsnorm, rmsnorm_ref
 from .rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_ref
 from .rmsnorm_scale_shift import (
@@ -125,6 +126,8 @@ __all__ = [
     "qk_norm_rope_fp32_ref",
     "qk_norm_rope_zero_centred",
     "qk_norm_rope_zero_centred_ref",
+    "rms_norm_modulate_rows",
+    "rms_norm_modulate_rows_ref",
     "rmsnorm",
     "rmsnorm_gated_residual",
     "rmsnorm_modulate",

@@ -27,7 +27,7 @@ import torch
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .selected_rows import IndexedRows, table_rows_aligned
+from .selected_rows import IndexedRows, indexed_pair_reason, table_rows_aligned
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
 
@@ -186,16 +186,12 @@ def modulate_scale_shift_rows_ref(x: torch.Tensor, scale: IndexedRows, shift: In
 def _rows_guard(x, scale, shift, check_pointers: bool = True) -> str | None:
     if type(scale) is not IndexedRows or type(shift) is not IndexedRows:
         return "operand not a tensor"
-    reason = scale.reason(x) or shift.reason(x)
+    reason = indexed_pair_reason(scale, shift, x)
     if reason is not None:
         return reason
-    if scale.indices is not shift.indices or scale.params.shape != shift.params.shape:
-        return "rows of other indices"
     if not x.is_contiguous():
         return "x not contiguous"
     table, other = scale.params, shift.params
-    if not (table_rows_aligned(table) and table_rows_aligned(other)):
-        return "scale/shift strided"
     if scale.indices.requires_grad:
         return "requires grad"
     # the layout checks of one row of each table against x as [1, N, D] rows

@@ -109,7 +109,8 @@ _ARGS = _nvrtc.Params("RotaryArgs", ("out", "P"), ("txt", _SOURCE), ("img", _SOU
                       ("cos_stride_b", "q"), ("cos_stride_s", "q"), ("cos_stride_h", "q"), ("batch", "q"),
                       ("heads", "q"), ("dim", "q"), ("norm", "?"), ("wan", "?"), ("norm_rows", "?"), ("norm_fp32", "?"),
                       ("norm_f32w", "?"), ("dtype", "i"), ("norm_final", "i"), ("mod_scale", "P"), ("mod_shift", "P"),
-                      ("mod_scale_stride_b", "q"), ("mod_shift_stride_b", "q"))
+                      ("mod_scale_stride_b", "q"), ("mod_shift_stride_b", "q"), ("mod_index", "P"),
+                      ("mod_table_rows", "q"))
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotary_kernel",
@@ -121,12 +122,14 @@ _NVRTC = _nvrtc.Kernel(
 )
 # The row norm's kernel (qk_norm_rows_rope): one block of kRowThreads 128 per row, forms kPerHead 1 and kWan 2, and
 # the pair (kPerHead only: LTX-Video's q and k); kNoRotary 3, the norm alone with a float32 weight
-# (zero_centred_rmsnorm), and kNoRotaryModulate 4, with the modulate after it (zero_centred_modulate).
+# (zero_centred_rmsnorm), and kNoRotaryModulate 4, with the modulate after it (zero_centred_modulate); kNormModulateRows
+# 5, torch.nn.RMSNorm with the modulate of rows read through an index (rms_norm_modulate_rows).
 _NVRTC_ROWS = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::row_norm_rotary_kernel",
     {(dtype, form, pair): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}, {str(pair).lower()}"
-     for dtype in HALF_DTYPES for form, pair in ((1, False), (2, False), (1, True), (3, False), (4, False))},
+     for dtype in HALF_DTYPES
+     for form, pair in ((1, False), (2, False), (1, True), (3, False), (4, False), (5, False))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
 # The shared-table form at dim 128, with the per-head norm (FLUX's; FLUX.3's fp32 one, 2; Krea 2's, 3) or without:
@@ -142,7 +145,7 @@ _THREADS = 256
 _HEAD_THREADS = 128
 _HEAD_DIM = 128
 _NO_SOURCE = (0, 0, 0, 0, 0, 0, 0.0)
-_NO_MODULATE = (0, 0, 0, 0)  # RotaryArgs' mod_* fields: no modulate after the row norm
+_NO_MODULATE = (0, 0, 0, 0, 0, 0)  # RotaryArgs' mod_* fields: no modulate after the row norm
 
 
 def nvrtc_rotary(x_txt, weight_txt, eps_txt, x_img, weight_img, eps_img, cos, sin, norm: bool, out=None,

@@ -241,6 +241,20 @@ def materialized(rows):
     return rows.materialize() if type(rows) in (SelectedRows, IndexedRows, TokenRows) else rows
 
 
+def indexed_pair_reason(scale: IndexedRows, shift: IndexedRows, x: torch.Tensor) -> str | None:
+    """Why a modulate's `scale` and `shift` `IndexedRows` cannot be read through their index for an operand `x`
+    (`IndexedRows.reason` of each), not being of one index object over tables of one shape, or their tables' rows not
+    whole 16-byte vectors apart (`table_rows_aligned`); or ``None``."""
+    reason = scale.reason(x) or shift.reason(x)
+    if reason is not None:
+        return reason
+    if scale.indices is not shift.indices or scale.params.shape != shift.params.shape:
+        return "rows of other indices"
+    if not (table_rows_aligned(scale.params) and table_rows_aligned(shift.params)):
+        return "scale/shift strided"
+    return None
+
+
 def table_rows_aligned(table: torch.Tensor) -> bool:
     """Whether the kernels can read each row of a ``[rows, D]`` table as 16-byte vectors where its first row can be:
     unit innermost stride, and a row stride of whole 16-byte vectors (any stride where the table has one row). The

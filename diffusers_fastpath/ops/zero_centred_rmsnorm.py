@@ -44,6 +44,7 @@ from .rotary import _NO_MODULATE, _NO_SOURCE, _NVRTC_ROWS
 
 _NO_ROTARY = 3  # csrc/rotary.cu's kNoRotary form of row_norm_rotary_kernel
 _NO_ROTARY_MODULATE = 4  # ... and its kNoRotaryModulate form (`zero_centred_modulate`)
+_NORM_MODULATE_ROWS = 5  # ... its kNormModulateRows form (`rms_norm_modulate_rows`: torch.nn.RMSNorm, indexed rows)
 
 _BASES = EagerClasses()  # this package's subclasses of the zero-centred norm classes, each with its diffusers class
 # ``add_norm_class(cls, base)``: the guard takes modules of `cls`, a subclass of `base` (a class whose forward is the
@@ -92,24 +93,32 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
     return None
 
 
-# The NVRTC way: rotary.cu's row norm kernel in its kNoRotary form (kNoRotaryModulate with the modulate's rows),
-# launched as bindings_rotary.cpp's zero_centred_launch does (x as [batch, seq, 1, C], one block of aten's (32, 4)
-# threads per row, the output allocation); the guards stand for bindings_rotary.cpp's checks.
+# The NVRTC way: rotary.cu's row norm kernel in its kNoRotary form (kNoRotaryModulate with the modulate's rows;
+# kNormModulateRows with torch.nn.RMSNorm's weight and the rows' index, `rms_norm_modulate_rows`), launched as
+# bindings_rotary.cpp's zero_centred_launch does (x as [batch, seq, 1, C], one block of aten's (32, 4) threads per row,
+# the output allocation); the guards stand for bindings_rotary.cpp's checks.
 def nvrtc_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_final: int,
-                       scale: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                       index: torch.Tensor | None = None) -> torch.Tensor:
     """The norm of x's rows ``[batch, seq, C]`` (with `scale` and `shift`, ``[batch or 1, C]`` rows, the modulate
-    after it), into a new contiguous tensor."""
+    after it; with `index` too, int32 ``[batch * seq]``, a weight of x's dtype and the modulate of ``[rows, C]``
+    tables read through the index), into a new contiguous tensor."""
     batch, seq, dim = x.shape
     out = x.new_empty(x.shape)
     if out.numel() == 0:
         return out
     img = (x.data_ptr(), seq * dim, dim, dim, seq, weight.data_ptr(), eps)
-    modulate = _NO_MODULATE if scale is None else (
-        scale.data_ptr(), shift.data_ptr(), 0 if scale.shape[0] == 1 else scale.stride(0),
-        0 if shift.shape[0] == 1 else shift.stride(0))
-    _NVRTC_ROWS.launch(x.device.index, (x.dtype, _NO_ROTARY if scale is None else _NO_ROTARY_MODULATE, False),
-                       (seq, batch, 1), (ROW_THREADS, 1, 1), out.data_ptr(), *_NO_SOURCE, *img, 0, 0, 0, 0, 0, batch,
-                       1, dim, False, False, True, False, True, _nvrtc.DTYPE_CODE[x.dtype], norm_final, *modulate)
+    indexed = index is not None
+    if scale is None:
+        modulate, form = _NO_MODULATE, _NO_ROTARY
+    else:
+        modulate = (scale.data_ptr(), shift.data_ptr(), 0 if scale.shape[0] == 1 and not indexed else scale.stride(0),
+                    0 if shift.shape[0] == 1 and not indexed else shift.stride(0),
+                    index.data_ptr() if indexed else 0, scale.shape[0] if indexed else 0)
+        form = _NORM_MODULATE_ROWS if indexed else _NO_ROTARY_MODULATE
+    _NVRTC_ROWS.launch(x.device.index, (x.dtype, form, False), (seq, batch, 1), (ROW_THREADS, 1, 1), out.data_ptr(),
+                       *_NO_SOURCE, *img, 0, 0, 0, 0, 0, batch, 1, dim, False, False, True, False, not indexed,
+                       _nvrtc.DTYPE_CODE[x.dtype], norm_final, *modulate)
     return out
 
 
