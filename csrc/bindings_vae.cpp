@@ -474,6 +474,49 @@ at::Tensor per_channel_rmsnorm_pad_cl(const at::Tensor& x, double eps, bool silu
   return out;
 }
 
+// LTX-Video's VAE norm (and SiLU if `silu`) with its fp32 squares, aten's mean of them and the rsqrt in the kernel,
+// written as per_channel_rmsnorm_pad_cl writes (per_channel_rmsnorm.cu's pad kernel, kLtx; ops/ltx_vae_rmsnorm_conv.py):
+// x a bf16 / fp16 [B, C, S] as there (S = frames * height * width: `dims`), `rows` / `ctas` / `factor` aten's order
+// of the fp32 mean as the Python op derives it, `padding` and `reflect_hw` as there; `probe` 3: the fp32 mean alone,
+// [B, S]. The Python guard admits only inputs that pass these checks.
+at::Tensor ltx_rmsnorm_fused_pad_cl(const at::Tensor& x, double eps, bool silu, int64_t rows, int64_t ctas,
+                                    double factor, at::IntArrayRef dims, at::IntArrayRef padding, bool reflect_hw,
+                                    int64_t probe) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
+              "ltx_rmsnorm_fused_pad_cl: x must be a CUDA tensor [B, C, S] with unit stride along S");
+  TORCH_CHECK(dims.size() == 3 && dims[0] >= 1 && dims[1] >= 1 && dims[2] >= 1 &&
+                  dims[0] * dims[1] * dims[2] == x.size(2),
+              "ltx_rmsnorm_fused_pad_cl: dims must be x's (frames, height, width)");
+  TORCH_CHECK(probe == 0 || (probe == 3 && !silu), "ltx_rmsnorm_fused_pad_cl: probe must be 0 or 3 (without silu)");
+  const NormPadArgs pad = norm_pad_args(dims[0], dims[1], dims[2], padding, reflect_hw, rows, ctas);
+  const DType dtype = to_dtype(x);  // (bf16 / fp16 only: its check, before the output is allocated)
+  at::Tensor out = probe == 3 ? at::empty({x.size(0), x.size(2)}, x.options().dtype(at::kFloat))
+                              : norm_pad_output(x, pad);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  PerChannelRmsNormArgs args = per_channel_args(x, out, nullptr, eps, silu, probe);
+  args.dtype = dtype;
+  const cudaError_t err =
+      launch_ltx_rmsnorm_fused_pad_cl(args, pad, static_cast<int32_t>(rows), static_cast<int32_t>(ctas),
+                                      static_cast<float>(factor), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rmsnorm_fused_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// rsqrtf(m + eps) of every value of the fp32 tensor m (contiguous), as the kLtx pad kernel computes each position's
+// reciprocal (the Python op's proof); the result of m's shape.
+at::Tensor ltx_rsqrt_probe(const at::Tensor& m, double eps) {
+  TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::kFloat && m.is_contiguous(),
+              "ltx_rsqrt_probe: m must be a contiguous CUDA fp32 tensor");
+  at::Tensor out = at::empty(m.sizes(), m.options());
+  if (m.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(m.device());
+  const cudaError_t err = launch_ltx_rsqrt_probe(m.data_ptr<float>(), out.data_ptr<float>(), m.numel(),
+                                                 static_cast<float>(eps), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rsqrt_probe: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // The same padded channels-last output (per_channel_rmsnorm.cu's channels-last kernel; ops/ltx_bias_norm_conv.py) from
 // x, the channels-last result of the convolution before the norm without its bias: x a CUDA [B, C, T, H, W] tensor
 // laid out channels_last_3d, bias a contiguous [C] of its dtype, both 16-byte aligned, C a multiple of 16 bytes; each
@@ -540,6 +583,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "int[] dims, int[] padding, bool reflect_hw) -> Tensor");
   m.def("_per_channel_rmsnorm_cl_pad_cl_cuda(Tensor x, Tensor bias, float eps, bool silu, int rows, int ctas, "
         "float factor, int[] padding, bool reflect_hw) -> Tensor");
+  m.def("_ltx_rmsnorm_fused_pad_cl_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
+        "int[] dims, int[] padding, bool reflect_hw, int probe) -> Tensor");
+  m.def("_ltx_rsqrt_probe_cuda(Tensor m, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -557,4 +603,6 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
   m.impl("_per_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_pad_cl);
   m.impl("_per_channel_rmsnorm_cl_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_cl_pad_cl);
+  m.impl("_ltx_rmsnorm_fused_pad_cl_cuda", &diffusers_fastpath::ltx_rmsnorm_fused_pad_cl);
+  m.impl("_ltx_rsqrt_probe_cuda", &diffusers_fastpath::ltx_rsqrt_probe);
 }

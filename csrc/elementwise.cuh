@@ -31,6 +31,16 @@ struct SameType<A, A> {
   static constexpr bool value = true;
 };
 
+// std::conditional without <type_traits>: A where kFirst, else B.
+template <bool kFirst, typename A, typename B>
+struct Pick {
+  using type = A;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+  using type = B;
+};
+
 template <typename T>
 struct Storage;
 
@@ -87,6 +97,13 @@ __device__ __forceinline__ T ltx_rmsnorm_value(T x, float r, bool silu_after) {
   if (silu_after) y = silu(round_to<T>(y));  // eager stores the norm's T result, the SiLU reads it back
   return Storage<T>::store(y);
 }
+
+// LTX-Video's VAE norm's reciprocal of one position from its fp32 mean of squares m (eager's `torch.rsqrt(variance +
+// eps)`: two fp32 tensors, nothing rounded between them but each op's fp32 result): aten's CUDA add of the python eps
+// (the double cast to float: one IEEE add), then aten's rsqrt_kernel_cuda, `::rsqrt(v)` of a float, which is CUDA's
+// rsqrtf. A function of the one value m: per_channel_rmsnorm.cu's ltx_rsqrt_probe_kernel runs it on every fp32 bit
+// pattern for the Python op (ops/ltx_vae_rmsnorm_conv.py's proof), against torch.rsqrt(m + eps) on the device.
+__device__ __forceinline__ float ltx_rsqrt(float m, float eps) { return rsqrtf(__fadd_rn(m, eps)); }
 
 // aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu, the real types) in fp32 opmath:
 // one / (one + std::exp(-x)), CUDA's expf, an IEEE add and division (correctly rounded: nvcc's 1 / y, whatever

@@ -324,6 +324,15 @@ def emulated_kernels(monkeypatch):
                         _as_if_on_cuda(ltx_norm_conv.LTX_VAE_RMSNORM_CONV.guard))
     monkeypatch.setattr(ltx_norm_conv.LTX_VAE_RMSNORM_CONV, "prove", None)
     monkeypatch.setattr(ltx_norm_conv, "_launch", ltx_norm_conv.norm_pad_arithmetic)
+    # its fused kernel where x is dense (the order an H100's, the mean the CPU's own: eager's calls on the view)
+    monkeypatch.setattr(ltx_norm_conv, "_mean_order", lambda x: ltx_norm_conv.mean_order(x, (132, 2048)))
+
+    def ltx_fused(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw, probe):
+        view = x.reshape(*x.shape[:2], *dims).movedim(1, -1)
+        mean = view.to(torch.float32).pow(2).mean(-1).reshape(x.shape[0], -1)
+        return ltx_norm_conv.fused_pad_arithmetic(x, mean, eps, silu, dims, padding, reflect_hw)
+
+    monkeypatch.setattr(ltx_norm_conv, "_launch_fused", ltx_fused)
     # ... and reading the convolution before it channels-last, its bias not added (`ltx_bias_norm_conv`): its own code,
     # the kernel's launch its arithmetic on the first convolution's tensor as the emulated convolution above leaves it
     # (a CPU's convolution adds the bias inside: the bias and transpose pass a copy), the mean the CPU's own; its

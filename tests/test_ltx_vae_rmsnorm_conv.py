@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import struct
 import textwrap
 
 import pytest
@@ -107,9 +108,11 @@ def test_op_equals_the_modules(sliced, causal, emulated_kernels):
 
 
 def test_kernel_wrapper_hands_the_launch_what_it_takes(monkeypatch, emulated_kernels):
-    """`_kernel` gives the launch x as it is (channels apart too), aten's reciprocal as contiguous ``[B, T*H*W]`` fp32
-    rows, the convolution's time padding (causal: k - 1 frames before; non-causal: one each side) and no reflection."""
+    """Where the fused kernel does not reproduce aten's order (`mean_order`'s reason), `_kernel` gives the pair's pad
+    kernel x as it is (channels apart too), aten's reciprocal as contiguous ``[B, T*H*W]`` fp32 rows, the
+    convolution's time padding (causal: k - 1 frames before; non-causal: one each side) and no reflection."""
     seen = []
+    monkeypatch.setattr(chain, "_mean_order", lambda x: "a reason")
 
     def launch(x, r, padding, reflect_hw):
         seen.append((x.data_ptr(), x.stride(), tuple(r.shape), r.dtype, r.is_contiguous(), list(padding), reflect_hw))
@@ -180,6 +183,7 @@ def test_a_tail_proof_that_fails_disables_the_op(planted, monkeypatch, emulated_
 
     monkeypatch.setattr(chain, "_launch", launch)
     monkeypatch.setattr(OP, "prove", chain._prove)
+    _rsqrt_proof_on_a_part(monkeypatch)
     norm, act, conv = _modules()
     x = _x(shape=(1, 16, 2, 2, 8))
     site = Site(OP.name)
@@ -188,6 +192,49 @@ def test_a_tail_proof_that_fails_disables_the_op(planted, monkeypatch, emulated_
     if planted is not None:
         assert "not bit-exact" in OP.disabled and dict(site.fallback) == {REASON_DISABLED: 1}
         assert ltx_norm.LTX_VAE_RMSNORM_SILU.disabled is None and ltx_norm.LTX_RMSNORM.disabled is None
+
+
+def _rsqrt_proof_on_a_part(monkeypatch, planted=None):
+    """The reciprocal's proof on CPU: its probe the torch arithmetic (`planted`: one fp32 bit pattern off by one ulp),
+    `prove_fp32` on the bit patterns of [0.5, 2) and of the NaNs above +inf's (2^32 values take a GPU), nothing
+    proven yet."""
+    import functools
+
+    from diffusers_fastpath.ops import _unary_proof
+
+    def probe(m, eps):
+        out = chain.rsqrt_ref(eps)(m)
+        if planted is not None:
+            bits(out)[bits(m) == planted] += 1
+        return out
+
+    def part(device, probe_row, ref):
+        low, high = 0x3F000000, 0x40000000  # [0.5, 2): 1.0 and its neighbours
+        return all(_unary_proof.prove_fp32(device, probe_row, ref, start=a, stop=b, chunk=1 << 16)
+                   for a, b in ((low, high), (0x7F800000, 0x7F810000)))
+
+    monkeypatch.setattr(chain, "_launch_rsqrt", probe)
+    monkeypatch.setattr(chain, "prove_fp32", part)
+    monkeypatch.setattr(chain, "_RSQRT_PROVEN", set())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("planted", [None, 0x3F800000, 0x3F7FFFFF, 0x7F800001], ids=str)
+def test_a_reciprocal_proof_that_fails_disables_the_op(planted, monkeypatch, emulated_kernels):
+    """Where the fused kernel runs (x dense), the first call of a signature also proves its ``rsqrtf(m + eps)`` on
+    every fp32 value against eager's ``torch.rsqrt(m + eps)`` (`_prove_rsqrt`, once per device and eps): one value off
+    (1.0, the float below it, a NaN's payload) disables the op, that call's result eager's; a pass is remembered."""
+    monkeypatch.setattr(OP, "prove", chain._prove)
+    monkeypatch.setattr(chain, "tail_probe", chain.tail_ref)  # (the tail's proof passes: this test is the rsqrt's)
+    _rsqrt_proof_on_a_part(monkeypatch, planted)
+    norm, act, conv = _modules()
+    x = _x(shape=(1, 16, 2, 2, 8))
+    site = Site(OP.name)
+    assert torch.equal(chain.ltx_vae_rmsnorm_conv(norm, act, conv, x, None, site), _eager(norm, act, conv, x))
+    assert (site.fast == 1) is (planted is None), (site, OP.status)
+    assert chain._RSQRT_PROVEN == ({(x.device, 1e-8)} if planted is None else set())
+    if planted is not None:
+        assert "not bit-exact" in OP.disabled and dict(site.fallback) == {REASON_DISABLED: 1}
 
 
 def test_the_tail_probe_runs_the_kernel_on_a_row(monkeypatch):
@@ -204,6 +251,129 @@ def test_the_tail_probe_runs_the_kernel_on_a_row(monkeypatch):
     assert torch.equal(chain.tail_probe(row), F.silu(row))
     assert torch.equal(chain.tail_ref(row), F.silu(row))
     assert seen == [((1, 1, 1, 1, 65537), (1, 65537), torch.float32, True, [0] * 6, False)]
+
+
+# --- the fused kernel: aten's mean of the fp32 squares in the kernel -----------------------------------------------
+
+H100 = (132, 2048)  # (SMs, threads per SM) of an H100 / H200
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_eagers_fp32_squares_keep_xs_layout_where_x_is_dense(dtype):
+    """The premise of `mean_order`: eager's ``x.movedim(1, -1).to(float32).pow(2)`` keeps x's memory order, dense:
+    x's strides where x is dense, and where x's channels lie apart (a sliced upsampler output) dense strides in the
+    same order; either way channel-first fp32 squares (the mean reduces a dim of stride T H W over contiguous
+    positions: the iterator LTX-2's [C, S, B]). (The same `_to_copy` and iterator code runs on CUDA.)"""
+    for sliced in (False, True):
+        view = _x(dtype=dtype, sliced=sliced).movedim(1, -1)
+        squares = view.to(torch.float32).pow(2)
+        assert squares.movedim(-1, 1).is_contiguous(), sliced
+        assert squares.stride() == view.stride() or sliced
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_mean_arithmetic_is_reduce_cuh_thread_by_thread(dtype):
+    """The fused kernel's statistics with kLtx (`ltx_mean_arithmetic`, and the kernel's own units and scratch as its
+    code reads, LTX-2's emulation of it run on the fp32 squares) equal aten's reduce kernel simulated thread by thread
+    on eager's fp32 squares (nothing rounded to the dtype: squares and mean fp32), bit for bit, over configurations of
+    every kind; the plain sum gives other means."""
+    from test_per_channel_rmsnorm import ORDER_CASES, _aten_sum_thread_by_thread, _kernel_scratch_mean
+
+    pcr = chain._pcr
+    gen = torch.Generator().manual_seed(3)
+    naive_differs = 0
+    for b, c, s, limits in ORDER_CASES:
+        spread = 1.0 if dtype == torch.float16 else 3.0
+        x = (torch.randn(b, c, s, generator=gen) * torch.exp(torch.randn(b, c, s, generator=gen) * spread)).to(dtype)
+        cfg = pcr.aten_reduce_config(b, c, s, *limits)
+        order = pcr.MeanOrder(cfg.block_height if cfg.split_across_warps else 1, cfg.ctas_per_output,
+                              pcr.mean_factor(b, c, s))
+        q = x.float() * x.float()  # eager's pow(2) of the fp32 upcast: exact
+        total = _aten_sum_thread_by_thread(q, cfg)
+        want = total * torch.tensor(order.factor, dtype=torch.float32)
+        got = chain.ltx_mean_arithmetic(x, order)
+        assert got.dtype == torch.float32 and tensors_equal(got, want), (b, c, s, limits)
+        assert tensors_equal(_kernel_scratch_mean(x.float(), order), want), (b, c, s, limits)
+        naive_differs += not torch.equal(q.sum(1) * order.factor, want)
+    assert naive_differs >= len(ORDER_CASES) - 1
+
+
+def test_mean_order_at_ltx_video_shapes():
+    """aten's order of the fp32 mean at the decoder's shapes (132 SMs: 4 rows, one block per output; the factor
+    1 / C), as LTX-2's port derives it for an fp32 input, x's channels apart alike; refused with the reason: C a
+    multiple of 1024 (fp32), one channel, a CPU x without stand-in limits."""
+    pcr = chain._pcr
+    for shape in ((1, 512, 16, 16, 24), (1, 512, 31, 32, 48), (1, 256, 61, 64, 96), (1, 128, 121, 128, 192)):
+        x = torch.empty(shape, dtype=torch.bfloat16)
+        assert chain.mean_order(x, H100) == pcr.MeanOrder(4, 1, 1.0 / shape[1]), shape
+    x = torch.empty(1, 512, 17, 16, 24, dtype=torch.float16)
+    assert chain.mean_order(x[:, :, 1:], H100) == pcr.MeanOrder(4, 1, 1 / 512)  # (channels apart: the same order)
+    assert chain.mean_order(torch.empty(1, 1024, 2, 16, 24, dtype=torch.bfloat16), H100).startswith("fp32 over")
+    assert chain.mean_order(torch.empty(1, 1, 2, 16, 24, dtype=torch.bfloat16), H100).startswith("one position")
+    assert chain.mean_order(torch.empty(1, 512, 2, 16, 24, dtype=torch.bfloat16)) == "not on a CUDA device"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+def test_fused_arithmetic_is_the_padded_input_eager_convolves(causal, dtype):
+    """`fused_pad_arithmetic` (the fused kernel's documentation in code) on x ``[B, C, S]`` and eager's fp32 mean of
+    squares is, bit for bit and in layout, what eager's convolution reads (the module's padding statements of the
+    SiLU of the norm)."""
+    from test_ltx_causal_conv import _eager_buffer
+
+    norm, act, conv = _modules(causal=causal, dtype=dtype)
+    x = _x(dtype=dtype)
+    view = x.movedim(1, -1)
+    want = _eager_buffer(conv, act(RMSNorm.forward(norm, view).movedim(-1, 1)), causal)
+    mean = view.to(torch.float32).pow(2).mean(-1).reshape(x.shape[0], -1)
+    padding, _, reflect = chain._conv._plan(conv, None)
+    got = chain.fused_pad_arithmetic(x.reshape(*x.shape[:2], -1), mean, norm.eps, True, x.shape[2:], padding, reflect)
+    assert got.is_contiguous(memory_format=torch.channels_last_3d) and torch.equal(bits(got), bits(want))
+
+
+def test_kernel_wrapper_hands_the_fused_launch_what_it_takes(monkeypatch, emulated_kernels):
+    """`_kernel` runs the fused kernel alone: x as ``[B, C, S]`` (a view, channels apart too), the python eps, the
+    SiLU, aten's order (`mean_order`), x's trailing dims, the convolution's time padding, no reflection, probe 0; no
+    aten reduction, no pair kernel (their launches fail here); where no order is reproduced, the path before,
+    counted by reason."""
+    seen = []
+    emulated = chain._launch_fused
+
+    def launch(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw, probe):
+        seen.append((x.data_ptr(), tuple(x.shape), x.stride(), eps, silu, rows, ctas, factor, list(dims),
+                     list(padding), reflect_hw, probe))
+        return emulated(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw, probe)
+
+    def refused(*args):
+        raise AssertionError("the path before ran")
+
+    monkeypatch.setattr(chain, "_launch_fused", launch)
+    monkeypatch.setattr(chain, "_launch", refused)
+    for causal, padding in ((True, [0, 0, 0, 0, 2, 0]), (False, [0, 0, 0, 0, 1, 1])):
+        norm, act, conv = _modules(causal=causal)
+        for sliced in (False, True):
+            x = _x(sliced=sliced)
+            seen.clear()
+            assert torch.equal(chain._kernel(norm, act, conv, x), _eager(norm, act, conv, x))
+            assert seen == [(x.data_ptr(), (2, 16, 3 * 4 * 8), (x.stride(0), x.stride(1), 1), 1e-8, True, 1, 1,
+                             1 / 16, [3, 4, 8], padding, False, 0)]
+    monkeypatch.setattr(chain, "_launch", chain.norm_pad_arithmetic)
+    monkeypatch.setattr(chain, "_mean_order", lambda x: "a reason")
+    before = chain.MEAN_FALLBACKS["a reason"]
+    seen.clear()
+    assert torch.equal(chain._kernel(norm, act, conv, x), _eager(norm, act, conv, x)) and not seen
+    assert chain.MEAN_FALLBACKS["a reason"] == before + 1
+
+
+@torch.no_grad()
+def test_the_signature_names_the_means_order(emulated_kernels):
+    """A first-call check vouches for one order of the mean: the norm's signature, the order (channels, rows, ctas)
+    or aten's own mean, the convolution's signature."""
+    norm, act, conv = _modules()
+    dense, sliced = chain._signature(norm, act, conv, _x()), chain._signature(norm, act, conv, _x(sliced=True))
+    assert dense[:2] == (("bfloat16", "dense"), "mean of 16 in 1 x 1")
+    assert sliced[:2] == (("bfloat16", "strided"), "mean of 16 in 1 x 1")
+    assert chain._signature(norm, act, conv, _x(shape=(1, 1, 2, 4, 8)))[1] == "aten's mean"  # (one channel)
 
 
 # --- the rewrite and the refusals in a VAE ------------------------------------------------------------------------
@@ -346,6 +516,74 @@ def test_raw_op_guard_refuses_what_bindings_cpp_refuses():
     assert chain._raw_guard(_x((2, 8, 3, 4, 8)), r, [0, 0, 0, 0, 2, 0], False) is not None  # (CPU)
 
 
+def test_nvrtc_fused_launcher_passes_what_bindings_cpp_passes(monkeypatch):
+    """The fused kernel's NVRTC launch: the kLtx instantiation of per_channel_rmsnorm.cu's pad kernel, its parameters
+    field by field as bindings_vae.cpp's ltx_rmsnorm_fused_pad_cl fills them (LTX-2's pad kernel's, the probe mode
+    too), vectors or elements as the .cu chooses, `fused_shape`; probe 3 writes the fp32 mean [B, S]."""
+    from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
+
+    pcr = chain._pcr
+    launches = captured_launches.__wrapped__(monkeypatch)
+    x = _x((1, 512, 16, 16, 24)).reshape(1, 512, -1)
+    out = chain._nvrtc_fused(x, 1e-8, True, 4, 1, 1 / 512, [16, 16, 24], [0, 0, 0, 0, 1, 1], False, 0)
+    kernel, key, grid, block, a = launches[-1]
+    assert (kernel, key) == (chain._NVRTC_FUSED, (torch.bfloat16, True))
+    assert kernel.names[key] == "diffusers_fastpath::per_channel_rmsnorm_pad_cl_kernel<__nv_bfloat16, true, true>"
+    assert (grid, block) == pcr.fused_shape(1, 6144, pcr.MeanOrder(4, 1, 1 / 512), 8, 132)
+    assert out.shape == (1, 512, 18, 16, 24) and out.is_contiguous(memory_format=torch.channels_last_3d)
+    assert (a.a.out, a.a.x, a.a.mean, a.a.batch, a.a.channels, a.a.spatial, a.a.x_batch_stride, a.a.x_channel_stride,
+            a.a.silu, a.a.probe, a.a.dtype) == (out.data_ptr(), x.data_ptr(), None, 1, 512, 6144, 512 * 6144, 6144,
+                                                1, 0, 1)
+    assert (a.g.frames, a.g.height, a.g.width, a.g.pad_t0, a.g.pad_t1, a.g.pad_h0, a.g.pad_w1, a.g.reflect_hw) == (
+        16, 16, 24, 1, 1, 0, 0, 0)
+    assert (a.rows, a.ctas, a.factor) == (4, 1, 1 / 512) and a.a.eps == struct.unpack("f", struct.pack("f", 1e-8))[0]
+    odd = _x((2, 24, 3, 5, 7), torch.float16).reshape(2, 24, -1)  # 105 positions: elements
+    mean = chain._nvrtc_fused(odd, 1e-6, False, 1, 1, 1 / 24, [3, 5, 7], [0, 0, 0, 0, 2, 0], False, 3)
+    _, key, grid, block, a = launches[-1]
+    assert key == (torch.float16, False) and mean.shape == (2, 105) and mean.dtype == torch.float32
+    assert (a.a.out, a.a.probe, a.a.silu, a.a.dtype) == (mean.data_ptr(), 3, 0, 0)
+    with pytest.raises(ValueError, match="scratch"):
+        chain._nvrtc_fused(x, 1e-8, True, 256, 16, 1 / 512, [16, 16, 24], [0] * 6, False, 0)
+
+
+def test_nvrtc_rsqrt_probe_launcher(monkeypatch):
+    """The reciprocal's probe kernel: m's and the output's pointers, the count, the eps as a float, a grid stride of
+    256-thread blocks (at most 8 a multiprocessor), the result of m's shape."""
+    from test_nvrtc import captured_launches  # noqa: F401
+
+    launches = captured_launches.__wrapped__(monkeypatch)
+    m = torch.rand(1, 1, 1 << 20)
+    out = chain._nvrtc_rsqrt(m, 1e-8)
+    kernel, key, grid, block, a = launches[-1]
+    assert (kernel, key, grid, block) == (chain._NVRTC_RSQRT, torch.float32, (132 * 8, 1, 1), (256, 1, 1))
+    assert kernel.names[key] == "diffusers_fastpath::ltx_rsqrt_probe_kernel<float>"
+    assert (a.m, a.out, a.n, a.eps) == (m.data_ptr(), out.data_ptr(), 1 << 20, struct.unpack("f", struct.pack(
+        "f", 1e-8))[0]) and out.shape == m.shape
+    chain._nvrtc_rsqrt(torch.rand(1000), 1e-6)
+    assert launches[-1][2] == (4, 1, 1)
+
+
+def test_raw_fused_guards_refuse_what_bindings_cpp_refuses():
+    class OnCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    x = torch.Tensor._make_subclass(OnCuda, _x((2, 8, 3, 4, 8)).reshape(2, 8, -1))
+    args = (1e-8, True, 1, 1, 1 / 8, [3, 4, 8], [0, 0, 0, 0, 2, 0], False)
+    assert chain._raw_fused_guard(x, *args, 0) is None
+    assert chain._raw_fused_guard(torch.Tensor._make_subclass(OnCuda, x.float()), *args, 0) == "dtype"
+    assert chain._raw_fused_guard(x, *args, 3) == "probe"  # (with the SiLU)
+    assert chain._raw_fused_guard(x, 1e-8, False, *args[2:], 3) is None
+    assert chain._raw_fused_guard(x, *args, 2) == "probe"
+    assert chain._raw_fused_guard(x, 1e-8, True, 3, 1, *args[4:], 0) == "order"
+    assert chain._raw_fused_guard(x, *args[:5], [3, 4, 9], args[6], False, 0) == "dims"
+    assert chain._raw_fused_guard(x.reshape(2, 8, 12, 8), *args, 0) == "x"
+    assert chain._raw_fused_guard(_x((2, 8, 3, 4, 8)).reshape(2, 8, -1), *args, 0) == "device"
+    assert chain._raw_rsqrt_guard(torch.Tensor._make_subclass(OnCuda, torch.rand(8)), 1e-8) is None
+    assert chain._raw_rsqrt_guard(torch.Tensor._make_subclass(OnCuda, torch.rand(8).half()), 1e-8) == "m"
+    assert chain._raw_rsqrt_guard(torch.Tensor._make_subclass(OnCuda, torch.rand(8, 2).t()), 1e-8) == "m"
+    assert chain._raw_rsqrt_guard(torch.rand(8), 1e-8) == "device"
+
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 # The chains of LTX-Video's decode at 768x512x121 (latents 16 frames of 16x24; the published 0.9.0 decoder,
@@ -436,3 +674,97 @@ def test_kernel_through_nvrtc_equals_nvcc_and_eager(shape, dtype):
                     out = way(view, r, padding, reflect)
                     assert out.is_contiguous(memory_format=torch.channels_last_3d), (way, mode, causal)
                     assert out.shape == want.shape and torch.equal(bits(out), bits(want)), (way, mode, causal)
+
+
+
+def _gpu_x(shape, dtype, seed=0):
+    """x at a decoder shape: values over several decades (other orders give other means), zeros scattered, an all-zero
+    position (rsqrt of eps), means near eps, an inf and a NaN in one position each."""
+    b, c, t, h, w = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    spread = 1.0 if dtype == torch.float16 else 3.0
+    x = (torch.randn(shape, generator=gen, device="cuda")
+         * torch.exp(torch.randn(shape, generator=gen, device="cuda") * spread)).to(dtype)
+    x[:, 1::5, ..., ::11] = 0
+    x[0, :, 0, 0, 0] = 0
+    x[0, :, 0, 1, :5] *= 1e-4
+    x[0, 1, 0, 2, 0] = float("inf")
+    x[0, 2, 0, 2, 1] = float("nan")
+    return x
+
+
+FUSED_SHAPES = sorted({shape for shape, _, _ in CHAIN_SHAPES} | {(2, 64, 3, 7, 13), (1, 24, 1, 1, 2)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
+@torch.no_grad()
+def test_fused_mean_is_eagers_mean_both_ways(shape, dtype):
+    """The fused kernel's statistics alone (probe 3) against eager's ``x.movedim(1, -1).to(float32).pow(2).mean(-1)``
+    on this GPU, bit for bit, through NVRTC and the nvcc extension (where a toolkit built it), at the decoder's shapes
+    and two odd ones (batch 2, positions no multiple of the vector: elements; one frame of 1 x 2)."""
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    x = _gpu_x(shape, dtype)
+    order = chain.mean_order(x)
+    assert type(order) is chain._pcr.MeanOrder, order
+    b, c = shape[:2]
+    want = x.movedim(1, -1).to(torch.float32).pow(2).mean(-1).reshape(b, -1)
+    x3, dims = x.reshape(b, c, -1), list(shape[2:])
+    ways = [chain._nvrtc_fused] + ([torch.ops.diffusers_fastpath._ltx_rmsnorm_fused_pad_cl_cuda] if nvcc else [])
+    for way in ways:
+        torch.full((2 * want.numel(),), float("nan"), device="cuda")
+        got = way(x3, 1e-8, False, order.rows, order.ctas, order.factor, dims, [0, 0, 0, 0, 2, 0], False, 3)
+        assert got.dtype == torch.float32 and tensors_equal(got, want), (way, order)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
+@torch.no_grad()
+def test_fused_kernel_through_nvrtc_equals_nvcc_and_eager(shape, dtype):
+    """The fused kernel's padded buffer (the norm, its SiLU, causal and not; the norm alone too) through NVRTC and the
+    nvcc extension against eager's (the module's padding statements of ``F.silu(norm(x))``), every element written
+    (the allocator's blocks poisoned with NaN first), strides channels-last."""
+    from test_ltx_causal_conv import _eager_buffer
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    x = _gpu_x(shape, dtype, seed=1)
+    b, c = shape[:2]
+    order = chain.mean_order(x)
+    norm = RMSNorm(c, eps=1e-8, elementwise_affine=False)
+    normed = RMSNorm.forward(norm, x.movedim(1, -1)).movedim(-1, 1)
+    x3, dims = x.reshape(b, c, -1), list(shape[2:])
+    ways = [chain._nvrtc_fused] + ([torch.ops.diffusers_fastpath._ltx_rmsnorm_fused_pad_cl_cuda] if nvcc else [])
+    conv = ltx.LTXVideoCausalConv3d(c, 4, 3)
+    for causal in (True, False):
+        conv.is_causal = causal
+        padding, _, reflect = chain._conv._plan(conv, None)
+        for silu in (True, False):
+            want = _eager_buffer(conv, F.silu(normed) if silu else normed, causal)
+            for way in ways:
+                torch.full((2 * want.numel(),), float("nan"), dtype=dtype, device="cuda")
+                got = way(x3, 1e-8, silu, order.rows, order.ctas, order.factor, dims, padding, reflect, 0)
+                assert got.is_contiguous(memory_format=torch.channels_last_3d), (way, causal, silu)
+                assert got.shape == want.shape and torch.equal(bits(got), bits(want)), (way, causal, silu)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_the_rsqrt_proof_passes_on_every_fp32_value():
+    """The fused kernel's ``rsqrtf(m + eps)`` (its probe kernel, both ways) equals eager's ``torch.rsqrt(m + eps)`` on
+    all 2^32 fp32 bit patterns, as the op's proof runs it, for the decoder's eps and another."""
+    from diffusers_fastpath.ops._unary_proof import prove_fp32
+    from test_nvrtc import both_ways
+
+    nvcc = both_ways.__wrapped__()
+    device = torch.device("cuda", torch.cuda.current_device())
+    for eps in (1e-8, 1e-6):
+        assert prove_fp32(device, lambda row: chain._nvrtc_rsqrt(row.contiguous(), eps), chain.rsqrt_ref(eps))
+        if nvcc:
+            assert prove_fp32(device, lambda row: torch.ops.diffusers_fastpath._ltx_rsqrt_probe_cuda(
+                row.contiguous(), eps), chain.rsqrt_ref(eps), start=-(1 << 28), stop=1 << 28)
+    assert chain._prove_rsqrt(1e-8, device)
