@@ -846,47 +846,26 @@ cudaError_t launch_fused(const PerChannelRmsNormArgs& a, int32_t rows, int32_t c
 }
 
 // The pad kernel's launch: the fused kernel's shape (its statistics are the same), vectors or elements as it chooses
-// them (x's sizes, strides and pointer; the kernel picks its stores' width from the channels and out's pointer).
-template <typename T>
+// them (x's sizes, strides and pointer; the kernel picks its stores' width from the channels and out's pointer). kLtx:
+// LTX-Video's norm (bf16 / fp16), probe 0 or kProbeMean (a.out fp32 [batch, spatial], g unread but for its check).
+template <typename T, bool kLtx = false>
 cudaError_t launch_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, int32_t rows, int32_t ctas,
                           float factor, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
   const bool vector =
       a.spatial % kVec == 0 && a.x_channel_stride % kVec == 0 && a.x_batch_stride % kVec == 0 && aligned(a.x);
   FusedShape shape;
-  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || a.probe != 0 ||
+  const bool probe_ok = a.probe == 0 || (kLtx && a.probe == kProbeMean);
+  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || !probe_ok ||
       g.frames * g.height * g.width != a.spatial ||
       !fused_shape(a.batch, a.spatial, rows, ctas, vector ? kVec : 1, num_sms(), shape)) {
     return cudaErrorInvalidValue;
   }
   if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
   if (vector) {
-    per_channel_rmsnorm_pad_cl_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+    per_channel_rmsnorm_pad_cl_kernel<T, true, kLtx><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
   } else {
-    per_channel_rmsnorm_pad_cl_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
-  }
-  return cudaGetLastError();
-}
-
-// The kLtx pad kernel's launch (LTX-Video's norm, bf16 / fp16): launch_pad_cl's shape and choice of vectors; probe 0
-// (a.out the padded channels-last buffer) or kProbeMean (a.out fp32 [batch, spatial], g unread but for its check).
-template <typename T>
-cudaError_t launch_ltx_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, int32_t rows, int32_t ctas,
-                              float factor, cudaStream_t stream) {
-  constexpr int kVec = Pack<T>::kSize;
-  const bool vector =
-      a.spatial % kVec == 0 && a.x_channel_stride % kVec == 0 && a.x_batch_stride % kVec == 0 && aligned(a.x);
-  FusedShape shape;
-  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || (a.probe != 0 && a.probe != kProbeMean) ||
-      g.frames * g.height * g.width != a.spatial ||
-      !fused_shape(a.batch, a.spatial, rows, ctas, vector ? kVec : 1, num_sms(), shape)) {
-    return cudaErrorInvalidValue;
-  }
-  if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
-  if (vector) {
-    per_channel_rmsnorm_pad_cl_kernel<T, true, true><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
-  } else {
-    per_channel_rmsnorm_pad_cl_kernel<T, false, true><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+    per_channel_rmsnorm_pad_cl_kernel<T, false, kLtx><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
   }
   return cudaGetLastError();
 }
@@ -957,7 +936,7 @@ cudaError_t launch_per_channel_rmsnorm_cl_pad_cl(const PerChannelRmsNormArgs& ar
 cudaError_t launch_ltx_rmsnorm_fused_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
                                            int32_t ctas, float factor, cudaStream_t stream) {
   return dispatch_storage_type(
-      args.dtype, [&](auto tag) { return launch_ltx_pad_cl<decltype(tag)>(args, pad, rows, ctas, factor, stream); });
+      args.dtype, [&](auto tag) { return launch_pad_cl<decltype(tag), true>(args, pad, rows, ctas, factor, stream); });
 }
 
 // (declared in fastpath.h)

@@ -6,7 +6,12 @@ apart), the wrapper's launch, the rewrite's bare-call rule, the refusals (hooks 
 mode, fp32, no bias, another activation) run as written, the tail's proof and a planted mismatch in it, the NVRTC
 launcher and raw guard. The VAE-level tests (every site, tiling, counts) are in test_vae_ltx.py. On the GPU: the op at
 the decoder's real shapes (bf16 / fp16, contiguous and sliced x, outputs poisoned first), the kernel through NVRTC and
-nvcc against eager, and the tail's proof on every value."""
+nvcc against eager, and the tail's proof on every value. The fused kernel (csrc/per_channel_rmsnorm.cu's pad kernel
+with kLtx: aten's mean of the fp32 squares in aten's order, the rsqrt, the tail, from x): on CPU its order against
+aten's reduce kernel simulated thread by thread, the premise that eager's fp32 squares keep x's channel-first order,
+its arithmetic against eager's padded input, the wrapper's launch, the orders at the decoder's shapes, the rsqrt's
+proof and a planted mismatch in it, its NVRTC launchers and raw guards; on the GPU its mean (probe 3) and its buffer
+against eager both ways at every decoder norm shape, and the rsqrt's proof on every fp32 value."""
 
 from __future__ import annotations
 
@@ -693,7 +698,9 @@ def _gpu_x(shape, dtype, seed=0):
     return x
 
 
-FUSED_SHAPES = sorted({shape for shape, _, _ in CHAIN_SHAPES} | {(2, 64, 3, 7, 13), (1, 24, 1, 1, 2)})
+# the decoder's norm shapes (the up blocks' conv_in resnets add 256 x 31 frames and 128 x 61) and two odd ones
+FUSED_SHAPES = sorted({shape for shape, _, _ in CHAIN_SHAPES} | {(1, 256, 31, 32, 48), (1, 128, 61, 64, 96),
+                                                                  (2, 64, 3, 7, 13), (1, 24, 1, 1, 2)})
 
 
 @pytest.mark.gpu

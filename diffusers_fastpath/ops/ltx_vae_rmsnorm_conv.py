@@ -266,28 +266,10 @@ def _raw_fused_guard(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw
 
 
 def _nvrtc_fused(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw, probe):
-    batch, channels, spatial = x.shape
-    frames, height, width = dims
-    pw0, pw1, ph0, ph1, pt0, pt1 = padding
-    if probe == _pcr.PROBE_MEAN:
-        out = torch.empty(batch, spatial, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(batch, channels, pt0 + frames + pt1, ph0 + height + ph1, pw0 + width + pw1, dtype=x.dtype,
-                          device=x.device, memory_format=torch.channels_last_3d)
-    vec = _pcr._VEC_BYTES // x.element_size()
-    vector = (spatial % vec == 0 and x.stride(1) % vec == 0 and x.stride(0) % vec == 0
-              and x.data_ptr() % _pcr._VEC_BYTES == 0)
-    device = x.device.index
-    shape = _pcr.fused_shape(batch, spatial, _pcr.MeanOrder(rows, ctas, factor), vec if vector else 1,
-                             _nvrtc.num_sms(device))
-    if shape is None:
-        raise ValueError("ltx_rmsnorm_fused_pad_cl: aten's partial sums do not fit the kernel's scratch")
-    if x.numel() == 0:
-        return out
-    _NVRTC_FUSED.launch(device, (x.dtype, vector), *shape, out.data_ptr(), x.data_ptr(), 0, batch, channels, spatial,
-                        x.stride(0), x.stride(1), eps, int(silu), int(probe), _nvrtc.DTYPE_CODE[x.dtype], frames,
-                        height, width, pt0, pt1, ph0, ph1, pw0, pw1, int(reflect_hw), rows, ctas, factor)
-    return out
+    out = (torch.empty(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device) if probe == _pcr.PROBE_MEAN
+           else None)  # (else the padded buffer)
+    return _ltx2_chain.pad_launch(_NVRTC_FUSED, "ltx_rmsnorm_fused_pad_cl", x, eps, silu, rows, ctas, factor, dims,
+                                  padding, reflect_hw, probe, out)
 
 
 _nvrtc.raw_op("_ltx_rmsnorm_fused_pad_cl_cuda",
