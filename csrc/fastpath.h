@@ -473,6 +473,14 @@ cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args,
 cudaError_t launch_per_channel_rmsnorm_cl_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad,
                                                  const void* bias, int32_t rows, int32_t ctas, float factor,
                                                  cudaStream_t stream);
+// LTX-Video's VAE norm (and SiLU) in the same pad kernel (per_channel_rmsnorm.cu's kLtx; ops/ltx_vae_rmsnorm_conv.py):
+// bf16 / fp16 x [batch, channels, spatial] as for the pad kernel, its squares and mean in fp32 (eager's pow(2) and
+// mean of the fp32 upcast, aten's order from rows / ctas / factor), r = rsqrtf(m + eps), out round(x * r) then the
+// SiLU where args.silu, stored as the pad kernel stores; args.probe 3 (kProbeMean): m alone, fp32 [batch, spatial].
+cudaError_t launch_ltx_rmsnorm_fused_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
+                                           int32_t ctas, float factor, cudaStream_t stream);
+// out[i] = rsqrtf(m[i] + eps) for n fp32 values (the kLtx pad kernel's reciprocal, for the Python op's proof).
+cudaError_t launch_ltx_rsqrt_probe(const float* m, float* out, int64_t n, float eps, cudaStream_t stream);
 #endif
 
 // The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]
@@ -548,6 +556,11 @@ struct CausalPadArgs {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream);
+// LTX-Video's VAE norm and the SiLU after it written as the causal convolution's padded input (causal_pad.cu's
+// ltx_rmsnorm_pad_cl_kernel): args as launch_causal_pad's for x (bf16 / fp16; channels_last and replicate_t set, no
+// cache), each value of x written as round(silu(round(x * rsqrt[b, s]))), `rsqrt` a contiguous fp32 [batch, frames *
+// height * width] (aten's torch.rsqrt(mean + eps), which eager multiplies by).
+cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rsqrt, cudaStream_t stream);
 #endif
 
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x dense

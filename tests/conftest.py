@@ -316,6 +316,23 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(norm_conv, "_mean_order", lambda x: norm_conv._norm.MeanOrder(1, 1, 1.0 / x.shape[1]))
     monkeypatch.setattr(norm_conv, "_launch", lambda x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw: (
         norm_conv.norm_pad_arithmetic(x, torch.mean(x**2, dim=1), eps, silu, dims, padding, reflect_hw)))
+    # LTX-Video's VAE norm -> SiLU -> causal convolution: its own code (aten's reduction and rsqrt, the squares as the
+    # norm's emulation above), the kernel's launch its arithmetic (the pair's, then causal_pad's buffer of it), the
+    # convolution causal_conv_cl's as emulated above; its proof (the tail on every value) runs the CUDA kernel
+    ltx_norm_conv = sys.modules["diffusers_fastpath.ops.ltx_vae_rmsnorm_conv"]
+    monkeypatch.setattr(ltx_norm_conv.LTX_VAE_RMSNORM_CONV, "guard",
+                        _as_if_on_cuda(ltx_norm_conv.LTX_VAE_RMSNORM_CONV.guard))
+    monkeypatch.setattr(ltx_norm_conv.LTX_VAE_RMSNORM_CONV, "prove", None)
+    monkeypatch.setattr(ltx_norm_conv, "_launch", ltx_norm_conv.norm_pad_arithmetic)
+    # its fused kernel where x is dense (the order an H100's, the mean the CPU's own: eager's calls on the view)
+    monkeypatch.setattr(ltx_norm_conv, "_mean_order", lambda x: ltx_norm_conv.mean_order(x, (132, 2048)))
+
+    def ltx_fused(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw, probe):
+        view = x.reshape(*x.shape[:2], *dims).movedim(1, -1)
+        mean = view.to(torch.float32).pow(2).mean(-1).reshape(x.shape[0], -1)
+        return ltx_norm_conv.fused_pad_arithmetic(x, mean, eps, silu, dims, padding, reflect_hw)
+
+    monkeypatch.setattr(ltx_norm_conv, "_launch_fused", ltx_fused)
     # ... and reading the convolution before it channels-last, its bias not added (`ltx_bias_norm_conv`): its own code,
     # the kernel's launch its arithmetic on the first convolution's tensor as the emulated convolution above leaves it
     # (a CPU's convolution adds the bias inside: the bias and transpose pass a copy), the mean the CPU's own; its

@@ -20,6 +20,7 @@ from .ltx_bias_norm_conv import ltx_bias_norm_conv, ltx_bias_norm_conv_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
 from .ltx_norm_conv import ltx_norm_conv, ltx_norm_conv_ref
 from .ltx_vae_rmsnorm import ltx_rmsnorm, ltx_rmsnorm_ref, ltx_vae_rmsnorm_silu, ltx_vae_rmsnorm_silu_ref
+from .ltx_vae_rmsnorm_conv import ltx_vae_rmsnorm_conv, ltx_vae_rmsnorm_conv_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .per_channel_rmsnorm import (per_channel_rmsnorm, per_channel_rmsnorm_ref, per_channel_rmsnorm_silu,
                                   per_channel_rmsnorm_silu_ref)
@@ -105,6 +106,8 @@ __all__ = [
     "ltx_norm_conv_ref",
     "ltx_rmsnorm",
     "ltx_rmsnorm_ref",
+    "ltx_vae_rmsnorm_conv",
+    "ltx_vae_rmsnorm_conv_ref",
     "ltx_vae_rmsnorm_silu",
     "ltx_vae_rmsnorm_silu_ref",
     "modulate_scale_shift",
