@@ -22,6 +22,7 @@ from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
 from ..ops.selected_rows import IndexedRows, SelectedRows, TokenRows, index_rows, materialized, tanh_rows
+from ..ops.rmsnorm_rope_prefix import rmsnorm_rope_complex_prefix
 from ..ops.rmsnorm_scale_shift import rmsnorm_gated_residual_rows, rmsnorm_scale_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, _affine_free
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS
@@ -258,6 +259,10 @@ class _RotatedLater:
         return rmsnorm_rope_complex(self.x.norm, self.x.x, self.freqs, self.site)
 
 
+# what a prefix concatenation's site counts where its key was not left waiting by a fused norm + rotary
+PREFIX_UNFUSED = "key not a waiting norm + rotary (a hooked or other norm, other factors, or no rotary)"
+
+
 def _materialize(x):
     """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
     if isinstance(x, _NormLater):
@@ -266,6 +271,8 @@ def _materialize(x):
         return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
     if isinstance(x, _NormFp32Later):
         return x.norm(x.x.float())
+    if isinstance(x, _RotatedLater):  # a rotary waiting for a prefix concatenation, read elsewhere first
+        return x.run()
     return x
 
 
@@ -627,6 +634,17 @@ class _ChainsNamespace:
                 and a.x.x.shape[0] == b.x.x.shape[0] == 1):
             return rmsnorm_rope_complex_cat(a.x.norm, a.x.x, a.freqs, b.x.norm, b.x.x, b.freqs, site, a.site)
         return torch.cat([t.run() if isinstance(t, _RotatedLater) else _materialize(t) for t in (a, b)], dim=1)
+
+    @staticmethod
+    def cat_prefix_rotated(c, k, site):
+        # ``torch.cat([c, k], dim=1)`` of a prefix (Qwen-Image 2.1's cached key) and a rotated key that nothing but
+        # this concatenation reads (the rewriter's prefix form): where its rotary waits (`rotary_complex_later`), the
+        # kernel writes it after a copy of the prefix; otherwise the concatenation as written
+        if isinstance(k, _RotatedLater) and isinstance(c, torch.Tensor):
+            return rmsnorm_rope_complex_prefix(c, k.x.norm, k.x.x, k.freqs, site, k.site)
+        if site is not None:
+            site.fallback[PREFIX_UNFUSED] += 1
+        return torch.cat([c, _materialize(k)], dim=1)
 
     @staticmethod
     def rotary_rows(fn, x, freqs, site, qk_site=None):

@@ -195,6 +195,7 @@ class Rewrite:
     rotary_half_partial: int = 0  # ``Q = R(X, *F)`` calls that may be MiniMax-H3's partial rotate-half (by digest)
     rotary_matrix: int = 0  # ``R(X, T)`` calls of Kandinsky 5's and 6's matrix-form rotary (by digest)
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
+    prefix_cats: int = 0  # concatenations of a prefix and a complex-form rotary result written by its kernel
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
     lazy_gates: int = 0  # scale-rows gates read through an index by their gated residual (`_norm_methods.lazy_gates`)
     index_rows: int = 0  # fused calls reading ``index_select`` rows through the index (`_chain_index_rows`)

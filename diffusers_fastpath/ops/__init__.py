@@ -42,6 +42,7 @@ from .rmsnorm_scale_shift import (
 )
 from .rmsnorm_rope import (rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_complex_cat_ref,
                            rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref)
+from .rmsnorm_rope_prefix import rmsnorm_rope_complex_prefix, rmsnorm_rope_complex_prefix_ref
 from .rotary_half import rotary_half, rotary_half_partial, rotary_half_partial_ref, rotary_half_ref
 from .rotary_matrix import rotary_matrix, rotary_matrix_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
@@ -133,6 +134,8 @@ __all__ = [
     "rmsnorm_rope_complex",
     "rmsnorm_rope_complex_cat",
     "rmsnorm_rope_complex_cat_ref",
+    "rmsnorm_rope_complex_prefix",
+    "rmsnorm_rope_complex_prefix_ref",
     "rmsnorm_rope_complex_ref",
     "rmsnorm_rope_real",
     "rmsnorm_rope_real_ref",
