@@ -79,7 +79,8 @@ from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_C
                         MODULATE_ONLY, NORM_MODULATE_LATER, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT,
                         Rewrite, _Rewriter)
 from ._rewriter_attention import (ATTENTION_BOOL_MASK, ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
-                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_PREFIX, RMSNORM_ROPE_REAL, ROTARY, SIGMOID_MUL)
+                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_PREFIX, RMSNORM_ROPE_REAL, ROTARY,
+                                  SIGMOID_MUL)
 
 _SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
 
