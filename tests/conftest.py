@@ -402,6 +402,10 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.linear_cat import LINEAR_CAT
 
     monkeypatch.setattr(LINEAR_CAT, "guard", _as_if_on_cuda(LINEAR_CAT.guard))
+    # ... and a projection written after its cached prefix (Qwen-Image 2.1's value): aten's addmm into the rows, too
+    from diffusers_fastpath.ops.linear_prefix import LINEAR_PREFIX
+
+    monkeypatch.setattr(LINEAR_PREFIX, "guard", _as_if_on_cuda(LINEAR_PREFIX.guard))
 
 
 def _as_if_on_cuda(guard):

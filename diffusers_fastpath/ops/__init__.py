@@ -15,6 +15,7 @@ from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
 from .linear_cat import linear_cat, linear_cat_ref
+from .linear_prefix import linear_prefix, linear_prefix_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .ltx_bias_norm_conv import ltx_bias_norm_conv, ltx_bias_norm_conv_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
@@ -96,6 +97,8 @@ __all__ = [
     "layernorm_scale_shift_ref",
     "linear_cat",
     "linear_cat_ref",
+    "linear_prefix",
+    "linear_prefix_ref",
     "linear_gelu",
     "linear_gelu_ref",
     "ltx_bias_norm_conv",
