@@ -100,19 +100,6 @@ def test_custom_op_opcheck_cpu():
 # --- the rewriter's prefix form on Qwen-Image 2.1 ------------------------------------------------------------------
 
 
-def _steps(model, kwargs, latents):
-    """The pipeline's first two steps: a prefill ("extract") then a "cached" one; their outputs."""
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-
-    cache = QwenImage21KVCache(len(model.transformer_blocks))
-    outs = []
-    with torch.no_grad():
-        for step, (mode, hidden) in enumerate(zip(("extract", "cached"), latents)):
-            step_kwargs = dict(kwargs, hidden_states=hidden, timestep=kwargs["timestep"] * (1 - 0.3 * step))
-            outs.append(model(**step_kwargs, kv_cache=cache, kv_cache_mode=mode)[0].clone())
-    return outs
-
-
 @pytest.mark.parametrize("batch", [1, 2])
 def test_qwen_image_21_cached_key_is_written_after_its_prefix(batch, emulated_kernels):
     """The tiny Qwen-Image 2.1's extract and cached steps patched == unpatched. Each block's key: at the extract step
@@ -122,10 +109,11 @@ def test_qwen_image_21_cached_key_is_written_after_its_prefix(batch, emulated_ke
     model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
     kwargs = zoo.inputs("qwen-image-21", model, batch=batch)
     latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
-    ref = _steps(model, kwargs, latents)
+    ref = zoo.kv_cached_steps(model, kwargs, latents)
     fp.patch(model)
     try:
-        got = _steps(model, kwargs, latents)  # (each step's first call of its signature also runs as written)
+        # (each step's first call of its signature also runs as written)
+        got = zoo.kv_cached_steps(model, kwargs, latents)
         assert all(torch.equal(g, r) for g, r in zip(got, ref))
         for block in model.transformer_blocks:
             sites = dict(sites_of(block.attn))
@@ -259,10 +247,10 @@ def test_qwen_image_21_cached_step_is_bit_identical_on_the_gpu():
     model = zoo.build("qwen-image-21", dtype=torch.bfloat16, device="cuda")
     kwargs = zoo.inputs("qwen-image-21", model)
     latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
-    ref = _steps(model, kwargs, latents)
+    ref = zoo.kv_cached_steps(model, kwargs, latents)
     fp.patch(model)
     try:
-        got = _steps(model, kwargs, latents)
+        got = zoo.kv_cached_steps(model, kwargs, latents)
         assert all(torch.equal(g, r) for g, r in zip(got, ref))
         prefix = [dict(sites_of(b.attn))["rmsnorm_rope_complex_prefix"] for b in model.transformer_blocks]
         assert all(s.fast == 1 and not s.fallback for s in prefix), prefix

@@ -570,24 +570,12 @@ class AttentionPasses:
         for name in sorted(deferred):
             if rotation(name) is None:
                 continue
-            cats = []
-
-            def find(stmts: list[ast.stmt]) -> None:
-                for stmt in stmts:
-                    pair = _cat_names(stmt.value, 1) if _single_target(stmt) == name else None
-                    if pair is not None and pair[1] == name and pair[0] != name:
-                        cats.append(stmt)
-                    elif isinstance(stmt, ast.If):
-                        find(stmt.body)
-                        find(stmt.orelse)
-
-            find(new[last + 1:])
+            cats = _prefix_cats_of(new[last + 1:], name)
             if len(cats) != 1:
                 continue
             cat, touched = cats[0], []
             site = _site_of(ast.Name(self.owner, ast.Load()), RMSNORM_ROPE_PREFIX)
-            materialize = ast.Assign(targets=[ast.Name(name, ast.Store())],
-                                     value=_call("materialize", [ast.Name(name, ast.Load())]))
+            materialize = _materialize(name)
 
             def place(stmts: list[ast.stmt]) -> list[ast.stmt]:
                 """`stmts` with the concatenation replaced and K materialized before every other statement that
@@ -657,24 +645,12 @@ class AttentionPasses:
 
     def _prefix_linear(self, body: list[ast.stmt], i: int, name: str) -> list[ast.stmt] | None:
         """The prefix-projection form of ``body[i]`` (``name = A.M(X)``), or None where it is not one."""
-        cats = []
-
-        def find(stmts: list[ast.stmt]) -> None:
-            for stmt in stmts:
-                pair = _cat_names(stmt.value, 1) if _single_target(stmt) == name else None
-                if pair is not None and pair[1] == name and pair[0] != name:
-                    cats.append(stmt)
-                elif isinstance(stmt, ast.If):
-                    find(stmt.body)
-                    find(stmt.orelse)
-
-        find(body[i + 1:])
+        cats = _prefix_cats_of(body[i + 1:], name)
         if len(cats) != 1:
             return None
         cat, touched, replaced = cats[0], [], []
         site = _site_of(ast.Name(self.owner, ast.Load()), LINEAR_PREFIX)
-        materialize = ast.Assign(targets=[ast.Name(name, ast.Store())],
-                                 value=_call("materialize", [ast.Name(name, ast.Load())]))
+        materialize = _materialize(name)
 
         def dtype_only(node: ast.AST) -> bool:
             """Whether `node` reads `name` only as ``name.dtype`` (the waiting projection answers it) and binds it
@@ -773,3 +749,21 @@ class AttentionPasses:
             out.append(stmt)
             i += 1
         return out
+
+
+def _prefix_cats_of(stmts: list[ast.stmt], name: str) -> list[ast.stmt]:
+    """The statements ``name = torch.cat([C, name], dim=1)`` (``C`` another name) of `stmts`, at the top level or
+    inside ``if`` statements (the prefix forms' concatenation)."""
+    cats = []
+    for stmt in stmts:
+        pair = _cat_names(stmt.value, 1) if _single_target(stmt) == name else None
+        if pair is not None and pair[1] == name and pair[0] != name:
+            cats.append(stmt)
+        elif isinstance(stmt, ast.If):
+            cats += _prefix_cats_of(stmt.body, name) + _prefix_cats_of(stmt.orelse, name)
+    return cats
+
+
+def _materialize(name: str) -> ast.Assign:
+    """``name = materialize(name)``: a waiting value written out before a statement that reads or binds it."""
+    return ast.Assign(targets=[ast.Name(name, ast.Store())], value=_call("materialize", [ast.Name(name, ast.Load())]))
