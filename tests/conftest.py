@@ -404,6 +404,10 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(RMSNORM_ROPE_COMPLEX_CAT, "guard", _as_if_on_cuda(RMSNORM_ROPE_COMPLEX_CAT.guard))
     monkeypatch.setattr(rmsnorm_rope_module, "_launch_out", rope_complex_rows_out)
+    # ... and a key written after its cached prefix (Qwen-Image 2.1): the same launch, after the op's copy of the prefix
+    from diffusers_fastpath.ops.rmsnorm_rope_prefix import RMSNORM_ROPE_COMPLEX_PREFIX
+
+    monkeypatch.setattr(RMSNORM_ROPE_COMPLEX_PREFIX, "guard", _as_if_on_cuda(RMSNORM_ROPE_COMPLEX_PREFIX.guard))
     # SD3's token-major head concatenations and their attention: aten's ops, as on the GPU (the attention verifies
     # itself on its first call per signature, here against the CPU's attention on contiguous copies)
     from diffusers_fastpath.ops import attention_seq_major as attention_module
@@ -415,6 +419,10 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.linear_cat import LINEAR_CAT
 
     monkeypatch.setattr(LINEAR_CAT, "guard", _as_if_on_cuda(LINEAR_CAT.guard))
+    # ... and a projection written after its cached prefix (Qwen-Image 2.1's value): aten's addmm into the rows, too
+    from diffusers_fastpath.ops.linear_prefix import LINEAR_PREFIX
+
+    monkeypatch.setattr(LINEAR_PREFIX, "guard", _as_if_on_cuda(LINEAR_PREFIX.guard))
 
 
 def _as_if_on_cuda(guard):

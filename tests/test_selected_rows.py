@@ -282,20 +282,12 @@ def test_zoo_model_kv_cached_steps_patched_equal_unpatched(emulated_kernels):
     """The pipeline's later steps: a prefill ("extract") then "cached" steps, where only the target image's tokens
     run and the mask the rows are picked by is a slice; patched == unpatched at each, the rows read through the
     index (the kernels ran)."""
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-
     model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
     kwargs = zoo.inputs("qwen-image-21", model)
     latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
 
     def run():
-        cache = QwenImage21KVCache(len(model.transformer_blocks))
-        outs = []
-        with torch.no_grad():
-            for step, (mode, hidden) in enumerate(zip(("extract", "cached"), latents)):
-                step_kwargs = dict(kwargs, hidden_states=hidden, timestep=kwargs["timestep"] * (1 - 0.3 * step))
-                outs.append(model(**step_kwargs, kv_cache=cache, kv_cache_mode=mode)[0].clone())
-        return outs
+        return zoo.kv_cached_steps(model, kwargs, latents)
 
     ref = run()
     fp.patch(model)

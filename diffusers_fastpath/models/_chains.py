@@ -79,7 +79,9 @@ from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_C
                         MODULATE_ONLY, NORM_MODULATE_LATER, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT,
                         Rewrite, _Rewriter)
 from ._rewriter_attention import (ATTENTION_BOOL_MASK, ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
-                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SIGMOID_MUL)
+                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_PREFIX, RMSNORM_ROPE_REAL, ROTARY,
+                                  LINEAR_PREFIX,
+                                  SIGMOID_MUL)
 
 _SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
 
@@ -182,6 +184,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                 body = rewriter.bool_mask_attention(body)
         if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
             body = rewriter.qk_norms(body)
+        if not rewriter.block:  # (after the QK-norm form, whose pending norms read the value's ``.dtype``)
+            body = rewriter.prefix_linears(body)
         # inlined only where that lets a pattern take more, and every norm the inlining took on trust is fused
         if not inline or inliner.proven(body):
             made.append((rewriter, body, proofs, inliner))
@@ -514,6 +518,10 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
                 if found.rotary_cats:  # the streams' q and k written into their concatenations (Qwen-Image)
                     state.add_site(module, RMSNORM_ROPE_CAT, name=RMSNORM_ROPE_CAT)
+                if found.prefix_cats:  # a key written after its cached prefix (Qwen-Image 2.1's cached steps)
+                    state.add_site(module, RMSNORM_ROPE_PREFIX, name=RMSNORM_ROPE_PREFIX)
+            if found.prefix_linears:  # a value projection written after its cached prefix (Qwen-Image 2.1)
+                state.add_site(module, LINEAR_PREFIX, name=LINEAR_PREFIX)
             if found.head_cats:
                 state.add_site(module, CAT_HEADS, name=CAT_HEADS)
             if found.seq_major_attention:

@@ -15,6 +15,7 @@ from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
 from .linear_cat import linear_cat, linear_cat_ref
+from .linear_prefix import linear_prefix, linear_prefix_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .ltx_bias_norm_conv import ltx_bias_norm_conv, ltx_bias_norm_conv_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
@@ -43,6 +44,7 @@ from .rmsnorm_scale_shift import (
 )
 from .rmsnorm_rope import (rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_complex_cat_ref,
                            rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref)
+from .rmsnorm_rope_prefix import rmsnorm_rope_complex_prefix, rmsnorm_rope_complex_prefix_ref
 from .rotary_half import rotary_half, rotary_half_partial, rotary_half_partial_ref, rotary_half_ref
 from .rotary_matrix import rotary_matrix, rotary_matrix_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
@@ -96,6 +98,8 @@ __all__ = [
     "layernorm_scale_shift_ref",
     "linear_cat",
     "linear_cat_ref",
+    "linear_prefix",
+    "linear_prefix_ref",
     "linear_gelu",
     "linear_gelu_ref",
     "ltx_bias_norm_conv",
@@ -136,6 +140,8 @@ __all__ = [
     "rmsnorm_rope_complex",
     "rmsnorm_rope_complex_cat",
     "rmsnorm_rope_complex_cat_ref",
+    "rmsnorm_rope_complex_prefix",
+    "rmsnorm_rope_complex_prefix_ref",
     "rmsnorm_rope_complex_ref",
     "rmsnorm_rope_real",
     "rmsnorm_rope_real_ref",
