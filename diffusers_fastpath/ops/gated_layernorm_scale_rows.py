@@ -34,7 +34,7 @@ from ._build import LazyLauncher
 from ._policy import FusedOp, Site
 from .gated_residual import _rows_guard as _gate_rows_guard
 from .gated_residual import gated_residual_rows, gated_residual_rows_ref, residual_guard
-from .layernorm_modulate import _affine_rows, _fp32, _norm_signature, _raw_rows_guard
+from .layernorm_modulate import _affine_rows, _fp32, _norm_signature, _norm_unfit, _raw_rows_guard
 from .layernorm_modulate import _rows_guard as _scale_rows_guard
 from .layernorm_modulate import layernorm_scale_rows, layernorm_scale_rows_ref
 from .layernorm_scale_shift import _cuda_ops, _nvrtc_kernel
@@ -57,6 +57,10 @@ def _fallback(norm, residual, gate, update, scale):
 def _guard(norm, residual, gate, update, scale, check_pointers: bool = True) -> str | None:
     if type(gate) is not SelectedRows or type(scale) is not SelectedRows:
         return "operand not a tensor"
+    # what the model's shapes decide first (the norm, the rows' broadcast), then each half's own guard
+    reason = _norm_unfit(norm, residual, check_pointers) or gate.reason(residual) or scale.reason(residual)
+    if reason is not None:
+        return reason
     return (_gate_rows_guard(residual, gate, update, check_pointers)
             or _scale_rows_guard(norm, residual, scale, check_pointers))
 
