@@ -234,6 +234,9 @@ struct LayerNormScaleShiftArgs {
   const void* row_index;      // null, or int32 [batch * seq]: token l of sample b reads scale/shift row
                               // row_index[b * seq + l] of [R, dim] tables, at scale + that * scale_seq_stride (shift
                               // likewise): Qwen-Image 2.1's where-picked rows, never materialised
+  const void* gate_index;     // gated only; null, or int32 [batch * seq]: token l of sample b reads gate row
+                              // gate_index[b * seq + l] of an [R, dim] table, at gate + that * gate_batch_stride (the
+                              // table's row stride): Qwen-Image 2.1's where-picked tanh gate rows
 };
 
 #ifndef __CUDACC_RTC__

@@ -136,6 +136,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.layernorm_modulate import (LAYERNORM_MODULATE, LAYERNORM_SCALE, LAYERNORM_SCALE_ROWS,
                                                            layernorm_modulate_ref, layernorm_scale_ref)
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS
+    from diffusers_fastpath.ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
     from diffusers_fastpath.ops.modulate_scale_shift import (MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS,
                                                              modulate_scale_shift_ref)
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
@@ -214,6 +215,10 @@ def emulated_kernels(monkeypatch):
     def rmsnorm_gated_residual_rows_indexed(norm, residual, rows, x):
         return rmsnorm_gated_residual_ref(norm, residual, indexed(rows), x)
 
+    def gated_layernorm_scale_rows_indexed(norm, residual, gate, update, scale):  # both rows through their index
+        x = gated_residual_arithmetic(residual, indexed(gate), update)
+        return x, layernorm_scale_ref(norm, x, indexed(scale))
+
     def gated_layernorm_arithmetic(norm, residual, gate, update, scale, shift):  # the residual's arithmetic, then the ref
         x = gated_residual_arithmetic(residual, gate, update)
         return x, layernorm_scale_shift_ref(norm, x, scale, shift)
@@ -227,6 +232,7 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE, layernorm_scale_ref),  # ... without a shift (Qwen-Image 2.1)
                        (LAYERNORM_SCALE_ROWS, layernorm_scale_rows_indexed),  # ... its where-picked rows, indexed
                        (GATED_RESIDUAL_ROWS, gated_residual_rows_arithmetic),
+                       (GATED_LAYERNORM_SCALE_ROWS, gated_layernorm_scale_rows_indexed),  # ... the in-block pair
                        (MODULATE_SCALE_SHIFT_ROWS, modulate_rows_indexed),  # MiniMax-H3's index_select rows
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (SIGMOID_MUL, sigmoid_mul_arithmetic),

@@ -63,7 +63,8 @@ from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
 from ..ops.rms_norm_modulate_rows import RMS_NORM_MODULATE_ROWS
 from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
-from ._norm_methods import FUSED as _NORM_FUSED, lazy_gates
+from ._norm_methods import FUSED as _NORM_FUSED, GATED_SITE, gated_norm_methods, lazy_gates
+from ..ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
 from ._chain_index_rows import lazy_index_rows
 from ._chain_token_rows import lazy_token_rows
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original, set_owner
@@ -176,6 +177,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         if rewriter.block:
             rewriter.found.index_rows += lazy_index_rows(body, _NS)  # (with the norm + modulate pairs' own)
             rewriter.found.token_rows = lazy_token_rows(body, _NS, proofs, fn.__globals__)
+        if rewriter.block and _SCALE_ROWS in (norm_methods or {}).values():  # after `lazy_gates`: its gates' form
+            rewriter.found.gated_norms = gated_norm_methods(body, _SCALE_ROWS, _NS, proofs)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
         if not rewriter.block:
@@ -591,6 +594,10 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         norm = getattr(block, attr)
         if type(norm) is FP32LayerNorm and norm.weight is not None and norm.bias is not None:
             state.add_site(norm, AFFINE_FP32)
+    for attr in found.gated_norms:  # a gated update joined with the scale-rows method's norm of its result
+        norm = getattr(block, attr, None)
+        if isinstance(norm, nn.LayerNorm):
+            state.add_site(norm, GATED_LAYERNORM_SCALE_ROWS.name, GATED_SITE)
     for attr in found.norms:
         norm = getattr(block, attr)
         if type(norm) is RMSNorm:  # LTX-Video's weightless norms: `rmsnorm_modulate` where the rows form took them

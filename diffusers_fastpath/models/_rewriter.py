@@ -199,6 +199,9 @@ class Rewrite:
     prefix_linears: int = 0  # concatenations of a prefix and a projection whose GEMM writes after it (`linear_prefix`)
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
     lazy_gates: int = 0  # scale-rows gates read through an index by their gated residual (`_norm_methods.lazy_gates`)
+    # norms of scale-rows method calls joined with the gated residual right before them (`_norm_methods
+    # .gated_norm_methods`): a ``gated`` site on each
+    gated_norms: list[str] = field(default_factory=list)
     index_rows: int = 0  # fused calls reading ``index_select`` rows through the index (`_chain_index_rows`)
     token_rows: int = 0  # ``select_per_token`` rows read through an index by a fused RMSNorm (`_chain_token_rows`)
 

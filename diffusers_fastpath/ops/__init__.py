@@ -6,6 +6,7 @@ from .layernorm_scale_shift import (gated_layernorm_scale_shift, gated_layernorm
                                     layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
 from .layernorm_modulate import layernorm_modulate, layernorm_modulate_ref, layernorm_scale, layernorm_scale_ref
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
+from .gated_layernorm_scale_rows import gated_layernorm_scale_rows, gated_layernorm_scale_rows_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .causal_conv_pad import causal_conv3d, causal_conv3d_ref
 from .causal_conv_cl import causal_conv3d_cl
@@ -74,6 +75,8 @@ __all__ = [
     "channel_rmsnorm_silu_ref",
     "gated_layernorm_scale_shift",
     "gated_layernorm_scale_shift_ref",
+    "gated_layernorm_scale_rows",
+    "gated_layernorm_scale_rows_ref",
     "gated_residual",
     "gated_residual_fp32",
     "gated_residual_fp32_ref",
