@@ -83,6 +83,63 @@ def unpatch_after():
 
 
 @pytest.fixture
+def rope_launches(emulated_kernels, monkeypatch):
+    """`ops.rmsnorm_rope`'s output launches (emulated on a CPU) recorded as ``(out.data_ptr(), out.shape)``: the
+    list, to see which rows each launch wrote."""
+    from diffusers_fastpath.ops import rmsnorm_rope as module
+
+    launches = []
+    emulated = module._launch_out
+
+    def recording(out, *args):
+        launches.append((out.data_ptr(), out.shape))
+        emulated(out, *args)
+
+    monkeypatch.setattr(module, "_launch_out", recording)
+    return launches
+
+
+@pytest.fixture
+def source_module(tmp_path, monkeypatch):
+    """``load(name, source)``: `source` written to a file and imported as the module `name`, registered in
+    `sys.modules` for the test (the rewriter reads a class's source through its module's file, as diffusers')."""
+    import importlib.util
+    import sys
+
+    def load(name: str, source: str):
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture
+def qwen21_cached_steps(unpatch_after):
+    """``run(batch=1, device="cpu")``: the tiny Qwen-Image 2.1's extract and cached steps (`zoo.kv_cached_steps`) on
+    fresh latents, unpatched, then patched (each step's first call of its signature also runs as written), the outputs
+    asserted equal; returns the patched model, unpatched at teardown."""
+    from diffusers_fastpath.testing import zoo
+
+    def run(batch: int = 1, device: str = "cpu"):
+        model = zoo.build("qwen-image-21", dtype=torch.bfloat16, device=device)
+        kwargs = zoo.inputs("qwen-image-21", model, batch=batch)
+        latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
+        ref = zoo.kv_cached_steps(model, kwargs, latents)
+        fp.patch(model)
+        unpatch_after(model)
+        got = zoo.kv_cached_steps(model, kwargs, latents)
+        assert all(torch.equal(g, r) for g, r in zip(got, ref))
+        return model
+
+    return run
+
+
+@pytest.fixture
 def tool():
     """A script of tools/ imported as a module, to call its functions in-process: ``tool("zoo_full_size")``."""
     import importlib.util

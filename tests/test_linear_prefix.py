@@ -6,8 +6,6 @@ published shapes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -133,24 +131,14 @@ def test_custom_op_opcheck_cpu():
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_qwen_image_21_cached_value_is_written_after_its_prefix(batch, emulated_kernels):
+def test_qwen_image_21_cached_value_is_written_after_its_prefix(batch, qwen21_cached_steps, emulated_kernels):
     """The tiny Qwen-Image 2.1's extract and cached steps patched == unpatched. Each block's value: at the extract step
     the projection runs where the cache store reads it; at the cached step its GEMM writes after the cached prefix
     (`linear_prefix`), at batch 1; at batch 2 that site counts why not and the concatenation runs as written."""
-    model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
-    kwargs = zoo.inputs("qwen-image-21", model, batch=batch)
-    latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
-    ref = zoo.kv_cached_steps(model, kwargs, latents)
-    fp.patch(model)
-    try:
-        # (each step's first call of its signature also runs as written)
-        got = zoo.kv_cached_steps(model, kwargs, latents)
-        assert all(torch.equal(g, r) for g, r in zip(got, ref))
-        for block in model.transformer_blocks:
-            site = dict(sites_of(block.attn))["linear_prefix"]
-            assert (site.fast, dict(site.fallback)) == ((1, {}) if batch == 1 else (0, {BATCH_REASON: 1}))
-    finally:
-        fp.unpatch(model)
+    model = qwen21_cached_steps(batch)
+    for block in model.transformer_blocks:
+        site = dict(sites_of(block.attn))["linear_prefix"]
+        assert (site.fast, dict(site.fallback)) == ((1, {}) if batch == 1 else (0, {BATCH_REASON: 1}))
     assert LINEAR_PREFIX.disabled is None
 
 
@@ -264,14 +252,8 @@ class Suffix:  # the prefix after the value: not the form
 
 
 @pytest.fixture
-def processors(tmp_path, monkeypatch):
-    path = tmp_path / "prefix_linear_processors.py"
-    path.write_text(PROCESSORS)
-    spec = importlib.util.spec_from_file_location("_fastpath_prefix_linear_processors", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
+def processors(source_module):
+    return source_module("_fastpath_prefix_linear_processors", PROCESSORS)
 
 
 @pytest.mark.parametrize("name, taken", [("Prefix", True), ("ReadFirst", False), ("Written", False),
@@ -335,21 +317,12 @@ def test_matches_eager_bitwise_on_the_gpu(prefix, tokens, heads, dim, k, dtype, 
 
 
 @pytest.mark.gpu
-def test_qwen_image_21_cached_step_is_bit_identical_on_the_gpu():
+def test_qwen_image_21_cached_step_is_bit_identical_on_the_gpu(qwen21_cached_steps):
     """The tiny Qwen-Image 2.1's extract and cached steps on the GPU, patched == unpatched, every block's cached value
     written by the GEMM after its prefix (the site fast, nothing falling back)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA")
-    model = zoo.build("qwen-image-21", dtype=torch.bfloat16, device="cuda")
-    kwargs = zoo.inputs("qwen-image-21", model)
-    latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
-    ref = zoo.kv_cached_steps(model, kwargs, latents)
-    fp.patch(model)
-    try:
-        got = zoo.kv_cached_steps(model, kwargs, latents)
-        assert all(torch.equal(g, r) for g, r in zip(got, ref))
-        sites = [dict(sites_of(b.attn))["linear_prefix"] for b in model.transformer_blocks]
-        assert all(s.fast == 1 and not s.fallback for s in sites), sites
-    finally:
-        fp.unpatch(model)
+    model = qwen21_cached_steps(device="cuda")
+    sites = [dict(sites_of(b.attn))["linear_prefix"] for b in model.transformer_blocks]
+    assert all(s.fast == 1 and not s.fallback for s in sites), sites
     assert LINEAR_PREFIX.disabled is None

@@ -6,8 +6,6 @@ published shapes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -43,19 +41,10 @@ def test_reference_is_the_helpers_chain():
         assert torch.equal(rmsnorm_rope_complex_prefix_ref(cached, norm, x, freqs), torch.cat([cached, key], dim=1))
 
 
-def test_kernel_writes_after_a_copy_of_the_prefix(emulated_kernels, monkeypatch):
+def test_kernel_writes_after_a_copy_of_the_prefix(rope_launches):
     """The fast path's own wrapper on a CPU (the launch emulated by the eager chain of its rows): one launch, into
     the rows after the prefix (a strided prefix copied as its values), the whole equal to the reference."""
-    from diffusers_fastpath.ops import rmsnorm_rope as module
-
-    launches = []
-    emulated = module._launch_out
-
-    def recording(out, *args):
-        launches.append((out.data_ptr(), out.shape))
-        emulated(out, *args)
-
-    monkeypatch.setattr(module, "_launch_out", recording)
+    launches = rope_launches
     cached, norm, x, freqs = make(1, 6, 11, 2, torch.bfloat16, "cpu", 1)
     cached = cached.transpose(1, 2).contiguous().transpose(1, 2)  # (a strided prefix: copied all the same)
     site, single = Site("rmsnorm_rope_complex_prefix"), Site("rmsnorm_rope_complex")
@@ -101,31 +90,21 @@ def test_custom_op_opcheck_cpu():
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_qwen_image_21_cached_key_is_written_after_its_prefix(batch, emulated_kernels):
+def test_qwen_image_21_cached_key_is_written_after_its_prefix(batch, qwen21_cached_steps, emulated_kernels):
     """The tiny Qwen-Image 2.1's extract and cached steps patched == unpatched. Each block's key: at the extract step
     its rotary runs where the cache store reads it (`rmsnorm_rope_complex`, as before); at the cached step the kernel
     writes it after the cached prefix (`rmsnorm_rope_complex_prefix`), at batch 1; at batch 2 that site counts why
     not and the key runs through the single op before the concatenation as written."""
-    model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
-    kwargs = zoo.inputs("qwen-image-21", model, batch=batch)
-    latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
-    ref = zoo.kv_cached_steps(model, kwargs, latents)
-    fp.patch(model)
-    try:
-        # (each step's first call of its signature also runs as written)
-        got = zoo.kv_cached_steps(model, kwargs, latents)
-        assert all(torch.equal(g, r) for g, r in zip(got, ref))
-        for block in model.transformer_blocks:
-            sites = dict(sites_of(block.attn))
-            prefix, single = sites["rmsnorm_rope_complex_prefix"], sites["rmsnorm_rope_complex"]
-            if batch == 1:
-                assert (prefix.fast, prefix.fallback) == (1, {})
-                assert (single.fast, single.fallback) == (3, {})  # q and k at the extract step, q at the cached
-            else:
-                assert (prefix.fast, dict(prefix.fallback)) == (0, {BATCH_REASON: 1})
-                assert single.fast + sum(single.fallback.values()) == 4
-    finally:
-        fp.unpatch(model)
+    model = qwen21_cached_steps(batch)
+    for block in model.transformer_blocks:
+        sites = dict(sites_of(block.attn))
+        prefix, single = sites["rmsnorm_rope_complex_prefix"], sites["rmsnorm_rope_complex"]
+        if batch == 1:
+            assert (prefix.fast, prefix.fallback) == (1, {})
+            assert (single.fast, single.fallback) == (3, {})  # q and k at the extract step, q at the cached
+        else:
+            assert (prefix.fast, dict(prefix.fallback)) == (0, {BATCH_REASON: 1})
+            assert single.fast + sum(single.fallback.values()) == 4
 
 
 PROCESSORS = '''import torch
@@ -164,14 +143,8 @@ class Written:  # the norm's input written between the rotary and the concatenat
 
 
 @pytest.fixture
-def processors(tmp_path, monkeypatch):
-    path = tmp_path / "prefix_processors.py"
-    path.write_text(PROCESSORS)
-    spec = importlib.util.spec_from_file_location("_fastpath_prefix_processors", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)
-    spec.loader.exec_module(mod)
-    return mod
+def processors(source_module):
+    return source_module("_fastpath_prefix_processors", PROCESSORS)
 
 
 @pytest.mark.parametrize("name, taken", [("Prefix", True), ("Suffix", False), ("Written", False)])
@@ -241,21 +214,12 @@ def test_matches_eager_bitwise_on_the_gpu(prefix, tokens, heads, dtype):
 
 
 @pytest.mark.gpu
-def test_qwen_image_21_cached_step_is_bit_identical_on_the_gpu():
+def test_qwen_image_21_cached_step_is_bit_identical_on_the_gpu(qwen21_cached_steps):
     """The tiny Qwen-Image 2.1's extract and cached steps on the GPU, patched == unpatched, every block's cached key
     written by the kernel (the prefix site fast, nothing falling back)."""
-    model = zoo.build("qwen-image-21", dtype=torch.bfloat16, device="cuda")
-    kwargs = zoo.inputs("qwen-image-21", model)
-    latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
-    ref = zoo.kv_cached_steps(model, kwargs, latents)
-    fp.patch(model)
-    try:
-        got = zoo.kv_cached_steps(model, kwargs, latents)
-        assert all(torch.equal(g, r) for g, r in zip(got, ref))
-        prefix = [dict(sites_of(b.attn))["rmsnorm_rope_complex_prefix"] for b in model.transformer_blocks]
-        assert all(s.fast == 1 and not s.fallback for s in prefix), prefix
-    finally:
-        fp.unpatch(model)
+    model = qwen21_cached_steps(device="cuda")
+    prefix = [dict(sites_of(b.attn))["rmsnorm_rope_complex_prefix"] for b in model.transformer_blocks]
+    assert all(s.fast == 1 and not s.fallback for s in prefix), prefix
     assert RMSNORM_ROPE_COMPLEX_PREFIX.disabled is None
 
 

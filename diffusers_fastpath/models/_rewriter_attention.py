@@ -577,32 +577,13 @@ class AttentionPasses:
             site = _site_of(ast.Name(self.owner, ast.Load()), RMSNORM_ROPE_PREFIX)
             materialize = _materialize(name)
 
-            def place(stmts: list[ast.stmt]) -> list[ast.stmt]:
-                """`stmts` with the concatenation replaced and K materialized before every other statement that
-                reads or binds it while it may still be pending (`touched` gets each statement changed)."""
-                out, changed = [], False
-                for i, stmt in enumerate(stmts):
-                    if stmt is cat:
-                        touched.append(stmt)
-                        value = _call("cat_prefix_rotated", [ast.Name(_cat_names(stmt.value, 1)[0], ast.Load()),
-                                                             ast.Name(name, ast.Load()), copy.deepcopy(site)])
-                        return [*out, like(ast.Assign(targets=stmt.targets, value=value), stmt), *stmts[i + 1:]]
-                    if isinstance(stmt, ast.If) and not _reads(stmt.test, name) and _bound_names(stmt.test) == set():
-                        new_if = copy.copy(stmt)
-                        new_if.body, new_if.orelse = place(stmt.body), place(stmt.orelse)
-                        if new_if.body is not stmt.body or new_if.orelse is not stmt.orelse:
-                            touched.append(stmt)
-                            changed = True
-                            stmt = new_if
-                        out.append(stmt)
-                        continue
-                    if _reads(stmt, name) or name in _bound_names(stmt):
-                        touched.append(stmt)
-                        return [*out, like(copy.deepcopy(materialize), stmt), *stmts[i:]]
-                    out.append(stmt)
-                return out if changed else stmts  # (K not read here: the list itself, to say nothing changed)
+            def stops(stmt: ast.stmt) -> str | None:
+                return "stop" if _reads(stmt, name) or name in _bound_names(stmt) else None
 
-            placed = place(new[last + 1:])
+            value = _call("cat_prefix_rotated", [ast.Name(_cat_names(cat.value, 1)[0], ast.Load()),
+                                                 ast.Name(name, ast.Load()), site])
+            placed = _place_prefix_cat(new[last + 1:], cat, value, materialize, touched, stops,
+                                       lambda test: not _reads(test, name) and not _bound_names(test))
             tops = [i for i, stmt in enumerate(new[last + 1:])
                     if any(t is n for t in touched for n in ast.walk(stmt))]
             end = last + 2 + max(tops)  # through the last top-level statement holding a new call, or read after one
@@ -648,7 +629,7 @@ class AttentionPasses:
         cats = _prefix_cats_of(body[i + 1:], name)
         if len(cats) != 1:
             return None
-        cat, touched, replaced = cats[0], [], []
+        cat, touched = cats[0], []
         site = _site_of(ast.Name(self.owner, ast.Load()), LINEAR_PREFIX)
         materialize = _materialize(name)
 
@@ -667,38 +648,18 @@ class AttentionPasses:
                     and value.func.value.id == name and len(value.args) == 2 and not value.keywords
                     and not any(isinstance(a, ast.Starred) or _reads(a, name) or _bound_names(a) for a in value.args))
 
-        def place(stmts: list[ast.stmt]) -> list[ast.stmt]:
-            """`stmts` with the concatenation replaced and V materialized before every other statement that reads
-            or binds it while it may still wait (`touched` gets each statement changed)."""
-            out, changed = [], False
-            for k, stmt in enumerate(stmts):
-                if stmt is cat:
-                    touched.append(stmt)
-                    replaced.append(stmt)
-                    value = _call("cat_prefix_linear", [ast.Name(_cat_names(stmt.value, 1)[0], ast.Load()),
-                                                        ast.Name(name, ast.Load()), copy.deepcopy(site)])
-                    return [*out, like(ast.Assign(targets=stmt.targets, value=value), stmt), *stmts[k + 1:]]
-                if isinstance(stmt, ast.If) and dtype_only(stmt.test) and not _bound_names(stmt.test):
-                    new_if = copy.copy(stmt)
-                    new_if.body, new_if.orelse = place(stmt.body), place(stmt.orelse)
-                    if new_if.body is not stmt.body or new_if.orelse is not stmt.orelse:
-                        touched.append(stmt)
-                        changed = True
-                        stmt = new_if
-                    out.append(stmt)
-                    continue
-                if unflatten(stmt):
-                    touched.append(stmt)  # (the waiting projection's own ``unflatten``: nothing to change)
-                elif not dtype_only(stmt):
-                    touched.append(stmt)
-                    return [*out, like(copy.deepcopy(materialize), stmt), *stmts[k:]]
-                elif _reads(stmt, name):
-                    touched.append(stmt)
-                out.append(stmt)
-            return out if changed else stmts
+        def seen(stmt: ast.stmt) -> str | None:
+            if unflatten(stmt):
+                return "read"  # (the waiting projection's own ``unflatten``: nothing to change)
+            if not dtype_only(stmt):
+                return "stop"
+            return "read" if _reads(stmt, name) else None
 
-        placed = place(body[i + 1:])
-        if not replaced:
+        value = _call("cat_prefix_linear", [ast.Name(_cat_names(cat.value, 1)[0], ast.Load()),
+                                            ast.Name(name, ast.Load()), site])
+        placed = _place_prefix_cat(body[i + 1:], cat, value, materialize, touched, seen,
+                                   lambda test: dtype_only(test) and not _bound_names(test))
+        if not any(t is cat for t in touched):
             return None  # (read otherwise before the concatenation: it would run as written)
         tops = [k for k, stmt in enumerate(body[i + 1:]) if any(t is n for t in touched for n in ast.walk(stmt))]
         end = i + 2 + max(tops)  # through the last top-level statement holding a new call, or read after one
@@ -749,6 +710,38 @@ class AttentionPasses:
             out.append(stmt)
             i += 1
         return out
+
+
+def _place_prefix_cat(stmts: list[ast.stmt], cat: ast.stmt, value: ast.expr, materialize: ast.stmt,
+                      touched: list[ast.stmt], seen, enter) -> list[ast.stmt]:
+    """`stmts` with the concatenation statement `cat` binding `value` instead, and `materialize` put before the first
+    other statement that must see the pending name as it is (``seen(stmt)`` says "stop"; "read": it reads the name
+    and may run while it waits; None: it does not read it), descending into ``if`` statements whose test `enter`
+    takes. `touched` gets each statement changed or read on the way (`cat` among them where it was reached). Returns
+    `stmts` itself where nothing changed: the two prefix forms' placement (`_prefix_cats`, `_prefix_linear`)."""
+    out, changed = [], False
+    for k, stmt in enumerate(stmts):
+        if stmt is cat:
+            touched.append(stmt)
+            return [*out, like(ast.Assign(targets=stmt.targets, value=value), stmt), *stmts[k + 1:]]
+        if isinstance(stmt, ast.If) and enter(stmt.test):
+            new_if = copy.copy(stmt)
+            new_if.body = _place_prefix_cat(stmt.body, cat, value, materialize, touched, seen, enter)
+            new_if.orelse = _place_prefix_cat(stmt.orelse, cat, value, materialize, touched, seen, enter)
+            if new_if.body is not stmt.body or new_if.orelse is not stmt.orelse:
+                touched.append(stmt)
+                changed = True
+                stmt = new_if
+            out.append(stmt)
+            continue
+        verdict = seen(stmt)
+        if verdict == "stop":
+            touched.append(stmt)
+            return [*out, like(copy.deepcopy(materialize), stmt), *stmts[k:]]
+        if verdict == "read":
+            touched.append(stmt)
+        out.append(stmt)
+    return out if changed else stmts  # (the name not read here: the list itself, to say nothing changed)
 
 
 def _prefix_cats_of(stmts: list[ast.stmt], name: str) -> list[ast.stmt]:
