@@ -22,7 +22,7 @@ from torch import nn
 
 from .._state import SITE_ATTR, PatchState
 from ..ops.ltx_upsampler import LTX_UPSAMPLER3D, add_upsampler_class, ltx_upsampler3d
-from .vae import checked_forwards
+from .vae import swap_checked
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting): the residual's
 # reshape, permute, flatten, repeat and slice, self.conv, the result's reshape, permute, flatten and slice, the add
@@ -67,10 +67,4 @@ def swap_ltx_upsamplers(model: nn.Module, state: PatchState) -> None:
     """Make every residual ``LTXVideoUpsampler3d`` / ``LTX2VideoUpsampler3d`` of `model` of stride (2, 2, 2) and
     upscale factor 2 its `ltx_upsampler3d` subclass, with a site, where the class's forward is the one read here
     (checked for the classes `model` holds; one warning for each that is not)."""
-    held = {type(m) for m in model.modules() if type(m) in UPSAMPLERS and _taken(m)}
-    fits = checked_forwards([base for base in UPSAMPLERS if base in held], UPSAMPLER_DIGESTS,
-                            register=add_upsampler_class)
-    for module in model.modules():
-        if type(module) in fits and _taken(module):
-            state.swap_class(module, UPSAMPLERS[type(module)])
-            state.add_site(module, LTX_UPSAMPLER3D.name)
+    swap_checked(model, state, UPSAMPLERS, UPSAMPLER_DIGESTS, add_upsampler_class, LTX_UPSAMPLER3D.name, _taken)
