@@ -91,7 +91,8 @@ def test_the_kernels_formula_and_the_emulation_are_diffusers_forward():
         h = _x((shape[0], 4 * shape[1], *shape[2:]), seed=1)
         bias = _x((4 * shape[1],), seed=2)
         ref = eager_tail((h + bias.view(1, -1, 1, 1, 1)).contiguous(), x)
-        assert ref.is_contiguous() and ref.shape == (shape[0], shape[1] // 2, 2 * shape[2] - 1, *(2 * s for s in shape[3:]))
+        assert ref.is_contiguous()
+        assert ref.shape == (shape[0], shape[1] // 2, 2 * shape[2] - 1, *(2 * s for s in shape[3:]))
         assert torch.equal(_formula((h + bias.view(1, -1, 1, 1, 1)).contiguous(), x), ref)
         got = conv_bias.depth_to_space_residual_arithmetic(_cl(h), bias, x)
         assert got.is_contiguous() and torch.equal(got, ref)
@@ -180,7 +181,8 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     assert (kernel, key, grid, block) == (conv_bias._NVRTC_D2S, torch.bfloat16, (2 * 2, 30, 1), (32, 8, 1))
     assert out.shape == (2, 12, 5, 10, 80) and out.is_contiguous() and out.dtype is raw.dtype
     assert (a.a.out, a.a.x, a.a.bias, a.a.residual) == (out.data_ptr(), raw.data_ptr(), bias.data_ptr(), res.data_ptr())
-    assert (a.a.batch, a.a.channels, a.a.groups, a.a.frames, a.a.height, a.a.width, a.a.dtype) == (2, 12, 3, 3, 5, 40, 1)
+    assert (a.a.batch, a.a.channels, a.a.groups, a.a.frames, a.a.height, a.a.width, a.a.dtype) == (
+        2, 12, 3, 3, 5, 40, 1)
     conv_bias._nvrtc_depth_to_space(raw.half(), bias.half(), res.half())
     assert launches[-1][1] == torch.float16 and launches[-1][4].a.dtype == 0
 
@@ -424,11 +426,14 @@ def test_kernel_equals_diffusers_forward_on_the_convolutions_tensor(shape, dtype
         assert out.is_contiguous() and out.stride() == ref.stride() and tensors_equal(out, ref), (shape, way)
 
 
+# (the decoder's three, reflected, causal and not; zero spatial padding (LTX-Video's form) at an odd shape)
+OP_CASES = [(DECODER_SHAPES[0], "reflect", True), (DECODER_SHAPES[1], "reflect", False),
+            (DECODER_SHAPES[2], "reflect", True), ((2, 24, 3, 5, 33), "zeros", True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape,mode,causal", [(DECODER_SHAPES[0], "reflect", True), (DECODER_SHAPES[1], "reflect", False),
-                                               (DECODER_SHAPES[2], "reflect", True), ((2, 24, 3, 5, 33), "zeros", True)],
-                         ids=str)
+@pytest.mark.parametrize("shape,mode,causal", OP_CASES, ids=str)
 @torch.no_grad()
 def test_op_equals_the_modules_eager_forward(shape, mode, causal, dtype):
     """The op (its guard and first-call check) on a real ``LTX2VideoUpsampler3d`` with random weights, against the

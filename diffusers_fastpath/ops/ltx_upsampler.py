@@ -46,7 +46,7 @@ from torch import nn
 
 from . import causal_conv_pad as _pad
 from . import ltx_causal_conv as _conv
-from ._policy import REASON_FORWARD_REPLACED, EagerClasses, FusedOp, Site, forward_replaced, hooks_on
+from ._policy import EagerClasses, FusedOp, Site, hooks_on
 from .causal_conv_cl import PendingBias, convolve_channels_last
 from .conv_bias import bias_depth_to_space, depth_to_space_residual_arithmetic
 
@@ -93,10 +93,8 @@ def _guard(module, x: torch.Tensor, causal: bool | None = None, check_pointers: 
     # (a device reason, the convolution guard's last, is given after this guard's own: the CPU tests' emulation,
     # which takes a "device cpu" for a pass, then runs them too)
     device_reason = reason
-    if hooks_on(conv):
+    if hooks_on(conv):  # (its class's forward replaced: refused by the convolution's guard above)
         return "the convolution has hooks"
-    if forward_replaced(conv):
-        return REASON_FORWARD_REPLACED.format(type(conv).__name__)
     if not _conv._channels_last(conv.conv, x):
         return "the convolution's channels-first path (fp32, no bias, a channels-last weight)"
     if not x.is_contiguous():
