@@ -98,6 +98,44 @@ at::Tensor conv_bias_residual_contiguous(const at::Tensor& x, const at::Tensor& 
   return bias_contiguous_into("conv_bias_residual_contiguous", x, bias, &residual);
 }
 
+// A residual upsampler's output from its convolution's channels-last output (conv_bias.cu's bias_depth_to_space:
+// ops/ltx_upsampler.py): x a channels-last CUDA [N, 8 C', T, H, W] tensor of bf16/fp16, 16-byte aligned; bias a
+// contiguous [8 C'] of its dtype; residual the upsampler's input, a contiguous [N, 8 G, T, H, W] of x's dtype and
+// device (C' a multiple of G); out contiguous [N, C', 2 T - 1, 2 H, 2 W].
+at::Tensor conv_bias_depth_to_space(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 5 && x.size(1) % 8 == 0 && x.size(2) > 0 && bias.is_cuda() &&
+                  bias.dim() == 1 && bias.size(0) == x.size(1) && bias.is_contiguous() &&
+                  bias.scalar_type() == x.scalar_type() && x.is_contiguous(at::MemoryFormat::ChannelsLast3d) &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "conv_bias_depth_to_space: x must be a 16-byte aligned channels-last CUDA [N, 8 C, T, H, W] tensor and "
+              "bias a contiguous [8 C] of its dtype, got ", shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+  TORCH_CHECK(residual.device() == x.device() && residual.dim() == 5 && residual.size(0) == x.size(0) &&
+                  residual.size(1) % 8 == 0 && residual.size(1) > 0 && (x.size(1) / 8) % (residual.size(1) / 8) == 0 &&
+                  residual.size(2) == x.size(2) && residual.size(3) == x.size(3) && residual.size(4) == x.size(4) &&
+                  residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "conv_bias_depth_to_space: residual must be a contiguous [N, 8 G, T, H, W] of x's dtype and device with "
+              "G dividing x's channels / 8, got ", shape_str(residual.sizes()), " for x ", shape_str(x.sizes()));
+  BiasDepthToSpaceArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 8, 2 * x.size(2) - 1, 2 * x.size(3), 2 * x.size(4)},
+                             x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.bias = bias.data_ptr();
+  args.residual = residual.data_ptr();
+  args.batch = x.size(0);
+  args.channels = x.size(1) / 8;
+  args.groups = residual.size(1) / 8;
+  args.frames = x.size(2);
+  args.height = x.size(3);
+  args.width = x.size(4);
+  const cudaError_t err = launch_bias_depth_to_space(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "conv_bias_depth_to_space: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // The arguments of causal_pad.cu's kernels for x, cache (optional), padding and the flags, and the output they write
 // (the checks of causal_pad below; ltx_rmsnorm_pad_cl's too).
 std::pair<CausalPadArgs, at::Tensor> causal_pad_args(const at::Tensor& x, const std::optional<at::Tensor>& cache,
@@ -566,6 +604,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
   m.def("_conv_bias_contiguous_cuda(Tensor x, Tensor bias) -> Tensor");
   m.def("_conv_bias_residual_contiguous_cuda(Tensor x, Tensor bias, Tensor residual) -> Tensor");
+  m.def("_conv_bias_depth_to_space_cuda(Tensor x, Tensor bias, Tensor residual) -> Tensor");
   m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding, bool channels_last=False, bool replicate_t=False, "
         "bool reflect_hw=False) -> Tensor");
   m.def("_group_norm_silu_cuda(Tensor x, Tensor weight, Tensor bias, int groups, float eps, bool silu, int variant) "
@@ -593,6 +632,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_conv_bias_cuda_", &diffusers_fastpath::conv_bias_);
   m.impl("_conv_bias_contiguous_cuda", &diffusers_fastpath::conv_bias_contiguous);
   m.impl("_conv_bias_residual_contiguous_cuda", &diffusers_fastpath::conv_bias_residual_contiguous);
+  m.impl("_conv_bias_depth_to_space_cuda", &diffusers_fastpath::conv_bias_depth_to_space);
   m.impl("_causal_pad_cuda", &diffusers_fastpath::causal_pad);
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);

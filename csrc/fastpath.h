@@ -586,4 +586,30 @@ struct BiasContiguousArgs {
 cudaError_t launch_bias_contiguous(const BiasContiguousArgs& args, cudaStream_t stream);
 #endif
 
+// A residual upsampler's output (LTX-Video's and LTX-2's LTX*VideoUpsampler3d, stride (2, 2, 2), residual) written
+// from its convolution's channels-last output without the bias (conv_bias.cu): x dense [batch, frames, height, width,
+// 8 * channels] (channels-last memory; channel c * 8 + dt * 4 + dh * 2 + dw is output channel c at frame 2 t + dt - 1,
+// row 2 h + dh, column 2 w + dw), residual the upsampler's input [batch, 8 * groups, frames, height, width] contiguous
+// (its channel (c % groups) * 8 + dt * 4 + dh * 2 + dw at (t, h, w) is the one added there), out contiguous
+// [batch, channels, 2 * frames - 1, 2 * height, 2 * width] (the frame 2 t + dt - 1 = -1 dropped):
+//   out[n][c][2t+dt-1][2h+dh][2w+dw] = round(float(round(float(x[n][t][h][w][8c+j]) + float(bias[8c+j])))
+//                                            + float(residual[n][(c % groups) * 8 + j][t][h][w]))   (j = 4dt+2dh+dw)
+struct BiasDepthToSpaceArgs {
+  void* out;
+  const void* x;         // 16-byte aligned
+  const void* bias;      // [8 * channels], contiguous
+  const void* residual;
+  int64_t batch;
+  int64_t channels;      // the output's (the convolution's / 8)
+  int64_t groups;        // the residual's channels / 8
+  int64_t frames;
+  int64_t height;
+  int64_t width;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_bias_depth_to_space(const BiasDepthToSpaceArgs& args, cudaStream_t stream);
+#endif
+
 }  // namespace diffusers_fastpath

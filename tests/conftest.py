@@ -415,6 +415,15 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(conv_bias_module, "_residual_op", lambda raw, bias, residual: (
         conv_bias_module.bias_residual_contiguous_arithmetic(
             raw, bias, residual, biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
+    # LTX-Video's and LTX-2's residual upsamplers (`ltx_upsampler3d`): its own code, the convolution causal_conv_cl's
+    # as emulated above, the kernel's launch its arithmetic (bias_contiguous's tensor, the depth-to-space moves of it
+    # and of the input, then aten's add) on the convolution's tensor as the emulated convolution leaves it (the bias
+    # inside: the bias and transpose pass a copy)
+    upsampler = sys.modules["diffusers_fastpath.ops.ltx_upsampler"]
+    monkeypatch.setattr(upsampler.LTX_UPSAMPLER3D, "guard", _as_if_on_cuda(upsampler.LTX_UPSAMPLER3D.guard))
+    monkeypatch.setattr(conv_bias_module, "_depth_to_space_op", lambda raw, bias, residual: (
+        conv_bias_module.depth_to_space_residual_arithmetic(
+            raw, bias, residual, biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
     # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
     # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
     # its proofs (the sqrt and the SiLU on every value) run the CUDA kernel's probe modes

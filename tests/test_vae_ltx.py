@@ -129,10 +129,12 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(kind, emu
     norms = _norms(vae)
     assert norms == 2 * sum(type(m).__name__ == "LTXVideoResnetBlock3d" for m in vae.modules()) + 2
     convs = sum(type(m) is torch.nn.Conv3d and m.bias is not None for m in vae.modules())  # (each causal conv's `conv`)
+    upsamplers = sum(type(m).__name__ == "LTXVideoUpsampler3d" and m.residual for m in vae.modules())
+    assert upsamplers == (3 if kind == "0.9.5" else 0)  # (0.9.0's upsamplers add no residual: left as they are)
     unpatch_after(fp.patch(vae))
     assert convs and Counter(r.op for r in fp.report(vae).sites) == Counter(  # (a conv_bias site on each `.conv`)
         {"ltx_rmsnorm": norms, PAIR: norms, CHAIN: norms,  # (each norm: a pair, joined with its convolution)
-         "conv_bias": convs, "ltx_causal_conv3d": convs})
+         "conv_bias": convs, "ltx_causal_conv3d": convs, "ltx_upsampler3d": upsamplers})
     assert torch.equal(_decode(vae, z), ref_dec)
     for r in _sites(vae):  # the decoder's sites ran fast, the encoder's not yet
         assert (r.fast > 0 and not r.fallback) if r.site.startswith("decoder.") else (r.fast, r.fallback) == (0, 0), r

@@ -7,6 +7,10 @@ of 0.9.1+ included), through exact pieces.
   convolution, the bias and the transpose back in one pass (checked per convolution signature). Their ``conv`` (an
   ``nn.Conv3d``) becomes `FastpathConv3d` (`diffusers_fastpath.models.vae_conv`: one vectorised pass for the bias,
   exact by construction), which the channels-first path (fp32, a refused call) runs.
+- The residual upsamplers of 0.9.5+ (``LTXVideoUpsampler3d``, stride (2, 2, 2), upscale factor 2): the convolution's
+  channels-last output, its bias, the depth-to-space of it and of the input and the residual add in one pass
+  (`diffusers_fastpath.ops.ltx_upsampler3d`, `diffusers_fastpath.models.vae_ltx_upsampler`); 0.9.0's (no residual)
+  run as written, their convolutions as above.
 - The norms: every diffusers ``RMSNorm`` of the VAE without weight (``norm1`` and ``norm2`` of each
   ``LTXVideoResnetBlock3d``, the encoder's and the decoder's ``norm_out``: each called on the channel-last view
   ``x.movedim(1, -1)`` of a channel-first activation) becomes `FastpathLTXRMSNorm`, whose forward is
@@ -52,6 +56,7 @@ from .vae import PairBlock, checked_forwards, silu_pair_unfit, swap_pair_blocks
 from .vae_conv import swap_convs
 from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
 from .vae_ltx_conv import FastpathLTXVideoCausalConv3d, swap_ltx_causal_convs
+from .vae_ltx_upsampler import swap_ltx_upsamplers
 
 # diffusers 0.42.1's RMSNorm.forward (`_source.body_digest`: the body, without docstring and formatting): the
 # ``x.to(float32).pow(2).mean(-1)`` reduction, ``x * rsqrt(v + eps)`` and, without weight, ``.to(input_dtype)``
@@ -100,6 +105,7 @@ def patch_ltx_vae(model, state: PatchState) -> None:
     (see module doc)."""
     swap_convs(model, state)  # (the causal convolutions' ``conv``: their biases)
     swap_ltx_causal_convs(model, state)  # (the causal convolutions: their padded input, channels-last)
+    swap_ltx_upsamplers(model, state)  # (0.9.5's residual upsamplers: the convolution's output, the moves, the add)
     if not norm_fits():
         return
     swap_pair_blocks(model, state, BLOCKS, lambda norm, act: _weightless(norm) and type(act) is nn.SiLU)

@@ -21,6 +21,7 @@ from .linear_gelu import linear_gelu, linear_gelu_ref
 from .ltx_bias_norm_conv import ltx_bias_norm_conv, ltx_bias_norm_conv_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
 from .ltx_norm_conv import ltx_norm_conv, ltx_norm_conv_ref
+from .ltx_upsampler import ltx_upsampler3d, ltx_upsampler3d_ref
 from .ltx_vae_rmsnorm import ltx_rmsnorm, ltx_rmsnorm_ref, ltx_vae_rmsnorm_silu, ltx_vae_rmsnorm_silu_ref
 from .ltx_vae_rmsnorm_conv import ltx_vae_rmsnorm_conv, ltx_vae_rmsnorm_conv_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
@@ -111,6 +112,8 @@ __all__ = [
     "ltx_causal_conv3d_ref",
     "ltx_norm_conv",
     "ltx_norm_conv_ref",
+    "ltx_upsampler3d",
+    "ltx_upsampler3d_ref",
     "ltx_rmsnorm",
     "ltx_rmsnorm_ref",
     "ltx_vae_rmsnorm_conv",

@@ -42,11 +42,13 @@ def ltx_vae_sites(report) -> list:
     first call of each signature of the convolution before it leaves it; ``ltx_norm_conv`` where it always came
     pending); and less a block's ``conv_bias_residual`` site that never ran (its add's value came as a tensor: the
     first call of each signature of the convolution before it, or a convolution whose channels leave nothing
-    pending)."""
+    pending); and less the ``ltx_causal_conv3d`` site of a fast upsampler's convolution (`ltx_upsampler3d` stands
+    for its call: that site counts only the calls of the upsampler's first-call checks, the module's forward)."""
     chains = ("ltx_norm_conv", "ltx_bias_norm_conv", "ltx_vae_rmsnorm_conv")
     norms = ("per_channel_rmsnorm_silu", "ltx_vae_rmsnorm_silu", "ltx_rmsnorm")
     chain = {r.site.split(":")[0] for r in report.sites if r.op in chains and r.fast}
-    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast} | chain
+    upsampled = {f"{r.site.split(':')[0]}.conv" for r in report.sites if r.op == "ltx_upsampler3d" and r.fast}
+    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast} | chain | upsampled
     blocks = {path.rsplit(".", 1)[0] for path in chain}
 
     def left_out(r) -> bool:
@@ -55,6 +57,8 @@ def ltx_vae_sites(report) -> list:
             return False
         if r.op == "conv_bias":
             return path.rsplit(".", 1)[0] in fast
+        if r.op == "ltx_causal_conv3d" and path in upsampled:
+            return True
         return not r.fast and (r.op in ("ltx_causal_conv3d", *chains) and path in chain
                                or r.op in norms and path.rsplit(".", 1)[0] in blocks
                                or r.op == "conv_bias_residual")
