@@ -623,7 +623,7 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
                                   const at::Tensor* update = nullptr, int64_t scale_seq_stride = 0,
                                   int64_t shift_seq_stride = 0, const at::Tensor* norm_weight = nullptr,
                                   const at::Tensor* norm_bias = nullptr, bool no_shift = false,
-                                  const at::Tensor* row_index = nullptr) {
+                                  const at::Tensor* row_index = nullptr, const at::Tensor* gate_index = nullptr) {
   const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
   check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
@@ -660,15 +660,23 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   args.norm_weight = norm_weight != nullptr ? norm_weight->data_ptr() : nullptr;
   args.norm_bias = norm_bias != nullptr ? norm_bias->data_ptr() : nullptr;
   args.row_index = row_index != nullptr ? row_index->data_ptr() : nullptr;
+  args.gate_index = nullptr;
+  TORCH_CHECK(gate_index == nullptr || args.gated, "layernorm_scale_shift: an indexed gate needs the gated form");
   if (args.gated) {  // x is the residual (gated_layernorm_scale_shift)
-    check_gated_residual_inputs(*x_out, x, *gate, *update);
-    TORCH_CHECK(!modulate_fp32 && gate->scalar_type() == x.scalar_type() && gate->size(1) == 1,
-                "gated_layernorm_scale_shift: the gate must be [batch or 1, 1, dim] rows of x's dtype, and scale/shift "
-                "of x's dtype");
+    // gate_index (gated_layernorm_modulate_rows): the gate is the [1, rows, dim] view of a [rows, dim] table
+    const bool indexed_gate = gate_index != nullptr;
+    check_gated_residual_inputs(*x_out, x, *gate, *update, indexed_gate);
+    if (indexed_gate) check_row_index(*gate_index, x, "gated_layernorm_modulate_rows");
+    TORCH_CHECK(!modulate_fp32 && gate->scalar_type() == x.scalar_type() &&
+                    (indexed_gate ? gate->size(0) == 1 : gate->size(1) == 1),
+                "gated_layernorm_scale_shift: the gate must be [batch or 1, 1, dim] rows of x's dtype (or an indexed "
+                "[rows, dim] table), and scale/shift of x's dtype");
     args.x_out = x_out->data_ptr();
     args.gate = gate->data_ptr();
     args.update = update->data_ptr();
-    args.gate_batch_stride = gate->size(0) == 1 ? 0 : gate->stride(0);
+    args.gate_batch_stride = indexed_gate ? (gate->size(1) == 1 ? 0 : gate->stride(1))
+                                          : (gate->size(0) == 1 ? 0 : gate->stride(0));
+    args.gate_index = indexed_gate ? gate_index->data_ptr() : nullptr;
   }
   const cudaError_t err = launch_layernorm_scale_shift(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "layernorm_scale_shift: kernel launch failed: ", cudaGetErrorString(err));
@@ -720,7 +728,9 @@ at::Tensor layernorm_affine_fp32(const at::Tensor& x, const at::Tensor& weight, 
 at::Tensor layernorm_modulate_launch(const at::Tensor& x, const at::Tensor& scale,
                                      const std::optional<at::Tensor>& shift_opt, const std::optional<at::Tensor>& weight,
                                      const std::optional<at::Tensor>& bias, double eps,
-                                     const at::Tensor* row_index) {
+                                     const at::Tensor* row_index, at::Tensor* x_out = nullptr,
+                                     const at::Tensor* gate = nullptr, const at::Tensor* update = nullptr,
+                                     const at::Tensor* gate_index = nullptr) {
   const bool no_shift = !(shift_opt.has_value() && shift_opt->defined());
   const at::Tensor& shift = no_shift ? scale : *shift_opt;
   TORCH_CHECK(x.dim() == 3 && scale.dim() == 3 && shift.dim() == 3,
@@ -748,8 +758,8 @@ at::Tensor layernorm_modulate_launch(const at::Tensor& x, const at::Tensor& scal
   if (x.numel() == 0) return out;
   const int64_t scale_seq = scale.size(1) == 1 ? 0 : scale.stride(1), shift_seq = shift.size(1) == 1 ? 0 : shift.stride(1);
   layernorm_scale_shift_launch(out, x, scale.select(1, 0), shift.select(1, 0), eps, /*probe=*/false, 0,
-                               /*affine=*/false, nullptr, nullptr, nullptr, scale_seq, shift_seq,
-                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift, row_index);
+                               /*affine=*/false, x_out, gate, update, scale_seq, shift_seq,
+                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift, row_index, gate_index);
   return out;
 }
 
@@ -768,6 +778,22 @@ at::Tensor layernorm_modulate_rows(const at::Tensor& x, const at::Tensor& scale,
                                             : std::nullopt;
   return layernorm_modulate_launch(x, table_rows(scale, "layernorm_modulate_rows"), shift_rows, weight, bias, eps,
                                    &index);
+}
+
+// Qwen-Image 2.1's in-block pair (gated_layernorm_scale_rows): x = residual + gate[gate_index] * update, written out,
+// then the LayerNorm-modulate of x with the scale (and shift) rows of the [rows, dim] tables at index; (x, out).
+std::tuple<at::Tensor, at::Tensor> gated_layernorm_modulate_rows(
+    const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& gate_index, const at::Tensor& update,
+    const at::Tensor& scale, const std::optional<at::Tensor>& shift, const at::Tensor& index,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
+  const char* op = "gated_layernorm_modulate_rows";
+  at::Tensor x_out = at::empty(residual.sizes(), residual.options());
+  const at::Tensor gate_rows = table_rows(gate, op);
+  const std::optional<at::Tensor> shift_rows =
+      shift.has_value() && shift->defined() ? std::optional<at::Tensor>(table_rows(*shift, op)) : std::nullopt;
+  at::Tensor out = layernorm_modulate_launch(residual, table_rows(scale, op), shift_rows, weight, bias, eps, &index,
+                                             &x_out, &gate_rows, &update, &gate_index);
+  return {x_out, out};
 }
 
 // tools/layernorm_order_probe.py: the same kernel with a reduction variant chosen at run time.
@@ -827,6 +853,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_modulate_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
   m.def("_gated_residual_rows_cuda(Tensor residual, Tensor table, Tensor index, Tensor update) -> Tensor");
+  m.def(
+      "_gated_layernorm_modulate_rows_cuda(Tensor residual, Tensor gate, Tensor gate_index, Tensor update, "
+      "Tensor scale, Tensor? shift, Tensor index, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)");
   m.def("_layernorm_modulate_rows_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor index, Tensor? weight, "
         "Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");
@@ -869,6 +898,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_gated_residual_cuda", &diffusers_fastpath::gated_residual);
   m.impl("_gated_residual_rows_cuda", &diffusers_fastpath::gated_residual_rows);
   m.impl("_layernorm_modulate_rows_cuda", &diffusers_fastpath::layernorm_modulate_rows);
+  m.impl("_gated_layernorm_modulate_rows_cuda", &diffusers_fastpath::gated_layernorm_modulate_rows);
   m.impl("_gated_residual_cuda_out", &diffusers_fastpath::gated_residual_out);
   m.impl("_silu_mul_cuda", &diffusers_fastpath::silu_mul);
   m.impl("_silu_mul_cuda_out", &diffusers_fastpath::silu_mul_out);

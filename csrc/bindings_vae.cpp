@@ -98,13 +98,49 @@ at::Tensor conv_bias_residual_contiguous(const at::Tensor& x, const at::Tensor& 
   return bias_contiguous_into("conv_bias_residual_contiguous", x, bias, &residual);
 }
 
-// A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
-// stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
-// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last. Its
-// border zeros, or in time the first and last frames repeated (replicate_t: some frame needed) and in space F.pad's
-// reflection (reflect_hw: each spatial padding below its axis' size, as reflection_pad3d requires).
-at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding,
-                      bool channels_last, bool replicate_t, bool reflect_hw) {
+// A residual upsampler's output from its convolution's channels-last output (conv_bias.cu's bias_depth_to_space:
+// ops/ltx_upsampler.py): x a channels-last CUDA [N, 8 C', T, H, W] tensor of bf16/fp16, 16-byte aligned; bias a
+// contiguous [8 C'] of its dtype; residual the upsampler's input, a contiguous [N, 8 G, T, H, W] of x's dtype and
+// device (C' a multiple of G); out contiguous [N, C', 2 T - 1, 2 H, 2 W].
+at::Tensor conv_bias_depth_to_space(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 5 && x.size(1) % 8 == 0 && x.size(2) > 0 && bias.is_cuda() &&
+                  bias.dim() == 1 && bias.size(0) == x.size(1) && bias.is_contiguous() &&
+                  bias.scalar_type() == x.scalar_type() && x.is_contiguous(at::MemoryFormat::ChannelsLast3d) &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "conv_bias_depth_to_space: x must be a 16-byte aligned channels-last CUDA [N, 8 C, T, H, W] tensor and "
+              "bias a contiguous [8 C] of its dtype, got ", shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+  TORCH_CHECK(residual.device() == x.device() && residual.dim() == 5 && residual.size(0) == x.size(0) &&
+                  residual.size(1) % 8 == 0 && residual.size(1) > 0 && (x.size(1) / 8) % (residual.size(1) / 8) == 0 &&
+                  residual.size(2) == x.size(2) && residual.size(3) == x.size(3) && residual.size(4) == x.size(4) &&
+                  residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "conv_bias_depth_to_space: residual must be a contiguous [N, 8 G, T, H, W] of x's dtype and device with "
+              "G dividing x's channels / 8, got ", shape_str(residual.sizes()), " for x ", shape_str(x.sizes()));
+  BiasDepthToSpaceArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 8, 2 * x.size(2) - 1, 2 * x.size(3), 2 * x.size(4)},
+                             x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.bias = bias.data_ptr();
+  args.residual = residual.data_ptr();
+  args.batch = x.size(0);
+  args.channels = x.size(1) / 8;
+  args.groups = residual.size(1) / 8;
+  args.frames = x.size(2);
+  args.height = x.size(3);
+  args.width = x.size(4);
+  const cudaError_t err = launch_bias_depth_to_space(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "conv_bias_depth_to_space: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// The arguments of causal_pad.cu's kernels for x, cache (optional), padding and the flags, and the output they write
+// (the checks of causal_pad below; ltx_rmsnorm_pad_cl's too).
+std::pair<CausalPadArgs, at::Tensor> causal_pad_args(const at::Tensor& x, const std::optional<at::Tensor>& cache,
+                                                     at::IntArrayRef padding, bool channels_last, bool replicate_t,
+                                                     bool reflect_hw) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 5 && (x.size(4) <= 1 || x.stride(4) == 1) && padding.size() == 6,
               "causal_pad: x must be a CUDA [B, C, T, H, W] tensor with unit W stride, got ", shape_str(x.sizes()));
   for (const int64_t p : padding) TORCH_CHECK(p >= 0, "causal_pad: padding must be non-negative");
@@ -128,8 +164,6 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
                               x.size(3) + padding[2] + padding[3], x.size(4) + padding[0] + padding[1]},
                              x.options().memory_format(channels_last ? at::MemoryFormat::ChannelsLast3d
                                                                      : at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out;
-  const c10::cuda::CUDAGuard device_guard(x.device());
   args.out = out.data_ptr();
   args.x = x.data_ptr();
   args.cache = cache.has_value() ? cache->data_ptr() : nullptr;
@@ -156,8 +190,38 @@ at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cach
   args.channels_last = channels_last;
   args.replicate_t = replicate_t;
   args.reflect_hw = reflect_hw;
+  return {args, out};
+}
+
+// A causal convolution's padded input (causal_pad.cu): x a CUDA [B, C, T, H, W] tensor of bf16/fp16 with unit W
+// stride, cache (optional) the same but for its frames, padding (w0, w1, h0, h1, t0, t1) as F.pad takes it, t0 counting
+// the cache frames as eager's concatenation does; the result a [B, C, T', H', W'], contiguous or channels-last. Its
+// border zeros, or in time the first and last frames repeated (replicate_t: some frame needed) and in space F.pad's
+// reflection (reflect_hw: each spatial padding below its axis' size, as reflection_pad3d requires).
+at::Tensor causal_pad(const at::Tensor& x, const std::optional<at::Tensor>& cache, at::IntArrayRef padding,
+                      bool channels_last, bool replicate_t, bool reflect_hw) {
+  auto [args, out] = causal_pad_args(x, cache, padding, channels_last, replicate_t, reflect_hw);
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
   const cudaError_t err = launch_causal_pad(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "causal_pad: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// LTX-Video's VAE norm and the SiLU after it written as the padded channels-last input of the causal convolution that
+// reads them (causal_pad.cu's ltx_rmsnorm_pad_cl_kernel): x as causal_pad's (bf16 / fp16, no cache), its frames
+// repeated in time, with reflect_hw its rows and columns reflected; rsqrt the contiguous fp32 [B, T * H * W] that eager
+// multiplies by. The result a channels-last [B, C, T', H', W'] of round(silu(round(x * rsqrt))) where causal_pad puts x.
+at::Tensor ltx_rmsnorm_pad_cl(const at::Tensor& x, const at::Tensor& rsqrt, at::IntArrayRef padding, bool reflect_hw) {
+  auto [args, out] = causal_pad_args(x, std::nullopt, padding, true, true, reflect_hw);
+  TORCH_CHECK(args.dtype != DType::kFloat32, "ltx_rmsnorm_pad_cl: x must be bf16 or fp16");
+  TORCH_CHECK(rsqrt.scalar_type() == at::kFloat && rsqrt.device() == x.device() && rsqrt.is_contiguous() &&
+                  rsqrt.numel() == x.size(0) * x.size(2) * x.size(3) * x.size(4),
+              "ltx_rmsnorm_pad_cl: rsqrt must be a contiguous fp32 [B, T * H * W] tensor on x's device");
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaError_t err = launch_ltx_rmsnorm_pad_cl(args, rsqrt.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rmsnorm_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
   return out;
 }
 
@@ -448,6 +512,49 @@ at::Tensor per_channel_rmsnorm_pad_cl(const at::Tensor& x, double eps, bool silu
   return out;
 }
 
+// LTX-Video's VAE norm (and SiLU if `silu`) with its fp32 squares, aten's mean of them and the rsqrt in the kernel,
+// written as per_channel_rmsnorm_pad_cl writes (per_channel_rmsnorm.cu's pad kernel, kLtx; ops/ltx_vae_rmsnorm_conv.py):
+// x a bf16 / fp16 [B, C, S] as there (S = frames * height * width: `dims`), `rows` / `ctas` / `factor` aten's order
+// of the fp32 mean as the Python op derives it, `padding` and `reflect_hw` as there; `probe` 3: the fp32 mean alone,
+// [B, S]. The Python guard admits only inputs that pass these checks.
+at::Tensor ltx_rmsnorm_fused_pad_cl(const at::Tensor& x, double eps, bool silu, int64_t rows, int64_t ctas,
+                                    double factor, at::IntArrayRef dims, at::IntArrayRef padding, bool reflect_hw,
+                                    int64_t probe) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1),
+              "ltx_rmsnorm_fused_pad_cl: x must be a CUDA tensor [B, C, S] with unit stride along S");
+  TORCH_CHECK(dims.size() == 3 && dims[0] >= 1 && dims[1] >= 1 && dims[2] >= 1 &&
+                  dims[0] * dims[1] * dims[2] == x.size(2),
+              "ltx_rmsnorm_fused_pad_cl: dims must be x's (frames, height, width)");
+  TORCH_CHECK(probe == 0 || (probe == 3 && !silu), "ltx_rmsnorm_fused_pad_cl: probe must be 0 or 3 (without silu)");
+  const NormPadArgs pad = norm_pad_args(dims[0], dims[1], dims[2], padding, reflect_hw, rows, ctas);
+  const DType dtype = to_dtype(x);  // (bf16 / fp16 only: its check, before the output is allocated)
+  at::Tensor out = probe == 3 ? at::empty({x.size(0), x.size(2)}, x.options().dtype(at::kFloat))
+                              : norm_pad_output(x, pad);
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  PerChannelRmsNormArgs args = per_channel_args(x, out, nullptr, eps, silu, probe);
+  args.dtype = dtype;
+  const cudaError_t err =
+      launch_ltx_rmsnorm_fused_pad_cl(args, pad, static_cast<int32_t>(rows), static_cast<int32_t>(ctas),
+                                      static_cast<float>(factor), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rmsnorm_fused_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// rsqrtf(m + eps) of every value of the fp32 tensor m (contiguous), as the kLtx pad kernel computes each position's
+// reciprocal (the Python op's proof); the result of m's shape.
+at::Tensor ltx_rsqrt_probe(const at::Tensor& m, double eps) {
+  TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::kFloat && m.is_contiguous(),
+              "ltx_rsqrt_probe: m must be a contiguous CUDA fp32 tensor");
+  at::Tensor out = at::empty(m.sizes(), m.options());
+  if (m.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(m.device());
+  const cudaError_t err = launch_ltx_rsqrt_probe(m.data_ptr<float>(), out.data_ptr<float>(), m.numel(),
+                                                 static_cast<float>(eps), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "ltx_rsqrt_probe: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // The same padded channels-last output (per_channel_rmsnorm.cu's channels-last kernel; ops/ltx_bias_norm_conv.py) from
 // x, the channels-last result of the convolution before the norm without its bias: x a CUDA [B, C, T, H, W] tensor
 // laid out channels_last_3d, bias a contiguous [C] of its dtype, both 16-byte aligned, C a multiple of 16 bytes; each
@@ -497,6 +604,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_conv_bias_cuda_(Tensor(a!) x, Tensor bias) -> ()");
   m.def("_conv_bias_contiguous_cuda(Tensor x, Tensor bias) -> Tensor");
   m.def("_conv_bias_residual_contiguous_cuda(Tensor x, Tensor bias, Tensor residual) -> Tensor");
+  m.def("_conv_bias_depth_to_space_cuda(Tensor x, Tensor bias, Tensor residual) -> Tensor");
   m.def("_causal_pad_cuda(Tensor x, Tensor? cache, int[] padding, bool channels_last=False, bool replicate_t=False, "
         "bool reflect_hw=False) -> Tensor");
   m.def("_group_norm_silu_cuda(Tensor x, Tensor weight, Tensor bias, int groups, float eps, bool silu, int variant) "
@@ -506,6 +614,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
         "bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square, bool silu, bool probe) -> Tensor");
+  m.def("_ltx_rmsnorm_pad_cl_cuda(Tensor x, Tensor rsqrt, int[] padding, bool reflect_hw) -> Tensor");
   m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
   m.def("_per_channel_rmsnorm_fused_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
         "int probe) -> Tensor");
@@ -513,6 +622,9 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "int[] dims, int[] padding, bool reflect_hw) -> Tensor");
   m.def("_per_channel_rmsnorm_cl_pad_cl_cuda(Tensor x, Tensor bias, float eps, bool silu, int rows, int ctas, "
         "float factor, int[] padding, bool reflect_hw) -> Tensor");
+  m.def("_ltx_rmsnorm_fused_pad_cl_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
+        "int[] dims, int[] padding, bool reflect_hw, int probe) -> Tensor");
+  m.def("_ltx_rsqrt_probe_cuda(Tensor m, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
@@ -520,13 +632,17 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_conv_bias_cuda_", &diffusers_fastpath::conv_bias_);
   m.impl("_conv_bias_contiguous_cuda", &diffusers_fastpath::conv_bias_contiguous);
   m.impl("_conv_bias_residual_contiguous_cuda", &diffusers_fastpath::conv_bias_residual_contiguous);
+  m.impl("_conv_bias_depth_to_space_cuda", &diffusers_fastpath::conv_bias_depth_to_space);
   m.impl("_causal_pad_cuda", &diffusers_fastpath::causal_pad);
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
+  m.impl("_ltx_rmsnorm_pad_cl_cuda", &diffusers_fastpath::ltx_rmsnorm_pad_cl);
   m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
   m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
   m.impl("_per_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_pad_cl);
   m.impl("_per_channel_rmsnorm_cl_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_cl_pad_cl);
+  m.impl("_ltx_rmsnorm_fused_pad_cl_cuda", &diffusers_fastpath::ltx_rmsnorm_fused_pad_cl);
+  m.impl("_ltx_rsqrt_probe_cuda", &diffusers_fastpath::ltx_rsqrt_probe);
 }

@@ -27,6 +27,9 @@
 // Still each output element is one source element, copied as its bits: the values only move. The kernels read these
 // flags only in their kModes instantiation; the zero-border one (kModes false: Wan's and Qwen-Image's) is the code it
 // was before the flags came.
+//
+// ltx_rmsnorm_pad_cl_kernel: the channels-last copy with LTX-Video's VAE norm and SiLU applied to each value as it is
+// read (ops/ltx_vae_rmsnorm_conv.py; below): the norm's output written straight into the causal convolution's input.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -93,12 +96,12 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
 
 // channels_last: grid (ceil(Wp / kTile), min(ceil(C / kTile), kMaxRowBlocks), min(B * Tp * Hp, kMaxRowBlocks)), block
 // (kTile, kTileRows); the channel tiles in turn over grid.y and the output rows (b, t, h) over grid.z, each with a grid
-// stride (grid.y and grid.z are at most 65535: more than 2M channels take several tiles per block).
-template <typename T, bool kModes>
-__global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
+// stride (grid.y and grid.z are at most 65535: more than 2M channels take several tiles per block). The body of
+// causal_pad_cl_kernel (the values copied as their bits) and, with kNorm, of ltx_rmsnorm_pad_cl_kernel below (each
+// value of x the norm's result for it: no cache there); `base` is the tile's shared address.
+template <typename T, bool kModes, bool kNorm>
+__device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned base, const float* rsqrt) {
   using W = typename Word<sizeof(T)>::type;  // the values are copied as their bits
-  __shared__ W tile[kTile][kTile + 1];        // [channel][column], padded against bank conflicts
-  const unsigned base = shared_address(&tile[0][0]);
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
   const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
   const int64_t out_t = a.pad_t0 + a.cache_frames + a.frames + a.pad_t1;
@@ -140,12 +143,23 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
           stride_c = a.x_stride_c;
         }
       }
+      float rs = 0.0f;  // kNorm: the reciprocal of the source position (b, st, sh, sw), one per column
+      if constexpr (kNorm) {
+        if (src != nullptr && inside_w) {
+          rs = __ldg(rsqrt + ((b * a.frames + st - a.cache_frames) * a.height + sh) * a.width + sw);
+        }
+      }
       transpose_tile<W, kTile, kTileRows>(
           base,
           [&](unsigned i) -> W {
             const int64_t c = c0 + i;
             // +0.0 (as F.pad writes) on the border (a zero border: the reflected and repeated ones have a source)
-            return src != nullptr && inside_w && c < a.channels ? src[c * stride_c + sw] : W(0);
+            if (src == nullptr || !inside_w || c >= a.channels) return W(0);
+            if constexpr (kNorm) {
+              return bits_of(ltx_rmsnorm_value<T>(reinterpret_cast<const T*>(src)[c * stride_c + sw], rs, true));
+            } else {
+              return src[c * stride_c + sw];
+            }
           },
           [&](unsigned i, W v) {
             const int64_t w = w0 + i;
@@ -155,25 +169,70 @@ __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const 
   }
 }
 
+template <typename T, bool kModes>
+__global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
+  using W = typename Word<sizeof(T)>::type;
+  __shared__ W tile[kTile][kTile + 1];  // [channel][column], padded against bank conflicts
+  pad_cl_tiles<T, kModes, false>(a, shared_address(&tile[0][0]), nullptr);
+}
+
+// LTX-Video's VAE norm and the SiLU after it (ltx_vae_rmsnorm.cu's pair: the resnets' norm -> nonlinearity, the
+// encoder's and decoder's norm_out -> conv_act) written as the padded channels-last input of the causal convolution
+// that reads them (ops/ltx_vae_rmsnorm_conv.py): causal_pad_cl_kernel's copy of x with its frames repeated in time
+// (a.replicate_t; with a.reflect_hw the rows and columns reflected), each value of x replaced as it is read by
+// ltx_rmsnorm_value of it and its position's `rsqrt` (contiguous fp32 [batch, frames * height * width]: aten's
+// torch.rsqrt(mean + eps), which eager multiplies by), with the SiLU. Every element of the buffer is the value the
+// pair kernel computes for its source position (the same device function on the same operands), placed where
+// causal_pad would copy it; a repeated frame's values are computed again from the same operands (the same bits). One
+// read of x and one write of the buffer, where the pair kernel and causal_pad_cl_kernel read and write it twice. No
+// cache (a.cache_frames 0).
+template <typename T>
+__global__ void __launch_bounds__(kTile * kTileRows) ltx_rmsnorm_pad_cl_kernel(const CausalPadArgs a,
+                                                                               const float* rsqrt) {
+  using W = typename Word<sizeof(T)>::type;
+  __shared__ W tile[kTile][kTile + 1];
+  pad_cl_tiles<T, true, true>(a, shared_address(&tile[0][0]), rsqrt);
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+int64_t planes_of(const CausalPadArgs& a) {
+  return a.batch * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) * (a.height + a.pad_h0 + a.pad_h1);
+}
+
+// the channels-last kernels' grid (above)
+dim3 cl_grid(const CausalPadArgs& a) {
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  const int64_t planes = planes_of(a);
+  const int64_t ctiles = (a.channels + kTile - 1) / kTile;
+  return dim3(static_cast<unsigned>((out_w + kTile - 1) / kTile),
+              static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
+              static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
+}
+
 template <typename T, bool kModes>
 cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
-  const int64_t planes = a.batch * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) * (a.height + a.pad_h0 + a.pad_h1);
+  const int64_t planes = planes_of(a);
   const int64_t rows = planes * a.channels;
   if (rows == 0 || out_w == 0) return cudaSuccess;
   if (rows < 0 || out_w < 0) return cudaErrorInvalidValue;
   if (a.channels_last) {
-    const int64_t ctiles = (a.channels + kTile - 1) / kTile;
-    const dim3 grid(static_cast<unsigned>((out_w + kTile - 1) / kTile),
-                    static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
-                    static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
-    causal_pad_cl_kernel<T, kModes><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
+    causal_pad_cl_kernel<T, kModes><<<cl_grid(a), dim3(kTile, kTileRows), 0, stream>>>(a);
     return cudaGetLastError();
   }
   const dim3 grid(static_cast<unsigned>((out_w + kThreads - 1) / kThreads),
                   static_cast<unsigned>(rows < kMaxRowBlocks ? rows : kMaxRowBlocks));
   causal_pad_kernel<T, kModes><<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_norm(const CausalPadArgs& a, const float* rsqrt, cudaStream_t stream) {
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  const int64_t rows = planes_of(a) * a.channels;
+  if (rows == 0 || out_w == 0) return cudaSuccess;
+  if (rows < 0 || out_w < 0 || !a.channels_last || !a.replicate_t || a.cache_frames) return cudaErrorInvalidValue;
+  ltx_rmsnorm_pad_cl_kernel<T><<<cl_grid(a), dim3(kTile, kTileRows), 0, stream>>>(a, rsqrt);
   return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__
@@ -187,6 +246,10 @@ cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream) {
     return args.replicate_t || args.reflect_hw ? launch<decltype(tag), true>(args, stream)
                                                : launch<decltype(tag), false>(args, stream);
   });
+}
+
+cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rsqrt, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_norm<decltype(tag)>(args, rsqrt, stream); });
 }
 #endif
 

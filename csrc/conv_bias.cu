@@ -24,6 +24,18 @@
 //   out[n, c, s] = round(float(round(float(x[n, s, c]) + float(bias[c]))) + float(residual[n, c, s]))
 // (IEEE addition commutes, so `residual + h` is the same word.) The residual is read where out is written, contiguous
 // as out; each thread loads its kTile / kTileRows values before the tile's shared stores, with x's.
+//
+// bias_depth_to_space: a residual upsampler (LTX-Video's and LTX-2's LTX*VideoUpsampler3d, stride (2, 2, 2); the
+// LTX-2 decoder's three; ops/ltx_upsampler.py) written from its convolution's channels-last output in one pass. Eager
+// runs the convolution and its bias add (h, contiguous), the depth-to-space of h's 8 C' channels (a reshape, a permute:
+// a copy), `[:, :, 1:]`, the depth-to-space of the input x and its `.repeat(1, 4, 1, 1, 1)` (two copies), and the add
+// (one fp32 add rounded to T). The copies move values; the two roundings are the bias add's and the add's:
+//   out[n, c, 2t+dt-1, 2h+dh, 2w+dw] = round(float(round(float(raw[n, t, h, w, 8c + j]) + float(bias[8c + j])))
+//                                             + float(x[n, (c % groups) * 8 + j, t, h, w]))    (j = 4 dt + 2 dh + dw)
+// A thread takes one (c, position): the 16-byte vector of raw's 8 channels 8c..8c+7 (the 2x2x2 outputs of c), the 8
+// residual values (each channel's plane apart: the warp's columns are consecutive), and writes 4 pairs of T (dw 0 and
+// 1 of each (dt, dh)), each warp 128 contiguous bytes a store. Block (kD2sWidth columns, kD2sChannels channels): the
+// block's 8 warps read the 8 vectors of one position's 128 bytes. Frame t = 0's dt = 0 is the sliced-off frame -1.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -34,6 +46,8 @@ constexpr int kThreads = 256;
 constexpr int kMaxRowBlocks = 65535;  // grid.y: min(rows, kMaxRowBlocks); grid.x: ceil(cols / kVec / kThreads)
 constexpr int kTile = 32;             // bias_contiguous: a tile of 32 positions x 32 channels, 32 x 8 threads
 constexpr int kTileRows = 8;
+constexpr int kD2sWidth = 32;    // bias_depth_to_space: columns (w) a block, along threadIdx.x
+constexpr int kD2sChannels = 8;  // ... and output channels, along threadIdx.y
 
 template <typename T, bool kChannelsLast, bool kVector>
 __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs a) {
@@ -116,7 +130,67 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
   }
 }
 
+// grid (ceil(width / kD2sWidth) * ceil(channels / kD2sChannels), min(batch * frames * height, kMaxRowBlocks)), block
+// (kD2sWidth, kD2sChannels); the rows (n, t, h) in turn over grid.y with a grid stride.
+template <typename T>
+__global__ void __launch_bounds__(kD2sWidth * kD2sChannels) bias_depth_to_space_kernel(const BiasDepthToSpaceArgs a) {
+  struct alignas(4) Two {
+    T v[2];
+  };
+  const int64_t wtiles = (a.width + kD2sWidth - 1) / kD2sWidth;
+  const int64_t w = (blockIdx.x % wtiles) * kD2sWidth + threadIdx.x;
+  const int64_t c = (blockIdx.x / wtiles) * kD2sChannels + threadIdx.y;
+  if (w >= a.width || c >= a.channels) return;
+  const T* bias = static_cast<const T*>(a.bias) + c * 8;
+  float b[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) b[j] = Storage<T>::load(bias[j]);
+  const Pack<T>* x = reinterpret_cast<const Pack<T>*>(a.x);
+  const T* residual = static_cast<const T*>(a.residual);
+  T* out = static_cast<T*>(a.out);
+  const int64_t plane = a.frames * a.height * a.width;  // the residual's channel stride
+  const int64_t out_w = 2 * a.width, out_plane = 2 * a.height * out_w, out_frames = 2 * a.frames - 1;
+  const int64_t rows = a.batch * a.frames * a.height;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int64_t h = r % a.height, t = (r / a.height) % a.frames, n = r / (a.height * a.frames);
+    const Pack<T> v = x[(r * a.width + w) * a.channels + c];  // (position r * width + w, channels 8c..8c+7)
+    const T* res = residual + (((n * a.groups + c % a.groups) * 8 * a.frames + t) * a.height + h) * a.width + w;
+    // (the output frame 2t - 1 of dt = 0: an index, of frame -1 only where that pair is not written)
+    const int64_t o = ((n * a.channels + c) * out_frames + 2 * t - 1) * out_plane + 2 * h * out_w + 2 * w;
+#pragma unroll
+    for (int dt = 0; dt < 2; ++dt) {
+      if (dt == 0 && t == 0) continue;  // (frame -1: sliced off)
+#pragma unroll
+      for (int dh = 0; dh < 2; ++dh) {
+        Two pair;
+#pragma unroll
+        for (int dw = 0; dw < 2; ++dw) {
+          const int j = dt * 4 + dh * 2 + dw;
+          const float h_value = round_to<T>(__fadd_rn(Storage<T>::load(v.v[j]), b[j]));
+          pair.v[dw] = Storage<T>::store(__fadd_rn(h_value, Storage<T>::load(res[j * plane])));
+        }
+        *reinterpret_cast<Two*>(out + o + dt * out_plane + dh * out_w) = pair;
+      }
+    }
+  }
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+template <typename T>
+cudaError_t launch_depth_to_space(const BiasDepthToSpaceArgs& a, cudaStream_t stream) {
+  if (a.batch == 0 || a.channels == 0 || a.frames == 0 || a.height == 0 || a.width == 0) return cudaSuccess;
+  if (a.batch < 0 || a.channels < 0 || a.groups <= 0 || a.frames < 0 || a.height < 0 || a.width < 0 ||
+      reinterpret_cast<uintptr_t>(a.x) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t tiles = (a.width + kD2sWidth - 1) / kD2sWidth * ((a.channels + kD2sChannels - 1) / kD2sChannels);
+  const int64_t rows = a.batch * a.frames * a.height;
+  if (tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(rows < kMaxRowBlocks ? rows : kMaxRowBlocks));
+  bias_depth_to_space_kernel<T><<<grid, dim3(kD2sWidth, kD2sChannels), 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) {
   if (a.batch == 0 || a.spatial == 0 || a.channels == 0) return cudaSuccess;
@@ -164,6 +238,10 @@ cudaError_t launch_conv_bias(const ConvBiasArgs& args, cudaStream_t stream) {
 
 cudaError_t launch_bias_contiguous(const BiasContiguousArgs& args, cudaStream_t stream) {
   return dispatch_storage_or_float(args.dtype, [&](auto tag) { return launch_contiguous<decltype(tag)>(args, stream); });
+}
+
+cudaError_t launch_bias_depth_to_space(const BiasDepthToSpaceArgs& args, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_depth_to_space<decltype(tag)>(args, stream); });
 }
 #endif
 

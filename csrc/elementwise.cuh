@@ -31,6 +31,16 @@ struct SameType<A, A> {
   static constexpr bool value = true;
 };
 
+// std::conditional without <type_traits>: A where kFirst, else B.
+template <bool kFirst, typename A, typename B>
+struct Pick {
+  using type = A;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+  using type = B;
+};
+
 template <typename T>
 struct Storage;
 
@@ -76,6 +86,24 @@ __device__ __forceinline__ float round_to(float v) {
 // with --fmad=true: no product feeds an add here) is proven by each op that uses it on every value of its dtype
 // (silu_mul.cu, group_norm_silu.cu, channel_rmsnorm_silu.cu, per_channel_rmsnorm.cu: their Python ops).
 __device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
+
+// LTX-Video's VAE norm of one element after aten's reduction and rsqrt (diffusers' weightless RMSNorm, eager's
+// `(x.to(float32) * rsqrt(variance + eps)).to(T)`): round(x * r), the mixed-dtype multiply as one IEEE product rounded
+// where eager's .to(T) rounds; with `silu_after` the SiLU module after it on that stored value (`silu`), rounded. The
+// epilogue of ltx_vae_rmsnorm.cu's kernel and of causal_pad.cu's ltx_rmsnorm_pad_cl_kernel, one code for both.
+template <typename T>
+__device__ __forceinline__ T ltx_rmsnorm_value(T x, float r, bool silu_after) {
+  float y = __fmul_rn(Storage<T>::load(x), r);
+  if (silu_after) y = silu(round_to<T>(y));  // eager stores the norm's T result, the SiLU reads it back
+  return Storage<T>::store(y);
+}
+
+// LTX-Video's VAE norm's reciprocal of one position from its fp32 mean of squares m (eager's `torch.rsqrt(variance +
+// eps)`: two fp32 tensors, nothing rounded between them but each op's fp32 result): aten's CUDA add of the python eps
+// (the double cast to float: one IEEE add), then aten's rsqrt_kernel_cuda, `::rsqrt(v)` of a float, which is CUDA's
+// rsqrtf. A function of the one value m: per_channel_rmsnorm.cu's ltx_rsqrt_probe_kernel runs it on every fp32 bit
+// pattern for the Python op (ops/ltx_vae_rmsnorm_conv.py's proof), against torch.rsqrt(m + eps) on the device.
+__device__ __forceinline__ float ltx_rsqrt(float m, float eps) { return rsqrtf(__fadd_rn(m, eps)); }
 
 // aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu, the real types) in fp32 opmath:
 // one / (one + std::exp(-x)), CUDA's expf, an IEEE add and division (correctly rounded: nvcc's 1 / y, whatever

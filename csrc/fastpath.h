@@ -234,6 +234,9 @@ struct LayerNormScaleShiftArgs {
   const void* row_index;      // null, or int32 [batch * seq]: token l of sample b reads scale/shift row
                               // row_index[b * seq + l] of [R, dim] tables, at scale + that * scale_seq_stride (shift
                               // likewise): Qwen-Image 2.1's where-picked rows, never materialised
+  const void* gate_index;     // gated only; null, or int32 [batch * seq]: token l of sample b reads gate row
+                              // gate_index[b * seq + l] of an [R, dim] table, at gate + that * gate_batch_stride (the
+                              // table's row stride): Qwen-Image 2.1's where-picked tanh gate rows
 };
 
 #ifndef __CUDACC_RTC__
@@ -473,6 +476,14 @@ cudaError_t launch_per_channel_rmsnorm_pad_cl(const PerChannelRmsNormArgs& args,
 cudaError_t launch_per_channel_rmsnorm_cl_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad,
                                                  const void* bias, int32_t rows, int32_t ctas, float factor,
                                                  cudaStream_t stream);
+// LTX-Video's VAE norm (and SiLU) in the same pad kernel (per_channel_rmsnorm.cu's kLtx; ops/ltx_vae_rmsnorm_conv.py):
+// bf16 / fp16 x [batch, channels, spatial] as for the pad kernel, its squares and mean in fp32 (eager's pow(2) and
+// mean of the fp32 upcast, aten's order from rows / ctas / factor), r = rsqrtf(m + eps), out round(x * r) then the
+// SiLU where args.silu, stored as the pad kernel stores; args.probe 3 (kProbeMean): m alone, fp32 [batch, spatial].
+cudaError_t launch_ltx_rmsnorm_fused_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
+                                           int32_t ctas, float factor, cudaStream_t stream);
+// out[i] = rsqrtf(m[i] + eps) for n fp32 values (the kLtx pad kernel's reciprocal, for the Python op's proof).
+cudaError_t launch_ltx_rsqrt_probe(const float* m, float* out, int64_t n, float eps, cudaStream_t stream);
 #endif
 
 // The 2x nearest upsampling of Wan's and Qwen-Image's VAEs (upsample_nearest.cu): x [batch, channels, height, width]
@@ -548,6 +559,11 @@ struct CausalPadArgs {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream);
+// LTX-Video's VAE norm and the SiLU after it written as the causal convolution's padded input (causal_pad.cu's
+// ltx_rmsnorm_pad_cl_kernel): args as launch_causal_pad's for x (bf16 / fp16; channels_last and replicate_t set, no
+// cache), each value of x written as round(silu(round(x * rsqrt[b, s]))), `rsqrt` a contiguous fp32 [batch, frames *
+// height * width] (aten's torch.rsqrt(mean + eps), which eager multiplies by).
+cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rsqrt, cudaStream_t stream);
 #endif
 
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x dense
@@ -568,6 +584,32 @@ struct BiasContiguousArgs {
 
 #ifndef __CUDACC_RTC__
 cudaError_t launch_bias_contiguous(const BiasContiguousArgs& args, cudaStream_t stream);
+#endif
+
+// A residual upsampler's output (LTX-Video's and LTX-2's LTX*VideoUpsampler3d, stride (2, 2, 2), residual) written
+// from its convolution's channels-last output without the bias (conv_bias.cu): x dense [batch, frames, height, width,
+// 8 * channels] (channels-last memory; channel c * 8 + dt * 4 + dh * 2 + dw is output channel c at frame 2 t + dt - 1,
+// row 2 h + dh, column 2 w + dw), residual the upsampler's input [batch, 8 * groups, frames, height, width] contiguous
+// (its channel (c % groups) * 8 + dt * 4 + dh * 2 + dw at (t, h, w) is the one added there), out contiguous
+// [batch, channels, 2 * frames - 1, 2 * height, 2 * width] (the frame 2 t + dt - 1 = -1 dropped):
+//   out[n][c][2t+dt-1][2h+dh][2w+dw] = round(float(round(float(x[n][t][h][w][8c+j]) + float(bias[8c+j])))
+//                                            + float(residual[n][(c % groups) * 8 + j][t][h][w]))   (j = 4dt+2dh+dw)
+struct BiasDepthToSpaceArgs {
+  void* out;
+  const void* x;         // 16-byte aligned
+  const void* bias;      // [8 * channels], contiguous
+  const void* residual;
+  int64_t batch;
+  int64_t channels;      // the output's (the convolution's / 8)
+  int64_t groups;        // the residual's channels / 8
+  int64_t frames;
+  int64_t height;
+  int64_t width;
+  DType dtype;
+};
+
+#ifndef __CUDACC_RTC__
+cudaError_t launch_bias_depth_to_space(const BiasDepthToSpaceArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace diffusers_fastpath

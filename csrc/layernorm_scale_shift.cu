@@ -63,6 +63,9 @@
 //   x   = round_T(residual + round_T(gate * update))       (__fmul_rn, __fadd_rn: no FMA contraction)
 // and the statistics and the modulate above run on those x. The row stays in registers, so x is read from memory
 // twice (residual and update) and written twice (x and out), against five reads and writes for the two kernels.
+// The gated form takes the other T forms too (per-token or indexed rows, no shift, the norm's affine): Qwen-Image
+// 2.1's in-block `x = x + gate.tanh() * attn` then `norm2(x) * (1 + scale)` (`gated_layernorm_scale_rows`), its gate
+// and scale where-picked rows read through int32 indices (gate_index, row_index) of [R, dim] tables.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -205,7 +208,10 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
   Quad<T> data[kHeld];
   if constexpr (kGated) {
     const Quad<T>* update = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.update) + row * a.dim);
-    const Quad<T>* gate = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.gate) + b * a.gate_batch_stride);
+    // the gate's row: sample b's, or (gate_index: Qwen-Image 2.1's where-picked tanh rows) row gate_index[row] of a
+    // [R, dim] table whose row stride gate_batch_stride is
+    const int64_t gate_row = a.gate_index != nullptr ? static_cast<const int32_t*>(a.gate_index)[row] : b;
+    const Quad<T>* gate = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.gate) + gate_row * a.gate_batch_stride);
     Quad<T>* x_out = reinterpret_cast<Quad<T>*>(static_cast<T*>(a.x_out) + row * a.dim);
 #pragma unroll
     for (int k = 0; k < kHeld; ++k) {
@@ -331,9 +337,10 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
   }
   if ((a.norm_weight != nullptr || a.shift == nullptr || a.scale_seq_stride != 0 || a.shift_seq_stride != 0 ||
        a.row_index != nullptr) &&
-      (a.modulate_fp32 || a.gated || (a.norm_weight == nullptr) != (a.norm_bias == nullptr))) {
-    return cudaErrorInvalidValue;  // the norm's affine, per-token rows, no shift: T's chain, not gated (bindings.cpp)
+      (a.modulate_fp32 || (a.norm_weight == nullptr) != (a.norm_bias == nullptr))) {
+    return cudaErrorInvalidValue;  // the norm's affine, per-token rows, no shift: T's chain (bindings.cpp)
   }
+  if (a.gate_index != nullptr && !a.gated) return cudaErrorInvalidValue;  // an indexed gate: the gated chain's
   if (a.gated) {
     if constexpr (SameType<S, T>::value) {
       return launch_kv<T, S, true>(a, grid, stream);

@@ -8,11 +8,13 @@
 //   y   = round(float(x) * r)                          the mixed-dtype multiply (fp32 result), then .to(T)
 //   out = silu ? round(y / (1 + expf(-y))) : y         the nn.SiLU after it (the moved-back view), aten's silu_kernel
 // The multiply is one IEEE product (__fmul_rn; the build passes --fmad=false) rounded to T where eager's .to(T)
-// rounds, so the norm is exact by construction. The SiLU is elementwise.cuh's, a function of the one T value y: the
-// Python op proves it on every value of the dtype on the device (the `probe` mode: round(silu(x)) of x alone) before
-// it trusts the pair. The `square` mode writes x.to(float32).pow(2) (fp32, x's layout) for aten's mean in one pass
-// instead of eager's two (the copy, then the square: aten's pow by 2 is x * x, and the square of a bf16 or fp16 value
-// is exact in fp32, so every way of computing it gives the same bits). Eager writes the fp32 product and reads it back
+// rounds, so the norm is exact by construction (elementwise.cuh's ltx_rmsnorm_value, which causal_pad.cu's
+// ltx_rmsnorm_pad_cl_kernel shares: the norm written as the next causal convolution's padded input). The SiLU is
+// elementwise.cuh's, a function of the one T value y: the Python op proves it on every value of the dtype on the
+// device (the `probe` mode: round(silu(x)) of x alone) before it trusts the pair. The `square` mode writes
+// x.to(float32).pow(2) (fp32, x's layout) for aten's mean in one pass instead of eager's two (the copy, then the
+// square: aten's pow by 2 is x * x, and the square of a bf16 or fp16 value is exact in fp32, so every way of
+// computing it gives the same bits). Eager writes the fp32 product and reads it back
 // (4 + 4 bytes per element) on top of reading x and writing out, and for the pair writes y and reads it back again
 // (2 + 2); here x is read once and out written once.
 //
@@ -60,11 +62,7 @@ __global__ void __launch_bounds__(kThreads) ltx_rmsnorm_kernel(LtxRmsNormArgs a)
     } else {
       const float* r = a.rsqrt + b * a.spatial + s;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        float y = __fmul_rn(Storage<T>::load(x.v[i]), __ldg(r + i));
-        if (a.silu) y = silu(round_to<T>(y));  // eager stores the norm's T result, the SiLU reads it back
-        o.v[i] = Storage<T>::store(y);
-      }
+      for (int i = 0; i < kVec; ++i) o.v[i] = ltx_rmsnorm_value<T>(x.v[i], __ldg(r + i), a.silu != 0);
     }
     *reinterpret_cast<P*>(static_cast<T*>(a.out) + e) = o;
   }

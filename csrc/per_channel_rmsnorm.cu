@@ -154,14 +154,16 @@ __device__ __forceinline__ float square(float x) {
   return round_to<T>(__fmul_rn(x, x));
 }
 
-template <typename T, int kVec, typename L>
+// (T the storage type of L's values; R the type the squares round to: T for LTX-2's x**2, float for LTX-Video's pow(2)
+// of the fp32 upcast, whose square of a bf16 / fp16 value is exact)
+template <typename T, int kVec, typename L, typename R = T>
 __device__ __forceinline__ void add_squares(float (&acc)[kVec], const L& v) {
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], square<T>(Storage<T>::load(v.v[i])));
+  for (int i = 0; i < kVec; ++i) acc[i] = __fadd_rn(acc[i], square<R>(Storage<T>::load(v.v[i])));
 }
 
 // One chain: ((0 + q[first]) + q[first + step]) + ... over the channels below `channels`, for kVec positions.
-template <typename T, bool kVector>
+template <typename T, bool kVector, typename R = T>
 __device__ __forceinline__ void chain_sum(const T* x, int64_t channel_stride, int64_t first, int64_t step,
                                           int64_t channels, float (&sum)[LaneCount<T, kVector>::value]) {
   using L = typename Lanes<T, kVector>::type;
@@ -174,15 +176,15 @@ __device__ __forceinline__ void chain_sum(const T* x, int64_t channel_stride, in
 #pragma unroll
     for (int k = 0; k < 4; ++k) v[k] = load_lanes<T, kVector>(x + (c + k * step) * channel_stride);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) add_squares<T, kVec>(sum, v[k]);
+    for (int k = 0; k < 4; ++k) add_squares<T, kVec, L, R>(sum, v[k]);
   }
-  for (; c < channels; c += step) add_squares<T, kVec>(sum, load_lanes<T, kVector>(x + c * channel_stride));
+  for (; c < channels; c += step) add_squares<T, kVec, L, R>(sum, load_lanes<T, kVector>(x + c * channel_stride));
 }
 
 // One partial sum, as thread_reduce_impl (vt0 = 4) computes it for a thread whose values are q[first + k step]: the
 // k-th value into accumulator k % 4 (four at a time while four remain, then the tail into the first ones), then
 // ((a0 + a1) + a2) + a3.
-template <typename T, bool kVector>
+template <typename T, bool kVector, typename R = T>
 __device__ __forceinline__ void partial_sum(const T* x, int64_t channel_stride, int64_t first, int64_t step,
                                             int64_t channels, float (&sum)[LaneCount<T, kVector>::value]) {
   using L = typename Lanes<T, kVector>::type;
@@ -199,12 +201,12 @@ __device__ __forceinline__ void partial_sum(const T* x, int64_t channel_stride, 
 #pragma unroll
     for (int k = 0; k < 4; ++k) v[k] = load_lanes<T, kVector>(x + (c + k * step) * channel_stride);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) add_squares<T, kVec>(acc[k], v[k]);
+    for (int k = 0; k < 4; ++k) add_squares<T, kVec, L, R>(acc[k], v[k]);
   }
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
     if (c < channels) {
-      add_squares<T, kVec>(acc[k], load_lanes<T, kVector>(x + c * channel_stride));
+      add_squares<T, kVec, L, R>(acc[k], load_lanes<T, kVector>(x + c * channel_stride));
       c += step;
     }
   }
@@ -302,11 +304,13 @@ __device__ __forceinline__ FusedTile fused_tile(const PerChannelRmsNormArgs& a, 
 // Stages 1 and 2 of the fused kernels: each position's m in aten's order for `rows` x `ctas` partial sums (the file's
 // comment), `factor` aten's MeanOps factor, and r = rms(m) into its scratch column's entry t.r_entry (probe mode
 // kProbeMean: m into out, [batch, spatial]); x is the tile's first position of thread (x, y)'s vector. Ends before the
-// barrier that makes r visible to the block (the callers' next step).
-template <typename T, bool kVector>
+// barrier that makes r visible to the block (the callers' next step). With kLtx LTX-Video's statistics (the pad
+// kernel's kLtx, below): the squares and m not rounded (fp32: R float, m into out as fp32) and r = ltx_rsqrt(m).
+template <typename T, bool kVector, bool kLtx = false>
 __device__ __forceinline__ void fused_statistics(const PerChannelRmsNormArgs& a, const FusedTile& t, const T* x,
                                                  unsigned base, int32_t rows, int32_t ctas, float factor) {
   constexpr int kVec = LaneCount<T, kVector>::value;
+  using R = typename Pick<kLtx, float, T>::type;  // what the squares and the mean round to
   const int partials = rows * ctas;
   const bool chains = partials <= kChainPartials;
   const unsigned stride = t.stride;
@@ -317,9 +321,9 @@ __device__ __forceinline__ void fused_statistics(const PerChannelRmsNormArgs& a,
     for (int u = threadIdx.y; u < units; u += blockDim.y) {
       float sum[kVec];
       if (chains) {
-        chain_sum<T, kVector>(x, a.x_channel_stride, (u >> 2) + (u & 3) * partials, 4 * partials, a.channels, sum);
+        chain_sum<T, kVector, R>(x, a.x_channel_stride, (u >> 2) + (u & 3) * partials, 4 * partials, a.channels, sum);
       } else {
-        partial_sum<T, kVector>(x, a.x_channel_stride, u, partials, a.channels, sum);
+        partial_sum<T, kVector, R>(x, a.x_channel_stride, u, partials, a.channels, sum);
       }
 #pragma unroll
       for (int i = 0; i < kVec; ++i) shared_store(entry(base + 4u * (t.p0 + i), stride, u), sum[i]);
@@ -330,9 +334,11 @@ __device__ __forceinline__ void fused_statistics(const PerChannelRmsNormArgs& a,
   // 2. per position: the partials, each CTA's block_y_reduce, the global step, the projection, r
   for (int p = threadIdx.y * blockDim.x + threadIdx.x; p < t.positions; p += blockDim.x * blockDim.y) {
     const unsigned column = base + 4u * static_cast<unsigned>(p);
-    const float m = position_mean<T>(column, stride, chains, partials, units, rows, ctas, factor);
+    const float m = position_mean<R>(column, stride, chains, partials, units, rows, ctas, factor);
     if (a.probe == kProbeMean) {
-      static_cast<T*>(a.out)[t.b * a.spatial + t.s0 + p] = Storage<T>::store(m);
+      static_cast<R*>(a.out)[t.b * a.spatial + t.s0 + p] = Storage<R>::store(m);
+    } else if constexpr (kLtx) {
+      shared_store(entry(column, stride, t.r_entry), ltx_rsqrt(m, a.eps));
     } else {
       shared_store(entry(column, stride, t.r_entry), rms<T>(m, a.eps));
     }
@@ -473,7 +479,20 @@ __device__ __forceinline__ unsigned staged(unsigned stage, int row_bytes, int gr
 // channels (out's unit stride) in 16-byte vectors where the channels and out allow, else one element a thread. Each
 // tile position's padded index is computed once (the table: no division per element); the positions with more than
 // one copy (the first and last frames, the reflected rows and columns) write the same vector to each.
-template <typename T, bool kVector>
+//
+// kLtx: LTX-Video's VAE norm and its SiLU instead (diffusers' weightless RMSNorm on the channel-last view of x, as
+// ops/ltx_vae_rmsnorm_conv.py runs it), for bf16 / fp16 x:
+//   q   = x * x                                  x.to(float32).pow(2): the fp32 product of two half-precision values,
+//                                                exact (8 + 8, 11 + 11 significant bits < 24): nothing rounds
+//   m   = sum_c(q) * factor                      .mean(-1, keepdim=True) of that fp32 tensor: aten's reduce kernel,
+//                                                the order above (the fp32 squares keep x's channel-first layout, so
+//                                                the iterator is LTX-2's [C, S, B]), m an fp32 tensor, not rounded
+//   r   = rsqrtf(m + eps)                        torch.rsqrt(variance + eps): elementwise.cuh's ltx_rsqrt
+//   out = ltx_rmsnorm_value(x, r, silu)          round(x * r), then the SiLU of that rounded value, rounded
+// The statistics are the same code with the squares and the mean left in fp32 (fused_statistics' R = float); the tail
+// stores ltx_rmsnorm_value (ltx_vae_rmsnorm.cu's and causal_pad.cu's epilogue). Probe mode kProbeMean writes m
+// ([batch, spatial] fp32) and stops after the statistics.
+template <typename T, bool kVector, bool kLtx = false>
 __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
     per_channel_rmsnorm_pad_cl_kernel(PerChannelRmsNormArgs a, NormPadArgs g, int32_t rows, int32_t ctas,
                                       float factor) {
@@ -498,7 +517,10 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
     shared_store(table + 8u * p, static_cast<unsigned long long>(only_copy(g, t.b, t.s0 + p)));
   }
   const T* x = static_cast<const T*>(a.x) + t.b * a.x_batch_stride + t.s0 + t.p0;
-  fused_statistics<T, kVector>(a, t, x, base, rows, ctas, factor);
+  fused_statistics<T, kVector, kLtx>(a, t, x, base, rows, ctas, factor);
+  if constexpr (kLtx) {
+    if (a.probe == kProbeMean) return;  // (every thread of the block: no barrier follows)
+  }
   __syncthreads();
   float r[kVec] = {};
   if (t.active) {
@@ -533,9 +555,14 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
           if (c < count) {
 #pragma unroll
             for (int i = 0; i < kVec; ++i) {
-              float y = __fdiv_rn(Storage<T>::load(v[k].v[i]), r[i]);
-              if (a.silu) y = silu(round_to<T>(y));
-              shared_store(staged<T, kVec>(base, row_bytes, granules, t.p0 + i, c), bits_of(Storage<T>::store(y)));
+              if constexpr (kLtx) {
+                shared_store(staged<T, kVec>(base, row_bytes, granules, t.p0 + i, c),
+                             bits_of(ltx_rmsnorm_value<T>(v[k].v[i], r[i], a.silu)));
+              } else {
+                float y = __fdiv_rn(Storage<T>::load(v[k].v[i]), r[i]);
+                if (a.silu) y = silu(round_to<T>(y));
+                shared_store(staged<T, kVec>(base, row_bytes, granules, t.p0 + i, c), bits_of(Storage<T>::store(y)));
+              }
             }
           }
         }
@@ -570,6 +597,17 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
       }
     }
     __syncthreads();  // (the staging tile is refilled by the next chunk)
+  }
+}
+
+// LTX-Video's reciprocal alone (probe): out[i] = ltx_rsqrt(m[i], eps) for n values m of the mean's type M (fp32:
+// the one instantiation), what the kLtx pad kernel computes from each position's mean; the Python op proves it on
+// every fp32 bit pattern against eager's torch.rsqrt(m + eps) on the device.
+template <typename M>
+__global__ void __launch_bounds__(kThreads) ltx_rsqrt_probe_kernel(const M* m, M* out, int64_t n, float eps) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+    out[i] = ltx_rsqrt(m[i], eps);
   }
 }
 
@@ -808,24 +846,26 @@ cudaError_t launch_fused(const PerChannelRmsNormArgs& a, int32_t rows, int32_t c
 }
 
 // The pad kernel's launch: the fused kernel's shape (its statistics are the same), vectors or elements as it chooses
-// them (x's sizes, strides and pointer; the kernel picks its stores' width from the channels and out's pointer).
-template <typename T>
+// them (x's sizes, strides and pointer; the kernel picks its stores' width from the channels and out's pointer). kLtx:
+// LTX-Video's norm (bf16 / fp16), probe 0 or kProbeMean (a.out fp32 [batch, spatial], g unread but for its check).
+template <typename T, bool kLtx = false>
 cudaError_t launch_pad_cl(const PerChannelRmsNormArgs& a, const NormPadArgs& g, int32_t rows, int32_t ctas,
                           float factor, cudaStream_t stream) {
   constexpr int kVec = Pack<T>::kSize;
   const bool vector =
       a.spatial % kVec == 0 && a.x_channel_stride % kVec == 0 && a.x_batch_stride % kVec == 0 && aligned(a.x);
   FusedShape shape;
-  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || a.probe != 0 ||
+  const bool probe_ok = a.probe == 0 || (kLtx && a.probe == kProbeMean);
+  if (rows < 1 || rows > 512 || (rows & (rows - 1)) != 0 || ctas < 1 || !probe_ok ||
       g.frames * g.height * g.width != a.spatial ||
       !fused_shape(a.batch, a.spatial, rows, ctas, vector ? kVec : 1, num_sms(), shape)) {
     return cudaErrorInvalidValue;
   }
   if (a.batch == 0 || a.channels == 0 || a.spatial == 0) return cudaSuccess;
   if (vector) {
-    per_channel_rmsnorm_pad_cl_kernel<T, true><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+    per_channel_rmsnorm_pad_cl_kernel<T, true, kLtx><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
   } else {
-    per_channel_rmsnorm_pad_cl_kernel<T, false><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
+    per_channel_rmsnorm_pad_cl_kernel<T, false, kLtx><<<shape.grid, shape.block, 0, stream>>>(a, g, rows, ctas, factor);
   }
   return cudaGetLastError();
 }
@@ -890,6 +930,21 @@ cudaError_t launch_per_channel_rmsnorm_cl_pad_cl(const PerChannelRmsNormArgs& ar
                                                  cudaStream_t stream) {
   return dispatch_storage_or_float(
       args.dtype, [&](auto tag) { return launch_cl_pad_cl<decltype(tag)>(args, pad, bias, rows, ctas, factor, stream); });
+}
+
+// (declared in fastpath.h)
+cudaError_t launch_ltx_rmsnorm_fused_pad_cl(const PerChannelRmsNormArgs& args, const NormPadArgs& pad, int32_t rows,
+                                           int32_t ctas, float factor, cudaStream_t stream) {
+  return dispatch_storage_type(
+      args.dtype, [&](auto tag) { return launch_pad_cl<decltype(tag), true>(args, pad, rows, ctas, factor, stream); });
+}
+
+// (declared in fastpath.h)
+cudaError_t launch_ltx_rsqrt_probe(const float* m, float* out, int64_t n, float eps, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t blocks = grid_stride_blocks(n, kThreads, kBlocksPerSm);
+  ltx_rsqrt_probe_kernel<float><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(m, out, n, eps);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_per_channel_rmsnorm(const PerChannelRmsNormArgs& args, cudaStream_t stream) {

@@ -83,6 +83,63 @@ def unpatch_after():
 
 
 @pytest.fixture
+def rope_launches(emulated_kernels, monkeypatch):
+    """`ops.rmsnorm_rope`'s output launches (emulated on a CPU) recorded as ``(out.data_ptr(), out.shape)``: the
+    list, to see which rows each launch wrote."""
+    from diffusers_fastpath.ops import rmsnorm_rope as module
+
+    launches = []
+    emulated = module._launch_out
+
+    def recording(out, *args):
+        launches.append((out.data_ptr(), out.shape))
+        emulated(out, *args)
+
+    monkeypatch.setattr(module, "_launch_out", recording)
+    return launches
+
+
+@pytest.fixture
+def source_module(tmp_path, monkeypatch):
+    """``load(name, source)``: `source` written to a file and imported as the module `name`, registered in
+    `sys.modules` for the test (the rewriter reads a class's source through its module's file, as diffusers')."""
+    import importlib.util
+    import sys
+
+    def load(name: str, source: str):
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture
+def qwen21_cached_steps(unpatch_after):
+    """``run(batch=1, device="cpu")``: the tiny Qwen-Image 2.1's extract and cached steps (`zoo.kv_cached_steps`) on
+    fresh latents, unpatched, then patched (each step's first call of its signature also runs as written), the outputs
+    asserted equal; returns the patched model, unpatched at teardown."""
+    from diffusers_fastpath.testing import zoo
+
+    def run(batch: int = 1, device: str = "cpu"):
+        model = zoo.build("qwen-image-21", dtype=torch.bfloat16, device=device)
+        kwargs = zoo.inputs("qwen-image-21", model, batch=batch)
+        latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
+        ref = zoo.kv_cached_steps(model, kwargs, latents)
+        fp.patch(model)
+        unpatch_after(model)
+        got = zoo.kv_cached_steps(model, kwargs, latents)
+        assert all(torch.equal(g, r) for g, r in zip(got, ref))
+        return model
+
+    return run
+
+
+@pytest.fixture
 def tool():
     """A script of tools/ imported as a module, to call its functions in-process: ``tool("zoo_full_size")``."""
     import importlib.util
@@ -136,6 +193,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.layernorm_modulate import (LAYERNORM_MODULATE, LAYERNORM_SCALE, LAYERNORM_SCALE_ROWS,
                                                            layernorm_modulate_ref, layernorm_scale_ref)
     from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS
+    from diffusers_fastpath.ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
     from diffusers_fastpath.ops.modulate_scale_shift import (MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS,
                                                              modulate_scale_shift_ref)
     from diffusers_fastpath.ops.qk_norm_rope import (QK_NORM_ROPE, QK_NORM_ROWS_ROPE, QK_NORM_ROWS_ROPE_PAIR,
@@ -214,6 +272,10 @@ def emulated_kernels(monkeypatch):
     def rmsnorm_gated_residual_rows_indexed(norm, residual, rows, x):
         return rmsnorm_gated_residual_ref(norm, residual, indexed(rows), x)
 
+    def gated_layernorm_scale_rows_indexed(norm, residual, gate, update, scale):  # both rows through their index
+        x = gated_residual_arithmetic(residual, indexed(gate), update)
+        return x, layernorm_scale_ref(norm, x, indexed(scale))
+
     def gated_layernorm_arithmetic(norm, residual, gate, update, scale, shift):  # the residual's arithmetic, then the ref
         x = gated_residual_arithmetic(residual, gate, update)
         return x, layernorm_scale_shift_ref(norm, x, scale, shift)
@@ -227,6 +289,7 @@ def emulated_kernels(monkeypatch):
                        (LAYERNORM_SCALE, layernorm_scale_ref),  # ... without a shift (Qwen-Image 2.1)
                        (LAYERNORM_SCALE_ROWS, layernorm_scale_rows_indexed),  # ... its where-picked rows, indexed
                        (GATED_RESIDUAL_ROWS, gated_residual_rows_arithmetic),
+                       (GATED_LAYERNORM_SCALE_ROWS, gated_layernorm_scale_rows_indexed),  # ... the in-block pair
                        (MODULATE_SCALE_SHIFT_ROWS, modulate_rows_indexed),  # MiniMax-H3's index_select rows
                        (ROTARY_EMB, rotary_emb_ref), (QK_NORM_ROPE, qk_norm_rope_ref), (GELU_CAT, gelu_cat_ref),
                        (SILU_MUL, silu_mul_ref), (SWIGLU_CAT, swiglu_cat_ref), (SIGMOID_MUL, sigmoid_mul_arithmetic),
@@ -316,6 +379,23 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(norm_conv, "_mean_order", lambda x: norm_conv._norm.MeanOrder(1, 1, 1.0 / x.shape[1]))
     monkeypatch.setattr(norm_conv, "_launch", lambda x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw: (
         norm_conv.norm_pad_arithmetic(x, torch.mean(x**2, dim=1), eps, silu, dims, padding, reflect_hw)))
+    # LTX-Video's VAE norm -> SiLU -> causal convolution: its own code (aten's reduction and rsqrt, the squares as the
+    # norm's emulation above), the kernel's launch its arithmetic (the pair's, then causal_pad's buffer of it), the
+    # convolution causal_conv_cl's as emulated above; its proof (the tail on every value) runs the CUDA kernel
+    ltx_norm_conv = sys.modules["diffusers_fastpath.ops.ltx_vae_rmsnorm_conv"]
+    monkeypatch.setattr(ltx_norm_conv.LTX_VAE_RMSNORM_CONV, "guard",
+                        _as_if_on_cuda(ltx_norm_conv.LTX_VAE_RMSNORM_CONV.guard))
+    monkeypatch.setattr(ltx_norm_conv.LTX_VAE_RMSNORM_CONV, "prove", None)
+    monkeypatch.setattr(ltx_norm_conv, "_launch", ltx_norm_conv.norm_pad_arithmetic)
+    # its fused kernel where x is dense (the order an H100's, the mean the CPU's own: eager's calls on the view)
+    monkeypatch.setattr(ltx_norm_conv, "_mean_order", lambda x: ltx_norm_conv.mean_order(x, (132, 2048)))
+
+    def ltx_fused(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw, probe):
+        view = x.reshape(*x.shape[:2], *dims).movedim(1, -1)
+        mean = view.to(torch.float32).pow(2).mean(-1).reshape(x.shape[0], -1)
+        return ltx_norm_conv.fused_pad_arithmetic(x, mean, eps, silu, dims, padding, reflect_hw)
+
+    monkeypatch.setattr(ltx_norm_conv, "_launch_fused", ltx_fused)
     # ... and reading the convolution before it channels-last, its bias not added (`ltx_bias_norm_conv`): its own code,
     # the kernel's launch its arithmetic on the first convolution's tensor as the emulated convolution above leaves it
     # (a CPU's convolution adds the bias inside: the bias and transpose pass a copy), the mean the CPU's own; its
@@ -334,6 +414,15 @@ def emulated_kernels(monkeypatch):
     monkeypatch.setattr(conv_residual.CONV_BIAS_RESIDUAL, "guard", _as_if_on_cuda(conv_residual.CONV_BIAS_RESIDUAL.guard))
     monkeypatch.setattr(conv_bias_module, "_residual_op", lambda raw, bias, residual: (
         conv_bias_module.bias_residual_contiguous_arithmetic(
+            raw, bias, residual, biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
+    # LTX-Video's and LTX-2's residual upsamplers (`ltx_upsampler3d`): its own code, the convolution causal_conv_cl's
+    # as emulated above, the kernel's launch its arithmetic (bias_contiguous's tensor, the depth-to-space moves of it
+    # and of the input, then aten's add) on the convolution's tensor as the emulated convolution leaves it (the bias
+    # inside: the bias and transpose pass a copy)
+    upsampler = sys.modules["diffusers_fastpath.ops.ltx_upsampler"]
+    monkeypatch.setattr(upsampler.LTX_UPSAMPLER3D, "guard", _as_if_on_cuda(upsampler.LTX_UPSAMPLER3D.guard))
+    monkeypatch.setattr(conv_bias_module, "_depth_to_space_op", lambda raw, bias, residual: (
+        conv_bias_module.depth_to_space_residual_arithmetic(
             raw, bias, residual, biased=lambda raw, bias: conv_bias_module._contiguous_op(raw, bias))))
     # LTX-2's VAE norm (+ SiLU): its own kernel wrapper (aten's square and mean, x's [B, C, S] memory), the launch
     # replaced by the kernel's arithmetic (the eps add, sqrt, division, SiLU, each rounded) on the tensors it is given;
@@ -387,6 +476,10 @@ def emulated_kernels(monkeypatch):
 
     monkeypatch.setattr(RMSNORM_ROPE_COMPLEX_CAT, "guard", _as_if_on_cuda(RMSNORM_ROPE_COMPLEX_CAT.guard))
     monkeypatch.setattr(rmsnorm_rope_module, "_launch_out", rope_complex_rows_out)
+    # ... and a key written after its cached prefix (Qwen-Image 2.1): the same launch, after the op's copy of the prefix
+    from diffusers_fastpath.ops.rmsnorm_rope_prefix import RMSNORM_ROPE_COMPLEX_PREFIX
+
+    monkeypatch.setattr(RMSNORM_ROPE_COMPLEX_PREFIX, "guard", _as_if_on_cuda(RMSNORM_ROPE_COMPLEX_PREFIX.guard))
     # SD3's token-major head concatenations and their attention: aten's ops, as on the GPU (the attention verifies
     # itself on its first call per signature, here against the CPU's attention on contiguous copies)
     from diffusers_fastpath.ops import attention_seq_major as attention_module
@@ -398,6 +491,10 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.linear_cat import LINEAR_CAT
 
     monkeypatch.setattr(LINEAR_CAT, "guard", _as_if_on_cuda(LINEAR_CAT.guard))
+    # ... and a projection written after its cached prefix (Qwen-Image 2.1's value): aten's addmm into the rows, too
+    from diffusers_fastpath.ops.linear_prefix import LINEAR_PREFIX
+
+    monkeypatch.setattr(LINEAR_PREFIX, "guard", _as_if_on_cuda(LINEAR_PREFIX.guard))
 
 
 def _as_if_on_cuda(guard):

@@ -78,6 +78,11 @@ CASES = {
     # (x of one position: contiguous and channels-last at once)
     "conv-bias-residual-shape": ("_conv_bias_residual_contiguous_cuda", [(1, 16, 1, 1, 1), (16,), (1, 8, 1, 1, 1)],
                                  "residual must be a contiguous tensor of x's sizes"),
+    "conv-bias-depth-to-space-x-layout": ("_conv_bias_depth_to_space_cuda", [(1, 64, 3, 4, 5), (64,), (1, 16, 3, 4, 5)],
+                                          "x must be a 16-byte aligned channels-last CUDA"),
+    # (x of one position: contiguous and channels-last at once; 3 residual groups do not divide its 8 channels)
+    "conv-bias-depth-to-space-residual": ("_conv_bias_depth_to_space_cuda", [(1, 64, 1, 1, 1), (64,), (1, 24, 1, 1, 1)],
+                                          "residual must be a contiguous [N, 8 G, T, H, W]"),
     "causal-pad-nothing-to-repeat": ("_causal_pad_cuda", [(1, 4, 0, 2, 5), None, [0, 0, 0, 0, 2, 0], False, True,
                                                           False], "need a frame to repeat"),
 }

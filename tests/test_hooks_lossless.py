@@ -37,8 +37,8 @@ from diffusers_fastpath.testing.checks import outputs_equal
 MODULE_OPS = ("layernorm_scale_shift", "gated_layernorm_scale_shift", "layernorm_scale_shift_fp32",
               "layernorm_affine_fp32", "rmsnorm_scale_shift", "gated_rmsnorm_scale_shift", "rmsnorm_scale",
               "rmsnorm_gated_residual", "rmsnorm_modulate", "rmsnorm_rope_complex", "rmsnorm_rope_complex_cat",
-              "rmsnorm_rope_real", "qk_norm_rope", "qk_norm_rows_rope", "qk_norm_rows_rope_pair", "layernorm_modulate",
-              "layernorm_scale")
+              "rmsnorm_rope_complex_prefix", "rmsnorm_rope_real", "qk_norm_rope", "qk_norm_rows_rope",
+              "qk_norm_rows_rope_pair", "layernorm_modulate", "layernorm_scale")
 
 
 def _as_if_on_cuda(guard):

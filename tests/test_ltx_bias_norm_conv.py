@@ -360,7 +360,7 @@ def test_ltx2_vae_decoded_thrice_md5_identical_with_the_pending_results(unpatch_
     conv1 result pending (every signature checked by the first) and conv2's chain takes it; the third leaves conv2's
     result pending too (its chain's signatures checked by the second) and each resnet's residual add takes it
     (`conv_bias_residual`); md5-identical to eager every time, every decoder bias site and every decoder resnet's add
-    fast, no fallback anywhere."""
+    fast, the three upsamplers fast on every decode (`ltx_upsampler3d`: from the first), no fallback anywhere."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import hashlib
@@ -382,7 +382,8 @@ def test_ltx2_vae_decoded_thrice_md5_identical_with_the_pending_results(unpatch_
     for _ in range(3):
         assert md5(vae.decode(z).sample) == ref
     report = fp.report(vae)
-    for op, count in ((bnc.LTX_BIAS_NORM_CONV.name, 20), ("conv_bias_residual", 20)):
+    for op, count in ((bnc.LTX_BIAS_NORM_CONV.name, 20), ("conv_bias_residual", 20), ("ltx_upsampler3d", 3)):
         sites = [r for r in report.sites if r.op == op and r.site.startswith("decoder.")]
         assert len(sites) == count and all(r.fast >= 1 for r in sites), (op, str(report))
+    assert all(r.fast == 3 for r in report.sites if r.op == "ltx_upsampler3d"), str(report)
     assert all(r.fallback == 0 for r in report.sites), str(report)

@@ -1124,3 +1124,31 @@ def test_nvrtc_first_use_cold_then_warm(tmp_path):
     (tmp_path / "first_use.json").write_text(json.dumps(runs))
     print("nvrtc first use (cold, warm):", runs)
     assert [r["way"] for r in runs] == ["nvrtc", "nvrtc"] and [r["cold"] for r in runs] == [True, False]
+
+
+def test_gated_layernorm_scale_rows_launcher_passes_what_bindings_cpp_passes(captured_launches):
+    """Qwen-Image 2.1's in-block pair (`gated_layernorm_scale_rows`): layernorm_modulate_rows' launch with the gated
+    prologue, its gate an [R, dim] table (chunks of a [B + 1, 2D] modulation: row stride 2D) read at gate_index, the
+    scale likewise at index; both outputs allocated, no shift, no affine."""
+    gated_rows_mod = importlib.import_module("diffusers_fastpath.ops.gated_layernorm_scale_rows")
+    batch, seq, dim = 2, 33, 128
+    residual, update = _bf16(batch, seq, dim), _bf16(batch, seq, dim)
+    mod = _bf16(batch + 1, 2 * dim)
+    gate, scale = mod[:, :dim], mod[:, dim:]
+    gate_index = torch.zeros(batch, seq, dtype=torch.int32)
+    index = torch.ones(batch, seq, dtype=torch.int32)
+    x, out = gated_rows_mod._nvrtc_gated_rows(residual, gate, gate_index, update, scale, None, index, None, None, 1e-6)
+    kernel, key, grid, block, a = captured_launches[-1]
+    assert (kernel, key) == (layernorm_mod._NVRTC, (torch.bfloat16, torch.bfloat16, 6, True))
+    assert (grid, block) == ((batch * seq, 1, 1), (32, 4, 1)) and x.shape == out.shape == residual.shape
+    assert (a.a.out, a.a.x, a.a.x_out, a.a.update) == (out.data_ptr(), residual.data_ptr(), x.data_ptr(),
+                                                       update.data_ptr())
+    assert (a.a.gate, a.a.gate_index, a.a.gate_batch_stride) == (gate.data_ptr(), gate_index.data_ptr(), 2 * dim)
+    assert (a.a.scale, a.a.row_index, a.a.scale_seq_stride, a.a.scale_batch_stride) == (
+        scale.data_ptr(), index.data_ptr(), 2 * dim, 0)
+    assert (a.a.shift, a.a.norm_weight, a.a.norm_bias) == (None, None, None)
+    assert (a.a.gated, a.a.modulate_fp32, a.a.affine, a.a.probe, a.a.batch, a.a.seq, a.a.dim) == (
+        True, False, False, False, batch, seq, dim)
+    # FLUX.1's gated form: no gate index
+    layernorm_mod._nvrtc_gated_kernel(residual, gate[:batch, None], update, scale[:batch], scale[:batch], 1e-6)
+    assert captured_launches[-1][4].a.gate_index is None

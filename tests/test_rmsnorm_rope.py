@@ -164,19 +164,10 @@ def test_cat_reference_is_the_processors_chain():
         assert torch.equal(rmsnorm_rope_complex_cat_ref(norm_a, x_a, f_a, norm_b, x_b, f_b), expected)
 
 
-def test_cat_kernel_writes_each_stream_into_its_slice(emulated_kernels, monkeypatch):
+def test_cat_kernel_writes_each_stream_into_its_slice(rope_launches):
     """The fast path's own wrapper on a CPU (each launch emulated by the eager chain of its rows): two launches, each
     into the contiguous slice of the joint tensor its stream's rows belong to, the whole equal to the reference."""
-    from diffusers_fastpath.ops import rmsnorm_rope as module
-
-    launches = []
-    emulated = module._launch_out
-
-    def recording(out, *args):
-        launches.append((out.data_ptr(), out.shape))
-        emulated(out, *args)
-
-    monkeypatch.setattr(module, "_launch_out", recording)
+    launches = rope_launches
     args = make_streams(9, 11, 2, torch.bfloat16, "cpu", 4)
     site, single = Site("rmsnorm_rope_complex_cat"), Site("rmsnorm_rope_complex")
     with torch.no_grad():

@@ -20,6 +20,7 @@ from diffusers_fastpath._state import sites_of
 from diffusers_fastpath.models import _norm_methods
 from diffusers_fastpath.models._norm_methods import lazy_gates, modulate_scale_rows, norm_method_hints
 from diffusers_fastpath.ops import Site
+from diffusers_fastpath.ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
 from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS, gated_residual_rows, gated_residual_rows_ref
 from diffusers_fastpath.ops.layernorm_modulate import LAYERNORM_SCALE_ROWS, layernorm_scale_rows
 from diffusers_fastpath.ops.selected_rows import SelectedRows, tanh_rows, where_index
@@ -184,8 +185,9 @@ def test_rows_ops_without_rows_are_the_tensor_ops():
 
 def test_zoo_model_patched_equals_unpatched_with_rows_fast(emulated_kernels, monkeypatch):
     """The tiny Qwen-Image 2.1 (a mask: causal_condition on) patched: every block's norms and gates read their rows
-    through the index (the rows ops' kernels ran, no fallback), the output equal to unpatched; the index made once
-    per forward for all its blocks (kept on the forward's mask); unpatch restores."""
+    through the index (the rows ops' kernels ran, no fallback), the attention's update and norm2 as one kernel
+    (`gated_layernorm_scale_rows`: norm1 and the FFN's update alone run the rows ops), the output equal to unpatched;
+    the index made once per forward for all its blocks (kept on the forward's mask); unpatch restores."""
     made = []
     monkeypatch.setattr(_norm_methods, "where_index", lambda *a: made.append(a) or where_index(*a))
     model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
@@ -195,28 +197,32 @@ def test_zoo_model_patched_equals_unpatched_with_rows_fast(emulated_kernels, mon
         ref = model(**kwargs)[0].clone()
     fp.patch(model)
     try:
-        calls = {"ln": 0, "gate": 0}
-        ln_kernel, gate_kernel = LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel
+        calls = {"ln": 0, "gate": 0, "gated": 0}
+        ops = {"ln": LAYERNORM_SCALE_ROWS, "gate": GATED_RESIDUAL_ROWS, "gated": GATED_LAYERNORM_SCALE_ROWS}
+        kernels = {k: op.kernel for k, op in ops.items()}
 
-        def ln(*a):
-            calls["ln"] += 1
-            return ln_kernel(*a)
+        def counted(key):
+            def kernel(*a):
+                calls[key] += 1
+                return kernels[key](*a)
+            return kernel
 
-        def gate(*a):
-            calls["gate"] += 1
-            return gate_kernel(*a)
-
-        LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel = ln, gate
+        for key, op in ops.items():
+            op.kernel = counted(key)
         try:
             with torch.no_grad():
                 assert torch.equal(model(**kwargs)[0], ref)
         finally:
-            LAYERNORM_SCALE_ROWS.kernel, GATED_RESIDUAL_ROWS.kernel = ln_kernel, gate_kernel
+            for key, op in ops.items():
+                op.kernel = kernels[key]
         blocks = len(model.transformer_blocks)
-        assert calls == {"ln": 2 * blocks, "gate": 2 * blocks}
+        assert calls == {"ln": blocks, "gate": blocks, "gated": blocks}
         assert blocks >= 2 and len(made) == 1, len(made)  # one index for the forward's 2 * blocks rows
         gates = [s for b in model.transformer_blocks for n, s in sites_of(b) if s.op == "gated_residual"]
-        assert len(gates) == 2 * blocks and all(s.fast and not s.fallback for s in gates)
+        assert len(gates) == 2 * blocks and all(s.fast == 1 and not s.fallback for s in gates)
+        norms = [dict(sites_of(b.img_norm2)) for b in model.transformer_blocks]
+        assert all(n["gated"].op == "gated_layernorm_scale_rows" and n["gated"].fast == 1 and not n["gated"].fallback
+                   and n[None].op == "layernorm_scale_rows" and n[None].fast == 1 for n in norms)
     finally:
         fp.unpatch(model)
     with torch.no_grad():
@@ -282,34 +288,30 @@ def test_zoo_model_kv_cached_steps_patched_equal_unpatched(emulated_kernels):
     """The pipeline's later steps: a prefill ("extract") then "cached" steps, where only the target image's tokens
     run and the mask the rows are picked by is a slice; patched == unpatched at each, the rows read through the
     index (the kernels ran)."""
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-
     model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
     kwargs = zoo.inputs("qwen-image-21", model)
     latents = [torch.randn_like(kwargs["hidden_states"]) for _ in range(2)]
 
     def run():
-        cache = QwenImage21KVCache(len(model.transformer_blocks))
-        outs = []
-        with torch.no_grad():
-            for step, (mode, hidden) in enumerate(zip(("extract", "cached"), latents)):
-                step_kwargs = dict(kwargs, hidden_states=hidden, timestep=kwargs["timestep"] * (1 - 0.3 * step))
-                outs.append(model(**step_kwargs, kv_cache=cache, kv_cache_mode=mode)[0].clone())
-        return outs
+        return zoo.kv_cached_steps(model, kwargs, latents)
 
     ref = run()
     fp.patch(model)
     try:
-        calls = []
-        kernel = GATED_RESIDUAL_ROWS.kernel
+        calls, gated = [], []
+        kernel, gated_kernel = GATED_RESIDUAL_ROWS.kernel, GATED_LAYERNORM_SCALE_ROWS.kernel
         GATED_RESIDUAL_ROWS.kernel = lambda *a: calls.append(a[1].index().shape) or kernel(*a)
+        # (the attention's update, joined with norm2: its gate's and its scale's indices)
+        GATED_LAYERNORM_SCALE_ROWS.kernel = lambda *a: gated.append((a[2].index().shape, a[4].index().shape)) or (
+            gated_kernel(*a))
         try:
             got = run()
         finally:
-            GATED_RESIDUAL_ROWS.kernel = kernel
+            GATED_RESIDUAL_ROWS.kernel, GATED_LAYERNORM_SCALE_ROWS.kernel = kernel, gated_kernel
         assert all(torch.equal(g, r) for g, r in zip(got, ref))
         blocks = len(model.transformer_blocks)
         target = kwargs["hidden_states"].shape[1]  # the cached steps' tokens: the target image's alone
-        assert len(calls) == 4 * blocks and calls[-1][1] == target and calls[0][1] > target
+        assert len(calls) == 2 * blocks and calls[-1][1] == target and calls[0][1] > target
+        assert len(gated) == 2 * blocks and gated[-1] == (calls[-1], calls[-1]) and gated[0] == (calls[0], calls[0])
     finally:
         fp.unpatch(model)

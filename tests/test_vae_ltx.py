@@ -1,11 +1,12 @@
 """The LTX-Video VAE adapter (models/vae_ltx.py) and its op (ops/ltx_vae_rmsnorm.py: the norm, and the pair with the
 SiLU after it): tiny bf16 ``AutoencoderKLLTXVideo`` of 0.9.0's form and of 0.9.5's (``LTXVideo095DownBlock3D``,
 residual upsamplers, the timestep-conditioned decoder), decode and encode patched == unpatched (``torch.equal``) with
-every site on its fast path (on CPU under the emulated kernels; each norm by the pair with its SiLU, or alone where a
-modulate stands between), also tiled and sliced; unpatch, state dicts, hooks (on a norm, on a paired norm, on the
+every site on its fast path (on CPU under the emulated kernels; each norm with its SiLU and the causal convolution
+after them as one chain, `ltx_vae_rmsnorm_conv`, or alone where a modulate stands between), also tiled and sliced; unpatch, state dicts, hooks (on a norm, on a paired norm, on the
 SiLU), a replaced or wrapped ``RMSNorm.forward``; the op's arithmetic against eager, its guard, the pair's proof. On
 the GPU: the kernel (norm and pair) at LTX-Video's real shapes with poisoned outputs, the proof on every value,
-through NVRTC and nvcc, and the full-size VAE's decode and encode md5-identical."""
+through NVRTC and nvcc, and the full-size VAE's decode and encode md5-identical. The chain op's own tests are in
+test_ltx_vae_rmsnorm_conv.py."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from diffusers_fastpath.testing._common import randomize_
 from diffusers_fastpath.testing.checks import ltx_vae_sites, state_dict_round_trip
 
 ltx_norm = importlib.import_module("diffusers_fastpath.ops.ltx_vae_rmsnorm")  # (ops binds the names to the ops)
+ltx_norm_conv = importlib.import_module("diffusers_fastpath.ops.ltx_vae_rmsnorm_conv")
 
 # 0.9.0's form (the bench's ltx-video-tiny: the published compression, 8 channels) and 0.9.5's (spatial / temporal /
 # spatiotemporal downsamplers, residual upsamplers, the timestep-conditioned decoder)
@@ -83,25 +85,38 @@ def _norms(vae) -> int:
 
 PAIR = "ltx_vae_rmsnorm_silu"  # the pair's op (and site name, on the norm)
 NORM_OPS = ("ltx_rmsnorm", PAIR)
+CHAIN = "ltx_vae_rmsnorm_conv"  # the norm -> SiLU -> convolution chain's op (and site name, on the convolution)
+_NORM_OF = {"conv1": "norm1", "conv2": "norm2", "conv_out": "norm_out"}  # a chain's convolution -> the norm it reads
 
 
 def _module(r) -> str:
     return r.site.split(":")[0]  # (a named site's row is "<module path>:<name>")
 
 
+def _chain_norm(r) -> str:
+    """The norm whose chain a chain site (on the convolution) stands for."""
+    path, conv = _module(r).rsplit(".", 1)
+    return f"{path}.{_NORM_OF[conv]}"
+
+
 def _sites(vae) -> list:
     """`ltx_vae_sites`, less each norm's site that never ran where its other site ran fast: every norm carries its own
-    site (`ltx_rmsnorm`: the calls that run it alone) and its pair's where a SiLU follows it (`ltx_vae_rmsnorm_silu`),
-    and each call takes one of them."""
+    site (`ltx_rmsnorm`: the calls that run it alone), its pair's where a SiLU follows it (`ltx_vae_rmsnorm_silu`), and
+    the convolution after the SiLU its chain's (`ltx_vae_rmsnorm_conv`), and each call takes one of them
+    (`ltx_vae_sites` already leaves out the norms' sites of a chain that ran)."""
     rows = ltx_vae_sites(fp.report(vae))
-    ran = {_module(r) for r in rows if r.op in NORM_OPS and r.fast}
-    return [r for r in rows if not (r.op in NORM_OPS and r.fast == r.fallback == 0 and _module(r) in ran)]
+    ran = {_module(r) for r in rows if r.op in NORM_OPS and r.fast} | {_chain_norm(r) for r in rows
+                                                                       if r.op == CHAIN and r.fast}
+    return [r for r in rows if not (r.fast == r.fallback == 0 and (r.op in NORM_OPS and _module(r) in ran
+                                                                   or r.op == CHAIN and _chain_norm(r) in ran))]
 
 
 def _fused_ways(vae) -> dict[str, str]:
-    """Each norm's way that ran fast: its module path -> ``ltx_vae_rmsnorm_silu`` (with its SiLU) or ``ltx_rmsnorm``
-    (alone)."""
-    return {_module(r): r.op for r in fp.report(vae).sites if r.op in NORM_OPS and r.fast}
+    """Each norm's way that ran fast: its module path -> ``ltx_vae_rmsnorm_conv`` (with its SiLU and the convolution
+    after them), ``ltx_vae_rmsnorm_silu`` (with its SiLU) or ``ltx_rmsnorm`` (alone)."""
+    sites = fp.report(vae).sites
+    return {**{_module(r): r.op for r in sites if r.op in NORM_OPS and r.fast},
+            **{_chain_norm(r): CHAIN for r in sites if r.op == CHAIN and r.fast}}
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -114,19 +129,23 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(kind, emu
     norms = _norms(vae)
     assert norms == 2 * sum(type(m).__name__ == "LTXVideoResnetBlock3d" for m in vae.modules()) + 2
     convs = sum(type(m) is torch.nn.Conv3d and m.bias is not None for m in vae.modules())  # (each causal conv's `conv`)
+    upsamplers = sum(type(m).__name__ == "LTXVideoUpsampler3d" and m.residual for m in vae.modules())
+    assert upsamplers == (3 if kind == "0.9.5" else 0)  # (0.9.0's upsamplers add no residual: left as they are)
     unpatch_after(fp.patch(vae))
     assert convs and Counter(r.op for r in fp.report(vae).sites) == Counter(  # (a conv_bias site on each `.conv`)
-        {"ltx_rmsnorm": norms, PAIR: norms, "conv_bias": convs, "ltx_causal_conv3d": convs})  # (each norm: a pair)
+        {"ltx_rmsnorm": norms, PAIR: norms, CHAIN: norms,  # (each norm: a pair, joined with its convolution)
+         "conv_bias": convs, "ltx_causal_conv3d": convs, "ltx_upsampler3d": upsamplers})
     assert torch.equal(_decode(vae, z), ref_dec)
     for r in _sites(vae):  # the decoder's sites ran fast, the encoder's not yet
         assert (r.fast > 0 and not r.fallback) if r.site.startswith("decoder.") else (r.fast, r.fallback) == (0, 0), r
     assert torch.equal(_encode(vae, x), ref_enc)
     assert all(r.fast > 0 and r.fallback == 0 for r in _sites(vae)), str(fp.report(vae))
-    # every norm with its SiLU in one pass, but where the timestep-conditioned decoder modulates between the two (its
-    # resnets and its norm_out: the norm alone, the modulate and the SiLU as written)
+    # every norm with its SiLU and the convolution after them in one pass, but where the timestep-conditioned decoder
+    # modulates between the norm and the SiLU (its resnets and its norm_out: the norm alone, the modulate, the SiLU and
+    # the convolution as written)
     ways = _fused_ways(vae)
     assert len(ways) == norms and all(
-        op == ("ltx_rmsnorm" if kind == "0.9.5" and site.startswith("decoder.") else PAIR) for site, op in ways.items())
+        op == ("ltx_rmsnorm" if kind == "0.9.5" and site.startswith("decoder.") else CHAIN) for site, op in ways.items())
 
 
 _SHORTCUT = "x of a channels-last layout"  # (ltx_causal_conv's refusal of the shortcuts' input)
@@ -193,8 +212,8 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(kind, emulated_kerne
     assert torch.equal(_decode(vae, z), ref_dec)
     assert torch.equal(_encode(vae, x), ref_enc)
     report = fp.report(vae)
-    # (a refused pair calls its norm, which its own guard refuses too: that site counts the fallbacks, not a fast call)
-    assert all(r.fast > 0 for r in _sites(vae) if not (r.op == "ltx_rmsnorm" and r.fallback)), str(report)
+    # (a refused chain runs its pair, which calls its norm, whose guards refuse too: those sites count the fallbacks)
+    assert all(r.fast > 0 for r in _sites(vae) if not (r.op in NORM_OPS and r.fallback)), str(report)
     assert all(reason.startswith("trailing sizes") for r in report.sites for reason in r.reasons), str(report)
 
 
@@ -256,8 +275,10 @@ def test_hooks_run_inside_the_patched_norm(emulated_kernels, unpatch_after):
 @pytest.mark.parametrize("hooked", ["norm", "silu", "global"])
 def test_hooks_on_a_paired_norm_or_its_silu_run_the_two_modules(hooked, emulated_kernels, unpatch_after):
     """A hook on a paired norm, on the SiLU module after it (the resnet's ``nonlinearity``, which both its pairs
-    share) or a global one: those pairs run the norm and the SiLU as two module calls (the norm still `ltx_rmsnorm`
-    inside its call), counted "hooks", and the hook sees what it sees unpatched; every other pair stays fast."""
+    share) or a global one: those chains are refused (counted on the convolution's chain site with the module that has
+    hooks) and run their statements as written: the pair refused too (counted "hooks"), so the norm and the SiLU run as
+    two module calls (the norm still `ltx_rmsnorm` inside its call), then the convolution's call; the hook sees what it
+    sees unpatched; every other chain stays fast."""
     vae = _build()
     z = _latents(vae)
     resnet = vae.decoder.mid_block.resnets[0]
@@ -281,13 +302,20 @@ def test_hooks_on_a_paired_norm_or_its_silu_run_the_two_modules(hooked, emulated
     unpatch_after(fp.patch(vae))
     assert torch.equal(decode(), ref) and seen == ref_seen and seen
     hooked_pairs = {"norm": {"norm1"}, "silu": {"norm1", "norm2"}}.get(hooked)  # (one SiLU module after both norms)
-    decoder_pairs = [r for r in fp.report(vae).sites if r.op == PAIR and r.site.startswith("decoder.")]
-    for r in decoder_pairs:
-        path, norm = _module(r).rsplit(".", 1)
+    refusal = f"{type(target if hooked == 'silu' else resnet.norm1).__name__} has hooks"  # (the first hooked module)
+    pairs = {_module(r): r for r in fp.report(vae).sites if r.op == PAIR and r.site.startswith("decoder.")}
+    chains = [r for r in fp.report(vae).sites if r.op == CHAIN and r.site.startswith("decoder.")]
+    assert chains and len(chains) == len(pairs)
+    for r in chains:
+        path, norm = _chain_norm(r).rsplit(".", 1)
+        pair = pairs[f"{path}.{norm}"]
         if hooked == "global" or (path == "decoder.mid_block.resnets.0" and norm in hooked_pairs):
-            assert (r.fast, r.reasons) == (0, {"hooks": 1}), r
+            # (a global hook: norm2's chain finds it on the dropout between, which the chain checks first)
+            assert (r.fast, r.reasons) == (0, {"hooks" if hooked == "global" and norm == "norm2" else refusal: 1}), r
+            assert (pair.fast, pair.reasons) == (0, {"hooks": 1}), pair
         else:
             assert r.fast == 1 and not r.fallback, r
+            assert pair.fast == pair.fallback == 0, pair
     assert resnet.norm1._fastpath_site.fast == 1  # (the norm's own forward, inside its call: fast, hooks or not)
 
 
@@ -458,28 +486,33 @@ def test_launch_constants_match_the_source():
         _constant("ltx_vae_rmsnorm.cu", n) for n in ("kThreads", "kBlocksPerSm"))
 
 
-# (the op, and a VAE whose decoder runs it: the norm alone where a timestep-conditioned decoder modulates between)
+# (the op, and a VAE whose decoder runs it: the norm alone where a timestep-conditioned decoder modulates between;
+# the pair where the chain is off, as where the convolution after the SiLU does not take it)
 WAYS = {"ltx_rmsnorm": (ltx_norm.LTX_RMSNORM, {**CONFIGS["0.9.0"], "timestep_conditioning": True}),
-        PAIR: (ltx_norm.LTX_VAE_RMSNORM_SILU, CONFIGS["0.9.0"])}
+        PAIR: (ltx_norm.LTX_VAE_RMSNORM_SILU, CONFIGS["0.9.0"]),
+        CHAIN: (ltx_norm_conv.LTX_VAE_RMSNORM_CONV, CONFIGS["0.9.0"])}
 
 
-def _build_way(way: str):
+def _build_way(way: str, monkeypatch):
+    if way == PAIR:
+        monkeypatch.setattr(ltx_norm_conv.LTX_VAE_RMSNORM_CONV, "disabled", "off for this test")
     return randomize_(AutoencoderKLLTXVideo(**WAYS[way][1]), 0).to(torch.bfloat16).eval()
 
 
 @pytest.mark.parametrize("way", list(WAYS))
 def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(way, monkeypatch, emulated_kernels):
-    """Exact by construction (the pair's SiLU proven on every value), and still compared with eager on the first call
-    of each dtype: a kernel one ulp off is disabled there (one warning), and the decode is eager's."""
+    """Exact by construction (the pair's SiLU proven on every value, the chain's tail too), and still compared with
+    eager on the first call of each signature: a kernel one ulp off is disabled there (one warning), and the decode is
+    eager's."""
     op = WAYS[way][0]
     exact = op.kernel
 
-    def off_by_one_ulp(norm, x):
-        out = exact(norm, x)
+    def off_by_one_ulp(*args):
+        out = exact(*args)
         return (out.view(torch.int16) + 1).view(out.dtype)
 
     monkeypatch.setattr(op, "kernel", off_by_one_ulp)
-    vae = _build_way(way)
+    vae = _build_way(way, monkeypatch)
     z = _latents(vae)
     with torch.no_grad():
         ref = _decode(vae, z)
@@ -492,18 +525,19 @@ def test_a_norm_kernel_that_differs_is_caught_on_its_first_call_and_eager_runs(w
 
 
 @pytest.mark.parametrize("way", list(WAYS))
-def test_each_layout_is_verified_on_its_first_call(way, emulated_kernels, unpatch_after):
+def test_each_layout_is_verified_on_its_first_call(way, monkeypatch, emulated_kernels, unpatch_after):
     """The first call of each signature (dtype, dense or channels apart: the kernel's two paths) is compared with
-    eager: a decode through the upsamplers verifies both, for the pair and for the norm alone (a conditioned
-    decoder's)."""
+    eager: a decode through the upsamplers verifies both, for the chain, for the pair (the chain off) and for the norm
+    alone (a conditioned decoder's)."""
     op = WAYS[way][0]
-    vae = _build_way(way)
+    vae = _build_way(way, monkeypatch)
     z = _latents(vae)
     with torch.no_grad():
         ref = _decode(vae, z)
         unpatch_after(fp.patch(vae))
         assert torch.equal(_decode(vae, z), ref)
-    assert {("bfloat16", "dense"), ("bfloat16", "strided")} <= set(op.verified)
+    verified = {key[0] for key in op.verified} if op is ltx_norm_conv.LTX_VAE_RMSNORM_CONV else op.verified
+    assert {("bfloat16", "dense"), ("bfloat16", "strided")} <= set(verified)
 
 
 def _probe_launch(planted=None):
@@ -614,7 +648,7 @@ def _gpu_input(shape, dtype, layout, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("way", [w for w in WAYS if w != CHAIN])  # (the chain's own: test_ltx_vae_rmsnorm_conv.py)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", LTX_NORM_SHAPES)
 @pytest.mark.parametrize("layout", ["contiguous", "sliced"])
@@ -694,4 +728,5 @@ def test_ltx_vae_decode_and_encode_md5_identical_every_site_fast(unpatch_after):
     assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
     assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
     assert_every_site_fast_but_the_shortcuts(vae)
-    assert set(_fused_ways(vae).values()) == {PAIR}  # (every norm with its SiLU: the published 0.9.0 modulates none)
+    # (every norm with its SiLU and the convolution after them: the published 0.9.0 modulates none)
+    assert set(_fused_ways(vae).values()) == {CHAIN}

@@ -24,7 +24,7 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2 import LTX2VideoResnetBlo
 
 import diffusers_fastpath as fp
 from diffusers_fastpath.bench.levels.vae import VAE_MODELS
-from diffusers_fastpath.models import vae_ltx2, vae_ltx2_chain
+from diffusers_fastpath.models import vae_ltx, vae_ltx2, vae_ltx2_chain
 from diffusers_fastpath.models.vae_ltx2_norm import FastpathPerChannelRMSNorm
 from diffusers_fastpath.ops.causal_conv_cl import PendingBias
 from diffusers_fastpath.testing._common import randomize_
@@ -239,7 +239,7 @@ def test_a_replaced_norm_forward_is_left_unpatched(monkeypatch, emulated_kernels
         try:
             assert torch.equal(_decode(vae, z), ref)
             assert len(calls) == 2 * eager_calls > 0
-            assert {r.op for r in fp.report(vae).sites} == {"conv_bias", "ltx_causal_conv3d"}
+            assert {r.op for r in fp.report(vae).sites} == {"conv_bias", "ltx_causal_conv3d", "ltx_upsampler3d"}
             assert type(vae.decoder.norm_out) is PerChannelRMSNorm
         finally:
             fp.unpatch(vae)
@@ -297,13 +297,15 @@ def test_the_resnet_forward_hands_conv1s_result_to_conv2s_chain():
         assert "pending" not in text and "settled" not in text
 
 
-def _pending_rewrite(code: str) -> str:
-    """`vae_ltx2_chain._Pending` on the statements of `code` (joined calls written as `_Chains` makes them)."""
+def _pending_rewrite(code: str, joined: bool = True, adds: bool = True) -> str:
+    """`vae_ltx2_chain._Pending` on the statements of `code` (joined calls written as `_Chains` makes them), making
+    the receivers asked for."""
     import ast
     import textwrap
 
     body = ast.parse(textwrap.dedent(code)).body
-    return ast.unparse(ast.fix_missing_locations(ast.Module(vae_ltx2_chain._Pending("ns", body).body(body), [])))
+    rewritten = vae_ltx2_chain._Pending("ns", body, joined, adds).body(body)
+    return ast.unparse(ast.fix_missing_locations(ast.Module(rewritten, [])))
 
 
 _J1 = "x = ns.norm_act_conv(self, 'n1', 'a', (), 'c1', x, causal=c)"
@@ -370,6 +372,21 @@ def test_the_pending_rewrite_hands_a_value_to_the_residual_add_after_it():
     for code in ("x = x + x", "x = x + f(x)", "x += r", "x = x - r", "y = x + r", "x = x + r + s", "x = (x, r)"):
         out = _pending_rewrite(f"{_J1}\n{code}")
         assert "pending" not in out and "settled" not in out, (code, out)
+
+
+def test_the_pending_rewrite_makes_only_the_receivers_its_calls_have_an_op_for():
+    """`_Pending` for a `ChainPairCalls` without a bias op (``joined`` False: a joined call is a reader, settled
+    before) or without a residual op (``adds`` False: the add is a reader, as written); LTX-2's has both (the
+    resnet's ``conv1 -> conv2 -> add``), LTX-Video's neither (`_Pending` not run)."""
+    code = f"{_J1}\n{_J2}\nx = x + r\nreturn x"
+    assert _pending_rewrite(code, joined=False).splitlines() == [
+        _J1, _J2.replace("norm_act_conv(", "norm_act_conv_pending("), "x = ns.pending_add(self, x, r)", "return x"]
+    assert _pending_rewrite(code, adds=False).splitlines() == [
+        _J1.replace("norm_act_conv(", "norm_act_conv_pending("), _J2.replace("norm_act_conv(", "pending_norm_act_conv("),
+        "x = x + r", "return x"]
+    ltx2, ltxv = vae_ltx2.PAIRS, vae_ltx.PAIRS
+    assert (ltx2.bias.name, ltx2.residual.name) == ("ltx_bias_norm_conv", "conv_bias_residual")
+    assert ltxv.bias is None and ltxv.residual is None
 
 
 def test_a_convolution_keyword_read_from_the_chained_value_is_not_joined():

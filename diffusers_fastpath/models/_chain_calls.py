@@ -22,6 +22,8 @@ from ..ops.attention_gqa import attention_gqa
 from ..ops.gated_residual import gated_residual_rows
 from ..ops.layernorm_modulate import name_site
 from ..ops.selected_rows import IndexedRows, SelectedRows, TokenRows, index_rows, materialized, tanh_rows
+from ..ops.linear_prefix import linear_prefix, unflattened
+from ..ops.rmsnorm_rope_prefix import rmsnorm_rope_complex_prefix
 from ..ops.rmsnorm_scale_shift import rmsnorm_gated_residual_rows, rmsnorm_scale_rows
 from ..ops.layernorm_scale_shift import LAYERNORM_SCALE_SHIFT, _affine_free
 from ..ops.modulate_scale_shift import MODULATE_SCALE_SHIFT, MODULATE_SCALE_SHIFT_ROWS
@@ -34,7 +36,8 @@ from ._chain_rotate_half import is_partial_rotate_half, is_rotate_half
 from ._chain_token_rows import token_rows
 from ..ops.attention_seq_major import attention_seq_major, cat_reason, cat_seq_major, seq_major
 from ..ops.silu_mul import SILUS  # the activation modules `silu_mul` stands for (its proof checks both)
-from ..quality import hooked
+from ..ops._policy import autocast_on
+from ..quality import hooked, plain_linear_unfit
 from ._rope_cache import derived
 
 _FLOAT_EXACT = (torch.float16, torch.bfloat16, torch.float32)  # the dtypes whose ``.float()`` is exact
@@ -258,6 +261,69 @@ class _RotatedLater:
         return rmsnorm_rope_complex(self.x.norm, self.x.x, self.freqs, self.site)
 
 
+# what a prefix concatenation's site counts where its key was not left waiting by a fused norm + rotary
+PREFIX_UNFUSED = "key not a waiting norm + rotary (a hooked or other norm, other factors, or no rotary)"
+
+
+class _LinearLater:
+    """``linear(x)`` (then ``.unflatten(-1, sizes)``) not yet run: a value projection that nothing but its prefix
+    concatenation reads, and its ``.dtype`` before (the rewriter's prefix-projection form; `linear_later` made it only
+    where calling the module later is calling it now). ``dtype`` is ``F.linear``'s result dtype there: x's, which the
+    weight and bias share (no autocast)."""
+
+    __slots__ = ("linear", "x", "sizes", "dtype")
+
+    def __init__(self, linear: nn.Linear, x: torch.Tensor, sizes=None) -> None:
+        self.linear, self.x, self.sizes, self.dtype = linear, x, sizes, x.dtype
+
+    def unflatten(self, dim, sizes):
+        # ``V.unflatten(-1, sizes)`` waits too where it is one (and would not raise); any other runs the module now
+        if self.sizes is None and dim == -1 and unflattened(self.linear.out_features, sizes) is not None:
+            return _LinearLater(self.linear, self.x, tuple(sizes))
+        return self.run().unflatten(dim, sizes)
+
+    def run(self) -> torch.Tensor:
+        value = self.linear(self.x)  # (the module's call, as written: later, on the same objects)
+        return value if self.sizes is None else value.unflatten(-1, self.sizes)
+
+
+# what a prefix-projection site counts where the value was not left waiting (`linear_later` ran it as written)
+VALUE_UNFUSED = ("value not a waiting projection (a hooked, LoRA or quantized Linear, mixed dtypes, autocast, "
+                 "autograd or torch.compile)")
+
+
+NO_BIAS = "Linear has no bias"  # (`plain_linear_unfit`'s reason: not one here)
+
+
+def linear_wait_unfit(linear, x) -> str | None:
+    """Why ``linear(x)`` must run where it is written rather than later (at a prefix concatenation), or ``None``: its
+    call later must be this call (a plain ``nn.Linear``, whose forward is ``F.linear`` and writes nothing,
+    no hooks; not a functorch transform or a ``torch.compile`` trace), its result's dtype must be known without
+    running it (x, weight and bias of one floating dtype, no autocast: ``F.linear``'s result has x's), and its place in
+    autograd must not move (the order of the gradients summed into x follows the order of the calls)."""
+    if torch.compiler.is_compiling():
+        return "torch.compile"
+    if torch._C._are_functorch_transforms_active():
+        return "torch.func transform"
+    if type(x) is not torch.Tensor:
+        return "x not a plain tensor"
+    reason = plain_linear_unfit(linear)
+    if reason is not None and reason != NO_BIAS:  # (one without a bias is ``F.linear(x, weight)``: fine)
+        return reason
+    params = (linear.weight,) if linear.bias is None else (linear.weight, linear.bias)
+    if linear.bias is not None and type(linear.bias) not in (nn.Parameter, torch.Tensor):
+        return "bias is not a plain tensor (quantized)"
+    if hooked(linear):
+        return "Linear has hooks"
+    if not x.is_floating_point() or any(p.dtype != x.dtype for p in params):
+        return "mixed dtypes"
+    if autocast_on((x,)):
+        return "autocast"
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return "requires grad"
+    return None
+
+
 def _materialize(x):
     """The tensor a pending norm (and concatenation) stands for, computed as diffusers' lines compute it."""
     if isinstance(x, _NormLater):
@@ -266,6 +332,8 @@ def _materialize(x):
         return torch.cat([_materialize(x.txt), _materialize(x.img)], dim=1)
     if isinstance(x, _NormFp32Later):
         return x.norm(x.x.float())
+    if isinstance(x, (_RotatedLater, _LinearLater)):  # waiting for a prefix concatenation, read elsewhere first
+        return x.run()
     return x
 
 
@@ -627,6 +695,37 @@ class _ChainsNamespace:
                 and a.x.x.shape[0] == b.x.x.shape[0] == 1):
             return rmsnorm_rope_complex_cat(a.x.norm, a.x.x, a.freqs, b.x.norm, b.x.x, b.freqs, site, a.site)
         return torch.cat([t.run() if isinstance(t, _RotatedLater) else _materialize(t) for t in (a, b)], dim=1)
+
+    @staticmethod
+    def cat_prefix_rotated(c, k, site):
+        # ``torch.cat([c, k], dim=1)`` of a prefix (Qwen-Image 2.1's cached key) and a rotated key that nothing but
+        # this concatenation reads (the rewriter's prefix form): where its rotary waits (`rotary_complex_later`), the
+        # kernel writes it after a copy of the prefix; otherwise the concatenation as written
+        if isinstance(k, _RotatedLater) and isinstance(c, torch.Tensor):
+            return rmsnorm_rope_complex_prefix(c, k.x.norm, k.x.x, k.freqs, site, k.site)
+        if site is not None:
+            site.fallback[PREFIX_UNFUSED] += 1
+        return torch.cat([c, _materialize(k)], dim=1)
+
+    @staticmethod
+    def linear_later(linear, x):
+        # ``linear(x)``, a value projection the rewriter proved is read before its prefix concatenation only for its
+        # ``.dtype`` and ``.unflatten(-1, sizes)``: waits (`_LinearLater`) where calling it later is this call;
+        # otherwise runs here, as written
+        if linear_wait_unfit(linear, x) is None:
+            return _LinearLater(linear, x)
+        return linear(x)
+
+    @staticmethod
+    def cat_prefix_linear(c, v, site):
+        # ``torch.cat([c, v], dim=1)`` of a prefix (Qwen-Image 2.1's cached value) and a projection that nothing but
+        # this concatenation reads (the rewriter's prefix-projection form): where it waits (`linear_later`), its GEMM
+        # writes the rows after a copy of the prefix (`linear_prefix`); otherwise the concatenation as written
+        if isinstance(v, _LinearLater):
+            return linear_prefix(c, v.linear, v.x, v.sizes, site)
+        if site is not None:
+            site.fallback[VALUE_UNFUSED] += 1
+        return torch.cat([c, v], dim=1)
 
     @staticmethod
     def rotary_rows(fn, x, freqs, site, qk_site=None):

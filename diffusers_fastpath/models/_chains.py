@@ -63,7 +63,8 @@ from ..ops import Site
 from ..ops.layernorm_modulate import LAYERNORM_MODULATE
 from ..ops.rms_norm_modulate_rows import RMS_NORM_MODULATE_ROWS
 from ..ops.zero_centred_modulate import ZERO_CENTRED_MODULATE
-from ._norm_methods import FUSED as _NORM_FUSED, lazy_gates
+from ._norm_methods import FUSED as _NORM_FUSED, GATED_SITE, gated_norm_methods, lazy_gates
+from ..ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
 from ._chain_index_rows import lazy_index_rows
 from ._chain_token_rows import lazy_token_rows
 from ._chain_calls import SWIGLU_MODULES, _ChainsNamespace, _other_layernorm, register_original, set_owner
@@ -79,7 +80,9 @@ from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_C
                         MODULATE_ONLY, NORM_MODULATE_LATER, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT,
                         Rewrite, _Rewriter)
 from ._rewriter_attention import (ATTENTION_BOOL_MASK, ATTENTION_GQA, ATTENTION_SEQ_MAJOR, CAT_HEADS, QK_NORM_ROPE, QK_NORM_ROWS, QK_NORM_ROWS_PAIR,
-                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_REAL, ROTARY, SIGMOID_MUL)
+                                  RMSNORM_ROPE, RMSNORM_ROPE_CAT, RMSNORM_ROPE_PREFIX, RMSNORM_ROPE_REAL, ROTARY,
+                                  LINEAR_PREFIX,
+                                  SIGMOID_MUL)
 
 _SCALE_ROWS = _NORM_FUSED["scale_rows"][0]  # the fused name whose gates `lazy_gates` may keep as rows
 
@@ -174,6 +177,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
         if rewriter.block:
             rewriter.found.index_rows += lazy_index_rows(body, _NS)  # (with the norm + modulate pairs' own)
             rewriter.found.token_rows = lazy_token_rows(body, _NS, proofs, fn.__globals__)
+        if rewriter.block and _SCALE_ROWS in (norm_methods or {}).values():  # after `lazy_gates`: its gates' form
+            rewriter.found.gated_norms = gated_norm_methods(body, _SCALE_ROWS, _NS, proofs)
         if rewriter.found.head_cats:
             body = rewriter.seq_major_attention(body)
         if not rewriter.block:
@@ -182,6 +187,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
                 body = rewriter.bool_mask_attention(body)
         if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
             body = rewriter.qk_norms(body)
+        if not rewriter.block:  # (after the QK-norm form, whose pending norms read the value's ``.dtype``)
+            body = rewriter.prefix_linears(body)
         # inlined only where that lets a pattern take more, and every norm the inlining took on trust is fused
         if not inline or inliner.proven(body):
             made.append((rewriter, body, proofs, inliner))
@@ -514,6 +521,10 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, RMSNORM_ROPE, name=RMSNORM_ROPE)
                 if found.rotary_cats:  # the streams' q and k written into their concatenations (Qwen-Image)
                     state.add_site(module, RMSNORM_ROPE_CAT, name=RMSNORM_ROPE_CAT)
+                if found.prefix_cats:  # a key written after its cached prefix (Qwen-Image 2.1's cached steps)
+                    state.add_site(module, RMSNORM_ROPE_PREFIX, name=RMSNORM_ROPE_PREFIX)
+            if found.prefix_linears:  # a value projection written after its cached prefix (Qwen-Image 2.1)
+                state.add_site(module, LINEAR_PREFIX, name=LINEAR_PREFIX)
             if found.head_cats:
                 state.add_site(module, CAT_HEADS, name=CAT_HEADS)
             if found.seq_major_attention:
@@ -583,6 +594,10 @@ def add_chain_sites(state: PatchState, block: nn.Module, found: Rewrite) -> None
         norm = getattr(block, attr)
         if type(norm) is FP32LayerNorm and norm.weight is not None and norm.bias is not None:
             state.add_site(norm, AFFINE_FP32)
+    for attr in found.gated_norms:  # a gated update joined with the scale-rows method's norm of its result
+        norm = getattr(block, attr, None)
+        if isinstance(norm, nn.LayerNorm):
+            state.add_site(norm, GATED_LAYERNORM_SCALE_ROWS.name, GATED_SITE)
     for attr in found.norms:
         norm = getattr(block, attr)
         if type(norm) is RMSNorm:  # LTX-Video's weightless norms: `rmsnorm_modulate` where the rows form took them

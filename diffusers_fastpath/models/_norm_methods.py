@@ -10,6 +10,11 @@ another class, different for any change of its code), each with the fused counte
   ``hidden_states * (1 + scale), gate``. `modulate_scale_rows` makes the same rows the same way (the very function
   the method calls, and the method itself, checked at run time to be the ones checked at patch time) and runs the LayerNorm with the product
   as `layernorm_scale` (per-token rows where the mask picks them, one row per sample without a mask).
+
+  Where the method's LayerNorm reads the stream the gated residual right before it wrote (Qwen-Image 2.1's
+  ``H = H + G.tanh() * E`` then ``A, G2 = self._modulate(self.img_norm2(H), ...)``), the two statements become one
+  call (`gated_norm_methods`, proven by the rewriter) of `gated_modulate_scale_rows`: the update and the LayerNorm +
+  scale of its result as one kernel (`gated_layernorm_scale_rows`), which writes the new stream too.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from torch import nn
 
 from .._state import site_attr
 from ..ops import layernorm_scale
-from ..ops.layernorm_modulate import layernorm_scale_rows
+from ..ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
+from ..ops.layernorm_modulate import LAYERNORM_SCALE_ROWS, layernorm_scale_rows, name_site
 from ..ops.selected_rows import SelectedRows, where_index
 from .._source import normalized_digest
+from ._chain_calls import _ChainsNamespace
+from ._chain_proofs import like
 from ._rope_cache import derived
 
 # normalized digests (diffusers 0.42.1) of the methods and of the module function the method calls
@@ -32,6 +40,7 @@ _SELECT_ROWS = "faae88c3fde625a3"
 _SELECT = "_select_modulation_rows"
 _CHECKED: dict[type, tuple] = {}  # block class -> (its method, the `_select_modulation_rows` it calls), checked
 _INDEX_KEY = "scale_rows_index"  # the rows' index kept on the forward's mask (`_shared_index`)
+GATED_SITE = "gated"  # a norm's site for the gated update + LayerNorm + scale (`gated_modulate_scale_rows`)
 
 
 def norm_method_hints(cls: type) -> tuple[tuple[str, str], ...]:
@@ -56,25 +65,67 @@ def modulate_scale_rows(self, norm: nn.Module, x, mod_params, target_token_mask,
     scale through an index (`SelectedRows`), and so, where the rewriter proved the gate is read only as ``G.tanh()``
     by one gated residual (`_fastpath_lazy_gate`, `lazy_gates`), does that residual's kernel: the gate is returned
     as `SelectedRows` of its own copy of the rows and the mask as they are now (what eager's ``where`` reads now)."""
-    method = type(self)._modulate
-    select = getattr(method, "__globals__", {}).get(_SELECT)
-    checked = (method, select)
-    if (not any(checked == _CHECKED.get(c) for c in type(self).__mro__) or not isinstance(norm, nn.LayerNorm)
-            or not isinstance(x, torch.Tensor) or not isinstance(mod_params, torch.Tensor)):
+    select = _checked_select(self)
+    if (select is None or not isinstance(norm, nn.LayerNorm) or not isinstance(x, torch.Tensor)
+            or not isinstance(mod_params, torch.Tensor)):
         return self._modulate(norm(x), mod_params, target_token_mask)
     scale, gate = mod_params.chunk(2, dim=-1)
     site = getattr(norm, site_attr(), None)
     if isinstance(target_token_mask, torch.Tensor) and not torch.compiler.is_compiling():
         rows = SelectedRows(select, scale, target_token_mask, index=_shared_index(target_token_mask, scale))
         if rows.reason(x) is None:
-            out = layernorm_scale_rows(norm, x, rows, site)
-            if not _fastpath_lazy_gate:
-                return out, select(gate, target_token_mask)
-            # (the index the norm's kernel used, if it ran: the same mask's)
-            return out, SelectedRows(select, gate.clone(), target_token_mask.clone(), index=rows.cached_index)
+            return layernorm_scale_rows(norm, x, rows, site), _gate_rows(select, gate, target_token_mask, rows,
+                                                                         _fastpath_lazy_gate)
     scale = select(scale, target_token_mask)
     gate = select(gate, target_token_mask)
     return layernorm_scale(norm, x, scale, site), gate
+
+
+def _checked_select(block):
+    """The row selection `block`'s ``_modulate`` calls, where its class holds the method checked at patch time (by
+    digest) and that method's module the function checked with it; else None."""
+    method = type(block)._modulate
+    select = getattr(method, "__globals__", {}).get(_SELECT)
+    checked = (method, select)
+    return select if any(checked == _CHECKED.get(c) for c in type(block).__mro__) else None
+
+
+def _gate_rows(select, gate, mask, rows: SelectedRows, lazy: bool):
+    """The method's gate: ``select(gate, mask)`` as it returns it, or (`lazy`) `SelectedRows` of its own copy of the
+    rows and the mask as they are now (what eager's ``where`` reads now), with the index the scale's rows used."""
+    if not lazy:
+        return select(gate, mask)
+    return SelectedRows(select, gate.clone(), mask.clone(), index=rows.cached_index)
+
+
+def gated_modulate_scale_rows(self, norm: nn.Module, residual, gate, update, gate_site, mod_params, target_token_mask,
+                              _fastpath_lazy_gate: bool = False):
+    """``x = residual + gate * update`` (the rewritten forward's ``gated_residual_rows(residual, gate, update,
+    gate_site)``) and then ``self._modulate(norm(x), mod_params, target_token_mask)`` (`modulate_scale_rows`), as
+    ``(x, normed, gate)``: where `gate` is `SelectedRows` (a lazy gate, `lazy_gates`) and the method's rows are picked
+    by a mask, one kernel (`gated_layernorm_scale_rows`) computes the update, writes it, and computes the LayerNorm +
+    scale of it, counted on `norm`'s ``gated`` site (the update's and the norm's own sites then count a fast call each);
+    anything else, and wherever that op refuses (its reason counted there), the two calls as the rewritten forward made
+    them before (`gated_norm_methods`). The method's own arguments are evaluated before the update either way, which the
+    rewriter proved changes nothing the update reads."""
+    if (type(gate) is SelectedRows and isinstance(target_token_mask, torch.Tensor)
+            and isinstance(residual, torch.Tensor) and isinstance(update, torch.Tensor)
+            and isinstance(mod_params, torch.Tensor) and isinstance(norm, nn.LayerNorm)
+            and not torch.compiler.is_compiling() and (select := _checked_select(self)) is not None):
+        scale, gate2 = mod_params.chunk(2, dim=-1)
+        rows = SelectedRows(select, scale, target_token_mask, index=_shared_index(target_token_mask, scale))
+        if rows.reason(residual) is None:
+            out = GATED_LAYERNORM_SCALE_ROWS.try_fast(getattr(norm, site_attr(GATED_SITE), None), norm, residual,
+                                                      gate, update, rows)
+            if out is not None:
+                for site in (gate_site, getattr(norm, site_attr(), None)):
+                    if site is not None:
+                        site.fast += 1
+                name_site(getattr(norm, site_attr(), None), LAYERNORM_SCALE_ROWS.name)
+                x, normed = out
+                return x, normed, _gate_rows(select, gate2, target_token_mask, rows, _fastpath_lazy_gate)
+    x = _ChainsNamespace.gated_residual_rows(residual, gate, update, gate_site)
+    return (x, *modulate_scale_rows(self, norm, x, mod_params, target_token_mask, _fastpath_lazy_gate))
 
 
 def _shared_index(mask, params: torch.Tensor) -> torch.Tensor | None:
@@ -136,5 +187,82 @@ def lazy_gates(body: list[ast.stmt], fused: str, gated: str, namespace: str) -> 
         marked += 1
     return marked
 
+
+def gated_norm_methods(body: list[ast.stmt], fused: str, namespace: str, proofs) -> list[str]:
+    """Join each gated residual and the fused scale-rows method call right after it that normalises its result, in a
+    rewritten forward's `body` (in place, in every block of statements): ``H = NS.gated_residual_rows(R, G, E, S)`` (or
+    ``NS.gated_residual``) directly followed by ``A, B = self.F(self.N, H, M, K[, _fastpath_lazy_gate=True])`` (`fused`
+    ``F``) becomes ``H, A, B = NS.gated_modulate_scale_rows(self, self.N, R, G, E, S, M, K[, ...])``. The update now
+    runs after ``self.N``, ``M`` and ``K`` are evaluated, and ``H`` is bound after them, so: none of them reads ``H``
+    (the stream between the two statements is read only as the norm's input; ``A`` and ``B`` are other names), their
+    evaluation leaves what ``R``, ``G`` and ``E`` hold as it was (`Proofs.stays`, on the forward as written), and no
+    exception handler reads ``H`` (were their evaluation to raise, ``H`` would not yet hold the new stream). Returns the
+    norms' attributes, one per pair joined."""
+    joined: list[str] = []
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for stmt in stmts:
+            for name in ("body", "orelse", "finalbody"):
+                inner = getattr(stmt, name, None)
+                if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                    visit(inner)
+            for handler in getattr(stmt, "handlers", ()):
+                visit(handler.body)
+        i = 0
+        while i + 1 < len(stmts):
+            merged = _gated_pair(stmts[i], stmts[i + 1], fused, namespace, proofs)
+            if merged is not None:
+                joined.append(merged[1])
+                stmts[i:i + 2] = [merged[0]]
+            i += 1
+
+    visit(body)
+    return joined
+
+
+def _gated_pair(first: ast.stmt, second: ast.stmt, fused: str, namespace: str, proofs):
+    """``(merged statement, norm attribute)`` for `gated_norm_methods`' pair, or None."""
+    if not (isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Name)):
+        return None
+    h, residual_call = first.targets[0].id, first.value
+    if not (isinstance(residual_call, ast.Call) and isinstance(residual_call.func, ast.Attribute)
+            and residual_call.func.attr in ("gated_residual_rows", "gated_residual")
+            and isinstance(residual_call.func.value, ast.Name) and residual_call.func.value.id == namespace
+            and len(residual_call.args) == 4 and not residual_call.keywords
+            and not any(isinstance(a, ast.Starred) for a in residual_call.args)):
+        return None
+    if not (isinstance(second, ast.Assign) and len(second.targets) == 1 and isinstance(second.targets[0], ast.Tuple)
+            and len(second.targets[0].elts) == 2
+            and all(isinstance(e, ast.Name) and e.id != h for e in second.targets[0].elts)):
+        return None
+    call = second.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == fused
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and len(call.args) == 4
+            and not any(isinstance(a, ast.Starred) for a in call.args)
+            and all(k.arg == "_fastpath_lazy_gate" for k in call.keywords)):
+        return None
+    norm, x, *rest = call.args
+    if not (isinstance(x, ast.Name) and x.id == h and isinstance(norm, ast.Attribute)
+            and isinstance(norm.value, ast.Name) and norm.value.id == "self"):
+        return None
+    others = [norm, *rest, *(k.value for k in call.keywords)]
+    if any(isinstance(n, ast.Name) and n.id == h for e in others for n in ast.walk(e)):
+        return None  # read before the update binds H now
+    residual, gate, update, site = residual_call.args
+    if (isinstance(gate, ast.Call) and isinstance(gate.func, ast.Attribute) and gate.func.attr == "tanh_rows"
+            and isinstance(gate.func.value, ast.Name) and gate.func.value.id == namespace and len(gate.args) == 1):
+        gate = gate.args[0]  # (`lazy_gates`' ``NS.tanh_rows(G)``: the update reads what G holds)
+    if (proofs is None or not proofs.stays([residual, gate, update], first, exprs=others, where=second)
+            or proofs.handlers_read(second, h)):
+        return None
+    targets = [ast.Name(h, ast.Store()), *(ast.Name(e.id, ast.Store()) for e in second.targets[0].elts)]
+    merged = ast.Call(func=ast.Attribute(value=ast.Name(namespace, ast.Load()), attr="gated_modulate_scale_rows",
+                                         ctx=ast.Load()),
+                      args=[ast.Name("self", ast.Load()), norm, *residual_call.args, *rest], keywords=call.keywords)
+    return like(ast.Assign(targets=[ast.Tuple(elts=targets, ctx=ast.Store())], value=merged), first), norm.attr
+
+
+# the rewritten forwards' call of `gated_modulate_scale_rows` (`_chain_calls` cannot import this module: it imports it)
+_ChainsNamespace.gated_modulate_scale_rows = staticmethod(gated_modulate_scale_rows)
 
 FUSED = {"scale_rows": ("_modulate_scale_rows", modulate_scale_rows)}  # form -> (the subclass's name for it, function)

@@ -195,8 +195,13 @@ class Rewrite:
     rotary_half_partial: int = 0  # ``Q = R(X, *F)`` calls that may be MiniMax-H3's partial rotate-half (by digest)
     rotary_matrix: int = 0  # ``R(X, T)`` calls of Kandinsky 5's and 6's matrix-form rotary (by digest)
     rotary_cats: int = 0  # concatenations of two complex-form rotary results written by their kernel (Qwen-Image)
+    prefix_cats: int = 0  # concatenations of a prefix and a complex-form rotary result written by its kernel
+    prefix_linears: int = 0  # concatenations of a prefix and a projection whose GEMM writes after it (`linear_prefix`)
     inlined: list[str] = field(default_factory=list)  # helper functions inlined before the patterns ran (no site)
     lazy_gates: int = 0  # scale-rows gates read through an index by their gated residual (`_norm_methods.lazy_gates`)
+    # norms of scale-rows method calls joined with the gated residual right before them (`_norm_methods
+    # .gated_norm_methods`): a ``gated`` site on each
+    gated_norms: list[str] = field(default_factory=list)
     index_rows: int = 0  # fused calls reading ``index_select`` rows through the index (`_chain_index_rows`)
     token_rows: int = 0  # ``select_per_token`` rows read through an index by a fused RMSNorm (`_chain_token_rows`)
 
@@ -206,7 +211,7 @@ class Rewrite:
                     or self.gelu_cat or self.silu_mul or self.rms_scales or self.rms_gated or self.pairwise_masks
                     or self.outer_masks or self.swiglu_cats or self.rotary_complex
                     or self.head_cats or self.gqa_attention or self.bool_masks or self.sigmoid_mul or self.rotary_named or self.rotary_half
-                    or self.rotary_half_partial or self.rotary_matrix)
+                    or self.rotary_half_partial or self.rotary_matrix or self.prefix_linears)
 
 
 # the FLUX-derived blocks' rotary table parameter: built once per forward by the transformer (`FluxPosEmbed`) and

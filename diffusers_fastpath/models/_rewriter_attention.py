@@ -40,6 +40,11 @@ whole; `_Rewriter` runs these passes on a processor's forward):
     ``Q`` that nothing else reads afterwards  ->  ``J = cat_rotated(A, B, site)`` and their rotary calls
     ``rotary_complex_later``: the two streams' norms and rotary written into the joint tensor by
     `diffusers_fastpath.ops.rmsnorm_rope_complex_cat` (site ``rmsnorm_rope_complex_cat``; Qwen-Image's q and k)
+- a value projection written after a prefix (Qwen-Image 2.1's cached value), into
+  `diffusers_fastpath.ops.linear_prefix` (aten's GEMM into the rows after a copy of the prefix; self-verified), in any
+  processor: ``V = A.M(X)`` at the top level, read before its one ``V = torch.cat([C, V], dim=1)`` only as ``V.dtype``
+  or through ``V = V.unflatten(D, S)``  ->  ``V = linear_later(A.M, X)`` and ``V = cat_prefix_linear(C, V, site)``,
+  ``V = materialize(V)`` before every other read (`AttentionPasses.prefix_linears`; site ``linear_prefix``)
 - rows-form rotary embedding, into `diffusers_fastpath.ops.rotary_emb_rows` (exact by construction; the fallback is
   the function itself), in processors whose adapter names it: ``rows_rotary="apply_rotary_emb"`` (LTX-Video's module
   function, called ``NAME(X, F)`` with ``F = (cos, sin)`` over ``[B, S, C]`` rows; its source checked by digest at
@@ -99,7 +104,7 @@ from __future__ import annotations
 import ast
 import copy
 
-from ._chain_proofs import like
+from ._chain_proofs import _bound_names, _reads, like
 from ._chain_qk_fp32 import deferred_fp32, fp32_norm_input, mark_casts
 from ._chain_syntax import (_call, _cat_names, _complex_rotary_call, _ns_call, _PendingReads, _reads_after,
                             _reads_only_dtype, _rotary_call, _single_target, _site_of, _starred_call,
@@ -118,6 +123,8 @@ _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention
 _ROTARY_CALLS = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")  # the namespace's fused rotary calls
 RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
 RMSNORM_ROPE_CAT = "rmsnorm_rope_complex_cat"  # ... of two streams' q (or k) written into their joint concatenation
+RMSNORM_ROPE_PREFIX = "rmsnorm_rope_complex_prefix"  # ... of a key written after a prefix (Qwen-Image 2.1's cache)
+LINEAR_PREFIX = "linear_prefix"  # a processor's value projection written after a prefix (Qwen-Image 2.1's cache)
 RMSNORM_ROPE_REAL = "rmsnorm_rope_real"  # ... diffusers' RMSNorm + the real-form rotary (HunyuanVideo-1.5)
 
 
@@ -428,6 +435,8 @@ class AttentionPasses:
         pending = [(tops[id(d)], d, x) for d, x in deferrals]
         joint = (self._rotary_cats(new, last, deferred, pending) if self.complex_rotary and not self.local_rotary
                  else set())
+        joint |= (self._prefix_cats(new, last, deferred - joint, pending)
+                  if self.complex_rotary and not self.local_rotary else set())  # (materialized where read)
         later = [ast.Assign(targets=[ast.Name(name, ast.Store())],
                             value=_call("materialize", [ast.Name(name, ast.Load())]))
                  for name in sorted(deferred - joint) if _reads_after(new[last + 1:], name)]  # (the top level: all)
@@ -481,35 +490,17 @@ class AttentionPasses:
             return sum(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
                        for stmt in after for n in ast.walk(stmt))
 
-        rotaries: dict[str, list[tuple[int, ast.Call, ast.stmt, int]]] = {}  # name -> its rotary assignments
-        stores: dict[str, list[int]] = {}
-        for k, stmt in enumerate(new[:last + 1]):
-            for node in ast.walk(stmt):
-                target = _single_target(node) if isinstance(node, ast.Assign) else None
-                if (target is not None and _ns_call(node.value, "rotary_complex")
-                        and isinstance(node.value.args[1], ast.Name) and node.value.args[1].id == target):
-                    rotaries.setdefault(target, []).append((node.lineno, node.value, node, k))
-                if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-                    stores.setdefault(node.id, []).append(node.lineno)
+        rotation = self._rotations(new, last)
 
         def rotated(name: str) -> ast.Call | None:
-            calls = rotaries.get(name, [])
-            if len(calls) == 1 and calls[0][0] == max(stores[name]):
-                return calls[0][1]
-            return None
-
-        own = [d for _, d, _ in pending]
+            found = rotation(name)
+            return found[0] if found is not None else None
 
         def waits(name: str, cat: ast.stmt, end: int) -> bool:
             """Whether the rotary of `name` may wait for the concatenation `cat` (at `end` in `new`): nothing else
             reads its result, and nothing in between writes its factors or its norm's input."""
-            _, call, stmt, k = rotaries[name][0]
-            if self.proofs.live_after(stmt, name, ignore=cat):
-                return False
-            if not self.proofs.stays([call.args[2]], stmt, new[k:end], by_name=False, skip=own):
-                return False
-            return all(self.proofs.stays([x], d, new[top:end], by_name=False, skip=own)
-                       for top, d, x in pending if _single_target(d) == name)
+            return (not self.proofs.live_after(rotation(name)[1], name, ignore=cat)
+                    and self._inputs_stay(new, name, rotation(name), end, pending))
 
         joint: set[str] = set()
         for i, stmt in enumerate(after):
@@ -526,6 +517,159 @@ class AttentionPasses:
             joint.update(pair)
             self.found.rotary_cats += 1
         return joint
+
+    def _rotations(self, new: list[ast.stmt], last: int):
+        """``rotation(name) -> (call, statement, top-level index) | None``: the complex-form rotary of `name` (``A =
+        rotary_complex(F, A, E, s, False)``) in ``new[:last + 1]``, where it is the one such call and the last
+        binding of the name there."""
+        rotaries: dict[str, list[tuple[int, ast.Call, ast.stmt, int]]] = {}  # name -> its rotary assignments
+        stores: dict[str, list[int]] = {}
+        for k, stmt in enumerate(new[:last + 1]):
+            for node in ast.walk(stmt):
+                target = _single_target(node) if isinstance(node, ast.Assign) else None
+                if (target is not None and _ns_call(node.value, "rotary_complex")
+                        and isinstance(node.value.args[1], ast.Name) and node.value.args[1].id == target):
+                    rotaries.setdefault(target, []).append((node.lineno, node.value, node, k))
+                if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                    stores.setdefault(node.id, []).append(node.lineno)
+
+        def rotation(name: str):
+            calls = rotaries.get(name, [])
+            if len(calls) == 1 and calls[0][0] == max(stores[name]):
+                return calls[0][1:]
+            return None
+
+        return rotation
+
+    def _inputs_stay(self, new: list[ast.stmt], name: str, rotation, end: int, pending) -> bool:
+        """Whether what the rotary of `name` (`rotation`: its call, statement and top-level index) and its pending
+        norm read (the factors, the norm's input) is written by nothing from their statements up to ``new[end]``:
+        the rotary may run anywhere before it."""
+        call, stmt, k = rotation
+        own = [d for _, d, _ in pending]
+        if not self.proofs.stays([call.args[2]], stmt, new[k:end], by_name=False, skip=own):
+            return False
+        return all(self.proofs.stays([x], d, new[top:end], by_name=False, skip=own)
+                   for top, d, x in pending if _single_target(d) == name)
+
+    def _prefix_cats(self, new: list[ast.stmt], last: int, deferred: set[str],
+                     pending: list[tuple[int, ast.stmt, ast.expr]]) -> set[str]:
+        """The prefix form over the QK-norm form's `new` body (its last rotary statement at `last`): the one
+        ``K = torch.cat([C, K], dim=1)`` after it (at the top level or inside ``if`` statements only; ``C`` another
+        name) of a name with a pending norm that its complex-form rotary rotates (``K = rotary_complex(F, K, E, s,
+        False)``, the last binding of K before)  ->  ``K = cat_prefix_rotated(C, K, prefix_site)`` and that rotary
+        call ``rotary_complex_later``: Qwen-Image 2.1's cached key, whose kernel then writes it after the cached
+        prefix (`diffusers_fastpath.ops.rmsnorm_rope_prefix`). K may be read elsewhere after the rotary (the
+        ``extract`` step's cache store, the processor's attention): ``K = materialize(K)`` goes before each other
+        statement that reads or binds it (descending into ``if`` statements whose test does not read it), which
+        runs the rotary there as `rotary_complex` would have. Taken only where nothing from the norm's and the
+        rotary's statements up to the last such place writes what they read (`_inputs_stay`). Rewrites `new` in
+        place; returns the names so handled (no materialize of their own after `last`)."""
+        taken: set[str] = set()
+        rotation = self._rotations(new, last)
+        for name in sorted(deferred):
+            if rotation(name) is None:
+                continue
+            cats = _prefix_cats_of(new[last + 1:], name)
+            if len(cats) != 1:
+                continue
+            cat, touched = cats[0], []
+            site = _site_of(ast.Name(self.owner, ast.Load()), RMSNORM_ROPE_PREFIX)
+            materialize = _materialize(name)
+
+            def stops(stmt: ast.stmt) -> str | None:
+                return "stop" if _reads(stmt, name) or name in _bound_names(stmt) else None
+
+            value = _call("cat_prefix_rotated", [ast.Name(_cat_names(cat.value, 1)[0], ast.Load()),
+                                                 ast.Name(name, ast.Load()), site])
+            placed = _place_prefix_cat(new[last + 1:], cat, value, materialize, touched, stops,
+                                       lambda test: not _reads(test, name) and not _bound_names(test))
+            tops = [i for i, stmt in enumerate(new[last + 1:])
+                    if any(t is n for t in touched for n in ast.walk(stmt))]
+            end = last + 2 + max(tops)  # through the last top-level statement holding a new call, or read after one
+            if not self._inputs_stay(new, name, rotation(name), end, pending):
+                continue
+            rotation(name)[0].func.attr = "rotary_complex_later"
+            new[last + 1:] = placed
+            taken.add(name)
+            self.found.prefix_cats += 1
+        return taken
+
+    def prefix_linears(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        """The prefix-projection form over a processor's top-level `body`: ``V = A.M(X)`` at the top level (``A`` the
+        attention module, ``X`` another name), then the one ``V = torch.cat([C, V], dim=1)`` after it (at the top
+        level or inside ``if`` statements only; ``C`` another name), V read on the way there only as ``V.dtype`` or
+        rebound as ``V = V.unflatten(D, S)`` (S not reading V)  ->  ``V = linear_later(A.M, X)`` and ``V =
+        cat_prefix_linear(C, V, site)``: Qwen-Image 2.1's cached value, whose GEMM then writes the rows after the
+        cached prefix (`diffusers_fastpath.ops.linear_prefix`). `linear_later` leaves the projection waiting only where
+        calling the module later is the call as written and its ``.dtype`` is known (`_chain_calls.linear_wait_unfit`);
+        V may be read elsewhere (the ``extract`` step's cache store, the processor's tuple): ``V = materialize(V)``
+        goes before each other statement that reads or binds it (descending into ``if`` statements whose test does
+        not), which runs the module there. Taken only where nothing from the projection up to the last such place
+        writes X or the module (and no name of the forward is read unseen). Returns the body rewritten, or `body`."""
+        proofs = self.proofs
+        if proofs.dynamic:
+            return body
+        for i, stmt in enumerate(body):
+            name = _single_target(stmt)
+            call = stmt.value if name is not None else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == self.owner
+                    and len(call.args) == 1 and isinstance(call.args[0], ast.Name) and not call.keywords
+                    and call.args[0].id not in (name, self.owner) and name != self.owner
+                    and name not in proofs.captured):
+                continue
+            placed = self._prefix_linear(body, i, name)
+            if placed is not None:
+                return placed
+        return body
+
+    def _prefix_linear(self, body: list[ast.stmt], i: int, name: str) -> list[ast.stmt] | None:
+        """The prefix-projection form of ``body[i]`` (``name = A.M(X)``), or None where it is not one."""
+        cats = _prefix_cats_of(body[i + 1:], name)
+        if len(cats) != 1:
+            return None
+        cat, touched = cats[0], []
+        site = _site_of(ast.Name(self.owner, ast.Load()), LINEAR_PREFIX)
+        materialize = _materialize(name)
+
+        def dtype_only(node: ast.AST) -> bool:
+            """Whether `node` reads `name` only as ``name.dtype`` (the waiting projection answers it) and binds it
+            nowhere."""
+            dtypes = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr == "dtype"
+                      and isinstance(n.ctx, ast.Load) and isinstance(n.value, ast.Name)}
+            return name not in _bound_names(node) and all(
+                id(n) in dtypes for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == name)
+
+        def unflatten(stmt: ast.stmt) -> bool:
+            value = stmt.value if _single_target(stmt) == name else None
+            return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                    and value.func.attr == "unflatten" and isinstance(value.func.value, ast.Name)
+                    and value.func.value.id == name and len(value.args) == 2 and not value.keywords
+                    and not any(isinstance(a, ast.Starred) or _reads(a, name) or _bound_names(a) for a in value.args))
+
+        def seen(stmt: ast.stmt) -> str | None:
+            if unflatten(stmt):
+                return "read"  # (the waiting projection's own ``unflatten``: nothing to change)
+            if not dtype_only(stmt):
+                return "stop"
+            return "read" if _reads(stmt, name) else None
+
+        value = _call("cat_prefix_linear", [ast.Name(_cat_names(cat.value, 1)[0], ast.Load()),
+                                            ast.Name(name, ast.Load()), site])
+        placed = _place_prefix_cat(body[i + 1:], cat, value, materialize, touched, seen,
+                                   lambda test: dtype_only(test) and not _bound_names(test))
+        if not any(t is cat for t in touched):
+            return None  # (read otherwise before the concatenation: it would run as written)
+        tops = [k for k, stmt in enumerate(body[i + 1:]) if any(t is n for t in touched for n in ast.walk(stmt))]
+        end = i + 2 + max(tops)  # through the last top-level statement holding a new call, or read after one
+        call = body[i].value
+        if not self.proofs.stays([call.args[0], call.func], body[i], body[i + 1:end], by_name=False):
+            return None  # X (or the module) written before the projection would run
+        stmt = body[i]
+        moved = like(ast.Assign(targets=stmt.targets, value=_call("linear_later", [call.func, call.args[0]])), stmt)
+        self.found.prefix_linears += 1
+        return [*body[:i], moved, *placed]
 
     def _rows_pairs(self, body: list[ast.stmt]) -> list[ast.stmt]:
         """``Q = rotary_rows(F, Q, E, s, qk)`` directly followed by ``K = rotary_rows(F, K, E, s, qk)`` (the same
@@ -566,3 +710,53 @@ class AttentionPasses:
             out.append(stmt)
             i += 1
         return out
+
+
+def _place_prefix_cat(stmts: list[ast.stmt], cat: ast.stmt, value: ast.expr, materialize: ast.stmt,
+                      touched: list[ast.stmt], seen, enter) -> list[ast.stmt]:
+    """`stmts` with the concatenation statement `cat` binding `value` instead, and `materialize` put before the first
+    other statement that must see the pending name as it is (``seen(stmt)`` says "stop"; "read": it reads the name
+    and may run while it waits; None: it does not read it), descending into ``if`` statements whose test `enter`
+    takes. `touched` gets each statement changed or read on the way (`cat` among them where it was reached). Returns
+    `stmts` itself where nothing changed: the two prefix forms' placement (`_prefix_cats`, `_prefix_linear`)."""
+    out, changed = [], False
+    for k, stmt in enumerate(stmts):
+        if stmt is cat:
+            touched.append(stmt)
+            return [*out, like(ast.Assign(targets=stmt.targets, value=value), stmt), *stmts[k + 1:]]
+        if isinstance(stmt, ast.If) and enter(stmt.test):
+            new_if = copy.copy(stmt)
+            new_if.body = _place_prefix_cat(stmt.body, cat, value, materialize, touched, seen, enter)
+            new_if.orelse = _place_prefix_cat(stmt.orelse, cat, value, materialize, touched, seen, enter)
+            if new_if.body is not stmt.body or new_if.orelse is not stmt.orelse:
+                touched.append(stmt)
+                changed = True
+                stmt = new_if
+            out.append(stmt)
+            continue
+        verdict = seen(stmt)
+        if verdict == "stop":
+            touched.append(stmt)
+            return [*out, like(copy.deepcopy(materialize), stmt), *stmts[k:]]
+        if verdict == "read":
+            touched.append(stmt)
+        out.append(stmt)
+    return out if changed else stmts  # (the name not read here: the list itself, to say nothing changed)
+
+
+def _prefix_cats_of(stmts: list[ast.stmt], name: str) -> list[ast.stmt]:
+    """The statements ``name = torch.cat([C, name], dim=1)`` (``C`` another name) of `stmts`, at the top level or
+    inside ``if`` statements (the prefix forms' concatenation)."""
+    cats = []
+    for stmt in stmts:
+        pair = _cat_names(stmt.value, 1) if _single_target(stmt) == name else None
+        if pair is not None and pair[1] == name and pair[0] != name:
+            cats.append(stmt)
+        elif isinstance(stmt, ast.If):
+            cats += _prefix_cats_of(stmt.body, name) + _prefix_cats_of(stmt.orelse, name)
+    return cats
+
+
+def _materialize(name: str) -> ast.Assign:
+    """``name = materialize(name)``: a waiting value written out before a statement that reads or binds it."""
+    return ast.Assign(targets=[ast.Name(name, ast.Store())], value=_call("materialize", [ast.Name(name, ast.Load())]))

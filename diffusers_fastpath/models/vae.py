@@ -82,6 +82,19 @@ def checked_forwards(classes, digests: frozenset, parent: type | None = None, re
     return ok
 
 
+def swap_checked(model: nn.Module, state: PatchState, subs: dict[type, type], digests: frozenset, register, site: str,
+                 takes=None) -> None:
+    """Make every module of `model` whose class is a key of `subs` (and that ``takes(module)``, where given) that
+    key's subclass, with a `site`, where the class's forward is the one read here (`checked_forwards` with
+    `register`, for the classes `model` holds; one warning for each that is not)."""
+    held = {type(m) for m in model.modules() if type(m) in subs and (takes is None or takes(m))}
+    fits = checked_forwards([base for base in subs if base in held], digests, register=register)
+    for module in model.modules():
+        if type(module) in fits and (takes is None or takes(module)):
+            state.swap_class(module, subs[type(module)])
+            state.add_site(module, site)
+
+
 def silu_pair_unfit(is_norm, what: str):
     """The ``unfit(norm, act)`` of a `PairCalls` whose fused op takes a norm that ``is_norm(norm)`` accepts (`what`
     it is, for the reason) and exactly ``nn.SiLU``: why ``act(norm(x))`` cannot run fused (without calling either

@@ -20,6 +20,9 @@
   (`diffusers_fastpath.ops.ltx_bias_norm_conv`) where the rewritten forward proves nothing else reads it, and
   ``conv2``'s to the residual add ``hidden_states + inputs``, the bias, the transpose back and the add in one pass
   (`diffusers_fastpath.ops.conv_bias_residual`, site on the resnet).
+- The decoder's three upsamplers (``LTX2VideoUpsampler3d``, residual, stride (2, 2, 2)): the convolution's
+  channels-last output, its bias, the depth-to-space of it and of the input and the residual add in one pass
+  (`diffusers_fastpath.ops.ltx_upsampler3d`, `diffusers_fastpath.models.vae_ltx_upsampler`).
 - The convolutions' biases (`diffusers_fastpath.models.vae_conv`): every plain ``nn.Conv3d`` with a bias and zero
   padding (the shortcuts, and the encoder's causal convolutions' ``conv``, for the channels-first path) becomes
   `FastpathConv3d`.
@@ -40,6 +43,7 @@ from .vae import PairBlock, silu_pair_unfit, swap_norms
 from .vae_conv import swap_convs
 from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
 from .vae_ltx_conv import FastpathLTX2VideoCausalConv3d, swap_ltx_causal_convs
+from .vae_ltx_upsampler import swap_ltx_upsamplers
 from .vae_ltx2_norm import FastpathPerChannelRMSNorm, norm_fits
 
 PAIR_SITE = PER_CHANNEL_RMSNORM_SILU.name  # the pair's site, on the norm module
@@ -65,6 +69,7 @@ def patch_ltx2_vae(model, state: PatchState) -> None:
     if fits:
         swap_norms(model, state, BLOCKS, {ltx2.PerChannelRMSNorm: FastpathPerChannelRMSNorm}, PER_CHANNEL_RMSNORM.name)
     swap_ltx_causal_convs(model, state)
+    swap_ltx_upsamplers(model, state)
     swap_convs(model, state)
     if fits:  # (the joined norm -> SiLU -> convolution calls: a site on each convolution one names)
         add_chain_sites(model, state, {block.sub: PAIRS for block in BLOCKS if block.sub is not None},

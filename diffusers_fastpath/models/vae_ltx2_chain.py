@@ -1,41 +1,51 @@
-"""LTX-2's VAE: the norm -> SiLU pair and the causal convolution that reads it, as one call
-(`diffusers_fastpath.ops.ltx_norm_conv`: the norm written straight into the convolution's padded channels-last input).
+"""LTX-2's and LTX-Video's VAEs: the norm -> SiLU pair and the causal convolution that reads it, as one call
+(`diffusers_fastpath.ops.ltx_norm_conv` for LTX-2, `diffusers_fastpath.ops.ltx_vae_rmsnorm_conv` for LTX-Video: the
+norm written straight into the convolution's padded channels-last input; `ChainPairCalls.chain`).
 
 The pair rewrite of `diffusers_fastpath.models.vae` turns each ``V = self.<norm>(V)`` ... ``V = self.<act>(V)`` of a
-block's forward into ``V = <ns>.norm_act(self, "<norm>", "<act>", V)``. `ChainPairCalls.rewrite_body` then joins that
-statement with the convolution after it: a statement ``V = self.<conv>(V, causal=<expr>)`` (the form of every
-``LTX2VideoCausalConv3d`` call in these forwards; a module call without the keyword is not taken for one) whose
-predecessors are, going back, any ``V = self.<m>(V)`` statements (the resnets' ``dropout``) and then the pair
-statement, becomes ``V = <ns>.norm_act_conv(self, "<norm>", "<act>", ("<m>", ...), "<conv>", V, causal=<expr>)``. Where
-the pair ends a branch of an ``if`` (the resnets' ``if self.scale_shift_table is not None:`` modulate, which the pair
-rewrite split into a branch with the modulate and one with the pair; the decoder's timestep modulate), the statements
-after the ``if`` up to the convolution move to the end of each of its branches first (the same statements in the same
-order on every path: only where no branch leaves early, no ``return``, ``raise``, ``break`` or ``continue`` in it) and
-join on the branch that ends in the pair.
+block's forward into ``V = <ns>.norm_act(self, "<norm>", "<act>", V)`` (LTX-Video's norm statement is the moved form
+``V = self.<norm>(V.movedim(1, -1)).movedim(-1, 1)``, the same pair statement). `ChainPairCalls.rewrite_body` then joins
+that statement with the convolution after it: a convolution's statement (LTX-2's: ``V = self.<conv>(V, causal=<expr>)``,
+the form of every ``LTX2VideoCausalConv3d`` call in its forwards, a module call without the keyword not taken for one;
+LTX-Video's, whose ``LTXVideoCausalConv3d`` takes no argument: ``V = self.<conv>(V)`` that is the last of the run of
+such statements after the pair, `ChainPairCalls.keyword` None) whose predecessors are, going back, any ``V =
+self.<m>(V)`` statements (the resnets' ``dropout``) and then the pair statement, becomes ``V =
+<ns>.norm_act_conv(self, "<norm>", "<act>", ("<m>", ...), "<conv>", V, causal=<expr>)`` (LTX-Video's without the
+keyword). Where the pair ends a branch of an ``if`` (the resnets' ``if self.scale_shift_table is not None:``
+modulate, which the pair rewrite split into a branch with the modulate and one with the pair; the decoder's timestep
+modulate), the statements after the ``if`` up to the convolution move to the end of each of its branches first (the
+same statements in the same order on every path: only where no branch leaves early, no ``return``, ``raise``,
+``break`` or ``continue`` in it) and join on the branch that ends in the pair.
 
 Why nothing else reads what the joined call skips: each statement is ``V = f(V)``, so the value it leaves is read by
 the next statement only, and V is bound again by the convolution's; what could see the skipped values at run time are
 the modules' hooks (and the global ones), which refuse the fused op, and a between module that is not exactly
-``nn.Dropout`` in eval mode (``F.dropout(x, p, False)`` returns x itself) refuses it too. Refused, the call runs the
-statements as written: the pair's own call (its site decides), each between module, then the convolution's module call.
+``nn.Dropout`` in eval mode (``F.dropout(x, p, False)`` returns x itself) refuses it too. A statement taken for the
+convolution's that is not one (LTX-Video's form names no argument to tell) runs as written: its module carries no
+chain site. Refused, the call runs the statements as written: the pair's own call (its site decides), each between
+module, then the convolution's module call.
 
-At run time `ChainPairCalls.norm_act_conv` takes `ltx_norm_conv` where the convolution carries its site (`CHAIN_SITE`,
-given by `add_chain_sites` at patch time to each convolution that a joined call of its block names) and the norm its
-pair site; the op's guard and per-signature check decide the rest, counted on the convolution's site.
+At run time `ChainPairCalls.norm_act_conv` takes its chain op where the convolution carries that op's site (given by
+`add_chain_sites` at patch time to each convolution that a joined call of its block names) and the norm its pair site;
+the op's guard and per-signature check decide the rest, counted on the convolution's site.
 
-Then a joined call whose result the next joined call reads (a resnet's ``conv1``, read by ``norm2``'s chain) may leave
-it without its bias: `_Pending` rewrites the first as ``norm_act_conv_pending`` and the second as
-``pending_norm_act_conv`` where every other path between them settles the value first (``V = <ns>.settled(V)``,
-inserted; see `_Pending` for what it proves). At run time the first returns `ltx_norm_conv`'s
+Then, for LTX-2 (`ChainPairCalls.bias`), a joined call whose result the next joined call reads (a resnet's ``conv1``,
+read by ``norm2``'s chain) may leave it without its bias: `_Pending` rewrites the first as ``norm_act_conv_pending``
+and the second as ``pending_norm_act_conv`` where every other path between them settles the value first (``V =
+<ns>.settled(V)``, inserted; see `_Pending` for what it proves). At run time the first returns `ltx_norm_conv`'s
 `causal_conv_cl.PendingBias` where its kernel ran and its signature was checked; the second takes it with
-`ltx_bias_norm_conv` where its convolution carries that op's site (`BIAS_SITE`, on each convolution a receiving call
-names) and the chain fits, else settles it and runs as `norm_act_conv`.
+`ltx_bias_norm_conv` where its convolution carries that op's site (on each convolution a receiving call names) and the
+chain fits, else settles it and runs as `norm_act_conv`.
 
-And a joined call whose result goes to a residual add ``V = V + W`` (a resnet's ``conv2``, read by ``hidden_states +
-inputs``; also where it received its own input pending: ``pending_norm_act_conv_pending``) may leave it without its
-bias too: the add becomes ``V = <ns>.pending_add(self, V, W)`` (the operands in their order), which takes a
-`PendingBias` with `conv_bias_residual` where the block carries that op's site (`RESIDUAL_SITE`, on each block whose
-forward has such a call; counted there) and the add fits, else settles it and adds as written.
+And, for LTX-2 (`ChainPairCalls.residual`), a joined call whose result goes to a residual add ``V = V + W`` (a resnet's
+``conv2``, read by ``hidden_states + inputs``; also where it received its own input pending:
+``pending_norm_act_conv_pending``) may leave it without its bias too: the add becomes ``V = <ns>.pending_add(self, V,
+W)`` (the operands in their order), which takes a `PendingBias` with `conv_bias_residual` where the block carries that
+op's site (on each block whose forward has such a call; counted there) and the add fits, else settles it and adds as
+written.
+
+LTX-Video's calls (``bias`` and ``residual`` None) leave nothing pending: `_Pending` does not run, every joined call
+returns the tensor its convolution's module would, and its resnets' residual adds stay as written.
 """
 
 from __future__ import annotations
@@ -57,9 +67,6 @@ from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
 from .vae import PairCalls, names_in, rewrite_nested
 
-CHAIN_SITE = LTX_NORM_CONV.name  # the joined call's site, on the convolution module
-BIAS_SITE = LTX_BIAS_NORM_CONV.name  # a receiving joined call's site (its value pending), on its convolution module
-RESIDUAL_SITE = CONV_BIAS_RESIDUAL.name  # a pending residual add's site, on the block module
 # the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
 # the one that does both; the residual add that takes it; the settle
 JOINED, PENDING, RECEIVER, SETTLED = "norm_act_conv", "norm_act_conv_pending", "pending_norm_act_conv", "settled"
@@ -81,8 +88,21 @@ def _between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
 
 
 class ChainPairCalls(PairCalls):
-    """LTX-2's `PairCalls`, whose rewrite joins each pair with the convolution after it, and hands a joined
-    convolution's result on without its bias where the next joined call reads it (the module doc)."""
+    """A `PairCalls` whose rewrite joins each pair with the convolution after it (the module doc): `chain` the fused op
+    the joined call takes (``chain(site, norm, act, conv, x, causal)``, `causal` the convolution's argument, ``None``
+    where the statement names none), its name the site on the convolution; `keyword` the argument that marks a
+    convolution's statement (LTX-2's ``causal``; ``None``: the bare call that ends the run after the pair,
+    LTX-Video's); `bias` the op that takes a convolution's result left pending by the chain before it (LTX-2's
+    `ltx_bias_norm_conv`; ``None``: no joined call receives one); `residual` the op that takes it in a residual add
+    (``pending_add``, its name the site on the block: LTX-2's `conv_bias_residual`; ``None``: the adds stay as
+    written). Either needs a chain op that can leave its result pending (``chain(..., causal, True)``: `ltx_norm_conv`).
+    With neither, every joined call returns the tensor and no statement is rewritten for a pending value
+    (LTX-Video's)."""
+
+    def __init__(self, ns: str, site: str, unfit, fused, moved: bool = False, chain=LTX_NORM_CONV,
+                 keyword: str | None = "causal", bias=LTX_BIAS_NORM_CONV, residual=CONV_BIAS_RESIDUAL) -> None:
+        super().__init__(ns, site, unfit, fused, moved)
+        self.chain, self.keyword, self.bias, self.residual = chain, keyword, bias, residual
 
     def norm_act_conv(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str,
                       x, **kwargs):
@@ -110,18 +130,18 @@ class ChainPairCalls(PairCalls):
         return self._receive(owner, norm_name, act_name, between, conv_name, x, kwargs, True)
 
     def pending_add(self, owner: nn.Module, left, right):
-        """``left + right``, one of them a `PendingBias` or neither: for the former `conv_bias_residual` where
-        `owner` (the block) has its site and the add fits (counted there), else that value settled and the add as
-        written."""
+        """``left + right``, one of them a `PendingBias` or neither: for the former the `residual` op
+        (`conv_bias_residual`) where `owner` (the block) has its site and the add fits (counted there), else that value
+        settled and the add as written."""
         if type(left) is PendingBias and type(right) is not PendingBias:
             x, residual = left, right
         elif type(right) is PendingBias and type(left) is not PendingBias:
             x, residual = right, left
         else:  # (neither: the statement as written; both, which the rewrite never makes: each settled)
             return self.settled(left) + self.settled(right)
-        site = owner.__dict__.get(site_attr(RESIDUAL_SITE))
+        site = None if self.residual is None else owner.__dict__.get(site_attr(self.residual.name))
         if site is not None:
-            out = CONV_BIAS_RESIDUAL.try_fast(site, x, residual)
+            out = self.residual.try_fast(site, x, residual)
             if out is not None:
                 return out
         return x.settle() + right if x is left else left + x.settle()
@@ -135,14 +155,12 @@ class ChainPairCalls(PairCalls):
                  kwargs, pending: bool):
         if type(x) is PendingBias:
             conv = getattr(owner, conv_name)
-            site = conv.__dict__.get(site_attr(BIAS_SITE))
+            site = None if self.bias is None else conv.__dict__.get(site_attr(self.bias.name))
             if site is not None:
                 norm, act = getattr(owner, norm_name), getattr(owner, act_name)
                 reason = self._reason(owner, norm, between, kwargs)
                 if reason is None:
-                    causal = kwargs.get("causal", True)
-                    out = LTX_BIAS_NORM_CONV.try_fast(site, norm, act, conv, x, False if causal is None else causal,
-                                                      pending)
+                    out = self.bias.try_fast(site, norm, act, conv, x, self._causal(kwargs), pending)
                     if out is not None:
                         return out
                 else:
@@ -154,22 +172,29 @@ class ChainPairCalls(PairCalls):
         """Why the joined statements cannot run as one op (the norm, the arguments, the modules between), or None."""
         if norm.__dict__.get(site_attr(self.site)) is None:
             return "the norm is not a pair site"
-        if kwargs.keys() - {"causal"}:
+        if kwargs.keys() - {self.keyword}:
             return "arguments"
         return _between_reason(owner, between)
+
+    def _causal(self, kwargs):
+        """The chain op's `causal` for the convolution's keywords: ``None`` where its statement names no argument
+        (LTX-Video's module reads ``self.is_causal``); LTX-2's ``causal`` (its forward's default True; diffusers'
+        forward tests ``if causal:``, so a None is non-causal, as FastpathLTX2VideoCausalConv3d maps it)."""
+        if self.keyword is None:
+            return None
+        causal = kwargs.get(self.keyword, True)
+        return False if causal is None else causal
 
     def _chain(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str, x,
                kwargs, pending: bool):
         conv = getattr(owner, conv_name)
-        site = conv.__dict__.get(site_attr(CHAIN_SITE))
+        site = conv.__dict__.get(site_attr(self.chain.name))
         if site is not None and not torch.compiler.is_compiling():
             norm, act = getattr(owner, norm_name), getattr(owner, act_name)
             reason = self._reason(owner, norm, between, kwargs)
             if reason is None:
-                causal = kwargs.get("causal", True)
-                # (diffusers' forward tests ``if causal:``: a None is non-causal, as FastpathLTX2VideoCausalConv3d
-                # maps it)
-                out = LTX_NORM_CONV.try_fast(site, norm, act, conv, x, False if causal is None else causal, pending)
+                # (a `PendingBias` asked for only where the rewrite made a pending call: `bias` or `residual` given)
+                out = self.chain.try_fast(site, norm, act, conv, x, self._causal(kwargs), *((True,) if pending else ()))
                 if out is not None:
                     return out
             else:
@@ -180,8 +205,10 @@ class ChainPairCalls(PairCalls):
         return conv(value, **kwargs)
 
     def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
-        body = _Chains(self.ns).body(body)
-        return _Pending(self.ns, body).body(body)
+        body = _Chains(self.ns, self.keyword).body(body)
+        if self.bias is None and self.residual is None:
+            return body
+        return _Pending(self.ns, body, self.bias is not None, self.residual is not None).body(body)
 
 
 def _self_call(stmt: ast.stmt, keywords: tuple[str, ...] = ()):
@@ -233,17 +260,30 @@ def _ends_in_pair(body: list[ast.stmt], var: str, ns: str) -> bool:
 
 
 class _Chains:
-    def __init__(self, ns: str) -> None:
-        self.ns = ns
+    def __init__(self, ns: str, keyword: str | None = "causal") -> None:
+        self.ns, self.keyword = ns, keyword
 
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out: list[ast.stmt] = []
-        for stmt in body:
-            conv = _self_call(stmt, ("causal",))
-            if conv is not None and conv[2] and self._join(out, stmt, conv):  # (the causal= call: a convolution's)
+        for k, stmt in enumerate(body):
+            conv = self._conv_call(stmt, body[k + 1] if k + 1 < len(body) else None)
+            if conv is not None and self._join(out, stmt, conv):
                 continue
             out.append(rewrite_nested(stmt, self.body))
         return out
+
+    def _conv_call(self, stmt: ast.stmt, after: ast.stmt | None):
+        """`_self_call`'s ``(V, X, keywords)`` where `stmt` is taken for a convolution's call: with `keyword`, ``V =
+        self.X(V, <keyword>=...)`` (LTX-2's ``causal=``); without, ``V = self.X(V)`` not followed by another ``V =
+        self.Y(V)`` (`after`: the last of the run after the pair, the ones before it the modules between)."""
+        if self.keyword is not None:
+            call = _self_call(stmt, (self.keyword,))
+            return call if call is not None and call[2] else None
+        call = _self_call(stmt)
+        if call is None:
+            return None
+        following = None if after is None else _self_call(after)
+        return None if following is not None and following[0] == call[0] else call
 
     def _join(self, out: list[ast.stmt], stmt: ast.stmt, conv) -> bool:
         """Join `stmt` (the convolution's call) with the pair before it in `out` (in place); False where none."""
@@ -356,28 +396,26 @@ class _Pending:
     ``with``: there a value could outlive the statements that settle it), a statement S binding V through joined calls
     (a joined call ``V = <ns>.norm_act_conv(..., V, ...)``, or one that is a receiver already, ``V =
     <ns>.pending_norm_act_conv(...)``, or an ``if`` whose every branch ends by binding V, some with such a call) is
-    followed, going forward while V may hold the pending value, by: a receiver, a joined call reading V (it becomes
-    ``pending_norm_act_conv``, which takes a `PendingBias`) or a residual add ``V = V + E`` / ``V = E + V`` with E not
-    naming V (it becomes ``V = <ns>.pending_add(self, V, E)``, the operands in their order, which takes one); an ``if``
-    whose test does not name V
-    (each branch that starts with a receiver keeps it, each other branch that names V starts with ``V =
-    <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``, leaves V pending past the ``if``); a
-    statement that does not name V (left as it is); any other statement, or the list's end, gets ``V =
-    <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's joined calls that end
-    its paths become ``norm_act_conv_pending`` (a receiver: ``pending_norm_act_conv_pending``), and the walk's settles
-    are inserted. So every read of V after S on
-    every path is a receiver's or a settle's: the pending value is read by nothing else (no name of a nested scope,
-    no ``global`` or ``nonlocal`` name, no function that reads frames: `_blocked`), and the statements run as before
-    in the same order, the settles aside (a settle is the tensor eager's convolution returns, `PendingBias.settle`).
-    LTX-2's resnets: ``conv1``'s joined call (on the branch without the timestep modulate), the ``if`` of the noise
-    injection (off in the published configs: its branch settles), then the ``if`` of the modulate, whose branch
-    without it starts with ``conv2``'s joined call (the receiver); that ``if`` in turn (its branches end in ``conv2``'s
-    module call and its joined call), the second noise injection's ``if`` (its branch settles), the ``if`` statements
-    of ``norm3`` and ``conv_shortcut`` (which do not name ``hidden_states``), then ``hidden_states = hidden_states +
-    inputs`` (the receiving add)."""
+    followed, going forward while V may hold the pending value, by: a receiver, a joined call reading V (where `joined`:
+    it becomes ``pending_norm_act_conv``, which takes a `PendingBias`) or a residual add ``V = V + E`` / ``V = E + V``
+    with E not naming V (where `adds`: it becomes ``V = <ns>.pending_add(self, V, E)``, the operands in their order,
+    which takes one); an ``if`` whose test does not name V (each branch that starts with a receiver keeps it, each other
+    branch that names V starts with ``V = <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``,
+    leaves V pending past the ``if``); a statement that does not name V (left as it is); any other statement, or the
+    list's end, gets ``V = <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's
+    joined calls that end its paths become ``norm_act_conv_pending`` (a receiver: ``pending_norm_act_conv_pending``),
+    and the walk's settles are inserted. So every read of V after S on every path is a receiver's or a settle's: the
+    pending value is read by nothing else (no name of a nested scope, no ``global`` or ``nonlocal`` name, no function
+    that reads frames: `_blocked`), and the statements run as before in the same order, the settles aside (a settle is
+    the tensor eager's convolution returns, `PendingBias.settle`). LTX-2's resnets: ``conv1``'s joined call (on the
+    branch without the timestep modulate), the ``if`` of the noise injection (off in the published configs: its branch
+    settles), then the ``if`` of the modulate, whose branch without it starts with ``conv2``'s joined call (the
+    receiver); that ``if`` in turn (its branches end in ``conv2``'s module call and its joined call), the second noise
+    injection's ``if`` (its branch settles), the ``if`` statements of ``norm3`` and ``conv_shortcut`` (which do not name
+    ``hidden_states``), then ``hidden_states = hidden_states + inputs`` (the receiving add)."""
 
-    def __init__(self, ns: str, body: list[ast.stmt]) -> None:
-        self.ns = ns
+    def __init__(self, ns: str, body: list[ast.stmt], joined: bool = True, adds: bool = True) -> None:
+        self.ns, self.joined, self.adds = ns, joined, adds  # (the receivers it makes: joined calls, residual adds)
         self.blocked = _blocked(body)
 
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
@@ -399,8 +437,9 @@ class _Pending:
         return body
 
     def _receiver(self, stmt: ast.stmt, var: str) -> bool:
-        """Whether `stmt` may take V pending: a joined call reading it, or its residual add."""
-        return _joined_var(stmt, self.ns) == var or _add_of(stmt, var) is not None
+        """Whether `stmt` may take V pending: a joined call reading it, or its residual add (each where asked)."""
+        return (self.joined and _joined_var(stmt, self.ns) == var
+                or self.adds and _add_of(stmt, var) is not None)
 
     def _receive(self, stmt: ast.stmt, var: str) -> None:
         """Make the receiver `stmt` take V pending: the joined call's receiving form, the add's call."""
@@ -485,20 +524,23 @@ def _adds(fn) -> int:
 
 def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, ChainPairCalls], takes) -> None:
     """Give each convolution that a joined call of a block names (the blocks whose class is a key of `blocks`: the
-    pair subclasses, each with its calls' namespace) its `CHAIN_SITE` site, and each that a receiving call names
-    (``pending_norm_act_conv``, ``pending_norm_act_conv_pending``) its `BIAS_SITE` site too, where ``takes(conv)`` (a
-    class `ltx_norm_conv` takes); and each block whose forward adds a pending result (``pending_add``) its
-    `RESIDUAL_SITE` site."""
+    pair subclasses, each with its calls' namespace) its calls' `ChainPairCalls.chain` site, and each that a receiving
+    call names (``pending_norm_act_conv``, ``pending_norm_act_conv_pending``) its `ChainPairCalls.bias` site too,
+    where ``takes(conv)`` (a class the chain op takes); and each block whose forward adds a pending result
+    (``pending_add``) its `ChainPairCalls.residual` site."""
     for module in model.modules():
         calls = blocks.get(type(module))
         forward = type(module).__dict__.get("forward") if calls is not None else None
         if forward is None:
             continue
-        for names, site in ((_joined_convs(forward), CHAIN_SITE),
-                            (_joined_convs(forward, (RECEIVER, RECEIVER_PENDING)), BIAS_SITE)):
+        sites = [(_joined_convs(forward), calls.chain.name)]
+        if calls.bias is not None:
+            sites.append((_joined_convs(forward, (RECEIVER, RECEIVER_PENDING)), calls.bias.name))
+        for names, site in sites:
             for name in dict.fromkeys(names):
                 conv = getattr(module, name, None)
                 if isinstance(conv, nn.Module) and takes(conv) and site_attr(site) not in conv.__dict__:
                     state.add_site(conv, site, site)
-        if _adds(forward) and site_attr(RESIDUAL_SITE) not in module.__dict__:
-            state.add_site(module, RESIDUAL_SITE, RESIDUAL_SITE)
+        residual = None if calls.residual is None else calls.residual.name
+        if residual is not None and _adds(forward) and site_attr(residual) not in module.__dict__:
+            state.add_site(module, residual, residual)

@@ -25,7 +25,7 @@ from torch import nn
 from .._state import SITE_ATTR, PatchState
 from ..ops.ltx_causal_conv import LTX_CAUSAL_CONV3D, add_conv_class, add_inner_conv_class, ltx_causal_conv3d
 from .vae_conv import FastpathConv3d
-from .vae import checked_forwards
+from .vae import swap_checked
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting): the first frame
 # repeated k - 1 times (causal) or the first and the last (k - 1) // 2 times each, torch.concatenate, self.conv
@@ -65,10 +65,4 @@ def swap_ltx_causal_convs(model: nn.Module, state: PatchState) -> None:
     """Make every ``LTXVideoCausalConv3d`` / ``LTX2VideoCausalConv3d`` of `model` its `ltx_causal_conv3d` subclass,
     with a site, where the class's forward is the one read here (checked for the classes `model` holds; one warning
     for each that is not)."""
-    held = {type(m) for m in model.modules()}
-    convs = checked_forwards([base for base in CONVS if base in held], CONV_DIGESTS, register=add_conv_class)
-    for module in model.modules():
-        sub = CONVS.get(type(module)) if type(module) in convs else None
-        if sub is not None:
-            state.swap_class(module, sub)
-            state.add_site(module, LTX_CAUSAL_CONV3D.name)
+    swap_checked(model, state, CONVS, CONV_DIGESTS, add_conv_class, LTX_CAUSAL_CONV3D.name)

@@ -6,6 +6,7 @@ from .layernorm_scale_shift import (gated_layernorm_scale_shift, gated_layernorm
                                     layernorm_scale_shift_fp32_ref, layernorm_scale_shift_ref)
 from .layernorm_modulate import layernorm_modulate, layernorm_modulate_ref, layernorm_scale, layernorm_scale_ref
 from .gated_residual import gated_residual, gated_residual_fp32, gated_residual_fp32_ref, gated_residual_ref
+from .gated_layernorm_scale_rows import gated_layernorm_scale_rows, gated_layernorm_scale_rows_ref
 from .cat_heads import cat_heads, cat_heads_ref
 from .causal_conv_pad import causal_conv3d, causal_conv3d_ref
 from .causal_conv_cl import causal_conv3d_cl
@@ -15,11 +16,14 @@ from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
 from .linear_cat import linear_cat, linear_cat_ref
+from .linear_prefix import linear_prefix, linear_prefix_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
 from .ltx_bias_norm_conv import ltx_bias_norm_conv, ltx_bias_norm_conv_ref
 from .ltx_causal_conv import ltx_causal_conv3d, ltx_causal_conv3d_ref
 from .ltx_norm_conv import ltx_norm_conv, ltx_norm_conv_ref
+from .ltx_upsampler import ltx_upsampler3d, ltx_upsampler3d_ref
 from .ltx_vae_rmsnorm import ltx_rmsnorm, ltx_rmsnorm_ref, ltx_vae_rmsnorm_silu, ltx_vae_rmsnorm_silu_ref
+from .ltx_vae_rmsnorm_conv import ltx_vae_rmsnorm_conv, ltx_vae_rmsnorm_conv_ref
 from .modulate_scale_shift import modulate_scale_shift, modulate_scale_shift_ref
 from .per_channel_rmsnorm import (per_channel_rmsnorm, per_channel_rmsnorm_ref, per_channel_rmsnorm_silu,
                                   per_channel_rmsnorm_silu_ref)
@@ -42,6 +46,7 @@ from .rmsnorm_scale_shift import (
 )
 from .rmsnorm_rope import (rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsnorm_rope_complex_cat_ref,
                            rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref)
+from .rmsnorm_rope_prefix import rmsnorm_rope_complex_prefix, rmsnorm_rope_complex_prefix_ref
 from .rotary_half import rotary_half, rotary_half_partial, rotary_half_partial_ref, rotary_half_ref
 from .rotary_matrix import rotary_matrix, rotary_matrix_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
@@ -71,6 +76,8 @@ __all__ = [
     "channel_rmsnorm_silu_ref",
     "gated_layernorm_scale_shift",
     "gated_layernorm_scale_shift_ref",
+    "gated_layernorm_scale_rows",
+    "gated_layernorm_scale_rows_ref",
     "gated_residual",
     "gated_residual_fp32",
     "gated_residual_fp32_ref",
@@ -95,6 +102,8 @@ __all__ = [
     "layernorm_scale_shift_ref",
     "linear_cat",
     "linear_cat_ref",
+    "linear_prefix",
+    "linear_prefix_ref",
     "linear_gelu",
     "linear_gelu_ref",
     "ltx_bias_norm_conv",
@@ -103,8 +112,12 @@ __all__ = [
     "ltx_causal_conv3d_ref",
     "ltx_norm_conv",
     "ltx_norm_conv_ref",
+    "ltx_upsampler3d",
+    "ltx_upsampler3d_ref",
     "ltx_rmsnorm",
     "ltx_rmsnorm_ref",
+    "ltx_vae_rmsnorm_conv",
+    "ltx_vae_rmsnorm_conv_ref",
     "ltx_vae_rmsnorm_silu",
     "ltx_vae_rmsnorm_silu_ref",
     "modulate_scale_shift",
@@ -133,6 +146,8 @@ __all__ = [
     "rmsnorm_rope_complex",
     "rmsnorm_rope_complex_cat",
     "rmsnorm_rope_complex_cat_ref",
+    "rmsnorm_rope_complex_prefix",
+    "rmsnorm_rope_complex_prefix_ref",
     "rmsnorm_rope_complex_ref",
     "rmsnorm_rope_real",
     "rmsnorm_rope_real_ref",

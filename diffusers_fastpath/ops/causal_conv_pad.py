@@ -207,29 +207,41 @@ _MAX_ROW_BLOCKS = 65535
 _TILE, _TILE_ROWS = 32, 8
 
 
-def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
-                  replicate_t: bool = False, reflect_hw: bool = False) -> torch.Tensor:
+def launch_fields(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
+                  replicate_t: bool = False, reflect_hw: bool = False) -> tuple[torch.Tensor, tuple, tuple]:
+    """What bindings_vae.cpp's causal_pad_args makes for these arguments: the output the kernels write (its padded
+    shape, contiguous or channels-last), the CausalPadArgs fields in order, and the grid of the kernel that runs
+    (channels-last: a tile of `_TILE` channels x `_TILE` columns a block; else `_THREADS` columns a block). Also the
+    launch of `diffusers_fastpath.ops.ltx_vae_rmsnorm_conv`'s kernel, which takes these arguments."""
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
     ct = 0 if cache_x is None else cache_x.shape[2]
     batch, channels, frames, height, width = x.shape
     fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
     out = torch.empty(batch, channels, pt0 + frames + pt1, height + ph0 + ph1, width + pw0 + pw1, dtype=x.dtype,
                       device=x.device, memory_format=fmt)
+    planes = out.shape[0] * out.shape[2] * out.shape[3]
+    if channels_last:
+        grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
+                min(planes, _MAX_ROW_BLOCKS))
+    else:
+        grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)
+    cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
+    fields = (out.data_ptr(), x.data_ptr(), cache_ptr, batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0,
+              ph1, pw0, pw1, *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype], channels_last, replicate_t,
+              reflect_hw)
+    return out, fields, grid
+
+
+def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
+                  replicate_t: bool = False, reflect_hw: bool = False) -> torch.Tensor:
+    out, fields, grid = launch_fields(x, cache_x, padding, channels_last, replicate_t, reflect_hw)
     if out.numel():
-        planes = out.shape[0] * out.shape[2] * out.shape[3]
         modes = replicate_t or reflect_hw
         if channels_last:
             kernel, block = _NVRTC_CL_MODES if modes else _NVRTC_CL, (_TILE, _TILE_ROWS, 1)
-            grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
-                    min(planes, _MAX_ROW_BLOCKS))
         else:
             kernel, block = _NVRTC_MODES if modes else _NVRTC, (_THREADS, 1, 1)
-            grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)
-        cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
-        kernel.launch(x.device.index, x.dtype, grid, block, out.data_ptr(), x.data_ptr(), cache_ptr,
-                      batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0, ph1, pw0, pw1,
-                      *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype], channels_last, replicate_t,
-                      reflect_hw)
+        kernel.launch(x.device.index, x.dtype, grid, block, *fields)
     return out
 
 

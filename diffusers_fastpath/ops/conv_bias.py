@@ -31,7 +31,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import LazyLauncher
-from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason
+from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason
 
 _BASES = EagerClasses()  # the classes the op takes
 SITE, NAMED_SITE = "_fastpath_site", "_fastpath_site_conv_bias"  # (`_state.site_attr`: a module patch gave a site)
@@ -202,6 +202,49 @@ _nvrtc.raw_op("_conv_bias_residual_contiguous_cuda", "(Tensor x, Tensor bias, Te
 _contiguous_op = LazyLauncher(_nvrtc_contiguous, "_conv_bias_contiguous_cuda")
 _residual_op = LazyLauncher(_nvrtc_contiguous, "_conv_bias_residual_contiguous_cuda")
 
+# csrc/conv_bias.cu's bias_depth_to_space_kernel (kD2sWidth 32, kD2sChannels 8; BiasDepthToSpaceArgs in fastpath.h): a
+# residual upsampler's output from its convolution's channels-last output, its bias and its input
+# (`diffusers_fastpath.ops.ltx_upsampler`)
+_D2S_ARGS = _nvrtc.Params("BiasDepthToSpaceArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("residual", "P"),
+                          ("batch", "q"), ("channels", "q"), ("groups", "q"), ("frames", "q"), ("height", "q"),
+                          ("width", "q"), ("dtype", "i"))
+_NVRTC_D2S = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_depth_to_space_kernel",
+                           {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                           _nvrtc.Params("bias_depth_to_space_kernel", ("a", _D2S_ARGS)))
+_D2S_WIDTH, _D2S_CHANNELS = 32, 8
+
+
+def _nvrtc_depth_to_space(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    batch, channels, frames, height, width = x.shape
+    out = torch.empty((batch, channels // 8, 2 * frames - 1, 2 * height, 2 * width), dtype=x.dtype, device=x.device)
+    if out.numel():
+        tiles = -(-width // _D2S_WIDTH) * -(-(channels // 8) // _D2S_CHANNELS)
+        grid = (tiles, min(batch * frames * height, _MAX_ROW_BLOCKS), 1)
+        _NVRTC_D2S.launch(x.device.index, x.dtype, grid, (_D2S_WIDTH, _D2S_CHANNELS, 1), out.data_ptr(), x.data_ptr(),
+                          bias.data_ptr(), residual.data_ptr(), batch, channels // 8, residual.shape[1] // 8, frames,
+                          height, width, _nvrtc.DTYPE_CODE[x.dtype])
+    return out
+
+
+def _raw_depth_to_space_guard(x, bias, residual):
+    # bindings_vae.cpp's checks: x a 16-byte aligned channels-last CUDA [N, 8 C, T, H, W] of fp16 / bf16, T > 0; bias
+    # [8 C] of its dtype; residual a contiguous [N, 8 G, T, H, W] of its dtype and device, G dividing C
+    if (x.dim() != 5 or x.dtype not in HALF_DTYPES or not x.is_cuda or x.shape[1] % 8 or not x.shape[2]
+            or bias.dim() != 1 or bias.shape[0] != x.shape[1] or bias.dtype != x.dtype or not bias.is_contiguous()
+            or not x.is_contiguous(memory_format=torch.channels_last_3d) or x.data_ptr() % 16):
+        return "shape, dtype or layout"
+    if (residual.device != x.device or residual.dim() != 5 or residual.shape[0] != x.shape[0]
+            or residual.shape[1] % 8 or not residual.shape[1] or (x.shape[1] // 8) % (residual.shape[1] // 8)
+            or residual.shape[2:] != x.shape[2:] or residual.dtype != x.dtype or not residual.is_contiguous()):
+        return "residual"
+    return None
+
+
+_nvrtc.raw_op("_conv_bias_depth_to_space_cuda", "(Tensor x, Tensor bias, Tensor residual) -> Tensor",
+              _raw_depth_to_space_guard, _nvrtc_depth_to_space)
+
+_depth_to_space_op = LazyLauncher(_nvrtc_depth_to_space, "_conv_bias_depth_to_space_cuda")
+
 
 def bias_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """What ``csrc/conv_bias.cu``'s bias_contiguous_kernel writes, in torch (the tests' emulation): aten's add of the
@@ -216,6 +259,21 @@ def bias_residual_contiguous_arithmetic(x: torch.Tensor, bias: torch.Tensor, res
     return biased(x, bias) + residual
 
 
+def depth_to_space_residual_arithmetic(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                       biased=bias_contiguous_arithmetic) -> torch.Tensor:
+    """What bias_depth_to_space_kernel writes, in torch (the tests' emulation): eager's tensor ``biased(x, bias)``
+    (aten's bias add, rounded to x's dtype) and the input `residual`, each moved by the upsampler's depth-to-space
+    (2x2x2; the residual's channels repeated to the output's), the first frame dropped, then aten's add (rounded
+    again)."""
+    def spread(t):
+        b, c, frames, h, w = t.shape
+        return t.reshape(b, c // 8, 2, 2, 2, frames, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(
+            b, c // 8, 2 * frames, 2 * h, 2 * w)[:, :, 1:]
+
+    out = spread(biased(x, bias))
+    return out + spread(residual).repeat(1, out.shape[1] // (residual.shape[1] // 8), 1, 1, 1)
+
+
 def bias_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """A channels-last convolution output ``x`` with ``bias`` added, as a new contiguous tensor: aten's
     ``x.add_(bias)`` then ``.contiguous()``, in one pass (for inputs `_raw_contiguous_guard` admits)."""
@@ -227,6 +285,14 @@ def bias_residual_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torc
     aten's ``x.add_(bias)``, ``.contiguous()`` and ``+ residual``, each rounded as eager rounds it, in one pass (for
     inputs `_raw_residual_guard` admits)."""
     return _residual_op(x, bias, residual)
+
+
+def bias_depth_to_space(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A residual upsampler's output (stride (2, 2, 2)) from its convolution's channels-last output ``x`` without the
+    bias: ``x.add_(bias)``, the depth-to-space of its channels and of ``residual``'s (repeated to x's), the first frame
+    dropped and the add, each rounded as eager rounds it, in one pass, contiguous (for inputs
+    `_raw_depth_to_space_guard` admits)."""
+    return _depth_to_space_op(x, bias, residual)
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:

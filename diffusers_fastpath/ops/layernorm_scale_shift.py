@@ -110,7 +110,8 @@ _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("sca
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),
                       ("modulate_fp32", "?"), ("affine", "?"), ("gated", "?"), ("x_out", "P"), ("gate", "P"),
                       ("update", "P"), ("gate_batch_stride", "q"), ("scale_seq_stride", "q"),
-                      ("shift_seq_stride", "q"), ("norm_weight", "P"), ("norm_bias", "P"), ("row_index", "P"))
+                      ("shift_seq_stride", "q"), ("norm_weight", "P"), ("norm_bias", "P"), ("row_index", "P"),
+                      ("gate_index", "P"))
 _KVS = (0, 6, 8, 12)
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
@@ -133,13 +134,15 @@ def _kv_for(dim: int) -> int:
 
 def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
                   affine: bool = False, gate=None, update=None, x_out=None, seq_strides=(0, 0),
-                  norm_weight=None, norm_bias=None, row_index=None) -> torch.Tensor:
+                  norm_weight=None, norm_bias=None, row_index=None, gate_index=None) -> torch.Tensor:
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
     else:
         _nvrtc.check_out("layernorm_scale_shift", out, x.shape, x, 16)
-    gated = update is not None  # x is the residual; x_out gets the gated update (gated_layernorm_scale_shift)
+    # x is the residual; x_out gets the gated update (gated_layernorm_scale_shift); gate_index: the gate an [R, dim]
+    # table whose rows that index picks (gated_layernorm_scale_rows), its row stride the gate's batch stride below
+    gated = update is not None
     if gated:
         _nvrtc.check_out("gated_layernorm_scale_shift", x_out, x.shape, x, 16)
     if probe and variant & ~_VARIANT_MASK:
@@ -157,7 +160,8 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
                   x_out.data_ptr() if gated else 0, gate.data_ptr() if gated else 0,
                   update.data_ptr() if gated else 0, 0 if not gated or gate.shape[0] == 1 else gate.stride(0),
                   *seq_strides, 0 if norm_weight is None else norm_weight.data_ptr(),
-                  0 if norm_bias is None else norm_bias.data_ptr(), 0 if row_index is None else row_index.data_ptr())
+                  0 if norm_bias is None else norm_bias.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
+                  0 if gate_index is None else gate_index.data_ptr())
     return out
 
 

@@ -149,12 +149,18 @@ def _raw_guard(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw):
     return None
 
 
-def _nvrtc_pad(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw):
+def pad_launch(kernel: _nvrtc.Kernel, what: str, x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw,
+               probe: int = 0, out=None):
+    """A pad kernel's launch as the .cu's launch_pad_cl makes it (this op's; `ltx_vae_rmsnorm_conv`'s kLtx one):
+    `out` (default the channels-last padded buffer), vectors where x's sizes, strides and pointer allow (the key
+    ``(dtype, vector)``), `fused_shape`, the args struct, NormPadArgs and the order; `what` names the op in the
+    error where the partial sums do not fit."""
     batch, channels, spatial = x.shape
     frames, height, width = dims
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
-    out = torch.empty(batch, channels, pt0 + frames + pt1, ph0 + height + ph1, pw0 + width + pw1, dtype=x.dtype,
-                      device=x.device, memory_format=torch.channels_last_3d)
+    if out is None:
+        out = torch.empty(batch, channels, pt0 + frames + pt1, ph0 + height + ph1, pw0 + width + pw1, dtype=x.dtype,
+                          device=x.device, memory_format=torch.channels_last_3d)
     vec = _norm._VEC_BYTES // x.element_size()
     vector = (spatial % vec == 0 and x.stride(1) % vec == 0 and x.stride(0) % vec == 0
               and x.data_ptr() % _norm._VEC_BYTES == 0)
@@ -162,13 +168,18 @@ def _nvrtc_pad(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw):
     shape = _norm.fused_shape(batch, spatial, _norm.MeanOrder(rows, ctas, factor), vec if vector else 1,
                               _nvrtc.num_sms(device))
     if shape is None:
-        raise ValueError("per_channel_rmsnorm_pad_cl: aten's partial sums do not fit the kernel's scratch")
+        raise ValueError(f"{what}: aten's partial sums do not fit the kernel's scratch")
     if x.numel() == 0:
         return out
-    _NVRTC_PAD.launch(device, (x.dtype, vector), *shape, out.data_ptr(), x.data_ptr(), 0, batch, channels, spatial,
-                      x.stride(0), x.stride(1), eps, int(silu), 0, _nvrtc.DTYPE_CODE[x.dtype], frames, height, width,
-                      pt0, pt1, ph0, ph1, pw0, pw1, int(reflect_hw), rows, ctas, factor)
+    kernel.launch(device, (x.dtype, vector), *shape, out.data_ptr(), x.data_ptr(), 0, batch, channels, spatial,
+                  x.stride(0), x.stride(1), eps, int(silu), probe, _nvrtc.DTYPE_CODE[x.dtype], frames, height, width,
+                  pt0, pt1, ph0, ph1, pw0, pw1, int(reflect_hw), rows, ctas, factor)
     return out
+
+
+def _nvrtc_pad(x, eps, silu, rows, ctas, factor, dims, padding, reflect_hw):
+    return pad_launch(_NVRTC_PAD, "per_channel_rmsnorm_pad_cl", x, eps, silu, rows, ctas, factor, dims, padding,
+                      reflect_hw)
 
 
 _nvrtc.raw_op("_per_channel_rmsnorm_pad_cl_cuda",

@@ -276,7 +276,11 @@ def fused_shape(batch: int, spatial: int, order: MeanOrder, vec: int, sms: int):
 
 
 @functools.lru_cache(maxsize=1024)  # a VAE has a handful of shapes
-def _order(batch: int, channels: int, spatial: int, dtype: torch.dtype, limits: tuple):
+def _order(batch: int, channels: int, spatial: int, dtype: torch.dtype, limits: tuple, storage=None):
+    """aten's order of the mean over dim 1 of a contiguous ``[B, C, S]`` tensor of `dtype` (the mean's input), as a
+    fused kernel reading x of `storage` (its 16-byte vectors; default `dtype`) takes it, or why none is reproduced.
+    (LTX-Video's norm, `ltx_vae_rmsnorm_conv`, takes the order of its fp32 squares over bf16 / fp16 x.)"""
+    storage = dtype if storage is None else storage
     if spatial < 2 or channels < 2:
         return "one position or one channel: another iterator"
     if (batch * channels * spatial - 1) * dtype.itemsize + 1 > _INT32_MAX:
@@ -286,7 +290,7 @@ def _order(batch: int, channels: int, spatial: int, dtype: torch.dtype, limits: 
     config = aten_reduce_config(batch, channels, spatial, *limits)
     order = MeanOrder(config.block_height if config.split_across_warps else 1, config.ctas_per_output,
                       mean_factor(batch, channels, spatial))
-    if fused_shape(batch, spatial, order, _VEC_BYTES // dtype.itemsize, limits[0]) is None:
+    if fused_shape(batch, spatial, order, _VEC_BYTES // storage.itemsize, limits[0]) is None:
         return "beyond the fused kernel's launch: its scratch (aten's partial sums) or grid (batches)"
     return order
 

@@ -33,18 +33,22 @@ def assert_vae_decoded_once_fast(report) -> None:
 
 def ltx_vae_sites(report) -> list:
     """`report`'s sites (an LTX VAE's), less the ``conv_bias`` site of each causal convolution's ``.conv`` whose
-    ``ltx_causal_conv3d`` (or LTX-2's ``ltx_norm_conv`` or ``ltx_bias_norm_conv``) ran fast and which fell back
-    nowhere: the channels-last path adds the bias itself, so that site counts only the calls of the first-call checks
-    (the module's forward) and of the channels-first path; and less the sites that a fast chain stands for and that
-    never ran: its convolution's ``ltx_causal_conv3d``, the norm -> SiLU pair of its block, and of the two chain ops
+    ``ltx_causal_conv3d`` (or a chain op: LTX-2's ``ltx_norm_conv`` or ``ltx_bias_norm_conv``, LTX-Video's
+    ``ltx_vae_rmsnorm_conv``) ran fast and which fell back nowhere: the channels-last path adds the bias itself, so that
+    site counts only the calls of the first-call checks (the module's forward) and of the channels-first path; and less
+    the sites that a fast chain stands for and that never ran: its convolution's ``ltx_causal_conv3d``, the norms'
+    sites of its block (the norm -> SiLU pair's, and LTX-Video's norm-alone ``ltx_rmsnorm``), and of the two chain ops
     of one convolution the one its calls did not take (``ltx_bias_norm_conv`` where the value came as a tensor, as the
     first call of each signature of the convolution before it leaves it; ``ltx_norm_conv`` where it always came
     pending); and less a block's ``conv_bias_residual`` site that never ran (its add's value came as a tensor: the
     first call of each signature of the convolution before it, or a convolution whose channels leave nothing
-    pending)."""
-    chains = ("ltx_norm_conv", "ltx_bias_norm_conv")
+    pending); and less the ``ltx_causal_conv3d`` site of a fast upsampler's convolution (`ltx_upsampler3d` stands
+    for its call: that site counts only the calls of the upsampler's first-call checks, the module's forward)."""
+    chains = ("ltx_norm_conv", "ltx_bias_norm_conv", "ltx_vae_rmsnorm_conv")
+    norms = ("per_channel_rmsnorm_silu", "ltx_vae_rmsnorm_silu", "ltx_rmsnorm")
     chain = {r.site.split(":")[0] for r in report.sites if r.op in chains and r.fast}
-    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast} | chain
+    upsampled = {f"{r.site.split(':')[0]}.conv" for r in report.sites if r.op == "ltx_upsampler3d" and r.fast}
+    fast = {r.site for r in report.sites if r.op == "ltx_causal_conv3d" and r.fast} | chain | upsampled
     blocks = {path.rsplit(".", 1)[0] for path in chain}
 
     def left_out(r) -> bool:
@@ -53,8 +57,10 @@ def ltx_vae_sites(report) -> list:
             return False
         if r.op == "conv_bias":
             return path.rsplit(".", 1)[0] in fast
+        if r.op == "ltx_causal_conv3d" and path in upsampled:
+            return True
         return not r.fast and (r.op in ("ltx_causal_conv3d", *chains) and path in chain
-                               or r.op == "per_channel_rmsnorm_silu" and path.rsplit(".", 1)[0] in blocks
+                               or r.op in norms and path.rsplit(".", 1)[0] in blocks
                                or r.op == "conv_bias_residual")
 
     return [r for r in report.sites if not left_out(r)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ._entry import Draw, ZooEntry  # noqa: F401
 from ._zoo import ZOO, _as_loaded_, build, inputs  # noqa: F401
+from .image import kv_cached_steps  # noqa: F401
 from .pipelines import PIPELINES
 
 __all__ = ["ZOO", "ZooEntry", "Draw", "build", "inputs", "PIPELINES"]

@@ -61,6 +61,21 @@ def _qwen21_inputs(model, d, batch, height=64, width=64, text=8, cached=False):
     return dict(kw, kv_cache=cache, kv_cache_mode="cached")
 
 
+
+def kv_cached_steps(model, kwargs: dict, latents) -> list:
+    """Qwen-Image 2.1's pipeline's first two steps on `model` (`inputs("qwen-image-21", ...)` as `kwargs`): a prefill
+    ("extract") then a "cached" step through one `QwenImage21KVCache`, each on its own latents (`latents`: two
+    tensors) and timestep; their outputs (cloned)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    cache = QwenImage21KVCache(len(model.transformer_blocks))
+    outs = []
+    with torch.no_grad():
+        for step, (mode, hidden) in enumerate(zip(("extract", "cached"), latents)):
+            step_kwargs = dict(kwargs, hidden_states=hidden, timestep=kwargs["timestep"] * (1 - 0.3 * step))
+            outs.append(model(**step_kwargs, kv_cache=cache, kv_cache_mode=mode)[0].clone())
+    return outs
+
 def _krea2_inputs(model, d, batch, height=64, width=64, text=16, valid=10):
     # Krea2Pipeline: [prompt | PAD | suffix] (a mask with its padding in the middle), the tapped Qwen3-VL layers
     # (B, L, layers, C), 3-axis positions (text zeros, image rows / cols), t / 1000
