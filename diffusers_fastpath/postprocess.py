@@ -1,29 +1,46 @@
-"""A video pipeline's last step, ``video_processor.postprocess_video(video, output_type="np")``, with the same result
-in a tenth of the time.
+"""A video pipeline's last step, ``video_processor.postprocess_video(video, output_type)`` for ``"np"`` and ``"pil"``,
+with the same result in a fraction of the time.
 
 Why: diffusers' `VideoProcessor.postprocess_video` runs, per batch element, the processor's ``postprocess`` (the
 denormalize ``(x * 0.5 + 0.5).clamp(0, 1)`` on the GPU, then ``pt_to_numpy``: ``.cpu()``, a pageable device-to-host
-copy, and a CPU ``permute(0, 2, 3, 1).float().numpy()``), then ``np.stack`` of the elements (a strided copy of the
-whole float32 video). For LTX-Video distilled at 121 x 512 x 768 in bf16 on an H100 host that is about 360 ms of a
-1.07 s patched generation: the pageable copy of 285 MB ~155 ms, the conversion 27-58 ms, ``np.stack`` ~150 ms.
+copy, and a CPU ``permute(0, 2, 3, 1).float().numpy()``), then for "np" ``np.stack`` of the elements (a strided copy
+of the whole float32 video), for "pil" ``numpy_to_pil`` (``(images * 255).round().astype("uint8")`` in numpy, single
+threaded, and an ``Image.fromarray`` per frame). For LTX-Video distilled at 121 x 512 x 768 in bf16 on an H100 host
+"np" is about 360 ms of a 1.07 s patched generation: the pageable copy of 285 MB ~155 ms, the conversion 27-58 ms,
+``np.stack`` ~150 ms; "pil" (LTXPipeline's default) about 0.5-0.6 s: the same copy and conversion, then ~300-400 ms
+of numpy arithmetic.
 
-What: `fast_postprocess_video` runs diffusers' own denormalize (``processor.postprocess(frames, "pt")``, exactly
-what the original runs on the GPU), then copies each element's frames to the host in chunks (`CHUNK_BYTES`) through
-two small reused pinned buffers (a ``non_blocking`` copy and a CUDA event per chunk: while chunk k travels, the CPU
-converts chunk k-1 with one ``copy_`` into the float32 result, allocated once), which is the one conversion
-``.float()`` makes, value for value. The result is the array diffusers returns: the same shape, dtype, values (bit
-for bit, NaN payloads included) and strides. Its memory order is diffusers': a contiguous ``[B, C, T, H, W]`` video
-gives a ``(B, T, H, W, C)`` array laid out as ``[B][C][T][H][W]``; the strides of its size-1 dimensions (which
-``np.stack`` and torch choose by rules of their own) are read from diffusers itself, by running the original on a
-tiny CPU tensor of the same pattern of sizes (at most 32 elements) on every call.
+What, "np": `fast_postprocess_video` runs diffusers' own denormalize (``processor.postprocess(frames, "pt")``,
+exactly what the original runs on the GPU), then copies each element's frames to the host in chunks (`CHUNK_BYTES`)
+through two small reused pinned buffers (`_stream`: a ``non_blocking`` copy and a CUDA event per chunk: while chunk
+k travels, the CPU converts chunk k-1 with one ``copy_`` into the float32 result, allocated once), which is the one
+conversion ``.float()`` makes, value for value. The result is the array diffusers returns: the same shape, dtype,
+values (bit for bit, NaN payloads included) and strides. Its memory order is diffusers': a contiguous
+``[B, C, T, H, W]`` video gives a ``(B, T, H, W, C)`` array laid out as ``[B][C][T][H][W]``; the strides of its
+size-1 dimensions (which ``np.stack`` and torch choose by rules of their own) are read from diffusers itself, by
+running the original on a tiny CPU tensor of the same pattern of sizes (at most 32 elements) on every call.
 
-When: `fast_postprocess_video` takes a call only where ``output_type == "np"`` with no other argument, the video is a
-contiguous 5-D CUDA tensor of bf16, fp16 or fp32 with elements and no autograd history, and the processor runs
-diffusers' own ``postprocess_video``, ``postprocess``, ``pt_to_numpy``, ``denormalize`` and
-``_denormalize_conditionally`` (none replaced on its class or on the instance); anything else, and any exception on
-the way (a guard never raises), runs diffusers' original and returns its result. The first call of each signature
-(device, dtype, shape, processor class) also runs the original and compares shape, dtype, strides and bytes; a
-mismatch, or an exception, warns once and sends every later call to the original for the process.
+What, "pil": the same denormalize, then ``numpy_to_pil``'s uint8 frames computed on the device (`_to_uint8`:
+``(x.float() * 255).round()`` to uint8, a contiguous ``[T, H, W, C]``), and only those bytes (a quarter of the
+float32 video) copied to the host through the same pinned buffers (`_stream`) into a fresh array per element, then
+``numpy_to_pil``'s own ``Image.fromarray`` calls on its frames (`_frames`; one channel as mode "L"). The same bytes,
+value for value: ``.float()`` is exact; numpy's float32 array times the Python int 255 is a float32 multiply (numpy
+2's weak scalars: the result stays float32), IEEE round to nearest, as torch's float32 ``mul``; numpy's ``round``
+and ``torch.round`` both round half to even; the uint8 conversion of an integer in [0, 255] is exact in both. That
+holds only for values in [0, 1]: NaN converts to uint8 differently in numpy and torch, and values outside [0, 255]
+are implementation-defined. So "pil" runs only where the denormalize clamps (``config.do_normalize`` True, no
+``do_denormalize`` argument) and a device check (`_in_unit_range`: ``aminmax``, NaN propagating, one sync per
+element) finds every value in [0, 1]; otherwise diffusers' original runs. The result is diffusers': a list per batch
+element of lists of ``PIL.Image.Image``, each of the same mode, size and bytes.
+
+When: `fast_postprocess_video` takes a call only where ``output_type`` is "np" or "pil" with no other argument, the
+video is a contiguous 5-D CUDA tensor of bf16, fp16 or fp32 with elements and no autograd history, and the processor
+runs diffusers' own ``postprocess_video``, ``postprocess``, ``pt_to_numpy``, ``denormalize`` and
+``_denormalize_conditionally`` (and for "pil" ``numpy_to_pil``; none replaced on its class or on the instance);
+anything else, and any exception on the way (a guard never raises), runs diffusers' original and returns its result.
+The first call of each signature (output type, device, dtype, shape, processor class) also runs the original and
+compares (an array's shape, dtype, strides and bytes; "pil": the nesting and each image's type, mode, size and
+bytes); a mismatch, or an exception, warns once and sends every later call to the original for the process.
 ``DIFFUSERS_FASTPATH_DISABLE=1`` sends every call to the original too. `STATS` counts fast calls and fallbacks by
 reason (process-wide; `report` shows them for a pipeline it is installed on).
 
@@ -48,6 +65,7 @@ CHUNK_BYTES = 16 << 20  # bytes of the video's dtype per pinned chunk (two such 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the processor methods the fast path stands for (diffusers' own, neither on the class nor on the instance replaced)
 _METHODS = ("postprocess_video", "postprocess", "pt_to_numpy", "denormalize", "_denormalize_conditionally")
+_PIL_METHODS = ("numpy_to_pil",)  # and for "pil" this one
 
 STATS = Site("postprocess_video")  # fast calls and fallbacks by reason, process-wide
 _verified: set = set()  # signatures whose first fast call matched the original (shape, dtype, strides, bytes)
@@ -59,6 +77,9 @@ REASON_ENV = "DIFFUSERS_FASTPATH_DISABLE is set"
 REASON_DISABLED = "disabled after a mismatch or an error"
 REASON_LAYOUT = "diffusers' result is not laid out as [B][C][T][H][W]"
 REASON_BUSY = "pinned buffers in use by another thread"
+REASON_RANGE = "values outside [0, 1] after the denormalize (NaN)"
+REASON_NO_CLAMP = "pil without do_normalize (no clamp to [0, 1])"
+_CONVERT_BYTES = 64 << 20  # float32 bytes of the "pil" path's temporary on the device (whole frames, at least one)
 
 
 def _original(processor: Any, video: Any, output_type: str, kwargs: dict) -> Any:
@@ -112,7 +133,7 @@ def _refusal(processor: Any, video: Any, output_type: str, kwargs: dict) -> str 
         return REASON_ENV
     if _disabled:
         return REASON_DISABLED
-    if output_type != "np":
+    if output_type not in ("np", "pil"):
         return f"output_type={output_type!r}"
     if kwargs:
         return "keyword arguments"
@@ -134,11 +155,13 @@ def _refusal(processor: Any, video: Any, output_type: str, kwargs: dict) -> str 
     if not isinstance(processor, VideoProcessor):
         return f"{cls.__name__} is not a VideoProcessor"
     own = getattr(processor, "__dict__", {})
-    for name in _METHODS:
+    for name in _METHODS + (_PIL_METHODS if output_type == "pil" else ()):
         if getattr(cls, name) is not getattr(VideoProcessor, name):
             return f"{cls.__name__}.{name} overridden"
         if name != "postprocess_video" and name in own:
             return f"{name} replaced on the instance"
+    if output_type == "pil" and processor.config.do_normalize is not True:
+        return REASON_NO_CLAMP
     return None
 
 
@@ -180,7 +203,38 @@ def _strides(processor: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tupl
     return tuple(strides)
 
 
-def _fast(processor: Any, video: torch.Tensor, chunk_bytes: int) -> np.ndarray | str:
+def _stream(flat: torch.Tensor, dst: torch.Tensor, bufs: list[torch.Tensor]) -> None:
+    """Copy the 1-D tensor `flat` (on the video's device) into the 1-D host tensor `dst` of the same length, chunk by
+    chunk through the two host buffers `bufs` (of `flat`'s dtype; each chunk one ``copy_`` out of a buffer into
+    `dst`, which converts to `dst`'s dtype). Double-buffered: chunk k+1 travels into one buffer while the CPU copies
+    chunk k out of the other (whose previous chunk, k-1, was copied out in the iteration before). Returns once every
+    copy is done, an exception included (no copy may still be writing a buffer the next call uses)."""
+    per, n = flat.numel(), bufs[0].numel()
+    starts = range(0, per, n)
+    tokens: list = [None] * len(starts)
+    try:
+        tokens[0] = _copy_async(bufs[0][:min(n, per)], flat[:n])
+        for k, s in enumerate(starts):
+            e = min(s + n, per)
+            if k + 1 < len(starts):
+                e1 = min(e + n, per)
+                tokens[k + 1] = _copy_async(bufs[(k + 1) % 2][:e1 - e], flat[e:e1])
+            _wait(tokens[k])
+            tokens[k] = None
+            dst[s:e].copy_(bufs[k % 2][:e - s])
+    finally:
+        for token in tokens:
+            _wait(token)
+
+
+def _fast(processor: Any, video: torch.Tensor, output_type: str, chunk_bytes: int) -> Any:
+    """The fast path for `output_type`: its result, or why it was not taken (a string)."""
+    if output_type == "pil":
+        return _fast_pil(processor, video, chunk_bytes)
+    return _fast_np(processor, video, chunk_bytes)
+
+
+def _fast_np(processor: Any, video: torch.Tensor, chunk_bytes: int) -> np.ndarray | str:
     """The pinned, chunked copy: the result, or why it was not taken (a layout this does not reproduce)."""
     B, C, T, H, W = video.shape
     strides = _strides(processor, tuple(video.shape), video.dtype)
@@ -193,39 +247,89 @@ def _fast(processor: Any, video: torch.Tensor, chunk_bytes: int) -> np.ndarray |
     lock, *bufs = _pinned(video.device, video.dtype, n)
     if not lock.acquire(blocking=False):
         return REASON_BUSY
-    tokens: list = []
     try:
         for b in range(B):
             pt = processor.postprocess(video[b].permute(1, 0, 2, 3), "pt")  # diffusers' own denormalize
             src = pt.permute(1, 0, 2, 3)
             if not src.is_contiguous() or src.dtype != video.dtype or src.device != video.device:
                 return REASON_LAYOUT
-            flat, dst = src.reshape(-1), out[b * per:(b + 1) * per]
-            starts = range(0, per, n)
-            tokens = [None] * len(starts)
-            # double buffering: chunk k+1 travels into one buffer while the CPU converts chunk k out of the other
-            # (whose previous chunk, k-1, was converted in the iteration before)
-            tokens[0] = _copy_async(bufs[0][:min(n, per)], flat[:n])
-            for k, s in enumerate(starts):
-                e = min(s + n, per)
-                if k + 1 < len(starts):
-                    s1 = e
-                    e1 = min(s1 + n, per)
-                    tokens[k + 1] = _copy_async(bufs[(k + 1) % 2][:e1 - s1], flat[s1:e1])
-                _wait(tokens[k])
-                dst[s:e].copy_(bufs[k % 2][:e - s])
-            tokens = []
-            del pt, src, flat
+            _stream(src.reshape(-1), out[b * per:(b + 1) * per], bufs)
+            del pt, src
     finally:
-        for token in tokens:  # (an exception midway: no copy may still be writing a buffer the next call uses)
-            _wait(token)
         lock.release()
     return np.ndarray((B, T, H, W, C), np.float32, buffer=mem, strides=strides)
 
 
-def _same(got: np.ndarray, ref: Any) -> bool:
-    return (isinstance(ref, np.ndarray) and got.shape == ref.shape and got.dtype == ref.dtype
-            and got.strides == ref.strides and got.tobytes() == ref.tobytes())
+def _in_unit_range(x: torch.Tensor) -> bool:
+    """Whether every value of `x` is in [0, 1] (no NaN: NaN propagates through ``aminmax`` and fails both
+    comparisons). One reduction on the device, one sync."""
+    lo, hi = torch.aminmax(x)
+    return bool(torch.stack((lo >= 0, hi <= 1)).all())
+
+
+def _to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """``numpy_to_pil``'s ``(images * 255).round().astype("uint8")`` of ``pt_to_numpy(x)`` (``x``: ``[T, C, H, W]``
+    with every value in [0, 1]) on x's device: a contiguous ``[T, H, W, C]`` uint8. The same bytes: ``.float()`` is
+    exact; numpy's float32 array times the Python int 255 (a weak scalar) is a float32 multiply, IEEE round to
+    nearest, as torch's float32 ``mul`` by 255; numpy's ``round`` and ``torch.round`` both round half to even; the
+    uint8 conversion of an integer in [0, 255] is exact in both. Converted `_CONVERT_BYTES` of float32 at a time
+    (whole frames), so the float32 temporary stays small."""
+    T, C, H, W = x.shape
+    out = torch.empty((T, H, W, C), dtype=torch.uint8, device=x.device)
+    step = max(1, _CONVERT_BYTES // (4 * C * H * W))
+    for t in range(0, T, step):
+        f = x[t:t + step].permute(0, 2, 3, 1).to(torch.float32, copy=True)  # (a copy: the in-place ops below)
+        out[t:t + step].copy_(f.mul_(255).round_())
+    return out
+
+
+def _frames(u8: np.ndarray) -> list:
+    """The last step of diffusers' ``numpy_to_pil`` on its uint8 ``[T, H, W, C]`` array: the same ``Image.fromarray``
+    calls, one channel as mode "L"."""
+    from PIL import Image
+
+    if u8.shape[-1] == 1:
+        return [Image.fromarray(image.squeeze(), mode="L") for image in u8]
+    return [Image.fromarray(image) for image in u8]
+
+
+def _fast_pil(processor: Any, video: torch.Tensor, chunk_bytes: int) -> list | str:
+    """The uint8 frames made on the device, copied through the pinned buffers, then diffusers' ``Image.fromarray``
+    calls: the result, or why it was not taken (a value outside [0, 1], NaN included; a layout it does not know)."""
+    B, C, T, H, W = video.shape
+    n = max(1, chunk_bytes)
+    lock, *bufs = _pinned(video.device, torch.uint8, n)
+    if not lock.acquire(blocking=False):
+        return REASON_BUSY
+    hosts = []
+    try:
+        for b in range(B):
+            pt = processor.postprocess(video[b].permute(1, 0, 2, 3), "pt")  # diffusers' own denormalize
+            if pt.shape != (T, C, H, W) or pt.dtype != video.dtype or pt.device != video.device:
+                return REASON_LAYOUT
+            if not _in_unit_range(pt):
+                return REASON_RANGE
+            u8 = _to_uint8(pt)
+            host = np.empty((T, H, W, C), np.uint8)  # (its own memory: PIL maps some modes onto it)
+            _stream(u8.view(-1), torch.from_numpy(host).view(-1), bufs)
+            hosts.append(host)
+            del pt, u8
+    finally:
+        lock.release()
+    return [_frames(host) for host in hosts]
+
+
+def _same(got: Any, ref: Any) -> bool:
+    """Whether the fast result is diffusers' `ref`: for an array shape, dtype, strides and bytes; for "pil" the same
+    nesting (a list per batch element of lists of images) and per image its type, mode, size and bytes."""
+    if isinstance(got, np.ndarray):
+        return (isinstance(ref, np.ndarray) and got.shape == ref.shape and got.dtype == ref.dtype
+                and got.strides == ref.strides and got.tobytes() == ref.tobytes())
+    return (type(ref) is list and len(got) == len(ref) and all(
+        type(r) is list and len(g) == len(r) and all(
+            type(a) is type(b) and a.mode == b.mode and a.size == b.size and a.tobytes() == b.tobytes()
+            for a, b in zip(g, r))
+        for g, r in zip(got, ref)))
 
 
 def _disable(why: str) -> None:
@@ -239,17 +343,17 @@ def fast_postprocess_video(processor: Any, video: Any, output_type: str = "np", 
                            **kwargs: Any) -> Any:
     """``processor.postprocess_video(video, output_type, **kwargs)`` as diffusers' `VideoProcessor` runs it, the
     same result; for ``output_type="np"`` of a contiguous CUDA video a pinned, chunked copy to the host instead of
-    ``.cpu()``, ``.float()`` and ``np.stack`` (see the module's docstring). Anything it does not take runs
-    diffusers' original."""
+    ``.cpu()``, ``.float()`` and ``np.stack``; for ``"pil"`` the uint8 frames made on the device and only they copied
+    (see the module's docstring). Anything it does not take runs diffusers' original."""
     try:
         reason = _refusal(processor, video, output_type, kwargs)
     except Exception as exc:  # noqa: BLE001 - a guard never raises: refuse, say so once
         warn_once(f"diffusers_fastpath: the video post-processing guard failed ({exc!r}); the original runs")
         reason = "guard error"
     if reason is None:
-        key = (str(video.device), video.dtype, tuple(video.shape), type(processor))
+        key = (output_type, str(video.device), video.dtype, tuple(video.shape), type(processor))
         try:
-            got = _fast(processor, video, CHUNK_BYTES if _chunk_bytes is None else _chunk_bytes)
+            got = _fast(processor, video, output_type, CHUNK_BYTES if _chunk_bytes is None else _chunk_bytes)
         except Exception as exc:  # noqa: BLE001 - any failure: the original, once loudly, then off
             _disable(f"{type(exc).__name__}: {exc}")
             reason = REASON_DISABLED
@@ -265,7 +369,7 @@ def fast_postprocess_video(processor: Any, video: Any, output_type: str = "np", 
                     _verified.add(key)
                     STATS.fast += 1
                     return got
-                _disable(f"its first call of {key[:3]} differed from diffusers' result")
+                _disable(f"its first call of {key[:4]} differed from diffusers' result")
                 STATS.fallback[REASON_DISABLED] += 1
                 return ref
     STATS.fallback[reason] += 1
@@ -301,7 +405,7 @@ def install(pipe: Any) -> bool:
         return False
     processor.__dict__["postprocess_video"] = functools.partial(fast_postprocess_video, processor)
     logger.info(f"diffusers_fastpath: {type(pipe).__name__}.video_processor.postprocess_video takes the pinned copy "
-                "for output_type='np'")
+                "for output_type 'np' and 'pil'")
     return True
 
 
