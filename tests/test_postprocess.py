@@ -266,6 +266,205 @@ def test_a_model_patched_alone_is_unaffected():
     fp.unpatch(pipe.transformer)
 
 
+# ---- output_type="pil" ------------------------------------------------------------------------------------------
+
+
+def same_pil(got, ref) -> bool:
+    """diffusers' "pil" result: a list per batch element of lists of images, each of the same type, mode, size,
+    bytes and read-only flag (PIL maps modes "L" and "RGBA" onto the array)."""
+    assert type(ref) is list and all(type(r) is list for r in ref)
+    return (type(got) is list and len(got) == len(ref) and all(
+        type(g) is list and len(g) == len(r) and all(
+            type(a) is type(b) and a.mode == b.mode and a.size == b.size and a.readonly == b.readonly
+            and a.tobytes() == b.tobytes() for a, b in zip(g, r))
+        for g, r in zip(got, ref)))
+
+
+PIL_SHAPES = [(1, 3, 1, 4, 6), (1, 3, 3, 4, 6), (2, 3, 1, 5, 7), (2, 3, 3, 5, 7), (2, 1, 3, 4, 6), (1, 1, 2, 1, 5),
+              (2, 4, 2, 3, 3), (1, 2, 2, 3, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", PIL_SHAPES, ids=str)
+@pytest.mark.parametrize("chunk_bytes", [7, 1 << 20])
+def test_emulated_pil_equals_diffusers(emulated, dtype, shape, chunk_bytes):
+    """B 1 and 2, T 1 and 3, RGB, one channel (mode "L", squeezed as diffusers squeezes it: a width or height of 1
+    too), RGBA, LA, inf (clamped to 1): diffusers' images, to the byte; verified, then fast."""
+    proc = VideoProcessor()
+    for seed in range(2):
+        v = video(shape, dtype, seed=seed, specials=False)
+        v.view(-1)[0] = float("inf")
+        v.view(-1)[-1] = -float("inf")
+        got = pp.fast_postprocess_video(proc, v, "pil", _chunk_bytes=chunk_bytes)
+        assert same_pil(got, original(proc, v, "pil"))
+    assert pp.STATS.fast == 2 and not pp.STATS.fallback and not pp._disabled
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_emulated_pil_every_boundary(emulated, dtype):
+    """Values after the denormalize at 0, 1, every bf16 / fp16 value in [0, 1], and (fp32) the floats around each
+    (k + 0.5) / 255 of which *255 gives an exact .5 (rounded half to even by numpy and by torch): the same bytes."""
+    if dtype == torch.float32:
+        k = torch.arange(255, dtype=torch.float64)
+        mid = ((k + 0.5) / 255).float()
+        bits = mid.view(torch.int32)
+        x = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)] + [torch.tensor([0.0, 1.0, 0.5])])
+    else:
+        bits = torch.arange(0, 1 << 15, dtype=torch.int16)
+        x = bits.view(dtype)
+        x = x[(x >= 0) & (x <= 1)].float()
+    x = x.clamp(0.5, 1)  # [0.5, 1]: v = 2x - 1 exact, and diffusers' (v * 0.5 + 0.5) gives x back exactly
+    lo = torch.cat([x, torch.tensor([0.0, 1.0])]) if dtype != torch.float32 else x
+    v = (2 * lo.double() - 1).to(dtype)
+    # and [0, 0.5): v = 2x - 1 may round; whatever the denormalize gives is what both sides convert
+    small = (2 * torch.linspace(0, 0.5, 3001, dtype=torch.float64) - 1).to(dtype)
+    v = torch.cat([v, small, torch.tensor([-1.0, 1.0, -0.0, 0.0, -2.0, 2.0], dtype=dtype)])
+    n = (v.numel() + 11) // 12 * 12
+    v = torch.cat([v, v[: n - v.numel()]]).reshape(1, 3, 1, 2, n // 6)
+    proc = VideoProcessor()
+    after = proc.denormalize(v).float().numpy() * 255
+    if dtype == torch.float32:  # the test reaches exact ties
+        assert int((after - np.floor(after) == 0.5).sum()) > 100
+    assert (after == 0).any() and (after == 255).any()
+    got = pp.fast_postprocess_video(proc, v, "pil")
+    assert same_pil(got, original(proc, v, "pil")) and pp.STATS.fast == 1
+
+
+def test_to_uint8_is_numpys_conversion():
+    """The device conversion against numpy_to_pil's expression on the same float32 values, -0.0, 0, 1 and ties
+    included (values in [0, 1] only: what the fast path lets through)."""
+    k = torch.arange(255, dtype=torch.float64)
+    mid = ((k + 0.5) / 255).float().view(torch.int32)
+    x = torch.cat([(mid + d).view(torch.float32) for d in (-1, 0, 1)]
+                  + [torch.tensor([-0.0, 0.0, 1.0, 0.5, 1e-30, 1 - 2 ** -24])])
+    want = (x.numpy() * 255).round().astype("uint8")
+    assert (x.numpy() * 255).dtype == np.float32
+    assert int(((x.numpy() * 255) % 1 == 0.5).sum()) > 50
+    frames = x.reshape(1, 1, 1, -1)  # [T, C, H, W]
+    got = pp._to_uint8(frames)
+    assert got.dtype == torch.uint8 and got.shape == (1, 1, x.numel(), 1) and got.is_contiguous()
+    assert got.view(-1).numpy().tobytes() == want.tobytes()
+
+
+def test_pil_frames_diffusers_cannot_make(emulated):
+    """One channel of 1 x 1: numpy_to_pil's squeeze leaves a 0-D array that Image.fromarray refuses. The call raises
+    diffusers' own error (the original runs), and the fast path stays on."""
+    proc, v = VideoProcessor(), video((1, 1, 2, 1, 1), torch.float32, specials=False)
+    with pytest.raises(Exception) as want:
+        original(proc, v, "pil")
+    with pytest.raises(want.type) as got:
+        pp.fast_postprocess_video(proc, v, "pil")
+    assert str(got.value) == str(want.value)
+    assert pp.STATS.fallback == {pp.REASON_PIL: 1} and not pp._disabled
+
+
+def test_pil_conversion_in_pieces(emulated, monkeypatch):
+    """Frames converted a few at a time (a small float32 temporary): the same images."""
+    monkeypatch.setattr(pp, "_CONVERT_BYTES", 4 * 3 * 4 * 6 * 2)  # two frames at a time
+    proc, v = VideoProcessor(), video((2, 3, 5, 4, 6), torch.bfloat16, specials=False)
+    assert same_pil(pp.fast_postprocess_video(proc, v, "pil", _chunk_bytes=5), original(proc, v, "pil"))
+    assert pp.STATS.fast == 1
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_pil_images_own_their_memory(emulated, channels):
+    """PIL maps modes "L" and "RGBA" onto the array: a later call (the same pinned buffers) leaves the images of
+    an earlier one as they were."""
+    proc = VideoProcessor()
+    v0, v1 = (video((1, channels, 2, 4, 6), torch.float32, seed=s, specials=False) for s in (0, 1))
+    first = pp.fast_postprocess_video(proc, v0, "pil", _chunk_bytes=8)
+    before = [im.tobytes() for im in first[0]]
+    pp.fast_postprocess_video(proc, v1, "pil", _chunk_bytes=8)
+    assert [im.tobytes() for im in first[0]] == before
+    assert same_pil(first, original(proc, v0, "pil"))
+
+
+@pytest.mark.parametrize("case", ["nan", "nan_second", "no_normalize", "kwargs", "numpy_to_pil", "instance"])
+def test_pil_refusals_return_the_original(emulated, case):
+    proc, kwargs = VideoProcessor(), {}
+    v = video((2, 3, 2, 4, 6), torch.float32, specials=False)
+    reason = None
+    if case == "nan":
+        v.view(-1)[3] = float("nan")
+        reason = pp.REASON_RANGE
+    elif case == "nan_second":  # the second batch element: found after the first was converted
+        v[1].view(-1)[7] = float("nan")
+        reason = pp.REASON_RANGE
+    elif case == "no_normalize":
+        proc = VideoProcessor(do_normalize=False)
+        reason = pp.REASON_NO_CLAMP
+    elif case == "kwargs":
+        kwargs = {"do_denormalize": [True, True]}
+        reason = "keyword arguments"
+    elif case == "numpy_to_pil":
+        class OwnNumpyToPil(VideoProcessor):
+            @staticmethod
+            def numpy_to_pil(images):
+                return VideoProcessor.numpy_to_pil(images)
+
+        proc = OwnNumpyToPil()
+        reason = "OwnNumpyToPil.numpy_to_pil overridden"
+    elif case == "instance":
+        proc.numpy_to_pil = VideoProcessor.numpy_to_pil
+        reason = "numpy_to_pil replaced on the instance"
+    got = pp.fast_postprocess_video(proc, v, "pil", **kwargs)
+    assert same_pil(got, original(proc, v, "pil", **kwargs))
+    assert pp.STATS.fast == 0 and pp.STATS.fallback == {reason: 1} and not pp._disabled
+    if case in ("numpy_to_pil", "instance"):  # "np" does not use it: still taken
+        assert same(pp.fast_postprocess_video(proc, v), original(proc, v)) and pp.STATS.fast == 1
+
+
+def test_pil_first_call_check_catches_a_broken_conversion(emulated, monkeypatch, fastpath_log):
+    """A device conversion off by one in one byte: the first call's check warns once, disables the fast path (both
+    types), and that call and every later one return diffusers' images."""
+    real = pp._to_uint8
+
+    def off_by_one(x):
+        out = real(x)
+        out.view(-1)[-1] ^= 1
+        return out
+
+    monkeypatch.setattr(pp, "_to_uint8", off_by_one)
+    proc = VideoProcessor()
+    for seed in range(3):
+        v = video((2, 3, 3, 4, 6), torch.bfloat16, seed=seed, specials=False)
+        assert same_pil(pp.fast_postprocess_video(proc, v, "pil", _chunk_bytes=10), original(proc, v, "pil"))
+    warnings = [r for r in fastpath_log.records if "video post-processing is off" in r.getMessage()]
+    assert len(warnings) == 1 and pp._disabled
+    assert pp.STATS.fast == 0 and pp.STATS.fallback == {pp.REASON_DISABLED: 3}
+    v = video((1, 3, 2, 4, 6), torch.bfloat16, specials=False)
+    assert same(pp.fast_postprocess_video(proc, v), original(proc, v)) and pp.STATS.fast == 0
+
+
+def test_pil_an_exception_falls_back_and_disables(emulated, monkeypatch, fastpath_log):
+    def broken(dst, src):
+        raise RuntimeError("pil boom")
+
+    monkeypatch.setattr(pp, "_copy_async", broken)
+    proc, v = VideoProcessor(), video((1, 3, 2, 4, 6), torch.float16, specials=False)
+    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), original(proc, v, "pil"))
+    assert pp._disabled and any("pil boom" in r.getMessage() for r in fastpath_log.records)
+    assert all(not entry[0].locked() for entry in pp._buffers.values())
+
+
+def test_pil_and_np_signatures_are_checked_apart(emulated):
+    """The same video as "np" and as "pil": each output type's first call is checked against diffusers'."""
+    proc, v = VideoProcessor(), video((1, 3, 2, 4, 6), torch.bfloat16, specials=False)
+    assert same(pp.fast_postprocess_video(proc, v), original(proc, v))
+    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), original(proc, v, "pil"))
+    assert len(pp._verified) == 2 and {k[0] for k in pp._verified} == {"np", "pil"}
+
+
+def test_patched_pipeline_pil(emulated):
+    pipe = tiny_ltx_pipeline()
+    fp.patch(pipe)
+    v = video((1, 3, 2, 4, 6), torch.bfloat16, specials=False)
+    assert same_pil(pipe.video_processor.postprocess_video(v, output_type="pil"),
+                    original(pipe.video_processor, v, "pil"))
+    assert pp.STATS.fast == 1
+    fp.unpatch(pipe)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -290,3 +489,36 @@ def test_gpu_small_odd_shape(dtype, chunk_bytes):
     v = video((2, 3, 7, 37, 53), dtype, specials=dtype == torch.float32, device="cuda")
     got = pp.fast_postprocess_video(proc, v, _chunk_bytes=chunk_bytes)
     assert same(got, original(proc, v)) and pp.STATS.fast == 1 and not pp._disabled
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_pil_ltx_size_bf16():
+    """"pil" at LTX-Video's 121 x 512 x 768 in bf16: diffusers' 121 images (mode, size, bytes), verified, then fast."""
+    proc = VideoProcessor()
+    v = video((1, 3, 121, 512, 768), torch.bfloat16, specials=False, device="cuda")
+    ref = original(proc, v, "pil")
+    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), ref) and pp.STATS.fast == 1 and not pp._disabled
+    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), ref) and pp.STATS.fast == 2
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("chunk_bytes", [1000, pp.CHUNK_BYTES])
+def test_gpu_pil_small_odd_shape(dtype, chunk_bytes):
+    proc = VideoProcessor()
+    v = video((2, 3, 7, 37, 53), dtype, specials=False, device="cuda")
+    v.view(-1)[5], v.view(-1)[-3] = float("inf"), -float("inf")
+    got = pp.fast_postprocess_video(proc, v, "pil", _chunk_bytes=chunk_bytes)
+    assert same_pil(got, original(proc, v, "pil")) and pp.STATS.fast == 1 and not pp._disabled
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_pil_nan_is_refused():
+    """A NaN on the device: aminmax finds it, diffusers' original runs (no disabling)."""
+    proc = VideoProcessor()
+    v = video((2, 3, 7, 37, 53), torch.float32, device="cuda")  # NaN, inf, a NaN payload
+    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), original(proc, v, "pil"))
+    assert pp.STATS.fast == 0 and pp.STATS.fallback == {pp.REASON_RANGE: 1} and not pp._disabled
