@@ -468,50 +468,36 @@ def test_patched_pipeline_pil(emulated):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def matches(got, ref, output_type) -> bool:
+    return same_pil(got, ref) if output_type == "pil" else same(got, ref)
+
+
 @pytest.mark.gpu
 @cuda
-def test_gpu_ltx_size_bf16():
-    """The pinned path at LTX-Video's 121 x 512 x 768 in bf16: diffusers' array, verified, then fast."""
+@pytest.mark.parametrize("output_type", ["np", "pil"])
+def test_gpu_ltx_size_bf16(output_type):
+    """LTX-Video's 121 x 512 x 768 in bf16: diffusers' array (with NaN, inf and a NaN payload) or diffusers' 121
+    images (without NaN: "pil" refuses it), verified, then fast."""
     proc = VideoProcessor()
-    v = video((1, 3, 121, 512, 768), torch.bfloat16, device="cuda")
-    ref = original(proc, v)
-    got = pp.fast_postprocess_video(proc, v)
-    assert same(got, ref) and pp.STATS.fast == 1 and not pp._disabled
-    assert same(pp.fast_postprocess_video(proc, v), ref) and pp.STATS.fast == 2
+    v = video((1, 3, 121, 512, 768), torch.bfloat16, specials=output_type == "np", device="cuda")
+    ref = original(proc, v, output_type)
+    got = pp.fast_postprocess_video(proc, v, output_type)
+    assert matches(got, ref, output_type) and pp.STATS.fast == 1 and not pp._disabled
+    assert matches(pp.fast_postprocess_video(proc, v, output_type), ref, output_type) and pp.STATS.fast == 2
 
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("output_type", ["np", "pil"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("chunk_bytes", [1000, pp.CHUNK_BYTES])
-def test_gpu_small_odd_shape(dtype, chunk_bytes):
+def test_gpu_small_odd_shape(output_type, dtype, chunk_bytes):
+    """B = 2, odd sizes, inf; "np" in fp32 with NaN and a NaN payload too."""
     proc = VideoProcessor()
-    v = video((2, 3, 7, 37, 53), dtype, specials=dtype == torch.float32, device="cuda")
-    got = pp.fast_postprocess_video(proc, v, _chunk_bytes=chunk_bytes)
-    assert same(got, original(proc, v)) and pp.STATS.fast == 1 and not pp._disabled
-
-
-@pytest.mark.gpu
-@cuda
-def test_gpu_pil_ltx_size_bf16():
-    """"pil" at LTX-Video's 121 x 512 x 768 in bf16: diffusers' 121 images (mode, size, bytes), verified, then fast."""
-    proc = VideoProcessor()
-    v = video((1, 3, 121, 512, 768), torch.bfloat16, specials=False, device="cuda")
-    ref = original(proc, v, "pil")
-    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), ref) and pp.STATS.fast == 1 and not pp._disabled
-    assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), ref) and pp.STATS.fast == 2
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("chunk_bytes", [1000, pp.CHUNK_BYTES])
-def test_gpu_pil_small_odd_shape(dtype, chunk_bytes):
-    proc = VideoProcessor()
-    v = video((2, 3, 7, 37, 53), dtype, specials=False, device="cuda")
-    v.view(-1)[5], v.view(-1)[-3] = float("inf"), -float("inf")
-    got = pp.fast_postprocess_video(proc, v, "pil", _chunk_bytes=chunk_bytes)
-    assert same_pil(got, original(proc, v, "pil")) and pp.STATS.fast == 1 and not pp._disabled
+    v = video((2, 3, 7, 37, 53), dtype, specials=output_type == "np" and dtype == torch.float32, device="cuda")
+    v.view(-1)[6], v.view(-1)[-3] = float("inf"), -float("inf")
+    got = pp.fast_postprocess_video(proc, v, output_type, _chunk_bytes=chunk_bytes)
+    assert matches(got, original(proc, v, output_type), output_type) and pp.STATS.fast == 1 and not pp._disabled
 
 
 @pytest.mark.gpu
