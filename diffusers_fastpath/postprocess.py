@@ -66,8 +66,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the processor methods the fast path stands for (diffusers' own, neither on the class nor on the instance replaced)
 _METHODS = ("postprocess_video", "postprocess", "pt_to_numpy", "denormalize", "_denormalize_conditionally")
 _PIL_METHODS = ("numpy_to_pil",)  # and for "pil" this one
+# an image processor's methods the fast path stands for (diffusers' `VaeImageProcessor`'s own)
+_IMAGE_METHODS = ("postprocess", "pt_to_numpy", "denormalize", "_denormalize_conditionally")
 
-STATS = Site("postprocess_video")  # fast calls and fallbacks by reason, process-wide
+STATS = Site("postprocess")  # fast calls and fallbacks by reason, image and video, process-wide
 _verified: set = set()  # signatures whose first fast call matched the original (shape, dtype, strides, bytes)
 _disabled: list[str] = []  # why the fast path is off for this process (empty: it is on)
 _buffers: dict[tuple, tuple[threading.Lock, torch.Tensor, torch.Tensor]] = {}
@@ -166,24 +168,28 @@ def _refusal(processor: Any, video: Any, output_type: str, kwargs: dict) -> str 
     return None
 
 
-def _strides(processor: Any, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...] | None:
-    """The strides (bytes) of diffusers' result for a contiguous video of `shape` and `dtype`, or None where its
-    memory order is not ``[B][C][T][H][W]``. Read from the original's result on a CPU tensor of the same pattern of
-    sizes (every size above 1 made 2): its dimensions of size 1 have the stride of the dimensions inside them (the
-    product of their sizes), whatever rule picked their place; the others must have the strides of the float32
-    ``[B, C, T, H, W]`` array transposed to ``(B, T, H, W, C)``."""
+def _strides(run: Any, shape: tuple[int, ...], dtype: torch.dtype, perm: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides (bytes) of diffusers' float32 result for a contiguous tensor of `shape` and `dtype` whose
+    dimensions come out in the order `perm` (video ``[B, C, T, H, W]`` -> ``(B, T, H, W, C)``, image ``[B, C, H, W]``
+    -> ``(B, H, W, C)``), or None where its memory order is not the input's. Read from ``run`` (diffusers' original)
+    on a CPU tensor of the same pattern of sizes (every size above 1 made 2): its dimensions of size 1 have the
+    stride of the dimensions inside them (the product of their sizes), whatever rule picked their place; the others
+    must have the strides of the float32 input array transposed to `perm`."""
     proxy = tuple(1 if s == 1 else 2 for s in shape)
-    got = _original(processor, torch.zeros(proxy, dtype=dtype), "np", {})
-    B, C, T, H, W = shape
-    out_shape = (B, T, H, W, C)
-    if got.shape != tuple(1 if s == 1 else 2 for s in out_shape) or got.dtype != np.float32:
+    got = run(torch.zeros(proxy, dtype=dtype))
+    out_shape = tuple(shape[d] for d in perm)
+    n = len(shape)
+    if not isinstance(got, np.ndarray) or got.shape != tuple(1 if s == 1 else 2 for s in out_shape) \
+            or got.dtype != np.float32:
         return None
     item = 4
-    mem = (C * T * H * W * item, T * H * W * item, H * W * item, W * item, item)  # [B, C, T, H, W], C order
-    want = (mem[0], mem[2], mem[3], mem[4], mem[1])  # its transpose (0, 2, 3, 4, 1)
-    big = [d for d in range(5) if out_shape[d] > 1]
+    mem = [item] * n  # the input's C-order strides in float32
+    for d in range(n - 2, -1, -1):
+        mem[d] = mem[d + 1] * shape[d + 1]
+    want = tuple(mem[d] for d in perm)
+    big = [d for d in range(n) if out_shape[d] > 1]
     strides = []
-    for d in range(5):
+    for d in range(n):
         s = got.strides[d]
         if out_shape[d] > 1:
             # the proxy's non-1 dimensions in the same order as ours: strides of 2 ** (number of them inside)
@@ -238,7 +244,7 @@ def _fast(processor: Any, video: torch.Tensor, output_type: str, chunk_bytes: in
 def _fast_np(processor: Any, video: torch.Tensor, chunk_bytes: int) -> np.ndarray | str:
     """The pinned, chunked copy: the result, or why it was not taken (a layout this does not reproduce)."""
     B, C, T, H, W = video.shape
-    strides = _strides(processor, tuple(video.shape), video.dtype)
+    strides = _strides(lambda v: _original(processor, v, "np", {}), tuple(video.shape), video.dtype, (0, 2, 3, 4, 1))
     if strides is None:
         return REASON_LAYOUT
     per = C * T * H * W
@@ -294,12 +300,23 @@ def _frames(u8: np.ndarray) -> list:
     return [Image.fromarray(image) for image in u8]
 
 
+def _uint8_host(pt: torch.Tensor, bufs: list[torch.Tensor]) -> np.ndarray | str:
+    """``numpy_to_pil``'s uint8 array of the denormalized ``[N, C, H, W]`` `pt` (N frames or images): made on the
+    device (`_to_uint8`) where every value is in [0, 1] (`_in_unit_range`), copied through the pinned buffers
+    (`_stream`) into a fresh contiguous ``[N, H, W, C]`` array; or why not (a string)."""
+    if not _in_unit_range(pt):
+        return REASON_RANGE
+    u8 = _to_uint8(pt)
+    host = np.empty(tuple(u8.shape), np.uint8)  # (its own memory: PIL maps some modes onto it)
+    _stream(u8.view(-1), torch.from_numpy(host).view(-1), bufs)
+    return host
+
+
 def _fast_pil(processor: Any, video: torch.Tensor, chunk_bytes: int) -> list | str:
     """The uint8 frames made on the device, copied through the pinned buffers, then diffusers' ``Image.fromarray``
     calls: the result, or why it was not taken (a value outside [0, 1], NaN included; a layout it does not know)."""
     B, C, T, H, W = video.shape
-    n = max(1, chunk_bytes)
-    lock, *bufs = _pinned(video.device, torch.uint8, n)
+    lock, *bufs = _pinned(video.device, torch.uint8, max(1, chunk_bytes))
     if not lock.acquire(blocking=False):
         return REASON_BUSY
     hosts = []
@@ -308,13 +325,11 @@ def _fast_pil(processor: Any, video: torch.Tensor, chunk_bytes: int) -> list | s
             pt = processor.postprocess(video[b].permute(1, 0, 2, 3), "pt")  # diffusers' own denormalize
             if pt.shape != (T, C, H, W) or pt.dtype != video.dtype or pt.device != video.device:
                 return REASON_LAYOUT
-            if not _in_unit_range(pt):
-                return REASON_RANGE
-            u8 = _to_uint8(pt)
-            host = np.empty((T, H, W, C), np.uint8)  # (its own memory: PIL maps some modes onto it)
-            _stream(u8.view(-1), torch.from_numpy(host).view(-1), bufs)
+            host = _uint8_host(pt, bufs)
+            if isinstance(host, str):
+                return host
             hosts.append(host)
-            del pt, u8
+            del pt
     finally:
         lock.release()
     try:
@@ -325,22 +340,59 @@ def _fast_pil(processor: Any, video: torch.Tensor, chunk_bytes: int) -> list | s
 
 def _same(got: Any, ref: Any) -> bool:
     """Whether the fast result is diffusers' `ref`: for an array shape, dtype, strides and bytes; for "pil" the same
-    nesting (a list per batch element of lists of images) and per image its type, mode, size and bytes."""
+    nesting (video: a list per batch element of lists of images; image: a list of images) and per image its type,
+    mode, size and bytes."""
     if isinstance(got, np.ndarray):
         return (isinstance(ref, np.ndarray) and got.shape == ref.shape and got.dtype == ref.dtype
                 and got.strides == ref.strides and got.tobytes() == ref.tobytes())
-    return (type(ref) is list and len(got) == len(ref) and all(
-        type(r) is list and len(g) == len(r) and all(
-            type(a) is type(b) and a.mode == b.mode and a.size == b.size and a.tobytes() == b.tobytes()
-            for a, b in zip(g, r))
-        for g, r in zip(got, ref)))
+    if type(got) is list:
+        return type(ref) is list and len(got) == len(ref) and all(_same(g, r) for g, r in zip(got, ref))
+    from PIL import Image
+
+    return (isinstance(got, Image.Image) and type(got) is type(ref) and got.mode == ref.mode
+            and got.size == ref.size and got.tobytes() == ref.tobytes())
 
 
 def _disable(why: str) -> None:
     if not _disabled:
         _disabled.append(why)
-    warn_once(f"diffusers_fastpath: the fast video post-processing is off for this process ({why}); "
-              "postprocess_video runs as diffusers wrote it")
+    warn_once(f"diffusers_fastpath: the fast image/video post-processing is off for this process ({why}); "
+              "postprocess and postprocess_video run as diffusers wrote them")
+
+
+def _serve(guard: Any, key: Any, fast: Any, original: Any) -> Any:
+    """The shared machinery of both entry points: `guard()` says why not (or None; a guard that raises refuses),
+    `fast()` gives the result or why not (a string), `original()` diffusers' result. The first call of each `key()`
+    is checked against the original; a mismatch or an exception warns once and turns the fast path off."""
+    try:
+        reason = guard()
+    except Exception as exc:  # noqa: BLE001 - a guard never raises: refuse, say so once
+        warn_once(f"diffusers_fastpath: the post-processing guard failed ({exc!r}); the original runs")
+        reason = "guard error"
+    if reason is None:
+        try:
+            sig = key()
+            got = fast()
+        except Exception as exc:  # noqa: BLE001 - any failure: the original, once loudly, then off
+            _disable(f"{type(exc).__name__}: {exc}")
+            reason = REASON_DISABLED
+        else:
+            if isinstance(got, str):
+                reason = got
+            elif sig in _verified:
+                STATS.fast += 1
+                return got
+            else:
+                ref = original()
+                if _same(got, ref):
+                    _verified.add(sig)
+                    STATS.fast += 1
+                    return got
+                _disable(f"its first call of {sig[:-1]} differed from diffusers' result")
+                STATS.fallback[REASON_DISABLED] += 1
+                return ref
+    STATS.fallback[reason] += 1
+    return original()
 
 
 def fast_postprocess_video(processor: Any, video: Any, output_type: str = "np", *, _chunk_bytes: int | None = None,
@@ -349,41 +401,137 @@ def fast_postprocess_video(processor: Any, video: Any, output_type: str = "np", 
     same result; for ``output_type="np"`` of a contiguous CUDA video a pinned, chunked copy to the host instead of
     ``.cpu()``, ``.float()`` and ``np.stack``; for ``"pil"`` the uint8 frames made on the device and only they copied
     (see the module's docstring). Anything it does not take runs diffusers' original."""
+    chunk = CHUNK_BYTES if _chunk_bytes is None else _chunk_bytes
+    return _serve(lambda: _refusal(processor, video, output_type, kwargs),
+                  lambda: ("video", output_type, str(video.device), video.dtype, tuple(video.shape), type(processor)),
+                  lambda: _fast(processor, video, output_type, chunk),
+                  lambda: _original(processor, video, output_type, kwargs))
+
+
+# ---- images: VaeImageProcessor.postprocess --------------------------------------------------------------------
+
+
+def _image_original(processor: Any, image: Any, output_type: str, args: tuple, kwargs: dict) -> Any:
+    """What ``processor.postprocess(...)`` runs without this package's instance attribute: its class's method."""
+    return type(processor).postprocess(processor, image, output_type, *args, **kwargs)
+
+
+def _image_class_ok(processor: Any, output_type: str | None = None) -> str | None:
+    """None where `processor` is diffusers' `VaeImageProcessor` or a subclass keeping its own ``postprocess``,
+    ``pt_to_numpy``, ``denormalize``, ``_denormalize_conditionally`` (and for "pil" ``numpy_to_pil``), neither on
+    the class nor on the instance replaced (but for this package's ``postprocess``); else why not."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    cls = type(processor)
+    if not isinstance(processor, VaeImageProcessor):
+        return f"{cls.__name__} is not a VaeImageProcessor"
+    own = getattr(processor, "__dict__", {})
+    for name in _IMAGE_METHODS + (_PIL_METHODS if output_type == "pil" else ()):
+        if getattr(cls, name) is not getattr(VaeImageProcessor, name):
+            return f"{cls.__name__}.{name} overridden"
+        if name != "postprocess" and name in own:
+            return f"{name} replaced on the instance"
+    return None
+
+
+def _image_refusal(processor: Any, image: Any, output_type: str, args: tuple, kwargs: dict) -> str | None:
+    """Why the fast path does not take this ``postprocess`` call, or None. Attribute reads only."""
+    if _env_disabled():
+        return REASON_ENV
+    if _disabled:
+        return REASON_DISABLED
+    if output_type not in ("np", "pil"):
+        return f"output_type={output_type!r}"
+    if args or kwargs:
+        return "keyword arguments"
+    if not isinstance(image, torch.Tensor):
+        return "not a tensor"
+    if not _device_ok(image):
+        return f"{image.device.type} tensor"
+    if image.dim() != 4:
+        return f"{image.dim()}-D image"
+    if image.dtype not in _DTYPES:
+        return f"{image.dtype}"
+    if image.numel() == 0:
+        return "no elements"
+    if not image.is_contiguous():
+        return "non-contiguous image"
+    if image.requires_grad and torch.is_grad_enabled():
+        return "requires grad"
+    why = _image_class_ok(processor, output_type)
+    if why is not None:
+        return why
+    if output_type == "pil" and processor.config.do_normalize is not True:
+        return REASON_NO_CLAMP
+    return None
+
+
+def _fast_image(processor: Any, image: torch.Tensor, output_type: str, chunk_bytes: int) -> Any:
+    """The image batch's fast path: the result, or why it was not taken (a string)."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    B, C, H, W = image.shape
+    strides = None
+    if output_type == "np":
+        strides = _strides(lambda x: _image_original(processor, x, "np", (), {}), tuple(image.shape), image.dtype,
+                           (0, 2, 3, 1))
+        if strides is None:
+            return REASON_LAYOUT
+    dtype = torch.uint8 if output_type == "pil" else image.dtype
+    lock, *bufs = _pinned(image.device, dtype, max(1, chunk_bytes // dtype.itemsize))
+    if not lock.acquire(blocking=False):
+        return REASON_BUSY
     try:
-        reason = _refusal(processor, video, output_type, kwargs)
-    except Exception as exc:  # noqa: BLE001 - a guard never raises: refuse, say so once
-        warn_once(f"diffusers_fastpath: the video post-processing guard failed ({exc!r}); the original runs")
-        reason = "guard error"
-    if reason is None:
-        key = (output_type, str(video.device), video.dtype, tuple(video.shape), type(processor))
-        try:
-            got = _fast(processor, video, output_type, CHUNK_BYTES if _chunk_bytes is None else _chunk_bytes)
-        except Exception as exc:  # noqa: BLE001 - any failure: the original, once loudly, then off
-            _disable(f"{type(exc).__name__}: {exc}")
-            reason = REASON_DISABLED
+        pt = VaeImageProcessor.postprocess(processor, image, "pt")  # diffusers' own denormalize
+        if pt.shape != image.shape or pt.dtype != image.dtype or pt.device != image.device or not pt.is_contiguous():
+            return REASON_LAYOUT
+        if output_type == "pil":
+            host = _uint8_host(pt, bufs)
         else:
-            if isinstance(got, str):
-                reason = got
-            elif key in _verified:
-                STATS.fast += 1
-                return got
-            else:
-                ref = _original(processor, video, output_type, kwargs)
-                if _same(got, ref):
-                    _verified.add(key)
-                    STATS.fast += 1
-                    return got
-                _disable(f"its first call of {key[:4]} differed from diffusers' result")
-                STATS.fallback[REASON_DISABLED] += 1
-                return ref
-    STATS.fallback[reason] += 1
-    return _original(processor, video, output_type, kwargs)
+            mem = np.empty(pt.numel(), np.float32)
+            _stream(pt.reshape(-1), torch.from_numpy(mem), bufs)
+            host = np.ndarray((B, H, W, C), np.float32, buffer=mem, strides=strides)
+        del pt
+    finally:
+        lock.release()
+    if isinstance(host, str) or output_type == "np":
+        return host
+    try:
+        return _frames(host)
+    except Exception:  # noqa: BLE001 - diffusers' own calls fail on these images (1 x 1, one channel): its error
+        return REASON_PIL
+
+
+def fast_postprocess_image(processor: Any, image: Any, output_type: str = "pil", *args: Any,
+                           _chunk_bytes: int | None = None, **kwargs: Any) -> Any:
+    """``processor.postprocess(image, output_type, ...)`` as diffusers' `VaeImageProcessor` runs it, the same
+    result; for ``"pil"`` of a contiguous 4-D CUDA batch the uint8 images made on the device and only they copied,
+    for ``"np"`` the pinned, chunked copy into diffusers' float32 array (see the module's docstring). Anything it
+    does not take runs diffusers' original."""
+    chunk = CHUNK_BYTES if _chunk_bytes is None else _chunk_bytes
+    return _serve(lambda: _image_refusal(processor, image, output_type, args, kwargs),
+                  lambda: ("image", output_type, str(image.device), image.dtype, tuple(image.shape), type(processor)),
+                  lambda: _fast_image(processor, image, output_type, chunk),
+                  lambda: _image_original(processor, image, output_type, args, kwargs))
+
+
+# ---- wiring -----------------------------------------------------------------------------------------------------
+
+
+def _ours(processor: Any, attr: str, fn: Any) -> bool:
+    own = getattr(processor, "__dict__", {}).get(attr)
+    return isinstance(own, functools.partial) and own.func is fn and own.args[:1] == (processor,)
 
 
 def installed(processor: Any) -> bool:
-    """Whether `processor` has this package's ``postprocess_video`` on the instance."""
-    fn = getattr(processor, "__dict__", {}).get("postprocess_video")
-    return isinstance(fn, functools.partial) and fn.func is fast_postprocess_video and fn.args[:1] == (processor,)
+    """Whether `processor` has this package's ``postprocess_video`` or ``postprocess`` on the instance."""
+    return _ours(processor, "postprocess_video", fast_postprocess_video) or \
+        _ours(processor, "postprocess", fast_postprocess_image)
+
+
+def installed_on(pipe: Any) -> bool:
+    """Whether `pipe`'s ``video_processor`` or ``image_processor`` has this package's method."""
+    return any(installed(getattr(pipe, name, None)) for name in ("video_processor", "image_processor"))
 
 
 def _eligible(processor: Any) -> bool:
@@ -394,30 +542,43 @@ def _eligible(processor: Any) -> bool:
         getattr(cls, name) is getattr(VideoProcessor, name) for name in _METHODS)
 
 
+_SITES = (("video_processor", "postprocess_video", fast_postprocess_video),
+          ("image_processor", "postprocess", fast_postprocess_image))
+
+
 def install(pipe: Any) -> bool:
     """Set `fast_postprocess_video` as ``pipe.video_processor.postprocess_video`` where the pipeline holds diffusers'
-    `VideoProcessor` (or a subclass that keeps its methods) without a ``postprocess_video`` of its own; True where
-    it is there now (set now or before)."""
-    processor = getattr(pipe, "video_processor", None)
-    if processor is None or not _eligible(processor):
-        return False
-    if installed(processor):
-        return True
-    if "postprocess_video" in processor.__dict__:
-        logger.info(f"diffusers_fastpath: {type(pipe).__name__}.video_processor has a postprocess_video of its own; "
-                    "left as it is")
-        return False
-    processor.__dict__["postprocess_video"] = functools.partial(fast_postprocess_video, processor)
-    logger.info(f"diffusers_fastpath: {type(pipe).__name__}.video_processor.postprocess_video takes the pinned copy "
-                "for output_type 'np' and 'pil'")
-    return True
+    `VideoProcessor` (or a subclass that keeps its methods), and `fast_postprocess_image` as
+    ``pipe.image_processor.postprocess`` where it holds diffusers' `VaeImageProcessor` (or a subclass that keeps the
+    methods involved), each where the processor has no such method of its own on the instance; True where either is
+    there now (set now or before)."""
+    done = False
+    for attr, name, fn in _SITES:
+        processor = getattr(pipe, attr, None)
+        if processor is None:
+            continue
+        ok = _eligible(processor) if attr == "video_processor" else _image_class_ok(processor) is None
+        if not ok:
+            continue
+        if _ours(processor, name, fn):
+            done = True
+            continue
+        if name in processor.__dict__:
+            logger.info(f"diffusers_fastpath: {type(pipe).__name__}.{attr} has a {name} of its own; left as it is")
+            continue
+        processor.__dict__[name] = functools.partial(fn, processor)
+        logger.info(f"diffusers_fastpath: {type(pipe).__name__}.{attr}.{name} takes the pinned copy for output_type "
+                    "'np' and 'pil'")
+        done = True
+    return done
 
 
 def uninstall(pipe: Any) -> None:
-    """Remove what `install` set on ``pipe.video_processor`` (nothing else)."""
-    processor = getattr(pipe, "video_processor", None)
-    if processor is not None and installed(processor):
-        del processor.__dict__["postprocess_video"]
+    """Remove what `install` set on ``pipe.video_processor`` and ``pipe.image_processor`` (nothing else)."""
+    for attr, name, fn in _SITES:
+        processor = getattr(pipe, attr, None)
+        if processor is not None and _ours(processor, name, fn):
+            del processor.__dict__[name]
 
 
 def reset() -> None:

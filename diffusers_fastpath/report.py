@@ -62,7 +62,8 @@ class Report:
     kernels: str = ""  # one line: where the CUDA kernels come from, or why there are none (`kernels_line`)
     not_patched: str | None = None  # the one line shown for an object with nothing patched
     verbose: bool = False
-    # a video pipeline whose ``video_processor.postprocess_video`` is this package's (`postprocess`): its calls,
+    # a pipeline whose ``video_processor.postprocess_video`` or ``image_processor.postprocess`` is this package's
+    # (`postprocess`): their calls (one counter for both),
     # process-wide, {"fast": n, "fallback": {reason: n}}; empty otherwise
     postprocess: dict[str, Any] = field(default_factory=dict)
 
@@ -90,8 +91,8 @@ class Report:
             lines += _model_summary(m, [s for s in self.sites if s.model == m.name],
                                     [s for s in self.tier_sites if s.model == m.name])
         if self.postprocess:
-            lines.append(f"video post-processing (pinned copy, process-wide): {self.postprocess['fast']} fast calls, "
-                         f"fallbacks: {_reasons(self.postprocess['fallback'])}")
+            lines.append(f"image/video post-processing (pinned copy, process-wide): {self.postprocess['fast']} fast "
+                         f"calls, fallbacks: {_reasons(self.postprocess['fallback'])}")
         if not self.verbose:  # the ops that are not simply on, else one word
             unusual = {k: v for k, v in self.ops.items() if v != "enabled" and not v.startswith("enabled,")}
             lines.append("ops: " + ("; ".join(f"{k} {v}" for k, v in unusual.items()) if unusual else "all enabled"))
@@ -227,7 +228,7 @@ def report(obj: Any, verbose: bool = False) -> Report:
     models = patched_models(obj) if _is_model_or_pipeline(obj) else []  # (anything else: a line saying so)
     if not models:
         rep.not_patched = _not_patched_line(obj)
-    elif is_pipeline(obj) and postprocess.installed(getattr(obj, "video_processor", None)):
+    elif is_pipeline(obj) and postprocess.installed_on(obj):
         rep.postprocess = {"fast": postprocess.STATS.fast, "fallback": dict(postprocess.STATS.fallback)}
     for name, model, state in models:
         processors = 0

@@ -452,7 +452,7 @@ def test_pil_and_np_signatures_are_checked_apart(emulated):
     proc, v = VideoProcessor(), video((1, 3, 2, 4, 6), torch.bfloat16, specials=False)
     assert same(pp.fast_postprocess_video(proc, v), original(proc, v))
     assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), original(proc, v, "pil"))
-    assert len(pp._verified) == 2 and {k[0] for k in pp._verified} == {"np", "pil"}
+    assert len(pp._verified) == 2 and {k[1] for k in pp._verified} == {"np", "pil"}
 
 
 def test_patched_pipeline_pil(emulated):
