@@ -508,3 +508,263 @@ def test_gpu_pil_nan_is_refused():
     v = video((2, 3, 7, 37, 53), torch.float32, device="cuda")  # NaN, inf, a NaN payload
     assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), original(proc, v, "pil"))
     assert pp.STATS.fast == 0 and pp.STATS.fallback == {pp.REASON_RANGE: 1} and not pp._disabled
+
+
+# ---- images: image_processor.postprocess (FLUX, Qwen-Image, Z-Image, ...) ------------------------------------------
+
+
+def image_original(processor, image, output_type="pil", *args, **kwargs):
+    return VaeImageProcessor.postprocess(processor, image, output_type, *args, **kwargs)
+
+
+def same_images(got, ref) -> bool:
+    return same_pil([got], [ref])
+
+
+def image_matches(got, ref, output_type) -> bool:
+    return same_images(got, ref) if output_type == "pil" else same(got, ref)
+
+
+IMAGE_SHAPES = [(1, 3, 4, 6), (2, 3, 5, 7), (1, 1, 3, 5), (2, 1, 4, 6), (1, 3, 1, 5), (2, 3, 1, 1), (1, 4, 3, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", IMAGE_SHAPES, ids=str)
+@pytest.mark.parametrize("output_type", ["pil", "np"])
+@pytest.mark.parametrize("chunk_bytes", [7, 1 << 20])
+def test_emulated_image_equals_diffusers(emulated, dtype, shape, output_type, chunk_bytes):
+    """B 1 and 2, odd H / W, RGB, one channel (mode "L"), RGBA, a height or width of 1, inf (clamped): diffusers'
+    images to the byte (mode, size, read-only flag) or its array (shape, dtype, strides, bytes); verified, then fast."""
+    proc = VaeImageProcessor()
+    for seed in range(2):
+        x = video(shape, dtype, seed=seed, specials=False)
+        x.view(-1)[0], x.view(-1)[-1] = float("inf"), -float("inf")
+        got = pp.fast_postprocess_image(proc, x, output_type, _chunk_bytes=chunk_bytes)
+        assert image_matches(got, image_original(proc, x, output_type), output_type)
+    assert pp.STATS.fast == 2 and not pp.STATS.fallback and not pp._disabled
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 4, 6), (2, 1, 1, 5)], ids=str)
+def test_emulated_image_np_nan_and_no_normalize(emulated, shape):
+    """"np" copies whatever the denormalize gives: NaN with payloads, and a processor without do_normalize."""
+    for normalize in (True, False):
+        proc, x = VaeImageProcessor(do_normalize=normalize), video(shape, torch.float32)
+        assert same(pp.fast_postprocess_image(proc, x, "np", _chunk_bytes=12), image_original(proc, x, "np"))
+    assert pp.STATS.fast == 2 and not pp._disabled
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_emulated_image_pil_ties(emulated, dtype):
+    """Every bf16 / fp16 value of [0.5, 1] after the denormalize, and fp32's exact .5 ties after *255 (numpy and
+    torch both round half to even), 0 and 1: the same bytes."""
+    if dtype == torch.float32:
+        mid = ((torch.arange(255, dtype=torch.float64) + 0.5) / 255).float().view(torch.int32)
+        x = torch.cat([(mid + d).view(torch.float32) for d in range(-2, 3)] + [torch.tensor([0.5, 1.0])])
+    else:
+        x = torch.arange(0, 1 << 15, dtype=torch.int16).view(dtype)
+        x = x[(x >= 0.5) & (x <= 1)].float()
+    v = torch.cat([(2 * x.double() - 1).to(dtype), torch.tensor([-1.0, 1.0, -2.0, 2.0], dtype=dtype)])
+    n = (v.numel() + 5) // 6 * 6
+    v = torch.cat([v, v[: n - v.numel()]]).reshape(1, 3, 2, n // 6)
+    proc = VaeImageProcessor()
+    if dtype == torch.float32:
+        after = proc.denormalize(v).numpy() * 255
+        assert int((after - np.floor(after) == 0.5).sum()) > 100
+    assert same_images(pp.fast_postprocess_image(proc, v), image_original(proc, v)) and pp.STATS.fast == 1
+
+
+class OwnImagePostprocess(VaeImageProcessor):
+    def postprocess(self, image, output_type="pil", do_denormalize=None):
+        return super().postprocess(image, output_type, do_denormalize)
+
+
+class OwnImageNumpyToPil(VaeImageProcessor):
+    @staticmethod
+    def numpy_to_pil(images):
+        return VaeImageProcessor.numpy_to_pil(images)
+
+
+@pytest.mark.parametrize("case", ["nan", "do_denormalize", "positional", "pt", "latent", "subclass", "numpy_to_pil",
+                                  "ldm3d", "instance", "no_normalize", "noncontiguous", "3d", "cpu"])
+def test_image_refusals_return_the_original(emulated, monkeypatch, case):
+    from diffusers.image_processor import VaeImageProcessorLDM3D
+
+    proc, out, args, kwargs = VaeImageProcessor(), "pil", (), {}
+    x = video((2, 3, 4, 6), torch.float32, specials=False)
+    if case == "nan":
+        x.view(-1)[5] = float("nan")
+    elif case == "do_denormalize":
+        kwargs = {"do_denormalize": [True, True]}
+    elif case == "positional":
+        args = ([True, False],)
+    elif case in ("pt", "latent"):
+        out = case
+    elif case == "subclass":
+        proc = OwnImagePostprocess()
+    elif case == "numpy_to_pil":
+        proc = OwnImageNumpyToPil()
+    elif case == "ldm3d":  # "np": RGB and depth, a tuple of two arrays ("pil" fails in this Pillow either way)
+        proc, x, out = VaeImageProcessorLDM3D(), video((2, 4, 4, 6), torch.float32, specials=False), "np"
+    elif case == "instance":
+        proc.numpy_to_pil = VaeImageProcessor.numpy_to_pil
+    elif case == "no_normalize":
+        proc = VaeImageProcessor(do_normalize=False)
+        x = x.clamp(0, 1)
+    elif case == "noncontiguous":
+        x = x.transpose(2, 3)
+    elif case == "3d":
+        x = x[0]
+    elif case == "cpu":
+        monkeypatch.setattr(pp, "_device_ok", lambda t: t.is_cuda)
+    if case == "3d":  # diffusers' own error, raised by diffusers' own code
+        with pytest.raises(Exception) as want:
+            image_original(proc, x, out)
+        with pytest.raises(want.type) as got:
+            pp.fast_postprocess_image(proc, x, out)
+        assert str(got.value) == str(want.value) and pp.STATS.fallback == {"3-D image": 1}
+        return
+    got = pp.fast_postprocess_image(proc, x, out, *args, **kwargs)
+    ref = type(proc).postprocess(proc, x, out, *args, **kwargs)
+    if out in ("pt", "latent"):
+        assert torch.equal(got, ref)
+    elif case == "ldm3d":
+        assert type(got) is tuple and len(got) == 2 and all(same(g, r) for g, r in zip(got, ref))
+    else:
+        assert same_images(got, ref)
+    assert pp.STATS.fast == 0 and sum(pp.STATS.fallback.values()) == 1 and not pp._disabled
+    if case in ("numpy_to_pil", "instance"):  # "np" does not use it: still taken
+        assert same(pp.fast_postprocess_image(proc, x, "np"), image_original(proc, x, "np")) and pp.STATS.fast == 1
+
+
+@pytest.mark.parametrize("output_type", ["pil", "np"])
+def test_image_first_call_check_catches_a_broken_conversion(emulated, monkeypatch, fastpath_log, output_type):
+    """A corrupted byte (pil: the device conversion; np: the copy): the first call's check warns once, disables the
+    fast path (images and videos), and every call returns diffusers' result."""
+    if output_type == "pil":
+        real = pp._to_uint8
+
+        def broken(x):
+            out = real(x)
+            out.view(-1)[-1] ^= 1
+            return out
+
+        monkeypatch.setattr(pp, "_to_uint8", broken)
+    else:
+        real = pp._copy_async
+
+        def broken(dst, src):
+            token = real(dst, src)
+            dst.view(-1)[-1] = 0.25
+            return token
+
+        monkeypatch.setattr(pp, "_copy_async", broken)
+    proc = VaeImageProcessor()
+    for seed in range(3):
+        x = video((2, 3, 4, 6), torch.bfloat16, seed=seed, specials=False)
+        assert image_matches(pp.fast_postprocess_image(proc, x, output_type), image_original(proc, x, output_type),
+                             output_type)
+    warnings = [r for r in fastpath_log.records if "post-processing is off" in r.getMessage()]
+    assert len(warnings) == 1 and pp._disabled
+    assert pp.STATS.fast == 0 and pp.STATS.fallback == {pp.REASON_DISABLED: 3}
+    v = video((1, 3, 2, 4, 6), torch.bfloat16, specials=False)
+    assert same(pp.fast_postprocess_video(VideoProcessor(), v), original(VideoProcessor(), v)) and pp.STATS.fast == 0
+
+
+def test_image_pil_one_by_one_gray_raises_diffusers_error(emulated):
+    proc, x = VaeImageProcessor(), video((1, 1, 1, 1), torch.float32, specials=False)
+    with pytest.raises(Exception) as want:
+        image_original(proc, x)
+    with pytest.raises(want.type) as got:
+        pp.fast_postprocess_image(proc, x)
+    assert str(got.value) == str(want.value) and not pp._disabled
+
+
+def tiny_flux():
+    from diffusers_fastpath.testing import tiny_flux_pipeline
+
+    return tiny_flux_pipeline(dtype=torch.float32, seed=3)
+
+
+def test_image_patch_installs_once_and_unpatch_removes(emulated):
+    pipe = tiny_flux()
+    proc = pipe.image_processor
+    assert type(proc) is VaeImageProcessor and "postprocess" not in vars(proc)
+    assert pp.install(pipe) and pp.installed_on(pipe)
+    mine = vars(proc)["postprocess"]
+    assert isinstance(mine, functools.partial) and mine.func is pp.fast_postprocess_image
+    assert pp.install(pipe) and vars(proc)["postprocess"] is mine  # twice: not wrapped again
+    x = video((1, 3, 4, 6), torch.bfloat16, specials=False)
+    assert same_images(proc.postprocess(x, output_type="pil"), image_original(proc, x)) and pp.STATS.fast == 1
+    assert pp.installed(pickle.loads(pickle.dumps(proc))) and pp.installed(copy.deepcopy(proc))
+    pp.uninstall(pipe)
+    assert "postprocess" not in vars(proc) and not pp.installed_on(pipe)
+
+
+def test_image_install_leaves_others():
+    from diffusers.image_processor import PixArtImageProcessor, VaeImageProcessorLDM3D
+
+    pipe = tiny_flux()
+    pipe.image_processor = VaeImageProcessorLDM3D()  # overrides numpy_to_pil and postprocess
+    assert not pp.install(pipe) and "postprocess" not in vars(pipe.image_processor)
+    pipe.image_processor = PixArtImageProcessor()  # a subclass keeping every method involved: taken
+    assert pp.install(pipe) and pp.installed(pipe.image_processor)
+    pp.uninstall(pipe)
+    pipe.image_processor = VaeImageProcessor()
+    own = functools.partial(VaeImageProcessor.postprocess, pipe.image_processor)
+    pipe.image_processor.postprocess = own
+    assert not pp.install(pipe) and vars(pipe.image_processor)["postprocess"] is own
+    pp.uninstall(pipe)
+    assert vars(pipe.image_processor)["postprocess"] is own
+
+
+@pytest.mark.parametrize("output_type", ["pil", "np"])
+def test_tiny_flux_pipeline_identical_patched(emulated, output_type):
+    """A real tiny FLUX pipeline (CPU, float32): patched (models and post-processing) gives the same images or array
+    as unpatched, the post-processing taken fast."""
+    from diffusers_fastpath.testing import prompt_embeddings
+
+    pipe = tiny_flux()
+    embeds = prompt_embeddings(pipe)
+
+    def run():
+        return pipe(**embeds, height=32, width=48, num_inference_steps=2, guidance_scale=3.5,
+                    generator=torch.Generator().manual_seed(0), output_type=output_type).images
+
+    ref = run()
+    fp.patch(pipe)
+    try:
+        assert pp.installed(pipe.image_processor)
+        got = run()
+        assert "post-processing" in str(fp.report(pipe))
+    finally:
+        fp.unpatch(pipe)
+    assert not pp.installed_on(pipe)
+    assert image_matches(got, ref, output_type) and pp.STATS.fast == 1, pp.STATS.fallback
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("output_type", ["pil", "np"])
+def test_gpu_image_1024_bf16(output_type):
+    """FLUX's 1024 x 1024 image in bf16: diffusers' image or array (np: with NaN, inf and a NaN payload), verified,
+    then fast."""
+    proc = VaeImageProcessor()
+    x = video((1, 3, 1024, 1024), torch.bfloat16, specials=output_type == "np", device="cuda")
+    ref = image_original(proc, x, output_type)
+    assert image_matches(pp.fast_postprocess_image(proc, x, output_type), ref, output_type)
+    assert image_matches(pp.fast_postprocess_image(proc, x, output_type), ref, output_type)
+    assert pp.STATS.fast == 2 and not pp._disabled
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("output_type", ["pil", "np"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("chunk_bytes", [1000, pp.CHUNK_BYTES])
+def test_gpu_image_small_odd_shape(output_type, dtype, chunk_bytes):
+    proc = VaeImageProcessor()
+    x = video((2, 3, 37, 53), dtype, specials=False, device="cuda")
+    x.view(-1)[6], x.view(-1)[-3] = float("inf"), -float("inf")
+    got = pp.fast_postprocess_image(proc, x, output_type, _chunk_bytes=chunk_bytes)
+    assert image_matches(got, image_original(proc, x, output_type), output_type)
+    assert pp.STATS.fast == 1 and not pp._disabled
