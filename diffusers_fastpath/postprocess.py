@@ -140,32 +140,41 @@ def _pinned(device: torch.device, dtype: torch.dtype, n: int) -> tuple[threading
     return entry
 
 
-def _refusal(processor: Any, video: Any, output_type: str, kwargs: dict) -> str | None:
-    """Why the fast path does not take this call, or None. Attribute reads only; never raises (the caller catches)."""
-    from diffusers.video_processor import VideoProcessor
-
+def _call_refusal(x: Any, ndim: int, what: str, output_type: str, extra: bool) -> str | None:
+    """The checks both entry points make of a call: the switches, the output type, no other argument (`extra`), a
+    contiguous `ndim`-D tensor of bf16, fp16 or fp32 with elements, where the pinned copy serves, no autograd."""
     if _env_disabled():
         return REASON_ENV
     if _disabled:
         return REASON_DISABLED
     if output_type not in ("np", "pil"):
         return f"output_type={output_type!r}"
-    if kwargs:
+    if extra:
         return "keyword arguments"
-    if not isinstance(video, torch.Tensor):
+    if not isinstance(x, torch.Tensor):
         return "not a tensor"
-    if not _device_ok(video):
-        return f"{video.device.type} tensor"
-    if video.dim() != 5:
-        return f"{video.dim()}-D video"
-    if video.dtype not in _DTYPES:
-        return f"{video.dtype}"
-    if video.numel() == 0:
+    if not _device_ok(x):
+        return f"{x.device.type} tensor"
+    if x.dim() != ndim:
+        return f"{x.dim()}-D {what}"
+    if x.dtype not in _DTYPES:
+        return f"{x.dtype}"
+    if x.numel() == 0:
         return "no elements"
-    if not video.is_contiguous():
-        return "non-contiguous video"
-    if video.requires_grad and torch.is_grad_enabled():
+    if not x.is_contiguous():
+        return f"non-contiguous {what}"
+    if x.requires_grad and torch.is_grad_enabled():
         return "requires grad"
+    return None
+
+
+def _refusal(processor: Any, video: Any, output_type: str, kwargs: dict) -> str | None:
+    """Why the fast path does not take this call, or None. Attribute reads only; never raises (the caller catches)."""
+    from diffusers.video_processor import VideoProcessor
+
+    why = _call_refusal(video, 5, "video", output_type, bool(kwargs))
+    if why is not None:
+        return why
     cls = type(processor)
     if not isinstance(processor, VideoProcessor):
         return f"{cls.__name__} is not a VideoProcessor"
@@ -448,28 +457,9 @@ def _image_class_ok(processor: Any, output_type: str | None = None) -> str | Non
 
 def _image_refusal(processor: Any, image: Any, output_type: str, args: tuple, kwargs: dict) -> str | None:
     """Why the fast path does not take this ``postprocess`` call, or None. Attribute reads only."""
-    if _env_disabled():
-        return REASON_ENV
-    if _disabled:
-        return REASON_DISABLED
-    if output_type not in ("np", "pil"):
-        return f"output_type={output_type!r}"
-    if args or kwargs:
-        return "keyword arguments"
-    if not isinstance(image, torch.Tensor):
-        return "not a tensor"
-    if not _device_ok(image):
-        return f"{image.device.type} tensor"
-    if image.dim() != 4:
-        return f"{image.dim()}-D image"
-    if image.dtype not in _DTYPES:
-        return f"{image.dtype}"
-    if image.numel() == 0:
-        return "no elements"
-    if not image.is_contiguous():
-        return "non-contiguous image"
-    if image.requires_grad and torch.is_grad_enabled():
-        return "requires grad"
+    why = _call_refusal(image, 4, "image", output_type, bool(args or kwargs))
+    if why is not None:
+        return why
     why = _image_class_ok(processor, output_type)
     if why is not None:
         return why
