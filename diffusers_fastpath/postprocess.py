@@ -175,15 +175,10 @@ def _refusal(processor: Any, video: Any, output_type: str, kwargs: dict) -> str 
     why = _call_refusal(video, 5, "video", output_type, bool(kwargs))
     if why is not None:
         return why
-    cls = type(processor)
-    if not isinstance(processor, VideoProcessor):
-        return f"{cls.__name__} is not a VideoProcessor"
-    own = getattr(processor, "__dict__", {})
-    for name in _METHODS + (_PIL_METHODS if output_type == "pil" else ()):
-        if getattr(cls, name) is not getattr(VideoProcessor, name):
-            return f"{cls.__name__}.{name} overridden"
-        if name != "postprocess_video" and name in own:
-            return f"{name} replaced on the instance"
+    why = _class_refusal(processor, VideoProcessor, _METHODS + (_PIL_METHODS if output_type == "pil" else ()),
+                         "postprocess_video")
+    if why is not None:
+        return why
     if output_type == "pil" and processor.config.do_normalize is not True:
         return REASON_NO_CLAMP
     return None
@@ -443,14 +438,21 @@ def _image_class_ok(processor: Any, output_type: str | None = None) -> str | Non
     the class nor on the instance replaced (but for this package's ``postprocess``); else why not."""
     from diffusers.image_processor import VaeImageProcessor
 
+    return _class_refusal(processor, VaeImageProcessor, _IMAGE_METHODS + (_PIL_METHODS if output_type == "pil" else ()),
+                          "postprocess")
+
+
+def _class_refusal(processor: Any, base: type, names: tuple[str, ...], ours: str) -> str | None:
+    """None where `processor` is a `base` whose methods `names` are `base`'s own, on its class and not replaced on
+    the instance (but for `ours`, the one this package sets there); else why not."""
     cls = type(processor)
-    if not isinstance(processor, VaeImageProcessor):
-        return f"{cls.__name__} is not a VaeImageProcessor"
+    if not isinstance(processor, base):
+        return f"{cls.__name__} is not a {base.__name__}"
     own = getattr(processor, "__dict__", {})
-    for name in _IMAGE_METHODS + (_PIL_METHODS if output_type == "pil" else ()):
-        if getattr(cls, name) is not getattr(VaeImageProcessor, name):
+    for name in names:
+        if getattr(cls, name) is not getattr(base, name):
             return f"{cls.__name__}.{name} overridden"
-        if name != "postprocess" and name in own:
+        if name != ours and name in own:
             return f"{name} replaced on the instance"
     return None
 
