@@ -333,7 +333,8 @@ def test_report_prints_a_summary_a_table_and_plain_data(unpatch_after):
               for cells in [[c.strip() for c in line.split("|")[1:-1]]]}
     assert per_op["layernorm_scale_shift"] == ["10", "0", "20", "device cpu: 20"]  # 4 per dual block, 1 per single
     assert per_op["joint_tokens_view"] == ["1", "2", "0", "-"]
-    assert "  high tier: 0 of 6 sites mounted, 0 approximate calls" in summary and len(summary) < 22
+    assert "  high tier: 0 of 6 sites mounted, 0 approximate calls" in summary and len(summary) < 23
+    assert any(line.startswith("image/video post-processing (pinned copy, process-wide): ") for line in summary)
     assert summary[-1] == "(print(fp.report(obj, verbose=True)) lists every site)"
 
     text = str(fp.report(pipe, verbose=True))
