@@ -307,6 +307,22 @@ def test_profile_table_says_what_fusion_removed_outside_gemms_and_attention(tiny
     assert rest_ms(old) == pytest.approx(lossless) and "| 0 / 0.00 |" in "\n".join(profile_tables([old]))
 
 
+def test_profile_json_keeps_more_kernels_than_the_report_lists():
+    """The JSON keeps the `PROFILE_TOP` costliest kernels by name (a step's memsets and small copies among them, to
+    tell eager's from the patched step's); the report lists the first `PROFILE_SHOWN` and says how many the JSON has."""
+    from diffusers_fastpath.bench.levels.profile import PROFILE_SHOWN, PROFILE_TOP
+    from diffusers_fastpath.bench.render import profile_tables
+
+    assert PROFILE_TOP > PROFILE_SHOWN
+    cats = {n: {"count": 0, "ms": 0.0} for n in bench.CATEGORY_NAMES}
+    top = [dict(name=f"kernel_{i}", category="other", count=1, ms=float(40 - i)) for i in range(PROFILE_SHOWN + 5)]
+    text = "\n".join(profile_tables([dict(mode="eager", kernels=len(top), ms=0.0, categories=cats, top=top)]))
+    assert f"the {PROFILE_SHOWN} kernels that took the most time (the JSON keeps {PROFILE_SHOWN + 5})" in text
+    assert f"`kernel_{PROFILE_SHOWN - 1}`" in text and f"`kernel_{PROFILE_SHOWN}`" not in text
+    few = "\n".join(profile_tables([dict(mode="eager", kernels=3, ms=0.0, categories=cats, top=top[:3])]))
+    assert "the 3 kernels that took the most time</summary>" in few
+
+
 def test_step_peak_is_the_timed_calls_and_a_higher_first_call_is_said():
     """The step's peak memory is its timed calls'; the first call's (a patched model's verification forward) is shown
     beside it only where it was higher, and a saved run without it renders as before."""

@@ -100,8 +100,7 @@ def test_kernel_statistics_are_reduce_cuh_thread_by_thread(dtype):
         spread = 1.0 if dtype == torch.float16 else 3.0
         h = (torch.randn(b, c, s, generator=gen) * torch.exp(torch.randn(b, c, s, generator=gen) * spread)).to(dtype)
         cfg = pcr.aten_reduce_config(b, c, s, *limits)
-        order = pcr.MeanOrder(cfg.block_height if cfg.split_across_warps else 1, cfg.ctas_per_output,
-                              pcr.mean_factor(b, c, s))
+        order = pcr.order_of(cfg, b, c, s)
         assert bnc.cl_shape(b, s, c, order, 8, limits[0]) is not None, (b, c, s)
         q = (h.float() * h.float()).to(dtype)
         want = (_aten_sum_thread_by_thread(q, cfg) * torch.tensor(order.factor, dtype=torch.float32)).to(dtype)

@@ -291,8 +291,7 @@ def test_fused_mean_arithmetic_is_reduce_cuh_thread_by_thread(dtype):
         spread = 1.0 if dtype == torch.float16 else 3.0
         x = (torch.randn(b, c, s, generator=gen) * torch.exp(torch.randn(b, c, s, generator=gen) * spread)).to(dtype)
         cfg = pcr.aten_reduce_config(b, c, s, *limits)
-        order = pcr.MeanOrder(cfg.block_height if cfg.split_across_warps else 1, cfg.ctas_per_output,
-                              pcr.mean_factor(b, c, s))
+        order = pcr.order_of(cfg, b, c, s)
         q = x.float() * x.float()  # eager's pow(2) of the fp32 upcast: exact
         total = _aten_sum_thread_by_thread(q, cfg)
         want = total * torch.tensor(order.factor, dtype=torch.float32)

@@ -284,8 +284,7 @@ def test_channel_mean_arithmetic_is_reduce_cuh_thread_by_thread(dtype):
         spread = 1.0 if dtype == torch.float16 else 3.0  # (fp16: squares stay finite)
         x = (torch.randn(b, c, s, generator=gen) * torch.exp(torch.randn(b, c, s, generator=gen) * spread)).to(dtype)
         cfg = pcr.aten_reduce_config(b, c, s, *limits)
-        order = pcr.MeanOrder(cfg.block_height if cfg.split_across_warps else 1, cfg.ctas_per_output,
-                              pcr.mean_factor(b, c, s))
+        order = pcr.order_of(cfg, b, c, s)
         q = (x.float() * x.float()).to(dtype)
         total = _aten_sum_thread_by_thread(q, cfg)
         want = (total * torch.tensor(order.factor, dtype=torch.float32)).to(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .levels.parts import PART_CATEGORIES
-from .levels.profile import CATEGORY_NAMES, IDLE_GAP_US
+from .levels.profile import CATEGORY_NAMES, IDLE_GAP_US, PROFILE_SHOWN
 from .levels.vae import vae_markdown
 from .runner import violations
 
@@ -216,11 +216,12 @@ def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
                          for p in idle_rows]) + [""]
     for p in rows:
         if p.get("top"):
-            lines += [f"<details><summary>{p['mode']}: the {len(p['top'])} kernels that took the most time</summary>",
-                      ""]
+            shown = p["top"][:PROFILE_SHOWN]
+            lines += [f"<details><summary>{p['mode']}: the {len(shown)} kernels that took the most time"
+                      + (f" (the JSON keeps {len(p['top'])})" if len(p["top"]) > len(shown) else "") + "</summary>", ""]
             lines += _table(["kernel", "category", "count", "ms"],
                             [[f"`{t['name'][:90]}`", t["category"], str(t["count"]), f"{t['ms']:.2f}"]
-                             for t in p["top"]])
+                             for t in shown])
             lines += ["", "</details>", ""]
     return lines
 

@@ -69,9 +69,9 @@ def _keeps_dims(conv: nn.Module, x: torch.Tensor, causal: bool | None) -> bool:
     """Whether the causal convolution's output has x's frames, rows and columns."""
     padding, conv_padding, _ = _conv._plan(conv, causal)
     inner = conv.conv
-    pads = (padding[4] + padding[5], padding[2] + padding[3], padding[0] + padding[1])
-    return all((size + pad + 2 * p - d * (k - 1) - 1) // s + 1 == size for size, pad, p, k, s, d in zip(
-        x.shape[2:], pads, conv_padding, inner.weight.shape[2:], inner.stride, inner.dilation))
+    return all((padded + 2 * p - d * (k - 1) - 1) // s + 1 == size for size, padded, p, k, s, d in zip(
+        x.shape[2:], _pad.padded_shape(x, padding)[2:], conv_padding, inner.weight.shape[2:], inner.stride,
+        inner.dilation))
 
 
 def _guard(module, x: torch.Tensor, causal: bool | None = None, check_pointers: bool = True) -> str | None:

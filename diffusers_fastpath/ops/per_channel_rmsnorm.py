@@ -275,6 +275,13 @@ def fused_shape(batch: int, spatial: int, order: MeanOrder, vec: int, sms: int):
     return (tiles, batch, 1), (tx, ty, 1)
 
 
+def order_of(config, batch: int, channels: int, spatial: int) -> MeanOrder:
+    """The `MeanOrder` of aten's reduce kernel run with `config` (`aten_reduce_config`) over dim 1 of a ``[B, C, S]``
+    tensor: its partial sums' rows (split across warps or not), its blocks per output, the mean's factor."""
+    return MeanOrder(config.block_height if config.split_across_warps else 1, config.ctas_per_output,
+                     mean_factor(batch, channels, spatial))
+
+
 @functools.lru_cache(maxsize=1024)  # a VAE has a handful of shapes
 def _order(batch: int, channels: int, spatial: int, dtype: torch.dtype, limits: tuple, storage=None):
     """aten's order of the mean over dim 1 of a contiguous ``[B, C, S]`` tensor of `dtype` (the mean's input), as a
@@ -287,9 +294,7 @@ def _order(batch: int, channels: int, spatial: int, dtype: torch.dtype, limits: 
         return "beyond 32-bit indexing: aten splits the reduction"
     if dtype == torch.float32 and channels % 1024 == 0:
         return "fp32 over a multiple of 1024 channels: aten's accumulators not pinned"
-    config = aten_reduce_config(batch, channels, spatial, *limits)
-    order = MeanOrder(config.block_height if config.split_across_warps else 1, config.ctas_per_output,
-                      mean_factor(batch, channels, spatial))
+    order = order_of(aten_reduce_config(batch, channels, spatial, *limits), batch, channels, spatial)
     if fused_shape(batch, spatial, order, _VEC_BYTES // storage.itemsize, limits[0]) is None:
         return "beyond the fused kernel's launch: its scratch (aten's partial sums) or grid (batches)"
     return order
