@@ -156,6 +156,49 @@ def test_lazy_gate_holds_the_rows_as_they_were_at_the_call(emulated_kernels):
     assert torch.equal(got, ref) and site.fast == 1 and not site.fallback
 
 
+@pytest.mark.parametrize("indexed, grad", [(True, False), (False, False), (True, True)],
+                         ids=["index", "no-index", "grad"])
+def test_lazy_gate_is_one_tanh_and_its_fallback_reads_the_rows_and_mask_as_they_were(indexed, grad):
+    """The lazy gate costs one kernel (the tanh of the rows' strided view into a table of its own; no copy of the rows
+    or of the mask, whose values the scale's index holds): the rows as the block reads them, ``where(...).tanh()``,
+    also written out by the fallback after the modulation and the mask were written in place (without an index, a
+    copy of the mask, as before; rows that require grad: copies of both, the tanh in the model's order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("slice", "view", "select", "unsqueeze", "detach", "alias"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(4)
+    mod = (torch.randn(3, 4 * 64, generator=gen) * 2).to(torch.bfloat16)
+    if grad:
+        mod.requires_grad_(True)
+    gate_view = mod[:, 64:128]  # the model's chunk of the modulation: a strided view
+    mask = torch.ones(24, dtype=torch.bool)
+    mask[:5] = False
+    mask[12:15] = False
+    eager = _select_modulation_rows(gate_view, mask).tanh()
+    scale = SelectedRows(_select_modulation_rows, mod[:, :64], mask)
+    if indexed:
+        scale.index()
+    seen = []
+    with Ops():
+        gate = _norm_methods._gate_rows(_select_modulation_rows, gate_view, mask, scale, True)
+    assert seen == (["clone", "clone"] if grad else ["tanh"] if indexed else ["tanh", "clone"])
+    assert (tanh_rows(gate) is gate) != grad and gate.tanh != grad and gate.cached_index is scale.cached_index
+    gate = tanh_rows(gate)
+    with torch.no_grad():
+        mod.mul_(3)  # written in place after the method's call: eager's rows were copied before
+    mask[:] = True
+    x = torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16)
+    assert gate.reason(x) is None
+    assert torch.equal(gate.materialize(), eager)  # the fallback's rows
+    assert torch.equal(gate.table()[gate.index().long()], eager)  # the kernels' rows
+    assert gate.reason(x[:, :20]) == "rows shape"
+
+
 def test_rows_ops_fall_back_to_the_models_expression_with_reasons():
     """Without kernels (a CPU): every call the exact eager result, the refusal counted."""
     block, dim = _block(), 64

@@ -91,11 +91,13 @@ def _checked_select(block):
 
 
 def _gate_rows(select, gate, mask, rows: SelectedRows, lazy: bool):
-    """The method's gate: ``select(gate, mask)`` as it returns it, or (`lazy`) `SelectedRows` of its own copy of the
-    rows and the mask as they are now (what eager's ``where`` reads now), with the index the scale's rows used."""
+    """The method's gate: ``select(gate, mask)`` as it returns it, or (`lazy`) `SelectedRows` of the rows and the mask
+    as they are now (what eager's ``where`` reads now): the rows' tanh taken now into a table of their own, the mask
+    held by the index the scale's rows used (`SelectedRows.tanh_taken`: one kernel, where a copy of the rows, a copy
+    of the mask and the table's tanh later took three)."""
     if not lazy:
         return select(gate, mask)
-    return SelectedRows(select, gate.clone(), mask.clone(), index=rows.cached_index)
+    return SelectedRows.tanh_taken(select, gate, mask, rows.cached_index)
 
 
 def gated_modulate_scale_rows(self, norm: nn.Module, residual, gate, update, gate_site, mod_params, target_token_mask,
