@@ -37,12 +37,12 @@ class SelectedRows:
         index: the index `index` makes, where the caller has it already (rows of the same mask).
     """
 
-    __slots__ = ("select", "params", "mask", "tanh", "_table", "_index", "_taken")
+    __slots__ = ("select", "params", "mask", "tanh", "_table", "_index", "_taken", "_later")
 
     def __init__(self, select, params: torch.Tensor, mask: torch.Tensor, tanh: bool = False,
                  index: torch.Tensor | None = None) -> None:
         self.select, self.params, self.mask, self.tanh = select, params, mask, tanh
-        self._table, self._index, self._taken = None, index, False
+        self._table, self._index, self._taken, self._later = None, index, False, False
 
     @classmethod
     def tanh_taken(cls, select, params: torch.Tensor, mask: torch.Tensor,
@@ -66,9 +66,28 @@ class SelectedRows:
         rows._table, rows._taken = rows.params, True
         return rows
 
+    @classmethod
+    def read_later(cls, select, params: torch.Tensor, mask: torch.Tensor, index: torch.Tensor | None) -> SelectedRows:
+        """A lazy gate's rows where the rewriter also proved that nothing writes what `params` holds between the
+        method's call and the one gated residual that reads them (`_norm_methods.lazy_gates`: ``LATER``): the rows
+        are ``params`` as they are (a view: no kernel), read by that residual's kernel, which takes their ``.tanh()``
+        itself where it proved its tanh is aten's on every value of the dtype (`folds_tanh`), else reads `table`, aten's
+        tanh of them (one kernel then, as `tanh_taken`). The mask's values are `index`'s, as `tanh_taken`'s (without
+        an index, a copy of the mask). The result is already the gate's ``.tanh()``: `tanh_rows` returns it as it is;
+        `materialize` is the model's ``select(params, mask).tanh()`` (where autograd records too: the model's order)."""
+        rows = cls(select, params, mask if index is not None else mask.clone(), tanh=True, index=index)
+        rows._later = True
+        return rows
+
+    @property
+    def folds_tanh(self) -> bool:
+        """Whether a kernel may take these rows' ``.tanh()`` of `params` itself (`read_later`'s, the table not yet
+        computed by aten)."""
+        return self._later and self._table is None
+
     def _mask_values(self) -> torch.Tensor:
-        """The mask's values the rows were picked with (`tanh_taken`: those now held by the index's row 0)."""
-        if self._taken and self._index is not None:
+        """The mask's values the rows were picked with (`tanh_taken`, `read_later`: those held by the index's row 0)."""
+        if (self._taken or self._later) and self._index is not None:
             return self._index[0] == 0
         return self.mask
 
@@ -80,8 +99,9 @@ class SelectedRows:
 
     def tanh_rows(self) -> SelectedRows:
         """These rows through ``.tanh()`` (what the gate's ``g.tanh()`` is): the tanh of the table computed now,
-        where eager computes its own, the rows still not written out (`tanh_taken`'s rows: themselves)."""
-        if self._taken:
+        where eager computes its own, the rows still not written out (`tanh_taken`'s and `read_later`'s rows:
+        themselves)."""
+        if self._taken or self._later:
             return self
         rows = SelectedRows(self.select, self.params, self.mask, tanh=True, index=self._index)
         rows.table()
@@ -120,7 +140,7 @@ class SelectedRows:
             return "mixed dtypes"
         if mask.device != params.device:
             return "devices differ"
-        if self._taken and self._index is not None and self._index.shape != x.shape[:2]:
+        if (self._taken or self._later) and self._index is not None and self._index.shape != x.shape[:2]:
             return "rows shape"  # (the mask resized in place since: its values are the index's)
         return None
 
