@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (QwenImage21Tr
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import site_attr, sites_of
 from diffusers_fastpath.models._chain_proofs import Proofs
-from diffusers_fastpath.models._norm_methods import (gated_modulate_scale_rows, gated_norm_methods,
+from diffusers_fastpath.models._norm_methods import (LATER, gated_modulate_scale_rows, gated_norm_methods,
                                                      modulate_scale_rows, norm_method_hints)
 from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.gated_layernorm_scale_rows import (GATED_LAYERNORM_SCALE_ROWS, gated_layernorm_scale_rows,
@@ -164,8 +164,8 @@ def _sites(block):
     return sites
 
 
-def _call(block, residual, update, mod1, mod2, mask, sites, lazy=True):
-    _, gate1 = modulate_scale_rows(block, block.img_norm1, residual, mod1, mask, _fastpath_lazy_gate=True)
+def _call(block, residual, update, mod1, mod2, mask, sites, lazy=True, first=True):
+    _, gate1 = modulate_scale_rows(block, block.img_norm1, residual, mod1, mask, _fastpath_lazy_gate=first)
     return gated_modulate_scale_rows(block, block.img_norm2, residual, tanh_rows(gate1), update, sites["gate"], mod2,
                                      mask, _fastpath_lazy_gate=lazy)
 
@@ -332,7 +332,10 @@ def test_raw_kernel_matches_eager_bitwise_through_nvcc_and_nvrtc(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seq", [4352, 4096])
-def test_method_is_fast_and_verified_on_the_gpu(dtype, seq):
+@pytest.mark.parametrize("mode", [True, LATER], ids=["tanh-at-call", "later"])
+def test_method_is_fast_and_verified_on_the_gpu(dtype, seq, mode):
+    """Both lazy forms of the first gate: its tanh taken at the method's call (a table), and read later (`LATER`: the
+    kernel takes the tanh of the modulation's rows itself, its tanh proven on every value first)."""
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
@@ -344,8 +347,9 @@ def test_method_is_fast_and_verified_on_the_gpu(dtype, seq):
         ref = _eager(block, residual, update, mod1, mod2, mask)
         torch.cuda.synchronize()
         _poison(ref[0], ref[1])
-        x, normed, gate2 = _call(block, residual, update, mod1, mod2, mask, sites)
+        x, normed, gate2 = _call(block, residual, update, mod1, mod2, mask, sites, lazy=mode, first=mode)
     assert torch.equal(x, ref[0]) and torch.equal(normed, ref[1]) and torch.equal(_gate_read(gate2), ref[2].tanh())
     assert sites["gated"].fast == 1 and not sites["gated"].fallback and GATED_LAYERNORM_SCALE_ROWS.disabled is None
-    assert (str(dtype).removeprefix("torch."), 3072, "LayerNorm", False, "gated indexed rows", "scale only") in (
-        GATED_LAYERNORM_SCALE_ROWS.verified)
+    assert (str(dtype).removeprefix("torch."), 3072, "LayerNorm", False, "gated indexed rows", "scale only",
+            "tanh in kernel" if mode == LATER else "") in GATED_LAYERNORM_SCALE_ROWS.verified
+    assert gated_rows_mod.TANH_FOLDED.results[(residual.device, dtype)] is True
