@@ -352,4 +352,5 @@ def test_method_is_fast_and_verified_on_the_gpu(dtype, seq, mode):
     assert sites["gated"].fast == 1 and not sites["gated"].fallback and GATED_LAYERNORM_SCALE_ROWS.disabled is None
     assert (str(dtype).removeprefix("torch."), 3072, "LayerNorm", False, "gated indexed rows", "scale only",
             "tanh in kernel" if mode == LATER else "") in GATED_LAYERNORM_SCALE_ROWS.verified
-    assert gated_rows_mod.TANH_FOLDED.results[(residual.device, dtype)] is True
+    if mode == LATER:  # the fold is proven where it is used; a tanh taken at the call needs no proof
+        assert gated_rows_mod.TANH_FOLDED.results[(residual.device, dtype)] is True
