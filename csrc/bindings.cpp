@@ -142,7 +142,7 @@ at::Tensor table_rows(const at::Tensor& table, const char* op) {
 }
 
 void gated_residual_launch(at::Tensor& out, const at::Tensor& residual, const at::Tensor& gate,
-                           const at::Tensor& update, const at::Tensor* index) {
+                           const at::Tensor& update, const at::Tensor* index, bool tanh_gate = false) {
   check_gated_residual_inputs(out, residual, gate, update, index != nullptr);
   if (index != nullptr) check_row_index(*index, residual, "gated_residual_rows");
   if (residual.numel() == 0) return;
@@ -165,6 +165,9 @@ void gated_residual_launch(at::Tensor& out, const at::Tensor& residual, const at
     args.gate_seq_stride = gate.size(1) == 1 ? 0 : gate.stride(1);
     args.table_rows = gate.size(1);  // (the kernel traps on an index outside the table, as eager's index_select)
   }
+  TORCH_CHECK(!tanh_gate || (index != nullptr && !args.gate_fp32),
+              "gated_residual_rows: the gate's tanh is taken of indexed rows of x's dtype only");
+  args.tanh_gate = tanh_gate;
   const cudaError_t err = launch_gated_residual(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gated_residual: kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -174,12 +177,13 @@ void gated_residual_out(at::Tensor& out, const at::Tensor& residual, const at::T
   gated_residual_launch(out, residual, gate, update, nullptr);
 }
 
-// Qwen-Image 2.1's gates: the gate row of (b, s) is row index[b, s] of the [rows, dim] table (its where-picked rows).
+// Qwen-Image 2.1's gates: the gate row of (b, s) is row index[b, s] of the [rows, dim] table (its where-picked rows);
+// tanh_gate: the table holds the rows before their `.tanh()`, which the kernel takes (gated_residual.cu's kTanhGate).
 at::Tensor gated_residual_rows(const at::Tensor& residual, const at::Tensor& table, const at::Tensor& index,
-                               const at::Tensor& update) {
+                               const at::Tensor& update, bool tanh_gate) {
   at::Tensor out = at::empty(residual.sizes(), residual.options());
   const at::Tensor gate = table_rows(table, "gated_residual_rows");
-  gated_residual_launch(out, residual, gate, update, &index);
+  gated_residual_launch(out, residual, gate, update, &index, tanh_gate);
   return out;
 }
 
@@ -623,7 +627,8 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
                                   const at::Tensor* update = nullptr, int64_t scale_seq_stride = 0,
                                   int64_t shift_seq_stride = 0, const at::Tensor* norm_weight = nullptr,
                                   const at::Tensor* norm_bias = nullptr, bool no_shift = false,
-                                  const at::Tensor* row_index = nullptr, const at::Tensor* gate_index = nullptr) {
+                                  const at::Tensor* row_index = nullptr, const at::Tensor* gate_index = nullptr,
+                                  bool tanh_gate = false) {
   const bool modulate_fp32 = scale.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
   check_modulate_inputs(out, x, scale, shift, modulate_fp32);
   TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 6144,
@@ -662,6 +667,8 @@ void layernorm_scale_shift_launch(at::Tensor& out, const at::Tensor& x, const at
   args.row_index = row_index != nullptr ? row_index->data_ptr() : nullptr;
   args.gate_index = nullptr;
   TORCH_CHECK(gate_index == nullptr || args.gated, "layernorm_scale_shift: an indexed gate needs the gated form");
+  TORCH_CHECK(!tanh_gate || gate_index != nullptr, "layernorm_scale_shift: the gate's tanh needs an indexed gate");
+  args.tanh_gate = tanh_gate;
   if (args.gated) {  // x is the residual (gated_layernorm_scale_shift)
     // gate_index (gated_layernorm_modulate_rows): the gate is the [1, rows, dim] view of a [rows, dim] table
     const bool indexed_gate = gate_index != nullptr;
@@ -730,7 +737,7 @@ at::Tensor layernorm_modulate_launch(const at::Tensor& x, const at::Tensor& scal
                                      const std::optional<at::Tensor>& bias, double eps,
                                      const at::Tensor* row_index, at::Tensor* x_out = nullptr,
                                      const at::Tensor* gate = nullptr, const at::Tensor* update = nullptr,
-                                     const at::Tensor* gate_index = nullptr) {
+                                     const at::Tensor* gate_index = nullptr, bool tanh_gate = false) {
   const bool no_shift = !(shift_opt.has_value() && shift_opt->defined());
   const at::Tensor& shift = no_shift ? scale : *shift_opt;
   TORCH_CHECK(x.dim() == 3 && scale.dim() == 3 && shift.dim() == 3,
@@ -759,7 +766,8 @@ at::Tensor layernorm_modulate_launch(const at::Tensor& x, const at::Tensor& scal
   const int64_t scale_seq = scale.size(1) == 1 ? 0 : scale.stride(1), shift_seq = shift.size(1) == 1 ? 0 : shift.stride(1);
   layernorm_scale_shift_launch(out, x, scale.select(1, 0), shift.select(1, 0), eps, /*probe=*/false, 0,
                                /*affine=*/false, x_out, gate, update, scale_seq, shift_seq,
-                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift, row_index, gate_index);
+                               affine ? &*weight : nullptr, affine ? &*bias : nullptr, no_shift, row_index, gate_index,
+                               tanh_gate);
   return out;
 }
 
@@ -782,17 +790,18 @@ at::Tensor layernorm_modulate_rows(const at::Tensor& x, const at::Tensor& scale,
 
 // Qwen-Image 2.1's in-block pair (gated_layernorm_scale_rows): x = residual + gate[gate_index] * update, written out,
 // then the LayerNorm-modulate of x with the scale (and shift) rows of the [rows, dim] tables at index; (x, out).
+// tanh_gate: the gate table holds the rows before their `.tanh()`, which the kernel takes (kTanhGate).
 std::tuple<at::Tensor, at::Tensor> gated_layernorm_modulate_rows(
     const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& gate_index, const at::Tensor& update,
     const at::Tensor& scale, const std::optional<at::Tensor>& shift, const at::Tensor& index,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps, bool tanh_gate) {
   const char* op = "gated_layernorm_modulate_rows";
   at::Tensor x_out = at::empty(residual.sizes(), residual.options());
   const at::Tensor gate_rows = table_rows(gate, op);
   const std::optional<at::Tensor> shift_rows =
       shift.has_value() && shift->defined() ? std::optional<at::Tensor>(table_rows(*shift, op)) : std::nullopt;
   at::Tensor out = layernorm_modulate_launch(residual, table_rows(scale, op), shift_rows, weight, bias, eps, &index,
-                                             &x_out, &gate_rows, &update, &gate_index);
+                                             &x_out, &gate_rows, &update, &gate_index, tanh_gate);
   return {x_out, out};
 }
 
@@ -852,10 +861,13 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
   m.def("_layernorm_affine_fp32_cuda(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
   m.def("_layernorm_modulate_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda(Tensor residual, Tensor gate, Tensor update) -> Tensor");
-  m.def("_gated_residual_rows_cuda(Tensor residual, Tensor table, Tensor index, Tensor update) -> Tensor");
+  m.def(
+      "_gated_residual_rows_cuda(Tensor residual, Tensor table, Tensor index, Tensor update, bool tanh_gate=False) "
+      "-> Tensor");
   m.def(
       "_gated_layernorm_modulate_rows_cuda(Tensor residual, Tensor gate, Tensor gate_index, Tensor update, "
-      "Tensor scale, Tensor? shift, Tensor index, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)");
+      "Tensor scale, Tensor? shift, Tensor index, Tensor? weight, Tensor? bias, float eps, bool tanh_gate=False) -> "
+      "(Tensor, Tensor)");
   m.def("_layernorm_modulate_rows_cuda(Tensor x, Tensor scale, Tensor? shift, Tensor index, Tensor? weight, "
         "Tensor? bias, float eps) -> Tensor");
   m.def("_gated_residual_cuda_out(Tensor(a!) out, Tensor residual, Tensor gate, Tensor update) -> ()");

@@ -105,6 +105,14 @@ __device__ __forceinline__ T ltx_rmsnorm_value(T x, float r, bool silu_after) {
 // pattern for the Python op (ops/ltx_vae_rmsnorm_conv.py's proof), against torch.rsqrt(m + eps) on the device.
 __device__ __forceinline__ float ltx_rsqrt(float m, float eps) { return rsqrtf(__fadd_rn(m, eps)); }
 
+// aten's tanh_kernel_cuda (aten/src/ATen/native/cuda/UnaryGeometricTanhKernel.cu, the real types) in fp32 opmath:
+// `::tanh(static_cast<opmath_t>(a))` of a T value, CUDA's tanhf, rounded to T (what eager's `gate.tanh()` leaves in
+// memory). A function of the one value: the ops that fold it into a kernel (Qwen-Image 2.1's gates read through an
+// index: gated_residual.cu, layernorm_scale_shift.cu's gated form) prove it on every value of T on the device against
+// torch.tanh before they use it (ops/_unary_proof.py), else they read aten's own tanh of the table.
+template <typename T>
+__device__ __forceinline__ float tanh_of(float x) { return round_to<T>(tanhf(x)); }
+
 // aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu, the real types) in fp32 opmath:
 // one / (one + std::exp(-x)), CUDA's expf, an IEEE add and division (correctly rounded: nvcc's 1 / y, whatever
 // instructions it picks, is the same number); proven on every value of its dtype by its op (ops/sigmoid_mul.py).

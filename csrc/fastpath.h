@@ -64,6 +64,7 @@ struct GatedResidualArgs {
   bool gate_fp32;             // the gate is fp32 and the math stays fp32 until the one rounding (Wan); else of dtype
   const int32_t* index;       // null, or indexed rows: (b, s)'s gate row at gate + index[b * seq + s] * gate_seq_stride
   int64_t table_rows = 0;     // the table's rows where indexed: an index outside [0, table_rows) traps
+  bool tanh_gate = false;     // indexed rows of dtype: the gate is tanh(row) (the table before its `.tanh()`)
 };
 
 #ifndef __CUDACC_RTC__
@@ -237,6 +238,8 @@ struct LayerNormScaleShiftArgs {
   const void* gate_index;     // gated only; null, or int32 [batch * seq]: token l of sample b reads gate row
                               // gate_index[b * seq + l] of an [R, dim] table, at gate + that * gate_batch_stride (the
                               // table's row stride): Qwen-Image 2.1's where-picked tanh gate rows
+  bool tanh_gate;             // with gate_index: the table holds the rows before their `.tanh()`, which the kernel
+                              // takes of each value (elementwise.cuh's tanh_of: the kernel instantiated with kTanhGate)
 };
 
 #ifndef __CUDACC_RTC__

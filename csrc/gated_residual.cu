@@ -21,7 +21,10 @@
 // materialised): the gate row of (b, s) is row index[b * seq + s] of a [R, dim] table, at gate + that *
 // gate_seq_stride (R = table_rows). An index outside [0, R) traps, as eager's index_select device-asserts (MiniMax-H3's
 // `gate.index_select(0, rows)` rows, the caller's indices): nothing is read out of bounds. Values move, nothing is
-// computed: the same gate, the same product and sum.
+// computed: the same gate, the same product and sum. kTanhGate (the table the gate's rows before their `.tanh()`,
+// Qwen-Image 2.1's `gate.tanh()` of where-picked rows): each loaded gate value goes through aten's tanh in fp32,
+// rounded to T (elementwise.cuh's tanh_of, proven on every value of T by the Python op before it asks for this
+// kernel), then the same product and sum: eager's tanh kernel, its where and its two kernels, in one pass.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -52,8 +55,8 @@ __device__ __forceinline__ void load_gate(const G* row, int32_t col, float (&g)[
   }
 }
 
-// G: the gate's type, T (FLUX's chain) or float (Wan's).
-template <typename T, typename G, bool kRowGate>
+// G: the gate's type, T (FLUX's chain) or float (Wan's). kTanhGate: the gate rows' tanh taken here (indexed rows of T).
+template <typename T, typename G, bool kRowGate, bool kTanhGate = false>
 __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
     T* __restrict__ out, const T* __restrict__ residual, const G* __restrict__ gate, const T* __restrict__ update,
     int64_t rows, int64_t seq, int32_t vecs_per_row, int64_t gate_batch_stride, int64_t gate_seq_stride,
@@ -61,6 +64,7 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
   constexpr bool kFloatGate = SameType<G, float>::value;
+  static_assert(!kTanhGate || (!kRowGate && !kFloatGate), "the tanh of indexed gate rows of T");
   const int32_t col = blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= vecs_per_row) return;
 
@@ -115,7 +119,13 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
         for (int i = 0; i < kVec; ++i) g[i] = gat_f[r][i];
       } else {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) g[i] = Storage<T>::load(gat[r].v[i]);
+        for (int i = 0; i < kVec; ++i) {
+          if constexpr (kTanhGate) {
+            g[i] = tanh_of<T>(Storage<T>::load(gat[r].v[i]));
+          } else {
+            g[i] = Storage<T>::load(gat[r].v[i]);
+          }
+        }
       }
       P o;
 #pragma unroll
@@ -145,6 +155,17 @@ cudaError_t launch(const GatedResidualArgs& a, cudaStream_t stream) {
   const auto* residual = static_cast<const T*>(a.residual);
   const auto* gate = static_cast<const G*>(a.gate);
   const auto* update = static_cast<const T*>(a.update);
+  if (a.tanh_gate) {
+    if constexpr (SameType<G, T>::value) {
+      if (a.index == nullptr) return cudaErrorInvalidValue;  // the tanh of indexed rows only (bindings.cpp)
+      gated_residual_kernel<T, G, false, true><<<shape.grid, shape.block, 0, stream>>>(
+          out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, a.gate_seq_stride, a.index,
+          a.table_rows);
+      return cudaGetLastError();
+    } else {
+      return cudaErrorInvalidValue;  // an fp32 gate: Wan's chain, no tanh
+    }
+  }
   if (a.gate_seq_stride == 0 && a.index == nullptr) {
     gated_residual_kernel<T, G, true><<<shape.grid, shape.block, 0, stream>>>(
         out, residual, gate, update, rows, a.seq, vecs_per_row, a.gate_batch_stride, 0, nullptr, 0);

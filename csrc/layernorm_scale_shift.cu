@@ -65,7 +65,10 @@
 // twice (residual and update) and written twice (x and out), against five reads and writes for the two kernels.
 // The gated form takes the other T forms too (per-token or indexed rows, no shift, the norm's affine): Qwen-Image
 // 2.1's in-block `x = x + gate.tanh() * attn` then `norm2(x) * (1 + scale)` (`gated_layernorm_scale_rows`), its gate
-// and scale where-picked rows read through int32 indices (gate_index, row_index) of [R, dim] tables.
+// and scale where-picked rows read through int32 indices (gate_index, row_index) of [R, dim] tables; with kTanhGate
+// (a.tanh_gate) the gate table holds the rows before their `.tanh()` and each gate value loaded goes through aten's
+// tanh rounded to T (elementwise.cuh's tanh_of, proven on every value of T by the Python op before it asks for it):
+//   x   = round_T(residual + round_T(round_T(tanhf(gate)) * update))
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -184,10 +187,12 @@ __device__ __forceinline__ Quad<T> modulate_quad(const LayerNormScaleShiftArgs& 
 // fp32 modulate).
 // kGated: the row is the gated residual update of a.x (the residual), a.gate and a.update, also written to a.x_out
 // (file head); the kernel of dtype T's chain only (S = T).
-template <typename T, typename S, int kKv, bool kGated>
+// kTanhGate: the gate's tanh taken of each value loaded (gated only).
+template <typename T, typename S, int kKv, bool kGated, bool kTanhGate = false>
 __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
     layernorm_scale_shift_kernel(LayerNormScaleShiftArgs a) {
   static_assert(!kGated || (kKv != 0 && SameType<S, T>::value), "gated: the production kernel of T's chain");
+  static_assert(!kTanhGate || kGated, "the gate's tanh: the gated form's");
   constexpr bool kProbe = kKv == 0;
   constexpr int kHeld = kProbe ? kVecsPerThreadMax : kKv;
   const int variant = kProbe ? a.variant : kDefaultVariant;
@@ -220,7 +225,13 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
         const Quad<T> r = load_readonly(x + i), u = load_readonly(update + i), g = load_readonly(gate + i);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {  // gated_residual.cu's chain: round(residual + round(gate * update))
-          const float gated = round_to<T>(__fmul_rn(Storage<T>::load(g.v[j]), Storage<T>::load(u.v[j])));
+          float gv;
+          if constexpr (kTanhGate) {
+            gv = tanh_of<T>(Storage<T>::load(g.v[j]));
+          } else {
+            gv = Storage<T>::load(g.v[j]);
+          }
+          const float gated = round_to<T>(__fmul_rn(gv, Storage<T>::load(u.v[j])));
           data[k].v[j] = Storage<T>::store(__fadd_rn(Storage<T>::load(r.v[j]), gated));
         }
         x_out[i] = data[k];
@@ -309,13 +320,13 @@ __host__ __device__ constexpr int kv_for(int64_t dim) {
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
-template <typename T, typename S, bool kGated>
+template <typename T, typename S, bool kGated, bool kTanhGate = false>
 cudaError_t launch_kv(const LayerNormScaleShiftArgs& a, dim3 grid, cudaStream_t stream) {
   const dim3 block(32, kAtenWarps);
   switch (kv_for(a.dim)) {
-    case 6: layernorm_scale_shift_kernel<T, S, 6, kGated><<<grid, block, 0, stream>>>(a); break;
-    case 8: layernorm_scale_shift_kernel<T, S, 8, kGated><<<grid, block, 0, stream>>>(a); break;
-    default: layernorm_scale_shift_kernel<T, S, 12, kGated><<<grid, block, 0, stream>>>(a); break;
+    case 6: layernorm_scale_shift_kernel<T, S, 6, kGated, kTanhGate><<<grid, block, 0, stream>>>(a); break;
+    case 8: layernorm_scale_shift_kernel<T, S, 8, kGated, kTanhGate><<<grid, block, 0, stream>>>(a); break;
+    default: layernorm_scale_shift_kernel<T, S, 12, kGated, kTanhGate><<<grid, block, 0, stream>>>(a); break;
   }
   return cudaGetLastError();
 }
@@ -341,9 +352,10 @@ cudaError_t launch(const LayerNormScaleShiftArgs& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;  // the norm's affine, per-token rows, no shift: T's chain (bindings.cpp)
   }
   if (a.gate_index != nullptr && !a.gated) return cudaErrorInvalidValue;  // an indexed gate: the gated chain's
+  if (a.tanh_gate && a.gate_index == nullptr) return cudaErrorInvalidValue;  // the tanh of indexed gate rows only
   if (a.gated) {
     if constexpr (SameType<S, T>::value) {
-      return launch_kv<T, S, true>(a, grid, stream);
+      return a.tanh_gate ? launch_kv<T, S, true, true>(a, grid, stream) : launch_kv<T, S, true>(a, grid, stream);
     } else {
       return cudaErrorInvalidValue;  // the gated chain is T's (bindings.cpp checks it)
     }

@@ -296,6 +296,67 @@ __global__ void __launch_bounds__(kHeadThreads) head_norm_rotary_kernel(const Ro
   }
 }
 
+// The norm-only forms' per-row tables (kNoRotaryModulate: sample b's scale and shift rows; kNormModulateRows: the rows
+// picked through the index, which traps outside the tables as eager's index_select device-asserts; kNoRotary: none).
+template <typename T>
+struct NormOnlyRows {
+  const Quad<T>* scale = nullptr;
+  const Quad<T>* shift = nullptr;
+};
+
+template <typename T, int kForm>
+__device__ __forceinline__ NormOnlyRows<T> norm_only_rows(const RotaryArgs& a, int64_t row, int64_t b) {
+  NormOnlyRows<T> r;
+  if constexpr (kForm == kNoRotaryModulate) {
+    r.scale = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + b * a.mod_scale_stride_b);
+    r.shift = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + b * a.mod_shift_stride_b);
+  }
+  if constexpr (kForm == kNormModulateRows) {
+    const int64_t picked = a.mod_index[row];
+    if (picked < 0 || picked >= a.mod_table_rows) __trap();  // eager's index_select: index out of bounds
+    r.scale = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + picked * a.mod_scale_stride_b);
+    r.shift = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + picked * a.mod_shift_stride_b);
+  }
+  return r;
+}
+
+// Output quad v of a row of the norm-only forms from the row's rstd and x's quad: y = round(w * (rstd * x)), w the
+// float32 weight (kNormModulateRows: the T weight), the whole result (kNoRotary), or the modulate's input, then eager's
+// three modulate kernels after the norm's cast: round(round(y * round(1 + s)) + t).
+template <typename T, int kForm>
+__device__ __forceinline__ Quad<T> norm_only_quad(const RotaryArgs& a, const NormOnlyRows<T>& rows, int v, float rstd,
+                                                  const Quad<T>& xq) {
+  float wv[4];
+  if constexpr (kForm == kNormModulateRows) {
+    const Quad<T> w = reinterpret_cast<const Quad<T>*>(a.img.weight)[v];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wv[j] = Storage<T>::load(w.v[j]);
+  } else {
+    const float4 w = reinterpret_cast<const float4*>(a.img.weight)[v];
+    wv[0] = w.x;
+    wv[1] = w.y;
+    wv[2] = w.z;
+    wv[3] = w.w;
+  }
+  Quad<T> o;
+  if constexpr (kForm == kNoRotary) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o.v[j] = Storage<T>::store(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(xq.v[j]))));
+    }
+  } else {
+    const Quad<T> sc = load_readonly(rows.scale + v);
+    const Quad<T> sh = load_readonly(rows.shift + v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float y = round_to<T>(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(xq.v[j]))));
+      const float one_plus_scale = round_to<T>(__fadd_rn(1.0f, Storage<T>::load(sc.v[j])));
+      o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(one_plus_scale, y)), Storage<T>::load(sh.v[j])));
+    }
+  }
+  return o;
+}
+
 // The row norm (norm_rows): one block of aten's (32, 4) threads per (s, b) row of C = heads * dim elements. Thread t
 // loads its 4-element vectors t, t + 128, ... (at most kVecs, kept in registers: the row is read once), adds their
 // squares in aten's order (the header comment), and then normalises, rotates and writes those same vectors. The
@@ -372,56 +433,13 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
 
   const int64_t row = b * a.img.seq + s;
   if constexpr (kForm == kNoRotary || kForm == kNoRotaryModulate || kForm == kNormModulateRows) {
-    // y = round(w * (rstd * x)), w the float32 weight (kNormModulateRows: the T weight): the whole result
-    // (kNoRotary), or the modulate's input
     const float rstd = partial[0][2];
     T* out_row = static_cast<T*>(a.out) + row * (4 * static_cast<int64_t>(vecs));
-    const Quad<T>* scale_row = nullptr;
-    const Quad<T>* shift_row = nullptr;
-    if constexpr (kForm == kNoRotaryModulate) {
-      scale_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + b * a.mod_scale_stride_b);
-      shift_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + b * a.mod_shift_stride_b);
-    }
-    if constexpr (kForm == kNormModulateRows) {
-      const int64_t picked = a.mod_index[row];
-      if (picked < 0 || picked >= a.mod_table_rows) __trap();  // eager's index_select: index out of bounds
-      scale_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_scale) + picked * a.mod_scale_stride_b);
-      shift_row = reinterpret_cast<const Quad<T>*>(static_cast<const T*>(a.mod_shift) + picked * a.mod_shift_stride_b);
-    }
+    const NormOnlyRows<T> rows = norm_only_rows<T, kForm>(a, row, b);
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = static_cast<int>(threadIdx.x) + k * kRowThreads;
-      if (v < vecs) {
-        float wv[4];
-        if constexpr (kForm == kNormModulateRows) {
-          const Quad<T> w = reinterpret_cast<const Quad<T>*>(a.img.weight)[v];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) wv[j] = Storage<T>::load(w.v[j]);
-        } else {
-          const float4 w = reinterpret_cast<const float4*>(a.img.weight)[v];
-          wv[0] = w.x;
-          wv[1] = w.y;
-          wv[2] = w.z;
-          wv[3] = w.w;
-        }
-        Quad<T> o;
-        if constexpr (kForm == kNoRotary) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            o.v[j] = Storage<T>::store(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(cache[0][k].v[j]))));
-          }
-        } else {  // eager's three modulate kernels after the norm's cast: round(round(y * round(1 + s)) + t)
-          const Quad<T> sc = load_readonly(scale_row + v);
-          const Quad<T> sh = load_readonly(shift_row + v);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float y = round_to<T>(__fmul_rn(wv[j], __fmul_rn(rstd, Storage<T>::load(cache[0][k].v[j]))));
-            const float one_plus_scale = round_to<T>(__fadd_rn(1.0f, Storage<T>::load(sc.v[j])));
-            o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(one_plus_scale, y)), Storage<T>::load(sh.v[j])));
-          }
-        }
-        reinterpret_cast<Quad<T>*>(out_row)[v] = o;
-      }
+      if (v < vecs) reinterpret_cast<Quad<T>*>(out_row)[v] = norm_only_quad<T, kForm>(a, rows, v, rstd, cache[0][k]);
     }
     return;
   }
@@ -450,6 +468,60 @@ __global__ void __launch_bounds__(kRowThreads) row_norm_rotary_kernel(const Rota
         T* out_row = static_cast<T*>(a.out) + p * part_stride + row * (4 * static_cast<int64_t>(vecs));
         reinterpret_cast<Quad<T>*>(out_row + c)[0] = rotate_quad<T, kForm>(y, cs, sn);
       }
+    }
+  }
+}
+
+// The norm-only forms (kNoRotary, kNoRotaryModulate, kNormModulateRows) on rows of at most 128 elements (Krea 2's
+// text refiner's zero-centred norms of 128-wide heads, [512, 12, 20, 128]): aten's block (32, 4) per row holds data in
+// warp 0's first C / 4 lanes only (one vector each: 4t >= C for t >= 32), its other three warps add exact zeros in the
+// halving (a sum of squares is never -0), so the order is lane l's FMA chain over its quad, the shuffle-down tree over
+// 16..1 and the row's rstd from lane 0's sum: row_norm_rotary_kernel's order, which a warp reproduces alone. One warp a
+// row, kNarrowRowsPerWarp consecutive rows each with all their loads in flight before the first sum (a block of 128
+// threads a row left three warps idle and 16 rows in flight per SM: 324 us against eager's 183 at [512, 12, 20, 128]).
+constexpr int kNarrowWarps = 8;
+constexpr int kNarrowRowsPerWarp = 4;
+constexpr int kNarrowRowsPerBlock = kNarrowWarps * kNarrowRowsPerWarp;
+constexpr int kNarrowWidest = 128;  // 32 lanes x one quad
+
+template <typename T, int kForm>
+__global__ void __launch_bounds__(kNarrowWarps * 32) narrow_row_norm_kernel(const RotaryArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int vecs = static_cast<int>(a.heads * (a.dim / 4));
+  const int64_t rows = a.batch * a.img.seq;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kNarrowWarps + (threadIdx.x >> 5)) * kNarrowRowsPerWarp;
+  if (first >= rows) return;  // the whole warp: no shuffle below is left without its lanes
+  const bool has = lane < vecs;
+  Quad<T> xq[kNarrowRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kNarrowRowsPerWarp; ++i) {
+    const int64_t row = first + i;
+    if (has && row < rows) {
+      const int64_t b = row / a.img.seq;
+      const T* x_row = static_cast<const T*>(a.img.ptr) + b * a.img.stride_b + (row - b * a.img.seq) * a.img.stride_s;
+      xq[i] = load_readonly(reinterpret_cast<const Quad<T>*>(x_row) + lane);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kNarrowRowsPerWarp; ++i) {
+    const int64_t row = first + i;
+    if (row >= rows) break;  // warp-uniform
+    float acc = 0.f;  // aten's `sigma2 + val * val` over the lane's quad, contracted: one FMA each
+    if (has) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float x = Storage<T>::load(xq[i].v[j]);
+        acc = __fmaf_rn(x, x, acc);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+    const float rstd = row_rstd(__shfl_sync(0xffffffffu, acc, 0), static_cast<float>(4 * vecs), a.img.eps,
+                                a.norm_final);
+    const NormOnlyRows<T> tables = norm_only_rows<T, kForm>(a, row, row / a.img.seq);
+    if (has) {
+      T* out_row = static_cast<T*>(a.out) + row * (4 * static_cast<int64_t>(vecs));
+      reinterpret_cast<Quad<T>*>(out_row)[lane] = norm_only_quad<T, kForm>(a, tables, lane, rstd, xq[i]);
     }
   }
 }
@@ -558,13 +630,22 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
   const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
+  // the norm-only forms' rows of at most kNarrowWidest elements: a warp a row (narrow_row_norm_kernel), where the grid
+  // fits one dimension (a.batch * a.img.seq < 2^47: no overflow)
+  const int64_t narrow_blocks = (a.batch * a.img.seq + kNarrowRowsPerBlock - 1) / kNarrowRowsPerBlock;
+  const bool narrow = a.heads * a.dim <= kNarrowWidest && narrow_blocks <= 0x7fffffff;
+  const dim3 narrow_grid(static_cast<unsigned>(narrow ? narrow_blocks : 1));
   if (a.norm_rows && a.mod_index != nullptr) {  // torch.nn.RMSNorm with the indexed rows' modulate (kNormModulateRows)
     if (a.norm_fp32 || a.norm_f32w || a.wan || a.txt.ptr != nullptr || a.txt.seq != 0 || a.dim % 4 != 0 ||
         a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim || a.mod_scale == nullptr ||
         a.mod_shift == nullptr || a.mod_table_rows <= 0 || a.mod_table_rows > 0x7fffffff) {
       return cudaErrorInvalidValue;
     }
-    row_norm_rotary_kernel<T, kNormModulateRows, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    if (narrow) {
+      narrow_row_norm_kernel<T, kNormModulateRows><<<narrow_grid, kNarrowWarps * 32, 0, stream>>>(a);
+    } else {
+      row_norm_rotary_kernel<T, kNormModulateRows, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+    }
     return cudaGetLastError();
   }
   if (a.norm_rows && a.norm_f32w) {  // the row norm alone with its float32 weight (kNoRotary): one source, no tables
@@ -573,9 +654,17 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     }
     if (a.mod_scale == nullptr && a.mod_shift == nullptr) {
-      row_norm_rotary_kernel<T, kNoRotary, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+      if (narrow) {
+        narrow_row_norm_kernel<T, kNoRotary><<<narrow_grid, kNarrowWarps * 32, 0, stream>>>(a);
+      } else {
+        row_norm_rotary_kernel<T, kNoRotary, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+      }
     } else if (a.mod_scale != nullptr && a.mod_shift != nullptr) {  // (grid.y = batch: at most 65535, above)
-      row_norm_rotary_kernel<T, kNoRotaryModulate, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+      if (narrow) {
+        narrow_row_norm_kernel<T, kNoRotaryModulate><<<narrow_grid, kNarrowWarps * 32, 0, stream>>>(a);
+      } else {
+        row_norm_rotary_kernel<T, kNoRotaryModulate, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+      }
     } else {
       return cudaErrorInvalidValue;
     }

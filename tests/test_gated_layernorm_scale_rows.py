@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (QwenImage21Tr
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import site_attr, sites_of
 from diffusers_fastpath.models._chain_proofs import Proofs
-from diffusers_fastpath.models._norm_methods import (gated_modulate_scale_rows, gated_norm_methods,
+from diffusers_fastpath.models._norm_methods import (LATER, gated_modulate_scale_rows, gated_norm_methods,
                                                      modulate_scale_rows, norm_method_hints)
 from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.gated_layernorm_scale_rows import (GATED_LAYERNORM_SCALE_ROWS, gated_layernorm_scale_rows,
@@ -150,6 +150,12 @@ def _eager(block, residual, update, mod1, mod2, mask):
     return x, normed, gate2
 
 
+def _gate_read(gate):
+    """The method's second gate as the block reads it, ``gate.tanh()``: a lazy gate (`SelectedRows`, its tanh taken at
+    the method's call: `tanh_rows` returns it) through `tanh_rows`, written out; a tensor's tanh."""
+    return tanh_rows(gate).materialize() if isinstance(gate, SelectedRows) else gate.tanh()
+
+
 def _sites(block):
     sites = {"gated": Site("gated_layernorm_scale_rows"), "norm": Site("layernorm_scale_shift"),
              "gate": Site("gated_residual")}
@@ -158,8 +164,8 @@ def _sites(block):
     return sites
 
 
-def _call(block, residual, update, mod1, mod2, mask, sites, lazy=True):
-    _, gate1 = modulate_scale_rows(block, block.img_norm1, residual, mod1, mask, _fastpath_lazy_gate=True)
+def _call(block, residual, update, mod1, mod2, mask, sites, lazy=True, first=True):
+    _, gate1 = modulate_scale_rows(block, block.img_norm1, residual, mod1, mask, _fastpath_lazy_gate=first)
     return gated_modulate_scale_rows(block, block.img_norm2, residual, tanh_rows(gate1), update, sites["gate"], mod2,
                                      mask, _fastpath_lazy_gate=lazy)
 
@@ -179,7 +185,7 @@ def test_the_method_runs_one_kernel_and_counts_every_site(emulated_kernels, lazy
         GATED_LAYERNORM_SCALE_ROWS.kernel = kernel
     assert len(calls) == 1 and torch.equal(x, ref[0]) and torch.equal(normed, ref[1])
     assert isinstance(gate2, SelectedRows) == lazy
-    assert torch.equal(gate2.materialize() if lazy else gate2, ref[2])
+    assert torch.equal(_gate_read(gate2), ref[2].tanh()) and (tanh_rows(gate2) is gate2) == lazy
     assert {k: (s.fast, dict(s.fallback)) for k, s in sites.items()} == {"gated": (1, {}), "norm": (1, {}),
                                                                          "gate": (1, {})}
     assert sites["norm"].op == "layernorm_scale_rows"  # named after the op its part ran
@@ -197,7 +203,7 @@ def test_hooks_on_the_norm_refuse_and_run(emulated_kernels):
             x, normed, gate2 = _call(block, *args, sites)
     finally:
         handle.remove()
-    assert torch.equal(x, ref[0]) and torch.equal(normed, ref[1]) and torch.equal(gate2.materialize(), ref[2])
+    assert torch.equal(x, ref[0]) and torch.equal(normed, ref[1]) and torch.equal(_gate_read(gate2), ref[2].tanh())
     assert seen == [1]  # the norm was called, once, as the model calls it
     assert sites["gated"].fast == 0 and sites["gated"].fallback == {"LayerNorm has hooks": 1}
     assert sites["gate"].fast == 1 and sites["norm"].fallback == {"LayerNorm has hooks": 1}
@@ -226,7 +232,7 @@ def test_refusals_run_the_two_calls_as_before(emulated_kernels, case):
         x, normed, gate2 = gated_modulate_scale_rows(block, block.img_norm2, residual, gate, update, sites["gate"],
                                                      mod2, mask_arg, _fastpath_lazy_gate=True)
     assert torch.equal(x, x_ref) and torch.equal(normed, ref[0])
-    assert torch.equal(gate2.materialize() if isinstance(gate2, SelectedRows) else gate2, ref[1])
+    assert torch.equal(_gate_read(gate2), ref[1].tanh())
     reason = {"fp32": "dtype float32", "grad": "requires grad"}.get(case)
     assert sites["gated"].fast == 0 and dict(sites["gated"].fallback) == ({reason: 1} if reason else {})
 
@@ -326,7 +332,10 @@ def test_raw_kernel_matches_eager_bitwise_through_nvcc_and_nvrtc(shape, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seq", [4352, 4096])
-def test_method_is_fast_and_verified_on_the_gpu(dtype, seq):
+@pytest.mark.parametrize("mode", [True, LATER], ids=["tanh-at-call", "later"])
+def test_method_is_fast_and_verified_on_the_gpu(dtype, seq, mode):
+    """Both lazy forms of the first gate: its tanh taken at the method's call (a table), and read later (`LATER`: the
+    kernel takes the tanh of the modulation's rows itself, its tanh proven on every value first)."""
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
@@ -338,8 +347,10 @@ def test_method_is_fast_and_verified_on_the_gpu(dtype, seq):
         ref = _eager(block, residual, update, mod1, mod2, mask)
         torch.cuda.synchronize()
         _poison(ref[0], ref[1])
-        x, normed, gate2 = _call(block, residual, update, mod1, mod2, mask, sites)
-    assert torch.equal(x, ref[0]) and torch.equal(normed, ref[1]) and torch.equal(gate2.materialize(), ref[2])
+        x, normed, gate2 = _call(block, residual, update, mod1, mod2, mask, sites, lazy=mode, first=mode)
+    assert torch.equal(x, ref[0]) and torch.equal(normed, ref[1]) and torch.equal(_gate_read(gate2), ref[2].tanh())
     assert sites["gated"].fast == 1 and not sites["gated"].fallback and GATED_LAYERNORM_SCALE_ROWS.disabled is None
-    assert (str(dtype).removeprefix("torch."), 3072, "LayerNorm", False, "gated indexed rows", "scale only") in (
-        GATED_LAYERNORM_SCALE_ROWS.verified)
+    assert (str(dtype).removeprefix("torch."), 3072, "LayerNorm", False, "gated indexed rows", "scale only",
+            "tanh in kernel" if mode == LATER else "") in GATED_LAYERNORM_SCALE_ROWS.verified
+    if mode == LATER:  # the fold is proven where it is used; a tanh taken at the call needs no proof
+        assert gated_rows_mod.TANH_FOLDED.results[(residual.device, dtype)] is True

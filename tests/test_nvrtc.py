@@ -322,6 +322,10 @@ def test_launch_constants_match_the_sources():
     assert rotary_mod._HEAD_THREADS == 32 * _constant("rotary.cu", "kHeadWarps")
     assert rotary_mod._HEAD_DIM == _constant("rotary.cu", "kHeadDim")
     assert rotary_mod._ROW_THREADS == _constant("rotary.cu", "kRowThreads")
+    assert (rotary_mod._NARROW_THREADS, rotary_mod._NARROW_ROWS_PER_BLOCK, rotary_mod._NARROW_WIDEST) == (
+        32 * _constant("rotary.cu", "kNarrowWarps"),
+        _constant("rotary.cu", "kNarrowWarps") * _constant("rotary.cu", "kNarrowRowsPerWarp"),
+        _constant("rotary.cu", "kNarrowWidest"))
     assert importlib.import_module("diffusers_fastpath.ops.rotary_half")._HALF_THREADS == _constant("rotary.cu",
                                                                                                   "kHalfThreads")
     assert importlib.import_module("diffusers_fastpath.ops.rotary_matrix")._MATRIX_THREADS == _constant(
@@ -332,7 +336,7 @@ def test_launch_constants_match_the_sources():
     assert (layernorm_mod._EIGHT_WARPS, layernorm_mod._VARIANT_MASK) == (
         _constant("layernorm_scale_shift.cu", "kEightWarps"), _constant("layernorm_scale_shift.cu", "kVariantMask"))
     assert layernorm_mod._ATEN_THREADS == 32 * _constant("layernorm_scale_shift.cu", "kAtenWarps")
-    launched = re.findall(r"case (\d+): layernorm_scale_shift_kernel<T, S, (\d+), kGated>",
+    launched = re.findall(r"case (\d+): layernorm_scale_shift_kernel<T, S, (\d+), kGated, kTanhGate>",
                           (CSRC / "layernorm_scale_shift.cu").read_text())
     assert all(a == b for a, b in launched) and (0, *(int(a) for a, _ in launched), 12) == layernorm_mod._KVS
 

@@ -18,7 +18,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import (QwenImage21Tr
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import sites_of
 from diffusers_fastpath.models import _norm_methods
-from diffusers_fastpath.models._norm_methods import lazy_gates, modulate_scale_rows, norm_method_hints
+from diffusers_fastpath.models._chain_proofs import Proofs
+from diffusers_fastpath.models._norm_methods import LATER, lazy_gates, modulate_scale_rows, norm_method_hints
 from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.gated_layernorm_scale_rows import GATED_LAYERNORM_SCALE_ROWS
 from diffusers_fastpath.ops.gated_residual import GATED_RESIDUAL_ROWS, gated_residual_rows, gated_residual_rows_ref
@@ -124,6 +125,99 @@ def test_lazy_gate_not_marked_for_another_gate_form_or_method():
     assert count == 0
 
 
+PROVEN = """
+def forward(self, x, mod, mask):
+    a, g = self._m(self.n, x, mod, mask)
+    {before}
+    y = self.f(a)
+    x = ns.gated_residual(x, g.tanh(), {update}, site)
+    {after}
+    return x
+"""
+
+
+def _marked_with_proofs(before="pass", update="y", after="pass"):
+    import copy
+
+    written = ast.parse(textwrap.dedent(PROVEN.format(before=before, update=update, after=after))).body[0]
+    proofs = Proofs(written, {"self"})
+    body = copy.deepcopy(written.body)
+    proofs.tag(body)
+    count = lazy_gates(body, "_m", "gated_residual", "ns", proofs)
+    return count, "\n".join(ast.unparse(s) for s in body)
+
+
+@pytest.mark.parametrize("case", ["plain", "rebound", "update-call", "joined"])
+def test_lazy_gate_read_later_where_nothing_writes_the_modulation_before_the_residual(case):
+    """The proofs show the modulation operand unwritten from the method's call to the residual's kernel: the mark is
+    ``LATER`` (the rows read there, their tanh taken by the kernel); rebinding the name changes nothing (the rows are
+    the object taken at the call); the residual's update and a joinable next method call write other tensors."""
+    kwargs = {"plain": {}, "rebound": dict(before="mod = x"), "update-call": dict(update="self.f(y)"),
+              "joined": dict(after="b, h = self._m(self.n2, x, mod, mask)")}[case]
+    count, text = _marked_with_proofs(**kwargs)
+    assert count == 1 and f"self._m(self.n, x, mod, mask, _fastpath_lazy_gate={LATER!r})" in text, text
+    assert "ns.gated_residual_rows(x, ns.tanh_rows(g), " in text
+
+
+@pytest.mark.parametrize("kwargs", [dict(before="mod.mul_(2)"), dict(before="self.g(mod)"),
+                                    dict(before="m = mod[0]\n    m.zero_()"), dict(update="self.f(mod)"),
+                                    dict(after="b, h = self._m(self.n2, x, mod.add_(1), mask)")],
+                         ids=["in-place", "call", "view-written", "update-writes", "joined-writes"])
+def test_lazy_gate_taken_at_the_call_where_the_modulation_may_be_written(kwargs):
+    """Anything that may write the modulation between the call and the kernel's read (an in-place method, a call that
+    takes it, a write through a view, the residual's own operand, the operands of the method call the residual may
+    be joined with): the gate stays lazy with its tanh taken at the call (``True``)."""
+    count, text = _marked_with_proofs(**kwargs)
+    assert count == 1 and "self._m(self.n, x, mod, mask, _fastpath_lazy_gate=True)" in text, text
+
+
+def test_lazy_gate_without_proofs_is_taken_at_the_call():
+    count, text = _marked(FORWARD.format(extra="pass"))
+    assert count == 1 and "_fastpath_lazy_gate=True" in text
+
+
+def test_qwen21_zoo_forward_reads_both_gates_later():
+    model = zoo.build("qwen-image-21", dtype=torch.bfloat16)
+    fp.patch(model)
+    try:
+        import inspect
+
+        source = inspect.getsource(type(model.transformer_blocks[0]).forward)
+    finally:
+        fp.unpatch(model)
+    assert source.count(f"_fastpath_lazy_gate={LATER!r}") == 2 and "_fastpath_lazy_gate=True" not in source
+
+
+def test_read_later_rows_run_no_kernel_at_the_call_and_fall_back_to_the_models_expression():
+    """`SelectedRows.read_later`: nothing runs at the call (the rows a view, the mask's values the index's); the rows
+    are the gate's tanh (`tanh_rows` returns them); the kernels may fold the tanh until aten's table is made; the
+    fallback is the model's ``where(...).tanh()`` of the rows as they are (the rewriter proved them unwritten)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("slice", "view", "select", "unsqueeze", "detach", "alias"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(4)
+    mod = (torch.randn(3, 4 * 64, generator=gen) * 2).to(torch.bfloat16)
+    gate_view = mod[:, 64:128]
+    mask = torch.ones(24, dtype=torch.bool)
+    mask[:5] = False
+    eager = _select_modulation_rows(gate_view, mask).tanh()
+    scale = SelectedRows(_select_modulation_rows, mod[:, :64], mask)
+    scale.index()
+    seen = []
+    with Ops():
+        gate = _norm_methods._gate_rows(_select_modulation_rows, gate_view, mask, scale, LATER)
+    assert seen == [] and gate.params is gate_view and gate.tanh and tanh_rows(gate) is gate and gate.folds_tanh
+    mask[:] = True  # (written after the call: the index holds the values the where read)
+    x = torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16)
+    assert gate.reason(x) is None and torch.equal(gate.materialize(), eager)
+    assert torch.equal(gate.table()[gate.index().long()], eager) and not gate.folds_tanh  # aten's table made
+
+
 # --- the method and the ops on a CPU (emulated kernels) -------------------------------------------------------------
 
 
@@ -154,6 +248,49 @@ def test_lazy_gate_holds_the_rows_as_they_were_at_the_call(emulated_kernels):
         site = Site("gated_residual")
         got = gated_residual_rows(x, tanh_rows(gate), update, site)
     assert torch.equal(got, ref) and site.fast == 1 and not site.fallback
+
+
+@pytest.mark.parametrize("indexed, grad", [(True, False), (False, False), (True, True)],
+                         ids=["index", "no-index", "grad"])
+def test_lazy_gate_is_one_tanh_and_its_fallback_reads_the_rows_and_mask_as_they_were(indexed, grad):
+    """The lazy gate costs one kernel (the tanh of the rows' strided view into a table of its own; no copy of the rows
+    or of the mask, whose values the scale's index holds): the rows as the block reads them, ``where(...).tanh()``,
+    also written out by the fallback after the modulation and the mask were written in place (without an index, a
+    copy of the mask, as before; rows that require grad: copies of both, the tanh in the model's order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("slice", "view", "select", "unsqueeze", "detach", "alias"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(4)
+    mod = (torch.randn(3, 4 * 64, generator=gen) * 2).to(torch.bfloat16)
+    if grad:
+        mod.requires_grad_(True)
+    gate_view = mod[:, 64:128]  # the model's chunk of the modulation: a strided view
+    mask = torch.ones(24, dtype=torch.bool)
+    mask[:5] = False
+    mask[12:15] = False
+    eager = _select_modulation_rows(gate_view, mask).tanh()
+    scale = SelectedRows(_select_modulation_rows, mod[:, :64], mask)
+    if indexed:
+        scale.index()
+    seen = []
+    with Ops():
+        gate = _norm_methods._gate_rows(_select_modulation_rows, gate_view, mask, scale, True)
+    assert seen == (["clone", "clone"] if grad else ["tanh"] if indexed else ["tanh", "clone"])
+    assert (tanh_rows(gate) is gate) != grad and gate.tanh != grad and gate.cached_index is scale.cached_index
+    gate = tanh_rows(gate)
+    with torch.no_grad():
+        mod.mul_(3)  # written in place after the method's call: eager's rows were copied before
+    mask[:] = True
+    x = torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16)
+    assert gate.reason(x) is None
+    assert torch.equal(gate.materialize(), eager)  # the fallback's rows
+    assert torch.equal(gate.table()[gate.index().long()], eager)  # the kernels' rows
+    assert gate.reason(x[:, :20]) == "rows shape"
 
 
 def test_rows_ops_fall_back_to_the_models_expression_with_reasons():
@@ -261,7 +398,57 @@ def test_raw_rows_kernels_match_eager_bitwise_on_the_gpu(shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rows_ops_are_fast_and_verified_on_the_gpu(dtype):
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_raw_rows_kernels_fold_the_gate_tanh_bitwise_on_the_gpu(shape, dtype):
+    """The raw ops with ``tanh_gate``: the table the rows before their tanh (a strided view of the modulation, as the
+    model's chunk is), the kernel's tanh of each value: eager's ``x + where(...).tanh() * update``, and the gated
+    LayerNorm's written stream the same."""
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    ops = torch.ops.diffusers_fastpath
+    b, s, d = shape
+    for seed in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(seed + 20)
+        mod = (torch.randn(b + 1, 2 * d, generator=gen, device="cuda") * 3).to(dtype)
+        mask = torch.ones(s, dtype=torch.bool, device="cuda")
+        mask[:min(256, s // 4)] = False
+        rows = SelectedRows(_select_modulation_rows, mod[:, d:], mask)
+        scale = SelectedRows(_select_modulation_rows, mod[:, :d], mask)
+        x = (torch.randn(b, s, d, generator=gen, device="cuda") * 3 + 1).to(dtype)
+        update = torch.randn(b, s, d, generator=gen, device="cuda").to(dtype)
+        want = x + rows.materialize().tanh() * update
+        torch.cuda.synchronize()
+        out = torch.full_like(x, float("nan"))
+        out.copy_(ops._gated_residual_rows_cuda(x, rows.params, rows.index(), update, True))
+        assert torch.equal(out, want)
+        if d <= 6144 and d % 8 == 0:
+            got, _ = ops._gated_layernorm_modulate_rows_cuda(x, rows.params, rows.index(), update, scale.table(), None,
+                                                             scale.index(), None, None, 1e-6, True)
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_folded_tanh_is_proven_on_every_value_on_the_gpu(dtype):
+    """Both kernels' tanh of the gate equal aten's on all 65536 values of the dtype (`FoldedProof`), NaNs, infinities
+    and subnormals included; the answer kept per device and dtype."""
+    import importlib
+
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    device = torch.device("cuda", torch.cuda.current_device())
+    for name in ("gated_residual", "gated_layernorm_scale_rows"):
+        proof = importlib.import_module(f"diffusers_fastpath.ops.{name}").TANH_FOLDED
+        proof.results.pop((device, dtype), None)
+        assert proof.holds(device, dtype) is True and proof.results[(device, dtype)] is True, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", [True, LATER], ids=["tanh-at-call", "later"])
+def test_rows_ops_are_fast_and_verified_on_the_gpu(dtype, mode):
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
@@ -274,13 +461,13 @@ def test_rows_ops_are_fast_and_verified_on_the_gpu(dtype):
     update = torch.randn_like(x)
     with torch.no_grad():
         ref_out, ref_gate = block._modulate(block.img_norm1(x), mod, mask)
-        out, gate = modulate_scale_rows(block, block.img_norm1, x, mod, mask, _fastpath_lazy_gate=True)
+        out, gate = modulate_scale_rows(block, block.img_norm1, x, mod, mask, _fastpath_lazy_gate=mode)
         site = Site("gated_residual")
         got = gated_residual_rows(x, tanh_rows(gate), update, site)
     assert torch.equal(out, ref_out) and torch.equal(got, x + ref_gate.tanh() * update)
     assert site.fast == 1 and LAYERNORM_SCALE_ROWS.disabled is None and GATED_RESIDUAL_ROWS.disabled is None
     key = str(dtype).removeprefix("torch.")
-    assert (key, "SelectedRows", True) in GATED_RESIDUAL_ROWS.verified
+    assert (key, "SelectedRows", True, "tanh in kernel" if mode == LATER else "") in GATED_RESIDUAL_ROWS.verified
     assert any(k[0] == key and k[1] == 3072 for k in LAYERNORM_SCALE_ROWS.verified)
 
 

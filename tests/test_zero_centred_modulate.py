@@ -17,7 +17,7 @@ from diffusers_fastpath.models._chain_calls import _ChainsNamespace
 from diffusers_fastpath.ops import Site, zero_centred_modulate, zero_centred_modulate_ref
 from diffusers_fastpath.ops.zero_centred_modulate import ZERO_CENTRED_MODULATE, _guard
 from diffusers_fastpath.testing import zoo
-from test_nvrtc import captured_launches  # noqa: F401 (the fixture: the NVRTC launchers run on CPU tensors)
+from test_nvrtc import both_ways, captured_launches  # noqa: F401 (fixtures: both ways; the launchers on CPU tensors)
 from test_zero_centred_rmsnorm import _norm, _x  # (a swapped Krea 2 norm with random weights; activations)
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -42,11 +42,14 @@ def _rows(batch: int, dim: int, dtype, device, seed, final: bool = False):
 # multiple of 128, the kernel's widest row
 CASES = [((1, 4608, 6144), 1, False), ((1, 4096, 6144), 1, True), ((2, 1037, 6144), 2, False),
          ((2, 77, 6144), 1, False), ((2, 33, 1028), 2, True), ((1, 9, 8192), 1, False)]
+# rows of at most 128 (rotary.cu's narrow_row_norm_kernel, a warp a row): rows per sample that end a warp's four rows
+# and a block's 32 within a sample, one row for both samples, widths whose last lanes hold no data
+NARROW = [((2, 77, 128), 2, False), ((2, 33, 64), 1, True), ((3, 1029, 96), 3, False)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape, rows, final", CASES, ids=str)
+@pytest.mark.parametrize("shape, rows, final", CASES + NARROW, ids=str)
 def test_zero_centred_modulate_matches_eager_bitwise(shape, rows, final, dtype):
     from diffusers_fastpath.ops._build import load_extension
 
@@ -67,6 +70,28 @@ def test_zero_centred_modulate_matches_eager_bitwise(shape, rows, final, dtype):
         assert torch.equal(out, ref) and out.is_contiguous()
         assert site.fast == 1 and not site.fallback, site
     assert ZERO_CENTRED_MODULATE.disabled is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, rows, final", NARROW + CASES[2:3], ids=str)
+def test_nvrtc_and_nvcc_kernels_equal_eager(shape, rows, final, dtype, both_ways):
+    """The NVRTC launcher (and the nvcc extension's op where a toolkit built it) on the narrow rows and a wide row."""
+    import importlib
+
+    modulate_mod = importlib.import_module("diffusers_fastpath.ops.zero_centred_modulate")  # (the package's: the op)
+    for seed in range(2):
+        norm, x = _norm(shape[-1], "cuda", seed), _x(shape, dtype, "cuda", seed + 10)
+        scale, shift = _rows(rows, shape[-1], dtype, "cuda", seed + 20, final)
+        ref = zero_centred_modulate_ref(norm, x, scale, shift)
+        assert torch.isfinite(ref).all() and ref.float().std() > 0.1
+        ways = [modulate_mod._nvrtc_kernel] + ([torch.ops.diffusers_fastpath._zero_centred_modulate_cuda] if both_ways
+                                               else [])
+        for way in ways:
+            torch.full((ref.numel() + 4096,), float("nan"), device="cuda", dtype=dtype)  # the output's block next
+            out = way(x, norm.weight + 1.0, scale.squeeze(1), shift.squeeze(1), norm.eps, 0)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref), way
 
 
 @pytest.mark.gpu
@@ -213,14 +238,21 @@ def test_the_form_with_a_norm_that_is_not_zero_centred_runs_the_norm_then_the_mo
 
 def row_norm_launch(captured_launches, form: int, x, weight, out, eps: float, float_weight: bool):
     """The last launch's RotaryArgs, checked as bindings_rotary.cpp's zero_centred_launch fills them for rotary.cu's row
-    norm without a rotary in `form` (kNoRotaryModulate 4, kNormModulateRows 5) over x ``[batch, seq, C]``."""
+    norm without a rotary in `form` (kNoRotaryModulate 4, kNormModulateRows 5) over x ``[batch, seq, C]``, and its
+    kernel as rotary.cu's launch() picks it: a block of 128 threads a row, a warp a row (32 rows a block of 256) for
+    C <= 128."""
     import importlib
 
     rotary_mod = importlib.import_module("diffusers_fastpath.ops.rotary")  # (the package's `rotary` is a function)
     batch, seq, dim = x.shape
     kernel, key, grid, block, params = captured_launches[-1]
     a = params.a
-    assert (kernel, key, grid, block) == (rotary_mod._NVRTC_ROWS, (x.dtype, form, False), (seq, batch, 1), (128, 1, 1))
+    if dim <= 128:
+        assert (kernel, key, grid, block) == (rotary_mod._NVRTC_NARROW_ROWS, (x.dtype, form),
+                                              (-(-batch * seq // 32), 1, 1), (256, 1, 1))
+    else:
+        assert (kernel, key, grid, block) == (rotary_mod._NVRTC_ROWS, (x.dtype, form, False), (seq, batch, 1),
+                                              (128, 1, 1))
     assert out.shape == x.shape and out.is_contiguous()
     assert (a.out, a.img.ptr, a.img.stride_b, a.img.stride_s, a.img.stride_h, a.img.seq, a.img.weight) == (
         out.data_ptr(), x.data_ptr(), seq * dim, dim, dim, seq, weight.data_ptr())
@@ -238,21 +270,25 @@ def test_nvrtc_launcher_passes_what_bindings_rotary_cpp_passes(captured_launches
     rotary_mod, modulate_mod, norm_mod = (importlib.import_module(f"diffusers_fastpath.ops.{name}") for name in (
         "rotary", "zero_centred_modulate", "zero_centred_rmsnorm"))  # (the package's names are the op functions)
 
-    x, weight = _x((2, 33, 128), torch.bfloat16, "cpu", 0), torch.randn(128)
-    scale, shift = _rows(2, 128, torch.bfloat16, "cpu", 1)  # [2, 1, 128] views of [2, 1, 6, 128]: batch stride 768
-    out = modulate_mod._nvrtc_kernel(x, weight, scale.squeeze(1), shift.squeeze(1), 1e-5, 0)
-    a = row_norm_launch(captured_launches, 4, x, weight, out, 1e-5, float_weight=True)
-    assert (a.mod_scale, a.mod_shift, a.mod_scale_stride_b, a.mod_shift_stride_b) == (
-        scale.data_ptr(), shift.data_ptr(), 768, 768)
-    modulate_mod._nvrtc_kernel(x, weight, scale[:1].squeeze(1), shift[:1].squeeze(1), 1e-5, 0)  # one row for both
-    a = captured_launches[-1][-1].a
-    assert (a.mod_scale_stride_b, a.mod_shift_stride_b) == (0, 0)
-    norm_mod._nvrtc_kernel(x.view(-1, 128), weight, 1e-5, 0)  # the norm alone: the rows as one sample, no modulate
-    kernel, key, grid, _, params = captured_launches[-1]
-    a = params.a
-    assert (kernel, key, grid) == (rotary_mod._NVRTC_ROWS, (torch.bfloat16, 3, False), (66, 1, 1))
-    assert (a.batch, a.img.seq, a.img.stride_b) == (1, 66, 66 * 128)
-    assert not a.mod_scale and not a.mod_shift and (a.mod_scale_stride_b, a.mod_shift_stride_b) == (0, 0)
+    for dim in (256, 128):  # a block a row; a warp a row
+        x, weight = _x((2, 33, dim), torch.bfloat16, "cpu", 0), torch.randn(dim)
+        scale, shift = _rows(2, dim, torch.bfloat16, "cpu", 1)  # [2, 1, C] views of [2, 1, 6, C]: batch stride 6 C
+        out = modulate_mod._nvrtc_kernel(x, weight, scale.squeeze(1), shift.squeeze(1), 1e-5, 0)
+        a = row_norm_launch(captured_launches, 4, x, weight, out, 1e-5, float_weight=True)
+        assert (a.mod_scale, a.mod_shift, a.mod_scale_stride_b, a.mod_shift_stride_b) == (
+            scale.data_ptr(), shift.data_ptr(), 6 * dim, 6 * dim)
+        modulate_mod._nvrtc_kernel(x, weight, scale[:1].squeeze(1), shift[:1].squeeze(1), 1e-5, 0)  # one row for all
+        a = captured_launches[-1][-1].a
+        assert (a.mod_scale_stride_b, a.mod_shift_stride_b) == (0, 0)
+        norm_mod._nvrtc_kernel(x.view(-1, dim), weight, 1e-5, 0)  # the norm alone: the rows as one sample, no modulate
+        kernel, key, grid, block, params = captured_launches[-1]
+        a = params.a
+        assert (kernel, key, grid, block) == ((rotary_mod._NVRTC_ROWS, (torch.bfloat16, 3, False), (66, 1, 1),
+                                               (128, 1, 1)) if dim > 128 else
+                                              (rotary_mod._NVRTC_NARROW_ROWS, (torch.bfloat16, 3), (3, 1, 1),
+                                               (256, 1, 1)))
+        assert (a.batch, a.img.seq, a.img.stride_b, a.dim) == (1, 66, 66 * dim, dim)
+        assert not a.mod_scale and not a.mod_shift and (a.mod_scale_stride_b, a.mod_shift_stride_b) == (0, 0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

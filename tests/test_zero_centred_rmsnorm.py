@@ -20,6 +20,7 @@ from diffusers_fastpath.models._chain_qk_fp32 import is_zero_centred
 from diffusers_fastpath.ops import Site, zero_centred_rmsnorm, zero_centred_rmsnorm_ref
 from diffusers_fastpath.ops.zero_centred_rmsnorm import ZERO_CENTRED_RMSNORM, _guard
 from diffusers_fastpath.testing import zoo
+from test_nvrtc import both_ways  # noqa: F401 (the fixture: the nvcc extension and the NVRTC cubins)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -43,14 +44,16 @@ def _x(shape, dtype, device, seed):
 
 # (rows..., C): Krea 2 at 1024x1024 (4096 image + 512 text tokens, 6144 wide), its text fusion (512 tokens of 12 tapped
 # layers, 2560 wide; the refiner's 512 rows), the QK norms' head dim, the kernel's widest row, a C that is not a
-# multiple of 128, a batch of two
+# multiple of 128, a batch of two; the rows of at most 128 (a warp a row, 32 rows a block): the text refiner's heads
+# (512 tokens x 12 layers x 20 heads of 128), a row count that ends a block early, widths whose last lanes hold no data
 CASES = [(1, 4608, 6144), (512 * 12, 2560), (1, 512, 2560), (4096, 48, 128), (3, 8192),
          (2, 77, 1028), (2, 1037, 6144)]
+NARROW = [(512, 12, 20, 128), (7, 128), (3, 37, 124), (1029, 64), (45, 96), (33, 4), (2, 5, 132)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", CASES, ids=str)
+@pytest.mark.parametrize("shape", CASES + NARROW, ids=str)
 def test_zero_centred_rmsnorm_matches_eager_bitwise(shape, dtype):
     from diffusers_fastpath.ops._build import load_extension
 
@@ -70,6 +73,27 @@ def test_zero_centred_rmsnorm_matches_eager_bitwise(shape, dtype):
         assert site.fast == 1 and not site.fallback, site
         assert torch.equal(norm(x), ref)  # the swapped module's own call
     assert ZERO_CENTRED_RMSNORM.disabled is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", NARROW + CASES[-1:], ids=str)
+def test_nvrtc_and_nvcc_kernels_equal_eager(shape, dtype, both_ways):
+    """The NVRTC launcher (and the nvcc extension's op where a toolkit built it) on the narrow rows and a wide row."""
+    import importlib
+
+    norm_mod = importlib.import_module("diffusers_fastpath.ops.zero_centred_rmsnorm")  # (the package's: a function)
+    for seed in range(2):
+        norm, x = _norm(shape[-1], "cuda", seed), _x(shape, dtype, "cuda", seed + 10)
+        ref = zero_centred_rmsnorm_ref(norm, x)
+        assert torch.isfinite(ref).all() and ref.float().std() > 0.1
+        nvcc = [torch.ops.diffusers_fastpath._zero_centred_rmsnorm_cuda] if both_ways else []
+        ways = [norm_mod._nvrtc_kernel] + nvcc
+        for way in ways:
+            torch.full((ref.numel() + 4096,), float("nan"), device="cuda", dtype=dtype)  # the output's block next
+            out = way(x.view(-1, shape[-1]), norm.weight + 1.0, norm.eps, 0)
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(shape), ref), way
 
 
 @pytest.mark.gpu

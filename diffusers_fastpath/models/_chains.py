@@ -173,7 +173,7 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             rewriter.matrix_rotaries = matrix_names
         body = rewriter.body(copy.deepcopy(func.body), func)
         if rewriter.block and _SCALE_ROWS in (norm_methods or {}).values():
-            rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS)
+            rewriter.found.lazy_gates = lazy_gates(body, _SCALE_ROWS, "gated_residual", _NS, proofs)
         if rewriter.block:
             rewriter.found.index_rows += lazy_index_rows(body, _NS)  # (with the norm + modulate pairs' own)
             rewriter.found.token_rows = lazy_token_rows(body, _NS, proofs, fn.__globals__)

@@ -41,6 +41,7 @@ _SELECT = "_select_modulation_rows"
 _CHECKED: dict[type, tuple] = {}  # block class -> (its method, the `_select_modulation_rows` it calls), checked
 _INDEX_KEY = "scale_rows_index"  # the rows' index kept on the forward's mask (`_shared_index`)
 GATED_SITE = "gated"  # a norm's site for the gated update + LayerNorm + scale (`gated_modulate_scale_rows`)
+LATER = "later"  # `lazy_gates`' mark of a gate whose modulation rows nothing writes before its residual reads them
 
 
 def norm_method_hints(cls: type) -> tuple[tuple[str, str], ...]:
@@ -90,12 +91,18 @@ def _checked_select(block):
     return select if any(checked == _CHECKED.get(c) for c in type(block).__mro__) else None
 
 
-def _gate_rows(select, gate, mask, rows: SelectedRows, lazy: bool):
-    """The method's gate: ``select(gate, mask)`` as it returns it, or (`lazy`) `SelectedRows` of its own copy of the
-    rows and the mask as they are now (what eager's ``where`` reads now), with the index the scale's rows used."""
+def _gate_rows(select, gate, mask, rows: SelectedRows, lazy):
+    """The method's gate: ``select(gate, mask)`` as it returns it, or (`lazy`) `SelectedRows` of the rows and the mask
+    as they are now (what eager's ``where`` reads now): the rows' tanh taken now into a table of their own, the mask
+    held by the index the scale's rows used (`SelectedRows.tanh_taken`: one kernel, where a copy of the rows, a copy
+    of the mask and the table's tanh later took three); where the rewriter proved that nothing writes the rows before
+    their residual reads them (`lazy` is `LATER`), the rows themselves (`SelectedRows.read_later`: no kernel here,
+    the residual's kernel takes their tanh)."""
     if not lazy:
         return select(gate, mask)
-    return SelectedRows(select, gate.clone(), mask.clone(), index=rows.cached_index)
+    if lazy == LATER:
+        return SelectedRows.read_later(select, gate, mask, rows.cached_index)
+    return SelectedRows.tanh_taken(select, gate, mask, rows.cached_index)
 
 
 def gated_modulate_scale_rows(self, norm: nn.Module, residual, gate, update, gate_site, mod_params, target_token_mask,
@@ -140,14 +147,16 @@ def _shared_index(mask, params: torch.Tensor) -> torch.Tensor | None:
     return derived(mask, (_INDEX_KEY, batch, params.device), lambda: where_index(mask, batch, params.device))
 
 
-def lazy_gates(body: list[ast.stmt], fused: str, gated: str, namespace: str) -> int:
+def lazy_gates(body: list[ast.stmt], fused: str, gated: str, namespace: str, proofs=None) -> int:
     """Mark the scale-rows methods' gates that need not be written out, in a rewritten forward's `body` (in place):
     ``A, G = self.F(...)`` (`fused` ``F``, the only binding of ``G`` in the forward) whose ``G`` is read once in
     the whole forward, as ``G.tanh()``, the gate of a fused gated residual ``NS.gated(R, G.tanh(), E, site)``:
     the call gets ``_fastpath_lazy_gate=True`` and the residual becomes ``NS.gated_residual_rows(R,
     NS.tanh_rows(G), E, site)`` (`SelectedRows` through the kernel's index; a tensor ``G`` as before). Anything
     else reading or binding ``G`` (another read, a ``del``, a loop target, a ``global``, ``locals()``) keeps the
-    forward as it is. Returns how many gates were marked."""
+    forward as it is. Where `proofs` also shows that nothing writes what the method's modulation operand holds from
+    the method's call until the residual's kernel reads the rows (`_rows_stay`), the mark is ``LATER``: the rows are
+    read there, not copied at the call. Returns how many gates were marked."""
     tree = ast.Module(body=body, type_ignores=[])
     loads, stores = {}, {}
     for node in ast.walk(tree):
@@ -179,13 +188,56 @@ def lazy_gates(body: list[ast.stmt], fused: str, gated: str, namespace: str) -> 
         if len(stores.get(g, ())) != 1 or len(loads.get(g, ())) != 1 or len(residuals.get(g, ())) != 1:
             continue
         residual = residuals[g][0]
-        call.keywords.append(ast.keyword(arg="_fastpath_lazy_gate", value=ast.Constant(True)))
+        later = proofs is not None and _rows_stay(tree, node, residual, fused, proofs)
+        call.keywords.append(ast.keyword(arg="_fastpath_lazy_gate", value=ast.Constant(LATER if later else True)))
         residual.func.attr = "gated_residual_rows"
         residual.args[1] = ast.Call(func=ast.Attribute(value=ast.Name(namespace, ast.Load()), attr="tanh_rows",
                                                        ctx=ast.Load()), args=[residual.args[1].func.value],
                                     keywords=[])
         marked += 1
     return marked
+
+
+def _rows_stay(tree: ast.Module, method: ast.Assign, residual: ast.Call, fused: str, proofs) -> bool:
+    """Whether nothing writes what the method call's modulation operand (``self.F(N, X, M, K)``'s ``M``: the rows
+    the gate picks) may hold from that call until the gated residual `residual` reads the rows: the residual the value
+    of a statement of the same block, after the method's; none of the statements between them, nor the residual's other
+    operands, nor (where the next statement is a scale-rows method call that `gated_norm_methods` may join to the
+    residual, evaluating its operands first) that call's operands writes them (`Proofs.stays`, by object: the rows
+    are the tensors taken at the call). The method itself reads and writes nothing else (checked by digest); the
+    mask's values are held by the index made at the call."""
+    call = method.value
+    if len(call.args) != 4 or any(isinstance(a, ast.Starred) for a in call.args):
+        return False
+    for stmts in _blocks(tree):
+        if not any(s is method for s in stmts):
+            continue
+        i = next(k for k, s in enumerate(stmts) if s is method)
+        for j in range(i + 1, len(stmts)):
+            if isinstance(stmts[j], (ast.Assign, ast.Expr)) and stmts[j].value is residual:
+                break
+        else:
+            return False
+        rows, between, at = [call.args[2]], stmts[i + 1:j], stmts[j]
+        others = [a for k, a in enumerate(residual.args) if k != 1]
+        if not proofs.stays(rows, method, between, exprs=others, where=at, by_name=False):
+            return False
+        after = stmts[j + 1] if j + 1 < len(stmts) else None
+        if (isinstance(after, ast.Assign) and isinstance(after.value, ast.Call)
+                and isinstance(after.value.func, ast.Attribute) and after.value.func.attr == fused):
+            joined = [*after.value.args, *(k.value for k in after.value.keywords)]
+            return proofs.stays(rows, method, between, exprs=joined, where=after, by_name=False)
+        return True
+    return False
+
+
+def _blocks(tree: ast.AST):
+    """Every list of statements in `tree` (bodies, else branches, finally blocks, handlers' bodies)."""
+    for node in ast.walk(tree):
+        for name in ("body", "orelse", "finalbody"):
+            inner = getattr(node, name, None)
+            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                yield inner
 
 
 def gated_norm_methods(body: list[ast.stmt], fused: str, namespace: str, proofs) -> list[str]:

@@ -9,6 +9,9 @@ traffic, a tenth of a second, once per process). Both ways the elementwise kerne
 16-byte vectors over a row of a multiple of the vector, one element per thread over that row with one more value.
 NaNs with their payloads, infinities and subnormals included. ``channel_rmsnorm_silu`` and ``per_channel_rmsnorm``
 prove their kernels' SiLU (and the latter its square root) through these functions, each with its own probe.
+`FoldedProof` does it once per device and dtype for a function a kernel folds in place of an eager kernel (the gates'
+``tanh`` that ``gated_residual_rows`` and ``gated_layernorm_scale_rows`` take of their rows), with a fallback to that
+eager kernel where the proof fails.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Callable, Hashable
 import torch
 import torch.nn.functional as F
 
-from ._policy import bits
+from .._logging import logger
+from ._policy import bits, capturing
 from .gelu_cat import every_value
 
 FP32_CHUNK = 1 << 24  # fp32 bit patterns per step of the fp32 proof (64 MiB a tensor)
@@ -63,3 +67,48 @@ def prove_every_value(x: torch.Tensor, probe: Probe, ref: Callable[[torch.Tensor
             fp32_proven.add(fp32_key)
         return True
     return int(mismatches(every_value(x.dtype, x.device).flatten(), probe, ref)) == 0
+
+
+def tanh_chain_ref(values: torch.Tensor) -> torch.Tensor:
+    """Eager's gated residual ``residual + gate.tanh() * update`` with a residual of -0 and an update of 1, by aten on
+    `values`' device: for every value whose tanh is not a NaN, the tanh rounded to the dtype itself (``-0 + t * 1`` is
+    exactly ``t``, the signs of zeros included); a NaN through aten's arithmetic, as the kernels' next operations make
+    of one (the product and the sum that read the gate)."""
+    return values.new_full(values.shape, -0.0) + values.tanh() * values.new_ones(values.shape)
+
+
+class FoldedProof:
+    """Whether a kernel's function of one value that stands for an eager kernel it folds (the gates' ``tanh`` read by
+    Qwen-Image 2.1's gated residual kernels) gives eager's bits on every value of a dtype on a device: `mismatches` of
+    `probe` against `ref` over the 65536 bf16 / fp16 values, run once per (device, dtype) on the first call that asks
+    and remembered either way. A proof that fails, or cannot run (a kernel that fails to build or launch, or a CUDA
+    graph being captured, where it would synchronise: then not remembered), answers False: the op then reads eager's
+    own kernel's result instead (the folded function unused), after one warning for a failure.
+
+    Args:
+        name: what is proven, for the warning.
+        probe: the kernel's probe on a ``[1, 1, n]`` row (`Probe`).
+        ref: eager's expression of the same (`tanh_chain_ref`).
+    """
+
+    def __init__(self, name: str, probe: Probe, ref: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.name, self.probe, self.ref = name, probe, ref
+        self.results: dict[tuple, bool] = {}  # (device, dtype) -> proven
+
+    def holds(self, device: torch.device, dtype: torch.dtype) -> bool:
+        key = (device, dtype)
+        proven = self.results.get(key)
+        if proven is not None:
+            return proven
+        if capturing():
+            return False
+        try:
+            proven = int(mismatches(every_value(dtype, device).flatten(), self.probe, self.ref)) == 0
+            cause = "differs from eager's on some values"
+        except Exception as exc:  # noqa: BLE001 - the folded form is not used; the op runs as before
+            proven, cause = False, f"could not run ({type(exc).__name__}: {exc})"
+        self.results[key] = proven
+        if not proven:
+            logger.warning(f"diffusers_fastpath: {self.name} on {device} for {str(dtype).removeprefix('torch.')} "
+                           f"{cause}; eager's own kernel computes it instead (same numbers, one launch more)")
+        return proven

@@ -38,6 +38,7 @@ from .layernorm_modulate import _affine_rows, _fp32, _norm_signature, _norm_unfi
 from .layernorm_modulate import _rows_guard as _scale_rows_guard
 from .layernorm_modulate import layernorm_scale_rows, layernorm_scale_rows_ref
 from .layernorm_scale_shift import _cuda_ops, _nvrtc_kernel
+from ._unary_proof import FoldedProof, tanh_chain_ref
 from .selected_rows import SelectedRows, table_rows_aligned
 
 
@@ -65,7 +66,8 @@ def _guard(norm, residual, gate, update, scale, check_pointers: bool = True) -> 
             or _scale_rows_guard(norm, residual, scale, check_pointers))
 
 
-def _raw_guard(residual, gate, gate_index, update, scale, shift, index, weight, bias, eps) -> str | None:
+def _raw_guard(residual, gate, gate_index, update, scale, shift, index, weight, bias, eps,
+               tanh_gate: bool = False) -> str | None:
     """bindings.cpp's gated_layernorm_modulate_rows checks (the indices' values are the caller's: built from a mask)."""
     if not (isinstance(gate, torch.Tensor) and gate.dim() == 2 and isinstance(gate_index, torch.Tensor)):
         return "shape"
@@ -79,33 +81,63 @@ def _raw_guard(residual, gate, gate_index, update, scale, shift, index, weight, 
             or _raw_rows_guard(residual, scale, shift, index, weight, bias, eps))
 
 
-def _nvrtc_gated_rows(residual, gate, gate_index, update, scale, shift, index, weight, bias, eps: float):
+def _nvrtc_gated_rows(residual, gate, gate_index, update, scale, shift, index, weight, bias, eps: float,
+                      tanh_gate: bool = False):
     # layernorm_modulate's rows launch (ops/layernorm_modulate.py) with the gated prologue: the gate an [R, dim] table
+    # (tanh_gate: its rows before their tanh, which the kernel takes)
     x_out = residual.new_empty(residual.shape)
     strides = tuple(0 if t is None or t.shape[0] == 1 else t.stride(0) for t in (scale, shift))
     out = _nvrtc_kernel(residual, scale[:1], None if shift is None else shift[:1], eps, seq_strides=strides,
                         norm_weight=weight, norm_bias=bias, row_index=index, gate=gate, update=update, x_out=x_out,
-                        gate_index=gate_index)
+                        gate_index=gate_index, tanh_gate=tanh_gate)
     return x_out, out
 
 
 _nvrtc.raw_op("_gated_layernorm_modulate_rows_cuda",
               "(Tensor residual, Tensor gate, Tensor gate_index, Tensor update, Tensor scale, Tensor? shift, "
-              "Tensor index, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
+              "Tensor index, Tensor? weight, Tensor? bias, float eps, bool tanh_gate=False) -> (Tensor, Tensor)",
               _raw_guard, _nvrtc_gated_rows)
 
 _launch = LazyLauncher(_nvrtc_gated_rows, "_gated_layernorm_modulate_rows_cuda")
 
+_PROBE_WIDTH = 4096  # the probe's rows: 16 of them hold the 65536 values of a dtype
+
+
+def _tanh_probe(row: torch.Tensor) -> torch.Tensor:
+    """The kernel's gate tanh on a ``[1, 1, n]`` row (`_unary_proof.FoldedProof`): the row as a table of rows of
+    4096 (padded with zeros), token s picking row s, a residual of -0 and an update of 1 (`tanh_chain_ref`): the
+    written stream is the gated update, the LayerNorm's output (of a zero scale row) not read."""
+    n = row.shape[-1]
+    rows = -(-n // _PROBE_WIDTH)
+    table = row.new_zeros(rows * _PROBE_WIDTH)
+    table[:n] = row.view(-1)
+    table = table.view(rows, _PROBE_WIDTH)
+    gate_index = torch.arange(rows, dtype=torch.int32, device=row.device).view(1, rows)
+    residual, update = row.new_full((1, rows, _PROBE_WIDTH), -0.0), row.new_ones((1, rows, _PROBE_WIDTH))
+    scale = row.new_zeros(1, _PROBE_WIDTH)
+    x, _ = _launch(residual, table, gate_index, update, scale, None, torch.zeros_like(gate_index), None, None, 1e-6,
+                   True)
+    return x.view(1, 1, -1)[..., :n]
+
+
+# layernorm_scale_shift.cu's kTanhGate: its tanh of the gate's values against aten's, once per device and dtype
+TANH_FOLDED = FoldedProof("gated_layernorm_scale_rows' tanh of the gate rows", _tanh_probe, tanh_chain_ref)
+
 
 def _kernel(norm, residual, gate, update, scale):
+    if gate.folds_tanh and TANH_FOLDED.holds(residual.device, residual.dtype):  # the rows before their tanh
+        return _launch(residual, gate.params, gate.index(), update, scale.table(), None, scale.index(),
+                       *_affine_rows(norm), norm.eps, True)
     return _launch(residual, gate.table(), gate.index(), update, scale.table(), None, scale.index(),
                    *_affine_rows(norm), norm.eps)
 
 
 def _signature(norm, residual, gate, update, scale):
     # what one torch.equal check vouches for: the norm's aten instantiation and row length (the gated update and the
-    # rows' addressing are exact by construction)
-    return (*_norm_signature(norm, residual), "gated indexed rows", "scale only")
+    # rows' addressing are exact by construction), and whether the kernel took the gate's tanh itself (`_kernel`:
+    # decided once per device and dtype, the table then not made)
+    folded = gate.folds_tanh and TANH_FOLDED.results.get((residual.device, residual.dtype), False)
+    return (*_norm_signature(norm, residual), "gated indexed rows", "scale only", "tanh in kernel" if folded else "")
 
 
 def _compiled(norm, residual, gate, update, scale):

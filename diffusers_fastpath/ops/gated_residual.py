@@ -25,6 +25,7 @@ import torch
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
+from ._unary_proof import FoldedProof, tanh_chain_ref
 from .selected_rows import IndexedRows, SelectedRows, table_rows_aligned
 
 _VEC_BYTES = 16  # one 16-byte vector load/store per thread and row
@@ -89,7 +90,10 @@ _NVRTC = _nvrtc.Kernel(
     "diffusers_fastpath::gated_residual_kernel",
     {(dtype, gate_dtype, row_gate): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
      f"{'float' if gate_dtype is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {str(row_gate).lower()}"
-     for dtype in HALF_DTYPES for gate_dtype in (dtype, torch.float32) for row_gate in (True, False)},
+     for dtype in HALF_DTYPES for gate_dtype in (dtype, torch.float32) for row_gate in (True, False)}
+    # indexed rows of T with the gate's tanh taken of each value (kTanhGate: Qwen-Image 2.1's gates)
+    | {(dtype, dtype, False, "tanh"): f"{_nvrtc.STORAGE_TYPE[dtype]}, {_nvrtc.STORAGE_TYPE[dtype]}, false, true"
+       for dtype in HALF_DTYPES},
     _nvrtc.Params("gated_residual_kernel", ("out", "P"), ("residual", "P"), ("gate", "P"), ("update", "P"),
                   ("rows", "q"), ("seq", "q"), ("vecs_per_row", "i"), ("gate_batch_stride", "q"),
                   ("gate_seq_stride", "q"), ("index", "P"), ("table_rows", "q")),
@@ -98,8 +102,9 @@ _THREADS, _ROWS_IN_FLIGHT = 256, 4
 
 
 def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor, out: torch.Tensor | None = None,
-                  index: torch.Tensor | None = None):
-    # index: the indexed rows (gated_residual_rows), gate the [1, rows, dim] view of the table
+                  index: torch.Tensor | None = None, tanh_gate: bool = False):
+    # index: the indexed rows (gated_residual_rows), gate the [1, rows, dim] view of the table; tanh_gate: the table
+    # holds the rows before their tanh, which the kernel takes (indexed rows of the residual's dtype only)
     batch, seq, dim = residual.shape
     if out is None:
         out = residual.new_empty(residual.shape)
@@ -109,8 +114,11 @@ def _nvrtc_kernel(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     gate_batch_stride = 0 if gate.shape[0] == 1 or index is not None else gate.stride(0)
     gate_seq_stride = 0 if gate.shape[1] == 1 else gate.stride(1)
     row_gate = gate_seq_stride == 0 and index is None
+    if tanh_gate and (index is None or gate.dtype is not residual.dtype):
+        raise ValueError("gated_residual_rows: the gate's tanh is taken of indexed rows of x's dtype only")
     grid, block = _nvrtc.row_grid(rows, vecs, _THREADS, _ROWS_IN_FLIGHT, _nvrtc.num_sms(device))
-    _NVRTC.launch(device, (residual.dtype, gate.dtype, row_gate), grid, block, out.data_ptr(), residual.data_ptr(),
+    key = (residual.dtype, gate.dtype, False, "tanh") if tanh_gate else (residual.dtype, gate.dtype, row_gate)
+    _NVRTC.launch(device, key, grid, block, out.data_ptr(), residual.data_ptr(),
                   gate.data_ptr(), update.data_ptr(), rows, seq, vecs, gate_batch_stride, gate_seq_stride,
                   0 if index is None else index.data_ptr(), 0 if index is None else gate.shape[1])
     return out
@@ -284,7 +292,7 @@ def _rows_guard(residual, rows, update, check_pointers: bool = True) -> str | No
         None if table_rows_aligned(table) else "gate strided")
 
 
-def _rows_raw_guard(residual, table, index, update) -> str | None:
+def _rows_raw_guard(residual, table, index, update, tanh_gate: bool = False) -> str | None:
     """bindings.cpp's gated_residual_rows checks (the index's values are the caller's: built from a mask)."""
     if not (isinstance(table, torch.Tensor) and isinstance(index, torch.Tensor)) or table.dim() != 2:
         return "shape"
@@ -296,19 +304,45 @@ def _rows_raw_guard(residual, table, index, update) -> str | None:
     return residual_guard(residual, table.unsqueeze(0)[:, :1], update, residual.dtype, True)
 
 
-def _nvrtc_rows(residual, table, index, update):
-    return _nvrtc_kernel(residual, table.unsqueeze(0), update, index=index)
+def _nvrtc_rows(residual, table, index, update, tanh_gate: bool = False):
+    return _nvrtc_kernel(residual, table.unsqueeze(0), update, index=index, tanh_gate=tanh_gate)
 
 
-_nvrtc.raw_op("_gated_residual_rows_cuda", "(Tensor residual, Tensor table, Tensor index, Tensor update) -> Tensor",
+_nvrtc.raw_op("_gated_residual_rows_cuda",
+              "(Tensor residual, Tensor table, Tensor index, Tensor update, bool tanh_gate=False) -> Tensor",
               _rows_raw_guard, _nvrtc_rows)
 
 _rows_op = LazyLauncher(_nvrtc_rows, "_gated_residual_rows_cuda")
 
 
+def _tanh_probe(row: torch.Tensor) -> torch.Tensor:
+    """The kernel's gate tanh on a ``[1, 1, n]`` row (`_unary_proof.FoldedProof`): the row as a one-row table (padded
+    to whole vectors), every token picking it, a residual of -0 and an update of 1 (`tanh_chain_ref`)."""
+    n = row.shape[-1]
+    width = -(-n // 8) * 8
+    table = row.new_zeros(1, width)
+    table[0, :n] = row.view(-1)
+    index = torch.zeros(1, 1, dtype=torch.int32, device=row.device)
+    residual, update = row.new_full((1, 1, width), -0.0), row.new_ones((1, 1, width))
+    return _rows_op(residual, table, index, update, True)[..., :n]
+
+
+# gated_residual.cu's kTanhGate: its tanh of the gate's values against aten's, once per device and dtype
+TANH_FOLDED = FoldedProof("gated_residual_rows' tanh of the gate rows", _tanh_probe, tanh_chain_ref)
+
+
+def _folds_tanh(residual, rows) -> bool:
+    """Whether the kernel takes the tanh of `rows` itself: `SelectedRows.read_later`'s rows whose table aten has not
+    computed, and the kernel's tanh proven on this device and dtype (`TANH_FOLDED`)."""
+    return type(rows) is SelectedRows and rows.folds_tanh and TANH_FOLDED.holds(residual.device, residual.dtype)
+
+
 def _rows_kernel(residual, rows, update):
     # (an IndexedRows' [N] index is the [1, N] one of a [1, N, D] residual: `reason` admits no other)
-    return _rows_op(residual, rows.table(), rows.index().view(residual.shape[:2]), update)
+    index = rows.index().view(residual.shape[:2])
+    if _folds_tanh(residual, rows):  # the rows before their tanh, taken in the kernel
+        return _rows_op(residual, rows.params, index, update, True)
+    return _rows_op(residual, rows.table(), index, update)
 
 
 GATED_RESIDUAL_ROWS = FusedOp(
@@ -323,9 +357,16 @@ GATED_RESIDUAL_ROWS = FusedOp(
     # exact by construction (values moved, the tanh aten's on the same values); the first call of each signature
     # is compared with eager all the same, the tanh being computed on other tensors than eager's (and the index
     # of IndexedRows narrowed to int32 by this package)
+    # (and whether the kernel took the tanh itself: `_folds_tanh`, decided once per device and dtype)
     verify_key=lambda residual, rows, update: (str(residual.dtype).removeprefix("torch."), type(rows).__name__,
-                                               rows.tanh),
+                                               rows.tanh, "tanh in kernel" if _folded(residual, rows) else ""),
 )
+
+
+def _folded(residual, rows) -> bool:
+    # what `_rows_kernel` chose for these rows (read after it ran: the proof's answer is kept, the table not made)
+    return (type(rows) is SelectedRows and rows.folds_tanh
+            and TANH_FOLDED.results.get((residual.device, residual.dtype), False))
 
 
 def gated_residual_rows(residual: torch.Tensor, gate, update: torch.Tensor, site: Site | None = None) -> torch.Tensor:

@@ -111,7 +111,7 @@ _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("sca
                       ("modulate_fp32", "?"), ("affine", "?"), ("gated", "?"), ("x_out", "P"), ("gate", "P"),
                       ("update", "P"), ("gate_batch_stride", "q"), ("scale_seq_stride", "q"),
                       ("shift_seq_stride", "q"), ("norm_weight", "P"), ("norm_bias", "P"), ("row_index", "P"),
-                      ("gate_index", "P"))
+                      ("gate_index", "P"), ("tanh_gate", "?"))
 _KVS = (0, 6, 8, 12)
 _NVRTC = _nvrtc.Kernel(
     "layernorm_scale_shift.cu",
@@ -119,7 +119,10 @@ _NVRTC = _nvrtc.Kernel(
     {(dtype, rows, kv, gated): f"{_nvrtc.STORAGE_TYPE[dtype]}, "
      f"{'float' if rows is torch.float32 else _nvrtc.STORAGE_TYPE[dtype]}, {kv}, {str(gated).lower()}"
      for dtype in (torch.bfloat16, torch.float16) for rows in (dtype, torch.float32) for kv in _KVS
-     for gated in (False, True) if not gated or (kv and rows is dtype)},  # gated: T's chain, production kernels
+     for gated in (False, True) if not gated or (kv and rows is dtype)}  # gated: T's chain, production kernels
+    # the gated form with the gate's tanh taken of each value (kTanhGate: Qwen-Image 2.1's indexed gate rows)
+    | {(dtype, dtype, kv, "tanh"): f"{_nvrtc.STORAGE_TYPE[dtype]}, {_nvrtc.STORAGE_TYPE[dtype]}, {kv}, true, true"
+       for dtype in (torch.bfloat16, torch.float16) for kv in _KVS[1:]},
     _nvrtc.Params("layernorm_scale_shift_kernel", ("a", _ARGS)),
 )
 _EIGHT_WARPS, _VARIANT_MASK = 64, 127
@@ -134,7 +137,8 @@ def _kv_for(dim: int) -> int:
 
 def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = False, out=None,
                   affine: bool = False, gate=None, update=None, x_out=None, seq_strides=(0, 0),
-                  norm_weight=None, norm_bias=None, row_index=None, gate_index=None) -> torch.Tensor:
+                  norm_weight=None, norm_bias=None, row_index=None, gate_index=None,
+                  tanh_gate: bool = False) -> torch.Tensor:
     batch, seq, dim = x.shape
     if out is None:
         out = x.new_empty(x.shape)
@@ -143,6 +147,8 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     # x is the residual; x_out gets the gated update (gated_layernorm_scale_shift); gate_index: the gate an [R, dim]
     # table whose rows that index picks (gated_layernorm_scale_rows), its row stride the gate's batch stride below
     gated = update is not None
+    if tanh_gate and gate_index is None:
+        raise ValueError("layernorm_scale_shift: the gate's tanh needs an indexed gate")
     if gated:
         _nvrtc.check_out("gated_layernorm_scale_shift", x_out, x.shape, x, 16)
     if probe and variant & ~_VARIANT_MASK:
@@ -152,7 +158,8 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
     kv = 0 if probe else _kv_for(dim)
     block = (32, 8 if variant & _EIGHT_WARPS else 4, 1)
     fp32 = scale.dtype is torch.float32
-    _NVRTC.launch(device, (x.dtype, scale.dtype, kv, gated), (batch * seq, 1, 1), block, out.data_ptr(),
+    key = (x.dtype, scale.dtype, kv, "tanh" if tanh_gate else gated)
+    _NVRTC.launch(device, key, (batch * seq, 1, 1), block, out.data_ptr(),
                   x.data_ptr(), scale.data_ptr(), 0 if shift is None else shift.data_ptr(), batch, seq, dim,
                   0 if scale.shape[0] == 1 else scale.stride(0),
                   0 if shift is None or shift.shape[0] == 1 else shift.stride(0), eps,
@@ -161,7 +168,7 @@ def _nvrtc_kernel(x, scale, shift, eps: float, variant: int = 0, probe: bool = F
                   update.data_ptr() if gated else 0, 0 if not gated or gate.shape[0] == 1 else gate.stride(0),
                   *seq_strides, 0 if norm_weight is None else norm_weight.data_ptr(),
                   0 if norm_bias is None else norm_bias.data_ptr(), 0 if row_index is None else row_index.data_ptr(),
-                  0 if gate_index is None else gate_index.data_ptr())
+                  0 if gate_index is None else gate_index.data_ptr(), tanh_gate)
     return out
 
 

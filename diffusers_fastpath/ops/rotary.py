@@ -132,6 +132,17 @@ _NVRTC_ROWS = _nvrtc.Kernel(
      for form, pair in ((1, False), (2, False), (1, True), (3, False), (4, False), (5, False))},
     _nvrtc.Params("row_norm_rotary_kernel", ("a", _ARGS)),
 )
+# The norm-only forms (3, 4, 5 above) on rows of at most _NARROW_WIDEST elements: narrow_row_norm_kernel, a warp a row,
+# _NARROW_ROWS_PER_BLOCK consecutive rows a block of _NARROW_THREADS, one grid dimension (rotary.cu's launch()).
+_NVRTC_NARROW_ROWS = _nvrtc.Kernel(
+    "rotary.cu",
+    "diffusers_fastpath::narrow_row_norm_kernel",
+    {(dtype, form): f"{_nvrtc.STORAGE_TYPE[dtype]}, {form}" for dtype in HALF_DTYPES for form in (3, 4, 5)},
+    _nvrtc.Params("narrow_row_norm_kernel", ("a", _ARGS)),
+)
+_NARROW_THREADS = 256  # rotary.cu's kNarrowWarps * 32
+_NARROW_ROWS_PER_BLOCK = 32  # ... kNarrowRowsPerBlock
+_NARROW_WIDEST = 128  # ... kNarrowWidest
 # The shared-table form at dim 128, with the per-head norm (FLUX's; FLUX.3's fp32 one, 2; Krea 2's, 3) or without:
 # head_norm_rotary_kernel, (dtype, norm), kHeadThreads 128 a row.
 _NVRTC_HEADS = _nvrtc.Kernel(

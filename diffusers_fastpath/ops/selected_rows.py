@@ -37,21 +37,72 @@ class SelectedRows:
         index: the index `index` makes, where the caller has it already (rows of the same mask).
     """
 
-    __slots__ = ("select", "params", "mask", "tanh", "_table", "_index")
+    __slots__ = ("select", "params", "mask", "tanh", "_table", "_index", "_taken", "_later")
 
     def __init__(self, select, params: torch.Tensor, mask: torch.Tensor, tanh: bool = False,
                  index: torch.Tensor | None = None) -> None:
         self.select, self.params, self.mask, self.tanh = select, params, mask, tanh
-        self._table, self._index = None, index
+        self._table, self._index, self._taken, self._later = None, index, False, False
+
+    @classmethod
+    def tanh_taken(cls, select, params: torch.Tensor, mask: torch.Tensor,
+                   index: torch.Tensor | None) -> SelectedRows:
+        """A lazy gate's rows (`_norm_methods.lazy_gates`: the rewriter proved they are read once, as
+        ``tanh_rows(G)``), kept as eager's ``where`` would read them now, in as few kernels as that takes: the table
+        is ``params.tanh()`` computed now (one kernel reading the rows' view and writing a new tensor: the rows' values
+        now, through the tanh that eager computes later on the very values its ``where`` copies now; tanh is
+        elementwise, so the picked rows of the table's tanh are the tanh of the picked rows), and the mask's values now
+        are `index`'s (made from the mask as it is now: row 0 of it is 0 exactly where the mask holds, the table's
+        other rows being B >= 1), read back only by `materialize`; without an index, a copy of the mask. The result
+        is already the gate's ``.tanh()``: `tanh_rows` returns it as it is.
+
+        Where autograd records (the rows require grad; the kernels refuse, the fallback runs), the gradient of the
+        rows must be eager's (the tanh's backward on each picked row, then the ``where``'s sum over the tokens, not
+        the other way round): there the rows and the mask are copied as they are and the tanh waits for `tanh_rows`,
+        the model's own order."""
+        if torch.is_grad_enabled() and params.requires_grad:
+            return cls(select, params.clone(), mask.clone(), index=index)
+        rows = cls(select, params.tanh(), mask if index is not None else mask.clone(), tanh=True, index=index)
+        rows._table, rows._taken = rows.params, True
+        return rows
+
+    @classmethod
+    def read_later(cls, select, params: torch.Tensor, mask: torch.Tensor, index: torch.Tensor | None) -> SelectedRows:
+        """A lazy gate's rows where the rewriter also proved that nothing writes what `params` holds between the
+        method's call and the one gated residual that reads them (`_norm_methods.lazy_gates`: ``LATER``): the rows
+        are ``params`` as they are (a view: no kernel), read by that residual's kernel, which takes their ``.tanh()``
+        itself where it proved its tanh is aten's on every value of the dtype (`folds_tanh`), else reads `table`, aten's
+        tanh of them (one kernel then, as `tanh_taken`). The mask's values are `index`'s, as `tanh_taken`'s (without
+        an index, a copy of the mask). The result is already the gate's ``.tanh()``: `tanh_rows` returns it as it is;
+        `materialize` is the model's ``select(params, mask).tanh()`` (where autograd records too: the model's order)."""
+        rows = cls(select, params, mask if index is not None else mask.clone(), tanh=True, index=index)
+        rows._later = True
+        return rows
+
+    @property
+    def folds_tanh(self) -> bool:
+        """Whether a kernel may take these rows' ``.tanh()`` of `params` itself (`read_later`'s, the table not yet
+        computed by aten)."""
+        return self._later and self._table is None
+
+    def _mask_values(self) -> torch.Tensor:
+        """The mask's values the rows were picked with (`tanh_taken`, `read_later`: those held by the index's row 0)."""
+        if (self._taken or self._later) and self._index is not None:
+            return self._index[0] == 0
+        return self.mask
 
     def materialize(self) -> torch.Tensor:
-        """The model's expression: ``select(params, mask)``, then ``.tanh()`` for a gate."""
-        rows = self.select(self.params, self.mask)
-        return rows.tanh() if self.tanh else rows
+        """The model's expression: ``select(params, mask)``, then ``.tanh()`` for a gate (`tanh_taken`: the tanh taken
+        on the table, the mask read back from the index)."""
+        rows = self.select(self.params, self._mask_values())
+        return rows.tanh() if self.tanh and not self._taken else rows
 
     def tanh_rows(self) -> SelectedRows:
         """These rows through ``.tanh()`` (what the gate's ``g.tanh()`` is): the tanh of the table computed now,
-        where eager computes its own, the rows still not written out."""
+        where eager computes its own, the rows still not written out (`tanh_taken`'s and `read_later`'s rows:
+        themselves)."""
+        if self._taken or self._later:
+            return self
         rows = SelectedRows(self.select, self.params, self.mask, tanh=True, index=self._index)
         rows.table()
         return rows
@@ -89,6 +140,8 @@ class SelectedRows:
             return "mixed dtypes"
         if mask.device != params.device:
             return "devices differ"
+        if (self._taken or self._later) and self._index is not None and self._index.shape != x.shape[:2]:
+            return "rows shape"  # (the mask resized in place since: its values are the index's)
         return None
 
 

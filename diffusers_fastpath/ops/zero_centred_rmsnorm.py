@@ -15,7 +15,10 @@ block squares elements 4(t + 128k)..4(t + 128k) + 3 of the row in an FMA chain, 
 ``qk_norm_rows_rope`` reproduces for LTX-Video's and Wan's QK norms, read off the SASS and probed on the GPU,
 ``tools/rms_norm_order_probe.py``), on the same values (the upcast is exact); the result ``w * (rstd * x)`` is
 two fp32 products that the cast rounds to T once, as the kernel does. The weight ``self.weight + 1.0`` is the
-forward's own float32 add, run as the forward runs it, before the launch.
+forward's own float32 add, run as the forward runs it, before the launch. Rows of at most 128 elements (the text
+refiner's 128-wide heads, [512, 12, 20, 128]) hold data in warp 0's lanes only, the other warps adding exact zeros:
+``narrow_row_norm_kernel`` runs that order with a warp a row, 32 rows a block (a block of 128 threads a row took 324 us
+there on the H100 against eager's 183); the same for `zero_centred_modulate` and `rms_norm_modulate_rows`.
 
 The order is a property of the aten build, so the op verifies itself: the first fast call of each (dtype, C) is
 compared with eager by ``torch.equal``; a mismatch disables it for the process with one warning and the norm runs as
@@ -40,7 +43,8 @@ from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, EagerClasses, FusedOp, Site, autograd_device_reason, tensor_reason
 from .qk_norm_rope import MAX_ROW_CHANNELS, ROW_NORM_FINAL, ROW_THREADS
-from .rotary import _NO_MODULATE, _NO_SOURCE, _NVRTC_ROWS
+from .rotary import (_NARROW_ROWS_PER_BLOCK, _NARROW_THREADS, _NARROW_WIDEST, _NO_MODULATE, _NO_SOURCE,
+                     _NVRTC_NARROW_ROWS, _NVRTC_ROWS)
 
 _NO_ROTARY = 3  # csrc/rotary.cu's kNoRotary form of row_norm_rotary_kernel
 _NO_ROTARY_MODULATE = 4  # ... and its kNoRotaryModulate form (`zero_centred_modulate`)
@@ -95,8 +99,9 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
 
 # The NVRTC way: rotary.cu's row norm kernel in its kNoRotary form (kNoRotaryModulate with the modulate's rows;
 # kNormModulateRows with torch.nn.RMSNorm's weight and the rows' index, `rms_norm_modulate_rows`), launched as
-# bindings_rotary.cpp's zero_centred_launch does (x as [batch, seq, 1, C], one block of aten's (32, 4) threads per row,
-# the output allocation); the guards stand for bindings_rotary.cpp's checks.
+# bindings_rotary.cpp's zero_centred_launch does (x as [batch, seq, 1, C], one block of aten's (32, 4) threads per row;
+# rows of at most 128 elements a warp each, narrow_row_norm_kernel's, as rotary.cu's launch() picks it; the output
+# allocation); the guards stand for bindings_rotary.cpp's checks.
 def nvrtc_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_final: int,
                        scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                        index: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,9 +121,13 @@ def nvrtc_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_f
                     0 if shift.shape[0] == 1 and not indexed else shift.stride(0),
                     index.data_ptr() if indexed else 0, scale.shape[0] if indexed else 0)
         form = _NORM_MODULATE_ROWS if indexed else _NO_ROTARY_MODULATE
-    _NVRTC_ROWS.launch(x.device.index, (x.dtype, form, False), (seq, batch, 1), (ROW_THREADS, 1, 1), out.data_ptr(),
-                       *_NO_SOURCE, *img, 0, 0, 0, 0, 0, batch, 1, dim, False, False, True, False, not indexed,
-                       _nvrtc.DTYPE_CODE[x.dtype], norm_final, *modulate)
+    args = (out.data_ptr(), *_NO_SOURCE, *img, 0, 0, 0, 0, 0, batch, 1, dim, False, False, True, False, not indexed,
+            _nvrtc.DTYPE_CODE[x.dtype], norm_final, *modulate)
+    blocks = -(-batch * seq // _NARROW_ROWS_PER_BLOCK)
+    if dim <= _NARROW_WIDEST and blocks <= 0x7FFFFFFF:  # a warp a row (rotary.cu's narrow_row_norm_kernel)
+        _NVRTC_NARROW_ROWS.launch(x.device.index, (x.dtype, form), (blocks, 1, 1), (_NARROW_THREADS, 1, 1), *args)
+    else:
+        _NVRTC_ROWS.launch(x.device.index, (x.dtype, form, False), (seq, batch, 1), (ROW_THREADS, 1, 1), *args)
     return out
 
 
