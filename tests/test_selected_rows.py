@@ -188,18 +188,35 @@ def test_qwen21_zoo_forward_reads_both_gates_later():
     assert source.count(f"_fastpath_lazy_gate={LATER!r}") == 2 and "_fastpath_lazy_gate=True" not in source
 
 
+class _Launches:
+    """Records the aten ops that would launch a kernel (views and aliases left out) into `seen` while entered."""
+
+    _VIEWS = ("slice", "view", "select", "unsqueeze", "detach", "alias")
+
+    def __init__(self, seen: list):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        views = self._VIEWS
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket.__name__ not in views:
+                    seen.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Ops()
+
+    def __enter__(self):
+        return self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 def test_read_later_rows_run_no_kernel_at_the_call_and_fall_back_to_the_models_expression():
     """`SelectedRows.read_later`: nothing runs at the call (the rows a view, the mask's values the index's); the rows
     are the gate's tanh (`tanh_rows` returns them); the kernels may fold the tanh until aten's table is made; the
     fallback is the model's ``where(...).tanh()`` of the rows as they are (the rewriter proved them unwritten)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ not in ("slice", "view", "select", "unsqueeze", "detach", "alias"):
-                seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     gen = torch.Generator().manual_seed(4)
     mod = (torch.randn(3, 4 * 64, generator=gen) * 2).to(torch.bfloat16)
     gate_view = mod[:, 64:128]
@@ -209,7 +226,7 @@ def test_read_later_rows_run_no_kernel_at_the_call_and_fall_back_to_the_models_e
     scale = SelectedRows(_select_modulation_rows, mod[:, :64], mask)
     scale.index()
     seen = []
-    with Ops():
+    with _Launches(seen):
         gate = _norm_methods._gate_rows(_select_modulation_rows, gate_view, mask, scale, LATER)
     assert seen == [] and gate.params is gate_view and gate.tanh and tanh_rows(gate) is gate and gate.folds_tanh
     mask[:] = True  # (written after the call: the index holds the values the where read)
@@ -257,14 +274,6 @@ def test_lazy_gate_is_one_tanh_and_its_fallback_reads_the_rows_and_mask_as_they_
     or of the mask, whose values the scale's index holds): the rows as the block reads them, ``where(...).tanh()``,
     also written out by the fallback after the modulation and the mask were written in place (without an index, a
     copy of the mask, as before; rows that require grad: copies of both, the tanh in the model's order)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ not in ("slice", "view", "select", "unsqueeze", "detach", "alias"):
-                seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     gen = torch.Generator().manual_seed(4)
     mod = (torch.randn(3, 4 * 64, generator=gen) * 2).to(torch.bfloat16)
     if grad:
@@ -278,7 +287,7 @@ def test_lazy_gate_is_one_tanh_and_its_fallback_reads_the_rows_and_mask_as_they_
     if indexed:
         scale.index()
     seen = []
-    with Ops():
+    with _Launches(seen):
         gate = _norm_methods._gate_rows(_select_modulation_rows, gate_view, mask, scale, True)
     assert seen == (["clone", "clone"] if grad else ["tanh"] if indexed else ["tanh", "clone"])
     assert (tanh_rows(gate) is gate) != grad and gate.tanh != grad and gate.cached_index is scale.cached_index
