@@ -63,6 +63,7 @@ them, `unpatch` removes them (only these).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any
@@ -138,6 +139,20 @@ def _pinned(device: torch.device, dtype: torch.dtype, n: int) -> tuple[threading
                      torch.empty(n, dtype=dtype, pin_memory=pin))
             _buffers[key] = entry
     return entry
+
+
+@contextlib.contextmanager
+def _held_buffers(device: torch.device, dtype: torch.dtype, chunk_bytes: int):
+    """The two pinned buffers of `chunk_bytes` of `dtype` (at least one element) for this call, held until the block
+    ends; None where another thread holds them (the call then gives way: `REASON_BUSY`)."""
+    lock, *bufs = _pinned(device, dtype, max(1, chunk_bytes // dtype.itemsize))
+    if not lock.acquire(blocking=False):
+        yield None
+        return
+    try:
+        yield bufs
+    finally:
+        lock.release()
 
 
 def _call_refusal(x: Any, ndim: int, what: str, output_type: str, extra: bool) -> str | None:
@@ -266,11 +281,9 @@ def _fast_np(processor: Any, video: torch.Tensor, chunk_bytes: int) -> np.ndarra
     per = C * T * H * W
     mem = np.empty(B * per, np.float32)
     out = torch.from_numpy(mem)
-    n = max(1, chunk_bytes // video.element_size())
-    lock, *bufs = _pinned(video.device, video.dtype, n)
-    if not lock.acquire(blocking=False):
-        return REASON_BUSY
-    try:
+    with _held_buffers(video.device, video.dtype, chunk_bytes) as bufs:
+        if bufs is None:
+            return REASON_BUSY
         for b in range(B):
             pt = processor.postprocess(video[b].permute(1, 0, 2, 3), "pt")  # diffusers' own denormalize
             src = pt.permute(1, 0, 2, 3)
@@ -278,8 +291,6 @@ def _fast_np(processor: Any, video: torch.Tensor, chunk_bytes: int) -> np.ndarra
                 return REASON_LAYOUT
             _stream(src.reshape(-1), out[b * per:(b + 1) * per], bufs)
             del pt, src
-    finally:
-        lock.release()
     return np.ndarray((B, T, H, W, C), np.float32, buffer=mem, strides=strides)
 
 
@@ -332,11 +343,10 @@ def _fast_pil(processor: Any, video: torch.Tensor, chunk_bytes: int) -> list | s
     """The uint8 frames made on the device, copied through the pinned buffers, then diffusers' ``Image.fromarray``
     calls: the result, or why it was not taken (a value outside [0, 1], NaN included; a layout it does not know)."""
     B, C, T, H, W = video.shape
-    lock, *bufs = _pinned(video.device, torch.uint8, max(1, chunk_bytes))
-    if not lock.acquire(blocking=False):
-        return REASON_BUSY
     hosts = []
-    try:
+    with _held_buffers(video.device, torch.uint8, chunk_bytes) as bufs:
+        if bufs is None:
+            return REASON_BUSY
         for b in range(B):
             pt = processor.postprocess(video[b].permute(1, 0, 2, 3), "pt")  # diffusers' own denormalize
             if pt.shape != (T, C, H, W) or pt.dtype != video.dtype or pt.device != video.device:
@@ -346,8 +356,6 @@ def _fast_pil(processor: Any, video: torch.Tensor, chunk_bytes: int) -> list | s
                 return host
             hosts.append(host)
             del pt
-    finally:
-        lock.release()
     try:
         return [_frames(host) for host in hosts]
     except Exception:  # noqa: BLE001 - diffusers' own calls fail on these frames (a 1 x 1 one-channel frame squeezes
@@ -481,11 +489,9 @@ def _fast_image(processor: Any, image: torch.Tensor, output_type: str, chunk_byt
                            (0, 2, 3, 1))
         if strides is None:
             return REASON_LAYOUT
-    dtype = torch.uint8 if output_type == "pil" else image.dtype
-    lock, *bufs = _pinned(image.device, dtype, max(1, chunk_bytes // dtype.itemsize))
-    if not lock.acquire(blocking=False):
-        return REASON_BUSY
-    try:
+    with _held_buffers(image.device, torch.uint8 if output_type == "pil" else image.dtype, chunk_bytes) as bufs:
+        if bufs is None:
+            return REASON_BUSY
         pt = VaeImageProcessor.postprocess(processor, image, "pt")  # diffusers' own denormalize
         if pt.shape != image.shape or pt.dtype != image.dtype or pt.device != image.device or not pt.is_contiguous():
             return REASON_LAYOUT
@@ -496,8 +502,6 @@ def _fast_image(processor: Any, image: torch.Tensor, output_type: str, chunk_byt
             _stream(pt.reshape(-1), torch.from_numpy(mem), bufs)
             host = np.ndarray((B, H, W, C), np.float32, buffer=mem, strides=strides)
         del pt
-    finally:
-        lock.release()
     if isinstance(host, str) or output_type == "np":
         return host
     try:
