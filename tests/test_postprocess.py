@@ -31,6 +31,40 @@ def emulated(monkeypatch):
     monkeypatch.setattr(pp, "_device_ok", lambda video: True)
 
 
+def corrupt_copies(monkeypatch) -> None:
+    """Every pinned copy writes 0.25 over the last value of its buffer (a broken copy the first call's check must
+    catch)."""
+    real = pp._copy_async
+
+    def corrupting(dst, src):
+        token = real(dst, src)
+        dst.view(-1)[-1] = 0.25
+        return token
+
+    monkeypatch.setattr(pp, "_copy_async", corrupting)
+
+
+def corrupt_conversion(monkeypatch) -> None:
+    """The device's uint8 conversion off by one in its last byte (a broken conversion the first call's check must
+    catch)."""
+    real = pp._to_uint8
+
+    def off_by_one(x):
+        out = real(x)
+        out.view(-1)[-1] ^= 1
+        return out
+
+    monkeypatch.setattr(pp, "_to_uint8", off_by_one)
+
+
+def raising_copies(monkeypatch, message: str) -> None:
+    """Every pinned copy raises RuntimeError(message)."""
+    def broken(dst, src):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(pp, "_copy_async", broken)
+
+
 def original(processor, video, output_type="np", **kwargs):
     return VideoProcessor.postprocess_video(processor, video, output_type, **kwargs)
 
@@ -166,14 +200,7 @@ def test_env_switch(emulated, monkeypatch):
 def test_first_call_check_catches_a_broken_copy(emulated, monkeypatch, fastpath_log):
     """A copy that corrupts one value: the first call's check warns once, disables the fast path, and that call and
     every later one return diffusers' result."""
-    real = pp._copy_async
-
-    def corrupting(dst, src):
-        token = real(dst, src)
-        dst.view(-1)[-1] = 0.25
-        return token
-
-    monkeypatch.setattr(pp, "_copy_async", corrupting)
+    corrupt_copies(monkeypatch)
     proc = VideoProcessor()
     for seed in range(3):
         v = video((2, 3, 3, 4, 6), torch.bfloat16, seed=seed, specials=False)
@@ -184,10 +211,7 @@ def test_first_call_check_catches_a_broken_copy(emulated, monkeypatch, fastpath_
 
 
 def test_an_exception_falls_back_and_disables(emulated, monkeypatch, fastpath_log):
-    def broken(dst, src):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(pp, "_copy_async", broken)
+    raising_copies(monkeypatch, "boom")
     proc, v = VideoProcessor(), video((1, 3, 2, 4, 6), torch.float32)
     assert same(pp.fast_postprocess_video(proc, v), original(proc, v))
     assert pp._disabled and any("boom" in r.getMessage() for r in fastpath_log.records)
@@ -417,14 +441,7 @@ def test_pil_refusals_return_the_original(emulated, case):
 def test_pil_first_call_check_catches_a_broken_conversion(emulated, monkeypatch, fastpath_log):
     """A device conversion off by one in one byte: the first call's check warns once, disables the fast path (both
     types), and that call and every later one return diffusers' images."""
-    real = pp._to_uint8
-
-    def off_by_one(x):
-        out = real(x)
-        out.view(-1)[-1] ^= 1
-        return out
-
-    monkeypatch.setattr(pp, "_to_uint8", off_by_one)
+    corrupt_conversion(monkeypatch)
     proc = VideoProcessor()
     for seed in range(3):
         v = video((2, 3, 3, 4, 6), torch.bfloat16, seed=seed, specials=False)
@@ -437,10 +454,7 @@ def test_pil_first_call_check_catches_a_broken_conversion(emulated, monkeypatch,
 
 
 def test_pil_an_exception_falls_back_and_disables(emulated, monkeypatch, fastpath_log):
-    def broken(dst, src):
-        raise RuntimeError("pil boom")
-
-    monkeypatch.setattr(pp, "_copy_async", broken)
+    raising_copies(monkeypatch, "pil boom")
     proc, v = VideoProcessor(), video((1, 3, 2, 4, 6), torch.float16, specials=False)
     assert same_pil(pp.fast_postprocess_video(proc, v, "pil"), original(proc, v, "pil"))
     assert pp._disabled and any("pil boom" in r.getMessage() for r in fastpath_log.records)
@@ -640,24 +654,7 @@ def test_image_refusals_return_the_original(emulated, monkeypatch, case):
 def test_image_first_call_check_catches_a_broken_conversion(emulated, monkeypatch, fastpath_log, output_type):
     """A corrupted byte (pil: the device conversion; np: the copy): the first call's check warns once, disables the
     fast path (images and videos), and every call returns diffusers' result."""
-    if output_type == "pil":
-        real = pp._to_uint8
-
-        def broken(x):
-            out = real(x)
-            out.view(-1)[-1] ^= 1
-            return out
-
-        monkeypatch.setattr(pp, "_to_uint8", broken)
-    else:
-        real = pp._copy_async
-
-        def broken(dst, src):
-            token = real(dst, src)
-            dst.view(-1)[-1] = 0.25
-            return token
-
-        monkeypatch.setattr(pp, "_copy_async", broken)
+    (corrupt_conversion if output_type == "pil" else corrupt_copies)(monkeypatch)
     proc = VaeImageProcessor()
     for seed in range(3):
         x = video((2, 3, 4, 6), torch.bfloat16, seed=seed, specials=False)
