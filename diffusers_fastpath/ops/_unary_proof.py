@@ -95,6 +95,11 @@ class FoldedProof:
         self.name, self.probe, self.ref = name, probe, ref
         self.results: dict[tuple, bool] = {}  # (device, dtype) -> proven
 
+    def known(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """What `holds` answered for (device, dtype), without running the proof: False where it has not run (an op's
+        verification key reads it after its kernel ran, to say which form that was)."""
+        return self.results.get((device, dtype), False)
+
     def holds(self, device: torch.device, dtype: torch.dtype) -> bool:
         key = (device, dtype)
         proven = self.results.get(key)

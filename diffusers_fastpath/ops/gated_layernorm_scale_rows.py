@@ -136,7 +136,7 @@ def _signature(norm, residual, gate, update, scale):
     # what one torch.equal check vouches for: the norm's aten instantiation and row length (the gated update and the
     # rows' addressing are exact by construction), and whether the kernel took the gate's tanh itself (`_kernel`:
     # decided once per device and dtype, the table then not made)
-    folded = gate.folds_tanh and TANH_FOLDED.results.get((residual.device, residual.dtype), False)
+    folded = gate.folds_tanh and TANH_FOLDED.known(residual.device, residual.dtype)
     return (*_norm_signature(norm, residual), "gated indexed rows", "scale only", "tanh in kernel" if folded else "")
 
 

@@ -366,7 +366,7 @@ GATED_RESIDUAL_ROWS = FusedOp(
 def _folded(residual, rows) -> bool:
     # what `_rows_kernel` chose for these rows (read after it ran: the proof's answer is kept, the table not made)
     return (type(rows) is SelectedRows and rows.folds_tanh
-            and TANH_FOLDED.results.get((residual.device, residual.dtype), False))
+            and TANH_FOLDED.known(residual.device, residual.dtype))
 
 
 def gated_residual_rows(residual: torch.Tensor, gate, update: torch.Tensor, site: Site | None = None) -> torch.Tensor:
