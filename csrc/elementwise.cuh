@@ -113,6 +113,17 @@ __device__ __forceinline__ float ltx_rsqrt(float m, float eps) { return rsqrtf(_
 template <typename T>
 __device__ __forceinline__ float tanh_of(float x) { return round_to<T>(tanhf(x)); }
 
+// A gate value as the gated kernels use it (gated_residual.cu, layernorm_scale_shift.cu's gated form): the value
+// loaded, or with kTanhGate its tanh_of (the table holds the gate rows before their `.tanh()`).
+template <typename T, bool kTanhGate>
+__device__ __forceinline__ float gate_value(float g) {
+  if constexpr (kTanhGate) {
+    return tanh_of<T>(g);
+  } else {
+    return g;
+  }
+}
+
 // aten's sigmoid_kernel_cuda (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu, the real types) in fp32 opmath:
 // one / (one + std::exp(-x)), CUDA's expf, an IEEE add and division (correctly rounded: nvcc's 1 / y, whatever
 // instructions it picks, is the same number); proven on every value of its dtype by its op (ops/sigmoid_mul.py).

@@ -119,13 +119,7 @@ __global__ void __launch_bounds__(kThreads) gated_residual_kernel(
         for (int i = 0; i < kVec; ++i) g[i] = gat_f[r][i];
       } else {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          if constexpr (kTanhGate) {
-            g[i] = tanh_of<T>(Storage<T>::load(gat[r].v[i]));
-          } else {
-            g[i] = Storage<T>::load(gat[r].v[i]);
-          }
-        }
+        for (int i = 0; i < kVec; ++i) g[i] = gate_value<T, kTanhGate>(Storage<T>::load(gat[r].v[i]));
       }
       P o;
 #pragma unroll

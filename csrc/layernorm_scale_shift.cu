@@ -225,12 +225,7 @@ __global__ void __launch_bounds__(kKv == 0 ? 32 * kWarpsMax : 32 * kAtenWarps)
         const Quad<T> r = load_readonly(x + i), u = load_readonly(update + i), g = load_readonly(gate + i);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {  // gated_residual.cu's chain: round(residual + round(gate * update))
-          float gv;
-          if constexpr (kTanhGate) {
-            gv = tanh_of<T>(Storage<T>::load(g.v[j]));
-          } else {
-            gv = Storage<T>::load(g.v[j]);
-          }
+          const float gv = gate_value<T, kTanhGate>(Storage<T>::load(g.v[j]));
           const float gated = round_to<T>(__fmul_rn(gv, Storage<T>::load(u.v[j])));
           data[k].v[j] = Storage<T>::store(__fadd_rn(Storage<T>::load(r.v[j]), gated));
         }

@@ -621,6 +621,21 @@ cudaError_t launch_half(const RotateHalfArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// A norm-only form (kNoRotary, kNoRotaryModulate, kNormModulateRows) of the row norm: a warp a row on rows of at most
+// kNarrowWidest elements where the grid fits one dimension (narrow_row_norm_kernel; a.batch * a.img.seq < 2^47: no
+// overflow), else one block of aten's (32, 4) threads a row (row_norm_rotary_kernel).
+template <typename T, int kForm>
+cudaError_t launch_norm_only(const RotaryArgs& a, cudaStream_t stream) {
+  const int64_t narrow_blocks = (a.batch * a.img.seq + kNarrowRowsPerBlock - 1) / kNarrowRowsPerBlock;
+  if (a.heads * a.dim <= kNarrowWidest && narrow_blocks <= 0x7fffffff) {
+    narrow_row_norm_kernel<T, kForm><<<static_cast<unsigned>(narrow_blocks), kNarrowWarps * 32, 0, stream>>>(a);
+  } else {
+    const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
+    row_norm_rotary_kernel<T, kForm, false><<<row_grid, kRowThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   const int64_t seq = a.txt.seq + a.img.seq;
@@ -630,45 +645,24 @@ cudaError_t launch(const RotaryArgs& a, cudaStream_t stream) {
   if ((a.norm || a.wan) && a.cos_stride_h != 0) return cudaErrorInvalidValue;
   if (a.norm && (a.wan || a.norm_rows)) return cudaErrorInvalidValue;
   const dim3 row_grid(static_cast<unsigned>(a.img.seq), static_cast<unsigned>(a.batch));
-  // the norm-only forms' rows of at most kNarrowWidest elements: a warp a row (narrow_row_norm_kernel), where the grid
-  // fits one dimension (a.batch * a.img.seq < 2^47: no overflow)
-  const int64_t narrow_blocks = (a.batch * a.img.seq + kNarrowRowsPerBlock - 1) / kNarrowRowsPerBlock;
-  const bool narrow = a.heads * a.dim <= kNarrowWidest && narrow_blocks <= 0x7fffffff;
-  const dim3 narrow_grid(static_cast<unsigned>(narrow ? narrow_blocks : 1));
   if (a.norm_rows && a.mod_index != nullptr) {  // torch.nn.RMSNorm with the indexed rows' modulate (kNormModulateRows)
     if (a.norm_fp32 || a.norm_f32w || a.wan || a.txt.ptr != nullptr || a.txt.seq != 0 || a.dim % 4 != 0 ||
         a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim || a.mod_scale == nullptr ||
         a.mod_shift == nullptr || a.mod_table_rows <= 0 || a.mod_table_rows > 0x7fffffff) {
       return cudaErrorInvalidValue;
     }
-    if (narrow) {
-      narrow_row_norm_kernel<T, kNormModulateRows><<<narrow_grid, kNarrowWarps * 32, 0, stream>>>(a);
-    } else {
-      row_norm_rotary_kernel<T, kNormModulateRows, false><<<row_grid, kRowThreads, 0, stream>>>(a);
-    }
-    return cudaGetLastError();
+    return launch_norm_only<T, kNormModulateRows>(a, stream);
   }
   if (a.norm_rows && a.norm_f32w) {  // the row norm alone with its float32 weight (kNoRotary): one source, no tables
     if (a.norm_fp32 || a.wan || a.txt.ptr != nullptr || a.txt.seq != 0 || a.dim % 4 != 0 ||
         a.heads * a.dim > 4 * kRowThreads * kRowVecs || a.img.stride_h != a.dim) {
       return cudaErrorInvalidValue;
     }
-    if (a.mod_scale == nullptr && a.mod_shift == nullptr) {
-      if (narrow) {
-        narrow_row_norm_kernel<T, kNoRotary><<<narrow_grid, kNarrowWarps * 32, 0, stream>>>(a);
-      } else {
-        row_norm_rotary_kernel<T, kNoRotary, false><<<row_grid, kRowThreads, 0, stream>>>(a);
-      }
-    } else if (a.mod_scale != nullptr && a.mod_shift != nullptr) {  // (grid.y = batch: at most 65535, above)
-      if (narrow) {
-        narrow_row_norm_kernel<T, kNoRotaryModulate><<<narrow_grid, kNarrowWarps * 32, 0, stream>>>(a);
-      } else {
-        row_norm_rotary_kernel<T, kNoRotaryModulate, false><<<row_grid, kRowThreads, 0, stream>>>(a);
-      }
-    } else {
-      return cudaErrorInvalidValue;
+    if (a.mod_scale == nullptr && a.mod_shift == nullptr) return launch_norm_only<T, kNoRotary>(a, stream);
+    if (a.mod_scale != nullptr && a.mod_shift != nullptr) {  // (grid.y = batch: at most 65535, above)
+      return launch_norm_only<T, kNoRotaryModulate>(a, stream);
     }
-    return cudaGetLastError();
+    return cudaErrorInvalidValue;
   }
   if ((a.norm_fp32 || a.norm_f32w) && (!a.norm || (a.norm_fp32 && a.norm_f32w))) return cudaErrorInvalidValue;
   // the row norm's pair: a txt source (k) of the img source's (q) length; its own launch shape
