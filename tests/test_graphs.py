@@ -12,6 +12,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath import graphs
 from diffusers_fastpath.graphs import GRAPHS_ATTR, ModelFingerprint, Unsupported, call_signature
 from diffusers_fastpath._state import STATE_ATTR
+from diffusers_fastpath.models import _rope_cache
 from diffusers_fastpath.testing import SimulatedGraphs, build_flux_transformer, flux_transformer_inputs
 
 NAMES = ("hidden_states", "encoder_hidden_states", "timestep", "joint_attention_kwargs", "return_dict", "samples")
@@ -640,3 +641,48 @@ def test_the_signature_reads_fp32_precision_set_per_op_without_raising(set_preci
         torch.get_float32_matmul_precision()  # (what the signature read before)
     after = graphs._global_state()
     assert after != before
+
+
+
+class _DerivesFromItsInput(torch.nn.Linear):
+    """``x_embedder`` (called straight from the FLUX forward with its ``hidden_states`` input, a static input buffer
+    while a graph records) adding a value derived from that input through `_rope_cache.derived`, which keeps it on
+    the input tensor. ``seen``, where a class sets it (not the instance: the fingerprint would see it change), says
+    per call whether the input carried a store (or a seal) when the call began and carries a store when it ends."""
+
+    seen: list | None = None
+
+    def forward(self, x):
+        began = _rope_cache._DERIVED_ATTR in x.__dict__ or _rope_cache._SEAL_ATTR in x.__dict__
+        out = super().forward(x) + _rope_cache.derived(x, "test-mean", lambda: x.mean())
+        if self.seen is not None:
+            self.seen.append((began, _rope_cache._DERIVED_ATTR in x.__dict__))
+        return out
+
+
+def test_the_capture_finds_no_value_the_warm_up_derived_from_an_input(unpatch_after):
+    """The warm-up and the capture run the forward on the same static input buffers: a value the warm-up derived from
+    one of them and kept on it (`_rope_cache.derived`) must be forgotten before the capture, else a real capture (the
+    same frame id, the same version counter) reads a tensor made outside the graph, and every replay with other
+    inputs adds the first inputs' value. (`TracedGraphs` traces through fx's module-call wrappers, which `derived`
+    does not take for the model's own loop, so it never reuses there: the probe checks what the capture is handed.)"""
+    from diffusers_fastpath.testing import TracedGraphs
+
+    model = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+    twin = build_flux_transformer("flux-tiny", torch.float32, seed=4)
+
+    class Probed(_DerivesFromItsInput):
+        seen = []
+
+    model.x_embedder.__class__, twin.x_embedder.__class__ = Probed, _DerivesFromItsInput
+    fp.patch(model)
+    unpatch_after(model)
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", TracedGraphs())
+    a, b = flux_transformer_inputs(model, seed=1), flux_transformer_inputs(model, seed=2)
+    assert torch.equal(eager(model, a).sample, eager(twin, a).sample)  # eager, then the warm-up and the capture
+    eager_call, warm_up, capture = Probed.seen
+    assert eager_call == (False, True) and warm_up == (False, True)  # `derived` keeps its value on the input here
+    assert not capture[0]  # the capture began on static inputs without the warm-up's store
+    for inputs in (b, a, b):
+        assert torch.equal(eager(model, inputs).sample, eager(twin, inputs).sample)
+    assert runner.replays == 3 and len(Probed.seen) == 3  # replays run no Python

@@ -128,6 +128,33 @@ def test_changed_position_ids_with_the_same_shapes_give_the_eager_result(unpatch
     assert stats["captured"] == 1 and stats["replays"] == 4 and stats["eager"] == {}
 
 
+def test_a_value_derived_from_an_input_is_computed_by_the_graph(unpatch_after):
+    """A layer that derives a value from a forward input through `_rope_cache.derived` (kept on the input tensor, here
+    a static input buffer): the warm-up's value must not be what the capture reads (same buffer, same version
+    counter, and CPython may give the capture's forward the warm-up's frame id), else every replay with other inputs
+    would add the first inputs' value. Companion of test_graphs.py's probe, with a real capture."""
+    from diffusers_fastpath.models import _rope_cache
+
+    class DerivesFromItsInput(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + _rope_cache.derived(x, "test-mean", lambda: x.mean())
+
+    model = build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=13)
+    model.x_embedder.__class__ = DerivesFromItsInput
+    cases = [flux_transformer_inputs(model, grid=(8, 8), txt_tokens=16, seed=s) for s in (1, 2, 3)]
+    for k, inputs in enumerate(cases):  # latents of other means
+        inputs["hidden_states"] += k
+    refs = [run(model, inputs) for inputs in cases]
+    assert not torch.equal(refs[0], refs[1])
+
+    fp.patch(model, cuda_graphs=True)
+    unpatch_after(model)
+    for i in (0, 1, 2, 0, 1):  # eager then capture, then replays with other inputs
+        assert torch.equal(run(model, cases[i]), refs[i]), i
+    stats = graph_stats(model)
+    assert stats["captured"] == 1 and stats["replays"] == 4 and stats["eager"] == {}
+
+
 def test_weight_changes_between_calls_are_picked_up(unpatch_after):
     model = build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=13)
     twin = build_flux_transformer("flux-tiny", torch.bfloat16, "cuda", seed=13)  # the unpatched reference

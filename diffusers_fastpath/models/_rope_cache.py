@@ -20,7 +20,10 @@ forward ends, and each later use, in the same forward, is checked to come from i
 offloading, a cache library's loop, a foreign processor) every layer computes its own, as written. The version counters
 of the table and of the stored value stay a second line. The table must be built by the forward (diffusers'
 ``pos_embed`` modules build theirs in every call; one kept across forwards would carry its values into the next
-forward's frame).
+forward's frame). A tensor handed to more than one forward, as a CUDA graph's static input buffers are
+(`graphs.GraphRunner` runs the forward on them for the warm-up, then for the capture, and CPython may give the second
+forward the first one's frame id), is wiped before each (`forget`): else the capture would read the value the warm-up
+derived, a tensor computed outside the graph, which every replay with other inputs would leave stale.
 
 Why not a cache across denoising steps keyed on the position ids: a key made of tensor identity, ``data_ptr`` and
 ``_version`` misses writes through ``.data`` or ``.numpy()`` and fails on inference tensors (they have no version
@@ -102,6 +105,15 @@ def _versions(value) -> tuple:
     tensor): a consumer that writes into the shared value must not hand the next layer its own result."""
     items = value if isinstance(value, (tuple, list)) else (value,)
     return tuple(t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None for t in items)
+
+
+def forget(tensor: torch.Tensor) -> None:
+    """Drop what `derived` kept on `tensor`: its stored values and its seal (module doc). For a tensor handed to
+    more than one forward, before each: a CUDA graph's static inputs between the warm-up and the capture, where the
+    second forward may get the first one's frame id and the same version counter, and would reuse a value computed
+    outside the graph (stale on every replay with other inputs). Python only, no device work: safe in a capture."""
+    tensor.__dict__.pop(_DERIVED_ATTR, None)
+    tensor.__dict__.pop(_SEAL_ATTR, None)
 
 
 def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stats: CacheStats | None = None,
