@@ -332,6 +332,49 @@ at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return out;
 }
 
+// The QK norm of each head, then the rotate-half rotary (rotary.cu's head_norm_rotate_half_kernel): x as rotary_half
+// takes it, dim a multiple of 4 and at most 128, 8-byte aligned; weight a contiguous [dim] of x's dtype, 8-byte aligned
+// (torch.nn.RMSNorm(dim)'s, with its eps).
+at::Tensor qk_norm_rotary_half(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                               const at::Tensor& sin) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous() && x.size(2) % 4 == 0 && x.size(2) <= 128 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+              "qk_norm_rotary_half: x must be a contiguous, 8-byte aligned CUDA [rows, heads, dim] tensor, dim a "
+              "multiple of 4 and at most 128, got ", shape_str(x.sizes()));
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device() && weight.is_contiguous() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(2) &&
+                  reinterpret_cast<uintptr_t>(weight.data_ptr()) % 8 == 0,
+              "qk_norm_rotary_half: weight must be a contiguous, 8-byte aligned [dim] tensor of x's dtype on x's device");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK((t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == cos.scalar_type() && t->device() == x.device() && t->is_contiguous() &&
+                    t->dim() == 2 && t->sizes() == cos.sizes() && cos.size(0) > 0 && x.size(0) % cos.size(0) == 0 &&
+                    cos.size(1) % 2 == 0 && cos.size(1) <= x.size(2),
+                "qk_norm_rotary_half: cos/sin must be contiguous [table_rows, rot_dim] tensors of x's dtype or "
+                "float32, table_rows dividing x's rows, rot_dim even and at most dim");
+  }
+  RotateHalfArgs args;
+  args.dtype = to_dtype(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  args.out = out.data_ptr();
+  args.x = x.data_ptr();
+  args.cos = cos.data_ptr();
+  args.sin = sin.data_ptr();
+  args.rows = x.size(0);
+  args.heads = x.size(1);
+  args.dim = x.size(2);
+  args.rot_dim = cos.size(1);
+  args.table_rows = cos.size(0);
+  args.tables_f32 = cos.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  args.weight = weight.data_ptr();
+  args.eps = static_cast<float>(eps);
+  const cudaError_t err = launch_rotate_half(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "qk_norm_rotary_half: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // The matrix-form rotary (rotary.cu's rotary_matrix_kernel): x contiguous [rows, heads, dim] (the Python op's view)
 // of bf16/fp16, rope a contiguous float32 [table_rows, dim * 2] (the [dim / 2, 2, 2] matrices of a row), table_rows
 // dividing rows (row r reads table row r % table_rows).
@@ -383,6 +426,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_rms_norm_modulate_rows_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, Tensor index, float eps, "
       "int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("_qk_norm_rotary_half_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
@@ -406,6 +450,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_zero_centred_modulate_cuda", &diffusers_fastpath::zero_centred_modulate);
   m.impl("_rms_norm_modulate_rows_cuda", &diffusers_fastpath::rms_norm_modulate_rows);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
+  m.impl("_qk_norm_rotary_half_cuda", &diffusers_fastpath::qk_norm_rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);
