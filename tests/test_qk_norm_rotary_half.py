@@ -21,29 +21,13 @@ from diffusers_fastpath.ops import Site, qk_norm_rotary_half, qk_norm_rotary_hal
 from diffusers_fastpath.ops.qk_norm_rotary_half import QK_NORM_ROTARY_HALF
 from diffusers_fastpath.testing import zoo
 from test_nvrtc import both_ways, captured_launches  # noqa: F401 (fixtures)
+from test_rms_norm_modulate_rows import _norm  # torch.nn.RMSNorm(dim) with a random weight around 1
 from test_rotary_half import kernel_arithmetic
+from test_rotary_half import partial_inputs as _inputs  # MiniMax-H3's [B, S, H, D] x, [S, R] tables
 
 DTYPES = [torch.bfloat16, torch.float16]
 PARTIAL = transformer_minimax_h3._apply_rotary_emb  # the model's own function
 OP_MOD = importlib.import_module("diffusers_fastpath.ops.qk_norm_rotary_half")  # (ops binds the name to the function)
-
-
-def _norm(dim, dtype, device, seed, eps=1e-5):
-    """``torch.nn.RMSNorm(dim)`` of `dtype` with a random weight around 1."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    norm = nn.RMSNorm(dim, eps=eps).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen, device=device))
-    return norm.requires_grad_(False)
-
-
-def _inputs(batch, seq, heads, dim, rot, dtype, device, seed, tables=torch.float32):
-    """``[B, S, H, D]`` activations with per-head scales over decades (a linear layer's output), ``[S, R]`` tables."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(batch, seq, heads, dim, generator=gen, device=device)
-    x = (x * torch.exp(torch.randn(batch, seq, heads, 1, generator=gen, device=device))).to(dtype)
-    angles = torch.rand(seq, rot, generator=gen, device=device) * 1000
-    return x, angles.cos().to(tables), angles.sin().to(tables)
 
 
 def _eager(norm, x, cos, sin):
