@@ -300,16 +300,28 @@ at::Tensor qk_norm_rope_fp32(const at::Tensor& x, const at::Tensor& weight, doub
 
 // The rotate-half rotary (rotary.cu's rotate_half_kernel): x contiguous [rows, heads, dim] (the Python op's view),
 // cos/sin contiguous [table_rows, rot_dim] of x's dtype or float32 (cast to x's dtype first), table_rows dividing rows
-// (row r reads table row r % table_rows), rot_dim even and at most dim (the channels past it copied).
-at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// (row r reads table row r % table_rows), rot_dim even and at most dim (the channels past it copied). With a weight,
+// the QK norm of each head first (head_norm_rotate_half_kernel: qk_norm_rotary_half): dim a multiple of 4 and at most
+// 128, x 8-byte aligned, the weight a contiguous, 8-byte aligned [dim] of x's dtype (torch.nn.RMSNorm(dim)'s, with its
+// eps).
+at::Tensor rotate_half_launch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor* weight, double eps, const char* name) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.is_contiguous(),
-              "rotary_half: x must be a contiguous CUDA [rows, heads, dim] tensor, got ", shape_str(x.sizes()));
+              name, ": x must be a contiguous CUDA [rows, heads, dim] tensor, got ", shape_str(x.sizes()));
+  if (weight != nullptr) {
+    TORCH_CHECK(x.size(2) % 4 == 0 && x.size(2) <= 128 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 == 0,
+                name, ": x must be 8-byte aligned, dim a multiple of 4 and at most 128, got ", shape_str(x.sizes()));
+    TORCH_CHECK(weight->scalar_type() == x.scalar_type() && weight->device() == x.device() &&
+                    weight->is_contiguous() && weight->dim() == 1 && weight->size(0) == x.size(2) &&
+                    reinterpret_cast<uintptr_t>(weight->data_ptr()) % 8 == 0,
+                name, ": weight must be a contiguous, 8-byte aligned [dim] tensor of x's dtype on x's device");
+  }
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK((t->scalar_type() == x.scalar_type() || t->scalar_type() == at::kFloat) &&
                     t->scalar_type() == cos.scalar_type() && t->device() == x.device() && t->is_contiguous() &&
                     t->dim() == 2 && t->sizes() == cos.sizes() && cos.size(0) > 0 && x.size(0) % cos.size(0) == 0 &&
                     cos.size(1) % 2 == 0 && cos.size(1) <= x.size(2),
-                "rotary_half: cos/sin must be contiguous [table_rows, rot_dim] tensors of x's dtype or float32, "
+                name, ": cos/sin must be contiguous [table_rows, rot_dim] tensors of x's dtype or float32, "
                 "table_rows dividing x's rows, rot_dim even and at most dim");
   }
   RotateHalfArgs args;
@@ -327,9 +339,22 @@ at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   args.rot_dim = cos.size(1);
   args.table_rows = cos.size(0);
   args.tables_f32 = cos.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  if (weight != nullptr) {
+    args.weight = weight->data_ptr();
+    args.eps = static_cast<float>(eps);  // aten's static_cast<acc_t>(eps) of the module's Python float
+  }
   const cudaError_t err = launch_rotate_half(args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "rotary_half: kernel launch failed: ", cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, name, ": kernel launch failed: ", cudaGetErrorString(err));
   return out;
+}
+
+at::Tensor rotary_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rotate_half_launch(x, cos, sin, nullptr, 0.0, "rotary_half");
+}
+
+at::Tensor qk_norm_rotary_half(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                               const at::Tensor& sin) {
+  return rotate_half_launch(x, cos, sin, &weight, eps, "qk_norm_rotary_half");
 }
 
 // The matrix-form rotary (rotary.cu's rotary_matrix_kernel): x contiguous [rows, heads, dim] (the Python op's view)
@@ -383,6 +408,7 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
       "_rms_norm_modulate_rows_cuda(Tensor x, Tensor weight, Tensor scale, Tensor shift, Tensor index, float eps, "
       "int norm_final) -> Tensor");
   m.def("_rotary_half_cuda(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("_qk_norm_rotary_half_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> Tensor");
   m.def("_rotary_matrix_cuda(Tensor x, Tensor rope) -> Tensor");
   m.def(
       "_qk_norm_rope_fp32_cuda(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin, bool round_norm) -> "
@@ -406,6 +432,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_zero_centred_modulate_cuda", &diffusers_fastpath::zero_centred_modulate);
   m.impl("_rms_norm_modulate_rows_cuda", &diffusers_fastpath::rms_norm_modulate_rows);
   m.impl("_rotary_half_cuda", &diffusers_fastpath::rotary_half);
+  m.impl("_qk_norm_rotary_half_cuda", &diffusers_fastpath::qk_norm_rotary_half);
   m.impl("_rotary_matrix_cuda", &diffusers_fastpath::rotary_matrix);
   m.impl("_qk_norm_rope_fp32_cuda", &diffusers_fastpath::qk_norm_rope_fp32);
   m.impl("_qk_norm_rope_cuda", &diffusers_fastpath::qk_norm_rope);

@@ -323,6 +323,12 @@ struct RotateHalfArgs {
   int64_t table_rows;   // divides rows
   bool tables_f32;
   DType dtype;
+  // Or null. With a weight (of x's dtype, [dim], dim a multiple of 4 and at most 128), x is first normalised per head
+  // as torch.nn.RMSNorm(dim) with that weight and eps computes it on CUDA (aten's per-head order, rotary.cu's
+  // head_rms_norm, the result rounded to x's dtype), and the formulas above read those normalised values
+  // (qk_norm_rotary_half: MiniMax-H3's `attn.norm_q(query)` then its `_apply_rotary_emb`).
+  const void* weight = nullptr;
+  float eps = 0.f;
 };
 
 #ifndef __CUDACC_RTC__

@@ -569,6 +569,106 @@ __global__ void __launch_bounds__(kHalfThreads) rotate_half_kernel(const RotateH
   }
 }
 
+// The rotate-half form after the QK norm of each head (RotateHalfArgs::weight set; qk_norm_rotary_half: MiniMax-H3's
+// `query = attn.norm_q(query)` then `query = _apply_rotary_emb(query, cos, sin)`): torch.nn.RMSNorm(dim) of each head
+// with a weight of T, dim a multiple of 4 and at most 128, in aten's order (head_rms_norm, the per-head norm of the
+// file head: the lanes' FMA chains, the shuffle tree, rsqrtf(sum / dim + eps), y = round(w * (rstd * x)), the result
+// rounded to T as eager stores it), then rotate_half_kernel's roundings on those values over the first rot_dim
+// channels, the channels past it the norm's values. The normalised rows are never stored. One block of kHalfNormWarps
+// warps per row (a token); each warp normalises a head at a time (the loads of kHalfNormSlots heads in flight), lane l
+// the channels 4l..4l+3. The partner of channel i (i + R/2 below R/2, i - R/2 up to R) is element (i +- R/2) % 4 of
+// lane (i +- R/2) / 4: for each direction, four shuffles, shuffle m carrying every lane's element m to the lane whose
+// channel j = (m -+ R/2) % 4 wants it (one such channel per lane and direction, for any even R). A lane's table values
+// (its channels below R, rounded to T where the tables are float32) are loaded once per row and serve every head.
+constexpr int kHalfNormWarps = 4;
+constexpr int kHalfNormThreads = kHalfNormWarps * 32;
+constexpr int kHalfNormSlots = 7;  // MiniMax-H3's 56 heads: two passes of the four warps
+
+// The values of v's partners in the rotate-half pairing over `rot` channels of the warp's head (lane l holding
+// channels 4l..4l+3 in v): partner[j] = y[4l + j + half] below half, y[4l + j - half] from half to rot.
+__device__ __forceinline__ void rotate_half_partners(const float (&v)[4], int lane, int half, int rot,
+                                                     float (&partner)[4]) {
+#pragma unroll
+  for (int dir = 1; dir >= -1; dir -= 2) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int wanted = (m - dir * half) & 3;  // the lane's channel that element m of some lane is the partner of
+      const int i = 4 * lane + wanted;
+      const bool wants = dir > 0 ? i < half : (i >= half && i < rot);
+      const float got = __shfl_sync(0xffffffffu, v[m], wants ? (i + dir * half) >> 2 : lane);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (wants && j == wanted) partner[j] = got;
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kHalfNormThreads) head_norm_rotate_half_kernel(const RotateHalfArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t row = blockIdx.x;
+  const int dim = static_cast<int>(a.dim);
+  const int rot = static_cast<int>(a.rot_dim);
+  const int half = rot / 2;
+  const int heads = static_cast<int>(a.heads);
+  const bool active = 4 * lane < dim;  // lanes past the head hold zeros for the norm's shuffles
+  const T* x_row = static_cast<const T*>(a.x) + row * a.heads * a.dim;
+  T* out_row = static_cast<T*>(a.out) + row * a.heads * a.dim;
+  const int64_t t = (row % a.table_rows) * a.rot_dim;
+  float w[4] = {0.f, 0.f, 0.f, 0.f};
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  float sn[4] = {0.f, 0.f, 0.f, 0.f};
+  if (active) {
+    load_weight_quad<T, kHeadNorm>(a.weight, lane, w);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = 4 * lane + j;
+      if (i < rot) {
+        c[j] = half_table<T>(a.cos, t + i, a.tables_f32);
+        sn[j] = half_table<T>(a.sin, t + i, a.tables_f32);
+      }
+    }
+  }
+  for (int h0 = warp; h0 < heads; h0 += kHalfNormWarps * kHalfNormSlots) {
+    Quad<T> xin[kHalfNormSlots];
+#pragma unroll
+    for (int k = 0; k < kHalfNormSlots; ++k) {
+      const int h = h0 + k * kHalfNormWarps;
+      if (active && h < heads) xin[k] = load_readonly(reinterpret_cast<const Quad<T>*>(x_row + h * dim) + lane);
+    }
+#pragma unroll
+    for (int k = 0; k < kHalfNormSlots; ++k) {
+      const int h = h0 + k * kHalfNormWarps;
+      if (h >= heads) break;  // warp-uniform
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = active ? Storage<T>::load(xin[k].v[j]) : 0.f;
+      head_rms_norm<T>(v, w, static_cast<float>(dim), a.eps);
+      float partner[4] = {0.f, 0.f, 0.f, 0.f};
+      rotate_half_partners(v, lane, half, rot, partner);
+      if (active) {
+        Quad<T> o;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * lane + j;
+          if (i < half) {  // round(round(y[i] * c[i]) + round(-y[i + R/2] * s[i]))
+            o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(v[j], c[j])),
+                                                 round_to<T>(__fmul_rn(-partner[j], sn[j]))));
+          } else if (i < rot) {  // round(round(y[i] * c[i]) + round(y[i - R/2] * s[i]))
+            o.v[j] = Storage<T>::store(__fadd_rn(round_to<T>(__fmul_rn(v[j], c[j])),
+                                                 round_to<T>(__fmul_rn(partner[j], sn[j]))));
+          } else {
+            o.v[j] = Storage<T>::store(v[j]);  // passed through: the norm's value, rounded already
+          }
+        }
+        reinterpret_cast<Quad<T>*>(out_row + h * dim)[lane] = o;
+      }
+    }
+  }
+}
+
 // The matrix form (RotaryMatrixArgs, fastpath.h), as Kandinsky 5's and 6's apply_rotary compute it: the products
 // `rope.float() * x_` are one aten multiply in float, each rounded once; `.sum(dim=-1)` over the two products of a
 // matrix row is aten's reduce kernel, whose threads each start their accumulators from the identity 0 and whose
@@ -616,6 +716,14 @@ cudaError_t launch_half(const RotateHalfArgs& a, cudaStream_t stream) {
   if (a.rot_dim % 2 != 0 || a.rot_dim > a.dim || a.table_rows <= 0 || a.rows % a.table_rows != 0 ||
       a.rows > 0x7fffffff || a.heads * a.dim > 0x7fffffff) {
     return cudaErrorInvalidValue;
+  }
+  if (a.weight != nullptr) {  // the per-head norm first (head_norm_rotate_half_kernel): aligned quads of a head
+    if (a.dim % 4 != 0 || a.dim > kHeadDim || reinterpret_cast<uintptr_t>(a.x) % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(a.weight) % 8 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    head_norm_rotate_half_kernel<T><<<static_cast<unsigned>(a.rows), kHalfNormThreads, 0, stream>>>(a);
+    return cudaGetLastError();
   }
   rotate_half_kernel<T><<<static_cast<unsigned>(a.rows), kHalfThreads, 0, stream>>>(a);
   return cudaGetLastError();

@@ -201,6 +201,7 @@ def emulated_kernels(monkeypatch):
     from diffusers_fastpath.ops.qk_norm_rope_fp32 import (QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED,
                                                           qk_norm_rope_fp32_ref, qk_norm_rope_zero_centred_ref)
     from diffusers_fastpath.ops.rotary_half import ROTARY_HALF, ROTARY_HALF_PARTIAL
+    from diffusers_fastpath.ops.qk_norm_rotary_half import QK_NORM_ROTARY_HALF
     from diffusers_fastpath.ops.rotary_matrix import ROTARY_MATRIX
     from diffusers_fastpath.ops.rmsnorm_modulate import RMSNORM_MODULATE, rmsnorm_modulate_ref
     from diffusers_fastpath.ops.rmsnorm_scale_shift import (RMSNORM_GATED_RESIDUAL, RMSNORM_GATED_RESIDUAL_ROWS,
@@ -242,6 +243,9 @@ def emulated_kernels(monkeypatch):
         r = cos.shape[-1]
         c, s = cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]
         return torch.cat([rotary_half_arithmetic(x[..., :r], c, s), x[..., r:]], dim=-1)
+
+    def qk_norm_rotary_half_arithmetic(norm, x, cos, sin, rope_site=None, fn=None):  # the norm (self-verified on
+        return rotary_half_partial_arithmetic(norm(x), cos, sin)  # the GPU), then the kernel's rotary roundings
 
     def rotary_matrix_arithmetic(x, rope, fn=None):  # csrc/rotary.cu's rotary_matrix_kernel: (0 + p0) + (0 + p1)
         p = rope * x.float().unflatten(-1, (-1, 1, 2))  # [..., D/2, 2, 2]: each product rounded once
@@ -305,6 +309,7 @@ def emulated_kernels(monkeypatch):
                        (QK_NORM_ROPE_FP32, qk_norm_rope_fp32_ref),
                        (QK_NORM_ROPE_ZERO_CENTRED, qk_norm_rope_zero_centred_ref), (ROTARY_HALF, rotary_half_arithmetic),
                        (ROTARY_HALF_PARTIAL, rotary_half_partial_arithmetic),
+                       (QK_NORM_ROTARY_HALF, qk_norm_rotary_half_arithmetic),
                        (ROTARY_MATRIX, rotary_matrix_arithmetic),
                        (GROUP_NORM, group_norm_ref), (GROUP_NORM_SILU, group_norm_silu_ref)):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))

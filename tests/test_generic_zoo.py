@@ -22,7 +22,8 @@ CONTIGUOUS = ("wan-vace", "skyreels-v2", "chronoedit")
 # models (the gates computed as written, the modulate-rows form, the SwiGLU either way round, packed rows), at a
 # width the wide RMSNorm kernels take (640), and diffusers' RMSNorm modules that run alone (`rmsnorm`)
 FAST = {
-    "minimax-h3": ("gated_residual", "rms_norm_modulate_rows", "silu_mul"),  # its nn.RMSNorm + indexed-rows modulates
+    # its nn.RMSNorm + indexed-rows modulates; its QK norms + partial rotate-half rotary
+    "minimax-h3": ("gated_residual", "rms_norm_modulate_rows", "silu_mul", "qk_norm_rotary_half"),
     "cosmos3": ("silu_mul", "rmsnorm"),  # its pre-norms and QK norms: diffusers' RMSNorm, alone
     "stable-audio-3": ("gated_residual", "silu_mul"),
     "qwen-image-21": ("gated_residual", "rmsnorm_rope_complex"),  # its QK norms + rotary in a helper: inlined

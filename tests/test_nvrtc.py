@@ -328,6 +328,8 @@ def test_launch_constants_match_the_sources():
         _constant("rotary.cu", "kNarrowWidest"))
     assert importlib.import_module("diffusers_fastpath.ops.rotary_half")._HALF_THREADS == _constant("rotary.cu",
                                                                                                   "kHalfThreads")
+    assert importlib.import_module("diffusers_fastpath.ops.qk_norm_rotary_half")._HALF_NORM_THREADS == 32 * _constant(
+        "rotary.cu", "kHalfNormWarps")
     assert importlib.import_module("diffusers_fastpath.ops.rotary_matrix")._MATRIX_THREADS == _constant(
         "rotary.cu", "kMatrixThreads")
     upsample_mod = importlib.import_module("diffusers_fastpath.ops.upsample_nearest")

@@ -303,7 +303,8 @@ def test_rotary_half_partial_matches_minimax_bitwise(case, dtype, tables):
 def test_zoo_minimax_runs_the_fused_op_on_cuda():
     from test_generic_zoo import _check
 
-    sites = [s for s in _check("minimax-h3", "cuda") if s.op == "rotary_half_partial"]
+    sites = [s for s in _check("minimax-h3", "cuda") if s.op in ("rotary_half_partial", "qk_norm_rotary_half")]
+    # (with its QK norms: the fused norm + rotary's site counts the calls, tests/test_qk_norm_rotary_half.py)
     assert sum(s.fast for s in sites) == 8 and not any(s.fallback for s in sites), sites
 
 
@@ -376,6 +377,10 @@ def test_partial_form_is_taken_only_for_the_known_function(emulated_kernels):
 def test_zoo_minimax_is_exact_with_its_rotary_fast(emulated_kernels):
     from test_generic_zoo import _check
 
-    sites = [s for s in _check("minimax-h3", "cpu") if s.op == "rotary_half_partial"]
-    # the token refiner's attention gets no rotary table: its site counts nothing
-    assert sorted(s.fast for s in sites) == [0, 4, 4] and not any(s.fallback for s in sites), sites
+    sites = _check("minimax-h3", "cpu")
+    rotary = [s for s in sites if s.op == "rotary_half_partial"]
+    fused = [s for s in sites if s.op == "qk_norm_rotary_half"]
+    # each call runs with its QK norm (`qk_norm_rotary_half`, tests/test_qk_norm_rotary_half.py), whose site counts it;
+    # the token refiner's attention gets no rotary table: its sites count nothing
+    assert sorted(s.fast for s in fused) == [0, 4, 4] and not any(s.fallback for s in fused), fused
+    assert len(rotary) == 3 and not any(s.fast or s.fallback for s in rotary), rotary

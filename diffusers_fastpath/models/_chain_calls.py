@@ -13,7 +13,8 @@ from torch import nn
 
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
                    layernorm_modulate, layernorm_scale, layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift,
-                   qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rows_rope, qk_norm_rows_rope_pair,
+                   qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rotary_half, qk_norm_rows_rope,
+                   qk_norm_rows_rope_pair,
                    rmsnorm_gated_residual, rmsnorm_modulate, rmsnorm_rope_complex, rmsnorm_rope_complex_cat,
                    rmsnorm_rope_real, rmsnorm_scale, rotary_emb, rotary_emb_rows, rotary_emb_wan, rotary_half,
                    rotary_half_partial, rotary_matrix, sigmoid_mul, silu_mul, swiglu_cat)
@@ -260,6 +261,9 @@ class _RotatedLater:
     def run(self) -> torch.Tensor:
         return rmsnorm_rope_complex(self.x.norm, self.x.x, self.freqs, self.site)
 
+
+# what a QK norm + partial rotate-half site counts where its pending norm ran as written before the rotary
+PARTIAL_UNFUSED = "norm not torch.nn.RMSNorm, or the rotary not the known function with (cos, sin)"
 
 # what a prefix concatenation's site counts where its key was not left waiting by a fused norm + rotary
 PREFIX_UNFUSED = "key not a waiting norm + rotary (a hooked or other norm, other factors, or no rotary)"
@@ -887,10 +891,19 @@ class _ChainsNamespace:
         return x * cos + fn(x) * sin
 
     @staticmethod
-    def rotary_half_partial(fn, x, freqs, site):
+    def rotary_half_partial(fn, x, freqs, site, qk_site=None):
         # ``fn(x, *freqs)``: MiniMax-H3's partial rotate-half where fn is that function (by its source) and freqs its
-        # (cos, sin); any other function as written
-        if is_partial_rotate_half(fn) and isinstance(x, torch.Tensor) and _two_tables(freqs, tuple):
+        # (cos, sin), with the pending QK norm of each head before it where the rewriter deferred one (torch's
+        # RMSNorm: `qk_norm_rotary_half`, whose fallback runs the norm and then this rotary); any other function, or
+        # another norm (run here, as written), as written
+        known = is_partial_rotate_half(fn) and _two_tables(freqs, tuple)
+        if isinstance(x, _NormLater) and not x.heads:
+            if known and type(x.norm) is nn.RMSNorm:
+                return qk_norm_rotary_half(x.norm, x.x, freqs[0], freqs[1], qk_site, site, fn)
+            if qk_site is not None:
+                qk_site.fallback[PARTIAL_UNFUSED] += 1
+        x = _materialize(x)
+        if known and isinstance(x, torch.Tensor):
             return rotary_half_partial(x, freqs[0], freqs[1], site, fn)
         return fn(x, *freqs)
 

@@ -21,6 +21,7 @@ from .._source import normalized_digest
 
 ROTARY_HALF = "rotary_half"  # the site: a processor's rotate-half rotary calls
 ROTARY_HALF_PARTIAL = "rotary_half_partial"  # ... of MiniMax-H3's partial form
+QK_NORM_ROTARY_HALF = "qk_norm_rotary_half"  # ... with the QK norm before it waiting for it (the QK-norm form)
 # _source.normalized_digest of transformer_minimax_h3._apply_rotary_emb (diffusers 0.42.1): the rotate-half of the
 # first cos.shape[-1] channels of each head, tables cast to x's dtype, the rest passed through, made contiguous
 PARTIAL_DIGESTS = frozenset({"4af4ae1a781b25da"})

@@ -74,7 +74,7 @@ from ._chain_proofs import Proofs
 from ._chain_qk_fp32 import QK_NORM_ROPE_FP32, QK_NORM_ROPE_ZERO_CENTRED, is_zero_centred
 from ._chain_rotary_matrix import ROTARY_MATRIX
 from ._chain_rotary_matrix import known_names as matrix_known_names
-from ._chain_rotate_half import ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
+from ._chain_rotate_half import QK_NORM_ROTARY_HALF, ROTARY_HALF, ROTARY_HALF_PARTIAL, known_names
 from ._chain_syntax import _NS, _diffusers_rotary, _local_def
 from ._rewriter import (AFFINE_FP32, GATED_RESIDUAL, GATED_RESIDUAL_FP32, GELU_CAT, MODULATE, MODULATE_FP32,
                         MODULATE_ONLY, NORM_MODULATE_LATER, RMS_GATED, RMS_MODULATE, RMS_SCALE, SILU_MUL, SWIGLU_CAT,
@@ -185,7 +185,8 @@ def rewrite_forward(fn, qualname: str, norm_methods: dict[str, str] | None = Non
             body = rewriter.gqa_attention(body)
             if bool_masks:  # (the generic path's processors: `generic.generic_subclass`)
                 body = rewriter.bool_mask_attention(body)
-        if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named):
+        if not rewriter.block and (rewriter.found.rotary or rewriter.found.rotary_complex or rewriter.found.rotary_named
+                                   or rewriter.found.rotary_half_partial):
             body = rewriter.qk_norms(body)
         if not rewriter.block:  # (after the QK-norm form, whose pending norms read the value's ``.dtype``)
             body = rewriter.prefix_linears(body)
@@ -501,6 +502,8 @@ def replace_processors(state: PatchState, model: nn.Module, attention_cls: type,
                 state.add_site(module, ROTARY_HALF, name=ROTARY_HALF)
             if found.rotary_half_partial:  # MiniMax-H3's
                 state.add_site(module, ROTARY_HALF_PARTIAL, name=ROTARY_HALF_PARTIAL)
+                if norm is nn.RMSNorm:  # ... with its QK norms, each head's, in one op
+                    state.add_site(module, QK_NORM_ROTARY_HALF, name=QK_NORM_ROTARY_HALF)
             if found.rotary_matrix:  # Kandinsky 5's and 6's matrix form (`_chain_rotary_matrix`)
                 state.add_site(module, ROTARY_MATRIX, name=ROTARY_MATRIX)
             if found.rotary and found.qk_fp32:  # FLUX.3's float32 QK norms (`_chain_qk_fp32`)

@@ -106,6 +106,7 @@ import copy
 
 from ._chain_proofs import _bound_names, _reads, like
 from ._chain_qk_fp32 import deferred_fp32, fp32_norm_input, mark_casts
+from ._chain_rotate_half import QK_NORM_ROTARY_HALF
 from ._chain_syntax import (_call, _cat_names, _complex_rotary_call, _ns_call, _PendingReads, _reads_after,
                             _reads_only_dtype, _rotary_call, _single_target, _site_of, _starred_call,
                             _transpose_reshape_of, _uses)
@@ -120,7 +121,8 @@ QK_NORM_ROPE = "qk_norm_rope"
 QK_NORM_ROWS = "qk_norm_rows_rope"  # a processor's QK norms across all heads + its rows-form or Wan's rotary
 QK_NORM_ROWS_PAIR = "qk_norm_rows_rope_pair"  # ... of q and k in one call (the rows form: LTX-Video)
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")  # an attention module's QK norms, by diffusers' names
-_ROTARY_CALLS = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan")  # the namespace's fused rotary calls
+# the namespace's fused rotary calls (rotary_half_partial: MiniMax-H3's partial rotate-half, `_chain_rotate_half`)
+_ROTARY_CALLS = ("rotary", "rotary_complex", "rotary_rows", "rotary_wan", "rotary_half_partial")
 RMSNORM_ROPE = "rmsnorm_rope_complex"  # a processor's QK norm + complex-form rotary (Qwen-Image)
 RMSNORM_ROPE_CAT = "rmsnorm_rope_complex_cat"  # ... of two streams' q (or k) written into their joint concatenation
 RMSNORM_ROPE_PREFIX = "rmsnorm_rope_complex_prefix"  # ... of a key written after a prefix (Qwen-Image 2.1's cache)
@@ -419,6 +421,9 @@ class AttentionPasses:
                 elif _ns_call(node, "rotary_rows") or _ns_call(node, "rotary_wan"):
                     allowed.add(id(node.args[1]))
                     node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROWS))
+                elif _ns_call(node, "rotary_half_partial"):  # ``rotary_half_partial(R, X, F, site)``
+                    allowed.add(id(node.args[1]))
+                    node.args.append(_site_of(ast.Name(owner, ast.Load()), QK_NORM_ROTARY_HALF))
                 elif _ns_call(node, "unflatten_later"):
                     allowed.add(id(node.args[0]))
         reads = _PendingReads(allowed)

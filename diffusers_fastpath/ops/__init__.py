@@ -48,6 +48,7 @@ from .rmsnorm_rope import (rmsnorm_rope_complex, rmsnorm_rope_complex_cat, rmsno
                            rmsnorm_rope_complex_ref, rmsnorm_rope_real, rmsnorm_rope_real_ref)
 from .rmsnorm_rope_prefix import rmsnorm_rope_complex_prefix, rmsnorm_rope_complex_prefix_ref
 from .rotary_half import rotary_half, rotary_half_partial, rotary_half_partial_ref, rotary_half_ref
+from .qk_norm_rotary_half import qk_norm_rotary_half, qk_norm_rotary_half_ref
 from .rotary_matrix import rotary_matrix, rotary_matrix_ref
 from .rotary import (rotary_emb, rotary_emb_ref, rotary_emb_rows, rotary_emb_rows_ref, rotary_emb_wan,
                      rotary_emb_wan_ref)
@@ -136,6 +137,8 @@ __all__ = [
     "qk_norm_rope_fp32_ref",
     "qk_norm_rope_zero_centred",
     "qk_norm_rope_zero_centred_ref",
+    "qk_norm_rotary_half",
+    "qk_norm_rotary_half_ref",
     "rms_norm_modulate_rows",
     "rms_norm_modulate_rows_ref",
     "rmsnorm",

@@ -67,7 +67,7 @@ def _guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | None:
 # the output allocation; the guard stands for bindings.cpp's input checks.
 _ARGS = _nvrtc.Params("RotateHalfArgs", ("out", "P"), ("x", "P"), ("cos", "P"), ("sin", "P"), ("rows", "q"),
                       ("heads", "q"), ("dim", "q"), ("rot_dim", "q"), ("table_rows", "q"), ("tables_f32", "?"),
-                      ("dtype", "i"))
+                      ("dtype", "i"), ("weight", "P"), ("eps", "f"))  # (weight: qk_norm_rotary_half's norm, here null)
 _NVRTC = _nvrtc.Kernel(
     "rotary.cu",
     "diffusers_fastpath::rotate_half_kernel",
@@ -82,7 +82,7 @@ def _nvrtc_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     out = x.new_empty(x.shape)
     _NVRTC.launch(x.device.index, x.dtype, (rows, 1, 1), (_HALF_THREADS, 1, 1), out.data_ptr(), x.data_ptr(),
                   cos.data_ptr(), sin.data_ptr(), rows, heads, dim, cos.shape[1], cos.shape[0],
-                  cos.dtype is torch.float32, _nvrtc.DTYPE_CODE[x.dtype])
+                  cos.dtype is torch.float32, _nvrtc.DTYPE_CODE[x.dtype], 0, 0.0)
     return out
 
 
@@ -164,6 +164,12 @@ def rotary_half_partial_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def _partial_guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
+    return partial_tables_reason(x, cos, sin) or layout_reason(x, cos, sin)
+
+
+def partial_tables_reason(x, cos, sin) -> str | None:
+    """The partial form's questions of x's dtype and shape and of the tables (this guard's and
+    `qk_norm_rotary_half`'s, which then asks `layout_reason` with its norm's weight too), or ``None``."""
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if cos.dtype not in (x.dtype, torch.float32) or sin.dtype is not cos.dtype:
@@ -172,7 +178,7 @@ def _partial_guard(x, cos, sin, fn=None, check_pointers: bool = True) -> str | N
         return "shape"
     if cos.shape[1] % 2 or not 0 < cos.shape[1] <= x.shape[3]:
         return "rotary dim odd or above head_dim"
-    return layout_reason(x, cos, sin)
+    return None
 
 
 def _partial_kernel(x, cos, sin, fn=None) -> torch.Tensor:
