@@ -12,7 +12,7 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.models import _chain_calls
+from diffusers_fastpath.models import _chain_calls, _rope_cache
 from diffusers_fastpath.testing import (
     build_chroma_transformer,
     build_ernie_image_transformer,
@@ -186,3 +186,6 @@ def test_a_table_handed_to_the_next_forward_keeps_nothing_from_the_last(unpatch_
     assert kept.frames[-1] == kept.frames[-2]  # the second forward got the first one's frame id
     assert torch.equal(got[0], ref[0])
     assert torch.equal(got[1], ref[1])
+    # shared by the layers of the first call only; the second computes in every layer and drops the first one's
+    assert trig(model) == (1 + 2 * LAYERS, 2 * LAYERS - 1)
+    assert _rope_cache._DERIVED_ATTR not in kept.table.__dict__

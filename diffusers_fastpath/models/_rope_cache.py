@@ -5,7 +5,7 @@ Diffusers builds a transformer's rotary table once per forward (``FluxTransforme
 that and adds no cache across forwards. What the layers still recompute each from that one table and the forward's
 other shared inputs (ERNIE-Image's ``torch.cos``/``torch.sin`` of the angles, for q and for k; Chroma's and
 HunyuanVideo-1.5's attention-mask products) is derived here once per table tensor and stored *on that tensor*
-(`derived`): the value lives exactly as long as the table, belongs to the forward that built it (two threads, two
+(`derived`): the value lives at most as long as the table, belongs to the forward that built it (two threads, two
 forwards, two tables).
 
 A later layer reuses it only if nothing could have changed the tensors it came from since, and version counters do
@@ -97,14 +97,19 @@ def _closed(model: nn.Module) -> bool:
 
 def _sealed(table: torch.Tensor, frame) -> bool:
     """Whether `table` is sealed (module doc) and `frame`, a layer's, runs inside the call of the forward that sealed
-    it (a later call, in a frame of the same id or not, is not that call)."""
+    it (a later call, in a frame of the same id or not, is not that call: what that call kept on the table is dropped
+    there, rather than carried by a tensor that outlives it, an input the pipeline hands to every step)."""
     seal = table.__dict__.get(_SEAL_ATTR, False)
     if seal is False:  # the table's first use: seal it for this forward, or for good not
         forward = enclosing_model_forward(frame)
         ok = forward is not None and _closed(forward.f_locals["self"])
         seal = table.__dict__[_SEAL_ATTR] = frame_key(forward) if ok else None
         return ok
-    return seal is not None and inside(frame, seal)
+    if seal is not None and inside(frame, seal):
+        return True
+    if seal is not None:
+        table.__dict__.pop(_DERIVED_ATTR, None)
+    return False
 
 
 def _versions(value) -> tuple:
