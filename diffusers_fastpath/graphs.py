@@ -25,11 +25,11 @@ How it works, per patched model (`GraphRunner`):
 - Nothing is cached from one forward to the next (the rotary tables are built once per forward, as diffusers
   builds them): the graph rebuilds cos/sin from the static position-id buffers on every replay (a handful of
   small kernels), so a replay can never use a table built from other ids; nor a value derived from an input and
-  kept on it (`_rope_cache.derived`): the static inputs forget such values before the warm-up and before the
-  capture (`_run_fresh`), so the graph computes them. A small tensor the forward builds from Python values on the
-  GPU (``torch.tensor(self.scale_factors, device=...)``, LTX-2's rotary coordinates: a pageable copy, which a
-  capture refuses) is built inside the capture by fill kernels of those values (`_host_constants`), baked in as
-  every Python number a kernel takes is.
+  kept on it (`_rope_cache.derived`, sealed for one call of the forward): the static inputs forget such values
+  before the warm-up and before the capture (`_run_fresh`), so the graph computes them. A small tensor the forward
+  builds from Python values on the GPU (``torch.tensor(self.scale_factors, device=...)``, LTX-2's rotary
+  coordinates: a pageable copy, which a capture refuses) is built inside the capture by fill kernels of those values
+  (`_host_constants`), baked in as every Python number a kernel takes is.
 - The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
   the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
   ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
@@ -475,9 +475,10 @@ class CudaGraphs:
 
 def _run_fresh(forward: Callable, call: dict, static: list[torch.Tensor]):
     """``forward(**call)`` on static inputs that keep nothing from an earlier run: the warm-up and the capture run the
-    forward on the same buffers, and a value the warm-up derived from one of them and kept on it
-    (`_rope_cache.derived`) would be read by the capture as a tensor made outside the graph, stale on every replay
-    with other inputs. `_rope_cache.forget` is Python only (no device work), so it is safe inside the capture."""
+    forward on the same buffers, and a value the warm-up derived from one of them is kept on it, sealed for the
+    warm-up's call (`_rope_cache.derived`): a tensor made outside the graph, which the capture, another call, must not
+    read, and a seal that would leave every layer of the capture computing its own. Forgotten, the capture seals the
+    buffers for itself. `_rope_cache.forget` is Python only (no device work), so it is safe inside the capture."""
     from .models._rope_cache import forget  # (here: models' modules import this one)
 
     for s in static:

@@ -662,10 +662,11 @@ class _DerivesFromItsInput(torch.nn.Linear):
 
 def test_the_capture_finds_no_value_the_warm_up_derived_from_an_input(unpatch_after):
     """The warm-up and the capture run the forward on the same static input buffers: a value the warm-up derived from
-    one of them and kept on it (`_rope_cache.derived`) must be forgotten before the capture, else a real capture (the
-    same frame id, the same version counter) reads a tensor made outside the graph, and every replay with other
-    inputs adds the first inputs' value. (`TracedGraphs` traces through fx's module-call wrappers, which `derived`
-    does not take for the model's own loop, so it never reuses there: the probe checks what the capture is handed.)"""
+    one of them and kept on it (`_rope_cache.derived`) must be forgotten before the capture, which then seals the
+    buffers for itself; the value is a tensor made outside the graph, which every replay with other inputs would
+    read stale had the capture taken it (the seal names one call since, not a frame id, which the capture may
+    share with the warm-up). (`TracedGraphs` traces through fx's module-call wrappers, which `derived` does not take
+    for the model's own loop, so it never reuses there: the probe checks what the capture is handed.)"""
     from diffusers_fastpath.testing import TracedGraphs
 
     model = build_flux_transformer("flux-tiny", torch.float32, seed=4)

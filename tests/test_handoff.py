@@ -190,6 +190,32 @@ def test_what_the_receiver_takes_is_for_those_tensors_only(patched):
                                                                                    REASON_WASTED: 3}
 
 
+def test_a_hand_off_left_by_an_ended_forward_is_not_taken_in_the_next_one_of_its_frame_id(patched):
+    """A hand-off left by a forward that ended before the receiving block took it (an exception between the two) is
+    not taken by the next forward, even one that CPython runs in a frame of the same id (the same function called
+    again from the same line, as a pipeline's loop calls the model) and that hands the receiver the very tensors:
+    a seal names one call of the forward, not its frame's id."""
+    model, *_ = patched
+    adaln = model.single_transformer_blocks[1].norm
+    receiver = _Receiver(adaln)
+    x, temb = torch.randn(1, 4, 32), torch.randn(1, 32)
+    emb, normed = torch.randn(1, 96), torch.randn(1, 4, 32)
+    frames, taken = [], []
+
+    def forward(hand_off: bool):
+        frames.append(id(sys._getframe()))
+        if hand_off:  # the sender's hand-off, then this forward ends
+            adaln.__dict__[_handoff._PENDING] = _handoff._Pending(x, temb, emb, normed, frame_key(sys._getframe()))
+            return None
+        return receiver(x, temb)
+
+    for hand_off in (True, False):
+        taken.append(forward(hand_off))
+    assert frames[0] == frames[1]  # the second call ran in a frame of the first one's id
+    assert taken[1] == (None, None)
+    assert gated_sites(model)["single_transformer_blocks.1.norm:gated"].reasons == {REASON_WASTED: 1}
+
+
 def test_unpatch_removes_the_links_and_slots(patched):
     model, inputs, ref = patched
     run(model, inputs)

@@ -5,11 +5,14 @@ unpatched model's bits either way (issue 43, items 5 and 6)."""
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 import diffusers_fastpath as fp
-from diffusers_fastpath.models import _chain_calls
+from diffusers_fastpath.models import _chain_calls, _rope_cache
 from diffusers_fastpath.testing import (
     build_chroma_transformer,
     build_ernie_image_transformer,
@@ -134,3 +137,55 @@ def test_hunyuan_video15_pads_its_mask_once_per_sealed_forward(emulated_kernels,
     assert torch.equal(run(model, inputs), ref)
     assert built == ["pairwise_mask"] * (1 + layers)
     handle.remove()
+
+
+class _KeptTable(torch.nn.Module):
+    """A rotary embedding of the user's that keeps the table it built on its first call and hands that very tensor to
+    every later forward (a cache across denoising steps, which its owner refreshes through ``.data``); records the id
+    of the model forward's frame that calls it."""
+
+    def __init__(self, inner, forward_code) -> None:
+        super().__init__()
+        self.inner, self.forward_code, self.table, self.frames = inner, forward_code, None, []
+
+    def forward(self, ids):
+        frame = sys._getframe(1)
+        while frame.f_code is not self.forward_code:
+            frame = frame.f_back
+        self.frames.append(id(frame))
+        if self.table is None:
+            self.table = self.inner(ids)
+        return self.table
+
+
+def test_a_table_handed_to_the_next_forward_keeps_nothing_from_the_last(unpatch_after):
+    """A tensor handed to more than one forward (here the rotary table a user's cache keeps across steps; a mask the
+    pipeline passes unchanged to every step) is sealed for one call of the forward, not for its frame: the next
+    forward, called from the same line, runs in a frame of the same id (CPython reuses it) and must not reuse what
+    the last one derived, which a write through ``.data`` between the two (no version counter moves) left stale."""
+    model = build_ernie_image_transformer(seed=43, num_layers=LAYERS)
+    inputs = ernie_image_inputs(model, batch=2, text_lens=(9, 4), seed=44)
+    kept = _KeptTable(model.pos_embed, inspect.unwrap(type(model).forward).__code__)
+    model.pos_embed = kept
+
+    def steps():
+        kept.table, outs = None, []
+        for step in range(2):
+            if step:
+                version = kept.table._version
+                kept.table.data.mul_(0.5)
+                assert kept.table._version == version
+            outs.append(run(model, inputs))
+        return outs
+
+    ref = steps()
+    assert not torch.equal(ref[0], ref[1])  # the write changes what the second forward computes
+    fp.patch(model)
+    unpatch_after(model)
+    got = steps()
+    assert kept.frames[-1] == kept.frames[-2]  # the second forward got the first one's frame id
+    assert torch.equal(got[0], ref[0])
+    assert torch.equal(got[1], ref[1])
+    # shared by the layers of the first call only; the second computes in every layer and drops the first one's
+    assert trig(model) == (1 + 2 * LAYERS, 2 * LAYERS - 1)
+    assert _rope_cache._DERIVED_ATTR not in kept.table.__dict__

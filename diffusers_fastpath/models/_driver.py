@@ -14,6 +14,12 @@ accelerate's hooks), and whatever drives the blocks instead of the transformer's
 a cache library's loop, gradient checkpointing). A value is kept across blocks only where all of that is diffusers'
 own code or this package's: the blocks called straight from the transformer's forward as diffusers defines it
 (`model_forward`), and no hooks on what holds the tensors (each user checks what that is).
+
+The later block checks that it runs inside that very call of the forward (`inside`, given the forward's `frame_key`):
+by the frame's id and code, which nothing here keeps alive, and by a token the call holds in its locals. CPython gives
+a new frame the id of a freed one, the next call of the model from the same line of a pipeline's loop very likely the
+last call's; a value kept on a tensor that outlives the call (an input the pipeline hands to every step) or left
+untaken when the call ended is for that call only.
 """
 
 from __future__ import annotations
@@ -106,18 +112,41 @@ def enclosing_model_forward(frame: FrameType | None, limit: int = 64) -> FrameTy
     return None
 
 
-def inside(frame: FrameType | None, forward: tuple[int, CodeType], limit: int = 64) -> bool:
-    """Whether `frame` runs inside the frame `forward` names (``(id(frame), frame.f_code)``: held by id, so that
-    nothing here keeps a finished forward's locals alive; the id is that frame's while it runs), an ancestor within
-    `limit` frames, through a module call that forward made itself (the frame just below it is a module call)."""
+class _Call:
+    """One call of a function, planted in its frame's locals by `frame_key` (under `_CALL`): a new object per call,
+    and every key that names the call holds it, so no later call's is it (where the frame's id is the next call's
+    once the frame is freed)."""
+
+    __slots__ = ()
+
+
+# the key of a call's `_Call` in its frame's locals: no local variable can have it (not an identifier), so the
+# function's own names and values are as they were; CPython keeps a key that is no local of the frame in its locals
+# mapping for the frame's life (3.11 and 3.12: the dict cached on the frame, which ``f_locals`` refreshes only for
+# the function's own names; 3.13: the frame's extra locals, which its ``f_locals`` proxy reads and writes)
+_CALL = "<diffusers_fastpath: this call>"
+
+
+def inside(frame: FrameType | None, forward: tuple[int, CodeType, _Call], limit: int = 64) -> bool:
+    """Whether `frame` runs inside the call of a function that `forward` names (`frame_key`: the frame's id, its
+    code and that call's token; held so, nothing here keeps a finished forward's locals alive), an ancestor within
+    `limit` frames, through a module call that forward made itself (the frame just below it is a module call). A
+    frame of that id and code that holds another token (or none) is a later call in a reused frame id, not it."""
     below = None
     while frame is not None and limit > 0:
         if id(frame) == forward[0] and frame.f_code is forward[1]:
-            return below is not None and is_module_call(below)
+            return below is not None and is_module_call(below) and frame.f_locals.get(_CALL) is forward[2]
         below, frame, limit = frame, frame.f_back, limit - 1
     return False
 
 
-def frame_key(frame: FrameType) -> tuple[int, CodeType]:
-    """What `inside` takes for `frame`."""
-    return id(frame), frame.f_code
+def frame_key(frame: FrameType) -> tuple[int, CodeType, _Call]:
+    """What `inside` takes for `frame`, a running frame: its id, its code and the token of this call (planted in its
+    locals at the first ask in the call, the same at every later one). CPython reuses a freed frame's id, for the
+    next call of the same function from the same line too (a pipeline's loop calling the model once a step): the
+    token, not the id, tells one call from the next."""
+    mapping = frame.f_locals
+    token = mapping.get(_CALL)
+    if type(token) is not _Call:
+        token = mapping[_CALL] = _Call()
+    return id(frame), frame.f_code, token

@@ -24,8 +24,9 @@ receiving block's pre-hooks and its forward up to its adaLNs (this package's), a
 hands off only where the blocks are called straight from the transformer's own diffusers forward, one after the
 other in its block list (not by a replaced forward, a wrapper, checkpointing or a cache library's loop: cache-dit's,
 which skips blocks, would leave hand-offs no block takes), and nothing there has hooks (`quality.hooked`: module
-hooks, global hooks, a replaced ``forward``). The receiving adaLN takes what it finds only in the same forward, for
-the same tensors at the same versions (the second line); a hand-off never taken is counted as wasted.
+hooks, global hooks, a replaced ``forward``). The receiving adaLN takes what it finds only in the same call of
+the forward (not a later one that CPython runs in a frame of the same id: `_driver.frame_key`), for the same tensors
+at the same versions (the second line); a hand-off never taken is counted as wasted.
 
 A hand-off is also refused, and each block computes its own part as diffusers writes it, with the reason counted on
 the receiver's ``gated`` site, where autograd records (the order in which gradients of ``temb`` accumulate), where a
@@ -118,7 +119,8 @@ def _count_fast(site) -> None:
 class _Pending:
     """What a sending block computed for the next block's adaLN: its modulation ``emb`` (``linear(silu(temb))``) and,
     where the fused kernel ran, ``normed``, the LayerNorm-modulate of ``x``; each valid for those very tensors at these
-    versions (``None`` for an inference tensor, which has no version counter), in the forward `driver` names."""
+    versions (``None`` for an inference tensor, which has no version counter), in the call of the forward that
+    `driver` names (`_driver.frame_key`)."""
 
     __slots__ = ("x", "x_version", "temb", "temb_version", "emb", "normed", "driver")
 

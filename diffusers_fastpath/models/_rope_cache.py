@@ -5,7 +5,7 @@ Diffusers builds a transformer's rotary table once per forward (``FluxTransforme
 that and adds no cache across forwards. What the layers still recompute each from that one table and the forward's
 other shared inputs (ERNIE-Image's ``torch.cos``/``torch.sin`` of the angles, for q and for k; Chroma's and
 HunyuanVideo-1.5's attention-mask products) is derived here once per table tensor and stored *on that tensor*
-(`derived`): the value lives exactly as long as the table, belongs to the forward that built it (two threads, two
+(`derived`): the value lives at most as long as the table, belongs to the forward that built it (two threads, two
 forwards, two tables).
 
 A later layer reuses it only if nothing could have changed the tensors it came from since, and version counters do
@@ -18,12 +18,18 @@ processor is handed the table, the mask and the shared product), and every modul
 diffusers' or this package's. Then nothing but diffusers' and this package's code holds those tensors until the
 forward ends, and each later use, in the same forward, is checked to come from it. Elsewhere (hooks anywhere,
 offloading, a cache library's loop, a foreign processor) every layer computes its own, as written. The version counters
-of the table and of the stored value stay a second line. The table must be built by the forward (diffusers'
-``pos_embed`` modules build theirs in every call; one kept across forwards would carry its values into the next
-forward's frame). A tensor handed to more than one forward, as a CUDA graph's static input buffers are
-(`graphs.GraphRunner` runs the forward on them for the warm-up, then for the capture, and CPython may give the second
-forward the first one's frame id), is wiped before each (`forget`): else the capture would read the value the warm-up
-derived, a tensor computed outside the graph, which every replay with other inputs would leave stale.
+of the table and of the stored value stay a second line.
+
+The seal names one call of the forward, not its frame (`_driver.frame_key`: the frame's id and code and a token
+planted in that call's locals; `_driver.inside` finds the frame by id and code and asks for that token). CPython reuses
+a freed frame's id, for the next call of the model from the same line of a pipeline's loop too, so a frame's id alone
+would let a tensor handed to more than one forward (a mask the pipeline passes unchanged to every step, a rotary table
+that a user's ``pos_embed`` keeps across steps, a CUDA graph's static input buffers) hand the next forward the value
+the last one derived, stale after a write between the two that no version counter sees (``.data``, a tensor sharing
+the storage). Such a tensor is sealed for the first call that derives from it; in every later call each layer
+computes its own, as written. A CUDA graph's static inputs are wiped before each run on them (`forget`:
+`graphs.GraphRunner` runs the forward on them for the warm-up, then for the capture), so that the capture seals them
+for itself and its layers share again, with no value of the warm-up's (a tensor computed outside the graph) to find.
 
 Why not a cache across denoising steps keyed on the position ids: a key made of tensor identity, ``data_ptr`` and
 ``_version`` misses writes through ``.data`` or ``.numpy()`` and fails on inference tensors (they have no version
@@ -46,7 +52,7 @@ from ._driver import enclosing_model_forward, frame_key, inside
 
 STATS_PREFIX = "_fastpath_stats_"  # `report` lists every such attribute of a patched model's modules
 _DERIVED_ATTR = "_fastpath_derived"
-_SEAL_ATTR = "_fastpath_sealed"  # on a table: the key of its forward's frame, or None (never sealed)
+_SEAL_ATTR = "_fastpath_sealed"  # on a table: `frame_key` of the call that sealed it, or None (never)
 _KNOWN = ("diffusers.", "diffusers_fastpath.")
 
 
@@ -90,14 +96,20 @@ def _closed(model: nn.Module) -> bool:
 
 
 def _sealed(table: torch.Tensor, frame) -> bool:
-    """Whether `table` is sealed (module doc) and `frame`, a layer's, runs inside the forward that sealed it."""
+    """Whether `table` is sealed (module doc) and `frame`, a layer's, runs inside the call of the forward that sealed
+    it (a later call, in a frame of the same id or not, is not that call: what that call kept on the table is dropped
+    there, rather than carried by a tensor that outlives it, an input the pipeline hands to every step)."""
     seal = table.__dict__.get(_SEAL_ATTR, False)
     if seal is False:  # the table's first use: seal it for this forward, or for good not
         forward = enclosing_model_forward(frame)
         ok = forward is not None and _closed(forward.f_locals["self"])
         seal = table.__dict__[_SEAL_ATTR] = frame_key(forward) if ok else None
         return ok
-    return seal is not None and inside(frame, seal)
+    if seal is not None and inside(frame, seal):
+        return True
+    if seal is not None:
+        table.__dict__.pop(_DERIVED_ATTR, None)
+    return False
 
 
 def _versions(value) -> tuple:
@@ -109,9 +121,9 @@ def _versions(value) -> tuple:
 
 def forget(tensor: torch.Tensor) -> None:
     """Drop what `derived` kept on `tensor`: its stored values and its seal (module doc). For a tensor handed to
-    more than one forward, before each: a CUDA graph's static inputs between the warm-up and the capture, where the
-    second forward may get the first one's frame id and the same version counter, and would reuse a value computed
-    outside the graph (stale on every replay with other inputs). Python only, no device work: safe in a capture."""
+    more than one forward, before each: a CUDA graph's static inputs between the warm-up and the capture, which the
+    warm-up's seal would leave unshared in the capture (another call) and which would still carry values computed
+    outside the graph. Python only, no device work: safe in a capture."""
     tensor.__dict__.pop(_DERIVED_ATTR, None)
     tensor.__dict__.pop(_SEAL_ATTR, None)
 
@@ -119,7 +131,8 @@ def forget(tensor: torch.Tensor) -> None:
 def derived(table: torch.Tensor, key: Hashable, compute: Callable[[], Any], stats: CacheStats | None = None,
             valid: Callable[[Any], bool] | None = None) -> Any:
     """``compute()`` for `table`, computed once per (`table` tensor, `key`) and stored on the tensor itself, for the
-    later layers of the forward that sealed the table (module doc); elsewhere computed every time, as written.
+    later layers of the call of the forward that sealed the table (module doc); elsewhere computed every time, as
+    written.
 
     `compute` must be a pure function of ``table``'s values (and of `key`). The stored value is also dropped if the
     table, or the value itself, is written in place since (its version counter moved). While ``torch.compile``
