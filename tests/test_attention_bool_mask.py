@@ -188,3 +188,52 @@ def test_additive_mask_is_the_call_as_written_on_cuda(shape, dtype):
     out = torch.full_like(ref, float("nan"))
     out.copy_(dispatch_attention_fn(q, k, v, attn_mask=additive))
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+def test_additive_mask_is_aten_expression_with_the_zero_on_the_mask_device():
+    """Both kinds: the values of aten's expression (cuDNN's zero made on the host there), from operands on the
+    mask's device only (a host operand is a host-to-device copy, which a CUDA graph capture refuses)."""
+    _, _, _, mask = _operands()
+    mask[..., 5, :] = False
+    for kind, fill in ((CUDNN, -65504.0), (EFFICIENT, -float("inf"))):
+        for dtype in (torch.bfloat16, torch.float16):
+            made = []
+            real = torch.scalar_tensor
+
+            def spy(*args, **kwargs):
+                made.append(torch.device(kwargs.get("device") or "cpu"))
+                return real(*args, **kwargs)
+
+            torch.scalar_tensor = spy
+            try:
+                additive = abm.additive_mask(mask.to("meta"), kind, dtype)
+            finally:
+                torch.scalar_tensor = real
+            assert made == [torch.device("meta")] and additive.device.type == "meta"
+            got = abm.additive_mask(mask, kind, dtype)
+            want = torch.where(mask.logical_not(), fill, torch.scalar_tensor(0.0, dtype=dtype))
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [CUDNN, EFFICIENT], ids=["cudnn", "efficient"])
+def test_additive_mask_captures_in_a_cuda_graph(kind):
+    """Made inside a CUDA graph capture (as in Ideogram 4's captured forward), the additive mask replays the values
+    of aten's own expression."""
+    _, _, _, mask = _operands(device="cuda", s=40)
+    mask[..., 3, :] = False
+    fill = -65504.0 if kind == CUDNN else -float("inf")
+    want = torch.where(mask.logical_not(), fill, torch.scalar_tensor(0.0, dtype=torch.bfloat16)).cuda()
+    static = mask.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        abm.additive_mask(static, kind, torch.bfloat16)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = abm.additive_mask(static, kind, torch.bfloat16)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

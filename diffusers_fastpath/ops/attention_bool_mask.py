@@ -3,7 +3,7 @@
 torch's ``scaled_dot_product_attention`` does not read a boolean mask as it is: every call first writes the additive
 mask its kernel reads (``aten/src/ATen/native/transformers/attention.cpp``)::
 
-    where(mask.logical_not(), -65504.0, scalar_tensor(0.0, dtype=q.dtype))          # cuDNN's kernel
+    where(mask.logical_not(), -65504.0, scalar_tensor(0.0, dtype=q.dtype))          # cuDNN's kernel (zero on the host)
     where(mask.logical_not(), -inf, scalar_tensor(0.0, dtype=q.dtype, device=...))  # the memory-efficient one
 
 A model that builds one ``[B, 1, S, S]`` mask per forward and hands it to every block pays that write in every
@@ -47,9 +47,14 @@ Hold = Callable[[torch.Tensor, tuple, Callable[[], torch.Tensor]], torch.Tensor]
 
 def additive_mask(mask: torch.Tensor, kind: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask torch's SDPA makes of the boolean `mask` for a call whose kernel is `kind` (the expressions
-    of ``convert_boolean_attn_mask_cudnn`` and ``convert_boolean_attn_mask``, as aten writes them)."""
+    of ``convert_boolean_attn_mask_cudnn`` and ``convert_boolean_attn_mask``, as aten writes them).
+
+    cuDNN's zero is made on the mask's device here, where aten makes it on the host: ``where`` moves a 0-dim operand
+    to the output's device (``where_self_out``: ``other.to(device)``), a pageable host-to-device copy that a CUDA
+    graph capture refuses (Ideogram 4's forward did not capture for it). A zero filled on the device is the same
+    operand: the same values come out, and torch takes the same kernel for them."""
     if kind == int(SDPBackend.CUDNN_ATTENTION):
-        return torch.where(mask.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype))
+        return torch.where(mask.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype, device=mask.device))
     return torch.where(mask.logical_not(), -float("inf"), torch.scalar_tensor(0.0, dtype=dtype, device=mask.device))
 
 
