@@ -162,6 +162,11 @@ def register_host_key(model_cls: type, fn: Callable[[nn.Module, dict], tuple[Any
     HOST_KEYS[model_cls] = fn
 
 
+def recording() -> bool:
+    """Whether a forward records on this thread now (its warm-up or its capture: `GraphRunner._record`)."""
+    return getattr(_recording, "active", False)
+
+
 def capture_side() -> Any:
     """While a forward records, the side data of its host key (`HOST_KEYS`), else None."""
     side = getattr(_recording, "side", None)
@@ -174,11 +179,11 @@ def capture_side() -> Any:
 
 @contextlib.contextmanager
 def _side_bound(side: Callable[[], Any] | None):
-    _recording.side = side
+    _recording.side, _recording.active = side, True
     try:
         yield
     finally:
-        _recording.side = None
+        _recording.side, _recording.active = None, False
         if hasattr(_recording, "value"):
             del _recording.value
 
@@ -202,13 +207,17 @@ def capture_twins_bound(model_cls: type):
     for cls, twins in CAPTURE_TWINS.items():
         for module, name, original, twin in twins if issubclass(model_cls, cls) else ():
             if getattr(module, name) is original:
+                own = name in vars(module)  # (else inherited, as torch.Tensor's C methods: deleted again after)
                 setattr(module, name, twin)
-                bound.append((module, name, original))
+                bound.append((module, name, original, own))
     try:
         yield
     finally:
-        for module, name, original in bound:
-            setattr(module, name, original)
+        for module, name, original, own in reversed(bound):
+            if own:
+                setattr(module, name, original)
+            else:
+                delattr(module, name)
 
 
 def _raised_at(exc: BaseException) -> str:
