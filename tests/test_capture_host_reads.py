@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import diffusers_fastpath as fp
-from diffusers_fastpath import _host_reads, graphs
+from diffusers_fastpath import _host_ops, _host_reads, graphs
 from diffusers_fastpath.models import bria_fibo2
 from diffusers_fastpath.testing import zoo
 
@@ -147,6 +147,119 @@ def test_key_padding_masks_take_the_bool_mask_op_only_while_recording(monkeypatc
     assert taken == [1]
 
 
+class TwoPassGraphs:
+    """A CPU stand-in for `graphs.CudaGraphs` that records as CUDA does: a warm-up pass, then a capture pass (in which
+    `_host_ops` answers from the warm-up: ``_host_ops._capturing`` is true), whose outputs are the static outputs; a
+    replay runs the forward again as a capture pass would (answered from the warm-up, not read) and writes them."""
+
+    device_type = "cpu"
+
+    def new_pool(self, device):
+        return ("pool",)
+
+    def pool_bytes(self, pool):
+        return 0
+
+    def record(self, pool, fn):
+        from torch.utils import _pytree as pytree
+
+        fn()  # the warm-up
+
+        def captured():
+            saved = _host_ops._capturing
+            _host_ops._capturing = lambda: True
+            try:
+                return fn()
+            finally:
+                _host_ops._capturing = saved
+
+        out = captured()
+
+        class Replay:
+            def replay(self):
+                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(captured())):
+                    static.copy_(new)
+
+        return Replay(), out
+
+
+def _toy(x, mask, values):
+    """Every kind of call `_host_ops` answers, made from this file (as a model's module would)."""
+    repeats = mask.long() + 1
+    slots = torch.repeat_interleave(mask, repeats)  # a tensor of repeats: the output size is their sum
+    y = x.repeat_interleave(repeats, dim=0)
+    y[slots] = 0.5  # boolean scatter
+    picked = y[~slots]  # boolean gather
+    n = int(mask.sum())
+    where = mask.nonzero(as_tuple=True)[0]
+    table = torch.tensor(list(range(70)), dtype=torch.long, device=x.device)  # > MAX_ELEMENTS values
+    return picked.tolist(), n, where.tolist(), table[:n].tolist(), values.tolist()
+
+
+def test_host_ops_answer_each_kind_from_the_warm_up_and_read_nothing_in_the_capture():
+    x, mask, values = torch.arange(4.0), torch.tensor([True, False, True, False]), torch.tensor([3, 4])
+    ops = _host_ops.HostOps()
+    files = ("test_capture_host_reads.py",)
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: False):
+        warm = _toy(x, mask, values)
+    assert warm == _toy(x, mask, values)  # the warm-up is the call as written
+    assert [k for k, _, _ in ops.entries] == ["repeat", "repeat", "index", "index", "value", "nonzero", "tensor",
+                                               "value", "value", "value", "value"], ops.entries
+    # the capture pass reads nothing: other values of the same shapes get the warm-up's answers (what a graph keyed
+    # on those values never sees: here only to show that nothing was read)
+    other_mask, other_values = torch.tensor([False, True, True, False]), torch.tensor([9, 9])
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: True):
+        answered = _toy(x, other_mask, other_values)
+    assert answered == warm != _toy(x, other_mask, other_values)
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: True):
+        _toy(x, mask, values)
+        with pytest.raises(RuntimeError, match="did not"):
+            int(mask.sum())  # one call more than the warm-up made
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: True), pytest.raises(RuntimeError, match="is not"):
+        mask.nonzero(as_tuple=True)  # another call than the warm-up's first
+    elsewhere = _host_ops.HostOps()
+    with _host_ops.replayed(elsewhere, ("another_module.py",), "cpu", capturing=lambda: False):
+        _toy(x, mask, values)
+    assert elsewhere.entries == []  # calls from other files go to torch as made
+
+
+def test_qwen21_key_is_the_image_slot_mask_and_registered_for_its_module():
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
+
+    from diffusers_fastpath.models import qwenimage21
+
+    assert qwenimage21._module_digest() == qwenimage21._MODULE
+    assert graphs.HOST_KEYS[QwenImage21Transformer2DModel] is qwenimage21.image_slots
+    assert graphs.HOST_OPS[QwenImage21Transformer2DModel] == ("transformer_qwenimage21.py",)
+    model = zoo.build("qwen-image-21", dtype=torch.float32)
+    a = zoo.inputs("qwen-image-21", model, batch=2)
+    key, side = qwenimage21.image_slots(model, a)
+    other = a["img_mask"].clone()
+    other[:, 0] = True  # one text slot made an image slot: another layout, the same shape
+    assert key[0] == "img_mask" and side is None and qwenimage21.image_slots(model, dict(a, img_mask=other))[0] != key
+    assert qwenimage21.image_slots(model, dict(a, img_mask=a["img_mask"].long())) == (None, None)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen21_graphs_record_answered_and_replay_equal_eager(unpatch_after, batch):
+    """Recorded as a CUDA graph is (a warm-up, then a capture pass answered from it), the forward equals unpatched
+    eager, and so do replays of new latents and timesteps; the calls answered are the forward's data-dependent ones."""
+    from diffusers_fastpath._state import STATE_ATTR
+
+    model, twin = zoo.build("qwen-image-21", dtype=torch.float32), zoo.build("qwen-image-21", dtype=torch.float32)
+    fp.patch(model)
+    unpatch_after(model)
+    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", TwoPassGraphs())
+    a = zoo.inputs("qwen-image-21", model, batch=batch)
+    calls = [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
+    with torch.no_grad():
+        for inputs in calls:
+            assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
+    assert runner.captures == 1 and runner.replays == 2 and not runner.failed, (runner.eager, runner.failed)
+    kinds = [k for k, _, _ in next(iter(runner.graphs.values())).keep.entries]
+    assert {"repeat", "index", "nonzero", "value"} <= set(kinds), kinds
+
+
 # ----------------------------------------------------------------------------------------------------------- GPU
 
 def _replays_equal_eager(name, calls_of, dtype, full=False, signatures=None):
@@ -193,7 +306,7 @@ def test_tiny_ideogram4_graphs_capture_and_replay_bitwise(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["bria-fibo2", "ideogram4"])
+@pytest.mark.parametrize("name", ["bria-fibo2", "ideogram4", "qwen-image-21"])
 def test_full_size_graphs_replay_bitwise(name):
     """The published sizes (the zoo's full inputs): captured, and a replay of new latents equal to eager."""
     if torch.cuda.get_device_properties(0).total_memory < 70 * 2**30:
@@ -204,3 +317,16 @@ def test_full_size_graphs_replay_bitwise(name):
         return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]))]
 
     _replays_equal_eager(name, calls, torch.bfloat16, full=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_qwen21_graphs_capture_and_replay_bitwise(dtype, batch):
+    """Qwen-Image 2.1's uncached forward (the pipeline's first step) captures with its data-dependent calls answered
+    from the warm-up, and every replay (new latents and timesteps) is bit-identical to unpatched eager."""
+    def calls(model):
+        a = zoo.inputs("qwen-image-21", model, batch=batch, seed=6)
+        return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
+
+    _replays_equal_eager("qwen-image-21", calls, dtype)
