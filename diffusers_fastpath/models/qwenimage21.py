@@ -11,7 +11,10 @@ writes the module. So ``img_mask``'s values are the model's host key (`graphs.re
 copy before every call; a graph recorded for one slot layout is never replayed for another), and while a signature
 records, the data-dependent calls made by the module's code are answered from its warm-up
 (`diffusers_fastpath._host_ops`, `graphs.register_host_ops`). The module's source must be the one read for that
-(`_MODULE`, a digest of its text); any other runs as before (no capture, eager, the reason in `report`).
+(`_MODULE`, a digest of its text); any other runs as before (no capture, eager, the reason in `report`). Its
+processor attends per prefix segment with boolean masks that torch converts itself; for cuDNN's kernel that
+conversion copies a host zero to the GPU, so while it records, torch's ``scaled_dot_product_attention`` is bound to
+`ops.attention_bool_mask.sdpa_capturable` (the same additive mask, its zero made on the device).
 
 Not captured: the pipeline's KV-cached steps (``kv_cache``, an object the graph signature does not take: eager, with
 the reason); a ``QwenImage21FlexAttnProcessor`` (its block mask is not among the calls answered: the capture fails
@@ -28,6 +31,7 @@ from diffusers.models.transformers import transformer_qwenimage21
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
 
 from .. import graphs
+from ..ops.attention_bool_mask import sdpa_capturable
 
 # sha256[:16] of diffusers 0.42.1's transformer_qwenimage21 module source, read for the claim above
 _MODULE = "7a3393f89b1eb71d"
@@ -53,3 +57,5 @@ def image_slots(model: QwenImage21Transformer2DModel, call: dict):
 if _module_digest() == _MODULE:
     graphs.register_host_key(QwenImage21Transformer2DModel, image_slots)
     graphs.register_host_ops(QwenImage21Transformer2DModel, (_FILE,))
+graphs.register_capture_twin(QwenImage21Transformer2DModel, torch.nn.functional, "scaled_dot_product_attention",
+                             sdpa_capturable)

@@ -145,3 +145,29 @@ def attention_bool_mask(dispatch, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         arguments: the processor's keyword arguments (``attn_mask``, ``backend``, ``parallel_config``, ...).
     """
     return ATTENTION_BOOL_MASK(site, dispatch, q, k, v, hold, tuple(sorted(arguments.items(), key=lambda kv: kv[0])))
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention  # torch's own, as imported
+
+
+def sdpa_capturable(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """torch's ``scaled_dot_product_attention``, with a boolean mask that torch would convert for cuDNN's kernel (its
+    zero made on the host, copied to the GPU: refused inside a CUDA graph capture) handed over as that additive mask
+    made on the device (`additive_mask`), where torch then picks the same kernel; every other call as made. The
+    capture twin of ``torch.nn.functional.scaled_dot_product_attention`` for forwards whose processors call torch with
+    boolean masks the fused op does not take (Qwen-Image 2.1's per-segment masks): the same kernel reads the same
+    values."""
+    if (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype is torch.bool and query.is_cuda
+            and attn_mask.device == query.device):
+        def choice(mask):
+            return int(torch._fused_sdp_choice(query, key, value, mask, dropout_p, is_causal, scale=scale,
+                                               enable_gqa=enable_gqa))
+
+        kind = choice(attn_mask)
+        if kind == int(SDPBackend.CUDNN_ATTENTION):
+            additive = additive_mask(attn_mask, kind, query.dtype)
+            if choice(additive) == kind:
+                attn_mask = additive
+    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                 enable_gqa=enable_gqa)
