@@ -27,7 +27,10 @@ How it works, per patched model (`GraphRunner`):
   small kernels), so a replay can never use a table built from other ids. A small tensor the forward builds from
   Python values on the GPU (``torch.tensor(self.scale_factors, device=...)``, LTX-2's rotary coordinates: a
   pageable copy, which a capture refuses) is built inside the capture by fill kernels of those values
-  (`_host_constants`), baked in as every Python number a kernel takes is.
+  (`_host_constants`), baked in as every Python number a kernel takes is. A forward that reads its inputs' values on
+  the host keys its graphs on them (`register_host_key`) and, while it records, has its reads answered from the key
+  (`_host_reads`: Bria FIBO 2's ``.tolist()``) or its data-dependent calls answered from the warm-up (`_host_ops`:
+  Qwen-Image 2.1's ``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor; `register_host_ops`).
 - The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
   the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
   ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
