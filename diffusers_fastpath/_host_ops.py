@@ -30,7 +30,6 @@ first replay is compared with the eager forward as always.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from typing import Any, Callable
 
@@ -54,7 +53,6 @@ def _capturing() -> bool:
 _TENSOR = torch.tensor  # torch's own (`_host_constants` puts its filler there inside a capture)
 _HANDLED = frozenset({*_VALUES, *_NONZERO, *_REPEAT, *_INDEX, _TENSOR})
 _PASS_THROUGH = frozenset({__file__, _host_constants.__file__})
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # (torch's Python between the call and the mode)
 
 
 class HostOps:
@@ -91,10 +89,11 @@ def _index_parts(index) -> tuple[list, bool]:
 
 def _caller_file() -> str:
     """The file of the Python code that made the torch call being handled (past this module and `_host_constants`'s
-    ``torch.tensor`` filler)."""
+    ``torch.tensor`` filler). Not past torch's own Python: a call torch makes inside a function the model's module
+    called (flex attention's block mask, say) is torch's, not the module's, and goes to torch as made. (Every call
+    handled here is a C method or function of torch's: nothing of torch's stands between it and its caller.)"""
     frame = sys._getframe(2)  # (0: this function, 1: the mode's handler)
-    while frame is not None and (frame.f_code.co_filename in _PASS_THROUGH
-                                 or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+    while frame is not None and frame.f_code.co_filename in _PASS_THROUGH:
         frame = frame.f_back
     return "" if frame is None else frame.f_code.co_filename
 
