@@ -17,6 +17,12 @@ a model records, `replayed` (a torch function mode, on the recording thread only
   warm-up's result had (torch's own argument for this, which skips the wait and changes no value);
 - indexing (``x[...]``, ``x[...] = y``) with a boolean device mask: in both passes the mask is replaced by its
   ``nonzero`` indices, computed in the warm-up and kept (what torch's indexing does with a boolean mask itself);
+- ``x[indices] = number`` on a device tensor, with tensor indices or a mask (Qwen-Image 2.1's
+  ``target_token_mask[image_positions[-n:]] = True``): torch makes the number a host tensor of ``x``'s dtype
+  (``THPVariable_setitem`` on a CUDA tensor) and ``index_put_`` copies it to the device (``value.to(self.device())``:
+  a pageable copy, refused in a capture; a single mask would go to ``masked_fill_`` instead, but the mask is now
+  indices). In both passes the number is handed over as that 0-dim tensor filled on the device: the same value
+  (the same conversion of the number to ``x``'s dtype) written by the same ``index_put_`` kernel;
 - ``torch.tensor(python values, device=<the GPU>)`` of more than `_host_constants.MAX_ELEMENTS` values (smaller ones
   are filled in by `_host_constants`): the warm-up's tensor is kept; the capture returns a copy of it.
 
@@ -87,6 +93,16 @@ def _index_parts(index) -> tuple[list, bool]:
     return parts, isinstance(index, tuple)
 
 
+def _scatters(parts: list) -> bool:
+    """Whether an index with these parts writes by tensor indices (``index_put_``): a tensor of indices or a mask."""
+    return any(isinstance(p, torch.Tensor) and (p.dim() >= 1 or p.dtype is torch.bool) or isinstance(p, list)
+               for p in parts)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, complex))
+
+
 def _caller_file() -> str:
     """The file of the Python code that made the torch call being handled (past this module and `_host_constants`'s
     ``torch.tensor`` filler). Not past torch's own Python: a call torch makes inside a function the model's module
@@ -139,6 +155,7 @@ class _Replayed(TorchFunctionMode):
                 return out
         if func in _INDEX and len(args) >= 2:
             parts, was_tuple = _index_parts(args[1])
+            index, rest = args[1], args[2:]
             if any(_bool_mask(p) for p in parts):
                 what = (_name(func), tuple(args[0].shape),
                         tuple(tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__ for p in parts))
@@ -150,7 +167,12 @@ class _Replayed(TorchFunctionMode):
                 new = []
                 for p, idx in zip(parts, indices):
                     new.extend(idx if idx is not None else (p,))
-                return func(args[0], tuple(new), *args[2:], **kwargs)
+                index, parts = tuple(new), new
+            if func is _T.__setitem__ and _on_device(args[0]) and _scatters(parts) and _number(rest[0] if rest else None):
+                # ``x[indices] = number``: torch makes the number a host tensor and copies it over (module doc)
+                rest = (torch.full((), rest[0], dtype=args[0].dtype, device=args[0].device),) + tuple(rest[1:])
+            if index is not args[1] or rest is not args[2:]:
+                return func(args[0], index, *rest, **kwargs)
         if func is _TENSOR and args and kwargs.get("device") is not None and not args[1:]:
             device = torch.device(kwargs["device"])
             data = args[0]
