@@ -154,7 +154,7 @@ class _Replayed(TorchFunctionMode):
                 self.ops.add("repeat", what, out.numel() if dim is None else out.shape[dim])
                 return out
         if func in _INDEX and len(args) >= 2:
-            parts, was_tuple = _index_parts(args[1])
+            parts, _ = _index_parts(args[1])
             index, rest = args[1], args[2:]
             if any(_bool_mask(p) for p in parts):
                 what = (_name(func), tuple(args[0].shape),
@@ -168,7 +168,8 @@ class _Replayed(TorchFunctionMode):
                 for p, idx in zip(parts, indices):
                     new.extend(idx if idx is not None else (p,))
                 index, parts = tuple(new), new
-            if func is _T.__setitem__ and _on_device(args[0]) and _scatters(parts) and _number(rest[0] if rest else None):
+            if (func is _T.__setitem__ and _on_device(args[0]) and _scatters(parts)
+                    and _number(rest[0] if rest else None)):
                 # ``x[indices] = number``: torch makes the number a host tensor and copies it over (module doc)
                 rest = (torch.full((), rest[0], dtype=args[0].dtype, device=args[0].device),) + tuple(rest[1:])
             if index is not args[1] or rest is not args[2:]:
