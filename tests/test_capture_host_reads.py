@@ -13,6 +13,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath import _host_ops, _host_reads, graphs
 from diffusers_fastpath.models import bria_fibo2
 from diffusers_fastpath.testing import zoo
+from diffusers_fastpath.testing.capture_pass import CapturePassGraphs, HostTransfers
 
 
 def _fibo2(device="cpu", dtype=torch.float32, seed=3):
@@ -147,42 +148,6 @@ def test_key_padding_masks_take_the_bool_mask_op_only_while_recording(monkeypatc
     assert taken == [1]
 
 
-class TwoPassGraphs:
-    """A CPU stand-in for `graphs.CudaGraphs` that records as CUDA does: a warm-up pass, then a capture pass (in which
-    `_host_ops` answers from the warm-up: ``_host_ops._capturing`` is true), whose outputs are the static outputs; a
-    replay runs the forward again as a capture pass would (answered from the warm-up, not read) and writes them."""
-
-    device_type = "cpu"
-
-    def new_pool(self, device):
-        return ("pool",)
-
-    def pool_bytes(self, pool):
-        return 0
-
-    def record(self, pool, fn):
-        from torch.utils import _pytree as pytree
-
-        fn()  # the warm-up
-
-        def captured():
-            saved = _host_ops._capturing
-            _host_ops._capturing = lambda: True
-            try:
-                return fn()
-            finally:
-                _host_ops._capturing = saved
-
-        out = captured()
-
-        class Replay:
-            def replay(self):
-                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(captured())):
-                    static.copy_(new)
-
-        return Replay(), out
-
-
 def _toy(x, mask, values):
     """Every kind of call `_host_ops` answers, made from this file (as a model's module would)."""
     repeats = mask.long() + 1
@@ -240,24 +205,122 @@ def test_qwen21_key_is_the_image_slot_mask_and_registered_for_its_module():
     assert qwenimage21.image_slots(model, dict(a, img_mask=a["img_mask"].long())) == (None, None)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_qwen21_graphs_record_answered_and_replay_equal_eager(unpatch_after, batch):
-    """Recorded as a CUDA graph is (a warm-up, then a capture pass answered from it), the forward equals unpatched
-    eager, and so do replays of new latents and timesteps; the calls answered are the forward's data-dependent ones."""
+def _imitated(name, calls, backend):
+    """`calls` of a patched `name` recorded by `backend` (`CapturePassGraphs`), each compared with unpatched eager."""
     from diffusers_fastpath._state import STATE_ATTR
 
-    model, twin = zoo.build("qwen-image-21", dtype=torch.float32), zoo.build("qwen-image-21", dtype=torch.float32)
+    model, twin = zoo.build(name, dtype=torch.float32), zoo.build(name, dtype=torch.float32)
     fp.patch(model)
-    unpatch_after(model)
-    runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", TwoPassGraphs())
-    a = zoo.inputs("qwen-image-21", model, batch=batch)
-    calls = [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
-    with torch.no_grad():
-        for inputs in calls:
-            assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
-    assert runner.captures == 1 and runner.replays == 2 and not runner.failed, (runner.eager, runner.failed)
-    kinds = [k for k, _, _ in next(iter(runner.graphs.values())).keep.entries]
+    try:
+        runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+        with torch.no_grad():
+            for inputs in calls(model):
+                assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
+        runner.kept = [g.keep for g in runner.graphs.values()]  # (unpatch drops the graphs)
+    finally:
+        fp.unpatch(model)
+    return runner
+
+
+def _qwen21_calls(batch):
+    def calls(model):
+        a = zoo.inputs("qwen-image-21", model, batch=batch, seed=6)
+        return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen21_graphs_record_answered_and_replay_equal_eager(batch):
+    """Recorded as a CUDA graph is (a warm-up, then a capture pass answered from it, with `_host_constants`' fills),
+    the forward equals unpatched eager, and so do replays of new latents and timesteps; the calls answered are the
+    forward's data-dependent ones, and its capture pass copies nothing from the host and reads nothing back."""
+    backend = CapturePassGraphs(strict=True)
+    runner = _imitated("qwen-image-21", _qwen21_calls(batch), backend)
+    assert runner.captures == 1 and runner.replays == 2 and len(runner.kept) == 1 and not runner.eager, runner.eager
+    assert backend.transfers == []
+    kinds = [k for k, _, _ in runner.kept[0].entries]
     assert {"repeat", "index", "nonzero", "value"} <= set(kinds), kinds
+
+
+def test_qwen21_capture_pass_catches_the_host_scalar_scatter(monkeypatch):
+    """What the H100 refused at 9dcad12 (``target_token_mask[image_positions[-n:]] = True``: torch copies a host
+    scalar over) is caught on the CPU: with the number handed to torch as written, the imitated capture fails there
+    and that signature runs eager, equal to eager."""
+    monkeypatch.setattr(_host_ops, "_number", lambda value: False)  # (the scatter of a number as 9dcad12 made it)
+    backend = CapturePassGraphs(strict=True)
+    runner = _imitated("qwen-image-21", _qwen21_calls(1), backend)
+    assert not runner.kept and len(runner.eager) == 1, runner.eager  # (unpatch clears `failed`; `eager` stays)
+    where = {w for _, w in backend.transfers}
+    assert where == {"transformers/transformer_qwenimage21.py:859"}, backend.transfers
+    assert "x[indices] = number" in next(iter(runner.eager))
+
+
+def _fibo2_padded_calls(model):
+    a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+    b = _other_lengths(a, row=1, drop=6)  # gist counts differ: the gist is padded (torch.tensor(gist_counts, ...))
+    return [a, b, dict(a, hidden_states=torch.randn_like(a["hidden_states"])), b]
+
+
+def test_fibo2_padded_gist_records_as_a_capture_does():
+    """The GPU test's two sets of text lengths, recorded as a capture records (the key answers ``.tolist()``, the
+    gist counts' tensor is filled by `_host_constants`): two graphs, each replayed equal to eager, nothing copied
+    from the host or read back."""
+    backend = CapturePassGraphs(strict=True)
+    runner = _imitated("bria-fibo2", _fibo2_padded_calls, backend)
+    assert runner.captures == 2 and runner.replays == 2 and len(runner.kept) == 2 and not runner.eager, runner.eager
+    assert backend.transfers == []
+
+
+def test_fibo2_capture_pass_catches_the_fillers_own_read(monkeypatch):
+    """What the H100 refused at 9dcad12 is caught on the CPU: with `_host_constants` reading its host copy by the
+    bound ``tolist`` (the twin), the padded signature's capture reads once more than its key holds and runs eager."""
+    from diffusers_fastpath import _host_constants
+
+    monkeypatch.setattr(_host_constants, "_host_values", lambda host: host.reshape(-1).tolist())
+    runner = _imitated("bria-fibo2", _fibo2_padded_calls, CapturePassGraphs(strict=True))
+    assert runner.captures == 2 and len(runner.kept) == 1 and len(runner.eager) == 1, runner.eager
+    reason = next(iter(runner.eager))
+    assert "(2,) torch.int64 tensor (read 2 of 1 keyed)" in reason, reason
+
+
+def test_host_transfers_logs_what_a_capture_refuses():
+    """Each kind of host copy and device read is logged with its line; what a capture takes is not."""
+    x, idx = torch.arange(6.0), torch.tensor([1, 3])  # made outside the pass: "on the device"
+    mask = x > 2
+    with HostTransfers() as mode:
+        torch.ones(3, device=x.device), x[idx], x[1:3], torch.where(mask, x, 0.0), x * torch.tensor(2.0)
+        y = x.clone()
+        y[idx] = x[idx] * 2
+        y[mask] = 0.0  # a single mask and a number: masked_fill_, no nonzero
+        y[:2] = 1.0
+    assert mode.events == []
+    with HostTransfers() as mode:
+        torch.tensor([1, 2], device=x.device)
+        host = torch.arange(2)
+        host.to(x.device)
+        x[host]
+        x[[0, 1]]
+        y[idx] = True
+        y[mask] = x[mask]
+        torch.where(mask, x, torch.scalar_tensor(0.0))
+        x.tolist()
+        int(x.sum())
+        mask.nonzero()
+        torch.repeat_interleave(x, idx.repeat(3))
+        x + torch.arange(6.0)
+    whats = [w for w, _ in mode.events]
+    assert whats == ["torch.tensor of host values to the device", ".to(device) of a host tensor",
+                     "__getitem__ with a host index tensor",
+                     "__getitem__ with a Python list index (a host index tensor copied over)",
+                     "x[indices] = number on a device tensor (a host scalar index_put_ copies over)",
+                     "__getitem__ with a boolean device mask (a nonzero: a read)",
+                     "__setitem__ with a boolean device mask (a nonzero: a read)",
+                     "torch.where with a 0-dim host operand (moved to the device)",
+                     "tolist of a device tensor (a read)", "__int__ of a device tensor (a read)",
+                     "nonzero of a device tensor (a read)",
+                     "repeat_interleave by a device tensor without output_size (a read)",
+                     "add mixes host and device tensors"], whats
+    assert all(w.startswith("tests/test_capture_host_reads.py:") for _, w in mode.events), mode.events
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU

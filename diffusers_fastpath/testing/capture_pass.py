@@ -194,7 +194,8 @@ class CapturePassGraphs:
         _host_ops._capturing, _host_reads._capturing = (lambda: True), (lambda tensor: True)
         mode = HostTransfers()
         try:
-            with _host_constants.constants_as_fills("cpu", lambda: True), (mode if watched else contextlib.nullcontext()):
+            watch = mode if watched else contextlib.nullcontext()
+            with _host_constants.constants_as_fills("cpu", lambda: True), watch:
                 out = fn()
         finally:
             _host_ops._capturing, _host_reads._capturing = saved
@@ -211,7 +212,8 @@ class CapturePassGraphs:
 
         class Replay:
             def replay(self):
-                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(backend.capture_pass(fn, watched=False))):
+                new_out = backend.capture_pass(fn, watched=False)
+                for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(new_out)):
                     static.copy_(new)
 
         return Replay(), out
