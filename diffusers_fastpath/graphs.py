@@ -27,7 +27,10 @@ How it works, per patched model (`GraphRunner`):
   small kernels), so a replay can never use a table built from other ids. A small tensor the forward builds from
   Python values on the GPU (``torch.tensor(self.scale_factors, device=...)``, LTX-2's rotary coordinates: a
   pageable copy, which a capture refuses) is built inside the capture by fill kernels of those values
-  (`_host_constants`), baked in as every Python number a kernel takes is.
+  (`_host_constants`), baked in as every Python number a kernel takes is. A forward that reads its inputs' values on
+  the host keys its graphs on them (`register_host_key`) and, while it records, has its reads answered from the key
+  (`_host_reads`: Bria FIBO 2's ``.tolist()``) or its data-dependent calls answered from the warm-up (`_host_ops`:
+  Qwen-Image 2.1's ``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor; `register_host_ops`).
 - The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
   the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
   ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
@@ -65,6 +68,7 @@ from torch.utils import _pytree as pytree
 
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
+from . import _host_ops
 from ._host_constants import constants_as_fills
 from ._logging import logger, warn_once
 from .ops._policy import fp32_precision_state, global_module_hooks, outputs_equal, setting_reader
@@ -162,6 +166,27 @@ def register_host_key(model_cls: type, fn: Callable[[nn.Module, dict], tuple[Any
     HOST_KEYS[model_cls] = fn
 
 
+# Model classes whose forward's data-dependent calls (``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor,
+# host reads, index tables from Python lists) are recorded in the warm-up and answered in the capture
+# (`_host_ops`): only for a forward whose host key holds every input value those calls depend on (Qwen-Image 2.1's
+# image-slot mask), so that the answers are the same for every call a graph replays for.
+# By model class: the source files (by name) whose calls are answered, `_host_ops.replayed`'s ``files``.
+HOST_OPS: dict[type, tuple[str, ...]] = {}
+
+
+def register_host_ops(model_cls: type, files: tuple[str, ...]) -> None:
+    """Answer the data-dependent calls that the code of `files` makes in `model_cls` forwards from their warm-up while
+    one records (`HOST_OPS`)."""
+    if model_cls not in HOST_KEYS:
+        raise ValueError(f"{model_cls.__name__}: a host key (register_host_key) must hold what its host ops read")
+    HOST_OPS[model_cls] = tuple(files)
+
+
+def recording() -> bool:
+    """Whether a forward records on this thread now (its warm-up or its capture: `GraphRunner._record`)."""
+    return getattr(_recording, "active", False)
+
+
 def capture_side() -> Any:
     """While a forward records, the side data of its host key (`HOST_KEYS`), else None."""
     side = getattr(_recording, "side", None)
@@ -174,11 +199,11 @@ def capture_side() -> Any:
 
 @contextlib.contextmanager
 def _side_bound(side: Callable[[], Any] | None):
-    _recording.side = side
+    _recording.side, _recording.active = side, True
     try:
         yield
     finally:
-        _recording.side = None
+        _recording.side, _recording.active = None, False
         if hasattr(_recording, "value"):
             del _recording.value
 
@@ -202,13 +227,17 @@ def capture_twins_bound(model_cls: type):
     for cls, twins in CAPTURE_TWINS.items():
         for module, name, original, twin in twins if issubclass(model_cls, cls) else ():
             if getattr(module, name) is original:
+                own = name in vars(module)  # (else inherited, as torch.Tensor's C methods: deleted again after)
                 setattr(module, name, twin)
-                bound.append((module, name, original))
+                bound.append((module, name, original, own))
     try:
         yield
     finally:
-        for module, name, original in bound:
-            setattr(module, name, original)
+        for module, name, original, own in reversed(bound):
+            if own:
+                setattr(module, name, original)
+            else:
+                delattr(module, name)
 
 
 def _raised_at(exc: BaseException) -> str:
@@ -474,13 +503,14 @@ class CudaGraphs:
 class _Graph:
     """One captured signature: its graph, static input buffers and static outputs (in the shared pool)."""
 
-    __slots__ = ("graph", "inputs", "outputs", "spec")
+    __slots__ = ("graph", "inputs", "outputs", "spec", "keep")
 
-    def __init__(self, graph, inputs, outputs, spec) -> None:
+    def __init__(self, graph, inputs, outputs, spec, keep=None) -> None:
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
         self.spec = spec
+        self.keep = keep  # device tensors made outside the pool that the graph reads (`_host_ops`)
 
     def replay(self, tensors: list[torch.Tensor]):
         for static, t in zip(self.inputs, tensors):
@@ -615,10 +645,20 @@ class GraphRunner:
         static_call = {name: _substitute(call[name], it) for name in self.names if name in call}
         if self.pool is None:  # one pool for all graphs of the model (and a fresh one after they were dropped)
             self.pool = self.backend.new_pool(self.fingerprint.device)
+        run, keep = (lambda: forward(**static_call)), None
+        files = next((f for cls, f in HOST_OPS.items() if isinstance(forward.__self__, cls)), None)
+        if files is not None:
+            keep = host_ops = _host_ops.HostOps()  # (what it keeps, the graph reads: it lives as long as the graph)
+            device_type = self.backend.device_type
+
+            def run():
+                with _host_ops.replayed(host_ops, files, device_type):
+                    return forward(**static_call)
+
         with capture_twins_bound(type(forward.__self__)), _side_bound(side):
-            graph, out = self.backend.record(self.pool, lambda: forward(**static_call))
+            graph, out = self.backend.record(self.pool, run)
         outputs, spec = pytree.tree_flatten(out)
-        return _Graph(graph, static, outputs, spec)
+        return _Graph(graph, static, outputs, spec, keep)
 
     # --- state -------------------------------------------------------------------------------------------------
     def disable(self, reason: str) -> None:

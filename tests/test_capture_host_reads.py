@@ -1,0 +1,395 @@
+"""Forwards that read their inputs on the host, made capturable (issue 40): Bria FIBO 2's text lengths as its graph
+key, its ``.tolist()`` answered from the key while a graph records (`diffusers_fastpath._host_reads`), boolean
+key-padding masks made additive on the device while a graph records; Ideogram 4 (its cuDNN additive mask's zero on
+the device: tests/test_attention_bool_mask.py). On the CPU the runner's logic is simulated (`SimulatedGraphs`); the
+GPU tests capture for real and compare every replay with unpatched eager by ``torch.equal``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffusers_fastpath as fp
+from diffusers_fastpath import _host_ops, _host_reads, graphs
+from diffusers_fastpath.models import bria_fibo2
+from diffusers_fastpath.testing import zoo
+from diffusers_fastpath.testing.capture_pass import CapturePassGraphs, HostTransfers
+
+
+def _fibo2(device="cpu", dtype=torch.float32, seed=3):
+    return zoo.build("bria-fibo2", dtype=dtype, device=device, seed=seed)
+
+
+def _other_lengths(inputs: dict, row: int = 1, drop: int = 2) -> dict:
+    """The same shapes, other text lengths (row `row` loses its last `drop` tokens)."""
+    mask = inputs["encoder_attention_mask"].clone()
+    mask[row, -drop:] = False
+    return dict(inputs, encoder_attention_mask=mask)
+
+
+def _simulated(model):
+    from diffusers_fastpath._state import STATE_ATTR
+    from diffusers_fastpath.testing import SimulatedGraphs
+
+    fp.patch(model)
+    return graphs.install(model, model.__dict__[STATE_ATTR], "transformer", SimulatedGraphs())
+
+
+def test_fibo2_forward_reads_only_its_text_lengths_and_registers_the_key():
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel
+
+    assert bria_fibo2._reads_only_text_lengths(BriaFibo2Transformer2DModel.forward)
+    assert graphs.HOST_KEYS[BriaFibo2Transformer2DModel] is bria_fibo2.text_lengths
+    assert any(module is torch.Tensor and name == "tolist"
+               for module, name, *_ in graphs.CAPTURE_TWINS[BriaFibo2Transformer2DModel])
+    assert not bria_fibo2._reads_only_text_lengths(lambda mask: mask.sum(dim=1).tolist() + mask.tolist())
+
+
+def test_fibo2_key_is_the_text_lengths():
+    model = _fibo2()
+    a = zoo.inputs("bria-fibo2", model, batch=2)
+    key_a, side_a = bria_fibo2.text_lengths(model, a)
+    key_b, _ = bria_fibo2.text_lengths(model, _other_lengths(a))
+    want = tuple(a["encoder_attention_mask"].sum(dim=1).tolist())
+    assert key_a == ("text lengths", want) and key_b != key_a and side_a().values == [list(want)]
+    assert bria_fibo2.text_lengths(model, dict(a, encoder_attention_mask=None))[0] == ()
+    float_mask = dict(a, encoder_attention_mask=a["encoder_attention_mask"].float())
+    assert bria_fibo2.text_lengths(model, float_mask) == (None, None)  # sums of a float mask: not keyed
+
+
+def test_fibo2_graphs_key_on_text_lengths_and_record_without_host_reads(unpatch_after, monkeypatch):
+    """Simulated on the CPU: two sets of text lengths of the same shapes record two graphs, each replayed for its own
+    lengths only, equal to unpatched eager; while a graph records, the forward's ``.tolist()`` is the twin's."""
+    model, twin = _fibo2(), _fibo2()
+    runner = _simulated(model)
+    unpatch_after(model)
+    answered = []
+    real = _host_reads.HostReads.answer
+
+    def spy(self, tensor, capturing):
+        answered.append(tuple(tensor.shape))
+        return real(self, tensor, capturing)
+
+    monkeypatch.setattr(_host_reads.HostReads, "answer", spy)
+    a = zoo.inputs("bria-fibo2", model, batch=2)
+    b = _other_lengths(a)
+    assert bria_fibo2.text_lengths(model, a)[0] != bria_fibo2.text_lengths(model, b)[0]
+    with torch.no_grad():
+        for inputs in (a, b, a, b):
+            assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
+    assert runner.captures == 2 and runner.replays == 2 and len(runner.graphs) == 2, (runner.eager, runner.failed)
+    assert len({sig[2] for sig in runner.graphs}) == 2  # keyed on the two sets of lengths
+    assert answered == [(2,), (2,)]  # one read per recording, answered by the key
+    assert torch.Tensor.tolist is _host_reads._TOLIST and "tolist" not in vars(torch.Tensor)  # put back
+
+
+def test_fibo2_a_read_the_key_does_not_hold_fails_the_capture_and_runs_eager(unpatch_after, monkeypatch):
+    """A key whose values are not what the forward reads (or that misses a read): the recording raises, the call's
+    result is eager's, and the reason is counted; later calls of that signature run eager."""
+    model, twin = _fibo2(), _fibo2()
+    runner = _simulated(model)
+    unpatch_after(model)
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel
+
+    def wrong(model, call):
+        key, _ = bria_fibo2.text_lengths(model, call)
+        return key, lambda: _host_reads.HostReads([[1, 1]])
+
+    monkeypatch.setitem(graphs.HOST_KEYS, BriaFibo2Transformer2DModel, wrong)
+    a = zoo.inputs("bria-fibo2", model, batch=2)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**a)[0], twin(**a)[0])
+    assert not runner.graphs and len(runner.failed) == 1, runner.failed
+    reason = next(iter(runner.failed.values()))
+    assert "not the graph key's" in reason, reason
+    assert sum(runner.eager.values()) == 1
+
+    def short(model, call):
+        key, _ = bria_fibo2.text_lengths(model, call)
+        return ("other",) + key, lambda: _host_reads.HostReads([])
+
+    monkeypatch.setitem(graphs.HOST_KEYS, BriaFibo2Transformer2DModel, short)
+    with torch.no_grad():
+        assert torch.equal(model(**a)[0], twin(**a)[0])
+    assert any("does not hold" in r for r in runner.failed.values()), runner.failed
+
+
+def test_tolist_twin_is_torch_own_outside_a_host_read_recording():
+    t = torch.arange(3)
+    assert _host_reads.tolist_twin(t) == [0, 1, 2]  # no recording
+    with graphs._side_bound(lambda: ("lumina-style side",)):
+        assert _host_reads.tolist_twin(t) == [0, 1, 2]  # a side that is not HostReads
+    reads = _host_reads.HostReads([[0, 1, 2]])
+    with graphs._side_bound(lambda: reads):
+        assert graphs.recording()
+        assert _host_reads.tolist_twin(t) == [0, 1, 2]
+        with pytest.raises(RuntimeError, match="does not hold"):
+            _host_reads.tolist_twin(t)
+    assert not graphs.recording()
+    inside = _host_reads.HostReads([[7]])
+    assert inside.answer(torch.arange(1), capturing=True) == [7]  # in the capture: the key's value, no read
+
+
+def test_key_padding_masks_take_the_bool_mask_op_only_while_recording(monkeypatch):
+    """Outside a recording a key-padding mask ``[B, 1, 1, S]`` runs as written (host cost); while a graph records it
+    goes to the op, whose additive mask is made on the device (torch's cuDNN conversion copies a host zero)."""
+    from diffusers_fastpath.models import _chain_calls
+
+    taken = []
+    monkeypatch.setattr(_chain_calls, "attention_bool_mask", lambda *a, **k: taken.append(1) or "op")
+    ns = _chain_calls._ChainsNamespace
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    dispatch = lambda q, k, v, **kw: "written"  # noqa: E731
+    assert ns.attention_bool_mask(dispatch, 1, 2, 3, None, attn_mask=mask) == "written"
+    with graphs._side_bound(None):
+        assert ns.attention_bool_mask(dispatch, 1, 2, 3, None, attn_mask=mask) == "op"
+        assert ns.attention_bool_mask(dispatch, 1, 2, 3, None, attn_mask=mask.float()) == "written"
+    assert taken == [1]
+
+
+def _toy(x, mask, values):
+    """Every kind of call `_host_ops` answers, made from this file (as a model's module would)."""
+    repeats = mask.long() + 1
+    slots = torch.repeat_interleave(mask, repeats)  # a tensor of repeats: the output size is their sum
+    y = x.repeat_interleave(repeats, dim=0)
+    y[slots] = 0.5  # boolean scatter
+    picked = y[~slots]  # boolean gather
+    n = int(mask.sum())
+    where = mask.nonzero(as_tuple=True)[0]
+    table = torch.tensor(list(range(70)), dtype=torch.long, device=x.device)  # > MAX_ELEMENTS values
+    return picked.tolist(), n, where.tolist(), table[:n].tolist(), values.tolist()
+
+
+def test_host_ops_answer_each_kind_from_the_warm_up_and_read_nothing_in_the_capture():
+    x, mask, values = torch.arange(4.0), torch.tensor([True, False, True, False]), torch.tensor([3, 4])
+    ops = _host_ops.HostOps()
+    files = ("test_capture_host_reads.py",)
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: False):
+        warm = _toy(x, mask, values)
+    assert warm == _toy(x, mask, values)  # the warm-up is the call as written
+    assert [k for k, _, _ in ops.entries] == ["repeat", "repeat", "index", "index", "value", "nonzero", "tensor",
+                                               "value", "value", "value", "value"], ops.entries
+    # the capture pass reads nothing: other values of the same shapes get the warm-up's answers (what a graph keyed
+    # on those values never sees: here only to show that nothing was read)
+    other_mask, other_values = torch.tensor([False, True, True, False]), torch.tensor([9, 9])
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: True):
+        answered = _toy(x, other_mask, other_values)
+    assert answered == warm != _toy(x, other_mask, other_values)
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: True):
+        _toy(x, mask, values)
+        with pytest.raises(RuntimeError, match="did not"):
+            int(mask.sum())  # one call more than the warm-up made
+    with _host_ops.replayed(ops, files, "cpu", capturing=lambda: True), pytest.raises(RuntimeError, match="is not"):
+        mask.nonzero(as_tuple=True)  # another call than the warm-up's first
+    elsewhere = _host_ops.HostOps()
+    with _host_ops.replayed(elsewhere, ("another_module.py",), "cpu", capturing=lambda: False):
+        _toy(x, mask, values)
+    assert elsewhere.entries == []  # calls from other files go to torch as made
+
+
+def test_qwen21_key_is_the_image_slot_mask_and_registered_for_its_module():
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
+
+    from diffusers_fastpath.models import qwenimage21
+
+    assert qwenimage21._module_digest() == qwenimage21._MODULE
+    assert graphs.HOST_KEYS[QwenImage21Transformer2DModel] is qwenimage21.image_slots
+    assert graphs.HOST_OPS[QwenImage21Transformer2DModel] == ("transformer_qwenimage21.py",)
+    model = zoo.build("qwen-image-21", dtype=torch.float32)
+    a = zoo.inputs("qwen-image-21", model, batch=2)
+    key, side = qwenimage21.image_slots(model, a)
+    other = a["img_mask"].clone()
+    other[:, 0] = True  # one text slot made an image slot: another layout, the same shape
+    assert key[0] == "img_mask" and side is None and qwenimage21.image_slots(model, dict(a, img_mask=other))[0] != key
+    assert qwenimage21.image_slots(model, dict(a, img_mask=a["img_mask"].long())) == (None, None)
+
+
+def _imitated(name, calls, backend):
+    """`calls` of a patched `name` recorded by `backend` (`CapturePassGraphs`), each compared with unpatched eager."""
+    from diffusers_fastpath._state import STATE_ATTR
+
+    model, twin = zoo.build(name, dtype=torch.float32), zoo.build(name, dtype=torch.float32)
+    fp.patch(model)
+    try:
+        runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+        with torch.no_grad():
+            for inputs in calls(model):
+                assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
+        runner.kept = [g.keep for g in runner.graphs.values()]  # (unpatch drops the graphs)
+    finally:
+        fp.unpatch(model)
+    return runner
+
+
+def _qwen21_calls(batch):
+    def calls(model):
+        a = zoo.inputs("qwen-image-21", model, batch=batch, seed=6)
+        return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen21_graphs_record_answered_and_replay_equal_eager(batch):
+    """Recorded as a CUDA graph is (a warm-up, then a capture pass answered from it, with `_host_constants`' fills),
+    the forward equals unpatched eager, and so do replays of new latents and timesteps; the calls answered are the
+    forward's data-dependent ones, and its capture pass copies nothing from the host and reads nothing back."""
+    backend = CapturePassGraphs(strict=True)
+    runner = _imitated("qwen-image-21", _qwen21_calls(batch), backend)
+    assert runner.captures == 1 and runner.replays == 2 and len(runner.kept) == 1 and not runner.eager, runner.eager
+    assert backend.transfers == []
+    kinds = [k for k, _, _ in runner.kept[0].entries]
+    assert {"repeat", "index", "nonzero", "value"} <= set(kinds), kinds
+
+
+def test_qwen21_capture_pass_catches_the_host_scalar_scatter(monkeypatch):
+    """What the H100 refused at 9dcad12 (``target_token_mask[image_positions[-n:]] = True``: torch copies a host
+    scalar over) is caught on the CPU: with the number handed to torch as written, the imitated capture fails there
+    and that signature runs eager, equal to eager."""
+    monkeypatch.setattr(_host_ops, "_number", lambda value: False)  # (the scatter of a number as 9dcad12 made it)
+    backend = CapturePassGraphs(strict=True)
+    runner = _imitated("qwen-image-21", _qwen21_calls(1), backend)
+    assert not runner.kept and len(runner.eager) == 1, runner.eager  # (unpatch clears `failed`; `eager` stays)
+    where = {w for _, w in backend.transfers}
+    assert where == {"transformers/transformer_qwenimage21.py:859"}, backend.transfers
+    assert "x[indices] = number" in next(iter(runner.eager))
+
+
+def _fibo2_padded_calls(model):
+    a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+    b = _other_lengths(a, row=1, drop=6)  # gist counts differ: the gist is padded (torch.tensor(gist_counts, ...))
+    return [a, b, dict(a, hidden_states=torch.randn_like(a["hidden_states"])), b]
+
+
+def test_fibo2_padded_gist_records_as_a_capture_does():
+    """The GPU test's two sets of text lengths, recorded as a capture records (the key answers ``.tolist()``, the
+    gist counts' tensor is filled by `_host_constants`): two graphs, each replayed equal to eager, nothing copied
+    from the host or read back."""
+    backend = CapturePassGraphs(strict=True)
+    runner = _imitated("bria-fibo2", _fibo2_padded_calls, backend)
+    assert runner.captures == 2 and runner.replays == 2 and len(runner.kept) == 2 and not runner.eager, runner.eager
+    assert backend.transfers == []
+
+
+def test_fibo2_capture_pass_catches_the_fillers_own_read(monkeypatch):
+    """What the H100 refused at 9dcad12 is caught on the CPU: with `_host_constants` reading its host copy by the
+    bound ``tolist`` (the twin), the padded signature's capture reads once more than its key holds and runs eager."""
+    from diffusers_fastpath import _host_constants
+
+    monkeypatch.setattr(_host_constants, "_host_values", lambda host: host.reshape(-1).tolist())
+    runner = _imitated("bria-fibo2", _fibo2_padded_calls, CapturePassGraphs(strict=True))
+    assert runner.captures == 2 and len(runner.kept) == 1 and len(runner.eager) == 1, runner.eager
+    reason = next(iter(runner.eager))
+    assert "(2,) torch.int64 tensor (read 2 of 1 keyed)" in reason, reason
+
+
+def test_host_transfers_logs_what_a_capture_refuses():
+    """Each kind of host copy and device read is logged with its line; what a capture takes is not."""
+    x, idx = torch.arange(6.0), torch.tensor([1, 3])  # made outside the pass: "on the device"
+    mask = x > 2
+    with HostTransfers() as mode:
+        torch.ones(3, device=x.device), x[idx], x[1:3], torch.where(mask, x, 0.0), x * torch.tensor(2.0)
+        y = x.clone()
+        y[idx] = x[idx] * 2
+        y[mask] = 0.0  # a single mask and a number: masked_fill_, no nonzero
+        y[:2] = 1.0
+    assert mode.events == []
+    with HostTransfers() as mode:
+        torch.tensor([1, 2], device=x.device)
+        host = torch.arange(2)
+        host.to(x.device)
+        x[host]
+        x[[0, 1]]
+        y[idx] = True
+        y[mask] = x[mask]
+        torch.where(mask, x, torch.scalar_tensor(0.0))
+        x.tolist()
+        int(x.sum())
+        mask.nonzero()
+        torch.repeat_interleave(x, idx.repeat(3))
+        x + torch.arange(6.0)
+    whats = [w for w, _ in mode.events]
+    assert whats == ["torch.tensor of host values to the device", ".to(device) of a host tensor",
+                     "__getitem__ with a host index tensor",
+                     "__getitem__ with a Python list index (a host index tensor copied over)",
+                     "x[indices] = number on a device tensor (a host scalar index_put_ copies over)",
+                     "__getitem__ with a boolean device mask (a nonzero: a read)",
+                     "__setitem__ with a boolean device mask (a nonzero: a read)",
+                     "torch.where with a 0-dim host operand (moved to the device)",
+                     "tolist of a device tensor (a read)", "__int__ of a device tensor (a read)",
+                     "nonzero of a device tensor (a read)",
+                     "repeat_interleave by a device tensor without output_size (a read)",
+                     "add mixes host and device tensors"], whats
+    assert all(w.startswith("tests/test_capture_host_reads.py:") for _, w in mode.events), mode.events
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+
+def _replays_equal_eager(name, calls_of, dtype, full=False, signatures=None):
+    model = zoo.build(name, dtype=dtype, device="cuda", seed=5, full=full)
+    calls = calls_of(model)
+    with torch.no_grad():
+        refs = [model(**inputs)[0].clone() for inputs in calls]
+    fp.patch(model, cuda_graphs=True)
+    try:
+        with torch.no_grad():
+            outs = [model(**inputs)[0] for inputs in calls]
+        stats = fp.report(model).models[0].graphs
+    finally:
+        fp.unpatch(model)
+    assert all(torch.equal(o, r) for o, r in zip(outs, refs)), [torch.equal(o, r) for o, r in zip(outs, refs)]
+    n = signatures or 1
+    assert stats["status"] == "on" and stats["captured"] == n and stats["replays"] == len(calls) - n, stats
+    assert not stats["eager"], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_fibo2_graphs_capture_and_replay_bitwise_per_text_lengths(dtype):
+    """Two sets of text lengths (one of them pads the gist: the gist mask, ``torch.tensor(gist_counts)``) record a
+    graph each and replay bit-identically to unpatched eager, each for its own lengths."""
+    def calls(model):
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+        b = _other_lengths(a, row=1, drop=6)  # lengths 6 and 2: gist counts differ, the gist is padded
+        return [a, b, dict(a, hidden_states=torch.randn_like(a["hidden_states"])), b]
+
+    _replays_equal_eager("bria-fibo2", calls, dtype, signatures=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_ideogram4_graphs_capture_and_replay_bitwise(dtype):
+    """Ideogram 4's block-diagonal boolean mask goes to torch as the additive mask made on the device: the forward
+    captures and every replay is bit-identical to unpatched eager."""
+    def calls(model):
+        a = zoo.inputs("ideogram4", model, batch=1, seed=6)
+        return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"])), a]
+
+    _replays_equal_eager("ideogram4", calls, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bria-fibo2", "ideogram4", "qwen-image-21"])
+def test_full_size_graphs_replay_bitwise(name):
+    """The published sizes (the zoo's full inputs): captured, and a replay of new latents equal to eager."""
+    if torch.cuda.get_device_properties(0).total_memory < 70 * 2**30:
+        pytest.skip("needs an 80 GB card")
+
+    def calls(model):
+        a = zoo.inputs(name, model, batch=1, seed=6, full=True)
+        return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]))]
+
+    _replays_equal_eager(name, calls, torch.bfloat16, full=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_qwen21_graphs_capture_and_replay_bitwise(dtype, batch):
+    """Qwen-Image 2.1's uncached forward (the pipeline's first step) captures with its data-dependent calls answered
+    from the warm-up, and every replay (new latents and timesteps) is bit-identical to unpatched eager."""
+    def calls(model):
+        a = zoo.inputs("qwen-image-21", model, batch=batch, seed=6)
+        return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
+
+    _replays_equal_eager("qwen-image-21", calls, dtype)
