@@ -323,6 +323,71 @@ def test_host_transfers_logs_what_a_capture_refuses():
     assert all(w.startswith("tests/test_capture_host_reads.py:") for _, w in mode.events), mode.events
 
 
+class _Calls(torch.nn.Module):
+    """A module whose forward makes one call (`op`) on its input, then the forward's own arithmetic."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        self.op(x)
+        return x * 2
+
+
+# host-synchronising calls: each needs the values of a device tensor on the host (a Python value, an output size)
+_SYNCING = {
+    "torch.unique": (lambda x: torch.unique(x), "unique of a device tensor (a read)"),
+    "Tensor.unique": (lambda x: x.unique(return_counts=True), "unique of a device tensor (a read)"),
+    "torch.unique_consecutive": (lambda x: torch.unique_consecutive(x),
+                                 "unique_consecutive of a device tensor (a read)"),
+    "torch.where(condition)": (lambda x: torch.where(x > 1),
+                               "torch.where(condition) of a device tensor (a nonzero: a read)"),
+    "torch.argwhere": (lambda x: torch.argwhere(x), "argwhere of a device tensor (a read)"),
+    "Tensor.argwhere": (lambda x: x.argwhere(), "argwhere of a device tensor (a read)"),
+    "torch.equal": (lambda x: torch.equal(x, x + 0), "equal of a device tensor (a read)"),
+    "Tensor.equal": (lambda x: x.equal(x + 0), "equal of a device tensor (a read)"),
+    "torch.allclose": (lambda x: torch.allclose(x.float(), x.float() + 1), "allclose of a device tensor (a read)"),
+    "Tensor.allclose": (lambda x: x.float().allclose(x.float()), "allclose of a device tensor (a read)"),
+    "torch.bincount": (lambda x: torch.bincount(x), "bincount of a device tensor (a read)"),
+    "Tensor.bincount": (lambda x: x.bincount(minlength=8), "bincount of a device tensor (a read)"),
+    "f-string": (lambda x: f"lengths {x}", "__format__ of a device tensor (a read)"),
+    "f-string of a 0-dim tensor": (lambda x: f"{x.sum():d} tokens", "__format__ of a device tensor (a read)"),
+    "str": (lambda x: str(x), "__repr__ of a device tensor (a read)"),
+}
+
+
+@pytest.mark.parametrize("call", list(_SYNCING))
+def test_capture_pass_reports_host_synchronising_calls(call):
+    """A forward that makes a call which waits for the device (its result needs the values on the host) is reported
+    by the imitated capture, at the forward's line, and fails a strict one (as a capture on the GPU refuses it)."""
+    op, what = _SYNCING[call]
+    module, x = _Calls(op), torch.tensor([1, 2, 2, 3])  # (made outside the capture pass: "on the device")
+    backend = CapturePassGraphs()
+    _, out = backend.record(backend.new_pool(None), lambda: module(x))
+    assert torch.equal(out, x * 2)
+    assert [w for w, _ in backend.transfers] == [what], backend.transfers
+    assert backend.transfers[0][1].startswith("tests/test_capture_host_reads.py:"), backend.transfers
+    with pytest.raises(RuntimeError, match="imitated"):
+        CapturePassGraphs(strict=True).record(None, lambda: module(x))
+
+
+def test_capture_pass_leaves_the_calls_that_do_not_wait_alone():
+    """The same kinds of call that read nothing on the host: three-argument ``where``, ``isclose``, a formatted shape,
+    and host tensors (the capture pass's own) unique'd, compared and printed."""
+    x = torch.tensor([1, 2, 2, 3])
+
+    def forward(x):
+        torch.where(x > 1, x, 0), x.where(x > 1, x + 1), torch.isclose(x, x + 1), f"{x.shape} {x.dtype}"
+        host = torch.arange(4)
+        torch.unique(host), torch.equal(host, host), torch.bincount(host), torch.where(host > 1), f"{host}"
+        return x * 2
+
+    backend = CapturePassGraphs(strict=True)
+    backend.record(None, lambda: forward(x))
+    assert backend.transfers == []
+
+
 # ----------------------------------------------------------------------------------------------------------- GPU
 
 def _replays_equal_eager(name, calls_of, dtype, full=False, signatures=None):

@@ -17,8 +17,11 @@ with the caller's file:line (the first frame outside torch, this module, `_host_
   a single mask (torch makes the number a host tensor and ``index_put_`` copies it: Qwen-Image 2.1's capture failed
   on that), and any other call that mixes a host tensor of one or more dimensions with device tensors;
 - device values read on the host (a wait a capture refuses): ``tolist`` / ``item`` / ``int()`` / ``float()`` /
-  ``bool()``, ``nonzero``, ``.cpu()`` / ``.numpy()`` / ``.to("cpu")``, ``repeat_interleave`` by a tensor without an
-  ``output_size``, indexing by a boolean mask (but ``x[mask] = number``: torch's ``masked_fill_``).
+  ``bool()``, ``nonzero`` / ``argwhere`` / one-argument ``torch.where(condition)``, ``masked_select``, ``unique`` /
+  ``unique_consecutive`` and ``bincount`` (their output sizes), ``torch.equal`` / ``allclose`` (a Python bool), a
+  tensor formatted or printed (``f"{x}"``, ``str(x)``: ``__format__`` / ``__repr__``), ``.cpu()`` / ``.numpy()`` /
+  ``.to("cpu")``, ``repeat_interleave`` by a tensor without an ``output_size``, indexing by a boolean mask (but
+  ``x[mask] = number``: torch's ``masked_fill_``).
 
 What it cannot see is what torch's C++ makes on the host by itself inside one call (cuDNN's boolean-mask zero in
 ``scaled_dot_product_attention``: tests/test_attention_bool_mask.py covers that one), and the kernels the GPU picks
@@ -40,8 +43,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _host_constants, _host_ops, _host_reads
 
 _FROM_DATA = {"tensor", "as_tensor", "asarray"}
-_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy",
-          "masked_select", "unique", "unique_consecutive"}
+# calls whose result needs a device tensor's values on the host (a Python value, or an output size read from it):
+# each waits for the device
+_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "argwhere", "cpu", "numpy",
+          "masked_select", "unique", "unique_consecutive", "bincount", "equal", "allclose", "__format__", "__repr__"}
 _MOVES = {"to", "cuda", "as_tensor", "asarray"}
 _SKIPPED = (os.sep + "torch" + os.sep, __file__, _host_ops.__file__, _host_constants.__file__)
 
@@ -132,8 +137,10 @@ class HostTransfers(TorchFunctionMode):
                 self._log(f".{name}(device) of a host tensor")
                 return False
             return on_host(source) and not given
-        if name in _READS and on_device(source) and name not in ("unique", "unique_consecutive"):
+        if name in _READS and any(map(on_device, tensors)):
             self._log(f"{name} of a device tensor (a read)")
+        if name == "where" and len(args) == 1 and not kwargs and on_device(source):
+            self._log("torch.where(condition) of a device tensor (a nonzero: a read)")
         if name == "repeat_interleave" and kwargs.get("output_size") is None:
             repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
             if on_device(repeats) or (repeats is None and on_device(source)):
