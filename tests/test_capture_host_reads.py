@@ -213,10 +213,13 @@ def _imitated(name, calls, backend):
     fp.patch(model)
     try:
         runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+        runner.refs = []
         with torch.no_grad():
             for inputs in calls(model):
-                assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
+                runner.refs.append(twin(**inputs)[0])
+                assert torch.equal(model(**inputs)[0], runner.refs[-1])
         runner.kept = [g.keep for g in runner.graphs.values()]  # (unpatch drops the graphs)
+        runner.keys = [sig[2] for sig in runner.graphs]
     finally:
         fp.unpatch(model)
     return runner
@@ -255,6 +258,62 @@ def test_qwen21_capture_pass_catches_the_host_scalar_scatter(monkeypatch):
     assert "x[indices] = number" in next(iter(runner.eager))
 
 
+def _qwen21_condition(model, slot: int | None, batch: int = 2, seed: int = 6) -> dict:
+    """Qwen-Image 2.1's inputs with a 2x2-token condition image whose one slot is slot `slot` of the prompt (the
+    pipeline's ``<|vision_start|><|image_pad|><|vision_end|>`` in the text: its text positions interleave with the
+    image's), the target's slots last; `slot` None: the zoo's (text, then the target). The same shapes for every
+    `slot`: only ``img_mask``'s values (the key) differ."""
+    a = zoo.inputs("qwen-image-21", model, batch=batch, seed=seed)
+    if slot is None:
+        return a
+    mask = a["img_mask"].clone()
+    mask[:, slot] = True
+    g = torch.Generator().manual_seed(seed)
+    condition = torch.randn(batch, 4, a["hidden_states"].shape[2], generator=g).to(a["hidden_states"])
+    return dict(a, hidden_states=torch.cat([condition, a["hidden_states"]], dim=1), img_mask=mask,
+                img_shapes=[[(1, 2, 2), *a["img_shapes"][0]]] * batch)
+
+
+@pytest.mark.parametrize("slot", [None, 2], ids=["text-then-target", "condition-in-text"])
+def test_qwen21_graph_replays_other_text_masks_equal_eager(slot):
+    """``encoder_hidden_states_mask`` is not in Qwen-Image 2.1's key: its values reach the attention masks by device
+    ops alone (a gather by the warm-up's indices, an ``index_put_``). So the graph recorded for one text mask replays
+    others of its shape, each equal to unpatched eager with that mask. Replayed traced: no Python, every value the
+    capture pass took on the host baked in, as in a CUDA graph (a mask value baked in gives the recording's number)."""
+    def calls(model):
+        a = _qwen21_condition(model, slot)
+        mask = a["encoder_hidden_states_mask"]
+        padded_1, unpadded_0 = mask.clone(), mask.clone()
+        padded_1[1, 3:] = 0  # the second prompt padded too
+        unpadded_0[0] = 1  # the first one not
+        return [a, dict(a, encoder_hidden_states_mask=padded_1), dict(a, encoder_hidden_states_mask=unpadded_0),
+                dict(a, encoder_hidden_states_mask=padded_1, hidden_states=torch.randn_like(a["hidden_states"]))]
+
+    backend = CapturePassGraphs(strict=True, traced=True)
+    runner = _imitated("qwen-image-21", calls, backend)
+    assert runner.captures == 1 and runner.replays == 3 and not runner.eager, (runner.captures, runner.eager)
+    assert backend.transfers == []
+    refs = runner.refs
+    assert not torch.equal(refs[0], refs[1]) and not torch.equal(refs[0], refs[2])  # (the masks matter)
+
+
+def test_qwen21_graphs_key_on_the_image_slot_layout():
+    """Two layouts of the same shapes (the condition image's slot at another place in the prompt: only ``img_mask``'s
+    values differ) record a graph each, each replayed for its own layout only, equal to unpatched eager. Replayed
+    traced (the warm-up's answers baked in, as in a CUDA graph): a key that missed the layout would replay the other
+    one's positions here."""
+    def calls(model):
+        a, b = _qwen21_condition(model, slot=2), _qwen21_condition(model, slot=5)
+        return [a, b, dict(a, hidden_states=torch.randn_like(a["hidden_states"])),
+                dict(b, timestep=b["timestep"] * 0.5)]
+
+    backend = CapturePassGraphs(strict=True, traced=True)
+    runner = _imitated("qwen-image-21", calls, backend)
+    assert runner.captures == 2 and runner.replays == 2 and not runner.eager, (runner.captures, runner.eager)
+    assert len(set(runner.keys)) == 2 and backend.transfers == []
+    assert not torch.equal(runner.refs[0], runner.refs[1])  # (the layouts' outputs differ)
+
+
 def _fibo2_padded_calls(model):
     a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
     b = _other_lengths(a, row=1, drop=6)  # gist counts differ: the gist is padded (torch.tensor(gist_counts, ...))
@@ -269,6 +328,35 @@ def test_fibo2_padded_gist_records_as_a_capture_does():
     runner = _imitated("bria-fibo2", _fibo2_padded_calls, backend)
     assert runner.captures == 2 and runner.replays == 2 and len(runner.kept) == 2 and not runner.eager, runner.eager
     assert backend.transfers == []
+
+
+def _padded_at(inputs: dict, row: int, start: int) -> dict:
+    """The same text lengths, row `row`'s padding moved: its valid tokens start at `start` (left or middle padding)."""
+    mask = inputs["encoder_attention_mask"].clone()
+    n = int(mask[row].sum())
+    mask[row] = False
+    mask[row, start:start + n] = True
+    return dict(inputs, encoder_attention_mask=mask)
+
+
+def test_fibo2_graphs_replay_the_same_text_lengths_padded_elsewhere_equal_eager():
+    """Bria FIBO 2's key is its text lengths: where the padding sits reaches only its attention masks, on the device.
+    So a graph recorded for some lengths replays a mask of the same lengths padded elsewhere (at the start, in the
+    middle), equal to unpatched eager with that mask, and other lengths (a padded gist) record their own. Replayed
+    traced (no Python: the key's reads and the gist counts baked in, as in a CUDA graph): a key that missed a length
+    would replay the other gist here."""
+    def calls(model):
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)  # lengths 6 and 8
+        b = _other_lengths(a, row=1, drop=6)  # lengths 6 and 2: the gist is padded
+        return [a, _padded_at(a, row=0, start=2), b, _padded_at(b, row=1, start=3),
+                _padded_at(_padded_at(b, row=0, start=1), row=1, start=6)]
+
+    backend = CapturePassGraphs(strict=True, traced=True)
+    runner = _imitated("bria-fibo2", calls, backend)
+    assert runner.captures == 2 and runner.replays == 3 and not runner.eager, (runner.captures, runner.eager)
+    assert len(set(runner.keys)) == 2 and backend.transfers == []
+    refs = runner.refs
+    assert not any(torch.equal(refs[0], r) for r in refs[1:]) and not torch.equal(refs[2], refs[3])  # (they differ)
 
 
 def test_fibo2_capture_pass_catches_the_fillers_own_read(monkeypatch):
@@ -458,3 +546,32 @@ def test_tiny_qwen21_graphs_capture_and_replay_bitwise(dtype, batch):
         return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
 
     _replays_equal_eager("qwen-image-21", calls, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_qwen21_graphs_replay_other_text_masks_per_slot_layout_bitwise(dtype):
+    """Two image-slot layouts of the same shapes record a graph each; each replays other text masks (not keyed: read
+    on the device) bit-identically to unpatched eager."""
+    def calls(model):
+        a, b = _qwen21_condition(model, slot=2), _qwen21_condition(model, slot=5)
+        other = a["encoder_hidden_states_mask"].clone()
+        other[1, 3:] = 0
+        return [a, b, dict(a, encoder_hidden_states_mask=other), dict(b, encoder_hidden_states_mask=other),
+                dict(a, hidden_states=torch.randn_like(a["hidden_states"]))]
+
+    _replays_equal_eager("qwen-image-21", calls, dtype, signatures=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_fibo2_graphs_replay_the_same_text_lengths_padded_elsewhere_bitwise(dtype):
+    """Masks of the recorded text lengths padded elsewhere (at the start, in the middle) replay that graph
+    bit-identically to unpatched eager; other lengths (a padded gist) record their own."""
+    def calls(model):
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+        b = _other_lengths(a, row=1, drop=6)
+        return [a, b, _padded_at(a, row=0, start=2), _padded_at(b, row=1, start=3),
+                _padded_at(_padded_at(b, row=0, start=1), row=1, start=6)]
+
+    _replays_equal_eager("bria-fibo2", calls, dtype, signatures=2)

@@ -180,12 +180,19 @@ class CapturePassGraphs:
     ``torch.tensor(values, device=...)``) under `HostTransfers`, whose outputs are the static outputs. A replay runs
     the capture pass again (unwatched) and writes them. `transfers` holds every capture pass's events; a backend with
     ``strict=True`` fails the capture on the first pass that has any (the runner then runs that signature eager and
-    counts the reason, as a GPU would)."""
+    counts the reason, as a GPU would).
+
+    With ``traced=True`` the capture pass is traced into aten ops (``make_fx``, as `testing.TracedGraphs` traces a
+    forward) and a replay runs those ops, no Python: every value the capture pass took on the host stays baked in (the
+    warm-up's answers, the key's reads, the fills' values, each Python number), as in a CUDA graph, while the static
+    inputs, weights and kept tensors are read again. So a graph replayed for inputs whose host values its key does not
+    hold gives the recording's numbers, as on a GPU; the untraced replay runs the forward's Python again and would
+    read the new values."""
 
     device_type = "cpu"
 
-    def __init__(self, strict: bool = False) -> None:
-        self.strict = strict
+    def __init__(self, strict: bool = False, traced: bool = False) -> None:
+        self.strict, self.traced = strict, traced
         self.transfers: list[tuple[str, str]] = []
 
     def new_pool(self, device):
@@ -214,6 +221,8 @@ class CapturePassGraphs:
 
     def record(self, pool, fn):
         fn()  # the warm-up
+        if self.traced:
+            return self._traced(fn)
         out = self.capture_pass(fn)
         backend = self
 
@@ -221,6 +230,29 @@ class CapturePassGraphs:
             def replay(self):
                 new_out = backend.capture_pass(fn, watched=False)
                 for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(new_out)):
+                    static.copy_(new)
+
+        return Replay(), out
+
+    def _traced(self, fn):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        held = {}
+
+        def traced():
+            leaves, held["spec"] = pytree.tree_flatten(self.capture_pass(fn))
+            held["leaves"] = leaves
+            return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+        gm = make_fx(traced, tracing_mode="real")()
+        outs = [t.clone() for t in gm()]
+        it = iter(outs)
+        out = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in held["leaves"]],
+                                    held["spec"])
+
+        class Replay:
+            def replay(self):
+                for static, new in zip(outs, gm()):
                     static.copy_(new)
 
         return Replay(), out
