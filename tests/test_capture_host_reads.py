@@ -476,6 +476,25 @@ def test_capture_pass_leaves_the_calls_that_do_not_wait_alone():
     assert backend.transfers == []
 
 
+def test_capture_pass_sees_reads_through_the_tolist_twin():
+    """While Bria FIBO 2's ``.tolist()`` twin is bound, torch hands its own ``tolist`` call to a function mode as the
+    twin: a read that no host key answers (no `HostReads` side) is still logged, at the caller's line; one the key
+    answers is not (it reads nothing)."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel
+
+    x = torch.tensor([[True, False], [True, True]])  # (made outside the pass: "on the device")
+    backend = CapturePassGraphs()
+    with graphs.capture_twins_bound(BriaFibo2Transformer2DModel):
+        assert torch.Tensor.tolist is _host_reads.tolist_twin
+        with graphs._side_bound(None):
+            assert backend.capture_pass(lambda: x.sum(dim=1).tolist()) == [1, 2]
+        assert [w for w, _ in backend.transfers] == ["tolist of a device tensor (a read)"], backend.transfers
+        assert backend.transfers[0][1].startswith("tests/test_capture_host_reads.py:"), backend.transfers
+        with graphs._side_bound(lambda: _host_reads.HostReads([[7, 7]])):
+            assert backend.capture_pass(lambda: x.sum(dim=1).tolist()) == [7, 7]  # (answered: the capture reads none)
+    assert len(backend.transfers) == 1
+
+
 # ----------------------------------------------------------------------------------------------------------- GPU
 
 def _replays_equal_eager(name, calls_of, dtype, full=False, signatures=None):

@@ -7,7 +7,8 @@ On the CPU every tensor is on the host, so "on the device" is imitated: a tensor
 input, a weight, a buffer) is on the device, and so is anything made from one or made with a ``device=`` argument;
 a tensor made from no tensor without a device (``torch.tensor(list)``, ``torch.arange(n)``, a ``device="cpu"`` of
 this package's own fills) is on the host, as is anything made from host tensors alone. Then `HostTransfers` logs,
-with the caller's file:line (the first frame outside torch, this module, `_host_ops` and `_host_constants`):
+with the caller's file:line (the first frame outside torch, this module, `_host_ops`, `_host_constants` and
+`_host_reads`):
 
 - host data copied to the device: ``torch.tensor`` / ``as_tensor`` / ``asarray`` of Python values with a device
   (torch builds them on the host and copies them over: the ones `_host_constants` fills and `_host_ops` answers never
@@ -40,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import _host_constants, _host_ops, _host_reads
+from .. import _host_constants, _host_ops, _host_reads, graphs
 
 _FROM_DATA = {"tensor", "as_tensor", "asarray"}
 # calls whose result needs a device tensor's values on the host (a Python value, or an output size read from it):
@@ -48,7 +49,16 @@ _FROM_DATA = {"tensor", "as_tensor", "asarray"}
 _READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "argwhere", "cpu", "numpy",
           "masked_select", "unique", "unique_consecutive", "bincount", "equal", "allclose", "__format__", "__repr__"}
 _MOVES = {"to", "cuda", "as_tensor", "asarray"}
-_SKIPPED = (os.sep + "torch" + os.sep, __file__, _host_ops.__file__, _host_constants.__file__)
+_SKIPPED = (os.sep + "torch" + os.sep, __file__, _host_ops.__file__, _host_constants.__file__, _host_reads.__file__)
+
+
+def _tensor_twins() -> dict:
+    """The capture twins bound on ``torch.Tensor`` (`graphs.CAPTURE_TWINS`), by the name of the method each stands
+    for: torch hands such a method's own call to a function mode as the twin (``handle_torch_function`` looks the
+    name up on the class), which the mode must still know as that method (`_host_reads.tolist_twin` reads the device
+    by torch's ``tolist`` where no host key answers it)."""
+    return {twin: name for twins in graphs.CAPTURE_TWINS.values() for module, name, _, twin in twins
+            if module is torch.Tensor}
 
 
 def _where() -> str:
@@ -87,6 +97,7 @@ class HostTransfers(TorchFunctionMode):
         super().__init__()
         self.host = WeakIdKeyDictionary()
         self.events: list[tuple[str, str]] = []
+        self.twins = _tensor_twins()
 
     def _is_host(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t in self.host
@@ -99,7 +110,7 @@ class HostTransfers(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
+        name = self.twins.get(func) or getattr(func, "__name__", "")
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         host_result = self._check(name, args, kwargs, tensors)
         out = func(*args, **kwargs)
