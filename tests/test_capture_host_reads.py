@@ -6,6 +6,8 @@ GPU tests capture for real and compare every replay with unpatched eager by ``to
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -146,6 +148,69 @@ def test_key_padding_masks_take_the_bool_mask_op_only_while_recording(monkeypatc
         assert ns.attention_bool_mask(dispatch, 1, 2, 3, None, attn_mask=mask) == "op"
         assert ns.attention_bool_mask(dispatch, 1, 2, 3, None, attn_mask=mask.float()) == "written"
     assert taken == [1]
+
+
+def _own_forward(cls):
+    """A subclass of `cls` whose ``forward`` is its own (it calls the parent's: the same host reads, unchecked)."""
+    def forward(self, **kwargs):
+        return super(sub, self).forward(**kwargs)
+
+    params = list(inspect.signature(cls.forward).parameters.values())
+    forward.__signature__ = inspect.Signature(params)  # (named arguments, as the graph runner takes them)
+    sub = type(f"OwnForward{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    return sub
+
+
+def test_host_key_and_ops_registrations_stand_for_the_forward_they_were_made_for(monkeypatch):
+    """`HOST_KEYS` / `HOST_OPS` apply where the model's class runs the forward they were registered for: the class
+    and a subclass that keeps its forward; not a subclass with a forward of its own, nor the class once its forward
+    was replaced (nobody read those forwards' host reads)."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel as Bria
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel as Qwen
+
+    fibo2, qwen = _fibo2(), zoo.build("qwen-image-21", dtype=torch.float32)
+    inherits = type("InheritsBria", (Bria,), {"__module__": __name__})
+    for model, cls in ((fibo2, Bria), (qwen, Qwen)):
+        assert graphs.registered(graphs.HOST_KEYS, model) is graphs.HOST_KEYS[cls]
+        model.__class__ = _own_forward(cls)
+        assert graphs.registered(graphs.HOST_KEYS, model) is None and graphs.registered(graphs.HOST_OPS, model) is None
+        model.__class__ = cls
+    assert graphs.registered(graphs.HOST_OPS, qwen) == ("transformer_qwenimage21.py",)
+    fibo2.__class__ = inherits
+    assert graphs.registered(graphs.HOST_KEYS, fibo2) is bria_fibo2.text_lengths
+    fibo2.__class__ = Bria
+    a = zoo.inputs("bria-fibo2", fibo2, batch=2)
+    names = tuple(inspect.signature(Bria.forward).parameters)[1:]
+    assert graphs._host_key(fibo2, names, (), a)[0] == bria_fibo2.text_lengths(fibo2, a)[0]
+    monkeypatch.setattr(Bria, "forward", _own_forward(Bria).forward)  # the class's forward replaced after
+    assert graphs._host_key(fibo2, names, (), a) is None and graphs.registered(graphs.HOST_KEYS, fibo2) is None
+    monkeypatch.setattr(Qwen, "forward", _own_forward(Qwen).forward)
+    with pytest.raises(ValueError, match="another forward"):  # host ops for a forward its key was not made for
+        graphs.register_host_ops(Qwen, ("transformer_qwenimage21.py",))
+
+
+def test_a_subclass_with_its_own_forward_records_without_the_host_key():
+    """Bria FIBO 2's subclass with a forward of its own (the same ``.tolist()`` through ``super()``): no host key
+    answers its read, so its imitated capture reads the device, fails, and that signature runs eager, equal to eager
+    (with the key inherited, the read would be answered and the graph kept for a forward nobody checked)."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel as Bria
+
+    from diffusers_fastpath._state import STATE_ATTR
+
+    model, twin = _fibo2(), _fibo2()
+    model.__class__ = _own_forward(Bria)
+    fp.patch(model)
+    try:
+        backend = CapturePassGraphs(strict=True)
+        runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(**a)[0], twin(**a)[0])
+        assert runner.captures == 1 and not runner.graphs and len(runner.failed) == 1, (runner.graphs, runner.eager)
+        assert "tolist of a device tensor (a read)" in next(iter(runner.failed.values())), runner.failed
+    finally:
+        fp.unpatch(model)
 
 
 def _toy(x, mask, values):
