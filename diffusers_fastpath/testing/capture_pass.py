@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _host_constants, _host_ops, _host_reads, graphs
+from .checks import traced_graph
 
 _FROM_DATA = {"tensor", "as_tensor", "asarray"}
 # calls whose result needs a device tensor's values on the host (a Python value, or an output size read from it):
@@ -233,7 +234,7 @@ class CapturePassGraphs:
     def record(self, pool, fn):
         fn()  # the warm-up
         if self.traced:
-            return self._traced(fn)
+            return traced_graph(lambda: self.capture_pass(fn))
         out = self.capture_pass(fn)
         backend = self
 
@@ -241,29 +242,6 @@ class CapturePassGraphs:
             def replay(self):
                 new_out = backend.capture_pass(fn, watched=False)
                 for static, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(new_out)):
-                    static.copy_(new)
-
-        return Replay(), out
-
-    def _traced(self, fn):
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        held = {}
-
-        def traced():
-            leaves, held["spec"] = pytree.tree_flatten(self.capture_pass(fn))
-            held["leaves"] = leaves
-            return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-        gm = make_fx(traced, tracing_mode="real")()
-        outs = [t.clone() for t in gm()]
-        it = iter(outs)
-        out = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in held["leaves"]],
-                                    held["spec"])
-
-        class Replay:
-            def replay(self):
-                for static, new in zip(outs, gm()):
                     static.copy_(new)
 
         return Replay(), out
