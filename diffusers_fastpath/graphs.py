@@ -158,12 +158,32 @@ def register_capture_twin(model_cls: type, module: Any, name: str, twin: Callabl
 # for others, and ``side()`` (called at most once, while that signature records) gives what the model's capture twins
 # read instead of waiting on the host (`capture_side`). ``key`` None: the call runs eager.
 HOST_KEYS: dict[type, Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]] = {}
+# The forward a registration of `HOST_KEYS` / `HOST_OPS` was made for, by model class: ``model_cls.forward`` as
+# `register_host_key` found it (the forward whose host reads its caller checked: a source read, a digest). A
+# registration applies to a model whose class runs that very forward (`registered`): its class, or a subclass that
+# does not override ``forward``; not to a subclass with a forward of its own, nor after the class's forward was
+# replaced (a forward whose host reads nobody checked: no key, its recording runs as any model's).
+HOST_FORWARDS: dict[type, Callable] = {}
 _recording = threading.local()
 
 
 def register_host_key(model_cls: type, fn: Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]) -> None:
-    """Record `fn` as the host key of `model_cls` forwards (see `HOST_KEYS`)."""
+    """Record `fn` as the host key of `model_cls` forwards (see `HOST_KEYS`), for the forward the class holds now
+    (`HOST_FORWARDS`)."""
     HOST_KEYS[model_cls] = fn
+    HOST_FORWARDS[model_cls] = model_cls.forward
+
+
+def registered(table: dict[type, Any], model: nn.Module) -> Any:
+    """`model`'s entry of `table` (`HOST_KEYS`, `HOST_OPS`), or None: the entry of the nearest class of its MRO that
+    has one, where that registration was made for the forward the model's class runs (`HOST_FORWARDS`); a subclass
+    that overrides ``forward`` inherits none."""
+    forward = type(model).forward
+    for cls in type(model).__mro__:
+        entry = table.get(cls)
+        if entry is not None:
+            return entry if HOST_FORWARDS.get(cls) is forward else None
+    return None
 
 
 # Model classes whose forward's data-dependent calls (``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor,
@@ -179,6 +199,8 @@ def register_host_ops(model_cls: type, files: tuple[str, ...]) -> None:
     one records (`HOST_OPS`)."""
     if model_cls not in HOST_KEYS:
         raise ValueError(f"{model_cls.__name__}: a host key (register_host_key) must hold what its host ops read")
+    if HOST_FORWARDS.get(model_cls) is not model_cls.forward:
+        raise ValueError(f"{model_cls.__name__}: its host key was registered for another forward")
     HOST_OPS[model_cls] = tuple(files)
 
 
@@ -210,7 +232,7 @@ def _side_bound(side: Callable[[], Any] | None):
 
 def _host_key(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict):
     """``(key, side)`` of the model's host key, or None where its class has none; `Unsupported` where it says so."""
-    fn = next((f for cls, f in HOST_KEYS.items() if isinstance(model, cls)), None)
+    fn = registered(HOST_KEYS, model)
     if fn is None:
         return None
     key, side = fn(model, dict(zip(names, args), **kwargs))
@@ -646,7 +668,7 @@ class GraphRunner:
         if self.pool is None:  # one pool for all graphs of the model (and a fresh one after they were dropped)
             self.pool = self.backend.new_pool(self.fingerprint.device)
         run, keep = (lambda: forward(**static_call)), None
-        files = next((f for cls, f in HOST_OPS.items() if isinstance(forward.__self__, cls)), None)
+        files = registered(HOST_OPS, forward.__self__)
         if files is not None:
             keep = host_ops = _host_ops.HostOps()  # (what it keeps, the graph reads: it lives as long as the graph)
             device_type = self.backend.device_type

@@ -6,6 +6,8 @@ GPU tests capture for real and compare every replay with unpatched eager by ``to
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -148,6 +150,69 @@ def test_key_padding_masks_take_the_bool_mask_op_only_while_recording(monkeypatc
     assert taken == [1]
 
 
+def _own_forward(cls):
+    """A subclass of `cls` whose ``forward`` is its own (it calls the parent's: the same host reads, unchecked)."""
+    def forward(self, **kwargs):
+        return super(sub, self).forward(**kwargs)
+
+    params = list(inspect.signature(cls.forward).parameters.values())
+    forward.__signature__ = inspect.Signature(params)  # (named arguments, as the graph runner takes them)
+    sub = type(f"OwnForward{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    return sub
+
+
+def test_host_key_and_ops_registrations_stand_for_the_forward_they_were_made_for(monkeypatch):
+    """`HOST_KEYS` / `HOST_OPS` apply where the model's class runs the forward they were registered for: the class
+    and a subclass that keeps its forward; not a subclass with a forward of its own, nor the class once its forward
+    was replaced (nobody read those forwards' host reads)."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel as Bria
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel as Qwen
+
+    fibo2, qwen = _fibo2(), zoo.build("qwen-image-21", dtype=torch.float32)
+    inherits = type("InheritsBria", (Bria,), {"__module__": __name__})
+    for model, cls in ((fibo2, Bria), (qwen, Qwen)):
+        assert graphs.registered(graphs.HOST_KEYS, model) is graphs.HOST_KEYS[cls]
+        model.__class__ = _own_forward(cls)
+        assert graphs.registered(graphs.HOST_KEYS, model) is None and graphs.registered(graphs.HOST_OPS, model) is None
+        model.__class__ = cls
+    assert graphs.registered(graphs.HOST_OPS, qwen) == ("transformer_qwenimage21.py",)
+    fibo2.__class__ = inherits
+    assert graphs.registered(graphs.HOST_KEYS, fibo2) is bria_fibo2.text_lengths
+    fibo2.__class__ = Bria
+    a = zoo.inputs("bria-fibo2", fibo2, batch=2)
+    names = tuple(inspect.signature(Bria.forward).parameters)[1:]
+    assert graphs._host_key(fibo2, names, (), a)[0] == bria_fibo2.text_lengths(fibo2, a)[0]
+    monkeypatch.setattr(Bria, "forward", _own_forward(Bria).forward)  # the class's forward replaced after
+    assert graphs._host_key(fibo2, names, (), a) is None and graphs.registered(graphs.HOST_KEYS, fibo2) is None
+    monkeypatch.setattr(Qwen, "forward", _own_forward(Qwen).forward)
+    with pytest.raises(ValueError, match="another forward"):  # host ops for a forward its key was not made for
+        graphs.register_host_ops(Qwen, ("transformer_qwenimage21.py",))
+
+
+def test_a_subclass_with_its_own_forward_records_without_the_host_key():
+    """Bria FIBO 2's subclass with a forward of its own (the same ``.tolist()`` through ``super()``): no host key
+    answers its read, so its imitated capture reads the device, fails, and that signature runs eager, equal to eager
+    (with the key inherited, the read would be answered and the graph kept for a forward nobody checked)."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel as Bria
+
+    from diffusers_fastpath._state import STATE_ATTR
+
+    model, twin = _fibo2(), _fibo2()
+    model.__class__ = _own_forward(Bria)
+    fp.patch(model)
+    try:
+        backend = CapturePassGraphs(strict=True)
+        runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(**a)[0], twin(**a)[0])
+        assert runner.captures == 1 and not runner.graphs and len(runner.failed) == 1, (runner.graphs, runner.eager)
+        assert "tolist of a device tensor (a read)" in next(iter(runner.failed.values())), runner.failed
+    finally:
+        fp.unpatch(model)
+
+
 def _toy(x, mask, values):
     """Every kind of call `_host_ops` answers, made from this file (as a model's module would)."""
     repeats = mask.long() + 1
@@ -213,10 +278,13 @@ def _imitated(name, calls, backend):
     fp.patch(model)
     try:
         runner = graphs.install(model, model.__dict__[STATE_ATTR], "transformer", backend)
+        runner.refs = []
         with torch.no_grad():
             for inputs in calls(model):
-                assert torch.equal(model(**inputs)[0], twin(**inputs)[0])
+                runner.refs.append(twin(**inputs)[0])
+                assert torch.equal(model(**inputs)[0], runner.refs[-1])
         runner.kept = [g.keep for g in runner.graphs.values()]  # (unpatch drops the graphs)
+        runner.keys = [sig[2] for sig in runner.graphs]
     finally:
         fp.unpatch(model)
     return runner
@@ -255,6 +323,62 @@ def test_qwen21_capture_pass_catches_the_host_scalar_scatter(monkeypatch):
     assert "x[indices] = number" in next(iter(runner.eager))
 
 
+def _qwen21_condition(model, slot: int | None, batch: int = 2, seed: int = 6) -> dict:
+    """Qwen-Image 2.1's inputs with a 2x2-token condition image whose one slot is slot `slot` of the prompt (the
+    pipeline's ``<|vision_start|><|image_pad|><|vision_end|>`` in the text: its text positions interleave with the
+    image's), the target's slots last; `slot` None: the zoo's (text, then the target). The same shapes for every
+    `slot`: only ``img_mask``'s values (the key) differ."""
+    a = zoo.inputs("qwen-image-21", model, batch=batch, seed=seed)
+    if slot is None:
+        return a
+    mask = a["img_mask"].clone()
+    mask[:, slot] = True
+    g = torch.Generator().manual_seed(seed)
+    condition = torch.randn(batch, 4, a["hidden_states"].shape[2], generator=g).to(a["hidden_states"])
+    return dict(a, hidden_states=torch.cat([condition, a["hidden_states"]], dim=1), img_mask=mask,
+                img_shapes=[[(1, 2, 2), *a["img_shapes"][0]]] * batch)
+
+
+@pytest.mark.parametrize("slot", [None, 2], ids=["text-then-target", "condition-in-text"])
+def test_qwen21_graph_replays_other_text_masks_equal_eager(slot):
+    """``encoder_hidden_states_mask`` is not in Qwen-Image 2.1's key: its values reach the attention masks by device
+    ops alone (a gather by the warm-up's indices, an ``index_put_``). So the graph recorded for one text mask replays
+    others of its shape, each equal to unpatched eager with that mask. Replayed traced: no Python, every value the
+    capture pass took on the host baked in, as in a CUDA graph (a mask value baked in gives the recording's number)."""
+    def calls(model):
+        a = _qwen21_condition(model, slot)
+        mask = a["encoder_hidden_states_mask"]
+        padded_1, unpadded_0 = mask.clone(), mask.clone()
+        padded_1[1, 3:] = 0  # the second prompt padded too
+        unpadded_0[0] = 1  # the first one not
+        return [a, dict(a, encoder_hidden_states_mask=padded_1), dict(a, encoder_hidden_states_mask=unpadded_0),
+                dict(a, encoder_hidden_states_mask=padded_1, hidden_states=torch.randn_like(a["hidden_states"]))]
+
+    backend = CapturePassGraphs(strict=True, traced=True)
+    runner = _imitated("qwen-image-21", calls, backend)
+    assert runner.captures == 1 and runner.replays == 3 and not runner.eager, (runner.captures, runner.eager)
+    assert backend.transfers == []
+    refs = runner.refs
+    assert not torch.equal(refs[0], refs[1]) and not torch.equal(refs[0], refs[2])  # (the masks matter)
+
+
+def test_qwen21_graphs_key_on_the_image_slot_layout():
+    """Two layouts of the same shapes (the condition image's slot at another place in the prompt: only ``img_mask``'s
+    values differ) record a graph each, each replayed for its own layout only, equal to unpatched eager. Replayed
+    traced (the warm-up's answers baked in, as in a CUDA graph): a key that missed the layout would replay the other
+    one's positions here."""
+    def calls(model):
+        a, b = _qwen21_condition(model, slot=2), _qwen21_condition(model, slot=5)
+        return [a, b, dict(a, hidden_states=torch.randn_like(a["hidden_states"])),
+                dict(b, timestep=b["timestep"] * 0.5)]
+
+    backend = CapturePassGraphs(strict=True, traced=True)
+    runner = _imitated("qwen-image-21", calls, backend)
+    assert runner.captures == 2 and runner.replays == 2 and not runner.eager, (runner.captures, runner.eager)
+    assert len(set(runner.keys)) == 2 and backend.transfers == []
+    assert not torch.equal(runner.refs[0], runner.refs[1])  # (the layouts' outputs differ)
+
+
 def _fibo2_padded_calls(model):
     a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
     b = _other_lengths(a, row=1, drop=6)  # gist counts differ: the gist is padded (torch.tensor(gist_counts, ...))
@@ -269,6 +393,35 @@ def test_fibo2_padded_gist_records_as_a_capture_does():
     runner = _imitated("bria-fibo2", _fibo2_padded_calls, backend)
     assert runner.captures == 2 and runner.replays == 2 and len(runner.kept) == 2 and not runner.eager, runner.eager
     assert backend.transfers == []
+
+
+def _padded_at(inputs: dict, row: int, start: int) -> dict:
+    """The same text lengths, row `row`'s padding moved: its valid tokens start at `start` (left or middle padding)."""
+    mask = inputs["encoder_attention_mask"].clone()
+    n = int(mask[row].sum())
+    mask[row] = False
+    mask[row, start:start + n] = True
+    return dict(inputs, encoder_attention_mask=mask)
+
+
+def test_fibo2_graphs_replay_the_same_text_lengths_padded_elsewhere_equal_eager():
+    """Bria FIBO 2's key is its text lengths: where the padding sits reaches only its attention masks, on the device.
+    So a graph recorded for some lengths replays a mask of the same lengths padded elsewhere (at the start, in the
+    middle), equal to unpatched eager with that mask, and other lengths (a padded gist) record their own. Replayed
+    traced (no Python: the key's reads and the gist counts baked in, as in a CUDA graph): a key that missed a length
+    would replay the other gist here."""
+    def calls(model):
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)  # lengths 6 and 8
+        b = _other_lengths(a, row=1, drop=6)  # lengths 6 and 2: the gist is padded
+        return [a, _padded_at(a, row=0, start=2), b, _padded_at(b, row=1, start=3),
+                _padded_at(_padded_at(b, row=0, start=1), row=1, start=6)]
+
+    backend = CapturePassGraphs(strict=True, traced=True)
+    runner = _imitated("bria-fibo2", calls, backend)
+    assert runner.captures == 2 and runner.replays == 3 and not runner.eager, (runner.captures, runner.eager)
+    assert len(set(runner.keys)) == 2 and backend.transfers == []
+    refs = runner.refs
+    assert not any(torch.equal(refs[0], r) for r in refs[1:]) and not torch.equal(refs[2], refs[3])  # (they differ)
 
 
 def test_fibo2_capture_pass_catches_the_fillers_own_read(monkeypatch):
@@ -321,6 +474,90 @@ def test_host_transfers_logs_what_a_capture_refuses():
                      "repeat_interleave by a device tensor without output_size (a read)",
                      "add mixes host and device tensors"], whats
     assert all(w.startswith("tests/test_capture_host_reads.py:") for _, w in mode.events), mode.events
+
+
+class _Calls(torch.nn.Module):
+    """A module whose forward makes one call (`op`) on its input, then the forward's own arithmetic."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        self.op(x)
+        return x * 2
+
+
+# host-synchronising calls: each needs the values of a device tensor on the host (a Python value, an output size)
+_SYNCING = {
+    "torch.unique": (lambda x: torch.unique(x), "unique of a device tensor (a read)"),
+    "Tensor.unique": (lambda x: x.unique(return_counts=True), "unique of a device tensor (a read)"),
+    "torch.unique_consecutive": (lambda x: torch.unique_consecutive(x),
+                                 "unique_consecutive of a device tensor (a read)"),
+    "torch.where(condition)": (lambda x: torch.where(x > 1),
+                               "torch.where(condition) of a device tensor (a nonzero: a read)"),
+    "torch.argwhere": (lambda x: torch.argwhere(x), "argwhere of a device tensor (a read)"),
+    "Tensor.argwhere": (lambda x: x.argwhere(), "argwhere of a device tensor (a read)"),
+    "torch.equal": (lambda x: torch.equal(x, x + 0), "equal of a device tensor (a read)"),
+    "Tensor.equal": (lambda x: x.equal(x + 0), "equal of a device tensor (a read)"),
+    "torch.allclose": (lambda x: torch.allclose(x.float(), x.float() + 1), "allclose of a device tensor (a read)"),
+    "Tensor.allclose": (lambda x: x.float().allclose(x.float()), "allclose of a device tensor (a read)"),
+    "torch.bincount": (lambda x: torch.bincount(x), "bincount of a device tensor (a read)"),
+    "Tensor.bincount": (lambda x: x.bincount(minlength=8), "bincount of a device tensor (a read)"),
+    "f-string": (lambda x: f"lengths {x}", "__format__ of a device tensor (a read)"),
+    "f-string of a 0-dim tensor": (lambda x: f"{x.sum():d} tokens", "__format__ of a device tensor (a read)"),
+    "str": (lambda x: str(x), "__repr__ of a device tensor (a read)"),
+}
+
+
+@pytest.mark.parametrize("call", list(_SYNCING))
+def test_capture_pass_reports_host_synchronising_calls(call):
+    """A forward that makes a call which waits for the device (its result needs the values on the host) is reported
+    by the imitated capture, at the forward's line, and fails a strict one (as a capture on the GPU refuses it)."""
+    op, what = _SYNCING[call]
+    module, x = _Calls(op), torch.tensor([1, 2, 2, 3])  # (made outside the capture pass: "on the device")
+    backend = CapturePassGraphs()
+    _, out = backend.record(backend.new_pool(None), lambda: module(x))
+    assert torch.equal(out, x * 2)
+    assert [w for w, _ in backend.transfers] == [what], backend.transfers
+    assert backend.transfers[0][1].startswith("tests/test_capture_host_reads.py:"), backend.transfers
+    with pytest.raises(RuntimeError, match="imitated"):
+        CapturePassGraphs(strict=True).record(None, lambda: module(x))
+
+
+def test_capture_pass_leaves_the_calls_that_do_not_wait_alone():
+    """The same kinds of call that read nothing on the host: three-argument ``where``, ``isclose``, a formatted shape,
+    and host tensors (the capture pass's own) unique'd, compared and printed."""
+    x = torch.tensor([1, 2, 2, 3])
+
+    def forward(x):
+        torch.where(x > 1, x, 0), x.where(x > 1, x + 1), torch.isclose(x, x + 1), f"{x.shape} {x.dtype}"
+        host = torch.arange(4)
+        torch.unique(host), torch.equal(host, host), torch.bincount(host), torch.where(host > 1), f"{host}"
+        return x * 2
+
+    backend = CapturePassGraphs(strict=True)
+    backend.record(None, lambda: forward(x))
+    assert backend.transfers == []
+
+
+def test_capture_pass_sees_reads_through_the_tolist_twin():
+    """While Bria FIBO 2's ``.tolist()`` twin is bound, torch hands its own ``tolist`` call to a function mode as the
+    twin: a read that no host key answers (no `HostReads` side) is still logged, at the caller's line; one the key
+    answers is not (it reads nothing)."""
+    from diffusers.models.transformers.transformer_bria_fibo2 import BriaFibo2Transformer2DModel
+
+    x = torch.tensor([[True, False], [True, True]])  # (made outside the pass: "on the device")
+    backend = CapturePassGraphs()
+    with graphs.capture_twins_bound(BriaFibo2Transformer2DModel):
+        assert torch.Tensor.tolist is _host_reads.tolist_twin
+        with graphs._side_bound(None):
+            assert backend.capture_pass(lambda: x.sum(dim=1).tolist()) == [1, 2]
+        assert [w for w, _ in backend.transfers] == ["tolist of a device tensor (a read)"], backend.transfers
+        assert backend.transfers[0][1].startswith("tests/test_capture_host_reads.py:"), backend.transfers
+        with graphs._side_bound(lambda: _host_reads.HostReads([[7, 7]])):
+            assert backend.capture_pass(lambda: x.sum(dim=1).tolist()) == [7, 7]  # (answered: the capture reads none)
+    assert len(backend.transfers) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -393,3 +630,32 @@ def test_tiny_qwen21_graphs_capture_and_replay_bitwise(dtype, batch):
         return [a, dict(a, hidden_states=torch.randn_like(a["hidden_states"]), timestep=a["timestep"] * 0.5), a]
 
     _replays_equal_eager("qwen-image-21", calls, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_qwen21_graphs_replay_other_text_masks_per_slot_layout_bitwise(dtype):
+    """Two image-slot layouts of the same shapes record a graph each; each replays other text masks (not keyed: read
+    on the device) bit-identically to unpatched eager."""
+    def calls(model):
+        a, b = _qwen21_condition(model, slot=2), _qwen21_condition(model, slot=5)
+        other = a["encoder_hidden_states_mask"].clone()
+        other[1, 3:] = 0
+        return [a, b, dict(a, encoder_hidden_states_mask=other), dict(b, encoder_hidden_states_mask=other),
+                dict(a, hidden_states=torch.randn_like(a["hidden_states"]))]
+
+    _replays_equal_eager("qwen-image-21", calls, dtype, signatures=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_fibo2_graphs_replay_the_same_text_lengths_padded_elsewhere_bitwise(dtype):
+    """Masks of the recorded text lengths padded elsewhere (at the start, in the middle) replay that graph
+    bit-identically to unpatched eager; other lengths (a padded gist) record their own."""
+    def calls(model):
+        a = zoo.inputs("bria-fibo2", model, batch=2, seed=6)
+        b = _other_lengths(a, row=1, drop=6)
+        return [a, b, _padded_at(a, row=0, start=2), _padded_at(b, row=1, start=3),
+                _padded_at(_padded_at(b, row=0, start=1), row=1, start=6)]
+
+    _replays_equal_eager("bria-fibo2", calls, dtype, signatures=2)

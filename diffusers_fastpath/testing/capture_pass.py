@@ -7,7 +7,8 @@ On the CPU every tensor is on the host, so "on the device" is imitated: a tensor
 input, a weight, a buffer) is on the device, and so is anything made from one or made with a ``device=`` argument;
 a tensor made from no tensor without a device (``torch.tensor(list)``, ``torch.arange(n)``, a ``device="cpu"`` of
 this package's own fills) is on the host, as is anything made from host tensors alone. Then `HostTransfers` logs,
-with the caller's file:line (the first frame outside torch, this module, `_host_ops` and `_host_constants`):
+with the caller's file:line (the first frame outside torch, this module, `_host_ops`, `_host_constants` and
+`_host_reads`):
 
 - host data copied to the device: ``torch.tensor`` / ``as_tensor`` / ``asarray`` of Python values with a device
   (torch builds them on the host and copies them over: the ones `_host_constants` fills and `_host_ops` answers never
@@ -17,8 +18,11 @@ with the caller's file:line (the first frame outside torch, this module, `_host_
   a single mask (torch makes the number a host tensor and ``index_put_`` copies it: Qwen-Image 2.1's capture failed
   on that), and any other call that mixes a host tensor of one or more dimensions with device tensors;
 - device values read on the host (a wait a capture refuses): ``tolist`` / ``item`` / ``int()`` / ``float()`` /
-  ``bool()``, ``nonzero``, ``.cpu()`` / ``.numpy()`` / ``.to("cpu")``, ``repeat_interleave`` by a tensor without an
-  ``output_size``, indexing by a boolean mask (but ``x[mask] = number``: torch's ``masked_fill_``).
+  ``bool()``, ``nonzero`` / ``argwhere`` / one-argument ``torch.where(condition)``, ``masked_select``, ``unique`` /
+  ``unique_consecutive`` and ``bincount`` (their output sizes), ``torch.equal`` / ``allclose`` (a Python bool), a
+  tensor formatted or printed (``f"{x}"``, ``str(x)``: ``__format__`` / ``__repr__``), ``.cpu()`` / ``.numpy()`` /
+  ``.to("cpu")``, ``repeat_interleave`` by a tensor without an ``output_size``, indexing by a boolean mask (but
+  ``x[mask] = number``: torch's ``masked_fill_``).
 
 What it cannot see is what torch's C++ makes on the host by itself inside one call (cuDNN's boolean-mask zero in
 ``scaled_dot_product_attention``: tests/test_attention_bool_mask.py covers that one), and the kernels the GPU picks
@@ -37,13 +41,25 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import _host_constants, _host_ops, _host_reads
+from .. import _host_constants, _host_ops, _host_reads, graphs
+from .checks import traced_graph
 
 _FROM_DATA = {"tensor", "as_tensor", "asarray"}
-_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy",
-          "masked_select", "unique", "unique_consecutive"}
+# calls whose result needs a device tensor's values on the host (a Python value, or an output size read from it):
+# each waits for the device
+_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero", "argwhere", "cpu", "numpy",
+          "masked_select", "unique", "unique_consecutive", "bincount", "equal", "allclose", "__format__", "__repr__"}
 _MOVES = {"to", "cuda", "as_tensor", "asarray"}
-_SKIPPED = (os.sep + "torch" + os.sep, __file__, _host_ops.__file__, _host_constants.__file__)
+_SKIPPED = (os.sep + "torch" + os.sep, __file__, _host_ops.__file__, _host_constants.__file__, _host_reads.__file__)
+
+
+def _tensor_twins() -> dict:
+    """The capture twins bound on ``torch.Tensor`` (`graphs.CAPTURE_TWINS`), by the name of the method each stands
+    for: torch hands such a method's own call to a function mode as the twin (``handle_torch_function`` looks the
+    name up on the class), which the mode must still know as that method (`_host_reads.tolist_twin` reads the device
+    by torch's ``tolist`` where no host key answers it)."""
+    return {twin: name for twins in graphs.CAPTURE_TWINS.values() for module, name, _, twin in twins
+            if module is torch.Tensor}
 
 
 def _where() -> str:
@@ -82,6 +98,7 @@ class HostTransfers(TorchFunctionMode):
         super().__init__()
         self.host = WeakIdKeyDictionary()
         self.events: list[tuple[str, str]] = []
+        self.twins = _tensor_twins()
 
     def _is_host(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t in self.host
@@ -94,7 +111,7 @@ class HostTransfers(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
+        name = self.twins.get(func) or getattr(func, "__name__", "")
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         host_result = self._check(name, args, kwargs, tensors)
         out = func(*args, **kwargs)
@@ -132,8 +149,10 @@ class HostTransfers(TorchFunctionMode):
                 self._log(f".{name}(device) of a host tensor")
                 return False
             return on_host(source) and not given
-        if name in _READS and on_device(source) and name not in ("unique", "unique_consecutive"):
+        if name in _READS and any(map(on_device, tensors)):
             self._log(f"{name} of a device tensor (a read)")
+        if name == "where" and len(args) == 1 and not kwargs and on_device(source):
+            self._log("torch.where(condition) of a device tensor (a nonzero: a read)")
         if name == "repeat_interleave" and kwargs.get("output_size") is None:
             repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
             if on_device(repeats) or (repeats is None and on_device(source)):
@@ -173,12 +192,19 @@ class CapturePassGraphs:
     ``torch.tensor(values, device=...)``) under `HostTransfers`, whose outputs are the static outputs. A replay runs
     the capture pass again (unwatched) and writes them. `transfers` holds every capture pass's events; a backend with
     ``strict=True`` fails the capture on the first pass that has any (the runner then runs that signature eager and
-    counts the reason, as a GPU would)."""
+    counts the reason, as a GPU would).
+
+    With ``traced=True`` the capture pass is traced into aten ops (``make_fx``, as `testing.TracedGraphs` traces a
+    forward) and a replay runs those ops, no Python: every value the capture pass took on the host stays baked in (the
+    warm-up's answers, the key's reads, the fills' values, each Python number), as in a CUDA graph, while the static
+    inputs, weights and kept tensors are read again. So a graph replayed for inputs whose host values its key does not
+    hold gives the recording's numbers, as on a GPU; the untraced replay runs the forward's Python again and would
+    read the new values."""
 
     device_type = "cpu"
 
-    def __init__(self, strict: bool = False) -> None:
-        self.strict = strict
+    def __init__(self, strict: bool = False, traced: bool = False) -> None:
+        self.strict, self.traced = strict, traced
         self.transfers: list[tuple[str, str]] = []
 
     def new_pool(self, device):
@@ -207,6 +233,8 @@ class CapturePassGraphs:
 
     def record(self, pool, fn):
         fn()  # the warm-up
+        if self.traced:
+            return traced_graph(lambda: self.capture_pass(fn))
         out = self.capture_pass(fn)
         backend = self
 
