@@ -28,6 +28,8 @@ import torch
 
 MAX_ELEMENTS = 64  # one fill kernel each: coordinates' scale factors and patch sizes have 3
 
+_TOLIST = torch._C.TensorBase.tolist  # torch's own (see `_host_values`)
+
 _lock = threading.Lock()
 _depth = 0
 _saved: Callable | None = None  # the ``torch.tensor`` found when the replacement went in, put back when it goes
@@ -40,6 +42,17 @@ def _python_values(data, budget: list[int]) -> bool:
         budget[0] -= 1
         return budget[0] >= 0
     return isinstance(data, (list, tuple)) and all(_python_values(x, budget) for x in data)
+
+
+def _host_values(host: torch.Tensor) -> list:
+    """The values of this filler's own host tensor, read by torch's C ``tolist`` with torch functions off: not by
+    ``torch.Tensor.tolist`` as bound now, nor through a torch function mode (which hands it the bound one). While a
+    model with host reads records, that is `_host_reads.tolist_twin`, which counts each read as one of the forward's:
+    Bria FIBO 2's ``torch.tensor(gist_counts, device=...)`` made its capture read once more than its key held (and
+    its warm-up, which makes no fills, did not), so that signature ran eager. Nor is it a data-dependent call of the
+    model's module for `_host_ops` to answer: it reads a host tensor built here from the module's Python values."""
+    with torch._C.DisableTorchFunction():
+        return _TOLIST(host.reshape(-1))
 
 
 def _tensor_factory(real: Callable, device_type: str, capturing: Callable[[], bool]) -> Callable:
@@ -57,7 +70,7 @@ def _tensor_factory(real: Callable, device_type: str, capturing: Callable[[], bo
         host = real(data, **{**kwargs, "device": "cpu"})
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
         flat = out.view(-1)
-        for i, value in enumerate(host.reshape(-1).tolist()):
+        for i, value in enumerate(_host_values(host)):
             flat[i].fill_(value)
         return out
 

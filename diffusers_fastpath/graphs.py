@@ -29,7 +29,10 @@ How it works, per patched model (`GraphRunner`):
   before the warm-up and before the capture (`_run_fresh`), so the graph computes them. A small tensor the forward
   builds from Python values on the GPU (``torch.tensor(self.scale_factors, device=...)``, LTX-2's rotary
   coordinates: a pageable copy, which a capture refuses) is built inside the capture by fill kernels of those values
-  (`_host_constants`), baked in as every Python number a kernel takes is.
+  (`_host_constants`), baked in as every Python number a kernel takes is. A forward that reads its inputs' values on
+  the host keys its graphs on them (`register_host_key`) and, while it records, has its reads answered from the key
+  (`_host_reads`: Bria FIBO 2's ``.tolist()``) or its data-dependent calls answered from the warm-up (`_host_ops`:
+  Qwen-Image 2.1's ``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor; `register_host_ops`).
 - The graphs stand for the forward they were installed on. A library that replaces or wraps ``model.forward`` on
   the instance after `patch` (cache-dit's ``enable_cache``, accelerate's and diffusers' hooks, any
   ``model.forward = wrapper(model.forward)``) keeps per-call state that a recording would advance and a replay would
@@ -67,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
+from . import _host_ops
 from ._host_constants import constants_as_fills
 from ._logging import logger, warn_once
 from .ops._policy import fp32_precision_state, global_module_hooks, outputs_equal, setting_reader
@@ -156,12 +160,55 @@ def register_capture_twin(model_cls: type, module: Any, name: str, twin: Callabl
 # for others, and ``side()`` (called at most once, while that signature records) gives what the model's capture twins
 # read instead of waiting on the host (`capture_side`). ``key`` None: the call runs eager.
 HOST_KEYS: dict[type, Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]] = {}
+# The forward a registration of `HOST_KEYS` / `HOST_OPS` was made for, by model class: ``model_cls.forward`` as
+# `register_host_key` found it (the forward whose host reads its caller checked: a source read, a digest). A
+# registration applies to a model whose class runs that very forward (`registered`): its class, or a subclass that
+# does not override ``forward``; not to a subclass with a forward of its own, nor after the class's forward was
+# replaced (a forward whose host reads nobody checked: no key, its recording runs as any model's).
+HOST_FORWARDS: dict[type, Callable] = {}
 _recording = threading.local()
 
 
 def register_host_key(model_cls: type, fn: Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]) -> None:
-    """Record `fn` as the host key of `model_cls` forwards (see `HOST_KEYS`)."""
+    """Record `fn` as the host key of `model_cls` forwards (see `HOST_KEYS`), for the forward the class holds now
+    (`HOST_FORWARDS`)."""
     HOST_KEYS[model_cls] = fn
+    HOST_FORWARDS[model_cls] = model_cls.forward
+
+
+def registered(table: dict[type, Any], model: nn.Module) -> Any:
+    """`model`'s entry of `table` (`HOST_KEYS`, `HOST_OPS`), or None: the entry of the nearest class of its MRO that
+    has one, where that registration was made for the forward the model's class runs (`HOST_FORWARDS`); a subclass
+    that overrides ``forward`` inherits none."""
+    forward = type(model).forward
+    for cls in type(model).__mro__:
+        entry = table.get(cls)
+        if entry is not None:
+            return entry if HOST_FORWARDS.get(cls) is forward else None
+    return None
+
+
+# Model classes whose forward's data-dependent calls (``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor,
+# host reads, index tables from Python lists) are recorded in the warm-up and answered in the capture
+# (`_host_ops`): only for a forward whose host key holds every input value those calls depend on (Qwen-Image 2.1's
+# image-slot mask), so that the answers are the same for every call a graph replays for.
+# By model class: the source files (by name) whose calls are answered, `_host_ops.replayed`'s ``files``.
+HOST_OPS: dict[type, tuple[str, ...]] = {}
+
+
+def register_host_ops(model_cls: type, files: tuple[str, ...]) -> None:
+    """Answer the data-dependent calls that the code of `files` makes in `model_cls` forwards from their warm-up while
+    one records (`HOST_OPS`)."""
+    if model_cls not in HOST_KEYS:
+        raise ValueError(f"{model_cls.__name__}: a host key (register_host_key) must hold what its host ops read")
+    if HOST_FORWARDS.get(model_cls) is not model_cls.forward:
+        raise ValueError(f"{model_cls.__name__}: its host key was registered for another forward")
+    HOST_OPS[model_cls] = tuple(files)
+
+
+def recording() -> bool:
+    """Whether a forward records on this thread now (its warm-up or its capture: `GraphRunner._record`)."""
+    return getattr(_recording, "active", False)
 
 
 def capture_side() -> Any:
@@ -176,18 +223,18 @@ def capture_side() -> Any:
 
 @contextlib.contextmanager
 def _side_bound(side: Callable[[], Any] | None):
-    _recording.side = side
+    _recording.side, _recording.active = side, True
     try:
         yield
     finally:
-        _recording.side = None
+        _recording.side, _recording.active = None, False
         if hasattr(_recording, "value"):
             del _recording.value
 
 
 def _host_key(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict):
     """``(key, side)`` of the model's host key, or None where its class has none; `Unsupported` where it says so."""
-    fn = next((f for cls, f in HOST_KEYS.items() if isinstance(model, cls)), None)
+    fn = registered(HOST_KEYS, model)
     if fn is None:
         return None
     key, side = fn(model, dict(zip(names, args), **kwargs))
@@ -204,13 +251,17 @@ def capture_twins_bound(model_cls: type):
     for cls, twins in CAPTURE_TWINS.items():
         for module, name, original, twin in twins if issubclass(model_cls, cls) else ():
             if getattr(module, name) is original:
+                own = name in vars(module)  # (else inherited, as torch.Tensor's C methods: deleted again after)
                 setattr(module, name, twin)
-                bound.append((module, name, original))
+                bound.append((module, name, original, own))
     try:
         yield
     finally:
-        for module, name, original in bound:
-            setattr(module, name, original)
+        for module, name, original, own in reversed(bound):
+            if own:
+                setattr(module, name, original)
+            else:
+                delattr(module, name)
 
 
 def _raised_at(exc: BaseException) -> str:
@@ -489,13 +540,14 @@ def _run_fresh(forward: Callable, call: dict, static: list[torch.Tensor]):
 class _Graph:
     """One captured signature: its graph, static input buffers and static outputs (in the shared pool)."""
 
-    __slots__ = ("graph", "inputs", "outputs", "spec")
+    __slots__ = ("graph", "inputs", "outputs", "spec", "keep")
 
-    def __init__(self, graph, inputs, outputs, spec) -> None:
+    def __init__(self, graph, inputs, outputs, spec, keep=None) -> None:
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
         self.spec = spec
+        self.keep = keep  # device tensors made outside the pool that the graph reads (`_host_ops`)
 
     def replay(self, tensors: list[torch.Tensor]):
         for static, t in zip(self.inputs, tensors):
@@ -630,10 +682,20 @@ class GraphRunner:
         static_call = {name: _substitute(call[name], it) for name in self.names if name in call}
         if self.pool is None:  # one pool for all graphs of the model (and a fresh one after they were dropped)
             self.pool = self.backend.new_pool(self.fingerprint.device)
+        run, keep = functools.partial(_run_fresh, forward, static_call, static), None
+        files = registered(HOST_OPS, forward.__self__)
+        if files is not None:
+            keep = host_ops = _host_ops.HostOps()  # (what it keeps, the graph reads: it lives as long as the graph)
+            device_type = self.backend.device_type
+
+            def run():
+                with _host_ops.replayed(host_ops, files, device_type):
+                    return _run_fresh(forward, static_call, static)
+
         with capture_twins_bound(type(forward.__self__)), _side_bound(side):
-            graph, out = self.backend.record(self.pool, functools.partial(_run_fresh, forward, static_call, static))
+            graph, out = self.backend.record(self.pool, run)
         outputs, spec = pytree.tree_flatten(out)
-        return _Graph(graph, static, outputs, spec)
+        return _Graph(graph, static, outputs, spec, keep)
 
     # --- state -------------------------------------------------------------------------------------------------
     def disable(self, reason: str) -> None:

@@ -188,3 +188,97 @@ def test_additive_mask_is_the_call_as_written_on_cuda(shape, dtype):
     out = torch.full_like(ref, float("nan"))
     out.copy_(dispatch_attention_fn(q, k, v, attn_mask=additive))
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+def test_additive_mask_is_aten_expression_with_the_zero_on_the_mask_device():
+    """Both kinds: the values of aten's expression (cuDNN's zero made on the host there), from operands on the
+    mask's device only (a host operand is a host-to-device copy, which a CUDA graph capture refuses)."""
+    _, _, _, mask = _operands()
+    mask[..., 5, :] = False
+    for kind, fill in ((CUDNN, -65504.0), (EFFICIENT, -float("inf"))):
+        for dtype in (torch.bfloat16, torch.float16):
+            made = []
+            real = torch.scalar_tensor
+
+            def spy(*args, **kwargs):
+                made.append(torch.device(kwargs.get("device") or "cpu"))
+                return real(*args, **kwargs)
+
+            torch.scalar_tensor = spy
+            try:
+                additive = abm.additive_mask(mask.to("meta"), kind, dtype)
+            finally:
+                torch.scalar_tensor = real
+            assert made == [torch.device("meta")] and additive.device.type == "meta"
+            got = abm.additive_mask(mask, kind, dtype)
+            want = torch.where(mask.logical_not(), fill, torch.scalar_tensor(0.0, dtype=dtype))
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [CUDNN, EFFICIENT], ids=["cudnn", "efficient"])
+def test_additive_mask_captures_in_a_cuda_graph(kind):
+    """Made inside a CUDA graph capture (as in Ideogram 4's captured forward), the additive mask replays the values
+    of aten's own expression."""
+    _, _, _, mask = _operands(device="cuda", s=40)
+    mask[..., 3, :] = False
+    fill = -65504.0 if kind == CUDNN else -float("inf")
+    want = torch.where(mask.logical_not(), fill, torch.scalar_tensor(0.0, dtype=torch.bfloat16)).cuda()
+    static = mask.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        abm.additive_mask(static, kind, torch.bfloat16)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = abm.additive_mask(static, kind, torch.bfloat16)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_sdpa_capturable_is_torch_sdpa_off_cuda_and_qwen21_records_with_it():
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
+
+    from diffusers_fastpath import graphs
+
+    q, k, v, mask = (t.transpose(1, 2) if t.dim() == 4 and t.dtype is not torch.bool else t for t in _operands())
+    for m in (mask, None, torch.zeros(mask.shape, dtype=q.dtype)):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        assert torch.equal(abm.sdpa_capturable(q, k, v, attn_mask=m), want)
+    assert any(module is torch.nn.functional and twin is abm.sdpa_capturable
+               for module, _, _, twin in graphs.CAPTURE_TWINS[QwenImage21Transformer2DModel])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 300, 4, 128), (2, 77, 2, 64)])
+@pytest.mark.parametrize("form", ["causal", "key_padding"])
+def test_sdpa_capturable_captures_and_equals_torch(shape, dtype, form):
+    """A boolean mask on torch's SDPA inside a CUDA graph capture (Qwen-Image 2.1's segment masks): the twin's replay
+    equals torch's call with the boolean mask, bit for bit; where torch picks cuDNN for it, torch's own call cannot
+    be captured (its zero is copied from the host)."""
+    b, s, h, d = shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to("cuda", dtype) for _ in range(3))
+    if form == "causal":
+        mask = torch.tril(torch.ones(s, s, dtype=torch.bool, device="cuda"))[None, None]
+    else:
+        mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+        mask[0, ..., s // 2:] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    kind = int(torch._fused_sdp_choice(q, k, v, mask, 0.0, False))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        abm.sdpa_capturable(q, k, v, attn_mask=mask)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = abm.sdpa_capturable(q, k, v, attn_mask=mask)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref), SDPBackend(kind).name

@@ -11,6 +11,7 @@ from diffusers.models import embeddings
 from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
 
+from .. import graphs
 from ..ops import (cat_heads, gated_residual, gated_residual_fp32, gelu_cat, layernorm_affine_fp32,
                    layernorm_modulate, layernorm_scale, layernorm_scale_shift, layernorm_scale_shift_fp32, modulate_scale_shift,
                    qk_norm_rope, qk_norm_rope_fp32, qk_norm_rope_zero_centred, qk_norm_rotary_half, qk_norm_rows_rope,
@@ -830,9 +831,13 @@ class _ChainsNamespace:
         # another kind (an additive one, a key-padding one torch converts in a kernel of its size), as written. A
         # key-padding mask is one over the keys only, ``[B, H, 1, S]``: nothing to gain, and a processor makes it per
         # call (``mask[:, None, None, :]``: Bria FIBO 2's), a new tensor each time that nothing is kept on, whose first
-        # use in a forward pays `derived`'s seal (the model's modules walked) in every call
+        # use in a forward pays `derived`'s seal (the model's modules walked) in every call. While a CUDA graph
+        # records (host time spent once) a key-padding mask is taken too: torch's own conversion for cuDNN's kernel
+        # copies a host zero to the GPU in every call (``where`` of a 0-dim host tensor), which a capture refuses;
+        # the op's zero is made on the device (Bria FIBO 2's cross-attention)
         mask = arguments.get("attn_mask")
-        if not (isinstance(mask, torch.Tensor) and mask.dtype is torch.bool and mask.dim() == 4 and mask.shape[2] != 1):
+        if not (isinstance(mask, torch.Tensor) and mask.dtype is torch.bool and mask.dim() == 4
+                and (mask.shape[2] != 1 or graphs.recording())):
             return dispatch(q, k, v, **arguments)
         return attention_bool_mask(dispatch, q, k, v, _kept_on_mask, site, **arguments)
 

@@ -3,7 +3,7 @@
 torch's ``scaled_dot_product_attention`` does not read a boolean mask as it is: every call first writes the additive
 mask its kernel reads (``aten/src/ATen/native/transformers/attention.cpp``)::
 
-    where(mask.logical_not(), -65504.0, scalar_tensor(0.0, dtype=q.dtype))          # cuDNN's kernel
+    where(mask.logical_not(), -65504.0, scalar_tensor(0.0, dtype=q.dtype))          # cuDNN's kernel (zero on the host)
     where(mask.logical_not(), -inf, scalar_tensor(0.0, dtype=q.dtype, device=...))  # the memory-efficient one
 
 A model that builds one ``[B, 1, S, S]`` mask per forward and hands it to every block pays that write in every
@@ -47,9 +47,14 @@ Hold = Callable[[torch.Tensor, tuple, Callable[[], torch.Tensor]], torch.Tensor]
 
 def additive_mask(mask: torch.Tensor, kind: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask torch's SDPA makes of the boolean `mask` for a call whose kernel is `kind` (the expressions
-    of ``convert_boolean_attn_mask_cudnn`` and ``convert_boolean_attn_mask``, as aten writes them)."""
+    of ``convert_boolean_attn_mask_cudnn`` and ``convert_boolean_attn_mask``, as aten writes them).
+
+    cuDNN's zero is made on the mask's device here, where aten makes it on the host: ``where`` moves a 0-dim operand
+    to the output's device (``where_self_out``: ``other.to(device)``), a pageable host-to-device copy that a CUDA
+    graph capture refuses (Ideogram 4's forward did not capture for it). A zero filled on the device is the same
+    operand: the same values come out, and torch takes the same kernel for them."""
     if kind == int(SDPBackend.CUDNN_ATTENTION):
-        return torch.where(mask.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype))
+        return torch.where(mask.logical_not(), -65504.0, torch.scalar_tensor(0.0, dtype=dtype, device=mask.device))
     return torch.where(mask.logical_not(), -float("inf"), torch.scalar_tensor(0.0, dtype=dtype, device=mask.device))
 
 
@@ -140,3 +145,29 @@ def attention_bool_mask(dispatch, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         arguments: the processor's keyword arguments (``attn_mask``, ``backend``, ``parallel_config``, ...).
     """
     return ATTENTION_BOOL_MASK(site, dispatch, q, k, v, hold, tuple(sorted(arguments.items(), key=lambda kv: kv[0])))
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention  # torch's own, as imported
+
+
+def sdpa_capturable(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """torch's ``scaled_dot_product_attention``, with a boolean mask that torch would convert for cuDNN's kernel (its
+    zero made on the host, copied to the GPU: refused inside a CUDA graph capture) handed over as that additive mask
+    made on the device (`additive_mask`), where torch then picks the same kernel; every other call as made. The
+    capture twin of ``torch.nn.functional.scaled_dot_product_attention`` for forwards whose processors call torch with
+    boolean masks the fused op does not take (Qwen-Image 2.1's per-segment masks): the same kernel reads the same
+    values."""
+    if (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype is torch.bool and query.is_cuda
+            and attn_mask.device == query.device):
+        def choice(mask):
+            return int(torch._fused_sdp_choice(query, key, value, mask, dropout_p, is_causal, scale=scale,
+                                               enable_gqa=enable_gqa))
+
+        kind = choice(attn_mask)
+        if kind == int(SDPBackend.CUDNN_ATTENTION):
+            additive = additive_mask(attn_mask, kind, query.dtype)
+            if choice(additive) == kind:
+                attn_mask = additive
+    return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                 enable_gqa=enable_gqa)

@@ -331,29 +331,35 @@ class TracedGraphs:
         return ("pool", self.pools)
 
     def record(self, pool, fn):
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         self.recorded += 1
         fn()  # the warm-up, as `CudaGraphs.record` runs it
-        held = {}
-
-        def traced():
-            leaves, held["spec"] = pytree.tree_flatten(fn())
-            held["leaves"] = leaves
-            return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-        gm = make_fx(traced, tracing_mode="real")()
-        outs = [t.clone() for t in gm()]
-        it = iter(outs)
-        static = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in held["leaves"]],
-                                       held["spec"])
-
-        class Replay:
-            def replay(self):
-                for out, new in zip(outs, gm()):
-                    out.copy_(new)
-
-        return Replay(), static
+        return traced_graph(fn)
 
     def pool_bytes(self, pool):
         return 0
+
+
+def traced_graph(fn):
+    """``(replay, static outputs)`` of `fn` traced into aten ops (`TracedGraphs`): a replay runs those ops, no
+    Python, and writes into the static outputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    held = {}
+
+    def traced():
+        leaves, held["spec"] = pytree.tree_flatten(fn())
+        held["leaves"] = leaves
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    gm = make_fx(traced, tracing_mode="real")()
+    outs = [t.clone() for t in gm()]
+    it = iter(outs)
+    static = pytree.tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in held["leaves"]],
+                                   held["spec"])
+
+    class Replay:
+        def replay(self):
+            for out, new in zip(outs, gm()):
+                out.copy_(new)
+
+    return Replay(), static
