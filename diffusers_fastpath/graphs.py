@@ -49,15 +49,21 @@ How it works, per patched model (`GraphRunner`):
   change (``.to()``, ``load_state_dict(assign=True)``, a LoRA layer injected, a hook or processor set) drops the
   model's graphs, which are re-captured on demand. In-place writes to weights (``load_state_dict`` without
   ``assign``, ``fuse_lora``) need nothing: a replay reads the weights' memory, as eager does.
+
+Where the pieces are: this module holds the runner (`GraphRunner`, `GraphForward`, `install`), the call signature
+(`call_signature`, `_host_key`) and the CUDA side (`CudaGraphs`, `_Graph`, `_run_fresh`). What a model family
+registers to make its forward capturable (capture twins, host keys, host ops) and the recording thread's state are in
+`_graph_registry`; what a graph stands for besides its inputs (`ModelFingerprint`, `_global_state`) in
+`_graph_fingerprint`. Their public names (and the private ones tests use: `_global_state`, `_side_bound`) are
+re-exported here, so ``graphs.<name>`` reaches what it did before the split (a re-export is a second binding:
+to replace one of those functions, as a test may, set it in its own module).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
-import operator
 import threading
 import traceback
 import weakref
@@ -68,12 +74,25 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
 from . import _host_ops
+from ._graph_fingerprint import _LEAF_TYPES, ModelFingerprint, _global_state
+from ._graph_registry import (  # noqa: F401  (the registry's names stay reachable as graphs.<name>)
+    CAPTURE_TWINS,
+    HOST_FORWARDS,
+    HOST_KEYS,
+    HOST_OPS,
+    _side_bound,
+    capture_side,
+    capture_twins_bound,
+    recording,
+    register_capture_twin,
+    register_host_key,
+    register_host_ops,
+    registered,
+)
 from ._host_constants import constants_as_fills
 from ._logging import logger, warn_once
-from .ops._policy import fp32_precision_state, global_module_hooks, outputs_equal, setting_reader
+from .ops._policy import global_module_hooks, outputs_equal
 
 GRAPHS_ATTR = "_fastpath_graphs"
 MAX_SIGNATURES = 8  # per model; a pipeline needs one or two (CFG, two text lengths), resolutions add one each
@@ -90,147 +109,6 @@ REASON_REPLACED = ("model.forward was replaced per instance after patch, by {who
 REASON_WRAPPED_BEFORE = ("model.forward is already replaced per instance, by {who}: recording would run it again and a "
                          "replay would skip it")
 
-_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format)
-# nn.Module's own dicts, fingerprinted entry by entry (`ModelFingerprint`)
-_MODULE_DICTS = frozenset({"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"})
-
-
-def _plain_value(v: Any) -> bool:
-    """An immutable plain value (a number, a string, a dtype, ...) or a tuple / list of them: compared by value."""
-    if isinstance(v, (tuple, list)):
-        return all(isinstance(x, _LEAF_TYPES) for x in v)
-    return isinstance(v, _LEAF_TYPES)
-
-
-_CUDA, _CUDNN = torch.backends.cuda, torch.backends.cudnn
-_MATMUL = _CUDA.matmul
-_CUDNN_ENABLED, _CUDNN_BENCHMARK, _CUDNN_DETERMINISTIC = (
-    setting_reader(_CUDNN, name) for name in ("enabled", "benchmark", "deterministic"))
-
-
-def _global_state() -> tuple:
-    """The process-wide settings that choose which kernels a forward launches (part of every signature). Read on
-    every call of a verified model and of a CUDA graph: torch.backends' modules bound once (each ``torch.backends.X``
-    goes through a Python ``__getattr__``), cuDNN's flags through their C getters (`setting_reader`)."""
-    return (
-        torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cuda"),
-        _CUDA.flash_sdp_enabled(),
-        _CUDA.mem_efficient_sdp_enabled(),
-        _CUDA.math_sdp_enabled(),
-        _CUDA.cudnn_sdp_enabled(),
-        *fp32_precision_state(),  # (the matmul precision and cuDNN's TF32, read as torch >= 2.9 keeps them)
-        _MATMUL.allow_bf16_reduced_precision_reduction,
-        _MATMUL.allow_fp16_reduced_precision_reduction,
-        torch.are_deterministic_algorithms_enabled(),
-        getattr(_AttentionBackendRegistry, "_active_backend", None),
-        _flag(_CUDA, "fp16_bf16_reduction_math_sdp_allowed"),  # the math SDPA's bf16 reduction
-        getattr(_MATMUL, "allow_fp16_accumulation", None),
-        _flag(_CUDA, "preferred_blas_library"),
-        _CUDNN_ENABLED(),  # the convolutions' (patch embeddings, VAEs) algorithm choice
-        _CUDNN_BENCHMARK(),
-        _CUDNN_DETERMINISTIC(),
-    )
-
-
-def _flag(namespace: Any, name: str) -> Any:
-    """``namespace.name()`` where this torch has it, else None."""
-    fn = getattr(namespace, name, None)
-    return fn() if fn is not None else None
-
-
-# Module-level functions that a model's forward calls by their global name and that cannot run inside a capture as
-# written (a host-to-device copy of a Python number, say), by the model class whose forward calls them:
-# ``[(module, name, original, twin)]``. While a forward of such a model records (warm-up and capture, `_record`),
-# ``module.name`` is bound to `twin` (same results, nothing that waits on the host) and put back after; the first
-# replay is compared with the eager forward as always. Outside a recording the name is diffusers' own function.
-CAPTURE_TWINS: dict[type, list[tuple[Any, str, Callable, Callable]]] = {}
-
-
-def register_capture_twin(model_cls: type, module: Any, name: str, twin: Callable) -> None:
-    """Record `twin` as what ``module.name`` (as installed now) is bound to while a `model_cls` forward records."""
-    CAPTURE_TWINS.setdefault(model_cls, []).append((module, name, getattr(module, name), twin))
-
-
-# What a model's forward reads from its inputs on the host and bakes into the graph (shapes and loop bounds that follow
-# from tensor values: Lumina2's caption lengths), by model class: ``fn(model, call) -> (key, side)`` with ``call`` the
-# forward's arguments by name. It runs before every call, outside any capture (where it may wait on the GPU: eager
-# waits there too); ``key`` joins the call's signature, so that a graph recorded for some values is never replayed
-# for others, and ``side()`` (called at most once, while that signature records) gives what the model's capture twins
-# read instead of waiting on the host (`capture_side`). ``key`` None: the call runs eager.
-HOST_KEYS: dict[type, Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]] = {}
-# The forward a registration of `HOST_KEYS` / `HOST_OPS` was made for, by model class: ``model_cls.forward`` as
-# `register_host_key` found it (the forward whose host reads its caller checked: a source read, a digest). A
-# registration applies to a model whose class runs that very forward (`registered`): its class, or a subclass that
-# does not override ``forward``; not to a subclass with a forward of its own, nor after the class's forward was
-# replaced (a forward whose host reads nobody checked: no key, its recording runs as any model's).
-HOST_FORWARDS: dict[type, Callable] = {}
-_recording = threading.local()
-
-
-def register_host_key(model_cls: type, fn: Callable[[nn.Module, dict], tuple[Any, Callable[[], Any]]]) -> None:
-    """Record `fn` as the host key of `model_cls` forwards (see `HOST_KEYS`), for the forward the class holds now
-    (`HOST_FORWARDS`)."""
-    HOST_KEYS[model_cls] = fn
-    HOST_FORWARDS[model_cls] = model_cls.forward
-
-
-def registered(table: dict[type, Any], model: nn.Module) -> Any:
-    """`model`'s entry of `table` (`HOST_KEYS`, `HOST_OPS`), or None: the entry of the nearest class of its MRO that
-    has one, where that registration was made for the forward the model's class runs (`HOST_FORWARDS`); a subclass
-    that overrides ``forward`` inherits none."""
-    forward = type(model).forward
-    for cls in type(model).__mro__:
-        entry = table.get(cls)
-        if entry is not None:
-            return entry if HOST_FORWARDS.get(cls) is forward else None
-    return None
-
-
-# Model classes whose forward's data-dependent calls (``nonzero``, boolean indexing, ``repeat_interleave`` by a tensor,
-# host reads, index tables from Python lists) are recorded in the warm-up and answered in the capture
-# (`_host_ops`): only for a forward whose host key holds every input value those calls depend on (Qwen-Image 2.1's
-# image-slot mask), so that the answers are the same for every call a graph replays for.
-# By model class: the source files (by name) whose calls are answered, `_host_ops.replayed`'s ``files``.
-HOST_OPS: dict[type, tuple[str, ...]] = {}
-
-
-def register_host_ops(model_cls: type, files: tuple[str, ...]) -> None:
-    """Answer the data-dependent calls that the code of `files` makes in `model_cls` forwards from their warm-up while
-    one records (`HOST_OPS`)."""
-    if model_cls not in HOST_KEYS:
-        raise ValueError(f"{model_cls.__name__}: a host key (register_host_key) must hold what its host ops read")
-    if HOST_FORWARDS.get(model_cls) is not model_cls.forward:
-        raise ValueError(f"{model_cls.__name__}: its host key was registered for another forward")
-    HOST_OPS[model_cls] = tuple(files)
-
-
-def recording() -> bool:
-    """Whether a forward records on this thread now (its warm-up or its capture: `GraphRunner._record`)."""
-    return getattr(_recording, "active", False)
-
-
-def capture_side() -> Any:
-    """While a forward records, the side data of its host key (`HOST_KEYS`), else None."""
-    side = getattr(_recording, "side", None)
-    if side is None:
-        return None
-    if not hasattr(_recording, "value"):
-        _recording.value = side()
-    return _recording.value
-
-
-@contextlib.contextmanager
-def _side_bound(side: Callable[[], Any] | None):
-    _recording.side, _recording.active = side, True
-    try:
-        yield
-    finally:
-        _recording.side, _recording.active = None, False
-        if hasattr(_recording, "value"):
-            del _recording.value
-
 
 def _host_key(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict):
     """``(key, side)`` of the model's host key, or None where its class has none; `Unsupported` where it says so."""
@@ -241,27 +119,6 @@ def _host_key(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dic
     if key is None:
         raise Unsupported(f"{type(model).__name__}: its host-read inputs are not what a graph can key on")
     return key, side
-
-
-@contextlib.contextmanager
-def capture_twins_bound(model_cls: type):
-    """Bind the capture twins of `model_cls` (and its bases) for the duration; a name that something else has
-    rebound since its registration is left alone."""
-    bound = []
-    for cls, twins in CAPTURE_TWINS.items():
-        for module, name, original, twin in twins if issubclass(model_cls, cls) else ():
-            if getattr(module, name) is original:
-                own = name in vars(module)  # (else inherited, as torch.Tensor's C methods: deleted again after)
-                setattr(module, name, twin)
-                bound.append((module, name, original, own))
-    try:
-        yield
-    finally:
-        for module, name, original, own in reversed(bound):
-            if own:
-                setattr(module, name, original)
-            else:
-                delattr(module, name)
 
 
 def _raised_at(exc: BaseException) -> str:
@@ -324,16 +181,6 @@ def _substitute(value: Any, tensors) -> Any:
     return value
 
 
-def _is_peft_layer(module: nn.Module) -> bool:
-    return type(module).__module__.split(".")[0] == "peft"
-
-
-def _is_bnb_int8_layer(module: nn.Module) -> bool:
-    # bitsandbytes' LLM.int8() linear (diffusers' BitsAndBytesConfig(load_in_8bit=True)): on the H200 its forward
-    # fails under capture (bitsandbytes 0.50.2: "operation not permitted when stream is capturing")
-    kind = type(module)
-    return kind.__module__.split(".")[0] == "bitsandbytes" and kind.__name__ == "Linear8bitLt"
-
 
 def _callable_name(fn: Any) -> str:
     """``module.qualname`` of what a library put in a model's ``forward`` (through ``functools.partial`` and bound
@@ -351,128 +198,6 @@ def _is_class_forward(model: nn.Module, fn: Any) -> bool:
     ``disable_cache`` leaves one in the instance dict)."""
     return getattr(fn, "__self__", None) is model and getattr(fn, "__func__", None) is type(model).forward
 
-
-def _own(method: tuple[type, str]):
-    return vars(method[0])[method[1]]
-
-
-class ModelFingerprint:
-    """What a captured graph bakes in about a model, re-checked before every replay.
-
-    A replay reads each weight's memory, so in-place writes (``load_state_dict``, ``fuse_lora``) are seen as eager
-    sees them; what it cannot follow is a weight or module that is *replaced* or *moved*, or Python that no longer
-    runs on replay (hooks, processors, module classes). So the fingerprint holds: the class of every module; the
-    length of each module's ``__dict__`` (hooks of accelerate and diffusers, per-instance ``forward``), of its
-    ``_parameters``, ``_buffers``, ``_modules`` and forward-hook dicts; the identity of every entry of those three
-    and of every attention processor (and its attributes, e.g. the attention backend); the value of every plain
-    attribute of a module (``eps``, ``theta``, ``axes_dim``: a graph bakes them in; lists kept as copies) and the
-    identity of every tensor held as one and of a model's diffusers config; each tensor's data pointer (``.to()``
-    keeps the Parameter object and changes its storage); and the ``forward`` each module class (and each class it
-    inherits from) holds in its own dict, and each processor class its ``__call__`` (one replaced on torch's or
-    diffusers' class after the capture).
-
-    `matches` is one C-level ``map`` per list, no Python loop: for FLUX.1-dev (1279 modules, 1160 weights, 7731
-    dicts, 2725 entries) 290 µs per call on the 2-core CI VM (best of 20x50 calls; building it takes 3.5 ms),
-    against 48.5 ms of eager host time per 512x512 step; the plain values (5378 entries at FLUX.1-dev's structure)
-    add about a third (431 -> 590 µs, measured side by side on a loaded VM). A replay is enqueued asynchronously and
-    the GPU step takes tens of milliseconds, so this host time is hidden behind the GPU work.
-
-    `blocker` is the reason no graph may stand for the model as it is (weights off the GPU, offload hooks, PEFT
-    layers, bitsandbytes int8 layers, submodule hooks), or None.
-    """
-
-    def __init__(self, model: nn.Module, device_type: str = "cuda") -> None:
-        named = list(model.named_modules())
-        self.modules = [m for _, m in named]
-        self.types = list(map(type, self.modules))
-        self.dicts: list[dict] = []
-        owners: list[dict] = []
-        keys: list[str] = []
-        values: list[Any] = []
-        leaf_owners: list[dict] = []
-        leaf_keys: list[str] = []
-        processor_types: set[type] = set()
-        for m in self.modules:
-            self.dicts += [m.__dict__, m._parameters, m._buffers, m._modules, m._forward_hooks, m._forward_pre_hooks]
-            # the plain values a forward may read (``eps``, ``theta``, ``axes_dim``), compared by value (a graph bakes
-            # them in); tensors held as plain attributes, by identity and address; this package's own per-call
-            # state (``_fastpath*``: hand-off slots, sites, caches keyed by those values) is not the model's
-            for k, v in m.__dict__.items():
-                if k.startswith("_fastpath") or k in _MODULE_DICTS:
-                    continue
-                if isinstance(v, torch.Tensor) or k == "_internal_dict":  # (diffusers' config: replaced, not edited,
-                    # by `register_to_config`, e.g. SkyReels-V2's `_set_ar_attention`, which its forward reads)
-                    owners.append(m.__dict__), keys.append(k), values.append(v)
-                elif _plain_value(v):
-                    leaf_owners.append(m.__dict__), leaf_keys.append(k)
-            for d in (m._parameters, m._buffers, m._modules):
-                for k, v in d.items():
-                    owners.append(d), keys.append(k), values.append(v)
-            registry = m.__dict__.get("_diffusers_hook")
-            if registry is not None and isinstance(getattr(registry, "hooks", None), dict):
-                self.dicts.append(registry.hooks)  # a hook registered later shows as a longer dict
-            processor = m.__dict__.get("processor")
-            if processor is not None:
-                processor_types.add(type(processor))
-                owners.append(m.__dict__), keys.append("processor"), values.append(processor)
-                if hasattr(processor, "__dict__"):
-                    self.dicts.append(vars(processor))
-                    for k, v in vars(processor).items():
-                        owners.append(vars(processor)), keys.append(k), values.append(v)
-        self.lens = list(map(len, self.dicts))
-        self.owners, self.keys, self.values = owners, keys, values
-        self.leaf_owners, self.leaf_keys = leaf_owners, leaf_keys
-        # a list is kept as a copy, so that a change made in place shows
-        self.leaf_values = [v[:] if isinstance(v, list) else v for v in map(operator.getitem, leaf_owners, leaf_keys)]
-        # every module class's own ``forward`` and every processor class's own ``__call__`` (a library that replaces
-        # ``nn.LayerNorm.forward`` or ``WanAttnProcessor.__call__`` after a capture: the replay would run what the
-        # old one launched), read from the class dicts
-        methods = [(c, "forward") for c in {c for t in set(self.types) for c in t.__mro__}]
-        methods += [(c, "__call__") for c in {c for t in processor_types for c in t.__mro__}]
-        self.methods = [(c, name) for c, name in methods if name in vars(c)]
-        self.functions = [vars(c)[name] for c, name in self.methods]
-        self.tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
-        devices = {t.device for t in self.tensors}
-        self.device = devices.pop() if len(devices) == 1 else None
-        self.blocker = self._blocker(named, devices | ({self.device} if self.device else set()), device_type)
-
-    def _blocker(self, named, devices, device_type) -> str | None:
-        if self.device is None or self.device.type != device_type:
-            return f"weights on {', '.join(sorted(map(str, devices))) or 'no device'} (need one {device_type} device)"
-        for name, m in named:
-            label = name or "the model"
-            if "_hf_hook" in m.__dict__:
-                return f"accelerate hook on {label} (offloading): it runs Python on every call"
-            # diffusers' HookRegistry: pipelines create an empty one on the transformer (``cache_context``), which
-            # runs nothing; a registered hook (offloading, caching) runs Python on every call
-            if getattr(m.__dict__.get("_diffusers_hook"), "hooks", None):
-                return f"diffusers hook on {label} (offloading or caching): it runs Python on every call"
-            if _is_peft_layer(m):
-                return (
-                    f"PEFT/LoRA layer {label}: its adapter scales are Python state a graph would freeze "
-                    "(fuse and unload the LoRA to use CUDA graphs)"
-                )
-            if _is_bnb_int8_layer(m):
-                return f"bitsandbytes int8 layer {label}: its matmul cannot be captured in a CUDA graph"
-            if name and (m._forward_hooks or m._forward_pre_hooks):
-                return f"forward hooks on {label} (a replay would skip them)"
-            if name and "forward" in m.__dict__:
-                return f"{label}.forward is replaced per instance (a replay would skip it)"
-        return None
-
-    def matches(self) -> bool:
-        try:
-            return (
-                list(map(type, self.modules)) == self.types
-                and list(map(len, self.dicts)) == self.lens
-                and all(map(operator.is_, map(operator.getitem, self.owners, self.keys), self.values))
-                and list(map(operator.getitem, self.leaf_owners, self.leaf_keys)) == self.leaf_values
-                and list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
-                and all(map(operator.is_, map(_own, self.methods), self.functions))
-            )
-        except KeyError:  # an entry renamed (same count)
-            return False
 
 
 class CudaGraphs:

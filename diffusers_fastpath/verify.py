@@ -43,9 +43,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ._graph_fingerprint import _global_state
 from ._logging import logger
 from ._state import undo_patch
-from .graphs import _global_state
 from .ops._policy import capturing, global_module_hooks, outputs_equal, tensors_equal
 
 ENV_VERIFY = "DIFFUSERS_FASTPATH_VERIFY"
