@@ -83,6 +83,16 @@ def _plain_rms_norm(norm, dim: int) -> bool:
     )  # hooks: the policy refuses a hooked norm before this guard (`FusedOp` ``modules``)
 
 
+def plain_norm_reason(norm, dim: int, dtype: torch.dtype) -> str | None:
+    """Why `norm` is not one the fused row norms reproduce for rows of `dim` elements of `dtype` (`_plain_rms_norm`,
+    its weight of that dtype), or ``None``."""
+    if not _plain_rms_norm(norm, dim):
+        return "norm not a plain torch.nn.RMSNorm with weight"
+    if norm.weight.dtype is not dtype:
+        return "norm weight dtype differs"  # aten then takes its composite path, another reduction
+    return None
+
+
 def _guard(norm_txt, x_txt, norm_img, x_img, cos, sin, rope_site=None, check_pointers: bool = True,
            fp32_norm: bool = False) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site).
@@ -283,11 +293,10 @@ def _rows_guard(norm, x, cos, sin, heads=0, rope_site=None, check_pointers: bool
     channels = x.shape[2]
     if channels > MAX_ROW_CHANNELS:
         return "C above the row norm's registers"
-    if not _plain_rms_norm(norm, channels):
-        return "norm not a plain torch.nn.RMSNorm with weight"
+    reason = plain_norm_reason(norm, channels, x.dtype)
+    if reason is not None:
+        return reason
     weight = norm.weight
-    if weight.dtype is not x.dtype:
-        return "norm weight dtype differs"  # aten then takes its composite path, another reduction
     if heads:
         reason = guard_wan(x.unflatten(2, (heads, -1)), cos, sin, check_pointers)
         if reason is None and (4 * ROW_THREADS) % (channels // heads):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .qk_norm_rope import MAX_HEAD_DIM, _Norm, _plain_rms_norm
+from .qk_norm_rope import MAX_HEAD_DIM, _Norm, plain_norm_reason
 from .rotary_half import _ARGS, layout_reason, partial_tables_reason, rotary_half_partial, rotary_half_partial_ref
 
 
@@ -61,11 +61,10 @@ def _guard(norm, x, cos, sin, rope_site=None, fn=None, check_pointers: bool = Tr
     dim = x.shape[-1]
     if dim % 4 or dim > MAX_HEAD_DIM:
         return "D outside the reproduced reduction"
-    if not _plain_rms_norm(norm, dim):
-        return "norm not a plain torch.nn.RMSNorm with weight"
+    reason = plain_norm_reason(norm, dim, x.dtype)
+    if reason is not None:
+        return reason
     weight = norm.weight
-    if weight.dtype is not x.dtype:
-        return "norm weight dtype differs"  # aten then takes its composite path, another reduction
     # the rotary's questions (tables' dtype and shape, R even and at most D), then the layout, autograd and devices of
     # x, the tables and the weight
     reason = partial_tables_reason(x, cos, sin) or layout_reason(x, cos, sin, weight)

@@ -48,7 +48,7 @@ from . import _nvrtc
 from ._build import LazyLauncher
 from ._policy import HALF_DTYPES, FusedOp, Site, autograd_device_reason, tensor_reason
 from .modulate_scale_shift import modulate_scale_shift_rows
-from .qk_norm_rope import MAX_ROW_CHANNELS, ROW_NORM_FINAL, _plain_rms_norm
+from .qk_norm_rope import MAX_ROW_CHANNELS, ROW_NORM_FINAL, plain_norm_reason
 from .selected_rows import IndexedRows, indexed_pair_reason, materialized
 from .zero_centred_rmsnorm import nvrtc_zero_centred
 
@@ -90,11 +90,10 @@ def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
     if reason is not None:
         return reason
     dim = x.shape[-1]
-    if not _plain_rms_norm(norm, dim):
-        return "norm not a plain torch.nn.RMSNorm with weight"
+    reason = plain_norm_reason(norm, dim, x.dtype)
+    if reason is not None:
+        return reason
     weight = norm.weight
-    if weight.dtype is not x.dtype:
-        return "norm weight dtype differs"  # aten then takes its composite path, another reduction
     if dim % 4 or not 0 < dim <= MAX_ROW_CHANNELS:
         return "D outside the reproduced reduction"
     if x.numel() == 0:
