@@ -105,10 +105,11 @@ def _sealed(table: torch.Tensor, frame) -> bool:
         ok = forward is not None and _closed(forward.f_locals["self"])
         seal = table.__dict__[_SEAL_ATTR] = frame_key(forward) if ok else None
         return ok
-    if seal is not None and inside(frame, seal):
+    if seal is None:
+        return False
+    if inside(frame, seal):
         return True
-    if seal is not None:
-        table.__dict__.pop(_DERIVED_ATTR, None)
+    table.__dict__.pop(_DERIVED_ATTR, None)
     return False
 
 
