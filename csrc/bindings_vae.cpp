@@ -227,8 +227,10 @@ at::Tensor ltx_rmsnorm_pad_cl(const at::Tensor& x, const at::Tensor& rsqrt, at::
 
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
-void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
-                         const at::Tensor& bias_in, int64_t groups, double eps, bool silu, int64_t variant) {
+// `channels_last`: out is a 4-D x's channels-last tensor (group_norm_apply_cl_kernel), for the convolution after it.
+void group_norm_silu_into(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& weight_in,
+                          const at::Tensor& bias_in, int64_t groups, double eps, bool silu, int64_t variant,
+                          bool channels_last) {
   TORCH_CHECK(x_in.is_cuda(), "group_norm_silu: x must be a CUDA tensor");
   TORCH_CHECK(x_in.dim() >= 3, "group_norm_silu: x must be [N, C, *], got ", shape_str(x_in.sizes()));
   const DType dtype = to_dtype(x_in);
@@ -251,9 +253,12 @@ void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tens
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.contiguous();
   TORCH_CHECK(aligned16(x), "group_norm_silu: x must be 16-byte aligned");
+  TORCH_CHECK(!channels_last || x.dim() == 4, "group_norm_silu: a channels-last output is of a 4-D x");
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && out.device() == x.device() &&
-                  out.is_contiguous() && aligned16(out),
-              "group_norm_silu: out must be a contiguous, 16-byte aligned tensor of x's shape, dtype and device");
+                  out.is_contiguous(channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous) &&
+                  aligned16(out),
+              "group_norm_silu: out must be a contiguous (channels-last where asked), 16-byte aligned tensor of x's "
+              "shape, dtype and device");
   if (x.numel() == 0) return;
   const int32_t threads = row_size < 512 ? 32 : 512;  // RowwiseMomentsCUDAKernel's block
   at::Tensor partial = at::empty({batch * groups * (threads / 32) * 3}, x.options().dtype(at::kFloat));
@@ -276,14 +281,28 @@ void group_norm_silu_out(at::Tensor& out, const at::Tensor& x_in, const at::Tens
   args.variant = static_cast<int32_t>(variant);
   args.silu = silu;
   args.dtype = dtype;
+  args.channels_last = channels_last;
   const cudaError_t err = launch_group_norm_silu(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "group_norm_silu: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void group_norm_silu_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                         int64_t groups, double eps, bool silu, int64_t variant) {
+  group_norm_silu_into(out, x, weight, bias, groups, eps, silu, variant, false);
 }
 
 at::Tensor group_norm_silu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t groups,
                            double eps, bool silu, int64_t variant) {
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  group_norm_silu_out(out, x, weight, bias, groups, eps, silu, variant);
+  group_norm_silu_into(out, x, weight, bias, groups, eps, silu, variant, false);
+  return out;
+}
+
+at::Tensor group_norm_silu_cl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t groups,
+                              double eps, bool silu, int64_t variant) {
+  TORCH_CHECK(x.dim() == 4, "group_norm_silu_cl: x must be [N, C, H, W], got ", shape_str(x.sizes()));
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  group_norm_silu_into(out, x, weight, bias, groups, eps, silu, variant, true);
   return out;
 }
 
@@ -611,6 +630,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "-> Tensor");
   m.def("_group_norm_silu_cuda_out(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, int groups, float eps, "
         "bool silu, int variant) -> ()");
+  m.def("_group_norm_silu_cl_cuda(Tensor x, Tensor weight, Tensor bias, int groups, float eps, bool silu, "
+        "int variant) -> Tensor");
   m.def("_channel_rmsnorm_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, float bias_value, "
         "bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square, bool silu, bool probe) -> Tensor");
@@ -636,6 +657,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_causal_pad_cuda", &diffusers_fastpath::causal_pad);
   m.impl("_group_norm_silu_cuda", &diffusers_fastpath::group_norm_silu);
   m.impl("_group_norm_silu_cuda_out", &diffusers_fastpath::group_norm_silu_out);
+  m.impl("_group_norm_silu_cl_cuda", &diffusers_fastpath::group_norm_silu_cl);
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
   m.impl("_ltx_rmsnorm_pad_cl_cuda", &diffusers_fastpath::ltx_rmsnorm_pad_cl);

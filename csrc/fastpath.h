@@ -376,6 +376,7 @@ struct GroupNormSiluArgs {
   int32_t variant;       // which of the contraction choices (group_norm_silu.cu's bits); 0 is aten 2.11's
   bool silu;
   DType dtype;
+  bool channels_last;    // out [batch, HxW, channels] (group_norm_apply_cl_kernel: a convolution's input), not like x
 };
 
 #ifndef __CUDACC_RTC__

@@ -247,6 +247,49 @@ __global__ void __launch_bounds__(kWarp) group_norm_stats_kernel(GroupNormSiluAr
   }
 }
 
+// ComputeFusedParamsCUDAKernel for channel c of a row with (mean, rstd): (scale, shift); the SiLU proof's identity
+// affine (kIdentityAffine) instead: (1, -0).
+template <typename T>
+__device__ __forceinline__ float2 fused_params(const GroupNormSiluArgs& a, float2 stats, int64_t c) {
+  if (a.variant & kIdentityAffine) return make_float2(1.0f, -0.0f);
+  const float scale = __fmul_rn(stats.y, Storage<T>::load(static_cast<const T*>(a.gamma)[c]));
+  const float beta_c = Storage<T>::load(static_cast<const T*>(a.beta)[c]);
+  const float shift = (a.variant & kParamsFused) ? __fmaf_rn(-scale, stats.x, beta_c)
+                                                 : __fadd_rn(__fmul_rn(-scale, stats.x), beta_c);
+  return make_float2(scale, shift);
+}
+
+// The elementwise kernel's value of x (then the SiLU module's), rounded to T.
+template <typename T, bool kSilu>
+__device__ __forceinline__ T apply_value(float2 params, float xi, int variant) {
+  float y = (variant & kApplyUnfused) ? __fadd_rn(__fmul_rn(params.x, xi), params.y)
+                                      : __fmaf_rn(params.x, xi, params.y);
+  if constexpr (kSilu) y = silu(round_to<T>(y));
+  return Storage<T>::store(y);
+}
+
+// The statistics of row `row` (mean, rstd) from its aten warps' states in `partial`: BlockReduce's second level
+// over the row's warps (or the one warp's state for rows of fewer than 512 elements), WelfordOps::project,
+// rsqrtf, and torch 2.11's rounding to T. Run by one whole warp; lane 0's result is the row's.
+template <typename T>
+__device__ __forceinline__ float2 row_stats(const GroupNormSiluArgs& a, int64_t row, int lane) {
+  const int warps_per_row = a.threads / kWarp;
+  Welford w{0.0f, 0.0f, 0.0f};
+  if (lane < warps_per_row) {
+    const float* p = a.partial + 3 * (row * warps_per_row + lane);
+    w = Welford{p[0], p[1], p[2]};
+  }
+  if (warps_per_row > 1) w = warp_reduce(w, a.variant);
+  const float var = __fdiv_rn(w.m2, w.nf);  // WelfordOps::project with correction 0
+  float mean = w.mean;
+  float rstd = rsqrtf(__fadd_rn(var, a.eps));
+  if (!(a.variant & kStatsInFloat)) {  // torch 2.11: RowwiseMomentsCUDAKernel's T* mean, T* rstd
+    mean = round_to<T>(mean);
+    rstd = round_to<T>(rstd);
+  }
+  return make_float2(mean, rstd);
+}
+
 // Rows in blockIdx.y; each block first finishes its row's statistics (BlockReduce's second level over the warps'
 // states, or the one warp's state for rows of fewer than 512 elements), then normalises 16-byte vectors of the row
 // with a grid stride over blockIdx.x. A vector lies in one channel (the guard: HxW a multiple of the vector), whose
@@ -255,65 +298,99 @@ template <typename T, bool kSilu>
 __global__ void __launch_bounds__(kApplyThreads) group_norm_apply_kernel(GroupNormSiluArgs a) {
   using P = Pack<T>;
   constexpr int kVec = P::kSize;
-  const int variant = a.variant;
   const int64_t row = blockIdx.y;
-  __shared__ float stats[2];
+  __shared__ float2 stats;
   if (threadIdx.x < kWarp) {
-    const int lane = threadIdx.x;
-    const int warps_per_row = a.threads / kWarp;
-    Welford w{0.0f, 0.0f, 0.0f};
-    if (lane < warps_per_row) {
-      const float* p = a.partial + 3 * (row * warps_per_row + lane);
-      w = Welford{p[0], p[1], p[2]};
-    }
-    if (warps_per_row > 1) w = warp_reduce(w, variant);  // BlockReduce's second level; one warp: its state as is
-    if (lane == 0) {
-      const float var = __fdiv_rn(w.m2, w.nf);  // WelfordOps::project with correction 0
-      float mean = w.mean;
-      float rstd = rsqrtf(__fadd_rn(var, a.eps));
-      if (!(variant & kStatsInFloat)) {  // torch 2.11: RowwiseMomentsCUDAKernel's T* mean, T* rstd
-        mean = round_to<T>(mean);
-        rstd = round_to<T>(rstd);
-      }
-      stats[0] = mean;
-      stats[1] = rstd;
-    }
+    const float2 st = row_stats<T>(a, row, threadIdx.x);
+    if (threadIdx.x == 0) stats = st;
   }
   __syncthreads();
-  const float mean = stats[0];
-  const float rstd = stats[1];
   const int64_t group = row % a.groups;
   const int64_t per_group = a.channels / a.groups;
   const int64_t vecs = a.row_size / kVec;
-  const T* gamma = static_cast<const T*>(a.gamma);
-  const T* beta = static_cast<const T*>(a.beta);
   const P* x = reinterpret_cast<const P*>(static_cast<const T*>(a.x) + row * a.row_size);
   P* out = reinterpret_cast<P*>(static_cast<T*>(a.out) + row * a.row_size);
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < vecs;
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = group * per_group + (v * kVec) / a.hxw;
-    float scale = __fmul_rn(rstd, Storage<T>::load(gamma[c]));
-    const float beta_c = Storage<T>::load(beta[c]);
-    float shift = (variant & kParamsFused) ? __fmaf_rn(-scale, mean, beta_c)
-                                           : __fadd_rn(__fmul_rn(-scale, mean), beta_c);
-    if (variant & kIdentityAffine) {
-      scale = 1.0f;
-      shift = -0.0f;
-    }
+    const float2 params = fused_params<T>(a, stats, group * per_group + (v * kVec) / a.hxw);
     const P xv = load_readonly(x + v);
     P o;
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const float xi = Storage<T>::load(xv.v[i]);
-      float y = (variant & kApplyUnfused) ? __fadd_rn(__fmul_rn(scale, xi), shift) : __fmaf_rn(scale, xi, shift);
-      if constexpr (kSilu) y = silu(round_to<T>(y));
-      o.v[i] = Storage<T>::store(y);
-    }
+    for (int i = 0; i < kVec; ++i) o.v[i] = apply_value<T, kSilu>(params, Storage<T>::load(xv.v[i]), a.variant);
     out[v] = o;
   }
 }
 
+// The apply kernel's output written channels-last (ops/group_norm_silu_conv.py: the input of the convolution after
+// the norm, which cuDNN reads as it is instead of transposing it first): out [batch, hxw, channels] for x [batch,
+// channels, hxw], each value the one group_norm_apply_kernel computes for it (the same fused params, the same FMA, the
+// same SiLU, in the same order), moved to its place through a shared-memory tile (transpose_tile: loads along the
+// positions, stores along the channels). Block (kTile, kTileRows): channel tile blockIdx.y of sample blockIdx.z, the
+// position tiles blockIdx.x, blockIdx.x + gridDim.x, ...; its first warps finish the statistics of the groups its
+// channels span (row_stats, one warp per group) once, before its tiles.
+constexpr int kTile = 32;
+constexpr int kTileRows = 8;
+
+template <typename T, bool kSilu>
+__global__ void __launch_bounds__(kTile * kTileRows) group_norm_apply_cl_kernel(GroupNormSiluArgs a) {
+  using W = typename Word<sizeof(T)>::type;
+  constexpr int kSteps = kTile / kTileRows;
+  __shared__ W tile[kTile][kTile + 1];
+  __shared__ float2 stats[kTile];  // (mean, rstd) of the groups of channels c0 .. c0 + kTile - 1, from group g0 on
+  const int64_t n = blockIdx.z;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t per_group = a.channels / a.groups;
+  const int64_t g0 = c0 / per_group;
+  const int64_t c_last = (c0 + kTile < a.channels ? c0 + kTile : a.channels) - 1;
+  const int groups_here = static_cast<int>(c_last / per_group - g0 + 1);  // at most kTile
+  for (int g = threadIdx.y; g < groups_here; g += kTileRows) {  // (warp-uniform: one warp per group)
+    const float2 st = row_stats<T>(a, n * a.groups + g0 + g, threadIdx.x);
+    if (threadIdx.x == 0) stats[g] = st;
+  }
+  __syncthreads();
+  // the fused params of the channels this thread reads (c0 + threadIdx.y + k * kTileRows of step k)
+  float2 params[kSteps];
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int64_t c = c0 + threadIdx.y + k * kTileRows;
+    params[k] = c < a.channels ? fused_params<T>(a, stats[c / per_group - g0], c) : make_float2(0.0f, 0.0f);
+  }
+  const T* x = static_cast<const T*>(a.x) + n * a.channels * a.hxw;
+  W* out = static_cast<W*>(a.out) + n * a.channels * a.hxw;
+  const unsigned base = shared_address(&tile[0][0]);
+  const int64_t c_write = c0 + threadIdx.x;
+  for (int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile; s0 < a.hxw;
+       s0 += static_cast<int64_t>(gridDim.x) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
+    const int64_t s_read = s0 + threadIdx.x;
+    transpose_tile<W, kTile, kTileRows>(
+        base,
+        [&](unsigned i) -> W {  // (i = threadIdx.y + k * kTileRows of step k, unrolled: scale[k] a register)
+          const int64_t c = c0 + i;
+          if (c >= a.channels || s_read >= a.hxw) return W(0);
+          const float2 p = params[(i - threadIdx.y) / kTileRows];
+          return bits_of(apply_value<T, kSilu>(p, Storage<T>::load(x[c * a.hxw + s_read]), a.variant));
+        },
+        [&](unsigned i, W v) {
+          const int64_t s = s0 + i;
+          if (s < a.hxw && c_write < a.channels) out[s * a.channels + c_write] = v;
+        });
+  }
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
+// The channels-last apply kernel's grid: (position tiles per block's stride, channel tiles, batch), grid.x enough for
+// about kClBlocksPerSm blocks per multiprocessor over the channel tiles and samples, no more than the position tiles
+// (ops/group_norm_silu_conv.py's _cl_grid is its Python twin).
+constexpr int kClBlocksPerSm = 16;
+dim3 apply_cl_grid(const GroupNormSiluArgs& a, int sms) {
+  const int64_t tiles = (a.hxw + kTile - 1) / kTile;
+  const int64_t channel_tiles = (a.channels + kTile - 1) / kTile;
+  int64_t x = (static_cast<int64_t>(sms) * kClBlocksPerSm + channel_tiles * a.batch - 1) / (channel_tiles * a.batch);
+  if (x > tiles) x = tiles;
+  if (x < 1) x = 1;
+  return dim3(static_cast<unsigned>(x), static_cast<unsigned>(channel_tiles), static_cast<unsigned>(a.batch));
+}
+
 // The apply kernel's blocks per row: enough for kApplyBlocksPerSm resident blocks per multiprocessor over all rows,
 // no more than the row's vectors need (ops/group_norm_silu.py's _apply_blocks_per_row is its Python twin).
 int64_t apply_blocks_per_row(int64_t rows, int64_t vecs_per_row, int sms) {
@@ -344,6 +421,17 @@ cudaError_t launch(const GroupNormSiluArgs& a, cudaStream_t stream) {
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  if (a.channels_last) {
+    if (a.channels > 65535 * kTile || a.batch > 65535) return cudaErrorInvalidValue;
+    const dim3 grid = apply_cl_grid(a, num_sms());
+    const dim3 block(kTile, kTileRows);
+    if (a.silu) {
+      group_norm_apply_cl_kernel<T, true><<<grid, block, 0, stream>>>(a);
+    } else {
+      group_norm_apply_cl_kernel<T, false><<<grid, block, 0, stream>>>(a);
+    }
+    return cudaGetLastError();
+  }
   const dim3 grid(static_cast<unsigned>(apply_blocks_per_row(rows, a.row_size / kVec, num_sms())),
                   static_cast<unsigned>(rows));
   if (a.silu) {

@@ -356,6 +356,17 @@ def emulated_kernels(monkeypatch):
         padded.contiguous(), conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups).contiguous(
         memory_format=torch.channels_last_3d))
     monkeypatch.setattr(conv_bias_module, "_contiguous_op", lambda x, bias: x.contiguous())
+    # a GroupNorm VAE's norm -> SiLU -> convolution (FLUX.1's): its own code, the norm's channels-last launch its
+    # reference laid out channels-last, the convolution the channels-first one (with its bias, as above) laid out
+    # channels-last, the bias and transpose pass the copy above; its proof (the SiLU on every value) runs the CUDA
+    # kernel's probe mode
+    gn_conv = sys.modules["diffusers_fastpath.ops.group_norm_silu_conv"]
+    monkeypatch.setattr(gn_conv.GROUP_NORM_SILU_CONV, "guard", _as_if_on_cuda(gn_conv.GROUP_NORM_SILU_CONV.guard))
+    monkeypatch.setattr(gn_conv.GROUP_NORM_SILU_CONV, "prove", None)
+    monkeypatch.setattr(gn_conv, "_norm_channels_last", lambda norm, x: group_norm_silu_ref(norm, x).contiguous(
+        memory_format=torch.channels_last))
+    monkeypatch.setattr(gn_conv, "_convolution", lambda conv, y: conv_bias_module.conv_bias_ref(
+        conv, y.contiguous()).contiguous(memory_format=torch.channels_last))
     # LTX-Video's and LTX-2's causal convolutions: the op's own code, its buffer `pad_arithmetic` (above: the kernel's
     # source index of each element, the repeated frames and the reflected border included), the convolution
     # causal_conv_cl's (`convolve_channels_last`, as emulated above)

@@ -35,10 +35,23 @@ def _site_counts(model) -> dict[str, list]:
 
 def _expected_sites(vae) -> Counter:
     """What the adapter must mark: one group_norm_silu per GroupNorm that a SiLU module follows (the resnets' two, the
-    encoder's and decoder's conv_norm_out), one group_norm per other GroupNorm (the mid-block attentions')."""
+    encoder's and decoder's conv_norm_out), one group_norm per other GroupNorm (the mid-block attentions'), and on
+    the convolution each pair feeds (the resnets' conv1 and conv2, the conv_out) a group_norm_silu_conv site."""
     paired = sum(2 for m in vae.modules() if isinstance(m, ResnetBlock2D)) + 2
     total = sum(type(m) is nn.GroupNorm for m in vae.modules())
-    return Counter({"group_norm_silu": paired, "group_norm": total - paired, "conv_bias": conv_sites(vae)})
+    return Counter({"group_norm_silu": paired, "group_norm": total - paired, "conv_bias": conv_sites(vae),
+                    "group_norm_silu_conv": paired})
+
+
+def _joined(sites: dict) -> set[str]:
+    """The sites a fast joined norm -> SiLU -> convolution call stands in for (the pair's on the norm, the
+    convolution's conv_bias): idle where the joined call ran fast. Every pair of these VAEs is joined."""
+    convs = {name.rpartition(":")[0] for name, (op, *_) in sites.items() if op == "group_norm_silu_conv"}
+    return {name for name, (op, *_) in sites.items() if op == "group_norm_silu" or name in convs}
+
+
+def _ran_once(name: str, sites: dict, joined: set[str]) -> tuple[int, int]:
+    return (0, 0) if name in joined else (1, 0)
 
 
 def conv_sites(vae) -> int:
@@ -76,11 +89,14 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(family, e
     assert Counter(r.op for r in fp.report(vae).sites) == expected, str(fp.report(vae))
     assert torch.equal(_decode(vae, z), ref_dec)
     sites = _site_counts(vae)
+    joined = _joined(sites)
     for name, (op, fast, fallback, _) in sites.items():  # the decoder's sites ran once each, the encoder's not yet
         decoding = name.startswith(("decoder.", "post_quant_conv"))
-        assert (fast, fallback) == ((1, 0) if decoding else (0, 0)), (name, sites[name])
+        assert (fast, fallback) == (_ran_once(name, sites, joined) if decoding else (0, 0)), (name, sites[name])
     assert torch.equal(_encode(vae, x), ref_enc)
-    assert all((fast, fallback) == (1, 0) for _, fast, fallback, _ in _site_counts(vae).values()), str(fp.report(vae))
+    sites = _site_counts(vae)
+    assert all((fast, fallback) == _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \
+        str(fp.report(vae))
 
 
 @torch.no_grad()
@@ -96,11 +112,14 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
     unpatch_after(fp.patch(vae))
     assert torch.equal(_decode(vae, z), ref_dec)
     tiles, samples = 9, 2
-    for name, (op, fast, fallback, _) in _site_counts(vae).items():
-        assert (fast, fallback) == ((tiles * samples, 0) if name.startswith("decoder.") else (0, 0)), name
+    sites = _site_counts(vae)
+    joined = _joined(sites)
+    for name, (op, fast, fallback, _) in sites.items():
+        ran = name.startswith("decoder.") and name not in joined
+        assert (fast, fallback) == ((tiles * samples, 0) if ran else (0, 0)), name
     assert torch.equal(_encode(vae, x), ref_enc)
     for name, (op, fast, fallback, _) in _site_counts(vae).items():
-        assert (fast, fallback) == (tiles * samples, 0), name
+        assert (fast, fallback) == ((0, 0) if name in joined else (tiles * samples, 0)), name
 
 
 @torch.no_grad()
@@ -157,8 +176,11 @@ def test_patched_vae_deep_copies_and_pickles(emulated_kernels):
     loaded = torch.load(buf, weights_only=False)
     for model in (twin, loaded):
         assert torch.equal(_decode(model, z), ref)
-        decoder = sum(1 for r in fp.report(model).sites if r.site.startswith(("decoder.", "post_quant_conv")))
-        assert decoder > 22 and sum(r.fast for r in fp.report(model).sites) == decoder  # on the copy's own counters
+        sites = _site_counts(model)
+        joined = _joined(sites)
+        decoder = sum(1 for name in sites if name.startswith(("decoder.", "post_quant_conv")) and name not in joined)
+        # (on the copy's own counters)
+        assert decoder > 22 and sum(r.fast for r in fp.report(model).sites) == decoder
         fp.unpatch(model)
         assert type(model.decoder).__name__ == "Decoder"
     fp.unpatch(vae)
@@ -325,7 +347,9 @@ def test_the_rewrite_is_made_from_the_forward_the_class_holds_at_patch(monkeypat
             assert inspect.unwrap(type(resnet).forward).__code__.co_filename.startswith(
                 "<diffusers_fastpath: FastpathResnetBlock2D")
             assert len(_REPLACED_CALLS) == 10  # the replacement's statements, rewritten: once per decoder resnet
-            assert resnet.norm2._fastpath_site_group_norm_silu.fast == 1
+            # (its pairs joined with the convolutions after them: the joined calls count on the convolutions)
+            assert resnet.conv2._fastpath_site_group_norm_silu_conv.fast == 1
+            assert resnet.norm2._fastpath_site_group_norm_silu.fast == 0
         finally:
             fp.unpatch(vae)
     monkeypatch.undo()
@@ -418,8 +442,10 @@ def test_bench_vae_level_times_decode_and_encode_without_a_transformer(tmp_path)
     assert [r["call"] for r in vae["rows"]] == ["decode", "encode"]
     assert all(r["bit_identical"] and r["md5_eager"] == r["md5_patched"] and len(r["eager_ms_all"]) == 2
                for r in vae["rows"])
-    convs = conv_sites(build_flux_vae("flux-tiny"))  # (the bench's VAE: 36 GroupNorm sites, a conv_bias per conv)
-    assert vae["sites"]["sites"] == 36 + convs and vae["sites"]["fast"] == 0
+    # (the bench's VAE: 36 GroupNorm sites, a conv_bias per conv, a group_norm_silu_conv per pair)
+    expected = _expected_sites(build_flux_vae("flux-tiny"))
+    assert expected["group_norm_silu"] + expected["group_norm"] == 36
+    assert vae["sites"]["sites"] == sum(expected.values()) and vae["sites"]["fast"] == 0
     assert set(vae["sites"]["reasons"]) == {"device cpu"}
     assert bench.main(["--model", "sd3-tiny", "--levels", "vae", "--device", "cpu", "--no-progress", "--json",
                        str(path)]) == 0
@@ -449,8 +475,11 @@ def test_flux_vae_1024_decode_and_encode_md5_identical_every_site_fast(unpatch_a
     assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
     report = fp.report(vae)
     assert Counter(r.op for r in report.sites) == expected == Counter({"group_norm_silu": 50, "group_norm": 2,
-                                                                       "conv_bias": 62})
-    assert all(r.fast == 1 and r.fallback == 0 for r in report.sites), str(report)
+                                                                       "conv_bias": 62, "group_norm_silu_conv": 50})
+    sites = _site_counts(vae)
+    joined = _joined(sites)
+    assert all((fast, fallback) == _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \
+        str(report)
 
 
 @pytest.mark.parametrize("order", ["lora_then_patch", "patch_then_lora"])

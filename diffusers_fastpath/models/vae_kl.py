@@ -26,18 +26,31 @@ from diffusers.models.autoencoders.vae import Decoder, Encoder
 from diffusers.models.resnet import ResnetBlock2D
 
 from .._state import PatchState, register_adapter
-from .vae import PairBlock, patch_group_norm_vae
+from ..ops.group_norm_silu import group_norm_silu
+from ..ops.group_norm_silu_conv import GROUP_NORM_SILU_CONV
+from .vae import PAIR_SITE, PairBlock, pair_unfit, patch_group_norm_vae
+from .vae_conv import FastpathConv2d
+from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
+
+# the pairs, each joined with the convolution after it where the forward's form allows (``V = self.<conv>(V)``, the
+# last of the run after the pair: `vae_ltx2_chain`; nothing left pending)
+PAIRS = ChainPairCalls("_diffusers_fastpath_vae_kl", PAIR_SITE, pair_unfit, group_norm_silu,
+                       chain=GROUP_NORM_SILU_CONV, keyword=None, bias=None, residual=None)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = (
-    PairBlock(ResnetBlock2D, "FastpathResnetBlock2D", __name__, ("nonlinearity",)),
-    PairBlock(Decoder, "FastpathDecoder", __name__, ("conv_act",)),
-    PairBlock(Encoder, "FastpathEncoder", __name__, ("conv_act",)),
+    PairBlock(ResnetBlock2D, "FastpathResnetBlock2D", __name__, ("nonlinearity",), PAIRS),
+    PairBlock(Decoder, "FastpathDecoder", __name__, ("conv_act",), PAIRS),
+    PairBlock(Encoder, "FastpathEncoder", __name__, ("conv_act",), PAIRS),
 )
 
 
 @register_adapter(AutoencoderKL)
 @register_adapter(AutoencoderKLFlux2)
 def patch_vae_kl(model, state: PatchState) -> None:
-    """Fuse the GroupNorms (and their SiLUs) of an ``AutoencoderKL``-style VAE (see module doc)."""
+    """Fuse the GroupNorms (and their SiLUs, and the convolutions that read them) of an ``AutoencoderKL``-style VAE
+    (see module doc)."""
     patch_group_norm_vae(model, state, BLOCKS)
+    # (the joined norm -> SiLU -> convolution calls: a site on each convolution one names)
+    add_chain_sites(model, state, {block.sub: PAIRS for block in BLOCKS if block.sub is not None},
+                    lambda conv: type(conv) is FastpathConv2d)

@@ -65,7 +65,7 @@ from ..ops.causal_conv_cl import PendingBias
 from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, names_in, rewrite_nested
+from .vae import PairCalls, _hoistable_test, names_in, rewrite_nested
 
 # the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
 # the one that does both; the residual add that takes it; the settle
@@ -245,8 +245,39 @@ def _pair_call(stmt: ast.stmt, ns: str):
 
 
 def _falls_through(node: ast.If) -> bool:
-    """Whether no path through `node` leaves it early (so a statement after it runs after every branch's end)."""
-    return not any(isinstance(n, (ast.Return, ast.Raise, ast.Break, ast.Continue)) for n in ast.walk(node))
+    """Whether every path through `node` that does not raise ends at a branch's end (no ``return``, ``break`` or
+    ``continue`` in it), so that a statement after it runs exactly where the branches' ends are reached: appended to
+    the end of each branch, it runs on the same paths. A ``raise`` (FLUX.1's resnets raise in their ``scale_shift``
+    branch when ``temb`` is missing) leaves the branch, or is caught inside it and the branch goes on to its end, on
+    the same path either way."""
+    return not any(isinstance(n, (ast.Return, ast.Break, ast.Continue)) for n in ast.walk(node))
+
+
+def _if_chain(node: ast.If) -> list[ast.If]:
+    """`node` and the ``elif``s nested in its ``orelse``."""
+    chain = [node]
+    while len(chain[-1].orelse) == 1 and isinstance(chain[-1].orelse[0], ast.If):
+        chain.append(chain[-1].orelse[0])
+    return chain
+
+
+def _pair_into_branches(node: ast.If, pair: ast.stmt, conv: ast.stmt, var: str) -> bool:
+    """For the pair statement, then `node` (an ``if`` / ``elif`` chain whose tests `vae._hoistable_test` takes and do
+    not read V, no branch leaving early), then the convolution's statement: the pair moved to the start and the
+    convolution to the end of each branch (an ``else:`` with the two alone where there is none), each path's
+    statements and their order unchanged but the tests', now read first (the block's own attributes, which the norm
+    and its activation cannot change). FLUX.1's resnets (``norm1 -> nonlinearity``, ``if self.upsample is not None:
+    ... elif self.downsample is not None: ...``, ``conv1``) then join on the ``else:`` branch. False (nothing
+    changed) where the form differs."""
+    chain = _if_chain(node)
+    if not _falls_through(node) or not all(
+            _hoistable_test(n.test) and var not in names_in(n.test) for n in chain):
+        return False
+    for n in chain:
+        n.body = [copy.deepcopy(pair), *n.body, copy.deepcopy(conv)]
+    last = chain[-1]
+    last.orelse = [copy.deepcopy(pair), *last.orelse, copy.deepcopy(conv)]
+    return True
 
 
 def _ends_in_pair(body: list[ast.stmt], var: str, ns: str) -> bool:
@@ -302,6 +333,12 @@ class _Chains:
         pair = _pair_call(prev, self.ns)
         if pair is not None and pair[0] == var:
             out[k - 1:] = [self._joined(var, pair[1], pair[2], tuple(between), conv_name, keywords)]
+            return True
+        pair = _pair_call(out[k - 2], self.ns) if k > 1 else None
+        if (isinstance(prev, ast.If) and not between and pair is not None and pair[0] == var
+                and _pair_into_branches(prev, out[k - 2], stmt, var)):
+            del out[k - 2:]
+            out.append(rewrite_nested(prev, self.body))
             return True
         if isinstance(prev, ast.If) and _falls_through(prev) and _ends_in_pair([prev], var, self.ns):
             moved = [*out[k:], stmt]

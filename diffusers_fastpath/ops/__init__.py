@@ -15,6 +15,7 @@ from .conv_bias_residual import conv_bias_residual, conv_bias_residual_ref
 from .channel_rmsnorm_silu import channel_rmsnorm, channel_rmsnorm_ref, channel_rmsnorm_silu, channel_rmsnorm_silu_ref
 from .gelu_cat import gelu_cat, gelu_cat_ref
 from .group_norm_silu import group_norm, group_norm_ref, group_norm_silu, group_norm_silu_ref
+from .group_norm_silu_conv import group_norm_silu_conv, group_norm_silu_conv_ref
 from .linear_cat import linear_cat, linear_cat_ref
 from .linear_prefix import linear_prefix, linear_prefix_ref
 from .linear_gelu import linear_gelu, linear_gelu_ref
@@ -90,6 +91,8 @@ __all__ = [
     "group_norm_ref",
     "group_norm_silu",
     "group_norm_silu_ref",
+    "group_norm_silu_conv",
+    "group_norm_silu_conv_ref",
     "gated_rmsnorm_scale_shift_ref",
     "layernorm_affine_fp32",
     "layernorm_modulate",

@@ -148,7 +148,8 @@ def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
 # (_apply_blocks_per_row, apply_blocks_per_row's twin); the guard stands for bindings.cpp's input checks.
 _ARGS = _nvrtc.Params("GroupNormSiluArgs", ("out", "P"), ("x", "P"), ("gamma", "P"), ("beta", "P"), ("partial", "P"),
                       ("batch", "q"), ("channels", "q"), ("groups", "q"), ("hxw", "q"), ("row_size", "q"),
-                      ("eps", "f"), ("threads", "i"), ("variant", "i"), ("silu", "?"), ("dtype", "i"))
+                      ("eps", "f"), ("threads", "i"), ("variant", "i"), ("silu", "?"), ("dtype", "i"),
+                      ("channels_last", "?"))
 _STATS = _nvrtc.Kernel(
     "group_norm_silu.cu", "diffusers_fastpath::group_norm_stats_kernel",
     {(dtype, probe, threads): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(probe).lower()}, {threads}" for dtype in HALF_DTYPES
@@ -163,6 +164,23 @@ _APPLY = _nvrtc.Kernel(
 )
 
 
+_APPLY_CL = _nvrtc.Kernel(
+    "group_norm_silu.cu", "diffusers_fastpath::group_norm_apply_cl_kernel",
+    {(dtype, silu): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(silu).lower()}" for dtype in HALF_DTYPES
+     for silu in (False, True)},
+    _nvrtc.Params("group_norm_apply_cl_kernel", ("a", _ARGS)),
+)
+_CL_TILE, _CL_TILE_ROWS, _CL_BLOCKS_PER_SM = 32, 8, 16
+
+
+def _cl_grid(batch: int, channels: int, hxw: int, sms: int) -> tuple[int, int, int]:
+    """csrc/group_norm_silu.cu's apply_cl_grid, line for line."""
+    tiles = -(-hxw // _CL_TILE)
+    channel_tiles = -(-channels // _CL_TILE)
+    x = (sms * _CL_BLOCKS_PER_SM + channel_tiles * batch - 1) // (channel_tiles * batch)
+    return max(1, min(x, tiles)), channel_tiles, batch
+
+
 def _apply_blocks_per_row(rows: int, vecs_per_row: int, sms: int) -> int:
     """csrc/group_norm_silu.cu's apply_blocks_per_row, line for line."""
     needed = (vecs_per_row + _APPLY_THREADS - 1) // _APPLY_THREADS
@@ -171,7 +189,7 @@ def _apply_blocks_per_row(rows: int, vecs_per_row: int, sms: int) -> int:
 
 
 def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float, silu: bool,
-                  variant: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                  variant: int, out: torch.Tensor | None = None, channels_last: bool = False) -> torch.Tensor:
     if variant & ~_VARIANT_MASK:
         raise ValueError(f"group_norm_silu: no variant {variant}")
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
@@ -179,24 +197,40 @@ def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gro
     hxw = math.prod(x.shape[2:])
     row_size = channels // groups * hxw
     rows, threads = batch * groups, aten_threads(row_size)
-    if out is None:
+    if channels_last:
+        out = x.new_empty(x.shape, memory_format=torch.channels_last)
+    elif out is None:
         out = x.new_empty(x.shape)
     else:
         _nvrtc.check_out("group_norm_silu", out, x.shape, x, _VEC_BYTES)
     partial = x.new_empty((rows * (threads // _WARP) * 3,), dtype=torch.float32)
     device = x.device.index
     args = (out.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), partial.data_ptr(), batch, channels,
-            groups, hxw, row_size, kernel_eps(eps, x.dtype), threads, variant, silu, _nvrtc.DTYPE_CODE[x.dtype])
+            groups, hxw, row_size, kernel_eps(eps, x.dtype), threads, variant, silu, _nvrtc.DTYPE_CODE[x.dtype],
+            channels_last)
     _STATS.launch(device, (x.dtype, bool(variant & _STATS_BITS), threads), (rows * (threads // _WARP), 1, 1),
                   (_WARP, 1, 1), *args)
+    if channels_last:
+        grid = _cl_grid(batch, channels, hxw, _nvrtc.num_sms(device))
+        _APPLY_CL.launch(device, (x.dtype, bool(silu)), grid, (_CL_TILE, _CL_TILE_ROWS, 1), *args)
+        return out
     vecs = row_size * x.element_size() // _VEC_BYTES
     grid = (_apply_blocks_per_row(rows, vecs, _nvrtc.num_sms(device)), rows, 1)
     _APPLY.launch(device, (x.dtype, bool(silu)), grid, (_APPLY_THREADS, 1, 1), *args)
     return out
 
 
+def _nvrtc_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float, silu: bool,
+              variant: int) -> torch.Tensor:
+    return _nvrtc_kernel(x, weight, bias, groups, eps, silu, variant, channels_last=True)
+
+
 def _raw_guard(x, weight, bias, groups, eps, silu, variant):
     return _tensors_guard(x, weight, bias, groups)
+
+
+def _raw_cl_guard(x, weight, bias, groups, eps, silu, variant):
+    return "x not 4-D" if x.dim() != 4 else _tensors_guard(x, weight, bias, groups)
 
 
 _nvrtc.raw_op("_group_norm_silu_cuda",
@@ -205,7 +239,13 @@ _nvrtc.raw_op("_group_norm_silu_cuda",
 _nvrtc.raw_op("_group_norm_silu_cuda_out", "(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, int groups, "
               "float eps, bool silu, int variant) -> ()", _raw_guard, _nvrtc_kernel, outs=1)
 
+_nvrtc.raw_op("_group_norm_silu_cl_cuda",
+              "(Tensor x, Tensor weight, Tensor bias, int groups, float eps, bool silu, int variant) -> Tensor",
+              _raw_cl_guard, _nvrtc_cl)
+
 _raw = LazyLauncher(_nvrtc_kernel, "_group_norm_silu_cuda")  # (x, weight, bias, groups, eps, silu, variant)
+# the same, its output channels-last (a 4-D x): `group_norm_silu_conv`'s
+raw_channels_last = LazyLauncher(_nvrtc_cl, "_group_norm_silu_cl_cuda")
 _PLATFORM_VARIANT: dict = {}  # (device, dtype) -> the variant bits of the aten this process runs (`_platform_variant`)
 
 

@@ -1,0 +1,137 @@
+"""A GroupNorm VAE's ``norm -> SiLU -> convolution`` (FLUX.1's and FLUX.2's ``AutoencoderKL``: ``norm2 ->
+nonlinearity -> dropout -> conv2`` of every ``ResnetBlock2D``, ``conv_norm_out -> conv_act -> conv_out`` of the encoder
+and the decoder) with the norm's result written channels-last, the layout cuDNN runs the convolution in; bit-identical
+to eager, checked per signature.
+
+Eager runs, for x ``[B, C, H, W]`` contiguous (the statements of the block's forward, which
+`diffusers_fastpath.models.vae_ltx2_chain.ChainPairCalls` joins where nothing else reads the values between them)::
+
+    y   = F.silu(F.group_norm(x, G, gamma, beta, eps))      # `group_norm_silu`'s two kernels here
+    out = F.conv2d(y, w, b, ...)                            # cuDNN: nchwToNhwc of y (and of w), its channels-last
+                                                            # engine, nhwcToNchw of the result, then aten's bias add
+
+Per FLUX.1 decode at 1024x1024 cuDNN's layout transposes take 8.0 ms of 41 patched (H200, `vae_kl`'s doc). Here::
+
+    y   = group_norm_silu's statistics, then csrc/group_norm_silu.cu's group_norm_apply_cl_kernel: each value the
+          apply kernel computes for it (the same device functions), stored channels-last through a shared tile
+    out = conv._conv_forward(y, w, None)                    # cuDNN on a channels-last input: no input transpose
+    out = bias_contiguous(out, b)                           # aten's bias add and the transpose back, one pass
+
+The values of y are `group_norm_silu`'s (exact by its own construction, the SiLU proven on every value of the dtype);
+the bias add is aten's; so the result is eager's wherever cuDNN's channels-last engine computes what it computes after
+its own transposes, which `tools/conv_layout_probe.py` found for every convolution of the FLUX.1 decode (35 of 35 on
+an H100, cuDNN 9.19) but no document promises. So the op verifies itself: the first call of each signature (the
+norm's `group_norm_silu._signature` and what cuDNN picks its engine by, `causal_conv_cl.engine_key`) is compared with
+the eager chain, and a mismatch disables the op for the process (one warning); the pair and the convolution then run
+as their own sites do.
+
+What the guard admits: what `group_norm_silu`'s guard admits for the norm and a 4-D x, the activation exactly
+``nn.SiLU``, a convolution `conv_bias`'s guard admits (this package's ``FastpathConv2d``, a bias, zero padding, a
+cuDNN convolution) with a contiguous weight (eager's output is channels-last for a channels-last one), bf16 / fp16 (an
+fp32 convolution under TF32 gave other bits channels-last on an H100: `causal_conv_cl`), ``cudnn.benchmark`` off
+(the engine is then timed per call, not chosen by shape), not under ``torch.compile``; the three modules without
+hooks (their calls are what this stands for). Anything else runs the module calls as the block writes them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from ._policy import HALF_DTYPES, FusedOp, Site
+from .causal_conv_cl import engine_key
+
+# the norm's and the bias add's modules (the package binds their names to the op functions); read through them, so
+# that what tests replace there is what runs here
+_norm = importlib.import_module(f"{__package__}.group_norm_silu")
+_conv = importlib.import_module(f"{__package__}.conv_bias")
+
+
+def group_norm_silu_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor,
+                             causal=None) -> torch.Tensor:
+    """The eager chain: ``F.group_norm``, ``F.silu`` (an ``nn.SiLU`` module's forward), ``nn.Conv2d.forward``."""
+    return _conv.conv_bias_ref(conv, _norm.group_norm_silu_ref(norm, x))
+
+
+def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal=None) -> torch.Tensor:
+    """The module calls, as the block's statements make them."""
+    return conv(act(norm(x)))
+
+
+def _guard(norm, act, conv, x: torch.Tensor, causal=None, check_pointers: bool = True) -> str | None:
+    """``None`` when the channels-last chain takes these inputs, else the reason it does not (counted at the site)."""
+    if type(act) is not nn.SiLU:
+        return f"{type(act).__name__} is not nn.SiLU"
+    if causal is not None:
+        return "arguments"
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        return "x not 4-D"
+    reason = _norm._guard(norm, x, check_pointers)
+    if reason is not None and not reason.startswith("device "):
+        return reason
+    device_reason = reason  # (the norm's last check: given after the convolution's own, as causal_conv_cl does)
+    if x.dtype not in HALF_DTYPES:
+        return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    reason = _conv._guard(conv, x, check_pointers)
+    if reason is not None and not reason.startswith("device "):
+        return reason
+    device_reason = device_reason or reason
+    if not isinstance(conv, nn.Conv2d) or not conv.weight.is_contiguous():
+        return "weight layout"
+    if torch.backends.cudnn.benchmark:
+        return "cudnn.benchmark"
+    return device_reason
+
+
+def _signature(norm, act, conv, x: torch.Tensor, causal=None):
+    """What one first-call check vouches for: the norm's signature (dtype, channels, groups, aten's block) and what
+    cuDNN picks the convolution's engine by."""
+    return _norm._signature(norm, x), engine_key(x, tuple(x.shape), conv, conv.padding)
+
+
+def _prove(norm, act, conv, x: torch.Tensor, causal=None) -> bool:
+    """The SiLU on every value of the dtype (the channels-last kernel shares the apply kernel's device functions)."""
+    return _norm._prove_silu(norm, x)
+
+
+def _norm_channels_last(norm, x: torch.Tensor) -> torch.Tensor:
+    """``F.silu(F.group_norm(x, ...))`` laid out channels-last (csrc/group_norm_silu.cu)."""
+    variant = _norm._platform_variant(x.device, x.dtype)
+    return _norm.raw_channels_last(x, norm.weight, norm.bias, norm.num_groups, norm.eps, True, variant)
+
+
+def _convolution(conv: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """The convolution without its bias, as ``nn.Conv2d`` calls it (cuDNN, given a channels-last input, returns a
+    channels-last result)."""
+    return conv._conv_forward(y, conv.weight, None)
+
+
+def _kernel(norm, act, conv, x: torch.Tensor, causal=None) -> torch.Tensor:
+    out = _convolution(conv, _norm_channels_last(norm, x))
+    bias = conv.bias
+    if not out.is_contiguous(memory_format=torch.channels_last) or not bias.is_contiguous():
+        return out.add_(bias.reshape(1, -1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
+    return _conv.bias_contiguous(out, bias)
+
+
+GROUP_NORM_SILU_CONV = FusedOp("group_norm_silu_conv", ref=group_norm_silu_conv_ref, guard=_guard, kernel=_kernel,
+                               custom_op=group_norm_silu_conv_ref, verify_key=_signature, prove=_prove,
+                               fallback=_fallback, modules=(0, 1, 2))  # the norm, the SiLU, the convolution
+
+
+def group_norm_silu_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor,
+                         site: Site | None = None) -> torch.Tensor:
+    """``conv(act(norm(x)))`` for a VAE's ``nn.GroupNorm``, its ``nn.SiLU`` and the ``nn.Conv2d`` that reads them, the
+    norm written channels-last for the convolution (see the module doc), bit-identical to eager (checked on the first
+    call of each signature).
+
+    Args:
+        norm: the GroupNorm (a module `group_norm_silu` takes).
+        act: the ``nn.SiLU`` after it.
+        conv: the convolution that reads the SiLU's result (this package's ``FastpathConv2d``).
+        x: ``[B, C, H, W]`` activations.
+        site: the call site's counters, shown by `diffusers_fastpath.report`.
+    """
+    return GROUP_NORM_SILU_CONV(site, norm, act, conv, x, None)

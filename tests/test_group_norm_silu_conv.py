@@ -1,0 +1,211 @@
+"""group_norm_silu_conv: a GroupNorm VAE's norm -> SiLU -> convolution with the norm written channels-last.
+
+On the GPU: the channels-last norm kernel against ``F.group_norm`` (then ``F.silu``) at the shapes of a FLUX.1 decode
+at 1024x1024 and at odd ones (channel tiles across groups, positions past a tile), both input layouts, the output
+poisoned through the allocator; the op against the eager chain at FLUX.1's convolutions (its first-call check, then
+fresh inputs); the tiny FLUX.1 VAE's decode and encode equal to unpatched with every joined call fast. On the CPU:
+the guard's reasons (each refusal the module calls as written, counted), the verification's fallback, the hooks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_group_norm_silu import make_inputs
+from torch import nn
+
+import diffusers_fastpath as fp
+from diffusers_fastpath.models.vae_conv import FastpathConv2d
+from diffusers_fastpath.ops import Site
+from diffusers_fastpath.ops.conv_bias import SITE as CONV_SITE
+from diffusers_fastpath.testing import build_flux_vae
+
+gn = importlib.import_module("diffusers_fastpath.ops.group_norm_silu")
+gnc = importlib.import_module("diffusers_fastpath.ops.group_norm_silu_conv")
+
+DTYPES = [torch.bfloat16, torch.float16]
+# FLUX.1's decode at 1024x1024: the norms before its convolutions (512 channels at 128^2 .. 128 at 1024^2); odd ones:
+# 96 channels in 32 groups (3 per group, a 32-channel tile spans 11 groups), 40 in 8 (tiles not at group starts), 24x40
+# and 3x8 positions (past and short of a 32-position tile), a batch of 2
+CL_SHAPES = [(1, 512, 128, 128), (1, 512, 512, 512), (1, 256, 1024, 1024), (1, 128, 1024, 1024),
+             (2, 96, 24, 40), (1, 40, 3, 8), (2, 64, 16, 16)]
+
+
+def _inputs(shape, dtype, seed, groups=None):
+    channels = shape[1]
+    groups = groups or (8 if channels % 32 else 32)
+    return make_inputs(shape, dtype, "cuda", seed, groups)
+
+
+def _conv(channels, out_channels, dtype, seed, device="cuda"):
+    """A 3x3 convolution with padding 1 as the VAE's (``FastpathConv2d`` with the sites `patch` gives it)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    conv = FastpathConv2d(channels, out_channels, 3, padding=1)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen) * 0.05)
+        conv.bias.copy_(torch.randn(conv.bias.shape, generator=gen) * 0.2)
+    conv = conv.to(device=device, dtype=dtype).requires_grad_(False)
+    conv.__dict__[CONV_SITE] = Site("conv_bias")
+    return conv
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("silu", [True, False], ids=["silu", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CL_SHAPES, ids=str)
+def test_channels_last_kernel_equals_eager(shape, dtype, silu, layout):
+    from diffusers_fastpath.ops._build import load_extension
+
+    load_extension()
+    for seed in range(2):  # fresh inputs each round
+        norm, x = _inputs(shape, dtype, seed)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        ref = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+        ref = F.silu(ref) if silu else ref
+        variant = gn._platform_variant(x.device, x.dtype)
+        torch.full((ref.numel(),), float("nan"), device="cuda", dtype=dtype)  # poisons the block the output gets
+        out = gn.raw_channels_last(x, norm.weight, norm.bias, norm.num_groups, norm.eps, silu, variant)
+        torch.cuda.synchronize()
+        assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == x.shape
+        assert torch.equal(out, ref), (shape, dtype, silu, (out.float() - ref.float()).abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_channels_last_kernel_through_nvrtc_equals_nvcc(dtype):
+    """The NVRTC launcher (the Python twin of the .cu's grid and arguments) against the nvcc extension's op."""
+    from diffusers_fastpath.ops import _build, _nvrtc
+
+    if _build.load_extension() != "nvcc":
+        pytest.skip("needs the nvcc extension beside NVRTC")
+    major, minor = torch.cuda.get_device_capability()
+    _nvrtc.build(_build.csrc_dir(), _build.cache_root(), f"{major}{minor}", _build.NVRTC_FLAGS)
+    for shape in [(1, 512, 128, 128), (2, 96, 24, 40), (1, 40, 3, 8)]:
+        norm, x = _inputs(shape, dtype, 5)
+        variant = gn._platform_variant(x.device, x.dtype)
+        nvcc = torch.ops.diffusers_fastpath._group_norm_silu_cl_cuda(x, norm.weight, norm.bias, norm.num_groups,
+                                                                      norm.eps, True, variant)
+        nvrtc = gn._nvrtc_cl(x, norm.weight, norm.bias, norm.num_groups, norm.eps, True, variant)
+        assert torch.equal(nvcc, nvrtc) and nvrtc.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, out_channels", [((1, 512, 128, 128), 512), ((1, 256, 512, 512), 256),
+                                                 ((1, 128, 1024, 1024), 3), ((2, 96, 24, 40), 64)], ids=str)
+@torch.no_grad()
+def test_op_equals_the_eager_chain_and_runs_fast(shape, out_channels, dtype):
+    norm, x = _inputs(shape, dtype, 11)
+    conv, act = _conv(shape[1], out_channels, dtype, 12), nn.SiLU()
+    site = Site("group_norm_silu_conv")
+    for seed in range(3):  # the first call checks the signature, the others run on it
+        if seed:
+            x = _inputs(shape, dtype, 11 + seed)[1]
+        ref = nn.Conv2d.forward(conv, F.silu(F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)))
+        out = gnc.group_norm_silu_conv(norm, act, conv, x, site)
+        assert out.is_contiguous() and torch.equal(out, ref), (shape, dtype, seed)
+    assert site.fast == 3 and not site.fallback, site
+    assert gnc.GROUP_NORM_SILU_CONV.disabled is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.no_grad()
+def test_tiny_vae_decode_and_encode_equal_unpatched_on_gpu_every_joined_call_fast(dtype, unpatch_after):
+    vae = build_flux_vae("flux-tiny", dtype, "cuda", latent_channels=4)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    z = torch.randn(1, 4, 16, 16, generator=gen, device="cuda").to(dtype)
+    x = (torch.rand(2, 3, 96, 128, generator=gen, device="cuda") * 2 - 1).to(dtype)
+    ref_dec, ref_enc = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+    unpatch_after(fp.patch(vae))
+    assert torch.equal(vae.decode(z).sample, ref_dec)
+    assert torch.equal(vae.encode(x).latent_dist.mean, ref_enc)
+    chains = [r for r in fp.report(vae).sites if r.op == "group_norm_silu_conv"]
+    assert chains and all(r.fast == 1 and r.fallback == 0 for r in chains), str(fp.report(vae))
+
+
+# --- CPU: the guard, the fallbacks, the hooks -------------------------------------------------------------------------
+
+
+def _cpu_chain(dtype=torch.bfloat16, channels=64):
+    gen = torch.Generator().manual_seed(0)
+    norm = nn.GroupNorm(32, channels, eps=1e-6).to(dtype).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(channels, generator=gen))
+        norm.bias.copy_(0.2 * torch.randn(channels, generator=gen))
+    x = torch.randn(1, channels, 16, 16, generator=gen).to(dtype)
+    return norm, nn.SiLU(), _conv(channels, 32, dtype, 1, "cpu"), x
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("gelu", "GELU is not nn.SiLU"),
+    ("5d", "x not 4-D"),
+    ("fp32", "dtype float32"),
+    ("no bias", "no bias"),
+    ("channels-last weight", "weight layout"),
+    ("benchmark", "cudnn.benchmark"),
+])
+@torch.no_grad()
+def test_guard_refuses_with_the_reason_and_the_module_calls_run(case, reason, emulated_kernels, monkeypatch):
+    norm, act, conv, x = _cpu_chain(torch.float32 if case == "fp32" else torch.bfloat16)
+    if case == "gelu":
+        act = nn.GELU()
+    elif case == "5d":
+        x = x.unsqueeze(2)
+        conv = _conv(64, 32, torch.bfloat16, 1, "cpu")
+    elif case == "no bias":
+        conv.bias = None
+    elif case == "channels-last weight":
+        conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+    elif case == "benchmark":
+        monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert gnc.GROUP_NORM_SILU_CONV.guard(norm, act, conv, x, None) == reason
+    site = Site("group_norm_silu_conv")
+    if case == "5d":
+        return  # (the module calls would fail on a 5-D x with a 2-D convolution: the guard's answer is the point)
+    out = gnc.group_norm_silu_conv(norm, act, conv, x, site)
+    assert torch.equal(out, conv(act(norm(x)))) and site.fallback == {reason: 1} and site.fast == 0
+
+
+@torch.no_grad()
+def test_the_emulated_chain_is_fast_and_equal(emulated_kernels):
+    norm, act, conv, x = _cpu_chain()
+    site = Site("group_norm_silu_conv")
+    out = gnc.group_norm_silu_conv(norm, act, conv, x, site)
+    assert torch.equal(out, conv(act(norm(x)))) and out.is_contiguous() and site.fast == 1
+
+
+@torch.no_grad()
+def test_a_mismatch_disables_the_op_and_the_module_calls_give_eagers_bits(emulated_kernels, monkeypatch, fastpath_log):
+    norm, act, conv, x = _cpu_chain()
+    monkeypatch.setattr(gnc, "_norm_channels_last", lambda norm, x: (gn.group_norm_silu_ref(norm, x) * 1.01).contiguous(
+        memory_format=torch.channels_last))
+    monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "disabled", None)
+    monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "verified", set())
+    site = Site("group_norm_silu_conv")
+    out = gnc.group_norm_silu_conv(norm, act, conv, x, site)
+    assert torch.equal(out, conv(act(norm(x)))) and site.fast == 0
+    assert gnc.GROUP_NORM_SILU_CONV.disabled is not None
+    out = gnc.group_norm_silu_conv(norm, act, conv, x, site)  # disabled: the module calls, counted
+    assert torch.equal(out, conv(act(norm(x)))) and site.fast == 0 and sum(site.fallback.values()) == 2
+
+
+@torch.no_grad()
+def test_a_hooked_module_of_the_chain_runs_the_module_calls_with_their_hooks(emulated_kernels):
+    norm, act, conv, x = _cpu_chain()
+    seen = []
+    handle = conv.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    try:
+        site = Site("group_norm_silu_conv")
+        out = gnc.group_norm_silu_conv(norm, act, conv, x, site)
+        assert torch.equal(out, nn.Conv2d.forward(conv, act(norm(x)))) and seen == [True] and site.fast == 0
+    finally:
+        handle.remove()
