@@ -336,7 +336,10 @@ __global__ void __launch_bounds__(kTile * kTileRows) group_norm_apply_cl_kernel(
   using W = typename Word<sizeof(T)>::type;
   constexpr int kSteps = kTile / kTileRows;
   __shared__ W tile[kTile][kTile + 1];
-  __shared__ float2 stats[kTile];  // (mean, rstd) of the groups of channels c0 .. c0 + kTile - 1, from group g0 on
+  __shared__ float stats[2 * kTile];  // (mean, rstd) of the groups of channels c0 .. c0 + kTile - 1, from group g0 on
+  // (the arrays through their shared-window addresses: elementwise.cuh's shared_address; a thread-indexed __shared__
+  // access compiles to other machine code under nvcc and NVRTC)
+  const unsigned stats_base = shared_address(&stats[0]);
   const int64_t n = blockIdx.z;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t per_group = a.channels / a.groups;
@@ -345,7 +348,10 @@ __global__ void __launch_bounds__(kTile * kTileRows) group_norm_apply_cl_kernel(
   const int groups_here = static_cast<int>(c_last / per_group - g0 + 1);  // at most kTile
   for (int g = threadIdx.y; g < groups_here; g += kTileRows) {  // (warp-uniform: one warp per group)
     const float2 st = row_stats<T>(a, n * a.groups + g0 + g, threadIdx.x);
-    if (threadIdx.x == 0) stats[g] = st;
+    if (threadIdx.x == 0) {
+      shared_store(stats_base + 8u * g, st.x);
+      shared_store(stats_base + 8u * g + 4u, st.y);
+    }
   }
   __syncthreads();
   // the fused params of the channels this thread reads (c0 + threadIdx.y + k * kTileRows of step k)
@@ -353,7 +359,13 @@ __global__ void __launch_bounds__(kTile * kTileRows) group_norm_apply_cl_kernel(
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int64_t c = c0 + threadIdx.y + k * kTileRows;
-    params[k] = c < a.channels ? fused_params<T>(a, stats[c / per_group - g0], c) : make_float2(0.0f, 0.0f);
+    float2 st = make_float2(0.0f, 0.0f);
+    if (c < a.channels) {
+      const unsigned at = stats_base + 8u * static_cast<unsigned>(c / per_group - g0);
+      shared_load(at, st.x);
+      shared_load(at + 4u, st.y);
+    }
+    params[k] = c < a.channels ? fused_params<T>(a, st, c) : make_float2(0.0f, 0.0f);
   }
   const T* x = static_cast<const T*>(a.x) + n * a.channels * a.hxw;
   W* out = static_cast<W*>(a.out) + n * a.channels * a.hxw;

@@ -119,17 +119,30 @@ def test_op_equals_the_eager_chain_and_runs_fast(shape, out_channels, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @torch.no_grad()
-def test_tiny_vae_decode_and_encode_equal_unpatched_on_gpu_every_joined_call_fast(dtype, unpatch_after):
-    vae = build_flux_vae("flux-tiny", dtype, "cuda", latent_channels=4)
+@pytest.mark.parametrize("channels", [(32, 32, 64, 64), (8, 8, 8, 8)], ids=["wide", "narrow"])
+def test_tiny_vae_decode_and_encode_equal_unpatched_on_gpu_every_joined_call_fast(channels, dtype, unpatch_after):
+    """A small VAE of 32 and 64 channels: every joined call fast, through several calls of each signature (the decode
+    and the encode twice, on other inputs); of 8 channels (the tiny test VAE's, where cuDNN's channels-last engine is
+    not eager's): every joined call refused by the guard, the pair and the convolution fast apart. Equal to unpatched
+    both ways."""
+    vae = build_flux_vae("flux-tiny", dtype, "cuda", latent_channels=4, block_out_channels=channels,
+                         norm_num_groups=8 if channels[0] == 32 else 4)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    z = torch.randn(1, 4, 16, 16, generator=gen, device="cuda").to(dtype)
-    x = (torch.rand(2, 3, 96, 128, generator=gen, device="cuda") * 2 - 1).to(dtype)
-    ref_dec, ref_enc = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+    zs = [torch.randn(1, 4, 16, 16, generator=gen, device="cuda").to(dtype) for _ in range(2)]
+    xs = [(torch.rand(2, 3, 96, 128, generator=gen, device="cuda") * 2 - 1).to(dtype) for _ in range(2)]
+    ref_dec, ref_enc = [vae.decode(z).sample for z in zs], [vae.encode(x).latent_dist.mean for x in xs]
     unpatch_after(fp.patch(vae))
-    assert torch.equal(vae.decode(z).sample, ref_dec)
-    assert torch.equal(vae.encode(x).latent_dist.mean, ref_enc)
+    for z, x, dec, enc in zip(zs, xs, ref_dec, ref_enc):
+        assert torch.equal(vae.decode(z).sample, dec)
+        assert torch.equal(vae.encode(x).latent_dist.mean, enc)
     chains = [r for r in fp.report(vae).sites if r.op == "group_norm_silu_conv"]
-    assert chains and all(r.fast == 1 and r.fallback == 0 for r in chains), str(fp.report(vae))
+    if channels[0] == 32:
+        assert chains and all(r.fast == 2 and r.fallback == 0 for r in chains), str(fp.report(vae))
+    else:
+        assert chains and all(r.fast == 0 and set(r.reasons) == {"fewer than 32 channels"} for r in chains)
+        pairs = [r for r in fp.report(vae).sites if r.op == "group_norm_silu"]
+        assert all(r.fast == 2 for r in pairs), str(fp.report(vae))
+    assert gnc.GROUP_NORM_SILU_CONV.disabled is None
 
 
 # --- CPU: the guard, the fallbacks, the hooks -------------------------------------------------------------------------
@@ -137,7 +150,7 @@ def test_tiny_vae_decode_and_encode_equal_unpatched_on_gpu_every_joined_call_fas
 
 def _cpu_chain(dtype=torch.bfloat16, channels=64):
     gen = torch.Generator().manual_seed(0)
-    norm = nn.GroupNorm(32, channels, eps=1e-6).to(dtype).requires_grad_(False)
+    norm = nn.GroupNorm(min(32, channels // 2), channels, eps=1e-6).to(dtype).requires_grad_(False)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.2 * torch.randn(channels, generator=gen))
         norm.bias.copy_(0.2 * torch.randn(channels, generator=gen))
@@ -147,6 +160,7 @@ def _cpu_chain(dtype=torch.bfloat16, channels=64):
 
 @pytest.mark.parametrize("case, reason", [
     ("gelu", "GELU is not nn.SiLU"),
+    ("8 channels", "fewer than 32 channels"),
     ("5d", "x not 4-D"),
     ("fp32", "dtype float32"),
     ("no bias", "no bias"),
@@ -158,6 +172,8 @@ def test_guard_refuses_with_the_reason_and_the_module_calls_run(case, reason, em
     norm, act, conv, x = _cpu_chain(torch.float32 if case == "fp32" else torch.bfloat16)
     if case == "gelu":
         act = nn.GELU()
+    elif case == "8 channels":
+        norm, act, conv, x = _cpu_chain(channels=8)
     elif case == "5d":
         x = x.unsqueeze(2)
         conv = _conv(64, 32, torch.bfloat16, 1, "cpu")
@@ -196,6 +212,35 @@ def test_a_mismatch_disables_the_op_and_the_module_calls_give_eagers_bits(emulat
     assert gnc.GROUP_NORM_SILU_CONV.disabled is not None
     out = gnc.group_norm_silu_conv(norm, act, conv, x, site)  # disabled: the module calls, counted
     assert torch.equal(out, conv(act(norm(x)))) and site.fast == 0 and sum(site.fallback.values()) == 2
+
+
+@torch.no_grad()
+def test_the_proof_disables_a_chain_that_differs_on_the_wide_input_only(emulated_kernels, monkeypatch):
+    """An engine that agrees with eager on the call's own input and not on another one (`probe`): the first call's
+    proof finds it, the op is disabled, and every result is eager's."""
+    norm, act, conv, x = _cpu_chain()
+    own = x.clone()
+
+    def kernel(norm, act, conv, x, causal=None):
+        out = gnc.group_norm_silu_conv_ref(norm, act, conv, x)
+        return out if torch.equal(x, own) else out + 1
+
+    monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "kernel", kernel)
+    monkeypatch.setattr(gnc, "_kernel", kernel)
+    monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "prove", gnc._prove)
+    monkeypatch.setattr(gnc._norm, "_prove_silu", lambda norm, x: True)
+    monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "disabled", None)
+    monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "verified", set())
+    site = Site("group_norm_silu_conv")
+    out = gnc.group_norm_silu_conv(norm, act, conv, x, site)
+    assert torch.equal(out, conv(act(norm(x)))) and site.fast == 0
+    assert "not bit-exact" in gnc.GROUP_NORM_SILU_CONV.disabled
+
+
+def test_probe_spreads_its_values_over_binades():
+    values = gnc.probe(torch.zeros(1, 32, 16, 16, dtype=torch.bfloat16)).float().abs()
+    assert values.max() > 64 and values[values > 0].min() < 1 / 64 and torch.equal(
+        values, gnc.probe(torch.zeros(1, 32, 16, 16, dtype=torch.bfloat16)).float().abs())
 
 
 @torch.no_grad()

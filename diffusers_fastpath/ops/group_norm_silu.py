@@ -198,7 +198,7 @@ def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gro
     row_size = channels // groups * hxw
     rows, threads = batch * groups, aten_threads(row_size)
     if channels_last:
-        out = x.new_empty(x.shape, memory_format=torch.channels_last)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     elif out is None:
         out = x.new_empty(x.shape)
     else:

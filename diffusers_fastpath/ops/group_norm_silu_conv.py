@@ -22,10 +22,12 @@ the bias add is aten's; so the result is eager's wherever cuDNN's channels-last 
 its own transposes, which `tools/conv_layout_probe.py` found for every convolution of the FLUX.1 decode (35 of 35 on
 an H100, cuDNN 9.19) but no document promises. So the op verifies itself: the first call of each signature (the
 norm's `group_norm_silu._signature` and what cuDNN picks its engine by, `causal_conv_cl.engine_key`) is compared with
-the eager chain, and a mismatch disables the op for the process (one warning); the pair and the convolution then run
-as their own sites do.
+the eager chain, on its own input and on a second, wide-ranged one (`probe`: another engine's order of summation rounds
+to other bits on some inputs only), and a mismatch disables the op for the process (one warning); the pair and the
+convolution then run as their own sites do.
 
-What the guard admits: what `group_norm_silu`'s guard admits for the norm and a 4-D x, the activation exactly
+What the guard admits: what `group_norm_silu`'s guard admits for the norm and a 4-D x of at least 32 channels (cuDNN
+chose another engine channels-last for 8 on an H100; the per-signature check caught it), the activation exactly
 ``nn.SiLU``, a convolution `conv_bias`'s guard admits (this package's ``FastpathConv2d``, a bias, zero padding, a
 cuDNN convolution) with a contiguous weight (eager's output is channels-last for a channels-last one), bf16 / fp16 (an
 fp32 convolution under TF32 gave other bits channels-last on an H100: `causal_conv_cl`), ``cudnn.benchmark`` off
@@ -42,6 +44,10 @@ from torch import nn
 
 from ._policy import HALF_DTYPES, FusedOp, Site
 from .causal_conv_cl import engine_key
+
+# cuDNN's channels-last engine was eager's for every convolution of 32 channels and more tried (32 .. 512 in, 3 .. 512
+# out, H100, cuDNN 9.19, bf16 and fp16) and another for 8 (docs/results/gpu_session39.txt): below, no attempt
+_MIN_CHANNELS = 32
 
 # the norm's and the bias add's modules (the package binds their names to the op functions); read through them, so
 # that what tests replace there is what runs here
@@ -74,6 +80,8 @@ def _guard(norm, act, conv, x: torch.Tensor, causal=None, check_pointers: bool =
     device_reason = reason  # (the norm's last check: given after the convolution's own, as causal_conv_cl does)
     if x.dtype not in HALF_DTYPES:
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
+    if x.shape[1] < _MIN_CHANNELS:
+        return f"fewer than {_MIN_CHANNELS} channels"
     reason = _conv._guard(conv, x, check_pointers)
     if reason is not None and not reason.startswith("device "):
         return reason
@@ -92,8 +100,22 @@ def _signature(norm, act, conv, x: torch.Tensor, causal=None):
 
 
 def _prove(norm, act, conv, x: torch.Tensor, causal=None) -> bool:
-    """The SiLU on every value of the dtype (the channels-last kernel shares the apply kernel's device functions)."""
-    return _norm._prove_silu(norm, x)
+    """The SiLU on every value of the dtype (the channels-last kernel shares the apply kernel's device functions), and
+    the chain against eager's on a second input of the signature: `probe`'s values, spread over 13 binades. A
+    convolution engine other than eager's sums in another order, which rounds to other bits on some inputs only (an
+    8-channel one on an H100 agreed with eager on the first of eight fp16 calls); every call of a signature runs one
+    engine pair, so a second, wider input is a second chance to see that they differ."""
+    if not _norm._prove_silu(norm, x):
+        return False
+    wide = probe(x)
+    return torch.equal(_kernel(norm, act, conv, wide), group_norm_silu_conv_ref(norm, act, conv, wide))
+
+
+def probe(x: torch.Tensor) -> torch.Tensor:
+    """x's shape and dtype, standard normal values each scaled by a power of two from 2^-6 to 2^6 (seeded)."""
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    values = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
+    return values.mul_(torch.randint(-6, 7, x.shape, generator=gen, device=x.device, dtype=x.dtype).exp2_())
 
 
 def _norm_channels_last(norm, x: torch.Tensor) -> torch.Tensor:
