@@ -253,7 +253,8 @@ void group_norm_silu_into(at::Tensor& out, const at::Tensor& x_in, const at::Ten
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.contiguous();
   TORCH_CHECK(aligned16(x), "group_norm_silu: x must be 16-byte aligned");
-  TORCH_CHECK(!channels_last || x.dim() == 4, "group_norm_silu: a channels-last output is of a 4-D x");
+  TORCH_CHECK(!channels_last || (x.dim() == 4 && channels % 8 == 0),
+              "group_norm_silu: a channels-last output is of a 4-D x with channels a multiple of 8");
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && out.device() == x.device() &&
                   out.is_contiguous(channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous) &&
                   aligned16(out),

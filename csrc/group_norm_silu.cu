@@ -157,6 +157,20 @@ __device__ __forceinline__ float to_float<__half>(unsigned short bits) {
   return Storage<__half>::load(__ushort_as_half(bits));
 }
 
+// A value of T from its bits (the channels-last tile holds the apply kernel's values as 16-bit words).
+template <typename T>
+__device__ __forceinline__ T from_bits(unsigned short bits);
+
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short bits) {
+  return __ushort_as_bfloat16(bits);
+}
+
+template <>
+__device__ __forceinline__ __half from_bits<__half>(unsigned short bits) {
+  return __ushort_as_half(bits);
+}
+
 // One batch of kB elements of each lane's chain: element k of a lane is the (base + k + 1)-th of its chain for every
 // lane, so all lanes share each element's count and reciprocal: lane l computes RN(1 / (base + l + 1)) (and
 // RN(1 / (base + l + 33)) for a batch of 64), which the others read by shuffle (off the chain). `valid`: how many of
@@ -323,69 +337,99 @@ __global__ void __launch_bounds__(kApplyThreads) group_norm_apply_kernel(GroupNo
 
 // The apply kernel's output written channels-last (ops/group_norm_silu_conv.py: the input of the convolution after
 // the norm, which cuDNN reads as it is instead of transposing it first): out [batch, hxw, channels] for x [batch,
-// channels, hxw], each value the one group_norm_apply_kernel computes for it (the same fused params, the same FMA, the
-// same SiLU, in the same order), moved to its place through a shared-memory tile (transpose_tile: loads along the
-// positions, stores along the channels). Block (kTile, kTileRows): channel tile blockIdx.y of sample blockIdx.z, the
-// position tiles blockIdx.x, blockIdx.x + gridDim.x, ...; its first warps finish the statistics of the groups its
-// channels span (row_stats, one warp per group) once, before its tiles.
-constexpr int kTile = 32;
-constexpr int kTileRows = 8;
+// channels, hxw], each value the one group_norm_apply_kernel computes for it (the same device functions: fused_params,
+// apply_value), moved to its place through a shared-memory tile of kClChannels x kClPositions. Each thread loads two
+// 16-byte vectors of x (8 positions of one channel), writes their values into the tile as 4-byte words, then gathers 8
+// channels of one position from it and stores them as one 16-byte vector: 8 threads write a position's 64 channels,
+// 128 contiguous bytes. Block kClThreads: channel tile blockIdx.y of sample blockIdx.z, the position tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ...; its warps first finish the statistics of the groups its channels span (row_stats, one
+// warp per group). The guard: channels a multiple of 8, hxw a multiple of 8 (whole vectors both ways).
+constexpr int kClChannels = 64;
+constexpr int kClPositions = 64;
+constexpr int kClThreads = 256;
+constexpr int kClStride = kClPositions + 2;  // the tile's row (one channel) in elements: 33 words, no bank conflict
+constexpr int kClVecs = kClChannels * kClPositions / 8 / kClThreads;  // 16-byte vectors a thread loads (and stores)
 
 template <typename T, bool kSilu>
-__global__ void __launch_bounds__(kTile * kTileRows) group_norm_apply_cl_kernel(GroupNormSiluArgs a) {
-  using W = typename Word<sizeof(T)>::type;
-  constexpr int kSteps = kTile / kTileRows;
-  __shared__ W tile[kTile][kTile + 1];
-  __shared__ float stats[2 * kTile];  // (mean, rstd) of the groups of channels c0 .. c0 + kTile - 1, from group g0 on
-  // (the arrays through their shared-window addresses: elementwise.cuh's shared_address; a thread-indexed __shared__
-  // access compiles to other machine code under nvcc and NVRTC)
+__global__ void __launch_bounds__(kClThreads) group_norm_apply_cl_kernel(GroupNormSiluArgs a) {
+  using P = Pack<T>;
+  static_assert(P::kSize == 8, "16-bit storage");
+  __shared__ __align__(16) unsigned short tile[kClChannels * kClStride];
+  __shared__ float stats[2 * kClChannels];  // (mean, rstd) of the groups of the tile's channels, from group g0 on
+  // (both through their shared-window addresses, elementwise.cuh's shared_address: a thread-indexed __shared__ access
+  // compiles to other machine code under nvcc and NVRTC)
+  const unsigned tile_base = shared_address(&tile[0]);
   const unsigned stats_base = shared_address(&stats[0]);
+  const int tid = threadIdx.x;
   const int64_t n = blockIdx.z;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kClChannels;
   const int64_t per_group = a.channels / a.groups;
   const int64_t g0 = c0 / per_group;
-  const int64_t c_last = (c0 + kTile < a.channels ? c0 + kTile : a.channels) - 1;
-  const int groups_here = static_cast<int>(c_last / per_group - g0 + 1);  // at most kTile
-  for (int g = threadIdx.y; g < groups_here; g += kTileRows) {  // (warp-uniform: one warp per group)
-    const float2 st = row_stats<T>(a, n * a.groups + g0 + g, threadIdx.x);
-    if (threadIdx.x == 0) {
+  const int64_t c_last = (c0 + kClChannels < a.channels ? c0 + kClChannels : a.channels) - 1;
+  const int groups_here = static_cast<int>(c_last / per_group - g0 + 1);  // at most kClChannels
+  for (int g = tid / kWarp; g < groups_here; g += kClThreads / kWarp) {  // (warp-uniform: one warp per group)
+    const float2 st = row_stats<T>(a, n * a.groups + g0 + g, tid % kWarp);
+    if (tid % kWarp == 0) {
       shared_store(stats_base + 8u * g, st.x);
       shared_store(stats_base + 8u * g + 4u, st.y);
     }
   }
   __syncthreads();
-  // the fused params of the channels this thread reads (c0 + threadIdx.y + k * kTileRows of step k)
-  float2 params[kSteps];
+  // the loads: vector v = tid + kClThreads * j is channel v / 8 of the tile, its positions 8 * (v % 8) .. + 7; the fused
+  // params of those channels
+  float2 params[kClVecs];
 #pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    const int64_t c = c0 + threadIdx.y + k * kTileRows;
+  for (int j = 0; j < kClVecs; ++j) {
+    const int cl = (tid + kClThreads * j) / 8;
+    const int64_t c = c0 + cl;
     float2 st = make_float2(0.0f, 0.0f);
     if (c < a.channels) {
       const unsigned at = stats_base + 8u * static_cast<unsigned>(c / per_group - g0);
       shared_load(at, st.x);
       shared_load(at + 4u, st.y);
     }
-    params[k] = c < a.channels ? fused_params<T>(a, st, c) : make_float2(0.0f, 0.0f);
+    params[j] = c < a.channels ? fused_params<T>(a, st, c) : make_float2(0.0f, 0.0f);
   }
   const T* x = static_cast<const T*>(a.x) + n * a.channels * a.hxw;
-  W* out = static_cast<W*>(a.out) + n * a.channels * a.hxw;
-  const unsigned base = shared_address(&tile[0][0]);
-  const int64_t c_write = c0 + threadIdx.x;
-  for (int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile; s0 < a.hxw;
-       s0 += static_cast<int64_t>(gridDim.x) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
-    const int64_t s_read = s0 + threadIdx.x;
-    transpose_tile<W, kTile, kTileRows>(
-        base,
-        [&](unsigned i) -> W {  // (i = threadIdx.y + k * kTileRows of step k, unrolled: scale[k] a register)
-          const int64_t c = c0 + i;
-          if (c >= a.channels || s_read >= a.hxw) return W(0);
-          const float2 p = params[(i - threadIdx.y) / kTileRows];
-          return bits_of(apply_value<T, kSilu>(p, Storage<T>::load(x[c * a.hxw + s_read]), a.variant));
-        },
-        [&](unsigned i, W v) {
-          const int64_t s = s0 + i;
-          if (s < a.hxw && c_write < a.channels) out[s * a.channels + c_write] = v;
-        });
+  T* out = static_cast<T*>(a.out) + n * a.channels * a.hxw;
+  for (int64_t s0 = static_cast<int64_t>(blockIdx.x) * kClPositions; s0 < a.hxw;
+       s0 += static_cast<int64_t>(gridDim.x) * kClPositions) {  // (bounds uniform over the block: __syncthreads is safe)
+    P xv[kClVecs];
+#pragma unroll
+    for (int j = 0; j < kClVecs; ++j) {  // every load issued before the tile's first shared store
+      const int v = tid + kClThreads * j;
+      const int64_t c = c0 + v / 8, s = s0 + 8 * (v % 8);
+      xv[j] = P{};
+      if (c < a.channels && s < a.hxw) xv[j] = load_readonly(reinterpret_cast<const P*>(x + c * a.hxw + s));
+    }
+#pragma unroll
+    for (int j = 0; j < kClVecs; ++j) {
+      const int v = tid + kClThreads * j;
+      const unsigned row = tile_base + 2u * static_cast<unsigned>((v / 8) * kClStride + 8 * (v % 8));
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {  // (zeros where there is no channel or position: never stored below)
+        const unsigned lo = bits_of(apply_value<T, kSilu>(params[j], Storage<T>::load(xv[j].v[i]), a.variant));
+        const unsigned hi = bits_of(apply_value<T, kSilu>(params[j], Storage<T>::load(xv[j].v[i + 1]), a.variant));
+        shared_store(row + 2u * i, lo | (hi << 16));
+      }
+    }
+    __syncthreads();
+    // the stores: vector v is position v / 8 of the tile, its channels 8 * (v % 8) .. + 7
+#pragma unroll
+    for (int j = 0; j < kClVecs; ++j) {
+      const int v = tid + kClThreads * j;
+      const int p = v / 8, cv = 8 * (v % 8);
+      const int64_t s = s0 + p, c = c0 + cv;
+      P o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        unsigned short bits;
+        shared_load(tile_base + 2u * static_cast<unsigned>((cv + i) * kClStride + p), bits);
+        o.v[i] = from_bits<T>(bits);
+      }
+      if (c < a.channels && s < a.hxw) *reinterpret_cast<P*>(out + s * a.channels + c) = o;
+    }
+    __syncthreads();  // (the tile is refilled by the next position tile)
   }
 }
 
@@ -395,8 +439,8 @@ __global__ void __launch_bounds__(kTile * kTileRows) group_norm_apply_cl_kernel(
 // (ops/group_norm_silu_conv.py's _cl_grid is its Python twin).
 constexpr int kClBlocksPerSm = 16;
 dim3 apply_cl_grid(const GroupNormSiluArgs& a, int sms) {
-  const int64_t tiles = (a.hxw + kTile - 1) / kTile;
-  const int64_t channel_tiles = (a.channels + kTile - 1) / kTile;
+  const int64_t tiles = (a.hxw + kClPositions - 1) / kClPositions;
+  const int64_t channel_tiles = (a.channels + kClChannels - 1) / kClChannels;
   int64_t x = (static_cast<int64_t>(sms) * kClBlocksPerSm + channel_tiles * a.batch - 1) / (channel_tiles * a.batch);
   if (x > tiles) x = tiles;
   if (x < 1) x = 1;
@@ -434,9 +478,9 @@ cudaError_t launch(const GroupNormSiluArgs& a, cudaStream_t stream) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (a.channels_last) {
-    if (a.channels > 65535 * kTile || a.batch > 65535) return cudaErrorInvalidValue;
+    if (a.channels % 8 != 0 || a.channels > 65535 * kClChannels || a.batch > 65535) return cudaErrorInvalidValue;
     const dim3 grid = apply_cl_grid(a, num_sms());
-    const dim3 block(kTile, kTileRows);
+    const dim3 block(kClThreads);
     if (a.silu) {
       group_norm_apply_cl_kernel<T, true><<<grid, block, 0, stream>>>(a);
     } else {

@@ -28,8 +28,9 @@ gnc = importlib.import_module("diffusers_fastpath.ops.group_norm_silu_conv")
 
 DTYPES = [torch.bfloat16, torch.float16]
 # FLUX.1's decode at 1024x1024: the norms before its convolutions (512 channels at 128^2 .. 128 at 1024^2); odd ones:
-# 96 channels in 32 groups (3 per group, a 32-channel tile spans 11 groups), 40 in 8 (tiles not at group starts), 24x40
-# and 3x8 positions (past and short of a 32-position tile), a batch of 2
+# 96 channels in 32 groups (3 per group: a 64-channel tile spans 22 groups, the second tile half full), 40 in 8 (5
+# per group, one tile short of 64 channels), 24x40 and 3x8 positions (past and short of a 64-position tile), a batch
+# of 2
 CL_SHAPES = [(1, 512, 128, 128), (1, 512, 512, 512), (1, 256, 1024, 1024), (1, 128, 1024, 1024),
              (2, 96, 24, 40), (1, 40, 3, 8), (2, 64, 16, 16)]
 

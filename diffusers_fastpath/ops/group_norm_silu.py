@@ -170,13 +170,13 @@ _APPLY_CL = _nvrtc.Kernel(
      for silu in (False, True)},
     _nvrtc.Params("group_norm_apply_cl_kernel", ("a", _ARGS)),
 )
-_CL_TILE, _CL_TILE_ROWS, _CL_BLOCKS_PER_SM = 32, 8, 16
+_CL_CHANNELS, _CL_POSITIONS, _CL_THREADS, _CL_BLOCKS_PER_SM = 64, 64, 256, 16
 
 
 def _cl_grid(batch: int, channels: int, hxw: int, sms: int) -> tuple[int, int, int]:
     """csrc/group_norm_silu.cu's apply_cl_grid, line for line."""
-    tiles = -(-hxw // _CL_TILE)
-    channel_tiles = -(-channels // _CL_TILE)
+    tiles = -(-hxw // _CL_POSITIONS)
+    channel_tiles = -(-channels // _CL_CHANNELS)
     x = (sms * _CL_BLOCKS_PER_SM + channel_tiles * batch - 1) // (channel_tiles * batch)
     return max(1, min(x, tiles)), channel_tiles, batch
 
@@ -212,7 +212,7 @@ def _nvrtc_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gro
                   (_WARP, 1, 1), *args)
     if channels_last:
         grid = _cl_grid(batch, channels, hxw, _nvrtc.num_sms(device))
-        _APPLY_CL.launch(device, (x.dtype, bool(silu)), grid, (_CL_TILE, _CL_TILE_ROWS, 1), *args)
+        _APPLY_CL.launch(device, (x.dtype, bool(silu)), grid, (_CL_THREADS, 1, 1), *args)
         return out
     vecs = row_size * x.element_size() // _VEC_BYTES
     grid = (_apply_blocks_per_row(rows, vecs, _nvrtc.num_sms(device)), rows, 1)
@@ -230,7 +230,9 @@ def _raw_guard(x, weight, bias, groups, eps, silu, variant):
 
 
 def _raw_cl_guard(x, weight, bias, groups, eps, silu, variant):
-    return "x not 4-D" if x.dim() != 4 else _tensors_guard(x, weight, bias, groups)
+    if x.dim() != 4 or x.shape[1] % 8:
+        return "x not 4-D with channels a multiple of 8"
+    return _tensors_guard(x, weight, bias, groups)
 
 
 _nvrtc.raw_op("_group_norm_silu_cuda",

@@ -13,7 +13,8 @@ Eager runs, for x ``[B, C, H, W]`` contiguous (the statements of the block's for
 Per FLUX.1 decode at 1024x1024 cuDNN's layout transposes take 8.0 ms of 41 patched (H200, `vae_kl`'s doc). Here::
 
     y   = group_norm_silu's statistics, then csrc/group_norm_silu.cu's group_norm_apply_cl_kernel: each value the
-          apply kernel computes for it (the same device functions), stored channels-last through a shared tile
+          apply kernel computes for it (the same device functions), moved channels-last through a shared tile of 64
+          channels x 64 positions (16-byte loads along the positions, 16-byte stores along the channels)
     out = conv._conv_forward(y, w, None)                    # cuDNN on a channels-last input: no input transpose
     out = bias_contiguous(out, b)                           # aten's bias add and the transpose back, one pass
 
@@ -27,7 +28,8 @@ to other bits on some inputs only), and a mismatch disables the op for the proce
 convolution then run as their own sites do.
 
 What the guard admits: what `group_norm_silu`'s guard admits for the norm and a 4-D x of at least 32 channels (cuDNN
-chose another engine channels-last for 8 on an H100; the per-signature check caught it), the activation exactly
+chose another engine channels-last for 8 on an H100; the per-signature check caught it), a multiple of 8 (16-byte
+stores along the channels), the activation exactly
 ``nn.SiLU``, a convolution `conv_bias`'s guard admits (this package's ``FastpathConv2d``, a bias, zero padding, a
 cuDNN convolution) with a contiguous weight (eager's output is channels-last for a channels-last one), bf16 / fp16 (an
 fp32 convolution under TF32 gave other bits channels-last on an H100: `causal_conv_cl`), ``cudnn.benchmark`` off
@@ -82,6 +84,8 @@ def _guard(norm, act, conv, x: torch.Tensor, causal=None, check_pointers: bool =
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
     if x.shape[1] < _MIN_CHANNELS:
         return f"fewer than {_MIN_CHANNELS} channels"
+    if x.shape[1] % 8:
+        return "channels not a multiple of 8"  # (the kernel stores 8 channels of a position as one 16-byte vector)
     reason = _conv._guard(conv, x, check_pointers)
     if reason is not None and not reason.startswith("device "):
         return reason
