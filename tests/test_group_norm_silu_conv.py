@@ -139,6 +139,9 @@ def test_tiny_vae_decode_and_encode_equal_unpatched_on_gpu_every_joined_call_fas
     chains = [r for r in fp.report(vae).sites if r.op == "group_norm_silu_conv"]
     if channels[0] == 32:
         assert chains and all(r.fast == 2 and r.fallback == 0 for r in chains), str(fp.report(vae))
+        residual = [r for r in fp.report(vae).sites if r.op == "conv_bias_residual"]
+        assert any(r.fast for r in residual), str(fp.report(vae))  # (conv2's pending result added to the input)
+        assert all(set(r.reasons) <= {"residual not contiguous"} for r in residual), str(fp.report(vae))
     else:
         assert chains and all(r.fast == 0 and set(r.reasons) == {"fewer than 32 channels"} for r in chains)
         pairs = [r for r in fp.report(vae).sites if r.op == "group_norm_silu"]
@@ -222,7 +225,7 @@ def test_the_proof_disables_a_chain_that_differs_on_the_wide_input_only(emulated
     norm, act, conv, x = _cpu_chain()
     own = x.clone()
 
-    def kernel(norm, act, conv, x, causal=None):
+    def kernel(norm, act, conv, x, causal=None, pending=False):
         out = gnc.group_norm_silu_conv_ref(norm, act, conv, x)
         return out if torch.equal(x, own) else out + 1
 
@@ -255,3 +258,41 @@ def test_a_hooked_module_of_the_chain_runs_the_module_calls_with_their_hooks(emu
         assert torch.equal(out, nn.Conv2d.forward(conv, act(norm(x)))) and seen == [True] and site.fast == 0
     finally:
         handle.remove()
+
+
+# --- CPU: the residual add that takes the joined call's pending result (FLUX.1's resnets) ----------------------------
+
+
+def _pending_rewrite(source: str) -> str:
+    import ast
+    import textwrap
+
+    from diffusers_fastpath.models.vae_ltx2_chain import _Pending
+
+    tree = ast.parse(textwrap.dedent(source))
+    func = tree.body[0]
+    func.body = _Pending("ns", func.body, False, True).body(func.body)
+    return ast.unparse(tree)
+
+
+def test_the_divided_residual_add_before_the_return_takes_the_pending_result():
+    out = _pending_rewrite('''
+        def forward(self, x, y):
+            x = ns.norm_act_conv(self, 'n', 'a', (), 'c', x)
+            if self.shortcut is not None:
+                y = self.shortcut(y)
+            out = (y + x) / self.scale
+            return out
+        ''')
+    assert "x = ns.norm_act_conv_pending(self, 'n', 'a', (), 'c', x)" in out
+    assert "out = ns.pending_add(self, y, x) / self.scale" in out
+
+
+@pytest.mark.parametrize("tail", [
+    "out = (y + x) / self.scale\n    z = out * 2\n    return z",  # not returned at once: x could be read later
+    "out = (y + x) / x.sum()\n    return out",  # the divisor reads the pending value
+    "out = (y + x) * self.scale\n    return out",  # not a division
+])
+def test_other_forms_of_the_residual_add_leave_the_value_a_tensor(tail):
+    out = _pending_rewrite("def forward(self, x, y):\n    x = ns.norm_act_conv(self, 'n', 'a', (), 'c', x)\n    " + tail)
+    assert "pending" not in out

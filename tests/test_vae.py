@@ -39,10 +39,11 @@ def _expected_sites(vae) -> Counter:
     """What the adapter must mark: one group_norm_silu per GroupNorm that a SiLU module follows (the resnets' two, the
     encoder's and decoder's conv_norm_out), one group_norm per other GroupNorm (the mid-block attentions'), and on
     the convolution each pair feeds (the resnets' conv1 and conv2, the conv_out) a group_norm_silu_conv site."""
-    paired = sum(2 for m in vae.modules() if isinstance(m, ResnetBlock2D)) + 2
+    resnets = sum(1 for m in vae.modules() if isinstance(m, ResnetBlock2D))
+    paired = 2 * resnets + 2
     total = sum(type(m) is nn.GroupNorm for m in vae.modules())
     return Counter({"group_norm_silu": paired, "group_norm": total - paired, "conv_bias": conv_sites(vae),
-                    "group_norm_silu_conv": paired})
+                    "group_norm_silu_conv": paired, "conv_bias_residual": resnets})
 
 
 def _joined(sites: dict) -> set[str]:
@@ -52,8 +53,22 @@ def _joined(sites: dict) -> set[str]:
     return {name for name, (op, *_) in sites.items() if op == "group_norm_silu" or name in convs}
 
 
-def _ran_once(name: str, sites: dict, joined: set[str]) -> tuple[int, int]:
-    return (0, 0) if name in joined else (1, 0)
+def _ran_once(name: str, sites: dict, joined: set[str]) -> set[tuple[int, int]]:
+    """The (fast, fallback) a site may show after one call: none for the joined calls' idle sites; a resnet's residual
+    add (its block's conv_bias_residual) fast where its conv2's signature was checked before (the first call of a
+    signature returns the tensor it checks, which the add takes as written, uncounted), refused where the block's
+    input is not contiguous (`_residual_refusals_are_layouts`); every other site fast once."""
+    if name in joined:
+        return {(0, 0)}
+    return {(0, 0), (1, 0), (0, 1)} if sites[name][0] == "conv_bias_residual" else {(1, 0)}
+
+
+def _residual_refusals_are_layouts(sites: dict) -> bool:
+    """Every residual add refused was refused for its input's layout: the decoder's mid-block attention leaves the
+    stream laid out as its transposed view (aten's add keeps its first operand's strides), up to the first upsampler,
+    and eager's sum there is not contiguous, which the kernel's output would be."""
+    return all(set(reasons) <= {"residual not contiguous"} for op, _, _, reasons in sites.values()
+               if op == "conv_bias_residual")
 
 
 def conv_sites(vae) -> int:
@@ -94,11 +109,21 @@ def test_patched_vae_decode_and_encode_equal_unpatched_every_site_fast(family, e
     joined = _joined(sites)
     for name, (op, fast, fallback, _) in sites.items():  # the decoder's sites ran once each, the encoder's not yet
         decoding = name.startswith(("decoder.", "post_quant_conv"))
-        assert (fast, fallback) == (_ran_once(name, sites, joined) if decoding else (0, 0)), (name, sites[name])
+        assert (fast, fallback) in (_ran_once(name, sites, joined) if decoding else {(0, 0)}), (name, sites[name])
     assert torch.equal(_encode(vae, x), ref_enc)
     sites = _site_counts(vae)
-    assert all((fast, fallback) == _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \
+    assert all((fast, fallback) in _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \
         str(fp.report(vae))
+    assert _residual_refusals_are_layouts(sites), str(fp.report(vae, verbose=True))
+    # a second decode: every signature checked, each resnet's residual add after the first upsampler takes its conv2's
+    # pending result
+    assert torch.equal(_decode(vae, z), ref_dec)
+    sites = _site_counts(vae)
+    after_upsampling = [fast for name, (op, fast, _, _) in sites.items()
+                        if op == "conv_bias_residual" and name.startswith("decoder.up_blocks.") and
+                        not name.startswith("decoder.up_blocks.0.")]
+    assert after_upsampling and all(fast >= 1 for fast in after_upsampling), str(fp.report(vae, verbose=True))
+    assert _residual_refusals_are_layouts(sites)
 
 
 @torch.no_grad()
@@ -118,10 +143,19 @@ def test_tiled_and_sliced_decode_and_encode_equal_unpatched(emulated_kernels, un
     joined = _joined(sites)
     for name, (op, fast, fallback, _) in sites.items():
         ran = name.startswith("decoder.") and name not in joined
-        assert (fast, fallback) == ((tiles * samples, 0) if ran else (0, 0)), name
+        if op == "conv_bias_residual":  # (uncounted where a signature is checked, refused for a layout: `_ran_once`)
+            assert fast + fallback <= (tiles * samples if ran else 0), name
+        else:
+            assert (fast, fallback) == ((tiles * samples, 0) if ran else (0, 0)), name
     assert torch.equal(_encode(vae, x), ref_enc)
-    for name, (op, fast, fallback, _) in _site_counts(vae).items():
-        assert (fast, fallback) == ((0, 0) if name in joined else (tiles * samples, 0)), name
+    sites = _site_counts(vae)
+    for name, (op, fast, fallback, _) in sites.items():
+        if op == "conv_bias_residual":
+            assert fast + fallback <= tiles * samples, name
+        else:
+            assert (fast, fallback) == ((0, 0) if name in joined else (tiles * samples, 0)), name
+    assert _residual_refusals_are_layouts(sites)
+    assert sum(fast for op, fast, _, _ in sites.values() if op == "conv_bias_residual") > tiles * samples
 
 
 @torch.no_grad()
@@ -181,8 +215,10 @@ def test_patched_vae_deep_copies_and_pickles(emulated_kernels):
         sites = _site_counts(model)
         joined = _joined(sites)
         decoder = sum(1 for name in sites if name.startswith(("decoder.", "post_quant_conv")) and name not in joined)
-        # (on the copy's own counters)
-        assert decoder > 22 and sum(r.fast for r in fp.report(model).sites) == decoder
+        # (on the copy's own counters; a resnet's residual add fast where its conv2's signature was checked before)
+        residual = sum(1 for name, (op, *_) in sites.items() if op == "conv_bias_residual" and name.startswith("decoder."))
+        fast = sum(r.fast for r in fp.report(model).sites)
+        assert decoder > 22 and decoder - residual <= fast <= decoder
         fp.unpatch(model)
         assert type(model.decoder).__name__ == "Decoder"
     fp.unpatch(vae)
@@ -481,7 +517,7 @@ def test_flux_vae_1024_decode_and_encode_md5_identical_every_site_fast(unpatch_a
                                                                        "conv_bias": 62, "group_norm_silu_conv": 50})
     sites = _site_counts(vae)
     joined = _joined(sites)
-    assert all((fast, fallback) == _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \
+    assert all((fast, fallback) in _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \
         str(report)
 
 

@@ -30,15 +30,18 @@ from diffusers.models.resnet import ResnetBlock2D
 
 from .._state import PatchState, register_adapter
 from ..ops.group_norm_silu import group_norm_silu
+from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
 from ..ops.group_norm_silu_conv import GROUP_NORM_SILU_CONV
 from .vae import PAIR_SITE, PairBlock, pair_unfit, patch_group_norm_vae
 from .vae_conv import FastpathConv2d
 from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
 
 # the pairs, each joined with the convolution after it where the forward's form allows (``V = self.<conv>(V)``, the
-# last of the run after the pair: `vae_ltx2_chain`; nothing left pending)
+# last of the run after the pair: `vae_ltx2_chain`); a resnet's ``conv2`` leaves its result without its bias for the
+# residual add that reads it (``output_tensor = (input_tensor + hidden_states) / self.output_scale_factor``, right
+# before the return: `conv_bias_residual`)
 PAIRS = ChainPairCalls("_diffusers_fastpath_vae_kl", PAIR_SITE, pair_unfit, group_norm_silu,
-                       chain=GROUP_NORM_SILU_CONV, keyword=None, bias=None, residual=None)
+                       chain=GROUP_NORM_SILU_CONV, keyword=None, bias=None, residual=CONV_BIAS_RESIDUAL)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = (

@@ -395,16 +395,28 @@ def _ending_calls(body: list[ast.stmt], var: str, ns: str) -> list[ast.stmt]:
     return [last] if last is not None and var in (_joined_var(last, ns), _joined_var(last, ns, RECEIVER)) else []
 
 
-def _add_of(stmt: ast.stmt, var: str):
-    """``(left, right)`` for the residual add ``V = V + E`` or ``V = E + V`` of `var` (E an expression that does not
-    name V: evaluated where it was, it cannot read the pending value), else None."""
+def _add_node(stmt: ast.stmt, var: str, after: ast.stmt | None):
+    """The residual add of `var` that `stmt` makes, as ``(holder, field)`` (the add is ``getattr(holder, field)``):
+    ``V = V + E`` or ``V = E + V`` (E an expression that does not name V: evaluated where it was, it cannot read the
+    pending value; V bound to the tensor again), or ``T = (V + E) / D`` / ``T = (E + V) / D`` with D not naming V
+    either, followed by ``return T`` (FLUX.1's resnets: ``output_tensor = (input_tensor + hidden_states) /
+    self.output_scale_factor``; V holds the pending value after it, which the return leaves unread), else None."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-            and stmt.targets[0].id == var and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Add)):
+            and isinstance(stmt.value, ast.BinOp)):
         return None
-    left, right = stmt.value.left, stmt.value.right
-    for this, other in ((left, right), (right, left)):
+    target = stmt.targets[0].id
+    if target == var and isinstance(stmt.value.op, ast.Add):
+        holder, field = stmt, "value"
+    elif (isinstance(stmt.value.op, ast.Div) and isinstance(stmt.value.left, ast.BinOp)
+          and isinstance(stmt.value.left.op, ast.Add) and var not in names_in(stmt.value.right)
+          and isinstance(after, ast.Return) and isinstance(after.value, ast.Name) and after.value.id == target):
+        holder, field = stmt.value, "left"
+    else:
+        return None
+    add = getattr(holder, field)
+    for this, other in ((add.left, add.right), (add.right, add.left)):
         if isinstance(this, ast.Name) and this.id == var and var not in names_in(other):
-            return left, right
+            return holder, field
     return None
 
 
@@ -435,8 +447,8 @@ class _Pending:
     <ns>.pending_norm_act_conv(...)``, or an ``if`` whose every branch ends by binding V, some with such a call) is
     followed, going forward while V may hold the pending value, by: a receiver, a joined call reading V (where `joined`:
     it becomes ``pending_norm_act_conv``, which takes a `PendingBias`) or a residual add ``V = V + E`` / ``V = E + V``
-    with E not naming V (where `adds`: it becomes ``V = <ns>.pending_add(self, V, E)``, the operands in their order,
-    which takes one); an ``if`` whose test does not name V (each branch that starts with a receiver keeps it, each other
+    with E not naming V, or ``T = (V + E) / D`` right before ``return T`` (`_add_node`; where `adds`: the add becomes
+    ``<ns>.pending_add(self, V, E)``, the operands in their order, which takes one); an ``if`` whose test does not name V (each branch that starts with a receiver keeps it, each other
     branch that names V starts with ``V = <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``,
     leaves V pending past the ``if``); a statement that does not name V (left as it is); any other statement, or the
     list's end, gets ``V = <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's
@@ -473,19 +485,21 @@ class _Pending:
                     call.value.func.attr = PENDING if call.value.func.attr == JOINED else RECEIVER_PENDING
         return body
 
-    def _receiver(self, stmt: ast.stmt, var: str) -> bool:
-        """Whether `stmt` may take V pending: a joined call reading it, or its residual add (each where asked)."""
+    def _receiver(self, stmt: ast.stmt, var: str, after: ast.stmt | None) -> bool:
+        """Whether `stmt` (`after`: the statement after it in its list) may take V pending: a joined call reading it,
+        or its residual add (each where asked)."""
         return (self.joined and _joined_var(stmt, self.ns) == var
-                or self.adds and _add_of(stmt, var) is not None)
+                or self.adds and _add_node(stmt, var, after) is not None)
 
-    def _receive(self, stmt: ast.stmt, var: str) -> None:
+    def _receive(self, stmt: ast.stmt, var: str, after: ast.stmt | None) -> None:
         """Make the receiver `stmt` take V pending: the joined call's receiving form, the add's call."""
-        add = _add_of(stmt, var)
-        if add is None:
+        node = _add_node(stmt, var, after)
+        if node is None:
             stmt.value.func.attr = RECEIVER
             return
-        stmt.value = ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr=ADD, ctx=ast.Load()),
-                              args=[ast.Name("self", ast.Load()), *add], keywords=[])
+        add = getattr(*node)
+        setattr(*node, ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr=ADD, ctx=ast.Load()),
+                                args=[ast.Name("self", ast.Load()), add.left, add.right], keywords=[]))
 
     def _settle(self, var: str) -> ast.stmt:
         call = ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr=SETTLED, ctx=ast.Load()),
@@ -499,17 +513,19 @@ class _Pending:
         k = start
         while k < len(body):
             stmt = body[k]
-            if self._receiver(stmt, var):
+            after = body[k + 1] if k + 1 < len(body) else None
+            if self._receiver(stmt, var, after):
                 if apply:
-                    self._receive(stmt, var)
+                    self._receive(stmt, var, after)
                 return True
             if isinstance(stmt, ast.If) and var not in names_in(stmt.test):
                 through = False
                 for branch in (stmt.body, stmt.orelse):
-                    if branch and self._receiver(branch[0], var):
+                    second = branch[1] if len(branch) > 1 else None
+                    if branch and self._receiver(branch[0], var, second):
                         found = True
                         if apply:
-                            self._receive(branch[0], var)
+                            self._receive(branch[0], var, second)
                     elif any(var in names_in(s) for s in branch):
                         if apply:
                             branch.insert(0, self._settle(var))

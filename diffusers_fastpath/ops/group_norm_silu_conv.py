@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ._policy import HALF_DTYPES, FusedOp, Site
-from .causal_conv_cl import engine_key
+from .causal_conv_cl import PendingBias, engine_key
 
 # cuDNN's channels-last engine was eager's for every convolution of 32 channels and more tried (32 .. 512 in, 3 .. 512
 # out, H100, cuDNN 9.19, bf16 and fp16) and another for 8 (docs/results/gpu_session39.txt): below, no attempt
@@ -57,18 +57,21 @@ _norm = importlib.import_module(f"{__package__}.group_norm_silu")
 _conv = importlib.import_module(f"{__package__}.conv_bias")
 
 
-def group_norm_silu_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor,
-                             causal=None) -> torch.Tensor:
-    """The eager chain: ``F.group_norm``, ``F.silu`` (an ``nn.SiLU`` module's forward), ``nn.Conv2d.forward``."""
+def group_norm_silu_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal=None,
+                             pending: bool = False) -> torch.Tensor:
+    """The eager chain: ``F.group_norm``, ``F.silu`` (an ``nn.SiLU`` module's forward), ``nn.Conv2d.forward``
+    (`pending`: see `group_norm_silu_conv`; the tensor here)."""
     return _conv.conv_bias_ref(conv, _norm.group_norm_silu_ref(norm, x))
 
 
-def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal=None) -> torch.Tensor:
+def _fallback(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal=None,
+              pending: bool = False) -> torch.Tensor:
     """The module calls, as the block's statements make them."""
     return conv(act(norm(x)))
 
 
-def _guard(norm, act, conv, x: torch.Tensor, causal=None, check_pointers: bool = True) -> str | None:
+def _guard(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False,
+           check_pointers: bool = True) -> str | None:
     """``None`` when the channels-last chain takes these inputs, else the reason it does not (counted at the site)."""
     if type(act) is not nn.SiLU:
         return f"{type(act).__name__} is not nn.SiLU"
@@ -97,13 +100,14 @@ def _guard(norm, act, conv, x: torch.Tensor, causal=None, check_pointers: bool =
     return device_reason
 
 
-def _signature(norm, act, conv, x: torch.Tensor, causal=None):
+def _signature(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False):
     """What one first-call check vouches for: the norm's signature (dtype, channels, groups, aten's block) and what
-    cuDNN picks the convolution's engine by."""
+    cuDNN picks the convolution's engine by; a call asking for a `PendingBias` is the same signature (its result
+    differs only in the bias add and the transpose left to the reader, exact by construction)."""
     return _norm._signature(norm, x), engine_key(x, tuple(x.shape), conv, conv.padding)
 
 
-def _prove(norm, act, conv, x: torch.Tensor, causal=None) -> bool:
+def _prove(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False) -> bool:
     """The SiLU on every value of the dtype (the channels-last kernel shares the apply kernel's device functions), and
     the chain against eager's on a second input of the signature: `probe`'s values, spread over 13 binades. A
     convolution engine other than eager's sums in another order, which rounds to other bits on some inputs only (an
@@ -134,11 +138,14 @@ def _convolution(conv: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return conv._conv_forward(y, conv.weight, None)
 
 
-def _kernel(norm, act, conv, x: torch.Tensor, causal=None) -> torch.Tensor:
+def _kernel(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False):
     out = _convolution(conv, _norm_channels_last(norm, x))
     bias = conv.bias
     if not out.is_contiguous(memory_format=torch.channels_last) or not bias.is_contiguous():
         return out.add_(bias.reshape(1, -1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
+    # (a `PendingBias` only once this signature's tensor matched eager: the first call returns the tensor it checks)
+    if pending and _signature(norm, act, conv, x) in GROUP_NORM_SILU_CONV.verified:
+        return PendingBias(out, bias)
     return _conv.bias_contiguous(out, bias)
 
 
@@ -148,10 +155,12 @@ GROUP_NORM_SILU_CONV = FusedOp("group_norm_silu_conv", ref=group_norm_silu_conv_
 
 
 def group_norm_silu_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor,
-                         site: Site | None = None) -> torch.Tensor:
+                         site: Site | None = None, pending: bool = False):
     """``conv(act(norm(x)))`` for a VAE's ``nn.GroupNorm``, its ``nn.SiLU`` and the ``nn.Conv2d`` that reads them, the
     norm written channels-last for the convolution (see the module doc), bit-identical to eager (checked on the first
-    call of each signature).
+    call of each signature). With `pending`, where the kernel runs and this signature was checked already, cuDNN's
+    channels-last output and the bias as a `causal_conv_cl.PendingBias` instead of the tensor (for the residual add
+    that reads it: `diffusers_fastpath.ops.conv_bias_residual`; elsewhere the tensor).
 
     Args:
         norm: the GroupNorm (a module `group_norm_silu` takes).
@@ -159,5 +168,6 @@ def group_norm_silu_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: to
         conv: the convolution that reads the SiLU's result (this package's ``FastpathConv2d``).
         x: ``[B, C, H, W]`` activations.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
+        pending: ask for a `PendingBias` (above).
     """
-    return GROUP_NORM_SILU_CONV(site, norm, act, conv, x, None)
+    return GROUP_NORM_SILU_CONV(site, norm, act, conv, x, None, pending)
