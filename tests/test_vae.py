@@ -48,9 +48,10 @@ def _expected_sites(vae) -> Counter:
 
 def _joined(sites: dict) -> set[str]:
     """The sites a fast joined norm -> SiLU -> convolution call stands in for (the pair's on the norm, the
-    convolution's conv_bias): idle where the joined call ran fast. Every pair of these VAEs is joined."""
+    convolution's conv_bias): idle where the joined call ran fast. Every pair of these VAEs is joined (none where a
+    VAE has no joined call)."""
     convs = {name.rpartition(":")[0] for name, (op, *_) in sites.items() if op == "group_norm_silu_conv"}
-    return {name for name, (op, *_) in sites.items() if op == "group_norm_silu" or name in convs}
+    return {name for name, (op, *_) in sites.items() if (op == "group_norm_silu" and convs) or name in convs}
 
 
 def _ran_once(name: str, sites: dict, joined: set[str]) -> set[tuple[int, int]]:

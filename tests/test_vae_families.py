@@ -19,6 +19,7 @@ import diffusers_fastpath as fp
 from diffusers_fastpath.models import vae_hunyuan, vae_wan
 from diffusers_fastpath.testing._common import randomize_
 from diffusers_fastpath.testing.checks import state_dict_round_trip
+from test_vae import _joined
 
 # name -> (builder, latent shape, sample shape): the published block layouts, narrow and shallow
 FAMILIES = {
@@ -76,7 +77,10 @@ def _expected_sites(vae) -> Counter:
                 for m in vae.modules())
     group_norms = sum(type(m) is nn.GroupNorm for m in vae.modules())
     if group_norms:
-        return Counter({"group_norm_silu": paired, "group_norm": group_norms - paired, "conv_bias": convs})
+        expected = Counter({"group_norm_silu": paired, "group_norm": group_norms - paired, "conv_bias": convs})
+        if isinstance(vae, AutoencoderKLHunyuanImage):  # (the 2-D one: each pair joined with its convolution)
+            expected["group_norm_silu_conv"] = paired
+        return expected
     norms = sum(isinstance(m, RMS_NORMS) for m in vae.modules())
     upsamples = sum(isinstance(m, tuple(vae_wan.UPSAMPLES)) for m in vae.modules())
     expected = Counter({"channel_rmsnorm_silu": paired, "channel_rmsnorm": norms - paired, "conv_bias": convs})
@@ -94,6 +98,7 @@ def _every_site_fast(model) -> bool:
     one-frame image VAE never calls (diffusers keeps them from Wan's video network)."""
     rows = _rows(model)
     idle = {n for n in rows if n.endswith("sampler.time_conv")} if type(model).__name__.endswith("QwenImage21") else set()
+    idle |= _joined(rows)  # (the sites a fast joined norm -> SiLU -> convolution call stands in for)
     return (all(fallback == 0 for _, _, fallback, _ in rows.values())
             and all((fast == 0) == (n in idle) for n, (_, fast, _, _) in rows.items()))
 
