@@ -347,7 +347,9 @@ __global__ void __launch_bounds__(kApplyThreads) group_norm_apply_kernel(GroupNo
 constexpr int kClChannels = 64;
 constexpr int kClPositions = 64;
 constexpr int kClThreads = 256;
-constexpr int kClStride = kClPositions + 2;  // the tile's row (one channel) in elements: 33 words, no bank conflict
+// the tile's row (one channel) in elements: 33 words. The loads' 4-byte writes hit 32 banks; the stores' 16-bit reads
+// (8 channels of a position) two ways (channels 8k and 8k + 32 share a bank), which no padding avoids
+constexpr int kClStride = kClPositions + 2;
 constexpr int kClVecs = kClChannels * kClPositions / 8 / kClThreads;  // 16-byte vectors a thread loads (and stores)
 
 template <typename T, bool kSilu>

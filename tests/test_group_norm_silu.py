@@ -301,6 +301,8 @@ def test_python_constants_match_the_cu():
         _constant("kStatsVariantMask"), _constant("kVariantMask"))
     assert (gn._APPLY_THREADS, gn._APPLY_BLOCKS_PER_SM, gn._ATEN_BLOCK, gn._WARP) == (
         _constant("kApplyThreads"), _constant("kApplyBlocksPerSm"), _constant("kAtenBlockThreads"), _constant("kWarp"))
+    assert (gn._CL_CHANNELS, gn._CL_POSITIONS, gn._CL_THREADS, gn._CL_BLOCKS_PER_SM) == (
+        _constant("kClChannels"), _constant("kClPositions"), _constant("kClThreads"), _constant("kClBlocksPerSm"))
 
 
 def test_apply_grid_matches_the_cu(tmp_path):
@@ -310,13 +312,20 @@ def test_apply_grid_matches_the_cu(tmp_path):
         pytest.skip("needs nvcc")
     cases = [(1, 2**19, 132), (32, 2**19, 132), (32, 2**11, 132), (64, 4, 132), (2048, 100, 78), (1, 1, 132)]
     body = "".join(f'std::printf("%lld\\n", (long long)apply_blocks_per_row({r}, {v}, {s}));' for r, v, s in cases)
+    # the channels-last apply kernel's grid (batch, channels, hxw, sms): apply_cl_grid against _cl_grid
+    cl_cases = [(1, 128, 1 << 20, 132), (1, 512, 128 * 128, 132), (2, 96, 24 * 40, 132), (1, 40, 24, 78),
+                (65535, 64, 64, 132), (1, 64, 8, 1)]
+    for b, c, hxw, sms in cl_cases:
+        body += ("{ GroupNormSiluArgs a{}; a.batch = %d; a.channels = %d; a.hxw = %d; dim3 g = apply_cl_grid(a, %d); "
+                 'std::printf("%%u %%u %%u\\n", g.x, g.y, g.z); }' % (b, c, hxw, sms))
     (tmp_path / "grid.cu").write_text('#include <cstdio>\n#include "group_norm_silu.cu"\n'
                                       f"int main() {{ using namespace diffusers_fastpath; {body} return 0; }}\n")
     proc = subprocess.run([str(nvcc), "-std=c++17", f"-I{CSRC}", *_build.KERNEL_DEFINES, str(tmp_path / "grid.cu"),
                            "-o", str(tmp_path / "grid")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    out = subprocess.run([str(tmp_path / "grid")], capture_output=True, text=True, check=True).stdout.split()
-    assert [int(v) for v in out] == [gn._apply_blocks_per_row(*c) for c in cases]
+    out = subprocess.run([str(tmp_path / "grid")], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [int(v) for v in out[:len(cases)]] == [gn._apply_blocks_per_row(*c) for c in cases]
+    assert [tuple(map(int, v.split())) for v in out[len(cases):]] == [gn._cl_grid(*c) for c in cl_cases]
 
 
 def test_every_value_covers_the_dtype():

@@ -33,6 +33,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 # of 2
 CL_SHAPES = [(1, 512, 128, 128), (1, 512, 512, 512), (1, 256, 1024, 1024), (1, 128, 1024, 1024),
              (2, 96, 24, 40), (1, 40, 3, 8), (2, 64, 16, 16)]
+# (shape, groups): a group wider than a tile (96 channels each: a tile starts inside one), a group per channel (a tile
+# spans 64 groups, its statistics' table full)
+CL_GROUPS = [((1, 192, 16, 16), 2), ((1, 64, 8, 8), 64)]
 
 
 def _inputs(shape, dtype, seed, groups=None):
@@ -60,13 +63,13 @@ def _conv(channels, out_channels, dtype, seed, device="cuda"):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("silu", [True, False], ids=["silu", "plain"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", CL_SHAPES, ids=str)
-def test_channels_last_kernel_equals_eager(shape, dtype, silu, layout):
+@pytest.mark.parametrize("shape, groups", [(shape, None) for shape in CL_SHAPES] + CL_GROUPS, ids=str)
+def test_channels_last_kernel_equals_eager(shape, groups, dtype, silu, layout):
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
     for seed in range(2):  # fresh inputs each round
-        norm, x = _inputs(shape, dtype, seed)
+        norm, x = _inputs(shape, dtype, seed, groups)
         if layout == "channels_last":
             x = x.contiguous(memory_format=torch.channels_last)
         ref = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
@@ -232,7 +235,7 @@ def test_the_proof_disables_a_chain_that_differs_on_the_wide_input_only(emulated
     monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "kernel", kernel)
     monkeypatch.setattr(gnc, "_kernel", kernel)
     monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "prove", gnc._prove)
-    monkeypatch.setattr(gnc._norm, "_prove_silu", lambda norm, x: True)
+    monkeypatch.setattr(gnc, "_prove_silu_channels_last", lambda norm, x: True)
     monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "disabled", None)
     monkeypatch.setattr(gnc.GROUP_NORM_SILU_CONV, "verified", set())
     site = Site("group_norm_silu_conv")
@@ -272,7 +275,7 @@ def _pending_rewrite(source: str) -> str:
     tree = ast.parse(textwrap.dedent(source))
     func = tree.body[0]
     func.body = _Pending("ns", func.body, False, True).body(func.body)
-    return ast.unparse(tree)
+    return ast.unparse(ast.fix_missing_locations(tree))
 
 
 def test_the_divided_residual_add_before_the_return_takes_the_pending_result():
@@ -296,3 +299,110 @@ def test_the_divided_residual_add_before_the_return_takes_the_pending_result():
 def test_other_forms_of_the_residual_add_leave_the_value_a_tensor(tail):
     out = _pending_rewrite("def forward(self, x, y):\n    x = ns.norm_act_conv(self, 'n', 'a', (), 'c', x)\n    " + tail)
     assert "pending" not in out
+
+
+
+# --- CPU: the rewrite's moves (the pair into an ``if`` chain's branches; a branch that raises) ------------------------
+
+
+def _resnet(**kwargs):
+    from diffusers.models.resnet import ResnetBlock2D
+
+    gen = torch.Generator().manual_seed(0)
+    block = ResnetBlock2D(in_channels=32, out_channels=32, groups=8, eps=1e-6, **kwargs).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.dim() == 1 and p is not None else 0.0))
+    return block
+
+
+@pytest.mark.parametrize("kwargs, temb", [
+    (dict(temb_channels=None, up=True), False),  # conv1 behind the upsampling branch
+    (dict(temb_channels=None, down=True), False),  # ... the downsampling branch
+    (dict(temb_channels=None), False),  # ... the else: branch, joined
+    (dict(temb_channels=16, time_embedding_norm="scale_shift"), True),  # conv2 in the raising branch's path
+    (dict(temb_channels=16), True),  # the default branch, temb added
+])
+@torch.no_grad()
+def test_the_rewritten_resnet_runs_every_branch_as_diffusers_writes_it(kwargs, temb):
+    """The rewritten ``ResnetBlock2D.forward`` on modules without sites (each joined call runs its statements as
+    written) gives diffusers' result bit for bit on every branch the move touched."""
+    from diffusers_fastpath.models.vae_kl import BLOCKS
+
+    block = _resnet(**kwargs)
+    x = torch.randn(2, 32, 8, 8, generator=torch.Generator().manual_seed(1))
+    t = torch.randn(2, 16, generator=torch.Generator().manual_seed(2)) if temb else None
+    ref = block(x, t)
+    (resnet,) = [b for b in BLOCKS if b.base.__name__ == "ResnetBlock2D"]
+    block.__class__ = resnet.current()
+    assert torch.equal(block(x, t), ref)
+
+
+def test_the_scale_shift_branch_still_raises_without_temb():
+    from diffusers_fastpath.models.vae_kl import BLOCKS
+
+    block = _resnet(temb_channels=None, time_embedding_norm="scale_shift")
+    (resnet,) = [b for b in BLOCKS if b.base.__name__ == "ResnetBlock2D"]
+    block.__class__ = resnet.current()
+    with pytest.raises(ValueError, match="temb"):
+        block(torch.randn(1, 32, 8, 8), None)
+
+
+def _chains(source: str) -> str:
+    import ast
+    import textwrap
+
+    from diffusers_fastpath.models.vae_ltx2_chain import _Chains
+
+    tree = ast.parse(textwrap.dedent(source))
+    func = tree.body[0]
+    func.body = _Chains("ns", None).body(func.body)
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+PAIR = "x = ns.norm_act(self, 'n', 'a', x)"
+
+
+def test_a_pair_moves_into_an_if_chain_of_hoistable_tests_and_joins_on_the_branch_without_statements():
+    out = _chains(f"""
+        def forward(self, x):
+            {PAIR}
+            if self.up is not None:
+                x = self.up(x)
+            elif self.down is not None:
+                try:
+                    raise ValueError
+                except ValueError:
+                    x = self.down(x)
+            x = self.conv(x)
+            return x
+        """)
+    # each branch: the pair, its statements, the convolution; joined where only module calls of x lie between (the
+    # between modules' run-time check, `_between_reason`, takes nothing but an eval-mode nn.Dropout there)
+    assert "x = ns.norm_act_conv(self, 'n', 'a', ('up',), 'conv', x)" in out
+    assert out.count("ns.norm_act(self, 'n', 'a', x)") == 1  # the try branch: the pair as written
+    assert "else:\n        x = ns.norm_act_conv(self, 'n', 'a', (), 'conv', x)" in out
+
+
+@pytest.mark.parametrize("middle", [
+    "if self.up is not None and x.shape[0] > 1:\n        x = self.up(x)",  # a test that reads x: not hoistable
+    "if self.flag:\n        x = self.up(x)",  # not an `is None` test of the block's own attribute
+    "if self.up is not None:\n        return x",  # a branch that leaves early
+    "for i in range(2):\n        x = self.up(x)",  # not an if
+])
+def test_a_pair_stays_where_it_is_unless_the_move_is_provably_the_same_statements(middle):
+    out = _chains(f"def forward(self, x):\n    {PAIR}\n    {middle}\n    x = self.conv(x)\n    return x")
+    assert "norm_act_conv" not in out and out.count("ns.norm_act(self") == 1
+
+
+def test_a_statement_between_the_if_and_the_convolution_keeps_the_pair_apart():
+    out = _chains(f"""
+        def forward(self, x):
+            {PAIR}
+            if self.up is not None:
+                x = self.up(x)
+            y = x * 2
+            x = self.conv(y)
+            return x
+        """)
+    assert "norm_act_conv" not in out
