@@ -192,6 +192,53 @@ def test_failing_kernel_warns_once_disables_and_stays_exact(monkeypatch, fastpat
     assert site.fast == 0 and dict(site.fallback) == {_policy.REASON_DISABLED: 3}
 
 
+def test_out_of_memory_in_the_kernel_falls_back_for_that_call_and_keeps_the_op(monkeypatch, fastpath_log):
+    """A kernel that runs out of GPU memory once: that call returns eager's result, counted with the reason; the op
+    stays on (the next call runs the kernel) and nothing is logged as an error."""
+    monkeypatch.setattr(MODULATE_SCALE_SHIFT, "guard", lambda *a, **k: None)
+    calls = []
+
+    def kernel(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return modulate_scale_shift_ref(*args)
+
+    monkeypatch.setattr(MODULATE_SCALE_SHIFT, "kernel", kernel)
+    site = Site("modulate_scale_shift")
+    x, scale, shift = make_inputs((1, 8, 64), torch.bfloat16, "adaln_chunk", "cpu", 2)
+    for _ in range(2):
+        assert torch.equal(modulate_scale_shift(x, scale, shift, site), modulate_scale_shift_ref(x, scale, shift))
+    assert MODULATE_SCALE_SHIFT.disabled is None and len(calls) == 2
+    assert site.fast == 1 and dict(site.fallback) == {_policy.REASON_MEMORY: 1}
+    assert not [r for r in fastpath_log.records if "disabling" in r.getMessage()]
+
+
+def test_out_of_memory_in_a_first_calls_check_leaves_the_signature_unchecked(monkeypatch):
+    """A self-verified op whose first call's check (eager's result beside the kernel's) runs out of memory: that call
+    returns eager's result, the signature is not recorded as checked, the op stays on; the next call checks again."""
+    from diffusers_fastpath.ops._policy import FusedOp
+
+    refs = []
+
+    def ref(x):
+        refs.append(1)
+        if len(refs) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return x * 2
+
+    op = FusedOp("test_oom_check", ref=ref, guard=lambda x, check_pointers=True: None, kernel=lambda x: x * 2,
+                 custom_op=ref, verify_key=lambda x: x.dtype, fallback=lambda x: x + x)
+    try:
+        site = Site("test_oom_check")
+        x = torch.arange(4.0)
+        assert torch.equal(op(site, x), x * 2) and op.disabled is None and not op.verified
+        assert dict(site.fallback) == {_policy.REASON_MEMORY: 1} and site.fast == 0
+        assert torch.equal(op(site, x), x * 2) and op.verified == {torch.float32} and site.fast == 1
+    finally:
+        _policy.OPS.pop("test_oom_check", None)
+
+
 def test_kernel_errors_are_raised_under_compile(monkeypatch):
     monkeypatch.setattr(MODULATE_SCALE_SHIFT, "guard", lambda *a, **k: None)
     monkeypatch.setattr(MODULATE_SCALE_SHIFT, "custom_op", _failing_kernel)

@@ -11,7 +11,10 @@
   pointwise math in float32: eager's chain is another one there). A guard never raises: one that does (a bug of this
   package) refuses the call, with one warning.
 - The first exception from a fused kernel (a failed build, a launch error) logs one warning and disables that op
-  for the process; its calls run the eager reference from then on.
+  for the process; its calls run the eager reference from then on. Running out of GPU memory is not such an error:
+  that call, its kernel's memory released, runs the eager reference (which, alone, needs what eager needs: a first
+  call's check holds the kernel's result and eager's at once), counted with the reason, and the op stays on (a
+  first call's signature stays unchecked until a check completes).
 - Inside a CUDA graph capture an error is raised too (the capture failed, not the kernel; see `graphs`).
 - Inside ``torch.compile`` tracing nothing is swallowed: the op is emitted as its registered custom op (with a fake
   implementation), and any error is raised. A fallback baked into a graph would lose the fast path for good.
@@ -56,6 +59,7 @@ FP32_OPS = frozenset({"conv_bias", "causal_conv3d", "ltx_causal_conv3d", "upsamp
 ENV_DISABLE = "DIFFUSERS_FASTPATH_DISABLE"
 REASON_ENV = f"{ENV_DISABLE} is set"
 REASON_DISABLED = "op disabled after an error"
+REASON_MEMORY = "out of GPU memory (this call: eager's expression runs, the kernel's memory released first)"
 REASON_NO_KERNELS = "no CUDA kernels in this process"
 REASON_TRANSFORM = "inside a torch.func transform (vmap, grad, jvp)"
 REASON_FORWARD_REPLACED = "{}.forward replaced on its class"  # (`forward_replaced`; the class's name)
@@ -360,13 +364,20 @@ class FusedOp:
             if reason is None:
                 try:
                     out = self.kernel(*args)
+                    # (a first call's check holds the kernel's result and eager's at once: more memory than eager)
+                    verified = self.verify_key is None or self._verified(out, args)
+                except torch.OutOfMemoryError:  # this call only: the fast path stays on, eager's expression runs
+                    if capturing():
+                        raise
+                    out = None  # (released before the fallback allocates eager's result)
+                    reason = REASON_MEMORY
                 except Exception as exc:  # noqa: BLE001 - any kernel failure falls back, once, loudly
                     if capturing():  # the capture failed, not the kernel: the graph runner says why, eager runs
                         raise
                     self.disable(exc)
                     reason = self.disabled_reason
                 else:
-                    if self.verify_key is not None and not self._verified(out, args):
+                    if not verified:
                         reason = REASON_DISABLED
                     else:
                         if site is not None:
@@ -416,9 +427,11 @@ class FusedOp:
             return False
         if key in self.verified:
             return True
-        equal = outputs_equal(out, self.ref(*args))
+        equal = outputs_equal(out, self.ref(*args))  # (out of memory: raised to `try_fast`, nothing recorded)
         try:
             proven = equal and (self.prove is None or self.prove(*args))
+        except torch.OutOfMemoryError:
+            raise  # (this call falls back, the signature unchecked: `try_fast`)
         except Exception as exc:  # noqa: BLE001 - the proof runs the kernel too: a failure there falls back, once
             self.disable(exc)
             return False
