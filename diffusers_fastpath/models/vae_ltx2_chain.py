@@ -589,11 +589,14 @@ def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, Chai
         sites = [(_joined_convs(forward), calls.chain.name)]
         if calls.bias is not None:
             sites.append((_joined_convs(forward, (RECEIVER, RECEIVER_PENDING)), calls.bias.name))
+        joined = False  # (whether a convolution of this block takes a joined call: only then can a result be pending)
         for names, site in sites:
             for name in dict.fromkeys(names):
                 conv = getattr(module, name, None)
-                if isinstance(conv, nn.Module) and takes(conv) and site_attr(site) not in conv.__dict__:
-                    state.add_site(conv, site, site)
+                if isinstance(conv, nn.Module) and takes(conv):
+                    joined = True
+                    if site_attr(site) not in conv.__dict__:
+                        state.add_site(conv, site, site)
         residual = None if calls.residual is None else calls.residual.name
-        if residual is not None and _adds(forward) and site_attr(residual) not in module.__dict__:
+        if residual is not None and joined and _adds(forward) and site_attr(residual) not in module.__dict__:
             state.add_site(module, residual, residual)
