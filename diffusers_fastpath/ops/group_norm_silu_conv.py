@@ -1,7 +1,9 @@
-"""A GroupNorm VAE's ``norm -> SiLU -> convolution`` (FLUX.1's and FLUX.2's ``AutoencoderKL``: ``norm2 ->
-nonlinearity -> dropout -> conv2`` of every ``ResnetBlock2D``, ``conv_norm_out -> conv_act -> conv_out`` of the encoder
-and the decoder) with the norm's result written channels-last, the layout cuDNN runs the convolution in; bit-identical
-to eager, checked per signature.
+"""A GroupNorm VAE's ``norm -> SiLU -> convolution`` (FLUX.1's and FLUX.2's ``AutoencoderKL``: ``norm1 ->
+nonlinearity -> conv1`` and ``norm2 -> nonlinearity -> dropout -> conv2`` of every ``ResnetBlock2D``, ``conv_norm_out
+-> conv_act -> conv_out`` of the encoder and the decoder; HunyuanImage-2.1's the same way) with the norm's result
+written channels-last, the layout cuDNN runs the convolution in; bit-identical to eager, checked per signature. Asked
+for a pending result (``pending``: a resnet's ``conv2`` before its residual add), cuDNN's channels-last output and the
+bias as a `causal_conv_cl.PendingBias`, which `conv_bias_residual` adds with the residual in one pass.
 
 Eager runs, for x ``[B, C, H, W]`` contiguous (the statements of the block's forward, which
 `diffusers_fastpath.models.vae_ltx2_chain.ChainPairCalls` joins where nothing else reads the values between them)::
