@@ -409,7 +409,8 @@ def test_a_statement_between_the_if_and_the_convolution_keeps_the_pair_apart():
 
 
 def test_joined_call_sites_go_to_convolutions_the_op_can_take():
-    from diffusers_fastpath.models.vae_conv import FastpathConv2d
+    from diffusers_fastpath.models.vae_conv import FastpathConv2d, joins_group_norm
 
     wide, narrow, odd = FastpathConv2d(32, 8, 3), FastpathConv2d(8, 8, 3), FastpathConv2d(36, 8, 3)
-    assert gnc.takes(wide) and not gnc.takes(narrow) and not gnc.takes(odd) and not gnc.takes(nn.Conv2d(32, 8, 3))
+    assert joins_group_norm(wide) and not joins_group_norm(narrow) and not joins_group_norm(odd)
+    assert not joins_group_norm(nn.Conv2d(32, 8, 3))

@@ -18,6 +18,7 @@ from torch import nn
 from .._state import SITE_ATTR, PatchState
 from ..ops.causal_conv_cl import CAUSAL_CONV3D_CL
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class, conv_bias
+from ..ops.group_norm_silu_conv import takes_channels
 
 
 class FastpathConv2d(nn.Conv2d):
@@ -25,6 +26,13 @@ class FastpathConv2d(nn.Conv2d):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return conv_bias(self, input, self.__dict__.get(SITE_ATTR))
+
+
+def joins_group_norm(conv: nn.Module) -> bool:
+    """Whether a GroupNorm VAE's joined norm -> SiLU -> convolution call may run on `conv` (`group_norm_silu_conv`):
+    a `FastpathConv2d` of input channels the op takes (`takes_channels`); the adapters give the call's site only
+    there."""
+    return type(conv) is FastpathConv2d and takes_channels(conv.in_channels)
 
 
 class FastpathConv3d(nn.Conv3d):

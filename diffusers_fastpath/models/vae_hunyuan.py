@@ -24,8 +24,9 @@ from diffusers.models.autoencoders import autoencoder_kl_hunyuanimage as hunyuan
 
 from .._state import PatchState, register_adapter
 from ..ops.group_norm_silu import group_norm_silu
-from ..ops.group_norm_silu_conv import GROUP_NORM_SILU_CONV, takes
+from ..ops.group_norm_silu_conv import GROUP_NORM_SILU_CONV
 from .vae import PAIR_SITE, PairBlock, pair_unfit, patch_group_norm_vae
+from .vae_conv import joins_group_norm
 from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
 
 # the 2-D VAE's pairs, each joined with the convolution after it (as FLUX.1's: `vae_kl`)
@@ -55,4 +56,4 @@ def patch_hunyuan_vae(model, state: PatchState) -> None:
     convolutions' bias adds (see module doc)."""
     patch_group_norm_vae(model, state, BLOCKS)
     add_chain_sites(model, state, {block.sub: IMAGE_PAIRS for block in IMAGE_BLOCKS if block.sub is not None},
-                    takes)
+                    joins_group_norm)

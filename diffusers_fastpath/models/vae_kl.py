@@ -29,10 +29,11 @@ from diffusers.models.autoencoders.vae import Decoder, Encoder
 from diffusers.models.resnet import ResnetBlock2D
 
 from .._state import PatchState, register_adapter
-from ..ops.group_norm_silu import group_norm_silu
 from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
-from ..ops.group_norm_silu_conv import GROUP_NORM_SILU_CONV, takes
+from ..ops.group_norm_silu import group_norm_silu
+from ..ops.group_norm_silu_conv import GROUP_NORM_SILU_CONV
 from .vae import PAIR_SITE, PairBlock, pair_unfit, patch_group_norm_vae
+from .vae_conv import joins_group_norm
 from .vae_ltx2_chain import ChainPairCalls, add_chain_sites
 
 # the pairs, each joined with the convolution after it where the forward's form allows (``V = self.<conv>(V)``, the
@@ -58,4 +59,4 @@ def patch_vae_kl(model, state: PatchState) -> None:
     patch_group_norm_vae(model, state, BLOCKS)
     # (the joined norm -> SiLU -> convolution calls: a site on each convolution one names)
     add_chain_sites(model, state, {block.sub: PAIRS for block in BLOCKS if block.sub is not None},
-                    takes)
+                    joins_group_norm)

@@ -61,14 +61,11 @@ _norm = importlib.import_module(f"{__package__}.group_norm_silu")
 _conv = importlib.import_module(f"{__package__}.conv_bias")
 
 
-def takes(conv: nn.Module) -> bool:
-    """Whether a joined call's convolution can ever run this op, by what its module fixes: this package's
-    ``FastpathConv2d`` (`conv_bias`'s) of 32 input channels and more, a multiple of 8 (the adapters give a joined
-    call's site only there; a tiny test VAE's 8-channel convolutions run their pair and their own call, unmarked)."""
-    from ..models.vae_conv import FastpathConv2d  # (the models import the ops: resolved at call time)
-
-    channels = getattr(conv, "in_channels", 0)
-    return type(conv) is FastpathConv2d and channels >= _MIN_CHANNELS and channels % 8 == 0
+def takes_channels(channels: int) -> bool:
+    """Whether a convolution of `channels` input channels can ever run this op: 32 and more, a multiple of 8 (the
+    adapters give a joined call's site only there, `vae_conv.joins_group_norm`; a tiny test VAE's 8-channel
+    convolutions run their pair and their own call, unmarked)."""
+    return channels >= _MIN_CHANNELS and channels % 8 == 0
 
 
 def group_norm_silu_conv_ref(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor, causal=None,
