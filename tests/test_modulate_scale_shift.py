@@ -280,3 +280,30 @@ def test_compiled_call_uses_the_custom_op_and_stays_exact(monkeypatch):
     fn = torch.compile(lambda a, b, c: modulate_scale_shift(a, b, c), fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(x, scale, shift), modulate_scale_shift_ref(x, scale, shift))
     assert False in calls  # traced with pointer checks off, i.e. through the custom op
+
+
+def test_a_probe_checks_more_inputs_of_the_signature_and_skips_what_stands_for_another():
+    """`FusedOp`'s probe: a kernel that equals eager on the call's input and not on a probe input of the same signature
+    is disabled on that first call (eager's result returned); probe inputs the guard refuses, or of another
+    signature, are skipped."""
+    from diffusers_fastpath.ops._policy import FusedOp
+
+    def kernel(x):
+        return x * 2 if x[0] == 0 else x * 3
+
+    def make(probe):
+        return FusedOp("test_probe", ref=lambda x: x * 2, guard=lambda x, check_pointers=True: (
+            None if x.dtype is torch.float32 else "dtype"), kernel=kernel, custom_op=lambda x: x * 2,
+            verify_key=lambda x: (x.dtype, x.shape), probe=probe)
+
+    x = torch.zeros(4)
+    try:
+        for probe, disabled in [(lambda x: [(x + 1,)], True),  # same signature, other values: the difference shows
+                                (lambda x: [(x.double() + 1,)], False),  # refused by the guard: skipped
+                                (lambda x: [(torch.ones(5),)], False)]:  # another signature: skipped
+            op = make(probe)
+            site = Site("test_probe")
+            assert torch.equal(op(site, x), x * 2)
+            assert (op.disabled is not None) == disabled and (site.fast == 0) == disabled
+    finally:
+        _policy.OPS.pop("test_probe", None)

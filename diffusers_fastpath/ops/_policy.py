@@ -297,6 +297,12 @@ class FusedOp:
             the kernel against ``ref`` on the whole domain of the call's signature (e.g. every bit pattern of a
             unary function's dtype); run once per signature, with the first-call comparison, and a ``False``
             disables the op like a mismatch there.
+        probe: for a self-verified op whose agreement with eager may hold on some values only (a convolution run
+            channels-last by cuDNN, whose engine for some shapes is another than eager's and sums in another order
+            that rounds alike on some inputs: session 39), ``probe(*args)`` yields more argument tuples of the call's
+            signature (`wide_like` inputs, as many as `probe_seeds` allows), each checked like the first call's
+            (kernel against ``ref``), once per signature; a difference disables the op like a mismatch there. A check
+            can show a difference, never prove sameness: each input is one more chance to see it.
     """
 
     def __init__(
@@ -311,6 +317,7 @@ class FusedOp:
         fallback: Callable[..., torch.Tensor] | None = None,
         prove: Callable[..., bool] | None = None,
         modules: tuple[int, ...] = (),
+        probe: Callable[..., object] | None = None,
     ) -> None:
         self.name = name
         self.ref = ref
@@ -321,6 +328,7 @@ class FusedOp:
         self.fallback = fallback
         self.prove = prove
         self.modules = modules
+        self.probe = probe
         self.verified: set = set()  # signatures whose first fast call matched eager bit for bit
         self.disabled: str | None = None  # why the op was disabled for this process, if it was
         self.disabled_reason = REASON_DISABLED  # what its call sites count while it is
@@ -429,7 +437,7 @@ class FusedOp:
             return True
         equal = outputs_equal(out, self.ref(*args))  # (out of memory: raised to `try_fast`, nothing recorded)
         try:
-            proven = equal and (self.prove is None or self.prove(*args))
+            proven = equal and (self.prove is None or self.prove(*args)) and self._probes_agree(args)
         except torch.OutOfMemoryError:
             raise  # (this call falls back, the signature unchecked: `try_fast`)
         except Exception as exc:  # noqa: BLE001 - the proof runs the kernel too: a failure there falls back, once
@@ -445,6 +453,18 @@ class FusedOp:
             )
         )
         return False
+
+    def _probes_agree(self, args) -> bool:
+        """The kernel equals ``ref`` on every argument tuple ``probe(*args)`` yields (none without a probe) that the
+        guard takes and that is the call's signature (a probe standing for another one would vouch for nothing)."""
+        if self.probe is not None:
+            key = self.verify_key(*args)
+            for probe_args in self.probe(*args):
+                if self.guard(*probe_args) is not None or self.verify_key(*probe_args) != key:
+                    continue
+                if not outputs_equal(self.kernel(*probe_args), self.ref(*probe_args)):
+                    return False
+        return True
 
     def disable(self, exc: BaseException) -> None:
         """Turn the fast path off for this process after `exc`, with one warning (none where the kernels are missing
@@ -609,6 +629,29 @@ def tensors_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.dtype != y.dtype or x.shape != y.shape or not x.is_floating_point() or x.device != y.device:
         return False
     return x.element_size() in _SAME_SIZE_INT and torch.equal(bits(x), bits(y))
+
+
+def wide_like(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A tensor of x's shape, dtype, device and strides, standard normal values each scaled by a power of two from
+    2^-6 to 2^6 (seeded): an input on which sums in another order round to other bits where a same-signature input
+    from a model may not (a `FusedOp` probe)."""
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    values = torch.empty_like(x).normal_(generator=gen)
+    return values.mul_(torch.empty_like(x).random_(0, 13, generator=gen).sub_(6).exp2_())
+
+
+def probe_seeds(*tensors: torch.Tensor, factor: int = 5):
+    """The seeds of a `FusedOp` probe's inputs for a call of `tensors`: three where they hold at most 2^20 elements,
+    one above; each only while the device has about `factor` times their size free (the probe's inputs, the
+    kernel's and eager's results and what each computes on the way: none where memory is short, and the first
+    call's own comparison then stands alone, as every other op's does)."""
+    count = 3 if sum(t.numel() for t in tensors) <= 1 << 20 else 1
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    for seed in range(count):
+        cuda = [t for t in tensors if t.is_cuda]
+        if cuda and torch.cuda.mem_get_info(cuda[0].device)[0] < factor * size + (256 << 20):
+            return
+        yield seed
 
 
 def outputs_equal(a, b) -> bool:

@@ -39,7 +39,7 @@ from torch import nn
 from .._logging import warn_once
 from . import causal_conv_pad as _pad
 from ._build import KernelsUnavailable
-from ._policy import HALF_DTYPES, FusedOp, Site, fp32_precision_state
+from ._policy import HALF_DTYPES, FusedOp, Site, fp32_precision_state, probe_seeds, wide_like
 from .conv_bias import _backend, bias_contiguous
 
 NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
@@ -149,8 +149,15 @@ def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = Non
     return convolve_channels_last(conv, _pad.padded_input(conv, x, cache_x, channels_last=True), conv.padding)
 
 
+def _probe(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+    """The signature's check on more inputs (`FusedOp`'s probe): cuDNN's channels-last engine, where it is not
+    eager's, may round alike on some values only."""
+    for seed in probe_seeds(x):
+        yield conv, wide_like(x, seed), None if cache_x is None else wide_like(cache_x, seed + 1000)
+
+
 CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_pad.causal_conv3d_ref, guard=_guard, kernel=_kernel,
-                           custom_op=_pad.causal_conv3d_ref, verify_key=_signature)
+                           custom_op=_pad.causal_conv3d_ref, verify_key=_signature, probe=_probe)
 _pad.register_channels_last(CAUSAL_CONV3D_CL, NAMED_SITE)  # (tried first by `causal_conv_pad`'s kernel)
 
 

@@ -25,8 +25,8 @@ the bias add is aten's; so the result is eager's wherever cuDNN's channels-last 
 its own transposes, which `tools/conv_layout_probe.py` found for every convolution of the FLUX.1 decode (35 of 35 on
 an H100, cuDNN 9.19) but no document promises. So the op verifies itself: the first call of each signature (the
 norm's `group_norm_silu._signature` and what cuDNN picks its engine by, `causal_conv_cl.engine_key`) is compared with
-the eager chain, on its own input and on a second, wide-ranged one (`probe`: another engine's order of summation rounds
-to other bits on some inputs only), and a mismatch disables the op for the process (one warning); the pair and the
+the eager chain, on its own input and on wide-ranged others (`FusedOp`'s probe, `_probe`: another engine's order of
+summation rounds to other bits on some inputs only), and a mismatch disables the op for the process (one warning); the pair and the
 convolution then run as their own sites do.
 
 What the guard admits: what `group_norm_silu`'s guard admits for the norm and a 4-D x of at least 32 channels (cuDNN
@@ -47,7 +47,7 @@ import importlib
 import torch
 from torch import nn
 
-from ._policy import HALF_DTYPES, FusedOp, Site
+from ._policy import HALF_DTYPES, FusedOp, Site, probe_seeds, wide_like
 from .causal_conv_cl import PendingBias, engine_key
 
 # cuDNN's channels-last engine was eager's for every convolution of 32 channels and more tried (32 .. 512 in, 3 .. 512
@@ -121,34 +121,14 @@ def _signature(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = Fa
 
 
 def _prove(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False) -> bool:
-    """The SiLU on every value of the dtype, through the channels-last kernel itself (`_prove_silu_channels_last`),
-    and the chain against eager's on more inputs of the signature: `probe`'s values, spread over 13 binades (three
-    seeds where x has at most 2^20 elements, one above). A convolution engine other than eager's sums in another
-    order, which rounds to other bits on some inputs only (an 8-channel one on an H100 agreed with eager on the first
-    of eight fp16 calls); every call of a signature runs one engine pair, so each wider input is another chance to see
-    that they differ: a check that finds a difference, never one that proves sameness. The probes are skipped where
-    the device has too little free memory for them (about five of x's size: the probe, the norm's output, both
-    results) or run out of it: the first call's own comparison then stands alone, as every other op's does."""
-    if not _prove_silu_channels_last(norm, x):
-        return False
-    for seed in range(3 if x.numel() <= 1 << 20 else 1):
-        if not _probe_fits(x):
-            return True
-        try:
-            wide = probe(x, seed)
-            if not torch.equal(_kernel(norm, act, conv, wide), group_norm_silu_conv_ref(norm, act, conv, wide)):
-                return False
-        except torch.OutOfMemoryError:
-            return True
-    return True
+    """The SiLU on every value of the dtype, through the channels-last kernel itself (`_prove_silu_channels_last`)."""
+    return _prove_silu_channels_last(norm, x)
 
 
-def _probe_fits(x: torch.Tensor) -> bool:
-    """Whether the device has about five of x's size free (a CPU tensor, the tests' emulation: yes)."""
-    if not x.is_cuda:
-        return True
-    free, _ = torch.cuda.mem_get_info(x.device)
-    return free > 5 * x.numel() * x.element_size() + (256 << 20)
+def _probe(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False):
+    """The chain's check on more inputs of the signature (`FusedOp`'s probe: `wide_like`, `probe_seeds`)."""
+    for seed in probe_seeds(x):
+        yield norm, act, conv, wide_like(x, seed), causal
 
 
 def _prove_silu_channels_last(norm, x: torch.Tensor) -> bool:
@@ -159,13 +139,6 @@ def _prove_silu_channels_last(norm, x: torch.Tensor) -> bool:
     variant = _norm.IDENTITY_AFFINE | _norm._platform_variant(x.device, x.dtype)
     out = _norm.raw_channels_last(values, ones, ones, 8, 1e-6, True, variant)
     return torch.equal(_norm.bits(out.contiguous()), _norm.bits(torch.nn.functional.silu(values)))
-
-
-def probe(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """x's shape and dtype, standard normal values each scaled by a power of two from 2^-6 to 2^6 (seeded)."""
-    gen = torch.Generator(device=x.device).manual_seed(seed)
-    values = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
-    return values.mul_(torch.randint(-6, 7, x.shape, generator=gen, device=x.device, dtype=x.dtype).exp2_())
 
 
 def _norm_channels_last(norm, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +166,8 @@ def _kernel(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False
 
 GROUP_NORM_SILU_CONV = FusedOp("group_norm_silu_conv", ref=group_norm_silu_conv_ref, guard=_guard, kernel=_kernel,
                                custom_op=group_norm_silu_conv_ref, verify_key=_signature, prove=_prove,
-                               fallback=_fallback, modules=(0, 1, 2))  # the norm, the SiLU, the convolution
+                               fallback=_fallback, modules=(0, 1, 2),  # the norm, the SiLU, the convolution
+                               probe=_probe)
 
 
 def group_norm_silu_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor,

@@ -57,7 +57,8 @@ from . import _nvrtc
 from . import ltx_causal_conv as _conv
 from ._aten_reduce import div_up
 from ._build import LazyLauncher
-from ._policy import FLOAT_DTYPES, HALF_DTYPES, REASON_AUTOCAST, FusedOp, Site, autocast_on, autograd_device_reason
+from ._policy import (FLOAT_DTYPES, HALF_DTYPES, REASON_AUTOCAST, FusedOp, Site, autocast_on, autograd_device_reason,
+                      probe_seeds, wide_like)
 from .causal_conv_cl import PendingBias, convolve_channels_last
 from .conv_bias import bias_contiguous_arithmetic
 
@@ -241,8 +242,16 @@ def bias_norm_pad_arithmetic(raw: torch.Tensor, bias: torch.Tensor, eps: float, 
                                           reflect_hw)
 
 
+def _probe(norm, act, conv, x: PendingBias, causal, pending: bool = False):
+    """The signature's check on more inputs (`FusedOp`'s probe: cuDNN's channels-last engine, where it is not eager's,
+    may round alike on some values only): the first convolution's raw result wide-ranged, its layout and bias kept."""
+    for seed in probe_seeds(x.raw):
+        yield norm, act, conv, PendingBias(wide_like(x.raw, seed), x.bias), causal
+
+
 LTX_BIAS_NORM_CONV = FusedOp("ltx_bias_norm_conv", ref=ltx_bias_norm_conv_ref, guard=_guard, kernel=_kernel,
                              custom_op=ltx_bias_norm_conv_ref, verify_key=_signature, prove=_prove, fallback=_fallback,
+                             probe=_probe,
                              modules=(0, 1, 2))  # the norm, the SiLU and the second convolution: their calls
 
 

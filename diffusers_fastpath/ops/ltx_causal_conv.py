@@ -61,7 +61,7 @@ from torch import nn
 
 from . import causal_conv_pad as _pad
 from ._policy import (FLOAT_DTYPES, HALF_DTYPES, REASON_FORWARD_REPLACED, EagerClasses, FusedOp, Site,
-                      autograd_device_reason, forward_replaced, hooks_on)
+                      autograd_device_reason, forward_replaced, hooks_on, probe_seeds, wide_like)
 from .causal_conv_cl import convolve_channels_last, engine_key
 
 _BASES = EagerClasses()  # the classes the op takes, each with the diffusers class whose forward is the eager one
@@ -194,8 +194,17 @@ def _kernel(module: nn.Module, x: torch.Tensor, causal: bool | None = None) -> t
     return convolve_channels_last(conv, _pad._launch(x, None, padding, True, True, reflect), conv_padding)
 
 
+def _probe(module, x: torch.Tensor, causal: bool | None = None):
+    """The signature's check on more inputs (`FusedOp`'s probe: cuDNN's channels-last engine, where it is not eager's,
+    may round alike on some values only); none on the channels-first path (exact by construction)."""
+    if not _channels_last(module.conv, x):
+        return
+    for seed in probe_seeds(x):
+        yield module, wide_like(x, seed), causal
+
+
 LTX_CAUSAL_CONV3D = FusedOp("ltx_causal_conv3d", ref=ltx_causal_conv3d_ref, guard=_guard, kernel=_kernel,
-                            custom_op=ltx_causal_conv3d_ref, verify_key=_signature)
+                            custom_op=ltx_causal_conv3d_ref, verify_key=_signature, probe=_probe)
 
 
 def ltx_causal_conv3d(module: nn.Module, x: torch.Tensor, causal: bool | None = None,
