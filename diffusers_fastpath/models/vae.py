@@ -241,20 +241,33 @@ def _hoistable_test(test: ast.expr) -> bool:
             and test.comparators[0].value is None)
 
 
-def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
-    """For ``V = self.N(V)``, then `node` (an ``if`` without ``elif`` whose test `_hoistable_test` takes), then
-    ``V = self.A(V)``: move the norm statement to the start and the activation to the end of each branch (an
-    ``else:`` with the two alone where there is none), the statements each path runs and their order unchanged but
-    the test's, now read first. LTX-2's resnets (``norm1``, an ``if self.scale_shift_table is not None:`` modulate
-    that is off by default, then the SiLU) pair on the branch without the modulate. False (nothing changed) where
-    the form differs."""
-    if (len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If)) or not _hoistable_test(node.test):
+def _if_chain(node: ast.If) -> list[ast.If]:
+    """`node` and the ``elif``s nested in its ``orelse``."""
+    chain = [node]
+    while len(chain[-1].orelse) == 1 and isinstance(chain[-1].orelse[0], ast.If):
+        chain.append(chain[-1].orelse[0])
+    return chain
+
+
+def wrap_branches(node: ast.If, first: ast.stmt, last: ast.stmt, var: str) -> bool:
+    """For `first`, then `node` (an ``if`` / ``elif`` chain whose every test `_hoistable_test` takes and does not
+    name V, `var`), then `last`: `first` moved to the start and `last` to the end of each branch (an ``else:`` with
+    the two alone where there is none), the statements each path runs and their order unchanged but the tests',
+    now read first. False (nothing changed) where the form differs."""
+    chain = _if_chain(node)
+    if not all(_hoistable_test(n.test) and var not in names_in(n.test) for n in chain):
         return False
-    if var in names_in(node.test):
-        return False
-    node.body = [copy.deepcopy(norm), *node.body, copy.deepcopy(act)]
-    node.orelse = [copy.deepcopy(norm), *node.orelse, copy.deepcopy(act)]
+    for n in chain:
+        n.body = [copy.deepcopy(first), *n.body, copy.deepcopy(last)]
+    chain[-1].orelse = [copy.deepcopy(first), *chain[-1].orelse, copy.deepcopy(last)]
     return True
+
+
+def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
+    """For ``V = self.N(V)``, then `node` (an ``if`` without ``elif``), then ``V = self.A(V)``: `wrap_branches`. LTX-2's
+    resnets (``norm1``, an ``if self.scale_shift_table is not None:`` modulate that is off by default, then the SiLU)
+    pair on the branch without the modulate."""
+    return len(_if_chain(node)) == 1 and wrap_branches(node, norm, act, var)
 
 
 def rewrite_nested(stmt: ast.stmt, body) -> ast.stmt:

@@ -6,8 +6,8 @@ Both are ``vae.Encoder`` + ``vae.Decoder`` of ``ResnetBlock2D``s with a mid-bloc
 resnets, the decoder's ``conv_norm_out``), each joined with the convolution that reads it (``conv1``, ``conv2``,
 ``conv_out``: `vae_ltx2_chain.ChainPairCalls`) as `group_norm_silu_conv` (the norm written channels-last for cuDNN;
 where it refuses, the pair as `group_norm_silu` and the convolution as `conv_bias`), and the mid-block attention's
-``group_norm`` as `group_norm`; per encode 21 pairs (10 resnets and ``conv_norm_out``) and the attention's norm. Every convolution's bias
-is added by `conv_bias` (`diffusers_fastpath.models.vae_conv`: 35 a decode, each one vectorised pass instead of aten's
+``group_norm`` as `group_norm`; per encode 21 pairs (10 resnets and ``conv_norm_out``) and the attention's norm.
+Every convolution's bias is added by `conv_bias` (`diffusers_fastpath.models.vae_conv`: 35 a decode, each one vectorised pass instead of aten's
 broadcast add after cuDNN's convolution). The convolutions themselves, the attention and the residual adds run as
 diffusers wrote them. Tiling and slicing (``enable_tiling``,
 ``enable_slicing``) call the same blocks on smaller tensors: the same sites, each checked per call by the op's guard.

@@ -65,7 +65,7 @@ from ..ops.causal_conv_cl import PendingBias
 from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, _hoistable_test, names_in, rewrite_nested
+from .vae import PairCalls, names_in, rewrite_nested, wrap_branches
 
 # the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
 # the one that does both; the residual add that takes it; the settle
@@ -253,31 +253,13 @@ def _falls_through(node: ast.If) -> bool:
     return not any(isinstance(n, (ast.Return, ast.Break, ast.Continue)) for n in ast.walk(node))
 
 
-def _if_chain(node: ast.If) -> list[ast.If]:
-    """`node` and the ``elif``s nested in its ``orelse``."""
-    chain = [node]
-    while len(chain[-1].orelse) == 1 and isinstance(chain[-1].orelse[0], ast.If):
-        chain.append(chain[-1].orelse[0])
-    return chain
-
-
 def _pair_into_branches(node: ast.If, pair: ast.stmt, conv: ast.stmt, var: str) -> bool:
-    """For the pair statement, then `node` (an ``if`` / ``elif`` chain whose tests `vae._hoistable_test` takes and do
-    not read V, no branch leaving early), then the convolution's statement: the pair moved to the start and the
-    convolution to the end of each branch (an ``else:`` with the two alone where there is none), each path's
-    statements and their order unchanged but the tests', now read first (the block's own attributes, which the norm
-    and its activation cannot change). FLUX.1's resnets (``norm1 -> nonlinearity``, ``if self.upsample is not None:
-    ... elif self.downsample is not None: ...``, ``conv1``) then join on the ``else:`` branch. False (nothing
-    changed) where the form differs."""
-    chain = _if_chain(node)
-    if not _falls_through(node) or not all(
-            _hoistable_test(n.test) and var not in names_in(n.test) for n in chain):
-        return False
-    for n in chain:
-        n.body = [copy.deepcopy(pair), *n.body, copy.deepcopy(conv)]
-    last = chain[-1]
-    last.orelse = [copy.deepcopy(pair), *last.orelse, copy.deepcopy(conv)]
-    return True
+    """For the pair statement, then `node` (no branch leaving early), then the convolution's statement:
+    `vae.wrap_branches` (the tests, the block's own attributes, read before the norm and its activation, which cannot
+    change them). FLUX.1's resnets (``norm1 -> nonlinearity``, ``if self.upsample is not None: ... elif
+    self.downsample is not None: ...``, ``conv1``) then join on the ``else:`` branch. False (nothing changed) where
+    the form differs."""
+    return _falls_through(node) and wrap_branches(node, pair, conv, var)
 
 
 def _ends_in_pair(body: list[ast.stmt], var: str, ns: str) -> bool:
@@ -448,8 +430,8 @@ class _Pending:
     followed, going forward while V may hold the pending value, by: a receiver, a joined call reading V (where `joined`:
     it becomes ``pending_norm_act_conv``, which takes a `PendingBias`) or a residual add ``V = V + E`` / ``V = E + V``
     with E not naming V, or ``T = (V + E) / D`` right before ``return T`` (`_add_node`; where `adds`: the add becomes
-    ``<ns>.pending_add(self, V, E)``, the operands in their order, which takes one); an ``if`` whose test does not name V (each branch that starts with a receiver keeps it, each other
-    branch that names V starts with ``V = <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``,
+    ``<ns>.pending_add(self, V, E)``, the operands in their order, which takes one); an ``if`` whose test does not
+    name V (each branch that starts with a receiver keeps it, each other branch that names V starts with ``V = <ns>.settled(V)``, and a branch that does not name V, or a missing ``else``,
     leaves V pending past the ``if``); a statement that does not name V (left as it is); any other statement, or the
     list's end, gets ``V = <ns>.settled(V)`` before it, and V is a tensor again. Where that walk finds a receiver, S's
     joined calls that end its paths become ``norm_act_conv_pending`` (a receiver: ``pending_norm_act_conv_pending``),
