@@ -647,11 +647,22 @@ def probe_seeds(*tensors: torch.Tensor, factor: int = 5):
     call's own comparison then stands alone, as every other op's does)."""
     count = 3 if sum(t.numel() for t in tensors) <= 1 << 20 else 1
     size = sum(t.numel() * t.element_size() for t in tensors)
+    cuda = [t for t in tensors if t.is_cuda]
     for seed in range(count):
-        cuda = [t for t in tensors if t.is_cuda]
         if cuda and torch.cuda.mem_get_info(cuda[0].device)[0] < factor * size + (256 << 20):
             return
         yield seed
+
+
+def wide_probe(position: int, arity: int | None = None):
+    """A `FusedOp` probe for an op whose one tensor argument is at `position`: the call's arguments with that tensor
+    `wide_like` (`probe_seeds`'s seeds), the others as they are, those from `arity` on dropped (a request for a
+    pending result: the probe compares tensors)."""
+    def probe(*args):
+        x = args[position]
+        for seed in probe_seeds(x):
+            yield (*args[:position], wide_like(x, seed), *args[position + 1:arity])
+    return probe
 
 
 def outputs_equal(a, b) -> bool:

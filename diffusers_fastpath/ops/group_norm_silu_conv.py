@@ -25,7 +25,7 @@ the bias add is aten's; so the result is eager's wherever cuDNN's channels-last 
 its own transposes, which `tools/conv_layout_probe.py` found for every convolution of the FLUX.1 decode (35 of 35 on
 an H100, cuDNN 9.19) but no document promises. So the op verifies itself: the first call of each signature (the
 norm's `group_norm_silu._signature` and what cuDNN picks its engine by, `causal_conv_cl.engine_key`) is compared with
-the eager chain, on its own input and on wide-ranged others (`FusedOp`'s probe, `_probe`: another engine's order of
+the eager chain, on its own input and on wide-ranged others (`FusedOp`'s probe, `wide_probe`: another engine's order of
 summation rounds to other bits on some inputs only), and a mismatch disables the op for the process (one warning); the pair and the
 convolution then run as their own sites do.
 
@@ -47,7 +47,7 @@ import importlib
 import torch
 from torch import nn
 
-from ._policy import HALF_DTYPES, FusedOp, Site, probe_seeds, wide_like
+from ._policy import HALF_DTYPES, FusedOp, Site, wide_probe
 from .causal_conv_cl import PendingBias, engine_key
 
 # cuDNN's channels-last engine was eager's for every convolution of 32 channels and more tried (32 .. 512 in, 3 .. 512
@@ -125,12 +125,6 @@ def _prove(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False)
     return _prove_silu_channels_last(norm, x)
 
 
-def _probe(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False):
-    """The chain's check on more inputs of the signature (`FusedOp`'s probe: `wide_like`, `probe_seeds`)."""
-    for seed in probe_seeds(x):
-        yield norm, act, conv, wide_like(x, seed), causal
-
-
 def _prove_silu_channels_last(norm, x: torch.Tensor) -> bool:
     """The channels-last kernel's SiLU equals eager's on every value of the dtype: its identity-affine probe mode
     (``y = fma(1, x, -0) = x``) over all 65536 bit patterns as ``[1, 8, 64, 128]`` (8 groups of one channel)."""
@@ -167,7 +161,7 @@ def _kernel(norm, act, conv, x: torch.Tensor, causal=None, pending: bool = False
 GROUP_NORM_SILU_CONV = FusedOp("group_norm_silu_conv", ref=group_norm_silu_conv_ref, guard=_guard, kernel=_kernel,
                                custom_op=group_norm_silu_conv_ref, verify_key=_signature, prove=_prove,
                                fallback=_fallback, modules=(0, 1, 2),  # the norm, the SiLU, the convolution
-                               probe=_probe)
+                               probe=wide_probe(3, 5))
 
 
 def group_norm_silu_conv(norm: nn.Module, act: nn.Module, conv: nn.Module, x: torch.Tensor,
