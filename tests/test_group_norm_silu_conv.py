@@ -269,16 +269,21 @@ def test_a_hooked_module_of_the_chain_runs_the_module_calls_with_their_hooks(emu
 # --- CPU: the residual add that takes the joined call's pending result (FLUX.1's resnets) ----------------------------
 
 
-def _pending_rewrite(source: str) -> str:
+def _rewritten(source: str, rewrite) -> str:
+    """The function in `source` with its body put through ``rewrite(body)``, as text."""
     import ast
     import textwrap
 
-    from diffusers_fastpath.models.vae_ltx2_chain import _Pending
-
     tree = ast.parse(textwrap.dedent(source))
     func = tree.body[0]
-    func.body = _Pending("ns", func.body, False, True).body(func.body)
+    func.body = rewrite(func.body)
     return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def _pending_rewrite(source: str) -> str:
+    from diffusers_fastpath.models.vae_ltx2_chain import _Pending
+
+    return _rewritten(source, lambda body: _Pending("ns", body, False, True).body(body))
 
 
 def test_the_divided_residual_add_before_the_return_takes_the_pending_result():
@@ -352,15 +357,9 @@ def test_the_scale_shift_branch_still_raises_without_temb():
 
 
 def _chains(source: str) -> str:
-    import ast
-    import textwrap
-
     from diffusers_fastpath.models.vae_ltx2_chain import _Chains
 
-    tree = ast.parse(textwrap.dedent(source))
-    func = tree.body[0]
-    func.body = _Chains("ns", None).body(func.body)
-    return ast.unparse(ast.fix_missing_locations(tree))
+    return _rewritten(source, _Chains("ns", None).body)
 
 
 PAIR = "x = ns.norm_act(self, 'n', 'a', x)"
