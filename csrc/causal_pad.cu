@@ -194,6 +194,122 @@ __global__ void __launch_bounds__(kTile * kTileRows) ltx_rmsnorm_pad_cl_kernel(c
   pad_cl_tiles<T, true, true>(a, shared_address(&tile[0][0]), rsqrt);
 }
 
+// The wide channels-last copy: what pad_cl_tiles writes, moved 16 bytes at a time both ways (elementwise.cuh's
+// transpose_tile_wide), where every vector is whole: 16-bit values, channels and width multiples of 8, x's (and the
+// cache's) strides multiples of 8 elements and their data (and `rsqrt`'s) 16-byte aligned (wide_fits below, and
+// ops/causal_conv_pad.py's twin). A block moves a tile of kWideChannels channels x kWideColumns source columns of
+// one output row (b, t, h): each thread loads two 16-byte vectors (8 columns of one channel: source columns sw .. sw
+// + 7 of the plane the row reads, or zeros where it reads none), and stores two (8 channels of one column: output
+// column pad_w0 + sw, 64 contiguous bytes). The border columns (below pad_w0 and from pad_w0 + width: zeros, or with
+// a.reflect_hw the reflected source column's values) are written by the first column tile's block, 8 channels a
+// thread, read one by one. Every element of the buffer is the one pad_cl_tiles writes there (kNorm: the same
+// ltx_rmsnorm_value of the same operands). grid (ceil(width / kWideColumns), min(ceil(C / kWideChannels), 65535),
+// min(B * Tp * Hp, 65535)), block kWideThreads, the channel tiles and rows with grid strides as pad_cl_tiles's.
+constexpr int kWideChannels = 32;
+constexpr int kWideColumns = 64;
+constexpr int kWideThreads = 128;
+constexpr int kWideVecs = kWideChannels * kWideColumns / 8 / kWideThreads;  // 16-byte vectors a thread moves
+
+template <typename T, bool kModes, bool kNorm>
+__device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsigned base, const float* rsqrt) {
+  using P = Pack<T>;
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
+  const int64_t out_t = a.pad_t0 + a.cache_frames + a.frames + a.pad_t1;
+  const int64_t rows = a.batch * out_t * out_h;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kWideColumns;  // the tile's first source column
+  const int64_t border = a.pad_w0 + a.pad_w1;
+  const T* x = static_cast<const T*>(a.x);
+  const T* cache = static_cast<const T*>(a.cache);
+  T* out = static_cast<T*>(a.out);
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
+       c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (bounds uniform over the block: __syncthreads is safe)
+    for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
+      const int64_t h = r % out_h;
+      const int64_t t = (r / out_h) % out_t;
+      const int64_t b = r / (out_h * out_t);
+      int64_t sh = h - a.pad_h0;
+      int64_t st = t - a.pad_t0;
+      if constexpr (kModes) {
+        if (a.reflect_hw) sh = reflect_index(sh, a.height);
+        if (a.replicate_t) st = clamp_frame(st, a.cache_frames + a.frames);
+      }
+      const T* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
+      int64_t stride_c = 0;
+      const float* rs_row = nullptr;  // kNorm: the reciprocals of the source row's positions
+      if (sh >= 0 && sh < a.height && st >= 0) {
+        if (st < a.cache_frames) {
+          src = cache + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
+          stride_c = a.cache_stride_c;
+        } else if (st < a.cache_frames + a.frames) {
+          src = x + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
+          stride_c = a.x_stride_c;
+          if constexpr (kNorm) rs_row = rsqrt + ((b * a.frames + st - a.cache_frames) * a.height + sh) * a.width;
+        }
+      }
+      float rs[kWideVecs][8];  // kNorm: the reciprocals of each loaded vector's 8 columns
+      transpose_tile_wide<T, kWideChannels, kWideColumns, kWideThreads>(
+          base,
+          [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
+            const int64_t c = c0 + cl, sw = s0 + sc;
+            if (src == nullptr || c >= a.channels || sw >= a.width) return P{};  // (+0.0 on the border, as F.pad)
+            if constexpr (kNorm) {
+              const float4 lo = __ldg(reinterpret_cast<const float4*>(rs_row + sw));
+              const float4 hi = __ldg(reinterpret_cast<const float4*>(rs_row + sw + 4));
+              rs[j][0] = lo.x, rs[j][1] = lo.y, rs[j][2] = lo.z, rs[j][3] = lo.w;
+              rs[j][4] = hi.x, rs[j][5] = hi.y, rs[j][6] = hi.z, rs[j][7] = hi.w;
+            }
+            return load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw));
+          },
+          [&](int j, P p) -> P {
+            if constexpr (kNorm) {
+              if (src != nullptr) {  // (the zeros of a row that reads no plane stay zeros, as pad_cl_tiles writes)
+#pragma unroll
+                for (int k = 0; k < 8; ++k) p.v[k] = ltx_rmsnorm_value<T>(p.v[k], rs[j][k], true);
+              }
+            }
+            return p;
+          },
+          [&](int, int sc, int cl, const P& p) {  // source column s0 + sc: output column pad_w0 + s0 + sc
+            const int64_t sw = s0 + sc, c = c0 + cl;
+            if (sw < a.width && c < a.channels) *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
+          });
+      if (blockIdx.x == 0) {  // the border columns of this row and channel tile
+        for (int64_t i = threadIdx.x; i < border * (kWideChannels / 8); i += kWideThreads) {
+          const int64_t bw = i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
+          if (c >= a.channels) continue;
+          const int64_t w = bw < a.pad_w0 ? bw : a.width + bw;  // (pad_w0 + width + (bw - pad_w0))
+          P p{};
+          if constexpr (kModes) {
+            if (a.reflect_hw && src != nullptr) {
+              const int64_t sw = reflect_index(w - a.pad_w0, a.width);
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                p.v[k] = src[(c + k) * stride_c + sw];
+                if constexpr (kNorm) p.v[k] = ltx_rmsnorm_value<T>(p.v[k], __ldg(rs_row + sw), true);
+              }
+            }
+          }
+          *reinterpret_cast<P*>(out + (r * out_w + w) * a.channels + c) = p;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, bool kModes>
+__global__ void __launch_bounds__(kWideThreads) causal_pad_cl_wide_kernel(const CausalPadArgs a) {
+  __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
+  pad_cl_wide_tiles<T, kModes, false>(a, shared_address(&tile[0]), nullptr);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWideThreads) ltx_rmsnorm_pad_cl_wide_kernel(const CausalPadArgs a,
+                                                                               const float* rsqrt) {
+  __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
+  pad_cl_wide_tiles<T, true, true>(a, shared_address(&tile[0]), rsqrt);
+}
+
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
 int64_t planes_of(const CausalPadArgs& a) {
   return a.batch * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) * (a.height + a.pad_h0 + a.pad_h1);
@@ -209,6 +325,28 @@ dim3 cl_grid(const CausalPadArgs& a) {
               static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
 }
 
+// The wide kernels' inputs (16-bit values: the callers' dtype): whole 16-byte vectors of x, of the cache and of rsqrt
+// (null: none) at every row the tiles read, and of the output at every column (ops/causal_conv_pad.py's _wide_fits is
+// its Python twin).
+bool wide_fits(const CausalPadArgs& a, const float* rsqrt) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  bool fits = a.channels % 8 == 0 && a.width > 0 && a.width % 8 == 0 && aligned(a.x) && aligned(a.out) &&
+              a.x_stride_b % 8 == 0 && a.x_stride_c % 8 == 0 && a.x_stride_t % 8 == 0 && a.x_stride_h % 8 == 0;
+  if (a.cache_frames > 0) {
+    fits = fits && aligned(a.cache) && a.cache_stride_b % 8 == 0 && a.cache_stride_c % 8 == 0 &&
+           a.cache_stride_t % 8 == 0 && a.cache_stride_h % 8 == 0;
+  }
+  return fits && (rsqrt == nullptr || aligned(rsqrt));
+}
+
+dim3 wide_grid(const CausalPadArgs& a) {
+  const int64_t planes = planes_of(a);
+  const int64_t ctiles = (a.channels + kWideChannels - 1) / kWideChannels;
+  return dim3(static_cast<unsigned>((a.width + kWideColumns - 1) / kWideColumns),
+              static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
+              static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
+}
+
 template <typename T, bool kModes>
 cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
@@ -217,6 +355,12 @@ cudaError_t launch(const CausalPadArgs& a, cudaStream_t stream) {
   if (rows == 0 || out_w == 0) return cudaSuccess;
   if (rows < 0 || out_w < 0) return cudaErrorInvalidValue;
   if (a.channels_last) {
+    if constexpr (sizeof(T) == 2) {
+      if (wide_fits(a, nullptr)) {
+        causal_pad_cl_wide_kernel<T, kModes><<<wide_grid(a), kWideThreads, 0, stream>>>(a);
+        return cudaGetLastError();
+      }
+    }
     causal_pad_cl_kernel<T, kModes><<<cl_grid(a), dim3(kTile, kTileRows), 0, stream>>>(a);
     return cudaGetLastError();
   }
@@ -232,6 +376,10 @@ cudaError_t launch_norm(const CausalPadArgs& a, const float* rsqrt, cudaStream_t
   const int64_t rows = planes_of(a) * a.channels;
   if (rows == 0 || out_w == 0) return cudaSuccess;
   if (rows < 0 || out_w < 0 || !a.channels_last || !a.replicate_t || a.cache_frames) return cudaErrorInvalidValue;
+  if (wide_fits(a, rsqrt)) {
+    ltx_rmsnorm_pad_cl_wide_kernel<T><<<wide_grid(a), kWideThreads, 0, stream>>>(a, rsqrt);
+    return cudaGetLastError();
+  }
   ltx_rmsnorm_pad_cl_kernel<T><<<cl_grid(a), dim3(kTile, kTileRows), 0, stream>>>(a, rsqrt);
   return cudaGetLastError();
 }

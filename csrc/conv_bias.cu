@@ -130,6 +130,79 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
   }
 }
 
+// The wide bias_contiguous: the same values (and with kResidual the same second rounding), moved 16 bytes at a time
+// both ways (elementwise.cuh's transpose_tile_wide), where every vector is whole: 16-bit values, channels and spatial
+// multiples of 8, x and the residual 16-byte aligned (wide_fits below; ops/conv_bias.py's twin). A block moves a tile
+// of kWidePositions positions x kWideChannels channels of one sample: each thread loads two 16-byte vectors (8
+// channels of one position), adds their biases and rounds to T (aten's add), and stores two (8 positions of one
+// channel, with kResidual each the residual's vector at that place added to it and rounded: loaded before the tile's
+// shared stores). grid (ceil(spatial / kWidePositions), min(ceil(C / kWideChannels), 65535), min(batch, 65535)),
+// block kWideThreads, the channel tiles and samples with grid strides as bias_contiguous_kernel's.
+constexpr int kWidePositions = 64;
+constexpr int kWideChannels = 32;
+constexpr int kWideThreads = 128;
+constexpr int kWideVecs = kWidePositions * kWideChannels / 8 / kWideThreads;  // 16-byte vectors a thread moves
+
+template <typename T, bool kResidual>
+__global__ void __launch_bounds__(kWideThreads) bias_contiguous_wide_kernel(const BiasContiguousArgs a) {
+  using P = Pack<T>;
+  __shared__ __align__(16) unsigned short tile[kWidePositions * (kWideChannels + 2)];  // [position][channel]
+  const unsigned base = shared_address(&tile[0]);
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kWidePositions;
+  const T* x = static_cast<const T*>(a.x);
+  const T* bias = static_cast<const T*>(a.bias);
+  const T* residual = static_cast<const T*>(a.residual);
+  T* out = static_cast<T*>(a.out);
+  // the channels this thread loads: 8 * (i % 4) of the tile for every vector i = threadIdx.x + kWideThreads * j
+  // (kWideThreads a multiple of kWideChannels / 8); the positions of its stores: 8 * (i % 8) of the tile's, of channel
+  // i / 8 (transpose_tile_wide's order)
+  static_assert(kWideThreads % (kWideChannels / 8) == 0, "one channel vector a thread");
+  const int cl_load = 8 * (threadIdx.x % (kWideChannels / 8));
+  for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
+       c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (bounds uniform over the block: __syncthreads is safe)
+    float b[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) b[k] = c0 + cl_load + k < a.channels ? Storage<T>::load(bias[c0 + cl_load + k]) : 0.0f;
+    for (int64_t n = blockIdx.z; n < a.batch; n += gridDim.z) {
+      P res[kWideVecs];  // kResidual: the residual where this thread stores
+      if constexpr (kResidual) {
+#pragma unroll
+        for (int j = 0; j < kWideVecs; ++j) {
+          const int i = threadIdx.x + kWideThreads * j;
+          const int64_t c = c0 + i / (kWidePositions / 8), s = s0 + 8 * (i % (kWidePositions / 8));
+          res[j] = c < a.channels && s < a.spatial
+                       ? load_readonly(reinterpret_cast<const P*>(residual + (n * a.channels + c) * a.spatial + s))
+                       : P{};
+        }
+      }
+      transpose_tile_wide<T, kWidePositions, kWideChannels, kWideThreads>(
+          base,
+          [&](int, int sl, int cl) -> P {  // position s0 + sl, channels c0 + cl .. + 7
+            const int64_t s = s0 + sl, c = c0 + cl;
+            return s < a.spatial && c < a.channels
+                       ? load_readonly(reinterpret_cast<const P*>(x + (n * a.spatial + s) * a.channels + c))
+                       : P{};
+          },
+          [&](int, P p) -> P {  // (the channels of every vector of this thread: cl_load's)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) p.v[k] = Storage<T>::store(__fadd_rn(Storage<T>::load(p.v[k]), b[k]));
+            return p;
+          },
+          [&](int j, int cl, int sl, P p) {  // channel c0 + cl, positions s0 + sl .. + 7
+            const int64_t c = c0 + cl, s = s0 + sl;
+            if (c >= a.channels || s >= a.spatial) return;
+            if constexpr (kResidual) {
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                p.v[k] = Storage<T>::store(__fadd_rn(Storage<T>::load(p.v[k]), Storage<T>::load(res[j].v[k])));
+              }
+            }
+            *reinterpret_cast<P*>(out + (n * a.channels + c) * a.spatial + s) = p;
+          });
+    }
+  }
+}
+
 // grid (ceil(width / kD2sWidth) * ceil(channels / kD2sChannels), min(batch * frames * height, kMaxRowBlocks)), block
 // (kD2sWidth, kD2sChannels); the rows (n, t, h) in turn over grid.y with a grid stride.
 template <typename T>
@@ -191,10 +264,33 @@ cudaError_t launch_depth_to_space(const BiasDepthToSpaceArgs& a, cudaStream_t st
   return cudaGetLastError();
 }
 
+// The wide kernel's inputs (16-bit values: the caller's dtype): whole 16-byte vectors of x, the residual and out at
+// every position and channel (ops/conv_bias.py's _wide_fits is its Python twin).
+bool wide_fits(const BiasContiguousArgs& a) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return a.channels % 8 == 0 && a.spatial % 8 == 0 && aligned(a.x) && aligned(a.out) &&
+         (a.residual == nullptr || aligned(a.residual));
+}
+
 template <typename T>
 cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) {
   if (a.batch == 0 || a.spatial == 0 || a.channels == 0) return cudaSuccess;
   if (a.batch < 0 || a.spatial < 0 || a.channels < 0) return cudaErrorInvalidValue;
+  if constexpr (sizeof(T) == 2) {
+    if (wide_fits(a)) {
+      const int64_t ctiles = (a.channels + kWideChannels - 1) / kWideChannels;
+      const int64_t ptiles = (a.spatial + kWidePositions - 1) / kWidePositions;
+      if (ptiles > 0x7fffffff) return cudaErrorInvalidValue;
+      const dim3 grid(static_cast<unsigned>(ptiles), static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
+                      static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
+      if (a.residual != nullptr) {
+        bias_contiguous_wide_kernel<T, true><<<grid, kWideThreads, 0, stream>>>(a);
+      } else {
+        bias_contiguous_wide_kernel<T, false><<<grid, kWideThreads, 0, stream>>>(a);
+      }
+      return cudaGetLastError();
+    }
+  }
   const int64_t ctiles = (a.channels + kTile - 1) / kTile;
   const dim3 grid(static_cast<unsigned>((a.spatial + kTile - 1) / kTile),
                   static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),

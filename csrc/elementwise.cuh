@@ -175,6 +175,18 @@ __device__ __forceinline__ void shared_load(unsigned address, uint4& v) {
                : "memory");
 }
 
+// The same at `address` + kOffset bytes, the offset an immediate of the instruction: the wide tiles' accesses (below) give
+// ptxas one address register and constant offsets under both front ends (with the offsets added in C++, NVVM folded
+// them into the tile's symbol under nvcc and into a separate register under NVRTC: other machine code).
+template <int kOffset>
+__device__ __forceinline__ void shared_store_at(unsigned address, unsigned int v) {
+  asm volatile("st.shared.u32 [%0+%2], %1;" ::"r"(address), "r"(v), "n"(kOffset) : "memory");
+}
+template <int kOffset>
+__device__ __forceinline__ void shared_load_at(unsigned address, unsigned short& v) {
+  asm volatile("ld.shared.u16 %0, [%1+%2];" : "=h"(v) : "r"(address), "n"(kOffset) : "memory");
+}
+
 // The bits of a value as the word of its size (Word<sizeof(T)>): what a staging tile of words holds.
 __device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ __forceinline__ unsigned short bits_of(__half v) { return __half_as_ushort(v); }
@@ -203,6 +215,78 @@ __device__ __forceinline__ void transpose_tile(unsigned base, Read read, Write w
   for (int k = 0; k < kSteps; ++k) shared_load(base + sizeof(W) * (threadIdx.x * (kTile + 1) + threadIdx.y + k * kRows), v[k]);
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) write(threadIdx.y + k * kRows, v[k]);
+  __syncthreads();  // (the tile is refilled by the next call)
+}
+
+// A value of T from its bits (the wide tiles below, and group_norm_silu.cu's, hold 16-bit values as their words).
+template <typename T>
+__device__ __forceinline__ T from_bits(unsigned short bits);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short bits) {
+  return __ushort_as_bfloat16(bits);
+}
+template <>
+__device__ __forceinline__ __half from_bits<__half>(unsigned short bits) {
+  return __ushort_as_half(bits);
+}
+
+// A kRows x kCols tile of 16-bit values moved through shared memory by kThreads threads (threadIdx.x), 16 bytes at a
+// time both ways: the wide form of transpose_tile, for the transposing copies whose rows are whole 16-byte vectors
+// (causal_pad.cu's channels-last buffer, conv_bias.cu's bias_contiguous). Thread t's vector j (i = t + kThreads * j):
+//   load(j, r, c)        the 8 values of source row r, columns c .. c + 7 (c = 8 * (i % (kCols / 8)), r = i / that):
+//                        a 16-byte load along the source's unit stride, as a Pack<T> (zeros where there is none);
+//   convert(j, p)        p as the tile holds it (the values the copy writes; every load is issued before the first);
+//   store(j, c, r, p)    the 8 values of tile column c, rows r .. r + 7 (r = 8 * (i % (kRows / 8)), c = i / that):
+//                        a 16-byte store along the destination's unit stride.
+// A tile row is kCols + 2 values (kCols / 2 + 1 words): the converts' 4-byte shared stores of a warp (4 rows of 8
+// vectors at kCols 64, 8 rows of 4 at kCols 32) hit distinct banks or two ways; the stores' 2-byte reads likewise.
+// `base`: the shared address (shared_address) of kRows * (kCols + 2) 16-bit values. The tile is free again on return.
+template <typename T, int kRows, int kCols, int kThreads, typename Load, typename Convert, typename Store>
+__device__ __forceinline__ void transpose_tile_wide(unsigned base, Load load, Convert convert, Store store) {
+  using P = Pack<T>;
+  static_assert(P::kSize == 8, "16-bit values");
+  constexpr int kStride = kCols + 2;
+  constexpr int kVecs = kRows * kCols / 8 / kThreads;
+  static_assert(kRows % 8 == 0 && kCols % 8 == 0 && kVecs * 8 * kThreads == kRows * kCols, "whole vectors a thread");
+  P v[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = threadIdx.x + kThreads * j;
+    v[j] = load(j, i / (kCols / 8), 8 * (i % (kCols / 8)));
+  }
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = threadIdx.x + kThreads * j;
+    const P p = convert(j, v[j]);
+    const unsigned row = base + 2u * static_cast<unsigned>((i / (kCols / 8)) * kStride + 8 * (i % (kCols / 8)));
+    const auto word = [&](int k) {
+      return static_cast<unsigned>(bits_of(p.v[k])) | (static_cast<unsigned>(bits_of(p.v[k + 1])) << 16);
+    };
+    shared_store_at<0>(row, word(0));
+    shared_store_at<4>(row, word(2));
+    shared_store_at<8>(row, word(4));
+    shared_store_at<12>(row, word(6));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int i = threadIdx.x + kThreads * j;
+    const int c = i / (kRows / 8), r = 8 * (i % (kRows / 8));
+    const unsigned column = base + 2u * static_cast<unsigned>(r * kStride + c);
+    unsigned short bits[8];
+    shared_load_at<0 * 2 * kStride>(column, bits[0]);
+    shared_load_at<1 * 2 * kStride>(column, bits[1]);
+    shared_load_at<2 * 2 * kStride>(column, bits[2]);
+    shared_load_at<3 * 2 * kStride>(column, bits[3]);
+    shared_load_at<4 * 2 * kStride>(column, bits[4]);
+    shared_load_at<5 * 2 * kStride>(column, bits[5]);
+    shared_load_at<6 * 2 * kStride>(column, bits[6]);
+    shared_load_at<7 * 2 * kStride>(column, bits[7]);
+    P o;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o.v[k] = from_bits<T>(bits[k]);
+    store(j, c, r, o);
+  }
   __syncthreads();  // (the tile is refilled by the next call)
 }
 

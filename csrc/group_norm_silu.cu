@@ -157,20 +157,6 @@ __device__ __forceinline__ float to_float<__half>(unsigned short bits) {
   return Storage<__half>::load(__ushort_as_half(bits));
 }
 
-// A value of T from its bits (the channels-last tile holds the apply kernel's values as 16-bit words).
-template <typename T>
-__device__ __forceinline__ T from_bits(unsigned short bits);
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short bits) {
-  return __ushort_as_bfloat16(bits);
-}
-
-template <>
-__device__ __forceinline__ __half from_bits<__half>(unsigned short bits) {
-  return __ushort_as_half(bits);
-}
-
 // One batch of kB elements of each lane's chain: element k of a lane is the (base + k + 1)-th of its chain for every
 // lane, so all lanes share each element's count and reciprocal: lane l computes RN(1 / (base + l + 1)) (and
 // RN(1 / (base + l + 33)) for a batch of 64), which the others read by shuffle (off the chain). `valid`: how many of
@@ -338,17 +324,17 @@ __global__ void __launch_bounds__(kApplyThreads) group_norm_apply_kernel(GroupNo
 // The apply kernel's output written channels-last (ops/group_norm_silu_conv.py: the input of the convolution after
 // the norm, which cuDNN reads as it is instead of transposing it first): out [batch, hxw, channels] for x [batch,
 // channels, hxw], each value the one group_norm_apply_kernel computes for it (the same device functions: fused_params,
-// apply_value), moved to its place through a shared-memory tile of kClChannels x kClPositions. Each thread loads two
-// 16-byte vectors of x (8 positions of one channel), writes their values into the tile as 4-byte words, then gathers 8
-// channels of one position from it and stores them as one 16-byte vector: 8 threads write a position's 64 channels,
-// 128 contiguous bytes. Block kClThreads: channel tile blockIdx.y of sample blockIdx.z, the position tiles blockIdx.x,
+// apply_value), moved to its place through a shared-memory tile of kClChannels x kClPositions (elementwise.cuh's
+// transpose_tile_wide): each thread loads two 16-byte vectors of x (8 positions of one channel), writes their values
+// into the tile as 4-byte words, then gathers 8 channels of one position from it and stores them as one 16-byte vector:
+// 8 threads write a position's 64 channels, 128 contiguous bytes. Block kClThreads: channel tile blockIdx.y of sample blockIdx.z, the position tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ...; its warps first finish the statistics of the groups its channels span (row_stats, one
 // warp per group). The guard: channels a multiple of 8, hxw a multiple of 8 (whole vectors both ways).
 constexpr int kClChannels = 64;
 constexpr int kClPositions = 64;
 constexpr int kClThreads = 256;
-// the tile's row (one channel) in elements: 33 words. The loads' 4-byte writes hit 32 banks; the stores' 16-bit reads
-// (8 channels of a position) two ways (channels 8k and 8k + 32 share a bank), which no padding avoids
+// the tile's row (one channel) in elements (transpose_tile_wide's): 33 words. The loads' 4-byte writes hit 32 banks;
+// the stores' 16-bit reads (8 channels of a position) two ways (channels 8k and 8k + 32 share a bank)
 constexpr int kClStride = kClPositions + 2;
 constexpr int kClVecs = kClChannels * kClPositions / 8 / kClThreads;  // 16-byte vectors a thread loads (and stores)
 
@@ -396,42 +382,22 @@ __global__ void __launch_bounds__(kClThreads) group_norm_apply_cl_kernel(GroupNo
   T* out = static_cast<T*>(a.out) + n * a.channels * a.hxw;
   for (int64_t s0 = static_cast<int64_t>(blockIdx.x) * kClPositions; s0 < a.hxw;
        s0 += static_cast<int64_t>(gridDim.x) * kClPositions) {  // (bounds uniform over the block: __syncthreads is safe)
-    P xv[kClVecs];
+    transpose_tile_wide<T, kClChannels, kClPositions, kClThreads>(
+        tile_base,
+        [&](int, int cl, int sp) -> P {  // channel c0 + cl, positions s0 + sp .. + 7
+          const int64_t c = c0 + cl, s = s0 + sp;
+          return c < a.channels && s < a.hxw ? load_readonly(reinterpret_cast<const P*>(x + c * a.hxw + s)) : P{};
+        },
+        [&](int j, P xv) -> P {  // (zeros where there is no channel or position: never stored)
+          P o;
 #pragma unroll
-    for (int j = 0; j < kClVecs; ++j) {  // every load issued before the tile's first shared store
-      const int v = tid + kClThreads * j;
-      const int64_t c = c0 + v / 8, s = s0 + 8 * (v % 8);
-      xv[j] = P{};
-      if (c < a.channels && s < a.hxw) xv[j] = load_readonly(reinterpret_cast<const P*>(x + c * a.hxw + s));
-    }
-#pragma unroll
-    for (int j = 0; j < kClVecs; ++j) {
-      const int v = tid + kClThreads * j;
-      const unsigned row = tile_base + 2u * static_cast<unsigned>((v / 8) * kClStride + 8 * (v % 8));
-#pragma unroll
-      for (int i = 0; i < 8; i += 2) {  // (zeros where there is no channel or position: never stored below)
-        const unsigned lo = bits_of(apply_value<T, kSilu>(params[j], Storage<T>::load(xv[j].v[i]), a.variant));
-        const unsigned hi = bits_of(apply_value<T, kSilu>(params[j], Storage<T>::load(xv[j].v[i + 1]), a.variant));
-        shared_store(row + 2u * i, lo | (hi << 16));
-      }
-    }
-    __syncthreads();
-    // the stores: vector v is position v / 8 of the tile, its channels 8 * (v % 8) .. + 7
-#pragma unroll
-    for (int j = 0; j < kClVecs; ++j) {
-      const int v = tid + kClThreads * j;
-      const int p = v / 8, cv = 8 * (v % 8);
-      const int64_t s = s0 + p, c = c0 + cv;
-      P o;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        unsigned short bits;
-        shared_load(tile_base + 2u * static_cast<unsigned>((cv + i) * kClStride + p), bits);
-        o.v[i] = from_bits<T>(bits);
-      }
-      if (c < a.channels && s < a.hxw) *reinterpret_cast<P*>(out + s * a.channels + c) = o;
-    }
-    __syncthreads();  // (the tile is refilled by the next position tile)
+          for (int i = 0; i < 8; ++i) o.v[i] = apply_value<T, kSilu>(params[j], Storage<T>::load(xv.v[i]), a.variant);
+          return o;
+        },
+        [&](int, int sp, int cl, const P& o) {  // position s0 + sp, channels c0 + cl .. + 7
+          const int64_t s = s0 + sp, c = c0 + cl;
+          if (c < a.channels && s < a.hxw) *reinterpret_cast<P*>(out + s * a.channels + c) = o;
+        });
   }
 }
 

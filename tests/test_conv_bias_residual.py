@@ -128,7 +128,10 @@ def test_the_kernel_variants_are_declared_for_every_dtype():
 DECODER_SHAPES = [(1, 1024, 16, 16, 24), (1, 512, 31, 32, 48), (1, 256, 61, 64, 96), (1, 128, 121, 128, 192)]
 # channels and positions of no whole 32 x 32 tile, two and three batches, one position, 4-D
 ODD_SHAPES = [(2, 24, 3, 5, 7), (1, 40, 1, 3, 5), (3, 5, 2, 7, 9), (1, 33, 65, 31), (1, 1024, 1, 1, 3),
-              (2, 8, 1, 1, 1)]
+              (2, 8, 1, 1, 1),
+              # the wide kernel (channels and positions multiples of 8) with a part of a channel tile (40 of 2 x 32)
+              # and of a position tile (1080 of 17 x 64), 4-D (a part of one tile)
+              (2, 40, 3, 5, 72), (1, 8, 13, 8)]
 
 
 def _inputs(shape, dtype, gen, device="cuda"):

@@ -529,7 +529,8 @@ def test_ltx_causal_conv_fp32_channels_first_equals_the_module(cin, cout, shape)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [s for _, _, s in LTX2_SHAPES] + [(2, 33, 3, 7, 37), (2, 8, 1, 2, 2)], ids=str)
+@pytest.mark.parametrize("shape", [s for _, _, s in LTX2_SHAPES] + [(2, 33, 3, 7, 37), (2, 8, 1, 2, 2), (2, 40, 3, 5, 72)],
+                         ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @torch.no_grad()
 def test_causal_pad_modes_through_nvrtc_equal_nvcc_and_eager(shape, dtype):
@@ -537,7 +538,8 @@ def test_causal_pad_modes_through_nvrtc_equal_nvcc_and_eager(shape, dtype):
     against eager's ``repeat`` + ``torch.concatenate`` (+ ``F.pad(mode="reflect")``), contiguous and channels-last,
     causal and not, every element written (poisoned first); x also a strided time slice; an odd shape (channels and
     columns no multiple of the 32 x 32 tile); the smallest a reflection of 1 takes (rows and columns of 2, one frame
-    repeated on both sides)."""
+    repeated on both sides); the wide kernel's with parts of its 32 x 64 tiles (40 channels, 72 columns), its border
+    columns reflected or zero."""
     from test_nvrtc import both_ways
 
     nvcc = both_ways.__wrapped__()

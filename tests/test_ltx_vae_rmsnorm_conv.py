@@ -479,9 +479,10 @@ def test_fp32_vae_chains_refuse_by_dtype(emulated_kernels, unpatch_after):
 
 
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
-    """The NVRTC way's launch of csrc/causal_pad.cu's norm kernel: causal_pad's arguments (channels-last, the frames
-    repeated, no cache, x's strides) and its channels-last grid, then the reciprocal's pointer; the output padded in
-    time, channels-last."""
+    """The NVRTC way's launch of csrc/causal_pad.cu's norm kernels: causal_pad's arguments (channels-last, the frames
+    repeated, no cache, x's strides) and the channels-last grid of the wide kernel (40 channels and columns: whole
+    vectors) or of the tiled one (36 channels), then the reciprocal's pointer; the output padded in time,
+    channels-last."""
     from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
 
     launches = captured_launches.__wrapped__(monkeypatch)
@@ -489,9 +490,9 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     r = torch.rand(2, 3 * 9 * 40)
     out = chain._nvrtc_kernel(x, r, [0, 0, 0, 0, 1, 1], False)
     kernel, key, grid, block, a = launches[-1]
-    assert (kernel, key, block) == (chain._NVRTC, torch.bfloat16, (32, 8, 1))
+    assert (kernel, key, block) == (chain._NVRTC_WIDE, torch.bfloat16, (128, 1, 1))
     assert out.shape == (2, 40, 5, 9, 40) and out.is_contiguous(memory_format=torch.channels_last_3d)
-    assert grid == (2, 2, 2 * 5 * 9)
+    assert grid == (1, 2, 2 * 5 * 9)
     assert (a.a.out, a.a.x, a.a.cache, a.a.batch, a.a.channels, a.a.frames, a.a.height, a.a.width) == (
         out.data_ptr(), x.data_ptr(), None, 2, 40, 3, 9, 40)
     assert (a.a.cache_frames, a.a.pad_t0, a.a.pad_t1, a.a.pad_h0, a.a.pad_h1, a.a.pad_w0, a.a.pad_w1) == (
@@ -501,8 +502,11 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
         1, True, True, False, r.data_ptr())
     out = chain._nvrtc_kernel(x.half(), r, [1, 1, 1, 1, 2, 0], True)
     kernel, key, grid, block, a = launches[-1]
-    assert key == torch.float16 and out.shape == (2, 40, 5, 11, 42) and grid == (2, 2, 2 * 5 * 11)
+    assert key == torch.float16 and out.shape == (2, 40, 5, 11, 42) and grid == (1, 2, 2 * 5 * 11)
     assert (a.a.dtype, a.a.pad_t0, a.a.pad_t1, a.a.pad_w0, a.a.reflect_hw) == (0, 2, 0, 1, True)
+    out = chain._nvrtc_kernel(x[:, :36], r, [1, 1, 1, 1, 2, 0], True)
+    kernel, key, grid, block, a = launches[-1]
+    assert (kernel, block, grid, a.a.channels) == (chain._NVRTC, (32, 8, 1), (2, 2, 2 * 5 * 11), 36)
 
 
 def test_raw_op_guard_refuses_what_bindings_cpp_refuses():
@@ -649,13 +653,15 @@ def test_the_tail_proof_passes_on_every_value(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(1, 128, 121, 128, 192), (2, 33, 3, 7, 37), (1, 8, 1, 2, 2)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 128, 121, 128, 192), (2, 33, 3, 7, 37), (1, 8, 1, 2, 2), (2, 40, 3, 5, 72)],
+                         ids=str)
 @torch.no_grad()
 def test_kernel_through_nvrtc_equals_nvcc_and_eager(shape, dtype):
     """csrc/causal_pad.cu's norm kernel through NVRTC and through the nvcc extension (where a toolkit built it)
     against eager's chain (the norm, the SiLU, the module's padding statements; for "reflect" F.pad's), causal and
     not, "zeros" and "reflect", x contiguous and a strided time slice, every element written (poisoned first); at
-    LTX-Video's largest norm, and at odd shapes (channels and columns no multiple of the 32 x 32 tile; one frame)."""
+    LTX-Video's largest norm (the wide kernel), and at odd shapes (channels and columns no multiple of the 32 x 32
+    tile; one frame; the wide kernel's with parts of its 32 x 64 tiles)."""
     from test_ltx_causal_conv import _eager_buffer
     from test_nvrtc import both_ways
 

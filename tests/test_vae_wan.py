@@ -760,6 +760,69 @@ def test_causal_pad_nvrtc_launch_arguments(monkeypatch):
 
 
 
+def test_wide_kernels_launch_where_every_vector_is_whole(monkeypatch):
+    """The NVRTC launchers pick the wide kernels (16-byte vectors both ways: csrc/causal_pad.cu's causal_pad_cl_wide /
+    ltx_rmsnorm_pad_cl_wide, csrc/conv_bias.cu's bias_contiguous_wide) as the .cu's wide_fits does: 16-bit values,
+    channels and the vectors' axis multiples of 8, x's (and the cache's) strides multiples of 8, data 16-byte aligned;
+    each with its grid (a 32 x 64 tile a block of 128 threads) and the .cu's constants; anything else the tiled
+    kernels, with the same fields."""
+    import re
+    from pathlib import Path
+
+    from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
+
+    conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
+    rms_conv = importlib.import_module("diffusers_fastpath.ops.ltx_vae_rmsnorm_conv")
+    csrc = Path(causal_conv_pad.__file__).parents[2] / "csrc"
+    for source, module, names in (("causal_pad.cu", causal_conv_pad, ("Channels", "Columns", "Threads")),
+                                  ("conv_bias.cu", conv_bias_module, ("Positions", "Channels", "Threads"))):
+        text = (csrc / source).read_text()
+        assert [int(re.search(rf"constexpr int kWide{n} = (\d+);", text).group(1)) for n in names] == [
+            getattr(module, f"_WIDE_{n.upper()}") for n in names]
+    launches = captured_launches.__wrapped__(monkeypatch)
+    x = torch.randn(2, 40, 4, 5, 72).to(torch.bfloat16)
+    cache = torch.randn(2, 40, 2, 5, 72).to(torch.bfloat16)
+    out = causal_conv_pad._nvrtc_kernel(x[:, :, 1:], cache, [1, 1, 1, 1, 2, 0], True)  # (a time slice: strides of 8s)
+    kernel, _, grid, block, a = launches[-1]
+    assert kernel is causal_conv_pad._NVRTC_WIDE and grid == (2, 2, 2 * 5 * 7) and block == (128, 1, 1)
+    assert (a.a.out, a.a.x, a.a.cache, a.a.channels, a.a.width, a.a.cache_frames) == (
+        out.data_ptr(), x[:, :, 1:].data_ptr(), cache.data_ptr(), 40, 72, 2)
+    causal_conv_pad._nvrtc_kernel(x, None, [1, 1, 1, 1, 2, 0], True, True, True)
+    assert launches[-1][0] is causal_conv_pad._NVRTC_WIDE_MODES
+    shifted = torch.randn(cache.numel() + 1).to(torch.bfloat16)[1:].view(cache.shape)  # (2 bytes past 16)
+    not_wide = [(x[:, :36], None), (x[..., :68], None), (x.float(), None), (x[..., 1:65], None), (x, shifted),
+                (x[..., :64], cache[..., :64])]  # (channels, columns, fp32, x's alignment, the cache's; then columns
+    #                                             of 64 with strides of 72: wide)
+    kinds = []
+    for xi, ci in not_wide:
+        causal_conv_pad._nvrtc_kernel(xi, ci, [1, 1, 1, 1, 2, 0], True)
+        kinds.append(launches[-1][0])
+    assert kinds[:5] == [causal_conv_pad._NVRTC_CL] * 5 and kinds[5] is causal_conv_pad._NVRTC_WIDE
+    assert launches[-2][3] == (32, 8, 1)
+    # LTX-Video's norm written into the buffer: the wide kernel and its rsqrt where aligned
+    r = torch.rand(2, 4 * 5 * 72)
+    rms_conv._nvrtc_kernel(x, r, [1, 1, 1, 1, 2, 0], True)
+    kernel, _, grid, block, a = launches[-1]
+    assert kernel is rms_conv._NVRTC_WIDE and (grid, block) == ((2, 2, 2 * 6 * 7), (128, 1, 1)) and a.rsqrt == r.data_ptr()
+    rms_conv._nvrtc_kernel(x, r.view(-1)[1:].view(1, -1).expand(2, -1)[:, :1440], [1, 1, 1, 1, 2, 0], True)
+    assert launches[-1][0] is rms_conv._NVRTC  # (an rsqrt of no 16-byte alignment)
+    # bias_contiguous: the wide kernel at channels and positions multiples of 8, its residual variant too
+    raw = x.contiguous(memory_format=torch.channels_last_3d)
+    bias = torch.randn(40).to(torch.bfloat16)
+    out = conv_bias_module._nvrtc_contiguous(raw, bias)
+    kernel, key, grid, block, a = launches[-1]
+    assert (kernel, key, grid, block) == (conv_bias_module._NVRTC_CONTIGUOUS_WIDE, (torch.bfloat16, False),
+                                          (23, 2, 2), (128, 1, 1))
+    assert (a.a.out, a.a.x, a.a.residual, a.a.spatial, a.a.channels) == (out.data_ptr(), raw.data_ptr(), None, 1440, 40)
+    conv_bias_module._nvrtc_contiguous(raw, bias, x)
+    assert launches[-1][:2] == (conv_bias_module._NVRTC_CONTIGUOUS_WIDE, (torch.bfloat16, True))
+    conv_bias_module._nvrtc_contiguous(raw.float(), bias.float())
+    assert launches[-1][0] is conv_bias_module._NVRTC_CONTIGUOUS and launches[-1][3] == (32, 8, 1)
+    odd = x[..., :5].contiguous(memory_format=torch.channels_last_3d)  # (positions 100: no multiple of 8)
+    conv_bias_module._nvrtc_contiguous(odd, bias)
+    assert launches[-1][0] is conv_bias_module._NVRTC_CONTIGUOUS
+
+
 def test_channels_last_tile_kernels_launch_within_the_grid_limits(monkeypatch):
     """causal_pad's channels-last kernel and conv_bias's bias_contiguous put the channel tiles on grid.y, whose limit
     is 65535: a tensor of more than 65535 * 32 channels had a launch the driver refuses (the op then disabled for the
@@ -809,12 +872,14 @@ def _md5(t: torch.Tensor) -> str:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape, kernel, cached", [
     ((1, 384, 1, 60, 104), 3, 0), ((1, 384, 1, 60, 104), 3, 2), ((1, 192, 4, 240, 416), 3, 1),
-    ((1, 96, 4, 480, 832), 3, 2), ((1, 384, 1, 166, 166), 3, 1), ((1, 384, 2, 60, 104), (3, 1, 1), 1)], ids=str)
+    ((1, 96, 4, 480, 832), 3, 2), ((1, 384, 1, 166, 166), 3, 1), ((1, 384, 2, 60, 104), (3, 1, 1), 1),
+    ((2, 40, 2, 5, 72), 3, 1), ((2, 16, 3, 4, 8), 3, 2)], ids=str)
 @torch.no_grad()
 def test_causal_pad_kernel_equals_cat_then_pad_at_wan_shapes(shape, kernel, cached, dtype):
     """csrc/causal_pad.cu's buffer against eager's ``F.pad(torch.cat([cache_x, x], 2), padding)`` at the Wan and
     Qwen-Image decodes' shapes (no cache, one or two cached frames, the time convolution), x also a strided slice;
-    every element written (the allocator's blocks of its size poisoned first)."""
+    the channels-last wide kernel's with parts of its 32 x 64 tiles (40 channels, 72 columns; batch 2) and of one
+    (16 x 8); every element written (the allocator's blocks of its size poisoned first)."""
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
@@ -847,14 +912,14 @@ def test_bias_contiguous_kernel_equals_add_then_contiguous(dtype):
     """csrc/conv_bias.cu's bias_contiguous: a channels-last convolution output plus its bias, written contiguous, equals
     aten's ``x + bias`` then ``.contiguous()`` (one fp32 add, rounded), both ways it launches, every element written
     (poisoned first); at the Wan decoder's shapes, odd ones (channels and positions no multiple of the 32 x 32 tile),
-    4-D and 5-D, a batch of 3."""
+    4-D and 5-D, a batch of 3; the wide kernel's (multiples of 8) with parts of its 64 x 32 tiles."""
     from test_nvrtc import both_ways
 
     nvcc = both_ways.__wrapped__()
     conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
     gen = torch.Generator(device="cuda").manual_seed(4)
     for shape in [(1, 384, 1, 60, 104), (1, 96, 4, 480, 832), (1, 192, 2, 240, 416), (3, 5, 2, 7, 9), (1, 33, 65, 31),
-                  (2, 3, 1, 1, 1), (1, 1024, 1, 1, 3)]:
+                  (2, 3, 1, 1, 1), (1, 1024, 1, 1, 3), (2, 40, 3, 5, 72), (1, 8, 13, 8)]:
         x = (torch.randn(shape, generator=gen, device="cuda") * 4).to(dtype)
         x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
         bias = torch.randn(shape[1], generator=gen, device="cuda").to(dtype)

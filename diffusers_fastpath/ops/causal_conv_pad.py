@@ -35,7 +35,7 @@ from torch import nn
 
 from . import _nvrtc
 from ._build import LazyLauncher
-from ._policy import FLOAT_DTYPES, EagerClasses, FusedOp, Site
+from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site
 from .conv_bias import NAMED_SITE as _BIAS_SITE  # (the convolution's named conv_bias site)
 from .conv_bias import conv_bias
 
@@ -202,45 +202,79 @@ def _kernel_of(name: str, modes: bool) -> _nvrtc.Kernel:
 
 _NVRTC, _NVRTC_MODES = (_kernel_of("causal_pad_kernel", modes) for modes in (False, True))
 _NVRTC_CL, _NVRTC_CL_MODES = (_kernel_of("causal_pad_cl_kernel", modes) for modes in (False, True))
+_NVRTC_WIDE, _NVRTC_WIDE_MODES = (
+    _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_cl_wide_kernel",
+                  {dtype: f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(modes).lower()}" for dtype in HALF_DTYPES},
+                  _nvrtc.Params("causal_pad_cl_wide_kernel", ("a", _ARGS)))
+    for modes in (False, True))
 _THREADS = 256
 _MAX_ROW_BLOCKS = 65535
 _TILE, _TILE_ROWS = 32, 8
+_WIDE_CHANNELS, _WIDE_COLUMNS, _WIDE_THREADS = 32, 64, 128  # the wide kernels' tile and block (kWide* in the .cu)
+
+
+def _aligned(t: torch.Tensor | None) -> bool:
+    return t is None or t.data_ptr() % 16 == 0
+
+
+def wide_fits(x: torch.Tensor, cache_x: torch.Tensor | None, out: torch.Tensor, rsqrt: torch.Tensor | None = None) -> bool:
+    """csrc/causal_pad.cu's wide_fits, for 16-bit values: whole 16-byte vectors of x, of the cache, of `rsqrt` and of
+    the channels-last output at every row and column the wide kernels read and write."""
+    if x.dtype not in HALF_DTYPES or x.shape[1] % 8 or x.shape[4] == 0 or x.shape[4] % 8 or not _aligned(x):
+        return False
+    if not _aligned(out) or any(s % 8 for s in x.stride()[:4]):
+        return False
+    if cache_x is not None and cache_x.shape[2] > 0 and (not _aligned(cache_x) or any(s % 8 for s in cache_x.stride()[:4])):
+        return False
+    return _aligned(rsqrt)
 
 
 def launch_fields(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
-                  replicate_t: bool = False, reflect_hw: bool = False) -> tuple[torch.Tensor, tuple, tuple]:
-    """What bindings_vae.cpp's causal_pad_args makes for these arguments: the output the kernels write (its padded
-    shape, contiguous or channels-last), the CausalPadArgs fields in order, and the grid of the kernel that runs
-    (channels-last: a tile of `_TILE` channels x `_TILE` columns a block; else `_THREADS` columns a block). Also the
-    launch of `diffusers_fastpath.ops.ltx_vae_rmsnorm_conv`'s kernel, which takes these arguments."""
+                  replicate_t: bool = False, reflect_hw: bool = False,
+                  rsqrt: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple, bool, tuple, tuple]:
+    """What bindings_vae.cpp's causal_pad_args makes for these arguments and the .cu's launcher picks: the output the
+    kernels write (its padded shape, contiguous or channels-last), the CausalPadArgs fields in order, whether the wide
+    channels-last kernel runs (`wide_fits`), and its grid and block (channels-last: a tile of `_WIDE_CHANNELS`
+    channels x `_WIDE_COLUMNS` columns a block of `_WIDE_THREADS`, or of `_TILE` x `_TILE`; else `_THREADS` columns
+    a block). Also the launch of `diffusers_fastpath.ops.ltx_vae_rmsnorm_conv`'s kernels, which take these arguments
+    and `rsqrt`."""
     pw0, pw1, ph0, ph1, pt0, pt1 = padding
     ct = 0 if cache_x is None else cache_x.shape[2]
     batch, channels, frames, height, width = x.shape
     fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
     out = torch.empty(batch, channels, pt0 + frames + pt1, height + ph0 + ph1, width + pw0 + pw1, dtype=x.dtype,
                       device=x.device, memory_format=fmt)
-    planes = out.shape[0] * out.shape[2] * out.shape[3]
-    if channels_last:
-        grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
-                min(planes, _MAX_ROW_BLOCKS))
+    planes = min(out.shape[0] * out.shape[2] * out.shape[3], _MAX_ROW_BLOCKS)
+    wide = channels_last and wide_fits(x, cache_x, out, rsqrt)
+    if wide:
+        grid = ((width + _WIDE_COLUMNS - 1) // _WIDE_COLUMNS,
+                min((channels + _WIDE_CHANNELS - 1) // _WIDE_CHANNELS, _MAX_ROW_BLOCKS), planes)
+        block = (_WIDE_THREADS, 1, 1)
+    elif channels_last:
+        grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS), planes)
+        block = (_TILE, _TILE_ROWS, 1)
     else:
-        grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)
+        grid = ((out.shape[4] + _THREADS - 1) // _THREADS,
+                min(out.shape[0] * out.shape[2] * out.shape[3] * channels, _MAX_ROW_BLOCKS), 1)
+        block = (_THREADS, 1, 1)
     cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
     fields = (out.data_ptr(), x.data_ptr(), cache_ptr, batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0,
               ph1, pw0, pw1, *x.stride()[:4], *cache_strides, _nvrtc.DTYPE_CODE[x.dtype], channels_last, replicate_t,
               reflect_hw)
-    return out, fields, grid
+    return out, fields, wide, grid, block
 
 
 def _nvrtc_kernel(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[int], channels_last: bool = False,
                   replicate_t: bool = False, reflect_hw: bool = False) -> torch.Tensor:
-    out, fields, grid = launch_fields(x, cache_x, padding, channels_last, replicate_t, reflect_hw)
+    out, fields, wide, grid, block = launch_fields(x, cache_x, padding, channels_last, replicate_t, reflect_hw)
     if out.numel():
         modes = replicate_t or reflect_hw
-        if channels_last:
-            kernel, block = _NVRTC_CL_MODES if modes else _NVRTC_CL, (_TILE, _TILE_ROWS, 1)
+        if wide:
+            kernel = _NVRTC_WIDE_MODES if modes else _NVRTC_WIDE
+        elif channels_last:
+            kernel = _NVRTC_CL_MODES if modes else _NVRTC_CL
         else:
-            kernel, block = _NVRTC_MODES if modes else _NVRTC, (_THREADS, 1, 1)
+            kernel = _NVRTC_MODES if modes else _NVRTC
         kernel.launch(x.device.index, x.dtype, grid, block, *fields)
     return out
 

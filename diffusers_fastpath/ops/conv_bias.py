@@ -158,7 +158,19 @@ _NVRTC_CONTIGUOUS = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_cont
                                   {(dtype, residual): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(residual).lower()}"
                                    for dtype in FLOAT_DTYPES for residual in (False, True)},
                                   _nvrtc.Params("bias_contiguous_kernel", ("a", _CONTIGUOUS_ARGS)))
+_NVRTC_CONTIGUOUS_WIDE = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_contiguous_wide_kernel",
+                                       {(dtype, residual): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(residual).lower()}"
+                                        for dtype in HALF_DTYPES for residual in (False, True)},
+                                       _nvrtc.Params("bias_contiguous_wide_kernel", ("a", _CONTIGUOUS_ARGS)))
 _TILE, _TILE_ROWS = 32, 8
+_WIDE_POSITIONS, _WIDE_CHANNELS, _WIDE_THREADS = 64, 32, 128  # the wide kernel's tile and block (kWide* in the .cu)
+
+
+def wide_fits(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, channels: int, spatial: int) -> bool:
+    """csrc/conv_bias.cu's wide_fits, for 16-bit values: whole 16-byte vectors of x, the residual and out at every
+    position and channel."""
+    return (x.dtype in HALF_DTYPES and channels % 8 == 0 and spatial % 8 == 0
+            and all(t.data_ptr() % 16 == 0 for t in (x, out) + (() if residual is None else (residual,))))
 
 
 def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,12 +178,18 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
     if x.numel():
         batch, channels = x.shape[:2]
         spatial = x.numel() // (batch * channels)
-        grid = ((spatial + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
-                min(batch, _MAX_ROW_BLOCKS))
-        _NVRTC_CONTIGUOUS.launch(x.device.index, (x.dtype, residual is not None), grid, (_TILE, _TILE_ROWS, 1),
-                                 out.data_ptr(), x.data_ptr(), bias.data_ptr(),
-                                 0 if residual is None else residual.data_ptr(), batch, spatial, channels,
-                                 _nvrtc.DTYPE_CODE[x.dtype])
+        key = (x.dtype, residual is not None)
+        ctiles = min((channels + _WIDE_CHANNELS - 1) // _WIDE_CHANNELS, _MAX_ROW_BLOCKS)
+        if wide_fits(x, out, residual, channels, spatial):
+            kernel, block = _NVRTC_CONTIGUOUS_WIDE, (_WIDE_THREADS, 1, 1)
+            grid = ((spatial + _WIDE_POSITIONS - 1) // _WIDE_POSITIONS, ctiles, min(batch, _MAX_ROW_BLOCKS))
+        else:
+            kernel, block = _NVRTC_CONTIGUOUS, (_TILE, _TILE_ROWS, 1)
+            grid = ((spatial + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
+                    min(batch, _MAX_ROW_BLOCKS))
+        kernel.launch(x.device.index, key, grid, block, out.data_ptr(), x.data_ptr(), bias.data_ptr(),
+                      0 if residual is None else residual.data_ptr(), batch, spatial, channels,
+                      _nvrtc.DTYPE_CODE[x.dtype])
     return out
 
 

@@ -216,12 +216,13 @@ def _kernel(norm, act, conv, x: torch.Tensor, causal=None) -> torch.Tensor:
     return convolve_channels_last(conv.conv, padded, conv_padding)
 
 
-# The NVRTC way (ops/_nvrtc.py): csrc/causal_pad.cu's norm kernel, launched as its launch_norm and bindings_vae.cpp's
+# The NVRTC way (ops/_nvrtc.py): csrc/causal_pad.cu's norm kernels, launched as its launch_norm and bindings_vae.cpp's
 # ltx_rmsnorm_pad_cl do: causal_pad's arguments and output (`causal_conv_pad.launch_fields`: channels-last, the frames
-# repeated, no cache), the grid of its channels-last kernel, then the reciprocal.
-_NVRTC = _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::ltx_rmsnorm_pad_cl_kernel",
-                       {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
-                       _nvrtc.Params("ltx_rmsnorm_pad_cl_kernel", ("a", _pad._ARGS), ("rsqrt", "P")))
+# repeated, no cache; the wide kernel where its vectors are whole), the grid of that kernel, then the reciprocal.
+_NVRTC, _NVRTC_WIDE = (_nvrtc.Kernel("causal_pad.cu", f"diffusers_fastpath::{name}",
+                                     {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                                     _nvrtc.Params(name, ("a", _pad._ARGS), ("rsqrt", "P")))
+                       for name in ("ltx_rmsnorm_pad_cl_kernel", "ltx_rmsnorm_pad_cl_wide_kernel"))
 
 
 def _raw_guard(x, rsqrt, padding, reflect_hw):
@@ -237,9 +238,9 @@ def _raw_guard(x, rsqrt, padding, reflect_hw):
 
 
 def _nvrtc_kernel(x: torch.Tensor, rsqrt: torch.Tensor, padding: list[int], reflect_hw: bool) -> torch.Tensor:
-    out, fields, grid = _pad.launch_fields(x, None, padding, True, True, reflect_hw)
+    out, fields, wide, grid, block = _pad.launch_fields(x, None, padding, True, True, reflect_hw, rsqrt)
     if out.numel():
-        _NVRTC.launch(x.device.index, x.dtype, grid, (_pad._TILE, _pad._TILE_ROWS, 1), *fields, rsqrt.data_ptr())
+        (_NVRTC_WIDE if wide else _NVRTC).launch(x.device.index, x.dtype, grid, block, *fields, rsqrt.data_ptr())
     return out
 
 
