@@ -879,7 +879,8 @@ def test_causal_pad_kernel_equals_cat_then_pad_at_wan_shapes(shape, kernel, cach
     """csrc/causal_pad.cu's buffer against eager's ``F.pad(torch.cat([cache_x, x], 2), padding)`` at the Wan and
     Qwen-Image decodes' shapes (no cache, one or two cached frames, the time convolution), x also a strided slice;
     the channels-last wide kernel's with parts of its 32 x 64 tiles (40 channels, 72 columns; batch 2) and of one
-    (16 x 8); every element written (the allocator's blocks of its size poisoned first)."""
+    (16 x 8); both ways it launches (the nvcc build's raw op and NVRTC); every element written (the allocator's
+    blocks of its size poisoned first)."""
     from diffusers_fastpath.ops._build import load_extension
 
     load_extension()
@@ -895,14 +896,15 @@ def test_causal_pad_kernel_equals_cat_then_pad_at_wan_shapes(shape, kernel, cach
         if cache is not None:
             padding[4] -= cached
         ref = F.pad(ref, padding)
-        torch.full_like(ref, float("nan"))  # (freed: the next block of this size the kernel's output)
-        out = torch.ops.diffusers_fastpath._causal_pad_cuda(x, cache, list(conv._padding))
-        assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref)
-        # channels-last (`causal_conv_cl`'s buffer): the same values, laid out as channels_last_3d
-        ref_cl = ref.contiguous(memory_format=torch.channels_last_3d)
-        torch.full_like(ref_cl, float("nan"))
-        out = torch.ops.diffusers_fastpath._causal_pad_cuda(x, cache, list(conv._padding), True)
-        assert out.shape == ref.shape and out.stride() == ref_cl.stride() and torch.equal(out, ref)
+        for way in (torch.ops.diffusers_fastpath._causal_pad_cuda, causal_conv_pad._nvrtc_kernel):
+            torch.full_like(ref, float("nan"))  # (freed: the next block of this size the kernel's output)
+            out = way(x, cache, list(conv._padding))
+            assert out.shape == ref.shape and out.stride() == ref.stride() and torch.equal(out, ref), way
+            # channels-last (`causal_conv_cl`'s buffer): the same values, laid out as channels_last_3d
+            ref_cl = ref.contiguous(memory_format=torch.channels_last_3d)
+            torch.full_like(ref_cl, float("nan"))
+            out = way(x, cache, list(conv._padding), True)
+            assert out.shape == ref.shape and out.stride() == ref_cl.stride() and torch.equal(out, ref), way
 
 
 @pytest.mark.gpu
