@@ -94,6 +94,36 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
   }
 }
 
+// The source of output row r = (b, t, h) of the channels-last buffer (the tiled kernels' rows): the plane (b, st) of
+// the cache or of x at row sh it copies, or none (src null: a border row of zeros), its channel stride, and st and sh
+// (the frame counted from the first cache frame, the row; with kModes the clamped frame and the reflected row).
+template <typename E, bool kModes>
+struct SourceRow {
+  const E* src = nullptr;
+  int64_t stride_c = 0;
+  int64_t b, st, sh;
+  __device__ __forceinline__ SourceRow(const CausalPadArgs& a, int64_t r, int64_t out_h, int64_t out_t) {
+    const int64_t h = r % out_h;
+    const int64_t t = (r / out_h) % out_t;
+    b = r / (out_h * out_t);
+    sh = h - a.pad_h0;
+    st = t - a.pad_t0;
+    if constexpr (kModes) {
+      if (a.reflect_hw) sh = reflect_index(sh, a.height);
+      if (a.replicate_t) st = clamp_frame(st, a.cache_frames + a.frames);
+    }
+    if (sh >= 0 && sh < a.height && st >= 0) {
+      if (st < a.cache_frames) {
+        src = static_cast<const E*>(a.cache) + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
+        stride_c = a.cache_stride_c;
+      } else if (st < a.cache_frames + a.frames) {
+        src = static_cast<const E*>(a.x) + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
+        stride_c = a.x_stride_c;
+      }
+    }
+  }
+};
+
 // channels_last: grid (ceil(Wp / kTile), min(ceil(C / kTile), kMaxRowBlocks), min(B * Tp * Hp, kMaxRowBlocks)), block
 // (kTile, kTileRows); the channel tiles in turn over grid.y and the output rows (b, t, h) over grid.z, each with a grid
 // stride (grid.y and grid.z are at most 65535: more than 2M channels take several tiles per block). The body of
@@ -107,8 +137,6 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
   const int64_t out_t = a.pad_t0 + a.cache_frames + a.frames + a.pad_t1;
   const int64_t rows = a.batch * out_t * out_h;
   const int64_t w0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const W* x = static_cast<const W*>(a.x);
-  const W* cache = static_cast<const W*>(a.cache);
   W* out = static_cast<W*>(a.out);
   const int64_t w_read = w0 + threadIdx.x;  // the column this thread reads (along the source's unit stride)
   int64_t sw = w_read - a.pad_w0;
@@ -123,26 +151,9 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
        c0 += static_cast<int64_t>(gridDim.y) * kTile) {  // (bounds uniform over the block: __syncthreads is safe)
     const int64_t c_write = c0 + threadIdx.x;  // the channel this thread writes (along the output's unit stride)
     for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
-      const int64_t h = r % out_h;
-      const int64_t t = (r / out_h) % out_t;
-      const int64_t b = r / (out_h * out_t);
-      int64_t sh = h - a.pad_h0;
-      int64_t st = t - a.pad_t0;
-      if constexpr (kModes) {
-        if (a.reflect_hw) sh = reflect_index(sh, a.height);
-        if (a.replicate_t) st = clamp_frame(st, a.cache_frames + a.frames);
-      }
-      const W* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
-      int64_t stride_c = 0;
-      if (sh >= 0 && sh < a.height && st >= 0) {
-        if (st < a.cache_frames) {
-          src = cache + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
-          stride_c = a.cache_stride_c;
-        } else if (st < a.cache_frames + a.frames) {
-          src = x + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
-          stride_c = a.x_stride_c;
-        }
-      }
+      const SourceRow<W, kModes> row(a, r, out_h, out_t);
+      const W* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
+      const int64_t stride_c = row.stride_c, b = row.b, st = row.st, sh = row.sh;
       float rs = 0.0f;  // kNorm: the reciprocal of the source position (b, st, sh, sw), one per column
       if constexpr (kNorm) {
         if (src != nullptr && inside_w) {
@@ -219,33 +230,16 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
   const int64_t rows = a.batch * out_t * out_h;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kWideColumns;  // the tile's first source column
   const int64_t border = a.pad_w0 + a.pad_w1;
-  const T* x = static_cast<const T*>(a.x);
-  const T* cache = static_cast<const T*>(a.cache);
   T* out = static_cast<T*>(a.out);
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
        c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (bounds uniform over the block: __syncthreads is safe)
     for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
-      const int64_t h = r % out_h;
-      const int64_t t = (r / out_h) % out_t;
-      const int64_t b = r / (out_h * out_t);
-      int64_t sh = h - a.pad_h0;
-      int64_t st = t - a.pad_t0;
-      if constexpr (kModes) {
-        if (a.reflect_hw) sh = reflect_index(sh, a.height);
-        if (a.replicate_t) st = clamp_frame(st, a.cache_frames + a.frames);
-      }
-      const T* src = nullptr;  // the source plane (b, st) at row sh, or none (the border)
-      int64_t stride_c = 0;
-      const float* rs_row = nullptr;  // kNorm: the reciprocals of the source row's positions
-      if (sh >= 0 && sh < a.height && st >= 0) {
-        if (st < a.cache_frames) {
-          src = cache + b * a.cache_stride_b + st * a.cache_stride_t + sh * a.cache_stride_h;
-          stride_c = a.cache_stride_c;
-        } else if (st < a.cache_frames + a.frames) {
-          src = x + b * a.x_stride_b + (st - a.cache_frames) * a.x_stride_t + sh * a.x_stride_h;
-          stride_c = a.x_stride_c;
-          if constexpr (kNorm) rs_row = rsqrt + ((b * a.frames + st - a.cache_frames) * a.height + sh) * a.width;
-        }
+      const SourceRow<T, kModes> row(a, r, out_h, out_t);
+      const T* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
+      const int64_t stride_c = row.stride_c;
+      const float* rs_row = nullptr;  // kNorm: the reciprocals of the source row's positions (x's: no cache there)
+      if constexpr (kNorm) {
+        if (src != nullptr) rs_row = rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width;
       }
       float rs[kWideVecs][8];  // kNorm: the reciprocals of each loaded vector's 8 columns
       transpose_tile_wide<T, kWideChannels, kWideColumns, kWideThreads>(
