@@ -210,8 +210,8 @@ __global__ void __launch_bounds__(kTile * kTileRows) ltx_rmsnorm_pad_cl_kernel(c
 // cache's) strides multiples of 8 elements and their data (and `rsqrt`'s) 16-byte aligned (wide_fits below, and
 // ops/causal_conv_pad.py's twin). A block moves a tile of kWideChannels channels x kWideColumns source columns of
 // one output row (b, t, h): each thread loads two 16-byte vectors (8 columns of one channel: source columns sw .. sw
-// + 7 of the plane the row reads, or zeros where it reads none), and stores two (8 channels of one column: output
-// column pad_w0 + sw, 64 contiguous bytes). The border columns (below pad_w0 and from pad_w0 + width: zeros, or with
+// + 7 of the plane the row reads), and stores two (8 channels of one column: output column pad_w0 + sw, 64 contiguous
+// bytes); a row that reads no plane (the zero frames and rows of the border) is stored as zeros without the tile. The border columns (below pad_w0 and from pad_w0 + width: zeros, or with
 // a.reflect_hw the reflected source column's values) are written by the first column tile's block, 8 channels a
 // thread, read one by one. Every element of the buffer is the one pad_cl_tiles writes there (kNorm: the same
 // ltx_rmsnorm_value of the same operands). grid (ceil(width / kWideColumns), min(ceil(C / kWideChannels), 65535),
@@ -241,33 +241,38 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
       if constexpr (kNorm) {
         if (src != nullptr) rs_row = rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width;
       }
-      float rs[kWideVecs][8];  // kNorm: the reciprocals of each loaded vector's 8 columns
-      transpose_tile_wide<T, kWideChannels, kWideColumns, kWideThreads>(
-          base,
-          [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
-            const int64_t c = c0 + cl, sw = s0 + sc;
-            if (src == nullptr || c >= a.channels || sw >= a.width) return P{};  // (+0.0 on the border, as F.pad)
-            if constexpr (kNorm) {
-              const float4 lo = __ldg(reinterpret_cast<const float4*>(rs_row + sw));
-              const float4 hi = __ldg(reinterpret_cast<const float4*>(rs_row + sw + 4));
-              rs[j][0] = lo.x, rs[j][1] = lo.y, rs[j][2] = lo.z, rs[j][3] = lo.w;
-              rs[j][4] = hi.x, rs[j][5] = hi.y, rs[j][6] = hi.z, rs[j][7] = hi.w;
-            }
-            return load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw));
-          },
-          [&](int j, P p) -> P {
-            if constexpr (kNorm) {
-              if (src != nullptr) {  // (the zeros of a row that reads no plane stay zeros, as pad_cl_tiles writes)
+      if (src == nullptr) {  // a row of zeros (uniform over the block): no tile, 16-byte stores of +0.0
+        for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
+          const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
+          if (sw < a.width && c < a.channels) *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = P{};
+        }
+      } else {
+        float rs[kWideVecs][8];  // kNorm: the reciprocals of each loaded vector's 8 columns
+        transpose_tile_wide<T, kWideChannels, kWideColumns, kWideThreads>(
+            base,
+            [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
+              const int64_t c = c0 + cl, sw = s0 + sc;
+              if (src == nullptr || c >= a.channels || sw >= a.width) return P{};
+              if constexpr (kNorm) {
+                const float4 lo = __ldg(reinterpret_cast<const float4*>(rs_row + sw));
+                const float4 hi = __ldg(reinterpret_cast<const float4*>(rs_row + sw + 4));
+                rs[j][0] = lo.x, rs[j][1] = lo.y, rs[j][2] = lo.z, rs[j][3] = lo.w;
+                rs[j][4] = hi.x, rs[j][5] = hi.y, rs[j][6] = hi.z, rs[j][7] = hi.w;
+              }
+              return load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw));
+            },
+            [&](int j, P p) -> P {  // (kNorm: a vector past the channels or columns is never stored)
+              if constexpr (kNorm) {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) p.v[k] = ltx_rmsnorm_value<T>(p.v[k], rs[j][k], true);
               }
-            }
-            return p;
-          },
-          [&](int, int sc, int cl, const P& p) {  // source column s0 + sc: output column pad_w0 + s0 + sc
-            const int64_t sw = s0 + sc, c = c0 + cl;
-            if (sw < a.width && c < a.channels) *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
-          });
+              return p;
+            },
+            [&](int, int sc, int cl, const P& p) {  // source column s0 + sc: output column pad_w0 + s0 + sc
+              const int64_t sw = s0 + sc, c = c0 + cl;
+              if (sw < a.width && c < a.channels) *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
+            });
+      }
       if (blockIdx.x == 0) {  // the border columns of this row and channel tile
         for (int64_t i = threadIdx.x; i < border * (kWideChannels / 8); i += kWideThreads) {
           const int64_t bw = i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
@@ -294,14 +299,14 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
 template <typename T, bool kModes>
 __global__ void __launch_bounds__(kWideThreads) causal_pad_cl_wide_kernel(const CausalPadArgs a) {
   __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
-  pad_cl_wide_tiles<T, kModes, false>(a, shared_address(&tile[0]), nullptr);
+  pad_cl_wide_tiles<T, kModes, false>(a, shared_window(&tile[0]), nullptr);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kWideThreads) ltx_rmsnorm_pad_cl_wide_kernel(const CausalPadArgs a,
                                                                                const float* rsqrt) {
   __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
-  pad_cl_wide_tiles<T, true, true>(a, shared_address(&tile[0]), rsqrt);
+  pad_cl_wide_tiles<T, true, true>(a, shared_window(&tile[0]), rsqrt);
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)

@@ -147,7 +147,7 @@ template <typename T, bool kResidual>
 __global__ void __launch_bounds__(kWideThreads) bias_contiguous_wide_kernel(const BiasContiguousArgs a) {
   using P = Pack<T>;
   __shared__ __align__(16) unsigned short tile[kWidePositions * (kWideChannels + 2)];  // [position][channel]
-  const unsigned base = shared_address(&tile[0]);
+  const unsigned base = shared_window(&tile[0]);
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kWidePositions;
   const T* x = static_cast<const T*>(a.x);
   const T* bias = static_cast<const T*>(a.bias);

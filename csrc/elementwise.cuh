@@ -143,6 +143,15 @@ struct alignas(16) Pack {
 __device__ __forceinline__ unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+// The same through the instruction itself (cvta.to.shared of the generic address): nvcc's front end folds
+// __cvta_generic_to_shared of a __shared__ array into a 32-bit move of its symbol, NVRTC's into a 64-bit move and a
+// truncation, which ptxas scheduled differently in the wide tiles' kernels (other machine code); through the asm both
+// hand ptxas the same instructions.
+__device__ __forceinline__ unsigned shared_window(const void* p) {
+  unsigned address;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(address) : "l"(p));
+  return address;
+}
 __device__ __forceinline__ void shared_store(unsigned address, unsigned short v) {
   asm volatile("st.shared.u16 [%0], %1;" ::"r"(address), "h"(v) : "memory");
 }
