@@ -208,14 +208,15 @@ __global__ void __launch_bounds__(kTile * kTileRows) ltx_rmsnorm_pad_cl_kernel(c
 // The wide channels-last copy: what pad_cl_tiles writes, moved 16 bytes at a time both ways (elementwise.cuh's
 // transpose_tile_wide), where every vector is whole: 16-bit values, channels and width multiples of 8, x's (and the
 // cache's) strides multiples of 8 elements and their data (and `rsqrt`'s) 16-byte aligned (wide_fits below, and
-// ops/causal_conv_pad.py's twin). A block moves a tile of kWideChannels channels x kWideColumns source columns of
-// one output row (b, t, h): each thread loads two 16-byte vectors (8 columns of one channel: source columns sw .. sw
-// + 7 of the plane the row reads), and stores two (8 channels of one column: output column pad_w0 + sw, 64 contiguous
-// bytes); a row that reads no plane (the zero frames and rows of the border) is stored as zeros without the tile. The border columns (below pad_w0 and from pad_w0 + width: zeros, or with
-// a.reflect_hw the reflected source column's values) are written by the first column tile's block, 8 channels a
-// thread, read one by one. Every element of the buffer is the one pad_cl_tiles writes there (kNorm: the same
-// ltx_rmsnorm_value of the same operands). grid (ceil(width / kWideColumns), min(ceil(C / kWideChannels), 65535),
-// min(B * Tp * Hp, 65535)), block kWideThreads, the channel tiles and rows with grid strides as pad_cl_tiles's.
+// ops/causal_conv_pad.py's twin). A block moves a tile of kWideChannels channels x kWideColumns source columns of one
+// output row (b, t, h): each thread loads two 16-byte vectors (8 columns of one channel: source columns sw .. sw + 7 of
+// the plane the row reads), and stores two (8 channels of one column: output column pad_w0 + sw, 64 contiguous bytes);
+// a row that reads no plane (the zero frames and rows of the border) is stored as zeros without the tile. The border
+// columns (below pad_w0 and from pad_w0 + width: zeros, or with a.reflect_hw the reflected source column's values) are
+// written by the first column tile's block, 8 channels a thread, read one by one. Every element of the buffer is the
+// one pad_cl_tiles writes there (kNorm: the same ltx_rmsnorm_value of the same operands). grid (ceil(width /
+// kWideColumns), min(ceil(C / kWideChannels), 65535), min(B * Tp * Hp, 65535)), block kWideThreads, the channel tiles
+// and rows with grid strides as pad_cl_tiles's.
 constexpr int kWideChannels = 32;
 constexpr int kWideColumns = 64;
 constexpr int kWideThreads = 128;
@@ -232,19 +233,23 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
   const int64_t border = a.pad_w0 + a.pad_w1;
   T* out = static_cast<T*>(a.out);
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
-       c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (bounds uniform over the block: __syncthreads is safe)
+       c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (uniform over the block: __syncthreads is safe)
     for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
       const SourceRow<T, kModes> row(a, r, out_h, out_t);
       const T* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
       const int64_t stride_c = row.stride_c;
       const float* rs_row = nullptr;  // kNorm: the reciprocals of the source row's positions (x's: no cache there)
       if constexpr (kNorm) {
-        if (src != nullptr) rs_row = rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width;
+        if (src != nullptr) {
+          rs_row = rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width;
+        }
       }
       if (src == nullptr) {  // a row of zeros (uniform over the block): no tile, 16-byte stores of +0.0
         for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
           const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
-          if (sw < a.width && c < a.channels) *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = P{};
+          if (sw < a.width && c < a.channels) {
+            *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = P{};
+          }
         }
       } else {
         float rs[kWideVecs][8];  // kNorm: the reciprocals of each loaded vector's 8 columns
@@ -270,7 +275,9 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
             },
             [&](int, int sc, int cl, const P& p) {  // source column s0 + sc: output column pad_w0 + s0 + sc
               const int64_t sw = s0 + sc, c = c0 + cl;
-              if (sw < a.width && c < a.channels) *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
+              if (sw < a.width && c < a.channels) {
+                *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
+              }
             });
       }
       if (blockIdx.x == 0) {  // the border columns of this row and channel tile
@@ -325,7 +332,7 @@ dim3 cl_grid(const CausalPadArgs& a) {
 }
 
 // The wide kernels' inputs (16-bit values: the callers' dtype): whole 16-byte vectors of x, of the cache and of rsqrt
-// (null: none) at every row the tiles read, and of the output at every column (ops/causal_conv_pad.py's _wide_fits is
+// (null: none) at every row the tiles read, and of the output at every column (ops/causal_conv_pad.py's wide_fits is
 // its Python twin).
 bool wide_fits(const CausalPadArgs& a, const float* rsqrt) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };

@@ -132,11 +132,11 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
 
 // The wide bias_contiguous: the same values (and with kResidual the same second rounding), moved 16 bytes at a time
 // both ways (elementwise.cuh's transpose_tile_wide), where every vector is whole: 16-bit values, channels and spatial
-// multiples of 8, x and the residual 16-byte aligned (wide_fits below; ops/conv_bias.py's twin). A block moves a tile
-// of kWidePositions positions x kWideChannels channels of one sample: each thread loads two 16-byte vectors (8
-// channels of one position), adds their biases and rounds to T (aten's add), and stores two (8 positions of one
-// channel, with kResidual each the residual's vector at that place added to it and rounded: loaded before the tile's
-// shared stores). grid (ceil(spatial / kWidePositions), min(ceil(C / kWideChannels), 65535), min(batch, 65535)),
+// multiples of 8, x and the residual 16-byte aligned (wide_fits below; ops/conv_bias.py's wide_fits its twin). A block
+// moves a tile of kWidePositions positions x kWideChannels channels of one sample: each thread loads two 16-byte
+// vectors (8 channels of one position), adds their biases and rounds to T (aten's add), and stores two (8 positions of
+// one channel, with kResidual each the residual's vector at that place added to it and rounded: loaded before the
+// tile's shared stores). grid (ceil(spatial / kWidePositions), min(ceil(C / kWideChannels), 65535), min(batch, 65535)),
 // block kWideThreads, the channel tiles and samples with grid strides as bias_contiguous_kernel's.
 constexpr int kWidePositions = 64;
 constexpr int kWideChannels = 32;
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kWideThreads) bias_contiguous_wide_kernel(cons
   static_assert(kWideThreads % (kWideChannels / 8) == 0, "one channel vector a thread");
   const int cl_load = 8 * (threadIdx.x % (kWideChannels / 8));
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
-       c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (bounds uniform over the block: __syncthreads is safe)
+       c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (uniform over the block: __syncthreads is safe)
     float b[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) b[k] = c0 + cl_load + k < a.channels ? Storage<T>::load(bias[c0 + cl_load + k]) : 0.0f;
@@ -265,7 +265,7 @@ cudaError_t launch_depth_to_space(const BiasDepthToSpaceArgs& a, cudaStream_t st
 }
 
 // The wide kernel's inputs (16-bit values: the caller's dtype): whole 16-byte vectors of x, the residual and out at
-// every position and channel (ops/conv_bias.py's _wide_fits is its Python twin).
+// every position and channel (ops/conv_bias.py's wide_fits is its Python twin).
 bool wide_fits(const BiasContiguousArgs& a) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   return a.channels % 8 == 0 && a.spatial % 8 == 0 && aligned(a.x) && aligned(a.out) &&
@@ -281,7 +281,8 @@ cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) 
       const int64_t ctiles = (a.channels + kWideChannels - 1) / kWideChannels;
       const int64_t ptiles = (a.spatial + kWidePositions - 1) / kWidePositions;
       if (ptiles > 0x7fffffff) return cudaErrorInvalidValue;
-      const dim3 grid(static_cast<unsigned>(ptiles), static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
+      const dim3 grid(static_cast<unsigned>(ptiles),
+                      static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
                       static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
       if (a.residual != nullptr) {
         bias_contiguous_wide_kernel<T, true><<<grid, kWideThreads, 0, stream>>>(a);

@@ -184,9 +184,9 @@ __device__ __forceinline__ void shared_load(unsigned address, uint4& v) {
                : "memory");
 }
 
-// The same at `address` + kOffset bytes, the offset an immediate of the instruction: the wide tiles' accesses (below) give
-// ptxas one address register and constant offsets under both front ends (with the offsets added in C++, NVVM folded
-// them into the tile's symbol under nvcc and into a separate register under NVRTC: other machine code).
+// The same at `address` + kOffset bytes, the offset an immediate of the instruction: the wide tiles' accesses (below)
+// give ptxas one address register and constant offsets under both front ends (with the offsets added in C++, NVVM
+// folded them into the tile's symbol under nvcc and into a separate register under NVRTC: other machine code).
 template <int kOffset>
 __device__ __forceinline__ void shared_store_at(unsigned address, unsigned int v) {
   asm volatile("st.shared.u32 [%0+%2], %1;" ::"r"(address), "r"(v), "n"(kOffset) : "memory");

@@ -151,7 +151,8 @@ _cuda_op = LazyLauncher(_nvrtc_kernel, "_conv_bias_cuda_")
 
 # csrc/conv_bias.cu's bias_contiguous_kernel (kTile 32, kTileRows 8; BiasContiguousArgs in fastpath.h): a channels-last
 # output's bias added into a new contiguous tensor, the transpose in the same pass (`diffusers_fastpath.ops.causal_conv_cl`);
-# its kResidual variant adds a contiguous residual to the rounded sum (`diffusers_fastpath.ops.conv_bias_residual`)
+# its kResidual variant adds a contiguous residual to the rounded sum (`diffusers_fastpath.ops.conv_bias_residual`); and
+# bias_contiguous_wide_kernel, the same values in 16-byte vectors both ways, where `wide_fits`
 _CONTIGUOUS_ARGS = _nvrtc.Params("BiasContiguousArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("residual", "P"),
                                  ("batch", "q"), ("spatial", "q"), ("channels", "q"), ("dtype", "i"))
 _NVRTC_CONTIGUOUS = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_contiguous_kernel",
@@ -179,10 +180,10 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
         batch, channels = x.shape[:2]
         spatial = x.numel() // (batch * channels)
         key = (x.dtype, residual is not None)
-        ctiles = min((channels + _WIDE_CHANNELS - 1) // _WIDE_CHANNELS, _MAX_ROW_BLOCKS)
         if wide_fits(x, out, residual, channels, spatial):
             kernel, block = _NVRTC_CONTIGUOUS_WIDE, (_WIDE_THREADS, 1, 1)
-            grid = ((spatial + _WIDE_POSITIONS - 1) // _WIDE_POSITIONS, ctiles, min(batch, _MAX_ROW_BLOCKS))
+            grid = ((spatial + _WIDE_POSITIONS - 1) // _WIDE_POSITIONS,
+                    min((channels + _WIDE_CHANNELS - 1) // _WIDE_CHANNELS, _MAX_ROW_BLOCKS), min(batch, _MAX_ROW_BLOCKS))
         else:
             kernel, block = _NVRTC_CONTIGUOUS, (_TILE, _TILE_ROWS, 1)
             grid = ((spatial + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
