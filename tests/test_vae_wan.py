@@ -803,7 +803,8 @@ def test_wide_kernels_launch_where_every_vector_is_whole(monkeypatch):
     r = torch.rand(2, 4 * 5 * 72)
     rms_conv._nvrtc_kernel(x, r, [1, 1, 1, 1, 2, 0], True)
     kernel, _, grid, block, a = launches[-1]
-    assert kernel is rms_conv._NVRTC_WIDE and (grid, block) == ((2, 2, 2 * 6 * 7), (128, 1, 1)) and a.rsqrt == r.data_ptr()
+    assert kernel is rms_conv._NVRTC_WIDE and (grid, block) == ((2, 2, 2 * 6 * 7), (128, 1, 1))
+    assert a.rsqrt == r.data_ptr()
     rms_conv._nvrtc_kernel(x, r.view(-1)[1:].view(1, -1).expand(2, -1)[:, :1440], [1, 1, 1, 1, 2, 0], True)
     assert launches[-1][0] is rms_conv._NVRTC  # (an rsqrt of no 16-byte alignment)
     # bias_contiguous: the wide kernel at channels and positions multiples of 8, its residual variant too
@@ -821,6 +822,45 @@ def test_wide_kernels_launch_where_every_vector_is_whole(monkeypatch):
     odd = x[..., :5].contiguous(memory_format=torch.channels_last_3d)  # (positions 100: no multiple of 8)
     conv_bias_module._nvrtc_contiguous(odd, bias)
     assert launches[-1][0] is conv_bias_module._NVRTC_CONTIGUOUS
+
+
+def test_transpose_copy_probe_launches_what_the_launchers_launch(monkeypatch, tool):
+    """tools/transpose_copy_probe.py launches each kernel as the product's launchers would: its wide grids and
+    arguments are those `causal_conv_pad._nvrtc_kernel` and `conv_bias._nvrtc_contiguous` pick for the same inputs, its
+    tiled ones those they pick where the wide kernel does not fit (so its timings are of the kernels that run)."""
+    from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
+
+    from pathlib import Path
+
+    conv_bias_module = importlib.import_module("diffusers_fastpath.ops.conv_bias")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))  # (as a script sees its folder)
+    probe = tool("transpose_copy_probe")
+    launches = captured_launches.__wrapped__(monkeypatch)
+    x = torch.randn(2, 40, 3, 5, 72).to(torch.bfloat16)
+    cache = torch.randn(2, 40, 2, 5, 72).to(torch.bfloat16)
+
+    def fields(a):
+        return [getattr(a.a, f) for f, _ in causal_conv_pad._ARGS.fields if f not in ("out",)]
+
+    for run, _ in probe._pad_launchers(x, cache, [1, 1, 1, 1, 0, 0]).values():
+        run()
+    tiled, wide = launches[-2], launches[-1]
+    causal_conv_pad._nvrtc_kernel(x, cache, [1, 1, 1, 1, 0, 0], True)
+    assert launches[-1][0] is wide[0] is causal_conv_pad._NVRTC_WIDE and launches[-1][2:4] == wide[2:4]
+    assert fields(launches[-1][4]) == fields(wide[4]) == fields(tiled[4])
+    causal_conv_pad._nvrtc_kernel(x[:, :36], cache[:, :36], [1, 1, 1, 1, 0, 0], True)  # (36 channels: the tiled one)
+    assert tiled[0] is causal_conv_pad._NVRTC_CL and tiled[3] == launches[-1][3] == (32, 8, 1)
+    assert tiled[2][0] == launches[-1][2][0] and tiled[2][2] == launches[-1][2][2]  # (columns, rows; channels 2 both)
+    raw = x.contiguous(memory_format=torch.channels_last_3d)
+    bias = torch.randn(40).to(torch.bfloat16)
+    for run, _ in probe._bias_launchers(raw, bias).values():
+        run()
+    tiled, wide = launches[-2], launches[-1]
+    conv_bias_module._nvrtc_contiguous(raw, bias)
+    assert launches[-1][0] is wide[0] is conv_bias_module._NVRTC_CONTIGUOUS_WIDE and launches[-1][1:4] == wide[1:4]
+    conv_bias_module._nvrtc_contiguous(raw.float(), bias.float())  # (fp32: the tiled one)
+    assert tiled[0] is conv_bias_module._NVRTC_CONTIGUOUS and tiled[2:4] == launches[-1][2:4]
+    assert (wide[4].a.x, wide[4].a.spatial, wide[4].a.channels) == (raw.data_ptr(), 1080, 40)
 
 
 def test_channels_last_tile_kernels_launch_within_the_grid_limits(monkeypatch):
