@@ -257,7 +257,13 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
             base,
             [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
               const int64_t c = c0 + cl, sw = s0 + sc;
-              if (src == nullptr || c >= a.channels || sw >= a.width) return P{};
+              if (src == nullptr || c >= a.channels || sw >= a.width) {
+                if constexpr (kNorm) {  // (a vector never stored: its reciprocals defined all the same)
+#pragma unroll
+                  for (int k = 0; k < 8; ++k) rs[j][k] = 0.0f;
+                }
+                return P{};
+              }
               if constexpr (kNorm) {
                 const float4 lo = __ldg(reinterpret_cast<const float4*>(rs_row + sw));
                 const float4 hi = __ldg(reinterpret_cast<const float4*>(rs_row + sw + 4));
@@ -266,7 +272,7 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
               }
               return load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw));
             },
-            [&](int j, P p) -> P {  // (kNorm: a vector past the channels or columns is never stored)
+            [&](int j, P p) -> P {
               if constexpr (kNorm) {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) p.v[k] = ltx_rmsnorm_value<T>(p.v[k], rs[j][k], true);
