@@ -238,12 +238,10 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
       const SourceRow<T, kModes> row(a, r, out_h, out_t);
       const T* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
       const int64_t stride_c = row.stride_c;
-      const float* rs_row = nullptr;  // kNorm: the reciprocals of the source row's positions (x's: no cache there)
-      if constexpr (kNorm) {
-        if (src != nullptr) {
-          rs_row = rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width;
-        }
-      }
+      // kNorm: the reciprocals of the source row's positions (x's: no cache there)
+      const float* rs_row =
+          kNorm && src != nullptr ? rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width
+                                  : nullptr;
       if (src == nullptr) {  // a row of zeros (uniform over the block): no tile, 16-byte stores of +0.0
         for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
           const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
@@ -257,7 +255,7 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
             base,
             [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
               const int64_t c = c0 + cl, sw = s0 + sc;
-              if (src == nullptr || c >= a.channels || sw >= a.width) {
+              if (c >= a.channels || sw >= a.width) {
                 if constexpr (kNorm) {  // (a vector never stored: its reciprocals defined all the same)
 #pragma unroll
                   for (int k = 0; k < 8; ++k) rs[j][k] = 0.0f;
@@ -327,15 +325,18 @@ int64_t planes_of(const CausalPadArgs& a) {
   return a.batch * (a.pad_t0 + a.cache_frames + a.frames + a.pad_t1) * (a.height + a.pad_h0 + a.pad_h1);
 }
 
-// the channels-last kernels' grid (above)
-dim3 cl_grid(const CausalPadArgs& a) {
-  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+// the channels-last kernels' grid (above): `columns` in tiles of `column_tile`, the channels in tiles of
+// `channel_tile`, the output rows
+dim3 tile_grid(const CausalPadArgs& a, int64_t columns, int column_tile, int channel_tile) {
   const int64_t planes = planes_of(a);
-  const int64_t ctiles = (a.channels + kTile - 1) / kTile;
-  return dim3(static_cast<unsigned>((out_w + kTile - 1) / kTile),
+  const int64_t ctiles = (a.channels + channel_tile - 1) / channel_tile;
+  return dim3(static_cast<unsigned>((columns + column_tile - 1) / column_tile),
               static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
               static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
 }
+// the tiled kernels' (every output column) and the wide kernels' (the source columns; the border is the first tile's)
+dim3 cl_grid(const CausalPadArgs& a) { return tile_grid(a, a.width + a.pad_w0 + a.pad_w1, kTile, kTile); }
+dim3 wide_grid(const CausalPadArgs& a) { return tile_grid(a, a.width, kWideColumns, kWideChannels); }
 
 // The wide kernels' inputs (16-bit values: the callers' dtype): whole 16-byte vectors of x, of the cache and of rsqrt
 // (null: none) at every row the tiles read, and of the output at every column (ops/causal_conv_pad.py's wide_fits is
@@ -349,14 +350,6 @@ bool wide_fits(const CausalPadArgs& a, const float* rsqrt) {
            a.cache_stride_t % 8 == 0 && a.cache_stride_h % 8 == 0;
   }
   return fits && (rsqrt == nullptr || aligned(rsqrt));
-}
-
-dim3 wide_grid(const CausalPadArgs& a) {
-  const int64_t planes = planes_of(a);
-  const int64_t ctiles = (a.channels + kWideChannels - 1) / kWideChannels;
-  return dim3(static_cast<unsigned>((a.width + kWideColumns - 1) / kWideColumns),
-              static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
-              static_cast<unsigned>(planes < kMaxRowBlocks ? planes : kMaxRowBlocks));
 }
 
 template <typename T, bool kModes>

@@ -272,18 +272,23 @@ bool wide_fits(const BiasContiguousArgs& a) {
          (a.residual == nullptr || aligned(a.residual));
 }
 
+// bias_contiguous's grids: the positions in tiles of `position_tile`, the channels in tiles of `channel_tile`, the
+// samples
+dim3 contiguous_grid(const BiasContiguousArgs& a, int position_tile, int channel_tile) {
+  const int64_t ctiles = (a.channels + channel_tile - 1) / channel_tile;
+  return dim3(static_cast<unsigned>((a.spatial + position_tile - 1) / position_tile),
+              static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
+              static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
+}
+
 template <typename T>
 cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) {
   if (a.batch == 0 || a.spatial == 0 || a.channels == 0) return cudaSuccess;
   if (a.batch < 0 || a.spatial < 0 || a.channels < 0) return cudaErrorInvalidValue;
   if constexpr (sizeof(T) == 2) {
     if (wide_fits(a)) {
-      const int64_t ctiles = (a.channels + kWideChannels - 1) / kWideChannels;
-      const int64_t ptiles = (a.spatial + kWidePositions - 1) / kWidePositions;
-      if (ptiles > 0x7fffffff) return cudaErrorInvalidValue;
-      const dim3 grid(static_cast<unsigned>(ptiles),
-                      static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
-                      static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
+      if ((a.spatial + kWidePositions - 1) / kWidePositions > 0x7fffffff) return cudaErrorInvalidValue;
+      const dim3 grid = contiguous_grid(a, kWidePositions, kWideChannels);
       if (a.residual != nullptr) {
         bias_contiguous_wide_kernel<T, true><<<grid, kWideThreads, 0, stream>>>(a);
       } else {
@@ -292,10 +297,7 @@ cudaError_t launch_contiguous(const BiasContiguousArgs& a, cudaStream_t stream) 
       return cudaGetLastError();
     }
   }
-  const int64_t ctiles = (a.channels + kTile - 1) / kTile;
-  const dim3 grid(static_cast<unsigned>((a.spatial + kTile - 1) / kTile),
-                  static_cast<unsigned>(ctiles < kMaxRowBlocks ? ctiles : kMaxRowBlocks),
-                  static_cast<unsigned>(a.batch < kMaxRowBlocks ? a.batch : kMaxRowBlocks));
+  const dim3 grid = contiguous_grid(a, kTile, kTile);
   if (a.residual != nullptr) {
     bias_contiguous_kernel<T, true><<<grid, dim3(kTile, kTileRows), 0, stream>>>(a);
   } else {

@@ -249,7 +249,8 @@ __device__ __forceinline__ __half from_bits<__half>(unsigned short bits) {
 //                        a 16-byte store along the destination's unit stride.
 // A tile row is kCols + 2 values (kCols / 2 + 1 words): the converts' 4-byte shared stores of a warp (4 rows of 8
 // vectors at kCols 64, 8 rows of 4 at kCols 32) hit distinct banks or two ways; the stores' 2-byte reads likewise.
-// `base`: the shared address (shared_address) of kRows * (kCols + 2) 16-bit values. The tile is free again on return.
+// `base`: the shared address (shared_window, or shared_address) of kRows * (kCols + 2) 16-bit values. The tile is free
+// again on return.
 template <typename T, int kRows, int kCols, int kThreads, typename Load, typename Convert, typename Store>
 __device__ __forceinline__ void transpose_tile_wide(unsigned base, Load load, Convert convert, Store store) {
   using P = Pack<T>;

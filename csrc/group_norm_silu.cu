@@ -321,15 +321,16 @@ __global__ void __launch_bounds__(kApplyThreads) group_norm_apply_kernel(GroupNo
   }
 }
 
-// The apply kernel's output written channels-last (ops/group_norm_silu_conv.py: the input of the convolution after
-// the norm, which cuDNN reads as it is instead of transposing it first): out [batch, hxw, channels] for x [batch,
-// channels, hxw], each value the one group_norm_apply_kernel computes for it (the same device functions: fused_params,
+// The apply kernel's output written channels-last (ops/group_norm_silu_conv.py: the input of the convolution after the
+// norm, which cuDNN reads as it is instead of transposing it first): out [batch, hxw, channels] for x [batch, channels,
+// hxw], each value the one group_norm_apply_kernel computes for it (the same device functions: fused_params,
 // apply_value), moved to its place through a shared-memory tile of kClChannels x kClPositions (elementwise.cuh's
 // transpose_tile_wide): each thread loads two 16-byte vectors of x (8 positions of one channel), writes their values
 // into the tile as 4-byte words, then gathers 8 channels of one position from it and stores them as one 16-byte vector:
-// 8 threads write a position's 64 channels, 128 contiguous bytes. Block kClThreads: channel tile blockIdx.y of sample blockIdx.z, the position tiles blockIdx.x,
-// blockIdx.x + gridDim.x, ...; its warps first finish the statistics of the groups its channels span (row_stats, one
-// warp per group). The guard: channels a multiple of 8, hxw a multiple of 8 (whole vectors both ways).
+// 8 threads write a position's 64 channels, 128 contiguous bytes. Block kClThreads: channel tile blockIdx.y of sample
+// blockIdx.z, the position tiles blockIdx.x, blockIdx.x + gridDim.x, ...; its warps first finish the statistics of the
+// groups its channels span (row_stats, one warp per group). The guard: channels a multiple of 8, hxw a multiple of 8
+// (whole vectors both ways).
 constexpr int kClChannels = 64;
 constexpr int kClPositions = 64;
 constexpr int kClThreads = 256;

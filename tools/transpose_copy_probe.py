@@ -40,20 +40,17 @@ SHAPES = [(1, 384, 1, 60, 104), (1, 384, 2, 120, 208), (1, 192, 4, 240, 416), (1
 def _pad_launchers(x: torch.Tensor, cache: torch.Tensor | None, padding: list[int]):
     """The tiled and the wide channels-last pad kernels on x (and the cache), each with its grid, writing into a
     buffer of its own: name -> (run, output)."""
-    out, fields, wide, _, _ = pad.launch_fields(x, cache, padding, channels_last=True)
+    out, fields, wide, grid, block = pad.launch_fields(x, cache, padding, channels_last=True)
     assert wide, "the wide kernel does not take this shape"
     tiled_out, tiled_fields, _, _, _ = pad.launch_fields(x, cache, padding, channels_last=True)
     dev, dtype = x.device.index, x.dtype
     planes = min(out.shape[0] * out.shape[2] * out.shape[3], pad._MAX_ROW_BLOCKS)
-    c = x.shape[1]
-    wide_grid = ((x.shape[4] + pad._WIDE_COLUMNS - 1) // pad._WIDE_COLUMNS,
-                 min((c + pad._WIDE_CHANNELS - 1) // pad._WIDE_CHANNELS, pad._MAX_ROW_BLOCKS), planes)
-    tiled_grid = ((out.shape[4] + pad._TILE - 1) // pad._TILE, min((c + pad._TILE - 1) // pad._TILE,
-                                                                   pad._MAX_ROW_BLOCKS), planes)
+    tiled_grid = ((out.shape[4] + pad._TILE - 1) // pad._TILE,  # (the launcher's where the wide kernel does not fit)
+                  min((x.shape[1] + pad._TILE - 1) // pad._TILE, pad._MAX_ROW_BLOCKS), planes)
     return {
         "pad tiled": (lambda: pad._NVRTC_CL.launch(dev, dtype, tiled_grid, (pad._TILE, pad._TILE_ROWS, 1),
                                                    *tiled_fields), tiled_out),
-        "pad wide": (lambda: pad._NVRTC_WIDE.launch(dev, dtype, wide_grid, (pad._WIDE_THREADS, 1, 1), *fields), out),
+        "pad wide": (lambda: pad._NVRTC_WIDE.launch(dev, dtype, grid, block, *fields), out),
     }
 
 

@@ -193,20 +193,18 @@ _ARGS = _nvrtc.Params("CausalPadArgs", ("out", "P"), ("x", "P"), ("cache", "P"),
                       ("reflect_hw", "?"))
 
 
-def _kernel_of(name: str, modes: bool) -> _nvrtc.Kernel:
-    """The instantiations of `name` per dtype: kModes false (the zero border: Wan's) or true (the mode flags read)."""
+def _kernel_of(name: str, modes: bool, dtypes=FLOAT_DTYPES) -> _nvrtc.Kernel:
+    """The instantiations of `name` per dtype of `dtypes`: kModes false (the zero border: Wan's) or true (the mode
+    flags read)."""
     return _nvrtc.Kernel("causal_pad.cu", f"diffusers_fastpath::{name}",
-                         {dtype: f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(modes).lower()}" for dtype in FLOAT_DTYPES},
+                         {dtype: f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(modes).lower()}" for dtype in dtypes},
                          _nvrtc.Params(name, ("a", _ARGS)))
 
 
 _NVRTC, _NVRTC_MODES = (_kernel_of("causal_pad_kernel", modes) for modes in (False, True))
 _NVRTC_CL, _NVRTC_CL_MODES = (_kernel_of("causal_pad_cl_kernel", modes) for modes in (False, True))
-_NVRTC_WIDE, _NVRTC_WIDE_MODES = (
-    _nvrtc.Kernel("causal_pad.cu", "diffusers_fastpath::causal_pad_cl_wide_kernel",
-                  {dtype: f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(modes).lower()}" for dtype in HALF_DTYPES},
-                  _nvrtc.Params("causal_pad_cl_wide_kernel", ("a", _ARGS)))
-    for modes in (False, True))
+_NVRTC_WIDE, _NVRTC_WIDE_MODES = (_kernel_of("causal_pad_cl_wide_kernel", modes, HALF_DTYPES)
+                                  for modes in (False, True))
 _THREADS = 256
 _MAX_ROW_BLOCKS = 65535
 _TILE, _TILE_ROWS = 32, 8
@@ -217,14 +215,16 @@ def _aligned(t: torch.Tensor | None) -> bool:
     return t is None or t.data_ptr() % 16 == 0
 
 
-def wide_fits(x: torch.Tensor, cache_x: torch.Tensor | None, out: torch.Tensor, rsqrt: torch.Tensor | None = None) -> bool:
+def wide_fits(x: torch.Tensor, cache_x: torch.Tensor | None, out: torch.Tensor,
+              rsqrt: torch.Tensor | None = None) -> bool:
     """csrc/causal_pad.cu's wide_fits, for 16-bit values: whole 16-byte vectors of x, of the cache, of `rsqrt` and of
     the channels-last output at every row and column the wide kernels read and write."""
     if x.dtype not in HALF_DTYPES or x.shape[1] % 8 or x.shape[4] == 0 or x.shape[4] % 8 or not _aligned(x):
         return False
     if not _aligned(out) or any(s % 8 for s in x.stride()[:4]):
         return False
-    if cache_x is not None and cache_x.shape[2] > 0 and (not _aligned(cache_x) or any(s % 8 for s in cache_x.stride()[:4])):
+    if cache_x is not None and cache_x.shape[2] > 0 and (not _aligned(cache_x)
+                                                         or any(s % 8 for s in cache_x.stride()[:4])):
         return False
     return _aligned(rsqrt)
 
@@ -244,18 +244,19 @@ def launch_fields(x: torch.Tensor, cache_x: torch.Tensor | None, padding: list[i
     fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
     out = torch.empty(batch, channels, pt0 + frames + pt1, height + ph0 + ph1, width + pw0 + pw1, dtype=x.dtype,
                       device=x.device, memory_format=fmt)
-    planes = min(out.shape[0] * out.shape[2] * out.shape[3], _MAX_ROW_BLOCKS)
+    planes = out.shape[0] * out.shape[2] * out.shape[3]
+
+    def tile_grid(columns: int, column_tile: int, channel_tile: int) -> tuple:  # (the .cu's tile_grid)
+        return ((columns + column_tile - 1) // column_tile,
+                min((channels + channel_tile - 1) // channel_tile, _MAX_ROW_BLOCKS), min(planes, _MAX_ROW_BLOCKS))
+
     wide = channels_last and wide_fits(x, cache_x, out, rsqrt)
-    if wide:
-        grid = ((width + _WIDE_COLUMNS - 1) // _WIDE_COLUMNS,
-                min((channels + _WIDE_CHANNELS - 1) // _WIDE_CHANNELS, _MAX_ROW_BLOCKS), planes)
-        block = (_WIDE_THREADS, 1, 1)
+    if wide:  # (the source columns: the border is the first tile's)
+        grid, block = tile_grid(width, _WIDE_COLUMNS, _WIDE_CHANNELS), (_WIDE_THREADS, 1, 1)
     elif channels_last:
-        grid = ((out.shape[4] + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS), planes)
-        block = (_TILE, _TILE_ROWS, 1)
+        grid, block = tile_grid(out.shape[4], _TILE, _TILE), (_TILE, _TILE_ROWS, 1)
     else:
-        grid = ((out.shape[4] + _THREADS - 1) // _THREADS,
-                min(out.shape[0] * out.shape[2] * out.shape[3] * channels, _MAX_ROW_BLOCKS), 1)
+        grid = ((out.shape[4] + _THREADS - 1) // _THREADS, min(planes * channels, _MAX_ROW_BLOCKS), 1)
         block = (_THREADS, 1, 1)
     cache_ptr, cache_strides = (0, (0, 0, 0, 0)) if cache_x is None else (cache_x.data_ptr(), cache_x.stride()[:4])
     fields = (out.data_ptr(), x.data_ptr(), cache_ptr, batch, channels, frames, height, width, ct, pt0 - ct, pt1, ph0,

@@ -180,14 +180,12 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
         batch, channels = x.shape[:2]
         spatial = x.numel() // (batch * channels)
         key = (x.dtype, residual is not None)
-        if wide_fits(x, out, residual, channels, spatial):
-            kernel, block = _NVRTC_CONTIGUOUS_WIDE, (_WIDE_THREADS, 1, 1)
-            grid = ((spatial + _WIDE_POSITIONS - 1) // _WIDE_POSITIONS,
-                    min((channels + _WIDE_CHANNELS - 1) // _WIDE_CHANNELS, _MAX_ROW_BLOCKS), min(batch, _MAX_ROW_BLOCKS))
-        else:
-            kernel, block = _NVRTC_CONTIGUOUS, (_TILE, _TILE_ROWS, 1)
-            grid = ((spatial + _TILE - 1) // _TILE, min((channels + _TILE - 1) // _TILE, _MAX_ROW_BLOCKS),
-                    min(batch, _MAX_ROW_BLOCKS))
+        wide = wide_fits(x, out, residual, channels, spatial)
+        kernel = _NVRTC_CONTIGUOUS_WIDE if wide else _NVRTC_CONTIGUOUS
+        block = (_WIDE_THREADS, 1, 1) if wide else (_TILE, _TILE_ROWS, 1)
+        positions, tile_c = (_WIDE_POSITIONS, _WIDE_CHANNELS) if wide else (_TILE, _TILE)
+        grid = ((spatial + positions - 1) // positions, min((channels + tile_c - 1) // tile_c, _MAX_ROW_BLOCKS),
+                min(batch, _MAX_ROW_BLOCKS))
         kernel.launch(x.device.index, key, grid, block, out.data_ptr(), x.data_ptr(), bias.data_ptr(),
                       0 if residual is None else residual.data_ptr(), batch, spatial, channels,
                       _nvrtc.DTYPE_CODE[x.dtype])
