@@ -210,7 +210,7 @@ def test_a_qk_norm_cast_to_a_dtype_waits_only_where_the_cast_is_none():
     from diffusers.models.normalization import RMSNorm
 
     from diffusers_fastpath.models._chain_calls import _ChainsNamespace as NS
-    from diffusers_fastpath.models._chain_calls import _materialize, _NormLater
+    from diffusers_fastpath.models._chain_pending import _materialize, _NormLater
 
     x = torch.randn(2, 5, 4, 16).to(torch.bfloat16)
     for weight_dtype, x_dtype, dtype, waits in ((torch.bfloat16, torch.bfloat16, torch.bfloat16, True),

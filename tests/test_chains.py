@@ -623,7 +623,7 @@ class LTXStyleReadProcessor:
 
 
 def test_the_rows_form_pairs_q_and_k_with_their_pending_norms(emulated_kernels):
-    from diffusers_fastpath.models._chain_calls import register_rows_rotary
+    from diffusers_fastpath.models._chain_pending import register_rows_rotary
 
     register_rows_rotary(ltx_rotary)  # as the LTX-Video adapter does, after checking its digest
     sub, found = fuse(LTXStyleProcessor, "FusedLTXStyleProcessor", __name__, "__call__",

@@ -12,7 +12,7 @@ import torch
 
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import sites_of
-from diffusers_fastpath.models._chain_calls import VALUE_UNFUSED
+from diffusers_fastpath.models._chain_pending import VALUE_UNFUSED
 from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.linear_prefix import (BATCH_REASON, LINEAR_PREFIX, _out, linear_prefix, linear_prefix_ref,
                                                   unflattened)

@@ -250,7 +250,8 @@ def test_custom_op_opcheck_cpu():
 
 
 def test_the_namespace_fuses_only_a_pending_torch_rmsnorm_before_the_known_function(emulated_kernels):
-    from diffusers_fastpath.models._chain_calls import PARTIAL_UNFUSED, _ChainsNamespace
+    from diffusers_fastpath.models._chain_calls import _ChainsNamespace
+    from diffusers_fastpath.models._chain_pending import PARTIAL_UNFUSED
 
     ns = _ChainsNamespace
     x, cos, sin = _inputs(2, 6, 3, 16, 10, torch.bfloat16, "cpu", 13)

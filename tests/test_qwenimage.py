@@ -156,7 +156,7 @@ def test_qk_norms_that_cannot_run_fused_run_as_written_and_say_why(emulated_kern
     or an ``apply_rotary_emb_qwen`` whose installed source this package has not checked: the norms and the rotary
     run as written and the QK norm + rotary site counts why (its partner in the joint concatenation then runs fused on
     its own)."""
-    from diffusers_fastpath.models import _chain_calls
+    from diffusers_fastpath.models import _chain_pending
 
     ref, model = build_qwenimage_transformer(seed=7), build_qwenimage_transformer(seed=7)
     inputs = qwenimage_transformer_inputs(model, seed=8)
@@ -175,7 +175,7 @@ def test_qk_norms_that_cannot_run_fused_run_as_written_and_say_why(emulated_kern
     assert (hooked.fast, dict(hooked.reasons)) == (1, {"norm has hooks": 1})  # the text q, alone; the k pair joint
     assert (hooked_joint.fast, hooked_joint.fallback) == (1, 0)
     assert (rows(1).fast, rows(1).fallback, rows(1, "rmsnorm_rope_complex_cat").fast) == (0, 0, 2)
-    monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", {})  # as if the installed function's digest differed
+    monkeypatch.setattr(_chain_pending, "COMPLEX_ROTARIES", {})  # as if the installed function's digest differed
     assert torch.equal(run(model, inputs), expected)
     assert (rows(1).fast, dict(rows(1).reasons)) == (0, {"apply_rotary_emb_qwen is not the rotary this package checked": 4})
     assert rows(1, "rmsnorm_rope_complex_cat").fast == 2  # the first forward's

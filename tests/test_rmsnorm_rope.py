@@ -321,11 +321,12 @@ def test_processor_call_fuses_only_the_factor_layout_its_function_broadcasts_lik
     layout fuses."""
     from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
-    from diffusers_fastpath.models import _chain_calls
-    from diffusers_fastpath.models._chain_calls import _ChainsNamespace, _NormLater
+    from diffusers_fastpath.models import _chain_pending
+    from diffusers_fastpath.models._chain_calls import _ChainsNamespace
+    from diffusers_fastpath.models._chain_pending import _NormLater
 
     fn = zimage_rotary if local else apply_rotary_emb_qwen
-    monkeypatch.setattr(_chain_calls, "COMPLEX_ROTARIES", {apply_rotary_emb_qwen: 2})  # as the adapter registers it
+    monkeypatch.setattr(_chain_pending, "COMPLEX_ROTARIES", {apply_rotary_emb_qwen: 2})  # as the adapter registers it
     call = (lambda y, f: fn(y, f)) if local else (lambda y, f: fn(y, f, use_real=False))
     for per_batch, fused in ((not local, False), (local, True)):
         norm, x, freqs = make((2, 8, 8, 128), torch.bfloat16, "cpu", 3, per_batch=per_batch)

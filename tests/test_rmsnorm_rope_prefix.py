@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 import diffusers_fastpath as fp
 from diffusers_fastpath._state import sites_of
-from diffusers_fastpath.models._chain_calls import PREFIX_UNFUSED
+from diffusers_fastpath.models._chain_pending import PREFIX_UNFUSED
 from diffusers_fastpath.ops import Site
 from diffusers_fastpath.ops.rmsnorm_rope_prefix import (BATCH_REASON, RMSNORM_ROPE_COMPLEX_PREFIX,
                                                         rmsnorm_rope_complex_prefix, rmsnorm_rope_complex_prefix_ref)
@@ -154,7 +154,7 @@ def test_prefix_form_is_taken_only_where_it_is_the_concatenation(name, taken, pr
     written case would compute the norm of the doubled input if the rotary waited). Each equal to the class as
     written, with and without the prefix."""
     from diffusers_fastpath.models import _chains
-    from diffusers_fastpath.models._chain_calls import register_complex_rotary
+    from diffusers_fastpath.models._chain_pending import register_complex_rotary
 
     register_complex_rotary(processors.apply_rotary_emb_qwen)
     cls = getattr(processors, name)

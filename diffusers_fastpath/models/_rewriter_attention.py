@@ -607,7 +607,7 @@ class AttentionPasses:
         rebound as ``V = V.unflatten(D, S)`` (S not reading V)  ->  ``V = linear_later(A.M, X)`` and ``V =
         cat_prefix_linear(C, V, site)``: Qwen-Image 2.1's cached value, whose GEMM then writes the rows after the
         cached prefix (`diffusers_fastpath.ops.linear_prefix`). `linear_later` leaves the projection waiting only where
-        calling the module later is the call as written and its ``.dtype`` is known (`_chain_calls.linear_wait_unfit`);
+        calling the module later is the call as written and its ``.dtype`` is known (`_chain_pending.linear_wait_unfit`);
         V may be read elsewhere (the ``extract`` step's cache store, the processor's tuple): ``V = materialize(V)``
         goes before each other statement that reads or binds it (descending into ``if`` statements whose test does
         not), which runs the module there. Taken only where nothing from the projection up to the last such place

@@ -51,7 +51,7 @@ from .._logging import logger
 from .._state import BACKEND_ATTRS, PatchState
 from ..verify import Verifier, enabled
 from ..ops.silu_mul import SILUS
-from ._chain_calls import register_complex_rotary, register_rows_rotary
+from ._chain_pending import register_complex_rotary, register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._qk_norms import patch_rmsnorms, patch_zero_centred_norms
 from .._source import definition, named_object, normalized_digest

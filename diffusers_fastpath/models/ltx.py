@@ -33,7 +33,7 @@ from diffusers.models.transformers.transformer_ltx import (
 )
 
 from .._state import PatchState, register_adapter
-from ._chain_calls import register_rows_rotary
+from ._chain_pending import register_rows_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._mirror import mirrors
 

@@ -44,7 +44,7 @@ from diffusers.models.transformers.transformer_lumina2 import (Lumina2AttnProces
 
 from .. import graphs
 from .._state import PatchState, register_adapter
-from ._chain_calls import register_complex_rotary
+from ._chain_pending import register_complex_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
 from ._mirror import mirrors
 from ._qk_norms import patch_qk_rmsnorms

@@ -49,7 +49,8 @@ from torch import nn
 
 from .. import graphs
 from .._state import PatchState, register_adapter, site_attr
-from ._chain_calls import norm_modulate, register_complex_rotary
+from ._chain_calls import norm_modulate
+from ._chain_pending import register_complex_rotary
 from ._chains import fused_subclass, replace_processors, swap_rewritten
 from .._source import source_digest
 from ._mirror import mirrors

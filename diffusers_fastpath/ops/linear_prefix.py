@@ -26,7 +26,7 @@ a hooked one before the guard, and the eager expression calls the module), a con
 *tail]`` prefix of x's dtype and device whose ``tail`` is the projection's unflattened one, no autograd. Anything else
 runs the eager expression (the module's call, hooks and all, and ``torch.cat``), counted with its reason at the call
 site. Which calls reach this op (a projection that nothing but the concatenation reads, the module called later than
-written) is the rewriter's proof and the waiting projection's checks (`models._chain_calls.linear_later`).
+written) is the rewriter's proof and the waiting projection's checks (`models._chain_pending`'s `linear_later`).
 ``torch.compile`` sees the registered custom op ``diffusers_fastpath::linear_prefix`` (with a fake); the waiting
 projection is not made while tracing, so a compiled model runs the lines as written.
 """
