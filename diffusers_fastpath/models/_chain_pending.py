@@ -205,7 +205,6 @@ def _materialize(x):
     return x
 
 
-
 class _PendingCalls:
     """The namespace's calls that leave a value pending or take one (`_chain_calls._ChainsNamespace` inherits them)."""
 
