@@ -225,6 +225,36 @@ at::Tensor ltx_rmsnorm_pad_cl(const at::Tensor& x, const at::Tensor& rsqrt, at::
   return out;
 }
 
+// Wan's / Qwen-Image's VAE channel norm and the SiLU after it written as the padded channels-last input of the causal
+// convolution that reads them (causal_pad.cu's channel_rmsnorm_pad_cl_kernel): x as causal_pad's (bf16 / fp16, no
+// cache, the zero border), denom the contiguous fp32 [B, T * H * W] that eager divides by, gamma (and bias, or the
+// python-float `bias_value`) contiguous [C] of x's dtype. The result a channels-last [B, C, T', H', W'] of
+// round(silu(channel_rmsnorm_value(x))) where causal_pad puts x, zeros elsewhere.
+at::Tensor channel_rmsnorm_pad_cl(const at::Tensor& x, const at::Tensor& denom, const at::Tensor& gamma,
+                                  const std::optional<at::Tensor>& bias, double scale, double bias_value,
+                                  at::IntArrayRef padding) {
+  auto [args, out] = causal_pad_args(x, std::nullopt, padding, true, false, false);
+  TORCH_CHECK(args.dtype != DType::kFloat32, "channel_rmsnorm_pad_cl: x must be bf16 or fp16");
+  TORCH_CHECK(denom.scalar_type() == at::kFloat && denom.device() == x.device() && denom.is_contiguous() &&
+                  denom.numel() == x.size(0) * x.size(2) * x.size(3) * x.size(4),
+              "channel_rmsnorm_pad_cl: denom must be a contiguous fp32 [B, T * H * W] tensor on x's device");
+  TORCH_CHECK(gamma.scalar_type() == x.scalar_type() && gamma.device() == x.device() && gamma.dim() == 1 &&
+                  gamma.size(0) == x.size(1) && gamma.is_contiguous(),
+              "channel_rmsnorm_pad_cl: gamma must be a contiguous [C] tensor of x's dtype and device");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->device() == x.device() && bias->dim() == 1 &&
+                    bias->size(0) == x.size(1) && bias->is_contiguous(),
+                "channel_rmsnorm_pad_cl: bias must be a contiguous [C] tensor of x's dtype and device");
+  }
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const cudaError_t err = launch_channel_rmsnorm_pad_cl(
+      args, denom.data_ptr<float>(), gamma.data_ptr(), bias.has_value() ? bias->data_ptr() : nullptr,
+      static_cast<float>(scale), static_cast<float>(bias_value), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "channel_rmsnorm_pad_cl: kernel launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 // torch.nn.GroupNorm (weight and bias) of [N, C, *], then SiLU if `silu` (group_norm_silu.cu). `eps` is the module's:
 // the kernel adds aten's static_cast<T>(eps). The Python guard admits only inputs that pass these checks.
 // `channels_last`: out is a 4-D x's channels-last tensor (group_norm_apply_cl_kernel), for the convolution after it.
@@ -637,6 +667,8 @@ TORCH_LIBRARY_FRAGMENT(diffusers_fastpath, m) {
         "bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_cuda(Tensor x, Tensor? rsqrt, bool square, bool silu, bool probe) -> Tensor");
   m.def("_ltx_rmsnorm_pad_cl_cuda(Tensor x, Tensor rsqrt, int[] padding, bool reflect_hw) -> Tensor");
+  m.def("_channel_rmsnorm_pad_cl_cuda(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, "
+        "float bias_value, int[] padding) -> Tensor");
   m.def("_per_channel_rmsnorm_cuda(Tensor x, Tensor? mean, float eps, bool silu, int probe) -> Tensor");
   m.def("_per_channel_rmsnorm_fused_cuda(Tensor x, float eps, bool silu, int rows, int ctas, float factor, "
         "int probe) -> Tensor");
@@ -662,6 +694,7 @@ TORCH_LIBRARY_IMPL(diffusers_fastpath, CUDA, m) {
   m.impl("_channel_rmsnorm_cuda", &diffusers_fastpath::channel_rmsnorm);
   m.impl("_ltx_rmsnorm_cuda", &diffusers_fastpath::ltx_rmsnorm);
   m.impl("_ltx_rmsnorm_pad_cl_cuda", &diffusers_fastpath::ltx_rmsnorm_pad_cl);
+  m.impl("_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::channel_rmsnorm_pad_cl);
   m.impl("_per_channel_rmsnorm_cuda", &diffusers_fastpath::per_channel_rmsnorm);
   m.impl("_per_channel_rmsnorm_fused_cuda", &diffusers_fastpath::per_channel_rmsnorm_fused);
   m.impl("_per_channel_rmsnorm_pad_cl_cuda", &diffusers_fastpath::per_channel_rmsnorm_pad_cl);

@@ -28,8 +28,9 @@
 // flags only in their kModes instantiation; the zero-border one (kModes false: Wan's and Qwen-Image's) is the code it
 // was before the flags came.
 //
-// ltx_rmsnorm_pad_cl_kernel: the channels-last copy with LTX-Video's VAE norm and SiLU applied to each value as it is
-// read (ops/ltx_vae_rmsnorm_conv.py; below): the norm's output written straight into the causal convolution's input.
+// ltx_rmsnorm_pad_cl_kernel and channel_rmsnorm_pad_cl_kernel: the channels-last copy with LTX-Video's VAE norm and
+// SiLU (ops/ltx_vae_rmsnorm_conv.py), or Wan's and Qwen-Image's (ops/channel_rmsnorm_silu.py), applied to each value as
+// it is read (below): the norm's output written straight into the causal convolution's input.
 #include "elementwise.cuh"
 #include "fastpath.h"
 
@@ -94,6 +95,54 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
   }
 }
 
+// What the channels-last copies write for each source value (V, the tile functions' policy): the value as its bits
+// (CopyValues: causal_pad_cl), LTX-Video's VAE norm and SiLU of it (LtxNormValues: ltx_rmsnorm_pad_cl), Wan's and
+// Qwen-Image's channel norm and SiLU of it (ChannelNormValues: channel_rmsnorm_pad_cl). A norm reads one fp32 operand
+// per source position of x (`per_position`, contiguous [batch, frames * height * width]: the reciprocal eager
+// multiplies by, the denominator eager divides by) and ChannelNormValues its channel's gamma and bias (`channel`); no
+// cache with a norm (a.cache_frames 0). value(v, p, ch) is the value stored for v, its position's operand p and its
+// channel's ch: each the same device function on the same operands as the norm's own kernel, so the same bits.
+struct CopyValues {
+  static constexpr bool kNorm = false;
+  const float* per_position = nullptr;
+  struct Channel {};
+  template <typename T>
+  __device__ __forceinline__ Channel channel(int64_t) const { return {}; }
+  template <typename T>
+  __device__ __forceinline__ T value(T v, float, Channel) const { return v; }
+};
+
+struct LtxNormValues {
+  static constexpr bool kNorm = true;
+  const float* per_position;  // the reciprocal: aten's torch.rsqrt(mean + eps)
+  struct Channel {};
+  template <typename T>
+  __device__ __forceinline__ Channel channel(int64_t) const { return {}; }
+  template <typename T>
+  __device__ __forceinline__ T value(T v, float r, Channel) const { return ltx_rmsnorm_value<T>(v, r, true); }
+};
+
+struct ChannelNormValues {
+  static constexpr bool kNorm = true;
+  const float* per_position;  // the denominator: aten's norm(2, 1).clamp_min(eps) of x's upcast
+  const void* gamma;          // [channels] of T
+  const void* bias;           // [channels] of T, or null: `bias_value`
+  float scale;
+  float bias_value;
+  struct Channel {
+    float gamma = 0.0f, bias = 0.0f;
+  };
+  template <typename T>
+  __device__ __forceinline__ Channel channel(int64_t c) const {
+    return {Storage<T>::load(static_cast<const T*>(gamma)[c]),
+            bias != nullptr ? Storage<T>::load(static_cast<const T*>(bias)[c]) : bias_value};
+  }
+  template <typename T>
+  __device__ __forceinline__ T value(T v, float d, Channel ch) const {
+    return Storage<T>::store(channel_rmsnorm_value<T>(Storage<T>::load(v), d, ch.gamma, ch.bias, scale, true));
+  }
+};
+
 // The source of output row r = (b, t, h) of the channels-last buffer (the tiled kernels' rows): the plane (b, st) of
 // the cache or of x at row sh it copies, or none (src null: a border row of zeros), its channel stride, and st and sh
 // (the frame counted from the first cache frame, the row; with kModes the clamped frame and the reflected row).
@@ -127,10 +176,10 @@ struct SourceRow {
 // channels_last: grid (ceil(Wp / kTile), min(ceil(C / kTile), kMaxRowBlocks), min(B * Tp * Hp, kMaxRowBlocks)), block
 // (kTile, kTileRows); the channel tiles in turn over grid.y and the output rows (b, t, h) over grid.z, each with a grid
 // stride (grid.y and grid.z are at most 65535: more than 2M channels take several tiles per block). The body of
-// causal_pad_cl_kernel (the values copied as their bits) and, with kNorm, of ltx_rmsnorm_pad_cl_kernel below (each
-// value of x the norm's result for it: no cache there); `base` is the tile's shared address.
-template <typename T, bool kModes, bool kNorm>
-__device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned base, const float* rsqrt) {
+// causal_pad_cl_kernel (CopyValues: the values copied as their bits) and of the norms' kernels below (each value of x
+// the norm's result for it, `values`); `base` is the tile's shared address.
+template <typename T, bool kModes, typename V>
+__device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned base, const V& values) {
   using W = typename Word<sizeof(T)>::type;  // the values are copied as their bits
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
   const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
@@ -154,10 +203,10 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
       const SourceRow<W, kModes> row(a, r, out_h, out_t);
       const W* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
       const int64_t stride_c = row.stride_c, b = row.b, st = row.st, sh = row.sh;
-      float rs = 0.0f;  // kNorm: the reciprocal of the source position (b, st, sh, sw), one per column
-      if constexpr (kNorm) {
+      float rs = 0.0f;  // a norm's operand of the source position (b, st, sh, sw), one per column
+      if constexpr (V::kNorm) {
         if (src != nullptr && inside_w) {
-          rs = __ldg(rsqrt + ((b * a.frames + st - a.cache_frames) * a.height + sh) * a.width + sw);
+          rs = __ldg(values.per_position + ((b * a.frames + st - a.cache_frames) * a.height + sh) * a.width + sw);
         }
       }
       transpose_tile<W, kTile, kTileRows>(
@@ -166,8 +215,9 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
             const int64_t c = c0 + i;
             // +0.0 (as F.pad writes) on the border (a zero border: the reflected and repeated ones have a source)
             if (src == nullptr || !inside_w || c >= a.channels) return W(0);
-            if constexpr (kNorm) {
-              return bits_of(ltx_rmsnorm_value<T>(reinterpret_cast<const T*>(src)[c * stride_c + sw], rs, true));
+            if constexpr (V::kNorm) {
+              return bits_of(values.template value<T>(reinterpret_cast<const T*>(src)[c * stride_c + sw], rs,
+                                                      values.template channel<T>(c)));
             } else {
               return src[c * stride_c + sw];
             }
@@ -184,7 +234,7 @@ template <typename T, bool kModes>
 __global__ void __launch_bounds__(kTile * kTileRows) causal_pad_cl_kernel(const CausalPadArgs a) {
   using W = typename Word<sizeof(T)>::type;
   __shared__ W tile[kTile][kTile + 1];  // [channel][column], padded against bank conflicts
-  pad_cl_tiles<T, kModes, false>(a, shared_address(&tile[0][0]), nullptr);
+  pad_cl_tiles<T, kModes>(a, shared_address(&tile[0][0]), CopyValues{});
 }
 
 // LTX-Video's VAE norm and the SiLU after it (ltx_vae_rmsnorm.cu's pair: the resnets' norm -> nonlinearity, the
@@ -202,28 +252,49 @@ __global__ void __launch_bounds__(kTile * kTileRows) ltx_rmsnorm_pad_cl_kernel(c
                                                                                const float* rsqrt) {
   using W = typename Word<sizeof(T)>::type;
   __shared__ W tile[kTile][kTile + 1];
-  pad_cl_tiles<T, true, true>(a, shared_address(&tile[0][0]), rsqrt);
+  pad_cl_tiles<T, true>(a, shared_address(&tile[0][0]), LtxNormValues{rsqrt});
+}
+
+// Wan's and Qwen-Image's VAE channel norm and the SiLU after it (channel_rmsnorm_silu.cu's pair: the residual blocks'
+// norm -> nonlinearity, the encoder's and decoder's norm_out -> nonlinearity) written as the padded channels-last input
+// of the causal convolution that reads them (ops/channel_rmsnorm_silu.py's padded result): causal_pad_cl_kernel's copy
+// of x with its zero border (no cache: the convolution writes its cache frames into the buffer's first frames, which
+// this kernel leaves zero), each value of x replaced as it is read by channel_rmsnorm_value of it, its position's
+// `denom` (contiguous fp32 [batch, frames * height * width]: aten's norm, which eager divides by) and its channel's
+// gamma and bias (or `bias_value`), with the SiLU. Every element of x's frames in the buffer is the value the pair
+// kernel computes for its position (the same device function on the same operands), placed where causal_pad would
+// copy it: one read of x and one write of the buffer, where the pair kernel and causal_pad_cl_kernel read and write
+// it twice.
+template <typename T>
+__global__ void __launch_bounds__(kTile * kTileRows) channel_rmsnorm_pad_cl_kernel(const CausalPadArgs a,
+                                                                                   const float* denom,
+                                                                                   const void* gamma,
+                                                                                   const void* bias, float scale,
+                                                                                   float bias_value) {
+  using W = typename Word<sizeof(T)>::type;
+  __shared__ W tile[kTile][kTile + 1];
+  pad_cl_tiles<T, false>(a, shared_address(&tile[0][0]), ChannelNormValues{denom, gamma, bias, scale, bias_value});
 }
 
 // The wide channels-last copy: what pad_cl_tiles writes, moved 16 bytes at a time both ways (elementwise.cuh's
 // transpose_tile_wide), where every vector is whole: 16-bit values, channels and width multiples of 8, x's (and the
-// cache's) strides multiples of 8 elements and their data (and `rsqrt`'s) 16-byte aligned (wide_fits below, and
-// ops/causal_conv_pad.py's twin). A block moves a tile of kWideChannels channels x kWideColumns source columns of one
-// output row (b, t, h): each thread loads two 16-byte vectors (8 columns of one channel: source columns sw .. sw + 7 of
-// the plane the row reads), and stores two (8 channels of one column: output column pad_w0 + sw, 64 contiguous bytes);
-// a row that reads no plane (the zero frames and rows of the border) is stored as zeros without the tile. The border
-// columns (below pad_w0 and from pad_w0 + width: zeros, or with a.reflect_hw the reflected source column's values) are
-// written by the first column tile's block, 8 channels a thread, read one by one. Every element of the buffer is the
-// one pad_cl_tiles writes there (kNorm: the same ltx_rmsnorm_value of the same operands). grid (ceil(width /
-// kWideColumns), min(ceil(C / kWideChannels), 65535), min(B * Tp * Hp, 65535)), block kWideThreads, the channel tiles
-// and rows with grid strides as pad_cl_tiles's.
+// cache's) strides multiples of 8 elements and their data (and a norm's per-position operands) 16-byte aligned
+// (wide_fits below, and ops/causal_conv_pad.py's twin). A block moves a tile of kWideChannels channels x kWideColumns
+// source columns of one output row (b, t, h): each thread loads two 16-byte vectors (8 columns of one channel: source
+// columns sw .. sw + 7 of the plane the row reads), and stores two (8 channels of one column: output column pad_w0 +
+// sw, 64 contiguous bytes); a row that reads no plane (the zero frames and rows of the border) is stored as zeros
+// without the tile. The border columns (below pad_w0 and from pad_w0 + width: zeros, or with a.reflect_hw the reflected
+// source column's values) are written by the first column tile's block, 8 channels a thread, read one by one. Every
+// element of the buffer is the one pad_cl_tiles writes there (a norm: the same value of the same operands). grid
+// (ceil(width / kWideColumns), min(ceil(C / kWideChannels), 65535), min(B * Tp * Hp, 65535)), block kWideThreads, the
+// channel tiles and rows with grid strides as pad_cl_tiles's.
 constexpr int kWideChannels = 32;
 constexpr int kWideColumns = 64;
 constexpr int kWideThreads = 128;
 constexpr int kWideVecs = kWideChannels * kWideColumns / 8 / kWideThreads;  // 16-byte vectors a thread moves
 
-template <typename T, bool kModes, bool kNorm>
-__device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsigned base, const float* rsqrt) {
+template <typename T, bool kModes, typename V>
+__device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsigned base, const V& values) {
   using P = Pack<T>;
   const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
   const int64_t out_h = a.height + a.pad_h0 + a.pad_h1;
@@ -238,10 +309,11 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
       const SourceRow<T, kModes> row(a, r, out_h, out_t);
       const T* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
       const int64_t stride_c = row.stride_c;
-      // kNorm: the reciprocals of the source row's positions (x's: no cache there)
-      const float* rs_row =
-          kNorm && src != nullptr ? rsqrt + ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width
-                                  : nullptr;
+      // a norm's operands of the source row's positions (x's: no cache there)
+      const float* rs_row = V::kNorm && src != nullptr
+                                ? values.per_position +
+                                      ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width
+                                : nullptr;
       if (src == nullptr) {  // a row of zeros (uniform over the block): no tile, 16-byte stores of +0.0
         for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
           const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
@@ -250,19 +322,22 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
           }
         }
       } else {
-        float rs[kWideVecs][8];  // kNorm: the reciprocals of each loaded vector's 8 columns
+        float rs[kWideVecs][8];  // a norm's operands of each loaded vector's 8 columns
+        typename V::Channel ch[kWideVecs];  // and of its channel (one per vector)
         transpose_tile_wide<T, kWideChannels, kWideColumns, kWideThreads>(
             base,
             [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
               const int64_t c = c0 + cl, sw = s0 + sc;
               if (c >= a.channels || sw >= a.width) {
-                if constexpr (kNorm) {  // (a vector never stored: its reciprocals defined all the same)
+                if constexpr (V::kNorm) {  // (a vector never stored: its operands defined all the same)
 #pragma unroll
                   for (int k = 0; k < 8; ++k) rs[j][k] = 0.0f;
+                  ch[j] = typename V::Channel{};
                 }
                 return P{};
               }
-              if constexpr (kNorm) {
+              if constexpr (V::kNorm) {
+                ch[j] = values.template channel<T>(c);
                 const float4 lo = __ldg(reinterpret_cast<const float4*>(rs_row + sw));
                 const float4 hi = __ldg(reinterpret_cast<const float4*>(rs_row + sw + 4));
                 rs[j][0] = lo.x, rs[j][1] = lo.y, rs[j][2] = lo.z, rs[j][3] = lo.w;
@@ -271,9 +346,9 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
               return load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw));
             },
             [&](int j, P p) -> P {
-              if constexpr (kNorm) {
+              if constexpr (V::kNorm) {
 #pragma unroll
-                for (int k = 0; k < 8; ++k) p.v[k] = ltx_rmsnorm_value<T>(p.v[k], rs[j][k], true);
+                for (int k = 0; k < 8; ++k) p.v[k] = values.template value<T>(p.v[k], rs[j][k], ch[j]);
               }
               return p;
             },
@@ -296,7 +371,9 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
 #pragma unroll
               for (int k = 0; k < 8; ++k) {
                 p.v[k] = src[(c + k) * stride_c + sw];
-                if constexpr (kNorm) p.v[k] = ltx_rmsnorm_value<T>(p.v[k], __ldg(rs_row + sw), true);
+                if constexpr (V::kNorm) {
+                  p.v[k] = values.template value<T>(p.v[k], __ldg(rs_row + sw), values.template channel<T>(c + k));
+                }
               }
             }
           }
@@ -310,14 +387,24 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
 template <typename T, bool kModes>
 __global__ void __launch_bounds__(kWideThreads) causal_pad_cl_wide_kernel(const CausalPadArgs a) {
   __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
-  pad_cl_wide_tiles<T, kModes, false>(a, shared_window(&tile[0]), nullptr);
+  pad_cl_wide_tiles<T, kModes>(a, shared_window(&tile[0]), CopyValues{});
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kWideThreads) ltx_rmsnorm_pad_cl_wide_kernel(const CausalPadArgs a,
                                                                                const float* rsqrt) {
   __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
-  pad_cl_wide_tiles<T, true, true>(a, shared_window(&tile[0]), rsqrt);
+  pad_cl_wide_tiles<T, true>(a, shared_window(&tile[0]), LtxNormValues{rsqrt});
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWideThreads) channel_rmsnorm_pad_cl_wide_kernel(const CausalPadArgs a,
+                                                                                   const float* denom,
+                                                                                   const void* gamma,
+                                                                                   const void* bias, float scale,
+                                                                                   float bias_value) {
+  __shared__ __align__(16) unsigned short tile[kWideChannels * (kWideColumns + 2)];
+  pad_cl_wide_tiles<T, false>(a, shared_window(&tile[0]), ChannelNormValues{denom, gamma, bias, scale, bias_value});
 }
 
 #ifndef __CUDACC_RTC__  // the host launcher; NVRTC builds only the kernels above (ops/_nvrtc.py launches them)
@@ -338,9 +425,9 @@ dim3 tile_grid(const CausalPadArgs& a, int64_t columns, int column_tile, int cha
 dim3 cl_grid(const CausalPadArgs& a) { return tile_grid(a, a.width + a.pad_w0 + a.pad_w1, kTile, kTile); }
 dim3 wide_grid(const CausalPadArgs& a) { return tile_grid(a, a.width, kWideColumns, kWideChannels); }
 
-// The wide kernels' inputs (16-bit values: the callers' dtype): whole 16-byte vectors of x, of the cache and of rsqrt
-// (null: none) at every row the tiles read, and of the output at every column (ops/causal_conv_pad.py's wide_fits is
-// its Python twin).
+// The wide kernels' inputs (16-bit values: the callers' dtype): whole 16-byte vectors of x, of the cache and of a
+// norm's per-position operands `rsqrt` (null: none) at every row the tiles read, and of the output at every column
+// (ops/causal_conv_pad.py's wide_fits is its Python twin).
 bool wide_fits(const CausalPadArgs& a, const float* rsqrt) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   bool fits = a.channels % 8 == 0 && a.width > 0 && a.width % 8 == 0 && aligned(a.x) && aligned(a.out) &&
@@ -388,6 +475,25 @@ cudaError_t launch_norm(const CausalPadArgs& a, const float* rsqrt, cudaStream_t
   ltx_rmsnorm_pad_cl_kernel<T><<<cl_grid(a), dim3(kTile, kTileRows), 0, stream>>>(a, rsqrt);
   return cudaGetLastError();
 }
+
+template <typename T>
+cudaError_t launch_channel_norm(const CausalPadArgs& a, const float* denom, const void* gamma, const void* bias,
+                                float scale, float bias_value, cudaStream_t stream) {
+  const int64_t out_w = a.width + a.pad_w0 + a.pad_w1;
+  const int64_t rows = planes_of(a) * a.channels;
+  if (rows == 0 || out_w == 0) return cudaSuccess;
+  if (rows < 0 || out_w < 0 || !a.channels_last || a.replicate_t || a.reflect_hw || a.cache_frames) {
+    return cudaErrorInvalidValue;
+  }
+  if (wide_fits(a, denom)) {
+    channel_rmsnorm_pad_cl_wide_kernel<T><<<wide_grid(a), kWideThreads, 0, stream>>>(a, denom, gamma, bias, scale,
+                                                                                      bias_value);
+    return cudaGetLastError();
+  }
+  channel_rmsnorm_pad_cl_kernel<T><<<cl_grid(a), dim3(kTile, kTileRows), 0, stream>>>(a, denom, gamma, bias, scale,
+                                                                                       bias_value);
+  return cudaGetLastError();
+}
 #endif  // __CUDACC_RTC__
 
 }  // namespace
@@ -403,6 +509,13 @@ cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream) {
 
 cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rsqrt, cudaStream_t stream) {
   return dispatch_storage_type(args.dtype, [&](auto tag) { return launch_norm<decltype(tag)>(args, rsqrt, stream); });
+}
+
+cudaError_t launch_channel_rmsnorm_pad_cl(const CausalPadArgs& args, const float* denom, const void* gamma,
+                                         const void* bias, float scale, float bias_value, cudaStream_t stream) {
+  return dispatch_storage_type(args.dtype, [&](auto tag) {
+    return launch_channel_norm<decltype(tag)>(args, denom, gamma, bias, scale, bias_value, stream);
+  });
 }
 #endif
 

@@ -28,14 +28,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 
-// one element's tail: x the element, d its denominator, gamma and bias its channel's
+// one element's tail (elementwise.cuh's channel_rmsnorm_value): x the element, d its denominator, gamma and bias its
+// channel's
 template <typename T>
 __device__ __forceinline__ float tail(float x, float d, float gamma, float bias, const ChannelRmsNormArgs& a) {
-  const float n = round_to<T>(__fdiv_rn(x, d));
-  const float m = round_to<T>(__fmul_rn(n, a.scale));
-  const float g = round_to<T>(__fmul_rn(m, gamma));
-  const float y = __fadd_rn(g, bias);
-  return a.silu ? silu(round_to<T>(y)) : y;
+  return channel_rmsnorm_value<T>(x, d, gamma, bias, a.scale, a.silu);
 }
 
 // kVector: one 16-byte vector per step (spatial a multiple of its elements); else one element per step

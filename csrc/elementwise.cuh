@@ -98,6 +98,23 @@ __device__ __forceinline__ T ltx_rmsnorm_value(T x, float r, bool silu_after) {
   return Storage<T>::store(y);
 }
 
+// Wan's and Qwen-Image's VAE channel norm of one element after aten's reduction (diffusers' WanRMS_norm /
+// QwenImageRMS_norm: `F.normalize(x.float(), dim=1).to(T) * scale * gamma + bias`), with `silu_after` the SiLU module
+// after it: x the element, d its position's denominator (aten's norm.clamp_min(eps)), gamma and bias its channel's (a
+// python-float bias as aten's add casts it), scale the module's python float as aten's mul casts it. F.normalize's
+// division, the cast, the two products and the sum are separate IEEE operations (the build passes --fmad=false), each
+// rounded to T where eager stores a tensor; the float returned is rounded to T by its store. The epilogue of
+// channel_rmsnorm_silu.cu's kernel and of causal_pad.cu's channel_rmsnorm_pad_cl_kernel, one code for both.
+template <typename T>
+__device__ __forceinline__ float channel_rmsnorm_value(float x, float d, float gamma, float bias, float scale,
+                                                       bool silu_after) {
+  const float n = round_to<T>(__fdiv_rn(x, d));
+  const float m = round_to<T>(__fmul_rn(n, scale));
+  const float g = round_to<T>(__fmul_rn(m, gamma));
+  const float y = __fadd_rn(g, bias);
+  return silu_after ? silu(round_to<T>(y)) : y;
+}
+
 // LTX-Video's VAE norm's reciprocal of one position from its fp32 mean of squares m (eager's `torch.rsqrt(variance +
 // eps)`: two fp32 tensors, nothing rounded between them but each op's fp32 result): aten's CUDA add of the python eps
 // (the double cast to float: one IEEE add), then aten's rsqrt_kernel_cuda, `::rsqrt(v)` of a float, which is CUDA's

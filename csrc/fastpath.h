@@ -574,6 +574,12 @@ cudaError_t launch_causal_pad(const CausalPadArgs& args, cudaStream_t stream);
 // cache), each value of x written as round(silu(round(x * rsqrt[b, s]))), `rsqrt` a contiguous fp32 [batch, frames *
 // height * width] (aten's torch.rsqrt(mean + eps), which eager multiplies by).
 cudaError_t launch_ltx_rmsnorm_pad_cl(const CausalPadArgs& args, const float* rsqrt, cudaStream_t stream);
+// Wan's and Qwen-Image's VAE channel norm and the SiLU after it written as the causal convolution's padded input
+// (causal_pad.cu's channel_rmsnorm_pad_cl_kernel): args as launch_causal_pad's for x (bf16 / fp16; channels_last set,
+// no cache, the zero border), denom the contiguous fp32 [batch, frames * height * width] eager divides by, gamma (and
+// bias, or the python-float bias_value) [channels] of x's dtype, scale the module's.
+cudaError_t launch_channel_rmsnorm_pad_cl(const CausalPadArgs& args, const float* denom, const void* gamma,
+                                         const void* bias, float scale, float bias_value, cudaStream_t stream);
 #endif
 
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x dense

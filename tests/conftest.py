@@ -323,13 +323,17 @@ def emulated_kernels(monkeypatch):
     causal_conv_pad = sys.modules["diffusers_fastpath.ops.causal_conv_pad"]  # (ops binds the names to the op functions)
     crms = sys.modules["diffusers_fastpath.ops.channel_rmsnorm_silu"]
 
-    def channel_rmsnorm_arithmetic(silu):
-        return lambda norm, x: crms.channel_rmsnorm_arithmetic(x, crms.denominator(x), norm.gamma, norm.bias,
-                                                               norm.scale, silu)
+    def channel_rmsnorm_launch(x, denom, gamma, bias, scale, bias_value, silu, probe):  # over [rows, C, spatial]
+        shape = (-1,) + (1,) * (x.dim() - 2)
+        return crms.channel_rmsnorm_arithmetic(x, denom.reshape(x.shape[0], 1, *x.shape[2:]), gamma.reshape(shape),
+                                               bias_value if bias is None else bias.reshape(shape), scale,
+                                               silu).contiguous()
 
-    for op, silu in ((crms.CHANNEL_RMSNORM, False), (crms.CHANNEL_RMSNORM_SILU, True)):
+    # (the op's own wrapper: the layouts, and the result written into the convolution's buffer, `pad_arithmetic`)
+    for op in (crms.CHANNEL_RMSNORM, crms.CHANNEL_RMSNORM_SILU):
         monkeypatch.setattr(op, "guard", _as_if_on_cuda(op.guard))
-        monkeypatch.setattr(op, "kernel", channel_rmsnorm_arithmetic(silu))
+    monkeypatch.setattr(crms, "_raw", channel_rmsnorm_launch)
+    monkeypatch.setattr(crms, "_raw_pad", crms.pad_arithmetic)
     monkeypatch.setattr(crms.CHANNEL_RMSNORM_SILU, "prove", None)
     # the boolean attention mask made additive once per forward: its own code, torch's kernel choice taken as the
     # memory-efficient kernel's (a CPU's SDPA converts a boolean mask to that form too); the verification runs

@@ -380,7 +380,7 @@ def test_a_pair_moves_into_an_if_chain_of_hoistable_tests_and_joins_on_the_branc
             return x
         """)
     # each branch: the pair, its statements, the convolution; joined where only module calls of x lie between (the
-    # between modules' run-time check, `_between_reason`, takes nothing but an eval-mode nn.Dropout there)
+    # between modules' run-time check, `vae.between_reason`, takes nothing but an eval-mode nn.Dropout there)
     assert "x = ns.norm_act_conv(self, 'n', 'a', ('up',), 'conv', x)" in out
     assert out.count("ns.norm_act(self, 'n', 'a', x)") == 1  # the try branch: the pair as written
     assert "else:\n        x = ns.norm_act_conv(self, 'n', 'a', (), 'conv', x)" in out

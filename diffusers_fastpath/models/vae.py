@@ -47,6 +47,7 @@ from torch import nn
 from .._logging import warn_once
 from .._state import SITE_ATTR, PatchState, bound_safe, site_attr
 from ..ops.group_norm_silu import GROUP_NORM, GROUP_NORM_SILU, add_plain, group_norm, group_norm_silu
+from ..ops._policy import forward_replaced, hooks_on
 from ..quality import hooked
 from .._source import body_digest, source_of
 from .vae_conv import swap_convs
@@ -153,6 +154,21 @@ class PairCalls:
 
 
 _PairCalls = PairCalls(_NS, PAIR_SITE, pair_unfit, group_norm_silu)
+
+
+def between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why a module of `owner` called between a pair and the convolution that reads its result (`names`) is not the
+    identity (or ``None``): exactly ``nn.Dropout`` (torch's forward) in eval mode, without hooks. LTX's joined chains
+    (`vae_ltx2_chain`) and Wan's padded results (`vae_wan`) ask it."""
+    for name in names:
+        module = getattr(owner, name, None)
+        if type(module) is not nn.Dropout or forward_replaced(module):
+            return f"{type(module).__name__} between the SiLU and the convolution"
+        if module.training:
+            return "dropout in training mode"
+        if hooks_on(module):
+            return "hooks"
+    return None
 
 
 # --- the rewrite ----------------------------------------------------------------------------------------------------

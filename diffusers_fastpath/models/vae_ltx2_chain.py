@@ -60,31 +60,16 @@ import torch
 from torch import nn
 
 from .._state import PatchState, site_attr
-from ..ops._policy import forward_replaced, hooks_on
 from ..ops.causal_conv_cl import PendingBias
 from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, names_in, rewrite_nested, wrap_branches
+from .vae import PairCalls, between_reason, names_in, rewrite_nested, wrap_branches
 
 # the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
 # the one that does both; the residual add that takes it; the settle
 JOINED, PENDING, RECEIVER, SETTLED = "norm_act_conv", "norm_act_conv_pending", "pending_norm_act_conv", "settled"
 RECEIVER_PENDING, ADD = "pending_norm_act_conv_pending", "pending_add"
-
-
-def _between_reason(owner: nn.Module, names: tuple[str, ...]) -> str | None:
-    """Why a module called between the pair and the convolution is not the identity (or ``None``): exactly
-    ``nn.Dropout`` (torch's forward) in eval mode, without hooks."""
-    for name in names:
-        module = getattr(owner, name, None)
-        if type(module) is not nn.Dropout or forward_replaced(module):
-            return f"{type(module).__name__} between the SiLU and the convolution"
-        if module.training:
-            return "dropout in training mode"
-        if hooks_on(module):
-            return "hooks"
-    return None
 
 
 class ChainPairCalls(PairCalls):
@@ -174,7 +159,7 @@ class ChainPairCalls(PairCalls):
             return "the norm is not a pair site"
         if kwargs.keys() - {self.keyword}:
             return "arguments"
-        return _between_reason(owner, between)
+        return between_reason(owner, between)
 
     def _causal(self, kwargs):
         """The chain op's `causal` for the convolution's keywords: ``None`` where its statement names no argument

@@ -11,6 +11,12 @@ through exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
   activation is exactly ``nn.SiLU`` and neither has hooks); every other such norm (the mid-block attention's) becomes
   `FastpathWanRMS_norm` / `FastpathQwenImageRMS_norm`, whose forward is `channel_rmsnorm`. Both keep aten's norm
   reduction and fuse the tail (division, cast, scale, gamma, bias, SiLU), exact by construction.
+- The pair's result written into the causal convolution that reads it (`IntoPairCalls`): where the block's forward
+  hands the pair's value to a module call ``V = self.<conv>(V, ...)`` (after ``V = self.<m>(V)`` calls, the resnets'
+  ``dropout``), reading it otherwise only through a slice's ``clone()`` (the feature cache), the pair statement
+  becomes ``V = <ns>.norm_act_into(self, "<norm>", "<act>", V, ("<m>", ..., "<conv>"))``, and at run time the pair
+  op writes its result into that convolution's padded channels-last input (`channel_rmsnorm_silu`'s `conv`) where the
+  modules before it are exactly ``nn.Dropout`` in eval mode without hooks and it is a causal convolution patched here.
 - The causal convolutions (``WanCausalConv3d``, ``QwenImageCausalConv3d``): `FastpathWanCausalConv3d` /
   `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
@@ -36,6 +42,9 @@ Tiling and slicing call the same modules on smaller tensors: the same sites, eac
 
 from __future__ import annotations
 
+import ast
+import copy
+
 from diffusers.models.autoencoders import autoencoder_kl_hunyuanimage_refiner as refiner
 from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as hunyuan15
 from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen
@@ -43,13 +52,15 @@ from diffusers.models.autoencoders import autoencoder_kl_qwenimage21 as qwen21
 from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
-from .._state import SITE_ATTR, PatchState, register_adapter
+from .._state import SITE_ATTR, PatchState, register_adapter, site_attr
 from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class
-from .vae import PairBlock, PairCalls, checked_forwards, silu_pair_unfit, swap_pair_blocks
+from .vae import (PairBlock, PairCalls, between_reason, checked_forwards, names_in, rewrite_nested, silu_pair_unfit,
+                  swap_pair_blocks)
+from .vae_ltx2_chain import _pair_call
 from .vae_conv import FastpathConv2d, add_conv_subclass, causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
@@ -90,6 +101,7 @@ UPSAMPLES = {base: _subclass(base, f"Fastpath{base.__name__}", _upsample_forward
              for base in (wan.WanUpsample, qwen.QwenImageUpsample, qwen21.QwenImage21Upsample)}
 for _base, _sub in NORMS.items():
     add_norm_class(_sub, _base)
+_CONV_SUBS = frozenset(CONVS.values())  # (the convolutions a pair's result may be written into: `_conv_of`)
 for _base, _sub in CONVS.items():
     add_conv_class(_sub, _base)
     add_bias_conv_class(_sub)  # (its forward hands the padded input to `conv_bias`)
@@ -109,7 +121,118 @@ add_conv_subclass(FastpathQwenImage21CausalConv3d, qwen21.QwenImage21CausalConv3
 pair_unfit = silu_pair_unfit(lambda norm: type(norm) in NORMS, "a checked channel RMS norm")  # (channel_rmsnorm_silu's)
 
 
-PAIRS = PairCalls("_diffusers_fastpath_vae_wan", PAIR_SITE, pair_unfit, channel_rmsnorm_silu)
+class IntoPairCalls(PairCalls):
+    """The pair calls of Wan's and Qwen-Image's blocks, with the pair statements whose value goes to a module call
+    found in the forward (`_readers`) made ``<ns>.norm_act_into(self, "<norm>", "<act>", V, readers)`` (the module
+    doc): the pair op given the causal convolution its value reaches (`_conv_of`), which it may write the value
+    into."""
+
+    def norm_act_into(self, owner: nn.Module, norm_name: str, act_name: str, x, readers: tuple[str, ...]):
+        """`norm_act` (the same site, fit and counts), the fused op given the convolution of `readers` that the
+        value reaches (`_conv_of`) where there is one."""
+        norm, act = getattr(owner, norm_name), getattr(owner, act_name)
+        site = norm.__dict__.get(site_attr(self.site))
+        conv = _conv_of(owner, readers) if site is not None else None
+        if conv is None or self.unfit(norm, act) is not None:
+            return self.norm_act(owner, norm_name, act_name, x)
+        return self.fused(norm, x, site, conv)
+
+    def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        return _Into(self.ns).body(body)
+
+
+def _conv_of(owner: nn.Module, readers: tuple[str, ...]) -> nn.Module | None:
+    """The first module of `readers` (names of `owner`'s modules, in the order the value goes through them) that is a
+    causal convolution this adapter patched, where every one before it is the identity (`vae.between_reason`); else
+    ``None``."""
+    for k, name in enumerate(readers):
+        module = getattr(owner, name, None)
+        if type(module) in _CONV_SUBS:
+            return module if between_reason(owner, readers[:k]) is None else None
+    return None
+
+
+class _Into:
+    """The rewrite of `IntoPairCalls`: each pair statement ``V = <ns>.norm_act(self, N, A, V)`` followed by statements
+    that hand V to module calls (`_readers`) becomes ``V = <ns>.norm_act_into(self, N, A, V, readers)``."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+
+    def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        for k, stmt in enumerate(body):
+            pair = _pair_call(stmt, self.ns)
+            readers = None if pair is None else _readers(body[k + 1:], pair[0])[0]
+            if readers:
+                stmt = copy.deepcopy(stmt)
+                stmt.value.func.attr = "norm_act_into"
+                stmt.value.args.append(ast.Tuple([ast.Constant(name) for name in readers], ast.Load()))
+            out.append(rewrite_nested(stmt, self.body))
+        return out
+
+
+def _module_call(stmt: ast.stmt, var: str) -> str | None:
+    """X for ``V = self.X(V, ...)`` (V, `var`, the first positional argument and named nowhere else in the call)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id == var):
+        return None
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and call.args
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == var):
+        return None
+    rest = [*call.args[1:], *(k.value for k in call.keywords)]
+    return None if any(var in names_in(node) for node in rest) else call.func.attr
+
+
+_LAYOUT_FREE = frozenset({"shape", "dtype", "device"})  # (what a read of V may ask of it, whatever its strides)
+
+
+def _reads_cloned(stmt: ast.AST, var: str) -> bool:
+    """Whether every read of `var` in `stmt` is a slice of it cloned, ``V[...].clone()`` (the feature cache's
+    ``x[:, :, -CACHE_T:, :, :].clone()``: a copy of values, whatever V's layout), or its ``shape``, ``dtype`` or
+    ``device`` (Qwen-Image's ``-min(CACHE_T, x.shape[2])``), and nothing binds it."""
+    allowed = set()
+    for node in ast.walk(stmt):
+        if (isinstance(node, ast.Call) and not node.args and not node.keywords
+                and isinstance(node.func, ast.Attribute) and node.func.attr == "clone"
+                and isinstance(node.func.value, ast.Subscript) and isinstance(node.func.value.value, ast.Name)
+                and node.func.value.value.id == var):
+            allowed.add(id(node.func.value.value))
+        elif isinstance(node, ast.Attribute) and node.attr in _LAYOUT_FREE and isinstance(node.value, ast.Name):
+            allowed.add(id(node.value))
+    return all(isinstance(node.ctx, ast.Load) and id(node) in allowed
+               for node in ast.walk(stmt) if isinstance(node, ast.Name) and node.id == var)
+
+
+def _readers(body: list[ast.stmt], var: str) -> tuple[tuple[str, ...], bool]:
+    """The modules the value of `var` goes through in `body` (the statements after its pair): the X of each ``V =
+    self.X(V, ...)`` in order (`_module_call`), as long as every other statement reads V only through
+    `_reads_cloned`'s form and binds it nowhere; an ``if`` whose test does not name V continues the run where both
+    branches give the same modules and run on (neither stopped). With whether the run went through all of `body`
+    (a branch's: the statements after the ``if`` continue it). What goes on past a module whose result V then holds
+    is harmless (that value is the module's own): the run may only be longer than the fused path needs."""
+    names: list[str] = []
+    for stmt in body:
+        name = _module_call(stmt, var)
+        if name is not None:
+            names.append(name)
+            continue
+        if isinstance(stmt, ast.If) and var not in names_in(stmt.test):
+            taken, rest = _readers(stmt.body, var), _readers(stmt.orelse, var)
+            if taken != rest:
+                return tuple(names), False
+            names.extend(taken[0])
+            if not taken[1]:
+                return tuple(names), False
+            continue
+        if not _reads_cloned(stmt, var):
+            return tuple(names), False
+    return tuple(names), True
+
+
+PAIRS = IntoPairCalls("_diffusers_fastpath_vae_wan", PAIR_SITE, pair_unfit, channel_rmsnorm_silu)
 
 # Made at import, so that a pickled patched model finds the subclasses here by name.
 BLOCKS = tuple(

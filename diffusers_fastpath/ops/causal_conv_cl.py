@@ -39,7 +39,8 @@ from torch import nn
 from .._logging import warn_once
 from . import causal_conv_pad as _pad
 from ._build import KernelsUnavailable
-from ._policy import HALF_DTYPES, FusedOp, Site, fp32_precision_state, probe_seeds, wide_like
+from ._policy import (HALF_DTYPES, FusedOp, Site, forward_replaced, fp32_precision_state, hooks_on, probe_seeds,
+                      wide_like)
 from .conv_bias import _backend, bias_contiguous
 
 NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
@@ -88,8 +89,10 @@ def engine_key(x: torch.Tensor, padded_shape: tuple, conv: nn.Module, padding) -
 
 
 def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
-    """What one first-call check vouches for: `engine_key` of the padded buffer."""
-    return engine_key(x, _pad.padded_shape(x, conv._padding), conv, conv.padding)
+    """What one first-call check vouches for: `engine_key` of the padded buffer, and whether the buffer was made
+    before the call (x its `interior_of` view: the cache's frames written into it here)."""
+    return (*engine_key(x, _pad.padded_shape(x, conv._padding), conv, conv.padding),
+            _pad.interior_of(x, conv) is not None)
 
 
 def _convolution(conv: nn.Module, padded: torch.Tensor, padding) -> torch.Tensor:
@@ -146,14 +149,40 @@ def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pendi
 
 
 def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    buf = _pad.interior_of(x, conv)
+    if buf is not None:  # (made before the call: only the cache's frames to write)
+        return convolve_channels_last(conv, _pad.fill_front(buf, conv._padding, cache_x), conv.padding)
     return convolve_channels_last(conv, _pad.padded_input(conv, x, cache_x, channels_last=True), conv.padding)
+
+
+def takes_interior(conv: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a buffer made before the call for `conv` (`causal_conv_pad.interior_view`, from a contiguous x of this
+    shape, dtype and device) would go to its channels-last path now: this op and the one-buffer op on (neither
+    disabled), the convolution without hooks (they would see the view) and the guard's other conditions met. What a
+    producer asks before it makes one (`diffusers_fastpath.ops.channel_rmsnorm_silu`); anything it misses costs a
+    copy to contiguous at the convolution, never a number (`causal_conv_pad.as_eager`)."""
+    for op in (_pad.CAUSAL_CONV3D, CAUSAL_CONV3D_CL):
+        if op.disabled is not None or op.env_disabled:
+            return False
+    if hooks_on(conv) or forward_replaced(conv):
+        return False
+    return CAUSAL_CONV3D_CL.guard(conv, x, None) is None
 
 
 def _probe(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
     """The signature's check on more inputs (`FusedOp`'s probe): cuDNN's channels-last engine, where it is not
-    eager's, may round alike on some values only."""
+    eager's, may round alike on some values only. For a buffer made before the call, a buffer like it (zeros, its
+    view filled with the probe's values): the same signature."""
+    inside = _pad.interior_of(x, conv) is not None
     for seed in probe_seeds(x):
-        yield conv, wide_like(x, seed), None if cache_x is None else wide_like(cache_x, seed + 1000)
+        cache = None if cache_x is None else wide_like(cache_x, seed + 1000)
+        if not inside:
+            yield conv, wide_like(x, seed), cache
+            continue
+        buf = torch.empty(_pad.padded_shape(x, conv._padding), dtype=x.dtype, device=x.device,
+                          memory_format=torch.channels_last_3d)
+        view = _pad.interior_view(buf.zero_(), conv._padding)
+        yield conv, view.copy_(wide_like(x.contiguous(), seed)), cache
 
 
 CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_pad.causal_conv3d_ref, guard=_guard, kernel=_kernel,

@@ -19,10 +19,24 @@ strides preserved where x is dense, contiguous where not) and x itself goes to t
 and as aligned as a fresh block (``x.contiguous()`` where it is not dense). The padded tensor has the layout eager's has (contiguous; the guard refuses where
 one eager would lay out channels-last), so cuDNN sees the same problem.
 
+The buffer may exist before the call: the norm -> SiLU pair before a Wan residual block's convolution
+(`diffusers_fastpath.ops.channel_rmsnorm_silu`) writes its result into the padded channels-last buffer of the
+convolution that reads it and hands on the view of its positions (`interior_view`: the values the pair computes, in
+another layout). Given that view (`interior_of`: exactly the part of such a buffer made for this convolution's
+padding), the channels-last path (`diffusers_fastpath.ops.causal_conv_cl`) writes the cache's frames (and zeros before
+them) into the buffer's first frames (`fill_front`: the values only move) and convolves the buffer; nothing else is
+built. Such a view stands for a contiguous tensor of the same values (eager's pair result): where this op or the
+channels-last one does not take it, the module's forward runs on ``x.contiguous()`` (`as_eager`), which is eager's
+computation exactly (``F.pad`` of the view itself would lay its result out channels-last). A cache cloned from such a
+view (``x[:, :, -CACHE_T:].clone()`` in diffusers' blocks) is laid out channels-last too; eager concatenates it to a
+contiguous x, which gives a contiguous tensor of the same values whatever the cache's layout.
+
 What the guard admits: a module of a class the adapter registered (`add_conv_class`), x of 5 dims on CUDA in a layout
-eager reads as contiguous (contiguous itself where nothing is padded), fp16 / bf16 / fp32 where a buffer is built (any
-dtype where x itself goes to the convolution), ``cache_x`` ``None`` or likewise, of x's
-dtype, device and sizes but time, at most as many frames as the time padding; no autograd. Anything else runs the module's forward as diffusers wrote it.
+eager reads as contiguous (contiguous itself where nothing is padded) or the view of a buffer made for this
+convolution (`interior_of`), fp16 / bf16 / fp32 where a buffer is built (any dtype where x itself goes to the
+convolution), ``cache_x`` ``None`` or a 5-dim tensor of any layout (one not read along W is made contiguous first) of
+x's dtype, device and sizes but time, at most as many frames as the time padding; no autograd. Anything else runs the module's forward as diffusers wrote
+it.
 """
 
 from __future__ import annotations
@@ -51,8 +65,60 @@ def add_conv_class(cls: type, base: type | None = None) -> None:
 
 
 def causal_conv3d_ref(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    """The eager forward: the diffusers class's (so that this package's subclass falls back to diffusers' code)."""
-    return _BASES.eager(conv).forward(conv, x, cache_x)
+    """The eager forward: the diffusers class's (so that this package's subclass falls back to diffusers' code), on
+    eager's x (`as_eager`: the contiguous tensor a padded result's view stands for)."""
+    return _BASES.eager(conv).forward(conv, as_eager(x), cache_x)
+
+
+# --- a buffer made before the call (the norm's padded result) --------------------------------------------------------
+
+_INTERIOR = "_diffusers_fastpath_interior"  # on a buffer `interior_view` made: the padding its view is inside
+
+
+def interior_view(buf: torch.Tensor, padding) -> torch.Tensor:
+    """The view of `buf` (a ``[B, C, T', H', W']`` buffer of a causal convolution's input, laid out channels-last) at
+    the positions of x, inside `padding` (the convolution's ``_padding``: w0, w1, h0, h1, t0, t1; t0 the frames of
+    the cache and the zeros before them); `buf` marked as made for that padding (`interior_of`). What a producer that
+    writes its result into the buffer (`diffusers_fastpath.ops.channel_rmsnorm_silu`) returns."""
+    pw0, pw1, ph0, ph1, pt0, pt1 = padding
+    setattr(buf, _INTERIOR, tuple(padding))
+    frames, height, width = buf.shape[2:]
+    return buf[:, :, pt0:frames - pt1, ph0:height - ph1, pw0:width - pw1]
+
+
+def interior_of(x: torch.Tensor, conv: nn.Module) -> torch.Tensor | None:
+    """The buffer x is exactly the `interior_view` of, made for `conv`'s padding, or ``None`` (x anything else: a
+    tensor of its own, a view of another tensor or of another part of such a buffer)."""
+    base = x._base
+    if base is None or getattr(base, _INTERIOR, None) != getattr(conv, "_padding", ()):
+        return None
+    pw0, _, ph0, _, pt0, _ = conv._padding
+    offset = (pt0 * base.stride(2) + ph0 * base.stride(3) + pw0 * base.stride(4)) * base.element_size()
+    if (x.dim() != 5 or tuple(base.shape) != padded_shape(x, conv._padding) or x.stride() != base.stride()
+            or x.data_ptr() != base.data_ptr() + offset):
+        return None
+    return base
+
+
+def as_eager(x):
+    """The tensor eager would have where x is (a part of) a buffer `interior_view` made: ``x.contiguous()``, the same
+    values contiguous (a pair's result, and slices of it, are contiguous-format in eager); else x itself."""
+    base = getattr(x, "_base", None)
+    return x.contiguous() if base is not None and hasattr(base, _INTERIOR) else x
+
+
+def fill_front(buf: torch.Tensor, padding, cache_x: torch.Tensor | None) -> torch.Tensor:
+    """`buf` with its first ``padding[4]`` frames inside the border made eager's: the cache's frames last (where the
+    convolution pads in time, as eager concatenates them), zeros before them; the border (zeros) is the producer's.
+    The values only move (an aten copy of any layout), so the buffer is eager's padded input."""
+    pw0, pw1, ph0, ph1, pt0, _ = padding
+    cached = 0 if cache_x is None or pt0 <= 0 else cache_x.shape[2]
+    front = buf[:, :, :pt0, ph0:buf.shape[3] - ph1, pw0:buf.shape[4] - pw1]
+    if cached < pt0:
+        front[:, :, :pt0 - cached].zero_()
+    if cached:
+        front[:, :, pt0 - cached:].copy_(cache_x)
+    return buf
 
 
 def _contiguous_format(t: torch.Tensor) -> bool:
@@ -109,12 +175,13 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
         return "shape"
     if any(size < d * (k - 1) + 1 for size, k, d in zip(padded_shape(x, padding)[2:], weight.shape[2:], conv.dilation)):
         return "shape"
+    inside = interior_of(x, conv) is not None  # (the view of a buffer made for this convolution)
     if not _pads(conv, cache_x):
         # eager's F.pad returns x.clone(): x's strides (x dense), on a fresh 512-byte aligned block. x itself has
         # the same strides; the convolution gets it where its address is as aligned (checked last, on the GPU).
         if not (_dense(x) or _contiguous_format(x)):  # (not dense: the clone is contiguous, as x.contiguous())
             return "x of a channels-last layout"
-    elif not _contiguous_format(x):
+    elif not (inside or _contiguous_format(x)):
         return "x of a channels-last layout"
     elif x.dtype not in FLOAT_DTYPES:  # (the buffer's kernel copies fp16 / bf16 / fp32; x itself goes anywhere)
         return f"dtype {str(x.dtype).removeprefix('torch.')}"
@@ -125,8 +192,6 @@ def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_poi
             return "cache of another dtype or device"
         if cache_x.shape[:2] != x.shape[:2] or cache_x.shape[3:] != x.shape[3:] or cache_x.shape[2] > padding[4]:
             return "cache shape"
-        if not _contiguous_format(cache_x):
-            return "cache of a channels-last layout"
         if torch.is_grad_enabled() and cache_x.requires_grad:
             return "requires grad"
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in conv.parameters(recurse=False))):
@@ -145,6 +210,10 @@ def padded_input(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None 
     channels-last (the same values; `diffusers_fastpath.ops.causal_conv_cl`, where something is padded)."""
     if cache_x is None or conv._padding[4] <= 0:
         cache_x = None  # eager concatenates only where the convolution pads in time
+    elif cache_x.shape[4] > 1 and cache_x.stride(4) != 1:
+        # (a cache cloned from a padded result's view, laid out channels-last: eager's concatenation with a
+        # contiguous-format x is contiguous whatever the cache's layout, and the kernel reads rows along W)
+        cache_x = cache_x.contiguous()
     if cache_x is None and not any(conv._padding):
         return x if _dense(x) else x.contiguous()  # what eager's clone is: x's strides where dense, else contiguous
     return _launch(x, cache_x, list(conv._padding), channels_last)
@@ -321,6 +390,8 @@ def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = Non
         out = None if site is None else op.try_fast(site, conv, x, cache_x)
         if out is not None:
             return out
+    if interior_of(x, conv) is not None:  # (refused channels-last: the contiguous tensor of the same values)
+        x = x.contiguous()
     return conv_bias(conv, padded_input(conv, x, cache_x), conv.__dict__.get(_BIAS_SITE))
 
 

@@ -25,6 +25,19 @@ patterns, in chunks (`_prove_silu_fp32`: about 200 GB of memory traffic, a tenth
 the proofs are `_unary_proof`'s, shared with LTX-2's norm);
 a mismatch disables the op for the process (one warning) and eager runs.
 
+Written into the next convolution's input: where the pair's value goes to a Wan / Qwen-Image causal convolution (the
+residual blocks' ``conv1`` and ``conv2``, the encoder's and decoder's ``conv_out``: `conv`, found in the block's
+forward by `diffusers_fastpath.models.vae_wan`) whose channels-last path would take it
+(`causal_conv_cl.takes_interior`), the kernel writes it straight into that convolution's padded channels-last input
+(``csrc/causal_pad.cu``'s ``channel_rmsnorm_pad_cl_kernel``: the same device function of the same operands per value,
+placed where ``causal_pad`` would copy it, the border zeros) and the op returns the view of x's positions in it
+(`causal_conv_pad.interior_view`): the pair's values, laid out as the convolution reads them. The convolution then
+writes only its cache's frames into the buffer, where before the pair wrote its result and ``causal_pad`` read it back
+and wrote the buffer (Wan 2.1's decode: about a third of those bytes). The view is not contiguous; the block reads it
+only as the convolution's input and through ``x[:, :, -CACHE_T:].clone()`` (the reader proves that from the forward),
+and what does not take it runs on ``x.contiguous()`` (`causal_conv_pad.as_eager`), eager's tensor. Such a call is its
+own signature (`_signature`), checked on its first call as every other.
+
 What the guard admits: a module of a class the VAE adapter registered (`add_norm_class`: diffusers' class after its
 ``forward`` was checked by source digest, or this package's subclass of it) with ``channel_first``, a python-number
 ``scale``, ``gamma`` of x's dtype shaped ``[C, 1, ...]`` to broadcast over x's trailing dims, ``bias`` a python number
@@ -45,6 +58,8 @@ from torch import nn
 
 from .._source import body_digest
 from . import _nvrtc
+from . import causal_conv_cl as _conv_cl
+from . import causal_conv_pad as _pad
 from ._build import LazyLauncher
 from ._policy import FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site
 from ._unary_proof import FP32_CHUNK, prove_every_value, prove_fp32
@@ -74,8 +89,9 @@ def channel_rmsnorm_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _BASES.eager(norm).forward(norm, x)
 
 
-def channel_rmsnorm_silu_ref(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The eager pair: the norm, then ``F.silu`` (an ``nn.SiLU`` module's forward)."""
+def channel_rmsnorm_silu_ref(norm: nn.Module, x: torch.Tensor, conv: nn.Module | None = None) -> torch.Tensor:
+    """The eager pair: the norm, then ``F.silu`` (an ``nn.SiLU`` module's forward); `conv` (where the fast path may
+    write the result) changes nothing here."""
     return F.silu(channel_rmsnorm_ref(norm, x))
 
 
@@ -83,7 +99,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _guard(norm, x: torch.Tensor, check_pointers: bool = True) -> str | None:
+def _guard(norm, x: torch.Tensor, conv: nn.Module | None = None, check_pointers: bool = True) -> str | None:
     """``None`` when the kernel takes these inputs, else the reason it does not (counted at the call site)."""
     reason = _BASES.refusal(norm, "channel RMS norm")
     if reason is not None:
@@ -260,6 +276,70 @@ _nvrtc.raw_op("_channel_rmsnorm_cuda", "(Tensor x, Tensor denom, Tensor gamma, T
 
 _raw = LazyLauncher(_nvrtc_kernel, "_channel_rmsnorm_cuda")  # (x, denom, gamma, bias, scale, bias_value, silu, probe)
 
+# The padded result the NVRTC way: csrc/causal_pad.cu's channel_rmsnorm_pad_cl kernels, launched as its
+# launch_channel_norm and bindings_vae.cpp's channel_rmsnorm_pad_cl do: causal_pad's arguments and output
+# (`causal_conv_pad.launch_fields`: channels-last, no cache, the zero border; the wide kernel where its vectors are
+# whole), then the denominator, gamma, bias and the two floats.
+_NVRTC_PAD, _NVRTC_PAD_WIDE = (
+    _nvrtc.Kernel("causal_pad.cu", f"diffusers_fastpath::{name}",
+                  {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in HALF_DTYPES},
+                  _nvrtc.Params(name, ("a", _pad._ARGS), ("denom", "P"), ("gamma", "P"), ("bias", "P"),
+                                ("scale", "f"), ("bias_value", "f")))
+    for name in ("channel_rmsnorm_pad_cl_kernel", "channel_rmsnorm_pad_cl_wide_kernel"))
+
+
+def _raw_pad_guard(x, denom, gamma, bias, scale, bias_value, padding):
+    reason = _pad._raw_guard(x, None, padding, True)
+    if reason is not None:
+        return reason
+    if x.dtype not in HALF_DTYPES:
+        return "dtype"
+    if not (denom.dtype == torch.float32 and denom.is_contiguous() and denom.device == x.device
+            and denom.numel() == x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]):
+        return "denom"
+    for t in (gamma, bias):
+        if t is not None and (t.dtype != x.dtype or t.shape != (x.shape[1],) or not t.is_contiguous()
+                              or t.device != x.device):
+            return "gamma or bias"
+    return None
+
+
+def _nvrtc_pad(x, denom, gamma, bias, scale, bias_value, padding):
+    out, fields, wide, grid, block = _pad.launch_fields(x, None, padding, True, False, False, denom)
+    if out.numel():
+        (_NVRTC_PAD_WIDE if wide else _NVRTC_PAD).launch(
+            x.device.index, x.dtype, grid, block, *fields, denom.data_ptr(), gamma.data_ptr(),
+            0 if bias is None else bias.data_ptr(), scale, bias_value)
+    return out
+
+
+_nvrtc.raw_op("_channel_rmsnorm_pad_cl_cuda", "(Tensor x, Tensor denom, Tensor gamma, Tensor? bias, float scale, "
+              "float bias_value, int[] padding) -> Tensor", _raw_pad_guard, _nvrtc_pad)
+
+_raw_pad = LazyLauncher(_nvrtc_pad, "_channel_rmsnorm_pad_cl_cuda")  # (x, denom, gamma, bias, scale, bias_value, padding)
+
+
+def pad_arithmetic(x: torch.Tensor, denom: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value: float,
+                   padding) -> torch.Tensor:
+    """What the padded kernel writes, in torch, for x ``[B, C, T, H, W]`` and its fp32 ``[B, T * H * W]`` denominator
+    (the tests' emulation, and the kernel's documentation in code): the pair's arithmetic
+    (`channel_rmsnorm_arithmetic` with the SiLU), then ``causal_pad``'s channels-last buffer of it without a cache
+    (`causal_conv_pad.pad_arithmetic`: zeros on the border and in the first frames)."""
+    shape = (-1,) + (1,) * (x.dim() - 2)
+    y = channel_rmsnorm_arithmetic(x, denom.reshape(x.shape[0], 1, *x.shape[2:]), gamma.reshape(shape),
+                                   bias_value if bias is None else bias.reshape(shape), scale, True)
+    return _pad.pad_arithmetic(y, None, list(padding), True)
+
+
+def _pad_target(conv: nn.Module | None, x: torch.Tensor) -> list[int] | None:
+    """The padding of the buffer the pair writes its result into for `conv` (the module doc), or ``None``: no `conv`,
+    x not a bf16 / fp16 ``[B, C, T, H, W]`` contiguous or time-major (the pad kernel reads any strides with a unit
+    one along W), or a convolution whose channels-last path would not take the buffer now
+    (`causal_conv_cl.takes_interior`)."""
+    if conv is None or x.dim() != 5 or x.dtype not in HALF_DTYPES or not (x.is_contiguous() or _time_major(x)):
+        return None
+    return list(conv._padding) if _conv_cl.takes_interior(conv, x) else None
+
 
 def _tensors(norm):
     """gamma and bias as the kernel takes them: ``[C]`` views, and the bias as a tensor or a float."""
@@ -269,12 +349,17 @@ def _tensors(norm):
     return norm.gamma.reshape(-1), None, float(bias)
 
 
-def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value: float, silu: bool) -> torch.Tensor:
+def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value: float, silu: bool,
+           padding: list[int] | None = None) -> torch.Tensor:
     """The kernel over x's memory as ``[rows, C, spatial]``: x contiguous, time-major (`_time_major`: ``B * T`` rows
     of ``[C, H * W]``) or channels-last (`_channels_last`: a row of ``[C, 1]`` per position), the result in x's
     layout as eager's is. The denominator is aten's, on x as eager takes it, laid out in the same row order
-    (``[B, 1, T, H, W]``: one value per row and position)."""
+    (``[B, 1, T, H, W]``: one value per row and position). With `padding` (`_pad_target`'s), the padded kernel: the
+    view of x's positions in the convolution's buffer."""
     denom = denominator(x).contiguous()
+    if padding is not None:
+        buf = _raw_pad(x, denom.view(x.shape[0], -1), gamma, bias, scale, bias_value, padding)
+        return _pad.interior_view(buf, padding)
     layout = _layout(x)
     if layout == "contiguous":
         out = _raw(x, denom, gamma, bias, scale, bias_value, silu, False)
@@ -295,25 +380,29 @@ def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value:
     return out.as_strided(x.shape, x.stride())
 
 
-def _kernel(norm, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+def _kernel(norm, x: torch.Tensor, silu: bool = False, conv: nn.Module | None = None) -> torch.Tensor:
     gamma, bias, bias_value = _tensors(norm)
-    return _fused(x, gamma, bias, float(norm.scale), bias_value, silu)
+    return _fused(x, gamma, bias, float(norm.scale), bias_value, silu, _pad_target(conv, x) if silu else None)
 
 
-def _kernel_silu(norm, x: torch.Tensor) -> torch.Tensor:
-    return _kernel(norm, x, True)
+def _kernel_silu(norm, x: torch.Tensor, conv: nn.Module | None = None) -> torch.Tensor:
+    return _kernel(norm, x, True, conv)
 
 
-def _signature(norm, x: torch.Tensor):
+def _signature(norm, x: torch.Tensor, conv: nn.Module | None = None):
     """What one first-call ``torch.equal`` vouches for: the dtype, the layout the kernel reads (contiguous,
     time-major or channels-last) and the bias's kind. The tail is exact by construction; the check is its second
     line (the kernel is new on each GPU kind it meets), the proof covers the SiLU; whether it runs vectors or
-    elements, and whether the norm reduction reads x or its fp32 upcast (`reads_half_directly`)."""
+    elements, whether the norm reduction reads x or its fp32 upcast (`reads_half_directly`), and the padding of the
+    buffer it writes its result into (`_pad_target`; ``()``: its own tensor) with whether that kernel runs 16-byte
+    vectors (`causal_conv_pad.wide_fits`: 8 channels and columns)."""
     bias = getattr(norm, "bias", None)
     layout = _layout(x)
     spatial = {"contiguous": math.prod(x.shape[2:]), "time-major": math.prod(x.shape[3:]), "channels-last": 1}[layout]
+    padding = _pad_target(conv, x) if conv is not None else None
+    padded = () if padding is None else (tuple(padding), x.shape[1] % 8 == 0 and x.shape[4] % 8 == 0)
     return (str(x.dtype).removeprefix("torch."), layout, isinstance(bias, torch.Tensor),
-            _vectors(spatial, x.dtype), reads_half_directly(x))
+            _vectors(spatial, x.dtype), reads_half_directly(x), padded)
 
 
 _FP32_PROVEN: set[torch.device] = set()  # the devices where `_prove_silu_fp32` passed
@@ -332,7 +421,7 @@ def _prove_silu_fp32(device: torch.device, start: int = -(1 << 31), stop: int = 
     return prove_fp32(device, _silu_probe, F.silu, start, stop, chunk)
 
 
-def _prove_silu(norm, x: torch.Tensor) -> bool:
+def _prove_silu(norm, x: torch.Tensor, conv: nn.Module | None = None) -> bool:
     """The kernel's SiLU equals eager's on every value of the dtype, both ways it runs (`_unary_proof`: the 65536
     bf16 / fp16 values as one row; fp32's 2^32 values by `_prove_silu_fp32`, once per device)."""
     return prove_every_value(x, _silu_probe, F.silu, _FP32_PROVEN, x.device, _prove_silu_fp32)
@@ -359,7 +448,7 @@ def _(x, gamma, bias, scale, bias_value, silu):
 
 
 def _custom(silu: bool):
-    def call(norm, x):
+    def call(norm, x, conv=None):  # (under torch.compile: its own tensor, never a padded buffer)
         gamma, bias, bias_value = _tensors(norm)
         return torch.ops.diffusers_fastpath.channel_rmsnorm.default(x, gamma, bias, float(norm.scale), bias_value, silu)
     return call
@@ -383,7 +472,8 @@ def channel_rmsnorm(norm: nn.Module, x: torch.Tensor, site: Site | None = None) 
     return CHANNEL_RMSNORM(site, norm, x)
 
 
-def channel_rmsnorm_silu(norm: nn.Module, x: torch.Tensor, site: Site | None = None) -> torch.Tensor:
+def channel_rmsnorm_silu(norm: nn.Module, x: torch.Tensor, site: Site | None = None,
+                         conv: nn.Module | None = None) -> torch.Tensor:
     """``F.silu(norm(x))`` (the norm and the ``nn.SiLU`` module after it) in one pass after aten's norm reduction,
     bit-identical to eager everywhere (the SiLU proven on every value of the dtype on first use).
 
@@ -391,5 +481,8 @@ def channel_rmsnorm_silu(norm: nn.Module, x: torch.Tensor, site: Site | None = N
         norm: the norm module of the site.
         x: ``[B, C, *]`` activations.
         site: the call site's counters, shown by `diffusers_fastpath.report`.
+        conv: the causal convolution the result goes to, where the caller proved that nothing else reads it but
+            through a slice's ``clone()`` (see the module doc): the result is then written into that convolution's
+            padded channels-last input where its channels-last path takes it, and is the view of x's positions there.
     """
-    return CHANNEL_RMSNORM_SILU(site, norm, x)
+    return CHANNEL_RMSNORM_SILU(site, norm, x) if conv is None else CHANNEL_RMSNORM_SILU(site, norm, x, conv)
