@@ -68,7 +68,8 @@ def _guard(norm, residual, gate, update, scale, check_pointers: bool = True) -> 
 
 def _raw_guard(residual, gate, gate_index, update, scale, shift, index, weight, bias, eps,
                tanh_gate: bool = False) -> str | None:
-    """bindings.cpp's gated_layernorm_modulate_rows checks (the indices' values are the caller's: built from a mask)."""
+    """bindings_norms.cpp's gated_layernorm_modulate_rows checks (the indices' values are the caller's: built from a
+    mask)."""
     if not (isinstance(gate, torch.Tensor) and gate.dim() == 2 and isinstance(gate_index, torch.Tensor)):
         return "shape"
     if not (isinstance(residual, torch.Tensor) and residual.dim() == 3 and gate_index.dtype is torch.int32

@@ -87,8 +87,8 @@ def _norm_unfit(norm, x, check_pointers: bool) -> str | None:
 
 
 def _tensors_guard(x, scale, shift, check_pointers: bool = True) -> str | None:
-    """The layout checks of x and the ``[B or 1, S or 1, D]`` rows (bindings.cpp's layernorm_modulate checks): those
-    of `layernorm_scale_shift` on each sample's first row, and the seq dim's."""
+    """The layout checks of x and the ``[B or 1, S or 1, D]`` rows (bindings_norms.cpp's layernorm_modulate checks):
+    those of `layernorm_scale_shift` on each sample's first row, and the seq dim's."""
     if not (isinstance(x, torch.Tensor) and isinstance(scale, torch.Tensor) and isinstance(shift, torch.Tensor)):
         return "operand not a tensor"  # a Python scalar scale or shift: eager broadcasts it
     if x.dim() != 3 or scale.dim() != 3 or shift.dim() != 3:
@@ -289,7 +289,7 @@ def _nvrtc_modulate_rows(x, scale, shift, index, weight, bias, eps: float) -> to
 
 
 def _raw_rows_guard(x, scale, shift, index, weight, bias, eps):
-    """bindings.cpp's layernorm_modulate_rows checks ([rows, dim] tables; the index's values are the caller's)."""
+    """bindings_norms.cpp's layernorm_modulate_rows checks ([rows, dim] tables; the index's values are the caller's)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         return "shape"
     if not (isinstance(index, torch.Tensor) and index.dtype is torch.int32 and index.is_contiguous()

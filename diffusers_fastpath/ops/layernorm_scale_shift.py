@@ -57,7 +57,7 @@ def _norm_then_modulate(norm, x, scale, shift):
 
 
 def _guard_tensors(x, scale, shift, check_pointers: bool = True, rows_dtype: torch.dtype | None = None) -> str | None:
-    # rows_dtype None (the raw ops): fp32 scale/shift rows select the fp32 modulate, as bindings.cpp does
+    # rows_dtype None (the raw ops): fp32 scale/shift rows select the fp32 modulate, as bindings_norms.cpp does
     if rows_dtype is None:
         rows_dtype = torch.float32 if scale.dtype is torch.float32 else x.dtype
     reason = rows_guard(x, scale, shift, rows_dtype, check_pointers)
@@ -99,12 +99,12 @@ def _cuda_ops():
     return torch.ops.diffusers_fastpath
 
 
-# The NVRTC way (ops/_nvrtc.py): csrc/layernorm_scale_shift.cu's kernels, launched as its launch() and bindings.cpp's
-# layernorm_scale_shift_launch do: one block (32, 4) per row, of the kKv = _kv_for(D) kernel (the vectors each thread
+# The NVRTC way (ops/_nvrtc.py): csrc/layernorm_scale_shift.cu's kernels, launched as its launch() and
+# bindings_norms.cpp's layernorm_scale_shift_launch do: one block (32, 4) per row, of the kKv = _kv_for(D) kernel (the vectors each thread
 # holds); the probe's kKv = 0, (32, 8) for its kEightWarps bit (64).
 # Duplicated from there: those shapes and kv_for (tests/test_nvrtc.py checks them against the .cu), the
 # LayerNormScaleShiftArgs fields (fastpath.h), the batch strides, eps as static_cast<float> (struct's 'f' rounds a
-# Python float to nearest, the same) and the output allocation; the guard stands for bindings.cpp's input checks.
+# Python float to nearest, the same) and the output allocation; the guard stands for bindings_norms.cpp's input checks.
 _ARGS = _nvrtc.Params("LayerNormScaleShiftArgs", ("out", "P"), ("x", "P"), ("scale", "P"), ("shift", "P"),
                       ("batch", "q"), ("seq", "q"), ("dim", "q"), ("scale_batch_stride", "q"),
                       ("shift_batch_stride", "q"), ("eps", "f"), ("variant", "i"), ("probe", "?"), ("dtype", "i"),

@@ -120,7 +120,8 @@ def _weight(norm, x: torch.Tensor) -> torch.Tensor:
     return ones
 
 
-# The NVRTC way: the shared launcher with the kPlain epilogue (bindings.cpp's rmsnorm_plain: the output allocation).
+# The NVRTC way: the shared launcher with the kPlain epilogue (bindings_norms.cpp's rmsnorm_plain: the output
+# allocation).
 def _nvrtc_kernel(x, weight, eps: float, out=None) -> torch.Tensor:
     out = x.new_empty(x.shape) if out is None else out
     _nvrtc_launch(out, None, x, weight, eps, PLAIN)

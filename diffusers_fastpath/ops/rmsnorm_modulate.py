@@ -46,7 +46,8 @@ def _guard(norm, x, scale, shift, check_pointers: bool = True) -> str | None:
     return broadcast_guard(norm, x, (scale, shift), check_pointers, weightless=True)
 
 
-# The NVRTC way: the shared launcher with the kModulate epilogue (bindings.cpp's rmsnorm_modulate: the allocation).
+# The NVRTC way: the shared launcher with the kModulate epilogue (bindings_norms.cpp's rmsnorm_modulate: the
+# allocation).
 def _nvrtc_kernel(x, weight, scale, shift, eps: float, out=None) -> torch.Tensor:
     out = x.new_empty(x.shape) if out is None else out
     _nvrtc_launch(out, None, x, weight, eps, MODULATE, scale=scale, shift=shift)

@@ -114,8 +114,8 @@ def _pairs(freqs: torch.Tensor) -> torch.Tensor:
 
 
 # The NVRTC way: rmsnorm_scale_shift.py's launcher of the shared kernel with the kRopeComplex epilogue (complex128
-# factors: kRopeComplex128); duplicated from bindings.cpp's rmsnorm_rope_complex: the rows view, the pair strides (in
-# pairs; 0 where freqs broadcast over the batch), the epilogue by the factors' dtype and the output allocation.
+# factors: kRopeComplex128); duplicated from bindings_norms.cpp's rmsnorm_rope_complex: the rows view, the pair strides
+# (in pairs; 0 where freqs broadcast over the batch), the epilogue by the factors' dtype and the output allocation.
 def _nvrtc_kernel(x, weight, freqs, heads: int, tokens: int, eps: float, out=None) -> torch.Tensor:
     out = x.new_empty(x.shape) if out is None else out
     pairs = (freqs.data_ptr(), freqs.stride(1) // 2, 0 if freqs.shape[0] == 1 else freqs.stride(0) // 2)

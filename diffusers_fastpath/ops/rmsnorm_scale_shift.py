@@ -207,11 +207,11 @@ def _gated_guard(norm, residual, gate, update, scale, shift, dtype=None, check_p
     return _guard_rows(norm, residual, (gate, update, scale, shift), check_pointers)
 
 
-# The NVRTC way (ops/_nvrtc.py): csrc/rmsnorm_scale_shift.cu's kernel, launched as its launch() and bindings.cpp's
+# The NVRTC way (ops/_nvrtc.py): csrc/rmsnorm_scale_shift.cu's kernel, launched as its launch() and bindings_norms.cpp's
 # rmsnorm_launch do: kWarpsPerBlock 8 rows per block of 256 threads (tests/test_nvrtc.py reads it from the
 # .cu). Duplicated from there: that shape, the RmsNormScaleShiftArgs and Rows fields (fastpath.h), rows_of (pointer,
 # stride(0), stride(1)), eps as static_cast<float>, aten's mean factor float(rows) / float(rows * dim) in float32,
-# the RmsEpilogue values and the output allocation; the guard stands for bindings.cpp's input checks.
+# the RmsEpilogue values and the output allocation; the guard stands for bindings_norms.cpp's input checks.
 (SCALE_SHIFT, SCALE, GATED_RESIDUAL, ROPE_COMPLEX, ROPE_REAL, PLAIN, MODULATE, ROPE_COMPLEX128, SCALE_ROWS,
  GATED_RESIDUAL_ROWS) = range(10)  # RmsEpilogue
 _EPILOGUE_NAME = {SCALE_SHIFT: "kScaleShift", SCALE: "kScale", GATED_RESIDUAL: "kGatedResidual",
@@ -257,7 +257,7 @@ def _rows(t: torch.Tensor | tuple | None) -> tuple[int, int, int]:
 
 
 def _table_rows(table: torch.Tensor) -> tuple[int, int, int]:
-    """A ``[rows, D]`` table as bindings.cpp's `indexed_table` hands it to the indexed epilogues: row ``t`` at
+    """A ``[rows, D]`` table as bindings_norms.cpp's `indexed_table` hands it to the indexed epilogues: row ``t`` at
     ``ptr + t * stride_s``."""
     return (table.data_ptr(), table.stride(0), 0)
 
@@ -318,7 +318,7 @@ def _raw_gated_guard(residual, gate, update, weight, scale, shift, eps):
 
 
 def _raw_scale_guard(x, weight, scale, eps):
-    return _guard_rows(_Norm(weight, eps), x, (scale,), True)  # bindings.cpp takes operands of x's shape only
+    return _guard_rows(_Norm(weight, eps), x, (scale,), True)  # bindings_norms.cpp takes operands of x's shape only
 
 
 def _raw_gated_residual_guard(residual, gate, x, weight, eps):
@@ -595,7 +595,7 @@ def _rmsnorm_gated_residual_rows_fallback(norm, residual, rows, x):
 
 
 def _table_reason(table: torch.Tensor, x: torch.Tensor) -> str | None:
-    """Why the kernel cannot read the ``[rows, D]`` table's rows as quads (bindings.cpp's `indexed_table`: unit
+    """Why the kernel cannot read the ``[rows, D]`` table's rows as quads (bindings_norms.cpp's `indexed_table`: unit
     innermost stride, rows of whole 8-byte quads; the first row's pointer `_guard_rows` checks), or ``None``."""
     if table.dim() != 2 or table.shape[0] == 0 or table.shape[1] != x.shape[-1]:
         return "the table must be [rows, dim]"
@@ -639,7 +639,7 @@ def _gated_residual_rows_guard(norm, residual, rows, x, check_pointers: bool = T
 
 
 def _raw_table_reason(x, table, index) -> str | None:
-    """bindings.cpp's `indexed_table` checks (the index's values are checked by the kernel, which traps)."""
+    """bindings_norms.cpp's `indexed_table` checks (the index's values are checked by the kernel, which traps)."""
     if not all(isinstance(t, torch.Tensor) for t in (x, table, index)) or x.dim() != 3:
         return "shape"
     if (index.dtype is not torch.int32 or not index.is_contiguous() or index.shape != x.shape[:2]
