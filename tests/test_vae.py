@@ -506,14 +506,15 @@ def test_flux_vae_1024_decode_and_encode_md5_identical_every_site_fast(unpatch_a
     x = (torch.rand(1, 3, 1024, 1024, generator=gen, device="cuda") * 2 - 1).to(torch.bfloat16)
     ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
     assert torch.isfinite(ref_dec).all() and ref_dec.float().std() > 0.01
-    expected = _expected_sites(vae)  # 50 pairs (25 resnets' two, the two conv_norm_out), 2 attention norms, 62 convs
+    expected = _expected_sites(vae)  # 50 pairs (24 resnets' two, the two conv_norm_out), 2 attention norms, 62 convs
     unpatch_after(fp.patch(vae))
     dec, enc = _decode(vae, z), _encode(vae, x)
     assert torch.equal(dec, ref_dec) and _md5(dec) == _md5(ref_dec)
     assert torch.equal(enc, ref_enc) and _md5(enc) == _md5(ref_enc)
     report = fp.report(vae)
     assert Counter(r.op for r in report.sites) == expected == Counter({"group_norm_silu": 50, "group_norm": 2,
-                                                                       "conv_bias": 62, "group_norm_silu_conv": 50})
+                                                                       "conv_bias": 62, "group_norm_silu_conv": 50,
+                                                                       "conv_bias_residual": 24})
     sites = _site_counts(vae)
     joined = _joined(sites)
     assert all((fast, fallback) in _ran_once(name, sites, joined) for name, (_, fast, fallback, _) in sites.items()), \

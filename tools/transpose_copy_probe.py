@@ -26,8 +26,11 @@ import json
 import torch
 from conv_layout_probe import _time  # this folder's: CUDA events, the median of the repeats
 
+from diffusers_fastpath.ops import _build, _nvrtc
+
 # the op modules (the package binds the ops' names to their functions)
 pad = importlib.import_module("diffusers_fastpath.ops.causal_conv_pad")
+crms = importlib.import_module("diffusers_fastpath.ops.channel_rmsnorm_silu")
 conv_bias = importlib.import_module("diffusers_fastpath.ops.conv_bias")
 
 # (B, C, T, H, W) of the decoders' causal convolutions: Wan 2.1 at 832x480 (one latent frame, two cached, the
@@ -51,6 +54,27 @@ def _pad_launchers(x: torch.Tensor, cache: torch.Tensor | None, padding: list[in
         "pad tiled": (lambda: pad._NVRTC_CL.launch(dev, dtype, tiled_grid, (pad._TILE, pad._TILE_ROWS, 1),
                                                    *tiled_fields), tiled_out),
         "pad wide": (lambda: pad._NVRTC_WIDE.launch(dev, dtype, grid, block, *fields), out),
+    }
+
+
+def _norm_launchers(x: torch.Tensor, padding: list[int]):
+    """The tiled and the wide channel-norm pad kernels (Wan's norm -> SiLU pair written into the convolution's buffer,
+    `channel_rmsnorm_silu`'s padded result) on x, no cache: name -> (run, output)."""
+    denom = crms.denominator(x).contiguous().view(x.shape[0], -1)
+    gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    out, fields, wide, grid, block = pad.launch_fields(x, None, padding, True, False, False, denom)
+    assert wide, "the wide kernel does not take this shape"
+    tiled_out = pad.launch_fields(x, None, padding, True, False, False, denom)[0]
+    tiled_fields = (tiled_out.data_ptr(), *fields[1:])
+    dev, dtype = x.device.index, x.dtype
+    planes = min(out.shape[0] * out.shape[2] * out.shape[3], pad._MAX_ROW_BLOCKS)
+    tiled_grid = ((out.shape[4] + pad._TILE - 1) // pad._TILE,
+                  min((x.shape[1] + pad._TILE - 1) // pad._TILE, pad._MAX_ROW_BLOCKS), planes)
+    rest = (denom.data_ptr(), gamma.data_ptr(), 0, float(x.shape[1]) ** 0.5, 0.0)
+    return {
+        "norm tiled": (lambda: crms._NVRTC_PAD.launch(dev, dtype, tiled_grid, (pad._TILE, pad._TILE_ROWS, 1),
+                                                      *tiled_fields, *rest), tiled_out),
+        "norm wide": (lambda: crms._NVRTC_PAD_WIDE.launch(dev, dtype, grid, block, *fields, *rest), out),
     }
 
 
@@ -90,6 +114,7 @@ def probe(shape: tuple, dtype: torch.dtype, repeats: int) -> list[dict]:
     rows = []
     for kind, launchers in (
             ("pad", _pad_launchers(x, cache, padding)),
+            ("norm", _norm_launchers(x, [1, 1, 1, 1, 2, 0])),
             ("bias", _bias_launchers(x.contiguous(memory_format=torch.channels_last_3d),
                                      torch.randn(shape[1], generator=gen, device="cuda").to(dtype)))):
         outs = {}
@@ -100,7 +125,7 @@ def probe(shape: tuple, dtype: torch.dtype, repeats: int) -> list[dict]:
             outs[name] = out.clone()
         (tiled_name, (tiled_run, _)), (wide_name, (wide_run, wide_out)) = launchers.items()
         equal = bool(torch.equal(outs[tiled_name].view(torch.int16), outs[wide_name].view(torch.int16)))
-        read = x.numel() * x.element_size()
+        read = x.numel() * x.element_size() * (1 + 2 / x.shape[1] if kind == "norm" else 1)  # (+ fp32 denom)
         if cache is not None and kind == "pad":
             read += cache.numel() * cache.element_size()
         written = wide_out.numel() * wide_out.element_size()
@@ -125,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    major, minor = torch.cuda.get_device_capability()  # (the NVRTC cubins, whichever way the loader took)
+    _nvrtc.build(_build.csrc_dir(), _build.cache_root(), f"{major}{minor}", _build.NVRTC_FLAGS)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape] if args.shape else SHAPES
     rows = []
     print(f"{'shape':>26} {'kernel':>11} {'ms':>9} {'GB/s':>8} {'% copy':>7} {'same bytes':>10}")
