@@ -152,9 +152,19 @@ struct SourceRow {
   int64_t stride_c = 0;
   int64_t b, st, sh;
   __device__ __forceinline__ SourceRow(const CausalPadArgs& a, int64_t r, int64_t out_h, int64_t out_t) {
-    const int64_t h = r % out_h;
-    const int64_t t = (r / out_h) % out_t;
-    b = r / (out_h * out_t);
+    int64_t h, t;
+    if (r <= 0x7fffffff && out_h <= 0x7fffffff && out_t <= 0x7fffffff) {
+      // (every decode's rows: 32-bit unsigned divisions, the same quotients in a fraction of a 64-bit one's
+      // instructions, which a block paid per row of its tile)
+      const unsigned q = static_cast<unsigned>(r) / static_cast<unsigned>(out_h);
+      h = static_cast<int64_t>(static_cast<unsigned>(r) - q * static_cast<unsigned>(out_h));
+      t = static_cast<int64_t>(q % static_cast<unsigned>(out_t));
+      b = static_cast<int64_t>(q / static_cast<unsigned>(out_t));
+    } else {
+      h = r % out_h;
+      t = (r / out_h) % out_t;
+      b = r / (out_h * out_t);
+    }
     sh = h - a.pad_h0;
     st = t - a.pad_t0;
     if constexpr (kModes) {
