@@ -247,17 +247,28 @@ def test_interior_of_takes_only_the_exact_view_of_a_buffer_made_for_the_convolut
     assert eager.is_contiguous() and torch.equal(eager, x[:, :, -2:])
 
 
+@pytest.mark.parametrize("dtype, channels", [(torch.float32, 4), (torch.bfloat16, 8), (torch.bfloat16, 6)], ids=str)
 @torch.no_grad()
-def test_fill_front_writes_the_cache_last_and_zeros_before_it():
-    conv = wan.WanCausalConv3d(4, 4, 3, padding=1)
-    x = torch.randn(1, 4, 3, 5, 6)
-    cache = torch.randn(1, 4, 2, 5, 6)
-    for cached in (None, cache[:, :, 1:], cache, cache[:, :, 1:], None):  # (each after another: stale frames go)
-        view = _view_of(x, conv) if cached is None else view
-        buf = causal_conv_pad.fill_front(view._base, conv._padding, cached)
-        want = F.pad(x if cached is None else torch.cat([cached, x], dim=2),
-                     (1, 1, 1, 1, 2 - (0 if cached is None else cached.shape[2]), 0))
-        assert torch.equal(buf, want)
+def test_fill_front_writes_the_cache_last_and_zeros_before_it(dtype, channels):
+    """The buffer's first frames after `fill_front` are eager's padded input's: the cache (channels-first, or
+    channels-last as cloned from a view: moved as int64 words where the buffer's rows and addresses are whole words,
+    with 6 bf16 channels not) last, zeros before it, each fill after another (stale frames go)."""
+    conv = wan.WanCausalConv3d(channels, channels, 3, padding=1)
+    x = torch.randn(2, channels, 3, 5, 6).to(dtype)
+    first = _view_of(x, conv)
+    cloned = first[:, :, -2:].clone()
+    front = first._base[:, :, :2, 1:-1, 1:-1]  # (its rows start a column in: whole words where C values are)
+    assert not cloned.is_contiguous() and causal_conv_pad._words(cloned) is not None
+    assert (causal_conv_pad._words(front) is not None) == (channels * x.element_size() % 8 == 0)
+    assert causal_conv_pad._words(x) is None  # (channels-first: no rows of W * C values)
+    for cache in (torch.randn(2, channels, 2, 5, 6).to(dtype), cloned):
+        view = None
+        for cached in (None, cache[:, :, 1:], cache, cache[:, :, 1:], None):
+            view = _view_of(x, conv) if cached is None else view
+            buf = causal_conv_pad.fill_front(view._base, conv._padding, cached)
+            want = F.pad(x if cached is None else torch.cat([cached, x], dim=2),
+                         (1, 1, 1, 1, 2 - (0 if cached is None else cached.shape[2]), 0))
+            assert torch.equal(buf, want)
 
 
 def test_padded_nvrtc_launch_passes_what_bindings_vae_passes(monkeypatch):
