@@ -1,4 +1,4 @@
-"""`ltx_bias_norm_conv` (ops/ltx_bias_norm_conv.py; csrc/per_channel_rmsnorm.cu's channels-last kernel): a causal
+"""`ltx_bias_norm_conv` (ops/ltx_bias_norm_conv.py; csrc/per_channel_rmsnorm_pad.cu's channels-last kernel): a causal
 convolution's channels-last result without its bias, read by LTX-2's VAE norm -> SiLU -> causal convolution.
 
 On CPU: the kernel's statistics as its code reads them (each position's chains from 16-byte vectors of channels, its
@@ -54,7 +54,7 @@ def _registered():
 
 
 def _kernel_chain_mean(h, order, vec=8):
-    """csrc/per_channel_rmsnorm.cu's channels-last kernel, stages 1 and 2, for eager's tensor h [B, C, S]: per
+    """csrc/per_channel_rmsnorm_pad.cu's channels-last kernel, stages 1 and 2, for eager's tensor h [B, C, S]: per
     position, thread k of `per_position` reads the 16-byte vectors at channels k vec, k vec + step, ... (step =
     max(G, vec), G = 4 P) and adds element i of each (in channel order) to its accumulator i % lanes (lanes =
     min(G, vec)), chain rho = k lanes + i, stored at scratch entry 4 (rho % P) + rho // P; then the fused kernel's
@@ -160,7 +160,7 @@ def test_cl_shape_matches_the_cu(tmp_path):
     out = host_output(tmp_path, "void print(long b, long s, long c, long r, long k, int v) {\n  FusedShape f;\n"
                       '  int tile = 0;\n  if (!cl_shape(b, s, c, r, k, v, num_sms(), f, tile)) { std::printf("none\\n"); '
                       'return; }\n  std::printf("%u %u %u %d\\n", f.grid.x, f.grid.y, f.block.x, tile);\n}\n',
-                      CL_SHAPE_CASES)
+                      CL_SHAPE_CASES, "per_channel_rmsnorm_pad.cu")
     want = []
     for b, s, c, r, k, v in CL_SHAPE_CASES:
         shape = bnc.cl_shape(b, s, c, pcr.MeanOrder(r, k, 0.0), v, 132)

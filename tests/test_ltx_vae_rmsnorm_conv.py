@@ -6,7 +6,7 @@ apart), the wrapper's launch, the rewrite's bare-call rule, the refusals (hooks 
 mode, fp32, no bias, another activation) run as written, the tail's proof and a planted mismatch in it, the NVRTC
 launcher and raw guard. The VAE-level tests (every site, tiling, counts) are in test_vae_ltx.py. On the GPU: the op at
 the decoder's real shapes (bf16 / fp16, contiguous and sliced x, outputs poisoned first), the kernel through NVRTC and
-nvcc against eager, and the tail's proof on every value. The fused kernel (csrc/per_channel_rmsnorm.cu's pad kernel
+nvcc against eager, and the tail's proof on every value. The fused kernel (csrc/per_channel_rmsnorm_pad.cu's pad kernel
 with kLtx: aten's mean of the fp32 squares in aten's order, the rsqrt, the tail, from x): on CPU its order against
 aten's reduce kernel simulated thread by thread, the premise that eager's fp32 squares keep x's channel-first order,
 its arithmetic against eager's padded input, the wrapper's launch, the orders at the decoder's shapes, the rsqrt's
@@ -525,7 +525,7 @@ def test_raw_op_guard_refuses_what_bindings_cpp_refuses():
 
 
 def test_nvrtc_fused_launcher_passes_what_bindings_cpp_passes(monkeypatch):
-    """The fused kernel's NVRTC launch: the kLtx instantiation of per_channel_rmsnorm.cu's pad kernel, its parameters
+    """The fused kernel's NVRTC launch: the kLtx instantiation of per_channel_rmsnorm_pad.cu's pad kernel, its params
     field by field as bindings_vae.cpp's ltx_rmsnorm_fused_pad_cl fills them (LTX-2's pad kernel's, the probe mode
     too), vectors or elements as the .cu chooses, `fused_shape`; probe 3 writes the fp32 mean [B, S]."""
     from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below

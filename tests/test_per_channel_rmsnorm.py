@@ -728,7 +728,7 @@ def test_launch_constants_match_the_source():
     from test_nvrtc import _constant
 
     assert (pcr._THREADS, pcr._BLOCKS_PER_SM, pcr._CHANNELS) == tuple(
-        _constant("per_channel_rmsnorm.cu", n) for n in ("kThreads", "kBlocksPerSm", "kChannels"))
+        _constant("per_channel_rmsnorm.cuh", n) for n in ("kThreads", "kBlocksPerSm", "kChannels"))
 
 
 def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
@@ -787,7 +787,7 @@ def test_fused_launch_constants_match_the_source():
     from test_nvrtc import _constant
 
     assert (pcr._FUSED_THREADS, pcr._UNIT_THREADS, pcr._CHAIN_PARTIALS, pcr._SHARED_FLOATS, pcr._MIN_BLOCKS_PER_SM,
-            pcr.PROBE_MEAN) == tuple(_constant("per_channel_rmsnorm.cu", n) for n in (
+            pcr.PROBE_MEAN) == tuple(_constant("per_channel_rmsnorm.cuh", n) for n in (
                 "kFusedThreads", "kUnitThreads", "kChainPartials", "kSharedFloats", "kMinBlocksPerSm", "kProbeMean"))
 
 
@@ -798,10 +798,10 @@ FUSED_SHAPE_CASES = [  # (batch, spatial, rows, ctas, vec): the decoder's, the e
 ]
 
 
-def host_output(tmp_path, print_fn: str, cases) -> list[str]:
-    """The lines a host program prints that includes csrc/per_channel_rmsnorm.cu, defines `print_fn` (C++: a
-    ``void print(...)``) and calls it with each tuple of `cases`, compiled by nvcc and run (no GPU: num_sms() is
-    132); skipped without nvcc."""
+def host_output(tmp_path, print_fn: str, cases, source: str = "per_channel_rmsnorm.cuh") -> list[str]:
+    """The lines a host program prints that includes csrc/`source` (the header of the fused launch shape; the pad
+    kernels' file for theirs), defines `print_fn` (C++: a ``void print(...)``) and calls it with each tuple of
+    `cases`, compiled by nvcc and run (no GPU: num_sms() is 132); skipped without nvcc."""
     from test_nvrtc import NVCC
 
     if NVCC is None:
@@ -809,7 +809,7 @@ def host_output(tmp_path, print_fn: str, cases) -> list[str]:
     from diffusers_fastpath.ops import _build
 
     calls = "".join(f"  print({', '.join(map(str, case))});\n" for case in cases)
-    (tmp_path / "host.cu").write_text('#include <cstdio>\n#include "per_channel_rmsnorm.cu"\n'
+    (tmp_path / "host.cu").write_text(f'#include <cstdio>\n#include "{source}"\n'
                                       f"using namespace diffusers_fastpath;\n{print_fn}int main() {{\n{calls}}}\n")
     proc = subprocess.run([NVCC, "-std=c++17", f"-I{_build.csrc_dir()}", *_build.KERNEL_DEFINES,
                            str(tmp_path / "host.cu"), "-o", str(tmp_path / "host")], capture_output=True, text=True)

@@ -1,5 +1,5 @@
 """LTX-Video's VAE norm -> SiLU -> causal convolution input from x in one kernel (ops/ltx_vae_rmsnorm_conv.py's fused
-kernel: per_channel_rmsnorm.cu's pad kernel with kLtx), shape by shape on this GPU.
+kernel: per_channel_rmsnorm_pad.cu's pad kernel with kLtx), shape by shape on this GPU.
 
 For each norm shape of LTX-Video's decode at 768x512x121 and each dtype: the order `mean_order` derives here (rows x
 ctas partial sums, or why aten's mean is kept), the kernel's mean (probe mode 3) against eager's

@@ -14,7 +14,7 @@ Before this op, the patched chain ran ``h`` through three passes: cuDNN's channe
 calls of the 768x512x121 decode on an H100), then `ltx_norm_conv`'s pad kernel reading ``h``. Here the first
 convolution leaves ``raw`` and ``b1`` as a `causal_conv_cl.PendingBias` (`ltx_norm_conv` with ``pending``), and::
 
-    padded = per_channel_rmsnorm_cl_pad_cl(raw, b1)    # csrc/per_channel_rmsnorm.cu's channels-last kernel: each value
+    padded = per_channel_rmsnorm_cl_pad_cl(raw, b1)    # per_channel_rmsnorm_pad.cu's channels-last kernel: each value
                                                        # round(raw + b1[c]) where it is loaded (bias_contiguous's
                                                        # arithmetic: h's value), the fused norm's statistics on those
                                                        # values (the same chains, in aten's order, read along the
@@ -172,10 +172,10 @@ def cl_shape(batch: int, spatial: int, channels: int, order, vec: int, sms: int)
     return (tiles, batch, 1), (_norm._FUSED_THREADS, 1, 1), tile
 
 
-# The NVRTC way (ops/_nvrtc.py): csrc/per_channel_rmsnorm.cu's channels-last kernel, launched as its launch_cl_pad_cl
+# The NVRTC way (ops/_nvrtc.py): per_channel_rmsnorm_pad.cu's channels-last kernel, launched as its launch_cl_pad_cl
 # and bindings_vae.cpp's per_channel_rmsnorm_cl_pad_cl do: the PerChannelRmsNormArgs and NormPadArgs fields
 # (fastpath.h), the bias pointer, the order, the tile (`cl_shape`); the channels-last padded output.
-_NVRTC_CL = _nvrtc.Kernel("per_channel_rmsnorm.cu", "diffusers_fastpath::per_channel_rmsnorm_cl_pad_cl_kernel",
+_NVRTC_CL = _nvrtc.Kernel("per_channel_rmsnorm_pad.cu", "diffusers_fastpath::per_channel_rmsnorm_cl_pad_cl_kernel",
                           {dtype: _nvrtc.STORAGE_TYPE[dtype] for dtype in FLOAT_DTYPES},
                           _nvrtc.Params("per_channel_rmsnorm_cl_pad_cl_kernel", ("a", _norm._ARGS),
                                         ("g", _norm_conv._PAD_ARGS), ("bias", "P"), ("rows", "i"), ("ctas", "i"),

@@ -14,7 +14,7 @@ block's forward that nothing else reads the values between them)::
 The patched sites before this op ran three passes for what is one here (``per_channel_rmsnorm_silu`` wrote y,
 ``ltx_causal_conv3d``'s ``causal_pad`` read it and wrote the padded buffer channels-last); here::
 
-    padded = per_channel_rmsnorm_pad_cl(x)   # csrc/per_channel_rmsnorm.cu's pad kernel: the fused norm kernel's
+    padded = per_channel_rmsnorm_pad_cl(x)   # csrc/per_channel_rmsnorm_pad.cu's pad kernel: the fused norm kernel's
                                              # statistics and values (the same code: aten's mean order from
                                              # `mean_order`, r and the SiLU proven on every value), each value stored
                                              # at every padded position whose source it is, channels-last
@@ -121,13 +121,13 @@ def _kernel(norm, act, conv, x: torch.Tensor, causal, pending: bool = False):
     return convolve_channels_last(conv.conv, padded, conv_padding, pending)
 
 
-# The NVRTC way (ops/_nvrtc.py): csrc/per_channel_rmsnorm.cu's pad kernel, launched as its launch_pad_cl and
+# The NVRTC way (ops/_nvrtc.py): csrc/per_channel_rmsnorm_pad.cu's pad kernel, launched as its launch_pad_cl and
 # bindings_vae.cpp's per_channel_rmsnorm_pad_cl do: the NormPadArgs fields (fastpath.h), the channels-last output, the
 # fused kernel's shape (`per_channel_rmsnorm.fused_shape`), vectors where x's sizes, strides and pointer allow.
 _PAD_ARGS = _nvrtc.Params("NormPadArgs", ("frames", "q"), ("height", "q"), ("width", "q"), ("pad_t0", "q"),
                           ("pad_t1", "q"), ("pad_h0", "q"), ("pad_h1", "q"), ("pad_w0", "q"), ("pad_w1", "q"),
                           ("reflect_hw", "i"))
-_NVRTC_PAD = _nvrtc.Kernel("per_channel_rmsnorm.cu", "diffusers_fastpath::per_channel_rmsnorm_pad_cl_kernel",
+_NVRTC_PAD = _nvrtc.Kernel("per_channel_rmsnorm_pad.cu", "diffusers_fastpath::per_channel_rmsnorm_pad_cl_kernel",
                            {(dtype, vector): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(vector).lower()}"
                             for dtype in FLOAT_DTYPES for vector in (True, False)},
                            _nvrtc.Params("per_channel_rmsnorm_pad_cl_kernel", ("a", _norm._ARGS), ("g", _PAD_ARGS),

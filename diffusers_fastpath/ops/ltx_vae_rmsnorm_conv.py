@@ -17,7 +17,7 @@ The patched sites before this op ran, after the norm's squares pass, aten's mean
 here (``ltx_vae_rmsnorm_silu``'s multiply, cast and SiLU wrote y; ``ltx_causal_conv3d``'s ``causal_pad`` read it and
 wrote the padded buffer channels-last); here one kernel from x::
 
-    padded = ltx_rmsnorm_fused_pad_cl(x)            # csrc/per_channel_rmsnorm.cu's pad kernel, kLtx: LTX-2's
+    padded = ltx_rmsnorm_fused_pad_cl(x)            # csrc/per_channel_rmsnorm_pad.cu's pad kernel, kLtx: LTX-2's
                                                     # statistics (aten's reduce order, `mean_order`) on the fp32 squares
                                                     # (exact: nothing rounds), m fp32, r = rsqrtf(m + eps), each value
                                                     # the pair kernel's epilogue (elementwise.cuh's ltx_rmsnorm_value:
@@ -249,10 +249,10 @@ _nvrtc.raw_op("_ltx_rmsnorm_pad_cl_cuda", "(Tensor x, Tensor rsqrt, int[] paddin
 
 _launch = LazyLauncher(_nvrtc_kernel, "_ltx_rmsnorm_pad_cl_cuda")  # (x, rsqrt, padding, reflect_hw)
 
-# The fused kernel the NVRTC way: csrc/per_channel_rmsnorm.cu's pad kernel with kLtx, launched as its
+# The fused kernel the NVRTC way: csrc/per_channel_rmsnorm_pad.cu's pad kernel with kLtx, launched as its
 # launch_ltx_pad_cl and bindings_vae.cpp's ltx_rmsnorm_fused_pad_cl do: LTX-2's pad kernel's parameters, output and
 # shape (`ltx_norm_conv._nvrtc_pad`), the mean alone (fp32 [B, S]) in probe mode 3.
-_NVRTC_FUSED = _nvrtc.Kernel("per_channel_rmsnorm.cu", "diffusers_fastpath::per_channel_rmsnorm_pad_cl_kernel",
+_NVRTC_FUSED = _nvrtc.Kernel("per_channel_rmsnorm_pad.cu", "diffusers_fastpath::per_channel_rmsnorm_pad_cl_kernel",
                              {(dtype, vector): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(vector).lower()}, true"
                               for dtype in HALF_DTYPES for vector in (True, False)},
                              _ltx2_chain._NVRTC_PAD.params)
@@ -281,8 +281,8 @@ _nvrtc.raw_op("_ltx_rmsnorm_fused_pad_cl_cuda",
 _launch_fused = LazyLauncher(_nvrtc_fused, "_ltx_rmsnorm_fused_pad_cl_cuda")
 
 # The reciprocal's probe (its proof), launched as launch_ltx_rsqrt_probe does: a grid stride over m's values.
-_PROBE_THREADS, _PROBE_BLOCKS_PER_SM = 256, 8  # csrc/per_channel_rmsnorm.cu's kThreads, kBlocksPerSm
-_NVRTC_RSQRT = _nvrtc.Kernel("per_channel_rmsnorm.cu", "diffusers_fastpath::ltx_rsqrt_probe_kernel",
+_PROBE_THREADS, _PROBE_BLOCKS_PER_SM = 256, 8  # csrc/per_channel_rmsnorm.cuh's kThreads, kBlocksPerSm
+_NVRTC_RSQRT = _nvrtc.Kernel("per_channel_rmsnorm_pad.cu", "diffusers_fastpath::ltx_rsqrt_probe_kernel",
                              {torch.float32: "float"},
                              _nvrtc.Params("ltx_rsqrt_probe_kernel", ("m", "P"), ("out", "P"), ("n", "q"),
                                            ("eps", "f")))

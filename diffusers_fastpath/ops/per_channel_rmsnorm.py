@@ -109,10 +109,10 @@ from ._policy import (FLOAT_DTYPES, HALF_DTYPES, EagerClasses, FusedOp, Site, au
 from ._unary_proof import prove_every_value, prove_fp32
 
 _VEC_BYTES = 16
-_THREADS, _BLOCKS_PER_SM, _CHANNELS = 256, 8, 8  # csrc/per_channel_rmsnorm.cu's kThreads, kBlocksPerSm, kChannels
+_THREADS, _BLOCKS_PER_SM, _CHANNELS = 256, 8, 8  # csrc/per_channel_rmsnorm.cuh's kThreads, kBlocksPerSm, kChannels
 PROBE_SILU, PROBE_RMS = 1, 2  # the kernel's probe modes (fastpath.h's PerChannelRmsNormArgs.probe)
-PROBE_MEAN = 3  # the fused kernel's probe mode: aten's mean alone, [B, S] (csrc/per_channel_rmsnorm.cu's kProbeMean)
-# csrc/per_channel_rmsnorm.cu's fused kernel's kFusedThreads, kUnitThreads, kChainPartials, kSharedFloats and
+PROBE_MEAN = 3  # the fused kernel's probe mode: aten's mean alone, [B, S] (csrc/per_channel_rmsnorm.cuh's kProbeMean)
+# csrc/per_channel_rmsnorm.cuh's kFusedThreads, kUnitThreads, kChainPartials, kSharedFloats and
 # kMinBlocksPerSm
 _FUSED_THREADS, _UNIT_THREADS, _CHAIN_PARTIALS, _SHARED_FLOATS, _MIN_BLOCKS_PER_SM = 256, 32, 8, 4096, 2
 _EXACT_IN_DOUBLE = 2**53  # an int eps beyond this would be rounded twice on its way to float
@@ -230,7 +230,7 @@ def mean_factor(batch: int, channels: int, spatial: int) -> float:
 
 
 class MeanOrder(NamedTuple):
-    """aten's order of a position's channel mean (csrc/per_channel_rmsnorm.cu's comment): `rows` partial sums per
+    """aten's order of a position's channel mean (csrc/per_channel_rmsnorm.cuh's comment): `rows` partial sums per
     block (a power of two), `ctas` blocks, the product `factor`."""
 
     rows: int
@@ -341,7 +341,7 @@ def channel_mean_arithmetic(x: torch.Tensor, order: MeanOrder) -> torch.Tensor:
 
 def combine_partials(partials: list, order: MeanOrder, dtype: torch.dtype) -> torch.Tensor:
     """A position's mean from its `order.rows` x `order.ctas` partial sums (float tensors, partial j of block g at
-    j = g rows + y), as aten combines them (csrc/per_channel_rmsnorm.cu's position_mean): each block's tree, with
+    j = g rows + y), as aten combines them (csrc/per_channel_rmsnorm.cuh's position_mean): each block's tree, with
     several blocks the global step (row y adds blocks y, y + rows, ... from 0) and its tree, the product with the
     factor, rounded to `dtype`."""
     blocks = [_tree([partials[g * order.rows + y] for y in range(order.rows)]) for g in range(order.ctas)]
