@@ -826,8 +826,9 @@ def test_wide_kernels_launch_where_every_vector_is_whole(monkeypatch):
 
 def test_transpose_copy_probe_launches_what_the_launchers_launch(monkeypatch, tool):
     """tools/transpose_copy_probe.py launches each kernel as the product's launchers would: its wide grids and
-    arguments are those `causal_conv_pad._nvrtc_kernel` and `conv_bias._nvrtc_contiguous` pick for the same inputs, its
-    tiled ones those they pick where the wide kernel does not fit (so its timings are of the kernels that run)."""
+    arguments are those `causal_conv_pad._nvrtc_kernel`, `channel_rmsnorm_silu._nvrtc_pad` and
+    `conv_bias._nvrtc_contiguous` pick for the same inputs, its tiled ones those they pick where the wide kernel does
+    not fit (so its timings are of the kernels that run)."""
     from test_nvrtc import captured_launches  # noqa: F401 - the fixture's body, called directly below
 
     from pathlib import Path
@@ -851,6 +852,20 @@ def test_transpose_copy_probe_launches_what_the_launchers_launch(monkeypatch, to
     causal_conv_pad._nvrtc_kernel(x[:, :36], cache[:, :36], [1, 1, 1, 1, 0, 0], True)  # (36 channels: the tiled one)
     assert tiled[0] is causal_conv_pad._NVRTC_CL and tiled[3] == launches[-1][3] == (32, 8, 1)
     assert tiled[2][0] == launches[-1][2][0] and tiled[2][2] == launches[-1][2][2]  # (columns, rows; channels 2 both)
+    # the channel norm written into the buffer: the wide kernel and the tiled one, as `channel_rmsnorm_silu` launches
+    # them (its fields, the denominator's pointer after them; the tiled grid where the wide kernel does not fit)
+    runs = probe._norm_launchers(x, [1, 1, 1, 1, 2, 0])
+    for run, _ in runs.values():
+        run()
+    tiled, wide = launches[-2], launches[-1]
+    denom = crms.denominator(x).contiguous().view(x.shape[0], -1)
+    crms._nvrtc_pad(x, denom, torch.ones(40, dtype=x.dtype), None, 40 ** 0.5, 0.0, [1, 1, 1, 1, 2, 0])
+    assert launches[-1][0] is wide[0] is crms._NVRTC_PAD_WIDE and launches[-1][2:4] == wide[2:4]
+    assert fields(launches[-1][4]) == fields(wide[4]) == fields(tiled[4])
+    assert (wide[4].scale, wide[4].bias_value, wide[4].bias) == (launches[-1][4].scale, 0.0, None)
+    crms._nvrtc_pad(x[:, :36], denom, torch.ones(36, dtype=x.dtype), None, 6.0, 0.0, [1, 1, 1, 1, 2, 0])
+    assert tiled[0] is crms._NVRTC_PAD and tiled[3] == launches[-1][3] == (32, 8, 1)
+    assert tiled[2][0] == launches[-1][2][0] and tiled[2][2] == launches[-1][2][2]
     raw = x.contiguous(memory_format=torch.channels_last_3d)
     bias = torch.randn(40).to(torch.bfloat16)
     for run, _ in probe._bias_launchers(raw, bias).values():
