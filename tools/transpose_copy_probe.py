@@ -40,16 +40,24 @@ SHAPES = [(1, 384, 1, 60, 104), (1, 384, 2, 120, 208), (1, 192, 4, 240, 416), (1
           (1, 128, 1, 1024, 1024)]
 
 
+def _both_ways(x: torch.Tensor, cache: torch.Tensor | None, padding: list[int], rsqrt: torch.Tensor | None = None):
+    """`causal_conv_pad.launch_fields` for the wide kernel (its output, fields, grid and block) and for the tiled one
+    on a buffer of its own (its output, fields and grid: the launcher's where the wide kernel does not fit), for the
+    channels-last pad kernels (`rsqrt`: a norm's per-position operands)."""
+    out, fields, wide, grid, block = pad.launch_fields(x, cache, padding, True, False, False, rsqrt)
+    assert wide, "the wide kernel does not take this shape"
+    tiled_out, tiled_fields, _, _, _ = pad.launch_fields(x, cache, padding, True, False, False, rsqrt)
+    planes = min(out.shape[0] * out.shape[2] * out.shape[3], pad._MAX_ROW_BLOCKS)
+    tiled_grid = ((out.shape[4] + pad._TILE - 1) // pad._TILE,
+                  min((x.shape[1] + pad._TILE - 1) // pad._TILE, pad._MAX_ROW_BLOCKS), planes)
+    return (out, fields, grid, block), (tiled_out, tiled_fields, tiled_grid)
+
+
 def _pad_launchers(x: torch.Tensor, cache: torch.Tensor | None, padding: list[int]):
     """The tiled and the wide channels-last pad kernels on x (and the cache), each with its grid, writing into a
     buffer of its own: name -> (run, output)."""
-    out, fields, wide, grid, block = pad.launch_fields(x, cache, padding, channels_last=True)
-    assert wide, "the wide kernel does not take this shape"
-    tiled_out, tiled_fields, _, _, _ = pad.launch_fields(x, cache, padding, channels_last=True)
+    (out, fields, grid, block), (tiled_out, tiled_fields, tiled_grid) = _both_ways(x, cache, padding)
     dev, dtype = x.device.index, x.dtype
-    planes = min(out.shape[0] * out.shape[2] * out.shape[3], pad._MAX_ROW_BLOCKS)
-    tiled_grid = ((out.shape[4] + pad._TILE - 1) // pad._TILE,  # (the launcher's where the wide kernel does not fit)
-                  min((x.shape[1] + pad._TILE - 1) // pad._TILE, pad._MAX_ROW_BLOCKS), planes)
     return {
         "pad tiled": (lambda: pad._NVRTC_CL.launch(dev, dtype, tiled_grid, (pad._TILE, pad._TILE_ROWS, 1),
                                                    *tiled_fields), tiled_out),
@@ -62,14 +70,8 @@ def _norm_launchers(x: torch.Tensor, padding: list[int]):
     `channel_rmsnorm_silu`'s padded result) on x, no cache: name -> (run, output)."""
     denom = crms.denominator(x).contiguous().view(x.shape[0], -1)
     gamma = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    out, fields, wide, grid, block = pad.launch_fields(x, None, padding, True, False, False, denom)
-    assert wide, "the wide kernel does not take this shape"
-    tiled_out = pad.launch_fields(x, None, padding, True, False, False, denom)[0]
-    tiled_fields = (tiled_out.data_ptr(), *fields[1:])
+    (out, fields, grid, block), (tiled_out, tiled_fields, tiled_grid) = _both_ways(x, None, padding, denom)
     dev, dtype = x.device.index, x.dtype
-    planes = min(out.shape[0] * out.shape[2] * out.shape[3], pad._MAX_ROW_BLOCKS)
-    tiled_grid = ((out.shape[4] + pad._TILE - 1) // pad._TILE,
-                  min((x.shape[1] + pad._TILE - 1) // pad._TILE, pad._MAX_ROW_BLOCKS), planes)
     rest = (denom.data_ptr(), gamma.data_ptr(), 0, float(x.shape[1]) ** 0.5, 0.0)
     return {
         "norm tiled": (lambda: crms._NVRTC_PAD.launch(dev, dtype, tiled_grid, (pad._TILE, pad._TILE_ROWS, 1),

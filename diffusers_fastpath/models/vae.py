@@ -210,6 +210,23 @@ def _pair_stmt(var: str, norm: str, act: str, ns: str = _NS) -> ast.stmt:
     return ast.Assign(targets=[ast.Name(var, ast.Store())], value=call)
 
 
+def pair_call(stmt: ast.stmt, ns: str):
+    """``(V, norm, act)`` for the pair statement ``V = <ns>.norm_act(self, "<norm>", "<act>", V)`` (`_pair_stmt`'s),
+    else ``None``: what the rewrites after the pairs' (LTX's joined chains, Wan's padded results) start from."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "norm_act"
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == ns and len(call.args) == 4
+            and not call.keywords):
+        return None
+    owner, norm, act, var = call.args
+    if (isinstance(owner, ast.Name) and owner.id == "self" and isinstance(norm, ast.Constant)
+            and isinstance(act, ast.Constant) and isinstance(var, ast.Name) and var.id == stmt.targets[0].id):
+        return var.id, norm.value, act.value
+    return None
+
+
 def _ends_in_norm(body: list[ast.stmt], var: str, activations: tuple[str, ...], moved: bool = False) -> bool:
     """Whether some path through `body` (an ``if`` chain's branches) ends in ``var = self.N(var)`` (`_norm_call`), N
     not an activation: where moving the activation into the branches lets a pair form."""

@@ -64,7 +64,7 @@ from ..ops.causal_conv_cl import PendingBias
 from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, between_reason, names_in, rewrite_nested, wrap_branches
+from .vae import PairCalls, between_reason, names_in, pair_call, rewrite_nested, wrap_branches
 
 # the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
 # the one that does both; the residual add that takes it; the settle
@@ -213,22 +213,6 @@ def _self_call(stmt: ast.stmt, keywords: tuple[str, ...] = ()):
     return var, call.func.attr, call.keywords
 
 
-def _pair_call(stmt: ast.stmt, ns: str):
-    """``(V, norm, act)`` for the pair statement ``V = <ns>.norm_act(self, "<norm>", "<act>", V)``."""
-    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-        return None
-    call = stmt.value
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "norm_act"
-            and isinstance(call.func.value, ast.Name) and call.func.value.id == ns and len(call.args) == 4
-            and not call.keywords):
-        return None
-    owner, norm, act, var = call.args
-    if (isinstance(owner, ast.Name) and owner.id == "self" and isinstance(norm, ast.Constant)
-            and isinstance(act, ast.Constant) and isinstance(var, ast.Name) and var.id == stmt.targets[0].id):
-        return var.id, norm.value, act.value
-    return None
-
-
 def _falls_through(node: ast.If) -> bool:
     """Whether every path through `node` that does not raise ends at a branch's end (no ``return``, ``break`` or
     ``continue`` in it), so that a statement after it runs exactly where the branches' ends are reached: appended to
@@ -253,7 +237,7 @@ def _ends_in_pair(body: list[ast.stmt], var: str, ns: str) -> bool:
     last = body[-1]
     if isinstance(last, ast.If):
         return _ends_in_pair(last.body, var, ns) or _ends_in_pair(last.orelse, var, ns)
-    pair = _pair_call(last, ns)
+    pair = pair_call(last, ns)
     return pair is not None and pair[0] == var
 
 
@@ -297,11 +281,11 @@ class _Chains:
         if k == 0:
             return False
         prev = out[k - 1]
-        pair = _pair_call(prev, self.ns)
+        pair = pair_call(prev, self.ns)
         if pair is not None and pair[0] == var:
             out[k - 1:] = [self._joined(var, pair[1], pair[2], tuple(between), conv_name, keywords)]
             return True
-        pair = _pair_call(out[k - 2], self.ns) if k > 1 else None
+        pair = pair_call(out[k - 2], self.ns) if k > 1 else None
         if (isinstance(prev, ast.If) and not between and pair is not None and pair[0] == var
                 and _pair_into_branches(prev, out[k - 2], stmt, var)):
             del out[k - 2:]

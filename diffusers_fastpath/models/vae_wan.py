@@ -58,9 +58,8 @@ from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, a
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class
-from .vae import (PairBlock, PairCalls, between_reason, checked_forwards, names_in, rewrite_nested, silu_pair_unfit,
-                  swap_pair_blocks)
-from .vae_ltx2_chain import _pair_call
+from .vae import (PairBlock, PairCalls, between_reason, checked_forwards, names_in, pair_call, rewrite_nested,
+                  silu_pair_unfit, swap_pair_blocks)
 from .vae_conv import FastpathConv2d, add_conv_subclass, causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
@@ -162,7 +161,7 @@ class _Into:
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out: list[ast.stmt] = []
         for k, stmt in enumerate(body):
-            pair = _pair_call(stmt, self.ns)
+            pair = pair_call(stmt, self.ns)
             readers = None if pair is None else _readers(body[k + 1:], pair[0])[0]
             if readers:
                 stmt = copy.deepcopy(stmt)

@@ -382,7 +382,7 @@ def _fused(x: torch.Tensor, gamma: torch.Tensor, bias, scale: float, bias_value:
 
 def _kernel(norm, x: torch.Tensor, silu: bool = False, conv: nn.Module | None = None) -> torch.Tensor:
     gamma, bias, bias_value = _tensors(norm)
-    return _fused(x, gamma, bias, float(norm.scale), bias_value, silu, _pad_target(conv, x) if silu else None)
+    return _fused(x, gamma, bias, float(norm.scale), bias_value, silu, _pad_target(conv, x))
 
 
 def _kernel_silu(norm, x: torch.Tensor, conv: nn.Module | None = None) -> torch.Tensor:
@@ -399,7 +399,7 @@ def _signature(norm, x: torch.Tensor, conv: nn.Module | None = None):
     bias = getattr(norm, "bias", None)
     layout = _layout(x)
     spatial = {"contiguous": math.prod(x.shape[2:]), "time-major": math.prod(x.shape[3:]), "channels-last": 1}[layout]
-    padding = _pad_target(conv, x) if conv is not None else None
+    padding = _pad_target(conv, x)
     padded = () if padding is None else (tuple(padding), x.shape[1] % 8 == 0 and x.shape[4] % 8 == 0)
     return (str(x.dtype).removeprefix("torch."), layout, isinstance(bias, torch.Tensor),
             _vectors(spatial, x.dtype), reads_half_directly(x), padded)
@@ -485,4 +485,4 @@ def channel_rmsnorm_silu(norm: nn.Module, x: torch.Tensor, site: Site | None = N
             through a slice's ``clone()`` (see the module doc): the result is then written into that convolution's
             padded channels-last input where its channels-last path takes it, and is the view of x's positions there.
     """
-    return CHANNEL_RMSNORM_SILU(site, norm, x) if conv is None else CHANNEL_RMSNORM_SILU(site, norm, x, conv)
+    return CHANNEL_RMSNORM_SILU(site, norm, x, conv)
