@@ -102,8 +102,13 @@ __global__ void __launch_bounds__(kThreads) causal_pad_kernel(const CausalPadArg
 // multiplies by, the denominator eager divides by) and ChannelNormValues its channel's gamma and bias (`channel`); no
 // cache with a norm (a.cache_frames 0). value(v, p, ch) is the value stored for v, its position's operand p and its
 // channel's ch: each the same device function on the same operands as the norm's own kernel, so the same bits.
+// kLeavesFront: the frames before x's (a.pad_t0 of them) are left unwritten inside the border, the convolution's to
+// fill (its cache's frames and the zeros before them: ops/causal_conv_pad.py's fill_front, which every reader of such
+// a buffer runs first); only their border is written here (ChannelNormValues: Wan's decode wrote those frames twice,
+// zeros here and the cache there, a fifth of this kernel's bytes at four frames, half at one).
 struct CopyValues {
   static constexpr bool kNorm = false;
+  static constexpr bool kLeavesFront = false;
   const float* per_position = nullptr;
   struct Channel {};
   template <typename T>
@@ -114,6 +119,7 @@ struct CopyValues {
 
 struct LtxNormValues {
   static constexpr bool kNorm = true;
+  static constexpr bool kLeavesFront = false;
   const float* per_position;  // the reciprocal: aten's torch.rsqrt(mean + eps)
   struct Channel {};
   template <typename T>
@@ -124,6 +130,7 @@ struct LtxNormValues {
 
 struct ChannelNormValues {
   static constexpr bool kNorm = true;
+  static constexpr bool kLeavesFront = true;
   const float* per_position;  // the denominator: aten's norm(2, 1).clamp_min(eps) of x's upcast
   const void* gamma;          // [channels] of T
   const void* bias;           // [channels] of T, or null: `bias_value`
@@ -151,6 +158,9 @@ struct SourceRow {
   const E* src = nullptr;
   int64_t stride_c = 0;
   int64_t b, st, sh;
+  // a row of the frames before the first source frame, inside the border in height (the zero border: kModes off);
+  // its columns inside the border are what a kLeavesFront policy leaves
+  __device__ __forceinline__ bool front(const CausalPadArgs& a) const { return st < 0 && sh >= 0 && sh < a.height; }
   __device__ __forceinline__ SourceRow(const CausalPadArgs& a, int64_t r, int64_t out_h, int64_t out_t) {
     int64_t h, t;
     if (r <= 0x7fffffff && out_h <= 0x7fffffff && out_t <= 0x7fffffff) {
@@ -213,6 +223,8 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
       const SourceRow<W, kModes> row(a, r, out_h, out_t);
       const W* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
       const int64_t stride_c = row.stride_c, b = row.b, st = row.st, sh = row.sh;
+      const bool leave = V::kLeavesFront && !kModes && row.front(a);  // the columns inside the border are left
+      if (leave && w0 >= a.pad_w0 && w0 + kTile <= a.pad_w0 + a.width) continue;  // (the whole tile: uniform)
       float rs = 0.0f;  // a norm's operand of the source position (b, st, sh, sw), one per column
       if constexpr (V::kNorm) {
         if (src != nullptr && inside_w) {
@@ -234,6 +246,7 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
           },
           [&](unsigned i, W v) {
             const int64_t w = w0 + i;
+            if (leave && w >= a.pad_w0 && w < a.pad_w0 + a.width) return;
             if (w < out_w && c_write < a.channels) out[(r * out_w + w) * a.channels + c_write] = v;
           });
     }
@@ -313,6 +326,11 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kWideColumns;  // the tile's first source column
   const int64_t border = a.pad_w0 + a.pad_w1;
   T* out = static_cast<T*>(a.out);
+  // A norm runs where the vectors are stored, on the values the tile brought (their bits as loaded): each stored
+  // vector is one position (one operand of `per_position`, where each loaded vector needed eight) of 8 channels (their
+  // operands read there, from the cache: held for the whole row they took the registers that kept fewer blocks in
+  // flight), and the loads go to the tile with nothing between them and the stores (on an H100 at Wan's decoder
+  // shapes: 0.78 ms where the norm on the load side took 0.96, `tools/transpose_copy_probe.py`).
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
        c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (uniform over the block: __syncthreads is safe)
     for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {
@@ -325,46 +343,41 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
                                       ((row.b * a.frames + row.st - a.cache_frames) * a.height + row.sh) * a.width
                                 : nullptr;
       if (src == nullptr) {  // a row of zeros (uniform over the block): no tile, 16-byte stores of +0.0
-        for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
-          const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
-          if (sw < a.width && c < a.channels) {
-            *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = P{};
+        // (a kLeavesFront policy's frames before x's: only the border columns below)
+        if (!(V::kLeavesFront && !kModes && row.front(a))) {
+          for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
+            const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
+            if (sw < a.width && c < a.channels) {
+              *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = P{};
+            }
           }
         }
       } else {
-        float rs[kWideVecs][8];  // a norm's operands of each loaded vector's 8 columns
-        typename V::Channel ch[kWideVecs];  // and of its channel (one per vector)
+        float rs[kWideVecs];  // a norm's operand of the position (the tile column) each stored vector is
+        if constexpr (V::kNorm) {
+#pragma unroll
+          for (int j = 0; j < kWideVecs; ++j) {
+            const int64_t sw = s0 + (threadIdx.x + kWideThreads * j) / (kWideChannels / 8);
+            rs[j] = sw < a.width ? __ldg(rs_row + sw) : 0.0f;
+          }
+        }
         transpose_tile_wide<T, kWideChannels, kWideColumns, kWideThreads>(
             base,
-            [&](int j, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
+            [&](int, int cl, int sc) -> P {  // channel c0 + cl, source columns s0 + sc .. + 7
               const int64_t c = c0 + cl, sw = s0 + sc;
-              if (c >= a.channels || sw >= a.width) {
-                if constexpr (V::kNorm) {  // (a vector never stored: its operands defined all the same)
-#pragma unroll
-                  for (int k = 0; k < 8; ++k) rs[j][k] = 0.0f;
-                  ch[j] = typename V::Channel{};
-                }
-                return P{};
-              }
-              if constexpr (V::kNorm) {
-                ch[j] = values.template channel<T>(c);
-                const float4 lo = __ldg(reinterpret_cast<const float4*>(rs_row + sw));
-                const float4 hi = __ldg(reinterpret_cast<const float4*>(rs_row + sw + 4));
-                rs[j][0] = lo.x, rs[j][1] = lo.y, rs[j][2] = lo.z, rs[j][3] = lo.w;
-                rs[j][4] = hi.x, rs[j][5] = hi.y, rs[j][6] = hi.z, rs[j][7] = hi.w;
-              }
-              return load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw));
+              return c < a.channels && sw < a.width ? load_readonly(reinterpret_cast<const P*>(src + c * stride_c + sw))
+                                                    : P{};
             },
-            [&](int j, P p) -> P {
-              if constexpr (V::kNorm) {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) p.v[k] = values.template value<T>(p.v[k], rs[j][k], ch[j]);
-              }
-              return p;
-            },
-            [&](int, int sc, int cl, const P& p) {  // source column s0 + sc: output column pad_w0 + s0 + sc
+            [&](int, P p) -> P { return p; },
+            [&](int j, int sc, int cl, P p) {  // source column s0 + sc: output column pad_w0 + s0 + sc
               const int64_t sw = s0 + sc, c = c0 + cl;
               if (sw < a.width && c < a.channels) {
+                if constexpr (V::kNorm) {
+#pragma unroll
+                  for (int k = 0; k < 8; ++k) {
+                    p.v[k] = values.template value<T>(p.v[k], rs[j], values.template channel<T>(c + k));
+                  }
+                }
                 *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
               }
             });

@@ -30,10 +30,11 @@ residual blocks' ``conv1`` and ``conv2``, the encoder's and decoder's ``conv_out
 forward by `diffusers_fastpath.models.vae_wan`) whose channels-last path would take it
 (`causal_conv_cl.takes_interior`), the kernel writes it straight into that convolution's padded channels-last input
 (``csrc/causal_pad.cu``'s ``channel_rmsnorm_pad_cl_kernel``: the same device function of the same operands per value,
-placed where ``causal_pad`` would copy it, the border zeros) and the op returns the view of x's positions in it
-(`causal_conv_pad.interior_view`): the pair's values, laid out as the convolution reads them. The convolution then
-writes only its cache's frames into the buffer, where before the pair wrote its result and ``causal_pad`` read it back
-and wrote the buffer (Wan 2.1's decode: about a third of those bytes). The view is not contiguous; the block reads it
+placed where ``causal_pad`` would copy it, the border zeros; the frames before x's it leaves to the convolution) and
+the op returns the view of x's positions in it (`causal_conv_pad.interior_view`): the pair's values, laid out as the
+convolution reads them. The convolution then writes only its cache's frames (and zeros before them) into the buffer,
+where before the pair wrote its result and ``causal_pad`` read it back and wrote the buffer (Wan 2.1's decode: about a
+third of those bytes). The view is not contiguous; the block reads it
 only as the convolution's input and through ``x[:, :, -CACHE_T:].clone()`` (the reader proves that from the forward),
 and what does not take it runs on ``x.contiguous()`` (`causal_conv_pad.as_eager`), eager's tensor. Such a call is its
 own signature (`_signature`), checked on its first call as every other.
@@ -324,11 +325,16 @@ def pad_arithmetic(x: torch.Tensor, denom: torch.Tensor, gamma: torch.Tensor, bi
     """What the padded kernel writes, in torch, for x ``[B, C, T, H, W]`` and its fp32 ``[B, T * H * W]`` denominator
     (the tests' emulation, and the kernel's documentation in code): the pair's arithmetic
     (`channel_rmsnorm_arithmetic` with the SiLU), then ``causal_pad``'s channels-last buffer of it without a cache
-    (`causal_conv_pad.pad_arithmetic`: zeros on the border and in the first frames)."""
+    (`causal_conv_pad.pad_arithmetic`: zeros on the border), but for the first frames inside the border, which the
+    kernel leaves to the convolution (`causal_conv_pad.fill_front` writes its cache and zeros there): NaN here, what
+    no reader may see."""
     shape = (-1,) + (1,) * (x.dim() - 2)
     y = channel_rmsnorm_arithmetic(x, denom.reshape(x.shape[0], 1, *x.shape[2:]), gamma.reshape(shape),
                                    bias_value if bias is None else bias.reshape(shape), scale, True)
-    return _pad.pad_arithmetic(y, None, list(padding), True)
+    buf = _pad.pad_arithmetic(y, None, list(padding), True)
+    pw0, pw1, ph0, ph1, pt0, _ = padding
+    buf[:, :, :pt0, ph0:buf.shape[3] - ph1, pw0:buf.shape[4] - pw1] = float("nan")
+    return buf
 
 
 def _pad_target(conv: nn.Module | None, x: torch.Tensor) -> list[int] | None:
