@@ -281,13 +281,13 @@ __global__ void __launch_bounds__(kTile * kTileRows) ltx_rmsnorm_pad_cl_kernel(c
 // Wan's and Qwen-Image's VAE channel norm and the SiLU after it (channel_rmsnorm_silu.cu's pair: the residual blocks'
 // norm -> nonlinearity, the encoder's and decoder's norm_out -> nonlinearity) written as the padded channels-last input
 // of the causal convolution that reads them (ops/channel_rmsnorm_silu.py's padded result): causal_pad_cl_kernel's copy
-// of x with its zero border (no cache: the convolution writes its cache frames into the buffer's first frames, which
-// this kernel leaves zero), each value of x replaced as it is read by channel_rmsnorm_value of it, its position's
-// `denom` (contiguous fp32 [batch, frames * height * width]: aten's norm, which eager divides by) and its channel's
-// gamma and bias (or `bias_value`), with the SiLU. Every element of x's frames in the buffer is the value the pair
-// kernel computes for its position (the same device function on the same operands), placed where causal_pad would
-// copy it: one read of x and one write of the buffer, where the pair kernel and causal_pad_cl_kernel read and write
-// it twice.
+// of x with its zero border (no cache: the convolution writes its cache frames, and zeros before them, into the
+// buffer's first frames, which this kernel leaves unwritten inside the border: ChannelNormValues::kLeavesFront), each
+// value of x replaced as it is read by channel_rmsnorm_value of it, its position's `denom` (contiguous fp32 [batch,
+// frames * height * width]: aten's norm, which eager divides by) and its channel's gamma and bias (or `bias_value`),
+// with the SiLU. Every element of x's frames in the buffer is the value the pair kernel computes for its position (the
+// same device function on the same operands), placed where causal_pad would copy it: one read of x and one write of the
+// buffer, where the pair kernel and causal_pad_cl_kernel read and write it twice.
 template <typename T>
 __global__ void __launch_bounds__(kTile * kTileRows) channel_rmsnorm_pad_cl_kernel(const CausalPadArgs a,
                                                                                    const float* denom,
