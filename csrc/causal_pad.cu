@@ -329,8 +329,8 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
   // A norm runs where the vectors are stored, on the values the tile brought (their bits as loaded): each stored
   // vector is one position (one operand of `per_position`, where each loaded vector needed eight) of 8 channels (their
   // operands read there, from the cache: held for the whole row they took the registers that kept fewer blocks in
-  // flight), and the loads go to the tile with nothing between them and the stores (on an H100 at Wan's decoder
-  // shapes: 0.78 ms where the norm on the load side took 0.96, `tools/transpose_copy_probe.py`).
+  // flight), and the loads go to the tile with nothing between them and the stores (on an H100 at 1x96x4x480x832:
+  // 0.78 ms where the norm on the load side took 0.96; docs/results.md, session 43).
   for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kWideChannels; c0 < a.channels;
        c0 += static_cast<int64_t>(gridDim.y) * kWideChannels) {  // (uniform over the block: __syncthreads is safe)
     for (int64_t r = blockIdx.z; r < rows; r += gridDim.z) {

@@ -29,15 +29,15 @@ Written into the next convolution's input: where the pair's value goes to a Wan 
 residual blocks' ``conv1`` and ``conv2``, the encoder's and decoder's ``conv_out``: `conv`, found in the block's
 forward by `diffusers_fastpath.models.vae_wan`) whose channels-last path would take it
 (`causal_conv_cl.takes_interior`), the kernel writes it straight into that convolution's padded channels-last input
-(``csrc/causal_pad.cu``'s ``channel_rmsnorm_pad_cl_kernel``: the same device function of the same operands per value,
-placed where ``causal_pad`` would copy it, the border zeros; the frames before x's it leaves to the convolution) and
-the op returns the view of x's positions in it (`causal_conv_pad.interior_view`): the pair's values, laid out as the
-convolution reads them. The convolution then writes only its cache's frames (and zeros before them) into the buffer,
-where before the pair wrote its result and ``causal_pad`` read it back and wrote the buffer (Wan 2.1's decode: about a
-third of those bytes). The view is not contiguous; the block reads it
-only as the convolution's input and through ``x[:, :, -CACHE_T:].clone()`` (the reader proves that from the forward),
-and what does not take it runs on ``x.contiguous()`` (`causal_conv_pad.as_eager`), eager's tensor. Such a call is its
-own signature (`_signature`), checked on its first call as every other.
+(``csrc/causal_pad.cu``'s ``channel_rmsnorm_pad_cl_kernel``: the same device function of the same operands per
+value, placed where ``causal_pad`` would copy it, the border zeros; the frames before x's it leaves to the
+convolution) and the op returns the view of x's positions in it (`causal_conv_pad.interior_view`): the pair's
+values, laid out as the convolution reads them. The convolution then writes only its cache's frames (and zeros
+before them) into the buffer, where before the pair wrote its result and ``causal_pad`` read it back and wrote the
+buffer (Wan 2.1's decode: about a third of those bytes). The view is not contiguous; the block reads it only as the
+convolution's input and through ``x[:, :, -CACHE_T:].clone()`` (the reader proves that from the forward), and what
+does not take it runs on ``x.contiguous()`` (`causal_conv_pad.as_eager`), eager's tensor. Such a call is its own
+signature (`_signature`), checked on its first call as every other.
 
 What the guard admits: a module of a class the VAE adapter registered (`add_norm_class`: diffusers' class after its
 ``forward`` was checked by source digest, or this package's subclass of it) with ``channel_first``, a python-number
