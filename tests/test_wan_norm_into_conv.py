@@ -56,6 +56,58 @@ def test_the_rewrite_finds_each_pairs_convolution_in_diffusers_forwards():
         assert _into_calls(block) == [("norm_out", ("conv_out",))], block
 
 
+def _cloned_calls(block: type) -> int:
+    """How many ``<ns>.cloned(x[...])`` calls the rewritten forward of `block`'s pair subclass makes."""
+    sub = next(b for b in vae_wan.BLOCKS if b.base is block).current()
+    tree = ast.parse(textwrap.dedent(__import__("inspect").getsource(sub.forward)))
+    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr == "cloned" and isinstance(node.args[0], ast.Subscript))
+
+
+def test_the_rewrite_makes_the_caches_clones_of_the_pairs_values_word_copies():
+    """Each feature-cache clone of a pair's value (``x[:, :, -CACHE_T:].clone()``: the resnets' two, the heads' one)
+    becomes ``cloned``; the clones of other values (the blocks' inputs, the convolutions' results) stay."""
+    for block in (wan.WanResidualBlock, vae_wan.qwen.QwenImageResidualBlock):
+        assert _cloned_calls(block) == 2, block
+    for block in (wan.WanEncoder3d, wan.WanDecoder3d, vae_wan.qwen.QwenImageEncoder3d,
+                  vae_wan.qwen.QwenImageDecoder3d):
+        assert _cloned_calls(block) == 1, block
+    rewritten = vae_wan._Into("ns").body(ast.parse(textwrap.dedent("""
+        x = ns.norm_act(self, "norm", "act", x)
+        c = x[:, :, -2:].clone()
+        d = y[:, :, -2:].clone()
+        x = self.conv(x, c)
+        e = x[:, :, -2:].clone(memory_format=torch.contiguous_format)
+    """)).body)
+    text = ast.unparse(ast.Module(rewritten, []))
+    assert "c = ns.cloned(x[:, :, -2:])" in text and "d = y[:, :, -2:].clone()" in text
+    assert "e = x[:, :, -2:].clone(memory_format=torch.contiguous_format)" in text
+
+
+def test_cloned_is_clone():
+    """`causal_conv_pad.cloned` gives ``t.clone()``'s tensor (bits, dtype, shape, strides), by words where a cache is
+    cut from a pair's buffer, by ``clone`` itself elsewhere."""
+    buf = torch.randn(1, 8, 6, 7, 10).to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+    view = causal_conv_pad.interior_view(buf, [1, 1, 1, 1, 2, 0])
+    cases = [view[:, :, -2:], view[:, :, -1:], view, torch.randn(2, 3, 4, 5, 6).to(torch.bfloat16),
+             buf[:, :3, -2:, 1:-1, 1:-1],  # (3 channels: rows of 24 bytes, words all the same)
+             buf[:, :, -2:, 1:-1, 2:-1],  # (an offset of one 16-byte column: no whole words from the start)
+             torch.randn(1, 8, 2, 5, 8, requires_grad=True)[:, :, :, 1:4, 1:-1]]
+    for t in cases:
+        want, got = t.clone(), causal_conv_pad.cloned(t)
+        assert got.stride() == want.stride() and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.detach().view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32),
+                           want.detach().view(torch.int16 if want.dtype == torch.bfloat16 else torch.int32))
+        assert got.requires_grad == want.requires_grad and got.data_ptr() != t.data_ptr()
+    assert causal_conv_pad._words(view[:, :, -2:]) is not None  # (the word path, for the cache's cut)
+
+    class Other:
+        def clone(self):
+            return "cloned"
+
+    assert causal_conv_pad.cloned(Other()) == "cloned"
+
+
 def _readers(source: str) -> tuple[tuple[str, ...], bool]:
     return vae_wan._readers(ast.parse(textwrap.dedent(source)).body, "x")
 
@@ -119,6 +171,7 @@ def test_pairs_write_into_the_convolutions_buffers_and_decode_exactly(kind, emul
     padded = _spy(monkeypatch, crms, "_raw_pad")
     filled = _spy(monkeypatch, causal_conv_pad, "fill_front")
     copied = _spy(monkeypatch, causal_conv_pad, "padded_input")
+    clones = _spy(monkeypatch, vae_wan, "cloned")
     targets = []
     conv_of = vae_wan._conv_of
     monkeypatch.setattr(vae_wan, "_conv_of", lambda owner, readers: targets.append(conv_of(owner, readers))
@@ -132,6 +185,9 @@ def test_pairs_write_into_the_convolutions_buffers_and_decode_exactly(kind, emul
     assert len(padded) == len(targets) and {id(out) for _, out in padded} <= {id(out) for _, out in filled}
     # and no convolution copied a pair's view into a buffer of its own (the others read x as before)
     assert copied and all(causal_conv_pad.interior_of(args[1], args[0]) is None for args, _ in copied)
+    # the caches cut from the pairs' values (views of the buffers) were cloned as words
+    assert clones and all(not causal_conv_pad._dense(args[0]) and causal_conv_pad._words(args[0]) is not None
+                          for args, _ in clones)
 
 
 def _hooked_conv(vae):

@@ -17,6 +17,9 @@ through exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
   becomes ``V = <ns>.norm_act_into(self, "<norm>", "<act>", V, ("<m>", ..., "<conv>"))``, and at run time the pair
   op writes its result into that convolution's padded channels-last input (`channel_rmsnorm_silu`'s `conv`) where the
   modules before it are exactly ``nn.Dropout`` in eval mode without hooks and it is a causal convolution patched here.
+  The feature cache's clones of that value after it (``x[:, :, -CACHE_T:].clone()``) become ``<ns>.cloned(x[...])``
+  (`causal_conv_pad.cloned`: ``clone``'s tensor, the buffer's rows moved as 8-byte words where aten's strided copy
+  moved 2-byte values).
 - The causal convolutions (``WanCausalConv3d``, ``QwenImageCausalConv3d``): `FastpathWanCausalConv3d` /
   `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
@@ -36,7 +39,8 @@ Being the modules' own forwards, these run inside the module call, so hooks run 
 
 The forwards this relies on (the norm's, the convolution's, the upsampling's) are checked by source digest at import and at patch
 time; a class whose forward differs is left as it is, with one warning. The caches diffusers keeps between chunks
-(``feat_cache``: the blocks' ``x[:, :, -CACHE_T:].clone()``) are made by diffusers' own statements, unchanged.
+(``feat_cache``: the blocks' ``x[:, :, -CACHE_T:].clone()``) are made by diffusers' own statements, those of a
+pair's value by `causal_conv_pad.cloned` (the tensor ``clone`` makes).
 Tiling and slicing call the same modules on smaller tensors: the same sites, each checked per call by its guard.
 """
 
@@ -53,7 +57,7 @@ from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
 from .._state import SITE_ATTR, PatchState, register_adapter, site_attr
-from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d
+from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d, cloned
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
@@ -136,6 +140,11 @@ class IntoPairCalls(PairCalls):
             return self.norm_act(owner, norm_name, act_name, x)
         return self.fused(norm, x, site, conv)
 
+    def cloned(self, t):
+        """``t.clone()`` (`causal_conv_pad.cloned`: the same tensor, a cache cut from the pair's buffer moved as
+        words), for the rewritten ``V[...].clone()`` reads of the pair's value."""
+        return cloned(t)
+
     def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         return _Into(self.ns).body(body)
 
@@ -153,22 +162,47 @@ def _conv_of(owner: nn.Module, readers: tuple[str, ...]) -> nn.Module | None:
 
 class _Into:
     """The rewrite of `IntoPairCalls`: each pair statement ``V = <ns>.norm_act(self, N, A, V)`` followed by statements
-    that hand V to module calls (`_readers`) becomes ``V = <ns>.norm_act_into(self, N, A, V, readers)``."""
+    that hand V to module calls (`_readers`) becomes ``V = <ns>.norm_act_into(self, N, A, V, readers)``, and in the
+    statements after it (to the next pair statement) each ``V[...].clone()`` becomes ``<ns>.cloned(V[...])`` (the same
+    tensor: `IntoPairCalls.cloned`)."""
 
     def __init__(self, ns: str) -> None:
         self.ns = ns
 
     def body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         out: list[ast.stmt] = []
+        cut = None  # the pair's value whose clones are rewritten (V of the last pair statement with readers)
         for k, stmt in enumerate(body):
             pair = pair_call(stmt, self.ns)
             readers = None if pair is None else _readers(body[k + 1:], pair[0])[0]
+            if pair is not None:
+                cut = pair[0] if readers else None
             if readers:
                 stmt = copy.deepcopy(stmt)
                 stmt.value.func.attr = "norm_act_into"
                 stmt.value.args.append(ast.Tuple([ast.Constant(name) for name in readers], ast.Load()))
+            elif cut is not None:
+                stmt = _Cloned(self.ns, cut).visit(copy.deepcopy(stmt))
             out.append(rewrite_nested(stmt, self.body))
         return out
+
+
+class _Cloned(ast.NodeTransformer):
+    """``V[...].clone()`` (no arguments) made ``<ns>.cloned(V[...])``."""
+
+    def __init__(self, ns: str, var: str) -> None:
+        self.ns, self.var = ns, var
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        func = node.func
+        if (not node.args and not node.keywords and isinstance(func, ast.Attribute) and func.attr == "clone"
+                and isinstance(func.value, ast.Subscript) and isinstance(func.value.value, ast.Name)
+                and func.value.value.id == self.var):
+            return ast.copy_location(ast.Call(func=ast.Attribute(value=ast.Name(self.ns, ast.Load()), attr="cloned",
+                                                                 ctx=ast.Load()),
+                                              args=[func.value], keywords=[]), node)
+        return node
 
 
 def _module_call(stmt: ast.stmt, var: str) -> str | None:

@@ -125,6 +125,23 @@ def fill_front(buf: torch.Tensor, padding, cache_x: torch.Tensor | None) -> torc
     return buf
 
 
+def cloned(t):
+    """``t.clone()``, the same tensor (values, dtype, shape, strides: ``torch.empty_like``'s, which ``clone`` makes),
+    with the values moved as 8-byte words where `_words` takes both (a cache cut from an `interior_view`, ``x[:, :,
+    -CACHE_T:].clone()`` in diffusers' blocks: rows of ``W * C`` values with the border between them, which aten's
+    strided copy moves one 2-byte value a thread). Anything else, a tensor that needs autograd, a subclass, one that
+    is dense (aten's copy is vectorised there), or under ``torch.compile``, is ``t.clone()`` itself."""
+    if (type(t) is not torch.Tensor or t.requires_grad or torch.compiler.is_compiling() or _dense(t)
+            or (src := _words(t)) is None):
+        return t.clone()
+    out = torch.empty_like(t)
+    dst = _words(out)
+    if dst is None or dst.shape != src.shape:
+        return t.clone()
+    dst.copy_(src)
+    return out
+
+
 def _words(t: torch.Tensor) -> torch.Tensor | None:
     """A channels-last ``[B, C, T, H, W]`` tensor (rows of ``W * C`` values contiguous: a buffer's part, a cache cloned
     from one) as its ``[B, T, H, W * C * size / 8]`` int64 words, where its rows, their strides and its address are
