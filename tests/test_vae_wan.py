@@ -83,7 +83,7 @@ def _expected_sites(vae) -> Counter:
     decoder's norm_out), one channel_rmsnorm per other norm (the mid-block attentions'), one causal_conv3d per causal
     convolution, one upsample_nearest2x per 2x upsampling of the decoder, one conv_bias per convolution with a bias
     (the causal ones and the plain ones), one causal_conv3d_cl per causal convolution that pads (its channels-last
-    path)."""
+    path), one conv_bias_residual per residual block (its add of ``conv2``'s pending result)."""
     resnets = sum(type(m).__name__.endswith("ResidualBlock") for m in vae.modules())
     norms = sum(isinstance(m, NORMS) for m in vae.modules())
     convs = sum(isinstance(m, CONVS) for m in vae.modules())
@@ -92,16 +92,21 @@ def _expected_sites(vae) -> Counter:
     paired = 2 * resnets + 2
     plain = sum(type(m) in (nn.Conv2d, nn.Conv3d) and m.bias is not None for m in vae.modules())
     return Counter({"channel_rmsnorm_silu": paired, "channel_rmsnorm": norms - paired, "causal_conv3d": convs,
-                    "upsample_nearest2x": upsamples, "conv_bias": convs + plain, "causal_conv3d_cl": padding})
+                    "upsample_nearest2x": upsamples, "conv_bias": convs + plain, "causal_conv3d_cl": padding,
+                    "conv_bias_residual": resnets})
 
 
 def _sites(model) -> dict[str, tuple]:
     """Per site: (op, fast, fallback, reasons); a causal convolution's conv_bias site is left out where its
-    channels-last site ran fast (that path adds the bias itself: the conv_bias site is its fallback's)."""
+    channels-last site ran fast (that path adds the bias itself: the conv_bias site is its fallback's), and the
+    residual blocks' conv_bias_residual sites: their add takes ``conv2``'s pending result from the second call of its
+    signature on (a first call returns eager's tensor, checked; the add then runs as written, uncounted), which the
+    short calls here may not reach, and refuses a residual that is not contiguous (an identity shortcut after an
+    upsampler's time-major result; counted), as designed: `test_wan_norm_into_conv` runs calls where each is reached."""
     rows = {r.site: (r.op, r.fast, r.fallback, dict(r.reasons)) for r in fp.report(model).sites}
     folded = {name.rsplit(":", 1)[0] for name, (op, fast, _, _) in rows.items() if op == "causal_conv3d_cl" and fast}
-    return {name: row for name, row in rows.items()
-            if not (row[0] == "conv_bias" and name.rsplit(":", 1)[0] in folded and row[1:3] == (0, 0))}
+    return {name: row for name, row in rows.items() if row[0] != "conv_bias_residual"
+            and not (row[0] == "conv_bias" and name.rsplit(":", 1)[0] in folded and row[1:3] == (0, 0))}
 
 
 def _every_site_fast(model) -> bool:

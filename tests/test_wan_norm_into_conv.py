@@ -34,6 +34,8 @@ crms = importlib.import_module("diffusers_fastpath.ops.channel_rmsnorm_silu")
 
 from test_vae_wan import _build, _decode, _encode, _latents, _video, _every_site_fast, KINDS  # noqa: E402
 
+RESIDUAL_LAYOUT = "residual not contiguous"  # (conv_bias_residual's guard)
+
 
 def _into_calls(block: type) -> list[tuple[str, tuple[str, ...]]]:
     """The (norm, readers) of each ``norm_act_into`` call of the rewritten forward of `block`'s pair subclass."""
@@ -188,6 +190,59 @@ def test_pairs_write_into_the_convolutions_buffers_and_decode_exactly(kind, emul
     # the caches cut from the pairs' values (views of the buffers) were cloned as words
     assert clones and all(not causal_conv_pad._dense(args[0]) and causal_conv_pad._words(args[0]) is not None
                           for args, _ in clones)
+
+
+@pytest.mark.parametrize("kind", ["wan", "qwen"])
+@torch.no_grad()
+def test_the_resnets_add_their_convolutions_pending_result(kind, emulated_kernels, unpatch_after, monkeypatch):
+    """Every residual block's ``return x + h`` takes ``conv2``'s result with its bias pending (`conv_bias_residual`:
+    the bias, the transpose back and the add in one pass) from the second call of the convolution's signature on, in
+    a decode and an encode long enough to call each signature again; patched == unpatched; the convolution's sites
+    count the calls that stood for the module's; the rewrite leaves no other reader of the pending value."""
+    vae = _build(kind)
+    z, x = _latents(vae, frames=3), _video(vae, frames=9)
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    unpatch_after(fp.patch(vae))
+    added = _spy(monkeypatch, vae_wan, "add_pending")
+    assert torch.equal(_decode(vae, z), ref_dec)
+    assert torch.equal(_encode(vae, x), ref_enc)
+    rows = {r.site: r for r in fp.report(vae).sites}
+    residual = {name: r for name, r in rows.items() if r.op == "conv_bias_residual"}
+    resnets = [m for m in vae.modules() if type(m).__name__.endswith("ResidualBlock")]
+    # every resnet's add reached: fast, or (an identity shortcut of an upsampler's time-major result) refused for
+    # the residual's layout, the add as written on the settled value
+    assert len(residual) == len(resnets) and all(r.fast + r.fallback > 0 for r in residual.values()), residual
+    assert sum(r.fast for r in residual.values()) > len(residual) // 2
+    assert all(set(dict(r.reasons)) <= {RESIDUAL_LAYOUT} for r in residual.values())
+    assert all(r.fallback == 0 for r in rows.values() if r.op != "conv_bias_residual")
+    pending = [args for args, _ in added if type(args[1]) is causal_conv_cl.PendingBias]
+    assert len(pending) == sum(r.fast + r.fallback for r in residual.values())
+
+
+@torch.no_grad()
+def test_a_hooked_or_replaced_conv2_is_called_as_a_module(emulated_kernels, unpatch_after, monkeypatch):
+    """A hook on a resnet's ``conv2`` (or a forward replaced on it) runs: its call is the module's, its result a
+    tensor, the add as written; the decode stays exact."""
+    vae = _build("wan")
+    z = _latents(vae, frames=3)
+    ref = _decode(vae, z)
+    unpatch_after(fp.patch(vae))
+    block = next(m for m in vae.decoder.modules() if type(m).__name__.endswith("ResidualBlock"))
+    seen = []
+    handle = block.conv2.register_forward_hook(lambda m, args, out: seen.append(type(out)))
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        handle.remove()
+    assert seen and all(t is torch.Tensor for t in seen)
+    conv = block.conv2
+    conv.forward = type(conv).forward.__get__(conv)  # (an instance forward: the module's call runs it)
+    calls = _spy(monkeypatch, causal_conv_cl, "pending_result")
+    try:
+        assert torch.equal(_decode(vae, z), ref)
+    finally:
+        del conv.forward
+    assert calls and all(out is None for args, out in calls if args[0] is conv)
 
 
 def _hooked_conv(vae):
@@ -470,3 +525,31 @@ def test_pair_into_the_convolution_equals_the_modules_over_chunks(cin, shape):
         assert torch.equal(bits(got), bits(want)) and got.stride() == want.stride(), chunk
         assert torch.equal(fast_cache, eager_cache)
     assert (pair_site.fast, conv_site.fast) == (3, 3), (dict(pair_site.fallback), dict(conv_site.fallback))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["wan", "qwen"])
+@torch.no_grad()
+def test_full_channel_vae_decodes_and_encodes_exactly_with_every_join(kind):
+    """Wan's and Qwen-Image's VAE at their published channels (base 96) on a small video, on the GPU: decode (four
+    latent frames) and encode (nine frames) patched == unpatched, bit for bit, with the pairs written into their
+    convolutions' buffers, the caches cloned as words and the resnets' adds taking ``conv2``'s pending result (every
+    residual site reached, most fast, refused only for a time-major residual)."""
+    vae = _build(kind, base_dim=96).cuda()
+    z = _latents(vae, frames=4, size=8).cuda()
+    x = _video(vae, frames=9, size=8).cuda()
+    ref_dec, ref_enc = _decode(vae, z), _encode(vae, x)
+    try:
+        fp.patch(vae)
+        for _ in range(2):
+            assert torch.equal(_decode(vae, z), ref_dec)
+            assert torch.equal(_encode(vae, x), ref_enc)
+        rows = {r.site: r for r in fp.report(vae).sites}
+        residual = [r for r in rows.values() if r.op == "conv_bias_residual"]
+        assert residual and all(r.fast + r.fallback > 0 for r in residual), str(fp.report(vae, verbose=True))
+        assert sum(r.fast > 0 for r in residual) > len(residual) // 2, str(fp.report(vae, verbose=True))
+        assert all(r.fallback == 0 or set(dict(r.reasons)) <= {RESIDUAL_LAYOUT} for r in rows.values()), str(
+            fp.report(vae, verbose=True))
+        assert any(r.op == "channel_rmsnorm_silu" and r.fast for r in rows.values())
+    finally:
+        fp.unpatch(vae)

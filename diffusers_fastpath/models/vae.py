@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import linecache
 import re
@@ -301,6 +302,18 @@ def _hoist_into(node: ast.If, norm: ast.stmt, act: ast.stmt, var: str) -> bool:
     resnets (``norm1``, an ``if self.scale_shift_table is not None:`` modulate that is off by default, then the SiLU)
     pair on the branch without the modulate."""
     return len(_if_chain(node)) == 1 and wrap_branches(node, norm, act, var)
+
+
+@functools.lru_cache(maxsize=64)
+def forward_calls(fn) -> tuple[tuple[str, tuple], ...]:
+    """The calls ``<x>.<attr>(...)`` of the rewritten forward `fn` as ``(attr, args)``, read from its text (the
+    rewrite's output, which `rewrite_pairs` keeps in ``linecache``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    return tuple((node.func.attr, tuple(node.args)) for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute))
 
 
 def rewrite_nested(stmt: ast.stmt, body) -> ast.stmt:

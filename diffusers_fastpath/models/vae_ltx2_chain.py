@@ -52,19 +52,16 @@ from __future__ import annotations
 
 import ast
 import copy
-import functools
-import inspect
-import textwrap
 
 import torch
 from torch import nn
 
 from .._state import PatchState, site_attr
 from ..ops.causal_conv_cl import PendingBias
-from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL
+from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL, add_pending
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
-from .vae import PairCalls, between_reason, names_in, pair_call, rewrite_nested, wrap_branches
+from .vae import PairCalls, between_reason, forward_calls, names_in, pair_call, rewrite_nested, wrap_branches
 
 # the joined call's forms (`_Pending`): the one whose convolution may leave its result pending, the one that takes it,
 # the one that does both; the residual add that takes it; the settle
@@ -115,21 +112,10 @@ class ChainPairCalls(PairCalls):
         return self._receive(owner, norm_name, act_name, between, conv_name, x, kwargs, True)
 
     def pending_add(self, owner: nn.Module, left, right):
-        """``left + right``, one of them a `PendingBias` or neither: for the former the `residual` op
-        (`conv_bias_residual`) where `owner` (the block) has its site and the add fits (counted there), else that value
-        settled and the add as written."""
-        if type(left) is PendingBias and type(right) is not PendingBias:
-            x, residual = left, right
-        elif type(right) is PendingBias and type(left) is not PendingBias:
-            x, residual = right, left
-        else:  # (neither: the statement as written; both, which the rewrite never makes: each settled)
-            return self.settled(left) + self.settled(right)
+        """``left + right``, one of them a `PendingBias` or neither: `conv_bias_residual.add_pending` with the block's
+        `residual` site (none without the op)."""
         site = None if self.residual is None else owner.__dict__.get(site_attr(self.residual.name))
-        if site is not None:
-            out = self.residual.try_fast(site, x, residual)
-            if out is not None:
-                return out
-        return x.settle() + right if x is left else left + x.settle()
+        return add_pending(site, left, right)
 
     @staticmethod
     def settled(x):
@@ -503,27 +489,15 @@ def _bound_var(stmt: ast.stmt) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=64)
-def _calls(fn) -> tuple[tuple[str, tuple], ...]:
-    """The calls ``<x>.<attr>(...)`` of the rewritten forward `fn` as ``(attr, args)``, read from its text (the
-    rewrite's output, which `rewrite_pairs` keeps in ``linecache``)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return ()
-    return tuple((node.func.attr, tuple(node.args)) for node in ast.walk(tree)
-                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute))
-
-
 def _joined_convs(fn, forms: tuple[str, ...] = (JOINED, PENDING, RECEIVER, RECEIVER_PENDING)) -> tuple[str, ...]:
     """The convolutions the joined calls of the rewritten forward `fn` name (those of the call `forms` given)."""
-    return tuple(args[4].value for attr, args in _calls(fn)
+    return tuple(args[4].value for attr, args in forward_calls(fn)
                  if attr in forms and len(args) == 6 and isinstance(args[4], ast.Constant))
 
 
 def _adds(fn) -> int:
     """How many pending residual adds (``pending_add(self, ...)``) the rewritten forward `fn` makes."""
-    return sum(attr == ADD and len(args) == 3 for attr, args in _calls(fn))
+    return sum(attr == ADD and len(args) == 3 for attr, args in forward_calls(fn))
 
 
 def add_chain_sites(model: nn.Module, state: PatchState, blocks: dict[type, ChainPairCalls], takes) -> None:

@@ -20,6 +20,15 @@ through exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
   The feature cache's clones of that value after it (``x[:, :, -CACHE_T:].clone()``) become ``<ns>.cloned(x[...])``
   (`causal_conv_pad.cloned`: ``clone``'s tensor, the buffer's rows moved as 8-byte words where aten's strided copy
   moved 2-byte values).
+- The residual blocks' add (`_residual`): where a block's forward ends ``return V + E`` and V's last binding on every
+  path is a module call ``V = self.<conv>(V, ...)`` (Wan's and Qwen-Image's resnets: ``conv2`` in both branches of
+  the feature cache's ``if``, then ``return x + h``), the calls become ``<ns>.conv_pending(self, "<conv>", V, ...)``
+  and the add ``<ns>.pending_add(self, V, E)``: where the convolution is a causal convolution patched here with
+  nothing else in its module call (no hooks, its class's forward), its channels-last path leaves the bias pending
+  (`causal_conv_cl.pending_result`, from the second call of its signature on) and the add runs
+  `diffusers_fastpath.ops.conv_bias_residual` (the bias, the transpose back and the add in one pass; a residual
+  that is not contiguous, an identity shortcut after an upsampler's time-major result, is refused there: the
+  settled value and the add as written); anything else, the module's call and the add as written.
 - The causal convolutions (``WanCausalConv3d``, ``QwenImageCausalConv3d``): `FastpathWanCausalConv3d` /
   `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
@@ -57,13 +66,15 @@ from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
 from .._state import SITE_ATTR, PatchState, register_adapter, site_attr
+from ..ops import causal_conv_cl as _conv_cl
 from ..ops.causal_conv_pad import CAUSAL_CONV3D, add_conv_class, causal_conv3d, cloned
+from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL, add_pending
 from ..ops.channel_rmsnorm_silu import (CHANNEL_RMSNORM, CHANNEL_RMSNORM_SILU, add_norm_class, channel_rmsnorm,
                                         channel_rmsnorm_silu)
 from ..ops.upsample_nearest import UPSAMPLE_NEAREST2X, add_upsample_class, upsample_nearest2x
 from ..ops.conv_bias import CONV_BIAS, add_bias_conv_class
-from .vae import (PairBlock, PairCalls, between_reason, checked_forwards, names_in, pair_call, rewrite_nested,
-                  silu_pair_unfit, swap_pair_blocks)
+from .vae import (PairBlock, PairCalls, between_reason, checked_forwards, forward_calls, names_in, pair_call,
+                  rewrite_nested, silu_pair_unfit, swap_pair_blocks)
 from .vae_conv import FastpathConv2d, add_conv_subclass, causal_conv_site, swap_convs
 
 # diffusers 0.42.1's forwards (`_source.body_digest`: the body, without docstring and formatting), the same in both files
@@ -145,8 +156,32 @@ class IntoPairCalls(PairCalls):
         words), for the rewritten ``V[...].clone()`` reads of the pair's value."""
         return cloned(t)
 
+    def conv_pending(self, owner: nn.Module, conv_name: str, x, *args, **kwargs):
+        """``owner.<conv_name>(x, ...)``, a causal convolution's call whose value only the block's residual add reads
+        (`_residual`'s proof): where the block has its `conv_bias_residual` site, the channels-last op's result with
+        its bias pending (`causal_conv_cl.pending_result`, which stands for the module's call only where that call
+        would run nothing else; counted on the convolution's sites as its call would be); elsewhere, and where that
+        op does not take the call, the module's call."""
+        conv = getattr(owner, conv_name)
+        out = None
+        if (site_attr(CONV_BIAS_RESIDUAL.name) in owner.__dict__ and type(conv) in _CONV_SUBS and not kwargs
+                and len(args) <= 1):
+            out = _conv_cl.pending_result(conv, x, *args)
+        if out is None:
+            return conv(x, *args, **kwargs)
+        for attr in (SITE_ATTR, _conv_cl.NAMED_SITE):
+            site = conv.__dict__.get(attr)
+            if site is not None:
+                site.fast += 1
+        return out
+
+    def pending_add(self, owner: nn.Module, left, right):
+        """``left + right``, one of them a convolution's `PendingBias` or neither (`conv_bias_residual.add_pending`,
+        with the block's site)."""
+        return add_pending(owner.__dict__.get(site_attr(CONV_BIAS_RESIDUAL.name)), left, right)
+
     def rewrite_body(self, body: list[ast.stmt]) -> list[ast.stmt]:
-        return _Into(self.ns).body(body)
+        return _residual(_Into(self.ns).body(body), self.ns)
 
 
 def _conv_of(owner: nn.Module, readers: tuple[str, ...]) -> nn.Module | None:
@@ -203,6 +238,53 @@ class _Cloned(ast.NodeTransformer):
                                                                  ctx=ast.Load()),
                                               args=[func.value], keywords=[]), node)
         return node
+
+
+def _residual(body: list[ast.stmt], ns: str) -> list[ast.stmt]:
+    """A residual block's add of its convolution's result, made to take that result with its bias pending: where the
+    forward's statements `body` end ``return V + E`` (or ``E + V``; E not naming V) and the statement before it binds
+    V last, on every path, by a module call ``V = self.<conv>(V, ...)`` after which nothing on that path names V
+    (`_last_calls`; Wan's and Qwen-Image's resnets: ``conv2``'s call in both branches of the feature cache's ``if``,
+    then ``return x + h``), those calls become ``V = <ns>.conv_pending(self, "<conv>", V, ...)`` and the return
+    ``return <ns>.pending_add(self, V, E)`` (the operands in their order): the add is the value's only reader."""
+    last = body[-1] if body else None
+    if len(body) < 2 or not (isinstance(last, ast.Return) and isinstance(last.value, ast.BinOp)
+                             and isinstance(last.value.op, ast.Add)):
+        return body
+    add = last.value
+    var = next((this.id for this, other in ((add.left, add.right), (add.right, add.left))
+                if isinstance(this, ast.Name) and this.id not in names_in(other)), None)
+    before = copy.deepcopy(body[-2])
+    calls = [] if var is None else _last_calls(before, var)
+    if not calls:
+        return body
+    for stmt in calls:
+        call = stmt.value
+        stmt.value = ast.copy_location(ast.Call(
+            func=ast.Attribute(value=ast.Name(ns, ast.Load()), attr="conv_pending", ctx=ast.Load()),
+            args=[ast.Name("self", ast.Load()), ast.Constant(call.func.attr), *call.args], keywords=call.keywords), call)
+    ret = ast.copy_location(ast.Return(value=ast.Call(
+        func=ast.Attribute(value=ast.Name(ns, ast.Load()), attr="pending_add", ctx=ast.Load()),
+        args=[ast.Name("self", ast.Load()), add.left, add.right], keywords=[])), last)
+    return [*body[:-2], before, ast.fix_missing_locations(ret)]
+
+
+def _last_calls(stmt: ast.stmt, var: str) -> list[ast.stmt]:
+    """The statements of `stmt` that bind `var` last on each path through it, where each is a module call ``V =
+    self.X(V, ...)`` (`_module_call`): `stmt` itself, or for an ``if`` with an ``else`` those of each branch (the last
+    statement of the branch that names V, nothing after it naming V); an empty list where some path ends otherwise."""
+    if _module_call(stmt, var) is not None:
+        return [stmt]
+    if not (isinstance(stmt, ast.If) and stmt.orelse):
+        return []
+    found: list[ast.stmt] = []
+    for branch in (stmt.body, stmt.orelse):
+        named = [s for s in branch if var in names_in(s)]
+        calls = _last_calls(named[-1], var) if named else []
+        if not calls:
+            return []
+        found += calls
+    return found
 
 
 def _module_call(stmt: ast.stmt, var: str) -> str | None:
@@ -309,3 +391,20 @@ def patch_wan_vae(model, state: PatchState) -> None:
             state.swap_class(module, FastpathQwenImage21CausalConv3d)
             state.add_site(module, CONV_BIAS.name)
     swap_convs(model, state)  # the plain ones (the resampling's nn.Conv2d, the attention's 1x1)
+    add_residual_sites(model, state)
+
+
+def add_residual_sites(model, state: PatchState) -> None:
+    """Give each block whose rewritten forward adds a convolution's pending result (`_residual`: ``conv_pending``
+    then ``pending_add``) its `conv_bias_residual` site, where a convolution it names is a causal convolution patched
+    here (the others' calls are the modules' own: nothing pending)."""
+    subs = {block.sub for block in BLOCKS if block.sub is not None}
+    for module in model.modules():
+        if type(module) not in subs or site_attr(CONV_BIAS_RESIDUAL.name) in module.__dict__:
+            continue
+        calls = forward_calls(type(module).__dict__.get("forward"))
+        convs = [args[1].value for attr, args in calls
+                 if attr == "conv_pending" and len(args) >= 3 and isinstance(args[1], ast.Constant)]
+        if any(attr == "pending_add" for attr, _ in calls) and any(
+                type(getattr(module, name, None)) in _CONV_SUBS for name in convs):
+            state.add_site(module, CONV_BIAS_RESIDUAL.name, CONV_BIAS_RESIDUAL.name)

@@ -46,8 +46,10 @@ from .conv_bias import _backend, bias_contiguous
 NAMED_SITE = "_fastpath_site_causal_conv3d_cl"  # (`_state.site_attr`: the convolution's named site of this op)
 
 
-def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, check_pointers: bool = True) -> str | None:
-    """``None`` when the channels-last path takes these inputs, else the reason it does not."""
+def _guard(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, pending: bool = False,
+           check_pointers: bool = True) -> str | None:
+    """``None`` when the channels-last path takes these inputs, else the reason it does not (`pending`: see
+    `pending_result`; the same inputs either way)."""
     reason = _pad._guard(conv, x, cache_x, check_pointers)
     if reason is not None and not reason.startswith("device "):
         return reason
@@ -88,7 +90,7 @@ def engine_key(x: torch.Tensor, padded_shape: tuple, conv: nn.Module, padding) -
             fp32_precision_state())
 
 
-def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+def _signature(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, pending: bool = False):
     """What one first-call check vouches for: `engine_key` of the padded buffer, and whether the buffer was made
     before the call (x its `interior_of` view: the cache's frames written into it here)."""
     return (*engine_key(x, _pad.padded_shape(x, conv._padding), conv, conv.padding),
@@ -128,14 +130,15 @@ class PendingBias:
         return raw.add(bias.reshape(1, -1, *([1] * (raw.dim() - 2)))).contiguous()
 
 
-def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pending: bool = False):
+def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pending: bool = False,
+                           vectors: bool = True):
     """``F.conv3d(padded, conv.weight, conv.bias, conv.stride, padding, ...)`` (eager's convolution of its buffer) of
     the channels-last buffer `padded`: cuDNN's convolution without the bias, then `bias_contiguous` (the bias add and
     the transpose back in one pass), the result contiguous as eager's. Wan's causal convolutions and LTX's
     (`ltx_causal_conv`) run it. With `pending`, where it would run `bias_contiguous`, cuDNN's output and the bias as a
     `PendingBias` instead (for a reader that adds the bias itself), where the channels make whole 16-byte vectors
-    (what one of its readers, `ltx_bias_norm_conv`, loads; the other, `conv_bias_residual`, takes any); elsewhere the
-    tensor."""
+    (what one of its readers, `ltx_bias_norm_conv`, loads) or `vectors` is off (the other, `conv_bias_residual`,
+    takes any); elsewhere the tensor."""
     cudnn = torch._C._ConvBackend.Cudnn
     if _backend(conv, padded, conv.bias, padding) != cudnn or _backend(conv, padded, None, padding) != cudnn:
         # (not cuDNN for this shape: eager's convolution on eager's buffer, the same values channels-first)
@@ -143,16 +146,24 @@ def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pendi
     out = _convolution(conv, padded, padding)
     if not out.is_contiguous(memory_format=torch.channels_last_3d) or not conv.bias.is_contiguous():
         return out.add_(conv.bias.reshape(1, -1, 1, 1, 1)).contiguous()  # (not what cuDNN writes: aten's own add)
-    if pending and out.shape[1] * out.element_size() % 16 == 0:
+    if pending and (not vectors or out.shape[1] * out.element_size() % 16 == 0):
         return PendingBias(out, conv.bias)
     return bias_contiguous(out, conv.bias)
 
 
-def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+def _ref(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None, pending: bool = False) -> torch.Tensor:
+    """The module's eager forward (a tensor, whatever `pending` asked)."""
+    return _pad.causal_conv3d_ref(conv, x, cache_x)
+
+
+def _kernel(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None, pending: bool = False):
+    # (a PendingBias only on a signature already checked: a first call's result is compared with eager's tensor;
+    # any channels: its one reader, `conv_bias_residual`, takes them)
+    pending = pending and _signature(conv, x, cache_x) in CAUSAL_CONV3D_CL.verified
     buf = _pad.interior_of(x, conv)
-    if buf is not None:  # (made before the call: only the cache's frames to write)
-        return convolve_channels_last(conv, _pad.fill_front(buf, conv._padding, cache_x), conv.padding)
-    return convolve_channels_last(conv, _pad.padded_input(conv, x, cache_x, channels_last=True), conv.padding)
+    padded = (_pad.fill_front(buf, conv._padding, cache_x) if buf is not None  # (made before: its cache's frames)
+              else _pad.padded_input(conv, x, cache_x, channels_last=True))
+    return convolve_channels_last(conv, padded, conv.padding, pending, vectors=False)
 
 
 def takes_interior(conv: nn.Module, x: torch.Tensor) -> bool:
@@ -169,7 +180,7 @@ def takes_interior(conv: nn.Module, x: torch.Tensor) -> bool:
     return CAUSAL_CONV3D_CL.guard(conv, x, None) is None
 
 
-def _probe(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+def _probe(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, pending: bool = False):
     """The signature's check on more inputs (`FusedOp`'s probe): cuDNN's channels-last engine, where it is not
     eager's, may round alike on some values only. For a buffer made before the call, a buffer like it (zeros, its
     view filled with the probe's values): the same signature."""
@@ -185,9 +196,23 @@ def _probe(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None):
         yield conv, view.copy_(wide_like(x.contiguous(), seed)), cache
 
 
-CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_pad.causal_conv3d_ref, guard=_guard, kernel=_kernel,
-                           custom_op=_pad.causal_conv3d_ref, verify_key=_signature, probe=_probe)
+CAUSAL_CONV3D_CL = FusedOp("causal_conv3d_cl", ref=_ref, guard=_guard, kernel=_kernel, custom_op=_ref,
+                           verify_key=_signature, probe=_probe)
 _pad.register_channels_last(CAUSAL_CONV3D_CL, NAMED_SITE)  # (tried first by `causal_conv_pad`'s kernel)
+
+
+def pending_result(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None):
+    """``conv(x, cache_x)`` standing for the module's call, its result a `PendingBias` where the channels-last kernel
+    runs on a checked signature and the channels make whole vectors (a tensor where it runs otherwise: a first call,
+    checked against eager's as every other); ``None`` where the module's call would do more than its class's forward
+    (hooks, a replaced forward), the one-buffer op is off, under ``torch.compile``, or this op does not take the call
+    (nothing run, nothing counted: the caller calls the module, whose ops count it). For a reader that adds the bias
+    with its own operand, which the caller proves is the value's only reader (`diffusers_fastpath.models.vae_wan`:
+    a residual block's ``x + h``, `conv_bias_residual`). The caller counts a result on the module's sites."""
+    if (_pad.CAUSAL_CONV3D.disabled is not None or torch.compiler.is_compiling() or hooks_on(conv)
+            or forward_replaced(conv) or NAMED_SITE not in conv.__dict__):
+        return None
+    return CAUSAL_CONV3D_CL.try_fast(None, conv, x, cache_x, True)
 
 
 def causal_conv3d_cl(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None,

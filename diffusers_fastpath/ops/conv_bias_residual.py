@@ -25,7 +25,10 @@ with the eager chain on ``PendingBias.settle()`` (bias_contiguous's tensor, eage
 
 Who may hold a `PendingBias`: `diffusers_fastpath.models.vae_ltx2_chain` asks the convolution's chain for one only
 where the block's rewritten forward proves that the value reaches this op's call (``V = <ns>.pending_add(self, V,
-W)``, the statement ``V = V + W`` rewritten) or a settle before any other reader. This op stands for no module call
+W)``, the statement ``V = V + W`` rewritten) or a settle before any other reader; `diffusers_fastpath.models.vae_wan`
+asks Wan's and Qwen-Image's causal convolution for one (`causal_conv_cl.pending_result`) only where the residual
+block's forward ends ``return V + E`` and V's last binding on every path is that convolution's call (``return
+<ns>.pending_add(self, V, E)``). Both adds run `add_pending`. This op stands for no module call
 (the add is an operator; the convolution's hooks refused its chain already, which then returned the tensor).
 
 What the guard admits (anything else: the caller settles the value and runs the add as written, counted on the
@@ -85,6 +88,26 @@ def _kernel(x: PendingBias, residual: torch.Tensor) -> torch.Tensor:
 
 CONV_BIAS_RESIDUAL = FusedOp("conv_bias_residual", ref=conv_bias_residual_ref, guard=_guard, kernel=_kernel,
                              custom_op=conv_bias_residual_ref, verify_key=_signature)
+
+
+def add_pending(site: Site | None, left, right):
+    """``left + right`` as a block wrote it, where one operand may be a convolution's `PendingBias`: this op where
+    `site` (the block's) is given and it takes them (counted there), else that value settled (eager's tensor) and the
+    add as written, the operands in their order. Neither pending: the add itself (both, which no rewrite makes: each
+    settled). The residual add of the rewritten blocks (`diffusers_fastpath.models.vae_ltx2_chain`'s and
+    `diffusers_fastpath.models.vae_wan`'s ``pending_add``)."""
+    if type(left) is PendingBias and type(right) is not PendingBias:
+        x, residual = left, right
+    elif type(right) is PendingBias and type(left) is not PendingBias:
+        x, residual = right, left
+    else:
+        return (left.settle() if type(left) is PendingBias else left) + (
+            right.settle() if type(right) is PendingBias else right)
+    if site is not None:
+        out = CONV_BIAS_RESIDUAL.try_fast(site, x, residual)
+        if out is not None:
+            return out
+    return x.settle() + right if x is left else left + x.settle()
 
 
 def conv_bias_residual(x: PendingBias, residual: torch.Tensor, site: Site | None = None) -> torch.Tensor:
