@@ -110,6 +110,32 @@ def test_cloned_is_clone():
     assert causal_conv_pad.cloned(Other()) == "cloned"
 
 
+def _residual(source: str) -> str:
+    return ast.unparse(ast.Module(vae_wan._residual(ast.parse(textwrap.dedent(source)).body, "ns"), []))
+
+
+def test_the_residual_rewrite_takes_only_a_convolutions_last_binding_read_by_the_add():
+    """``return V + E`` whose V (or E) is bound last, on every path, by a module call after which nothing names it
+    becomes ``pending_add`` and those calls ``conv_pending``; anything else stays as written."""
+    assert _residual("""
+        if c:
+            x = self.conv2(x, k)
+            feat[i] = k
+        else:
+            x = self.conv2(x)
+        return x + h
+    """) == ("if c:\n    x = ns.conv_pending(self, 'conv2', x, k)\n    feat[i] = k\nelse:\n"
+             "    x = ns.conv_pending(self, 'conv2', x)\nreturn ns.pending_add(self, x, h)")
+    assert _residual("x = self.conv2(x)\nreturn h + x") == (
+        "x = ns.conv_pending(self, 'conv2', x)\nreturn ns.pending_add(self, h, x)")
+    for source in ("if c:\n    x = self.conv2(x)\n    y = x\nelse:\n    x = self.conv2(x)\nreturn x + h",  # a read
+                   "if c:\n    x = self.conv2(x)\nreturn x + h",  # a path without the call
+                   "x = self.conv2(x) * 2\nreturn x + h", "x = self.conv2(x, x)\nreturn x + h",  # not the call alone
+                   "x = self.conv2(x)\nreturn x + f(h)", "x = self.conv2(x)\nreturn x + x",  # not two names
+                   "x = self.conv2(x)\nreturn x - h", "x = self.conv2(x)\nreturn (x + h) / 2"):
+        assert _residual(source) == ast.unparse(ast.parse(source)), source
+
+
 def _readers(source: str) -> tuple[tuple[str, ...], bool]:
     return vae_wan._readers(ast.parse(textwrap.dedent(source)).body, "x")
 

@@ -242,7 +242,7 @@ class _Cloned(ast.NodeTransformer):
 
 def _residual(body: list[ast.stmt], ns: str) -> list[ast.stmt]:
     """A residual block's add of its convolution's result, made to take that result with its bias pending: where the
-    forward's statements `body` end ``return V + E`` (or ``E + V``; E not naming V) and the statement before it binds
+    forward's statements `body` end ``return V + E`` (or ``E + V``; E another name) and the statement before it binds
     V last, on every path, by a module call ``V = self.<conv>(V, ...)`` after which nothing on that path names V
     (`_last_calls`; Wan's and Qwen-Image's resnets: ``conv2``'s call in both branches of the feature cache's ``if``,
     then ``return x + h``), those calls become ``V = <ns>.conv_pending(self, "<conv>", V, ...)`` and the return
@@ -252,10 +252,10 @@ def _residual(body: list[ast.stmt], ns: str) -> list[ast.stmt]:
                              and isinstance(last.value.op, ast.Add)):
         return body
     add = last.value
-    var = next((this.id for this, other in ((add.left, add.right), (add.right, add.left))
-                if isinstance(this, ast.Name) and this.id not in names_in(other)), None)
+    if not (isinstance(add.left, ast.Name) and isinstance(add.right, ast.Name) and add.left.id != add.right.id):
+        return body
     before = copy.deepcopy(body[-2])
-    calls = [] if var is None else _last_calls(before, var)
+    calls = _last_calls(before, add.left.id) or _last_calls(before, add.right.id)
     if not calls:
         return body
     for stmt in calls:
