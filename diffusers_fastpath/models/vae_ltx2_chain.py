@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from .._state import PatchState, site_attr
-from ..ops.causal_conv_cl import PendingBias
+from ..ops.causal_conv_cl import PendingBias, settled
 from ..ops.conv_bias_residual import CONV_BIAS_RESIDUAL, add_pending
 from ..ops.ltx_bias_norm_conv import LTX_BIAS_NORM_CONV
 from ..ops.ltx_norm_conv import LTX_NORM_CONV
@@ -119,8 +119,8 @@ class ChainPairCalls(PairCalls):
 
     @staticmethod
     def settled(x):
-        """x, or the tensor of a `PendingBias` (its bias added, contiguous: eager's)."""
-        return x.settle() if type(x) is PendingBias else x
+        """x, or the tensor of a `PendingBias` (its bias added, contiguous: eager's): `causal_conv_cl.settled`."""
+        return settled(x)
 
     def _receive(self, owner: nn.Module, norm_name: str, act_name: str, between: tuple[str, ...], conv_name: str, x,
                  kwargs, pending: bool):

@@ -402,9 +402,7 @@ def add_residual_sites(model, state: PatchState) -> None:
     for module in model.modules():
         if type(module) not in subs or site_attr(CONV_BIAS_RESIDUAL.name) in module.__dict__:
             continue
-        calls = forward_calls(type(module).__dict__.get("forward"))
-        convs = [args[1].value for attr, args in calls
+        convs = [args[1].value for attr, args in forward_calls(type(module).__dict__.get("forward"))
                  if attr == "conv_pending" and len(args) >= 3 and isinstance(args[1], ast.Constant)]
-        if any(attr == "pending_add" for attr, _ in calls) and any(
-                type(getattr(module, name, None)) in _CONV_SUBS for name in convs):
+        if any(type(getattr(module, name, None)) in _CONV_SUBS for name in convs):  # (`_residual` makes the add too)
             state.add_site(module, CONV_BIAS_RESIDUAL.name, CONV_BIAS_RESIDUAL.name)

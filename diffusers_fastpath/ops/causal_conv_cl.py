@@ -130,6 +130,11 @@ class PendingBias:
         return raw.add(bias.reshape(1, -1, *([1] * (raw.dim() - 2)))).contiguous()
 
 
+def settled(x):
+    """x, or the tensor of a `PendingBias` (its bias added, contiguous: eager's)."""
+    return x.settle() if type(x) is PendingBias else x
+
+
 def convolve_channels_last(conv: nn.Module, padded: torch.Tensor, padding, pending: bool = False,
                            vectors: bool = True):
     """``F.conv3d(padded, conv.weight, conv.bias, conv.stride, padding, ...)`` (eager's convolution of its buffer) of
@@ -172,12 +177,17 @@ def takes_interior(conv: nn.Module, x: torch.Tensor) -> bool:
     disabled), the convolution without hooks (they would see the view) and the guard's other conditions met. What a
     producer asks before it makes one (`diffusers_fastpath.ops.channel_rmsnorm_silu`); anything it misses costs a
     copy to contiguous at the convolution, never a number (`causal_conv_pad.as_eager`)."""
+    return _plain_call(conv) and CAUSAL_CONV3D_CL.guard(conv, x, None) is None
+
+
+def _plain_call(conv: nn.Module) -> bool:
+    """Whether this op and the one-buffer op are on (neither disabled, nor by the environment) and `conv`'s call runs
+    its class's forward alone (no hooks, no forward replaced): what `takes_interior` and `pending_result` ask of the
+    convolution before anything stands in for its call's input or its result."""
     for op in (_pad.CAUSAL_CONV3D, CAUSAL_CONV3D_CL):
         if op.disabled is not None or op.env_disabled:
             return False
-    if hooks_on(conv) or forward_replaced(conv):
-        return False
-    return CAUSAL_CONV3D_CL.guard(conv, x, None) is None
+    return not (hooks_on(conv) or forward_replaced(conv))
 
 
 def _probe(conv, x: torch.Tensor, cache_x: torch.Tensor | None = None, pending: bool = False):
@@ -203,14 +213,13 @@ _pad.register_channels_last(CAUSAL_CONV3D_CL, NAMED_SITE)  # (tried first by `ca
 
 def pending_result(conv: nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None):
     """``conv(x, cache_x)`` standing for the module's call, its result a `PendingBias` where the channels-last kernel
-    runs on a checked signature and the channels make whole vectors (a tensor where it runs otherwise: a first call,
-    checked against eager's as every other); ``None`` where the module's call would do more than its class's forward
-    (hooks, a replaced forward), the one-buffer op is off, under ``torch.compile``, or this op does not take the call
+    runs on a checked signature (any channels; a tensor where it runs otherwise: a first call, checked against
+    eager's as every other); ``None`` where the module's call would do more than its class's forward (hooks, a
+    replaced forward), either op is off (`_plain_call`), under ``torch.compile``, or this op does not take the call
     (nothing run, nothing counted: the caller calls the module, whose ops count it). For a reader that adds the bias
     with its own operand, which the caller proves is the value's only reader (`diffusers_fastpath.models.vae_wan`:
     a residual block's ``x + h``, `conv_bias_residual`). The caller counts a result on the module's sites."""
-    if (_pad.CAUSAL_CONV3D.disabled is not None or torch.compiler.is_compiling() or hooks_on(conv)
-            or forward_replaced(conv) or NAMED_SITE not in conv.__dict__):
+    if torch.compiler.is_compiling() or NAMED_SITE not in conv.__dict__ or not _plain_call(conv):
         return None
     return CAUSAL_CONV3D_CL.try_fast(None, conv, x, cache_x, True)
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ._policy import HALF_DTYPES, FusedOp, Site, autograd_device_reason
-from .causal_conv_cl import PendingBias
+from .causal_conv_cl import PendingBias, settled
 from .conv_bias import bias_residual_contiguous
 
 
@@ -101,8 +101,7 @@ def add_pending(site: Site | None, left, right):
     elif type(right) is PendingBias and type(left) is not PendingBias:
         x, residual = right, left
     else:
-        return (left.settle() if type(left) is PendingBias else left) + (
-            right.settle() if type(right) is PendingBias else right)
+        return settled(left) + settled(right)
     if site is not None:
         out = CONV_BIAS_RESIDUAL.try_fast(site, x, residual)
         if out is not None:
