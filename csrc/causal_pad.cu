@@ -158,9 +158,11 @@ struct SourceRow {
   const E* src = nullptr;
   int64_t stride_c = 0;
   int64_t b, st, sh;
-  // a row of the frames before the first source frame, inside the border in height (the zero border: kModes off);
-  // its columns inside the border are what a kLeavesFront policy leaves
-  __device__ __forceinline__ bool front(const CausalPadArgs& a) const { return st < 0 && sh >= 0 && sh < a.height; }
+  // a row of the frames before the first source frame, inside the border in height (the zero border: never with
+  // kModes); its columns inside the border are what a kLeavesFront policy leaves
+  __device__ __forceinline__ bool front(const CausalPadArgs& a) const {
+    return !kModes && st < 0 && sh >= 0 && sh < a.height;
+  }
   __device__ __forceinline__ SourceRow(const CausalPadArgs& a, int64_t r, int64_t out_h, int64_t out_t) {
     int64_t h, t;
     if (r <= 0x7fffffff && out_h <= 0x7fffffff && out_t <= 0x7fffffff) {
@@ -223,7 +225,7 @@ __device__ __forceinline__ void pad_cl_tiles(const CausalPadArgs& a, unsigned ba
       const SourceRow<W, kModes> row(a, r, out_h, out_t);
       const W* src = row.src;  // the source plane (b, st) at row sh, or none (the border)
       const int64_t stride_c = row.stride_c, b = row.b, st = row.st, sh = row.sh;
-      const bool leave = V::kLeavesFront && !kModes && row.front(a);  // the columns inside the border are left
+      const bool leave = V::kLeavesFront && row.front(a);  // the columns inside the border are left
       if (leave && w0 >= a.pad_w0 && w0 + kTile <= a.pad_w0 + a.width) continue;  // (the whole tile: uniform)
       float rs = 0.0f;  // a norm's operand of the source position (b, st, sh, sw), one per column
       if constexpr (V::kNorm) {
@@ -344,7 +346,7 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
                                 : nullptr;
       if (src == nullptr) {  // a row of zeros (uniform over the block): no tile, 16-byte stores of +0.0
         // (a kLeavesFront policy's frames before x's: only the border columns below)
-        if (!(V::kLeavesFront && !kModes && row.front(a))) {
+        if (!(V::kLeavesFront && row.front(a))) {
           for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
             const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
             if (sw < a.width && c < a.channels) {
