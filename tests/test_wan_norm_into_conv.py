@@ -61,9 +61,8 @@ def test_the_rewrite_finds_each_pairs_convolution_in_diffusers_forwards():
 def _cloned_calls(block: type) -> int:
     """How many ``<ns>.cloned(x[...])`` calls the rewritten forward of `block`'s pair subclass makes."""
     sub = next(b for b in vae_wan.BLOCKS if b.base is block).current()
-    tree = ast.parse(textwrap.dedent(__import__("inspect").getsource(sub.forward)))
-    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-               and node.func.attr == "cloned" and isinstance(node.args[0], ast.Subscript))
+    return sum(attr == "cloned" and isinstance(args[0], ast.Subscript)
+               for attr, args in vae_wan.forward_calls(sub.forward))
 
 
 def test_the_rewrite_makes_the_caches_clones_of_the_pairs_values_word_copies():
