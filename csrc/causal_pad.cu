@@ -350,7 +350,7 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
           for (int i = threadIdx.x; i < kWideColumns * kWideChannels / 8; i += kWideThreads) {
             const int64_t sw = s0 + i / (kWideChannels / 8), c = c0 + 8 * (i % (kWideChannels / 8));
             if (sw < a.width && c < a.channels) {
-              *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = P{};
+              store_pack(out + (r * out_w + a.pad_w0 + sw) * a.channels + c, P{});
             }
           }
         }
@@ -380,7 +380,7 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
                     p.v[k] = values.template value<T>(p.v[k], rs[j], values.template channel<T>(c + k));
                   }
                 }
-                *reinterpret_cast<P*>(out + (r * out_w + a.pad_w0 + sw) * a.channels + c) = p;
+                store_pack(out + (r * out_w + a.pad_w0 + sw) * a.channels + c, p);
               }
             });
       }
@@ -402,7 +402,7 @@ __device__ __forceinline__ void pad_cl_wide_tiles(const CausalPadArgs& a, unsign
               }
             }
           }
-          *reinterpret_cast<P*>(out + (r * out_w + w) * a.channels + c) = p;
+          store_pack(out + (r * out_w + w) * a.channels + c, p);
         }
       }
     }

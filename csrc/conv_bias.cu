@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kWideThreads) bias_contiguous_wide_kernel(cons
                 p.v[k] = Storage<T>::store(__fadd_rn(Storage<T>::load(p.v[k]), Storage<T>::load(res[j].v[k])));
               }
             }
-            *reinterpret_cast<P*>(out + (n * a.channels + c) * a.spatial + s) = p;
+            store_pack(out + (n * a.channels + c) * a.spatial + s, p);
           });
     }
   }

@@ -218,6 +218,29 @@ __device__ __forceinline__ unsigned short bits_of(__nv_bfloat16 v) { return __bf
 __device__ __forceinline__ unsigned short bits_of(__half v) { return __half_as_ushort(v); }
 __device__ __forceinline__ unsigned int bits_of(float v) { return __float_as_uint(v); }
 
+// A Pack written with one 16-byte store (st.global.v4.u32: STG.E.128) at a 16-byte aligned global `dst`, its values'
+// bits packed into four words. Where a kernel fills a Pack value by value (causal_pad.cu's wide kernels: a transposed
+// tile's values, a norm of each), nvcc kept the values in separate registers and stored the Pack in 2- and 4-byte
+// pieces, seven stores a lane where one was meant and two thirds of those kernels' L2 sectors (ncu on an H100,
+// docs/results.md, session 44); a uint4 of the words was still stored as four words, hence the instruction itself
+// (`store_words`: 16 bytes already packed, such as a uint4 read from a staging tile).
+__device__ __forceinline__ void store_words(void* dst, const uint4& w) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w) : "memory");
+}
+template <typename T>
+__device__ __forceinline__ void store_pack(T* dst, const Pack<T>& p) {
+  unsigned w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (sizeof(T) == 2) {
+      w[k] = static_cast<unsigned>(bits_of(p.v[2 * k])) | (static_cast<unsigned>(bits_of(p.v[2 * k + 1])) << 16);
+    } else {
+      w[k] = bits_of(p.v[k]);
+    }
+  }
+  store_words(dst, make_uint4(w[0], w[1], w[2], w[3]));
+}
+
 // A kTile x kTile tile moved through shared memory (at `base`, `shared_address` of a W[kTile][kTile + 1] array: the
 // padding keeps a column's words in distinct banks) by kTile x kRows threads, the transposing copies' core: read(i)
 // gives the value of tile row i at column threadIdx.x (a load along the source's unit stride), write(i, v) takes

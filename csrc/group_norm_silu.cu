@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kClThreads) group_norm_apply_cl_kernel(GroupNo
         },
         [&](int, int sp, int cl, const P& o) {  // position s0 + sp, channels c0 + cl .. + 7
           const int64_t s = s0 + sp, c = c0 + cl;
-          if (c < a.channels && s < a.hxw) *reinterpret_cast<P*>(out + s * a.channels + c) = o;
+          if (c < a.channels && s < a.hxw) store_pack(out + s * a.channels + c, o);
         });
   }
 }

@@ -47,12 +47,15 @@ __global__ void __launch_bounds__(kThreads) ltx_rmsnorm_kernel(LtxRmsNormArgs a)
     const T* src = static_cast<const T*>(a.x) + b * a.x_batch_stride + c * a.x_channel_stride + s;
     const P x = load_readonly(reinterpret_cast<const P*>(src));
     if (a.square) {
-      float* dst = static_cast<float*>(a.out) + e;
+      float* dst = static_cast<float*>(a.out) + e;  // (a fresh fp32 tensor: 16-byte aligned at each vector's)
+      Pack<float> q[kVec / 4];
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const float f = Storage<T>::load(x.v[i]);
-        dst[i] = __fmul_rn(f, f);
+        q[i / 4].v[i % 4] = __fmul_rn(f, f);
       }
+#pragma unroll
+      for (int i = 0; i < kVec / 4; ++i) store_pack(dst + 4 * i, q[i]);
       continue;
     }
     P o;
@@ -64,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) ltx_rmsnorm_kernel(LtxRmsNormArgs a)
 #pragma unroll
       for (int i = 0; i < kVec; ++i) o.v[i] = ltx_rmsnorm_value<T>(x.v[i], __ldg(r + i), a.silu != 0);
     }
-    *reinterpret_cast<P*>(static_cast<T*>(a.out) + e) = o;
+    store_pack(static_cast<T*>(a.out) + e, o);
   }
 }
 

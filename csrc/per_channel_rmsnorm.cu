@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) per_channel_rmsnorm_kernel(PerChanne
           }
           o.v[i] = Storage<T>::store(y);
         }
-        *reinterpret_cast<L*>(out + k * a.spatial) = o;
+        store_lanes<T, kVector>(out + k * a.spatial, o);
       }
     }
   }
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
           if (a.silu) y = silu(round_to<T>(y));
           o.v[i] = Storage<T>::store(y);
         }
-        *reinterpret_cast<L*>(out + c * a.spatial) = o;
+        store_lanes<T, kVector>(out + c * a.spatial, o);
       }
     }
   }

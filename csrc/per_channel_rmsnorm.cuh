@@ -92,6 +92,15 @@ __device__ __forceinline__ typename Lanes<T, kVector>::type load_lanes(const T* 
     return l;
   }
 }
+// (a vector as one 16-byte store: elementwise.cuh's store_pack)
+template <typename T, bool kVector>
+__device__ __forceinline__ void store_lanes(T* p, const typename Lanes<T, kVector>::type& l) {
+  if constexpr (kVector) {
+    store_pack(p, l);
+  } else {
+    *p = l.v[0];
+  }
+}
 
 // --- the fused kernel: aten's mean of x**2 over the channels, then the norm -----------------------------------------
 

@@ -189,9 +189,9 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
         shared_load(staged<T, kVec>(base, row_bytes, granules, p, u * kOut), v);
         dst += u * kOut;
         if (static_cast<long long>(index) >= 0) {
-          *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(index) * a.channels) = v;
+          store_words(dst + static_cast<int64_t>(index) * a.channels, v);
         } else {
-          for_each_copy(g, t.b, t.s0 + p, [&](int64_t i) { *reinterpret_cast<uint4*>(dst + i * a.channels) = v; });
+          for_each_copy(g, t.b, t.s0 + p, [&](int64_t i) { store_words(dst + i * a.channels, v); });
         }
       } else {
         W v;
@@ -383,9 +383,9 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedMinBlocks)
       shared_load(table + 8u * static_cast<unsigned>(p[k]), index);
       T* dst = out + static_cast<int64_t>(u[k]) * kVec;
       if (static_cast<long long>(index) >= 0) {
-        *reinterpret_cast<P*>(dst + static_cast<int64_t>(index) * a.channels) = o;
+        store_pack(dst + static_cast<int64_t>(index) * a.channels, o);
       } else {
-        for_each_copy(g, b, s0 + p[k], [&](int64_t i) { *reinterpret_cast<P*>(dst + i * a.channels) = o; });
+        for_each_copy(g, b, s0 + p[k], [&](int64_t i) { store_pack(dst + i * a.channels, o); });
       }
     }
   }

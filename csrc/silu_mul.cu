@@ -56,7 +56,7 @@ __device__ __forceinline__ void gate_mul_rows(const SiluMulArgs& a, int32_t vecs
       const float act = round_to<T>(kAct == GateAct::kSigmoid ? sigmoid(x) : silu(x));
       o.v[i] = Storage<T>::store(__fmul_rn(act, Storage<T>::load(u.v[i])));
     }
-    *reinterpret_cast<P*>(out + b * a.out_stride_b + s * a.out_stride_s) = o;
+    store_pack(out + b * a.out_stride_b + s * a.out_stride_s, o);
   }
 }
 
