@@ -224,6 +224,48 @@ def test_nvrtc_kernels_use_the_resources_of_nvcc_kernels(cubins):
         assert a and a == b, source
 
 
+# The kernels whose every global store is a whole 16-byte vector (elementwise.cuh's store_pack / store_words), by
+# source: name fragments of their (mangled) symbols. nvcc kept a Pack filled value by value in separate registers and
+# stored it in 2-, 4- and 8-byte pieces (seven stores a lane at Wan's channel norm, two thirds of its L2 sectors).
+WHOLE_VECTOR_STORES = {
+    "causal_pad.cu": ("causal_pad_cl_wide_kernel", "channel_rmsnorm_pad_cl_wide_kernel", "ltx_rmsnorm_pad_cl_wide_kernel"),
+    "conv_bias.cu": ("bias_contiguous_wide_kernel",),
+    "group_norm_silu.cu": ("group_norm_apply_cl_kernel",),
+    "silu_mul.cu": ("silu_mul_kernel", "sigmoid_mul_kernel"),
+    "ltx_vae_rmsnorm.cu": ("ltx_rmsnorm_kernel",),
+    "per_channel_rmsnorm.cu": ("per_channel_rmsnorm_kernelI13__nv_bfloat16Lb1E", "per_channel_rmsnorm_kernelI6__halfLb1E"),
+}
+
+
+def _global_stores(cubin: Path) -> dict[str, set[str]]:
+    """Each kernel's global store opcodes (``STG.E``, ``STG.E.128``, ...) from cuobjdump -sass."""
+    out = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    stores: dict[str, set[str]] = {}
+    name = None
+    for line in out.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            stores[name] = set()
+        elif name and (m := re.search(r"\b(STG(?:\.[A-Z0-9]+)*)\s", line)):
+            stores[name].add(m.group(1))
+    return stores
+
+
+@needs_nvcc
+@needs_nvrtc
+@needs_cuobjdump
+@pytest.mark.parametrize("source", sorted(WHOLE_VECTOR_STORES))
+def test_vector_kernels_store_whole_16_byte_vectors(source, cubins):
+    for cubin in (c[source] for c in cubins):
+        stores = _global_stores(cubin)
+        for fragment in WHOLE_VECTOR_STORES[source]:
+            found = {name: ops for name, ops in stores.items() if fragment in name}
+            assert found, f"{source}: no kernel named like {fragment}"
+            for name, ops in found.items():
+                assert ops == {"STG.E.128"}, f"{name}: {sorted(ops)}"
+
+
 # --- CPU: what the launchers pass ---------------------------------------------------------------------------------
 
 
