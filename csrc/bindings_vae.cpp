@@ -58,7 +58,8 @@ void conv_bias_(at::Tensor& x, const at::Tensor& bias) {
 
 // A channels-last convolution output's bias added into a new contiguous tensor (conv_bias.cu): x a dense CUDA
 // [N, C, *] tensor of bf16/fp16 laid out channels-last (C innermost), bias a contiguous [C] of its dtype; residual
-// (or nullptr) a contiguous tensor of x's sizes, dtype and device, added to the rounded sum (the kResidual variant).
+// (or nullptr) a tensor of x's sizes, dtype and device, contiguous or (5-D) time-major ([B, C, T, H, W] laid out as
+// [B, T, C, H, W]), added to the rounded sum (the kResidual variant).
 at::Tensor bias_contiguous_into(const char* name, const at::Tensor& x, const at::Tensor& bias,
                                 const at::Tensor* residual) {
   TORCH_CHECK(x.is_cuda() && (x.dim() == 4 || x.dim() == 5) && bias.is_cuda() && bias.dim() == 1 &&
@@ -66,13 +67,16 @@ at::Tensor bias_contiguous_into(const char* name, const at::Tensor& x, const at:
                   x.is_contiguous(x.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d),
               name, ": x must be a channels-last CUDA [N, C, *] tensor and bias a contiguous [C] of its dtype, got ",
               shape_str(x.sizes()), " and ", shape_str(bias.sizes()));
+  const bool time_major = residual != nullptr && !residual->is_contiguous() && residual->dim() == 5 &&
+                          residual->permute({0, 2, 1, 3, 4}).is_contiguous();
   if (residual != nullptr) {
     TORCH_CHECK(residual->device() == x.device() && residual->sizes() == x.sizes() &&
-                    residual->scalar_type() == x.scalar_type() && residual->is_contiguous(),
-                name, ": residual must be a contiguous tensor of x's sizes, dtype and device, got ",
+                    residual->scalar_type() == x.scalar_type() && (residual->is_contiguous() || time_major),
+                name, ": residual must be a contiguous or time-major tensor of x's sizes, dtype and device, got ",
                 shape_str(residual->sizes()), " for x ", shape_str(x.sizes()));
   }
   BiasContiguousArgs args;
+  args.residual_plane = time_major ? residual->size(3) * residual->size(4) : 0;
   args.dtype = to_dtype_or_float(x);
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) return out;

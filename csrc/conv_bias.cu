@@ -83,6 +83,14 @@ __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs 
 // grid (ceil(spatial / kTile), min(ceil(channels / kTile), kMaxRowBlocks), min(batch, kMaxRowBlocks)), block (kTile,
 // kTileRows); the channel tiles in turn over grid.y and the samples over grid.z, each with a grid stride (grid.y and
 // grid.z are at most 65535: more than 2M channels take several tiles per block).
+// The residual's element (n, c, s): contiguous, or time-major (a.residual_plane positions a frame, the channels
+// outside them: [B, T, C, H * W])
+__device__ __forceinline__ int64_t residual_index(const BiasContiguousArgs& a, int64_t n, int64_t c, int64_t s) {
+  if (a.residual_plane == 0) return (n * a.channels + c) * a.spatial + s;
+  const int64_t t = s / a.residual_plane;
+  return ((n * (a.spatial / a.residual_plane) + t) * a.channels + c) * a.residual_plane + (s - t * a.residual_plane);
+}
+
 template <typename T, bool kResidual>
 __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(const BiasContiguousArgs a) {
   constexpr int kSteps = kTile / kTileRows;  // the positions' rows a thread writes (transpose_tile's steps)
@@ -107,7 +115,7 @@ __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(cons
         for (int k = 0; k < kSteps; ++k) {
           const int64_t c = c0 + threadIdx.y + k * kTileRows;
           res[k] = c < a.channels && s_write < a.spatial
-                       ? Storage<T>::load(residual[(n * a.channels + c) * a.spatial + s_write])
+                       ? Storage<T>::load(residual[residual_index(a, n, c, s_write)])
                        : 0.0f;
         }
       }
@@ -171,7 +179,7 @@ __global__ void __launch_bounds__(kWideThreads) bias_contiguous_wide_kernel(cons
           const int i = threadIdx.x + kWideThreads * j;
           const int64_t c = c0 + i / (kWidePositions / 8), s = s0 + 8 * (i % (kWidePositions / 8));
           res[j] = c < a.channels && s < a.spatial
-                       ? load_readonly(reinterpret_cast<const P*>(residual + (n * a.channels + c) * a.spatial + s))
+                       ? load_readonly(reinterpret_cast<const P*>(residual + residual_index(a, n, c, s)))
                        : P{};
         }
       }
@@ -265,11 +273,12 @@ cudaError_t launch_depth_to_space(const BiasDepthToSpaceArgs& a, cudaStream_t st
 }
 
 // The wide kernel's inputs (16-bit values: the caller's dtype): whole 16-byte vectors of x, the residual and out at
-// every position and channel (ops/conv_bias.py's wide_fits is its Python twin).
+// every position and channel (a time-major residual's vectors inside one frame's plane); ops/conv_bias.py's wide_fits
+// is its Python twin.
 bool wide_fits(const BiasContiguousArgs& a) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   return a.channels % 8 == 0 && a.spatial % 8 == 0 && aligned(a.x) && aligned(a.out) &&
-         (a.residual == nullptr || aligned(a.residual));
+         (a.residual == nullptr || (aligned(a.residual) && a.residual_plane % 8 == 0));
 }
 
 // bias_contiguous's grids: the positions in tiles of `position_tile`, the channels in tiles of `channel_tile`, the

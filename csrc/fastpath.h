@@ -591,10 +591,13 @@ struct BiasContiguousArgs {
   void* out;
   const void* x;
   const void* bias;     // [channels], contiguous
-  const void* residual; // nullptr, or [batch, channels, spatial] contiguous (the kernel's kResidual variant)
+  const void* residual; // nullptr, or [batch, channels, spatial] of x's sizes (the kernel's kResidual variant)
   int64_t batch;
   int64_t spatial;
   int64_t channels;
+  // the residual's layout: 0, contiguous [batch, channels, spatial]; else time-major, a 5-D [B, C, T, H, W] laid out
+  // as [B, T, C, H, W] (Wan's upsamplers' outputs, a resnet's identity shortcut after them), residual_plane = H * W
+  int64_t residual_plane;
   DType dtype;
 };
 

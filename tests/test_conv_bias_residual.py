@@ -36,12 +36,18 @@ def _cl(x):
     return x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
 
 
+def _time_major(x):
+    """x's values laid out as [B, T, C, H, W] (what Wan's upsamplers return)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @torch.no_grad()
 def test_the_guard_refuses_what_the_kernel_does_not_take():
     """Refused with the reason, never raised: no `PendingBias`, fp32 (the convolutions' channels-first path), raw
     contiguous, a bias of another dtype or size, a residual that is no plain tensor (a number; a subclass, whose own
     ``__add__`` eager calls), of another dtype (eager promotes), shape (eager broadcasts) or layout (eager's sum then
-    is not what the kernel writes), one that needs grad; on a CPU the device last."""
+    is not what the kernel writes: channels-last), one that needs grad; on a CPU the device last. A time-major
+    residual (Wan's upsamplers' layout) is taken."""
     raw = _cl(_x((1, 16, 3, 4, 5), torch.bfloat16))
     bias = _x((16,), torch.bfloat16, seed=1)
     res = _x((1, 16, 3, 4, 5), torch.bfloat16, seed=2)
@@ -60,6 +66,7 @@ def test_the_guard_refuses_what_the_kernel_does_not_take():
     assert guard(PendingBias(raw, bias), res.half()) == "mixed dtypes"
     assert guard(PendingBias(raw, bias), res[:, :, :1]) == "residual's shape (broadcast)"
     assert guard(PendingBias(raw, bias), _cl(res)) == "residual not contiguous"
+    assert guard(PendingBias(raw, bias), _time_major(res)) == "device cpu"  # (taken but for the device)
     with torch.enable_grad():
         assert guard(PendingBias(raw, bias), res.clone().requires_grad_()) == "requires grad"
     assert guard(PendingBias(raw, bias), res) == "device cpu"
@@ -86,6 +93,7 @@ def test_raw_op_guard_refuses_what_bindings_cpp_refuses():
         return torch.Tensor._make_subclass(OnCuda, t)
 
     assert guard(cuda(raw), cuda(bias), res) is None
+    assert guard(cuda(raw), cuda(bias), _time_major(res)) is None
     assert guard(cuda(raw), cuda(bias), res[:, :8]) == "residual"
     assert guard(cuda(raw), cuda(bias), res.half()) == "residual"
     assert guard(cuda(raw), cuda(bias), _cl(res)) == "residual"
@@ -105,8 +113,13 @@ def test_nvrtc_launcher_passes_what_bindings_cpp_passes(monkeypatch):
     kernel, key, grid, block, a = launches[-1]
     assert (kernel, key, grid, block) == (conv_bias._NVRTC_CONTIGUOUS, (torch.bfloat16, True), (4, 2, 2), (32, 8, 1))
     assert out.shape == raw.shape and out.is_contiguous()
-    assert (a.a.out, a.a.x, a.a.bias, a.a.residual, a.a.batch, a.a.spatial, a.a.channels, a.a.dtype) == (
-        out.data_ptr(), raw.data_ptr(), bias.data_ptr(), res.data_ptr(), 2, 105, 40, 1)
+    assert (a.a.out, a.a.x, a.a.bias, a.a.residual, a.a.batch, a.a.spatial, a.a.channels, a.a.residual_plane,
+            a.a.dtype) == (out.data_ptr(), raw.data_ptr(), bias.data_ptr(), res.data_ptr(), 2, 105, 40, 0, 1)
+    conv_bias._nvrtc_contiguous(raw, bias, _time_major(res))  # (a time-major residual: its frames' planes)
+    assert launches[-1][4].a.residual_plane == 35
+    wide = _cl(_x((1, 16, 2, 4, 8), torch.bfloat16))  # (whole vectors: the wide kernel, a plane of 32 positions)
+    conv_bias._nvrtc_contiguous(wide, bias[:16], _time_major(_x((1, 16, 2, 4, 8), torch.bfloat16)))
+    assert launches[-1][0] is conv_bias._NVRTC_CONTIGUOUS_WIDE and launches[-1][4].a.residual_plane == 32
     conv_bias._nvrtc_contiguous(raw.half(), bias.half())
     kernel, key, grid, block, a = launches[-1]
     assert (key, a.a.residual, a.a.dtype) == ((torch.float16, False), None, 0)
@@ -169,21 +182,30 @@ def test_the_gpu_tests_inputs_are_what_they_say():
                 assert raw.isnan().sum() == 1 and raw.isinf().sum() == 2
 
 
+# Wan 2.1's resnets whose identity shortcut reads an upsampler's time-major result (832x480: the decoder's third and
+# fourth up blocks' first resnets, 4 frames), and odd ones (planes of no multiple of 8: the tiled kernel)
+TIME_MAJOR_SHAPES = [(1, 192, 4, 240, 416), (1, 96, 4, 480, 832), (2, 24, 3, 5, 7), (1, 40, 2, 3, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("shape", DECODER_SHAPES + ODD_SHAPES, ids=str)
+@pytest.mark.parametrize("shape,layout", [(s, "contiguous") for s in DECODER_SHAPES + ODD_SHAPES]
+                         + [(s, "time-major") for s in TIME_MAJOR_SHAPES], ids=str)
 @torch.no_grad()
-def test_kernel_equals_the_bias_add_then_the_residual_add(shape, dtype):
+def test_kernel_equals_the_bias_add_then_the_residual_add(shape, layout, dtype):
     """csrc/conv_bias.cu's bias_contiguous kResidual against eager's ops on the GPU (aten's ``raw + bias`` made
     contiguous, then ``+ residual``), bit for bit (`tensors_equal`: NaN included), both ways it launches (NVRTC, and
     the nvcc build's raw op where that loads), every element written (the output's blocks poisoned with NaN first);
     the inputs hold positions where rounding once (``raw + bias + residual`` in fp32) gives another word, so a kernel
-    that skipped the first rounding would fail. Then the op (its guard and first-call check) at the half dtypes."""
+    that skipped the first rounding would fail. Then the op (its guard and first-call check) at the half dtypes. A
+    time-major residual (Wan's): eager's sum contiguous all the same (the convolution's tensor the first operand)."""
     from test_nvrtc import both_ways
 
     nvcc = both_ways.__wrapped__()
     gen = torch.Generator().manual_seed(sum(shape))
     raw, bias, res = _inputs(shape, dtype, gen)
+    if layout == "time-major":
+        res = _time_major(res)
     h = (raw + bias.view(1, -1, *([1] * (raw.dim() - 2)))).contiguous()  # eager's conv output: aten's bias add
     ref = h + res  # the resnet's add
     if dtype is not torch.float32 and raw.numel() > 1000:

@@ -101,8 +101,7 @@ def _sites(model) -> dict[str, tuple]:
     channels-last site ran fast (that path adds the bias itself: the conv_bias site is its fallback's), and the
     residual blocks' conv_bias_residual sites: their add takes ``conv2``'s pending result from the second call of its
     signature on (a first call returns eager's tensor, checked; the add then runs as written, uncounted), which the
-    short calls here may not reach, and refuses a residual that is not contiguous (an identity shortcut after an
-    upsampler's time-major result; counted), as designed: `test_wan_norm_into_conv` runs calls where each is reached."""
+    short calls here may not reach: `test_wan_norm_into_conv` runs calls where each is reached."""
     rows = {r.site: (r.op, r.fast, r.fallback, dict(r.reasons)) for r in fp.report(model).sites}
     folded = {name.rsplit(":", 1)[0] for name, (op, fast, _, _) in rows.items() if op == "causal_conv3d_cl" and fast}
     return {name: row for name, row in rows.items() if row[0] != "conv_bias_residual"

@@ -34,7 +34,6 @@ crms = importlib.import_module("diffusers_fastpath.ops.channel_rmsnorm_silu")
 
 from test_vae_wan import _build, _decode, _encode, _latents, _video, _every_site_fast, KINDS  # noqa: E402
 
-RESIDUAL_LAYOUT = "residual not contiguous"  # (conv_bias_residual's guard)
 
 
 def _into_calls(block: type) -> list[tuple[str, tuple[str, ...]]]:
@@ -234,12 +233,10 @@ def test_the_resnets_add_their_convolutions_pending_result(kind, emulated_kernel
     rows = {r.site: r for r in fp.report(vae).sites}
     residual = {name: r for name, r in rows.items() if r.op == "conv_bias_residual"}
     resnets = [m for m in vae.modules() if type(m).__name__.endswith("ResidualBlock")]
-    # every resnet's add reached: fast, or (an identity shortcut of an upsampler's time-major result) refused for
-    # the residual's layout, the add as written on the settled value
-    assert len(residual) == len(resnets) and all(r.fast + r.fallback > 0 for r in residual.values()), residual
-    assert sum(r.fast for r in residual.values()) > len(residual) // 2
-    assert all(set(dict(r.reasons)) <= {RESIDUAL_LAYOUT} for r in residual.values())
-    assert all(r.fallback == 0 for r in rows.values() if r.op != "conv_bias_residual")
+    # every resnet's add reached and fast (an identity shortcut of an upsampler's time-major result too: the kernel
+    # reads either layout)
+    assert len(residual) == len(resnets) and all(r.fast > 0 for r in residual.values()), residual
+    assert all(r.fallback == 0 for r in rows.values())
     pending = [args for args, _ in added if type(args[1]) is causal_conv_cl.PendingBias]
     assert len(pending) == sum(r.fast + r.fallback for r in residual.values())
 
@@ -559,7 +556,7 @@ def test_full_channel_vae_decodes_and_encodes_exactly_with_every_join(kind):
     """Wan's and Qwen-Image's VAE at their published channels (base 96) on a small video, on the GPU: decode (four
     latent frames) and encode (nine frames) patched == unpatched, bit for bit, with the pairs written into their
     convolutions' buffers, the caches cloned as words and the resnets' adds taking ``conv2``'s pending result (every
-    residual site reached, most fast, refused only for a time-major residual)."""
+    residual site reached and fast, a time-major residual's too)."""
     vae = _build(kind, base_dim=96).cuda()
     z = _latents(vae, frames=4, size=8).cuda()
     x = _video(vae, frames=9, size=8).cuda()
@@ -571,10 +568,8 @@ def test_full_channel_vae_decodes_and_encodes_exactly_with_every_join(kind):
             assert torch.equal(_encode(vae, x), ref_enc)
         rows = {r.site: r for r in fp.report(vae).sites}
         residual = [r for r in rows.values() if r.op == "conv_bias_residual"]
-        assert residual and all(r.fast + r.fallback > 0 for r in residual), str(fp.report(vae, verbose=True))
-        assert sum(r.fast > 0 for r in residual) > len(residual) // 2, str(fp.report(vae, verbose=True))
-        assert all(r.fallback == 0 or set(dict(r.reasons)) <= {RESIDUAL_LAYOUT} for r in rows.values()), str(
-            fp.report(vae, verbose=True))
+        assert residual and all(r.fast > 0 for r in residual), str(fp.report(vae, verbose=True))
+        assert all(r.fallback == 0 for r in rows.values()), str(fp.report(vae, verbose=True))
         assert any(r.op == "channel_rmsnorm_silu" and r.fast for r in rows.values())
     finally:
         fp.unpatch(vae)

@@ -92,7 +92,8 @@ def _bias_launchers(raw: torch.Tensor, bias: torch.Tensor):
     assert conv_bias.wide_fits(raw, outs["wide"], None, c, spatial), "the wide kernel does not take this shape"
 
     def args(out):
-        return (out.data_ptr(), raw.data_ptr(), bias.data_ptr(), 0, batch, spatial, c, pad._nvrtc.DTYPE_CODE[raw.dtype])
+        return (out.data_ptr(), raw.data_ptr(), bias.data_ptr(), 0, batch, spatial, c, 0,
+                pad._nvrtc.DTYPE_CODE[raw.dtype])
 
     key = (raw.dtype, False)
     tiled_grid = ((spatial + conv_bias._TILE - 1) // conv_bias._TILE, min((c + conv_bias._TILE - 1) // conv_bias._TILE,

@@ -154,7 +154,8 @@ _cuda_op = LazyLauncher(_nvrtc_kernel, "_conv_bias_cuda_")
 # its kResidual variant adds a contiguous residual to the rounded sum (`diffusers_fastpath.ops.conv_bias_residual`); and
 # bias_contiguous_wide_kernel, the same values in 16-byte vectors both ways, where `wide_fits`
 _CONTIGUOUS_ARGS = _nvrtc.Params("BiasContiguousArgs", ("out", "P"), ("x", "P"), ("bias", "P"), ("residual", "P"),
-                                 ("batch", "q"), ("spatial", "q"), ("channels", "q"), ("dtype", "i"))
+                                 ("batch", "q"), ("spatial", "q"), ("channels", "q"), ("residual_plane", "q"),
+                                 ("dtype", "i"))
 _NVRTC_CONTIGUOUS = _nvrtc.Kernel("conv_bias.cu", "diffusers_fastpath::bias_contiguous_kernel",
                                   {(dtype, residual): f"{_nvrtc.STORAGE_TYPE[dtype]}, {str(residual).lower()}"
                                    for dtype in FLOAT_DTYPES for residual in (False, True)},
@@ -167,11 +168,22 @@ _TILE, _TILE_ROWS = 32, 8
 _WIDE_POSITIONS, _WIDE_CHANNELS, _WIDE_THREADS = 64, 32, 128  # the wide kernel's tile and block (kWide* in the .cu)
 
 
+def residual_plane(residual: torch.Tensor) -> int | None:
+    """csrc/fastpath.h's BiasContiguousArgs::residual_plane of a residual the kernels take: 0 contiguous, H * W
+    time-major (a 5-D ``[B, C, T, H, W]`` laid out as ``[B, T, C, H, W]``: Wan's upsamplers' outputs), else None."""
+    if residual.is_contiguous():
+        return 0
+    if residual.dim() == 5 and residual.permute(0, 2, 1, 3, 4).is_contiguous():
+        return residual.shape[3] * residual.shape[4]
+    return None
+
+
 def wide_fits(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, channels: int, spatial: int) -> bool:
     """csrc/conv_bias.cu's wide_fits, for 16-bit values: whole 16-byte vectors of x, the residual and out at every
-    position and channel."""
+    position and channel (a time-major residual's inside one frame's plane)."""
     return (x.dtype in HALF_DTYPES and channels % 8 == 0 and spatial % 8 == 0
-            and all(t.data_ptr() % 16 == 0 for t in (x, out) + (() if residual is None else (residual,))))
+            and all(t.data_ptr() % 16 == 0 for t in (x, out) + (() if residual is None else (residual,)))
+            and (residual is None or residual_plane(residual) % 8 == 0))
 
 
 def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,7 +200,7 @@ def _nvrtc_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
                 min(batch, _MAX_ROW_BLOCKS))
         kernel.launch(x.device.index, key, grid, block, out.data_ptr(), x.data_ptr(), bias.data_ptr(),
                       0 if residual is None else residual.data_ptr(), batch, spatial, channels,
-                      _nvrtc.DTYPE_CODE[x.dtype])
+                      0 if residual is None else residual_plane(residual), _nvrtc.DTYPE_CODE[x.dtype])
     return out
 
 
@@ -203,10 +215,11 @@ def _raw_contiguous_guard(x, bias):
 
 
 def _raw_residual_guard(x, bias, residual):
-    # bindings.cpp's checks: x and bias as above; residual a contiguous tensor of x's sizes, dtype and device
+    # bindings.cpp's checks: x and bias as above; residual a contiguous or time-major tensor of x's sizes, dtype and
+    # device
     reason = _raw_contiguous_guard(x, bias)
     if reason is None and (residual.device != x.device or residual.shape != x.shape or residual.dtype != x.dtype
-                           or not residual.is_contiguous()):
+                           or residual_plane(residual) is None):
         reason = "residual"
     return reason
 
@@ -298,7 +311,8 @@ def bias_contiguous(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def bias_residual_contiguous(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`bias_contiguous`'s tensor plus ``residual`` (contiguous, x's shape and dtype), as a new contiguous tensor:
+    """`bias_contiguous`'s tensor plus ``residual`` (x's shape and dtype, contiguous or time-major: `residual_plane`),
+    as a new contiguous tensor:
     aten's ``x.add_(bias)``, ``.contiguous()`` and ``+ residual``, each rounded as eager rounds it, in one pass (for
     inputs `_raw_residual_guard` admits)."""
     return _residual_op(x, bias, residual)

@@ -35,7 +35,10 @@ What the guard admits (anything else: the caller settles the value and runs the 
 block's site with the reason): a `PendingBias` whose ``raw`` is a bf16/fp16 ``[B, C, T, H, W]`` (or 4-D) laid out
 channels-last and whose ``bias`` is a contiguous ``[C]`` of its dtype; a residual that is a plain ``torch.Tensor``
 (a subclass's ``__add__`` is its own) of raw's dtype (eager would promote another), shape (eager would broadcast
-another) and device, contiguous (eager's result then is: this op writes a contiguous tensor); no autograd, on CUDA.
+another) and device, contiguous, or time-major (``[B, C, T, H, W]`` laid out as ``[B, T, C, H, W]``: a Wan resnet's
+identity shortcut right after an upsampler, whose result is time-major) where the convolution's value is the add's
+first operand (`add_pending`: eager's sum is contiguous in both cases, as this op writes it; a time-major first operand
+lays it out time-major); no autograd, on CUDA.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 
 from ._policy import HALF_DTYPES, FusedOp, Site, autograd_device_reason
 from .causal_conv_cl import PendingBias, settled
-from .conv_bias import bias_residual_contiguous
+from .conv_bias import bias_residual_contiguous, residual_plane
 
 
 def conv_bias_residual_ref(x: PendingBias, residual: torch.Tensor) -> torch.Tensor:
@@ -71,15 +74,16 @@ def _guard(x, residual, check_pointers: bool = True) -> str | None:
         return "mixed dtypes"
     if residual.shape != raw.shape:
         return "residual's shape (broadcast)"
-    if not residual.is_contiguous():
+    if residual_plane(residual) is None:  # (contiguous, or time-major: the kernel reads either)
         return "residual not contiguous"
     return autograd_device_reason(raw, bias, residual)
 
 
 def _signature(x: PendingBias, residual: torch.Tensor):
-    """What one first-call check vouches for: the dtype, the dims and the channels (the tiles' edges)."""
+    """What one first-call check vouches for: the dtype, the dims, the channels (the tiles' edges) and whether the
+    residual is time-major."""
     raw = x.raw
-    return str(raw.dtype).removeprefix("torch."), raw.dim(), raw.shape[1]
+    return str(raw.dtype).removeprefix("torch."), raw.dim(), raw.shape[1], bool(residual_plane(residual))
 
 
 def _kernel(x: PendingBias, residual: torch.Tensor) -> torch.Tensor:
@@ -102,7 +106,9 @@ def add_pending(site: Site | None, left, right):
         x, residual = right, left
     else:
         return settled(left) + settled(right)
-    if site is not None:
+    # (the op's tensor is contiguous: eager's sum is too where the convolution's contiguous tensor is the first operand
+    # or both are; a time-major residual first lays eager's sum out time-major, TensorIterator's order)
+    if site is not None and (x is left or type(residual) is not torch.Tensor or residual.is_contiguous()):
         out = CONV_BIAS_RESIDUAL.try_fast(site, x, residual)
         if out is not None:
             return out
