@@ -65,11 +65,22 @@ def _nvrtc_or_none():
         return None
 
 
+def _nvdisasm() -> str | None:
+    """nvdisasm, which cuobjdump -sass runs (a toolkit's, or the nvidia-cuda-nvdisasm wheel's beside cuobjdump's)."""
+    found = shutil.which("nvdisasm")
+    for candidate in [CUDA_HOME / "bin" / "nvdisasm", *(d.parent / "bin" / "nvdisasm" for d in _nvrtc._wheel_dirs("lib"))]:
+        if found is None and candidate.exists():
+            found = str(candidate)
+    return found
+
+
 CUOBJDUMP = _cuobjdump()
+NVDISASM = _nvdisasm()
 NVRTC_VERSION = _nvrtc_or_none()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
 needs_nvrtc = pytest.mark.skipif(NVRTC_VERSION is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")
 needs_cuobjdump = pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="no nvdisasm (pip install nvidia-cuda-nvdisasm)")
 SOURCES = sorted({k.source for k in _nvrtc.KERNELS})
 
 
@@ -238,8 +249,10 @@ WHOLE_VECTOR_STORES = {
 
 
 def _global_stores(cubin: Path) -> dict[str, set[str]]:
-    """Each kernel's global store opcodes (``STG.E``, ``STG.E.128``, ...) from cuobjdump -sass."""
-    out = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    """Each kernel's global store opcodes (``STG.E``, ``STG.E.128``, ...) from cuobjdump -sass (which runs nvdisasm:
+    NVDISASM_PATH names the one found)."""
+    env = {**os.environ, "NVDISASM_PATH": str(Path(NVDISASM).parent)}
+    out = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
     stores: dict[str, set[str]] = {}
     name = None
     for line in out.splitlines():
@@ -255,6 +268,7 @@ def _global_stores(cubin: Path) -> dict[str, set[str]]:
 @needs_nvcc
 @needs_nvrtc
 @needs_cuobjdump
+@needs_nvdisasm
 @pytest.mark.parametrize("source", sorted(WHOLE_VECTOR_STORES))
 def test_vector_kernels_store_whole_16_byte_vectors(source, cubins):
     for cubin in (c[source] for c in cubins):
