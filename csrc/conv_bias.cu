@@ -80,9 +80,6 @@ __global__ void __launch_bounds__(kThreads) conv_bias_kernel(const ConvBiasArgs 
   }
 }
 
-// grid (ceil(spatial / kTile), min(ceil(channels / kTile), kMaxRowBlocks), min(batch, kMaxRowBlocks)), block (kTile,
-// kTileRows); the channel tiles in turn over grid.y and the samples over grid.z, each with a grid stride (grid.y and
-// grid.z are at most 65535: more than 2M channels take several tiles per block).
 // The residual's element (n, c, s): contiguous, or time-major (a.residual_plane positions a frame, the channels
 // outside them: [B, T, C, H * W])
 __device__ __forceinline__ int64_t residual_index(const BiasContiguousArgs& a, int64_t n, int64_t c, int64_t s) {
@@ -91,6 +88,9 @@ __device__ __forceinline__ int64_t residual_index(const BiasContiguousArgs& a, i
   return ((n * (a.spatial / a.residual_plane) + t) * a.channels + c) * a.residual_plane + (s - t * a.residual_plane);
 }
 
+// grid (ceil(spatial / kTile), min(ceil(channels / kTile), kMaxRowBlocks), min(batch, kMaxRowBlocks)), block (kTile,
+// kTileRows); the channel tiles in turn over grid.y and the samples over grid.z, each with a grid stride (grid.y and
+// grid.z are at most 65535: more than 2M channels take several tiles per block).
 template <typename T, bool kResidual>
 __global__ void __launch_bounds__(kTile * kTileRows) bias_contiguous_kernel(const BiasContiguousArgs a) {
   constexpr int kSteps = kTile / kTileRows;  // the positions' rows a thread writes (transpose_tile's steps)

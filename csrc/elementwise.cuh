@@ -227,13 +227,18 @@ __device__ __forceinline__ unsigned int bits_of(float v) { return __float_as_uin
 __device__ __forceinline__ void store_words(void* dst, const uint4& w) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w) : "memory");
 }
+// The 4-byte word of a Pack's values k and k + 1 (16-bit values; the first in the low half, as memory holds them)
+template <typename T>
+__device__ __forceinline__ unsigned pair_word(const Pack<T>& p, int k) {
+  return static_cast<unsigned>(bits_of(p.v[k])) | (static_cast<unsigned>(bits_of(p.v[k + 1])) << 16);
+}
 template <typename T>
 __device__ __forceinline__ void store_pack(T* dst, const Pack<T>& p) {
   unsigned w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     if constexpr (sizeof(T) == 2) {
-      w[k] = static_cast<unsigned>(bits_of(p.v[2 * k])) | (static_cast<unsigned>(bits_of(p.v[2 * k + 1])) << 16);
+      w[k] = pair_word(p, 2 * k);
     } else {
       w[k] = bits_of(p.v[k]);
     }
@@ -309,13 +314,10 @@ __device__ __forceinline__ void transpose_tile_wide(unsigned base, Load load, Co
     const int i = threadIdx.x + kThreads * j;
     const P p = convert(j, v[j]);
     const unsigned row = base + 2u * static_cast<unsigned>((i / (kCols / 8)) * kStride + 8 * (i % (kCols / 8)));
-    const auto word = [&](int k) {
-      return static_cast<unsigned>(bits_of(p.v[k])) | (static_cast<unsigned>(bits_of(p.v[k + 1])) << 16);
-    };
-    shared_store_at<0>(row, word(0));
-    shared_store_at<4>(row, word(2));
-    shared_store_at<8>(row, word(4));
-    shared_store_at<12>(row, word(6));
+    shared_store_at<0>(row, pair_word(p, 0));
+    shared_store_at<4>(row, pair_word(p, 2));
+    shared_store_at<8>(row, pair_word(p, 4));
+    shared_store_at<12>(row, pair_word(p, 6));
   }
   __syncthreads();
 #pragma unroll

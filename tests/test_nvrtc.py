@@ -49,9 +49,10 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
 NVCC = str(CUDA_HOME / "bin" / "nvcc") if (CUDA_HOME / "bin" / "nvcc").exists() else shutil.which("nvcc")
 
 
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    for candidate in [CUDA_HOME / "bin" / "cuobjdump", *(d.parent / "bin" / "cuobjdump" for d in _nvrtc._wheel_dirs("lib"))]:
+def _cuda_tool(name: str) -> str | None:
+    """A CUDA binary tool: on PATH, a toolkit's, or a wheel's (nvidia-cuda-<name>, beside the libraries' wheels)."""
+    found = shutil.which(name)
+    for candidate in [CUDA_HOME / "bin" / name, *(d.parent / "bin" / name for d in _nvrtc._wheel_dirs("lib"))]:
         if found is None and candidate.exists():
             found = str(candidate)
     return found
@@ -65,17 +66,8 @@ def _nvrtc_or_none():
         return None
 
 
-def _nvdisasm() -> str | None:
-    """nvdisasm, which cuobjdump -sass runs (a toolkit's, or the nvidia-cuda-nvdisasm wheel's beside cuobjdump's)."""
-    found = shutil.which("nvdisasm")
-    for candidate in [CUDA_HOME / "bin" / "nvdisasm", *(d.parent / "bin" / "nvdisasm" for d in _nvrtc._wheel_dirs("lib"))]:
-        if found is None and candidate.exists():
-            found = str(candidate)
-    return found
-
-
-CUOBJDUMP = _cuobjdump()
-NVDISASM = _nvdisasm()
+CUOBJDUMP = _cuda_tool("cuobjdump")
+NVDISASM = _cuda_tool("nvdisasm")  # (which cuobjdump -sass runs)
 NVRTC_VERSION = _nvrtc_or_none()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc")
 needs_nvrtc = pytest.mark.skipif(NVRTC_VERSION is None, reason="no libnvrtc (pip install nvidia-cuda-nvrtc)")

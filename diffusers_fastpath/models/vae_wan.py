@@ -26,9 +26,9 @@ through exact pieces and the pair rewrite of `diffusers_fastpath.models.vae`.
   and the add ``<ns>.pending_add(self, V, E)``: where the convolution is a causal convolution patched here with
   nothing else in its module call (no hooks, its class's forward), its channels-last path leaves the bias pending
   (`causal_conv_cl.pending_result`, from the second call of its signature on) and the add runs
-  `diffusers_fastpath.ops.conv_bias_residual` (the bias, the transpose back and the add in one pass; a residual
-  that is not contiguous, an identity shortcut after an upsampler's time-major result, is refused there: the
-  settled value and the add as written); anything else, the module's call and the add as written.
+  `diffusers_fastpath.ops.conv_bias_residual` (the bias, the transpose back and the add in one pass; the residual
+  contiguous, or time-major: an identity shortcut after an upsampler's result); anything else, the module's call and
+  the add as written.
 - The causal convolutions (``WanCausalConv3d``, ``QwenImageCausalConv3d``): `FastpathWanCausalConv3d` /
   `FastpathQwenImageCausalConv3d`, whose forward is `diffusers_fastpath.ops.causal_conv3d`: the cache frames and the
   zero padding written around x in one buffer instead of a concatenation, a fill and a copy (values moved, never
